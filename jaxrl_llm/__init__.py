@@ -1,0 +1,31 @@
+"""jaxrl_llm: pure-JAX reinforcement-learning post-training for LLMs.
+
+The public facade lives in `jaxrl_llm.api`; names are resolved lazily so that importing the package
+is cheap and one subpackage's import cost is paid only when it is used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# facade name -> module that defines it
+_FACADE = {
+    "load_model": "jaxrl_llm.api",
+    "load_tokenizer": "jaxrl_llm.api",
+    "export_hf": "jaxrl_llm.api",
+    "Model": "jaxrl_llm.api",
+    "generate": "jaxrl_llm.api",
+    "SamplingParams": "jaxrl_llm.api",
+    "Trainer": "jaxrl_llm.api",
+}
+
+__all__ = sorted(_FACADE) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _FACADE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxrl_llm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

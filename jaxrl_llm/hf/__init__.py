@@ -1,0 +1,1 @@
+"""Hugging Face bridge: HF folder (safetensors) and GGUF import, HF export, tokenizer loading."""

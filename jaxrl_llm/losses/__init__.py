@@ -1,0 +1,1 @@
+"""RL mathematics: logprobs, KL, policy/value/entropy losses, aggregation, advantages, rollout correction."""

@@ -1,0 +1,1 @@
+"""Rewards: rule-based scorers, custom reward functions, reward managers, reward model."""

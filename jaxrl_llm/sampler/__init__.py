@@ -1,0 +1,1 @@
+"""Jitted prefill + KV-cache decode on the policy's own (sharded) parameters."""

