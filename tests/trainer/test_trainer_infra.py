@@ -1,0 +1,103 @@
+"""Optimizer schedule, checkpoint store and metric sinks of the trainer."""
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import ml_collections
+import pytest
+
+from jaxrl_llm.trainer import checkpoint as ckpt
+from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
+from jaxrl_llm.trainer.tracking import Tracking
+
+
+def _optim(**kw):
+    base = dict(lr=1e-3, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, warmup_style="constant",
+                min_lr_ratio=0.0, num_cycles=0.5, weight_decay=0.01, betas=[0.9, 0.999])
+    base.update(kw)
+    return ml_collections.ConfigDict(base)
+
+
+def test_constant_schedule_with_warmup_matches_verl():
+    sched = make_lr_schedule(_optim(lr_warmup_steps=4), total_steps=20)
+    got = [float(sched(s)) for s in range(8)]
+    want = [1e-3 * min(1.0, s / 4) for s in range(8)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_cosine_schedule_matches_verl_formula():
+    cfg = _optim(warmup_style="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, num_cycles=0.5)
+    total, warm = 50, 5
+    sched = make_lr_schedule(cfg, total_steps=total)
+    for s in range(total):
+        if s < warm:
+            want = s / warm
+        else:
+            progress = (s - warm) / (total - warm)
+            x = math.cos(math.pi * 0.5 * 2.0 * progress)
+            want = max(0.1, x * 0.9 * 0.5 + 1.1 * 0.5)
+        assert float(sched(s)) == pytest.approx(1e-3 * want, rel=1e-5), s
+
+
+def test_unknown_schedule_names_key():
+    with pytest.raises(ValueError, match="warmup_style"):
+        make_lr_schedule(_optim(warmup_style="linear"), 10)
+
+
+def test_optimizer_clips_then_applies_adamw():
+    tx, _ = make_optimizer(_optim(lr=0.1, weight_decay=0.0), 10, grad_clip=1.0)
+    params = {"w": jnp.ones(4)}
+    state = tx.init(params)
+    updates, _ = tx.update({"w": jnp.full(4, 100.0)}, state, params)
+    # First Adam step moves each coordinate by ~lr regardless of the gradient scale.
+    np.testing.assert_allclose(np.asarray(updates["w"]), -0.1 * np.ones(4), rtol=1e-4)
+
+
+def test_checkpoint_roundtrip_sharded_and_bytes(tmp_path):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    state = {"params": {"w": jax.device_put(jnp.arange(16.0), sharding)}, "step": jnp.int32(3)}
+    store = ckpt.CheckpointStore(str(tmp_path / "checkpoints"), max_to_keep=2)
+    for step in (1, 2, 3):
+        store.save(step, state, {"pos": step, "blob": b"\x00\x01"}, {"kl_coef": 0.5, "step": step})
+    store.wait()
+    assert store.all_steps() == [2, 3]
+    restored, data, meta = store.restore(3, ckpt.abstract_like(state))
+    store.close()
+    np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.arange(16.0))
+    assert restored["params"]["w"].sharding == sharding
+    assert data == {"pos": 3, "blob": b"\x00\x01"}
+    assert meta["kl_coef"] == 0.5
+
+
+def test_resolve_resume_modes(tmp_path):
+    run = tmp_path / "run"
+    assert ckpt.resolve_resume("auto", str(run), None) is None
+    assert ckpt.resolve_resume("disable", str(run), None) is None
+    store = ckpt.CheckpointStore(str(run / "checkpoints"), async_save=False)
+    store.save(7, {"x": jnp.ones(2)}, {}, {})
+    store.close()
+    assert ckpt.resolve_resume("auto", str(run), None) == (str(run / "checkpoints"), 7)
+    assert ckpt.resolve_resume("resume_path", "", str(run / "checkpoints" / "7")) == (
+        str(run / "checkpoints"), 7)
+    with pytest.raises(ValueError, match="resume_mode"):
+        ckpt.resolve_resume("sometimes", str(run), None)
+    with pytest.raises(FileNotFoundError, match="resume_from_path"):
+        ckpt.resolve_resume("resume_path", str(run), str(tmp_path / "nope"))
+
+
+def test_tracking_jsonl_and_tensorboard(tmp_path, capsys):
+    tracker = Tracking(["console", "jsonl", "tensorboard"], str(tmp_path), config={"a": 1})
+    tracker.log({"actor/pg_loss": np.float32(0.25), "timing_s/gen": 1.5, "text": "skip"}, step=1)
+    tracker.log_generations("val/generations", [{"input": "q", "output": "a", "score": 1.0}], step=1)
+    tracker.close()
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert lines[0] == {"step": 1, "actor/pg_loss": 0.25, "timing_s/gen": 1.5}
+    assert lines[1]["val/generations"][0]["score"] == 1.0
+    assert os.listdir(tmp_path / "tensorboard")
+    assert "actor/pg_loss:0.2500" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="trainer.logger"):
+        Tracking(["stdout"], str(tmp_path))
