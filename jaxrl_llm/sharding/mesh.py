@@ -1,0 +1,93 @@
+"""The device mesh: axes ('data', 'fsdp', 'tensor') with sizes from the config's `mesh` section.
+
+`data` replicates parameters and splits the batch, `fsdp` splits both the batch and the parameters
+(ZeRO-3 style: weights are all-gathered per use), `tensor` splits heads / MLP / vocab (Megatron
+style). At most one size may be -1, meaning "all remaining devices".
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+# The batch dimension is split over these axes (data parallel x fully-sharded data parallel).
+BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "tensor": 1}
+
+
+def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
+    """Reads a dict / ml_collections.ConfigDict / None into {key: value} (defaults filled in)."""
+    if mesh_cfg is None:
+        return dict(DEFAULT_MESH_SIZES)
+    if hasattr(mesh_cfg, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
+        mesh_cfg = mesh_cfg.to_dict()
+    if not isinstance(mesh_cfg, Mapping):
+        raise ValueError(f"mesh: expected a mapping with keys {MESH_AXES}, got {type(mesh_cfg).__name__}")
+    unknown = sorted(set(mesh_cfg) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh.{unknown[0]}: unknown mesh axis (known: {', '.join(MESH_AXES)})")
+    items = dict(DEFAULT_MESH_SIZES)
+    items.update(mesh_cfg)
+    return items
+
+
+def resolve_mesh_shape(mesh_cfg: Mapping[str, Any] | Any | None, num_devices: int) -> dict[str, int]:
+    """Returns {'data': d, 'fsdp': f, 'tensor': t} with -1 resolved; ValueError naming the bad key."""
+    items = _mesh_items(mesh_cfg)
+    sizes: dict[str, int] = {}
+    for key in MESH_AXES:
+        value = items[key]
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            raise ValueError(f"mesh.{key}={value!r}: must be a positive int or -1 (= the remaining devices)")
+        sizes[key] = value
+    wildcards = [k for k in MESH_AXES if sizes[k] == -1]
+    if len(wildcards) > 1:
+        raise ValueError(
+            f"mesh.{wildcards[1]}=-1: only one mesh axis may be -1 (also mesh.{wildcards[0]}=-1)")
+    for key in MESH_AXES:  # name the first key that cannot fit on its own
+        if sizes[key] != -1 and num_devices % sizes[key]:
+            raise ValueError(f"mesh.{key}={sizes[key]} does not divide the {num_devices} available devices")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    described = " x ".join(f"mesh.{k}={sizes[k]}" for k in MESH_AXES if sizes[k] != -1)
+    if num_devices % fixed:
+        raise ValueError(f"{described} = {fixed} does not divide the {num_devices} available devices")
+    if wildcards:
+        sizes[wildcards[0]] = num_devices // fixed
+    return sizes
+
+
+def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the ('data', 'fsdp', 'tensor') mesh over `devices` (default: all global devices).
+
+    `mesh_cfg` is the config's `mesh` section (dict or ConfigDict; missing keys default to
+    data=1, fsdp=-1, tensor=1). When the sizes multiply to fewer devices than available (no -1),
+    the mesh uses the first ones, so `{'data': 1, 'fsdp': 1, 'tensor': 1}` is a 1-device mesh.
+    Axes are `Auto`: shardings propagate through jit from the inputs and constraints.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_mesh_shape(mesh_cfg, len(devices))
+    shape = tuple(sizes[k] for k in MESH_AXES)
+    if math.prod(shape) < len(devices):
+        logger.warning("mesh %s uses %d of %d devices", sizes, math.prod(shape), len(devices))
+    # jax.make_mesh orders devices for the physical topology (rings on TPU, NVLink islands on GPU).
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def mesh_axis_sizes(mesh: Mesh | Any) -> dict[str, int]:
+    """{axis name: size} for a concrete `Mesh` or an `AbstractMesh`."""
+    return dict(mesh.shape)
+
+
+def batch_axis_size(mesh: Mesh | Any) -> int:
+    """How many ways the batch dimension is split (data x fsdp)."""
+    sizes = mesh_axis_sizes(mesh)
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
