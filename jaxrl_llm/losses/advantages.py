@@ -1,0 +1,231 @@
+"""Advantage estimators registered under veRL's `algorithm.adv_estimator` names.
+
+Every estimator maps `(token_level_rewards [B,T], response_mask [B,T])` plus its extras to
+`(advantages [B,T], returns [B,T])`, in the exact form of ALGORITHMS.md. Groups are
+`group_ids: int32[B]` (interleaved, any size, singletons allowed) and are reduced with segment
+sums over dense indices, so everything is jittable with no host sync or Python loop over groups.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.losses.masked import (
+    dense_group_index,
+    group_count,
+    group_sum,
+    is_concrete,
+    masked_sum,
+    masked_whiten,
+)
+from jaxrl_llm.losses.registry import Registry
+
+Array = jax.Array
+ADV_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
+register_adv_est = ADV_ESTIMATORS.register
+
+# Estimators that need `group_ids`, `values` or `reward_baselines`.
+_NEEDS_GROUPS = {"grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo",
+                 "reinforce_plus_plus_baseline", "gpg"}
+
+
+def compute_advantage(
+    name: str,
+    token_level_rewards: Array,
+    response_mask: Array,
+    *,
+    group_ids: Array | None = None,
+    values: Array | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_baselines: Array | None = None,
+) -> tuple[Array, Array]:
+    """Dispatch to the estimator registered as `name` (veRL's `algorithm.adv_estimator`)."""
+    fn = ADV_ESTIMATORS.get(name)
+    if name in _NEEDS_GROUPS and group_ids is None:
+        raise ValueError(f"advantage estimator {name!r} needs group_ids (one int32 id per sample)")
+    if name == "gae" and values is None:
+        raise ValueError("advantage estimator 'gae' needs values [B, T] from the critic")
+    if name == "remax" and reward_baselines is None:
+        raise ValueError("advantage estimator 'remax' needs reward_baselines [B] (greedy rollout scores)")
+    rewards = jnp.asarray(token_level_rewards, jnp.float32)
+    mask = jnp.asarray(response_mask, jnp.float32)
+    if rewards.shape != mask.shape or rewards.ndim != 2:
+        raise ValueError(f"token_level_rewards {rewards.shape} and response_mask {mask.shape} must both be [B, T]")
+    return fn(rewards, mask, group_ids=group_ids, values=values, gamma=gamma, lam=lam, epsilon=epsilon,
+              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, reward_baselines=reward_baselines)
+
+
+def _group_mean_std(scores: Array, seg: Array) -> tuple[Array, Array, Array]:
+    """Per-row group mean and unbiased std (two-pass, like torch.std), and group size n."""
+    n = group_count(seg)
+    mean = group_sum(scores, seg) / n
+    var = group_sum((scores - mean) ** 2, seg) / jnp.maximum(n - 1, 1)
+    return mean, jnp.sqrt(var), n
+
+
+def _outcome(scalar: Array, mask: Array) -> tuple[Array, Array]:
+    adv = scalar[:, None] * mask
+    return adv, adv
+
+
+@register_adv_est("gae")
+def gae(rewards, mask, *, values, gamma, lam, **_):
+    """GAE; masked positions carry `nextvalue` and `lastgaelam` through unchanged (holes bridged)."""
+    values = jnp.asarray(values, jnp.float32)
+
+    def step(carry, xs):
+        nextvalue, lastgaelam = carry
+        r, v, m = xs
+        valid = m > 0
+        delta = r + gamma * nextvalue - v
+        gaelam = delta + gamma * lam * lastgaelam
+        nextvalue = jnp.where(valid, v, nextvalue)
+        lastgaelam = jnp.where(valid, gaelam, lastgaelam)
+        return (nextvalue, lastgaelam), lastgaelam
+
+    zeros = jnp.zeros(rewards.shape[0], jnp.float32)
+    _, adv_t = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+    raw_adv = adv_t.T
+    returns = raw_adv + values
+    return masked_whiten(raw_adv, mask), returns
+
+
+@register_adv_est("grpo")
+def grpo(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
+    """(s - mean) / (std + eps) per group (Bessel std); Dr.GRPO `s - mean`; singleton mean 0 std 1."""
+    scores = rewards.sum(-1)
+    mean, std, n = _group_mean_std(scores, dense_group_index(group_ids))
+    single = n <= 1
+    mean = jnp.where(single, 0.0, mean)
+    std = jnp.where(single, 1.0, std)
+    scalar = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
+    return _outcome(scalar, mask)
+
+
+@register_adv_est("grpo_vectorized")
+def grpo_vectorized(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
+    """As grpo with one-pass variance (sum s^2 - (sum s)^2/n)/max(n-1,1) floored at eps."""
+    scores = rewards.sum(-1)
+    seg = dense_group_index(group_ids)
+    n = group_count(seg)
+    s1 = group_sum(scores, seg)
+    s2 = group_sum(scores * scores, seg)
+    mean = s1 / n
+    var = (s2 - s1 * s1 / n) / jnp.maximum(n - 1, 1)
+    std = jnp.sqrt(jnp.maximum(var, epsilon))
+    single = n <= 1
+    mean = jnp.where(single, 0.0, mean)
+    std = jnp.where(single, 1.0, std)
+    scalar = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
+    return _outcome(scalar, mask)
+
+
+@register_adv_est("grpo_passk")
+def grpo_passk(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
+    """Only each group's best response (first on ties) gets r1 - r2 (/ (std + eps) if norm)."""
+    scores = rewards.sum(-1)
+    b = scores.shape[0]
+    seg = dense_group_index(group_ids)
+    _, std, n = _group_mean_std(scores, seg)
+    if is_concrete(n) and bool(jnp.any(n < 2)):
+        raise ValueError("grpo_passk needs at least 2 samples per group; got a group of size 1")
+    gmax = jax.ops.segment_max(scores, seg, num_segments=b)[seg]
+    rows = jnp.arange(b)
+    first_max = jax.ops.segment_min(jnp.where(scores == gmax, rows, b), seg, num_segments=b)[seg]
+    is_top = rows == first_max
+    second = jax.ops.segment_max(jnp.where(is_top, -jnp.inf, scores), seg, num_segments=b)[seg]
+    adv = gmax - second
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)
+    scalar = jnp.where(is_top, adv, 0.0)
+    scalar = jnp.where(n < 2, jnp.nan, scalar)  # under jit a singleton cannot raise: NaN marks it
+    return _outcome(scalar, mask)
+
+
+@register_adv_est("rloo")
+def rloo(rewards, mask, *, group_ids, **_):
+    """n/(n-1) * (s - mean); a singleton keeps its raw score."""
+    scores = rewards.sum(-1)
+    seg = dense_group_index(group_ids)
+    n = group_count(seg)
+    mean = group_sum(scores, seg) / n
+    scale = n / jnp.maximum(n - 1, 1)
+    scalar = jnp.where(n > 1, scores * scale - mean * scale, scores)
+    return _outcome(scalar, mask)
+
+
+@register_adv_est("rloo_vectorized")
+def rloo_vectorized(rewards, mask, *, group_ids, **_):
+    """(n*s - sum s) / max(n-1, 1): the score minus the mean of the others; 0 for a singleton."""
+    scores = rewards.sum(-1)
+    seg = dense_group_index(group_ids)
+    n = group_count(seg)
+    scalar = (n * scores - group_sum(scores, seg)) / jnp.maximum(n - 1, 1)
+    return _outcome(scalar, mask)
+
+
+@register_adv_est("opo")
+def opo(rewards, mask, *, group_ids, **_):
+    """Baseline = length-weighted group mean sum(len*s)/sum(len); singleton baseline 0."""
+    scores = rewards.sum(-1)
+    length = mask.sum(-1)
+    seg = dense_group_index(group_ids)
+    n = group_count(seg)
+    baseline = group_sum(length * scores, seg) / group_sum(length, seg)
+    scalar = scores - jnp.where(n > 1, baseline, 0.0)
+    return _outcome(scalar, mask)
+
+
+@register_adv_est("reinforce_plus_plus")
+def reinforce_plus_plus(rewards, mask, *, gamma, **_):
+    """Reverse discounted return, reset to 0 after each masked position; whitened * mask."""
+
+    def step(running, xs):
+        r, m = xs
+        running = r + gamma * running
+        return jnp.where(m > 0, running, 0.0), running
+
+    _, ret_t = jax.lax.scan(step, jnp.zeros(rewards.shape[0], jnp.float32), (rewards.T, mask.T), reverse=True)
+    returns = ret_t.T
+    return masked_whiten(returns, mask) * mask, returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(rewards, mask, *, group_ids, **_):
+    """s - group mean (singleton 0) tiled over tokens, whitened over all valid tokens, * mask."""
+    scores = rewards.sum(-1)
+    seg = dense_group_index(group_ids)
+    n = group_count(seg)
+    mean = jnp.where(n > 1, group_sum(scores, seg) / n, 0.0)
+    tiled = (scores - mean)[:, None] * mask
+    adv = masked_whiten(tiled, mask) * mask
+    return adv, adv
+
+
+@register_adv_est("remax")
+def remax(rewards, mask, *, reward_baselines, **_):
+    """returns = reverse cumsum(rewards * mask); advantages = returns - baseline * mask."""
+    masked = jnp.where(mask > 0, rewards, 0.0)
+    returns = jnp.flip(jnp.cumsum(jnp.flip(masked, -1), -1), -1)
+    adv = returns - jnp.asarray(reward_baselines, jnp.float32)[:, None] * mask
+    return adv, returns
+
+
+@register_adv_est("gpg")
+def gpg(rewards, mask, *, group_ids, **_):
+    """alpha * (s - group mean), alpha = B / max(#non-zero scores, 1), f_norm = 1, no std."""
+    scores = rewards.sum(-1)
+    b = scores.shape[0]
+    alpha = b / jnp.maximum(jnp.count_nonzero(scores), 1)
+    seg = dense_group_index(group_ids)
+    n = group_count(seg)
+    mean = jnp.where(n > 1, group_sum(scores, seg) / n, 0.0)
+    return _outcome(alpha * (scores - mean), mask)
+
+
+__all__ = ["ADV_ESTIMATORS", "compute_advantage", "register_adv_est", "masked_sum"]
