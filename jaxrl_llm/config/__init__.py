@@ -1,0 +1,35 @@
+"""The config tree (veRL-shaped ml_collections), its validation, derived values and aliases.
+
+    cfg = default_config()                     # every key with veRL's default
+    cfg = apply_overrides(cfg, ["actor_rollout_ref.rollout.n=8", "rloo_k=4"])
+    cfg = validate_config(cfg, dp_size=8)      # ConfigError naming the key, or a resolved copy
+    print(format_batch_summary(cfg, dp_size=8))
+
+Key docs: docs/config.md (generated from `jaxrl_llm/config/tree.py`).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from jaxrl_llm.config.derive import (BatchPlan, RoleBatch, batch_plan, format_batch_summary, resolve_total_steps,
+                                     synthetic_data_files)
+from jaxrl_llm.config.docs import render_config_docs
+from jaxrl_llm.config.overrides import (NAME_ALIASES, apply_overrides, canonical_key, normalize_config,
+                                        parse_value, split_config_flag_overrides)
+from jaxrl_llm.config.paths import smollm2_gguf_path
+from jaxrl_llm.config.schema import ConfigError, Field, build_config, iter_fields
+from jaxrl_llm.config.tree import TREE
+from jaxrl_llm.config.validate import mesh_dp_size, validate_config
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """A fresh ConfigDict with every key at its default (see docs/config.md)."""
+    return build_config(TREE)
+
+
+__all__ = [
+    "BatchPlan", "ConfigError", "Field", "NAME_ALIASES", "RoleBatch", "TREE", "apply_overrides", "batch_plan",
+    "canonical_key", "default_config", "format_batch_summary", "iter_fields", "mesh_dp_size", "normalize_config",
+    "parse_value", "render_config_docs", "resolve_total_steps", "smollm2_gguf_path",
+    "split_config_flag_overrides", "synthetic_data_files", "validate_config",
+]

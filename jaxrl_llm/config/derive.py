@@ -1,0 +1,198 @@
+"""Derived config values (veRL's `${oc.select:...}` interpolations and runtime fills) and the
+batch arithmetic every component shares.
+
+All functions take a normalized, type-checked ConfigDict and write the derived values in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+
+from jaxrl_llm.config.schema import ConfigError
+
+GROUP_ESTIMATORS = frozenset({
+    "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "reinforce_plus_plus_baseline",
+    "gpg",
+})
+
+
+def _fill(section: ml_collections.ConfigDict, key: str, value) -> None:
+    if section[key] is None:
+        section[key] = value
+
+
+def synthetic_data_files(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
+    """Where the trainer writes the synthetic task: <default_local_dir>/data/{train,val}.jsonl."""
+    root = os.path.join(cfg.trainer.default_local_dir, "data")
+    return os.path.join(root, "train.jsonl"), os.path.join(root, "val.jsonl")
+
+
+def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
+    """Fills every derived (None) value that does not depend on the dataset size."""
+    data, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
+    actor, rollout, ref, critic, rm = arr.actor, arr.rollout, arr.ref, cfg.critic, cfg.reward_model
+    trainer = cfg.trainer
+
+    _fill(trainer, "default_local_dir", os.path.join("checkpoints", trainer.project_name, trainer.experiment_name))
+    if data.synthetic.task is not None:
+        train, val = synthetic_data_files(cfg)
+        _fill(data, "train_files", train)
+        _fill(data, "val_files", val)
+    if data.tokenizer is None and arr.model.path is not None and not arr.model.path.startswith("tiny:"):
+        data.tokenizer = arr.model.path
+    _fill(data, "val_batch_size", data.train_batch_size)
+
+    if rollout.response_length is None:
+        rollout.response_length = data.max_response_length
+    elif rollout.response_length != data.max_response_length:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.response_length={rollout.response_length} differs from "
+            f"data.max_response_length={data.max_response_length}: set data.max_response_length only")
+
+    _fill(actor, "clip_ratio_low", actor.clip_ratio)
+    _fill(actor, "clip_ratio_high", actor.clip_ratio)
+    sequences_per_mini = actor.ppo_mini_batch_size * rollout.n
+    if actor.ppo_micro_batch_size_per_device is None and sequences_per_mini % dp_size == 0:
+        actor.ppo_micro_batch_size_per_device = sequences_per_mini // dp_size
+    for section in (ref, rollout):
+        _fill(section, "log_prob_micro_batch_size_per_device", actor.ppo_micro_batch_size_per_device)
+        _fill(section, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz)
+        _fill(section, "log_prob_max_token_len_per_device", actor.ppo_max_token_len_per_device)
+    rc = alg.rollout_correction
+    if rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode:
+        rollout.calculate_log_probs = True
+
+    _fill(critic, "enable", alg.adv_estimator == "gae")
+    _fill(critic.model, "path", arr.model.path)
+    _fill(critic, "ppo_mini_batch_size", actor.ppo_mini_batch_size)
+    _fill(critic, "ppo_micro_batch_size_per_device", actor.ppo_micro_batch_size_per_device)
+    _fill(critic, "forward_micro_batch_size_per_device", critic.ppo_micro_batch_size_per_device)
+    _fill(critic, "use_dynamic_bsz", actor.use_dynamic_bsz)
+    _fill(critic, "forward_max_token_len_per_device", critic.ppo_max_token_len_per_device)
+    _fill(critic, "ppo_epochs", actor.ppo_epochs)
+    _fill(critic, "shuffle", actor.shuffle)
+    _fill(critic, "loss_agg_mode", actor.loss_agg_mode)
+
+    _fill(rm.reward_kwargs, "max_resp_len", data.max_response_length)
+    _fill(rm.model, "input_tokenizer", data.tokenizer)
+    _fill(rm, "max_length", data.max_prompt_length + data.max_response_length)
+    _fill(rm, "micro_batch_size_per_device", actor.ppo_micro_batch_size_per_device)
+
+    if data.synthetic.task is not None:
+        resolve_total_steps(cfg, data.synthetic.n_train)
+    elif trainer.total_training_steps is not None:
+        _resolve_optim_steps(cfg, trainer.total_training_steps)
+
+
+def num_train_batches(cfg: ml_collections.ConfigDict, num_train_samples: int) -> int:
+    """Batches per epoch (veRL drops the last partial batch)."""
+    n = num_train_samples
+    if cfg.data.train_max_samples > 0:
+        n = min(n, cfg.data.train_max_samples)
+    return n // cfg.data.train_batch_size
+
+
+def resolve_total_steps(cfg: ml_collections.ConfigDict, num_train_samples: int) -> ml_collections.ConfigDict:
+    """Sets trainer.total_training_steps (if unset) and the optimizers' total / warmup steps.
+
+    The trainer calls this once the dataset is loaded (validate_config does it for synthetic data).
+    """
+    batches = num_train_batches(cfg, num_train_samples)
+    if batches == 0:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {num_train_samples} "
+            "training prompts: not one full batch per epoch")
+    if cfg.trainer.total_training_steps is None:
+        cfg.trainer.total_training_steps = batches * cfg.trainer.total_epochs
+    _resolve_optim_steps(cfg, cfg.trainer.total_training_steps)
+    return cfg
+
+
+def _resolve_optim_steps(cfg: ml_collections.ConfigDict, total: int) -> None:
+    for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+        if optim.total_training_steps <= 0:
+            optim.total_training_steps = total
+        if optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0:
+            optim.lr_warmup_steps = int(optim.lr_warmup_steps_ratio * optim.total_training_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleBatch:
+    """Batch arithmetic of one trained role (actor or critic), per training step."""
+
+    mini_batch_prompts: int
+    mini_batch_sequences: int
+    mini_batches: int  # per ppo_epoch
+    epochs: int
+    per_device: int  # sequences of one mini-batch on one device
+    micro_per_device: int | None  # None with dynamic batch size
+    accumulation_steps: int | None
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.mini_batches * self.epochs
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    prompts: int
+    n: int
+    sequences: int
+    dp_size: int
+    sequences_per_device: int
+    max_tokens_per_sequence: int
+    actor: RoleBatch
+    critic: RoleBatch | None
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        return self.sequences * self.max_tokens_per_sequence
+
+
+def _role(prompts: int, n: int, mini: int, micro: int | None, epochs: int, dynamic: bool, dp: int) -> RoleBatch:
+    seqs = mini * n
+    per_device = seqs // dp
+    micro = None if dynamic else micro
+    return RoleBatch(mini, seqs, prompts // mini, epochs, per_device, micro,
+                     None if micro is None else per_device // micro)
+
+
+def batch_plan(cfg: ml_collections.ConfigDict, dp_size: int) -> BatchPlan:
+    """The step's batch arithmetic from a validated config."""
+    a, r, c = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.critic
+    prompts, n = cfg.data.train_batch_size, r.n
+    actor = _role(prompts, n, a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_device, a.ppo_epochs,
+                  a.use_dynamic_bsz, dp_size)
+    critic = (_role(prompts, n, c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_device, c.ppo_epochs,
+                    c.use_dynamic_bsz, dp_size) if c.enable else None)
+    return BatchPlan(prompts, n, prompts * n, dp_size, prompts * n // dp_size,
+                     cfg.data.max_prompt_length + r.response_length, actor, critic)
+
+
+def _role_line(name: str, rb: RoleBatch) -> str:
+    micro = ("dynamic micro-batches (token budget)" if rb.micro_per_device is None else
+             f"micro-batch {rb.micro_per_device}/device -> {rb.accumulation_steps} accumulation step(s)")
+    return (f"{name}: {rb.mini_batches} mini-batch(es) of {rb.mini_batch_prompts} prompts = "
+            f"{rb.mini_batch_sequences} sequences ({rb.per_device}/device) x {rb.epochs} epoch(s) = "
+            f"{rb.optimizer_steps} optimizer step(s); {micro}")
+
+
+def format_batch_summary(cfg: ml_collections.ConfigDict, dp_size: int) -> str:
+    """Human-readable batch arithmetic (printed by --dry_run and at the start of training)."""
+    p = batch_plan(cfg, dp_size)
+    lines = [
+        f"batch: {p.prompts} prompts x n={p.n} = {p.sequences} sequences per step; data-parallel size "
+        f"{p.dp_size} -> {p.sequences_per_device} sequences/device",
+        _role_line("actor", p.actor),
+    ]
+    if p.critic is not None:
+        lines.append(_role_line("critic", p.critic))
+    lines.append(f"tokens: <= {p.max_tokens_per_sequence} per sequence "
+                 f"({cfg.data.max_prompt_length} prompt + {cfg.actor_rollout_ref.rollout.response_length} "
+                 f"response), <= {p.max_tokens_per_step} per step")
+    steps = cfg.trainer.total_training_steps
+    lines.append(f"steps: {steps if steps is not None else 'derived from the dataset size'} "
+                 f"(total_epochs={cfg.trainer.total_epochs})")
+    return "\n".join(lines)

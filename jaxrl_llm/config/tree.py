@@ -1,0 +1,340 @@
+"""The default config tree: every key, its default and its one-line doc, in veRL's vocabulary.
+
+Defaults are veRL's (`verl/trainer/config/ppo_trainer.yaml` and its `actor/`, `rollout/`,
+`critic/`, `algorithm/` parts) unless the doc says otherwise. "Derived" defaults (None here) are
+filled in by `validate_config`. Per-device sizes are `*_per_device` (veRL: `*_per_gpu`, accepted
+as aliases). `docs/config.md` is generated from this file.
+"""
+from __future__ import annotations
+
+from jaxrl_llm.config.schema import field
+
+STR_OR_LIST = (str, list)
+
+
+def _optim(lr: float, role: str) -> dict:
+    return {
+        "lr": field(lr, f"Peak learning rate of the {role}'s AdamW (optax.adamw). veRL default."),
+        "weight_decay": field(0.01, "AdamW decoupled weight decay. veRL default."),
+        "betas": field([0.9, 0.999], "AdamW (beta1, beta2). veRL optim default."),
+        "eps": field(1e-8, "AdamW epsilon (torch.optim.AdamW default, which veRL uses)."),
+        "lr_warmup_steps": field(-1, "Linear warmup steps; <= 0 means use lr_warmup_steps_ratio "
+                                     "(resolved to an int once total steps are known). veRL."),
+        "lr_warmup_steps_ratio": field(0.0, "Warmup as a fraction of total training steps, used when "
+                                            "lr_warmup_steps <= 0. veRL."),
+        "lr_scheduler_type": field("constant", "After warmup: 'constant' or 'cosine' (decay to "
+                                              "min_lr_ratio * lr). veRL (old name: warmup_style, an alias)."),
+        "min_lr_ratio": field(0.0, "Cosine floor as a fraction of lr. veRL."),
+        "num_cycles": field(0.5, "Cosine cycles over the decay phase (0.5 = half cosine, lr ends at the "
+                                 "floor), as transformers' get_cosine_schedule_with_warmup. veRL."),
+        "total_training_steps": field(-1, "Optimizer steps for the schedule; -1 = derived from "
+                                          "trainer.total_training_steps. veRL."),
+    }
+
+
+def _model(role: str, path_doc: str) -> dict:
+    return {
+        "path": field(None, path_doc, types=str),
+        "dtype": field("float32", f"Compute dtype of the {role} forward/backward: 'float32' or 'bfloat16' "
+                                  "(logprobs and losses are always fp32)."),
+        "param_dtype": field("float32", f"Storage dtype of the {role} master weights: 'float32' "
+                                        "(recommended) or 'bfloat16'."),
+        "enable_gradient_checkpointing": field(True, "Rematerialise each decoder block in the backward "
+                                                     "pass (jax.checkpoint): less memory, ~30% more compute. veRL."),
+        "override_config": field({}, "Model config fields overridden at load (e.g. {rope_theta: 1e6}); "
+                                     "free-form dict. veRL.", open=True),
+    }
+
+
+DATA = {
+    "train_files": field(None, "Training prompts: a path or list of paths (.parquet in veRL's row format, "
+                               ".jsonl, .json, .csv). Required unless data.synthetic.task is set. veRL.",
+                         types=STR_OR_LIST),
+    "val_files": field(None, "Validation prompts (same formats); None = no validation set. veRL.",
+                       types=STR_OR_LIST),
+    "tokenizer": field(None, "Tokenizer location (HF folder or .gguf); None = actor_rollout_ref.model.path. "
+                             "Required for tiny:* models. veRL.", types=str),
+    "prompt_key": field("prompt", "Column holding the prompt (a chat message list or a string). veRL."),
+    "messages_key": field("messages", "Column holding a chat message list for json/jsonl/csv rows that have "
+                                      "no prompt_key column (ROLL-style files)."),
+    "apply_chat_template": field(True, "Render prompts with the tokenizer's chat template "
+                                       "(add_generation_prompt=True); False tokenizes the raw text."),
+    "max_prompt_length": field(512, "Prompt token budget; prompts are left-padded to it. veRL."),
+    "max_response_length": field(512, "Maximum generated tokens per response. veRL."),
+    "train_batch_size": field(1024, "Prompts per training step (each sampled rollout.n times). veRL "
+                                    "(TRL/ROLL: rollout_batch_size)."),
+    "val_batch_size": field(None, "Prompts per validation batch; derived: train_batch_size. veRL.", types=int),
+    "return_raw_chat": field(False, "Keep the un-templated chat messages in the batch (for reward functions "
+                                    "that need them). veRL."),
+    "truncation": field("error", "Over-long prompts: 'error', 'left', 'right' or 'middle'. veRL."),
+    "filter_overlong_prompts": field(False, "Drop prompts longer than max_prompt_length when loading. veRL."),
+    "filter_overlong_prompts_workers": field(1, "Processes used to tokenize for filter_overlong_prompts. veRL."),
+    "shuffle": field(True, "Shuffle training prompts each epoch. veRL."),
+    "seed": field(1, "Seed of the training-data shuffle. veRL."),
+    "train_max_samples": field(-1, "Use at most this many training rows; -1 = all. veRL."),
+    "val_max_samples": field(-1, "Use at most this many validation rows; -1 = all. veRL."),
+    "dataloader_num_workers": field(0, "grain worker processes; 0 = in-process (veRL default 8 is for torch)."),
+    "custom_cls": {
+        "path": field(None, "Python file defining a custom dataset class. veRL.", types=str),
+        "name": field(None, "Class name in custom_cls.path. veRL.", types=str),
+    },
+    "synthetic": {
+        "task": field(None, "Generate a synthetic verifiable task (jaxrl_llm.data.synthetic) into "
+                            "<trainer.default_local_dir>/data/ at start; train_files/val_files are derived "
+                            "to point there. jaxrl_llm-only.", types=str),
+        "n_train": field(512, "Synthetic training prompts."),
+        "n_val": field(64, "Synthetic validation prompts."),
+        "seed": field(0, "Seed of the synthetic task generator."),
+    },
+}
+
+ACTOR = {
+    "ppo_mini_batch_size": field(256, "Prompts per optimizer step (x rollout.n sequences); "
+                                      "train_batch_size / ppo_mini_batch_size updates per ppo_epoch. veRL."),
+    "ppo_micro_batch_size_per_device": field(None, "Sequences per device per forward/backward (gradient "
+                                                   "accumulation inside one lax.scan); derived: the whole "
+                                                   "per-device mini-batch. veRL: ppo_micro_batch_size_per_gpu.",
+                                             types=int),
+    "use_dynamic_bsz": field(False, "Pack micro-batches to a token budget (ppo_max_token_len_per_device) "
+                                    "instead of a fixed count; the loss stays exact. veRL."),
+    "ppo_max_token_len_per_device": field(16384, "Token budget per device per micro-batch when "
+                                                 "use_dynamic_bsz. veRL: ppo_max_token_len_per_gpu."),
+    "ppo_epochs": field(1, "Passes over each rollout batch. veRL."),
+    "shuffle": field(False, "Reshuffle sequences into new mini-batches at each ppo_epoch. veRL."),
+    "clip_ratio": field(0.2, "PPO clip epsilon (Schulman et al. 2017). veRL (TRL: cliprange)."),
+    "clip_ratio_low": field(None, "Lower clip epsilon: ratio >= 1 - clip_ratio_low; derived: clip_ratio. "
+                                  "veRL / DAPO (Yu et al. 2025).", types=float),
+    "clip_ratio_high": field(None, "Upper clip epsilon: ratio <= 1 + clip_ratio_high; derived: clip_ratio. "
+                                   "DAPO clip-higher uses 0.28. veRL.", types=float),
+    "clip_ratio_c": field(3.0, "Dual-clip constant c for negative advantages (Ye et al. 2020, "
+                               "arXiv:1912.09729); must be > 1. veRL."),
+    "loss_agg_mode": field("token-mean", "Loss aggregation: token-mean | seq-mean-token-sum | "
+                                         "seq-mean-token-mean | seq-mean-token-sum-norm. veRL."),
+    "loss_scale_factor": field(None, "Denominator of seq-mean-token-sum-norm (Dr.GRPO); None = the padded "
+                                     "response length. veRL.", types=float),
+    "policy_loss": {
+        "loss_mode": field("vanilla", "Policy loss from the losses registry: vanilla (PPO), gspo, sapo, gpg, "
+                                      "reinforce, cispo, geo_mean. veRL."),
+    },
+    "tau_pos": field(1.0, "SAPO temperature for positive advantages (arXiv:2511.20347). veRL."),
+    "tau_neg": field(1.05, "SAPO temperature for negative advantages (arXiv:2511.20347). veRL."),
+    "entropy_coeff": field(0.0, "Entropy bonus coefficient (subtracted from the loss). veRL."),
+    "use_kl_loss": field(False, "Add a KL(policy || reference) loss term (GRPO, Shao et al. 2024). veRL."),
+    "kl_loss_coef": field(0.001, "Coefficient of the KL loss. veRL."),
+    "kl_loss_type": field("low_var_kl", "KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, "
+                                        "full, or a base name + '+' (k2 gradient). veRL."),
+    "grad_clip": field(1.0, "Global-norm gradient clipping (optax.clip_by_global_norm). veRL."),
+    "optim": _optim(1e-6, "actor"),
+}
+
+ROLLOUT = {
+    "n": field(1, "Responses sampled per prompt. veRL (TRL: num_generations / rloo_k; ROLL: "
+                  "num_return_sequences_in_group)."),
+    "temperature": field(1.0, "Sampling temperature; logprobs are scored at the same temperature. veRL."),
+    "top_k": field(-1, "Top-k sampling; -1 = off. veRL."),
+    "top_p": field(1.0, "Nucleus sampling; 1.0 = off. veRL."),
+    "do_sample": field(True, "False = greedy decoding. veRL."),
+    "response_length": field(None, "Tokens generated per response; derived: data.max_response_length "
+                                   "(must equal it when set). veRL.", types=int),
+    "ignore_eos": field(False, "Keep generating after EOS until response_length. veRL."),
+    "stop_token_ids": field([], "Extra token ids that end a response (besides the tokenizer's EOS)."),
+    "log_prob_micro_batch_size_per_device": field(None, "Sequences per device per old-logprob forward; "
+                                                        "derived: actor.ppo_micro_batch_size_per_device. veRL.",
+                                                  types=int),
+    "log_prob_use_dynamic_bsz": field(None, "Token-budget batching of the old-logprob pass; derived: "
+                                            "actor.use_dynamic_bsz. veRL.", types=bool),
+    "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
+                                                     "actor.ppo_max_token_len_per_device. veRL.", types=int),
+    "calculate_log_probs": field(False, "Keep the sampler's per-token logprobs in the batch as "
+                                        "rollout_log_probs (mismatch metrics); forced on by "
+                                        "algorithm.rollout_correction. veRL."),
+    "val_kwargs": {
+        "n": field(1, "Responses per validation prompt (reported as mean@n). veRL."),
+        "temperature": field(0.0, "Validation temperature. veRL."),
+        "top_k": field(-1, "Validation top-k; -1 = off. veRL."),
+        "top_p": field(1.0, "Validation top-p. veRL."),
+        "do_sample": field(False, "False = greedy validation. veRL."),
+    },
+}
+
+REF = {
+    "log_prob_micro_batch_size_per_device": field(None, "Sequences per device per reference-logprob forward; "
+                                                        "derived: actor.ppo_micro_batch_size_per_device. veRL.",
+                                                  types=int),
+    "log_prob_use_dynamic_bsz": field(None, "Token-budget batching of the reference pass; derived: "
+                                            "actor.use_dynamic_bsz. veRL.", types=bool),
+    "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
+                                                     "actor.ppo_max_token_len_per_device. veRL.", types=int),
+}
+
+MODEL = dict(
+    _model("policy", "Policy weights: HF folder, .gguf file, our orbax checkpoint, or tiny:<arch> "
+                     "(an in-process random model, dims from model.tiny). veRL."),
+    tiny={
+        "num_layers": field(2, "Decoder blocks of a tiny:<arch> model (tests)."),
+        "hidden_size": field(64, "Hidden width of a tiny:<arch> model."),
+        "num_heads": field(4, "Attention heads of a tiny:<arch> model."),
+        "num_kv_heads": field(2, "Key/value heads (GQA) of a tiny:<arch> model."),
+        "intermediate_size": field(128, "MLP width of a tiny:<arch> model."),
+        "vocab_size": field(None, "Vocabulary of a tiny:<arch> model; derived: the tokenizer's size.",
+                            types=int),
+        "max_position_embeddings": field(2048, "Context length of a tiny:<arch> model."),
+        "seed": field(0, "Initialisation seed of a tiny:<arch> model."),
+    },
+)
+
+CRITIC = {
+    "enable": field(None, "Train a value model; derived: True iff algorithm.adv_estimator == 'gae'. veRL.",
+                    types=bool),
+    "model": _model("critic", "Critic initialisation (a value head is added); derived: "
+                              "actor_rollout_ref.model.path. veRL."),
+    "optim": _optim(1e-5, "critic"),
+    "ppo_mini_batch_size": field(None, "Prompts per critic optimizer step; derived: "
+                                       "actor.ppo_mini_batch_size. veRL.", types=int),
+    "ppo_micro_batch_size_per_device": field(None, "Sequences per device per critic forward/backward; derived: "
+                                                   "actor.ppo_micro_batch_size_per_device. veRL.", types=int),
+    "forward_micro_batch_size_per_device": field(None, "Sequences per device per value forward (no grad); "
+                                                       "derived: critic.ppo_micro_batch_size_per_device. veRL.",
+                                                 types=int),
+    "use_dynamic_bsz": field(None, "Token-budget micro-batches for the critic; derived: actor.use_dynamic_bsz. "
+                                   "veRL.", types=bool),
+    "ppo_max_token_len_per_device": field(32768, "Critic token budget per device per micro-batch. veRL."),
+    "forward_max_token_len_per_device": field(None, "Token budget of the value forward; derived: "
+                                                    "critic.ppo_max_token_len_per_device. veRL.", types=int),
+    "ppo_epochs": field(None, "Critic passes per batch; derived: actor.ppo_epochs. veRL.", types=int),
+    "shuffle": field(None, "Reshuffle critic mini-batches per epoch; derived: actor.shuffle. veRL.", types=bool),
+    "cliprange_value": field(0.5, "Value clipping range around the old values. veRL."),
+    "loss_agg_mode": field(None, "Value-loss aggregation; derived: actor.loss_agg_mode. veRL.", types=str),
+    "grad_clip": field(1.0, "Critic global-norm gradient clipping. veRL."),
+}
+
+REWARD_MODEL = {
+    "enable": field(False, "Score responses with a sequence-classification reward model. veRL."),
+    "reward_manager": field("naive", "How rule/custom scores are computed: naive (sequential) or prime "
+                                     "(process pool with per-call timeout). veRL."),
+    "reward_kwargs": {
+        "timeout_s": field(10.0, "Seconds per compute_score call before it scores 0 (prime manager)."),
+        "num_workers": field(4, "Processes of the prime reward manager."),
+        "max_resp_len": field(None, "Response length the overlong penalty is measured against; derived: "
+                                    "data.max_response_length. veRL DAPO.", types=int),
+        "overlong_buffer_cfg": {
+            "enable": field(False, "DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476)."),
+            "len": field(4096, "Buffer length: the penalty ramps linearly over the last `len` tokens "
+                               "before max_resp_len. veRL DAPO default."),
+            "penalty_factor": field(1.0, "Penalty at max_resp_len (reward -= factor * overflow / len)."),
+            "log": field(False, "Log the overlong penalty and flag as metrics."),
+        },
+    },
+    "missing_eos_penalty": field(None, "Subtracted from the score of responses that end without EOS; "
+                                       "None = off. TRL.", types=float),
+    "model": {
+        "path": field(None, "Reward model (HF folder with a sequence-classification head). veRL.", types=str),
+        "input_tokenizer": field(None, "Tokenizer of the policy whose text is re-tokenized for the reward "
+                                       "model; derived: actor_rollout_ref.model.path. veRL.", types=str),
+    },
+    "max_length": field(None, "Reward-model input token limit; derived: prompt + response lengths. veRL.",
+                        types=int),
+    "micro_batch_size_per_device": field(None, "Sequences per device per reward-model forward; derived: "
+                                               "actor.ppo_micro_batch_size_per_device. veRL.", types=int),
+}
+
+CUSTOM_REWARD = {
+    "path": field(None, "Python file defining the reward function; None = built-ins by data_source. veRL.",
+                  types=str),
+    "name": field("compute_score", "Function name in that file: compute_score(data_source, solution_str, "
+                                   "ground_truth, extra_info=None). veRL."),
+    "reward_kwargs": field({}, "Extra keyword arguments passed to the custom function. veRL.", open=True),
+}
+
+ALGORITHM = {
+    "adv_estimator": field("gae", "Advantage estimator from the losses registry (gae, grpo, rloo, "
+                                  "reinforce_plus_plus, remax, opo, gpg, ...). veRL."),
+    "gamma": field(1.0, "Discount factor (GAE, REINFORCE++). veRL."),
+    "lam": field(1.0, "GAE lambda (Schulman et al. 2016). veRL."),
+    "norm_adv_by_std_in_grpo": field(True, "Divide GRPO advantages by the group std; False = Dr.GRPO "
+                                           "(Liu et al. 2025). veRL."),
+    "use_kl_in_reward": field(False, "Subtract kl_ctrl.kl_coef * KL(old || ref) from token rewards. veRL."),
+    "kl_penalty": field("kl", "KL estimator for the in-reward penalty (same names as kl_loss_type). veRL."),
+    "kl_ctrl": {
+        "type": field("fixed", "KL coefficient controller: fixed or adaptive (Ziegler et al. 2019). veRL."),
+        "kl_coef": field(0.001, "(Initial) KL coefficient. veRL (TRL: kl_coef)."),
+        "horizon": field(10000, "Adaptive controller horizon. veRL."),
+        "target_kl": field(0.1, "Adaptive controller target KL. veRL."),
+    },
+    "filter_groups": {
+        "enable": field(False, "DAPO dynamic sampling: drop groups whose metric has zero variance and keep "
+                               "sampling until train_batch_size prompts remain. veRL."),
+        "metric": field("seq_reward", "Per-sequence quantity tested for variance: seq_reward, "
+                                      "seq_final_reward, score, or a key returned by the reward function. veRL."),
+        "max_num_gen_batches": field(10, "Generation rounds per step before giving up; <= 0 = unlimited. veRL."),
+    },
+    "rollout_correction": {
+        "rollout_is": field(None, "Importance weights for sampler/trainer mismatch: None, 'token' or "
+                                  "'sequence'. veRL.", types=str),
+        "rollout_is_threshold": field(2.0, "Upper truncation of the IS weights. veRL."),
+        "rollout_is_batch_normalize": field(False, "Normalise truncated IS weights to mean 1 over the batch. "
+                                                   "veRL."),
+        "rollout_rs": field(None, "Rejection sampling modes, comma-separated: token_k1|k2|k3, seq_sum_k*, "
+                                  "seq_mean_k*, seq_max_k2|k3 (legacy: token, sequence, geometric). veRL.",
+                            types=str),
+        "rollout_rs_threshold": field(None, "Threshold per rs mode (comma-separated when several): k1 takes a "
+                                            "ratio range 'lo_hi' or t (= [1/t, t]); k2/k3 an upper bound; "
+                                            "None = rollout_is_threshold. veRL.", types=(str, float)),
+        "bypass_mode": field(False, "Use the sampler's logprobs as the PPO old logprobs (skip the old-logprob "
+                                    "forward). veRL."),
+    },
+    "trl_rloo": {
+        "enable": field(False, "TRL RLOOTrainer's sequence-level form (Ahmadian et al. 2024): score = reward "
+                               "- kl_coef * KL, advantage = score - mean of the other samples. TRL."),
+        "token_level_kl": field(False, "Per-token KL penalty in the reward instead of the sequence KL. TRL."),
+        "normalize_reward": field(False, "Standardise scores over the batch. TRL."),
+        "reward_clip_range": field(10.0, "Clip (normalised) scores to +-this. TRL."),
+        "normalize_advantage": field(False, "Whiten advantages over the batch. TRL."),
+    },
+}
+
+TRAINER = {
+    "total_epochs": field(30, "Passes over the training prompts. veRL."),
+    "total_training_steps": field(None, "Stop after this many steps; derived: epochs x batches per epoch. "
+                                        "veRL.", types=int),
+    "project_name": field("jaxrl_llm", "Logger project (W&B / TensorBoard). veRL."),
+    "experiment_name": field("default", "Run name. veRL."),
+    "logger": field(["console", "jsonl"], "Sinks: console, jsonl (<default_local_dir>/metrics.jsonl), "
+                                          "tensorboard, wandb. veRL."),
+    "log_val_generations": field(0, "Sample generations logged as a table per validation. veRL "
+                                    "(TRL: num_sample_generations)."),
+    "save_freq": field(-1, "Checkpoint every N steps (and at the end); -1 = only at the end. veRL."),
+    "test_freq": field(-1, "Validate every N steps (and at the end); -1 = never during training. veRL."),
+    "val_before_train": field(True, "Validate once before the first step. veRL."),
+    "val_only": field(False, "Validate and exit. veRL."),
+    "resume_mode": field("auto", "auto (latest checkpoint in default_local_dir if any), disable, or "
+                                 "resume_path. veRL."),
+    "resume_from_path": field(None, "Checkpoint step folder for resume_mode=resume_path. veRL.", types=str),
+    "max_actor_ckpt_to_keep": field(None, "Keep at most N policy checkpoints; None = all. veRL.", types=int),
+    "max_critic_ckpt_to_keep": field(None, "Keep at most N critic checkpoints; None = all. veRL.", types=int),
+    "default_local_dir": field(None, "Run directory (checkpoints, metrics.jsonl, hf/); derived: "
+                                     "checkpoints/<project_name>/<experiment_name>. veRL.", types=str),
+    "critic_warmup": field(0, "Steps that update only the critic before the actor starts. veRL."),
+    "rollout_data_dir": field(None, "Dump each step's prompts/responses/scores as jsonl here. veRL.",
+                              types=str),
+    "validation_data_dir": field(None, "Dump validation generations as jsonl here. veRL.", types=str),
+    "seed": field(1, "Seed of sampling and parameter initialisation."),
+    "export_hf": field(True, "Write the final policy as a Hugging Face folder in <default_local_dir>/hf."),
+}
+
+MESH = {
+    "data": field(1, "Mesh 'data' axis: replicated params, split batch; -1 = the remaining devices."),
+    "fsdp": field(-1, "Mesh 'fsdp' axis: split batch and params (ZeRO-3); -1 = the remaining devices."),
+    "tensor": field(1, "Mesh 'tensor' axis: split heads / MLP / vocab; replaces tensor_model_parallel_size."),
+}
+
+TREE = {
+    "data": DATA,
+    "actor_rollout_ref": {"model": MODEL, "actor": ACTOR, "ref": REF, "rollout": ROLLOUT},
+    "critic": CRITIC,
+    "reward_model": REWARD_MODEL,
+    "custom_reward_function": CUSTOM_REWARD,
+    "algorithm": ALGORITHM,
+    "trainer": TRAINER,
+    "mesh": MESH,
+}

@@ -1,0 +1,331 @@
+"""`validate_config`: every check that can fail before anything is compiled, each failure a single
+`ConfigError` whose message starts with the offending key.
+
+Order: unknown / aliased / torch-only keys -> types -> names -> ranges -> mesh -> batch
+divisibility -> derived values -> lengths vs model context -> paths.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxrl_llm.config import names
+from jaxrl_llm.config.derive import GROUP_ESTIMATORS, resolve_defaults, resolve_total_steps
+from jaxrl_llm.config.overrides import FIELDS, normalize_config
+from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
+
+ARR = "actor_rollout_ref"
+ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
+
+
+def _choice(cfg: Any, key: str, valid: tuple[str, ...] | list[str]) -> None:
+    value = get_path(cfg, key)
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r}: unknown name; valid: {', '.join(sorted(valid))}")
+
+
+def _require(ok: bool, key: str, cfg: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={get_path(cfg, key)!r}: {why}")
+
+
+def _check_types(cfg: ml_collections.ConfigDict) -> None:
+    for key, f in FIELDS.items():
+        value = get_path(cfg, key)
+        checked = check_type(key, value, f)
+        if checked is not value:
+            set_path(cfg, key, checked)
+
+
+def _check_names(cfg: ml_collections.ConfigDict) -> None:
+    _choice(cfg, "algorithm.adv_estimator", names.adv_estimators())
+    _choice(cfg, f"{ACTOR}.policy_loss.loss_mode", names.policy_losses())
+    kl = names.kl_names()
+    _choice(cfg, f"{ACTOR}.kl_loss_type", kl)
+    _choice(cfg, "algorithm.kl_penalty", kl)
+    agg = names.loss_agg_modes()
+    _choice(cfg, f"{ACTOR}.loss_agg_mode", agg)
+    if cfg.critic.loss_agg_mode is not None:
+        _choice(cfg, "critic.loss_agg_mode", agg)
+    _choice(cfg, "reward_model.reward_manager", names.REWARD_MANAGERS)
+    _choice(cfg, "data.truncation", names.TRUNCATION)
+    _choice(cfg, "trainer.resume_mode", names.RESUME_MODES)
+    _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
+    for role in (ACTOR, "critic"):
+        _choice(cfg, f"{role}.optim.lr_scheduler_type", names.LR_SCHEDULERS)
+    for role in (f"{ARR}.model", "critic.model"):
+        _choice(cfg, f"{role}.dtype", names.DTYPES)
+        _choice(cfg, f"{role}.param_dtype", names.DTYPES)
+    for sink in cfg.trainer.logger:
+        if sink not in names.LOGGERS:
+            raise ConfigError(f"trainer.logger: unknown sink {sink!r}; valid: {', '.join(names.LOGGERS)}")
+        module = {"wandb": "wandb", "tensorboard": "tensorboardX"}.get(sink)
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"trainer.logger: {sink!r} needs the {module} package (pip install {module})")
+    path = cfg.actor_rollout_ref.model.path
+    if path is not None and path.startswith("tiny:") and path[5:] not in names.TINY_ARCHS:
+        raise ConfigError(f"{ARR}.model.path={path!r}: unknown tiny architecture; valid: "
+                          + ", ".join(f"tiny:{a}" for a in names.TINY_ARCHS))
+    _check_rollout_correction(cfg)
+
+
+def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if rc.rollout_is is not None:
+        _choice(cfg, f"{key}.rollout_is", names.ROLLOUT_IS)
+    _require(rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", cfg, "must be > 0")
+    if rc.rollout_rs is None:
+        return
+    modes = [m.strip() for m in rc.rollout_rs.split(",")]
+    for mode in modes:
+        if mode not in names.ROLLOUT_RS:
+            raise ConfigError(f"{key}.rollout_rs: unknown mode {mode!r}; valid: {', '.join(names.ROLLOUT_RS)}")
+    if rc.rollout_rs_threshold is None:
+        return
+    thresholds = (str(rc.rollout_rs_threshold).split(",") if isinstance(rc.rollout_rs_threshold, str)
+                  else [rc.rollout_rs_threshold])
+    if len(thresholds) != len(modes):
+        raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {len(thresholds)} "
+                          f"threshold(s) for {len(modes)} rollout_rs mode(s)")
+    for mode, text in zip(modes, thresholds):
+        try:
+            bounds = [float(x) for x in str(text).strip().split("_")]
+        except ValueError:
+            bounds = []
+        ok = (len(bounds) in (1, 2) and all(b > 0 for b in bounds)
+              and (len(bounds) == 1 or (mode.endswith("k1") and bounds[0] < bounds[1])))
+        if not ok:
+            raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {text!r} for {mode} "
+                              "must be a positive number (or 'lo_hi' with lo < hi for k1 modes)")
+
+
+def _positive(cfg: Any, *keys: str, allow_minus_one: bool = False, allow_zero: bool = False) -> None:
+    for key in keys:
+        value = get_path(cfg, key)
+        if value is None:
+            continue
+        ok = value > 0 or (allow_zero and value == 0) or (allow_minus_one and value == -1)
+        extra = " or -1" if allow_minus_one else ""
+        _require(ok, key, cfg, f"must be {'>= 0' if allow_zero else '> 0'}{extra}")
+
+
+def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
+    _positive(cfg, "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+              "data.val_batch_size", f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_device",
+              f"{ACTOR}.ppo_max_token_len_per_device", f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n",
+              f"{ROLLOUT}.val_kwargs.n", "trainer.total_epochs", "trainer.total_training_steps",
+              f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.grad_clip",
+              "critic.grad_clip", "critic.cliprange_value", f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg",
+              "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "data.filter_overlong_prompts_workers",
+              "reward_model.reward_kwargs.timeout_s", "reward_model.reward_kwargs.num_workers",
+              "data.synthetic.n_train", "data.synthetic.n_val",
+              f"{ARR}.ref.log_prob_micro_batch_size_per_device", f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
+              "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
+              "critic.forward_micro_batch_size_per_device", "trainer.max_actor_ckpt_to_keep",
+              "trainer.max_critic_ckpt_to_keep")
+    _positive(cfg, "trainer.save_freq", "trainer.test_freq", "data.train_max_samples", "data.val_max_samples",
+              allow_minus_one=True)
+    _positive(cfg, f"{ACTOR}.entropy_coeff", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
+              "trainer.critic_warmup", "trainer.log_val_generations", "data.dataloader_num_workers",
+              f"{ROLLOUT}.temperature", f"{ROLLOUT}.val_kwargs.temperature", allow_zero=True)
+    _require(cfg.actor_rollout_ref.actor.clip_ratio_c > 1.0, f"{ACTOR}.clip_ratio_c", cfg,
+             "dual-clip constant must be > 1")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        _require(0.0 <= get_path(cfg, key) <= 1.0, key, cfg, "must be in [0, 1]")
+    for key in (f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p"):
+        _require(0.0 < get_path(cfg, key) <= 1.0, key, cfg, "must be in (0, 1]")
+    for key in (f"{ROLLOUT}.top_k", f"{ROLLOUT}.val_kwargs.top_k"):
+        _require(get_path(cfg, key) == -1 or get_path(cfg, key) > 0, key, cfg, "must be -1 (off) or > 0")
+    for role in (ACTOR, "critic"):
+        o = f"{role}.optim"
+        _positive(cfg, f"{o}.lr", f"{o}.eps")
+        _positive(cfg, f"{o}.weight_decay", f"{o}.lr_warmup_steps_ratio", f"{o}.min_lr_ratio", f"{o}.num_cycles",
+                  allow_zero=True)
+        betas = get_path(cfg, f"{o}.betas")
+        _require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
+                 f"{o}.betas", cfg, "expected [beta1, beta2] with 0 <= beta < 1")
+        _require(get_path(cfg, f"{o}.lr_warmup_steps_ratio") <= 1.0, f"{o}.lr_warmup_steps_ratio", cfg,
+                 "must be in [0, 1]")
+        _require(get_path(cfg, f"{o}.min_lr_ratio") <= 1.0, f"{o}.min_lr_ratio", cfg, "must be in [0, 1]")
+    for tok in cfg.actor_rollout_ref.rollout.stop_token_ids:
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ConfigError(f"{ROLLOUT}.stop_token_ids: {tok!r} is not a token id (non-negative int)")
+
+
+def mesh_dp_size(cfg: ml_collections.ConfigDict, num_devices: int) -> int:
+    """Data-parallel size (mesh 'data' x 'fsdp', the axes that split the batch) on `num_devices`."""
+    sizes = {k: cfg.mesh[k] for k in ("data", "fsdp", "tensor")}
+    for key, value in sizes.items():
+        if not (value == -1 or value > 0):
+            raise ConfigError(f"mesh.{key}={value!r}: must be a positive int or -1 (= the remaining devices)")
+    wild = [k for k, v in sizes.items() if v == -1]
+    if len(wild) > 1:
+        raise ConfigError(f"mesh.{wild[1]}=-1: only one mesh axis may be -1 (mesh.{wild[0]} is -1 too)")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if num_devices % fixed or (not wild and fixed != num_devices):
+        key = next((k for k in sizes if sizes[k] != -1 and num_devices % sizes[k]), "data")
+        raise ConfigError(f"mesh.{key}={sizes[key]}: mesh {sizes} does not fit {num_devices} device(s)")
+    if wild:
+        sizes[wild[0]] = num_devices // fixed
+    return sizes["data"] * sizes["fsdp"]
+
+
+def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool) -> None:
+    data, actor, rollout, critic = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.critic
+    n, prompts = rollout.n, data.train_batch_size
+    sequences = prompts * n
+    roles = [(ACTOR, actor)] + ([("critic", critic)] if critic.enable and not before_derive else [])
+    for role, sec in roles:
+        mini = sec.ppo_mini_batch_size
+        if prompts % mini:
+            raise ConfigError(f"{role}.ppo_mini_batch_size={mini}: must divide data.train_batch_size={prompts}")
+        if (mini * n) % dp:
+            raise ConfigError(f"{role}.ppo_mini_batch_size={mini}: {mini} prompts x rollout.n={n} = {mini * n} "
+                              f"sequences do not split over the data-parallel size {dp}")
+        if before_derive or sec.use_dynamic_bsz:
+            continue
+        micro = sec.ppo_micro_batch_size_per_device
+        if (mini * n // dp) % micro:
+            raise ConfigError(f"{role}.ppo_micro_batch_size_per_device={micro}: must divide the per-device "
+                              f"mini-batch {mini} x {n} / {dp} = {mini * n // dp} sequences")
+    if before_derive:
+        return
+    per_device = sequences // dp
+    forward = [(f"{ARR}.ref.log_prob_micro_batch_size_per_device", cfg.actor_rollout_ref.ref),
+               (f"{ROLLOUT}.log_prob_micro_batch_size_per_device", rollout)]
+    for key, sec in forward:
+        if not sec.log_prob_use_dynamic_bsz and per_device % get_path(cfg, key):
+            raise ConfigError(f"{key}={get_path(cfg, key)}: must divide the per-device batch "
+                              f"{prompts} x {n} / {dp} = {per_device} sequences")
+    checks = []
+    if critic.enable and not critic.use_dynamic_bsz:
+        checks.append("critic.forward_micro_batch_size_per_device")
+    if cfg.reward_model.enable:
+        checks.append("reward_model.micro_batch_size_per_device")
+    for key in checks:
+        if per_device % get_path(cfg, key):
+            raise ConfigError(f"{key}={get_path(cfg, key)}: must divide the per-device batch {per_device}")
+    longest = data.max_prompt_length + rollout.response_length
+    for key, dynamic in ((f"{ACTOR}.ppo_max_token_len_per_device", actor.use_dynamic_bsz),
+                         ("critic.ppo_max_token_len_per_device", critic.enable and critic.use_dynamic_bsz)):
+        if dynamic and get_path(cfg, key) < longest:
+            raise ConfigError(f"{key}={get_path(cfg, key)}: smaller than one sequence "
+                              f"(max_prompt_length + response_length = {longest})")
+
+
+def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
+    alg, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.adv_estimator={alg.adv_estimator!r} compares samples "
+                          "of the same prompt and needs n >= 2")
+    if alg.filter_groups.enable and n < 2:
+        raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.filter_groups needs n >= 2 samples per prompt")
+    if alg.trl_rloo.enable:
+        _require(alg.adv_estimator in ("rloo", "rloo_vectorized"), "algorithm.adv_estimator", cfg,
+                 "algorithm.trl_rloo.enable needs adv_estimator rloo or rloo_vectorized")
+    if alg.adv_estimator == "gae" and not cfg.critic.enable:
+        raise ConfigError("critic.enable=False: algorithm.adv_estimator='gae' needs a critic")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_from_path=None: required when trainer.resume_mode='resume_path'")
+    if cfg.trainer.val_only and cfg.data.val_files is None:
+        raise ConfigError("data.val_files=None: trainer.val_only needs validation files")
+    ob = cfg.reward_model.reward_kwargs
+    if ob.overlong_buffer_cfg.enable:
+        _positive(cfg, "reward_model.reward_kwargs.overlong_buffer_cfg.len",
+                  "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor")
+        _require(ob.overlong_buffer_cfg.len < ob.max_resp_len, "reward_model.reward_kwargs.overlong_buffer_cfg.len",
+                 cfg, f"must be shorter than max_resp_len={ob.max_resp_len}")
+    if cfg.reward_model.enable and cfg.reward_model.model.path is None:
+        raise ConfigError("reward_model.model.path=None: required when reward_model.enable")
+
+
+def _check_lengths(cfg: ml_collections.ConfigDict, model_max_positions: int | None) -> None:
+    model = cfg.actor_rollout_ref.model
+    if model_max_positions is None and model.path is not None and model.path.startswith("tiny:"):
+        model_max_positions = model.tiny.max_position_embeddings
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if model_max_positions is not None and total > model_max_positions:
+        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length}: prompt + response "
+                          f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {total}) exceeds the "
+                          f"model context of {model_max_positions} positions")
+
+
+def _existing(key: str, path: str, what: str) -> None:
+    if not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"{key}={path!r}: {what} not found (local paths only; jaxrl_llm never downloads)")
+
+
+def _check_required(cfg: ml_collections.ConfigDict) -> None:
+    data, model = cfg.data, cfg.actor_rollout_ref.model
+    if model.path is None:
+        raise ConfigError(f"{ARR}.model.path=None: set the policy (HF folder, .gguf file, checkpoint or tiny:<arch>)")
+    if data.train_files is None:
+        raise ConfigError("data.train_files=None: set training files or data.synthetic.task")
+    if model.path.startswith("tiny:") and data.tokenizer is None:
+        raise ConfigError(f"data.tokenizer=None: a {model.path} model needs a tokenizer path")
+
+
+def _check_paths(cfg: ml_collections.ConfigDict) -> None:
+    data, model = cfg.data, cfg.actor_rollout_ref.model
+    if data.synthetic.task is None:  # synthetic files are written by the trainer at start
+        for key in ("data.train_files", "data.val_files"):
+            files = get_path(cfg, key)
+            for path in [files] if isinstance(files, str) else (files or []):
+                _existing(key, path, "data file")
+    if not model.path.startswith("tiny:"):
+        _existing(f"{ARR}.model.path", model.path, "model")
+    optional = [("data.tokenizer", "tokenizer"), ("custom_reward_function.path", "reward function file"),
+                ("data.custom_cls.path", "dataset class file")]
+    if cfg.critic.enable and not cfg.critic.model.path.startswith("tiny:"):
+        optional.append(("critic.model.path", "critic model"))
+    if cfg.reward_model.enable:
+        optional.append(("reward_model.model.path", "reward model"))
+    if cfg.trainer.resume_mode == "resume_path":
+        optional.append(("trainer.resume_from_path", "checkpoint"))
+    for key, what in optional:
+        value = get_path(cfg, key)
+        if value is not None and not value.startswith("tiny:"):
+            _existing(key, value, what)
+
+
+def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int | None = None,
+                    dp_size: int | None = None, num_devices: int | None = None,
+                    num_train_samples: int | None = None, check_paths: bool = True) -> ml_collections.ConfigDict:
+    """Checks `cfg` and returns a resolved copy (derived values filled in).
+
+    dp_size: the data-parallel size the batch is split over; default: mesh data x fsdp on
+      `num_devices` (default: jax.device_count()).
+    model_max_positions: the policy's context length when known (tiny:* models: from model.tiny).
+    num_train_samples: training prompts, when known, to derive total steps (else the trainer
+      calls `resolve_total_steps` after loading the data).
+    check_paths: check that files and model paths exist (off for config-shape tests).
+    Raises ConfigError (a ValueError) naming the key on the first problem.
+    """
+    cfg = normalize_config(copy.deepcopy(cfg))
+    _check_types(cfg)
+    _check_names(cfg)
+    _check_ranges(cfg)
+    if dp_size is None:
+        if num_devices is None:
+            import jax  # only here: validation itself needs no accelerator
+
+            num_devices = jax.device_count()
+        dp_size = mesh_dp_size(cfg, num_devices)
+    elif num_devices is not None:
+        mesh_dp_size(cfg, num_devices)
+    _check_batches(cfg, dp_size, before_derive=True)
+    resolve_defaults(cfg, dp_size)
+    _check_batches(cfg, dp_size, before_derive=False)
+    _check_algorithm(cfg)
+    _check_lengths(cfg, model_max_positions)
+    _check_required(cfg)
+    if check_paths:
+        _check_paths(cfg)
+    if num_train_samples is not None and cfg.data.synthetic.task is None:
+        resolve_total_steps(cfg, num_train_samples)
+    return cfg
