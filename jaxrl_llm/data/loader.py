@@ -1,0 +1,194 @@
+"""Batches of prompts for the trainer: a grain pipeline with a checkpointable iterator.
+
+    loader = make_dataloader(config.data, tokenizer, "train", batch_size=config.data.train_batch_size,
+                             process_index=jax.process_index(), process_count=jax.process_count())
+    batch = next(loader)
+    state = loader.get_state()   # JSON-able dict; save with the checkpoint
+    loader.set_state(state)      # resume: the next batches are exactly those that were to come
+
+A batch is a dict of numpy arrays for this process's share of one global batch
+(`batch_size // process_count` rows, contiguous block `process_index` of the global batch):
+
+    input_ids       int32[B, P]  left-padded to P = data.max_prompt_length with the pad id
+    attention_mask  int32[B, P]  1 on prompt tokens (padding is defined by this mask, not token ids)
+    position_ids    int32[B, P]  0.. over prompt tokens, 0 on padding
+    prompt_lengths  int32[B]     unpadded prompt lengths
+    raw_prompt_ids  object[B]    unpadded int32 id arrays (for samplers that bucket lengths)
+    index           int64[B]     row position in the dataset
+    data_source, ground_truth, extra_info, ability   object[B]  per-row metadata for the rewards
+    raw_prompt      object[B]    chat messages / text, only with data.return_raw_chat=True
+
+Rows are not repeated here for `n` samples; the trainer repeats them by index (object arrays take
+fancy indexing). Train order: shuffled with `data.seed` (reshuffled each epoch, the same on every
+process), only full batches (`drop_last`); `len(loader)` = batches per epoch; the stream runs for
+`num_epochs` epochs (None = forever). Validation (`split="val"`): file order, one pass, the last
+batch may be short; `data.val_batch_size=None` makes the whole set one batch; `reset()` starts
+the pass again. `data.dataloader_num_workers = k > 0` collates up to 2k batches ahead in k grain threads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import numpy as np
+
+from jaxrl_llm.data.prompts import PromptDataset, build_dataset, cfg_get
+from jaxrl_llm.data.sources import DataError
+
+METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability")
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values  # element-wise, so lists / dicts stay single objects
+    return out
+
+
+def collate(records: list[dict[str, Any]], max_prompt_length: int, pad_token_id: int,
+            return_raw_chat: bool = False) -> dict[str, np.ndarray]:
+    """Left-pads the records' ids into one batch dict (see module docstring)."""
+    b = len(records)
+    input_ids = np.full((b, max_prompt_length), pad_token_id, dtype=np.int32)
+    attention_mask = np.zeros((b, max_prompt_length), dtype=np.int32)
+    lengths = np.zeros(b, dtype=np.int32)
+    for i, record in enumerate(records):
+        ids = record["input_ids"]
+        n = len(ids)
+        if n:
+            input_ids[i, max_prompt_length - n:] = ids
+            attention_mask[i, max_prompt_length - n:] = 1
+        lengths[i] = n
+    position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "prompt_lengths": lengths,
+        "raw_prompt_ids": _object_array([r["input_ids"] for r in records]),
+        "index": np.asarray([r["index"] for r in records], dtype=np.int64),
+    }
+    for key in METADATA_KEYS:
+        batch[key] = _object_array([r[key] for r in records])
+    if return_raw_chat:
+        batch["raw_prompt"] = _object_array([r["raw_prompt"] for r in records])
+    return batch
+
+
+class _Collate(grain.transforms.Map):
+    """Global batch of row indices -> this process's collated share (picklable for grain workers)."""
+
+    def __init__(self, dataset: PromptDataset, process_index: int, process_count: int, return_raw_chat: bool) -> None:
+        self.dataset = dataset
+        self.process_index = process_index
+        self.process_count = process_count
+        self.return_raw_chat = return_raw_chat
+
+    def map(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        share = np.array_split(np.asarray(indices), self.process_count)[self.process_index]
+        return collate([self.dataset[int(i)] for i in share], self.dataset.max_prompt_length,
+                       self.dataset.pad_token_id, self.return_raw_chat)
+
+
+class PromptLoader:
+    """Iterator over prompt batches with grain `get_state` / `set_state` (see module docstring)."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        *,
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int | None,
+        drop_last: bool,
+        num_epochs: int | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+        return_raw_chat: bool = False,
+        num_workers: int = 0,
+    ):
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} is outside [0, process_count={process_count})")
+        n = len(dataset)
+        batch_size = n if batch_size is None else int(batch_size)
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if drop_last and batch_size % process_count:
+            raise ValueError(f"batch size {batch_size} is not divisible by process_count={process_count}")
+        if drop_last and n < batch_size:
+            raise DataError(f"{dataset.name}: {n} prompts, fewer than one batch of {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.process_index = process_index
+        self.process_count = process_count
+        self.num_epochs = num_epochs
+
+        rows = grain.MapDataset.range(n)
+        if shuffle:
+            rows = rows.shuffle(seed=0 if seed is None else int(seed))
+        batches = rows.batch(batch_size, drop_remainder=drop_last, batch_fn=np.asarray)
+        self._batches_per_epoch = len(batches)
+        # repeat after shuffle + batch: each epoch is reshuffled and batches never cross epochs
+        pipeline = batches.repeat(num_epochs).map(_Collate(dataset, process_index, process_count, return_raw_chat))
+        # num_workers=0: collate on demand; k > 0: k grain threads collate up to 2k batches ahead
+        # (the iterator state still counts only the batches handed out)
+        read_options = grain.ReadOptions(num_threads=num_workers, prefetch_buffer_size=2 * num_workers)
+        self._pipeline = pipeline.to_iter_dataset(read_options)
+        self._iterator = iter(pipeline)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self._batches_per_epoch
+
+    def __iter__(self) -> PromptLoader:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._iterator)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._iterator.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iterator.set_state(state)
+
+    def reset(self) -> None:
+        """Starts again from the first batch of the first epoch."""
+        self._iterator = iter(self._pipeline)
+
+
+def make_dataloader(
+    data_cfg: Any,
+    tokenizer: Any,
+    split: str = "train",
+    *,
+    batch_size: int | None = None,
+    num_epochs: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    dataset: PromptDataset | None = None,
+) -> PromptLoader:
+    """The `PromptLoader` of `split` from the `data` config section.
+
+    `batch_size` is the global batch (default data.train_batch_size / data.val_batch_size, where a
+    None val batch means the whole set). Train: shuffled (data.shuffle, data.seed), full batches,
+    `num_epochs` (None = endless). Val: in order, one pass. Pass `dataset` to reuse a built one.
+    """
+    if dataset is None:
+        dataset = build_dataset(data_cfg, tokenizer, split)
+    train = split == "train"
+    if batch_size is None:
+        batch_size = cfg_get(data_cfg, "train_batch_size" if train else "val_batch_size")
+        if train and batch_size is None:
+            raise ValueError("data.train_batch_size is not set")
+    return PromptLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=train and bool(cfg_get(data_cfg, "shuffle")),
+        seed=cfg_get(data_cfg, "seed"),
+        drop_last=train,
+        num_epochs=num_epochs if train else 1,
+        process_index=process_index,
+        process_count=process_count,
+        return_raw_chat=bool(cfg_get(data_cfg, "return_raw_chat")),
+        num_workers=int(cfg_get(data_cfg, "dataloader_num_workers", 0) or 0),
+    )

@@ -1,0 +1,347 @@
+"""Prompt datasets: rows -> tokenised prompt records (chat template, truncation, filtering).
+
+`build_dataset(data_cfg, tokenizer, split)` reads `data.train_files` / `data.val_files`, keeps
+`train_max_samples` / `val_max_samples` rows, renders each prompt and tokenises it once, applies
+`filter_overlong_prompts` or `truncation`, and returns a `PromptDataset`: a random-access sequence
+of records
+
+    {"input_ids": int32[L] (unpadded, L <= max_prompt_length), "data_source": str,
+     "ground_truth": Any, "extra_info": dict, "ability": str | None, "raw_prompt": list | str,
+     "index": int (position in this dataset)}
+
+Prompt column: `data.prompt_key` (veRL: a list of chat messages; ROLL: a plain string); when that
+column is absent, `data.messages_key` (a messages column). Message lists go through
+`tokenizer.apply_chat_template(..., add_generation_prompt=True)` and are tokenised without extra
+special tokens (the template has them). String prompts are wrapped as one user message, or, with
+`data.apply_chat_template=False`, tokenised as raw text with the tokenizer's own special tokens.
+Ground truth: `reward_model.ground_truth` (veRL) or a top-level `ground_truth` column.
+
+`data.custom_cls.path` / `.name` name a user class called as `cls(data_files, tokenizer, config)`;
+it must be a sequence (`__len__`, `__getitem__`) whose items are either raw rows (tokenised as
+above) or dicts with `input_ids` (1-D, optional `attention_mask` to drop padding) plus any of the
+metadata keys above.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import multiprocessing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+# data.* keys this module reads, with veRL's defaults
+DATA_DEFAULTS: dict[str, Any] = {
+    "train_files": None,
+    "val_files": None,
+    "prompt_key": "prompt",
+    "messages_key": "messages",
+    "max_prompt_length": 512,
+    "return_raw_chat": False,
+    "truncation": "error",
+    "filter_overlong_prompts": False,
+    "filter_overlong_prompts_workers": 1,
+    "train_max_samples": -1,
+    "val_max_samples": -1,
+    "shuffle": True,
+    "seed": 1,
+    "apply_chat_template": True,
+    "custom_cls": {"path": None, "name": None},
+}
+
+
+_NONE_MEANS_SOMETHING = {"seed", "val_batch_size"}
+
+
+def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """`cfg.key` for a ConfigDict, dict or None; `default` (else DATA_DEFAULTS[key]) when absent."""
+    if default is None:
+        default = DATA_DEFAULTS.get(key)
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+    # an explicit None means "the default", except where None has a meaning of its own
+    if value is None and key not in _NONE_MEANS_SOMETHING:
+        return default
+    return value
+
+
+def truncate_ids(ids: np.ndarray, max_length: int, mode: str, where: object = "prompt") -> np.ndarray:
+    """Cut `ids` to `max_length` tokens: `left` keeps the end, `right` the start, `middle` the head
+    (max_length // 2 tokens) and the tail; `error` raises a DataError naming `where` and the length."""
+    n = len(ids)
+    if n <= max_length:
+        return ids
+    if mode == "error":
+        raise DataError(
+            f"{where}: prompt has {n} tokens, more than data.max_prompt_length={max_length} "
+            "(set data.filter_overlong_prompts=True or data.truncation=left|right|middle)"
+        )
+    if mode == "left":
+        return ids[n - max_length:]
+    if mode == "right":
+        return ids[:max_length]
+    if mode == "middle":
+        head = max_length // 2
+        return np.concatenate([ids[:head], ids[n - (max_length - head):]])
+    raise DataError(f"data.truncation={mode!r} is not one of {TRUNCATION_MODES}")
+
+
+def _is_message_list(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+    )
+
+
+def _normalise_prompt(value: Any, where: RowRef | str, column: str) -> list[dict[str, Any]] | str:
+    """A message list (as plain dicts) or a string; anything else is a DataError."""
+    if isinstance(value, str):
+        return value
+    if _is_message_list(value):
+        return [dict(m) for m in (value.tolist() if isinstance(value, np.ndarray) else value)]
+    raise DataError(
+        f"{where}: column {column!r} is neither a string nor a list of chat messages "
+        f"({{'role': ..., 'content': ...}}); got {type(value).__name__}: {str(value)[:80]!r}"
+    )
+
+
+def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Any, apply_chat_template: bool) -> str:
+    """The exact text fed to the tokenizer for one prompt."""
+    if isinstance(prompt, str) and not apply_chat_template:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompts(
+    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Any, apply_chat_template: bool
+) -> list[np.ndarray]:
+    """Token ids (int32, unpadded) of each prompt."""
+    templated = [not (isinstance(p, str) and not apply_chat_template) for p in prompts]
+    texts = [render_prompt(p, tokenizer, apply_chat_template) for p in prompts]
+    out: list[np.ndarray | None] = [None] * len(texts)
+    for with_template in (True, False):
+        pos = [i for i, t in enumerate(templated) if t == with_template]
+        if not pos:
+            continue
+        # a chat template already contains the special tokens; raw text gets the tokenizer's own
+        enc = tokenizer([texts[i] for i in pos], add_special_tokens=not with_template)["input_ids"]
+        for i, ids in zip(pos, enc):
+            out[i] = np.asarray(ids, dtype=np.int32)
+    return out  # type: ignore[return-value]
+
+
+def _encode_chunk(args: tuple[Sequence[Any], Any, bool]) -> list[np.ndarray]:
+    return encode_prompts(*args)
+
+
+def encode_prompts_parallel(
+    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Any, apply_chat_template: bool, workers: int
+) -> list[np.ndarray]:
+    """`encode_prompts` split over `workers` processes (spawned, so safe next to jax threads)."""
+    if workers <= 1 or len(prompts) < 2 * workers:
+        return encode_prompts(prompts, tokenizer, apply_chat_template)
+    chunk = -(-len(prompts) // workers)
+    parts = [(prompts[i:i + chunk], tokenizer, apply_chat_template) for i in range(0, len(prompts), chunk)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        results = list(pool.map(_encode_chunk, parts))
+    return [ids for part in results for ids in part]
+
+
+def _select_max_samples(n: int, max_samples: int, shuffle: bool, seed: int | None) -> np.ndarray:
+    if max_samples is None or max_samples < 0 or max_samples >= n:
+        return np.arange(n)
+    if shuffle:
+        return np.sort(np.random.default_rng(seed).choice(n, size=max_samples, replace=False))
+    return np.arange(max_samples)
+
+
+@dataclasses.dataclass
+class PromptDataset(Sequence):
+    """Tokenised prompt records (see module docstring) with the padding settings the loader needs."""
+
+    records: list[dict[str, Any]]
+    max_prompt_length: int
+    pad_token_id: int
+    name: str = "dataset"
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.records[i]
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return np.asarray([len(r["input_ids"]) for r in self.records], dtype=np.int32)
+
+
+def _metadata(row: Mapping[str, Any], where: RowRef | str) -> dict[str, Any]:
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
+        ground_truth = reward_model["ground_truth"]
+    else:
+        ground_truth = row.get("ground_truth")
+    extra_info = row.get("extra_info")
+    if extra_info is None:
+        extra_info = {}
+    if not isinstance(extra_info, Mapping):
+        raise DataError(f"{where}: extra_info must be a dict, got {type(extra_info).__name__}")
+    return {
+        "data_source": row.get("data_source") or "unknown",
+        "ground_truth": ground_truth,
+        "extra_info": dict(extra_info),
+        "ability": row.get("ability"),
+    }
+
+
+def _prompt_column(
+    rows: Sequence[Mapping[str, Any]], refs: Sequence[RowRef | str], prompt_key: str, messages_key: str
+) -> list[str]:
+    """Checks the prompt column per file; returns the column name of each row."""
+    columns: list[str] = []
+    checked: dict[str, str] = {}
+    for row, ref in zip(rows, refs):
+        source = ref.path if isinstance(ref, RowRef) else str(ref)
+        if source not in checked:
+            if prompt_key in row:
+                checked[source] = prompt_key
+            elif messages_key and messages_key in row:
+                checked[source] = messages_key
+            else:
+                raise DataError(
+                    f"{source}: missing column {prompt_key!r} (data.prompt_key) and no "
+                    f"{messages_key!r} column (data.messages_key); columns are {sorted(row)}"
+                )
+        column = checked[source]
+        if column not in row:
+            raise DataError(f"{ref}: missing column {column!r}")
+        columns.append(column)
+    return columns
+
+
+def records_from_rows(
+    rows: Sequence[Mapping[str, Any]],
+    refs: Sequence[RowRef | str],
+    tokenizer: Any,
+    data_cfg: Any,
+) -> list[dict[str, Any]]:
+    """Tokenised, filtered / truncated records of raw rows (errors name the row)."""
+    prompt_key = cfg_get(data_cfg, "prompt_key")
+    messages_key = cfg_get(data_cfg, "messages_key")
+    apply_template = bool(cfg_get(data_cfg, "apply_chat_template"))
+    max_len = int(cfg_get(data_cfg, "max_prompt_length"))
+    truncation = cfg_get(data_cfg, "truncation")
+    if truncation not in TRUNCATION_MODES:
+        raise DataError(f"data.truncation={truncation!r} is not one of {TRUNCATION_MODES}")
+    filter_overlong = bool(cfg_get(data_cfg, "filter_overlong_prompts"))
+    workers = int(cfg_get(data_cfg, "filter_overlong_prompts_workers")) if filter_overlong else 1
+
+    columns = _prompt_column(rows, refs, prompt_key, messages_key)
+    prompts = [_normalise_prompt(row[col], ref, col) for row, ref, col in zip(rows, refs, columns)]
+    for prompt, ref in zip(prompts, refs):
+        if not isinstance(prompt, str) and not apply_template:
+            raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
+    if apply_template and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("the tokenizer has no chat template; set data.apply_chat_template=False for string prompts")
+    ids_list = encode_prompts_parallel(prompts, tokenizer, apply_template, workers)
+
+    records = []
+    num_dropped = 0
+    for row, ref, prompt, ids in zip(rows, refs, prompts, ids_list):
+        if filter_overlong and len(ids) > max_len:
+            num_dropped += 1
+            continue
+        record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
+        record.update(_metadata(row, ref))
+        records.append(record)
+    if num_dropped:
+        logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",
+                    num_dropped, len(rows), max_len)
+    return records
+
+
+def _records_from_custom(dataset: Any, tokenizer: Any, data_cfg: Any, name: str) -> list[dict[str, Any]]:
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise DataError(f"data.custom_cls {name}: instances must define __len__ and __getitem__")
+    items = [dataset[i] for i in range(len(dataset))]
+    refs = [f"{name}[{i}]" for i in range(len(items))]
+    raw = [(it, ref) for it, ref in zip(items, refs) if "input_ids" not in it]
+    records: list[dict[str, Any]] = []
+    if raw:
+        records = records_from_rows([r for r, _ in raw], [ref for _, ref in raw], tokenizer, data_cfg)
+        if len(raw) != len(items):
+            raise DataError(f"data.custom_cls {name}: items mix raw rows and tokenised rows")
+        return records
+    max_len = int(cfg_get(data_cfg, "max_prompt_length"))
+    truncation = cfg_get(data_cfg, "truncation")
+    filter_overlong = bool(cfg_get(data_cfg, "filter_overlong_prompts"))
+    for item, ref in zip(items, refs):
+        ids = np.asarray(item["input_ids"]).reshape(-1)
+        if "attention_mask" in item:
+            ids = ids[np.asarray(item["attention_mask"]).reshape(-1).astype(bool)]
+        ids = ids.astype(np.int32)
+        if filter_overlong and len(ids) > max_len:
+            continue
+        record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": item.get("raw_prompt")}
+        record.update(_metadata(item, ref))
+        records.append(record)
+    return records
+
+
+def _pad_token_id(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise DataError("the tokenizer has neither pad_token_id nor eos_token_id")
+    return int(pad)
+
+
+def build_dataset(data_cfg: Any, tokenizer: Any, split: str = "train") -> PromptDataset:
+    """The `PromptDataset` of `split` ("train" reads data.train_files, "val" data.val_files)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    key = f"data.{split}_files"
+    paths = as_path_list(cfg_get(data_cfg, f"{split}_files"), key)
+    max_samples = int(cfg_get(data_cfg, f"{split}_max_samples"))
+    shuffle = bool(cfg_get(data_cfg, "shuffle"))
+    seed = cfg_get(data_cfg, "seed")
+
+    custom = cfg_get(data_cfg, "custom_cls") or {}
+    custom_path = cfg_get(custom, "path", "") or None
+    if custom_path:
+        from jaxrl_llm.rewards.custom import load_from_file
+
+        custom_name = cfg_get(custom, "name", "") or None
+        if not custom_name:
+            raise DataError("data.custom_cls.path is set but data.custom_cls.name is empty")
+        cls = load_from_file(custom_path, custom_name, "data.custom_cls")
+        records = _records_from_custom(cls(paths, tokenizer, data_cfg), tokenizer, data_cfg, custom_name)
+        records = [records[i] for i in _select_max_samples(len(records), max_samples, shuffle, seed)]
+        name = custom_name
+    else:
+        rows, refs = read_files(paths)
+        keep = _select_max_samples(len(rows), max_samples, shuffle, seed)
+        rows = [rows[i] for i in keep]
+        refs = [refs[i] for i in keep]
+        records = records_from_rows(rows, refs, tokenizer, data_cfg)
+        name = ", ".join(paths)
+    if not records:
+        raise DataError(f"{name}: empty dataset after filtering (no prompt fits data.max_prompt_length)")
+    for i, record in enumerate(records):
+        record["index"] = i
+    return PromptDataset(records, int(cfg_get(data_cfg, "max_prompt_length")), _pad_token_id(tokenizer), name)

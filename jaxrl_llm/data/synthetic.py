@@ -1,0 +1,164 @@
+"""Small verifiable tasks written as veRL-format parquet (offline data for the quickstart and tests).
+
+Tasks (data_source `synthetic/<task>`, scored by `jaxrl_llm.rewards.scorers.synthetic` through
+`default_compute_score`); `difficulty` tunes each one:
+
+  add      "What is 3 + 4?"                 operands have `difficulty` digits (1: 0..9)
+  larger   "Which is larger: 17 or 42?"     numbers have `difficulty` digits
+  repeat   "Repeat exactly: apple river"    `difficulty` words from a fixed list
+
+Every prompt asks for the bare answer. `answer_format` (stored in extra_info) picks how strictly
+it is scored: `strict` = the whole response is the answer; `lenient` = the last number (or the
+words anywhere) matches. Rows: prompt (one user message), data_source, ability,
+reward_model {style: rule, ground_truth}, extra_info {split, index, task, difficulty, answer_format}.
+Validation questions are disjoint from training questions whenever the task has enough distinct
+questions.
+
+    python -m jaxrl_llm.data.synthetic --out DIR --task add --n-train 2000 --n-val 64 \
+        [--difficulty 1] [--answer-format strict] [--seed 0]
+
+writes DIR/train.parquet and DIR/test.parquet.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+TASKS = ("add", "larger", "repeat")
+ANSWER_FORMATS = ("strict", "lenient")
+
+_WORDS = (
+    "apple river stone cloud green table music house light paper water chair bread smile "
+    "garden window silver forest candle rocket orange planet winter summer yellow pencil "
+    "bottle mirror castle dragon island jacket ladder marble needle ocean pepper rabbit "
+    "saddle tunnel violin wallet zebra anchor basket cookie desert engine falcon guitar "
+    "hammer insect jungle kettle lemon magnet nickel oyster parrot quartz ribbon sunset "
+    "tomato umbrella velvet walnut yogurt button canvas dinner feather ginger harbor"
+).split()
+
+_PROMPTS = {
+    "add": "What is {a} + {b}? Answer with only the number.",
+    "larger": "Which number is larger: {a} or {b}? Answer with only the number.",
+    "repeat": "Repeat exactly: {text}. Answer with only those words.",
+}
+_ABILITY = {"add": "arithmetic", "larger": "comparison", "repeat": "copying"}
+
+
+def _number_range(difficulty: int) -> tuple[int, int]:
+    low = 0 if difficulty == 1 else 10 ** (difficulty - 1)
+    return low, 10**difficulty - 1
+
+
+def _questions(task: str, difficulty: int) -> tuple[int, Callable[[int], dict[str, Any]]]:
+    """(number of distinct questions, question number -> template fields + answer)."""
+    if task in ("add", "larger"):
+        low, high = _number_range(difficulty)
+        span = high - low + 1
+
+        def numbers(k: int) -> dict[str, Any]:
+            a, b = low + k // span, low + k % span
+            if task == "add":
+                return {"a": a, "b": b, "answer": str(a + b)}
+            if a == b:  # "larger" needs two different numbers
+                b = low + (b - low + 1) % span
+            return {"a": a, "b": b, "answer": str(max(a, b))}
+
+        return span * span, numbers
+    if task == "repeat":
+        n = len(_WORDS)
+
+        def words(k: int) -> dict[str, Any]:
+            chosen = [_WORDS[(k // n**j) % n] for j in range(difficulty)]
+            return {"text": " ".join(chosen), "answer": " ".join(chosen)}
+
+        return n**difficulty, words
+    raise ValueError(f"unknown synthetic task {task!r}; expected one of {TASKS}")
+
+
+def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, answer_format: str = "strict",
+                seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """veRL rows of the train and validation splits (deterministic in `seed`)."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    if difficulty < 1:
+        raise ValueError(f"difficulty must be >= 1, got {difficulty}")
+    if n_train < 0 or n_val < 0 or n_train + n_val == 0:
+        raise ValueError(f"need a positive number of rows, got n_train={n_train} n_val={n_val}")
+    pool, question = _questions(task, difficulty)
+    if pool >= 2**62:
+        raise ValueError(f"difficulty={difficulty} is too large for task {task!r}")
+    rng = np.random.default_rng(seed)
+    if pool >= n_train + n_val:  # distinct questions, validation disjoint from training
+        picks = rng.choice(pool, size=n_train + n_val, replace=False)
+        val_ids, train_ids = picks[:n_val], picks[n_val:]
+    else:
+        val_ids = rng.choice(pool, size=n_val, replace=n_val > pool)
+        train_ids = rng.integers(0, pool, size=n_train)
+
+    def rows(ids: np.ndarray, split: str) -> list[dict[str, Any]]:
+        out = []
+        for index, k in enumerate(ids):
+            fields = question(int(k))
+            out.append({
+                "data_source": f"synthetic/{task}",
+                "prompt": [{"role": "user", "content": _PROMPTS[task].format(**fields)}],
+                "ability": _ABILITY[task],
+                "reward_model": {"style": "rule", "ground_truth": fields["answer"]},
+                "extra_info": {"split": split, "index": index, "task": task, "difficulty": difficulty,
+                               "answer_format": answer_format},
+            })
+        return out
+
+    return rows(train_ids, "train"), rows(val_ids, "test")
+
+
+def write_parquet(rows: list[dict[str, Any]], path: str) -> None:
+    """Writes rows atomically (a temporary file renamed into place)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".parquet.tmp")
+    os.close(fd)
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_synthetic(out_dir: str, task: str, n_train: int, n_val: int, *, difficulty: int = 1,
+                    answer_format: str = "strict", seed: int = 0) -> tuple[str, str]:
+    """Writes `out_dir/train.parquet` and `out_dir/test.parquet`; returns their paths."""
+    train, val = make_splits(task, n_train, n_val, difficulty=difficulty, answer_format=answer_format, seed=seed)
+    paths = (os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet"))
+    for rows, path in zip((train, val), paths):
+        if rows:
+            write_parquet(rows, path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--task", choices=TASKS, default="add")
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-val", type=int, default=64)
+    parser.add_argument("--difficulty", type=int, default=1)
+    parser.add_argument("--answer-format", choices=ANSWER_FORMATS, default="strict")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    train, val = write_synthetic(args.out, args.task, args.n_train, args.n_val, difficulty=args.difficulty,
+                                 answer_format=args.answer_format, seed=args.seed)
+    print(f"wrote {args.n_train} rows to {train} and {args.n_val} rows to {val}")
+
+
+if __name__ == "__main__":
+    main()

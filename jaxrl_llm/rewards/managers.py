@@ -1,0 +1,327 @@
+"""Reward managers: turn decoded responses into one scalar reward each, plus metrics.
+
+    manager = build_reward_manager(config)        # reward_model.reward_manager: naive | prime | dapo
+    result = manager.score(responses, data_source, ground_truth, extra_info,
+                           response_lengths=..., finished_with_eos=...)
+    result.scores             float32[B]  scorer score + shaping (put it on the last response token)
+    result.reward_extra_info  {key: array[B]}  "score" (the scorer's score before shaping), the
+                              extra keys of dict-valued scores ("acc", "pred", ...), and
+                              "overlong_reward" / "overlong" when overlong_buffer_cfg.log
+    result.metrics            {name: float}  reward/num_errors, reward/num_timeouts, and shaping stats
+
+`naive` (and `dapo`, the same in-process manager under veRL's name) calls the scorer in this
+process; `prime` calls it in a pool of `num_workers` spawned processes with a per-call timeout of
+`timeout_s` seconds. A call that raises (or, under prime, runs past the timeout or kills its
+worker) scores 0 and is counted; the run goes on. `UnknownDataSourceError` is a config mistake
+and is raised. Hung workers are killed and replaced; the pool's processes are daemons killed at
+`close()` or interpreter exit, so nothing hangs the process.
+Responses should be decoded without special tokens (veRL: skip_special_tokens=True).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxrl_llm.rewards.custom import ScorerSpec, scorer_spec_from_config
+from jaxrl_llm.rewards.scorers import UnknownDataSourceError
+from jaxrl_llm.rewards.shaping import missing_eos_penalty, overlong_penalty
+
+logger = logging.getLogger(__name__)
+
+REWARD_MANAGERS = ("naive", "prime", "dapo")
+
+
+class RewardResult(NamedTuple):
+    scores: np.ndarray
+    reward_extra_info: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+
+class _Failure(NamedTuple):
+    kind: str  # "error" | "timeout"
+    message: str
+
+
+def _check_score(result: Any) -> Any:
+    """A float, or a dict whose "score" is a number; anything else is an error for that sample."""
+    value = result.get("score") if isinstance(result, dict) else result
+    if isinstance(value, (bool, int, float, np.number)) and np.isfinite(float(value)):
+        return result
+    raise TypeError(f"compute_score must return a finite number or a dict with a numeric 'score', got {result!r}")
+
+
+def _stack(values: list[Any]) -> np.ndarray:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, (bool, int, float, np.number)) for v in present):
+        return np.asarray([np.nan if v is None else float(v) for v in values], dtype=np.float32)
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+class RewardManager:
+    """Scores responses with a veRL `compute_score` and applies shaping (see module docstring)."""
+
+    def __init__(
+        self,
+        compute_score: ScorerSpec | Callable[..., Any] | None = None,
+        *,
+        overlong_buffer_cfg: Any = None,
+        max_resp_len: int | None = None,
+        missing_eos_penalty: float | None = None,
+    ):
+        self.spec = compute_score if isinstance(compute_score, ScorerSpec) or compute_score is None else None
+        if compute_score is None:
+            self.spec = ScorerSpec()
+        # load now so a bad custom_reward_function fails at startup, not at the first step
+        self.compute_score = self.spec.load() if self.spec is not None else compute_score
+        self.overlong = None
+        if overlong_buffer_cfg is not None and _get(overlong_buffer_cfg, "enable", False):
+            if max_resp_len is None:
+                raise ValueError("reward_model.reward_kwargs.max_resp_len is required with overlong_buffer_cfg")
+            self.overlong = {
+                "len": int(_get(overlong_buffer_cfg, "len", 0)),
+                "penalty_factor": float(_get(overlong_buffer_cfg, "penalty_factor", 1.0)),
+                "log": bool(_get(overlong_buffer_cfg, "log", False)),
+            }
+            overlong_penalty(np.zeros(1), int(max_resp_len), self.overlong["len"], 1.0)  # validates
+        self.max_resp_len = max_resp_len
+        self.missing_eos_penalty = missing_eos_penalty
+
+    def _call_all(self, calls: list[dict[str, Any]]) -> list[Any]:
+        results: list[Any] = []
+        for kwargs in calls:
+            try:
+                results.append(_check_score(self.compute_score(**kwargs)))
+            except UnknownDataSourceError:
+                raise
+            except Exception as err:  # a bad sample must not stop the run
+                results.append(_Failure("error", f"{type(err).__name__}: {err}"))
+        return results
+
+    def score(
+        self,
+        responses: Sequence[str],
+        data_source: Sequence[str],
+        ground_truth: Sequence[Any],
+        extra_info: Sequence[dict | None] | None = None,
+        response_lengths: np.ndarray | None = None,
+        finished_with_eos: np.ndarray | None = None,
+    ) -> RewardResult:
+        b = len(responses)
+        if extra_info is None:
+            extra_info = [None] * b
+        for name, seq in (("data_source", data_source), ("ground_truth", ground_truth), ("extra_info", extra_info)):
+            if len(seq) != b:
+                raise ValueError(f"{name} has {len(seq)} entries for {b} responses")
+        calls = [
+            {"data_source": ds, "solution_str": r, "ground_truth": gt, "extra_info": ei}
+            for r, ds, gt, ei in zip(responses, data_source, ground_truth, extra_info)
+        ]
+        results = self._call_all(calls)
+
+        raw = np.zeros(b, dtype=np.float32)
+        extra_keys: dict[str, list[Any]] = {}
+        failures = [r for r in results if isinstance(r, _Failure)]
+        for i, result in enumerate(results):
+            if isinstance(result, _Failure):
+                continue
+            if isinstance(result, dict):
+                raw[i] = float(result["score"])
+                for key, value in result.items():
+                    if key != "score":
+                        extra_keys.setdefault(key, [None] * b)[i] = value
+            else:
+                raw[i] = float(result)
+        if failures:
+            logger.warning("reward: %d of %d scorer calls failed (score 0); first: %s",
+                           len(failures), b, failures[0].message)
+
+        scores = raw.copy()
+        info = {"score": raw.copy(), **{k: _stack(v) for k, v in extra_keys.items()}}
+        metrics = {
+            "reward/num_errors": float(sum(f.kind == "error" for f in failures)),
+            "reward/num_timeouts": float(sum(f.kind == "timeout" for f in failures)),
+        }
+        if self.overlong is not None:
+            if response_lengths is None:
+                raise ValueError("overlong reward shaping needs response_lengths")
+            penalty = overlong_penalty(response_lengths, int(self.max_resp_len), self.overlong["len"],
+                                       self.overlong["penalty_factor"])
+            scores += penalty
+            if self.overlong["log"]:
+                info["overlong_reward"] = penalty
+                info["overlong"] = penalty < 0
+                metrics["reward/overlong_reward/mean"] = float(penalty.mean())
+                metrics["reward/overlong/frac"] = float((penalty < 0).mean())
+        if self.missing_eos_penalty is not None:
+            if finished_with_eos is None:
+                raise ValueError("missing_eos_penalty needs finished_with_eos")
+            penalty = missing_eos_penalty(finished_with_eos, self.missing_eos_penalty)
+            scores += penalty
+            metrics["reward/missing_eos/frac"] = float((penalty < 0).mean())
+        return RewardResult(scores.astype(np.float32), info, metrics)
+
+    def close(self) -> None:
+        """Releases worker processes (none for the in-process manager)."""
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, spec: ScorerSpec) -> None:
+    fn = spec.load()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        task_id, kwargs = message
+        try:
+            reply = (task_id, "ok", fn(**kwargs))
+        except UnknownDataSourceError as err:
+            reply = (task_id, "unknown", str(err))
+        except BaseException as err:  # noqa: BLE001 - report anything the user function raises
+            reply = (task_id, "error", f"{type(err).__name__}: {err}")
+        try:
+            conn.send(reply)
+        except Exception as err:  # result not picklable
+            conn.send((task_id, "error", f"result cannot be sent back: {type(err).__name__}: {err}"))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, spec: ScorerSpec):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.process.start()
+        child.close()
+        self.task: int | None = None
+        self.started = 0.0
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.kill()
+    workers.clear()
+
+
+class PrimeRewardManager(RewardManager):
+    """`RewardManager` whose scorer calls run in a process pool with a per-call timeout."""
+
+    def __init__(self, compute_score: ScorerSpec | Callable[..., Any] | None = None, *,
+                 timeout_s: float = 10.0, num_workers: int | None = None, **kwargs: Any):
+        super().__init__(compute_score, **kwargs)
+        if self.spec is None:
+            # a plain callable must be importable by reference in the worker
+            self.spec = _spec_for_callable(self.compute_score)
+        self.timeout_s = float(timeout_s)
+        self.num_workers = int(num_workers or min(8, os.cpu_count() or 1))
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []  # started on first use
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+
+    def _call_all(self, calls: list[dict[str, Any]]) -> list[Any]:
+        while len(self._workers) < min(self.num_workers, len(calls)):
+            self._workers.append(_Worker(self._ctx, self.spec))
+        results: list[Any] = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        idle = deque(self._workers)
+        busy: dict[Any, _Worker] = {}
+        while pending or busy:
+            while pending and idle:
+                worker = idle.popleft()
+                worker.task, worker.started = pending.popleft(), time.monotonic()
+                worker.conn.send((worker.task, calls[worker.task]))
+                busy[worker.conn] = worker
+            deadline = min(w.started for w in busy.values()) + self.timeout_s
+            ready = multiprocessing.connection.wait(list(busy), timeout=max(0.0, deadline - time.monotonic()))
+            for conn in ready:
+                worker = busy.pop(conn)
+                try:
+                    task_id, status, value = conn.recv()
+                except (EOFError, OSError):  # the worker died (os._exit, segfault, ...)
+                    results[worker.task] = _Failure("error", "scorer process died")
+                    idle.append(self._replace(worker))
+                    continue
+                if status == "unknown":
+                    raise UnknownDataSourceError(value)
+                if status == "ok":
+                    try:
+                        results[task_id] = _check_score(value)
+                    except TypeError as err:
+                        results[task_id] = _Failure("error", str(err))
+                else:
+                    results[task_id] = _Failure("error", value)
+                idle.append(worker)
+            now = time.monotonic()
+            for conn, worker in list(busy.items()):
+                if now - worker.started >= self.timeout_s:
+                    results[worker.task] = _Failure("timeout", f"scorer call ran over {self.timeout_s}s")
+                    del busy[conn]
+                    idle.append(self._replace(worker))
+        return results
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        fresh = _Worker(self._ctx, self.spec)
+        self._workers[self._workers.index(worker)] = fresh
+        return fresh
+
+    def close(self) -> None:
+        _kill_all(self._workers)
+
+
+def _spec_for_callable(fn: Callable[..., Any]) -> ScorerSpec:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", "")
+    mod = __import__("sys").modules.get(module) if module else None
+    path = getattr(mod, "__file__", None)
+    if path is None or "<" in name or "." in name:
+        raise ValueError(f"the prime reward manager needs a module-level function, got {fn!r}")
+    return ScorerSpec(os.path.abspath(path), name)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def build_reward_manager(config: Any) -> RewardManager:
+    """The reward manager the config asks for (reads reward_model.*, custom_reward_function.*, data.*)."""
+    reward_model = _get(config, "reward_model")
+    kind = _get(reward_model, "reward_manager", "naive")
+    if kind not in REWARD_MANAGERS:
+        raise ValueError(f"reward_model.reward_manager={kind!r} is not one of {REWARD_MANAGERS}")
+    reward_kwargs = _get(reward_model, "reward_kwargs")
+    common = dict(
+        overlong_buffer_cfg=_get(reward_kwargs, "overlong_buffer_cfg"),
+        max_resp_len=_get(reward_kwargs, "max_resp_len", _get(_get(config, "data"), "max_response_length")),
+        missing_eos_penalty=_get(reward_model, "missing_eos_penalty"),
+    )
+    spec = scorer_spec_from_config(config)
+    if kind == "prime":
+        return PrimeRewardManager(spec, timeout_s=_get(reward_kwargs, "timeout_s", 10.0),
+                                  num_workers=_get(reward_kwargs, "num_workers"), **common)
+    return RewardManager(spec, **common)

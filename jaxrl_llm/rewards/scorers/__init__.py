@@ -1,0 +1,47 @@
+"""Rule-based scorers and `default_compute_score`, the veRL-compatible dispatch on `data_source`.
+
+    default_compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+  openai/gsm8k                                   gsm8k.compute_score (strict `#### N`; 1 / 0)
+  lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500
+                                                 math_boxed.compute_score (last \\boxed{}; 1 / 0)
+  math_dapo, math, math_dapo_reasoning, aime*    math_dapo.compute_score (`Answer:`; dict, 1 / -1)
+  synthetic/<task>                               synthetic.compute_score (1 / 0)
+
+Another data source raises `UnknownDataSourceError` (a config problem, not a bad sample: the
+reward managers let it through instead of scoring 0).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxrl_llm.rewards.scorers import gsm8k, math_boxed, math_dapo, synthetic
+
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+
+
+class UnknownDataSourceError(NotImplementedError):
+    """default_compute_score has no scorer for this data_source."""
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
+) -> float | dict:
+    """veRL's default scorer dispatch; a dict result keeps its extra keys (they become metrics)."""
+    if data_source == "openai/gsm8k":
+        result: Any = gsm8k.compute_score(solution_str, ground_truth, method=kwargs.get("method", "strict"))
+    elif data_source in MATH_SOURCES:
+        result = math_boxed.compute_score(solution_str, ground_truth)
+    elif data_source in DAPO_SOURCES or data_source.startswith("aime"):
+        result = math_dapo.compute_score(solution_str, ground_truth)
+    elif data_source.startswith("synthetic/"):
+        result = synthetic.compute_score(solution_str, ground_truth, extra_info)
+    else:
+        raise UnknownDataSourceError(
+            f"no built-in scorer for data_source={data_source!r}; set custom_reward_function.path"
+        )
+    return result if isinstance(result, dict) else float(result)
+
+
+__all__ = ["default_compute_score", "UnknownDataSourceError", "MATH_SOURCES", "DAPO_SOURCES"]

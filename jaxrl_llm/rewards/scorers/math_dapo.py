@@ -1,0 +1,77 @@
+"""DAPO math scorer (`math_dapo`, `math`, `aime*`) with veRL's semantics: the last
+`Answer: <x>` line of the response's final 300 characters (Minerva normalisation), falling back to
+the last `\\boxed{...}` of its final 100 characters when there is no `Answer:`; 1.0 when it equals
+the normalised ground truth, else -1.0. Returns {"score", "acc", "pred"}."""
+from __future__ import annotations
+
+import re
+
+_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+_REMOVED = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+    "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
+    "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
+    "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)
+
+
+def normalise_final_answer(answer: str) -> str:
+    """Minerva-style normalisation of a final answer (units, TeX wrappers, shorthand fractions)."""
+    answer = answer.split("=")[-1]
+    for before, after in _SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expression in _REMOVED:
+        answer = answer.replace(expression, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)
+    answer = re.sub(r"(\\text\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\textbf\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\overline\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def _last_boxed_content(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for end in range(start, len(text)):
+        if text[end] == "{":
+            depth += 1
+        elif text[end] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{"):end]
+    return None
+
+
+def verify(response: str, ground_truth: str, strict_box_verify: bool = False) -> tuple[bool, str | None]:
+    """(correct, prediction) for an already tail-cut response."""
+    if strict_box_verify:
+        pred = _last_boxed_content(response[-100:])
+        return pred == ground_truth, pred
+    found = _ANSWER.findall(response)
+    pred = normalise_final_answer(found[-1] if found else "[INVALID]")
+    if pred != "[INVALID]":
+        return pred == normalise_final_answer(ground_truth), pred
+    boxed = _last_boxed_content(response[-100:])
+    if boxed is not None:
+        boxed = normalise_final_answer(boxed)
+        return boxed == normalise_final_answer(ground_truth), boxed
+    return pred == normalise_final_answer(ground_truth), pred
+
+
+def compute_score(response: str, ground_truth: str, strict_box_verify: bool = False) -> dict:
+    correct, pred = verify(response[-300:], ground_truth, strict_box_verify)
+    return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred}

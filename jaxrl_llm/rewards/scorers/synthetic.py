@@ -1,0 +1,30 @@
+"""Scorer for the synthetic tasks of `jaxrl_llm.data.synthetic` (data sources `synthetic/<task>`).
+
+`extra_info["answer_format"]` picks the rule (default "strict"):
+  strict   the whole response, stripped of surrounding whitespace, equals the ground truth;
+  lenient  numeric answers: the last integer in the response equals it; text answers: it appears
+           as whole words, case-insensitively.
+Scores are 1.0 / 0.0.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+ANSWER_FORMATS = ("strict", "lenient")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def compute_score(response: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
+    answer_format = (extra_info or {}).get("answer_format", "strict")
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"extra_info['answer_format']={answer_format!r} is not one of {ANSWER_FORMATS}")
+    truth = str(ground_truth).strip()
+    if answer_format == "strict":
+        return float(response.strip() == truth)
+    if _INTEGER.fullmatch(truth):
+        numbers = _INTEGER.findall(response)
+        return float(bool(numbers) and int(numbers[-1]) == int(truth))
+    pattern = r"(?<!\w)" + r"\s+".join(re.escape(w) for w in truth.split()) + r"(?!\w)"
+    return float(re.search(pattern, response, flags=re.IGNORECASE) is not None)
