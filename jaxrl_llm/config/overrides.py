@@ -120,6 +120,8 @@ def parse_value(text: str) -> Any:
     if low in ("true", "false"):
         return low == "true"
     for cast in (int, float):
+        if "_" in s:  # Python reads "0.5_2" as 0.52; here it is a k1 ratio range "lo_hi"
+            break
         try:
             return cast(s)
         except ValueError:

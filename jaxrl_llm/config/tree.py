@@ -299,7 +299,7 @@ TRAINER = {
     "total_training_steps": field(None, "Stop after this many steps; derived: epochs x batches per epoch. "
                                         "veRL.", types=int),
     "project_name": field("jaxrl_llm", "Logger project (W&B / TensorBoard). veRL."),
-    "experiment_name": field("default", "Run name. veRL."),
+    "experiment_name": field("default", "Run name (logger run, default_local_dir). veRL."),
     "logger": field(["console", "jsonl"], "Sinks: console, jsonl (<default_local_dir>/metrics.jsonl), "
                                           "tensorboard, wandb. veRL."),
     "log_val_generations": field(0, "Sample generations logged as a table per validation. veRL "

@@ -1,0 +1,52 @@
+"""launch/train.py --dry_run: --config.x=y overrides and veRL-style a.b=c after --."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run(*args):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _split(stdout: str):
+    head, _, tail = stdout.partition("\nbatch: ")
+    return yaml.safe_load(head), "batch: " + tail
+
+
+def test_dry_run_with_flag_and_verl_overrides(tmp_path):
+    proc = run("--config=configs/tiny.py", "--dry_run", "--config.actor_rollout_ref.actor.optim.lr=2e-6",
+               f"--config.trainer.default_local_dir={tmp_path}", "--",
+               "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+               "num_generations=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+               "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "trainer.logger=[console,jsonl]")
+    assert proc.returncode == 0, proc.stderr
+    cfg, summary = _split(proc.stdout)
+    actor = cfg["actor_rollout_ref"]["actor"]
+    assert actor["optim"]["lr"] == 2e-6
+    assert actor["ppo_micro_batch_size_per_device"] == 1
+    assert cfg["actor_rollout_ref"]["rollout"]["n"] == 4
+    assert cfg["trainer"]["logger"] == ["console", "jsonl"]
+    assert cfg["data"]["train_files"] == f"{tmp_path}/data/train.jsonl"
+    assert "gpu_memory_utilization has no effect in jaxrl_llm" in proc.stderr
+    assert "8 prompts x n=4 = 32 sequences per step; data-parallel size 8 -> 4 sequences/device" in summary
+    assert "2 mini-batch(es) of 4 prompts = 16 sequences (2/device)" in summary
+    assert "micro-batch 1/device -> 2 accumulation step(s)" in summary
+
+
+def test_dry_run_reports_a_config_error_in_one_line():
+    proc = run("--config=configs/tiny.py", "--dry_run", "--", "actor_rollout_ref.actor.ppo_mini_batch=3")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "config error: actor_rollout_ref.actor.ppo_mini_batch: unknown config key; did you mean "
+        "actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.actor.ppo_epochs, "
+        "actor_rollout_ref.actor.clip_ratio_c?")
+    proc = run("--config=configs/tiny.py", "--dry_run", "--config.actor_rollout_ref.rollout.n=3")
+    assert proc.returncode != 0
+    assert "config error: actor_rollout_ref.actor.ppo_mini_batch_size=4: 4 prompts x rollout.n=3" in proc.stderr

@@ -1,0 +1,179 @@
+"""validate_config: derived values, batch arithmetic, and one message naming the key per failure."""
+import pytest
+
+from jaxrl_llm.config import (ConfigError, apply_overrides, batch_plan, default_config, format_batch_summary,
+                              resolve_total_steps, validate_config)
+
+
+def _cfg(*overrides):
+    base = ["actor_rollout_ref.model.path=tiny:llama", "data.tokenizer=tok", "data.train_files=train.parquet",
+            "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.rollout.n=4", "data.max_prompt_length=64", "data.max_response_length=32"]
+    return apply_overrides(default_config(), base + list(overrides))
+
+
+def _validate(cfg, dp=2, **kw):
+    kw.setdefault("check_paths", False)
+    return validate_config(cfg, dp_size=dp, **kw)
+
+
+def test_derived_values():
+    cfg = _validate(_cfg("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                         "trainer.project_name=p", "trainer.experiment_name=e"))
+    a, arr = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref
+    assert (a.clip_ratio_low, a.clip_ratio_high) == (0.3, 0.28)
+    assert a.ppo_micro_batch_size_per_device == 8 * 4 // 2  # whole per-device mini-batch
+    assert arr.ref.log_prob_micro_batch_size_per_device == 16
+    assert arr.rollout.log_prob_micro_batch_size_per_device == 16
+    assert arr.rollout.response_length == 32
+    assert cfg.data.val_batch_size == 16
+    assert cfg.critic.enable is True  # adv_estimator defaults to gae
+    assert cfg.critic.model.path == "tiny:llama" and cfg.critic.ppo_mini_batch_size == 8
+    assert cfg.critic.loss_agg_mode == "token-mean" and cfg.critic.ppo_epochs == 1
+    assert cfg.trainer.default_local_dir == "checkpoints/p/e"
+    assert cfg.reward_model.reward_kwargs.max_resp_len == 32 and cfg.reward_model.max_length == 96
+    grpo = _validate(_cfg("algorithm.adv_estimator=grpo"))
+    assert grpo.critic.enable is False
+
+
+def test_validate_returns_a_copy_and_is_idempotent():
+    cfg = _cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
+    before = cfg.to_dict()
+    once = _validate(cfg, num_train_samples=100)
+    assert cfg.to_dict() == before
+    assert _validate(once, num_train_samples=100).to_dict() == once.to_dict()
+    assert once.trainer.total_training_steps == (100 // 16) * 30
+    assert once.actor_rollout_ref.actor.optim.total_training_steps == 180
+    assert once.actor_rollout_ref.actor.optim.lr_warmup_steps == 18
+
+
+def test_resolve_total_steps_respects_max_samples_and_explicit_steps():
+    cfg = _validate(_cfg("algorithm.adv_estimator=grpo", "data.train_max_samples=40", "trainer.total_epochs=2"))
+    assert resolve_total_steps(cfg, 1000).trainer.total_training_steps == (40 // 16) * 2
+    fixed = _validate(_cfg("algorithm.adv_estimator=grpo", "trainer.total_training_steps=7"))
+    assert fixed.actor_rollout_ref.actor.optim.total_training_steps == 7
+    with pytest.raises(ConfigError, match=r"^data.train_batch_size=16 is larger than the 10 training prompts"):
+        resolve_total_steps(fixed, 10)
+
+
+def test_batch_plan_numbers():
+    cfg = _validate(_cfg("data.train_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                         "actor_rollout_ref.actor.ppo_epochs=2", "algorithm.adv_estimator=grpo"), dp=4)
+    plan = batch_plan(cfg, 4)
+    assert (plan.sequences, plan.sequences_per_device, plan.max_tokens_per_step) == (128, 32, 128 * 96)
+    a = plan.actor
+    assert (a.mini_batches, a.mini_batch_sequences, a.per_device, a.accumulation_steps, a.optimizer_steps) == \
+        (4, 32, 8, 2, 8)
+    assert plan.critic is None
+    text = format_batch_summary(cfg, 4)
+    assert "32 prompts x n=4 = 128 sequences per step; data-parallel size 4 -> 32 sequences/device" in text
+    assert "micro-batch 4/device -> 2 accumulation step(s)" in text
+
+
+@pytest.mark.parametrize("overrides,dp,prefix", [
+    (["algorithm.adv_estimator=grpoo"], 2, "algorithm.adv_estimator='grpoo': unknown name; valid: "),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], 2, "actor_rollout_ref.actor.policy_loss.loss_mode='ppo'"),
+    (["actor_rollout_ref.actor.kl_loss_type=k4"], 2, "actor_rollout_ref.actor.kl_loss_type='k4'"),
+    (["algorithm.kl_penalty=bogus"], 2, "algorithm.kl_penalty='bogus'"),
+    (["actor_rollout_ref.actor.loss_agg_mode=mean"], 2, "actor_rollout_ref.actor.loss_agg_mode='mean'"),
+    (["reward_model.reward_manager=fast"], 2, "reward_model.reward_manager='fast'"),
+    (["data.truncation=cut"], 2, "data.truncation='cut'"),
+    (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], 2,
+     "actor_rollout_ref.actor.optim.lr_scheduler_type='linear'"),
+    (["trainer.resume_mode=latest"], 2, "trainer.resume_mode='latest'"),
+    (["trainer.logger=[console,mlflow]"], 2, "trainer.logger: unknown sink 'mlflow'"),
+    (["actor_rollout_ref.model.path=tiny:gpt2"], 2, "actor_rollout_ref.model.path='tiny:gpt2'"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=5"], 2,
+     "actor_rollout_ref.actor.ppo_mini_batch_size=5: must divide data.train_batch_size=16"),
+    (["actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_mini_batch_size=1"], 2,
+     "actor_rollout_ref.actor.ppo_mini_batch_size=1: 1 prompts x rollout.n=3 = 3 sequences do not split over "
+     "the data-parallel size 2"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_device=3"], 2,
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=3: must divide the per-device mini-batch"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_device=4",
+      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=5"], 2,
+     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device=5: must divide the per-device batch"),
+    (["critic.ppo_micro_batch_size_per_device=3"], 2, "critic.ppo_micro_batch_size_per_device=3"),
+    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_device=50",
+      "algorithm.adv_estimator=grpo"], 2, "actor_rollout_ref.actor.ppo_max_token_len_per_device=50: smaller than"),
+    (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], 2, "actor_rollout_ref.rollout.n=1:"),
+    (["actor_rollout_ref.rollout.response_length=16"], 2, "actor_rollout_ref.rollout.response_length=16 differs"),
+    (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 2, "actor_rollout_ref.actor.clip_ratio_c=0.5: dual-clip"),
+    (["actor_rollout_ref.rollout.top_p=0"], 2, "actor_rollout_ref.rollout.top_p=0.0: must be in (0, 1]"),
+    (["actor_rollout_ref.actor.optim.lr=-1"], 2, "actor_rollout_ref.actor.optim.lr=-1.0: must be > 0"),
+    (["actor_rollout_ref.actor.optim.betas=[0.9]"], 2, "actor_rollout_ref.actor.optim.betas=[0.9]"),
+    (["data.train_batch_size=abc"], 2, "data.train_batch_size='abc': expected int, got str"),
+    (["actor_rollout_ref.actor.use_kl_loss=1"], 2, "actor_rollout_ref.actor.use_kl_loss=1: expected bool"),
+    (["data.max_prompt_length=200"], 2, "data.max_prompt_length=200: prompt + response (200 + 32 = 232) "
+                                         "exceeds the model context of 128 positions"),
+    (["algorithm.rollout_correction.rollout_rs=token_k9", "algorithm.rollout_correction.rollout_rs_threshold=2"],
+     2, "algorithm.rollout_correction.rollout_rs: unknown mode 'token_k9'"),
+    (["algorithm.rollout_correction.rollout_rs=token_k1"], 2,
+     "algorithm.rollout_correction.rollout_rs_threshold=None: required"),
+    (["algorithm.rollout_correction.rollout_rs=seq_max_k2",
+      "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"], 2,
+     "algorithm.rollout_correction.rollout_rs_threshold='0.5_2'"),
+    (["trainer.resume_mode=resume_path"], 2, "trainer.resume_from_path=None: required"),
+    (["algorithm.trl_rloo.enable=true", "algorithm.adv_estimator=grpo"], 2, "algorithm.adv_estimator='grpo':"),
+    (["critic.enable=false"], 2, "critic.enable=False: algorithm.adv_estimator='gae' needs a critic"),
+    (["reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"], 2,
+     "reward_model.reward_kwargs.overlong_buffer_cfg.len=4096: must be shorter than max_resp_len=32"),
+    (["mesh.data=-1"], None, "mesh.fsdp=-1: only one mesh axis may be -1 (mesh.data is -1 too)"),
+    (["mesh.tensor=3"], None, "mesh.tensor=3: mesh"),
+    (["actor_rollout_ref.model.path=null"], 2, "actor_rollout_ref.model.path=None: set the policy"),
+    (["data.tokenizer=null"], 2, "data.tokenizer=None: a tiny:llama model needs a tokenizer path"),
+])
+def test_each_failure_is_one_message_naming_the_key(overrides, dp, prefix):
+    cfg = _cfg("actor_rollout_ref.model.tiny.max_position_embeddings=128", *overrides)
+    with pytest.raises(ConfigError) as err:
+        if dp is None:
+            validate_config(cfg, num_devices=8, check_paths=False)
+        else:
+            _validate(cfg, dp=dp)
+    message = str(err.value)
+    assert message.startswith(prefix), message
+    assert "\n" not in message
+
+
+def test_model_max_positions_argument():
+    cfg = _cfg("actor_rollout_ref.model.path=/m.gguf", "algorithm.adv_estimator=grpo")
+    _validate(cfg, model_max_positions=96)
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_length=64: .* exceeds the model context of 95"):
+        _validate(cfg, model_max_positions=95)
+
+
+def test_mesh_sizes_give_dp_size():
+    cfg = _cfg("algorithm.adv_estimator=grpo", "mesh.data=2", "mesh.fsdp=-1", "mesh.tensor=2")
+    out = validate_config(cfg, num_devices=8, check_paths=False)
+    assert out.actor_rollout_ref.actor.ppo_micro_batch_size_per_device == 8 * 4 // 4  # dp = 2 x 2
+
+
+def test_paths_must_exist(tmp_path):
+    train = tmp_path / "train.parquet"
+    train.write_bytes(b"")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")
+    ok = _cfg(f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}", "algorithm.adv_estimator=grpo",
+              "data.tokenizer=null")  # derived: the model path
+    validate_config(ok, dp_size=2)
+    cases = [
+        (f"data.train_files={tmp_path}/missing.parquet", "data.train_files="),
+        (f"data.val_files=[{train},{tmp_path}/nope.jsonl]", "data.val_files="),
+        (f"actor_rollout_ref.model.path={tmp_path}/missing", "actor_rollout_ref.model.path="),
+        (f"custom_reward_function.path={tmp_path}/reward.py", "custom_reward_function.path="),
+        (f"data.tokenizer={tmp_path}/tok", "data.tokenizer="),
+    ]
+    for override, prefix in cases:
+        with pytest.raises(ConfigError) as err:
+            validate_config(apply_overrides(ok.copy_and_resolve_references(), [override]), dp_size=2)
+        assert str(err.value).startswith(prefix) and "not found" in str(err.value)
+
+
+def test_synthetic_task_derives_data_files_and_steps(tmp_path):
+    (tmp_path / "tok.gguf").write_bytes(b"")
+    cfg = _cfg("data.train_files=null", f"data.tokenizer={tmp_path}/tok.gguf", "data.synthetic.task=arithmetic", "data.synthetic.n_train=64",
+               "trainer.default_local_dir=/tmp/run", "trainer.total_epochs=2", "algorithm.adv_estimator=grpo")
+    out = validate_config(cfg, dp_size=2)  # paths checked: synthetic files are written by the trainer
+    assert out.data.train_files == "/tmp/run/data/train.jsonl"
+    assert out.data.val_files == "/tmp/run/data/val.jsonl"
+    assert out.trainer.total_training_steps == (64 // 16) * 2
