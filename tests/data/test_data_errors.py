@@ -1,0 +1,80 @@
+"""Bad data inputs: one DataError naming the file (and row / line) and the problem."""
+import pandas as pd
+import pytest
+
+from jaxrl_llm.data import DataError, build_dataset, make_dataloader
+
+
+def cfg(path, **kw):
+    return {"train_files": str(path), "max_prompt_length": 64, "train_batch_size": 2, **kw}
+
+
+def test_missing_path(tmp_path, char_tok):
+    with pytest.raises(DataError, match=r"nope\.parquet: no such file"):
+        build_dataset(cfg(tmp_path / "nope.parquet"), char_tok, "train")
+    with pytest.raises(DataError, match="data.train_files is not set"):
+        build_dataset({}, char_tok, "train")
+
+
+def test_unsupported_suffix(tmp_path, char_tok):
+    (tmp_path / "d.txt").write_text("hi")
+    with pytest.raises(DataError, match=r"d\.txt: unsupported file type '\.txt'"):
+        build_dataset(cfg(tmp_path / "d.txt"), char_tok, "train")
+
+
+def test_missing_column(tmp_path, char_tok):
+    pd.DataFrame({"question": ["a", "b"]}).to_parquet(tmp_path / "q.parquet")
+    with pytest.raises(DataError, match=r"q\.parquet: missing column 'prompt' \(data.prompt_key\).*\['question'\]"):
+        build_dataset(cfg(tmp_path / "q.parquet"), char_tok, "train")
+    # the configured key is the one named
+    with pytest.raises(DataError, match="missing column 'text'"):
+        build_dataset(cfg(tmp_path / "q.parquet", prompt_key="text"), char_tok, "train")
+
+
+@pytest.mark.parametrize("name,content", [("e.jsonl", "\n\n"), ("e.json", "[]"), ("e.csv", "")])
+def test_empty_dataset(tmp_path, char_tok, name, content):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=rf"{name.replace('.', r'.')}: empty dataset"):
+        build_dataset(cfg(tmp_path / name), char_tok, "train")
+
+
+def test_empty_parquet_and_all_filtered(tmp_path, char_tok):
+    pd.DataFrame({"prompt": pd.Series([], dtype=str)}).to_parquet(tmp_path / "e.parquet")
+    with pytest.raises(DataError, match=r"e\.parquet: empty dataset"):
+        build_dataset(cfg(tmp_path / "e.parquet"), char_tok, "train")
+    pd.DataFrame({"prompt": ["x" * 100]}).to_parquet(tmp_path / "long.parquet")
+    with pytest.raises(DataError, match="empty dataset after filtering"):
+        build_dataset(cfg(tmp_path / "long.parquet", filter_overlong_prompts=True), char_tok, "train")
+
+
+def test_malformed_jsonl_line(tmp_path, char_tok):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl line 3: malformed JSON"):
+        build_dataset(cfg(tmp_path / "bad.jsonl"), char_tok, "train")
+
+
+@pytest.mark.parametrize("value", [5, ["just", "strings"], {"role": "user"}, None])
+def test_prompt_neither_string_nor_messages(tmp_path, char_tok, value):
+    import json
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": value}) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl line 2: column 'prompt' is neither a string nor a list of chat"):
+        build_dataset(cfg(tmp_path / "p.jsonl"), char_tok, "train")
+
+
+def test_messages_without_template(tmp_path, char_tok):
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "hi"}]]}).to_parquet(tmp_path / "m.parquet")
+    with pytest.raises(DataError, match=r"m\.parquet row 0: prompt is a message list but data.apply_chat_template=False"):
+        build_dataset(cfg(tmp_path / "m.parquet", apply_chat_template=False), char_tok, "train")
+
+
+def test_too_few_rows_for_a_batch(tmp_path, char_tok):
+    pd.DataFrame({"prompt": ["a", "b"]}).to_parquet(tmp_path / "s.parquet")
+    with pytest.raises(DataError, match="2 prompts, fewer than one batch of 4"):
+        make_dataloader(cfg(tmp_path / "s.parquet"), char_tok, "train", batch_size=4)
+
+
+def test_bad_truncation_mode(tmp_path, char_tok):
+    pd.DataFrame({"prompt": ["a"]}).to_parquet(tmp_path / "s.parquet")
+    with pytest.raises(DataError, match="data.truncation='sideways'"):
+        build_dataset(cfg(tmp_path / "s.parquet", truncation="sideways"), char_tok, "train")

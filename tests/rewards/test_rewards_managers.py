@@ -1,0 +1,161 @@
+"""Custom reward functions, naive / prime reward managers, shaping."""
+import subprocess
+import sys
+import textwrap
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxrl_llm.rewards import (
+    PrimeRewardManager,
+    RewardFunctionError,
+    RewardManager,
+    ScorerSpec,
+    UnknownDataSourceError,
+    build_reward_manager,
+    load_reward_fn,
+    missing_eos_penalty,
+    overlong_penalty,
+)
+
+USER_REWARD = '''
+import os
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        while True:
+            time.sleep(0.05)
+    if solution_str == "raise":
+        raise RuntimeError("scorer bug")
+    if solution_str == "die":
+        os._exit(3)
+    if solution_str == "nan":
+        return float("nan")
+    if solution_str == "dict":
+        return {"score": 0.5, "acc": True, "pred": "d"}
+    return float(solution_str == ground_truth)
+
+def length_score(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) + (extra_info or {}).get("bonus", 0)
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(USER_REWARD)
+    return path
+
+
+def config(path=None, name=None, **reward_model):
+    return ml_collections.ConfigDict({
+        "custom_reward_function": {"path": str(path) if path else None, "name": name or "compute_score"},
+        "reward_model": {"reward_manager": "naive", "missing_eos_penalty": None,
+                         "reward_kwargs": {"timeout_s": 10.0, "num_workers": None, "max_resp_len": None,
+                                           "overlong_buffer_cfg": {"enable": False, "len": 0,
+                                                                   "penalty_factor": 1.0, "log": False}},
+                         **reward_model},
+        "data": {"max_response_length": 20},
+    })
+
+
+def test_custom_function_loading(reward_file, tmp_path):
+    fn = load_reward_fn(config(reward_file, "length_score"))
+    assert fn("x", "abcd", None, {"bonus": 2}) == 6
+    assert load_reward_fn(config())("openai/gsm8k", "#### 3", "3") == 1.0  # default dispatch
+    with pytest.raises(RewardFunctionError, match=r"custom_reward_function.path: no such file .*missing\.py"):
+        load_reward_fn(config(tmp_path / "missing.py"))
+    with pytest.raises(RewardFunctionError, match=r"has no attribute 'nope'.*'compute_score', 'length_score'"):
+        load_reward_fn(config(reward_file, "nope"))
+    with pytest.raises(RewardFunctionError, match="is not callable"):
+        load_reward_fn(config(reward_file, "NOT_CALLABLE"))
+    (tmp_path / "broken.py").write_text("import not_a_module_xyz\n")
+    with pytest.raises(RewardFunctionError, match="importing .*broken.py failed: ModuleNotFoundError"):
+        load_reward_fn(config(tmp_path / "broken.py"))
+
+
+def test_naive_manager_scores_and_counts_errors(reward_file):
+    manager = build_reward_manager(config(reward_file))
+    result = manager.score(["1", "2", "raise", "dict", "nan"], ["s"] * 5, ["1", "1", "1", "1", "1"])
+    np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0.5, 0]))
+    assert result.scores.dtype == np.float32
+    assert result.metrics["reward/num_errors"] == 2.0 and result.metrics["reward/num_timeouts"] == 0.0
+    np.testing.assert_array_equal(result.reward_extra_info["score"], result.scores)
+    assert np.isnan(result.reward_extra_info["acc"][0]) and result.reward_extra_info["acc"][3] == 1.0
+    assert result.reward_extra_info["pred"].tolist() == [None, None, None, "d", None]
+
+
+def test_default_scorer_in_manager_and_unknown_source():
+    manager = RewardManager()
+    result = manager.score(["#### 3", "Answer: 4"], ["openai/gsm8k", "math_dapo"], ["3", "5"])
+    np.testing.assert_array_equal(result.scores, np.float32([1, -1]))
+    with pytest.raises(UnknownDataSourceError):
+        manager.score(["x"], ["not/a/source"], ["y"])
+
+
+def test_shaping_formulas():
+    # DAPO: expected = 20 - 10 = 10; penalty = min(-(L - 10) / 10 * 0.5, 0)
+    np.testing.assert_allclose(overlong_penalty(np.array([5, 10, 15, 20]), 20, 10, 0.5), [0, 0, -0.25, -0.5])
+    np.testing.assert_array_equal(missing_eos_penalty(np.array([True, False]), 1.5), np.float32([0, -1.5]))
+    with pytest.raises(ValueError, match="must be positive"):
+        overlong_penalty(np.array([1]), 20, 0, 1.0)
+
+
+def test_manager_applies_shaping(reward_file):
+    cfg = config(reward_file, missing_eos_penalty=1.0)
+    cfg.reward_model.reward_kwargs.overlong_buffer_cfg.update(enable=True, len=10, penalty_factor=1.0, log=True)
+    manager = build_reward_manager(cfg)  # max_resp_len falls back to data.max_response_length = 20
+    result = manager.score(["1", "1", "0", "1"], ["s"] * 4, ["1"] * 4,
+                           response_lengths=np.array([4, 12, 16, 20]),
+                           finished_with_eos=np.array([True, True, True, False]))
+    np.testing.assert_allclose(result.scores, [1.0, 0.8, -0.6, -1.0], rtol=1e-6)
+    np.testing.assert_allclose(result.reward_extra_info["overlong_reward"], [0, -0.2, -0.6, -1.0], rtol=1e-6)
+    np.testing.assert_array_equal(result.reward_extra_info["score"], [1, 1, 0, 1])
+    assert result.metrics["reward/overlong/frac"] == 0.75 and result.metrics["reward/missing_eos/frac"] == 0.25
+
+
+def test_prime_manager_survives_raising_hanging_and_dying_scorers(reward_file):
+    cfg = config(reward_file, reward_manager="prime")
+    cfg.reward_model.reward_kwargs.update(timeout_s=1.0, num_workers=2)
+    with build_reward_manager(cfg) as manager:
+        assert isinstance(manager, PrimeRewardManager)
+        manager.score(["1"], ["s"], ["1"])  # start the workers
+        t0 = time.monotonic()
+        result = manager.score(["1", "hang", "raise", "0", "die", "dict", "1"], ["s"] * 7, ["1"] * 7)
+        elapsed = time.monotonic() - t0
+        np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0, 0, 0.5, 1]))
+        assert result.metrics["reward/num_timeouts"] == 1.0 and result.metrics["reward/num_errors"] == 2.0
+        assert elapsed < 8.0, elapsed
+        again = manager.score(["1", "2"], ["s", "s"], ["1", "1"])  # the pool was repaired
+        np.testing.assert_array_equal(again.scores, np.float32([1, 0]))
+        assert again.metrics["reward/num_errors"] == 0.0
+
+
+def test_prime_default_scorer_and_unknown_source():
+    with PrimeRewardManager(ScorerSpec(), timeout_s=5.0, num_workers=1) as manager:
+        result = manager.score(["#### 3", "\\boxed{2}"], ["openai/gsm8k", "HuggingFaceH4/MATH-500"], ["3", "2"])
+        np.testing.assert_array_equal(result.scores, np.float32([1, 1]))
+        with pytest.raises(UnknownDataSourceError):
+            manager.score(["x"], ["not/a/source"], ["y"])
+
+
+def test_prime_pool_does_not_hang_interpreter_exit(reward_file):
+    script = textwrap.dedent(f"""
+        import sys
+        from jaxrl_llm.rewards import PrimeRewardManager, ScorerSpec
+        m = PrimeRewardManager(ScorerSpec({str(reward_file)!r}), timeout_s=1.0, num_workers=1)
+        m.score(["hang"], ["s"], ["1"])   # times out, worker replaced
+        # leave a worker busy in the hanging scorer when the interpreter exits
+        m._workers[0].conn.send((0, dict(data_source="s", solution_str="hang", ground_truth="1")))
+        print("done", flush=True)
+        sys.exit(0)
+    """)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert time.monotonic() - t0 < 30
