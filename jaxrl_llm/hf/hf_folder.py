@@ -1,0 +1,102 @@
+"""Load a Hugging Face model folder (config.json + safetensors, single file or sharded) without torch.
+
+Tensors are read one at a time with `safetensors.safe_open(..., framework="numpy")` (bf16 comes
+back as an `ml_dtypes` array), so nothing but the parameter being assembled lives on the host.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from jaxrl_llm.hf.assemble import Shardings, assemble_params
+from jaxrl_llm.models.config import ModelConfig
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_hf_config(folder: str | pathlib.Path) -> dict[str, Any]:
+    folder = pathlib.Path(folder)
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {str(folder)!r}")
+    with open(path) as f:
+        return json.load(f)
+
+
+class SafetensorsSource:
+    """HF-named tensors across one or more .safetensors files, opened lazily."""
+
+    def __init__(self, folder: str | pathlib.Path):
+        folder = pathlib.Path(folder)
+        if (folder / INDEX_NAME).is_file():
+            with open(folder / INDEX_NAME) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._file_of = {name: folder / file for name, file in weight_map.items()}
+        elif (folder / WEIGHTS_NAME).is_file():
+            self._file_of = None
+            self._single = folder / WEIGHTS_NAME
+        else:
+            raise FileNotFoundError(
+                f"no {WEIGHTS_NAME} or {INDEX_NAME} in model folder {str(folder)!r}")
+        self._handles: dict[pathlib.Path, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for file in self._files():
+            handle = self._open(file)
+            for name in handle.keys():
+                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+
+    def _files(self) -> list[pathlib.Path]:
+        if self._file_of is None:
+            return [self._single]
+        files = sorted(set(self._file_of.values()))
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"weights shard {str(file)!r} named in {INDEX_NAME} is missing")
+        return files
+
+    def _open(self, file: pathlib.Path):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="numpy")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self._shapes.get(name)
+
+    def read(self, name: str) -> np.ndarray:
+        file = self._single if self._file_of is None else self._file_of[name]
+        return self._open(file).get_tensor(name)
+
+
+def _head_for(cfg_dict: dict[str, Any], head: str | None) -> str:
+    if head is not None:
+        return head
+    archs = cfg_dict.get("architectures") or []
+    return "score" if archs and archs[0].endswith("ForSequenceClassification") else "lm"
+
+
+def load_hf_folder(path: str | pathlib.Path, *, dtype: Any = jnp.float32,
+                   shardings: Shardings = None, head: str | None = None, num_labels: int | None = None,
+                   rng: jax.Array | None = None) -> tuple[ModelConfig, dict]:
+    """(cfg, params) from an HF folder. `head`: "lm" | "value" | "score" (default: from the
+    architecture: *ForSequenceClassification -> "score", else "lm"). "value" takes the backbone of
+    a causal-LM checkpoint and a fresh value head (from `rng`), or `score.weight` when present.
+    `shardings`: see `jaxrl_llm.hf.assemble`.
+    """
+    cfg_dict = read_hf_config(path)
+    cfg = ModelConfig.from_hf_config(cfg_dict)
+    head = _head_for(cfg_dict, head)
+    if num_labels is None:
+        num_labels = int(cfg_dict.get("num_labels") or len(cfg_dict.get("id2label") or {}) or 1)
+    source = SafetensorsSource(path)
+    params = assemble_params(cfg, source, head=head, num_labels=num_labels, dtype=dtype,
+                             shardings=shardings, rng=rng)
+    return cfg, params

@@ -1,0 +1,122 @@
+"""The one map between our params and Hugging Face tensor names / layouts (import and export).
+
+Each `TensorSpec` names one of our leaves, its HF tensor (with `{i}` for the layer index when the
+leaf is stacked over layers), the HF shape, and the two layout conversions. HF `nn.Linear` weights
+are [out, in]; ours are [in, ...out] split into (heads, head_dim) where attention needs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.model import HEADS
+
+
+class MissingTensorError(KeyError):
+    """A tensor the model needs is absent from the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class TensorShapeError(ValueError):
+    """A checkpoint tensor has a different shape from the one the config implies."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    path: tuple[str, ...]                   # our params path
+    hf_name: str                            # HF name; contains "{i}" when stacked over layers
+    hf_shape: tuple[int, ...]               # per layer
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    optional: bool = False                  # absent in the file -> keep the fresh init
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf_name
+
+    def our_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
+        per_layer = self.to_ours(np.zeros(self.hf_shape, np.float32)).shape
+        return ((cfg.num_hidden_layers,) if self.layered else ()) + per_layer
+
+    def check(self, name: str, array_shape: tuple[int, ...]) -> None:
+        if tuple(array_shape) != tuple(self.hf_shape):
+            raise TensorShapeError(
+                f"tensor {name!r} has shape {tuple(array_shape)}, expected {tuple(self.hf_shape)}")
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _linear(in_dim: int, out_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+    """HF [prod(out), in] <-> ours [in, *out]."""
+    return (lambda w: w.T.reshape(in_dim, *out_shape),
+            lambda k: k.reshape(in_dim, -1).T)
+
+
+def _linear_in_heads(in_shape: tuple[int, ...], out_dim: int) -> tuple[Callable, Callable]:
+    """HF [out, prod(in)] <-> ours [*in, out] (o_proj)."""
+    return (lambda w: w.T.reshape(*in_shape, out_dim),
+            lambda k: k.reshape(-1, out_dim).T)
+
+
+def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> list[TensorSpec]:
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    lay = "model.layers.{i}."
+    specs = [TensorSpec(("embedding",), "model.embed_tokens.weight", (cfg.vocab_size, h),
+                        _identity, _identity),
+             TensorSpec(("final_norm", "scale"), "model.norm.weight", (h,), _identity, _identity)]
+
+    def layer(path: tuple[str, ...], name: str, shape: tuple[int, ...], conv=None) -> None:
+        to_ours, to_hf = conv or (_identity, _identity)
+        specs.append(TensorSpec(("layers",) + path, lay + name, shape, to_ours, to_hf))
+
+    layer(("attn_norm", "scale"), "input_layernorm.weight", (h,))
+    layer(("mlp_norm", "scale"), "post_attention_layernorm.weight", (h,))
+    for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
+        layer(("attn", proj, "kernel"), f"self_attn.{proj}.weight", (heads * d, h),
+              _linear(h, (heads, d)))
+        if cfg.attention_bias:
+            layer(("attn", proj, "bias"), f"self_attn.{proj}.bias", (heads * d,),
+                  (lambda b, n=heads: b.reshape(n, d), lambda b: b.reshape(-1)))
+    layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d),
+          _linear_in_heads((nh, d), h))
+    if cfg.qk_norm:
+        layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
+        layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
+    layer(("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", (f, h), _linear(h, (f,)))
+    layer(("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", (f, h), _linear(h, (f,)))
+    layer(("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", (h, f), _linear(f, (h,)))
+
+    transpose = (lambda w: w.T, lambda k: k.T)
+    if head == "lm" and not cfg.tie_word_embeddings:
+        specs.append(TensorSpec(("lm_head", "kernel"), "lm_head.weight", (cfg.vocab_size, h),
+                                *transpose))
+    elif head == "score":
+        specs.append(TensorSpec(("score", "kernel"), "score.weight", (num_labels, h), *transpose))
+    elif head == "value":  # a critic / reward checkpoint's 1-label `score` initialises the value head
+        specs.append(TensorSpec(("value_head", "kernel"), "score.weight", (1, h), *transpose,
+                                optional=True))
+        specs.append(TensorSpec(("value_head", "bias"), "score.bias", (1,), _identity, _identity,
+                                optional=True))
+    return specs
+
+
+def set_path(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def get_path(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree

@@ -1,0 +1,74 @@
+"""KV cache for prefill + token-by-token decode, built for a sampler that LEFT-pads prompts.
+
+Layout (a plain dict pytree, so it can be donated to `jit` and carried through `lax.while_loop`):
+
+    cache = {
+      "k":     [L, B, S, kv_heads, head_dim]   keys, S = max_len slots (cache dtype, e.g. bf16/fp32)
+      "v":     [L, B, S, kv_heads, head_dim]   values
+      "mask":  [B, S] int32                    1 where a slot holds a real (non-pad) token
+      "index": int32 scalar                    next slot to write; the same for every row
+    }
+
+Calling convention (`forward_hidden` / `compute_logits` with `cache=`):
+
+    cache = init_cache(cfg, batch=B, max_len=S, dtype=jnp.float32)
+    # prefill: prompts left-padded to P (pads have attention_mask 0)
+    hidden, cache = forward_hidden(params, cfg, prompt_ids[B, P], prompt_mask[B, P], cache=cache)
+    next_token = argmax(hidden[:, -1] @ lm_head_weight(params, cfg))      # last slot is real
+    # decode: one token per step (T=1), mask 1 for rows still generating (0 is allowed: the slot
+    # is then ignored by every later query, e.g. for rows that already finished)
+    hidden, cache = forward_hidden(params, cfg, next_token[:, None], ones[B, 1], cache=cache)
+
+Each call writes its T tokens into slots [index, index + T) of every row, sets `mask` there from
+`attention_mask`, and advances `index` by T. Queries attend to slots <= their own slot whose mask
+is 1. Positions (RoPE) default to (number of valid slots up to and including this one) - 1,
+clipped at 0, i.e. `cumsum(mask) - 1` over the whole cache, so a left-padded row gets positions
+0, 1, 2, ... exactly as the same row unpadded, and the decode logits equal the full-forward logits
+on the concatenated sequence. Pass `positions=` to override. The caller must keep
+`index + T <= S` (`S >= prompt_len + max_new_tokens`); writes past the end are clamped by XLA.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm.models.config import ModelConfig
+
+Array = jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> dict:
+    """An empty cache of `max_len` slots per row (see the module docstring for the convention)."""
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, dtype),
+        "v": jnp.zeros(shape, dtype),
+        "mask": jnp.zeros((batch, max_len), jnp.int32),
+        "index": jnp.zeros((), jnp.int32),
+    }
+
+
+def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array | None,
+                      cache: dict | None) -> tuple[Array, Array, Array, Array | None]:
+    """(positions [B,T], allowed [B,T,S] bool, write_index, new cache mask or None)."""
+    b, t = attention_mask.shape
+    mask = attention_mask.astype(jnp.int32)
+    if cache is None:
+        write_index = jnp.int32(0)
+        slot_mask, new_mask = mask, None
+    else:
+        write_index = cache["index"]
+        slot_mask = new_mask = lax.dynamic_update_slice(cache["mask"], mask, (0, write_index))
+    if positions is None:
+        valid_upto = lax.dynamic_slice(jnp.cumsum(slot_mask, axis=1), (0, write_index), (b, t))
+        positions = jnp.maximum(valid_upto - 1, 0)
+    q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
+    k_slot = jnp.arange(slot_mask.shape[1], dtype=jnp.int32)
+    visible = k_slot[None, :] <= q_slot[:, None]
+    if cfg.sliding_window is not None:
+        visible &= (q_slot[:, None] - k_slot[None, :]) < cfg.sliding_window
+    allowed = visible[None] & (slot_mask[:, None, :] > 0)
+    return positions, allowed, write_index, new_mask

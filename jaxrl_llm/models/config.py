@@ -1,0 +1,255 @@
+"""ModelConfig: the one description of a decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3).
+
+Built from a transformers `config.json` dict (`from_hf_config`) and written back (`to_hf_config`)
+so that `transformers` reads it with the same numbers. Frozen and hashable so it can be a static
+argument of `jax.jit`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+# HF `architectures[0]` -> (model_type, family traits)
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"prefix": "Llama", "attention_bias": False, "qk_norm": False},
+    "mistral": {"prefix": "Mistral", "attention_bias": False, "qk_norm": False},
+    "qwen2": {"prefix": "Qwen2", "attention_bias": True, "qk_norm": False},
+    "qwen3": {"prefix": "Qwen3", "attention_bias": False, "qk_norm": True},
+}
+_HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
+    f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture / model_type is not one this package implements."""
+
+
+def _arch_to_model_type(arch: str) -> str:
+    for model_type, fam in _FAMILIES.items():
+        if arch in (fam["prefix"] + s for s in _HEAD_SUFFIXES):
+            return model_type
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _token_ids(value: Any) -> int | tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value) if len(value) != 1 else int(value[0])
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # rope scaling as sorted (key, value) pairs (hashable); None = plain RoPE. See `rope_scaling_dict`.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | tuple[int, ...] | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return () if e is None else (e,) if isinstance(e, int) else tuple(e)
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        if archs:
+            arch = archs[0]
+            arch_type = _arch_to_model_type(arch)
+            if model_type is not None and model_type != arch_type:
+                raise ValueError(f"config.json: model_type {model_type!r} does not match {arch!r}")
+            model_type = arch_type
+        elif model_type in _FAMILIES:
+            arch = _FAMILIES[model_type]["prefix"] + "ForCausalLM"
+        else:
+            raise UnsupportedArchitectureError(
+                f"unsupported model_type {model_type!r} (no 'architectures' in config.json); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if key not in d:
+                raise ValueError(f"config.json is missing required key {key!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {d['hidden_act']!r} unsupported (only 'silu')")
+        if d.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=True is unsupported")
+        # transformers 5 keeps theta and scaling in `rope_parameters`; older files use top-level keys
+        rope = dict(d.get("rope_parameters") or {})
+        legacy = d.get("rope_scaling") or {}
+        rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = {**legacy, **rope}
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        scaling.pop("type", None)
+        if scaling.get("rope_type", "default") == "default":
+            scaling = {}
+        fam = _FAMILIES[model_type]
+        sliding_window = None
+        if model_type == "mistral":
+            sliding_window = d.get("sliding_window")
+        elif d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+            raise ValueError(f"config.json: sliding-window layers are unsupported for {model_type}")
+        heads = int(d["num_attention_heads"])
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=tuple(sorted(scaling.items())) or None,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", fam["attention_bias"])),
+            qk_norm=fam["qk_norm"],
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            bos_token_id=_token_ids(d.get("bos_token_id")),
+            eos_token_id=_token_ids(d.get("eos_token_id")),
+            pad_token_id=_token_ids(d.get("pad_token_id")),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+        )
+
+    def to_hf_config(self, *, architecture: str | None = None, num_labels: int | None = None,
+                     dtype: str = "float32") -> dict[str, Any]:
+        """A config.json dict transformers 4.x and 5.x both read back to the same model."""
+        arch = architecture or self.architecture
+        if _arch_to_model_type(arch) != self.model_type:
+            raise ValueError(f"architecture {arch!r} does not match model_type {self.model_type!r}")
+        rope_params = {"rope_type": "default", **self.rope_scaling_dict, "rope_theta": self.rope_theta}
+        d: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope_params,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": _json_ids(self.bos_token_id),
+            "eos_token_id": _json_ids(self.eos_token_id),
+            "pad_token_id": self.pad_token_id,
+            "dtype": dtype,
+            "torch_dtype": dtype,
+            "use_cache": True,
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = dict(rope_params)
+        if self.model_type in ("llama", "qwen3"):
+            d["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            d["mlp_bias"] = False
+        if self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = False
+            d["sliding_window"] = None
+        if num_labels is not None:
+            d["num_labels"] = num_labels
+            d["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+            d["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+        return d
+
+    # ------------------------------------------------------------------ tests
+    @classmethod
+    def tiny(cls, family: str = "llama", **overrides: Any) -> "ModelConfig":
+        """A 2-layer, hidden-64, vocab-256 config of `family` for tests."""
+        if family not in _FAMILIES:
+            raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILIES)}")
+        fam = _FAMILIES[family]
+        base: dict[str, Any] = dict(
+            architecture=fam["prefix"] + "ForCausalLM", model_type=family, vocab_size=256,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+            max_position_embeddings=256, tie_word_embeddings=False,
+            attention_bias=fam["attention_bias"], qk_norm=fam["qk_norm"],
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+
+def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] (float32), with linear / llama3 scaling as transformers does."""
+    dim = cfg.head_dim
+    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)))
+    inv = inv.astype(np.float32)
+    s = cfg.rope_scaling_dict
+    kind = s.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / np.float32(s["factor"])
+    elif kind == "llama3":
+        factor = float(s["factor"])
+        low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv

@@ -1,0 +1,156 @@
+"""The decoder backbone as flax linen modules: embedding -> scanned layers -> final RMSNorm.
+
+One implementation for Llama / Mistral / Qwen2 / Qwen3 (differences are `ModelConfig` flags:
+q/k/v bias, per-head q/k RMSNorm, sliding window). Layers run under `nn.scan`, so their params
+carry a leading layer axis and compile time does not grow with depth; `remat=True` wraps each layer
+in `nn.remat`. Params are kept in their own dtype (fp32 master); matmuls run in `compute_dtype`;
+norms, softmax and RoPE angles are computed in fp32.
+
+Masking is by slot: a query at slot `q` sees key slot `s` iff `s <= q`, the key slot is valid (its
+attention-mask bit is 1) and, with a sliding window W, `q - s < W`. Without a cache the slots are
+the sequence indices; with a cache they are cache indices (see `jaxrl_llm.models.cache`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+
+Array = jax.Array
+_NEG = jnp.finfo(jnp.float32).min  # finite, so fully masked (padding) query rows stay NaN-free
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    compute_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.compute_dtype)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
+    """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout)."""
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """x: [B, T, heads, D]; cos/sin: [B, T, D]."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    compute_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, allowed, write_index, layer_index, k_cache, v_cache):
+        cfg = self.cfg
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        init = nn.initializers.normal(cfg.initializer_range)
+
+        def proj(name: str, heads: int) -> Array:
+            return nn.DenseGeneral((heads, hd), use_bias=cfg.attention_bias, dtype=self.compute_dtype,
+                                   param_dtype=self.param_dtype, kernel_init=init, name=name)(x)
+
+        q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
+            q = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if k_cache is not None:  # write this chunk at [layer, :, write_index], attend over all slots
+            start = (layer_index, 0, write_index, 0, 0)
+            k_cache = lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
+            v_cache = lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
+            k = lax.dynamic_index_in_dim(k_cache, layer_index, 0, keepdims=False)
+            v = lax.dynamic_index_in_dim(v_cache, layer_index, 0, keepdims=False)
+            k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
+
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, nkv, nh // nkv, hd)  # grouped-query: no repeat of k/v
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (hd ** -0.5)
+        scores = jnp.where(allowed[:, None, None], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.compute_dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, nh, hd)
+        out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.compute_dtype,
+                              param_dtype=self.param_dtype, kernel_init=init, name="o_proj")(out)
+        return out, k_cache, v_cache
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    compute_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        dense = lambda n, name: nn.Dense(  # noqa: E731
+            n, use_bias=False, dtype=self.compute_dtype, param_dtype=self.param_dtype,
+            kernel_init=nn.initializers.normal(cfg.initializer_range), name=name)
+        gate = dense(cfg.intermediate_size, "gate_proj")(x)
+        up = dense(cfg.intermediate_size, "up_proj")(x)
+        return dense(cfg.hidden_size, "down_proj")(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block. Scan signature: (carry, *broadcast) -> (carry, None)."""
+
+    cfg: ModelConfig
+    compute_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, carry, cos, sin, allowed, write_index):
+        x, k_cache, v_cache, layer_index = carry
+        norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.compute_dtype,  # noqa: E731
+                                    self.param_dtype, name=name)
+        h, k_cache, v_cache = Attention(self.cfg, self.compute_dtype, self.param_dtype, name="attn")(
+            norm("attn_norm")(x), cos, sin, allowed, write_index, layer_index, k_cache, v_cache)
+        x = x + h
+        x = x + MLP(self.cfg, self.compute_dtype, self.param_dtype, name="mlp")(norm("mlp_norm")(x))
+        return (x, k_cache, v_cache, layer_index + 1), None
+
+
+class Decoder(nn.Module):
+    """Embedding + scanned layers + final norm. Returns (hidden [B,T,H], k_cache, v_cache)."""
+
+    cfg: ModelConfig
+    compute_dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, positions, allowed, write_index=0, k_cache=None, v_cache=None):
+        cfg = self.cfg
+        embed = self.param("embedding", nn.initializers.normal(cfg.initializer_range),
+                           (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
+        x = jnp.take(embed, input_ids, axis=0).astype(self.compute_dtype)
+        cos, sin = rope_cos_sin(cfg, positions)
+        layer = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
+        stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(nn.broadcast,) * 4, length=cfg.num_hidden_layers)
+        carry = (x, k_cache, v_cache, jnp.int32(0))
+        (x, k_cache, v_cache, _), _ = stack(cfg, self.compute_dtype, self.param_dtype, name="layers")(
+            carry, cos, sin, allowed, write_index)
+        x = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="final_norm")(x)
+        return x, k_cache, v_cache
