@@ -16,7 +16,7 @@ import re
 import sys
 
 from jaxrl_llm.data.sources import DataError, read_rows
-from jaxrl_llm.data.synthetic import write_parquet
+from jaxrl_llm.data.synthetic import write_rows
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 DATA_SOURCE = "openai/gsm8k"
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    write_parquet(rows, args.output)
+    write_rows(rows, args.output)
     print(f"wrote {len(rows)} rows to {args.output}")
     return 0
 

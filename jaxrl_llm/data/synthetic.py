@@ -17,11 +17,13 @@ questions.
     python -m jaxrl_llm.data.synthetic --out DIR --task add --n-train 2000 --n-val 64 \
         [--difficulty 1] [--answer-format strict] [--seed 0]
 
-writes DIR/train.parquet and DIR/test.parquet.
+writes DIR/train.parquet and DIR/test.parquet; `write_synthetic_files(train_path, val_path, ...)`
+writes to given .parquet / .jsonl paths (what the trainer uses for `data.synthetic`).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -117,31 +119,47 @@ def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, ans
     return rows(train_ids, "train"), rows(val_ids, "test")
 
 
-def write_parquet(rows: list[dict[str, Any]], path: str) -> None:
-    """Writes rows atomically (a temporary file renamed into place)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def write_rows(rows: list[dict[str, Any]], path: str) -> None:
+    """Writes rows as .parquet or .jsonl (by suffix), atomically (a temporary file renamed into place)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".parquet", ".jsonl"):
+        raise ValueError(f"{path}: synthetic data is written as .parquet or .jsonl, not {suffix!r}")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".parquet.tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=suffix + ".tmp")
     os.close(fd)
     try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        if suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
 
 
+write_parquet = write_rows
+
+
+def write_synthetic_files(train_path: str, val_path: str, task: str, n_train: int, n_val: int, *,
+                          difficulty: int = 1, answer_format: str = "strict", seed: int = 0) -> None:
+    """Writes both splits to the given .parquet / .jsonl paths (an empty split is not written)."""
+    train, val = make_splits(task, n_train, n_val, difficulty=difficulty, answer_format=answer_format, seed=seed)
+    for rows, path in ((train, train_path), (val, val_path)):
+        if rows:
+            write_rows(rows, path)
+
+
 def write_synthetic(out_dir: str, task: str, n_train: int, n_val: int, *, difficulty: int = 1,
                     answer_format: str = "strict", seed: int = 0) -> tuple[str, str]:
     """Writes `out_dir/train.parquet` and `out_dir/test.parquet`; returns their paths."""
-    train, val = make_splits(task, n_train, n_val, difficulty=difficulty, answer_format=answer_format, seed=seed)
     paths = (os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet"))
-    for rows, path in zip((train, val), paths):
-        if rows:
-            write_parquet(rows, path)
+    write_synthetic_files(*paths, task, n_train, n_val, difficulty=difficulty, answer_format=answer_format, seed=seed)
     return paths
 
 

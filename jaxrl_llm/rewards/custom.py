@@ -7,6 +7,7 @@ process from the path alone (see `ScorerSpec`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
@@ -53,29 +54,36 @@ def load_from_file(path: str, name: str, key: str = "custom_reward_function") ->
 class ScorerSpec:
     """Which compute_score to use, by name, so a worker process can load it itself.
 
-    `path=None` means `jaxrl_llm.rewards.default_compute_score`.
+    `path=None` means `jaxrl_llm.rewards.default_compute_score`. `kwargs`
+    (`custom_reward_function.reward_kwargs`, as sorted (key, value) pairs) are bound to the function.
     """
 
     path: str | None = None
     name: str = "compute_score"
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
     def load(self) -> Callable[..., Any]:
         if self.path is None:
             from jaxrl_llm.rewards.scorers import default_compute_score
 
-            return default_compute_score
-        fn = load_from_file(self.path, self.name)
-        if not callable(fn):
-            raise RewardFunctionError(f"custom_reward_function.name: {self.path}:{self.name} is not callable")
-        return fn
+            fn = default_compute_score
+        else:
+            fn = load_from_file(self.path, self.name)
+            if not callable(fn):
+                raise RewardFunctionError(f"custom_reward_function.name: {self.path}:{self.name} is not callable")
+        return functools.partial(fn, **dict(self.kwargs)) if self.kwargs else fn
 
 
 def scorer_spec_from_config(config: Any) -> ScorerSpec:
-    """`ScorerSpec` from the whole config (reads `custom_reward_function.path` / `.name`)."""
+    """`ScorerSpec` from the whole config (`custom_reward_function.path` / `.name` / `.reward_kwargs`)."""
     section = _get(config, "custom_reward_function")
     path = _get(section, "path")
     name = _get(section, "name") or "compute_score"
-    return ScorerSpec(os.path.abspath(os.path.expanduser(path)) if path else None, name)
+    kwargs = _get(section, "reward_kwargs") or {}
+    if hasattr(kwargs, "to_dict"):
+        kwargs = kwargs.to_dict()
+    return ScorerSpec(os.path.abspath(os.path.expanduser(path)) if path else None, name,
+                      tuple(sorted(dict(kwargs).items())))
 
 
 def load_reward_fn(config: Any) -> Callable[..., Any]:

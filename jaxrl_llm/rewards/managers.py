@@ -1,6 +1,6 @@
 """Reward managers: turn decoded responses into one scalar reward each, plus metrics.
 
-    manager = build_reward_manager(config)        # reward_model.reward_manager: naive | prime | dapo
+    manager = build_reward_manager(config)        # reward_model.reward_manager: naive | prime
     result = manager.score(responses, data_source, ground_truth, extra_info,
                            response_lengths=..., finished_with_eos=...)
     result.scores             float32[B]  scorer score + shaping (put it on the last response token)
@@ -9,8 +9,8 @@
                               "overlong_reward" / "overlong" when overlong_buffer_cfg.log
     result.metrics            {name: float}  reward/num_errors, reward/num_timeouts, and shaping stats
 
-`naive` (and `dapo`, the same in-process manager under veRL's name) calls the scorer in this
-process; `prime` calls it in a pool of `num_workers` spawned processes with a per-call timeout of
+Shaping (missing_eos_penalty, DAPO overlong_buffer_cfg) applies under either manager.
+`naive` calls the scorer in this process; `prime` calls it in a pool of `num_workers` spawned processes with a per-call timeout of
 `timeout_s` seconds. A call that raises (or, under prime, runs past the timeout or kills its
 worker) scores 0 and is counted; the run goes on. `UnknownDataSourceError` is a config mistake
 and is raised. Hung workers are killed and replaced; the pool's processes are daemons killed at
@@ -37,7 +37,7 @@ from jaxrl_llm.rewards.shaping import missing_eos_penalty, overlong_penalty
 
 logger = logging.getLogger(__name__)
 
-REWARD_MANAGERS = ("naive", "prime", "dapo")
+REWARD_MANAGERS = ("naive", "prime")
 
 
 class RewardResult(NamedTuple):

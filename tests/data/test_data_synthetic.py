@@ -48,6 +48,18 @@ def test_cli_writes_loadable_parquet(tmp_path, char_tok):
     assert pq.read_table(tmp_path / "test.parquet").num_rows == 4
 
 
+def test_write_jsonl_paths(tmp_path, char_tok):
+    from jaxrl_llm.data.synthetic import write_synthetic_files
+
+    write_synthetic_files(str(tmp_path / "d" / "train.jsonl"), str(tmp_path / "d" / "val.jsonl"), "larger", 8, 3,
+                          difficulty=2, answer_format="lenient", seed=5)
+    ds = build_dataset({"train_files": str(tmp_path / "d" / "train.jsonl"),
+                        "val_files": str(tmp_path / "d" / "val.jsonl")}, char_tok, "val")
+    assert len(ds) == 3 and ds[0]["data_source"] == "synthetic/larger"
+    assert [r["ground_truth"] for r in ds] == [r["reward_model"]["ground_truth"]
+                                               for r in make_splits("larger", 8, 3, difficulty=2, seed=5)[1]]
+
+
 def test_prepare_gsm8k(tmp_path, char_tok):
     rows = [{"question": "Tom has 3 apples and buys 1,231 more. How many?", "answer": "3+1231=1234\n#### 1,234"},
             {"question": "What is 2-5?", "answer": "#### -3"}]

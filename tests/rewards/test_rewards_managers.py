@@ -38,8 +38,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return {"score": 0.5, "acc": True, "pred": "d"}
     return float(solution_str == ground_truth)
 
-def length_score(data_source, solution_str, ground_truth, extra_info=None):
-    return len(solution_str) + (extra_info or {}).get("bonus", 0)
+def length_score(data_source, solution_str, ground_truth, extra_info=None, scale=1):
+    return scale * len(solution_str) + (extra_info or {}).get("bonus", 0)
 
 NOT_CALLABLE = 3
 '''
@@ -68,6 +68,9 @@ def test_custom_function_loading(reward_file, tmp_path):
     fn = load_reward_fn(config(reward_file, "length_score"))
     assert fn("x", "abcd", None, {"bonus": 2}) == 6
     assert load_reward_fn(config())("openai/gsm8k", "#### 3", "3") == 1.0  # default dispatch
+    cfg = config(reward_file, "length_score")
+    cfg.custom_reward_function.reward_kwargs = {"scale": 10}  # bound like veRL's reward_kwargs
+    assert load_reward_fn(cfg)("x", "abcd", None) == 40
     with pytest.raises(RewardFunctionError, match=r"custom_reward_function.path: no such file .*missing\.py"):
         load_reward_fn(config(tmp_path / "missing.py"))
     with pytest.raises(RewardFunctionError, match=r"has no attribute 'nope'.*'compute_score', 'length_score'"):
@@ -159,3 +162,10 @@ def test_prime_pool_does_not_hang_interpreter_exit(reward_file):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_prime_binds_reward_kwargs(reward_file):
+    spec = ScorerSpec(str(reward_file), "length_score", (("scale", 10),))
+    with PrimeRewardManager(spec, timeout_s=5.0, num_workers=1) as manager:
+        result = manager.score(["ab", "abc"], ["s", "s"], [None, None], [{"bonus": 1}, None])
+    np.testing.assert_array_equal(result.scores, np.float32([21, 30]))
