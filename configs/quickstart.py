@@ -14,13 +14,12 @@ def get_config():
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = smollm2_gguf_path()  # None (a clear error) if not installed
 
-    cfg.data.synthetic.task = "arithmetic"
+    cfg.data.synthetic.task = "add"  # "What is 3 + 4? Answer with only the number." (strict)
     cfg.data.synthetic.n_train = 256
     cfg.data.synthetic.n_val = 64
     cfg.data.max_prompt_length = 96
     cfg.data.max_response_length = 32
     cfg.data.train_batch_size = 8
-    cfg.data.val_batch_size = 32
 
     cfg.algorithm.adv_estimator = "grpo"
     rollout = cfg.actor_rollout_ref.rollout

@@ -18,13 +18,12 @@ def get_config():
     model.tiny.max_position_embeddings = 256
     cfg.data.tokenizer = smollm2_gguf_path()
 
-    cfg.data.synthetic.task = "arithmetic"
+    cfg.data.synthetic.task = "add"  # "What is 3 + 4? Answer with only the number." (strict)
     cfg.data.synthetic.n_train = 16
     cfg.data.synthetic.n_val = 8
     cfg.data.max_prompt_length = 64
     cfg.data.max_response_length = 8
     cfg.data.train_batch_size = 4
-    cfg.data.val_batch_size = 8
 
     cfg.algorithm.adv_estimator = "grpo"
     cfg.actor_rollout_ref.rollout.n = 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxrl_llm.config.derive import (BatchPlan, RoleBatch, batch_plan, format_batch_summary, resolve_total_steps,
-                                     synthetic_data_files)
+                                     synthetic_data_dir, synthetic_data_files)
 from jaxrl_llm.config.docs import render_config_docs
 from jaxrl_llm.config.overrides import (NAME_ALIASES, apply_overrides, canonical_key, normalize_config,
                                         parse_value, split_config_flag_overrides)
@@ -31,5 +31,5 @@ __all__ = [
     "BatchPlan", "ConfigError", "Field", "NAME_ALIASES", "RoleBatch", "TREE", "apply_overrides", "batch_plan",
     "canonical_key", "default_config", "format_batch_summary", "iter_fields", "mesh_dp_size", "normalize_config",
     "parse_value", "render_config_docs", "resolve_total_steps", "smollm2_gguf_path",
-    "split_config_flag_overrides", "synthetic_data_files", "validate_config",
+    "split_config_flag_overrides", "synthetic_data_dir", "synthetic_data_files", "validate_config",
 ]

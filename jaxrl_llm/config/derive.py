@@ -24,9 +24,14 @@ def _fill(section: ml_collections.ConfigDict, key: str, value) -> None:
 
 
 def synthetic_data_files(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
-    """Where the trainer writes the synthetic task: <default_local_dir>/data/{train,val}.jsonl."""
-    root = os.path.join(cfg.trainer.default_local_dir, "data")
-    return os.path.join(root, "train.jsonl"), os.path.join(root, "val.jsonl")
+    """Where the trainer writes the synthetic task (jaxrl_llm.data.synthetic.write_synthetic into
+    <default_local_dir>/data): (train.parquet, test.parquet)."""
+    root = synthetic_data_dir(cfg)
+    return os.path.join(root, "train.parquet"), os.path.join(root, "test.parquet")
+
+
+def synthetic_data_dir(cfg: ml_collections.ConfigDict) -> str:
+    return os.path.join(cfg.trainer.default_local_dir, "data")
 
 
 def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
@@ -42,7 +47,6 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
         _fill(data, "val_files", val)
     if data.tokenizer is None and arr.model.path is not None and not arr.model.path.startswith("tiny:"):
         data.tokenizer = arr.model.path
-    _fill(data, "val_batch_size", data.train_batch_size)
 
     if rollout.response_length is None:
         rollout.response_length = data.max_response_length

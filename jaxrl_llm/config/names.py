@@ -1,6 +1,6 @@
 """Valid names for the config's string choices.
 
-Where a registry exists (the losses package, keyed by veRL names) the names come from it, so the
+Where a registry exists (losses, reward managers, synthetic tasks; keyed by veRL names) the names come from it, so the
 validator never rejects a name the registry supports. The constant lists below are used only when
 the registry module cannot be imported; `tests/config/test_config_names.py` checks they agree.
 """
@@ -20,7 +20,9 @@ FALLBACK_POLICY_LOSSES = ("cispo", "geo_mean", "gpg", "gspo", "reinforce", "sapo
 FALLBACK_KL_BASE = ("abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse")
 FALLBACK_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
-REWARD_MANAGERS = ("naive", "prime")
+FALLBACK_REWARD_MANAGERS = ("naive", "prime")
+FALLBACK_SYNTHETIC_TASKS = ("add", "larger", "repeat")
+FALLBACK_SYNTHETIC_FORMATS = ("lenient", "strict")
 TRUNCATION = ("error", "left", "right", "middle")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -75,3 +77,15 @@ def rollout_rs_modes() -> tuple[str, ...]:
     """Rejection-sampling modes, including the legacy names (token, sequence, geometric)."""
     return _from_registry("jaxrl_llm.losses.rollout_correction", lambda m: tuple(m.RS_MODES) + tuple(m.RS_LEGACY),
                           FALLBACK_ROLLOUT_RS)
+
+
+def reward_managers() -> tuple[str, ...]:
+    return _from_registry("jaxrl_llm.rewards.managers", lambda m: m.REWARD_MANAGERS, FALLBACK_REWARD_MANAGERS)
+
+
+def synthetic_tasks() -> tuple[str, ...]:
+    return _from_registry("jaxrl_llm.data.synthetic", lambda m: m.TASKS, FALLBACK_SYNTHETIC_TASKS)
+
+
+def synthetic_answer_formats() -> tuple[str, ...]:
+    return _from_registry("jaxrl_llm.data.synthetic", lambda m: m.ANSWER_FORMATS, FALLBACK_SYNTHETIC_FORMATS)

@@ -63,7 +63,8 @@ DATA = {
     "max_response_length": field(512, "Maximum generated tokens per response. veRL."),
     "train_batch_size": field(1024, "Prompts per training step (each sampled rollout.n times). veRL "
                                     "(TRL/ROLL: rollout_batch_size)."),
-    "val_batch_size": field(None, "Prompts per validation batch; derived: train_batch_size. veRL.", types=int),
+    "val_batch_size": field(None, "Prompts per validation batch; None = the whole validation set in one batch. "
+                                  "veRL.", types=int),
     "return_raw_chat": field(False, "Keep the un-templated chat messages in the batch (for reward functions "
                                     "that need them). veRL."),
     "truncation": field("error", "Over-long prompts: 'error', 'left', 'right' or 'middle'. veRL."),
@@ -79,11 +80,14 @@ DATA = {
         "name": field(None, "Class name in custom_cls.path. veRL.", types=str),
     },
     "synthetic": {
-        "task": field(None, "Generate a synthetic verifiable task (jaxrl_llm.data.synthetic) into "
-                            "<trainer.default_local_dir>/data/ at start; train_files/val_files are derived "
-                            "to point there. jaxrl_llm-only.", types=str),
+        "task": field(None, "Synthetic verifiable task (jaxrl_llm.data.synthetic: add, larger, repeat) written "
+                            "at start to <trainer.default_local_dir>/data/{train,test}.parquet; train_files / "
+                            "val_files are derived to point there. jaxrl_llm-only.", types=str),
         "n_train": field(512, "Synthetic training prompts."),
         "n_val": field(64, "Synthetic validation prompts."),
+        "difficulty": field(1, "Synthetic task difficulty (digits per operand / words to repeat)."),
+        "answer_format": field("strict", "Synthetic scoring: strict (the whole response is the answer) or "
+                                         "lenient (the last number / the words anywhere)."),
         "seed": field(0, "Seed of the synthetic task generator."),
     },
 }
@@ -210,8 +214,8 @@ CRITIC = {
 
 REWARD_MODEL = {
     "enable": field(False, "Score responses with a sequence-classification reward model. veRL."),
-    "reward_manager": field("naive", "How rule/custom scores are computed: naive (sequential) or prime "
-                                     "(process pool with per-call timeout). veRL."),
+    "reward_manager": field("naive", "How rule/custom scores are computed: naive (in-process) or prime "
+                                     "(process pool, per-call timeout); DAPO shaping: reward_kwargs. veRL."),
     "reward_kwargs": {
         "timeout_s": field(10.0, "Seconds per compute_score call before it scores 0 (prime manager)."),
         "num_workers": field(4, "Processes of the prime reward manager."),

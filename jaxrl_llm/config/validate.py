@@ -52,7 +52,10 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _choice(cfg, f"{ACTOR}.loss_agg_mode", agg)
     if cfg.critic.loss_agg_mode is not None:
         _choice(cfg, "critic.loss_agg_mode", agg)
-    _choice(cfg, "reward_model.reward_manager", names.REWARD_MANAGERS)
+    _choice(cfg, "reward_model.reward_manager", names.reward_managers())
+    if cfg.data.synthetic.task is not None:
+        _choice(cfg, "data.synthetic.task", names.synthetic_tasks())
+        _choice(cfg, "data.synthetic.answer_format", names.synthetic_answer_formats())
     _choice(cfg, "data.truncation", names.TRUNCATION)
     _choice(cfg, "trainer.resume_mode", names.RESUME_MODES)
     _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
@@ -117,7 +120,7 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
               "critic.grad_clip", "critic.cliprange_value", f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg",
               "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "data.filter_overlong_prompts_workers",
               "reward_model.reward_kwargs.timeout_s", "reward_model.reward_kwargs.num_workers",
-              "data.synthetic.n_train", "data.synthetic.n_val",
+              "data.synthetic.n_train", "data.synthetic.n_val", "data.synthetic.difficulty",
               f"{ARR}.ref.log_prob_micro_batch_size_per_device", f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
               "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
               "critic.forward_micro_batch_size_per_device", "trainer.max_actor_ckpt_to_keep",

@@ -50,6 +50,6 @@ def test_quickstart_and_tiny_validate_with_paths(smollm2_gguf, tmp_path):
         cfg = load(CONFIG_DIR / f"{name}.py")
         cfg.trainer.default_local_dir = str(tmp_path / name)
         out = validate_config(cfg, num_devices=1)  # paths checked; the synthetic data is written at start
-        assert out.data.train_files == str(tmp_path / name / "data" / "train.jsonl")
+        assert out.data.train_files == str(tmp_path / name / "data" / "train.parquet")
         assert out.trainer.total_training_steps == cfg.trainer.total_training_steps
     assert load(CONFIG_DIR / "quickstart.py").actor_rollout_ref.model.path == str(smollm2_gguf)

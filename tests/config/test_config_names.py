@@ -12,6 +12,9 @@ REGISTRIES = [
     ("jaxrl_llm.losses.agg", names.loss_agg_modes, names.FALLBACK_LOSS_AGG_MODES),
     ("jaxrl_llm.losses.rollout_correction", names.rollout_is_levels, names.FALLBACK_ROLLOUT_IS),
     ("jaxrl_llm.losses.rollout_correction", names.rollout_rs_modes, names.FALLBACK_ROLLOUT_RS),
+    ("jaxrl_llm.rewards.managers", names.reward_managers, names.FALLBACK_REWARD_MANAGERS),
+    ("jaxrl_llm.data.synthetic", names.synthetic_tasks, names.FALLBACK_SYNTHETIC_TASKS),
+    ("jaxrl_llm.data.synthetic", names.synthetic_answer_formats, names.FALLBACK_SYNTHETIC_FORMATS),
 ]
 
 

@@ -26,7 +26,7 @@ def test_derived_values():
     assert arr.ref.log_prob_micro_batch_size_per_device == 16
     assert arr.rollout.log_prob_micro_batch_size_per_device == 16
     assert arr.rollout.response_length == 32
-    assert cfg.data.val_batch_size == 16
+    assert cfg.data.val_batch_size is None  # veRL: the whole validation set in one batch
     assert cfg.critic.enable is True  # adv_estimator defaults to gae
     assert cfg.critic.model.path == "tiny:llama" and cfg.critic.ppo_mini_batch_size == 8
     assert cfg.critic.loss_agg_mode == "token-mean" and cfg.critic.ppo_epochs == 1
@@ -77,6 +77,7 @@ def test_batch_plan_numbers():
     (["algorithm.kl_penalty=bogus"], 2, "algorithm.kl_penalty='bogus'"),
     (["actor_rollout_ref.actor.loss_agg_mode=mean"], 2, "actor_rollout_ref.actor.loss_agg_mode='mean'"),
     (["reward_model.reward_manager=fast"], 2, "reward_model.reward_manager='fast'"),
+    (["data.synthetic.task=multiply"], 2, "data.synthetic.task='multiply': unknown name; valid: add, larger, repeat"),
     (["data.truncation=cut"], 2, "data.truncation='cut'"),
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], 2,
      "actor_rollout_ref.actor.optim.lr_scheduler_type='linear'"),
@@ -171,9 +172,9 @@ def test_paths_must_exist(tmp_path):
 
 def test_synthetic_task_derives_data_files_and_steps(tmp_path):
     (tmp_path / "tok.gguf").write_bytes(b"")
-    cfg = _cfg("data.train_files=null", f"data.tokenizer={tmp_path}/tok.gguf", "data.synthetic.task=arithmetic", "data.synthetic.n_train=64",
+    cfg = _cfg("data.train_files=null", f"data.tokenizer={tmp_path}/tok.gguf", "data.synthetic.task=add", "data.synthetic.n_train=64",
                "trainer.default_local_dir=/tmp/run", "trainer.total_epochs=2", "algorithm.adv_estimator=grpo")
     out = validate_config(cfg, dp_size=2)  # paths checked: synthetic files are written by the trainer
-    assert out.data.train_files == "/tmp/run/data/train.jsonl"
-    assert out.data.val_files == "/tmp/run/data/val.jsonl"
+    assert out.data.train_files == "/tmp/run/data/train.parquet"
+    assert out.data.val_files == "/tmp/run/data/test.parquet"
     assert out.trainer.total_training_steps == (64 // 16) * 2
