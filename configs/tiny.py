@@ -10,10 +10,10 @@ def get_config():
     cfg = default_config()
     model = cfg.actor_rollout_ref.model
     model.path = "tiny:llama"
-    model.tiny.num_layers = 2
+    model.tiny.num_hidden_layers = 2
     model.tiny.hidden_size = 64
-    model.tiny.num_heads = 4
-    model.tiny.num_kv_heads = 2
+    model.tiny.num_attention_heads = 4
+    model.tiny.num_key_value_heads = 2
     model.tiny.intermediate_size = 128
     model.tiny.max_position_embeddings = 256
     cfg.data.tokenizer = smollm2_gguf_path()

@@ -175,15 +175,16 @@ MODEL = dict(
     _model("policy", "Policy weights: HF folder, .gguf file, our orbax checkpoint, or tiny:<arch> "
                      "(an in-process random model, dims from model.tiny). veRL."),
     tiny={
-        "num_layers": field(2, "Decoder blocks of a tiny:<arch> model (tests)."),
+        "num_hidden_layers": field(2, "Decoder blocks of a tiny:<arch> model (tests); names as "
+                                      "jaxrl_llm.models.ModelConfig.tiny's overrides."),
         "hidden_size": field(64, "Hidden width of a tiny:<arch> model."),
-        "num_heads": field(4, "Attention heads of a tiny:<arch> model."),
-        "num_kv_heads": field(2, "Key/value heads (GQA) of a tiny:<arch> model."),
+        "num_attention_heads": field(4, "Attention heads of a tiny:<arch> model."),
+        "num_key_value_heads": field(2, "Key/value heads (GQA) of a tiny:<arch> model."),
         "intermediate_size": field(128, "MLP width of a tiny:<arch> model."),
         "vocab_size": field(None, "Vocabulary of a tiny:<arch> model; derived: the tokenizer's size.",
                             types=int),
         "max_position_embeddings": field(2048, "Context length of a tiny:<arch> model."),
-        "seed": field(0, "Initialisation seed of a tiny:<arch> model."),
+        "seed": field(0, "Initialisation seed of a tiny:<arch> model (not a ModelConfig field)."),
     },
 )
 
