@@ -1,0 +1,114 @@
+"""Multi-host: initialize() decisions, and a real 2-process x 4-device run with gloo collectives."""
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm import sharding
+from jaxrl_llm.sharding import distributed
+from sharding_fixtures import GLOBAL_BATCH, make_batch, make_params, mlp_loss
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from multiprocess_util import MultiProcessError, run_processes  # noqa: E402
+
+WORKER = pathlib.Path(__file__).with_name("mp_sharded_sum_worker.py")
+CLUSTER_ENV = ["JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+               "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+               "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES"]
+
+
+@pytest.fixture
+def fake_distributed(monkeypatch):
+    """Records jax.distributed.initialize calls instead of joining a runtime."""
+    for name in CLUSTER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed, "_use_gloo_for_cpu_collectives", lambda: calls.append("gloo"))
+    return calls
+
+
+def test_initialize_single_process_is_a_noop(fake_distributed, monkeypatch):
+    assert sharding.initialize() is False
+    assert sharding.initialize(num_processes=1) is False
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert sharding.initialize() is False
+    # SLURM with one task: still a single process
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1", "SLURM_NTASKS": "1",
+                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    assert sharding.initialize() is False
+    assert fake_distributed == []
+
+
+def test_initialize_explicit_and_env(fake_distributed, monkeypatch):
+    assert sharding.initialize("10.0.0.1:1234", num_processes=4, process_id=2) is True
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:99")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert sharding.initialize(local_device_ids=[0, 1]) is True
+    assert fake_distributed == [
+        "gloo", dict(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=2, local_device_ids=None),
+        "gloo", dict(coordinator_address="10.0.0.1:99", num_processes=2, process_id=1, local_device_ids=[0, 1]),
+    ]
+
+
+def test_initialize_detects_a_slurm_job(fake_distributed, monkeypatch):
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
+                       "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert sharding.detect_cluster() == ("SlurmCluster", 2)
+    assert sharding.initialize() is True
+    # unset arguments are left to jax's own cluster detection
+    assert fake_distributed == ["gloo", dict(coordinator_address=None, num_processes=None,
+                                             process_id=None, local_device_ids=None)]
+
+
+@pytest.mark.parametrize("kwargs, env, message", [
+    (dict(num_processes=2, process_id=0), {}, "needs coordinator_address"),
+    (dict(coordinator_address="h:1", num_processes=2), {}, "needs process_id"),
+    (dict(coordinator_address="h:1", num_processes=2, process_id=2), {}, r"process_id=2 must be in \[0, 2\)"),
+    ({}, {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two' must be an integer"),
+    ({}, {"JAX_COORDINATOR_ADDRESS": "h:1"}, "number of processes is unknown"),
+])
+def test_initialize_errors(fake_distributed, monkeypatch, kwargs, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        sharding.initialize(**kwargs)
+
+
+def test_two_processes_share_one_mesh():
+    """2 processes x 4 CPU devices = a global mesh of 8; host-local rows -> global batch -> jitted
+    loss and grads with cross-process collectives; both processes agree with one process."""
+    results = [r.json for r in run_processes(WORKER, num_processes=2, devices_per_process=4, timeout=150)]
+    params, batch = make_params(), make_batch()
+    device = jax.devices()[0]
+    loss, grads = jax.jit(jax.value_and_grad(mlp_loss))(jax.device_put(params, device),
+                                                        jax.device_put(batch, device))
+    grad_sq = sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in jax.tree.leaves(grads))
+    for pid, res in enumerate(results):
+        assert (res["process_index"], res["process_count"]) == (pid, 2)
+        assert (res["local_devices"], res["global_devices"]) == (4, 8)
+    for name in ("data2_tensor4", "fsdp8"):
+        first, second = results[0][name], results[1][name]
+        # each process loaded its own half of the batch
+        assert first["rows"] == [0, GLOBAL_BATCH // 2] and second["rows"] == [GLOBAL_BATCH // 2, GLOBAL_BATCH]
+        for key in ("loss", "grad_sq", "x_sum"):
+            assert first[key] == second[key], (name, key)
+        np.testing.assert_allclose(first["loss"], float(loss), rtol=1e-5)
+        np.testing.assert_allclose(first["grad_sq"], grad_sq, rtol=1e-4)
+        np.testing.assert_allclose(first["x_sum"], float(np.sum(batch["x"], dtype=np.float64)), rtol=1e-4)
+
+
+def test_harness_reports_failures_from_every_process():
+    code = "import os, sys\nif os.environ['JAX_PROCESS_ID'] == '1':\n    sys.exit('boom from one')\nprint('{}')\n"
+    with pytest.raises(MultiProcessError, match="(?s)process 1 \\(returncode 1\\) stderr ---\nboom from one"):
+        run_processes(code, num_processes=2, timeout=30)
+    hang = "import time\ntime.sleep(60)\n"
+    with pytest.raises(MultiProcessError, match="timed out after 2 s"):
+        run_processes(hang, num_processes=2, timeout=2)
