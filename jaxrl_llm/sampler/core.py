@@ -1,0 +1,144 @@
+"""The jitted generate: prefill a left-padded prompt batch, then a `lax.while_loop` KV-cache decode.
+
+    settings, knobs = sampling_params.compile_args(cfg.eos_token_ids, pad_id, vocab_size=cfg.vocab_size)
+    out = sample(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)
+
+`params` are the policy's own (possibly sharded) arrays, the same pytree the optimizer updates:
+nothing is copied or converted, so a call after an update samples from the updated policy.
+Rows are repeated `settings.n` times by index inside the program (row b*n + j is sample j of
+prompt b); every row draws its own random numbers.
+
+The cache holds P + R - 1 slots (the last sampled token is never fed back). It is allocated inside
+the program and carried through the loop, so XLA updates it in place (there is no caller-side
+buffer to donate). Finished rows keep running with attention mask 0 (their slots are ignored) and
+emit the pad id; the loop exits as soon as every row has finished. Sharding: the batch dim of the
+prompts and the cache is constrained to ('data', 'fsdp') and the cache's kv-heads dim to 'tensor'
+(when divisible); the params bring their own shardings (heads / MLP / vocab over 'tensor').
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from jaxrl_llm.models import ModelConfig, forward_hidden, init_cache, logits_from_hidden
+from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
+from jaxrl_llm.sampler.sampling import choose_tokens
+from jaxrl_llm.sharding import with_activation_constraint
+
+Array = jax.Array
+
+FINISH_LENGTH, FINISH_EOS, FINISH_STOP = 0, 1, 2
+FINISH_REASONS = ("length", "eos", "stop")  # indexed by the codes above
+
+_CACHE_AXES = ("layers", "batch", "length", "act_kv_heads", "act_head_dim")
+
+
+class SampleOutput(NamedTuple):
+    """What `sample` returns (B' = B * n rows, R = max_new_tokens)."""
+
+    tokens: Array  # int32 [B', R] response ids, right-padded with the pad id
+    response_mask: Array  # int32 [B', R] 1 up to and including the EOS / stop token
+    log_probs: Array  # fp32 [B', R] log p(token) under softmax(logits / T) (T = 1 if greedy); 0 on pad
+    lengths: Array  # int32 [B'] number of response tokens (sum of response_mask)
+    finish_reason: Array  # int32 [B'] FINISH_LENGTH / FINISH_EOS / FINISH_STOP
+    prompt_ids: Array  # int32 [B', P] the prompts, repeated n times by index
+    prompt_mask: Array  # int32 [B', P]
+    num_steps: Array  # int32 scalar: tokens generated per row before the loop stopped (<= R)
+
+
+class _LoopState(NamedTuple):
+    step: Array
+    last: Array
+    done: Array
+    finish: Array
+    lengths: Array
+    tokens: Array
+    log_probs: Array
+    cache: dict
+
+
+def _constrain_cache(cache: dict, mesh: Mesh | None) -> dict:
+    return {"k": with_activation_constraint(cache["k"], _CACHE_AXES, mesh),
+            "v": with_activation_constraint(cache["v"], _CACHE_AXES, mesh),
+            "mask": with_activation_constraint(cache["mask"], ("batch", "length"), mesh),
+            "index": cache["index"]}
+
+
+def _record(state: _LoopState, step: Array, tok: Array, lp: Array, knobs: SampleKnobs) -> _LoopState:
+    """Writes column `step` for rows still generating (pad / 0 for finished rows); updates done."""
+    active = ~state.done
+    tok = jnp.where(active, tok, knobs.pad_id)
+    lp = jnp.where(active, lp, 0.0)
+    is_eos = active & jnp.any(tok[:, None] == knobs.eos_ids[None, :], axis=-1)
+    is_stop = active & ~is_eos & jnp.any(tok[:, None] == knobs.stop_ids[None, :], axis=-1)
+    finish = jnp.where(is_eos, FINISH_EOS, jnp.where(is_stop, FINISH_STOP, state.finish))
+    return state._replace(
+        last=tok, done=state.done | is_eos | is_stop, finish=finish,
+        lengths=state.lengths + active.astype(jnp.int32),
+        tokens=lax.dynamic_update_slice(state.tokens, tok[:, None], (0, step)),
+        log_probs=lax.dynamic_update_slice(state.log_probs, lp[:, None], (0, step)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "settings", "mesh"))
+def _sample_jit(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
+                knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
+    if settings.n > 1:  # repeat by index: row b*n + j is sample j of prompt b
+        prompt_ids = jnp.repeat(prompt_ids, settings.n, axis=0)
+        prompt_mask = jnp.repeat(prompt_mask, settings.n, axis=0)
+    prompt_ids = with_activation_constraint(prompt_ids.astype(jnp.int32), ("batch", "length"), mesh)
+    prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
+    b, p = prompt_ids.shape
+    r = settings.max_new_tokens
+    dtype = jnp.dtype(settings.compute_dtype)
+
+    cache = _constrain_cache(init_cache(cfg, b, p + r - 1, dtype), mesh)
+    hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
+    # left padding: the last slot of every row is its last real prompt token
+    tok, lp = choose_tokens(logits_from_hidden(params, cfg, hidden[:, -1]), jax.random.fold_in(rng, 0),
+                            knobs, settings)
+    state = _LoopState(
+        step=jnp.int32(1), last=tok, done=jnp.zeros((b,), bool),
+        finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
+        tokens=jnp.full((b, r), knobs.pad_id, jnp.int32), log_probs=jnp.zeros((b, r), jnp.float32),
+        cache=cache)
+    state = _record(state, jnp.int32(0), tok, lp, knobs)
+
+    def keep_going(s: _LoopState) -> Array:
+        return (s.step < r) & ~jnp.all(s.done)
+
+    def decode_one(s: _LoopState) -> _LoopState:
+        feed_mask = (~s.done).astype(jnp.int32)[:, None]  # finished rows: slot ignored from now on
+        hidden, cache = forward_hidden(params, cfg, s.last[:, None], feed_mask, cache=s.cache,
+                                       compute_dtype=dtype)
+        tok, lp = choose_tokens(logits_from_hidden(params, cfg, hidden[:, 0]),
+                                jax.random.fold_in(rng, s.step), knobs, settings)
+        s = _record(s._replace(cache=_constrain_cache(cache, mesh)), s.step, tok, lp, knobs)
+        return s._replace(step=s.step + 1)
+
+    state = lax.while_loop(keep_going, decode_one, state)
+    response_mask = (jnp.arange(r, dtype=jnp.int32)[None, :] < state.lengths[:, None]).astype(jnp.int32)
+    return SampleOutput(tokens=state.tokens, response_mask=response_mask, log_probs=state.log_probs,
+                        lengths=state.lengths, finish_reason=state.finish, prompt_ids=prompt_ids,
+                        prompt_mask=prompt_mask, num_steps=state.step)
+
+
+def sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
+           knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None = None) -> SampleOutput:
+    """Generates up to `settings.max_new_tokens` tokens for every row of a LEFT-padded prompt batch.
+
+    prompt_ids / prompt_mask: int [B, P], every row with at least one real token and its last
+    slot real (left padding). rng: a PRNG key. knobs / settings: from
+    `SamplingParams.compile_args`. mesh: the mesh the params live on (None: the mesh in context,
+    or a single device). Jitted (static: cfg, settings, mesh); callable inside another jit.
+    """
+    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be "
+                         "equal 2-D [batch, prompt_len] shapes")
+    if prompt_ids.shape[1] < 1:
+        raise ValueError("prompt_ids: prompt length must be >= 1")
+    return _sample_jit(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)

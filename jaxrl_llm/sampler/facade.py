@@ -1,0 +1,107 @@
+"""`generate(model, prompts, sampling_params)`: the notebook-level entry point over the jitted core.
+
+`model` is any object with `.config` (ModelConfig) and `.params`, and optionally `.tokenizer` and
+`.mesh`. Prompts are strings (tokenised as raw text with the tokenizer's special tokens), chat
+message lists (the tokenizer's chat template with add_generation_prompt=True), or lists of token
+ids; a single prompt may be passed unwrapped. Prompts are left-padded to a length bucket and the
+batch to a batch bucket (extra rows repeat prompt 0 and are dropped), so repeated calls reuse a
+few compiled programs. With several processes, every process passes the same prompts and gets
+the whole result.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from jaxrl_llm.sampler.core import sample
+from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, left_pad
+from jaxrl_llm.sampler.params import SamplingParams
+from jaxrl_llm.sharding import batch_axis_size, host_local_to_global, process_slice, shard_batch
+
+
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, (list, tuple, np.ndarray)) and len(p) > 0 and all(
+        isinstance(t, (int, np.integer)) for t in p)
+
+
+def _is_chat(p: Any) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, Mapping) for m in p)
+
+
+def _need_tokenizer(tokenizer: Any, row: int, kind: str) -> None:
+    if tokenizer is None:
+        raise ValueError(f"prompt {row} is {kind}: pass tokenizer= (or give the model a .tokenizer)")
+
+
+def prompts_to_ids(prompts: Any, tokenizer: Any = None) -> list[list[int]]:
+    """Token ids per prompt from strings / chat message lists / id lists (see the module docstring)."""
+    if isinstance(prompts, str) or _is_ids(prompts) or _is_chat(prompts):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray):
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts: expected a non-empty list of strings, chat message lists or token-id lists")
+    out = []
+    for row, p in enumerate(prompts):
+        if isinstance(p, str):
+            _need_tokenizer(tokenizer, row, "a string")
+            out.append(list(tokenizer(p)["input_ids"]))
+        elif _is_chat(p):
+            _need_tokenizer(tokenizer, row, "a chat message list")
+            text = tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+            out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        elif _is_ids(p):
+            out.append([int(t) for t in p])
+        else:
+            raise ValueError(f"prompt {row}: expected a string, a chat message list or a non-empty list of "
+                             f"token ids, got {type(p).__name__}")
+    return out
+
+
+def _special_ids(cfg: Any, tokenizer: Any) -> tuple[list[int], int]:
+    eos = list(cfg.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in eos:
+        eos.append(int(tok_eos))
+    pad = cfg.pad_token_id
+    if pad is None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return eos, int(pad)
+
+
+def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, tokenizer: Any = None,
+             mesh: Mesh | None = None, compute_dtype: str = "float32") -> GenerationResult:
+    """Samples `sampling_params.n` responses per prompt with `model`'s current params."""
+    cfg, params = model.config, model.params
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+    ids_list = prompts_to_ids(prompts, tokenizer)
+    eos, pad = _special_ids(cfg, tokenizer)
+    settings, knobs = sampling_params.compile_args(eos, pad, vocab_size=cfg.vocab_size,
+                                                   compute_dtype=compute_dtype)
+    ways = 1 if mesh is None else batch_axis_size(mesh)
+    rows = bucket_batch(len(ids_list), ways)
+    ids, mask = left_pad(ids_list + [ids_list[0]] * (rows - len(ids_list)), pad)
+    if mesh is None:
+        batch = (ids, mask)
+    elif jax.process_count() > 1:
+        local = process_slice(rows, mesh)
+        batch = host_local_to_global((ids[local], mask[local]), mesh)
+    else:
+        batch = shard_batch((ids, mask), mesh)
+    out = sample(params, cfg, *batch, jax.random.key(sampling_params.seed), knobs,
+                 settings=settings, mesh=mesh)
+    fields = (out.tokens, out.response_mask, out.log_probs, out.lengths, out.finish_reason)
+    if jax.process_count() > 1:
+        fields = multihost_utils.process_allgather(fields, tiled=True)
+    keep = len(ids_list) * sampling_params.n
+    host = [np.asarray(f)[:keep] for f in fields]
+    return GenerationResult.from_arrays(*host, num_steps=int(out.num_steps.addressable_data(0)),
+                                        n=sampling_params.n, tokenizer=tokenizer)

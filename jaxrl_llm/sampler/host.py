@@ -1,0 +1,93 @@
+"""Host-side helpers around the jitted core: prompt-length buckets, left padding, decoded text.
+
+Buckets keep the number of compiled shapes small: prompt lengths round up to a power of two (at
+least 16) up to 256, then to a multiple of 256; batch sizes round up to a power of two and to a
+multiple of the mesh's batch ways.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.sampler.core import FINISH_REASONS
+
+_MIN_LENGTH_BUCKET = 16
+_POW2_LENGTH_LIMIT = 256
+
+
+def bucket_length(length: int) -> int:
+    """Prompt length bucket: next power of two >= length (min 16) up to 256, then multiples of 256."""
+    if length < 1:
+        raise ValueError(f"prompt length must be >= 1, got {length}")
+    if length <= _POW2_LENGTH_LIMIT:
+        return max(_MIN_LENGTH_BUCKET, 1 << (length - 1).bit_length())
+    return -(-length // _POW2_LENGTH_LIMIT) * _POW2_LENGTH_LIMIT
+
+
+def bucket_batch(rows: int, multiple_of: int = 1) -> int:
+    """Batch bucket: next power of two >= rows, then up to a multiple of `multiple_of`."""
+    if rows < 1:
+        raise ValueError(f"batch must have at least one prompt, got {rows}")
+    size = 1 << (rows - 1).bit_length()
+    return -(-size // multiple_of) * multiple_of
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, *, length: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [B, L], mask int32 [B, L]) with every prompt right-aligned (left padding).
+
+    `length`: the padded length (default: the bucket of the longest prompt). A prompt that is empty
+    or longer than `length` is an error naming its row.
+    """
+    lengths = [len(p) for p in prompts]
+    for row, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"prompt {row} is empty")
+    width = bucket_length(max(lengths)) if length is None else length
+    ids = np.full((len(prompts), width), pad_id, np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    for row, (p, n) in enumerate(zip(prompts, lengths)):
+        if n > width:
+            raise ValueError(f"prompt {row} has {n} tokens, more than the padded length {width}")
+        ids[row, width - n:] = np.asarray(p, np.int64)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def decode_texts(tokenizer: Any, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """`tokenizer.decode` of each row's valid tokens (skipping special tokens)."""
+    return [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(tokens, lengths)]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Host copy of a generation (rows = prompts x n, prompt-major: row i*n + j is sample j of prompt i).
+
+    `tokens` / `response_mask` / `log_probs` are the padded [rows, max_new_tokens] arrays;
+    `token_ids` and `texts` hold only each row's valid tokens. `texts` is None without a tokenizer.
+    """
+
+    tokens: np.ndarray
+    response_mask: np.ndarray
+    log_probs: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list[str]
+    prompt_index: np.ndarray
+    token_ids: list[list[int]]
+    texts: list[str] | None
+    num_steps: int
+
+    @classmethod
+    def from_arrays(cls, tokens: np.ndarray, response_mask: np.ndarray, log_probs: np.ndarray,
+                    lengths: np.ndarray, finish_reason: np.ndarray, num_steps: int, n: int,
+                    tokenizer: Any = None) -> "GenerationResult":
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        return cls(tokens=tokens, response_mask=np.asarray(response_mask), log_probs=np.asarray(log_probs),
+                   lengths=lengths, finish_reasons=[FINISH_REASONS[int(c)] for c in np.asarray(finish_reason)],
+                   prompt_index=np.arange(len(tokens)) // n,
+                   token_ids=[row[:k].tolist() for row, k in zip(tokens, lengths)],
+                   texts=None if tokenizer is None else decode_texts(tokenizer, tokens, lengths),
+                   num_steps=int(num_steps))

@@ -1,0 +1,50 @@
+"""One decode step's token choice: temperature, top-k, top-p, greedy, and the chosen token's logprob.
+
+Works on [B, V] fp32 logits only (never [B, T, V]). The reported logprob is always that of the
+full softmax of `logits / temperature` (no top-k / top-p truncation), the quantity the trainer
+scores (`jaxrl_llm.losses.logprob.token_logprobs(..., temperature=T)`), computed from the very
+logits the token was sampled from. Greedy decoding reports it at temperature 1.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
+
+Array = jax.Array
+
+
+def filtered_logits(scaled: Array, top_k: int, use_top_p: bool, top_p: Array) -> tuple[Array, Array | None]:
+    """Candidate logits after top-k then top-p (on the top-k-renormalised distribution, as HF / vLLM).
+
+    Returns (candidate logits [B, C], candidate token ids [B, C] or None when C == V and the
+    candidates are the vocabulary itself). Dropped candidates are -inf. Only top-p without top-k
+    sorts the whole vocabulary.
+    """
+    if not top_k and not use_top_p:
+        return scaled, None
+    k = top_k or scaled.shape[-1]
+    vals, ids = lax.top_k(scaled, k)  # sorted, largest first
+    if use_top_p:
+        probs = jax.nn.softmax(vals, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the top token always survives
+    return vals, ids
+
+
+def choose_tokens(logits: Array, key: Array, knobs: SampleKnobs, settings: SampleSettings
+                  ) -> tuple[Array, Array]:
+    """(token ids [B] int32, their logprobs [B] fp32) from next-token logits [B, V] (fp32)."""
+    logits = logits.astype(jnp.float32)
+    scaled = logits / knobs.temperature  # temperature is 1.0 when greedy (see SampleKnobs)
+    if settings.greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        cand, cand_ids = filtered_logits(scaled, settings.top_k, settings.use_top_p, knobs.top_p)
+        pick = jax.random.categorical(key, cand, axis=-1)
+        tokens = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
+    tokens = tokens.astype(jnp.int32)
+    chosen = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(scaled, axis=-1)
