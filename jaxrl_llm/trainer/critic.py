@@ -1,0 +1,73 @@
+"""The critic (value model) loss and its jitted update, configured by `critic`.
+
+A critic is a decoder backbone with a scalar value head (`models` head="value"), initialised from
+the critic's causal-LM checkpoint with a fresh head. Its loss is veRL's clipped value loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import optax
+
+from jaxrl_llm.losses.masked import masked_sum
+from jaxrl_llm.losses.value import compute_value_loss
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.trainer.scoring import response_values
+from jaxrl_llm.trainer.update import Denominators, run_update_epochs
+
+sg = jax.lax.stop_gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSettings:
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    compute_dtype: str = "float32"
+    remat: bool = False
+    ppo_epochs: int = 1
+    shuffle: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "CriticSettings":
+        critic, actor = cfg.critic, cfg.actor_rollout_ref.actor
+        pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
+        return cls(
+            cliprange_value=float(critic.cliprange_value),
+            loss_agg_mode=pick(critic.loss_agg_mode, actor.loss_agg_mode),
+            compute_dtype=critic.model.dtype,
+            remat=bool(critic.model.enable_gradient_checkpointing),
+            ppo_epochs=int(pick(critic.ppo_epochs, actor.ppo_epochs)),
+            shuffle=bool(pick(critic.shuffle, actor.shuffle)),
+        )
+
+
+def critic_loss(params: dict, mb: dict, denoms: Denominators, *, model_cfg: ModelConfig,
+                s: CriticSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
+    mask = mb["response_mask"]
+    vpreds = response_values(params, model_cfg, mb["input_ids"], mb["attention_mask"], mask.shape[1],
+                             compute_dtype=s.compute_dtype, remat=s.remat)
+    loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, s.cliprange_value,
+                                        s.loss_agg_mode, num_tokens=denoms.num_tokens,
+                                        num_seqs=denoms.num_seqs)
+    vpred_mean = masked_sum(sg(vpreds), mask) / denoms.num_tokens
+    return loss, {"critic/vf_loss": sg(loss), "critic/vf_clipfrac": clipfrac,
+                  "critic/vpred_mean": vpred_mean}
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "s", "tx", "num_mini_batches",
+                                             "num_micro_batches", "rows_sharding"),
+                   donate_argnames=("params", "opt_state"))
+def update_critic(params: dict, opt_state: Any, batch: dict, rng: jax.Array, *, model_cfg: ModelConfig,
+                  s: CriticSettings, tx: optax.GradientTransformation, num_mini_batches: int,
+                  num_micro_batches: int, rows_sharding: Any = None):
+    loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)
+    params, opt_state, metrics = run_update_epochs(
+        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, mask_key="response_mask",
+        ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
+        num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)
+    metrics["critic/grad_norm"] = metrics.pop("grad_norm")
+    metrics.pop("loss")
+    return params, opt_state, metrics

@@ -1,0 +1,138 @@
+"""Step metrics under veRL's names (`critic/score/mean`, `response_length/clip_ratio`, ...),
+throughput and model-FLOPs utilisation.
+
+The batch statistics are computed on the host from arrays the step already fetched (scores,
+lengths) plus device-side masked reductions (advantages, returns, values), so no `[B, T]` array is
+copied to the host just for logging.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
+    values = np.asarray(values, np.float64)
+    if values.size == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+@jax.jit
+def masked_stats(x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """mean / max / min of `x` over valid tokens (a batch with no valid token gives zeros)."""
+    mask = mask.astype(bool)
+    count = jnp.maximum(mask.sum(), 1)
+    has = mask.any()
+    mean = jnp.where(mask, x, 0.0).sum() / count
+    hi = jnp.where(has, jnp.where(mask, x, -jnp.inf).max(), 0.0)
+    lo = jnp.where(has, jnp.where(mask, x, jnp.inf).min(), 0.0)
+    return {"mean": mean, "max": hi, "min": lo}
+
+
+def data_metrics(
+    *,
+    sequence_scores: np.ndarray,
+    sequence_rewards: np.ndarray,
+    response_lengths: np.ndarray,
+    prompt_lengths: np.ndarray,
+    max_response_length: int,
+    max_prompt_length: int,
+    advantages: jax.Array,
+    returns: jax.Array,
+    response_mask: jax.Array,
+    values: jax.Array | None = None,
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    out.update(_stats("critic/score", sequence_scores))
+    out.update(_stats("critic/rewards", sequence_rewards))
+    for name, arr in (("advantages", advantages), ("returns", returns), ("values", values)):
+        if arr is not None:
+            stats = jax.device_get(masked_stats(arr, response_mask))
+            out.update({f"critic/{name}/{k}": float(v) for k, v in stats.items()})
+    out.update(_stats("response_length", response_lengths))
+    out["response_length/clip_ratio"] = float(np.mean(response_lengths >= max_response_length))
+    out.update(_stats("prompt_length", prompt_lengths))
+    out["prompt_length/clip_ratio"] = float(np.mean(prompt_lengths >= max_prompt_length))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def measured_matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of one device on a large fp32 matmul: the denominator of MFU on this machine."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+def step_flops(
+    *,
+    num_params: int,
+    num_layers: int,
+    hidden_size: int,
+    prompt_tokens: int,
+    response_tokens: int,
+    forward_passes: int,
+    training_passes: int,
+) -> float:
+    """Model FLOPs of one RL step: generation (2N per generated token plus attention over the
+    context), `forward_passes` scoring passes (ref / old logprobs / values) and `training_passes`
+    forward+backward passes (6N per token) over prompt+response tokens."""
+    total_tokens = prompt_tokens + response_tokens
+    dense = 2.0 * num_params
+    # attention score/value FLOPs per token ~ 4 * layers * hidden * average context length
+    avg_context = total_tokens / 2.0
+    attention = 4.0 * num_layers * hidden_size * avg_context / max(total_tokens, 1)
+    per_token_fwd = dense + attention
+    gen = response_tokens * per_token_fwd + prompt_tokens * per_token_fwd
+    score = forward_passes * total_tokens * per_token_fwd
+    train = training_passes * 3.0 * total_tokens * per_token_fwd
+    return gen + score + train
+
+
+def perf_metrics(
+    timings: Mapping[str, float], *, total_tokens: int, flops: float, num_devices: int, peak_flops: float
+) -> dict[str, float]:
+    step_time = max(timings.get("step", 0.0), 1e-9)
+    return {
+        "perf/total_num_tokens": float(total_tokens),
+        "perf/time_per_step": step_time,
+        "perf/throughput": total_tokens / step_time / num_devices,
+        "perf/mfu": flops / step_time / (peak_flops * num_devices),
+    }
+
+
+class Timer:
+    """`with timer("gen"): ...` accumulates wall time (after blocking on device work) per name."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str) -> "_Span":
+        return _Span(self, name)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+class _Span:
+    def __init__(self, timer: Timer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.times[self.name] = self.timer.times.get(self.name, 0.0) + time.perf_counter() - self.start

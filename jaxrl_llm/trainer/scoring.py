@@ -1,0 +1,66 @@
+"""Per-token quantities of a batch of (prompt + response) sequences under a model's params:
+response log-probs (+ entropy) through the fused vocabulary-streaming kernel, and critic values.
+
+Sequences are `input_ids [N, P + R]` with the prompt left-padded to P and the response
+right-padded to R; position t of the hidden states predicts token t + 1, so the response tokens
+are scored by hidden positions P-1 .. P+R-2. No `[N, T, V]` logits are ever formed.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.losses.logprob import token_logprobs
+from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
+
+Array = jax.Array
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def compute_dtype_of(name: str):
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype={name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                    response_len: int, *, compute_dtype: str = "float32", remat: bool = False) -> Array:
+    """Hidden states [N, R, H] at the positions that predict the response tokens."""
+    hidden, _ = forward_hidden(params, model_cfg, input_ids, attention_mask,
+                               compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
+    start = input_ids.shape[1] - response_len - 1
+    return jax.lax.dynamic_slice_in_dim(hidden, start, response_len, axis=1)
+
+
+def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                       response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
+                       remat: bool = False, with_entropy: bool = False):
+    """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R])."""
+    hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
+                             compute_dtype=compute_dtype, remat=remat)
+    targets = input_ids[:, input_ids.shape[1] - response_len:]
+    unembed = lm_head_weight(params, model_cfg).astype(hidden.dtype)
+    return token_logprobs(hidden, unembed, targets, temperature=temperature, return_entropy=with_entropy)
+
+
+def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                    response_len: int, *, compute_dtype: str = "float32", remat: bool = False) -> Array:
+    """Critic values [N, R] fp32 at the positions that predict the response tokens (veRL's
+    `values[:, -response_length - 1 : -1]`)."""
+    hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
+                             compute_dtype=compute_dtype, remat=remat)
+    return value_from_hidden(params, hidden).astype(jnp.float32)
+
+
+def micro_batched(fn: Callable[[dict], dict], batch: dict, micro_rows: int) -> dict:
+    """Apply `fn` to `micro_rows` rows at a time with `lax.map` (bounds activation memory for
+    no-grad passes: reference / old log-probs, values)."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    micro_rows = min(micro_rows, rows)
+    if rows % micro_rows:
+        raise ValueError(f"{rows} rows do not split into micro-batches of {micro_rows}")
+    chunks = jax.tree.map(lambda x: x.reshape(rows // micro_rows, micro_rows, *x.shape[1:]), batch)
+    out = jax.lax.map(fn, chunks)
+    return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)

@@ -1,0 +1,109 @@
+"""The update loop shared by actor and critic: `ppo_epochs` x mini-batches x micro-batches.
+
+Everything runs inside one jitted function: an outer `lax.scan` over epochs (rows reshuffled each
+epoch when `shuffle`), a scan over mini-batches (one optimizer step each) and an inner scan over
+micro-batches that accumulates gradients. Losses are normalised by the mini-batch's global token /
+sequence counts (`Denominators`), so the accumulated gradient is exactly the full mini-batch
+gradient whatever the micro-batch size (ALGORITHMS.md, "Loss aggregation").
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class Denominators(NamedTuple):
+    """Global counts over one mini-batch, passed to every micro-batch's loss."""
+
+    num_tokens: jax.Array  # valid response tokens
+    num_seqs: jax.Array  # rows with at least one valid token
+    loss_scale_factor: jax.Array | None = None
+
+
+def denominators(mask: jax.Array, loss_scale_factor: float | None = None) -> Denominators:
+    mask = mask.astype(jnp.float32)
+    scale = None if loss_scale_factor is None else jnp.float32(loss_scale_factor)
+    return Denominators(mask.sum(), (mask.sum(-1) > 0).sum().astype(jnp.float32), scale)
+
+
+def _split(tree: Batch, parts: int, mesh_rows_spec: NamedSharding | None) -> Batch:
+    """[N, ...] -> [parts, N/parts, ...], keeping the rows of each part spread over the data axes."""
+
+    def one(x: jax.Array) -> jax.Array:
+        y = x.reshape(parts, x.shape[0] // parts, *x.shape[1:])
+        if mesh_rows_spec is not None:
+            spec = PartitionSpec(None, *mesh_rows_spec.spec[:1], *([None] * (x.ndim - 1)))
+            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh_rows_spec.mesh, spec))
+        return y
+
+    return jax.tree.map(one, tree)
+
+
+def run_update_epochs(
+    params: Any,
+    opt_state: Any,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    tx: optax.GradientTransformation,
+    loss_fn: LossFn,
+    mask_key: str,
+    ppo_epochs: int,
+    num_mini_batches: int,
+    num_micro_batches: int,
+    shuffle: bool,
+    rows_sharding: NamedSharding | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
+    global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
+    and epochs, with `loss` and `grad_norm` per optimizer step. Call inside `jax.jit`."""
+    num_rows = jax.tree.leaves(batch)[0].shape[0]
+    if num_rows % (num_mini_batches * num_micro_batches):
+        raise ValueError(
+            f"{num_rows} rows do not split into {num_mini_batches} mini-batches x "
+            f"{num_micro_batches} micro-batches"
+        )
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def mini_step(carry, mini: Batch):
+        params, opt_state = carry
+        denoms = denominators(mini[mask_key], loss_scale_factor)
+        micros = _split(mini, num_micro_batches, rows_sharding)
+
+        def micro_step(acc, micro: Batch):
+            (loss, metrics), grads = grad_fn(params, micro, denoms)
+            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, micros)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # Loss and metrics are partial sums over the mini-batch's global denominators, so the
+        # micro-batch values add up to the mini-batch values.
+        metrics = jax.tree.map(jnp.sum, metrics)
+        metrics["loss"] = losses.sum()
+        metrics["grad_norm"] = grad_norm
+        return (params, opt_state), metrics
+
+    def epoch_step(carry, epoch_rng):
+        if shuffle:
+            perm = jax.random.permutation(epoch_rng, num_rows)
+            rows = jax.tree.map(lambda x: x[perm], batch)
+        else:
+            rows = batch
+        minis = _split(rows, num_mini_batches, rows_sharding)
+        return jax.lax.scan(mini_step, carry, minis)
+
+    (params, opt_state), metrics = jax.lax.scan(
+        epoch_step, (params, opt_state), jax.random.split(rng, ppo_epochs)
+    )
+    return params, opt_state, jax.tree.map(jnp.mean, metrics)
