@@ -82,8 +82,20 @@ def forward(params: dict, x: jax.Array) -> jax.Array:
     return with_activation_constraint(logits, ("batch", "length", "act_vocab"))
 
 
-def mlp_loss(params: dict, batch: dict) -> jax.Array:
+def loss_and_logits(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
     """Mean token cross-entropy of the forward pass (a global mean: needs cross-device reductions)."""
     logits = forward(params, batch["x"])
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, batch["target"][..., None], axis=-1))
+    return -jnp.mean(jnp.take_along_axis(logp, batch["target"][..., None], axis=-1)), logits
+
+
+def mlp_loss(params: dict, batch: dict) -> jax.Array:
+    return loss_and_logits(params, batch)[0]
+
+
+def loss_grad_metrics(params: dict, batch: dict) -> dict:
+    """Loss, squared gradient norm and a plain batch sum in one program (one compile per mesh);
+    under a multi-process mesh each of them needs cross-process collectives."""
+    loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+    grad_sq = sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))
+    return {"loss": loss, "grad_sq": grad_sq, "x_sum": jnp.sum(batch["x"])}

@@ -1,6 +1,7 @@
 """Mesh construction from config, logical-axis rules -> PartitionSpecs, the replication fallback."""
 import jax
 import ml_collections
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -70,7 +71,10 @@ def test_param_specs_fsdp8():
     assert specs["layers"]["wq"] == P(None, "fsdp", "tensor", None)
     assert specs["layers"]["down"] == P(None, "tensor", "fsdp")
     assert specs["lm_head"] == P("fsdp", "tensor")  # tensor has size 1 here, so 98 divides
-    params = sharding.shard_params(make_params(), logical_axes(), mesh)
+    # params already on devices (another mesh) are resharded
+    on_devices = sharding.shard_params(make_params(), logical_axes(), sharding.make_mesh({"data": 2, "tensor": 4}))
+    params = sharding.shard_params(on_devices, logical_axes(), mesh)
+    np.testing.assert_array_equal(params["embed"], make_params()["embed"])
     # each device holds 1/8 of every embed-sharded weight
     assert params["embed"].addressable_shards[0].data.shape == (256, 8)
     assert params["layers"]["up"].addressable_shards[0].data.shape == (2, 8, 128)
@@ -100,6 +104,10 @@ def test_custom_rules_and_bad_axes():
     with pytest.raises(ValueError, match=r"lm_head: logical axes \('embed',\) name 1 dims but the shape is \(64, 98\)"):
         bad = logical_axes()
         bad["lm_head"] = ("embed",)
+        sharding.logical_to_sharding(bad, make_params(), mesh)
+    with pytest.raises(ValueError, match="logical axes tree does not match the param tree"):
+        bad = logical_axes()
+        del bad["final_norm"]
         sharding.logical_to_sharding(bad, make_params(), mesh)
     with pytest.raises(ValueError, match="appears twice"):
         sharding.rules_dict([("embed", "fsdp"), ("embed", None)])

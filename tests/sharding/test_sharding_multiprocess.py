@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl_llm import sharding
 from jaxrl_llm.sharding import distributed
-from sharding_fixtures import GLOBAL_BATCH, make_batch, make_params, mlp_loss
+from sharding_fixtures import GLOBAL_BATCH, loss_grad_metrics, make_batch, make_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from multiprocess_util import MultiProcessError, run_processes  # noqa: E402
@@ -85,12 +85,10 @@ def test_initialize_errors(fake_distributed, monkeypatch, kwargs, env, message):
 def test_two_processes_share_one_mesh():
     """2 processes x 4 CPU devices = a global mesh of 8; host-local rows -> global batch -> jitted
     loss and grads with cross-process collectives; both processes agree with one process."""
-    results = [r.json for r in run_processes(WORKER, num_processes=2, devices_per_process=4, timeout=150)]
+    results = [r.json for r in run_processes(WORKER, num_processes=2, devices_per_process=4, timeout=180)]
     params, batch = make_params(), make_batch()
     device = jax.devices()[0]
-    loss, grads = jax.jit(jax.value_and_grad(mlp_loss))(jax.device_put(params, device),
-                                                        jax.device_put(batch, device))
-    grad_sq = sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in jax.tree.leaves(grads))
+    want = jax.jit(loss_grad_metrics)(jax.device_put(params, device), jax.device_put(batch, device))
     for pid, res in enumerate(results):
         assert (res["process_index"], res["process_count"]) == (pid, 2)
         assert (res["local_devices"], res["global_devices"]) == (4, 8)
@@ -100,8 +98,8 @@ def test_two_processes_share_one_mesh():
         assert first["rows"] == [0, GLOBAL_BATCH // 2] and second["rows"] == [GLOBAL_BATCH // 2, GLOBAL_BATCH]
         for key in ("loss", "grad_sq", "x_sum"):
             assert first[key] == second[key], (name, key)
-        np.testing.assert_allclose(first["loss"], float(loss), rtol=1e-5)
-        np.testing.assert_allclose(first["grad_sq"], grad_sq, rtol=1e-4)
+        np.testing.assert_allclose(first["loss"], float(want["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(first["grad_sq"], float(want["grad_sq"]), rtol=1e-4)
         np.testing.assert_allclose(first["x_sum"], float(np.sum(batch["x"], dtype=np.float64)), rtol=1e-4)
 
 

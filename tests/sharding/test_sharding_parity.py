@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
-from sharding_fixtures import forward, logical_axes, make_batch, make_params, mlp_loss
+from sharding_fixtures import logical_axes, loss_and_logits, make_batch, make_params, mlp_loss
 
 MESHES = {"data2_tensor4": {"data": 2, "fsdp": 1, "tensor": 4}, "fsdp8": {"data": 1, "fsdp": -1, "tensor": 1}}
 
@@ -42,16 +42,14 @@ def test_sharded_loss_grads_and_update_match_one_device(name, reference):
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        (loss, logits), grads = jax.value_and_grad(loss_and_logits, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return loss, grads, optax.apply_updates(params, updates), opt_state
+        return loss, logits, grads, optax.apply_updates(params, updates), opt_state
 
-    with jax.set_mesh(mesh):
-        step = jax.jit(step, out_shardings=(NamedSharding(mesh, P()), param_shardings, param_shardings,
-                                            opt_shardings))
-        loss, grads, new_params, new_opt_state = step(params, opt_state, batch)
-        # the activation constraints inside forward() are honoured: logits come out split
-        logits = jax.jit(forward)(params, batch["x"])
+    with jax.set_mesh(mesh):  # logits: no out_sharding, so the activation constraints decide it
+        step = jax.jit(step, out_shardings=(NamedSharding(mesh, P()), None, param_shardings,
+                                            param_shardings, opt_shardings))
+        loss, logits, grads, new_params, new_opt_state = step(params, opt_state, batch)
     # batch rows split over data x fsdp; the 98-wide vocab dim cannot split over tensor=4, so it replicates
     want = P(("data", "fsdp"), None, None if name == "data2_tensor4" else "tensor")
     assert logits.sharding.is_equivalent_to(NamedSharding(mesh, want), 3), logits.sharding
