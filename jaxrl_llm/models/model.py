@@ -15,6 +15,7 @@ Params layout (plain nested dict of arrays; layer params stacked on a leading ax
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -52,6 +53,11 @@ def init_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labels: i
                 dtype: Any = jnp.float32) -> dict:
     """Random params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
     _check_head(head)
+    return _init_params_jit(cfg, rng, head, num_labels, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, dtype: Any) -> dict:
     backbone_rng, head_rng = jax.random.split(rng)
     ids = jnp.zeros((1, 1), jnp.int32)
     allowed = jnp.ones((1, 1, 1), bool)

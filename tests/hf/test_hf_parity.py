@@ -1,13 +1,17 @@
 """Logits parity with transformers (torch fp32) for tiny random models of every family."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import build_hf_model, left_padded_batch, torch_logits  # tests/hf/conftest.py
 from jaxrl_llm.hf import load_hf_folder
-from jaxrl_llm.models import compute_logits, score_from_hidden, forward_hidden
+from jaxrl_llm.models import compute_logits, forward_hidden, score_from_hidden
+
+compute_logits = jax.jit(compute_logits, static_argnums=1)
+forward_hidden = jax.jit(forward_hidden, static_argnums=1)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5e5}

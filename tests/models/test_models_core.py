@@ -8,8 +8,6 @@ import pytest
 
 from jaxrl_llm.models import (
     ModelConfig,
-    compute_logits,
-    forward_hidden,
     init_cache,
     init_params,
     last_valid_index,
@@ -18,6 +16,11 @@ from jaxrl_llm.models import (
     value_from_hidden,
 )
 
+from jaxrl_llm.models import compute_logits as _compute_logits
+from jaxrl_llm.models import forward_hidden as _forward_hidden
+
+compute_logits = jax.jit(_compute_logits, static_argnums=1, static_argnames=("compute_dtype", "remat"))
+forward_hidden = jax.jit(_forward_hidden, static_argnums=1, static_argnames=("compute_dtype",))
 LOGICAL = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "layers", None}
 
 
@@ -44,7 +47,7 @@ def test_kv_cache_decode_matches_full_forward_left_padded(family):
     full_mask = jnp.concatenate([pmask, jnp.ones_like(new)], axis=1)
     expected = np.asarray(compute_logits(params, cfg, full_ids, full_mask))
 
-    step = jax.jit(lambda p, i, m, c: compute_logits(p, cfg, i, m, cache=c))
+    step = jax.jit(lambda p, i, m, c: _compute_logits(p, cfg, i, m, cache=c))
     cache = init_cache(cfg, batch=3, max_len=prompt.shape[1] + steps + 2)
     logits, cache = step(params, prompt, pmask, cache)
     got = [np.asarray(logits)]
@@ -67,8 +70,8 @@ def test_remat_and_bf16_compute():
         logits = compute_logits(p, cfg, ids, mask, remat=remat)
         return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * mask)
 
-    g0 = jax.grad(loss)(params, False)
-    g1 = jax.grad(loss)(params, True)
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    g0, g1 = grad(params, False), grad(params, True)
     assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g0, g1))) < 1e-5
     bf16 = np.asarray(compute_logits(params, cfg, ids, mask, compute_dtype=jnp.bfloat16))
     hidden, _ = forward_hidden(params, cfg, ids, mask, compute_dtype=jnp.bfloat16)

@@ -1,0 +1,125 @@
+"""Export params to a Hugging Face folder `transformers.from_pretrained` loads with equal logits.
+
+Writes config.json, model.safetensors (or model-0000k-of-0000n.safetensors shards plus
+model.safetensors.index.json past `max_shard_size` bytes), generation_config.json, and the
+tokenizer's files (chat template included) when a tokenizer is given. Everything is written into a
+temporary sibling folder that is renamed into place at the end, so a failure leaves no
+half-written output. One shard's tensors are on the host at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from jaxrl_llm.hf.names import TensorSpec, get_path, tensor_specs
+from jaxrl_llm.models.config import ModelConfig
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+
+
+def _head_of(params: dict) -> tuple[str, int]:
+    if "value_head" in params:
+        raise ValueError("cannot export value-head params as an HF model; export the policy "
+                         "(head='lm') or a reward model (head='score')")
+    if "score" in params:
+        return "score", int(params["score"]["kernel"].shape[-1])
+    return "lm", 1
+
+
+def _hf_tensor(spec: TensorSpec, params: dict, layer: int | None,
+               dtype: np.dtype) -> tuple[str, np.ndarray]:
+    """(hf_name, numpy tensor in HF layout) for one spec (and one layer when stacked)."""
+    value = get_path(params, spec.path)
+    if layer is None:
+        return spec.hf_name, np.ascontiguousarray(spec.to_hf(np.asarray(value).astype(dtype)))
+    tensor = spec.to_hf(np.asarray(value[layer]).astype(dtype))
+    return spec.hf_name.format(i=layer), np.ascontiguousarray(tensor)
+
+
+def _plan_shards(cfg: ModelConfig, specs: list[TensorSpec], itemsize: int,
+                 max_shard_size: int) -> list[list[tuple[TensorSpec, int | None]]]:
+    """Group (spec, layer) units into shards of at most max_shard_size bytes (one unit minimum)."""
+    shards: list[list[tuple[TensorSpec, int | None]]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = int(np.prod(spec.hf_shape)) * itemsize
+        for layer in (range(cfg.num_hidden_layers) if spec.layered else [None]):
+            if shards[-1] and size + nbytes > max_shard_size:
+                shards.append([])
+                size = 0
+            shards[-1].append((spec, layer))
+            size += nbytes
+    return shards
+
+
+def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
+    d: dict[str, Any] = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(cfg, key)
+        if value is not None:
+            d[key] = list(value) if isinstance(value, tuple) else value
+    return d
+
+
+def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, tokenizer: Any = None,
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: Any = None,
+              overwrite: bool = True) -> pathlib.Path:
+    """Write an HF folder at `out_dir`; returns its path. `dtype` defaults to the params' dtype."""
+    out_dir = pathlib.Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"output folder {str(out_dir)!r} exists (pass overwrite=True)")
+    head, num_labels = _head_of(params)
+    np_dtype = np.dtype(jnp.dtype(dtype if dtype is not None else params["embedding"].dtype))
+    if np_dtype.name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {np_dtype.name}")
+    specs = tensor_specs(cfg, head=head, num_labels=num_labels)
+    arch = cfg.architecture.replace("ForSequenceClassification", "ForCausalLM")
+    if head == "score":
+        arch = arch.replace("ForCausalLM", "ForSequenceClassification")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        hf_config = cfg.to_hf_config(architecture=arch, dtype=np_dtype.name,
+                                     num_labels=num_labels if head == "score" else None)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
+        shards = _plan_shards(cfg, specs, np_dtype.itemsize, max_shard_size)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for k, shard in enumerate(shards):
+            name = ("model.safetensors" if len(shards) == 1
+                    else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+            tensors: dict[str, np.ndarray] = {}
+            for spec, layer in shard:
+                hf_name, tensor = _hf_tensor(spec, params, layer, np_dtype)
+                tensors[hf_name] = tensor
+            for hf_name, tensor in tensors.items():
+                weight_map[hf_name] = name
+                total += tensor.nbytes
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            del tensors
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

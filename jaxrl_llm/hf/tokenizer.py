@@ -1,0 +1,25 @@
+"""Tokenizer loading from an HF folder or a GGUF file (via transformers, no network)."""
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+
+def load_tokenizer(path: str | pathlib.Path) -> Any:
+    """A transformers tokenizer for an HF folder or a `.gguf` file (its chat template included).
+
+    When the tokenizer defines no pad token, the eos token is used (padding is always defined by
+    attention masks in this package, never by the pad id).
+    """
+    from transformers import AutoTokenizer
+
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    elif path.is_dir():
+        tok = AutoTokenizer.from_pretrained(str(path))
+    else:
+        raise FileNotFoundError(f"no tokenizer at {str(path)!r} (expected an HF folder or a .gguf file)")
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
