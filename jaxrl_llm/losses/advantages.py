@@ -17,7 +17,6 @@ from jaxrl_llm.losses.masked import (
     group_count,
     group_sum,
     is_concrete,
-    masked_sum,
     masked_whiten,
 )
 from jaxrl_llm.losses.registry import Registry
@@ -228,4 +227,4 @@ def gpg(rewards, mask, *, group_ids, **_):
     return _outcome(alpha * (scores - mean), mask)
 
 
-__all__ = ["ADV_ESTIMATORS", "compute_advantage", "register_adv_est", "masked_sum"]
+__all__ = ["ADV_ESTIMATORS", "compute_advantage", "register_adv_est"]
