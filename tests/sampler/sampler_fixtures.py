@@ -16,6 +16,10 @@ HF_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
 # different lengths; a real token equal to the pad / eos id inside a prompt must not matter
 PROMPTS = [[5, 17, 0, 99, 23, 2, 41, 7, 130], [12, 250, 3], [77, 0, 0, 8, 19], [200]]
+# 8 prompts: divisible by every batch split of an 8-device mesh
+PROMPTS8 = PROMPTS + [[9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], [31, 2], [64, 128, 192, 255],
+                      [1, 2, 3, 4, 5, 6]]
+MESHES = {"data2_tensor4": {"data": 2, "fsdp": 1, "tensor": 4}, "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1}}
 
 
 def tiny_config(family: str = "llama") -> ModelConfig:
