@@ -4,7 +4,8 @@
     load_reward_fn(config) -> compute_score        # custom_reward_function.path/.name or the default
     build_reward_manager(config) -> RewardManager  # .score(...) -> RewardResult(scores, reward_extra_info, metrics)
 
-The reward model (`jaxrl_llm.rewards.reward_model`) imports jax and is loaded only when used.
+The reward model (`jaxrl_llm.rewards.reward_model.RewardModel`, `score_sequences`) imports jax:
+import it from its module when reward_model.enable is set.
 """
 from jaxrl_llm.rewards.custom import RewardFunctionError, ScorerSpec, load_from_file, load_reward_fn
 from jaxrl_llm.rewards.managers import (
