@@ -1,0 +1,54 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF): parity with transformers' own GGUF load, tokenizer, export."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.hf import export_hf, load_gguf, load_tokenizer
+from jaxrl_llm.models import compute_logits, greedy_generate
+
+pytestmark = pytest.mark.slow
+
+
+def test_smollm2_gguf_parity_tokenizer_and_export(smollm2_gguf, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg, params = load_gguf(smollm2_gguf)
+    assert (cfg.rope_theta, cfg.tie_word_embeddings, cfg.num_key_value_heads) == (1e5, True, 3)
+    tok = load_tokenizer(smollm2_gguf)
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_end|>" in text
+
+    prompts = [text, "The capital of France is"]
+    batch = tok(prompts, return_tensors="np", padding=True, padding_side="left")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert mask[1, 0] == 0  # the second row is left-padded
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = np.asarray(jax.jit(compute_logits, static_argnums=1)(params, cfg, jnp.asarray(ids),
+                                                                jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - expected[valid]).max() <= 1e-3
+
+    out = export_hf(cfg, params, tmp_path / "smollm2", tokenizer=tok)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        again = exported(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+        hf_tokens = exported.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                      max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=tok.pad_token_id)[:, ids.shape[1]:].numpy()
+    # the export holds exactly the weights transformers dequantises from the GGUF
+    assert np.abs(again[valid] - expected[valid]).max() <= 1e-5
+    assert np.abs(ours[valid] - again[valid]).max() <= 1e-3
+    ours_tokens = np.asarray(greedy_generate(params, cfg, jnp.asarray(ids), jnp.asarray(mask), 8))
+    np.testing.assert_array_equal(ours_tokens, hf_tokens)
+    reloaded = load_tokenizer(out)
+    assert reloaded.chat_template == tok.chat_template and reloaded.eos_token == "<|im_end|>"
