@@ -1,0 +1,194 @@
+"""Rollout: prompts -> sampled responses (on the policy's own params) -> scores.
+
+The only host work of a step lives here: decoding response text for the rule-based scorers.
+Shapes are bucketed (prompt length by the sampler's buckets, response width to a power of two
+>= 8) so a run compiles a handful of programs. Rows are prompt-major: row i*n + j is sample j of
+prompt i, and `group_ids[row] = i`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.rewards import RewardManager
+from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
+from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, host_local_to_global, shard_batch
+
+Array = jax.Array
+_MIN_RESPONSE_BUCKET = 8
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One generation batch: device arrays for the update, host arrays for rewards and logging."""
+
+    input_ids: Array  # int32 [N, P + R] prompt (left-padded) + response (right-padded)
+    attention_mask: Array  # int32 [N, P + R]
+    response_mask: Array  # float32 [N, R]
+    rollout_log_probs: Array  # float32 [N, R] sampler log-probs (temperature-scaled)
+    token_level_scores: Array  # float32 [N, R] the score at each row's last response token
+    group_ids: np.ndarray  # int32 [N] prompt index within the batch
+    scores: np.ndarray  # float32 [N] sequence scores (after shaping)
+    response_lengths: np.ndarray  # int32 [N]
+    prompt_lengths: np.ndarray  # int32 [N]
+    texts: list[str]
+    prompt_texts: list[str]
+    meta: dict[str, np.ndarray]  # data_source, ground_truth, extra_info, ... repeated per row
+    reward_extra_info: dict[str, np.ndarray]
+    reward_metrics: dict[str, float]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.group_ids.shape[0])
+
+
+def response_bucket(longest: int, limit: int) -> int:
+    """Power of two >= longest (min 8), capped at the configured response length."""
+    return min(limit, max(_MIN_RESPONSE_BUCKET, 1 << max(longest - 1, 0).bit_length()))
+
+
+def _to_global(arrays: dict[str, np.ndarray], mesh: Mesh) -> dict[str, Array]:
+    return host_local_to_global(arrays, mesh) if jax.process_count() > 1 else shard_batch(arrays, mesh)
+
+
+def _to_host(x: Array, mesh: Mesh) -> np.ndarray:
+    """This process's rows of a batch-sharded global array (all rows on a single process)."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1)))
+    return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
+
+
+def generate_and_score(
+    batch: dict[str, np.ndarray],
+    *,
+    params: dict,
+    model_cfg: ModelConfig,
+    sampling: SamplingParams,
+    rng: Array,
+    mesh: Mesh,
+    tokenizer: Any,
+    reward_manager: RewardManager | None,
+    reward_model: Any = None,
+    compute_dtype: str = "float32",
+) -> Rollout:
+    """Samples `sampling.n` responses per prompt of `batch` (this process's rows) and scores them."""
+    pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+    raw_prompts = list(batch["raw_prompt_ids"])
+    num_prompts = len(raw_prompts)
+    if jax.process_count() == 1:  # a short (validation) batch is padded to the mesh's batch ways
+        ways = batch_axis_size(mesh)
+        raw_prompts += [raw_prompts[0]] * (-num_prompts % ways)
+    prompt_width = bucket_length(max(len(p) for p in raw_prompts))
+    prompt_ids, prompt_mask = left_pad(raw_prompts, pad_id, length=prompt_width)
+    device = _to_global({"ids": prompt_ids, "mask": prompt_mask}, mesh)
+
+    eos = list(model_cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(int(tokenizer.eos_token_id))
+    settings, knobs = sampling.compile_args(eos, pad_id, vocab_size=model_cfg.vocab_size,
+                                            compute_dtype=compute_dtype)
+    out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
+
+    n = sampling.n
+    if len(raw_prompts) > num_prompts:  # drop the padding rows again
+        keep = num_prompts * n
+        out = out._replace(**{f: getattr(out, f)[:keep] for f in (
+            "tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")})
+        raw_prompts = raw_prompts[:num_prompts]
+        prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
+    lengths = _to_host(out.lengths, mesh).astype(np.int32)
+    width = response_bucket(int(lengths.max()), sampling.max_new_tokens)
+    tokens = _to_host(out.tokens[:, :width], mesh)
+    finish = _to_host(out.finish_reason, mesh)
+    texts = decode_texts(tokenizer, tokens, lengths)
+    rows = np.repeat(np.arange(num_prompts), n)
+    meta = {k: v[rows] for k, v in batch.items()
+            if k in ("data_source", "ground_truth", "extra_info", "ability", "raw_prompt", "index")}
+
+    if reward_model is not None:
+        raw = meta.get("raw_prompt")
+        scores = reward_model.score(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), tokens,
+                                    (np.arange(width)[None] < lengths[:, None]).astype(np.int32),
+                                    raw_prompts=None if raw is None else list(raw))
+        extra, reward_metrics = {"score": scores.copy()}, {}
+    else:
+        result = reward_manager.score(texts, list(meta["data_source"]), list(meta["ground_truth"]),
+                                      list(meta["extra_info"]), response_lengths=lengths,
+                                      finished_with_eos=finish == FINISH_EOS)
+        scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
+
+    # outcome reward on the last valid response token
+    token_scores = np.zeros((len(scores), width), np.float32)
+    token_scores[np.arange(len(scores)), np.maximum(lengths - 1, 0)] = scores
+    response_mask = out.response_mask[:, :width]
+    host_side = ({"token_scores": jnp.asarray(token_scores)} if token_scores.shape[0] % batch_axis_size(mesh)
+                 else _to_global({"token_scores": token_scores}, mesh))
+    input_ids = jnp.concatenate([out.prompt_ids, out.tokens[:, :width]], axis=1)
+    attention_mask = jnp.concatenate([out.prompt_mask, response_mask], axis=1)
+    prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []
+    return Rollout(
+        input_ids=input_ids, attention_mask=attention_mask,
+        response_mask=response_mask.astype(jnp.float32),
+        rollout_log_probs=out.log_probs[:, :width], token_level_scores=host_side["token_scores"],
+        group_ids=(rows + jax.process_index() * num_prompts).astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
+        prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
+        texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
+        meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics)
+
+
+def select_rows(r: Rollout, rows: np.ndarray) -> Rollout:
+    """The rollout restricted to `rows` (host indices), e.g. the groups DAPO's filter keeps."""
+    rows = np.asarray(rows)
+    take = lambda x: x[rows]  # noqa: E731
+    return dataclasses.replace(
+        r, input_ids=take(r.input_ids), attention_mask=take(r.attention_mask),
+        response_mask=take(r.response_mask), rollout_log_probs=take(r.rollout_log_probs),
+        token_level_scores=take(r.token_level_scores), group_ids=r.group_ids[rows], scores=r.scores[rows],
+        response_lengths=r.response_lengths[rows], prompt_lengths=r.prompt_lengths[rows],
+        texts=[r.texts[i] for i in rows], prompt_texts=[r.prompt_texts[i] for i in rows] if r.prompt_texts else [],
+        meta={k: v[rows] for k, v in r.meta.items()},
+        reward_extra_info={k: np.asarray(v)[rows] for k, v in r.reward_extra_info.items()})
+
+
+def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
+    """Rows of several rollouts in one, padded to common prompt / response widths; group ids are
+    renumbered so groups of different parts stay distinct."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.response_mask.shape[1] for p in parts)
+    prompt_width = max(p.input_ids.shape[1] - p.response_mask.shape[1] for p in parts)
+
+    def pad(p: Rollout) -> dict[str, Array]:
+        r = p.response_mask.shape[1]
+        left = prompt_width - (p.input_ids.shape[1] - r)
+        right = width - r
+        seq = lambda x: jnp.pad(x, ((0, 0), (left, right)))  # noqa: E731  (pad id 0 under mask 0)
+        resp = lambda x: jnp.pad(x, ((0, 0), (0, right)))  # noqa: E731
+        return {"input_ids": seq(p.input_ids), "attention_mask": seq(p.attention_mask),
+                "response_mask": resp(p.response_mask), "rollout_log_probs": resp(p.rollout_log_probs),
+                "token_level_scores": resp(p.token_level_scores)}
+
+    padded = [pad(p) for p in parts]
+    joined = {k: jnp.concatenate([d[k] for d in padded]) for k in padded[0]}
+    spec = lambda x: jax.sharding.NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))))  # noqa: E731
+    joined = {k: jax.device_put(v, spec(v)) for k, v in joined.items()}
+    offsets = np.cumsum([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]])
+    cat = lambda xs: np.concatenate(xs)  # noqa: E731
+    return Rollout(
+        **joined, group_ids=cat([p.group_ids + o for p, o in zip(parts, offsets)]).astype(np.int32),
+        scores=cat([p.scores for p in parts]), response_lengths=cat([p.response_lengths for p in parts]),
+        prompt_lengths=cat([p.prompt_lengths for p in parts]), texts=sum((p.texts for p in parts), []),
+        prompt_texts=sum((p.prompt_texts for p in parts), []),
+        meta={k: cat([p.meta[k] for p in parts]) for k in parts[0].meta},
+        reward_extra_info={k: cat([np.asarray(p.reward_extra_info[k]) for p in parts])
+                           for k in parts[0].reward_extra_info if all(k in p.reward_extra_info for p in parts)},
+        reward_metrics={k: float(np.mean([p.reward_metrics.get(k, 0.0) for p in parts]))
+                        for k in parts[0].reward_metrics})
