@@ -88,3 +88,19 @@ def test_export_score_head_and_bf16(tmp_path, np_rng):
     assert params2["score"]["kernel"].shape == (cfg.hidden_size, 1)
     np.testing.assert_allclose(np.asarray(params2["score"]["kernel"]),
                                np.asarray(params["score"]["kernel"]), rtol=1e-2, atol=1e-2)
+
+
+def test_convert_to_hf_cli(tmp_path):
+    import importlib.util
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "launch" / "convert_to_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_to_hf", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    build_hf_model("mistral", tmp_path / "src")
+    assert module.main(["--input", str(tmp_path / "src"), "--output", str(tmp_path / "out"),
+                        "--dtype", "bfloat16", "--no-tokenizer"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    cfg, params = load_hf_folder(tmp_path / "out", dtype=jnp.bfloat16)
+    assert cfg.model_type == "mistral" and params["embedding"].dtype == jnp.bfloat16

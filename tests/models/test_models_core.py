@@ -34,7 +34,7 @@ def _left_padded(rng, vocab, lengths):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
 def test_kv_cache_decode_matches_full_forward_left_padded(family):
     overrides = {"sliding_window": 5} if family == "mistral" else {}
     cfg = ModelConfig.tiny(family, **overrides)
@@ -83,7 +83,8 @@ def test_remat_and_bf16_compute():
 def test_logical_axes_cover_every_param_dim():
     for family, head in (("qwen2", "lm"), ("qwen3", "value"), ("llama", "score")):
         cfg = ModelConfig.tiny(family, tie_word_embeddings=(head == "lm"))
-        params = init_params(cfg, jax.random.key(0), head=head, num_labels=2)
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), head=head,
+                                                    num_labels=2))
         axes = param_logical_axes(cfg, head=head, num_labels=2)
         pairs = jax.tree.map(lambda a, p: (a, p.shape), axes, params,
                              is_leaf=lambda x: isinstance(x, tuple))
