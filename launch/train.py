@@ -43,6 +43,12 @@ def resolve(config, overrides: list[str]):
 
 
 def main(argv: list[str]) -> None:
+    from absl import logging as absl_logging
+
+    from jaxrl_llm.sharding import initialize
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint call at INFO
+    initialize()  # jax.distributed on TPU pods / multi-node GPU, before any other JAX call
     overrides = _FLAG_OVERRIDES + [a for a in argv[1:] if a != "--"]
     try:
         cfg, dp_size = resolve(_CONFIG.value, overrides)
