@@ -2,8 +2,8 @@
 
 veRL builds torch AdamW + a LambdaLR; we build the optax equivalent so a ported run gets the same
 learning rate at every step:
-- `warmup_style="constant"`: lr * min(1, step / warmup)  (veRL `get_constant_schedule_with_warmup`)
-- `warmup_style="cosine"`: linear warmup, then
+- `lr_scheduler_type="constant"` (veRL's older name: `warmup_style`): lr * min(1, step / warmup)  (veRL `get_constant_schedule_with_warmup`)
+- `lr_scheduler_type="cosine"`: linear warmup, then
   `max(min_lr_ratio, cos(pi * num_cycles * 2 * progress) * (1-min)/2 + (1+min)/2)`
   (veRL `get_cosine_schedule_with_warmup`).
 `lr_warmup_steps < 0` means `int(lr_warmup_steps_ratio * total_steps)`.
@@ -33,9 +33,9 @@ def warmup_steps_from(optim_cfg: Any, total_steps: int) -> int:
 def make_lr_schedule(optim_cfg: Any, total_steps: int) -> Callable[[jnp.ndarray], jnp.ndarray]:
     """The learning rate as a function of the optimizer step count (0-based, like torch LambdaLR)."""
     lr = float(_get(optim_cfg, "lr", 1e-6))
-    style = str(_get(optim_cfg, "warmup_style", _get(optim_cfg, "lr_scheduler_type", "constant")))
+    style = str(_get(optim_cfg, "lr_scheduler_type", _get(optim_cfg, "warmup_style", "constant")))
     if style not in SCHEDULES:
-        raise ValueError(f"optim.warmup_style={style!r} is not one of {SCHEDULES}")
+        raise ValueError(f"optim.lr_scheduler_type={style!r} is not one of {SCHEDULES}")
     warmup = warmup_steps_from(optim_cfg, total_steps)
     min_lr_ratio = float(_get(optim_cfg, "min_lr_ratio", 0.0))
     num_cycles = float(_get(optim_cfg, "num_cycles", 0.5))

@@ -15,7 +15,7 @@ from jaxrl_llm.trainer.tracking import Tracking
 
 
 def _optim(**kw):
-    base = dict(lr=1e-3, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, warmup_style="constant",
+    base = dict(lr=1e-3, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, lr_scheduler_type="constant",
                 min_lr_ratio=0.0, num_cycles=0.5, weight_decay=0.01, betas=[0.9, 0.999])
     base.update(kw)
     return ml_collections.ConfigDict(base)
@@ -29,7 +29,7 @@ def test_constant_schedule_with_warmup_matches_verl():
 
 
 def test_cosine_schedule_matches_verl_formula():
-    cfg = _optim(warmup_style="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, num_cycles=0.5)
+    cfg = _optim(lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, num_cycles=0.5)
     total, warm = 50, 5
     sched = make_lr_schedule(cfg, total_steps=total)
     for s in range(total):
@@ -43,8 +43,8 @@ def test_cosine_schedule_matches_verl_formula():
 
 
 def test_unknown_schedule_names_key():
-    with pytest.raises(ValueError, match="warmup_style"):
-        make_lr_schedule(_optim(warmup_style="linear"), 10)
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        make_lr_schedule(_optim(lr_scheduler_type="linear"), 10)
 
 
 def test_optimizer_clips_then_applies_adamw():
