@@ -14,11 +14,15 @@ def get_config():
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = smollm2_gguf_path()  # None (a clear error) if not installed
 
-    cfg.data.synthetic.task = "add"  # "What is 3 + 4? Answer with only the number." (strict)
+    # "What is 3 + 4? Answer with only the number.", scored on the last number of the response. With
+    # 8 new tokens the model's habit of explaining first ("To solve this, ...") is cut off before the
+    # number, so greedy accuracy starts low; GRPO teaches it to answer briefly.
+    cfg.data.synthetic.task = "add"
+    cfg.data.synthetic.answer_format = "lenient"
     cfg.data.synthetic.n_train = 256
-    cfg.data.synthetic.n_val = 64
+    cfg.data.synthetic.n_val = 32
     cfg.data.max_prompt_length = 96
-    cfg.data.max_response_length = 16  # the answer is a bare number
+    cfg.data.max_response_length = 8
     cfg.data.train_batch_size = 8
 
     cfg.algorithm.adv_estimator = "grpo"
