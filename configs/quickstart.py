@@ -14,11 +14,11 @@ def get_config():
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = smollm2_gguf_path()  # None (a clear error) if not installed
 
-    # "What is 3 + 4? Answer with only the number.", scored on the last number of the response. With
-    # 8 new tokens the model's habit of explaining first ("To solve this, ...") is cut off before the
-    # number, so greedy accuracy starts low; GRPO teaches it to answer briefly.
+    # "What is 3 + 4? Answer with only the number.", scored on the FIRST number of the response: the
+    # model's habit of restating the sum ("3 + 4 = 7") or explaining first scores 0, so greedy
+    # accuracy starts low; GRPO teaches it to lead with the answer ("7", "The answer is 7.").
     cfg.data.synthetic.task = "add"
-    cfg.data.synthetic.answer_format = "lenient"
+    cfg.data.synthetic.answer_format = "first"
     cfg.data.synthetic.n_train = 256
     cfg.data.synthetic.n_val = 32
     cfg.data.max_prompt_length = 96
@@ -32,7 +32,7 @@ def get_config():
 
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = 8  # one on-policy update per step: old logprobs = sampler logprobs
-    actor.ppo_micro_batch_size_per_device = 16  # divides the per-device mini-batch on 1 or 2 devices
+    actor.ppo_micro_batch_size_per_device = None  # derived: the whole per-device mini-batch
     actor.use_kl_loss = False
     actor.optim.lr = 5e-5  # high for a 135M model, so the format is learnt within a few steps
     actor.optim.lr_warmup_steps = 0

@@ -22,7 +22,7 @@ FALLBACK_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-m
 
 FALLBACK_REWARD_MANAGERS = ("naive", "prime")
 FALLBACK_SYNTHETIC_TASKS = ("add", "larger", "repeat")
-FALLBACK_SYNTHETIC_FORMATS = ("lenient", "strict")
+FALLBACK_SYNTHETIC_FORMATS = ("first", "lenient", "strict")
 TRUNCATION = ("error", "left", "right", "middle")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")

@@ -86,8 +86,9 @@ DATA = {
         "n_train": field(512, "Synthetic training prompts."),
         "n_val": field(64, "Synthetic validation prompts."),
         "difficulty": field(1, "Synthetic task difficulty (digits per operand / words to repeat)."),
-        "answer_format": field("strict", "Synthetic scoring: strict (the whole response is the answer) or "
-                                         "lenient (the last number / the words anywhere)."),
+        "answer_format": field("strict", "Synthetic scoring: strict (the whole response is the answer), "
+                                         "lenient (the last number / the words anywhere) or first (the first "
+                                         "number / the response starts with the words)."),
         "seed": field(0, "Seed of the synthetic task generator."),
     },
 }

@@ -91,6 +91,13 @@ def test_synthetic(response, truth, fmt, want):
     assert default_compute_score("synthetic/add", response, truth, {"answer_format": fmt}) == want
 
 
+@pytest.mark.parametrize("response,want", [
+    ("13", 1.0), ("The answer is 13.", 1.0), ("6 + 7 = 13", 0.0), ("To solve this, add them", 0.0)])
+def test_synthetic_first_number(response, want):
+    assert default_compute_score("synthetic/add", response, "13", {"answer_format": "first"}) == want
+    assert default_compute_score("synthetic/repeat", "Apple river!", "apple river", {"answer_format": "first"}) == 1.0
+
+
 def test_synthetic_default_is_strict_and_unknown_source():
     assert default_compute_score("synthetic/repeat", "x y", "x y") == 1.0
     assert default_compute_score("synthetic/repeat", "x y z", "x y") == 0.0

@@ -3,7 +3,10 @@
 `extra_info["answer_format"]` picks the rule (default "strict"):
   strict   the whole response, stripped of surrounding whitespace, equals the ground truth;
   lenient  numeric answers: the last integer in the response equals it; text answers: it appears
-           as whole words, case-insensitively.
+           as whole words, case-insensitively;
+  first    the answer comes first: numeric answers: the first integer in the response equals it
+           ("13", "The answer is 13."; not "6 + 7 = 13"); text answers: the response starts with
+           it, case-insensitively.
 Scores are 1.0 / 0.0.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-ANSWER_FORMATS = ("strict", "lenient")
+ANSWER_FORMATS = ("strict", "lenient", "first")
 _INTEGER = re.compile(r"-?\d+")
 
 
@@ -25,6 +28,9 @@ def compute_score(response: str, ground_truth: Any, extra_info: Mapping[str, Any
         return float(response.strip() == truth)
     if _INTEGER.fullmatch(truth):
         numbers = _INTEGER.findall(response)
-        return float(bool(numbers) and int(numbers[-1]) == int(truth))
+        pick = 0 if answer_format == "first" else -1
+        return float(bool(numbers) and int(numbers[pick]) == int(truth))
+    if answer_format == "first":
+        return float(response.strip().lower().startswith(truth.lower()))
     pattern = r"(?<!\w)" + r"\s+".join(re.escape(w) for w in truth.split()) + r"(?!\w)"
     return float(re.search(pattern, response, flags=re.IGNORECASE) is not None)
