@@ -45,15 +45,17 @@ def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) 
     return logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)
 
 
-def load_model(model_section: Any, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
+def load_model(model_section: Any, *, head: str, mesh: Mesh, tokenizer: Any, seed: int,
+               tiny_section: Any = None) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params placed on the mesh) for `model.path`: an HF folder, a .gguf file, or
-    `tiny:<family>` (a random model with the dims in `model.tiny`, for tests)."""
+    `tiny:<family>` (a random model with the dims in `tiny_section`, i.e.
+    `actor_rollout_ref.model.tiny`, for tests)."""
     path = model_section.path
     dtype = compute_dtype_of(model_section.param_dtype)
     if path is None:
         raise ValueError("actor_rollout_ref.model.path is not set")
     if str(path).startswith(TINY_PREFIX):
-        tiny = dict(model_section.tiny)
+        tiny = dict(tiny_section if tiny_section is not None else model_section.tiny)
         tiny_seed = tiny.pop("seed", 0)
         if tiny.get("vocab_size") is None:
             tiny["vocab_size"] = len(tokenizer)

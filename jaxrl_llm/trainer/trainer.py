@@ -84,7 +84,8 @@ class Trainer:
         self.critic = None
         if cfg.critic.enable:
             critic_cfg, critic_params = load_model(cfg.critic.model, head="value", mesh=self.mesh,
-                                                   tokenizer=self.tokenizer, seed=cfg.trainer.seed + 1)
+                                                   tokenizer=self.tokenizer, seed=cfg.trainer.seed + 1,
+                                                   tiny_section=arr.model.tiny)
             self.critic = make_trained_role(critic_cfg, critic_params, cfg.critic.optim,
                                             total_steps=self.total_steps, grad_clip=cfg.critic.grad_clip,
                                             head="value")
