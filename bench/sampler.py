@@ -78,7 +78,7 @@ def main() -> None:
             str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     bw = copy_bandwidth()
     print(f"backend={jax.default_backend()} devices={jax.device_count()} cpu_count={os.cpu_count()} "
-          f"torch_threads={torch.get_num_threads()} weights={weight_bytes / 2**20:.0f} MiB fp32 "
+          f"weights={weight_bytes / 2**20:.0f} MiB fp32 "
           f"copy_bandwidth={bw / 1e9:.1f} GB/s  (shared machine: numbers vary with other load)")
     print(f"{'batch':>5} | {'ours tok/s':>10} {'hf tok/s':>9} {'ratio':>6} | {'compile s':>9} "
           f"{'prefill s':>9} {'step ms':>8} {'GB/step':>7} {'bw use':>6} | same tokens")
@@ -118,12 +118,19 @@ def main() -> None:
                       temperature=None)
             hf_runs = []
 
-            def hf_generate():
+            def hf_generate(new_tokens=r):
                 with torch.no_grad():
-                    hf_runs.append(hf_model.generate(**kw))
+                    hf_runs.append(hf_model.generate(**{**kw, "max_new_tokens": new_tokens,
+                                                        "min_new_tokens": new_tokens}))
 
-            with torch.no_grad():
-                hf_model.generate(**{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+            # torch's thread pool can collapse on a loaded machine (oversubscribed OpenMP spin-waits):
+            # give transformers the faster of 1 thread and all cores, timed on a short generate
+            probe = {}
+            for threads in sorted({1, os.cpu_count() or 1}):
+                torch.set_num_threads(threads)
+                hf_generate(2)  # warm-up
+                probe[threads] = median_time(lambda: hf_generate(8), 1)
+            torch.set_num_threads(min(probe, key=probe.get))
             hf_s = median_time(hf_generate, args.hf_repeats)
             hf_out = hf_runs[-1][:, hf_ids.shape[1]:].numpy()
             hf_tps = batch * r / hf_s
@@ -137,7 +144,7 @@ def main() -> None:
             same = f"{sum(agree)}/{batch} rows"
         print(f"{batch:>5} | {ours:>10.1f} {hf_tps:>9.1f} {ours / hf_tps:>5.2f}x | {compile_s:>9.2f} "
               f"{prefill_s:>9.3f} {step_s * 1e3:>8.1f} {step_bytes / 1e9:>7.2f} "
-              f"{step_bytes / step_s / bw:>5.0%} | {same}")
+              f"{step_bytes / step_s / bw:>5.0%} | {same} (torch threads {torch.get_num_threads()})")
 
 
 if __name__ == "__main__":

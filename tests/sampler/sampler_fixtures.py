@@ -55,11 +55,16 @@ def hf_greedy(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, eos
     """transformers `generate` (do_sample=False) new tokens, right-padded with pad_id to max_new_tokens."""
     import torch
 
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor(ids, dtype=torch.long),
-                             attention_mask=torch.tensor(mask, dtype=torch.long), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-                             top_k=None, top_p=None, temperature=None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's OpenMP pool can stall badly on a loaded CI machine
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor(ids, dtype=torch.long),
+                                 attention_mask=torch.tensor(mask, dtype=torch.long), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                                 top_k=None, top_p=None, temperature=None)
+    finally:
+        torch.set_num_threads(threads)
     new = out[:, ids.shape[1]:].numpy()
     padded = np.full((ids.shape[0], max_new_tokens), pad_id, np.int64)
     padded[:, :new.shape[1]] = new

@@ -85,7 +85,7 @@ def test_generate_errors(char_model):
 
 
 def test_buckets_and_left_pad():
-    assert [bucket_length(n) for n in (1, 16, 17, 100, 256, 257, 600)] == [16, 16, 32, 128, 256, 512, 768]
+    assert [bucket_length(n) for n in (1, 16, 17, 100, 129, 500, 513, 600)] == [16, 16, 32, 112, 192, 512, 768, 768]
     assert [bucket_batch(n) for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
     assert bucket_batch(3, multiple_of=8) == 8 and bucket_batch(9, multiple_of=6) == 18
     ids, mask = left_pad([[7, 8, 9], [4]], pad_id=2, length=5)
@@ -93,3 +93,14 @@ def test_buckets_and_left_pad():
     np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
     with pytest.raises(ValueError, match="prompt 1 has 6 tokens"):
         left_pad([[1], [1] * 6], 0, length=5)
+
+
+def test_bfloat16_compute_tracks_float32(char_model):
+    sp = SamplingParams(max_new_tokens=6, do_sample=False, ignore_eos=True)
+    f32 = generate(char_model, PROMPTS, sp)
+    bf16 = generate(char_model, PROMPTS, sp, compute_dtype="bfloat16")
+    assert bf16.log_probs.dtype == np.float32
+    same = (bf16.tokens == f32.tokens).all(axis=1)  # a near-tie may flip a row in bf16
+    assert same.sum() >= 2
+    np.testing.assert_allclose(bf16.log_probs[same], f32.log_probs[same], atol=0.1)
+    assert not np.array_equal(bf16.log_probs, f32.log_probs)  # it really computed in bf16

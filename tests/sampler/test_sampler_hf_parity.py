@@ -51,10 +51,10 @@ def test_smollm2_greedy_matches_transformers(smollm2_gguf):
     pad = tok.pad_token_id
     eos = tok.eos_token_id
     hf_ids, hf_mask = left_pad(prompts, pad, length=max(map(len, prompts)))
-    expected = hf_greedy(torch_model, hf_ids, hf_mask, 24, eos, pad)
+    expected = hf_greedy(torch_model, hf_ids, hf_mask, 16, eos, pad)
 
     ids, mask = left_pad(prompts, pad)
-    settings, knobs = SamplingParams(max_new_tokens=24, do_sample=False).compile_args(
+    settings, knobs = SamplingParams(max_new_tokens=16, do_sample=False).compile_args(
         [eos], pad, vocab_size=cfg.vocab_size)
     out = sample(params, cfg, ids, mask, jax.random.key(0), knobs, settings=settings)
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
