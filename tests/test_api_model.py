@@ -46,7 +46,12 @@ def test_load_model_places_params_on_given_shardings(hf_folder):
     emb = model.params["embedding"]
     assert emb.sharding.spec == PartitionSpec("fsdp") and len(emb.addressable_shards) == 2
     assert emb.addressable_shards[0].data.shape == (cfg.vocab_size // 2, cfg.hidden_size)
-    with pytest.raises(ValueError, match="shardings"):
-        jrl.load_model(folder, mesh=mesh)
+    # mesh alone: params are sharded by the default logical-axis rules (embedding: embed -> fsdp)
+    from jaxrl_llm.sharding import make_mesh
+
+    ruled = jrl.load_model(folder, mesh=make_mesh({"data": 1, "fsdp": 2, "tensor": 1}))
+    shard_shapes = {s.data.shape for s in ruled.params["embedding"].addressable_shards}
+    assert shard_shapes == {(cfg.vocab_size, cfg.hidden_size // 2)}
+    np.testing.assert_allclose(np.asarray(ruled.params["embedding"]), np.asarray(emb), rtol=0, atol=0)
     with pytest.raises(ValueError, match="unknown dtype"):
         jrl.load_model(folder, dtype="int4")
