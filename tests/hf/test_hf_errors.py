@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import build_hf_model
+from tiny_models import build_hf_model
 from jaxrl_llm.hf import (
     MissingTensorError,
     TensorShapeError,

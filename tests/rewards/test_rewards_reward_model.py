@@ -1,8 +1,8 @@
 """Reward-model scores equal transformers' *ForSequenceClassification on a tiny random model."""
-import string
 
 import numpy as np
 import pytest
+from tiny_models import make_char_tokenizer
 
 torch = pytest.importorskip("torch")
 
@@ -12,21 +12,6 @@ from jaxrl_llm.rewards.reward_model import RewardModel  # noqa: E402
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PLAIN = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
-
-
-def char_tokenizer(template):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list(dict.fromkeys(string.printable)))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
-                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = template
-    return tok
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +39,7 @@ def hf_scores(model, rows):
 def test_score_tokens_matches_transformers(hf_rm):
     model, folder = hf_rm
     cfg, params = load_hf_folder(folder, head="score")
-    tok = char_tokenizer(CHATML)
+    tok = make_char_tokenizer(CHATML)
     rm = RewardModel(cfg, params, tok, micro_batch_size=2)
     rng = np.random.default_rng(0)
     rows = [rng.integers(4, 128, size=n).tolist() for n in (5, 17, 9)]
@@ -77,7 +62,7 @@ def test_score_tokens_matches_transformers(hf_rm):
 def test_retemplated_scores_match_transformers(hf_rm):
     model, folder = hf_rm
     cfg, params = load_hf_folder(folder, head="score")
-    policy_tok, rm_tok = char_tokenizer(CHATML), char_tokenizer(PLAIN)
+    policy_tok, rm_tok = make_char_tokenizer(CHATML), make_char_tokenizer(PLAIN)
     rm = RewardModel(cfg, params, rm_tok, input_tokenizer=policy_tok, max_length=40)
     assert rm.retokenize
     chats = [[{"role": "user", "content": "1+2?"}], "Say hi", [{"role": "user", "content": "x" * 50}]]
@@ -110,7 +95,7 @@ def test_from_config(hf_rm):
     import ml_collections
 
     model, folder = hf_rm
-    tok = char_tokenizer(CHATML)
+    tok = make_char_tokenizer(CHATML)
     tok.save_pretrained(folder)
     config = ml_collections.ConfigDict({"reward_model": {
         "model": {"path": str(folder), "input_tokenizer": None}, "max_length": None,

@@ -1,19 +1,16 @@
 """Tiny models and prompt batches for the sampler tests (also imported by the 2-process worker)."""
 from __future__ import annotations
 
-import string
 
 import jax
 import numpy as np
 
 from jaxrl_llm.models import ModelConfig, init_params
+from tiny_models import TINY_HF
 
-VOCAB = 256
-PAD_ID = 0
-EOS_ID = 2
-HF_TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+VOCAB = TINY_HF["vocab_size"]
+PAD_ID = TINY_HF["pad_token_id"]
+EOS_ID = TINY_HF["eos_token_id"]
 # different lengths; a real token equal to the pad / eos id inside a prompt must not matter
 PROMPTS = [[5, 17, 0, 99, 23, 2, 41, 7, 130], [12, 250, 3], [77, 0, 0, 8, 19], [200]]
 # 8 prompts: divisible by every batch split of an 8-device mesh
@@ -34,23 +31,6 @@ def tiny_params(cfg: ModelConfig, seed: int = 0, scale: float = 10.0) -> dict:
         lambda path, x: x if "norm" in jax.tree_util.keystr(path) else x * scale, params)
 
 
-def build_hf_model(family: str, folder, seed: int = 0):
-    """A randomly initialised tiny transformers model (fp32) saved to `folder`."""
-    import torch
-    import transformers
-
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**HF_TINY), dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    model.eval()
-    model.save_pretrained(folder)
-    return model
-
-
 def hf_greedy(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, eos_id, pad_id: int) -> np.ndarray:
     """transformers `generate` (do_sample=False) new tokens, right-padded with pad_id to max_new_tokens."""
     import torch
@@ -69,20 +49,3 @@ def hf_greedy(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, eos
     padded = np.full((ids.shape[0], max_new_tokens), pad_id, np.int64)
     padded[:, :new.shape[1]] = new
     return padded
-
-
-def make_char_tokenizer():
-    """One token per printable character, ChatML specials (<pad>=0, <|im_start|>=1, <|im_end|>=2)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list(dict.fromkeys(string.printable)))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
-                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok

@@ -8,7 +8,8 @@ import pytest
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import (GenerationResult, SamplingParams, bucket_batch, bucket_length, generate,
                                left_pad, prompts_to_ids, sample)
-from sampler_fixtures import make_char_tokenizer, tiny_params
+from sampler_fixtures import tiny_params
+from tiny_models import make_char_tokenizer
 
 
 @dataclasses.dataclass

@@ -5,7 +5,8 @@ import pytest
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
-from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, build_hf_model, hf_greedy
+from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy
+from tiny_models import build_hf_model
 
 NEW_TOKENS = 12
 

@@ -1,0 +1,77 @@
+"""Test helpers shared across folders: a tiny char-level ChatML tokenizer and tiny random
+transformers models saved to a folder (for parity tests against our loaders and sampler).
+`pyproject.toml` puts `tests/` on the pytest path, so any test can `import tiny_models`."""
+from __future__ import annotations
+
+import string
+
+import numpy as np
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# vocab 256, pad 0, bos 1, eos 2: the HF twin of `ModelConfig.tiny(...)`
+TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_char_tokenizer(chat_template: str = CHATML):
+    """One token per printable ASCII character; specials <pad>=0, <|im_start|>=1, <|im_end|>=2 (eos)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(dict.fromkeys(string.printable)))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = chat_template
+    return tok
+
+
+def hf_config(family: str, **overrides):
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    return cls(**{**TINY_HF, **overrides})
+
+
+def build_hf_model(family: str, folder, *, head: str = "lm", seed: int = 0, **overrides):
+    """A randomly initialised (every weight, norms included) tiny HF model saved to `folder`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    auto = (transformers.AutoModelForSequenceClassification if head == "score"
+            else transformers.AutoModelForCausalLM)
+    model = auto.from_config(hf_config(family, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    model.eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def torch_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    return out.logits.float().numpy()
+
+
+def left_padded_batch(rng: np.random.Generator, vocab: int, lengths=(8, 5, 3), pad_id: int = 0):
+    """Left-padded ids/mask; pad id also appears as a real token (padding is the mask, not the id)."""
+    t = max(lengths)
+    ids = np.full((len(lengths), t), pad_id, np.int64)
+    mask = np.zeros((len(lengths), t), np.int64)
+    for row, n in enumerate(lengths):
+        ids[row, t - n:] = rng.integers(0, vocab, n)
+        ids[row, t - n] = pad_id  # a real token equal to the pad id
+        mask[row, t - n:] = 1
+    return ids, mask
