@@ -12,7 +12,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxrl_llm.losses.agg import agg_loss
@@ -115,10 +114,7 @@ def update_actor(params: dict, opt_state: Any, batch: dict, rng: jax.Array, *, m
                  num_micro_batches: int, rows_sharding: Any = None):
     """`ppo_epochs` x mini-batches x micro-batches of actor updates in one XLA program."""
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s)
-    params, opt_state, metrics = run_update_epochs(
-        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, mask_key="response_mask",
+    return run_update_epochs(
+        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)
-    metrics["actor/grad_norm"] = metrics.pop("grad_norm")
-    metrics.pop("loss")
-    return params, opt_state, metrics

@@ -64,10 +64,7 @@ def update_critic(params: dict, opt_state: Any, batch: dict, rng: jax.Array, *, 
                   s: CriticSettings, tx: optax.GradientTransformation, num_mini_batches: int,
                   num_micro_batches: int, rows_sharding: Any = None):
     loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)
-    params, opt_state, metrics = run_update_epochs(
-        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, mask_key="response_mask",
+    return run_update_epochs(
+        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, metric_prefix="critic",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)
-    metrics["critic/grad_norm"] = metrics.pop("grad_norm")
-    metrics.pop("loss")
-    return params, opt_state, metrics

@@ -11,7 +11,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward

@@ -54,17 +54,18 @@ def run_update_epochs(
     *,
     tx: optax.GradientTransformation,
     loss_fn: LossFn,
-    mask_key: str,
+    metric_prefix: str,
     ppo_epochs: int,
     num_mini_batches: int,
     num_micro_batches: int,
     shuffle: bool,
     rows_sharding: NamedSharding | None = None,
     loss_scale_factor: float | None = None,
+    mask_key: str = "response_mask",
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
-    and epochs, with `loss` and `grad_norm` per optimizer step. Call inside `jax.jit`."""
+    and epochs, plus `<metric_prefix>/grad_norm` per optimizer step. Call inside `jax.jit`."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     if num_rows % (num_mini_batches * num_micro_batches):
         raise ValueError(
@@ -83,15 +84,14 @@ def run_update_epochs(
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, micros)
-        grad_norm = optax.global_norm(grads)
+        grads, (_, metrics) = jax.lax.scan(micro_step, zeros, micros)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         # Loss and metrics are partial sums over the mini-batch's global denominators, so the
         # micro-batch values add up to the mini-batch values.
         metrics = jax.tree.map(jnp.sum, metrics)
-        metrics["loss"] = losses.sum()
-        metrics["grad_norm"] = grad_norm
+        metrics[f"{metric_prefix}/grad_norm"] = grad_norm
         return (params, opt_state), metrics
 
     def epoch_step(carry, epoch_rng):
