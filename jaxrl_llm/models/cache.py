@@ -3,8 +3,9 @@
 Layout (a plain dict pytree, so it can be donated to `jit` and carried through `lax.while_loop`):
 
     cache = {
-      "k":     [L, B, S, kv_heads, head_dim]   keys, S = max_len slots (cache dtype, e.g. bf16/fp32)
-      "v":     [L, B, S, kv_heads, head_dim]   values
+      "k":     [L, B, kv_heads, S, head_dim]   keys, S = max_len slots (cache dtype, e.g. bf16/fp32);
+                                             head-major, the layout attention reads with no copy
+      "v":     [L, B, kv_heads, S, head_dim]   values
       "mask":  [B, S] int32                    1 where a slot holds a real (non-pad) token
       "index": int32 scalar                    next slot to write; the same for every row
     }
@@ -42,7 +43,7 @@ Array = jax.Array
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> dict:
     """An empty cache of `max_len` slots per row (see the module docstring for the convention)."""
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     return {
         "k": jnp.zeros(shape, dtype),
         "v": jnp.zeros(shape, dtype),

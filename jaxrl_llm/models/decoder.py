@@ -76,8 +76,10 @@ class Attention(nn.Module):
             k = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if k_cache is not None:  # write this chunk at [layer, :, write_index], attend over all slots
-            start = (layer_index, 0, write_index, 0, 0)
+        # head-major [B, kv, S, D]: the layout both attention matmuls read without a transposed copy
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        if k_cache is not None:  # write this chunk at [layer, :, :, write_index], attend over all slots
+            start = (layer_index, 0, 0, write_index, 0)
             k_cache = lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
             v_cache = lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
             k = lax.dynamic_index_in_dim(k_cache, layer_index, 0, keepdims=False)
@@ -85,12 +87,14 @@ class Attention(nn.Module):
             k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
 
         b, t = q.shape[:2]
-        q = q.reshape(b, t, nkv, nh // nkv, hd)  # grouped-query: no repeat of k/v
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (hd ** -0.5)
+        # grouped-query: no repeat of k/v; the g query heads of a kv head share its keys
+        q = q.reshape(b, t, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, nkv, nh // nkv, t, -1) * (hd ** -0.5)
         scores = jnp.where(allowed[:, None, None], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.compute_dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, nh, hd)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.compute_dtype).reshape(b, nkv, -1, scores.shape[-1])
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
+        out = out.reshape(b, nkv, nh // nkv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd)
         out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.compute_dtype,
                               param_dtype=self.param_dtype, kernel_init=init, name="o_proj")(out)
         return out, k_cache, v_cache

@@ -35,7 +35,7 @@ Array = jax.Array
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP = 0, 1, 2
 FINISH_REASONS = ("length", "eos", "stop")  # indexed by the codes above
 
-_CACHE_AXES = ("layers", "batch", "length", "act_kv_heads", "act_head_dim")
+_CACHE_AXES = ("layers", "batch", "act_kv_heads", "length", "act_head_dim")  # models.cache layout
 
 
 class SampleOutput(NamedTuple):
