@@ -92,11 +92,22 @@ def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
         metrics = trainer.train_step(next(trainer.train_loader))
         finite = {k: v for k, v in metrics.items() if k.startswith(("actor/", "critic/"))}
         assert all(np.isfinite(v) for v in finite.values()), (name, finite)
+
+    # rollout correction: old log-probs are recomputed and compared with the sampler's (equal in fp32)
+    trainer.cfg.algorithm.rollout_correction.rollout_is = "token"
+    metrics = trainer.train_step(next(trainer.train_loader))
+    is_keys = [k for k in metrics if k.startswith("rollout_corr/")]
+    assert is_keys, sorted(metrics)
     trainer.close()
 
 
 def test_ppo_with_critic_gae_and_kl(tmp_path):
+    # one device, so the dynamic batch size has 8 sequences per device to pack into a 150-token budget
     cfg = tiny_config(tmp_path / "run", **{
+        "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,
+        "actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_device": 150,
+        "trainer.rollout_data_dir": str(tmp_path / "rollouts"), "trainer.validation_data_dir": str(tmp_path / "val"),
+        "trainer.test_freq": 2, "algorithm.filter_groups.enable": True,
         "algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True,
         "algorithm.kl_ctrl.type": "adaptive", "actor_rollout_ref.actor.use_kl_loss": True,
         "actor_rollout_ref.actor.entropy_coeff": 0.01, "trainer.total_training_steps": 2,
@@ -108,6 +119,14 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "actor/kl_loss",
                 "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/values", "timing_s/ref"):
         assert key in last and np.isfinite(last[key]), key
+    # DAPO dynamic sampling kept only groups whose scores vary, sampling extra batches as needed
+    assert last["train/num_gen_batches"] >= 1
+    # the actor's micro-batches follow the token budget: 150 // (64 prompt + 8 response) = 2 rows each
+    assert (False, 1, 4) in trainer._update_fns, list(trainer._update_fns)
+    assert sorted(os.listdir(tmp_path / "rollouts")) == ["0.jsonl", "1.jsonl"]
+    row = json.loads(open(tmp_path / "rollouts" / "0.jsonl").readline())
+    assert {"input", "output", "score", "data_source", "ground_truth"} <= set(row)
+    assert os.listdir(tmp_path / "val") == ["2.jsonl"]
 
 
 def _run(run_dir, tmp_path, steps, **extra):
