@@ -27,6 +27,7 @@ from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
 from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
+from jaxrl_llm.trainer import checkpoint as _checkpoint  # noqa: F401  (lets load_any read training checkpoints)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _logits = jax.jit(compute_logits, static_argnums=1)
@@ -57,7 +58,7 @@ def _dtype(dtype: Any) -> Any:
 
 def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Any = None, *,
                shardings: Any = None) -> Model:
-    """Load an HF folder or a .gguf file as a `Model` with params of `dtype`.
+    """Load an HF folder, a .gguf file or a training checkpoint as a `Model` with params of `dtype`.
 
     Placement: `shardings` (a params-shaped pytree of `jax.sharding.Sharding`, or a callable
     `(path, shape, dtype) -> Sharding`) puts every tensor straight onto its target devices while

@@ -2,8 +2,9 @@
 
     python launch/convert_to_hf.py --input PATH --output DIR [--dtype float32|bfloat16|float16]
 
-PATH is an HF folder, a .gguf file, or anything a loader registered with
-`jaxrl_llm.hf.register_loader` accepts (the trainer registers its checkpoints).
+PATH is an HF folder, a .gguf file, or a training checkpoint (a step folder such as
+`runs/x/checkpoints/40`, a checkpoints folder or a run folder: its latest step); the tokenizer
+comes from PATH, or for a checkpoint from the tokenizer the run used (override: --tokenizer).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import jax.numpy as jnp
 
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
+from jaxrl_llm.trainer.checkpoint import is_checkpoint, read_checkpoint_meta  # registers the loader
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -24,10 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, help="bytes per shard")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer location (default: see above)")
     args = parser.parse_args(argv)
 
     cfg, params = load_any(args.input, dtype=DTYPES[args.dtype])
-    tokenizer = None if args.no_tokenizer else load_tokenizer(args.input)
+    tokenizer_path = args.tokenizer or (read_checkpoint_meta(args.input)["tokenizer"]
+                                        if is_checkpoint(args.input) else args.input)
+    tokenizer = None if args.no_tokenizer else load_tokenizer(tokenizer_path)
     out = export_hf(cfg, params, args.output, tokenizer=tokenizer, max_shard_size=args.max_shard_size)
     print(f"wrote {cfg.architecture} ({cfg.num_hidden_layers} layers, {args.dtype}) to {out}")
     return 0

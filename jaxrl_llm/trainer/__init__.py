@@ -1,7 +1,19 @@
 """The RL loop: rollout -> experience -> update; metrics; validation; checkpoints.
 
 `Trainer(config).fit()` (trainer.py) is the entry point; `train_step` reads top to bottom.
+`Trainer` is imported lazily, so `jaxrl_llm.trainer.checkpoint` can be used without the loop's
+dependencies (data, rewards, sampler).
 """
-from jaxrl_llm.trainer.trainer import Trainer
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Trainer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":
+        from jaxrl_llm.trainer.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'jaxrl_llm.trainer' has no attribute {name!r}")

@@ -9,6 +9,7 @@ follow veRL's `trainer.resume_mode`: `auto` (latest in the run directory, if any
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 from typing import Any, Mapping
@@ -130,3 +131,71 @@ def resolve_resume(mode: str, run_dir: str, resume_from_path: str | None) -> tup
     if step is None:
         raise FileNotFoundError(f"trainer.resume_from_path: {path} holds no complete checkpoint")
     return path, step
+
+
+# ---------------------------------------------------------------- checkpoints as a model source
+def _step_dirs(path: str) -> list[str]:
+    return [d for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d, "state"))]
+
+
+def is_checkpoint(path: Any) -> bool:
+    """A step folder (`.../checkpoints/40`), a checkpoints folder, or a run folder holding one."""
+    path = str(path)
+    if not os.path.isdir(path):
+        return False
+    if os.path.isdir(os.path.join(path, "state")) and os.path.isdir(os.path.join(path, "meta")):
+        return True
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        path = os.path.join(path, "checkpoints")
+    return bool(_step_dirs(path))
+
+
+def _locate(path: Any) -> tuple[str, int]:
+    path = os.path.abspath(str(path))
+    if os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.isdir(os.path.join(path, "state")):
+        path = os.path.join(path, "checkpoints")
+    found = resolve_resume("resume_path", "", path)
+    assert found is not None
+    return found
+
+
+def read_checkpoint_meta(path: Any) -> dict:
+    """The `meta` item (config, KL coefficient, model config, ...) of a checkpoint."""
+    directory, step = _locate(path)
+    with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as handle:
+        return _from_jsonable(json.load(handle))
+
+
+def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[Any, dict]:
+    """(ModelConfig, policy params on the default device) from a training checkpoint; registered
+    with `jaxrl_llm.hf.load_any`, so `launch/convert_to_hf.py` and `jrl.load_model` accept it."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models import ModelConfig
+
+    meta = read_checkpoint_meta(path)
+    if "model_config" not in meta:
+        raise ValueError(f"checkpoint {path}: its meta has no model_config (written by an older jaxrl_llm)")
+    directory, step = _locate(path)
+    manager = ocp.CheckpointManager(directory, item_names=ITEMS,
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    tree_meta = manager.item_metadata(step)["state"]
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree_meta)
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    manager.close()
+    params = state["actor"]["params"]
+    if dtype is not None:
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return ModelConfig.from_hf_config(meta["model_config"]), params
+
+
+def _register() -> None:
+    import pathlib
+
+    from jaxrl_llm.hf import register_loader
+
+    register_loader("checkpoint", lambda p: is_checkpoint(pathlib.Path(p)), load_policy_checkpoint)
+
+
+_register()

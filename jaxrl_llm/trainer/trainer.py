@@ -399,6 +399,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         meta = {"global_step": self.global_step, "kl_coef": float(self.kl_ctrl.value),
+                "model_config": self.actor.model_cfg.to_hf_config(),
+                "tokenizer": str(self.cfg.data.tokenizer),
                 "rng": np.asarray(jax.random.key_data(self.base_rng)).tolist(),
                 "config": json.loads(self.cfg.to_json_best_effort())}
         self.store.save(self.global_step, self._state(), self.train_loader.get_state(), meta)

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -141,7 +142,19 @@ def _numbers(rows, step):
 
 def test_resume_equals_uninterrupted(tmp_path):
     full = tmp_path / "full"
-    _run(full, tmp_path, 3, **{"trainer.save_freq": 1}).fit()
+    trainer = _run(full, tmp_path, 3, **{"trainer.save_freq": 1})
+    trainer.fit()
+
+    # a training checkpoint converts to an HF folder holding exactly the trained policy
+    spec = importlib.util.spec_from_file_location("convert_to_hf", ROOT / "launch" / "convert_to_hf.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    assert convert.main(["--input", str(full), "--output", str(tmp_path / "hf")]) == 0
+    cfg, params = hf.load_hf_folder(tmp_path / "hf")
+    assert cfg == trainer.actor.model_cfg
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params, jax.device_get(trainer.actor.params))
+
     resumed = tmp_path / "resumed"
     _run(resumed, tmp_path, 3, **{"trainer.resume_mode": "resume_path",
                                   "trainer.resume_from_path": str(full / "checkpoints" / "1")}).fit()
