@@ -177,3 +177,14 @@ def test_eight_devices_equal_one(tmp_path):
         want, got = _numbers(a, step), _numbers(b, step)
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=2e-4, atol=2e-5, err_msg=f"step {step} {k}")
+
+
+def test_val_only_validates_and_stops(tmp_path):
+    trainer = _run(tmp_path / "val", tmp_path, 5, **{"trainer.val_only": True, "trainer.log_val_generations": 2})
+    last = trainer.fit()
+    assert trainer.global_step == 0
+    # the reward file's extra "length" key is reported per data source too
+    assert sorted(last) == ["val-aux/synthetic/add/length/mean@1", "val-core/synthetic/add/reward/mean@1"]
+    assert 0.0 <= last["val-core/synthetic/add/reward/mean@1"] <= 1.0
+    rows = read_metrics(tmp_path / "val")
+    assert [r["step"] for r in rows] == [0, 0] and len(rows[1]["val/generations"]) == 2
