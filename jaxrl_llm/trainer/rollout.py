@@ -4,6 +4,10 @@ The only host work of a step lives here: decoding response text for the rule-bas
 Shapes are bucketed (prompt length by the sampler's buckets, response width to a power of two
 >= 8) so a run compiles a handful of programs. Rows are prompt-major: row i*n + j is sample j of
 prompt i, and `group_ids[row] = i`.
+
+Multi-host: host-side data (prompts, texts, scores, metadata) is the whole global batch on every
+process, so rewards and metrics are identical everywhere; device arrays are global jax.Arrays
+built from each process's own rows (`to_device`) and gathered back with `to_host`.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
-from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, host_local_to_global, shard_batch
+from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, host_local_to_global, process_slice, shard_batch
 
 Array = jax.Array
 _MIN_RESPONSE_BUCKET = 8
@@ -54,16 +58,21 @@ def response_bucket(longest: int, limit: int) -> int:
     return min(limit, max(_MIN_RESPONSE_BUCKET, 1 << max(longest - 1, 0).bit_length()))
 
 
-def _to_global(arrays: dict[str, np.ndarray], mesh: Mesh) -> dict[str, Array]:
-    return host_local_to_global(arrays, mesh) if jax.process_count() > 1 else shard_batch(arrays, mesh)
-
-
-def _to_host(x: Array, mesh: Mesh) -> np.ndarray:
-    """This process's rows of a batch-sharded global array (all rows on a single process)."""
+def to_device(arrays: Any, mesh: Mesh) -> Any:
+    """Global batch-sharded arrays from host arrays that hold the whole batch on every process
+    (each process contributes the rows its devices hold)."""
     if jax.process_count() == 1:
-        return np.asarray(jax.device_get(x))
-    spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1)))
-    return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
+        return shard_batch(arrays, mesh)
+    rows = np.shape(jax.tree.leaves(arrays)[0])[0]
+    local = process_slice(rows, mesh)
+    return host_local_to_global(jax.tree.map(lambda x: np.asarray(x)[local], arrays), mesh)
+
+
+def to_host(x: Any) -> Any:
+    """The full value of (a pytree of) global arrays as numpy, on every process."""
+    if jax.process_count() == 1:
+        return jax.device_get(x)
+    return multihost_utils.process_allgather(x, tiled=True)
 
 
 def generate_and_score(
@@ -83,12 +92,11 @@ def generate_and_score(
     pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
     raw_prompts = list(batch["raw_prompt_ids"])
     num_prompts = len(raw_prompts)
-    if jax.process_count() == 1:  # a short (validation) batch is padded to the mesh's batch ways
-        ways = batch_axis_size(mesh)
-        raw_prompts += [raw_prompts[0]] * (-num_prompts % ways)
+    # a short (validation) batch is padded to the mesh's batch ways
+    raw_prompts += [raw_prompts[0]] * (-num_prompts % batch_axis_size(mesh))
     prompt_width = bucket_length(max(len(p) for p in raw_prompts))
     prompt_ids, prompt_mask = left_pad(raw_prompts, pad_id, length=prompt_width)
-    device = _to_global({"ids": prompt_ids, "mask": prompt_mask}, mesh)
+    device = to_device({"ids": prompt_ids, "mask": prompt_mask}, mesh)
 
     eos = list(model_cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
@@ -104,10 +112,9 @@ def generate_and_score(
             "tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")})
         raw_prompts = raw_prompts[:num_prompts]
         prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
-    lengths = _to_host(out.lengths, mesh).astype(np.int32)
+    lengths = np.asarray(to_host(out.lengths)).astype(np.int32)
     width = response_bucket(int(lengths.max()), sampling.max_new_tokens)
-    tokens = _to_host(out.tokens[:, :width], mesh)
-    finish = _to_host(out.finish_reason, mesh)
+    tokens, finish = (np.asarray(a) for a in to_host((out.tokens[:, :width], out.finish_reason)))
     texts = decode_texts(tokenizer, tokens, lengths)
     rows = np.repeat(np.arange(num_prompts), n)
     meta = {k: v[rows] for k, v in batch.items()
@@ -130,7 +137,7 @@ def generate_and_score(
     token_scores[np.arange(len(scores)), np.maximum(lengths - 1, 0)] = scores
     response_mask = out.response_mask[:, :width]
     host_side = ({"token_scores": jnp.asarray(token_scores)} if token_scores.shape[0] % batch_axis_size(mesh)
-                 else _to_global({"token_scores": token_scores}, mesh))
+                 else to_device({"token_scores": token_scores}, mesh))
     input_ids = jnp.concatenate([out.prompt_ids, out.tokens[:, :width]], axis=1)
     attention_mask = jnp.concatenate([out.prompt_mask, response_mask], axis=1)
     prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []
@@ -138,7 +145,7 @@ def generate_and_score(
         input_ids=input_ids, attention_mask=attention_mask,
         response_mask=response_mask.astype(jnp.float32),
         rollout_log_probs=out.log_probs[:, :width], token_level_scores=host_side["token_scores"],
-        group_ids=(rows + jax.process_index() * num_prompts).astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
+        group_ids=rows.astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
         prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
         texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
         meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics)

@@ -33,7 +33,8 @@ from jaxrl_llm.trainer.experience import (AdvantageSettings, advantages_and_retu
                                           rollout_correction, values_no_grad)
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.roles import copy_params, load_model, make_trained_role
-from jaxrl_llm.trainer.rollout import Rollout, concat_rollouts, generate_and_score, select_rows
+from jaxrl_llm.trainer.rollout import (Rollout, concat_rollouts, generate_and_score, select_rows, to_device,
+                                       to_host)
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 
@@ -58,7 +59,9 @@ class Trainer:
         from jaxrl_llm.rewards import build_reward_manager
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+        # Every process reads the whole global batch (prompts are small): host-side rewards and
+        # metrics are then identical everywhere; device arrays take each process's own rows.
+        proc = dict(process_index=0, process_count=1)
         train_set = build_dataset(cfg.data, self.tokenizer, "train")
         if cfg.trainer.total_training_steps is None or cfg.actor_rollout_ref.actor.optim.total_training_steps <= 0:
             resolve_total_steps(cfg, len(train_set))
@@ -176,7 +179,7 @@ class Trainer:
             bar.update(1)
             last = metrics
         bar.close()
-        if t.export_hf and self.is_main:
+        if t.export_hf:
             self.export_hf(os.path.join(self.run_dir, "hf"))
         self.close()
         return last
@@ -211,7 +214,7 @@ class Trainer:
                                             model_cfg=self.critic.model_cfg,
                                             compute_dtype=self.critic_settings.compute_dtype, micro_rows=micro)
             with timer("adv"):
-                group_ids = jax.device_put(jnp.asarray(rollout.group_ids), self.rows_sharding)
+                group_ids = to_device(rollout.group_ids, self.mesh)
                 baselines = self._remax_baselines(batch, rng) if cfg.algorithm.adv_estimator == "remax" else None
                 kl_coef = self.kl_ctrl.value
                 exp = advantages_and_returns(rollout.token_level_scores, mask, group_ids, old_lp, ref_lp, values,
@@ -239,7 +242,7 @@ class Trainer:
                     extra.update(self._update(self.actor, update_actor, update_batch, rng, critic=False))
                 extra["actor/lr"] = float(self.actor.schedule(self.global_step))
         metrics = data_metrics(
-            sequence_scores=rollout.scores, sequence_rewards=np.asarray(jax.device_get(exp["token_level_rewards"].sum(-1))),
+            sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(exp["token_level_rewards"].sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
             max_response_length=arr.rollout.response_length, max_prompt_length=cfg.data.max_prompt_length,
             advantages=exp["advantages"], returns=exp["returns"], response_mask=mask, values=values)
@@ -263,7 +266,7 @@ class Trainer:
                   reward_model=self.reward_model, compute_dtype=self.actor_settings.compute_dtype)
         if not fg.enable:
             return generate_and_score(batch, rng=rng, **kw), {}
-        want = self.cfg.data.train_batch_size // jax.process_count()
+        want = self.cfg.data.train_batch_size
         kept: list[Rollout] = []
         num_kept, num_gen = 0, 0
         while num_kept < want:
@@ -319,8 +322,7 @@ class Trainer:
                                rng=rng, mesh=self.mesh, tokenizer=self.tokenizer,
                                reward_manager=self.reward_manager, reward_model=self.reward_model,
                                compute_dtype=self.actor_settings.compute_dtype)
-        per_row = np.repeat(r.scores, self.train_sampling.n)
-        return jax.device_put(jnp.asarray(per_row), self.rows_sharding)
+        return to_device(np.repeat(r.scores, self.train_sampling.n), self.mesh)
 
     def _micro_rows(self, rows: int, per_device: int | None) -> int:
         micro = (per_device or rows // self.dp_size) * self.dp_size
@@ -427,7 +429,9 @@ class Trainer:
     def export_hf(self, out_dir: str) -> str:
         from jaxrl_llm.hf import export_hf
 
-        export_hf(self.actor.model_cfg, jax.device_get(self.actor.params), out_dir, tokenizer=self.tokenizer)
+        params = to_host(self.actor.params)  # a collective: every process takes part
+        if self.is_main:
+            export_hf(self.actor.model_cfg, params, out_dir, tokenizer=self.tokenizer)
         return out_dir
 
     def close(self) -> None:
