@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxrl_llm.hf import export_hf, load_gguf
 from jaxrl_llm.models import ModelConfig, compute_logits
+from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 
 
 def best_time(fn, reps: int) -> float:
@@ -31,14 +32,6 @@ def best_time(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """Measured fp32 FLOP/s of an n x n x n jitted matmul."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / best_time(lambda: mm(a, b).block_until_ready(), reps)
 
 
 def forward_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
@@ -83,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             hf(input_ids=tids, attention_mask=tmask)
 
     hf_s = best_time(hf_forward, args.reps)
-    peak = matmul_peak()
+    peak = measured_matmul_peak_flops()
     flops = forward_flops(cfg, args.batch, args.seq)
     print(f"SmolLM2-135M forward, batch {args.batch} x {args.seq} tokens, fp32, "
           f"{jax.devices()[0].platform} ({jax.device_count()} jax devices, "

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxrl_llm.config import smollm2_gguf_path
 from jaxrl_llm.hf import load_gguf
-from jaxrl_llm.sampler import SamplingParams, left_pad, sample
+from jaxrl_llm.sampler import SamplingParams, left_pad
 from jaxrl_llm.sampler.core import _sample_jit
 
 QUESTIONS = [

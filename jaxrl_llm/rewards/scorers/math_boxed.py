@@ -13,6 +13,12 @@ def last_boxed(text: str) -> str | None:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start:end + 1]
+
+
+def closing_brace(text: str, start: int) -> int | None:
+    """Index of the `}` that closes the first `{` at or after `start` (balanced), or None."""
     depth = 0
     for end in range(start, len(text)):
         if text[end] == "{":
@@ -20,7 +26,7 @@ def last_boxed(text: str) -> str | None:
         elif text[end] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:end + 1]
+                return end
     return None
 
 

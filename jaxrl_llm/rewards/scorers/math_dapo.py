@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from jaxrl_llm.rewards.scorers.math_boxed import closing_brace
+
 _ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 _SUBSTITUTIONS = (
@@ -45,15 +47,8 @@ def _last_boxed_content(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for end in range(start, len(text)):
-        if text[end] == "{":
-            depth += 1
-        elif text[end] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len("\\boxed{"):end]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start + len("\\boxed{"):end]
 
 
 def verify(response: str, ground_truth: str, strict_box_verify: bool = False) -> tuple[bool, str | None]:
