@@ -193,23 +193,29 @@ class Trainer:
                 rollout, gen_metrics = self._rollout(batch, rng)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
-            micro = self._micro_rows(rollout.num_rows, arr.rollout.log_prob_micro_batch_size_per_device)
+            rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
 
             ref_lp = None
             if self.need_ref:
                 with timer("ref"):
+                    micro = self._forward_micro_rows(arr.ref, rows, seq_len, prefix="log_prob",
+                                                     what="ref.log_prob_micro_batch_size_per_device")
                     ref_lp = log_probs_no_grad(self.ref_params, **seq, response_mask=mask,
                                                model_cfg=self.actor.model_cfg, temperature=s.temperature,
                                                compute_dtype=s.compute_dtype, micro_rows=micro)
             with timer("old_log_prob"):
                 old_lp = rollout.rollout_log_probs
                 if self._recompute_old_log_probs():
+                    micro = self._forward_micro_rows(arr.rollout, rows, seq_len, prefix="log_prob",
+                                                     what="rollout.log_prob_micro_batch_size_per_device")
                     old_lp = log_probs_no_grad(self.actor.params, **seq, response_mask=mask,
                                                model_cfg=self.actor.model_cfg, temperature=s.temperature,
                                                compute_dtype=s.compute_dtype, micro_rows=micro)
             values = None
             if self.critic is not None:
                 with timer("values"):
+                    micro = self._forward_micro_rows(cfg.critic, rows, seq_len, prefix="forward",
+                                                     what="critic.forward_micro_batch_size_per_device")
                     values = values_no_grad(self.critic.params, **seq, response_mask=mask,
                                             model_cfg=self.critic.model_cfg,
                                             compute_dtype=self.critic_settings.compute_dtype, micro_rows=micro)
@@ -324,27 +330,35 @@ class Trainer:
                                compute_dtype=self.actor_settings.compute_dtype)
         return to_device(np.repeat(r.scores, self.train_sampling.n), self.mesh)
 
-    def _micro_rows(self, rows: int, per_device: int | None) -> int:
-        micro = (per_device or rows // self.dp_size) * self.dp_size
-        micro = max(self.dp_size, min(micro, rows))
-        while rows % micro:
-            micro -= self.dp_size
-        return micro
+    def _micro_size(self, rows: int, seq_len: int, *, fixed: int | None, dynamic: bool | None,
+                    budget: int | None, what: str) -> int:
+        """Sequences per device in one micro-batch of `rows` sequences: the configured size, or with a
+        dynamic batch size the most that fit the per-device token budget at this step's length."""
+        per_device = rows // self.dp_size
+        if dynamic:
+            budget_rows = max(1, int(budget) // seq_len)
+            return max(d for d in range(1, per_device + 1) if per_device % d == 0 and d <= budget_rows)
+        size = min(int(fixed or per_device), per_device)
+        if per_device % size:
+            raise ValueError(f"{what}={size} does not divide the {per_device} sequences per device")
+        return size
+
+    def _forward_micro_rows(self, section: Any, rows: int, seq_len: int, *, prefix: str, what: str) -> int:
+        """Rows (all devices) per micro-batch of a no-grad pass configured by `section.<prefix>_*`."""
+        return self.dp_size * self._micro_size(
+            rows, seq_len, fixed=section[f"{prefix}_micro_batch_size_per_device"],
+            dynamic=section[f"{prefix}_use_dynamic_bsz"] if f"{prefix}_use_dynamic_bsz" in section
+            else section.use_dynamic_bsz,
+            budget=section[f"{prefix}_max_token_len_per_device"], what=what)
 
     def _num_micro(self, mini_rows: int, seq_len: int, *, critic: bool) -> int:
         """Micro-batches per mini-batch: fixed per-device size, or packed to the token budget
         (`use_dynamic_bsz`, `ppo_max_token_len_per_device`) for this step's sequence length."""
         section = self.cfg.critic if critic else self.cfg.actor_rollout_ref.actor
-        per_device = mini_rows // self.dp_size
-        if section.use_dynamic_bsz:
-            budget_rows = max(1, int(section.ppo_max_token_len_per_device) // seq_len)
-            size = max(d for d in range(1, per_device + 1) if per_device % d == 0 and d <= budget_rows)
-        else:
-            size = min(int(section.ppo_micro_batch_size_per_device or per_device), per_device)
-            if per_device % size:
-                raise ValueError(f"{'critic' if critic else 'actor'}.ppo_micro_batch_size_per_device={size} does "
-                                 f"not divide the {per_device} sequences of a mini-batch on each device")
-        return per_device // size
+        size = self._micro_size(mini_rows, seq_len, fixed=section.ppo_micro_batch_size_per_device,
+                                dynamic=section.use_dynamic_bsz, budget=section.ppo_max_token_len_per_device,
+                                what=f"{'critic' if critic else 'actor'}.ppo_micro_batch_size_per_device")
+        return mini_rows // self.dp_size // size
 
     def _update(self, role, update_fn, update_batch: dict[str, Any], rng: jax.Array, *, critic: bool) -> dict[str, float]:
         section = self.cfg.critic if critic else self.cfg.actor_rollout_ref.actor
