@@ -112,6 +112,8 @@ class Trainer:
                                 is_main_process=self.is_main)
         self._peak_flops: float | None = None
         self._update_fns: dict[tuple, Any] = {}
+        self._started = False
+        self.history: list[dict[str, float]] = []  # every logged step's metrics, for notebooks and plots
         if self.is_main:
             print(self.summary(), flush=True)
 
@@ -150,39 +152,62 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Trains for `trainer.total_training_steps`; returns the last step's metrics."""
-        self._maybe_resume()
-        t = self.cfg.trainer
-        last: dict[str, float] = {}
-        if (t.val_before_train or t.val_only) and self.val_loader is not None:
-            val = self.validate()
-            self.tracker.log(val, self.global_step)
-            last.update(val)
-        if t.val_only:
+        last = self.start()
+        if self.cfg.trainer.val_only:
             self.close()
             return last
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
         while self.global_step < self.total_steps:
             try:
-                batch = next(self.train_loader)
+                metrics = self.step()
             except StopIteration:
                 log.info("training data exhausted after %d steps", self.global_step)
                 break
-            metrics = self.train_step(batch)
-            self.global_step += 1
-            is_last = self.global_step >= self.total_steps
-            if t.test_freq > 0 and self.val_loader is not None and (self.global_step % t.test_freq == 0 or is_last):
-                metrics.update(self.validate())
-            self.tracker.log(metrics, self.global_step)
-            if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
-                self.save_checkpoint()
             bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
             bar.update(1)
             last = metrics
         bar.close()
-        if t.export_hf:
+        self.finish()
+        return last
+
+    def start(self) -> dict[str, float]:
+        """Resumes if asked, then validates before training when configured (`val_before_train`,
+        `val_only`). `fit()` calls it; call it yourself before driving `step()` by hand."""
+        if self._started:
+            return {}
+        self._started = True
+        self._maybe_resume()
+        t = self.cfg.trainer
+        if (t.val_before_train or t.val_only) and self.val_loader is not None:
+            val = self.validate()
+            self.tracker.log(val, self.global_step)
+            self.history.append({"training/global_step": float(self.global_step), **val})
+            return val
+        return {}
+
+    def step(self) -> dict[str, float]:
+        """One RL step on the next training batch, then validation, logging and checkpointing as
+        configured for that step. Returns the step's metrics (also appended to `history`). Raises
+        StopIteration when the training data is exhausted."""
+        self.start()
+        t = self.cfg.trainer
+        batch = next(self.train_loader)
+        metrics = self.train_step(batch)
+        self.global_step += 1
+        is_last = self.global_step >= self.total_steps
+        if t.test_freq > 0 and self.val_loader is not None and (self.global_step % t.test_freq == 0 or is_last):
+            metrics.update(self.validate())
+        self.tracker.log(metrics, self.global_step)
+        self.history.append(metrics)
+        if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+            self.save_checkpoint()
+        return metrics
+
+    def finish(self) -> None:
+        """End of a run: HF export (when `trainer.export_hf`), then closes the loggers and stores."""
+        if self.cfg.trainer.export_hf:
             self.export_hf(os.path.join(self.run_dir, "hf"))
         self.close()
-        return last
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
