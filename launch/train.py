@@ -20,7 +20,7 @@ import yaml
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_llm.config import (ConfigError, apply_overrides, format_batch_summary, mesh_dp_size,
+from jaxrl_llm.config import (ConfigError, apply_overrides, mesh_dp_size, resolve_batch_plan,
                               split_config_flag_overrides, validate_config)
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"config error: {err}")
     if _DRY_RUN.value:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
-        print(format_batch_summary(cfg, dp_size))
+        print(resolve_batch_plan(cfg, dp_size).summary(cfg.trainer.total_training_steps, cfg.trainer.total_epochs))
         return
     from jaxrl_llm.trainer import Trainer  # imported only for a real run: parsing needs none of it
 

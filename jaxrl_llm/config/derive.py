@@ -1,11 +1,10 @@
-"""Derived config values (veRL's `${oc.select:...}` interpolations and runtime fills) and the
-batch arithmetic every component shares.
+"""Derived config values (veRL's `${oc.select:...}` interpolations and runtime fills); the batch
+arithmetic built from them is `jaxrl_llm.config.batch_plan`.
 
 All functions take a normalized, type-checked ConfigDict and write the derived values in place.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import ml_collections
@@ -120,83 +119,3 @@ def _resolve_optim_steps(cfg: ml_collections.ConfigDict, total: int) -> None:
             optim.total_training_steps = total
         if optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0:
             optim.lr_warmup_steps = int(optim.lr_warmup_steps_ratio * optim.total_training_steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleBatch:
-    """Batch arithmetic of one trained role (actor or critic), per training step."""
-
-    mini_batch_prompts: int
-    mini_batch_sequences: int
-    mini_batches: int  # per ppo_epoch
-    epochs: int
-    per_device: int  # sequences of one mini-batch on one device
-    micro_per_device: int | None  # None with dynamic batch size
-    accumulation_steps: int | None
-
-    @property
-    def optimizer_steps(self) -> int:
-        return self.mini_batches * self.epochs
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    prompts: int
-    n: int
-    sequences: int
-    dp_size: int
-    sequences_per_device: int
-    max_tokens_per_sequence: int
-    actor: RoleBatch
-    critic: RoleBatch | None
-
-    @property
-    def max_tokens_per_step(self) -> int:
-        return self.sequences * self.max_tokens_per_sequence
-
-
-def _role(prompts: int, n: int, mini: int, micro: int | None, epochs: int, dynamic: bool, dp: int) -> RoleBatch:
-    seqs = mini * n
-    per_device = seqs // dp
-    micro = None if dynamic else micro
-    return RoleBatch(mini, seqs, prompts // mini, epochs, per_device, micro,
-                     None if micro is None else per_device // micro)
-
-
-def batch_plan(cfg: ml_collections.ConfigDict, dp_size: int) -> BatchPlan:
-    """The step's batch arithmetic from a validated config."""
-    a, r, c = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.critic
-    prompts, n = cfg.data.train_batch_size, r.n
-    actor = _role(prompts, n, a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_device, a.ppo_epochs,
-                  a.use_dynamic_bsz, dp_size)
-    critic = (_role(prompts, n, c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_device, c.ppo_epochs,
-                    c.use_dynamic_bsz, dp_size) if c.enable else None)
-    return BatchPlan(prompts, n, prompts * n, dp_size, prompts * n // dp_size,
-                     cfg.data.max_prompt_length + r.response_length, actor, critic)
-
-
-def _role_line(name: str, rb: RoleBatch) -> str:
-    micro = ("dynamic micro-batches (token budget)" if rb.micro_per_device is None else
-             f"micro-batch {rb.micro_per_device}/device -> {rb.accumulation_steps} accumulation step(s)")
-    return (f"{name}: {rb.mini_batches} mini-batch(es) of {rb.mini_batch_prompts} prompts = "
-            f"{rb.mini_batch_sequences} sequences ({rb.per_device}/device) x {rb.epochs} epoch(s) = "
-            f"{rb.optimizer_steps} optimizer step(s); {micro}")
-
-
-def format_batch_summary(cfg: ml_collections.ConfigDict, dp_size: int) -> str:
-    """Human-readable batch arithmetic (printed by --dry_run and at the start of training)."""
-    p = batch_plan(cfg, dp_size)
-    lines = [
-        f"batch: {p.prompts} prompts x n={p.n} = {p.sequences} sequences per step; data-parallel size "
-        f"{p.dp_size} -> {p.sequences_per_device} sequences/device",
-        _role_line("actor", p.actor),
-    ]
-    if p.critic is not None:
-        lines.append(_role_line("critic", p.critic))
-    lines.append(f"tokens: <= {p.max_tokens_per_sequence} per sequence "
-                 f"({cfg.data.max_prompt_length} prompt + {cfg.actor_rollout_ref.rollout.response_length} "
-                 f"response), <= {p.max_tokens_per_step} per step")
-    steps = cfg.trainer.total_training_steps
-    lines.append(f"steps: {steps if steps is not None else 'derived from the dataset size'} "
-                 f"(total_epochs={cfg.trainer.total_epochs})")
-    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """grain data pipelines for veRL / ROLL formats: parquet, jsonl, json, csv; chat templates; truncation.
 
-    dataset = build_dataset(config.data, tokenizer, "train")           # tokenised PromptDataset
-    loader = make_dataloader(config.data, tokenizer, "train", batch_size=..., process_index=...,
+    dataset = build_dataset(spec.data, tokenizer, "train")             # spec: jaxrl_llm.config.resolve
+    loader = make_dataloader(spec.data, tokenizer, "train", batch_size=..., process_index=...,
                              process_count=...)                       # PromptLoader
     batch = next(loader); loader.get_state(); loader.set_state(state); len(loader)
 
@@ -9,12 +9,13 @@ See `jaxrl_llm.data.loader` for the batch layout and `jaxrl_llm.data.prompts` fo
 `jaxrl_llm.data.synthetic` writes small verifiable tasks as veRL parquet.
 """
 from jaxrl_llm.data.loader import PromptLoader, collate, make_dataloader
-from jaxrl_llm.data.prompts import DATA_DEFAULTS, PromptDataset, build_dataset, truncate_ids
+from jaxrl_llm.data.prompts import PromptDataset, build_dataset, truncate_ids
+from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.data.sources import DataError, read_rows
 
 __all__ = [
-    "DATA_DEFAULTS",
     "DataError",
+    "DataSpec",
     "PromptDataset",
     "PromptLoader",
     "build_dataset",

@@ -1,6 +1,6 @@
 """Batches of prompts for the trainer: a grain pipeline with a checkpointable iterator.
 
-    loader = make_dataloader(config.data, tokenizer, "train", batch_size=config.data.train_batch_size,
+    loader = make_dataloader(spec.data, tokenizer, "train", batch_size=spec.data.train_batch_size,
                              process_index=jax.process_index(), process_count=jax.process_count())
     batch = next(loader)
     state = loader.get_state()   # JSON-able dict; save with the checkpoint
@@ -9,11 +9,8 @@
 A batch is a dict of numpy arrays for this process's share of one global batch
 (`batch_size // process_count` rows, contiguous block `process_index` of the global batch):
 
-    input_ids       int32[B, P]  left-padded to P = data.max_prompt_length with the pad id
-    attention_mask  int32[B, P]  1 on prompt tokens (padding is defined by this mask, not token ids)
-    position_ids    int32[B, P]  0.. over prompt tokens, 0 on padding
-    prompt_lengths  int32[B]     unpadded prompt lengths
-    raw_prompt_ids  object[B]    unpadded int32 id arrays (for samplers that bucket lengths)
+    raw_prompt_ids  object[B]    unpadded int32 id arrays (the sampler left-pads them to its length bucket)
+    prompt_lengths  int32[B]     their lengths
     index           int64[B]     row position in the dataset
     data_source, ground_truth, extra_info, ability   object[B]  per-row metadata for the rewards
     raw_prompt      object[B]    chat messages / text, only with data.return_raw_chat=True
@@ -32,7 +29,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from jaxrl_llm.data.prompts import PromptDataset, build_dataset, cfg_get
+from jaxrl_llm.data.prompts import PromptDataset, build_dataset
+from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.data.sources import DataError
 
 METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability")
@@ -44,27 +42,12 @@ def _object_array(values: list[Any]) -> np.ndarray:
     return out
 
 
-def collate(records: list[dict[str, Any]], max_prompt_length: int, pad_token_id: int,
-            return_raw_chat: bool = False) -> dict[str, np.ndarray]:
-    """Left-pads the records' ids into one batch dict (see module docstring)."""
-    b = len(records)
-    input_ids = np.full((b, max_prompt_length), pad_token_id, dtype=np.int32)
-    attention_mask = np.zeros((b, max_prompt_length), dtype=np.int32)
-    lengths = np.zeros(b, dtype=np.int32)
-    for i, record in enumerate(records):
-        ids = record["input_ids"]
-        n = len(ids)
-        if n:
-            input_ids[i, max_prompt_length - n:] = ids
-            attention_mask[i, max_prompt_length - n:] = 1
-        lengths[i] = n
-    position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
+def collate(records: list[dict[str, Any]], return_raw_chat: bool = False) -> dict[str, np.ndarray]:
+    """One batch dict of the records (see module docstring); prompts stay unpadded, since the
+    sampler pads them to its own length bucket."""
     batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "prompt_lengths": lengths,
         "raw_prompt_ids": _object_array([r["input_ids"] for r in records]),
+        "prompt_lengths": np.asarray([len(r["input_ids"]) for r in records], dtype=np.int32),
         "index": np.asarray([r["index"] for r in records], dtype=np.int64),
     }
     for key in METADATA_KEYS:
@@ -85,8 +68,7 @@ class _Collate(grain.transforms.Map):
 
     def map(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         share = np.array_split(np.asarray(indices), self.process_count)[self.process_index]
-        return collate([self.dataset[int(i)] for i in share], self.dataset.max_prompt_length,
-                       self.dataset.pad_token_id, self.return_raw_chat)
+        return collate([self.dataset[int(i)] for i in share], self.return_raw_chat)
 
 
 class PromptLoader:
@@ -157,7 +139,7 @@ class PromptLoader:
 
 
 def make_dataloader(
-    data_cfg: Any,
+    data: DataSpec,
     tokenizer: Any,
     split: str = "train",
     *,
@@ -167,28 +149,26 @@ def make_dataloader(
     process_count: int = 1,
     dataset: PromptDataset | None = None,
 ) -> PromptLoader:
-    """The `PromptLoader` of `split` from the `data` config section.
+    """The `PromptLoader` of `split`.
 
     `batch_size` is the global batch (default data.train_batch_size / data.val_batch_size, where a
     None val batch means the whole set). Train: shuffled (data.shuffle, data.seed), full batches,
     `num_epochs` (None = endless). Val: in order, one pass. Pass `dataset` to reuse a built one.
     """
     if dataset is None:
-        dataset = build_dataset(data_cfg, tokenizer, split)
+        dataset = build_dataset(data, tokenizer, split)
     train = split == "train"
     if batch_size is None:
-        batch_size = cfg_get(data_cfg, "train_batch_size" if train else "val_batch_size")
-        if train and batch_size is None:
-            raise ValueError("data.train_batch_size is not set")
+        batch_size = data.train_batch_size if train else data.val_batch_size
     return PromptLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=train and bool(cfg_get(data_cfg, "shuffle")),
-        seed=cfg_get(data_cfg, "seed"),
+        shuffle=train and data.shuffle,
+        seed=data.seed,
         drop_last=train,
         num_epochs=num_epochs if train else 1,
         process_index=process_index,
         process_count=process_count,
-        return_raw_chat=bool(cfg_get(data_cfg, "return_raw_chat")),
-        num_workers=int(cfg_get(data_cfg, "dataloader_num_workers", 0) or 0),
+        return_raw_chat=data.return_raw_chat,
+        num_workers=data.dataloader_num_workers,
     )

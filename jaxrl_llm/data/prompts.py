@@ -1,6 +1,6 @@
 """Prompt datasets: rows -> tokenised prompt records (chat template, truncation, filtering).
 
-`build_dataset(data_cfg, tokenizer, split)` reads `data.train_files` / `data.val_files`, keeps
+`build_dataset(data: DataSpec, tokenizer, split)` reads `data.train_files` / `data.val_files`, keeps
 `train_max_samples` / `val_max_samples` rows, renders each prompt and tokenises it once, applies
 `filter_overlong_prompts` or `truncation`, and returns a `PromptDataset`: a random-access sequence
 of records
@@ -33,46 +33,11 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
+from jaxrl_llm.data.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-
-# data.* keys this module reads, with veRL's defaults
-DATA_DEFAULTS: dict[str, Any] = {
-    "train_files": None,
-    "val_files": None,
-    "prompt_key": "prompt",
-    "messages_key": "messages",
-    "max_prompt_length": 512,
-    "return_raw_chat": False,
-    "truncation": "error",
-    "filter_overlong_prompts": False,
-    "filter_overlong_prompts_workers": 1,
-    "train_max_samples": -1,
-    "val_max_samples": -1,
-    "shuffle": True,
-    "seed": 1,
-    "apply_chat_template": True,
-    "custom_cls": {"path": None, "name": None},
-}
-
-
-_NONE_MEANS_SOMETHING = {"seed", "val_batch_size"}
-
-
-def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    """`cfg.key` for a ConfigDict, dict or None; `default` (else DATA_DEFAULTS[key]) when absent."""
-    if default is None:
-        default = DATA_DEFAULTS.get(key)
-    if cfg is None:
-        return default
-    value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-    # an explicit None means "the default", except where None has a meaning of its own
-    if value is None and key not in _NONE_MEANS_SOMETHING:
-        return default
-    return value
-
 
 def truncate_ids(ids: np.ndarray, max_length: int, mode: str, where: object = "prompt") -> np.ndarray:
     """Cut `ids` to `max_length` tokens: `left` keeps the end, `right` the start, `middle` the head
@@ -171,11 +136,9 @@ def _select_max_samples(n: int, max_samples: int, shuffle: bool, seed: int | Non
 
 @dataclasses.dataclass
 class PromptDataset(Sequence):
-    """Tokenised prompt records (see module docstring) with the padding settings the loader needs."""
+    """Tokenised prompt records (see module docstring)."""
 
     records: list[dict[str, Any]]
-    max_prompt_length: int
-    pad_token_id: int
     name: str = "dataset"
 
     def __len__(self) -> int:
@@ -237,18 +200,16 @@ def records_from_rows(
     rows: Sequence[Mapping[str, Any]],
     refs: Sequence[RowRef | str],
     tokenizer: Any,
-    data_cfg: Any,
+    data: DataSpec,
 ) -> list[dict[str, Any]]:
     """Tokenised, filtered / truncated records of raw rows (errors name the row)."""
-    prompt_key = cfg_get(data_cfg, "prompt_key")
-    messages_key = cfg_get(data_cfg, "messages_key")
-    apply_template = bool(cfg_get(data_cfg, "apply_chat_template"))
-    max_len = int(cfg_get(data_cfg, "max_prompt_length"))
-    truncation = cfg_get(data_cfg, "truncation")
+    prompt_key, messages_key = data.prompt_key, data.messages_key
+    apply_template = data.apply_chat_template
+    max_len, truncation = data.max_prompt_length, data.truncation
     if truncation not in TRUNCATION_MODES:
         raise DataError(f"data.truncation={truncation!r} is not one of {TRUNCATION_MODES}")
-    filter_overlong = bool(cfg_get(data_cfg, "filter_overlong_prompts"))
-    workers = int(cfg_get(data_cfg, "filter_overlong_prompts_workers")) if filter_overlong else 1
+    filter_overlong = data.filter_overlong_prompts
+    workers = data.filter_overlong_prompts_workers if filter_overlong else 1
 
     columns = _prompt_column(rows, refs, prompt_key, messages_key)
     prompts = [_normalise_prompt(row[col], ref, col) for row, ref, col in zip(rows, refs, columns)]
@@ -274,7 +235,7 @@ def records_from_rows(
     return records
 
 
-def _records_from_custom(dataset: Any, tokenizer: Any, data_cfg: Any, name: str) -> list[dict[str, Any]]:
+def _records_from_custom(dataset: Any, tokenizer: Any, data: DataSpec, name: str) -> list[dict[str, Any]]:
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise DataError(f"data.custom_cls {name}: instances must define __len__ and __getitem__")
     items = [dataset[i] for i in range(len(dataset))]
@@ -282,13 +243,11 @@ def _records_from_custom(dataset: Any, tokenizer: Any, data_cfg: Any, name: str)
     raw = [(it, ref) for it, ref in zip(items, refs) if "input_ids" not in it]
     records: list[dict[str, Any]] = []
     if raw:
-        records = records_from_rows([r for r, _ in raw], [ref for _, ref in raw], tokenizer, data_cfg)
+        records = records_from_rows([r for r, _ in raw], [ref for _, ref in raw], tokenizer, data)
         if len(raw) != len(items):
             raise DataError(f"data.custom_cls {name}: items mix raw rows and tokenised rows")
         return records
-    max_len = int(cfg_get(data_cfg, "max_prompt_length"))
-    truncation = cfg_get(data_cfg, "truncation")
-    filter_overlong = bool(cfg_get(data_cfg, "filter_overlong_prompts"))
+    max_len, truncation, filter_overlong = data.max_prompt_length, data.truncation, data.filter_overlong_prompts
     for item, ref in zip(items, refs):
         ids = np.asarray(item["input_ids"]).reshape(-1)
         if "attention_mask" in item:
@@ -302,46 +261,28 @@ def _records_from_custom(dataset: Any, tokenizer: Any, data_cfg: Any, name: str)
     return records
 
 
-def _pad_token_id(tokenizer: Any) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    if pad is None:
-        raise DataError("the tokenizer has neither pad_token_id nor eos_token_id")
-    return int(pad)
-
-
-def build_dataset(data_cfg: Any, tokenizer: Any, split: str = "train") -> PromptDataset:
+def build_dataset(data: DataSpec, tokenizer: Any, split: str = "train") -> PromptDataset:
     """The `PromptDataset` of `split` ("train" reads data.train_files, "val" data.val_files)."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    key = f"data.{split}_files"
-    paths = as_path_list(cfg_get(data_cfg, f"{split}_files"), key)
-    max_samples = int(cfg_get(data_cfg, f"{split}_max_samples"))
-    shuffle = bool(cfg_get(data_cfg, "shuffle"))
-    seed = cfg_get(data_cfg, "seed")
-
-    custom = cfg_get(data_cfg, "custom_cls") or {}
-    custom_path = cfg_get(custom, "path", "") or None
-    if custom_path:
+    paths = as_path_list(data.files(split), f"data.{split}_files")
+    max_samples = data.max_samples(split)
+    if data.custom_cls_path:
         from jaxrl_llm.rewards.custom import load_from_file
 
-        custom_name = cfg_get(custom, "name", "") or None
-        if not custom_name:
+        if not data.custom_cls_name:
             raise DataError("data.custom_cls.path is set but data.custom_cls.name is empty")
-        cls = load_from_file(custom_path, custom_name, "data.custom_cls")
-        records = _records_from_custom(cls(paths, tokenizer, data_cfg), tokenizer, data_cfg, custom_name)
-        records = [records[i] for i in _select_max_samples(len(records), max_samples, shuffle, seed)]
-        name = custom_name
+        cls = load_from_file(data.custom_cls_path, data.custom_cls_name, "data.custom_cls")
+        records = _records_from_custom(cls(paths, tokenizer, data), tokenizer, data, data.custom_cls_name)
+        records = [records[i] for i in _select_max_samples(len(records), max_samples, data.shuffle, data.seed)]
+        name = data.custom_cls_name
     else:
         rows, refs = read_files(paths)
-        keep = _select_max_samples(len(rows), max_samples, shuffle, seed)
+        keep = _select_max_samples(len(rows), max_samples, data.shuffle, data.seed)
         rows = [rows[i] for i in keep]
         refs = [refs[i] for i in keep]
-        records = records_from_rows(rows, refs, tokenizer, data_cfg)
+        records = records_from_rows(rows, refs, tokenizer, data)
         name = ", ".join(paths)
     if not records:
         raise DataError(f"{name}: empty dataset after filtering (no prompt fits data.max_prompt_length)")
     for i, record in enumerate(records):
         record["index"] = i
-    return PromptDataset(records, int(cfg_get(data_cfg, "max_prompt_length")), _pad_token_id(tokenizer), name)
+    return PromptDataset(records, name)

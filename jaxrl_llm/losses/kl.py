@@ -93,14 +93,13 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def make_kl_controller(kl_ctrl: Any) -> FixedKLController | AdaptiveKLController:
-    """Build from veRL's `algorithm.kl_ctrl` (type, kl_coef, target_kl, horizon); dict or attrs."""
-    get = kl_ctrl.get if isinstance(kl_ctrl, dict) else (lambda k, d=None: getattr(kl_ctrl, k, d))
-    kind = get("type", "fixed")
+def make_kl_controller(kind: str, kl_coef: float, *, target_kl: float,
+                       horizon: int) -> FixedKLController | AdaptiveKLController:
+    """veRL's `algorithm.kl_ctrl`: `kind` fixed or adaptive (which also uses target_kl, horizon)."""
     if kind == "fixed":
-        return FixedKLController(get("kl_coef", 0.001))
+        return FixedKLController(kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(get("kl_coef", 0.001), get("target_kl", 0.1), get("horizon", 10000))
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
     raise ValueError(f"Unknown algorithm.kl_ctrl.type {kind!r}; valid names: ['adaptive', 'fixed']")
 
 

@@ -72,28 +72,3 @@ class ScorerSpec:
             if not callable(fn):
                 raise RewardFunctionError(f"custom_reward_function.name: {self.path}:{self.name} is not callable")
         return functools.partial(fn, **dict(self.kwargs)) if self.kwargs else fn
-
-
-def scorer_spec_from_config(config: Any) -> ScorerSpec:
-    """`ScorerSpec` from the whole config (`custom_reward_function.path` / `.name` / `.reward_kwargs`)."""
-    section = _get(config, "custom_reward_function")
-    path = _get(section, "path")
-    name = _get(section, "name") or "compute_score"
-    kwargs = _get(section, "reward_kwargs") or {}
-    if hasattr(kwargs, "to_dict"):
-        kwargs = kwargs.to_dict()
-    return ScorerSpec(os.path.abspath(os.path.expanduser(path)) if path else None, name,
-                      tuple(sorted(dict(kwargs).items())))
-
-
-def load_reward_fn(config: Any) -> Callable[..., Any]:
-    """veRL-style `compute_score` from the config: the custom function, or the default dispatch."""
-    return scorer_spec_from_config(config).load()
-
-
-def _get(cfg: Any, key: str) -> Any:
-    if cfg is None:
-        return None
-    if isinstance(cfg, dict):
-        return cfg.get(key)
-    return getattr(cfg, key, None)

@@ -1,6 +1,6 @@
 """Reward managers: turn decoded responses into one scalar reward each, plus metrics.
 
-    manager = build_reward_manager(config)        # reward_model.reward_manager: naive | prime
+    manager = build_reward_manager(spec.reward)   # a RewardSpec; reward_model.reward_manager: naive | prime
     result = manager.score(responses, data_source, ground_truth, extra_info,
                            response_lengths=..., finished_with_eos=...)
     result.scores             float32[B]  scorer score + shaping (put it on the last response token)
@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxrl_llm.rewards.custom import ScorerSpec, scorer_spec_from_config
+from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.scorers import UnknownDataSourceError
+from jaxrl_llm.rewards.spec import OverlongSpec, RewardSpec
 from jaxrl_llm.rewards.shaping import missing_eos_penalty, overlong_penalty
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class RewardManager:
         self,
         compute_score: ScorerSpec | Callable[..., Any] | None = None,
         *,
-        overlong_buffer_cfg: Any = None,
+        overlong: OverlongSpec | None = None,
         max_resp_len: int | None = None,
         missing_eos_penalty: float | None = None,
     ):
@@ -84,16 +85,11 @@ class RewardManager:
             self.spec = ScorerSpec()
         # load now so a bad custom_reward_function fails at startup, not at the first step
         self.compute_score = self.spec.load() if self.spec is not None else compute_score
-        self.overlong = None
-        if overlong_buffer_cfg is not None and _get(overlong_buffer_cfg, "enable", False):
+        self.overlong = overlong if overlong is not None and overlong.enable else None
+        if self.overlong is not None:
             if max_resp_len is None:
                 raise ValueError("reward_model.reward_kwargs.max_resp_len is required with overlong_buffer_cfg")
-            self.overlong = {
-                "len": int(_get(overlong_buffer_cfg, "len", 0)),
-                "penalty_factor": float(_get(overlong_buffer_cfg, "penalty_factor", 1.0)),
-                "log": bool(_get(overlong_buffer_cfg, "log", False)),
-            }
-            overlong_penalty(np.zeros(1), int(max_resp_len), self.overlong["len"], 1.0)  # validates
+            overlong_penalty(np.zeros(1), int(max_resp_len), self.overlong.len, 1.0)  # validates
         self.max_resp_len = max_resp_len
         self.missing_eos_penalty = missing_eos_penalty
 
@@ -155,10 +151,10 @@ class RewardManager:
         if self.overlong is not None:
             if response_lengths is None:
                 raise ValueError("overlong reward shaping needs response_lengths")
-            penalty = overlong_penalty(response_lengths, int(self.max_resp_len), self.overlong["len"],
-                                       self.overlong["penalty_factor"])
+            penalty = overlong_penalty(response_lengths, int(self.max_resp_len), self.overlong.len,
+                                       self.overlong.penalty_factor)
             scores += penalty
-            if self.overlong["log"]:
+            if self.overlong.log:
                 info["overlong_reward"] = penalty
                 info["overlong"] = penalty < 0
                 metrics["reward/overlong_reward/mean"] = float(penalty.mean())
@@ -301,27 +297,12 @@ def _spec_for_callable(fn: Callable[..., Any]) -> ScorerSpec:
     return ScorerSpec(os.path.abspath(path), name)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    value = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-    return default if value is None else value
-
-
-def build_reward_manager(config: Any) -> RewardManager:
-    """The reward manager the config asks for (reads reward_model.*, custom_reward_function.*, data.*)."""
-    reward_model = _get(config, "reward_model")
-    kind = _get(reward_model, "reward_manager", "naive")
-    if kind not in REWARD_MANAGERS:
-        raise ValueError(f"reward_model.reward_manager={kind!r} is not one of {REWARD_MANAGERS}")
-    reward_kwargs = _get(reward_model, "reward_kwargs")
-    common = dict(
-        overlong_buffer_cfg=_get(reward_kwargs, "overlong_buffer_cfg"),
-        max_resp_len=_get(reward_kwargs, "max_resp_len", _get(_get(config, "data"), "max_response_length")),
-        missing_eos_penalty=_get(reward_model, "missing_eos_penalty"),
-    )
-    spec = scorer_spec_from_config(config)
-    if kind == "prime":
-        return PrimeRewardManager(spec, timeout_s=_get(reward_kwargs, "timeout_s", 10.0),
-                                  num_workers=_get(reward_kwargs, "num_workers"), **common)
-    return RewardManager(spec, **common)
+def build_reward_manager(spec: RewardSpec) -> RewardManager:
+    """The reward manager `spec.reward_manager` names, with its shaping."""
+    if spec.reward_manager not in REWARD_MANAGERS:
+        raise ValueError(f"reward_model.reward_manager={spec.reward_manager!r} is not one of {REWARD_MANAGERS}")
+    common = dict(overlong=spec.overlong, max_resp_len=spec.max_resp_len,
+                  missing_eos_penalty=spec.missing_eos_penalty)
+    if spec.reward_manager == "prime":
+        return PrimeRewardManager(spec.scorer, timeout_s=spec.timeout_s, num_workers=spec.num_workers, **common)
+    return RewardManager(spec.scorer, **common)

@@ -1,6 +1,6 @@
 """Reward model: a sequence-classification model scoring (prompt, response) pairs.
 
-    rm = RewardModel.from_config(config, policy_tokenizer)   # reward_model.enable=True
+    rm = RewardModel.load(spec.reward_model, policy_tokenizer)   # reward_model.enable=True
     scores = rm.score(prompt_ids, prompt_mask, response_ids, response_mask,
                       raw_prompts=batch["raw_prompt"])       # float32[B]
 
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models import ModelConfig, forward_hidden, score_from_hidden
+from jaxrl_llm.rewards.spec import RewardModelSpec
 
 
 def score_sequences(params: dict, cfg: ModelConfig, input_ids: jax.Array, attention_mask: jax.Array,
@@ -78,24 +79,20 @@ class RewardModel:
         self._score = jax.jit(functools.partial(score_sequences, cfg=cfg, compute_dtype=compute_dtype))
 
     @classmethod
-    def from_config(cls, config: Any, policy_tokenizer: Any, *, dtype: Any = jnp.float32) -> RewardModel:
-        """From `reward_model.model.path` (an HF *ForSequenceClassification folder); the policy's
-        tokenizer is `reward_model.model.input_tokenizer` when set, else `policy_tokenizer`."""
+    def load(cls, spec: RewardModelSpec, policy_tokenizer: Any, *, dtype: Any = jnp.float32) -> RewardModel:
+        """From `spec.path` (an HF *ForSequenceClassification folder); the policy's tokenizer is
+        `policy_tokenizer`, else the one at `spec.input_tokenizer`."""
         from transformers import AutoTokenizer
 
         from jaxrl_llm.hf import load_hf_folder
 
-        rm = config.reward_model
-        if not rm.model.path:
-            raise ValueError("reward_model.enable=True needs reward_model.model.path")
-        model_cfg, params = load_hf_folder(rm.model.path, dtype=dtype, head="score")
-        tokenizer = AutoTokenizer.from_pretrained(rm.model.path)
+        model_cfg, params = load_hf_folder(spec.path, dtype=dtype, head="score")
+        tokenizer = AutoTokenizer.from_pretrained(spec.path)
         input_tokenizer = policy_tokenizer
-        input_path = rm.model.get("input_tokenizer")
-        if input_tokenizer is None and input_path:
-            input_tokenizer = AutoTokenizer.from_pretrained(input_path)
-        micro = rm.get("micro_batch_size_per_device")
-        return cls(model_cfg, params, tokenizer, input_tokenizer=input_tokenizer, max_length=rm.get("max_length"),
+        if input_tokenizer is None and spec.input_tokenizer:
+            input_tokenizer = AutoTokenizer.from_pretrained(spec.input_tokenizer)
+        micro = spec.micro_batch_size_per_device
+        return cls(model_cfg, params, tokenizer, input_tokenizer=input_tokenizer, max_length=spec.max_length,
                    micro_batch_size=micro * jax.local_device_count() if micro else None)
 
     def score_tokens(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """SamplingParams: what to generate (user-facing), and its split into static settings + runtime knobs.
 
-`SamplingParams` is the one object users and the trainer build (directly, or from the config's
-`actor_rollout_ref.rollout` section / its `val_kwargs`). `SamplingParams.compile_args` turns it
+`SamplingParams` is the one object users and the trainer build (directly, or through
+`jaxrl_llm.config.resolve` from `actor_rollout_ref.rollout` and its `val_kwargs`). `SamplingParams.compile_args` turns it
 into the two things the jitted core takes:
 
 - `SampleSettings` (hashable, a static jit argument): everything that changes shapes or the
@@ -13,7 +13,7 @@ into the two things the jitted core takes:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -63,33 +63,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return (not self.do_sample) or self.temperature == 0
-
-    # ------------------------------------------------------------------ from the config
-    @classmethod
-    def from_rollout_config(cls, rollout: Mapping[str, Any] | Any, *, max_new_tokens: int | None = None,
-                            seed: int = 0) -> "SamplingParams":
-        """From `config.actor_rollout_ref.rollout` (ConfigDict or dict): n, temperature, top_k,
-        top_p, do_sample, response_length (or `max_new_tokens` when it is not derived yet),
-        ignore_eos, stop_token_ids."""
-        r = _as_dict(rollout)
-        return cls(max_new_tokens=_response_length(r, max_new_tokens), temperature=float(r.get("temperature", 1.0)),
-                   top_k=int(r.get("top_k", -1)), top_p=float(r.get("top_p", 1.0)),
-                   do_sample=bool(r.get("do_sample", True)), n=int(r.get("n", 1)),
-                   ignore_eos=bool(r.get("ignore_eos", False)),
-                   stop_token_ids=tuple(r.get("stop_token_ids") or ()), seed=seed)
-
-    @classmethod
-    def from_val_kwargs(cls, rollout: Mapping[str, Any] | Any, *, max_new_tokens: int | None = None,
-                        seed: int = 0) -> "SamplingParams":
-        """Validation sampling: `rollout.val_kwargs` (n, temperature, top_k, top_p, do_sample) with
-        the rollout's response_length, ignore_eos and stop_token_ids."""
-        r = _as_dict(rollout)
-        v = _as_dict(r.get("val_kwargs") or {})
-        return cls(max_new_tokens=_response_length(r, max_new_tokens),
-                   temperature=float(v.get("temperature", 0.0)), top_k=int(v.get("top_k", -1)),
-                   top_p=float(v.get("top_p", 1.0)), do_sample=bool(v.get("do_sample", False)),
-                   n=int(v.get("n", 1)), ignore_eos=bool(r.get("ignore_eos", False)),
-                   stop_token_ids=tuple(r.get("stop_token_ids") or ()), seed=seed)
 
     # ------------------------------------------------------------------ to the jitted core
     def compile_args(self, eos_token_ids: Sequence[int] | int | None, pad_token_id: int, *,
@@ -160,19 +133,3 @@ def _ids(value: Sequence[int] | int | None) -> tuple[int, ...]:
     if isinstance(value, (int, np.integer)):
         return (int(value),)
     return tuple(dict.fromkeys(int(v) for v in value))
-
-
-def _as_dict(section: Mapping[str, Any] | Any) -> dict[str, Any]:
-    if hasattr(section, "to_dict"):
-        return section.to_dict()
-    if isinstance(section, Mapping):
-        return dict(section)
-    raise ValueError(f"expected the rollout config section (a mapping), got {type(section).__name__}")
-
-
-def _response_length(r: dict[str, Any], max_new_tokens: int | None) -> int:
-    length = max_new_tokens if max_new_tokens is not None else r.get("response_length")
-    if length is None:
-        raise ValueError("actor_rollout_ref.rollout.response_length is not set (derived from "
-                         "data.max_response_length by validate_config); pass max_new_tokens=")
-    return int(length)

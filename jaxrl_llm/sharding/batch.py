@@ -96,3 +96,22 @@ def process_slice(global_batch_size: int, mesh: Mesh | None = None) -> slice:
         raise ValueError(f"process {index} holds non-contiguous batch rows {ranges}; build the mesh "
                          "so each process's devices are adjacent along data/fsdp")
     return slice(start, stop)
+
+
+def to_device(arrays: Any, mesh: Mesh) -> Any:
+    """Global batch-sharded arrays from host arrays that hold the whole batch on every process
+    (each process contributes the rows its devices hold)."""
+    if jax.process_count() == 1:
+        return shard_batch(arrays, mesh)
+    rows = np.shape(jax.tree.leaves(arrays)[0])[0]
+    local = process_slice(rows, mesh)
+    return host_local_to_global(jax.tree.map(lambda x: np.asarray(x)[local], arrays), mesh)
+
+
+def to_host(x: Any) -> Any:
+    """The full value of (a pytree of) global arrays as numpy, on every process."""
+    if jax.process_count() == 1:
+        return jax.device_get(x)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=True)

@@ -7,7 +7,6 @@ each aggregated with `loss_agg_mode` over the mini-batch's global token / sequen
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -18,80 +17,28 @@ from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.trainer.scoring import response_log_probs
+from jaxrl_llm.config.spec import ActorSpec
+from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
 
-# Extra keyword arguments of particular policy losses, read from the actor section.
-_LOSS_KWARGS = {"sapo": ("tau_pos", "tau_neg")}
-
-
-@dataclasses.dataclass(frozen=True)
-class ActorSettings:
-    """Hashable (a jit static argument): everything about the actor update except arrays."""
-
-    loss_mode: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    temperature: float = 1.0
-    compute_dtype: str = "float32"
-    remat: bool = False
-    loss_scale_factor: float | None = None
-    loss_kwargs: tuple[tuple[str, float], ...] = ()
-    ppo_epochs: int = 1
-    shuffle: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "ActorSettings":
-        arr = cfg.actor_rollout_ref
-        actor = arr.actor
-        mode = actor.policy_loss.loss_mode
-        kwargs = tuple((k, float(actor[k])) for k in _LOSS_KWARGS.get(mode, ()))
-        clip = float(actor.clip_ratio)
-        return cls(
-            loss_mode=mode,
-            loss_agg_mode=actor.loss_agg_mode,
-            clip_ratio=clip,
-            clip_ratio_low=float(clip if actor.clip_ratio_low is None else actor.clip_ratio_low),
-            clip_ratio_high=float(clip if actor.clip_ratio_high is None else actor.clip_ratio_high),
-            clip_ratio_c=float(actor.clip_ratio_c),
-            entropy_coeff=float(actor.entropy_coeff),
-            use_kl_loss=bool(actor.use_kl_loss),
-            kl_loss_coef=float(actor.kl_loss_coef),
-            kl_loss_type=actor.kl_loss_type,
-            temperature=float(arr.rollout.temperature) if arr.rollout.temperature else 1.0,
-            compute_dtype=arr.model.dtype,
-            remat=bool(arr.model.enable_gradient_checkpointing),
-            loss_scale_factor=None if actor.loss_scale_factor is None else float(actor.loss_scale_factor),
-            loss_kwargs=kwargs,
-            ppo_epochs=int(actor.ppo_epochs),
-            shuffle=bool(actor.shuffle),
-        )
-
-
-def actor_loss(params: dict, mb: dict, denoms: Denominators, *, model_cfg: ModelConfig,
-               s: ActorSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
+def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg: ModelConfig,
+               s: ActorSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised by the mini-batch's global counts."""
-    mask = mb["response_mask"]
+    mask = mb.response_mask
     response_len = mask.shape[1]
     log_prob, entropy = response_log_probs(
-        params, model_cfg, mb["input_ids"], mb["attention_mask"], response_len,
+        params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True)
     counts = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                   loss_scale_factor=s.loss_scale_factor)
     pg_loss, metrics = compute_policy_loss(
-        s.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], mask,
-        loss_agg_mode=s.loss_agg_mode, clip_ratio=s.clip_ratio, clip_ratio_low=s.clip_ratio_low,
+        s.loss_mode, mb.old_log_probs, log_prob, mb.advantages, mask,
+        loss_agg_mode=s.loss_agg_mode, clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-        rollout_is_weights=mb.get("rollout_is_weights"), **counts, **dict(s.loss_kwargs))
+        rollout_is_weights=mb.rollout_is_weights, **counts, **dict(s.loss_kwargs))
     # The entropy is always reported; it carries gradient only when it is part of the loss.
     entropy_agg = agg_loss(entropy if s.entropy_coeff else sg(entropy), mask, s.loss_agg_mode, **counts)
     loss = pg_loss - s.entropy_coeff * entropy_agg
@@ -99,20 +46,18 @@ def actor_loss(params: dict, mb: dict, denoms: Denominators, *, model_cfg: Model
     metrics["actor/pg_loss"] = sg(pg_loss)
     metrics["actor/entropy"] = sg(entropy_agg)
     if s.use_kl_loss:
-        kl = kl_penalty(log_prob, mb["ref_log_probs"], s.kl_loss_type)
+        kl = kl_penalty(log_prob, mb.ref_log_probs, s.kl_loss_type)
         kl_loss = agg_loss(kl, mask, s.loss_agg_mode, **counts)
         loss = loss + s.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = sg(kl_loss)
     return loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "s", "tx", "num_mini_batches",
-                                             "num_micro_batches", "rows_sharding"),
-                   donate_argnames=("params", "opt_state"))
-def update_actor(params: dict, opt_state: Any, batch: dict, rng: jax.Array, *, model_cfg: ModelConfig,
-                 s: ActorSettings, tx: optax.GradientTransformation, num_mini_batches: int,
+def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, *, model_cfg: ModelConfig,
+                 s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int,
                  num_micro_batches: int, rows_sharding: Any = None):
-    """`ppo_epochs` x mini-batches x micro-batches of actor updates in one XLA program."""
+    """`ppo_epochs` x mini-batches x micro-batches of actor updates (one XLA program once jitted,
+    which `TrainedRole.update` does)."""
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s)
     return run_update_epochs(
         params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, metric_prefix="actor",

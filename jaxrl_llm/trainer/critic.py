@@ -5,7 +5,6 @@ the critic's causal-LM checkpoint with a fresh head. Its loss is veRL's clipped 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -15,41 +14,20 @@ import optax
 from jaxrl_llm.losses.masked import masked_sum
 from jaxrl_llm.losses.value import compute_value_loss
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.trainer.scoring import response_values
+from jaxrl_llm.config.spec import CriticSpec
+from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.trainer.forward import response_values
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
 
 
-@dataclasses.dataclass(frozen=True)
-class CriticSettings:
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    compute_dtype: str = "float32"
-    remat: bool = False
-    ppo_epochs: int = 1
-    shuffle: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "CriticSettings":
-        critic, actor = cfg.critic, cfg.actor_rollout_ref.actor
-        pick = lambda value, fallback: fallback if value is None else value  # noqa: E731
-        return cls(
-            cliprange_value=float(critic.cliprange_value),
-            loss_agg_mode=pick(critic.loss_agg_mode, actor.loss_agg_mode),
-            compute_dtype=critic.model.dtype,
-            remat=bool(critic.model.enable_gradient_checkpointing),
-            ppo_epochs=int(pick(critic.ppo_epochs, actor.ppo_epochs)),
-            shuffle=bool(pick(critic.shuffle, actor.shuffle)),
-        )
-
-
-def critic_loss(params: dict, mb: dict, denoms: Denominators, *, model_cfg: ModelConfig,
-                s: CriticSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
-    mask = mb["response_mask"]
-    vpreds = response_values(params, model_cfg, mb["input_ids"], mb["attention_mask"], mask.shape[1],
+def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg: ModelConfig,
+                s: CriticSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
+    mask = mb.response_mask
+    vpreds = response_values(params, model_cfg, mb.input_ids, mb.attention_mask, mask.shape[1],
                              compute_dtype=s.compute_dtype, remat=s.remat)
-    loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, s.cliprange_value,
+    loss, clipfrac = compute_value_loss(vpreds, mb.returns, mb.values, mask, s.cliprange_value,
                                         s.loss_agg_mode, num_tokens=denoms.num_tokens,
                                         num_seqs=denoms.num_seqs)
     vpred_mean = masked_sum(sg(vpreds), mask) / denoms.num_tokens
@@ -57,11 +35,8 @@ def critic_loss(params: dict, mb: dict, denoms: Denominators, *, model_cfg: Mode
                   "critic/vpred_mean": vpred_mean}
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "s", "tx", "num_mini_batches",
-                                             "num_micro_batches", "rows_sharding"),
-                   donate_argnames=("params", "opt_state"))
-def update_critic(params: dict, opt_state: Any, batch: dict, rng: jax.Array, *, model_cfg: ModelConfig,
-                  s: CriticSettings, tx: optax.GradientTransformation, num_mini_batches: int,
+def update_critic(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, *, model_cfg: ModelConfig,
+                  s: CriticSpec, tx: optax.GradientTransformation, num_mini_batches: int,
                   num_micro_batches: int, rows_sharding: Any = None):
     loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)
     return run_update_epochs(

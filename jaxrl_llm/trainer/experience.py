@@ -1,25 +1,44 @@
-"""Experience: what the update needs beyond the rollout, computed on device.
+"""Experience: what the update needs beyond the rollout, computed on device, and the one function
+that builds it.
 
 reference log-probs (when a KL is used) -> old log-probs (the sampler's when they are exact) ->
 critic values -> KL in reward (fixed / adaptive controller) -> advantages
-(registry[algorithm.adv_estimator], or TRL's RLOO form) -> rollout correction weights.
+(registry[algorithm.adv_estimator], or TRL's RLOO form) -> rollout correction (IS weights,
+rejection-sampling mask) -> `Experience`. Formulas: docs/algorithms.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
+import flax.struct
 import jax
 
+from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.losses.trl_rloo import trl_rloo_advantages
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.trainer.scoring import micro_batched, response_log_probs, response_values
+from jaxrl_llm.trainer.forward import micro_batched, response_log_probs, response_values
 
 Array = jax.Array
+
+
+@flax.struct.dataclass
+class Experience:
+    """One step's training batch, rows sharded over the mesh's batch axes. Immutable: a pytree the
+    jitted updates split into mini- and micro-batches. Optional fields are None when unused."""
+
+    input_ids: Array  # int32 [N, P + R]
+    attention_mask: Array  # int32 [N, P + R]
+    response_mask: Array  # float32 [N, R], after rejection sampling
+    old_log_probs: Array  # float32 [N, R]
+    advantages: Array  # float32 [N, R]
+    returns: Array  # float32 [N, R]
+    ref_log_probs: Array | None = None  # the KL loss reads it
+    values: Array | None = None  # the critic's value loss reads it
+    rollout_is_weights: Array | None = None  # rollout-correction importance weights
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows"))
@@ -47,38 +66,10 @@ def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, respon
     return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows)
 
 
-@dataclasses.dataclass(frozen=True)
-class AdvantageSettings:
-    adv_estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
-    trl_rloo: bool = False
-    trl_kl_coef: float = 0.05
-    trl_token_level_kl: bool = False
-    trl_normalize_reward: bool = False
-    trl_reward_clip_range: float = 10.0
-    trl_normalize_advantage: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "AdvantageSettings":
-        alg = cfg.algorithm
-        trl = alg.trl_rloo
-        return cls(adv_estimator=alg.adv_estimator, gamma=float(alg.gamma), lam=float(alg.lam),
-                   norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo),
-                   use_kl_in_reward=bool(alg.use_kl_in_reward), kl_penalty=alg.kl_penalty,
-                   trl_rloo=bool(trl.enable), trl_kl_coef=float(alg.kl_ctrl.kl_coef),
-                   trl_token_level_kl=bool(trl.token_level_kl), trl_normalize_reward=bool(trl.normalize_reward),
-                   trl_reward_clip_range=float(trl.reward_clip_range),
-                   trl_normalize_advantage=bool(trl.normalize_advantage))
-
-
 @functools.partial(jax.jit, static_argnames=("s",))
 def advantages_and_returns(token_level_scores: Array, response_mask: Array, group_ids: Array,
                            old_log_probs: Array, ref_log_probs: Array | None, values: Array | None,
-                           reward_baselines: Array | None, kl_coef: Array, *, s: AdvantageSettings
+                           reward_baselines: Array | None, kl_coef: Array, *, s: AdvantageSpec
                            ) -> dict[str, Array]:
     """token_level_rewards (scores - beta * KL when KL is in the reward), advantages, returns."""
     out: dict[str, Array] = {}
@@ -105,13 +96,43 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
-                                             "rollout_rs", "rollout_rs_threshold"))
+@functools.partial(jax.jit, static_argnames=("s",))
 def rollout_correction(old_log_probs: Array, rollout_log_probs: Array, response_mask: Array, *,
-                       rollout_is: str | None, rollout_is_threshold: float, rollout_is_batch_normalize: bool,
-                       rollout_rs: str | None, rollout_rs_threshold: Any):
+                       s: RolloutCorrectionSpec):
     """(IS weights or None, response mask after rejection sampling, metrics) for the actor update."""
     return compute_rollout_correction(
-        old_log_probs, rollout_log_probs, response_mask, rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold, rollout_is_batch_normalize=rollout_is_batch_normalize,
-        rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
+        old_log_probs, rollout_log_probs, response_mask, rollout_is=s.rollout_is,
+        rollout_is_threshold=s.rollout_is_threshold, rollout_is_batch_normalize=s.rollout_is_batch_normalize,
+        rollout_rs=s.rollout_rs, rollout_rs_threshold=s.rollout_rs_threshold)
+
+
+def make_experience(
+    *,
+    input_ids: Array,
+    attention_mask: Array,
+    response_mask: Array,
+    token_level_scores: Array,
+    rollout_log_probs: Array,
+    group_ids: Array,
+    old_log_probs: Array,
+    ref_log_probs: Array | None,
+    values: Array | None,
+    reward_baselines: Array | None,
+    kl_coef: float,
+    advantage: AdvantageSpec,
+    correction: RolloutCorrectionSpec,
+) -> tuple[Experience, Array, dict[str, Any]]:
+    """The step's `Experience`, its token-level rewards [N, R] and device-side metrics: advantages
+    and returns (KL in the reward first when configured), then rollout correction."""
+    adv = advantages_and_returns(token_level_scores, response_mask, group_ids, old_log_probs, ref_log_probs,
+                                 values, reward_baselines, jax.numpy.float32(kl_coef), s=advantage)
+    metrics: dict[str, Any] = {k: v for k, v in adv.items() if k in ("current_kl", "trl_rlhf_reward",
+                                                                      "trl_non_score_reward")}
+    weights, mask = None, response_mask
+    if correction.enabled:
+        weights, mask, rc_metrics = rollout_correction(old_log_probs, rollout_log_probs, response_mask, s=correction)
+        metrics.update(rc_metrics)
+    exp = Experience(input_ids=input_ids, attention_mask=attention_mask, response_mask=mask,
+                     old_log_probs=old_log_probs, advantages=adv["advantages"], returns=adv["returns"],
+                     ref_log_probs=ref_log_probs, values=values, rollout_is_weights=weights)
+    return exp, adv["token_level_rewards"], metrics

@@ -115,7 +115,13 @@ def perf_metrics(
 
 
 class Timer:
-    """`with timer("gen"): ...` accumulates wall time (after blocking on device work) per name."""
+    """Wall time per name, honest about async JAX work:
+
+        with timer("ref") as span:
+            ref = span.wait(log_probs_no_grad(...))   # blocks on `ref` before the clock stops
+
+    A span blocks on every value passed to `wait` before it stops, so `timing_s/*` measure the
+    device work, not its dispatch."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -130,9 +136,19 @@ class Timer:
 class _Span:
     def __init__(self, timer: Timer, name: str):
         self.timer, self.name = timer, name
+        self.pending: list = []
 
-    def __enter__(self) -> None:
+    def wait(self, value):
+        """Registers `value` (any pytree of arrays) to block on when the span ends; returns it."""
+        self.pending.append(value)
+        return value
+
+    def __enter__(self) -> "_Span":
         self.start = time.perf_counter()
+        return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            jax.block_until_ready(self.pending)
+        self.pending = []
         self.timer.times[self.name] = self.timer.times.get(self.name, 0.0) + time.perf_counter() - self.start

@@ -1,5 +1,6 @@
 """The models a run trains or reads, placed on the mesh: policy (actor + its sampler), reference,
-critic. Each trained role carries its params, optimizer and optimizer state.
+critic. Each trained role carries its params, optimizer, optimizer state and its update, which is
+jitted here and nowhere else (one compiled program per (mini-batches, micro-batches) split).
 
 The sampler reads `policy.params` directly: the arrays the optimizer updates are the arrays the
 next rollout generates with (no weight sync, no copy).
@@ -7,6 +8,7 @@ next rollout generates with (no weight sync, no copy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -15,29 +17,48 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from jaxrl_llm.config.spec import ModelSpec, OptimSpec
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.sharding import logical_to_sharding, optimizer_state_sharding
+from jaxrl_llm.trainer.forward import compute_dtype_of
 from jaxrl_llm.trainer.optim import make_optimizer
-from jaxrl_llm.trainer.scoring import compute_dtype_of
 
 log = logging.getLogger("jaxrl_llm")
 TINY_PREFIX = "tiny:"
+# update_fn(params, opt_state, batch, rng, *, tx, num_mini_batches, num_micro_batches, rows_sharding)
+UpdateFn = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
 
 
 @dataclasses.dataclass
 class TrainedRole:
+    name: str  # "actor" | "critic": the metric prefix
     model_cfg: ModelConfig
     params: dict
     tx: optax.GradientTransformation
     schedule: Callable[[jax.Array], jax.Array]
     opt_state: Any
-    head: str
     param_shardings: Any
     opt_state_shardings: Any
+    update_fn: UpdateFn  # `update_actor` / `update_critic` with model_cfg and settings bound
+    _compiled: dict[tuple[int, int], Callable] = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(self.params))
+
+    def update(self, batch: Any, rng: jax.Array, *, num_mini_batches: int, num_micro_batches: int,
+               rows_sharding: Any) -> dict[str, jax.Array]:
+        """Runs the role's update over `batch` in place; returns its (device) metrics."""
+        key = (num_mini_batches, num_micro_batches)
+        if key not in self._compiled:
+            # Outputs keep the params' / optimizer state's own shardings, so the next rollout and
+            # update see the same layouts and reuse their compiled programs.
+            self._compiled[key] = jax.jit(
+                functools.partial(self.update_fn, tx=self.tx, num_mini_batches=num_mini_batches,
+                                  num_micro_batches=num_micro_batches, rows_sharding=rows_sharding),
+                out_shardings=(self.param_shardings, self.opt_state_shardings, None), donate_argnums=(0, 1))
+        self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng)
+        return metrics
 
 
 def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) -> Any:
@@ -45,47 +66,40 @@ def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) 
     return logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)
 
 
-def load_model(model_section: Any, *, head: str, mesh: Mesh, tokenizer: Any, seed: int,
-               tiny_section: Any = None) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params placed on the mesh) for `model.path`: an HF folder, a .gguf file, or
-    `tiny:<family>` (a random model with the dims in `tiny_section`, i.e.
-    `actor_rollout_ref.model.tiny`, for tests)."""
-    path = model_section.path
-    dtype = compute_dtype_of(model_section.param_dtype)
-    if path is None:
-        raise ValueError("actor_rollout_ref.model.path is not set")
-    if str(path).startswith(TINY_PREFIX):
-        tiny = dict(tiny_section if tiny_section is not None else model_section.tiny)
-        tiny_seed = tiny.pop("seed", 0)
+def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params placed on the mesh) for `model.path`: an HF folder, a .gguf file, our
+    checkpoint, or `tiny:<family>` (a random model with the dims in `model.tiny`, for tests)."""
+    dtype = compute_dtype_of(model.param_dtype)
+    if model.is_tiny:
+        tiny = dict(model.tiny)
+        tiny_seed = tiny.pop("seed")
         if tiny.get("vocab_size") is None:
             tiny["vocab_size"] = len(tokenizer)
-        heads = tiny["num_attention_heads"]
-        tiny.setdefault("head_dim", tiny["hidden_size"] // heads)
+        tiny.setdefault("head_dim", tiny["hidden_size"] // tiny["num_attention_heads"])
         special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                        else tokenizer.eos_token_id)
-        model_cfg = ModelConfig.tiny(str(path)[len(TINY_PREFIX):], **{**tiny, **special})
+        model_cfg = ModelConfig.tiny(model.path[len(TINY_PREFIX):], **{**tiny, **special})
         shardings = _param_shardings(model_cfg, head, mesh, dtype)
         init = jax.jit(lambda key: init_params(model_cfg, key, head=head, dtype=dtype), out_shardings=shardings)
         return model_cfg, init(jax.random.PRNGKey(tiny_seed))
     from jaxrl_llm.hf import load_any  # the HF bridge reads folders and GGUF files
 
     # A value head on a causal-LM checkpoint is initialised fresh from `seed`.
-    model_cfg, params = load_any(str(path), dtype=dtype, head=head, rng=jax.random.PRNGKey(seed))
+    model_cfg, params = load_any(model.path, dtype=dtype, head=head, rng=jax.random.PRNGKey(seed))
     return model_cfg, jax.device_put(params, _param_shardings(model_cfg, head, mesh, dtype))
 
 
-def make_trained_role(model_cfg: ModelConfig, params: dict, optim_section: Any, *, total_steps: int,
-                      grad_clip: float | None, head: str) -> TrainedRole:
-    tx, schedule = make_optimizer(optim_section, total_steps, grad_clip=grad_clip)
+def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,
+                      update_fn: UpdateFn) -> TrainedRole:
+    tx, schedule = make_optimizer(optim)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     abstract_state = jax.eval_shape(tx.init, params)
     state_shardings = optimizer_state_sharding(abstract_state, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
-    return TrainedRole(model_cfg, params, tx, schedule, opt_state, head, param_shardings, state_shardings)
+    return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn)
 
 
 def copy_params(params: dict) -> dict:
     """A separate copy (same shardings) for the frozen reference policy."""
     return jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
-

@@ -7,7 +7,7 @@ prompt i, and `group_ids[row] = i`.
 
 Multi-host: host-side data (prompts, texts, scores, metadata) is the whole global batch on every
 process, so rewards and metrics are identical everywhere; device arrays are global jax.Arrays
-built from each process's own rows (`to_device`) and gathered back with `to_host`.
+built from each process's own rows (`sharding.to_device`) and gathered back with `sharding.to_host`.
 """
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
-from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, host_local_to_global, process_slice, shard_batch
+from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, to_device, to_host
 
 Array = jax.Array
 _MIN_RESPONSE_BUCKET = 8
@@ -58,97 +57,78 @@ def response_bucket(longest: int, limit: int) -> int:
     return min(limit, max(_MIN_RESPONSE_BUCKET, 1 << max(longest - 1, 0).bit_length()))
 
 
-def to_device(arrays: Any, mesh: Mesh) -> Any:
-    """Global batch-sharded arrays from host arrays that hold the whole batch on every process
-    (each process contributes the rows its devices hold)."""
-    if jax.process_count() == 1:
-        return shard_batch(arrays, mesh)
-    rows = np.shape(jax.tree.leaves(arrays)[0])[0]
-    local = process_slice(rows, mesh)
-    return host_local_to_global(jax.tree.map(lambda x: np.asarray(x)[local], arrays), mesh)
+class RolloutGenerator:
+    """Prompts -> sampled, scored responses on given params: training rollouts, ReMax greedy
+    baselines and validation all go through `generate`."""
 
+    def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Any, reward_manager: RewardManager | None,
+                 reward_model: Any = None, compute_dtype: str = "float32"):
+        self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
+        self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
 
-def to_host(x: Any) -> Any:
-    """The full value of (a pytree of) global arrays as numpy, on every process."""
-    if jax.process_count() == 1:
-        return jax.device_get(x)
-    return multihost_utils.process_allgather(x, tiled=True)
+    def generate(self, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams, rng: Array) -> Rollout:
+        """`sampling.n` responses per prompt of `batch` (the whole global batch), scored."""
+        model_cfg, mesh, tokenizer, reward_model = self.model_cfg, self.mesh, self.tokenizer, self.reward_model
+        pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+        raw_prompts = list(batch["raw_prompt_ids"])
+        num_prompts = len(raw_prompts)
+        # a short (validation) batch is padded to the mesh's batch ways
+        raw_prompts += [raw_prompts[0]] * (-num_prompts % batch_axis_size(mesh))
+        prompt_width = bucket_length(max(len(p) for p in raw_prompts))
+        prompt_ids, prompt_mask = left_pad(raw_prompts, pad_id, length=prompt_width)
+        device = to_device({"ids": prompt_ids, "mask": prompt_mask}, mesh)
 
+        eos = list(model_cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(int(tokenizer.eos_token_id))
+        settings, knobs = sampling.compile_args(eos, pad_id, vocab_size=model_cfg.vocab_size,
+                                                compute_dtype=self.compute_dtype)
+        out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
 
-def generate_and_score(
-    batch: dict[str, np.ndarray],
-    *,
-    params: dict,
-    model_cfg: ModelConfig,
-    sampling: SamplingParams,
-    rng: Array,
-    mesh: Mesh,
-    tokenizer: Any,
-    reward_manager: RewardManager | None,
-    reward_model: Any = None,
-    compute_dtype: str = "float32",
-) -> Rollout:
-    """Samples `sampling.n` responses per prompt of `batch` (this process's rows) and scores them."""
-    pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
-    raw_prompts = list(batch["raw_prompt_ids"])
-    num_prompts = len(raw_prompts)
-    # a short (validation) batch is padded to the mesh's batch ways
-    raw_prompts += [raw_prompts[0]] * (-num_prompts % batch_axis_size(mesh))
-    prompt_width = bucket_length(max(len(p) for p in raw_prompts))
-    prompt_ids, prompt_mask = left_pad(raw_prompts, pad_id, length=prompt_width)
-    device = to_device({"ids": prompt_ids, "mask": prompt_mask}, mesh)
+        n = sampling.n
+        if len(raw_prompts) > num_prompts:  # drop the padding rows again
+            keep = num_prompts * n
+            out = out._replace(**{f: getattr(out, f)[:keep] for f in (
+                "tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")})
+            raw_prompts = raw_prompts[:num_prompts]
+            prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
+        lengths = np.asarray(to_host(out.lengths)).astype(np.int32)
+        width = response_bucket(int(lengths.max()), sampling.max_new_tokens)
+        tokens, finish = (np.asarray(a) for a in to_host((out.tokens[:, :width], out.finish_reason)))
+        texts = decode_texts(tokenizer, tokens, lengths)
+        rows = np.repeat(np.arange(num_prompts), n)
+        meta = {k: v[rows] for k, v in batch.items()
+                if k in ("data_source", "ground_truth", "extra_info", "ability", "raw_prompt", "index")}
 
-    eos = list(model_cfg.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(int(tokenizer.eos_token_id))
-    settings, knobs = sampling.compile_args(eos, pad_id, vocab_size=model_cfg.vocab_size,
-                                            compute_dtype=compute_dtype)
-    out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
+        if reward_model is not None:
+            raw = meta.get("raw_prompt")
+            scores = reward_model.score(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), tokens,
+                                        (np.arange(width)[None] < lengths[:, None]).astype(np.int32),
+                                        raw_prompts=None if raw is None else list(raw))
+            extra, reward_metrics = {"score": scores.copy()}, {}
+        else:
+            result = self.reward_manager.score(texts, list(meta["data_source"]), list(meta["ground_truth"]),
+                                               list(meta["extra_info"]), response_lengths=lengths,
+                                               finished_with_eos=finish == FINISH_EOS)
+            scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
 
-    n = sampling.n
-    if len(raw_prompts) > num_prompts:  # drop the padding rows again
-        keep = num_prompts * n
-        out = out._replace(**{f: getattr(out, f)[:keep] for f in (
-            "tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")})
-        raw_prompts = raw_prompts[:num_prompts]
-        prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
-    lengths = np.asarray(to_host(out.lengths)).astype(np.int32)
-    width = response_bucket(int(lengths.max()), sampling.max_new_tokens)
-    tokens, finish = (np.asarray(a) for a in to_host((out.tokens[:, :width], out.finish_reason)))
-    texts = decode_texts(tokenizer, tokens, lengths)
-    rows = np.repeat(np.arange(num_prompts), n)
-    meta = {k: v[rows] for k, v in batch.items()
-            if k in ("data_source", "ground_truth", "extra_info", "ability", "raw_prompt", "index")}
-
-    if reward_model is not None:
-        raw = meta.get("raw_prompt")
-        scores = reward_model.score(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), tokens,
-                                    (np.arange(width)[None] < lengths[:, None]).astype(np.int32),
-                                    raw_prompts=None if raw is None else list(raw))
-        extra, reward_metrics = {"score": scores.copy()}, {}
-    else:
-        result = reward_manager.score(texts, list(meta["data_source"]), list(meta["ground_truth"]),
-                                      list(meta["extra_info"]), response_lengths=lengths,
-                                      finished_with_eos=finish == FINISH_EOS)
-        scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
-
-    # outcome reward on the last valid response token
-    token_scores = np.zeros((len(scores), width), np.float32)
-    token_scores[np.arange(len(scores)), np.maximum(lengths - 1, 0)] = scores
-    response_mask = out.response_mask[:, :width]
-    host_side = ({"token_scores": jnp.asarray(token_scores)} if token_scores.shape[0] % batch_axis_size(mesh)
-                 else to_device({"token_scores": token_scores}, mesh))
-    input_ids = jnp.concatenate([out.prompt_ids, out.tokens[:, :width]], axis=1)
-    attention_mask = jnp.concatenate([out.prompt_mask, response_mask], axis=1)
-    prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []
-    return Rollout(
-        input_ids=input_ids, attention_mask=attention_mask,
-        response_mask=response_mask.astype(jnp.float32),
-        rollout_log_probs=out.log_probs[:, :width], token_level_scores=host_side["token_scores"],
-        group_ids=rows.astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
-        prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
-        texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
-        meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics)
+        # outcome reward on the last valid response token
+        token_scores = np.zeros((len(scores), width), np.float32)
+        token_scores[np.arange(len(scores)), np.maximum(lengths - 1, 0)] = scores
+        response_mask = out.response_mask[:, :width]
+        host_side = ({"token_scores": jnp.asarray(token_scores)} if token_scores.shape[0] % batch_axis_size(mesh)
+                     else to_device({"token_scores": token_scores}, mesh))
+        input_ids = jnp.concatenate([out.prompt_ids, out.tokens[:, :width]], axis=1)
+        attention_mask = jnp.concatenate([out.prompt_mask, response_mask], axis=1)
+        prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []
+        return Rollout(
+            input_ids=input_ids, attention_mask=attention_mask,
+            response_mask=response_mask.astype(jnp.float32),
+            rollout_log_probs=out.log_probs[:, :width], token_level_scores=host_side["token_scores"],
+            group_ids=rows.astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
+            prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
+            texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
+            meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics)
 
 
 def select_rows(r: Rollout, rows: np.ndarray) -> Rollout:

@@ -3,9 +3,12 @@
     rollout (sample n responses per prompt on the policy's own params, score them)
       -> reference log-probs (only when a KL is used)
       -> old log-probs (the sampler's own when they are exact, else recomputed)
-      -> critic values -> KL in reward -> advantages -> rollout correction
+      -> critic values -> `make_experience` (KL in reward, advantages, rollout correction)
       -> critic update -> actor update (ppo_epochs x mini-batches x micro-batches, one jit each)
       -> metrics
+
+The config is resolved once into a frozen `RunSpec` (jaxrl_llm/config/spec.py); every size below
+comes from it, and every batch split from its `BatchPlan`.
 """
 from __future__ import annotations
 
@@ -16,25 +19,24 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jaxrl_llm.config import format_batch_summary, resolve_total_steps, synthetic_data_files, validate_config
+from jaxrl_llm.config import resolve, resolve_data, resolve_synthetic, validate_config
+from jaxrl_llm.config.batch_plan import MicroBatching
+from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, make_mesh
+from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, make_mesh, to_device, to_host
 from jaxrl_llm.trainer import checkpoint as ckpt
-from jaxrl_llm.trainer.actor import ActorSettings, update_actor
-from jaxrl_llm.trainer.critic import CriticSettings, update_critic
-from jaxrl_llm.trainer.experience import (AdvantageSettings, advantages_and_returns, log_probs_no_grad,
-                                          rollout_correction, values_no_grad)
+from jaxrl_llm.trainer.actor import update_actor
+from jaxrl_llm.trainer.critic import update_critic
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
-from jaxrl_llm.trainer.roles import copy_params, load_model, make_trained_role
-from jaxrl_llm.trainer.rollout import (Rollout, concat_rollouts, generate_and_score, select_rows, to_device,
-                                       to_host)
+from jaxrl_llm.trainer.roles import TrainedRole, copy_params, load_model, make_trained_role
+from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 
@@ -42,109 +44,98 @@ log = logging.getLogger("jaxrl_llm")
 
 
 class Trainer:
-    """Builds everything a run needs from a config (validated first), then `fit()`s."""
+    """Builds everything a run needs from a config (validated and resolved first), then `fit()`s."""
 
     def __init__(self, config: ml_collections.ConfigDict):
         initialize()  # jax.distributed when several processes are configured; a no-op otherwise
         self.mesh = make_mesh(config.mesh)
         self.dp_size = batch_axis_size(self.mesh)
-        cfg = validate_config(config, dp_size=self.dp_size)
-        self.cfg = cfg
-        self.run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+        checked = validate_config(config, dp_size=self.dp_size)
         self.is_main = jax.process_index() == 0
-        self._write_synthetic_data()
-
         from jaxrl_llm.data import build_dataset, make_dataloader
         from jaxrl_llm.hf import load_tokenizer
         from jaxrl_llm.rewards import build_reward_manager
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        data = resolve_data(checked)
+        self._write_synthetic_data(resolve_synthetic(checked))
+        self.tokenizer = load_tokenizer(data.tokenizer)
+        train_set = build_dataset(data, self.tokenizer, "train")
+        self.spec: RunSpec = resolve(checked, dp_size=self.dp_size, num_train_samples=len(train_set))
+        spec = self.spec
+        self.total_steps = int(spec.trainer.total_steps)
+        self.run_dir = spec.trainer.run_dir
         # Every process reads the whole global batch (prompts are small): host-side rewards and
         # metrics are then identical everywhere; device arrays take each process's own rows.
-        proc = dict(process_index=0, process_count=1)
-        train_set = build_dataset(cfg.data, self.tokenizer, "train")
-        if cfg.trainer.total_training_steps is None or cfg.actor_rollout_ref.actor.optim.total_training_steps <= 0:
-            resolve_total_steps(cfg, len(train_set))
-        self.total_steps = int(cfg.trainer.total_training_steps)
-        self.train_loader = make_dataloader(cfg.data, self.tokenizer, "train", dataset=train_set, **proc)
-        self.val_loader = (make_dataloader(cfg.data, self.tokenizer, "val", **proc)
-                           if cfg.data.val_files else None)
+        self.train_loader = make_dataloader(data, self.tokenizer, "train", dataset=train_set)
+        self.val_loader = make_dataloader(data, self.tokenizer, "val") if data.val_files else None
 
-        arr = cfg.actor_rollout_ref
-        model_cfg, params = load_model(arr.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
-                                       seed=cfg.trainer.seed)
-        longest = cfg.data.max_prompt_length + arr.rollout.response_length
+        model_cfg, params = load_model(spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
+                                       seed=spec.trainer.seed)
+        longest = spec.plan.max_tokens_per_sequence
         if longest > model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_prompt_length + rollout.response_length = {longest} exceeds the model's "
                              f"max_position_embeddings={model_cfg.max_position_embeddings}")
-        self.actor = make_trained_role(model_cfg, params, arr.actor.optim, total_steps=self.total_steps,
-                                       grad_clip=arr.actor.grad_clip, head="lm")
-        self.actor_settings = ActorSettings.from_config(cfg)
-        self.adv_settings = AdvantageSettings.from_config(cfg)
-        alg = cfg.algorithm
-        self.need_ref = bool(arr.actor.use_kl_loss or alg.use_kl_in_reward or alg.trl_rloo.enable)
+        self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
+                                       _bind(update_actor, model_cfg=model_cfg, s=spec.actor))
+        self.need_ref = spec.need_ref
         self.ref_params = copy_params(params) if self.need_ref else None
-        self.critic = None
-        if cfg.critic.enable:
-            critic_cfg, critic_params = load_model(cfg.critic.model, head="value", mesh=self.mesh,
-                                                   tokenizer=self.tokenizer, seed=cfg.trainer.seed + 1,
-                                                   tiny_section=arr.model.tiny)
-            self.critic = make_trained_role(critic_cfg, critic_params, cfg.critic.optim,
-                                            total_steps=self.total_steps, grad_clip=cfg.critic.grad_clip,
-                                            head="value")
-            self.critic_settings = CriticSettings.from_config(cfg)
-        self.reward_manager = build_reward_manager(cfg)
+        self.critic: TrainedRole | None = None
+        if spec.critic is not None:
+            critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
+                                                   tokenizer=self.tokenizer, seed=spec.trainer.seed + 1)
+            self.critic = make_trained_role("critic", critic_cfg, critic_params, spec.critic_optim,
+                                            _bind(update_critic, model_cfg=critic_cfg, s=spec.critic))
+        self.reward_manager = build_reward_manager(spec.reward)
         self.reward_model = None
-        if cfg.reward_model.enable:
+        if spec.reward_model is not None:
             from jaxrl_llm.rewards.reward_model import RewardModel
 
-            self.reward_model = RewardModel.from_config(cfg, self.tokenizer)
-        self.kl_ctrl = make_kl_controller(alg.kl_ctrl)
-        self.train_sampling = SamplingParams.from_rollout_config(arr.rollout)
-        self.val_sampling = SamplingParams.from_val_kwargs(arr.rollout)
+            self.reward_model = RewardModel.load(spec.reward_model, self.tokenizer)
+        self.generator = RolloutGenerator(model_cfg=model_cfg, mesh=self.mesh, tokenizer=self.tokenizer,
+                                          reward_manager=self.reward_manager, reward_model=self.reward_model,
+                                          compute_dtype=spec.actor.compute_dtype)
+        kl = spec.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
-        self.base_rng = jax.random.PRNGKey(cfg.trainer.seed)
+        self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
         self.global_step = 0
         self.store = ckpt.CheckpointStore(os.path.join(self.run_dir, "checkpoints"),
-                                          max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
-        self.tracker = Tracking(cfg.trainer.logger, self.run_dir, project_name=cfg.trainer.project_name,
-                                experiment_name=cfg.trainer.experiment_name, config=cfg.to_dict(),
+                                          max_to_keep=spec.trainer.max_ckpt_to_keep)
+        t = spec.trainer
+        self.tracker = Tracking(list(t.logger), self.run_dir, project_name=t.project_name,
+                                experiment_name=t.experiment_name, config=json.loads(spec.config_json),
                                 is_main_process=self.is_main)
         self._peak_flops: float | None = None
-        self._update_fns: dict[tuple, Any] = {}
         self._started = False
         self.history: list[dict[str, float]] = []  # every logged step's metrics, for notebooks and plots
         if self.is_main:
             print(self.summary(), flush=True)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _write_synthetic_data(self) -> None:
-        syn = self.cfg.data.synthetic
-        if syn.task is None:
+    def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
+        if syn is None:
             return
         from jaxrl_llm.data.synthetic import write_synthetic_files
 
-        train, val = synthetic_data_files(self.cfg)
-        if self.is_main and not (os.path.exists(train) and os.path.exists(val)):
-            write_synthetic_files(train, val, syn.task, syn.n_train, syn.n_val, difficulty=syn.difficulty,
-                                  answer_format=syn.answer_format, seed=syn.seed)
+        if self.is_main and not (os.path.exists(syn.train_path) and os.path.exists(syn.val_path)):
+            write_synthetic_files(syn.train_path, syn.val_path, syn.task, syn.n_train, syn.n_val,
+                                  difficulty=syn.difficulty, answer_format=syn.answer_format, seed=syn.seed)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("synthetic data written")
 
     def summary(self) -> str:
-        m = self.actor.model_cfg
-        mesh = dict(self.mesh.shape)
+        spec, m = self.spec, self.actor.model_cfg
         lines = [
-            f"model: {m.architecture} ({self.cfg.actor_rollout_ref.model.path}), "
+            f"model: {m.architecture} ({spec.model.path}), "
             f"{self.actor.num_params / 1e6:.1f}M parameters, {m.num_hidden_layers} layers, hidden {m.hidden_size}",
-            f"mesh: {mesh} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
+            f"mesh: {dict(self.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
             f"{jax.process_count()} process(es)",
-            format_batch_summary(self.cfg, self.dp_size),
-            f"estimator: {self.cfg.algorithm.adv_estimator}; policy loss: "
-            f"{self.actor_settings.loss_mode} ({self.actor_settings.loss_agg_mode}); "
-            f"critic: {'on' if self.critic else 'off'}; reference: {'on' if self.need_ref else 'off'}",
+            spec.plan.summary(self.total_steps, spec.trainer.total_epochs),
+            f"estimator: {spec.advantage.adv_estimator}; policy loss: {spec.actor.loss_mode} "
+            f"({spec.actor.loss_agg_mode}); critic: {'on' if self.critic else 'off'}; "
+            f"reference: {'on' if self.need_ref else 'off'}",
             f"run dir: {self.run_dir}; {self.total_steps} steps",
         ]
         return "\n".join(lines)
@@ -153,7 +144,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Trains for `trainer.total_training_steps`; returns the last step's metrics."""
         last = self.start()
-        if self.cfg.trainer.val_only:
+        if self.spec.trainer.val_only:
             self.close()
             return last
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
@@ -172,12 +163,12 @@ class Trainer:
 
     def start(self) -> dict[str, float]:
         """Resumes if asked, then validates before training when configured (`val_before_train`,
-        `val_only`). `fit()` calls it; call it yourself before driving `step()` by hand."""
+        `val_only`). `fit()` calls it; `step()` calls it once when you drive the loop by hand."""
         if self._started:
             return {}
         self._started = True
         self._maybe_resume()
-        t = self.cfg.trainer
+        t = self.spec.trainer
         if (t.val_before_train or t.val_only) and self.val_loader is not None:
             val = self.validate()
             self.tracker.log(val, self.global_step)
@@ -190,7 +181,7 @@ class Trainer:
         configured for that step. Returns the step's metrics (also appended to `history`). Raises
         StopIteration when the training data is exhausted."""
         self.start()
-        t = self.cfg.trainer
+        t = self.spec.trainer
         batch = next(self.train_loader)
         metrics = self.train_step(batch)
         self.global_step += 1
@@ -205,14 +196,13 @@ class Trainer:
 
     def finish(self) -> None:
         """End of a run: HF export (when `trainer.export_hf`), then closes the loggers and stores."""
-        if self.cfg.trainer.export_hf:
+        if self.spec.trainer.export_hf:
             self.export_hf(os.path.join(self.run_dir, "hf"))
         self.close()
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        cfg, timer = self.cfg, Timer()
+        spec, plan, timer = self.spec, self.spec.plan, Timer()
         rng = jax.random.fold_in(self.base_rng, self.global_step)
-        arr, s = cfg.actor_rollout_ref, self.actor_settings
         with timer("step"):
             with timer("gen"):
                 rollout, gen_metrics = self._rollout(batch, rng)
@@ -222,68 +212,48 @@ class Trainer:
 
             ref_lp = None
             if self.need_ref:
-                with timer("ref"):
-                    micro = self._forward_micro_rows(arr.ref, rows, seq_len, prefix="log_prob",
-                                                     what="ref.log_prob_micro_batch_size_per_device")
-                    ref_lp = log_probs_no_grad(self.ref_params, **seq, response_mask=mask,
-                                               model_cfg=self.actor.model_cfg, temperature=s.temperature,
-                                               compute_dtype=s.compute_dtype, micro_rows=micro)
-            with timer("old_log_prob"):
+                with timer("ref") as span:
+                    ref_lp = span.wait(self._log_probs(self.ref_params, rollout, plan.ref_log_prob))
+            with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
-                if self._recompute_old_log_probs():
-                    micro = self._forward_micro_rows(arr.rollout, rows, seq_len, prefix="log_prob",
-                                                     what="rollout.log_prob_micro_batch_size_per_device")
-                    old_lp = log_probs_no_grad(self.actor.params, **seq, response_mask=mask,
-                                               model_cfg=self.actor.model_cfg, temperature=s.temperature,
-                                               compute_dtype=s.compute_dtype, micro_rows=micro)
+                if spec.recompute_old_log_probs:
+                    old_lp = span.wait(self._log_probs(self.actor.params, rollout, plan.old_log_prob))
             values = None
             if self.critic is not None:
-                with timer("values"):
-                    micro = self._forward_micro_rows(cfg.critic, rows, seq_len, prefix="forward",
-                                                     what="critic.forward_micro_batch_size_per_device")
-                    values = values_no_grad(self.critic.params, **seq, response_mask=mask,
-                                            model_cfg=self.critic.model_cfg,
-                                            compute_dtype=self.critic_settings.compute_dtype, micro_rows=micro)
-            with timer("adv"):
-                group_ids = to_device(rollout.group_ids, self.mesh)
-                baselines = self._remax_baselines(batch, rng) if cfg.algorithm.adv_estimator == "remax" else None
+                with timer("values") as span:
+                    values = span.wait(values_no_grad(
+                        self.critic.params, **seq, response_mask=mask, model_cfg=self.critic.model_cfg,
+                        compute_dtype=spec.critic.compute_dtype,
+                        micro_rows=plan.forward_micro_rows(plan.values, rows, seq_len)))
+            with timer("adv") as span:
+                baselines = self._remax_baselines(batch, rng) if spec.advantage.adv_estimator == "remax" else None
                 kl_coef = self.kl_ctrl.value
-                exp = advantages_and_returns(rollout.token_level_scores, mask, group_ids, old_lp, ref_lp, values,
-                                             baselines, jnp.float32(kl_coef), s=self.adv_settings)
-                extra: dict[str, float] = {}
-                if "current_kl" in exp:
-                    current_kl = float(exp["current_kl"])
-                    self.kl_ctrl.update(current_kl, n_steps=rollout.num_rows)
-                    extra.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef})
-                for k in ("trl_rlhf_reward", "trl_non_score_reward"):
-                    if k in exp:
-                        extra[f"critic/{k[4:]}/mean"] = float(exp[k])
-                update_batch = {**seq, "response_mask": mask, "old_log_probs": old_lp,
-                                "advantages": exp["advantages"], "returns": exp["returns"]}
-                if ref_lp is not None:
-                    update_batch["ref_log_probs"] = ref_lp
-                if values is not None:
-                    update_batch["values"] = values
-                extra.update(self._apply_rollout_correction(update_batch, rollout))
+                exp, token_rewards, exp_metrics = make_experience(
+                    **seq, response_mask=mask, token_level_scores=rollout.token_level_scores,
+                    rollout_log_probs=rollout.rollout_log_probs, group_ids=to_device(rollout.group_ids, self.mesh),
+                    old_log_probs=old_lp, ref_log_probs=ref_lp, values=values, reward_baselines=baselines,
+                    kl_coef=kl_coef, advantage=spec.advantage, correction=spec.rollout_correction)
+                span.wait(exp)
+                extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows)
             if self.critic is not None:
                 with timer("update_critic"):
-                    extra.update(self._update(self.critic, update_critic, update_batch, rng, critic=True))
-            if self.global_step >= cfg.trainer.critic_warmup:
+                    extra.update(self._update(self.critic, plan.critic, exp, jax.random.fold_in(rng, 7)))
+            if self.global_step >= spec.trainer.critic_warmup:
                 with timer("update_actor"):
-                    extra.update(self._update(self.actor, update_actor, update_batch, rng, critic=False))
+                    extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11)))
                 extra["actor/lr"] = float(self.actor.schedule(self.global_step))
         metrics = data_metrics(
-            sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(exp["token_level_rewards"].sum(-1))),
+            sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
-            max_response_length=arr.rollout.response_length, max_prompt_length=cfg.data.max_prompt_length,
-            advantages=exp["advantages"], returns=exp["returns"], response_mask=mask, values=values)
+            max_response_length=plan.response_length, max_prompt_length=plan.max_prompt_length,
+            advantages=exp.advantages, returns=exp.returns, response_mask=mask, values=values)
         metrics.update(extra)
         metrics.update(gen_metrics)
         metrics.update(rollout.reward_metrics)
         metrics.update(timer.metrics())
         metrics.update(self._perf(rollout, timer.times))
         metrics["training/global_step"] = float(self.global_step + 1)
-        if cfg.trainer.rollout_data_dir and self.is_main:
+        if spec.trainer.rollout_data_dir and self.is_main:
             self._dump_rollout(rollout)
         return metrics
 
@@ -291,13 +261,10 @@ class Trainer:
     def _rollout(self, batch: dict[str, np.ndarray], rng: jax.Array) -> tuple[Rollout, dict[str, float]]:
         """Samples and scores; with DAPO's `filter_groups`, keeps only groups whose metric varies and
         samples further batches until `train_batch_size` groups are kept."""
-        fg = self.cfg.algorithm.filter_groups
-        kw = dict(params=self.actor.params, model_cfg=self.actor.model_cfg, sampling=self.train_sampling,
-                  mesh=self.mesh, tokenizer=self.tokenizer, reward_manager=self.reward_manager,
-                  reward_model=self.reward_model, compute_dtype=self.actor_settings.compute_dtype)
+        fg, sampling, params = self.spec.filter_groups, self.spec.train_sampling, self.actor.params
         if not fg.enable:
-            return generate_and_score(batch, rng=rng, **kw), {}
-        want = self.cfg.data.train_batch_size
+            return self.generator.generate(batch, params, sampling, rng), {}
+        want = self.spec.plan.prompts
         kept: list[Rollout] = []
         num_kept, num_gen = 0, 0
         while num_kept < want:
@@ -308,7 +275,7 @@ class Trainer:
                     "the task may be too easy or too hard for the policy")
             if num_gen > 0:
                 batch = next(self.train_loader)
-            r = generate_and_score(batch, rng=jax.random.fold_in(rng, num_gen), **kw)
+            r = self.generator.generate(batch, params, sampling, jax.random.fold_in(rng, num_gen))
             num_gen += 1
             metric = r.scores if fg.metric in ("seq_reward", "seq_final_reward", "score") else \
                 np.asarray(r.reward_extra_info[fg.metric], np.float64)
@@ -320,101 +287,50 @@ class Trainer:
                 num_kept += len(varied)
         return concat_rollouts(kept, self.mesh), {"train/num_gen_batches": float(num_gen)}
 
-    def _recompute_old_log_probs(self) -> bool:
-        """The sampler's log-probs are the trainer's (same code, same params) in fp32; recompute when
-        they may differ (bf16 compute) or when rollout correction compares the two."""
-        rc = self.cfg.algorithm.rollout_correction
-        corrected = (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode
-        return corrected or self.actor_settings.compute_dtype != "float32"
+    def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching) -> jax.Array:
+        """Response log-probs under `params` (reference or old policy), in `micro`'s micro-batches."""
+        rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
+        return log_probs_no_grad(params, rollout.input_ids, rollout.attention_mask, rollout.response_mask,
+                                 model_cfg=self.actor.model_cfg, temperature=self.spec.actor.temperature,
+                                 compute_dtype=self.spec.actor.compute_dtype,
+                                 micro_rows=self.spec.plan.forward_micro_rows(micro, rows, seq_len))
 
-    def _apply_rollout_correction(self, update_batch: dict[str, Any], rollout: Rollout) -> dict[str, float]:
-        rc = self.cfg.algorithm.rollout_correction
-        if rc.rollout_is is None and rc.rollout_rs is None:
-            return {}
-        threshold = rc.rollout_rs_threshold
-        if isinstance(threshold, (list, tuple)):
-            threshold = tuple(threshold)
-        weights, new_mask, metrics = rollout_correction(
-            update_batch["old_log_probs"], rollout.rollout_log_probs, update_batch["response_mask"],
-            rollout_is=rc.rollout_is, rollout_is_threshold=float(rc.rollout_is_threshold),
-            rollout_is_batch_normalize=bool(rc.rollout_is_batch_normalize), rollout_rs=rc.rollout_rs,
-            rollout_rs_threshold=threshold)
-        if weights is not None:
-            update_batch["rollout_is_weights"] = weights
-        update_batch["response_mask"] = new_mask
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
+        """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""
+        out: dict[str, float] = {}
+        if "current_kl" in exp_metrics:
+            current_kl = float(exp_metrics.pop("current_kl"))
+            self.kl_ctrl.update(current_kl, n_steps=rows)
+            out.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef})
+        for k in ("trl_rlhf_reward", "trl_non_score_reward"):
+            if k in exp_metrics:
+                out[f"critic/{k[4:]}/mean"] = float(exp_metrics.pop(k))
+        out.update({k: float(v) for k, v in exp_metrics.items()})  # rollout-correction metrics
+        return out
 
     def _remax_baselines(self, batch: dict[str, np.ndarray], rng: jax.Array) -> jax.Array:
         """ReMax: the greedy response's score per prompt, one per sampled row."""
-        greedy = SamplingParams(max_new_tokens=self.train_sampling.max_new_tokens, do_sample=False, n=1,
-                                ignore_eos=self.train_sampling.ignore_eos,
-                                stop_token_ids=self.train_sampling.stop_token_ids)
-        r = generate_and_score(batch, params=self.actor.params, model_cfg=self.actor.model_cfg, sampling=greedy,
-                               rng=rng, mesh=self.mesh, tokenizer=self.tokenizer,
-                               reward_manager=self.reward_manager, reward_model=self.reward_model,
-                               compute_dtype=self.actor_settings.compute_dtype)
-        return to_device(np.repeat(r.scores, self.train_sampling.n), self.mesh)
+        train = self.spec.train_sampling
+        greedy = SamplingParams(max_new_tokens=train.max_new_tokens, do_sample=False, n=1,
+                                ignore_eos=train.ignore_eos, stop_token_ids=train.stop_token_ids)
+        r = self.generator.generate(batch, self.actor.params, greedy, rng)
+        return to_device(np.repeat(r.scores, train.n), self.mesh)
 
-    def _micro_size(self, rows: int, seq_len: int, *, fixed: int | None, dynamic: bool | None,
-                    budget: int | None, what: str) -> int:
-        """Sequences per device in one micro-batch of `rows` sequences: the configured size, or with a
-        dynamic batch size the most that fit the per-device token budget at this step's length."""
-        per_device = rows // self.dp_size
-        if dynamic:
-            budget_rows = max(1, int(budget) // seq_len)
-            return max(d for d in range(1, per_device + 1) if per_device % d == 0 and d <= budget_rows)
-        size = min(int(fixed or per_device), per_device)
-        if per_device % size:
-            raise ValueError(f"{what}={size} does not divide the {per_device} sequences per device")
-        return size
-
-    def _forward_micro_rows(self, section: Any, rows: int, seq_len: int, *, prefix: str, what: str) -> int:
-        """Rows (all devices) per micro-batch of a no-grad pass configured by `section.<prefix>_*`."""
-        return self.dp_size * self._micro_size(
-            rows, seq_len, fixed=section[f"{prefix}_micro_batch_size_per_device"],
-            dynamic=section[f"{prefix}_use_dynamic_bsz"] if f"{prefix}_use_dynamic_bsz" in section
-            else section.use_dynamic_bsz,
-            budget=section[f"{prefix}_max_token_len_per_device"], what=what)
-
-    def _num_micro(self, mini_rows: int, seq_len: int, *, critic: bool) -> int:
-        """Micro-batches per mini-batch: fixed per-device size, or packed to the token budget
-        (`use_dynamic_bsz`, `ppo_max_token_len_per_device`) for this step's sequence length."""
-        section = self.cfg.critic if critic else self.cfg.actor_rollout_ref.actor
-        size = self._micro_size(mini_rows, seq_len, fixed=section.ppo_micro_batch_size_per_device,
-                                dynamic=section.use_dynamic_bsz, budget=section.ppo_max_token_len_per_device,
-                                what=f"{'critic' if critic else 'actor'}.ppo_micro_batch_size_per_device")
-        return mini_rows // self.dp_size // size
-
-    def _update(self, role, update_fn, update_batch: dict[str, Any], rng: jax.Array, *, critic: bool) -> dict[str, float]:
-        section = self.cfg.critic if critic else self.cfg.actor_rollout_ref.actor
-        rows = int(update_batch["response_mask"].shape[0])
-        mini_rows = min(rows, int(section.ppo_mini_batch_size) * self.cfg.actor_rollout_ref.rollout.n)
-        if rows % mini_rows:
-            raise ValueError(f"{rows} sequences do not split into mini-batches of {mini_rows}")
-        num_micro = self._num_micro(mini_rows, int(update_batch["input_ids"].shape[1]), critic=critic)
-        batch = {k: v for k, v in update_batch.items() if k != "ref_log_probs" or not critic}
-        key = (critic, rows // mini_rows, num_micro)
-        if key not in self._update_fns:
-            # Outputs keep the params' / optimizer state's own shardings, so the next rollout and
-            # update see the same layouts and reuse their compiled programs.
-            self._update_fns[key] = jax.jit(
-                functools.partial(update_fn, model_cfg=role.model_cfg,
-                                  s=self.critic_settings if critic else self.actor_settings, tx=role.tx,
-                                  num_mini_batches=rows // mini_rows, num_micro_batches=num_micro,
-                                  rows_sharding=self.rows_sharding),
-                out_shardings=(role.param_shardings, role.opt_state_shardings, None), donate_argnums=(0, 1))
-        role.params, role.opt_state, metrics = self._update_fns[key](
-            role.params, role.opt_state, batch, jax.random.fold_in(rng, 7 if critic else 11))
+    def _update(self, role: TrainedRole, role_batch: Any, exp: Experience, rng: jax.Array) -> dict[str, float]:
+        rows, seq_len = int(exp.response_mask.shape[0]), int(exp.input_ids.shape[1])
+        num_mini, num_micro = self.spec.plan.update_split(role_batch, rows, seq_len)
+        metrics = role.update(exp, rng, num_mini_batches=num_mini, num_micro_batches=num_micro,
+                              rows_sharding=self.rows_sharding)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:
         if self._peak_flops is None:
             self._peak_flops = measured_matmul_peak_flops()
-        m = self.actor.model_cfg
+        spec, m = self.spec, self.actor.model_cfg
         prompt_tokens = int(rollout.prompt_lengths.sum())
         response_tokens = int(rollout.response_lengths.sum())
-        passes = int(self.need_ref) + int(self._recompute_old_log_probs()) + int(self.critic is not None)
-        train_passes = self.actor_settings.ppo_epochs + (self.critic_settings.ppo_epochs if self.critic else 0)
+        passes = int(self.need_ref) + int(spec.recompute_old_log_probs) + int(self.critic is not None)
+        train_passes = spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0)
         flops = step_flops(num_params=self.actor.num_params, num_layers=m.num_hidden_layers,
                            hidden_size=m.hidden_size, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
                            forward_passes=passes, training_passes=train_passes)
@@ -426,11 +342,21 @@ class Trainer:
                  "data_source": str(ds), "ground_truth": str(gt)}
                 for p, o, s, ds, gt in zip(rollout.prompt_texts, rollout.texts, rollout.scores,
                                            rollout.meta["data_source"], rollout.meta["ground_truth"])]
-        dump_jsonl(os.path.join(self.cfg.trainer.rollout_data_dir, f"{self.global_step}.jsonl"), rows)
+        dump_jsonl(os.path.join(self.spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"), rows)
 
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:
-        return run_validation(self)
+        """One validation pass; logs its generations table and dump as configured; returns the metrics."""
+        self.val_loader.reset()
+        rng = jax.random.fold_in(self.base_rng, 10_000_000 + self.global_step)
+        metrics, samples = run_validation(self.generator, self.val_loader, self.actor.params,
+                                          self.spec.val_sampling, rng)
+        t = self.spec.trainer
+        if t.log_val_generations > 0:
+            self.tracker.log_generations("val/generations", samples[: t.log_val_generations], self.global_step)
+        if t.validation_data_dir and self.is_main:
+            dump_jsonl(os.path.join(t.validation_data_dir, f"{self.global_step}.jsonl"), samples)
+        return metrics
 
     def _state(self) -> dict[str, Any]:
         state = {"actor": {"params": self.actor.params, "opt_state": self.actor.opt_state}}
@@ -441,13 +367,13 @@ class Trainer:
     def save_checkpoint(self) -> None:
         meta = {"global_step": self.global_step, "kl_coef": float(self.kl_ctrl.value),
                 "model_config": self.actor.model_cfg.to_hf_config(),
-                "tokenizer": str(self.cfg.data.tokenizer),
+                "tokenizer": str(self.spec.data.tokenizer),
                 "rng": np.asarray(jax.random.key_data(self.base_rng)).tolist(),
-                "config": json.loads(self.cfg.to_json_best_effort())}
+                "config": json.loads(self.spec.config_json)}
         self.store.save(self.global_step, self._state(), self.train_loader.get_state(), meta)
 
     def _maybe_resume(self) -> None:
-        t = self.cfg.trainer
+        t = self.spec.trainer
         found = ckpt.resolve_resume(t.resume_mode, self.run_dir, t.resume_from_path)
         if found is None:
             return
@@ -477,3 +403,8 @@ class Trainer:
         self.store.close()
         self.tracker.close()
         self.reward_manager.close()
+
+
+def _bind(update_fn: Any, **settings: Any) -> Any:
+    """`update_fn` with its model config and settings bound (the role jits it)."""
+    return functools.partial(update_fn, **settings)

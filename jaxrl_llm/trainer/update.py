@@ -4,7 +4,10 @@ Everything runs inside one jitted function: an outer `lax.scan` over epochs (row
 epoch when `shuffle`), a scan over mini-batches (one optimizer step each) and an inner scan over
 micro-batches that accumulates gradients. Losses are normalised by the mini-batch's global token /
 sequence counts (`Denominators`), so the accumulated gradient is exactly the full mini-batch
-gradient whatever the micro-batch size (ALGORITHMS.md, "Loss aggregation").
+gradient whatever the micro-batch size (docs/algorithms.md, "Loss aggregation").
+
+The batch is any pytree of [N, ...] arrays with a `response_mask` attribute (an `Experience`).
+`TrainedRole.update` (roles.py) is the one place these updates are jitted.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-Batch = dict[str, jax.Array]
+Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -61,7 +64,6 @@ def run_update_epochs(
     shuffle: bool,
     rows_sharding: NamedSharding | None = None,
     loss_scale_factor: float | None = None,
-    mask_key: str = "response_mask",
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
@@ -76,7 +78,7 @@ def run_update_epochs(
 
     def mini_step(carry, mini: Batch):
         params, opt_state = carry
-        denoms = denominators(mini[mask_key], loss_scale_factor)
+        denoms = denominators(mini.response_mask, loss_scale_factor)
         micros = _split(mini, num_micro_batches, rows_sharding)
 
         def micro_step(acc, micro: Batch):

@@ -1,45 +1,38 @@
-"""Validation: one pass over `data.val_files` with `rollout.val_kwargs` (greedy by default), scored by
-the same reward manager, reported per data source as veRL does:
+"""Validation: one pass over the validation prompts with `rollout.val_kwargs` sampling (greedy by
+default), scored by the training reward manager, reported per data source as veRL does:
 `val-core/<data_source>/reward/mean@<n>` plus `val-aux/<data_source>/<extra key>/mean@<n>`.
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import jax
 import numpy as np
 
-from jaxrl_llm.trainer.rollout import generate_and_score
-from jaxrl_llm.trainer.tracking import dump_jsonl
-
-if TYPE_CHECKING:
-    from jaxrl_llm.trainer.trainer import Trainer
+from jaxrl_llm.sampler import SamplingParams
+from jaxrl_llm.trainer.rollout import RolloutGenerator
 
 
-def run_validation(trainer: "Trainer") -> dict[str, float]:
-    loader = trainer.val_loader
-    loader.reset()
-    sampling = trainer.val_sampling
+def run_validation(generator: RolloutGenerator, batches: Iterable[dict[str, np.ndarray]], params: dict,
+                   sampling: SamplingParams, rng: jax.Array) -> tuple[dict[str, float], list[dict]]:
+    """(metrics, samples): one {input, output, score, ground_truth, data_source} dict per response."""
     scores: list[np.ndarray] = []
     sources: list[np.ndarray] = []
     extras: dict[str, list[np.ndarray]] = defaultdict(list)
     samples: list[dict] = []
-    rng = jax.random.fold_in(trainer.base_rng, 10_000_000 + trainer.global_step)
-    for i, batch in enumerate(loader):
-        r = generate_and_score(batch, params=trainer.actor.params, model_cfg=trainer.actor.model_cfg,
-                               sampling=sampling, rng=jax.random.fold_in(rng, i), mesh=trainer.mesh,
-                               tokenizer=trainer.tokenizer, reward_manager=trainer.reward_manager,
-                               reward_model=trainer.reward_model, compute_dtype=trainer.actor_settings.compute_dtype)
+    for i, batch in enumerate(batches):
+        r = generator.generate(batch, params, sampling, jax.random.fold_in(rng, i))
         scores.append(r.scores)
         sources.append(np.asarray([str(s) for s in r.meta["data_source"]]))
         for key, value in r.reward_extra_info.items():
             value = np.asarray(value)
             if key != "score" and value.dtype.kind in "biuf":
                 extras[key].append(value.astype(np.float64))
-        for prompt, text, score, gt in zip(r.prompt_texts, r.texts, r.scores, r.meta["ground_truth"]):
-            samples.append({"input": prompt, "output": text, "score": float(score), "ground_truth": str(gt)})
+        for prompt, text, score, gt, source in zip(r.prompt_texts, r.texts, r.scores, r.meta["ground_truth"],
+                                                   r.meta["data_source"]):
+            samples.append({"input": prompt, "output": text, "score": float(score), "ground_truth": str(gt),
+                            "data_source": str(source)})
     all_scores = np.concatenate(scores)
     all_sources = np.concatenate(sources)
     n = sampling.n
@@ -51,9 +44,4 @@ def run_validation(trainer: "Trainer") -> dict[str, float]:
             values = np.concatenate(parts)
             if values.shape == all_scores.shape:
                 metrics[f"val-aux/{source}/{key}/mean@{n}"] = float(values[sel].mean())
-    t = trainer.cfg.trainer
-    if t.log_val_generations > 0:
-        trainer.tracker.log_generations("val/generations", samples[: t.log_val_generations], trainer.global_step)
-    if t.validation_data_dir and trainer.is_main:
-        dump_jsonl(os.path.join(t.validation_data_dir, f"{trainer.global_step}.jsonl"), samples)
-    return metrics
+    return metrics, samples

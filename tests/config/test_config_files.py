@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from jaxrl_llm.config import batch_plan, default_config, validate_config
+from jaxrl_llm.config import default_config, resolve, validate_config
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.py"))
@@ -27,9 +27,11 @@ def test_all_expected_configs_exist():
 def test_config_loads_and_validates(path, dp):
     cfg = validate_config(load(path), dp_size=dp, check_paths=False)
     assert set(cfg.keys()) == set(default_config().keys())
-    plan = batch_plan(cfg, dp)
+    spec = resolve(cfg, dp_size=dp, num_train_samples=4096)
+    plan = spec.plan
     assert plan.actor.optimizer_steps >= 1
     assert plan.sequences % dp == 0
+    assert spec.trainer.total_steps >= 1 and spec.actor_optim.total_steps == spec.trainer.total_steps
 
 
 def test_algorithm_specific_settings():

@@ -1,7 +1,7 @@
 """validate_config: derived values, batch arithmetic, and one message naming the key per failure."""
 import pytest
 
-from jaxrl_llm.config import (ConfigError, apply_overrides, batch_plan, default_config, format_batch_summary,
+from jaxrl_llm.config import (ConfigError, apply_overrides, resolve_batch_plan, default_config,
                               resolve_total_steps, validate_config)
 
 
@@ -59,13 +59,13 @@ def test_resolve_total_steps_respects_max_samples_and_explicit_steps():
 def test_batch_plan_numbers():
     cfg = _validate(_cfg("data.train_batch_size=32", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                          "actor_rollout_ref.actor.ppo_epochs=2", "algorithm.adv_estimator=grpo"), dp=4)
-    plan = batch_plan(cfg, 4)
+    plan = resolve_batch_plan(cfg, 4)
     assert (plan.sequences, plan.sequences_per_device, plan.max_tokens_per_step) == (128, 32, 128 * 96)
     a = plan.actor
     assert (a.mini_batches, a.mini_batch_sequences, a.per_device, a.accumulation_steps, a.optimizer_steps) == \
         (4, 32, 8, 2, 8)
     assert plan.critic is None
-    text = format_batch_summary(cfg, 4)
+    text = plan.summary()
     assert "32 prompts x n=4 = 128 sequences per step; data-parallel size 4 -> 32 sequences/device" in text
     assert "micro-batch 4/device -> 2 accumulation step(s)" in text
 

@@ -2,18 +2,20 @@
 import pandas as pd
 import pytest
 
+from spec_helpers import data_spec
+
 from jaxrl_llm.data import DataError, build_dataset, make_dataloader
 
 
 def cfg(path, **kw):
-    return {"train_files": str(path), "max_prompt_length": 64, "train_batch_size": 2, **kw}
+    return data_spec(**{"train_files": str(path), "max_prompt_length": 64, "train_batch_size": 2, **kw})
 
 
 def test_missing_path(tmp_path, char_tok):
     with pytest.raises(DataError, match=r"nope\.parquet: no such file"):
         build_dataset(cfg(tmp_path / "nope.parquet"), char_tok, "train")
     with pytest.raises(DataError, match="data.train_files is not set"):
-        build_dataset({}, char_tok, "train")
+        build_dataset(data_spec(), char_tok, "train")
 
 
 def test_unsupported_suffix(tmp_path, char_tok):

@@ -5,6 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from spec_helpers import data_spec
+
 from jaxrl_llm.data import DataError, build_dataset, make_dataloader, truncate_ids
 
 QUESTIONS = ["What is 1 + 2?", "Name a colour.", "Say hi!", "Count to three.", "2 * 4 = ?"]
@@ -43,9 +45,9 @@ def expected_ids(tok, prompt):
 
 
 def cfg(files, **kw):
-    return {"train_files": str(files) if not isinstance(files, list) else [str(f) for f in files],
-            "val_files": str(files) if not isinstance(files, list) else [str(f) for f in files],
-            "max_prompt_length": 64, "train_batch_size": 2, **kw}
+    return data_spec(**{"train_files": str(files) if not isinstance(files, list) else [str(f) for f in files],
+                        "val_files": str(files) if not isinstance(files, list) else [str(f) for f in files],
+                        "max_prompt_length": 64, "train_batch_size": 2, **kw})
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".json"])
@@ -132,15 +134,13 @@ def test_batch_layout(tmp_path, char_tok):
                              char_tok, "train", batch_size=4)
     batch = next(loader)
     assert len(loader) == 1
-    assert batch["input_ids"].shape == (4, 64) and batch["input_ids"].dtype == np.int32
+    # prompts stay unpadded: the sampler left-pads them to its own length bucket
+    assert set(batch) == {"raw_prompt_ids", "prompt_lengths", "index", "data_source", "ground_truth", "extra_info",
+                          "ability", "raw_prompt"}
     for i, row in enumerate(rows):
         ids = expected_ids(char_tok, row["prompt"])
-        n = len(ids)
-        assert batch["prompt_lengths"][i] == n
-        assert batch["input_ids"][i, 64 - n:].tolist() == ids
-        assert (batch["input_ids"][i, :64 - n] == char_tok.pad_token_id).all()
-        assert batch["attention_mask"][i].tolist() == [0] * (64 - n) + [1] * n
-        assert batch["position_ids"][i, 64 - n:].tolist() == list(range(n))
+        assert batch["prompt_lengths"][i] == len(ids)
+        assert batch["raw_prompt_ids"][i].dtype == np.int32
         assert batch["raw_prompt_ids"][i].tolist() == ids
         assert batch["raw_prompt"][i] == row["prompt"]
     assert batch["index"].tolist() == [0, 1, 2, 3]
@@ -178,7 +178,7 @@ def test_resumed_iterator_equals_uninterrupted(tmp_path, char_tok):
     for want in rest:
         got = next(resumed)
         assert got["index"].tolist() == want["index"].tolist()
-        np.testing.assert_array_equal(got["input_ids"], want["input_ids"])
+        assert [a.tolist() for a in got["raw_prompt_ids"]] == [a.tolist() for a in want["raw_prompt_ids"]]
 
 
 def test_process_slicing(tmp_path, char_tok):
@@ -247,12 +247,16 @@ def test_custom_dataset_class(tmp_path, char_tok):
         build_dataset(cfg(path, custom_cls={"path": str(tmp_path / "my_data.py"), "name": "Nope"}), char_tok, "train")
 
 
-def test_config_dict_section(tmp_path, char_tok):
-    import ml_collections
+def test_data_spec_from_config_section(tmp_path, char_tok):
+    """The loader reads the `DataSpec` a run resolves from its `data` section, defaults included."""
+    from jaxrl_llm.config import default_config, resolve_data
 
-    path = write(verl_rows(4), tmp_path / "d.parquet")
-    section = ml_collections.ConfigDict(cfg(path, val_batch_size=None, shuffle=False))
-    loader = make_dataloader(section, char_tok, "train")
+    cfg_tree = default_config()
+    cfg_tree.data.train_files = str(write(verl_rows(4), tmp_path / "d.parquet"))
+    cfg_tree.data.train_batch_size, cfg_tree.data.shuffle = 2, False
+    spec = resolve_data(cfg_tree)
+    assert (spec.train_files, spec.max_prompt_length, spec.truncation) == ((cfg_tree.data.train_files,), 512, "error")
+    loader = make_dataloader(spec, char_tok, "train")
     assert next(loader)["index"].tolist() == [0, 1]
 
 
@@ -264,4 +268,3 @@ def test_smollm2_chat_template_ids(tmp_path, smollm2_tok):
         want = smollm2_tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]
         assert rec["input_ids"].tolist() == list(want)
-    assert ds.pad_token_id == smollm2_tok.pad_token_id

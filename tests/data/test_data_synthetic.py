@@ -6,6 +6,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
+from spec_helpers import data_spec
+
 from jaxrl_llm.data import build_dataset
 from jaxrl_llm.data.synthetic import TASKS, make_splits
 from jaxrl_llm.rewards import default_compute_score
@@ -43,7 +45,7 @@ def test_cli_writes_loadable_parquet(tmp_path, char_tok):
                           "--n-train", "16", "--n-val", "4", "--answer-format", "lenient"],
                          capture_output=True, text=True, check=True)
     assert "wrote 16 rows" in out.stdout
-    ds = build_dataset({"train_files": str(tmp_path / "train.parquet"), "max_prompt_length": 128}, char_tok, "train")
+    ds = build_dataset(data_spec(train_files=str(tmp_path / "train.parquet"), max_prompt_length=128), char_tok, "train")
     assert len(ds) == 16 and ds[0]["extra_info"]["answer_format"] == "lenient"
     assert pq.read_table(tmp_path / "test.parquet").num_rows == 4
 
@@ -53,8 +55,8 @@ def test_write_jsonl_paths(tmp_path, char_tok):
 
     write_synthetic_files(str(tmp_path / "d" / "train.jsonl"), str(tmp_path / "d" / "val.jsonl"), "larger", 8, 3,
                           difficulty=2, answer_format="lenient", seed=5)
-    ds = build_dataset({"train_files": str(tmp_path / "d" / "train.jsonl"),
-                        "val_files": str(tmp_path / "d" / "val.jsonl")}, char_tok, "val")
+    ds = build_dataset(data_spec(train_files=str(tmp_path / "d" / "train.jsonl"),
+                                 val_files=str(tmp_path / "d" / "val.jsonl")), char_tok, "val")
     assert len(ds) == 3 and ds[0]["data_source"] == "synthetic/larger"
     assert [r["ground_truth"] for r in ds] == [r["reward_model"]["ground_truth"]
                                                for r in make_splits("larger", 8, 3, difficulty=2, seed=5)[1]]
@@ -75,7 +77,7 @@ def test_prepare_gsm8k(tmp_path, char_tok):
     assert out[1]["data_source"] == "openai/gsm8k" and out[1]["ability"] == "math"
     assert out[0]["extra_info"] == {"split": "train", "index": 0, "answer": rows[0]["answer"],
                                     "question": rows[0]["question"]}
-    assert len(build_dataset({"train_files": str(dst), "max_prompt_length": 256}, char_tok, "train")) == 2
+    assert len(build_dataset(data_spec(train_files=str(dst), max_prompt_length=256), char_tok, "train")) == 2
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     bad = subprocess.run([sys.executable, "scripts/prepare_gsm8k.py", "--input", str(tmp_path / "bad.jsonl"),
                           "--output", str(tmp_path / "bad.parquet")], capture_output=True, text=True)

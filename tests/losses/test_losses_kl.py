@@ -67,13 +67,13 @@ def test_controllers():
     f = FixedKLController(0.3)
     f.update(9.0, 4)
     assert f.value == 0.3
-    assert isinstance(make_kl_controller({"type": "adaptive", "kl_coef": 0.2, "target_kl": 1, "horizon": 5}),
+    assert isinstance(make_kl_controller("adaptive", 0.2, target_kl=1, horizon=5),
                       AdaptiveKLController)
-    assert make_kl_controller({"type": "fixed", "kl_coef": 0.2}).value == 0.2
+    assert make_kl_controller("fixed", 0.2, target_kl=0.1, horizon=10000).value == 0.2
     with pytest.raises(ValueError, match="valid names"):
-        make_kl_controller({"type": "pid"})
+        make_kl_controller("pid", 0.2, target_kl=0.1, horizon=10000)
     with pytest.raises(ValueError, match="horizon"):
-        make_kl_controller({"type": "adaptive", "horizon": 0})
+        make_kl_controller("adaptive", 0.2, target_kl=0.1, horizon=0)
 
 
 def test_apply_kl_penalty(batch):

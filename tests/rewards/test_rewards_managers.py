@@ -4,10 +4,10 @@ import sys
 import textwrap
 import time
 
-import ml_collections
 import numpy as np
 import pytest
 
+from jaxrl_llm.config import default_config, resolve_reward
 from jaxrl_llm.rewards import (
     PrimeRewardManager,
     RewardFunctionError,
@@ -15,7 +15,6 @@ from jaxrl_llm.rewards import (
     ScorerSpec,
     UnknownDataSourceError,
     build_reward_manager,
-    load_reward_fn,
     missing_eos_penalty,
     overlong_penalty,
 )
@@ -53,15 +52,16 @@ def reward_file(tmp_path):
 
 
 def config(path=None, name=None, **reward_model):
-    return ml_collections.ConfigDict({
-        "custom_reward_function": {"path": str(path) if path else None, "name": name or "compute_score"},
-        "reward_model": {"reward_manager": "naive", "missing_eos_penalty": None,
-                         "reward_kwargs": {"timeout_s": 10.0, "num_workers": None, "max_resp_len": None,
-                                           "overlong_buffer_cfg": {"enable": False, "len": 0,
-                                                                   "penalty_factor": 1.0, "log": False}},
-                         **reward_model},
-        "data": {"max_response_length": 20},
-    })
+    """The default config tree with the reward keys under test set."""
+    cfg = default_config()
+    cfg.custom_reward_function.path = str(path) if path else None
+    cfg.custom_reward_function.name = name or "compute_score"
+    cfg.reward_model.update(reward_model)
+    return cfg
+
+
+def load_reward_fn(cfg):
+    return resolve_reward(cfg).scorer.load()
 
 
 def test_custom_function_loading(reward_file, tmp_path):
@@ -83,7 +83,7 @@ def test_custom_function_loading(reward_file, tmp_path):
 
 
 def test_naive_manager_scores_and_counts_errors(reward_file):
-    manager = build_reward_manager(config(reward_file))
+    manager = build_reward_manager(resolve_reward(config(reward_file)))
     result = manager.score(["1", "2", "raise", "dict", "nan"], ["s"] * 5, ["1", "1", "1", "1", "1"])
     np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0.5, 0]))
     assert result.scores.dtype == np.float32
@@ -112,7 +112,8 @@ def test_shaping_formulas():
 def test_manager_applies_shaping(reward_file):
     cfg = config(reward_file, missing_eos_penalty=1.0)
     cfg.reward_model.reward_kwargs.overlong_buffer_cfg.update(enable=True, len=10, penalty_factor=1.0, log=True)
-    manager = build_reward_manager(cfg)  # max_resp_len falls back to data.max_response_length = 20
+    cfg.reward_model.reward_kwargs.max_resp_len = 20  # validation derives it from data.max_response_length
+    manager = build_reward_manager(resolve_reward(cfg))
     result = manager.score(["1", "1", "0", "1"], ["s"] * 4, ["1"] * 4,
                            response_lengths=np.array([4, 12, 16, 20]),
                            finished_with_eos=np.array([True, True, True, False]))
@@ -125,7 +126,7 @@ def test_manager_applies_shaping(reward_file):
 def test_prime_manager_survives_raising_hanging_and_dying_scorers(reward_file):
     cfg = config(reward_file, reward_manager="prime")
     cfg.reward_model.reward_kwargs.update(timeout_s=1.0, num_workers=2)
-    with build_reward_manager(cfg) as manager:
+    with build_reward_manager(resolve_reward(cfg)) as manager:
         assert isinstance(manager, PrimeRewardManager)
         manager.score(["1"], ["s"], ["1"])  # start the workers
         t0 = time.monotonic()

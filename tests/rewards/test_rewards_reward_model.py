@@ -91,16 +91,13 @@ def test_retemplated_scores_match_transformers(hf_rm):
         rm.score(prompt_ids, prompt_mask, response_ids, response_mask)
 
 
-def test_from_config(hf_rm):
-    import ml_collections
+def test_load_from_spec(hf_rm):
+    from jaxrl_llm.rewards import RewardModelSpec
 
     model, folder = hf_rm
     tok = make_char_tokenizer(CHATML)
     tok.save_pretrained(folder)
-    config = ml_collections.ConfigDict({"reward_model": {
-        "model": {"path": str(folder), "input_tokenizer": None}, "max_length": None,
-        "micro_batch_size_per_device": None}})
-    rm = RewardModel.from_config(config, tok)
+    rm = RewardModel.load(RewardModelSpec(str(folder), None, None, None), tok)
     assert not rm.retokenize
     ids = np.array([[5, 6, 7, 8]], np.int32)
     np.testing.assert_allclose(rm.score_tokens(ids, np.ones_like(ids)), hf_scores(model, ids.tolist()), atol=1e-4)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxrl_llm.config import default_config
+from jaxrl_llm.config import default_config, resolve_sampling
 from jaxrl_llm.sampler import SampleSettings, SamplingParams, choose_tokens
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.5, -1.0], np.float32)
@@ -75,10 +75,10 @@ def test_sampling_params_from_config():
     rollout = cfg.actor_rollout_ref.rollout
     rollout.update(dict(n=4, temperature=0.9, top_k=50, top_p=0.95, do_sample=True, response_length=64,
                         ignore_eos=True, stop_token_ids=[7, 9]))
-    sp = SamplingParams.from_rollout_config(rollout, seed=3)
+    sp = resolve_sampling(rollout)
     assert sp == SamplingParams(max_new_tokens=64, temperature=0.9, top_k=50, top_p=0.95, do_sample=True,
-                                n=4, ignore_eos=True, stop_token_ids=(7, 9), seed=3)
-    val = SamplingParams.from_val_kwargs(rollout)
+                                n=4, ignore_eos=True, stop_token_ids=(7, 9))
+    val = resolve_sampling(rollout, validation=True)
     assert (val.n, val.temperature, val.do_sample, val.greedy, val.max_new_tokens) == (1, 0.0, False, True, 64)
     assert val.stop_token_ids == (7, 9) and val.ignore_eos
 
@@ -86,10 +86,6 @@ def test_sampling_params_from_config():
     assert settings == SampleSettings(max_new_tokens=64, n=4, greedy=False, top_k=50, use_top_p=True)
     assert knobs.eos_ids.tolist() == [-1] * 4  # ignore_eos drops EOS, keeps the stop ids
     assert knobs.stop_ids.tolist() == [7, 9, -1, -1]
-
-    rollout.response_length = None
-    with pytest.raises(ValueError, match="response_length"):
-        SamplingParams.from_rollout_config(rollout)
 
 
 @pytest.mark.parametrize("kwargs, message", [

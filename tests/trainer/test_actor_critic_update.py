@@ -1,6 +1,7 @@
 """The jitted actor / critic updates: exact under micro-batching, equal on 1 and 8 devices, and
 the loss equals the formula (policy loss - entropy bonus + KL loss) recomputed by hand."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,11 @@ from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
-from jaxrl_llm.trainer.actor import ActorSettings, actor_loss, update_actor
-from jaxrl_llm.trainer.critic import CriticSettings, update_critic
-from jaxrl_llm.trainer.scoring import response_log_probs
+from jaxrl_llm.config import ActorSpec, CriticSpec
+from jaxrl_llm.trainer.actor import actor_loss, update_actor
+from jaxrl_llm.trainer.critic import update_critic
+from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.update import denominators
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -29,45 +32,46 @@ def _batch(seed=0):
     prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
     resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
     ids = rng.integers(3, 64, size=(N, P + R)).astype(np.int32)
-    return {
-        "input_ids": jnp.asarray(ids),
-        "attention_mask": jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
-        "response_mask": jnp.asarray(resp_mask, jnp.float32),
-        "old_log_probs": jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
-        "ref_log_probs": jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
-        "advantages": jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
-        "values": jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
-        "returns": jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
-    }
+    return Experience(
+        input_ids=jnp.asarray(ids),
+        attention_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        response_mask=jnp.asarray(resp_mask, jnp.float32),
+        old_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
+        ref_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
+        advantages=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
+        values=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
+        returns=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
+    )
 
 
-SETTINGS = ActorSettings(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio=0.2, clip_ratio_low=0.2,
-                         clip_ratio_high=0.28, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-                         kl_loss_type="low_var_kl", temperature=0.7)
+SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                     clip_ratio_c=3.0, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+                     kl_loss_type="low_var_kl", temperature=0.7, compute_dtype="float32", remat=False,
+                     loss_scale_factor=None, loss_kwargs=(), ppo_epochs=1, shuffle=False)
 
 
 def test_response_log_probs_match_full_logits():
     params = init_params(CFG, jax.random.PRNGKey(0))
     b = _batch()
-    lp = response_log_probs(params, CFG, b["input_ids"], b["attention_mask"], R, temperature=0.7)
-    logits = compute_logits(params, CFG, b["input_ids"], b["attention_mask"]) / 0.7
+    lp = response_log_probs(params, CFG, b.input_ids, b.attention_mask, R, temperature=0.7)
+    logits = compute_logits(params, CFG, b.input_ids, b.attention_mask) / 0.7
     logp = jax.nn.log_softmax(logits[:, P - 1:-1], -1)
-    want = jnp.take_along_axis(logp, b["input_ids"][:, P:, None], -1)[..., 0]
+    want = jnp.take_along_axis(logp, b.input_ids[:, P:, None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(lp), np.asarray(want), atol=1e-5)
 
 
 def test_actor_loss_equals_formula():
     params = init_params(CFG, jax.random.PRNGKey(0))
     b = _batch()
-    d = denominators(b["response_mask"])
+    d = denominators(b.response_mask)
     loss, metrics = actor_loss(params, b, d, model_cfg=CFG, s=SETTINGS)
-    lp, ent = response_log_probs(params, CFG, b["input_ids"], b["attention_mask"], R, temperature=0.7,
+    lp, ent = response_log_probs(params, CFG, b.input_ids, b.attention_mask, R, temperature=0.7,
                                  with_entropy=True)
-    m = b["response_mask"]
-    pg, _ = compute_policy_loss("vanilla", b["old_log_probs"], lp, b["advantages"], m,
+    m = b.response_mask
+    pg, _ = compute_policy_loss("vanilla", b.old_log_probs, lp, b.advantages, m,
                                 loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28)
     want = pg - 0.01 * agg_loss(ent, m, "token-mean") + 0.1 * agg_loss(
-        kl_penalty(lp, b["ref_log_probs"], "low_var_kl"), m, "token-mean")
+        kl_penalty(lp, b.ref_log_probs, "low_var_kl"), m, "token-mean")
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
     assert set(metrics) >= {"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac",
                             "actor/ppo_kl", "actor/pg_clipfrac_lower"}
@@ -80,11 +84,12 @@ def _run_actor(num_micro, mesh=None, mode="token-mean"):
     sharding = None
     if mesh is not None:
         sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-        b = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (v.ndim - 1)))))
-             for k, v in b.items()}
+        b = jax.tree.map(lambda v: jax.device_put(v, NamedSharding(
+            mesh, PartitionSpec(("data", "fsdp"), *([None] * (v.ndim - 1))))), b)
     s = dataclasses.replace(SETTINGS, loss_agg_mode=mode, ppo_epochs=2, shuffle=True)
-    new, _, metrics = update_actor(params, tx.init(params), b, jax.random.PRNGKey(1), model_cfg=CFG, s=s, tx=tx,
-                                   num_mini_batches=2, num_micro_batches=num_micro, rows_sharding=sharding)
+    update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
+                                       num_micro_batches=num_micro, rows_sharding=sharding))
+    new, _, metrics = update(params, tx.init(params), b, jax.random.PRNGKey(1))
     return jax.device_get(new), jax.device_get(metrics)
 
 
@@ -111,10 +116,12 @@ def test_critic_update_reduces_value_loss():
     tx = optax.adam(1e-2)
     opt = tx.init(params)
     b = _batch()
-    s = CriticSettings(cliprange_value=100.0)
+    s = CriticSpec(cliprange_value=100.0, loss_agg_mode="token-mean", compute_dtype="float32", remat=False,
+                   ppo_epochs=1, shuffle=False)
+    update = jax.jit(functools.partial(update_critic, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
+                                       num_micro_batches=2))
     losses = []
     for i in range(5):
-        params, opt, m = update_critic(params, opt, b, jax.random.PRNGKey(i), model_cfg=CFG, s=s, tx=tx,
-                                       num_mini_batches=1, num_micro_batches=2)
+        params, opt, m = update(params, opt, b, jax.random.PRNGKey(i))
         losses.append(float(m["critic/vf_loss"]))
     assert losses[-1] < losses[0]

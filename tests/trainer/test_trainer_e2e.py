@@ -88,14 +88,16 @@ def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
     trainer.total_steps = trainer.global_step + 1
     for name in ("rloo", "rloo_vectorized", "grpo_vectorized", "grpo_passk", "opo", "gpg", "remax",
                  "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-        trainer.adv_settings = dataclasses.replace(trainer.adv_settings, adv_estimator=name)
-        trainer.cfg.algorithm.adv_estimator = name
+        trainer.spec = dataclasses.replace(
+            trainer.spec, advantage=dataclasses.replace(trainer.spec.advantage, adv_estimator=name))
         metrics = trainer.train_step(next(trainer.train_loader))
         finite = {k: v for k, v in metrics.items() if k.startswith(("actor/", "critic/"))}
         assert all(np.isfinite(v) for v in finite.values()), (name, finite)
+    assert list(trainer.actor._compiled) == [(1, 1)]  # one actor update program for all of them
 
     # rollout correction: old log-probs are recomputed and compared with the sampler's (equal in fp32)
-    trainer.cfg.algorithm.rollout_correction.rollout_is = "token"
+    trainer.spec = dataclasses.replace(
+        trainer.spec, rollout_correction=dataclasses.replace(trainer.spec.rollout_correction, rollout_is="token"))
     metrics = trainer.train_step(next(trainer.train_loader))
     is_keys = [k for k in metrics if k.startswith("rollout_corr/")]
     assert is_keys, sorted(metrics)
@@ -123,7 +125,7 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     # DAPO dynamic sampling kept only groups whose scores vary, sampling extra batches as needed
     assert last["train/num_gen_batches"] >= 1
     # the actor's micro-batches follow the token budget: 150 // (64 prompt + 8 response) = 2 rows each
-    assert (False, 1, 4) in trainer._update_fns, list(trainer._update_fns)
+    assert (1, 4) in trainer.actor._compiled, list(trainer.actor._compiled)
     assert sorted(os.listdir(tmp_path / "rollouts")) == ["0.jsonl", "1.jsonl"]
     row = json.loads(open(tmp_path / "rollouts" / "0.jsonl").readline())
     assert {"input", "output", "score", "data_source", "ground_truth"} <= set(row)

@@ -6,32 +6,31 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import ml_collections
 import pytest
+
+from spec_helpers import optim_spec
 
 from jaxrl_llm.trainer import checkpoint as ckpt
 from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
 from jaxrl_llm.trainer.tracking import Tracking
 
 
-def _optim(**kw):
-    base = dict(lr=1e-3, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.0, lr_scheduler_type="constant",
-                min_lr_ratio=0.0, num_cycles=0.5, weight_decay=0.01, betas=[0.9, 0.999])
-    base.update(kw)
-    return ml_collections.ConfigDict(base)
+def _optim(total_steps=10, grad_clip=None, **kw):
+    return optim_spec(total_steps, grad_clip, **{"lr": 1e-3, **kw})
 
 
 def test_constant_schedule_with_warmup_matches_verl():
-    sched = make_lr_schedule(_optim(lr_warmup_steps=4), total_steps=20)
+    sched = make_lr_schedule(_optim(20, lr_warmup_steps=4))
     got = [float(sched(s)) for s in range(8)]
     want = [1e-3 * min(1.0, s / 4) for s in range(8)]
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_cosine_schedule_matches_verl_formula():
-    cfg = _optim(lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, num_cycles=0.5)
     total, warm = 50, 5
-    sched = make_lr_schedule(cfg, total_steps=total)
+    cfg = _optim(total, lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.1, min_lr_ratio=0.1, num_cycles=0.5)
+    assert cfg.warmup_steps == warm
+    sched = make_lr_schedule(cfg)
     for s in range(total):
         if s < warm:
             want = s / warm
@@ -44,11 +43,11 @@ def test_cosine_schedule_matches_verl_formula():
 
 def test_unknown_schedule_names_key():
     with pytest.raises(ValueError, match="lr_scheduler_type"):
-        make_lr_schedule(_optim(lr_scheduler_type="linear"), 10)
+        make_lr_schedule(_optim(lr_scheduler_type="linear"))
 
 
 def test_optimizer_clips_then_applies_adamw():
-    tx, _ = make_optimizer(_optim(lr=0.1, weight_decay=0.0), 10, grad_clip=1.0)
+    tx, _ = make_optimizer(_optim(grad_clip=1.0, lr=0.1, weight_decay=0.0))
     params = {"w": jnp.ones(4)}
     state = tx.init(params)
     updates, _ = tx.update({"w": jnp.full(4, 100.0)}, state, params)

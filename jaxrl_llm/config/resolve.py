@@ -1,0 +1,212 @@
+"""`resolve(config) -> RunSpec`: the one place the config tree is read.
+
+`validate_config` checks the tree and fills every derived value; `resolve` then turns the checked
+tree into frozen, typed specs (jaxrl_llm/config/spec.py). Below `trainer/` nothing sees a
+`ConfigDict`, and no key is re-defaulted anywhere else.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
+from jaxrl_llm.config.derive import resolve_total_steps, synthetic_data_files
+from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
+                                   OptimSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
+from jaxrl_llm.config.validate import validate_config
+from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.rewards.custom import ScorerSpec
+from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
+from jaxrl_llm.sampler.params import SamplingParams
+
+ConfigDict = ml_collections.ConfigDict
+# Extra keyword arguments of particular policy losses, read from the actor section.
+_POLICY_LOSS_KWARGS = {"sapo": ("tau_pos", "tau_neg")}
+
+
+def _files(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def resolve_data(cfg: ConfigDict) -> DataSpec:
+    """`data.*` of a validated config (also usable on a bare `data` section)."""
+    d = cfg.data if "data" in cfg and isinstance(cfg.data, ConfigDict) else cfg
+    return DataSpec(
+        train_files=_files(d.train_files), val_files=_files(d.val_files), tokenizer=d.tokenizer,
+        prompt_key=d.prompt_key, messages_key=d.messages_key, apply_chat_template=bool(d.apply_chat_template),
+        max_prompt_length=int(d.max_prompt_length), train_batch_size=int(d.train_batch_size),
+        val_batch_size=d.val_batch_size, return_raw_chat=bool(d.return_raw_chat), truncation=d.truncation,
+        filter_overlong_prompts=bool(d.filter_overlong_prompts),
+        filter_overlong_prompts_workers=int(d.filter_overlong_prompts_workers), shuffle=bool(d.shuffle),
+        seed=d.seed, train_max_samples=int(d.train_max_samples), val_max_samples=int(d.val_max_samples),
+        dataloader_num_workers=int(d.dataloader_num_workers),
+        custom_cls_path=d.custom_cls.path or None, custom_cls_name=d.custom_cls.name or None)
+
+
+def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> SamplingParams:
+    """Training sampling from `actor_rollout_ref.rollout`, or validation sampling from its
+    `val_kwargs` (with the rollout's response_length, ignore_eos and stop_token_ids)."""
+    knobs = rollout.val_kwargs if validation else rollout
+    return SamplingParams(
+        max_new_tokens=int(rollout.response_length), temperature=float(knobs.temperature), top_k=int(knobs.top_k),
+        top_p=float(knobs.top_p), do_sample=bool(knobs.do_sample), n=int(knobs.n),
+        ignore_eos=bool(rollout.ignore_eos), stop_token_ids=tuple(rollout.stop_token_ids))
+
+
+def resolve_reward(cfg: ConfigDict) -> RewardSpec:
+    rm, custom = cfg.reward_model, cfg.custom_reward_function
+    kwargs, ob = rm.reward_kwargs, rm.reward_kwargs.overlong_buffer_cfg
+    path = custom.path
+    scorer = ScorerSpec(os.path.abspath(os.path.expanduser(path)) if path else None, custom.name,
+                        tuple(sorted(custom.reward_kwargs.to_dict().items())))
+    return RewardSpec(
+        reward_manager=rm.reward_manager, scorer=scorer, timeout_s=float(kwargs.timeout_s),
+        num_workers=int(kwargs.num_workers), max_resp_len=kwargs.max_resp_len,
+        overlong=OverlongSpec(bool(ob.enable), int(ob.len), float(ob.penalty_factor), bool(ob.log)),
+        missing_eos_penalty=rm.missing_eos_penalty)
+
+
+def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
+    total = int(optim.total_training_steps)
+    return OptimSpec(
+        lr=float(optim.lr), weight_decay=float(optim.weight_decay), betas=tuple(float(b) for b in optim.betas),
+        eps=float(optim.eps), lr_scheduler_type=optim.lr_scheduler_type,
+        warmup_steps=int(optim.lr_warmup_steps) if total > 0 else None, total_steps=total if total > 0 else None,
+        min_lr_ratio=float(optim.min_lr_ratio), num_cycles=float(optim.num_cycles),
+        grad_clip=None if grad_clip is None else float(grad_clip))
+
+
+def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
+    return ModelSpec(path=section.path, dtype=section.dtype, param_dtype=section.param_dtype,
+                     remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()))
+
+
+def resolve_actor(cfg: ConfigDict) -> ActorSpec:
+    arr = cfg.actor_rollout_ref
+    a = arr.actor
+    mode = a.policy_loss.loss_mode
+    return ActorSpec(
+        loss_mode=mode, loss_agg_mode=a.loss_agg_mode, clip_ratio_low=float(a.clip_ratio_low),
+        clip_ratio_high=float(a.clip_ratio_high), clip_ratio_c=float(a.clip_ratio_c),
+        entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss), kl_loss_coef=float(a.kl_loss_coef),
+        kl_loss_type=a.kl_loss_type, temperature=float(arr.rollout.temperature) or 1.0,
+        compute_dtype=arr.model.dtype, remat=bool(arr.model.enable_gradient_checkpointing),
+        loss_scale_factor=None if a.loss_scale_factor is None else float(a.loss_scale_factor),
+        loss_kwargs=tuple((k, float(a[k])) for k in _POLICY_LOSS_KWARGS.get(mode, ())),
+        ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle))
+
+
+def resolve_critic(cfg: ConfigDict) -> CriticSpec:
+    c = cfg.critic
+    return CriticSpec(cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode,
+                      compute_dtype=c.model.dtype, remat=bool(c.model.enable_gradient_checkpointing),
+                      ppo_epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle))
+
+
+def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
+    alg = cfg.algorithm
+    trl = alg.trl_rloo
+    return AdvantageSpec(
+        adv_estimator=alg.adv_estimator, gamma=float(alg.gamma), lam=float(alg.lam),
+        norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo), use_kl_in_reward=bool(alg.use_kl_in_reward),
+        kl_penalty=alg.kl_penalty, trl_rloo=bool(trl.enable), trl_kl_coef=float(alg.kl_ctrl.kl_coef),
+        trl_token_level_kl=bool(trl.token_level_kl), trl_normalize_reward=bool(trl.normalize_reward),
+        trl_reward_clip_range=float(trl.reward_clip_range), trl_normalize_advantage=bool(trl.normalize_advantage))
+
+
+def _micro(key: str, fixed: int | None, dynamic: bool, budget: int | None) -> MicroBatching:
+    return MicroBatching(key, None if dynamic else fixed, int(budget) if dynamic else None)
+
+
+def _role(cfg: ConfigDict, section: ConfigDict, name: str, dp_size: int) -> RoleBatch:
+    prompts, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    mini = section.ppo_mini_batch_size
+    micro = _micro(f"{name}.ppo_micro_batch_size_per_device", section.ppo_micro_batch_size_per_device,
+                   section.use_dynamic_bsz, section.ppo_max_token_len_per_device)
+    return RoleBatch(mini, mini * n, prompts // mini, int(section.ppo_epochs), mini * n // dp_size, micro)
+
+
+def resolve_batch_plan(cfg: ConfigDict, dp_size: int) -> BatchPlan:
+    """Every batch size of a step, from a validated config."""
+    arr = cfg.actor_rollout_ref
+    ref, rollout, critic = arr.ref, arr.rollout, cfg.critic
+    log_prob = lambda sec, name: _micro(  # noqa: E731
+        f"actor_rollout_ref.{name}.log_prob_micro_batch_size_per_device", sec.log_prob_micro_batch_size_per_device,
+        sec.log_prob_use_dynamic_bsz, sec.log_prob_max_token_len_per_device)
+    values = (_micro("critic.forward_micro_batch_size_per_device", critic.forward_micro_batch_size_per_device,
+                     critic.use_dynamic_bsz, critic.forward_max_token_len_per_device) if critic.enable else None)
+    return BatchPlan(
+        prompts=int(cfg.data.train_batch_size), n=int(rollout.n), dp_size=dp_size,
+        max_prompt_length=int(cfg.data.max_prompt_length), response_length=int(rollout.response_length),
+        actor=_role(cfg, arr.actor, "actor_rollout_ref.actor", dp_size),
+        critic=_role(cfg, critic, "critic", dp_size) if critic.enable else None,
+        ref_log_prob=log_prob(ref, "ref"), old_log_prob=log_prob(rollout, "rollout"), values=values)
+
+
+def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
+    t = cfg.trainer
+    return TrainerSpec(
+        run_dir=os.path.abspath(os.path.expanduser(t.default_local_dir)), total_steps=t.total_training_steps,
+        total_epochs=int(t.total_epochs), project_name=t.project_name, experiment_name=t.experiment_name,
+        logger=tuple(t.logger), log_val_generations=int(t.log_val_generations), save_freq=int(t.save_freq),
+        test_freq=int(t.test_freq), val_before_train=bool(t.val_before_train), val_only=bool(t.val_only),
+        resume_mode=t.resume_mode, resume_from_path=t.resume_from_path, max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
+        critic_warmup=int(t.critic_warmup), rollout_data_dir=t.rollout_data_dir,
+        validation_data_dir=t.validation_data_dir, seed=int(t.seed), export_hf=bool(t.export_hf))
+
+
+def resolve_synthetic(cfg: ConfigDict) -> SyntheticSpec | None:
+    syn = cfg.data.synthetic
+    if syn.task is None:
+        return None
+    train, val = synthetic_data_files(cfg)
+    return SyntheticSpec(syn.task, int(syn.n_train), int(syn.n_val), int(syn.difficulty), syn.answer_format,
+                         int(syn.seed), train, val)
+
+
+def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = None) -> RunSpec:
+    """The `RunSpec` of a config that `validate_config` returned (derived values filled in).
+
+    num_train_samples: training prompts once the dataset is loaded; derives the total steps (and
+    the LR schedule's) when the config does not set them.
+    """
+    unresolved = (cfg.trainer.total_training_steps is None
+                  or cfg.actor_rollout_ref.actor.optim.total_training_steps <= 0)
+    if num_train_samples is not None and unresolved:
+        cfg = copy.deepcopy(cfg)  # the caller's tree is not changed
+        resolve_total_steps(cfg, num_train_samples)
+    arr, alg, rm = cfg.actor_rollout_ref, cfg.algorithm, cfg.reward_model
+    critic_on = bool(cfg.critic.enable)
+    kl, rc, fg = alg.kl_ctrl, alg.rollout_correction, alg.filter_groups
+    threshold = rc.rollout_rs_threshold
+    return RunSpec(
+        data=resolve_data(cfg), synthetic=resolve_synthetic(cfg),
+        model=_model(arr.model, arr.model.tiny), actor=resolve_actor(cfg),
+        actor_optim=resolve_optim(arr.actor.optim, arr.actor.grad_clip),
+        train_sampling=resolve_sampling(arr.rollout), val_sampling=resolve_sampling(arr.rollout, validation=True),
+        critic=resolve_critic(cfg) if critic_on else None,
+        critic_model=_model(cfg.critic.model, arr.model.tiny) if critic_on else None,
+        critic_optim=resolve_optim(cfg.critic.optim, cfg.critic.grad_clip) if critic_on else None,
+        advantage=resolve_advantage(cfg),
+        kl_ctrl=KLControlSpec(kl.type, float(kl.kl_coef), float(kl.target_kl), int(kl.horizon)),
+        rollout_correction=RolloutCorrectionSpec(
+            rc.rollout_is, float(rc.rollout_is_threshold), bool(rc.rollout_is_batch_normalize), rc.rollout_rs,
+            tuple(threshold) if isinstance(threshold, (list, tuple)) else threshold, bool(rc.bypass_mode)),
+        filter_groups=FilterGroupsSpec(bool(fg.enable), fg.metric, int(fg.max_num_gen_batches)),
+        reward=resolve_reward(cfg),
+        reward_model=(RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length,
+                                      rm.micro_batch_size_per_device) if rm.enable else None),
+        trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in ("data", "fsdp", "tensor")),
+        plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort())
+
+
+def resolve_config(config: ConfigDict, *, dp_size: int, num_train_samples: int | None = None,
+                   **validate_kwargs: Any) -> RunSpec:
+    """`validate_config` then `resolve`, for callers that start from a raw config."""
+    checked = validate_config(config, dp_size=dp_size, num_train_samples=num_train_samples, **validate_kwargs)
+    return resolve(checked, dp_size=dp_size, num_train_samples=num_train_samples)

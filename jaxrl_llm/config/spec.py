@@ -1,0 +1,204 @@
+"""`RunSpec`: the typed, validated, fully derived run settings that everything below `trainer/`
+consumes. Built once by `jaxrl_llm.config.resolve(config)`; frozen, so nothing re-reads a key or
+re-applies a default after that.
+
+Sections mirror the config tree (docs/config.md): data, model, actor (+ optim), rollout sampling,
+critic (+ model, optim), advantage (+ KL controller, rollout correction, DAPO filter groups),
+reward (+ reward model), trainer, mesh, and the `BatchPlan` with every batch size of a step.
+The specs of lower packages live with them (`DataSpec` in data/, `RewardSpec` in rewards/,
+`SamplingParams` in sampler/); the ones here are read by `trainer/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxrl_llm.config.batch_plan import BatchPlan
+from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.rewards.spec import RewardModelSpec, RewardSpec
+from jaxrl_llm.sampler.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model to load (`actor_rollout_ref.model`, `critic.model`)."""
+
+    path: str
+    dtype: str  # compute dtype
+    param_dtype: str  # master-weight dtype
+    remat: bool  # enable_gradient_checkpointing
+    tiny: tuple[tuple[str, Any], ...]  # dims of a tiny:<arch> model (actor_rollout_ref.model.tiny)
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.path.startswith("tiny:")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    """AdamW and its LR schedule (`*.optim`), with warmup and total steps resolved."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    lr_scheduler_type: str  # constant | cosine
+    warmup_steps: int | None  # None only before the dataset size is known (--dry_run)
+    total_steps: int | None
+    min_lr_ratio: float
+    num_cycles: float
+    grad_clip: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSpec:
+    """Hashable (a jit static argument): everything about the actor loss and update except arrays."""
+
+    loss_mode: str
+    loss_agg_mode: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    temperature: float  # logprobs are scored under softmax(logits / temperature)
+    compute_dtype: str
+    remat: bool
+    loss_scale_factor: float | None
+    loss_kwargs: tuple[tuple[str, float], ...]  # extra arguments of the policy loss (sapo: tau_pos, tau_neg)
+    ppo_epochs: int
+    shuffle: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSpec:
+    """Hashable: the critic's value loss and update."""
+
+    cliprange_value: float
+    loss_agg_mode: str
+    compute_dtype: str
+    remat: bool
+    ppo_epochs: int
+    shuffle: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSpec:
+    """Hashable: rewards -> advantages (`algorithm.*`)."""
+
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    trl_rloo: bool
+    trl_kl_coef: float
+    trl_token_level_kl: bool
+    trl_normalize_reward: bool
+    trl_reward_clip_range: float
+    trl_normalize_advantage: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class KLControlSpec:
+    type: str  # fixed | adaptive
+    kl_coef: float
+    target_kl: float
+    horizon: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionSpec:
+    rollout_is: str | None
+    rollout_is_threshold: float
+    rollout_is_batch_normalize: bool
+    rollout_rs: str | None
+    rollout_rs_threshold: Any  # str, float or tuple (one per mode)
+    bypass_mode: bool
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSpec:
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec:
+    """A synthetic task written into the run dir at start (`data.synthetic.*`)."""
+
+    task: str
+    n_train: int
+    n_val: int
+    difficulty: int
+    answer_format: str
+    seed: int
+    train_path: str
+    val_path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    run_dir: str  # trainer.default_local_dir, absolute
+    total_steps: int | None  # None only before the dataset size is known (--dry_run)
+    total_epochs: int
+    project_name: str
+    experiment_name: str
+    logger: tuple[str, ...]
+    log_val_generations: int
+    save_freq: int
+    test_freq: int
+    val_before_train: bool
+    val_only: bool
+    resume_mode: str
+    resume_from_path: str | None
+    max_ckpt_to_keep: int | None
+    critic_warmup: int
+    rollout_data_dir: str | None
+    validation_data_dir: str | None
+    seed: int
+    export_hf: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    data: DataSpec
+    synthetic: SyntheticSpec | None
+    model: ModelSpec
+    actor: ActorSpec
+    actor_optim: OptimSpec
+    train_sampling: SamplingParams
+    val_sampling: SamplingParams
+    critic: CriticSpec | None
+    critic_model: ModelSpec | None
+    critic_optim: OptimSpec | None
+    advantage: AdvantageSpec
+    kl_ctrl: KLControlSpec
+    rollout_correction: RolloutCorrectionSpec
+    filter_groups: FilterGroupsSpec
+    reward: RewardSpec
+    reward_model: RewardModelSpec | None
+    trainer: TrainerSpec
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) with -1 = the remaining devices
+    plan: BatchPlan
+    config_json: str  # the resolved config tree, for checkpoint metadata and loggers
+
+    @property
+    def need_ref(self) -> bool:
+        """A reference policy is kept when a KL term reads it."""
+        return self.actor.use_kl_loss or self.advantage.use_kl_in_reward or self.advantage.trl_rloo
+
+    @property
+    def recompute_old_log_probs(self) -> bool:
+        """The sampler's log-probs are the trainer's in fp32 (same code, same params); they are
+        recomputed when they may differ (bf16 compute) or when rollout correction compares the two."""
+        rc = self.rollout_correction
+        return (rc.enabled and not rc.bypass_mode) or self.actor.compute_dtype != "float32"

@@ -1,0 +1,39 @@
+"""`DataSpec`: the typed, resolved `data.*` settings this package reads (built once from the config
+by `jaxrl_llm.config.resolve`; nothing here reads a config tree or re-defaults a key)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where prompts come from and how they are tokenised and batched (keys: docs/config.md, `data.*`)."""
+
+    train_files: tuple[str, ...] | None
+    val_files: tuple[str, ...] | None
+    tokenizer: str | None
+    prompt_key: str
+    messages_key: str
+    apply_chat_template: bool
+    max_prompt_length: int
+    train_batch_size: int
+    val_batch_size: int | None  # None: the whole validation set in one batch
+    return_raw_chat: bool
+    truncation: str
+    filter_overlong_prompts: bool
+    filter_overlong_prompts_workers: int
+    shuffle: bool
+    seed: int | None
+    train_max_samples: int
+    val_max_samples: int
+    dataloader_num_workers: int
+    custom_cls_path: str | None
+    custom_cls_name: str | None
+
+    def files(self, split: str) -> tuple[str, ...] | None:
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return self.train_files if split == "train" else self.val_files
+
+    def max_samples(self, split: str) -> int:
+        return self.train_max_samples if split == "train" else self.val_max_samples
