@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import os
 from typing import Any
 
@@ -155,20 +154,14 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
 
 
 def mesh_dp_size(cfg: ml_collections.ConfigDict, num_devices: int) -> int:
-    """Data-parallel size (mesh 'data' x 'fsdp', the axes that split the batch) on `num_devices`."""
-    sizes = {k: cfg.mesh[k] for k in ("data", "fsdp", "tensor")}
-    for key, value in sizes.items():
-        if not (value == -1 or value > 0):
-            raise ConfigError(f"mesh.{key}={value!r}: must be a positive int or -1 (= the remaining devices)")
-    wild = [k for k, v in sizes.items() if v == -1]
-    if len(wild) > 1:
-        raise ConfigError(f"mesh.{wild[1]}=-1: only one mesh axis may be -1 (mesh.{wild[0]} is -1 too)")
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    if num_devices % fixed or (not wild and fixed != num_devices):
-        key = next((k for k in sizes if sizes[k] != -1 and num_devices % sizes[k]), "data")
-        raise ConfigError(f"mesh.{key}={sizes[key]}: mesh {sizes} does not fit {num_devices} device(s)")
-    if wild:
-        sizes[wild[0]] = num_devices // fixed
+    """Data-parallel size (mesh 'data' x 'fsdp', the axes that split the batch) on `num_devices`,
+    resolved exactly as `sharding.make_mesh` will build the mesh."""
+    from jaxrl_llm.sharding.mesh import resolve_mesh_shape
+
+    try:
+        sizes = resolve_mesh_shape({k: cfg.mesh[k] for k in ("data", "fsdp", "tensor")}, num_devices)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return sizes["data"] * sizes["fsdp"]
 
 

@@ -119,8 +119,8 @@ def test_batch_plan_numbers():
     (["critic.enable=false"], 2, "critic.enable=False: algorithm.adv_estimator='gae' needs a critic"),
     (["reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"], 2,
      "reward_model.reward_kwargs.overlong_buffer_cfg.len=4096: must be shorter than max_resp_len=32"),
-    (["mesh.data=-1"], None, "mesh.fsdp=-1: only one mesh axis may be -1 (mesh.data is -1 too)"),
-    (["mesh.tensor=3"], None, "mesh.tensor=3: mesh"),
+    (["mesh.data=-1"], None, "mesh.fsdp=-1: only one mesh axis may be -1 (also mesh.data=-1)"),
+    (["mesh.tensor=3"], None, "mesh.tensor=3 does not divide the 8 available devices"),
     (["actor_rollout_ref.model.path=null"], 2, "actor_rollout_ref.model.path=None: set the policy"),
     (["data.tokenizer=null"], 2, "data.tokenizer=None: a tiny:llama model needs a tokenizer path"),
 ])

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -100,3 +101,21 @@ def test_tracking_jsonl_and_tensorboard(tmp_path, capsys):
     assert "actor/pg_loss:0.2500" in capsys.readouterr().out
     with pytest.raises(ValueError, match="trainer.logger"):
         Tracking(["stdout"], str(tmp_path))
+
+
+def test_timer_blocks_on_device_work():
+    """A span stops the clock only after the values it waits on are computed, not when dispatched."""
+    from jaxrl_llm.trainer.metrics import Timer
+
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda i, y: jnp.tanh(y @ y), x))
+    x = jnp.ones((256, 256)) / 256
+    slow(x).block_until_ready()  # compiled outside the timed spans
+    start = time.perf_counter()
+    slow(x).block_until_ready()
+    compute = time.perf_counter() - start
+    timer = Timer()
+    with timer("waited") as span:
+        out = span.wait(slow(x))
+    assert out.shape == (256, 256)
+    assert timer.times["waited"] >= 0.5 * compute
+    assert set(timer.metrics()) == {"timing_s/waited"}
