@@ -26,5 +26,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# bench/rl_step.py: one GRPO step, ours vs TRL's GRPOTrainer (the `bench` extra: trl, datasets)
+bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) bench/rl_step.py
+
 clean:
 	rm -rf $(VENV) runs

@@ -13,7 +13,7 @@ directly. TRL: `GRPOTrainer` on CPU with our HF export of the same initial polic
 prompts) and the same scorer (`default_compute_score`), timed by a `TrainerCallback`
 (on_step_begin -> on_step_end). The first step of each side is a warm-up (compile / allocation),
 reported separately; the table shows the mean of the timed steps. TRL is optional
-(`pip install trl`); without it only our side runs.
+(the `bench` extra: `pip install -e ".[test,bench]"`); without it only our side runs.
 
 MFU = model FLOPs / time / this machine's fp32 matmul peak (`measured_matmul_peak_flops`, the
 better of a measurement before and after the runs), with model FLOPs = 2 N per prompt+response
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     has_trl = importlib.util.find_spec("trl") is not None
     run_trl_side = has_trl and not args.skip_trl
     if not has_trl and not args.skip_trl:
-        print("TRL is not installed: `pip install trl` to compare with its GRPOTrainer; timing ours only.",
+        print("TRL is not installed: `pip install -e \".[bench]\"` to compare with its GRPOTrainer; timing ours only.",
               flush=True)
 
     with tempfile.TemporaryDirectory(prefix="rl_step_bench_") as tmp:
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{trl_res['gen_s'] / ours['gen_s']:.2f}x generation (warm-up step: "
               f"{trl_res['warmup_s'] / ours['warmup_s']:.2f}x)")
     elif not has_trl:
-        print("TRL not installed (`pip install trl`): no comparison.")
+        print("TRL not installed (`pip install -e \".[bench]\"`): no comparison.")
     return 0
 
 

@@ -1,21 +1,22 @@
 """The small public facade for notebooks: load, logits, generate, export, train.
 
     import jaxrl_llm as jrl
-    model = jrl.load_model(path, mesh=None)      # HF folder or .gguf (or a registered checkpoint kind)
-    tok = jrl.load_tokenizer(path)
+    model = jrl.load_model(path, mesh=None)      # HF folder, .gguf or training checkpoint
+    model.tokenizer                              # the model's own tokenizer (None when it has none)
     logits = model.logits(input_ids, attention_mask)   # [B, T, V] float32
-    out = jrl.generate(model, ["What is 2 + 2?"], jrl.SamplingParams(temperature=0.0, max_new_tokens=32),
-                       tokenizer=tok)
-    jrl.export_hf(model, out_dir, tokenizer=tok)
+    out = jrl.generate(model, "What is 2 + 2?")  # a user message, chat template, SamplingParams()
+    out = jrl.generate(model, ["Hi", "Hello"], jrl.SamplingParams(temperature=0.0, max_new_tokens=32))
+    jrl.export_hf(model, out_dir)                # writes the attached tokenizer too
     jrl.Trainer(config).fit()                    # the loop launch/train.py runs
 
-`Model` stays a plain (config, params[, mesh]) holder; sampling lives in `jaxrl_llm.sampler`,
-training in `jaxrl_llm.trainer`.
+`Model` stays a plain (config, params[, mesh, tokenizer]) holder; sampling lives in
+`jaxrl_llm.sampler`, training in `jaxrl_llm.trainer`.
 """
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import warnings
 from typing import Any
 
 import jax
@@ -35,11 +36,13 @@ _logits = jax.jit(compute_logits, static_argnums=1)
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: its `ModelConfig` and plain params dict (see `jaxrl_llm.models.model`)."""
+    """A loaded model: its `ModelConfig`, plain params dict (see `jaxrl_llm.models.model`), the mesh
+    its params are sharded on (or None) and its tokenizer (or None)."""
 
     config: ModelConfig
     params: dict
     mesh: Any = None
+    tokenizer: Any = dataclasses.field(default=None, repr=False)  # a transformers tokenizer or None
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
         """[B, T, V] float32 logits (jitted; left padding allowed, defined by the mask)."""
@@ -56,15 +59,52 @@ def _dtype(dtype: Any) -> Any:
     return dtype
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def find_tokenizer(path: str | pathlib.Path) -> str | None:
+    """Where the tokenizer of the model at `path` is: the .gguf file itself, an HF folder holding
+    tokenizer files, or for a training checkpoint the tokenizer its run used (`meta["tokenizer"]`).
+    None when there is none (a checkpoint naming a tokenizer that no longer exists warns)."""
+    p = pathlib.Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p)
+    if _checkpoint.is_checkpoint(p) and not (p / "config.json").is_file():
+        named = _checkpoint.read_checkpoint_meta(p).get("tokenizer")
+        if not named or named == "None":
+            return None
+        if not pathlib.Path(named).exists():
+            warnings.warn(f"checkpoint {str(p)!r} names tokenizer {named!r}, which does not exist; "
+                          "the model is loaded without a tokenizer (pass tokenizer=...)", stacklevel=3)
+            return None
+        return str(named)
+    if p.is_dir() and any((p / name).is_file() for name in _TOKENIZER_FILES):
+        return str(p)
+    return None
+
+
 def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Any = None, *,
-               shardings: Any = None) -> Model:
+               shardings: Any = None, tokenizer: Any = None) -> Model:
     """Load an HF folder, a .gguf file or a training checkpoint as a `Model` with params of `dtype`.
 
     Placement: `shardings` (a params-shaped pytree of `jax.sharding.Sharding`, or a callable
     `(path, shape, dtype) -> Sharding`) puts every tensor straight onto its target devices while
     loading. With only `mesh`, the params are sharded by the default logical-axis rules after
     loading (`jaxrl_llm.sharding`).
+
+    Tokenizer (`model.tokenizer`): by default the model's own (`find_tokenizer`; None when it has
+    none); `tokenizer=` overrides it with a tokenizer object or a path to load one from, and
+    `tokenizer=False` loads none.
     """
+    if tokenizer is None:
+        source = find_tokenizer(path)
+        tok = None if source is None else _load_tokenizer(source)
+    elif tokenizer is False:
+        tok = None
+    elif isinstance(tokenizer, (str, pathlib.Path)):
+        tok = _load_tokenizer(tokenizer)
+    else:
+        tok = tokenizer
     cfg, params = load_any(path, dtype=_dtype(dtype), shardings=shardings)
     if mesh is not None and shardings is None:
         from jaxrl_llm.models import param_logical_axes
@@ -72,7 +112,7 @@ def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Any = Non
 
         head = "score" if "score" in params else "value" if "value_head" in params else "lm"
         params = shard_params(params, param_logical_axes(cfg, head=head), mesh)
-    return Model(cfg, params, mesh)
+    return Model(cfg, params, mesh, tok)
 
 
 def load_tokenizer(path: str | pathlib.Path) -> Any:
@@ -82,14 +122,44 @@ def load_tokenizer(path: str | pathlib.Path) -> Any:
 
 def export_hf(model: Model, out_dir: str | pathlib.Path, tokenizer: Any = None, **kw: Any
               ) -> pathlib.Path:
-    """Write `model` as an HF folder loadable by `transformers.AutoModelForCausalLM`."""
-    return _export_hf(model.config, model.params, out_dir, tokenizer=tokenizer, **kw)
+    """Write `model` as an HF folder loadable by `transformers.AutoModelForCausalLM`, with
+    `tokenizer` (default: the model's own; `False`: none) written beside it."""
+    if tokenizer is None:
+        tokenizer = model.tokenizer
+    return _export_hf(model.config, model.params, out_dir, tokenizer=None if tokenizer is False else tokenizer,
+                      **kw)
+
+
+def _is_text_prompts(prompts: Any) -> tuple[bool, bool]:
+    """(any prompt is a string, the prompts are one unwrapped prompt)."""
+    if isinstance(prompts, str):
+        return True, True
+    if isinstance(prompts, (list, tuple)):
+        return any(isinstance(p, str) for p in prompts), False
+    return False, False
 
 
 def generate(model: Model, prompts: Any, sampling_params: SamplingParams | None = None, *,
-             tokenizer: Any = None) -> GenerationResult:
-    """Sample from `model` (strings, chat message lists or token ids); see `jaxrl_llm.sampler`."""
-    return _generate(model, prompts, sampling_params or SamplingParams(), tokenizer=tokenizer, mesh=model.mesh)
+             tokenizer: Any = None, chat: bool | None = None) -> GenerationResult:
+    """Sample from `model` (default `SamplingParams()`); see `jaxrl_llm.sampler.facade`.
+
+    Prompts: a string or a list of strings, chat message lists (`[{"role": "user", "content":
+    ...}]`) or token-id lists. A string is one user message rendered with the chat template when
+    the tokenizer has one (`chat=None`, the default, or `chat=True`), else (`chat=False`, or no
+    template) raw text. The tokenizer is `tokenizer=` or else the model's own (`model.tokenizer`).
+    """
+    tok = tokenizer if tokenizer is not None else model.tokenizer
+    has_text, single = _is_text_prompts(prompts)
+    if has_text and tok is None:
+        raise ValueError("jrl.generate: text prompts need a tokenizer and this model has none (jrl.load_model "
+                         "found none beside its weights). Pass tokenizer=jrl.load_tokenizer(path), load it with "
+                         "jrl.load_model(path, tokenizer=...), or give token ids.")
+    if has_text and (chat if chat is not None else bool(getattr(tok, "chat_template", None))):
+        if chat and not getattr(tok, "chat_template", None):
+            raise ValueError("jrl.generate(chat=True): the tokenizer has no chat template")
+        as_chat = lambda p: [{"role": "user", "content": p}] if isinstance(p, str) else p  # noqa: E731
+        prompts = [as_chat(prompts)] if single else [as_chat(p) for p in prompts]
+    return _generate(model, prompts, sampling_params or SamplingParams(), tokenizer=tok, mesh=model.mesh)
 
 
 def __getattr__(name: str) -> Any:

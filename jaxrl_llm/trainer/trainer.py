@@ -195,10 +195,14 @@ class Trainer:
         return metrics
 
     def finish(self) -> None:
-        """End of a run: HF export (when `trainer.export_hf`), then closes the loggers and stores."""
+        """End of a run: HF export (when `trainer.export_hf`), closes the loggers and stores, plots."""
         if self.spec.trainer.export_hf:
             self.export_hf(os.path.join(self.run_dir, "hf"))
         self.close()
+        if self.is_main:  # <run_dir>/plot.png, from metrics.jsonl (jsonl logger) or else from history
+            from jaxrl_llm.trainer.plot import plot_finished_run
+
+            plot_finished_run(self.run_dir, self.history, from_file="jsonl" in self.tracker.sinks)
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         spec, plan, timer = self.spec, self.spec.plan, Timer()

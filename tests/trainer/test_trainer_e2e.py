@@ -130,6 +130,8 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     row = json.loads(open(tmp_path / "rollouts" / "0.jsonl").readline())
     assert {"input", "output", "score", "data_source", "ground_truth"} <= set(row)
     assert os.listdir(tmp_path / "val") == ["2.jsonl"]
+    # finish() drew the run's metrics into <run_dir>/plot.png
+    assert (tmp_path / "run" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _run(run_dir, tmp_path, steps, **extra):
