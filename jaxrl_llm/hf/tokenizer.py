@@ -1,6 +1,7 @@
 """Tokenizer loading from an HF folder or a GGUF file (via transformers, no network)."""
 from __future__ import annotations
 
+import functools
 import pathlib
 from typing import Any
 
@@ -9,11 +10,20 @@ def load_tokenizer(path: str | pathlib.Path) -> Any:
     """A transformers tokenizer for an HF folder or a `.gguf` file (its chat template included).
 
     When the tokenizer defines no pad token, the eos token is used (padding is always defined by
-    attention masks in this package, never by the pad id).
+    attention masks in this package, never by the pad id). A file is read once per process and
+    modification time (building a GGUF tokenizer takes seconds): callers share the instance and
+    must not change it.
     """
+    path = pathlib.Path(path).expanduser().resolve()
+    stamp = path.stat().st_mtime_ns if path.exists() else None
+    return _load_tokenizer_cached(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Any:
     from transformers import AutoTokenizer
 
-    path = pathlib.Path(path)
+    path = pathlib.Path(path_str)
     if path.is_file() and path.suffix == ".gguf":
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     elif path.is_dir():
