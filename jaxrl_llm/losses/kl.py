@@ -42,6 +42,12 @@ def kl_penalty_full(policy_logits: Array, ref_logits: Array) -> Array:
     return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
 
 
+def kl_penalty_kinds() -> list[str]:
+    """Every `kind` `kl_penalty` accepts: the registry's, each also with a trailing `+`, and `full`."""
+    base = KL_ESTIMATORS.names()
+    return sorted(base + [name + "+" for name in base] + ["full"])
+
+
 def kl_penalty(logprob: Array, ref_logprob: Array, kind: str) -> Array:
     """Elementwise KL estimate, unmasked. `kind` is veRL's `kl_penalty` / `kl_loss_type`.
 
@@ -57,8 +63,7 @@ def kl_penalty(logprob: Array, ref_logprob: Array, kind: str) -> Array:
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
     if base not in KL_ESTIMATORS:
-        valid = KL_ESTIMATORS.names() + [n + "+" for n in KL_ESTIMATORS.names()] + ["full"]
-        raise ValueError(f"Unknown kl penalty kind {kind!r}; valid names: {sorted(valid)}")
+        raise ValueError(f"Unknown kl penalty kind {kind!r}; valid names: {kl_penalty_kinds()}")
     lp = jnp.asarray(logprob, jnp.float32)
     ref = jnp.asarray(ref_logprob, jnp.float32)
     value = KL_ESTIMATORS.get(base)(lp, ref)
