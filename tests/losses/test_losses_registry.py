@@ -88,3 +88,18 @@ def test_sapo_extra_params_reach_the_loss(batch):
     assert not np.allclose(default, changed)
     assert POLICY_LOSSES.names(fixed_agg_mode="seq-mean-token-mean") == ["gspo", "sapo"]
     assert jnp.isfinite(changed)
+
+
+def test_every_name_is_documented():
+    """docs/algorithms.md names every estimator, loss, KL kind, aggregation and correction mode."""
+    import pathlib
+
+    from jaxrl_llm.losses.kl import KL_ESTIMATORS
+    from jaxrl_llm.losses.rollout_correction import IS_LEVELS, RS_LEGACY, RS_MODES
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    names = (ADV_ESTIMATORS.names() + POLICY_LOSSES.names() + KL_ESTIMATORS.names() + ["full"]
+             + list(LOSS_AGG_MODES) + list(IS_LEVELS) + list(RS_LEGACY))
+    missing = [n for n in names if f"`{n}`" not in doc]
+    missing += [level for level in {m.rsplit("_", 1)[0] for m in RS_MODES} if f"`{level}_k" not in doc]
+    assert not missing, missing
