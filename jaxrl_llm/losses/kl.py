@@ -1,4 +1,7 @@
-"""KL estimators (veRL's `kl_penalty` kinds), KL controllers, and KL-in-reward shaping."""
+"""KL estimators (veRL's `kl_penalty` kinds), KL controllers, and KL-in-reward shaping.
+
+Formulas, config keys and defaults: docs/algorithms.md, "KL".
+"""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -53,7 +56,7 @@ def kl_penalty(logprob: Array, ref_logprob: Array, kind: str) -> Array:
 
     `kl|k1`, `abs`, `mse|k2`, `low_var_kl|k3`; a trailing `+` (e.g. `k3+`) gives the base value
     with the k2 gradient (straight-through). `full` takes full logits `[B, T, V]` for both
-    arguments (as veRL's docstring says) and returns the exact KL; for the memory-safe streamed
+    arguments and returns the exact KL (docs/algorithms.md, "KL"); for the memory-safe streamed
     version from hidden states use `jaxrl_llm.losses.logprob.token_kl_full`.
     """
     if kind == "full":
@@ -84,7 +87,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. adaptive KL: coef *= 1 + clip(kl/target - 1, -0.2, 0.2) * n_steps / horizon."""
+    """Adaptive KL (Ziegler et al.): coef *= 1 + clip(kl/target - 1, -0.2, 0.2) * n_steps / horizon."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         if horizon <= 0:

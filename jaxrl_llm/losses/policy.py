@@ -3,7 +3,8 @@
 Each loss returns `(loss, metrics)` with `actor/pg_clipfrac`, `actor/ppo_kl` and
 `actor/pg_clipfrac_lower`. Metrics follow the loss's denominators: with the global `num_tokens`
 passed they are partial sums over the global token count, so adding the metrics of all
-micro-batches gives the full-batch value (the same rule as the loss).
+micro-batches gives the full-batch value (the same rule as the loss). Formulas, config keys and
+defaults: docs/algorithms.md, "Policy losses".
 """
 from __future__ import annotations
 
