@@ -28,7 +28,7 @@ from jaxrl_llm.models.model import (
 
 __all__ = [
     "COMPUTE_DTYPES", "DTYPES", "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",
-    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "greedy_generate", "init_cache", "init_head_params", "init_params",
-    "last_valid_index", "lm_head_weight", "logits_from_hidden", "param_logical_axes",
+    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "greedy_generate", "init_cache",
+    "init_head_params", "init_params", "last_valid_index", "lm_head_weight", "logits_from_hidden", "param_logical_axes",
     "rope_inv_freq", "score_from_hidden", "value_from_hidden",
 ]
