@@ -1,5 +1,5 @@
-"""DAPO (Yu et al. 2025, arXiv:2503.14476), as veRL's recipe/dapo: clip-higher (0.2 / 0.28),
-token-mean loss, soft overlong punishment, dynamic sampling (filter_groups), no KL."""
+"""DAPO (Yu et al. 2025) with veRL's DAPO recipe settings: clip-higher (0.2 / 0.28), token-mean
+loss, soft overlong punishment, dynamic sampling (filter_groups), no KL (docs/algorithms.md)."""
 from jaxrl_llm.config import default_config
 
 

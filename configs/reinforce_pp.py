@@ -1,5 +1,5 @@
-"""REINFORCE++ (Hu 2025, arXiv:2501.03262) on GSM8K, as veRL's examples/reinforce_plus_plus_trainer:
-discounted token returns whitened over the batch, PPO clipping, k2 KL loss."""
+"""REINFORCE++ (Hu 2025) on GSM8K with veRL's example settings: discounted token returns whitened
+over the batch, PPO clipping, k2 KL loss (docs/algorithms.md, reinforce_plus_plus)."""
 from jaxrl_llm.config import default_config
 
 

@@ -11,25 +11,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax.numpy as jnp
-
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
-from jaxrl_llm.trainer.checkpoint import is_checkpoint, read_checkpoint_meta  # registers the loader
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+from jaxrl_llm.models.dtypes import DTYPES, as_jnp_dtype
+from jaxrl_llm.trainer.checkpoint import is_checkpoint, read_checkpoint_meta, register_checkpoint_loader
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="HF folder, .gguf file or checkpoint")
     parser.add_argument("--output", required=True, help="output HF folder (replaced atomically)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, help="bytes per shard")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer")
     parser.add_argument("--tokenizer", default=None, help="tokenizer location (default: see above)")
     args = parser.parse_args(argv)
 
-    cfg, params = load_any(args.input, dtype=DTYPES[args.dtype])
+    register_checkpoint_loader()
+    cfg, params = load_any(args.input, dtype=as_jnp_dtype(args.dtype))
     tokenizer_path = args.tokenizer or (read_checkpoint_meta(args.input)["tokenizer"]
                                         if is_checkpoint(args.input) else args.input)
     tokenizer = None if args.no_tokenizer else load_tokenizer(tokenizer_path)

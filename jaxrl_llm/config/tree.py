@@ -1,7 +1,8 @@
 """The default config tree: every key, its default and its one-line doc, in veRL's vocabulary.
 
-Defaults are veRL's (`verl/trainer/config/ppo_trainer.yaml` and its `actor/`, `rollout/`,
-`critic/`, `algorithm/` parts) unless the doc says otherwise. "Derived" defaults (None here) are
+Defaults are veRL's PPO trainer defaults (its actor, rollout, critic and algorithm sections)
+unless the doc says otherwise; README.md ("veRL keys and ours") lists the renamed keys and
+docs/algorithms.md what the algorithm keys compute. "Derived" defaults (None here) are
 filled in by `validate_config`. Per-device sizes are `*_per_device` (veRL: `*_per_gpu`, accepted
 as aliases). `docs/config.md` is generated from this file.
 """
@@ -106,13 +107,13 @@ ACTOR = {
                                                  "use_dynamic_bsz. veRL: ppo_max_token_len_per_gpu."),
     "ppo_epochs": field(1, "Passes over each rollout batch. veRL."),
     "shuffle": field(False, "Reshuffle sequences into new mini-batches at each ppo_epoch. veRL."),
-    "clip_ratio": field(0.2, "PPO clip epsilon (Schulman et al. 2017). veRL (TRL: cliprange)."),
+    "clip_ratio": field(0.2, "PPO clip epsilon (Schulman et al. 2017; docs/algorithms.md). veRL (TRL: cliprange)."),
     "clip_ratio_low": field(None, "Lower clip epsilon: ratio >= 1 - clip_ratio_low; derived: clip_ratio. "
                                   "veRL / DAPO (Yu et al. 2025).", types=float),
     "clip_ratio_high": field(None, "Upper clip epsilon: ratio <= 1 + clip_ratio_high; derived: clip_ratio. "
                                    "DAPO clip-higher uses 0.28. veRL.", types=float),
-    "clip_ratio_c": field(3.0, "Dual-clip constant c for negative advantages (Ye et al. 2020, "
-                               "arXiv:1912.09729); must be > 1. veRL."),
+    "clip_ratio_c": field(3.0, "Dual-clip constant c for negative advantages (Ye et al. 2020; "
+                               "docs/algorithms.md, vanilla); must be > 1. veRL."),
     "loss_agg_mode": field("token-mean", "Loss aggregation: token-mean | seq-mean-token-sum | "
                                          "seq-mean-token-mean | seq-mean-token-sum-norm. veRL."),
     "loss_scale_factor": field(None, "Denominator of seq-mean-token-sum-norm (Dr.GRPO); None = the padded "
@@ -121,10 +122,11 @@ ACTOR = {
         "loss_mode": field("vanilla", "Policy loss from the losses registry: vanilla (PPO), gspo, sapo, gpg, "
                                       "reinforce, cispo, geo_mean. veRL."),
     },
-    "tau_pos": field(1.0, "SAPO temperature for positive advantages (arXiv:2511.20347). veRL."),
-    "tau_neg": field(1.05, "SAPO temperature for negative advantages (arXiv:2511.20347). veRL."),
+    "tau_pos": field(1.0, "SAPO temperature for positive advantages (docs/algorithms.md, sapo). veRL."),
+    "tau_neg": field(1.05, "SAPO temperature for negative advantages (docs/algorithms.md, sapo). veRL."),
     "entropy_coeff": field(0.0, "Entropy bonus coefficient (subtracted from the loss). veRL."),
-    "use_kl_loss": field(False, "Add a KL(policy || reference) loss term (GRPO, Shao et al. 2024). veRL."),
+    "use_kl_loss": field(False, "Add a KL(policy || reference) loss term (GRPO, Shao et al. 2024; "
+                                "docs/algorithms.md). veRL."),
     "kl_loss_coef": field(0.001, "Coefficient of the KL loss. veRL."),
     "kl_loss_type": field("low_var_kl", "KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, "
                                         "full, or a base name + '+' (k2 gradient). veRL."),
@@ -224,7 +226,8 @@ REWARD_MODEL = {
         "max_resp_len": field(None, "Response length the overlong penalty is measured against; derived: "
                                     "data.max_response_length. veRL DAPO.", types=int),
         "overlong_buffer_cfg": {
-            "enable": field(False, "DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476)."),
+            "enable": field(False, "DAPO soft overlong punishment (Yu et al. 2025): a penalty ramp set by "
+                                   "len and penalty_factor."),
             "len": field(4096, "Buffer length: the penalty ramps linearly over the last `len` tokens "
                                "before max_resp_len. veRL DAPO default."),
             "penalty_factor": field(1.0, "Penalty at max_resp_len (reward -= factor * overflow / len)."),
@@ -256,13 +259,14 @@ ALGORITHM = {
     "adv_estimator": field("gae", "Advantage estimator from the losses registry (gae, grpo, rloo, "
                                   "reinforce_plus_plus, remax, opo, gpg, ...). veRL."),
     "gamma": field(1.0, "Discount factor (GAE, REINFORCE++). veRL."),
-    "lam": field(1.0, "GAE lambda (Schulman et al. 2016). veRL."),
+    "lam": field(1.0, "GAE lambda (Schulman et al. 2016; docs/algorithms.md, gae). veRL."),
     "norm_adv_by_std_in_grpo": field(True, "Divide GRPO advantages by the group std; False = Dr.GRPO "
                                            "(Liu et al. 2025). veRL."),
     "use_kl_in_reward": field(False, "Subtract kl_ctrl.kl_coef * KL(old || ref) from token rewards. veRL."),
     "kl_penalty": field("kl", "KL estimator for the in-reward penalty (same names as kl_loss_type). veRL."),
     "kl_ctrl": {
-        "type": field("fixed", "KL coefficient controller: fixed or adaptive (Ziegler et al. 2019). veRL."),
+        "type": field("fixed", "KL coefficient controller: fixed or adaptive (Ziegler et al. 2019; "
+                               "docs/algorithms.md). veRL."),
         "kl_coef": field(0.001, "(Initial) KL coefficient. veRL (TRL: kl_coef)."),
         "horizon": field(10000, "Adaptive controller horizon. veRL."),
         "target_kl": field(0.1, "Adaptive controller target KL. veRL."),

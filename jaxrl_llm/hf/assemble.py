@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxrl_llm.hf.names import MissingTensorError, TensorSpec, get_path, set_path, tensor_specs
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.dtypes import as_jnp_dtype
 from jaxrl_llm.models.model import init_head_params
 
 Shardings = Any  # pytree of jax.sharding.Sharding | Callable[[tuple, tuple, Any], Sharding] | None
@@ -74,7 +75,7 @@ def assemble_params(cfg: ModelConfig, source: TensorSource, *, head: str = "lm",
             spec.check(n, source.shape(n))
         present[spec.path] = True
 
-    np_dtype = np.dtype(jnp.dtype(dtype))
+    np_dtype = np.dtype(as_jnp_dtype(dtype))
     fresh = init_head_params(cfg, rng if rng is not None else jax.random.key(0), head=head,
                              num_labels=num_labels, dtype=dtype)
     params: dict = {}

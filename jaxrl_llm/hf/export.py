@@ -15,12 +15,12 @@ import shutil
 import tempfile
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
 from jaxrl_llm.hf.names import TensorSpec, get_path, tensor_specs
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.dtypes import as_jnp_dtype
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 
@@ -77,9 +77,7 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"output folder {str(out_dir)!r} exists (pass overwrite=True)")
     head, num_labels = _head_of(params)
-    np_dtype = np.dtype(jnp.dtype(dtype if dtype is not None else params["embedding"].dtype))
-    if np_dtype.name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {np_dtype.name}")
+    np_dtype = np.dtype(as_jnp_dtype(dtype if dtype is not None else params["embedding"].dtype, what="export"))
     specs = tensor_specs(cfg, head=head, num_labels=num_labels)
     arch = cfg.architecture.replace("ForSequenceClassification", "ForCausalLM")
     if head == "score":

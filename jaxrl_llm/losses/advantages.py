@@ -1,7 +1,7 @@
 """Advantage estimators registered under veRL's `algorithm.adv_estimator` names.
 
 Every estimator maps `(token_level_rewards [B,T], response_mask [B,T])` plus its extras to
-`(advantages [B,T], returns [B,T])`, in the exact form of ALGORITHMS.md. Groups are
+`(advantages [B,T], returns [B,T])`, in the form docs/algorithms.md states. Groups are
 `group_ids: int32[B]` (interleaved, any size, singletons allowed) and are reduced with segment
 sums over dense indices, so everything is jittable with no host sync or Python loop over groups.
 """
@@ -22,12 +22,15 @@ from jaxrl_llm.losses.masked import (
 from jaxrl_llm.losses.registry import Registry
 
 Array = jax.Array
-ADV_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
+# Each capability names the keyword input an estimator cannot run without. `needs_group_ids` also
+# means "compares the samples of one prompt", so the config asks for rollout.n >= 2.
+INPUT_CAPABILITIES = {
+    "needs_group_ids": ("group_ids", "[B] int32, one id per prompt shared by its samples"),
+    "needs_values": ("values", "[B, T] from the critic"),
+    "needs_reward_baselines": ("reward_baselines", "[B] (the greedy rollout's scores)"),
+}
+ADV_ESTIMATORS: Registry[Callable] = Registry("advantage estimator", {cap: False for cap in INPUT_CAPABILITIES})
 register_adv_est = ADV_ESTIMATORS.register
-
-# Estimators that need `group_ids`, `values` or `reward_baselines`.
-_NEEDS_GROUPS = {"grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo",
-                 "reinforce_plus_plus_baseline", "gpg"}
 
 
 def compute_advantage(
@@ -45,12 +48,10 @@ def compute_advantage(
 ) -> tuple[Array, Array]:
     """Dispatch to the estimator registered as `name` (veRL's `algorithm.adv_estimator`)."""
     fn = ADV_ESTIMATORS.get(name)
-    if name in _NEEDS_GROUPS and group_ids is None:
-        raise ValueError(f"advantage estimator {name!r} needs group_ids (one int32 id per sample)")
-    if name == "gae" and values is None:
-        raise ValueError("advantage estimator 'gae' needs values [B, T] from the critic")
-    if name == "remax" and reward_baselines is None:
-        raise ValueError("advantage estimator 'remax' needs reward_baselines [B] (greedy rollout scores)")
+    given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines}
+    for cap, (arg, what) in INPUT_CAPABILITIES.items():
+        if ADV_ESTIMATORS.capability(name, cap) and given[arg] is None:
+            raise ValueError(f"advantage estimator {name!r} needs {arg} {what}")
     rewards = jnp.asarray(token_level_rewards, jnp.float32)
     mask = jnp.asarray(response_mask, jnp.float32)
     if rewards.shape != mask.shape or rewards.ndim != 2:
@@ -72,7 +73,7 @@ def _outcome(scalar: Array, mask: Array) -> tuple[Array, Array]:
     return adv, adv
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_values=True)
 def gae(rewards, mask, *, values, gamma, lam, **_):
     """GAE; masked positions carry `nextvalue` and `lastgaelam` through unchanged (holes bridged)."""
     values = jnp.asarray(values, jnp.float32)
@@ -94,7 +95,7 @@ def gae(rewards, mask, *, values, gamma, lam, **_):
     return masked_whiten(raw_adv, mask), returns
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_group_ids=True)
 def grpo(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
     """(s - mean) / (std + eps) per group (Bessel std); Dr.GRPO `s - mean`; singleton mean 0 std 1."""
     scores = rewards.sum(-1)
@@ -106,7 +107,7 @@ def grpo(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
     return _outcome(scalar, mask)
 
 
-@register_adv_est("grpo_vectorized")
+@register_adv_est("grpo_vectorized", needs_group_ids=True)
 def grpo_vectorized(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
     """As grpo with one-pass variance (sum s^2 - (sum s)^2/n)/max(n-1,1) floored at eps."""
     scores = rewards.sum(-1)
@@ -124,7 +125,7 @@ def grpo_vectorized(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grp
     return _outcome(scalar, mask)
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", needs_group_ids=True)
 def grpo_passk(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **_):
     """Only each group's best response (first on ties) gets r1 - r2 (/ (std + eps) if norm)."""
     scores = rewards.sum(-1)
@@ -146,7 +147,7 @@ def grpo_passk(rewards, mask, *, group_ids, epsilon, norm_adv_by_std_in_grpo, **
     return _outcome(scalar, mask)
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_group_ids=True)
 def rloo(rewards, mask, *, group_ids, **_):
     """n/(n-1) * (s - mean); a singleton keeps its raw score."""
     scores = rewards.sum(-1)
@@ -158,7 +159,7 @@ def rloo(rewards, mask, *, group_ids, **_):
     return _outcome(scalar, mask)
 
 
-@register_adv_est("rloo_vectorized")
+@register_adv_est("rloo_vectorized", needs_group_ids=True)
 def rloo_vectorized(rewards, mask, *, group_ids, **_):
     """(n*s - sum s) / max(n-1, 1): the score minus the mean of the others; 0 for a singleton."""
     scores = rewards.sum(-1)
@@ -168,7 +169,7 @@ def rloo_vectorized(rewards, mask, *, group_ids, **_):
     return _outcome(scalar, mask)
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", needs_group_ids=True)
 def opo(rewards, mask, *, group_ids, **_):
     """Baseline = length-weighted group mean sum(len*s)/sum(len); singleton baseline 0."""
     scores = rewards.sum(-1)
@@ -194,7 +195,7 @@ def reinforce_plus_plus(rewards, mask, *, gamma, **_):
     return masked_whiten(returns, mask) * mask, returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_group_ids=True)
 def reinforce_plus_plus_baseline(rewards, mask, *, group_ids, **_):
     """s - group mean (singleton 0) tiled over tokens, whitened over all valid tokens, * mask."""
     scores = rewards.sum(-1)
@@ -206,7 +207,7 @@ def reinforce_plus_plus_baseline(rewards, mask, *, group_ids, **_):
     return adv, adv
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_reward_baselines=True)
 def remax(rewards, mask, *, reward_baselines, **_):
     """returns = reverse cumsum(rewards * mask); advantages = returns - baseline * mask."""
     masked = jnp.where(mask > 0, rewards, 0.0)
@@ -215,7 +216,7 @@ def remax(rewards, mask, *, reward_baselines, **_):
     return adv, returns
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", needs_group_ids=True)
 def gpg(rewards, mask, *, group_ids, **_):
     """alpha * (s - group mean), alpha = B / max(#non-zero scores, 1), f_norm = 1, no std."""
     scores = rewards.sum(-1)
@@ -227,4 +228,4 @@ def gpg(rewards, mask, *, group_ids, **_):
     return _outcome(alpha * (scores - mean), mask)
 
 
-__all__ = ["ADV_ESTIMATORS", "compute_advantage", "register_adv_est"]
+__all__ = ["ADV_ESTIMATORS", "INPUT_CAPABILITIES", "compute_advantage", "register_adv_est"]

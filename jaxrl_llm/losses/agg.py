@@ -1,4 +1,7 @@
-"""Loss aggregation (veRL's `loss_agg_mode`), exact under micro-batching with global counts."""
+"""Loss aggregation (veRL's `loss_agg_mode`), exact under micro-batching with global counts.
+
+The modes and the micro-batch rule: docs/algorithms.md, "Loss aggregation".
+"""
 from __future__ import annotations
 
 import jax

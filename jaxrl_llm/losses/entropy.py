@@ -1,4 +1,4 @@
-"""Token entropy of the policy and the aggregated entropy bonus."""
+"""Token entropy of the policy and the aggregated entropy bonus (docs/algorithms.md, "Entropy")."""
 from __future__ import annotations
 
 import jax

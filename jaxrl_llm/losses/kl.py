@@ -1,4 +1,7 @@
-"""KL estimators (veRL's `kl_penalty` kinds), KL controllers, and KL-in-reward shaping."""
+"""KL estimators (veRL's `kl_penalty` kinds), KL controllers, and KL-in-reward shaping.
+
+Formulas, config keys and defaults: docs/algorithms.md, "KL".
+"""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -42,12 +45,18 @@ def kl_penalty_full(policy_logits: Array, ref_logits: Array) -> Array:
     return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
 
 
+def kl_penalty_kinds() -> list[str]:
+    """Every `kind` `kl_penalty` accepts: the registry's, each also with a trailing `+`, and `full`."""
+    base = KL_ESTIMATORS.names()
+    return sorted(base + [name + "+" for name in base] + ["full"])
+
+
 def kl_penalty(logprob: Array, ref_logprob: Array, kind: str) -> Array:
     """Elementwise KL estimate, unmasked. `kind` is veRL's `kl_penalty` / `kl_loss_type`.
 
     `kl|k1`, `abs`, `mse|k2`, `low_var_kl|k3`; a trailing `+` (e.g. `k3+`) gives the base value
     with the k2 gradient (straight-through). `full` takes full logits `[B, T, V]` for both
-    arguments (as veRL's docstring says) and returns the exact KL; for the memory-safe streamed
+    arguments and returns the exact KL (docs/algorithms.md, "KL"); for the memory-safe streamed
     version from hidden states use `jaxrl_llm.losses.logprob.token_kl_full`.
     """
     if kind == "full":
@@ -57,8 +66,7 @@ def kl_penalty(logprob: Array, ref_logprob: Array, kind: str) -> Array:
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
     if base not in KL_ESTIMATORS:
-        valid = KL_ESTIMATORS.names() + [n + "+" for n in KL_ESTIMATORS.names()] + ["full"]
-        raise ValueError(f"Unknown kl penalty kind {kind!r}; valid names: {sorted(valid)}")
+        raise ValueError(f"Unknown kl penalty kind {kind!r}; valid names: {kl_penalty_kinds()}")
     lp = jnp.asarray(logprob, jnp.float32)
     ref = jnp.asarray(ref_logprob, jnp.float32)
     value = KL_ESTIMATORS.get(base)(lp, ref)
@@ -79,7 +87,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. adaptive KL: coef *= 1 + clip(kl/target - 1, -0.2, 0.2) * n_steps / horizon."""
+    """Adaptive KL (Ziegler et al.): coef *= 1 + clip(kl/target - 1, -0.2, 0.2) * n_steps / horizon."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         if horizon <= 0:

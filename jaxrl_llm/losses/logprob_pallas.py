@@ -2,7 +2,7 @@
 
 Both compute, per token, the online logsumexp of `h @ W / temperature` over the vocabulary, the
 target logit and (for entropy) E_p[z], without writing logits to memory. The backward pass is the
-chunked-XLA recompute in `logprob.py`. Both kernels run on CPU with `interpret=True` (tests).
+chunked-XLA recompute in `logprob_xla.py`. Both kernels run on CPU with `interpret=True` (tests).
 
 - Triton: grid over token blocks; each program loops over vocab blocks (`fori_loop`), reading
   the unembedding straight from global memory.
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxrl_llm.losses.logprob import Layout, Stats, _vocab_size, _xla_stats
+from jaxrl_llm.losses.logprob_xla import Layout, Stats, vocab_size, xla_stats
 
 TOKEN_BLOCK = 64
 VOCAB_BLOCKS = (512, 256, 128)
@@ -91,10 +91,10 @@ def pallas_stats(h, w, targets, lay: Layout, *, kind: str, interpret: bool = Fal
 
     Vocab sizes with no block in VOCAB_BLOCKS dividing them use the chunked-XLA path.
     """
-    vocab = _vocab_size(w, lay.vocab_major)
+    vocab = vocab_size(w, lay.vocab_major)
     block_v = _vocab_block(vocab)
     if block_v is None:
-        return _xla_stats(h, w, targets, lay)
+        return xla_stats(h, w, targets, lay)
     n, hidden = h.shape
     bn = TOKEN_BLOCK
     n_pad = pl.cdiv(n, bn) * bn

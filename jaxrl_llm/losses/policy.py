@@ -3,7 +3,8 @@
 Each loss returns `(loss, metrics)` with `actor/pg_clipfrac`, `actor/ppo_kl` and
 `actor/pg_clipfrac_lower`. Metrics follow the loss's denominators: with the global `num_tokens`
 passed they are partial sums over the global token count, so adding the metrics of all
-micro-batches gives the full-batch value (the same rule as the loss).
+micro-batches gives the full-batch value (the same rule as the loss). Formulas, config keys and
+defaults: docs/algorithms.md, "Policy losses".
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from jaxrl_llm.losses.masked import masked_sum
 from jaxrl_llm.losses.registry import Registry
 
 Array = jax.Array
-POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
+# `fixed_agg_mode`: the aggregation a loss always uses, whatever `loss_agg_mode` says (None: it
+# follows `loss_agg_mode`); "seq-mean" is geo_mean's plain mean of a per-sequence loss over rows.
+# `extra_params`: the loss's own keyword arguments, read from the actor config section.
+POLICY_LOSSES: Registry[Callable] = Registry("policy loss", {"fixed_agg_mode": None, "extra_params": ()})
 register_policy_loss = POLICY_LOSSES.register
 sg = jax.lax.stop_gradient
 
@@ -71,8 +75,12 @@ def compute_policy_loss(
     loss_scale_factor: float | None = None,
     **kw,
 ) -> tuple[Array, dict[str, Array]]:
-    """Dispatch to the policy loss registered as `name`; extra `kw` (e.g. tau_pos) go to it."""
+    """Dispatch to the policy loss registered as `name`; extra `kw` (its `extra_params`) go to it."""
     fn = POLICY_LOSSES.get(name)
+    unknown = set(kw) - set(POLICY_LOSSES.capability(name, "extra_params"))
+    if unknown:
+        raise TypeError(f"policy loss {name!r} takes no {sorted(unknown)}; its own parameters: "
+                        f"{list(POLICY_LOSSES.capability(name, 'extra_params'))}")
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
     inputs = PolicyLossInputs(
@@ -112,7 +120,7 @@ def vanilla(p: PolicyLossInputs):
         p.mmean(loss2 > loss1), p.mmean(-log_ratio), p.mmean((clipped1 > loss3) & (adv < 0)))
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", fixed_agg_mode="seq-mean-token-mean")
 def gspo(p: PolicyLossInputs):
     """Sequence-level ratio with token gradient; PPO clip (no dual clip); seq-mean-token-mean."""
     log_ratio = p.log_prob - p.old_log_prob
@@ -126,7 +134,8 @@ def gspo(p: PolicyLossInputs):
     return p.agg(losses, "seq-mean-token-mean"), _metrics(p.mmean(loss2 > loss1), p.mmean(-log_ratio), 0.0)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", fixed_agg_mode="seq-mean-token-mean",
+                      extra_params=("tau_pos", "tau_neg"))
 def sapo(p: PolicyLossInputs, tau_pos: float = 1.0, tau_neg: float = 1.05):
     """Soft gate -A * sigmoid(tau (r - 1)) * 4 / tau, tau by the sign of A; seq-mean-token-mean."""
     log_ratio = _log_ratio(p)
@@ -160,7 +169,7 @@ def cispo(p: PolicyLossInputs):
     return p.agg(losses), _metrics(p.mmean(ratio != clipped), p.mmean(-log_ratio), 0.0)
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", fixed_agg_mode="seq-mean")
 def geo_mean(p: PolicyLossInputs):
     """GMPO: sign(A)-dependent log-space clip, sequence ratio = exp(masked mean), plain row mean.
 

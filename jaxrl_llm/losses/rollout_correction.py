@@ -3,6 +3,7 @@
 Mirrors veRL's `algorithm.rollout_correction` keys (`rollout_is`, `rollout_is_threshold`,
 `rollout_is_batch_normalize`, `rollout_rs`, `rollout_rs_threshold`); metrics are named
 `rollout_corr/...` as veRL logs them. Jittable with the string/threshold arguments static.
+Formulas, modes, thresholds and metrics: docs/algorithms.md, "Rollout correction".
 """
 from __future__ import annotations
 

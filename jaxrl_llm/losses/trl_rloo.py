@@ -1,4 +1,7 @@
-"""RLOO in TRL's form (`RLOOTrainer`): KL folded into the sequence score, leave-one-out baseline."""
+"""RLOO in TRL's form (`RLOOTrainer`): KL folded into the sequence score, leave-one-out baseline.
+
+Steps and config keys: docs/algorithms.md, "RLOO in TRL's form".
+"""
 from __future__ import annotations
 
 import jax

@@ -1,4 +1,4 @@
-"""Clipped value (critic) loss, veRL's `compute_value_loss`."""
+"""Clipped value (critic) loss, veRL's `compute_value_loss` (docs/algorithms.md, "Value loss")."""
 from __future__ import annotations
 
 import jax

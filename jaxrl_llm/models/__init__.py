@@ -5,6 +5,7 @@ Everything other components call is re-exported here; see `model.py` for the par
 """
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.greedy import greedy_generate
+from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, DTYPES, as_jnp_dtype, dtype_name
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -26,8 +27,8 @@ from jaxrl_llm.models.model import (
 )
 
 __all__ = [
-    "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",
-    "compute_logits", "forward_hidden", "greedy_generate", "init_cache", "init_head_params", "init_params",
-    "last_valid_index", "lm_head_weight", "logits_from_hidden", "param_logical_axes",
+    "COMPUTE_DTYPES", "DTYPES", "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",
+    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "greedy_generate", "init_cache",
+    "init_head_params", "init_params", "last_valid_index", "lm_head_weight", "logits_from_hidden", "param_logical_axes",
     "rope_inv_freq", "score_from_hidden", "value_from_hidden",
 ]

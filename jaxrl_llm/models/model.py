@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models.cache import attention_context
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import Decoder
+from jaxrl_llm.models.dtypes import as_jnp_dtype
 
 Array = jax.Array
 HEADS = ("lm", "value", "score")
@@ -53,7 +54,7 @@ def init_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labels: i
                 dtype: Any = jnp.float32) -> dict:
     """Random params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
     _check_head(head)
-    return _init_params_jit(cfg, rng, head, num_labels, jnp.dtype(dtype))
+    return _init_params_jit(cfg, rng, head, num_labels, as_jnp_dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))

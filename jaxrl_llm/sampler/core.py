@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxrl_llm.models import ModelConfig, forward_hidden, init_cache, logits_from_hidden
+from jaxrl_llm.models import ModelConfig, as_jnp_dtype, forward_hidden, init_cache, logits_from_hidden
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens
 from jaxrl_llm.sharding import with_activation_constraint
@@ -94,7 +94,7 @@ def _sample_jit(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: 
     prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
     b, p = prompt_ids.shape
     r = settings.max_new_tokens
-    dtype = jnp.dtype(settings.compute_dtype)
+    dtype = as_jnp_dtype(settings.compute_dtype)
 
     cache = _constrain_cache(init_cache(cfg, b, p + r - 1, dtype), mesh)
     hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)

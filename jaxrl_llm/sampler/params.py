@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, dtype_name
+
 # Token-id tables are padded with this id (matches no token) to a multiple of _ID_TABLE_BUCKET,
 # so a different number of EOS / stop ids rarely changes a shape (and never silently drops one).
 NO_TOKEN = -1
 _ID_TABLE_BUCKET = 4
-COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +74,7 @@ class SamplingParams:
         `eos_token_ids`: the model's EOS id(s) (`ModelConfig.eos_token_ids`, plus the tokenizer's
         if it differs); ignored when `ignore_eos`. `pad_token_id` fills the response after it ends.
         """
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+        compute_dtype = dtype_name(compute_dtype, allowed=COMPUTE_DTYPES, what="compute_dtype")
         top_k = int(self.top_k) if 0 < self.top_k < vocab_size else 0
         settings = SampleSettings(max_new_tokens=int(self.max_new_tokens), n=int(self.n),
                                   greedy=self.greedy, top_k=0 if self.greedy else top_k,

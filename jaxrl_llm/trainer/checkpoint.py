@@ -167,8 +167,9 @@ def read_checkpoint_meta(path: Any) -> dict:
 
 
 def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[Any, dict]:
-    """(ModelConfig, policy params on the default device) from a training checkpoint; registered
-    with `jaxrl_llm.hf.load_any`, so `launch/convert_to_hf.py` and `jrl.load_model` accept it."""
+    """(ModelConfig, policy params on the default device) from a training checkpoint; after
+    `register_checkpoint_loader()`, `jaxrl_llm.hf.load_any` (and so `launch/convert_to_hf.py` and
+    `jrl.load_model`) accepts it."""
     import jax.numpy as jnp
 
     from jaxrl_llm.models import ModelConfig
@@ -190,12 +191,9 @@ def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[A
     return ModelConfig.from_hf_config(meta["model_config"]), params
 
 
-def _register() -> None:
-    import pathlib
-
+def register_checkpoint_loader() -> None:
+    """Let `jaxrl_llm.hf.load_any` read training checkpoints (tried before HF folders). Idempotent:
+    callers that may get a checkpoint path call it before `load_any`."""
     from jaxrl_llm.hf import register_loader
 
-    register_loader("checkpoint", lambda p: is_checkpoint(pathlib.Path(p)), load_policy_checkpoint)
-
-
-_register()
+    register_loader("checkpoint", is_checkpoint, load_policy_checkpoint)

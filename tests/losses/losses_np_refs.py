@@ -1,4 +1,4 @@
-"""Hand-written numpy references of ALGORITHMS.md (loops over rows and groups, float64)."""
+"""Hand-written numpy references of docs/algorithms.md (loops over rows and groups, float64)."""
 from collections import defaultdict
 
 import numpy as np

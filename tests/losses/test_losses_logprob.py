@@ -135,3 +135,23 @@ def test_never_materialises_full_logits():
     f = jax.value_and_grad(lambda h, w: token_logprobs(h, w, t, chunk_size=512, return_entropy=True)[0].sum(), (0, 1))
     mem = jax.jit(f).lower(h, w).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 0.25 * n * vocab * 4
+
+
+def test_backends_import_public_names_only():
+    """logprob.py dispatches; logprob_xla.py and logprob_pallas.py import no private name (no cycle)."""
+    import ast
+    import pathlib
+
+    import jaxrl_llm.losses as losses
+
+    root = pathlib.Path(losses.__file__).parent
+    imported = {}
+    for module in ("logprob", "logprob_xla", "logprob_pallas"):
+        tree = ast.parse((root / f"{module}.py").read_text())
+        imported[module] = [(node.module, alias.name) for node in ast.walk(tree)
+                            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxrl_llm")
+                            for alias in node.names]
+    for module, names in imported.items():
+        assert all(not name.startswith("_") for _, name in names), (module, names)
+    assert imported["logprob_xla"] == []
+    assert {m for m, _ in imported["logprob_pallas"]} == {"jaxrl_llm.losses.logprob_xla"}

@@ -1,0 +1,195 @@
+"""The chunked-XLA backend of the fused log-prob and full KL: vocab chunks under `lax.scan`.
+
+Never holds `[tokens, vocab]` logits: each chunk's logits are computed, folded into running
+statistics (an online logsumexp) and dropped; the backward passes recompute them chunk by chunk.
+`xla_stats` is the forward on CPU (and the fallback of the Pallas kernels), `xla_backward` the
+backward on every backend; `kl_stats` / `kl_backward` do the same for the exact KL between two
+heads. `Layout` and `Stats` are the contract every forward backend (`logprob_pallas.py`) shares.
+The differentiable entry points live in `logprob.py`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class Layout(NamedTuple):
+    """Static settings of one fused call (hashable: passed as a non-differentiable argument)."""
+
+    temperature: float
+    chunk: int
+    vocab_major: bool  # unembed is [V, H] (True) or [H, V] (False)
+    with_entropy: bool
+
+
+def vocab_size(w: Array, vocab_major: bool) -> int:
+    """V of an unembedding stored `[V, H]` (vocab_major) or `[H, V]`."""
+    return w.shape[0] if vocab_major else w.shape[1]
+
+
+def chunk_logits(h: Array, w: Array, start, size: int, lay: Layout) -> tuple[Array, Array]:
+    """Logits of vocab ids [start, start+size) in fp32, and that weight slice."""
+    if lay.vocab_major:
+        wc = jax.lax.dynamic_slice_in_dim(w, start, size, axis=0)
+        z = jnp.einsum("nh,ch->nc", h, wc, preferred_element_type=jnp.float32)
+    else:
+        wc = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+        z = jnp.einsum("nh,hc->nc", h, wc, preferred_element_type=jnp.float32)
+    return z / lay.temperature, wc
+
+
+def chunk_plan(vocab: int, chunk: int) -> tuple[int, int, int]:
+    """(chunk size, number of full chunks, size of the last partial chunk or 0)."""
+    chunk = min(chunk, vocab)
+    return chunk, vocab // chunk, vocab % chunk
+
+
+class Stats(NamedTuple):
+    """Per-token forward statistics every backend returns (the backward needs only these)."""
+
+    lse: Array  # [N] logsumexp of the scaled logits
+    target_logit: Array  # [N]
+    mean_logit: Array  # [N] E_p[z] (zeros when entropy is off)
+
+
+def xla_stats(h: Array, w: Array, targets: Array, lay: Layout) -> Stats:
+    """Online logsumexp (+ E_p[z] for entropy) over vocab chunks with lax.scan."""
+    n = h.shape[0]
+    chunk, n_full, rem = chunk_plan(vocab_size(w, lay.vocab_major), lay.chunk)
+
+    def update(state, start, size):
+        m, s, a, tgt = state
+        z, _ = chunk_logits(h, w, start, size, lay)
+        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+        scale = jnp.exp(m - m_new)
+        e = jnp.exp(z - m_new[:, None])
+        s = s * scale + jnp.sum(e, axis=-1)
+        if lay.with_entropy:
+            a = a * scale + jnp.sum(e * z, axis=-1)
+        hit = (jnp.arange(size)[None, :] + start) == targets[:, None]
+        tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+        return m_new, s, a, tgt
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    state = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    state, _ = jax.lax.scan(lambda st, i: (update(st, i * chunk, chunk), None), state, jnp.arange(n_full))
+    if rem:
+        state = update(state, n_full * chunk, rem)
+    m, s, a, tgt = state
+    return Stats(m + jnp.log(s), tgt, a / s if lay.with_entropy else zeros)
+
+
+def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout):
+    """Recompute each chunk's softmax and accumulate dh and dW (written chunk by chunk)."""
+    chunk, n_full, rem = chunk_plan(vocab_size(w, lay.vocab_major), lay.chunk)
+
+    def update(carry, start, size):
+        dh, dw = carry
+        z, wc = chunk_logits(h, w, start, size, lay)
+        p = jnp.exp(z - stats.lse[:, None])
+        hit = (jnp.arange(size)[None, :] + start) == targets[:, None]
+        dz = g_lp[:, None] * (hit.astype(jnp.float32) - p)
+        if lay.with_entropy:
+            dz = dz + g_ent[:, None] * p * (stats.mean_logit[:, None] - z)
+        dz = dz / lay.temperature
+        if lay.vocab_major:
+            dh = dh + jnp.einsum("nc,ch->nh", dz, wc.astype(jnp.float32))
+            dwc = jnp.einsum("nc,nh->ch", dz, h.astype(jnp.float32))
+        else:
+            dh = dh + jnp.einsum("nc,hc->nh", dz, wc.astype(jnp.float32))
+            dwc = jnp.einsum("nh,nc->hc", h.astype(jnp.float32), dz)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc, start, axis=0 if lay.vocab_major else 1)
+        return dh, dw
+
+    carry = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    carry, _ = jax.lax.scan(lambda c, i: (update(c, i * chunk, chunk), None), carry, jnp.arange(n_full))
+    if rem:
+        carry = update(carry, n_full * chunk, rem)
+    dh, dw = carry
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+# ---------------------------------------------------------------- full KL between two heads
+
+
+class KLLayout(NamedTuple):
+    """Static settings of one full-KL call (both heads share temperature and vocabulary)."""
+
+    temperature: float
+    chunk: int
+    policy_vocab_major: bool
+    ref_vocab_major: bool
+
+
+def kl_chunk(hp, wp, hr, wr, start, size, lay: KLLayout):
+    """Policy and reference logits of one vocab chunk, and the two weight slices."""
+    zp, wpc = chunk_logits(hp, wp, start, size, Layout(lay.temperature, size, lay.policy_vocab_major, False))
+    zq, wqc = chunk_logits(hr, wr, start, size, Layout(lay.temperature, size, lay.ref_vocab_major, False))
+    return zp, zq, wpc, wqc
+
+
+def kl_stats(hp, wp, hr, wr, lay: KLLayout):
+    """(KL(p || q), logsumexp_p, logsumexp_q, E_p[zp - zq]) per token, one pass over the chunks."""
+    n = hp.shape[0]
+    chunk, n_full, rem = chunk_plan(vocab_size(wp, lay.policy_vocab_major), lay.chunk)
+
+    def update(state, start, size):
+        mp, sp, a, mq, sq = state
+        zp, zq, _, _ = kl_chunk(hp, wp, hr, wr, start, size, lay)
+        mp_new = jnp.maximum(mp, jnp.max(zp, -1))
+        scale = jnp.exp(mp - mp_new)
+        e = jnp.exp(zp - mp_new[:, None])
+        sp = sp * scale + jnp.sum(e, -1)
+        a = a * scale + jnp.sum(e * (zp - zq), -1)
+        mq_new = jnp.maximum(mq, jnp.max(zq, -1))
+        sq = sq * jnp.exp(mq - mq_new) + jnp.sum(jnp.exp(zq - mq_new[:, None]), -1)
+        return mp_new, sp, a, mq_new, sq
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    ninf = jnp.full((n,), -jnp.inf, jnp.float32)
+    state = (ninf, zeros, zeros, ninf, zeros)
+    state, _ = jax.lax.scan(lambda st, i: (update(st, i * chunk, chunk), None), state, jnp.arange(n_full))
+    if rem:
+        state = update(state, n_full * chunk, rem)
+    mp, sp, a, mq, sq = state
+    lse_p, lse_q = mp + jnp.log(sp), mq + jnp.log(sq)
+    mean_diff = a / sp  # E_p[zp - zq]
+    return mean_diff - lse_p + lse_q, lse_p, lse_q, mean_diff
+
+
+def kl_backward(hp, wp, hr, wr, lse_p, lse_q, mean_diff, g, lay: KLLayout):
+    """Gradients of sum(g * KL) w.r.t. both heads' hidden states and unembeddings, chunk by chunk."""
+    chunk, n_full, rem = chunk_plan(vocab_size(wp, lay.policy_vocab_major), lay.chunk)
+
+    def grads_of(dz, h, wc, vocab_major):
+        wc32, h32 = wc.astype(jnp.float32), h.astype(jnp.float32)
+        if vocab_major:
+            return jnp.einsum("nc,ch->nh", dz, wc32), jnp.einsum("nc,nh->ch", dz, h32)
+        return jnp.einsum("nc,hc->nh", dz, wc32), jnp.einsum("nh,nc->hc", h32, dz)
+
+    def update(carry, start, size):
+        dhp, dwp, dhr, dwr = carry
+        zp, zq, wpc, wqc = kl_chunk(hp, wp, hr, wr, start, size, lay)
+        p = jnp.exp(zp - lse_p[:, None])
+        q = jnp.exp(zq - lse_q[:, None])
+        # d KL / d zp = p (zp - zq - E_p[zp - zq]); d KL / d zq = q - p.
+        dzp = g[:, None] * p * (zp - zq - mean_diff[:, None]) / lay.temperature
+        dzq = g[:, None] * (q - p) / lay.temperature
+        a, b = grads_of(dzp, hp, wpc, lay.policy_vocab_major)
+        c, d = grads_of(dzq, hr, wqc, lay.ref_vocab_major)
+        dwp = jax.lax.dynamic_update_slice_in_dim(dwp, b, start, axis=0 if lay.policy_vocab_major else 1)
+        dwr = jax.lax.dynamic_update_slice_in_dim(dwr, d, start, axis=0 if lay.ref_vocab_major else 1)
+        return dhp + a, dwp, dhr + c, dwr
+
+    f32 = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+    carry = (f32(hp), f32(wp), f32(hr), f32(wr))
+    carry, _ = jax.lax.scan(lambda c, i: (update(c, i * chunk, chunk), None), carry, jnp.arange(n_full))
+    if rem:
+        carry = update(carry, n_full * chunk, rem)
+    dhp, dwp, dhr, dwr = carry
+    return dhp.astype(hp.dtype), dwp.astype(wp.dtype), dhr.astype(hr.dtype), dwr.astype(wr.dtype)
+

@@ -1,0 +1,40 @@
+"""The one table of floating-point dtype names used by configs, loaders, the sampler and export.
+
+`DTYPES` maps each accepted name to its JAX dtype; `COMPUTE_DTYPES` are the names a forward or
+backward pass may run in (the config's `model.dtype` / `model.param_dtype`, the sampler's
+`compute_dtype`). `as_jnp_dtype` turns a name or a dtype into a `jnp.dtype` with one clear error
+naming the accepted names; `dtype_name` gives the canonical name (a hashable static setting).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+def dtype_name(name_or_dtype: Any, *, allowed: Sequence[str] | None = None, what: str | None = None) -> str:
+    """Canonical name (`"bfloat16"`, ...) of a name in `DTYPES` or of a dtype (`jnp.bfloat16`, np.dtype).
+
+    `allowed` narrows the accepted names (e.g. `COMPUTE_DTYPES`); `what` names the setting in the
+    error (e.g. `"actor_rollout_ref.model.dtype"`).
+    """
+    accepted = tuple(DTYPES) if allowed is None else tuple(allowed)
+    name = name_or_dtype
+    if not isinstance(name_or_dtype, str):
+        try:
+            name = np.dtype(name_or_dtype).name
+        except TypeError:
+            name = None
+    if name not in accepted:
+        where = f" for {what}" if what else ""
+        raise ValueError(f"unknown dtype {name_or_dtype!r}{where}; accepted names: {', '.join(accepted)}")
+    return name
+
+
+def as_jnp_dtype(name_or_dtype: Any, *, allowed: Sequence[str] | None = None, what: str | None = None) -> np.dtype:
+    """`jnp.dtype` of a name in `DTYPES` (or of a dtype); ValueError naming the accepted names otherwise."""
+    return jnp.dtype(DTYPES[dtype_name(name_or_dtype, allowed=allowed, what=what)])
