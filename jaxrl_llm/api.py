@@ -28,9 +28,9 @@ from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
 from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
-from jaxrl_llm.trainer import checkpoint as _checkpoint  # noqa: F401  (lets load_any read training checkpoints)
+from jaxrl_llm.models.dtypes import as_jnp_dtype
+from jaxrl_llm.trainer import checkpoint as _checkpoint
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _logits = jax.jit(compute_logits, static_argnums=1)
 
 
@@ -49,14 +49,6 @@ class Model:
         ids = jnp.asarray(input_ids, jnp.int32)
         mask = jnp.ones_like(ids) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
         return _logits(self.params, self.config, ids, mask)
-
-
-def _dtype(dtype: Any) -> Any:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-        return _DTYPES[dtype]
-    return dtype
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -105,7 +97,8 @@ def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Any = Non
         tok = _load_tokenizer(tokenizer)
     else:
         tok = tokenizer
-    cfg, params = load_any(path, dtype=_dtype(dtype), shardings=shardings)
+    _checkpoint.register_checkpoint_loader()  # `path` may be one of our training checkpoints
+    cfg, params = load_any(path, dtype=as_jnp_dtype(dtype), shardings=shardings)
     if mesh is not None and shardings is None:
         from jaxrl_llm.models import param_logical_axes
         from jaxrl_llm.sharding import shard_params

@@ -9,12 +9,9 @@ import os
 
 import ml_collections
 
+from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import ConfigError
 
-GROUP_ESTIMATORS = frozenset({
-    "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "reinforce_plus_plus_baseline",
-    "gpg",
-})
 
 
 def _fill(section: ml_collections.ConfigDict, key: str, value) -> None:
@@ -67,7 +64,7 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
     if rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode:
         rollout.calculate_log_probs = True
 
-    _fill(critic, "enable", alg.adv_estimator == "gae")
+    _fill(critic, "enable", alg.adv_estimator in names.adv_estimators(needs_values=True))
     _fill(critic.model, "path", arr.model.path)
     _fill(critic, "ppo_mini_batch_size", actor.ppo_mini_batch_size)
     _fill(critic, "ppo_micro_batch_size_per_device", actor.ppo_micro_batch_size_per_device)

@@ -18,13 +18,12 @@ from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterG
                                    OptimSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.params import SamplingParams
 
 ConfigDict = ml_collections.ConfigDict
-# Extra keyword arguments of particular policy losses, read from the actor section.
-_POLICY_LOSS_KWARGS = {"sapo": ("tau_pos", "tau_neg")}
 
 
 def _files(value: Any) -> tuple[str, ...] | None:
@@ -97,7 +96,7 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         kl_loss_type=a.kl_loss_type, temperature=float(arr.rollout.temperature) or 1.0,
         compute_dtype=arr.model.dtype, remat=bool(arr.model.enable_gradient_checkpointing),
         loss_scale_factor=None if a.loss_scale_factor is None else float(a.loss_scale_factor),
-        loss_kwargs=tuple((k, float(a[k])) for k in _POLICY_LOSS_KWARGS.get(mode, ())),
+        loss_kwargs=tuple((k, float(a[k])) for k in POLICY_LOSSES.capability(mode, "extra_params")),
         ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle))
 
 

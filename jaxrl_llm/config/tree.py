@@ -129,7 +129,8 @@ ACTOR = {
                                 "docs/algorithms.md). veRL."),
     "kl_loss_coef": field(0.001, "Coefficient of the KL loss. veRL."),
     "kl_loss_type": field("low_var_kl", "KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, "
-                                        "full, or a base name + '+' (k2 gradient). veRL."),
+                                        "or a base name + '+' (k2 gradient); 'full' is rejected "
+                                        "(docs/algorithms.md). veRL."),
     "grad_clip": field(1.0, "Global-norm gradient clipping (optax.clip_by_global_norm). veRL."),
     "optim": _optim(1e-6, "actor"),
 }

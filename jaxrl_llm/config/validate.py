@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 
 from jaxrl_llm.config import names
-from jaxrl_llm.config.derive import GROUP_ESTIMATORS, resolve_defaults, resolve_total_steps
+from jaxrl_llm.config.derive import resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
 
@@ -47,6 +47,12 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     kl = names.kl_names()
     _choice(cfg, f"{ACTOR}.kl_loss_type", kl)
     _choice(cfg, "algorithm.kl_penalty", kl)
+    for key in (f"{ACTOR}.kl_loss_type", "algorithm.kl_penalty"):
+        # the step scores tokens by log-probs only; the exact KL needs both models' full logits
+        _require(get_path(cfg, key) != "full", key, cfg,
+                 "the exact vocabulary KL is not available in the training step (it would need the reference's "
+                 "logits at every token); use low_var_kl / k3 or a '+' form (jaxrl_llm.losses.token_kl_full "
+                 "computes it from hidden states outside the trainer)")
     agg = names.loss_agg_modes()
     _choice(cfg, f"{ACTOR}.loss_agg_mode", agg)
     if cfg.critic.loss_agg_mode is not None:
@@ -210,7 +216,7 @@ def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool)
 
 def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
     alg, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
-    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    if alg.adv_estimator in names.adv_estimators(needs_group_ids=True) and n < 2:
         raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.adv_estimator={alg.adv_estimator!r} compares samples "
                           "of the same prompt and needs n >= 2")
     if alg.filter_groups.enable and n < 2:
@@ -218,8 +224,8 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
     if alg.trl_rloo.enable:
         _require(alg.adv_estimator in ("rloo", "rloo_vectorized"), "algorithm.adv_estimator", cfg,
                  "algorithm.trl_rloo.enable needs adv_estimator rloo or rloo_vectorized")
-    if alg.adv_estimator == "gae" and not cfg.critic.enable:
-        raise ConfigError("critic.enable=False: algorithm.adv_estimator='gae' needs a critic")
+    if alg.adv_estimator in names.adv_estimators(needs_values=True) and not cfg.critic.enable:
+        raise ConfigError(f"critic.enable=False: algorithm.adv_estimator={alg.adv_estimator!r} needs a critic")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path=None: required when trainer.resume_mode='resume_path'")
     if cfg.trainer.val_only and cfg.data.val_files is None:

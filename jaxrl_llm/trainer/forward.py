@@ -14,15 +14,13 @@ import jax.numpy as jnp
 
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
+from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 
 Array = jax.Array
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def compute_dtype_of(name: str):
-    if name not in DTYPES:
-        raise ValueError(f"model.dtype={name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return as_jnp_dtype(name, allowed=COMPUTE_DTYPES, what="model.dtype")
 
 
 def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,

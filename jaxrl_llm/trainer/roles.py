@@ -84,6 +84,9 @@ def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed:
         init = jax.jit(lambda key: init_params(model_cfg, key, head=head, dtype=dtype), out_shardings=shardings)
         return model_cfg, init(jax.random.PRNGKey(tiny_seed))
     from jaxrl_llm.hf import load_any  # the HF bridge reads folders and GGUF files
+    from jaxrl_llm.trainer.checkpoint import register_checkpoint_loader
+
+    register_checkpoint_loader()  # a policy may also start from one of our checkpoints
 
     # A value head on a causal-LM checkpoint is initialised fresh from `seed`.
     model_cfg, params = load_any(model.path, dtype=dtype, head=head, rng=jax.random.PRNGKey(seed))

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from jaxrl_llm.config import resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
+from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, make_mesh, to_device, to_host
@@ -230,7 +231,8 @@ class Trainer:
                         compute_dtype=spec.critic.compute_dtype,
                         micro_rows=plan.forward_micro_rows(plan.values, rows, seq_len)))
             with timer("adv") as span:
-                baselines = self._remax_baselines(batch, rng) if spec.advantage.adv_estimator == "remax" else None
+                baselines = (self._remax_baselines(batch, rng) if ADV_ESTIMATORS.capability(
+                    spec.advantage.adv_estimator, "needs_reward_baselines") else None)
                 kl_coef = self.kl_ctrl.value
                 exp, token_rewards, exp_metrics = make_experience(
                     **seq, response_mask=mask, token_level_scores=rollout.token_level_scores,
