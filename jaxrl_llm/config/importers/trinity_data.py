@@ -145,17 +145,16 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
     for key in ("system_prompt", "reply_prefix"):
         if src.peek(f"{EI}.{key}"):
             m.error(f"{EI}.{key}", f"{src.peek(f'{EI}.{key}')!r}: {FORMAT_ERRORS[key]}")
-    defaults = {k: src.take(f"{EI}.{k}") for k in ("default_workflow_type", "default_eval_workflow_type",
-                                                   "default_reward_fn_type")}
+    for name in ("default_workflow_type", "default_eval_workflow_type"):  # defaults of every taskset
+        _workflow(m, f"{EI}.{name}", src.take(f"{EI}.{name}"))
+    reward = src.take(f"{EI}.default_reward_fn_type")
+    if reward:
+        m.ignore(f"{EI}.default_reward_fn_type={reward}", SCORING_NOTE)
     single = src.sub(f"{EI}.taskset.")
     train = [(f"{EI}.taskset", _unflatten(single.flat))] if single.flat else []
     listed = src.take(f"{EI}.tasksets") or []
     train += [(f"{EI}.tasksets[{i}]", dict(t)) for i, t in enumerate(listed)]
     evals = [(f"{EI}.eval_tasksets[{i}]", dict(t)) for i, t in enumerate(src.take(f"{EI}.eval_tasksets") or [])]
-    for _, ts in train + evals:  # explorer_input defaults apply to every taskset without its own
-        for name, value in defaults.items():
-            if value is not None and ts.get(name) is None:
-                ts[name] = value
     for name in ("system_prompt", "reply_prefix"):
         src.take(f"{EI}.{name}")
     got = _collect(m, train, is_eval=False)
