@@ -5,7 +5,6 @@ the tests check the resolved values of the keys that decide the run, the single 
 the ignored keys, an error naming the file and the key for each meaning-changing setting, and
 `launch/train.py --import_config=... --dry_run` end to end.
 """
-import copy
 import importlib.util
 import logging
 import os
@@ -74,18 +73,19 @@ def test_verl_ppo_trainer_yaml(home):
     assert s["data.train_files"] == f"{home}/data/gsm8k/train.parquet"  # ${oc.env:HOME}
     assert s["data.val_files"] == f"{home}/data/gsm8k/test.parquet"
     assert s["actor_rollout_ref.model.path"] == f"{home}/models/Qwen2.5-0.5B-Instruct"  # ${oc.env:MODEL_ROOT,...}
-    assert s["critic.model.path"] == s["actor_rollout_ref.model.path"]  # ${actor_rollout_ref.model.path}
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
                   f"{R}.n", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device") == (1024, 256, 16, 5, 32)
-    assert values(r, "data.max_prompt_length", "data.max_response_length", f"{R}.response_length") == (512, 1024, 1024)
+    assert values(r, "data.max_prompt_length", "data.max_response_length") == (512, 1024)
     assert values(r, f"{A}.optim.lr", f"{A}.clip_ratio_low", f"{A}.clip_ratio_high", f"{A}.clip_ratio_c") == (
         1e-6, 0.2, 0.28, 3.0)
     assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_coef", f"{A}.kl_loss_type") == (True, 0.001, "low_var_kl")
     assert values(r, "algorithm.adv_estimator", f"{A}.loss_agg_mode", f"{A}.optim.lr_scheduler_type") == (
         "grpo", "token-mean", "constant")  # warmup_style -> lr_scheduler_type
     assert values(r, "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq") == (15, 20, 5)
-    assert s["actor_rollout_ref.ref.log_prob_max_token_len_per_device"] == 16384  # ${oc.select:...}
-    assert s["trainer.default_local_dir"] == "checkpoints/verl_grpo_example_gsm8k/qwen2_5_0_5b_grpo"
+    # veRL interpolations of the keys our tree derives the same way stay derived (None until validation)
+    for key in (f"{R}.response_length", "critic.model.path", "critic.ppo_mini_batch_size",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_device", "trainer.default_local_dir"):
+        assert key not in s
     assert s["trainer.logger"] == ["console", "jsonl", "wandb"]
     assert s["mesh.tensor"] == 2  # rollout.tensor_model_parallel_size
     for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "trainer.nnodes", "data.reward_fn_key",
@@ -97,6 +97,12 @@ def test_verl_ppo_trainer_yaml(home):
     cfg.trainer.logger = ["console"]
     out = validate_config(cfg, dp_size=4, check_paths=False)
     assert out.actor_rollout_ref.actor.clip_ratio_high == 0.28 and out.critic.enable is False
+    assert out.actor_rollout_ref.rollout.response_length == 1024
+    assert out.critic.model.path == s["actor_rollout_ref.model.path"]
+    assert out.actor_rollout_ref.ref.log_prob_max_token_len_per_device == 16384
+    assert out.trainer.default_local_dir == "checkpoints/verl_grpo_example_gsm8k/qwen2_5_0_5b_grpo"
+    cfg.data.max_response_length = 2048  # a later override carries over, as veRL's ${data.max_response_length}
+    assert validate_config(cfg, dp_size=4, check_paths=False).actor_rollout_ref.rollout.response_length == 2048
 
 
 def test_verl_env_default_aliases_and_special_keys(home, monkeypatch, tmp_path):
@@ -434,6 +440,7 @@ def test_dry_run_trinity_on_the_default_tree_and_roll_with_trl_flags(smollm2_ggu
                      *tiny_overrides(smollm2_gguf, tmp_path / "t", 1024), home=tmp_path)
     cfg, summary = dry_run_config(proc)
     assert cfg["actor_rollout_ref"]["rollout"]["n"] == 8 and cfg["trainer"]["test_freq"] == 5
+    assert cfg["trainer"]["log_val_generations"] == 0  # the default tree, not configs/quickstart.py (4)
     assert "1024 prompts x n=8 = 8192 sequences per step" in summary and "4 mini-batch(es) of 256" in summary
     proc = run_train(f"--import_config={ROLL}", "--import_format=roll", "--dry_run", "--", "--learning_rate=3e-6",
                      "--num_iterations", "2", *tiny_overrides(smollm2_gguf, tmp_path / "r", 64),

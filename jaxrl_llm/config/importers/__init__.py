@@ -55,13 +55,14 @@ def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CL
       e.g. rollout.n for batch sizes); default: the default tree.
     num_devices / dp_size: for per-device sizes (default: jax.device_count() and the mesh).
     """
-    data = load_yaml(path)
+    raw: dict[str, str] = {}
+    data = load_yaml(path, raw)
     fmt = format or detect_format(data)
     if fmt not in FORMATS:
         raise ConfigError(f"--import_format={fmt!r}: expected one of {', '.join(FORMATS)}")
     m = Mapper(fmt, path, base=base, num_devices=num_devices, dp_size=dp_size)
     if fmt == "verl":
-        verl.import_verl(data, m)
+        verl.import_verl(data, m, raw)
     elif fmt == "trinity":
         trinity.import_trinity(data, m, path)
     elif fmt == "roll":

@@ -46,19 +46,21 @@ class Unresolved:
         return f"<unresolved {self.text}>"
 
 
-def _resolve_node(node: Any, prefix: str = "") -> Any:
+def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(node, DictConfig):
         out = {}
         for key in node.keys():
+            if raw is not None and OmegaConf.is_interpolation(node, key):
+                raw[f"{prefix}{key}"] = str(node._get_node(key)._value())
             try:
                 child = node[key]
             except OmegaConfBaseException as err:
                 out[key] = Unresolved(str(node._get_node(key)._value()), str(err).splitlines()[0])
                 continue
-            out[key] = _resolve_node(child, f"{prefix}{key}.")
+            out[key] = _resolve_node(child, f"{prefix}{key}.", raw)
         return out
     if isinstance(node, ListConfig):
         try:
@@ -68,10 +70,11 @@ def _resolve_node(node: Any, prefix: str = "") -> Any:
     return node
 
 
-def load_yaml(path: str) -> dict[str, Any]:
+def load_yaml(path: str, raw: dict[str, str] | None = None) -> dict[str, Any]:
     """A YAML file as plain nested dicts, Hydra/OmegaConf interpolations (`${oc.env:HOME}`,
     `${oc.env:X,default}`, `${oc.select:a.b,default}`, `${a.b}`) resolved; values that cannot be
-    resolved become `Unresolved` (an error only where the importer uses them)."""
+    resolved become `Unresolved` (an error only where the importer uses them). `raw`, when given,
+    receives dotted key -> interpolation text for every interpolated value."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -82,7 +85,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         cfg = OmegaConf.load(path)
     except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot parse YAML ({err})") from None
-    data = _resolve_node(cfg)
+    data = _resolve_node(cfg, raw=raw)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data

@@ -192,9 +192,9 @@ def _roles(m: Mapper, src: Source) -> None:
             m.set(f"{model}.dtype", "bfloat16" if dtype.startswith("b") else "float32", f"{role}.model_args.dtype")
         elif dtype is not None:
             m.ignore(f"{role}.model_args.dtype={dtype}", "only float32 / bfloat16 compute; the tree's dtype is kept")
-        if src.has(f"{role}.model_args.disable_gradient_checkpointing"):
-            off = src.take(f"{role}.model_args.disable_gradient_checkpointing")
-            m.set(f"{model}.enable_gradient_checkpointing", not off, f"{role}.model_args.disable_gradient_checkpointing")
+        key = f"{role}.model_args.disable_gradient_checkpointing"
+        if src.has(key):
+            m.set(f"{model}.enable_gradient_checkpointing", not src.take(key), key)
     ref = src.take("reference.model_args.model_name_or_path")
     if ref not in (None, m.get("actor_rollout_ref.model.path")):
         m.error("reference.model_args.model_name_or_path", f"{ref!r}: the reference model is the initial policy "

@@ -215,7 +215,8 @@ def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool) -> None:
     if rloo:
         mixed = [k for k in GRPO_ONLY if k in args]
         if mixed:
-            m.error(mixed[0], f"a GRPOConfig argument mixed with RLOOConfig ones ({', '.join(k for k in RLOO_MODE if k in args)})")
+            rloo_args = ", ".join(k for k in RLOO_MODE if k in args)
+            m.error(mixed[0], f"a GRPOConfig argument mixed with RLOOConfig ones ({rloo_args})")
     for key, (bad, why) in ERRORS.items():
         if key in args and bad(args[key]):
             m.error(key, f"{args[key]!r}: {why}")

@@ -30,6 +30,38 @@ GLOBAL_MICRO = {
 }
 
 
+# Our derived keys (None = filled by validate_config) and the key each is derived from, as veRL's
+# interpolations write them: imported as "derived" when the file interpolates the same key, so a
+# later override of the source (e.g. data.max_response_length=...) still carries over, as in veRL.
+DERIVED_FROM = {
+    "actor_rollout_ref.rollout.response_length": "data.max_response_length",
+    **{f"actor_rollout_ref.{role}.log_prob_{name}": f"actor_rollout_ref.actor.{src}"
+       for role in ("ref", "rollout")
+       for name, src in (("micro_batch_size_per_device", "ppo_micro_batch_size_per_device"),
+                         ("use_dynamic_bsz", "use_dynamic_bsz"),
+                         ("max_token_len_per_device", "ppo_max_token_len_per_device"))},
+    "critic.model.path": "actor_rollout_ref.model.path",
+    **{f"critic.{name}": f"actor_rollout_ref.actor.{name}"
+       for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_epochs",
+                    "shuffle", "loss_agg_mode")},
+    "critic.forward_micro_batch_size_per_device": "critic.ppo_micro_batch_size_per_device",
+    "critic.forward_max_token_len_per_device": "critic.ppo_max_token_len_per_device",
+    "reward_model.reward_kwargs.max_resp_len": "data.max_response_length",
+}
+DEFAULT_LOCAL_DIR = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+
+
+def _interpolates(raw: str, source: str) -> bool:
+    """Does the interpolation text read exactly `source` (veRL or our spelling)?"""
+    text = raw.strip()
+    if not (text.startswith("${") and text.endswith("}")):
+        return False
+    body = text[2:-1]
+    if body.startswith("oc.select:"):
+        body = body[len("oc.select:"):].split(",", 1)[0]
+    return our_key(body.strip()) == source
+
+
 def our_key(key: str) -> str | None:
     """Our name for a veRL key, or None when our tree has no such key."""
     key = key.lstrip("+")
@@ -118,8 +150,12 @@ VERL_MACHINERY = ("*.agent.*", "*.agent", "actor_rollout_ref.rollout.multi_turn.
                   "transfer_queue*", "*.nsight*", "*.profile_*", "trainer.profile_steps", "*.router_replay*")
 
 
-def _generic(m: Mapper, src: str, key: str, value: Any) -> None:
+def _generic(m: Mapper, src: str, key: str, value: Any, raw: str | None = None) -> None:
     ours = our_key(key)
+    if ours is not None and raw is not None and (
+            (ours in DERIVED_FROM and _interpolates(raw, DERIVED_FROM[ours]))
+            or (ours == "trainer.default_local_dir" and raw.strip() == DEFAULT_LOCAL_DIR)):
+        return  # derived by validate_config from the same key, as veRL's interpolation does
     if ours is not None:
         field = FIELDS.get(ours)
         if value is None and field is not None and not field.nullable:
@@ -132,9 +168,11 @@ def _generic(m: Mapper, src: str, key: str, value: Any) -> None:
         m.ignore(src, NO_COUNTERPART)
 
 
-def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = ()) -> None:
+def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
+                       raw: dict[str, str] | None = None) -> None:
     """Maps every key of `src` (veRL names); keys under a prefix in `skip` are ignored with a note
-    (Trinity sets those itself)."""
+    (Trinity sets those itself); `raw`: interpolation texts by key (see DERIVED_FROM)."""
+    raw = raw or {}
     for key in src.remaining():
         full = src.full(key)
         if any(key == p or key.startswith(p + ".") for p in skip):
@@ -155,10 +193,10 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = ()) ->
                 src.unresolved(key, value)
             handler(m, full, value)
         else:
-            _generic(m, full, key, value)
+            _generic(m, full, key, value, raw.get(key))
 
 
-def import_verl(data: dict[str, Any], m: Mapper) -> None:
-    """A veRL config (nested dict, interpolations resolved) into `m`."""
+def import_verl(data: dict[str, Any], m: Mapper, raw: dict[str, str] | None = None) -> None:
+    """A veRL config (nested dict, interpolations resolved; `raw` their texts by dotted key) into `m`."""
     src = Source(flatten(data, leaves=OPEN_SECTIONS), m.source)
-    import_verl_source(m, src)
+    import_verl_source(m, src, raw=raw)
