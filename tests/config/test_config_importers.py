@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from jaxrl_llm.config import ConfigError, default_config, validate_config
+from jaxrl_llm.config import ConfigError, apply_overrides, default_config, validate_config
 from jaxrl_llm.config.importers import (NO_DUAL_CLIP, detect_format, import_config, import_trl_flags, load_yaml,
                                         parse_trl_args, split_trl_flags)
 from jaxrl_llm.config.importers.roll import device_count
@@ -94,6 +94,7 @@ def test_verl_ppo_trainer_yaml(home):
         assert key in r.ignored and key in r.warning()
     assert not set(r.ignored) & {k for k in r.origin.values()}
     cfg = r.config()
+    assert apply_overrides(default_config(), r.overrides()).to_dict() == cfg.to_dict()  # as key=value strings
     cfg.trainer.logger = ["console"]
     out = validate_config(cfg, dp_size=4, check_paths=False)
     assert out.actor_rollout_ref.actor.clip_ratio_high == 0.28 and out.critic.enable is False
@@ -309,7 +310,8 @@ def test_trl_yaml(home):
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
                   f"{R}.n", f"{A}.ppo_epochs") == (128, 64, 16, 8, 2)
     # 2 mini-batches x 2 iterations = 4 optimizer steps per step: max_steps 200 -> 50, save 50 -> 13, eval 20 -> 5
-    assert values(r, "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq") == (50, 13, 5)
+    assert values(r, "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
+                  f"{A}.optim.lr_warmup_steps") == (50, 13, 5, 3)
     assert values(r, "data.max_prompt_length", "data.truncation", "data.max_response_length") == (256, "left", 768)
     assert values(r, f"{A}.clip_ratio_low", f"{A}.clip_ratio_high", f"{A}.clip_ratio_c") == (0.2, 0.28, 3.0)
     assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_coef", f"{A}.kl_loss_type") == (True, 0.04, "low_var_kl")

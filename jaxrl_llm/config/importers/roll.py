@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from jaxrl_llm.config.importers.common import (NO_DUAL_CLIP, PLACEMENT, Mapper, Source, flatten, int_or_error,
-                                               logger_sinks)
+                                               logger_sinks, ratio_steps)
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -42,7 +42,7 @@ SIMPLE = {  # ROLL key -> our key
     "validation.generating_args.top_k": f"{R}.val_kwargs.top_k", "val_n_sample": f"{R}.val_kwargs.n",
 }
 TRAINING_ARGS = {"learning_rate": "optim.lr", "weight_decay": "optim.weight_decay",
-                 "warmup_steps": "optim.lr_warmup_steps", "warmup_ratio": "optim.lr_warmup_steps_ratio",
+                 "warmup_ratio": "optim.lr_warmup_steps_ratio",
                  "adam_epsilon": "optim.eps", "max_grad_norm": "grad_clip"}
 ROLL_DEFAULTS = {"loss_agg_mode": "seq-mean-token-mean", "kl_loss_coef": 0.0, "init_kl_coef": 0.2,
                  "add_token_level_kl": False, "use_kl_loss": False, "entropy_loss_coef": 0.0, "lambd": 0.95,
@@ -176,6 +176,13 @@ def _roles(m: Mapper, src: Source) -> None:
         for name, key in TRAINING_ARGS.items():
             if src.peek(ta + name) is not None:
                 m.set(f"{ours}.{key}", src.take(ta + name), ta + name)
+        warmup = src.take(ta + "warmup_steps")
+        if warmup:  # optimizer steps (HF TrainingArguments) -> our training steps, rounded up
+            section = "data.train_batch_size", f"{ours}.ppo_mini_batch_size", f"{ours}.ppo_epochs"
+            per_step = m.get(section[0]) // (m.get(section[1]) or m.get(f"{A}.ppo_mini_batch_size")) * (
+                m.get(section[2]) or m.get(f"{A}.ppo_epochs"))
+            m.set(f"{ours}.optim.lr_warmup_steps", ratio_steps(int_or_error(m, ta + "warmup_steps", warmup),
+                                                               per_step), ta + "warmup_steps")
         betas = [src.take(ta + "adam_beta1"), src.take(ta + "adam_beta2")]
         if any(b is not None for b in betas):
             old = m.get(f"{ours}.optim.betas")

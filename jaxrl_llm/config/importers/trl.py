@@ -23,7 +23,7 @@ A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout
 SIMPLE = {
     "learning_rate": f"{A}.optim.lr", "weight_decay": f"{A}.optim.weight_decay", "adam_epsilon": f"{A}.optim.eps",
     "max_grad_norm": f"{A}.grad_clip", "warmup_ratio": f"{A}.optim.lr_warmup_steps_ratio",
-    "warmup_steps": f"{A}.optim.lr_warmup_steps", "temperature": f"{R}.temperature", "top_p": f"{R}.top_p",
+    "temperature": f"{R}.temperature", "top_p": f"{R}.top_p",
     "data_seed": "data.seed", "output_dir": "trainer.default_local_dir", "run_name": "trainer.experiment_name",
     "num_sample_generations": "trainer.log_val_generations", "missing_eos_penalty": "reward_model.missing_eos_penalty",
     "model_name_or_path": f"{M}.path", "sft_model_path": f"{M}.path", "shuffle_dataset": "data.shuffle",
@@ -206,7 +206,8 @@ HANDLED = set(SIMPLE) | set(ERRORS) | {
     "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "optim", "report_to", "seed", "save_total_limit",
     "reward_model_path", "stop_token_id", "per_device_train_batch_size", "gradient_accumulation_steps",
     "steps_per_generation", "generation_batch_size", "num_mini_batches", "max_steps", "num_train_epochs",
-    "total_episodes", "save_steps", "save_strategy", "eval_steps", "eval_strategy", "evaluation_strategy"}
+    "total_episodes", "save_steps", "save_strategy", "eval_steps", "eval_strategy", "evaluation_strategy",
+    "warmup_steps"}
 
 
 def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool) -> None:

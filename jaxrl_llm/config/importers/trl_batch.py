@@ -12,7 +12,7 @@ RLOO (TRL's older RLOOTrainer): one batch = `per_device_train_batch_size x
 gradient_accumulation_steps x num_mini_batches x devices` completions, split into
 `num_mini_batches` mini-batches, for `total_episodes` completions in all.
 
-TRL's `max_steps`, `save_steps`, `eval_steps` count optimizer steps (GRPO); ours count training
+TRL's `max_steps`, `save_steps`, `eval_steps`, `warmup_steps` count optimizer steps (GRPO); ours count training
 steps, each `train_batch_size / ppo_mini_batch_size x ppo_epochs` optimizer steps: they are divided
 (rounded up). The older RLOOTrainer counts batches, as we do.
 """
@@ -85,6 +85,10 @@ def map_steps(m: Mapper, args: dict[str, Any], rloo: bool) -> None:
     if rloo and args.get("total_episodes") is not None:
         completions = m.get("data.train_batch_size") * m.get(f"{R}.n")
         m.set("trainer.total_training_steps", math.ceil(args["total_episodes"] / completions), "total_episodes")
+    warmup = args.get("warmup_steps")
+    if warmup:  # our warmup counts training steps (veRL's scheduler steps once per training step)
+        m.set(f"{A}.optim.lr_warmup_steps", ratio_steps(int_or_error(m, "warmup_steps", warmup), per_step),
+              "warmup_steps")
     _save_eval(m, args, per_step)
 
 
