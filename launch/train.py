@@ -4,15 +4,21 @@
     python launch/train.py --config=configs/ppo_gsm8k.py -- data.train_batch_size=256 \
         actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 trainer.logger=[console,wandb]
     python launch/train.py --config=configs/quickstart.py --dry_run   # print resolved config + batch maths
+    python launch/train.py --import_config=ppo_trainer.yaml --dry_run  # a veRL / Trinity-RFT / ROLL / TRL file
+    python launch/train.py --config=configs/grpo_gsm8k.py -- --learning_rate=1e-6 --num_generations=8  # TRL flags
 
 `--config.a.b=v` and the veRL-style `a.b=v` after `--` go through the same parser
 (`jaxrl_llm.config.apply_overrides`): YAML-like values, TRL/ROLL/veRL aliases (`rloo_k`,
 `*_per_gpu`, ...), torch-only keys warned about and ignored, unknown keys rejected with a
-suggestion. The config is validated before anything is compiled; the loop is
+suggestion. `--import_config` reads another framework's config (jaxrl_llm.config.importers,
+docs/importing.md) onto the `--config` file, or onto the default tree when `--config` is not given;
+TRL `--name=value` flags after `--` are translated the same way; `--config.a.b=v` and `a.b=v`
+overrides apply last. The config is validated before anything is compiled; the loop is
 `jaxrl_llm.trainer.Trainer(config).fit()`.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -20,24 +26,42 @@ import yaml
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_llm.config import (ConfigError, apply_overrides, mesh_dp_size, resolve_batch_plan,
+from jaxrl_llm.config import (ConfigError, apply_overrides, default_config, mesh_dp_size, resolve_batch_plan,
                               split_config_flag_overrides, validate_config)
+from jaxrl_llm.config.importers import FORMATS, import_config, import_trl_flags, split_trl_flags
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
                                           "Config file with get_config() (configs/*.py).", lock_config=False)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and the batch arithmetic, then exit.")
+_IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML) to run; "
+                                                     "applied onto --config (default: the default tree).")
+_IMPORT_FORMAT = flags.DEFINE_enum("import_format", None, list(FORMATS),
+                                   "Format of --import_config; default: detected from its top-level keys.")
 
 # `--config.a.b=v` flags, taken out of argv before absl parses it (see split_config_flag_overrides).
 _FLAG_OVERRIDES: list[str] = []
 
 
-def resolve(config, overrides: list[str]):
-    """Applies overrides, validates on this host's devices; returns (resolved config, dp size)."""
+def resolve(config, overrides: list[str], import_path: str | None = None, import_format: str | None = None,
+            trl_flags: list[str] | None = None):
+    """Imports a foreign config and TRL flags (if given), applies overrides, validates on this host's
+    devices; returns (resolved config, dp size)."""
     import jax
 
-    cfg = apply_overrides(config, overrides)
     num_devices = jax.device_count()
+    mesh = [o for o in overrides if o.split("=", 1)[0].lstrip("+").startswith("mesh.")]
+    cfg = config
+    if import_path:
+        result = import_config(import_path, import_format, base=apply_overrides(copy.deepcopy(cfg), mesh),
+                               num_devices=num_devices)
+        result.warn()
+        cfg = result.apply(cfg)
+    if trl_flags:
+        result = import_trl_flags(trl_flags, base=apply_overrides(copy.deepcopy(cfg), mesh), num_devices=num_devices)
+        result.warn()
+        cfg = result.apply(cfg)
+    cfg = apply_overrides(cfg, overrides)
     cfg = validate_config(cfg, num_devices=num_devices)
     return cfg, mesh_dp_size(cfg, num_devices)
 
@@ -49,9 +73,11 @@ def main(argv: list[str]) -> None:
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint call at INFO
     initialize()  # jax.distributed on TPU pods / multi-node GPU, before any other JAX call
-    overrides = _FLAG_OVERRIDES + [a for a in argv[1:] if a != "--"]
+    positional, trl_flags = split_trl_flags(argv[1:])
+    overrides = _FLAG_OVERRIDES + [a for a in positional if a != "--"]
+    base = _CONFIG.value if flags.FLAGS["config"].present or not _IMPORT.value else default_config()
     try:
-        cfg, dp_size = resolve(_CONFIG.value, overrides)
+        cfg, dp_size = resolve(base, overrides, _IMPORT.value, _IMPORT_FORMAT.value, trl_flags)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
     if _DRY_RUN.value:

@@ -1,0 +1,308 @@
+"""Shared machinery of the config importers: reading a YAML file with its OmegaConf
+interpolations resolved, a flat view of it whose keys are taken one by one (`Source`), and the
+`Mapper` that collects our settings, the ignored keys (one warning) and raises `ConfigError`s that
+name the file and the key.
+
+Rules every importer follows (docs/importing.md):
+- a key is set only on keys of our tree (`jaxrl_llm/config/tree.py`);
+- a key with no counterpart, or one that only configures torch / vLLM / Ray / placement, is listed
+  in the import's single warning;
+- a key whose value changes what the run computes and that we cannot honour raises a ConfigError
+  before anything runs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
+
+import ml_collections
+
+from jaxrl_llm.config import names
+from jaxrl_llm.config.overrides import FIELDS, OPEN_SECTIONS
+from jaxrl_llm.config.schema import ConfigError, get_path, set_path
+
+logger = logging.getLogger(__name__)
+
+# A dual-clip constant that never binds: the vanilla loss caps log-ratios at 20 (ratio <= e^20 ~ 4.9e8),
+# so max(-A * ratio, ...) can never exceed -A * 1e9. Used for frameworks whose PPO loss has no dual clip.
+NO_DUAL_CLIP = 1e9
+
+PLACEMENT = "torch/vLLM/Ray/placement only"
+NO_COUNTERPART = "no counterpart in jaxrl_llm"
+
+
+class Unresolved:
+    """A value whose interpolation could not be resolved; an error only if the key is used."""
+
+    def __init__(self, text: str, why: str):
+        self.text, self.why = text, why
+
+    def __repr__(self) -> str:
+        return f"<unresolved {self.text}>"
+
+
+def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(node, DictConfig):
+        out = {}
+        for key in node.keys():
+            if raw is not None and OmegaConf.is_interpolation(node, key):
+                raw[f"{prefix}{key}"] = str(node._get_node(key)._value())
+            try:
+                child = node[key]
+            except OmegaConfBaseException as err:
+                out[key] = Unresolved(str(node._get_node(key)._value()), str(err).splitlines()[0])
+                continue
+            out[key] = _resolve_node(child, f"{prefix}{key}.", raw)
+        return out
+    if isinstance(node, ListConfig):
+        try:
+            return OmegaConf.to_container(node, resolve=True)
+        except OmegaConfBaseException as err:
+            return Unresolved(str(node), str(err).splitlines()[0])
+    return node
+
+
+def load_yaml(path: str, raw: dict[str, str] | None = None) -> dict[str, Any]:
+    """A YAML file as plain nested dicts, Hydra/OmegaConf interpolations (`${oc.env:HOME}`,
+    `${oc.env:X,default}`, `${oc.select:a.b,default}`, `${a.b}`) resolved; values that cannot be
+    resolved become `Unresolved` (an error only where the importer uses them). `raw`, when given,
+    receives dotted key -> interpolation text for every interpolated value."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        cfg = OmegaConf.load(path)
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot parse YAML ({err})") from None
+    data = _resolve_node(cfg, raw=raw)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def flatten(node: Mapping[str, Any], prefix: str = "", leaves: Iterable[str] = ()) -> dict[str, Any]:
+    """Dotted keys -> leaf values; dicts are descended except empty ones and keys in `leaves`."""
+    out: dict[str, Any] = {}
+    leaves = tuple(leaves)
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping) and value and key not in leaves:
+            out.update(flatten(value, key + ".", leaves))
+        else:
+            out[key] = value
+    return out
+
+
+class Source:
+    """The flat keys of one imported file (or section); each key is taken at most once.
+
+    `display` is prepended to keys in messages (e.g. `trainer.trainer_config.` for Trinity's veRL
+    section), so errors and the warning name the key as the user wrote it.
+    """
+
+    def __init__(self, flat: dict[str, Any], path: str, display: str = ""):
+        self.flat, self.path, self.display = dict(flat), path, display
+
+    def full(self, key: str) -> str:
+        return self.display + key
+
+    def has(self, key: str) -> bool:
+        return key in self.flat
+
+    def peek(self, key: str, default: Any = None) -> Any:
+        value = self.flat.get(key, default)
+        if isinstance(value, Unresolved):
+            self.unresolved(key, value)
+        return value
+
+    def take(self, key: str, default: Any = None) -> Any:
+        """The value of `key` (removed from the remaining keys), `default` when absent."""
+        if key not in self.flat:
+            return default
+        value = self.flat.pop(key)
+        if _has_unresolved(value):
+            self.unresolved(key, value)
+        return value
+
+    def drop(self, key: str) -> Any:
+        """Removes `key` and returns its raw value (possibly `Unresolved`): for keys that are ignored."""
+        return self.flat.pop(key, None)
+
+    def unresolved(self, key: str, value: Any) -> NoReturn:
+        bad = value if isinstance(value, Unresolved) else next(_iter_unresolved(value))
+        raise ConfigError(f"{self.path}: {self.full(key)}: cannot resolve {bad.text} ({bad.why})")
+
+    def sub(self, prefix: str) -> Source:
+        """Moves the keys under `prefix` into a new Source (keys relative to the prefix)."""
+        keys = [k for k in self.flat if k.startswith(prefix)]
+        return Source({k[len(prefix):]: self.flat.pop(k) for k in keys}, self.path, self.display + prefix)
+
+    def keys_under(self, prefix: str) -> list[str]:
+        return [k for k in self.flat if k == prefix or k.startswith(prefix + ".")]
+
+    def remaining(self) -> list[str]:
+        return list(self.flat)
+
+
+def _iter_unresolved(value: Any):
+    if isinstance(value, Unresolved):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _iter_unresolved(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _iter_unresolved(v)
+
+
+def _has_unresolved(value: Any) -> bool:
+    return next(_iter_unresolved(value), None) is not None
+
+
+@dataclasses.dataclass
+class ImportResult:
+    """What an import produced: our settings (key -> value, applied in order onto a base config),
+    the ignored keys (key -> reason, reported in one warning) and the format."""
+
+    format: str
+    source: str
+    settings: dict[str, Any]
+    ignored: dict[str, str]
+    origin: dict[str, str] = dataclasses.field(default_factory=dict)  # our key -> the key it came from
+
+    def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        """Sets the imported values on `cfg` (in place) and returns it."""
+        for key, value in self.settings.items():
+            set_path(cfg, key, copy.deepcopy(value))
+        return cfg
+
+    def config(self, base: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+        """The imported values on a copy of `base` (default: the default tree)."""
+        from jaxrl_llm.config import default_config
+
+        return self.apply(copy.deepcopy(base) if base is not None else default_config())
+
+    def overrides(self) -> list[str]:
+        """The settings as `key=value` strings (YAML flow values), e.g. to paste on a command line."""
+        import yaml
+
+        return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                for k, v in self.settings.items()]
+
+    def warning(self) -> str | None:
+        if not self.ignored:
+            return None
+        by_reason: dict[str, list[str]] = {}
+        for key, why in self.ignored.items():
+            by_reason.setdefault(why, []).append(key)
+        parts = [f"{', '.join(keys)} ({why})" for why, keys in by_reason.items()]
+        return (f"{self.source} ({self.format}): {len(self.ignored)} key(s) have no effect in jaxrl_llm and were "
+                f"ignored: " + "; ".join(parts))
+
+    def warn(self) -> None:
+        """Logs the single warning listing every ignored key (if any)."""
+        message = self.warning()
+        if message:
+            logger.warning(message)
+
+
+class Mapper:
+    """Collects our settings from one import; `base` is the config the import is applied to (its
+    values are read where a mapping needs the current value of a key the file does not set)."""
+
+    def __init__(self, fmt: str, source: str, *, base: ml_collections.ConfigDict | None = None,
+                 num_devices: int | None = None, dp_size: int | None = None):
+        from jaxrl_llm.config import default_config
+
+        self.format, self.source = fmt, source
+        self.base = base if base is not None else default_config()
+        self.num_devices, self.dp_size = num_devices, dp_size
+        self.settings: dict[str, Any] = {}
+        self.ignored: dict[str, str] = {}
+        self.origin: dict[str, str] = {}
+
+    def set(self, ours: str, value: Any, src: str) -> None:
+        if ours not in FIELDS and not any(ours.startswith(s + ".") for s in OPEN_SECTIONS):
+            raise AssertionError(f"importer bug: {ours} is not a key of the config tree")
+        if _has_unresolved(value):
+            bad = next(_iter_unresolved(value))
+            self.error(src, f"cannot resolve {bad.text} ({bad.why})")
+        self.settings.pop(ours, None)  # re-setting moves the key to the end (later wins)
+        self.settings[ours] = value
+        self.origin[ours] = src
+
+    def get(self, ours: str) -> Any:
+        """The value `ours` will have: imported if set, else the base config's."""
+        return self.settings[ours] if ours in self.settings else get_path(self.base, ours)
+
+    def ignore(self, src: str, why: str = NO_COUNTERPART) -> None:
+        self.ignored[src] = why
+
+    def error(self, src: str, why: str) -> NoReturn:
+        raise ConfigError(f"{self.source}: {src}: {why}")
+
+    def dp(self) -> int:
+        """Data-parallel size the imported per-device sizes are measured against."""
+        if self.dp_size is not None:
+            return self.dp_size
+        from jaxrl_llm.config.validate import mesh_dp_size
+
+        n = self.num_devices
+        if n is None:
+            import jax
+
+            n = jax.device_count()
+        mesh = copy.deepcopy(self.base.mesh)
+        for axis in ("data", "fsdp", "tensor"):
+            mesh[axis] = self.get(f"mesh.{axis}")
+        return mesh_dp_size(ml_collections.ConfigDict({"mesh": mesh}), n)
+
+    def check_names(self) -> None:
+        """Estimator / loss / KL / aggregation names we do not have: an error naming the source key."""
+        checks = [("algorithm.adv_estimator", names.adv_estimators()),
+                  ("actor_rollout_ref.actor.policy_loss.loss_mode", names.policy_losses()),
+                  ("actor_rollout_ref.actor.loss_agg_mode", names.loss_agg_modes()),
+                  ("actor_rollout_ref.actor.kl_loss_type", names.kl_names()),
+                  ("algorithm.kl_penalty", names.kl_names())]
+        for key, valid in checks:
+            if key in self.settings and self.settings[key] not in valid:
+                self.error(self.origin[key], f"{self.settings[key]!r} is not available in jaxrl_llm "
+                                             f"({key}: {', '.join(sorted(valid))})")
+
+    def result(self) -> ImportResult:
+        self.check_names()
+        return ImportResult(self.format, self.source, dict(self.settings), dict(self.ignored), dict(self.origin))
+
+
+def ratio_steps(value: int, per_step: int) -> int:
+    """A count in optimizer steps converted to our training steps (rounded up, at least 1)."""
+    return max(1, math.ceil(value / per_step))
+
+
+def int_or_error(m: Mapper, src: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        m.error(src, f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def logger_sinks(m: Mapper, src: str, names_in: Iterable[str]) -> list[str]:
+    """Other frameworks' logger / tracker names -> trainer.logger (console + jsonl always kept)."""
+    sinks = ["console", "jsonl"]
+    for name in names_in:
+        low = str(name).lower()
+        if low in ("tensorboard", "wandb"):
+            sinks.append(low)
+        elif low not in ("console", "stdout", "none", ""):
+            m.ignore(f"{src}={name}", f"logger {name!r} is not available (console, jsonl, tensorboard, wandb)")
+    return list(dict.fromkeys(sinks))

@@ -1,0 +1,281 @@
+"""ROLL RLVR pipeline configs (`RLVRConfig`) -> our tree.
+
+Batch sizes: `rollout_batch_size` prompts x `num_return_sequences_in_group` per step; one optimizer
+step takes `per_device_train_batch_size x gradient_accumulation_steps x dp` sequences, where dp is
+actor_train's data-parallel size in ROLL (len(device_mapping) / (tp x pp x cp) for Megatron), so
+`ppo_mini_batch_size` = that / n prompts (the run's number of optimizer steps is kept whatever our
+device count). Keys left unset take ROLL's defaults where they decide what is computed
+(`loss_agg_mode: seq-mean-token-mean`, no dual clip, KL-loss estimator k3 = low_var_kl).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+from jaxrl_llm.config.importers.common import (NO_DUAL_CLIP, PLACEMENT, Mapper, Source, flatten, int_or_error,
+                                               logger_sinks, ratio_steps)
+
+TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
+A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+SIMPLE = {  # ROLL key -> our key
+    "rollout_batch_size": "data.train_batch_size", "num_return_sequences_in_group": f"{R}.n",
+    "prompt_length": "data.max_prompt_length", "ppo_epochs": f"{A}.ppo_epochs",
+    "val_batch_size": "data.val_batch_size", "max_steps": "trainer.total_training_steps",
+    "save_steps": "trainer.save_freq", "eval_steps": "trainer.test_freq", "seed": "trainer.seed",
+    "output_dir": "trainer.default_local_dir", "exp_name": "trainer.experiment_name",
+    "pretrain": "actor_rollout_ref.model.path", "reward_pretrain": "critic.model.path",
+    "gamma": "algorithm.gamma", "lambd": "algorithm.lam", "use_kl_loss": f"{A}.use_kl_loss",
+    "kl_loss_coef": f"{A}.kl_loss_coef", "entropy_loss_coef": f"{A}.entropy_coeff",
+    "loss_agg_mode": f"{A}.loss_agg_mode", "kl_penalty": "algorithm.kl_penalty",
+    "init_kl_coef": "algorithm.kl_ctrl.kl_coef", "kl_horizon": "algorithm.kl_ctrl.horizon",
+    "add_token_level_kl": "algorithm.use_kl_in_reward", "critic_warmup": "trainer.critic_warmup",
+    "max_grad_norm": f"{A}.grad_clip",
+    "actor_train.model_args.model_name_or_path": "actor_rollout_ref.model.path",
+    "actor_train.data_args.prompt": "data.prompt_key", "actor_train.data_args.messages": "data.messages_key",
+    "actor_infer.generating_args.temperature": f"{R}.temperature",
+    "actor_infer.generating_args.top_p": f"{R}.top_p", "actor_infer.generating_args.top_k": f"{R}.top_k",
+    "actor_infer.generating_args.do_sample": f"{R}.do_sample",
+    "validation.generating_args.temperature": f"{R}.val_kwargs.temperature",
+    "validation.generating_args.top_p": f"{R}.val_kwargs.top_p",
+    "validation.generating_args.top_k": f"{R}.val_kwargs.top_k", "val_n_sample": f"{R}.val_kwargs.n",
+}
+TRAINING_ARGS = {"learning_rate": "optim.lr", "weight_decay": "optim.weight_decay",
+                 "warmup_ratio": "optim.lr_warmup_steps_ratio",
+                 "adam_epsilon": "optim.eps", "max_grad_norm": "grad_clip"}
+ROLL_DEFAULTS = {"loss_agg_mode": "seq-mean-token-mean", "kl_loss_coef": 0.0, "init_kl_coef": 0.2,
+                 "add_token_level_kl": False, "use_kl_loss": False, "entropy_loss_coef": 0.0, "lambd": 0.95,
+                 "gamma": 1.0, "pg_clip": 0.2}
+IS_SET = lambda v: v not in (None, False, 0, 0.0, "", [], {}, "no_filter")  # noqa: E731
+ERRORS = {  # key -> why (an error when set to anything but its off value)
+    "async_generation_ratio": "asynchronous (off-policy) generation is not available",
+    "whiten_advantages": "batch whitening of advantages is not available",
+    "whiten_rewards": "reward whitening is not available", "reward_clip": "reward clipping is not available",
+    "advantage_clip": "advantage clipping is not available", "use_reward_scaling": "reward scaling is not available",
+    "use_reward_norm": "reward normalisation is not available", "add_len_reward": "length rewards are not available",
+    "max_len_mask": "masking truncated responses is not available", "difficulty_mask": "difficulty masks are not "
+    "available", "error_max_len_clip": "length-based masks are not available",
+    "difficulty_loss_weight": "sample weights are not available", "length_loss_weight": "sample weights are not "
+    "available", "postive_loss_coef": "an SFT loss on positive samples is not available",
+    "use_topr_loss": "TOPR is not available", "use_topr_neg_loss_coef": "TOPR is not available",
+    "use_rollout_importance_sampling_ratio": "set algorithm.rollout_correction instead",
+    "train_infer_correction.is_weight.enabled": "set algorithm.rollout_correction instead",
+    "train_infer_correction.filters": "set algorithm.rollout_correction instead",
+    "reward_model": "a generative reward-model cluster is not available",
+    "actor_infer.generating_args.num_beams": "beam search is not available",
+    "dataset_filter.source": "dataset filters are not available",
+    "dataset_filter.num_samples": "dataset filters are not available",
+    "is_use_additional_prompts": "over-sampling additional prompts is not available",
+}
+
+
+def device_count(value: Any) -> int | None:
+    """ROLL's `device_mapping` (a list or a string such as 'list(range(0,16))') -> number of devices."""
+    if isinstance(value, list):
+        return len(value)
+    if not isinstance(value, str):
+        return None
+    found = re.fullmatch(r"\s*(?:list\()?\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)?\s*", value)
+    if found:
+        lo, hi = (0, int(found[1])) if found[2] is None else (int(found[1]), int(found[2]))
+        return max(hi - lo, 0)
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    return len(parsed) if isinstance(parsed, (list, tuple)) else None
+
+
+def _roll_dp(src: Source, role: str) -> int | None:
+    devices = device_count(src.flat.get(f"{role}.device_mapping"))
+    if devices is None:
+        return None
+    name = str(src.flat.get(f"{role}.strategy_args.strategy_name") or "")
+    conf = f"{role}.strategy_args.strategy_config."
+    if "megatron" in name:
+        sizes = [src.flat.get(conf + k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                  "context_parallel_size")]
+    else:
+        sizes = [src.flat.get(f"{role}.model_args.ulysses_size")]
+    div = 1
+    for size in sizes:
+        div *= size if isinstance(size, int) and size > 0 else 1
+    return max(devices // div, 1)
+
+
+def _batch(m: Mapper, src: Source) -> None:
+    ta = "actor_train.training_args."
+    if not (src.has(ta + "per_device_train_batch_size") or src.has(ta + "gradient_accumulation_steps")):
+        return
+    per_device = int_or_error(m, ta + "per_device_train_batch_size",
+                              src.take(ta + "per_device_train_batch_size", 8))
+    accumulation = int_or_error(m, ta + "gradient_accumulation_steps",
+                                src.take(ta + "gradient_accumulation_steps", 1))
+    dp = _roll_dp(src, "actor_train") or m.dp()
+    n, prompts = m.get(f"{R}.n"), m.get("data.train_batch_size")
+    sequences = per_device * accumulation * dp
+    if sequences % n or prompts % (sequences // n or 1) or sequences > prompts * n:
+        m.error(ta + "gradient_accumulation_steps",
+                f"{per_device} x {accumulation} x dp {dp} = {sequences} sequences per optimizer step is not a whole "
+                f"number of groups (num_return_sequences_in_group={n}) dividing rollout_batch_size={prompts}")
+    m.set(f"{A}.ppo_mini_batch_size", sequences // n, ta + "gradient_accumulation_steps")
+    ours = m.dp()
+    if (sequences // ours) % per_device == 0 and sequences % ours == 0:
+        m.set(f"{A}.ppo_micro_batch_size_per_device", per_device, ta + "per_device_train_batch_size")
+
+
+def _algorithm(m: Mapper, src: Source) -> None:
+    estimator = src.take("adv_estimator", "gae")
+    mean, std = src.take("norm_mean_type"), src.take("norm_std_type")
+    if estimator in ("gae", "grpo"):
+        m.set("algorithm.adv_estimator", estimator, "adv_estimator")
+    elif estimator == "reinforce" and mean == "group" and std in ("group", None):
+        m.set("algorithm.adv_estimator", "grpo", "adv_estimator")
+        m.set("algorithm.norm_adv_by_std_in_grpo", std == "group", "norm_std_type")
+    else:
+        m.error("adv_estimator", f"{estimator!r} with norm_mean_type={mean!r}, norm_std_type={std!r}: jaxrl_llm "
+                                 "has gae, grpo and reinforce with group mean (and optionally group std) "
+                                 "normalisation (= grpo)")
+    for key, default in ROLL_DEFAULTS.items():
+        if key in SIMPLE:
+            m.set(SIMPLE[key], src.take(key, default), key)
+    clip = src.take("pg_clip", 0.2)
+    m.set(f"{A}.clip_ratio", clip, "pg_clip")
+    low, high = src.take("pg_clip_low", 0.2), src.take("pg_clip_high", 0.2)
+    if src.take("use_pg_clip_range", False):
+        m.set(f"{A}.clip_ratio_low", low, "pg_clip_low")
+        m.set(f"{A}.clip_ratio_high", high, "pg_clip_high")
+    dual = src.take("dual_clip_loss", False)
+    m.set(f"{A}.clip_ratio_c", 1.0 + 2.0 * clip if dual else NO_DUAL_CLIP, "dual_clip_loss")
+    m.set(f"{A}.kl_loss_type", "low_var_kl", "use_kl_loss")  # ROLL's KL loss: k3 clamped to +-10
+    target = src.take("target_kl")
+    if target is not None:
+        m.set("algorithm.kl_ctrl.type", "adaptive", "target_kl")
+        m.set("algorithm.kl_ctrl.target_kl", target, "target_kl")
+    if src.has("value_clip"):
+        value_clip = src.take("value_clip")
+        m.set("critic.cliprange_value", NO_DUAL_CLIP if value_clip is None else value_clip, "value_clip")
+    sampling = src.take("importance_sampling", "token")
+    if sampling == "seq":  # sequence-mean log-ratio, PPO clip, no dual clip: our gspo when seq-mean-token-mean
+        if m.get(f"{A}.loss_agg_mode") != "seq-mean-token-mean" or dual:
+            m.error("importance_sampling", "'seq' matches jaxrl_llm's gspo loss only with loss_agg_mode "
+                                           "seq-mean-token-mean and dual_clip_loss false")
+        m.set(f"{A}.policy_loss.loss_mode", "gspo", "importance_sampling")
+    policy = src.take("use_policy_loss_type", "PPO")
+    if policy != "PPO":
+        m.error("use_policy_loss_type", f"{policy!r}: only the PPO loss is available")
+    coef = src.take("rl_loss_coef", 1.0)
+    if coef != 1.0:
+        m.error("rl_loss_coef", f"{coef!r}: a scaled RL loss is not available")
+
+
+def _roles(m: Mapper, src: Source) -> None:
+    for role, ours in (("actor_train", A), ("critic", "critic")):
+        ta = f"{role}.training_args."
+        for name, key in TRAINING_ARGS.items():
+            if src.peek(ta + name) is not None:
+                m.set(f"{ours}.{key}", src.take(ta + name), ta + name)
+        warmup = src.take(ta + "warmup_steps")
+        if warmup:  # optimizer steps (HF TrainingArguments) -> our training steps, rounded up
+            section = "data.train_batch_size", f"{ours}.ppo_mini_batch_size", f"{ours}.ppo_epochs"
+            per_step = m.get(section[0]) // (m.get(section[1]) or m.get(f"{A}.ppo_mini_batch_size")) * (
+                m.get(section[2]) or m.get(f"{A}.ppo_epochs"))
+            m.set(f"{ours}.optim.lr_warmup_steps", ratio_steps(int_or_error(m, ta + "warmup_steps", warmup),
+                                                               per_step), ta + "warmup_steps")
+        betas = [src.take(ta + "adam_beta1"), src.take(ta + "adam_beta2")]
+        if any(b is not None for b in betas):
+            old = m.get(f"{ours}.optim.betas")
+            m.set(f"{ours}.optim.betas", [b if b is not None else o for b, o in zip(betas, old)], ta + "adam_beta1")
+        schedule = src.take(ta + "lr_scheduler_type")
+        if schedule is not None:
+            if schedule not in ("constant", "constant_with_warmup", "cosine"):
+                m.error(ta + "lr_scheduler_type", f"{schedule!r}: jaxrl_llm has constant and cosine (with warmup)")
+            m.set(f"{ours}.optim.lr_scheduler_type", "cosine" if schedule == "cosine" else "constant",
+                  ta + "lr_scheduler_type")
+        model = "actor_rollout_ref.model" if role == "actor_train" else "critic.model"
+        dtype = src.take(f"{role}.model_args.dtype")
+        if dtype in ("bf16", "bfloat16", "fp32", "float32"):
+            m.set(f"{model}.dtype", "bfloat16" if dtype.startswith("b") else "float32", f"{role}.model_args.dtype")
+        elif dtype is not None:
+            m.ignore(f"{role}.model_args.dtype={dtype}", "only float32 / bfloat16 compute; the tree's dtype is kept")
+        key = f"{role}.model_args.disable_gradient_checkpointing"
+        if src.has(key):
+            m.set(f"{model}.enable_gradient_checkpointing", not src.take(key), key)
+    ref = src.take("reference.model_args.model_name_or_path")
+    if ref not in (None, m.get("actor_rollout_ref.model.path")):
+        m.error("reference.model_args.model_name_or_path", f"{ref!r}: the reference model is the initial policy "
+                                                           "in jaxrl_llm")
+    tp = src.drop("actor_train.strategy_args.strategy_config.tensor_model_parallel_size")
+    if isinstance(tp, int) and tp > 0:
+        m.set("mesh.tensor", tp, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size")
+
+
+def _data(m: Mapper, src: Source) -> None:
+    for role, ours in (("actor_train", "data.train_files"), ("validation", "data.val_files")):
+        files = src.take(f"{role}.data_args.file_name")
+        if files is not None:
+            m.set(ours, files, f"{role}.data_args.file_name")
+        template = src.take(f"{role}.data_args.template")
+        if template not in (None, "native"):
+            m.ignore(f"{role}.data_args.template={template}", "prompts use the tokenizer's chat template (native)")
+    response = src.take("response_length")
+    if response is None and src.has("sequence_length"):
+        response = src.take("sequence_length") - m.get("data.max_prompt_length")
+    if response is not None:
+        m.set("data.max_response_length", response, "response_length")
+    if src.take("val_greedy", False):
+        m.set(f"{R}.val_kwargs.do_sample", False, "val_greedy")
+        m.set(f"{R}.val_kwargs.temperature", 0.0, "val_greedy")
+    penalty = src.take("actor_infer.generating_args.repetition_penalty", 1.0)
+    if penalty != 1.0:
+        m.error("actor_infer.generating_args.repetition_penalty", f"{penalty!r}: not available (1.0 only)")
+    for key in src.keys_under("rewards"):
+        value = src.drop(key)
+        if "judge" in str(value).lower():
+            m.error(key, "LLM-judge rewards are not available")
+        m.ignore(key, "scoring uses jaxrl_llm's scorer for each row's data_source (or custom_reward_function.path)")
+    track = src.take("track_with")
+    if track is not None:
+        m.set("trainer.logger", logger_sinks(m, "track_with", [track]), "track_with")
+    keep = src.take("max_ckpt_to_keep")
+    if keep is not None:
+        m.set("trainer.max_actor_ckpt_to_keep", keep or None, "max_ckpt_to_keep")
+    resume = src.take("resume_from_checkpoint")
+    if isinstance(resume, str) and resume:
+        m.set("trainer.resume_mode", "resume_path", "resume_from_checkpoint")
+        m.set("trainer.resume_from_path", resume, "resume_from_checkpoint")
+    elif resume is not None:
+        m.set("trainer.resume_mode", "auto" if resume else "disable", "resume_from_checkpoint")
+
+
+def import_roll(data: dict[str, Any], m: Mapper) -> None:
+    src = Source(flatten(data, leaves=("rewards",)), m.source)
+    for key, why in ERRORS.items():
+        for sub in src.keys_under(key):
+            value = src.drop(sub)
+            if IS_SET(value) and not (key == "actor_infer.generating_args.num_beams" and value == 1):
+                m.error(sub, f"{value!r}: {why}")
+            m.ignore(sub, "off; no counterpart in jaxrl_llm")
+    for key, ours in SIMPLE.items():
+        if key in ROLL_DEFAULTS or not src.has(key):
+            continue
+        value = src.take(key)
+        if value is not None:
+            m.set(ours, value, key)
+    if "trainer.seed" in m.settings:
+        m.set("data.seed", m.settings["trainer.seed"], "seed")
+    if m.settings.get("trainer.save_freq") == 0:
+        m.set("trainer.save_freq", -1, "save_steps")
+    _algorithm(m, src)
+    _batch(m, src)  # before _roles, which takes the strategy keys _batch reads
+    _roles(m, src)
+    _data(m, src)
+    for key in src.remaining():
+        src.drop(key)
+        head = key.split(".")[0]
+        placement = any(part in key for part in ("strategy_args", "device_mapping", "infer_batch_size",
+                                                 "num_gpus", "worker_cls", "system_envs", "offload", "profiler",
+                                                 "rpc_timeout", "max_running_requests", "logging_dir")) \
+            or head in ("defaults", "num_nodes", "checkpoint_config", "tracker_kwargs", "base_dir")
+        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm")

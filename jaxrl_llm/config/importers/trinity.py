@@ -1,0 +1,295 @@
+"""Trinity-RFT configs -> our tree, as Trinity's own "align with veRL" guide maps them.
+
+Batch sizes (the guide): Trinity's `buffer.batch_size` tasks are explored per explorer step and
+`synchronizer.sync_interval` explorer steps share one weight version, so veRL's
+`data.train_batch_size = batch_size * sync_interval`; each trainer step is one optimizer step over
+`buffer.train_batch_size` experiences (default `batch_size * repeat_times`), so
+`ppo_mini_batch_size = train_batch_size / repeat_times` prompts. Explorer-step counters
+(`total_steps`, `eval_interval`) are divided by `sync_interval`, trainer-step counters
+(`save_interval`) by the optimizer steps per training step. Only the synchronous schedule
+(`sync_style: fixed`, `sync_offset: 0`) has this meaning; anything else is an error.
+
+Algorithm functions left unset take Trinity's defaults for the `algorithm_type`
+(trinity/algorithm/algorithm.py), e.g. GRPO's `kl_loss_fn: k2` with `kl_coef: 0.001`. The taskset
+and workflow keys are in `trinity_data.py`; `trainer.trainer_config` is imported as veRL keys.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxrl_llm.config.importers.common import (PLACEMENT, Mapper, Source, flatten, int_or_error, load_yaml,
+                                               logger_sinks, ratio_steps)
+from jaxrl_llm.config.importers.trinity_data import import_tasksets
+from jaxrl_llm.config.importers.verl import import_verl_source
+from jaxrl_llm.config.overrides import OPEN_SECTIONS
+
+TOP_LEVEL = ("algorithm", "model", "cluster", "buffer", "explorer", "synchronizer")
+
+A = "actor_rollout_ref.actor"
+_BASE = {"policy_loss_fn": "ppo", "kl_penalty_fn": "none", "kl_loss_fn": "k2", "entropy_loss_fn": "default"}
+# algorithm_type -> Trinity's defaults for the functions left unset
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {**_BASE, "repeat_times": 1, "advantage_fn": "ppo"},
+    "grpo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo"},
+    "dapo": {**_BASE, "repeat_times": 16, "advantage_fn": "grpo", "kl_loss_fn": "none"},
+    "reinforceplusplus": {**_BASE, "repeat_times": 2, "advantage_fn": "reinforceplusplus"},
+    "rloo": {**_BASE, "repeat_times": 2, "advantage_fn": "rloo"},
+    "gspo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "gspo"},
+    "cispo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "cispo"},
+    "sapo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "sapo"},
+}
+ADVANTAGE_FNS = {"ppo": "gae", "grpo": "grpo", "reinforceplusplus": "reinforce_plus_plus", "rloo": "rloo",
+                 "remax": "remax"}
+POLICY_LOSS_FNS = {"ppo": "vanilla", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo"}
+# Trinity's default_args of the policy losses whose defaults differ from ours
+POLICY_LOSS_DEFAULT_ARGS = {"gspo": {"clip_range_low": 0.0003, "clip_range_high": 0.0004,
+                                     "loss_agg_mode": "seq-mean-token-mean"}}
+KL_FNS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl", "abs": "abs"}
+POLICY_ARGS = {"clip_range": f"{A}.clip_ratio", "clip_range_low": f"{A}.clip_ratio_low",
+               "clip_range_high": f"{A}.clip_ratio_high", "clip_ratio_c": f"{A}.clip_ratio_c",
+               "loss_agg_mode": f"{A}.loss_agg_mode", "tau_pos": f"{A}.tau_pos", "tau_neg": f"{A}.tau_neg"}
+OPTIM_ARGS = {"lr": "lr", "lr_warmup_steps": "lr_warmup_steps", "lr_warmup_steps_ratio": "lr_warmup_steps_ratio",
+              "min_lr_ratio": "min_lr_ratio", "warmup_style": "lr_scheduler_type",
+              "lr_scheduler_type": "lr_scheduler_type", "weight_decay": "weight_decay", "betas": "betas",
+              "num_cycles": "num_cycles"}
+# keys Trinity computes itself: ignored inside trainer.trainer_config (veRL names)
+TRINITY_OWNED = ("data", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.ppo_mini_batch_size",
+                 "critic.ppo_mini_batch_size", "actor_rollout_ref.model.path", "critic.model.path",
+                 "trainer.project_name", "trainer.experiment_name", "trainer.default_local_dir",
+                 "trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq",
+                 "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.logger", "algorithm.adv_estimator",
+                 "algorithm.use_kl_in_reward", "actor_rollout_ref.actor.use_kl_loss")
+
+
+def _fn_args(m: Mapper, src: Source, name: str) -> dict[str, Any]:
+    prefix = f"algorithm.{name}_args"
+    args = {k[len(prefix) + 1:]: src.take(k) for k in src.keys_under(prefix) if k != prefix}
+    src.take(prefix)  # an empty / null args section
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def _unknown_args(m: Mapper, where: str, args: dict[str, Any], known: set[str]) -> None:
+    for key, value in args.items():
+        if key not in known and value not in (False, 0, "", {}, []):
+            m.error(f"algorithm.{where}.{key}", f"{value!r}: not available in jaxrl_llm")
+
+
+def _algorithm(m: Mapper, src: Source) -> None:
+    kind = src.take("algorithm.algorithm_type", "ppo")
+    if kind not in ALGORITHM_DEFAULTS:
+        m.error("algorithm.algorithm_type", f"{kind!r}: jaxrl_llm has {', '.join(ALGORITHM_DEFAULTS)} "
+                                            "(no SFT / DPO / mixed / off-policy algorithm types)")
+    defaults = ALGORITHM_DEFAULTS[kind]
+    fn = {k: src.take(f"algorithm.{k}") or v for k, v in defaults.items() if k != "repeat_times"}
+    m.set("actor_rollout_ref.rollout.n", src.take("algorithm.repeat_times", defaults["repeat_times"]),
+          "algorithm.repeat_times")
+
+    adv, src_key = fn["advantage_fn"], "algorithm.advantage_fn"
+    if adv not in ADVANTAGE_FNS:
+        m.error(src_key, f"{adv!r}: jaxrl_llm has {', '.join(ADVANTAGE_FNS)} (as veRL's estimators)")
+    m.set("algorithm.adv_estimator", ADVANTAGE_FNS[adv], src_key)
+    args = _fn_args(m, src, "advantage_fn")
+    for name in ("gamma", "lam"):
+        if name in args:
+            m.set(f"algorithm.{name}", args.pop(name), f"algorithm.advantage_fn_args.{name}")
+    if "epsilon" in args:
+        m.ignore("algorithm.advantage_fn_args.epsilon", "GRPO's std epsilon is fixed at 1e-6 (veRL's)")
+        args.pop("epsilon")
+    _unknown_args(m, "advantage_fn_args", args, set())
+
+    loss = fn["policy_loss_fn"]
+    if loss not in POLICY_LOSS_FNS:
+        m.error("algorithm.policy_loss_fn", f"{loss!r}: jaxrl_llm has {', '.join(POLICY_LOSS_FNS)}")
+    m.set(f"{A}.policy_loss.loss_mode", POLICY_LOSS_FNS[loss], "algorithm.policy_loss_fn")
+    args = _fn_args(m, src, "policy_loss_fn") or dict(POLICY_LOSS_DEFAULT_ARGS.get(loss, {}))
+    if loss in ("cispo", "sapo") and not args:
+        m.error("algorithm.policy_loss_fn_args", f"set the {loss} arguments explicitly (clip ranges / tau)")
+    if args.pop("enable_sequence_masking", False):
+        m.error("algorithm.policy_loss_fn_args.enable_sequence_masking", "True: sequence masking is not available")
+    if "delta" in args:
+        args.pop("delta")
+        m.ignore("algorithm.policy_loss_fn_args.delta", "used only with enable_sequence_masking")
+    for name in [k for k in args if k in POLICY_ARGS]:
+        m.set(POLICY_ARGS[name], args.pop(name), f"algorithm.policy_loss_fn_args.{name}")
+    _unknown_args(m, "policy_loss_fn_args", args, set())
+
+    _kl(m, src, fn["kl_loss_fn"], "kl_loss_fn")
+    _kl(m, src, fn["kl_penalty_fn"], "kl_penalty_fn")
+    entropy = fn["entropy_loss_fn"]
+    args = _fn_args(m, src, "entropy_loss_fn")
+    if entropy not in ("default", "basic", "none"):
+        m.error("algorithm.entropy_loss_fn", f"{entropy!r}: jaxrl_llm has an entropy bonus only (default / none)")
+    m.set(f"{A}.entropy_coeff", 0.0 if entropy == "none" else args.pop("entropy_coef", 0.0),
+          "algorithm.entropy_loss_fn")
+    _unknown_args(m, "entropy_loss_fn_args", args, set())
+    _optimizer(m, src)
+    strategy = src.take("algorithm.sample_strategy")
+    if strategy not in (None, "default", "warmup"):
+        m.error("algorithm.sample_strategy", f"{strategy!r}: only on-policy sampling of the taskset is available")
+    for key in src.keys_under("algorithm"):
+        src.drop(key)
+        m.ignore(key)
+
+
+def _kl(m: Mapper, src: Source, name: str, role: str) -> None:
+    args = _fn_args(m, src, role)
+    key = f"algorithm.{role}"
+    in_loss = role == "kl_loss_fn"
+    if name == "none":
+        m.set(f"{A}.use_kl_loss" if in_loss else "algorithm.use_kl_in_reward", False, key)
+        return
+    if name not in KL_FNS:
+        m.error(key, f"{name!r}: jaxrl_llm has {', '.join(KL_FNS)} (and none)")
+    coef = args.pop("kl_coef", 0.001)
+    adaptive = args.pop("adaptive", False)
+    if in_loss:
+        if adaptive:
+            m.error(f"{key}_args.adaptive", "True: an adaptive KL-loss coefficient is not available")
+        m.set(f"{A}.use_kl_loss", True, key)
+        m.set(f"{A}.kl_loss_type", KL_FNS[name], key)
+        m.set(f"{A}.kl_loss_coef", coef, f"{key}_args.kl_coef")
+    else:
+        m.set("algorithm.use_kl_in_reward", True, key)
+        m.set("algorithm.kl_penalty", KL_FNS[name], key)
+        m.set("algorithm.kl_ctrl.kl_coef", coef, f"{key}_args.kl_coef")
+        m.set("algorithm.kl_ctrl.type", "adaptive" if adaptive else "fixed", f"{key}_args.adaptive")
+        for arg in ("target_kl", "horizon"):
+            if arg in args:
+                m.set(f"algorithm.kl_ctrl.{arg}", args.pop(arg), f"{key}_args.{arg}")
+    _unknown_args(m, f"{role}_args", args, set())
+
+
+def _optimizer(m: Mapper, src: Source) -> None:
+    for key in src.keys_under("algorithm.optimizer"):
+        name, value = key.rsplit(".", 1)[1], src.take(key)
+        if name in OPTIM_ARGS and value is not None:
+            m.set(f"{A}.optim.{OPTIM_ARGS[name]}", value, key)
+        elif name in ("optimizer_type", "optimizer") and str(value).lower() not in ("adam", "adamw"):
+            m.error(key, f"{value!r}: jaxrl_llm trains with AdamW only")
+        elif name == "clip_grad" and value is not None:
+            m.set(f"{A}.grad_clip", value, key)
+        else:
+            m.ignore(key, "derived by jaxrl_llm" if name == "total_training_steps" else "no counterpart in jaxrl_llm")
+
+
+def _schedule(m: Mapper, src: Source) -> None:
+    """Batch sizes and step counters (see the module docstring)."""
+    style, offset = src.take("synchronizer.sync_style", "fixed"), src.take("synchronizer.sync_offset", 0)
+    if style != "fixed":
+        m.error("synchronizer.sync_style", f"{style!r}: only the synchronous schedule (fixed) is available")
+    if offset:
+        m.error("synchronizer.sync_offset", f"{offset!r}: the explorer running ahead of the trainer is off-policy "
+                                            "training; jaxrl_llm is synchronous (sync_offset: 0)")
+    k = int_or_error(m, "synchronizer.sync_interval", src.take("synchronizer.sync_interval", 1))
+    n = m.get("actor_rollout_ref.rollout.n")
+    batch = int_or_error(m, "buffer.batch_size", src.take("buffer.batch_size", 1))
+    experiences = src.take("buffer.train_batch_size") or batch * n
+    if experiences % n:
+        m.error("buffer.train_batch_size", f"{experiences}: not whole groups of repeat_times={n}")
+    mini = experiences // n
+    if (batch * k) % mini:
+        m.error("buffer.train_batch_size", f"{experiences} experiences = {mini} tasks do not divide "
+                                           f"batch_size x sync_interval = {batch * k}")
+    m.set("data.train_batch_size", batch * k, "buffer.batch_size")
+    m.set(f"{A}.ppo_mini_batch_size", mini, "buffer.train_batch_size")
+    optimizer_steps = batch * k // mini
+    if src.has("buffer.total_epochs"):
+        m.set("trainer.total_epochs", src.take("buffer.total_epochs"), "buffer.total_epochs")
+    total = src.take("buffer.total_steps")
+    if total is not None:
+        if total % k:
+            m.error("buffer.total_steps", f"{total}: not a multiple of sync_interval={k} (one jaxrl_llm step "
+                                          f"= {k} explorer steps)")
+        m.set("trainer.total_training_steps", total // k, "buffer.total_steps")
+    if src.has("explorer.eval_interval"):
+        interval = src.take("explorer.eval_interval")
+        m.set("trainer.test_freq", max(interval // k, 1), "explorer.eval_interval")
+    save = src.take("trainer.save_interval")
+    if save is not None:
+        m.set("trainer.save_freq", ratio_steps(save, optimizer_steps) if save > 0 else -1, "trainer.save_interval")
+
+
+def _model(m: Mapper, src: Source) -> None:
+    simple = {"model.model_path": "actor_rollout_ref.model.path", "model.critic_model_path": "critic.model.path",
+              "model.max_prompt_tokens": "data.max_prompt_length",
+              "model.max_response_tokens": "data.max_response_length",
+              "model.enable_prompt_truncation": "data.filter_overlong_prompts",
+              "model.temperature": "actor_rollout_ref.rollout.temperature",
+              "model.top_p": "actor_rollout_ref.rollout.top_p", "model.top_k": "actor_rollout_ref.rollout.top_k",
+              "explorer.eval_on_startup": "trainer.val_before_train",
+              "explorer.rollout_model.ignore_eos": "actor_rollout_ref.rollout.ignore_eos",
+              "trainer.actor_grad_clip": f"{A}.grad_clip", "trainer.grad_clip": f"{A}.grad_clip",
+              "trainer.use_dynamic_bsz": f"{A}.use_dynamic_bsz",
+              "trainer.max_token_len_per_gpu": f"{A}.ppo_max_token_len_per_device",
+              "project": "trainer.project_name", "name": "trainer.experiment_name"}
+    for key, ours in simple.items():
+        value = src.take(key)
+        if value not in (None, ""):
+            m.set(ours, value, key)
+    for key in ("model.rope_theta", "model.rope_scaling"):
+        if src.peek(key) is not None:
+            m.set(f"actor_rollout_ref.model.override_config.{key[6:]}", src.take(key), key)
+    keep = src.take("trainer.max_checkpoints_to_keep")
+    if keep is not None:
+        for role in ("actor", "critic"):
+            m.set(f"trainer.max_{role}_ckpt_to_keep", keep, "trainer.max_checkpoints_to_keep")
+    if src.has("explorer.rollout_model.tensor_parallel_size"):
+        m.set("mesh.tensor", src.take("explorer.rollout_model.tensor_parallel_size"),
+              "explorer.rollout_model.tensor_parallel_size")
+    root = src.take("checkpoint_root_dir")
+    if root:
+        parts = [root, m.get("trainer.project_name"), src.take("group") or "", m.get("trainer.experiment_name")]
+        m.set("trainer.default_local_dir", os.path.join(*[p for p in parts if p]), "checkpoint_root_dir")
+    resume = src.take("continue_from_checkpoint")
+    if resume is not None:
+        m.set("trainer.resume_mode", "auto" if resume else "disable", "continue_from_checkpoint")
+    monitor = src.take("monitor.monitor_type")
+    if monitor is not None:
+        m.set("trainer.logger", logger_sinks(m, "monitor.monitor_type", [monitor]), "monitor.monitor_type")
+
+
+ERRORS = {  # key -> (is it set?, why)
+    "mode": (lambda v: v not in (None, "both"), "only mode 'both' (explore and train together) is available"),
+    "model.custom_chat_template": (bool, "a custom chat template is not available (the tokenizer's is used)"),
+    "model.lora_configs": (bool, "LoRA is not supported (full-parameter training only)"),
+    "model.min_response_tokens": (lambda v: v not in (None, 0, 1), "a minimum response length is not available"),
+    "explorer.rollout_model.enable_thinking": (bool, "chat-template kwargs (enable_thinking) are not available"),
+    "explorer.rollout_model.chat_template": (bool, "a custom chat template is not available"),
+    "explorer.auxiliary_models": (bool, "auxiliary models (LLM judges / generative reward models) are not "
+                                        "available; reward_model.* takes a sequence-classification model"),
+    "data_processor.task_pipeline": (bool, "task pipelines (Data-Juicer) are not available"),
+    "data_processor.experience_pipeline.operators": (bool, "experience operators are not available"),
+    "buffer.trainer_input.sft_warmup_steps": (bool, "SFT warmup is not available"),
+    "buffer.trainer_input.sft_warmup_dataset": (bool, "SFT warmup is not available"),
+    "stages": (bool, "multi-stage runs are not available"),
+}
+
+
+def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
+    trainer = data.get("trainer")
+    trainer_config = trainer.pop("trainer_config", None) if isinstance(trainer, dict) else None
+    src = Source(flatten(data, leaves=("buffer.explorer_input.taskset.rollout_args",)), m.source)
+    for key, (is_set, why) in ERRORS.items():
+        for sub in src.keys_under(key):
+            if is_set(src.peek(sub)):
+                m.error(sub, f"{src.peek(sub)!r}: {why}")
+    verl_path = src.take("trainer.trainer_config_path")
+    if verl_path:  # veRL keys first: Trinity's own keys below override them, as in Trinity
+        full = os.path.join(os.path.dirname(path), verl_path)
+        vsrc = Source(flatten(load_yaml(full), leaves=OPEN_SECTIONS), m.source, f"{verl_path}:")
+        import_verl_source(m, vsrc, skip=TRINITY_OWNED)
+    if isinstance(trainer_config, dict):
+        vsrc = Source(flatten(trainer_config, leaves=OPEN_SECTIONS), m.source, "trainer.trainer_config.")
+        import_verl_source(m, vsrc, skip=TRINITY_OWNED)
+    _algorithm(m, src)
+    _model(m, src)
+    _schedule(m, src)
+    import_tasksets(m, src, os.path.dirname(path))
+    for key in src.remaining():
+        src.drop(key)
+        head = key.split(".")[0]
+        placement = head in ("cluster", "synchronizer", "log", "service", "ray_namespace", "monitor") or \
+            key.startswith(("explorer.rollout_model.", "explorer.runner", "explorer.max_", "trainer.trainer_",
+                            "trainer.ulysses", "buffer.trainer_input.experience_buffer", "data_processor."))
+        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm")

@@ -1,0 +1,187 @@
+"""Trinity-RFT tasksets (`buffer.explorer_input`) -> data.* and the rollout / validation sampling.
+
+A taskset is `path` + `split` (+ `format` column keys, `rollout_args` sampling). A file path is
+used as is; a folder is searched for the split's files (`<split>.parquet`, `<split>-*.parquet`,
+... any of .parquet/.jsonl/.json/.csv); a folder without such files maps to
+`<path>/<split>.parquet` (veRL's layout), which validation then reports if it is missing.
+Scoring is jaxrl_llm's (each row's `data_source` scorer or `custom_reward_function`), so single-turn
+math / simple workflows are accepted with a note, other workflows are errors.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+from jaxrl_llm.config.importers.common import Mapper, Source
+from jaxrl_llm.data.sources import SUPPORTED_SUFFIXES
+
+EI = "buffer.explorer_input"
+SINGLE_TURN_WORKFLOWS = ("simple_workflow", "async_simple_workflow", "math_workflow", "async_math_workflow",
+                         "math_boxed_workflow", "async_math_boxed_workflow")
+SCORING_NOTE = ("scoring uses jaxrl_llm's scorer for each row's data_source (or custom_reward_function.path) "
+                "and the tokenizer's chat template")
+FORMAT_ERRORS = {
+    "system_prompt": "a system prompt is not available (put it in the data's message lists)",
+    "system_prompt_key": "a system prompt column is not available (put it in the data's message lists)",
+    "reply_prefix": "a reply prefix is not available",
+    "chat_template": "a custom chat template is not available",
+    "image_key": "multimodal data is not available",
+    "video_key": "multimodal data is not available",
+    "enable_concatenated_multi_turn": "multi-turn data is not available",
+}
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def taskset_files(path: str, split: str) -> list[str]:
+    """The data files of a Trinity taskset (see the module docstring)."""
+    local = os.path.expanduser(path)
+    if local.endswith(SUPPORTED_SUFFIXES):
+        return [path]
+    if os.path.isdir(local):
+        for pattern in (f"{split}.*", f"{split}-*", f"*/{split}.*", f"*/{split}-*", f"*{split}*"):
+            found = sorted(f for f in glob.glob(os.path.join(local, pattern)) if f.endswith(SUPPORTED_SUFFIXES))
+            if found:
+                return found
+    return [os.path.join(path, f"{split}.parquet")]
+
+
+def _workflow(m: Mapper, key: str, value: Any) -> None:
+    if value in (None, ""):
+        return
+    if value not in SINGLE_TURN_WORKFLOWS:
+        m.error(key, f"{value!r}: only single-turn generation is available ({', '.join(SINGLE_TURN_WORKFLOWS)}); "
+                     "multi-turn, agentic and model-judged workflows are not")
+    m.ignore(f"{key}={value}", SCORING_NOTE)
+
+
+def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[str, Any]:
+    """One taskset's files, prompt keys and sampling arguments; errors for what we cannot honour."""
+    if ts.get("storage_type", "file") not in ("file", None):
+        m.error(f"{where}.storage_type", f"{ts['storage_type']!r}: only file tasksets are available")
+    if not ts.get("path"):
+        m.error(f"{where}.path", "missing: the taskset's file or folder")
+    if ts.get("subset_name"):
+        m.error(f"{where}.subset_name", f"{ts['subset_name']!r}: dataset subsets are not available; point path "
+                                        "at the subset's files")
+    fmt = dict(ts.get("format") or {})
+    for name, why in FORMAT_ERRORS.items():
+        if fmt.get(name):
+            m.error(f"{where}.format.{name}", f"{fmt[name]!r}: {why}")
+    if fmt.get("response_key") not in (None, "ground_truth"):
+        m.error(f"{where}.format.response_key", f"{fmt['response_key']!r}: jaxrl_llm reads the reference answer "
+                "from reward_model.ground_truth or a ground_truth column and has no key to point elsewhere; rename "
+                "the column to ground_truth (or write veRL's row format) and drop response_key")
+    for name in ("workflow_key", "reward_fn_key"):
+        if fmt.get(name):
+            m.error(f"{where}.format.{name}", f"{fmt[name]!r}: per-row workflows / reward functions are not available")
+    for name in ("prompt_type", "tools_key", "chosen_key", "rejected_key"):
+        if name in fmt:
+            m.ignore(f"{where}.format.{name}", "used by SFT / DPO / tool workflows only")
+    _workflow(m, f"{where}.default_workflow_type", ts.get("default_workflow_type"))
+    _workflow(m, f"{where}.default_eval_workflow_type", ts.get("default_eval_workflow_type"))
+    if ts.get("default_reward_fn_type"):
+        m.ignore(f"{where}.default_reward_fn_type={ts['default_reward_fn_type']}", SCORING_NOTE)
+    for name in ("workflow_args", "reward_fn_args"):
+        if ts.get(name):
+            m.error(f"{where}.{name}", f"{ts[name]!r}: workflow / reward-function arguments are not available")
+    args = dict(ts.get("rollout_args") or {})
+    if not is_eval and args.get("n") not in (None, 1):
+        m.error(f"{where}.rollout_args.n", "set algorithm.repeat_times instead (Trinity: do not set)")
+    if args.pop("logprobs", None):
+        m.ignore(f"{where}.rollout_args.logprobs", "vLLM top-logprobs only")
+    args.pop("n", None)
+    for name in args:
+        if name not in ("temperature", "top_p", "top_k"):
+            m.error(f"{where}.rollout_args.{name}", f"{args[name]!r}: this sampling argument is not available")
+    for name in ("name", "index", "enable_progress_bar", "total_epochs", "total_steps", "is_eval", "ray_namespace",
+                 "wrap_in_ray", "schema_type", "split", "path", "storage_type", "subset_name", "format",
+                 "rollout_args", "default_workflow_type", "default_eval_workflow_type", "default_reward_fn_type",
+                 "workflow_args", "reward_fn_args", "repeat_times"):
+        ts.pop(name, None)
+    for name in ts:
+        m.ignore(f"{where}.{name}")
+    return {"fmt": fmt, "args": args}
+
+
+def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: bool) -> dict[str, Any] | None:
+    if not tasksets:
+        return None
+    files: list[str] = []
+    seen: dict[str, tuple[str, Any]] = {}
+    for where, ts in tasksets:
+        path, split = ts.get("path"), ts.get("split", "train")
+        repeat = ts.get("repeat_times")
+        info = _taskset(m, dict(ts), where, is_eval)
+        files += taskset_files(str(path), str(split))
+        values = {**{f"format.{k}": v for k, v in info["fmt"].items() if k in ("prompt_key", "messages_key")},
+                  **{f"rollout_args.{k}": v for k, v in info["args"].items()}}
+        if is_eval:
+            values["repeat_times"] = repeat if repeat is not None else 1
+        elif repeat is not None:
+            m.ignore(f"{where}.repeat_times", "algorithm.repeat_times is used (as in Trinity)")
+        for key, value in values.items():
+            if key in seen and seen[key][1] != value:
+                m.error(f"{where}.{key}", f"{value!r} differs from {seen[key][0]}.{key}={seen[key][1]!r}; "
+                                          "jaxrl_llm has one setting for all tasksets")
+            seen[key] = (where, value)
+    out = {"files": files[0] if len(files) == 1 else files}
+    out.update({k: v for k, (_, v) in seen.items()})
+    return out
+
+
+def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
+    del base_dir  # Trinity resolves relative taskset paths against the working directory, as we do
+    for key in ("system_prompt", "reply_prefix"):
+        if src.peek(f"{EI}.{key}"):
+            m.error(f"{EI}.{key}", f"{src.peek(f'{EI}.{key}')!r}: {FORMAT_ERRORS[key]}")
+    for name in ("default_workflow_type", "default_eval_workflow_type"):  # defaults of every taskset
+        _workflow(m, f"{EI}.{name}", src.take(f"{EI}.{name}"))
+    reward = src.take(f"{EI}.default_reward_fn_type")
+    if reward:
+        m.ignore(f"{EI}.default_reward_fn_type={reward}", SCORING_NOTE)
+    single = src.sub(f"{EI}.taskset.")
+    train = [(f"{EI}.taskset", _unflatten(single.flat))] if single.flat else []
+    listed = src.take(f"{EI}.tasksets") or []
+    train += [(f"{EI}.tasksets[{i}]", dict(t)) for i, t in enumerate(listed)]
+    evals = [(f"{EI}.eval_tasksets[{i}]", dict(t)) for i, t in enumerate(src.take(f"{EI}.eval_tasksets") or [])]
+    for name in ("system_prompt", "reply_prefix"):
+        src.take(f"{EI}.{name}")
+    got = _collect(m, train, is_eval=False)
+    if got is not None:
+        m.set("data.train_files", got.pop("files"), f"{EI}.taskset.path")
+        _sampling(m, got, "actor_rollout_ref.rollout", f"{EI}.taskset")
+    got = _collect(m, evals, is_eval=True)
+    if got is not None:
+        m.set("data.val_files", got.pop("files"), f"{EI}.eval_tasksets")
+        # Trinity evaluates with the eval tasksets' rollout_args (sampling at temperature 1.0 by default)
+        temperature = got.pop("rollout_args.temperature", 1.0)
+        val = "actor_rollout_ref.rollout.val_kwargs"
+        m.set(f"{val}.temperature", temperature, f"{EI}.eval_tasksets.rollout_args.temperature")
+        m.set(f"{val}.do_sample", temperature > 0, f"{EI}.eval_tasksets.rollout_args.temperature")
+        m.set(f"{val}.top_p", got.pop("rollout_args.top_p", 1.0), f"{EI}.eval_tasksets.rollout_args.top_p")
+        m.set(f"{val}.top_k", got.pop("rollout_args.top_k", -1), f"{EI}.eval_tasksets.rollout_args.top_k")
+        m.set(f"{val}.n", got.pop("repeat_times"), f"{EI}.eval_tasksets.repeat_times")
+        _sampling(m, got, None, f"{EI}.eval_tasksets")
+
+
+def _sampling(m: Mapper, got: dict[str, Any], section: str | None, where: str) -> None:
+    for key, value in got.items():
+        if key.startswith("format."):
+            ours = "data." + key.split(".", 1)[1]
+            if ours in m.settings and m.settings[ours] != value:
+                m.error(f"{where}.{key}", f"{value!r} differs from {m.origin[ours]}={m.settings[ours]!r}; "
+                                          "jaxrl_llm reads training and validation files with one key")
+            m.set(ours, value, f"{where}.{key}")
+        elif section is not None and key.startswith("rollout_args."):
+            m.set(f"{section}.{key.split('.', 1)[1]}", value, f"{where}.{key}")

@@ -1,0 +1,243 @@
+"""TRL `GRPOConfig` / `RLOOConfig` arguments (command-line flags or a YAML file) -> our tree.
+
+Flags are overrides: only the arguments given are translated, on top of the config they follow.
+A TRL YAML file (`--import_format=trl`) is a whole TRL run: it also selects GRPO (or TRL's RLOO)
+and turns off KL-in-reward. TRL's own defaults are not applied (they differ between TRL versions).
+
+Arguments of TRL's older RLOOTrainer (`rloo_k`, `kl_coef`, `num_ppo_epochs`, `total_episodes`, ...)
+switch to `algorithm.trl_rloo` (TRL's sequence-level RLOO); GRPO-only arguments cannot be mixed in.
+Batch sizes and step counters: `trl_batch.py`.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+from jaxrl_llm.config.importers.common import NO_COUNTERPART, PLACEMENT, Mapper, logger_sinks
+from jaxrl_llm.config.importers.trl_batch import map_batch, map_steps
+from jaxrl_llm.config.overrides import parse_value
+from jaxrl_llm.config.schema import ConfigError
+
+A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+SIMPLE = {
+    "learning_rate": f"{A}.optim.lr", "weight_decay": f"{A}.optim.weight_decay", "adam_epsilon": f"{A}.optim.eps",
+    "max_grad_norm": f"{A}.grad_clip", "warmup_ratio": f"{A}.optim.lr_warmup_steps_ratio",
+    "temperature": f"{R}.temperature", "top_p": f"{R}.top_p",
+    "data_seed": "data.seed", "output_dir": "trainer.default_local_dir", "run_name": "trainer.experiment_name",
+    "num_sample_generations": "trainer.log_val_generations", "missing_eos_penalty": "reward_model.missing_eos_penalty",
+    "model_name_or_path": f"{M}.path", "sft_model_path": f"{M}.path", "shuffle_dataset": "data.shuffle",
+    "dataloader_num_workers": "data.dataloader_num_workers", "eval_on_start": "trainer.val_before_train",
+    "max_completion_length": "data.max_response_length", "response_length": "data.max_response_length",
+    "num_generations": f"{R}.n", "rloo_k": f"{R}.n", "num_iterations": f"{A}.ppo_epochs",
+    "num_ppo_epochs": f"{A}.ppo_epochs", "kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "normalize_reward": "algorithm.trl_rloo.normalize_reward",
+    "reward_clip_range": "algorithm.trl_rloo.reward_clip_range",
+    "normalize_advantage": "algorithm.trl_rloo.normalize_advantage",
+    "token_level_kl": "algorithm.trl_rloo.token_level_kl",
+}
+RLOO_MODE = ("rloo_k", "kl_coef", "cliprange", "normalize_reward", "reward_clip_range", "normalize_advantage",
+             "token_level_kl", "num_ppo_epochs", "num_mini_batches", "total_episodes", "whiten_rewards")
+GRPO_ONLY = ("num_generations", "beta", "epsilon", "epsilon_high", "delta", "num_iterations", "steps_per_generation",
+             "generation_batch_size", "loss_type", "scale_rewards", "importance_sampling_level")
+LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+              "dr_grpo": "seq-mean-token-sum-norm"}
+SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
+             "cosine_with_min_lr": "cosine"}
+ERRORS = {  # argument -> (is its value unsupported?, why)
+    "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "a repetition penalty is not available (1.0 only)"),
+    "min_p": (lambda v: v not in (None, 0, 0.0), "min-p sampling is not available"),
+    "mask_truncated_completions": (bool, "masking truncated completions out of the loss is not available"),
+    "top_entropy_quantile": (lambda v: v not in (None, 1, 1.0), "entropy-quantile token masking is not available"),
+    "sync_ref_model": (bool, "syncing the reference model to the policy is not available"),
+    "reward_weights": (lambda v: v is not None, "weighted multiple reward functions are not available"),
+    "whiten_rewards": (bool, "reward whitening is not available"),
+    "generation_kwargs": (bool, "extra generation arguments are not available"),
+    "chat_template_kwargs": (bool, "chat-template arguments are not available"),
+    "use_peft": (bool, "LoRA / PEFT is not available (full-parameter training only)"),
+}
+IGNORED = {  # patterns -> reason
+    PLACEMENT: ("use_vllm", "vllm_*", "ds3_*", "deepspeed", "fsdp*", "ddp_*", "dataloader_*", "torch_*", "tf32",
+                "use_liger*", "liger_*", "local_rank", "gradient_checkpointing_kwargs", "cache_implementation",
+                "model_init_kwargs", "use_cpu", "no_cuda", "half_precision_backend", "fp16_*", "bf16_full_eval",
+                "per_device_eval_batch_size", "eval_accumulation_steps", "local_rollout_forward_batch_size",
+                "ray_scope", "accelerator_config", "use_transformers_paged", "average_tokens_across_devices",
+                "auto_find_batch_size", "dataset_num_proc", "cast_lm_head_to_fp32", "torch_compile*",
+                "attn_implementation", "torch_dtype", "dtype", "trust_remote_code", "world_size"),
+    "logging / hub / bookkeeping": ("push_to_hub", "hub_*", "logging_*", "log_*", "disable_tqdm",
+                                    "remove_unused_columns", "overwrite_output_dir", "do_train", "do_eval",
+                                    "do_predict", "save_safetensors", "save_only_model", "save_on_each_node",
+                                    "num_completions_to_print", "wandb_*", "include_*", "exp_name",
+                                    "resume_from_checkpoint", "skip_memory_metrics", "label_names"),
+    "data comes from data.train_files / data.val_files": ("dataset_*", "reward_funcs", "reward_model_name_or_path"),
+    "jaxrl_llm's models have no dropout": ("disable_dropout",),
+    "jaxrl_llm stops at EOS (and rollout.stop_token_ids)": ("stop_token",),
+}
+
+
+def parse_trl_args(argv: Sequence[str]) -> dict[str, Any]:
+    """`--name=value`, `--name value [value ...]`, `--flag` (true) and `--no_flag` (false) -> a dict."""
+    args: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        if not item.startswith("--") or item == "--":
+            raise ConfigError(f"TRL flags: {item!r} is not a --name=value argument")
+        body = item[2:]
+        if "=" in body:
+            name, text = body.split("=", 1)
+            args[name] = parse_value(text)
+        else:
+            values = []
+            while i + 1 < len(argv) and not argv[i + 1].startswith("--") and "=" not in argv[i + 1]:
+                values.append(parse_value(argv[i + 1]))
+                i += 1
+            if values:
+                args[body] = values[0] if len(values) == 1 else values
+            elif body.startswith("no_"):
+                args[body[3:]] = False
+            else:
+                args[body] = True
+        i += 1
+    return args
+
+
+def _clip(m: Mapper, args: dict[str, Any], key: str) -> None:
+    eps = args[key]
+    m.set(f"{A}.clip_ratio", eps, key)
+    m.set(f"{A}.clip_ratio_low", eps, key)
+    m.set(f"{A}.clip_ratio_high", args.get("epsilon_high") or eps, "epsilon_high" if "epsilon_high" in args else key)
+
+
+def _special(m: Mapper, args: dict[str, Any]) -> None:
+    get = args.get
+    if "top_k" in args:
+        m.set(f"{R}.top_k", get("top_k") or -1, "top_k")
+    if "beta" in args:
+        m.set(f"{A}.use_kl_loss", bool(get("beta")), "beta")
+        if get("beta"):
+            m.set(f"{A}.kl_loss_coef", get("beta"), "beta")
+            m.set(f"{A}.kl_loss_type", "low_var_kl", "beta")  # TRL's per-token KL is k3
+    for key in ("epsilon", "cliprange"):
+        if key in args:
+            _clip(m, args, key)
+    if "epsilon_high" in args and "epsilon" not in args:
+        m.set(f"{A}.clip_ratio_high", get("epsilon_high"), "epsilon_high")
+    if get("delta") is not None:  # TRL clamps the unclipped ratio at delta = dual clip with c = delta
+        high = m.get(f"{A}.clip_ratio_high") or m.get(f"{A}.clip_ratio")
+        if get("delta") <= 1 + high:
+            m.error("delta", f"{get('delta')!r}: equals dual clip only when delta > 1 + epsilon_high ({1 + high})")
+        m.set(f"{A}.clip_ratio_c", get("delta"), "delta")
+    if "loss_type" in args:
+        if get("loss_type") not in LOSS_TYPES:
+            m.error("loss_type", f"{get('loss_type')!r}: jaxrl_llm has {', '.join(LOSS_TYPES)}")
+        m.set(f"{A}.loss_agg_mode", LOSS_TYPES[get("loss_type")], "loss_type")
+    if "scale_rewards" in args:
+        scale = {True: True, "group": True, False: False, "none": False}.get(get("scale_rewards"))
+        if scale is None:
+            m.error("scale_rewards", f"{get('scale_rewards')!r}: jaxrl_llm scales by the group std or not at all")
+        m.set("algorithm.norm_adv_by_std_in_grpo", scale, "scale_rewards")
+    level = get("importance_sampling_level", "token")
+    if level == "sequence":  # TRL's sequence IS with the grpo loss type = GSPO = our gspo loss
+        if get("loss_type") != "grpo":
+            m.error("importance_sampling_level", "'sequence' equals jaxrl_llm's gspo loss with loss_type='grpo'")
+        m.set(f"{A}.policy_loss.loss_mode", "gspo", "importance_sampling_level")
+    elif level != "token":
+        m.error("importance_sampling_level", f"{level!r}: jaxrl_llm has token and sequence")
+    if "max_prompt_length" in args:
+        if get("max_prompt_length") is None:
+            m.ignore("max_prompt_length=None", "a prompt budget is required; data.max_prompt_length is kept")
+        else:
+            m.set("data.max_prompt_length", get("max_prompt_length"), "max_prompt_length")
+            m.set("data.truncation", "left", "max_prompt_length")  # TRL truncates prompts from the left
+    if get("bf16") is not None:
+        for model in (M, "critic.model"):
+            m.set(f"{model}.dtype", "bfloat16" if get("bf16") else "float32", "bf16")
+    if get("fp16"):
+        m.ignore("fp16", "float16 is not available; the compute dtype follows bf16 / the tree")
+    if "gradient_checkpointing" in args:
+        for model in (M, "critic.model"):
+            m.set(f"{model}.enable_gradient_checkpointing", bool(get("gradient_checkpointing")),
+                  "gradient_checkpointing")
+    _optim(m, args)
+    if "report_to" in args:
+        targets = get("report_to")
+        targets = [targets] if isinstance(targets, str) or targets is None else targets
+        if "all" in targets:
+            m.ignore("report_to=all", "name the loggers (tensorboard, wandb)")
+            targets = [t for t in targets if t != "all"]
+        m.set("trainer.logger", logger_sinks(m, "report_to", [t for t in targets if t]), "report_to")
+    if get("seed") is not None:
+        m.set("trainer.seed", get("seed"), "seed")
+        if get("data_seed") is None:
+            m.set("data.seed", get("seed"), "seed")
+    if get("save_total_limit") is not None:
+        for role in ("actor", "critic"):
+            m.set(f"trainer.max_{role}_ckpt_to_keep", get("save_total_limit"), "save_total_limit")
+    if get("reward_model_path"):
+        m.set("reward_model.enable", True, "reward_model_path")
+        m.set("reward_model.model.path", get("reward_model_path"), "reward_model_path")
+    if get("stop_token_id") is not None:
+        m.set(f"{R}.stop_token_ids", [get("stop_token_id")], "stop_token_id")
+
+
+def _optim(m: Mapper, args: dict[str, Any]) -> None:
+    get = args.get
+    if "adam_beta1" in args or "adam_beta2" in args:
+        old = m.get(f"{A}.optim.betas")
+        m.set(f"{A}.optim.betas", [get("adam_beta1", old[0]), get("adam_beta2", old[1])], "adam_beta1")
+    if "lr_scheduler_type" in args:
+        kind = get("lr_scheduler_type")
+        if kind not in SCHEDULES:
+            m.error("lr_scheduler_type", f"{kind!r}: jaxrl_llm has constant and cosine (with linear warmup)")
+        m.set(f"{A}.optim.lr_scheduler_type", SCHEDULES[kind], "lr_scheduler_type")
+        kwargs = get("lr_scheduler_kwargs") or {}
+        if "min_lr_rate" in kwargs:
+            m.set(f"{A}.optim.min_lr_ratio", kwargs["min_lr_rate"], "lr_scheduler_kwargs.min_lr_rate")
+        elif "min_lr" in kwargs:
+            m.set(f"{A}.optim.min_lr_ratio", kwargs["min_lr"] / m.get(f"{A}.optim.lr"), "lr_scheduler_kwargs.min_lr")
+    if get("optim") is not None and not str(get("optim")).startswith("adamw"):
+        m.error("optim", f"{get('optim')!r}: jaxrl_llm trains with AdamW only")
+
+
+HANDLED = set(SIMPLE) | set(ERRORS) | {
+    "top_k", "beta", "epsilon", "epsilon_high", "cliprange", "delta", "loss_type", "scale_rewards",
+    "importance_sampling_level", "max_prompt_length", "bf16", "fp16", "gradient_checkpointing", "adam_beta1",
+    "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "optim", "report_to", "seed", "save_total_limit",
+    "reward_model_path", "stop_token_id", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "steps_per_generation", "generation_batch_size", "num_mini_batches", "max_steps", "num_train_epochs",
+    "total_episodes", "save_steps", "save_strategy", "eval_steps", "eval_strategy", "evaluation_strategy",
+    "warmup_steps"}
+
+
+def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool) -> None:
+    """TRL arguments into `m`; `whole_run` for a TRL YAML file (selects the algorithm too)."""
+    rloo = any(k in args for k in RLOO_MODE)
+    if rloo:
+        mixed = [k for k in GRPO_ONLY if k in args]
+        if mixed:
+            rloo_args = ", ".join(k for k in RLOO_MODE if k in args)
+            m.error(mixed[0], f"a GRPOConfig argument mixed with RLOOConfig ones ({rloo_args})")
+    for key, (bad, why) in ERRORS.items():
+        if key in args and bad(args[key]):
+            m.error(key, f"{args[key]!r}: {why}")
+        elif key in args:
+            m.ignore(key, "off; no counterpart in jaxrl_llm")
+    if rloo or whole_run:
+        m.set("algorithm.adv_estimator", "rloo" if rloo else "grpo", "RLOOConfig" if rloo else "GRPOConfig")
+        m.set("algorithm.use_kl_in_reward", False, "RLOOConfig" if rloo else "GRPOConfig")
+    if rloo:  # TRL's RLOO: KL folded into the sequence score, no KL loss
+        m.set("algorithm.trl_rloo.enable", True, "RLOOConfig")
+        m.set(f"{A}.use_kl_loss", False, "RLOOConfig")
+    for key, ours in SIMPLE.items():
+        if key in args and args[key] is not None:
+            m.set(ours, args[key], key)
+    _special(m, args)
+    map_batch(m, args, rloo)
+    map_steps(m, args, rloo)
+    for key in args:
+        if key in HANDLED:
+            continue
+        why = next((w for w, pats in IGNORED.items() if any(fnmatch.fnmatchcase(key, p) for p in pats)),
+                   NO_COUNTERPART)
+        m.ignore(key, "jaxrl_llm logs every step" if key == "logging_steps" else why)

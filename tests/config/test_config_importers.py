@@ -1,0 +1,461 @@
+"""Config importers: veRL, Trinity-RFT, ROLL and TRL configs -> our tree (jaxrl_llm.config.importers).
+
+Each fixture under tests/config/fixtures/ is a realistic GSM8K run in the other framework's format;
+the tests check the resolved values of the keys that decide the run, the single warning listing
+the ignored keys, an error naming the file and the key for each meaning-changing setting, and
+`launch/train.py --import_config=... --dry_run` end to end.
+"""
+import importlib.util
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jaxrl_llm.config import ConfigError, apply_overrides, default_config, validate_config
+from jaxrl_llm.config.importers import (NO_DUAL_CLIP, detect_format, import_config, import_trl_flags, load_yaml,
+                                        parse_trl_args, split_trl_flags)
+from jaxrl_llm.config.importers.roll import device_count
+from jaxrl_llm.config.importers.trinity_data import taskset_files
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FIX = ROOT / "tests" / "config" / "fixtures"
+VERL, TRINITY, ROLL, TRL = (str(FIX / f) for f in ("verl_grpo_gsm8k.yaml", "trinity_grpo_gsm8k.yaml",
+                                                    "roll_rlvr_gsm8k.yaml", "trl_grpo_gsm8k.yaml"))
+A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MODEL_ROOT", raising=False)
+    return tmp_path
+
+
+def variant(path, tmp_path, changes, name="variant.yaml"):
+    """The fixture (interpolations kept) with dotted keys changed (value None deletes); returns the new path."""
+    data = yaml.safe_load(pathlib.Path(path).read_text())
+    for key, value in changes.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    out = tmp_path / name
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(out)
+
+
+def values(result, *keys):
+    return tuple(result.settings[k] for k in keys)
+
+
+def load_config_file(name):
+    spec = importlib.util.spec_from_file_location(f"config_{name}", ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+# ---------------------------------------------------------------- veRL
+
+
+def test_verl_ppo_trainer_yaml(home):
+    r = import_config(VERL, dp_size=4)
+    s = r.settings
+    assert r.format == "verl"
+    assert s["data.train_files"] == f"{home}/data/gsm8k/train.parquet"  # ${oc.env:HOME}
+    assert s["data.val_files"] == f"{home}/data/gsm8k/test.parquet"
+    assert s["actor_rollout_ref.model.path"] == f"{home}/models/Qwen2.5-0.5B-Instruct"  # ${oc.env:MODEL_ROOT,...}
+    assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
+                  f"{R}.n", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device") == (1024, 256, 16, 5, 32)
+    assert values(r, "data.max_prompt_length", "data.max_response_length") == (512, 1024)
+    assert values(r, f"{A}.optim.lr", f"{A}.clip_ratio_low", f"{A}.clip_ratio_high", f"{A}.clip_ratio_c") == (
+        1e-6, 0.2, 0.28, 3.0)
+    assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_coef", f"{A}.kl_loss_type") == (True, 0.001, "low_var_kl")
+    assert values(r, "algorithm.adv_estimator", f"{A}.loss_agg_mode", f"{A}.optim.lr_scheduler_type") == (
+        "grpo", "token-mean", "constant")  # warmup_style -> lr_scheduler_type
+    assert values(r, "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq") == (15, 20, 5)
+    # veRL interpolations of the keys our tree derives the same way stay derived (None until validation)
+    for key in (f"{R}.response_length", "critic.model.path", "critic.ppo_mini_batch_size",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_device", "trainer.default_local_dir"):
+        assert key not in s
+    assert s["trainer.logger"] == ["console", "jsonl", "wandb"]
+    assert s["mesh.tensor"] == 2  # rollout.tensor_model_parallel_size
+    for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "trainer.nnodes", "data.reward_fn_key",
+                "algorithm.pf_ppo.weight_pow", "actor_rollout_ref.actor.fsdp_config.param_offload", "ray_init.num_cpus",
+                "critic.rollout_n"):
+        assert key in r.ignored and key in r.warning()
+    assert not set(r.ignored) & {k for k in r.origin.values()}
+    cfg = r.config()
+    assert apply_overrides(default_config(), r.overrides()).to_dict() == cfg.to_dict()  # as key=value strings
+    cfg.trainer.logger = ["console"]
+    out = validate_config(cfg, dp_size=4, check_paths=False)
+    assert out.actor_rollout_ref.actor.clip_ratio_high == 0.28 and out.critic.enable is False
+    assert out.actor_rollout_ref.rollout.response_length == 1024
+    assert out.critic.model.path == s["actor_rollout_ref.model.path"]
+    assert out.actor_rollout_ref.ref.log_prob_max_token_len_per_device == 16384
+    assert out.trainer.default_local_dir == "checkpoints/verl_grpo_example_gsm8k/qwen2_5_0_5b_grpo"
+    cfg.data.max_response_length = 2048  # a later override carries over, as veRL's ${data.max_response_length}
+    assert validate_config(cfg, dp_size=4, check_paths=False).actor_rollout_ref.rollout.response_length == 2048
+
+
+def test_verl_env_default_aliases_and_special_keys(home, monkeypatch, tmp_path):
+    monkeypatch.setenv("MODEL_ROOT", "/models")
+    path = variant(VERL, tmp_path, {"actor_rollout_ref.actor.ppo_micro_batch_size": 64,
+                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": None,
+                                    "actor_rollout_ref.actor.fsdp_config.fsdp_size": 4,
+                                    "reward_model.reward_manager": "dapo",
+                                    "actor_rollout_ref.actor.optim.clip_grad": 0.5,
+                                    "actor_rollout_ref.actor.grad_clip": None})
+    s = import_config(path, dp_size=8).settings
+    assert s["actor_rollout_ref.model.path"] == "/models/Qwen2.5-0.5B-Instruct"
+    assert s[f"{A}.ppo_micro_batch_size_per_device"] == 8  # deprecated global 64 over 8 devices
+    assert (s["mesh.fsdp"], s["mesh.data"]) == (4, -1)  # HSDP groups of fsdp_size
+    assert s["reward_model.reward_manager"] == "naive" and s[f"{A}.grad_clip"] == 0.5
+
+
+def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_path):
+    path = variant(VERL, tmp_path, {"actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap":
+                                    "${oc.env:JAXRL_NO_SUCH_VAR}"})
+    assert "actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap" in import_config(
+        path, dp_size=4).ignored
+    path = variant(VERL, tmp_path, {"data.train_files": "${oc.env:JAXRL_NO_SUCH_VAR}/train.parquet"})
+    with pytest.raises(ConfigError, match=r"variant.yaml: data.train_files: cannot resolve .*JAXRL_NO_SUCH_VAR"):
+        import_config(path, dp_size=4)
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn"),
+    ("actor_rollout_ref.model.lora_rank", 16, "LoRA"),
+    ("algorithm.use_pf_ppo", True, "preference-feedback"),
+    ("algorithm.adv_estimator", "my_estimator", "not available in jaxrl_llm"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "not available in jaxrl_llm"),
+    ("actor_rollout_ref.actor.optim.optimizer", "SGD", "AdamW"),
+])
+def test_verl_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
+    with pytest.raises(ConfigError) as err:
+        import_config(variant(VERL, tmp_path, {key: value}), dp_size=4)
+    assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_import_warns_once(home, caplog):
+    r = import_config(VERL, dp_size=4)
+    with caplog.at_level(logging.WARNING):
+        r.warn()
+    records = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(records) == 1 and f"{len(r.ignored)} key(s) have no effect" in records[0].getMessage()
+
+
+# ---------------------------------------------------------------- Trinity-RFT
+
+
+def test_trinity_grpo_like_the_alignment_guide(home):
+    (home / "data" / "gsm8k").mkdir(parents=True)
+    (home / "data" / "gsm8k" / "train-00000-of-00001.parquet").touch()  # a HF-style split file is found
+    r = import_config(TRINITY, dp_size=4)
+    s = r.settings
+    assert r.format == "trinity"
+    # the guide: veRL train_batch_size = batch_size x sync_interval, mini-batch = batch_size (= 2048 / 8)
+    assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{R}.n") == (1024, 256, 8)
+    assert values(r, "trainer.test_freq", "trainer.save_freq", "trainer.total_epochs") == (5, 20, 15)
+    assert s["data.train_files"] == f"{home}/data/gsm8k/train-00000-of-00001.parquet"
+    assert s["data.val_files"] == f"{home}/data/gsm8k/test.parquet"  # no file found: veRL's layout
+    assert values(r, "data.max_prompt_length", "data.max_response_length", "data.filter_overlong_prompts") == (
+        512, 1024, True)
+    assert values(r, f"{A}.optim.lr", f"{A}.optim.lr_warmup_steps_ratio", f"{A}.clip_ratio",
+                  f"{A}.clip_ratio_high") == (1e-6, 0.05, 0.2, 0.28)
+    assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_type", f"{A}.kl_loss_coef", "algorithm.use_kl_in_reward") == (
+        True, "low_var_kl", 0.001, False)
+    assert values(r, "algorithm.adv_estimator", f"{A}.loss_agg_mode", f"{A}.policy_loss.loss_mode") == (
+        "grpo", "token-mean", "vanilla")
+    assert values(r, f"{A}.use_dynamic_bsz", f"{A}.ppo_max_token_len_per_device",
+                  f"{A}.ppo_micro_batch_size_per_device") == (True, 24000, 8)  # micro from trainer_config
+    assert values(r, f"{R}.val_kwargs.n", f"{R}.val_kwargs.temperature", f"{R}.val_kwargs.top_p",
+                  f"{R}.val_kwargs.do_sample") == (4, 0.6, 0.95, True)
+    assert s["trainer.default_local_dir"] == f"{home}/checkpoints/verl_grpo_example_gsm8k/qwen2_5_0_5b_grpo"
+    assert values(r, "trainer.logger", "trainer.resume_mode", "trainer.val_before_train", "mesh.tensor") == (
+        ["console", "jsonl", "tensorboard"], "auto", False, 2)
+    for key in ("trainer.trainer_config.actor_rollout_ref.rollout.n", "synchronizer.sync_method",
+                "cluster.gpu_per_node", "trainer.trainer_config.actor_rollout_ref.actor.fsdp_config.param_offload"):
+        assert key in r.ignored
+    assert validate_config(r.config(), dp_size=4, check_paths=False).data.train_batch_size == 1024
+
+
+def test_trinity_defaults_of_the_algorithm_type(home, tmp_path):
+    path = variant(TRINITY, tmp_path, {"algorithm": {"algorithm_type": "grpo"}, "trainer.trainer_config": None,
+                                       "synchronizer.sync_interval": 1, "buffer.train_batch_size": None,
+                                       "buffer.total_steps": 30})
+    s = import_config(path, dp_size=4).settings
+    assert (s[f"{R}.n"], s["data.train_batch_size"], s[f"{A}.ppo_mini_batch_size"]) == (2, 256, 256)
+    assert (s[f"{A}.use_kl_loss"], s[f"{A}.kl_loss_type"], s[f"{A}.kl_loss_coef"]) == (True, "k2", 0.001)
+    assert s["trainer.total_training_steps"] == 30 and s["trainer.test_freq"] == 20
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("synchronizer.sync_offset", 1, "off-policy"),
+    ("synchronizer.sync_style", "dynamic_by_explorer", "synchronous"),
+    ("algorithm.algorithm_type", "dpo", "no SFT / DPO"),
+    ("algorithm.algorithm_type", "sft", "no SFT / DPO"),
+    ("algorithm.policy_loss_fn", "opmd", "jaxrl_llm has"),
+    ("algorithm.kl_loss_fn", "corrected_k3", "jaxrl_llm has"),
+    ("algorithm.kl_loss_fn_args.adaptive", True, "adaptive"),
+    ("buffer.explorer_input.default_workflow_type", "alfworld_workflow", "single-turn"),
+    ("buffer.explorer_input.taskset.format.response_key", "answer", "ground_truth"),
+    ("buffer.explorer_input.taskset.format.system_prompt", "Think step by step.", "system prompt"),
+    ("buffer.total_steps", 30, "multiple of sync_interval"),
+    ("explorer.auxiliary_models", [{"model_path": "judge"}], "auxiliary models"),
+    ("mode", "train", "both"),
+])
+def test_trinity_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
+    with pytest.raises(ConfigError) as err:
+        import_config(variant(TRINITY, tmp_path, {key: value}), dp_size=4)
+    assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_trinity_trainer_config_path(home, tmp_path):
+    (tmp_path / "verl_part.yaml").write_text(yaml.safe_dump(
+        {"actor_rollout_ref": {"actor": {"ppo_micro_batch_size_per_gpu": 4, "ppo_epochs": 2}}}))
+    path = variant(TRINITY, tmp_path, {"trainer.trainer_config": None, "trainer.trainer_config_path": "verl_part.yaml"})
+    s = import_config(path, dp_size=4).settings
+    assert (s[f"{A}.ppo_micro_batch_size_per_device"], s[f"{A}.ppo_epochs"]) == (4, 2)
+
+
+def test_taskset_files(tmp_path):
+    assert taskset_files("/x/y.jsonl", "train") == ["/x/y.jsonl"]
+    (tmp_path / "test.jsonl").touch()
+    assert taskset_files(str(tmp_path), "test") == [f"{tmp_path}/test.jsonl"]
+    assert taskset_files(str(tmp_path), "train") == [f"{tmp_path}/train.parquet"]
+
+
+# ---------------------------------------------------------------- ROLL
+
+
+def test_roll_rlvr(home):
+    r = import_config(ROLL, dp_size=8)
+    s = r.settings
+    assert r.format == "roll"
+    # 1 x 32 x 16 devices (len(device_mapping), Megatron tp=pp=1) = 512 sequences = 64 prompts x 8 per step
+    assert values(r, "data.train_batch_size", f"{R}.n", f"{A}.ppo_mini_batch_size",
+                  f"{A}.ppo_micro_batch_size_per_device") == (64, 8, 64, 1)
+    assert values(r, "data.max_prompt_length", "data.max_response_length", f"{A}.ppo_epochs") == (2048, 4096, 1)
+    assert values(r, "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo", f"{A}.loss_agg_mode") == (
+        "grpo", True, "seq-mean-token-mean")  # reinforce + group/group norm; ROLL's default aggregation
+    assert values(r, f"{A}.clip_ratio_low", f"{A}.clip_ratio_high", f"{A}.clip_ratio_c") == (0.2, 0.28, 1.4)
+    assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_coef", f"{A}.kl_loss_type", "algorithm.use_kl_in_reward") == (
+        True, 0.001, "low_var_kl", False)
+    assert values(r, f"{A}.optim.lr", f"{A}.optim.lr_warmup_steps", f"{A}.optim.weight_decay",
+                  "actor_rollout_ref.model.dtype") == (1e-6, 20, 0, "bfloat16")
+    assert values(r, "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq", "trainer.seed") == (
+        500, 100, 10, 42)
+    assert s["actor_rollout_ref.model.path"] == f"{home}/models/Qwen2.5-0.5B-Instruct"
+    assert s["data.train_files"] == [f"{home}/data/gsm8k/train.jsonl"]
+    assert s["data.val_files"] == f"{home}/data/gsm8k/test.jsonl"
+    assert values(r, "data.prompt_key", f"{R}.temperature", f"{R}.top_k", f"{R}.val_kwargs.temperature") == (
+        "instruction", 0.99, 100, 0.6)
+    assert values(r, "trainer.resume_mode", "trainer.default_local_dir", "trainer.logger") == (
+        "disable", "./output/rlvr", ["console", "jsonl", "tensorboard"])
+    for key in ("reference.strategy_args.strategy_config", "actor_infer.strategy_args.strategy_config.block_size",
+                "defaults", "rewards", "logging_steps"):
+        assert key in r.ignored  # reference.strategy_config is ${deepspeed_zero3}: unresolved but unused
+    assert validate_config(r.config(), dp_size=8, check_paths=False).actor_rollout_ref.actor.clip_ratio_c == 1.4
+
+
+def test_roll_defaults_and_gspo(home, tmp_path):
+    path = variant(ROLL, tmp_path, {"dual_clip_loss": None, "use_pg_clip_range": None, "importance_sampling": "seq"})
+    s = import_config(path, dp_size=8).settings
+    assert s[f"{A}.clip_ratio_c"] == NO_DUAL_CLIP and s[f"{A}.policy_loss.loss_mode"] == "gspo"
+    assert f"{A}.clip_ratio_high" not in s
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("async_generation_ratio", 1.0, "off-policy"),
+    ("adv_estimator", "gigpo", "jaxrl_llm has gae, grpo"),
+    ("whiten_advantages", True, "whitening"),
+    ("max_len_mask", True, "truncated"),
+    ("actor_infer.generating_args.repetition_penalty", 1.1, "repetition"),
+    ("loss_agg_mode", "token-mean", "not available"),  # with importance_sampling: seq below
+    ("actor_train.training_args.gradient_accumulation_steps", 3, "whole number of groups"),
+    ("actor_train.training_args.lr_scheduler_type", "linear", "constant and cosine"),
+])
+def test_roll_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
+    changes = {key: value}
+    if key == "loss_agg_mode":
+        changes["importance_sampling"] = "seq"
+        key, why = "importance_sampling", "seq-mean-token-mean"
+    with pytest.raises(ConfigError) as err:
+        import_config(variant(ROLL, tmp_path, changes), dp_size=8)
+    assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_roll_device_mapping():
+    assert [device_count(v) for v in ("list(range(0,16))", "range(8)", "[0, 1, 2]", [0, 1], "eval(x)")] == [
+        16, 8, 3, 2, None]
+
+
+# ---------------------------------------------------------------- TRL
+
+
+def test_trl_yaml(home):
+    r = import_config(TRL, "trl", dp_size=8)
+    s = r.settings
+    # 16 per device x 8 devices x 4 accumulation = 512 completions (64 prompts) per optimizer step;
+    # 16 x 8 x steps_per_generation 8 = 1024 completions (128 prompts) per generation
+    assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
+                  f"{R}.n", f"{A}.ppo_epochs") == (128, 64, 16, 8, 2)
+    # 2 mini-batches x 2 iterations = 4 optimizer steps per step: max_steps 200 -> 50, save 50 -> 13, eval 20 -> 5
+    assert values(r, "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
+                  f"{A}.optim.lr_warmup_steps") == (50, 13, 5, 3)
+    assert values(r, "data.max_prompt_length", "data.truncation", "data.max_response_length") == (256, "left", 768)
+    assert values(r, f"{A}.clip_ratio_low", f"{A}.clip_ratio_high", f"{A}.clip_ratio_c") == (0.2, 0.28, 3.0)
+    assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_coef", f"{A}.kl_loss_type") == (True, 0.04, "low_var_kl")
+    assert values(r, "algorithm.adv_estimator", f"{A}.loss_agg_mode", "algorithm.norm_adv_by_std_in_grpo") == (
+        "grpo", "seq-mean-token-sum-norm", False)  # dr_grpo, scale_rewards false
+    assert values(r, f"{A}.optim.lr", f"{A}.optim.lr_scheduler_type", f"{A}.optim.lr_warmup_steps_ratio",
+                  f"{A}.optim.betas", f"{A}.grad_clip") == (1e-6, "cosine", 0.1, [0.9, 0.99], 0.2)
+    assert values(r, f"{R}.temperature", f"{R}.top_k", "actor_rollout_ref.model.dtype", "trainer.seed") == (
+        0.9, -1, "bfloat16", 1234)
+    assert values(r, "trainer.max_actor_ckpt_to_keep", "trainer.logger", "trainer.default_local_dir") == (
+        3, ["console", "jsonl", "tensorboard"], "runs/qwen-grpo-gsm8k")
+    for key in ("use_vllm", "vllm_gpu_memory_utilization", "logging_steps", "dataset_name", "num_train_epochs"):
+        assert key in r.ignored
+    cfg = r.config()
+    cfg.data.train_files = "train.parquet"  # TRL names a hub dataset (dataset_name): ignored
+    assert validate_config(cfg, dp_size=8, check_paths=False).data.train_batch_size == 128
+
+
+def test_trl_flags_on_a_config_file():
+    base = load_config_file("grpo_gsm8k")
+    r = import_trl_flags(["--learning_rate=1e-6", "--num_generations=8", "--beta=0.04",
+                          "--max_completion_length=256", "--epsilon", "0.2", "--epsilon_high", "0.28"],
+                         base=base, dp_size=8)
+    assert r.settings == {
+        f"{A}.optim.lr": 1e-6, f"{R}.n": 8, "data.max_response_length": 256, f"{A}.use_kl_loss": True,
+        f"{A}.kl_loss_coef": 0.04, f"{A}.kl_loss_type": "low_var_kl", f"{A}.clip_ratio": 0.2,
+        f"{A}.clip_ratio_low": 0.2, f"{A}.clip_ratio_high": 0.28}
+    cfg = r.config(base)
+    assert cfg.data.train_batch_size == 1024 and cfg.actor_rollout_ref.rollout.n == 8  # the rest: the file's
+
+
+def test_trl_rloo_flags():
+    r = import_trl_flags(["--rloo_k", "4", "--kl_coef=0.03", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
+                          "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "16",
+                          "--total_episodes", "1000000", "--missing_eos_penalty", "1.0", "--token_level_kl",
+                          "--normalize_advantage", "--learning_rate", "3e-6"], base=default_config(), dp_size=8)
+    # 16 x 16 x 2 mini-batches x 8 devices = 4096 completions = 1024 prompts x rloo_k 4 per batch
+    assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
+                  f"{R}.n", f"{A}.ppo_epochs") == (1024, 512, 16, 4, 2)
+    assert r.settings["trainer.total_training_steps"] == 245  # ceil(1e6 / 4096)
+    assert values(r, "algorithm.adv_estimator", "algorithm.trl_rloo.enable", "algorithm.kl_ctrl.kl_coef",
+                  "algorithm.trl_rloo.token_level_kl", "algorithm.trl_rloo.normalize_advantage",
+                  "reward_model.missing_eos_penalty", f"{A}.use_kl_loss") == (
+        "rloo", True, 0.03, True, True, 1.0, False)
+    validate_config(r.config(apply_tiny(default_config())), dp_size=8, check_paths=False)
+
+
+def apply_tiny(cfg):
+    cfg.actor_rollout_ref.model.path, cfg.data.tokenizer, cfg.data.train_files = "tiny:llama", "tok", "t.parquet"
+    return cfg
+
+
+@pytest.mark.parametrize("flags,key,why", [
+    (["--repetition_penalty=1.1"], "repetition_penalty", "repetition penalty"),
+    (["--mask_truncated_completions"], "mask_truncated_completions", "truncated"),
+    (["--loss_type=sapo_like"], "loss_type", "jaxrl_llm has grpo"),
+    (["--lr_scheduler_type=linear"], "lr_scheduler_type", "constant and cosine"),
+    (["--scale_rewards=batch"], "scale_rewards", "group std"),
+    (["--rloo_k=4", "--num_generations=4"], "num_generations", "mixed"),
+    (["--epsilon=0.2", "--delta=1.1"], "delta", "dual clip"),
+    (["--importance_sampling_level=sequence"], "importance_sampling_level", "gspo"),
+    (["--num_generations=16", "--per_device_train_batch_size=3"], "per_device_train_batch_size", "whole groups"),
+    (["--num_train_epochs=1.5"], "num_train_epochs", "fractional"),
+])
+def test_trl_meaning_changing_arguments_are_errors(flags, key, why):
+    with pytest.raises(ConfigError) as err:
+        import_trl_flags(flags, dp_size=8)
+    assert str(err.value).startswith(f"TRL flags: {key}") and why in str(err.value)
+
+
+def test_trl_delta_is_dual_clip():
+    s = import_trl_flags(["--epsilon=0.2", "--delta=4"], dp_size=8).settings
+    assert s[f"{A}.clip_ratio_c"] == 4
+
+
+def test_parse_and_split_trl_flags():
+    assert parse_trl_args(["--bf16", "--no_gradient_checkpointing", "--report_to", "wandb", "tensorboard",
+                           "--top_k=50", "--warmup_ratio", "0.1", "--seed", "-3"]) == {
+        "bf16": True, "gradient_checkpointing": False, "report_to": ["wandb", "tensorboard"], "top_k": 50,
+        "warmup_ratio": 0.1, "seed": -3}
+    assert split_trl_flags(["a.b=1", "--lr", "3", "--bf16", "c.d=2", "--x=1", "e=f"]) == (
+        ["a.b=1", "c.d=2", "e=f"], ["--lr", "3", "--bf16", "--x=1"])
+
+
+def test_detect_format(home):
+    assert [detect_format(load_yaml(p)) for p in (VERL, TRINITY, ROLL, TRL)] == ["verl", "trinity", "roll", "trl"]
+    with pytest.raises(ConfigError, match="--import_format"):
+        detect_format({"foo": 1})
+
+
+# ---------------------------------------------------------------- launch/train.py --import_config --dry_run
+
+
+def run_train(*args, home):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               HOME=str(home), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def tiny_overrides(gguf, run_dir, n_train):
+    return [f"actor_rollout_ref.model.path=tiny:llama", f"data.tokenizer={gguf}", "data.synthetic.task=add",
+            f"data.synthetic.n_train={n_train}", "data.train_files=null", "data.val_files=null",
+            "trainer.logger=[console]", f"trainer.default_local_dir={run_dir}"]
+
+
+def dry_run_config(proc):
+    assert proc.returncode == 0, proc.stderr
+    head, _, tail = proc.stdout.partition("\nbatch: ")
+    return yaml.safe_load(head), "batch: " + tail
+
+
+def test_dry_run_verl_import(smollm2_gguf, tmp_path):
+    proc = run_train(f"--import_config={VERL}", "--dry_run", "--config.actor_rollout_ref.actor.optim.lr=2e-6", "--",
+                     *tiny_overrides(smollm2_gguf, tmp_path / "run", 2048), home=tmp_path)
+    cfg, summary = dry_run_config(proc)
+    actor = cfg["actor_rollout_ref"]["actor"]
+    assert actor["optim"]["lr"] == 2e-6 and actor["clip_ratio_high"] == 0.28 and actor["kl_loss_type"] == "low_var_kl"
+    assert cfg["mesh"]["tensor"] == 2 and cfg["algorithm"]["adv_estimator"] == "grpo"
+    assert "1024 prompts x n=5 = 5120 sequences per step; data-parallel size 4" in summary
+    assert "4 mini-batch(es) of 256 prompts" in summary and "micro-batch 16/device" in summary
+    assert proc.stderr.count("have no effect in jaxrl_llm and were ignored") == 1
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in proc.stderr
+
+
+def test_dry_run_trinity_on_the_default_tree_and_roll_with_trl_flags(smollm2_gguf, tmp_path):
+    proc = run_train(f"--import_config={TRINITY}", "--dry_run", "--",
+                     *tiny_overrides(smollm2_gguf, tmp_path / "t", 1024), home=tmp_path)
+    cfg, summary = dry_run_config(proc)
+    assert cfg["actor_rollout_ref"]["rollout"]["n"] == 8 and cfg["trainer"]["test_freq"] == 5
+    assert cfg["trainer"]["log_val_generations"] == 0  # the default tree, not configs/quickstart.py (4)
+    assert "1024 prompts x n=8 = 8192 sequences per step" in summary and "4 mini-batch(es) of 256" in summary
+    proc = run_train(f"--import_config={ROLL}", "--import_format=roll", "--dry_run", "--", "--learning_rate=3e-6",
+                     "--num_iterations", "2", *tiny_overrides(smollm2_gguf, tmp_path / "r", 64),
+                     "data.max_prompt_length=64", "data.max_response_length=64", home=tmp_path)
+    cfg, summary = dry_run_config(proc)
+    actor = cfg["actor_rollout_ref"]["actor"]
+    assert actor["optim"]["lr"] == 3e-6 and actor["ppo_epochs"] == 2 and actor["clip_ratio_c"] == 1.4
+    assert "64 prompts x n=8 = 512 sequences per step" in summary
+    assert proc.stderr.count("have no effect in jaxrl_llm and were ignored") == 1  # the file's; the flags have none
+
+
+def test_dry_run_reports_an_import_error_in_one_line(tmp_path):
+    bad = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1})
+    proc = run_train(f"--import_config={bad}", "--dry_run", home=tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"config error: {bad}: synchronizer.sync_offset: 1:")
