@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxrl_llm.config import resolve, resolve_data, resolve_synthetic, validate_config
-from jaxrl_llm.config.batch_plan import MicroBatching
+from jaxrl_llm.config.batch_plan import MicroBatching, RoleBatch
 from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
@@ -77,7 +77,7 @@ class Trainer:
             raise ValueError(f"data.max_prompt_length + rollout.response_length = {longest} exceeds the model's "
                              f"max_position_embeddings={model_cfg.max_position_embeddings}")
         self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
-                                       _bind(update_actor, model_cfg=model_cfg, s=spec.actor))
+                                       functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor))
         self.need_ref = spec.need_ref
         self.ref_params = copy_params(params) if self.need_ref else None
         self.critic: TrainedRole | None = None
@@ -85,7 +85,7 @@ class Trainer:
             critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
                                                    tokenizer=self.tokenizer, seed=spec.trainer.seed + 1)
             self.critic = make_trained_role("critic", critic_cfg, critic_params, spec.critic_optim,
-                                            _bind(update_critic, model_cfg=critic_cfg, s=spec.critic))
+                                            functools.partial(update_critic, model_cfg=critic_cfg, s=spec.critic))
         self.reward_manager = build_reward_manager(spec.reward)
         self.reward_model = None
         if spec.reward_model is not None:
@@ -322,7 +322,7 @@ class Trainer:
         r = self.generator.generate(batch, self.actor.params, greedy, rng)
         return to_device(np.repeat(r.scores, train.n), self.mesh)
 
-    def _update(self, role: TrainedRole, role_batch: Any, exp: Experience, rng: jax.Array) -> dict[str, float]:
+    def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array) -> dict[str, float]:
         rows, seq_len = int(exp.response_mask.shape[0]), int(exp.input_ids.shape[1])
         num_mini, num_micro = self.spec.plan.update_split(role_batch, rows, seq_len)
         metrics = role.update(exp, rng, num_mini_batches=num_mini, num_micro_batches=num_micro,
@@ -410,7 +410,3 @@ class Trainer:
         self.tracker.close()
         self.reward_manager.close()
 
-
-def _bind(update_fn: Any, **settings: Any) -> Any:
-    """`update_fn` with its model config and settings bound (the role jits it)."""
-    return functools.partial(update_fn, **settings)
