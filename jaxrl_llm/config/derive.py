@@ -9,6 +9,7 @@ import os
 
 import ml_collections
 
+from jaxrl_llm import storage
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import ConfigError
 
@@ -23,11 +24,11 @@ def synthetic_data_files(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
     """Where the trainer writes the synthetic task (jaxrl_llm.data.synthetic.write_synthetic into
     <default_local_dir>/data): (train.parquet, test.parquet)."""
     root = synthetic_data_dir(cfg)
-    return os.path.join(root, "train.parquet"), os.path.join(root, "test.parquet")
+    return storage.join(root, "train.parquet"), storage.join(root, "test.parquet")
 
 
 def synthetic_data_dir(cfg: ml_collections.ConfigDict) -> str:
-    return os.path.join(cfg.trainer.default_local_dir, "data")
+    return storage.join(cfg.trainer.default_local_dir, "data")
 
 
 def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:

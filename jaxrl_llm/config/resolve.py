@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxrl_llm import storage
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import resolve_total_steps, synthetic_data_files
 from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
@@ -150,13 +151,19 @@ def resolve_batch_plan(cfg: ConfigDict, dp_size: int) -> BatchPlan:
 def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
     t = cfg.trainer
     return TrainerSpec(
-        run_dir=os.path.abspath(os.path.expanduser(t.default_local_dir)), total_steps=t.total_training_steps,
+        run_dir=storage.normalize(t.default_local_dir), total_steps=t.total_training_steps,
         total_epochs=int(t.total_epochs), project_name=t.project_name, experiment_name=t.experiment_name,
         logger=tuple(t.logger), log_val_generations=int(t.log_val_generations), save_freq=int(t.save_freq),
         test_freq=int(t.test_freq), val_before_train=bool(t.val_before_train), val_only=bool(t.val_only),
-        resume_mode=t.resume_mode, resume_from_path=t.resume_from_path, max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
-        critic_warmup=int(t.critic_warmup), rollout_data_dir=t.rollout_data_dir,
-        validation_data_dir=t.validation_data_dir, seed=int(t.seed), export_hf=bool(t.export_hf))
+        resume_mode=t.resume_mode, resume_from_path=_location(t.resume_from_path),
+        max_ckpt_to_keep=t.max_actor_ckpt_to_keep, critic_warmup=int(t.critic_warmup),
+        rollout_data_dir=_location(t.rollout_data_dir), validation_data_dir=_location(t.validation_data_dir),
+        seed=int(t.seed), export_hf=bool(t.export_hf))
+
+
+def _location(path: str | None) -> str | None:
+    """A local path made absolute, a bucket URL kept as it is (never a local folder named `gs:`)."""
+    return None if path is None else storage.normalize(path)
 
 
 def resolve_synthetic(cfg: ConfigDict) -> SyntheticSpec | None:

@@ -147,7 +147,7 @@ class SyntheticSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSpec:
-    run_dir: str  # trainer.default_local_dir, absolute
+    run_dir: str  # trainer.default_local_dir: an absolute local path or a bucket URL (gs://...)
     total_steps: int | None  # None only before the dataset size is known (--dry_run)
     total_epochs: int
     project_name: str

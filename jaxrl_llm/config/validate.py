@@ -13,6 +13,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxrl_llm import storage
 from jaxrl_llm.config import names
 from jaxrl_llm.config.derive import resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
@@ -251,9 +252,30 @@ def _check_lengths(cfg: ml_collections.ConfigDict, model_max_positions: int | No
                           f"model context of {model_max_positions} positions")
 
 
-def _existing(key: str, path: str, what: str) -> None:
+def _existing(key: str, path: str, what: str, *, url_ok: bool = False) -> None:
+    """`path` exists; a bucket URL only where the code reads through jaxrl_llm/storage.py (`url_ok`)."""
+    if storage.is_url(path):
+        if not url_ok:
+            raise ConfigError(f"{key}={path!r}: the {what} must be a local path (copy it from the bucket first)")
+        reason = storage.unavailable_reason(path, checkpoints=key == "trainer.resume_from_path")
+        if reason is not None:
+            raise ConfigError(f"{key}={path!r}: {reason}")
+        if not storage.exists(path):
+            raise ConfigError(f"{key}={path!r}: {what} not found")
+        return
     if not os.path.exists(os.path.expanduser(path)):
         raise ConfigError(f"{key}={path!r}: {what} not found (local paths only; jaxrl_llm never downloads)")
+
+
+def _check_storage(cfg: ml_collections.ConfigDict) -> None:
+    """Where the run writes: a local path, or a URL that an installed back-end opens (no network)."""
+    for key in ("trainer.default_local_dir", "trainer.rollout_data_dir", "trainer.validation_data_dir"):
+        value = get_path(cfg, key)
+        if value is None:
+            continue
+        reason = storage.unavailable_reason(value, checkpoints=key == "trainer.default_local_dir")
+        if reason is not None:
+            raise ConfigError(f"{key}={value!r}: {reason}")
 
 
 def _check_required(cfg: ml_collections.ConfigDict) -> None:
@@ -272,7 +294,7 @@ def _check_paths(cfg: ml_collections.ConfigDict) -> None:
         for key in ("data.train_files", "data.val_files"):
             files = get_path(cfg, key)
             for path in [files] if isinstance(files, str) else (files or []):
-                _existing(key, path, "data file")
+                _existing(key, path, "data file", url_ok=True)
     if not model.path.startswith("tiny:"):
         _existing(f"{ARR}.model.path", model.path, "model")
     optional = [("data.tokenizer", "tokenizer"), ("custom_reward_function.path", "reward function file"),
@@ -286,7 +308,7 @@ def _check_paths(cfg: ml_collections.ConfigDict) -> None:
     for key, what in optional:
         value = get_path(cfg, key)
         if value is not None and not value.startswith("tiny:"):
-            _existing(key, value, what)
+            _existing(key, value, what, url_ok=key == "trainer.resume_from_path")
 
 
 def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int | None = None,
@@ -320,6 +342,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
     _check_algorithm(cfg)
     _check_lengths(cfg, model_max_positions)
     _check_required(cfg)
+    _check_storage(cfg)
     if check_paths:
         _check_paths(cfg)
     if num_train_samples is not None and cfg.data.synthetic.task is None:

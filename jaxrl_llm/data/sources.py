@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from jaxrl_llm import storage
+
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
 
@@ -112,7 +114,10 @@ def _read_csv(path: str) -> list[dict[str, Any]]:
 
 
 def read_rows(path: str) -> tuple[list[dict[str, Any]], list[RowRef]]:
-    """All rows of one file plus their `RowRef`s. Raises `DataError` for a missing/empty/bad file."""
+    """All rows of one file plus their `RowRef`s. Raises `DataError` for a missing/empty/bad file.
+    A bucket URL is read from a temporary local copy; rows and errors still name the URL."""
+    if storage.is_url(path):
+        return _read_remote(path)
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     if os.path.isdir(path):
@@ -133,6 +138,17 @@ def read_rows(path: str) -> tuple[list[dict[str, Any]], list[RowRef]]:
         raise DataError(f"{path}: empty dataset (no rows)")
     refs = [RowRef(path, i, lines[i] if lines is not None else None) for i in range(len(rows))]
     return rows, refs
+
+
+def _read_remote(url: str) -> tuple[list[dict[str, Any]], list[RowRef]]:
+    if not storage.exists(url):
+        raise DataError(f"{url}: no such file")
+    with storage.local_copy(url) as local:
+        try:
+            rows, refs = read_rows(local)
+        except DataError as err:
+            raise DataError(str(err).replace(local, url)) from None
+    return rows, [dataclasses.replace(ref, path=url) for ref in refs]
 
 
 def read_files(paths: Sequence[str]) -> tuple[list[dict[str, Any]], list[RowRef]]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm import storage
+
 TASKS = ("add", "larger", "repeat")
 ANSWER_FORMATS = ("strict", "lenient", "first")
 
@@ -120,10 +122,17 @@ def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, ans
 
 
 def write_rows(rows: list[dict[str, Any]], path: str) -> None:
-    """Writes rows as .parquet or .jsonl (by suffix), atomically (a temporary file renamed into place)."""
+    """Writes rows as .parquet or .jsonl (by suffix), atomically (a temporary file renamed into
+    place). A bucket URL gets the finished local file in one object write."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".parquet", ".jsonl"):
         raise ValueError(f"{path}: synthetic data is written as .parquet or .jsonl, not {suffix!r}")
+    if storage.is_url(path):
+        with tempfile.TemporaryDirectory() as local:
+            write_rows(rows, os.path.join(local, "rows" + suffix))
+            with open(os.path.join(local, "rows" + suffix), "rb") as handle:
+                storage.write_bytes(path, handle.read())
+        return
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=suffix + ".tmp")
@@ -158,7 +167,7 @@ def write_synthetic_files(train_path: str, val_path: str, task: str, n_train: in
 def write_synthetic(out_dir: str, task: str, n_train: int, n_val: int, *, difficulty: int = 1,
                     answer_format: str = "strict", seed: int = 0) -> tuple[str, str]:
     """Writes `out_dir/train.parquet` and `out_dir/test.parquet`; returns their paths."""
-    paths = (os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet"))
+    paths = (storage.join(out_dir, "train.parquet"), storage.join(out_dir, "test.parquet"))
     write_synthetic_files(*paths, task, n_train, n_val, difficulty=difficulty, answer_format=answer_format, seed=seed)
     return paths
 

@@ -4,7 +4,9 @@ Writes config.json, model.safetensors (or model-0000k-of-0000n.safetensors shard
 model.safetensors.index.json past `max_shard_size` bytes), generation_config.json, and the
 tokenizer's files (chat template included) when a tokenizer is given. Everything is written into a
 temporary sibling folder that is renamed into place at the end, so a failure leaves no
-half-written output. One shard's tensors are on the host at a time.
+half-written output (leftovers of a killed export are removed by the next one). A bucket URL
+(jaxrl_llm/storage.py) gets the folder built locally and then uploaded. One shard's tensors are on
+the host at a time.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from jaxrl_llm import storage
 from jaxrl_llm.hf.names import TensorSpec, get_path, tensor_specs
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
@@ -69,13 +72,36 @@ def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
     return d
 
 
+def _remove_leftovers(out_dir: pathlib.Path) -> None:
+    """Temporary folders an interrupted export left beside `out_dir` (`.<name>.tmp-*`, `.<name>.old-*`)."""
+    if out_dir.parent.is_dir():
+        for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
+            for stale in out_dir.parent.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
+
+
 def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, tokenizer: Any = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: Any = None,
-              overwrite: bool = True) -> pathlib.Path:
-    """Write an HF folder at `out_dir`; returns its path. `dtype` defaults to the params' dtype."""
+              overwrite: bool = True) -> Any:
+    """Write an HF folder at `out_dir` (a local path or a bucket URL); returns its path (an
+    `epath.Path` for a URL). `dtype` defaults to the params' dtype.
+
+    A URL gets the folder built locally first, then uploaded over the old one with config.json
+    last, so a reader never sees a config.json beside missing weights."""
+    if storage.is_url(out_dir):
+        url = storage.normalize(out_dir)
+        if storage.exists(url) and not overwrite:
+            raise FileExistsError(f"output folder {url!r} exists (pass overwrite=True)")
+        with tempfile.TemporaryDirectory(prefix="jaxrl_llm-hf-") as local:
+            export_hf(cfg, params, pathlib.Path(local) / "hf", tokenizer=tokenizer, max_shard_size=max_shard_size,
+                      dtype=dtype)
+            storage.remove_tree(url)
+            storage.upload_dir(str(pathlib.Path(local) / "hf"), url, last=("config.json",))
+        return storage.as_path(url)
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"output folder {str(out_dir)!r} exists (pass overwrite=True)")
+    _remove_leftovers(out_dir)
     head, num_labels = _head_of(params)
     np_dtype = np.dtype(as_jnp_dtype(dtype if dtype is not None else params["embedding"].dtype, what="export"))
     specs = tensor_specs(cfg, head=head, num_labels=num_labels)

@@ -1,5 +1,5 @@
 """One PNG per run: reward, validation reward, KL, entropy, response length, throughput and learning
-rate against the step, read from `<run_dir>/metrics.jsonl` (the `jsonl` logger) or from records
+rate against the step, read from `<run_dir>/metrics.jsonl` (the run's record) or from records
 given in memory (`Trainer.history`).
 
     from jaxrl_llm.trainer.plot import plot_run
@@ -37,11 +37,18 @@ DPI = 100
 Series = dict[str, tuple[list[int], list[float]]]
 
 
+def _path(path: str | os.PathLike) -> Any:
+    """A local `pathlib.Path`, or an `epath.Path` for a bucket URL (jaxrl_llm/storage.py)."""
+    from jaxrl_llm import storage
+
+    return storage.as_path(path) if storage.is_url(path) else pathlib.Path(path)
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file; lines that are not JSON objects (a torn last line) are
     skipped."""
     records = []
-    with open(path, encoding="utf-8") as handle:
+    with _path(path).open("r", encoding="utf-8") as handle:
         for line in handle:
             try:
                 record = json.loads(line)
@@ -113,14 +120,14 @@ def plot_run(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = No
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    run_dir = pathlib.Path(run_dir)
+    run_dir = _path(run_dir)
     if records is None:
         source = run_dir / "metrics.jsonl"
-        if not source.is_file():
-            raise FileNotFoundError(f"no metrics at {str(source)!r}: log with trainer.logger including 'jsonl', "
+        if not source.exists():
+            raise FileNotFoundError(f"no metrics at {str(source)!r} (every training run writes it); "
                                     "or pass records= (e.g. Trainer.history)")
         records = read_metrics(source)
-    out = pathlib.Path(out_path) if out_path is not None else run_dir / "plot.png"
+    out = _path(out_path) if out_path is not None else run_dir / "plot.png"
     panels = collect_panels(records)
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
@@ -152,7 +159,8 @@ def plot_run(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = No
     fig.suptitle(title or f"{run_dir.name or run_dir}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    with out.open("wb") as handle:  # a file object: matplotlib would open a URL as a local path
+        fig.savefig(handle, format="png")
     log.info("%s: panels with data: %s; without: %s", out, ", ".join(with_data) or "-", ", ".join(without) or "-")
     return out
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from typing import Any
 
 import jax
@@ -24,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from jaxrl_llm import storage
 from jaxrl_llm.config import resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching, RoleBatch
 from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
@@ -65,6 +65,8 @@ class Trainer:
         spec = self.spec
         self.total_steps = int(spec.trainer.total_steps)
         self.run_dir = spec.trainer.run_dir
+        # where a resume would come from, checked before anything heavy loads or anything is written
+        self._resume_point = ckpt.find_resume(spec.trainer.resume_mode, self.run_dir, spec.trainer.resume_from_path)
         # Every process reads the whole global batch (prompts are small): host-side rewards and
         # metrics are then identical everywhere; device arrays take each process's own rows.
         self.train_loader = make_dataloader(data, self.tokenizer, "train", dataset=train_set)
@@ -100,7 +102,7 @@ class Trainer:
         self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
         self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
         self.global_step = 0
-        self.store = ckpt.CheckpointStore(os.path.join(self.run_dir, "checkpoints"),
+        self.store = ckpt.CheckpointStore(storage.join(self.run_dir, "checkpoints"),
                                           max_to_keep=spec.trainer.max_ckpt_to_keep)
         t = spec.trainer
         self.tracker = Tracking(list(t.logger), self.run_dir, project_name=t.project_name,
@@ -118,7 +120,7 @@ class Trainer:
             return
         from jaxrl_llm.data.synthetic import write_synthetic_files
 
-        if self.is_main and not (os.path.exists(syn.train_path) and os.path.exists(syn.val_path)):
+        if self.is_main and not (storage.exists(syn.train_path) and storage.exists(syn.val_path)):
             write_synthetic_files(syn.train_path, syn.val_path, syn.task, syn.n_train, syn.n_val,
                                   difficulty=syn.difficulty, answer_format=syn.answer_format, seed=syn.seed)
         if jax.process_count() > 1:
@@ -144,23 +146,28 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Trains for `trainer.total_training_steps`; returns the last step's metrics."""
-        last = self.start()
-        if self.spec.trainer.val_only:
-            self.close()
+        finished = False
+        try:  # whatever happens, async saves are waited for and sinks and reward workers closed
+            last = self.start()
+            if self.spec.trainer.val_only:
+                finished = True
+                return last
+            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
+            while self.global_step < self.total_steps:
+                try:
+                    metrics = self.step()
+                except StopIteration:
+                    log.info("training data exhausted after %d steps", self.global_step)
+                    break
+                bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
+                bar.update(1)
+                last = metrics
+            bar.close()
+            self.finish()
+            finished = True
             return last
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
-        while self.global_step < self.total_steps:
-            try:
-                metrics = self.step()
-            except StopIteration:
-                log.info("training data exhausted after %d steps", self.global_step)
-                break
-            bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
-            bar.update(1)
-            last = metrics
-        bar.close()
-        self.finish()
-        return last
+        finally:
+            self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
 
     def start(self) -> dict[str, float]:
         """Resumes if asked, then validates before training when configured (`val_before_train`,
@@ -198,12 +205,12 @@ class Trainer:
     def finish(self) -> None:
         """End of a run: HF export (when `trainer.export_hf`), closes the loggers and stores, plots."""
         if self.spec.trainer.export_hf:
-            self.export_hf(os.path.join(self.run_dir, "hf"))
+            self.export_hf(storage.join(self.run_dir, "hf"))
         self.close()
-        if self.is_main:  # <run_dir>/plot.png, from metrics.jsonl (jsonl logger) or else from history
+        if self.is_main:  # <run_dir>/plot.png, from metrics.jsonl (the run's record)
             from jaxrl_llm.trainer.plot import plot_finished_run
 
-            plot_finished_run(self.run_dir, self.history, from_file="jsonl" in self.tracker.sinks)
+            plot_finished_run(self.run_dir, self.history, from_file=True)
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         spec, plan, timer = self.spec, self.spec.plan, Timer()
@@ -348,7 +355,7 @@ class Trainer:
                  "data_source": str(ds), "ground_truth": str(gt)}
                 for p, o, s, ds, gt in zip(rollout.prompt_texts, rollout.texts, rollout.scores,
                                            rollout.meta["data_source"], rollout.meta["ground_truth"])]
-        dump_jsonl(os.path.join(self.spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"), rows)
+        dump_jsonl(storage.join(self.spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"), rows)
 
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:
@@ -361,7 +368,7 @@ class Trainer:
         if t.log_val_generations > 0:
             self.tracker.log_generations("val/generations", samples[: t.log_val_generations], self.global_step)
         if t.validation_data_dir and self.is_main:
-            dump_jsonl(os.path.join(t.validation_data_dir, f"{self.global_step}.jsonl"), samples)
+            dump_jsonl(storage.join(t.validation_data_dir, f"{self.global_step}.jsonl"), samples)
         return metrics
 
     def _state(self) -> dict[str, Any]:
@@ -376,16 +383,17 @@ class Trainer:
                 "tokenizer": str(self.spec.data.tokenizer),
                 "rng": np.asarray(jax.random.key_data(self.base_rng)).tolist(),
                 "config": json.loads(self.spec.config_json)}
+        self.tracker.flush()  # the record is durable up to the step the checkpoint holds
         self.store.save(self.global_step, self._state(), self.train_loader.get_state(), meta)
 
     def _maybe_resume(self) -> None:
-        t = self.spec.trainer
-        found = ckpt.resolve_resume(t.resume_mode, self.run_dir, t.resume_from_path)
-        if found is None:
+        point, t = self._resume_point, self.spec.trainer
+        if point is None:
+            if not t.val_only:
+                self.tracker.rewind(None)  # a fresh start: records of an earlier, never-saved attempt go
             return
-        directory, step = found
-        store = self.store if directory == self.store.directory else ckpt.CheckpointStore(directory)
-        state, data_state, meta = store.restore(step, ckpt.abstract_like(self._state()))
+        # the newest readable checkpoint of the resume point (a damaged one falls back, with a warning)
+        step, state, data_state, meta = ckpt.restore_resume_point(self.store, point, ckpt.abstract_like(self._state()))
         # the reference policy is not saved: it is the initial policy, loaded again from model.path
         self.actor.params, self.actor.opt_state = state["actor"]["params"], state["actor"]["opt_state"]
         if self.critic is not None:
@@ -393,9 +401,13 @@ class Trainer:
         self.train_loader.set_state(data_state)
         self.kl_ctrl.value = float(meta["kl_coef"])
         self.global_step = int(meta["global_step"])
-        log.info("resumed from %s at step %d", directory, step)
+        ckpt.warn_config_changes(meta.get("config"), json.loads(self.spec.config_json),
+                                 where=f"{point.directory}/{step}")
+        if not t.val_only:
+            self.tracker.rewind(self.global_step)  # the steps after the checkpoint are computed again
+        log.info("resumed from %s at step %d", point.directory, step)
         if self.is_main:
-            print(f"resumed from {directory} step {step}", flush=True)
+            print(f"resumed from {point.directory} step {step}", flush=True)
 
     def export_hf(self, out_dir: str) -> str:
         from jaxrl_llm.hf import export_hf
@@ -405,8 +417,23 @@ class Trainer:
             export_hf(self.actor.model_cfg, params, out_dir, tokenizer=self.tokenizer)
         return out_dir
 
-    def close(self) -> None:
-        self.store.close()
-        self.tracker.close()
-        self.reward_manager.close()
+    def close(self, *, quiet: bool = False) -> None:
+        """Waits for async saves, then closes the store, the sinks and the reward workers; each is
+        closed even when another fails. Idempotent. quiet: log failures instead of raising."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        _close_all((self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)
+
+
+def _close_all(closers: Any, *, quiet: bool) -> None:
+    first: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001 (the others must still close)
+            log.warning("while closing: %s: %s", type(err).__name__, err)
+            first = first or err
+    if first is not None and not quiet:
+        raise first
 
