@@ -127,8 +127,10 @@ def is_dir(path: Any) -> bool:
 
 
 def makedirs(path: Any) -> None:
-    """Creates a local folder (and parents); a no-op on buckets, which have no folders."""
-    as_path(path).mkdir(parents=True, exist_ok=True)
+    """Creates a local folder (and parents). A no-op for a URL: buckets have no folders, and
+    gcsfs would create a missing *bucket* here (a typo would make one instead of failing)."""
+    if not is_url(path):
+        os.makedirs(normalize(path), exist_ok=True)
 
 
 def read_text(path: Any) -> str:

@@ -311,20 +311,21 @@ TRAINER = {
                                         "veRL.", types=int),
     "project_name": field("jaxrl_llm", "Logger project (W&B / TensorBoard). veRL."),
     "experiment_name": field("default", "Run name (logger run, default_local_dir). veRL."),
-    "logger": field(["console", "jsonl"], "Sinks: console, jsonl (<default_local_dir>/metrics.jsonl), "
-                                          "tensorboard, wandb. veRL."),
+    "logger": field(["console", "jsonl"], "Sinks: console, jsonl, tensorboard, wandb. "
+                                          "<default_local_dir>/metrics.jsonl is always written. veRL."),
     "log_val_generations": field(0, "Sample generations logged as a table per validation. veRL "
                                     "(TRL: num_sample_generations)."),
     "save_freq": field(-1, "Checkpoint every N steps (and at the end); -1 = only at the end. veRL."),
     "test_freq": field(-1, "Validate every N steps (and at the end); -1 = never during training. veRL."),
     "val_before_train": field(True, "Validate once before the first step. veRL."),
     "val_only": field(False, "Validate and exit. veRL."),
-    "resume_mode": field("auto", "auto (latest checkpoint in default_local_dir if any), disable, or "
-                                 "resume_path. veRL."),
+    "resume_mode": field("auto", "auto (latest checkpoint in default_local_dir if any), disable (an "
+                                 "error if default_local_dir holds checkpoints), or resume_path. veRL."),
     "resume_from_path": field(None, "Checkpoint step folder for resume_mode=resume_path. veRL.", types=str),
     "max_actor_ckpt_to_keep": field(None, "Keep at most N policy checkpoints; None = all. veRL.", types=int),
     "max_critic_ckpt_to_keep": field(None, "Keep at most N critic checkpoints; None = all. veRL.", types=int),
-    "default_local_dir": field(None, "Run directory (checkpoints, metrics.jsonl, hf/); derived: "
+    "default_local_dir": field(None, "Run directory (checkpoints, metrics.jsonl, hf/): a local path or a "
+                                     "gs:// URL (docs/multihost.md); derived: "
                                      "checkpoints/<project_name>/<experiment_name>. veRL.", types=str),
     "critic_warmup": field(0, "Steps that update only the critic before the actor starts. veRL."),
     "rollout_data_dir": field(None, "Dump each step's prompts/responses/scores as jsonl here. veRL.",
