@@ -187,12 +187,24 @@ def _record_uploads(gcs):
     return order
 
 
-def test_tensorboard_events_reach_the_bucket(gcs):
-    tracker = tracking.Tracking(["tensorboard"], f"gs://{BUCKET}/run")
-    tracker.log({"actor/pg_loss": 0.25}, step=1)
-    tracker.close()
-    (events,) = _objects(gcs, "run/tensorboard/events.out.tfevents.")
-    assert b"actor/pg_loss" in gcs.store.get(BUCKET, events)[0]
+def test_tensorboard_and_wandb_on_a_bucket_run_dir(gcs, monkeypatch):
+    import sys
+    import types
+
+    inits = []
+    fake_wandb = types.ModuleType("wandb")
+    fake_wandb.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None,
+                                                                           finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
+    for _ in range(2):  # a job, then its resumed continuation
+        tracker = tracking.Tracking(["tensorboard", "wandb"], f"gs://{BUCKET}/run")
+        tracker.log({"actor/pg_loss": 0.25}, step=1)
+        tracker.close()
+    events = _objects(gcs, "run/tensorboard/events.out.tfevents.")
+    assert events and all(b"actor/pg_loss" in gcs.store.get(BUCKET, e)[0] for e in events)
+    run_id = _text(gcs, "run/wandb_run_id").strip()
+    # the same W&B run both times; W&B's own files go to its default local folder, not "gs:/..."
+    assert [(kw["id"], kw["resume"], kw["dir"]) for kw in inits] == [(run_id, "allow", None)] * 2
 
 
 def test_bucket_run_dir_written_and_resumed(gcs, tmp_path, monkeypatch):
