@@ -145,29 +145,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
-        """Trains for `trainer.total_training_steps`; returns the last step's metrics."""
+        """Trains for `trainer.total_training_steps`; returns the last step's metrics. Whatever
+        happens, async saves are waited for and the sinks and reward workers closed."""
         finished = False
-        try:  # whatever happens, async saves are waited for and sinks and reward workers closed
-            last = self.start()
-            if self.spec.trainer.val_only:
-                finished = True
-                return last
-            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
-            while self.global_step < self.total_steps:
-                try:
-                    metrics = self.step()
-                except StopIteration:
-                    log.info("training data exhausted after %d steps", self.global_step)
-                    break
-                bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
-                bar.update(1)
-                last = metrics
-            bar.close()
-            self.finish()
+        try:
+            last = self._fit_loop()
             finished = True
             return last
         finally:
             self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
+
+    def _fit_loop(self) -> dict[str, float]:
+        last = self.start()
+        if self.spec.trainer.val_only:
+            return last
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
+        while self.global_step < self.total_steps:
+            try:
+                metrics = self.step()
+            except StopIteration:
+                log.info("training data exhausted after %d steps", self.global_step)
+                break
+            bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
+            bar.update(1)
+            last = metrics
+        bar.close()
+        self.finish()
+        return last
 
     def start(self) -> dict[str, float]:
         """Resumes if asked, then validates before training when configured (`val_before_train`,
