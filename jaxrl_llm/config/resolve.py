@@ -80,9 +80,14 @@ def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
         grad_clip=None if grad_clip is None else float(grad_clip))
 
 
+def _plain(value: Any) -> dict:
+    return value.to_dict() if isinstance(value, ConfigDict) else dict(value or {})
+
+
 def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
     return ModelSpec(path=section.path, dtype=section.dtype, param_dtype=section.param_dtype,
-                     remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()))
+                     remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()),
+                     override_config=tuple(sorted(_plain(section.override_config).items())))
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:
