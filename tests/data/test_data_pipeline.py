@@ -69,7 +69,8 @@ def test_csv_plain_prompt_column(tmp_path, char_tok):
     rows = [{"prompt": q, "ground_truth": i, "data_source": "synthetic/add"} for i, q in enumerate(QUESTIONS)]
     ds = build_dataset(cfg(write(rows, tmp_path / "d.csv")), char_tok, "train")
     assert [r["input_ids"].tolist() for r in ds] == [expected_ids(char_tok, q) for q in QUESTIONS]
-    assert [r["ground_truth"] for r in ds] == list(range(5)) and ds[0]["extra_info"] == {}
+    # a numeric ground truth is normalised to its string, as the scorers compare strings
+    assert [r["ground_truth"] for r in ds] == ["0", "1", "2", "3", "4"] and ds[0]["extra_info"] == {}
 
 
 def test_messages_column_and_raw_text(tmp_path, char_tok):

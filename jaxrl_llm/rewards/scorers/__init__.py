@@ -26,6 +26,15 @@ class UnknownDataSourceError(NotImplementedError):
     """default_compute_score has no scorer for this data_source."""
 
 
+def has_builtin_scorer(data_source: str) -> bool:
+    """Whether `default_compute_score` scores `data_source` (the dispatch below)."""
+    return (data_source == "openai/gsm8k" or data_source in MATH_SOURCES or data_source in DAPO_SOURCES
+            or data_source.startswith(("aime", "synthetic/")))
+
+
+BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>")
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float | dict:
@@ -47,4 +56,5 @@ def default_compute_score(
     return result if isinstance(result, dict) else float(result)
 
 
-__all__ = ["default_compute_score", "UnknownDataSourceError", "MATH_SOURCES", "DAPO_SOURCES"]
+__all__ = ["BUILTIN_SOURCES", "DAPO_SOURCES", "MATH_SOURCES", "UnknownDataSourceError", "default_compute_score",
+           "has_builtin_scorer"]
