@@ -89,7 +89,7 @@ def _is_local(path: str) -> bool:
     return "://" not in path and os.path.exists(os.path.expanduser(path))
 
 
-def _check_hf_folder(key: str, folder: pathlib.Path) -> None:
+def _check_hf_folder(key: str, folder: pathlib.Path) -> Any:
     from jaxrl_llm.models.config import ModelConfig
 
     try:
@@ -100,39 +100,60 @@ def _check_hf_folder(key: str, folder: pathlib.Path) -> None:
     if not isinstance(hf, dict):
         raise ConfigError(f"{key}={str(folder)!r}: config.json is not a JSON object")
     try:
-        ModelConfig.from_hf_config(hf)
+        model_cfg = ModelConfig.from_hf_config(hf)
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{key}={str(folder)!r}: {err}") from None
     if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise ConfigError(f"{key}={str(folder)!r}: no model.safetensors or model.safetensors.index.json "
                           "(weights are read from safetensors only)")
+    return model_cfg
 
 
-def check_model_source(key: str, path: str) -> None:
+def check_model_source(key: str, path: str) -> Any:
     """`path` (a local model location) is an HF folder or .gguf of a supported architecture with its
-    weights, or a jaxrl_llm checkpoint; other locations are left to the loaders."""
+    weights, or a jaxrl_llm checkpoint; other locations are left to the loaders. Returns the
+    ModelConfig when it was read (HF folder, .gguf), else None."""
     if path.startswith("tiny:") or not _is_local(path):
-        return
+        return None
     p = pathlib.Path(path).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file():
-            _check_hf_folder(key, p)
-            return
+            return _check_hf_folder(key, p)
         from jaxrl_llm.trainer.checkpoint import is_checkpoint  # only here: it imports orbax
 
         if not is_checkpoint(p):
             raise ConfigError(f"{key}={path!r}: not a model folder (no config.json); expected an HF folder, a "
                               ".gguf file or a jaxrl_llm checkpoint")
-        return
+        return None
     if p.suffix != ".gguf":
         raise ConfigError(f"{key}={path!r}: a file that is not .gguf; expected an HF folder, a .gguf file or a "
                           "jaxrl_llm checkpoint")
     from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
 
     try:
-        gguf_config(GGUFSource(p))
-    except (ValueError, KeyError, OSError) as err:
+        return gguf_config(GGUFSource(p))
+    except Exception as err:  # noqa: BLE001 - any parse failure of a user file is that file's fault
         raise ConfigError(f"{key}={path!r}: {err}") from None
+
+
+def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collections.ConfigDict,
+                   model_cfg: Any) -> None:
+    """Prompt + response fit the model's context (after override_config), known once config.json is read."""
+    if model_cfg is None:
+        return
+    from jaxrl_llm.models.config import with_hf_overrides
+
+    overrides = section.override_config
+    overrides = overrides.to_dict() if isinstance(overrides, ml_collections.ConfigDict) else dict(overrides or {})
+    try:
+        positions = with_hf_overrides(model_cfg, overrides).max_position_embeddings
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{key}.override_config: {err}") from None
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if total > positions:
+        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length}: prompt + response "
+                          f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {total}) exceeds the "
+                          f"context of {key}.path ({positions} positions)")
 
 
 def check_tokenizer_source(key: str, path: str | None) -> None:
@@ -164,9 +185,11 @@ def check_user_code(cfg: ml_collections.ConfigDict) -> None:
 
 def check_sources(cfg: ml_collections.ConfigDict) -> None:
     """What the configured paths hold (see module docstring)."""
-    check_model_source(f"{ARR}.model.path", cfg.actor_rollout_ref.model.path)
-    if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
-        check_model_source("critic.model.path", cfg.critic.model.path)
+    policy = cfg.actor_rollout_ref.model
+    _check_context(cfg, f"{ARR}.model", policy, check_model_source(f"{ARR}.model.path", policy.path))
+    if cfg.critic.enable and cfg.critic.model.path != policy.path:
+        _check_context(cfg, "critic.model", cfg.critic.model,
+                       check_model_source("critic.model.path", cfg.critic.model.path))
     if cfg.reward_model.enable:
         check_model_source("reward_model.model.path", cfg.reward_model.model.path)
     check_tokenizer_source("data.tokenizer", cfg.data.tokenizer)
