@@ -114,7 +114,7 @@ def test_override_config_reaches_the_loaded_model(monkeypatch):
 
 def _hf_folder(path, config=None, weights=True, tokenizer=True):
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(config or ModelConfig.tiny().to_hf_config()))
+    (path / "config.json").write_text(json.dumps(config or ModelConfig.tiny(max_position_embeddings=4096).to_hf_config()))
     if weights:
         (path / "model.safetensors").write_bytes(b"")
     if tokenizer:
@@ -128,7 +128,7 @@ def test_sources_checked_before_loading(tmp_path):
     good = _hf_folder(tmp_path / "good")
     ok = [f"data.train_files={train}", f"actor_rollout_ref.model.path={good}", "data.tokenizer=null"]
     check(*ok, paths=True)
-    gpt2 = {**ModelConfig.tiny().to_hf_config(), "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+    gpt2 = {**ModelConfig.tiny(max_position_embeddings=4096).to_hf_config(), "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
     cases = {
         "unsupported architecture 'GPT2LMHeadModel'": _hf_folder(tmp_path / "gpt2", gpt2),
         "no model.safetensors": _hf_folder(tmp_path / "noweights", weights=False),
@@ -142,6 +142,9 @@ def test_sources_checked_before_loading(tmp_path):
         with pytest.raises(ConfigError) as err:
             check(*ok, f"actor_rollout_ref.model.path={folder}", paths=True)
         assert str(err.value).startswith(f"actor_rollout_ref.model.path='{folder}'") and why in str(err.value)
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_length=512: .* exceeds the context of "
+                                          r"actor_rollout_ref.model.path \(1000 positions\)"):
+        check(*ok, "actor_rollout_ref.model.override_config.max_position_embeddings=1000", paths=True)
     notok = _hf_folder(tmp_path / "notok", tokenizer=False)
     with pytest.raises(ConfigError, match=r"^data.tokenizer=.*notok': no tokenizer in the folder"):
         check(*ok, f"actor_rollout_ref.model.path={notok}", paths=True)

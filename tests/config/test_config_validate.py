@@ -160,7 +160,7 @@ def test_paths_must_exist(tmp_path):
     train.write_bytes(b"")
     model = tmp_path / "model"  # an HF folder as validation sees one: config.json, weights, tokenizer
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(ModelConfig.tiny().to_hf_config()))
+    (model / "config.json").write_text(json.dumps(ModelConfig.tiny(max_position_embeddings=4096).to_hf_config()))
     (model / "model.safetensors").write_bytes(b"")
     (model / "tokenizer.json").write_text("{}")
     ok = _cfg(f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}", "algorithm.adv_estimator=grpo",
