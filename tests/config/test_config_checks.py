@@ -114,7 +114,8 @@ def test_override_config_reaches_the_loaded_model(monkeypatch):
 
 def _hf_folder(path, config=None, weights=True, tokenizer=True):
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(config or ModelConfig.tiny(max_position_embeddings=4096).to_hf_config()))
+    config = config or ModelConfig.tiny(max_position_embeddings=4096).to_hf_config()
+    (path / "config.json").write_text(json.dumps(config))
     if weights:
         (path / "model.safetensors").write_bytes(b"")
     if tokenizer:
@@ -128,7 +129,8 @@ def test_sources_checked_before_loading(tmp_path):
     good = _hf_folder(tmp_path / "good")
     ok = [f"data.train_files={train}", f"actor_rollout_ref.model.path={good}", "data.tokenizer=null"]
     check(*ok, paths=True)
-    gpt2 = {**ModelConfig.tiny(max_position_embeddings=4096).to_hf_config(), "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+    gpt2 = {**ModelConfig.tiny(max_position_embeddings=4096).to_hf_config(), "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2"}
     cases = {
         "unsupported architecture 'GPT2LMHeadModel'": _hf_folder(tmp_path / "gpt2", gpt2),
         "no model.safetensors": _hf_folder(tmp_path / "noweights", weights=False),

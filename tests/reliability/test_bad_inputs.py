@@ -60,6 +60,7 @@ class Inputs:
         make_char_tokenizer().save_pretrained(self.tok)
         self.good = _jsonl(d / "good.jsonl", [ROW] * 8)
         self.runs = d / "runs"
+        self.cases: list[tuple[str, list[str], str, str]] = []
 
     def write(self, name: str, content: str | bytes) -> str:
         path = self.d / name
@@ -90,7 +91,8 @@ def build_cases(x: Inputs) -> list[tuple[str, list[str], str, str]]:
     exits = x.write("ex.py", "import sys\nsys.exit(3)\n")
     return [
         # config keys and values
-        ("unknown_key", ["actor_rollout_ref.actor.ppo_mini_batch=3"], "actor_rollout_ref.actor.ppo_mini_batch", "config"),
+        ("unknown_key", ["actor_rollout_ref.actor.ppo_mini_batch=3"], "actor_rollout_ref.actor.ppo_mini_batch",
+         "config"),
         ("bad_type", ["data.train_batch_size=abc"], "data.train_batch_size", "config"),
         ("unknown_estimator", ["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator='grpoo'", "config"),
         ("indivisible_batch", ["data.train_batch_size=6"], "actor_rollout_ref.actor.ppo_mini_batch_size", "config"),
@@ -143,7 +145,8 @@ def build_cases(x: Inputs) -> list[tuple[str, list[str], str, str]]:
          "uds.jsonl line 2: data_source 'my/task'", "data"),
         ("data_no_prompt_column", [f"data.train_files={_jsonl(x.d / 'q.jsonl', [{'question': 'hi'}] * 8)}"],
          "missing column 'prompt'", "data"),
-        ("data_too_few_rows", [f"data.train_files={_jsonl(x.d / 'few.jsonl', [ROW] * 2)}"], "few.jsonl: 2 prompts", "data"),
+        ("data_too_few_rows", [f"data.train_files={_jsonl(x.d / 'few.jsonl', [ROW] * 2)}"], "few.jsonl: 2 prompts",
+         "data"),
         ("data_prompt_too_long", [f"data.train_files={x.rows('long.jsonl', long_prompt, at=2)}"],
          "long.jsonl line 3: prompt has", "data"),
         ("data_empty_file", [f"data.train_files={x.write('empty.jsonl', ' ')}"], "empty.jsonl: empty dataset", "data"),
@@ -153,7 +156,8 @@ def build_cases(x: Inputs) -> list[tuple[str, list[str], str, str]]:
          "ei.jsonl line 2: extra_info must be a dict", "data"),
         ("val_not_utf8", [f"data.val_files={latin1_val}"], "v.csv line 2: not UTF-8", "data"),
         # reward and dataset code
-        ("reward_missing", [f"custom_reward_function.path={x.d}/no_reward.py"], "custom_reward_function.path", "config"),
+        ("reward_missing", [f"custom_reward_function.path={x.d}/no_reward.py"], "custom_reward_function.path",
+         "config"),
         ("reward_syntax", [f"custom_reward_function.path={x.write('syn.py', 'def compute_score(:')}"],
          "syn.py failed: SyntaxError", "config"),
         ("reward_exits", [f"custom_reward_function.path={exits}"],
@@ -162,7 +166,8 @@ def build_cases(x: Inputs) -> list[tuple[str, list[str], str, str]]:
          "imp.py failed: ModuleNotFoundError", "config"),
         ("reward_no_function", [f"custom_reward_function.path={reward_ok}", "custom_reward_function.name=score"],
          "custom_reward_function.name", "config"),
-        ("reward_not_callable", [f"custom_reward_function.path={reward_ok}", "custom_reward_function.name=NOT_CALLABLE"],
+        ("reward_not_callable", [f"custom_reward_function.path={reward_ok}",
+                                 "custom_reward_function.name=NOT_CALLABLE"],
          "is not callable", "config"),
         ("dataset_class_broken", [f"data.custom_cls.path={x.write('cls.py', 'raise RuntimeError(1)')}",
                                   "data.custom_cls.name=Rows"], "data.custom_cls.path", "config"),
