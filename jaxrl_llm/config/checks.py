@@ -109,16 +109,16 @@ def _check_hf_folder(key: str, folder: pathlib.Path) -> Any:
     return model_cfg
 
 
-def check_model_source(key: str, path: str) -> Any:
+def check_model_source(key: str, path: str) -> int | None:
     """`path` (a local model location) is an HF folder or .gguf of a supported architecture with its
     weights, or a jaxrl_llm checkpoint; other locations are left to the loaders. Returns the
-    ModelConfig when it was read (HF folder, .gguf), else None."""
+    model's context length when it was read (HF folder, .gguf), else None."""
     if path.startswith("tiny:") or not _is_local(path):
         return None
     p = pathlib.Path(path).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file():
-            return _check_hf_folder(key, p)
+            return _check_hf_folder(key, p).max_position_embeddings
         from jaxrl_llm.trainer.checkpoint import is_checkpoint  # only here: it imports orbax
 
         if not is_checkpoint(p):
@@ -128,27 +128,27 @@ def check_model_source(key: str, path: str) -> Any:
     if p.suffix != ".gguf":
         raise ConfigError(f"{key}={path!r}: a file that is not .gguf; expected an HF folder, a .gguf file or a "
                           "jaxrl_llm checkpoint")
-    from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
+    from jaxrl_llm.hf.gguf_header import GGUFHeaderError, read_gguf_metadata
+    from jaxrl_llm.hf.gguf_load import SUPPORTED_GGUF_ARCHITECTURES
 
-    try:
-        return gguf_config(GGUFSource(p))
-    except Exception as err:  # noqa: BLE001 - any parse failure of a user file is that file's fault
+    try:  # the header only: the full reader parses the whole vocabulary (seconds)
+        meta = read_gguf_metadata(str(p), ("general.architecture", "llama.context_length"))
+    except (GGUFHeaderError, OSError) as err:
         raise ConfigError(f"{key}={path!r}: {err}") from None
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ConfigError(f"{key}={path!r}: unsupported GGUF architecture {arch!r}; supported: "
+                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    return int(meta.get("llama.context_length", 2048))
 
 
 def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collections.ConfigDict,
-                   model_cfg: Any) -> None:
-    """Prompt + response fit the model's context (after override_config), known once config.json is read."""
-    if model_cfg is None:
+                   positions: int | None) -> None:
+    """Prompt + response fit the model's context (after override_config), known once its config is read."""
+    if positions is None:
         return
-    from jaxrl_llm.models.config import with_hf_overrides
-
     overrides = section.override_config
-    overrides = overrides.to_dict() if isinstance(overrides, ml_collections.ConfigDict) else dict(overrides or {})
-    try:
-        positions = with_hf_overrides(model_cfg, overrides).max_position_embeddings
-    except (ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{key}.override_config: {err}") from None
+    positions = int((overrides or {}).get("max_position_embeddings", positions))
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if total > positions:
         raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length}: prompt + response "

@@ -159,3 +159,38 @@ def test_sources_checked_before_loading(tmp_path):
     reward.write_text("def compute_score(*a, **k):\n    return 1.0\n")
     with pytest.raises(ConfigError, match=r"^custom_reward_function.name: .* has no attribute 'score_fn'"):
         check(*ok, f"custom_reward_function.path={reward}", "custom_reward_function.name=score_fn", paths=True)
+
+
+def _gguf_bytes(kvs, version=3):
+    """A GGUF header with the given (key, type, payload bytes) entries and no tensors."""
+    import struct
+
+    out = b"GGUF" + struct.pack("<IQQ", version, 0, len(kvs))
+    for key, kind, payload in kvs:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + payload
+    return out
+
+
+def test_gguf_header_is_read_without_parsing_the_vocabulary(tmp_path, smollm2_gguf):
+    import struct
+
+    from jaxrl_llm.config.checks import check_model_source
+    from jaxrl_llm.hf.gguf_header import GGUFHeaderError, read_gguf_metadata
+
+    tokens = [b"a", b"bc", b"<s>"]
+    array = struct.pack("<IQ", 8, len(tokens)) + b"".join(struct.pack("<Q", len(t)) + t for t in tokens)
+    ints = struct.pack("<IQ", 5, 3) + struct.pack("<3i", 1, 2, 3)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(_gguf_bytes([("tokenizer.ggml.tokens", 9, array), ("x.ids", 9, ints),
+                                  ("general.architecture", 8, struct.pack("<Q", 5) + b"llama"),
+                                  ("llama.context_length", 4, struct.pack("<I", 1024))]))
+    assert read_gguf_metadata(str(path), ("general.architecture", "llama.context_length", "x.ids")) == {
+        "general.architecture": "llama", "llama.context_length": 1024, "x.ids": [1, 2, 3]}
+    assert check_model_source("k", str(path)) == 1024
+    path.write_bytes(_gguf_bytes([("general.architecture", 8, struct.pack("<Q", 5) + b"gpt2x")]))
+    with pytest.raises(ConfigError, match=r"^k='.*m.gguf': unsupported GGUF architecture 'gpt2x'"):
+        check_model_source("k", str(path))
+    path.write_bytes(_gguf_bytes([("general.architecture", 8, struct.pack("<Q", 50) + b"llama")]))
+    with pytest.raises(GGUFHeaderError, match="truncated"):
+        read_gguf_metadata(str(path), ("general.architecture",))
+    assert check_model_source("k", str(smollm2_gguf)) == 8192  # the real file: llama, 8k context
