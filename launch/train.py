@@ -14,7 +14,9 @@ suggestion. `--import_config` reads another framework's config (jaxrl_llm.config
 docs/importing.md) onto the `--config` file, or onto the default tree when `--config` is not given;
 TRL `--name=value` flags after `--` are translated the same way; `--config.a.b=v` and `a.b=v`
 overrides apply last. The config is validated before anything is compiled; the loop is
-`jaxrl_llm.trainer.Trainer(config).fit()`.
+`jaxrl_llm.trainer.Trainer(config).fit()`. A bad input (config key, data file and row, model
+folder, reward file) ends the run with one line, `config error: ...` or `data error: ...`, and a
+non-zero exit status, without a traceback.
 """
 from __future__ import annotations
 
@@ -86,7 +88,29 @@ def main(argv: list[str]) -> None:
         return
     from jaxrl_llm.trainer import Trainer  # imported only for a real run: parsing needs none of it
 
-    Trainer(cfg).fit()
+    try:
+        Trainer(cfg).fit()
+    except user_errors() as err:  # a bad input: one line naming it, no traceback
+        sys.exit(user_error_line(err))
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that report a bad input (config, data, model folder, reward code), not a bug."""
+    from jaxrl_llm.data import DataError
+    from jaxrl_llm.hf.tokenizer import TokenizerError
+    from jaxrl_llm.models import UnsupportedArchitectureError
+    from jaxrl_llm.rewards import RewardFunctionError, UnknownDataSourceError
+
+    return (ConfigError, DataError, RewardFunctionError, TokenizerError, UnknownDataSourceError,
+            UnsupportedArchitectureError)
+
+
+def user_error_line(err: BaseException) -> str:
+    """`data error: <file> line N: ...` for data files, `config error: <key>: ...` for the rest."""
+    from jaxrl_llm.data import DataError
+
+    kind = "data error" if isinstance(err, DataError) else "config error"
+    return f"{kind}: " + " ".join(str(err).split("\n"))
 
 
 def run() -> None:

@@ -2,6 +2,7 @@
 changed, resolved by `jaxrl_llm.config` (so tests never restate a default)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxrl_llm.config import default_config, resolve_data, resolve_optim, resolve_reward
@@ -16,11 +17,13 @@ def _update(section: Any, values: dict[str, Any]) -> None:
             section[key] = value
 
 
-def data_spec(**values: Any) -> DataSpec:
-    """`DataSpec` of the default `data` section with `values` set (nested dicts for sub-sections)."""
+def data_spec(builtin_scorers: bool = False, **values: Any) -> DataSpec:
+    """`DataSpec` of the default `data` section with `values` set (nested dicts for sub-sections).
+    `builtin_scorers` (a run with no custom reward: rows need a ground truth and a known data_source)
+    is off unless asked, so data tests may use bare rows."""
     cfg = default_config()
     _update(cfg.data, values)
-    return resolve_data(cfg)
+    return dataclasses.replace(resolve_data(cfg), builtin_scorers=builtin_scorers)
 
 
 def optim_spec(total_steps: int, grad_clip: float | None = None, **values: Any):

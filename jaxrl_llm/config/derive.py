@@ -61,9 +61,6 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
         _fill(section, "log_prob_micro_batch_size_per_device", actor.ppo_micro_batch_size_per_device)
         _fill(section, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz)
         _fill(section, "log_prob_max_token_len_per_device", actor.ppo_max_token_len_per_device)
-    rc = alg.rollout_correction
-    if rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode:
-        rollout.calculate_log_probs = True
 
     _fill(critic, "enable", alg.adv_estimator in names.adv_estimators(needs_values=True))
     _fill(critic.model, "path", arr.model.path)

@@ -34,8 +34,11 @@ def _files(value: Any) -> tuple[str, ...] | None:
 
 
 def resolve_data(cfg: ConfigDict) -> DataSpec:
-    """`data.*` of a validated config (also usable on a bare `data` section)."""
-    d = cfg.data if "data" in cfg and isinstance(cfg.data, ConfigDict) else cfg
+    """`data.*` of a validated config (also usable on a bare `data` section, where the reward
+    settings, and so `builtin_scorers`, are unknown: False)."""
+    whole = "data" in cfg and isinstance(cfg.data, ConfigDict)
+    d = cfg.data if whole else cfg
+    builtin = whole and cfg.custom_reward_function.path is None and not cfg.reward_model.enable
     return DataSpec(
         train_files=_files(d.train_files), val_files=_files(d.val_files), tokenizer=d.tokenizer,
         prompt_key=d.prompt_key, messages_key=d.messages_key, apply_chat_template=bool(d.apply_chat_template),
@@ -45,7 +48,8 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         filter_overlong_prompts_workers=int(d.filter_overlong_prompts_workers), shuffle=bool(d.shuffle),
         seed=d.seed, train_max_samples=int(d.train_max_samples), val_max_samples=int(d.val_max_samples),
         dataloader_num_workers=int(d.dataloader_num_workers),
-        custom_cls_path=d.custom_cls.path or None, custom_cls_name=d.custom_cls.name or None)
+        custom_cls_path=d.custom_cls.path or None, custom_cls_name=d.custom_cls.name or None,
+        builtin_scorers=bool(builtin))
 
 
 def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> SamplingParams:
@@ -81,9 +85,14 @@ def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
         grad_clip=None if grad_clip is None else float(grad_clip))
 
 
+def _plain(value: Any) -> dict:
+    return value.to_dict() if isinstance(value, ConfigDict) else dict(value or {})
+
+
 def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
     return ModelSpec(path=section.path, dtype=section.dtype, param_dtype=section.param_dtype,
-                     remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()))
+                     remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()),
+                     override_config=tuple(sorted(_plain(section.override_config).items())))
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:

@@ -28,6 +28,7 @@ class ModelSpec:
     param_dtype: str  # master-weight dtype
     remat: bool  # enable_gradient_checkpointing
     tiny: tuple[tuple[str, Any], ...]  # dims of a tiny:<arch> model (actor_rollout_ref.model.tiny)
+    override_config: tuple[tuple[str, Any], ...] = ()  # HF config fields replaced at load (model.override_config)
 
     @property
     def is_tiny(self) -> bool:

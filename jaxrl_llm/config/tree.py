@@ -153,9 +153,8 @@ ROLLOUT = {
                                             "actor.use_dynamic_bsz. veRL.", types=bool),
     "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
-    "calculate_log_probs": field(False, "Keep the sampler's per-token logprobs in the batch as "
-                                        "rollout_log_probs (mismatch metrics); forced on by "
-                                        "algorithm.rollout_correction. veRL."),
+    "calculate_log_probs": field(False, "No effect in jaxrl_llm (a warning when set): the sampler always "
+                                        "returns its per-token logprobs (rollout_log_probs). veRL."),
     "val_kwargs": {
         "n": field(1, "Responses per validation prompt (reported as mean@n). veRL."),
         "temperature": field(0.0, "Validation temperature. veRL."),
@@ -220,9 +219,12 @@ CRITIC = {
 REWARD_MODEL = {
     "enable": field(False, "Score responses with a sequence-classification reward model. veRL."),
     "reward_manager": field("naive", "How rule/custom scores are computed: naive (in-process) or prime "
-                                     "(process pool, per-call timeout); DAPO shaping: reward_kwargs. veRL."),
+                                     "(process pool: also survives hard crashes and calls stuck in C code); "
+                                     "DAPO shaping: reward_kwargs. veRL."),
     "reward_kwargs": {
-        "timeout_s": field(10.0, "Seconds per compute_score call before it scores 0 (prime manager)."),
+        "timeout_s": field(10.0, "Seconds per compute_score call before it scores 0, counted in "
+                                 "reward/num_timeouts (naive: a SIGALRM timer in the main thread; prime: the "
+                                 "worker is killed)."),
         "num_workers": field(4, "Processes of the prime reward manager."),
         "max_resp_len": field(None, "Response length the overlong penalty is measured against; derived: "
                                     "data.max_response_length. veRL DAPO.", types=int),
@@ -322,8 +324,11 @@ TRAINER = {
     "resume_mode": field("auto", "auto (latest checkpoint in default_local_dir if any), disable (an "
                                  "error if default_local_dir holds checkpoints), or resume_path. veRL."),
     "resume_from_path": field(None, "Checkpoint step folder for resume_mode=resume_path. veRL.", types=str),
-    "max_actor_ckpt_to_keep": field(None, "Keep at most N policy checkpoints; None = all. veRL.", types=int),
-    "max_critic_ckpt_to_keep": field(None, "Keep at most N critic checkpoints; None = all. veRL.", types=int),
+    "max_actor_ckpt_to_keep": field(None, "Keep at most N checkpoints (policy and critic are saved together); "
+                                          "None = all. veRL.", types=int),
+    "max_critic_ckpt_to_keep": field(None, "No effect in jaxrl_llm (a warning when set): the critic is saved in "
+                                           "the actor's checkpoint, kept by max_actor_ckpt_to_keep. veRL.",
+                                     types=int),
     "default_local_dir": field(None, "Run directory (checkpoints, metrics.jsonl, hf/): a local path or a "
                                      "gs:// URL (docs/multihost.md); derived: "
                                      "checkpoints/<project_name>/<experiment_name>. veRL.", types=str),

@@ -2,7 +2,9 @@
 `ConfigError` whose message starts with the offending key.
 
 Order: unknown / aliased / torch-only keys -> types -> names -> ranges -> mesh -> batch
-divisibility -> derived values -> lengths vs model context -> paths.
+divisibility -> derived values -> run names, filter metric, override_config (config/checks.py)
+-> lengths vs model context -> paths -> what the paths hold (model architecture and weights,
+tokenizer files, custom reward / dataset code imported; config/checks.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import ml_collections
 
 from jaxrl_llm import storage
 from jaxrl_llm.config import names
+from jaxrl_llm.config.checks import check_inputs, check_sources
 from jaxrl_llm.config.derive import resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
@@ -340,11 +343,13 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
     resolve_defaults(cfg, dp_size)
     _check_batches(cfg, dp_size, before_derive=False)
     _check_algorithm(cfg)
+    check_inputs(cfg)
     _check_lengths(cfg, model_max_positions)
     _check_required(cfg)
     _check_storage(cfg)
     if check_paths:
         _check_paths(cfg)
+        check_sources(cfg)
     if num_train_samples is not None and cfg.data.synthetic.task is None:
         resolve_total_steps(cfg, num_train_samples)
     return cfg

@@ -115,7 +115,7 @@ class PromptLoader:
         # (the iterator state still counts only the batches handed out)
         read_options = grain.ReadOptions(num_threads=num_workers, prefetch_buffer_size=2 * num_workers)
         self._pipeline = pipeline.to_iter_dataset(read_options)
-        self._iterator = iter(pipeline)
+        self._iterator = iter(self._pipeline)
 
     def __len__(self) -> int:
         """Batches per epoch."""

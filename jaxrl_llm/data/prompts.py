@@ -14,7 +14,10 @@ column is absent, `data.messages_key` (a messages column). Message lists go thro
 `tokenizer.apply_chat_template(..., add_generation_prompt=True)` and are tokenised without extra
 special tokens (the template has them). String prompts are wrapped as one user message, or, with
 `data.apply_chat_template=False`, tokenised as raw text with the tokenizer's own special tokens.
-Ground truth: `reward_model.ground_truth` (veRL) or a top-level `ground_truth` column.
+Ground truth: `reward_model.ground_truth` (veRL) or a top-level `ground_truth` column; a number
+is turned into its string (`normalise_ground_truth`). An empty prompt is an error naming the row;
+with `data.builtin_scorers` (no custom reward function, no reward model) so is a row without a
+ground truth or whose `data_source` no built-in scorer knows, found here rather than at step 1.
 
 `data.custom_cls.path` / `.name` name a user class called as `cls(data_files, tokenizer, config)`;
 it must be a sequence (`__len__`, `__getitem__`) whose items are either raw rows (tokenised as
@@ -26,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import multiprocessing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -71,9 +75,15 @@ def _is_message_list(value: Any) -> bool:
 
 
 def _normalise_prompt(value: Any, where: RowRef | str, column: str) -> list[dict[str, Any]] | str:
-    """A message list (as plain dicts) or a string; anything else is a DataError."""
+    """A message list (as plain dicts) or a string; anything else (or nothing to say) is a DataError."""
     if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: empty prompt (column {column!r})")
         return value
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value) == 0:
+        raise DataError(f"{where}: empty prompt (column {column!r} is an empty list)")
+    if _is_message_list(value) and not any(str(m["content"] or "").strip() for m in value):
+        raise DataError(f"{where}: empty prompt (every message in column {column!r} has empty content)")
     if _is_message_list(value):
         return [dict(m) for m in (value.tolist() if isinstance(value, np.ndarray) else value)]
     raise DataError(
@@ -152,19 +162,47 @@ class PromptDataset(Sequence):
         return np.asarray([len(r["input_ids"]) for r in self.records], dtype=np.int32)
 
 
-def _metadata(row: Mapping[str, Any], where: RowRef | str) -> dict[str, Any]:
+def normalise_ground_truth(value: Any) -> Any:
+    """A number becomes its string, as veRL's files store answers: 42 -> "42", 2.5 -> "2.5", and an
+    integral float (a numeric column that pandas read as float) 3.0 -> "3"; NaN (a missing cell)
+    becomes None. Anything else is kept."""
+    if isinstance(value, (bool, np.bool_)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        number = float(value)
+        if math.isnan(number):
+            return None
+        return str(int(number)) if number.is_integer() else repr(number)
+    return value
+
+
+def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool = False) -> dict[str, Any]:
     reward_model = row.get("reward_model")
     if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
         ground_truth = reward_model["ground_truth"]
     else:
         ground_truth = row.get("ground_truth")
+    ground_truth = normalise_ground_truth(ground_truth)
     extra_info = row.get("extra_info")
     if extra_info is None:
         extra_info = {}
     if not isinstance(extra_info, Mapping):
         raise DataError(f"{where}: extra_info must be a dict, got {type(extra_info).__name__}")
+    data_source = row.get("data_source") or "unknown"
+    if builtin_scorers:  # what the built-in scorers need, checked now rather than at the first step
+        from jaxrl_llm.rewards.scorers import BUILTIN_SOURCES, has_builtin_scorer
+
+        if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
+            raise DataError(f"{where}: no ground truth (reward_model.ground_truth or a ground_truth column), which "
+                            "the built-in scorers need; fill it in or set custom_reward_function.path")
+        if not has_builtin_scorer(str(data_source)):
+            what = "no data_source, so" if data_source == "unknown" else f"data_source {data_source!r}:"
+            raise DataError(f"{where}: {what} no built-in scorer applies (built in: {', '.join(BUILTIN_SOURCES)}); "
+                            "fix the data_source column or set custom_reward_function.path")
     return {
-        "data_source": row.get("data_source") or "unknown",
+        "data_source": data_source,
         "ground_truth": ground_truth,
         "extra_info": dict(extra_info),
         "ability": row.get("ability"),
@@ -227,7 +265,7 @@ def records_from_rows(
             num_dropped += 1
             continue
         record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
-        record.update(_metadata(row, ref))
+        record.update(_metadata(row, ref, data.builtin_scorers))
         records.append(record)
     if num_dropped:
         logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",
@@ -253,10 +291,12 @@ def _records_from_custom(dataset: Any, tokenizer: Any, data: DataSpec, name: str
         if "attention_mask" in item:
             ids = ids[np.asarray(item["attention_mask"]).reshape(-1).astype(bool)]
         ids = ids.astype(np.int32)
+        if len(ids) == 0:
+            raise DataError(f"{ref}: empty prompt (no input_ids)")
         if filter_overlong and len(ids) > max_len:
             continue
         record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": item.get("raw_prompt")}
-        record.update(_metadata(item, ref))
+        record.update(_metadata(item, ref, data.builtin_scorers))
         records.append(record)
     return records
 

@@ -7,6 +7,7 @@ one `DataError` naming the file and the problem; nothing is half-read.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -57,26 +58,37 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
+def read_text(path: str) -> str:
+    """The file as UTF-8 text (a leading BOM dropped); other bytes are a DataError naming the line."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DataError(f"{path} line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); "
+                        "save the file as UTF-8") from None
+
+
 def _read_jsonl(path: str) -> tuple[list[dict[str, Any]], list[int]]:
     rows, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {line_no}: malformed JSON ({err.msg})") from err
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-            lines.append(line_no)
+    # split on "\n" only: str.splitlines would also split inside strings at U+2028 and friends
+    for line_no, line in enumerate(read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path} line {line_no}: malformed JSON ({err.msg})") from err
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {line_no}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        lines.append(line_no)
     return rows, lines
 
 
 def _read_json(path: str) -> tuple[list[dict[str, Any]], list[int] | None]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -105,7 +117,7 @@ def _read_csv(path: str) -> list[dict[str, Any]]:
     import pandas as pd
 
     try:
-        frame = pd.read_csv(path, keep_default_na=False)
+        frame = pd.read_csv(io.StringIO(read_text(path)), keep_default_na=False)
     except pd.errors.EmptyDataError as err:
         raise DataError(f"{path}: empty dataset (no rows)") from err
     except (pd.errors.ParserError, UnicodeDecodeError) as err:

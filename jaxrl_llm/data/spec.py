@@ -29,6 +29,9 @@ class DataSpec:
     dataloader_num_workers: int
     custom_cls_path: str | None
     custom_cls_name: str | None
+    # rows are scored by the built-in rule scorers (no custom_reward_function, no reward model):
+    # every row needs a ground truth and a data_source they know, checked when the data is loaded
+    builtin_scorers: bool = False
 
     def files(self, split: str) -> tuple[str, ...] | None:
         if split not in ("train", "val"):

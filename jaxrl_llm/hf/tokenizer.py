@@ -6,6 +6,10 @@ import pathlib
 from typing import Any
 
 
+class TokenizerError(ValueError):
+    """No tokenizer can be loaded from the given location (names it)."""
+
+
 def load_tokenizer(path: str | pathlib.Path) -> Any:
     """A transformers tokenizer for an HF folder or a `.gguf` file (its chat template included).
 
@@ -24,12 +28,16 @@ def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Any:
     from transformers import AutoTokenizer
 
     path = pathlib.Path(path_str)
-    if path.is_file() and path.suffix == ".gguf":
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    elif path.is_dir():
-        tok = AutoTokenizer.from_pretrained(str(path))
-    else:
-        raise FileNotFoundError(f"no tokenizer at {str(path)!r} (expected an HF folder or a .gguf file)")
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise TokenizerError(f"no tokenizer at {str(path)!r} (expected an HF folder or a .gguf file)")
+    try:
+        if path.is_dir():
+            tok = AutoTokenizer.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a bad tokenizer folder
+        raise TokenizerError(f"cannot load a tokenizer from {str(path)!r}: {type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}") from err
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return tok

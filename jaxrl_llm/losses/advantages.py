@@ -45,8 +45,10 @@ def compute_advantage(
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
     reward_baselines: Array | None = None,
+    f_norm: float = 1.0,
 ) -> tuple[Array, Array]:
-    """Dispatch to the estimator registered as `name` (veRL's `algorithm.adv_estimator`)."""
+    """Dispatch to the estimator registered as `name` (veRL's `algorithm.adv_estimator`).
+    `f_norm` is GPG's normaliser (veRL's `compute_gpg_outcome_advantage`); others ignore it."""
     fn = ADV_ESTIMATORS.get(name)
     given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines}
     for cap, (arg, what) in INPUT_CAPABILITIES.items():
@@ -57,7 +59,7 @@ def compute_advantage(
     if rewards.shape != mask.shape or rewards.ndim != 2:
         raise ValueError(f"token_level_rewards {rewards.shape} and response_mask {mask.shape} must both be [B, T]")
     return fn(rewards, mask, group_ids=group_ids, values=values, gamma=gamma, lam=lam, epsilon=epsilon,
-              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, reward_baselines=reward_baselines)
+              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, reward_baselines=reward_baselines, f_norm=f_norm)
 
 
 def _group_mean_std(scores: Array, seg: Array) -> tuple[Array, Array, Array]:
@@ -217,15 +219,15 @@ def remax(rewards, mask, *, reward_baselines, **_):
 
 
 @register_adv_est("gpg", needs_group_ids=True)
-def gpg(rewards, mask, *, group_ids, **_):
-    """alpha * (s - group mean), alpha = B / max(#non-zero scores, 1), f_norm = 1, no std."""
+def gpg(rewards, mask, *, group_ids, f_norm=1.0, **_):
+    """alpha * (s - group mean) / f_norm, alpha = B / max(#non-zero scores, 1), singleton mean 0, no std."""
     scores = rewards.sum(-1)
     b = scores.shape[0]
     alpha = b / jnp.maximum(jnp.count_nonzero(scores), 1)
     seg = dense_group_index(group_ids)
     n = group_count(seg)
     mean = jnp.where(n > 1, group_sum(scores, seg) / n, 0.0)
-    return _outcome(alpha * (scores - mean), mask)
+    return _outcome(alpha * (scores - mean) / f_norm, mask)
 
 
 __all__ = ["ADV_ESTIMATORS", "INPUT_CAPABILITIES", "compute_advantage", "register_adv_est"]

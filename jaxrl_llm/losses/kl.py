@@ -23,7 +23,9 @@ def _k1(lp: Array, ref: Array) -> Array:
 
 @KL_ESTIMATORS.register("abs")
 def _abs(lp: Array, ref: Array) -> Array:
-    return jnp.abs(lp - ref)
+    # |d| as d * sign(d): its gradient is sign(d), 0 at d == 0 as torch's abs (jnp.abs gives 1 there)
+    d = lp - ref
+    return d * jax.lax.stop_gradient(jnp.sign(d))
 
 
 @KL_ESTIMATORS.register("mse", "k2")

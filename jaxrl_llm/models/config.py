@@ -228,6 +228,42 @@ class ModelConfig:
         return cls(**base)
 
 
+# `model.override_config`: HF config.json fields an override may change (they reach ModelConfig
+# without changing any parameter's shape) and fields it may not (architecture, shapes).
+OVERRIDABLE_HF_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+                       "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")
+FIXED_HF_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                 "attention_bias", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types")
+
+
+def classify_hf_overrides(keys: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(keys an override may not change, keys ModelConfig does not read) among `keys`."""
+    rejected = [k for k in keys if k in FIXED_HF_KEYS]
+    ignored = [k for k in keys if k not in FIXED_HF_KEYS and k not in OVERRIDABLE_HF_KEYS]
+    return rejected, ignored
+
+
+def with_hf_overrides(cfg: ModelConfig, overrides: dict[str, Any] | None) -> ModelConfig:
+    """`cfg` with HF config fields replaced (veRL's `model.override_config`, e.g. {rope_theta: 1e6}):
+    the config is written as config.json, the fields set, and read back. Fields that would change
+    the architecture or a parameter shape raise ValueError; fields the decoder does not read
+    (e.g. dropout rates) change nothing."""
+    if not overrides:
+        return cfg
+    rejected, _ = classify_hf_overrides(list(overrides))
+    if rejected:
+        raise ValueError(f"override_config.{rejected[0]} would change the architecture or parameter shapes")
+    d = cfg.to_hf_config()
+    # rope as legacy top-level keys only, so an overridden rope_theta / rope_scaling is the one read back
+    d.pop("rope_parameters")
+    d.pop("rope_scaling", None)
+    if cfg.rope_scaling:
+        d["rope_scaling"] = cfg.rope_scaling_dict
+    d.update(overrides)
+    return ModelConfig.from_hf_config(d)
+
+
 def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:
     return list(v) if isinstance(v, tuple) else v
 

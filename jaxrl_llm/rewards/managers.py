@@ -10,23 +10,36 @@
     result.metrics            {name: float}  reward/num_errors, reward/num_timeouts, and shaping stats
 
 Shaping (missing_eos_penalty, DAPO overlong_buffer_cfg) applies under either manager.
-`naive` calls the scorer in this process; `prime` calls it in a pool of `num_workers` spawned processes with a per-call timeout of
-`timeout_s` seconds. A call that raises (or, under prime, runs past the timeout or kills its
-worker) scores 0 and is counted; the run goes on. `UnknownDataSourceError` is a config mistake
-and is raised. Hung workers are killed and replaced; the pool's processes are daemons killed at
-`close()` or interpreter exit, so nothing hangs the process.
+Both managers give each scorer call `timeout_s` seconds (`reward_model.reward_kwargs.timeout_s`).
+A call that raises anything (`SystemExit` included), returns a non-finite or non-numeric score,
+or runs past the timeout scores 0 and is counted (`reward/num_errors`, `reward/num_timeouts`); the
+run goes on. Two exceptions propagate: `UnknownDataSourceError` (a config mistake) and
+`KeyboardInterrupt` (a Ctrl-C must still reach the trainer).
+
+- `naive` calls the scorer in this process. Its timeout is a SIGALRM timer (`signal.setitimer`)
+  that raises inside the call, so it needs the main thread (elsewhere the calls run untimed, with
+  one warning) and it interrupts Python code only: a call stuck inside one C function (a
+  pathological regex, a blocking native library) returns only when that function does, and a
+  hard crash (segfault, `os._exit`) ends the process. Use `prime` for code that can do that.
+- `prime` calls it in a pool of `num_workers` spawned processes. A call past the timeout has its
+  worker killed and replaced; a worker that died (while busy or idle) is replaced too. The pool's
+  processes are daemons killed at `close()` or interpreter exit, so nothing hangs the process.
+
 Responses should be decoded without special tokens (veRL: skip_special_tokens=True).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
+import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +63,43 @@ class RewardResult(NamedTuple):
 class _Failure(NamedTuple):
     kind: str  # "error" | "timeout"
     message: str
+
+
+class _CallTimeout(BaseException):
+    """Raised inside a naive scorer call by the SIGALRM timer; a BaseException so that a user's
+    `except Exception` cannot swallow it."""
+
+
+_warned_untimed = False
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raises `_CallTimeout` inside the block after `seconds` (SIGALRM; main thread only)."""
+    global _warned_untimed
+    if not seconds or not hasattr(signal, "setitimer"):
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        if not _warned_untimed:
+            _warned_untimed = True
+            logger.warning("reward: the naive manager's timeout_s needs the main thread; scorer calls run "
+                           "untimed here (use reward_model.reward_manager=prime)")
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _CallTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    try:
+        yield
+    finally:
+        try:  # the alarm may fire right here (the call just ended): the handler is restored anyway
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, previous)
 
 
 def _check_score(result: Any) -> Any:
@@ -79,7 +129,9 @@ class RewardManager:
         overlong: OverlongSpec | None = None,
         max_resp_len: int | None = None,
         missing_eos_penalty: float | None = None,
+        timeout_s: float | None = None,
     ):
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.spec = compute_score if isinstance(compute_score, ScorerSpec) or compute_score is None else None
         if compute_score is None:
             self.spec = ScorerSpec()
@@ -97,10 +149,14 @@ class RewardManager:
         results: list[Any] = []
         for kwargs in calls:
             try:
-                results.append(_check_score(self.compute_score(**kwargs)))
-            except UnknownDataSourceError:
+                with _deadline(self.timeout_s):
+                    value = self.compute_score(**kwargs)
+                results.append(_check_score(value))
+            except _CallTimeout:
+                results.append(_Failure("timeout", f"scorer call ran over {self.timeout_s}s"))
+            except (UnknownDataSourceError, KeyboardInterrupt):
                 raise
-            except Exception as err:  # a bad sample must not stop the run
+            except BaseException as err:  # noqa: BLE001 - a bad sample (even sys.exit) must not stop the run
                 results.append(_Failure("error", f"{type(err).__name__}: {err}"))
         return results
 
@@ -226,11 +282,10 @@ class PrimeRewardManager(RewardManager):
 
     def __init__(self, compute_score: ScorerSpec | Callable[..., Any] | None = None, *,
                  timeout_s: float = 10.0, num_workers: int | None = None, **kwargs: Any):
-        super().__init__(compute_score, **kwargs)
+        super().__init__(compute_score, timeout_s=timeout_s, **kwargs)
         if self.spec is None:
             # a plain callable must be importable by reference in the worker
             self.spec = _spec_for_callable(self.compute_score)
-        self.timeout_s = float(timeout_s)
         self.num_workers = int(num_workers or min(8, os.cpu_count() or 1))
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []  # started on first use
@@ -245,9 +300,7 @@ class PrimeRewardManager(RewardManager):
         busy: dict[Any, _Worker] = {}
         while pending or busy:
             while pending and idle:
-                worker = idle.popleft()
-                worker.task, worker.started = pending.popleft(), time.monotonic()
-                worker.conn.send((worker.task, calls[worker.task]))
+                worker = self._dispatch(idle.popleft(), pending.popleft(), calls)
                 busy[worker.conn] = worker
             deadline = min(w.started for w in busy.values()) + self.timeout_s
             ready = multiprocessing.connection.wait(list(busy), timeout=max(0.0, deadline - time.monotonic()))
@@ -277,6 +330,19 @@ class PrimeRewardManager(RewardManager):
                     idle.append(self._replace(worker))
         return results
 
+    def _dispatch(self, worker: _Worker, task: int, calls: list[dict[str, Any]]) -> _Worker:
+        """Sends call `task` to `worker`, first replacing it when it died while idle (a closed
+        pipe would otherwise raise BrokenPipeError here)."""
+        if not worker.process.is_alive():
+            worker = self._replace(worker)
+        try:
+            worker.conn.send((task, calls[task]))
+        except (BrokenPipeError, ConnectionResetError, EOFError):  # it died just now
+            worker = self._replace(worker)
+            worker.conn.send((task, calls[task]))
+        worker.task, worker.started = task, time.monotonic()
+        return worker
+
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
         fresh = _Worker(self._ctx, self.spec)
@@ -302,7 +368,7 @@ def build_reward_manager(spec: RewardSpec) -> RewardManager:
     if spec.reward_manager not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={spec.reward_manager!r} is not one of {REWARD_MANAGERS}")
     common = dict(overlong=spec.overlong, max_resp_len=spec.max_resp_len,
-                  missing_eos_penalty=spec.missing_eos_penalty)
+                  missing_eos_penalty=spec.missing_eos_penalty, timeout_s=spec.timeout_s)
     if spec.reward_manager == "prime":
-        return PrimeRewardManager(spec.scorer, timeout_s=spec.timeout_s, num_workers=spec.num_workers, **common)
+        return PrimeRewardManager(spec.scorer, num_workers=spec.num_workers, **common)
     return RewardManager(spec.scorer, **common)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import ModelSpec, OptimSpec
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
+from jaxrl_llm.models.config import with_hf_overrides
 from jaxrl_llm.sharding import logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.forward import compute_dtype_of
 from jaxrl_llm.trainer.optim import make_optimizer
@@ -68,7 +69,13 @@ def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) 
 
 def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params placed on the mesh) for `model.path`: an HF folder, a .gguf file, our
-    checkpoint, or `tiny:<family>` (a random model with the dims in `model.tiny`, for tests)."""
+    checkpoint, or `tiny:<family>` (a random model with the dims in `model.tiny`, for tests), with
+    `model.override_config`'s HF config fields replaced (they never change a parameter's shape)."""
+    model_cfg, params = _load(model, head=head, mesh=mesh, tokenizer=tokenizer, seed=seed)
+    return with_hf_overrides(model_cfg, dict(model.override_config)), params
+
+
+def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
     dtype = compute_dtype_of(model.param_dtype)
     if model.is_tiny:
         tiny = dict(model.tiny)

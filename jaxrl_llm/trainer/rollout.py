@@ -6,12 +6,15 @@ Shapes are bucketed (prompt length by the sampler's buckets, response width to a
 prompt i, and `group_ids[row] = i`.
 
 Multi-host: host-side data (prompts, texts, scores, metadata) is the whole global batch on every
-process, so rewards and metrics are identical everywhere; device arrays are global jax.Arrays
-built from each process's own rows (`sharding.to_device`) and gathered back with `sharding.to_host`.
+process; device arrays are global jax.Arrays built from each process's own rows
+(`sharding.to_device`) and gathered back with `sharding.to_host`. Rule-based rewards are computed
+once, on process 0, and broadcast (`score_responses`), so processes can never disagree on a score
+(a timed-out call, a random or stateful reward function), nor on DAPO's group filter built on them.
 """
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import jax
@@ -19,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.rewards import RewardManager
+from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, to_device, to_host
 
@@ -107,9 +111,8 @@ class RolloutGenerator:
                                         raw_prompts=None if raw is None else list(raw))
             extra, reward_metrics = {"score": scores.copy()}, {}
         else:
-            result = self.reward_manager.score(texts, list(meta["data_source"]), list(meta["ground_truth"]),
-                                               list(meta["extra_info"]), response_lengths=lengths,
-                                               finished_with_eos=finish == FINISH_EOS)
+            result = score_responses(self.reward_manager, texts, meta, response_lengths=lengths,
+                                     finished_with_eos=finish == FINISH_EOS)
             scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
 
         # outcome reward on the last valid response token
@@ -129,6 +132,61 @@ class RolloutGenerator:
             prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
             texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
             meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics)
+
+
+def broadcast_from_main(compute: Any) -> Any:
+    """`compute()` run on process 0 only, its result (any picklable object) returned on every
+    process; an exception raised there is raised on every process (none waits forever)."""
+    if jax.process_count() == 1:
+        return compute()
+    from jax.experimental import multihost_utils
+
+    payload = b""
+    if jax.process_index() == 0:
+        try:
+            outcome: tuple[str, Any] = ("ok", compute())
+        except Exception as err:  # noqa: BLE001 - re-raised on every process below
+            outcome = ("error", err)
+        try:
+            payload = pickle.dumps(outcome)
+        except Exception as err:  # noqa: BLE001 - an unpicklable exception
+            payload = pickle.dumps(("error", RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    buffer = np.zeros(size, np.uint8)
+    if payload:
+        buffer[:] = np.frombuffer(payload, np.uint8)
+    buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    status, value = pickle.loads(buffer.tobytes())
+    if status == "error":
+        raise value
+    return value
+
+
+def score_responses(manager: RewardManager, texts: list[str], meta: dict[str, np.ndarray], *,
+                    response_lengths: np.ndarray, finished_with_eos: np.ndarray) -> RewardResult:
+    """The reward manager's scores of `texts` (rows of `meta`), computed on process 0 and
+    broadcast to every process."""
+    extra_info = meta.get("extra_info")
+    return broadcast_from_main(lambda: manager.score(
+        texts, list(meta["data_source"]), list(meta["ground_truth"]),
+        None if extra_info is None else list(extra_info), response_lengths=response_lengths,
+        finished_with_eos=finished_with_eos))
+
+
+def filter_metric(r: Rollout, metric: str) -> np.ndarray:
+    """DAPO `filter_groups.metric` per row: the sequence score for seq_reward / seq_final_reward /
+    score, else the numeric key of that name the reward function returned (a clear error otherwise)."""
+    if metric in ("seq_reward", "seq_final_reward", "score"):
+        return np.asarray(r.scores, np.float64)
+    if metric not in r.reward_extra_info:
+        keys = sorted(k for k in r.reward_extra_info if k != "score")
+        raise ConfigError(f"algorithm.filter_groups.metric={metric!r}: the reward function returned no such key "
+                          f"(its keys: {keys}; or use seq_reward, seq_final_reward, score)")
+    values = np.asarray(r.reward_extra_info[metric])
+    if not (np.issubdtype(values.dtype, np.number) or values.dtype == bool):
+        raise ConfigError(f"algorithm.filter_groups.metric={metric!r}: the reward function's {metric!r} values are "
+                          f"not numbers (e.g. {values[0]!r})")
+    return values.astype(np.float64)
 
 
 def select_rows(r: Rollout, rows: np.ndarray) -> Rollout:

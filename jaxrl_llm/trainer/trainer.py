@@ -37,7 +37,7 @@ from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.roles import TrainedRole, copy_params, load_model, make_trained_role
-from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, select_rows
+from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 
@@ -294,8 +294,7 @@ class Trainer:
                 batch = next(self.train_loader)
             r = self.generator.generate(batch, params, sampling, jax.random.fold_in(rng, num_gen))
             num_gen += 1
-            metric = r.scores if fg.metric in ("seq_reward", "seq_final_reward", "score") else \
-                np.asarray(r.reward_extra_info[fg.metric], np.float64)
+            metric = filter_metric(r, fg.metric)
             groups = np.unique(r.group_ids)
             varied = [g for g in groups if np.std(metric[r.group_ids == g]) > 0]
             varied = varied[: want - num_kept]

@@ -1,8 +1,11 @@
 """validate_config: derived values, batch arithmetic, and one message naming the key per failure."""
+import json
+
 import pytest
 
 from jaxrl_llm.config import (ConfigError, apply_overrides, resolve_batch_plan, default_config,
                               resolve_total_steps, validate_config)
+from jaxrl_llm.models import ModelConfig
 
 
 def _cfg(*overrides):
@@ -155,8 +158,11 @@ def test_mesh_sizes_give_dp_size():
 def test_paths_must_exist(tmp_path):
     train = tmp_path / "train.parquet"
     train.write_bytes(b"")
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"")
+    model = tmp_path / "model"  # an HF folder as validation sees one: config.json, weights, tokenizer
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(ModelConfig.tiny(max_position_embeddings=4096).to_hf_config()))
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
     ok = _cfg(f"data.train_files=[{train}]", f"actor_rollout_ref.model.path={model}", "algorithm.adv_estimator=grpo",
               "data.tokenizer=null")  # derived: the model path
     validate_config(ok, dp_size=2)

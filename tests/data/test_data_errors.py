@@ -80,3 +80,64 @@ def test_bad_truncation_mode(tmp_path, char_tok):
     pd.DataFrame({"prompt": ["a"]}).to_parquet(tmp_path / "s.parquet")
     with pytest.raises(DataError, match="data.truncation='sideways'"):
         build_dataset(cfg(tmp_path / "s.parquet", truncation="sideways"), char_tok, "train")
+
+
+def _jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD = {"prompt": "What is 1 + 1?", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "2"}}
+
+
+@pytest.mark.parametrize("prompt,why", [("", "empty prompt \\(column 'prompt'\\)"), ("  \n", "empty prompt"),
+                                        ([], r"empty prompt \(column 'prompt' is an empty list\)"),
+                                        ([{"role": "user", "content": " "}], r"empty prompt \(every message .* empty")])
+def test_empty_prompt_names_the_line(tmp_path, char_tok, prompt, why):
+    path = _jsonl(tmp_path / "p.jsonl", [GOOD, GOOD, {**GOOD, "prompt": prompt}])
+    with pytest.raises(DataError, match=rf"p\.jsonl line 3: {why}"):
+        build_dataset(cfg(path), char_tok, "train")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_non_utf8_file_names_the_line(tmp_path, char_tok, suffix):
+    lines = {".jsonl": [b'{"prompt": "a"}', b'{"prompt": "caf\xe9"}'],
+             ".json": [b'[{"prompt": "a"},', b' {"prompt": "caf\xe9"}]'],
+             ".csv": [b"prompt", b"caf\xe9"]}[suffix]
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match=rf"latin1\{suffix} line 2: not UTF-8 text \(byte 0xe9 at offset \d+\)"):
+        build_dataset(cfg(path), char_tok, "train")
+
+
+def test_utf8_bom_and_unicode_line_separator_are_fine(tmp_path, char_tok):
+    import json
+
+    text = json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\n" + json.dumps({"prompt": "c"}) + "\n"
+    (tmp_path / "u.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert len(build_dataset(cfg(tmp_path / "u.jsonl"), char_tok, "train")) == 2
+
+
+def test_builtin_scorers_need_ground_truth_and_known_data_source(tmp_path, char_tok):
+    ok = _jsonl(tmp_path / "ok.jsonl", [GOOD, {**GOOD, "data_source": "aime2024", "reward_model": {"ground_truth": 7}}])
+    ds = build_dataset(cfg(ok, builtin_scorers=True), char_tok, "train")
+    assert [r["ground_truth"] for r in ds] == ["2", "7"]
+    cases = [({**GOOD, "reward_model": {}}, "no ground truth"),
+             ({**GOOD, "reward_model": {"ground_truth": ""}}, "no ground truth"),
+             ({**GOOD, "data_source": "my/task"}, "data_source 'my/task': no built-in scorer applies"),
+             ({"prompt": "hi", "ground_truth": "1"}, "no data_source, so no built-in scorer applies")]
+    for i, (row, why) in enumerate(cases):
+        path = _jsonl(tmp_path / f"bad{i}.jsonl", [GOOD, row])
+        with pytest.raises(DataError, match=rf"bad{i}\.jsonl line 2: {why}.*custom_reward_function.path"):
+            build_dataset(cfg(path, builtin_scorers=True), char_tok, "train")
+        assert len(build_dataset(cfg(path), char_tok, "train")) == 2  # a custom reward may not need them
+
+
+@pytest.mark.parametrize("value,want", [(42, "42"), (2.5, "2.5"), (3.0, "3"), (-1, "-1"), (float("nan"), None),
+                                        ("12", "12"), ([1, 2], [1, 2]), (True, True)])
+def test_numeric_ground_truth_normalised(value, want):
+    from jaxrl_llm.data.prompts import normalise_ground_truth
+
+    assert normalise_ground_truth(value) == want

@@ -69,7 +69,8 @@ def test_csv_plain_prompt_column(tmp_path, char_tok):
     rows = [{"prompt": q, "ground_truth": i, "data_source": "synthetic/add"} for i, q in enumerate(QUESTIONS)]
     ds = build_dataset(cfg(write(rows, tmp_path / "d.csv")), char_tok, "train")
     assert [r["input_ids"].tolist() for r in ds] == [expected_ids(char_tok, q) for q in QUESTIONS]
-    assert [r["ground_truth"] for r in ds] == list(range(5)) and ds[0]["extra_info"] == {}
+    # a numeric ground truth is normalised to its string, as the scorers compare strings
+    assert [r["ground_truth"] for r in ds] == ["0", "1", "2", "3", "4"] and ds[0]["extra_info"] == {}
 
 
 def test_messages_column_and_raw_text(tmp_path, char_tok):
@@ -268,3 +269,25 @@ def test_smollm2_chat_template_ids(tmp_path, smollm2_tok):
         want = smollm2_tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]
         assert rec["input_ids"].tolist() == list(want)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_num_workers_is_honoured(tmp_path, char_tok, workers):
+    """k > 0 collates in grain threads from the first batch on (not only after reset()); 0 in this thread."""
+    import threading
+
+    path = write(verl_rows(8), tmp_path / "d.parquet")
+    spec = cfg(path, dataloader_num_workers=workers)
+    dataset = build_dataset(spec, char_tok, "train")
+    threads = []
+
+    class Recording(type(dataset)):
+        def __getitem__(self, i):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return super().__getitem__(i)
+
+    dataset.__class__ = Recording  # before the loader exists, so every collate is recorded
+    loader = make_dataloader(spec, char_tok, "train", batch_size=2, dataset=dataset)
+    want = _indices(make_dataloader(cfg(path), char_tok, "train", batch_size=2), 3)
+    assert _indices(loader, 3) == want
+    assert threads and all(threads) == (workers == 0) and any(threads) == (workers == 0)

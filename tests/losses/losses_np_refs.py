@@ -132,12 +132,13 @@ def remax(r, m, base):
     return ret - base[:, None] * m, ret
 
 
-def gpg(r, m, ids):
+def gpg(r, m, ids, f_norm=1.0):
+    """veRL's compute_gpg_outcome_advantage: alpha * (s - group mean) / f_norm (singleton mean 0)."""
     s = r.sum(-1)
     alpha = len(s) / max(np.count_nonzero(s), 1)
     out = np.zeros_like(s)
     for rows in groups(ids).values():
-        out[rows] = alpha * (s[rows] - (0.0 if len(rows) == 1 else s[rows].mean()))
+        out[rows] = alpha * (s[rows] - (0.0 if len(rows) == 1 else s[rows].mean())) / f_norm
     return out[:, None] * m
 
 

@@ -53,6 +53,18 @@ def test_estimator_matches_reference(batch, name):
         np.testing.assert_allclose(ret, want_ret, **TOL)
 
 
+@pytest.mark.parametrize("f_norm", [1.0, 2.5, 0.5])
+def test_gpg_f_norm_as_verl(batch, f_norm):
+    rewards = batch["outcome"].copy()
+    rewards[0] = 0.0  # a zero score: alpha = B / #non-zero > 1
+    want = ref.gpg(np.asarray(rewards, np.float64), batch["mask"].astype(np.float64), batch["group_ids"], f_norm)
+    adv, ret = compute_advantage("gpg", rewards, batch["mask"], group_ids=batch["group_ids"], f_norm=f_norm)
+    np.testing.assert_allclose(adv, want, **TOL)
+    np.testing.assert_allclose(ret, want, **TOL)
+    base, _ = compute_advantage("gpg", rewards, batch["mask"], group_ids=batch["group_ids"])
+    np.testing.assert_allclose(np.asarray(adv) * f_norm, base, **TOL)
+
+
 def test_all_names_registered():
     assert set(NAMES) | {"grpo_passk"} == set(ADV_ESTIMATORS.names())
     with pytest.raises(ValueError, match="valid names.*grpo"):

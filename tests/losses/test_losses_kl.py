@@ -36,6 +36,14 @@ def test_kl_values_and_grads(kind):
         assert float(grad[0, 0]) == 0.0
 
 
+def test_abs_gradient_at_zero_difference_is_zero_as_torch():
+    lp = jnp.asarray([0.5, -1.0, 4.0], jnp.float32)
+    ref = jnp.asarray([0.5, 0.0, 3.0], jnp.float32)  # first token: no difference
+    np.testing.assert_array_equal(kl_penalty(lp, ref, "abs"), [0.0, 1.0, 1.0])
+    np.testing.assert_array_equal(jax.grad(lambda x: kl_penalty(x, ref, "abs").sum())(lp), [0.0, -1.0, 1.0])
+    np.testing.assert_array_equal(jax.grad(lambda r: kl_penalty(lp, r, "abs").sum())(ref), [0.0, 1.0, -1.0])
+
+
 @pytest.mark.parametrize("kind", ["k1+", "k3+", "abs+", "low_var_kl+"])
 def test_straight_through_value_of_base_grad_of_k2(kind):
     rng = np.random.default_rng(2)

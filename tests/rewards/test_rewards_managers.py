@@ -21,12 +21,23 @@ from jaxrl_llm.rewards import (
 
 USER_REWARD = '''
 import os
+import sys
 import time
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str == "hang":
         while True:
             time.sleep(0.05)
+    if solution_str == "swallow":  # a broad except must not defeat the timeout
+        try:
+            while True:
+                time.sleep(0.05)
+        except Exception:
+            return 1.0
+    if solution_str == "exit":
+        sys.exit(2)
+    if solution_str == "interrupt":
+        raise KeyboardInterrupt
     if solution_str == "raise":
         raise RuntimeError("scorer bug")
     if solution_str == "die":
@@ -170,3 +181,52 @@ def test_prime_binds_reward_kwargs(reward_file):
     with PrimeRewardManager(spec, timeout_s=5.0, num_workers=1) as manager:
         result = manager.score(["ab", "abc"], ["s", "s"], [None, None], [{"bonus": 1}, None])
     np.testing.assert_array_equal(result.scores, np.float32([21, 30]))
+
+
+def test_naive_manager_times_out_and_survives_system_exit(reward_file):
+    cfg = config(reward_file)
+    cfg.reward_model.reward_kwargs.timeout_s = 0.3
+    manager = build_reward_manager(resolve_reward(cfg))
+    assert type(manager) is RewardManager and manager.timeout_s == 0.3
+    t0 = time.monotonic()
+    result = manager.score(["1", "hang", "exit", "swallow", "raise", "1"], ["s"] * 6, ["1"] * 6)
+    elapsed = time.monotonic() - t0
+    np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0, 0, 1]))
+    assert result.metrics["reward/num_timeouts"] == 2.0 and result.metrics["reward/num_errors"] == 2.0
+    assert 0.6 <= elapsed < 3.0, elapsed
+    # the timer is off and the previous SIGALRM handler is back after the calls
+    import signal
+
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None, signal.SIG_IGN)
+    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C still reaches the trainer
+        manager.score(["interrupt"], ["s"], ["1"])
+
+
+def test_naive_timeout_off_the_main_thread_runs_untimed(reward_file):
+    import threading
+
+    cfg = config(reward_file)
+    cfg.reward_model.reward_kwargs.timeout_s = 0.1
+    manager = build_reward_manager(resolve_reward(cfg))
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=manager.score(["1", "0"], ["s", "s"], ["1", "1"])))
+    thread.start()
+    thread.join(30)
+    np.testing.assert_array_equal(out["r"].scores, np.float32([1, 0]))
+
+
+def test_prime_replaces_an_idle_worker_that_died(reward_file):
+    import os
+    import signal
+
+    with PrimeRewardManager(ScorerSpec(str(reward_file)), timeout_s=5.0, num_workers=2) as manager:
+        manager.score(["1", "1"], ["s", "s"], ["1", "1"])  # both workers started, now idle
+        dead = [w.process for w in manager._workers]
+        for process in dead:
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(5)
+        result = manager.score(["1", "0", "1"], ["s"] * 3, ["1"] * 3)  # no BrokenPipeError
+        np.testing.assert_array_equal(result.scores, np.float32([1, 0, 1]))
+        assert result.metrics["reward/num_errors"] == 0.0
+        assert all(w.process.is_alive() and w.process not in dead for w in manager._workers)

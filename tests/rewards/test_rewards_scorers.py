@@ -60,7 +60,7 @@ def test_math_normalisation_details():
     ("answer : $\\frac{1}{2}$", "\\frac{1}{2}", 1.0, "\\frac{1}{2}"),
     ("Answer: 3\nAnswer: 5", "5", 1.0, "5"),                  # last Answer: line
     ("Answer: 1,000 dollars", "1000", 1.0, "1000"),
-    ("no marker but \\boxed{7}", "7", 1.0, "7"),              # boxed fallback
+    ("no marker but \\boxed{7}", "7", -1.0, "[INVALID]"),     # veRL: no Answer: line, no fallback
     ("no answer at all", "7", -1.0, "[INVALID]"),             # malformed
     ("Answer: 5" + "x" * 400, "5", -1.0, "[INVALID]"),         # only the last 300 characters count
 ])
@@ -71,7 +71,27 @@ def test_math_dapo(source, response, truth, score, pred):
 
 def test_math_dapo_strict_box():
     assert math_dapo.compute_score("\\boxed{7}", "7", strict_box_verify=True)["score"] == 1.0
-    assert math_dapo.compute_score("Answer: 7", "7", strict_box_verify=True)["score"] == -1.0
+    assert math_dapo.compute_score("Answer: 7", "7", strict_box_verify=True) == {
+        "score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert math_dapo.compute_score("\\boxed{1,000}", "1000", strict_box_verify=True)["score"] == -1.0  # unnormalised
+    assert default_compute_score("math_dapo", "\\boxed{7}", "7", strict_box_verify=True)["score"] == 1.0
+
+
+@pytest.mark.parametrize("response,truth,score,pred", [
+    ("no marker but \\boxed{7}", "7", 1.0, "7"),
+    ("\\boxed{1,000 dollars}", "1000", 1.0, "1000"),
+    ("Answer: 6\nthen \\boxed{7}", "7", -1.0, "6"),  # an Answer: line still wins
+    ("\\boxed{7}" + "x" * 120, "7", -1.0, "[INVALID]"),  # the box must be in the final 100 characters
+])
+def test_math_dapo_lenient_is_opt_in(response, truth, score, pred):
+    assert default_compute_score("math_dapo", response, truth, lenient=True) == {
+        "score": score, "acc": score > 0, "pred": pred}
+    assert default_compute_score("math_dapo", response, truth)["score"] == (-1.0 if "Answer" not in response
+                                                                             else score)
+
+
+def test_math_dapo_numeric_ground_truth():
+    assert default_compute_score("aime2024", "Answer: 42", 42)["score"] == 1.0
 
 
 @pytest.mark.parametrize("response,truth,fmt,want", [

@@ -231,9 +231,8 @@ def _model(m: Mapper, src: Source) -> None:
         if src.peek(key) is not None:
             m.set(f"actor_rollout_ref.model.override_config.{key[6:]}", src.take(key), key)
     keep = src.take("trainer.max_checkpoints_to_keep")
-    if keep is not None:
-        for role in ("actor", "critic"):
-            m.set(f"trainer.max_{role}_ckpt_to_keep", keep, "trainer.max_checkpoints_to_keep")
+    if keep is not None:  # one checkpoint holds actor and critic
+        m.set("trainer.max_actor_ckpt_to_keep", keep, "trainer.max_checkpoints_to_keep")
     if src.has("explorer.rollout_model.tensor_parallel_size"):
         m.set("mesh.tensor", src.take("explorer.rollout_model.tensor_parallel_size"),
               "explorer.rollout_model.tensor_parallel_size")

@@ -5,7 +5,8 @@
   openai/gsm8k                                   gsm8k.compute_score (strict `#### N`; 1 / 0)
   lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500
                                                  math_boxed.compute_score (last \\boxed{}; 1 / 0)
-  math_dapo, math, math_dapo_reasoning, aime*    math_dapo.compute_score (`Answer:`; dict, 1 / -1)
+  math_dapo, math, math_dapo_reasoning, aime*    math_dapo.compute_score (`Answer:`; dict, 1 / -1;
+                                                 kwargs strict_box_verify, lenient)
   synthetic/<task>                               synthetic.compute_score (1 / 0)
 
 Another data source raises `UnknownDataSourceError` (a config problem, not a bad sample: the
@@ -25,6 +26,15 @@ class UnknownDataSourceError(NotImplementedError):
     """default_compute_score has no scorer for this data_source."""
 
 
+def has_builtin_scorer(data_source: str) -> bool:
+    """Whether `default_compute_score` scores `data_source` (the dispatch below)."""
+    return (data_source == "openai/gsm8k" or data_source in MATH_SOURCES or data_source in DAPO_SOURCES
+            or data_source.startswith(("aime", "synthetic/")))
+
+
+BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>")
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float | dict:
@@ -34,7 +44,9 @@ def default_compute_score(
     elif data_source in MATH_SOURCES:
         result = math_boxed.compute_score(solution_str, ground_truth)
     elif data_source in DAPO_SOURCES or data_source.startswith("aime"):
-        result = math_dapo.compute_score(solution_str, ground_truth)
+        result = math_dapo.compute_score(solution_str, ground_truth,
+                                         strict_box_verify=bool(kwargs.get("strict_box_verify", False)),
+                                         lenient=bool(kwargs.get("lenient", False)))
     elif data_source.startswith("synthetic/"):
         result = synthetic.compute_score(solution_str, ground_truth, extra_info)
     else:
@@ -44,4 +56,5 @@ def default_compute_score(
     return result if isinstance(result, dict) else float(result)
 
 
-__all__ = ["default_compute_score", "UnknownDataSourceError", "MATH_SOURCES", "DAPO_SOURCES"]
+__all__ = ["BUILTIN_SOURCES", "DAPO_SOURCES", "MATH_SOURCES", "UnknownDataSourceError", "default_compute_score",
+           "has_builtin_scorer"]

@@ -1,7 +1,15 @@
-"""DAPO math scorer (`math_dapo`, `math`, `aime*`) with veRL's semantics: the last
-`Answer: <x>` line of the response's final 300 characters (Minerva normalisation), falling back to
-the last `\\boxed{...}` of its final 100 characters when there is no `Answer:`; 1.0 when it equals
-the normalised ground truth, else -1.0. Returns {"score", "acc", "pred"}."""
+"""DAPO math scorer (`math_dapo`, `math`, `aime*`) with veRL's semantics: the last `Answer: <x>`
+line of the response's final 300 characters, Minerva-normalised, against the normalised ground truth; 1.0 when equal, else -1.0.
+A response with no `Answer:` line predicts "[INVALID]" and scores -1, even when it holds a
+`\\boxed{}` answer. Returns {"score", "acc", "pred"}.
+
+- `strict_box_verify=True` (veRL's option): the last `\\boxed{...}` of the final 100 characters,
+  compared unnormalised with the ground truth.
+- `lenient=True` (jaxrl_llm's opt-in, not veRL's): with no `Answer:` line, fall back to the last
+  `\\boxed{...}` of the final 100 characters (normalised). Turn it on with
+  `custom_reward_function.reward_kwargs={lenient: true}` (with no custom path, the kwargs go to
+  the built-in scorers).
+"""
 from __future__ import annotations
 
 import re
@@ -51,22 +59,22 @@ def _last_boxed_content(text: str) -> str | None:
     return None if end is None else text[start + len("\\boxed{"):end]
 
 
-def verify(response: str, ground_truth: str, strict_box_verify: bool = False) -> tuple[bool, str | None]:
+def verify(response: str, ground_truth: str, strict_box_verify: bool = False,
+           lenient: bool = False) -> tuple[bool, str]:
     """(correct, prediction) for an already tail-cut response."""
     if strict_box_verify:
         pred = _last_boxed_content(response[-100:])
+        pred = "[INVALID]" if pred is None else pred
         return pred == ground_truth, pred
     found = _ANSWER.findall(response)
     pred = normalise_final_answer(found[-1] if found else "[INVALID]")
-    if pred != "[INVALID]":
-        return pred == normalise_final_answer(ground_truth), pred
-    boxed = _last_boxed_content(response[-100:])
-    if boxed is not None:
-        boxed = normalise_final_answer(boxed)
-        return boxed == normalise_final_answer(ground_truth), boxed
+    if not found and lenient:
+        boxed = _last_boxed_content(response[-100:])
+        if boxed is not None:
+            pred = normalise_final_answer(boxed)
     return pred == normalise_final_answer(ground_truth), pred
 
 
-def compute_score(response: str, ground_truth: str, strict_box_verify: bool = False) -> dict:
-    correct, pred = verify(response[-300:], ground_truth, strict_box_verify)
+def compute_score(response: str, ground_truth: str, strict_box_verify: bool = False, lenient: bool = False) -> dict:
+    correct, pred = verify(response[-300:], str(ground_truth), strict_box_verify, lenient)
     return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred}

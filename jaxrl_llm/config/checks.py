@@ -1,0 +1,196 @@
+"""Checks of a run's inputs beyond the shape of the config tree, each failure one `ConfigError`
+naming the key (called by `validate_config`):
+
+- `check_inputs`: run names, DAPO's filter metric, `model.override_config` keys; keys that have
+  no effect here are warned about once.
+- `check_sources` (with `check_paths`): what the paths hold, read before any model is loaded or
+  any prompt is tokenised: the policy / critic / reward model folder or .gguf (an architecture
+  this package implements, its weights present), the tokenizer folder, and the custom reward
+  function and dataset class files (imported now, so a broken file fails at start).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+from typing import Any
+
+import ml_collections
+
+from jaxrl_llm.config.schema import ConfigError, get_path
+
+logger = logging.getLogger(__name__)
+
+ARR = "actor_rollout_ref"
+
+# veRL keys accepted for compatibility that do nothing here (warned when set to a non-default value).
+NO_EFFECT: dict[str, str] = {
+    f"{ARR}.rollout.calculate_log_probs": "the sampler always returns its per-token log-probs (rollout_log_probs)",
+    "trainer.max_critic_ckpt_to_keep": "the critic is saved in the actor's checkpoint; "
+                                       "trainer.max_actor_ckpt_to_keep keeps both",
+}
+# Per-sequence quantities DAPO's filter can always read; other names are keys the reward returns.
+FILTER_METRICS = ("seq_reward", "seq_final_reward", "score")
+BUILTIN_EXTRA_METRICS = ("acc",)  # numeric keys a built-in scorer returns (math_dapo)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if (key, message) not in _warned:
+        _warned.add((key, message))
+        logger.warning(message)
+
+
+def check_inputs(cfg: ml_collections.ConfigDict) -> None:
+    """Run names, the DAPO filter metric, override_config keys; warns about no-effect keys."""
+    from jaxrl_llm.config.tree import TREE
+    from jaxrl_llm.config.schema import iter_fields
+
+    defaults = dict(iter_fields(TREE))
+    for key, why in NO_EFFECT.items():
+        value = get_path(cfg, key)
+        if value != defaults[key].default:
+            _warn_once(key, f"config key {key}={value!r} has no effect in jaxrl_llm ({why}); ignored")
+    for key in ("trainer.project_name", "trainer.experiment_name"):
+        name = get_path(cfg, key)
+        if not name.strip() or "/" in name or "\\" in name or ".." in name or name != name.strip():
+            raise ConfigError(f"{key}={name!r}: must be a plain, non-empty name without '/', '\\' or '..' "
+                              "(it names the run folder and the logger run); set trainer.default_local_dir "
+                              "to choose where the run is written")
+    fg = cfg.algorithm.filter_groups
+    if fg.enable and fg.metric not in FILTER_METRICS:
+        if cfg.reward_model.enable:
+            raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: a reward model returns only its "
+                              f"score; valid: {', '.join(FILTER_METRICS)}")
+        if cfg.custom_reward_function.path is None and fg.metric not in BUILTIN_EXTRA_METRICS:
+            raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the built-in scorers return no such "
+                              f"key; valid: {', '.join(FILTER_METRICS + BUILTIN_EXTRA_METRICS)} (or a key your "
+                              "custom_reward_function returns)")
+    for section in (f"{ARR}.model", "critic.model"):
+        _check_override_config(f"{section}.override_config", get_path(cfg, f"{section}.override_config"))
+
+
+def _check_override_config(key: str, overrides: Any) -> None:
+    from jaxrl_llm.models.config import classify_hf_overrides
+
+    keys = list(overrides.keys()) if overrides else []
+    rejected, ignored = classify_hf_overrides(keys)
+    if rejected:
+        raise ConfigError(f"{key}.{rejected[0]}: changes the architecture or the parameter shapes of the "
+                          "checkpoint, which an override cannot do (load a checkpoint that has it)")
+    for name in ignored:
+        _warn_once(f"{key}.{name}", f"config key {key}.{name} has no effect in jaxrl_llm (the decoder does not "
+                                    "read that HF config field); ignored")
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path and os.path.exists(os.path.expanduser(path))
+
+
+def _check_hf_folder(key: str, folder: pathlib.Path) -> Any:
+    from jaxrl_llm.models.config import ModelConfig
+
+    try:
+        with open(folder / "config.json", encoding="utf-8") as handle:
+            hf = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{key}={str(folder)!r}: cannot read config.json ({err})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{key}={str(folder)!r}: config.json is not a JSON object")
+    try:
+        model_cfg = ModelConfig.from_hf_config(hf)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{key}={str(folder)!r}: {err}") from None
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(f"{key}={str(folder)!r}: no model.safetensors or model.safetensors.index.json "
+                          "(weights are read from safetensors only)")
+    return model_cfg
+
+
+def check_model_source(key: str, path: str) -> int | None:
+    """`path` (a local model location) is an HF folder or .gguf of a supported architecture with its
+    weights, or a jaxrl_llm checkpoint; other locations are left to the loaders. Returns the
+    model's context length when it was read (HF folder, .gguf), else None."""
+    if path.startswith("tiny:") or not _is_local(path):
+        return None
+    p = pathlib.Path(path).expanduser()
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return _check_hf_folder(key, p).max_position_embeddings
+        from jaxrl_llm.trainer.checkpoint import is_checkpoint  # only here: it imports orbax
+
+        if not is_checkpoint(p):
+            raise ConfigError(f"{key}={path!r}: not a model folder (no config.json); expected an HF folder, a "
+                              ".gguf file or a jaxrl_llm checkpoint")
+        return None
+    if p.suffix != ".gguf":
+        raise ConfigError(f"{key}={path!r}: a file that is not .gguf; expected an HF folder, a .gguf file or a "
+                          "jaxrl_llm checkpoint")
+    from jaxrl_llm.hf.gguf_header import GGUFHeaderError, read_gguf_metadata
+    from jaxrl_llm.hf.gguf_load import SUPPORTED_GGUF_ARCHITECTURES
+
+    try:  # the header only: the full reader parses the whole vocabulary (seconds)
+        meta = read_gguf_metadata(str(p), ("general.architecture", "llama.context_length"))
+    except (GGUFHeaderError, OSError) as err:
+        raise ConfigError(f"{key}={path!r}: {err}") from None
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ConfigError(f"{key}={path!r}: unsupported GGUF architecture {arch!r}; supported: "
+                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    return int(meta.get("llama.context_length", 2048))
+
+
+def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collections.ConfigDict,
+                   positions: int | None) -> None:
+    """Prompt + response fit the model's context (after override_config), known once its config is read."""
+    if positions is None:
+        return
+    overrides = section.override_config
+    positions = int((overrides or {}).get("max_position_embeddings", positions))
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if total > positions:
+        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length}: prompt + response "
+                          f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {total}) exceeds the "
+                          f"context of {key}.path ({positions} positions)")
+
+
+def check_tokenizer_source(key: str, path: str | None) -> None:
+    if path is None or not _is_local(path):
+        return
+    p = pathlib.Path(path).expanduser()
+    if p.is_dir() and not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{key}={path!r}: no tokenizer in the folder (none of {', '.join(TOKENIZER_FILES)})")
+    if p.is_file() and p.suffix != ".gguf":
+        raise ConfigError(f"{key}={path!r}: a tokenizer is an HF folder or a .gguf file")
+
+
+def check_user_code(cfg: ml_collections.ConfigDict) -> None:
+    """Imports the custom reward function and dataset class files (errors name the key)."""
+    from jaxrl_llm.rewards.custom import RewardFunctionError, ScorerSpec, load_from_file
+
+    custom = cfg.custom_reward_function
+    try:
+        if custom.path is not None:
+            ScorerSpec(os.path.abspath(os.path.expanduser(custom.path)), custom.name).load()
+        cls = cfg.data.custom_cls
+        if cls.path is not None:
+            if not cls.name:
+                raise ConfigError("data.custom_cls.name=None: required when data.custom_cls.path is set")
+            load_from_file(cls.path, cls.name, "data.custom_cls")
+    except RewardFunctionError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_sources(cfg: ml_collections.ConfigDict) -> None:
+    """What the configured paths hold (see module docstring)."""
+    policy = cfg.actor_rollout_ref.model
+    _check_context(cfg, f"{ARR}.model", policy, check_model_source(f"{ARR}.model.path", policy.path))
+    if cfg.critic.enable and cfg.critic.model.path != policy.path:
+        _check_context(cfg, "critic.model", cfg.critic.model,
+                       check_model_source("critic.model.path", cfg.critic.model.path))
+    if cfg.reward_model.enable:
+        check_model_source("reward_model.model.path", cfg.reward_model.model.path)
+    check_tokenizer_source("data.tokenizer", cfg.data.tokenizer)
+    check_user_code(cfg)
