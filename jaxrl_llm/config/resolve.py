@@ -155,7 +155,8 @@ def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
         logger=tuple(t.logger), log_val_generations=int(t.log_val_generations), save_freq=int(t.save_freq),
         test_freq=int(t.test_freq), val_before_train=bool(t.val_before_train), val_only=bool(t.val_only),
         resume_mode=t.resume_mode, resume_from_path=t.resume_from_path, max_ckpt_to_keep=t.max_actor_ckpt_to_keep,
-        critic_warmup=int(t.critic_warmup), rollout_data_dir=t.rollout_data_dir,
+        critic_warmup=int(t.critic_warmup), max_consecutive_nonfinite=int(t.max_consecutive_nonfinite),
+        rollout_data_dir=t.rollout_data_dir,
         validation_data_dir=t.validation_data_dir, seed=int(t.seed), export_hf=bool(t.export_hf))
 
 

@@ -13,8 +13,10 @@ Shaping (missing_eos_penalty, DAPO overlong_buffer_cfg) applies under either man
 `naive` calls the scorer in this process; `prime` calls it in a pool of `num_workers` spawned processes with a per-call timeout of
 `timeout_s` seconds. A call that raises (or, under prime, runs past the timeout or kills its
 worker) scores 0 and is counted; the run goes on. `UnknownDataSourceError` is a config mistake
-and is raised. Hung workers are killed and replaced; the pool's processes are daemons killed at
-`close()` or interpreter exit, so nothing hangs the process.
+and is raised. A NaN / inf score is returned as it is: the trainer counts it
+(`reward/num_nonfinite`) and scores it 0 (jaxrl_llm/trainer/nonfinite.py). Hung workers are
+killed and replaced; the pool's processes are daemons killed at `close()` or interpreter exit, so
+nothing hangs the process.
 Responses should be decoded without special tokens (veRL: skip_special_tokens=True).
 """
 from __future__ import annotations
@@ -53,11 +55,13 @@ class _Failure(NamedTuple):
 
 
 def _check_score(result: Any) -> Any:
-    """A float, or a dict whose "score" is a number; anything else is an error for that sample."""
+    """A float, or a dict whose "score" is a number; anything else is an error for that sample.
+    A NaN / inf score is passed on: the trainer counts it in `reward/num_nonfinite` and scores it 0
+    (jaxrl_llm/trainer/nonfinite.py)."""
     value = result.get("score") if isinstance(result, dict) else result
-    if isinstance(value, (bool, int, float, np.number)) and np.isfinite(float(value)):
+    if isinstance(value, (bool, int, float, np.number)):
         return result
-    raise TypeError(f"compute_score must return a finite number or a dict with a numeric 'score', got {result!r}")
+    raise TypeError(f"compute_score must return a number or a dict with a numeric 'score', got {result!r}")
 
 
 def _stack(values: list[Any]) -> np.ndarray:
