@@ -31,7 +31,7 @@ def optim_spec(total_steps: int, grad_clip: float | None = None, **values: Any):
     optim = default_config().actor_rollout_ref.actor.optim
     _update(optim, values)
     optim.total_training_steps = total_steps
-    if optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0:
+    if optim.lr_warmup_steps is None or optim.lr_warmup_steps < 0:
         optim.lr_warmup_steps = int(optim.lr_warmup_steps_ratio * total_steps)
     return resolve_optim(optim, grad_clip)
 

@@ -112,5 +112,5 @@ def _resolve_optim_steps(cfg: ml_collections.ConfigDict, total: int) -> None:
     for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
         if optim.total_training_steps <= 0:
             optim.total_training_steps = total
-        if optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0:
+        if optim.lr_warmup_steps is None or optim.lr_warmup_steps < 0:  # veRL: < 0 means "use the ratio"
             optim.lr_warmup_steps = int(optim.lr_warmup_steps_ratio * optim.total_training_steps)

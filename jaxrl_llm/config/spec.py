@@ -163,6 +163,7 @@ class TrainerSpec:
     resume_from_path: str | None
     max_ckpt_to_keep: int | None
     critic_warmup: int
+    max_consecutive_nonfinite: int  # skipped non-finite updates in a row that stop the run
     rollout_data_dir: str | None
     validation_data_dir: str | None
     seed: int

@@ -19,17 +19,19 @@ def _optim(lr: float, role: str) -> dict:
         "weight_decay": field(0.01, "AdamW decoupled weight decay. veRL default."),
         "betas": field([0.9, 0.999], "AdamW (beta1, beta2). veRL optim default."),
         "eps": field(1e-8, "AdamW epsilon (torch.optim.AdamW default, which veRL uses)."),
-        "lr_warmup_steps": field(-1, "Linear warmup steps; <= 0 means use lr_warmup_steps_ratio "
-                                     "(resolved to an int once total steps are known). veRL."),
+        "lr_warmup_steps": field(-1, "Linear warmup, in training (RL) steps; < 0 means use "
+                                     "lr_warmup_steps_ratio (resolved to an int once total steps are "
+                                     "known). veRL."),
         "lr_warmup_steps_ratio": field(0.0, "Warmup as a fraction of total training steps, used when "
-                                            "lr_warmup_steps <= 0. veRL."),
+                                            "lr_warmup_steps < 0. veRL."),
         "lr_scheduler_type": field("constant", "After warmup: 'constant' or 'cosine' (decay to "
                                               "min_lr_ratio * lr). veRL (old name: warmup_style, an alias)."),
         "min_lr_ratio": field(0.0, "Cosine floor as a fraction of lr. veRL."),
         "num_cycles": field(0.5, "Cosine cycles over the decay phase (0.5 = half cosine, lr ends at the "
                                  "floor), as transformers' get_cosine_schedule_with_warmup. veRL."),
-        "total_training_steps": field(-1, "Optimizer steps for the schedule; -1 = derived from "
-                                          "trainer.total_training_steps. veRL."),
+        "total_training_steps": field(-1, "Training (RL) steps of the schedule, which steps once per "
+                                          "RL step (every mini-batch and epoch of step k uses lr(k)); "
+                                          "-1 = trainer.total_training_steps. veRL."),
     }
 
 
@@ -333,6 +335,10 @@ TRAINER = {
                                      "gs:// URL (docs/multihost.md); derived: "
                                      "checkpoints/<project_name>/<experiment_name>. veRL.", types=str),
     "critic_warmup": field(0, "Steps that update only the critic before the actor starts. veRL."),
+    "max_consecutive_nonfinite": field(5, "Stop the run (one error naming the step and the first NaN/inf "
+                                          "quantity) after this many optimizer updates in a row were skipped "
+                                          "for a non-finite loss or gradient (counted in "
+                                          "actor/num_nonfinite_skipped)."),
     "rollout_data_dir": field(None, "Dump each step's prompts/responses/scores as jsonl here. veRL.",
                               types=str),
     "validation_data_dir": field(None, "Dump validation generations as jsonl here. veRL.", types=str),

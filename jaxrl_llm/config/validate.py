@@ -133,7 +133,7 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
               f"{ARR}.ref.log_prob_micro_batch_size_per_device", f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
               "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
               "critic.forward_micro_batch_size_per_device", "trainer.max_actor_ckpt_to_keep",
-              "trainer.max_critic_ckpt_to_keep")
+              "trainer.max_critic_ckpt_to_keep", "trainer.max_consecutive_nonfinite")
     _positive(cfg, "trainer.save_freq", "trainer.test_freq", "data.train_max_samples", "data.val_max_samples",
               allow_minus_one=True)
     _positive(cfg, f"{ACTOR}.entropy_coeff", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",

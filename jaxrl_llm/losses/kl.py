@@ -4,6 +4,7 @@ Formulas, config keys and defaults: docs/algorithms.md, "KL".
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -99,6 +100,10 @@ class AdaptiveKLController:
         self.horizon = horizon
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        """A non-finite KL (NaN log-probs) is ignored: the coefficient keeps its value, since one NaN
+        would otherwise stay in it for the rest of the run (trainer/nonfinite.py)."""
+        if not math.isfinite(float(current_kl)):
+            return
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 

@@ -11,10 +11,12 @@
 
 Shaping (missing_eos_penalty, DAPO overlong_buffer_cfg) applies under either manager.
 Both managers give each scorer call `timeout_s` seconds (`reward_model.reward_kwargs.timeout_s`).
-A call that raises anything (`SystemExit` included), returns a non-finite or non-numeric score,
-or runs past the timeout scores 0 and is counted (`reward/num_errors`, `reward/num_timeouts`); the
-run goes on. Two exceptions propagate: `UnknownDataSourceError` (a config mistake) and
-`KeyboardInterrupt` (a Ctrl-C must still reach the trainer).
+A call that raises anything (`SystemExit` included), returns a non-numeric score, or runs past the
+timeout scores 0 and is counted (`reward/num_errors`, `reward/num_timeouts`); the run goes on. Two
+exceptions propagate: `UnknownDataSourceError` (a config mistake) and `KeyboardInterrupt` (a
+Ctrl-C must still reach the trainer). A NaN / inf score is returned as it is: the trainer counts
+it (`reward/num_nonfinite`) and scores it 0, for every reward source alike
+(jaxrl_llm/trainer/nonfinite.py).
 
 - `naive` calls the scorer in this process. Its timeout is a SIGALRM timer (`signal.setitimer`)
   that raises inside the call, so it needs the main thread (elsewhere the calls run untimed, with
@@ -103,11 +105,13 @@ def _deadline(seconds: float | None) -> Iterator[None]:
 
 
 def _check_score(result: Any) -> Any:
-    """A float, or a dict whose "score" is a number; anything else is an error for that sample."""
+    """A float, or a dict whose "score" is a number; anything else is an error for that sample.
+    A NaN / inf score is passed on: the trainer counts it in `reward/num_nonfinite` and scores it 0
+    (jaxrl_llm/trainer/nonfinite.py)."""
     value = result.get("score") if isinstance(result, dict) else result
-    if isinstance(value, (bool, int, float, np.number)) and np.isfinite(float(value)):
+    if isinstance(value, (bool, int, float, np.number)):
         return result
-    raise TypeError(f"compute_score must return a finite number or a dict with a numeric 'score', got {result!r}")
+    raise TypeError(f"compute_score must return a number or a dict with a numeric 'score', got {result!r}")
 
 
 def _stack(values: list[Any]) -> np.ndarray:

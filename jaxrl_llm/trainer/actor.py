@@ -53,13 +53,13 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     return loss, metrics
 
 
-def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, *, model_cfg: ModelConfig,
-                 s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int,
+def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
+                 *, model_cfg: ModelConfig, s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int,
                  num_micro_batches: int, rows_sharding: Any = None):
-    """`ppo_epochs` x mini-batches x micro-batches of actor updates (one XLA program once jitted,
-    which `TrainedRole.update` does)."""
+    """`ppo_epochs` x mini-batches x micro-batches of actor updates at learning rate `lr` (one XLA
+    program once jitted, which `TrainedRole.update` does)."""
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s)
     return run_update_epochs(
-        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
+        params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)

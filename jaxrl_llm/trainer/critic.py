@@ -35,11 +35,11 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
                   "critic/vpred_mean": vpred_mean}
 
 
-def update_critic(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, *, model_cfg: ModelConfig,
-                  s: CriticSpec, tx: optax.GradientTransformation, num_mini_batches: int,
-                  num_micro_batches: int, rows_sharding: Any = None):
+def update_critic(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
+                  *, model_cfg: ModelConfig, s: CriticSpec, tx: optax.GradientTransformation,
+                  num_mini_batches: int, num_micro_batches: int, rows_sharding: Any = None):
     loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)
     return run_update_epochs(
-        params, opt_state, batch, rng, tx=tx, loss_fn=loss_fn, metric_prefix="critic",
+        params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="critic",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)

@@ -1,27 +1,33 @@
 """Optimizer and learning-rate schedule from an `OptimSpec` (veRL's names and numbers).
 
-veRL builds torch AdamW + a LambdaLR; we build the optax equivalent so a ported run gets the same
-learning rate at every step:
+veRL builds torch AdamW + a LambdaLR that it steps once per RL step (after the actor's, or the
+critic's, whole update), so every optimizer update of RL step k (all mini-batches and epochs)
+uses lr(k). We do the same: the schedule is a function of the role's RL-step count, evaluated on
+the host and passed to the jitted update as a traced argument (`learning_rate` below), so the
+compiled program never changes and the logged `actor/lr` is the rate that was applied:
 - `lr_scheduler_type="constant"`: lr * min(1, step / warmup)  (veRL `get_constant_schedule_with_warmup`)
 - `lr_scheduler_type="cosine"`: linear warmup, then
   `max(min_lr_ratio, cos(pi * num_cycles * 2 * progress) * (1-min)/2 + (1+min)/2)`
-  (veRL `get_cosine_schedule_with_warmup`).
-Warmup and total steps are resolved by `jaxrl_llm.config.resolve` (docs/config.md, `*.optim`).
+  with progress = (step - warmup) / max(1, total - warmup)  (veRL `get_cosine_schedule_with_warmup`).
+Warmup and total steps count RL steps; they are resolved by `jaxrl_llm.config.resolve`
+(docs/config.md, `*.optim`: `lr_warmup_steps < 0` means `lr_warmup_steps_ratio * total`, as veRL).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import optax
 
 from jaxrl_llm.config.spec import OptimSpec
 
 SCHEDULES = ("constant", "cosine")
+Schedule = Callable[[Any], jnp.ndarray]
 
 
-def make_lr_schedule(optim: OptimSpec) -> Callable[[jnp.ndarray], jnp.ndarray]:
-    """The learning rate as a function of the optimizer step count (0-based, like torch LambdaLR)."""
+def make_lr_schedule(optim: OptimSpec) -> Schedule:
+    """The learning rate as a function of the RL-step count (0-based, like torch LambdaLR's epoch)."""
     if optim.lr_scheduler_type not in SCHEDULES:
         raise ValueError(f"optim.lr_scheduler_type={optim.lr_scheduler_type!r} is not one of {SCHEDULES}")
     if optim.total_steps is None or optim.warmup_steps is None:
@@ -29,7 +35,7 @@ def make_lr_schedule(optim: OptimSpec) -> Callable[[jnp.ndarray], jnp.ndarray]:
     lr, warmup, style = optim.lr, max(optim.warmup_steps, 0), optim.lr_scheduler_type
     total = max(optim.total_steps, 1)
 
-    def schedule(step: jnp.ndarray) -> jnp.ndarray:
+    def schedule(step: Any) -> jnp.ndarray:
         step = jnp.asarray(step, jnp.float32)
         warm = step / max(1, warmup)
         if style == "constant":
@@ -45,12 +51,34 @@ def make_lr_schedule(optim: OptimSpec) -> Callable[[jnp.ndarray], jnp.ndarray]:
     return schedule
 
 
-def make_optimizer(optim: OptimSpec) -> tuple[optax.GradientTransformation, Callable[[jnp.ndarray], jnp.ndarray]]:
-    """AdamW (torch defaults for eps) with global-norm clipping and the configured schedule."""
+def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
+    """`updates * -learning_rate`, the rate given to `update(..., learning_rate=lr)` (a traced
+    scalar), so one compiled update serves every step of the schedule. Stateless."""
+
+    def init(params: Any) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None, *, learning_rate: Any,
+               **extra: Any) -> tuple[Any, optax.EmptyState]:
+        del params, extra
+        # the same product optax's own scale_by_learning_rate forms: (-lr cast to the dtype) * u
+        return jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make_optimizer(optim: OptimSpec) -> tuple[optax.GradientTransformationExtraArgs, Schedule]:
+    """AdamW (torch defaults for eps) with global-norm clipping, and the configured schedule.
+
+    `tx.update(grads, state, params, learning_rate=schedule(step))`: the transformation is
+    optax.adamw's chain (scale_by_adam, add_decayed_weights, scale by -lr) with the rate passed in.
+    """
     schedule = make_lr_schedule(optim)
     parts = []
     if optim.grad_clip is not None and optim.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(optim.grad_clip))
-    parts.append(optax.adamw(learning_rate=schedule, b1=optim.betas[0], b2=optim.betas[1], eps=optim.eps,
-                             weight_decay=optim.weight_decay))
+    parts += [optax.scale_by_adam(b1=optim.betas[0], b2=optim.betas[1], eps=optim.eps),
+              optax.add_decayed_weights(optim.weight_decay),
+              scale_by_learning_rate_arg()]
     return optax.chain(*parts), schedule

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -26,7 +27,7 @@ from jaxrl_llm.trainer.optim import make_optimizer
 
 log = logging.getLogger("jaxrl_llm")
 TINY_PREFIX = "tiny:"
-# update_fn(params, opt_state, batch, rng, *, tx, num_mini_batches, num_micro_batches, rows_sharding)
+# update_fn(params, opt_state, batch, rng, lr, *, tx, num_mini_batches, num_micro_batches, rows_sharding)
 UpdateFn = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
 
 
@@ -36,7 +37,7 @@ class TrainedRole:
     model_cfg: ModelConfig
     params: dict
     tx: optax.GradientTransformation
-    schedule: Callable[[jax.Array], jax.Array]
+    schedule: Callable[[Any], jax.Array]  # LR of the role's RL-step count (trainer/optim.py)
     opt_state: Any
     param_shardings: Any
     opt_state_shardings: Any
@@ -47,9 +48,13 @@ class TrainedRole:
     def num_params(self) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(self.params))
 
-    def update(self, batch: Any, rng: jax.Array, *, num_mini_batches: int, num_micro_batches: int,
+    def update(self, batch: Any, rng: jax.Array, *, lr_step: int, num_mini_batches: int, num_micro_batches: int,
                rows_sharding: Any) -> dict[str, jax.Array]:
-        """Runs the role's update over `batch` in place; returns its (device) metrics."""
+        """Runs the role's update over `batch` in place; returns its (device) metrics.
+
+        lr_step: how many RL steps this role has been updated before (veRL steps its LR scheduler
+        once per update call); every optimizer update of this call uses `schedule(lr_step)`,
+        which the metrics report as `<name>/lr`."""
         key = (num_mini_batches, num_micro_batches)
         if key not in self._compiled:
             # Outputs keep the params' / optimizer state's own shardings, so the next rollout and
@@ -58,7 +63,9 @@ class TrainedRole:
                 functools.partial(self.update_fn, tx=self.tx, num_mini_batches=num_mini_batches,
                                   num_micro_batches=num_micro_batches, rows_sharding=rows_sharding),
                 out_shardings=(self.param_shardings, self.opt_state_shardings, None), donate_argnums=(0, 1))
-        self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng)
+        # a host scalar: traced by the jitted update (no recompile per value), valid on every process
+        lr = np.float32(self.schedule(max(int(lr_step), 0)))
+        self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng, lr)
         return metrics
 
 

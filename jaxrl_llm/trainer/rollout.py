@@ -27,6 +27,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, to_device, to_host
+from jaxrl_llm.trainer.nonfinite import sanitize_scores
 
 Array = jax.Array
 _MIN_RESPONSE_BUCKET = 8
@@ -114,6 +115,9 @@ class RolloutGenerator:
             result = score_responses(self.reward_manager, texts, meta, response_lengths=lengths,
                                      finished_with_eos=finish == FINISH_EOS)
             scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
+        # a NaN / inf reward from any source is counted and scored 0 (trainer/nonfinite.py)
+        scores, num_nonfinite = sanitize_scores(scores)
+        reward_metrics = {**reward_metrics, "reward/num_nonfinite": float(num_nonfinite)}
 
         # outcome reward on the last valid response token
         token_scores = np.zeros((len(scores), width), np.float32)
@@ -235,5 +239,6 @@ def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
         meta={k: cat([p.meta[k] for p in parts]) for k in parts[0].meta},
         reward_extra_info={k: cat([np.asarray(p.reward_extra_info[k]) for p in parts])
                            for k in parts[0].reward_extra_info if all(k in p.reward_extra_info for p in parts)},
-        reward_metrics={k: float(np.mean([p.reward_metrics.get(k, 0.0) for p in parts]))
-                        for k in parts[0].reward_metrics})
+        # counts (reward/num_errors, num_nonfinite, ...) add up over the parts; rates are averaged
+        reward_metrics={k: float((np.sum if k.startswith("reward/num_") else np.mean)(
+                            [p.reward_metrics.get(k, 0.0) for p in parts])) for k in parts[0].reward_metrics})

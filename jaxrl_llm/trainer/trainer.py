@@ -36,6 +36,7 @@ from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
+from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.roles import TrainedRole, copy_params, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
@@ -99,6 +100,7 @@ class Trainer:
                                           compute_dtype=spec.actor.compute_dtype)
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+        self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
         self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
         self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
         self.global_step = 0
@@ -258,7 +260,6 @@ class Trainer:
             if self.global_step >= spec.trainer.critic_warmup:
                 with timer("update_actor"):
                     extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11)))
-                extra["actor/lr"] = float(self.actor.schedule(self.global_step))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
@@ -270,6 +271,8 @@ class Trainer:
         metrics.update(timer.metrics())
         metrics.update(self._perf(rollout, timer.times))
         metrics["training/global_step"] = float(self.global_step + 1)
+        # skipped non-finite updates: counted, and K in a row stop the run (trainer/nonfinite.py)
+        self.nonfinite.check(self.global_step + 1, metrics, lambda: first_nonfinite(rollout, exp))
         if spec.trainer.rollout_data_dir and self.is_main:
             self._dump_rollout(rollout)
         return metrics
@@ -335,7 +338,9 @@ class Trainer:
     def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array) -> dict[str, float]:
         rows, seq_len = int(exp.response_mask.shape[0]), int(exp.input_ids.shape[1])
         num_mini, num_micro = self.spec.plan.update_split(role_batch, rows, seq_len)
-        metrics = role.update(exp, rng, num_mini_batches=num_mini, num_micro_batches=num_micro,
+        # the role's LR-scheduler step = its updates so far (the actor starts after critic_warmup)
+        lr_step = self.global_step - (self.spec.trainer.critic_warmup if role is self.actor else 0)
+        metrics = role.update(exp, rng, lr_step=lr_step, num_mini_batches=num_mini, num_micro_batches=num_micro,
                               rows_sharding=self.rows_sharding)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
@@ -381,6 +386,7 @@ class Trainer:
         return state
 
     def save_checkpoint(self) -> None:
+        assert_finite_state(self._state(), self.global_step)  # a NaN checkpoint must never replace a good one
         meta = {"global_step": self.global_step, "kl_coef": float(self.kl_ctrl.value),
                 "model_config": self.actor.model_cfg.to_hf_config(),
                 "tokenizer": str(self.spec.data.tokenizer),

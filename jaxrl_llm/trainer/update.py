@@ -6,6 +6,12 @@ micro-batches that accumulates gradients. Losses are normalised by the mini-batc
 sequence counts (`Denominators`), so the accumulated gradient is exactly the full mini-batch
 gradient whatever the micro-batch size (docs/algorithms.md, "Loss aggregation").
 
+Every optimizer update of a call uses the same learning rate `lr` (a traced scalar: veRL steps
+its LR scheduler once per RL step, trainer/optim.py). A mini-batch whose loss or gradient norm is
+non-finite skips its optimizer update (params and optimizer state are kept, as veRL's actor skips
+`optimizer.step()` on a non-finite grad norm); skips are counted in `<prefix>/num_nonfinite_skipped`
+and the host's `NonFiniteGuard` (trainer/nonfinite.py) stops a run after too many in a row.
+
 The batch is any pytree of [N, ...] arrays with a `response_mask` attribute (an `Experience`).
 `TrainedRole.update` (roles.py) is the one place these updates are jitted.
 """
@@ -17,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
@@ -54,6 +62,7 @@ def run_update_epochs(
     opt_state: Any,
     batch: Batch,
     rng: jax.Array,
+    lr: jax.Array | None = None,
     *,
     tx: optax.GradientTransformation,
     loss_fn: LossFn,
@@ -67,7 +76,9 @@ def run_update_epochs(
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
-    and epochs, plus `<metric_prefix>/grad_norm` per optimizer step. Call inside `jax.jit`."""
+    and epochs, plus `<metric_prefix>/grad_norm` per optimizer step, `<metric_prefix>/lr` (when
+    `lr` is given: `tx.update` then receives it as `learning_rate=lr`, trainer/optim.py) and the
+    non-finite counters of `nonfinite.update_flags_metrics`. Call inside `jax.jit`."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     if num_rows % (num_mini_batches * num_micro_batches):
         raise ValueError(
@@ -75,6 +86,8 @@ def run_update_epochs(
             f"{num_micro_batches} micro-batches"
         )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    tx = optax.with_extra_args_support(tx)
+    lr_args = {} if lr is None else {"learning_rate": lr}
 
     def mini_step(carry, mini: Batch):
         params, opt_state = carry
@@ -86,15 +99,23 @@ def run_update_epochs(
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (_, metrics) = jax.lax.scan(micro_step, zeros, micros)
+        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, micros)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        loss_ok = jnp.isfinite(jnp.sum(losses))
+        finite = loss_ok & jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, opt_state, params, **lr_args)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient skips this optimizer update: the select keeps the old
+        # params and optimizer state (Adam's moments and step count included), so a skipped
+        # update leaves no trace, exactly as if that mini-batch had not been there.
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
         # Loss and metrics are partial sums over the mini-batch's global denominators, so the
         # micro-batch values add up to the mini-batch values.
         metrics = jax.tree.map(jnp.sum, metrics)
         metrics[f"{metric_prefix}/grad_norm"] = grad_norm
-        return (params, opt_state), metrics
+        return (params, opt_state), (metrics, UpdateFlags(~finite, ~loss_ok))
 
     def epoch_step(carry, epoch_rng):
         if shuffle:
@@ -105,7 +126,11 @@ def run_update_epochs(
         minis = _split(rows, num_mini_batches, rows_sharding)
         return jax.lax.scan(mini_step, carry, minis)
 
-    (params, opt_state), metrics = jax.lax.scan(
+    (params, opt_state), (metrics, flags) = jax.lax.scan(
         epoch_step, (params, opt_state), jax.random.split(rng, ppo_epochs)
     )
-    return params, opt_state, jax.tree.map(jnp.mean, metrics)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics.update(update_flags_metrics(metric_prefix, flags))
+    if lr is not None:
+        metrics[f"{metric_prefix}/lr"] = jnp.asarray(lr, jnp.float32)
+    return params, opt_state, metrics

@@ -96,9 +96,10 @@ def test_custom_function_loading(reward_file, tmp_path):
 def test_naive_manager_scores_and_counts_errors(reward_file):
     manager = build_reward_manager(resolve_reward(config(reward_file)))
     result = manager.score(["1", "2", "raise", "dict", "nan"], ["s"] * 5, ["1", "1", "1", "1", "1"])
-    np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0.5, 0]))
+    # NaN is passed on (the trainer counts it as reward/num_nonfinite and scores it 0), not an error
+    np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0.5, np.nan]))
     assert result.scores.dtype == np.float32
-    assert result.metrics["reward/num_errors"] == 2.0 and result.metrics["reward/num_timeouts"] == 0.0
+    assert result.metrics["reward/num_errors"] == 1.0 and result.metrics["reward/num_timeouts"] == 0.0
     np.testing.assert_array_equal(result.reward_extra_info["score"], result.scores)
     assert np.isnan(result.reward_extra_info["acc"][0]) and result.reward_extra_info["acc"][3] == 1.0
     assert result.reward_extra_info["pred"].tolist() == [None, None, None, "d", None]

@@ -51,7 +51,7 @@ def test_optimizer_clips_then_applies_adamw():
     tx, _ = make_optimizer(_optim(grad_clip=1.0, lr=0.1, weight_decay=0.0))
     params = {"w": jnp.ones(4)}
     state = tx.init(params)
-    updates, _ = tx.update({"w": jnp.full(4, 100.0)}, state, params)
+    updates, _ = tx.update({"w": jnp.full(4, 100.0)}, state, params, learning_rate=0.1)
     # First Adam step moves each coordinate by ~lr regardless of the gradient scale.
     np.testing.assert_allclose(np.asarray(updates["w"]), -0.1 * np.ones(4), rtol=1e-4)
 
