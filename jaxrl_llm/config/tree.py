@@ -319,7 +319,8 @@ TRAINER = {
                                           "<default_local_dir>/metrics.jsonl is always written. veRL."),
     "log_val_generations": field(0, "Sample generations logged as a table per validation. veRL "
                                     "(TRL: num_sample_generations)."),
-    "save_freq": field(-1, "Checkpoint every N steps (and at the end); -1 = only at the end. veRL."),
+    "save_freq": field(-1, "Checkpoint every N steps and at the last step; -1 = no checkpoints (a preemption "
+                           "still saves one, see docs/multihost.md). veRL."),
     "test_freq": field(-1, "Validate every N steps (and at the end); -1 = never during training. veRL."),
     "val_before_train": field(True, "Validate once before the first step. veRL."),
     "val_only": field(False, "Validate and exit. veRL."),

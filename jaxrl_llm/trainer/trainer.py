@@ -37,6 +37,7 @@ from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
+from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.trainer.roles import TrainedRole, copy_params, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
@@ -162,15 +163,19 @@ class Trainer:
         if self.spec.trainer.val_only:
             return last
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
-        while self.global_step < self.total_steps:
-            try:
-                metrics = self.step()
-            except StopIteration:
-                log.info("training data exhausted after %d steps", self.global_step)
-                break
-            bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
-            bar.update(1)
-            last = metrics
+        with PreemptionGuard() as guard:  # SIGTERM / SIGINT: finish the step, checkpoint, exit 75
+            while self.global_step < self.total_steps:
+                try:
+                    metrics = self.step()
+                except StopIteration:
+                    log.info("training data exhausted after %d steps", self.global_step)
+                    break
+                bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
+                bar.update(1)
+                last = metrics
+                if self.global_step < self.total_steps and guard.stop_requested(self.global_step):
+                    bar.close()
+                    self._stop_preempted(guard.reason)
         bar.close()
         self.finish()
         return last
@@ -394,6 +399,18 @@ class Trainer:
                 "config": json.loads(self.spec.config_json)}
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
         self.store.save(self.global_step, self._state(), self.train_loader.get_state(), meta)
+
+    def _stop_preempted(self, reason: str) -> None:
+        """Checkpoints this step (unless `save_freq` just did), waits until the save is committed,
+        closes the run and raises `Preempted` (exit code 75); see trainer/preemption.py."""
+        if self.global_step not in self.store.all_steps():
+            self.save_checkpoint()
+        self.store.wait()
+        self.close()
+        message = f"preempted at step {self.global_step}; checkpoint saved"
+        log.warning("%s (%s)", message, reason)
+        print(message, flush=True)
+        raise Preempted(self.global_step, reason)
 
     def _maybe_resume(self) -> None:
         point, t = self._resume_point, self.spec.trainer
