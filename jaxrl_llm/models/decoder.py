@@ -2,9 +2,10 @@
 
 One implementation for Llama / Mistral / Qwen2 / Qwen3 (differences are `ModelConfig` flags:
 q/k/v bias, per-head q/k RMSNorm, sliding window). Layers run under `nn.scan`, so their params
-carry a leading layer axis and compile time does not grow with depth; `remat=True` wraps each layer
-in `nn.remat`. Params are kept in their own dtype (fp32 master); matmuls run in `compute_dtype`;
-norms, softmax and RoPE angles are computed in fp32.
+carry a leading layer axis and compile time does not grow with depth; `remat` (a policy name of
+jaxrl_llm/models/remat.py, or a bool) wraps each layer in `nn.remat` with that policy. Params are
+kept in their own dtype (fp32 master); matmuls run in `compute_dtype`; norms, softmax and RoPE
+angles are computed in fp32.
 
 Masking is by slot: a query at slot `q` sees key slot `s` iff `s <= q`, the key slot is valid (its
 attention-mask bit is 1) and, with a sliding window W, `q - s < W`. Without a cache the slots are
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
 Array = jax.Array
 _NEG = jnp.finfo(jnp.float32).min  # finite, so fully masked (padding) query rows stay NaN-free
@@ -141,7 +143,7 @@ class Decoder(nn.Module):
     cfg: ModelConfig
     compute_dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: bool | str = False  # a policy name of models/remat.py (True = full, False = none)
 
     @nn.compact
     def __call__(self, input_ids, positions, allowed, write_index=0, k_cache=None, v_cache=None):
@@ -150,7 +152,10 @@ class Decoder(nn.Module):
                            (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
         x = jnp.take(embed, input_ids, axis=0).astype(self.compute_dtype)
         cos, sin = rope_cos_sin(cfg, positions)
-        layer = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
+        policy = remat_name(self.remat)
+        layer = DecoderLayer
+        if policy != "none":  # prevent_cse=False: the layers run under scan, which already keeps them apart
+            layer = nn.remat(DecoderLayer, prevent_cse=False, policy=checkpoint_policy(policy))
         stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(nn.broadcast,) * 4, length=cfg.num_hidden_layers)
         carry = (x, k_cache, v_cache, jnp.int32(0))

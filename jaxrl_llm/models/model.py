@@ -122,7 +122,7 @@ def param_logical_axes(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 
 
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
-                   compute_dtype: Any = jnp.float32, remat: bool = False
+                   compute_dtype: Any = jnp.float32, remat: bool | str = False
                    ) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 

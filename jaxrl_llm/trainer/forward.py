@@ -24,7 +24,7 @@ def compute_dtype_of(name: str):
 
 
 def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
-                    response_len: int, *, compute_dtype: str = "float32", remat: bool = False) -> Array:
+                    response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False) -> Array:
     """Hidden states [N, R, H] at the positions that predict the response tokens."""
     hidden, _ = forward_hidden(params, model_cfg, input_ids, attention_mask,
                                compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
@@ -34,7 +34,7 @@ def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
 
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
-                       remat: bool = False, with_entropy: bool = False):
+                       remat: bool | str = False, with_entropy: bool = False):
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R])."""
     hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
                              compute_dtype=compute_dtype, remat=remat)
@@ -44,7 +44,7 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
 
 
 def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
-                    response_len: int, *, compute_dtype: str = "float32", remat: bool = False) -> Array:
+                    response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False) -> Array:
     """Critic values [N, R] fp32 at the positions that predict the response tokens (veRL's
     `values[:, -response_length - 1 : -1]`)."""
     hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,

@@ -46,7 +46,7 @@ def _batch(seed=0):
 
 SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
                      clip_ratio_c=3.0, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-                     kl_loss_type="low_var_kl", temperature=0.7, compute_dtype="float32", remat=False,
+                     kl_loss_type="low_var_kl", temperature=0.7, compute_dtype="float32", remat="none",
                      loss_scale_factor=None, loss_kwargs=(), ppo_epochs=1, shuffle=False)
 
 
@@ -116,7 +116,7 @@ def test_critic_update_reduces_value_loss():
     tx = optax.adam(1e-2)
     opt = tx.init(params)
     b = _batch()
-    s = CriticSpec(cliprange_value=100.0, loss_agg_mode="token-mean", compute_dtype="float32", remat=False,
+    s = CriticSpec(cliprange_value=100.0, loss_agg_mode="token-mean", compute_dtype="float32", remat="none",
                    ppo_epochs=1, shuffle=False)
     update = jax.jit(functools.partial(update_critic, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
                                        num_micro_batches=2))

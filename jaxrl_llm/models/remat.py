@@ -1,0 +1,70 @@
+"""Rematerialisation (gradient checkpointing) policies of the decoder layers, by name.
+
+`REMAT_POLICIES` are the names `actor.remat_policy` / `critic.remat_policy` accept (docs/config.md):
+
+- `none`: no remat; every layer's activations stay live for the backward pass (most memory).
+- `full`: each layer is recomputed in the backward pass, only its input is kept
+  (`jax.checkpoint_policies.nothing_saveable`; least memory, about one more forward of compute).
+- `dots_saveable`: matmul outputs are kept, the cheap elementwise ops (norms, activations, RoPE)
+  are recomputed (`jax.checkpoint_policies.dots_saveable`).
+- `offload`: the weight matmul outputs are moved to pinned host memory in the forward pass and
+  back in the backward pass (`offload_dot_with_no_batch_dims`); where the backend has no pinned
+  host memory it falls back to `dots_with_no_batch_dims_saveable` with one warning.
+
+The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `nn.remat` takes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import jax
+
+log = logging.getLogger("jaxrl_llm")
+
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable", "offload")
+_warned: set[str] = set()
+
+
+def remat_name(value: bool | str | None) -> str:
+    """The policy name of `value`: a name in REMAT_POLICIES, or a bool (True = full, False/None = none)."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "full"
+    if value not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {value!r}; valid: {', '.join(REMAT_POLICIES)}")
+    return value
+
+
+def supports_pinned_host(device: Any | None = None) -> bool:
+    """Whether `device` (default: the first device) has a `pinned_host` memory space."""
+    device = jax.devices()[0] if device is None else device
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # noqa: BLE001 - backends without the memories API have no host offload
+        return False
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+    """Logs `message` once per `key` per process (trace-time fallbacks would otherwise repeat)."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+def checkpoint_policy(name: bool | str | None) -> Callable[..., bool] | None:
+    """The `jax.checkpoint` policy of a remat policy name (None for `none`: do not remat)."""
+    name = remat_name(name)
+    cp = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots_saveable":
+        return cp.dots_saveable
+    if not supports_pinned_host():
+        warn_once("remat_offload", "remat_policy=offload: no effect on this backend (%s has no pinned_host "
+                  "memory); using dots_with_no_batch_dims_saveable instead", jax.default_backend())
+        return cp.dots_with_no_batch_dims_saveable
+    return cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host")
