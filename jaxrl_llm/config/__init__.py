@@ -24,7 +24,7 @@ from jaxrl_llm.config.validate import mesh_dp_size, validate_config
 from jaxrl_llm.config.resolve import (resolve, resolve_batch_plan, resolve_config, resolve_data, resolve_optim,
                                       resolve_reward, resolve_sampling, resolve_synthetic)
 from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, KLControlSpec, ModelSpec, OptimSpec,
-                                   RunSpec, TrainerSpec)
+                                   RefSpec, RunSpec, TrainerSpec)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -34,7 +34,8 @@ def default_config() -> ml_collections.ConfigDict:
 
 __all__ = [
     "ActorSpec", "AdvantageSpec", "BatchPlan", "ConfigError", "CriticSpec", "Field", "KLControlSpec", "MicroBatching",
-    "ModelSpec", "NAME_ALIASES", "OptimSpec", "RoleBatch", "RunSpec", "TREE", "TrainerSpec", "apply_overrides",
+    "ModelSpec", "NAME_ALIASES", "OptimSpec", "RefSpec", "RoleBatch", "RunSpec", "TREE", "TrainerSpec",
+    "apply_overrides",
     "canonical_key", "default_config", "iter_fields", "mesh_dp_size", "normalize_config", "parse_value",
     "render_config_docs", "resolve", "resolve_batch_plan", "resolve_config", "resolve_data", "resolve_optim",
     "resolve_reward", "resolve_sampling", "resolve_synthetic", "resolve_total_steps", "smollm2_gguf_path",

@@ -62,6 +62,10 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
         _fill(section, "log_prob_use_dynamic_bsz", actor.use_dynamic_bsz)
         _fill(section, "log_prob_max_token_len_per_device", actor.ppo_max_token_len_per_device)
 
+    _fill(ref, "param_dtype", arr.model.dtype)
+    _fill(actor, "remat_policy", "full" if arr.model.enable_gradient_checkpointing else "none")
+    _fill(critic, "remat_policy", "full" if critic.model.enable_gradient_checkpointing else "none")
+
     _fill(critic, "enable", alg.adv_estimator in names.adv_estimators(needs_values=True))
     _fill(critic.model, "path", arr.model.path)
     _fill(critic, "ppo_mini_batch_size", actor.ppo_mini_batch_size)

@@ -15,6 +15,7 @@ from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import KL_ESTIMATORS, kl_penalty_kinds
 from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES
+from jaxrl_llm.models.remat import REMAT_POLICIES
 from jaxrl_llm.rewards.managers import REWARD_MANAGERS
 
 TRUNCATION = ("error", "left", "right", "middle")
@@ -24,6 +25,7 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+REMAT = REMAT_POLICIES  # `actor.remat_policy` / `critic.remat_policy`: jaxrl_llm.models.remat
 
 
 def adv_estimators(**where: Any) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from jaxrl_llm import storage
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import resolve_total_steps, synthetic_data_files
 from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
-                                   OptimSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
+                                   OptimSpec, RefSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.losses.policy import POLICY_LOSSES
@@ -104,7 +104,7 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         clip_ratio_high=float(a.clip_ratio_high), clip_ratio_c=float(a.clip_ratio_c),
         entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss), kl_loss_coef=float(a.kl_loss_coef),
         kl_loss_type=a.kl_loss_type, temperature=float(arr.rollout.temperature) or 1.0,
-        compute_dtype=arr.model.dtype, remat=bool(arr.model.enable_gradient_checkpointing),
+        compute_dtype=arr.model.dtype, remat=a.remat_policy,
         loss_scale_factor=None if a.loss_scale_factor is None else float(a.loss_scale_factor),
         loss_kwargs=tuple((k, float(a[k])) for k in POLICY_LOSSES.capability(mode, "extra_params")),
         ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle))
@@ -113,7 +113,7 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
 def resolve_critic(cfg: ConfigDict) -> CriticSpec:
     c = cfg.critic
     return CriticSpec(cliprange_value=float(c.cliprange_value), loss_agg_mode=c.loss_agg_mode,
-                      compute_dtype=c.model.dtype, remat=bool(c.model.enable_gradient_checkpointing),
+                      compute_dtype=c.model.dtype, remat=c.remat_policy,
                       ppo_epochs=int(c.ppo_epochs), shuffle=bool(c.shuffle))
 
 
@@ -204,6 +204,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         data=resolve_data(cfg), synthetic=resolve_synthetic(cfg),
         model=_model(arr.model, arr.model.tiny), actor=resolve_actor(cfg),
         actor_optim=resolve_optim(arr.actor.optim, arr.actor.grad_clip),
+        ref=RefSpec(param_dtype=arr.ref.param_dtype, param_offload=bool(arr.ref.param_offload)),
         train_sampling=resolve_sampling(arr.rollout), val_sampling=resolve_sampling(arr.rollout, validation=True),
         critic=resolve_critic(cfg) if critic_on else None,
         critic_model=_model(cfg.critic.model, arr.model.tiny) if critic_on else None,

@@ -66,7 +66,7 @@ class ActorSpec:
     kl_loss_type: str
     temperature: float  # logprobs are scored under softmax(logits / temperature)
     compute_dtype: str
-    remat: bool
+    remat: str  # remat policy name (jaxrl_llm/models/remat.py): none | full | dots_saveable | offload
     loss_scale_factor: float | None
     loss_kwargs: tuple[tuple[str, float], ...]  # extra arguments of the policy loss (sapo: tau_pos, tau_neg)
     ppo_epochs: int
@@ -80,9 +80,17 @@ class CriticSpec:
     cliprange_value: float
     loss_agg_mode: str
     compute_dtype: str
-    remat: bool
+    remat: str  # remat policy name, as ActorSpec.remat
     ppo_epochs: int
     shuffle: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RefSpec:
+    """The frozen reference policy (`actor_rollout_ref.ref`): how its params are stored."""
+
+    param_dtype: str  # storage dtype of the copy (default: the compute dtype)
+    param_offload: bool  # kept in pinned host memory between reference passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +185,7 @@ class RunSpec:
     model: ModelSpec
     actor: ActorSpec
     actor_optim: OptimSpec
+    ref: RefSpec
     train_sampling: SamplingParams
     val_sampling: SamplingParams
     critic: CriticSpec | None

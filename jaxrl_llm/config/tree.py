@@ -43,7 +43,8 @@ def _model(role: str, path_doc: str) -> dict:
         "param_dtype": field("float32", f"Storage dtype of the {role} master weights: 'float32' "
                                         "(recommended) or 'bfloat16'."),
         "enable_gradient_checkpointing": field(True, "Rematerialise each decoder block in the backward "
-                                                     "pass (jax.checkpoint): less memory, ~30% more compute. veRL."),
+                                                     "pass (jax.checkpoint): less memory, ~30% more compute; "
+                                                     "the default of the remat_policy key. veRL."),
         "override_config": field({}, "Model config fields overridden at load (e.g. {rope_theta: 1e6}); "
                                      "free-form dict. veRL.", open=True),
     }
@@ -134,6 +135,10 @@ ACTOR = {
                                         "or a base name + '+' (k2 gradient); 'full' is rejected "
                                         "(docs/algorithms.md). veRL."),
     "grad_clip": field(1.0, "Global-norm gradient clipping (optax.clip_by_global_norm). veRL."),
+    "remat_policy": field(None, "Rematerialisation of each decoder block in the backward pass: none, full "
+                                "(recompute everything), dots_saveable (keep matmul outputs) or offload (matmul "
+                                "outputs to pinned host memory; kept on device where the backend has none); "
+                                "derived: full when model.enable_gradient_checkpointing, else none.", types=str),
     "optim": _optim(1e-6, "actor"),
 }
 
@@ -174,6 +179,13 @@ REF = {
                                             "actor.use_dynamic_bsz. veRL.", types=bool),
     "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
+    "param_dtype": field(None, "Storage dtype of the frozen reference policy's params: 'float32' or "
+                               "'bfloat16'; derived: actor_rollout_ref.model.dtype (the compute dtype, so a "
+                               "bf16 run keeps a half-size reference; set float32 for an fp32 copy).", types=str),
+    "param_offload": field(False, "Keep the reference params in pinned host memory, moved to the device only "
+                                  "for the reference pass (warns and keeps them on device where the backend "
+                                  "has no pinned host memory). Our form of veRL's ref.fsdp_config.param_offload (an "
+                                  "FSDP key, which has no effect here)."),
 }
 
 MODEL = dict(
@@ -216,6 +228,9 @@ CRITIC = {
     "cliprange_value": field(0.5, "Value clipping range around the old values. veRL."),
     "loss_agg_mode": field(None, "Value-loss aggregation; derived: actor.loss_agg_mode. veRL.", types=str),
     "grad_clip": field(1.0, "Critic global-norm gradient clipping. veRL."),
+    "remat_policy": field(None, "Critic decoder remat: none, full, dots_saveable or offload (as "
+                                "actor.remat_policy); derived: full when critic.model.enable_gradient_checkpointing, "
+                                "else none.", types=str),
 }
 
 REWARD_MODEL = {

@@ -73,6 +73,9 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     for role in (f"{ARR}.model", "critic.model"):
         _choice(cfg, f"{role}.dtype", names.DTYPES)
         _choice(cfg, f"{role}.param_dtype", names.DTYPES)
+    for key in (f"{ACTOR}.remat_policy", "critic.remat_policy", f"{ARR}.ref.param_dtype"):
+        if get_path(cfg, key) is not None:  # None: derived (config/derive.py)
+            _choice(cfg, key, names.DTYPES if key.endswith("param_dtype") else names.REMAT)
     for sink in cfg.trainer.logger:
         if sink not in names.LOGGERS:
             raise ConfigError(f"trainer.logger: unknown sink {sink!r}; valid: {', '.join(names.LOGGERS)}")

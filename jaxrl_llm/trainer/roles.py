@@ -13,7 +13,6 @@ import logging
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -115,8 +114,3 @@ def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: Op
     state_shardings = optimizer_state_sharding(abstract_state, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn)
-
-
-def copy_params(params: dict) -> dict:
-    """A separate copy (same shardings) for the frozen reference policy."""
-    return jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)

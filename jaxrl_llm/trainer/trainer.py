@@ -38,7 +38,8 @@ from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_exp
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
-from jaxrl_llm.trainer.roles import TrainedRole, copy_params, load_model, make_trained_role
+from jaxrl_llm.trainer.reference import is_offloaded, make_reference, reference_on_device
+from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
@@ -83,7 +84,8 @@ class Trainer:
         self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
                                        functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor))
         self.need_ref = spec.need_ref
-        self.ref_params = copy_params(params) if self.need_ref else None
+        # the initial policy in ref.param_dtype, in host memory with ref.param_offload (trainer/reference.py)
+        self.ref_params = make_reference(params, spec.ref) if self.need_ref else None
         self.critic: TrainedRole | None = None
         if spec.critic is not None:
             critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
@@ -141,10 +143,16 @@ class Trainer:
             spec.plan.summary(self.total_steps, spec.trainer.total_epochs),
             f"estimator: {spec.advantage.adv_estimator}; policy loss: {spec.actor.loss_mode} "
             f"({spec.actor.loss_agg_mode}); critic: {'on' if self.critic else 'off'}; "
-            f"reference: {'on' if self.need_ref else 'off'}",
+            f"reference: {self._reference_summary()}",
             f"run dir: {self.run_dir}; {self.total_steps} steps",
         ]
         return "\n".join(lines)
+
+    def _reference_summary(self) -> str:
+        if self.ref_params is None:
+            return "off"
+        where = "pinned host" if is_offloaded(self.ref_params) else "device"
+        return f"on ({self.spec.ref.param_dtype}, {where} memory)"
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -236,7 +244,8 @@ class Trainer:
             ref_lp = None
             if self.need_ref:
                 with timer("ref") as span:
-                    ref_lp = span.wait(self._log_probs(self.ref_params, rollout, plan.ref_log_prob))
+                    ref_lp = span.wait(self._log_probs(reference_on_device(self.ref_params), rollout,
+                                                       plan.ref_log_prob))
             with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
