@@ -5,7 +5,7 @@ Formulas, config keys and defaults: docs/algorithms.md, "KL".
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

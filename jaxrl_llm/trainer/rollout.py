@@ -153,7 +153,7 @@ def broadcast_from_main(compute: Any) -> Any:
             outcome = ("error", err)
         try:
             payload = pickle.dumps(outcome)
-        except Exception as err:  # noqa: BLE001 - an unpicklable exception
+        except Exception:  # noqa: BLE001 - an unpicklable exception
             payload = pickle.dumps(("error", RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
     size = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
     buffer = np.zeros(size, np.uint8)

@@ -9,18 +9,19 @@
   resumed from the last checkpoint goes on with the right learning rate.
 """
 import functools
-import importlib.util
 import json
 import math
 import os
-import pathlib
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import tiny_runs
+from tiny_runs import ToyBatch as Toy
+from tiny_runs import toy_loss as _toy_loss
 
 import jaxrl_llm.hf as hf
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
@@ -30,23 +31,10 @@ from jaxrl_llm.trainer.nonfinite import (NonFiniteError, NonFiniteGuard, assert_
 from jaxrl_llm.trainer.optim import make_optimizer
 from jaxrl_llm.trainer.update import run_update_epochs
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------
 # The jitted update skips a non-finite mini-batch exactly.
-
-class Toy(NamedTuple):
-    x: jax.Array
-    y: jax.Array
-    response_mask: jax.Array
-
-
-def _toy_loss(params, mb, denoms):
-    err = (mb.x @ params["w"] + params["b"] - mb.y) * mb.response_mask
-    loss = jnp.sum(err ** 2) / denoms.num_tokens
-    return loss, {"toy/loss": loss}
-
 
 def _toy(rows=16, seed=0):
     rng = np.random.default_rng(seed)
@@ -189,19 +177,7 @@ def _load_tokenizer_once(path):
 
 
 def _tiny_config(run_dir, reward_file, **overrides):
-    spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-    cfg.trainer.default_local_dir = str(run_dir)
-    cfg.custom_reward_function.path = str(reward_file)
-    for key, value in overrides.items():
-        section = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            section = section[p]
-        section[leaf] = value
-    return cfg
+    return tiny_runs.tiny_config(run_dir, **{"custom_reward_function.path": str(reward_file), **overrides})
 
 
 class _Poison:

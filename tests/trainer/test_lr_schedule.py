@@ -5,10 +5,7 @@ num_cycles; `actor/lr` and `critic/lr` report the rate applied at that step.
 The reference formulas below are veRL's LambdaLR lambdas (get_constant_schedule_with_warmup,
 get_cosine_schedule_with_warmup) and its warmup resolution, written out in plain Python."""
 import functools
-import importlib.util
 import math
-import pathlib
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +13,15 @@ import numpy as np
 import optax
 import pytest
 
+import tiny_runs
+from tiny_runs import ToyBatch as Toy
+from tiny_runs import toy_loss as _toy_loss
+
 import jaxrl_llm.hf as hf
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
 from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
 from jaxrl_llm.trainer.update import denominators, run_update_epochs
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def verl_warmup(lr_warmup_steps: int, ratio: float, total: int) -> int:
@@ -68,18 +68,6 @@ def test_schedule_values_equal_verl(style, warmup_steps, ratio, min_lr_ratio, nu
         assert float(schedule(step)) == pytest.approx(want, rel=1e-5, abs=1e-12), step
 
 
-class Toy(NamedTuple):
-    x: jax.Array
-    y: jax.Array
-    response_mask: jax.Array
-
-
-def _toy_loss(params, mb, denoms):
-    err = (mb.x @ params["w"] + params["b"] - mb.y) * mb.response_mask
-    loss = jnp.sum(err ** 2) / denoms.num_tokens
-    return loss, {"toy/loss": loss}
-
-
 def test_every_update_of_a_step_uses_that_steps_lr():
     """2 epochs x 2 mini-batches = 4 optimizer updates, all at the one rate passed in: the same as
     optax.adamw with that constant rate stepped over the same mini-batches."""
@@ -123,21 +111,9 @@ def _load_tokenizer_once(path):
 @pytest.fixture
 def tiny_cfg(monkeypatch, smollm2_gguf, tmp_path):
     monkeypatch.setattr(hf, "load_tokenizer", _load_tokenizer_once)
-    spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
 
     def make(**overrides):
-        cfg = module.get_config()
-        cfg.trainer.default_local_dir = str(tmp_path / "run")
-        cfg.data.synthetic.n_train = 32
-        for key, value in overrides.items():
-            section = cfg
-            *parents, leaf = key.split(".")
-            for p in parents:
-                section = section[p]
-            section[leaf] = value
-        return cfg
+        return tiny_runs.tiny_config(tmp_path / "run", **{"data.synthetic.n_train": 32, **overrides})
 
     return make
 

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 import pytest
 
+import tiny_runs
+
 import jaxrl_llm.hf as hf
 from jaxrl_llm.trainer import Trainer
 
@@ -38,20 +40,7 @@ def _load_tokenizer_once(path):
 
 
 def tiny_config(run_dir, **overrides):
-    spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-    cfg.trainer.default_local_dir = str(run_dir)
-    cfg.trainer.logger = ["jsonl"]
-    cfg.data.synthetic.n_train = 32
-    for key, value in overrides.items():
-        section = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            section = section[p]
-        section[leaf] = value
-    return cfg
+    return tiny_runs.tiny_config(run_dir, **{"trainer.logger": ["jsonl"], "data.synthetic.n_train": 32, **overrides})
 
 
 def with_reward_file(cfg, tmp_path):
