@@ -1,26 +1,10 @@
-"""Helpers of the storage / checkpoint-safety / run-record tests: a tiny run config (configs/tiny.py
-on one device) and the SmolLM2 tokenizer parsed once per process."""
+"""Helper of the storage / checkpoint-safety / run-record tests: a tiny run config (configs/tiny.py
+on one device). The SmolLM2 tokenizer is parsed once per process by `hf.load_tokenizer` itself."""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import tiny_runs
-
-import jaxrl_llm.hf as hf
-
-
-
-@functools.lru_cache(maxsize=None)
-def cached_tokenizer(path: str) -> Any:
-    from jaxrl_llm.hf.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
-
-
-def use_cached_tokenizer(monkeypatch: Any) -> None:
-    """Parsing the GGUF tokenizer takes seconds; every Trainer of a test process shares one."""
-    monkeypatch.setattr(hf, "load_tokenizer", cached_tokenizer)
 
 
 def tiny_config(run_dir: str, **overrides: Any) -> Any:

@@ -23,7 +23,6 @@ import tiny_runs
 from tiny_runs import ToyBatch as Toy
 from tiny_runs import toy_loss as _toy_loss
 
-import jaxrl_llm.hf as hf
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.trainer.nonfinite import (NonFiniteError, NonFiniteGuard, assert_finite_state, nonfinite_leaves,
@@ -169,13 +168,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@functools.lru_cache(maxsize=None)
-def _load_tokenizer_once(path):
-    from jaxrl_llm.hf.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
-
-
 def _tiny_config(run_dir, reward_file, **overrides):
     return tiny_runs.tiny_config(run_dir, **{"custom_reward_function.path": str(reward_file), **overrides})
 
@@ -221,7 +213,6 @@ def test_nan_rewards_and_nonfinite_gradients_through_the_trainer(tmp_path, monke
     import jaxrl_llm.trainer.trainer as trainer_module
     from jaxrl_llm.trainer import Trainer
 
-    monkeypatch.setattr(hf, "load_tokenizer", _load_tokenizer_once)
     poison = _Poison(trainer_module.make_experience)
     monkeypatch.setattr(trainer_module, "make_experience", poison)
     mode_file = tmp_path / "reward_mode"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fake_gcs import FakeGCS
-from storage_util import tiny_config, use_cached_tokenizer
+from storage_util import tiny_config
 
 from jaxrl_llm import storage
 from jaxrl_llm.config import ConfigError, resolve_config, validate_config
@@ -210,7 +210,6 @@ def test_tensorboard_and_wandb_on_a_bucket_run_dir(gcs, monkeypatch):
 def test_bucket_run_dir_written_and_resumed(gcs, tmp_path, monkeypatch):
     """A tiny GRPO run whose run dir is a gs:// URL, killed during its last checkpoint and resumed
     from the bucket, ends exactly where the uninterrupted run ended."""
-    use_cached_tokenizer(monkeypatch)
     monkeypatch.chdir(tmp_path)  # anything written as a local "gs:" folder would land here
     from jaxrl_llm.trainer import Trainer
 

