@@ -41,6 +41,8 @@ NAME_ALIASES: dict[str, str] = {
     "cliprange": "actor_rollout_ref.actor.clip_ratio",  # TRL
     "missing_eos_penalty": "reward_model.missing_eos_penalty",  # TRL
     "token_level_kl": "algorithm.trl_rloo.token_level_kl",  # TRL RLOOConfig
+    # veRL's FSDP spelling of the same switch (host memory between reference passes)
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
 }
 LEAF_RENAMES: dict[str, str] = {"warmup_style": "lr_scheduler_type"}  # veRL's older name
 
@@ -198,6 +200,11 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Iterable[str]) ->
     return cfg
 
 
+def _holds_alias(section: str) -> bool:
+    """A torch-only section with one of our aliases inside (veRL's ref.fsdp_config.param_offload)."""
+    return any(alias.startswith(section + ".") for alias in NAME_ALIASES)
+
+
 def _flatten(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for name in list(node.keys()):
@@ -205,8 +212,8 @@ def _flatten(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
         value = node[name]
         if key in FIELDS:
             out.append((key, value))
-        elif isinstance(value, (ml_collections.ConfigDict, dict)) and not is_torch_only(key) and (
-                key in _SECTIONS or key not in NAME_ALIASES):
+        elif isinstance(value, (ml_collections.ConfigDict, dict)) and (
+                not is_torch_only(key) or _holds_alias(key)) and (key in _SECTIONS or key not in NAME_ALIASES):
             out.extend(_flatten(value, key + "."))
         else:
             out.append((key, value))

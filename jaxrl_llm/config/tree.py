@@ -184,8 +184,7 @@ REF = {
                                "bf16 run keeps a half-size reference; set float32 for an fp32 copy).", types=str),
     "param_offload": field(False, "Keep the reference params in pinned host memory, moved to the device only "
                                   "for the reference pass (warns and keeps them on device where the backend "
-                                  "has no pinned host memory). Our form of veRL's ref.fsdp_config.param_offload (an "
-                                  "FSDP key, which has no effect here)."),
+                                  "has no pinned host memory). veRL's ref.fsdp_config.param_offload is read as this key."),
 }
 
 MODEL = dict(

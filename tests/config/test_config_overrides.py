@@ -73,7 +73,7 @@ def test_aliases_map_onto_our_keys(alias, value, key):
 
 def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
     torch_keys = [
-        "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True", "reward_model.model.fsdp_config.param_offload=True",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True", "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True",
@@ -90,6 +90,14 @@ def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
     assert len(warned) == len(torch_keys)
     for item, message in zip(torch_keys, warned):
         assert item.split("=")[0] in message and "no effect in jaxrl_llm" in message
+
+
+def test_verl_ref_fsdp_param_offload_is_our_ref_param_offload():
+    cfg = apply_overrides(default_config(), ["actor_rollout_ref.ref.fsdp_config.param_offload=True"])
+    assert cfg.actor_rollout_ref.ref.param_offload is True and "fsdp_config" not in cfg.actor_rollout_ref.ref
+    file_cfg = default_config()
+    file_cfg.actor_rollout_ref.ref.fsdp_config = {"param_offload": True, "wrap_policy": {"min_num_params": 0}}
+    assert normalize_config(file_cfg).actor_rollout_ref.ref.param_offload is True
 
 
 @pytest.mark.parametrize("key,suggestion", [
