@@ -18,9 +18,10 @@ softmax statistics, probabilities and the probs.V product in fp32 (V upcast); ou
 dtype. fp32 matmuls ask for Precision.HIGHEST (Triton would otherwise use TF32).
 
 int8 K/V: pass `k_scales`/`v_scales` [kv_heads, num_pages, page_size] (fp32, one scale per cached
-token and kv head). Each loaded block is dequantised in fp32 (k_int8 * k_scale, never written
-back), q is upcast to fp32, and the step above runs on those: attention over the fp32 dequantised
-cache, HBM traffic stays int8.
+token and kv head). Each loaded block is dequantised in VMEM/registers, never written back, so
+HBM traffic stays int8: K = k_int8 * k_scale in fp32 rounded to the compute dtype (q's dtype, as a
+caller-side dequantisation would store it; the engine's XLA path does the same), then q.k as
+above; V = v_int8 * v_scale stays fp32.
 
 Two lowerings of the same step (`_attend_block`), chosen by `variant` (default: the backend):
 - "triton" (GPU): grid (slot, kv_head); the page table row is a block, K/V pages are gathered
@@ -69,10 +70,11 @@ def _visible_blocks(length, block_tokens: int, sliding_window: int | None):
 
 
 def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: float,
-                  sliding_window: int | None):
+                  sliding_window: int | None, compute_dtype):
     """One online-softmax step over `block_tokens` keys starting at token position `start`.
 
-    q [G, D]; k, v [T, D]; k_scale, v_scale [T, 1] fp32 or None (int8 pages); carry (m [G, 1],
+    q [G, D]; k, v [T, D]; k_scale, v_scale [T, 1] fp32 or None (int8 pages, dequantised K is
+    rounded to `compute_dtype`, the caller's q dtype, before the q.k product); carry (m [G, 1],
     l [G, 1], acc [G, D]) in fp32. Works unchanged under the Triton and Mosaic lowerings: 2-D ops
     only, and the scales broadcast along lanes (no lane<->sublane relayout on TPU).
     """
@@ -80,7 +82,8 @@ def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: flo
     hp = lax.Precision.HIGHEST
     v = v.astype(jnp.float32)
     if k_scale is not None:
-        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32) * k_scale, v * v_scale
+        k = (k.astype(jnp.float32) * k_scale).astype(compute_dtype)
+        v = v * v_scale
     s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=hp,
                         preferred_element_type=jnp.float32) * scale
     pos = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -114,7 +117,7 @@ def _finish(carry):
 
 
 def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
-                   scale: float, sliding_window: int | None, quantized: bool):
+                   scale: float, sliding_window: int | None, quantized: bool, compute_dtype):
     if quantized:
         ks_ref, vs_ref, o_ref = rest
     else:
@@ -132,14 +135,14 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
         k_scale = ks_ref[pages].reshape(block_tokens, 1) if quantized else None
         v_scale = vs_ref[pages].reshape(block_tokens, 1) if quantized else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, compute_dtype=compute_dtype)
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
     o_ref[...] = _finish(carry).astype(o_ref.dtype)
 
 
 def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, scale, sliding_window, interpret):
+                 pages_per_block, scale, sliding_window, interpret, compute_dtype):
     slots, kv_heads, group, head_dim = q4.shape
     _, num_pages, page_size, _ = k_pages.shape
     for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
@@ -159,7 +162,8 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
         in_specs += [scale_pool, scale_pool]
         args += [k_scales, v_scales]
     kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, scale=scale,
-                               sliding_window=sliding_window, quantized=quantized)
+                               sliding_window=sliding_window, quantized=quantized,
+                               compute_dtype=compute_dtype)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -177,7 +181,8 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
 
 
 def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, pages_per_block: int,
-                   pages_per_slot: int, scale: float, sliding_window: int | None, quantized: bool):
+                   pages_per_slot: int, scale: float, sliding_window: int | None, quantized: bool,
+                   compute_dtype):
     if quantized:
         ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
     else:
@@ -225,14 +230,14 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
         k_scale = ks_buf[buf].reshape(block_tokens, 1) if quantized else None
         v_scale = vs_buf[buf].reshape(block_tokens, 1) if quantized else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, compute_dtype=compute_dtype)
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
     o_ref[...] = _finish(carry).astype(o_ref.dtype)
 
 
 def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, scale, sliding_window, interpret):
+                 pages_per_block, scale, sliding_window, interpret, compute_dtype):
     from jax.experimental.pallas import tpu as pltpu
     slots, kv_heads, group, head_dim = q4.shape
     _, _, page_size, _ = k_pages.shape
@@ -254,7 +259,8 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     kernel = functools.partial(_mosaic_kernel, pages_per_block=pages_per_block,
                                pages_per_slot=pages_per_slot, scale=scale,
-                               sliding_window=sliding_window, quantized=quantized)
+                               sliding_window=sliding_window, quantized=quantized,
+                               compute_dtype=compute_dtype)
     args = [q4, k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
     out = pl.pallas_call(
         kernel,
@@ -304,6 +310,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     if lengths.shape != (slots,) or page_indices.ndim != 2 or page_indices.shape[0] != slots:
         raise ValueError(f"paged attention: lengths {lengths.shape} / page_indices "
                          f"{page_indices.shape} must be [slots={slots}] / [slots, pages_per_slot]")
+    if k_scales is None and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ValueError(f"paged attention: {k_pages.dtype} pages need k_scales/v_scales")
     if (k_scales is None) != (v_scales is None):
         raise ValueError("paged attention: pass both k_scales and v_scales or neither")
     if k_scales is not None and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_scales.shape):
@@ -321,10 +329,9 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     lengths = lengths.astype(jnp.int32)
     if k_scales is not None:
         k_scales, v_scales = k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)
-    # Integer (int8) pages are multiplied in q's float dtype (exact for int8 in bf16 and fp32).
     q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
     call = _triton_call if variant == "triton" else _mosaic_call
     out = call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
                pages_per_block=pages_per_block, scale=head_dim ** -0.5,
-               sliding_window=sliding_window, interpret=interpret)
+               sliding_window=sliding_window, interpret=interpret, compute_dtype=q.dtype)
     return out.reshape(slots, num_heads, head_dim).astype(q.dtype)

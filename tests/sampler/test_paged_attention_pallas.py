@@ -22,7 +22,9 @@ def dense_reference(q, k_pages, v_pages, lengths, page_indices, sliding_window=N
     k = k_pages.astype(jnp.float32)
     v = v_pages.astype(jnp.float32)
     if k_scales is not None:
-        k, v = k * k_scales[..., None], v * v_scales[..., None]
+        # K dequantised then stored in the compute dtype (the kernel's and the engine's rule).
+        k = (k * k_scales[..., None]).astype(q.dtype).astype(jnp.float32)
+        v = v * v_scales[..., None]
     k = k[:, page_indices].reshape(kv_heads, slots, -1, head_dim)  # [KV, S, T, D]
     v = v[:, page_indices].reshape(kv_heads, slots, -1, head_dim)
     group = num_heads // kv_heads
@@ -115,11 +117,13 @@ def test_bf16_within_half_ulp_of_fp32_reference(variant, window):
     assert np.all(err <= 2.0 ** -8 * np.abs(ref) + 1e-5), float(err.max())
 
 
-@pytest.mark.parametrize("variant", ["triton", "mosaic"])
-def test_int8_pages_with_scales(variant):
-    case = make_case(3, group=2, head_dim=64, page_size=16, int8=True)
-    out = run_kernel(case, sliding_window=40, pages_per_block=2, variant=variant)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(case, 40)), atol=1e-5, rtol=0)
+@pytest.mark.parametrize("variant,dtype", [("triton", jnp.float32), ("mosaic", jnp.bfloat16)])
+def test_int8_pages_with_scales(variant, dtype):
+    case = make_case(3, group=2, head_dim=64, page_size=16, int8=True, dtype=dtype)
+    out = np.asarray(run_kernel(case, sliding_window=40, pages_per_block=2, variant=variant), np.float32)
+    ref = np.asarray(reference(case, 40))
+    rel = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0  # half a bf16 ulp, as in the bf16 test
+    assert np.all(np.abs(out - ref) <= rel * np.abs(ref) + 1e-5), float(np.abs(out - ref).max())
 
 
 @pytest.mark.parametrize("variant", ["triton", "mosaic"])
@@ -152,6 +156,9 @@ def test_rejects_bad_inputs():
         paged_decode_attention_pallas(q, k, v, lengths[:2], table, interpret=True)
     with pytest.raises(ValueError, match="k_scales and v_scales"):
         paged_decode_attention_pallas(q, k, v, lengths, table, k_scales=k[..., 0], interpret=True)
+    with pytest.raises(ValueError, match="int8 pages need k_scales"):
+        paged_decode_attention_pallas(q, k.astype(jnp.int8), v.astype(jnp.int8), lengths, table,
+                                      interpret=True)
     with pytest.raises(ValueError, match="page_size=12 must be a power of 2"):
         paged_decode_attention_pallas(q, k[:, :, :12], v[:, :, :12], lengths, table, interpret=True,
                                       variant="triton")
