@@ -162,3 +162,33 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="page_size=12 must be a power of 2"):
         paged_decode_attention_pallas(q, k[:, :, :12], v[:, :, :12], lengths, table, interpret=True,
                                       variant="triton")
+
+
+@pytest.mark.parametrize("platform,variant,custom_call", [
+    ("cuda", "triton", "__gpu$xla.gpu.triton"), ("tpu", "mosaic", "tpu_custom_call")])
+def test_lowers_for_device_backends(platform, variant, custom_call):
+    # Cross-platform lowering on CPU: Pallas -> Triton IR / Mosaic MLIR for the real backends (the
+    # steps after it, Triton -> PTX and Mosaic's layout passes, need the device: see the bench).
+    from jax import export
+    slots, kv_heads, num_pages, page_size, pages_per_slot = 4, 3, 64, 16, 8
+    spec = jax.ShapeDtypeStruct
+    cases = {  # name: (q, pages, scales?, kwargs)
+        "bf16_gqa3_window": (spec((slots, 9, 64), jnp.bfloat16), jnp.bfloat16, False,
+                             dict(sliding_window=40)),
+        "fp32_mha_d128": (spec((slots, 3, 128), jnp.float32), jnp.float32, False, {}),
+        "int8_bf16": (spec((slots, 6, 64), jnp.bfloat16), jnp.int8, True, {}),
+    }
+    for name, (q, kv_dtype, scaled, kw) in cases.items():
+        pages = spec((kv_heads, num_pages, page_size, q.shape[2]), kv_dtype)
+        scales = [spec((kv_heads, num_pages, page_size), jnp.float32)] * 2 if scaled else []
+
+        def fn(q, k, v, lengths, table, *sc, kw=kw):
+            extra = dict(k_scales=sc[0], v_scales=sc[1]) if sc else kw
+            return paged_decode_attention_pallas(q, k, v, lengths, table, variant=variant, **extra)
+
+        exported = export.export(
+            jax.jit(fn), platforms=[platform],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(custom_call)],
+        )(q, pages, pages, spec((slots,), jnp.int32), spec((slots, pages_per_slot), jnp.int32), *scales)
+        assert custom_call in exported.mlir_module(), name
+        assert exported.out_avals[0].shape == q.shape and exported.out_avals[0].dtype == q.dtype
