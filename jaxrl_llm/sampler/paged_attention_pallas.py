@@ -47,6 +47,9 @@ from jax.experimental import pallas as pl
 # Finite (not -inf) so that exp(mask - max) is an exact 0 and no inf - inf NaN can appear.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 Variant = Literal["triton", "mosaic"]
+# Page-table entries per Mosaic call (int32 in SMEM): 64Ki entries = 256 KiB, a quarter of the
+# 1 MiB SMEM of TPUs up to v6e (vLLM keeps its block tables under half).
+MOSAIC_MAX_TABLE_ENTRIES = 1 << 16
 
 
 def _next_pow2(n: int) -> int:
@@ -261,18 +264,26 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
                                pages_per_slot=pages_per_slot, scale=scale,
                                sliding_window=sliding_window, quantized=quantized,
                                compute_dtype=compute_dtype)
-    args = [q4, k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(slots, kv_heads),
-                                               in_specs=in_specs, out_specs=q_spec,
-                                               scratch_shapes=scratch),
-        out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32),
-        # Each program issues and waits its own DMAs: programs are independent (megacore split).
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=pltpu.InterpretParams() if interpret else False,
-        name="paged_decode_attention_mosaic",
-    )(lengths, page_indices.reshape(-1), *args)
+    pages = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
+    # The page table is scalar-prefetched whole into SMEM (1 MiB up to v6e): slots go in chunks
+    # whose table stays under MOSAIC_MAX_TABLE_ENTRIES, one kernel call each.
+    chunk = max(1, min(slots, MOSAIC_MAX_TABLE_ENTRIES // pages_per_slot))
+    outs = []
+    for start in range(0, slots, chunk):
+        n = min(chunk, slots - start)
+        outs.append(pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(n, kv_heads),
+                                                   in_specs=in_specs, out_specs=q_spec,
+                                                   scratch_shapes=scratch),
+            out_shape=jax.ShapeDtypeStruct((n, *q4.shape[1:]), jnp.float32),
+            # Each program issues and waits its own DMAs: programs are independent (megacore).
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+            interpret=pltpu.InterpretParams() if interpret else False,
+            name="paged_decode_attention_mosaic",
+        )(lengths[start:start + n], page_indices[start:start + n].reshape(-1),
+          q4[start:start + n], *pages))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     return out[:, :, :group]
 
 

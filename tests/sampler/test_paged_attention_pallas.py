@@ -77,16 +77,15 @@ def reference(case, sliding_window=None):
 
 
 # (variant, GQA group, head_dim, page_size, sliding_window, pages_per_block): every GQA ratio,
-# head_dim and page size on each lowering; windows that start mid-page and span blocks.
+# head_dim and page size on each lowering, 2 kv heads; windows that start mid-page and span
+# blocks. The other tests use 1 kv head (interpret-mode compile time grows with the grid).
 FP32_CASES = [
     ("triton", 1, 64, 16, None, None),
     ("triton", 2, 128, 32, 40, 1),
-    ("triton", 4, 64, 32, None, 2),
-    ("triton", 4, 128, 16, 21, 2),
+    ("triton", 4, 64, 16, 21, 2),
     ("mosaic", 1, 128, 32, 40, None),
     ("mosaic", 2, 64, 16, None, 2),
     ("mosaic", 4, 64, 32, 21, 1),
-    ("mosaic", 4, 128, 16, None, 2),
 ]
 
 
@@ -109,7 +108,7 @@ def test_bf16_within_half_ulp_of_fp32_reference(variant, window):
     # Kernel and reference both do fp32 math on the same bf16 inputs (exact products, fp32 sums):
     # they differ by fp32 summation order (~1e-6) plus the kernel's final rounding to bf16, which
     # is at most half a bf16 ulp = 2**-8 * |x| (8 significant bits).
-    case = make_case(7, group=2, head_dim=64, page_size=16, dtype=jnp.bfloat16)
+    case = make_case(7, group=2, head_dim=64, page_size=16, kv_heads=1, dtype=jnp.bfloat16)
     out = run_kernel(case, sliding_window=window, pages_per_block=2, variant=variant)
     assert out.dtype == jnp.bfloat16
     ref = np.asarray(reference(case, window))
@@ -119,7 +118,7 @@ def test_bf16_within_half_ulp_of_fp32_reference(variant, window):
 
 @pytest.mark.parametrize("variant,dtype", [("triton", jnp.float32), ("mosaic", jnp.bfloat16)])
 def test_int8_pages_with_scales(variant, dtype):
-    case = make_case(3, group=2, head_dim=64, page_size=16, int8=True, dtype=dtype)
+    case = make_case(3, group=2, head_dim=64, page_size=16, kv_heads=1, int8=True, dtype=dtype)
     out = np.asarray(run_kernel(case, sliding_window=40, pages_per_block=2, variant=variant), np.float32)
     ref = np.asarray(reference(case, 40))
     rel = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0  # half a bf16 ulp, as in the bf16 test
@@ -131,7 +130,7 @@ def test_reads_only_visible_blocks(variant):
     # Page 0 is poison (NaN) and every page-table entry outside a slot's visible blocks points at
     # it: any read of a block before the window or past ceil(length / page_size) gives NaN.
     page_size, window = 16, 20
-    case = make_case(11, group=2, head_dim=64, page_size=page_size, pages_per_slot=6)
+    case = make_case(11, group=2, head_dim=64, page_size=page_size, pages_per_slot=6, kv_heads=1)
     lengths = np.asarray(case["lengths"])
     table = np.asarray(case["page_indices"]) % (NUM_PAGES - 1) + 1  # real pages are 1..N-1
     page = np.arange(table.shape[1])[None, :]
@@ -192,3 +191,17 @@ def test_lowers_for_device_backends(platform, variant, custom_call):
         )(q, pages, pages, spec((slots,), jnp.int32), spec((slots, pages_per_slot), jnp.int32), *scales)
         assert custom_call in exported.mlir_module(), name
         assert exported.out_avals[0].shape == q.shape and exported.out_avals[0].dtype == q.dtype
+
+
+def test_mosaic_splits_large_page_tables_into_slot_chunks(monkeypatch):
+    import jaxrl_llm.sampler.paged_attention_pallas as pa
+    # The limit is read at trace time: these shapes (1 kv head, fp32, 5 pages, 1 page per block)
+    # are traced by no other test, so the patched value is the one traced.
+    monkeypatch.setattr(pa, "MOSAIC_MAX_TABLE_ENTRIES", 15)  # 3 slots of 5 pages per call
+    case = make_case(5, group=2, head_dim=64, page_size=16, kv_heads=1)  # 7 slots: calls of 3, 3, 1
+    args = [case[n] for n in ("q", "k_pages", "v_pages", "lengths", "page_indices")]
+    kw = dict(interpret=True, variant="mosaic", pages_per_block=1)
+    jaxpr = str(jax.make_jaxpr(lambda *a: paged_decode_attention_pallas(*a, **kw))(*args))
+    assert jaxpr.count("pallas_call[") == 3
+    out = paged_decode_attention_pallas(*args, **kw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(case)), atol=1e-5, rtol=0)
