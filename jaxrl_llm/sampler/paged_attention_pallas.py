@@ -24,10 +24,12 @@ caller-side dequantisation would store it; the engine's XLA path does the same),
 above; V = v_int8 * v_scale stays fp32.
 
 Two lowerings of the same step (`_attend_block`), chosen by `variant` (default: the backend):
-- "triton" (GPU): grid (slot, kv_head); the page table row is a block, K/V pages are gathered
-  from the kv head's page pool with a vector of page ids per block (`k_ref[page_ids]`). Block
-  shapes must be powers of 2, so the GQA group is padded to >= 16 rows and page_size /
-  pages_per_block must be powers of 2.
+- "triton" (GPU): grid (slot, kv_head, split); the page table row is a block, K/V pages are
+  gathered from the kv head's page pool with a vector of page ids per block (`k_ref[page_ids]`).
+  With num_splits > 1 each split walks its share of the slot's visible blocks and writes its
+  (max, sum, unnormalised output); a small XLA merge rescales and sums them (flash decoding, for
+  few slots * kv_heads). Block shapes must be powers of 2: the GQA group is padded to >= 16 rows,
+  page_size / pages_per_block / head_dim must be powers of 2.
 - "mosaic" (TPU): lengths and the flattened page table are scalar-prefetched into SMEM
   (`PrefetchScalarGridSpec`); K/V stay in HBM and each block's pages are DMA'd into a
   double-buffered VMEM scratch (block i+1 is in flight while block i is computed).
@@ -120,16 +122,19 @@ def _finish(carry):
 
 
 def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
-                   scale: float, sliding_window: int | None, quantized: bool, compute_dtype):
-    if quantized:
-        ks_ref, vs_ref, o_ref = rest
-    else:
-        (o_ref,) = rest
+                   scale: float, sliding_window: int | None, quantized: bool, compute_dtype,
+                   num_splits: int):
+    ks_ref, vs_ref = rest[:2] if quantized else (None, None)
+    out_refs = rest[2:] if quantized else rest
     page_size, head_dim = k_ref.shape[-2:]
     block_tokens = pages_per_block * page_size
     length = lengths_ref[0]
     q = q_ref[...]
     lo, hi = _visible_blocks(length, block_tokens, sliding_window)
+    if num_splits > 1:  # this program's share of the visible blocks (flash-decoding partition)
+        per_split = lax.div(hi - lo + num_splits - 1, num_splits)
+        lo = lo + pl.program_id(2) * per_split
+        hi = jnp.minimum(hi, lo + per_split)
 
     def body(i, carry):
         pages = page_ids_ref[pl.ds(i * pages_per_block, pages_per_block)]
@@ -141,41 +146,77 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
                              sliding_window=sliding_window, compute_dtype=compute_dtype)
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
-    o_ref[...] = _finish(carry).astype(o_ref.dtype)
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = _finish(carry).astype(o_ref.dtype)
+    else:  # unnormalised partial results, merged by _merge_splits
+        m_ref, l_ref, acc_ref = out_refs
+        m, l, acc = carry
+        m_ref[...], l_ref[...], acc_ref[...] = m.reshape(m_ref.shape), l.reshape(l_ref.shape), acc
+
+
+def _merge_splits(m, l, acc):
+    """Combine per-split online-softmax states [..., splits, rows(, D)] (fp32) into the output.
+    Empty splits carry m = MASK_VALUE, l = 0, acc = 0 and get weight 0 (or l_total = 0 -> 0)."""
+    m_total = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_total)
+    l_total = jnp.sum(w * l, axis=2)
+    acc_total = jnp.sum(w[..., None] * acc, axis=2)
+    return jnp.where(l_total[..., None] > 0.0,
+                     acc_total / jnp.where(l_total > 0.0, l_total, 1.0)[..., None], 0.0)
+
+
+def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
+    """Split each slot's blocks over enough programs to give ~256 (2 per SM of an H100) in all."""
+    return max(1, min(num_blocks, -(-256 // (slots * kv_heads)), 16))
 
 
 def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, scale, sliding_window, interpret, compute_dtype):
+                 pages_per_block, scale, sliding_window, interpret, compute_dtype, num_splits):
     slots, kv_heads, group, head_dim = q4.shape
     _, num_pages, page_size, _ = k_pages.shape
     for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
                     ("head_dim", head_dim)):
         if n & (n - 1):
             raise ValueError(f"paged attention (triton): {name}={n} must be a power of 2")
+    if num_splits is None:
+        num_splits = default_num_splits(slots, kv_heads, page_indices.shape[1] // pages_per_block)
     rows = max(16, _next_pow2(group))  # tl.dot needs >= 16 rows; Triton blocks are powers of 2
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     quantized = k_scales is not None
-    pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h: (h, 0, 0, 0))
-    scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda s, h: (h, 0, 0))
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h: (s, h, 0, 0))
-    in_specs = [pl.BlockSpec((1,), lambda s, h: (s,)),
-                pl.BlockSpec((None, page_indices.shape[1]), lambda s, h: (s, 0)), q_spec, pool, pool]
+    pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, j: (h, 0, 0, 0))
+    scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda s, h, j: (h, 0, 0))
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0))
+    in_specs = [pl.BlockSpec((1,), lambda s, h, j: (s,)),
+                pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, j: (s, 0)), q_spec, pool,
+                pool]
     args = [lengths, page_indices, q4, k_pages, v_pages]
     if quantized:
         in_specs += [scale_pool, scale_pool]
         args += [k_scales, v_scales]
+    if num_splits == 1:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
+    else:
+        stat = pl.BlockSpec((None, None, None, rows), lambda s, h, j: (s, h, j, 0))
+        part = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, j: (s, h, j, 0, 0))
+        out_specs = [stat, stat, part]
+        stat_shape = jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows), jnp.float32)
+        out_shape = [stat_shape, stat_shape,
+                     jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, head_dim), jnp.float32)]
     kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, scale=scale,
                                sliding_window=sliding_window, quantized=quantized,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, num_splits=num_splits)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
         compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
     out = pl.pallas_call(
-        kernel, grid=(slots, kv_heads), in_specs=in_specs, out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype), interpret=interpret,
-        compiler_params=compiler_params, name="paged_decode_attention_triton",
+        kernel, grid=(slots, kv_heads, num_splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
+        name="paged_decode_attention_triton",
     )(*args)
+    if num_splits > 1:
+        out = _merge_splits(*out)
     return out[:, :, :group]
 
 
@@ -228,8 +269,10 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
 
         for c in copies(i, buf):
             c.wait()
-        k = k_buf[buf].reshape(block_tokens, head_dim)
-        v = v_buf[buf].reshape(block_tokens, head_dim)
+        # fp32 before the reshape: merging (pages, page_size) rows is then a plain (8, 128)-tile
+        # concatenation whatever the page dtype's packing (bf16 16 rows, int8 32 rows a tile).
+        k = k_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
+        v = v_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
         k_scale = ks_buf[buf].reshape(block_tokens, 1) if quantized else None
         v_scale = vs_buf[buf].reshape(block_tokens, 1) if quantized else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
@@ -295,18 +338,21 @@ def default_variant() -> Variant:
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", "pages_per_block",
-                                             "variant"))
+                                             "variant", "num_splits"))
 def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   lengths: jax.Array, page_indices: jax.Array, *,
                                   k_scales: jax.Array | None = None,
                                   v_scales: jax.Array | None = None,
                                   sliding_window: int | None = None, interpret: bool = False,
                                   pages_per_block: int | None = None,
-                                  variant: Variant | None = None) -> jax.Array:
+                                  variant: Variant | None = None,
+                                  num_splits: int | None = None) -> jax.Array:
     """Decode attention of one query per slot over paged K/V; see the module docstring.
 
     `pages_per_block`: pages per inner-loop step (default `default_pages_per_block`).
     `variant`: "triton" | "mosaic" (default: "mosaic" on TPU, else "triton").
+    `num_splits` (triton): programs sharing one slot's visible blocks, merged after the kernel
+    (flash-decoding; default `default_num_splits`: more when slots * kv_heads is small).
     """
     variant = variant or default_variant()
     if variant not in ("triton", "mosaic"):
@@ -332,6 +378,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
         raise ValueError(f"paged attention: sliding_window={sliding_window} must be >= 1 or None")
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size, page_indices.shape[1], variant)
+    if num_splits is not None and (num_splits < 1 or variant != "triton"):
+        raise ValueError(f"paged attention: num_splits={num_splits} needs variant='triton' and >= 1")
     if pages_per_block < 1:
         raise ValueError(f"paged attention: pages_per_block={pages_per_block} must be >= 1")
     # Pad the page table to whole blocks; the padding (page 0, a valid id) is never visible.
@@ -341,8 +389,11 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     if k_scales is not None:
         k_scales, v_scales = k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)
     q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
-    call = _triton_call if variant == "triton" else _mosaic_call
-    out = call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
-               pages_per_block=pages_per_block, scale=head_dim ** -0.5,
-               sliding_window=sliding_window, interpret=interpret, compute_dtype=q.dtype)
+    kw = dict(pages_per_block=pages_per_block, scale=head_dim ** -0.5, sliding_window=sliding_window,
+              interpret=interpret, compute_dtype=q.dtype)
+    if variant == "triton":
+        out = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
+                           num_splits=num_splits, **kw)
+    else:
+        out = _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
     return out.reshape(slots, num_heads, head_dim).astype(q.dtype)

@@ -76,24 +76,27 @@ def reference(case, sliding_window=None):
                            case.get("v_scales"))
 
 
-# (variant, GQA group, head_dim, page_size, sliding_window, pages_per_block): every GQA ratio,
-# head_dim and page size on each lowering, 2 kv heads; windows that start mid-page and span
-# blocks. The other tests use 1 kv head (interpret-mode compile time grows with the grid).
+# (variant, GQA group, head_dim, page_size, sliding_window, pages_per_block, num_splits): every
+# GQA ratio, head_dim and page size on each lowering, 2 kv heads; windows that start mid-page and
+# span blocks; Triton with one program per slot and with the visible blocks split over 3 (the
+# other Triton tests get the default split count, > 1 for their few slots). The other tests use
+# 1 kv head (interpret-mode compile time grows with the grid).
 FP32_CASES = [
-    ("triton", 1, 64, 16, None, None),
-    ("triton", 2, 128, 32, 40, 1),
-    ("triton", 4, 64, 16, 21, 2),
-    ("mosaic", 1, 128, 32, 40, None),
-    ("mosaic", 2, 64, 16, None, 2),
-    ("mosaic", 4, 64, 32, 21, 1),
+    ("triton", 1, 64, 16, None, None, None),
+    ("triton", 2, 128, 32, 40, 1, 1),
+    ("triton", 4, 64, 16, 21, 2, 3),
+    ("mosaic", 1, 128, 32, 40, None, None),
+    ("mosaic", 2, 64, 16, None, 2, None),
+    ("mosaic", 4, 64, 32, 21, 1, None),
 ]
 
 
-@pytest.mark.parametrize("variant,group,head_dim,page_size,window,ppb", FP32_CASES)
-def test_fp32_matches_dense_reference(variant, group, head_dim, page_size, window, ppb):
+@pytest.mark.parametrize("variant,group,head_dim,page_size,window,ppb,splits", FP32_CASES)
+def test_fp32_matches_dense_reference(variant, group, head_dim, page_size, window, ppb, splits):
     case = make_case(group * head_dim + page_size, group=group, head_dim=head_dim,
                      page_size=page_size)
-    out = run_kernel(case, sliding_window=window, pages_per_block=ppb, variant=variant)
+    out = run_kernel(case, sliding_window=window, pages_per_block=ppb, variant=variant,
+                     num_splits=splits)
     ref = reference(case, window)
     assert out.shape == ref.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
@@ -158,6 +161,9 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="int8 pages need k_scales"):
         paged_decode_attention_pallas(q, k.astype(jnp.int8), v.astype(jnp.int8), lengths, table,
                                       interpret=True)
+    with pytest.raises(ValueError, match="num_splits=2 needs variant='triton'"):
+        paged_decode_attention_pallas(q, k, v, lengths, table, interpret=True, variant="mosaic",
+                                      num_splits=2)
     with pytest.raises(ValueError, match="page_size=12 must be a power of 2"):
         paged_decode_attention_pallas(q, k[:, :, :12], v[:, :, :12], lengths, table, interpret=True,
                                       variant="triton")
@@ -182,7 +188,9 @@ def test_lowers_for_device_backends(platform, variant, custom_call):
         scales = [spec((kv_heads, num_pages, page_size), jnp.float32)] * 2 if scaled else []
 
         def fn(q, k, v, lengths, table, *sc, kw=kw):
-            extra = dict(k_scales=sc[0], v_scales=sc[1]) if sc else kw
+            extra = dict(k_scales=sc[0], v_scales=sc[1]) if sc else dict(kw)
+            if variant == "triton":  # the split path (partial outputs + merge) lowers too
+                extra["num_splits"] = 2
             return paged_decode_attention_pallas(q, k, v, lengths, table, variant=variant, **extra)
 
         exported = export.export(
