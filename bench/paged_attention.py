@@ -13,6 +13,7 @@ point, so a kernel whose time tracks the mean length (not the table width) is le
     python bench/paged_attention.py --tiny                # CPU: interpret mode, tiny shapes (a smoke run)
     options: --slots 8 64 256 --lengths 128 512 2048 --max-len 4096 --page-size 16 --heads 9
              --kv-heads 3 --head-dim 64 --dtype bfloat16 --window W --pages-per-block N --repeats 5
+             --variant triton|mosaic --num-splits N (triton; default: from slots * kv_heads)
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None)
     parser.add_argument("--pages-per-block", type=int, default=None)
     parser.add_argument("--variant", choices=["triton", "mosaic"], default=None)
+    parser.add_argument("--num-splits", type=int, default=None, help="triton: splits per slot")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     interpret = args.tiny or jax.default_backend() == "cpu"
@@ -114,7 +116,8 @@ def main() -> None:
           f"max_len={args.max_len} window={args.window} copy_bw={bw / 1e9:.1f} GB/s")
     impls = {"pallas": lambda c: paged_decode_attention_pallas(
         c["q"], c["k_pages"], c["v_pages"], c["lengths"], c["page_indices"],
-        sliding_window=args.window, interpret=interpret, pages_per_block=ppb, variant=variant)}
+        sliding_window=args.window, interpret=interpret, pages_per_block=ppb, variant=variant,
+        num_splits=args.num_splits)}
     if paged_decode_attention_xla is not None:
         xla_fn = jax.jit(paged_decode_attention_xla, static_argnames=("sliding_window",))
         impls["xla"] = lambda c: xla_fn(c["q"], c["k_pages"], c["v_pages"], c["lengths"],
