@@ -175,7 +175,7 @@ def test_lowers_for_device_backends(platform, variant, custom_call):
     # Cross-platform lowering on CPU: Pallas -> Triton IR / Mosaic MLIR for the real backends (the
     # steps after it, Triton -> PTX and Mosaic's layout passes, need the device: see the bench).
     from jax import export
-    slots, kv_heads, num_pages, page_size, pages_per_slot = 4, 3, 64, 16, 8
+    slots, kv_heads, num_pages, page_size, pages_per_slot = 5, 3, 60, 16, 7  # not powers of 2
     spec = jax.ShapeDtypeStruct
     cases = {  # name: (q, pages, scales?, kwargs)
         "bf16_gqa3_window": (spec((slots, 9, 64), jnp.bfloat16), jnp.bfloat16, False,
