@@ -213,3 +213,17 @@ def test_mosaic_splits_large_page_tables_into_slot_chunks(monkeypatch):
     assert jaxpr.count("pallas_call[") == 3
     out = paged_decode_attention_pallas(*args, **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(reference(case)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_engine_xla_path(dtype):
+    # The contract: the engine's XLA path and the kernel compute the same numbers (one policy).
+    # Both are within half a bf16 ulp of the fp32 result, so within one ulp of each other.
+    xla = pytest.importorskip("jaxrl_llm.sampler.paged_attention").paged_decode_attention_xla
+    case = make_case(13, group=2, head_dim=64, page_size=16, kv_heads=1, dtype=dtype)
+    args = [case[n] for n in ("q", "k_pages", "v_pages", "lengths", "page_indices")]
+    out = np.asarray(paged_decode_attention_pallas(*args, sliding_window=21, interpret=True,
+                                                   variant="triton"), np.float32)
+    ref = np.asarray(xla(*args, sliding_window=21), np.float32)
+    rel = 2.0 ** -7 if dtype == jnp.bfloat16 else 0.0
+    assert np.all(np.abs(out - ref) <= rel * np.abs(ref) + 1e-5), float(np.abs(out - ref).max())
