@@ -1,0 +1,399 @@
+"""Pallas paged decode attention: one query token per slot over its paged K/V (flash decoding).
+
+    out = paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
+                                        sliding_window=None, interpret=False)
+    q [slots, heads, head_dim]; k/v_pages [kv_heads, num_pages, page_size, head_dim];
+    lengths [slots] int32 (0 = empty slot -> zeros); page_indices [slots, pages_per_slot] int32
+
+The contract (shapes, GQA, window, numerics) is the one of `paged_attention.paged_decode_attention`;
+the engine's dispatcher imports this module lazily on gpu/tpu. Per program (slot, kv head) the
+kernel walks only the blocks of `pages_per_block` pages that hold visible keys: from the block of
+position max(0, length - window) to ceil(length / block_tokens), so the cost grows with the real
+length, not with pages_per_slot. All query heads of the kv head (the GQA group) are one matrix of
+rows in the same program, so each K/V page is read once per kv head.
+
+Numerics (shared with the XLA path and the trainer's dense attention): scores q.k with fp32
+accumulation, scaled by head_dim**-0.5 in fp32, masked with a finite large-negative value; online
+softmax statistics, probabilities and the probs.V product in fp32 (V upcast); output cast to q's
+dtype. fp32 matmuls ask for Precision.HIGHEST (Triton would otherwise use TF32).
+
+int8 K/V: pass `k_scales`/`v_scales` [kv_heads, num_pages, page_size] (fp32, one scale per cached
+token and kv head). Each loaded block is dequantised in VMEM/registers, never written back, so
+HBM traffic stays int8: K = k_int8 * k_scale in fp32 rounded to the compute dtype (q's dtype, as a
+caller-side dequantisation would store it; the engine's XLA path does the same), then q.k as
+above; V = v_int8 * v_scale stays fp32.
+
+Two lowerings of the same step (`_attend_block`), chosen by `variant` (default: the backend):
+- "triton" (GPU): grid (slot, kv_head, split); the page table row is a block, K/V pages are
+  gathered from the kv head's page pool with a vector of page ids per block (`k_ref[page_ids]`).
+  With num_splits > 1 each split walks its share of the slot's visible blocks and writes its
+  (max, sum, unnormalised output); a small XLA merge rescales and sums them (flash decoding, for
+  few slots * kv_heads). Block shapes must be powers of 2: the GQA group is padded to >= 16 rows,
+  page_size / pages_per_block / head_dim must be powers of 2.
+- "mosaic" (TPU): lengths and the flattened page table are scalar-prefetched into SMEM
+  (`PrefetchScalarGridSpec`); K/V stay in HBM and each block's pages are DMA'd into a
+  double-buffered VMEM scratch (block i+1 is in flight while block i is computed).
+`interpret=True` runs either on CPU (the mosaic variant through the TPU interpreter).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+# Finite (not -inf) so that exp(mask - max) is an exact 0 and no inf - inf NaN can appear.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+Variant = Literal["triton", "mosaic"]
+# Page-table entries per Mosaic call (int32 in SMEM): 64Ki entries = 256 KiB, a quarter of the
+# 1 MiB SMEM of TPUs up to v6e (vLLM keeps its block tables under half).
+MOSAIC_MAX_TABLE_ENTRIES = 1 << 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_pages_per_block(page_size: int, pages_per_slot: int, variant: Variant) -> int:
+    """Pages per loop step: ~128 tokens (Triton: registers) / ~512 tokens (TPU: DMA size) a block,
+    never more than the page table holds (rounded up to a power of 2 for Triton)."""
+    target_tokens = 128 if variant == "triton" else 512
+    ppb = max(1, target_tokens // page_size)
+    return min(ppb, _next_pow2(pages_per_slot))
+
+
+def _visible_blocks(length, block_tokens: int, sliding_window: int | None):
+    """[lo, hi) block range holding every key p with max(0, length - W) <= p < length."""
+    hi = lax.div(length + block_tokens - 1, block_tokens)
+    if sliding_window is None:
+        return jnp.int32(0), hi
+    return lax.div(jnp.maximum(length - sliding_window, 0), block_tokens), hi
+
+
+def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: float,
+                  sliding_window: int | None, compute_dtype):
+    """One online-softmax step over `block_tokens` keys starting at token position `start`.
+
+    q [G, D]; k, v [T, D]; k_scale, v_scale [T, 1] fp32 or None (int8 pages, dequantised K is
+    rounded to `compute_dtype`, the caller's q dtype, before the q.k product); carry (m [G, 1],
+    l [G, 1], acc [G, D]) in fp32. Works unchanged under the Triton and Mosaic lowerings: 2-D ops
+    only, and the scales broadcast along lanes (no lane<->sublane relayout on TPU).
+    """
+    m_prev, l_prev, acc_prev = carry
+    hp = lax.Precision.HIGHEST
+    v = v.astype(jnp.float32)
+    if k_scale is not None:
+        k = (k.astype(jnp.float32) * k_scale).astype(compute_dtype)
+        v = v * v_scale
+    s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=hp,
+                        preferred_element_type=jnp.float32) * scale
+    pos = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    valid = pos < length
+    if sliding_window is not None:
+        valid = jnp.logical_and(valid, pos >= length - sliding_window)
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    # where(): a block with no visible key (m_new still MASK_VALUE) must add nothing.
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    acc_new = alpha * acc_prev + lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=hp,
+                                                 preferred_element_type=jnp.float32)
+    return m_new, l_new, acc_new
+
+
+def _init_carry(rows: int, head_dim: int):
+    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+
+
+def _finish(carry):
+    _, l, acc = carry
+    # Empty slot (length 0): nothing was attended, l == 0 -> zeros (the contract's output).
+    return jnp.where(l > 0.0, acc / jnp.where(l > 0.0, l, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton (GPU)
+
+
+def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
+                   scale: float, sliding_window: int | None, quantized: bool, compute_dtype,
+                   num_splits: int):
+    ks_ref, vs_ref = rest[:2] if quantized else (None, None)
+    out_refs = rest[2:] if quantized else rest
+    page_size, head_dim = k_ref.shape[-2:]
+    block_tokens = pages_per_block * page_size
+    length = lengths_ref[0]
+    q = q_ref[...]
+    lo, hi = _visible_blocks(length, block_tokens, sliding_window)
+    if num_splits > 1:  # this program's share of the visible blocks (flash-decoding partition)
+        per_split = lax.div(hi - lo + num_splits - 1, num_splits)
+        lo = lo + pl.program_id(2) * per_split
+        hi = jnp.minimum(hi, lo + per_split)
+
+    def body(i, carry):
+        pages = page_ids_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        k_scale = ks_ref[pages].reshape(block_tokens, 1) if quantized else None
+        v_scale = vs_ref[pages].reshape(block_tokens, 1) if quantized else None
+        return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
+                             sliding_window=sliding_window, compute_dtype=compute_dtype)
+
+    carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = _finish(carry).astype(o_ref.dtype)
+    else:  # unnormalised partial results, merged by _merge_splits
+        m_ref, l_ref, acc_ref = out_refs
+        m, l, acc = carry
+        m_ref[...], l_ref[...], acc_ref[...] = m.reshape(m_ref.shape), l.reshape(l_ref.shape), acc
+
+
+def _merge_splits(m, l, acc):
+    """Combine per-split online-softmax states [..., splits, rows(, D)] (fp32) into the output.
+    Empty splits carry m = MASK_VALUE, l = 0, acc = 0 and get weight 0 (or l_total = 0 -> 0)."""
+    m_total = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_total)
+    l_total = jnp.sum(w * l, axis=2)
+    acc_total = jnp.sum(w[..., None] * acc, axis=2)
+    return jnp.where(l_total[..., None] > 0.0,
+                     acc_total / jnp.where(l_total > 0.0, l_total, 1.0)[..., None], 0.0)
+
+
+def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
+    """Split each slot's blocks over enough programs to give ~256 (2 per SM of an H100) in all."""
+    return max(1, min(num_blocks, -(-256 // (slots * kv_heads)), 16))
+
+
+def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
+                 pages_per_block, scale, sliding_window, interpret, compute_dtype, num_splits):
+    slots, kv_heads, group, head_dim = q4.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
+                    ("head_dim", head_dim)):
+        if n & (n - 1):
+            raise ValueError(f"paged attention (triton): {name}={n} must be a power of 2")
+    if num_splits is None:
+        num_splits = default_num_splits(slots, kv_heads, page_indices.shape[1] // pages_per_block)
+    rows = max(16, _next_pow2(group))  # tl.dot needs >= 16 rows; Triton blocks are powers of 2
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    quantized = k_scales is not None
+    pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, j: (h, 0, 0, 0))
+    scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda s, h, j: (h, 0, 0))
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0))
+    in_specs = [pl.BlockSpec((1,), lambda s, h, j: (s,)),
+                pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, j: (s, 0)), q_spec, pool,
+                pool]
+    args = [lengths, page_indices, q4, k_pages, v_pages]
+    if quantized:
+        in_specs += [scale_pool, scale_pool]
+        args += [k_scales, v_scales]
+    if num_splits == 1:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
+    else:
+        stat = pl.BlockSpec((None, None, None, rows), lambda s, h, j: (s, h, j, 0))
+        part = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, j: (s, h, j, 0, 0))
+        out_specs = [stat, stat, part]
+        stat_shape = jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows), jnp.float32)
+        out_shape = [stat_shape, stat_shape,
+                     jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, head_dim), jnp.float32)]
+    kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, scale=scale,
+                               sliding_window=sliding_window, quantized=quantized,
+                               compute_dtype=compute_dtype, num_splits=num_splits)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    out = pl.pallas_call(
+        kernel, grid=(slots, kv_heads, num_splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
+        name="paged_decode_attention_triton",
+    )(*args)
+    if num_splits > 1:
+        out = _merge_splits(*out)
+    return out[:, :, :group]
+
+
+# ----------------------------------------------------------------------------------------------
+# Mosaic (TPU)
+
+
+def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, pages_per_block: int,
+                   pages_per_slot: int, scale: float, sliding_window: int | None, quantized: bool,
+                   compute_dtype):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
+    else:
+        o_ref, k_buf, v_buf, sems = rest
+        ks_hbm = vs_hbm = ks_buf = vs_buf = None
+    slot, head = pl.program_id(0), pl.program_id(1)
+    page_size, head_dim = k_buf.shape[-2:]
+    block_tokens = pages_per_block * page_size
+    length = lengths_ref[slot]
+    lo, hi = _visible_blocks(length, block_tokens, sliding_window)
+    from jax.experimental.pallas import tpu as pltpu
+
+    def copies(block, buf):
+        """The DMAs bringing block `block`'s pages (and scales) into buffer `buf` (one semaphore
+        per buffer: waiting on every descriptor consumes exactly what they signalled)."""
+        out = []
+        for j in range(pages_per_block):
+            page = page_table_ref[slot * pages_per_slot + block * pages_per_block + j]
+            pairs = [(k_hbm, k_buf), (v_hbm, v_buf)]
+            if quantized:
+                pairs += [(ks_hbm, ks_buf), (vs_hbm, vs_buf)]
+            out += [pltpu.make_async_copy(src.at[head, page], dst.at[buf, j], sems.at[buf])
+                    for src, dst in pairs]
+        return out
+
+    @pl.when(hi > lo)
+    def _():
+        for c in copies(lo, 0):
+            c.start()
+
+    q = q_ref[...]
+
+    def body(i, carry):
+        buf = lax.rem(i - lo, 2)
+
+        @pl.when(i + 1 < hi)
+        def _():
+            for c in copies(i + 1, 1 - buf):
+                c.start()
+
+        for c in copies(i, buf):
+            c.wait()
+        # fp32 before the reshape: merging (pages, page_size) rows is then a plain (8, 128)-tile
+        # concatenation whatever the page dtype's packing (bf16 16 rows, int8 32 rows a tile).
+        k = k_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
+        v = v_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
+        k_scale = ks_buf[buf].reshape(block_tokens, 1) if quantized else None
+        v_scale = vs_buf[buf].reshape(block_tokens, 1) if quantized else None
+        return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
+                             sliding_window=sliding_window, compute_dtype=compute_dtype)
+
+    carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
+    o_ref[...] = _finish(carry).astype(o_ref.dtype)
+
+
+def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
+                 pages_per_block, scale, sliding_window, interpret, compute_dtype):
+    from jax.experimental.pallas import tpu as pltpu
+    slots, kv_heads, group, head_dim = q4.shape
+    _, _, page_size, _ = k_pages.shape
+    pages_per_slot = page_indices.shape[1]
+    # q in fp32 (exact for bf16 inputs: products of bf16 values are exact in fp32, so the scores
+    # are the policy's fp32-accumulated q.k) padded to the 8-row fp32 sublane tile.
+    rows = -(-group // 8) * 8
+    q4 = jnp.pad(q4.astype(jnp.float32), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    quantized = k_scales is not None
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, *_: (s, h, 0, 0))
+    in_specs = [q_spec, any_spec, any_spec] + ([any_spec, any_spec] if quantized else [])
+    buf_shape = (2, pages_per_block, page_size, head_dim)
+    scratch = [pltpu.VMEM(buf_shape, k_pages.dtype), pltpu.VMEM(buf_shape, v_pages.dtype)]
+    if quantized:
+        # Scales as [.., page_size, 1] columns: they multiply K/V rows (sublanes) on TPU.
+        k_scales, v_scales = k_scales[..., None], v_scales[..., None]
+        scratch += [pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)] * 2
+    scratch.append(pltpu.SemaphoreType.DMA((2,)))
+    kernel = functools.partial(_mosaic_kernel, pages_per_block=pages_per_block,
+                               pages_per_slot=pages_per_slot, scale=scale,
+                               sliding_window=sliding_window, quantized=quantized,
+                               compute_dtype=compute_dtype)
+    pages = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
+    # The page table is scalar-prefetched whole into SMEM (1 MiB up to v6e): slots go in chunks
+    # whose table stays under MOSAIC_MAX_TABLE_ENTRIES, one kernel call each.
+    chunk = max(1, min(slots, MOSAIC_MAX_TABLE_ENTRIES // pages_per_slot))
+    outs = []
+    for start in range(0, slots, chunk):
+        n = min(chunk, slots - start)
+        outs.append(pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(n, kv_heads),
+                                                   in_specs=in_specs, out_specs=q_spec,
+                                                   scratch_shapes=scratch),
+            out_shape=jax.ShapeDtypeStruct((n, *q4.shape[1:]), jnp.float32),
+            # Each program issues and waits its own DMAs: programs are independent (megacore).
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+            interpret=pltpu.InterpretParams() if interpret else False,
+            name="paged_decode_attention_mosaic",
+        )(lengths[start:start + n], page_indices[start:start + n].reshape(-1),
+          q4[start:start + n], *pages))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    return out[:, :, :group]
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def default_variant() -> Variant:
+    return "mosaic" if jax.default_backend() == "tpu" else "triton"
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", "pages_per_block",
+                                             "variant", "num_splits"))
+def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                  lengths: jax.Array, page_indices: jax.Array, *,
+                                  k_scales: jax.Array | None = None,
+                                  v_scales: jax.Array | None = None,
+                                  sliding_window: int | None = None, interpret: bool = False,
+                                  pages_per_block: int | None = None,
+                                  variant: Variant | None = None,
+                                  num_splits: int | None = None) -> jax.Array:
+    """Decode attention of one query per slot over paged K/V; see the module docstring.
+
+    `pages_per_block`: pages per inner-loop step (default `default_pages_per_block`).
+    `variant`: "triton" | "mosaic" (default: "mosaic" on TPU, else "triton").
+    `num_splits` (triton): programs sharing one slot's visible blocks, merged after the kernel
+    (flash-decoding; default `default_num_splits`: more when slots * kv_heads is small).
+    """
+    variant = variant or default_variant()
+    if variant not in ("triton", "mosaic"):
+        raise ValueError(f"paged attention: variant={variant!r}, expected 'triton' or 'mosaic'")
+    slots, num_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, kv_dim = k_pages.shape
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"paged attention: v_pages {v_pages.shape} != k_pages {k_pages.shape}")
+    if kv_dim != head_dim or num_heads % kv_heads:
+        raise ValueError(f"paged attention: q {q.shape} does not fit k_pages {k_pages.shape} "
+                         "(head_dim must match; num_heads a multiple of num_kv_heads)")
+    if lengths.shape != (slots,) or page_indices.ndim != 2 or page_indices.shape[0] != slots:
+        raise ValueError(f"paged attention: lengths {lengths.shape} / page_indices "
+                         f"{page_indices.shape} must be [slots={slots}] / [slots, pages_per_slot]")
+    if k_scales is None and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ValueError(f"paged attention: {k_pages.dtype} pages need k_scales/v_scales")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("paged attention: pass both k_scales and v_scales or neither")
+    if k_scales is not None and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_scales.shape):
+        raise ValueError(f"paged attention: k_scales/v_scales {k_scales.shape}/{v_scales.shape} "
+                         f"must be [kv_heads, num_pages, page_size] = {k_pages.shape[:3]}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged attention: sliding_window={sliding_window} must be >= 1 or None")
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size, page_indices.shape[1], variant)
+    if num_splits is not None and (num_splits < 1 or variant != "triton"):
+        raise ValueError(f"paged attention: num_splits={num_splits} needs variant='triton' and >= 1")
+    if pages_per_block < 1:
+        raise ValueError(f"paged attention: pages_per_block={pages_per_block} must be >= 1")
+    # Pad the page table to whole blocks; the padding (page 0, a valid id) is never visible.
+    pad = -page_indices.shape[1] % pages_per_block
+    page_indices = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pad)))
+    lengths = lengths.astype(jnp.int32)
+    if k_scales is not None:
+        k_scales, v_scales = k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)
+    q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
+    kw = dict(pages_per_block=pages_per_block, scale=head_dim ** -0.5, sliding_window=sliding_window,
+              interpret=interpret, compute_dtype=q.dtype)
+    if variant == "triton":
+        out = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
+                           num_splits=num_splits, **kw)
+    else:
+        out = _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
+    return out.reshape(slots, num_heads, head_dim).astype(q.dtype)
