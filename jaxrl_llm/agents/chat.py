@@ -1,0 +1,88 @@
+"""Chat-template rendering as token deltas: new messages become tokens without re-tokenizing the past.
+
+`ChatRenderer(tokenizer, tools)` wraps a transformers tokenizer (its `chat_template`, rendered with
+the OpenAI `tools` schemas when given). `delta_text(messages, new, tail)` is the text that takes a
+conversation whose last message is an assistant turn, as the model produced it, to the same
+conversation plus `new` messages and the generation prompt:
+
+1. the template's closure of the assistant turn that the model did not produce itself: the text
+   the template renders after the assistant content (found with a sentinel content), minus `tail`,
+   what the model already emitted after its content (its EOS text, or "" when it stopped at a stop
+   token such as the end of a tool call). For ChatML: "<|im_end|>\n" minus "<|im_end|>" = "\n".
+2. render(messages + new, add_generation_prompt=True) minus render(messages): the new messages
+   and the generation prompt. When a template does not render the longer conversation as an
+   extension of the shorter one (e.g. it rewrites earlier assistant turns once a new user turn
+   follows), the same difference is taken on a minimal base conversation [user, assistant] instead
+   (veRL's approach); when even that fails, `TemplateError`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_SENTINEL = "\u2063JAXRL-ASSISTANT-CONTENT\u2063"
+
+
+class TemplateError(ValueError):
+    """The chat template cannot render new messages as a suffix of the conversation."""
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError("the tokenizer has no chat_template: multi-turn rollouts render turns through it")
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        self.eos_text: str = tokenizer.eos_token or ""
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        extra = {"tools": self.tools} if self.tools else {}
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **extra)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def split_model_text(self, text: str, finish_reason: str) -> tuple[str, str]:
+        """(content for the template, tail the template renders itself): the EOS text when the turn
+        ended on EOS, else ""."""
+        if finish_reason == "eos" and self.eos_text and text.endswith(self.eos_text):
+            return text[: -len(self.eos_text)], self.eos_text
+        return text, ""
+
+    def _closure(self, messages: list[dict]) -> str:
+        marked = messages[:-1] + [{**messages[-1], "content": _SENTINEL}]
+        text = self.render(marked, add_generation_prompt=False)
+        at = text.rfind(_SENTINEL)
+        if at < 0:
+            raise TemplateError("the chat template does not render the assistant message content")
+        return text[at + len(_SENTINEL):]
+
+    def _suffix(self, messages: list[dict], new: list[dict]) -> str | None:
+        before = self.render(messages, add_generation_prompt=False)
+        after = self.render(messages + new, add_generation_prompt=True)
+        return after[len(before):] if after.startswith(before) else None
+
+    def delta_text(self, messages: Sequence[dict], new: Sequence[dict], tail: str) -> str:
+        """Text appended after the model's last turn to add `new` (see the module docstring)."""
+        messages, new = list(messages), list(new)
+        if not messages or messages[-1].get("role") != "assistant":
+            raise TemplateError("delta_text: the conversation must end with an assistant message")
+        closure = self._closure(messages)
+        glue = closure[len(tail):] if closure.startswith(tail) else closure
+        suffix = self._suffix(messages, new)
+        if suffix is None:
+            suffix = self._suffix([{"role": "user", "content": "."}, messages[-1]], new)
+        if suffix is None:
+            raise TemplateError(f"the chat template does not render {[m.get('role') for m in new]} messages "
+                                "as an extension of the conversation")
+        return glue + suffix
+
+
+__all__ = ["ChatRenderer", "TemplateError"]
