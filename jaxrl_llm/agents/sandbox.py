@@ -8,7 +8,8 @@ How each limit is enforced (all in the child; the calling process is never at ri
 - CPU time: RLIMIT_CPU (soft = `cpu_s`: SIGXCPU kills the child; hard = soft + 1: SIGKILL).
 - Memory: RLIMIT_AS = `memory_mb` of address space: an allocation past it raises MemoryError.
 - Output: stdout / stderr go to files in the work dir under RLIMIT_FSIZE (SIGXFSZ past
-  `max_file_bytes`), and at most `max_output_chars` of each is read back (a marker shows the cut).
+  `max_file_bytes`), and at most `max_output_chars` of each is read back (a marker shows the cut):
+  the start of stdout, the end of stderr (where a traceback says what went wrong).
 - Wall clock: the child leads its own session (process group); past `wall_s` the whole group gets
   SIGKILL (a sleeping or blocked program uses no CPU time, so RLIMIT_CPU alone would not stop it).
 - Network, two layers: (1) when `unshare --map-root-user --net` works unprivileged on this host
@@ -104,10 +105,18 @@ def unshare_available() -> bool:
     return done.returncode == 0
 
 
-def _read(path: pathlib.Path, limit: int) -> str:
+def _read(path: pathlib.Path, limit: int, tail: bool = False) -> str:
+    """At most `limit` characters of a file: its start (stdout), or its end (stderr: the traceback's
+    last lines say what went wrong)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
+        if tail:
+            f.seek(max(0, size - 4 * limit - 4))
         data = f.read(4 * limit + 4)  # utf-8 is at most 4 bytes a character
     text = data.decode("utf-8", errors="replace")
+    if tail:
+        cut = len(text) > limit or size > len(data)
+        return "(output truncated)...\n" + text[-limit:] if cut else text
     return text[:limit] + _TRUNCATED if len(text) > limit else text
 
 
@@ -157,7 +166,7 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits = SandboxLim
                 proc.wait()
         wall = time.monotonic() - start
         stdout = _read(work / "stdout.txt", limits.max_output_chars)
-        stderr = _read(work / "stderr.txt", limits.max_output_chars)
+        stderr = _read(work / "stderr.txt", limits.max_output_chars, tail=True)
         code_ = None if timed_out else proc.returncode
         return SandboxResult(status=_status(code_, stderr, timed_out), stdout=stdout, stderr=stderr,
                              exit_code=code_, wall_s=wall, isolated_network=isolated)
