@@ -3,8 +3,9 @@
     cont = StaticSamplerContinue(params, model_cfg, SamplingParams(temperature=1.0), pad_token_id=pad)
     result = run_multi_turn(trajs, cont, limits=..., stop_token_ids=tool_call_stop_ids(tokenizer))
 
-Each call left-pads the active prefixes to a length bucket and the batch to a batch bucket, and
-generates max(max_new_tokens) rounded up to a multiple of `token_bucket` (few compiled shapes);
+Each call left-pads the active prefixes to a length bucket (or to the fixed `prefix_length`, e.g.
+the maximum total length: then every round reuses one compiled program) and the batch to a batch
+bucket, and generates max(max_new_tokens) rounded up to a multiple of `token_bucket`;
 a row is then cut to its own budget (finish "length" when cut). The sampler has no per-row
 budgets or in-flight admission: finished rows idle until the longest one ends. The continuous-
 batching engine replaces this class behind the same `continue_fn` signature.
@@ -39,11 +40,12 @@ class StaticSamplerContinue:
 
     def __init__(self, params: dict, model_cfg: ModelConfig, sampling_params: SamplingParams, *,
                  pad_token_id: int, eos_token_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
-                 compute_dtype: str = "float32", token_bucket: int = 16) -> None:
+                 compute_dtype: str = "float32", token_bucket: int = 16, prefix_length: int | None = None) -> None:
         self.params, self.cfg, self.sampling_params = params, model_cfg, sampling_params
         self.pad_id = int(pad_token_id)
         self.eos = tuple(model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.mesh, self.compute_dtype, self.token_bucket = mesh, compute_dtype, int(token_bucket)
+        self.prefix_length = prefix_length
         self.calls = 0
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
@@ -59,7 +61,7 @@ class StaticSamplerContinue:
                                               compute_dtype=self.compute_dtype)
         rows = bucket_batch(len(prefixes), 1 if self.mesh is None else batch_axis_size(self.mesh))
         batch = list(prefixes) + [prefixes[0]] * (rows - len(prefixes))
-        ids, mask = left_pad(batch, self.pad_id)
+        ids, mask = left_pad(batch, self.pad_id, length=self.prefix_length)
         arrays = (ids, mask) if self.mesh is None else shard_batch((ids, mask), self.mesh)
         rng = jax.random.fold_in(jax.random.key(params.seed), self.calls)
         self.calls += 1
