@@ -12,8 +12,10 @@ conversation plus `new` messages and the generation prompt:
 2. render(messages + new, add_generation_prompt=True) minus render(messages): the new messages
    and the generation prompt. When a template does not render the longer conversation as an
    extension of the shorter one (e.g. it rewrites earlier assistant turns once a new user turn
-   follows), the same difference is taken on a minimal base conversation [user, assistant] instead
-   (veRL's approach); when even that fails, `TemplateError`.
+   follows, as Qwen3's drops earlier <think> blocks), the same difference is taken on a minimal
+   base conversation [user ".", assistant "."] instead (veRL's approach): the model's tokens stay
+   as produced, and the sanity check reports where a re-rendering would differ. When even the base
+   conversation does not extend, `TemplateError`.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class ChatRenderer:
         glue = closure[len(tail):] if closure.startswith(tail) else closure
         suffix = self._suffix(messages, new)
         if suffix is None:
-            suffix = self._suffix([{"role": "user", "content": "."}, messages[-1]], new)
+            suffix = self._suffix([{"role": "user", "content": "."}, {"role": "assistant", "content": "."}], new)
         if suffix is None:
             raise TemplateError(f"the chat template does not render {[m.get('role') for m in new]} messages "
                                 "as an extension of the conversation")
