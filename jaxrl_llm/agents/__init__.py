@@ -10,6 +10,7 @@
   chat.py             chat-template rendering of new messages as a token delta
   trajectory.py       Trajectory (segments, loss mask, rollout log-probs, sanity check), TurnLimits
   driver.py           run_multi_turn over a continue_fn, multi_turn/* metrics
+  rows.py             dataset rows -> trajectories; finished trajectories -> padded trainer arrays
   sampler_continue.py continue_fn over the static sampler (jaxrl_llm.sampler.sample)
 
 Nothing here reads the config tree; the trainer builds these objects from `multi_turn.*` keys.
@@ -20,6 +21,7 @@ from jaxrl_llm.agents.driver import Generated, MultiTurnResult, multi_turn_metri
 from jaxrl_llm.agents.environment import Environment, GuessNumberEnv
 from jaxrl_llm.agents.loader import AgentConfigError, load_interactions, load_tools
 from jaxrl_llm.agents.python_tool import PythonTool
+from jaxrl_llm.agents.rows import TrajectoryBatch, pad_trajectories, trajectories_from_rows
 from jaxrl_llm.agents.sandbox import SandboxLimits, SandboxResult, run_python, unshare_available
 from jaxrl_llm.agents.tool_base import BaseTool, ToolResult
 from jaxrl_llm.agents.tool_parser import ToolCall, ToolCallError, parse_tool_calls
@@ -28,7 +30,7 @@ from jaxrl_llm.agents.trajectory import Segment, Trajectory, TurnLimits, truncat
 __all__ = [
     "AgentConfigError", "BaseTool", "CalculatorError", "CalculatorTool", "ChatRenderer", "Environment", "Generated",
     "GuessNumberEnv", "MultiTurnResult", "PythonTool", "SandboxLimits", "SandboxResult", "Segment", "TemplateError",
-    "ToolCall", "ToolCallError", "ToolResult", "Trajectory", "TurnLimits", "evaluate", "load_interactions",
-    "load_tools", "multi_turn_metrics", "parse_tool_calls", "run_multi_turn", "run_python", "truncate_text",
-    "unshare_available",
+    "ToolCall", "ToolCallError", "ToolResult", "Trajectory", "TrajectoryBatch", "TurnLimits", "evaluate",
+    "load_interactions", "load_tools", "multi_turn_metrics", "pad_trajectories", "parse_tool_calls", "run_multi_turn",
+    "run_python", "trajectories_from_rows", "truncate_text", "unshare_available",
 ]

@@ -67,3 +67,30 @@ def test_bad_inputs_are_clear_errors():
         traj.add_model_turn([5, 6, 7], [0.0, 0.0], "eos")
     with pytest.raises(ValueError, match="tool_response_truncate_side"):
         TurnLimits(max_response_length=10, tool_response_truncate_side="both")
+
+
+def test_rows_to_trajectories_to_padded_arrays():
+    import numpy as np
+
+    from jaxrl_llm.agents import GuessNumberEnv, pad_trajectories, trajectories_from_rows
+
+    r = ChatRenderer(make_char_tokenizer(CHATML))
+    envs = {"small": lambda: GuessNumberEnv({"high": 9}), "big": lambda: GuessNumberEnv({"high": 999})}
+    rows = [{"prompt": "play", "extra_info": {"interaction_kwargs": {"name": "big", "target": 500}}},
+            {"prompt": [{"role": "system", "content": "s"}], "extra_info": {"interaction_kwargs": {"name": "small"}}}]
+    a, b = trajectories_from_rows(rows, r, interactions=envs)
+    assert a.env.high == 999 and a.env.target == 500 and b.env.high == 9
+    assert [m["role"] for m in a.messages] == ["user", "user"] and a.messages[0]["content"] == "play"
+    with pytest.raises(ValueError, match=r"row 0: extra_info.interaction_kwargs.name=None; configured"):
+        trajectories_from_rows([{"prompt": "x"}], r, interactions=envs)
+    ids = _model_turn(a, "42")
+    a.add_context_turn([{"role": "user", "content": "higher"}], TurnLimits(max_response_length=100))
+    batch = pad_trajectories([a, b], prompt_length=len(b.prompt_ids) + 200, response_length=40, pad_id=0)
+    n = len(a.response_ids)
+    assert batch.prompt_mask[0].sum() == len(a.prompt_ids) and batch.prompt_mask[0, -1] == 1
+    assert batch.response_ids[0, :n].tolist() == a.response_ids and batch.response_mask[0].sum() == n
+    assert batch.loss_mask[0].tolist() == [1] * len(ids) + [0] * (40 - len(ids))
+    np.testing.assert_array_equal(batch.rollout_log_probs[0, :len(ids)], -0.25)
+    assert batch.response_mask[1].sum() == 0 and batch.num_turns.tolist() == [3, 1]
+    with pytest.raises(ValueError, match="trajectory 0: prompt"):
+        pad_trajectories([a], prompt_length=4, response_length=40, pad_id=0)
