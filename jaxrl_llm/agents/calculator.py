@@ -31,6 +31,8 @@ class CalculatorError(ValueError):
 
 
 def _check_size(value: float | int) -> float | int:
+    if isinstance(value, complex):  # (-8) ** (1 / 3)
+        raise CalculatorError("result is not a real number")
     if isinstance(value, int) and abs(value) >= 10 ** MAX_INT_DIGITS:
         raise CalculatorError(f"result has more than {MAX_INT_DIGITS} digits")
     if isinstance(value, float) and not math.isfinite(value):
@@ -42,7 +44,7 @@ def _eval(node: ast.AST) -> float | int:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _check_size(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:

@@ -15,8 +15,8 @@ Per round, after the generation: a turn cut at its token limit ends the trajecto
 a turn with hermes tool calls (`tool_parser`) gets one tool message per call, the calls of all
 trajectories running together on a thread pool of `max_parallel_calls` workers, each with
 `tool_timeout_s` from the moment it starts (a timed-out call is reported to the model and counted;
-its thread cannot be killed and finishes in the background, so a tool that can hang must bound
-itself, as the sandbox does); a turn without calls goes to the trajectory's environment when it
+its daemon thread cannot be killed and finishes in the background, so a tool that can hang must
+bound itself, as the sandbox does); a turn without calls goes to the trajectory's environment when it
 has one, else ends the trajectory. Rows' tools are created at the start (`create(None,
 **extra_info.tools_kwargs[name].create_kwargs)`, veRL's row field) and scored (`calc_reward`) and
 released at the end.
@@ -29,8 +29,9 @@ stop_reason/<reason> (fraction of trajectories), multi_turn/tokenization_mismatc
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -85,35 +86,52 @@ def _run_job(job: _Job) -> ToolResult:
 
 def _run_tool_calls(jobs: list[_Job], max_parallel_calls: int, timeout_s: float
                     ) -> list[tuple[str, ToolResult | None]]:
-    """("ok" | "error" | "timeout", result or None) per job; never raises for a tool's failure."""
+    """("ok" | "error" | "timeout", result or None) per job; never raises for a tool's failure.
+
+    Daemon worker threads (at most `max_parallel_calls`) take jobs from a queue. A job running
+    longer than `timeout_s` is abandoned (its thread finishes in the background and, being a
+    daemon, never holds up interpreter exit); when every worker is stuck that way, the jobs not
+    started yet time out too.
+    """
     out: list[tuple[str, ToolResult | None]] = [("timeout", None)] * len(jobs)
     if not jobs:
         return out
-    pool = cf.ThreadPoolExecutor(max_workers=max_parallel_calls, thread_name_prefix="tool")
-    try:
-        futures = {pool.submit(_run_job, job): i for i, job in enumerate(jobs)}
-        pending, stuck = set(futures), 0
-        while pending:
-            done, pending = cf.wait(pending, timeout=0.02, return_when=cf.FIRST_COMPLETED)
-            for fut in done:
-                i = futures[fut]
-                try:
-                    out[i] = ("ok", fut.result())
-                except Exception as err:  # noqa: BLE001 - a tool's exception is fed back, never raised
-                    out[i] = ("error", ToolResult(f"Error: tool {jobs[i].tool.name!r} failed: "
-                                                  f"{type(err).__name__}: {err}", 0.0, {}))
-            now = time.monotonic()
-            for fut in list(pending):
-                started = jobs[futures[fut]].started
-                if started is not None and now - started > timeout_s:
-                    pending.discard(fut)  # its thread finishes in the background
-                    stuck += 1
-            if stuck >= max_parallel_calls:  # every worker hangs: calls not started yet cannot run
-                for fut in list(pending):
-                    if jobs[futures[fut]].started is None and fut.cancel():
-                        pending.discard(fut)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(jobs)):
+        todo.put(i)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    abandon = threading.Event()
+
+    def worker() -> None:
+        while not abandon.is_set():
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                finished.put((i, "ok", _run_job(jobs[i])))
+            except Exception as err:  # noqa: BLE001 - a tool's exception is fed back, never raised
+                finished.put((i, "error", ToolResult(f"Error: tool {jobs[i].tool.name!r} failed: "
+                                                     f"{type(err).__name__}: {err}", 0.0, {})))
+
+    workers = min(max_parallel_calls, len(jobs))
+    for _ in range(workers):
+        threading.Thread(target=worker, name="tool-call", daemon=True).start()
+    waiting, stuck = set(range(len(jobs))), set()
+    while waiting - stuck:
+        try:
+            i, status, res = finished.get(timeout=0.02)
+            if i not in stuck:
+                out[i] = (status, res)
+            waiting.discard(i)
+            continue
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        stuck |= {i for i in waiting if jobs[i].started is not None and now - jobs[i].started > timeout_s}
+        if len(stuck) >= workers:  # no worker left for the jobs not started yet
+            break
+    abandon.set()
     return out
 
 

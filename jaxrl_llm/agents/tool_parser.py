@@ -72,7 +72,9 @@ def _parse_one(body: str, schemas: Mapping[str, Mapping[str, Any]]) -> ToolCall 
     name = call["name"]
     if name not in schemas:
         return ToolCallError(name, f"Error: unknown tool {name!r}; available: {sorted(schemas)}")
-    args = call.get("arguments", {})
+    args = call.get("arguments")
+    if args is None:  # {"name": "f"} or "arguments": null: a call without arguments
+        args = {}
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args) if args.strip() else {}

@@ -195,3 +195,20 @@ def test_environment_turns_guess_the_number():
     assert [m["content"] for m in t.messages[1:]] == ["50", "lower", "25", "higher", "37"]
     assert t.stop_reason == "env_done" and t.env_rewards == [0.0, 0.0, 1.0] and res.mismatches == [None]
     assert sum(t.loss_mask) == sum(len(g) for g in guesses)
+
+
+def test_a_hung_tool_with_one_worker_times_out_the_calls_queued_behind_it():
+    tok = hermes_char_tokenizer()
+    tool = _SlowTool()
+    renderer = ChatRenderer(tok, tools=[tool.tool_schema])
+    calls = "".join(f'<tool_call>{{"name": "slow", "arguments": {{"s": {s}}}}}</tool_call>' for s in (3, 0))
+    traj = Trajectory.start(renderer, [{"role": "user", "content": "go"}])
+    ids = renderer.encode(calls) + [tok.eos_token_id]
+    key = tuple(traj.prompt_ids)
+    cont = ScriptedContinue({key: [(ids, [0.0] * len(ids), "eos"), ([tok.eos_token_id], [0.0], "eos")]},
+                            {key: len(key)})
+    start = time.monotonic()
+    res = run_multi_turn([traj], cont, limits=TurnLimits(max_response_length=2000, max_tool_response_length=500),
+                         tools={"slow": tool}, max_parallel_calls=1, tool_timeout_s=0.5)
+    assert time.monotonic() - start < 2.5 and res.trajectories[0].tool_timeouts == 2
+    assert renderer.decode(res.trajectories[0].segments[2].ids).count("timed out after 0.5s") == 2

@@ -23,6 +23,7 @@ def test_calculator_values(expr, want):
     "__import__('os').system('echo hi')", "open('/etc/passwd').read()", "x + 1", "(1).__class__",
     "[1, 2][0]", "'a' * 3", "lambda: 1", "1 if 1 else 2", "2 ** 10 ** 10", "9 ** 999 * 9 ** 999 * 9 ** 999 * 9 ** 999 "
     "* 9 ** 999", "1 / 0", "sqrt(-1)", "round(1, ndigits=2)", "1 +", "1" * 600, "True + 1",
+    "(-8) ** (1 / 3)", "1e400", "10 ** 999 * 10 ** 999 * 10 ** 999 * 10 ** 999 * 10 ** 999",
 ])
 def test_calculator_rejects_unsafe_or_invalid(expr):
     with pytest.raises(CalculatorError):
@@ -48,6 +49,8 @@ def test_parse_valid_calls_in_order():
             '<tool_call>{"name": "pick", "arguments": "{\\"mode\\": \\"b\\", \\"n\\": 2.5}"}</tool_call>')
     assert parse_tool_calls(text, SCHEMAS) == [ToolCall("fake", {"x": 3}), ToolCall("pick", {"mode": "b", "n": 2.5})]
     assert parse_tool_calls("no calls here", SCHEMAS) == []
+    no_args = {"now": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    assert parse_tool_calls('<tool_call>{"name": "now"}</tool_call>', no_args) == [ToolCall("now", {})]
 
 
 @pytest.mark.parametrize("body,name,fragment", [
