@@ -19,10 +19,22 @@ conversation plus `new` messages and the generation prompt:
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 _SENTINEL = "\u2063JAXRL-ASSISTANT-CONTENT\u2063"
+
+
+def hermes_tools_prompt(tools: Sequence[dict]) -> str:
+    """The tool instructions Qwen2.5's template puts in its system turn (hermes format), for chat
+    templates that do not render `tools` themselves (SmolLM2's, plain ChatML)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and "
+            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 class TemplateError(ValueError):
@@ -41,6 +53,27 @@ class ChatRenderer:
         extra = {"tools": self.tools} if self.tools else {}
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **extra)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the `tools` schemas to the model (False without tools)."""
+        if not self.tools:
+            return False
+        probe = [{"role": "user", "content": "."}]
+        plain = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        return self.render(probe, add_generation_prompt=True) != plain
+
+    def with_tools_prompt(self, messages: Sequence[dict]) -> list[dict]:
+        """`messages` with the hermes tool instructions (`hermes_tools_prompt`) added to the system
+        turn (a new one first when there is none) when the template does not render the tools itself."""
+        messages = [dict(m) for m in messages]
+        if not self.tools or self.renders_tools:
+            return messages
+        prompt = hermes_tools_prompt(self.tools)
+        if messages and messages[0].get("role") == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}"
+            return messages
+        return [{"role": "system", "content": prompt}, *messages]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -87,4 +120,4 @@ class ChatRenderer:
         return glue + suffix
 
 
-__all__ = ["ChatRenderer", "TemplateError"]
+__all__ = ["ChatRenderer", "TemplateError", "hermes_tools_prompt"]

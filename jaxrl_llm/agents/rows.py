@@ -38,7 +38,9 @@ def _messages(row: Mapping[str, Any], key: str, index: int) -> list[dict]:
 def trajectories_from_rows(rows: Sequence[Mapping[str, Any]], renderer: ChatRenderer, *,
                            interactions: Mapping[str, Callable[[], Environment]] | None = None,
                            prompt_key: str = "prompt") -> list[Trajectory]:
-    """One trajectory per row, each with a fresh environment when `interactions` are configured."""
+    """One trajectory per row, each with a fresh environment when `interactions` are configured.
+    With tools whose schemas the chat template does not render (SmolLM2's template), the hermes
+    tool instructions go into the system turn (`ChatRenderer.with_tools_prompt`)."""
     trajs = []
     for i, row in enumerate(rows):
         env = None
@@ -50,7 +52,8 @@ def trajectories_from_rows(rows: Sequence[Mapping[str, Any]], renderer: ChatRend
                 raise ValueError(f"row {i}: extra_info.interaction_kwargs.name={name!r}; configured interactions: "
                                  f"{sorted(interactions)}")
             env = interactions[name]()
-        trajs.append(Trajectory.start(renderer, _messages(row, prompt_key, i), row=dict(row), env=env))
+        messages = renderer.with_tools_prompt(_messages(row, prompt_key, i))
+        trajs.append(Trajectory.start(renderer, messages, row=dict(row), env=env))
     return trajs
 
 

@@ -94,3 +94,19 @@ def test_rows_to_trajectories_to_padded_arrays():
     assert batch.response_mask[1].sum() == 0 and batch.num_turns.tolist() == [3, 1]
     with pytest.raises(ValueError, match="trajectory 0: prompt"):
         pad_trajectories([a], prompt_length=4, response_length=40, pad_id=0)
+
+
+def test_tool_instructions_go_to_the_system_turn_only_when_the_template_ignores_tools():
+    from agent_fixtures import FAKE_SCHEMA, HERMES_TEMPLATE
+
+    from jaxrl_llm.agents import trajectories_from_rows
+
+    plain = ChatRenderer(make_char_tokenizer(CHATML), tools=[FAKE_SCHEMA])
+    assert not plain.renders_tools
+    (t,) = trajectories_from_rows([{"prompt": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "hi"}]}], plain)
+    assert t.messages[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "fake"' in t.messages[0]["content"]
+    assert "<tool_call></tool_call> XML tags" in plain.decode(t.prompt_ids)
+    hermes = ChatRenderer(make_char_tokenizer(HERMES_TEMPLATE), tools=[FAKE_SCHEMA])
+    (h,) = trajectories_from_rows([{"prompt": "hi"}], hermes)
+    assert hermes.renders_tools and h.messages == [{"role": "user", "content": "hi"}]
