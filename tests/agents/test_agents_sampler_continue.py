@@ -16,7 +16,12 @@ from jaxrl_llm.sampler import SamplingParams
 def test_static_sampler_multi_turn_logprobs_match_a_forward_pass():
     tok = hermes_char_tokenizer()
     cfg = ModelConfig.tiny("llama", vocab_size=len(tok), max_position_embeddings=1024)
-    params = init_params(cfg, jax.random.key(0))
+    # random params without compiling init_params: shapes from eval_shape, values from numpy
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, s: jnp.ones(s.shape, s.dtype) if "norm" in jax.tree_util.keystr(path)
+        else jnp.asarray(rng.normal(0.0, 0.1, s.shape), s.dtype), shapes)
     # every printable character stops a turn, so turns stay short and end on "stop" or EOS
     sampling = SamplingParams(temperature=1.0, stop_token_ids=tuple(range(4, len(tok))), seed=3)
     cont = StaticSamplerContinue(params, cfg, sampling, pad_token_id=tok.pad_token_id, prefix_length=320)
