@@ -18,6 +18,7 @@ from jaxrl_llm.agents.tool_base import BaseTool, ToolResult
 MAX_EXPRESSION_CHARS = 512
 MAX_EXPONENT = 1000
 MAX_INT_DIGITS = 4000
+_INT_LIMIT = 10 ** MAX_INT_DIGITS  # built once (a 4000-digit power costs more than an evaluation)
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -33,7 +34,7 @@ class CalculatorError(ValueError):
 def _check_size(value: float | int) -> float | int:
     if isinstance(value, complex):  # (-8) ** (1 / 3)
         raise CalculatorError("result is not a real number")
-    if isinstance(value, int) and abs(value) >= 10 ** MAX_INT_DIGITS:
+    if isinstance(value, int) and abs(value) >= _INT_LIMIT:
         raise CalculatorError(f"result has more than {MAX_INT_DIGITS} digits")
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("result is not finite")
