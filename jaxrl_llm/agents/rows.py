@@ -37,13 +37,16 @@ def _messages(row: Mapping[str, Any], key: str, index: int) -> list[dict]:
 
 def trajectories_from_rows(rows: Sequence[Mapping[str, Any]], renderer: ChatRenderer, *,
                            interactions: Mapping[str, Callable[[], Environment]] | None = None,
-                           prompt_key: str = "prompt") -> list[Trajectory]:
-    """One trajectory per row, each with a fresh environment when `interactions` are configured.
+                           prompt_key: str = "prompt", n: int = 1) -> list[Trajectory]:
+    """`n` trajectories per row (row-major: trajectory i * n + j is sample j of row i, the order of
+    GRPO groups), each with a fresh environment when `interactions` are configured.
     With tools whose schemas the chat template does not render (SmolLM2's template), the hermes
     tool instructions go into the system turn (`ChatRenderer.with_tools_prompt`)."""
+    if n < 1:
+        raise ValueError(f"trajectories_from_rows: n={n} must be >= 1")
     trajs = []
     for i, row in enumerate(rows):
-        env = None
+        name = None
         if interactions:
             name = interaction_kwargs(row).get("name")
             if name is None and len(interactions) == 1:
@@ -51,9 +54,13 @@ def trajectories_from_rows(rows: Sequence[Mapping[str, Any]], renderer: ChatRend
             if name not in interactions:
                 raise ValueError(f"row {i}: extra_info.interaction_kwargs.name={name!r}; configured interactions: "
                                  f"{sorted(interactions)}")
-            env = interactions[name]()
         messages = renderer.with_tools_prompt(_messages(row, prompt_key, i))
-        trajs.append(Trajectory.start(renderer, messages, row=dict(row), env=env))
+        prompt_ids = None
+        for _ in range(n):  # the prompt is tokenized once per row
+            env = interactions[name]() if name is not None else None
+            t = Trajectory.start(renderer, messages, row=dict(row), env=env, prompt_ids=prompt_ids)
+            prompt_ids = t.prompt_ids if env is None else None  # an env's first message may differ per copy
+            trajs.append(t)
     return trajs
 
 

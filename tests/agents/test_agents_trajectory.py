@@ -108,5 +108,6 @@ def test_tool_instructions_go_to_the_system_turn_only_when_the_template_ignores_
     assert t.messages[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "fake"' in t.messages[0]["content"]
     assert "<tool_call></tool_call> XML tags" in plain.decode(t.prompt_ids)
     hermes = ChatRenderer(make_char_tokenizer(HERMES_TEMPLATE), tools=[FAKE_SCHEMA])
-    (h,) = trajectories_from_rows([{"prompt": "hi"}], hermes)
-    assert hermes.renders_tools and h.messages == [{"role": "user", "content": "hi"}]
+    h0, h1 = trajectories_from_rows([{"prompt": "hi"}], hermes, n=2)
+    assert hermes.renders_tools and h0.messages == h1.messages == [{"role": "user", "content": "hi"}]
+    assert h0.prompt_ids == h1.prompt_ids and h0.segments[0] is not h1.segments[0]
