@@ -148,13 +148,22 @@ def _start_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> 
 
 
 def _finish_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> None:
+    """calc_reward then release every instance; all are released even when one raises (the first
+    error is raised afterwards: a tool's own bug, not the model's)."""
+    first: BaseException | None = None
     for t in trajs:
         for name, iid in list(t.tool_instances.items()):
             try:
                 t.tool_final_rewards[name] = float(call_tool_method(tools[name].calc_reward, iid))
-            finally:
+            except Exception as err:  # noqa: BLE001 - re-raised below, after the releases
+                first = first or err
+            try:
                 call_tool_method(tools[name].release, iid)
-                del t.tool_instances[name]
+            except Exception as err:  # noqa: BLE001
+                first = first or err
+            del t.tool_instances[name]
+    if first is not None:
+        raise first
 
 
 def _check_outputs(outs: Sequence[Generated], budgets: list[int]) -> None:
@@ -193,8 +202,8 @@ def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, 
     trajs, tools = list(trajectories), dict(tools or {})
     schemas = {name: tool.tool_schema["function"] for name, tool in tools.items()}
     stops = tuple(int(s) for s in stop_token_ids)
-    _start_tools(trajs, tools)
     try:
+        _start_tools(trajs, tools)
         while True:
             for t in trajs:
                 if t.done:
