@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxrl_llm.agents.tool_base import BaseTool, ToolResult, as_tool_result, call_tool_method
-from jaxrl_llm.agents.tool_parser import ToolCall, ToolCallError, parse_tool_calls
+from jaxrl_llm.agents.tool_parser import ToolCall, ToolCallError, get_tool_parser
 from jaxrl_llm.agents.trajectory import Trajectory, TurnLimits, truncate_text
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -175,13 +175,13 @@ def _check_outputs(outs: Sequence[Generated], budgets: list[int]) -> None:
                              f"finish {o.finish_reason!r} for a budget of {b} (finish in {FINISH_REASONS})")
 
 
-def _after_turn(t: Trajectory, content: str, finish: str, limits: TurnLimits,
-                schemas: Mapping[str, dict]) -> list[ToolCall | ToolCallError] | None:
+def _after_turn(t: Trajectory, content: str, finish: str, limits: TurnLimits, schemas: Mapping[str, dict],
+                parse: Callable) -> list[ToolCall | ToolCallError] | None:
     """The tool calls to run for this turn, or None (the trajectory ended or goes to its env)."""
     if finish == "length":
         t.finish("length")
         return None
-    calls = parse_tool_calls(content, schemas) if schemas else []
+    calls = parse(content, schemas) if schemas else []
     if not calls and t.env is None:
         t.finish(finish)
         return None
@@ -194,11 +194,13 @@ def _after_turn(t: Trajectory, content: str, finish: str, limits: TurnLimits,
 def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, *, limits: TurnLimits,
                    tools: Mapping[str, BaseTool] | None = None, max_parallel_calls: int = 1,
                    tool_timeout_s: float = 30.0, stop_token_ids: Sequence[int] = (),
-                   sanity_check: bool = False) -> MultiTurnResult:
-    """Runs every trajectory to its end (see the module docstring); returns them with metrics."""
+                   sanity_check: bool = False, tool_call_format: str = "hermes") -> MultiTurnResult:
+    """Runs every trajectory to its end (see the module docstring); returns them with metrics.
+    `tool_call_format`: veRL's multi_turn.format (`tool_parser.TOOL_CALL_FORMATS`)."""
     if max_parallel_calls < 1 or tool_timeout_s <= 0:
         raise ValueError(f"max_parallel_calls={max_parallel_calls} must be >= 1 and tool_timeout_s="
                          f"{tool_timeout_s} > 0")
+    parse = get_tool_parser(tool_call_format)
     trajs, tools = list(trajectories), dict(tools or {})
     schemas = {name: tool.tool_schema["function"] for name, tool in tools.items()}
     stops = tuple(int(s) for s in stop_token_ids)
@@ -223,7 +225,7 @@ def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, 
             replies: dict[int, list[str | None]] = {}
             for t, o in zip(active, outs):
                 content = t.add_model_turn(o.token_ids, o.log_probs, o.finish_reason)
-                calls = _after_turn(t, content, o.finish_reason, limits, schemas)
+                calls = _after_turn(t, content, o.finish_reason, limits, schemas, parse)
                 if t.done:
                     continue
                 if calls is None:  # the environment answers

@@ -102,5 +102,16 @@ def has_tool_call(text: str) -> bool:
     return TOOL_CALL_START in text
 
 
-__all__ = ["TOOL_CALL_END", "TOOL_CALL_START", "ToolCall", "ToolCallError", "argument_problem", "has_tool_call",
-           "parse_tool_calls"]
+# Tool-call formats by veRL's `multi_turn.format` name -> parser(text, schemas).
+TOOL_CALL_FORMATS = {"hermes": parse_tool_calls}
+
+
+def get_tool_parser(fmt: str):
+    """The parser of tool-call format `fmt` (a ValueError naming the known formats otherwise)."""
+    if fmt not in TOOL_CALL_FORMATS:
+        raise ValueError(f"tool-call format {fmt!r} is not supported; known: {sorted(TOOL_CALL_FORMATS)}")
+    return TOOL_CALL_FORMATS[fmt]
+
+
+__all__ = ["TOOL_CALL_END", "TOOL_CALL_FORMATS", "TOOL_CALL_START", "ToolCall", "ToolCallError", "argument_problem",
+           "get_tool_parser", "has_tool_call", "parse_tool_calls"]

@@ -72,6 +72,14 @@ def test_malformed_calls_become_tool_errors(body, name, fragment):
     assert err.message.startswith("Error:")
 
 
+def test_tool_call_formats_by_name():
+    from jaxrl_llm.agents.tool_parser import get_tool_parser
+
+    assert get_tool_parser("hermes") is parse_tool_calls
+    with pytest.raises(ValueError, match=r"tool-call format 'gpt-oss' is not supported; known: \['hermes'\]"):
+        get_tool_parser("gpt-oss")
+
+
 def test_unclosed_call_is_an_error_after_the_valid_ones():
     out = parse_tool_calls('<tool_call>{"name": "fake", "arguments": {"x": 1}}</tool_call><tool_call>{"na',
                            SCHEMAS)
