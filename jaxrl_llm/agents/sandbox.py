@@ -12,6 +12,8 @@ How each limit is enforced (all in the child; the calling process is never at ri
   the start of stdout, the end of stderr (where a traceback says what went wrong).
 - Wall clock: the child leads its own session (process group); past `wall_s` the whole group gets
   SIGKILL (a sleeping or blocked program uses no CPU time, so RLIMIT_CPU alone would not stop it).
+  If the calling process dies first, the child gets SIGKILL too (PR_SET_PDEATHSIG), and an alarm
+  at `wall_s` + 2 s backs the kill up.
 - Network, two layers: (1) when `unshare --map-root-user --net` works unprivileged on this host
   (a user namespace; `unshare_available()`), the child runs in a fresh network namespace that has
   no interface but a down loopback, so every connect fails, in native code too; (2) always, a boot
@@ -22,7 +24,9 @@ How each limit is enforced (all in the child; the calling process is never at ri
   (the default wherever it is available) when the programs are adversarial.
 - Files: a fresh temp dir is the working directory and HOME, removed afterwards; the interpreter
   runs isolated (`-I`: no PYTHON* variables, no user site, no script dir on sys.path) with an
-  environment of PATH / LANG / HOME only.
+  environment of PATH / LANG / HOME only. The filesystem itself is NOT isolated: the program can
+  read and write whatever the calling user can (run the trainer as an unprivileged user, or in a
+  container, when that matters).
 
 Limits are per run; `run_python` is thread-safe (no preexec_fn; the child sets its own limits).
 """
@@ -41,8 +45,15 @@ import time
 
 # The boot script runs in the child: limits first, then the audit hook, then the program as __main__.
 _BOOT = r'''
-import resource, runpy, sys
-cpu, mem, fsize = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+import ctypes, os, resource, runpy, signal, sys
+cpu, mem, fsize, wall, parent = (int(a) for a in sys.argv[1:6])
+try:  # die with the process that runs us (PR_SET_PDEATHSIG): no orphan outlives a killed trainer
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != parent:  # it died before prctl took effect
+    os._exit(137)
+signal.alarm(wall)  # a backstop to the caller's wall-clock kill
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
@@ -52,7 +63,7 @@ def _hook(event, args):
     if event.startswith(_BLOCKED):
         raise PermissionError(f"sandbox: {event} is not allowed")
 sys.addaudithook(_hook)
-program = sys.argv[4]
+program = sys.argv[6]
 sys.argv = [program]
 runpy.run_path(program, run_name="__main__")
 '''
@@ -144,7 +155,7 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits = SandboxLim
         (work / "main.py").write_text(code)
         (work / "stdin.txt").write_text(stdin)
         cmd = [python, "-I", str(work / "boot.py"), str(limits.cpu_s), str(limits.memory_mb << 20),
-               str(limits.max_file_bytes), str(work / "main.py")]
+               str(limits.max_file_bytes), str(int(limits.wall_s) + 2), str(os.getpid()), str(work / "main.py")]
         isolated = limits.use_namespace and unshare_available()
         if isolated:
             cmd = [shutil.which("unshare") or "unshare", "--map-root-user", "--net", *cmd]

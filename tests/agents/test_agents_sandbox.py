@@ -139,3 +139,34 @@ def test_code_scorer_asserts_and_runaway_solutions():
                               FAST) == 0.0
     with pytest.raises(ValueError, match="fn_name"):
         code.compute_score("x", {"fn_name": "f", "inputs": [], "outputs": []})
+
+
+def test_a_killed_caller_leaves_no_sandboxed_child_behind(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    program = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    caller = subprocess.Popen([sys.executable, "-c", "from jaxrl_llm.agents.sandbox import SandboxLimits, run_python\n"
+                               f"run_python({program!r}, limits=SandboxLimits(wall_s=60))"],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+        for _ in range(100):  # the child dies with its caller (it would otherwise sleep for 60 s)
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the sandboxed child outlived its killed caller")
+    finally:
+        caller.kill()
