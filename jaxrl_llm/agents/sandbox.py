@@ -146,6 +146,14 @@ def _status(code: int | None, stderr: str, timed_out: bool) -> str:
     return "error"
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_python(code: str, *, stdin: str = "", limits: SandboxLimits = SandboxLimits(),
                python: str = sys.executable) -> SandboxResult:
     """Runs `code` as a program (`__main__`) under `limits`; never raises for anything the program does."""
@@ -170,11 +178,10 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits = SandboxLim
                 proc.wait(timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                _kill_group(proc)
+            except BaseException:  # e.g. a caller's SIGALRM timeout or KeyboardInterrupt: no orphan
+                _kill_group(proc)
+                raise
         wall = time.monotonic() - start
         stdout = _read(work / "stdout.txt", limits.max_output_chars)
         stderr = _read(work / "stderr.txt", limits.max_output_chars, tail=True)
