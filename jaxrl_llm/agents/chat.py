@@ -19,6 +19,7 @@ conversation plus `new` messages and the generation prompt:
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -54,7 +55,7 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **extra)
 
-    @property
+    @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the chat template shows the `tools` schemas to the model (False without tools)."""
         if not self.tools:
