@@ -88,7 +88,7 @@ def test_resolve_takes_the_validated_tree():
     assert spec.trainer.total_steps == 4096 // 1024 * 30
 
 
-LOWER_PACKAGES = ("data", "rewards", "sampler", "losses", "models", "hf", "sharding")
+LOWER_PACKAGES = ("data", "rewards", "sampler", "losses", "models", "hf", "sharding", "agents")
 
 
 @pytest.mark.parametrize("package", LOWER_PACKAGES)

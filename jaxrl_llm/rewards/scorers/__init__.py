@@ -8,6 +8,8 @@
   math_dapo, math, math_dapo_reasoning, aime*    math_dapo.compute_score (`Answer:`; dict, 1 / -1;
                                                  kwargs strict_box_verify, lenient)
   synthetic/<task>                               synthetic.compute_score (1 / 0)
+  code, codecontests, apps, codeforces, taco     code.compute_score (the row's test cases run in the
+                                                 sandbox; fraction passed)
 
 Another data source raises `UnknownDataSourceError` (a config problem, not a bad sample: the
 reward managers let it through instead of scoring 0).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxrl_llm.rewards.scorers import gsm8k, math_boxed, math_dapo, synthetic
+from jaxrl_llm.rewards.scorers import code, gsm8k, math_boxed, math_dapo, synthetic
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
@@ -29,10 +31,10 @@ class UnknownDataSourceError(NotImplementedError):
 def has_builtin_scorer(data_source: str) -> bool:
     """Whether `default_compute_score` scores `data_source` (the dispatch below)."""
     return (data_source == "openai/gsm8k" or data_source in MATH_SOURCES or data_source in DAPO_SOURCES
-            or data_source.startswith(("aime", "synthetic/")))
+            or data_source in code.SOURCES or data_source.startswith(("aime", "synthetic/")))
 
 
-BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>")
+BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>", *code.SOURCES)
 
 
 def default_compute_score(
@@ -49,6 +51,8 @@ def default_compute_score(
                                          lenient=bool(kwargs.get("lenient", False)))
     elif data_source.startswith("synthetic/"):
         result = synthetic.compute_score(solution_str, ground_truth, extra_info)
+    elif data_source in code.SOURCES:
+        result = code.compute_score(solution_str, ground_truth)
     else:
         raise UnknownDataSourceError(
             f"no built-in scorer for data_source={data_source!r}; set custom_reward_function.path"

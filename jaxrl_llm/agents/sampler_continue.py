@@ -1,0 +1,81 @@
+"""A `continue_fn` for `run_multi_turn` over the static sampler (`jaxrl_llm.sampler.sample`).
+
+    cont = StaticSamplerContinue(params, model_cfg, SamplingParams(temperature=1.0), pad_token_id=pad)
+    result = run_multi_turn(trajs, cont, limits=..., stop_token_ids=tool_call_stop_ids(tokenizer))
+
+Each call left-pads the active prefixes to a length bucket (or to the fixed `prefix_length`, e.g.
+the maximum total length: then every round reuses one compiled program) and the batch to a batch
+bucket, and generates max(max_new_tokens) rounded up to a multiple of `token_bucket`;
+a row is then cut to its own budget (finish "length" when cut). The sampler has no per-row
+budgets or in-flight admission: finished rows idle until the longest one ends. The continuous-
+batching engine replaces this class behind the same `continue_fn` signature.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm.agents.driver import Generated
+from jaxrl_llm.agents.tool_parser import TOOL_CALL_END
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_batch, left_pad, sample
+from jaxrl_llm.sharding import batch_axis_size, shard_batch
+
+
+def tool_call_stop_ids(tokenizer: Any, end: str = TOOL_CALL_END) -> tuple[int, ...]:
+    """(id,) when `end` is one token of `tokenizer` (Qwen's `</tool_call>`), else () (the turn then
+    runs to EOS, and the calls are parsed from the whole turn)."""
+    ids = tokenizer(end, add_special_tokens=False)["input_ids"]
+    return (int(ids[0]),) if len(ids) == 1 else ()
+
+
+class StaticSamplerContinue:
+    """`continue_fn` (see `jaxrl_llm.agents.driver`) sampling from `params` with `sampling_params`
+    (its max_new_tokens and n are replaced per call; its stop ids are kept and extended)."""
+
+    def __init__(self, params: dict, model_cfg: ModelConfig, sampling_params: SamplingParams, *,
+                 pad_token_id: int, eos_token_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
+                 compute_dtype: str = "float32", token_bucket: int = 16, prefix_length: int | None = None) -> None:
+        self.params, self.cfg, self.sampling_params = params, model_cfg, sampling_params
+        self.pad_id = int(pad_token_id)
+        self.eos = tuple(model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.mesh, self.compute_dtype, self.token_bucket = mesh, compute_dtype, int(token_bucket)
+        self.prefix_length = prefix_length
+        self.calls = 0
+
+    def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+        if not prefixes or len(prefixes) != len(max_new_tokens) or min(max_new_tokens) < 1:
+            raise ValueError(f"StaticSamplerContinue: {len(prefixes)} prefixes and budgets {list(max_new_tokens)} "
+                             "(need one budget >= 1 per prefix)")
+        width = -(-max(max_new_tokens) // self.token_bucket) * self.token_bucket
+        params = dataclasses.replace(
+            self.sampling_params, max_new_tokens=width, n=1,
+            stop_token_ids=tuple(dict.fromkeys((*self.sampling_params.stop_token_ids, *stop_token_ids))))
+        settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
+                                              compute_dtype=self.compute_dtype)
+        rows = bucket_batch(len(prefixes), 1 if self.mesh is None else batch_axis_size(self.mesh))
+        batch = list(prefixes) + [prefixes[0]] * (rows - len(prefixes))
+        ids, mask = left_pad(batch, self.pad_id, length=self.prefix_length)
+        arrays = (ids, mask) if self.mesh is None else shard_batch((ids, mask), self.mesh)
+        rng = jax.random.fold_in(jax.random.key(params.seed), self.calls)
+        self.calls += 1
+        out = sample(self.params, self.cfg, *arrays, rng, knobs, settings=settings, mesh=self.mesh)
+        tokens, log_probs = np.asarray(out.tokens), np.asarray(out.log_probs)
+        lengths, finish = np.asarray(out.lengths), np.asarray(out.finish_reason)
+        result = []
+        for i, budget in enumerate(max_new_tokens):
+            n = int(lengths[i])
+            reason = FINISH_REASONS[int(finish[i])]
+            if n > budget:
+                n, reason = int(budget), "length"
+            result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason))
+        return result
+
+
+__all__ = ["StaticSamplerContinue", "tool_call_stop_ids"]
