@@ -71,25 +71,6 @@ def test_plan_lists_every_program_with_real_bytes(tmp_path):
     assert "update_actor" in table and "GFLOP" in table
 
 
-def test_too_small_device_memory_refuses_before_loading_or_writing(tmp_path, monkeypatch):
-    from jaxrl_llm.trainer import trainer as trainer_module
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("weights were loaded")
-
-    monkeypatch.setattr(trainer_module, "load_model", no_load)
-    cfg = tiny_config(tmp_path / "run", **{**SMALL, **AUTO, ACTOR_MICRO: 4, "trainer.memory_plan": True,
-                                           "trainer.device_memory_gb": 1e-4})
-    with pytest.raises(MemoryPlanError) as err:
-        trainer_module.Trainer(cfg)
-    message = str(err.value)
-    assert "program 'sample'" in message and "per device" in message
-    assert "data.train_batch_size=16" in message and "actor_rollout_ref.model.lora_rank" in message
-    assert "mesh.fsdp" in message
-    assert isinstance(err.value, ConfigError)  # launch/train.py prints it as one `config error:` line
-    assert not (tmp_path / "run").exists()
-
-
 def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
     spec, mesh, tok = _spec(tmp_path, **AUTO)
     assert spec.plan.auto_passes[0] == "actor"
@@ -112,6 +93,25 @@ def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
         picked(totals[1] - 1)
 
 
+def test_too_small_device_memory_refuses_before_loading_or_writing(tmp_path, monkeypatch):
+    from jaxrl_llm.trainer import trainer as trainer_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(trainer_module, "load_model", no_load)
+    cfg = tiny_config(tmp_path / "run", **{**SMALL, **AUTO, ACTOR_MICRO: 4, "trainer.memory_plan": True,
+                                           "trainer.device_memory_gb": 1e-4})
+    with pytest.raises(MemoryPlanError) as err:
+        trainer_module.Trainer(cfg)
+    message = str(err.value)
+    assert "program 'sample'" in message and "per device" in message
+    assert "data.train_batch_size=16" in message and "actor_rollout_ref.model.lora_rank" in message
+    assert "mesh.fsdp" in message
+    assert isinstance(err.value, ConfigError)  # launch/train.py prints it as one `config error:` line
+    assert not (tmp_path / "run").exists()
+
+
 def test_auto_is_accepted_only_where_documented(tmp_path):
     with pytest.raises(ConfigError, match="expected an int or 'auto'"):
         _spec(tmp_path, **{ACTOR_MICRO: "big"})
@@ -125,7 +125,8 @@ def test_plan_cli_prints_the_table_and_exits_without_training(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"--config={ROOT / 'configs' / 'tiny.py'}",
-                           "--plan", "--", f"trainer.default_local_dir={run_dir}"],
+                           "--plan", "--", f"trainer.default_local_dir={run_dir}",
+                           *(f"{k}={v}" for k, v in SMALL.items())],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "memory plan (per device" in proc.stdout
