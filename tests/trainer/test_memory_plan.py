@@ -133,3 +133,17 @@ def test_plan_cli_prints_the_table_and_exits_without_training(tmp_path):
     for name in ("sample", "update_actor"):
         assert f"\n{name} " in proc.stdout
     assert not run_dir.exists()  # nothing written, no step run
+
+
+@pytest.mark.slow
+def test_smollm2_config_is_read_from_the_gguf_header_without_weights(smollm2_gguf):
+    from jaxrl_llm.config.spec import ModelSpec
+    from jaxrl_llm.hf import load_gguf
+    from jaxrl_llm.trainer.roles import model_config_of
+
+    model = ModelSpec(path=str(smollm2_gguf), dtype="float32", param_dtype="float32", remat=False, tiny=(),
+                      override_config=(("rope_theta", 20000.0),))
+    cfg = model_config_of(model, tokenizer=None)
+    loaded = load_gguf(smollm2_gguf)[0]
+    assert cfg.num_hidden_layers == loaded.num_hidden_layers == 30 and cfg.hidden_size == 576
+    assert cfg == dataclasses.replace(loaded, rope_theta=20000.0)  # override_config applied, as load_model does
