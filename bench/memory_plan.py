@@ -112,12 +112,11 @@ def measure_one(args: argparse.Namespace, name: str) -> dict:
     jax.block_until_ready((call_args, call_kwargs))
     args_rss = _rss() - before
     if device.platform != "cpu":
-        base = device.memory_stats()["bytes_in_use"]
+        # a fresh process: its peak is this program with its arguments (nothing else was allocated)
         out = compiled(*call_args, **call_kwargs)
         jax.block_until_ready(out)
         measured = device.memory_stats()["peak_bytes_in_use"]
         how = "peak_bytes_in_use"
-        del base
     else:
         peak, stop = [_rss()], threading.Event()
         start_rss = peak[0]

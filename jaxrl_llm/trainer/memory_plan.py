@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
-from jaxrl_llm.trainer.memory_programs import PROGRAM_BUILDERS, Context, Program, device_state_bytes, make_context
+from jaxrl_llm.trainer.memory_programs import (PROGRAM_BUILDERS, Context, Program, bytes_per_device, device_state_bytes,
+                                               make_context)
 
 GiB = 1 << 30
 _CACHE: dict[tuple, "ProgramMemory"] = {}  # (fingerprint, program, plan of it) -> analysis
@@ -93,8 +94,9 @@ class MemoryPlan:
         total = sum(p.flops for p in self.programs)
         est = f", ~{total / self.peak_flops:.3f} s at the measured matmul peak of {self.peak_flops / 1e12:.2f} " \
               "TFLOP/s" if self.peak_flops else ""
+        bp = self.batch_plan
         lines.append(f"step: {total / 1e9:.2f} GFLOP per device{est}; worst-case shapes (every prompt "
-                     f"{self.batch_plan.max_prompt_length} tokens bucketed, every response {self.batch_plan.response_length})")
+                     f"{bp.max_prompt_length} tokens bucketed, every response {bp.response_length})")
         for name, size in self.auto:
             lines.append(f"auto: {self.batch_plan.micro_of(name).key}={size}")
         return "\n".join(lines)
@@ -152,35 +154,28 @@ class Planner:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
         flops = float((cost or {}).get("flops", 0.0)) * program.trips(plan) + program.extra_flops(plan)
-        held = {s: self.state_bytes.get(s, 0) for s in self.state_bytes}
-        resident = sum(b for s, b in held.items() if s not in program.state_args)
-        params = sum(self._arg_bytes(s) for s in program.state_args if s.endswith("_params"))
-        opt = sum(self._arg_bytes(s) for s in program.state_args if s.endswith("_opt"))
+        resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args)
+        # as arguments the states are on device, an offloaded reference included
+        params = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_params"))
+        opt = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_opt"))
         size = None
         if micro is not None and not micro.auto:
-            rows = plan.sequences_per_device if program.micro_pass in ("ref_log_prob", "old_log_prob", "values") \
-                else getattr(plan, program.micro_pass).per_device
-            size = micro.sequences_per_device(rows, self.ctx.seq_len)
+            size = micro.sequences_per_device(_rows_per_device(plan, program.micro_pass), self.ctx.seq_len)
         out = ProgramMemory(
-            name=program.name, argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+            name=program.name, argument_bytes=int(mem.argument_size_in_bytes),
+            output_bytes=int(mem.output_size_in_bytes),
             alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
             code_bytes=int(mem.generated_code_size_in_bytes), resident_bytes=resident, params_bytes=params,
             opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan))
         _CACHE[key] = out
         return out
 
-    def _arg_bytes(self, state: str) -> int:
-        from jaxrl_llm.trainer.memory_programs import bytes_per_device
-
-        return bytes_per_device(self.ctx.states[state])  # as an argument: on device even when offloaded
-
     def resolve_auto(self, plan: BatchPlan, limit: int | None, source: str) -> tuple[BatchPlan, list[tuple[str, int]]]:
         """`plan` with each 'auto' micro-batch set to the largest fitting divisor of its rows."""
         picked = []
         for name in plan.auto_passes:
             program = next((p for p in self.programs if p.micro_pass == name), None)
-            rows = plan.sequences_per_device if name in ("ref_log_prob", "old_log_prob", "values") \
-                else getattr(plan, name).per_device
+            rows = _rows_per_device(plan, name)
             divisors = [d for d in range(1, rows + 1) if rows % d == 0]
             if program is None or limit is None:  # a pass this step does not run / nothing to fit
                 best = divisors[-1]
@@ -204,6 +199,11 @@ class Planner:
             else:
                 hi = mid - 1
         return divisors[lo]
+
+
+def _rows_per_device(plan: BatchPlan, name: str) -> int:
+    """Rows one device holds in a pass: the whole batch's (no-grad passes) or a mini-batch's (updates)."""
+    return getattr(plan, name).per_device if name in ("actor", "critic") else plan.sequences_per_device
 
 
 def _without_micro(plan: BatchPlan) -> BatchPlan:

@@ -167,11 +167,10 @@ def sample_program(ctx: Context) -> Program:
     kv_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (kv["k"], kv["v"])) // kv_split
     # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per parameter per row
     decode = lambda plan: 2.0 * ctx.actor.num_params * rows * (r - 1) / mesh.size  # noqa: E731
-    keys = lambda plan: (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled "  # noqa: E731
-                         "at once)", f"data.max_prompt_length={spec.plan.max_prompt_length} + "
-                         f"data.max_response_length={r} (the KV cache)", f"{ARR}.ref.param_offload",
-                         f"{ARR}.model.lora_rank", MESH_KEYS)
-    return Program("sample", lower, ("actor_params",), keys, extra_flops=decode, kv_bytes=kv_bytes)
+    keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
+            f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
+            f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
+    return Program("sample", lower, ("actor_params",), lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes)
 
 
 def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Program:

@@ -124,9 +124,9 @@ def test_auto_is_accepted_only_where_documented(tmp_path):
 def test_plan_cli_prints_the_table_and_exits_without_training(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"--config={ROOT / 'configs' / 'tiny.py'}",
-                           "--plan", "--", f"trainer.default_local_dir={run_dir}",
-                           *(f"{k}={v}" for k, v in SMALL.items())],
+    train, config = ROOT / "launch" / "train.py", ROOT / "configs" / "tiny.py"
+    proc = subprocess.run([sys.executable, str(train), f"--config={config}", "--plan", "--",
+                           f"trainer.default_local_dir={run_dir}", *(f"{k}={v}" for k, v in SMALL.items())],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "memory plan (per device" in proc.stdout
