@@ -8,7 +8,10 @@ arrays of the same shapes and shardings, each in a fresh subprocess:
 - on GPU/TPU the measured peak is `device.memory_stats()["peak_bytes_in_use"]`;
 - on CPU (one device; the process is the device) it is the argument bytes plus the largest rise of
   the resident set (/proc/self/statm, polled every ~0.2 ms) over its level once the arguments
-  were in memory, i.e. what the program itself allocated and touched.
+  were in memory, i.e. what the program itself allocated and touched. XLA:CPU allocates its
+  temporaries as one block of `temp_size_in_bytes`; pages of it no buffer ever writes do not
+  enter the resident set, so on CPU the measurement is a lower bound of the real allocation and
+  a plan above it is expected (GPU/TPU allocators count whole buffers).
 Prints per program: planned peak (arguments + outputs - donated + temporaries + code), measured
 peak, and the relative error; `--out` writes them as JSON.
 """
