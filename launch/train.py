@@ -4,6 +4,7 @@
     python launch/train.py --config=configs/ppo_gsm8k.py -- data.train_batch_size=256 \
         actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 trainer.logger=[console,wandb]
     python launch/train.py --config=configs/quickstart.py --dry_run   # print resolved config + batch maths
+    python launch/train.py --config=configs/quickstart.py --plan      # per-program memory / FLOPs, no weights
     python launch/train.py --import_config=ppo_trainer.yaml --dry_run  # a veRL / Trinity-RFT / ROLL / TRL file
     python launch/train.py --config=configs/grpo_gsm8k.py -- --learning_rate=1e-6 --num_generations=8  # TRL flags
 
@@ -36,6 +37,9 @@ _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pa
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
                                           "Config file with get_config() (configs/*.py).", lock_config=False)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and the batch arithmetic, then exit.")
+_PLAN = flags.DEFINE_bool("plan", False, "Compile every program of a step on abstract inputs (no weights) and "
+                                         "print its per-device memory and FLOPs (trainer/memory_plan.py), then "
+                                         "exit: 0 if it fits trainer.device_memory_gb / the device, 1 if not.")
 _IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML) to run; "
                                                      "applied onto --config (default: the default tree).")
 _IMPORT_FORMAT = flags.DEFINE_enum("import_format", None, list(FORMATS),
@@ -86,12 +90,39 @@ def main(argv: list[str]) -> None:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
         print(resolve_batch_plan(cfg, dp_size).summary(cfg.trainer.total_training_steps, cfg.trainer.total_epochs))
         return
+    if _PLAN.value:
+        try:
+            print(memory_plan(cfg).table())
+        except user_errors() as err:
+            sys.exit(user_error_line(err))
+        return
     from jaxrl_llm.trainer import Trainer  # imported only for a real run: parsing needs none of it
 
     try:
         Trainer(cfg).fit()
     except user_errors() as err:  # a bad input: one line naming it, no traceback
         sys.exit(user_error_line(err))
+
+
+def memory_plan(cfg):
+    """The memory plan of a validated config on this host's devices, without loading any weight or
+    writing anything (trainer/memory_plan.py); raises MemoryPlanError (a ConfigError) if a program
+    does not fit, after printing the table."""
+    from jaxrl_llm.config import resolve as resolve_spec
+    from jaxrl_llm.config import resolve_data
+    from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.sharding import batch_axis_size, make_mesh
+    from jaxrl_llm.trainer.memory_plan import plan_memory
+
+    mesh = make_mesh(cfg.mesh)
+    spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
+    result = plan_memory(spec, mesh, load_tokenizer(resolve_data(cfg).tokenizer), check=False)
+    try:
+        result.check()
+    except ConfigError:
+        print(result.table())
+        raise
+    return result
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

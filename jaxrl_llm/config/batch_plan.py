@@ -8,7 +8,9 @@ the data-parallel size `dp_size` (mesh data x fsdp). Each trained role (actor, c
 `epochs` x `mini_batches` optimizer steps, each over `micro` micro-batches (gradient accumulation).
 No-grad passes (reference log-probs, old log-probs, critic values) run in micro-batches too.
 A micro-batch is either a fixed number of sequences per device, or, with a dynamic batch size, as
-many sequences as fit a per-device token budget at this step's (bucketed) sequence length.
+many sequences as fit a per-device token budget at this step's (bucketed) sequence length, or
+`auto`: the largest divisor of the per-device rows whose program fits the device memory, which the
+memory plan (trainer/memory_plan.py) picks before any weight is loaded (`with_micro` below).
 """
 from __future__ import annotations
 
@@ -22,9 +24,13 @@ class MicroBatching:
     key: str  # the config key that sets it (named in errors)
     per_device: int | None  # fixed sequences per device; None = all of them (or dynamic)
     token_budget: int | None  # dynamic batch size: tokens per device per micro-batch
+    auto: bool = False  # 'auto': not known until the memory plan resolves it
 
     def sequences_per_device(self, rows_per_device: int, seq_len: int) -> int:
         """Sequences per device in one micro-batch of a pass over `rows_per_device` rows of `seq_len` tokens."""
+        if self.auto:
+            raise ValueError(f"{self.key}=auto is resolved by the memory plan (trainer/memory_plan.py), "
+                             "which has not run")
         if self.token_budget is not None:
             fit = max(1, self.token_budget // seq_len)
             return max(d for d in range(1, rows_per_device + 1) if rows_per_device % d == 0 and d <= fit)
@@ -34,6 +40,8 @@ class MicroBatching:
         return size
 
     def describe(self) -> str:
+        if self.auto:
+            return "auto (largest that fits)"
         if self.token_budget is not None:
             return f"dynamic (<= {self.token_budget} tokens/device)"
         return f"{self.per_device}/device" if self.per_device else "whole batch"
@@ -57,7 +65,7 @@ class RoleBatch:
     @property
     def accumulation_steps(self) -> int | None:
         """Micro-batches per optimizer step (None with a dynamic batch size: it depends on the length)."""
-        if self.micro.token_budget is not None:
+        if self.micro.token_budget is not None or self.micro.auto:
             return None
         return self.per_device // self.micro.sequences_per_device(self.per_device, 1)
 
@@ -103,6 +111,26 @@ class BatchPlan:
         """Rows (all devices) per micro-batch of a no-grad pass over `rows` sequences."""
         return self.dp_size * micro.sequences_per_device(rows // self.dp_size, seq_len)
 
+    @property
+    def auto_passes(self) -> tuple[str, ...]:
+        """The passes whose micro-batch is 'auto' (names as `with_micro` takes them)."""
+        passes = {"actor": self.actor.micro, "critic": self.critic.micro if self.critic else None,
+                  "ref_log_prob": self.ref_log_prob, "old_log_prob": self.old_log_prob, "values": self.values}
+        return tuple(name for name, m in passes.items() if m is not None and m.auto)
+
+    def micro_of(self, name: str) -> MicroBatching:
+        """The micro-batching of a pass: actor | critic | ref_log_prob | old_log_prob | values."""
+        if name in ("actor", "critic"):
+            return getattr(self, name).micro
+        return getattr(self, name)
+
+    def with_micro(self, name: str, per_device: int) -> "BatchPlan":
+        """This plan with the pass `name` (see `micro_of`) fixed to `per_device` sequences per device."""
+        micro = dataclasses.replace(self.micro_of(name), per_device=int(per_device), token_budget=None, auto=False)
+        if name in ("actor", "critic"):
+            return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), micro=micro)})
+        return dataclasses.replace(self, **{name: micro})
+
     def summary(self, total_steps: int | None = None, total_epochs: int | None = None) -> str:
         lines = [
             f"batch: {self.prompts} prompts x n={self.n} = {self.sequences} sequences per step; data-parallel size "
@@ -125,7 +153,8 @@ class BatchPlan:
 
 def _role_line(name: str, rb: RoleBatch) -> str:
     accumulation = rb.accumulation_steps
-    micro = (f"dynamic micro-batches ({rb.micro.describe()})" if accumulation is None else
+    micro = (f"{'micro-batch' if rb.micro.auto else 'dynamic micro-batches'} ({rb.micro.describe()})"
+             if accumulation is None else
              f"micro-batch {rb.micro.sequences_per_device(rb.per_device, 1)}/device -> "
              f"{accumulation} accumulation step(s)")
     return (f"{name}: {rb.mini_batches} mini-batch(es) of {rb.mini_batch_prompts} prompts = "

@@ -13,6 +13,13 @@ from jaxrl_llm import storage
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import ConfigError
 
+AUTO = "auto"  # a micro-batch size picked by the memory plan (trainer/memory_plan.py)
+# the micro-batch keys that accept AUTO
+AUTO_KEYS = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_device",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
+             "critic.ppo_micro_batch_size_per_device", "critic.forward_micro_batch_size_per_device")
+
 
 
 def _fill(section: ml_collections.ConfigDict, key: str, value) -> None:
@@ -80,7 +87,9 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
     _fill(rm.reward_kwargs, "max_resp_len", data.max_response_length)
     _fill(rm.model, "input_tokenizer", data.tokenizer)
     _fill(rm, "max_length", data.max_prompt_length + data.max_response_length)
-    _fill(rm, "micro_batch_size_per_device", actor.ppo_micro_batch_size_per_device)
+    # the reward model has no memory-planned program: an 'auto' actor size gives it the whole per-device mini-batch
+    _fill(rm, "micro_batch_size_per_device", sequences_per_mini // dp_size if actor.ppo_micro_batch_size_per_device
+          == AUTO else actor.ppo_micro_batch_size_per_device)
 
     if data.synthetic.task is not None:
         resolve_total_steps(cfg, data.synthetic.n_train)

@@ -14,7 +14,7 @@ import ml_collections
 
 from jaxrl_llm import storage
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
-from jaxrl_llm.config.derive import resolve_total_steps, synthetic_data_files
+from jaxrl_llm.config.derive import AUTO, resolve_total_steps, synthetic_data_files
 from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
                                    OptimSpec, RefSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
 from jaxrl_llm.config.validate import validate_config
@@ -128,7 +128,9 @@ def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
         trl_reward_clip_range=float(trl.reward_clip_range), trl_normalize_advantage=bool(trl.normalize_advantage))
 
 
-def _micro(key: str, fixed: int | None, dynamic: bool, budget: int | None) -> MicroBatching:
+def _micro(key: str, fixed: int | str | None, dynamic: bool, budget: int | None) -> MicroBatching:
+    if not dynamic and fixed == AUTO:
+        return MicroBatching(key, None, None, auto=True)
     return MicroBatching(key, None if dynamic else fixed, int(budget) if dynamic else None)
 
 
@@ -168,7 +170,8 @@ def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
         max_ckpt_to_keep=t.max_actor_ckpt_to_keep, critic_warmup=int(t.critic_warmup),
         max_consecutive_nonfinite=int(t.max_consecutive_nonfinite),
         rollout_data_dir=_location(t.rollout_data_dir), validation_data_dir=_location(t.validation_data_dir),
-        seed=int(t.seed), export_hf=bool(t.export_hf))
+        seed=int(t.seed), export_hf=bool(t.export_hf), memory_plan=bool(t.memory_plan),
+        device_memory_gb=None if t.device_memory_gb is None else float(t.device_memory_gb))
 
 
 def _location(path: str | None) -> str | None:

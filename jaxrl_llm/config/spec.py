@@ -176,6 +176,8 @@ class TrainerSpec:
     validation_data_dir: str | None
     seed: int
     export_hf: bool
+    memory_plan: bool = True  # compile the step's programs on abstract inputs first (trainer/memory_plan.py)
+    device_memory_gb: float | None = None  # the memory plan's device memory; None = the device's own
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,8 +102,10 @@ ACTOR = {
                                       "train_batch_size / ppo_mini_batch_size updates per ppo_epoch. veRL."),
     "ppo_micro_batch_size_per_device": field(None, "Sequences per device per forward/backward (gradient "
                                                    "accumulation inside one lax.scan); derived: the whole "
-                                                   "per-device mini-batch. veRL: ppo_micro_batch_size_per_gpu.",
-                                             types=int),
+                                                   "per-device mini-batch; 'auto' = the largest divisor of it whose "
+                                                   "update fits the device memory (trainer.memory_plan). "
+                                                   "veRL: ppo_micro_batch_size_per_gpu.",
+                                             types=(int, str)),
     "use_dynamic_bsz": field(False, "Pack micro-batches to a token budget (ppo_max_token_len_per_device) "
                                     "instead of a fixed count; the loss stays exact. veRL."),
     "ppo_max_token_len_per_device": field(16384, "Token budget per device per micro-batch when "
@@ -154,8 +156,9 @@ ROLLOUT = {
     "ignore_eos": field(False, "Keep generating after EOS until response_length. veRL."),
     "stop_token_ids": field([], "Extra token ids that end a response (besides the tokenizer's EOS)."),
     "log_prob_micro_batch_size_per_device": field(None, "Sequences per device per old-logprob forward; "
+                                                        "'auto' = the largest that fits (trainer.memory_plan); "
                                                         "derived: actor.ppo_micro_batch_size_per_device. veRL.",
-                                                  types=int),
+                                                  types=(int, str)),
     "log_prob_use_dynamic_bsz": field(None, "Token-budget batching of the old-logprob pass; derived: "
                                             "actor.use_dynamic_bsz. veRL.", types=bool),
     "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
@@ -173,8 +176,9 @@ ROLLOUT = {
 
 REF = {
     "log_prob_micro_batch_size_per_device": field(None, "Sequences per device per reference-logprob forward; "
+                                                        "'auto' = the largest that fits (trainer.memory_plan); "
                                                         "derived: actor.ppo_micro_batch_size_per_device. veRL.",
-                                                  types=int),
+                                                  types=(int, str)),
     "log_prob_use_dynamic_bsz": field(None, "Token-budget batching of the reference pass; derived: "
                                             "actor.use_dynamic_bsz. veRL.", types=bool),
     "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
@@ -212,11 +216,13 @@ CRITIC = {
     "optim": _optim(1e-5, "critic"),
     "ppo_mini_batch_size": field(None, "Prompts per critic optimizer step; derived: "
                                        "actor.ppo_mini_batch_size. veRL.", types=int),
-    "ppo_micro_batch_size_per_device": field(None, "Sequences per device per critic forward/backward; derived: "
-                                                   "actor.ppo_micro_batch_size_per_device. veRL.", types=int),
+    "ppo_micro_batch_size_per_device": field(None, "Sequences per device per critic forward/backward; 'auto' = "
+                                                   "the largest that fits (trainer.memory_plan); derived: "
+                                                   "actor.ppo_micro_batch_size_per_device. veRL.", types=(int, str)),
     "forward_micro_batch_size_per_device": field(None, "Sequences per device per value forward (no grad); "
+                                                       "'auto' = the largest that fits (trainer.memory_plan); "
                                                        "derived: critic.ppo_micro_batch_size_per_device. veRL.",
-                                                 types=int),
+                                                 types=(int, str)),
     "use_dynamic_bsz": field(None, "Token-budget micro-batches for the critic; derived: actor.use_dynamic_bsz. "
                                    "veRL.", types=bool),
     "ppo_max_token_len_per_device": field(32768, "Critic token budget per device per micro-batch. veRL."),
@@ -359,6 +365,13 @@ TRAINER = {
     "validation_data_dir": field(None, "Dump validation generations as jsonl here. veRL.", types=str),
     "seed": field(1, "Seed of sampling and parameter initialisation."),
     "export_hf": field(True, "Write the final policy as a Hugging Face folder in <default_local_dir>/hf."),
+    "memory_plan": field(True, "Before loading weights, compile every program of a step on abstract inputs "
+                               "and print its per-device memory (XLA memory_analysis) and FLOPs; stop with one "
+                               "error naming the keys to change if one does not fit (launch/train.py --plan "
+                               "prints it and exits). Always on when a micro-batch size is 'auto'. jaxrl_llm-only."),
+    "device_memory_gb": field(None, "Device memory (GiB per device) the memory plan checks against; None = "
+                                    "the device's own limit (memory_stats bytes_limit on GPU/TPU; no limit on "
+                                    "CPU). jaxrl_llm-only.", types=float),
 }
 
 MESH = {

@@ -18,7 +18,7 @@ import ml_collections
 from jaxrl_llm import storage
 from jaxrl_llm.config import names
 from jaxrl_llm.config.checks import check_inputs, check_sources
-from jaxrl_llm.config.derive import resolve_defaults, resolve_total_steps
+from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
 
@@ -43,6 +43,8 @@ def _check_types(cfg: ml_collections.ConfigDict) -> None:
         checked = check_type(key, value, f)
         if checked is not value:
             set_path(cfg, key, checked)
+        if isinstance(checked, str) and key in AUTO_KEYS and checked != AUTO:
+            raise ConfigError(f"{key}={checked!r}: expected an int or 'auto'")
 
 
 def _check_names(cfg: ml_collections.ConfigDict) -> None:
@@ -116,7 +118,7 @@ def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
 def _positive(cfg: Any, *keys: str, allow_minus_one: bool = False, allow_zero: bool = False) -> None:
     for key in keys:
         value = get_path(cfg, key)
-        if value is None:
+        if value is None or value == AUTO:
             continue
         ok = value > 0 or (allow_zero and value == 0) or (allow_minus_one and value == -1)
         extra = " or -1" if allow_minus_one else ""
@@ -136,7 +138,7 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
               f"{ARR}.ref.log_prob_micro_batch_size_per_device", f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
               "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
               "critic.forward_micro_batch_size_per_device", "trainer.max_actor_ckpt_to_keep",
-              "trainer.max_critic_ckpt_to_keep", "trainer.max_consecutive_nonfinite")
+              "trainer.max_critic_ckpt_to_keep", "trainer.max_consecutive_nonfinite", "trainer.device_memory_gb")
     _positive(cfg, "trainer.save_freq", "trainer.test_freq", "data.train_max_samples", "data.val_max_samples",
               allow_minus_one=True)
     _positive(cfg, f"{ACTOR}.entropy_coeff", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
@@ -193,7 +195,7 @@ def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool)
         if before_derive or sec.use_dynamic_bsz:
             continue
         micro = sec.ppo_micro_batch_size_per_device
-        if (mini * n // dp) % micro:
+        if micro != AUTO and (mini * n // dp) % micro:
             raise ConfigError(f"{role}.ppo_micro_batch_size_per_device={micro}: must divide the per-device "
                               f"mini-batch {mini} x {n} / {dp} = {mini * n // dp} sequences")
     if before_derive:
@@ -202,7 +204,7 @@ def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool)
     forward = [(f"{ARR}.ref.log_prob_micro_batch_size_per_device", cfg.actor_rollout_ref.ref),
                (f"{ROLLOUT}.log_prob_micro_batch_size_per_device", rollout)]
     for key, sec in forward:
-        if not sec.log_prob_use_dynamic_bsz and per_device % get_path(cfg, key):
+        if not sec.log_prob_use_dynamic_bsz and get_path(cfg, key) != AUTO and per_device % get_path(cfg, key):
             raise ConfigError(f"{key}={get_path(cfg, key)}: must divide the per-device batch "
                               f"{prompts} x {n} / {dp} = {per_device} sequences")
     checks = []
@@ -211,7 +213,7 @@ def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool)
     if cfg.reward_model.enable:
         checks.append("reward_model.micro_batch_size_per_device")
     for key in checks:
-        if per_device % get_path(cfg, key):
+        if get_path(cfg, key) != AUTO and per_device % get_path(cfg, key):
             raise ConfigError(f"{key}={get_path(cfg, key)}: must divide the per-device batch {per_device}")
     longest = data.max_prompt_length + rollout.response_length
     for key, dynamic in ((f"{ACTOR}.ppo_max_token_len_per_device", actor.use_dynamic_bsz),

@@ -56,21 +56,35 @@ class TrainedRole:
         which the metrics report as `<name>/lr`."""
         key = (num_mini_batches, num_micro_batches)
         if key not in self._compiled:
-            # Outputs keep the params' / optimizer state's own shardings, so the next rollout and
-            # update see the same layouts and reuse their compiled programs.
-            self._compiled[key] = jax.jit(
-                functools.partial(self.update_fn, tx=self.tx, num_mini_batches=num_mini_batches,
-                                  num_micro_batches=num_micro_batches, rows_sharding=rows_sharding),
-                out_shardings=(self.param_shardings, self.opt_state_shardings, None), donate_argnums=(0, 1))
+            self._compiled[key] = jit_update(self.update_fn, self.tx, self.param_shardings, self.opt_state_shardings,
+                                             num_mini_batches=num_mini_batches, num_micro_batches=num_micro_batches,
+                                             rows_sharding=rows_sharding)
         # a host scalar: traced by the jitted update (no recompile per value), valid on every process
         lr = np.float32(self.schedule(max(int(lr_step), 0)))
         self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng, lr)
         return metrics
 
 
-def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) -> Any:
+def jit_update(update_fn: UpdateFn, tx: optax.GradientTransformation, param_shardings: Any,
+               opt_state_shardings: Any, *, num_mini_batches: int, num_micro_batches: int,
+               rows_sharding: Any) -> Callable:
+    """The jitted update of one (mini-batches, micro-batches) split: the program `TrainedRole.update`
+    runs, and the one the memory plan (trainer/memory_plan.py) lowers ahead of time.
+    Outputs keep the params' / optimizer state's own shardings, so the next rollout and update see
+    the same layouts and reuse their compiled programs."""
+    return jax.jit(functools.partial(update_fn, tx=tx, num_mini_batches=num_mini_batches,
+                                     num_micro_batches=num_micro_batches, rows_sharding=rows_sharding),
+                   out_shardings=(param_shardings, opt_state_shardings, None), donate_argnums=(0, 1))
+
+
+def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) -> Any:
+    """(abstract params, their shardings) of a model as `load_model` places it, without weights."""
     abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.PRNGKey(0), head=head, dtype=dtype))
-    return logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)
+    return abstract, logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)
+
+
+def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) -> Any:
+    return param_shardings_of(model_cfg, head, mesh, dtype)[1]
 
 
 def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
@@ -84,18 +98,10 @@ def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed:
 def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
     dtype = compute_dtype_of(model.param_dtype)
     if model.is_tiny:
-        tiny = dict(model.tiny)
-        tiny_seed = tiny.pop("seed")
-        if tiny.get("vocab_size") is None:
-            tiny["vocab_size"] = len(tokenizer)
-        tiny.setdefault("head_dim", tiny["hidden_size"] // tiny["num_attention_heads"])
-        special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                       else tokenizer.eos_token_id)
-        model_cfg = ModelConfig.tiny(model.path[len(TINY_PREFIX):], **{**tiny, **special})
+        model_cfg = _tiny_config(model, tokenizer)
         shardings = _param_shardings(model_cfg, head, mesh, dtype)
         init = jax.jit(lambda key: init_params(model_cfg, key, head=head, dtype=dtype), out_shardings=shardings)
-        return model_cfg, init(jax.random.PRNGKey(tiny_seed))
+        return model_cfg, init(jax.random.PRNGKey(dict(model.tiny)["seed"]))
     from jaxrl_llm.hf import load_any  # the HF bridge reads folders and GGUF files
     from jaxrl_llm.trainer.checkpoint import register_checkpoint_loader
 
@@ -104,6 +110,38 @@ def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int)
     # A value head on a causal-LM checkpoint is initialised fresh from `seed`.
     model_cfg, params = load_any(model.path, dtype=dtype, head=head, rng=jax.random.PRNGKey(seed))
     return model_cfg, jax.device_put(params, _param_shardings(model_cfg, head, mesh, dtype))
+
+
+def _tiny_config(model: ModelSpec, tokenizer: Any) -> ModelConfig:
+    tiny = dict(model.tiny)
+    tiny.pop("seed")
+    if tiny.get("vocab_size") is None:
+        tiny["vocab_size"] = len(tokenizer)
+    tiny.setdefault("head_dim", tiny["hidden_size"] // tiny["num_attention_heads"])
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                   else tokenizer.eos_token_id)
+    return ModelConfig.tiny(model.path[len(TINY_PREFIX):], **{**tiny, **special})
+
+
+def model_config_of(model: ModelSpec, tokenizer: Any) -> ModelConfig:
+    """The `ModelConfig` `load_model` would return, read without loading any weight: the tiny dims,
+    an HF folder's config.json, a GGUF file's header (tensor table only) or a checkpoint's meta."""
+    from jaxrl_llm.trainer import checkpoint as ckpt
+
+    if model.is_tiny:
+        cfg = _tiny_config(model, tokenizer)
+    elif model.path.endswith(".gguf"):
+        from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
+
+        cfg = gguf_config(GGUFSource(model.path))  # memory-mapped: no tensor data is read
+    elif ckpt.is_checkpoint(model.path):
+        cfg = ModelConfig.from_hf_config(ckpt.read_checkpoint_meta(model.path)["model_config"])
+    else:
+        from jaxrl_llm.hf import read_hf_config
+
+        cfg = ModelConfig.from_hf_config(read_hf_config(model.path))
+    return with_hf_overrides(cfg, dict(model.override_config))
 
 
 def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,

@@ -12,6 +12,7 @@ comes from it, and every batch split from its `BatchPlan`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -61,10 +62,14 @@ class Trainer:
         from jaxrl_llm.rewards import build_reward_manager
 
         data = resolve_data(checked)
-        self._write_synthetic_data(resolve_synthetic(checked))
         self.tokenizer = load_tokenizer(data.tokenizer)
+        # before anything is written or loaded: a step that would not fit stops here (trainer/memory_plan.py)
+        self.memory_plan = self._plan_memory(resolve(checked, dp_size=self.dp_size))
+        self._write_synthetic_data(resolve_synthetic(checked))
         train_set = build_dataset(data, self.tokenizer, "train")
         self.spec: RunSpec = resolve(checked, dp_size=self.dp_size, num_train_samples=len(train_set))
+        if self.memory_plan is not None:  # with every 'auto' micro-batch size resolved
+            self.spec = dataclasses.replace(self.spec, plan=self.memory_plan.batch_plan)
         spec = self.spec
         self.total_steps = int(spec.trainer.total_steps)
         self.run_dir = spec.trainer.run_dir
@@ -120,6 +125,17 @@ class Trainer:
             print(self.summary(), flush=True)
 
     # ------------------------------------------------------------------ set-up helpers
+    def _plan_memory(self, spec: RunSpec) -> Any:
+        """The memory plan (`trainer.memory_plan`, or any 'auto' micro-batch size), printed; None when off."""
+        if not (spec.trainer.memory_plan or spec.plan.auto_passes):
+            return None
+        from jaxrl_llm.trainer.memory_plan import plan_memory
+
+        plan = plan_memory(spec, self.mesh, self.tokenizer)
+        if self.is_main:
+            print(plan.table(), flush=True)
+        return plan
+
     def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
         if syn is None:
             return

@@ -1,0 +1,271 @@
+"""The programs of one RL step, lowered ahead of time on abstract inputs for the memory plan
+(trainer/memory_plan.py): no weight is loaded, every array is a `jax.ShapeDtypeStruct` carrying
+the sharding the run gives it.
+
+Each builder lowers the same jitted function the run calls (`sampler.core._sample_jit`,
+`experience.log_probs_no_grad` / `values_no_grad`, `roles.jit_update`) with the step's
+worst-case shapes: every prompt bucketed to `data.max_prompt_length`, every response
+`rollout.response_length` long. `PROGRAM_BUILDERS` is the list the planner walks; a new program of
+the step (a packed forward, a LoRA update) is one more builder returning a `Program`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm.config.batch_plan import BatchPlan
+from jaxrl_llm.config.spec import ModelSpec, OptimSpec, RunSpec
+from jaxrl_llm.models import ModelConfig, init_cache
+from jaxrl_llm.sampler import bucket_length
+from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sharding import batch_axis_size, batch_sharding, optimizer_state_sharding
+from jaxrl_llm.trainer.actor import update_actor
+from jaxrl_llm.trainer.critic import update_critic
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
+from jaxrl_llm.trainer.forward import compute_dtype_of
+from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.reference import offload_supported
+from jaxrl_llm.trainer.roles import jit_update, model_config_of, param_shardings_of
+
+ARR = "actor_rollout_ref"
+MESH_KEYS = "mesh.fsdp / mesh.tensor (shard the params and batch over more devices)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of the step, ready to lower for a given `BatchPlan`."""
+
+    name: str
+    lower: Callable[[BatchPlan], Any]  # plan -> jax.stages.Lowered
+    state_args: tuple[str, ...]  # the persistent states (see `State`) among its arguments
+    keys: Callable[[BatchPlan], tuple[str, ...]]  # config keys that shrink it, with their values
+    micro_pass: str | None = None  # the BatchPlan pass whose micro-batch it runs (for 'auto')
+    trips: Callable[[BatchPlan], int] = lambda plan: 1  # loop trips XLA's cost analysis counts once
+    extra_flops: Callable[[BatchPlan], float] = lambda plan: 0.0  # FLOPs outside any counted loop body
+    kv_bytes: int = 0  # per device: the sampler's KV cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model as the run places it, without weights: config, abstract params (with shardings)."""
+
+    cfg: ModelConfig
+    params: Any  # ShapeDtypeStruct pytree with shardings
+    shardings: Any
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+
+@dataclasses.dataclass
+class Context:
+    """What every builder reads: the spec, mesh, abstract models and optimizer states."""
+
+    spec: RunSpec
+    mesh: Mesh
+    tokenizer: Any
+    actor: Model
+    critic: Model | None
+    states: dict[str, Any]  # name -> abstract pytree: actor_params, actor_opt, ref_params, critic_*
+    txs: dict[str, Any]  # role -> optax transformation
+
+    @property
+    def prompt_width(self) -> int:
+        return bucket_length(self.spec.plan.max_prompt_length)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_width + self.spec.plan.response_length
+
+    def rows(self, n: int, width: int, dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((n, width), dtype, sharding=batch_sharding(self.mesh, 2))
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a pytree of sharded (abstract) arrays."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract(tree: Any, shardings: Any, dtype: Any = None) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), tree, shardings)
+
+
+def _model(model: ModelSpec, head: str, mesh: Mesh, tokenizer: Any) -> Model:
+    cfg = model_config_of(model, tokenizer)
+    abstract, shardings = param_shardings_of(cfg, head, mesh, compute_dtype_of(model.param_dtype))
+    return Model(cfg, _abstract(abstract, shardings), shardings)
+
+
+def _tx(optim: OptimSpec) -> Any:
+    # the transformation's state does not depend on the schedule, unknown before the dataset is read
+    if optim.total_steps is None:
+        optim = dataclasses.replace(optim, total_steps=1, warmup_steps=0)
+    return make_optimizer(optim)[0]
+
+
+def _opt_state(tx: Any, model: Model) -> Any:
+    abstract = jax.eval_shape(tx.init, model.params)
+    return _abstract(abstract, optimizer_state_sharding(abstract, model.shardings))
+
+
+def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Any) -> Context:
+    """Model configs from config.json / GGUF header / tiny dims; params via `jax.eval_shape`."""
+    actor = _model(spec.model, "lm", mesh, tokenizer)
+    txs = {"actor": _tx(spec.actor_optim)}
+    states = {"actor_params": actor.params, "actor_opt": _opt_state(txs["actor"], actor)}
+    if spec.need_ref:
+        states["ref_params"] = _abstract(actor.params, actor.shardings, compute_dtype_of(spec.ref.param_dtype))
+    critic = None
+    if spec.critic is not None:
+        critic = _model(spec.critic_model, "value", mesh, tokenizer)
+        txs["critic"] = _tx(spec.critic_optim)
+        states["critic_params"], states["critic_opt"] = critic.params, _opt_state(txs["critic"], critic)
+    return Context(spec, mesh, tokenizer, actor, critic, states, txs)
+
+
+def device_state_bytes(ctx: Context) -> dict[str, int]:
+    """Per-device bytes of each persistent state between programs (an offloaded reference: 0)."""
+    out = {name: bytes_per_device(tree) for name, tree in ctx.states.items()}
+    if "ref_params" in out and ctx.spec.ref.param_offload and offload_supported():
+        out["ref_params"] = 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- builders
+def sample_program(ctx: Context) -> Program:
+    spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
+    sampling = spec.train_sampling
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    eos = list(cfg.eos_token_ids)
+    tok_eos = getattr(ctx.tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in eos:
+        eos.append(int(tok_eos))
+    settings, knobs = sampling.compile_args(eos, pad, vocab_size=cfg.vocab_size, compute_dtype=spec.actor.compute_dtype)
+    ways = batch_axis_size(mesh)
+    prompts = -(-spec.plan.prompts // ways) * ways  # RolloutGenerator pads the batch to the mesh's batch ways
+    rows, width, r = prompts * sampling.n, ctx.prompt_width, sampling.max_new_tokens
+
+    def lower(plan: BatchPlan) -> Any:
+        ids = ctx.rows(prompts, width, jnp.int32)
+        return _sample_jit.lower(ctx.states["actor_params"], cfg, ids, ids, jax.random.PRNGKey(0), knobs,
+                                 settings=settings, mesh=mesh)
+
+    kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
+    tensor = dict(mesh.shape).get("tensor", 1)
+    kv_split = ways * (tensor if cfg.num_key_value_heads % tensor == 0 else 1)
+    kv_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (kv["k"], kv["v"])) // kv_split
+    # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per parameter per row
+    decode = lambda plan: 2.0 * ctx.actor.num_params * rows * (r - 1) / mesh.size  # noqa: E731
+    keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
+            f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
+            f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
+    return Program("sample", lower, ("actor_params",), lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes)
+
+
+def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Program:
+    spec = ctx.spec
+    n, t, r = spec.plan.sequences, ctx.seq_len, spec.plan.response_length
+
+    def micro_rows(plan: BatchPlan) -> int:
+        return plan.forward_micro_rows(plan.micro_of(micro_pass), n, t)
+
+    def lower(plan: BatchPlan) -> Any:
+        ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
+        if micro_pass == "values":
+            return values_no_grad.lower(ctx.states[state], ids, ids, mask, model_cfg=ctx.critic.cfg,
+                                        compute_dtype=spec.critic.compute_dtype, micro_rows=micro_rows(plan))
+        return log_probs_no_grad.lower(ctx.states[state], ids, ids, mask, model_cfg=ctx.actor.cfg,
+                                       temperature=spec.actor.temperature, compute_dtype=spec.actor.compute_dtype,
+                                       micro_rows=micro_rows(plan))
+
+    def keys(plan: BatchPlan) -> tuple[str, ...]:
+        micro = plan.micro_of(micro_pass)
+        out = [f"{micro.key}={micro.describe()}"]
+        if micro_pass == "ref_log_prob":
+            out += [f"{ARR}.ref.param_dtype={spec.ref.param_dtype}", f"{ARR}.ref.param_offload"]
+        return (*out, MESH_KEYS)
+
+    return Program(name, lower, (state,), keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan))
+
+
+def ref_program(ctx: Context) -> Program | None:
+    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", "ref_params") if ctx.spec.need_ref else None
+
+
+def old_log_prob_program(ctx: Context) -> Program | None:
+    if not ctx.spec.recompute_old_log_probs:
+        return None
+    return _forward_program(ctx, "old_log_prob", "old_log_prob", "actor_params")
+
+
+def values_program(ctx: Context) -> Program | None:
+    return _forward_program(ctx, "values", "values", "critic_params") if ctx.critic is not None else None
+
+
+def _experience(ctx: Context) -> Experience:
+    spec = ctx.spec
+    n, t, r = spec.plan.sequences, ctx.seq_len, spec.plan.response_length
+    f32 = lambda: ctx.rows(n, r, jnp.float32)  # noqa: E731
+    rc = spec.rollout_correction
+    return Experience(input_ids=ctx.rows(n, t, jnp.int32), attention_mask=ctx.rows(n, t, jnp.int32),
+                      response_mask=f32(), old_log_probs=f32(), advantages=f32(), returns=f32(),
+                      ref_log_probs=f32() if spec.need_ref else None,
+                      values=f32() if spec.critic is not None else None,
+                      rollout_is_weights=f32() if rc.enabled and rc.rollout_is is not None else None)
+
+
+def _update_program(ctx: Context, role: str) -> Program:
+    spec = ctx.spec
+    model = ctx.actor if role == "actor" else ctx.critic
+    update_fn = (functools.partial(update_actor, model_cfg=model.cfg, s=spec.actor) if role == "actor" else
+                 functools.partial(update_critic, model_cfg=model.cfg, s=spec.critic))
+    s = spec.actor if role == "actor" else spec.critic
+    n, t = spec.plan.sequences, ctx.seq_len
+    params, opt = ctx.states[f"{role}_params"], ctx.states[f"{role}_opt"]
+
+    def split(plan: BatchPlan) -> tuple[int, int]:
+        return plan.update_split(getattr(plan, role), n, t)
+
+    def lower(plan: BatchPlan) -> Any:
+        num_mini, num_micro = split(plan)
+        fn = jit_update(update_fn, ctx.txs[role], model.shardings, jax.tree.map(lambda x: x.sharding, opt),
+                        num_mini_batches=num_mini, num_micro_batches=num_micro,
+                        rows_sharding=batch_sharding(ctx.mesh, 1))
+        return fn.lower(params, opt, _experience(ctx), jax.random.PRNGKey(0), jax.ShapeDtypeStruct((), jnp.float32))
+
+    def keys(plan: BatchPlan) -> tuple[str, ...]:
+        section = f"{ARR}.actor" if role == "actor" else "critic"
+        rb = getattr(plan, role)
+        return (f"{rb.micro.key}={rb.micro.describe()}", f"{section}.remat_policy={s.remat}",
+                f"{ARR}.model.lora_rank", f"{section}.ppo_mini_batch_size={rb.mini_batch_prompts}", MESH_KEYS)
+
+    def trips(plan: BatchPlan) -> int:
+        num_mini, num_micro = split(plan)
+        return s.ppo_epochs * num_mini * num_micro
+
+    return Program(f"update_{role}", lower, (f"{role}_params", f"{role}_opt"), keys, micro_pass=role, trips=trips)
+
+
+def critic_update_program(ctx: Context) -> Program | None:
+    return _update_program(ctx, "critic") if ctx.critic is not None else None
+
+
+def actor_update_program(ctx: Context) -> Program:
+    return _update_program(ctx, "actor")
+
+
+# In step order. A builder returns None when its program is not part of this run's step.
+PROGRAM_BUILDERS: list[Callable[[Context], Program | None]] = [
+    sample_program, ref_program, old_log_prob_program, values_program, critic_update_program, actor_update_program,
+]

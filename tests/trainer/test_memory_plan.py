@@ -1,0 +1,149 @@
+"""The memory plan (trainer/memory_plan.py): every program of a step compiled on abstract inputs,
+refusal before anything is loaded or written, 'auto' micro-batch sizes, and `launch/train.py --plan`.
+
+Compile-heavy, so kept tiny: probes are cached per process across tests of equal programs
+(the fingerprint leaves out the run dir), and most tests plan only the sampler and the actor update.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tiny_runs import ROOT, tiny_config
+
+from jaxrl_llm.config import ConfigError, resolve, resolve_data, validate_config
+from jaxrl_llm.hf import load_tokenizer
+from jaxrl_llm.sharding import batch_axis_size, make_mesh
+from jaxrl_llm.trainer.memory_plan import GiB, MemoryPlanError, Planner, plan_memory
+from jaxrl_llm.trainer.memory_programs import bytes_per_device
+
+PEAK = 1e12  # a fixed FLOP/s figure: no matmul measurement in tests
+ACTOR_MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_device"
+
+
+# planning loads no weights and runs no step: a one-layer model with a small vocabulary compiles faster
+SMALL = {"actor_rollout_ref.model.tiny.num_hidden_layers": 1, "actor_rollout_ref.model.tiny.vocab_size": 1024}
+
+
+def _spec(tmp_path: pathlib.Path, **overrides):
+    cfg = tiny_config(tmp_path / "run", **{**SMALL, **overrides})
+    mesh = make_mesh(cfg.mesh)
+    checked = validate_config(cfg, dp_size=batch_axis_size(mesh))
+    return resolve(checked, dp_size=batch_axis_size(mesh)), mesh, load_tokenizer(resolve_data(checked).tokenizer)
+
+
+# 16 prompts x n=2 = 32 sequences over the 8 test devices: 4 per device, so 'auto' chooses among 1, 2, 4
+AUTO = {"data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 16, ACTOR_MICRO: "auto",
+        "actor_rollout_ref.actor.remat_policy": "none"}  # activations kept: the update outgrows the sampler
+
+
+def test_plan_lists_every_program_with_real_bytes(tmp_path):
+    # gae (critic), a KL loss (reference) and bf16 compute (old log-probs recomputed): all six programs
+    spec, mesh, tok = _spec(tmp_path, **{"algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
+                                         "actor_rollout_ref.model.dtype": "bfloat16",
+                                         "critic.model.dtype": "bfloat16"})
+    plan = plan_memory(spec, mesh, tok, peak_flops=PEAK)
+    names = [p.name for p in plan.programs]
+    assert names == ["sample", "ref_log_prob", "old_log_prob", "values", "update_critic", "update_actor"]
+    table = plan.table()
+    for p in plan.programs:
+        assert p.argument_bytes > 0 and p.temp_bytes > 0 and p.flops > 0, p
+        assert p.total_bytes == p.peak_bytes + p.resident_bytes
+        assert p.name in table
+    planner = Planner(spec, mesh, tok)
+    actor_params = bytes_per_device(planner.ctx.states["actor_params"])
+    update = plan.program("update_actor")
+    # the update holds the actor's params and Adam's two moments (same shapes, fp32) among its arguments
+    assert update.params_bytes == actor_params
+    assert 2 * actor_params <= update.opt_state_bytes <= 2 * actor_params + 4096
+    assert update.alias_bytes >= update.params_bytes  # params and optimizer state are donated
+    # while the actor updates, the critic (params + Adam) and the reference stay resident
+    critic_state = planner.state_bytes["critic_params"] + planner.state_bytes["critic_opt"]
+    assert update.resident_bytes == critic_state + planner.state_bytes["ref_params"]
+    # the reference is stored in the compute dtype: half the fp32 policy's bytes
+    assert planner.state_bytes["ref_params"] * 2 == pytest.approx(actor_params, rel=0.01)
+    assert plan.program("sample").kv_bytes > 0
+    assert "update_actor" in table and "GFLOP" in table
+
+
+def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
+    spec, mesh, tok = _spec(tmp_path, **AUTO)
+    assert spec.plan.auto_passes[0] == "actor"
+    planner = Planner(spec, mesh, tok)
+    update = next(p for p in planner.programs if p.name == "update_actor")
+    totals = {d: planner.analyse(update, spec.plan.with_micro("actor", d)).total_bytes for d in (1, 2, 4)}
+    assert totals[1] < totals[2] < totals[4]  # activations grow with the micro-batch
+    sample = planner.analyse(planner.programs[0], spec.plan).total_bytes
+    assert sample < totals[2]  # so the limit below is set by the update alone
+
+    def picked(limit_bytes: int) -> tuple[int, int]:
+        s = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device_memory_gb=limit_bytes / GiB))
+        plan = plan_memory(s, mesh, tok, peak_flops=PEAK)
+        seq_len = spec.plan.max_tokens_per_sequence
+        return plan.program("update_actor").micro, plan.batch_plan.update_split(plan.batch_plan.actor, 32, seq_len)[1]
+
+    assert picked((totals[2] + totals[4]) // 2) == (2, 2)  # 4 rows per device: 2 micro-batches of 2
+    assert picked(totals[4] + 1) == (4, 1)  # more memory: a larger micro-batch
+    with pytest.raises(MemoryPlanError, match=r"actor_rollout_ref.actor.ppo_micro_batch_size_per_device=1 does not"):
+        picked(totals[1] - 1)
+
+
+def test_too_small_device_memory_refuses_before_loading_or_writing(tmp_path, monkeypatch):
+    from jaxrl_llm.trainer import trainer as trainer_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(trainer_module, "load_model", no_load)
+    cfg = tiny_config(tmp_path / "run", **{**SMALL, **AUTO, ACTOR_MICRO: 4, "trainer.memory_plan": True,
+                                           "trainer.device_memory_gb": 1e-4})
+    with pytest.raises(MemoryPlanError) as err:
+        trainer_module.Trainer(cfg)
+    message = str(err.value)
+    assert "program 'sample'" in message and "per device" in message
+    assert "data.train_batch_size=16" in message and "actor_rollout_ref.model.lora_rank" in message
+    assert "mesh.fsdp" in message
+    assert isinstance(err.value, ConfigError)  # launch/train.py prints it as one `config error:` line
+    assert not (tmp_path / "run").exists()
+
+
+def test_auto_is_accepted_only_where_documented(tmp_path):
+    with pytest.raises(ConfigError, match="expected an int or 'auto'"):
+        _spec(tmp_path, **{ACTOR_MICRO: "big"})
+    spec, _, _ = _spec(tmp_path, **AUTO)
+    # derived keys inherit 'auto'; --dry_run's summary prints it without resolving it
+    assert set(spec.plan.auto_passes) == {"actor", "ref_log_prob", "old_log_prob"}
+    assert "auto (largest that fits)" in spec.plan.summary()
+
+
+def test_plan_cli_prints_the_table_and_exits_without_training(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    train, config = ROOT / "launch" / "train.py", ROOT / "configs" / "tiny.py"
+    proc = subprocess.run([sys.executable, str(train), f"--config={config}", "--plan", "--",
+                           f"trainer.default_local_dir={run_dir}", *(f"{k}={v}" for k, v in SMALL.items())],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "memory plan (per device" in proc.stdout
+    for name in ("sample", "update_actor"):
+        assert f"\n{name} " in proc.stdout
+    assert not run_dir.exists()  # nothing written, no step run
+
+
+@pytest.mark.slow
+def test_smollm2_config_is_read_from_the_gguf_header_without_weights(smollm2_gguf):
+    from jaxrl_llm.config.spec import ModelSpec
+    from jaxrl_llm.hf import load_gguf
+    from jaxrl_llm.trainer.roles import model_config_of
+
+    model = ModelSpec(path=str(smollm2_gguf), dtype="float32", param_dtype="float32", remat=False, tiny=(),
+                      override_config=(("rope_theta", 20000.0),))
+    cfg = model_config_of(model, tokenizer=None)
+    loaded = load_gguf(smollm2_gguf)[0]
+    assert cfg.num_hidden_layers == loaded.num_hidden_layers == 30 and cfg.hidden_size == 576
+    assert cfg == dataclasses.replace(loaded, rope_theta=20000.0)  # override_config applied, as load_model does
