@@ -205,3 +205,29 @@ def test_dynamic_batch_fills_the_token_budget():
     assert pk.packing_stats(packing.layout)["real_tokens"] == int(length.sum())
     chunk_rows = pk.dynamic_chunk_rows(mask, shards, budget)  # the no-grad passes' chunks likewise
     assert chunk_rows == N // micro
+
+
+@pytest.mark.usefixtures("smollm2_gguf")
+def test_trainer_step_same_with_and_without_packing(tmp_path):
+    """One PPO step (critic, reference KL loss, recomputed old log-probs) gives the same metrics
+    packed and padded."""
+    import tiny_runs
+    from jaxrl_llm.trainer import Trainer
+
+    def run(name, packed):
+        cfg = tiny_runs.tiny_config(tmp_path / name, **{
+            "trainer.total_training_steps": 1, "trainer.test_freq": -1, "data.max_response_length": 16,
+            "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
+            "algorithm.rollout_correction.rollout_is": "token", "actor_rollout_ref.actor.ppo_epochs": 2,
+            "actor_rollout_ref.actor.shuffle": True,
+            "actor_rollout_ref.model.use_remove_padding": packed, "critic.model.use_remove_padding": packed})
+        trainer = Trainer(cfg)
+        metrics = trainer.fit()
+        return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+    padded, packed = run("padded", False), run("packed", True)
+    assert padded.keys() == packed.keys()
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean"):
+        assert key in padded and padded[key] != 0, key
+    for key in padded:
+        np.testing.assert_allclose(packed[key], padded[key], rtol=1e-5, atol=1e-5, err_msg=key)
