@@ -209,23 +209,37 @@ def test_dynamic_batch_fills_the_token_budget():
 
 @pytest.mark.usefixtures("smollm2_gguf")
 def test_trainer_step_same_with_and_without_packing(tmp_path):
-    """One PPO step (critic, reference KL loss, recomputed old log-probs) gives the same metrics
-    packed and padded."""
+    """One PPO step (critic, reference KL loss, recomputed old log-probs, 2 shuffled epochs) gives
+    the same metrics packed and padded: the same trainer runs the step twice from the same state."""
     import tiny_runs
     from jaxrl_llm.trainer import Trainer
 
-    def run(name, packed):
-        cfg = tiny_runs.tiny_config(tmp_path / name, **{
-            "trainer.total_training_steps": 1, "trainer.test_freq": -1, "data.max_response_length": 16,
-            "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
-            "algorithm.rollout_correction.rollout_is": "token", "actor_rollout_ref.actor.ppo_epochs": 2,
-            "actor_rollout_ref.actor.shuffle": True,
-            "actor_rollout_ref.model.use_remove_padding": packed, "critic.model.use_remove_padding": packed})
-        trainer = Trainer(cfg)
-        metrics = trainer.fit()
+    cfg = tiny_runs.tiny_config(tmp_path / "run", **{
+        "trainer.total_training_steps": 1, "trainer.test_freq": -1, "data.max_response_length": 16,
+        "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
+        "algorithm.rollout_correction.rollout_is": "token", "actor_rollout_ref.actor.ppo_epochs": 2,
+        "actor_rollout_ref.actor.shuffle": True})
+    trainer = Trainer(cfg)
+    assert trainer.spec.model.use_remove_padding and trainer.spec.critic_model.use_remove_padding  # the default
+    state = jax.tree.map(jnp.copy, trainer._state())  # the update donates params and optimizer state
+    loader_state, kl_coef = trainer.train_loader.get_state(), trainer.kl_ctrl.value
+
+    def step():
+        metrics = trainer.train_step(next(trainer.train_loader))
         return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
 
-    padded, packed = run("padded", False), run("packed", True)
+    packed = step()
+    for role in ("actor", "critic"):
+        getattr(trainer, role).params = jax.tree.map(jnp.copy, state[role]["params"])
+        getattr(trainer, role).opt_state = jax.tree.map(jnp.copy, state[role]["opt_state"])
+    trainer.train_loader.set_state(loader_state)
+    trainer.kl_ctrl.value = kl_coef
+    spec = trainer.spec
+    trainer.spec = dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, use_remove_padding=False),
+        critic_model=dataclasses.replace(spec.critic_model, use_remove_padding=False))
+    padded = step()
+    trainer.close()
     assert padded.keys() == packed.keys()
     for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean"):
         assert key in padded and padded[key] != 0, key
