@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--layers", type=int, default=30, help="use the first k decoder layers (30 = all)")
     ap.add_argument("--response-median", type=float, default=100.0)
-    ap.add_argument("--micro", type=int, default=4, help="micro-batches of the update (gradient accumulation)")
+    ap.add_argument("--micro", type=int, default=1,
+                    help="micro-batches of the update (gradient accumulation; the trainer's default is 1) "
+                         "and chunks of the no-grad passes")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--passes", default="update,logprob,values")
     ap.add_argument("--arms", default=",".join(a.name for a in ARMS))

@@ -54,8 +54,9 @@ def _masked(x, mask):
 def _place(b, mesh):
     if mesh is None:
         return b, None, 1
-    put = lambda v: jax.device_put(v, NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (v.ndim - 1)))))  # noqa: E731
-    return jax.tree.map(put, b), NamedSharding(mesh, ROWS_SPEC), mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = lambda v: NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (v.ndim - 1))))  # noqa: E731
+    b = jax.tree.map(lambda v: jax.device_put(v, rows(v)), b)
+    return b, NamedSharding(mesh, ROWS_SPEC), mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def _update(update_fn, params, s, b, packed, mesh=None, num_micro=2):
