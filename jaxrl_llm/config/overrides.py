@@ -49,7 +49,8 @@ LEAF_RENAMES: dict[str, str] = {"warmup_style": "lr_scheduler_type"}  # veRL's o
 # Keys that only configure torch / FSDP / vLLM / Ray / Megatron: accepted, warned about, dropped.
 TORCH_ONLY_PATTERNS: tuple[str, ...] = (
     "*fsdp_config", "*fsdp_config.*", "*megatron*", "*.strategy", "*.param_offload", "*.optimizer_offload",
-    "*.offload_policy", "*.use_torch_compile", "*.ulysses_sequence_parallel_size", "*.use_remove_padding",
+    "*.offload_policy", "*.use_torch_compile", "*.ulysses_sequence_parallel_size",
+    "reward_model.model.use_remove_padding",
     "*.use_fused_kernels", "*.fused_kernel_options*", "*.use_liger", "*.use_shm", "*.external_lib",
     "*.trust_remote_code", "*.enable_activation_offload", "*.checkpoint", "*.checkpoint.*", "*profiler*",
     "*.entropy_from_logits_with_chunking", "*.entropy_checkpointing", "*.tokenizer_path", "*.rollout_n",

@@ -92,7 +92,8 @@ def _plain(value: Any) -> dict:
 def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
     return ModelSpec(path=section.path, dtype=section.dtype, param_dtype=section.param_dtype,
                      remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()),
-                     override_config=tuple(sorted(_plain(section.override_config).items())))
+                     override_config=tuple(sorted(_plain(section.override_config).items())),
+                     use_remove_padding=bool(section.use_remove_padding))
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:

@@ -29,6 +29,7 @@ class ModelSpec:
     remat: bool  # enable_gradient_checkpointing
     tiny: tuple[tuple[str, Any], ...]  # dims of a tiny:<arch> model (actor_rollout_ref.model.tiny)
     override_config: tuple[tuple[str, Any], ...] = ()  # HF config fields replaced at load (model.override_config)
+    use_remove_padding: bool = True  # sequence packing (trainer/packing.py)
 
     @property
     def is_tiny(self) -> bool:

@@ -45,6 +45,11 @@ def _model(role: str, path_doc: str) -> dict:
         "enable_gradient_checkpointing": field(True, "Rematerialise each decoder block in the backward "
                                                      "pass (jax.checkpoint): less memory, ~30% more compute; "
                                                      "the default of the remat_policy key. veRL."),
+        "use_remove_padding": field(True, f"Sequence packing for the {role}'s training forward/backward and "
+                                          "no-grad passes: variable-length sequences share fixed-size rows "
+                                          "(segment ids: no attention across sequences, positions restart), "
+                                          "row shapes bucketed; same loss and metrics as the padded rows. "
+                                          "veRL (there: remove-padding kernels)."),
         "override_config": field({}, "Model config fields overridden at load (e.g. {rope_theta: 1e6}); "
                                      "free-form dict. veRL.", open=True),
     }

@@ -25,5 +25,8 @@ def compute_value_loss(vpreds: Array, returns: Array, values: Array, response_ma
     loss = 0.5 * agg_loss(jnp.maximum(loss1, loss2), mask, loss_agg_mode, num_tokens=num_tokens,
                           num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
     denom = jnp.sum(mask) + 1e-8 if num_tokens is None else num_tokens
-    clipfrac = jax.lax.stop_gradient(masked_sum((loss2 > loss1).astype(jnp.float32), mask) / denom)
+    # Where vpreds is not clipped, loss2 equals loss1 up to rounding (values + (vpreds - values));
+    # counting only clipped tokens keeps the metric veRL's without rounding coin flips.
+    clipped = (jnp.abs(vpreds - values) > cliprange_value) & (loss2 > loss1)
+    clipfrac = jax.lax.stop_gradient(masked_sum(clipped.astype(jnp.float32), mask) / denom)
     return loss, clipfrac

@@ -52,10 +52,29 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.floa
     }
 
 
+def segment_positions(segment_ids: Array) -> Array:
+    """Positions [B, T] that restart at 0 at the first token of every segment (a run of equal ids)."""
+    t = segment_ids.shape[1]
+    idx = jnp.arange(t, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = lax.cummax(jnp.where(starts, idx[None], 0), axis=1)
+    return idx[None] - first
+
+
 def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array | None,
-                      cache: dict | None) -> tuple[Array, Array, Array, Array | None]:
-    """(positions [B,T], allowed [B,T,S] bool, write_index, new cache mask or None)."""
+                      cache: dict | None, segment_ids: Array | None = None
+                      ) -> tuple[Array, Array, Array, Array | None]:
+    """(positions [B,T], allowed [B,T,S] bool, write_index, new cache mask or None).
+
+    segment_ids [B, T] (packed rows, no cache): several sequences share a row; a query sees only
+    keys of its own segment, and positions (when not given) restart at 0 per segment."""
     b, t = attention_mask.shape
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
+        if positions is None:
+            positions = segment_positions(segment_ids)
     mask = attention_mask.astype(jnp.int32)
     if cache is None:
         write_index = jnp.int32(0)
@@ -72,4 +91,6 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     if cfg.sliding_window is not None:
         visible &= (q_slot[:, None] - k_slot[None, :]) < cfg.sliding_window
     allowed = visible[None] & (slot_mask[:, None, :] > 0)
+    if segment_ids is not None:
+        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
     return positions, allowed, write_index, new_mask

@@ -122,15 +122,18 @@ def param_logical_axes(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 
 
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
-                   compute_dtype: Any = jnp.float32, remat: bool | str = False
-                   ) -> tuple[Array, dict | None]:
+                   compute_dtype: Any = jnp.float32, remat: bool | str = False,
+                   segment_ids: Array | None = None) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 
     Positions default to cumsum(attention_mask) - 1 clipped at 0 (over the cache slots too when a
-    cache is given), so left padding does not change any real token's output.
+    cache is given), so left padding does not change any real token's output. segment_ids [B, T]
+    (no cache): packed rows holding several sequences (ids 1, 2, ... per row, attention_mask 0 on
+    the padding); attention stays within a segment and positions restart per segment, so every
+    sequence's hidden states equal those of the sequence alone (trainer/packing.py).
     """
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
-                                                                  cache)
+                                                                  cache, segment_ids)
     backbone = {k: params[k] for k in BACKBONE_KEYS}
     param_dtype = backbone["embedding"].dtype
     module = Decoder(cfg, compute_dtype=compute_dtype, param_dtype=param_dtype, remat=remat)

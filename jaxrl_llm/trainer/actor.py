@@ -20,6 +20,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.trainer.experience import Experience
 from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.trainer.packing import UpdatePacking
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
@@ -31,7 +32,8 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     response_len = mask.shape[1]
     log_prob, entropy = response_log_probs(
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
-        temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True)
+        temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
+        packing=mb.packing)
     counts = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                   loss_scale_factor=s.loss_scale_factor)
     pg_loss, metrics = compute_policy_loss(
@@ -54,6 +56,7 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
 
 
 def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
+                 packing: UpdatePacking | None = None,
                  *, model_cfg: ModelConfig, s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int,
                  num_micro_batches: int, rows_sharding: Any = None):
     """`ppo_epochs` x mini-batches x micro-batches of actor updates at learning rate `lr` (one XLA
@@ -62,4 +65,5 @@ def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
-        num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)
+        num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding,
+        packing=packing)

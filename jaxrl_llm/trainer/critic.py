@@ -17,6 +17,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.config.spec import CriticSpec
 from jaxrl_llm.trainer.experience import Experience
 from jaxrl_llm.trainer.forward import response_values
+from jaxrl_llm.trainer.packing import UpdatePacking
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
@@ -26,7 +27,7 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
                 s: CriticSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
     mask = mb.response_mask
     vpreds = response_values(params, model_cfg, mb.input_ids, mb.attention_mask, mask.shape[1],
-                             compute_dtype=s.compute_dtype, remat=s.remat)
+                             compute_dtype=s.compute_dtype, remat=s.remat, packing=mb.packing)
     loss, clipfrac = compute_value_loss(vpreds, mb.returns, mb.values, mask, s.cliprange_value,
                                         s.loss_agg_mode, num_tokens=denoms.num_tokens,
                                         num_seqs=denoms.num_seqs)
@@ -36,10 +37,12 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
 
 
 def update_critic(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
+                  packing: UpdatePacking | None = None,
                   *, model_cfg: ModelConfig, s: CriticSpec, tx: optax.GradientTransformation,
                   num_mini_batches: int, num_micro_batches: int, rows_sharding: Any = None):
     loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="critic",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
-        num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding)
+        num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding,
+        packing=packing)

@@ -21,6 +21,7 @@ from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.losses.trl_rloo import trl_rloo_advantages
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.trainer.forward import micro_batched, response_log_probs, response_values
+from jaxrl_llm.trainer.packing import PackedLayout
 
 Array = jax.Array
 
@@ -39,31 +40,37 @@ class Experience:
     ref_log_probs: Array | None = None  # the KL loss reads it
     values: Array | None = None  # the critic's value loss reads it
     rollout_is_weights: Array | None = None  # rollout-correction importance weights
+    # set per micro-batch by the update when sequences are packed (model.use_remove_padding)
+    packing: PackedLayout | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows"))
-def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array, *,
-                      model_cfg: ModelConfig, temperature: float, compute_dtype: str, micro_rows: int) -> Array:
-    """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy)."""
+def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
+                      packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
+                      compute_dtype: str, micro_rows: int) -> Array:
+    """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
+    `packing`: one layout per chunk (trainer/packing.py `plan_chunks`) to run packed."""
     response_len = response_mask.shape[1]
 
     def one(chunk: dict) -> Array:
         return response_log_probs(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
-                                  temperature=temperature, compute_dtype=compute_dtype)
+                                  temperature=temperature, compute_dtype=compute_dtype,
+                                  packing=chunk.get("per_chunk"))
 
-    return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows)
+    return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "compute_dtype", "micro_rows"))
-def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array, *,
-                   model_cfg: ModelConfig, compute_dtype: str, micro_rows: int) -> Array:
+def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
+                   packing: PackedLayout | None = None, *, model_cfg: ModelConfig, compute_dtype: str,
+                   micro_rows: int) -> Array:
     response_len = response_mask.shape[1]
 
     def one(chunk: dict) -> Array:
         return response_values(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, packing=chunk.get("per_chunk"))
 
-    return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows)
+    return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
 
 
 @functools.partial(jax.jit, static_argnames=("s",))

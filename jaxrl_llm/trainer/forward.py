@@ -7,7 +7,7 @@ are scored by hidden positions P-1 .. P+R-2. No `[N, T, V]` logits are ever form
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
+from jaxrl_llm.trainer.packing import PackedLayout, map_response, packed_response_hidden, unpack_response
 
 Array = jax.Array
 
@@ -34,31 +35,47 @@ def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
 
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
-                       remat: bool | str = False, with_entropy: bool = False):
-    """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R])."""
-    hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
-                             compute_dtype=compute_dtype, remat=remat)
-    targets = input_ids[:, input_ids.shape[1] - response_len:]
+                       remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None):
+    """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
+    With `packing` the model runs on packed rows (trainer/packing.py) and only real response
+    tokens are scored (0 elsewhere)."""
+    if packing is not None:
+        hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
+                                                 compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
+    else:
+        hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
+                                 compute_dtype=compute_dtype, remat=remat)
+        targets = input_ids[:, input_ids.shape[1] - response_len:]
     unembed = lm_head_weight(params, model_cfg).astype(hidden.dtype)
-    return token_logprobs(hidden, unembed, targets, temperature=temperature, return_entropy=with_entropy)
+    out = token_logprobs(hidden, unembed, targets, temperature=temperature, return_entropy=with_entropy)
+    return out if packing is None else map_response(out, packing, input_ids.shape[0], response_len)
 
 
 def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
-                    response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False) -> Array:
+                    response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False,
+                    packing: PackedLayout | None = None) -> Array:
     """Critic values [N, R] fp32 at the positions that predict the response tokens (veRL's
-    `values[:, -response_length - 1 : -1]`)."""
+    `values[:, -response_length - 1 : -1]`); packed as `response_log_probs`."""
+    if packing is not None:
+        hidden, _ = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
+                                           compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
+        values = value_from_hidden(params, hidden).astype(jnp.float32)
+        return unpack_response(values, packing, input_ids.shape[0], response_len)
     hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
                              compute_dtype=compute_dtype, remat=remat)
     return value_from_hidden(params, hidden).astype(jnp.float32)
 
 
-def micro_batched(fn: Callable[[dict], dict], batch: dict, micro_rows: int) -> dict:
+def micro_batched(fn: Callable[[dict], dict], batch: dict, micro_rows: int, per_chunk: Any = None) -> dict:
     """Apply `fn` to `micro_rows` rows at a time with `lax.map` (bounds activation memory for
-    no-grad passes: reference / old log-probs, values)."""
+    no-grad passes: reference / old log-probs, values). `per_chunk`: a pytree with a leading
+    chunk axis (a `PackedLayout`), passed to `fn` as `chunk["per_chunk"]`."""
     rows = jax.tree.leaves(batch)[0].shape[0]
     micro_rows = min(micro_rows, rows)
     if rows % micro_rows:
         raise ValueError(f"{rows} rows do not split into micro-batches of {micro_rows}")
     chunks = jax.tree.map(lambda x: x.reshape(rows // micro_rows, micro_rows, *x.shape[1:]), batch)
+    if per_chunk is not None:
+        chunks = {**chunks, "per_chunk": per_chunk}
     out = jax.lax.map(fn, chunks)
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)

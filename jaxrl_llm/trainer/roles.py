@@ -26,7 +26,7 @@ from jaxrl_llm.trainer.optim import make_optimizer
 
 log = logging.getLogger("jaxrl_llm")
 TINY_PREFIX = "tiny:"
-# update_fn(params, opt_state, batch, rng, lr, *, tx, num_mini_batches, num_micro_batches, rows_sharding)
+# update_fn(params, opt_state, batch, rng, lr, packing, *, tx, num_mini_batches, num_micro_batches, rows_sharding)
 UpdateFn = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
 
 
@@ -48,12 +48,13 @@ class TrainedRole:
         return sum(int(x.size) for x in jax.tree.leaves(self.params))
 
     def update(self, batch: Any, rng: jax.Array, *, lr_step: int, num_mini_batches: int, num_micro_batches: int,
-               rows_sharding: Any) -> dict[str, jax.Array]:
+               rows_sharding: Any, packing: Any = None) -> dict[str, jax.Array]:
         """Runs the role's update over `batch` in place; returns its (device) metrics.
 
         lr_step: how many RL steps this role has been updated before (veRL steps its LR scheduler
         once per update call); every optimizer update of this call uses `schedule(lr_step)`,
-        which the metrics report as `<name>/lr`."""
+        which the metrics report as `<name>/lr`. packing: a `trainer.packing.UpdatePacking` to run
+        packed (its shapes are bucketed, so the jitted update compiles once per bucket)."""
         key = (num_mini_batches, num_micro_batches)
         if key not in self._compiled:
             self._compiled[key] = jit_update(self.update_fn, self.tx, self.param_shardings, self.opt_state_shardings,
@@ -61,7 +62,8 @@ class TrainedRole:
                                              rows_sharding=rows_sharding)
         # a host scalar: traced by the jitted update (no recompile per value), valid on every process
         lr = np.float32(self.schedule(max(int(lr_step), 0)))
-        self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng, lr)
+        self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng, lr,
+                                                                   packing)
         return metrics
 
 

@@ -33,6 +33,7 @@ from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, make_mesh, to_device, to_host
 from jaxrl_llm.trainer import checkpoint as ckpt
+from jaxrl_llm.trainer import packing
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
@@ -256,23 +257,29 @@ class Trainer:
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
             rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
+            # sequence packing plans its layouts on the host from the attention masks (trainer/packing.py)
+            packs = spec.model.use_remove_padding or (spec.critic_model is not None
+                                                      and spec.critic_model.use_remove_padding)
+            host_mask = np.asarray(to_host(rollout.attention_mask)) if packs else None
 
             ref_lp = None
             if self.need_ref:
                 with timer("ref") as span:
                     ref_lp = span.wait(self._log_probs(reference_on_device(self.ref_params), rollout,
-                                                       plan.ref_log_prob))
+                                                       plan.ref_log_prob, host_mask))
             with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
-                    old_lp = span.wait(self._log_probs(self.actor.params, rollout, plan.old_log_prob))
+                    old_lp = span.wait(self._log_probs(self.actor.params, rollout, plan.old_log_prob, host_mask))
             values = None
             if self.critic is not None:
                 with timer("values") as span:
+                    micro_rows, layout = self._no_grad_chunks(plan.values, rows, seq_len, int(mask.shape[1]),
+                                                              host_mask, spec.critic_model.use_remove_padding)
                     values = span.wait(values_no_grad(
-                        self.critic.params, **seq, response_mask=mask, model_cfg=self.critic.model_cfg,
-                        compute_dtype=spec.critic.compute_dtype,
-                        micro_rows=plan.forward_micro_rows(plan.values, rows, seq_len)))
+                        self.critic.params, **seq, response_mask=mask, packing=layout,
+                        model_cfg=self.critic.model_cfg, compute_dtype=spec.critic.compute_dtype,
+                        micro_rows=micro_rows))
             with timer("adv") as span:
                 baselines = (self._remax_baselines(batch, rng) if ADV_ESTIMATORS.capability(
                     spec.advantage.adv_estimator, "needs_reward_baselines") else None)
@@ -286,10 +293,10 @@ class Trainer:
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows)
             if self.critic is not None:
                 with timer("update_critic"):
-                    extra.update(self._update(self.critic, plan.critic, exp, jax.random.fold_in(rng, 7)))
+                    extra.update(self._update(self.critic, plan.critic, exp, jax.random.fold_in(rng, 7), host_mask))
             if self.global_step >= spec.trainer.critic_warmup:
                 with timer("update_actor"):
-                    extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11)))
+                    extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11), host_mask))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
@@ -336,13 +343,27 @@ class Trainer:
                 num_kept += len(varied)
         return concat_rollouts(kept, self.mesh), {"train/num_gen_batches": float(num_gen)}
 
-    def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching) -> jax.Array:
+    def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching, host_mask: np.ndarray | None
+                   ) -> jax.Array:
         """Response log-probs under `params` (reference or old policy), in `micro`'s micro-batches."""
         rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
-        return log_probs_no_grad(params, rollout.input_ids, rollout.attention_mask, rollout.response_mask,
+        micro_rows, layout = self._no_grad_chunks(micro, rows, seq_len, int(rollout.response_mask.shape[1]),
+                                                  host_mask, self.spec.model.use_remove_padding)
+        return log_probs_no_grad(params, rollout.input_ids, rollout.attention_mask, rollout.response_mask, layout,
                                  model_cfg=self.actor.model_cfg, temperature=self.spec.actor.temperature,
-                                 compute_dtype=self.spec.actor.compute_dtype,
-                                 micro_rows=self.spec.plan.forward_micro_rows(micro, rows, seq_len))
+                                 compute_dtype=self.spec.actor.compute_dtype, micro_rows=micro_rows)
+
+    def _no_grad_chunks(self, micro: MicroBatching, rows: int, seq_len: int, response_len: int,
+                        host_mask: np.ndarray | None, packed: bool) -> tuple[int, Any]:
+        """(rows per chunk, packed layout or None) of a no-grad pass. Packed with a token budget, a
+        chunk holds as many sequences as their real tokens allow (not the padded length)."""
+        if not packed:
+            return self.spec.plan.forward_micro_rows(micro, rows, seq_len), None
+        if micro.token_budget is not None:
+            micro_rows = packing.dynamic_chunk_rows(host_mask, self.dp_size, micro.token_budget)
+        else:
+            micro_rows = self.spec.plan.forward_micro_rows(micro, rows, seq_len)
+        return micro_rows, packing.plan_chunks(host_mask, response_len, micro_rows, self.dp_size)
 
     def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
         """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""
@@ -365,13 +386,23 @@ class Trainer:
         r = self.generator.generate(batch, self.actor.params, greedy, rng)
         return to_device(np.repeat(r.scores, train.n), self.mesh)
 
-    def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array) -> dict[str, float]:
+    def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array,
+                host_mask: np.ndarray | None) -> dict[str, float]:
         rows, seq_len = int(exp.response_mask.shape[0]), int(exp.input_ids.shape[1])
         num_mini, num_micro = self.spec.plan.update_split(role_batch, rows, seq_len)
+        layout = None
+        model, s = ((self.spec.model, self.spec.actor) if role is self.actor
+                    else (self.spec.critic_model, self.spec.critic))
+        if model.use_remove_padding:  # packed: the host plans layouts (and draws the shuffle) for the jit
+            budget = role_batch.micro.token_budget
+            layout, num_micro = packing.plan_update(
+                host_mask, int(exp.response_mask.shape[1]), rng, epochs=s.ppo_epochs, shuffle=s.shuffle,
+                num_mini=num_mini, num_micro=None if budget is not None else num_micro, shards=self.dp_size,
+                token_budget=budget)
         # the role's LR-scheduler step = its updates so far (the actor starts after critic_warmup)
         lr_step = self.global_step - (self.spec.trainer.critic_warmup if role is self.actor else 0)
         metrics = role.update(exp, rng, lr_step=lr_step, num_mini_batches=num_mini, num_micro_batches=num_micro,
-                              rows_sharding=self.rows_sharding)
+                              rows_sharding=self.rows_sharding, packing=layout)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:

@@ -73,12 +73,17 @@ def run_update_epochs(
     shuffle: bool,
     rows_sharding: NamedSharding | None = None,
     loss_scale_factor: float | None = None,
+    packing: Any = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
     and epochs, plus `<metric_prefix>/grad_norm` per optimizer step, `<metric_prefix>/lr` (when
     `lr` is given: `tx.update` then receives it as `learning_rate=lr`, trainer/optim.py) and the
-    non-finite counters of `nonfinite.update_flags_metrics`. Call inside `jax.jit`."""
+    non-finite counters of `nonfinite.update_flags_metrics`. Call inside `jax.jit`.
+
+    packing: a `trainer.packing.UpdatePacking` (sequence packing): its `order` replaces the device
+    shuffle (the host drew the same permutations) and each micro-batch gets its packed layout as
+    `micro.packing` (the batch must then be an `Experience`)."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     if num_rows % (num_mini_batches * num_micro_batches):
         raise ValueError(
@@ -89,17 +94,20 @@ def run_update_epochs(
     tx = optax.with_extra_args_support(tx)
     lr_args = {} if lr is None else {"learning_rate": lr}
 
-    def mini_step(carry, mini: Batch):
-        params, opt_state = carry
+    def mini_step(carry, xs):
+        (params, opt_state), (mini, layouts) = carry, xs
         denoms = denominators(mini.response_mask, loss_scale_factor)
         micros = _split(mini, num_micro_batches, rows_sharding)
 
-        def micro_step(acc, micro: Batch):
+        def micro_step(acc, xs):
+            micro, layout = xs
+            if layout is not None:
+                micro = micro.replace(packing=layout)
             (loss, metrics), grads = grad_fn(params, micro, denoms)
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, micros)
+        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micros, layouts))
         grad_norm = optax.tree.norm(grads)
         loss_ok = jnp.isfinite(jnp.sum(losses))
         finite = loss_ok & jnp.isfinite(grad_norm)
@@ -117,17 +125,21 @@ def run_update_epochs(
         metrics[f"{metric_prefix}/grad_norm"] = grad_norm
         return (params, opt_state), (metrics, UpdateFlags(~finite, ~loss_ok))
 
-    def epoch_step(carry, epoch_rng):
-        if shuffle:
+    def epoch_step(carry, xs):
+        epoch_rng, order, layouts = xs
+        if order is not None:  # packed: the host drew this epoch's permutation (or arange)
+            rows = jax.tree.map(lambda x: x[order], batch)
+        elif shuffle:
             perm = jax.random.permutation(epoch_rng, num_rows)
             rows = jax.tree.map(lambda x: x[perm], batch)
         else:
             rows = batch
         minis = _split(rows, num_mini_batches, rows_sharding)
-        return jax.lax.scan(mini_step, carry, minis)
+        return jax.lax.scan(mini_step, carry, (minis, layouts))
 
+    order, layouts = (None, None) if packing is None else packing
     (params, opt_state), (metrics, flags) = jax.lax.scan(
-        epoch_step, (params, opt_state), jax.random.split(rng, ppo_epochs)
+        epoch_step, (params, opt_state), (jax.random.split(rng, ppo_epochs), order, layouts)
     )
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics.update(update_flags_metrics(metric_prefix, flags))

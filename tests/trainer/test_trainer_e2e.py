@@ -101,7 +101,8 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
         assert key in last and np.isfinite(last[key]), key
     # DAPO dynamic sampling kept only groups whose scores vary, sampling extra batches as needed
     assert last["train/num_gen_batches"] >= 1
-    # the actor's micro-batches follow the token budget: 150 // (64 prompt + 8 response) = 2 rows each
+    # the actor's micro-batches follow the token budget: packed (the default) it counts real tokens
+    # (about 55 per sequence here), padded 150 // (64 prompt + 8 response); both give 2 rows each
     assert (1, 4) in trainer.actor._compiled, list(trainer.actor._compiled)
     assert sorted(os.listdir(tmp_path / "rollouts")) == ["0.jsonl", "1.jsonl"]
     row = json.loads(open(tmp_path / "rollouts" / "0.jsonl").readline())

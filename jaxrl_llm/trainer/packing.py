@@ -1,0 +1,263 @@
+"""Sequence packing (`model.use_remove_padding`): the forward/backward and no-grad passes run on
+rows that hold several variable-length sequences back to back, not on [N, P + R] padded rows.
+
+The host builds a `PackedLayout` per micro-batch from the attention masks it already has (no
+device work): for each row shard (one per data-parallel device) the shard's sequences are packed
+first-fit-decreasing into `rows` rows of `width` tokens, with segment ids 1, 2, ... per row (0 on
+padding). Inside the jit the packed tokens are gathered from the micro-batch's padded
+`input_ids`, the model runs with segment ids (attention never crosses sequences, positions restart
+per sequence: models/cache.py), the hidden states that predict response tokens are gathered into
+[shards, M, H], and per-token outputs (log-probs, entropy, values) are scattered back to the
+padded [n, R] response layout. Everything after that (losses, metrics, denominators) is the
+unpacked code path, so packed and padded runs give the same numbers.
+
+Shapes come from a few buckets (row width >= the longest sequence and row count: `bucket`, 4
+sizes per doubling; response slots M: powers of two), so a new step with other lengths mostly
+reuses a compiled program. Positions outside a row's attention mask come back as 0 (the padded
+path computes throwaway values there; every consumer masks them).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models import ModelConfig, forward_hidden
+
+Array = jax.Array
+WIDTH_GRANULE = 128  # packed row widths are multiples of this (powers of two below it)
+MIN_RESPONSE_SLOTS = 16
+
+
+def bucket(x: int, granule: int = 1) -> int:
+    """Smallest granule * u >= x with u in 1..8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four
+    sizes per doubling: at most 25% padding, few distinct shapes)."""
+    units = max(1, -(-int(x) // granule))
+    if units > 8:
+        step = 1 << (units.bit_length() - 3)
+        units = -(-units // step) * step
+    return units * granule
+
+
+def row_width(longest: int) -> int:
+    """Packed row width for sequences of at most `longest` tokens."""
+    if longest <= WIDTH_GRANULE:
+        return max(8, 1 << max(longest - 1, 0).bit_length())
+    return bucket(longest, WIDTH_GRANULE)
+
+
+@flax.struct.dataclass
+class PackedLayout:
+    """Where a micro-batch's tokens go in its packed rows, per row shard (leading axis `shards`; the
+    shard's sequences are its `n / shards` consecutive rows of the micro-batch).
+
+    token_index  int32 [shards, rows, width]: index into the shard's flattened [n_d * T] tokens
+    segment_ids  int32 [shards, rows, width]: 1, 2, ... per sequence of a packed row; 0 = padding
+    response_src int32 [shards, M]: index into the shard's flattened [rows * width] hidden states
+                 of the state that predicts a response token
+    response_dst int32 [shards, M]: that token's index in the shard's flattened [n_d * R] response
+                 layout; n_d * R on padding entries (dropped by the scatter)
+    Extra leading axes (epochs, mini-batches, micro-batches) are scanned over by the update.
+    """
+
+    token_index: Array
+    segment_ids: Array
+    response_src: Array
+    response_dst: Array
+
+
+class UpdatePacking(NamedTuple):
+    """Packing of a whole update call: `order` [epochs, N] the rows of each epoch in order (the
+    shuffle's permutation, computed on the host with the padded path's function, or arange) and
+    `layout`, a `PackedLayout` with leading [epochs, mini-batches, micro-batches] axes."""
+
+    order: Any
+    layout: PackedLayout
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+def sequence_spans(attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of each row's real tokens; raises unless they are one contiguous run (left-
+    padded prompt + right-padded response, the rollout layout)."""
+    mask = np.asarray(attention_mask) > 0
+    length = mask.sum(1).astype(np.int64)
+    start = np.argmax(mask, axis=1).astype(np.int64)
+    idx = np.arange(mask.shape[1])[None]
+    inside = (idx >= start[:, None]) & (idx < (start + length)[:, None])
+    if not np.array_equal(inside, mask):
+        raise ValueError("model.use_remove_padding needs each row's attention_mask to be one contiguous run of "
+                         "1s (left-padded prompt + right-padded response)")
+    return start, length
+
+
+def _first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
+    """Sequences (indices into `lengths`) per packed row, longest first into the first row with room."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        for r, room in enumerate(free):
+            if n <= room:
+                rows[r].append(int(i))
+                free[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            free.append(width - n)
+    return rows
+
+
+def _shard_counts(lengths: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray, width: int
+                  ) -> tuple[int, int]:
+    """(max packed rows, max response tokens) over the shards of `groups` [..., n_d]."""
+    flat = groups.reshape(-1, groups.shape[-1])
+    rows = max(len(_first_fit_decreasing(lengths[g], width)) for g in flat)
+    return rows, int(resp_tokens[flat].sum(1).max())
+
+
+def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray) -> PackedLayout:
+    """The packed layout (numpy) of `groups` [..., shards, n_d]: global row ids, each shard's rows in
+    micro-batch order. Shapes: width >= the longest sequence, rows and M bucketed to the largest
+    shard's need, so all micro-batches of a call share one shape."""
+    mask = np.asarray(attention_mask)
+    num_rows, seq_len = mask.shape
+    start, length = sequence_spans(mask)
+    resp0 = seq_len - response_len
+    # response column c is scored by the hidden state at c - 1; both must be real tokens
+    first_resp = np.maximum(resp0, start + 1)
+    resp_tokens = np.maximum(start + length - first_resp, 0)
+    groups = np.asarray(groups)
+    width = row_width(int(length[groups.reshape(-1)].max()))
+    need_rows, need_m = _shard_counts(length, resp_tokens, groups, width)
+    # M only sizes the LM-head / value-head work: powers of two keep the program count low
+    n_d = groups.shape[-1]
+    rows = bucket(need_rows)
+    m = min(max(MIN_RESPONSE_SLOTS, 1 << max(need_m - 1, 0).bit_length()), n_d * response_len)
+    flat = groups.reshape(-1, n_d)
+    token_index = np.zeros((len(flat), rows, width), np.int32)
+    segment_ids = np.zeros((len(flat), rows, width), np.int32)
+    src = np.zeros((len(flat), m), np.int32)
+    dst = np.full((len(flat), m), n_d * response_len, np.int32)
+    for s, group in enumerate(flat):
+        k = 0
+        for r, members in enumerate(_first_fit_decreasing(length[group], width)):
+            offset = 0
+            for seg, local in enumerate(members, start=1):
+                g = group[local]
+                n = int(length[g])
+                token_index[s, r, offset:offset + n] = local * seq_len + start[g] + np.arange(n)
+                segment_ids[s, r, offset:offset + n] = seg
+                cols = np.arange(first_resp[g], start[g] + length[g])
+                src[s, k:k + len(cols)] = r * width + offset + (cols - 1 - start[g])
+                dst[s, k:k + len(cols)] = local * response_len + (cols - resp0)
+                k += len(cols)
+                offset += n
+    lead = groups.shape[:-1]
+    return PackedLayout(token_index=token_index.reshape(*lead, rows, width),
+                        segment_ids=segment_ids.reshape(*lead, rows, width),
+                        response_src=src.reshape(*lead, m), response_dst=dst.reshape(*lead, m))
+
+
+def epoch_orders(rng: Array, epochs: int, num_rows: int, shuffle: bool) -> np.ndarray:
+    """[epochs, N] row order of each epoch: exactly the permutations `run_update_epochs` draws on
+    device when it shuffles (same keys, same function), else arange."""
+    if not shuffle:
+        return np.tile(np.arange(num_rows, dtype=np.int32), (epochs, 1))
+    return np.stack([np.asarray(jax.random.permutation(k, num_rows))
+                     for k in jax.random.split(rng, epochs)]).astype(np.int32)
+
+
+def dynamic_micro_batches(attention_mask: np.ndarray, orders: np.ndarray, num_mini: int, shards: int,
+                          token_budget: int) -> int:
+    """Micro-batches per mini-batch so that every shard's sequences of every micro-batch hold at
+    most `token_budget` real tokens (as few micro-batches as that allows; their count must divide
+    the shard's rows, so a micro-batch may stay below the budget)."""
+    _, length = sequence_spans(attention_mask)
+    per_shard = orders.shape[1] // num_mini // shards
+    for micro in (d for d in range(1, per_shard + 1) if per_shard % d == 0):
+        groups = orders.reshape(-1, num_mini, micro, shards, per_shard // micro)
+        if length[groups].sum(-1).max() <= token_budget:
+            return micro
+    return per_shard
+
+
+def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, epochs: int, shuffle: bool,
+                num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None
+                ) -> tuple[UpdatePacking, int]:
+    """(UpdatePacking, micro-batches per mini-batch) of one `run_update_epochs` call. num_micro None:
+    a dynamic batch size, micro-batches filled up to `token_budget` real tokens per shard."""
+    num_rows = np.shape(attention_mask)[0]
+    orders = epoch_orders(rng, epochs, num_rows, shuffle)
+    if num_micro is None:
+        num_micro = dynamic_micro_batches(attention_mask, orders, num_mini, shards, token_budget)
+    n_d = num_rows // num_mini // num_micro // shards
+    if n_d * shards * num_micro * num_mini != num_rows:
+        raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {num_micro} micro-batches "
+                         f"x {shards} shards")
+    groups = orders.reshape(epochs, num_mini, num_micro, shards, n_d)
+    return UpdatePacking(orders, build_layout(attention_mask, response_len, groups)), num_micro
+
+
+def plan_chunks(attention_mask: np.ndarray, response_len: int, micro_rows: int, shards: int) -> PackedLayout:
+    """Layout of a no-grad pass over consecutive chunks of `micro_rows` rows: leading axis = chunks."""
+    num_rows = np.shape(attention_mask)[0]
+    micro_rows = min(micro_rows, num_rows)
+    shards = shards if micro_rows % shards == 0 else 1
+    groups = np.arange(num_rows).reshape(num_rows // micro_rows, shards, micro_rows // shards)
+    return build_layout(attention_mask, response_len, groups)
+
+
+def dynamic_chunk_rows(attention_mask: np.ndarray, shards: int, token_budget: int) -> int:
+    """Rows per chunk of a no-grad pass: the most (a divisor of the rows per shard) whose real tokens
+    fit `token_budget` per shard in every chunk."""
+    num_rows = np.shape(attention_mask)[0]
+    order = np.arange(num_rows)[None]
+    micro = dynamic_micro_batches(attention_mask, order, 1, shards, token_budget)
+    return num_rows // micro
+
+
+def packing_stats(layout: PackedLayout) -> dict[str, int]:
+    """Tokens the packed shape computes vs the real tokens in it (for benchmarks and logs)."""
+    seg = np.asarray(layout.segment_ids)
+    return {"computed_tokens": int(seg.size), "real_tokens": int((seg > 0).sum())}
+
+
+# ---------------------------------------------------------------------------- device side
+
+
+def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, layout: PackedLayout,
+                           response_len: int, *, compute_dtype: Any, remat: bool | str = False
+                           ) -> tuple[Array, Array]:
+    """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M]) of the
+    micro-batch `input_ids` [n, P + R] run packed as `layout` says."""
+    shards, rows, width = layout.segment_ids.shape
+    n, seq_len = input_ids.shape
+    tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), layout.token_index.reshape(shards, -1), axis=1)
+    seg = layout.segment_ids.reshape(shards * rows, width)
+    hidden, _ = forward_hidden(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
+                               segment_ids=seg, compute_dtype=compute_dtype, remat=remat)
+    hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
+    picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
+    response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
+    targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
+    return picked, targets
+
+
+def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:
+    """Per-token values [shards, M] back to the padded response layout [n, R] (0 where no token)."""
+    shards = x.shape[0]
+    out = jnp.zeros((shards, num_rows // shards * response_len), x.dtype)
+    out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, layout.response_dst, x)
+    return out.reshape(num_rows, response_len)
+
+
+def map_response(outputs: Sequence[Array] | Array, layout: PackedLayout, num_rows: int, response_len: int):
+    """`unpack_response` over one array or a tuple of them."""
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(unpack_response(o, layout, num_rows, response_len) for o in outputs)
+    return unpack_response(outputs, layout, num_rows, response_len)

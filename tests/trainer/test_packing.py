@@ -1,0 +1,247 @@
+"""Sequence packing (model.use_remove_padding, trainer/packing.py): packed updates and no-grad
+passes equal the padded ones, attention stays inside a sequence, positions restart, shapes come
+from buckets (no recompile across steps with other lengths), dynamic micro-batches fill the budget."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm.config import ActorSpec, CriticSpec
+from jaxrl_llm.config.batch_plan import MicroBatching
+from jaxrl_llm.models import ModelConfig, forward_hidden, init_params
+from jaxrl_llm.models.cache import segment_positions
+from jaxrl_llm.trainer import packing as pk
+from jaxrl_llm.trainer.actor import update_actor
+from jaxrl_llm.trainer.critic import update_critic
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
+from jaxrl_llm.trainer.forward import response_log_probs
+
+CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
+N, P, R = 16, 7, 9
+SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                     clip_ratio_c=3.0, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+                     kl_loss_type="low_var_kl", temperature=0.7, compute_dtype="float32", remat="none",
+                     loss_scale_factor=None, loss_kwargs=(), ppo_epochs=2, shuffle=True)
+ROWS_SPEC = PartitionSpec(("data", "fsdp"))
+
+
+def _batch(seed=0, max_prompt=P, max_resp=R):
+    rng = np.random.default_rng(seed)
+    prompt_len = rng.integers(1, max_prompt + 1, size=N)
+    resp_len = rng.integers(1, max_resp + 1, size=N)
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
+    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
+    ids = rng.integers(3, 64, size=(N, P + R)).astype(np.int32)
+    return Experience(
+        input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        response_mask=jnp.asarray(resp_mask, jnp.float32),
+        old_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
+        ref_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
+        advantages=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
+        values=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
+        returns=jnp.asarray(rng.normal(size=(N, R)), jnp.float32))
+
+
+def _masked(x, mask):
+    return np.asarray(x) * np.asarray(mask)
+
+
+def _place(b, mesh):
+    if mesh is None:
+        return b, None, 1
+    rows = lambda v: NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (v.ndim - 1))))  # noqa: E731
+    b = jax.tree.map(lambda v: jax.device_put(v, rows(v)), b)
+    return b, NamedSharding(mesh, ROWS_SPEC), mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _update(update_fn, params, s, b, packed, mesh=None, num_micro=2):
+    tx = optax.sgd(0.5)
+    b, sharding, shards = _place(b, mesh)
+    rng = jax.random.PRNGKey(1)
+    packing = None
+    if packed:
+        packing, num_micro = pk.plan_update(np.asarray(b.attention_mask), R, rng, epochs=s.ppo_epochs,
+                                            shuffle=s.shuffle, num_mini=2, num_micro=num_micro, shards=shards)
+    fn = jax.jit(functools.partial(update_fn, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
+                                   num_micro_batches=num_micro, rows_sharding=sharding))
+    new, _, metrics = fn(params, tx.init(params), b, rng, None, packing)
+    return jax.device_get(new), jax.device_get(metrics), fn
+
+
+def _assert_same(a, b):
+    (pa, ma), (pb, mb) = a, b
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5), pa, pb)
+    assert set(ma) == set(mb)
+    for k in ma:
+        np.testing.assert_allclose(ma[k], mb[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+def test_packed_actor_update_equals_padded():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    s = dataclasses.replace(SETTINGS, loss_agg_mode="seq-mean-token-sum")
+    padded = _update(update_actor, params, s, _batch(), packed=False)[:2]
+    packed = _update(update_actor, params, s, _batch(), packed=True)[:2]
+    _assert_same(padded, packed)
+    assert padded[1]["actor/grad_norm"] > 0
+    moved = jax.tree.map(lambda x, y: float(np.abs(x - y).max()), params, padded[0])
+    assert max(jax.tree.leaves(moved)) > 1e-4  # the update did change the params
+
+
+def test_packed_actor_update_equals_padded_on_8_devices():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    padded = _update(update_actor, params, SETTINGS, _batch(), packed=False)[:2]
+    packed8 = _update(update_actor, params, SETTINGS, _batch(), packed=True, mesh=mesh, num_micro=1)[:2]
+    _assert_same(padded, packed8)
+
+
+def test_packed_critic_update_equals_padded():
+    params = init_params(CFG, jax.random.PRNGKey(0), head="value")
+    s = CriticSpec(cliprange_value=0.5, loss_agg_mode="token-mean", compute_dtype="float32", remat="none",
+                   ppo_epochs=1, shuffle=False)
+    _assert_same(_update(update_critic, params, s, _batch(1), packed=False)[:2],
+                 _update(update_critic, params, s, _batch(1), packed=True)[:2])
+
+
+def test_no_grad_passes_equal_padded():
+    b = _batch(2)
+    mask = np.asarray(b.attention_mask)
+    layout = pk.plan_chunks(mask, R, micro_rows=8, shards=2)
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    kw = dict(model_cfg=CFG, temperature=0.7, compute_dtype="float32", micro_rows=8)
+    want = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, **kw)
+    got = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, layout, **kw)
+    np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
+    assert np.all(np.asarray(got)[np.asarray(b.response_mask) == 0] == 0)
+    vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
+    kw = dict(model_cfg=CFG, compute_dtype="float32", micro_rows=8)
+    want = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, **kw)
+    got = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, layout, **kw)
+    np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
+
+
+def test_attention_does_not_cross_sequences_and_positions_restart():
+    b = _batch(3)
+    mask = np.asarray(b.attention_mask)
+    layout = pk.plan_chunks(mask, R, micro_rows=N, shards=1)
+    row = int(np.argmax(np.asarray(layout.segment_ids)[0, 0].max(-1)))  # the row with most sequences
+    seg = np.asarray(layout.segment_ids)[0, 0, row]
+    assert seg.max() >= 2  # this row packs several sequences
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    one = jax.tree.map(lambda x: x[0], layout)
+    lp = jax.jit(lambda ids: response_log_probs(params, CFG, ids, b.attention_mask, R, packing=one))
+    base = np.asarray(lp(b.input_ids))
+    # change every token of the row's first sequence: only that sequence's log-probs move
+    first = int(np.asarray(layout.token_index)[0, 0, row, 0]) // (P + R)
+    ids = np.asarray(b.input_ids).copy()
+    ids[first] = (ids[first] + 5) % 60 + 3
+    changed = np.asarray(lp(jnp.asarray(ids)))
+    resp = np.asarray(b.response_mask) > 0
+    others = np.ones(N, bool)
+    others[first] = False
+    np.testing.assert_array_equal(changed[others], base[others])
+    assert np.abs(changed[first][resp[first]] - base[first][resp[first]]).max() > 1e-3
+    # positions restart at 0 at each segment start
+    pos = np.asarray(segment_positions(jnp.asarray(seg[None])))[0]
+    starts = np.flatnonzero(np.diff(np.concatenate([[-1], seg])) != 0)
+    assert np.all(pos[starts] == 0) and np.all(np.diff(pos)[np.diff(seg) == 0] == 1)
+
+
+def test_segment_hidden_equals_separate_sequences():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    a, c = np.arange(3, 8), np.arange(10, 13)
+    packed = jnp.asarray(np.concatenate([a, c, [0, 0]])[None], jnp.int32)
+    seg = jnp.asarray([[1] * 5 + [2] * 3 + [0, 0]], jnp.int32)
+    h, _ = forward_hidden(params, CFG, packed, (seg > 0).astype(jnp.int32), segment_ids=seg)
+    ha, _ = forward_hidden(params, CFG, jnp.asarray(a[None]), jnp.ones((1, 5), jnp.int32))
+    hc, _ = forward_hidden(params, CFG, jnp.asarray(c[None]), jnp.ones((1, 3), jnp.int32))
+    np.testing.assert_allclose(np.asarray(h[0, :5]), np.asarray(ha[0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(h[0, 5:8]), np.asarray(hc[0]), atol=1e-5)
+
+
+def test_no_recompile_across_steps_with_other_lengths():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    tx = optax.sgd(0.5)
+    fn = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=SETTINGS, tx=tx, num_mini_batches=2,
+                                   num_micro_batches=2))
+    real = set()
+    for seed in (4, 5, 6):  # three steps, three length mixes
+        b = _batch(seed)
+        packing, _ = pk.plan_update(np.asarray(b.attention_mask), R, jax.random.PRNGKey(seed), epochs=2,
+                                    shuffle=True, num_mini=2, num_micro=2, shards=1)
+        real.add(pk.packing_stats(packing.layout)["real_tokens"])
+        fn(params, tx.init(params), b, jax.random.PRNGKey(seed), None, packing)
+    assert len(real) == 3  # the steps really had different length mixes
+    assert fn._cache_size() == 1  # ... and all ran the one compiled update program
+
+
+def test_buckets():
+    assert [pk.bucket(x) for x in (1, 8, 9, 11, 17, 33, 100)] == [1, 8, 10, 12, 20, 40, 112]
+    assert pk.row_width(5) == 8 and pk.row_width(100) == 128 and pk.row_width(700) == 768
+    assert pk.row_width(1100) == 1280
+
+
+def test_dynamic_batch_fills_the_token_budget():
+    b = _batch(8)
+    mask = np.asarray(b.attention_mask)
+    _, length = pk.sequence_spans(mask)
+    budget, shards = 48, 2
+    packing, micro = pk.plan_update(mask, R, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
+                                    num_micro=None, shards=shards, token_budget=budget)
+    per_shard = N // shards
+    groups = np.arange(N).reshape(micro, shards, per_shard // micro)
+    assert length[groups].sum(-1).max() <= budget
+    # the next smaller count of micro-batches would overflow the budget: it is as full as it can be
+    fewer = [d for d in range(1, micro) if per_shard % d == 0][-1]
+    assert length[np.arange(N).reshape(fewer, shards, per_shard // fewer)].sum(-1).max() > budget
+    # the padded path fits budget // (P + R) sequences per micro-batch; packed ones hold more
+    padded = MicroBatching("k", None, budget).sequences_per_device(per_shard, P + R)
+    assert per_shard // micro == 4 and padded == 2
+    assert pk.packing_stats(packing.layout)["real_tokens"] == int(length.sum())
+    chunk_rows = pk.dynamic_chunk_rows(mask, shards, budget)  # the no-grad passes' chunks likewise
+    assert chunk_rows == N // micro
+
+
+@pytest.mark.usefixtures("smollm2_gguf")
+def test_trainer_step_same_with_and_without_packing(tmp_path):
+    """One PPO step (critic: value pass + update, reference KL loss, shuffled) gives the same
+    metrics packed and padded: the same trainer runs the step twice from the same state."""
+    import tiny_runs
+    from jaxrl_llm.trainer import Trainer
+
+    cfg = tiny_runs.tiny_config(tmp_path / "run", **{
+        "trainer.total_training_steps": 1, "trainer.test_freq": -1, "data.max_response_length": 16,
+        "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.shuffle": True})
+    trainer = Trainer(cfg)
+    assert trainer.spec.model.use_remove_padding and trainer.spec.critic_model.use_remove_padding  # the default
+    state = jax.tree.map(jnp.copy, trainer._state())  # the update donates params and optimizer state
+    loader_state, kl_coef = trainer.train_loader.get_state(), trainer.kl_ctrl.value
+
+    def step():
+        metrics = trainer.train_step(next(trainer.train_loader))
+        return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+    packed = step()
+    for role in ("actor", "critic"):
+        getattr(trainer, role).params = jax.tree.map(jnp.copy, state[role]["params"])
+        getattr(trainer, role).opt_state = jax.tree.map(jnp.copy, state[role]["opt_state"])
+    trainer.train_loader.set_state(loader_state)
+    trainer.kl_ctrl.value = kl_coef
+    spec = trainer.spec
+    trainer.spec = dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, use_remove_padding=False),
+        critic_model=dataclasses.replace(spec.critic_model, use_remove_padding=False))
+    padded = step()
+    trainer.close()
+    assert padded.keys() == packed.keys()
+    assert "actor/kl_loss" in padded  # 0 here: the first update's policy is the reference
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/values/mean"):
+        assert key in padded and padded[key] != 0, key
+    for key in padded:
+        np.testing.assert_allclose(packed[key], padded[key], rtol=1e-5, atol=1e-5, err_msg=key)
