@@ -57,3 +57,37 @@ def test_bf16_sampler_equals_trainer_and_rollout_kl_vanishes(tmp_path):
     assert abs(step["rollout_corr/kl"]) <= 1e-5, step
     assert step["rollout_corr/log_ppl_abs_diff"] <= 1e-5, step
     assert 0.9999 <= step["rollout_corr/rollout_is_min"] <= step["rollout_corr/rollout_is_max"] <= 1.0001, step
+
+
+QA = [("What is the capital of France?", "The capital of France is Paris, a city on the Seine."),
+      ("Name three primary colours.", "Red, yellow and blue are the three primary colours."),
+      ("How many legs does a spider have?", "A spider has eight legs, two more than an insect."),
+      ("What is 12 times 7?", "Twelve times seven is eighty-four.")]
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_scoring_close_to_fp32(smollm2_gguf):
+    """The trainer's bf16 scoring of real answers against its fp32 scoring: the policy halves the
+    bf16 error (mean |Δ logp| 0.025 -> 0.012 measured on these 46 tokens)."""
+    from jaxrl_llm.hf import load_gguf, load_tokenizer
+    from jaxrl_llm.sampler import left_pad
+    from jaxrl_llm.trainer.forward import response_log_probs
+
+    cfg, params = load_gguf(smollm2_gguf)
+    tok = load_tokenizer(smollm2_gguf)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q, _ in QA]
+    answers = [tok(a)["input_ids"] for _, a in QA]
+    r = max(map(len, answers))
+    ids, mask = left_pad(prompts, 0)
+    resp, rmask = np.zeros((len(QA), r), np.int32), np.zeros((len(QA), r), np.int32)
+    for i, a in enumerate(answers):
+        resp[i, :len(a)], rmask[i, :len(a)] = a, 1
+    full = jnp.asarray(np.concatenate([ids, resp], 1))
+    full_mask = jnp.asarray(np.concatenate([mask, rmask], 1))
+    score = jax.jit(response_log_probs, static_argnums=(1, 4), static_argnames=("compute_dtype",))
+    lp16 = np.asarray(score(params, cfg, full, full_mask, r, compute_dtype="bfloat16"))
+    lp32 = np.asarray(score(params, cfg, full, full_mask, r, compute_dtype="float32"))
+    err = np.abs(lp16 - lp32)[rmask > 0]
+    assert err.size > 40 and np.all(np.isfinite(err))
+    assert 1e-3 < err.mean() < 0.018, err.mean()  # bf16 for real; 0.025 before the policy
