@@ -9,12 +9,13 @@ angles are computed in fp32.
 
 Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance.md): every
 matmul takes compute-dtype operands and accumulates AND returns fp32; the fp32 result is rounded to
-the compute dtype once, where the next matmul consumes it (bias add, q/k norm, RoPE, SiLU gate and
-the residual adds run in fp32 before that rounding). Attention: fp32 scores, fp32 softmax with a
-finite mask value, fp32 probabilities times V (`probs_times_values`). Besides being more accurate
-in bf16, this makes a token's numbers independent of how many tokens share the matmul (a one-token
-decode step, a prefill, the trainer's full sequence): with bf16 results XLA's kernels sum in a
-shape-dependent order, and those fp32-level differences, rounded to bf16, flip activations.
+the compute dtype once, where the next matmul consumes it (bias add, q/k norm, RoPE and the SiLU
+gate run in fp32 before that rounding); the residual stream between layers is fp32 (the
+embedding rows rounded to the compute dtype, then fp32 sums). Attention: fp32 scores, fp32 softmax
+with a finite mask value, fp32 probabilities times V (`probs_times_values`). In bf16 this is more
+accurate (half the log-prob error against fp32 on SmolLM2) and keeps a token's numbers
+independent of how many tokens share a matmul (a decode step, a prefill, the trainer's full
+sequence) wherever the matmul kernels are row-independent. In fp32 nothing changes.
 
 Masking is by slot: a query at slot `q` sees key slot `s` iff `s <= q`, the key slot is valid (its
 attention-mask bit is 1) and, with a sliding window W, `q - s < W`. Without a cache the slots are

@@ -5,11 +5,13 @@ accumulated AND returned in fp32, one rounding to the compute dtype where the ne
 the result. In bf16 the one exception is attention's probabilities x V: the probabilities stay
 fp32, and are split into two bf16 terms (`hi + lo`, 16 significant bits) so that the product runs
 as two bf16 x bf16 -> fp32 matmuls instead of one fp32 matmul. Why: bf16 x bf16 products are exact
-in fp32 on every backend (CPU, GPU tensor cores, TPU MXU), and XLA's kernels for them are
-row-independent, while fp32 matmuls are not (XLA CPU computes tail rows in another order; TPU's
-default precision rounds fp32 operands to bf16 anyway). A row-independent product means a token's
-attention output is the same whether it is computed alone (one decode step) or among all tokens of
-the sequence (the trainer's forward), so the bf16 rounding that follows cannot flip.
+in fp32 on every backend (CPU, GPU tensor cores, TPU MXU), while fp32 x fp32 matmuls are not
+(TPU's default precision rounds fp32 operands to bf16; XLA CPU sums the tail rows of an fp32
+matmul in another order than the others, so a one-token decode step and the same token inside a
+full sequence differ). What remains is the kernels' summation order over the contraction: with
+row-independent kernels a bf16 decode step and the trainer's forward are bit-identical
+(tests/models/test_bf16_numerics.py); where a kernel's order depends on the number of rows, an
+fp32 last-bit difference rounded to bf16 flips an activation (the floor in docs/performance.md).
 """
 from __future__ import annotations
 
