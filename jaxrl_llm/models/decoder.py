@@ -7,6 +7,16 @@ jaxrl_llm/models/remat.py, or a bool) wraps each layer in `nn.remat` with that p
 kept in their own dtype (fp32 master); matmuls run in `compute_dtype`; norms, softmax and RoPE
 angles are computed in fp32.
 
+Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance.md): every
+matmul takes compute-dtype operands and accumulates AND returns fp32; the fp32 result is rounded to
+the compute dtype once, where the next matmul consumes it (bias add, q/k norm, RoPE and the SiLU
+gate run in fp32 before that rounding); the residual stream between layers is fp32 (the
+embedding rows rounded to the compute dtype, then fp32 sums). Attention: fp32 scores, fp32 softmax
+with a finite mask value, fp32 probabilities times V (`probs_times_values`). In bf16 this is more
+accurate (half the log-prob error against fp32 on SmolLM2) and keeps a token's numbers
+independent of how many tokens share a matmul (a decode step, a prefill, the trainer's full
+sequence) wherever the matmul kernels are row-independent. In fp32 nothing changes.
+
 Masking is by slot: a query at slot `q` sees key slot `s` iff `s <= q`, the key slot is valid (its
 attention-mask bit is 1) and, with a sliding window W, `q - s < W`. Without a cache the slots are
 the sequence indices; with a cache they are cache indices (see `jaxrl_llm.models.cache`).
@@ -21,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+from jaxrl_llm.models.numerics import dot_general_f32, einsum_f32, probs_times_values
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
 Array = jax.Array
@@ -68,15 +79,19 @@ class Attention(nn.Module):
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         init = nn.initializers.normal(cfg.initializer_range)
 
-        def proj(name: str, heads: int) -> Array:
+        def proj(name: str, heads: int) -> Array:  # fp32 [B, T, heads, D] (bias added in fp32)
             return nn.DenseGeneral((heads, hd), use_bias=cfg.attention_bias, dtype=self.compute_dtype,
-                                   param_dtype=self.param_dtype, kernel_init=init, name=name)(x)
+                                   param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
+                                   name=name)(x)
 
         q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
-            q = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="k_norm")(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE (kept fp32 until after RoPE)
+            q = RMSNorm(cfg.rms_norm_eps, jnp.float32, self.param_dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, jnp.float32, self.param_dtype, name="k_norm")(k)
+        # one rounding to the compute dtype; the K/V cache stores exactly these values
+        q = apply_rope(q, cos, sin).astype(self.compute_dtype)
+        k = apply_rope(k, cos, sin).astype(self.compute_dtype)
+        v = v.astype(self.compute_dtype)
 
         # head-major [B, kv, S, D]: the layout both attention matmuls read without a transposed copy
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -91,15 +106,18 @@ class Attention(nn.Module):
         b, t = q.shape[:2]
         # grouped-query: no repeat of k/v; the g query heads of a kv head share its keys
         q = q.reshape(b, t, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
+        scores = einsum_f32("bkqd,bksd->bkqs", q, k)
         scores = scores.reshape(b, nkv, nh // nkv, t, -1) * (hd ** -0.5)
         scores = jnp.where(allowed[:, None, None], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.compute_dtype).reshape(b, nkv, -1, scores.shape[-1])
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
+        # fp32 probabilities times V (the shared decode-attention policy, models/numerics.py): the
+        # result does not depend on how many queries share the matmul
+        probs = jax.nn.softmax(scores, axis=-1).reshape(b, nkv, -1, scores.shape[-1])
+        out = probs_times_values("bkqs,bksd->bkqd", probs, v)
         out = out.reshape(b, nkv, nh // nkv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd)
         out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.compute_dtype,
-                              param_dtype=self.param_dtype, kernel_init=init, name="o_proj")(out)
-        return out, k_cache, v_cache
+                              param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
+                              name="o_proj")(out.astype(self.compute_dtype))
+        return out, k_cache, v_cache  # out: fp32 [B, T, H]
 
 
 class MLP(nn.Module):
@@ -110,12 +128,13 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.cfg
-        dense = lambda n, name: nn.Dense(  # noqa: E731
+        dense = lambda n, name: nn.Dense(  # noqa: E731  (fp32 results, see the module docstring)
             n, use_bias=False, dtype=self.compute_dtype, param_dtype=self.param_dtype,
-            kernel_init=nn.initializers.normal(cfg.initializer_range), name=name)
+            kernel_init=nn.initializers.normal(cfg.initializer_range), dot_general=dot_general_f32, name=name)
         gate = dense(cfg.intermediate_size, "gate_proj")(x)
         up = dense(cfg.intermediate_size, "up_proj")(x)
-        return dense(cfg.hidden_size, "down_proj")(jax.nn.silu(gate) * up)
+        act = (jax.nn.silu(gate) * up).astype(self.compute_dtype)
+        return dense(cfg.hidden_size, "down_proj")(act)  # fp32 [..., H]
 
 
 class DecoderLayer(nn.Module):
@@ -132,6 +151,7 @@ class DecoderLayer(nn.Module):
                                     self.param_dtype, name=name)
         h, k_cache, v_cache = Attention(self.cfg, self.compute_dtype, self.param_dtype, name="attn")(
             norm("attn_norm")(x), cos, sin, allowed, write_index, layer_index, k_cache, v_cache)
+        # the residual stream x is fp32 (h and the MLP output are fp32): no rounding of the sum
         x = x + h
         x = x + MLP(self.cfg, self.compute_dtype, self.param_dtype, name="mlp")(norm("mlp_norm")(x))
         return (x, k_cache, v_cache, layer_index + 1), None
@@ -150,7 +170,8 @@ class Decoder(nn.Module):
         cfg = self.cfg
         embed = self.param("embedding", nn.initializers.normal(cfg.initializer_range),
                            (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
-        x = jnp.take(embed, input_ids, axis=0).astype(self.compute_dtype)
+        # the embedding rows in the compute dtype, carried as an fp32 residual stream
+        x = jnp.take(embed, input_ids, axis=0).astype(self.compute_dtype).astype(jnp.float32)
         cos, sin = rope_cos_sin(cfg, positions)
         policy = remat_name(self.remat)
         layer = DecoderLayer

@@ -1,0 +1,46 @@
+"""The matmul numerics shared by the trainer's forward and every decode path (rollout/trainer parity).
+
+Policy (docs/performance.md, "Rollout/trainer numerics"): operands in the compute dtype, products
+accumulated AND returned in fp32, one rounding to the compute dtype where the next matmul consumes
+the result. In bf16 the one exception is attention's probabilities x V: the probabilities stay
+fp32, and are split into two bf16 terms (`hi + lo`, 16 significant bits) so that the product runs
+as two bf16 x bf16 -> fp32 matmuls instead of one fp32 matmul. Why: bf16 x bf16 products are exact
+in fp32 on every backend (CPU, GPU tensor cores, TPU MXU), while fp32 x fp32 matmuls are not
+(TPU's default precision rounds fp32 operands to bf16; XLA CPU sums the tail rows of an fp32
+matmul in another order than the others, so a one-token decode step and the same token inside a
+full sequence differ). What remains is the kernels' summation order over the contraction: with
+row-independent kernels a bf16 decode step and the trainer's forward are bit-identical
+(tests/models/test_bf16_numerics.py); where a kernel's order depends on the number of rows, an
+fp32 last-bit difference rounded to bf16 flips an activation (the floor in docs/performance.md).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+# compute-dtype operands, fp32 accumulation and fp32 result (a flax `dot_general=` drop-in)
+dot_general_f32 = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
+
+
+def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """`jnp.einsum` with fp32 accumulation and an fp32 result (operands keep their dtype)."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def probs_times_values(spec: str, probs: Array, v: Array) -> Array:
+    """fp32 `einsum(spec, probs, v)` of fp32 attention probabilities and V in the compute dtype.
+
+    fp32 V: one fp32 matmul (fp32 results are unchanged by this policy). bf16 V: probs = hi + lo
+    with hi = bf16(probs), lo = bf16(probs - hi); two bf16 x bf16 -> fp32 matmuls, added in fp32.
+    """
+    probs = probs.astype(jnp.float32)
+    if v.dtype == jnp.float32:
+        return einsum_f32(spec, probs, v)
+    hi = probs.astype(v.dtype)
+    lo = (probs - hi.astype(jnp.float32)).astype(v.dtype)
+    return einsum_f32(spec, hi, v) + einsum_f32(spec, lo, v)
