@@ -12,6 +12,7 @@ Params layout (plain nested dict of arrays; layer params stacked on a leading ax
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")
     score/kernel [H, num_labels]           (head="score"; HF `score.weight`, no bias)
+    lora                                   (optional) LoRA adapters, models/lora.py `with_lora`
 """
 from __future__ import annotations
 
@@ -127,18 +128,22 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 
     Positions default to cumsum(attention_mask) - 1 clipped at 0 (over the cache slots too when a
-    cache is given), so left padding does not change any real token's output.
+    cache is given), so left padding does not change any real token's output. LoRA adapters in
+    `params["lora"]` (models/lora.py) are applied inside the layers.
     """
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache)
     backbone = {k: params[k] for k in BACKBONE_KEYS}
     param_dtype = backbone["embedding"].dtype
-    module = Decoder(cfg, compute_dtype=compute_dtype, param_dtype=param_dtype, remat=remat)
+    lora = params.get("lora")
+    module = Decoder(cfg, compute_dtype=compute_dtype, param_dtype=param_dtype, remat=remat,
+                     lora_scale=0.0 if lora is None else lora.scale)
     k_cache = v_cache = None
     if cache is not None:
         k_cache, v_cache = cache["k"], cache["v"]
     hidden, k_cache, v_cache = module.apply({"params": backbone}, input_ids, positions, allowed,
-                                            write_index, k_cache, v_cache)
+                                            write_index, k_cache, v_cache,
+                                            None if lora is None else lora.weights["layers"])
     if cache is None:
         return hidden, None
     new_cache = {"k": k_cache, "v": v_cache, "mask": new_mask,
