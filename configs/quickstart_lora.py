@@ -25,7 +25,7 @@ def get_config():
     model.lora_rank = 16
     model.lora_alpha = 32
     model.target_modules = "all-linear"
-    cfg.actor_rollout_ref.actor.optim.lr = 2e-3
+    cfg.actor_rollout_ref.actor.optim.lr = 1e-3
     cfg.trainer.experiment_name = "quickstart_lora"
     cfg.trainer.default_local_dir = "runs/quickstart_lora"
     return cfg

@@ -107,6 +107,19 @@ def test_gradients_only_on_adapters_and_equal_merged_weight_gradients():
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(in_layer))
 
 
+def test_bfloat16_base_gives_float32_adapter_gradients():
+    cfg = _cfg()
+    params = init_params(cfg, jax.random.key(0))
+    ad = _trained(cfg)
+    ids, mask = _batch(cfg.vocab_size)
+    grad = jax.jit(jax.grad(lambda p, a: _loss(with_lora(p, a, LORA.scale), cfg, ids, mask), argnums=1))
+    g32 = grad(params, ad)
+    g16 = grad(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), ad)  # the frozen base kept in bf16
+    assert {x.dtype for x in jax.tree.leaves(g16)} == {jnp.dtype("float32")}
+    for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(g16)):  # bf16 rounding of the base only (~1%)
+        assert float(jnp.abs(a - b).max() / jnp.abs(a).max()) < 0.05
+
+
 def test_sampler_with_adapters_equals_merged_weights():
     cfg = ModelConfig.tiny("llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=8, num_hidden_layers=2, eos_token_id=2, pad_token_id=0)
