@@ -92,6 +92,9 @@ class Trainer:
         self.ref_params = None
         if self.need_ref:
             self.ref_params = self.actor.frozen if lora else make_reference(params, spec.ref)
+            if lora and spec.ref.param_offload:
+                log.warning("actor_rollout_ref.ref.param_offload: no effect with LoRA (the reference is the "
+                            "frozen base the policy also reads)")
         self.critic: TrainedRole | None = None
         if spec.critic is not None:
             critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
