@@ -1,10 +1,12 @@
 """Convert a model to a Hugging Face folder.
 
-    python launch/convert_to_hf.py --input PATH --output DIR [--dtype float32|bfloat16|float16]
+    python launch/convert_to_hf.py --input PATH --output DIR [--dtype float32|bfloat16|float16] [--peft DIR]
 
 PATH is an HF folder, a .gguf file, or a training checkpoint (a step folder such as
 `runs/x/checkpoints/40`, a checkpoints folder or a run folder: its latest step); the tokenizer
 comes from PATH, or for a checkpoint from the tokenizer the run used (override: --tokenizer).
+A LoRA checkpoint holds only adapters: DIR gets them merged into the base (re-read from the base
+path the checkpoint records), and `--peft DIR2` also writes them as a PEFT adapter folder.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import sys
 
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
 from jaxrl_llm.models.dtypes import DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.checkpoint import is_checkpoint, read_checkpoint_meta, register_checkpoint_loader
+from jaxrl_llm.trainer.checkpoint import (is_checkpoint, load_lora_checkpoint, read_checkpoint_meta,
+                                          register_checkpoint_loader)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, help="bytes per shard")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer")
     parser.add_argument("--tokenizer", default=None, help="tokenizer location (default: see above)")
+    parser.add_argument("--peft", default=None, help="also write a LoRA checkpoint's adapters as a PEFT folder here")
     args = parser.parse_args(argv)
+    if args.peft is not None:
+        from jaxrl_llm.hf.peft import export_peft
+
+        if not is_checkpoint(args.input):
+            parser.error("--peft needs a LoRA training checkpoint as --input")
+        cfg, adapters, lora, base_path = load_lora_checkpoint(args.input)
+        print(f"wrote LoRA adapters (rank {lora.rank}) to {export_peft(cfg, adapters, lora, args.peft, base_model_name_or_path=base_path)}")
 
     register_checkpoint_loader()
     cfg, params = load_any(args.input, dtype=as_jnp_dtype(args.dtype))

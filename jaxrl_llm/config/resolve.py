@@ -20,6 +20,7 @@ from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterG
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.losses.policy import POLICY_LOSSES
+from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
 from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.params import SamplingParams
@@ -90,10 +91,12 @@ def _plain(value: Any) -> dict:
 
 
 def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
+    rank = int(section.get("lora_rank", 0))  # the policy's keys only (critic.model has none)
+    lora = LoraConfig(rank, float(section.lora_alpha), parse_target_modules(section.target_modules)) if rank else None
     return ModelSpec(path=section.path, dtype=section.dtype, param_dtype=section.param_dtype,
                      remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()),
                      override_config=tuple(sorted(_plain(section.override_config).items())),
-                     use_remove_padding=bool(section.use_remove_padding))
+                     use_remove_padding=bool(section.use_remove_padding), lora=lora)
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:

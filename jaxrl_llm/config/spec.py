@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.models.lora import LoraConfig
 from jaxrl_llm.rewards.spec import RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.params import SamplingParams
 
@@ -30,6 +31,7 @@ class ModelSpec:
     tiny: tuple[tuple[str, Any], ...]  # dims of a tiny:<arch> model (actor_rollout_ref.model.tiny)
     override_config: tuple[tuple[str, Any], ...] = ()  # HF config fields replaced at load (model.override_config)
     use_remove_padding: bool = True  # sequence packing (trainer/packing.py)
+    lora: LoraConfig | None = None  # model.lora_rank > 0: train adapters on the frozen base (models/lora.py)
 
     @property
     def is_tiny(self) -> bool:

@@ -199,6 +199,15 @@ REF = {
 MODEL = dict(
     _model("policy", "Policy weights: HF folder, .gguf file, our orbax checkpoint, or tiny:<arch> "
                      "(an in-process random model, dims from model.tiny). veRL."),
+    lora_rank=field(0, "LoRA rank of the policy; 0 = full fine-tuning. > 0 trains only adapters (A random, B zero, "
+                       "so step 0 is the base) with optimizer state for them alone; the frozen base is kept in "
+                       "model.param_dtype (bfloat16 halves it; adapters stay float32), the reference policy is "
+                       "the base with adapters off (no copy; ref.param_dtype / ref.param_offload do not apply) "
+                       "and checkpoints hold the adapters (plus the base path). veRL."),
+    lora_alpha=field(16, "LoRA scale numerator: adapters add (lora_alpha / lora_rank) * (x @ A) @ B. veRL.",
+                     types=float),
+    target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
+                                       "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),
     tiny={
         "num_hidden_layers": field(2, "Decoder blocks of a tiny:<arch> model (tests); names as "
                                       "jaxrl_llm.models.ModelConfig.tiny's overrides."),

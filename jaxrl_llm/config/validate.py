@@ -21,6 +21,7 @@ from jaxrl_llm.config.checks import check_inputs, check_sources
 from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
+from jaxrl_llm.models.lora import parse_target_modules
 
 ARR = "actor_rollout_ref"
 ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
@@ -163,9 +164,24 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
         _require(get_path(cfg, f"{o}.lr_warmup_steps_ratio") <= 1.0, f"{o}.lr_warmup_steps_ratio", cfg,
                  "must be in [0, 1]")
         _require(get_path(cfg, f"{o}.min_lr_ratio") <= 1.0, f"{o}.min_lr_ratio", cfg, "must be in [0, 1]")
+    _check_lora(cfg)
     for tok in cfg.actor_rollout_ref.rollout.stop_token_ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise ConfigError(f"{ROLLOUT}.stop_token_ids: {tok!r} is not a token id (non-negative int)")
+
+
+def _check_lora(cfg: ml_collections.ConfigDict) -> None:
+    model = cfg.actor_rollout_ref.model
+    rank = model.lora_rank
+    _require(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, f"{ARR}.model.lora_rank", cfg,
+             "must be an int >= 0 (0 = full fine-tuning)")
+    if rank > 0:
+        _require(isinstance(model.lora_alpha, (int, float)) and model.lora_alpha > 0, f"{ARR}.model.lora_alpha",
+                 cfg, "must be > 0")
+        try:
+            parse_target_modules(model.target_modules, f"{ARR}.model.target_modules")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def mesh_dp_size(cfg: ml_collections.ConfigDict, num_devices: int) -> int:

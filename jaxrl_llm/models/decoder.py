@@ -5,7 +5,8 @@ q/k/v bias, per-head q/k RMSNorm, sliding window). Layers run under `nn.scan`, s
 carry a leading layer axis and compile time does not grow with depth; `remat` (a policy name of
 jaxrl_llm/models/remat.py, or a bool) wraps each layer in `nn.remat` with that policy. Params are
 kept in their own dtype (fp32 master); matmuls run in `compute_dtype`; norms, softmax and RoPE
-angles are computed in fp32.
+angles are computed in fp32. LoRA adapters (models/lora.py), when given, are scanned with the
+layers and add `scale * (x @ A) @ B` to each targeted projection's output.
 
 Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance.md): every
 matmul takes compute-dtype operands and accumulates AND returns fp32; the fp32 result is rounded to
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+from jaxrl_llm.models.lora import lora_delta
 from jaxrl_llm.models.numerics import dot_general_f32, einsum_f32, probs_times_values
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
@@ -68,21 +70,29 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x.dtype)
 
 
+def _plus(y: Array, delta: Array | None) -> Array:
+    return y if delta is None else y + delta
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     compute_dtype: Any
     param_dtype: Any
+    lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, x, cos, sin, allowed, write_index, layer_index, k_cache, v_cache):
+    def __call__(self, x, cos, sin, allowed, write_index, layer_index, k_cache, v_cache, lora=None):
         cfg = self.cfg
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         init = nn.initializers.normal(cfg.initializer_range)
 
+        lora = lora or {}
+
         def proj(name: str, heads: int) -> Array:  # fp32 [B, T, heads, D] (bias added in fp32)
-            return nn.DenseGeneral((heads, hd), use_bias=cfg.attention_bias, dtype=self.compute_dtype,
-                                   param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
-                                   name=name)(x)
+            y = nn.DenseGeneral((heads, hd), use_bias=cfg.attention_bias, dtype=self.compute_dtype,
+                                param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
+                                name=name)(x)
+            return _plus(y, lora_delta(x, lora.get(name), self.lora_scale, self.compute_dtype))
 
         q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
         if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE (kept fp32 until after RoPE)
@@ -114,27 +124,34 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).reshape(b, nkv, -1, scores.shape[-1])
         out = probs_times_values("bkqs,bksd->bkqd", probs, v)
         out = out.reshape(b, nkv, nh // nkv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, hd)
-        out = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.compute_dtype,
-                              param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
-                              name="o_proj")(out.astype(self.compute_dtype))
-        return out, k_cache, v_cache  # out: fp32 [B, T, H]
+        out = out.astype(self.compute_dtype)
+        o = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.compute_dtype,
+                            param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
+                            name="o_proj")(out)
+        o = _plus(o, lora_delta(out, lora.get("o_proj"), self.lora_scale, self.compute_dtype))
+        return o, k_cache, v_cache  # o: fp32 [B, T, H]
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
     compute_dtype: Any
     param_dtype: Any
+    lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
-        cfg = self.cfg
-        dense = lambda n, name: nn.Dense(  # noqa: E731  (fp32 results, see the module docstring)
-            n, use_bias=False, dtype=self.compute_dtype, param_dtype=self.param_dtype,
-            kernel_init=nn.initializers.normal(cfg.initializer_range), dot_general=dot_general_f32, name=name)
-        gate = dense(cfg.intermediate_size, "gate_proj")(x)
-        up = dense(cfg.intermediate_size, "up_proj")(x)
+    def __call__(self, x: Array, lora: dict | None = None) -> Array:
+        cfg, lora = self.cfg, lora or {}
+
+        def dense(n: int, name: str, h: Array) -> Array:  # fp32 results, see the module docstring
+            y = nn.Dense(n, use_bias=False, dtype=self.compute_dtype, param_dtype=self.param_dtype,
+                         kernel_init=nn.initializers.normal(cfg.initializer_range), dot_general=dot_general_f32,
+                         name=name)(h)
+            return _plus(y, lora_delta(h, lora.get(name), self.lora_scale, self.compute_dtype))
+
+        gate = dense(cfg.intermediate_size, "gate_proj", x)
+        up = dense(cfg.intermediate_size, "up_proj", x)
         act = (jax.nn.silu(gate) * up).astype(self.compute_dtype)
-        return dense(cfg.hidden_size, "down_proj")(act)  # fp32 [..., H]
+        return dense(cfg.hidden_size, "down_proj", act)  # fp32 [..., H]
 
 
 class DecoderLayer(nn.Module):
@@ -143,17 +160,20 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     compute_dtype: Any
     param_dtype: Any
+    lora_scale: float = 0.0
 
     @nn.compact
-    def __call__(self, carry, cos, sin, allowed, write_index):
+    def __call__(self, carry, cos, sin, allowed, write_index, lora=None):
         x, k_cache, v_cache, layer_index = carry
+        lora = lora or {}
         norm = lambda name: RMSNorm(self.cfg.rms_norm_eps, self.compute_dtype,  # noqa: E731
                                     self.param_dtype, name=name)
-        h, k_cache, v_cache = Attention(self.cfg, self.compute_dtype, self.param_dtype, name="attn")(
-            norm("attn_norm")(x), cos, sin, allowed, write_index, layer_index, k_cache, v_cache)
+        h, k_cache, v_cache = Attention(self.cfg, self.compute_dtype, self.param_dtype, self.lora_scale, name="attn")(
+            norm("attn_norm")(x), cos, sin, allowed, write_index, layer_index, k_cache, v_cache, lora.get("attn"))
         # the residual stream x is fp32 (h and the MLP output are fp32): no rounding of the sum
         x = x + h
-        x = x + MLP(self.cfg, self.compute_dtype, self.param_dtype, name="mlp")(norm("mlp_norm")(x))
+        x = x + MLP(self.cfg, self.compute_dtype, self.param_dtype, self.lora_scale, name="mlp")(
+            norm("mlp_norm")(x), lora.get("mlp"))
         return (x, k_cache, v_cache, layer_index + 1), None
 
 
@@ -164,9 +184,10 @@ class Decoder(nn.Module):
     compute_dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: bool | str = False  # a policy name of models/remat.py (True = full, False = none)
+    lora_scale: float = 0.0  # alpha / rank of the adapters given to __call__ (models/lora.py)
 
     @nn.compact
-    def __call__(self, input_ids, positions, allowed, write_index=0, k_cache=None, v_cache=None):
+    def __call__(self, input_ids, positions, allowed, write_index=0, k_cache=None, v_cache=None, lora=None):
         cfg = self.cfg
         embed = self.param("embedding", nn.initializers.normal(cfg.initializer_range),
                            (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
@@ -178,9 +199,9 @@ class Decoder(nn.Module):
         if policy != "none":  # prevent_cse=False: the layers run under scan, which already keeps them apart
             layer = nn.remat(DecoderLayer, prevent_cse=False, policy=checkpoint_policy(policy))
         stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast,) * 4, length=cfg.num_hidden_layers)
+                        in_axes=(nn.broadcast,) * 4 + (0,), length=cfg.num_hidden_layers)
         carry = (x, k_cache, v_cache, jnp.int32(0))
-        (x, k_cache, v_cache, _), _ = stack(cfg, self.compute_dtype, self.param_dtype, name="layers")(
-            carry, cos, sin, allowed, write_index)
+        (x, k_cache, v_cache, _), _ = stack(cfg, self.compute_dtype, self.param_dtype, self.lora_scale,
+                                            name="layers")(carry, cos, sin, allowed, write_index, lora)
         x = RMSNorm(cfg.rms_norm_eps, self.compute_dtype, self.param_dtype, name="final_norm")(x)
         return x, k_cache, v_cache

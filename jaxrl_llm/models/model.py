@@ -12,6 +12,7 @@ Params layout (plain nested dict of arrays; layer params stacked on a leading ax
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")
     score/kernel [H, num_labels]           (head="score"; HF `score.weight`, no bias)
+    lora                                   (optional) LoRA adapters, models/lora.py `with_lora`
 """
 from __future__ import annotations
 
@@ -130,18 +131,22 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     cache is given), so left padding does not change any real token's output. segment_ids [B, T]
     (no cache): packed rows holding several sequences (ids 1, 2, ... per row, attention_mask 0 on
     the padding); attention stays within a segment and positions restart per segment, so every
-    sequence's hidden states equal those of the sequence alone (trainer/packing.py).
+    sequence's hidden states equal those of the sequence alone (trainer/packing.py). LoRA adapters in
+    `params["lora"]` (models/lora.py) are applied inside the layers.
     """
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids)
     backbone = {k: params[k] for k in BACKBONE_KEYS}
     param_dtype = backbone["embedding"].dtype
-    module = Decoder(cfg, compute_dtype=compute_dtype, param_dtype=param_dtype, remat=remat)
+    lora = params.get("lora")
+    module = Decoder(cfg, compute_dtype=compute_dtype, param_dtype=param_dtype, remat=remat,
+                     lora_scale=0.0 if lora is None else lora.scale)
     k_cache = v_cache = None
     if cache is not None:
         k_cache, v_cache = cache["k"], cache["v"]
     hidden, k_cache, v_cache = module.apply({"params": backbone}, input_ids, positions, allowed,
-                                            write_index, k_cache, v_cache)
+                                            write_index, k_cache, v_cache,
+                                            None if lora is None else lora.weights["layers"])
     if cache is None:
         return hidden, None
     new_cache = {"k": k_cache, "v": v_cache, "mask": new_mask,

@@ -17,6 +17,7 @@ from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.trainer.experience import Experience
 from jaxrl_llm.trainer.forward import response_log_probs
@@ -56,12 +57,16 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
 
 
 def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
-                 packing: UpdatePacking | None = None,
-                 *, model_cfg: ModelConfig, s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int,
-                 num_micro_batches: int, rows_sharding: Any = None):
+                 packing: UpdatePacking | None = None, frozen: dict | None = None, *, model_cfg: ModelConfig,
+                 s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int, num_micro_batches: int,
+                 rows_sharding: Any = None, lora_scale: float = 0.0):
     """`ppo_epochs` x mini-batches x micro-batches of actor updates at learning rate `lr` (one XLA
-    program once jitted, which `TrainedRole.update` does)."""
+    program once jitted, which `TrainedRole.update` does). LoRA: `params` is {"lora": adapters}, the
+    only leaves differentiated and updated, and `frozen` the base they are attached to."""
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s)
+    if frozen is not None:
+        lora_loss = loss_fn
+        loss_fn = lambda p, mb, d: lora_loss(with_lora(frozen, p["lora"], lora_scale), mb, d)  # noqa: E731
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,

@@ -345,9 +345,49 @@ def read_checkpoint_meta(path: Any) -> dict:
 def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[Any, dict]:
     """(ModelConfig, policy params on the default device) from a training checkpoint; after
     `register_checkpoint_loader()`, `jaxrl_llm.hf.load_any` (and so `launch/convert_to_hf.py` and
-    `jrl.load_model`) accepts it."""
+    `jrl.load_model`) accepts it. A LoRA checkpoint gives its adapters merged into the base."""
     import jax.numpy as jnp
 
+    from jaxrl_llm.models.lora import merge_lora, with_lora
+
+    cfg, params, meta = _read_policy_state(path)
+    lora = meta.get("lora")
+    if lora is not None:
+        params = merge_lora(with_lora(lora_base_params(meta), params["lora"], lora["alpha"] / lora["rank"]))
+    if dtype is not None:
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return cfg, params
+
+
+def lora_base_params(meta: Mapping[str, Any]) -> dict:
+    """The frozen base of a LoRA checkpoint (its adapters apply to it), loaded again from the base
+    path in the run's model.param_dtype; a tiny:<arch> base is re-initialised from its seed."""
+    from jaxrl_llm.models import ModelConfig, init_params
+
+    base_path = meta["lora"]["base_path"]
+    model = meta["config"]["actor_rollout_ref"]["model"]
+    dtype = model.get("param_dtype", "float32")
+    if base_path.startswith("tiny:"):
+        cfg = ModelConfig.from_hf_config(meta["model_config"])
+        return init_params(cfg, jax.random.PRNGKey(int(model["tiny"]["seed"])), dtype=dtype)
+    from jaxrl_llm.hf import load_any
+
+    return load_any(base_path, dtype=dtype)[1]
+
+
+def load_lora_checkpoint(path: Any) -> tuple[Any, dict, Any, str]:
+    """(ModelConfig, adapters, LoraConfig, base path) of a LoRA training checkpoint."""
+    from jaxrl_llm.models.lora import LoraConfig
+
+    cfg, params, meta = _read_policy_state(path)
+    lora = meta.get("lora")
+    if lora is None:
+        raise ValueError(f"checkpoint {path}: not a LoRA run (actor_rollout_ref.model.lora_rank was 0)")
+    return cfg, params["lora"], LoraConfig(int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"])), \
+        lora["base_path"]
+
+
+def _read_policy_state(path: Any) -> tuple[Any, dict, dict]:
     from jaxrl_llm.models import ModelConfig
 
     meta = read_checkpoint_meta(path)
@@ -361,10 +401,7 @@ def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[A
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree_meta)
     state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     manager.close()
-    params = state["actor"]["params"]
-    if dtype is not None:
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return ModelConfig.from_hf_config(meta["model_config"]), params
+    return ModelConfig.from_hf_config(meta["model_config"]), state["actor"]["params"], meta
 
 
 def register_checkpoint_loader() -> None:

@@ -2,8 +2,11 @@
 critic. Each trained role carries its params, optimizer, optimizer state and its update, which is
 jitted here and nowhere else (one compiled program per (mini-batches, micro-batches) split).
 
-The sampler reads `policy.params` directly: the arrays the optimizer updates are the arrays the
-next rollout generates with (no weight sync, no copy).
+The sampler reads `policy.model_params` directly: the arrays the optimizer updates are the arrays
+the next rollout generates with (no weight sync, no copy). With LoRA (`model.lora_rank > 0`) the
+trained params are `{"lora": adapters}` (so is the optimizer state) and the base is `frozen`: it is
+passed to the jitted update as its own argument (not differentiated, not donated), and
+`model_params` is the base with the adapters attached (models/lora.py `with_lora`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.config.spec import ModelSpec, OptimSpec
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
+from jaxrl_llm.models.lora import LoraConfig, init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.sharding import logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.forward import compute_dtype_of
 from jaxrl_llm.trainer.optim import make_optimizer
@@ -41,10 +45,24 @@ class TrainedRole:
     param_shardings: Any
     opt_state_shardings: Any
     update_fn: UpdateFn  # `update_actor` / `update_critic` with model_cfg and settings bound
+    frozen: dict | None = None  # LoRA: the frozen base params (then `params` is {"lora": adapters})
+    lora: LoraConfig | None = None
     _compiled: dict[tuple[int, int], Callable] = dataclasses.field(default_factory=dict)
 
     @property
+    def model_params(self) -> dict:
+        """The params a forward pass / the sampler reads: `params`, or the base with the adapters."""
+        if self.frozen is None:
+            return self.params
+        return with_lora(self.frozen, self.params["lora"], self.lora.scale)
+
+    @property
     def num_params(self) -> int:
+        """Parameters of the model (the base's plus the adapters' with LoRA)."""
+        return sum(int(x.size) for x in jax.tree.leaves(self.model_params))
+
+    @property
+    def num_trainable_params(self) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(self.params))
 
     def update(self, batch: Any, rng: jax.Array, *, lr_step: int, num_mini_batches: int, num_micro_batches: int,
@@ -62,8 +80,9 @@ class TrainedRole:
                                              rows_sharding=rows_sharding)
         # a host scalar: traced by the jitted update (no recompile per value), valid on every process
         lr = np.float32(self.schedule(max(int(lr_step), 0)))
+        frozen = () if self.frozen is None else (self.frozen,)  # never donated: it is not updated
         self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng, lr,
-                                                                   packing)
+                                                                   packing, *frozen)
         return metrics
 
 
@@ -147,10 +166,27 @@ def model_config_of(model: ModelSpec, tokenizer: Any) -> ModelConfig:
 
 
 def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,
-                      update_fn: UpdateFn) -> TrainedRole:
+                      update_fn: UpdateFn, *, lora: LoraConfig | None = None, seed: int = 0) -> TrainedRole:
+    """A role training `params`, or with `lora` fresh adapters (from `seed`) on `params` kept frozen."""
+    frozen = None
+    if lora is not None:
+        frozen, params = params, {"lora": init_adapters(model_cfg, lora, _mesh_of(params), seed)}
     tx, schedule = make_optimizer(optim)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     abstract_state = jax.eval_shape(tx.init, params)
     state_shardings = optimizer_state_sharding(abstract_state, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
-    return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn)
+    return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn,
+                       frozen=frozen, lora=lora)
+
+
+def _mesh_of(params: dict) -> Mesh:
+    return jax.tree.leaves(params)[0].sharding.mesh
+
+
+def init_adapters(model_cfg: ModelConfig, lora: LoraConfig, mesh: Mesh, seed: int) -> dict:
+    """Fresh float32 adapters (models/lora.py `init_lora`) placed on `mesh` by their logical axes."""
+    abstract = jax.eval_shape(lambda: init_lora(model_cfg, lora, jax.random.PRNGKey(0)))
+    shardings = logical_to_sharding(lora_logical_axes(model_cfg, lora), abstract, mesh)
+    init = jax.jit(lambda key: init_lora(model_cfg, lora, key), out_shardings=shardings)
+    return init(jax.random.fold_in(jax.random.PRNGKey(seed), 0x10AA))

@@ -87,11 +87,20 @@ class Trainer:
         if longest > model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_prompt_length + rollout.response_length = {longest} exceeds the model's "
                              f"max_position_embeddings={model_cfg.max_position_embeddings}")
+        lora = spec.model.lora  # LoRA: adapters trained on the frozen `params` (trainer/roles.py)
         self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
-                                       functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor))
+                                       functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor,
+                                                         lora_scale=lora.scale if lora else 0.0),
+                                       lora=lora, seed=spec.trainer.seed)
         self.need_ref = spec.need_ref
-        # the initial policy in ref.param_dtype, in host memory with ref.param_offload (trainer/reference.py)
-        self.ref_params = make_reference(params, spec.ref) if self.need_ref else None
+        # the initial policy in ref.param_dtype, in host memory with ref.param_offload (trainer/reference.py);
+        # with LoRA the reference is the frozen base itself (adapters off): no copy
+        self.ref_params = None
+        if self.need_ref:
+            self.ref_params = self.actor.frozen if lora else make_reference(params, spec.ref)
+            if lora and spec.ref.param_offload:
+                log.warning("actor_rollout_ref.ref.param_offload: no effect with LoRA (the reference is the "
+                            "frozen base the policy also reads)")
         self.critic: TrainedRole | None = None
         if spec.critic is not None:
             critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
@@ -154,7 +163,8 @@ class Trainer:
         spec, m = self.spec, self.actor.model_cfg
         lines = [
             f"model: {m.architecture} ({spec.model.path}), "
-            f"{self.actor.num_params / 1e6:.1f}M parameters, {m.num_hidden_layers} layers, hidden {m.hidden_size}",
+            f"{self.actor.num_params / 1e6:.1f}M parameters, {m.num_hidden_layers} layers, hidden {m.hidden_size}"
+            + self._lora_summary(),
             f"mesh: {dict(self.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
             f"{jax.process_count()} process(es)",
             spec.plan.summary(self.total_steps, spec.trainer.total_epochs),
@@ -165,9 +175,18 @@ class Trainer:
         ]
         return "\n".join(lines)
 
+    def _lora_summary(self) -> str:
+        lora = self.spec.model.lora
+        if lora is None:
+            return ""
+        return (f"; LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: "
+                f"{self.actor.num_trainable_params / 1e6:.2f}M trainable")
+
     def _reference_summary(self) -> str:
         if self.ref_params is None:
             return "off"
+        if self.actor.frozen is not None:
+            return "on (the LoRA base, adapters off; no copy)"
         where = "pinned host" if is_offloaded(self.ref_params) else "device"
         return f"on ({self.spec.ref.param_dtype}, {where} memory)"
 
@@ -270,7 +289,8 @@ class Trainer:
             with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
-                    old_lp = span.wait(self._log_probs(self.actor.params, rollout, plan.old_log_prob, host_mask))
+                    old_lp = span.wait(self._log_probs(self.actor.model_params, rollout, plan.old_log_prob,
+                                                       host_mask))
             values = None
             if self.critic is not None:
                 with timer("values") as span:
@@ -318,7 +338,7 @@ class Trainer:
     def _rollout(self, batch: dict[str, np.ndarray], rng: jax.Array) -> tuple[Rollout, dict[str, float]]:
         """Samples and scores; with DAPO's `filter_groups`, keeps only groups whose metric varies and
         samples further batches until `train_batch_size` groups are kept."""
-        fg, sampling, params = self.spec.filter_groups, self.spec.train_sampling, self.actor.params
+        fg, sampling, params = self.spec.filter_groups, self.spec.train_sampling, self.actor.model_params
         if not fg.enable:
             return self.generator.generate(batch, params, sampling, rng), {}
         want = self.spec.plan.prompts
@@ -383,7 +403,7 @@ class Trainer:
         train = self.spec.train_sampling
         greedy = SamplingParams(max_new_tokens=train.max_new_tokens, do_sample=False, n=1,
                                 ignore_eos=train.ignore_eos, stop_token_ids=train.stop_token_ids)
-        r = self.generator.generate(batch, self.actor.params, greedy, rng)
+        r = self.generator.generate(batch, self.actor.model_params, greedy, rng)
         return to_device(np.repeat(r.scores, train.n), self.mesh)
 
     def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array,
@@ -431,7 +451,7 @@ class Trainer:
         """One validation pass; logs its generations table and dump as configured; returns the metrics."""
         self.val_loader.reset()
         rng = jax.random.fold_in(self.base_rng, 10_000_000 + self.global_step)
-        metrics, samples = run_validation(self.generator, self.val_loader, self.actor.params,
+        metrics, samples = run_validation(self.generator, self.val_loader, self.actor.model_params,
                                           self.spec.val_sampling, rng)
         t = self.spec.trainer
         if t.log_val_generations > 0:
@@ -453,6 +473,10 @@ class Trainer:
                 "tokenizer": str(self.spec.data.tokenizer),
                 "rng": np.asarray(jax.random.key_data(self.base_rng)).tolist(),
                 "config": json.loads(self.spec.config_json)}
+        lora = self.spec.model.lora
+        if lora is not None:  # the state holds only the adapters: they apply to this base
+            meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.targets),
+                            "base_path": self.spec.model.path}
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
         self.store.save(self.global_step, self._state(), self.train_loader.get_state(), meta)
 
@@ -492,11 +516,22 @@ class Trainer:
             print(f"resumed from {point.directory} step {step}", flush=True)
 
     def export_hf(self, out_dir: str) -> str:
+        """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a
+        PEFT folder at `<out_dir>_peft`)."""
         from jaxrl_llm.hf import export_hf
+        from jaxrl_llm.models.lora import merge_lora
 
-        params = to_host(self.actor.params)  # a collective: every process takes part
+        params = to_host(merge_lora(self.actor.model_params))  # a collective: every process takes part
         if self.is_main:
             export_hf(self.actor.model_cfg, params, out_dir, tokenizer=self.tokenizer)
+        lora = self.spec.model.lora
+        if lora is not None:
+            from jaxrl_llm.hf.peft import export_peft
+
+            adapters = to_host(self.actor.params["lora"])
+            if self.is_main:
+                export_peft(self.actor.model_cfg, adapters, lora, f"{out_dir}_peft",
+                            base_model_name_or_path=self.spec.model.path)
         return out_dir
 
     def close(self, *, quiet: bool = False) -> None:

@@ -121,6 +121,14 @@ def test_verl_env_default_aliases_and_special_keys(home, monkeypatch, tmp_path):
     assert s["reward_model.reward_manager"] == "naive" and s[f"{A}.grad_clip"] == 0.5
 
 
+def test_verl_lora_keys_map_to_ours(home, tmp_path):
+    path = variant(VERL, tmp_path, {"actor_rollout_ref.model.lora_rank": 32, "actor_rollout_ref.model.lora_alpha": 64,
+                                    "actor_rollout_ref.model.target_modules": ["q_proj", "v_proj"]})
+    s = import_config(path, dp_size=4).settings
+    assert (s["actor_rollout_ref.model.lora_rank"], s["actor_rollout_ref.model.lora_alpha"]) == (32, 64)
+    assert s["actor_rollout_ref.model.target_modules"] == ["q_proj", "v_proj"]
+
+
 def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_path):
     path = variant(VERL, tmp_path, {"actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap":
                                     "${oc.env:JAXRL_NO_SUCH_VAR}"})
@@ -133,7 +141,6 @@ def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_pat
 
 @pytest.mark.parametrize("key,value,why", [
     ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn"),
-    ("actor_rollout_ref.model.lora_rank", 16, "LoRA"),
     ("algorithm.use_pf_ppo", True, "preference-feedback"),
     ("algorithm.adv_estimator", "my_estimator", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "not available in jaxrl_llm"),

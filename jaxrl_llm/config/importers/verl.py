@@ -129,8 +129,6 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "trainer.n_gpus_per_node": _placement,
     "actor_rollout_ref.rollout.multi_turn.enable": _error_if(
         bool, "multi-turn / tool-calling rollouts are not supported (single-turn generation only)"),
-    "actor_rollout_ref.model.lora_rank": _error_if(
-        lambda v: bool(v) and v > 0, "LoRA is not supported (full-parameter training only)"),
     "algorithm.use_pf_ppo": _error_if(bool, "preference-feedback PPO (sample reweighting) is not supported"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _error_if(
         lambda v: v is not None, "per-token veto is not supported (rollout_rs modes only)"),

@@ -1,0 +1,85 @@
+"""Export LoRA adapters (models/lora.py) as a PEFT adapter folder that `peft.PeftModel.from_pretrained`
+loads onto the base model with the same logits.
+
+Writes `adapter_config.json` (PEFT's LoraConfig: r, lora_alpha, target_modules, ...) and
+`adapter_model.safetensors` with PEFT's names and torch `nn.Linear` layouts:
+
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
+
+(ours: A [L, in..., r], B [L, r, out...], so lora_A = A[i].reshape(in, r).T and lora_B =
+B[i].reshape(r, out).T; PEFT's scaling alpha / r is the one `models.lora` uses). The folder is
+built beside `out_dir` and renamed into place; a bucket URL gets it built locally, then uploaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from jaxrl_llm import storage
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.lora import LoraConfig
+
+PREFIX = "base_model.model.model.layers.{i}."
+_HF_GROUP = {"attn": "self_attn", "mlp": "mlp"}
+
+
+def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
+    """{PEFT name: fp32 array in PEFT's layout} for adapters as `init_lora` lays them out."""
+    out: dict[str, np.ndarray] = {}
+    for group, mods in adapters["layers"].items():
+        for module, ad in mods.items():
+            a, b = np.asarray(ad["A"], np.float32), np.asarray(ad["B"], np.float32)
+            rank = a.shape[-1]
+            for i in range(cfg.num_hidden_layers):
+                name = PREFIX.format(i=i) + f"{_HF_GROUP[group]}.{module}."
+                out[name + "lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
+                out[name + "lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
+    return out
+
+
+def adapter_config(lora: LoraConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
+        "base_model_name_or_path": base_model_name_or_path,
+    }
+
+
+def export_peft(cfg: ModelConfig, adapters: dict, lora: LoraConfig, out_dir: str | pathlib.Path, *,
+                base_model_name_or_path: str | None = None) -> Any:
+    """Write the PEFT adapter folder at `out_dir` (a local path or a bucket URL); returns its path."""
+    if storage.is_url(out_dir):
+        url = storage.normalize(out_dir)
+        with tempfile.TemporaryDirectory(prefix="jaxrl_llm-peft-") as local:
+            export_peft(cfg, adapters, lora, pathlib.Path(local) / "peft",
+                        base_model_name_or_path=base_model_name_or_path)
+            storage.remove_tree(url)
+            storage.upload_dir(str(pathlib.Path(local) / "peft"), url, last=("adapter_config.json",))
+        return storage.as_path(url)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(peft_tensors(cfg, adapters), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = adapter_config(lora, base_model_name_or_path)
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,162 @@
+"""LoRA adapters on the decoder's linear projections (veRL's `model.lora_rank / lora_alpha /
+target_modules`, PEFT's semantics).
+
+A targeted projection computes `x @ W + scale * (x @ A) @ B` with `scale = alpha / rank`, inside
+the layer: the full weights are never merged, held or copied for training or sampling. Adapters
+are a plain nested dict stacked on the layer axis like the base params (models/model.py):
+
+    layers/attn/{q,k,v}_proj/{A [L, H, r], B [L, r, heads|kv_heads, D]}
+    layers/attn/o_proj/{A [L, heads, D, r], B [L, r, H]}
+    layers/mlp/{gate,up}_proj/{A [L, H, r], B [L, r, F]}   layers/mlp/down_proj/{A [L, F, r], B [L, r, H]}
+
+`A` is initialised as PEFT's default (kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in))) and `B` at
+zero, so step 0 is exactly the base model. A forward pass sees the adapters when the params dict
+carries them under "lora" (`with_lora`); the base dict without that entry is the model with the
+adapters off (the reference policy of a LoRA run: no copy of the weights).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+
+Array = jax.Array
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ATTN_MODULES + MLP_MODULES
+# kernel dims (after the layer axis) that are the projection's input: o_proj reads (heads, head_dim)
+_IN_DIMS = {"o_proj": 2}
+
+
+def group_of(module: str) -> str:
+    return "attn" if module in ATTN_MODULES else "mlp"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """rank > 0, alpha, and the targeted projections (a subset of ALL_LINEAR, in that order)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = ALL_LINEAR
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ValueError(f"LoraConfig.rank={self.rank}: must be > 0")
+        object.__setattr__(self, "targets", parse_target_modules(self.targets))
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / float(self.rank)
+
+
+def parse_target_modules(value: str | Sequence[str], key: str = "target_modules") -> tuple[str, ...]:
+    """'all-linear' (q, k, v, o, gate, up, down projections) or a list / comma-separated string of
+    those names; raises ValueError naming `key` on an unknown one."""
+    names = [value] if isinstance(value, str) else list(value)
+    names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
+    if "all-linear" in names:
+        return ALL_LINEAR
+    bad = [n for n in names if n not in ALL_LINEAR]
+    if bad or not names:
+        raise ValueError(f"{key}={value!r}: unknown module name(s) {bad or '(none given)'}; valid: "
+                         f"'all-linear' or a list of {', '.join(ALL_LINEAR)}")
+    return tuple(n for n in ALL_LINEAR if n in names)
+
+
+@flax.struct.dataclass
+class LoraAdapters:
+    """Adapters attached to a params dict (`params["lora"]`): the arrays are pytree leaves, the scale
+    is static (part of the tree structure, so a jitted function specialises on it)."""
+
+    weights: dict
+    scale: float = flax.struct.field(pytree_node=False)
+
+
+def with_lora(base: dict, adapters: dict, scale: float) -> dict:
+    """The params dict of base + adapters (`adapters` as `init_lora` returns them)."""
+    return {**base, "lora": LoraAdapters(adapters, float(scale))}
+
+
+def split_lora(params: dict) -> tuple[dict, LoraAdapters | None]:
+    """(base params without adapters, the adapters or None)."""
+    base = {k: v for k, v in params.items() if k != "lora"}
+    return base, params.get("lora")
+
+
+def _kernel_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from jaxrl_llm.models.model import init_params
+
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))["layers"]
+    return {m: tuple(shapes[group_of(m)][m]["kernel"].shape) for m in ALL_LINEAR}
+
+
+def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """{module: (A shape, B shape)} for the targeted modules."""
+    out = {}
+    for m, shape in _kernel_shapes(cfg).items():
+        if m in lora.targets:
+            n_in = _IN_DIMS.get(m, 1)
+            layers, ins, outs = shape[0], shape[1:1 + n_in], shape[1 + n_in:]
+            out[m] = ((layers, *ins, lora.rank), (layers, lora.rank, *outs))
+    return out
+
+
+def init_lora(cfg: ModelConfig, lora: LoraConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
+    """Fresh adapters: A ~ U(+-1/sqrt(fan_in)) (PEFT's kaiming_uniform(a=sqrt(5))), B = 0."""
+    adapters: dict = {"layers": {}}
+    for i, (m, (a_shape, b_shape)) in enumerate(adapter_shapes(cfg, lora).items()):
+        bound = 1.0 / math.sqrt(math.prod(a_shape[1:-1]))
+        a = jax.random.uniform(jax.random.fold_in(rng, i), a_shape, dtype, -bound, bound)
+        adapters["layers"].setdefault(group_of(m), {})[m] = {"A": a, "B": jnp.zeros(b_shape, dtype)}
+    return adapters
+
+
+def lora_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
+    """Logical axes of the adapters: A like its kernel's input dims, B like its output dims (the
+    rank dim is replicated). Leaves are tuples, as `param_logical_axes`."""
+    from jaxrl_llm.models.model import param_logical_axes
+
+    kernel_axes = param_logical_axes(cfg)["layers"]
+    out: dict = {"layers": {}}
+    for m in adapter_shapes(cfg, lora):
+        axes = kernel_axes[group_of(m)][m]["kernel"]
+        n_in = _IN_DIMS.get(m, 1)
+        out["layers"].setdefault(group_of(m), {})[m] = {
+            "A": (axes[0], *axes[1:1 + n_in], None), "B": (axes[0], None, *axes[1 + n_in:])}
+    return out
+
+
+def lora_delta(x: Array, adapter: dict | None, scale: float, compute_dtype: Any) -> Array | None:
+    """scale * (x @ A) @ B for one layer's adapter {A [in..., r], B [r, out...]} (None: no adapter)."""
+    if adapter is None:
+        return None
+    a, b = adapter["A"].astype(compute_dtype), adapter["B"].astype(compute_dtype)
+    n_in = a.ndim - 1
+    u = jnp.tensordot(x.astype(compute_dtype), a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
+    return (jnp.tensordot(u, b, axes=1) * jnp.asarray(scale, compute_dtype)).astype(compute_dtype)
+
+
+def merge_lora(params: dict) -> dict:
+    """The plain params dict with every targeted kernel replaced by W + scale * A @ B (in fp32, then
+    the kernel's dtype), for export; params without adapters are returned as they are."""
+    base, adapters = split_lora(params)
+    if adapters is None:
+        return params
+    layers = {g: dict(mods) for g, mods in base["layers"].items()}
+    for g, mods in adapters.weights["layers"].items():
+        for m, ad in mods.items():
+            kernel = layers[g][m]["kernel"]
+            a = jnp.asarray(ad["A"], jnp.float32)
+            b = jnp.asarray(ad["B"], jnp.float32)
+            delta = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                               b.reshape(b.shape[0], b.shape[1], -1)).reshape(kernel.shape)
+            merged = (jnp.asarray(kernel, jnp.float32) + adapters.scale * delta).astype(kernel.dtype)
+            layers[g][m] = {**layers[g][m], "kernel": merged}
+    return {**base, "layers": layers}

@@ -1,0 +1,59 @@
+"""LoRA adapters exported as a PEFT folder load onto the HF base (transformers + peft) with our
+logits; the merged export loads with the same logits too."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tiny_models import build_hf_model, left_padded_batch, torch_logits
+from jaxrl_llm.hf import export_hf, load_hf_folder
+from jaxrl_llm.hf.peft import export_peft
+from jaxrl_llm.models import compute_logits
+from jaxrl_llm.models.lora import LoraConfig, init_lora, merge_lora, with_lora
+
+compute_logits = jax.jit(compute_logits, static_argnums=1)
+
+
+@pytest.mark.parametrize("family,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj"))])
+def test_peft_adapter_folder_loads_with_equal_logits(family, targets, tmp_path, np_rng):
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    build_hf_model(family, tmp_path / "base")
+    cfg, params = load_hf_folder(tmp_path / "base")
+    lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
+    ad = init_lora(cfg, lora, jax.random.key(1))
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), ad)  # "trained": B != 0
+    export_peft(cfg, ad, lora, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1."
+    assert tensors[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, cfg.intermediate_size)  # [r, in]
+    assert tensors[prefix + "self_attn.v_proj.lora_B.weight"].shape == (
+        cfg.num_key_value_heads * cfg.head_dim, 4)  # [out, r]
+    assert len(tensors) == 2 * cfg.num_hidden_layers * len(lora.targets)
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
+    full = with_lora(params, ad, lora.scale)
+    ours = np.asarray(compute_logits(full, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    theirs = torch_logits(model, ids, mask)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=1e-4)
+    base_logits = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(base_logits - ours)[valid].max() > 1e-2  # the adapters change the logits
+
+    # the merged weights exported as a plain HF folder give the same logits
+    export_hf(cfg, jax.device_get(merge_lora(full)), tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(torch_logits(merged, ids, mask)[valid], theirs[valid], atol=1e-4, rtol=1e-4)
