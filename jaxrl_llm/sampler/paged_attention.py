@@ -44,6 +44,9 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     k_scales / v_scales: fp32 [num_kv_heads, num_pages, page_size] when the pages hold int8
     (value = int8 * scale), else None.
     """
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    if k_scales is not None:
+        k_scales, v_scales = jnp.asarray(k_scales), jnp.asarray(v_scales)
     slots, nh, hd = q.shape
     nkv, _, ps, _ = k_pages.shape
     g = nh // nkv
@@ -51,8 +54,8 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     ppb = _pages_per_block(ps, pps)
     num_blocks = -(-pps // ppb)
     # pad the table so every block slice is in range (padding entries are never valid keys)
-    table = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, num_blocks * ppb - pps)))
-    lengths = lengths.astype(jnp.int32)
+    table = jnp.pad(jnp.asarray(page_indices, jnp.int32), ((0, 0), (0, num_blocks * ppb - pps)))
+    lengths = jnp.asarray(lengths, jnp.int32)
     qg = q.reshape(slots, nkv, g, hd)
     block_tokens = ppb * ps
     lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
