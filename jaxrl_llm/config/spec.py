@@ -16,6 +16,7 @@ from typing import Any
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.rewards.spec import RewardModelSpec, RewardSpec
+from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
 
 
@@ -188,6 +189,7 @@ class RunSpec:
     ref: RefSpec
     train_sampling: SamplingParams
     val_sampling: SamplingParams
+    rollout_engine: EngineOptions
     critic: CriticSpec | None
     critic_model: ModelSpec | None
     critic_optim: OptimSpec | None

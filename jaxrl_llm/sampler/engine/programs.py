@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import ModelConfig, as_jnp_dtype, forward_hidden, init_cache, logits_from_hidden
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
@@ -116,6 +117,16 @@ def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> De
                           request=jnp.zeros((s, 2), jnp.int32), tokens=jnp.zeros((s, r), jnp.int32),
                           log_probs=jnp.zeros((s, r), jnp.float32), steps=jnp.zeros((), jnp.int32),
                           useful=jnp.zeros((), jnp.int32))
+
+
+def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
+    """Shardings of a state: the pool's kv-heads dim over 'tensor' when it divides, the rest
+    replicated (every process reads the same small slot arrays: identical scheduling)."""
+    tensor = dict(mesh.shape).get("tensor", 1)
+    axis = "tensor" if tensor > 1 and cfg.num_key_value_heads % tensor == 0 else None
+    rep = NamedSharding(mesh, PartitionSpec())
+    pool = {k: NamedSharding(mesh, PartitionSpec(None, axis)) for k in state.pool}
+    return state._replace(pool=pool, **{f: rep for f in state._fields if f != "pool"})
 
 
 def request_keys(rng: Array, request: Array, token_index: Array) -> Array:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler.core import SampleOutput
@@ -61,12 +62,13 @@ class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
     def __init__(self, cfg: ModelConfig, spec: programs.EngineSpec, *, compute_dtype: str = "float32",
-                 steps_per_call: int = 16, max_num_batched_tokens: int | None = None):
+                 steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
         self.cfg, self.spec, self.compute_dtype = cfg, spec, compute_dtype
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mesh = mesh
         self._state: programs.DecodeState | None = None
         self._state_r = None
 
@@ -78,6 +80,8 @@ class PagedEngine:
         # per-slot arrays are reset
         if self._state is None or self._state_r != max_new_tokens:
             self._state = programs.init_state(self.cfg, self.spec, max_new_tokens, self.compute_dtype)
+            if self.mesh is not None:  # pool: kv heads over 'tensor' (when divisible); slot arrays replicated
+                self._state = jax.device_put(self._state, programs.state_sharding(self._state, self.cfg, self.mesh))
             self._state_r = max_new_tokens
         state, self._state = self._state, None
         return programs.reset_slots(state, self.spec, max_new_tokens)
