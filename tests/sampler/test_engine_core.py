@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
-from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine, programs
+from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine, device_kv_budget, plan_num_pages, programs
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla
 from sampler_fixtures import PAD_ID, PROMPTS
 from test_sampler_logprobs import rescore
@@ -113,6 +113,25 @@ def test_no_recompile_across_runs_and_utilisation(llama_tiny):
         assert out.tokens.shape == (len(prompts) * 2, NEW)
         assert 0.5 < stats.utilisation <= 1.0
     assert [f._cache_size() for f in (programs.prefill, programs.insert, programs.generate)] == sizes
+
+
+def test_prefill_token_budget_and_pool_plan(llama_tiny):
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2))
+    free, _ = _engine(cfg, 3).run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    engine = _engine(cfg, 3)
+    engine.max_num_batched_tokens = 4  # rollout.max_num_batched_tokens: one prompt per round here
+    out, stats = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    assert stats.max_prefill_tokens_per_round == max(map(len, PROMPTS))  # a longer prompt still goes alone
+    np.testing.assert_array_equal(out.tokens, free.tokens)
+    # the pool plan: every slot at full length, capped by a per-device byte budget
+    assert plan_num_pages(cfg, max_num_seqs=4, pages_per_slot=8, page_bytes=100, kv_shards=1,
+                          budget_bytes=None) == 33
+    assert plan_num_pages(cfg, max_num_seqs=4, pages_per_slot=8, page_bytes=100, kv_shards=2,
+                          budget_bytes=1000) == 20
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        plan_num_pages(cfg, max_num_seqs=4, pages_per_slot=8, page_bytes=100, kv_shards=1, budget_bytes=500)
+    assert device_kv_budget(0.5) is None  # CPU reports no memory limit: the full-length pool
 
 
 def test_int8_kv_cache_stays_close(llama_tiny):

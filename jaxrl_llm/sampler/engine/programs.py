@@ -119,6 +119,13 @@ def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> De
                           useful=jnp.zeros((), jnp.int32))
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def clear_slots(state: DecodeState) -> DecodeState:
+    """`reset_slots` of a live state, on device (the pool stays where it is)."""
+    zero = lambda x: jnp.zeros_like(x)  # noqa: E731
+    return jax.tree.map(zero, state._replace(pool=None))._replace(pool=state.pool)
+
+
 def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
     """Shardings of a state: the pool's kv-heads dim over 'tensor' when it divides, the rest
     replicated (every process reads the same small slot arrays: identical scheduling)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +43,7 @@ class EngineStats:
     useful_token_steps: int = 0
     prefill_tokens: int = 0  # real prompt tokens prefilled (once per prompt)
     prefill_calls: int = 0
+    max_prefill_tokens_per_round: int = 0  # bounded by max_num_batched_tokens (or one prompt)
     generate_calls: int = 0
     peak_pages_used: int = 0
     waits_for_pages: int = 0
@@ -79,12 +81,15 @@ class PagedEngine:
         # the pool is reused across runs (its contents are dead once a run ends); only the small
         # per-slot arrays are reset
         if self._state is None or self._state_r != max_new_tokens:
-            self._state = programs.init_state(self.cfg, self.spec, max_new_tokens, self.compute_dtype)
-            if self.mesh is not None:  # pool: kv heads over 'tensor' (when divisible); slot arrays replicated
-                self._state = jax.device_put(self._state, programs.state_sharding(self._state, self.cfg, self.mesh))
+            make = functools.partial(programs.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype)
+            # with a mesh: the pool's kv heads over 'tensor' (when divisible), slot arrays replicated;
+            # built by a jitted program so every process holds its part of the same global arrays
+            out_shardings = (None if self.mesh is None else
+                             programs.state_sharding(jax.eval_shape(make), self.cfg, self.mesh))
+            self._state = jax.jit(make, out_shardings=out_shardings)()
             self._state_r = max_new_tokens
         state, self._state = self._state, None
-        return programs.reset_slots(state, self.spec, max_new_tokens)
+        return programs.clear_slots(state)
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None
@@ -142,7 +147,7 @@ class PagedEngine:
                         break  # rollout.max_num_batched_tokens: prefill more after the next decode call
                     ids = np.full((bucket_length(lens[i]),), 0, np.int32)
                     ids[:lens[i]] = prompts[i]
-                    prefix = programs.prefill(params, cfg, jnp.asarray(ids), jnp.int32(lens[i]),
+                    prefix = programs.prefill(params, cfg, ids, np.int32(lens[i]),
                                               compute_dtype=self.compute_dtype)
                     shared = pool.alloc(shared_n, refs=samples_left[i])
                     open_prompts[i] = _Prompt(prefix, shared, samples_left[i])
@@ -154,20 +159,21 @@ class PagedEngine:
                 row = np.zeros((spec.pages_per_slot,), np.int32)
                 row[:total] = entry.shared + own
                 slot = free_slots.pop(0)
-                state = programs.insert(entry.prefix, state, jnp.int32(slot), jnp.asarray(row),
-                                        jnp.asarray([i, j], jnp.int32), rng, knobs, settings=settings)
+                state = programs.insert(entry.prefix, state, np.int32(slot), row, np.asarray([i, j], np.int32), rng,
+                                        knobs, settings=settings)
                 queue.popleft()
                 slot_req[slot] = (i, j, own)
                 entry.pending -= 1
                 if entry.pending == 0:
                     open_prompts[i] = _Prompt(None, entry.shared, 0)  # drop the prefix KV, keep the page list
                 stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
+            stats.max_prefill_tokens_per_round = max(stats.max_prefill_tokens_per_round, prefilled)
 
             active = np.asarray(to_host(state.active))
             if active.any():
                 steps = self.steps_per_call if queue else r
-                state = programs.generate(params, cfg, state, rng, knobs, jnp.int32(steps),
-                                          jnp.bool_(bool(queue)), settings=settings, attn_impl=spec.attn_impl)
+                state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(bool(queue)),
+                                          settings=settings, attn_impl=spec.attn_impl)
                 stats.generate_calls += 1
                 active = np.asarray(to_host(state.active))
             done = [s for s in slot_req if not active[s]]

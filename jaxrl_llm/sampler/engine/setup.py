@@ -3,7 +3,7 @@ and `sample_paged`, the engine behind the static sampler's `SampleOutput`.
 
 Sizing: slots = min(max_num_seqs, power-of-two bucket of the number of requests), so a small
 batch does not decode empty slots and a run sees a few slot counts at most; the page table
-covers max_model_len = bucket(longest prompt) + max_new_tokens rounded up to a power of two
+covers max_model_len = bucket(longest prompt) + max_new_tokens rounded up to a multiple of 256
 (a handful of values, so a handful of programs); the pool holds every slot at full length, capped
 by `gpu_memory_utilization` of the device's memory where the backend reports it. Engines are
 cached per shape, so their compiled programs and KV buffers are reused from call to call.
@@ -50,8 +50,7 @@ class EngineOptions:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
+_MODEL_LEN_STEP = 256  # max_model_len rounds up to a multiple of this (a few page-table shapes per run)
 
 
 def _kv_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
@@ -62,7 +61,7 @@ def _kv_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
 def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
                 max_new_tokens: int, compute_dtype: str, mesh: Mesh | None = None) -> EngineSpec:
     slots = min(opts.max_num_seqs, bucket_batch(num_requests))
-    max_model_len = _pow2(bucket_length(max_prompt_len) + max_new_tokens)
+    max_model_len = -(-(bucket_length(max_prompt_len) + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
     pps = pages_for(max_model_len, PAGE_SIZE)
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
                        kv_cache_dtype=opts.kv_cache_dtype)
