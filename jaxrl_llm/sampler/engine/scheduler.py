@@ -169,13 +169,12 @@ class PagedEngine:
                 stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
             stats.max_prefill_tokens_per_round = max(stats.max_prefill_tokens_per_round, prefilled)
 
+            # (slots whose token 0 already ended them make the loop exit at once)
+            steps = self.steps_per_call if queue else r
+            state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(bool(queue)),
+                                      settings=settings, attn_impl=spec.attn_impl)
+            stats.generate_calls += 1
             active = np.asarray(to_host(state.active))
-            if active.any():
-                steps = self.steps_per_call if queue else r
-                state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(bool(queue)),
-                                          settings=settings, attn_impl=spec.attn_impl)
-                stats.generate_calls += 1
-                active = np.asarray(to_host(state.active))
             done = [s for s in slot_req if not active[s]]
             if done:
                 tok, lp, num_gen, fin = (np.asarray(a) for a in to_host(
