@@ -46,7 +46,8 @@ def rl_prompts(count: int) -> list[str]:
 
 
 def cache_sizes() -> int:
-    return sum(f._cache_size() for f in (programs.prefill, programs.insert, programs.generate))
+    return sum(f._cache_size() for f in (programs.prefill, programs.insert, programs.generate,
+                                         programs.clear_slots))
 
 
 def timed(fn):

@@ -106,13 +106,14 @@ def test_no_recompile_across_runs_and_utilisation(llama_tiny):
     settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2))
     engine = _engine(cfg, 3)
     engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
-    sizes = [f._cache_size() for f in (programs.prefill, programs.insert, programs.generate)]
+    jitted = (programs.prefill, programs.insert, programs.generate, programs.clear_slots)
+    sizes = [f._cache_size() for f in jitted]
     # other prompts (lengths within the same 16-token bucket), other seeds, other output lengths
     for seed, prompts in ((1, [[3, 4], [5] * 11, [9, 8, 7]]), (2, PROMPTS[::-1] + [[1] * 14])):
         out, stats = engine.run(params, prompts, jax.random.key(seed), knobs, settings)
         assert out.tokens.shape == (len(prompts) * 2, NEW)
         assert 0.5 < stats.utilisation <= 1.0
-    assert [f._cache_size() for f in (programs.prefill, programs.insert, programs.generate)] == sizes
+    assert [f._cache_size() for f in jitted] == sizes
 
 
 def test_prefill_token_budget_and_pool_plan(llama_tiny):
