@@ -6,8 +6,8 @@ long step-by-step solutions. The static sampler and transformers run the request
 `--slots` rows (the paged engine's slot count, so all three hold about the same KV memory).
 Reported per engine: useful new tokens/s (response tokens up to and including EOS / wall time of
 a warm run), slot utilisation (useful token-steps / slot-steps), prompt tokens prefilled
-(computed, bucket padding included), peak KV bytes, compiled programs and compile time (first
-run - warm run). The machine may be shared with other jobs: numbers are wall-clock.
+(computed, bucket padding included), KV bytes held, compiled programs and compile time (a
+warm-up run for the paged engine, lowering + compiling for the static one). The machine may be shared with other jobs: numbers are wall-clock.
 
 Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512 new tokens).
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxrl_llm.config import smollm2_gguf_path
 from jaxrl_llm.hf import load_gguf
-from jaxrl_llm.sampler import SamplingParams, left_pad, sample
+from jaxrl_llm.sampler import SamplingParams, left_pad
 from jaxrl_llm.sampler.core import _sample_jit
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec, sample_paged
@@ -88,47 +88,62 @@ def main() -> None:
           f"{max(map(len, prompts))} (shared machine: other jobs may be running)")
     rows = {}
 
+    def report(name: str, m: dict) -> None:
+        rows[name] = m
+        print(f"{name:>12} | {m['tps']:>7.1f} {m['util']:>5.0%} {m['useful']:>7d} {m['wall']:>7.1f} | "
+              f"{m['prefill']:>11d} {m['kv'] / 2**20:>7.1f} | {m['compiles']:>8d} {m['compile_s']:>9.1f}", flush=True)
+
+    print(f"{'engine':>12} | {'tok/s':>7} {'util':>5} {'tokens':>7} {'wall s':>7} | {'prefill tok':>11} "
+          f"{'KV MiB':>7} | {'programs':>8} {'compile s':>9}", flush=True)
     if "paged" not in args.skip:
         opts = EngineOptions(max_num_seqs=slots)
         before = cache_sizes()
-        (_, _), first_s = timed(lambda: sample_paged(params, cfg, prompts, jax.random.key(0), knobs,
-                                                     settings=settings, opts=opts))
+        # warm-up (compiles): one prompt per length bucket, the longest included, enough requests
+        # for the same slot count -> the very programs of the timed run
+        by_bucket = {bucket_length(len(p)): p for p in sorted(prompts, key=len)}
+        warm = list(by_bucket.values())
+        while len(warm) * n <= slots // 2:
+            warm += warm
+        _, compile_s = timed(lambda: sample_paged(params, cfg, warm, jax.random.key(0), knobs, settings=settings,
+                                                  opts=opts))
         (out, stats), warm_s = timed(lambda: sample_paged(params, cfg, prompts, jax.random.key(1), knobs,
                                                           settings=settings, opts=opts))
         spec = engine_spec(cfg, opts, num_requests=len(prompts) * n, max_prompt_len=max(map(len, prompts)),
                            max_new_tokens=r, compute_dtype="float32")
         useful = int(out.lengths.sum())
-        rows["paged"] = dict(tps=useful / warm_s, util=stats.utilisation, useful=useful, wall=warm_s,
+        report("paged", dict(tps=useful / warm_s, util=stats.utilisation, useful=useful, wall=warm_s,
                              prefill=sum(bucket_length(len(p)) for p in prompts),
-                             kv=(stats.peak_pages_used + 1) * spec.page_bytes(cfg, "float32"),
-                             compiles=cache_sizes() - before, compile_s=first_s - warm_s)
+                             kv=spec.num_pages * spec.page_bytes(cfg, "float32"),
+                             compiles=cache_sizes() - before, compile_s=compile_s))
+        print(f"       paged: {stats.decode_steps} decode steps, {stats.generate_calls} generate calls, "
+              f"peak {stats.peak_pages_used} of {spec.num_pages - 1} pages used, warm-up run incl. compiles "
+              f"{compile_s:.1f} s", flush=True)
 
     requests = [p for p in prompts for _ in range(n)]  # prompt-major, n copies (the static path's repeat)
 
     if "static" not in args.skip:
-        # rows in batches of `slots`; each batch = slots // n prompts with n samples each (one prefill per row)
+        # rows in batches of `slots`: slots // n prompts with n samples each (the prompt prefilled n times)
         per = max(1, slots // n)
-        s1 = SamplingParams(max_new_tokens=r, temperature=1.0, n=n, seed=0)
-        st, kn = s1.compile_args([eos], pad, vocab_size=cfg.vocab_size)
-        before = _sample_jit._cache_size()
-
-        def run_static(seed):
-            lengths, steps, prefill, kv = [], 0, 0, 0
-            for b in range(0, len(prompts), per):
-                ids, mask = left_pad(prompts[b:b + per], pad)
-                o = sample(params, cfg, ids, mask, jax.random.key(seed + b), kn, settings=st)
-                lengths.append(np.asarray(o.lengths))
-                steps += int(o.num_steps) * ids.shape[0] * n
-                prefill += ids.size * n
-                kv = max(kv, ids.shape[0] * n * (ids.shape[1] + r - 1) * kv_token)
-            return np.concatenate(lengths), steps, prefill, kv
-
-        _, first_s = timed(lambda: run_static(0))
-        (lengths, slot_steps, prefill, kv), warm_s = timed(lambda: run_static(1))
-        useful = int(lengths.sum())
-        rows["static"] = dict(tps=useful / warm_s, util=useful / slot_steps, useful=useful, wall=warm_s,
-                              prefill=prefill, kv=kv, compiles=_sample_jit._cache_size() - before,
-                              compile_s=first_s - warm_s)
+        batches = [left_pad(prompts[b:b + per], pad) for b in range(0, len(prompts), per)]
+        compiled, compile_s = {}, 0.0
+        for ids, mask in batches:  # compile each batch shape once, untimed runs excluded
+            if ids.shape not in compiled:
+                t0 = time.perf_counter()
+                compiled[ids.shape] = _sample_jit.lower(params, cfg, ids, mask, jax.random.key(0), knobs,
+                                                        settings=settings, mesh=None).compile()
+                compile_s += time.perf_counter() - t0
+        lengths, slot_steps, prefill, kv = [], 0, 0, 0
+        t0 = time.perf_counter()
+        for b, (ids, mask) in enumerate(batches):
+            o = jax.block_until_ready(compiled[ids.shape](params, ids, mask, jax.random.key(b), knobs))
+            lengths.append(np.asarray(o.lengths))
+            slot_steps += int(o.num_steps) * ids.shape[0] * n
+            prefill += ids.size * n
+            kv = max(kv, ids.shape[0] * n * (ids.shape[1] + r - 1) * kv_token)
+        wall = time.perf_counter() - t0
+        useful = int(np.concatenate(lengths).sum())
+        report("static", dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,
+                              prefill=prefill, kv=kv, compiles=len(compiled), compile_s=compile_s))
 
     if "transformers" not in args.skip:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -153,14 +168,9 @@ def main() -> None:
             kv = max(kv, ids.shape[0] * (ids.shape[1] + new.shape[1]) * kv_token)
         wall = time.perf_counter() - t0
         useful = int(np.sum(lengths))
-        rows["transformers"] = dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,
-                                    prefill=prefill, kv=kv, compiles=0, compile_s=0.0)
+        report("transformers", dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,
+                                    prefill=prefill, kv=kv, compiles=0, compile_s=0.0))
 
-    print(f"{'engine':>12} | {'tok/s':>7} {'util':>5} {'tokens':>7} {'wall s':>7} | {'prefill tok':>11} "
-          f"{'KV MiB':>7} | {'programs':>8} {'compile s':>9}")
-    for name, m in rows.items():
-        print(f"{name:>12} | {m['tps']:>7.1f} {m['util']:>5.0%} {m['useful']:>7d} {m['wall']:>7.1f} | "
-              f"{m['prefill']:>11d} {m['kv'] / 2**20:>7.1f} | {m['compiles']:>8d} {m['compile_s']:>9.1f}")
     if "paged" in rows:
         for other in ("static", "transformers"):
             if other in rows:

@@ -12,6 +12,7 @@ from sampler_fixtures import PAD_ID, PROMPTS
 from test_sampler_logprobs import rescore
 
 NEW = 10
+SAMPLED = SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=20, top_p=0.9, n=3)
 
 
 def dense_attention(q, k, v, lengths, window=None):
@@ -84,10 +85,9 @@ def test_greedy_equals_static_sampler_and_logprobs_equal_scoring(llama_tiny):
 
 def test_sampled_logprobs_equal_scoring_and_do_not_depend_on_slots_or_order(llama_tiny):
     cfg, params = llama_tiny
-    sp = SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=20, top_p=0.9, n=3)
-    settings, knobs = _args(cfg, sp)
+    settings, knobs = _args(cfg, SAMPLED)
     rng = jax.random.key(7)
-    base, _ = _engine(cfg, 4).run(params, PROMPTS, rng, knobs, settings)
+    base, _ = _engine(cfg, 3).run(params, PROMPTS, rng, knobs, settings)
     m = base.response_mask.astype(bool)
     assert m.sum() > len(PROMPTS) * 3
     ref = np.asarray(rescore(params, cfg, base, 0.7))
@@ -103,7 +103,7 @@ def test_sampled_logprobs_equal_scoring_and_do_not_depend_on_slots_or_order(llam
 
 def test_no_recompile_across_runs_and_utilisation(llama_tiny):
     cfg, params = llama_tiny
-    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2))
+    settings, knobs = _args(cfg, SAMPLED)  # the settings and shapes of the test above: no new programs
     engine = _engine(cfg, 3)
     engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
     jitted = (programs.prefill, programs.insert, programs.generate, programs.clear_slots)
@@ -111,14 +111,14 @@ def test_no_recompile_across_runs_and_utilisation(llama_tiny):
     # other prompts (lengths within the same 16-token bucket), other seeds, other output lengths
     for seed, prompts in ((1, [[3, 4], [5] * 11, [9, 8, 7]]), (2, PROMPTS[::-1] + [[1] * 14])):
         out, stats = engine.run(params, prompts, jax.random.key(seed), knobs, settings)
-        assert out.tokens.shape == (len(prompts) * 2, NEW)
+        assert out.tokens.shape == (len(prompts) * 3, NEW)
         assert 0.5 < stats.utilisation <= 1.0
     assert [f._cache_size() for f in jitted] == sizes
 
 
 def test_prefill_token_budget_and_pool_plan(llama_tiny):
     cfg, params = llama_tiny
-    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2))
+    settings, knobs = _args(cfg, SAMPLED)
     free, _ = _engine(cfg, 3).run(params, PROMPTS, jax.random.key(0), knobs, settings)
     engine = _engine(cfg, 3)
     engine.max_num_batched_tokens = 4  # rollout.max_num_batched_tokens: one prompt per round here
@@ -137,9 +137,9 @@ def test_prefill_token_budget_and_pool_plan(llama_tiny):
 
 def test_int8_kv_cache_stays_close(llama_tiny):
     cfg, params = llama_tiny
-    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False))
-    fp, _ = _engine(cfg, 4).run(params, PROMPTS, jax.random.key(0), knobs, settings)
-    q8, _ = _engine(cfg, 4, kv="int8").run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False, n=2))
+    fp, _ = _engine(cfg, 3).run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    q8, _ = _engine(cfg, 3, kv="int8").run(params, PROMPTS, jax.random.key(0), knobs, settings)
     # int8 KV changes the numbers slightly; the first tokens (short contexts) agree
     np.testing.assert_array_equal(q8.tokens[:, :2], fp.tokens[:, :2])
     agree = fp.tokens == q8.tokens

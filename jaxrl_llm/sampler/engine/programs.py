@@ -95,7 +95,6 @@ class DecodeState(NamedTuple):
 
 
 def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_dtype: str) -> DecodeState:
-    s = spec.max_num_seqs
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, spec.num_pages, spec.page_size, cfg.head_dim)
     if spec.kv_cache_dtype == "int8":
         pool = {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),

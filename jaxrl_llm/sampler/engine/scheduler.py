@@ -21,7 +21,6 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
