@@ -23,6 +23,7 @@ from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
 from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
+from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
 
 ConfigDict = ml_collections.ConfigDict
@@ -61,6 +62,13 @@ def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> Sampli
         max_new_tokens=int(rollout.response_length), temperature=float(knobs.temperature), top_k=int(knobs.top_k),
         top_p=float(knobs.top_p), do_sample=bool(knobs.do_sample), n=int(knobs.n),
         ignore_eos=bool(rollout.ignore_eos), stop_token_ids=tuple(rollout.stop_token_ids))
+
+
+def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
+    return EngineOptions(engine=rollout.engine, max_num_seqs=int(rollout.max_num_seqs),
+                         max_num_batched_tokens=int(rollout.max_num_batched_tokens),
+                         gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+                         kv_cache_dtype=rollout.kv_cache_dtype)
 
 
 def resolve_reward(cfg: ConfigDict) -> RewardSpec:
@@ -213,6 +221,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         actor_optim=resolve_optim(arr.actor.optim, arr.actor.grad_clip),
         ref=RefSpec(param_dtype=arr.ref.param_dtype, param_offload=bool(arr.ref.param_offload)),
         train_sampling=resolve_sampling(arr.rollout), val_sampling=resolve_sampling(arr.rollout, validation=True),
+        rollout_engine=resolve_rollout_engine(arr.rollout),
         critic=resolve_critic(cfg) if critic_on else None,
         critic_model=_model(cfg.critic.model, arr.model.tiny) if critic_on else None,
         critic_optim=resolve_optim(cfg.critic.optim, cfg.critic.grad_clip) if critic_on else None,

@@ -17,6 +17,7 @@ from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.models.lora import LoraConfig
 from jaxrl_llm.rewards.spec import RewardModelSpec, RewardSpec
+from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
 
 
@@ -193,6 +194,7 @@ class RunSpec:
     ref: RefSpec
     train_sampling: SamplingParams
     val_sampling: SamplingParams
+    rollout_engine: EngineOptions
     critic: CriticSpec | None
     critic_model: ModelSpec | None
     critic_optim: OptimSpec | None

@@ -170,6 +170,21 @@ ROLLOUT = {
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
     "calculate_log_probs": field(False, "No effect in jaxrl_llm (a warning when set): the sampler always "
                                         "returns its per-token logprobs (rollout_log_probs). veRL."),
+    "engine": field("static", "Rollout engine: 'static' (one padded batch, jaxrl_llm/sampler/core.py; the default "
+                              "until the paged engine beats it on CPU) or 'paged' (continuous batching over "
+                              "max_num_seqs slots, one prefill per prompt, paged KV read up to each sequence's "
+                              "length; jaxrl_llm/sampler/engine). max_num_seqs, max_num_batched_tokens, "
+                              "gpu_memory_utilization and kv_cache_dtype configure the paged engine."),
+    "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
+                                "batch's requests). veRL / vLLM."),
+    "max_num_batched_tokens": field(8192, "Prompt tokens the paged engine prefills between two decode calls "
+                                          "(at least one prompt). veRL / vLLM."),
+    "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
+                                         "pool gets this fraction minus what is in use, where the backend "
+                                         "reports its memory (GPU / TPU; CPU: every slot at full length). "
+                                         "veRL / vLLM."),
+    "kv_cache_dtype": field("auto", "Paged engine KV storage: 'auto' (the compute dtype) or 'int8' "
+                                    "(per-token-per-head scales). vLLM."),
     "val_kwargs": {
         "n": field(1, "Responses per validation prompt (reported as mean@n). veRL."),
         "temperature": field(0.0, "Validation temperature. veRL."),

@@ -71,6 +71,8 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _choice(cfg, "data.truncation", names.TRUNCATION)
     _choice(cfg, "trainer.resume_mode", names.RESUME_MODES)
     _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
+    _choice(cfg, f"{ROLLOUT}.engine", ("paged", "static"))
+    _choice(cfg, f"{ROLLOUT}.kv_cache_dtype", ("auto", "int8"))
     for role in (ACTOR, "critic"):
         _choice(cfg, f"{role}.optim.lr_scheduler_type", names.LR_SCHEDULERS)
     for role in (f"{ARR}.model", "critic.model"):
@@ -149,7 +151,8 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
              "dual-clip constant must be > 1")
     for key in ("algorithm.gamma", "algorithm.lam"):
         _require(0.0 <= get_path(cfg, key) <= 1.0, key, cfg, "must be in [0, 1]")
-    for key in (f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p"):
+    _positive(cfg, f"{ROLLOUT}.max_num_seqs", f"{ROLLOUT}.max_num_batched_tokens")
+    for key in (f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p", f"{ROLLOUT}.gpu_memory_utilization"):
         _require(0.0 < get_path(cfg, key) <= 1.0, key, cfg, "must be in (0, 1]")
     for key in (f"{ROLLOUT}.top_k", f"{ROLLOUT}.val_kwargs.top_k"):
         _require(get_path(cfg, key) == -1 or get_path(cfg, key) > 0, key, cfg, "must be -1 (off) or > 0")

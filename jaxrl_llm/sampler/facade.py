@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxrl_llm.sampler.core import sample
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, left_pad
 from jaxrl_llm.sampler.params import SamplingParams
 from jaxrl_llm.sharding import batch_axis_size, host_local_to_global, process_slice, shard_batch
@@ -77,8 +78,13 @@ def _special_ids(cfg: Any, tokenizer: Any) -> tuple[list[int], int]:
 
 
 def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, tokenizer: Any = None,
-             mesh: Mesh | None = None, compute_dtype: str = "float32") -> GenerationResult:
-    """Samples `sampling_params.n` responses per prompt with `model`'s current params."""
+             mesh: Mesh | None = None, compute_dtype: str = "float32", engine: EngineOptions | str | None = None
+             ) -> GenerationResult:
+    """Samples `sampling_params.n` responses per prompt with `model`'s current params.
+
+    engine: `EngineOptions`, or 'static' (default: one padded batch) / 'paged' (the continuous-batching engine).
+    """
+    opts = EngineOptions(engine=engine) if isinstance(engine, str) else (engine or EngineOptions())
     cfg, params = model.config, model.params
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     mesh = mesh if mesh is not None else getattr(model, "mesh", None)
@@ -86,6 +92,12 @@ def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, token
     eos, pad = _special_ids(cfg, tokenizer)
     settings, knobs = sampling_params.compile_args(eos, pad, vocab_size=cfg.vocab_size,
                                                    compute_dtype=compute_dtype)
+    if opts.engine == "paged":  # every process runs the same schedule and holds the whole result
+        out, _ = sample_paged(params, cfg, ids_list, jax.random.key(sampling_params.seed), knobs,
+                              settings=settings, opts=opts, mesh=mesh)
+        return GenerationResult.from_arrays(out.tokens, out.response_mask, out.log_probs, out.lengths,
+                                            out.finish_reason, num_steps=int(out.num_steps), n=sampling_params.n,
+                                            tokenizer=tokenizer)
     ways = 1 if mesh is None else batch_axis_size(mesh)
     rows = bucket_batch(len(ids_list), ways)
     ids, mask = left_pad(ids_list + [ids_list[0]] * (rows - len(ids_list)), pad)

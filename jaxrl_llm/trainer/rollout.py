@@ -26,11 +26,13 @@ from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
+from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, to_device, to_host
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
 
 Array = jax.Array
 _MIN_RESPONSE_BUCKET = 8
+_ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")
 
 
 @dataclasses.dataclass
@@ -67,9 +69,19 @@ class RolloutGenerator:
     baselines and validation all go through `generate`."""
 
     def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Any, reward_manager: RewardManager | None,
-                 reward_model: Any = None, compute_dtype: str = "float32"):
+                 reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None):
         self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
+        self.engine = engine if engine is not None else EngineOptions()
+        self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
+
+    def describe_engine(self, num_requests: int, max_prompt_len: int, max_new_tokens: int) -> str:
+        """The start-of-run summary line of the rollout engine for a batch of that shape."""
+        if self.engine.engine == "static":
+            return "rollout engine: static (one padded batch)"
+        spec = engine_spec(self.model_cfg, self.engine, num_requests=num_requests, max_prompt_len=max_prompt_len,
+                           max_new_tokens=max_new_tokens, compute_dtype=self.compute_dtype, mesh=self.mesh)
+        return describe(self.model_cfg, spec, self.compute_dtype, self.mesh)
 
     def generate(self, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams, rng: Array) -> Rollout:
         """`sampling.n` responses per prompt of `batch` (the whole global batch), scored."""
@@ -88,13 +100,17 @@ class RolloutGenerator:
             eos.append(int(tokenizer.eos_token_id))
         settings, knobs = sampling.compile_args(eos, pad_id, vocab_size=model_cfg.vocab_size,
                                                 compute_dtype=self.compute_dtype)
-        out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
+        if self.engine.engine == "paged":
+            host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
+                                                            settings=settings, opts=self.engine, mesh=mesh)
+            out = host_out._replace(**to_device({f: getattr(host_out, f) for f in _ROW_FIELDS}, mesh))
+        else:
+            out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
 
         n = sampling.n
         if len(raw_prompts) > num_prompts:  # drop the padding rows again
             keep = num_prompts * n
-            out = out._replace(**{f: getattr(out, f)[:keep] for f in (
-                "tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")})
+            out = out._replace(**{f: getattr(out, f)[:keep] for f in _ROW_FIELDS})
             raw_prompts = raw_prompts[:num_prompts]
             prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
         lengths = np.asarray(to_host(out.lengths)).astype(np.int32)

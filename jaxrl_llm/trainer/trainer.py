@@ -115,7 +115,7 @@ class Trainer:
             self.reward_model = RewardModel.load(spec.reward_model, self.tokenizer)
         self.generator = RolloutGenerator(model_cfg=model_cfg, mesh=self.mesh, tokenizer=self.tokenizer,
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
-                                          compute_dtype=spec.actor.compute_dtype)
+                                          compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine)
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
@@ -171,6 +171,8 @@ class Trainer:
             f"estimator: {spec.advantage.adv_estimator}; policy loss: {spec.actor.loss_mode} "
             f"({spec.actor.loss_agg_mode}); critic: {'on' if self.critic else 'off'}; "
             f"reference: {self._reference_summary()}",
+            self.generator.describe_engine(spec.plan.prompts * spec.plan.n, spec.plan.max_prompt_length,
+                                           spec.plan.response_length),
             f"run dir: {self.run_dir}; {self.total_steps} steps",
         ]
         return "\n".join(lines)

@@ -76,6 +76,9 @@ def test_verl_ppo_trainer_yaml(home):
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
                   f"{R}.n", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device") == (1024, 256, 16, 5, 32)
     assert values(r, "data.max_prompt_length", "data.max_response_length") == (512, 1024)
+    # vLLM engine keys that the paged rollout engine implements are imported, not ignored
+    assert values(r, f"{R}.gpu_memory_utilization", f"{R}.max_num_seqs", f"{R}.max_num_batched_tokens") == (
+        0.6, 1024, 8192)
     assert values(r, f"{A}.optim.lr", f"{A}.clip_ratio_low", f"{A}.clip_ratio_high", f"{A}.clip_ratio_c") == (
         1e-6, 0.2, 0.28, 3.0)
     assert values(r, f"{A}.use_kl_loss", f"{A}.kl_loss_coef", f"{A}.kl_loss_type") == (True, 0.001, "low_var_kl")
@@ -88,7 +91,7 @@ def test_verl_ppo_trainer_yaml(home):
         assert key not in s
     assert s["trainer.logger"] == ["console", "jsonl", "wandb"]
     assert s["mesh.tensor"] == 2  # rollout.tensor_model_parallel_size
-    for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "trainer.nnodes", "data.reward_fn_key",
+    for key in ("actor_rollout_ref.rollout.enforce_eager", "trainer.nnodes", "data.reward_fn_key",
                 "algorithm.pf_ppo.weight_pow", "actor_rollout_ref.actor.fsdp_config.param_offload", "ray_init.num_cpus",
                 "critic.rollout_n"):
         assert key in r.ignored and key in r.warning()
@@ -441,7 +444,7 @@ def test_dry_run_verl_import(smollm2_gguf, tmp_path):
     assert "1024 prompts x n=5 = 5120 sequences per step; data-parallel size 4" in summary
     assert "4 mini-batch(es) of 256 prompts" in summary and "micro-batch 16/device" in summary
     assert proc.stderr.count("have no effect in jaxrl_llm and were ignored") == 1
-    assert "actor_rollout_ref.rollout.gpu_memory_utilization" in proc.stderr
+    assert "actor_rollout_ref.rollout.enforce_eager" in proc.stderr
 
 
 def test_dry_run_trinity_on_the_default_tree_and_roll_with_trl_flags(smollm2_gguf, tmp_path):

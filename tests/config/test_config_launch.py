@@ -25,7 +25,7 @@ def test_dry_run_with_flag_and_verl_overrides(tmp_path):
                f"--config.trainer.default_local_dir={tmp_path}", "--",
                "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                "num_generations=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-               "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "trainer.logger=[console,jsonl]")
+               "actor_rollout_ref.rollout.enforce_eager=True", "trainer.logger=[console,jsonl]")
     assert proc.returncode == 0, proc.stderr
     cfg, summary = _split(proc.stdout)
     actor = cfg["actor_rollout_ref"]["actor"]
@@ -34,7 +34,7 @@ def test_dry_run_with_flag_and_verl_overrides(tmp_path):
     assert cfg["actor_rollout_ref"]["rollout"]["n"] == 4
     assert cfg["trainer"]["logger"] == ["console", "jsonl"]
     assert cfg["data"]["train_files"] == f"{tmp_path}/data/train.parquet"
-    assert "gpu_memory_utilization has no effect in jaxrl_llm" in proc.stderr
+    assert "enforce_eager has no effect in jaxrl_llm" in proc.stderr
     assert "8 prompts x n=4 = 32 sequences per step; data-parallel size 8 -> 4 sequences/device" in summary
     assert "2 mini-batch(es) of 4 prompts = 16 sequences (2/device)" in summary
     assert "micro-batch 1/device -> 2 accumulation step(s)" in summary

@@ -48,6 +48,6 @@ class Model:  # what the facade needs: .config, .params, .mesh
     params = sharding.shard_params(host_params, param_logical_axes(cfg), mesh)
 
 
-res = generate(Model(), PROMPTS8, sp)
+res = generate(Model(), PROMPTS8, sp, engine="paged")
 results["fsdp8"] = {"tokens": res.tokens.tolist(), "log_probs": res.log_probs.tolist()}
 print(json.dumps(results))

@@ -41,7 +41,7 @@ def test_lora_update_moves_only_adapters_by_their_gradient():
     update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
                                        num_micro_batches=2, lora_scale=LORA.scale))
     params = {"lora": ad}
-    new, opt_state, metrics = update(params, tx.init(params), b, jax.random.PRNGKey(1), None, base)
+    new, opt_state, metrics = update(params, tx.init(params), b, jax.random.PRNGKey(1), None, None, base)
     # reference: one SGD step on the full-batch loss through explicitly merged weights
     grads = jax.jit(jax.grad(lambda a: actor_loss(merge_lora(with_lora(base, a, LORA.scale)), b,
                                                   denominators(b.response_mask), model_cfg=CFG, s=s)[0]))(ad)

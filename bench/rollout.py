@@ -1,0 +1,181 @@
+"""RL-style rollout throughput on SmolLM2-135M (fp32): the paged engine vs the static sampler vs
+`transformers.generate`, same prompts, same limits (temperature 1, natural EOS, n samples each).
+
+Prompts spread response lengths the way RL answers do: one-word answers, short explanations and
+long step-by-step solutions. The static sampler and transformers run the requests in batches of
+`--slots` rows (the paged engine's slot count, so all three hold about the same KV memory).
+Reported per engine: useful new tokens/s (response tokens up to and including EOS / wall time of
+a warm run), slot utilisation (useful token-steps / slot-steps), prompt tokens prefilled
+(computed, bucket padding included), KV bytes held, compiled programs and compile time (a
+warm-up run for the paged engine, lowering + compiling for the static one). The machine may be shared with other jobs: numbers are wall-clock.
+
+Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512 new tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+from jaxrl_llm.config import smollm2_gguf_path
+from jaxrl_llm.hf import load_gguf
+from jaxrl_llm.sampler import SamplingParams, left_pad
+from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sampler.engine import programs
+from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec, sample_paged
+from jaxrl_llm.sampler.host import bucket_length
+
+ONE_WORD = ["What colour is grass? Answer with one word.", "What is the capital of Italy? One word.",
+            "Is fire hot or cold? One word.", "What animal says moo? One word."]
+SHORT = ["Explain in one sentence why ice floats.", "Why do we have seasons? Answer briefly.",
+         "What does a thermometer measure? Explain briefly.", "Why is the sea salty? Be brief."]
+LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h for 1.5 hours. "
+        "How far does it go in total?",
+        "Solve step by step: Tom has 3 boxes of 12 apples and gives away 17 apples. How many are left?",
+        "Write a detailed step-by-step explanation of how to compute 15% of 240.",
+        "Explain step by step how photosynthesis works, then summarise it."]
+
+
+def rl_prompts(count: int) -> list[str]:
+    kinds = [ONE_WORD, SHORT, LONG]
+    return [kinds[i % 3][(i // 3) % 4] for i in range(count)]
+
+
+def cache_sizes() -> int:
+    return sum(f._cache_size() for f in (programs.prefill, programs.insert, programs.generate,
+                                         programs.clear_slots))
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--quick", action="store_true", help="16 prompts x n=4, 128 new tokens, 16 slots")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["paged", "static", "transformers"])
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens, args.slots = 16, 128, 16
+    path = pathlib.Path(args.gguf or smollm2_gguf_path())
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cfg, params = load_gguf(path)
+    texts = rl_prompts(args.prompts)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for t in texts]
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    n, r, slots = args.n, args.new_tokens, args.slots
+    sp = SamplingParams(max_new_tokens=r, temperature=1.0, n=n, seed=0)
+    settings, knobs = sp.compile_args([eos], pad, vocab_size=cfg.vocab_size)
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32 K+V per token
+    print(f"backend={jax.default_backend()} cpu_count={os.cpu_count()} prompts={len(prompts)} x n={n} "
+          f"max_new_tokens={r} slots/batch rows={slots} prompt lengths {min(map(len, prompts))}.."
+          f"{max(map(len, prompts))} (shared machine: other jobs may be running)")
+    rows = {}
+
+    def report(name: str, m: dict) -> None:
+        rows[name] = m
+        print(f"{name:>12} | {m['tps']:>7.1f} {m['util']:>5.0%} {m['useful']:>7d} {m['wall']:>7.1f} | "
+              f"{m['prefill']:>11d} {m['kv'] / 2**20:>7.1f} | {m['compiles']:>8d} {m['compile_s']:>9.1f}", flush=True)
+
+    print(f"{'engine':>12} | {'tok/s':>7} {'util':>5} {'tokens':>7} {'wall s':>7} | {'prefill tok':>11} "
+          f"{'KV MiB':>7} | {'programs':>8} {'compile s':>9}", flush=True)
+    if "paged" not in args.skip:
+        opts = EngineOptions(max_num_seqs=slots)
+        before = cache_sizes()
+        # warm-up (compiles): one prompt per length bucket, the longest included, enough requests
+        # for the same slot count -> the very programs of the timed run
+        by_bucket = {bucket_length(len(p)): p for p in sorted(prompts, key=len)}
+        warm = list(by_bucket.values())
+        while len(warm) * n <= slots // 2:
+            warm += warm
+        _, compile_s = timed(lambda: sample_paged(params, cfg, warm, jax.random.key(0), knobs, settings=settings,
+                                                  opts=opts))
+        (out, stats), warm_s = timed(lambda: sample_paged(params, cfg, prompts, jax.random.key(1), knobs,
+                                                          settings=settings, opts=opts))
+        spec = engine_spec(cfg, opts, num_requests=len(prompts) * n, max_prompt_len=max(map(len, prompts)),
+                           max_new_tokens=r, compute_dtype="float32")
+        useful = int(out.lengths.sum())
+        report("paged", dict(tps=useful / warm_s, util=stats.utilisation, useful=useful, wall=warm_s,
+                             prefill=sum(bucket_length(len(p)) for p in prompts),
+                             kv=spec.num_pages * spec.page_bytes(cfg, "float32"),
+                             compiles=cache_sizes() - before, compile_s=compile_s))
+        print(f"       paged: {stats.decode_steps} decode steps, {stats.generate_calls} generate calls, "
+              f"peak {stats.peak_pages_used} of {spec.num_pages - 1} pages used, warm-up run incl. compiles "
+              f"{compile_s:.1f} s", flush=True)
+
+    requests = [p for p in prompts for _ in range(n)]  # prompt-major, n copies (the static path's repeat)
+
+    if "static" not in args.skip:
+        # rows in batches of `slots`: slots // n prompts with n samples each (the prompt prefilled n times)
+        per = max(1, slots // n)
+        batches = [left_pad(prompts[b:b + per], pad) for b in range(0, len(prompts), per)]
+        compiled, compile_s = {}, 0.0
+        for ids, mask in batches:  # compile each batch shape once, untimed runs excluded
+            if ids.shape not in compiled:
+                t0 = time.perf_counter()
+                compiled[ids.shape] = _sample_jit.lower(params, cfg, ids, mask, jax.random.key(0), knobs,
+                                                        settings=settings, mesh=None).compile()
+                compile_s += time.perf_counter() - t0
+        lengths, slot_steps, prefill, kv = [], 0, 0, 0
+        t0 = time.perf_counter()
+        for b, (ids, mask) in enumerate(batches):
+            o = jax.block_until_ready(compiled[ids.shape](params, ids, mask, jax.random.key(b), knobs))
+            lengths.append(np.asarray(o.lengths))
+            slot_steps += int(o.num_steps) * ids.shape[0] * n
+            prefill += ids.size * n
+            kv = max(kv, ids.shape[0] * n * (ids.shape[1] + r - 1) * kv_token)
+        wall = time.perf_counter() - t0
+        useful = int(np.concatenate(lengths).sum())
+        report("static", dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,
+                              prefill=prefill, kv=kv, compiles=len(compiled), compile_s=compile_s))
+
+    if "transformers" not in args.skip:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+        torch.manual_seed(0)
+        lengths, slot_steps, prefill, kv = [], 0, 0, 0
+        t0 = time.perf_counter()
+        for b in range(0, len(requests), slots):
+            chunk = requests[b:b + slots]
+            ids, mask = left_pad(chunk, pad, length=max(map(len, chunk)))
+            with torch.no_grad():
+                gen = model.generate(input_ids=torch.tensor(ids, dtype=torch.long),
+                                     attention_mask=torch.tensor(mask, dtype=torch.long), do_sample=True,
+                                     temperature=1.0, top_k=None, top_p=None, max_new_tokens=r,
+                                     eos_token_id=eos, pad_token_id=pad)
+            new = gen[:, ids.shape[1]:].numpy()
+            for row in new:
+                hits = np.flatnonzero(row == eos)
+                lengths.append(hits[0] + 1 if len(hits) else new.shape[1])
+            slot_steps += new.size
+            prefill += ids.size
+            kv = max(kv, ids.shape[0] * (ids.shape[1] + new.shape[1]) * kv_token)
+        wall = time.perf_counter() - t0
+        useful = int(np.sum(lengths))
+        report("transformers", dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,
+                                    prefill=prefill, kv=kv, compiles=0, compile_s=0.0))
+
+    if "paged" in rows:
+        for other in ("static", "transformers"):
+            if other in rows:
+                print(f"paged / {other}: {rows['paged']['tps'] / rows[other]['tps']:.2f}x useful tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Host-side KV page bookkeeping: a free list with reference counts, and the pool's size plan.
+
+Pages are handed out in a fixed (lowest id first) order, so every process of a multi-process run
+makes the same choices from the same inputs. Page 0 is the scratch page and never handed out.
+"""
+from __future__ import annotations
+
+import heapq
+
+import jax
+
+from jaxrl_llm.models import ModelConfig
+
+
+class PagePool:
+    """Reference-counted pages 1..num_pages-1; `alloc` returns None when too few are free."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(1, num_pages))
+        heapq.heapify(self._free)
+        self._refs: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int, refs: int = 1) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        pages = [heapq.heappop(self._free) for _ in range(count)]
+        for p in pages:
+            self._refs[p] = refs
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                del self._refs[p]
+                heapq.heappush(self._free, p)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def device_kv_budget(gpu_memory_utilization: float) -> int | None:
+    """KV bytes per device from `rollout.gpu_memory_utilization`: that fraction of the device's
+    memory limit minus what is in use now (params, optimizer state); None where the backend
+    reports no memory limit (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return max(0, int(gpu_memory_utilization * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+
+
+def plan_num_pages(cfg: ModelConfig, *, max_num_seqs: int, pages_per_slot: int, page_bytes: int,
+                   kv_shards: int, budget_bytes: int | None) -> int:
+    """Pool pages: enough for every slot at full length (plus the scratch page), capped by the
+    per-device budget (the pool's kv-heads dim is split `kv_shards` ways)."""
+    full = max_num_seqs * pages_per_slot + 1
+    if budget_bytes is None:
+        return full
+    per_device_page = max(1, page_bytes // max(1, kv_shards))
+    fit = budget_bytes // per_device_page
+    if fit < pages_per_slot + 1:
+        raise ValueError(
+            f"rollout.gpu_memory_utilization leaves {budget_bytes} bytes of KV per device: fewer than the "
+            f"{pages_per_slot + 1} pages ({per_device_page} bytes each) one full-length sequence needs; raise "
+            "gpu_memory_utilization or lower response_length / max_prompt_length")
+    del cfg
+    return int(min(full, fit))

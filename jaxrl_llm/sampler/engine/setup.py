@@ -1,0 +1,105 @@
+"""`EngineOptions` (the typed `actor_rollout_ref.rollout` engine keys) -> a sized `PagedEngine`,
+and `sample_paged`, the engine behind the static sampler's `SampleOutput`.
+
+Sizing: slots = min(max_num_seqs, power-of-two bucket of the number of requests), so a small
+batch does not decode empty slots and a run sees a few slot counts at most; the page table
+covers max_model_len = bucket(longest prompt) + max_new_tokens rounded up to a multiple of 256
+(a handful of values, so a handful of programs); the pool holds every slot at full length, capped
+by `gpu_memory_utilization` of the device's memory where the backend reports it. Engines are
+cached per shape, so their compiled programs and KV buffers are reused from call to call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampler.core import SampleOutput
+from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
+from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES, EngineSpec
+from jaxrl_llm.sampler.engine.scheduler import EngineStats, PagedEngine
+from jaxrl_llm.sampler.host import bucket_batch, bucket_length
+from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
+
+ENGINES = ("paged", "static")
+PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Rollout engine settings (veRL / vLLM names; docs/config.md)."""
+
+    engine: str = "static"  # the paged engine is opt-in until it beats the static path (docs/performance.md)
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.5
+    kv_cache_dtype: str = "auto"
+    steps_per_call: int = 16
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine={self.engine!r}: expected one of {ENGINES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"rollout.kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.steps_per_call < 1:
+            raise ValueError("rollout.max_num_seqs / max_num_batched_tokens must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+
+
+_MODEL_LEN_STEP = 256  # max_model_len rounds up to a multiple of this (a few page-table shapes per run)
+
+
+def _kv_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    return tensor if cfg.num_key_value_heads % tensor == 0 else 1
+
+
+def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
+                max_new_tokens: int, compute_dtype: str, mesh: Mesh | None = None) -> EngineSpec:
+    slots = min(opts.max_num_seqs, bucket_batch(num_requests))
+    max_model_len = -(-(bucket_length(max_prompt_len) + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
+    pps = pages_for(max_model_len, PAGE_SIZE)
+    probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
+                       kv_cache_dtype=opts.kv_cache_dtype)
+    num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
+                               page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
+                               budget_bytes=device_kv_budget(opts.gpu_memory_utilization))
+    return dataclasses.replace(probe, num_pages=num_pages)
+
+
+def describe(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str, mesh: Mesh | None = None) -> str:
+    """One summary line: slots, page size, pool pages and KV bytes per device."""
+    per_device = spec.num_pages * spec.page_bytes(cfg, compute_dtype) // _kv_shards(cfg, mesh)
+    kv = "int8" if spec.kv_cache_dtype == "int8" else compute_dtype
+    return (f"rollout engine: paged, {spec.max_num_seqs} slots, page size {spec.page_size}, "
+            f"{spec.num_pages} pages ({kv}), max_model_len {spec.pages_per_slot * spec.page_size}, "
+            f"KV {per_device / 2**20:.1f} MiB per device")
+
+
+_ENGINES: dict[tuple, PagedEngine] = {}
+
+
+def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_dtype: str,
+               mesh: Mesh | None = None) -> PagedEngine:
+    """A cached engine per (model, shape, mesh): its KV buffers and compiled programs are reused."""
+    key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, mesh)
+    if key not in _ENGINES:
+        if len(_ENGINES) >= 4:  # a few shapes per run; drop the oldest pool
+            _ENGINES.pop(next(iter(_ENGINES)))
+        _ENGINES[key] = PagedEngine(cfg, spec, compute_dtype=compute_dtype, steps_per_call=opts.steps_per_call,
+                                    max_num_batched_tokens=opts.max_num_batched_tokens, mesh=mesh)
+    return _ENGINES[key]
+
+
+def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
+                 knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None
+                 ) -> tuple[SampleOutput, EngineStats]:
+    """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
+    `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats."""
+    spec = engine_spec(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=max(map(len, prompts)),
+                       max_new_tokens=settings.max_new_tokens, compute_dtype=settings.compute_dtype, mesh=mesh)
+    return get_engine(cfg, spec, opts, settings.compute_dtype, mesh).run(params, prompts, rng, knobs, settings)

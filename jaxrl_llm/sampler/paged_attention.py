@@ -1,0 +1,116 @@
+"""Paged decode attention: one query per slot over that slot's KV pages (block table).
+
+Contract (shared with the Pallas kernel, jaxrl_llm/sampler/paged_attention_pallas.py):
+
+    paged_decode_attention(q, k_pages, v_pages, lengths, page_indices, *, sliding_window=None) -> out
+    q            [slots, num_heads, head_dim]                      compute dtype, RoPE'd
+    k/v_pages    [num_kv_heads, num_pages, page_size, head_dim]    KV dtype
+    lengths      [slots] int32  valid KV tokens (incl. the current one); 0 = empty slot -> output 0
+    page_indices [slots, pages_per_slot] int32; entries past ceil(length / page_size) are ignored
+    sliding_window: a key at position p is seen iff p >= length - W
+    out          [slots, num_heads, head_dim] in q's dtype
+
+GQA: query head h reads kv head h // (num_heads // num_kv_heads); scale head_dim ** -0.5.
+Numerics (the same as the trainer's dense attention): q.k with fp32 accumulation, scaled in
+fp32, softmax in fp32 with a finite mask value, probabilities kept in fp32 and V upcast for the
+probs.V product, the result cast to q's dtype.
+
+The XLA path is length-aware: a `lax.while_loop` over blocks of pages runs only up to the
+longest slot (flash-decoding: an online softmax carries running max / sum / output), so a decode
+step's cost grows with the real lengths, not with the pool or the page-table width. Optional
+int8 pages (`k_scales` / `v_scales`, per token per head) are dequantised block by block.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+_NEG = jnp.finfo(jnp.float32).min
+IMPLS = ("auto", "xla", "pallas")
+_BLOCK_TOKENS = 128  # keys per loop iteration (rounded to whole pages)
+
+
+def _pages_per_block(page_size: int, pages_per_slot: int) -> int:
+    return max(1, min(pages_per_slot, _BLOCK_TOKENS // page_size))
+
+
+def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths: Array,
+                               page_indices: Array, *, sliding_window: int | None = None,
+                               k_scales: Array | None = None, v_scales: Array | None = None) -> Array:
+    """The contract's attention in plain XLA (any backend); see the module docstring.
+
+    k_scales / v_scales: fp32 [num_kv_heads, num_pages, page_size] when the pages hold int8
+    (value = int8 * scale), else None.
+    """
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    if k_scales is not None:
+        k_scales, v_scales = jnp.asarray(k_scales), jnp.asarray(v_scales)
+    slots, nh, hd = q.shape
+    nkv, _, ps, _ = k_pages.shape
+    g = nh // nkv
+    pps = page_indices.shape[1]
+    ppb = _pages_per_block(ps, pps)
+    num_blocks = -(-pps // ppb)
+    # pad the table so every block slice is in range (padding entries are never valid keys)
+    table = jnp.pad(jnp.asarray(page_indices, jnp.int32), ((0, 0), (0, num_blocks * ppb - pps)))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    qg = q.reshape(slots, nkv, g, hd)
+    block_tokens = ppb * ps
+    lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
+
+    def gather(pages: Array, scales: Array | None, ids: Array) -> Array:
+        blk = pages[:, ids]  # [kv, slots, ppb, ps, hd]
+        if scales is not None:
+            blk = blk.astype(jnp.float32) * scales[:, ids][..., None]
+        return blk.reshape(nkv, slots, block_tokens, hd)
+
+    def body(carry):
+        i, m, s, acc = carry
+        ids = lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)  # [slots, ppb]
+        k = gather(k_pages, k_scales, ids)
+        v = gather(v_pages, v_scales, ids)
+        if k_scales is not None:
+            k = k.astype(q.dtype)
+        scores = jnp.einsum("skgd,ksnd->skgn", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+        pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+        valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lo[:, None])  # [slots, n]
+        scores = jnp.where(valid[:, None, None, :], scores, _NEG)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[..., None]) * valid[:, None, None, :]
+        corr = jnp.exp(m - m_new)
+        s = s * corr + p.sum(axis=-1)
+        pv = jnp.einsum("skgn,ksnd->skgd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+        return i + 1, m_new, s, acc * corr[..., None] + pv
+
+    first = jnp.min(jnp.where(lengths > 0, lo, jnp.iinfo(jnp.int32).max)) // block_tokens
+    first = jnp.clip(first, 0, num_blocks)
+    last = jnp.minimum(-(-jnp.max(lengths) // block_tokens), num_blocks)
+    init = (first, jnp.full((slots, nkv, g), _NEG, jnp.float32), jnp.zeros((slots, nkv, g), jnp.float32),
+            jnp.zeros((slots, nkv, g, hd), jnp.float32))
+    _, _, s, acc = lax.while_loop(lambda c: c[0] < last, body, init)
+    out = acc / jnp.where(s > 0, s, 1.0)[..., None]  # empty slots: acc = 0 -> output 0
+    return out.reshape(slots, nh, hd).astype(q.dtype)
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> 'pallas' on gpu / tpu backends, 'xla' elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"paged attention impl={impl!r}: expected one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return impl
+
+
+def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, *,
+                           sliding_window: int | None = None, impl: str = "auto",
+                           k_scales: Array | None = None, v_scales: Array | None = None) -> Array:
+    """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. int8 pages always take the
+    XLA path (it dequantises block by block; the kernel reads compute-dtype pages)."""
+    if resolve_impl(impl) == "pallas" and k_scales is None:
+        from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
+        return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
+                                             sliding_window=sliding_window)
+    return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
+                                      k_scales=k_scales, v_scales=v_scales)
