@@ -15,6 +15,8 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -72,6 +74,26 @@ def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
     return d
 
 
+@contextmanager
+def staged_folder(out_dir: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A temp folder beside `out_dir` to write into; on success it replaces `out_dir` in one rename
+    (an existing `out_dir` is moved aside first), on error it is removed: never a half-written folder."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _remove_leftovers(out_dir: pathlib.Path) -> None:
     """Temporary folders an interrupted export left beside `out_dir` (`.<name>.tmp-*`, `.<name>.old-*`)."""
     if out_dir.parent.is_dir():
@@ -109,9 +131,7 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
     if head == "score":
         arch = arch.replace("ForCausalLM", "ForSequenceClassification")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir) as tmp:
         hf_config = cfg.to_hf_config(architecture=arch, dtype=np_dtype.name,
                                      num_labels=num_labels if head == "score" else None)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -136,14 +156,4 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -14,9 +14,7 @@ built beside `out_dir` and renamed into place; a bucket URL gets it built locall
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import shutil
 import tempfile
 from typing import Any
 
@@ -24,6 +22,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxrl_llm import storage
+from jaxrl_llm.hf.export import staged_folder
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import LoraConfig
 
@@ -66,20 +65,8 @@ def export_peft(cfg: ModelConfig, adapters: dict, lora: LoraConfig, out_dir: str
             storage.upload_dir(str(pathlib.Path(local) / "peft"), url, last=("adapter_config.json",))
         return storage.as_path(url)
     out_dir = pathlib.Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir) as tmp:
         save_file(peft_tensors(cfg, adapters), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = adapter_config(lora, base_model_name_or_path)
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
