@@ -5,8 +5,12 @@ the sharding the run gives it.
 Each builder lowers the same jitted function the run calls (`sampler.core._sample_jit`,
 `experience.log_probs_no_grad` / `values_no_grad`, `roles.jit_update`) with the step's
 worst-case shapes: every prompt bucketed to `data.max_prompt_length`, every response
-`rollout.response_length` long. `PROGRAM_BUILDERS` is the list the planner walks; a new program of
-the step (a packed forward, a LoRA update) is one more builder returning a `Program`.
+`rollout.response_length` long. `PROGRAM_BUILDERS` is the list the planner walks.
+
+Packed runs (`model.use_remove_padding`) are planned in the padded layout: at the worst case every
+sequence is full length, and a packed micro-batch then holds the same tokens in as many rows, so the
+padded program bounds the packed one. LoRA (`model.lora_rank`): the update's arguments are the
+adapters, their optimizer state and the frozen base; the reference pass reads the base itself.
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ from jax.sharding import Mesh
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.config.spec import ModelSpec, OptimSpec, RunSpec
 from jaxrl_llm.models import ModelConfig, init_cache
+from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.sampler import bucket_length
 from jaxrl_llm.sampler.core import _sample_jit
-from jaxrl_llm.sharding import batch_axis_size, batch_sharding, optimizer_state_sharding
+from jaxrl_llm.sharding import batch_axis_size, batch_sharding, logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
@@ -84,6 +89,18 @@ class Context:
     def seq_len(self) -> int:
         return self.prompt_width + self.spec.plan.response_length
 
+    @property
+    def policy_states(self) -> tuple[str, ...]:
+        """The states a policy forward reads: its params, or with LoRA the frozen base + adapters."""
+        return ("actor_base_params", "actor_params") if self.spec.model.lora else ("actor_params",)
+
+    def policy_params(self) -> Any:
+        """The params the sampler / old-log-prob pass read (the base with the adapters under LoRA)."""
+        lora = self.spec.model.lora
+        if lora is None:
+            return self.states["actor_params"]
+        return with_lora(self.states["actor_base_params"], self.states["actor_params"]["lora"], lora.scale)
+
     def rows(self, n: int, width: int, dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((n, width), dtype, sharding=batch_sharding(self.mesh, 2))
 
@@ -123,8 +140,16 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Any) -> Context:
     """Model configs from config.json / GGUF header / tiny dims; params via `jax.eval_shape`."""
     actor = _model(spec.model, "lm", mesh, tokenizer)
     txs = {"actor": _tx(spec.actor_optim)}
-    states = {"actor_params": actor.params, "actor_opt": _opt_state(txs["actor"], actor)}
-    if spec.need_ref:
+    if spec.model.lora is not None:  # trained: the adapters only; the base is frozen and is the reference
+        lora = spec.model.lora
+        abstract = jax.eval_shape(lambda: init_lora(actor.cfg, lora, jax.random.PRNGKey(0)))
+        shardings = logical_to_sharding(lora_logical_axes(actor.cfg, lora), abstract, mesh)
+        adapters = Model(actor.cfg, {"lora": _abstract(abstract, shardings)}, {"lora": shardings})
+        states = {"actor_base_params": actor.params, "actor_params": adapters.params,
+                  "actor_opt": _opt_state(txs["actor"], adapters)}
+    else:
+        states = {"actor_params": actor.params, "actor_opt": _opt_state(txs["actor"], actor)}
+    if spec.need_ref and spec.model.lora is None:
         states["ref_params"] = _abstract(actor.params, actor.shardings, compute_dtype_of(spec.ref.param_dtype))
     critic = None
     if spec.critic is not None:
@@ -158,7 +183,7 @@ def sample_program(ctx: Context) -> Program:
 
     def lower(plan: BatchPlan) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
-        return _sample_jit.lower(ctx.states["actor_params"], cfg, ids, ids, jax.random.PRNGKey(0), knobs,
+        return _sample_jit.lower(ctx.policy_params(), cfg, ids, ids, jax.random.PRNGKey(0), knobs,
                                  settings=settings, mesh=mesh)
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
@@ -170,7 +195,7 @@ def sample_program(ctx: Context) -> Program:
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
-    return Program("sample", lower, ("actor_params",), lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes)
+    return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes)
 
 
 def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Program:
@@ -182,10 +207,11 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
 
     def lower(plan: BatchPlan) -> Any:
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
+        params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
         if micro_pass == "values":
-            return values_no_grad.lower(ctx.states[state], ids, ids, mask, model_cfg=ctx.critic.cfg,
+            return values_no_grad.lower(params, ids, ids, mask, model_cfg=ctx.critic.cfg,
                                         compute_dtype=spec.critic.compute_dtype, micro_rows=micro_rows(plan))
-        return log_probs_no_grad.lower(ctx.states[state], ids, ids, mask, model_cfg=ctx.actor.cfg,
+        return log_probs_no_grad.lower(params, ids, ids, mask, model_cfg=ctx.actor.cfg,
                                        temperature=spec.actor.temperature, compute_dtype=spec.actor.compute_dtype,
                                        micro_rows=micro_rows(plan))
 
@@ -196,11 +222,16 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
             out += [f"{ARR}.ref.param_dtype={spec.ref.param_dtype}", f"{ARR}.ref.param_offload"]
         return (*out, MESH_KEYS)
 
-    return Program(name, lower, (state,), keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan))
+    states = ctx.policy_states if state == "actor_params" else (state,)
+    return Program(name, lower, states, keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan))
 
 
 def ref_program(ctx: Context) -> Program | None:
-    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", "ref_params") if ctx.spec.need_ref else None
+    if not ctx.spec.need_ref:
+        return None
+    # with LoRA the reference is the frozen base itself (no copy)
+    state = "actor_base_params" if ctx.spec.model.lora else "ref_params"
+    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state)
 
 
 def old_log_prob_program(ctx: Context) -> Program | None:
@@ -228,8 +259,11 @@ def _experience(ctx: Context) -> Experience:
 def _update_program(ctx: Context, role: str) -> Program:
     spec = ctx.spec
     model = ctx.actor if role == "actor" else ctx.critic
-    update_fn = (functools.partial(update_actor, model_cfg=model.cfg, s=spec.actor) if role == "actor" else
+    lora = spec.model.lora if role == "actor" else None
+    update_fn = (functools.partial(update_actor, model_cfg=model.cfg, s=spec.actor,
+                                   lora_scale=lora.scale if lora else 0.0) if role == "actor" else
                  functools.partial(update_critic, model_cfg=model.cfg, s=spec.critic))
+    frozen = (ctx.states["actor_base_params"],) if lora else ()  # LoRA: the base, passed undifferentiated
     s = spec.actor if role == "actor" else spec.critic
     n, t = spec.plan.sequences, ctx.seq_len
     params, opt = ctx.states[f"{role}_params"], ctx.states[f"{role}_opt"]
@@ -239,10 +273,12 @@ def _update_program(ctx: Context, role: str) -> Program:
 
     def lower(plan: BatchPlan) -> Any:
         num_mini, num_micro = split(plan)
-        fn = jit_update(update_fn, ctx.txs[role], model.shardings, jax.tree.map(lambda x: x.sharding, opt),
+        fn = jit_update(update_fn, ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
+                        jax.tree.map(lambda x: x.sharding, opt),
                         num_mini_batches=num_mini, num_micro_batches=num_micro,
                         rows_sharding=batch_sharding(ctx.mesh, 1))
-        return fn.lower(params, opt, _experience(ctx), jax.random.PRNGKey(0), jax.ShapeDtypeStruct((), jnp.float32))
+        return fn.lower(params, opt, _experience(ctx), jax.random.PRNGKey(0), jax.ShapeDtypeStruct((), jnp.float32),
+                        None, *frozen)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
         section = f"{ARR}.actor" if role == "actor" else "critic"
@@ -254,7 +290,8 @@ def _update_program(ctx: Context, role: str) -> Program:
         num_mini, num_micro = split(plan)
         return s.ppo_epochs * num_mini * num_micro
 
-    return Program(f"update_{role}", lower, (f"{role}_params", f"{role}_opt"), keys, micro_pass=role, trips=trips)
+    states = (f"{role}_params", f"{role}_opt") + (("actor_base_params",) if lora else ())
+    return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips)
 
 
 def critic_update_program(ctx: Context) -> Program | None:

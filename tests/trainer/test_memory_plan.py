@@ -147,3 +147,19 @@ def test_smollm2_config_is_read_from_the_gguf_header_without_weights(smollm2_ggu
     loaded = load_gguf(smollm2_gguf)[0]
     assert cfg.num_hidden_layers == loaded.num_hidden_layers == 30 and cfg.hidden_size == 576
     assert cfg == dataclasses.replace(loaded, rope_theta=20000.0)  # override_config applied, as load_model does
+
+
+def test_lora_plan_trains_adapters_and_reads_the_base_as_reference(tmp_path):
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.model.lora_rank": 4,
+                                         "actor_rollout_ref.actor.use_kl_loss": True})
+    plan = plan_memory(spec, mesh, tok, peak_flops=PEAK)
+    assert [p.name for p in plan.programs] == ["sample", "ref_log_prob", "update_actor"]
+    planner = Planner(spec, mesh, tok)
+    base = planner.state_bytes["actor_base_params"]
+    adapters = planner.state_bytes["actor_params"]
+    assert "ref_params" not in planner.state_bytes and 0 < adapters < base / 4
+    update = plan.program("update_actor")
+    # arguments: the frozen base + the adapters; Adam's moments only for the adapters
+    assert update.params_bytes == base + adapters
+    assert 2 * adapters <= update.opt_state_bytes <= 2 * adapters + 4096
+    assert plan.program("ref_log_prob").params_bytes == base
