@@ -1,5 +1,6 @@
 """Training-side throughput on a varied-length GRPO batch, SmolLM2-135M: padded rows vs sequence
-packing (`model.use_remove_padding`), one arm per way of running the same work.
+packing (`model.use_remove_padding`) vs LoRA on the packed batch (`model.lora_rank`), one arm per way
+of running the same work.
 
 Workload (synthetic token ids; the training step does not read them): `--prompts` x `--n`
 sequences, prompt lengths uniform in [30, 300], response lengths lognormal (median
@@ -44,6 +45,7 @@ from jaxrl_llm.config import smollm2_gguf_path  # noqa: E402
 from jaxrl_llm.config.spec import ActorSpec  # noqa: E402
 from jaxrl_llm.hf import load_gguf  # noqa: E402
 from jaxrl_llm.models import init_head_params  # noqa: E402
+from jaxrl_llm.models.lora import LoraConfig, init_lora, with_lora  # noqa: E402
 from jaxrl_llm.trainer import packing as pk  # noqa: E402
 from jaxrl_llm.trainer.actor import update_actor  # noqa: E402
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad  # noqa: E402
@@ -109,10 +111,25 @@ SPEC = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low
                  ppo_epochs=1, shuffle=False)
 
 
-def _build(w: Workload, packed: bool) -> tuple[dict[str, Callable[[], Any]], dict[str, int]]:
+def update_memory_bytes(update: Any, *args: Any) -> int:
+    """XLA's planned peak of one compiled update: arguments + outputs + temporaries - donated aliases."""
+    mem = update.lower(*args).compile().memory_analysis()
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - mem.alias_size_in_bytes)
+
+
+def _build(w: Workload, packed: bool, lora: LoraConfig | None = None
+           ) -> tuple[dict[str, Callable[[], Any]], dict[str, int], int]:
+    """The arm's timed callables, computed tokens per pass, and the update's planned peak bytes.
+    `lora`: train rank-r adapters on the frozen base (the no-grad passes read base + adapters)."""
     tx = optax.adamw(1e-6)
-    opt_state = tx.init(w.params)
     rng = jax.random.PRNGKey(0)
+    trained, frozen, model_params, lora_scale = w.params, (), w.params, 0.0
+    if lora is not None:
+        trained = {"lora": init_lora(w.cfg, lora, jax.random.PRNGKey(2))}
+        frozen, lora_scale = (w.params,), lora.scale
+        model_params = with_lora(w.params, trained["lora"], lora.scale)
+    opt_state = tx.init(trained)
     rows, seq_len = w.mask.shape
     response_len = int(w.exp.response_mask.shape[1])
     update_packing, chunks = None, None
@@ -124,22 +141,24 @@ def _build(w: Workload, packed: bool) -> tuple[dict[str, Callable[[], Any]], dic
         computed = {"update": pk.packing_stats(update_packing.layout)["computed_tokens"],
                     **{k: pk.packing_stats(chunks)["computed_tokens"] for k in ("logprob", "values")}}
     update = jax.jit(functools.partial(update_actor, model_cfg=w.cfg, s=SPEC, tx=tx, num_mini_batches=1,
-                                       num_micro_batches=w.micro))
+                                       num_micro_batches=w.micro, lora_scale=lora_scale))
     e = w.exp
     calls = {
-        "update": lambda: update(w.params, opt_state, e, rng, None, update_packing),
-        "logprob": lambda: log_probs_no_grad(w.params, e.input_ids, e.attention_mask, e.response_mask, chunks,
+        "update": lambda: update(trained, opt_state, e, rng, None, update_packing, *frozen),
+        "logprob": lambda: log_probs_no_grad(model_params, e.input_ids, e.attention_mask, e.response_mask, chunks,
                                              model_cfg=w.cfg, temperature=1.0, compute_dtype="float32",
                                              micro_rows=w.chunk_rows),
         "values": lambda: values_no_grad(w.value_params, e.input_ids, e.attention_mask, e.response_mask, chunks,
                                          model_cfg=w.cfg, compute_dtype="float32", micro_rows=w.chunk_rows),
     }
-    return calls, computed
+    return calls, computed, update_memory_bytes(update, trained, opt_state, e, rng, None, update_packing, *frozen)
 
 
 ARMS: list[Arm] = [
     Arm("padded", functools.partial(_build, packed=False)),
     Arm("packed", functools.partial(_build, packed=True)),
+    # LoRA vs full fine-tuning on the same packed batch: step time and the update's peak memory
+    Arm("lora", functools.partial(_build, packed=True, lora=LoraConfig(rank=16, alpha=32))),
 ]
 
 
@@ -183,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"sequences": rows, "padded_shape": [rows, seq_len], "useful_tokens": w.useful_tokens,
                                "layers": w.cfg.num_hidden_layers, "micro_batches": args.micro, "arms": {}}
     for arm in (a for a in ARMS if a.name in args.arms.split(",")):
-        calls, computed = arm.build(w)
+        calls, computed, update_bytes = arm.build(w)
         out = {}
         for name in passes:
             first, best = best_time(calls[name], args.reps)
@@ -193,15 +212,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  {arm.name:>8} {name:>8}: {best:8.2f} s (first {first:6.1f} s), "
                   f"{computed[name] / w.useful_tokens:5.2f} computed/useful, "
                   f"{w.useful_tokens / best:8.0f} useful tokens/s", flush=True)
+        if "update" in out:
+            out["update"]["planned_peak_bytes"] = update_bytes
+            print(f"  {arm.name:>8}   update: XLA-planned peak {update_bytes / 2**30:.2f} GiB", flush=True)
         results["arms"][arm.name] = out
     base = results["arms"].get("padded")
-    print(f"\n{'arm':>8} {'pass':>8} {'seconds':>9} {'computed/useful':>16} {'tokens/s':>10} {'vs padded':>10}")
+    print(f"\n{'arm':>8} {'pass':>8} {'seconds':>9} {'computed/useful':>16} {'tokens/s':>10} {'vs padded':>10} "
+          f"{'peak GiB':>9}")
     for arm, out in results["arms"].items():
         for name, r in out.items():
             speedup = base[name]["seconds"] / r["seconds"] if base else float("nan")
             r["speedup_vs_padded"] = speedup
+            peak = f"{r['planned_peak_bytes'] / 2**30:9.2f}" if "planned_peak_bytes" in r else f"{'':>9}"
             print(f"{arm:>8} {name:>8} {r['seconds']:9.2f} {r['computed_per_useful']:16.2f} "
-                  f"{r['useful_tokens_per_s']:10.0f} {speedup:9.2f}x")
+                  f"{r['useful_tokens_per_s']:10.0f} {speedup:9.2f}x {peak}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")
