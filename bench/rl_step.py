@@ -52,6 +52,9 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 4
+# varied: 4 micro-batches of 8 sequences (gradient accumulation, still one AdamW step) on both sides;
+# the whole 32-sequence batch in one backward needs > 23 GB on CPU (ours OOMed at 256 new tokens)
+VARIED_MICRO_BATCH = 8
 MIN_PROMPT, MAX_PROMPT = 30, 300  # templated prompt tokens of the varied workload (bench/train_step.py's)
 
 # Varied workload: instructions whose natural answers range from one token to a long explanation, so
@@ -98,6 +101,7 @@ def quickstart_config(steps: int, response_length: int, run_dir: str, train_file
         cfg.data.train_files = train_file
         cfg.data.val_files = None
         cfg.data.max_prompt_length = MAX_PROMPT
+        cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_device = VARIED_MICRO_BATCH
     cfg.actor_rollout_ref.rollout.temperature = 1.0
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = PROMPTS_PER_STEP  # one optimizer step per RL step
@@ -268,10 +272,13 @@ def run_trl(cfg, rows: list[dict[str, Any]], steps: int, hf_dir: str, torch_thre
 
     optim, rollout = arr.actor.optim, arr.rollout
     r = int(cfg.data.max_response_length)
+    micro = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT if fixed_length else VARIED_MICRO_BATCH
+    accumulation = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // micro
     args = GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,  # completions, not prompts
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,  # one AdamW step per batch
+        # completions, not prompts; one generation of the whole batch, one AdamW step on it
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_iterations=1,
         num_generations=SAMPLES_PER_PROMPT, max_completion_length=r,
         # fixed: every completion has exactly r tokens, as ignore_eos; varied: natural EOS on both sides
         generation_kwargs={"min_new_tokens": r} if fixed_length else {},
@@ -411,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{trl_res['best_s'] / ours['best_s']:.2f}x best step, "
               f"{trl_res['gen_s'] / ours['gen_s']:.2f}x generation (warm-up step: "
               f"{trl_res['warmup_s'] / ours['warmup_s']:.2f}x)")
+        if not fixed:  # natural EOS: the two sides sample different lengths, so compare rates too
+            rate = lambda s: (s["gen_tokens"] + s["prompt_tokens"]) / s["step_s"]  # noqa: E731
+            gen_rate = lambda s: s["gen_tokens"] / s["step_s"]  # noqa: E731
+            print(f"ratio jaxrl_llm / TRL tokens per second: {rate(ours) / rate(trl_res):.2f}x total, "
+                  f"{gen_rate(ours) / gen_rate(trl_res):.2f}x generated")
     elif not has_trl:
         print("TRL not installed (`pip install -e \".[bench]\"`): no comparison.")
     return 0
