@@ -15,6 +15,13 @@ validation, no checkpoints. Two workloads (`--workload`):
           trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
           (sequence packing, `model.use_remove_padding`, on).
 
+Last measured (varied, 2026-11-23, 2 CPU cores shared with 4 other jobs, load ~7; the 512-token
+cap was too slow for the session, and whole-batch updates OOMed, hence 8-sequence micro-batches):
+`python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 408 s,
+timed step 328 s (mean response 95 tokens); TRL had not finished its warm-up step by the deadline
+(its 8-token generate probe took 27 s on 1 thread): no ratio measured yet. Re-measure on an idle
+machine.
+
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
 
