@@ -18,9 +18,8 @@ validation, no checkpoints. Two workloads (`--workload`):
 Last measured (varied, 2026-11-23, 2 CPU cores shared with 4 other jobs, load ~7; the 512-token
 cap was too slow for the session, and whole-batch updates OOMed, hence 8-sequence micro-batches):
 `python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 408 s,
-timed step 328 s (mean response 95 tokens); TRL warm-up step 233 s (its 8-token generate probe
-took 27 s on 1 thread), its timed step unfinished by the session's deadline: no timed ratio yet,
-and the >= 2x target is NOT met on this evidence (warm-up 0.57x). Re-measure on an idle machine.
+timed step 328 s (mean response 95 tokens); TRL warm-up 233 s, timed step 215 s (1 torch thread):
+TRL time / ours = 0.66x, the >= 2x target is NOT met. Re-measure on an idle machine.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
