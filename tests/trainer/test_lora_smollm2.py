@@ -52,7 +52,7 @@ def test_smollm2_lora_updates_only_adapters_and_learns(smollm2_gguf):
                                        num_micro_batches=1, lora_scale=lora.scale))
     opt_state = tx.init(ad)
     for i in range(3):
-        ad, opt_state, metrics = update(ad, opt_state, batch, jax.random.PRNGKey(i), None, base)
+        ad, opt_state, metrics = update(ad, opt_state, batch, jax.random.PRNGKey(i), None, None, base)
         assert float(metrics["actor/grad_norm"]) > 0
     lp = np.asarray(log_probs(with_lora(base, ad["lora"], lora.scale)))
     seq = lambda x: (x * resp_mask).sum(1)  # noqa: E731
