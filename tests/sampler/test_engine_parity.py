@@ -34,28 +34,13 @@ def test_engine_greedy_matches_transformers(family, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_engine_greedy_matches_transformers(smollm2_gguf):
-    import torch
-    import transformers
-
-    from jaxrl_llm.hf import load_gguf
-
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    torch_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
-    cfg, params = load_gguf(smollm2_gguf)
-    chats = [[{"role": "user", "content": "What is 2+3?"}],
-             [{"role": "user", "content": "Name a colour of the sky on a clear day, in one word."}]]
-    prompts = [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False)["input_ids"] for c in chats]
-    pad, eos = tok.pad_token_id, tok.eos_token_id
-    hf_ids, hf_mask = left_pad(prompts, pad, length=max(map(len, prompts)))
-    expected = hf_greedy(torch_model, hf_ids, hf_mask, 16, eos, pad)
-    settings, knobs = SamplingParams(max_new_tokens=16, do_sample=False).compile_args(
-        [eos], pad, vocab_size=cfg.vocab_size)
-    out, stats = sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings,
+def test_smollm2_engine_greedy_matches_transformers(smollm2_greedy):
+    case = smollm2_greedy
+    settings, knobs = SamplingParams(max_new_tokens=case.new_tokens, do_sample=False).compile_args(
+        [case.eos_id], case.pad_id, vocab_size=case.cfg.vocab_size)
+    out, stats = sample_paged(case.params, case.cfg, case.prompts, jax.random.key(0), knobs, settings=settings,
                               opts=EngineOptions(max_num_seqs=2))
-    np.testing.assert_array_equal(out.tokens, expected)
+    np.testing.assert_array_equal(out.tokens, case.expected)
     assert stats.prefill_calls == 2
 
 
