@@ -3,11 +3,13 @@ update batch / loss for exercising `trainer.update.run_update_epochs` without a 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,6 +29,39 @@ def tiny_config(run_dir: Any, **overrides: Any) -> Any:
             section = section[p]
         section[leaf] = value
     return cfg
+
+
+def read_metrics(run_dir: Any) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in open(pathlib.Path(run_dir) / "metrics.jsonl")]
+
+
+def step_numbers(rows: list[dict], step: int) -> dict:
+    """One step's metrics without the wall-clock ones (timing_s/*, perf/*)."""
+    row = next(r for r in rows if r["step"] == step)
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def load_convert_to_hf() -> Any:
+    """launch/convert_to_hf.py as a module."""
+    spec = importlib.util.spec_from_file_location("convert_to_hf", ROOT / "launch" / "convert_to_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_resume_equals_uninterrupted(run: Any, full_dir: Any, resumed_dir: Any, steps: int = 3) -> None:
+    """`run(run_dir, steps, **overrides) -> Trainer`: a run resumed from `full_dir`'s checkpoint 1 logs
+    the same metrics at steps 2..steps as the uninterrupted run in `full_dir` (saved every step)."""
+    run(resumed_dir, steps, **{"trainer.resume_mode": "resume_path",
+                               "trainer.resume_from_path": str(pathlib.Path(full_dir) / "checkpoints" / "1")}).fit()
+    a, b = read_metrics(full_dir), read_metrics(resumed_dir)
+    assert [r["step"] for r in b] == list(range(2, steps + 1))
+    for step in range(2, steps + 1):
+        want, got = step_numbers(a, step), step_numbers(b, step)
+        assert want.keys() == got.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {k}")
 
 
 class ToyBatch(NamedTuple):

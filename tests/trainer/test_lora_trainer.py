@@ -4,7 +4,6 @@ through merged weights), optimizer state is adapter-shaped, the reference is the
 merged export / converted checkpoint equal the trained policy."""
 import dataclasses
 import functools
-import importlib.util
 import json
 import pathlib
 
@@ -14,7 +13,8 @@ import optax
 import pytest
 
 from test_actor_critic_update import CFG, SETTINGS, _batch
-from test_trainer_e2e import _numbers, read_metrics, tiny_config, with_reward_file
+import tiny_runs
+from test_trainer_e2e import read_metrics, tiny_config, with_reward_file
 
 import jaxrl_llm.hf as hf
 from jaxrl_llm.config import ConfigError, validate_config
@@ -98,22 +98,12 @@ def test_lora_run_reference_checkpoint_resume_and_export(tmp_path):
     peft_dir = full / "hf_peft"  # ... and the adapters as a PEFT folder
     assert json.loads((peft_dir / "adapter_config.json").read_text())["r"] == 8
     # a LoRA checkpoint converts to the merged HF folder (base re-read from its path) and a PEFT folder
-    spec = importlib.util.spec_from_file_location("convert_to_hf", ROOT / "launch" / "convert_to_hf.py")
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
+    convert = tiny_runs.load_convert_to_hf()
     assert convert.main(["--input", str(full), "--output", str(tmp_path / "hf"), "--peft", str(tmp_path / "peft")]) == 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), hf.load_hf_folder(tmp_path / "hf")[1],
                  merged)
     assert (tmp_path / "peft" / "adapter_model.safetensors").read_bytes() == \
         (peft_dir / "adapter_model.safetensors").read_bytes()
 
-    resumed = tmp_path / "resumed"
-    _run(resumed, tmp_path, 3, **{"trainer.resume_mode": "resume_path",
-                                  "trainer.resume_from_path": str(full / "checkpoints" / "1")}).fit()
-    a, b = read_metrics(full), read_metrics(resumed)
-    assert [r["step"] for r in b] == [2, 3]
-    for step in (2, 3):
-        want, got = _numbers(a, step), _numbers(b, step)
-        assert want.keys() == got.keys()
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {k}")
+    tiny_runs.assert_resume_equals_uninterrupted(lambda d, n, **kw: _run(d, tmp_path, n, **kw), full,
+                                                 tmp_path / "resumed")

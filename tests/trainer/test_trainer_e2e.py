@@ -3,7 +3,6 @@ SmolLM2 tokenizer, a synthetic task): every estimator through the real step, PPO
 reward rising on a learnable toy reward, resume == uninterrupted, 8 devices == 1 device, and the
 jsonl metric names."""
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -38,8 +37,7 @@ def with_reward_file(cfg, tmp_path):
     return cfg
 
 
-def read_metrics(run_dir):
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+read_metrics, _numbers = tiny_runs.read_metrics, tiny_runs.step_numbers  # also imported by other trainer tests
 
 
 def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
@@ -120,36 +118,19 @@ def _run(run_dir, tmp_path, steps, **extra):
     return Trainer(cfg)
 
 
-def _numbers(rows, step):
-    row = next(r for r in rows if r["step"] == step)
-    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-
-
 def test_resume_equals_uninterrupted(tmp_path):
     full = tmp_path / "full"
     trainer = _run(full, tmp_path, 3, **{"trainer.save_freq": 1})
     trainer.fit()
 
     # a training checkpoint converts to an HF folder holding exactly the trained policy
-    spec = importlib.util.spec_from_file_location("convert_to_hf", ROOT / "launch" / "convert_to_hf.py")
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
-    assert convert.main(["--input", str(full), "--output", str(tmp_path / "hf")]) == 0
+    assert tiny_runs.load_convert_to_hf().main(["--input", str(full), "--output", str(tmp_path / "hf")]) == 0
     cfg, params = hf.load_hf_folder(tmp_path / "hf")
     assert cfg == trainer.actor.model_cfg
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params, jax.device_get(trainer.actor.params))
-
-    resumed = tmp_path / "resumed"
-    _run(resumed, tmp_path, 3, **{"trainer.resume_mode": "resume_path",
-                                  "trainer.resume_from_path": str(full / "checkpoints" / "1")}).fit()
-    a, b = read_metrics(full), read_metrics(resumed)
-    assert [r["step"] for r in b] == [2, 3]
-    for step in (2, 3):
-        want, got = _numbers(a, step), _numbers(b, step)
-        assert want.keys() == got.keys()
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"step {step} {k}")
+    tiny_runs.assert_resume_equals_uninterrupted(lambda d, n, **kw: _run(d, tmp_path, n, **kw), full,
+                                                 tmp_path / "resumed")
 
 
 def test_eight_devices_equal_one(tmp_path):
