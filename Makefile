@@ -21,7 +21,7 @@ quickstart: $(STAMP)
 	$(PY) launch/train.py --config=configs/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
