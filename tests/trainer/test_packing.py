@@ -186,6 +186,25 @@ def test_buckets():
     assert pk.row_width(1100) == 1280
 
 
+def test_row_width_picked_for_fewest_computed_tokens():
+    # 1632 real tokens: the narrowest width (512, bucket of the longest 388) needs 4 rows = 2048
+    # computed tokens; 896-wide rows hold them in 2 rows = 1792, so the layout takes 896
+    lengths = np.array([211, 250, 388, 297, 260, 226])
+    mask = (np.arange(400)[None] >= 400 - lengths[:, None]).astype(np.int32)
+    layout = pk.build_layout(mask, 8, np.arange(6).reshape(1, 1, 6))
+    assert layout.segment_ids.shape == (1, 1, 2, 896)
+    stats = pk.packing_stats(layout)
+    assert stats == {"computed_tokens": 1792, "real_tokens": int(lengths.sum())}
+    # 100 + 250 tokens: two 256-wide rows (512) or one 384-wide row (384); once one row holds them
+    # all, wider candidates only add padding and are not tried
+    two = (np.arange(400)[None] >= 400 - np.array([[100], [250]])).astype(np.int32)
+    small = pk.build_layout(two, 8, np.arange(2).reshape(1, 1, 2))
+    assert small.segment_ids.shape == (1, 1, 1, 384)
+    # a tie (211 + 250: two 256-wide rows or one 512-wide row) keeps the narrower width
+    tie = pk.build_layout(mask[:2], 8, np.arange(2).reshape(1, 1, 2))
+    assert tie.segment_ids.shape == (1, 1, 2, 256)
+
+
 def test_dynamic_batch_fills_the_token_budget():
     b = _batch(8)
     mask = np.asarray(b.attention_mask)
