@@ -205,6 +205,32 @@ def dynamic_micro_batches(attention_mask: np.ndarray, orders: np.ndarray, num_mi
     return per_shard
 
 
+def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins: int) -> np.ndarray:
+    """`orders` [epochs, N] with each mini-batch's rows re-ordered so that its `bins` (micro-batch x
+    shard) groups of equal size hold about equal real tokens: longest first, each into the group
+    with the fewest tokens that has room. All groups of a call share the largest group's packed
+    shape, so balanced groups compute less padding. The mini-batches keep their rows, and losses and
+    metrics are sums over the mini-batch's global denominators (trainer/update.py), so the update is
+    the same up to float summation order."""
+    if bins == 1:
+        return orders
+    out = np.empty_like(orders)
+    size = orders.shape[1] // num_mini
+    per_bin = size // bins
+    for e in range(orders.shape[0]):
+        for b in range(num_mini):
+            rows = orders[e, b * size:(b + 1) * size]
+            members: list[list[int]] = [[] for _ in range(bins)]
+            tokens = np.zeros(bins, np.int64)
+            for row in rows[np.argsort(-length[rows], kind="stable")]:
+                open_bins = [i for i in range(bins) if len(members[i]) < per_bin]
+                target = min(open_bins, key=lambda i: tokens[i])
+                members[target].append(int(row))
+                tokens[target] += length[row]
+            out[e, b * size:(b + 1) * size] = np.concatenate(members)
+    return out
+
+
 def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, epochs: int, shuffle: bool,
                 num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None
                 ) -> tuple[UpdatePacking, int]:
@@ -218,6 +244,8 @@ def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, ep
     if n_d * shards * num_micro * num_mini != num_rows:
         raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {num_micro} micro-batches "
                          f"x {shards} shards")
+    if token_budget is None:  # (a token budget already sized its micro-batches on the drawn order)
+        orders = balanced_orders(sequence_spans(attention_mask)[1], orders, num_mini, num_micro * shards)
     groups = orders.reshape(epochs, num_mini, num_micro, shards, n_d)
     return UpdatePacking(orders, build_layout(attention_mask, response_len, groups)), num_micro
 

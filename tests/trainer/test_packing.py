@@ -205,6 +205,26 @@ def test_row_width_picked_for_fewest_computed_tokens():
     assert tie.segment_ids.shape == (1, 1, 2, 256)
 
 
+def test_balanced_orders_even_out_micro_batches_within_mini_batches():
+    # consecutive rows are one prompt's samples: in order, micro-batch 0 would hold all the long ones
+    length = np.array([300, 290, 280, 270, 20, 30, 40, 50])
+    orders = np.arange(8)[None]
+    out = pk.balanced_orders(length, orders, num_mini=2, bins=2)
+    for b in range(2):  # each mini-batch keeps its rows; its 2 micro-batches of 2 hold ~equal tokens
+        assert sorted(out[0, 4 * b:4 * b + 4]) == list(range(4 * b, 4 * b + 4))
+    assert [int(length[out[0, i:i + 2]].sum()) for i in range(0, 8, 2)] == [570, 570, 70, 70]
+    assert np.array_equal(pk.balanced_orders(length, orders, num_mini=2, bins=1), orders)
+    # through plan_update (1 mini-batch, 2 micro-batches): the consecutive order would put 1140 tokens
+    # in micro-batch 0 and 140 in 1, both shaped 2 rows x 640; balanced, each holds 640 in 1 x 640
+    mask = (np.arange(300)[None] >= 300 - length[:, None]).astype(np.int32)
+    consecutive = pk.build_layout(mask, 8, np.arange(8).reshape(1, 1, 2, 1, 4))
+    assert pk.packing_stats(consecutive)["computed_tokens"] == 2 * 2 * 640
+    packing, _ = pk.plan_update(mask, 8, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
+                                num_micro=2, shards=1)
+    assert sorted(packing.order[0].tolist()) == list(range(8))
+    assert pk.packing_stats(packing.layout) == {"computed_tokens": 2 * 640, "real_tokens": 1280}
+
+
 def test_dynamic_batch_fills_the_token_budget():
     b = _batch(8)
     mask = np.asarray(b.attention_mask)
