@@ -170,7 +170,9 @@ def test_no_recompile_across_steps_with_other_lengths():
     fn = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=SETTINGS, tx=tx, num_mini_batches=2,
                                    num_micro_batches=2))
     real = set()
-    for seed in (4, 5, 6):  # three steps, three length mixes
+    # three steps, three length mixes of similar size (a much lighter mix packs into a smaller row
+    # bucket, another program: seed 5's 266 real tokens fit 3 rows instead of 4)
+    for seed in (4, 6, 7):
         b = _batch(seed)
         packing, _ = pk.plan_update(np.asarray(b.attention_mask), R, jax.random.PRNGKey(seed), epochs=2,
                                     shuffle=True, num_mini=2, num_micro=2, shards=1)
