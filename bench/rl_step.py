@@ -19,7 +19,10 @@ Last measured (varied, 2026-11-23, 2 CPU cores shared with 4 other jobs, load ~7
 cap was too slow for the session, and whole-batch updates OOMed, hence 8-sequence micro-batches):
 `python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 408 s,
 timed step 328 s (mean response 95 tokens); TRL warm-up 233 s, timed step 215 s (1 torch thread):
-TRL time / ours = 0.66x, the >= 2x target is NOT met. Re-measure on an idle machine.
+TRL time / ours = 0.66x, the >= 2x target is NOT met. Since then (docs/performance.md, "One GRPO
+step vs TRL"): prefill once per prompt (not n times), balanced packed micro-batches (1.55 -> 1.10
+computed / useful tokens in this setting); not re-measured yet (two runs at 64 new tokens were
+OOM-killed on the shared 23 GB machine). Each step now prints its timing spans and XLA compiles.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
@@ -161,6 +164,22 @@ def varied_rows(tokenizer, n: int, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+class CompileCounter:
+    """XLA compilations (and their seconds) since start: jax's backend-compile monitoring event."""
+
+    def __init__(self):
+        import jax
+
+        self.count, self.seconds = 0, 0.0
+
+        def on_event(event: str, duration: float, **_: Any) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.count += 1
+                self.seconds += duration
+
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+
+
 def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
     """Builds the trainer, exports its initial policy to `hf_dir` (TRL's model), times train_step."""
     import jax
@@ -168,25 +187,33 @@ def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
     from jaxrl_llm.trainer import Trainer
     from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 
+    compiles = CompileCounter()
     trainer = Trainer(cfg)
     trainer.export_hf(hf_dir)
     peak = measured_matmul_peak_flops()  # cached: the trainer's perf metrics use the same value
     rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
-    times, metrics = [], []
+    times, metrics, step_compiles = [], [], []
     for i in range(steps + 1):
         batch = next(trainer.train_loader)
+        c0, s0 = compiles.count, compiles.seconds
         t0 = time.perf_counter()
         m = trainer.train_step(batch)
         times.append(time.perf_counter() - t0)
+        step_compiles.append((compiles.count - c0, compiles.seconds - s0))
         trainer.global_step += 1
         metrics.append(m)
-        print(f"  ours step {i}{' (warm-up)' if i == 0 else ''}: {times[-1]:.2f} s, "
+        spans = ", ".join(f"{k[len('timing_s/'):]} {v:.1f}" for k, v in m.items()
+                          if k.startswith("timing_s/") and k != "timing_s/step" and v >= 0.05)
+        print(f"  ours step {i}{' (warm-up)' if i == 0 else ''}: {times[-1]:.2f} s ({spans}), "
+              f"{step_compiles[-1][0]} compiles ({step_compiles[-1][1]:.1f} s), "
               f"score {m['critic/score/mean']:.3f}, response length {m['response_length/mean']:.1f}", flush=True)
     timed = metrics[1:]
     result = {
         "warmup_s": times[0],
         "step_s": float(np.mean(times[1:])),
         "best_s": min(times[1:]),
+        "compiles": [c for c, _ in step_compiles],
+        "compile_s": [s for _, s in step_compiles],
         "gen_s": float(np.mean([m["timing_s/gen"] for m in timed])),
         "gen_tokens": float(np.mean([m["response_length/mean"] * rows for m in timed])),
         "resp_mean": float(np.mean([m["response_length/mean"] for m in timed])),
@@ -418,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     row("MFU (6N train + 2N gen)",
         lambda s: model_flops(n, s["prompt_tokens"], s["gen_tokens"]) / s["step_s"] / peak, ".1%")
     print(f"{'perf/mfu (trainer)':>24}{ours['perf_mfu']:>12.1%}")
+    print(f"{'XLA compiles per step':>24}{' / '.join(str(c) for c in ours['compiles']):>12} "
+          f"(warm-up first; {' / '.join(f'{s:.0f}' for s in ours['compile_s'])} s compiling)")
     row("mean score", lambda s: s["score"], ".3f")
     if trl_res:
         print(f"ratio TRL time / jaxrl_llm time: {trl_res['step_s'] / ours['step_s']:.2f}x mean, "

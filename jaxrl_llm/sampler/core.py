@@ -5,8 +5,8 @@
 
 `params` are the policy's own (possibly sharded) arrays, the same pytree the optimizer updates:
 nothing is copied or converted, so a call after an update samples from the updated policy.
-Rows are repeated `settings.n` times by index inside the program (row b*n + j is sample j of
-prompt b); every row draws its own random numbers.
+Each prompt is prefilled once; its cache and last logits are then repeated `settings.n` times by
+index (row b*n + j is sample j of prompt b); every row draws its own random numbers.
 
 The cache holds P + R - 1 slots (the last sampled token is never fed back). It is allocated inside
 the program and carried through the loop, so XLA updates it in place (there is no caller-side
@@ -87,20 +87,27 @@ def _record(state: _LoopState, step: Array, tok: Array, lp: Array, knobs: Sample
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "mesh"))
 def _sample_jit(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
                 knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
-    if settings.n > 1:  # repeat by index: row b*n + j is sample j of prompt b
-        prompt_ids = jnp.repeat(prompt_ids, settings.n, axis=0)
-        prompt_mask = jnp.repeat(prompt_mask, settings.n, axis=0)
     prompt_ids = with_activation_constraint(prompt_ids.astype(jnp.int32), ("batch", "length"), mesh)
     prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
-    b, p = prompt_ids.shape
+    n = settings.n
     r = settings.max_new_tokens
     dtype = as_jnp_dtype(settings.compute_dtype)
 
-    cache = _constrain_cache(init_cache(cfg, b, p + r - 1, dtype), mesh)
+    # prefill each prompt once, then repeat its cache and last logits by index (row b*n + j is
+    # sample j of prompt b): n samples share one prefill instead of computing it n times
+    cache = _constrain_cache(init_cache(cfg, prompt_ids.shape[0], prompt_ids.shape[1] + r - 1, dtype), mesh)
     hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
     # left padding: the last slot of every row is its last real prompt token
-    tok, lp = choose_tokens(logits_from_hidden(params, cfg, hidden[:, -1]), jax.random.fold_in(rng, 0),
-                            knobs, settings)
+    logits = logits_from_hidden(params, cfg, hidden[:, -1])
+    if n > 1:
+        prompt_ids, prompt_mask, logits = (jnp.repeat(x, n, axis=0) for x in (prompt_ids, prompt_mask, logits))
+        cache = {"k": jnp.repeat(cache["k"], n, axis=1), "v": jnp.repeat(cache["v"], n, axis=1),
+                 "mask": jnp.repeat(cache["mask"], n, axis=0), "index": cache["index"]}
+        prompt_ids = with_activation_constraint(prompt_ids, ("batch", "length"), mesh)
+        prompt_mask = with_activation_constraint(prompt_mask, ("batch", "length"), mesh)
+    cache = _constrain_cache(cache, mesh)
+    b = prompt_ids.shape[0]
+    tok, lp = choose_tokens(logits, jax.random.fold_in(rng, 0), knobs, settings)
     state = _LoopState(
         step=jnp.int32(1), last=tok, done=jnp.zeros((b,), bool),
         finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), lengths=jnp.zeros((b,), jnp.int32),

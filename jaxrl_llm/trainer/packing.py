@@ -12,7 +12,8 @@ padded [n, R] response layout. Everything after that (losses, metrics, denominat
 unpacked code path, so packed and padded runs give the same numbers.
 
 Shapes come from a few buckets (row width >= the longest sequence and row count: `bucket`, 4
-sizes per doubling; response slots M: powers of two), so a new step with other lengths mostly
+sizes per doubling, the width picked among the next few buckets for the fewest computed tokens;
+response slots M: powers of two), so a new step with other lengths mostly
 reuses a compiled program. Positions outside a row's attention mask come back as 0 (the padded
 path computes throwaway values there; every consumer masks them).
 """
@@ -30,6 +31,7 @@ from jaxrl_llm.models import ModelConfig, forward_hidden
 Array = jax.Array
 WIDTH_GRANULE = 128  # packed row widths are multiples of this (powers of two below it)
 MIN_RESPONSE_SLOTS = 16
+WIDTH_CHOICES = 4  # row widths tried per layout (the bucket of the longest sequence and the next 3)
 
 
 def bucket(x: int, granule: int = 1) -> int:
@@ -120,6 +122,25 @@ def _shard_counts(lengths: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarr
     return rows, int(resp_tokens[flat].sum(1).max())
 
 
+def _pick_width(length: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray) -> tuple[int, int, int]:
+    """(width, bucketed rows, max response tokens) of the least computed tokens (rows x width) among
+    the WIDTH_CHOICES smallest row widths >= the longest sequence: the narrowest width is not always
+    best, since the row-count bucket can round a few rows up by 25% where a wider row packs into a
+    smaller bucket. Every candidate is a `row_width` bucket, so the shapes stay on the same grid."""
+    width = row_width(int(length[groups.reshape(-1)].max()))
+    best = None
+    for _ in range(WIDTH_CHOICES):
+        need_rows, need_m = _shard_counts(length, resp_tokens, groups, width)
+        rows = bucket(need_rows)
+        if best is None or rows * width < best[0] * best[1]:
+            best = (rows, width, need_m)
+        if need_rows == 1:  # one row already: a wider one only adds padding
+            break
+        width = row_width(width + 1)
+    rows, width, need_m = best
+    return width, rows, need_m
+
+
 def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray) -> PackedLayout:
     """The packed layout (numpy) of `groups` [..., shards, n_d]: global row ids, each shard's rows in
     micro-batch order. Shapes: width >= the longest sequence, rows and M bucketed to the largest
@@ -132,11 +153,9 @@ def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarr
     first_resp = np.maximum(resp0, start + 1)
     resp_tokens = np.maximum(start + length - first_resp, 0)
     groups = np.asarray(groups)
-    width = row_width(int(length[groups.reshape(-1)].max()))
-    need_rows, need_m = _shard_counts(length, resp_tokens, groups, width)
+    width, rows, need_m = _pick_width(length, resp_tokens, groups)
     # M only sizes the LM-head / value-head work: powers of two keep the program count low
     n_d = groups.shape[-1]
-    rows = bucket(need_rows)
     m = min(max(MIN_RESPONSE_SLOTS, 1 << max(need_m - 1, 0).bit_length()), n_d * response_len)
     flat = groups.reshape(-1, n_d)
     token_index = np.zeros((len(flat), rows, width), np.int32)
@@ -186,6 +205,32 @@ def dynamic_micro_batches(attention_mask: np.ndarray, orders: np.ndarray, num_mi
     return per_shard
 
 
+def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins: int) -> np.ndarray:
+    """`orders` [epochs, N] with each mini-batch's rows re-ordered so that its `bins` (micro-batch x
+    shard) groups of equal size hold about equal real tokens: longest first, each into the group
+    with the fewest tokens that has room. All groups of a call share the largest group's packed
+    shape, so balanced groups compute less padding. The mini-batches keep their rows, and losses and
+    metrics are sums over the mini-batch's global denominators (trainer/update.py), so the update is
+    the same up to float summation order."""
+    if bins == 1:
+        return orders
+    out = np.empty_like(orders)
+    size = orders.shape[1] // num_mini
+    per_bin = size // bins
+    for e in range(orders.shape[0]):
+        for b in range(num_mini):
+            rows = orders[e, b * size:(b + 1) * size]
+            members: list[list[int]] = [[] for _ in range(bins)]
+            tokens = np.zeros(bins, np.int64)
+            for row in rows[np.argsort(-length[rows], kind="stable")]:
+                open_bins = [i for i in range(bins) if len(members[i]) < per_bin]
+                target = min(open_bins, key=lambda i: tokens[i])
+                members[target].append(int(row))
+                tokens[target] += length[row]
+            out[e, b * size:(b + 1) * size] = np.concatenate(members)
+    return out
+
+
 def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, epochs: int, shuffle: bool,
                 num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None
                 ) -> tuple[UpdatePacking, int]:
@@ -199,6 +244,8 @@ def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, ep
     if n_d * shards * num_micro * num_mini != num_rows:
         raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {num_micro} micro-batches "
                          f"x {shards} shards")
+    if token_budget is None:  # (a token budget already sized its micro-batches on the drawn order)
+        orders = balanced_orders(sequence_spans(attention_mask)[1], orders, num_mini, num_micro * shards)
     groups = orders.reshape(epochs, num_mini, num_micro, shards, n_d)
     return UpdatePacking(orders, build_layout(attention_mask, response_len, groups)), num_micro
 
