@@ -1,6 +1,7 @@
 """`Trainer(config).fit()`: the RL loop that `launch/train.py` runs. Read `train_step` top to bottom:
 
-    rollout (sample n responses per prompt on the policy's own params, score them)
+    rollout (sample n responses per prompt on the policy's own params, score them; with a
+             `synchronizer` offset / interval, prepared ahead on a weight copy: trainer/pipeline.py)
       -> reference log-probs (only when a KL is used)
       -> old log-probs (the sampler's own when they are exact, else recomputed)
       -> critic values -> `make_experience` (KL in reward, advantages, rollout correction)
