@@ -41,6 +41,8 @@ NAME_ALIASES: dict[str, str] = {
     "cliprange": "actor_rollout_ref.actor.clip_ratio",  # TRL
     "missing_eos_penalty": "reward_model.missing_eos_penalty",  # TRL
     "token_level_kl": "algorithm.trl_rloo.token_level_kl",  # TRL RLOOConfig
+    # ROLL: generation runs this many batches ahead of training (integers only, as in ROLL)
+    "async_generation_ratio": "synchronizer.sync_offset",
     # veRL's FSDP spelling of the same switch (host memory between reference passes)
     "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
 }

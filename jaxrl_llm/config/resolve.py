@@ -16,6 +16,7 @@ from jaxrl_llm import storage
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import AUTO, resolve_total_steps, synthetic_data_files
 from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
+                                   SyncSpec,
                                    OptimSpec, RefSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
@@ -215,6 +216,10 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
     critic_on = bool(cfg.critic.enable)
     kl, rc, fg = alg.kl_ctrl, alg.rollout_correction, alg.filter_groups
     threshold = rc.rollout_rs_threshold
+    sync = resolve_sync(cfg)
+    rollout_is = rc.rollout_is
+    if sync.auto_correction:  # off-policy data: token-level IS (which also recomputes old log-probs)
+        rollout_is = "token"
     return RunSpec(
         data=resolve_data(cfg), synthetic=resolve_synthetic(cfg),
         model=_model(arr.model, arr.model.tiny), actor=resolve_actor(cfg),
@@ -228,14 +233,24 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         advantage=resolve_advantage(cfg),
         kl_ctrl=KLControlSpec(kl.type, float(kl.kl_coef), float(kl.target_kl), int(kl.horizon)),
         rollout_correction=RolloutCorrectionSpec(
-            rc.rollout_is, float(rc.rollout_is_threshold), bool(rc.rollout_is_batch_normalize), rc.rollout_rs,
+            rollout_is, float(rc.rollout_is_threshold), bool(rc.rollout_is_batch_normalize), rc.rollout_rs,
             tuple(threshold) if isinstance(threshold, (list, tuple)) else threshold, bool(rc.bypass_mode)),
         filter_groups=FilterGroupsSpec(bool(fg.enable), fg.metric, int(fg.max_num_gen_batches)),
         reward=resolve_reward(cfg),
         reward_model=(RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length,
                                       rm.micro_batch_size_per_device) if rm.enable else None),
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in ("data", "fsdp", "tensor")),
-        plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort())
+        plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync)
+
+
+def resolve_sync(cfg: ConfigDict) -> SyncSpec:
+    """The `synchronizer` section and `mesh.rollout_devices`. Off-policy data (offset > 0 or
+    interval > 1) turns rollout correction on (token IS) unless the user set rollout_is / rollout_rs."""
+    s, rc = cfg.synchronizer, cfg.algorithm.rollout_correction
+    rd = cfg.mesh.get("rollout_devices")
+    spec = SyncSpec(int(s.sync_interval), int(s.sync_offset), tuple(rd) if isinstance(rd, (list, tuple)) else rd)
+    auto = spec.off_policy and rc.rollout_is is None and rc.rollout_rs is None
+    return SyncSpec(spec.sync_interval, spec.sync_offset, spec.rollout_devices, auto_correction=auto)
 
 
 def resolve_config(config: ConfigDict, *, dp_size: int, num_train_samples: int | None = None,

@@ -138,6 +138,27 @@ class RolloutCorrectionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncSpec:
+    """The `synchronizer` section (Trinity-RFT's fixed schedule; trainer/pipeline.py)."""
+
+    sync_interval: int = 1  # the rollout's weights are the actor's of the last multiple of this
+    sync_offset: int = 0  # rollouts for step k + offset are generated while step k trains
+    rollout_devices: Any = None  # mesh.rollout_devices: None, a count or device ids (split mesh)
+    auto_correction: bool = False  # rollout correction turned on because the data is off-policy
+
+    @property
+    def off_policy(self) -> bool:
+        return self.sync_offset > 0 or self.sync_interval > 1
+
+    @property
+    def max_staleness(self) -> int:
+        """Policy versions between a rollout's weights and the step that trains on it, at most: the
+        rollout for step j = k + offset is launched at step k on the weights of step
+        k - k % interval, so j - that <= offset + interval - 1."""
+        return self.sync_offset + self.sync_interval - 1
+
+
+@dataclasses.dataclass(frozen=True)
 class FilterGroupsSpec:
     enable: bool
     metric: str
@@ -208,6 +229,7 @@ class RunSpec:
     mesh: tuple[tuple[str, int], ...]  # (axis, size) with -1 = the remaining devices
     plan: BatchPlan
     config_json: str  # the resolved config tree, for checkpoint metadata and loggers
+    sync: SyncSpec = SyncSpec()  # off-policy pipelining (`synchronizer`, mesh.rollout_devices)
 
     @property
     def need_ref(self) -> bool:

@@ -407,6 +407,21 @@ MESH = {
     "data": field(1, "Mesh 'data' axis: replicated params, split batch; -1 = the remaining devices."),
     "fsdp": field(-1, "Mesh 'fsdp' axis: split batch and params (ZeRO-3); -1 = the remaining devices."),
     "tensor": field(1, "Mesh 'tensor' axis: split heads / MLP / vocab; replaces tensor_model_parallel_size."),
+    "rollout_devices": field(None, "Split mesh: a device count (the last N devices) or a list of device ids that "
+                                   "only generate; the rest train (data/fsdp/tensor apply to them). Weights move "
+                                   "device to device every synchronizer.sync_interval steps; generation runs "
+                                   "while the trainer updates (docs/async.md). None = one device set. "
+                                   "Single-process only. jaxrl_llm-only.", types=(int, list)),
+}
+
+SYNCHRONIZER = {
+    "sync_style": field("fixed", "Weight-sync schedule: fixed (every sync_interval steps; Trinity's other "
+                                 "styles are not available). Trinity-RFT."),
+    "sync_interval": field(1, "Copy the actor's weights to the rollout every N training steps; > 1 is "
+                              "off-policy (docs/async.md). Trinity-RFT."),
+    "sync_offset": field(0, "Rollouts for step k + offset are generated while step k trains (ROLL: "
+                            "async_generation_ratio); > 0 is off-policy. The staleness bound is "
+                            "sync_offset + sync_interval - 1 policy versions. Trinity-RFT."),
 }
 
 TREE = {
@@ -418,4 +433,5 @@ TREE = {
     "algorithm": ALGORITHM,
     "trainer": TRAINER,
     "mesh": MESH,
+    "synchronizer": SYNCHRONIZER,
 }

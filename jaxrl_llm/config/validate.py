@@ -92,6 +92,19 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"{ARR}.model.path={path!r}: unknown tiny architecture; valid: "
                           + ", ".join(f"tiny:{a}" for a in names.TINY_ARCHS))
     _check_rollout_correction(cfg)
+    _check_synchronizer(cfg)
+
+
+def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
+    _require(cfg.synchronizer.sync_style == "fixed", "synchronizer.sync_style", cfg,
+             "only the fixed schedule (sync every sync_interval steps) is available; Trinity-RFT's dynamic styles "
+             "are not")
+    _require(cfg.synchronizer.sync_interval >= 1, "synchronizer.sync_interval", cfg, "must be >= 1")
+    _require(cfg.synchronizer.sync_offset >= 0, "synchronizer.sync_offset", cfg, "must be >= 0")
+    rd = cfg.mesh.rollout_devices
+    if rd is not None:
+        _require((rd >= 1) if isinstance(rd, int) else (len(rd) >= 1 and all(isinstance(i, int) for i in rd)),
+                 "mesh.rollout_devices", cfg, "expected a device count >= 1 or a list of device ids")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
@@ -191,8 +204,10 @@ def mesh_dp_size(cfg: ml_collections.ConfigDict, num_devices: int) -> int:
     """Data-parallel size (mesh 'data' x 'fsdp', the axes that split the batch) on `num_devices`,
     resolved exactly as `sharding.make_mesh` will build the mesh."""
     from jaxrl_llm.sharding.mesh import resolve_mesh_shape
+    from jaxrl_llm.sharding.split import num_training_devices
 
-    try:
+    try:  # a split mesh trains on the devices mesh.rollout_devices leaves
+        num_devices = num_training_devices(cfg.mesh.get("rollout_devices"), num_devices)
         sizes = resolve_mesh_shape({k: cfg.mesh[k] for k in ("data", "fsdp", "tensor")}, num_devices)
     except ValueError as err:
         raise ConfigError(str(err)) from None

@@ -30,6 +30,8 @@ def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
         mesh_cfg = mesh_cfg.to_dict()
     if not isinstance(mesh_cfg, Mapping):
         raise ValueError(f"mesh: expected a mapping with keys {MESH_AXES}, got {type(mesh_cfg).__name__}")
+    # the split mesh's key (sharding/split.py) is no axis of this mesh
+    mesh_cfg = {k: v for k, v in mesh_cfg.items() if k != "rollout_devices"}
     unknown = sorted(set(mesh_cfg) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"mesh.{unknown[0]}: unknown mesh axis (known: {', '.join(MESH_AXES)})")

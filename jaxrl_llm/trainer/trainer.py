@@ -1,6 +1,7 @@
 """`Trainer(config).fit()`: the RL loop that `launch/train.py` runs. Read `train_step` top to bottom:
 
-    rollout (sample n responses per prompt on the policy's own params, score them)
+    rollout (sample n responses per prompt on the policy's own params, score them; with a
+             `synchronizer` offset / interval, prepared ahead on a weight copy: trainer/pipeline.py)
       -> reference log-probs (only when a KL is used)
       -> old log-probs (the sampler's own when they are exact, else recomputed)
       -> critic values -> `make_experience` (KL in reward, advantages, rollout correction)
@@ -31,7 +32,8 @@ from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, make_mesh, to_device, to_host
+from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, to_device, to_host
+from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm.trainer import checkpoint as ckpt
 from jaxrl_llm.trainer import packing
 from jaxrl_llm.trainer.actor import update_actor
@@ -39,6 +41,7 @@ from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
+from jaxrl_llm.trainer.pipeline import RolloutPipeline
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.trainer.reference import is_offloaded, make_reference, reference_on_device
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
@@ -54,7 +57,8 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict):
         initialize()  # jax.distributed when several processes are configured; a no-op otherwise
-        self.mesh = make_mesh(config.mesh)
+        # the training mesh, and the generation-only one of a split mesh (mesh.rollout_devices; else None)
+        self.mesh, self.rollout_mesh = make_split_meshes(config.mesh)
         self.dp_size = batch_axis_size(self.mesh)
         checked = validate_config(config, dp_size=self.dp_size)
         self.is_main = jax.process_index() == 0
@@ -116,6 +120,7 @@ class Trainer:
         self.generator = RolloutGenerator(model_cfg=model_cfg, mesh=self.mesh, tokenizer=self.tokenizer,
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine)
+        self.pipeline = self._make_pipeline(model_cfg)
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
@@ -146,6 +151,30 @@ class Trainer:
             print(plan.table(), flush=True)
         return plan
 
+    def _make_pipeline(self, model_cfg: Any) -> RolloutPipeline:
+        """The `synchronizer` schedule (trainer/pipeline.py): which weights generate which step's rollout."""
+        spec = self.spec
+        if spec.sync.auto_correction:
+            log.warning("synchronizer: sync_offset=%d, sync_interval=%d make the data off-policy (staleness <= %d): "
+                        "algorithm.rollout_correction.rollout_is=token turned on (old log-probs are recomputed on "
+                        "the trained policy); set rollout_is / rollout_rs to choose another correction",
+                        spec.sync.sync_offset, spec.sync.sync_interval, spec.sync.max_staleness)
+        elif spec.sync.off_policy and spec.rollout_correction.bypass_mode:
+            log.warning("synchronizer: off-policy data with algorithm.rollout_correction.bypass_mode: the PPO old "
+                        "log-probs are the stale rollout policy's")
+        rollout_gen = None
+        if self.rollout_mesh is not None:
+            rollout_gen = RolloutGenerator(model_cfg=model_cfg, mesh=self.rollout_mesh, tokenizer=self.tokenizer,
+                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
+                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine)
+
+        def generate(batch: dict, params: dict, rng: jax.Array, on_rollout_mesh: bool) -> tuple[Rollout, dict]:
+            return self._rollout(batch, rng, params, rollout_gen if on_rollout_mesh else None)
+
+        return RolloutPipeline(spec.sync, actor=self.actor, loader=self.train_loader, generate=generate,
+                               rng_for=lambda step: jax.random.fold_in(self.base_rng, step), train_mesh=self.mesh,
+                               rollout_mesh=self.rollout_mesh, total_steps=self.total_steps)
+
     def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
         if syn is None:
             return
@@ -175,6 +204,8 @@ class Trainer:
                                            spec.plan.response_length),
             f"run dir: {self.run_dir}; {self.total_steps} steps",
         ]
+        if not self.pipeline.passthrough:
+            lines.append(self.pipeline.describe())
         return "\n".join(lines)
 
     def _lora_summary(self) -> str:
@@ -247,8 +278,7 @@ class Trainer:
         StopIteration when the training data is exhausted."""
         self.start()
         t = self.spec.trainer
-        batch = next(self.train_loader)
-        metrics = self.train_step(batch)
+        metrics = self.train_step()  # its batch and rollout come from the synchronizer's schedule
         self.global_step += 1
         is_last = self.global_step >= self.total_steps
         if t.test_freq > 0 and self.val_loader is not None and (self.global_step % t.test_freq == 0 or is_last):
@@ -269,12 +299,18 @@ class Trainer:
 
             plot_finished_run(self.run_dir, self.history, from_file=True)
 
-    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    def train_step(self, batch: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+        """One RL step on `batch`, sampled now on the actor's params; batch None: the next batch and
+        its rollout from the synchronizer's pipeline (trainer/pipeline.py; `timing_s/gen` is then the
+        time this step waited for it)."""
         spec, plan, timer = self.spec, self.spec.plan, Timer()
         rng = jax.random.fold_in(self.base_rng, self.global_step)
         with timer("step"):
             with timer("gen"):
-                rollout, gen_metrics = self._rollout(batch, rng)
+                if batch is None:
+                    batch, rollout, gen_metrics = self.pipeline.take(self.global_step)
+                else:
+                    rollout, gen_metrics = self._rollout(batch, rng)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
             rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
@@ -337,12 +373,16 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ pieces of a step
-    def _rollout(self, batch: dict[str, np.ndarray], rng: jax.Array) -> tuple[Rollout, dict[str, float]]:
-        """Samples and scores; with DAPO's `filter_groups`, keeps only groups whose metric varies and
-        samples further batches until `train_batch_size` groups are kept."""
-        fg, sampling, params = self.spec.filter_groups, self.spec.train_sampling, self.actor.model_params
+    def _rollout(self, batch: dict[str, np.ndarray], rng: jax.Array, params: dict | None = None,
+                 generator: RolloutGenerator | None = None) -> tuple[Rollout, dict[str, float]]:
+        """Samples and scores (on `params`, default the actor's; `generator`, default the training
+        mesh's); with DAPO's `filter_groups`, keeps only groups whose metric varies and samples further
+        batches until `train_batch_size` groups are kept."""
+        fg, sampling = self.spec.filter_groups, self.spec.train_sampling
+        params = self.actor.model_params if params is None else params
+        generator = self.generator if generator is None else generator
         if not fg.enable:
-            return self.generator.generate(batch, params, sampling, rng), {}
+            return generator.generate(batch, params, sampling, rng), {}
         want = self.spec.plan.prompts
         kept: list[Rollout] = []
         num_kept, num_gen = 0, 0
@@ -354,7 +394,7 @@ class Trainer:
                     "the task may be too easy or too hard for the policy")
             if num_gen > 0:
                 batch = next(self.train_loader)
-            r = self.generator.generate(batch, params, sampling, jax.random.fold_in(rng, num_gen))
+            r = generator.generate(batch, params, sampling, jax.random.fold_in(rng, num_gen))
             num_gen += 1
             metric = filter_metric(r, fg.metric)
             groups = np.unique(r.group_ids)
@@ -480,7 +520,8 @@ class Trainer:
             meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.targets),
                             "base_path": self.spec.model.path}
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
-        self.store.save(self.global_step, self._state(), self.train_loader.get_state(), meta)
+        # the loader as of the first untrained batch: a resume generates in-flight rollouts again
+        self.store.save(self.global_step, self._state(), self.pipeline.loader_state(self.global_step), meta)
 
     def _stop_preempted(self, reason: str) -> None:
         """Checkpoints this step (unless `save_freq` just did), waits until the save is committed,
@@ -542,7 +583,8 @@ class Trainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        _close_all((self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)
+        closers = (self.pipeline.close,) if getattr(self, "pipeline", None) is not None else ()
+        _close_all(closers + (self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)
 
 
 def _close_all(closers: Any, *, quiet: bool) -> None:

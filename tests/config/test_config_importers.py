@@ -208,9 +208,21 @@ def test_trinity_defaults_of_the_algorithm_type(home, tmp_path):
     assert s["trainer.total_training_steps"] == 30 and s["trainer.test_freq"] == 20
 
 
+def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
+    # Trinity: sync_offset explorer steps ahead, sync_interval explorer steps per jaxrl_llm step (= one version)
+    path = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1, "synchronizer.sync_interval": 4,
+                                       "buffer.total_steps": None})
+    s = import_config(path, dp_size=4).settings
+    assert s["synchronizer.sync_offset"] == 1 and "synchronizer.sync_interval" not in s
+    s = import_config(variant(ROLL, tmp_path, {"async_generation_ratio": 2}), dp_size=8).settings
+    assert s["synchronizer.sync_offset"] == 2
+    from jaxrl_llm.config import apply_overrides, default_config
+    assert apply_overrides(default_config(), ["async_generation_ratio=1"]).synchronizer.sync_offset == 1
+
+
 @pytest.mark.parametrize("key,value,why", [
-    ("synchronizer.sync_offset", 1, "off-policy"),
-    ("synchronizer.sync_style", "dynamic_by_explorer", "synchronous"),
+    ("synchronizer.sync_style", "dynamic_by_explorer", "fixed schedule"),
+    ("synchronizer.sync_offset", -1, ">= 0"),
     ("algorithm.algorithm_type", "dpo", "no SFT / DPO"),
     ("algorithm.algorithm_type", "sft", "no SFT / DPO"),
     ("algorithm.policy_loss_fn", "opmd", "jaxrl_llm has"),
@@ -285,7 +297,7 @@ def test_roll_defaults_and_gspo(home, tmp_path):
 
 
 @pytest.mark.parametrize("key,value,why", [
-    ("async_generation_ratio", 1.0, "off-policy"),
+    ("async_generation_ratio", 1.5, "whole number"),
     ("adv_estimator", "gigpo", "jaxrl_llm has gae, grpo"),
     ("whiten_advantages", True, "whitening"),
     ("max_len_mask", True, "truncated"),
@@ -465,7 +477,8 @@ def test_dry_run_trinity_on_the_default_tree_and_roll_with_trl_flags(smollm2_ggu
 
 
 def test_dry_run_reports_an_import_error_in_one_line(tmp_path):
-    bad = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1})
+    bad = variant(TRINITY, tmp_path, {"synchronizer.sync_style": "dynamic_by_explorer"})
     proc = run_train(f"--import_config={bad}", "--dry_run", home=tmp_path)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"config error: {bad}: synchronizer.sync_offset: 1:")
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"config error: {bad}: synchronizer.sync_style: 'dynamic_by_explorer':")

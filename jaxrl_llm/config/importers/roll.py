@@ -49,7 +49,6 @@ ROLL_DEFAULTS = {"loss_agg_mode": "seq-mean-token-mean", "kl_loss_coef": 0.0, "i
                  "gamma": 1.0, "pg_clip": 0.2}
 IS_SET = lambda v: v not in (None, False, 0, 0.0, "", [], {}, "no_filter")  # noqa: E731
 ERRORS = {  # key -> why (an error when set to anything but its off value)
-    "async_generation_ratio": "asynchronous (off-policy) generation is not available",
     "whiten_advantages": "batch whitening of advantages is not available",
     "whiten_rewards": "reward whitening is not available", "reward_clip": "reward clipping is not available",
     "advantage_clip": "advantage clipping is not available", "use_reward_scaling": "reward scaling is not available",
@@ -267,6 +266,12 @@ def import_roll(data: dict[str, Any], m: Mapper) -> None:
         m.set("data.seed", m.settings["trainer.seed"], "seed")
     if m.settings.get("trainer.save_freq") == 0:
         m.set("trainer.save_freq", -1, "save_steps")
+    ratio = src.take("async_generation_ratio", 0)
+    if ratio:  # ROLL: generation runs `ratio` batches ahead of training (integers only) = our sync_offset
+        if isinstance(ratio, bool) or not float(ratio).is_integer() or ratio < 0:
+            m.error("async_generation_ratio", f"{ratio!r}: expected a whole number >= 0 (ROLL supports integers "
+                                              "only)")
+        m.set("synchronizer.sync_offset", int(ratio), "async_generation_ratio")
     _algorithm(m, src)
     _batch(m, src)  # before _roles, which takes the strategy keys _batch reads
     _roles(m, src)

@@ -6,8 +6,11 @@ Batch sizes (the guide): Trinity's `buffer.batch_size` tasks are explored per ex
 `buffer.train_batch_size` experiences (default `batch_size * repeat_times`), so
 `ppo_mini_batch_size = train_batch_size / repeat_times` prompts. Explorer-step counters
 (`total_steps`, `eval_interval`) are divided by `sync_interval`, trainer-step counters
-(`save_interval`) by the optimizer steps per training step. Only the synchronous schedule
-(`sync_style: fixed`, `sync_offset: 0`) has this meaning; anything else is an error.
+(`save_interval`) by the optimizer steps per training step. So one jaxrl_llm step is one weight
+version (our `synchronizer.sync_interval` stays 1), and Trinity's `sync_offset` (explorer steps
+ahead of the trainer) becomes `synchronizer.sync_offset = ceil(sync_offset / sync_interval)`
+jaxrl_llm steps (whole batches ahead; staleness bound: docs/async.md). Only `sync_style: fixed`
+is available; another style is an error.
 
 Algorithm functions left unset take Trinity's defaults for the `algorithm_type`
 (trinity/algorithm/algorithm.py), e.g. GRPO's `kl_loss_fn: k2` with `kl_coef: 0.001`. The taskset
@@ -177,11 +180,13 @@ def _schedule(m: Mapper, src: Source) -> None:
     """Batch sizes and step counters (see the module docstring)."""
     style, offset = src.take("synchronizer.sync_style", "fixed"), src.take("synchronizer.sync_offset", 0)
     if style != "fixed":
-        m.error("synchronizer.sync_style", f"{style!r}: only the synchronous schedule (fixed) is available")
-    if offset:
-        m.error("synchronizer.sync_offset", f"{offset!r}: the explorer running ahead of the trainer is off-policy "
-                                            "training; jaxrl_llm is synchronous (sync_offset: 0)")
+        m.error("synchronizer.sync_style", f"{style!r}: only the fixed schedule is available")
     k = int_or_error(m, "synchronizer.sync_interval", src.take("synchronizer.sync_interval", 1))
+    offset = int_or_error(m, "synchronizer.sync_offset", offset)
+    if offset < 0:
+        m.error("synchronizer.sync_offset", f"{offset}: must be >= 0")
+    if offset:  # explorer steps ahead -> whole jaxrl_llm steps (k explorer steps each) ahead, rounded up
+        m.set("synchronizer.sync_offset", -(-offset // max(k, 1)), "synchronizer.sync_offset")
     n = m.get("actor_rollout_ref.rollout.n")
     batch = int_or_error(m, "buffer.batch_size", src.take("buffer.batch_size", 1))
     experiences = src.take("buffer.train_batch_size") or batch * n

@@ -1,0 +1,109 @@
+"""Off-policy pipelining (trainer/pipeline.py, sharding/split.py): the synchronizer's schedule,
+offset 0 / interval 1 == synchronous training, staleness bound with rollout correction on, and a
+split mesh of 4 + 4 virtual CPU devices end to end."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_runs
+
+from jaxrl_llm.config import ConfigError, resolve_config
+from jaxrl_llm.config.spec import SyncSpec
+from jaxrl_llm.sharding.split import copy_tree, make_split_meshes, split_devices, transfer
+from jaxrl_llm.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")
+
+
+def tiny(run_dir, **overrides):
+    return tiny_runs.tiny_config(run_dir, **{"trainer.logger": ["jsonl"], "data.synthetic.n_train": 32,
+                                             "trainer.test_freq": -1, **overrides})
+
+
+def run(cfg, steps):
+    trainer = Trainer(cfg)
+    try:
+        return [trainer.step() for _ in range(steps)], trainer
+    finally:
+        trainer.close()
+
+
+def test_offset0_interval1_equals_synchronous(tmp_path):
+    # the pipeline's schedule (take) against the plain synchronous step on the same batches
+    piped, t1 = run(tiny(tmp_path / "a", **{"trainer.total_training_steps": 2}), 2)
+    t2 = Trainer(tiny(tmp_path / "b", **{"trainer.total_training_steps": 2}))
+    sync = []
+    for _ in range(2):
+        sync.append(t2.train_step(next(t2.train_loader)))
+        t2.global_step += 1
+    t2.close()
+    for a, b in zip(piped, sync):
+        for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
+            assert a[k] == b[k], (k, a[k], b[k])
+        assert a["rollout/staleness"] == 0.0
+    for x, y in zip(jax.tree.leaves(t1.actor.params), jax.tree.leaves(t2.actor.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not any(k.startswith("rollout_corr/") for k in piped[-1])  # on-policy: no correction
+
+
+def test_offset_staleness_bounded_and_corrected(tmp_path):
+    cfg = tiny(tmp_path / "run", **{"trainer.total_training_steps": 4, "synchronizer.sync_offset": 1,
+                                    "synchronizer.sync_interval": 2, "actor_rollout_ref.actor.optim.lr": 5e-2})
+    rows, trainer = run(cfg, 4)
+    assert trainer.pipeline.threaded and trainer.spec.rollout_correction.rollout_is == "token"
+    staleness = [r["rollout/staleness"] for r in rows]
+    # step k trains the rollout launched at k - 1 on the weights of (k - 1) - (k - 1) % 2
+    assert staleness == [0.0, 1.0, 2.0, 1.0], staleness
+    assert max(staleness) <= trainer.spec.sync.max_staleness == 2
+    for r in rows:
+        assert "rollout_corr/rollout_is_mean" in r or any(k.startswith("rollout_corr/") for k in r), sorted(r)
+        assert all(np.isfinite(v) for k, v in r.items() if k.startswith(("actor/", "rollout_corr/")))
+    # on-policy (step 0) the recomputed log-probs equal the sampler's to fp32 rounding; a stale rollout's do not
+    kl = [abs(r["rollout_corr/kl"]) for r in rows]
+    assert kl[0] < 1e-5 and min(kl[1:]) > 10 * max(kl[0], 1e-6), kl
+
+
+def test_split_mesh_4_plus_4_end_to_end(tmp_path):
+    cfg = tiny(tmp_path / "run", **{"trainer.total_training_steps": 2, "synchronizer.sync_offset": 1,
+                                    "mesh.rollout_devices": 4})
+    rows, trainer = run(cfg, 2)
+    assert len(trainer.mesh.devices.flat) == 4 and len(trainer.rollout_mesh.devices.flat) == 4
+    assert not set(trainer.mesh.devices.flat) & set(trainer.rollout_mesh.devices.flat)
+    for r in rows:
+        assert all(np.isfinite(v) for v in r.values()), r
+        assert r["rollout/staleness"] <= trainer.spec.sync.max_staleness == 1
+    # the weights generation reads live on the rollout devices only
+    rollout_params = trainer.pipeline._params
+    assert {d for x in jax.tree.leaves(rollout_params) for d in x.devices()} == set(trainer.rollout_mesh.devices.flat)
+
+
+def test_weight_copies_survive_donation_and_move_device_to_device():
+    x = jax.device_put(jnp.arange(8.0))
+    kept = copy_tree({"w": x})["w"]
+    jax.jit(lambda a: a * 2, donate_argnums=0)(x)  # donates x's buffer
+    np.testing.assert_array_equal(np.asarray(kept), np.arange(8.0))
+    train, rollout = make_split_meshes({"data": 1, "fsdp": -1, "tensor": 1, "rollout_devices": [6, 7]})
+    w = jax.device_put(jnp.ones((12, 3)), jax.sharding.NamedSharding(train, jax.sharding.PartitionSpec("fsdp")))
+    moved = transfer(w, rollout)
+    assert {d.id for d in moved.devices()} == {6, 7} and moved.sharding.spec[0] == "fsdp"
+    assert len(train.devices.flat) == 6
+    with pytest.raises(ValueError, match="mesh.rollout_devices"):
+        split_devices(8)
+
+
+def test_config_checks_and_derived_bound(tmp_path):
+    spec = resolve_config(tiny(tmp_path, **{"synchronizer.sync_offset": 2, "synchronizer.sync_interval": 3}),
+                          dp_size=8, check_paths=False)
+    assert spec.sync == SyncSpec(3, 2, None, auto_correction=True) and spec.sync.max_staleness == 4
+    assert spec.recompute_old_log_probs
+    # an explicit correction is kept
+    spec = resolve_config(tiny(tmp_path, **{"synchronizer.sync_offset": 1,
+                                            "algorithm.rollout_correction.rollout_is": "sequence"}),
+                          dp_size=8, check_paths=False)
+    assert spec.rollout_correction.rollout_is == "sequence" and not spec.sync.auto_correction
+    with pytest.raises(ConfigError, match="synchronizer.sync_style"):
+        resolve_config(tiny(tmp_path, **{"synchronizer.sync_style": "dynamic_by_explorer"}), dp_size=8,
+                       check_paths=False)
+    with pytest.raises(ConfigError, match="synchronizer.sync_offset"):
+        resolve_config(tiny(tmp_path, **{"synchronizer.sync_offset": -1}), dp_size=8, check_paths=False)
