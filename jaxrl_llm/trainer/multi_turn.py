@@ -87,6 +87,24 @@ class PagedContinue:
         return result
 
 
+class FixedShapeContinue:
+    """Pads every round's active prefixes to the trajectory count (repeating the first; the extra
+    rows are dropped): with a fixed prefix length and generation width, the whole multi-turn
+    rollout runs ONE compiled sampler program instead of one per (active rows, prefix length,
+    width) bucket, which on CPU costs far more in compiles than the idle rows cost in compute."""
+
+    def __init__(self, inner: Any, rows: int) -> None:
+        self.inner, self.rows = inner, rows
+
+    def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+        k = len(prefixes)
+        pad = max(self.rows - k, 0)
+        out = self.inner(list(prefixes) + [prefixes[0]] * pad, list(max_new_tokens) + [max_new_tokens[0]] * pad,
+                         stop_token_ids)
+        return list(out[:k])
+
+
 class MultiTurn:
     """Tools, interactions, the chat renderer and the limits of multi-turn rollouts."""
 
@@ -145,8 +163,11 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
                              compute_dtype=gen.compute_dtype, rng=rng)
     else:
         seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
-        cont = StaticSamplerContinue(params, cfg, dataclasses.replace(sampling, seed=seed), pad_token_id=pad_id,
-                                     eos_token_ids=eos, mesh=mesh, compute_dtype=gen.compute_dtype)
+        width = sampling.max_new_tokens  # every round: the same rows, prefix length and width (one program)
+        cont = FixedShapeContinue(StaticSamplerContinue(
+            params, cfg, dataclasses.replace(sampling, seed=seed), pad_token_id=pad_id, eos_token_ids=eos, mesh=mesh,
+            compute_dtype=gen.compute_dtype, token_bucket=width, prefix_length=bucket_length(longest_prompt) + width),
+            len(trajs))
     s = mt.spec
     result = run_multi_turn(trajs, cont, limits=mt.limits(sampling.max_new_tokens), tools=mt.tools,
                             max_parallel_calls=s.max_parallel_calls, tool_timeout_s=s.tool_call_timeout_s,
@@ -201,4 +222,4 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         meta=meta, reward_extra_info=extra, reward_metrics=metrics)
 
 
-__all__ = ["MultiTurn", "PagedContinue", "generate_multi_turn"]
+__all__ = ["FixedShapeContinue", "MultiTurn", "PagedContinue", "generate_multi_turn"]
