@@ -41,7 +41,7 @@ def get_config():
     cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = 4
-    actor.ppo_micro_batch_size_per_device = None
+    actor.ppo_micro_batch_size_per_device = 4  # 16 x 384-token rows at once need ~17 GB of logits temps
     actor.use_kl_loss = False
     actor.optim.lr = 5e-5
     actor.optim.lr_warmup_steps = 0
@@ -50,8 +50,8 @@ def get_config():
     cfg.trainer.experiment_name = "multiturn_tool"
     cfg.trainer.default_local_dir = "runs/multiturn_tool"
     cfg.trainer.total_epochs = 1
-    cfg.trainer.total_training_steps = 12
-    cfg.trainer.test_freq = 4
+    cfg.trainer.total_training_steps = 10
+    cfg.trainer.test_freq = 5
     cfg.trainer.save_freq = -1
     cfg.trainer.val_before_train = True
     cfg.trainer.log_val_generations = 4

@@ -14,6 +14,7 @@ import tiny_runs
 from jaxrl_llm.agents import AgentConfigError, Generated
 from jaxrl_llm.config import resolve_config
 from jaxrl_llm.config.schema import ConfigError
+from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.trainer import Trainer
 from jaxrl_llm.trainer import multi_turn as mt_module
 from jaxrl_llm.trainer.multi_turn import MultiTurn
@@ -90,6 +91,19 @@ def test_masks_logprobs_and_a_train_step(guess_trainer):
     assert 0 <= metrics["multi_turn/tokenization_mismatches"] <= 8
     val = trainer.validate()
     assert "val-core/synthetic/guess/reward/mean@1" in val and "val-aux/synthetic/guess/num_turns/mean@1" in val
+
+
+def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkeypatch):
+    trainer, _ = guess_trainer
+    monkeypatch.setattr(trainer.generator, "engine", EngineOptions(engine="paged", max_num_seqs=8))
+    trainer.train_loader.reset()
+    batch = next(trainer.train_loader)
+    r = trainer.generator.generate(batch, trainer.actor.model_params, trainer.spec.train_sampling, jax.random.key(2))
+    loss = np.asarray(r.response_mask)
+    assert (loss.sum(-1) == 3).all()  # three one-token model turns through the paged engine too
+    recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, r, trainer.spec.plan.old_log_prob,
+                                               np.asarray(r.attention_mask)))
+    np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
 
 
 class ScriptedCalculatorCall:
