@@ -90,7 +90,8 @@ DATA = {
     },
     "synthetic": {
         "task": field(None, "Synthetic verifiable task (jaxrl_llm.data.synthetic: add, larger, repeat, multiply, "
-                            "guess) written at start to <trainer.default_local_dir>/data/{train,test}.parquet; train_files / "
+                            "guess) written at start to <trainer.default_local_dir>/data/{train,test}.parquet; "
+                            "train_files / "
                             "val_files are derived to point there. jaxrl_llm-only.", types=str),
         "n_train": field(512, "Synthetic training prompts."),
         "n_val": field(64, "Synthetic validation prompts."),

@@ -60,7 +60,8 @@ class PagedContinue:
     def __init__(self, params: dict, model_cfg: ModelConfig, sampling: SamplingParams, *, eos: Sequence[int],
                  pad_token_id: int, opts: EngineOptions, mesh: Mesh | None, compute_dtype: str, rng: jax.Array,
                  token_bucket: int = 16) -> None:
-        self.params, self.cfg, self.sampling, self.eos, self.pad_id = params, model_cfg, sampling, tuple(eos), pad_token_id
+        self.params, self.cfg, self.sampling = params, model_cfg, sampling
+        self.eos, self.pad_id = tuple(eos), pad_token_id
         self.opts, self.mesh, self.compute_dtype, self.rng = opts, mesh, compute_dtype, rng
         self.token_bucket, self.calls = token_bucket, 0
 

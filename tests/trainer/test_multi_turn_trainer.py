@@ -116,10 +116,11 @@ class ScriptedCalculatorCall:
         out = []
         for prefix in prefixes:
             text = self.tok.decode(prefix)
-            if text.rstrip().endswith("<|im_start|>assistant") and "<|im_start|>tool" in text.split("What is 47")[-1]:
+            if "<|im_start|>tool" in text.split("What is 47")[-1]:
                 reply = "1786<|im_end|>"
             else:
-                reply = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "47 * 38"}}\n</tool_call><|im_end|>'
+                reply = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "47 * 38"}}\n'
+                         "</tool_call><|im_end|>")
             ids = self.tok(reply, add_special_tokens=False)["input_ids"]
             out.append(Generated(ids, [-0.5] * len(ids), "eos"))
         return out
@@ -135,7 +136,8 @@ def test_tool_tokens_are_masked_out_and_rewards_add(guess_trainer, tmp_path, mon
     monkeypatch.setattr(gen, "max_prompt_length", 512)
     monkeypatch.setattr(mt_module, "StaticSamplerContinue",
                         lambda *a, **k: ScriptedCalculatorCall(tokenizer=trainer.tokenizer))
-    question = [{"role": "user", "content": "What is 47 * 38? Use the calculator tool, then answer with only the number."}]
+    question = [{"role": "user",
+                 "content": "What is 47 * 38? Use the calculator tool, then answer with only the number."}]
     batch = {"raw_prompt": np.array([question, question], dtype=object),
              "raw_prompt_ids": np.array([[1], [1]], dtype=object),
              "data_source": np.array(["synthetic/multiply"] * 2, dtype=object),
