@@ -38,7 +38,7 @@ def get_config():
     cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = 4
-    actor.ppo_micro_batch_size_per_device = None
+    actor.ppo_micro_batch_size_per_device = 4  # bounds the update's activation memory (~3 GB)
     actor.use_kl_loss = False
     actor.optim.lr = 5e-5
     actor.optim.lr_warmup_steps = 0
