@@ -16,8 +16,8 @@ from jaxrl_llm import storage
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import AUTO, resolve_total_steps, synthetic_data_files
 from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
-                                   SyncSpec,
-                                   OptimSpec, RefSpec, RolloutCorrectionSpec, RunSpec, SyntheticSpec, TrainerSpec)
+                                   MultiTurnSpec, OptimSpec, RefSpec, RolloutCorrectionSpec, RunSpec, SyncSpec,
+                                   SyntheticSpec, TrainerSpec)
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.losses.policy import POLICY_LOSSES
@@ -46,7 +46,9 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         train_files=_files(d.train_files), val_files=_files(d.val_files), tokenizer=d.tokenizer,
         prompt_key=d.prompt_key, messages_key=d.messages_key, apply_chat_template=bool(d.apply_chat_template),
         max_prompt_length=int(d.max_prompt_length), train_batch_size=int(d.train_batch_size),
-        val_batch_size=d.val_batch_size, return_raw_chat=bool(d.return_raw_chat), truncation=d.truncation,
+        val_batch_size=d.val_batch_size, truncation=d.truncation,
+        # multi-turn rollouts render later turns from the row's chat messages, not only its ids
+        return_raw_chat=bool(d.return_raw_chat) or bool(whole and cfg.actor_rollout_ref.rollout.multi_turn.enable),
         filter_overlong_prompts=bool(d.filter_overlong_prompts),
         filter_overlong_prompts_workers=int(d.filter_overlong_prompts_workers), shuffle=bool(d.shuffle),
         seed=d.seed, train_max_samples=int(d.train_max_samples), val_max_samples=int(d.val_max_samples),
@@ -70,6 +72,19 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          max_num_batched_tokens=int(rollout.max_num_batched_tokens),
                          gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                          kv_cache_dtype=rollout.kv_cache_dtype)
+
+
+def resolve_multi_turn(rollout: ConfigDict) -> MultiTurnSpec | None:
+    mt = rollout.multi_turn
+    if not mt.enable:
+        return None
+    path = lambda p: None if p is None else os.path.abspath(os.path.expanduser(p))  # noqa: E731
+    return MultiTurnSpec(
+        max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
+        tool_config_path=path(mt.tool_config_path), interaction_config_path=path(mt.interaction_config_path),
+        max_parallel_calls=int(mt.max_parallel_calls), max_tool_response_length=int(mt.max_tool_response_length),
+        tool_response_truncate_side=mt.tool_response_truncate_side, format=mt.format,
+        sanity_check=bool(mt.enable_tokenization_sanity_check), tool_call_timeout_s=float(mt.tool_call_timeout_s))
 
 
 def resolve_reward(cfg: ConfigDict) -> RewardSpec:
@@ -240,7 +255,8 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         reward_model=(RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length,
                                       rm.micro_batch_size_per_device) if rm.enable else None),
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in ("data", "fsdp", "tensor")),
-        plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync)
+        plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
+        multi_turn=resolve_multi_turn(arr.rollout))
 
 
 def resolve_sync(cfg: ConfigDict) -> SyncSpec:

@@ -166,6 +166,22 @@ class FilterGroupsSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiTurnSpec:
+    """`actor_rollout_ref.rollout.multi_turn.*` when enabled (trainer/multi_turn.py builds the runtime)."""
+
+    max_assistant_turns: int | None
+    max_user_turns: int | None
+    tool_config_path: str | None
+    interaction_config_path: str | None
+    max_parallel_calls: int
+    max_tool_response_length: int
+    tool_response_truncate_side: str
+    format: str
+    sanity_check: bool
+    tool_call_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class SyntheticSpec:
     """A synthetic task written into the run dir at start (`data.synthetic.*`)."""
 
@@ -230,6 +246,7 @@ class RunSpec:
     plan: BatchPlan
     config_json: str  # the resolved config tree, for checkpoint metadata and loggers
     sync: SyncSpec = SyncSpec()  # off-policy pipelining (`synchronizer`, mesh.rollout_devices)
+    multi_turn: MultiTurnSpec | None = None  # None: single-turn rollouts
 
     @property
     def need_ref(self) -> bool:

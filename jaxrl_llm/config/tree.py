@@ -89,8 +89,9 @@ DATA = {
         "name": field(None, "Class name in custom_cls.path. veRL.", types=str),
     },
     "synthetic": {
-        "task": field(None, "Synthetic verifiable task (jaxrl_llm.data.synthetic: add, larger, repeat) written "
-                            "at start to <trainer.default_local_dir>/data/{train,test}.parquet; train_files / "
+        "task": field(None, "Synthetic verifiable task (jaxrl_llm.data.synthetic: add, larger, repeat, multiply, "
+                            "guess) written at start to <trainer.default_local_dir>/data/{train,test}.parquet; "
+                            "train_files / "
                             "val_files are derived to point there. jaxrl_llm-only.", types=str),
         "n_train": field(512, "Synthetic training prompts."),
         "n_val": field(64, "Synthetic validation prompts."),
@@ -185,6 +186,38 @@ ROLLOUT = {
                                          "veRL / vLLM."),
     "kv_cache_dtype": field("auto", "Paged engine KV storage: 'auto' (the compute dtype) or 'int8' "
                                     "(per-token-per-head scales). vLLM."),
+    "multi_turn": {
+        "enable": field(False, "Multi-turn rollouts (docs/agents.md): the model calls tools (hermes <tool_call>) "
+                               "and / or talks with an interaction over several turns; tool / user tokens are "
+                               "attended but masked out of the loss. Needs tool_config_path or "
+                               "interaction_config_path. Training and validation both use it. veRL."),
+        "max_assistant_turns": field(None, "Model turns per trajectory; None = until response_length. veRL.",
+                                     types=int),
+        "max_user_turns": field(None, "Tool / interaction replies per trajectory; None = unbounded. veRL.",
+                                types=int),
+        "tool_config_path": field(None, "Tools YAML (veRL's: tools: [{class_name, config, tool_schema}]); "
+                                        "bad file or class = one error at start. veRL.", types=str),
+        "interaction_config_path": field(None, "Interactions YAML (veRL's: interaction: [{name, class_name, "
+                                               "config}]); rows pick one by extra_info.interaction_kwargs.name. "
+                                               "veRL.", types=str),
+        "max_parallel_calls": field(1, "Tool calls run at once (a thread pool over every trajectory's calls). "
+                                       "veRL."),
+        "max_tool_response_length": field(256, "Characters of one tool reply kept (see the truncate side). veRL."),
+        "tool_response_truncate_side": field("middle", "'left' keeps the start, 'right' the end, 'middle' both "
+                                                       "ends. veRL."),
+        "format": field("hermes", "Tool-call format the model writes and the host parses; only 'hermes' "
+                                  "(<tool_call>{json}</tool_call>). veRL."),
+        "use_inference_chat_template": field(False, "False: the trained tokens are exactly the tokens the model "
+                                                    "saw and produced (token in, token out). True (re-render the "
+                                                    "conversation with the inference template) is not supported: "
+                                                    "an error. veRL."),
+        "enable_tokenization_sanity_check": field(True, "Re-render each finished conversation and count where its "
+                                                        "tokenization differs from the rollout's ids "
+                                                        "(multi_turn/tokenization_mismatches, first one logged). "
+                                                        "veRL."),
+        "tool_call_timeout_s": field(30.0, "Wall-clock limit of one tool call (the model reads a timeout error; "
+                                           "counted in multi_turn/tool_timeouts). jaxrl_llm (veRL: none)."),
+    },
     "val_kwargs": {
         "n": field(1, "Responses per validation prompt (reported as mean@n). veRL."),
         "temperature": field(0.0, "Validation temperature. veRL."),

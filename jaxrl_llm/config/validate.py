@@ -93,6 +93,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
                           + ", ".join(f"tiny:{a}" for a in names.TINY_ARCHS))
     _check_rollout_correction(cfg)
     _check_synchronizer(cfg)
+    _check_multi_turn(cfg)
 
 
 def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
@@ -105,6 +106,33 @@ def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
     if rd is not None:
         _require((rd >= 1) if isinstance(rd, int) else (len(rd) >= 1 and all(isinstance(i, int) for i in rd)),
                  "mesh.rollout_devices", cfg, "expected a device count >= 1 or a list of device ids")
+
+
+def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
+    mt, key = cfg.actor_rollout_ref.rollout.multi_turn, f"{ROLLOUT}.multi_turn"
+    _choice(cfg, f"{key}.format", ("hermes",))
+    _choice(cfg, f"{key}.tool_response_truncate_side", ("left", "middle", "right"))
+    if not mt.enable:
+        return
+    _require(not mt.use_inference_chat_template, f"{key}.use_inference_chat_template", cfg,
+             "re-rendering the conversation with the inference template would train on tokens the model did not "
+             "see; jaxrl_llm trains on the rollout's own tokens (token in, token out): set it False")
+    _require(mt.tool_config_path is not None or mt.interaction_config_path is not None, f"{key}.enable", cfg,
+             f"needs {key}.tool_config_path and / or {key}.interaction_config_path")
+    for name in ("tool_config_path", "interaction_config_path"):
+        path = mt[name]
+        if path is not None and not os.path.isfile(os.path.expanduser(path)):
+            raise ConfigError(f"{key}.{name}={path!r}: no such file")
+    for name in ("max_assistant_turns", "max_user_turns"):
+        _require(mt[name] is None or mt[name] >= 1, f"{key}.{name}", cfg, "must be >= 1 or None")
+    for name in ("max_parallel_calls", "max_tool_response_length"):
+        _require(mt[name] >= 1, f"{key}.{name}", cfg, "must be >= 1")
+    _require(mt.tool_call_timeout_s > 0, f"{key}.tool_call_timeout_s", cfg, "must be > 0")
+    _require(not cfg.reward_model.enable, f"{key}.enable", cfg,
+             "a model-based reward (reward_model.enable) is not supported with multi-turn rollouts (the scorer, "
+             "tools' calc_reward and interaction rewards are)")
+    _require(bool(cfg.data.apply_chat_template), f"{key}.enable", cfg,
+             "multi-turn rollouts render turns through the chat template: data.apply_chat_template must be True")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:

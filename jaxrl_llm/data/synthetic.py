@@ -6,6 +6,11 @@ Tasks (data_source `synthetic/<task>`, scored by `jaxrl_llm.rewards.scorers.synt
   add      "What is 3 + 4?"                 operands have `difficulty` digits (1: 0..9)
   larger   "Which is larger: 17 or 42?"     numbers have `difficulty` digits
   repeat   "Repeat exactly: apple river"    `difficulty` words from a fixed list
+  multiply "What is 47 * 38? Use the calculator tool ..."   operands have `difficulty` digits; the
+           prompt holds one worked example of a hermes calculator call (configs/multiturn_tool.py)
+  guess    guess-the-number with GuessNumberEnv (configs/multiturn_guess.py): target in
+           1..10**difficulty (extra_info.interaction_kwargs {name: guess_number, target}); scored
+           by the interaction alone (the scorer gives 0)
 
 Every prompt asks for the bare answer. `answer_format` (stored in extra_info) picks how strictly
 it is scored: `strict` = the whole response is the answer; `lenient` = the last number (or the
@@ -33,7 +38,7 @@ import numpy as np
 
 from jaxrl_llm import storage
 
-TASKS = ("add", "larger", "repeat")
+TASKS = ("add", "larger", "repeat", "multiply", "guess")
 ANSWER_FORMATS = ("strict", "lenient", "first")
 
 _WORDS = (
@@ -49,8 +54,25 @@ _PROMPTS = {
     "add": "What is {a} + {b}? Answer with only the number.",
     "larger": "Which number is larger: {a} or {b}? Answer with only the number.",
     "repeat": "Repeat exactly: {text}. Answer with only those words.",
+    "multiply": "What is {a} * {b}? Use the calculator tool, then answer with only the number.",
 }
-_ABILITY = {"add": "arithmetic", "larger": "comparison", "repeat": "copying"}
+_ABILITY = {"add": "arithmetic", "larger": "comparison", "repeat": "copying", "multiply": "tool use",
+            "guess": "interaction"}
+# the worked example before a multiply question: one hermes call, the tool's reply, the bare answer
+_MULTIPLY_EXAMPLE = [
+    {"role": "user", "content": _PROMPTS["multiply"].format(a=12, b=34)},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}'
+                                     "\n</tool_call>"},
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "408"},
+]
+
+
+def _messages(task: str, fields: dict[str, Any]) -> list[dict[str, str]]:
+    if task == "guess":  # GuessNumberEnv.reset adds the game's first message
+        return [{"role": "system", "content": "You are playing a number guessing game."}]
+    question = [{"role": "user", "content": _PROMPTS[task].format(**fields)}]
+    return _MULTIPLY_EXAMPLE + question if task == "multiply" else question
 
 
 def _number_range(difficulty: int) -> tuple[int, int]:
@@ -60,7 +82,9 @@ def _number_range(difficulty: int) -> tuple[int, int]:
 
 def _questions(task: str, difficulty: int) -> tuple[int, Callable[[int], dict[str, Any]]]:
     """(number of distinct questions, question number -> template fields + answer)."""
-    if task in ("add", "larger"):
+    if task == "guess":
+        return 10**difficulty, lambda k: {"answer": str(k + 1)}
+    if task in ("add", "larger", "multiply"):
         low, high = _number_range(difficulty)
         span = high - low + 1
 
@@ -68,6 +92,8 @@ def _questions(task: str, difficulty: int) -> tuple[int, Callable[[int], dict[st
             a, b = low + k // span, low + k % span
             if task == "add":
                 return {"a": a, "b": b, "answer": str(a + b)}
+            if task == "multiply":
+                return {"a": a, "b": b, "answer": str(a * b)}
             if a == b:  # "larger" needs two different numbers
                 b = low + (b - low + 1) % span
             return {"a": a, "b": b, "answer": str(max(a, b))}
@@ -108,13 +134,16 @@ def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, ans
         out = []
         for index, k in enumerate(ids):
             fields = question(int(k))
+            extra = {"split": split, "index": index, "task": task, "difficulty": difficulty,
+                     "answer_format": answer_format}
+            if task == "guess":
+                extra["interaction_kwargs"] = {"name": "guess_number", "target": int(fields["answer"])}
             out.append({
                 "data_source": f"synthetic/{task}",
-                "prompt": [{"role": "user", "content": _PROMPTS[task].format(**fields)}],
+                "prompt": _messages(task, fields),
                 "ability": _ABILITY[task],
                 "reward_model": {"style": "rule", "ground_truth": fields["answer"]},
-                "extra_info": {"split": split, "index": index, "task": task, "difficulty": difficulty,
-                               "answer_format": answer_format},
+                "extra_info": extra,
             })
         return out
 

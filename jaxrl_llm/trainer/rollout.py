@@ -69,8 +69,12 @@ class RolloutGenerator:
     baselines and validation all go through `generate`."""
 
     def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Any, reward_manager: RewardManager | None,
-                 reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None):
+                 reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None,
+                 multi_turn: Any = None, max_prompt_length: int | None = None):
+        """multi_turn: a `trainer.multi_turn.MultiTurn` (every generation is then multi-turn);
+        max_prompt_length: the bound its rendered prompts must fit (data.max_prompt_length)."""
         self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
+        self.multi_turn, self.max_prompt_length = multi_turn, max_prompt_length
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
@@ -85,6 +89,10 @@ class RolloutGenerator:
 
     def generate(self, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams, rng: Array) -> Rollout:
         """`sampling.n` responses per prompt of `batch` (the whole global batch), scored."""
+        if self.multi_turn is not None:
+            from jaxrl_llm.trainer.multi_turn import generate_multi_turn
+
+            return generate_multi_turn(self, batch, params, sampling, rng)
         model_cfg, mesh, tokenizer, reward_model = self.model_cfg, self.mesh, self.tokenizer, self.reward_model
         pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         raw_prompts = list(batch["raw_prompt_ids"])

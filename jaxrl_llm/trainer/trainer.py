@@ -85,6 +85,12 @@ class Trainer:
         self.train_loader = make_dataloader(data, self.tokenizer, "train", dataset=train_set)
         self.val_loader = make_dataloader(data, self.tokenizer, "val") if data.val_files else None
 
+        # tools / interactions load before the model: a bad YAML or class path fails here (trainer/multi_turn.py)
+        self.multi_turn = None
+        if spec.multi_turn is not None:
+            from jaxrl_llm.trainer.multi_turn import MultiTurn
+
+            self.multi_turn = MultiTurn(spec.multi_turn, self.tokenizer)
         model_cfg, params = load_model(spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
                                        seed=spec.trainer.seed)
         longest = spec.plan.max_tokens_per_sequence
@@ -119,7 +125,8 @@ class Trainer:
             self.reward_model = RewardModel.load(spec.reward_model, self.tokenizer)
         self.generator = RolloutGenerator(model_cfg=model_cfg, mesh=self.mesh, tokenizer=self.tokenizer,
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
-                                          compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine)
+                                          compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
+                                          multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
         self.pipeline = self._make_pipeline(model_cfg)
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
@@ -166,7 +173,8 @@ class Trainer:
         if self.rollout_mesh is not None:
             rollout_gen = RolloutGenerator(model_cfg=model_cfg, mesh=self.rollout_mesh, tokenizer=self.tokenizer,
                                            reward_manager=self.reward_manager, reward_model=self.reward_model,
-                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine)
+                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
+                                           multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
 
         def generate(batch: dict, params: dict, rng: jax.Array, on_rollout_mesh: bool) -> tuple[Rollout, dict]:
             return self._rollout(batch, rng, params, rollout_gen if on_rollout_mesh else None)

@@ -143,7 +143,6 @@ def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_pat
 
 
 @pytest.mark.parametrize("key,value,why", [
-    ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn"),
     ("algorithm.use_pf_ppo", True, "preference-feedback"),
     ("algorithm.adv_estimator", "my_estimator", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "not available in jaxrl_llm"),
@@ -153,6 +152,15 @@ def test_verl_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     with pytest.raises(ConfigError) as err:
         import_config(variant(VERL, tmp_path, {key: value}), dp_size=4)
     assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_verl_multi_turn_keys_map_to_ours(home, tmp_path):
+    s = import_config(variant(VERL, tmp_path, {"actor_rollout_ref.rollout.multi_turn.enable": True,
+                                               "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
+                                               "actor_rollout_ref.rollout.multi_turn.format": "hermes"}),
+                      dp_size=4).settings
+    assert s["actor_rollout_ref.rollout.multi_turn.enable"] is True
+    assert s["actor_rollout_ref.rollout.multi_turn.max_assistant_turns"] == 3
 
 
 def test_import_warns_once(home, caplog):

@@ -80,7 +80,7 @@ def test_batch_plan_numbers():
     (["algorithm.kl_penalty=bogus"], 2, "algorithm.kl_penalty='bogus'"),
     (["actor_rollout_ref.actor.loss_agg_mode=mean"], 2, "actor_rollout_ref.actor.loss_agg_mode='mean'"),
     (["reward_model.reward_manager=fast"], 2, "reward_model.reward_manager='fast'"),
-    (["data.synthetic.task=multiply"], 2, "data.synthetic.task='multiply': unknown name; valid: add, larger, repeat"),
+    (["data.synthetic.task=divide"], 2, "data.synthetic.task='divide': unknown name; valid: add, guess, larger, multiply, repeat"),
     (["data.truncation=cut"], 2, "data.truncation='cut'"),
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], 2,
      "actor_rollout_ref.actor.optim.lr_scheduler_type='linear'"),

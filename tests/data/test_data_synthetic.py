@@ -17,7 +17,7 @@ from jaxrl_llm.rewards import default_compute_score
 def test_tasks_have_correct_ground_truth(task):
     train, val = make_splits(task, 50, 10, difficulty=2, seed=1)
     assert len(train) == 50 and len(val) == 10
-    question = lambda r: r["prompt"][0]["content"]  # noqa: E731
+    question = lambda r: r["prompt"][-1]["content"] + str(r["extra_info"].get("interaction_kwargs"))  # noqa: E731
     assert not {question(r) for r in val} & {question(r) for r in train}
     for row in train + val:
         gt = row["reward_model"]["ground_truth"]
@@ -29,6 +29,15 @@ def test_tasks_have_correct_ground_truth(task):
         elif task == "larger":
             a, b = [int(x) for x in text.split(": ")[1].split("?")[0].split(" or ")]
             assert a != b and gt == str(max(a, b))
+        elif task == "multiply":
+            a, b = [int(x) for x in text.split("What is ")[1].split("?")[0].split(" * ")]
+            assert 10 <= a <= 99 and 10 <= b <= 99 and gt == str(a * b)
+            assert [m["role"] for m in row["prompt"]] == ["user", "assistant", "tool", "assistant", "user"]
+        elif task == "guess":  # scored by the interaction (GuessNumberEnv), not the scorer
+            assert row["extra_info"]["interaction_kwargs"] == {"name": "guess_number", "target": int(gt)}
+            assert 1 <= int(gt) <= 100
+            assert default_compute_score(row["data_source"], gt, gt, row["extra_info"]) == 0.0
+            continue
         else:
             assert len(gt.split()) == 2 and f"exactly: {gt}." in text
         assert default_compute_score(row["data_source"], gt, gt, row["extra_info"]) == 1.0

@@ -127,8 +127,6 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": _fsdp_size,
     "trainer.nnodes": _placement,
     "trainer.n_gpus_per_node": _placement,
-    "actor_rollout_ref.rollout.multi_turn.enable": _error_if(
-        bool, "multi-turn / tool-calling rollouts are not supported (single-turn generation only)"),
     "algorithm.use_pf_ppo": _error_if(bool, "preference-feedback PPO (sample reweighting) is not supported"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _error_if(
         lambda v: v is not None, "per-token veto is not supported (rollout_rs modes only)"),
@@ -143,7 +141,7 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
 }
 
 # keys that configure only veRL's own machinery (on top of overrides.TORCH_ONLY_PATTERNS)
-VERL_MACHINERY = ("*.agent.*", "*.agent", "actor_rollout_ref.rollout.multi_turn.*", "*.use_shm",
+VERL_MACHINERY = ("*.agent.*", "*.agent", "*.use_shm",
                   "trainer.ray_*", "*.use_dynamic_bsz_balance", "*.swanlab*", "*.mlflow*", "global_profiler*",
                   "transfer_queue*", "*.nsight*", "*.profile_*", "trainer.profile_steps", "*.router_replay*")
 

@@ -7,7 +7,7 @@
   first    the answer comes first: numeric answers: the first integer in the response equals it
            ("13", "The answer is 13."; not "6 + 7 = 13"); text answers: the response starts with
            it, case-insensitively.
-Scores are 1.0 / 0.0.
+Scores are 1.0 / 0.0. The `guess` task is scored by its interaction (GuessNumberEnv): 0.0 here.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ _INTEGER = re.compile(r"-?\d+")
 
 
 def compute_score(response: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
+    if (extra_info or {}).get("task") == "guess":
+        return 0.0  # the interaction's reward is the score (trainer/multi_turn.py adds it)
     answer_format = (extra_info or {}).get("answer_format", "strict")
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"extra_info['answer_format']={answer_format!r} is not one of {ANSWER_FORMATS}")

@@ -1,0 +1,226 @@
+"""Multi-turn rollouts in the trainer (`actor_rollout_ref.rollout.multi_turn.enable`).
+
+`MultiTurn` is built once at start from the `MultiTurnSpec` (tools and interactions are loaded
+then: a bad YAML or class path is one `AgentConfigError` before the model loads). `generate_multi_turn`
+replaces the single-turn generation of `RolloutGenerator.generate` for training, ReMax baselines
+and validation alike:
+
+    batch rows (raw_prompt chat messages, extra_info.tools_kwargs / interaction_kwargs)
+      -> n trajectories per prompt (row-major: GRPO groups as today)
+      -> run_multi_turn over a continue_fn on the policy's own params (the static sampler, or the
+         paged engine with rollout.engine=paged; prompts = each active trajectory's token prefix)
+      -> pad_trajectories -> Rollout
+
+Masks (the one thing single-turn rollouts never needed): `Rollout.attention_mask` is 1 on every
+prompt and response token, tool / user replies included (the model attends to them), while
+`Rollout.response_mask`, which every loss, advantage, KL and metric reads as the loss mask, is 1
+on model tokens only. Both are contiguous-from-the-prompt for packing (trainer/packing.py plans
+from the attention mask). `rollout_log_probs` holds the sampler's log-probs on model tokens (0 on
+context tokens, which the loss mask drops); recomputed old / reference log-probs are computed for
+every position and read only where the loss mask is 1.
+
+Reward of a trajectory (sum, as veRL adds its tool and interaction rewards to the score):
+    scorer(last assistant message)            the reward manager's rule / custom function
+  + sum of tool step rewards (execute)        e.g. a penalty for a failing call
+  + sum of the tools' calc_reward             per tool instance, at the end
+  + sum of interaction (environment) rewards  e.g. GuessNumberEnv's 1.0 when found
+It is placed on the trajectory's last model token. `reward_extra_info` keeps the parts
+(`tool_reward`, `interaction_reward`, `num_turns`) so validation reports them per data source.
+`response_lengths` count every response token (model and context); `multi_turn/model_tokens/mean`
+counts the trained ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm.agents import (ChatRenderer, Generated, TurnLimits, load_interactions, load_tools, pad_trajectories,
+                              run_multi_turn, trajectories_from_rows)
+from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, tool_call_stop_ids
+from jaxrl_llm.config.spec import MultiTurnSpec
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_length
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+from jaxrl_llm.sharding import batch_axis_size, to_device
+
+log = logging.getLogger("jaxrl_llm")
+
+
+class PagedContinue:
+    """`continue_fn` over the paged engine (`sample_paged`): each active trajectory's token prefix
+    is one request; the generation width is the largest budget rounded up to `token_bucket`."""
+
+    def __init__(self, params: dict, model_cfg: ModelConfig, sampling: SamplingParams, *, eos: Sequence[int],
+                 pad_token_id: int, opts: EngineOptions, mesh: Mesh | None, compute_dtype: str, rng: jax.Array,
+                 token_bucket: int = 16) -> None:
+        self.params, self.cfg, self.sampling = params, model_cfg, sampling
+        self.eos, self.pad_id = tuple(eos), pad_token_id
+        self.opts, self.mesh, self.compute_dtype, self.rng = opts, mesh, compute_dtype, rng
+        self.token_bucket, self.calls = token_bucket, 0
+
+    def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+        width = -(-max(max_new_tokens) // self.token_bucket) * self.token_bucket
+        params = dataclasses.replace(
+            self.sampling, max_new_tokens=width, n=1,
+            stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))))
+        settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
+                                              compute_dtype=self.compute_dtype)
+        out, _ = sample_paged(self.params, self.cfg, [list(p) for p in prefixes],
+                              jax.random.fold_in(self.rng, self.calls), knobs, settings=settings, opts=self.opts,
+                              mesh=self.mesh)
+        self.calls += 1
+        tokens, log_probs = np.asarray(out.tokens), np.asarray(out.log_probs)
+        lengths, finish = np.asarray(out.lengths), np.asarray(out.finish_reason)
+        result = []
+        for i, budget in enumerate(max_new_tokens):
+            n, reason = int(lengths[i]), FINISH_REASONS[int(finish[i])]
+            if n > budget:
+                n, reason = int(budget), "length"
+            result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason))
+        return result
+
+
+class FixedShapeContinue:
+    """Pads every round's active prefixes to the trajectory count (repeating the first; the extra
+    rows are dropped): with a fixed prefix length and generation width, the whole multi-turn
+    rollout runs ONE compiled sampler program instead of one per (active rows, prefix length,
+    width) bucket, which on CPU costs far more in compiles than the idle rows cost in compute."""
+
+    def __init__(self, inner: Any, rows: int) -> None:
+        self.inner, self.rows = inner, rows
+
+    def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+        k = len(prefixes)
+        pad = max(self.rows - k, 0)
+        out = self.inner(list(prefixes) + [prefixes[0]] * pad, list(max_new_tokens) + [max_new_tokens[0]] * pad,
+                         stop_token_ids)
+        return list(out[:k])
+
+
+class MultiTurn:
+    """Tools, interactions, the chat renderer and the limits of multi-turn rollouts."""
+
+    def __init__(self, spec: MultiTurnSpec, tokenizer: Any) -> None:
+        if tokenizer is None:
+            raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs a tokenizer with a chat template")
+        self.spec = spec
+        self.tools = load_tools(spec.tool_config_path) if spec.tool_config_path else {}
+        self.interactions = load_interactions(spec.interaction_config_path) if spec.interaction_config_path else None
+        self.renderer = ChatRenderer(tokenizer, tools=[t.tool_schema for t in self.tools.values()] or None)
+        self.stop_ids = tool_call_stop_ids(tokenizer) if self.tools else ()
+
+    def limits(self, response_length: int) -> TurnLimits:
+        s = self.spec
+        return TurnLimits(max_response_length=response_length, max_assistant_turns=s.max_assistant_turns,
+                          max_user_turns=s.max_user_turns, max_tool_response_length=s.max_tool_response_length,
+                          tool_response_truncate_side=s.tool_response_truncate_side)
+
+
+def _rows(batch: dict[str, np.ndarray]) -> list[dict]:
+    if "raw_prompt" not in batch:
+        raise ValueError("multi-turn rollouts need the rows' chat messages (the batch has no raw_prompt; "
+                         "data.return_raw_chat is forced on with multi_turn.enable)")
+    keys = [k for k in ("data_source", "extra_info") if k in batch]
+    return [{"prompt": p, **{k: batch[k][i] for k in keys}} for i, p in enumerate(batch["raw_prompt"])]
+
+
+def _device(arrays: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Batch-sharded when the rows split over the mesh (training), else replicated (a short validation batch)."""
+    rows = next(iter(arrays.values())).shape[0]
+    if rows % batch_axis_size(mesh):
+        return {k: jnp.asarray(v) for k, v in arrays.items()}
+    return to_device(arrays, mesh)
+
+
+def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams,
+                        rng: jax.Array) -> Any:
+    """The multi-turn counterpart of `RolloutGenerator.generate` (`gen`): a scored `Rollout`."""
+    from jaxrl_llm.trainer.nonfinite import sanitize_scores
+    from jaxrl_llm.trainer.rollout import Rollout, response_bucket, score_responses
+
+    mt: MultiTurn = gen.multi_turn
+    cfg, mesh, tokenizer = gen.model_cfg, gen.mesh, gen.tokenizer
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    eos = list(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(int(tokenizer.eos_token_id))
+    n = sampling.n
+    trajs = trajectories_from_rows(_rows(batch), mt.renderer, interactions=mt.interactions, n=n)
+    longest_prompt = max(len(t.prompt_ids) for t in trajs)
+    if gen.max_prompt_length is not None and longest_prompt > gen.max_prompt_length:
+        raise ValueError(f"data.max_prompt_length={gen.max_prompt_length}: a multi-turn prompt has {longest_prompt} "
+                         "tokens once the tool instructions / the interaction's first message are added; raise it")
+    if gen.engine.engine == "paged":
+        cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=gen.engine, mesh=mesh,
+                             compute_dtype=gen.compute_dtype, rng=rng)
+    else:
+        seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
+        width = sampling.max_new_tokens  # every round: the same rows, prefix length and width (one program)
+        cont = FixedShapeContinue(StaticSamplerContinue(
+            params, cfg, dataclasses.replace(sampling, seed=seed), pad_token_id=pad_id, eos_token_ids=eos, mesh=mesh,
+            compute_dtype=gen.compute_dtype, token_bucket=width, prefix_length=bucket_length(longest_prompt) + width),
+            len(trajs))
+    s = mt.spec
+    result = run_multi_turn(trajs, cont, limits=mt.limits(sampling.max_new_tokens), tools=mt.tools,
+                            max_parallel_calls=s.max_parallel_calls, tool_timeout_s=s.tool_call_timeout_s,
+                            stop_token_ids=mt.stop_ids, sanity_check=s.sanity_check, tool_call_format=s.format)
+    first_mismatch = next((m for m in result.mismatches if m is not None), None)
+    if first_mismatch is not None:
+        log.warning("multi_turn.enable_tokenization_sanity_check: %d trajectories differ from their re-rendering; "
+                    "first: %s", sum(m is not None for m in result.mismatches), first_mismatch)
+
+    trajs = result.trajectories
+    resp_lengths = np.array([t.response_length for t in trajs], np.int32)
+    width = response_bucket(int(resp_lengths.max()), sampling.max_new_tokens)
+    padded = pad_trajectories(trajs, prompt_length=bucket_length(longest_prompt), response_length=width,
+                              pad_id=pad_id)
+    rows = np.repeat(np.arange(len(batch["raw_prompt"])), n)
+    meta = {k: v[rows] for k, v in batch.items()
+            if k in ("data_source", "ground_truth", "extra_info", "ability", "raw_prompt", "index")}
+
+    # the scorer reads the final answer (the last assistant message); tools / interactions add theirs
+    final_texts = [t.last_model_text for t in trajs]
+    stopped = np.array([t.stop_reason != "length" for t in trajs])
+    scored = score_responses(gen.reward_manager, final_texts, meta, response_lengths=resp_lengths,
+                             finished_with_eos=stopped)
+    parts = [t.reward_parts for t in trajs]
+    tool_reward = np.array([p["tool_step"] + p["tool_final"] for p in parts], np.float32)
+    interaction_reward = np.array([p["interaction"] for p in parts], np.float32)
+    scores, num_nonfinite = sanitize_scores(np.asarray(scored.scores, np.float32) + tool_reward + interaction_reward)
+    extra = {**scored.reward_extra_info, "score": scores.copy(), "tool_reward": tool_reward,
+             "interaction_reward": interaction_reward, "num_turns": padded.num_turns.astype(np.float32)}
+    loss_mask = padded.loss_mask.astype(np.float32)
+    metrics = {**scored.metrics, **result.metrics, "reward/num_nonfinite": float(num_nonfinite),
+               "multi_turn/model_tokens/mean": float(loss_mask.sum(-1).mean()),
+               "multi_turn/reward/tool/mean": float(tool_reward.mean()),
+               "multi_turn/reward/interaction/mean": float(interaction_reward.mean())}
+
+    # the outcome reward on the last model token (the loss mask's last 1)
+    last_model = width - 1 - np.argmax(loss_mask[:, ::-1] > 0, axis=1)
+    token_scores = np.zeros((len(trajs), width), np.float32)
+    token_scores[np.arange(len(trajs)), last_model] = scores
+    arrays = _device({
+        "input_ids": np.concatenate([padded.prompt_ids, padded.response_ids], 1),
+        "attention_mask": np.concatenate([padded.prompt_mask, padded.response_mask], 1),
+        "response_mask": loss_mask, "rollout_log_probs": padded.rollout_log_probs, "token_scores": token_scores,
+    }, mesh)
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    return Rollout(
+        input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"], response_mask=arrays["response_mask"],
+        rollout_log_probs=arrays["rollout_log_probs"], token_level_scores=arrays["token_scores"],
+        group_ids=rows.astype(np.int32), scores=scores, response_lengths=resp_lengths,
+        prompt_lengths=np.array([len(t.prompt_ids) for t in trajs], np.int32),
+        texts=[decode(t.response_ids) for t in trajs], prompt_texts=[decode(t.prompt_ids) for t in trajs],
+        meta=meta, reward_extra_info=extra, reward_metrics=metrics)
+
+
+__all__ = ["FixedShapeContinue", "MultiTurn", "PagedContinue", "generate_multi_turn"]
