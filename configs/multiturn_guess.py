@@ -38,7 +38,10 @@ def get_config():
     cfg.actor_rollout_ref.model.enable_gradient_checkpointing = False
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = 4
-    actor.ppo_micro_batch_size_per_device = 4  # bounds the update's activation memory (~3 GB)
+    # micro-batches packed to a token budget (about 4 full rows): bounds the update's memory (16 full rows at
+    # once need ~17 GB of temporaries) and divides any mesh, unlike a fixed micro-batch size
+    actor.use_dynamic_bsz = True
+    actor.ppo_max_token_len_per_device = 1536
     actor.use_kl_loss = False
     actor.optim.lr = 5e-5
     actor.optim.lr_warmup_steps = 0
