@@ -10,6 +10,11 @@ a warm run), slot utilisation (useful token-steps / slot-steps), prompt tokens p
 warm-up run for the paged engine, lowering + compiling for the static one). The machine may be shared with other jobs: numbers are wall-clock.
 
 Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512 new tokens).
+
+Last measured (--quick, 2026-11-23, 2 CPU cores shared with other jobs, load 16-21): paged 25.5 tok/s,
+80% utilisation, 864 prefill tokens, 180.7 MiB KV, 8 programs; static 16.8 tok/s, 50%, 4608 prefill
+tokens, 145.5 MiB, 2 programs: paged 1.52x static (docs/performance.md). The full-size run did not
+fit the time on the loaded machine.
 """
 from __future__ import annotations
 
