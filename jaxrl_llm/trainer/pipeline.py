@@ -40,7 +40,7 @@ from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size
 from jaxrl_llm.sharding.split import copy_tree, transfer
 from jaxrl_llm.trainer.roles import TrainedRole
-from jaxrl_llm.trainer.rollout import Rollout
+from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -209,3 +209,31 @@ def to_mesh(rollout: Rollout, mesh: Mesh) -> Rollout:
         return jax.device_put(x, NamedSharding(mesh, spec))
 
     return dataclasses.replace(rollout, **{f: put(getattr(rollout, f)) for f in _DEVICE_FIELDS})
+
+
+def make_pipeline(trainer: Any, model_cfg: Any) -> RolloutPipeline:
+    """`trainer`'s pipeline: its actor, data loader and meshes on the `synchronizer` schedule; with a split
+    mesh, a second generator on the rollout mesh. Warns when the schedule makes the data off-policy."""
+    spec = trainer.spec
+    if spec.sync.auto_correction:
+        log.warning("synchronizer: sync_offset=%d, sync_interval=%d make the data off-policy (staleness <= %d): "
+                    "algorithm.rollout_correction.rollout_is=token turned on (old log-probs are recomputed on "
+                    "the trained policy); set rollout_is / rollout_rs to choose another correction",
+                    spec.sync.sync_offset, spec.sync.sync_interval, spec.sync.max_staleness)
+    elif spec.sync.off_policy and spec.rollout_correction.bypass_mode:
+        log.warning("synchronizer: off-policy data with algorithm.rollout_correction.bypass_mode: the PPO old "
+                    "log-probs are the stale rollout policy's")
+    rollout_gen = None
+    if trainer.rollout_mesh is not None:
+        rollout_gen = RolloutGenerator(model_cfg=model_cfg, mesh=trainer.rollout_mesh, tokenizer=trainer.tokenizer,
+                                       reward_manager=trainer.reward_manager, reward_model=trainer.reward_model,
+                                       compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
+                                       multi_turn=trainer.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
+
+    def generate(batch: dict, params: dict, rng: jax.Array, on_rollout_mesh: bool) -> tuple[Rollout, dict]:
+        return trainer._rollout(batch, rng, params, rollout_gen if on_rollout_mesh else None)
+
+    return RolloutPipeline(spec.sync, actor=trainer.actor, loader=trainer.train_loader, generate=generate,
+                           rng_for=lambda step: jax.random.fold_in(trainer.base_rng, step), train_mesh=trainer.mesh,
+                           rollout_mesh=trainer.rollout_mesh, total_steps=trainer.total_steps)
+

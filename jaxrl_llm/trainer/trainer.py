@@ -41,9 +41,9 @@ from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
-from jaxrl_llm.trainer.pipeline import RolloutPipeline
+from jaxrl_llm.trainer.pipeline import make_pipeline
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
-from jaxrl_llm.trainer.reference import is_offloaded, make_reference, reference_on_device
+from jaxrl_llm.trainer.reference import make_reference, reference_on_device
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
@@ -127,7 +127,7 @@ class Trainer:
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
                                           multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
-        self.pipeline = self._make_pipeline(model_cfg)
+        self.pipeline = make_pipeline(self, model_cfg)  # the synchronizer schedule (trainer/pipeline.py)
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
@@ -158,31 +158,6 @@ class Trainer:
             print(plan.table(), flush=True)
         return plan
 
-    def _make_pipeline(self, model_cfg: Any) -> RolloutPipeline:
-        """The `synchronizer` schedule (trainer/pipeline.py): which weights generate which step's rollout."""
-        spec = self.spec
-        if spec.sync.auto_correction:
-            log.warning("synchronizer: sync_offset=%d, sync_interval=%d make the data off-policy (staleness <= %d): "
-                        "algorithm.rollout_correction.rollout_is=token turned on (old log-probs are recomputed on "
-                        "the trained policy); set rollout_is / rollout_rs to choose another correction",
-                        spec.sync.sync_offset, spec.sync.sync_interval, spec.sync.max_staleness)
-        elif spec.sync.off_policy and spec.rollout_correction.bypass_mode:
-            log.warning("synchronizer: off-policy data with algorithm.rollout_correction.bypass_mode: the PPO old "
-                        "log-probs are the stale rollout policy's")
-        rollout_gen = None
-        if self.rollout_mesh is not None:
-            rollout_gen = RolloutGenerator(model_cfg=model_cfg, mesh=self.rollout_mesh, tokenizer=self.tokenizer,
-                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
-                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
-                                           multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
-
-        def generate(batch: dict, params: dict, rng: jax.Array, on_rollout_mesh: bool) -> tuple[Rollout, dict]:
-            return self._rollout(batch, rng, params, rollout_gen if on_rollout_mesh else None)
-
-        return RolloutPipeline(spec.sync, actor=self.actor, loader=self.train_loader, generate=generate,
-                               rng_for=lambda step: jax.random.fold_in(self.base_rng, step), train_mesh=self.mesh,
-                               rollout_mesh=self.rollout_mesh, total_steps=self.total_steps)
-
     def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
         if syn is None:
             return
@@ -197,39 +172,10 @@ class Trainer:
             multihost_utils.sync_global_devices("synthetic data written")
 
     def summary(self) -> str:
-        spec, m = self.spec, self.actor.model_cfg
-        lines = [
-            f"model: {m.architecture} ({spec.model.path}), "
-            f"{self.actor.num_params / 1e6:.1f}M parameters, {m.num_hidden_layers} layers, hidden {m.hidden_size}"
-            + self._lora_summary(),
-            f"mesh: {dict(self.mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
-            f"{jax.process_count()} process(es)",
-            spec.plan.summary(self.total_steps, spec.trainer.total_epochs),
-            f"estimator: {spec.advantage.adv_estimator}; policy loss: {spec.actor.loss_mode} "
-            f"({spec.actor.loss_agg_mode}); critic: {'on' if self.critic else 'off'}; "
-            f"reference: {self._reference_summary()}",
-            self.generator.describe_engine(spec.plan.prompts * spec.plan.n, spec.plan.max_prompt_length,
-                                           spec.plan.response_length),
-            f"run dir: {self.run_dir}; {self.total_steps} steps",
-        ]
-        if not self.pipeline.passthrough:
-            lines.append(self.pipeline.describe())
-        return "\n".join(lines)
+        """The start-of-run summary (model, mesh, batch plan, algorithm, engine, schedule)."""
+        from jaxrl_llm.trainer.summary import run_summary
 
-    def _lora_summary(self) -> str:
-        lora = self.spec.model.lora
-        if lora is None:
-            return ""
-        return (f"; LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: "
-                f"{self.actor.num_trainable_params / 1e6:.2f}M trainable")
-
-    def _reference_summary(self) -> str:
-        if self.ref_params is None:
-            return "off"
-        if self.actor.frozen is not None:
-            return "on (the LoRA base, adapters off; no copy)"
-        where = "pinned host" if is_offloaded(self.ref_params) else "device"
-        return f"on ({self.spec.ref.param_dtype}, {where} memory)"
+        return run_summary(self)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
