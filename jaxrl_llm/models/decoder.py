@@ -199,7 +199,8 @@ class Decoder(nn.Module):
         if policy != "none":  # prevent_cse=False: the layers run under scan, which already keeps them apart
             layer = nn.remat(DecoderLayer, prevent_cse=False, policy=checkpoint_policy(policy))
         stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast,) * 4 + (0,), length=cfg.num_hidden_layers)
+                        in_axes=(nn.broadcast,) * 4 + (0,), length=cfg.num_hidden_layers,
+                        unroll=cfg.scan_unroll)
         carry = (x, k_cache, v_cache, jnp.int32(0))
         (x, k_cache, v_cache, _), _ = stack(cfg, self.compute_dtype, self.param_dtype, self.lora_scale,
                                             name="layers")(carry, cos, sin, allowed, write_index, lora)

@@ -7,8 +7,11 @@ peak = arguments + outputs - aliased (donated) + temporaries + generated code; p
 state of the step that is NOT among its arguments (`resident`: e.g. the critic and the reference
 while the actor updates), so `total` is what the device holds while the program runs. The row
 also names the params / optimizer state / KV cache it holds, its FLOPs
-(`compiled.cost_analysis()`, whose loop bodies XLA counts once, multiplied by the loop trips the
-plan knows) and FLOPs / the device's measured matmul peak as a time estimate.
+(`compiled.cost_analysis()`, whose loop bodies XLA counts once: one layer's count, read from the
+program lowered with two layers per layer-scan trip, is added for the other layers, and the sum
+is multiplied by the loop trips the plan knows) and FLOPs / the device's measured matmul peak as
+a time estimate. The vocabulary chunks of the fused log-prob head (losses/logprob.py) are a loop
+too, counted once (one 2048-token-chunk of the head).
 
 `auto` micro-batch sizes: for each pass set to 'auto' (BatchPlan.auto_passes), the largest
 divisor of its per-device rows whose program fits is found by bisection over the divisors
@@ -149,11 +152,12 @@ class Planner:
         key = (self._fingerprint, program.name, micro)
         if key in _CACHE:
             return _CACHE[key]
-        compiled = program.lower(plan).compile()
+        lowered = program.lower(plan)
+        compiled = lowered.compile()
         mem = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
-        flops = float((cost or {}).get("flops", 0.0)) * program.trips(plan) + program.extra_flops(plan)
+        # XLA counts each loop body once: the layer scan's (one layer, so add the others), then the trips
+        body = _flops(compiled) + (program.layers - 1) * _layer_flops(program, plan, lowered, self.mesh.size)
+        flops = body * program.trips(plan) + program.extra_flops(plan)
         resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args)
         # as arguments the states are on device, an offloaded reference included
         params = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_params"))
@@ -199,6 +203,24 @@ class Planner:
             else:
                 hi = mid - 1
         return divisors[lo]
+
+
+def _flops(stage: Any) -> float:
+    cost = stage.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
+    return float((cost or {}).get("flops", 0.0))
+
+
+def _layer_flops(program: Program, plan: BatchPlan, lowered: Any, devices: int) -> float:
+    """One layer's FLOPs per device in one trip of the program's loops (forward, and backward in an update).
+
+    The layers run under a scan whose body XLA's cost analysis counts once, so the compiled count
+    holds one layer. The same program lowered with two layers per scan trip counts two: the
+    difference is a layer. Read from the lowered modules (no second compile), which are not yet
+    partitioned: their count is the whole mesh's, split evenly over its devices."""
+    if program.layers < 2:
+        return 0.0
+    return max(_flops(program.lower(plan, unroll=2)) - _flops(lowered), 0.0) / devices
 
 
 def _rows_per_device(plan: BatchPlan, name: str) -> int:

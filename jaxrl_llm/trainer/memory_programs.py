@@ -47,13 +47,14 @@ class Program:
     """One program of the step, ready to lower for a given `BatchPlan`."""
 
     name: str
-    lower: Callable[[BatchPlan], Any]  # plan -> jax.stages.Lowered
+    lower: Callable[..., Any]  # (plan, unroll=1) -> jax.stages.Lowered; unroll: layers per layer-scan trip
     state_args: tuple[str, ...]  # the persistent states (see `State`) among its arguments
     keys: Callable[[BatchPlan], tuple[str, ...]]  # config keys that shrink it, with their values
     micro_pass: str | None = None  # the BatchPlan pass whose micro-batch it runs (for 'auto')
     trips: Callable[[BatchPlan], int] = lambda plan: 1  # loop trips XLA's cost analysis counts once
     extra_flops: Callable[[BatchPlan], float] = lambda plan: 0.0  # FLOPs outside any counted loop body
     kv_bytes: int = 0  # per device: the sampler's KV cache
+    layers: int = 1  # trips of its model's layer scan (counted once, like any loop body)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,10 @@ def bytes_per_device(tree: Any) -> int:
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
     return total
+
+
+def _unrolled(cfg: ModelConfig, unroll: int) -> ModelConfig:
+    return cfg if unroll == cfg.scan_unroll else dataclasses.replace(cfg, scan_unroll=unroll)
 
 
 def _abstract(tree: Any, shardings: Any, dtype: Any = None) -> Any:
@@ -181,9 +186,9 @@ def sample_program(ctx: Context) -> Program:
     prompts = -(-spec.plan.prompts // ways) * ways  # RolloutGenerator pads the batch to the mesh's batch ways
     rows, width, r = prompts * sampling.n, ctx.prompt_width, sampling.max_new_tokens
 
-    def lower(plan: BatchPlan) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
-        return _sample_jit.lower(ctx.policy_params(), cfg, ids, ids, jax.random.PRNGKey(0), knobs,
+        return _sample_jit.lower(ctx.policy_params(), _unrolled(cfg, unroll), ids, ids, jax.random.PRNGKey(0), knobs,
                                  settings=settings, mesh=mesh)
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
@@ -195,7 +200,8 @@ def sample_program(ctx: Context) -> Program:
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
-    return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes)
+    return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes,
+                   layers=cfg.num_hidden_layers)
 
 
 def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Program:
@@ -205,13 +211,13 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
     def micro_rows(plan: BatchPlan) -> int:
         return plan.forward_micro_rows(plan.micro_of(micro_pass), n, t)
 
-    def lower(plan: BatchPlan) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
         if micro_pass == "values":
-            return values_no_grad.lower(params, ids, ids, mask, model_cfg=ctx.critic.cfg,
+            return values_no_grad.lower(params, ids, ids, mask, model_cfg=_unrolled(ctx.critic.cfg, unroll),
                                         compute_dtype=spec.critic.compute_dtype, micro_rows=micro_rows(plan))
-        return log_probs_no_grad.lower(params, ids, ids, mask, model_cfg=ctx.actor.cfg,
+        return log_probs_no_grad.lower(params, ids, ids, mask, model_cfg=_unrolled(ctx.actor.cfg, unroll),
                                        temperature=spec.actor.temperature, compute_dtype=spec.actor.compute_dtype,
                                        micro_rows=micro_rows(plan))
 
@@ -223,7 +229,9 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
         return (*out, MESH_KEYS)
 
     states = ctx.policy_states if state == "actor_params" else (state,)
-    return Program(name, lower, states, keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan))
+    model = ctx.critic if micro_pass == "values" else ctx.actor
+    return Program(name, lower, states, keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan),
+                   layers=model.cfg.num_hidden_layers)
 
 
 def ref_program(ctx: Context) -> Program | None:
@@ -260,9 +268,11 @@ def _update_program(ctx: Context, role: str) -> Program:
     spec = ctx.spec
     model = ctx.actor if role == "actor" else ctx.critic
     lora = spec.model.lora if role == "actor" else None
-    update_fn = (functools.partial(update_actor, model_cfg=model.cfg, s=spec.actor,
-                                   lora_scale=lora.scale if lora else 0.0) if role == "actor" else
-                 functools.partial(update_critic, model_cfg=model.cfg, s=spec.critic))
+
+    def update_fn(unroll: int) -> Callable:
+        cfg = _unrolled(model.cfg, unroll)
+        return (functools.partial(update_actor, model_cfg=cfg, s=spec.actor, lora_scale=lora.scale if lora else 0.0)
+                if role == "actor" else functools.partial(update_critic, model_cfg=cfg, s=spec.critic))
     frozen = (ctx.states["actor_base_params"],) if lora else ()  # LoRA: the base, passed undifferentiated
     s = spec.actor if role == "actor" else spec.critic
     n, t = spec.plan.sequences, ctx.seq_len
@@ -271,9 +281,9 @@ def _update_program(ctx: Context, role: str) -> Program:
     def split(plan: BatchPlan) -> tuple[int, int]:
         return plan.update_split(getattr(plan, role), n, t)
 
-    def lower(plan: BatchPlan) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
         num_mini, num_micro = split(plan)
-        fn = jit_update(update_fn, ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
+        fn = jit_update(update_fn(unroll), ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
                         jax.tree.map(lambda x: x.sharding, opt),
                         num_mini_batches=num_mini, num_micro_batches=num_micro,
                         rows_sharding=batch_sharding(ctx.mesh, 1))
@@ -291,7 +301,8 @@ def _update_program(ctx: Context, role: str) -> Program:
         return s.ppo_epochs * num_mini * num_micro
 
     states = (f"{role}_params", f"{role}_opt") + (("actor_base_params",) if lora else ())
-    return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips)
+    return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips,
+                   layers=model.cfg.num_hidden_layers)
 
 
 def critic_update_program(ctx: Context) -> Program | None:

@@ -163,3 +163,38 @@ def test_lora_plan_trains_adapters_and_reads_the_base_as_reference(tmp_path):
     assert update.params_bytes == base + adapters
     assert 2 * adapters <= update.opt_state_bytes <= 2 * adapters + 4096
     assert plan.program("ref_log_prob").params_bytes == base
+
+
+def test_planned_flops_count_every_layer(tmp_path):
+    # XLA counts the layer scan's body once: the plan adds the other layers (one layer's count from
+    # the program lowered with two layers per scan trip). Remat off: the update is the textbook 6N.
+    import jax
+
+    from jaxrl_llm.trainer.memory_plan import _layer_flops
+
+    flops, layer = {}, {}
+    for n_layers in (2, 4):
+        spec, mesh, tok = _spec(tmp_path / str(n_layers), **{"actor_rollout_ref.model.tiny.num_hidden_layers": n_layers,
+                                                            "actor_rollout_ref.actor.remat_policy": "none"})
+        planner = Planner(spec, mesh, tok)
+        for p in planner.programs:
+            if p.name in ("sample", "update_actor"):
+                # less the decode tokens after the first, counted analytically (2 x params x rows)
+                flops[n_layers, p.name] = planner.analyse(p, spec.plan).flops - p.extra_flops(spec.plan)
+                layer[n_layers, p.name] = _layer_flops(p, spec.plan, p.lower(spec.plan), mesh.size) * p.trips(spec.plan)
+    for name in ("sample", "update_actor"):
+        assert layer[2, name] > 0 and layer[4, name] == pytest.approx(layer[2, name], rel=0.01)
+        # two more layers add two layers' count, nothing else
+        assert flops[4, name] - flops[2, name] == pytest.approx(2 * layer[2, name], rel=0.03)
+        assert flops[4, name] > 1.5 * flops[2, name]
+
+    # the update against the analytic count (Kaplan et al.): 6 x params x tokens for the layers, plus
+    # 12 x layers x seq_len x width per token for attention, plus 6 x head params x scored tokens
+    cfg = planner.ctx.actor.cfg
+    paths = jax.tree_util.tree_flatten_with_path(planner.ctx.actor.params)[0]
+    layer_params = sum(x.size for path, x in paths if "layers" in jax.tree_util.keystr(path))
+    seq, resp, rows = planner.ctx.seq_len, spec.plan.response_length, spec.plan.sequences
+    tokens = spec.actor.ppo_epochs * rows * seq / mesh.size  # per device
+    analytic = (6 * layer_params * tokens + 12 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
+                * tokens + 6 * cfg.vocab_size * cfg.hidden_size * tokens * resp / seq)
+    assert flops[4, "update_actor"] == pytest.approx(analytic, rel=0.2)
