@@ -106,6 +106,10 @@ class RolloutPipeline:
         while self._next_launch <= last and self._exhausted_at is None:
             self._launch(self._next_launch)
             self._next_launch += 1
+        if step not in self._pending and step < self._next_launch and self._exhausted_at is None:
+            # a retried step (its first try raised after taking its rollout, e.g. a non-finite stop the
+            # caller caught): a fresh job on the current weights, as the synchronous loop reads the next batch
+            self._launch(step)
         item = self._result(step)
         staleness = step - item.version
         if staleness > self.sync.max_staleness:  # the schedule's invariant; a bug if it ever fails
