@@ -15,14 +15,12 @@ validation, no checkpoints. Two workloads (`--workload`):
           trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
           (sequence packing, `model.use_remove_padding`, on).
 
-Last measured (varied, 2026-11-23, 2 CPU cores shared with 4 other jobs, load ~7; the 512-token
-cap was too slow for the session, and whole-batch updates OOMed, hence 8-sequence micro-batches):
-`python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 408 s,
-timed step 328 s (mean response 95 tokens); TRL warm-up 233 s, timed step 215 s (1 torch thread):
-TRL time / ours = 0.66x, the >= 2x target is NOT met. Since then (docs/performance.md, "One GRPO
-step vs TRL"): prefill once per prompt (not n times), balanced packed micro-batches (1.55 -> 1.10
-computed / useful tokens in this setting); not re-measured yet (two runs at 64 new tokens were
-OOM-killed on the shared 23 GB machine). Each step now prints its timing spans and XLA compiles.
+Last measured (varied, 2026-11-23, 2 CPU cores shared with a CI run, this script at nice 10):
+`python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 220 s,
+timed step 266 s (gen 92 s, update 175 s; mean response 95 tokens; 3 compiles / 12 s in the timed
+step); TRL warm-up 396 s, timed step 337 s (1 torch thread): TRL time / ours = 1.26x (0.66x before
+prefill-once and balanced packing); the >= 2x target is NOT met (compute-bound on both sides:
+docs/performance.md). Each step prints its timing spans and XLA compiles.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
