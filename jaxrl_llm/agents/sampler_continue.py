@@ -53,10 +53,7 @@ class StaticSamplerContinue:
         if not prefixes or len(prefixes) != len(max_new_tokens) or min(max_new_tokens) < 1:
             raise ValueError(f"StaticSamplerContinue: {len(prefixes)} prefixes and budgets {list(max_new_tokens)} "
                              "(need one budget >= 1 per prefix)")
-        width = -(-max(max_new_tokens) // self.token_bucket) * self.token_bucket
-        params = dataclasses.replace(
-            self.sampling_params, max_new_tokens=width, n=1,
-            stop_token_ids=tuple(dict.fromkeys((*self.sampling_params.stop_token_ids, *stop_token_ids))))
+        params = round_sampling(self.sampling_params, max_new_tokens, stop_token_ids, self.token_bucket)
         settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
                                               compute_dtype=self.compute_dtype)
         rows = bucket_batch(len(prefixes), 1 if self.mesh is None else batch_axis_size(self.mesh))
@@ -66,16 +63,30 @@ class StaticSamplerContinue:
         rng = jax.random.fold_in(jax.random.key(params.seed), self.calls)
         self.calls += 1
         out = sample(self.params, self.cfg, *arrays, rng, knobs, settings=settings, mesh=self.mesh)
-        tokens, log_probs = np.asarray(out.tokens), np.asarray(out.log_probs)
-        lengths, finish = np.asarray(out.lengths), np.asarray(out.finish_reason)
-        result = []
-        for i, budget in enumerate(max_new_tokens):
-            n = int(lengths[i])
-            reason = FINISH_REASONS[int(finish[i])]
-            if n > budget:
-                n, reason = int(budget), "length"
-            result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason))
-        return result
+        return cut_to_budgets(out, max_new_tokens)
 
 
-__all__ = ["StaticSamplerContinue", "tool_call_stop_ids"]
+def round_sampling(sampling: SamplingParams, max_new_tokens: Sequence[int], stop_token_ids: Sequence[int],
+                   token_bucket: int) -> SamplingParams:
+    """One round's sampling: one sample per prefix, the largest budget rounded up to `token_bucket`
+    (a few widths, so a few programs), the round's stop ids added to the configured ones."""
+    width = -(-max(max_new_tokens) // token_bucket) * token_bucket
+    return dataclasses.replace(sampling, max_new_tokens=width, n=1,
+                               stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *stop_token_ids))))
+
+
+def cut_to_budgets(out: Any, max_new_tokens: Sequence[int]) -> list[Generated]:
+    """A sampler output's rows (first `len(max_new_tokens)`) as `Generated`, each cut to its own budget
+    (finish "length" when cut)."""
+    tokens, log_probs = np.asarray(out.tokens), np.asarray(out.log_probs)
+    lengths, finish = np.asarray(out.lengths), np.asarray(out.finish_reason)
+    result = []
+    for i, budget in enumerate(max_new_tokens):
+        n, reason = int(lengths[i]), FINISH_REASONS[int(finish[i])]
+        if n > budget:
+            n, reason = int(budget), "length"
+        result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason))
+    return result
+
+
+__all__ = ["StaticSamplerContinue", "cut_to_budgets", "round_sampling", "tool_call_stop_ids"]

@@ -43,10 +43,11 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.agents import (ChatRenderer, Generated, TurnLimits, load_interactions, load_tools, pad_trajectories,
                               run_multi_turn, trajectories_from_rows)
-from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, tool_call_stop_ids
+from jaxrl_llm.agents.sampler_continue import (StaticSamplerContinue, cut_to_budgets, round_sampling,
+                                              tool_call_stop_ids)
 from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_length
+from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sharding import batch_axis_size, to_device
 
@@ -67,25 +68,14 @@ class PagedContinue:
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                  stop_token_ids: Sequence[int] = ()) -> list[Generated]:
-        width = -(-max(max_new_tokens) // self.token_bucket) * self.token_bucket
-        params = dataclasses.replace(
-            self.sampling, max_new_tokens=width, n=1,
-            stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_token_ids))))
+        params = round_sampling(self.sampling, max_new_tokens, stop_token_ids, self.token_bucket)
         settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
                                               compute_dtype=self.compute_dtype)
         out, _ = sample_paged(self.params, self.cfg, [list(p) for p in prefixes],
                               jax.random.fold_in(self.rng, self.calls), knobs, settings=settings, opts=self.opts,
                               mesh=self.mesh)
         self.calls += 1
-        tokens, log_probs = np.asarray(out.tokens), np.asarray(out.log_probs)
-        lengths, finish = np.asarray(out.lengths), np.asarray(out.finish_reason)
-        result = []
-        for i, budget in enumerate(max_new_tokens):
-            n, reason = int(lengths[i]), FINISH_REASONS[int(finish[i])]
-            if n > budget:
-                n, reason = int(budget), "length"
-            result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason))
-        return result
+        return cut_to_budgets(out, max_new_tokens)
 
 
 class FixedShapeContinue:
