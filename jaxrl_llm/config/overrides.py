@@ -171,8 +171,8 @@ def _coerce_for_field(key: str, value: Any) -> Any:
         return value
     if f.types == (str,) and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # e.g. experiment_name=2024
-    if list in f.types and str not in f.types and value is not None and not isinstance(value, list):
-        return [value]  # trainer.logger=console
+    if list in f.types and value is not None and not isinstance(value, f.types):
+        return [value]  # trainer.logger=console (a bare value the key takes only as a list)
     return value
 
 

@@ -142,3 +142,12 @@ def test_split_config_flag_overrides_handles_absl_spellings():
     rest, overrides = split_config_flag_overrides(argv)
     assert rest == ["train.py", "--config=configs/x.py", "--dry_run", "--", "a.b=c"]
     assert overrides == ["data.shuffle=false", "trainer.seed=3", "trainer.val_only=true", "data.return_raw_chat=false"]
+
+
+def test_a_bare_value_is_wrapped_only_where_the_key_does_not_take_it():
+    from jaxrl_llm.config import default_config
+    from jaxrl_llm.config.overrides import apply_overrides
+
+    cfg = apply_overrides(default_config(), ["mesh.rollout_devices=4", "trainer.logger=console"])
+    assert cfg.mesh.rollout_devices == 4  # a device count, not the device id list [4]
+    assert cfg.trainer.logger == ["console"]
