@@ -9,14 +9,16 @@ finish_reason)]` is the seam to the rollout engine: it continues every given tok
 most its `max_new_tokens` tokens, stopping at the model's EOS ("eos"), at one of `stop_token_ids`
 ("stop", e.g. a single-token `</tool_call>`), or at the limit ("length"). It is called once per
 round with the ACTIVE trajectories only. `sampler_continue.StaticSamplerContinue` implements it
-over `jaxrl_llm.sampler.sample`.
+over `jaxrl_llm.sampler.sample`. Rounds make every trajectory wait for the slowest generation and
+the slowest tool of the round; `agents/streaming.py` drives the same per-turn steps (below:
+`next_turn_budget`, `record_model_turn`, `record_tool_result`, `add_tool_replies`, `add_env_reply`)
+from the continuous-batching engine instead, one trajectory at a time.
 
 Per round, after the generation: a turn cut at its token limit ends the trajectory ("length");
 a turn with hermes tool calls (`tool_parser`) gets one tool message per call, the calls of all
-trajectories running together on a thread pool of `max_parallel_calls` workers, each with
+trajectories running together on a `JobRunner` of `max_parallel_calls` workers, each with
 `tool_timeout_s` from the moment it starts (a timed-out call is reported to the model and counted;
-its daemon thread cannot be killed and finishes in the background, so a tool that can hang must
-bound itself, as the sandbox does); a turn without calls goes to the trajectory's environment when it
+see agents/job_runner.py for what happens to its thread); a turn without calls goes to the trajectory's environment when it
 has one, else ends the trajectory. Rows' tools are created at the start (`create(None,
 **extra_info.tools_kwargs[name].create_kwargs)`, veRL's row field) and scored (`calc_reward`) and
 released at the end.
@@ -30,14 +32,12 @@ stop_reason/<reason> (fraction of trajectories), multi_turn/tokenization_mismatc
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxrl_llm.agents.job_runner import JobRunner
 from jaxrl_llm.agents.tool_base import BaseTool, ToolResult, as_tool_result, call_tool_method
 from jaxrl_llm.agents.tool_parser import ToolCall, ToolCallError, get_tool_parser
 from jaxrl_llm.agents.trajectory import Trajectory, TurnLimits, truncate_text
@@ -64,12 +64,22 @@ class MultiTurnResult:
 
 
 @dataclasses.dataclass
-class _Job:
+class ToolJob:
+    """One tool call of an assistant turn (`slot`: its position among the turn's calls)."""
+
     traj: Trajectory
-    slot: int  # position of the call in its assistant turn
+    slot: int
     tool: BaseTool
     arguments: dict
-    started: float | None = None
+
+    def __call__(self) -> ToolResult:
+        """Runs on a `JobRunner` worker; a tool's exception becomes an error reply, never a crash."""
+        iid = self.traj.tool_instances[self.tool.name]
+        try:
+            return as_tool_result(call_tool_method(self.tool.execute, iid, self.arguments), self.tool.name)
+        except Exception as err:  # noqa: BLE001 - fed back to the model
+            return ToolResult(f"Error: tool {self.tool.name!r} failed: {type(err).__name__}: {err}", 0.0,
+                              {"error": 1})
 
 
 def _tools_kwargs(row: Mapping[str, Any], name: str) -> dict:
@@ -78,76 +88,19 @@ def _tools_kwargs(row: Mapping[str, Any], name: str) -> dict:
     return dict(entry.get("create_kwargs") or {})
 
 
-def _run_job(job: _Job) -> ToolResult:
-    job.started = time.monotonic()
-    iid = job.traj.tool_instances[job.tool.name]
-    return as_tool_result(call_tool_method(job.tool.execute, iid, job.arguments), job.tool.name)
-
-
-def _run_tool_calls(jobs: list[_Job], max_parallel_calls: int, timeout_s: float
-                    ) -> list[tuple[str, ToolResult | None]]:
-    """("ok" | "error" | "timeout", result or None) per job; never raises for a tool's failure.
-
-    Daemon worker threads (at most `max_parallel_calls`) take jobs from a queue. A job running
-    longer than `timeout_s` is abandoned (its thread finishes in the background and, being a
-    daemon, never holds up interpreter exit); when every worker is stuck that way, the jobs not
-    started yet time out too.
-    """
-    out: list[tuple[str, ToolResult | None]] = [("timeout", None)] * len(jobs)
-    if not jobs:
-        return out
-    todo: queue.SimpleQueue = queue.SimpleQueue()
-    for i in range(len(jobs)):
-        todo.put(i)
-    finished: queue.SimpleQueue = queue.SimpleQueue()
-    abandon = threading.Event()
-
-    def worker() -> None:
-        while not abandon.is_set():
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                finished.put((i, "ok", _run_job(jobs[i])))
-            except Exception as err:  # noqa: BLE001 - a tool's exception is fed back, never raised
-                finished.put((i, "error", ToolResult(f"Error: tool {jobs[i].tool.name!r} failed: "
-                                                     f"{type(err).__name__}: {err}", 0.0, {})))
-
-    workers = min(max_parallel_calls, len(jobs))
-    for _ in range(workers):
-        threading.Thread(target=worker, name="tool-call", daemon=True).start()
-    waiting, stuck = set(range(len(jobs))), set()
-    while waiting - stuck:
-        try:
-            i, status, res = finished.get(timeout=0.02)
-            if i not in stuck:
-                out[i] = (status, res)
-            waiting.discard(i)
-            continue
-        except queue.Empty:
-            pass
-        now = time.monotonic()
-        stuck |= {i for i in waiting if jobs[i].started is not None and now - jobs[i].started > timeout_s}
-        if len(stuck) >= workers:  # no worker left for the jobs not started yet
-            break
-    abandon.set()
-    return out
-
-
 def _tool_message(text: str, limits: TurnLimits) -> dict:
     return {"role": "tool", "content": truncate_text(text, limits.max_tool_response_length,
                                                      limits.tool_response_truncate_side)}
 
 
-def _start_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> None:
+def start_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> None:
     for t in trajs:
         for name, tool in tools.items():
             if name not in t.tool_instances:
                 t.tool_instances[name] = call_tool_method(tool.create, None, **_tools_kwargs(t.row, name))
 
 
-def _finish_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> None:
+def finish_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> None:
     """calc_reward then release every instance; all are released even when one raises (the first
     error is raised afterwards: a tool's own bug, not the model's)."""
     first: BaseException | None = None
@@ -191,77 +144,139 @@ def _after_turn(t: Trajectory, content: str, finish: str, limits: TurnLimits, sc
     return calls or None
 
 
+def next_turn_budget(t: Trajectory, limits: TurnLimits) -> int | None:
+    """Tokens the trajectory's next generation may take, or None when it has ended (finishing it
+    at max_assistant_turns or when no token fits)."""
+    if t.done:
+        return None
+    if limits.max_assistant_turns is not None and t.assistant_turns >= limits.max_assistant_turns:
+        t.finish("max_assistant_turns")
+        return None
+    left = t.token_budget(limits)
+    if left < 1:
+        t.finish("length")
+        return None
+    return min(left, limits.max_tokens_per_turn or left)
+
+
+@dataclasses.dataclass
+class TurnOutcome:
+    """What a model turn asks for next: nothing (ended), tool calls, or an environment step."""
+
+    jobs: list[ToolJob]
+    replies: list[str | None]  # one per call; malformed calls already hold their error text
+    env_message: str | None = None  # the assistant message for the trajectory's environment
+
+
+def record_model_turn(t: Trajectory, out: Generated, *, limits: TurnLimits, tools: Mapping[str, BaseTool],
+                      schemas: Mapping[str, dict], parse: Callable) -> TurnOutcome | None:
+    """Appends one generation and returns what comes next, or None when the trajectory ended."""
+    content = t.add_model_turn(out.token_ids, out.log_probs, out.finish_reason)
+    calls = _after_turn(t, content, out.finish_reason, limits, schemas, parse)
+    if t.done:
+        return None
+    if calls is None:
+        return TurnOutcome([], [], env_message=content)
+    outcome = TurnOutcome([], [None] * len(calls))
+    t.tool_calls += len(calls)
+    for slot, call in enumerate(calls):
+        if isinstance(call, ToolCallError):
+            t.tool_errors += 1
+            outcome.replies[slot] = call.message
+        else:
+            outcome.jobs.append(ToolJob(t, slot, tools[call.name], call.arguments))
+    return outcome
+
+
+def record_tool_result(outcome: TurnOutcome, job: ToolJob, status: str, res: ToolResult | None,
+                       timeout_s: float) -> None:
+    """A finished (or timed-out) call's reply and counters."""
+    t = job.traj
+    if status == "ok":
+        t.tool_errors += int(bool(res.metrics.get("error", 0)))
+        t.tool_rewards.append(res.reward)
+        t.tool_metrics.append(dict(res.metrics, tool=job.tool.name))
+        outcome.replies[job.slot] = res.text
+    else:  # "timeout" (a tool's own exception is an "ok" error reply, see ToolJob)
+        t.tool_timeouts += 1
+        outcome.replies[job.slot] = f"Error: tool {job.tool.name!r} timed out after {timeout_s:g}s"
+
+
+def add_tool_replies(t: Trajectory, outcome: TurnOutcome, limits: TurnLimits) -> None:
+    msgs = [_tool_message(text or "", limits) for text in outcome.replies]
+    if not t.add_context_turn(msgs, limits):
+        t.finish("length")
+
+
+def add_env_reply(t: Trajectory, step: tuple[str | None, float, bool], limits: TurnLimits) -> None:
+    """An environment's `step` result: its reward, then its reply as a user turn, or the end."""
+    reply, reward, env_done = step
+    t.env_rewards.append(float(reward))
+    if env_done or reply is None:
+        t.finish("env_done")
+    elif not t.add_context_turn([{"role": "user", "content": reply}], limits):
+        t.finish("length")
+
+
+class Tools:
+    """The tools of a rollout: schemas, the call parser, creation and final scoring of instances."""
+
+    def __init__(self, tools: Mapping[str, BaseTool] | None, tool_call_format: str = "hermes") -> None:
+        self.tools = dict(tools or {})
+        self.schemas = {name: tool.tool_schema["function"] for name, tool in self.tools.items()}
+        self.parse = get_tool_parser(tool_call_format)
+
+    def record(self, t: Trajectory, out: Generated, limits: TurnLimits) -> TurnOutcome | None:
+        return record_model_turn(t, out, limits=limits, tools=self.tools, schemas=self.schemas, parse=self.parse)
+
+
+def check_call_limits(max_parallel_calls: int, tool_timeout_s: float) -> None:
+    if max_parallel_calls < 1 or tool_timeout_s <= 0:
+        raise ValueError(f"max_parallel_calls={max_parallel_calls} must be >= 1 and tool_timeout_s="
+                         f"{tool_timeout_s} > 0")
+
+
 def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, *, limits: TurnLimits,
                    tools: Mapping[str, BaseTool] | None = None, max_parallel_calls: int = 1,
                    tool_timeout_s: float = 30.0, stop_token_ids: Sequence[int] = (),
                    sanity_check: bool = False, tool_call_format: str = "hermes") -> MultiTurnResult:
-    """Runs every trajectory to its end (see the module docstring); returns them with metrics.
-    `tool_call_format`: veRL's multi_turn.format (`tool_parser.TOOL_CALL_FORMATS`)."""
-    if max_parallel_calls < 1 or tool_timeout_s <= 0:
-        raise ValueError(f"max_parallel_calls={max_parallel_calls} must be >= 1 and tool_timeout_s="
-                         f"{tool_timeout_s} > 0")
-    parse = get_tool_parser(tool_call_format)
-    trajs, tools = list(trajectories), dict(tools or {})
-    schemas = {name: tool.tool_schema["function"] for name, tool in tools.items()}
+    """Runs every trajectory to its end in rounds (see the module docstring); returns them with
+    metrics. `tool_call_format`: veRL's multi_turn.format (`tool_parser.TOOL_CALL_FORMATS`)."""
+    check_call_limits(max_parallel_calls, tool_timeout_s)
+    runner = JobRunner(max_parallel_calls, tool_timeout_s)
+    trajs, kit = list(trajectories), Tools(tools, tool_call_format)
     stops = tuple(int(s) for s in stop_token_ids)
     try:
-        _start_tools(trajs, tools)
+        start_tools(trajs, kit.tools)
         while True:
-            for t in trajs:
-                if t.done:
-                    continue
-                if limits.max_assistant_turns is not None and t.assistant_turns >= limits.max_assistant_turns:
-                    t.finish("max_assistant_turns")
-                elif t.token_budget(limits) < 1:
-                    t.finish("length")
-            active = [t for t in trajs if not t.done]
+            budgets = {id(t): next_turn_budget(t, limits) for t in trajs}
+            active = [t for t in trajs if budgets[id(t)] is not None]
             if not active:
                 break
-            per_turn = limits.max_tokens_per_turn
-            budgets = [min(t.token_budget(limits), per_turn or t.token_budget(limits)) for t in active]
-            outs = list(continue_fn([t.ids for t in active], budgets, stops))
-            _check_outputs(outs, budgets)
-            jobs: list[_Job] = []
-            replies: dict[int, list[str | None]] = {}
+            outs = list(continue_fn([t.ids for t in active], [budgets[id(t)] for t in active], stops))
+            _check_outputs(outs, [budgets[id(t)] for t in active])
+            outcomes: list[tuple[Trajectory, TurnOutcome]] = []
             for t, o in zip(active, outs):
-                content = t.add_model_turn(o.token_ids, o.log_probs, o.finish_reason)
-                calls = _after_turn(t, content, o.finish_reason, limits, schemas, parse)
-                if t.done:
+                outcome = kit.record(t, o, limits)
+                if outcome is None:
                     continue
-                if calls is None:  # the environment answers
-                    reply, reward, env_done = t.env.step(content)
-                    t.env_rewards.append(float(reward))
-                    if env_done or reply is None:
-                        t.finish("env_done")
-                    elif not t.add_context_turn([{"role": "user", "content": reply}], limits):
-                        t.finish("length")
-                    continue
-                replies[id(t)] = [None] * len(calls)
-                t.tool_calls += len(calls)
-                for slot, call in enumerate(calls):
-                    if isinstance(call, ToolCallError):
-                        t.tool_errors += 1
-                        replies[id(t)][slot] = call.message
-                    else:
-                        jobs.append(_Job(t, slot, tools[call.name], call.arguments))
-            for job, (status, res) in zip(jobs, _run_tool_calls(jobs, max_parallel_calls, tool_timeout_s)):
-                t = job.traj
-                if status == "timeout":
-                    t.tool_timeouts += 1
-                    text = f"Error: tool {job.tool.name!r} timed out after {tool_timeout_s:g}s"
+                if outcome.env_message is not None:  # the environment answers (on this thread)
+                    add_env_reply(t, t.env.step(outcome.env_message), limits)
                 else:
-                    t.tool_errors += int(status == "error" or bool(res.metrics.get("error", 0)))
-                    t.tool_rewards.append(res.reward)
-                    t.tool_metrics.append(dict(res.metrics, tool=job.tool.name))
-                    text = res.text
-                replies[id(t)][job.slot] = text
-            for t in active:
-                if id(t) in replies and not t.done:
-                    msgs = [_tool_message(text or "", limits) for text in replies[id(t)]]
-                    if not t.add_context_turn(msgs, limits):
-                        t.finish("length")
+                    outcomes.append((t, outcome))
+            jobs = {(i, job.slot): (outcome, job) for i, (_, outcome) in enumerate(outcomes) for job in outcome.jobs}
+            results = runner.run_all({key: job for key, (_, job) in jobs.items()})
+            for key, (outcome, job) in jobs.items():
+                record_tool_result(outcome, job, *results[key], tool_timeout_s)
+            for t, outcome in outcomes:
+                add_tool_replies(t, outcome, limits)
     finally:
-        _finish_tools(trajs, tools)
+        runner.close()
+        finish_tools(trajs, kit.tools)
+    return finish_result(trajs, sanity_check)
+
+
+def finish_result(trajs: list[Trajectory], sanity_check: bool) -> MultiTurnResult:
     mismatches = [t.tokenization_mismatch() for t in trajs] if sanity_check else [None] * len(trajs)
     return MultiTurnResult(trajs, multi_turn_metrics(trajs, mismatches if sanity_check else None), mismatches)
 
