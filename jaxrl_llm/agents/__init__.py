@@ -9,7 +9,9 @@
   environment.py      Environment protocol (reset / step) and GuessNumberEnv
   chat.py             chat-template rendering of new messages as a token delta
   trajectory.py       Trajectory (segments, loss mask, rollout log-probs, sanity check), TurnLimits
-  driver.py           run_multi_turn over a continue_fn, multi_turn/* metrics
+  job_runner.py       JobRunner: tool calls / environment steps on a bounded thread pool with timeouts
+  driver.py           run_multi_turn over a continue_fn (in rounds), the per-turn steps, multi_turn/* metrics
+  streaming.py        run_multi_turn_streaming over the continuous-batching engine (no rounds)
   rows.py             dataset rows -> trajectories; finished trajectories -> padded trainer arrays
   sampler_continue.py continue_fn over the static sampler (jaxrl_llm.sampler.sample)
 
@@ -23,6 +25,7 @@ from jaxrl_llm.agents.loader import AgentConfigError, load_interactions, load_to
 from jaxrl_llm.agents.python_tool import PythonTool
 from jaxrl_llm.agents.rows import TrajectoryBatch, pad_trajectories, trajectories_from_rows
 from jaxrl_llm.agents.sandbox import SandboxLimits, SandboxResult, run_python, unshare_available
+from jaxrl_llm.agents.streaming import TrajectorySource, run_multi_turn_streaming
 from jaxrl_llm.agents.tool_base import BaseTool, ToolResult
 from jaxrl_llm.agents.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from jaxrl_llm.agents.trajectory import Segment, Trajectory, TurnLimits, truncate_text
@@ -30,7 +33,7 @@ from jaxrl_llm.agents.trajectory import Segment, Trajectory, TurnLimits, truncat
 __all__ = [
     "AgentConfigError", "BaseTool", "CalculatorError", "CalculatorTool", "ChatRenderer", "Environment", "Generated",
     "GuessNumberEnv", "MultiTurnResult", "PythonTool", "SandboxLimits", "SandboxResult", "Segment", "TemplateError",
-    "ToolCall", "ToolCallError", "ToolResult", "Trajectory", "TrajectoryBatch", "TurnLimits", "evaluate",
-    "load_interactions", "load_tools", "multi_turn_metrics", "pad_trajectories", "parse_tool_calls", "run_multi_turn",
-    "run_python", "trajectories_from_rows", "truncate_text", "unshare_available",
+    "ToolCall", "ToolCallError", "ToolResult", "Trajectory", "TrajectoryBatch", "TrajectorySource", "TurnLimits",
+    "evaluate", "load_interactions", "load_tools", "multi_turn_metrics", "pad_trajectories", "parse_tool_calls",
+    "run_multi_turn", "run_multi_turn_streaming", "run_python", "trajectories_from_rows", "truncate_text", "unshare_available",
 ]

@@ -1,10 +1,14 @@
 """Shared helpers for the agents tests: a char-level tokenizer with a Qwen-style tool chat template,
-a scripted continue_fn and a fake tool."""
+a scripted continue_fn, an engine stand-in for the streaming driver and a fake tool."""
 from __future__ import annotations
 
+import collections
 from typing import Any
 
+import numpy as np
+
 from jaxrl_llm.agents import BaseTool, Generated, ToolResult
+from jaxrl_llm.sampler import FINISH_REASONS
 from tiny_models import make_char_tokenizer
 
 # Qwen2.5-style hermes template: tools listed in a system turn, consecutive tool messages merged
@@ -79,3 +83,26 @@ class ScriptedContinue:
                 ids, lps, finish = ids[:budget], lps[:budget], "length"
             out.append(Generated(list(ids), list(lps), finish))
         return out
+
+
+def serve_via(continue_fn, stop_token_ids=(), on_request=None):
+    """An engine stand-in for `run_multi_turn_streaming`: requests are continued one at a time by
+    `continue_fn` in arrival order, polling the source after each (as the engine does between
+    decode calls). `on_request(request)` is called before each generation."""
+
+    def serve(source):
+        queue = collections.deque(source.poll())
+        while queue or source.more_coming():
+            if not queue:
+                source.wait()
+                queue.extend(source.poll())
+                continue
+            req = queue.popleft()
+            if on_request is not None:
+                on_request(req)
+            (out,) = continue_fn([list(req.ids)], [req.max_new_tokens], stop_token_ids)
+            source.finished(req, np.asarray(out.token_ids, np.int64), np.asarray(out.log_probs, np.float64),
+                            FINISH_REASONS.index(out.finish_reason))
+            queue.extend(source.poll())
+
+    return serve

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from agent_fixtures import FAKE_SCHEMA, FakeTool, ScriptedContinue, hermes_char_tokenizer
+from agent_fixtures import FAKE_SCHEMA, FakeTool, ScriptedContinue, hermes_char_tokenizer, serve_via
 from jaxrl_llm.agents import (BaseTool, ChatRenderer, GuessNumberEnv, ToolResult, Trajectory, TurnLimits,
-                              run_multi_turn)
+                              run_multi_turn, run_multi_turn_streaming)
 
 PROMPT = [{"role": "user", "content": "Add things up."}]
 
@@ -54,14 +54,21 @@ def _expected_messages():
     return msgs
 
 
-def _check_eight_turns(tokenizer):
+def _drive(streaming: bool, trajs, cont, **kwargs):
+    """run_multi_turn (rounds), or run_multi_turn_streaming over an engine stand-in, on one script."""
+    if streaming:
+        return run_multi_turn_streaming(trajs, serve_via(cont), **kwargs)
+    return run_multi_turn(trajs, cont, **kwargs)
+
+
+def _check_eight_turns(tokenizer, streaming=False):
     renderer = ChatRenderer(tokenizer, tools=[FAKE_SCHEMA])
     traj = Trajectory.start(renderer, PROMPT)
     script = _script(renderer, tokenizer.eos_token_id)
     cont = ScriptedContinue({tuple(traj.prompt_ids): script}, {tuple(traj.prompt_ids): len(traj.prompt_ids)})
     tool = FakeTool()
-    res = run_multi_turn([traj], cont, limits=TurnLimits(max_response_length=4096, max_tool_response_length=200),
-                         tools={"fake": tool}, max_parallel_calls=3, sanity_check=True)
+    res = _drive(streaming, [traj], cont, limits=TurnLimits(max_response_length=4096, max_tool_response_length=200),
+                 tools={"fake": tool}, max_parallel_calls=3, sanity_check=True)
     t = res.trajectories[0]
     # exact tokens: the whole conversation rendered once by the template, tokenized once
     want = renderer.encode(renderer.render(_expected_messages(), add_generation_prompt=False))
@@ -95,8 +102,9 @@ def _check_eight_turns(tokenizer):
     return t
 
 
-def test_eight_turns_exact_tokens_masks_logprobs_char_tokenizer():
-    _check_eight_turns(hermes_char_tokenizer())
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_eight_turns_exact_tokens_masks_logprobs_char_tokenizer(streaming):
+    _check_eight_turns(hermes_char_tokenizer(), streaming)
 
 
 @pytest.mark.slow
@@ -108,7 +116,8 @@ def test_eight_turns_exact_tokens_masks_logprobs_smollm2():
     assert "<|im_start|>tool" in t.renderer.decode(t.segments[2].ids)  # SmolLM2's template: a 'tool' role
 
 
-def test_only_active_trajectories_continue_and_limits_apply():
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_only_active_trajectories_continue_and_limits_apply(streaming):
     tok = hermes_char_tokenizer()
     renderer = ChatRenderer(tok, tools=[FAKE_SCHEMA])
     eos = tok.eos_token_id
@@ -123,9 +132,10 @@ def test_only_active_trajectories_continue_and_limits_apply():
     cont = ScriptedContinue(script, lens)
     limits = TurnLimits(max_response_length=1000, max_user_turns=3, max_tokens_per_turn=70,
                         max_tool_response_length=4, tool_response_truncate_side="left")
-    res = run_multi_turn(trajs, cont, limits=limits, tools={"fake": FakeTool()})
+    res = _drive(streaming, trajs, cont, limits=limits, tools={"fake": FakeTool()})
     a, b, c = res.trajectories
-    assert cont.batch_sizes == [3, 2, 2, 1]  # A ends at once, C's third turn is cut, B runs to its limit
+    # rounds: A ends at once, C's third turn is cut, B runs to its limit; streaming: one at a time
+    assert cont.batch_sizes == ([1] * 8 if streaming else [3, 2, 2, 1])
     assert a.stop_reason == "eos" and a.assistant_turns == 1
     assert b.stop_reason == "max_user_turns" and b.user_turns == 3 and b.assistant_turns == 4
     assert c.stop_reason == "length" and c.turn_lengths[-1] == 70  # max_tokens_per_turn
@@ -157,7 +167,8 @@ class _SlowTool(BaseTool):
         return ToolResult("slept", 0.0, {})
 
 
-def test_parallel_calls_timeouts_and_exceptions_are_counted_and_fed_back():
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_parallel_calls_timeouts_and_exceptions_are_counted_and_fed_back(streaming):
     tok = hermes_char_tokenizer()
     tool = _SlowTool()
     renderer = ChatRenderer(tok, tools=[tool.tool_schema])
@@ -169,8 +180,8 @@ def test_parallel_calls_timeouts_and_exceptions_are_counted_and_fed_back():
     key = tuple(traj.prompt_ids)
     cont = ScriptedContinue({key: [(ids, [0.0] * len(ids), "eos"), ([eos], [0.0], "eos")]}, {key: len(key)})
     start = time.monotonic()
-    res = run_multi_turn([traj], cont, limits=TurnLimits(max_response_length=2000, max_tool_response_length=500),
-                         tools={"slow": tool}, max_parallel_calls=4, tool_timeout_s=1.0)
+    res = _drive(streaming, [traj], cont, limits=TurnLimits(max_response_length=2000, max_tool_response_length=500),
+                 tools={"slow": tool}, max_parallel_calls=4, tool_timeout_s=1.0)
     took = time.monotonic() - start
     t = res.trajectories[0]
     assert t.tool_calls == 5 and t.tool_timeouts == 1 and t.tool_errors == 1
@@ -180,7 +191,8 @@ def test_parallel_calls_timeouts_and_exceptions_are_counted_and_fed_back():
     assert res.metrics["multi_turn/tool_timeouts"] == 1 and res.metrics["multi_turn/tool_errors"] == 1
 
 
-def test_environment_turns_guess_the_number():
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_environment_turns_guess_the_number(streaming):
     tok = hermes_char_tokenizer()
     renderer = ChatRenderer(tok)
     eos = tok.eos_token_id
@@ -190,14 +202,15 @@ def test_environment_turns_guess_the_number():
     key = tuple(traj.prompt_ids)
     guesses = [renderer.encode(g) + [eos] for g in ("50", "25", "37")]
     cont = ScriptedContinue({key: [(g, [-1.0] * len(g), "eos") for g in guesses]}, {key: len(key)})
-    res = run_multi_turn([traj], cont, limits=TurnLimits(max_response_length=500), sanity_check=True)
+    res = _drive(streaming, [traj], cont, limits=TurnLimits(max_response_length=500), sanity_check=True)
     t = res.trajectories[0]
     assert [m["content"] for m in t.messages[1:]] == ["50", "lower", "25", "higher", "37"]
     assert t.stop_reason == "env_done" and t.env_rewards == [0.0, 0.0, 1.0] and res.mismatches == [None]
     assert sum(t.loss_mask) == sum(len(g) for g in guesses)
 
 
-def test_a_hung_tool_with_one_worker_times_out_the_calls_queued_behind_it():
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_a_hung_tool_with_one_worker_times_out_the_calls_queued_behind_it(streaming):
     tok = hermes_char_tokenizer()
     tool = _SlowTool()
     renderer = ChatRenderer(tok, tools=[tool.tool_schema])
@@ -208,7 +221,7 @@ def test_a_hung_tool_with_one_worker_times_out_the_calls_queued_behind_it():
     cont = ScriptedContinue({key: [(ids, [0.0] * len(ids), "eos"), ([tok.eos_token_id], [0.0], "eos")]},
                             {key: len(key)})
     start = time.monotonic()
-    res = run_multi_turn([traj], cont, limits=TurnLimits(max_response_length=2000, max_tool_response_length=500),
-                         tools={"slow": tool}, max_parallel_calls=1, tool_timeout_s=0.5)
+    res = _drive(streaming, [traj], cont, limits=TurnLimits(max_response_length=2000, max_tool_response_length=500),
+                 tools={"slow": tool}, max_parallel_calls=1, tool_timeout_s=0.5)
     assert time.monotonic() - start < 2.5 and res.trajectories[0].tool_timeouts == 2
     assert renderer.decode(res.trajectories[0].segments[2].ids).count("timed out after 0.5s") == 2

@@ -3,6 +3,7 @@
     spec = EngineSpec(max_num_seqs=64, page_size=16, num_pages=..., pages_per_slot=...)
     engine = PagedEngine(model_cfg, spec, compute_dtype="float32")
     out, stats = engine.run(params, prompt_id_lists, rng, knobs, settings)   # SampleOutput (numpy)
+    stats = engine.serve(params, request_source, rng, knobs, settings)    # requests that arrive over time
 
 programs.py: the jitted prefill / insert / generate (JetStream's Engine shape); forward.py: the
 one-token decode through the paged pool; scheduler.py: the host driver; pages.py: page
@@ -11,7 +12,7 @@ bookkeeping and pool sizing; jaxrl_llm/sampler/paged_attention.py: the attention
 from jaxrl_llm.sampler.engine.pages import PagePool, device_kv_budget, pages_for, plan_num_pages
 from jaxrl_llm.sampler.engine.programs import (KV_CACHE_DTYPES, DecodeState, EngineSpec, Prefix, generate,
                                                init_state, insert, prefill)
-from jaxrl_llm.sampler.engine.scheduler import EngineStats, PagedEngine
+from jaxrl_llm.sampler.engine.scheduler import EngineRequest, EngineStats, PagedEngine, RequestSource
 
-__all__ = ["DecodeState", "EngineSpec", "EngineStats", "KV_CACHE_DTYPES", "PagePool", "PagedEngine", "Prefix",
+__all__ = ["DecodeState", "EngineRequest", "EngineSpec", "EngineStats", "RequestSource", "KV_CACHE_DTYPES", "PagePool", "PagedEngine", "Prefix",
            "device_kv_budget", "generate", "init_state", "insert", "pages_for", "plan_num_pages", "prefill"]

@@ -1,7 +1,7 @@
 """The engine's jitted programs, shaped like JetStream's Engine:
 
     prefix = prefill(params, prompt_ids[Pb], length)              one prompt, once for its n samples
-    state  = insert(prefix, state, slot, page_row, request ids)  its KV into a slot's pages + token 0
+    state  = insert(prefix, state, slot, page_row, request ids, budget)  KV into a slot's pages + token 0
     state  = generate(params, state, max_steps, stop_early)       up to max_steps decode steps
 
 Compiled programs: one `generate` and one `insert` per engine spec, plus one `prefill` /
@@ -88,6 +88,7 @@ class DecodeState(NamedTuple):
     active: Array  # bool [S] still generating
     finish: Array  # int32 [S] finish reason
     request: Array  # int32 [S, 2] (prompt index, sample index) of the slot's request
+    budget: Array  # int32 [S] the slot's own max new tokens (<= R)
     tokens: Array  # int32 [S, R]
     log_probs: Array  # fp32 [S, R]
     steps: Array  # int32 scalar: decode steps run (slot-steps = steps * S)
@@ -103,7 +104,7 @@ def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_
         dt = as_jnp_dtype(compute_dtype)
         pool = {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
     return reset_slots(DecodeState(pool=pool, page_table=None, positions=None, last=None, num_gen=None,
-                                   active=None, finish=None, request=None, tokens=None, log_probs=None,
+                                   active=None, finish=None, request=None, budget=None, tokens=None, log_probs=None,
                                    steps=None, useful=None), spec, max_new_tokens)
 
 
@@ -113,7 +114,7 @@ def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> De
     z = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731
     return state._replace(page_table=jnp.zeros((s, spec.pages_per_slot), jnp.int32), positions=z(), last=z(),
                           num_gen=z(), active=jnp.zeros((s,), bool), finish=z(),
-                          request=jnp.zeros((s, 2), jnp.int32), tokens=jnp.zeros((s, r), jnp.int32),
+                          request=jnp.zeros((s, 2), jnp.int32), budget=z(), tokens=jnp.zeros((s, r), jnp.int32),
                           log_probs=jnp.zeros((s, r), jnp.float32), steps=jnp.zeros((), jnp.int32),
                           useful=jnp.zeros((), jnp.int32))
 
@@ -169,8 +170,9 @@ def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: Sam
     return tok, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
-def _finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: int) -> tuple[Array, Array]:
-    """(ends [S] bool, reason [S]) after a slot emitted `tok` as its `num_gen`-th token."""
+def _finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: Array) -> tuple[Array, Array]:
+    """(ends [S] bool, reason [S]) after a slot emitted `tok` as its `num_gen`-th token (`max_new`:
+    each slot's budget)."""
     is_eos = jnp.any(tok[:, None] == knobs.eos_ids[None, :], axis=-1)
     is_stop = ~is_eos & jnp.any(tok[:, None] == knobs.stop_ids[None, :], axis=-1)
     reason = jnp.where(is_eos, FINISH_EOS, jnp.where(is_stop, FINISH_STOP, FINISH_LENGTH))
@@ -192,9 +194,10 @@ def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *,
 
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
-def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, rng: Array,
-           knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
+def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
+           rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
     """Copies the prefix KV into the pages of `page_row` (the slot's page table), draws token 0.
+    The slot then generates at most `budget` (<= settings.max_new_tokens) tokens.
 
     Pages shared by the samples of one prompt are rewritten with identical values (harmless)."""
     pool = state.pool
@@ -213,13 +216,14 @@ def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, req
         new_pool[name] = pool[name].at[:, :, pages, offsets].set(x.transpose(1, 2, 0, 3).astype(pool[name].dtype))
     keys = request_keys(rng, request[None], jnp.zeros((1,), jnp.int32))
     tok, lp = choose_per_row(prefix.logits[None], keys, knobs, settings)
-    ends, reason = _finish_codes(tok, jnp.ones((1,), jnp.int32), knobs, settings.max_new_tokens)
+    ends, reason = _finish_codes(tok, jnp.ones((1,), jnp.int32), knobs, budget)
     r = settings.max_new_tokens
     return state._replace(
         pool=new_pool, page_table=state.page_table.at[slot].set(page_row),
         positions=state.positions.at[slot].set(prefix.length), last=state.last.at[slot].set(tok[0]),
         num_gen=state.num_gen.at[slot].set(1), active=state.active.at[slot].set(~ends[0]),
         finish=state.finish.at[slot].set(reason[0]), request=state.request.at[slot].set(request),
+        budget=state.budget.at[slot].set(budget),
         tokens=state.tokens.at[slot].set(jnp.full((r,), knobs.pad_id, jnp.int32).at[0].set(tok[0])),
         log_probs=state.log_probs.at[slot].set(jnp.zeros((r,), jnp.float32).at[0].set(lp[0])))
 
@@ -248,7 +252,7 @@ def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kno
         col = jnp.minimum(s.num_gen, r - 1)
         tok = jnp.where(act, tok, knobs.pad_id)
         num_gen = s.num_gen + act.astype(jnp.int32)
-        ends, reason = _finish_codes(tok, num_gen, knobs, r)
+        ends, reason = _finish_codes(tok, num_gen, knobs, s.budget)
         ends &= act
         s = s._replace(
             pool=pool, positions=s.positions + act.astype(jnp.int32), last=tok, num_gen=num_gen,

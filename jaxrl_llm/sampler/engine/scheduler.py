@@ -10,8 +10,14 @@ that returns early when a slot finishes while requests wait, then collect finish
 free their pages. A request waits while the pool lacks the pages for its whole sequence
 (prompt + max_new_tokens), so a running request never runs out of KV.
 
+`run` queues every (prompt, sample) at once; `serve` takes any `RequestSource`, whose requests
+may arrive while others decode (agents/streaming.py: the next turn of a multi-turn trajectory once
+its tools have answered). Each request carries its own token budget, and its pages cover only
+prompt + that budget.
+
 Every decision is taken from host data (prompt lengths) and small replicated device values
-(`active`, `num_gen`), so every process of a multi-process run schedules identically.
+(`active`, `num_gen`), so every process of a multi-process run schedules identically, as long as
+the source delivers the same requests in the same polls on every process (`run`'s does).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -52,11 +59,73 @@ class EngineStats:
         return self.useful_token_steps / max(1, self.slot_steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate.
+
+    ids: prompt token ids. key: its random-number identity (two ints: token t draws with
+    fold_in(fold_in(fold_in(rng, key[0]), key[1]), t)). group: requests of one group have the same
+    ids and share one prefill (the n samples of a prompt); a source delivers a group's requests in
+    one `poll`. max_new_tokens: its own budget, at most the settings' max_new_tokens.
+    """
+
+    ids: Sequence[int]
+    key: tuple[int, int]
+    group: int
+    max_new_tokens: int
+
+
+class RequestSource(Protocol):
+    """What `PagedEngine.serve` runs: requests arrive through `poll`, results go to `finished`."""
+
+    def poll(self) -> Sequence[EngineRequest]:
+        """Requests ready now (called between decode calls; must not block)."""
+
+    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
+        """One request's generated ids, their log-probs and its finish code (sampler.FINISH_REASONS)."""
+
+    def more_coming(self) -> bool:
+        """Whether `poll` may return requests later (the engine stops once False with nothing left)."""
+
+    def wait(self) -> None:
+        """Block briefly for `poll` to have something (called when the engine has no work at all)."""
+
+
 @dataclasses.dataclass
-class _Prompt:
-    prefix: programs.Prefix
-    shared: list[int]
-    pending: int  # samples not inserted yet
+class _Group:
+    prefix: programs.Prefix | None  # dropped once every member is in a slot
+    shared: list[int]  # full prompt pages, shared by the members
+    pending: int  # members not inserted yet
+    left: int  # members not finished yet
+
+
+class _BatchSource:
+    """`run`'s requests: every (prompt, sample) at once; results into `SampleOutput` arrays."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
+                 order: Sequence[tuple[int, int]]) -> None:
+        self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens) for i, j in order]
+        self.n, self.r = n, max_new_tokens
+        rows = len(prompts) * n
+        self.tokens = np.zeros((rows, max_new_tokens), np.int32)
+        self.log_probs = np.zeros((rows, max_new_tokens), np.float32)
+        self.lengths = np.zeros((rows,), np.int32)
+        self.finish = np.zeros((rows,), np.int32)
+
+    def poll(self) -> list[EngineRequest]:
+        out, self.requests = self.requests, []
+        return out
+
+    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
+        row = request.key[0] * self.n + request.key[1]
+        self.tokens[row, :len(token_ids)], self.log_probs[row, :len(token_ids)] = token_ids, log_probs
+        self.lengths[row], self.finish[row] = len(token_ids), finish
+
+    def more_coming(self) -> bool:
+        return bool(self.requests)
+
+    def wait(self) -> None:
+        return None
 
 
 class PagedEngine:
@@ -97,80 +166,115 @@ class PagedEngine:
 
         order: the queue as (prompt, sample) pairs (default prompt-major); results do not depend on it.
         """
-        spec, cfg, n, r = self.spec, self.cfg, settings.n, settings.max_new_tokens
+        n, r = settings.n, settings.max_new_tokens
+        for i, p in enumerate(prompts):
+            if len(p) < 1:
+                raise ValueError(f"prompt {i} is empty")
+        every = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        if order is not None and sorted(order) != every:
+            raise ValueError("order must list every (prompt, sample) pair exactly once")
+        source = _BatchSource(prompts, n, r, every if order is None else order)
+        stats = self.serve(params, source, rng, knobs, settings)
+        pad = int(knobs.pad_id)
+        valid = np.arange(r)[None] < source.lengths[:, None]
+        p_ids, p_mask = left_pad([prompts[i] for i in range(len(prompts)) for _ in range(n)], pad)
+        out = SampleOutput(tokens=np.where(valid, source.tokens, pad), response_mask=valid.astype(np.int32),
+                           log_probs=np.where(valid, source.log_probs, 0.0).astype(np.float32),
+                           lengths=source.lengths, finish_reason=source.finish, prompt_ids=p_ids, prompt_mask=p_mask,
+                           num_steps=np.int32(source.lengths.max(initial=0)))
+        return out, stats
+
+    def _check(self, req: EngineRequest, r: int) -> None:
+        if len(req.ids) < 1:
+            raise ValueError(f"request {req.key}: the prompt is empty")
+        if not 1 <= req.max_new_tokens <= r:
+            raise ValueError(f"request {req.key}: max_new_tokens={req.max_new_tokens} must be in [1, {r}] "
+                             "(the engine's settings.max_new_tokens)")
+        if len(req.ids) + req.max_new_tokens - 1 > self.max_model_len():
+            raise ValueError(f"request {req.key}: prompt ({len(req.ids)} tokens) + max_new_tokens "
+                             f"{req.max_new_tokens} exceeds the engine's max_model_len {self.max_model_len()}")
+
+    def serve(self, params: dict, source: RequestSource, rng: jax.Array, knobs: SampleKnobs,
+              settings: SampleSettings) -> EngineStats:
+        """Runs `source`'s requests until it has no more (see the module doc); returns the counters."""
+        spec, cfg, r = self.spec, self.cfg, settings.max_new_tokens
         ps = spec.page_size
         if settings.compute_dtype != self.compute_dtype:
             raise ValueError(f"settings.compute_dtype={settings.compute_dtype} differs from the engine's "
                              f"{self.compute_dtype}")
-        lens = [len(p) for p in prompts]
-        for i, length in enumerate(lens):
-            if length < 1:
-                raise ValueError(f"prompt {i} is empty")
-            if length + r - 1 > self.max_model_len():
-                raise ValueError(f"prompt {i} ({length} tokens) + max_new_tokens {r} exceeds the engine's "
-                                 f"max_model_len {self.max_model_len()}")
-        queue = collections.deque(order if order is not None else [(i, j) for i in range(len(prompts))
-                                                                    for j in range(n)])
-        if sorted(queue) != [(i, j) for i in range(len(prompts)) for j in range(n)]:
-            raise ValueError("order must list every (prompt, sample) pair exactly once")
         pool = PagePool(spec.num_pages)
         state = self._fresh_state(r)
         stats = EngineStats()
-        open_prompts: dict[int, _Prompt] = {}
-        slot_req: dict[int, tuple[int, int, list[int]]] = {}  # slot -> (prompt, sample, own pages)
+        queue: collections.deque[EngineRequest] = collections.deque()
+        groups: dict[int, _Group] = {}
+        slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
         free_slots = list(range(spec.max_num_seqs))
-        n_rows = len(prompts) * n
-        out_tok = np.zeros((n_rows, r), np.int32)
-        out_lp = np.zeros((n_rows, r), np.float32)
-        out_len = np.zeros((n_rows,), np.int32)
-        out_fin = np.zeros((n_rows,), np.int32)
-        samples_left = collections.Counter(i for i, _ in queue)
         budget = self.max_num_batched_tokens
 
-        while queue or slot_req:
+        def take_new() -> None:
+            new = list(source.poll())
+            counts = collections.Counter(req.group for req in new)
+            for req in new:
+                self._check(req, r)
+                if req.group in groups:
+                    raise ValueError(f"request {req.key}: group {req.group} is already running (a source "
+                                     "delivers a group's requests in one poll)")
+            for g, count in counts.items():
+                groups[g] = _Group(None, [], count, count)
+            queue.extend(new)
+
+        take_new()
+        while True:
+            if not queue and not slot_req:
+                if not source.more_coming():
+                    break
+                source.wait()
+                take_new()
+                continue
             prefilled = 0
             while queue and free_slots:
-                i, j = queue[0]
-                total = pages_for(lens[i] + r - 1, ps)
-                shared_n = lens[i] // ps
-                new_prompt = i not in open_prompts
-                need = total - shared_n + (shared_n if new_prompt else 0)
+                req = queue[0]
+                length, entry = len(req.ids), groups[req.group]
+                total = pages_for(length + req.max_new_tokens - 1, ps)
+                shared_n = min(length // ps, total)
+                new_group = entry.prefix is None and entry.pending == entry.left
+                need = total - shared_n + (shared_n if new_group else 0)
                 if need > pool.num_free:
                     stats.waits_for_pages += 1
                     if not slot_req:
                         raise ValueError(f"the KV pool ({spec.num_pages - 1} pages of {ps} tokens) cannot hold "
-                                         f"request {(i, j)} ({need} pages)")
+                                         f"request {req.key} ({need} pages)")
                     break
-                if new_prompt:
-                    if budget is not None and prefilled and prefilled + lens[i] > budget:
+                if new_group:
+                    if budget is not None and prefilled and prefilled + length > budget:
                         break  # rollout.max_num_batched_tokens: prefill more after the next decode call
-                    ids = np.full((bucket_length(lens[i]),), 0, np.int32)
-                    ids[:lens[i]] = prompts[i]
-                    prefix = programs.prefill(params, cfg, ids, np.int32(lens[i]),
-                                              compute_dtype=self.compute_dtype)
-                    shared = pool.alloc(shared_n, refs=samples_left[i])
-                    open_prompts[i] = _Prompt(prefix, shared, samples_left[i])
-                    prefilled += lens[i]
-                    stats.prefill_tokens += lens[i]
+                    ids = np.full((bucket_length(length),), 0, np.int32)
+                    ids[:length] = req.ids
+                    entry.prefix = programs.prefill(params, cfg, ids, np.int32(length),
+                                                    compute_dtype=self.compute_dtype)
+                    entry.shared = pool.alloc(shared_n, refs=entry.left)
+                    prefilled += length
+                    stats.prefill_tokens += length
                     stats.prefill_calls += 1
-                entry = open_prompts[i]
                 own = pool.alloc(total - shared_n)
                 row = np.zeros((spec.pages_per_slot,), np.int32)
                 row[:total] = entry.shared + own
                 slot = free_slots.pop(0)
-                state = programs.insert(entry.prefix, state, np.int32(slot), row, np.asarray([i, j], np.int32), rng,
-                                        knobs, settings=settings)
+                state = programs.insert(entry.prefix, state, np.int32(slot), row, np.asarray(req.key, np.int32),
+                                        np.int32(req.max_new_tokens), rng, knobs, settings=settings)
                 queue.popleft()
-                slot_req[slot] = (i, j, own)
+                slot_req[slot] = (req, own)
                 entry.pending -= 1
                 if entry.pending == 0:
-                    open_prompts[i] = _Prompt(None, entry.shared, 0)  # drop the prefix KV, keep the page list
+                    entry.prefix = None  # drop the prefix KV, keep the page list
                 stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
             stats.max_prefill_tokens_per_round = max(stats.max_prefill_tokens_per_round, prefilled)
 
+            # stop at the first finish while requests wait or may still come, to refill its slot
             # (slots whose token 0 already ended them make the loop exit at once)
-            steps = self.steps_per_call if queue else r
-            state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(bool(queue)),
+            refill = bool(queue) or source.more_coming()
+            steps = self.steps_per_call if refill else r
+            state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
                                       settings=settings, attn_impl=spec.attn_impl)
             stats.generate_calls += 1
             active = np.asarray(to_host(state.active))
@@ -179,26 +283,20 @@ class PagedEngine:
                 tok, lp, num_gen, fin = (np.asarray(a) for a in to_host(
                     (state.tokens, state.log_probs, state.num_gen, state.finish)))
                 for s in sorted(done):
-                    i, j, own = slot_req.pop(s)
-                    row = i * n + j
-                    out_tok[row], out_lp[row], out_len[row], out_fin[row] = tok[s], lp[s], num_gen[s], fin[s]
-                    pool.release(own + open_prompts[i].shared)
-                    samples_left[i] -= 1
-                    if samples_left[i] == 0:
-                        del open_prompts[i]
+                    req, own = slot_req.pop(s)
+                    entry = groups[req.group]
+                    pool.release(own + entry.shared)
+                    entry.left -= 1
+                    if entry.left == 0:
+                        del groups[req.group]
                     free_slots.append(s)
+                    k = int(num_gen[s])
+                    source.finished(req, tok[s, :k].copy(), lp[s, :k].copy(), int(fin[s]))
                 free_slots.sort()
+            take_new()
 
         steps, useful = (int(x) for x in to_host((state.steps, state.useful)))
         stats.decode_steps, stats.useful_token_steps = steps, useful
         stats.slot_steps = steps * spec.max_num_seqs
         self._state = state  # keep the pool buffers for the next run
-        out_tok = np.where(np.arange(r)[None] < out_len[:, None], out_tok, int(knobs.pad_id))
-        out_lp = np.where(np.arange(r)[None] < out_len[:, None], out_lp, 0.0).astype(np.float32)
-        pad = int(knobs.pad_id)
-        p_ids, p_mask = left_pad([prompts[i] for i in range(len(prompts)) for _ in range(n)], pad)
-        mask = (np.arange(r)[None] < out_len[:, None]).astype(np.int32)
-        out = SampleOutput(tokens=out_tok, response_mask=mask, log_probs=out_lp, lengths=out_len,
-                           finish_reason=out_fin, prompt_ids=p_ids, prompt_mask=p_mask,
-                           num_steps=np.int32(out_len.max(initial=0)))
-        return out, stats
+        return stats

@@ -100,6 +100,15 @@ def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]
                  ) -> tuple[SampleOutput, EngineStats]:
     """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
     `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats."""
-    spec = engine_spec(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=max(map(len, prompts)),
+    engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=max(map(len, prompts)),
+                          settings=settings, mesh=mesh)
+    return engine.run(params, prompts, rng, knobs, settings)
+
+
+def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
+                 settings: SampleSettings, mesh: Mesh | None = None) -> PagedEngine:
+    """The cached engine for `num_requests` sequences of at most `max_prompt_len` prompt tokens plus
+    `settings.max_new_tokens` (see the module doc for the sizing)."""
+    spec = engine_spec(cfg, opts, num_requests=num_requests, max_prompt_len=max_prompt_len,
                        max_new_tokens=settings.max_new_tokens, compute_dtype=settings.compute_dtype, mesh=mesh)
-    return get_engine(cfg, spec, opts, settings.compute_dtype, mesh).run(params, prompts, rng, knobs, settings)
+    return get_engine(cfg, spec, opts, settings.compute_dtype, mesh)
