@@ -7,8 +7,10 @@ and validation alike:
 
     batch rows (raw_prompt chat messages, extra_info.tools_kwargs / interaction_kwargs)
       -> n trajectories per prompt (row-major: GRPO groups as today)
-      -> run_multi_turn over a continue_fn on the policy's own params (the static sampler, or the
-         paged engine with rollout.engine=paged; prompts = each active trajectory's token prefix)
+      -> with rollout.engine=paged: run_multi_turn_streaming through the paged engine on the policy's
+         own params (each generation one request: a trajectory's token prefix; no rounds: the
+         others keep decoding while one waits on its tools); with the static sampler, or paged
+         over several processes: run_multi_turn in rounds over a continue_fn
       -> pad_trajectories -> Rollout
 
 Masks (the one thing single-turn rollouts never needed): `Rollout.attention_mask` is 1 on every
@@ -42,13 +44,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.agents import (ChatRenderer, Generated, TurnLimits, load_interactions, load_tools, pad_trajectories,
-                              run_multi_turn, trajectories_from_rows)
+                              run_multi_turn, run_multi_turn_streaming, trajectories_from_rows)
 from jaxrl_llm.agents.sampler_continue import (StaticSamplerContinue, cut_to_budgets, round_sampling,
                                               tool_call_stop_ids)
 from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
-from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged, sized_engine
 from jaxrl_llm.sharding import batch_axis_size, to_device
 
 log = logging.getLogger("jaxrl_llm")
@@ -149,20 +151,31 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     if gen.max_prompt_length is not None and longest_prompt > gen.max_prompt_length:
         raise ValueError(f"data.max_prompt_length={gen.max_prompt_length}: a multi-turn prompt has {longest_prompt} "
                          "tokens once the tool instructions / the interaction's first message are added; raise it")
-    if gen.engine.engine == "paged":
-        cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=gen.engine, mesh=mesh,
-                             compute_dtype=gen.compute_dtype, rng=rng)
+    s, limits = mt.spec, mt.limits(sampling.max_new_tokens)
+    calls = dict(tools=mt.tools, max_parallel_calls=s.max_parallel_calls, tool_timeout_s=s.tool_call_timeout_s,
+                 sanity_check=s.sanity_check, tool_call_format=s.format)
+    if gen.engine.engine == "paged" and jax.process_count() == 1:
+        # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
+        params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)
+        settings, knobs = params_r.compile_args(eos, pad_id, vocab_size=cfg.vocab_size, compute_dtype=gen.compute_dtype)
+        engine = sized_engine(cfg, gen.engine, num_requests=len(trajs), max_prompt_len=longest_prompt,
+                              settings=settings, mesh=mesh)
+        stats: list = []
+        serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings))  # noqa: E731
+        result = run_multi_turn_streaming(trajs, serve, limits=limits, **calls)
+        gen.last_engine_stats = stats[0]
     else:
-        seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
-        width = sampling.max_new_tokens  # every round: the same rows, prefix length and width (one program)
-        cont = FixedShapeContinue(StaticSamplerContinue(
-            params, cfg, dataclasses.replace(sampling, seed=seed), pad_token_id=pad_id, eos_token_ids=eos, mesh=mesh,
-            compute_dtype=gen.compute_dtype, token_bucket=width, prefix_length=bucket_length(longest_prompt) + width),
-            len(trajs))
-    s = mt.spec
-    result = run_multi_turn(trajs, cont, limits=mt.limits(sampling.max_new_tokens), tools=mt.tools,
-                            max_parallel_calls=s.max_parallel_calls, tool_timeout_s=s.tool_call_timeout_s,
-                            stop_token_ids=mt.stop_ids, sanity_check=s.sanity_check, tool_call_format=s.format)
+        if gen.engine.engine == "paged":  # several processes: rounds schedule identically on every host
+            cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=gen.engine, mesh=mesh,
+                                 compute_dtype=gen.compute_dtype, rng=rng)
+        else:
+            seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
+            width = sampling.max_new_tokens  # every round: the same rows, prefix length and width (one program)
+            cont = FixedShapeContinue(StaticSamplerContinue(
+                params, cfg, dataclasses.replace(sampling, seed=seed), pad_token_id=pad_id, eos_token_ids=eos,
+                mesh=mesh, compute_dtype=gen.compute_dtype, token_bucket=width,
+                prefix_length=bucket_length(longest_prompt) + width), len(trajs))
+        result = run_multi_turn(trajs, cont, limits=limits, stop_token_ids=mt.stop_ids, **calls)
     first_mismatch = next((m for m in result.mismatches if m is not None), None)
     if first_mismatch is not None:
         log.warning("multi_turn.enable_tokenization_sanity_check: %d trajectories differ from their re-rendering; "

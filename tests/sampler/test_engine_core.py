@@ -1,12 +1,15 @@
 """The paged engine: attention equals dense, log-probs equal the trainer's scoring, samples do not
-depend on slot count / queue order / pool pressure, and repeated runs do not recompile."""
+depend on slot count / queue order / pool pressure, and repeated runs do not recompile; `serve`
+takes requests that arrive while others decode, each stopped at its own budget."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
-from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine, device_kv_budget, plan_num_pages, programs
+from jaxrl_llm.sampler.core import FINISH_LENGTH
+from jaxrl_llm.sampler.engine import (EngineRequest, EngineSpec, PagedEngine, device_kv_budget, plan_num_pages,
+                                     programs)
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla
 from sampler_fixtures import PAD_ID, PROMPTS
 from test_sampler_logprobs import rescore
@@ -149,3 +152,53 @@ def test_int8_kv_cache_stays_close(llama_tiny):
     first[agree.all(axis=1)] = NEW
     for row, upto in enumerate(first):  # up to the first differing token, logprobs are close
         np.testing.assert_allclose(q8.log_probs[row, :upto], fp.log_probs[row, :upto], atol=0.15)
+
+
+class _LateSource:
+    """A `RequestSource` whose prompt i+1 arrives only after a request finished (the way multi-turn
+    continuations arrive), each request with its own budget (1 to NEW tokens)."""
+
+    def __init__(self, prompts, n):
+        self.groups = [[EngineRequest(p, (i, j), i, 1 + (3 * i + 5 * j) % NEW) for j in range(n)]
+                       for i, p in enumerate(prompts)]
+        self.results, self.polls = {}, 0
+
+    def poll(self):
+        self.polls += 1
+        return self.groups.pop(0) if self.groups and (self.polls == 1 or self.results) else []
+
+    def finished(self, request, token_ids, log_probs, finish):
+        self.results[request.key] = (request, token_ids, log_probs, finish)
+
+    def more_coming(self):
+        return bool(self.groups)
+
+    def wait(self):
+        pass
+
+
+def test_serve_late_requests_with_own_budgets_match_run(llama_tiny):
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SAMPLED)
+    rng = jax.random.key(7)
+    base, _ = _engine(cfg, 3).run(params, PROMPTS, rng, knobs, settings)
+    source = _LateSource(PROMPTS, 3)
+    stats = _engine(cfg, 2, num_pages=12).serve(params, source, rng, knobs, settings)
+    assert len(source.results) == len(PROMPTS) * 3 and stats.prefill_calls == len(PROMPTS)
+    cut = 0
+    for (i, j), (req, tokens, log_probs, finish) in source.results.items():
+        row, full = i * 3 + j, int(base.lengths[i * 3 + j])
+        want = min(full, req.max_new_tokens)  # the same draws, stopped at the request's own budget
+        assert len(tokens) == want and len(log_probs) == want
+        np.testing.assert_array_equal(tokens, base.tokens[row, :want])
+        np.testing.assert_allclose(log_probs, base.log_probs[row, :want], atol=1e-6)
+        assert finish == (FINISH_LENGTH if full > req.max_new_tokens else base.finish_reason[row])
+        cut += full > req.max_new_tokens
+    assert cut > 0
+    with pytest.raises(ValueError, match=r"max_new_tokens=11 must be in \[1, 10\]"):
+        _engine(cfg, 2).serve(params, _OneRequest(EngineRequest([1, 2], (0, 0), 0, NEW + 1)), rng, knobs, settings)
+
+
+class _OneRequest(_LateSource):
+    def __init__(self, request):
+        self.groups, self.results, self.polls = [[request]], {}, 0

@@ -101,6 +101,10 @@ def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkey
     r = trainer.generator.generate(batch, trainer.actor.model_params, trainer.spec.train_sampling, jax.random.key(2))
     loss = np.asarray(r.response_mask)
     assert (loss.sum(-1) == 3).all()  # three one-token model turns through the paged engine too
+    # streamed (agents/streaming.py): one engine run for every turn, the n samples of a row share
+    # their first prefill
+    stats, rows = trainer.generator.last_engine_stats, len(loss)
+    assert stats is not None and stats.prefill_calls < 3 * rows
     recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, r, trainer.spec.plan.old_log_prob,
                                                np.asarray(r.attention_mask)))
     np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
