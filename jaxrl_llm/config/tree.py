@@ -307,8 +307,8 @@ REWARD_MODEL = {
                                      "DAPO shaping: reward_kwargs. veRL."),
     "reward_kwargs": {
         "timeout_s": field(10.0, "Seconds per compute_score call before it scores 0, counted in "
-                                 "reward/num_timeouts (naive: a SIGALRM timer in the main thread; prime: the "
-                                 "worker is killed)."),
+                                 "reward/num_timeouts (naive: raised in the call, by a SIGALRM timer on the main "
+                                 "thread or a watchdog elsewhere; prime: the worker is killed)."),
         "num_workers": field(4, "Processes of the prime reward manager."),
         "max_resp_len": field(None, "Response length the overlong penalty is measured against; derived: "
                                     "data.max_response_length. veRL DAPO.", types=int),

@@ -18,11 +18,12 @@ Ctrl-C must still reach the trainer). A NaN / inf score is returned as it is: th
 it (`reward/num_nonfinite`) and scores it 0, for every reward source alike
 (jaxrl_llm/trainer/nonfinite.py).
 
-- `naive` calls the scorer in this process. Its timeout is a SIGALRM timer (`signal.setitimer`)
-  that raises inside the call, so it needs the main thread (elsewhere the calls run untimed, with
-  one warning) and it interrupts Python code only: a call stuck inside one C function (a
-  pathological regex, a blocking native library) returns only when that function does, and a
-  hard crash (segfault, `os._exit`) ends the process. Use `prime` for code that can do that.
+- `naive` calls the scorer in this process. Its timeout raises inside the call: a SIGALRM timer
+  (`signal.setitimer`) on the main thread, and on any other thread (the pipelined rollout's
+  background job) a watchdog that raises in the calling thread (`PyThreadState_SetAsyncExc`). Both
+  interrupt Python code only: a call stuck inside one C function (a pathological regex, a blocking
+  native library) returns only when that function does (off the main thread a `time.sleep` too),
+  and a hard crash (segfault, `os._exit`) ends the process. Use `prime` for code that can do that.
 - `prime` calls it in a pool of `num_workers` spawned processes. A call past the timeout has its
   worker killed and replaced; a worker that died (while busy or idle) is replaced too. The pool's
   processes are daemons killed at `close()` or interpreter exit, so nothing hangs the process.
@@ -32,6 +33,7 @@ Responses should be decoded without special tokens (veRL: skip_special_tokens=Tr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -72,22 +74,17 @@ class _CallTimeout(BaseException):
     `except Exception` cannot swallow it."""
 
 
-_warned_untimed = False
-
-
 @contextlib.contextmanager
 def _deadline(seconds: float | None) -> Iterator[None]:
-    """Raises `_CallTimeout` inside the block after `seconds` (SIGALRM; main thread only)."""
-    global _warned_untimed
-    if not seconds or not hasattr(signal, "setitimer"):
+    """Raises `_CallTimeout` inside the block after `seconds`: a SIGALRM timer on the main thread,
+    elsewhere (a pipelined rollout's background thread) a watchdog timer that raises it
+    asynchronously in the calling thread (`PyThreadState_SetAsyncExc`)."""
+    if not seconds:
         yield
         return
-    if threading.current_thread() is not threading.main_thread():
-        if not _warned_untimed:
-            _warned_untimed = True
-            logger.warning("reward: the naive manager's timeout_s needs the main thread; scorer calls run "
-                           "untimed here (use reward_model.reward_manager=prime)")
-        yield
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        with _thread_deadline(float(seconds)):
+            yield
         return
 
     def on_alarm(signum: int, frame: Any) -> None:
@@ -102,6 +99,38 @@ def _deadline(seconds: float | None) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, 0)
         finally:
             signal.signal(signal.SIGALRM, previous)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+@contextlib.contextmanager
+def _thread_deadline(seconds: float) -> Iterator[None]:
+    """`_CallTimeout` in this thread after `seconds`. Like SIGALRM it interrupts Python bytecode,
+    not a blocking call: a `time.sleep` or a C function returns first, then the exception is raised.
+    A lock orders the watchdog against the block's end: once the block ended no exception is
+    queued, and one queued but not delivered by then is withdrawn."""
+    target, lock = threading.get_ident(), threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _set_async_exc(target, _CallTimeout)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["fired"]:
+                _set_async_exc(target, None)  # withdraw it if still pending
 
 
 def _check_score(result: Any) -> Any:

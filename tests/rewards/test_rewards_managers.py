@@ -204,17 +204,31 @@ def test_naive_manager_times_out_and_survives_system_exit(reward_file):
         manager.score(["interrupt"], ["s"], ["1"])
 
 
-def test_naive_timeout_off_the_main_thread_runs_untimed(reward_file):
+def test_naive_timeout_off_the_main_thread(reward_file):
+    """A pipelined rollout scores on a background thread: the timeout holds there too, and no
+    stray timeout reaches the thread after the calls."""
     import threading
 
     cfg = config(reward_file)
-    cfg.reward_model.reward_kwargs.timeout_s = 0.1
+    cfg.reward_model.reward_kwargs.timeout_s = 0.3
     manager = build_reward_manager(resolve_reward(cfg))
     out = {}
-    thread = threading.Thread(target=lambda: out.update(r=manager.score(["1", "0"], ["s", "s"], ["1", "1"])))
+
+    def job():
+        t0 = time.monotonic()
+        out["r"] = manager.score(["1", "hang", "swallow", "1"], ["s"] * 4, ["1"] * 4)
+        out["elapsed"] = time.monotonic() - t0
+        total = 0
+        for i in range(3_000_000):  # busy Python code past every deadline: nothing is raised here
+            total += i
+        out["after"] = manager.score(["1"] * 50, ["s"] * 50, ["1"] * 50)
+
+    thread = threading.Thread(target=job)
     thread.start()
     thread.join(30)
-    np.testing.assert_array_equal(out["r"].scores, np.float32([1, 0]))
+    np.testing.assert_array_equal(out["r"].scores, np.float32([1, 0, 0, 1]))
+    assert out["r"].metrics["reward/num_timeouts"] == 2.0 and 0.6 <= out["elapsed"] < 3.0, out
+    assert out["after"].metrics["reward/num_timeouts"] == 0.0 and out["after"].scores.sum() == 50
 
 
 def test_prime_replaces_an_idle_worker_that_died(reward_file):
