@@ -1,5 +1,7 @@
 """Checkpoints with orbax: `state` (params, optimizer, critic, step as one pytree), `data` (the
-prompt iterator's state), `meta` (JSON: config, KL coefficient, rng, last metrics).
+prompt iterator's state), `meta` (JSON: config, KL coefficient, rng, last metrics), and with an
+off-policy `synchronizer` `rollout` (the weights the in-flight rollouts were launched with, by
+version: trainer/pipeline.py), so that a resumed pipelined run equals the uninterrupted one.
 
 Saving is asynchronous and atomic (orbax writes to a temporary folder and renames it when the save
 is complete; on a bucket it writes a commit marker last), so a run killed mid-save leaves the
@@ -25,7 +27,7 @@ from jaxrl_llm import storage
 from jaxrl_llm.config.schema import ConfigError
 
 RESUME_MODES = ("auto", "disable", "resume_path")
-ITEMS = ("state", "data", "meta")
+ITEMS = ("state", "data", "meta", "rollout")
 log = logging.getLogger("jaxrl_llm")
 
 
@@ -79,17 +81,16 @@ class CheckpointStore:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, data_state: Any, meta: Mapping[str, Any]) -> None:
-        """Starts an (async) save of `step`. Raises `CheckpointError` when orbax declines it: it
-        never saves a step at or below the latest one it holds, and a skipped save is lost work."""
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(_jsonable({"iterator": data_state})),
-                meta=ocp.args.JsonSave(_jsonable(dict(meta))),
-            ),
-        )
+    def save(self, step: int, state: Any, data_state: Any, meta: Mapping[str, Any], rollout: Any = None) -> None:
+        """Starts an (async) save of `step` (`rollout`: the pipeline's rollout weights, if any).
+        Raises `CheckpointError` when orbax declines it: it never saves a step at or below the
+        latest one it holds, and a skipped save is lost work."""
+        items = dict(state=ocp.args.StandardSave(state),
+                     data=ocp.args.JsonSave(_jsonable({"iterator": data_state})),
+                     meta=ocp.args.JsonSave(_jsonable(dict(meta))))
+        if rollout is not None:
+            items["rollout"] = ocp.args.StandardSave(rollout)
+        saved = self._manager.save(step, args=ocp.args.Composite(**items))
         if not saved:
             latest = self._manager.latest_step()
             raise CheckpointError(
@@ -109,6 +110,10 @@ class CheckpointStore:
         )
         data = _from_jsonable(restored["data"])["iterator"]
         return restored["state"], data, _from_jsonable(restored["meta"])
+
+    def restore_rollout(self, step: int, abstract: Any) -> Any:
+        """The `rollout` item of `step`, onto `abstract`'s layout."""
+        return self._manager.restore(step, args=ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract)))["rollout"]
 
     def delete(self, step: int) -> None:
         self._manager.delete(step)
@@ -214,6 +219,16 @@ def resolve_resume(mode: str, run_dir: str, resume_from_path: str | None) -> tup
     """(checkpoint folder, step) of `find_resume`, or None for a fresh start."""
     point = find_resume(mode, run_dir, resume_from_path)
     return None if point is None else (point.directory, point.step)
+
+
+def restore_rollout_weights(store: CheckpointStore, directory: str, step: int, abstract: Any) -> Any:
+    """`CheckpointStore.restore_rollout` of `directory`'s `step` (a read-only store when it is not `store`'s)."""
+    source = store if storage.normalize(directory) == store.directory else CheckpointStore(directory, read_only=True)
+    try:
+        return source.restore_rollout(step, abstract)
+    finally:
+        if source is not store:
+            source.close()
 
 
 def restore_first_readable(store: CheckpointStore, steps: tuple[int, ...],

@@ -81,6 +81,11 @@ class RolloutPipeline:
         self._params: dict | None = None
         self._version = -1
         self._exhausted_at: int | None = None
+        # checkpoints: the weights of every version a pending job (or the next launch) reads, as
+        # (params the jobs read, what a checkpoint stores: the copy, or the adapters with LoRA)
+        self._weights: dict[int, tuple[dict, Any]] = {}
+        self._launched: dict[int, int] = {}  # pending step -> the version it was launched with
+        self._resumed: dict[int, int] = {}  # after a resume: in-flight step -> its version
 
     def describe(self) -> str:
         s = self.sync
@@ -132,10 +137,16 @@ class RolloutPipeline:
         else:
             self._params = jax.block_until_ready(copy_tree(self.actor.params))
         self._version = step
+        if not self.passthrough:
+            payload = self._params["lora"] if self.actor.frozen is not None and self.rollout_mesh is None \
+                else self._params
+            self._weights[step] = (self._params, payload)
 
     def _launch(self, step: int) -> None:
-        params = self.actor.model_params if self.passthrough else self._params
-        job = lambda: self._job(step, params, self._version)  # noqa: E731 (binds this launch's weights)
+        version = self._resumed.pop(step, self._version)  # a resumed in-flight step: its original weights
+        params = self.actor.model_params if self.passthrough else self._weights[version][0]
+        self._launched[step] = version
+        job = lambda: self._job(step, params, version)  # noqa: E731 (binds this launch's weights)
         self._pending[step] = self._executor.submit(job) if self._executor is not None else self._run_inline(job)
 
     def _run_inline(self, job: Callable[[], Prepared]) -> Future | Prepared:
@@ -158,6 +169,9 @@ class RolloutPipeline:
 
     def _result(self, step: int) -> Prepared:
         entry = self._pending.pop(step, None)
+        self._launched.pop(step, None)
+        keep = set(self._launched.values()) | set(self._resumed.values()) | {self._version}
+        self._weights = {v: w for v, w in self._weights.items() if v in keep}
         if entry is None:
             raise StopIteration
         if isinstance(entry, Future):
@@ -180,6 +194,7 @@ class RolloutPipeline:
             if isinstance(f, Future):
                 f.cancel()
         self._pending.clear()
+        self._launched.clear()
 
     # ------------------------------------------------------------------ checkpoints, shutdown
     def loader_state(self, next_step: int) -> Any:
@@ -196,12 +211,52 @@ class RolloutPipeline:
             self._pending[next_step] = entry
         return entry.loader_state
 
+    def checkpoint_weights(self, next_step: int) -> tuple[dict, dict | None]:
+        """(JSON record, rollout weights by version) a checkpoint after `next_step - 1` needs for its
+        resume to equal the uninterrupted run: the weights of every in-flight job, and the current
+        rollout weights when the next step does not sync. (None, {}) when synchronous."""
+        if self.passthrough:
+            return {}, None
+        in_flight = {step: v for step, v in self._launched.items() if step >= next_step}
+        current = self._version if self._version >= 0 and next_step % self.sync.sync_interval else None
+        versions = sorted(set(in_flight.values()) | ({current} if current is not None else set()))
+        record = {"in_flight": {str(k): v for k, v in sorted(in_flight.items())}, "current": current,
+                  "versions": versions}
+        return {"pipeline": record}, {str(v): self._weights[v][1] for v in versions} or None
+
+    def abstract_weights(self, record: dict) -> dict:
+        """The layout to restore `checkpoint_weights`' trees onto (the training devices)."""
+        if self.rollout_mesh is not None:
+            one = self.actor.model_params
+        else:
+            one = self.actor.params["lora"] if self.actor.frozen is not None else self.actor.params
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), one)
+        return {str(v): abstract for v in record["versions"]}
+
+    def resume(self, record: dict, weights: dict | None) -> None:
+        """Restores what `checkpoint_weights` saved: the in-flight steps are launched again on their
+        own weights, and the next launches on the current ones until the next sync."""
+        for key, payload in (weights or {}).items():
+            if self.rollout_mesh is not None:
+                params = jax.block_until_ready(transfer(payload, self.rollout_mesh))
+            elif self.actor.frozen is not None:
+                params = with_lora(self.actor.frozen, payload, self.actor.lora.scale)
+            else:
+                params = payload
+            self._weights[int(key)] = (params, payload)
+        self._resumed = {int(k): int(v) for k, v in record.get("in_flight", {}).items()}
+        if record.get("current") is not None:
+            self._version = int(record["current"])
+            self._params = self._weights[self._version][0]
+
     def close(self) -> None:
         """Stops the worker (queued jobs are cancelled; a running one finishes)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         self._pending.clear()
+        self._launched.clear()
+        self._weights.clear()
 
 
 def to_mesh(rollout: Rollout, mesh: Mesh) -> Rollout:

@@ -474,8 +474,11 @@ class Trainer:
             meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.targets),
                             "base_path": self.spec.model.path}
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
-        # the loader as of the first untrained batch: a resume generates in-flight rollouts again
-        self.store.save(self.global_step, self._state(), self.pipeline.loader_state(self.global_step), meta)
+        # the loader as of the first untrained batch: a resume generates in-flight rollouts again, on
+        # the weights they were launched with (saved by version)
+        record, rollout_weights = self.pipeline.checkpoint_weights(self.global_step)
+        self.store.save(self.global_step, self._state(), self.pipeline.loader_state(self.global_step),
+                        {**meta, **record}, rollout=rollout_weights)
 
     def _stop_preempted(self, reason: str) -> None:
         """Checkpoints this step (unless `save_freq` just did), waits until the save is committed,
@@ -502,6 +505,7 @@ class Trainer:
         if self.critic is not None:
             self.critic.params, self.critic.opt_state = state["critic"]["params"], state["critic"]["opt_state"]
         self.train_loader.set_state(data_state)
+        self._resume_pipeline(point.directory, step, meta.get("pipeline"))
         self.kl_ctrl.value = float(meta["kl_coef"])
         self.global_step = int(meta["global_step"])
         ckpt.warn_config_changes(meta.get("config"), json.loads(self.spec.config_json),
@@ -511,6 +515,20 @@ class Trainer:
         log.info("resumed from %s at step %d", point.directory, step)
         if self.is_main:
             print(f"resumed from {point.directory} step {step}", flush=True)
+
+    def _resume_pipeline(self, directory: str, step: int, record: dict | None) -> None:
+        """The off-policy pipeline's in-flight rollouts restart on their own saved weights."""
+        if self.pipeline.passthrough:
+            return
+        if record is None:
+            log.warning("checkpoint %s/%d holds no rollout weights (a synchronous run's): the in-flight rollouts "
+                        "are generated again on the restored weights", directory, step)
+            return
+        weights = None
+        if record["versions"]:
+            weights = ckpt.restore_rollout_weights(self.store, directory, step,
+                                                   self.pipeline.abstract_weights(record))
+        self.pipeline.resume(record, weights)
 
     def export_hf(self, out_dir: str) -> str:
         """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a

@@ -1,6 +1,6 @@
 """Off-policy pipelining (trainer/pipeline.py, sharding/split.py): the synchronizer's schedule,
-offset 0 / interval 1 == synchronous training, staleness bound with rollout correction on, and a
-split mesh of 4 + 4 virtual CPU devices end to end."""
+offset 0 / interval 1 == synchronous training, staleness bound with rollout correction on, a
+split mesh of 4 + 4 virtual CPU devices end to end, and resume == uninterrupted."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +12,7 @@ from jaxrl_llm.config import ConfigError, resolve_config
 from jaxrl_llm.config.spec import SyncSpec
 from jaxrl_llm.sharding.split import copy_tree, make_split_meshes, split_devices, transfer
 from jaxrl_llm.trainer import Trainer
+from jaxrl_llm.trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 
@@ -107,3 +108,25 @@ def test_config_checks_and_derived_bound(tmp_path):
                        check_paths=False)
     with pytest.raises(ConfigError, match="synchronizer.sync_offset"):
         resolve_config(tiny(tmp_path, **{"synchronizer.sync_offset": -1}), dp_size=8, check_paths=False)
+
+
+def test_resume_equals_uninterrupted_pipelined(tmp_path):
+    """Checkpoint 1 of an offset-1 / interval-2 run holds the weights of version 0: both the
+    in-flight rollout of step 1 and the next launch (step 2, no sync at 1) read them. A resume from
+    it logs exactly the uninterrupted run's steps 2..4, staleness included."""
+    extra = {"synchronizer.sync_offset": 1, "synchronizer.sync_interval": 2, "trainer.save_freq": 1}
+
+    def run_dir(d, steps, **kw):
+        return Trainer(tiny(d, **{"trainer.total_training_steps": steps, **extra, **kw}))
+
+    full = tmp_path / "full"
+    run_dir(full, 4).fit()
+    meta = ckpt.read_checkpoint_meta(full / "checkpoints" / "1")
+    assert meta["pipeline"] == {"in_flight": {"1": 0}, "current": 0, "versions": [0]}
+    # step 2 syncs: checkpoint 2 needs only the in-flight version, checkpoint 3 the synced one
+    assert ckpt.read_checkpoint_meta(full / "checkpoints" / "2")["pipeline"] == {
+        "in_flight": {"2": 0}, "current": None, "versions": [0]}
+    assert ckpt.read_checkpoint_meta(full / "checkpoints" / "3")["pipeline"]["versions"] == [2]
+    tiny_runs.assert_resume_equals_uninterrupted(run_dir, full, tmp_path / "resumed", steps=4)
+    staleness = [r["rollout/staleness"] for r in tiny_runs.read_metrics(tmp_path / "resumed")]
+    assert staleness == [1.0, 2.0, 1.0], staleness
