@@ -157,6 +157,17 @@ class SyncSpec:
         k - k % interval, so j - that <= offset + interval - 1."""
         return self.sync_offset + self.sync_interval - 1
 
+    @property
+    def weight_copies(self) -> int:
+        """Copies of the trained weights (the adapters with LoRA) the pipeline holds at once on the
+        training devices (0: synchronous, or a split mesh, whose copies live on the rollout devices).
+        At most at a sync: the pending rollouts were launched at the `offset` steps before it, on the
+        weights of the ceil(offset / interval) interval blocks those steps lie in, and the sync makes
+        one more copy while they still run (tests/trainer/test_pipeline.py simulates the schedule)."""
+        if not self.off_policy or self.rollout_devices is not None:
+            return 0
+        return -(-self.sync_offset // self.sync_interval) + 1
+
 
 @dataclasses.dataclass(frozen=True)
 class FilterGroupsSpec:

@@ -154,6 +154,8 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Any) -> Context:
                   "actor_opt": _opt_state(txs["actor"], adapters)}
     else:
         states = {"actor_params": actor.params, "actor_opt": _opt_state(txs["actor"], actor)}
+    if spec.sync.weight_copies:  # the off-policy pipeline's rollout weights (trainer/pipeline.py)
+        states["rollout_params"] = [states["actor_params"]] * spec.sync.weight_copies
     if spec.need_ref and spec.model.lora is None:
         states["ref_params"] = _abstract(actor.params, actor.shardings, compute_dtype_of(spec.ref.param_dtype))
     critic = None

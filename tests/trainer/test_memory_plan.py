@@ -198,3 +198,16 @@ def test_planned_flops_count_every_layer(tmp_path):
     analytic = (6 * layer_params * tokens + 12 * cfg.num_hidden_layers * seq * cfg.num_attention_heads * cfg.head_dim
                 * tokens + 6 * cfg.vocab_size * cfg.hidden_size * tokens * resp / seq)
     assert flops[4, "update_actor"] == pytest.approx(analytic, rel=0.2)
+
+
+def test_pipeline_weight_copies_are_resident(tmp_path):
+    # offset 1 / interval 1: at a sync the copy of step k - 1 (its rollout still running) and step k's
+    spec, mesh, tok = _spec(tmp_path, **{"synchronizer.sync_offset": 1})
+    assert spec.sync.weight_copies == 2
+    plan = plan_memory(spec, mesh, tok, peak_flops=PEAK)
+    planner = Planner(spec, mesh, tok)
+    actor_params = planner.state_bytes["actor_params"]
+    assert planner.state_bytes["rollout_params"] == 2 * actor_params
+    sync_spec, _, _ = _spec(tmp_path)
+    sync_update = plan_memory(sync_spec, mesh, tok, peak_flops=PEAK).program("update_actor")
+    assert plan.program("update_actor").resident_bytes == sync_update.resident_bytes + 2 * actor_params

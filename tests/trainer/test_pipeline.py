@@ -130,3 +130,22 @@ def test_resume_equals_uninterrupted_pipelined(tmp_path):
     tiny_runs.assert_resume_equals_uninterrupted(run_dir, full, tmp_path / "resumed", steps=4)
     staleness = [r["rollout/staleness"] for r in tiny_runs.read_metrics(tmp_path / "resumed")]
     assert staleness == [1.0, 2.0, 1.0], staleness
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, 5])
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_weight_copies_bound_the_schedule(offset, interval):
+    """SyncSpec.weight_copies (what the memory plan counts) against the schedule itself: the distinct
+    weight versions that pending rollouts read, plus the fresh copy, at every sync."""
+    spec = SyncSpec(interval, offset)
+    pending: dict[int, int] = {}  # step -> version it was launched on
+    version, next_launch, held = -1, 0, 0
+    for k in range(40):
+        if version < 0 or k % interval == 0:
+            version = k
+            held = max(held, len(set(pending.values()) | {version}))
+        while next_launch <= k + offset:
+            pending[next_launch] = version
+            next_launch += 1
+        pending.pop(k)
+    assert spec.weight_copies == (held if spec.off_policy else 0), (held, spec.weight_copies)
