@@ -202,3 +202,20 @@ def test_serve_late_requests_with_own_budgets_match_run(llama_tiny):
 class _OneRequest(_LateSource):
     def __init__(self, request):
         self.groups, self.results, self.polls = [[request]], {}, 0
+
+
+def test_slot_set_shrinks_while_the_queue_drains(llama_tiny, monkeypatch):
+    """Same samples with and without resizing; the drain computes fewer slot-steps."""
+    from jaxrl_llm.sampler.engine import scheduler
+
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SAMPLED)
+    rng = jax.random.key(3)
+    shrunk, s_stats = _engine(cfg, 8).run(params, PROMPTS, rng, knobs, settings)
+    monkeypatch.setattr(scheduler, "MAX_HALVINGS", 0)
+    fixed, f_stats = _engine(cfg, 8).run(params, PROMPTS, rng, knobs, settings)
+    np.testing.assert_array_equal(shrunk.tokens, fixed.tokens)
+    np.testing.assert_allclose(shrunk.log_probs, fixed.log_probs, atol=1e-6)
+    assert f_stats.resizes == 0 and s_stats.resizes > 0
+    assert s_stats.decode_steps == f_stats.decode_steps and s_stats.useful_token_steps == f_stats.useful_token_steps
+    assert s_stats.slot_steps < f_stats.slot_steps and s_stats.utilisation > f_stats.utilisation

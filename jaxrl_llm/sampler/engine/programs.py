@@ -126,6 +126,31 @@ def clear_slots(state: DecodeState) -> DecodeState:
     return jax.tree.map(zero, state._replace(pool=None))._replace(pool=state.pool)
 
 
+_SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
+                "log_probs")
+
+
+def resize_slots(state: DecodeState, keep: Array, num_keep: Array, *, slots: int) -> DecodeState:
+    """The state with `slots` slots: slot i is old slot keep[i] for i < num_keep, the rest empty
+    (inactive, scratch page table); the pool and the counters stay as they are. The scheduler
+    shrinks the slot set while the queue drains (decode cost follows the live sequences) and grows
+    it back for new requests."""
+    fields = _gather_slots({f: getattr(state, f) for f in _SLOT_FIELDS}, keep, num_keep, slots=slots)
+    return state._replace(**fields)
+
+
+@functools.partial(jax.jit, static_argnames=("slots",))
+def _gather_slots(fields: dict, keep: Array, num_keep: Array, *, slots: int) -> dict:
+    valid = jnp.arange(slots) < num_keep
+    idx = jnp.where(valid, keep[:slots], 0)  # keep: [max_num_seqs] >= slots
+
+    def take(x: Array) -> Array:
+        rows = x[idx]
+        return jnp.where(valid.reshape((slots,) + (1,) * (x.ndim - 1)), rows, jnp.zeros_like(rows))
+
+    return {f: take(x) for f, x in fields.items()}
+
+
 def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
     """Shardings of a state: the pool's kv-heads dim over 'tensor' when it divides, the rest
     replicated (every process reads the same small slot arrays: identical scheduling)."""

@@ -45,7 +45,7 @@ class EngineStats:
     """Counters of one `run` (slot utilisation = useful_token_steps / slot_steps)."""
 
     decode_steps: int = 0
-    slot_steps: int = 0
+    slot_steps: int = 0  # decode steps x the slots each step computed
     useful_token_steps: int = 0
     prefill_tokens: int = 0  # real prompt tokens prefilled (once per prompt)
     prefill_calls: int = 0
@@ -53,6 +53,7 @@ class EngineStats:
     generate_calls: int = 0
     peak_pages_used: int = 0
     waits_for_pages: int = 0
+    resizes: int = 0  # slot-set changes (shrunk while the queue drains, grown back for new requests)
 
     @property
     def utilisation(self) -> float:
@@ -128,6 +129,9 @@ class _BatchSource:
         return None
 
 
+MAX_HALVINGS = 3  # the slot set shrinks to max_num_seqs / 8 at most while the queue drains
+
+
 class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
@@ -157,7 +161,21 @@ class PagedEngine:
             self._state = jax.jit(make, out_shardings=out_shardings)()
             self._state_r = max_new_tokens
         state, self._state = self._state, None
+        if state.active.shape[0] != self.spec.max_num_seqs:  # a run that ended on a shrunk slot set
+            state = self._resize(state, [], self.spec.max_num_seqs)
         return programs.clear_slots(state)
+
+    def _resize(self, state: programs.DecodeState, keep: Sequence[int], slots: int) -> programs.DecodeState:
+        order = np.zeros((self.spec.max_num_seqs,), np.int32)
+        order[:len(keep)] = keep
+        return programs.resize_slots(state, order, np.int32(len(keep)), slots=slots)
+
+    def _slot_target(self, wanted: int) -> int:
+        """Slots for `wanted` sequences (running + queued): a power of two, between
+        max_num_seqs / 2**MAX_HALVINGS and max_num_seqs (a few `generate` programs)."""
+        full = self.spec.max_num_seqs
+        floor = max(1, full >> MAX_HALVINGS)
+        return min(full, max(floor, 1 << max(0, wanted - 1).bit_length()))
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None
@@ -205,6 +223,7 @@ class PagedEngine:
         pool = PagePool(spec.num_pages)
         state = self._fresh_state(r)
         stats = EngineStats()
+        size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
         queue: collections.deque[EngineRequest] = collections.deque()
         groups: dict[int, _Group] = {}
         slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
@@ -231,6 +250,14 @@ class PagedEngine:
                 source.wait()
                 take_new()
                 continue
+            target = self._slot_target(len(slot_req) + len(queue))
+            if target != size and (target > size or len(slot_req) <= target):
+                # compact the running sequences into the first slots of a smaller (or larger) set
+                order = sorted(slot_req)
+                state = self._resize(state, order, target)
+                slot_req = {new: slot_req[old] for new, old in enumerate(order)}
+                free_slots, size = list(range(len(order), target)), target
+                stats.resizes += 1
             prefilled = 0
             while queue and free_slots:
                 req = queue[0]
@@ -277,7 +304,9 @@ class PagedEngine:
             state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
                                       settings=settings, attn_impl=spec.attn_impl)
             stats.generate_calls += 1
-            active = np.asarray(to_host(state.active))
+            active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))
+            stats.slot_steps += (int(total_steps) - stats.decode_steps) * size
+            stats.decode_steps = int(total_steps)
             done = [s for s in slot_req if not active[s]]
             if done:
                 tok, lp, num_gen, fin = (np.asarray(a) for a in to_host(
@@ -295,8 +324,6 @@ class PagedEngine:
                 free_slots.sort()
             take_new()
 
-        steps, useful = (int(x) for x in to_host((state.steps, state.useful)))
-        stats.decode_steps, stats.useful_token_steps = steps, useful
-        stats.slot_steps = steps * spec.max_num_seqs
+        stats.useful_token_steps = int(to_host(state.useful))
         self._state = state  # keep the pool buffers for the next run
         return stats
