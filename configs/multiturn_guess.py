@@ -29,6 +29,9 @@ def get_config():
 
     rollout = cfg.actor_rollout_ref.rollout
     rollout.n = 4
+    # streamed through the continuous-batching engine: no rounds, a turn's slot is refilled at once
+    # (docs/agents.md); the static sampler would make every trajectory wait for the round's longest turn
+    rollout.engine = "paged"
     mt = rollout.multi_turn
     mt.enable = True
     mt.interaction_config_path = os.path.join(HERE, "agents", "guess_number.yaml")

@@ -32,6 +32,9 @@ def get_config():
 
     rollout = cfg.actor_rollout_ref.rollout
     rollout.n = 4
+    # streamed through the continuous-batching engine: no rounds, a turn's slot is refilled at once
+    # (docs/agents.md); the static sampler would make every trajectory wait for the round's longest turn
+    rollout.engine = "paged"
     mt = rollout.multi_turn
     mt.enable = True
     mt.tool_config_path = os.path.join(HERE, "agents", "calculator_tools.yaml")
