@@ -164,7 +164,9 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings))  # noqa: E731
         result = run_multi_turn_streaming(trajs, serve, limits=limits, **calls)
         gen.last_engine_stats = stats[0]
+        engine_metrics = stats[0].metrics()
     else:
+        engine_metrics = {}
         if gen.engine.engine == "paged":  # several processes: rounds schedule identically on every host
             cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=gen.engine, mesh=mesh,
                                  compute_dtype=gen.compute_dtype, rng=rng)
@@ -202,7 +204,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     extra = {**scored.reward_extra_info, "score": scores.copy(), "tool_reward": tool_reward,
              "interaction_reward": interaction_reward, "num_turns": padded.num_turns.astype(np.float32)}
     loss_mask = padded.loss_mask.astype(np.float32)
-    metrics = {**scored.metrics, **result.metrics, "reward/num_nonfinite": float(num_nonfinite),
+    metrics = {**scored.metrics, **result.metrics, **engine_metrics, "reward/num_nonfinite": float(num_nonfinite),
                "multi_turn/model_tokens/mean": float(loss_mask.sum(-1).mean()),
                "multi_turn/reward/tool/mean": float(tool_reward.mean()),
                "multi_turn/reward/interaction/mean": float(interaction_reward.mean())}

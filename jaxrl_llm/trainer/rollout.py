@@ -142,6 +142,8 @@ class RolloutGenerator:
         # a NaN / inf reward from any source is counted and scored 0 (trainer/nonfinite.py)
         scores, num_nonfinite = sanitize_scores(scores)
         reward_metrics = {**reward_metrics, "reward/num_nonfinite": float(num_nonfinite)}
+        if self.engine.engine == "paged":
+            reward_metrics.update(self.last_engine_stats.metrics())
 
         # outcome reward on the last valid response token
         token_scores = np.zeros((len(scores), width), np.float32)

@@ -105,6 +105,9 @@ def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkey
     # their first prefill
     stats, rows = trainer.generator.last_engine_stats, len(loss)
     assert stats is not None and stats.prefill_calls < 3 * rows
+    # (one-token turns: token 0 comes from the prefill, so no decode step runs)
+    assert r.reward_metrics["rollout/engine/slot_utilisation"] == stats.utilisation
+    assert r.reward_metrics["rollout/engine/prefill_tokens"] == stats.prefill_tokens > 0
     recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, r, trainer.spec.plan.old_log_prob,
                                                np.asarray(r.attention_mask)))
     np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)

@@ -155,3 +155,19 @@ def test_val_only_validates_and_stops(tmp_path):
     assert [r["step"] for r in rows] == [0, 0]
     tables = [r["val/generations"] for r in rows if "val/generations" in r]
     assert len(tables) == 1 and len(tables[0]) == 2
+
+
+def test_paged_engine_training_step_logs_engine_metrics(tmp_path):
+    """A single-turn step through the paged engine: its counters are step metrics, and its sampled
+    log-probs are the trainer's (token IS: rollout_corr/kl ~ 0)."""
+    cfg = tiny_config(tmp_path / "run", **{"trainer.total_training_steps": 1, "trainer.test_freq": -1,
+                                           "actor_rollout_ref.rollout.engine": "paged",
+                                           "algorithm.rollout_correction.rollout_is": "token"})
+    trainer = Trainer(cfg)
+    try:
+        m = trainer.step()
+    finally:
+        trainer.close()
+    assert 0 < m["rollout/engine/slot_utilisation"] <= 1 and m["rollout/engine/decode_steps"] > 0
+    assert m["rollout/engine/prefill_tokens"] > 0 and m["rollout/engine/peak_kv_pages"] > 0
+    assert abs(m["rollout_corr/kl"]) < 1e-5

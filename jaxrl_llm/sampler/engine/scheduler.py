@@ -59,6 +59,14 @@ class EngineStats:
     def utilisation(self) -> float:
         return self.useful_token_steps / max(1, self.slot_steps)
 
+    def metrics(self) -> dict[str, float]:
+        """The step metrics of a paged generation (`rollout/engine/*`)."""
+        return {"rollout/engine/slot_utilisation": self.utilisation,
+                "rollout/engine/decode_steps": float(self.decode_steps),
+                "rollout/engine/prefill_tokens": float(self.prefill_tokens),
+                "rollout/engine/peak_kv_pages": float(self.peak_pages_used),
+                "rollout/engine/waits_for_pages": float(self.waits_for_pages)}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
