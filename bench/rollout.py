@@ -121,8 +121,8 @@ def main() -> None:
                              kv=spec.num_pages * spec.page_bytes(cfg, "float32"),
                              compiles=cache_sizes() - before, compile_s=compile_s))
         print(f"       paged: {stats.decode_steps} decode steps, {stats.generate_calls} generate calls, "
-              f"peak {stats.peak_pages_used} of {spec.num_pages - 1} pages used, warm-up run incl. compiles "
-              f"{compile_s:.1f} s", flush=True)
+              f"{stats.resizes} slot-set resizes, peak {stats.peak_pages_used} of {spec.num_pages - 1} pages "
+              f"used, warm-up run incl. compiles {compile_s:.1f} s", flush=True)
 
     requests = [p for p in prompts for _ in range(n)]  # prompt-major, n copies (the static path's repeat)
 
