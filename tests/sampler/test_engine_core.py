@@ -101,7 +101,9 @@ def test_sampled_logprobs_equal_scoring_and_do_not_depend_on_slots_or_order(llam
     # 2 slots, reversed queue, a pool of 5 pages (+ scratch): requests wait for free pages
     out, stats = _engine(cfg, 2, num_pages=6).run(params, PROMPTS, rng, knobs, settings, order=order)
     np.testing.assert_array_equal(out.tokens, base.tokens)
-    np.testing.assert_allclose(out.log_probs, base.log_probs, atol=1e-6)
+    # the drain moves sequences to smaller slot sets: XLA:CPU's fp32 matmuls of another row count
+    # round the last bits differently (2e-6 seen); the bar is the scoring one above
+    np.testing.assert_allclose(out.log_probs, base.log_probs, atol=1e-5, rtol=1e-5)
     assert stats.waits_for_pages > 0 and stats.peak_pages_used <= 5
 
 
@@ -191,7 +193,7 @@ def test_serve_late_requests_with_own_budgets_match_run(llama_tiny):
         want = min(full, req.max_new_tokens)  # the same draws, stopped at the request's own budget
         assert len(tokens) == want and len(log_probs) == want
         np.testing.assert_array_equal(tokens, base.tokens[row, :want])
-        np.testing.assert_allclose(log_probs, base.log_probs[row, :want], atol=1e-6)
+        np.testing.assert_allclose(log_probs, base.log_probs[row, :want], atol=1e-5, rtol=1e-5)
         assert finish == (FINISH_LENGTH if full > req.max_new_tokens else base.finish_reason[row])
         cut += full > req.max_new_tokens
     assert cut > 0
@@ -215,7 +217,7 @@ def test_slot_set_shrinks_while_the_queue_drains(llama_tiny, monkeypatch):
     monkeypatch.setattr(scheduler, "MAX_HALVINGS", 0)
     fixed, f_stats = _engine(cfg, 8).run(params, PROMPTS, rng, knobs, settings)
     np.testing.assert_array_equal(shrunk.tokens, fixed.tokens)
-    np.testing.assert_allclose(shrunk.log_probs, fixed.log_probs, atol=1e-6)
+    np.testing.assert_allclose(shrunk.log_probs, fixed.log_probs, atol=1e-5, rtol=1e-5)
     assert f_stats.resizes == 0 and s_stats.resizes > 0
     assert s_stats.decode_steps == f_stats.decode_steps and s_stats.useful_token_steps == f_stats.useful_token_steps
     assert s_stats.slot_steps < f_stats.slot_steps and s_stats.utilisation > f_stats.utilisation

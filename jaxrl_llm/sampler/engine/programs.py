@@ -2,7 +2,7 @@
 
     prefix = prefill(params, prompt_ids[Pb], length)              one prompt, once for its n samples
     state  = insert(prefix, state, slot, page_row, request ids, budget)  KV into a slot's pages + token 0
-    state  = generate(params, state, max_steps, stop_early)       up to max_steps decode steps
+    state  = generate(params, state, max_steps, stop_early, stop_below)   up to max_steps decode steps
 
 Compiled programs: one `generate` and one `insert` per engine spec, plus one `prefill` /
 `insert` per prompt-length bucket (jaxrl_llm/sampler/host.py buckets); nothing depends on which
@@ -126,7 +126,7 @@ def clear_slots(state: DecodeState) -> DecodeState:
     return jax.tree.map(zero, state._replace(pool=None))._replace(pool=state.pool)
 
 
-_SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
+SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
                 "log_probs")
 
 
@@ -135,7 +135,7 @@ def resize_slots(state: DecodeState, keep: Array, num_keep: Array, *, slots: int
     (inactive, scratch page table); the pool and the counters stay as they are. The scheduler
     shrinks the slot set while the queue drains (decode cost follows the live sequences) and grows
     it back for new requests."""
-    fields = _gather_slots({f: getattr(state, f) for f in _SLOT_FIELDS}, keep, num_keep, slots=slots)
+    fields = _gather_slots({f: getattr(state, f) for f in SLOT_FIELDS}, keep, num_keep, slots=slots)
     return state._replace(**fields)
 
 
@@ -255,17 +255,19 @@ def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, req
 
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl"), donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
-             max_steps: Array, stop_on_finish: Array, *, settings: SampleSettings, attn_impl: str = "auto"
-             ) -> DecodeState:
-    """Decode steps for every active slot until `max_steps` steps ran, no slot is active, or (with
-    `stop_on_finish`) some slot finished, so the host can refill it from its queue."""
+             max_steps: Array, stop_on_finish: Array, stop_below: Array = 0, *, settings: SampleSettings,
+             attn_impl: str = "auto") -> DecodeState:
+    """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
+    `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
+    `stop_below` slots are still active, so the host can move them to a smaller slot set."""
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
     rows = jnp.arange(state.active.shape[0])
 
     def keep_going(c: tuple[Array, Array, DecodeState]) -> Array:
         i, finished, s = c
-        return (i < max_steps) & jnp.any(s.active) & ~(stop_on_finish & finished)
+        live = jnp.sum(s.active.astype(jnp.int32))
+        return (i < max_steps) & (live > 0) & ~(stop_on_finish & finished) & ~((i > 0) & (live <= stop_below))
 
     def step(c: tuple[Array, Array, DecodeState]) -> tuple[Array, Array, DecodeState]:
         i, _, s = c

@@ -153,6 +153,7 @@ class PagedEngine:
         self.mesh = mesh
         self._state: programs.DecodeState | None = None
         self._state_r = None
+        self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
 
     def max_model_len(self) -> int:
         return self.spec.pages_per_slot * self.spec.page_size
@@ -178,12 +179,26 @@ class PagedEngine:
         order[:len(keep)] = keep
         return programs.resize_slots(state, order, np.int32(len(keep)), slots=slots)
 
-    def _slot_target(self, wanted: int) -> int:
-        """Slots for `wanted` sequences (running + queued): a power of two, between
-        max_num_seqs / 2**MAX_HALVINGS and max_num_seqs (a few `generate` programs)."""
+    def drain_sizes(self) -> list[int]:
+        """The smaller slot sets of the drain: max_num_seqs halved, MAX_HALVINGS times at most."""
         full = self.spec.max_num_seqs
-        floor = max(1, full >> MAX_HALVINGS)
-        return min(full, max(floor, 1 << max(0, wanted - 1).bit_length()))
+        return sorted({full >> k for k in range(1, MAX_HALVINGS + 1) if full >> k >= 1}, reverse=True)
+
+    def _warm_drain_sizes(self, params: dict, state: programs.DecodeState, rng: jax.Array, knobs: SampleKnobs,
+                          settings: SampleSettings) -> programs.DecodeState:
+        """Compiles `generate` for every drain size now (zero steps on empty slots), so which sizes
+        a run's drain reaches never adds a program in a later run."""
+        key = (settings, self._state_r)
+        if key in self._warm:
+            return state
+        for size in self.drain_sizes():
+            empty = self._resize(state, [], size)
+            out = programs.generate(params, self.cfg, empty, rng, knobs, np.int32(0), np.bool_(False), np.int32(0),
+                                    settings=settings, attn_impl=self.spec.attn_impl)
+            # the pool and counters went through (donated) and back; the full set's slots are as they were
+            state = out._replace(**{f: getattr(state, f) for f in programs.SLOT_FIELDS})
+        self._warm.add(key)
+        return state
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None
@@ -232,6 +247,8 @@ class PagedEngine:
         state = self._fresh_state(r)
         stats = EngineStats()
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
+        sizes = self.drain_sizes()
+        state = self._warm_drain_sizes(params, state, rng, knobs, settings)
         queue: collections.deque[EngineRequest] = collections.deque()
         groups: dict[int, _Group] = {}
         slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
@@ -258,9 +275,15 @@ class PagedEngine:
                 source.wait()
                 take_new()
                 continue
-            target = self._slot_target(len(slot_req) + len(queue))
-            if target != size and (target > size or len(slot_req) <= target):
-                # compact the running sequences into the first slots of a smaller (or larger) set
+            # draining (nothing queued or to come): the running sequences move to a set of half the
+            # slots once they fit it, down to the smallest drain size; anything to admit: all slots
+            draining = not queue and not source.more_coming()
+            target = size
+            while draining and target // 2 in sizes and len(slot_req) <= target // 2:
+                target //= 2
+            if not draining:
+                target = spec.max_num_seqs
+            if target != size:
                 order = sorted(slot_req)
                 state = self._resize(state, order, target)
                 slot_req = {new: slot_req[old] for new, old in enumerate(order)}
@@ -309,8 +332,10 @@ class PagedEngine:
             # (slots whose token 0 already ended them make the loop exit at once)
             refill = bool(queue) or source.more_coming()
             steps = self.steps_per_call if refill else r
+            # draining: return when half the slots are free, to move the rest to a smaller set
+            smaller = size // 2 if not refill and size // 2 in sizes else 0
             state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
-                                      settings=settings, attn_impl=spec.attn_impl)
+                                      np.int32(smaller), settings=settings, attn_impl=spec.attn_impl)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))
             stats.slot_steps += (int(total_steps) - stats.decode_steps) * size
