@@ -11,10 +11,9 @@ warm-up run for the paged engine, lowering + compiling for the static one). The 
 
 Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512 new tokens).
 
-Last measured (--quick, 2026-11-23, 2 CPU cores shared with other jobs, load 16-21): paged 25.5 tok/s,
-80% utilisation, 864 prefill tokens, 180.7 MiB KV, 8 programs; static 16.8 tok/s, 50%, 4608 prefill
-tokens, 145.5 MiB, 2 programs: paged 1.52x static (docs/performance.md). The full-size run did not
-fit the time on the loaded machine.
+Last measured (--quick, 2026-11-24, idle 2-core CPU): paged 138.1 tok/s, 96% utilisation (79% before
+the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 tok/s, 50%, 4608
+prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
 """
 from __future__ import annotations
 

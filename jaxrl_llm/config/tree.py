@@ -171,11 +171,12 @@ ROLLOUT = {
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
     "calculate_log_probs": field(False, "No effect in jaxrl_llm (a warning when set): the sampler always "
                                         "returns its per-token logprobs (rollout_log_probs). veRL."),
-    "engine": field("static", "Rollout engine: 'static' (one padded batch, jaxrl_llm/sampler/core.py; the default "
-                              "until the paged engine beats it on CPU) or 'paged' (continuous batching over "
-                              "max_num_seqs slots, one prefill per prompt, paged KV read up to each sequence's "
-                              "length; jaxrl_llm/sampler/engine). max_num_seqs, max_num_batched_tokens, "
-                              "gpu_memory_utilization and kv_cache_dtype configure the paged engine."),
+    "engine": field("static", "Rollout engine: 'static' (one padded batch, jaxrl_llm/sampler/core.py; still the "
+                              "default: the memory plan plans its program, not yet the paged engine's) or 'paged' "
+                              "(continuous batching over max_num_seqs slots, one prefill per prompt, paged KV read "
+                              "up to each sequence's length; 1.5x static on RL-shaped lengths, docs/performance.md; "
+                              "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine). max_num_seqs, "
+                              "max_num_batched_tokens, gpu_memory_utilization and kv_cache_dtype configure it."),
     "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
                                 "batch's requests). veRL / vLLM."),
     "max_num_batched_tokens": field(8192, "Prompt tokens the paged engine prefills between two decode calls "
