@@ -172,7 +172,7 @@ ROLLOUT = {
     "calculate_log_probs": field(False, "No effect in jaxrl_llm (a warning when set): the sampler always "
                                         "returns its per-token logprobs (rollout_log_probs). veRL."),
     "engine": field("static", "Rollout engine: 'static' (one padded batch, jaxrl_llm/sampler/core.py; still the "
-                              "default: the memory plan plans its program, not yet the paged engine's) or 'paged' "
+                              "default until the test suite runs on the paged one) or 'paged' "
                               "(continuous batching over max_num_seqs slots, one prefill per prompt, paged KV read "
                               "up to each sequence's length; 1.5x static on RL-shaped lengths, docs/performance.md; "
                               "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine). max_num_seqs, "

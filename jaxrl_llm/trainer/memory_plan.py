@@ -144,7 +144,7 @@ class Planner:
         # what the programs depend on (not the run dir, data files or logging): equal runs share probes
         self._fingerprint = (repr((spec.model, spec.actor, spec.actor_optim, spec.ref, spec.train_sampling, spec.critic,
                                    spec.critic_model, spec.critic_optim, spec.advantage, spec.rollout_correction,
-                                   spec.sync, _without_micro(spec.plan))),
+                                   spec.sync, spec.rollout_engine, _without_micro(spec.plan))),
                              tuple(dict(mesh.shape).items()), tuple(d.id for d in mesh.devices.flat))
 
     def analyse(self, program: Program, plan: BatchPlan) -> ProgramMemory:

@@ -29,6 +29,8 @@ from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.sampler import bucket_length
 from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sampler.engine import programs as engine_programs
+from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size, batch_sharding, logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
@@ -187,6 +189,10 @@ def sample_program(ctx: Context) -> Program:
     ways = batch_axis_size(mesh)
     prompts = -(-spec.plan.prompts // ways) * ways  # RolloutGenerator pads the batch to the mesh's batch ways
     rows, width, r = prompts * sampling.n, ctx.prompt_width, sampling.max_new_tokens
+    # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per parameter per row
+    decode = lambda plan: 2.0 * ctx.actor.num_params * rows * (r - 1) / mesh.size  # noqa: E731
+    if spec.rollout_engine.engine == "paged":
+        return _paged_sample_program(ctx, settings, knobs, rows, decode)
 
     def lower(plan: BatchPlan, unroll: int = 1) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
@@ -197,13 +203,39 @@ def sample_program(ctx: Context) -> Program:
     tensor = dict(mesh.shape).get("tensor", 1)
     kv_split = ways * (tensor if cfg.num_key_value_heads % tensor == 0 else 1)
     kv_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (kv["k"], kv["v"])) // kv_split
-    # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per parameter per row
-    decode = lambda plan: 2.0 * ctx.actor.num_params * rows * (r - 1) / mesh.size  # noqa: E731
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
     return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes,
                    layers=cfg.num_hidden_layers)
+
+
+def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, decode: Callable) -> Program:
+    """The paged engine's `generate` (jaxrl_llm/sampler/engine): its decode state holds the KV pool,
+    sized as the run sizes it (`engine_spec`), so the pool is among the program's arguments. The
+    per-prompt prefill (one prompt's dense KV) is far smaller and not planned."""
+    spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
+    opts, dtype = spec.rollout_engine, spec.actor.compute_dtype
+    engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
+                         max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
+    make = functools.partial(engine_programs.init_state, cfg, engine, settings.max_new_tokens, dtype)
+    abstract = jax.eval_shape(make)
+    shardings = engine_programs.state_sharding(abstract, cfg, mesh)
+    state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
+
+    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        return engine_programs.generate.lower(ctx.policy_params(), _unrolled(cfg, unroll), state, jax.random.PRNGKey(0),
+                                              knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar,
+                                              settings=settings, attn_impl=engine.attn_impl)
+
+    keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
+            f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
+            f"{ARR}.rollout.kv_cache_dtype={opts.kv_cache_dtype}",
+            f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length="
+            f"{settings.max_new_tokens} (pages per slot)", f"{ARR}.model.lora_rank", MESH_KEYS)
+    return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode,
+                   kv_bytes=bytes_per_device(state.pool), layers=cfg.num_hidden_layers)
 
 
 def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Program:

@@ -211,3 +211,21 @@ def test_pipeline_weight_copies_are_resident(tmp_path):
     sync_spec, _, _ = _spec(tmp_path)
     sync_update = plan_memory(sync_spec, mesh, tok, peak_flops=PEAK).program("update_actor")
     assert plan.program("update_actor").resident_bytes == sync_update.resident_bytes + 2 * actor_params
+
+
+def test_paged_engine_plan_holds_its_kv_pool(tmp_path):
+    from jaxrl_llm.sampler.engine.setup import engine_spec
+
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged"})
+    plan = plan_memory(spec, mesh, tok, peak_flops=PEAK)
+    sample = plan.program("sample")
+    planner = Planner(spec, mesh, tok)
+    ways = batch_axis_size(mesh)  # the generator pads the prompts to the mesh's batch ways
+    rows = -(-spec.plan.prompts // ways) * ways * spec.train_sampling.n
+    engine = engine_spec(planner.ctx.actor.cfg, spec.rollout_engine, num_requests=rows,
+                         max_prompt_len=spec.plan.max_prompt_length, max_new_tokens=spec.plan.response_length,
+                         compute_dtype=spec.actor.compute_dtype, mesh=mesh)
+    # the pool (every slot at full length on CPU), replicated over the fsdp devices, is an argument
+    pool = engine.num_pages * engine.page_bytes(planner.ctx.actor.cfg, spec.actor.compute_dtype)
+    assert sample.kv_bytes == pool and sample.argument_bytes >= pool + sample.params_bytes
+    assert sample.flops > 0 and any("max_num_seqs" in k for k in sample.keys)

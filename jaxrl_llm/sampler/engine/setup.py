@@ -32,7 +32,7 @@ PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
 class EngineOptions:
     """Rollout engine settings (veRL / vLLM names; docs/config.md)."""
 
-    engine: str = "static"  # paged is opt-in until the memory plan plans its programs (docs/performance.md)
+    engine: str = "static"  # paged is opt-in (the faster one at RL lengths: docs/performance.md)
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.5
