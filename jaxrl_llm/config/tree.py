@@ -171,8 +171,8 @@ ROLLOUT = {
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
     "calculate_log_probs": field(False, "No effect in jaxrl_llm (a warning when set): the sampler always "
                                         "returns its per-token logprobs (rollout_log_probs). veRL."),
-    "engine": field("static", "Rollout engine: 'static' (one padded batch, jaxrl_llm/sampler/core.py; still the "
-                              "default until the test suite runs on the paged one) or 'paged' "
+    "engine": field("static", "Rollout engine: 'static' (the default: one padded batch, "
+                              "jaxrl_llm/sampler/core.py) or 'paged' "
                               "(continuous batching over max_num_seqs slots, one prefill per prompt, paged KV read "
                               "up to each sequence's length; 1.5x static on RL-shaped lengths, docs/performance.md; "
                               "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine). max_num_seqs, "
