@@ -188,16 +188,17 @@ def record_model_turn(t: Trajectory, out: Generated, *, limits: TurnLimits, tool
     return outcome
 
 
-def record_tool_result(outcome: TurnOutcome, job: ToolJob, status: str, res: ToolResult | None,
-                       timeout_s: float) -> None:
-    """A finished (or timed-out) call's reply and counters."""
+def record_tool_result(outcome: TurnOutcome, job: ToolJob, status: str, res: Any, timeout_s: float) -> None:
+    """A finished (or timed-out) call's reply and counters (`JobRunner` statuses)."""
     t = job.traj
+    if status == "error":  # ToolJob turns exceptions into replies; this is a BaseException's
+        status, res = "ok", ToolResult(f"Error: tool {job.tool.name!r} failed: {res!r}", 0.0, {"error": 1})
     if status == "ok":
         t.tool_errors += int(bool(res.metrics.get("error", 0)))
         t.tool_rewards.append(res.reward)
         t.tool_metrics.append(dict(res.metrics, tool=job.tool.name))
         outcome.replies[job.slot] = res.text
-    else:  # "timeout" (a tool's own exception is an "ok" error reply, see ToolJob)
+    else:  # "timeout"
         t.tool_timeouts += 1
         outcome.replies[job.slot] = f"Error: tool {job.tool.name!r} timed out after {timeout_s:g}s"
 

@@ -37,7 +37,7 @@ from jaxrl_llm.agents.driver import (Generated, MultiTurnResult, ToolJob, Tools,
                                      add_tool_replies, check_call_limits, finish_result, finish_tools,
                                      next_turn_budget, record_tool_result, start_tools)
 from jaxrl_llm.agents.job_runner import JobRunner
-from jaxrl_llm.agents.tool_base import BaseTool, ToolResult
+from jaxrl_llm.agents.tool_base import BaseTool
 from jaxrl_llm.agents.trajectory import Trajectory, TurnLimits
 from jaxrl_llm.sampler import FINISH_REASONS
 from jaxrl_llm.sampler.engine import EngineRequest
@@ -117,11 +117,7 @@ class TrajectorySource:
                 else:
                     add_env_reply(t, value, self.limits)
             else:
-                job = self.jobs.pop(key)
-                if status == "error":  # ToolJob turns exceptions into replies; this is a BaseException's
-                    status, value = "ok", ToolResult(f"Error: tool {job.tool.name!r} failed: {value!r}", 0.0,
-                                                     {"error": 1})
-                record_tool_result(outcome, job, status, value, self.runner.timeout_s)
+                record_tool_result(outcome, self.jobs.pop(key), status, value, self.runner.timeout_s)
             self.outstanding[k] -= 1
             if self.outstanding[k]:
                 continue
