@@ -53,7 +53,6 @@ class TrajectorySource:
         self.outstanding: dict[int, int] = {}  # trajectory -> calls not answered yet
         self.jobs: dict[Hashable, ToolJob] = {}
         self.groups = itertools.count()
-        self.requests = 0  # engine requests made (generations)
 
     # ------------------------------------------------------------------ RequestSource
     def poll(self) -> list[EngineRequest]:
@@ -68,7 +67,6 @@ class TrajectorySource:
             group = shared.setdefault(tuple(ids), next(self.groups))
             out.append(EngineRequest(ids, (k, t.assistant_turns), group, budget))
         self.ready = []
-        self.requests += len(out)
         return out
 
     def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
