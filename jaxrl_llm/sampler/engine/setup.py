@@ -95,6 +95,11 @@ def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_
     return _ENGINES[key]
 
 
+def release_engines() -> None:
+    """Drop every cached engine: its KV pool and its compiled programs go when nothing else holds them."""
+    _ENGINES.clear()
+
+
 def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
                  knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None
                  ) -> tuple[SampleOutput, EngineStats]:
