@@ -3,9 +3,9 @@ user runs it; the rollouts stream through the paged engine):
 
 - configs/multiturn_tool.py: within three GRPO steps SmolLM2-135M-Instruct calls the calculator
   on every trajectory and answers right;
-- configs/multiturn_guess.py: within eight steps its greedy validation reward leaves zero (it
-  first learns to keep playing: short numeric replies instead of prose that runs out the
-  response budget in one turn)."""
+- configs/multiturn_guess.py: within two steps it learns to keep playing the game (short numeric
+  replies instead of prose that runs out the response budget in one turn); winning rises more
+  slowly (greedy validation 0.0 -> 0.1 / 0.4 at step 8, measured in docs/performance.md)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # the real SmolLM2, three training steps
+pytestmark = pytest.mark.slow  # the real SmolLM2, three or four training steps each
 
 
 def train(run_dir: pathlib.Path, config: str, *overrides: str) -> list[dict]:
@@ -45,13 +45,18 @@ def test_multiturn_tool_example_learns(tmp_path, smollm2_gguf):
 
 
 def test_multiturn_guess_example_learns(tmp_path, smollm2_gguf):
-    rows = train(tmp_path / "run", "configs/multiturn_guess.py", "--config.trainer.total_training_steps=8",
-                 "--config.trainer.test_freq=8")
-    val = {r["step"]: r["val-core/synthetic/guess/reward/mean@1"] for r in rows
-           if "val-core/synthetic/guess/reward/mean@1" in r}
-    turns = [r["multi_turn/num_turns/mean"] for r in rows if "multi_turn/num_turns/mean" in r]
-    assert sorted(val) == [0, 8] and len(turns) == 8
-    # measured (docs/performance.md): greedy validation 0.0 -> 0.4 (4 of 10 games won), turns per
-    # game 2.4 at step 1 (one long reply ends the game) and 5 to 7 from step 2 on
-    assert val[0] == 0.0 and val[8] >= 0.2, val
-    assert turns[0] < 3.5 and min(turns[2:]) >= turns[0] + 2, turns
+    rows = train(tmp_path / "run", "configs/multiturn_guess.py", "--config.trainer.total_training_steps=4",
+                 "--config.trainer.test_freq=-1")
+    val = [r["val-core/synthetic/guess/reward/mean@1"] for r in rows if "val-core/synthetic/guess/reward/mean@1" in r]
+    steps = [r for r in rows if "multi_turn/num_turns/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and len(val) == 1
+    turns = [r["multi_turn/num_turns/mean"] for r in steps]
+    first_reply = [r["multi_turn/response_length/turn_1/mean"] for r in steps]
+    # The untrained model cannot play (greedy validation 0 of 10 games): its first reply is prose
+    # that runs out the 96-token response budget, ending most games after one turn. Within two
+    # steps it answers with a short number and keeps playing. Measured in two runs: turns per game
+    # 2.4 -> 5.1 -> 6.3 -> 6.6 / 7.1; first reply 86 -> 49 -> 18 / 21 -> 15 / 16 tokens.
+    assert val == [0.0] and turns[0] < 3.5 and first_reply[0] > 70, (val, turns, first_reply)
+    assert min(turns[2:]) >= turns[0] + 2 and max(first_reply[2:]) <= first_reply[0] / 2, (turns, first_reply)
+    # Winning follows more slowly and noisily (greedy validation 0.4 and 0.1 at step 8 in two runs,
+    # 0.4 at steps 12 and 16 of the full 16-step example): docs/performance.md.
