@@ -18,6 +18,11 @@ training. The first step of each run is a warm-up (compiles), reported apart.
 
 On a shared 2-core CPU both sides compete for the same cores, so the pipelined step can only win
 the host work's share; numbers are wall-clock and noisy (compare ratios within one run).
+
+Last measured (--steps 3 --devices 2, 2026-11-24, idle 2-core CPU): sync 22.33 s/step; offset1
+24.23 (0.92x: 5.19 of 5.37 s of generation overlapped, but the rollout correction's old-log-prob
+pass adds 3.80 s); split 17.22 (1.30x, mostly from training on one virtual device instead of two).
+Table and reading: docs/performance.md.
 """
 from __future__ import annotations
 
