@@ -60,6 +60,14 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def progress(name: str, batch: int, batches: int, useful: int, t0: float) -> None:
+    """One line per finished batch: a run stopped early still gives a measured rate."""
+    wall = time.perf_counter() - t0
+    eta = wall / (batch + 1) * (batches - batch - 1)
+    print(f"      {name}: batch {batch + 1}/{batches} done, {useful} useful tokens in {wall:.1f} s "
+          f"({useful / wall:.1f} tok/s so far, ETA {eta:.0f} s)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gguf", default=None)
@@ -144,6 +152,7 @@ def main() -> None:
             slot_steps += int(o.num_steps) * ids.shape[0] * n
             prefill += ids.size * n
             kv = max(kv, ids.shape[0] * n * (ids.shape[1] + r - 1) * kv_token)
+            progress("static", b, len(batches), int(np.concatenate(lengths).sum()), t0)
         wall = time.perf_counter() - t0
         useful = int(np.concatenate(lengths).sum())
         report("static", dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,
@@ -170,6 +179,7 @@ def main() -> None:
             slot_steps += new.size
             prefill += ids.size
             kv = max(kv, ids.shape[0] * (ids.shape[1] + new.shape[1]) * kv_token)
+            progress("transformers", b // slots, -(-len(requests) // slots), int(np.sum(lengths)), t0)
         wall = time.perf_counter() - t0
         useful = int(np.sum(lengths))
         report("transformers", dict(tps=useful / wall, util=useful / slot_steps, useful=useful, wall=wall,

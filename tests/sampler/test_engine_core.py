@@ -214,7 +214,7 @@ def test_slot_set_shrinks_while_the_queue_drains(llama_tiny, monkeypatch):
     settings, knobs = _args(cfg, SAMPLED)
     rng = jax.random.key(3)
     shrunk, s_stats = _engine(cfg, 8).run(params, PROMPTS, rng, knobs, settings)
-    monkeypatch.setattr(scheduler, "MAX_HALVINGS", 0)
+    monkeypatch.setattr(scheduler, "DRAIN_FRACTIONS", ())
     fixed, f_stats = _engine(cfg, 8).run(params, PROMPTS, rng, knobs, settings)
     np.testing.assert_array_equal(shrunk.tokens, fixed.tokens)
     np.testing.assert_allclose(shrunk.log_probs, fixed.log_probs, atol=1e-5, rtol=1e-5)
