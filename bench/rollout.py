@@ -14,6 +14,8 @@ Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512
 Last measured (--quick, 2026-11-24, idle 2-core CPU): paged 138.1 tok/s, 96% utilisation (79% before
 the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 tok/s, 50%, 4608
 prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
+Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
+transformers 40.7 tok/s, 25% (paged 2.50x); static: see docs/performance.md.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.config import rope_inv_freq
+from jaxrl_llm.models.lora import lora_delta
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 
 Array = jax.Array
@@ -85,14 +86,25 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
     offset = jnp.where(active, positions % ps, 0)
     lengths = jnp.where(active, positions + 1, 0)
     x = jnp.take(params["embedding"], tokens, axis=0).astype(dt)
+    # LoRA (models/lora.py): the adapters apply inside each targeted projection, as in training
+    adapters = params.get("lora")
+    lora_layers = {} if adapters is None else adapters.weights["layers"]
+    lora_scale = 0.0 if adapters is None else adapters.scale
 
-    def layer(carry, lp):
+    def layer(carry, xs):
         x, pool, i = carry
+        lp, ad = xs
         a = lp["attn"]
+
+        def proj(h: Array, group: str, name: str, spec: str) -> Array:
+            y = _dense(h, lp[group][name]["kernel"], dt, spec)
+            delta = lora_delta(h, ad.get(group, {}).get(name), lora_scale, dt)
+            return y if delta is None else y + delta
+
         h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps, dt)
-        q = _dense(h, a["q_proj"]["kernel"], dt, "sh,hnd->snd")
-        k = _dense(h, a["k_proj"]["kernel"], dt, "sh,hnd->snd")
-        v = _dense(h, a["v_proj"]["kernel"], dt, "sh,hnd->snd")
+        q = proj(h, "attn", "q_proj", "sh,hnd->snd")
+        k = proj(h, "attn", "k_proj", "sh,hnd->snd")
+        v = proj(h, "attn", "v_proj", "sh,hnd->snd")
         if cfg.attention_bias:
             q, k, v = (y + a[f"{n}_proj"]["bias"].astype(dt) for y, n in ((q, "q"), (k, "k"), (v, "v")))
         if cfg.qk_norm:
@@ -104,15 +116,14 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
         attn = paged_decode_attention(q, layer_kv["k"], layer_kv["v"], lengths, page_table,
                                       sliding_window=cfg.sliding_window, impl=attn_impl,
                                       k_scales=layer_kv.get("k_scale"), v_scales=layer_kv.get("v_scale"))
-        x = x + _dense(attn.astype(dt), a["o_proj"]["kernel"], dt, "snd,ndh->sh")
-        m = lp["mlp"]
+        x = x + proj(attn.astype(dt), "attn", "o_proj", "snd,ndh->sh")
         h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps, dt)
-        gate = _dense(h, m["gate_proj"]["kernel"], dt, "sh,hf->sf")
-        up = _dense(h, m["up_proj"]["kernel"], dt, "sh,hf->sf")
-        x = x + _dense(jax.nn.silu(gate) * up, m["down_proj"]["kernel"], dt, "sf,fh->sh")
+        gate = proj(h, "mlp", "gate_proj", "sh,hf->sf")
+        up = proj(h, "mlp", "up_proj", "sh,hf->sf")
+        x = x + proj(jax.nn.silu(gate) * up, "mlp", "down_proj", "sf,fh->sh")
         return (x, pool, i + 1), None
 
-    (x, pool, _), _ = lax.scan(layer, (x, pool, jnp.int32(0)), params["layers"])
+    (x, pool, _), _ = lax.scan(layer, (x, pool, jnp.int32(0)), (params["layers"], lora_layers))
     del nh, nkv, hd
     return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dt), pool
 
