@@ -68,10 +68,12 @@ def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> Sampli
 
 
 def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
-    return EngineOptions(engine=rollout.engine, max_num_seqs=int(rollout.max_num_seqs),
+    """The rollout engine options, 'auto' already resolved to the engine the run uses."""
+    opts = EngineOptions(engine=rollout.engine, max_num_seqs=int(rollout.max_num_seqs),
                          max_num_batched_tokens=int(rollout.max_num_batched_tokens),
                          gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-                         kv_cache_dtype=rollout.kv_cache_dtype)
+                         kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention)
+    return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))
 
 
 def resolve_multi_turn(rollout: ConfigDict) -> MultiTurnSpec | None:

@@ -171,12 +171,17 @@ ROLLOUT = {
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
     "calculate_log_probs": field(False, "No effect in jaxrl_llm (a warning when set): the sampler always "
                                         "returns its per-token logprobs (rollout_log_probs). veRL."),
-    "engine": field("static", "Rollout engine: 'static' (the default: one padded batch, "
-                              "jaxrl_llm/sampler/core.py) or 'paged' "
-                              "(continuous batching over max_num_seqs slots, one prefill per prompt, paged KV read "
-                              "up to each sequence's length; 1.5x static on RL-shaped lengths, docs/performance.md; "
-                              "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine). max_num_seqs, "
-                              "max_num_batched_tokens, gpu_memory_utilization and kv_cache_dtype configure it."),
+    "engine": field("auto", "Rollout engine: 'auto' (the default: 'paged' when response_length >= 64 or "
+                            "multi_turn.enable, else 'static'), 'paged' (continuous batching over max_num_seqs "
+                            "slots, one prefill per prompt, paged KV read up to each sequence's length; 2.5x "
+                            "transformers.generate at 94% slot utilisation on RL-shaped lengths, docs/performance.md; "
+                            "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine) or 'static' (one padded "
+                            "batch, jaxrl_llm/sampler/core.py: fewer programs to compile, the faster one for short "
+                            "responses). max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, kv_cache_dtype "
+                            "and paged_attention configure the paged engine."),
+    "paged_attention": field("auto", "Decode attention of the paged engine: 'auto' (the Pallas kernel on GPU / TPU, "
+                                     "the length-aware XLA loop elsewhere), 'pallas' or 'xla' (any backend; the "
+                                     "fallback if the kernel does not compile on a device). jaxrl_llm."),
     "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
                                 "batch's requests). veRL / vLLM."),
     "max_num_batched_tokens": field(8192, "Prompt tokens the paged engine prefills between two decode calls "

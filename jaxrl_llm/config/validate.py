@@ -71,7 +71,8 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _choice(cfg, "data.truncation", names.TRUNCATION)
     _choice(cfg, "trainer.resume_mode", names.RESUME_MODES)
     _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
-    _choice(cfg, f"{ROLLOUT}.engine", ("paged", "static"))
+    _choice(cfg, f"{ROLLOUT}.engine", ("auto", "paged", "static"))
+    _choice(cfg, f"{ROLLOUT}.paged_attention", ("auto", "pallas", "xla"))
     _choice(cfg, f"{ROLLOUT}.kv_cache_dtype", ("auto", "int8"))
     for role in (ACTOR, "critic"):
         _choice(cfg, f"{role}.optim.lr_scheduler_type", names.LR_SCHEDULERS)

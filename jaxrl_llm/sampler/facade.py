@@ -82,9 +82,11 @@ def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, token
              ) -> GenerationResult:
     """Samples `sampling_params.n` responses per prompt with `model`'s current params.
 
-    engine: `EngineOptions`, or 'static' (default: one padded batch) / 'paged' (the continuous-batching engine).
+    engine: `EngineOptions`, or 'auto' (the default: 'paged' from 64 new tokens on, else 'static') /
+    'paged' (the continuous-batching engine) / 'static' (one padded batch).
     """
     opts = EngineOptions(engine=engine) if isinstance(engine, str) else (engine or EngineOptions())
+    opts = opts.resolved(sampling_params.max_new_tokens)
     cfg, params = model.config, model.params
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     mesh = mesh if mesh is not None else getattr(model, "mesh", None)

@@ -191,7 +191,7 @@ def sample_program(ctx: Context) -> Program:
     rows, width, r = prompts * sampling.n, ctx.prompt_width, sampling.max_new_tokens
     # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per parameter per row
     decode = lambda plan: 2.0 * ctx.actor.num_params * rows * (r - 1) / mesh.size  # noqa: E731
-    if spec.rollout_engine.engine == "paged":
+    if spec.rollout_engine.resolved(r, multi_turn=spec.multi_turn is not None).engine == "paged":
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
 
     def lower(plan: BatchPlan, unroll: int = 1) -> Any:

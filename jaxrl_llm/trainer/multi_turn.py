@@ -154,11 +154,12 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     s, limits = mt.spec, mt.limits(sampling.max_new_tokens)
     calls = dict(tools=mt.tools, max_parallel_calls=s.max_parallel_calls, tool_timeout_s=s.tool_call_timeout_s,
                  sanity_check=s.sanity_check, tool_call_format=s.format)
-    if gen.engine.engine == "paged" and jax.process_count() == 1:
+    opts = gen.engine_for(sampling.max_new_tokens)
+    if opts.engine == "paged" and jax.process_count() == 1:
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
         params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)
         settings, knobs = params_r.compile_args(eos, pad_id, vocab_size=cfg.vocab_size, compute_dtype=gen.compute_dtype)
-        engine = sized_engine(cfg, gen.engine, num_requests=len(trajs), max_prompt_len=longest_prompt,
+        engine = sized_engine(cfg, opts, num_requests=len(trajs), max_prompt_len=longest_prompt,
                               settings=settings, mesh=mesh)
         stats: list = []
         serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings))  # noqa: E731
@@ -167,8 +168,8 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         engine_metrics = stats[0].metrics()
     else:
         engine_metrics = {}
-        if gen.engine.engine == "paged":  # several processes: rounds schedule identically on every host
-            cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=gen.engine, mesh=mesh,
+        if opts.engine == "paged":  # several processes: rounds schedule identically on every host
+            cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=opts, mesh=mesh,
                                  compute_dtype=gen.compute_dtype, rng=rng)
         else:
             seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))

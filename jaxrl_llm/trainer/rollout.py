@@ -79,11 +79,16 @@ class RolloutGenerator:
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
 
+    def engine_for(self, max_new_tokens: int) -> EngineOptions:
+        """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
+        return self.engine.resolved(max_new_tokens, multi_turn=self.multi_turn is not None)
+
     def describe_engine(self, num_requests: int, max_prompt_len: int, max_new_tokens: int) -> str:
         """The start-of-run summary line of the rollout engine for a batch of that shape."""
-        if self.engine.engine == "static":
+        opts = self.engine_for(max_new_tokens)
+        if opts.engine == "static":
             return "rollout engine: static (one padded batch)"
-        spec = engine_spec(self.model_cfg, self.engine, num_requests=num_requests, max_prompt_len=max_prompt_len,
+        spec = engine_spec(self.model_cfg, opts, num_requests=num_requests, max_prompt_len=max_prompt_len,
                            max_new_tokens=max_new_tokens, compute_dtype=self.compute_dtype, mesh=self.mesh)
         return describe(self.model_cfg, spec, self.compute_dtype, self.mesh)
 
@@ -108,9 +113,11 @@ class RolloutGenerator:
             eos.append(int(tokenizer.eos_token_id))
         settings, knobs = sampling.compile_args(eos, pad_id, vocab_size=model_cfg.vocab_size,
                                                 compute_dtype=self.compute_dtype)
-        if self.engine.engine == "paged":
+        opts = self.engine_for(sampling.max_new_tokens)
+        self.last_engine_stats = None
+        if opts.engine == "paged":
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
-                                                            settings=settings, opts=self.engine, mesh=mesh)
+                                                            settings=settings, opts=opts, mesh=mesh)
             out = host_out._replace(**to_device({f: getattr(host_out, f) for f in _ROW_FIELDS}, mesh))
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
@@ -142,7 +149,7 @@ class RolloutGenerator:
         # a NaN / inf reward from any source is counted and scored 0 (trainer/nonfinite.py)
         scores, num_nonfinite = sanitize_scores(scores)
         reward_metrics = {**reward_metrics, "reward/num_nonfinite": float(num_nonfinite)}
-        if self.engine.engine == "paged":
+        if self.last_engine_stats is not None:
             reward_metrics.update(self.last_engine_stats.metrics())
 
         # outcome reward on the last valid response token

@@ -105,3 +105,27 @@ def test_lower_packages_never_read_a_config_tree(package):
             for name in names:
                 assert not name.startswith(("ml_collections", "jaxrl_llm.config", "jaxrl_llm.trainer")), \
                     f"{path.relative_to(PACKAGE)} imports {name}"
+
+
+def test_rollout_engine_auto_is_paged_at_rl_lengths_and_static_for_short_responses():
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.sampler.engine.setup import AUTO_PAGED_MIN_NEW_TOKENS, EngineOptions, engine_spec
+
+    assert AUTO_PAGED_MIN_NEW_TOKENS == 64
+    assert _spec().rollout_engine.engine == "paged"  # the default: 512 new tokens
+    assert _spec("data.max_response_length=64").rollout_engine.engine == "paged"
+    assert _spec("data.max_response_length=63").rollout_engine.engine == "static"
+    assert _spec("actor_rollout_ref.rollout.engine=static").rollout_engine.engine == "static"
+    assert _spec("actor_rollout_ref.rollout.engine=paged", "data.max_response_length=8").rollout_engine.engine == "paged"
+    assert EngineOptions().resolved(8, multi_turn=True).engine == "paged"  # multi-turn rollouts stream
+    assert EngineOptions(engine="static").resolved(512, multi_turn=True).engine == "static"
+    # rollout.paged_attention reaches the engine's programs
+    opts = _spec("actor_rollout_ref.rollout.paged_attention=xla").rollout_engine
+    cfg = ModelConfig.tiny("llama")
+    spec = engine_spec(cfg, opts, num_requests=4, max_prompt_len=10, max_new_tokens=64, compute_dtype="float32")
+    assert opts.attention_impl == "xla" and spec.attn_impl == "xla"
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.paged_attention='triton'"):
+        _spec("actor_rollout_ref.rollout.paged_attention=triton")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.engine='vllm'"):
+        _spec("actor_rollout_ref.rollout.engine=vllm")

@@ -22,32 +22,48 @@ from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES, EngineSpec
 from jaxrl_llm.sampler.engine.scheduler import EngineStats, PagedEngine
 from jaxrl_llm.sampler.host import bucket_batch, bucket_length
+from jaxrl_llm.sampler.paged_attention import IMPLS as ATTENTION_IMPLS
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 
-ENGINES = ("paged", "static")
+ENGINES = ("auto", "paged", "static")
 PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
+# engine='auto' takes the paged engine from this many new tokens per response on (and for every
+# multi-turn rollout); below it the static batch: its long tail is a few steps at most, and it
+# compiles two programs instead of the engine's dozen (measured: docs/performance.md)
+AUTO_PAGED_MIN_NEW_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Rollout engine settings (veRL / vLLM names; docs/config.md)."""
 
-    engine: str = "static"  # paged is opt-in (the faster one at RL lengths: docs/performance.md)
+    engine: str = "auto"  # 'auto': paged at RL lengths, static for short responses (`resolved`)
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.5
     kv_cache_dtype: str = "auto"
     steps_per_call: int = 16
+    attention_impl: str = "auto"  # paged attention: 'auto' (Pallas on GPU / TPU, XLA elsewhere), 'pallas', 'xla'
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine={self.engine!r}: expected one of {ENGINES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"rollout.paged_attention={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"rollout.kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.steps_per_call < 1:
             raise ValueError("rollout.max_num_seqs / max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+
+    def resolved(self, max_new_tokens: int, *, multi_turn: bool = False) -> EngineOptions:
+        """These options with engine 'auto' replaced by the engine it picks for responses of up to
+        `max_new_tokens` tokens: 'paged' from AUTO_PAGED_MIN_NEW_TOKENS on or for multi-turn, else 'static'."""
+        if self.engine != "auto":
+            return self
+        paged = multi_turn or max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS
+        return dataclasses.replace(self, engine="paged" if paged else "static")
 
 
 _MODEL_LEN_STEP = 256  # max_model_len rounds up to a multiple of this (a few page-table shapes per run)
@@ -64,7 +80,7 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     max_model_len = -(-(bucket_length(max_prompt_len) + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
     pps = pages_for(max_model_len, PAGE_SIZE)
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
-                       kv_cache_dtype=opts.kv_cache_dtype)
+                       kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl)
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
                                budget_bytes=device_kv_budget(opts.gpu_memory_utilization))
