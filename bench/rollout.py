@@ -15,7 +15,7 @@ Last measured (--quick, 2026-11-24, idle 2-core CPU): paged 138.1 tok/s, 96% uti
 the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 tok/s, 50%, 4608
 prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
-transformers 40.7 tok/s, 25% (paged 2.50x); static: see docs/performance.md.
+transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def main() -> None:
             o = jax.block_until_ready(compiled[ids.shape](params, ids, mask, jax.random.key(b), knobs))
             lengths.append(np.asarray(o.lengths))
             slot_steps += int(o.num_steps) * ids.shape[0] * n
-            prefill += ids.size * n
+            prefill += ids.size  # each prompt prefilled once, its KV repeated n times (sampler/core.py)
             kv = max(kv, ids.shape[0] * n * (ids.shape[1] + r - 1) * kv_token)
             progress("static", b, len(batches), int(np.concatenate(lengths).sum()), t0)
         wall = time.perf_counter() - t0
