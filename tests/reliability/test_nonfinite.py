@@ -289,6 +289,7 @@ def test_nan_rewards_and_nonfinite_gradients_through_the_trainer(tmp_path, monke
     with pytest.raises(NonFiniteError, match=r"^step 7: the actor .* at step 7: advantage \(\d+ values\)"):
         resumed.step()
     poison.on = False
+    resumed.store.wait()  # step 6's save is asynchronous: committed before the folders are listed
     assert _saved_steps(run) == [1, 2, 3, 4, 5, 6]
 
     # non-finite weights (injected): never checkpointed; the next step names the sampler's log-probs
