@@ -22,6 +22,8 @@ from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_t
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
 from jaxrl_llm.models.lora import parse_target_modules
+from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
+from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 
 ARR = "actor_rollout_ref"
 ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
@@ -71,9 +73,9 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _choice(cfg, "data.truncation", names.TRUNCATION)
     _choice(cfg, "trainer.resume_mode", names.RESUME_MODES)
     _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
-    _choice(cfg, f"{ROLLOUT}.engine", ("auto", "paged", "static"))
-    _choice(cfg, f"{ROLLOUT}.paged_attention", ("auto", "pallas", "xla"))
-    _choice(cfg, f"{ROLLOUT}.kv_cache_dtype", ("auto", "int8"))
+    _choice(cfg, f"{ROLLOUT}.engine", ENGINES)
+    _choice(cfg, f"{ROLLOUT}.paged_attention", ATTENTION_IMPLS)
+    _choice(cfg, f"{ROLLOUT}.kv_cache_dtype", KV_CACHE_DTYPES)
     for role in (ACTOR, "critic"):
         _choice(cfg, f"{role}.optim.lr_scheduler_type", names.LR_SCHEDULERS)
     for role in (f"{ARR}.model", "critic.model"):
