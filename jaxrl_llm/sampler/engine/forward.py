@@ -112,10 +112,9 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
             k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps, dt)
         q, k = rope(q, positions, cfg), rope(k, positions, cfg)
         pool = write_tokens(pool, i, k, v, page, offset)
-        layer_kv = {n: lax.dynamic_index_in_dim(t, i, 0, keepdims=False) for n, t in pool.items()}
-        attn = paged_decode_attention(q, layer_kv["k"], layer_kv["v"], lengths, page_table,
+        attn = paged_decode_attention(q, pool["k"], pool["v"], lengths, page_table, layer=i,
                                       sliding_window=cfg.sliding_window, impl=attn_impl,
-                                      k_scales=layer_kv.get("k_scale"), v_scales=layer_kv.get("v_scale"))
+                                      k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
         x = x + proj(attn.astype(dt), "attn", "o_proj", "snd,ndh->sh")
         h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps, dt)
         gate = proj(h, "mlp", "gate_proj", "sh,hf->sf")
