@@ -15,12 +15,12 @@ validation, no checkpoints. Two workloads (`--workload`):
           trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
           (sequence packing, `model.use_remove_padding`, on).
 
-Last measured (varied, 2026-11-23, 2 CPU cores shared with a CI run, this script at nice 10):
-`python bench/rl_step.py --workload varied --steps 1 --max-new-tokens 128`: ours warm-up 220 s,
-timed step 266 s (gen 92 s, update 175 s; mean response 95 tokens; 3 compiles / 12 s in the timed
-step); TRL warm-up 396 s, timed step 337 s (1 torch thread): TRL time / ours = 1.26x (0.66x before
-prefill-once and balanced packing); the >= 2x target is NOT met (compute-bound on both sides:
-docs/performance.md). Each step prints its timing spans and XLA compiles.
+Last measured (varied, 2026-11-25, idle 2-core CPU):
+`python bench/rl_step.py --workload varied --steps 2 --max-new-tokens 128`: ours warm-up 78 s,
+timed steps 66.6 / 83.2 s (gen 20.8 / 23.1 s, update 45.8 / 60.1 s); TRL warm-up 114 s, timed
+steps 88.0 / 106.4 s (2 torch threads): TRL time / ours = 1.30x; the >= 2x target is NOT met
+(docs/performance.md: DRAM-bound decode and memory-bound elementwise work in the update). Each
+step prints its timing spans and XLA compiles.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
