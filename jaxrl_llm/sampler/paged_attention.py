@@ -70,17 +70,20 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     block_tokens = ppb * ps
     lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
 
-    num_pages = k_pages.shape[2]
+    # (kv head, page) flattened into one axis, so a block's gather itself yields the [slots, kv, keys]
+    # layout both matmuls read (gathering [slots, pages, kv, ...] and transposing it was ~half of a
+    # decode step's time on CPU)
+    num_layers, _, num_pages = k_pages.shape[:3]
+    k_pages, v_pages = (t.reshape(num_layers, nkv * num_pages, ps, hd) for t in (k_pages, v_pages))
+    if k_scales is not None:
+        k_scales, v_scales = (t.reshape(num_layers, nkv * num_pages, ps) for t in (k_scales, v_scales))
     heads = jnp.arange(nkv, dtype=jnp.int32)[None, :, None] * num_pages
 
     def gather(pages: Array, scales: Array | None, ids: Array) -> Array:
-        # (kv head, page) flattened into one axis, so the gather itself yields the [slots, kv, keys]
-        # layout both matmuls read (gathering [slots, pages, kv, ...] and transposing it was ~half of
-        # a decode step's time on CPU)
-        flat = heads + ids[:, None, :]  # [slots, kv, ppb]
-        blk = pages.reshape(pages.shape[0], -1, ps, hd)[layer, flat]  # [slots, kv, ppb, ps, hd]
+        flat = heads + ids[:, None, :]  # [slots, kv, ppb] rows of the flattened pool
+        blk = pages[layer, flat]  # [slots, kv, ppb, ps, hd]
         if scales is not None:
-            blk = blk.astype(jnp.float32) * scales.reshape(scales.shape[0], -1, ps)[layer, flat][..., None]
+            blk = blk.astype(jnp.float32) * scales[layer, flat][..., None]
         return blk.reshape(slots, nkv, block_tokens, hd)
 
     def body(carry):

@@ -227,3 +227,23 @@ def test_matches_engine_xla_path(dtype):
     ref = np.asarray(xla(*args, sliding_window=21), np.float32)
     rel = 2.0 ** -7 if dtype == jnp.bfloat16 else 0.0
     assert np.all(np.abs(out - ref) <= rel * np.abs(ref) + 1e-5), float(np.abs(out - ref).max())
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_xla_path_reads_one_layer_of_a_stacked_pool(int8):
+    # The engine passes the whole [layers, kv, pages, ...] pool and a layer index (no per-step copy of
+    # the layer): each layer's result equals the call on that layer's pages alone and the dense
+    # reference. Two kv heads, so the flattened (kv head, page) rows are exercised.
+    xla = pytest.importorskip("jaxrl_llm.sampler.paged_attention").paged_decode_attention_xla
+    cases = [make_case(20 + i, group=2, head_dim=64, page_size=16, kv_heads=2, int8=int8) for i in range(3)]
+    names = ("k_pages", "v_pages") + (("k_scales", "v_scales") if int8 else ())
+    stacked = {n: jnp.stack([c[n] for c in cases]) for n in names}
+    base = cases[0]
+    for layer, case in enumerate(cases):
+        one = {n: case[n] for n in names}
+        out = xla(base["q"], lengths=base["lengths"], page_indices=base["page_indices"], sliding_window=40,
+                  layer=jnp.int32(layer), **stacked)
+        alone = xla(base["q"], lengths=base["lengths"], page_indices=base["page_indices"], sliding_window=40, **one)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+        ref = reference({**base, **one}, 40)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
