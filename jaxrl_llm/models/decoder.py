@@ -13,7 +13,8 @@ matmul takes compute-dtype operands and accumulates AND returns fp32; the fp32 r
 the compute dtype once, where the next matmul consumes it (bias add, q/k norm, RoPE and the SiLU
 gate run in fp32 before that rounding); the residual stream between layers is fp32 (the
 embedding rows rounded to the compute dtype, then fp32 sums). Attention: fp32 scores, fp32 softmax
-with a finite mask value, fp32 probabilities times V (`probs_times_values`). In bf16 this is more
+with a finite mask value, fp32 probabilities times V (`probs_times_values`; the core with its
+hand-written backward and causal query chunks is `jaxrl_llm.models.attention`). In bf16 this is more
 accurate (half the log-prob error against fp32 on SmolLM2) and keeps a token's numbers
 independent of how many tokens share a matmul (a decode step, a prefill, the trainer's full
 sequence) wherever the matmul kernels are row-independent. In fp32 nothing changes.
@@ -21,7 +22,9 @@ sequence) wherever the matmul kernels are row-independent. In fp32 nothing chang
 Matmuls run on [tokens, features] (the [B, T] axes flattened): XLA:CPU turned the weight gradient
 of a [B, T, H] x [H, F] matmul (a contraction over two axes) into a transposing copy of the
 [B, T, F] gradient that ran at a few GB/s; flattened, the backward of SmolLM2's MLP stack runs
-~1.8x faster (tests pin the numbers, not the layout).
+~1.8x faster (tests pin the numbers, not the layout). The per-head q/k/v/o projections keep
+DenseGeneral's 3-D kernels as params but multiply them as 2-D matrices (`FlatDense`) for the same
+reason.
 
 Masking is by slot: a query at slot `q` sees key slot `s` iff `s <= q`, the key slot is valid (its
 attention-mask bit is 1) and, with a sliding window W, `q - s < W`. Without a cache the slots are
@@ -29,7 +32,7 @@ the sequence indices; with a cache they are cache indices (see `jaxrl_llm.models
 """
 from __future__ import annotations
 
-import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -37,13 +40,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
 from jaxrl_llm.models.lora import lora_delta
-from jaxrl_llm.models.numerics import dot_general_f32, einsum_f32, probs_times_values
+from jaxrl_llm.models.numerics import dot_general_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
 Array = jax.Array
-_NEG = jnp.finfo(jnp.float32).min  # finite, so fully masked (padding) query rows stay NaN-free
 
 
 class RMSNorm(nn.Module):
@@ -76,31 +79,39 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x.dtype)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,), prevent_cse=False)
-def _attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int) -> Array:
-    """Grouped-query attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D] where
-    `allowed` [B, T, S]; fp32 [B * T, heads, D].
-
-    Checkpointed: the backward pass recomputes the scores and probabilities from q, k and v
-    instead of keeping [B, heads, T, S] fp32 probabilities of every layer alive from the forward
-    (a few % more attention FLOPs; measured on SmolLM2 packed rows of 512 tokens on CPU, keeping
-    them made the whole forward+backward ~10% slower: zero-filled per-layer stacks written and read
-    back, and most of the activation memory at long lengths)."""
-    b, t, nh, hd = q.shape
-    # grouped-query: no repeat of k/v; the g query heads of a kv head share its keys
-    q = q.reshape(b, t, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, -1, hd)
-    scores = einsum_f32("bkqd,bksd->bkqs", q, k)
-    scores = scores.reshape(b, nkv, nh // nkv, t, -1) * (hd ** -0.5)
-    scores = jnp.where(allowed[:, None, None], scores, _NEG)
-    # fp32 probabilities times V (the shared decode-attention policy, models/numerics.py): the
-    # result does not depend on how many queries share the matmul
-    probs = jax.nn.softmax(scores, axis=-1).reshape(b, nkv, -1, scores.shape[-1])
-    out = probs_times_values("bkqs,bksd->bkqd", probs, v)
-    return out.reshape(b, nkv, nh // nkv, t, hd).transpose(0, 3, 1, 2, 4).reshape(b * t, nh, hd)
-
-
 def _plus(y: Array, delta: Array | None) -> Array:
     return y if delta is None else y + delta
+
+
+class FlatDense(nn.Module):
+    """`nn.DenseGeneral`'s params (kernel [*in, *features] with the same initial values, bias
+    [*features]) computed as one 2-D matmul: x [tokens, *in] -> fp32 [tokens, *features].
+
+    Why not DenseGeneral: with a 3-D kernel (the per-head q/k/v/o projections) the weight
+    gradient contracts tokens against a 3-D cotangent, and XLA:CPU fed it a transposed
+    [features, tokens] copy fused with RoPE's backward that ran at well under 1 GB/s (~0.5 s of a
+    SmolLM2 4 x 512 forward+backward); as a 2-D matmul the reshapes are free bitcasts."""
+
+    features: tuple[int, ...]
+    use_bias: bool
+    compute_dtype: Any
+    param_dtype: Any
+    kernel_init: Any
+    in_axes: int = 1  # trailing axes of x that are contracted
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        in_shape = x.shape[x.ndim - self.in_axes:]
+        n_in, n_out = math.prod(in_shape), math.prod(self.features)
+        kernel = self.param("kernel", lambda rng, shape, dtype: self.kernel_init(rng, (n_in, n_out), dtype)
+                            .reshape(shape), in_shape + self.features, self.param_dtype)
+        lead = x.shape[:x.ndim - self.in_axes]
+        y = dot_general_f32(x.reshape(-1, n_in).astype(self.compute_dtype),
+                            kernel.reshape(n_in, n_out).astype(self.compute_dtype), (((1,), (0,)), ((), ())))
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, self.features, self.param_dtype)
+            y = y + bias.reshape(n_out).astype(self.compute_dtype)
+        return y.reshape(*lead, *self.features)
 
 
 class Attention(nn.Module):
@@ -120,9 +131,8 @@ class Attention(nn.Module):
         tokens = x.reshape(b * t, x.shape[-1])  # [tokens, H]: 2-D matmuls (module docstring)
 
         def proj(name: str, heads: int) -> Array:  # fp32 [B, T, heads, D] (bias added in fp32)
-            y = nn.DenseGeneral((heads, hd), use_bias=cfg.attention_bias, dtype=self.compute_dtype,
-                                param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
-                                name=name)(tokens)
+            y = FlatDense((heads, hd), cfg.attention_bias, self.compute_dtype, self.param_dtype, init,
+                          name=name)(tokens)
             y = _plus(y, lora_delta(tokens, lora.get(name), self.lora_scale, self.compute_dtype))
             return y.reshape(b, t, heads, hd)
 
@@ -145,11 +155,11 @@ class Attention(nn.Module):
             v = lax.dynamic_index_in_dim(v_cache, layer_index, 0, keepdims=False)
             k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
 
-        out = _attend(q, k, v, allowed, nkv)  # [B * T, heads, D] fp32
+        # without a cache the mask is causal over the sequence itself (models/attention.py chunks)
+        out = attend(q, k, v, allowed, nkv, causal=k_cache is None)  # [B * T, heads, D] fp32
         out = out.astype(self.compute_dtype)
-        o = nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.compute_dtype,
-                            param_dtype=self.param_dtype, kernel_init=init, dot_general=dot_general_f32,
-                            name="o_proj")(out)
+        o = FlatDense((cfg.hidden_size,), False, self.compute_dtype, self.param_dtype, init, in_axes=2,
+                      name="o_proj")(out)
         o = _plus(o, lora_delta(out, lora.get("o_proj"), self.lora_scale, self.compute_dtype))
         return o.reshape(b, t, -1), k_cache, v_cache  # o: fp32 [B, T, H]
 
