@@ -15,11 +15,11 @@ validation, no checkpoints. Two workloads (`--workload`):
           trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
           (sequence packing, `model.use_remove_padding`, on).
 
-Last measured (varied, 2026-11-25, idle 2-core CPU):
-`python bench/rl_step.py --workload varied --steps 2 --max-new-tokens 128`: ours warm-up 78 s,
-timed steps 66.6 / 83.2 s (gen 20.8 / 23.1 s, update 45.8 / 60.1 s); TRL warm-up 114 s, timed
-steps 88.0 / 106.4 s (2 torch threads): TRL time / ours = 1.30x; the >= 2x target is NOT met
-(docs/performance.md: DRAM-bound decode and memory-bound elementwise work in the update). Each
+Last measured (varied, 2026-11-25 10:20, idle 2-core CPU):
+`python bench/rl_step.py --workload varied --steps 2 --max-new-tokens 128`: ours warm-up 74 s,
+timed steps 66.3 / 78.1 s (gen 22.4 / 24.2 s, update 44.0 / 53.9 s); TRL warm-up 124 s, timed
+steps 95.8 / 118.2 s (2 torch threads): TRL time / ours = 1.48x; the >= 2x target is NOT met
+(docs/performance.md: DRAM-bound decode, XLA:CPU's in-scan matmul rate, compiles of new shapes). Each
 step prints its timing spans and XLA compiles.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
