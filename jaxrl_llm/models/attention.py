@@ -10,6 +10,9 @@ activation memory of long rows), and each direction makes two fewer passes over 
 scores. Measured on SmolLM2 packed rows (4 x 512, CPU): the score passes were ~30% of a
 forward+backward, most of it memory traffic of the fp32 score tensors.
 
+One `custom_vjp` covers all chunks of a call, so its residuals hold q, k and v once (per-chunk
+key prefixes as residuals would store k / v ~(chunks + 1) / 2 times per layer).
+
 Causal chunks: without a KV cache (the trainer's full-sequence passes) the mask is causal, so a
 query chunk [s, e) sees no key past e - 1. The queries run in static chunks, each over keys
 [0, e) only: at T = 512 in chunks of 128 that is 10 of 16 key blocks, and each chunk's scores
@@ -67,25 +70,15 @@ def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int) -> tuple[Ar
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend_chunk(q: Array, k: Array, v: Array, allowed: Array, nkv: int) -> Array:
-    """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D]."""
-    return _ungroup(_forward(q, k, v, allowed, nkv)[0], q.shape[1])
-
-
-def _attend_chunk_fwd(q, k, v, allowed, nkv):
-    out, lse = _forward(q, k, v, allowed, nkv)
-    return _ungroup(out, q.shape[1]), (q, k, v, allowed, out, lse)
-
-
-def _attend_chunk_bwd(nkv, residuals, d_out):
-    q, k, v, allowed, out, lse = residuals
+def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv):
+    """(dq, dk, dv) of one query chunk: q [B, t, heads, D], k / v [B, kv, e, D], d_out fp32
+    [B, t, heads, D]; `out` (fp32 [B, kv, g * t, D]) and `lse` [B, kv, g, t] from `_forward`."""
     b, t, nh, hd = q.shape
     cd = v.dtype
     qg = _group_queries(q, nkv)
-    dog = _group_queries(d_out.astype(jnp.float32), nkv)  # fp32 [B, kv, g * T, D]
+    dog = _group_queries(d_out, nkv)  # fp32 [B, kv, g * t, D]
     scores = _masked_scores(qg, k, allowed, nh // nkv)
-    probs = jnp.exp(scores - lse[..., None])  # [B, kv, g, T, S]; 0 where masked (unless the row is)
+    probs = jnp.exp(scores - lse[..., None])  # [B, kv, g, t, e]; 0 where masked (unless the row is)
     d_probs = einsum_f32("bkqd,bksd->bkqs", dog.astype(cd), v).reshape(probs.shape)
     row_dot = jnp.sum(dog * out, axis=-1).reshape(lse.shape)[..., None]
     # masked scores got no gradient in the forward's where(), fully masked rows included
@@ -95,10 +88,43 @@ def _attend_chunk_bwd(nkv, residuals, d_out):
     d_v = einsum_f32("bkqs,bkqd->bksd", probs, dog.astype(cd))
     d_k = einsum_f32("bkqs,bkqd->bksd", d_scores, qg)
     d_q = _ungroup(einsum_f32("bkqs,bksd->bkqd", d_scores, k), t)
+    return d_q, d_k, d_v
+
+
+def _run_chunks(q, k, v, allowed, nkv, chunks):
+    """Per chunk (s, e, keys): the grouped fp32 output and lse of queries [s, e) over keys [0, keys)."""
+    return [_forward(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], nkv) for s, e, n in chunks]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend_chunks(q: Array, k: Array, v: Array, allowed: Array, nkv: int,
+                   chunks: tuple[tuple[int, int, int], ...]) -> Array:
+    """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D],
+    query chunks (start, end, keys) attending to keys [0, keys) only."""
+    return _attend_chunks_fwd(q, k, v, allowed, nkv, chunks)[0]
+
+
+def _attend_chunks_fwd(q, k, v, allowed, nkv, chunks):
+    results = _run_chunks(q, k, v, allowed, nkv, chunks)
+    out = jnp.concatenate([_ungroup(o, e - s) for (o, _), (s, e, _) in zip(results, chunks)], axis=1)
+    # residuals: the inputs once (not per chunk), each chunk's fp32 output and lse
+    return out, (q, k, v, allowed, [o for o, _ in results], [lse for _, lse in results])
+
+
+def _attend_chunks_bwd(nkv, chunks, residuals, d_out):
+    q, k, v, allowed, outs, lses = residuals
+    d_out = d_out.astype(jnp.float32)
+    d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for (s, e, n), out, lse in zip(chunks, outs, lses):
+        dq, dk, dv = _chunk_grads(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], out, lse,
+                                  d_out[:, s:e], nkv)
+        d_q.append(dq)
+        d_k, d_v = d_k.at[:, :, :n].add(dk), d_v.at[:, :, :n].add(dv)
+    d_q = jnp.concatenate(d_q, axis=1)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
 
 
-_attend_chunk.defvjp(_attend_chunk_fwd, _attend_chunk_bwd)
+_attend_chunks.defvjp(_attend_chunks_fwd, _attend_chunks_bwd)
 
 
 def chunk_bounds(t: int) -> list[tuple[int, int]]:
@@ -112,8 +138,9 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, *, causal: bo
     fp32 [B * T, heads, D]. `causal` (S == T, `allowed` implies key <= query): run the queries in
     chunks, each over the keys up to its last row only."""
     b, t, nh, hd = q.shape
-    if not causal or t != k.shape[2] or t <= CAUSAL_CHUNK:
-        return _attend_chunk(q, k, v, allowed, nkv).reshape(b * t, nh, hd)
-    outs = [_attend_chunk(q[:, s:e], k[:, :, :e], v[:, :, :e], allowed[:, s:e, :e], nkv)
-            for s, e in chunk_bounds(t)]
-    return jnp.concatenate(outs, axis=1).reshape(b * t, nh, hd)
+    keys = k.shape[2]
+    if causal and t == keys:
+        chunks = tuple((s, e, e) for s, e in chunk_bounds(t))
+    else:
+        chunks = ((0, t, keys),)
+    return _attend_chunks(q, k, v, allowed, nkv, chunks).reshape(b * t, nh, hd)
