@@ -31,10 +31,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.numerics import einsum_f32, probs_times_values
+from jaxrl_llm.models.numerics import MASKED_SCORE, einsum_f32, probs_times_values
 
 Array = jax.Array
-NEG = jnp.finfo(jnp.float32).min  # finite, so fully masked (padding) query rows stay NaN-free
 CAUSAL_CHUNK = 128  # query rows per chunk (the smallest; long rows use at most MAX_CHUNKS chunks)
 MAX_CHUNKS = 8
 
@@ -52,10 +51,10 @@ def _ungroup(x: Array, t: int) -> Array:
 
 
 def _masked_scores(qg: Array, k: Array, allowed: Array, groups: int) -> Array:
-    """fp32 scaled scores [B, kv, g, T, S], NEG where not allowed."""
+    """fp32 scaled scores [B, kv, g, T, S], MASKED_SCORE where not allowed."""
     b, nkv, gt, hd = qg.shape
     scores = einsum_f32("bkqd,bksd->bkqs", qg, k).reshape(b, nkv, groups, gt // groups, -1)
-    return jnp.where(allowed[:, None, None], scores * (hd ** -0.5), NEG)
+    return jnp.where(allowed[:, None, None], scores * (hd ** -0.5), MASKED_SCORE)
 
 
 def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int) -> tuple[Array, Array]:

@@ -23,6 +23,10 @@ from jax import lax
 
 Array = jax.Array
 
+# the fp32 score of a masked key in the trainer's and the XLA decode path's attention: finite, so a
+# fully masked (padding) query row stays NaN-free
+MASKED_SCORE = float(jnp.finfo(jnp.float32).min)
+
 # compute-dtype operands, fp32 accumulation and fp32 result (a flax `dot_general=` drop-in)
 dot_general_f32 = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
 

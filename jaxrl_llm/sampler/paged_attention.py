@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.models.numerics import MASKED_SCORE
+
 Array = jax.Array
-_NEG = jnp.finfo(jnp.float32).min
 IMPLS = ("auto", "xla", "pallas")
 _BLOCK_TOKENS = 128  # keys per loop iteration (rounded to whole pages)
 
@@ -96,7 +97,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
         scores = jnp.einsum("skgd,sknd->skgn", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lo[:, None])  # [slots, n]
-        scores = jnp.where(valid[:, None, None, :], scores, _NEG)
+        scores = jnp.where(valid[:, None, None, :], scores, MASKED_SCORE)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         p = jnp.exp(scores - m_new[..., None]) * valid[:, None, None, :]
         corr = jnp.exp(m - m_new)
@@ -107,7 +108,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     first = jnp.min(jnp.where(lengths > 0, lo, jnp.iinfo(jnp.int32).max)) // block_tokens
     first = jnp.clip(first, 0, num_blocks)
     last = jnp.minimum(-(-jnp.max(lengths) // block_tokens), num_blocks)
-    init = (first, jnp.full((slots, nkv, g), _NEG, jnp.float32), jnp.zeros((slots, nkv, g), jnp.float32),
+    init = (first, jnp.full((slots, nkv, g), MASKED_SCORE, jnp.float32), jnp.zeros((slots, nkv, g), jnp.float32),
             jnp.zeros((slots, nkv, g, hd), jnp.float32))
     _, _, s, acc = lax.while_loop(lambda c: c[0] < last, body, init)
     out = acc / jnp.where(s > 0, s, 1.0)[..., None]  # empty slots: acc = 0 -> output 0
