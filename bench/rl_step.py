@@ -62,6 +62,9 @@ SAMPLES_PER_PROMPT = 4
 # varied: 4 micro-batches of 8 sequences (gradient accumulation, still one AdamW step) on both sides;
 # the whole 32-sequence batch in one backward needs > 23 GB on CPU (ours OOMed at 256 new tokens)
 VARIED_MICRO_BATCH = 8
+# ours packs the varied workload's micro-batches to a token budget (use_dynamic_bsz): 4 rows of 512
+# tokens each, so a new length mix compiles no new update program
+VARIED_TOKEN_BUDGET = 2048
 MIN_PROMPT, MAX_PROMPT = 30, 300  # templated prompt tokens of the varied workload (bench/train_step.py's)
 
 # Varied workload: instructions whose natural answers range from one token to a long explanation, so
@@ -109,6 +112,8 @@ def quickstart_config(steps: int, response_length: int, run_dir: str, train_file
         cfg.data.val_files = None
         cfg.data.max_prompt_length = MAX_PROMPT
         cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_device = VARIED_MICRO_BATCH
+        cfg.actor_rollout_ref.actor.use_dynamic_bsz = True
+        cfg.actor_rollout_ref.actor.ppo_max_token_len_per_device = VARIED_TOKEN_BUDGET
     cfg.actor_rollout_ref.rollout.temperature = 1.0
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = PROMPTS_PER_STEP  # one optimizer step per RL step

@@ -13,6 +13,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
@@ -20,7 +21,7 @@ from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.losses.trl_rloo import trl_rloo_advantages
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.trainer.forward import micro_batched, response_log_probs, response_values
+from jaxrl_llm.trainer.forward import budget_chunked, micro_batched, response_log_probs, response_values
 from jaxrl_llm.trainer.packing import PackedLayout
 
 Array = jax.Array
@@ -44,12 +45,28 @@ class Experience:
     packing: PackedLayout | None = None
 
 
+_RESPONSE_FIELDS = ("response_mask", "old_log_probs", "advantages", "returns", "ref_log_probs", "values",
+                    "rollout_is_weights")
+
+
+@functools.partial(jax.jit, static_argnames=("prompt_pad", "response_pad"))
+def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Experience:
+    """`exp` with `prompt_pad` columns of padding before the prompts and `response_pad` after the
+    responses (0s: masked everywhere), so token-budget packing sees the config's longest shapes
+    whatever this step's lengths (trainer/packing.py `capacity_shape`)."""
+    seq = lambda x: jnp.pad(x, ((0, 0), (prompt_pad, response_pad)))  # noqa: E731
+    resp = {f: jnp.pad(getattr(exp, f), ((0, 0), (0, response_pad)))
+            for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}
+    return exp.replace(input_ids=seq(exp.input_ids), attention_mask=seq(exp.attention_mask), **resp)
+
+
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows"))
 def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
                       packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
                       compute_dtype: str, micro_rows: int) -> Array:
     """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
-    `packing`: one layout per chunk (trainer/packing.py `plan_chunks`) to run packed."""
+    `packing`: one layout per chunk (trainer/packing.py `plan_chunks`) to run packed, or with
+    micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`)."""
     response_len = response_mask.shape[1]
 
     def one(chunk: dict) -> Array:
@@ -57,7 +74,7 @@ def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, res
                                   temperature=temperature, compute_dtype=compute_dtype,
                                   packing=chunk.get("per_chunk"))
 
-    return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
+    return _chunked(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "compute_dtype", "micro_rows"))
@@ -70,7 +87,13 @@ def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, respon
         return response_values(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
                                compute_dtype=compute_dtype, packing=chunk.get("per_chunk"))
 
-    return micro_batched(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
+    return _chunked(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
+
+
+def _chunked(fn, batch: dict, micro_rows: int, packing: PackedLayout | None) -> Array:
+    if micro_rows == 0:  # token-budget chunks (their shapes come from the config alone)
+        return budget_chunked(fn, batch, packing)
+    return micro_batched(fn, batch, micro_rows, packing)
 
 
 @functools.partial(jax.jit, static_argnames=("s",))

@@ -79,3 +79,19 @@ def micro_batched(fn: Callable[[dict], dict], batch: dict, micro_rows: int, per_
         chunks = {**chunks, "per_chunk": per_chunk}
     out = jax.lax.map(fn, chunks)
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
+
+
+def budget_chunked(fn: Callable[[dict], Array], batch: dict, layouts: PackedLayout) -> Array:
+    """Sum of `fn` over token-budget chunks (`packing.plan_capacity_chunks`, leading axis =
+    chunks): each call reads all of `batch` with one chunk's layout as `chunk["per_chunk"]` and
+    returns per-token values that are 0 outside that chunk's tokens; a chunk this step leaves empty
+    is skipped. Unlike `micro_batched`, the shapes never depend on the lengths."""
+    run = lambda layout: fn({**batch, "per_chunk": layout})  # noqa: E731
+    out_shape = jax.eval_shape(run, jax.tree.map(lambda x: x[0], layouts))
+
+    def step(total, layout):
+        out = jax.lax.cond(jnp.any(layout.segment_ids > 0), run,
+                           lambda _: jnp.zeros(out_shape.shape, out_shape.dtype), layout)
+        return total + out, None
+
+    return jax.lax.scan(step, jnp.zeros(out_shape.shape, out_shape.dtype), layouts)[0]

@@ -71,6 +71,16 @@ class PackedLayout:
     response_dst: Array
 
 
+class CapacityPacking(NamedTuple):
+    """Token-budget packing of an update call (`use_dynamic_bsz`): `order` as `UpdatePacking`'s and
+    `layout` with leading [epochs, mini-batches, micro-batches, shards] axes whose sizes come from
+    the config alone (`capacity_shape`). Each micro-batch reads its whole mini-batch and scores the
+    sequences its rows hold; micro-batches a step leaves empty are skipped."""
+
+    order: Any
+    layout: PackedLayout
+
+
 class UpdatePacking(NamedTuple):
     """Packing of a whole update call: `order` [epochs, N] the rows of each epoch in order (the
     shuffle's permutation, computed on the host with the padded path's function, or arange) and
@@ -141,45 +151,114 @@ def _pick_width(length: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray)
     return width, rows, need_m
 
 
+def _response_geometry(mask: np.ndarray, response_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(start, length, first scored response column, response tokens) per row of `mask`."""
+    start, length = sequence_spans(mask)
+    resp0 = mask.shape[1] - response_len
+    # response column c is scored by the hidden state at c - 1; both must be real tokens
+    first_resp = np.maximum(resp0, start + 1)
+    return start, length, first_resp, np.maximum(start + length - first_resp, 0)
+
+
+def _fill_block(row_members: Sequence[Sequence[int]], group: np.ndarray, geometry: tuple, width: int,
+                seq_len: int, response_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(token_index [rows, width], segment_ids [rows, width], response src, response dst) of one
+    block: row r holds the sequences `group[row_members[r]]` back to back; indices are relative to
+    the block's group (its flattened [len(group) * seq_len] tokens / [len(group) * R] responses)."""
+    start, length, first_resp, _ = geometry
+    resp0 = seq_len - response_len
+    token_index = np.zeros((len(row_members), width), np.int32)
+    segment_ids = np.zeros((len(row_members), width), np.int32)
+    src, dst = [], []
+    for r, members in enumerate(row_members):
+        offset = 0
+        for seg, local in enumerate(members, start=1):
+            g = group[local]
+            n = int(length[g])
+            token_index[r, offset:offset + n] = local * seq_len + start[g] + np.arange(n)
+            segment_ids[r, offset:offset + n] = seg
+            cols = np.arange(first_resp[g], start[g] + length[g])
+            src.append(r * width + offset + (cols - 1 - start[g]))
+            dst.append(local * response_len + (cols - resp0))
+            offset += n
+    cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)  # noqa: E731
+    return token_index, segment_ids, cat(src), cat(dst)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _stack_blocks(blocks: list[tuple], lead: tuple[int, ...], n_d: int, response_len: int,
+                  min_slots: int = MIN_RESPONSE_SLOTS, max_slots: int | None = None) -> PackedLayout:
+    """One `PackedLayout` with leading axes `lead` from its blocks (equal [rows, width] each); the
+    response slots M: a power of two >= the most response tokens of a block (few distinct shapes),
+    at least `min_slots`, at most `max_slots` and the n_d * R response tokens there are."""
+    cap = min(n_d * response_len, max_slots or n_d * response_len)
+    m = min(max(min_slots, _pow2(max(len(b[2]) for b in blocks))), cap)
+    src = np.zeros((len(blocks), m), np.int32)
+    dst = np.full((len(blocks), m), n_d * response_len, np.int32)
+    for i, (_, _, s, d) in enumerate(blocks):
+        src[i, :len(s)], dst[i, :len(d)] = s, d
+    rows, width = blocks[0][0].shape
+    return PackedLayout(token_index=np.stack([b[0] for b in blocks]).reshape(*lead, rows, width),
+                        segment_ids=np.stack([b[1] for b in blocks]).reshape(*lead, rows, width),
+                        response_src=src.reshape(*lead, m), response_dst=dst.reshape(*lead, m))
+
+
 def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray) -> PackedLayout:
     """The packed layout (numpy) of `groups` [..., shards, n_d]: global row ids, each shard's rows in
     micro-batch order. Shapes: width >= the longest sequence, rows and M bucketed to the largest
     shard's need, so all micro-batches of a call share one shape."""
     mask = np.asarray(attention_mask)
-    num_rows, seq_len = mask.shape
-    start, length = sequence_spans(mask)
-    resp0 = seq_len - response_len
-    # response column c is scored by the hidden state at c - 1; both must be real tokens
-    first_resp = np.maximum(resp0, start + 1)
-    resp_tokens = np.maximum(start + length - first_resp, 0)
+    geometry = _response_geometry(mask, response_len)
     groups = np.asarray(groups)
-    width, rows, need_m = _pick_width(length, resp_tokens, groups)
-    # M only sizes the LM-head / value-head work: powers of two keep the program count low
-    n_d = groups.shape[-1]
-    m = min(max(MIN_RESPONSE_SLOTS, 1 << max(need_m - 1, 0).bit_length()), n_d * response_len)
-    flat = groups.reshape(-1, n_d)
-    token_index = np.zeros((len(flat), rows, width), np.int32)
-    segment_ids = np.zeros((len(flat), rows, width), np.int32)
-    src = np.zeros((len(flat), m), np.int32)
-    dst = np.full((len(flat), m), n_d * response_len, np.int32)
-    for s, group in enumerate(flat):
-        k = 0
-        for r, members in enumerate(_first_fit_decreasing(length[group], width)):
-            offset = 0
-            for seg, local in enumerate(members, start=1):
-                g = group[local]
-                n = int(length[g])
-                token_index[s, r, offset:offset + n] = local * seq_len + start[g] + np.arange(n)
-                segment_ids[s, r, offset:offset + n] = seg
-                cols = np.arange(first_resp[g], start[g] + length[g])
-                src[s, k:k + len(cols)] = r * width + offset + (cols - 1 - start[g])
-                dst[s, k:k + len(cols)] = local * response_len + (cols - resp0)
-                k += len(cols)
-                offset += n
-    lead = groups.shape[:-1]
-    return PackedLayout(token_index=token_index.reshape(*lead, rows, width),
-                        segment_ids=segment_ids.reshape(*lead, rows, width),
-                        response_src=src.reshape(*lead, m), response_dst=dst.reshape(*lead, m))
+    width, rows, _ = _pick_width(geometry[1], geometry[3], groups)
+    blocks = []
+    for group in groups.reshape(-1, groups.shape[-1]):
+        members = _first_fit_decreasing(geometry[1][group], width)
+        members += [[] for _ in range(rows - len(members))]
+        blocks.append(_fill_block(members, group, geometry, width, mask.shape[1], response_len))
+    return _stack_blocks(blocks, groups.shape[:-1], groups.shape[-1], response_len)
+
+
+def capacity_shape(seq_len: int, token_budget: int, rows_per_shard: int) -> tuple[int, int, int]:
+    """(micro-batches, rows, width) of token-budget packing (`use_dynamic_bsz`): rows of the width
+    bucket of the longest possible sequence, as many per micro-batch as `token_budget` holds (at
+    least one), and enough micro-batches for the worst case (every sequence alone in a row). Only
+    the config sets them, never this step's lengths, so the programs never recompile for a new
+    length mix; micro-batches a step does not fill are skipped on device."""
+    width = row_width(seq_len)
+    rows = max(1, min(token_budget // width, rows_per_shard))
+    return -(-rows_per_shard // rows), rows, width
+
+
+def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray, num_micro: int,
+                          rows: int, width: int) -> PackedLayout:
+    """Token-budget layout of `groups` [..., shards, n_d] with leading axes [..., num_micro, shards]:
+    each shard's sequences packed first-fit-decreasing into rows of `width`, `rows` rows per
+    micro-batch in turn (trailing micro-batches empty). Indices are relative to the shard's whole
+    group, which every micro-batch reads (trainer/update.py)."""
+    mask = np.asarray(attention_mask)
+    geometry = _response_geometry(mask, response_len)
+    groups = np.asarray(groups)
+    lead, n_d = groups.shape[:-2], groups.shape[-1]
+    shards = groups.shape[-2]
+    flat = groups.reshape(-1, shards, n_d)
+    if int(geometry[1][flat.reshape(-1)].max()) > width:
+        raise ValueError(f"a sequence of {int(geometry[1].max())} tokens does not fit packed rows of {width}")
+    blocks: list[list[tuple]] = [[None] * shards for _ in range(len(flat) * num_micro)]
+    for i, shard_groups in enumerate(flat):
+        for s, group in enumerate(shard_groups):
+            members = _first_fit_decreasing(geometry[1][group], width)
+            members += [[] for _ in range(num_micro * rows - len(members))]
+            for k in range(num_micro):
+                blocks[i * num_micro + k][s] = _fill_block(members[k * rows:(k + 1) * rows], group, geometry,
+                                                           width, mask.shape[1], response_len)
+    # M: the power of two >= half the tokens a micro-batch computes, or all of them when a step has
+    # more response tokens than that in one micro-batch (two shapes at most)
+    return _stack_blocks([b for mb in blocks for b in mb], (*lead, num_micro, shards), n_d, response_len,
+                         min_slots=_pow2(-(-rows * width // 2)), max_slots=rows * width)
 
 
 def epoch_orders(rng: Array, epochs: int, num_rows: int, shuffle: bool) -> np.ndarray:
@@ -189,20 +268,6 @@ def epoch_orders(rng: Array, epochs: int, num_rows: int, shuffle: bool) -> np.nd
         return np.tile(np.arange(num_rows, dtype=np.int32), (epochs, 1))
     return np.stack([np.asarray(jax.random.permutation(k, num_rows))
                      for k in jax.random.split(rng, epochs)]).astype(np.int32)
-
-
-def dynamic_micro_batches(attention_mask: np.ndarray, orders: np.ndarray, num_mini: int, shards: int,
-                          token_budget: int) -> int:
-    """Micro-batches per mini-batch so that every shard's sequences of every micro-batch hold at
-    most `token_budget` real tokens (as few micro-batches as that allows; their count must divide
-    the shard's rows, so a micro-batch may stay below the budget)."""
-    _, length = sequence_spans(attention_mask)
-    per_shard = orders.shape[1] // num_mini // shards
-    for micro in (d for d in range(1, per_shard + 1) if per_shard % d == 0):
-        groups = orders.reshape(-1, num_mini, micro, shards, per_shard // micro)
-        if length[groups].sum(-1).max() <= token_budget:
-            return micro
-    return per_shard
 
 
 def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins: int) -> np.ndarray:
@@ -233,21 +298,28 @@ def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins:
 
 def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, epochs: int, shuffle: bool,
                 num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None
-                ) -> tuple[UpdatePacking, int]:
-    """(UpdatePacking, micro-batches per mini-batch) of one `run_update_epochs` call. num_micro None:
-    a dynamic batch size, micro-batches filled up to `token_budget` real tokens per shard."""
-    num_rows = np.shape(attention_mask)[0]
+                ) -> tuple[UpdatePacking | CapacityPacking, int]:
+    """(packing, micro-batches to split each mini-batch into) of one `run_update_epochs` call.
+    num_micro None: a dynamic batch size (`token_budget` tokens per shard per micro-batch): a
+    `CapacityPacking` whose shapes only the config sets, and 1 (every micro-batch reads the whole
+    mini-batch and scores its own sequences)."""
+    mask = np.asarray(attention_mask)
+    num_rows = mask.shape[0]
     orders = epoch_orders(rng, epochs, num_rows, shuffle)
     if num_micro is None:
-        num_micro = dynamic_micro_batches(attention_mask, orders, num_mini, shards, token_budget)
+        per_shard = num_rows // num_mini // shards
+        if per_shard * shards * num_mini != num_rows:
+            raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {shards} shards")
+        count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
+        groups = orders.reshape(epochs, num_mini, shards, per_shard)
+        return CapacityPacking(orders, build_capacity_layout(mask, response_len, groups, count, rows, width)), 1
     n_d = num_rows // num_mini // num_micro // shards
     if n_d * shards * num_micro * num_mini != num_rows:
         raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {num_micro} micro-batches "
                          f"x {shards} shards")
-    if token_budget is None:  # (a token budget already sized its micro-batches on the drawn order)
-        orders = balanced_orders(sequence_spans(attention_mask)[1], orders, num_mini, num_micro * shards)
+    orders = balanced_orders(sequence_spans(mask)[1], orders, num_mini, num_micro * shards)
     groups = orders.reshape(epochs, num_mini, num_micro, shards, n_d)
-    return UpdatePacking(orders, build_layout(attention_mask, response_len, groups)), num_micro
+    return UpdatePacking(orders, build_layout(mask, response_len, groups)), num_micro
 
 
 def plan_chunks(attention_mask: np.ndarray, response_len: int, micro_rows: int, shards: int) -> PackedLayout:
@@ -259,13 +331,22 @@ def plan_chunks(attention_mask: np.ndarray, response_len: int, micro_rows: int, 
     return build_layout(attention_mask, response_len, groups)
 
 
-def dynamic_chunk_rows(attention_mask: np.ndarray, shards: int, token_budget: int) -> int:
-    """Rows per chunk of a no-grad pass: the most (a divisor of the rows per shard) whose real tokens
-    fit `token_budget` per shard in every chunk."""
-    num_rows = np.shape(attention_mask)[0]
-    order = np.arange(num_rows)[None]
-    micro = dynamic_micro_batches(attention_mask, order, 1, shards, token_budget)
-    return num_rows // micro
+def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: int, token_budget: int
+                         ) -> PackedLayout:
+    """Token-budget layout of a no-grad pass (leading axes [chunks, shards]): each chunk reads all
+    rows and computes `token_budget` tokens per shard (`forward.packed_chunks`)."""
+    mask = np.asarray(attention_mask)
+    shards = shards if mask.shape[0] % shards == 0 else 1
+    per_shard = mask.shape[0] // shards
+    count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
+    return build_capacity_layout(mask, response_len, np.arange(mask.shape[0]).reshape(shards, per_shard),
+                                 count, rows, width)
+
+
+def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
+    """[n, R] float32: 1 where `layout` scores a response token (a token-budget micro-batch's own
+    tokens), else 0."""
+    return unpack_response(jnp.ones(layout.response_dst.shape, jnp.float32), layout, num_rows, response_len)
 
 
 def packing_stats(layout: PackedLayout) -> dict[str, int]:

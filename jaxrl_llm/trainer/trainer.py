@@ -31,14 +31,15 @@ from jaxrl_llm.config.batch_plan import MicroBatching, RoleBatch
 from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
-from jaxrl_llm.sampler import SamplingParams
+from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, to_device, to_host
 from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm.trainer import checkpoint as ckpt
 from jaxrl_llm.trainer import packing
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, values_no_grad
+from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_experience,
+                                         values_no_grad)
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.pipeline import make_pipeline
@@ -286,12 +287,10 @@ class Trainer:
             values = None
             if self.critic is not None:
                 with timer("values") as span:
-                    micro_rows, layout = self._no_grad_chunks(plan.values, rows, seq_len, int(mask.shape[1]),
-                                                              host_mask, spec.critic_model.use_remove_padding)
-                    values = span.wait(values_no_grad(
-                        self.critic.params, **seq, response_mask=mask, packing=layout,
-                        model_cfg=self.critic.model_cfg, compute_dtype=spec.critic.compute_dtype,
-                        micro_rows=micro_rows))
+                    values = span.wait(self._no_grad_pass(
+                        values_no_grad, self.critic.params, rollout, plan.values, host_mask,
+                        spec.critic_model.use_remove_padding, model_cfg=self.critic.model_cfg,
+                        compute_dtype=spec.critic.compute_dtype))
             with timer("adv") as span:
                 baselines = (self._remax_baselines(batch, rng) if ADV_ESTIMATORS.capability(
                     spec.advantage.adv_estimator, "needs_reward_baselines") else None)
@@ -362,24 +361,39 @@ class Trainer:
     def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching, host_mask: np.ndarray | None
                    ) -> jax.Array:
         """Response log-probs under `params` (reference or old policy), in `micro`'s micro-batches."""
-        rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
-        micro_rows, layout = self._no_grad_chunks(micro, rows, seq_len, int(rollout.response_mask.shape[1]),
-                                                  host_mask, self.spec.model.use_remove_padding)
-        return log_probs_no_grad(params, rollout.input_ids, rollout.attention_mask, rollout.response_mask, layout,
-                                 model_cfg=self.actor.model_cfg, temperature=self.spec.actor.temperature,
-                                 compute_dtype=self.spec.actor.compute_dtype, micro_rows=micro_rows)
+        return self._no_grad_pass(log_probs_no_grad, params, rollout, micro, host_mask,
+                                  self.spec.model.use_remove_padding, model_cfg=self.actor.model_cfg,
+                                  temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype)
 
-    def _no_grad_chunks(self, micro: MicroBatching, rows: int, seq_len: int, response_len: int,
-                        host_mask: np.ndarray | None, packed: bool) -> tuple[int, Any]:
-        """(rows per chunk, packed layout or None) of a no-grad pass. Packed with a token budget, a
-        chunk holds as many sequences as their real tokens allow (not the padded length)."""
-        if not packed:
-            return self.spec.plan.forward_micro_rows(micro, rows, seq_len), None
-        if micro.token_budget is not None:
-            micro_rows = packing.dynamic_chunk_rows(host_mask, self.dp_size, micro.token_budget)
-        else:
+    def _no_grad_pass(self, fn: Any, params: dict, rollout: Rollout, micro: MicroBatching,
+                      host_mask: np.ndarray | None, packed: bool, **settings: Any) -> jax.Array:
+        """`fn` (`log_probs_no_grad` / `values_no_grad`) over the rollout in `micro`'s chunks: padded
+        rows, packed chunks of a fixed number of rows, or packed to a token budget (rows padded to the
+        config's longest shapes first, so the program is the same at every step)."""
+        ids, attn, resp = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+        rows, seq_len, response_len = rollout.num_rows, int(ids.shape[1]), int(resp.shape[1])
+        if packed and micro.token_budget is not None:
+            pads = self._budget_padding(seq_len, response_len)
+            padded = pad_experience(Experience(ids, attn, resp, resp, resp, resp), *pads)
+            layout = packing.plan_capacity_chunks(_pad_host(host_mask, pads), response_len + pads[1], self.dp_size,
+                                                  micro.token_budget)
+            out = fn(params, padded.input_ids, padded.attention_mask, padded.response_mask, layout, micro_rows=0,
+                     **settings)
+            return out[:, :response_len]
+        if packed:
             micro_rows = self.spec.plan.forward_micro_rows(micro, rows, seq_len)
-        return micro_rows, packing.plan_chunks(host_mask, response_len, micro_rows, self.dp_size)
+            layout = packing.plan_chunks(host_mask, response_len, micro_rows, self.dp_size)
+        else:
+            micro_rows, layout = self.spec.plan.forward_micro_rows(micro, rows, seq_len), None
+        return fn(params, ids, attn, resp, layout, micro_rows=micro_rows, **settings)
+
+    def _budget_padding(self, seq_len: int, response_len: int) -> tuple[int, int]:
+        """(prompt, response) columns that bring a step's [N, P + R] rows to the config's longest
+        prompt bucket + response length: token-budget packing's shapes then never follow the step."""
+        plan = self.spec.plan
+        prompt_len = seq_len - response_len
+        return (max(prompt_len, bucket_length(plan.max_prompt_length)) - prompt_len,
+                max(response_len, plan.response_length) - response_len)
 
     def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
         """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""
@@ -411,6 +425,9 @@ class Trainer:
                     else (self.spec.critic_model, self.spec.critic))
         if model.use_remove_padding:  # packed: the host plans layouts (and draws the shuffle) for the jit
             budget = role_batch.micro.token_budget
+            if budget is not None:  # the config's longest shapes: the same program at every step
+                pads = self._budget_padding(seq_len, int(exp.response_mask.shape[1]))
+                exp, host_mask = pad_experience(exp, *pads), _pad_host(host_mask, pads)
             layout, num_micro = packing.plan_update(
                 host_mask, int(exp.response_mask.shape[1]), rng, epochs=s.ppo_epochs, shuffle=s.shuffle,
                 num_mini=num_mini, num_micro=None if budget is not None else num_micro, shards=self.dp_size,
@@ -570,3 +587,7 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
     if first is not None and not quiet:
         raise first
 
+
+def _pad_host(host_mask: np.ndarray, pads: tuple[int, int]) -> np.ndarray:
+    """The host copy of an attention mask padded as `pad_experience` pads the device rows."""
+    return np.pad(np.asarray(host_mask), ((0, 0), pads))

@@ -25,6 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
+from jaxrl_llm.trainer.packing import CapacityPacking, response_coverage
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
@@ -83,7 +84,9 @@ def run_update_epochs(
 
     packing: a `trainer.packing.UpdatePacking` (sequence packing): its `order` replaces the device
     shuffle (the host drew the same permutations) and each micro-batch gets its packed layout as
-    `micro.packing` (the batch must then be an `Experience`)."""
+    `micro.packing` (the batch must then be an `Experience`). A `CapacityPacking` (token budget)
+    brings its own micro-batches (num_micro_batches must be 1): each reads the whole mini-batch with
+    the response mask cut to its own sequences, and empty ones are skipped by a `lax.cond`."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     if num_rows % (num_mini_batches * num_micro_batches):
         raise ValueError(
@@ -91,6 +94,9 @@ def run_update_epochs(
             f"{num_micro_batches} micro-batches"
         )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    by_budget = isinstance(packing, CapacityPacking)
+    if by_budget and num_micro_batches != 1:
+        raise ValueError("token-budget packing splits mini-batches itself: pass num_micro_batches=1")
     tx = optax.with_extra_args_support(tx)
     lr_args = {} if lr is None else {"learning_rate": lr}
 
@@ -106,8 +112,22 @@ def run_update_epochs(
             (loss, metrics), grads = grad_fn(params, micro, denoms)
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
+        def budget_micro_step(acc, layout):
+            # every micro-batch reads the whole mini-batch and scores the sequences its rows hold:
+            # the other rows' tokens are masked out (their log-probs come back as 0)
+            covered = response_coverage(layout, mini.response_mask.shape[0], mini.response_mask.shape[1])
+            micro = mini.replace(packing=layout, response_mask=mini.response_mask * covered)
+            run = lambda: grad_fn(params, micro, denoms)  # noqa: E731
+            # a micro-batch this step's lengths leave empty costs nothing (same zeros as its grads)
+            skip = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))  # noqa: E731
+            (loss, metrics), grads = jax.lax.cond(jnp.any(layout.segment_ids > 0), run, skip)
+            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micros, layouts))
+        if by_budget:
+            grads, (losses, metrics) = jax.lax.scan(budget_micro_step, zeros, layouts)
+        else:
+            grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micros, layouts))
         grad_norm = optax.tree.norm(grads)
         loss_ok = jnp.isfinite(jnp.sum(losses))
         finite = loss_ok & jnp.isfinite(grad_norm)

@@ -18,7 +18,7 @@ from jaxrl_llm.models.cache import segment_positions
 from jaxrl_llm.trainer import packing as pk
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, pad_experience, values_no_grad
 from jaxrl_llm.trainer.forward import response_log_probs
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -227,25 +227,109 @@ def test_balanced_orders_even_out_micro_batches_within_mini_batches():
     assert pk.packing_stats(packing.layout) == {"computed_tokens": 2 * 640, "real_tokens": 1280}
 
 
-def test_dynamic_batch_fills_the_token_budget():
+def _budget_update(update_fn, params, s, b, budget, mesh=None, fn=None):
+    tx = optax.sgd(0.5)
+    b, sharding, shards = _place(b, mesh)
+    rng = jax.random.PRNGKey(1)
+    packing, num_micro = pk.plan_update(np.asarray(b.attention_mask), b.response_mask.shape[1], rng,
+                                        epochs=s.ppo_epochs, shuffle=s.shuffle, num_mini=2, num_micro=None,
+                                        shards=shards, token_budget=budget)
+    assert isinstance(packing, pk.CapacityPacking) and num_micro == 1
+    fn = fn or jax.jit(functools.partial(update_fn, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
+                                         num_micro_batches=1, rows_sharding=sharding))
+    new, _, metrics = fn(params, tx.init(params), b, rng, None, packing)
+    return (jax.device_get(new), jax.device_get(metrics)), packing, fn
+
+
+def test_token_budget_layout_fills_fixed_micro_batches():
     b = _batch(8)
     mask = np.asarray(b.attention_mask)
     _, length = pk.sequence_spans(mask)
     budget, shards = 48, 2
-    packing, micro = pk.plan_update(mask, R, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
-                                    num_micro=None, shards=shards, token_budget=budget)
-    per_shard = N // shards
-    groups = np.arange(N).reshape(micro, shards, per_shard // micro)
-    assert length[groups].sum(-1).max() <= budget
-    # the next smaller count of micro-batches would overflow the budget: it is as full as it can be
-    fewer = [d for d in range(1, micro) if per_shard % d == 0][-1]
-    assert length[np.arange(N).reshape(fewer, shards, per_shard // fewer)].sum(-1).max() > budget
-    # the padded path fits budget // (P + R) sequences per micro-batch; packed ones hold more
-    padded = MicroBatching("k", None, budget).sequences_per_device(per_shard, P + R)
-    assert per_shard // micro == 4 and padded == 2
-    assert pk.packing_stats(packing.layout)["real_tokens"] == int(length.sum())
-    chunk_rows = pk.dynamic_chunk_rows(mask, shards, budget)  # the no-grad passes' chunks likewise
-    assert chunk_rows == N // micro
+    packing, _ = pk.plan_update(mask, R, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
+                                num_micro=None, shards=shards, token_budget=budget)
+    seg = np.asarray(packing.layout.segment_ids)
+    # rows of the width bucket of P + R = 16 tokens, budget // 16 = 3 rows per micro-batch, and
+    # enough micro-batches for 8 sequences per shard alone in their rows: ceil(8 / 3) = 3
+    assert seg.shape == (1, 1, 3, shards, 3, 16)
+    assert pk.capacity_shape(P + R, budget, N // shards) == (3, 3, 16)
+    real = (seg > 0).sum((-1, -2))  # [.., micro, shard] real tokens
+    assert real.max() <= budget and real.sum() == length.sum()
+    # every sequence is packed exactly once: its token indices (relative to its shard) all appear
+    tok = np.asarray(packing.layout.token_index)
+    for s in range(shards):
+        got = np.sort(tok[0, 0, :, s][seg[0, 0, :, s] > 0])
+        rows = np.arange(N).reshape(shards, -1)[s]
+        want = np.sort(np.concatenate([i * (P + R) + np.flatnonzero(mask[r]) for i, r in enumerate(rows)]))
+        np.testing.assert_array_equal(got, want)
+    # the shapes come from the config alone: shorter sequences give the same shapes
+    short = np.asarray(_batch(9, max_prompt=2, max_resp=2).attention_mask)
+    again, _ = pk.plan_update(short, R, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
+                              num_micro=None, shards=shards, token_budget=budget)
+    assert again.layout.segment_ids.shape == seg.shape
+    assert (np.asarray(again.layout.segment_ids).reshape(3, -1) > 0).any(1).tolist() == [True, False, False]
+
+
+def test_token_budget_update_equals_padded():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    s = dataclasses.replace(SETTINGS, loss_agg_mode="seq-mean-token-mean")
+    padded = _update(update_actor, params, s, _batch(), packed=False)[:2]
+    budget, packing, _ = _budget_update(update_actor, params, s, _batch(), budget=40)
+    _assert_same(padded, budget)
+    seg = np.asarray(packing.layout.segment_ids)
+    used = (seg > 0).any((-1, -2, -3))  # [epochs, mini, micro]
+    assert used.sum(-1).min() >= 2 and not used.all()  # several micro-batches, and skipped empty ones
+
+
+def test_token_budget_update_equals_padded_on_8_devices():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    padded = _update(update_actor, params, SETTINGS, _batch(), packed=False)[:2]
+    _assert_same(padded, _budget_update(update_actor, params, SETTINGS, _batch(), budget=32, mesh=mesh)[0])
+    vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
+    s = CriticSpec(cliprange_value=0.5, loss_agg_mode="token-mean", compute_dtype="float32", remat="none",
+                   ppo_epochs=1, shuffle=False)
+    _assert_same(_update(update_critic, vparams, s, _batch(1), packed=False)[:2],
+                 _budget_update(update_critic, vparams, s, _batch(1), budget=32, mesh=mesh)[0])
+
+
+def test_token_budget_update_shapes_do_not_follow_lengths():
+    """Steps whose prompt / response buckets and length mixes differ, padded to the config's longest
+    shapes (`pad_experience`), run one compiled update program per response-slot size (2 at most)."""
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    fn, real, slots = None, set(), set()
+    for seed, prompt_len, resp_len in ((4, P, R), (6, 5, 6), (7, 3, 9)):
+        b = _batch(seed)
+        cut = Experience(  # a step with a smaller prompt and response bucket
+            input_ids=b.input_ids[:, P - prompt_len:P + resp_len],
+            attention_mask=b.attention_mask[:, P - prompt_len:P + resp_len],
+            **{f: getattr(b, f)[:, :resp_len] for f in ("response_mask", "old_log_probs", "ref_log_probs",
+                                                         "advantages", "values", "returns")})
+        padded = pad_experience(cut, P - prompt_len, R - resp_len)
+        assert padded.input_ids.shape == (N, P + R) and padded.response_mask.shape == (N, R)
+        _, packing, fn = _budget_update(update_actor, params, SETTINGS, padded, budget=40, fn=fn)
+        real.add(pk.packing_stats(packing.layout)["real_tokens"])
+        slots.add(packing.layout.response_src.shape[-1])
+    assert len(real) == 3
+    # one program per response-slot size, and only two sizes exist: the power of two >= half the
+    # 2 x 16 tokens a micro-batch computes, or all 32 of them
+    assert slots <= {16, 32} and fn._cache_size() == len(slots)
+
+
+def test_token_budget_no_grad_passes_equal_padded():
+    b = _batch(2)
+    layout = pk.plan_capacity_chunks(np.asarray(b.attention_mask), R, shards=2, token_budget=40)
+    assert (np.asarray(layout.segment_ids) > 0).any((1, 2, 3)).sum() >= 2
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    kw = dict(model_cfg=CFG, temperature=0.7, compute_dtype="float32")
+    want = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
+    got = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, layout, micro_rows=0, **kw)
+    np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
+    vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
+    kw = dict(model_cfg=CFG, compute_dtype="float32")
+    want = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
+    got = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, layout, micro_rows=0, **kw)
+    np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
 
 
 @pytest.mark.usefixtures("smollm2_gguf")
@@ -268,18 +352,33 @@ def test_trainer_step_same_with_and_without_packing(tmp_path):
         metrics = trainer.train_step(next(trainer.train_loader))
         return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
 
+    def reset():
+        for role in ("actor", "critic"):
+            getattr(trainer, role).params = jax.tree.map(jnp.copy, state[role]["params"])
+            getattr(trainer, role).opt_state = jax.tree.map(jnp.copy, state[role]["opt_state"])
+        trainer.train_loader.set_state(loader_state)
+        trainer.kl_ctrl.value = kl_coef
+
     packed = step()
-    for role in ("actor", "critic"):
-        getattr(trainer, role).params = jax.tree.map(jnp.copy, state[role]["params"])
-        getattr(trainer, role).opt_state = jax.tree.map(jnp.copy, state[role]["opt_state"])
-    trainer.train_loader.set_state(loader_state)
-    trainer.kl_ctrl.value = kl_coef
+    reset()
     spec = trainer.spec
     trainer.spec = dataclasses.replace(
         spec, model=dataclasses.replace(spec.model, use_remove_padding=False),
         critic_model=dataclasses.replace(spec.critic_model, use_remove_padding=False))
     padded = step()
+    # and packed to a token budget (use_dynamic_bsz) in every pass: rows padded to the config's
+    # longest shapes, several fixed-size micro-batches per mini-batch
+    reset()
+    budget = MicroBatching("ppo_max_token_len_per_device", None, 96)
+    plan = spec.plan
+    trainer.spec = dataclasses.replace(spec, plan=dataclasses.replace(
+        plan, actor=dataclasses.replace(plan.actor, micro=budget), critic=dataclasses.replace(plan.critic, micro=budget),
+        ref_log_prob=budget, values=budget))
+    by_budget = step()
     trainer.close()
+    assert by_budget.keys() == packed.keys()
+    for key in padded:
+        np.testing.assert_allclose(by_budget[key], padded[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert padded.keys() == packed.keys()
     assert "actor/kl_loss" in padded  # 0 here: the first update's policy is the reference
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/values/mean"):
