@@ -91,9 +91,11 @@ def model_flops(num_params: int, prompt_tokens: float, response_tokens: float) -
     return 2.0 * num_params * tokens + 6.0 * num_params * tokens
 
 
-def quickstart_config(steps: int, response_length: int, run_dir: str, train_file: str | None = None):
+def quickstart_config(steps: int, response_length: int, run_dir: str, train_file: str | None = None,
+                      dtype: str = "float32"):
     """configs/quickstart.py sized for the benchmark; `train_file` (the varied workload's rows) replaces
-    the synthetic "add" task and turns natural EOS on."""
+    the synthetic "add" task and turns natural EOS on. `dtype`: the compute dtype (fp32 master
+    weights and optimizer state either way)."""
     spec = importlib.util.spec_from_file_location("quickstart_config", REPO / "configs" / "quickstart.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -119,7 +121,7 @@ def quickstart_config(steps: int, response_length: int, run_dir: str, train_file
     actor.ppo_mini_batch_size = PROMPTS_PER_STEP  # one optimizer step per RL step
     actor.ppo_epochs = 1
     actor.use_kl_loss = False
-    cfg.actor_rollout_ref.model.dtype = "float32"
+    cfg.actor_rollout_ref.model.dtype = dtype
     cfg.actor_rollout_ref.model.param_dtype = "float32"
     cfg.algorithm.use_kl_in_reward = False
     cfg.trainer.total_training_steps = steps + 1
@@ -263,7 +265,7 @@ def choose_torch_threads(model, tokenizer, prompts: list, requested: int) -> str
 
 
 def run_trl(cfg, rows: list[dict[str, Any]], steps: int, hf_dir: str, torch_threads: int, out_dir: str,
-            fixed_length: bool) -> dict[str, Any]:
+            fixed_length: bool, bf16: bool = False) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
@@ -311,7 +313,7 @@ def run_trl(cfg, rows: list[dict[str, Any]], steps: int, hf_dir: str, torch_thre
     micro = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT if fixed_length else VARIED_MICRO_BATCH
     accumulation = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // micro
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=out_dir, use_cpu=True, bf16=bf16, fp16=False, gradient_checkpointing=False,
         # completions, not prompts; one generation of the whole batch, one AdamW step on it
         per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation, num_iterations=1,
@@ -389,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"prompts of {MIN_PROMPT}-{MAX_PROMPT} tokens, natural EOS up to --max-new-tokens")
     parser.add_argument("--response-length", type=int, default=64, help="fixed: new tokens per response")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="varied: the response length cap")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype of both sides (fp32 master weights): ours model.dtype, TRL bf16=True "
+                             "(torch autocast)")
     parser.add_argument("--skip-trl", action="store_true", help="time only our trainer")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads for TRL; 0 = the faster of 1 and all cores, probed")
@@ -405,14 +410,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rl_step_bench_") as tmp:
         rows, train_file = bench_rows(args.workload, args.steps, tmp)
-        cfg = quickstart_config(args.steps, response_length, os.path.join(tmp, "run"), train_file)
+        cfg = quickstart_config(args.steps, response_length, os.path.join(tmp, "run"), train_file, args.dtype)
         hf_dir = os.path.join(tmp, "hf")
         print(f"jaxrl_llm: 1 warm-up + {args.steps} timed steps", flush=True)
         ours = run_ours(cfg, args.steps, hf_dir)
         trl_res = None
         if run_trl_side:
             print(f"TRL GRPOTrainer: 1 warm-up + {args.steps} timed steps", flush=True)
-            trl_res = run_trl(cfg, rows, args.steps, hf_dir, args.torch_threads, os.path.join(tmp, "trl"), fixed)
+            trl_res = run_trl(cfg, rows, args.steps, hf_dir, args.torch_threads, os.path.join(tmp, "trl"), fixed,
+                              bf16=args.dtype == "bfloat16")
 
     from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models.numerics import MASKED_SCORE
+from jaxrl_llm.sampler.kv_bits import from_storage
 
 Array = jax.Array
 IMPLS = ("auto", "xla", "pallas")
@@ -82,7 +83,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
 
     def gather(pages: Array, scales: Array | None, ids: Array) -> Array:
         flat = heads + ids[:, None, :]  # [slots, kv, ppb] rows of the flattened pool
-        blk = pages[layer, flat]  # [slots, kv, ppb, ps, hd]
+        blk = from_storage(pages[layer, flat])  # [slots, kv, ppb, ps, hd]; uint16 pools: sampler/kv_bits.py
         if scales is not None:
             blk = blk.astype(jnp.float32) * scales[layer, flat][..., None]
         return blk.reshape(slots, nkv, block_tokens, hd)
@@ -135,6 +136,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
         from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
         if layer is not None:
             k_pages, v_pages = (lax.dynamic_index_in_dim(t, layer, 0, keepdims=False) for t in (k_pages, v_pages))
+        k_pages, v_pages = from_storage(k_pages), from_storage(v_pages)
         return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
                                              sliding_window=sliding_window)
     return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,

@@ -25,6 +25,7 @@ from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.config import rope_inv_freq
 from jaxrl_llm.models.lora import lora_delta
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
+from jaxrl_llm.sampler.kv_bits import to_storage
 
 Array = jax.Array
 
@@ -61,7 +62,7 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
             x, scale = quantize_int8(x)
             # mixed advanced indices separated by a slice: the indexed dims come first -> [N, kv]
             out[f"{name}_scale"] = pool[f"{name}_scale"].at[layer, :, pages, offsets].set(scale)
-        out[name] = pool[name].at[layer, :, pages, offsets].set(x.astype(pool[name].dtype))
+        out[name] = pool[name].at[layer, :, pages, offsets].set(to_storage(x, pool[name].dtype))
     return out
 
 

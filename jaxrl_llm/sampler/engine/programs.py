@@ -30,6 +30,7 @@ from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
+from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
 
 Array = jax.Array
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -101,7 +102,7 @@ def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_
         pool = {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
                 "k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
     else:
-        dt = as_jnp_dtype(compute_dtype)
+        dt = storage_dtype(as_jnp_dtype(compute_dtype))  # bf16 on CPU: uint16 bits (sampler/kv_bits.py)
         pool = {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
     return reset_slots(DecodeState(pool=pool, page_table=None, positions=None, last=None, num_gen=None,
                                    active=None, finish=None, request=None, budget=None, tokens=None, log_probs=None,
@@ -238,7 +239,7 @@ def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, req
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
             new_pool[f"{name}_scale"] = pool[f"{name}_scale"].at[:, :, pages, offsets].set(scale.transpose(1, 2, 0))
-        new_pool[name] = pool[name].at[:, :, pages, offsets].set(x.transpose(1, 2, 0, 3).astype(pool[name].dtype))
+        new_pool[name] = pool[name].at[:, :, pages, offsets].set(to_storage(x.transpose(1, 2, 0, 3), pool[name].dtype))
     keys = request_keys(rng, request[None], jnp.zeros((1,), jnp.int32))
     tok, lp = choose_per_row(prefix.logits[None], keys, knobs, settings)
     ends, reason = _finish_codes(tok, jnp.ones((1,), jnp.int32), knobs, budget)
