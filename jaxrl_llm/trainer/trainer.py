@@ -432,9 +432,6 @@ class Trainer:
                 host_mask, int(exp.response_mask.shape[1]), rng, epochs=s.ppo_epochs, shuffle=s.shuffle,
                 num_mini=num_mini, num_micro=None if budget is not None else num_micro, shards=self.dp_size,
                 token_budget=budget)
-        if layout is not None:  # TEMPDEBUG
-            seg = np.asarray(layout.layout.segment_ids)
-            print("TEMPDEBUG", seg.shape, layout.layout.response_src.shape, (seg > 0).sum(axis=(-1, -2, -3)).tolist(), flush=True)
         # the role's LR-scheduler step = its updates so far (the actor starts after critic_warmup)
         lr_step = self.global_step - (self.spec.trainer.critic_warmup if role is self.actor else 0)
         metrics = role.update(exp, rng, lr_step=lr_step, num_mini_batches=num_mini, num_micro_batches=num_micro,

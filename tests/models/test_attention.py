@@ -88,3 +88,38 @@ def test_causal_chunks_change_nothing_for_real_rows_in_bf16():
     for a, b in zip(g_chunked, g_whole):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_matmul_backward_runs_on_the_rounded_cotangent():
+    """models/numerics.py `dot_general_f32`: a 2-D bf16 matmul's backward rounds the fp32 output
+    cotangent to bf16 once and runs dx = g @ w^T, dw = x^T @ g as bf16 x bf16 matmuls with fp32
+    accumulation (mixed-precision training's usual gradient), exactly; and stays within bf16
+    rounding of the fp32 gradient."""
+    from jaxrl_llm.models.numerics import dot_general_f32
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(64, 24)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(24, 40)), jnp.bfloat16)
+    c = jnp.asarray(rng.normal(size=(64, 40)), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+    out, vjp = jax.vjp(lambda a, b: dot_general_f32(a, b, dims), x, w)
+    assert out.dtype == jnp.float32
+    dx, dw = vjp(c)
+    g = c.astype(jnp.bfloat16).astype(jnp.float32)
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    np.testing.assert_allclose(np.asarray(dx, np.float32),
+                               np.asarray(jnp.dot(g, w32.T, precision=hi).astype(jnp.bfloat16), np.float32),
+                               rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw, np.float32),
+                               np.asarray(jnp.dot(x32.T, g, precision=hi).astype(jnp.bfloat16), np.float32),
+                               rtol=2 ** -7, atol=1e-6)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    # against the fp32 gradient of the same function: bf16 rounding of the cotangent and result only
+    fdx, fdw = jax.grad(lambda a, b: jnp.sum(jnp.dot(a, b, precision=hi) * c), argnums=(0, 1))(x32, w32)
+    for got, want in ((dx, fdx), (dw, fdw)):
+        err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+        assert 0 < err < 2e-2
+    # fp32 operands keep JAX's own gradient
+    d32 = jax.grad(lambda a: jnp.sum(dot_general_f32(a, w32, dims) * c))(x32)
+    np.testing.assert_allclose(np.asarray(d32), np.asarray(jnp.dot(c, w32.T, precision=hi)), rtol=1e-5, atol=1e-5)

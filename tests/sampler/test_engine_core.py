@@ -221,3 +221,33 @@ def test_slot_set_shrinks_while_the_queue_drains(llama_tiny, monkeypatch):
     assert f_stats.resizes == 0 and s_stats.resizes > 0
     assert s_stats.decode_steps == f_stats.decode_steps and s_stats.useful_token_steps == f_stats.useful_token_steps
     assert s_stats.slot_steps < f_stats.slot_steps and s_stats.utilisation > f_stats.utilisation
+
+
+def test_bf16_pool_is_stored_as_bits_on_cpu_and_reads_the_same(llama_tiny):
+    cfg = llama_tiny[0]
+    """sampler/kv_bits.py: on CPU a bf16 pool is uint16 bit patterns (XLA:CPU converts a whole bf16
+    operand to fp32 around each gather / scatter); the values written and read are exactly the bf16
+    ones, so attention over a bits pool equals attention over the bf16 pool bit for bit."""
+    from jaxrl_llm.sampler.engine.forward import write_tokens
+    from jaxrl_llm.sampler.kv_bits import BITS, from_storage, storage_dtype, to_storage
+
+    assert jax.default_backend() == "cpu" and storage_dtype(jnp.bfloat16) == BITS
+    assert storage_dtype(jnp.float32) == jnp.float32
+    state = programs.init_state(cfg, EngineSpec(max_num_seqs=2, page_size=4, num_pages=8, pages_per_slot=2),
+                                4, "bfloat16")
+    assert state.pool["k"].dtype == BITS
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, state.pool["k"].shape[1], state.pool["k"].shape[-1])), jnp.float32)
+    pool = write_tokens(state.pool, jnp.int32(1), x, 2 * x, jnp.array([1, 1, 3]), jnp.array([0, 2, 1]))
+    np.testing.assert_array_equal(np.asarray(from_storage(pool["k"][1, :, 1, 2]), np.float32),
+                                  np.asarray(x[1].astype(jnp.bfloat16), np.float32))
+    slots, nh, nkv, hd, ps, pps = 3, 4, 2, 16, 8, 6
+    k = jnp.asarray(rng.normal(size=(2, nkv, slots * pps + 1, ps, hd)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(2, nkv, slots * pps + 1, ps, hd)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(slots, nh, hd)), jnp.bfloat16)
+    table = jnp.asarray(1 + rng.permutation(slots * pps).reshape(slots, pps), jnp.int32)
+    lengths = jnp.array([5, 40, 0], jnp.int32)
+    want = paged_decode_attention_xla(q, k, v, lengths, table, layer=jnp.int32(1))
+    got = paged_decode_attention_xla(q, to_storage(k, BITS), to_storage(v, BITS), lengths, table, layer=jnp.int32(1))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
