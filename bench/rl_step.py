@@ -59,11 +59,11 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 4
-# varied: 4 micro-batches of 8 sequences (gradient accumulation, still one AdamW step) on both sides;
-# the whole 32-sequence batch in one backward needs > 23 GB on CPU (ours OOMed at 256 new tokens)
+# varied: gradient accumulation over micro-batches, still one AdamW step per RL step. TRL: 4 micro-
+# batches of 8 sequences (the whole 32-sequence batch in one backward needs > 23 GB on CPU). Ours packs
+# micro-batches to a token budget (use_dynamic_bsz): 4 rows of 512 tokens each, as many as the step's
+# lengths need (~4-6), with shapes from the config alone, so a new length mix compiles no new update
 VARIED_MICRO_BATCH = 8
-# ours packs the varied workload's micro-batches to a token budget (use_dynamic_bsz): 4 rows of 512
-# tokens each, so a new length mix compiles no new update program
 VARIED_TOKEN_BUDGET = 2048
 MIN_PROMPT, MAX_PROMPT = 30, 300  # templated prompt tokens of the varied workload (bench/train_step.py's)
 

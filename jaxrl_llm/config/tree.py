@@ -113,7 +113,9 @@ ACTOR = {
                                                    "veRL: ppo_micro_batch_size_per_gpu.",
                                              types=(int, str)),
     "use_dynamic_bsz": field(False, "Pack micro-batches to a token budget (ppo_max_token_len_per_device) "
-                                    "instead of a fixed count; the loss stays exact. veRL."),
+                                    "instead of a fixed count; the loss stays exact. With use_remove_padding the "
+                                    "micro-batches are fixed-size packed rows whose shapes only the config sets, so "
+                                    "a step with new lengths compiles nothing. veRL."),
     "ppo_max_token_len_per_device": field(16384, "Token budget per device per micro-batch when "
                                                  "use_dynamic_bsz. veRL: ppo_max_token_len_per_gpu."),
     "ppo_epochs": field(1, "Passes over each rollout batch. veRL."),
