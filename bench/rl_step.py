@@ -33,13 +33,15 @@ prompts) and the same scorer (`default_compute_score`), timed by a `TrainerCallb
 reported separately; the table shows the mean of the timed steps. TRL is optional
 (the `bench` extra: `pip install -e ".[test,bench]"`); without it only our side runs.
 
-MFU = model FLOPs / time / this machine's fp32 matmul peak (`measured_matmul_peak_flops`, the
+MFU = model FLOPs / time / this machine's matmul peak in the compute dtype (`--dtype`;
+`measured_matmul_peak_flops`, the
 better of a measurement before and after the runs), with model FLOPs = 2 N per prompt+response
 token for generation (prefill and decode) + 6 N per token for the training forward+backward
 (N = parameters). Neither side runs a separate scoring pass:
 without KL there is no reference model, and on-policy in fp32 both reuse the sampling-time /
 training-time log-probs as the old ones (TRL skips them when num_iterations = 1 and
-steps_per_generation = gradient_accumulation_steps). Our trainer's `perf/mfu` (which also counts
+steps_per_generation = gradient_accumulation_steps; in bf16 our update's own forward supplies them,
+`old_log_probs_from_update` in config/spec.py). Our trainer's `perf/mfu` (which also counts
 attention FLOPs) is shown beside it. The machine may be shared: numbers are wall-clock.
 """
 from __future__ import annotations
@@ -195,7 +197,8 @@ def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
     compiles = CompileCounter()
     trainer = Trainer(cfg)
     trainer.export_hf(hf_dir)
-    peak = measured_matmul_peak_flops()  # cached: the trainer's perf metrics use the same value
+    # cached: the trainer's perf metrics use the same value (a matmul in the compute dtype)
+    peak = measured_matmul_peak_flops(dtype=cfg.actor_rollout_ref.model.dtype)
     rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
     times, metrics, step_compiles = [], [], []
     for i in range(steps + 1):
@@ -424,15 +427,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # the peak again after both sides (other arguments, so not the cached value): on a shared machine
     # one measurement can land in a busy moment; MFU uses the better of the two
-    peak_end = measured_matmul_peak_flops(2048, 6)
+    peak_end = measured_matmul_peak_flops(2048, 6, args.dtype)
     n, peak = ours["num_params"], max(ours["peak"], peak_end)
     sides = [("jaxrl_llm", ours)] + ([("TRL", trl_res)] if trl_res else [])
     lengths = (f"{args.response_length} new tokens" if fixed else
                f"prompts {MIN_PROMPT}-{MAX_PROMPT} tokens, natural EOS <= {args.max_new_tokens} new tokens")
     print(f"\nSmolLM2-135M GRPO step ({args.workload}): {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} "
-          f"samples, {lengths}, fp32, no KL, 1 optimizer step; jax on {ours['devices']} "
+          f"samples, {lengths}, {args.dtype} compute (fp32 master weights), no KL, 1 optimizer step; jax on {ours['devices']} "
           f"device(s), cpu_count {os.cpu_count()}" + (f", torch threads {trl_res['threads']}" if trl_res else ""))
-    print(f"{n / 1e6:.1f}M parameters; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (start "
+    print(f"{n / 1e6:.1f}M parameters; measured {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s (start "
           f"{ours['peak'] / 1e9:.1f}, end {peak_end / 1e9:.1f}; the trainer's perf/mfu uses the start); "
           f"mean of {args.steps} timed steps after 1 warm-up step")
     header = f"{'':>24}" + "".join(f"{name:>12}" for name, _ in sides)

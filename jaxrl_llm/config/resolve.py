@@ -7,6 +7,7 @@ tree into frozen, typed specs (jaxrl_llm/config/spec.py). Below `trainer/` nothi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -237,7 +238,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
     rollout_is = rc.rollout_is
     if sync.auto_correction:  # off-policy data: token-level IS (which also recomputes old log-probs)
         rollout_is = "token"
-    return RunSpec(
+    spec = RunSpec(
         data=resolve_data(cfg), synthetic=resolve_synthetic(cfg),
         model=_model(arr.model, arr.model.tiny), actor=resolve_actor(cfg),
         actor_optim=resolve_optim(arr.actor.optim, arr.actor.grad_clip),
@@ -259,6 +260,8 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in ("data", "fsdp", "tensor")),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
         multi_turn=resolve_multi_turn(arr.rollout))
+    return dataclasses.replace(spec, actor=dataclasses.replace(
+        spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update))
 
 
 def resolve_sync(cfg: ConfigDict) -> SyncSpec:

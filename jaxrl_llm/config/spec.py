@@ -75,6 +75,9 @@ class ActorSpec:
     loss_kwargs: tuple[tuple[str, float], ...]  # extra arguments of the policy loss (sapo: tau_pos, tau_neg)
     ppo_epochs: int
     shuffle: bool
+    # the update's own forward supplies the old log-probs (stop-gradient): set by `resolve` where a
+    # separate pass would compute the same values (RunSpec.old_log_probs_from_update)
+    old_log_probs_from_update: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +270,21 @@ class RunSpec:
     @property
     def recompute_old_log_probs(self) -> bool:
         """The sampler's log-probs are the trainer's in fp32 (same code, same params); they are
-        recomputed when they may differ (bf16 compute) or when rollout correction compares the two."""
+        recomputed when they may differ (bf16 compute) or when rollout correction compares the two,
+        unless the update's own forward supplies them (`old_log_probs_from_update`)."""
         rc = self.rollout_correction
+        if self.actor.old_log_probs_from_update:
+            return False
         return (rc.enabled and not rc.bypass_mode) or self.actor.compute_dtype != "float32"
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """Whether the actor update can take the old log-probs from its own forward (stop-gradient)
+        instead of a separate no-grad pass: in bf16 (where the sampler's are not the trainer's) with
+        ONE optimizer step per RL step, the recomputed old log-probs are the current policy's, i.e.
+        what the update's forward computes (ratio 1, as TRL's GRPOTrainer with num_iterations=1),
+        provided nothing reads them before the update (KL in the reward, TRL-RLOO's KL, rollout
+        correction). Saves a forward pass over the batch per step."""
+        return (self.actor.compute_dtype != "float32" and not self.rollout_correction.enabled
+                and not self.advantage.use_kl_in_reward and not self.advantage.trl_rloo
+                and self.plan.actor.optimizer_steps == 1)

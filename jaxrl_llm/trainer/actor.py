@@ -37,8 +37,10 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
         packing=mb.packing)
     counts = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                   loss_scale_factor=s.loss_scale_factor)
+    # one optimizer step on fresh samples (bf16): the old policy IS the current one (config/spec.py)
+    old_log_prob = sg(log_prob) if s.old_log_probs_from_update else mb.old_log_probs
     pg_loss, metrics = compute_policy_loss(
-        s.loss_mode, mb.old_log_probs, log_prob, mb.advantages, mask,
+        s.loss_mode, old_log_prob, log_prob, mb.advantages, mask,
         loss_agg_mode=s.loss_agg_mode, clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
         rollout_is_weights=mb.rollout_is_weights, **counts, **dict(s.loss_kwargs))

@@ -238,8 +238,8 @@ def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Any, *, check: bool = True
                 peak_flops: float | None = None) -> MemoryPlan:
     """The step's memory plan; with `check`, raises MemoryPlanError when a program does not fit.
 
-    peak_flops: FLOP/s per device for the time estimate; default: a 1024^3 fp32 matmul measured
-    now (~10 ms on an accelerator, ~0.1 s on CPU)."""
+    peak_flops: FLOP/s per device for the time estimate; default: a 1024^3 matmul in the actor's
+    compute dtype measured now (~10 ms on an accelerator, ~0.1 s on CPU)."""
     limit, source = device_memory(spec)
     planner = Planner(spec, mesh, tokenizer)
     plan, picked = planner.resolve_auto(spec.plan, limit, source)
@@ -247,7 +247,7 @@ def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Any, *, check: bool = True
     if peak_flops is None:
         from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 
-        peak_flops = measured_matmul_peak_flops(n=1024, repeats=3)
+        peak_flops = measured_matmul_peak_flops(n=1024, repeats=3, dtype=spec.actor.compute_dtype)
     result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked))
     if check:
         result.check()

@@ -64,10 +64,11 @@ def data_metrics(
 
 
 @functools.lru_cache(maxsize=None)
-def measured_matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of one device on a large fp32 matmul: the denominator of MFU on this machine."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
+def measured_matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of one device on a large matmul of `dtype` operands (fp32 accumulation): the
+    denominator of MFU on this machine for that compute dtype."""
+    a = jnp.ones((n, n), jnp.dtype(dtype))
+    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     f(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):

@@ -440,7 +440,7 @@ class Trainer:
 
     def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:
         if self._peak_flops is None:
-            self._peak_flops = measured_matmul_peak_flops()
+            self._peak_flops = measured_matmul_peak_flops(dtype=self.spec.actor.compute_dtype)
         spec, m = self.spec, self.actor.model_cfg
         prompt_tokens = int(rollout.prompt_lengths.sum())
         response_tokens = int(rollout.response_lengths.sum())

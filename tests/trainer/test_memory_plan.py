@@ -43,9 +43,11 @@ AUTO = {"data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_siz
 
 
 def test_plan_lists_every_program_with_real_bytes(tmp_path):
-    # gae (critic), a KL loss (reference) and bf16 compute (old log-probs recomputed): all six programs
+    # gae (critic), a KL loss (reference) and bf16 compute with 2 PPO epochs (old log-probs
+    # recomputed; with one optimizer step the update's forward would supply them): all six programs
     spec, mesh, tok = _spec(tmp_path, **{"algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
                                          "actor_rollout_ref.model.dtype": "bfloat16",
+                                         "actor_rollout_ref.actor.ppo_epochs": 2,
                                          "critic.model.dtype": "bfloat16"})
     plan = plan_memory(spec, mesh, tok, peak_flops=PEAK)
     names = [p.name for p in plan.programs]

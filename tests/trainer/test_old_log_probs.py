@@ -1,0 +1,64 @@
+"""Where the old log-probs come from (config/spec.py `old_log_probs_from_update`): in bf16 with one
+optimizer step per RL step the update's own forward supplies them (no separate pass), with the same
+update as recomputing them; anything that reads them before the update keeps the pass."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_runs
+from jaxrl_llm.config import resolve, validate_config
+
+BF16 = {"actor_rollout_ref.model.dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("overrides,from_update", [
+    ({}, False),  # fp32: the sampler's log-probs are the trainer's, nothing to compute
+    (BF16, True),  # bf16, one optimizer step: the update's forward supplies them
+    ({**BF16, "actor_rollout_ref.actor.ppo_epochs": 2}, False),  # later steps need the pre-update policy
+    ({**BF16, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}, False),
+    ({**BF16, "algorithm.use_kl_in_reward": True}, False),  # read before the update
+    ({**BF16, "algorithm.rollout_correction.rollout_is": "token"}, False),
+])
+def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from_update):
+    spec = resolve(validate_config(tiny_runs.tiny_config(tmp_path, **overrides), dp_size=1), dp_size=1)
+    assert spec.actor.old_log_probs_from_update is from_update
+    bf16 = overrides.get("actor_rollout_ref.model.dtype") == "bfloat16"
+    assert spec.recompute_old_log_probs is (bf16 and not from_update)
+
+
+def test_bf16_step_without_the_old_log_prob_pass_equals_recomputing(tmp_path):
+    """The same bf16 GRPO step twice from the same state: old log-probs from the update's forward,
+    then from a separate no-grad pass. Same update (up to bf16 kernel noise); no pass in the first."""
+    from jaxrl_llm.trainer import Trainer
+
+    from test_trainer_e2e import with_reward_file  # a reward that varies within a group
+
+    cfg = with_reward_file(tiny_runs.tiny_config(tmp_path / "run", **BF16, **{
+        "trainer.total_training_steps": 1, "trainer.test_freq": -1, "actor_rollout_ref.rollout.n": 4}), tmp_path)
+    trainer = Trainer(cfg)
+    assert trainer.spec.actor.old_log_probs_from_update and not trainer.spec.recompute_old_log_probs
+    state = jax.tree.map(jnp.copy, trainer._state())
+    loader_state = trainer.train_loader.get_state()
+    batch = next(trainer.train_loader)
+    from_update = trainer.train_step(batch)
+    new_params = jax.device_get(trainer.actor.params)
+    trainer.actor.params = jax.tree.map(jnp.copy, state["actor"]["params"])
+    trainer.actor.opt_state = jax.tree.map(jnp.copy, state["actor"]["opt_state"])
+    trainer.train_loader.set_state(loader_state)
+    trainer.spec = dataclasses.replace(trainer.spec, actor=dataclasses.replace(trainer.spec.actor,
+                                                                               old_log_probs_from_update=False))
+    assert trainer.spec.recompute_old_log_probs
+    recomputed = trainer.train_step(next(trainer.train_loader))
+    trainer.close()
+    # the pass ran only in the second step (the span exists in both, ~0 s without work)
+    assert from_update["actor/ppo_kl"] == 0.0 and from_update["actor/pg_clipfrac"] == 0.0
+    assert abs(recomputed["actor/ppo_kl"]) < 1e-3  # bf16 kernel noise between the two forwards
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        np.testing.assert_allclose(from_update[key], recomputed[key], rtol=2e-2, atol=1e-3, err_msg=key)
+    assert from_update["actor/grad_norm"] > 0
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()),
+                         new_params, jax.device_get(state["actor"]["params"]))
+    assert max(jax.tree.leaves(moved)) > 0
