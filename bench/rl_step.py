@@ -15,15 +15,15 @@ validation, no checkpoints. Two workloads (`--workload`):
           trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
           (sequence packing, `model.use_remove_padding`, on).
 
-Last measured (varied, 2026-11-25 10:20, idle 2-core CPU):
-`python bench/rl_step.py --workload varied --steps 2 --max-new-tokens 128`: ours warm-up 74 s,
-timed steps 66.3 / 78.1 s (gen 22.4 / 24.2 s, update 44.0 / 53.9 s); TRL warm-up 124 s, timed
-steps 95.8 / 118.2 s (2 torch threads): TRL time / ours = 1.48x; the >= 2x target is NOT met
-(docs/performance.md: DRAM-bound decode, XLA:CPU's in-scan matmul rate, compiles of new shapes). Each
-step prints its timing spans and XLA compiles.
+Last measured (varied, 2026-11-25 13:00, idle 2-core CPU), `python bench/rl_step.py --workload
+varied --steps 2 --max-new-tokens 128 [--dtype bfloat16]`: fp32 ours 56.9 / 71.9 s per timed step
+(8 / 3 compiles, 2.1 / 1.4 s), TRL 94.9 / 111.9 s: TRL time / ours = 1.61x; bf16 ours 53.5 / 66.2 s,
+TRL 71.8 / 81.0 s: 1.28x. The >= 2x target is NOT met (docs/performance.md: DRAM-bound decode,
+XLA:CPU's matmul rates against torch's oneDNN). Each step prints its timing spans and XLA compiles.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
-                            [--max-new-tokens 512] [--skip-trl] [--torch-threads 0]
+                            [--max-new-tokens 512] [--dtype float32|bfloat16] [--skip-trl]
+                            [--torch-threads 0]
 
 Ours: `jaxrl_llm.trainer.Trainer` built from `configs/quickstart.py`, timed by calling `train_step`
 directly. TRL: `GRPOTrainer` on CPU with our HF export of the same initial policy, the same rows
