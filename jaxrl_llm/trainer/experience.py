@@ -50,14 +50,22 @@ _RESPONSE_FIELDS = ("response_mask", "old_log_probs", "advantages", "returns", "
 
 
 @functools.partial(jax.jit, static_argnames=("prompt_pad", "response_pad"))
+def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt_pad: int, response_pad: int
+                ) -> tuple[dict[str, Array], dict[str, Array]]:
+    """[N, P + R] `sequences` with `prompt_pad` columns before the prompts and `response_pad` after
+    the responses, [N, R] `responses` with `response_pad` after (0s: masked everywhere), so that
+    token-budget packing sees the config's longest shapes whatever this step's lengths
+    (trainer/packing.py `capacity_shape`)."""
+    pad = lambda before, after: lambda x: jnp.pad(x, ((0, 0), (before, after)))  # noqa: E731
+    return (jax.tree.map(pad(prompt_pad, response_pad), sequences), jax.tree.map(pad(0, response_pad), responses))
+
+
 def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Experience:
-    """`exp` with `prompt_pad` columns of padding before the prompts and `response_pad` after the
-    responses (0s: masked everywhere), so token-budget packing sees the config's longest shapes
-    whatever this step's lengths (trainer/packing.py `capacity_shape`)."""
-    seq = lambda x: jnp.pad(x, ((0, 0), (prompt_pad, response_pad)))  # noqa: E731
-    resp = {f: jnp.pad(getattr(exp, f), ((0, 0), (0, response_pad)))
-            for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}
-    return exp.replace(input_ids=seq(exp.input_ids), attention_mask=seq(exp.attention_mask), **resp)
+    """`exp` padded as `pad_columns` pads (its sequences and every per-response-token field)."""
+    sequences, responses = pad_columns(
+        {"input_ids": exp.input_ids, "attention_mask": exp.attention_mask},
+        {f: getattr(exp, f) for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}, prompt_pad, response_pad)
+    return exp.replace(**sequences, **responses)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows"))

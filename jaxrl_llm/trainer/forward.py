@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.packing import PackedLayout, map_response, packed_response_hidden, unpack_response
+from jaxrl_llm.trainer.packing import (PackedLayout, map_response, packed_response_hidden, unless_empty,
+                                      unpack_response)
 
 Array = jax.Array
 
@@ -90,8 +91,6 @@ def budget_chunked(fn: Callable[[dict], Array], batch: dict, layouts: PackedLayo
     out_shape = jax.eval_shape(run, jax.tree.map(lambda x: x[0], layouts))
 
     def step(total, layout):
-        out = jax.lax.cond(jnp.any(layout.segment_ids > 0), run,
-                           lambda _: jnp.zeros(out_shape.shape, out_shape.dtype), layout)
-        return total + out, None
+        return total + unless_empty(layout, run, layout), None
 
     return jax.lax.scan(step, jnp.zeros(out_shape.shape, out_shape.dtype), layouts)[0]

@@ -19,7 +19,7 @@ path computes throwaway values there; every consumer masks them).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -151,16 +151,25 @@ def _pick_width(length: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray)
     return width, rows, need_m
 
 
-def _response_geometry(mask: np.ndarray, response_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(start, length, first scored response column, response tokens) per row of `mask`."""
+class _Geometry(NamedTuple):
+    """Per row of a rollout's attention mask: where its real tokens start, how many there are, the
+    first response column that is scored, and how many response tokens are scored."""
+
+    start: np.ndarray
+    length: np.ndarray
+    first_resp: np.ndarray
+    resp_tokens: np.ndarray
+
+
+def _response_geometry(mask: np.ndarray, response_len: int) -> _Geometry:
     start, length = sequence_spans(mask)
     resp0 = mask.shape[1] - response_len
     # response column c is scored by the hidden state at c - 1; both must be real tokens
     first_resp = np.maximum(resp0, start + 1)
-    return start, length, first_resp, np.maximum(start + length - first_resp, 0)
+    return _Geometry(start, length, first_resp, np.maximum(start + length - first_resp, 0))
 
 
-def _fill_block(row_members: Sequence[Sequence[int]], group: np.ndarray, geometry: tuple, width: int,
+def _fill_block(row_members: Sequence[Sequence[int]], group: np.ndarray, geometry: _Geometry, width: int,
                 seq_len: int, response_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(token_index [rows, width], segment_ids [rows, width], response src, response dst) of one
     block: row r holds the sequences `group[row_members[r]]` back to back; indices are relative to
@@ -213,10 +222,10 @@ def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarr
     mask = np.asarray(attention_mask)
     geometry = _response_geometry(mask, response_len)
     groups = np.asarray(groups)
-    width, rows, _ = _pick_width(geometry[1], geometry[3], groups)
+    width, rows, _ = _pick_width(geometry.length, geometry.resp_tokens, groups)
     blocks = []
     for group in groups.reshape(-1, groups.shape[-1]):
-        members = _first_fit_decreasing(geometry[1][group], width)
+        members = _first_fit_decreasing(geometry.length[group], width)
         members += [[] for _ in range(rows - len(members))]
         blocks.append(_fill_block(members, group, geometry, width, mask.shape[1], response_len))
     return _stack_blocks(blocks, groups.shape[:-1], groups.shape[-1], response_len)
@@ -245,12 +254,13 @@ def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups:
     lead, n_d = groups.shape[:-2], groups.shape[-1]
     shards = groups.shape[-2]
     flat = groups.reshape(-1, shards, n_d)
-    if int(geometry[1][flat.reshape(-1)].max()) > width:
-        raise ValueError(f"a sequence of {int(geometry[1].max())} tokens does not fit packed rows of {width}")
+    longest = int(geometry.length[flat.reshape(-1)].max())
+    if longest > width:
+        raise ValueError(f"a sequence of {longest} tokens does not fit packed rows of {width}")
     blocks: list[list[tuple]] = [[None] * shards for _ in range(len(flat) * num_micro)]
     for i, shard_groups in enumerate(flat):
         for s, group in enumerate(shard_groups):
-            members = _first_fit_decreasing(geometry[1][group], width)
+            members = _first_fit_decreasing(geometry.length[group], width)
             members += [[] for _ in range(num_micro * rows - len(members))]
             for k in range(num_micro):
                 blocks[i * num_micro + k][s] = _fill_block(members[k * rows:(k + 1) * rows], group, geometry,
@@ -341,6 +351,13 @@ def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: 
     count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
     return build_capacity_layout(mask, response_len, np.arange(mask.shape[0]).reshape(shards, per_shard),
                                  count, rows, width)
+
+
+def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
+    """`fn(*operands)`, or zeros shaped like its output where `layout` holds no token: a token-budget
+    micro-batch or chunk that a step's lengths leave empty costs nothing (`lax.cond`)."""
+    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))  # noqa: E731
+    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, zeros, *operands)
 
 
 def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:

@@ -38,8 +38,8 @@ from jaxrl_llm.trainer import checkpoint as ckpt
 from jaxrl_llm.trainer import packing
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_experience,
-                                         values_no_grad)
+from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_columns,
+                                         pad_experience, values_no_grad)
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.pipeline import make_pipeline
@@ -268,7 +268,7 @@ class Trainer:
                     rollout, gen_metrics = self._rollout(batch, rng)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
-            rows, seq_len = rollout.num_rows, int(rollout.input_ids.shape[1])
+            rows = rollout.num_rows
             # sequence packing plans its layouts on the host from the attention masks (trainer/packing.py)
             packs = spec.model.use_remove_padding or (spec.critic_model is not None
                                                       and spec.critic_model.use_remove_padding)
@@ -374,12 +374,11 @@ class Trainer:
         rows, seq_len, response_len = rollout.num_rows, int(ids.shape[1]), int(resp.shape[1])
         if packed and micro.token_budget is not None:
             pads = self._budget_padding(seq_len, response_len)
-            padded = pad_experience(Experience(ids, attn, resp, resp, resp, resp), *pads)
+            sequences, responses = pad_columns({"ids": ids, "attn": attn}, {"resp": resp}, *pads)
+            ids, attn, resp = sequences["ids"], sequences["attn"], responses["resp"]
             layout = packing.plan_capacity_chunks(_pad_host(host_mask, pads), response_len + pads[1], self.dp_size,
                                                   micro.token_budget)
-            out = fn(params, padded.input_ids, padded.attention_mask, padded.response_mask, layout, micro_rows=0,
-                     **settings)
-            return out[:, :response_len]
+            return fn(params, ids, attn, resp, layout, micro_rows=0, **settings)[:, :response_len]
         if packed:
             micro_rows = self.spec.plan.forward_micro_rows(micro, rows, seq_len)
             layout = packing.plan_chunks(host_mask, response_len, micro_rows, self.dp_size)

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
-from jaxrl_llm.trainer.packing import CapacityPacking, response_coverage
+from jaxrl_llm.trainer.packing import CapacityPacking, response_coverage, unless_empty
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
@@ -117,10 +117,7 @@ def run_update_epochs(
             # the other rows' tokens are masked out (their log-probs come back as 0)
             covered = response_coverage(layout, mini.response_mask.shape[0], mini.response_mask.shape[1])
             micro = mini.replace(packing=layout, response_mask=mini.response_mask * covered)
-            run = lambda: grad_fn(params, micro, denoms)  # noqa: E731
-            # a micro-batch this step's lengths leave empty costs nothing (same zeros as its grads)
-            skip = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))  # noqa: E731
-            (loss, metrics), grads = jax.lax.cond(jnp.any(layout.segment_ids > 0), run, skip)
+            (loss, metrics), grads = unless_empty(layout, lambda: grad_fn(params, micro, denoms))
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
