@@ -214,7 +214,10 @@ def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
                           if k.startswith("timing_s/") and k != "timing_s/step" and v >= 0.05)
         print(f"  ours step {i}{' (warm-up)' if i == 0 else ''}: {times[-1]:.2f} s ({spans}), "
               f"{step_compiles[-1][0]} compiles ({step_compiles[-1][1]:.1f} s), "
-              f"score {m['critic/score/mean']:.3f}, response length {m['response_length/mean']:.1f}", flush=True)
+              f"score {m['critic/score/mean']:.3f}, response length {m['response_length/mean']:.1f}"
+              + (f"; update: {m['perf/packing/micro_batches']:.0f} packed micro-batches, "
+                 f"{m['perf/packing/real_tokens']:.0f} of {m['perf/packing/computed_tokens']:.0f} computed tokens real"
+                 if "perf/packing/micro_batches" in m else ""), flush=True)
     timed = metrics[1:]
     result = {
         "warmup_s": times[0],

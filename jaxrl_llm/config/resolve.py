@@ -123,7 +123,8 @@ def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
     return ModelSpec(path=section.path, dtype=section.dtype, param_dtype=section.param_dtype,
                      remat=bool(section.enable_gradient_checkpointing), tiny=tuple(tiny.to_dict().items()),
                      override_config=tuple(sorted(_plain(section.override_config).items())),
-                     use_remove_padding=bool(section.use_remove_padding), lora=lora)
+                     use_remove_padding=bool(section.use_remove_padding),
+                     share_packed_prompts=bool(section.share_packed_prompts), lora=lora)
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:

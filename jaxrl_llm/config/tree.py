@@ -50,6 +50,11 @@ def _model(role: str, path_doc: str) -> dict:
                                           "(segment ids: no attention across sequences, positions restart), "
                                           "row shapes bucketed; same loss and metrics as the padded rows. "
                                           "veRL (there: remove-padding kernels)."),
+        "share_packed_prompts": field(True, f"With use_remove_padding: rows of the {role} with the same prompt "
+                                            "(a group's n samples) packed into one micro-batch hold that prompt "
+                                            "once, each response attending to it and to itself only, so the "
+                                            "prompt is computed once instead of n times; same loss, gradients "
+                                            "and metrics."),
         "override_config": field({}, "Model config fields overridden at load (e.g. {rope_theta: 1e6}); "
                                      "free-form dict. veRL.", open=True),
     }

@@ -63,13 +63,19 @@ def segment_positions(segment_ids: Array) -> Array:
 
 
 def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array | None,
-                      cache: dict | None, segment_ids: Array | None = None
+                      cache: dict | None, segment_ids: Array | None = None, branch_ids: Array | None = None
                       ) -> tuple[Array, Array, Array, Array | None]:
     """(positions [B,T], allowed [B,T,S] bool, write_index, new cache mask or None).
 
     segment_ids [B, T] (packed rows, no cache): several sequences share a row; a query sees only
-    keys of its own segment, and positions (when not given) restart at 0 per segment."""
+    keys of its own segment, and positions (when not given) restart at 0 per segment.
+    branch_ids [B, T] (with segment_ids): a segment that is one prompt followed by several
+    continuations of it (branch 0 = the prompt, 1, 2, ... = the continuations back to back); a
+    query sees the prompt and its own branch only, as if each continuation followed the prompt
+    alone (pass the positions such a sequence would have)."""
     b, t = attention_mask.shape
+    if branch_ids is not None and (segment_ids is None or positions is None):
+        raise ValueError("branch_ids (shared-prompt packing) need segment_ids and explicit positions")
     if segment_ids is not None:
         if cache is not None:
             raise ValueError("segment_ids (packed sequences) cannot be combined with a KV cache")
@@ -93,4 +99,6 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     allowed = visible[None] & (slot_mask[:, None, :] > 0)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    if branch_ids is not None:
+        allowed &= (branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
     return positions, allowed, write_index, new_mask

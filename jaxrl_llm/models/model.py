@@ -124,18 +124,21 @@ def param_logical_axes(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
                    compute_dtype: Any = jnp.float32, remat: bool | str = False,
-                   segment_ids: Array | None = None) -> tuple[Array, dict | None]:
+                   segment_ids: Array | None = None, branch_ids: Array | None = None
+                   ) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 
     Positions default to cumsum(attention_mask) - 1 clipped at 0 (over the cache slots too when a
     cache is given), so left padding does not change any real token's output. segment_ids [B, T]
     (no cache): packed rows holding several sequences (ids 1, 2, ... per row, attention_mask 0 on
     the padding); attention stays within a segment and positions restart per segment, so every
-    sequence's hidden states equal those of the sequence alone (trainer/packing.py). LoRA adapters in
+    sequence's hidden states equal those of the sequence alone (trainer/packing.py). branch_ids [B, T]
+    (with segment_ids and positions): a segment holding one prompt and several continuations of it,
+    each seeing the prompt and itself only (`attention_context`). LoRA adapters in
     `params["lora"]` (models/lora.py) are applied inside the layers.
     """
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
-                                                                  cache, segment_ids)
+                                                                  cache, segment_ids, branch_ids)
     backbone = {k: params[k] for k in BACKBONE_KEYS}
     param_dtype = backbone["embedding"].dtype
     lora = params.get("lora")

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.packing import (PackedLayout, map_response, packed_response_hidden, unless_empty,
-                                      unpack_response)
+from jaxrl_llm.trainer.packing import (PackedLayout, map_response, over_slot_blocks, packed_response_hidden,
+                                      unless_empty, unpack_response)
 
 Array = jax.Array
 
@@ -40,16 +40,19 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
     With `packing` the model runs on packed rows (trainer/packing.py) and only real response
     tokens are scored (0 elsewhere)."""
-    if packing is not None:
-        hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
-                                                 compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
-    else:
+    if packing is None:
         hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
                                  compute_dtype=compute_dtype, remat=remat)
         targets = input_ids[:, input_ids.shape[1] - response_len:]
+        unembed = lm_head_weight(params, model_cfg).astype(hidden.dtype)
+        return token_logprobs(hidden, unembed, targets, temperature=temperature, return_entropy=with_entropy)
+    hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
+                                             compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
     unembed = lm_head_weight(params, model_cfg).astype(hidden.dtype)
-    out = token_logprobs(hidden, unembed, targets, temperature=temperature, return_entropy=with_entropy)
-    return out if packing is None else map_response(out, packing, input_ids.shape[0], response_len)
+    valid = packing.response_dst < input_ids.shape[0] // hidden.shape[0] * response_len  # not a padding slot
+    out = over_slot_blocks(lambda h, t: token_logprobs(h, unembed, t, temperature=temperature,
+                                                       return_entropy=with_entropy), valid, hidden, targets)
+    return map_response(out, packing, input_ids.shape[0], response_len)
 
 
 def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,

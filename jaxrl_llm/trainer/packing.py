@@ -31,6 +31,7 @@ from jaxrl_llm.models import ModelConfig, forward_hidden
 Array = jax.Array
 WIDTH_GRANULE = 128  # packed row widths are multiples of this (powers of two below it)
 MIN_RESPONSE_SLOTS = 16
+SLOT_BLOCK = 256  # response slots per block of the LM head; blocks holding no response token are skipped
 WIDTH_CHOICES = 4  # row widths tried per layout (the bucket of the longest sequence and the next 3)
 
 
@@ -62,6 +63,9 @@ class PackedLayout:
                  of the state that predicts a response token
     response_dst int32 [shards, M]: that token's index in the shard's flattened [n_d * R] response
                  layout; n_d * R on padding entries (dropped by the scatter)
+    positions    int32 [shards, rows, width]: each token's position in its own sequence
+    branch_ids   int32 [shards, rows, width]: 0 on a segment's prompt, j on the j-th response that
+                 follows it (a segment is one prompt + the responses of the rows that share it)
     Extra leading axes (epochs, mini-batches, micro-batches) are scanned over by the update.
     """
 
@@ -69,6 +73,8 @@ class PackedLayout:
     segment_ids: Array
     response_src: Array
     response_dst: Array
+    positions: Array
+    branch_ids: Array
 
 
 class CapacityPacking(NamedTuple):
@@ -79,6 +85,18 @@ class CapacityPacking(NamedTuple):
 
     order: Any
     layout: PackedLayout
+
+
+class HostRows(NamedTuple):
+    """What the host plans a step's packed layouts from: the rows' attention masks [N, P + R] and
+    their `prompt_groups` [N] (rows with one prompt share its tokens when packed together)."""
+
+    attention_mask: np.ndarray
+    prompt_groups: np.ndarray | None
+
+    def padded(self, pads: tuple[int, int]) -> "HostRows":
+        """The rows padded by (prompt, response) columns as `pad_experience` pads the device rows."""
+        return self._replace(attention_mask=np.pad(self.attention_mask, ((0, 0), pads)))
 
 
 class UpdatePacking(NamedTuple):
@@ -124,23 +142,23 @@ def _first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
     return rows
 
 
-def _shard_counts(lengths: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray, width: int
+def _shard_counts(geometry: "_Geometry", shared: np.ndarray | None, groups: np.ndarray, width: int
                   ) -> tuple[int, int]:
     """(max packed rows, max response tokens) over the shards of `groups` [..., n_d]."""
     flat = groups.reshape(-1, groups.shape[-1])
-    rows = max(len(_first_fit_decreasing(lengths[g], width)) for g in flat)
-    return rows, int(resp_tokens[flat].sum(1).max())
+    rows = max(len(_packed_rows(g, geometry, shared, width)) for g in flat)
+    return rows, int(geometry.resp_tokens[flat].sum(1).max())
 
 
-def _pick_width(length: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray) -> tuple[int, int, int]:
+def _pick_width(geometry: "_Geometry", shared: np.ndarray | None, groups: np.ndarray) -> tuple[int, int, int]:
     """(width, bucketed rows, max response tokens) of the least computed tokens (rows x width) among
     the WIDTH_CHOICES smallest row widths >= the longest sequence: the narrowest width is not always
     best, since the row-count bucket can round a few rows up by 25% where a wider row packs into a
     smaller bucket. Every candidate is a `row_width` bucket, so the shapes stay on the same grid."""
-    width = row_width(int(length[groups.reshape(-1)].max()))
+    width = row_width(int(geometry.length[groups.reshape(-1)].max()))
     best = None
     for _ in range(WIDTH_CHOICES):
-        need_rows, need_m = _shard_counts(length, resp_tokens, groups, width)
+        need_rows, need_m = _shard_counts(geometry, shared, groups, width)
         rows = bucket(need_rows)
         if best is None or rows * width < best[0] * best[1]:
             best = (rows, width, need_m)
@@ -152,11 +170,13 @@ def _pick_width(length: np.ndarray, resp_tokens: np.ndarray, groups: np.ndarray)
 
 
 class _Geometry(NamedTuple):
-    """Per row of a rollout's attention mask: where its real tokens start, how many there are, the
-    first response column that is scored, and how many response tokens are scored."""
+    """Per row of a rollout's attention mask: where its real tokens start, how many there are, how
+    many of them are prompt tokens, the first response column that is scored, and how many response
+    tokens are scored."""
 
     start: np.ndarray
     length: np.ndarray
+    prompt: np.ndarray
     first_resp: np.ndarray
     resp_tokens: np.ndarray
 
@@ -166,32 +186,90 @@ def _response_geometry(mask: np.ndarray, response_len: int) -> _Geometry:
     resp0 = mask.shape[1] - response_len
     # response column c is scored by the hidden state at c - 1; both must be real tokens
     first_resp = np.maximum(resp0, start + 1)
-    return _Geometry(start, length, first_resp, np.maximum(start + length - first_resp, 0))
+    return _Geometry(start, length, np.clip(resp0 - start, 0, length), first_resp,
+                     np.maximum(start + length - first_resp, 0))
 
 
-def _fill_block(row_members: Sequence[Sequence[int]], group: np.ndarray, geometry: _Geometry, width: int,
-                seq_len: int, response_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(token_index [rows, width], segment_ids [rows, width], response src, response dst) of one
-    block: row r holds the sequences `group[row_members[r]]` back to back; indices are relative to
-    the block's group (its flattened [len(group) * seq_len] tokens / [len(group) * R] responses)."""
-    start, length, first_resp, _ = geometry
+def prompt_groups(input_ids: np.ndarray, attention_mask: np.ndarray, response_len: int) -> np.ndarray:
+    """[N] int32: equal for rows whose prompts (the first P - R columns' real tokens) are the same,
+    e.g. the n samples of a GRPO group; packing computes such a prompt once for all of them."""
+    prompt_cols = np.shape(input_ids)[1] - response_len
+    keys = np.where(np.asarray(attention_mask)[:, :prompt_cols] > 0, np.asarray(input_ids)[:, :prompt_cols], -1)
+    return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
+
+
+class _Unit(NamedTuple):
+    """One packed segment: the prompt of row `prompt` (an index into the block's group), then the
+    responses of `members` (rows with that same prompt) back to back."""
+
+    prompt: int
+    members: tuple[int, ...]
+    length: int
+
+
+def _units(group: np.ndarray, geometry: _Geometry, shared: np.ndarray | None, width: int) -> list[_Unit]:
+    """The segments of `group`'s rows: each row alone, or with `shared` (`prompt_groups`) the rows of
+    one prompt as one prompt + their responses, first-fit-decreasing into as few segments of at
+    most `width` tokens as fit (every row fits alone, so it never takes more segments than rows)."""
+    length, prompt = geometry.length[group], geometry.prompt[group]
+    if shared is None:
+        return [_Unit(i, (i,), int(length[i])) for i in range(len(group))]
+    by_prompt: dict[tuple[int, int], list[int]] = {}
+    for i, g in enumerate(group):  # the prompt length in the key: only equal prompts are ever shared
+        by_prompt.setdefault((int(shared[g]), int(prompt[i])), []).append(i)
+    units = []
+    for (_, p), rows in by_prompt.items():
+        if p == 0:
+            units += [_Unit(i, (i,), int(length[i])) for i in rows]
+            continue
+        for members in _first_fit_decreasing(length[rows] - p, width - p):
+            picked = tuple(rows[m] for m in members)
+            units.append(_Unit(picked[0], picked, p + int(sum(length[i] - p for i in picked))))
+    return units
+
+
+def _packed_rows(group: np.ndarray, geometry: _Geometry, shared: np.ndarray | None, width: int
+                 ) -> list[list[_Unit]]:
+    """`group`'s segments (`_units`) per packed row of `width`, first-fit-decreasing."""
+    units = _units(group, geometry, shared, width)
+    return [[units[u] for u in row] for row in _first_fit_decreasing(np.array([u.length for u in units]), width)]
+
+
+def _fill_block(row_units: Sequence[Sequence[_Unit]], group: np.ndarray, geometry: _Geometry, width: int,
+                seq_len: int, response_len: int) -> tuple[np.ndarray, ...]:
+    """(token_index, segment_ids, positions, branch_ids [rows, width], response src, response dst)
+    of one block: row r holds the segments `row_units[r]` back to back, each its prompt then its
+    members' responses; indices are relative to the block's group (its flattened
+    [len(group) * seq_len] tokens / [len(group) * R] responses)."""
+    start, length, prompt, first_resp, _ = geometry
     resp0 = seq_len - response_len
-    token_index = np.zeros((len(row_members), width), np.int32)
-    segment_ids = np.zeros((len(row_members), width), np.int32)
+    shape = (len(row_units), width)
+    token_index, segment_ids = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    positions, branch_ids = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
     src, dst = [], []
-    for r, members in enumerate(row_members):
+
+    def place(r: int, offset: int, row: int, col0: int, n: int, seg: int, pos0: int, branch: int) -> None:
+        token_index[r, offset:offset + n] = row * seq_len + col0 + np.arange(n)
+        segment_ids[r, offset:offset + n] = seg
+        positions[r, offset:offset + n] = pos0 + np.arange(n)
+        branch_ids[r, offset:offset + n] = branch
+
+    for r, units in enumerate(row_units):
         offset = 0
-        for seg, local in enumerate(members, start=1):
-            g = group[local]
-            n = int(length[g])
-            token_index[r, offset:offset + n] = local * seq_len + start[g] + np.arange(n)
-            segment_ids[r, offset:offset + n] = seg
-            cols = np.arange(first_resp[g], start[g] + length[g])
-            src.append(r * width + offset + (cols - 1 - start[g]))
-            dst.append(local * response_len + (cols - resp0))
-            offset += n
+        for seg, unit in enumerate(units, start=1):
+            p = int(prompt[group[unit.prompt]])
+            place(r, offset, unit.prompt, int(start[group[unit.prompt]]), p, seg, 0, 0)
+            prompt_at, offset = offset, offset + p
+            for branch, local in enumerate(unit.members, start=1):
+                g = group[local]
+                first, n = int(start[g]) + p, int(length[g]) - p  # the row's first response column
+                place(r, offset, local, first, n, seg, p, branch)
+                pred = np.arange(first_resp[g], start[g] + length[g]) - 1  # columns whose states score
+                src.append(r * width + np.where(pred < first, prompt_at + pred - (first - p), offset + pred - first))
+                dst.append(local * response_len + (pred + 1 - resp0))
+                offset += n
     cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)  # noqa: E731
-    return token_index, segment_ids, cat(src), cat(dst)
+    return token_index, segment_ids, positions, branch_ids, cat(src), cat(dst)
 
 
 def _pow2(x: int) -> int:
@@ -204,28 +282,30 @@ def _stack_blocks(blocks: list[tuple], lead: tuple[int, ...], n_d: int, response
     response slots M: a power of two >= the most response tokens of a block (few distinct shapes),
     at least `min_slots`, at most `max_slots` and the n_d * R response tokens there are."""
     cap = min(n_d * response_len, max_slots or n_d * response_len)
-    m = min(max(min_slots, _pow2(max(len(b[2]) for b in blocks))), cap)
+    m = min(max(min_slots, _pow2(max(len(b[-2]) for b in blocks))), cap)
     src = np.zeros((len(blocks), m), np.int32)
     dst = np.full((len(blocks), m), n_d * response_len, np.int32)
-    for i, (_, _, s, d) in enumerate(blocks):
+    for i, (*_, s, d) in enumerate(blocks):
         src[i, :len(s)], dst[i, :len(d)] = s, d
     rows, width = blocks[0][0].shape
-    return PackedLayout(token_index=np.stack([b[0] for b in blocks]).reshape(*lead, rows, width),
-                        segment_ids=np.stack([b[1] for b in blocks]).reshape(*lead, rows, width),
+    grid = lambda k: np.stack([b[k] for b in blocks]).reshape(*lead, rows, width)  # noqa: E731
+    return PackedLayout(token_index=grid(0), segment_ids=grid(1), positions=grid(2), branch_ids=grid(3),
                         response_src=src.reshape(*lead, m), response_dst=dst.reshape(*lead, m))
 
 
-def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray) -> PackedLayout:
+def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray,
+                 shared: np.ndarray | None = None) -> PackedLayout:
     """The packed layout (numpy) of `groups` [..., shards, n_d]: global row ids, each shard's rows in
     micro-batch order. Shapes: width >= the longest sequence, rows and M bucketed to the largest
-    shard's need, so all micro-batches of a call share one shape."""
+    shard's need, so all micro-batches of a call share one shape. `shared` (`prompt_groups`, [N]):
+    rows of one block with the same prompt share one copy of it (`_units`)."""
     mask = np.asarray(attention_mask)
     geometry = _response_geometry(mask, response_len)
     groups = np.asarray(groups)
-    width, rows, _ = _pick_width(geometry.length, geometry.resp_tokens, groups)
+    width, rows, _ = _pick_width(geometry, shared, groups)
     blocks = []
     for group in groups.reshape(-1, groups.shape[-1]):
-        members = _first_fit_decreasing(geometry.length[group], width)
+        members = _packed_rows(group, geometry, shared, width)
         members += [[] for _ in range(rows - len(members))]
         blocks.append(_fill_block(members, group, geometry, width, mask.shape[1], response_len))
     return _stack_blocks(blocks, groups.shape[:-1], groups.shape[-1], response_len)
@@ -243,11 +323,12 @@ def capacity_shape(seq_len: int, token_budget: int, rows_per_shard: int) -> tupl
 
 
 def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray, num_micro: int,
-                          rows: int, width: int) -> PackedLayout:
+                          rows: int, width: int, shared: np.ndarray | None = None) -> PackedLayout:
     """Token-budget layout of `groups` [..., shards, n_d] with leading axes [..., num_micro, shards]:
     each shard's sequences packed first-fit-decreasing into rows of `width`, `rows` rows per
     micro-batch in turn (trailing micro-batches empty). Indices are relative to the shard's whole
-    group, which every micro-batch reads (trainer/update.py)."""
+    group, which every micro-batch reads (trainer/update.py). `shared` as `build_layout`'s: a
+    segment never holds more tokens than its rows alone, so the worst case still fits."""
     mask = np.asarray(attention_mask)
     geometry = _response_geometry(mask, response_len)
     groups = np.asarray(groups)
@@ -260,15 +341,15 @@ def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups:
     blocks: list[list[tuple]] = [[None] * shards for _ in range(len(flat) * num_micro)]
     for i, shard_groups in enumerate(flat):
         for s, group in enumerate(shard_groups):
-            members = _first_fit_decreasing(geometry.length[group], width)
+            members = _packed_rows(group, geometry, shared, width)
             members += [[] for _ in range(num_micro * rows - len(members))]
             for k in range(num_micro):
                 blocks[i * num_micro + k][s] = _fill_block(members[k * rows:(k + 1) * rows], group, geometry,
                                                            width, mask.shape[1], response_len)
-    # M: the power of two >= half the tokens a micro-batch computes, or all of them when a step has
-    # more response tokens than that in one micro-batch (two shapes at most)
+    # M: every token a micro-batch computes (one shape); the LM head skips the empty slot blocks
+    # (`over_slot_blocks`), so its work follows the response tokens a micro-batch really holds
     return _stack_blocks([b for mb in blocks for b in mb], (*lead, num_micro, shards), n_d, response_len,
-                         min_slots=_pow2(-(-rows * width // 2)), max_slots=rows * width)
+                         min_slots=rows * width, max_slots=rows * width)
 
 
 def epoch_orders(rng: Array, epochs: int, num_rows: int, shuffle: bool) -> np.ndarray:
@@ -280,13 +361,15 @@ def epoch_orders(rng: Array, epochs: int, num_rows: int, shuffle: bool) -> np.nd
                      for k in jax.random.split(rng, epochs)]).astype(np.int32)
 
 
-def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins: int) -> np.ndarray:
+def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins: int,
+                    shared: np.ndarray | None = None) -> np.ndarray:
     """`orders` [epochs, N] with each mini-batch's rows re-ordered so that its `bins` (micro-batch x
     shard) groups of equal size hold about equal real tokens: longest first, each into the group
     with the fewest tokens that has room. All groups of a call share the largest group's packed
-    shape, so balanced groups compute less padding. The mini-batches keep their rows, and losses and
-    metrics are sums over the mini-batch's global denominators (trainer/update.py), so the update is
-    the same up to float summation order."""
+    shape, so balanced groups compute less padding. With `shared` (`prompt_groups`) the rows of one
+    prompt move together where a group has room for all of them, so packing computes the prompt
+    once. The mini-batches keep their rows, and losses and metrics are sums over the mini-batch's
+    global denominators (trainer/update.py), so the update is the same up to float summation order."""
     if bins == 1:
         return orders
     out = np.empty_like(orders)
@@ -295,24 +378,31 @@ def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins:
     for e in range(orders.shape[0]):
         for b in range(num_mini):
             rows = orders[e, b * size:(b + 1) * size]
+            keys = rows if shared is None else np.asarray(shared)[rows]
+            blocks: dict[int, list[int]] = {}
+            for i in np.argsort(-length[rows], kind="stable"):
+                blocks.setdefault(int(keys[i]), []).append(int(rows[i]))
             members: list[list[int]] = [[] for _ in range(bins)]
             tokens = np.zeros(bins, np.int64)
-            for row in rows[np.argsort(-length[rows], kind="stable")]:
-                open_bins = [i for i in range(bins) if len(members[i]) < per_bin]
-                target = min(open_bins, key=lambda i: tokens[i])
-                members[target].append(int(row))
-                tokens[target] += length[row]
+            for block in sorted(blocks.values(), key=lambda rs: -int(length[rs].sum())):
+                whole = [i for i in range(bins) if len(members[i]) + len(block) <= per_bin]
+                for part in ([block] if whole else [[r] for r in block]):
+                    open_bins = [i for i in range(bins) if len(members[i]) + len(part) <= per_bin]
+                    target = min(open_bins, key=lambda i: tokens[i])
+                    members[target] += part
+                    tokens[target] += length[part].sum()
             out[e, b * size:(b + 1) * size] = np.concatenate(members)
     return out
 
 
 def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, epochs: int, shuffle: bool,
-                num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None
-                ) -> tuple[UpdatePacking | CapacityPacking, int]:
+                num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None,
+                shared: np.ndarray | None = None) -> tuple[UpdatePacking | CapacityPacking, int]:
     """(packing, micro-batches to split each mini-batch into) of one `run_update_epochs` call.
     num_micro None: a dynamic batch size (`token_budget` tokens per shard per micro-batch): a
     `CapacityPacking` whose shapes only the config sets, and 1 (every micro-batch reads the whole
-    mini-batch and scores its own sequences)."""
+    mini-batch and scores its own sequences). `shared`: `prompt_groups` of the rows (rows with
+    one prompt that land in one micro-batch shard compute it once)."""
     mask = np.asarray(attention_mask)
     num_rows = mask.shape[0]
     orders = epoch_orders(rng, epochs, num_rows, shuffle)
@@ -322,27 +412,29 @@ def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, ep
             raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {shards} shards")
         count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
         groups = orders.reshape(epochs, num_mini, shards, per_shard)
-        return CapacityPacking(orders, build_capacity_layout(mask, response_len, groups, count, rows, width)), 1
+        return CapacityPacking(orders, build_capacity_layout(mask, response_len, groups, count, rows, width,
+                                                             shared)), 1
     n_d = num_rows // num_mini // num_micro // shards
     if n_d * shards * num_micro * num_mini != num_rows:
         raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {num_micro} micro-batches "
                          f"x {shards} shards")
-    orders = balanced_orders(sequence_spans(mask)[1], orders, num_mini, num_micro * shards)
+    orders = balanced_orders(sequence_spans(mask)[1], orders, num_mini, num_micro * shards, shared)
     groups = orders.reshape(epochs, num_mini, num_micro, shards, n_d)
-    return UpdatePacking(orders, build_layout(mask, response_len, groups)), num_micro
+    return UpdatePacking(orders, build_layout(mask, response_len, groups, shared)), num_micro
 
 
-def plan_chunks(attention_mask: np.ndarray, response_len: int, micro_rows: int, shards: int) -> PackedLayout:
+def plan_chunks(attention_mask: np.ndarray, response_len: int, micro_rows: int, shards: int,
+                shared: np.ndarray | None = None) -> PackedLayout:
     """Layout of a no-grad pass over consecutive chunks of `micro_rows` rows: leading axis = chunks."""
     num_rows = np.shape(attention_mask)[0]
     micro_rows = min(micro_rows, num_rows)
     shards = shards if micro_rows % shards == 0 else 1
     groups = np.arange(num_rows).reshape(num_rows // micro_rows, shards, micro_rows // shards)
-    return build_layout(attention_mask, response_len, groups)
+    return build_layout(attention_mask, response_len, groups, shared)
 
 
-def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: int, token_budget: int
-                         ) -> PackedLayout:
+def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: int, token_budget: int,
+                         shared: np.ndarray | None = None) -> PackedLayout:
     """Token-budget layout of a no-grad pass (leading axes [chunks, shards]): each chunk reads all
     rows and computes `token_budget` tokens per shard (`forward.packed_chunks`)."""
     mask = np.asarray(attention_mask)
@@ -350,20 +442,36 @@ def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: 
     per_shard = mask.shape[0] // shards
     count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
     return build_capacity_layout(mask, response_len, np.arange(mask.shape[0]).reshape(shards, per_shard),
-                                 count, rows, width)
+                                 count, rows, width, shared)
 
 
 def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
     """`fn(*operands)`, or zeros shaped like its output where `layout` holds no token: a token-budget
     micro-batch or chunk that a step's lengths leave empty costs nothing (`lax.cond`)."""
-    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))  # noqa: E731
-    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, zeros, *operands)
+    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, _zeros_of(fn), *operands)
+
+
+def _zeros_of(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function returning zeros shaped like `fn`'s output (the skipped branch of a `lax.cond`)."""
+    return lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))
 
 
 def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
     """[n, R] float32: 1 where `layout` scores a response token (a token-budget micro-batch's own
     tokens), else 0."""
     return unpack_response(jnp.ones(layout.response_dst.shape, jnp.float32), layout, num_rows, response_len)
+
+
+def update_metrics(layout: PackedLayout) -> dict[str, float]:
+    """What an update's packed micro-batches computed (`perf/packing/*`): tokens run in the
+    micro-batches that ran (empty ones are skipped), the real tokens among them (a shared prompt
+    counts once), and micro-batches run per mini-batch."""
+    seg = np.asarray(layout.segment_ids)
+    per_micro = seg.reshape(-1, int(np.prod(seg.shape[-3:])))  # [epochs * mini * micro, shards * rows * width]
+    ran = (per_micro > 0).any(1)
+    return {"perf/packing/computed_tokens": float(per_micro[ran].size),
+            "perf/packing/real_tokens": float((seg > 0).sum()),
+            "perf/packing/micro_batches": float(ran.sum() / max(1, int(np.prod(seg.shape[:2]))))}
 
 
 def packing_stats(layout: PackedLayout) -> dict[str, int]:
@@ -385,12 +493,28 @@ def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, lay
     tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), layout.token_index.reshape(shards, -1), axis=1)
     seg = layout.segment_ids.reshape(shards * rows, width)
     hidden, _ = forward_hidden(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
-                               segment_ids=seg, compute_dtype=compute_dtype, remat=remat)
+                               segment_ids=seg, branch_ids=layout.branch_ids.reshape(shards * rows, width),
+                               positions=layout.positions.reshape(shards * rows, width),
+                               compute_dtype=compute_dtype, remat=remat)
     hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
     picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
     response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
     targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
     return picked, targets
+
+
+def over_slot_blocks(fn: Callable[..., Any], valid: Array, *slots: Array) -> Any:
+    """`fn(*slots)` on per-response-slot arrays [shards, M, ...] in blocks of SLOT_BLOCK slots, a
+    block whose `valid` [shards, M] is all False skipped (zeros out): slots are filled from the
+    front, so the LM head's cost follows the response tokens there are, not the capacity M."""
+    m = valid.shape[1]
+    if m <= SLOT_BLOCK or m % SLOT_BLOCK:
+        return fn(*slots)
+    outs = []
+    for s in range(0, m, SLOT_BLOCK):
+        block = [x[:, s:s + SLOT_BLOCK] for x in slots]
+        outs.append(jax.lax.cond(jnp.any(valid[:, s:s + SLOT_BLOCK]), fn, _zeros_of(fn), *block))
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
 
 def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:

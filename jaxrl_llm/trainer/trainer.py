@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from jaxrl_llm import storage
 from jaxrl_llm.config import resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching, RoleBatch
-from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
+from jaxrl_llm.config.spec import ModelSpec, RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.sampler import SamplingParams, bucket_length
@@ -269,26 +269,27 @@ class Trainer:
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
             rows = rollout.num_rows
-            # sequence packing plans its layouts on the host from the attention masks (trainer/packing.py)
+            # sequence packing plans its layouts on the host from the attention masks and which rows
+            # share a prompt (computed once per packed micro-batch; trainer/packing.py)
             packs = spec.model.use_remove_padding or (spec.critic_model is not None
                                                       and spec.critic_model.use_remove_padding)
-            host_mask = np.asarray(to_host(rollout.attention_mask)) if packs else None
+            host = self._host_rows(rollout) if packs else None
 
             ref_lp = None
             if self.need_ref:
                 with timer("ref") as span:
                     ref_lp = span.wait(self._log_probs(reference_on_device(self.ref_params), rollout,
-                                                       plan.ref_log_prob, host_mask))
+                                                       plan.ref_log_prob, host))
             with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
                     old_lp = span.wait(self._log_probs(self.actor.model_params, rollout, plan.old_log_prob,
-                                                       host_mask))
+                                                       host))
             values = None
             if self.critic is not None:
                 with timer("values") as span:
                     values = span.wait(self._no_grad_pass(
-                        values_no_grad, self.critic.params, rollout, plan.values, host_mask,
+                        values_no_grad, self.critic.params, rollout, plan.values, _rows_for(host, spec.critic_model),
                         spec.critic_model.use_remove_padding, model_cfg=self.critic.model_cfg,
                         compute_dtype=spec.critic.compute_dtype))
             with timer("adv") as span:
@@ -304,10 +305,10 @@ class Trainer:
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows)
             if self.critic is not None:
                 with timer("update_critic"):
-                    extra.update(self._update(self.critic, plan.critic, exp, jax.random.fold_in(rng, 7), host_mask))
+                    extra.update(self._update(self.critic, plan.critic, exp, jax.random.fold_in(rng, 7), host))
             if self.global_step >= spec.trainer.critic_warmup:
                 with timer("update_actor"):
-                    extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11), host_mask))
+                    extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11), host))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
@@ -358,15 +359,20 @@ class Trainer:
                 num_kept += len(varied)
         return concat_rollouts(kept, self.mesh), {"train/num_gen_batches": float(num_gen)}
 
-    def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching, host_mask: np.ndarray | None
+    def _host_rows(self, rollout: Rollout) -> packing.HostRows:
+        mask = np.asarray(to_host(rollout.attention_mask))
+        return packing.HostRows(mask, packing.prompt_groups(np.asarray(to_host(rollout.input_ids)), mask,
+                                                            int(rollout.response_mask.shape[1])))
+
+    def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching, host: packing.HostRows | None
                    ) -> jax.Array:
         """Response log-probs under `params` (reference or old policy), in `micro`'s micro-batches."""
-        return self._no_grad_pass(log_probs_no_grad, params, rollout, micro, host_mask,
+        return self._no_grad_pass(log_probs_no_grad, params, rollout, micro, _rows_for(host, self.spec.model),
                                   self.spec.model.use_remove_padding, model_cfg=self.actor.model_cfg,
                                   temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype)
 
     def _no_grad_pass(self, fn: Any, params: dict, rollout: Rollout, micro: MicroBatching,
-                      host_mask: np.ndarray | None, packed: bool, **settings: Any) -> jax.Array:
+                      host: packing.HostRows | None, packed: bool, **settings: Any) -> jax.Array:
         """`fn` (`log_probs_no_grad` / `values_no_grad`) over the rollout in `micro`'s chunks: padded
         rows, packed chunks of a fixed number of rows, or packed to a token budget (rows padded to the
         config's longest shapes first, so the program is the same at every step)."""
@@ -376,12 +382,14 @@ class Trainer:
             pads = self._budget_padding(seq_len, response_len)
             sequences, responses = pad_columns({"ids": ids, "attn": attn}, {"resp": resp}, *pads)
             ids, attn, resp = sequences["ids"], sequences["attn"], responses["resp"]
-            layout = packing.plan_capacity_chunks(_pad_host(host_mask, pads), response_len + pads[1], self.dp_size,
-                                                  micro.token_budget)
+            padded = host.padded(pads)
+            layout = packing.plan_capacity_chunks(padded.attention_mask, response_len + pads[1], self.dp_size,
+                                                  micro.token_budget, padded.prompt_groups)
             return fn(params, ids, attn, resp, layout, micro_rows=0, **settings)[:, :response_len]
         if packed:
             micro_rows = self.spec.plan.forward_micro_rows(micro, rows, seq_len)
-            layout = packing.plan_chunks(host_mask, response_len, micro_rows, self.dp_size)
+            layout = packing.plan_chunks(host.attention_mask, response_len, micro_rows, self.dp_size,
+                                         host.prompt_groups)
         else:
             micro_rows, layout = self.spec.plan.forward_micro_rows(micro, rows, seq_len), None
         return fn(params, ids, attn, resp, layout, micro_rows=micro_rows, **settings)
@@ -416,26 +424,30 @@ class Trainer:
         return to_device(np.repeat(r.scores, train.n), self.mesh)
 
     def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array,
-                host_mask: np.ndarray | None) -> dict[str, float]:
+                host: packing.HostRows | None) -> dict[str, float]:
         rows, seq_len = int(exp.response_mask.shape[0]), int(exp.input_ids.shape[1])
         num_mini, num_micro = self.spec.plan.update_split(role_batch, rows, seq_len)
         layout = None
         model, s = ((self.spec.model, self.spec.actor) if role is self.actor
                     else (self.spec.critic_model, self.spec.critic))
         if model.use_remove_padding:  # packed: the host plans layouts (and draws the shuffle) for the jit
+            host = _rows_for(host, model)
             budget = role_batch.micro.token_budget
             if budget is not None:  # the config's longest shapes: the same program at every step
                 pads = self._budget_padding(seq_len, int(exp.response_mask.shape[1]))
-                exp, host_mask = pad_experience(exp, *pads), _pad_host(host_mask, pads)
+                exp, host = pad_experience(exp, *pads), host.padded(pads)
             layout, num_micro = packing.plan_update(
-                host_mask, int(exp.response_mask.shape[1]), rng, epochs=s.ppo_epochs, shuffle=s.shuffle,
+                host.attention_mask, int(exp.response_mask.shape[1]), rng, epochs=s.ppo_epochs, shuffle=s.shuffle,
                 num_mini=num_mini, num_micro=None if budget is not None else num_micro, shards=self.dp_size,
-                token_budget=budget)
+                token_budget=budget, shared=host.prompt_groups)
         # the role's LR-scheduler step = its updates so far (the actor starts after critic_warmup)
         lr_step = self.global_step - (self.spec.trainer.critic_warmup if role is self.actor else 0)
         metrics = role.update(exp, rng, lr_step=lr_step, num_mini_batches=num_mini, num_micro_batches=num_micro,
                               rows_sharding=self.rows_sharding, packing=layout)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if layout is not None and role is self.actor:
+            out.update(packing.update_metrics(layout.layout))
+        return out
 
     def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:
         if self._peak_flops is None:
@@ -587,6 +599,6 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
         raise first
 
 
-def _pad_host(host_mask: np.ndarray, pads: tuple[int, int]) -> np.ndarray:
-    """The host copy of an attention mask padded as `pad_experience` pads the device rows."""
-    return np.pad(np.asarray(host_mask), ((0, 0), pads))
+def _rows_for(host: packing.HostRows | None, model: ModelSpec) -> packing.HostRows | None:
+    """`host` as `model`'s packing sees it: no shared prompts unless `model.share_packed_prompts`."""
+    return host if host is None or model.share_packed_prompts else host._replace(prompt_groups=None)

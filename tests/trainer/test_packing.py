@@ -59,14 +59,15 @@ def _place(b, mesh):
     return b, NamedSharding(mesh, ROWS_SPEC), mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def _update(update_fn, params, s, b, packed, mesh=None, num_micro=2):
+def _update(update_fn, params, s, b, packed, mesh=None, num_micro=2, shared=None):
     tx = optax.sgd(0.5)
     b, sharding, shards = _place(b, mesh)
     rng = jax.random.PRNGKey(1)
     packing = None
     if packed:
         packing, num_micro = pk.plan_update(np.asarray(b.attention_mask), R, rng, epochs=s.ppo_epochs,
-                                            shuffle=s.shuffle, num_mini=2, num_micro=num_micro, shards=shards)
+                                            shuffle=s.shuffle, num_mini=2, num_micro=num_micro, shards=shards,
+                                            shared=shared)
     fn = jax.jit(functools.partial(update_fn, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
                                    num_micro_batches=num_micro, rows_sharding=sharding))
     new, _, metrics = fn(params, tx.init(params), b, rng, None, packing)
@@ -227,13 +228,13 @@ def test_balanced_orders_even_out_micro_batches_within_mini_batches():
     assert pk.packing_stats(packing.layout) == {"computed_tokens": 2 * 640, "real_tokens": 1280}
 
 
-def _budget_update(update_fn, params, s, b, budget, mesh=None, fn=None):
+def _budget_update(update_fn, params, s, b, budget, mesh=None, fn=None, shared=None):
     tx = optax.sgd(0.5)
     b, sharding, shards = _place(b, mesh)
     rng = jax.random.PRNGKey(1)
     packing, num_micro = pk.plan_update(np.asarray(b.attention_mask), b.response_mask.shape[1], rng,
                                         epochs=s.ppo_epochs, shuffle=s.shuffle, num_mini=2, num_micro=None,
-                                        shards=shards, token_budget=budget)
+                                        shards=shards, token_budget=budget, shared=shared)
     assert isinstance(packing, pk.CapacityPacking) and num_micro == 1
     fn = fn or jax.jit(functools.partial(update_fn, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
                                          num_micro_batches=1, rows_sharding=sharding))
@@ -311,9 +312,23 @@ def test_token_budget_update_shapes_do_not_follow_lengths():
         real.add(pk.packing_stats(packing.layout)["real_tokens"])
         slots.add(packing.layout.response_src.shape[-1])
     assert len(real) == 3
-    # one program per response-slot size, and only two sizes exist: the power of two >= half the
-    # 2 x 16 tokens a micro-batch computes, or all 32 of them
-    assert slots <= {16, 32} and fn._cache_size() == len(slots)
+    # one program: the response slots are every token a micro-batch computes (2 x 16)
+    assert slots == {32} and fn._cache_size() == 1
+
+
+def test_lm_head_skips_slot_blocks_without_response_tokens(monkeypatch):
+    monkeypatch.setattr(pk, "SLOT_BLOCK", 8)
+    valid = jnp.asarray(np.arange(32)[None] < np.array([[11], [3]]))  # 2 shards: 11 and 3 filled slots
+    out = pk.over_slot_blocks(lambda h: h + 1.0, valid, jnp.zeros((2, 32)))
+    np.testing.assert_array_equal(np.asarray(out)[:, :16], 1.0)  # blocks 0-1 hold a response token
+    np.testing.assert_array_equal(np.asarray(out)[:, 16:], 0.0)  # blocks 2-3 skipped: fn never ran there
+    # the token-budget update through skipped LM-head blocks still equals the padded one
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    padded = _update(update_actor, params, SETTINGS, _batch(), packed=False)[:2]
+    budget, packing, _ = _budget_update(update_actor, params, SETTINGS, _batch(), budget=40)
+    _assert_same(padded, budget)
+    dst = np.asarray(packing.layout.response_dst)
+    assert ((dst < N // 2 * R).reshape(-1, 4, 8).any(-1) == False).any()  # noqa: E712 (some block is empty)
 
 
 def test_token_budget_no_grad_passes_equal_padded():

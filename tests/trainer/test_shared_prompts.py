@@ -1,0 +1,138 @@
+"""Shared-prompt packing (`model.share_packed_prompts`, trainer/packing.py `_units`): rows with the
+same prompt (a group's n samples) packed into one micro-batch hold the prompt once, each response
+attending to it and to itself only. Log-probs, values, updates and metrics equal the padded rows."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm.config import CriticSpec
+from jaxrl_llm.models import init_params
+from jaxrl_llm.trainer import packing as pk
+from jaxrl_llm.trainer.actor import update_actor
+from jaxrl_llm.trainer.critic import update_critic
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
+from jaxrl_llm.trainer.forward import response_log_probs
+from test_packing import CFG, N, P, R, SETTINGS, _assert_same, _batch, _budget_update, _masked, _update
+
+GROUP = 4  # samples per prompt
+
+
+def _grouped(seed=0):
+    """`_batch` whose rows come in groups of GROUP with one prompt (ids and length) per group."""
+    b = _batch(seed)
+    ids, mask = np.asarray(b.input_ids).copy(), np.asarray(b.attention_mask).copy()
+    lead = np.repeat(np.arange(0, N, GROUP), GROUP)
+    ids[:, :P], mask[:, :P] = ids[lead, :P], mask[lead, :P]
+    return dataclasses.replace(b, input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+
+
+def _shared(b):
+    return pk.prompt_groups(np.asarray(b.input_ids), np.asarray(b.attention_mask), R)
+
+
+def test_prompt_groups_match_equal_prompts_only():
+    b = _grouped()
+    groups = _shared(b)
+    assert len(set(groups.tolist())) == N // GROUP
+    assert all(len(set(groups[i:i + GROUP].tolist())) == 1 for i in range(0, N, GROUP))
+    # the same tokens under another left padding (prompt length) are another prompt
+    mask = np.asarray(b.attention_mask).copy()
+    first = int(np.argmax(mask[0] > 0))
+    mask[0, first] = 0
+    again = pk.prompt_groups(np.asarray(b.input_ids), mask, R)
+    assert again[0] != again[1] and again[1] == again[2]
+
+
+def test_shared_layout_holds_each_prompt_once_and_scores_every_token():
+    b = _grouped(3)
+    mask = np.asarray(b.attention_mask)
+    start, length = pk.sequence_spans(mask)
+    prompt = np.clip(P - start, 0, length)
+    plain = pk.plan_chunks(mask, R, micro_rows=N, shards=1)
+    shared = pk.plan_chunks(mask, R, micro_rows=N, shards=1, shared=_shared(b))
+    real = lambda lay: int((np.asarray(lay.segment_ids) > 0).sum())  # noqa: E731
+    assert real(plain) == length.sum()
+    # rows of width 16 hold a prompt and every response that fits after it
+    assert real(shared) < real(plain) - prompt[::GROUP].sum()
+    cover = np.asarray(pk.response_coverage(jax.tree.map(lambda x: x[0], shared), N, R))
+    resp_first = np.maximum(P, start + 1)
+    want = (np.arange(P, P + R)[None] >= resp_first[:, None]) & (np.arange(P, P + R)[None] < (start + length)[:, None])
+    np.testing.assert_array_equal(cover, want.astype(np.float32))
+    # a response's positions continue its prompt's
+    pos, br = np.asarray(shared.positions)[0, 0], np.asarray(shared.branch_ids)[0, 0]
+    seg = np.asarray(shared.segment_ids)[0, 0]
+    r, s_ = np.unravel_index(np.argmax((br == 2) & (seg > 0)), br.shape)
+    assert br[r, s_] == 2 and pos[r, s_] == (pos[r][(seg[r] == seg[r, s_]) & (br[r] == 0)].max() + 1)
+
+
+def test_shared_no_grad_passes_equal_padded():
+    b = _grouped(2)
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
+    for layout, micro_rows in ((pk.plan_chunks(np.asarray(b.attention_mask), R, 8, 2, _shared(b)), 8),
+                               (pk.plan_capacity_chunks(np.asarray(b.attention_mask), R, 2, 40, _shared(b)), 0)):
+        assert (np.asarray(layout.branch_ids) >= 2).any()  # some prompt is shared
+        kw = dict(model_cfg=CFG, temperature=0.7, compute_dtype="float32")
+        want = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
+        got = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, layout,
+                                micro_rows=micro_rows, **kw)
+        np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
+        kw = dict(model_cfg=CFG, compute_dtype="float32")
+        want = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
+        got = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, layout,
+                             micro_rows=micro_rows, **kw)
+        np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
+
+
+def test_a_response_sees_its_prompt_and_not_its_siblings():
+    b = _grouped(5)
+    layout = jax.tree.map(lambda x: x[0], pk.plan_chunks(np.asarray(b.attention_mask), R, N, 1, _shared(b)))
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    lp = jax.jit(lambda ids: response_log_probs(params, CFG, ids, b.attention_mask, R, packing=layout))
+    base = np.asarray(lp(b.input_ids))
+    resp = np.asarray(b.response_mask) > 0
+    # the first response of a segment with a second one after it: changing it moves its own later
+    # log-probs and none of its siblings' (which follow it in the row)
+    tok, br = np.asarray(layout.token_index)[0], np.asarray(layout.branch_ids)[0]
+    r, c = np.argwhere(br == 2)[0]
+    row = int(tok[r][br[r] == 1][-1]) // (P + R)
+    ids = np.asarray(b.input_ids).copy()
+    ids[row, P:] = (ids[row, P:] + 5) % 60 + 3
+    moved = np.abs(np.asarray(lp(jnp.asarray(ids))) - base) > 1e-6
+    others = np.arange(N) != row
+    assert moved[row][resp[row]].any() and not moved[others][resp[others]].any()
+    ids = np.asarray(b.input_ids).copy()
+    ids[0:GROUP, :P] = (ids[0:GROUP, :P] + 7) % 60 + 3  # the group's prompt: all its responses move
+    moved = np.abs(np.asarray(lp(jnp.asarray(ids))) - base) > 1e-6
+    assert all(moved[i][resp[i]].all() for i in range(GROUP))
+    assert not moved[GROUP:][resp[GROUP:]].any()
+
+
+def test_shared_updates_equal_padded():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    b = _grouped(1)
+    s = dataclasses.replace(SETTINGS, loss_agg_mode="seq-mean-token-sum")
+    padded = _update(update_actor, params, s, b, packed=False)[:2]
+    _assert_same(padded, _update(update_actor, params, s, b, packed=True, shared=_shared(b))[:2])
+    budget, packing, _ = _budget_update(update_actor, params, s, b, budget=40, shared=_shared(b))
+    _assert_same(padded, budget)
+    assert (np.asarray(packing.layout.branch_ids) >= 2).any()
+    vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
+    cs = CriticSpec(cliprange_value=0.5, loss_agg_mode="token-mean", compute_dtype="float32", remat="none",
+                    ppo_epochs=1, shuffle=False)
+    _assert_same(_update(update_critic, vparams, cs, b, packed=False)[:2],
+                 _budget_update(update_critic, vparams, cs, b, budget=40, shared=_shared(b))[0])
+
+
+def test_shared_budget_update_equals_padded_on_8_devices():
+    # 2 row shards x 4-way tensor parallel; unshuffled, each shard's mini-batch rows are one group
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 1, 4), ("data", "fsdp", "tensor"))
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    b, s = _grouped(4), dataclasses.replace(SETTINGS, shuffle=False)
+    padded = _update(update_actor, params, s, b, packed=False)[:2]
+    got, packing, _ = _budget_update(update_actor, params, s, b, budget=32, mesh=mesh, shared=_shared(b))
+    assert (np.asarray(packing.layout.branch_ids) >= 2).any()
+    _assert_same(padded, got)
