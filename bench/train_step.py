@@ -1,10 +1,12 @@
 """Training-side throughput on a varied-length GRPO batch, SmolLM2-135M: padded rows vs sequence
-packing (`model.use_remove_padding`) vs LoRA on the packed batch (`model.lora_rank`), one arm per way
-of running the same work.
+packing (`model.use_remove_padding`) vs packing that holds each group's shared prompt once
+(`model.share_packed_prompts`, the trainer's default) vs LoRA on that batch (`model.lora_rank`),
+one arm per way of running the same work.
 
 Workload (synthetic token ids; the training step does not read them): `--prompts` x `--n`
 sequences, prompt lengths uniform in [30, 300], response lengths lognormal (median
-`--response-median`, sigma 1, a long tail) clipped to [10, 512]. The padded layout is the trainer's:
+`--response-median`, sigma 1, a long tail) clipped to [10, 512]; the `--n` sequences of a prompt share
+its tokens (a GRPO group). The padded layout is the trainer's:
 prompts left-padded to 300, responses right-padded to the power-of-two bucket of the longest one.
 
 Per arm it times (best of `--reps` after a compile warm-up):
@@ -14,7 +16,8 @@ Per arm it times (best of `--reps` after a compile warm-up):
   values   the no-grad critic value pass (`values_no_grad`, same backbone + a value head)
 and reports tokens computed / useful tokens (the model's [rows, width] shapes vs the real prompt +
 response tokens) and useful tokens per second. Packing targets: <= 1.1 computed / useful, >= 1.5x
-the padded update's tokens/s.
+the padded update's tokens/s. With shared prompts computed / useful can fall below 1: a group's
+prompt counts n times as useful tokens and is computed once.
 
     python bench/train_step.py [--quick] [--prompts 8] [--n 4] [--layers 30] [--out result.json]
 
@@ -96,7 +99,9 @@ def make_workload(args) -> Workload:
     prompt_mask = np.arange(MAX_PROMPT)[None] >= MAX_PROMPT - prompt_len[:, None]
     resp_mask = np.arange(r)[None] < resp_len[:, None]
     mask = np.concatenate([prompt_mask, resp_mask], 1).astype(np.int32)
-    ids = np.where(mask > 0, rng.integers(3, cfg.vocab_size, size=mask.shape), 0).astype(np.int32)
+    ids = rng.integers(3, cfg.vocab_size, size=mask.shape)
+    ids[:, :MAX_PROMPT] = np.repeat(ids[::args.n, :MAX_PROMPT], args.n, axis=0)  # a group's one prompt
+    ids = np.where(mask > 0, ids, 0).astype(np.int32)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     exp = Experience(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(mask), response_mask=f32(resp_mask),
                      old_log_probs=f32(rng.normal(-2.0, 0.5, (n, r)) * resp_mask),
@@ -118,10 +123,11 @@ def update_memory_bytes(update: Any, *args: Any) -> int:
                - mem.alias_size_in_bytes)
 
 
-def _build(w: Workload, packed: bool, lora: LoraConfig | None = None
+def _build(w: Workload, packed: bool, lora: LoraConfig | None = None, shared: bool = False
            ) -> tuple[dict[str, Callable[[], Any]], dict[str, int], int]:
     """The arm's timed callables, computed tokens per pass, and the update's planned peak bytes.
-    `lora`: train rank-r adapters on the frozen base (the no-grad passes read base + adapters)."""
+    `lora`: train rank-r adapters on the frozen base (the no-grad passes read base + adapters).
+    `shared`: a group's prompt is packed once for its responses (`packing.prompt_groups`)."""
     tx = optax.adamw(1e-6)
     rng = jax.random.PRNGKey(0)
     trained, frozen, model_params, lora_scale = w.params, (), w.params, 0.0
@@ -135,9 +141,10 @@ def _build(w: Workload, packed: bool, lora: LoraConfig | None = None
     update_packing, chunks = None, None
     computed = {k: rows * seq_len for k in ("update", "logprob", "values")}
     if packed:
+        groups = pk.prompt_groups(np.asarray(w.exp.input_ids), w.mask, response_len) if shared else None
         update_packing, _ = pk.plan_update(w.mask, response_len, rng, epochs=1, shuffle=False, num_mini=1,
-                                           num_micro=w.micro, shards=1)
-        chunks = pk.plan_chunks(w.mask, response_len, w.chunk_rows, shards=1)
+                                           num_micro=w.micro, shards=1, shared=groups)
+        chunks = pk.plan_chunks(w.mask, response_len, w.chunk_rows, shards=1, shared=groups)
         computed = {"update": pk.packing_stats(update_packing.layout)["computed_tokens"],
                     **{k: pk.packing_stats(chunks)["computed_tokens"] for k in ("logprob", "values")}}
     update = jax.jit(functools.partial(update_actor, model_cfg=w.cfg, s=SPEC, tx=tx, num_mini_batches=1,
@@ -157,8 +164,9 @@ def _build(w: Workload, packed: bool, lora: LoraConfig | None = None
 ARMS: list[Arm] = [
     Arm("padded", functools.partial(_build, packed=False)),
     Arm("packed", functools.partial(_build, packed=True)),
+    Arm("shared", functools.partial(_build, packed=True, shared=True)),
     # LoRA vs full fine-tuning on the same packed batch: step time and the update's peak memory
-    Arm("lora", functools.partial(_build, packed=True, lora=LoraConfig(rank=16, alpha=32))),
+    Arm("lora", functools.partial(_build, packed=True, shared=True, lora=LoraConfig(rank=16, alpha=32))),
 ]
 
 

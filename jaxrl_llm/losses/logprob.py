@@ -11,6 +11,7 @@ checks the inputs, picks the backend and wires the custom VJPs.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jaxrl_llm.losses.logprob_xla import (
 
 Array = jax.Array
 DEFAULT_CHUNK = 2048
+ROW_BLOCK = 256  # rows per block of `rows_in_use` skipping
 IMPLS = ("auto", "xla", "pallas_triton", "pallas_mosaic")
 
 
@@ -56,22 +58,52 @@ def _stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
     return logprob_pallas.pallas_stats(h, w, targets, lay, kind=impl, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(h, w, targets, lay: Layout, impl: str, interpret: bool):
-    st = _stats(h, w, targets, lay, impl, interpret)
+def _blocks(n: int, live: Array | None) -> list[slice] | None:
+    """Row slices of the live-block flags `live` [n / block] (None: one pass over all rows)."""
+    if live is None:
+        return None
+    size = n // live.shape[0]
+    return [slice(b * size, (b + 1) * size) for b in range(live.shape[0])]
+
+
+def _blocked_stats(h, w, targets, live, lay: Layout, impl: str, interpret: bool) -> Stats:
+    """`_stats`, run only on the row blocks that `live` marks (zeros elsewhere: log-prob 0)."""
+    blocks = _blocks(h.shape[0], live)
+    if blocks is None:
+        return _stats(h, w, targets, lay, impl, interpret)
+    run = lambda hb, tb: _stats(hb, w, tb, lay, impl, interpret)  # noqa: E731
+    skip = lambda hb, tb: Stats(*(jnp.zeros(tb.shape, jnp.float32),) * 3)  # noqa: E731
+    parts = [jax.lax.cond(live[i], run, skip, h[rows], targets[rows]) for i, rows in enumerate(blocks)]
+    return Stats(*(jnp.concatenate(field) for field in zip(*parts)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(h, w, targets, live, lay: Layout, impl: str, interpret: bool):
+    st = _blocked_stats(h, w, targets, live, lay, impl, interpret)
     return st.target_logit - st.lse, st.lse - st.mean_logit
 
 
-def _fused_fwd(h, w, targets, lay, impl, interpret):
-    st = _stats(h, w, targets, lay, impl, interpret)
-    return (st.target_logit - st.lse, st.lse - st.mean_logit), (h, w, targets, st)
+def _fused_fwd(h, w, targets, live, lay, impl, interpret):
+    st = _blocked_stats(h, w, targets, live, lay, impl, interpret)
+    return (st.target_logit - st.lse, st.lse - st.mean_logit), (h, w, targets, live, st)
 
 
 def _fused_bwd(lay, impl, interpret, res, cotangents):
-    h, w, targets, st = res
+    h, w, targets, live, st = res
     g_lp, g_ent = cotangents
-    dh, dw = xla_backward(h, w, targets, st, g_lp, g_ent, lay)
-    return dh, dw, None
+    blocks = _blocks(h.shape[0], live)
+    if blocks is None:
+        dh, dw = xla_backward(h, w, targets, st, g_lp, g_ent, lay)
+        return dh, dw, None, None
+    # skipped blocks add nothing; live ones add into one fp32 dW (no per-block copy of it)
+    dw, dh = jnp.zeros(w.shape, jnp.float32), []
+    for i, rows in enumerate(blocks):
+        def run(dw, rows=rows):
+            return xla_backward(h[rows], w, targets[rows], Stats(*(x[rows] for x in st)), g_lp[rows], g_ent[rows],
+                                lay, dw_into=dw)
+        dh_i, dw = jax.lax.cond(live[i], run, lambda dw, rows=rows: (jnp.zeros(h[rows].shape, h.dtype), dw), dw)
+        dh.append(dh_i)
+    return jnp.concatenate(dh), dw.astype(w.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -88,13 +120,18 @@ def _pick_impl(impl: str) -> str:
 
 def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature: float = 1.0,
                    return_entropy: bool = False, chunk_size: int | None = None,
-                   vocab_major: bool | None = None, impl: str = "auto", interpret: bool = False):
+                   vocab_major: bool | None = None, impl: str = "auto", interpret: bool = False,
+                   rows_in_use: Array | None = None, row_block: int | None = None):
     """log p(target) under `softmax(hidden @ W / temperature)` (and the entropy), fp32 `[B, T]`.
 
     `unembed` is `[H, V]` or `[V, H]` (tied embeddings), told apart by shape or `vocab_major`.
     Differentiable w.r.t. `hidden` and `unembed` (entropy too, for an entropy bonus).
     `impl`: "auto" (Triton on GPU, Mosaic on TPU, chunked XLA on CPU) or one explicitly;
     `interpret=True` runs a Pallas kernel in interpret mode (CPU tests).
+    `rows_in_use` [B, T] bool: the tokens whose results are read. The flattened rows then run in
+    blocks of `row_block` (default ROW_BLOCK), and a block with none in use is skipped in both directions (its
+    log-probs and entropy are 0): a caller with a fixed capacity of rows filled from the front
+    (packed response slots) pays for the rows it fills, not for the capacity.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -104,7 +141,14 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
         raise ValueError(f"targets {targets.shape} must match hidden {hidden.shape} without the last axis")
     lay = Layout(float(temperature), int(chunk_size or DEFAULT_CHUNK), vm, bool(return_entropy))
     lead = hidden.shape[:-1]
-    lp, ent = _fused(hidden.reshape(-1, hidden_size), unembed, targets.reshape(-1).astype(jnp.int32),
+    live, n = None, math.prod(lead)
+    if rows_in_use is not None:
+        if rows_in_use.shape != lead:
+            raise ValueError(f"rows_in_use {rows_in_use.shape} must match hidden {hidden.shape} without the last axis")
+        block = row_block or ROW_BLOCK
+        if n > block and n % block == 0:
+            live = jnp.any(rows_in_use.reshape(-1, block), axis=1)
+    lp, ent = _fused(hidden.reshape(-1, hidden_size), unembed, targets.reshape(-1).astype(jnp.int32), live,
                      lay, _pick_impl(impl), interpret)
     lp = lp.reshape(lead)
     return (lp, ent.reshape(lead)) if return_entropy else lp

@@ -83,8 +83,9 @@ def xla_stats(h: Array, w: Array, targets: Array, lay: Layout) -> Stats:
     return Stats(m + jnp.log(s), tgt, a / s if lay.with_entropy else zeros)
 
 
-def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout):
-    """Recompute each chunk's softmax and accumulate dh and dW (written chunk by chunk)."""
+def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout, dw_into: Array | None = None):
+    """Recompute each chunk's softmax and accumulate dh and dW (written chunk by chunk). `dw_into`
+    (fp32, w's shape): add dW to it and return the fp32 sum (row blocks of one call share one dW)."""
     chunk, n_full, rem = chunk_plan(vocab_size(w, lay.vocab_major), lay.chunk)
 
     def update(carry, start, size):
@@ -102,15 +103,18 @@ def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout):
         else:
             dh = dh + jnp.einsum("nc,hc->nh", dz, wc.astype(jnp.float32))
             dwc = jnp.einsum("nh,nc->hc", h.astype(jnp.float32), dz)
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc, start, axis=0 if lay.vocab_major else 1)
+        axis = 0 if lay.vocab_major else 1
+        if dw_into is not None:
+            dwc = dwc + jax.lax.dynamic_slice_in_dim(dw, start, size, axis=axis)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc, start, axis=axis)
         return dh, dw
 
-    carry = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    carry = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32) if dw_into is None else dw_into)
     carry, _ = jax.lax.scan(lambda c, i: (update(c, i * chunk, chunk), None), carry, jnp.arange(n_full))
     if rem:
         carry = update(carry, n_full * chunk, rem)
     dh, dw = carry
-    return dh.astype(h.dtype), dw.astype(w.dtype)
+    return dh.astype(h.dtype), (dw if dw_into is not None else dw.astype(w.dtype))
 
 
 # ---------------------------------------------------------------- full KL between two heads

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.packing import (PackedLayout, map_response, over_slot_blocks, packed_response_hidden,
-                                      unless_empty, unpack_response)
+from jaxrl_llm.trainer.packing import (PackedLayout, map_response, packed_response_hidden, unless_empty,
+                                      unpack_response)
 
 Array = jax.Array
 
@@ -40,18 +40,21 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
     With `packing` the model runs on packed rows (trainer/packing.py) and only real response
     tokens are scored (0 elsewhere)."""
+    # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
+    unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
+                            else (lm_head_weight(params, model_cfg), False))
     if packing is None:
         hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
                                  compute_dtype=compute_dtype, remat=remat)
         targets = input_ids[:, input_ids.shape[1] - response_len:]
-        unembed = lm_head_weight(params, model_cfg).astype(hidden.dtype)
-        return token_logprobs(hidden, unembed, targets, temperature=temperature, return_entropy=with_entropy)
+        return token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
+                              return_entropy=with_entropy, vocab_major=vocab_major)
     hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
                                              compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
-    unembed = lm_head_weight(params, model_cfg).astype(hidden.dtype)
-    valid = packing.response_dst < input_ids.shape[0] // hidden.shape[0] * response_len  # not a padding slot
-    out = over_slot_blocks(lambda h, t: token_logprobs(h, unembed, t, temperature=temperature,
-                                                       return_entropy=with_entropy), valid, hidden, targets)
+    # the response slots are filled from the front: the LM head skips the blocks past the last one
+    filled = packing.response_dst < input_ids.shape[0] // hidden.shape[0] * response_len
+    out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
+                         return_entropy=with_entropy, vocab_major=vocab_major, rows_in_use=filled)
     return map_response(out, packing, input_ids.shape[0], response_len)
 
 

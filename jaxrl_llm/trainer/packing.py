@@ -31,7 +31,6 @@ from jaxrl_llm.models import ModelConfig, forward_hidden
 Array = jax.Array
 WIDTH_GRANULE = 128  # packed row widths are multiples of this (powers of two below it)
 MIN_RESPONSE_SLOTS = 16
-SLOT_BLOCK = 256  # response slots per block of the LM head; blocks holding no response token are skipped
 WIDTH_CHOICES = 4  # row widths tried per layout (the bucket of the longest sequence and the next 3)
 
 
@@ -346,8 +345,8 @@ def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups:
             for k in range(num_micro):
                 blocks[i * num_micro + k][s] = _fill_block(members[k * rows:(k + 1) * rows], group, geometry,
                                                            width, mask.shape[1], response_len)
-    # M: every token a micro-batch computes (one shape); the LM head skips the empty slot blocks
-    # (`over_slot_blocks`), so its work follows the response tokens a micro-batch really holds
+    # M: every token a micro-batch computes (one shape); the LM head skips the slot blocks past the
+    # filled ones (`token_logprobs(rows_in_use=)`), so its work follows the real response tokens
     return _stack_blocks([b for mb in blocks for b in mb], (*lead, num_micro, shards), n_d, response_len,
                          min_slots=rows * width, max_slots=rows * width)
 
@@ -501,20 +500,6 @@ def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, lay
     response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
     targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
     return picked, targets
-
-
-def over_slot_blocks(fn: Callable[..., Any], valid: Array, *slots: Array) -> Any:
-    """`fn(*slots)` on per-response-slot arrays [shards, M, ...] in blocks of SLOT_BLOCK slots, a
-    block whose `valid` [shards, M] is all False skipped (zeros out): slots are filled from the
-    front, so the LM head's cost follows the response tokens there are, not the capacity M."""
-    m = valid.shape[1]
-    if m <= SLOT_BLOCK or m % SLOT_BLOCK:
-        return fn(*slots)
-    outs = []
-    for s in range(0, m, SLOT_BLOCK):
-        block = [x[:, s:s + SLOT_BLOCK] for x in slots]
-        outs.append(jax.lax.cond(jnp.any(valid[:, s:s + SLOT_BLOCK]), fn, _zeros_of(fn), *block))
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
 
 def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:

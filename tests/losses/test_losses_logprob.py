@@ -62,6 +62,41 @@ def test_grads_match_naive(chunk, vocab_major):
         np.testing.assert_allclose(a, b, **TOL)
 
 
+@pytest.mark.parametrize("vocab_major", [False, True])
+def test_rows_in_use_skips_blocks_and_keeps_values_and_grads(vocab_major):
+    """Rows in blocks of 3 (B * T = 18 -> 6 blocks); blocks 2 and 5 hold no row in use: they give
+    0 (the dense value is not 0) and no gradient; every row in use equals the dense result, value
+    and gradient (the objective reads only rows in use, as a packed caller does)."""
+    h, w, t, k = inputs(3)
+    in_use = np.ones((B, T), bool)
+    flat = in_use.reshape(-1)
+    flat[6:9] = False
+    flat[15:18] = False
+    flat[4] = False  # a row not in use inside a live block: computed, not read
+    in_use = jnp.asarray(in_use)
+    c = jax.random.normal(k, (B, T)) * in_use
+    ww = w.T if vocab_major else w
+
+    def fused(h, w):
+        return token_logprobs(h, w, t, temperature=0.7, return_entropy=True, chunk_size=200,
+                              rows_in_use=in_use, row_block=3)
+
+    lp, ent = jax.jit(fused)(h, ww)
+    lp0, ent0 = naive(h, w, t, 0.7)
+    skipped = np.zeros(B * T, bool)
+    skipped[6:9] = skipped[15:18] = True
+    np.testing.assert_array_equal(np.asarray(lp).reshape(-1)[skipped], 0.0)
+    assert np.all(np.asarray(lp0).reshape(-1)[skipped] != 0)
+    np.testing.assert_allclose(np.asarray(lp).reshape(-1)[~skipped], np.asarray(lp0).reshape(-1)[~skipped], **TOL)
+    np.testing.assert_allclose(np.asarray(ent).reshape(-1)[~skipped], np.asarray(ent0).reshape(-1)[~skipped], **TOL)
+    g1 = jax.jit(jax.grad(lambda h, w: objective(*fused(h, w), c), (0, 1)))(h, ww)
+    g0 = jax.grad(lambda h, w: objective(*naive(h, w.T if vocab_major else w, t, 0.7), c), (0, 1))(h, ww)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, **TOL)
+    with pytest.raises(ValueError, match="rows_in_use"):
+        token_logprobs(h, ww, t, rows_in_use=in_use[:, :4])
+
+
 def test_pallas_forward_then_xla_backward_grads():
     h, w, t, k = inputs(2)
     c = jax.random.normal(k, (B, T))
