@@ -15,11 +15,12 @@ validation, no checkpoints. Two workloads (`--workload`):
           trainer reads the rows from a .jsonl (data.train_files) and runs with its defaults
           (sequence packing, `model.use_remove_padding`, on).
 
-Last measured (varied, 2026-11-25 13:00, idle 2-core CPU), `python bench/rl_step.py --workload
-varied --steps 2 --max-new-tokens 128 [--dtype bfloat16]`: fp32 ours 56.9 / 71.9 s per timed step
-(8 / 3 compiles, 2.1 / 1.4 s), TRL 94.9 / 111.9 s: TRL time / ours = 1.61x; bf16 ours 53.5 / 66.2 s,
-TRL 71.8 / 81.0 s: 1.28x. The >= 2x target is NOT met (docs/performance.md: DRAM-bound decode,
-XLA:CPU's matmul rates against torch's oneDNN). Each step prints its timing spans and XLA compiles.
+Last measured (varied, 2026-11-25 15:45, idle 2-core CPU), `python bench/rl_step.py --workload
+varied --steps 2 --max-new-tokens 128 [--dtype bfloat16]`: fp32 ours 46.9 / 53.9 s per timed step
+(8 / 3 compiles, 2.2 / 1.3 s), TRL 91.5 / 112.1 s: TRL time / ours = 2.02x (2.10x in tokens/s);
+bf16 ours 41.8 / 48.0 s, TRL 69.2 / 82.5 s: 1.69x. The 13:00 figures before shared-prompt packing
+were 1.61x and 1.28x (docs/performance.md). Each step prints its timing spans, XLA compiles and the
+update's packed micro-batches.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--dtype float32|bfloat16] [--skip-trl]
