@@ -11,10 +11,19 @@ per sequence: models/cache.py), the hidden states that predict response tokens a
 padded [n, R] response layout. Everything after that (losses, metrics, denominators) is the
 unpacked code path, so packed and padded runs give the same numbers.
 
+Shared prompts (`model.share_packed_prompts`): rows whose prompts are the same (`prompt_groups`,
+from the host's prompt tokens: the n samples of a GRPO group) and that land in one shard's block
+form one segment: the prompt once, then each row's response, with explicit positions (a response
+continues its prompt's) and branch ids (0 on the prompt, j on the j-th response) so a response
+attends to the prompt and to itself only. The response's first token is scored by the prompt's last
+hidden state, which the samples share. A group that does not fit one row is split into several
+segments, each with its own copy of the prompt; no segment is longer than its rows alone, so a
+token budget's worst case still holds.
+
 Shapes come from a few buckets (row width >= the longest sequence and row count: `bucket`, 4
 sizes per doubling, the width picked among the next few buckets for the fewest computed tokens;
-response slots M: powers of two), so a new step with other lengths mostly
-reuses a compiled program. Positions outside a row's attention mask come back as 0 (the padded
+response slots M: powers of two; token-budget micro-batches: one shape from the config), so a new
+step with other lengths mostly reuses a compiled program. Positions outside a row's attention mask come back as 0 (the padded
 path computes throwaway values there; every consumer masks them).
 """
 from __future__ import annotations
@@ -447,12 +456,8 @@ def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: 
 def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
     """`fn(*operands)`, or zeros shaped like its output where `layout` holds no token: a token-budget
     micro-batch or chunk that a step's lengths leave empty costs nothing (`lax.cond`)."""
-    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, _zeros_of(fn), *operands)
-
-
-def _zeros_of(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A function returning zeros shaped like `fn`'s output (the skipped branch of a `lax.cond`)."""
-    return lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))
+    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))  # noqa: E731
+    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, zeros, *operands)
 
 
 def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:

@@ -75,7 +75,7 @@ def test_masks_logprobs_and_a_train_step(guess_trainer):
     assert rollout.reward_metrics["multi_turn/model_tokens/mean"] == 3.0
     # rollout log-probs == the trainer's recomputed old log-probs (fp32, packed) on model tokens
     recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, rollout, trainer.spec.plan.old_log_prob,
-                                               attn))
+                                               trainer._host_rows(rollout)))
     sampled = np.asarray(rollout.rollout_log_probs)
     on = loss > 0
     np.testing.assert_allclose(sampled[on], recomputed[on], atol=1e-5, rtol=0)
@@ -109,7 +109,7 @@ def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkey
     assert r.reward_metrics["rollout/engine/slot_utilisation"] == stats.utilisation
     assert r.reward_metrics["rollout/engine/prefill_tokens"] == stats.prefill_tokens > 0
     recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, r, trainer.spec.plan.old_log_prob,
-                                               np.asarray(r.attention_mask)))
+                                               trainer._host_rows(r)))
     np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
 
 
