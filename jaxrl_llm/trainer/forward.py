@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.packing import (PackedLayout, map_response, packed_response_hidden, unless_empty,
-                                      unpack_response)
+from jaxrl_llm.trainer.packing import (PackedLayout, filled_slots, map_response, packed_response_hidden,
+                                      unless_empty, unpack_response)
 
 Array = jax.Array
 
@@ -51,10 +51,10 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
                               return_entropy=with_entropy, vocab_major=vocab_major)
     hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
                                              compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
-    # the response slots are filled from the front: the LM head skips the blocks past the last one
-    filled = packing.response_dst < input_ids.shape[0] // hidden.shape[0] * response_len
+    # the LM head skips the slot blocks past the filled ones
     out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
-                         return_entropy=with_entropy, vocab_major=vocab_major, rows_in_use=filled)
+                         return_entropy=with_entropy, vocab_major=vocab_major,
+                         rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
     return map_response(out, packing, input_ids.shape[0], response_len)
 
 

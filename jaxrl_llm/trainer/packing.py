@@ -23,8 +23,8 @@ token budget's worst case still holds.
 Shapes come from a few buckets (row width >= the longest sequence and row count: `bucket`, 4
 sizes per doubling, the width picked among the next few buckets for the fewest computed tokens;
 response slots M: powers of two; token-budget micro-batches: one shape from the config), so a new
-step with other lengths mostly reuses a compiled program. Positions outside a row's attention mask come back as 0 (the padded
-path computes throwaway values there; every consumer masks them).
+step with other lengths mostly reuses a compiled program. Positions outside a row's attention mask
+come back as 0 (the padded path computes throwaway values there; every consumer masks them).
 """
 from __future__ import annotations
 
@@ -458,6 +458,12 @@ def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -
     micro-batch or chunk that a step's lengths leave empty costs nothing (`lax.cond`)."""
     zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))  # noqa: E731
     return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, zeros, *operands)
+
+
+def filled_slots(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
+    """[..., shards, M] bool: the response slots that hold a token (padding slots point past the
+    shard's n_d * R responses); they are filled from the front."""
+    return layout.response_dst < num_rows // layout.response_dst.shape[-2] * response_len
 
 
 def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:

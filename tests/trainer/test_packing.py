@@ -325,7 +325,7 @@ def test_lm_head_skips_slot_blocks_past_the_filled_ones(monkeypatch):
     padded = _update(update_actor, params, SETTINGS, _batch(), packed=False)[:2]
     budget, packing, _ = _budget_update(update_actor, params, SETTINGS, _batch(), budget=40)
     _assert_same(padded, budget)
-    filled = np.asarray(packing.layout.response_dst) < N // 2 * R
+    filled = np.asarray(pk.filled_slots(packing.layout, N // 2, R))
     assert (~filled.reshape(-1, 8).any(-1)).any()  # some block of 8 slots holds no response token
 
 
