@@ -136,3 +136,23 @@ def test_shared_budget_update_equals_padded_on_8_devices():
     got, packing, _ = _budget_update(update_actor, params, s, b, budget=32, mesh=mesh, shared=_shared(b))
     assert (np.asarray(packing.layout.branch_ids) >= 2).any()
     _assert_same(padded, got)
+
+
+def test_share_packed_prompts_key_turns_sharing_off_per_model(tmp_path):
+    """`model.share_packed_prompts=False` (policy) keeps the critic's sharing and packs the policy's
+    rows one sequence per segment, through the trainer's host rows."""
+    import tiny_runs
+    from jaxrl_llm.config import resolve, validate_config
+    from jaxrl_llm.trainer.trainer import _rows_for
+
+    cfg = tiny_runs.tiny_config(tmp_path, **{"actor_rollout_ref.model.share_packed_prompts": False,
+                                              "algorithm.adv_estimator": "gae"})
+    spec = resolve(validate_config(cfg, dp_size=1, check_paths=False), dp_size=1)
+    assert not spec.model.share_packed_prompts and spec.critic_model.share_packed_prompts
+    b = _grouped(2)
+    host = pk.HostRows(np.asarray(b.attention_mask), _shared(b))
+    assert _rows_for(host, spec.model).prompt_groups is None
+    assert _rows_for(host, spec.critic_model).prompt_groups is host.prompt_groups
+    policy = _rows_for(host, spec.model)
+    layout = pk.plan_chunks(policy.attention_mask, R, N, 1, policy.prompt_groups)
+    assert np.asarray(layout.branch_ids).max() == 1  # every segment is one prompt + one response
