@@ -4,7 +4,10 @@
 recomputes each chunk's logits in the backward pass, so peak memory is O(tokens x chunk) instead
 of O(tokens x vocab). The forward statistics come from a Pallas kernel on GPU (Triton) and TPU
 (Mosaic) (`logprob_pallas.py`) and from the chunked-XLA scan on CPU (`logprob_xla.py`); the
-backward is the chunked-XLA recompute on every backend. All paths equal
+backward is the chunked-XLA recompute on every backend. `impl="auto"` picks the kernel by the
+platform the program is lowered for (`lax.platform_dependent`), not by the host's default
+backend, so a program compiled here for a TPU topology or exported for CUDA gets that device's
+kernel; a vocabulary no kernel block divides takes the XLA path. All paths equal
 `log_softmax(hidden @ W / temperature)` and its gradients. This module is the public API: it
 checks the inputs, picks the backend and wires the custom VJPs.
 """
@@ -30,7 +33,9 @@ from jaxrl_llm.losses.logprob_xla import (
 Array = jax.Array
 DEFAULT_CHUNK = 2048
 ROW_BLOCK = 256  # rows per block of `rows_in_use` skipping
-IMPLS = ("auto", "xla", "pallas_triton", "pallas_mosaic")
+# auto: the lowering platform's kernel where it serves the vocabulary, else XLA; pallas: the platform's
+# kernel (CPU: the Triton kernel in interpret mode, for tests); or one backend by name
+IMPLS = ("auto", "xla", "pallas", "pallas_triton", "pallas_mosaic")
 
 
 def _resolve_vocab_major(hidden_size: int, unembed: Array, vocab_major: bool | None) -> bool:
@@ -55,7 +60,22 @@ def _stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
         return xla_stats(h, w, targets, lay)
     from jaxrl_llm.losses import logprob_pallas  # imported on first use: Pallas is only needed on GPU/TPU
 
-    return logprob_pallas.pallas_stats(h, w, targets, lay, kind=impl, interpret=interpret)
+    if impl in logprob_pallas.KINDS:
+        return logprob_pallas.pallas_stats(h, w, targets, lay, kind=impl, interpret=interpret)
+    kernels = impl == "pallas" or logprob_pallas.supports(vocab_size(w, lay.vocab_major))
+
+    def xla(h, w, t):
+        return tuple(xla_stats(h, w, t, lay))
+
+    def kernel(kind: str, interpret: bool = False):
+        if not kernels:
+            return xla
+        return lambda h, w, t: tuple(logprob_pallas.pallas_stats(h, w, t, lay, kind=kind, interpret=interpret))
+
+    # the branch of the platform being lowered for (one platform: the others are not lowered)
+    default = kernel("pallas_triton", interpret=True) if impl == "pallas" else xla
+    return Stats(*jax.lax.platform_dependent(h, w, targets, cuda=kernel("pallas_triton"),
+                                             tpu=kernel("pallas_mosaic"), default=default))
 
 
 def _blocks(n: int, live: Array | None) -> list[slice] | None:
@@ -109,15 +129,6 @@ def _fused_bwd(lay, impl, interpret, res, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _pick_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"Unknown token_logprobs impl {impl!r}; valid names: {list(IMPLS)}")
-    if impl != "auto":
-        return impl
-    backend = jax.default_backend()
-    return {"gpu": "pallas_triton", "tpu": "pallas_mosaic"}.get(backend, "xla")
-
-
 def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature: float = 1.0,
                    return_entropy: bool = False, chunk_size: int | None = None,
                    vocab_major: bool | None = None, impl: str = "auto", interpret: bool = False,
@@ -126,8 +137,10 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
 
     `unembed` is `[H, V]` or `[V, H]` (tied embeddings), told apart by shape or `vocab_major`.
     Differentiable w.r.t. `hidden` and `unembed` (entropy too, for an entropy bonus).
-    `impl`: "auto" (Triton on GPU, Mosaic on TPU, chunked XLA on CPU) or one explicitly;
-    `interpret=True` runs a Pallas kernel in interpret mode (CPU tests).
+    `impl`: "auto" (Triton on GPU, Mosaic on TPU, for the platform the program is lowered for,
+    where a kernel vocab block divides V; chunked XLA otherwise), "pallas" (the platform's kernel;
+    on CPU the Triton kernel interpreted), "xla", or a kernel by name ("pallas_triton",
+    "pallas_mosaic"); `interpret=True` runs a named kernel in interpret mode (CPU tests).
     `rows_in_use` [B, T] bool: the tokens whose results are read. The flattened rows then run in
     blocks of `row_block` (default ROW_BLOCK), and a block with none in use is skipped in both directions (its
     log-probs and entropy are 0): a caller with a fixed capacity of rows filled from the front
@@ -135,6 +148,8 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if impl not in IMPLS:
+        raise ValueError(f"Unknown token_logprobs impl {impl!r}; valid names: {list(IMPLS)}")
     hidden_size = hidden.shape[-1]
     vm = _resolve_vocab_major(hidden_size, unembed, vocab_major)
     if targets.shape != hidden.shape[:-1]:
@@ -149,7 +164,7 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
         if n > block and n % block == 0:
             live = jnp.any(rows_in_use.reshape(-1, block), axis=1)
     lp, ent = _fused(hidden.reshape(-1, hidden_size), unembed, targets.reshape(-1).astype(jnp.int32), live,
-                     lay, _pick_impl(impl), interpret)
+                     lay, impl, interpret)
     lp = lp.reshape(lead)
     return (lp, ent.reshape(lead)) if return_entropy else lp
 

@@ -5,7 +5,9 @@ target logit and (for entropy) E_p[z], without writing logits to memory. The bac
 chunked-XLA recompute in `logprob_xla.py`. Both kernels run on CPU with `interpret=True` (tests).
 
 - Triton: grid over token blocks; each program loops over vocab blocks (`fori_loop`), reading
-  the unembedding straight from global memory.
+  the unembedding straight from global memory. Triton takes power-of-two array shapes only, so
+  the hidden axis is read in power-of-two pieces (576 = 256 + 256 + 64) whose partial logits add
+  up: any hidden size works.
 - Mosaic: grid (token blocks, vocab blocks) with the vocab axis "arbitrary" (sequential): the
   running statistics live in the output blocks, which stay resident while the vocab axis
   advances (the flash-attention pattern on TPU).
@@ -22,6 +24,24 @@ from jaxrl_llm.losses.logprob_xla import Layout, Stats, vocab_size, xla_stats
 
 TOKEN_BLOCK = 64
 VOCAB_BLOCKS = (512, 256, 128)
+TRITON_VOCAB_BLOCK = 128  # a [64, 128] fp32 logit tile per program and step
+TRITON_HIDDEN_PIECE = 256  # the largest power-of-two piece of the hidden axis read at once
+KINDS = ("pallas_triton", "pallas_mosaic")
+
+
+def hidden_pieces(hidden: int, largest: int = TRITON_HIDDEN_PIECE) -> tuple[tuple[int, int], ...]:
+    """(offset, size) pieces of the hidden axis, each a power of two no larger than `largest`."""
+    pieces, offset = [], 0
+    while offset < hidden:
+        size = min(largest, 1 << ((hidden - offset).bit_length() - 1))
+        pieces.append((offset, size))
+        offset += size
+    return tuple(pieces)
+
+
+def supports(vocab: int) -> bool:
+    """Whether the kernels serve this vocabulary (a block of VOCAB_BLOCKS divides it)."""
+    return _vocab_block(vocab) is not None
 
 
 def _vocab_block(vocab: int) -> int | None:
@@ -51,19 +71,25 @@ def _logits(h, w, lay: Layout):
     return z / lay.temperature
 
 
-def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: Layout, block_v: int, n_blocks: int):
-    h = h_ref[...]
+def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: Layout, block_v: int, n_blocks: int,
+                   pieces: tuple[tuple[int, int], ...]):
     targets = t_ref[...]
+    # the hidden rows, one power-of-two piece at a time (Triton's arrays must have power-of-two sizes)
+    h_parts = [h_ref[:, pl.ds(off, size)] for off, size in pieces]
 
     def body(j, state):
         start = j * block_v
-        if lay.vocab_major:
-            w = w_ref[pl.ds(start, block_v), :]
-        else:
-            w = w_ref[:, pl.ds(start, block_v)]
-        return _block_update(state, _logits(h, w, lay), targets, start, block_v, lay.with_entropy)
+        z = None
+        for h, (off, size) in zip(h_parts, pieces):
+            if lay.vocab_major:
+                w = w_ref[pl.ds(start, block_v), pl.ds(off, size)]
+            else:
+                w = w_ref[pl.ds(off, size), pl.ds(start, block_v)]
+            part = _logits(h, w, lay)
+            z = part if z is None else z + part
+        return _block_update(state, z, targets, start, block_v, lay.with_entropy)
 
-    bn = h.shape[0]
+    bn = targets.shape[0]
     zeros = jnp.zeros((bn, 1), jnp.float32)
     init = (jnp.full((bn, 1), -jnp.inf, jnp.float32), zeros, zeros, zeros)
     m, s, a, tgt = jax.lax.fori_loop(0, n_blocks, body, init)
@@ -95,6 +121,8 @@ def pallas_stats(h, w, targets, lay: Layout, *, kind: str, interpret: bool = Fal
     block_v = _vocab_block(vocab)
     if block_v is None:
         return xla_stats(h, w, targets, lay)
+    if kind == "pallas_triton":
+        block_v = min(block_v, TRITON_VOCAB_BLOCK)
     n, hidden = h.shape
     bn = TOKEN_BLOCK
     n_pad = pl.cdiv(n, bn) * bn
@@ -108,7 +136,8 @@ def pallas_stats(h, w, targets, lay: Layout, *, kind: str, interpret: bool = Fal
         tok = pl.BlockSpec((bn, hidden), lambda i: (i, 0))
         col = pl.BlockSpec((bn, 1), lambda i: (i, 0))
         whole_w = pl.BlockSpec(w.shape, lambda i: (0, 0))
-        kernel = functools.partial(_triton_kernel, lay=lay, block_v=block_v, n_blocks=vocab // block_v)
+        kernel = functools.partial(_triton_kernel, lay=lay, block_v=block_v, n_blocks=vocab // block_v,
+                                   pieces=hidden_pieces(hidden))
         call = pl.pallas_call(kernel, grid=grid, in_specs=[tok, whole_w, col], out_specs=[col] * 4,
                               out_shape=out_shape, interpret=interpret,
                               compiler_params=plt.CompilerParams(num_warps=4, num_stages=2))
@@ -127,7 +156,7 @@ def pallas_stats(h, w, targets, lay: Layout, *, kind: str, interpret: bool = Fal
                               out_shape=out_shape, interpret=interpret,
                               compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
     else:
-        raise ValueError(f"Unknown Pallas kernel kind {kind!r}; valid names: ['pallas_mosaic', 'pallas_triton']")
+        raise ValueError(f"Unknown Pallas kernel kind {kind!r}; valid names: {list(KINDS)}")
     m, s, a, tgt = (x[:n, 0] for x in call(h_p, w, t_p))
     mean_logit = a / s if lay.with_entropy else jnp.zeros_like(s)
     return Stats(m + jnp.log(s), tgt, mean_logit)

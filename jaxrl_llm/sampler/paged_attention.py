@@ -134,10 +134,9 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     pages are the whole pool [layers, kv, pages, page_size, head_dim] (see the XLA path)."""
     if resolve_impl(impl) == "pallas" and k_scales is None:
         from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
-        if layer is not None:
-            k_pages, v_pages = (lax.dynamic_index_in_dim(t, layer, 0, keepdims=False) for t in (k_pages, v_pages))
-        k_pages, v_pages = from_storage(k_pages), from_storage(v_pages)
-        return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
-                                             sliding_window=sliding_window)
+
+        # the kernel reads the stacked pool by layer index (no copy of the layer's pool per step)
+        return paged_decode_attention_pallas(q, from_storage(k_pages), from_storage(v_pages), lengths, page_indices,
+                                             sliding_window=sliding_window, layer=layer)
     return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
                                       k_scales=k_scales, v_scales=v_scales, layer=layer)

@@ -1,9 +1,14 @@
 """Pallas paged decode attention: one query token per slot over its paged K/V (flash decoding).
 
     out = paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
-                                        sliding_window=None, interpret=False)
-    q [slots, heads, head_dim]; k/v_pages [kv_heads, num_pages, page_size, head_dim];
+                                        sliding_window=None, interpret=False, layer=None)
+    q [slots, heads, head_dim]; k/v_pages [kv_heads, num_pages, page_size, head_dim], or with
+    `layer` the engine's whole pool [layers, kv_heads, num_pages, page_size, head_dim];
     lengths [slots] int32 (0 = empty slot -> zeros); page_indices [slots, pages_per_slot] int32
+
+Both kernels read the pool flattened to [layers * kv_heads * num_pages, page_size, head_dim] (a
+free reshape of the contiguous pool): the layer offset is added to the page table once per call
+and the kv head's offset inside the kernel, so no layer's pool is ever sliced out and copied.
 
 The contract (shapes, GQA, window, numerics) is the one of `paged_attention.paged_decode_attention`;
 the engine's dispatcher imports this module lazily on gpu/tpu. Per program (slot, kv head) the
@@ -122,8 +127,8 @@ def _finish(carry):
 
 
 def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
-                   scale: float, sliding_window: int | None, quantized: bool, compute_dtype,
-                   num_splits: int):
+                   pages_per_head: int, scale: float, sliding_window: int | None, quantized: bool,
+                   compute_dtype, num_splits: int):
     ks_ref, vs_ref = rest[:2] if quantized else (None, None)
     out_refs = rest[2:] if quantized else rest
     page_size, head_dim = k_ref.shape[-2:]
@@ -136,8 +141,10 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
         lo = lo + pl.program_id(2) * per_split
         hi = jnp.minimum(hi, lo + per_split)
 
+    head_offset = pl.program_id(1) * pages_per_head  # this kv head's pages in the flattened pool
+
     def body(i, carry):
-        pages = page_ids_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        pages = page_ids_ref[pl.ds(i * pages_per_block, pages_per_block)] + head_offset
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         k_scale = ks_ref[pages].reshape(block_tokens, 1) if quantized else None
@@ -172,9 +179,9 @@ def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
 
 
 def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, scale, sliding_window, interpret, compute_dtype, num_splits):
+                 pages_per_block, pages_per_head, scale, sliding_window, interpret, compute_dtype, num_splits):
     slots, kv_heads, group, head_dim = q4.shape
-    _, num_pages, page_size, _ = k_pages.shape
+    flat_pages, page_size, _ = k_pages.shape
     for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
                     ("head_dim", head_dim)):
         if n & (n - 1):
@@ -184,8 +191,9 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     rows = max(16, _next_pow2(group))  # tl.dot needs >= 16 rows; Triton blocks are powers of 2
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     quantized = k_scales is not None
-    pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, j: (h, 0, 0, 0))
-    scale_pool = pl.BlockSpec((None, num_pages, page_size), lambda s, h, j: (h, 0, 0))
+    # the whole flattened pool: each program gathers its kv head's pages by id (no per-head block copy)
+    pool = pl.BlockSpec((flat_pages, page_size, head_dim), lambda s, h, j: (0, 0, 0))
+    scale_pool = pl.BlockSpec((flat_pages, page_size), lambda s, h, j: (0, 0))
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0))
     in_specs = [pl.BlockSpec((1,), lambda s, h, j: (s,)),
                 pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, j: (s, 0)), q_spec, pool,
@@ -203,8 +211,8 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
         stat_shape = jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows), jnp.float32)
         out_shape = [stat_shape, stat_shape,
                      jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, head_dim), jnp.float32)]
-    kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, scale=scale,
-                               sliding_window=sliding_window, quantized=quantized,
+    kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, pages_per_head=pages_per_head,
+                               scale=scale, sliding_window=sliding_window, quantized=quantized,
                                compute_dtype=compute_dtype, num_splits=num_splits)
     compiler_params = None
     if not interpret:
@@ -225,8 +233,8 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
 
 
 def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, pages_per_block: int,
-                   pages_per_slot: int, scale: float, sliding_window: int | None, quantized: bool,
-                   compute_dtype):
+                   pages_per_slot: int, pages_per_head: int, scale: float, sliding_window: int | None,
+                   quantized: bool, compute_dtype):
     if quantized:
         ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
     else:
@@ -244,11 +252,11 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
         per buffer: waiting on every descriptor consumes exactly what they signalled)."""
         out = []
         for j in range(pages_per_block):
-            page = page_table_ref[slot * pages_per_slot + block * pages_per_block + j]
+            page = page_table_ref[slot * pages_per_slot + block * pages_per_block + j] + head * pages_per_head
             pairs = [(k_hbm, k_buf), (v_hbm, v_buf)]
             if quantized:
                 pairs += [(ks_hbm, ks_buf), (vs_hbm, vs_buf)]
-            out += [pltpu.make_async_copy(src.at[head, page], dst.at[buf, j], sems.at[buf])
+            out += [pltpu.make_async_copy(src.at[page], dst.at[buf, j], sems.at[buf])
                     for src, dst in pairs]
         return out
 
@@ -283,10 +291,10 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
 
 
 def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, scale, sliding_window, interpret, compute_dtype):
+                 pages_per_block, pages_per_head, scale, sliding_window, interpret, compute_dtype):
     from jax.experimental.pallas import tpu as pltpu
     slots, kv_heads, group, head_dim = q4.shape
-    _, _, page_size, _ = k_pages.shape
+    _, page_size, _ = k_pages.shape
     pages_per_slot = page_indices.shape[1]
     # q in fp32 (exact for bf16 inputs: products of bf16 values are exact in fp32, so the scores
     # are the policy's fp32-accumulated q.k) padded to the 8-row fp32 sublane tile.
@@ -304,7 +312,7 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
         scratch += [pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)] * 2
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     kernel = functools.partial(_mosaic_kernel, pages_per_block=pages_per_block,
-                               pages_per_slot=pages_per_slot, scale=scale,
+                               pages_per_slot=pages_per_slot, pages_per_head=pages_per_head, scale=scale,
                                sliding_window=sliding_window, quantized=quantized,
                                compute_dtype=compute_dtype)
     pages = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
@@ -346,19 +354,30 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
                                   sliding_window: int | None = None, interpret: bool = False,
                                   pages_per_block: int | None = None,
                                   variant: Variant | None = None,
-                                  num_splits: int | None = None) -> jax.Array:
+                                  num_splits: int | None = None,
+                                  layer: jax.Array | None = None) -> jax.Array:
     """Decode attention of one query per slot over paged K/V; see the module docstring.
 
     `pages_per_block`: pages per inner-loop step (default `default_pages_per_block`).
     `variant`: "triton" | "mosaic" (default: "mosaic" on TPU, else "triton").
     `num_splits` (triton): programs sharing one slot's visible blocks, merged after the kernel
     (flash-decoding; default `default_num_splits`: more when slots * kv_heads is small).
+    `layer`: int32 scalar; the pages (and scales) are then the whole pool with a leading layer axis.
     """
     variant = variant or default_variant()
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("paged attention: pass both k_scales and v_scales or neither")
+    if layer is None:  # one layer's pages: a layer axis of 1
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
+        if k_scales is not None:
+            k_scales, v_scales = k_scales[None], v_scales[None]
+    if k_pages.ndim != 5:
+        raise ValueError(f"paged attention: k_pages {k_pages.shape} must be [kv_heads, num_pages, page_size, "
+                         "head_dim], or [layers, ...] with layer=")
     if variant not in ("triton", "mosaic"):
         raise ValueError(f"paged attention: variant={variant!r}, expected 'triton' or 'mosaic'")
     slots, num_heads, head_dim = q.shape
-    kv_heads, num_pages, page_size, kv_dim = k_pages.shape
+    num_layers, kv_heads, num_pages, page_size, kv_dim = k_pages.shape
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"paged attention: v_pages {v_pages.shape} != k_pages {k_pages.shape}")
     if kv_dim != head_dim or num_heads % kv_heads:
@@ -369,11 +388,9 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
                          f"{page_indices.shape} must be [slots={slots}] / [slots, pages_per_slot]")
     if k_scales is None and not jnp.issubdtype(k_pages.dtype, jnp.floating):
         raise ValueError(f"paged attention: {k_pages.dtype} pages need k_scales/v_scales")
-    if (k_scales is None) != (v_scales is None):
-        raise ValueError("paged attention: pass both k_scales and v_scales or neither")
-    if k_scales is not None and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_scales.shape):
+    if k_scales is not None and (k_scales.shape != k_pages.shape[:-1] or v_scales.shape != k_scales.shape):
         raise ValueError(f"paged attention: k_scales/v_scales {k_scales.shape}/{v_scales.shape} "
-                         f"must be [kv_heads, num_pages, page_size] = {k_pages.shape[:3]}")
+                         f"must be the pages' shape without head_dim, {k_pages.shape[:-1]}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged attention: sliding_window={sliding_window} must be >= 1 or None")
     if pages_per_block is None:
@@ -385,11 +402,16 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     # Pad the page table to whole blocks; the padding (page 0, a valid id) is never visible.
     pad = -page_indices.shape[1] % pages_per_block
     page_indices = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pad)))
+    # the layer's first page in the flattened pool (the kernels add the kv head's)
+    page_indices = page_indices + jnp.asarray(layer, jnp.int32) * (kv_heads * num_pages)
+    flat = (num_layers * kv_heads * num_pages, page_size)
+    k_pages, v_pages = k_pages.reshape(*flat, head_dim), v_pages.reshape(*flat, head_dim)
     lengths = lengths.astype(jnp.int32)
     if k_scales is not None:
-        k_scales, v_scales = k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)
+        k_scales, v_scales = k_scales.astype(jnp.float32).reshape(flat), v_scales.astype(jnp.float32).reshape(flat)
     q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
-    kw = dict(pages_per_block=pages_per_block, scale=head_dim ** -0.5, sliding_window=sliding_window,
+    kw = dict(pages_per_block=pages_per_block, pages_per_head=num_pages, scale=head_dim ** -0.5,
+              sliding_window=sliding_window,
               interpret=interpret, compute_dtype=q.dtype)
     if variant == "triton":
         out = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,

@@ -28,7 +28,7 @@ def objective(lp, ent, c):
     return jnp.sum(lp * c) + 0.37 * jnp.sum(ent * c[::-1])
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_triton", "pallas_mosaic"])
+@pytest.mark.parametrize("impl", ["auto", "xla", "pallas", "pallas_triton", "pallas_mosaic"])
 @pytest.mark.parametrize("vocab_major", [False, True])
 def test_values_match_naive(impl, vocab_major):
     h, w, t, _ = inputs()

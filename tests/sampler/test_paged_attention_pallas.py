@@ -247,3 +247,32 @@ def test_xla_path_reads_one_layer_of_a_stacked_pool(int8):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
         ref = reference({**base, **one}, 40)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant,int8", [("triton", False), ("mosaic", False), ("triton", True), ("mosaic", True)])
+def test_kernel_reads_one_layer_of_a_stacked_pool(variant, int8):
+    # The engine's pool is [layers, kv, pages, ...]: the kernel gathers the layer's pages by index from
+    # the flattened pool. Each layer equals the call on that layer's pages alone, and the lowered
+    # program holds no slice of a layer's pool (the copy the engine paid every decode step).
+    cases = [make_case(30 + i, group=2, head_dim=64, page_size=16, kv_heads=2, int8=int8) for i in range(3)]
+    names = ("k_pages", "v_pages") + (("k_scales", "v_scales") if int8 else ())
+    stacked = {n: jnp.stack([c[n] for c in cases]) for n in names}
+    base = cases[0]
+    kw = dict(sliding_window=40, interpret=True, variant=variant)
+    call = jax.jit(lambda layer, st: paged_decode_attention_pallas(base["q"], lengths=base["lengths"],
+                                                                   page_indices=base["page_indices"], layer=layer,
+                                                                   **st, **kw))
+    for layer, case in enumerate(cases):
+        alone = paged_decode_attention_pallas(base["q"], lengths=base["lengths"], page_indices=base["page_indices"],
+                                              **{n: case[n] for n in names}, **kw)
+        np.testing.assert_allclose(np.asarray(call(jnp.int32(layer), stacked)), np.asarray(alone), atol=1e-6, rtol=0)
+    # lowered for the kernel's real backend: nothing outside the kernel slices the pool
+    from jax import export
+    platform, target = {"triton": ("cuda", "__gpu$xla.gpu.triton"), "mosaic": ("tpu", "tpu_custom_call")}[variant]
+    device_call = jax.jit(lambda layer, st: paged_decode_attention_pallas(
+        base["q"], lengths=base["lengths"], page_indices=base["page_indices"], layer=layer, **st,
+        sliding_window=40, variant=variant))
+    module = export.export(device_call, platforms=[platform],
+                           disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
+        jnp.int32(0), stacked).mlir_module()
+    assert target in module and "dynamic_slice" not in module
