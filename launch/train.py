@@ -5,6 +5,7 @@
         actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 trainer.logger=[console,wandb]
     python launch/train.py --config=configs/quickstart.py --dry_run   # print resolved config + batch maths
     python launch/train.py --config=configs/quickstart.py --plan      # per-program memory / FLOPs, no weights
+    python launch/train.py --config=configs/grpo_gsm8k.py --plan --topology=v5p-64   # compiled for a TPU slice
     python launch/train.py --import_config=ppo_trainer.yaml --dry_run  # a veRL / Trinity-RFT / ROLL / TRL file
     python launch/train.py --config=configs/grpo_gsm8k.py -- --learning_rate=1e-6 --num_generations=8  # TRL flags
 
@@ -32,6 +33,7 @@ from ml_collections import config_flags
 from jaxrl_llm.config import (ConfigError, apply_overrides, default_config, mesh_dp_size, resolve_batch_plan,
                               split_config_flag_overrides, validate_config)
 from jaxrl_llm.config.importers import FORMATS, import_config, import_trl_flags, split_trl_flags
+from jaxrl_llm.platform import TpuPlanError
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
@@ -40,6 +42,11 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and th
 _PLAN = flags.DEFINE_bool("plan", False, "Compile every program of a step on abstract inputs (no weights) and "
                                          "print its per-device memory and FLOPs (trainer/memory_plan.py), then "
                                          "exit: 0 if it fits trainer.device_memory_gb / the device, 1 if not.")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "With --plan: compile for this TPU slice instead of the local "
+                                                 "devices (v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8, or v5e:2x2; "
+                                                 "needs libtpu: the tpu-plan extra); overrides trainer.plan_topology.")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", None, "With --topology: slices of it (multislice); overrides "
+                                                       "trainer.plan_num_slices.")
 _IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML) to run; "
                                                      "applied onto --config (default: the default tree).")
 _IMPORT_FORMAT = flags.DEFINE_enum("import_format", None, list(FORMATS),
@@ -50,12 +57,12 @@ _FLAG_OVERRIDES: list[str] = []
 
 
 def resolve(config, overrides: list[str], import_path: str | None = None, import_format: str | None = None,
-            trl_flags: list[str] | None = None):
+            trl_flags: list[str] | None = None, num_devices: int | None = None):
     """Imports a foreign config and TRL flags (if given), applies overrides, validates on this host's
-    devices; returns (resolved config, dp size)."""
+    devices (or `num_devices`: a planned slice's); returns (resolved config, dp size)."""
     import jax
 
-    num_devices = jax.device_count()
+    num_devices = num_devices or jax.device_count()
     mesh = [o for o in overrides if o.split("=", 1)[0].lstrip("+").startswith("mesh.")]
     cfg = config
     if import_path:
@@ -82,9 +89,14 @@ def main(argv: list[str]) -> None:
     positional, trl_flags = split_trl_flags(argv[1:])
     overrides = _FLAG_OVERRIDES + [a for a in positional if a != "--"]
     base = _CONFIG.value if flags.FLAGS["config"].present or not _IMPORT.value else default_config()
+    if _PLAN.value and _TOPOLOGY.value:
+        overrides.append(f"trainer.plan_topology={_TOPOLOGY.value}")
+    if _PLAN.value and _NUM_SLICES.value:
+        overrides.append(f"trainer.plan_num_slices={_NUM_SLICES.value}")
     try:
-        cfg, dp_size = resolve(base, overrides, _IMPORT.value, _IMPORT_FORMAT.value, trl_flags)
-    except ConfigError as err:
+        cfg, dp_size = resolve(base, overrides, _IMPORT.value, _IMPORT_FORMAT.value, trl_flags,
+                               num_devices=planned_devices(base, overrides) if _PLAN.value else None)
+    except (ConfigError, TpuPlanError) as err:
         sys.exit(f"config error: {err}")
     if _DRY_RUN.value:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
@@ -92,7 +104,7 @@ def main(argv: list[str]) -> None:
         return
     if _PLAN.value:
         try:
-            print(memory_plan(cfg).table())
+            print(plan_for_config(cfg).table())
         except user_errors() as err:
             sys.exit(user_error_line(err))
         return
@@ -104,25 +116,23 @@ def main(argv: list[str]) -> None:
         sys.exit(user_error_line(err))
 
 
-def memory_plan(cfg):
-    """The memory plan of a validated config on this host's devices, without loading any weight or
-    writing anything (trainer/memory_plan.py); raises MemoryPlanError (a ConfigError) if a program
-    does not fit, after printing the table."""
-    from jaxrl_llm.config import resolve as resolve_spec
-    from jaxrl_llm.config import resolve_data
-    from jaxrl_llm.hf import load_tokenizer
-    from jaxrl_llm.sharding import batch_axis_size, make_mesh
-    from jaxrl_llm.trainer.memory_plan import plan_memory
+def planned_devices(base, overrides: list[str]) -> int | None:
+    """Chips of the TPU slice the plan compiles for (`trainer.plan_topology` after the overrides), or
+    None for the local devices: the config's batch arithmetic is checked against that many."""
+    from jaxrl_llm.platform import parse_accelerator_type
 
-    mesh = make_mesh(cfg.mesh)
-    spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
-    result = plan_memory(spec, mesh, load_tokenizer(resolve_data(cfg).tokenizer), check=False)
-    try:
-        result.check()
-    except ConfigError:
-        print(result.table())
-        raise
-    return result
+    cfg = apply_overrides(copy.deepcopy(base), [o for o in overrides if o.lstrip("+").startswith("trainer.plan_")])
+    if not cfg.trainer.plan_topology:
+        return None
+    _, chips = parse_accelerator_type(cfg.trainer.plan_topology)
+    return chips * int(cfg.trainer.plan_num_slices)
+
+
+def plan_for_config(cfg):
+    """trainer/memory_plan.py's `plan_for_config` (imported only for --plan)."""
+    from jaxrl_llm.trainer.memory_plan import plan_for_config as plan
+
+    return plan(cfg)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -132,7 +142,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from jaxrl_llm.models import UnsupportedArchitectureError
     from jaxrl_llm.rewards import RewardFunctionError, UnknownDataSourceError
 
-    return (ConfigError, DataError, RewardFunctionError, TokenizerError, UnknownDataSourceError,
+    return (ConfigError, DataError, RewardFunctionError, TokenizerError, TpuPlanError, UnknownDataSourceError,
             UnsupportedArchitectureError)
 
 

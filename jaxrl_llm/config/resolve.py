@@ -136,7 +136,7 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         clip_ratio_high=float(a.clip_ratio_high), clip_ratio_c=float(a.clip_ratio_c),
         entropy_coeff=float(a.entropy_coeff), use_kl_loss=bool(a.use_kl_loss), kl_loss_coef=float(a.kl_loss_coef),
         kl_loss_type=a.kl_loss_type, temperature=float(arr.rollout.temperature) or 1.0,
-        compute_dtype=arr.model.dtype, remat=a.remat_policy,
+        compute_dtype=arr.model.dtype, remat=a.remat_policy, logprob_impl=arr.model.logprob_impl,
         loss_scale_factor=None if a.loss_scale_factor is None else float(a.loss_scale_factor),
         loss_kwargs=tuple((k, float(a[k])) for k in POLICY_LOSSES.capability(mode, "extra_params")),
         ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle))
@@ -203,7 +203,8 @@ def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
         max_consecutive_nonfinite=int(t.max_consecutive_nonfinite),
         rollout_data_dir=_location(t.rollout_data_dir), validation_data_dir=_location(t.validation_data_dir),
         seed=int(t.seed), export_hf=bool(t.export_hf), memory_plan=bool(t.memory_plan),
-        device_memory_gb=None if t.device_memory_gb is None else float(t.device_memory_gb))
+        device_memory_gb=None if t.device_memory_gb is None else float(t.device_memory_gb),
+        plan_topology=t.plan_topology, plan_num_slices=int(t.plan_num_slices))
 
 
 def _location(path: str | None) -> str | None:

@@ -79,6 +79,7 @@ class ActorSpec:
     # the update's own forward supplies the old log-probs (stop-gradient): set by `resolve` where a
     # separate pass would compute the same values (RunSpec.old_log_probs_from_update)
     old_log_probs_from_update: bool = False
+    logprob_impl: str = "auto"  # the fused log-prob head's backend (losses/logprob.py IMPLS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +235,8 @@ class TrainerSpec:
     export_hf: bool
     memory_plan: bool = True  # compile the step's programs on abstract inputs first (trainer/memory_plan.py)
     device_memory_gb: float | None = None  # the memory plan's device memory; None = the device's own
+    plan_topology: str | None = None  # the memory plan's TPU slice (platform/tpu.py); None = the local devices
+    plan_num_slices: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

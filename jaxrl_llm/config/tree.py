@@ -267,6 +267,12 @@ MODEL = dict(
                        "and checkpoints hold the adapters (plus the base path). veRL."),
     lora_alpha=field(16, "LoRA scale numerator: adapters add (lora_alpha / lora_rank) * (x @ A) @ B. veRL.",
                      types=float),
+    logprob_impl=field("auto", "Fused log-prob head (jaxrl_llm/losses/logprob.py) of the policy's training, "
+                               "reference and old log-prob passes: 'auto' (the Pallas kernel of the device the "
+                               "program is compiled for, Triton on GPU / Mosaic on TPU, where a kernel vocab block "
+                               "divides the vocabulary; the chunked XLA scan on CPU and otherwise), 'pallas' (the "
+                               "device's kernel, forced), 'pallas_triton' / 'pallas_mosaic' (one kernel by name) "
+                               "or 'xla' (any backend). Same values and gradients. jaxrl_llm."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),
     tiny={
@@ -447,6 +453,14 @@ TRAINER = {
     "device_memory_gb": field(None, "Device memory (GiB per device) the memory plan checks against; None = "
                                     "the device's own limit (memory_stats bytes_limit on GPU/TPU; no limit on "
                                     "CPU). jaxrl_llm-only.", types=float),
+    "plan_topology": field(None, "TPU slice the memory plan compiles for instead of the local devices, named as "
+                                 "gcloud names accelerator types (v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8) or as a "
+                                 "topology (v5e:2x2): the real TPU compiler (libtpu, the tpu-plan extra) runs on "
+                                 "this host, the table gives bytes per chip against the chip's HBM and times at its "
+                                 "published bf16 peak, and 'auto' micro-batch sizes resolve against it. Read by "
+                                 "launch/train.py --plan (--topology overrides it); a training run on other devices "
+                                 "refuses it. jaxrl_llm-only.", types=str),
+    "plan_num_slices": field(1, "Slices of plan_topology (multislice: the data axis spans them). jaxrl_llm-only."),
 }
 
 MESH = {

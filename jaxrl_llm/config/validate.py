@@ -21,7 +21,9 @@ from jaxrl_llm.config.checks import check_inputs, check_sources
 from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
+from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
 from jaxrl_llm.models.lora import parse_target_modules
+from jaxrl_llm.platform.tpu import parse_accelerator_type
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
 from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 
@@ -75,6 +77,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
     _choice(cfg, f"{ROLLOUT}.engine", ENGINES)
     _choice(cfg, f"{ROLLOUT}.paged_attention", ATTENTION_IMPLS)
+    _choice(cfg, f"{ARR}.model.logprob_impl", LOGPROB_IMPLS)
     _choice(cfg, f"{ROLLOUT}.kv_cache_dtype", KV_CACHE_DTYPES)
     for role in (ACTOR, "critic"):
         _choice(cfg, f"{role}.optim.lr_scheduler_type", names.LR_SCHEDULERS)
@@ -195,7 +198,12 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
              "dual-clip constant must be > 1")
     for key in ("algorithm.gamma", "algorithm.lam"):
         _require(0.0 <= get_path(cfg, key) <= 1.0, key, cfg, "must be in [0, 1]")
-    _positive(cfg, f"{ROLLOUT}.max_num_seqs", f"{ROLLOUT}.max_num_batched_tokens")
+    _positive(cfg, f"{ROLLOUT}.max_num_seqs", f"{ROLLOUT}.max_num_batched_tokens", "trainer.plan_num_slices")
+    if cfg.trainer.plan_topology is not None:
+        try:  # the name only: libtpu is needed when the plan runs, not to validate the config
+            parse_accelerator_type(cfg.trainer.plan_topology)
+        except ValueError as err:
+            raise ConfigError(f"trainer.plan_topology: {err}") from None
     for key in (f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p", f"{ROLLOUT}.gpu_memory_utilization"):
         _require(0.0 < get_path(cfg, key) <= 1.0, key, cfg, "must be in (0, 1]")
     for key in (f"{ROLLOUT}.top_k", f"{ROLLOUT}.val_kwargs.top_k"):

@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import jax
 
+from jaxrl_llm.platform.target import has_target, target_platform
+
 log = logging.getLogger("jaxrl_llm")
 
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable", "offload")
@@ -39,6 +41,8 @@ def remat_name(value: bool | str | None) -> str:
 
 def supports_pinned_host(device: Any | None = None) -> bool:
     """Whether `device` (default: the first device) has a `pinned_host` memory space."""
+    if device is None and has_target():  # planning for another platform: TPU and GPU have pinned host memory
+        return target_platform() in ("tpu", "gpu")
     device = jax.devices()[0] if device is None else device
     try:
         return any(m.kind == "pinned_host" for m in device.addressable_memories())

@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.platform.target import target_platform
+
 Array = jax.Array
 BITS = jnp.uint16
 
 
 def storage_dtype(dtype: Any) -> Any:
     """The dtype a pool of `dtype` values is stored in on this backend."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if jnp.dtype(dtype) == jnp.bfloat16 and target_platform() == "cpu":
         return BITS
     return dtype
 

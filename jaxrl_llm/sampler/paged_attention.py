@@ -116,27 +116,40 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     return out.reshape(slots, nh, hd).astype(q.dtype)
 
 
-def resolve_impl(impl: str) -> str:
-    """'auto' -> 'pallas' on gpu / tpu backends, 'xla' elsewhere."""
+def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl={impl!r}: expected one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
-    return impl
 
 
 def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, *,
                            sliding_window: int | None = None, impl: str = "auto",
                            k_scales: Array | None = None, v_scales: Array | None = None,
                            layer: Array | None = None) -> Array:
-    """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. int8 pages always take the
-    XLA path (it dequantises block by block; the kernel reads compute-dtype pages). layer: the
-    pages are the whole pool [layers, kv, pages, page_size, head_dim] (see the XLA path)."""
-    if resolve_impl(impl) == "pallas" and k_scales is None:
-        from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
+    """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. 'auto' takes the kernel of the
+    platform the program is lowered for (Triton on CUDA where its power-of-two shapes hold, Mosaic
+    on TPU; `lax.platform_dependent`, so a program compiled here for a TPU topology gets Mosaic) and
+    the XLA path elsewhere; 'pallas' forces the kernel (on CPU: interpreted). int8 pages always take
+    the XLA path (it dequantises block by block; the kernel reads compute-dtype pages). layer: the
+    pages are the whole pool [layers, kv, pages, page_size, head_dim], read by layer index."""
+    _check_impl(impl)
 
-        # the kernel reads the stacked pool by layer index (no copy of the layer's pool per step)
-        return paged_decode_attention_pallas(q, from_storage(k_pages), from_storage(v_pages), lengths, page_indices,
-                                             sliding_window=sliding_window, layer=layer)
-    return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
-                                      k_scales=k_scales, v_scales=v_scales, layer=layer)
+    def xla(q, k_pages, v_pages, lengths, page_indices):
+        return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
+                                          k_scales=k_scales, v_scales=v_scales, layer=layer)
+
+    if impl == "xla" or k_scales is not None:
+        return xla(q, k_pages, v_pages, lengths, page_indices)
+    from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas, triton_supports
+
+    def kernel(variant: str, interpret: bool = False):
+        def run(q, k_pages, v_pages, lengths, page_indices):
+            return paged_decode_attention_pallas(q, from_storage(k_pages), from_storage(v_pages), lengths,
+                                                 page_indices, sliding_window=sliding_window, layer=layer,
+                                                 variant=variant, interpret=interpret)
+        return run
+
+    triton = kernel("triton") if impl == "pallas" or triton_supports(q.shape[-1], k_pages.shape[-2]) else xla
+    default = kernel("triton", interpret=True) if impl == "pallas" else xla
+    # the kernel reads the stacked pool by layer index (no copy of the layer's pool per step)
+    return lax.platform_dependent(q, k_pages, v_pages, lengths, page_indices, cuda=triton, tpu=kernel("mosaic"),
+                                  default=default)

@@ -51,6 +51,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl_llm.platform.target import target_platform
+
 # Finite (not -inf) so that exp(mask - max) is an exact 0 and no inf - inf NaN can appear.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 Variant = Literal["triton", "mosaic"]
@@ -341,8 +343,13 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
 # ----------------------------------------------------------------------------------------------
 
 
+def triton_supports(head_dim: int, page_size: int) -> bool:
+    """Whether the Triton variant takes these shapes (its blocks must be powers of 2)."""
+    return all(n > 0 and not n & (n - 1) for n in (head_dim, page_size))
+
+
 def default_variant() -> Variant:
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
+    return "mosaic" if target_platform() == "tpu" else "triton"
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", "pages_per_block",

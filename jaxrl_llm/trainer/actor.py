@@ -34,7 +34,7 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     log_prob, entropy = response_log_probs(
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
-        packing=mb.packing)
+        packing=mb.packing, logprob_impl=s.logprob_impl)
     counts = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                   loss_scale_factor=s.loss_scale_factor)
     # one optimizer step on fresh samples (bf16): the old policy IS the current one (config/spec.py)

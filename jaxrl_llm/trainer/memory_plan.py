@@ -20,6 +20,13 @@ divisor of its per-device rows whose program fits is found by bisection over the
 The device memory is `trainer.device_memory_gb`, else the device's `bytes_limit`
 (memory_stats, GPU/TPU); on CPU, without the key, nothing is refused and 'auto' takes the
 whole per-device batch (no probe).
+
+A TPU slice as the target (`trainer.plan_topology`, `launch/train.py --plan --topology=v5p-64`,
+`plan_for_config(cfg, topology=...)`): the mesh is built over that slice's compile-only devices
+(platform/tpu.py, libtpu), every program is compiled by the TPU compiler (Mosaic kernels
+included), the limit is the chip's published HBM and the time estimate its bf16 (or fp32) peak.
+Trace-time choices that follow the backend (KV pool storage, its size from
+`rollout.gpu_memory_utilization`, pinned host memory) follow the target (platform/target.py).
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ from jax.sharding import Mesh
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.platform.target import CompileTarget, compiling_for, target_memory_bytes
+from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
 from jaxrl_llm.trainer.memory_programs import (PROGRAM_BUILDERS, Context, Program, bytes_per_device, device_state_bytes,
                                                make_context)
 
@@ -78,13 +87,16 @@ class MemoryPlan:
     peak_flops: float | None  # FLOP/s of one device (measured matmul)
     batch_plan: BatchPlan  # with every 'auto' micro-batch resolved
     auto: tuple[tuple[str, int], ...] = ()  # (pass, picked sequences per device)
+    target: str | None = None  # the TPU slice compiled for (None: the local devices)
+    peak_source: str = "the measured matmul peak"
 
     def program(self, name: str) -> ProgramMemory:
         return next(p for p in self.programs if p.name == name)
 
     def table(self) -> str:
         mem = "unknown (no limit)" if self.device_memory is None else _gib(self.device_memory)
-        lines = [f"memory plan (per device; device memory {mem}, {self.device_memory_source}):",
+        lines = [f"compiled for {self.target}"] if self.target else []
+        lines += [f"memory plan (per device; device memory {mem}, {self.device_memory_source}):",
                  f"{'program':<14}{'micro':>6}{'args':>10}{'outputs':>10}{'temps':>10}{'resident':>10}"
                  f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'GFLOP':>10}{'est. s':>9}"]
         for p in self.programs:
@@ -95,7 +107,7 @@ class MemoryPlan:
                          f"{_gib(p.total_bytes):>10}{fit:>5}{_gib(p.params_bytes):>10}{_gib(p.opt_state_bytes):>10}"
                          f"{_gib(p.kv_bytes):>10}{p.flops / 1e9:>10.2f}{secs}")
         total = sum(p.flops for p in self.programs)
-        est = f", ~{total / self.peak_flops:.3f} s at the measured matmul peak of {self.peak_flops / 1e12:.2f} " \
+        est = f", ~{total / self.peak_flops:.3f} s at {self.peak_source} of {self.peak_flops / 1e12:.2f} " \
               "TFLOP/s" if self.peak_flops else ""
         bp = self.batch_plan
         lines.append(f"step: {total / 1e9:.2f} GFLOP per device{est}; worst-case shapes (every prompt "
@@ -127,6 +139,8 @@ def device_memory(spec: RunSpec) -> tuple[int | None, str]:
     """(bytes per device or None, where the number comes from)."""
     if spec.trainer.device_memory_gb is not None:
         return int(spec.trainer.device_memory_gb * GiB), "trainer.device_memory_gb"
+    if target_memory_bytes() is not None:
+        return target_memory_bytes(), "the target chip's published HBM"
     stats = jax.local_devices()[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"{jax.local_devices()[0].platform} bytes_limit"
@@ -235,20 +249,55 @@ def _without_micro(plan: BatchPlan) -> BatchPlan:
 
 
 def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Any, *, check: bool = True,
-                peak_flops: float | None = None) -> MemoryPlan:
+                peak_flops: float | None = None, target: TpuTarget | None = None) -> MemoryPlan:
     """The step's memory plan; with `check`, raises MemoryPlanError when a program does not fit.
 
-    peak_flops: FLOP/s per device for the time estimate; default: a 1024^3 matmul in the actor's
-    compute dtype measured now (~10 ms on an accelerator, ~0.1 s on CPU)."""
+    peak_flops: FLOP/s per device for the time estimate; default: the published peak of the device
+    (trainer/metrics.py `device_peak_flops`: the chip table, or a measured matmul on CPU).
+    target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply."""
+    if target is None:
+        return _plan(spec, mesh, tokenizer, check, peak_flops, None)
+    with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)):
+        return _plan(spec, mesh, tokenizer, check, peak_flops, target)
+
+
+def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Any, check: bool, peak_flops: float | None,
+          target: TpuTarget | None) -> MemoryPlan:
+    from jaxrl_llm.trainer.metrics import device_peak_flops
+
     limit, source = device_memory(spec)
     planner = Planner(spec, mesh, tokenizer)
     plan, picked = planner.resolve_auto(spec.plan, limit, source)
     rows = tuple(planner.analyse(p, plan) for p in planner.programs)
+    peak_source = "the given peak"
     if peak_flops is None:
-        from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
-
-        peak_flops = measured_matmul_peak_flops(n=1024, repeats=3, dtype=spec.actor.compute_dtype)
-    result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked))
+        peak_flops, peak_source = device_peak_flops(mesh.devices.flat[0], spec.actor.compute_dtype)
+    result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked),
+                        target=None if target is None else target.describe(), peak_source=peak_source)
     if check:
         result.check()
+    return result
+
+
+def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None) -> MemoryPlan:
+    """The memory plan of a validated config, without loading any weight or writing anything: on the
+    local devices, or compiled for the TPU slice `topology` (default: `trainer.plan_topology`).
+    Raises MemoryPlanError (a ConfigError) when a program does not fit, after printing the table."""
+    from jaxrl_llm.config import resolve as resolve_spec
+    from jaxrl_llm.config import resolve_data
+    from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.sharding import batch_axis_size, make_mesh
+
+    topology = topology or cfg.trainer.plan_topology
+    target = None
+    if topology:
+        target = tpu_target(topology, num_slices or int(cfg.trainer.plan_num_slices))
+    mesh = make_mesh(cfg.mesh, devices=None if target is None else target.devices)
+    spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
+    result = plan_memory(spec, mesh, load_tokenizer(resolve_data(cfg).tokenizer), check=False, target=target)
+    try:
+        result.check()
+    except ConfigError:
+        print(result.table())
+        raise
     return result

@@ -253,7 +253,7 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
                                         compute_dtype=spec.critic.compute_dtype, micro_rows=micro_rows(plan))
         return log_probs_no_grad.lower(params, ids, ids, mask, model_cfg=_unrolled(ctx.actor.cfg, unroll),
                                        temperature=spec.actor.temperature, compute_dtype=spec.actor.compute_dtype,
-                                       micro_rows=micro_rows(plan))
+                                       micro_rows=micro_rows(plan), logprob_impl=spec.actor.logprob_impl)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
         micro = plan.micro_of(micro_pass)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.platform.chips import chip_for, peak_flops_of
+
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
     values = np.asarray(values, np.float64)
@@ -64,18 +66,38 @@ def data_metrics(
 
 
 @functools.lru_cache(maxsize=None)
-def measured_matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
-    """FLOP/s of one device on a large matmul of `dtype` operands (fp32 accumulation): the
-    denominator of MFU on this machine for that compute dtype."""
-    a = jnp.ones((n, n), jnp.dtype(dtype))
-    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
-    f(a).block_until_ready()
+def measured_matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32", chain: int = 4) -> float:
+    """FLOP/s of one device on large matmuls of `dtype` operands (fp32 accumulation): the best of
+    `repeats` calls, each `chain` dependent [n, n] x [n, n] matmuls in one program (so dispatch and
+    launch overhead are spread over them), blocked on before the clock stops. A ceiling for MFU
+    where the chip table has no row (CPU); `device_peak_flops` prefers the table."""
+    a = jnp.ones((n, n), jnp.dtype(dtype)) / n
+    b = jnp.ones((n, n), jnp.dtype(dtype))
+
+    def matmuls(a, b):
+        def one(i, acc):  # each product reads the last one's result: nothing is hoisted or merged
+            lhs = (a * (1 + acc[0, 0] * 1e-9)).astype(a.dtype)
+            return acc + jnp.dot(lhs, b, preferred_element_type=jnp.float32)
+        return jax.lax.fori_loop(0, chain, one, jnp.zeros((n, n), jnp.float32))
+
+    f = jax.jit(matmuls)
+    f(a, b).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        f(a).block_until_ready()
+        f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - start)
-    return 2.0 * n**3 / best
+    return 2.0 * n**3 * chain / best
+
+
+def device_peak_flops(device: jax.Device, dtype: str) -> tuple[float, str]:
+    """(matmul peak FLOP/s of one `device` for `dtype` compute, where it comes from): the published
+    figure of its chip (platform/chips.py: H100, H200, B200, TPU v4 / v5e / v5p / v6e), else (CPUs,
+    unknown chips) a measured matmul ceiling of this host's device."""
+    published = peak_flops_of(device, dtype)
+    if published is not None:
+        return published, f"the published {dtype} peak of {chip_for(device).name}"
+    return measured_matmul_peak_flops(dtype=dtype), f"the measured {dtype} matmul peak"
 
 
 def step_flops(
@@ -87,19 +109,27 @@ def step_flops(
     response_tokens: int,
     forward_passes: int,
     training_passes: int,
+    prefill_prompt_tokens: int | None = None,
+    pass_prompt_tokens: int | None = None,
 ) -> float:
-    """Model FLOPs of one RL step: generation (2N per generated token plus attention over the
-    context), `forward_passes` scoring passes (ref / old logprobs / values) and `training_passes`
-    forward+backward passes (6N per token) over prompt+response tokens."""
+    """Model FLOPs of one RL step as computed: generation (2N per generated token plus attention
+    over the context), `forward_passes` scoring passes (ref / old logprobs / values) and
+    `training_passes` forward+backward passes (6N per token) over prompt+response tokens.
+    `prompt_tokens` counts every row's prompt; a prompt its n samples share is computed once by the
+    paged engine's prefill (`prefill_prompt_tokens`) and by shared-prompt packing
+    (`pass_prompt_tokens`): those counts, where given, replace it (MFU then never credits work
+    that was not done)."""
     total_tokens = prompt_tokens + response_tokens
     dense = 2.0 * num_params
     # attention score/value FLOPs per token ~ 4 * layers * hidden * average context length
     avg_context = total_tokens / 2.0
     attention = 4.0 * num_layers * hidden_size * avg_context / max(total_tokens, 1)
     per_token_fwd = dense + attention
-    gen = response_tokens * per_token_fwd + prompt_tokens * per_token_fwd
-    score = forward_passes * total_tokens * per_token_fwd
-    train = training_passes * 3.0 * total_tokens * per_token_fwd
+    prefill = prompt_tokens if prefill_prompt_tokens is None else prefill_prompt_tokens
+    scored = response_tokens + (prompt_tokens if pass_prompt_tokens is None else pass_prompt_tokens)
+    gen = (response_tokens + prefill) * per_token_fwd
+    score = forward_passes * scored * per_token_fwd
+    train = training_passes * 3.0 * scored * per_token_fwd
     return gen + score + train
 
 

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxrl_llm import storage
-from jaxrl_llm.config import resolve, resolve_data, resolve_synthetic, validate_config
+from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching, RoleBatch
 from jaxrl_llm.config.spec import ModelSpec, RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
@@ -40,7 +40,7 @@ from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_columns,
                                          pad_experience, values_no_grad)
-from jaxrl_llm.trainer.metrics import Timer, data_metrics, measured_matmul_peak_flops, perf_metrics, step_flops
+from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.pipeline import make_pipeline
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
@@ -150,6 +150,8 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
     def _plan_memory(self, spec: RunSpec) -> Any:
         """The memory plan (`trainer.memory_plan`, or any 'auto' micro-batch size), printed; None when off."""
+        if spec.trainer.plan_topology is not None:
+            _check_plan_topology(spec, self.mesh)
         if not (spec.trainer.memory_plan or spec.plan.auto_passes):
             return None
         from jaxrl_llm.trainer.memory_plan import plan_memory
@@ -369,7 +371,8 @@ class Trainer:
         """Response log-probs under `params` (reference or old policy), in `micro`'s micro-batches."""
         return self._no_grad_pass(log_probs_no_grad, params, rollout, micro, _rows_for(host, self.spec.model),
                                   self.spec.model.use_remove_padding, model_cfg=self.actor.model_cfg,
-                                  temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype)
+                                  temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
+                                  logprob_impl=self.spec.actor.logprob_impl)
 
     def _no_grad_pass(self, fn: Any, params: dict, rollout: Rollout, micro: MicroBatching,
                       host: packing.HostRows | None, packed: bool, **settings: Any) -> jax.Array:
@@ -451,15 +454,23 @@ class Trainer:
 
     def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:
         if self._peak_flops is None:
-            self._peak_flops = measured_matmul_peak_flops(dtype=self.spec.actor.compute_dtype)
+            self._peak_flops, _ = device_peak_flops(self.mesh.devices.flat[0], self.spec.actor.compute_dtype)
         spec, m = self.spec, self.actor.model_cfg
         prompt_tokens = int(rollout.prompt_lengths.sum())
         response_tokens = int(rollout.response_lengths.sum())
+        # a group's prompt once: what the paged engine's prefill and shared-prompt packing compute
+        _, first_rows = np.unique(rollout.group_ids, return_index=True)
+        group_prompt_tokens = int(rollout.prompt_lengths[first_rows].sum())
+        paged = spec.rollout_engine.resolved(spec.plan.response_length,
+                                             multi_turn=spec.multi_turn is not None).engine == "paged"
+        shared = spec.model.use_remove_padding and spec.model.share_packed_prompts
         passes = int(self.need_ref) + int(spec.recompute_old_log_probs) + int(self.critic is not None)
         train_passes = spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0)
         flops = step_flops(num_params=self.actor.num_params, num_layers=m.num_hidden_layers,
                            hidden_size=m.hidden_size, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
-                           forward_passes=passes, training_passes=train_passes)
+                           forward_passes=passes, training_passes=train_passes,
+                           prefill_prompt_tokens=group_prompt_tokens if paged else None,
+                           pass_prompt_tokens=group_prompt_tokens if shared else None)
         return perf_metrics(times, total_tokens=prompt_tokens + response_tokens, flops=flops,
                             num_devices=jax.device_count(), peak_flops=self._peak_flops)
 
@@ -602,3 +613,16 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
 def _rows_for(host: packing.HostRows | None, model: ModelSpec) -> packing.HostRows | None:
     """`host` as `model`'s packing sees it: no shared prompts unless `model.share_packed_prompts`."""
     return host if host is None or model.share_packed_prompts else host._replace(prompt_groups=None)
+
+
+def _check_plan_topology(spec: RunSpec, mesh: Any) -> None:
+    """`trainer.plan_topology` plans a TPU slice from any host (--plan); a run accepts it only on that
+    slice's devices (its memory plan then compiles for them as they are)."""
+    from jaxrl_llm.platform import accelerator_chip, chip_for, parse_accelerator_type
+
+    _, chips = parse_accelerator_type(spec.trainer.plan_topology)
+    device = mesh.devices.flat[0]
+    if mesh.size != chips * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(
+            spec.trainer.plan_topology):
+        raise ConfigError(f"trainer.plan_topology={spec.trainer.plan_topology} is for launch/train.py --plan on any "
+                          f"host; this run has {mesh.size} {device.device_kind} device(s): unset it")

@@ -10,6 +10,7 @@ import heapq
 import jax
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.platform.target import target_memory_bytes
 
 
 class PagePool:
@@ -48,7 +49,11 @@ def pages_for(tokens: int, page_size: int) -> int:
 def device_kv_budget(gpu_memory_utilization: float) -> int | None:
     """KV bytes per device from `rollout.gpu_memory_utilization`: that fraction of the device's
     memory limit minus what is in use now (params, optimizer state); None where the backend
-    reports no memory limit (CPU)."""
+    reports no memory limit (CPU). Planning for a target (platform/target.py): that fraction of the
+    target's memory (what the params take is the memory plan's to count)."""
+    target = target_memory_bytes()
+    if target is not None:
+        return int(gpu_memory_utilization * target)
     try:
         stats = jax.local_devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats

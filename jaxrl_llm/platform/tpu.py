@@ -1,0 +1,110 @@
+"""TPU slices without a TPU: gcloud accelerator-type names -> compile-only devices from libtpu.
+
+`jax.experimental.topologies.get_topology_desc(platform="tpu", ...)` describes a slice on any x86
+host when libtpu is installed (the `tpu-plan` extra); a program jitted on a mesh of those devices
+compiles with the real TPU compiler (Mosaic kernels included) and reports its memory and cost
+analyses. Nothing runs: the devices are compile-only.
+
+Names as gcloud spells them: `v4-N` and `v5p-N` count TensorCores (2 per chip, one megacore JAX
+device per chip), `v5litepod-N` / `v5e-N` and `v6e-N` count chips; a topology string
+(`v5e:2x2`, `v5p:2x2x1`) is accepted as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+
+import jax
+
+from jaxrl_llm.platform.chips import Chip, chip_for
+
+# generation -> (topology prefix, TensorCores per chip in the accelerator-type count, mesh rank)
+_GENERATIONS = {"v4": ("v4", 2, 3), "v5p": ("v5p", 2, 3), "v5litepod": ("v5e", 1, 2), "v5e": ("v5e", 1, 2),
+                "v6e": ("v6e", 1, 2)}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+              512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16", 8192: "16x16x32"}
+INSTALL_HINT = "pip install 'jaxrl_llm[tpu-plan]' (libtpu: the TPU compiler, which runs on any x86 host)"
+
+
+class TpuPlanError(ValueError):
+    """A TPU target that cannot be planned (unknown name, libtpu missing): a user error, one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTarget:
+    """A slice (or several) as compile-only devices."""
+
+    name: str  # what the user asked for, e.g. v5p-64
+    topology: str  # libtpu's topology string, e.g. v5p:2x4x4
+    num_slices: int
+    chip: Chip
+    devices: tuple[jax.Device, ...]
+
+    @property
+    def num_chips(self) -> int:
+        return len(self.devices)
+
+    def describe(self) -> str:
+        slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
+        return (f"{self.name} ({self.topology}{slices}: {self.num_chips} {self.chip.name} chips, "
+                f"{self.chip.hbm_bytes / (1 << 30):.0f} GiB HBM and {self.chip.bf16_flops / 1e12:.0f} bf16 TFLOP/s each)")
+
+
+def parse_accelerator_type(name: str) -> tuple[str, int]:
+    """(libtpu topology string, chips per slice) of an accelerator type or a topology string."""
+    text = name.strip().lower()
+    if ":" in text:  # a topology string already
+        gen, _, shape = text.partition(":")
+        if gen not in {g for g, _, _ in _GENERATIONS.values()} or not re.fullmatch(r"\d+(x\d+){1,2}", shape):
+            raise TpuPlanError(f"--topology {name!r}: not a TPU topology (e.g. v5e:2x2, v5p:2x2x1)")
+        chips = 1
+        for d in shape.split("x"):
+            chips *= int(d)
+        return text, chips
+    match = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", text)
+    if not match:
+        raise TpuPlanError(f"--topology {name!r}: expected an accelerator type as gcloud names it "
+                           "(v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8) or a topology (v5e:2x2)")
+    prefix, cores_per_chip, rank = _GENERATIONS[match.group(1)]
+    count = int(match.group(2))
+    chips, rem = divmod(count, cores_per_chip)
+    shapes = _SHAPES_3D if rank == 3 else _SHAPES_2D
+    if rem or chips not in shapes:
+        raise TpuPlanError(f"--topology {name!r}: {match.group(1)} slices come in "
+                           f"{sorted(c * cores_per_chip for c in shapes)} ({'TensorCores' if cores_per_chip > 1 else 'chips'})")
+    return f"{prefix}:{shapes[chips]}", chips
+
+
+def accelerator_chip(name: str) -> Chip:
+    """The chip of an accelerator type or topology string (v5p-64 -> TPU v5p)."""
+    topology, _ = parse_accelerator_type(name)
+    return chip_for("tpu " + topology.split(":")[0])
+
+
+def libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def tpu_target(name: str, num_slices: int = 1) -> TpuTarget:
+    """Compile-only devices of `name` (see the module docstring); raises TpuPlanError with what to
+    install when libtpu is missing."""
+    topology, _ = parse_accelerator_type(name)
+    if num_slices < 1:
+        raise TpuPlanError(f"--num_slices={num_slices} must be >= 1")
+    if not libtpu_installed():
+        raise TpuPlanError(f"--topology {name}: compiling for a TPU needs libtpu: {INSTALL_HINT}")
+    from jax.experimental import topologies
+
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    if topology.startswith("v4:"):  # one JAX device per chip (its two TensorCores as one), as v4 pods run
+        kwargs["chip_config_name"] = "megacore"
+    try:
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs).devices
+    except Exception as err:  # libtpu's own message names what it did not accept
+        raise TpuPlanError(f"--topology {name} ({topology}): libtpu could not describe it: {err}") from err
+    chip = chip_for(devices[0])
+    if chip is None:
+        raise TpuPlanError(f"--topology {name}: no published figures for device kind {devices[0].device_kind!r}")
+    return TpuTarget(name, topology, num_slices, chip, tuple(devices))
