@@ -20,7 +20,9 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) launch/train.py --config=configs/quickstart.py
 
+# the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart
 test: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,tpu-plan]"
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)

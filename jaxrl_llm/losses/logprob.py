@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.losses.logprob_xla import (
     KLLayout,
@@ -55,9 +58,15 @@ def _resolve_vocab_major(hidden_size: int, unembed: Array, vocab_major: bool | N
     return cols_h
 
 
-def _stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
-    if impl == "xla":
-        return xla_stats(h, w, targets, lay)
+class Backend(NamedTuple):
+    """How the forward statistics run (hashable: a non-differentiable argument)."""
+
+    impl: str  # IMPLS
+    interpret: bool  # a named kernel in interpret mode
+    mesh: Mesh | None  # the program's mesh: a kernel runs per shard of the rows under shard_map
+
+
+def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
     from jaxrl_llm.losses import logprob_pallas  # imported on first use: Pallas is only needed on GPU/TPU
 
     if impl in logprob_pallas.KINDS:
@@ -78,6 +87,30 @@ def _stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
                                              tpu=kernel("pallas_mosaic"), default=default))
 
 
+def _row_axes(mesh: Mesh, rows: int) -> tuple[str, ...] | None:
+    """The mesh's batch axes the rows are split over inside shard_map (None: they do not divide)."""
+    axes = tuple(a for a in ("data", "fsdp") if dict(mesh.shape).get(a, 1) > 1)
+    ways = math.prod(dict(mesh.shape)[a] for a in axes)
+    return axes if rows % ways == 0 else None
+
+
+def _stats(h, w, targets, lay: Layout, be: Backend) -> Stats:
+    if be.impl == "xla":
+        return xla_stats(h, w, targets, lay)
+    if be.mesh is None or be.mesh.size == 1:
+        return _kernel_stats(h, w, targets, lay, be.impl, be.interpret)
+    # XLA cannot partition a kernel's custom call: each device runs it on its own rows, with the
+    # whole unembedding (gathered when it is sharded; the backward stays in auto-partitioned XLA)
+    axes = _row_axes(be.mesh, h.shape[0])
+    if axes is None:
+        return xla_stats(h, w, targets, lay)
+    rows = P(axes or None)
+    per_shard = jax.shard_map(lambda h, w, t: tuple(_kernel_stats(h, w, t, lay, be.impl, be.interpret)),
+                              mesh=be.mesh, in_specs=(P(axes or None, None), P(None, None), rows),
+                              out_specs=(rows, rows, rows), check_vma=False)
+    return Stats(*per_shard(h, w, targets))
+
+
 def _blocks(n: int, live: Array | None) -> list[slice] | None:
     """Row slices of the live-block flags `live` [n / block] (None: one pass over all rows)."""
     if live is None:
@@ -86,29 +119,29 @@ def _blocks(n: int, live: Array | None) -> list[slice] | None:
     return [slice(b * size, (b + 1) * size) for b in range(live.shape[0])]
 
 
-def _blocked_stats(h, w, targets, live, lay: Layout, impl: str, interpret: bool) -> Stats:
+def _blocked_stats(h, w, targets, live, lay: Layout, be: Backend) -> Stats:
     """`_stats`, run only on the row blocks that `live` marks (zeros elsewhere: log-prob 0)."""
     blocks = _blocks(h.shape[0], live)
     if blocks is None:
-        return _stats(h, w, targets, lay, impl, interpret)
-    run = lambda hb, tb: _stats(hb, w, tb, lay, impl, interpret)  # noqa: E731
+        return _stats(h, w, targets, lay, be)
+    run = lambda hb, tb: _stats(hb, w, tb, lay, be)  # noqa: E731
     skip = lambda hb, tb: Stats(*(jnp.zeros(tb.shape, jnp.float32),) * 3)  # noqa: E731
     parts = [jax.lax.cond(live[i], run, skip, h[rows], targets[rows]) for i, rows in enumerate(blocks)]
     return Stats(*(jnp.concatenate(field) for field in zip(*parts)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused(h, w, targets, live, lay: Layout, impl: str, interpret: bool):
-    st = _blocked_stats(h, w, targets, live, lay, impl, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(h, w, targets, live, lay: Layout, be: Backend):
+    st = _blocked_stats(h, w, targets, live, lay, be)
     return st.target_logit - st.lse, st.lse - st.mean_logit
 
 
-def _fused_fwd(h, w, targets, live, lay, impl, interpret):
-    st = _blocked_stats(h, w, targets, live, lay, impl, interpret)
+def _fused_fwd(h, w, targets, live, lay, be):
+    st = _blocked_stats(h, w, targets, live, lay, be)
     return (st.target_logit - st.lse, st.lse - st.mean_logit), (h, w, targets, live, st)
 
 
-def _fused_bwd(lay, impl, interpret, res, cotangents):
+def _fused_bwd(lay, be, res, cotangents):
     h, w, targets, live, st = res
     g_lp, g_ent = cotangents
     blocks = _blocks(h.shape[0], live)
@@ -132,7 +165,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature: float = 1.0,
                    return_entropy: bool = False, chunk_size: int | None = None,
                    vocab_major: bool | None = None, impl: str = "auto", interpret: bool = False,
-                   rows_in_use: Array | None = None, row_block: int | None = None):
+                   rows_in_use: Array | None = None, row_block: int | None = None, mesh: Mesh | None = None):
     """log p(target) under `softmax(hidden @ W / temperature)` (and the entropy), fp32 `[B, T]`.
 
     `unembed` is `[H, V]` or `[V, H]` (tied embeddings), told apart by shape or `vocab_major`.
@@ -145,6 +178,8 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
     blocks of `row_block` (default ROW_BLOCK), and a block with none in use is skipped in both directions (its
     log-probs and entropy are 0): a caller with a fixed capacity of rows filled from the front
     (packed response slots) pays for the rows it fills, not for the capacity.
+    `mesh`: the mesh of the program (a multi-device program runs a kernel per shard of the rows:
+    XLA cannot partition its custom call); None for a single-device program.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -164,7 +199,7 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
         if n > block and n % block == 0:
             live = jnp.any(rows_in_use.reshape(-1, block), axis=1)
     lp, ent = _fused(hidden.reshape(-1, hidden_size), unembed, targets.reshape(-1).astype(jnp.int32), live,
-                     lay, impl, interpret)
+                     lay, Backend(impl, interpret, mesh))
     lp = lp.reshape(lead)
     return (lp, ent.reshape(lead)) if return_entropy else lp
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.numerics import MASKED_SCORE
 from jaxrl_llm.sampler.kv_bits import from_storage
@@ -116,6 +118,12 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     return out.reshape(slots, nh, hd).astype(q.dtype)
 
 
+def _kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:
+    """'tensor' when the pool's kv heads are split over it (engine/programs.py `state_sharding`)."""
+    tensor = dict(mesh.shape).get("tensor", 1)
+    return "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
+
+
 def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl={impl!r}: expected one of {IMPLS}")
@@ -124,13 +132,15 @@ def _check_impl(impl: str) -> None:
 def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, *,
                            sliding_window: int | None = None, impl: str = "auto",
                            k_scales: Array | None = None, v_scales: Array | None = None,
-                           layer: Array | None = None) -> Array:
+                           layer: Array | None = None, mesh: Mesh | None = None) -> Array:
     """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. 'auto' takes the kernel of the
     platform the program is lowered for (Triton on CUDA where its power-of-two shapes hold, Mosaic
     on TPU; `lax.platform_dependent`, so a program compiled here for a TPU topology gets Mosaic) and
     the XLA path elsewhere; 'pallas' forces the kernel (on CPU: interpreted). int8 pages always take
     the XLA path (it dequantises block by block; the kernel reads compute-dtype pages). layer: the
-    pages are the whole pool [layers, kv, pages, page_size, head_dim], read by layer index."""
+    pages are the whole pool [layers, kv, pages, page_size, head_dim], read by layer index. mesh: the
+    program's mesh (the engine's: pool kv heads over 'tensor' where they divide, slots replicated);
+    XLA cannot partition a kernel's custom call, so there it runs per shard under shard_map."""
     _check_impl(impl)
 
     def xla(q, k_pages, v_pages, lengths, page_indices):
@@ -142,11 +152,17 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas, triton_supports
 
     def kernel(variant: str, interpret: bool = False):
-        def run(q, k_pages, v_pages, lengths, page_indices):
+        def run(q, k_pages, v_pages, lengths, page_indices, layer):
             return paged_decode_attention_pallas(q, from_storage(k_pages), from_storage(v_pages), lengths,
                                                  page_indices, sliding_window=sliding_window, layer=layer,
                                                  variant=variant, interpret=interpret)
-        return run
+        if mesh is None or mesh.size == 1:
+            return lambda *args: run(*args, layer)
+        heads = _kv_head_axis(mesh, k_pages.shape[-4])
+        pool = P(*(None,) * (k_pages.ndim - 4), heads)
+        per_shard = jax.shard_map(run, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P()),
+                                  out_specs=P(None, heads), check_vma=False)
+        return lambda *args: per_shard(*args, jnp.int32(0) if layer is None else layer)
 
     triton = kernel("triton") if impl == "pallas" or triton_supports(q.shape[-1], k_pages.shape[-2]) else xla
     default = kernel("triton", interpret=True) if impl == "pallas" else xla

@@ -27,14 +27,14 @@ from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 sg = jax.lax.stop_gradient
 
 def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg: ModelConfig,
-               s: ActorSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
+               s: ActorSpec, mesh: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised by the mini-batch's global counts."""
     mask = mb.response_mask
     response_len = mask.shape[1]
     log_prob, entropy = response_log_probs(
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
-        packing=mb.packing, logprob_impl=s.logprob_impl)
+        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh)
     counts = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                   loss_scale_factor=s.loss_scale_factor)
     # one optimizer step on fresh samples (bf16): the old policy IS the current one (config/spec.py)
@@ -65,7 +65,8 @@ def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array
     """`ppo_epochs` x mini-batches x micro-batches of actor updates at learning rate `lr` (one XLA
     program once jitted, which `TrainedRole.update` does). LoRA: `params` is {"lora": adapters}, the
     only leaves differentiated and updated, and `frozen` the base they are attached to."""
-    loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s)
+    loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s,
+                                mesh=None if rows_sharding is None else rows_sharding.mesh)
     if frozen is not None:
         lora_loss = loss_fn
         loss_fn = lambda p, mb, d: lora_loss(with_lora(frozen, p["lora"], lora_scale), mb, d)  # noqa: E731

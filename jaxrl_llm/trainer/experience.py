@@ -69,10 +69,10 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows",
-                                             "logprob_impl"))
+                                             "logprob_impl", "mesh"))
 def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
                       packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
-                      compute_dtype: str, micro_rows: int, logprob_impl: str = "auto") -> Array:
+                      compute_dtype: str, micro_rows: int, logprob_impl: str = "auto", mesh: Any = None) -> Array:
     """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
     `packing`: one layout per chunk (trainer/packing.py `plan_chunks`) to run packed, or with
     micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`)."""
@@ -81,7 +81,7 @@ def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, res
     def one(chunk: dict) -> Array:
         return response_log_probs(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
                                   temperature=temperature, compute_dtype=compute_dtype,
-                                  packing=chunk.get("per_chunk"), logprob_impl=logprob_impl)
+                                  packing=chunk.get("per_chunk"), logprob_impl=logprob_impl, mesh=mesh)
 
     return _chunked(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
 

@@ -37,10 +37,11 @@ def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
                        remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
-                       logprob_impl: str = "auto"):
+                       logprob_impl: str = "auto", mesh: Any = None):
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
     With `packing` the model runs on packed rows (trainer/packing.py) and only real response
-    tokens are scored (0 elsewhere). `logprob_impl`: the fused head's backend (losses/logprob.py)."""
+    tokens are scored (0 elsewhere). `logprob_impl`: the fused head's backend (losses/logprob.py);
+    `mesh`: the program's mesh (a kernel then runs per shard of the rows)."""
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
     unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
                             else (lm_head_weight(params, model_cfg), False))
@@ -49,12 +50,13 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
                                  compute_dtype=compute_dtype, remat=remat)
         targets = input_ids[:, input_ids.shape[1] - response_len:]
         return token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
-                              return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl)
+                              return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl,
+                              mesh=mesh)
     hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
                                              compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
     # the LM head skips the slot blocks past the filled ones
     out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
-                         return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl,
+                         return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
                          rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
     return map_response(out, packing, input_ids.shape[0], response_len)
 

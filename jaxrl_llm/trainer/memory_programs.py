@@ -49,7 +49,9 @@ class Program:
     """One program of the step, ready to lower for a given `BatchPlan`."""
 
     name: str
-    lower: Callable[..., Any]  # (plan, unroll=1) -> jax.stages.Lowered; unroll: layers per layer-scan trip
+    # (plan, unroll=1, platforms=None) -> jax.stages.Lowered; unroll: layers per layer-scan trip;
+    # platforms: lower for those instead of the mesh's devices (("cuda",) from a CPU host)
+    lower: Callable[..., Any]
     state_args: tuple[str, ...]  # the persistent states (see `State`) among its arguments
     keys: Callable[[BatchPlan], tuple[str, ...]]  # config keys that shrink it, with their values
     micro_pass: str | None = None  # the BatchPlan pass whose micro-batch it runs (for 'auto')
@@ -115,6 +117,14 @@ def bytes_per_device(tree: Any) -> int:
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
     return total
+
+
+def _lower(jitted: Any, platforms: tuple[str, ...] | None, *args: Any, **kwargs: Any) -> Any:
+    """`jitted.lower(*args, **kwargs)`, for `platforms` when given (the kernels of those platforms are
+    then lowered: Pallas -> Triton for "cuda" runs on any host)."""
+    if platforms is None:
+        return jitted.lower(*args, **kwargs)
+    return jitted.trace(*args, **kwargs).lower(lowering_platforms=tuple(platforms))
 
 
 def _unrolled(cfg: ModelConfig, unroll: int) -> ModelConfig:
@@ -194,9 +204,9 @@ def sample_program(ctx: Context) -> Program:
     if spec.rollout_engine.resolved(r, multi_turn=spec.multi_turn is not None).engine == "paged":
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
 
-    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
-        return _sample_jit.lower(ctx.policy_params(), _unrolled(cfg, unroll), ids, ids, jax.random.PRNGKey(0), knobs,
+        return _lower(_sample_jit, platforms, ctx.policy_params(), _unrolled(cfg, unroll), ids, ids, jax.random.PRNGKey(0), knobs,
                                  settings=settings, mesh=mesh)
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
@@ -223,11 +233,11 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     shardings = engine_programs.state_sharding(abstract, cfg, mesh)
     state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
 
-    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
-        return engine_programs.generate.lower(ctx.policy_params(), _unrolled(cfg, unroll), state, jax.random.PRNGKey(0),
+        return _lower(engine_programs.generate, platforms, ctx.policy_params(), _unrolled(cfg, unroll), state, jax.random.PRNGKey(0),
                                               knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar,
-                                              settings=settings, attn_impl=engine.attn_impl)
+                                              settings=settings, attn_impl=engine.attn_impl, mesh=mesh)
 
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
@@ -245,15 +255,16 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
     def micro_rows(plan: BatchPlan) -> int:
         return plan.forward_micro_rows(plan.micro_of(micro_pass), n, t)
 
-    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
         if micro_pass == "values":
-            return values_no_grad.lower(params, ids, ids, mask, model_cfg=_unrolled(ctx.critic.cfg, unroll),
+            return _lower(values_no_grad, platforms, params, ids, ids, mask, model_cfg=_unrolled(ctx.critic.cfg, unroll),
                                         compute_dtype=spec.critic.compute_dtype, micro_rows=micro_rows(plan))
-        return log_probs_no_grad.lower(params, ids, ids, mask, model_cfg=_unrolled(ctx.actor.cfg, unroll),
+        return _lower(log_probs_no_grad, platforms, params, ids, ids, mask, model_cfg=_unrolled(ctx.actor.cfg, unroll),
                                        temperature=spec.actor.temperature, compute_dtype=spec.actor.compute_dtype,
-                                       micro_rows=micro_rows(plan), logprob_impl=spec.actor.logprob_impl)
+                                       micro_rows=micro_rows(plan), logprob_impl=spec.actor.logprob_impl,
+                                       mesh=ctx.mesh)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
         micro = plan.micro_of(micro_pass)
@@ -315,13 +326,13 @@ def _update_program(ctx: Context, role: str) -> Program:
     def split(plan: BatchPlan) -> tuple[int, int]:
         return plan.update_split(getattr(plan, role), n, t)
 
-    def lower(plan: BatchPlan, unroll: int = 1) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         num_mini, num_micro = split(plan)
         fn = jit_update(update_fn(unroll), ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
                         jax.tree.map(lambda x: x.sharding, opt),
                         num_mini_batches=num_mini, num_micro_batches=num_micro,
                         rows_sharding=batch_sharding(ctx.mesh, 1))
-        return fn.lower(params, opt, _experience(ctx), jax.random.PRNGKey(0), jax.ShapeDtypeStruct((), jnp.float32),
+        return _lower(fn, platforms, params, opt, _experience(ctx), jax.random.PRNGKey(0), jax.ShapeDtypeStruct((), jnp.float32),
                         None, *frozen)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:

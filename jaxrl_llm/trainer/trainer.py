@@ -372,7 +372,7 @@ class Trainer:
         return self._no_grad_pass(log_probs_no_grad, params, rollout, micro, _rows_for(host, self.spec.model),
                                   self.spec.model.use_remove_padding, model_cfg=self.actor.model_cfg,
                                   temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
-                                  logprob_impl=self.spec.actor.logprob_impl)
+                                  logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
 
     def _no_grad_pass(self, fn: Any, params: dict, rollout: Rollout, micro: MicroBatching,
                       host: packing.HostRows | None, packed: bool, **settings: Any) -> jax.Array:

@@ -71,8 +71,8 @@ def _dense(x: Array, kernel: Array, dtype: Any, spec: str) -> Array:
 
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
-                  page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto"
-                  ) -> tuple[Array, dict]:
+                  page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
+                  mesh: Any = None) -> tuple[Array, dict]:
     """Final-norm hidden [S, H] for one token per slot, and the pool with their K/V written.
 
     tokens / positions [S]: the token fed to each slot and its position (= tokens already in the
@@ -114,7 +114,7 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
         q, k = rope(q, positions, cfg), rope(k, positions, cfg)
         pool = write_tokens(pool, i, k, v, page, offset)
         attn = paged_decode_attention(q, pool["k"], pool["v"], lengths, page_table, layer=i,
-                                      sliding_window=cfg.sliding_window, impl=attn_impl,
+                                      sliding_window=cfg.sliding_window, impl=attn_impl, mesh=mesh,
                                       k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
         x = x + proj(attn.astype(dt), "attn", "o_proj", "snd,ndh->sh")
         h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps, dt)
@@ -129,9 +129,9 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
 
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
-                  page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto"
-                  ) -> tuple[Array, dict]:
+                  page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
+                  mesh: Any = None) -> tuple[Array, dict]:
     """fp32 next-token logits [S, V] and the updated pool (see `decode_hidden`)."""
     hidden, pool = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
-                                 compute_dtype=compute_dtype, attn_impl=attn_impl)
+                                 compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh)
     return logits_from_hidden(params, cfg, hidden), pool

@@ -254,13 +254,14 @@ def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, req
         log_probs=state.log_probs.at[slot].set(jnp.zeros((r,), jnp.float32).at[0].set(lp[0])))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh"), donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
              max_steps: Array, stop_on_finish: Array, stop_below: Array = 0, *, settings: SampleSettings,
-             attn_impl: str = "auto") -> DecodeState:
+             attn_impl: str = "auto", mesh: Mesh | None = None) -> DecodeState:
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
-    `stop_below` slots are still active, so the host can move them to a smaller slot set."""
+    `stop_below` slots are still active, so the host can move them to a smaller slot set.
+    `mesh`: the state's mesh (`state_sharding`); an attention kernel then runs per kv-head shard."""
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
     rows = jnp.arange(state.active.shape[0])
@@ -273,7 +274,7 @@ def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kno
     def step(c: tuple[Array, Array, DecodeState]) -> tuple[Array, Array, DecodeState]:
         i, _, s = c
         logits, pool = decode_logits(params, cfg, s.pool, s.last, s.positions, s.page_table, s.active,
-                                     compute_dtype=dt, attn_impl=attn_impl)
+                                     compute_dtype=dt, attn_impl=attn_impl, mesh=mesh)
         keys = request_keys(rng, s.request, s.num_gen)
         tok, lp = choose_per_row(logits, keys, knobs, settings)
         act = s.active

@@ -198,7 +198,7 @@ class PagedEngine:
         for size in self.drain_sizes():
             empty = self._resize(state, [], size)
             out = programs.generate(params, self.cfg, empty, rng, knobs, np.int32(0), np.bool_(False), np.int32(0),
-                                    settings=settings, attn_impl=self.spec.attn_impl)
+                                    settings=settings, attn_impl=self.spec.attn_impl, mesh=self.mesh)
             # the pool and counters went through (donated) and back; the full set's slots are as they were
             state = out._replace(**{f: getattr(state, f) for f in programs.SLOT_FIELDS})
         self._warm.add(key)
@@ -337,7 +337,8 @@ class PagedEngine:
             # draining: return once the running sequences fit the next smaller set, to move them there
             smaller = max([s for s in sizes if s < size], default=0) if not refill else 0
             state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
-                                      np.int32(smaller), settings=settings, attn_impl=spec.attn_impl)
+                                      np.int32(smaller), settings=settings, attn_impl=spec.attn_impl,
+                                      mesh=self.mesh)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))
             stats.slot_steps += (int(total_steps) - stats.decode_steps) * size

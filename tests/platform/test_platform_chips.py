@@ -1,0 +1,72 @@
+"""The chip table, accelerator-type names, and the FLOPs that MFU divides (no compile here)."""
+import pytest
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.platform import TpuPlanError, accelerator_chip, chip_for, parse_accelerator_type, peak_flops_of, tpu_target
+from jaxrl_llm.platform import tpu as tpu_module
+from jaxrl_llm.trainer.metrics import device_peak_flops, step_flops
+from tiny_runs import tiny_config
+
+
+@pytest.mark.parametrize("kind,name,bf16_tflops,hbm_gib", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989, 74.5), ("NVIDIA H200", "H200", 989, 131.3),
+    ("NVIDIA B200", "B200", 2250, 167.6), ("TPU v4", "TPU v4", 275, 32), ("TPU v5 lite", "TPU v5e", 197, 16),
+    ("TPU v5", "TPU v5p", 459, 95), ("TPU v6 lite", "TPU v6e", 918, 32)])
+def test_chip_table_by_device_kind(kind, name, bf16_tflops, hbm_gib):
+    chip = chip_for(kind)
+    assert chip.name == name and chip.bf16_flops == bf16_tflops * 1e12
+    assert chip.hbm_bytes / (1 << 30) == pytest.approx(hbm_gib, abs=0.1)
+    assert peak_flops_of(kind, "bfloat16") == bf16_tflops * 1e12
+
+
+def test_fp32_peaks_and_unknown_devices():
+    assert peak_flops_of("NVIDIA H100 80GB HBM3", "float32") == 67e12  # not the TF32 tensor-core rate
+    assert peak_flops_of("TPU v5 lite", "float32") == 197e12  # default precision: one bf16 pass
+    assert chip_for("cpu") is None and peak_flops_of("Tesla T4", "float32") is None
+
+
+def test_cpu_peak_is_measured():
+    import jax
+
+    flops, source = device_peak_flops(jax.devices()[0], "float32")
+    assert "measured" in source and 1e8 < flops < 1e14
+
+
+@pytest.mark.parametrize("name,topology,chips,chip", [
+    ("v5p-64", "v5p:2x4x4", 32, "TPU v5p"), ("v4-8", "v4:2x2x1", 4, "TPU v4"), ("v5litepod-8", "v5e:2x4", 8, "TPU v5e"),
+    ("v5e-4", "v5e:2x2", 4, "TPU v5e"), ("v6e-8", "v6e:2x4", 8, "TPU v6e"), ("v6e:2x2", "v6e:2x2", 4, "TPU v6e")])
+def test_accelerator_type_names(name, topology, chips, chip):
+    assert parse_accelerator_type(name) == (topology, chips)
+    assert accelerator_chip(name).name == chip
+
+
+@pytest.mark.parametrize("name", ["v5p-3", "v7-8", "h100-8", "v5e:2y2"])
+def test_bad_accelerator_type_names(name):
+    with pytest.raises(TpuPlanError, match=name.replace(":", ":")):
+        parse_accelerator_type(name)
+
+
+def test_libtpu_missing_names_the_extra(monkeypatch):
+    monkeypatch.setattr(tpu_module, "libtpu_installed", lambda: False)
+    with pytest.raises(TpuPlanError, match=r"needs libtpu: pip install 'jaxrl_llm\[tpu-plan\]'"):
+        tpu_target("v5e-4")
+
+
+def test_plan_topology_is_validated_and_refused_by_a_run(tmp_path):
+    from jaxrl_llm.config import validate_config
+    from jaxrl_llm.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="trainer.plan_topology: .*v9-8"):
+        validate_config(tiny_config(tmp_path, **{"trainer.plan_topology": "v9-8"}), num_devices=8)
+    with pytest.raises(ConfigError, match="trainer.plan_topology=v5e-8 is for launch/train.py --plan"):
+        Trainer(tiny_config(tmp_path, **{"trainer.plan_topology": "v5e-8"}))
+
+
+def test_step_flops_count_a_shared_prompt_once():
+    common = dict(num_params=1000, num_layers=1, hidden_size=8, response_tokens=40, forward_passes=1,
+                  training_passes=1)
+    every_row = step_flops(prompt_tokens=80, **common)
+    shared = step_flops(prompt_tokens=80, prefill_prompt_tokens=20, pass_prompt_tokens=20, **common)
+    per_token = (every_row - 0) / ((40 + 80) * (1 + 1 + 3))  # gen + 1 scoring + 1 fwd/bwd (x3) over 120 tokens
+    # generation computes 40 + 20 tokens, scoring and training 40 + 20 each
+    assert shared == pytest.approx(per_token * (60 + 60 + 3 * 60))
