@@ -1,0 +1,238 @@
+"""The device kit: one call that checks and measures what a lent GPU (or TPU) host can tell us.
+
+    python bench/device_check.py --out runs/device_check          # on the device (scripts/device/run.sh)
+    python bench/device_check.py --tiny --out /tmp/dc             # CPU rehearsal: same sections, tiny shapes,
+                                                                  # kernels interpreted (CI runs this)
+
+Each section runs in its own process with a deadline (a hang or a crash costs that section only),
+writes <out>/<section>.json and prints one summary line:
+
+1. env      versions, device, the chip table's peak, a large bf16 matmul's measured FLOP/s, a
+            device-to-device copy's GB/s (the bandwidth ceiling for decode);
+2. kernels  the fused log-prob kernel vs the XLA path (values and gradients, fp32 and bf16, times)
+            at (H, V) = (896, 151936) and (4096, 151936), with the naive head's temporaries; paged
+            decode attention kernel vs XLA at 64 and 256 slots, KV GB/s against the copy ceiling;
+3. step     a GRPO step of a Qwen2-0.5B-shaped bf16 model (random weights): update MFU, reference
+            pass, paged decode tokens/s, the memory plan's peak against the measured one;
+4. tests    a pytest subset on the device with jax_default_matmul_precision=highest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECTIONS = ("env", "kernels", "step", "tests")
+# seconds each section may take, as shares of --budget_s
+SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2}
+
+
+def _timed(fn, *args, repeats: int = 3) -> float:
+    """Best wall time of `fn(*args)` in seconds, blocked on (compiled by a first call)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def section_env(tiny: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.trainer.metrics import device_peak_flops, measured_matmul_peak_flops
+
+    device = jax.devices()[0]
+    n = 256 if tiny else 8192
+    measured = measured_matmul_peak_flops(n=n, repeats=3, dtype="bfloat16", chain=4)
+    peak, source = device_peak_flops(device, "bfloat16")
+    size = (1 << 20) if tiny else (1 << 28)  # fp32 elements: 4 MiB / 1 GiB
+    x = jnp.ones((size,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)  # reads and writes every byte once
+    seconds = _timed(copy, x)
+    return {"jax": jax.__version__, "backend": jax.default_backend(), "device_kind": device.device_kind,
+            "devices": jax.device_count(), "bf16_matmul_tflops": measured / 1e12, "peak_tflops": peak / 1e12,
+            "peak_source": source, "matmul_vs_peak": measured / peak, "copy_gbps": 2 * 4 * size / seconds / 1e9,
+            "summary": f"{device.device_kind}: bf16 matmul {measured / 1e12:.1f} TFLOP/s "
+                       f"({measured / peak:.0%} of {peak / 1e12:.0f}), copy {2 * 4 * size / seconds / 1e9:.0f} GB/s"}
+
+
+def _head_case(hidden: int, vocab: int, dtype, tiny: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm.losses.logprob import token_logprobs
+
+    rows = 128 if tiny else 4096
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    h = (jax.random.normal(k[0], (rows, hidden)) * 0.5).astype(dtype)
+    w = (jax.random.normal(k[1], (hidden, vocab)) / np.sqrt(hidden)).astype(dtype)
+    t = jax.random.randint(k[2], (rows,), 0, vocab)
+    interpret = tiny  # CPU rehearsal: the kernel interpreted
+
+    def loss(impl):
+        def f(h, w):
+            lp, ent = token_logprobs(h, w, t, return_entropy=True, impl=impl, interpret=interpret)
+            return jnp.sum(lp) + 0.1 * jnp.sum(ent), (lp, ent)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+    kernel_impl = "pallas_triton" if tiny else "pallas"
+    (_, (lp_k, ent_k)), g_k = loss(kernel_impl)(h, w)
+    (_, (lp_x, ent_x)), g_x = loss("xla")(h, w)
+    naive = jax.jit(lambda h, w: jax.nn.log_softmax((h @ w).astype(jnp.float32), -1))
+    err = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))  # noqa: E731
+    return {"hidden": hidden, "vocab": vocab, "dtype": jnp.dtype(dtype).name,
+            "max_abs_err_logprob": err(lp_k, lp_x), "max_abs_err_entropy": err(ent_k, ent_x),
+            "max_abs_err_grad_h": err(g_k[0], g_x[0]), "max_abs_err_grad_w": err(g_k[1], g_x[1]),
+            "kernel_s": _timed(loss(kernel_impl), h, w), "xla_s": _timed(loss("xla"), h, w),
+            "naive_temp_bytes": int(naive.lower(h, w).compile().memory_analysis().temp_size_in_bytes),
+            "fused_temp_bytes": int(loss(kernel_impl).lower(h, w).compile().memory_analysis().temp_size_in_bytes)}
+
+
+def _paged_case(slots: int, tiny: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm.sampler.paged_attention import paged_decode_attention_xla
+    from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
+
+    kv, heads, hd, page_size = (2, 4, 16, 8) if tiny else (2, 14, 64, 16)  # Qwen2-0.5B: 14 q / 2 kv heads
+    context = 64 if tiny else 2048
+    per_slot = context // page_size
+    pages = slots * per_slot + 1
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((kv, pages, page_size, hd)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((kv, pages, page_size, hd)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((slots, heads, hd)), jnp.bfloat16)
+    lengths = jnp.full((slots,), context, jnp.int32)
+    table = jnp.asarray(rng.permutation(pages - 1)[: slots * per_slot].reshape(slots, per_slot) + 1, jnp.int32)
+    kernel = jax.jit(lambda *a: paged_decode_attention_pallas(*a, interpret=tiny, variant="triton" if tiny else None))
+    xla = jax.jit(paged_decode_attention_xla)
+    out_k, out_x = kernel(q, k, v, lengths, table), xla(q, k, v, lengths, table)
+    kv_bytes = 2 * slots * context * kv * hd * 2
+    t_k, t_x = _timed(kernel, q, k, v, lengths, table), _timed(xla, q, k, v, lengths, table)
+    return {"slots": slots, "context": context, "max_abs_err": float(jnp.max(jnp.abs(
+        out_k.astype(jnp.float32) - out_x.astype(jnp.float32)))), "kernel_s": t_k, "xla_s": t_x,
+        "kernel_kv_gbps": kv_bytes / t_k / 1e9, "xla_kv_gbps": kv_bytes / t_x / 1e9}
+
+
+def section_kernels(tiny: bool) -> dict:
+    import jax.numpy as jnp
+
+    shapes = [(24, 640)] if tiny else [(896, 151936), (4096, 151936)]
+    heads = [_head_case(h, v, dt, tiny) for h, v in shapes for dt in (jnp.float32, jnp.bfloat16)]
+    paged = [_paged_case(s, tiny) for s in ((4, 8) if tiny else (64, 256))]
+    worst = max(c["max_abs_err_logprob"] for c in heads if c["dtype"] == "float32")
+    return {"logprob": heads, "paged_attention": paged,
+            "summary": f"log-prob kernel fp32 max err {worst:.1e}, "
+                       + ", ".join(f"{c['hidden']}x{c['vocab']} {c['dtype']} {c['xla_s'] / c['kernel_s']:.2f}x XLA"
+                                   for c in heads)
+                       + "; paged " + ", ".join(f"{c['slots']} slots {c['kernel_kv_gbps']:.0f} GB/s" for c in paged)}
+
+
+def section_step(tiny: bool, out: pathlib.Path) -> dict:
+    import jax
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_runs import read_metrics, tiny_config
+
+    from jaxrl_llm.trainer import Trainer
+
+    overrides = {"trainer.total_training_steps": 2, "trainer.memory_plan": True,
+                 "actor_rollout_ref.model.dtype": "bfloat16", "actor_rollout_ref.rollout.engine": "paged"}
+    if not tiny:  # Qwen2-0.5B's shape, random weights; GRPO 8 samples of 16 prompts, 512 new tokens
+        overrides.update({"actor_rollout_ref.model.path": "tiny:qwen2",
+                          **{f"actor_rollout_ref.model.tiny.{k}": v for k, v in dict(
+                              num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                              intermediate_size=4864, max_position_embeddings=4096).items()},
+                          "data.max_prompt_length": 256, "data.max_response_length": 512,
+                          "data.train_batch_size": 16, "actor_rollout_ref.rollout.n": 8,
+                          "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
+                          "actor_rollout_ref.rollout.ignore_eos": True, "data.synthetic.n_train": 64})
+    run_dir = out / "step_run"
+    trainer = Trainer(tiny_config(run_dir, **overrides))
+    trainer.fit()
+    last = read_metrics(run_dir)[-1]
+    planned = max(p.total_bytes for p in trainer.memory_plan.programs) if trainer.memory_plan else None
+    stats = jax.devices()[0].memory_stats() or {}
+    measured = stats.get("peak_bytes_in_use")
+    keys = ("perf/mfu", "perf/throughput", "timing_s/gen", "timing_s/ref", "timing_s/update_actor",
+            "timing_s/step", "response_length/mean")
+    result = {k: last.get(k) for k in keys}
+    gen_tokens = last.get("response_length/mean", 0) * 16 * 8 if not tiny else None
+    result.update({"planned_peak_bytes": planned, "measured_peak_bytes": measured,
+                   "decode_tokens_per_s": (gen_tokens / last["timing_s/gen"]) if gen_tokens else None})
+    result["summary"] = (f"step {last.get('timing_s/step', 0):.2f} s, MFU {last.get('perf/mfu', 0):.1%}, "
+                         f"plan {planned} B vs measured {measured} B")
+    return result
+
+
+def section_tests(tiny: bool) -> dict:
+    paths = ["tests/platform/test_platform_chips.py"] if tiny else [
+        "tests/losses/test_losses_logprob.py", "tests/sampler/test_paged_attention_pallas.py",
+        "tests/platform", "tests/models/test_attention.py"]
+    env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest")
+    if not tiny:
+        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cuda")  # conftest defaults to cpu
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *paths], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    return {"returncode": proc.returncode, "tail": tail, "summary": tail[-1] if tail else "no output",
+            "status": "ok" if proc.returncode == 0 else "failed"}
+
+
+def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:
+    fns = {"env": section_env, "kernels": section_kernels, "tests": section_tests,
+           "step": lambda tiny: section_step(tiny, out)}
+    result = fns[name](tiny)
+    result.setdefault("status", "ok")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny shapes, kernels interpreted")
+    parser.add_argument("--out", default="runs/device_check")
+    parser.add_argument("--budget_s", type=float, default=480.0, help="seconds for all sections together")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        try:
+            result = run_section(args.section, args.tiny, out)
+        except Exception as err:  # noqa: BLE001 - reported in the section's JSON, the kit goes on
+            result = {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000], "summary": str(err)[:200]}
+        (out / f"{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
+        return 0 if result["status"] == "ok" else 1
+    failed = 0
+    for name in args.sections.split(","):
+        deadline = SHARES[name] * args.budget_s
+        start = time.perf_counter()
+        cmd = [sys.executable, __file__, "--section", name, "--out", str(out)] + (["--tiny"] if args.tiny else [])
+        try:
+            subprocess.run(cmd, timeout=deadline, check=False)
+        except subprocess.TimeoutExpired:
+            (out / f"{name}.json").write_text(json.dumps({"status": "timeout", "deadline_s": deadline}))
+        path = out / f"{name}.json"
+        result = json.loads(path.read_text()) if path.exists() else {"status": "crashed"}
+        failed += result.get("status") != "ok"
+        print(f"[{name}] {result.get('status')} in {time.perf_counter() - start:.0f} s: "
+              f"{result.get('summary', result.get('error', ''))}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

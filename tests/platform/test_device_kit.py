@@ -1,0 +1,31 @@
+"""The device kit rehearsed on CPU: `bench/device_check.py --tiny` runs every section (kernels
+interpreted) and each reports ok with real numbers; the device scripts parse."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_device_check_tiny_runs_every_section(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--out", str(tmp_path),
+                           "--budget_s", "1500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("env", "kernels", "step", "tests")}
+    assert all(r["status"] == "ok" for r in results.values()), results
+    assert results["env"]["bf16_matmul_tflops"] > 0 and results["env"]["copy_gbps"] > 0
+    for case in results["kernels"]["logprob"]:
+        tol = 1e-4 if case["dtype"] == "float32" else 5e-2
+        assert case["max_abs_err_logprob"] < tol and case["max_abs_err_grad_w"] < tol, case
+    for case in results["kernels"]["paged_attention"]:
+        assert case["max_abs_err"] < 3e-2, case  # bf16 outputs
+    assert 0 < results["step"]["perf/mfu"] < 1 and results["step"]["planned_peak_bytes"] > 0
+    assert [line for line in proc.stdout.splitlines() if line.startswith("[")] and "passed" in results["tests"]["summary"]
+
+
+def test_device_scripts_parse():
+    for script in ("fetch_wheels.sh", "run.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "scripts" / "device" / script)], check=True)
