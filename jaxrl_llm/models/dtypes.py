@@ -38,3 +38,21 @@ def dtype_name(name_or_dtype: Any, *, allowed: Sequence[str] | None = None, what
 def as_jnp_dtype(name_or_dtype: Any, *, allowed: Sequence[str] | None = None, what: str | None = None) -> np.dtype:
     """`jnp.dtype` of a name in `DTYPES` (or of a dtype); ValueError naming the accepted names otherwise."""
     return jnp.dtype(DTYPES[dtype_name(name_or_dtype, allowed=allowed, what=what)])
+
+
+def matmul_weights_in(params: Any, dtype: Any) -> Any:
+    """`params` with every floating leaf of 2 or more dims (projections, embeddings, lm head) in
+    `dtype`; 1-D leaves (norm scales) as they are. Decoding reads every weight once per token: a
+    copy in the compute dtype made once per rollout replaces a cast of the fp32 master weights at
+    every step (the forward casts each weight to the compute dtype anyway, so the values are the
+    same bits)."""
+    import jax
+
+    target = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if getattr(x, "ndim", 0) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
+            return x.astype(target)
+        return x
+
+    return jax.tree.map(cast, params)

@@ -216,8 +216,8 @@ def sample_program(ctx: Context) -> Program:
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
-    return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode, kv_bytes=kv_bytes,
-                   layers=cfg.num_hidden_layers)
+    return Program("sample", lower, (*ctx.policy_states, "kv_pool"), lambda plan: keys, extra_flops=decode,
+                   kv_bytes=kv_bytes, layers=cfg.num_hidden_layers)
 
 
 def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, decode: Callable) -> Program:
@@ -244,7 +244,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
             f"{ARR}.rollout.kv_cache_dtype={opts.kv_cache_dtype}",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length="
             f"{settings.max_new_tokens} (pages per slot)", f"{ARR}.model.lora_rank", MESH_KEYS)
-    return Program("sample", lower, ctx.policy_states, lambda plan: keys, extra_flops=decode,
+    return Program("sample", lower, (*ctx.policy_states, "kv_pool"), lambda plan: keys, extra_flops=decode,
                    kv_bytes=bytes_per_device(state.pool), layers=cfg.num_hidden_layers)
 
 

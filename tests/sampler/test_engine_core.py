@@ -251,3 +251,34 @@ def test_bf16_pool_is_stored_as_bits_on_cpu_and_reads_the_same(llama_tiny):
     got = paged_decode_attention_xla(q, to_storage(k, BITS), to_storage(v, BITS), lengths, table, layer=jnp.int32(1))
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_decode_reads_compute_dtype_weights_and_frees_its_pool(llama_tiny, monkeypatch):
+    # fp32 master weights, bf16 compute: every generate call gets the bf16 copy made once per run
+    # (not the fp32 weights, cast at every step), and no KV pool outlives the run (the update that
+    # follows has the memory; the memory plan counts a pool only beside a pipelined rollout)
+    from jaxrl_llm.sampler.engine import programs
+
+    cfg, params = llama_tiny
+    settings, knobs = SamplingParams(max_new_tokens=NEW, do_sample=False, n=2).compile_args(
+        cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
+    seen, real_generate = [], programs.generate
+
+    def spy(params, *args, **kwargs):
+        seen.append({x.dtype for x in jax.tree.leaves(params) if x.ndim >= 2})
+        return real_generate(params, *args, **kwargs)
+
+    monkeypatch.setattr(programs, "generate", spy)
+    engine = PagedEngine(cfg, EngineSpec(max_num_seqs=3, page_size=4, num_pages=61, pages_per_slot=8),
+                         compute_dtype="bfloat16", steps_per_call=3)
+    pool_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 61, 4, cfg.head_dim)
+    live_pools = lambda: sum(a.shape == pool_shape for a in jax.live_arrays())  # noqa: E731
+    before = live_pools()
+    out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    assert seen and all(dtypes == {jnp.dtype(jnp.bfloat16)} for dtypes in seen)
+    assert live_pools() == before
+    # the same tokens as from weights stored in bf16 (the copy holds the values decode read anyway)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, params)
+    again, _ = engine.run(bf16, PROMPTS, jax.random.key(0), knobs, settings)
+    np.testing.assert_array_equal(out.tokens, again.tokens)
+    np.testing.assert_array_equal(out.log_probs, again.log_probs)

@@ -211,8 +211,14 @@ def test_pipeline_weight_copies_are_resident(tmp_path):
     actor_params = planner.state_bytes["actor_params"]
     assert planner.state_bytes["rollout_params"] == 2 * actor_params
     sync_spec, _, _ = _spec(tmp_path)
-    sync_update = plan_memory(sync_spec, mesh, tok, peak_flops=PEAK).program("update_actor")
-    assert plan.program("update_actor").resident_bytes == sync_update.resident_bytes + 2 * actor_params
+    sync_plan = plan_memory(sync_spec, mesh, tok, peak_flops=PEAK)
+    sync_update = sync_plan.program("update_actor")
+    # and the sampler's KV, since the pipelined rollout runs beside the update (a synchronous one ends first)
+    kv = plan.program("sample").kv_bytes
+    assert kv > 0 and planner.state_bytes["kv_pool"] == kv and "kv_pool" not in Planner(sync_spec, mesh, tok).state_bytes
+    assert plan.program("update_actor").resident_bytes == sync_update.resident_bytes + 2 * actor_params + kv
+    # the sampler holds its KV itself (not counted twice as resident)
+    assert plan.program("sample").resident_bytes == sync_plan.program("sample").resident_bytes + 2 * actor_params
 
 
 def test_paged_engine_plan_holds_its_kv_pool(tmp_path):

@@ -25,13 +25,15 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
@@ -144,6 +146,20 @@ class _BatchSource:
 DRAIN_FRACTIONS = (3 / 4, 1 / 2, 3 / 8, 1 / 4, 1 / 8, 1 / 16)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _weights_in(params: dict, dtype: str) -> dict:
+    return matmul_weights_in(params, dtype)
+
+
+def _decode_weights(params: dict, compute_dtype: str) -> dict:
+    """`params` with their matmul weights in the compute dtype (no copy when they already are)."""
+    target = as_jnp_dtype(compute_dtype)
+    if all(x.dtype == target for x in jax.tree.leaves(params) if getattr(x, "ndim", 0) >= 2
+           and jnp.issubdtype(x.dtype, jnp.floating)):
+        return params
+    return _weights_in(params, compute_dtype)
+
+
 class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
@@ -155,7 +171,7 @@ class PagedEngine:
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mesh = mesh
-        self._state: programs.DecodeState | None = None
+        self._init_state: dict[int, Any] = {}  # max_new_tokens -> jitted pool + slot initialiser
         self._state_r = None
         self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
 
@@ -163,20 +179,16 @@ class PagedEngine:
         return self.spec.pages_per_slot * self.spec.page_size
 
     def _fresh_state(self, max_new_tokens: int) -> programs.DecodeState:
-        # the pool is reused across runs (its contents are dead once a run ends); only the small
-        # per-slot arrays are reset
-        if self._state is None or self._state_r != max_new_tokens:
+        """A new pool and slot arrays for a run (the pool lives for the run only: `serve`)."""
+        if max_new_tokens not in self._init_state:
             make = functools.partial(programs.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype)
             # with a mesh: the pool's kv heads over 'tensor' (when divisible), slot arrays replicated;
             # built by a jitted program so every process holds its part of the same global arrays
             out_shardings = (None if self.mesh is None else
                              programs.state_sharding(jax.eval_shape(make), self.cfg, self.mesh))
-            self._state = jax.jit(make, out_shardings=out_shardings)()
-            self._state_r = max_new_tokens
-        state, self._state = self._state, None
-        if state.active.shape[0] != self.spec.max_num_seqs:  # a run that ended on a shrunk slot set
-            state = self._resize(state, [], self.spec.max_num_seqs)
-        return programs.clear_slots(state)
+            self._init_state[max_new_tokens] = jax.jit(make, out_shardings=out_shardings)
+        self._state_r = max_new_tokens
+        return self._init_state[max_new_tokens]()
 
     def _resize(self, state: programs.DecodeState, keep: Sequence[int], slots: int) -> programs.DecodeState:
         order = np.zeros((self.spec.max_num_seqs,), np.int32)
@@ -248,6 +260,8 @@ class PagedEngine:
             raise ValueError(f"settings.compute_dtype={settings.compute_dtype} differs from the engine's "
                              f"{self.compute_dtype}")
         pool = PagePool(spec.num_pages)
+        # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
+        params = _decode_weights(params, self.compute_dtype)
         state = self._fresh_state(r)
         stats = EngineStats()
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
@@ -361,5 +375,8 @@ class PagedEngine:
             take_new()
 
         stats.useful_token_steps = int(to_host(state.useful))
-        self._state = state  # keep the pool buffers for the next run
+        # the pool is not kept: the update that follows has the memory (the memory plan counts a pool
+        # only where generation overlaps training, trainer/memory_programs.py); the next run makes a
+        # new one with the cached initialiser
+        del state
         return stats
