@@ -6,8 +6,9 @@ of O(tokens x vocab). The forward statistics come from a Pallas kernel on GPU (T
 (Mosaic) (`logprob_pallas.py`) and from the chunked-XLA scan on CPU (`logprob_xla.py`); the
 backward is the chunked-XLA recompute on every backend. `impl="auto"` picks the kernel by the
 platform the program is lowered for (`lax.platform_dependent`), not by the host's default
-backend, so a program compiled here for a TPU topology or exported for CUDA gets that device's
-kernel; a vocabulary no kernel block divides takes the XLA path. All paths equal
+backend, so a program compiled here for a TPU topology or exported for CUDA (platform/target.py
+says so while it is built) gets that device's kernel; a vocabulary no kernel block divides, and a
+program for this CPU host, take the XLA path. All paths equal
 `log_softmax(hidden @ W / temperature)` and its gradients. This module is the public API: it
 checks the inputs, picks the backend and wires the custom VJPs.
 """
@@ -32,6 +33,7 @@ from jaxrl_llm.losses.logprob_xla import (
     xla_backward,
     xla_stats,
 )
+from jaxrl_llm.platform.target import target_platform
 
 Array = jax.Array
 DEFAULT_CHUNK = 2048
@@ -67,6 +69,10 @@ class Backend(NamedTuple):
 
 
 def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
+    if impl == "auto" and target_platform() == "cpu":
+        # built for this CPU host: no kernel to choose (a platform switch around the XLA path is not free:
+        # it changes XLA's fusions, and the sampler / trainer log-probs would no longer be bit-identical)
+        return xla_stats(h, w, targets, lay)
     from jaxrl_llm.losses import logprob_pallas  # imported on first use: Pallas is only needed on GPU/TPU
 
     if impl in logprob_pallas.KINDS:

@@ -65,9 +65,18 @@ def _block_update(state, z, targets, start, block_v, with_entropy):
     return m_new, s, a, tgt
 
 
+def _precision(dtype) -> jax.lax.Precision | None:
+    """HIGHEST for fp32 operands when the run asks for full fp32 matmuls (`jax_default_matmul_precision`
+    'highest' / 'float32', as the device tests do): a kernel's dot does not read that setting itself,
+    and Triton would otherwise use TF32."""
+    wanted = str(jax.config.jax_default_matmul_precision or "").lower()
+    full = wanted in ("highest", "float32", "precision.highest")
+    return jax.lax.Precision.HIGHEST if full and jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _logits(h, w, lay: Layout):
     dims = (((1,), (1,)), ((), ())) if lay.vocab_major else (((1,), (0,)), ((), ()))
-    z = jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32)
+    z = jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=_precision(h.dtype))
     return z / lay.temperature
 
 

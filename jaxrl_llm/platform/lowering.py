@@ -18,8 +18,11 @@ def export_for_cuda(jitted: Any, *args: Any, **kwargs: Any) -> export.Exported:
     """`jitted` (a `jax.jit` function) lowered for CUDA on abstract or concrete `args`. The kernels'
     custom calls have no cross-version serialization guarantee, which is fine for a check that
     never ships the artifact."""
+    from jaxrl_llm.platform.target import CompileTarget, compiling_for
+
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_CALL_TARGETS["cuda"]]
-    return export.export(jitted, platforms=["cuda"], disabled_checks=checks)(*args, **kwargs)
+    with compiling_for(CompileTarget("gpu", None)):  # trace-time choices follow the GPU, not this host
+        return export.export(jitted, platforms=["cuda"], disabled_checks=checks)(*args, **kwargs)
 
 
 def kernel_calls(module_text: str, platform: str) -> dict[str, int]:

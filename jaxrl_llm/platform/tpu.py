@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 
 import jax
@@ -96,6 +97,10 @@ def tpu_target(name: str, num_slices: int = 1) -> TpuTarget:
     if not libtpu_installed():
         raise TpuPlanError(f"--topology {name}: compiling for a TPU needs libtpu: {INSTALL_HINT}")
     from jax.experimental import topologies
+
+    # compile-only use needs no exclusive TPU: without this a second process (a test beside a
+    # planning run) fails on libtpu's lockfile
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
     if topology.startswith("v4:"):  # one JAX device per chip (its two TensorCores as one), as v4 pods run

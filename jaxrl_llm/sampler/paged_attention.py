@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.numerics import MASKED_SCORE
+from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.kv_bits import from_storage
 
 Array = jax.Array
@@ -147,7 +148,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
         return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
                                           k_scales=k_scales, v_scales=v_scales, layer=layer)
 
-    if impl == "xla" or k_scales is not None:
+    if impl == "xla" or k_scales is not None or (impl == "auto" and target_platform() == "cpu"):
         return xla(q, k_pages, v_pages, lengths, page_indices)
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas, triton_supports
 

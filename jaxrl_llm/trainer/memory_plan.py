@@ -31,6 +31,7 @@ Trace-time choices that follow the backend (KV pool storage, its size from
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -69,6 +70,7 @@ class ProgramMemory:
     flops: float  # per device, loop trips included
     micro: int | None  # sequences per device per micro-batch (passes that have one)
     keys: tuple[str, ...]  # config keys that make it smaller
+    note: str | None = None  # e.g. the TPU compiler refused it for lack of HBM (temps: what it needed)
 
     @property
     def peak_bytes(self) -> int:
@@ -101,6 +103,8 @@ class MemoryPlan:
                  f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'GFLOP':>10}{'est. s':>9}"]
         for p in self.programs:
             fit = "-" if self.device_memory is None else ("ok" if p.total_bytes <= self.device_memory else "NO")
+            if p.note:
+                fit += "*"
             secs = f"{p.flops / self.peak_flops:9.3f}" if self.peak_flops else f"{'-':>9}"
             lines.append(f"{p.name:<14}{p.micro if p.micro is not None else '-':>6}{_gib(p.argument_bytes):>10}"
                          f"{_gib(p.output_bytes):>10}{_gib(p.temp_bytes):>10}{_gib(p.resident_bytes):>10}"
@@ -114,6 +118,9 @@ class MemoryPlan:
                      f"{bp.max_prompt_length} tokens bucketed, every response {bp.response_length})")
         for name, size in self.auto:
             lines.append(f"auto: {self.batch_plan.micro_of(name).key}={size}")
+        for p in self.programs:
+            if p.note:
+                lines.append(f"* {p.name}: {p.note} (temps: what it asked for)")
         return "\n".join(lines)
 
     def check(self) -> None:
@@ -171,11 +178,6 @@ class Planner:
         if key in _CACHE:
             return _CACHE[key]
         lowered = program.lower(plan)
-        compiled = lowered.compile()
-        mem = compiled.memory_analysis()
-        # XLA counts each loop body once: the layer scan's (one layer, so add the others), then the trips
-        body = _flops(compiled) + (program.layers - 1) * _layer_flops(program, plan, lowered, self.mesh.size)
-        flops = body * program.trips(plan) + program.extra_flops(plan)
         resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args)
         # as arguments the states are on device, an offloaded reference included
         params = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_params"))
@@ -183,6 +185,25 @@ class Planner:
         size = None
         if micro is not None and not micro.auto:
             size = micro.sequences_per_device(_rows_per_device(plan, program.micro_pass), self.ctx.seq_len)
+        try:
+            compiled = lowered.compile()
+        except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program over its HBM
+            required = exhausted_bytes(err)
+            if required is None:
+                raise
+            # its temporaries alone exceed the chip: not compiled, so arguments as the states it reads
+            flops = _flops(lowered) / self.mesh.size * program.trips(plan) + program.extra_flops(plan)
+            out = ProgramMemory(
+                name=program.name, argument_bytes=params + opt + program.kv_bytes, output_bytes=0, alias_bytes=0,
+                temp_bytes=required, code_bytes=0, resident_bytes=resident, params_bytes=params, opt_state_bytes=opt,
+                kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
+                note="the compiler ran out of device memory")
+            _CACHE[key] = out
+            return out
+        mem = compiled.memory_analysis()
+        # XLA counts each loop body once: the layer scan's (one layer, so add the others), then the trips
+        body = _flops(compiled) + (program.layers - 1) * _layer_flops(program, plan, lowered, self.mesh.size)
+        flops = body * program.trips(plan) + program.extra_flops(plan)
         out = ProgramMemory(
             name=program.name, argument_bytes=int(mem.argument_size_in_bytes),
             output_bytes=int(mem.output_size_in_bytes),
@@ -221,6 +242,19 @@ class Planner:
             else:
                 hi = mid - 1
         return divisors[lo]
+
+
+_EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED.*?required for [^(]*\(([\d.]+)([KMGT]?)\)", re.S)
+
+
+def exhausted_bytes(err: BaseException) -> int | None:
+    """The bytes a compiler's out-of-memory refusal says the program's temporaries need
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
+    (24.17G) exceeds ..."), or None when `err` is not such a refusal."""
+    match = _EXHAUSTED.search(str(err))
+    if not match:
+        return None
+    return int(float(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[match.group(2)])
 
 
 def _flops(stage: Any) -> float:
