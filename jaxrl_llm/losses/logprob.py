@@ -70,8 +70,8 @@ class Backend(NamedTuple):
 
 def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
     if impl == "auto" and target_platform() == "cpu":
-        # built for this CPU host: no kernel to choose (a platform switch around the XLA path is not free:
-        # it changes XLA's fusions, and the sampler / trainer log-probs would no longer be bit-identical)
+        # built for this CPU host: no kernel to choose, so the program holds the XLA path alone (no
+        # platform switch in every CPU program)
         return xla_stats(h, w, targets, lay)
     from jaxrl_llm.losses import logprob_pallas  # imported on first use: Pallas is only needed on GPU/TPU
 
