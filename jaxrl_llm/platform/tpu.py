@@ -49,8 +49,9 @@ class TpuTarget:
 
     def describe(self) -> str:
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
-        return (f"{self.name} ({self.topology}{slices}: {self.num_chips} {self.chip.name} chips, "
-                f"{self.chip.hbm_bytes / (1 << 30):.0f} GiB HBM and {self.chip.bf16_flops / 1e12:.0f} bf16 TFLOP/s each)")
+        chip = self.chip
+        return (f"{self.name} ({self.topology}{slices}: {self.num_chips} {chip.name} chips, "
+                f"{chip.hbm_bytes / (1 << 30):.0f} GiB HBM and {chip.bf16_flops / 1e12:.0f} bf16 TFLOP/s each)")
 
 
 def parse_accelerator_type(name: str) -> tuple[str, int]:
@@ -73,8 +74,9 @@ def parse_accelerator_type(name: str) -> tuple[str, int]:
     chips, rem = divmod(count, cores_per_chip)
     shapes = _SHAPES_3D if rank == 3 else _SHAPES_2D
     if rem or chips not in shapes:
+        unit = "TensorCores" if cores_per_chip > 1 else "chips"
         raise TpuPlanError(f"--topology {name!r}: {match.group(1)} slices come in "
-                           f"{sorted(c * cores_per_chip for c in shapes)} ({'TensorCores' if cores_per_chip > 1 else 'chips'})")
+                           f"{sorted(c * cores_per_chip for c in shapes)} ({unit})")
     return f"{prefix}:{shapes[chips]}", chips
 
 

@@ -206,8 +206,8 @@ def sample_program(ctx: Context) -> Program:
 
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
-        return _lower(_sample_jit, platforms, ctx.policy_params(), _unrolled(cfg, unroll), ids, ids, jax.random.PRNGKey(0), knobs,
-                                 settings=settings, mesh=mesh)
+        return _lower(_sample_jit, platforms, ctx.policy_params(), _unrolled(cfg, unroll), ids, ids,
+                      jax.random.PRNGKey(0), knobs, settings=settings, mesh=mesh)
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
     tensor = dict(mesh.shape).get("tensor", 1)
@@ -235,9 +235,9 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
 
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
-        return _lower(engine_programs.generate, platforms, ctx.policy_params(), _unrolled(cfg, unroll), state, jax.random.PRNGKey(0),
-                                              knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar,
-                                              settings=settings, attn_impl=engine.attn_impl, mesh=mesh)
+        return _lower(engine_programs.generate, platforms, ctx.policy_params(), _unrolled(cfg, unroll), state,
+                      jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar,
+                      settings=settings, attn_impl=engine.attn_impl, mesh=mesh)
 
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
@@ -259,12 +259,13 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
         if micro_pass == "values":
-            return _lower(values_no_grad, platforms, params, ids, ids, mask, model_cfg=_unrolled(ctx.critic.cfg, unroll),
-                                        compute_dtype=spec.critic.compute_dtype, micro_rows=micro_rows(plan))
-        return _lower(log_probs_no_grad, platforms, params, ids, ids, mask, model_cfg=_unrolled(ctx.actor.cfg, unroll),
-                                       temperature=spec.actor.temperature, compute_dtype=spec.actor.compute_dtype,
-                                       micro_rows=micro_rows(plan), logprob_impl=spec.actor.logprob_impl,
-                                       mesh=ctx.mesh)
+            return _lower(values_no_grad, platforms, params, ids, ids, mask,
+                          model_cfg=_unrolled(ctx.critic.cfg, unroll), compute_dtype=spec.critic.compute_dtype,
+                          micro_rows=micro_rows(plan))
+        return _lower(log_probs_no_grad, platforms, params, ids, ids, mask,
+                      model_cfg=_unrolled(ctx.actor.cfg, unroll), temperature=spec.actor.temperature,
+                      compute_dtype=spec.actor.compute_dtype, micro_rows=micro_rows(plan),
+                      logprob_impl=spec.actor.logprob_impl, mesh=ctx.mesh)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
         micro = plan.micro_of(micro_pass)
@@ -332,8 +333,8 @@ def _update_program(ctx: Context, role: str) -> Program:
                         jax.tree.map(lambda x: x.sharding, opt),
                         num_mini_batches=num_mini, num_micro_batches=num_micro,
                         rows_sharding=batch_sharding(ctx.mesh, 1))
-        return _lower(fn, platforms, params, opt, _experience(ctx), jax.random.PRNGKey(0), jax.ShapeDtypeStruct((), jnp.float32),
-                        None, *frozen)
+        return _lower(fn, platforms, params, opt, _experience(ctx), jax.random.PRNGKey(0),
+                      jax.ShapeDtypeStruct((), jnp.float32), None, *frozen)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
         section = f"{ARR}.actor" if role == "actor" else "critic"
