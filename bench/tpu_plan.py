@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
 import sys
 import tempfile
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--models", default="0.5B,1.5B,7B")
     parser.add_argument("--topologies", default="v5e-8,v5p-8,v6e-8")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("jaxrl_llm").setLevel(logging.INFO)  # one line per compiled program (stderr)
     print("| model | slice | program | micro (auto) | GiB per chip / HBM | params GiB | KV GiB | TFLOP per chip "
           "| est. s at peak | fits |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -31,7 +31,9 @@ Trace-time choices that follow the backend (KV pool storage, its size from
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
+import time
 from typing import Any
 
 import jax
@@ -46,6 +48,7 @@ from jaxrl_llm.trainer.memory_programs import (PROGRAM_BUILDERS, Context, Progra
                                                make_context)
 
 GiB = 1 << 30
+log = logging.getLogger("jaxrl_llm")
 _CACHE: dict[tuple, "ProgramMemory"] = {}  # (fingerprint, program, plan of it) -> analysis
 
 
@@ -177,6 +180,15 @@ class Planner:
         key = (self._fingerprint, program.name, micro)
         if key in _CACHE:
             return _CACHE[key]
+        start = time.perf_counter()
+        out = self._analyse(program, plan, micro)
+        _CACHE[key] = out
+        # a large model's programs take minutes to compile (a TPU target: more): say what is done
+        log.info("memory plan: compiled %s (micro-batch %s) in %.0f s", program.name,
+                 "-" if out.micro is None else out.micro, time.perf_counter() - start)
+        return out
+
+    def _analyse(self, program: Program, plan: BatchPlan, micro: Any) -> ProgramMemory:
         lowered = program.lower(plan)
         resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args)
         # as arguments the states are on device, an offloaded reference included
@@ -198,7 +210,6 @@ class Planner:
                 temp_bytes=required, code_bytes=0, resident_bytes=resident, params_bytes=params, opt_state_bytes=opt,
                 kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
                 note="the compiler ran out of device memory")
-            _CACHE[key] = out
             return out
         mem = compiled.memory_analysis()
         # XLA counts each loop body once: the layer scan's (one layer, so add the others), then the trips
@@ -210,7 +221,6 @@ class Planner:
             alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
             code_bytes=int(mem.generated_code_size_in_bytes), resident_bytes=resident, params_bytes=params,
             opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan))
-        _CACHE[key] = out
         return out
 
     def resolve_auto(self, plan: BatchPlan, limit: int | None, source: str) -> tuple[BatchPlan, list[tuple[str, int]]]:
