@@ -58,6 +58,7 @@ def grpo_config(model_path: str, topology: str):
     cfg.data.max_prompt_length = 1024
     cfg.data.max_response_length = 4096
     cfg.data.train_batch_size = 64
+    cfg.algorithm.adv_estimator = "grpo"
     arr.rollout.n = 8
     arr.actor.ppo_mini_batch_size = 64
     arr.actor.use_kl_loss = True  # GRPO's KL loss: a reference pass

@@ -69,10 +69,6 @@ class Backend(NamedTuple):
 
 
 def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Stats:
-    if impl == "auto" and target_platform() == "cpu":
-        # built for this CPU host: no kernel to choose, so the program holds the XLA path alone (no
-        # platform switch in every CPU program)
-        return xla_stats(h, w, targets, lay)
     from jaxrl_llm.losses import logprob_pallas  # imported on first use: Pallas is only needed on GPU/TPU
 
     if impl in logprob_pallas.KINDS:
@@ -101,7 +97,9 @@ def _row_axes(mesh: Mesh, rows: int) -> tuple[str, ...] | None:
 
 
 def _stats(h, w, targets, lay: Layout, be: Backend) -> Stats:
-    if be.impl == "xla":
+    # a program for this CPU host has no kernel to choose: the XLA path alone (no platform switch, no
+    # per-shard wrapper in every CPU program)
+    if be.impl == "xla" or (be.impl == "auto" and target_platform() == "cpu"):
         return xla_stats(h, w, targets, lay)
     if be.mesh is None or be.mesh.size == 1:
         return _kernel_stats(h, w, targets, lay, be.impl, be.interpret)

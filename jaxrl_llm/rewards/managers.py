@@ -268,6 +268,7 @@ class RewardManager:
 
 def _worker_main(conn: multiprocessing.connection.Connection, spec: ScorerSpec) -> None:
     fn = spec.load()
+    conn.send(_READY)  # a call's timeout starts once the worker can run it, not while it imports
     while True:
         try:
             message = conn.recv()
@@ -288,6 +289,10 @@ def _worker_main(conn: multiprocessing.connection.Connection, spec: ScorerSpec) 
             conn.send((task_id, "error", f"result cannot be sent back: {type(err).__name__}: {err}"))
 
 
+_READY = ("ready", None, None)
+READY_TIMEOUT_S = 120.0  # a spawned worker imports the scorer (and what it imports) before its first call
+
+
 class _Worker:
     def __init__(self, ctx: Any, spec: ScorerSpec):
         self.conn, child = ctx.Pipe()
@@ -296,6 +301,17 @@ class _Worker:
         child.close()
         self.task: int | None = None
         self.started = 0.0
+        self.ready = False
+
+    def wait_ready(self) -> bool:
+        """Blocks until the worker has loaded its scorer (workers started together boot in parallel);
+        False if it died or did not get there within READY_TIMEOUT_S."""
+        if not self.ready and self.conn.poll(READY_TIMEOUT_S):
+            try:
+                self.ready = self.conn.recv() == _READY
+            except (EOFError, OSError):
+                return False
+        return self.ready
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -366,12 +382,15 @@ class PrimeRewardManager(RewardManager):
     def _dispatch(self, worker: _Worker, task: int, calls: list[dict[str, Any]]) -> _Worker:
         """Sends call `task` to `worker`, first replacing it when it died while idle (a closed
         pipe would otherwise raise BrokenPipeError here)."""
-        if not worker.process.is_alive():
+        if not worker.process.is_alive() or not worker.wait_ready():
             worker = self._replace(worker)
+            if not worker.wait_ready():
+                raise RuntimeError(f"reward worker did not start within {READY_TIMEOUT_S:.0f} s")
         try:
             worker.conn.send((task, calls[task]))
         except (BrokenPipeError, ConnectionResetError, EOFError):  # it died just now
             worker = self._replace(worker)
+            worker.wait_ready()
             worker.conn.send((task, calls[task]))
         worker.task, worker.started = task, time.monotonic()
         return worker

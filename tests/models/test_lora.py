@@ -156,7 +156,8 @@ def test_paged_engine_with_adapters_equals_merged_weights_and_scores_as_the_adap
     a, merged, base = paged(full), paged(merge_lora(full)), paged(params)
     np.testing.assert_array_equal(a.tokens, merged.tokens)
     # these weights give large logits (|log p| up to ~10): fp32 rounding of merged vs in-layer ~1e-5 relative
-    np.testing.assert_allclose(a.log_probs, merged.log_probs, atol=1e-5, rtol=1e-5)
+    # (2.2e-5 on AVX2-only CPUs, whose matmul kernels round the merged and the in-layer sums differently)
+    np.testing.assert_allclose(a.log_probs, merged.log_probs, atol=1e-5, rtol=5e-5)
     assert not np.array_equal(a.tokens, base.tokens)  # the adapters change what is generated
     # its log-probs are the adapted model's: score the sampled tokens with a full forward
     ids, mask = a.prompt_ids, a.prompt_mask

@@ -74,9 +74,9 @@ def _update(update_fn, params, s, b, packed, mesh=None, num_micro=2, shared=None
     return jax.device_get(new), jax.device_get(metrics), fn
 
 
-def _assert_same(a, b):
+def _assert_same(a, b, atol=1e-5):
     (pa, ma), (pb, mb) = a, b
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5), pa, pb)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=1e-5), pa, pb)
     assert set(ma) == set(mb)
     for k in ma:
         np.testing.assert_allclose(ma[k], mb[k], atol=1e-5, rtol=1e-5, err_msg=k)

@@ -111,14 +111,20 @@ def test_a_response_sees_its_prompt_and_not_its_siblings():
     assert not moved[GROUP:][resp[GROUP:]].any()
 
 
+# Parameters after an Adam step: shared-prompt rows have other shapes than padded ones, and on AVX2-only
+# CPUs XLA's matmuls then reduce in other orders; the step turns that rounding into parameter
+# differences up to ~1.2e-5 (3 of 2048 entries on an AMD EPYC; within 1e-5 on AVX-512 machines)
+PARAM_ATOL = 3e-5
+
+
 def test_shared_updates_equal_padded():
     params = init_params(CFG, jax.random.PRNGKey(0))
     b = _grouped(1)
     s = dataclasses.replace(SETTINGS, loss_agg_mode="seq-mean-token-sum")
     padded = _update(update_actor, params, s, b, packed=False)[:2]
-    _assert_same(padded, _update(update_actor, params, s, b, packed=True, shared=_shared(b))[:2])
+    _assert_same(padded, _update(update_actor, params, s, b, packed=True, shared=_shared(b))[:2], atol=PARAM_ATOL)
     budget, packing, _ = _budget_update(update_actor, params, s, b, budget=40, shared=_shared(b))
-    _assert_same(padded, budget)
+    _assert_same(padded, budget, atol=PARAM_ATOL)
     assert (np.asarray(packing.layout.branch_ids) >= 2).any()
     vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
     cs = CriticSpec(cliprange_value=0.5, loss_agg_mode="token-mean", compute_dtype="float32", remat="none",
