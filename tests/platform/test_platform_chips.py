@@ -70,3 +70,12 @@ def test_step_flops_count_a_shared_prompt_once():
     per_token = (every_row - 0) / ((40 + 80) * (1 + 1 + 3))  # gen + 1 scoring + 1 fwd/bwd (x3) over 120 tokens
     # generation computes 40 + 20 tokens, scoring and training 40 + 20 each
     assert shared == pytest.approx(per_token * (60 + 60 + 3 * 60))
+
+
+def test_logprob_impl_key_reaches_the_actor_and_is_validated(tmp_path):
+    from jaxrl_llm.config import resolve, validate_config
+
+    cfg = validate_config(tiny_config(tmp_path, **{"actor_rollout_ref.model.logprob_impl": "pallas"}), num_devices=8)
+    assert resolve(cfg, dp_size=8).actor.logprob_impl == "pallas"
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.logprob_impl"):
+        validate_config(tiny_config(tmp_path, **{"actor_rollout_ref.model.logprob_impl": "triton"}), num_devices=8)

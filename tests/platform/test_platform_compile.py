@@ -138,3 +138,23 @@ def test_paged_attention_compiles_for_tpu(topology):
                                          spec((slots,), jnp.int32), spec((slots, per_slot), jnp.int32),
                                          spec((), jnp.int32), *scales).compile()
         assert kernel_calls(compiled.as_text(), "tpu"), (head_dim, kv_dtype)
+
+
+@needs_libtpu
+def test_plan_cli_compiles_for_a_named_slice(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={root / 'configs' / 'tiny.py'}",
+                           "--plan", "--topology=v5e-4", "--", f"trainer.default_local_dir={tmp_path}"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled for v5e-4 (v5e:2x2: 4 TPU v5e chips" in done.stdout
+    assert "the target chip's published HBM" in done.stdout and "update_actor" in done.stdout
+    assert not list(tmp_path.iterdir())  # a plan writes nothing
+    bad = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={root / 'configs' / 'tiny.py'}",
+                          "--plan", "--topology=v5e-3"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "config error: " in bad.stderr and "v5e-3" in bad.stderr
