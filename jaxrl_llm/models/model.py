@@ -165,12 +165,8 @@ def lm_head_weight(params: dict, cfg: ModelConfig) -> Array:
 
 
 def logits_from_hidden(params: dict, cfg: ModelConfig, hidden: Array) -> Array:
-    """[..., V] float32 logits (matmul in the hidden's dtype, fp32 accumulation). Tied embeddings are
-    read as the [V, H] table itself (no transposed copy of it per call: decode calls this per token)."""
-    if cfg.tie_word_embeddings:
-        w = params["embedding"].astype(hidden.dtype)
-        return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
-    w = params["lm_head"]["kernel"].astype(hidden.dtype)
+    """[..., V] float32 logits (matmul in the hidden's dtype, fp32 accumulation)."""
+    w = lm_head_weight(params, cfg).astype(hidden.dtype)
     return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
 
 
