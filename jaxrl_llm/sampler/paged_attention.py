@@ -119,8 +119,9 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     return out.reshape(slots, nh, hd).astype(q.dtype)
 
 
-def _kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:
-    """'tensor' when the pool's kv heads are split over it (engine/programs.py `state_sharding`)."""
+def kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:
+    """'tensor' when a KV pool's kv heads are split over it (they divide its size), else None: the
+    engine's pool sharding (engine/programs.py `state_sharding`) and the kernel's shard_map."""
     tensor = dict(mesh.shape).get("tensor", 1)
     return "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
 
@@ -159,7 +160,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
                                                  variant=variant, interpret=interpret)
         if mesh is None or mesh.size == 1:
             return lambda *args: run(*args, layer)
-        heads = _kv_head_axis(mesh, k_pages.shape[-4])
+        heads = kv_head_axis(mesh, k_pages.shape[-4])
         pool = P(*(None,) * (k_pages.ndim - 4), heads)
         per_shard = jax.shard_map(run, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P()),
                                   out_specs=P(None, heads), check_vma=False)

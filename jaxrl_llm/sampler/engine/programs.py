@@ -31,6 +31,7 @@ from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
 from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
+from jaxrl_llm.sampler.paged_attention import kv_head_axis
 
 Array = jax.Array
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -155,8 +156,7 @@ def _gather_slots(fields: dict, keep: Array, num_keep: Array, *, slots: int) -> 
 def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
     """Shardings of a state: the pool's kv-heads dim over 'tensor' when it divides, the rest
     replicated (every process reads the same small slot arrays: identical scheduling)."""
-    tensor = dict(mesh.shape).get("tensor", 1)
-    axis = "tensor" if tensor > 1 and cfg.num_key_value_heads % tensor == 0 else None
+    axis = kv_head_axis(mesh, cfg.num_key_value_heads)
     rep = NamedSharding(mesh, PartitionSpec())
     pool = {k: NamedSharding(mesh, PartitionSpec(None, axis)) for k in state.pool}
     return state._replace(pool=pool, **{f: rep for f in state._fields if f != "pool"})
