@@ -99,7 +99,8 @@ def test_fused_logprob_head_compiles_for_tpu_at_real_shapes(topology, dtype):
     mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, devices=target.devices)
     for hidden, vocab, vocab_major in HEADS:
         fn, args = _head(hidden, vocab, vocab_major, dtype, mesh)
-        compiled = fn.lower(*args).compile()
+        with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)):  # as the planner builds for a slice
+            compiled = fn.lower(*args).compile()
         assert kernel_calls(compiled.as_text(), "tpu"), (hidden, vocab)
         assert compiled.memory_analysis().temp_size_in_bytes < target.chip.hbm_bytes
 
