@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,13 +47,10 @@ def matmul_weights_in(params: Any, dtype: Any) -> Any:
     copy in the compute dtype made once per rollout replaces a cast of the fp32 master weights at
     every step (the forward casts each weight to the compute dtype anyway, so the values are the
     same bits)."""
-    import jax
 
-    target = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if is_uncast_matmul_weight(x, dtype) else x, params)
 
-    def cast(x: Any) -> Any:
-        if getattr(x, "ndim", 0) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != target:
-            return x.astype(target)
-        return x
 
-    return jax.tree.map(cast, params)
+def is_uncast_matmul_weight(x: Any, dtype: Any) -> bool:
+    """A floating leaf of 2 or more dims not yet in `dtype` (what `matmul_weights_in` casts)."""
+    return getattr(x, "ndim", 0) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)

@@ -28,12 +28,11 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in
+from jaxrl_llm.models.dtypes import as_jnp_dtype, is_uncast_matmul_weight, matmul_weights_in
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
@@ -154,8 +153,7 @@ def _weights_in(params: dict, dtype: str) -> dict:
 def _decode_weights(params: dict, compute_dtype: str) -> dict:
     """`params` with their matmul weights in the compute dtype (no copy when they already are)."""
     target = as_jnp_dtype(compute_dtype)
-    if all(x.dtype == target for x in jax.tree.leaves(params) if getattr(x, "ndim", 0) >= 2
-           and jnp.issubdtype(x.dtype, jnp.floating)):
+    if not any(is_uncast_matmul_weight(x, target) for x in jax.tree.leaves(params)):
         return params
     return _weights_in(params, compute_dtype)
 
