@@ -22,7 +22,7 @@ import numpy as np
 from jaxrl_llm.hf.names import MissingTensorError, TensorSpec, get_path, set_path, tensor_specs
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
-from jaxrl_llm.models.model import init_head_params
+from jaxrl_llm.models.param_init import init_head_params
 
 Shardings = Any  # pytree of jax.sharding.Sharding | Callable[[tuple, tuple, Any], Sharding] | None
 

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.model import HEADS
+from jaxrl_llm.models.param_init import HEADS
 
 
 class MissingTensorError(KeyError):

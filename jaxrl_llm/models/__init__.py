@@ -1,7 +1,7 @@
-"""Flax decoder family (Llama / Qwen2 / Qwen3 / Mistral), KV cache, value and score heads.
+"""Decoder family (Llama / Qwen2 / Qwen3 / Mistral), KV cache, value and score heads.
 
-Everything other components call is re-exported here; see `model.py` for the params layout and
-`cache.py` for the KV-cache calling convention.
+Everything other components call is re-exported here; see `param_init.py` for the params layout,
+`decoder.py` for the one decoder every path runs and `cache.py` for the KV-cache calling convention.
 """
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.greedy import greedy_generate
@@ -13,18 +13,15 @@ from jaxrl_llm.models.config import (
     rope_inv_freq,
 )
 from jaxrl_llm.models.model import (
-    HEADS,
     compute_logits,
     forward_hidden,
-    init_head_params,
-    init_params,
     last_valid_index,
     lm_head_weight,
     logits_from_hidden,
-    param_logical_axes,
     score_from_hidden,
     value_from_hidden,
 )
+from jaxrl_llm.models.param_init import HEADS, init_head_params, init_params, param_logical_axes
 
 __all__ = [
     "COMPUTE_DTYPES", "DTYPES", "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",

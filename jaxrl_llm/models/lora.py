@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.param_init import init_backbone, param_logical_axes
 
 Array = jax.Array
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -91,9 +92,7 @@ def split_lora(params: dict) -> tuple[dict, LoraAdapters | None]:
 
 
 def _kernel_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from jaxrl_llm.models.model import init_params
-
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))["layers"]
+    shapes = jax.eval_shape(lambda: init_backbone(cfg, jax.random.key(0)))["layers"]
     return {m: tuple(shapes[group_of(m)][m]["kernel"].shape) for m in ALL_LINEAR}
 
 
@@ -121,8 +120,6 @@ def init_lora(cfg: ModelConfig, lora: LoraConfig, rng: Array, dtype: Any = jnp.f
 def lora_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
     """Logical axes of the adapters: A like its kernel's input dims, B like its output dims (the
     rank dim is replicated). Leaves are tuples, as `param_logical_axes`."""
-    from jaxrl_llm.models.model import param_logical_axes
-
     kernel_axes = param_logical_axes(cfg)["layers"]
     out: dict = {"layers": {}}
     for m in adapter_shapes(cfg, lora):

@@ -15,7 +15,6 @@ fp32 last-bit difference rounded to bf16 flips an activation (the floor in docs/
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,23 +26,16 @@ Array = jax.Array
 # fully masked (padding) query row stays NaN-free
 MASKED_SCORE = float(jnp.finfo(jnp.float32).min)
 
-_MATMUL_2D = (((1,), (0,)), ((), ()))  # [N, K] x [K, F]: every projection of models/decoder.py
+MATMUL_2D = (((1,), (0,)), ((), ()))  # [N, K] x [K, F]: every projection of models/decoder.py
 
 
-def dot_general_f32(lhs: Array, rhs: Array, dimension_numbers, precision=None, preferred_element_type=None,
-                    **kwargs) -> Array:
-    """Compute-dtype operands, fp32 accumulation and an fp32 result (a flax `dot_general=` drop-in).
-    A 2-D matmul of bf16 operands also runs its backward as bf16 matmuls (`matmul_low_precision_grads`)."""
-    del preferred_element_type
-    plain = lhs.dtype != rhs.dtype or lhs.dtype == jnp.float32 or kwargs or lhs.ndim != 2 or rhs.ndim != 2
-    if plain or _hashable(dimension_numbers) != _MATMUL_2D:
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=jnp.float32, **kwargs)
-    return matmul_low_precision_grads(lhs, rhs)
-
-
-def _hashable(dims) -> tuple:
-    return tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dims)
+def matmul_f32(x: Array, w: Array) -> Array:
+    """fp32 [N, F] = x [N, K] @ w [K, F]: compute-dtype operands, fp32 accumulation and result (every
+    projection of models/decoder.py). bf16 operands also run the backward as bf16 matmuls
+    (`matmul_low_precision_grads`); fp32 operands keep JAX's own gradient."""
+    if x.dtype != w.dtype or x.dtype == jnp.float32:
+        return _matmul_f32(x, w, MATMUL_2D)
+    return matmul_low_precision_grads(x, w)
 
 
 def _matmul_f32(a: Array, b: Array, dims) -> Array:
@@ -57,18 +49,18 @@ def matmul_low_precision_grads(x: Array, w: Array) -> Array:
     outputs, hence its gradients, are bf16), so dx and dw are bf16 x bf16 matmuls with fp32
     accumulation; JAX's own transpose would multiply the fp32 cotangent by a bf16 operand, which XLA
     runs as an fp32 matmul (on a CPU with AMX ~5x slower than bf16)."""
-    return _matmul_f32(x, w, _MATMUL_2D)
+    return _matmul_f32(x, w, MATMUL_2D)
 
 
 def _low_fwd(x, w):
-    return _matmul_f32(x, w, _MATMUL_2D), (x.T, w)
+    return _matmul_f32(x, w, MATMUL_2D), (x.T, w)
 
 
 def _low_bwd(residuals, g):
     xt, w = residuals
     g = g.astype(xt.dtype)
     dx = _matmul_f32(g, w, (((1,), (1,)), ((), ())))  # [N, F] x [K, F] -> [N, K]
-    dw = _matmul_f32(xt, g, _MATMUL_2D)  # [K, N] x [N, F] -> [K, F]
+    dw = _matmul_f32(xt, g, MATMUL_2D)  # [K, N] x [N, F] -> [K, F]
     return dx.astype(xt.dtype), dw.astype(w.dtype)
 
 

@@ -91,18 +91,17 @@ def test_causal_chunks_change_nothing_for_real_rows_in_bf16():
 
 
 def test_bf16_matmul_backward_runs_on_the_rounded_cotangent():
-    """models/numerics.py `dot_general_f32`: a 2-D bf16 matmul's backward rounds the fp32 output
+    """models/numerics.py `matmul_f32`: a 2-D bf16 matmul's backward rounds the fp32 output
     cotangent to bf16 once and runs dx = g @ w^T, dw = x^T @ g as bf16 x bf16 matmuls with fp32
     accumulation (mixed-precision training's usual gradient), exactly; and stays within bf16
     rounding of the fp32 gradient."""
-    from jaxrl_llm.models.numerics import dot_general_f32
+    from jaxrl_llm.models.numerics import matmul_f32
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(64, 24)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(24, 40)), jnp.bfloat16)
     c = jnp.asarray(rng.normal(size=(64, 40)), jnp.float32)
-    dims = (((1,), (0,)), ((), ()))
-    out, vjp = jax.vjp(lambda a, b: dot_general_f32(a, b, dims), x, w)
+    out, vjp = jax.vjp(matmul_f32, x, w)
     assert out.dtype == jnp.float32
     dx, dw = vjp(c)
     g = c.astype(jnp.bfloat16).astype(jnp.float32)
@@ -121,5 +120,5 @@ def test_bf16_matmul_backward_runs_on_the_rounded_cotangent():
         err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
         assert 0 < err < 2e-2
     # fp32 operands keep JAX's own gradient
-    d32 = jax.grad(lambda a: jnp.sum(dot_general_f32(a, w32, dims) * c))(x32)
+    d32 = jax.grad(lambda a: jnp.sum(matmul_f32(a, w32) * c))(x32)
     np.testing.assert_allclose(np.asarray(d32), np.asarray(jnp.dot(c, w32.T, precision=hi)), rtol=1e-5, atol=1e-5)

@@ -1,10 +1,10 @@
 """One decode token per slot through the decoder, reading and writing a paged KV pool.
 
-A pure function over the policy's own params dict (the layout of jaxrl_llm/models/model.py), so
-the engine needs no second copy of the weights. It repeats the math of
-jaxrl_llm/models/decoder.py for T = 1 (same dtype casts: matmuls in the compute dtype, norms /
-RoPE in fp32), with attention replaced by `paged_decode_attention`; tests check that its logits
-equal the dense model's (tests/sampler/test_engine_core.py).
+The decoder is the trainer's own (`jaxrl_llm.models.decoder.decoder_hidden`, over the policy's
+params dict, so the engine needs no second copy of the weights and follows the same numerics:
+fp32 residual stream, fp32-returning matmuls); only its attention is this module's
+`paged_attention`, which writes each token's K/V into the pool and runs `paged_decode_attention`.
+Tests check that its logits equal the dense model's (tests/sampler/test_engine_core.py).
 
 KV pool layout (a dict pytree, carried through the decode loop and updated in place):
 
@@ -22,28 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
-from jaxrl_llm.models.config import rope_inv_freq
-from jaxrl_llm.models.lora import lora_delta
+from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 from jaxrl_llm.sampler.kv_bits import to_storage
 
 Array = jax.Array
-
-
-def rms_norm(x: Array, scale: Array, eps: float, dtype: Any) -> Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(dtype)
-
-
-def rope(x: Array, positions: Array, cfg: ModelConfig) -> Array:
-    """x [S, heads, D] rotated at integer positions [S] (HF rotate-half layout, fp32 angles)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
 def quantize_int8(x: Array) -> tuple[Array, Array]:
@@ -66,8 +49,24 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
     return out
 
 
-def _dense(x: Array, kernel: Array, dtype: Any, spec: str) -> Array:
-    return jnp.einsum(spec, x.astype(dtype), kernel.astype(dtype))
+def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positions: Array, active: Array, *,
+                    attn_impl: str = "auto", mesh: Any = None) -> LayerAttention:
+    """The decoder's attention for one token per slot over the paged pool (the attention state):
+    writes the token's K/V at its page and offset, then attends over the slot's pages. Inactive
+    slots write to the scratch page 0 and attend to nothing."""
+    page = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
+    page = jnp.where(active, page, 0)
+    offset = jnp.where(active, positions % page_size, 0)
+    lengths = jnp.where(active, positions + 1, 0)
+
+    def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array) -> tuple[Array, dict]:
+        pool = write_tokens(pool, layer, k[:, 0], v[:, 0], page, offset)
+        out = paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
+                                     sliding_window=cfg.sliding_window, impl=attn_impl, mesh=mesh,
+                                     k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
+        return out[:, None], pool
+
+    return attention
 
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
@@ -77,55 +76,13 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
 
     tokens / positions [S]: the token fed to each slot and its position (= tokens already in the
     slot's KV). page_table [S, pages_per_slot]. active [S] bool: inactive slots write to the
-    scratch page and attend to nothing.
+    scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1.
     """
-    dt = compute_dtype
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    ps = pool["k"].shape[3]
-    page = jnp.take_along_axis(page_table, (positions // ps)[:, None], axis=1)[:, 0]
-    page = jnp.where(active, page, 0)
-    offset = jnp.where(active, positions % ps, 0)
-    lengths = jnp.where(active, positions + 1, 0)
-    x = jnp.take(params["embedding"], tokens, axis=0).astype(dt)
-    # LoRA (models/lora.py): the adapters apply inside each targeted projection, as in training
-    adapters = params.get("lora")
-    lora_layers = {} if adapters is None else adapters.weights["layers"]
-    lora_scale = 0.0 if adapters is None else adapters.scale
-
-    def layer(carry, xs):
-        x, pool, i = carry
-        lp, ad = xs
-        a = lp["attn"]
-
-        def proj(h: Array, group: str, name: str, spec: str) -> Array:
-            y = _dense(h, lp[group][name]["kernel"], dt, spec)
-            delta = lora_delta(h, ad.get(group, {}).get(name), lora_scale, dt)
-            return y if delta is None else y + delta
-
-        h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps, dt)
-        q = proj(h, "attn", "q_proj", "sh,hnd->snd")
-        k = proj(h, "attn", "k_proj", "sh,hnd->snd")
-        v = proj(h, "attn", "v_proj", "sh,hnd->snd")
-        if cfg.attention_bias:
-            q, k, v = (y + a[f"{n}_proj"]["bias"].astype(dt) for y, n in ((q, "q"), (k, "k"), (v, "v")))
-        if cfg.qk_norm:
-            q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps, dt)
-            k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps, dt)
-        q, k = rope(q, positions, cfg), rope(k, positions, cfg)
-        pool = write_tokens(pool, i, k, v, page, offset)
-        attn = paged_decode_attention(q, pool["k"], pool["v"], lengths, page_table, layer=i,
-                                      sliding_window=cfg.sliding_window, impl=attn_impl, mesh=mesh,
-                                      k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
-        x = x + proj(attn.astype(dt), "attn", "o_proj", "snd,ndh->sh")
-        h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps, dt)
-        gate = proj(h, "mlp", "gate_proj", "sh,hf->sf")
-        up = proj(h, "mlp", "up_proj", "sh,hf->sf")
-        x = x + proj(jax.nn.silu(gate) * up, "mlp", "down_proj", "sf,fh->sh")
-        return (x, pool, i + 1), None
-
-    (x, pool, _), _ = lax.scan(layer, (x, pool, jnp.int32(0)), (params["layers"], lora_layers))
-    del nh, nkv, hd
-    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dt), pool
+    attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
+                                mesh=mesh)
+    hidden, pool = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
+                                  compute_dtype=compute_dtype)
+    return hidden[:, 0], pool
 
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,

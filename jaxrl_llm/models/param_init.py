@@ -1,0 +1,217 @@
+"""The params layout: fresh params (`init_params`) and each leaf's logical axes (`param_logical_axes`).
+
+The backbone's weights (names, shapes, initialisers) are declared as flax modules; no math lives
+here (the forward is `jaxrl_llm.models.decoder`, pure functions over the params dict). flax is
+used for its per-module random streams, so a seed gives the same weights as it always did
+(`nn.scan` splits the layers' keys, each module folds in its name).
+
+Layout (a plain nested dict of arrays; layer params stacked on a leading axis of size L):
+
+    embedding [V, H]
+    layers/attn_norm/scale [L, H]          layers/mlp_norm/scale [L, H]
+    layers/attn/{q,k,v}_proj/kernel [L, H, heads|kv_heads, D]   (+ bias [L, heads, D] with attention_bias)
+    layers/attn/{q,k}_norm/scale [L, D]    (qk_norm)
+    layers/attn/o_proj/kernel [L, heads, D, H]
+    layers/mlp/{gate,up}_proj/kernel [L, H, F]   layers/mlp/down_proj/kernel [L, F, H]
+    final_norm/scale [H]
+    lm_head/kernel [H, V]                  (head="lm", untied only)
+    value_head/kernel [H, 1], bias [1]     (head="value")
+    score/kernel [H, num_labels]           (head="score"; HF `score.weight`, no bias)
+    lora                                   (optional) LoRA adapters, models/lora.py `with_lora`
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.dtypes import as_jnp_dtype
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+HEADS = ("lm", "value", "score")
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+
+
+def init_head_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labels: int = 1,
+                     dtype: Any = jnp.float32) -> dict:
+    """Freshly initialised head params (the part of `init_params` outside the backbone)."""
+    _check_head(head)
+    normal = jax.nn.initializers.normal(cfg.initializer_range)
+    h = cfg.hidden_size
+    if head == "lm":
+        return {} if cfg.tie_word_embeddings else {
+            "lm_head": {"kernel": normal(rng, (h, cfg.vocab_size), dtype)}}
+    if head == "value":
+        return {"value_head": {"kernel": normal(rng, (h, 1), dtype), "bias": jnp.zeros((1,), dtype)}}
+    return {"score": {"kernel": normal(rng, (h, num_labels), dtype)}}
+
+
+def init_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labels: int = 1,
+                dtype: Any = jnp.float32) -> dict:
+    """Random params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
+    _check_head(head)
+    return _init_params_jit(cfg, rng, head, num_labels, as_jnp_dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, dtype: Any) -> dict:
+    backbone_rng, head_rng = jax.random.split(rng)
+    params = init_backbone(cfg, backbone_rng, dtype)
+    params.update(init_head_params(cfg, head_rng, head=head, num_labels=num_labels, dtype=dtype))
+    return params
+
+
+def _layer_axes(path: tuple[str, ...]) -> tuple:
+    *mods, leaf = path
+    mod = mods[-1]
+    if mod.endswith("norm"):
+        return ("layers", None)
+    heads = "heads" if mod in ("q_proj", "o_proj") else "kv_heads"
+    table = {
+        ("q_proj", "kernel"): ("layers", "embed", heads, "head_dim"),
+        ("k_proj", "kernel"): ("layers", "embed", heads, "head_dim"),
+        ("v_proj", "kernel"): ("layers", "embed", heads, "head_dim"),
+        ("q_proj", "bias"): ("layers", heads, "head_dim"),
+        ("k_proj", "bias"): ("layers", heads, "head_dim"),
+        ("v_proj", "bias"): ("layers", heads, "head_dim"),
+        ("o_proj", "kernel"): ("layers", "heads", "head_dim", "embed"),
+        ("gate_proj", "kernel"): ("layers", "embed", "mlp"),
+        ("up_proj", "kernel"): ("layers", "embed", "mlp"),
+        ("down_proj", "kernel"): ("layers", "mlp", "embed"),
+    }
+    return table[(mod, leaf)]
+
+
+_TOP_AXES = {
+    ("embedding",): ("vocab", "embed"),
+    ("final_norm", "scale"): (None,),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("value_head", "kernel"): ("embed", None),
+    ("value_head", "bias"): (None,),
+    ("score", "kernel"): ("embed", None),
+}
+
+
+def param_logical_axes(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> dict:
+    """Same structure as params; each leaf is a tuple of logical axis names (or None) per dim.
+
+    Leaves are tuples, so map with `is_leaf=lambda x: isinstance(x, tuple)`.
+    """
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), head=head,
+                                                num_labels=num_labels))
+
+    def axes(path, _leaf):
+        keys = tuple(p.key for p in path)
+        return _layer_axes(keys) if keys[0] == "layers" else _TOP_AXES[keys]
+
+    return jax.tree_util.tree_map_with_path(axes, shapes)
+
+
+class _Norm(nn.Module):
+    size: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> None:
+        self.param("scale", nn.initializers.ones, (self.size,), self.dtype)
+
+
+class _Projection(nn.Module):
+    """kernel [*inputs, *outputs] drawn as one [prod(inputs), prod(outputs)] matrix (bias zeros)."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    use_bias: bool
+    initializer: Initializer
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> None:
+        matrix = (math.prod(self.inputs), math.prod(self.outputs))
+        self.param("kernel", lambda rng, shape, dtype: self.initializer(rng, matrix, dtype).reshape(shape),
+                   self.inputs + self.outputs, self.dtype)
+        if self.use_bias:
+            self.param("bias", nn.initializers.zeros, self.outputs, self.dtype)
+
+
+class _LayerParams(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, carry: None, _: None = None) -> tuple[None, None]:
+        cfg, dt = self.cfg, self.dtype
+        init = nn.initializers.normal(cfg.initializer_range)
+        _Norm(cfg.hidden_size, dt, name="attn_norm")()
+        _AttentionParams(cfg, dt, init, name="attn")()
+        _Norm(cfg.hidden_size, dt, name="mlp_norm")()
+        _MlpParams(cfg.hidden_size, cfg.intermediate_size, dt, init, name="mlp")()
+        return carry, None
+
+
+class _AttentionParams(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    initializer: Initializer
+
+    @nn.compact
+    def __call__(self) -> None:
+        cfg, dt = self.cfg, self.dtype
+        h, hd = cfg.hidden_size, cfg.head_dim
+        for name, heads in (("q_proj", cfg.num_attention_heads), ("k_proj", cfg.num_key_value_heads),
+                            ("v_proj", cfg.num_key_value_heads)):
+            _Projection((h,), (heads, hd), cfg.attention_bias, self.initializer, dt, name=name)()
+        if cfg.qk_norm:
+            _Norm(hd, dt, name="q_norm")()
+            _Norm(hd, dt, name="k_norm")()
+        _Projection((cfg.num_attention_heads, hd), (h,), False, self.initializer, dt, name="o_proj")()
+
+
+class _MlpParams(nn.Module):
+    hidden: int
+    intermediate: int
+    dtype: Any
+    initializer: Initializer
+
+    @nn.compact
+    def __call__(self) -> None:
+        h, f = self.hidden, self.intermediate
+        for name, (n_in, n_out) in (("gate_proj", (h, f)), ("up_proj", (h, f)), ("down_proj", (f, h))):
+            _Projection((n_in,), (n_out,), False, self.initializer, self.dtype, name=name)()
+
+
+class _BackboneParams(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> None:
+        cfg = self.cfg
+        self.param("embedding", nn.initializers.normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
+                   self.dtype)
+        layers = nn.scan(_LayerParams, variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=cfg.num_hidden_layers)
+        layers(cfg, self.dtype, name="layers")(None)
+        _Norm(cfg.hidden_size, self.dtype, name="final_norm")()
+
+
+def init_backbone(cfg: ModelConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
+    """Random backbone params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
+    variables = _BackboneParams(cfg, dtype).init(rng)
+    return _plain(variables["params"])
+
+
+def _plain(tree: Any) -> Any:
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
