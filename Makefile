@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test test-fast bench clean
+.PHONY: setup quickstart test test-fast test-examples bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,14 @@ quickstart: $(STAMP)
 # the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart
 test: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,tpu-plan]"
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=25 -m "not examples" tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not examples" tests
+
+# the example configs trained to their learning curves (~17 min on 2 cores; kept out of CI's budget)
+test-examples: $(STAMP)
+	$(PY) -m pytest -q -m examples tests
 
 # bench/rl_step.py: one GRPO step, ours vs TRL's GRPOTrainer (the `bench` extra: trl, datasets)
 bench: $(STAMP)

@@ -30,7 +30,7 @@ import numpy as np
 from jaxrl_llm.config import smollm2_gguf_path
 from jaxrl_llm.hf import load_gguf
 from jaxrl_llm.sampler import SamplingParams, left_pad
-from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sampler.core import sample_program
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec, sample_paged
 from jaxrl_llm.sampler.host import bucket_length
@@ -143,7 +143,7 @@ def main() -> None:
         for ids, mask in batches:  # compile each batch shape once, untimed runs excluded
             if ids.shape not in compiled:
                 t0 = time.perf_counter()
-                compiled[ids.shape] = _sample_jit.lower(params, cfg, ids, mask, jax.random.key(0), knobs,
+                compiled[ids.shape] = sample_program.lower(params, cfg, ids, mask, jax.random.key(0), knobs,
                                                         settings=settings, mesh=None).compile()
                 compile_s += time.perf_counter() - t0
         lengths, slot_steps, prefill, kv = [], 0, 0, 0

@@ -23,7 +23,7 @@ import numpy as np
 from jaxrl_llm.config import smollm2_gguf_path
 from jaxrl_llm.hf import load_gguf
 from jaxrl_llm.sampler import SamplingParams, left_pad
-from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sampler.core import sample_program
 
 QUESTIONS = [
     "What is 12 times 7?", "Name three primary colours.", "Write a haiku about autumn leaves.",
@@ -94,7 +94,7 @@ def main() -> None:
             settings, knobs = SamplingParams(max_new_tokens=new, do_sample=False, ignore_eos=True).compile_args(
                 cfg.eos_token_ids, pad, vocab_size=cfg.vocab_size)
             t0 = time.perf_counter()
-            compiled = _sample_jit.lower(params, cfg, ids, mask, rng, knobs, settings=settings,
+            compiled = sample_program.lower(params, cfg, ids, mask, rng, knobs, settings=settings,
                                          mesh=None).compile()
             compile_s = time.perf_counter() - t0
             run = lambda: jax.block_until_ready(compiled(params, ids, mask, rng, knobs))  # noqa: E731

@@ -26,9 +26,7 @@ class ModelSpec:
     """A model to load (`actor_rollout_ref.model`, `critic.model`)."""
 
     path: str
-    dtype: str  # compute dtype
-    param_dtype: str  # master-weight dtype
-    remat: bool  # enable_gradient_checkpointing
+    param_dtype: str  # master-weight dtype (the compute dtype and remat policy are the role's: ActorSpec)
     tiny: tuple[tuple[str, Any], ...]  # dims of a tiny:<arch> model (actor_rollout_ref.model.tiny)
     override_config: tuple[tuple[str, Any], ...] = ()  # HF config fields replaced at load (model.override_config)
     use_remove_padding: bool = True  # sequence packing (trainer/packing.py)

@@ -46,9 +46,13 @@ def compute_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     reward_baselines: Array | None = None,
     f_norm: float = 1.0,
+    alpha: float | None = None,
 ) -> tuple[Array, Array]:
     """Dispatch to the estimator registered as `name` (veRL's `algorithm.adv_estimator`).
-    `f_norm` is GPG's normaliser (veRL's `compute_gpg_outcome_advantage`); others ignore it."""
+    `f_norm` is GPG's normaliser (veRL's `compute_gpg_outcome_advantage`); others ignore it.
+    `alpha` is accepted for veRL's call signature of that function, which takes it and then uses
+    B / (number of non-zero scores) instead; GPG here does the same, so its value changes nothing."""
+    del alpha
     fn = ADV_ESTIMATORS.get(name)
     given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines}
     for cap, (arg, what) in INPUT_CAPABILITIES.items():

@@ -70,8 +70,8 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     initializer_range: float = 0.02
-    # layers per trip of the layer scan (flax `nn.scan(unroll=...)`); same numbers either way. The
-    # memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
+    # layers per trip of the layer scan (`lax.scan(unroll=...)` in models/decoder.py); same numbers
+    # either way. The memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
     # loop body (trainer/memory_plan.py); runs keep 1.
     scan_unroll: int = 1
 

@@ -11,7 +11,7 @@
   back in the backward pass (`offload_dot_with_no_batch_dims`); where the backend has no pinned
   host memory it falls back to `dots_with_no_batch_dims_saveable` with one warning.
 
-The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `nn.remat` takes.
+The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `jax.checkpoint` takes (models/decoder.py checkpoints each layer).
 """
 from __future__ import annotations
 

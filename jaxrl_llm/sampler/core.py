@@ -85,8 +85,10 @@ def _record(state: _LoopState, step: Array, tok: Array, lp: Array, knobs: Sample
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "mesh"))
-def _sample_jit(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
-                knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
+def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
+                   knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
+    """The jitted program behind `sample` (no input checks): what the memory plan lowers and what
+    tests count compiled programs of."""
     prompt_ids = with_activation_constraint(prompt_ids.astype(jnp.int32), ("batch", "length"), mesh)
     prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
     n = settings.n
@@ -148,4 +150,4 @@ def sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array
                          "equal 2-D [batch, prompt_len] shapes")
     if prompt_ids.shape[1] < 1:
         raise ValueError("prompt_ids: prompt length must be >= 1")
-    return _sample_jit(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)
+    return sample_program(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)

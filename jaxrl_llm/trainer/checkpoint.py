@@ -24,9 +24,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm import storage
+from jaxrl_llm.config.names import RESUME_MODES
 from jaxrl_llm.config.schema import ConfigError
 
-RESUME_MODES = ("auto", "disable", "resume_path")
 ITEMS = ("state", "data", "meta", "rollout")
 log = logging.getLogger("jaxrl_llm")
 

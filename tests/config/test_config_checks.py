@@ -98,10 +98,10 @@ def test_override_config_reaches_the_loaded_model(monkeypatch):
                           jax.eval_shape(lambda: init_params(base_cfg, jax.random.PRNGKey(0))))
     monkeypatch.setattr(roles, "_load", lambda model, **_: (base_cfg, params))
     tiny = tuple(default_config().actor_rollout_ref.model.tiny.to_dict().items())
-    spec = ModelSpec("some/hf_folder", "float32", "float32", False, tiny, (("rope_theta", 3.0),))
+    spec = ModelSpec("some/hf_folder", "float32", tiny, (("rope_theta", 3.0),))
     cfg, loaded = roles.load_model(spec, head="lm", mesh=None, tokenizer=None, seed=0)
     assert loaded is params and cfg.rope_theta == 3.0 and cfg == with_hf_overrides(base_cfg, {"rope_theta": 3.0})
-    plain, _ = roles.load_model(ModelSpec("some/hf_folder", "float32", "float32", False, tiny), head="lm",
+    plain, _ = roles.load_model(ModelSpec("some/hf_folder", "float32", tiny), head="lm",
                                 mesh=None, tokenizer=None, seed=0)
     assert plain is base_cfg
     ids = np.arange(3, 19, dtype=np.int32)[None]

@@ -18,7 +18,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # the real SmolLM2, three or four training steps each
+# the real SmolLM2, three or four training steps each: ~8-9 min per test on 2 cores, so they run
+# with `make test-examples`, outside CI's time budget
+pytestmark = [pytest.mark.slow, pytest.mark.examples]
 
 
 def train(run_dir: pathlib.Path, config: str, *overrides: str) -> list[dict]:

@@ -63,6 +63,10 @@ def test_gpg_f_norm_as_verl(batch, f_norm):
     np.testing.assert_allclose(ret, want, **TOL)
     base, _ = compute_advantage("gpg", rewards, batch["mask"], group_ids=batch["group_ids"])
     np.testing.assert_allclose(np.asarray(adv) * f_norm, base, **TOL)
+    # veRL's signature also takes `alpha`, which it overwrites with B / #non-zero scores: accepted, same numbers
+    with_alpha, _ = compute_advantage("gpg", rewards, batch["mask"], group_ids=batch["group_ids"], f_norm=f_norm,
+                                      alpha=7.0)
+    np.testing.assert_array_equal(np.asarray(with_alpha), np.asarray(adv))
 
 
 def test_all_names_registered():

@@ -1,5 +1,6 @@
-"""Run in a fresh process (XLA_FLAGS are read once per process): bf16 sampler log-probs vs the
-trainer's scoring on a tiny model, and one tiny bf16 trainer step with `rollout_is=token`.
+"""Run in a fresh process (XLA_FLAGS are read once per process): bf16 sampler log-probs (the static
+sampler and the paged engine) vs the trainer's scoring on a tiny model, and one tiny bf16 trainer
+step with `rollout_is=token`.
 Prints one JSON line. Used by test_bf16_numerics.py."""
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def main(run_dir: str) -> None:
     from jaxrl_llm.trainer import Trainer
 
     cfg, params, prompts, pad = tiny_model()
-    out = {"sampler_vs_trainer": mismatch(cfg, params, prompts, pad, dtype="bfloat16", new_tokens=16)}
+    out = {"sampler_vs_trainer": mismatch(cfg, params, prompts, pad, dtype="bfloat16", new_tokens=16),
+           "paged_vs_trainer": mismatch(cfg, params, prompts, pad, dtype="bfloat16", new_tokens=16, engine="paged")}
     config = tiny_runs.tiny_config(run_dir, **{
         "trainer.total_training_steps": 1, "actor_rollout_ref.model.dtype": "bfloat16",
         "algorithm.rollout_correction.rollout_is": "token", "trainer.logger": ["jsonl"]})

@@ -8,7 +8,7 @@ import pytest
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import forward_hidden, lm_head_weight
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
-from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sampler.core import sample_program
 from sampler_fixtures import PAD_ID, PROMPTS
 
 NEW_TOKENS = 10
@@ -53,7 +53,7 @@ def test_optimizer_update_is_seen_by_next_sample(llama_tiny):
     # greedy (temperature 0.7 is ignored): logprobs are reported at temperature 1
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False, temperature=0.7)
     before = run(params, cfg, sp)
-    compiled = _sample_jit._cache_size()
+    compiled = sample_program._cache_size()
 
     target = 42  # one SGD step on -log p(42) at every prompt position makes 42 the greedy choice
 
@@ -69,7 +69,7 @@ def test_optimizer_update_is_seen_by_next_sample(llama_tiny):
     new_params = optax.apply_updates(params, updates)
 
     after = run(new_params, cfg, sp)  # the new pytree goes straight in: no copy, no reload
-    assert _sample_jit._cache_size() == compiled  # same program, new weights
+    assert sample_program._cache_size() == compiled  # same program, new weights
     before_t, after_t = np.asarray(before.tokens), np.asarray(after.tokens)
     assert not np.array_equal(before_t, after_t)
     assert (after_t == target).sum() > (before_t == target).sum() + len(PROMPTS)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.sampler import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SamplingParams, left_pad, sample
-from jaxrl_llm.sampler.core import _sample_jit
+from jaxrl_llm.sampler.core import sample_program
 from sampler_fixtures import PAD_ID, PROMPTS
 
 R = 10
@@ -84,14 +84,14 @@ def test_ignore_eos_keeps_going_but_stop_tokens_still_stop(llama_tiny, reference
 
 def test_knobs_do_not_recompile_settings_do(llama_tiny, reference):
     cfg, params = llama_tiny
-    before = _sample_jit._cache_size()
+    before = sample_program._cache_size()
     ids, mask = left_pad(PROMPTS, PAD_ID)
     outs = []
     for temperature, top_p, eos in [(0.7, 0.9, [2]), (1.1, 0.5, [2, 3, 4]), (0.9, 0.99, [])]:
         sp = SamplingParams(max_new_tokens=R, temperature=temperature, top_p=top_p)
         settings, knobs = sp.compile_args(eos, PAD_ID, vocab_size=cfg.vocab_size)
         outs.append(sample(params, cfg, ids, mask, jax.random.key(0), knobs, settings=settings))
-    assert _sample_jit._cache_size() == before + 1  # one program for all three
+    assert sample_program._cache_size() == before + 1  # one program for all three
     # ... and each call used its own values (not a frozen first one)
     lp = [np.asarray(o.log_probs[:, 0]) for o in outs]
     assert not np.allclose(lp[0], lp[1]) and not np.allclose(lp[1], lp[2])

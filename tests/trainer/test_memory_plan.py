@@ -143,7 +143,7 @@ def test_smollm2_config_is_read_from_the_gguf_header_without_weights(smollm2_ggu
     from jaxrl_llm.hf import load_gguf
     from jaxrl_llm.trainer.roles import model_config_of
 
-    model = ModelSpec(path=str(smollm2_gguf), dtype="float32", param_dtype="float32", remat=False, tiny=(),
+    model = ModelSpec(path=str(smollm2_gguf), param_dtype="float32", tiny=(),
                       override_config=(("rope_theta", 20000.0),))
     cfg = model_config_of(model, tokenizer=None)
     loaded = load_gguf(smollm2_gguf)[0]
