@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test test-fast test-examples bench clean
+.PHONY: setup quickstart lint test test-fast test-examples bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,9 +20,14 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) launch/train.py --config=configs/quickstart.py
 
+# ruff's pyflakes rules (pyproject.toml [tool.ruff]) over everything we ship, zero findings
+lint: $(STAMP)
+	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
+
 # the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart
 test: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,tpu-plan]"
+	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
 	$(PY) -m pytest -q --durations=25 -m "not examples" tests
 
 test-fast: $(STAMP)

@@ -28,7 +28,7 @@ from jaxrl_llm.config.spec import ModelSpec, OptimSpec, RunSpec
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.sampler import bucket_length
-from jaxrl_llm.sampler.core import sample_program
+from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size, batch_sharding, logical_to_sharding, optimizer_state_sharding
@@ -206,7 +206,7 @@ def sample_program(ctx: Context) -> Program:
 
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
-        return _lower(sample_program, platforms, ctx.policy_params(), _unrolled(cfg, unroll), ids, ids,
+        return _lower(sampler_core.sample_program, platforms, ctx.policy_params(), _unrolled(cfg, unroll), ids, ids,
                       jax.random.PRNGKey(0), knobs, settings=settings, mesh=mesh)
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))

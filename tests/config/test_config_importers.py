@@ -334,7 +334,6 @@ def test_roll_device_mapping():
 
 def test_trl_yaml(home):
     r = import_config(TRL, "trl", dp_size=8)
-    s = r.settings
     # 16 per device x 8 devices x 4 accumulation = 512 completions (64 prompts) per optimizer step;
     # 16 x 8 x steps_per_generation 8 = 1024 completions (128 prompts) per generation
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
@@ -443,7 +442,7 @@ def run_train(*args, home):
 
 
 def tiny_overrides(gguf, run_dir, n_train):
-    return [f"actor_rollout_ref.model.path=tiny:llama", f"data.tokenizer={gguf}", "data.synthetic.task=add",
+    return ["actor_rollout_ref.model.path=tiny:llama", f"data.tokenizer={gguf}", "data.synthetic.task=add",
             f"data.synthetic.n_train={n_train}", "data.train_files=null", "data.val_files=null",
             "trainer.logger=[console]", f"trainer.default_local_dir={run_dir}"]
 

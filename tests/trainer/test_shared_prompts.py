@@ -13,7 +13,7 @@ from jaxrl_llm.models import init_params
 from jaxrl_llm.trainer import packing as pk
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
+from jaxrl_llm.trainer.experience import log_probs_no_grad, values_no_grad
 from jaxrl_llm.trainer.forward import response_log_probs
 from test_packing import CFG, N, P, R, SETTINGS, _assert_same, _batch, _budget_update, _masked, _update
 
