@@ -29,7 +29,7 @@ from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
 from jaxrl_llm.models.dtypes import as_jnp_dtype
-from jaxrl_llm.trainer import checkpoint as _checkpoint
+from jaxrl_llm import checkpoint as _checkpoint
 
 _logits = jax.jit(compute_logits, static_argnums=1)
 

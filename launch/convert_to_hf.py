@@ -15,7 +15,7 @@ import sys
 
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
 from jaxrl_llm.models.dtypes import DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.checkpoint import (is_checkpoint, load_lora_checkpoint, read_checkpoint_meta,
+from jaxrl_llm.checkpoint import (is_checkpoint, load_lora_checkpoint, read_checkpoint_meta,
                                           register_checkpoint_loader)
 
 

@@ -88,7 +88,7 @@ def test_export_hf_writes_the_attached_tokenizer(folders, tmp_path):
 
 
 def test_checkpoint_brings_the_tokenizer_its_run_used(folders, tmp_path):
-    from jaxrl_llm.trainer.checkpoint import CheckpointStore
+    from jaxrl_llm.checkpoint import CheckpointStore
 
     with_tok, _ = folders
     model = jrl.load_model(with_tok)

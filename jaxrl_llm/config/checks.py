@@ -18,6 +18,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxrl_llm.checkpoint import is_checkpoint
 from jaxrl_llm.config.schema import ConfigError, get_path
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ def check_model_source(key: str, path: str) -> int | None:
     if p.is_dir():
         if (p / "config.json").is_file():
             return _check_hf_folder(key, p).max_position_embeddings
-        from jaxrl_llm.trainer.checkpoint import is_checkpoint  # only here: it imports orbax
-
         if not is_checkpoint(p):
             raise ConfigError(f"{key}={path!r}: not a model folder (no config.json); expected an HF folder, a "
                               ".gguf file or a jaxrl_llm checkpoint")

@@ -20,7 +20,6 @@ from jaxrl_llm.rewards.managers import REWARD_MANAGERS
 
 TRUNCATION = ("error", "left", "right", "middle")
 LR_SCHEDULERS = ("constant", "cosine")
-RESUME_MODES = ("auto", "disable", "resume_path")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes

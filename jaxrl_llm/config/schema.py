@@ -12,9 +12,7 @@ from typing import Any
 
 import ml_collections
 
-
-class ConfigError(ValueError):
-    """A bad config: one message that names the offending key."""
+from jaxrl_llm.errors import ConfigError as ConfigError  # raised by every config check; defined in a leaf module
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from jaxrl_llm import storage
+from jaxrl_llm.checkpoint import RESUME_MODES
 from jaxrl_llm.config import names
 from jaxrl_llm.config.checks import check_inputs, check_sources
 from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
@@ -73,7 +74,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
         _choice(cfg, "data.synthetic.task", names.synthetic_tasks())
         _choice(cfg, "data.synthetic.answer_format", names.synthetic_answer_formats())
     _choice(cfg, "data.truncation", names.TRUNCATION)
-    _choice(cfg, "trainer.resume_mode", names.RESUME_MODES)
+    _choice(cfg, "trainer.resume_mode", RESUME_MODES)
     _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
     _choice(cfg, f"{ROLLOUT}.engine", ENGINES)
     _choice(cfg, f"{ROLLOUT}.paged_attention", ATTENTION_IMPLS)

@@ -2,7 +2,7 @@
 
 The built-in loaders (an HF folder, a .gguf file) are declared in `BUILTIN_LOADERS`. Other
 packages add theirs with an explicit call, never as an import side effect: the trainer's
-checkpoint loader is added by `jaxrl_llm.trainer.checkpoint.register_checkpoint_loader()`.
+checkpoint loader is added by `jaxrl_llm.checkpoint.register_checkpoint_loader()`.
 Registered loaders are tried before the built-in ones, newest first. Every loader takes
 `(path, **kw)` and returns `(ModelConfig, params)`.
 """
@@ -75,6 +75,6 @@ def load_any(path: str | pathlib.Path, **kw: Any) -> tuple[ModelConfig, dict]:
     names = [entry.name for entry in loaders()]
     if p.is_dir():
         hint = "" if "checkpoint" in names else (
-            " (a training checkpoint loads after jaxrl_llm.trainer.checkpoint.register_checkpoint_loader())")
+            " (a training checkpoint loads after jaxrl_llm.checkpoint.register_checkpoint_loader())")
         raise FileNotFoundError(f"no config.json in model folder {str(p)!r}{hint}")
     raise ValueError(f"cannot load {str(p)!r}: not one of the known kinds ({', '.join(names)})")

@@ -1,7 +1,7 @@
 """The RL loop: rollout -> experience -> update; metrics; validation; checkpoints.
 
 `Trainer(config).fit()` (trainer.py) is the entry point; `train_step` reads top to bottom.
-`Trainer` is imported lazily, so `jaxrl_llm.trainer.checkpoint` can be used without the loop's
+`Trainer` is imported lazily, so the package can be imported without the loop's
 dependencies (data, rewards, sampler).
 """
 from __future__ import annotations

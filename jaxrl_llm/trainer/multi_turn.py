@@ -52,6 +52,8 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged, sized_engine
 from jaxrl_llm.sharding import batch_axis_size, to_device
+from jaxrl_llm.trainer.nonfinite import sanitize_scores
+from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, score_responses
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -136,9 +138,6 @@ def _device(arrays: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
 def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams,
                         rng: jax.Array) -> Any:
     """The multi-turn counterpart of `RolloutGenerator.generate` (`gen`): a scored `Rollout`."""
-    from jaxrl_llm.trainer.nonfinite import sanitize_scores
-    from jaxrl_llm.trainer.rollout import Rollout, response_bucket, score_responses
-
     mt: MultiTurn = gen.multi_turn
     cfg, mesh, tokenizer = gen.model_cfg, gen.mesh, gen.tokenizer
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0

@@ -40,7 +40,8 @@ from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size
 from jaxrl_llm.sharding.split import copy_tree, transfer
 from jaxrl_llm.trainer.roles import TrainedRole
-from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator
+from jaxrl_llm.trainer.rollout import RolloutGenerator
+from jaxrl_llm.trainer.rollout_batch import Rollout
 
 log = logging.getLogger("jaxrl_llm")
 

@@ -20,7 +20,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.config.spec import ModelSpec, OptimSpec
+from jaxrl_llm.hf import load_any, read_hf_config  # the HF bridge reads folders and GGUF files
+from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
 from jaxrl_llm.models.lora import LoraConfig, init_lora, lora_logical_axes, with_lora
@@ -123,10 +126,7 @@ def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int)
         shardings = _param_shardings(model_cfg, head, mesh, dtype)
         init = jax.jit(lambda key: init_params(model_cfg, key, head=head, dtype=dtype), out_shardings=shardings)
         return model_cfg, init(jax.random.PRNGKey(dict(model.tiny)["seed"]))
-    from jaxrl_llm.hf import load_any  # the HF bridge reads folders and GGUF files
-    from jaxrl_llm.trainer.checkpoint import register_checkpoint_loader
-
-    register_checkpoint_loader()  # a policy may also start from one of our checkpoints
+    ckpt.register_checkpoint_loader()  # a policy may also start from one of our checkpoints
 
     # A value head on a causal-LM checkpoint is initialised fresh from `seed`.
     model_cfg, params = load_any(model.path, dtype=dtype, head=head, rng=jax.random.PRNGKey(seed))
@@ -148,19 +148,13 @@ def _tiny_config(model: ModelSpec, tokenizer: Any) -> ModelConfig:
 def model_config_of(model: ModelSpec, tokenizer: Any) -> ModelConfig:
     """The `ModelConfig` `load_model` would return, read without loading any weight: the tiny dims,
     an HF folder's config.json, a GGUF file's header (tensor table only) or a checkpoint's meta."""
-    from jaxrl_llm.trainer import checkpoint as ckpt
-
     if model.is_tiny:
         cfg = _tiny_config(model, tokenizer)
     elif model.path.endswith(".gguf"):
-        from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
-
         cfg = gguf_config(GGUFSource(model.path))  # memory-mapped: no tensor data is read
     elif ckpt.is_checkpoint(model.path):
         cfg = ModelConfig.from_hf_config(ckpt.read_checkpoint_meta(model.path)["model_config"])
     else:
-        from jaxrl_llm.hf import read_hf_config
-
         cfg = ModelConfig.from_hf_config(read_hf_config(model.path))
     return with_hf_overrides(cfg, dict(model.override_config))
 

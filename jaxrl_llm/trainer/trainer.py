@@ -34,7 +34,7 @@ from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, to_device, to_host
 from jaxrl_llm.sharding.split import make_split_meshes
-from jaxrl_llm.trainer import checkpoint as ckpt
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.trainer import packing
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
@@ -46,7 +46,8 @@ from jaxrl_llm.trainer.pipeline import make_pipeline
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.trainer.reference import make_reference, reference_on_device
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
-from jaxrl_llm.trainer.rollout import Rollout, RolloutGenerator, concat_rollouts, filter_metric, select_rows
+from jaxrl_llm.trainer.rollout import RolloutGenerator
+from jaxrl_llm.trainer.rollout_batch import Rollout, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 

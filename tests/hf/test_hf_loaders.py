@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jaxrl_llm.hf import BUILTIN_LOADERS, load_any, loaders, register_loader, unregister_loader
-from jaxrl_llm.trainer import checkpoint
+from jaxrl_llm import checkpoint
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def _names():
 
 
 def test_importing_the_checkpoint_module_registers_nothing():
-    code = ("import jaxrl_llm.api, jaxrl_llm.trainer.checkpoint; from jaxrl_llm.hf import loaders; "
+    code = ("import jaxrl_llm.api, jaxrl_llm.checkpoint; from jaxrl_llm.hf import loaders; "
             "print([e.name for e in loaders()])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=pathlib.Path(__file__).parents[2])

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _install_kill_in_save(kill_step: int) -> None:
-    from jaxrl_llm.trainer import checkpoint
+    from jaxrl_llm import checkpoint
 
     save = checkpoint.CheckpointStore.save
 

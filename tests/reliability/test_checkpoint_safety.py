@@ -14,7 +14,7 @@ import pytest
 
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm.trainer import checkpoint as ckpt
+from jaxrl_llm import checkpoint as ckpt
 
 META = {"global_step": 0, "kl_coef": 0.1}
 

@@ -12,7 +12,7 @@ from jaxrl_llm.config import ConfigError, resolve_config
 from jaxrl_llm.config.spec import SyncSpec
 from jaxrl_llm.sharding.split import copy_tree, make_split_meshes, split_devices, transfer
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm.trainer import checkpoint as ckpt
+from jaxrl_llm import checkpoint as ckpt
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 

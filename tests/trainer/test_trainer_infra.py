@@ -11,7 +11,7 @@ import pytest
 
 from spec_helpers import optim_spec
 
-from jaxrl_llm.trainer import checkpoint as ckpt
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
 from jaxrl_llm.trainer.tracking import Tracking
 

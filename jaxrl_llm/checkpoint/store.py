@@ -24,10 +24,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm import storage
-from jaxrl_llm.config.names import RESUME_MODES
-from jaxrl_llm.config.schema import ConfigError
+from jaxrl_llm.errors import ConfigError
 
 ITEMS = ("state", "data", "meta", "rollout")
+RESUME_MODES = ("auto", "disable", "resume_path")  # veRL's trainer.resume_mode
 log = logging.getLogger("jaxrl_llm")
 
 
@@ -324,7 +324,7 @@ def changed_run_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
     return out
 
 
-# ---------------------------------------------------------------- checkpoints as a model source
+# ---------------------------------------------------------------- finding a checkpoint by path
 def _step_dirs(path: str) -> list[str]:
     return [p.name for p in storage.as_path(path).iterdir()
             if p.name.isdigit() and storage.is_dir(storage.join(path, p.name, "state"))]
@@ -342,7 +342,8 @@ def is_checkpoint(path: Any) -> bool:
     return bool(_step_dirs(path))
 
 
-def _locate(path: Any) -> tuple[str, int]:
+def locate_checkpoint(path: Any) -> tuple[str, int]:
+    """(checkpoints folder, step) of a step folder, a checkpoints folder or a run folder (its latest step)."""
     path = storage.normalize(path)
     if storage.is_dir(storage.join(path, "checkpoints")) and not storage.is_dir(storage.join(path, "state")):
         path = storage.join(path, "checkpoints")
@@ -353,75 +354,5 @@ def _locate(path: Any) -> tuple[str, int]:
 
 def read_checkpoint_meta(path: Any) -> dict:
     """The `meta` item (config, KL coefficient, model config, ...) of a checkpoint."""
-    directory, step = _locate(path)
+    directory, step = locate_checkpoint(path)
     return _from_jsonable(json.loads(storage.read_text(storage.join(directory, str(step), "meta", "metadata"))))
-
-
-def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[Any, dict]:
-    """(ModelConfig, policy params on the default device) from a training checkpoint; after
-    `register_checkpoint_loader()`, `jaxrl_llm.hf.load_any` (and so `launch/convert_to_hf.py` and
-    `jrl.load_model`) accepts it. A LoRA checkpoint gives its adapters merged into the base."""
-    import jax.numpy as jnp
-
-    from jaxrl_llm.models.lora import merge_lora, with_lora
-
-    cfg, params, meta = _read_policy_state(path)
-    lora = meta.get("lora")
-    if lora is not None:
-        params = merge_lora(with_lora(lora_base_params(meta), params["lora"], lora["alpha"] / lora["rank"]))
-    if dtype is not None:
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return cfg, params
-
-
-def lora_base_params(meta: Mapping[str, Any]) -> dict:
-    """The frozen base of a LoRA checkpoint (its adapters apply to it), loaded again from the base
-    path in the run's model.param_dtype; a tiny:<arch> base is re-initialised from its seed."""
-    from jaxrl_llm.models import ModelConfig, init_params
-
-    base_path = meta["lora"]["base_path"]
-    model = meta["config"]["actor_rollout_ref"]["model"]
-    dtype = model.get("param_dtype", "float32")
-    if base_path.startswith("tiny:"):
-        cfg = ModelConfig.from_hf_config(meta["model_config"])
-        return init_params(cfg, jax.random.PRNGKey(int(model["tiny"]["seed"])), dtype=dtype)
-    from jaxrl_llm.hf import load_any
-
-    return load_any(base_path, dtype=dtype)[1]
-
-
-def load_lora_checkpoint(path: Any) -> tuple[Any, dict, Any, str]:
-    """(ModelConfig, adapters, LoraConfig, base path) of a LoRA training checkpoint."""
-    from jaxrl_llm.models.lora import LoraConfig
-
-    cfg, params, meta = _read_policy_state(path)
-    lora = meta.get("lora")
-    if lora is None:
-        raise ValueError(f"checkpoint {path}: not a LoRA run (actor_rollout_ref.model.lora_rank was 0)")
-    return cfg, params["lora"], LoraConfig(int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"])), \
-        lora["base_path"]
-
-
-def _read_policy_state(path: Any) -> tuple[Any, dict, dict]:
-    from jaxrl_llm.models import ModelConfig
-
-    meta = read_checkpoint_meta(path)
-    if "model_config" not in meta:
-        raise ValueError(f"checkpoint {path}: its meta has no model_config (written by an older jaxrl_llm)")
-    directory, step = _locate(path)
-    manager = ocp.CheckpointManager(storage.as_path(directory), item_names=ITEMS,
-                                    options=ocp.CheckpointManagerOptions(read_only=True))
-    tree_meta = manager.item_metadata(step)["state"]
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree_meta)
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-    manager.close()
-    return ModelConfig.from_hf_config(meta["model_config"]), state["actor"]["params"], meta
-
-
-def register_checkpoint_loader() -> None:
-    """Let `jaxrl_llm.hf.load_any` read training checkpoints (tried before HF folders). Idempotent:
-    callers that may get a checkpoint path call it before `load_any`."""
-    from jaxrl_llm.hf import register_loader
-
-    register_loader("checkpoint", is_checkpoint, load_policy_checkpoint)
