@@ -1,6 +1,7 @@
 """RLOO (Ahmadian et al. 2024) on GSM8K, as veRL's examples/rloo_trainer: leave-one-out baseline
-over n samples, KL in the reward. Set `algorithm.trl_rloo.enable=True` for TRL's
-RLOOTrainer form (sequence-level score - kl_coef * KL, TRL's normalisation options)."""
+over n samples, KL in the reward. Set `algorithm.adv_estimator=trl_rloo` (and
+`algorithm.use_kl_in_reward=False`) for TRL's RLOOTrainer form (sequence-level score - kl_coef * KL,
+TRL's normalisation options under `algorithm.trl_rloo`)."""
 from jaxrl_llm.config import default_config
 
 

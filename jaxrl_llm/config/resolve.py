@@ -22,6 +22,7 @@ from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterG
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.losses.policy import POLICY_LOSSES
+from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
 from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
@@ -154,9 +155,11 @@ def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
     return AdvantageSpec(
         adv_estimator=alg.adv_estimator, gamma=float(alg.gamma), lam=float(alg.lam),
         norm_adv_by_std_in_grpo=bool(alg.norm_adv_by_std_in_grpo), use_kl_in_reward=bool(alg.use_kl_in_reward),
-        kl_penalty=alg.kl_penalty, trl_rloo=bool(trl.enable), trl_kl_coef=float(alg.kl_ctrl.kl_coef),
-        trl_token_level_kl=bool(trl.token_level_kl), trl_normalize_reward=bool(trl.normalize_reward),
-        trl_reward_clip_range=float(trl.reward_clip_range), trl_normalize_advantage=bool(trl.normalize_advantage))
+        kl_penalty=alg.kl_penalty,
+        trl_rloo=TrlRlooOptions(kl_coef=float(alg.kl_ctrl.kl_coef), token_level_kl=bool(trl.token_level_kl),
+                                normalize_reward=bool(trl.normalize_reward),
+                                reward_clip_range=float(trl.reward_clip_range),
+                                normalize_advantage=bool(trl.normalize_advantage)))
 
 
 def _micro(key: str, fixed: int | str | None, dynamic: bool, budget: int | None) -> MicroBatching:

@@ -15,6 +15,8 @@ from typing import Any
 
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
+from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig
 from jaxrl_llm.rewards.spec import RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.engine.setup import EngineOptions
@@ -110,12 +112,7 @@ class AdvantageSpec:
     norm_adv_by_std_in_grpo: bool
     use_kl_in_reward: bool
     kl_penalty: str
-    trl_rloo: bool
-    trl_kl_coef: float
-    trl_token_level_kl: bool
-    trl_normalize_reward: bool
-    trl_reward_clip_range: float
-    trl_normalize_advantage: bool
+    trl_rloo: TrlRlooOptions  # adv_estimator=trl_rloo only (algorithm.trl_rloo.*)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +264,8 @@ class RunSpec:
     @property
     def need_ref(self) -> bool:
         """A reference policy is kept when a KL term reads it."""
-        return self.actor.use_kl_loss or self.advantage.use_kl_in_reward or self.advantage.trl_rloo
+        return (self.actor.use_kl_loss or self.advantage.use_kl_in_reward
+                or ADV_ESTIMATORS.capability(self.advantage.adv_estimator, "needs_ref_log_probs"))
 
     @property
     def recompute_old_log_probs(self) -> bool:
@@ -288,5 +286,6 @@ class RunSpec:
         provided nothing reads them before the update (KL in the reward, TRL-RLOO's KL, rollout
         correction). Saves a forward pass over the batch per step."""
         return (self.actor.compute_dtype != "float32" and not self.rollout_correction.enabled
-                and not self.advantage.use_kl_in_reward and not self.advantage.trl_rloo
+                and not self.advantage.use_kl_in_reward
+                and not ADV_ESTIMATORS.capability(self.advantage.adv_estimator, "needs_ref_log_probs")
                 and self.plan.actor.optimizer_steps == 1)

@@ -399,10 +399,8 @@ ALGORITHM = {
         "bypass_mode": field(False, "Use the sampler's logprobs as the PPO old logprobs (skip the old-logprob "
                                     "forward). veRL."),
     },
-    "trl_rloo": {
-        "enable": field(False, "TRL RLOOTrainer's sequence-level form (Ahmadian et al. 2024): score = reward "
-                               "- kl_coef * KL, advantage = score - mean of the other samples. TRL."),
-        "token_level_kl": field(False, "TRL's per-token KL form (-kl_coef * KL_t summed over tokens; "
+    "trl_rloo": {  # the options of adv_estimator=trl_rloo
+        "token_level_kl": field(False, "adv_estimator=trl_rloo: TRL's per-token KL form (-kl_coef * KL_t summed over tokens; "
                                          "same value as the sequence form here). TRL."),
         "normalize_reward": field(False, "Standardise scores over the batch. TRL."),
         "reward_clip_range": field(10.0, "Clip (normalised) scores to +-this. TRL."),

@@ -304,9 +304,9 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
                           "of the same prompt and needs n >= 2")
     if alg.filter_groups.enable and n < 2:
         raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.filter_groups needs n >= 2 samples per prompt")
-    if alg.trl_rloo.enable:
-        _require(alg.adv_estimator in ("rloo", "rloo_vectorized"), "algorithm.adv_estimator", cfg,
-                 "algorithm.trl_rloo.enable needs adv_estimator rloo or rloo_vectorized")
+    if alg.adv_estimator == "trl_rloo" and alg.use_kl_in_reward:
+        raise ConfigError("algorithm.use_kl_in_reward=True: adv_estimator='trl_rloo' folds the KL into the "
+                          "sequence score itself (TRL's RLOO); set use_kl_in_reward=False")
     if alg.adv_estimator in names.adv_estimators(needs_values=True) and not cfg.critic.enable:
         raise ConfigError(f"critic.enable=False: algorithm.adv_estimator={alg.adv_estimator!r} needs a critic")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

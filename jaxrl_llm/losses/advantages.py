@@ -20,6 +20,7 @@ from jaxrl_llm.losses.masked import (
     masked_whiten,
 )
 from jaxrl_llm.losses.registry import Registry
+from jaxrl_llm.losses.trl_rloo import TrlRlooOptions, trl_rloo_with
 
 Array = jax.Array
 # Each capability names the keyword input an estimator cannot run without. `needs_group_ids` also
@@ -28,6 +29,8 @@ INPUT_CAPABILITIES = {
     "needs_group_ids": ("group_ids", "[B] int32, one id per prompt shared by its samples"),
     "needs_values": ("values", "[B, T] from the critic"),
     "needs_reward_baselines": ("reward_baselines", "[B] (the greedy rollout's scores)"),
+    "needs_log_probs": ("log_probs", "[B, T] (the policy's, for a KL folded into the score)"),
+    "needs_ref_log_probs": ("ref_log_probs", "[B, T] (the reference policy's)"),
 }
 ADV_ESTIMATORS: Registry[Callable] = Registry("advantage estimator", {cap: False for cap in INPUT_CAPABILITIES})
 register_adv_est = ADV_ESTIMATORS.register
@@ -47,14 +50,20 @@ def compute_advantage(
     reward_baselines: Array | None = None,
     f_norm: float = 1.0,
     alpha: float | None = None,
+    log_probs: Array | None = None,
+    ref_log_probs: Array | None = None,
+    trl_rloo: TrlRlooOptions | None = None,
 ) -> tuple[Array, Array]:
     """Dispatch to the estimator registered as `name` (veRL's `algorithm.adv_estimator`).
     `f_norm` is GPG's normaliser (veRL's `compute_gpg_outcome_advantage`); others ignore it.
     `alpha` is accepted for veRL's call signature of that function, which takes it and then uses
-    B / (number of non-zero scores) instead; GPG here does the same, so its value changes nothing."""
+    B / (number of non-zero scores) instead; GPG here does the same, so its value changes nothing.
+    `log_probs` / `ref_log_probs` [B, T] and `trl_rloo` (its options) are what `trl_rloo` folds
+    into the score as TRL's KL."""
     del alpha
     fn = ADV_ESTIMATORS.get(name)
-    given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines}
+    given = {"group_ids": group_ids, "values": values, "reward_baselines": reward_baselines,
+             "log_probs": log_probs, "ref_log_probs": ref_log_probs}
     for cap, (arg, what) in INPUT_CAPABILITIES.items():
         if ADV_ESTIMATORS.capability(name, cap) and given[arg] is None:
             raise ValueError(f"advantage estimator {name!r} needs {arg} {what}")
@@ -63,7 +72,8 @@ def compute_advantage(
     if rewards.shape != mask.shape or rewards.ndim != 2:
         raise ValueError(f"token_level_rewards {rewards.shape} and response_mask {mask.shape} must both be [B, T]")
     return fn(rewards, mask, group_ids=group_ids, values=values, gamma=gamma, lam=lam, epsilon=epsilon,
-              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, reward_baselines=reward_baselines, f_norm=f_norm)
+              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, reward_baselines=reward_baselines, f_norm=f_norm,
+              log_probs=log_probs, ref_log_probs=ref_log_probs, trl_rloo=trl_rloo or TrlRlooOptions())
 
 
 def _group_mean_std(scores: Array, seg: Array) -> tuple[Array, Array, Array]:
@@ -235,3 +245,12 @@ def gpg(rewards, mask, *, group_ids, f_norm=1.0, **_):
 
 
 __all__ = ["ADV_ESTIMATORS", "INPUT_CAPABILITIES", "compute_advantage", "register_adv_est"]
+
+
+@register_adv_est("trl_rloo", needs_group_ids=True, needs_log_probs=True, needs_ref_log_probs=True)
+def trl_rloo(rewards, mask, *, group_ids, log_probs, ref_log_probs, trl_rloo, **_):
+    """TRL RLOOTrainer's sequence-level RLOO (losses/trl_rloo.py): the KL folded into the sequence
+    score, leave-one-out baseline; every response token gets its sequence's advantage."""
+    seq_adv, _ = trl_rloo_with(trl_rloo, rewards.sum(-1), log_probs, ref_log_probs, mask, group_ids)
+    advantages = seq_adv[:, None] * mask
+    return advantages, advantages

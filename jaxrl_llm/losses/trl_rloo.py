@@ -4,12 +4,25 @@ Steps and config keys: docs/algorithms.md, "RLOO in TRL's form".
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.losses.masked import dense_group_index, group_count, group_sum, masked_sum
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TrlRlooOptions:
+    """The `adv_estimator=trl_rloo` settings (`algorithm.trl_rloo.*`, kl_coef from `algorithm.kl_ctrl`)."""
+
+    kl_coef: float = 0.05
+    token_level_kl: bool = False
+    normalize_reward: bool = False
+    reward_clip_range: float = 10.0
+    normalize_advantage: bool = False
 
 
 def _std(x: Array) -> Array:
@@ -64,3 +77,10 @@ def trl_rloo_advantages(
     if normalize_advantage:
         advantages = (advantages - jnp.mean(advantages)) / (_std(advantages) + 1e-8)
     return advantages, {"rlhf_reward": rlhf_reward, "non_score_reward": non_score_reward}
+
+
+def trl_rloo_with(options: TrlRlooOptions, scores: Array, logprobs: Array, ref_logprobs: Array,
+                  response_mask: Array, group_ids: Array) -> tuple[Array, dict[str, Array]]:
+    """`trl_rloo_advantages` with the run's `options`."""
+    return trl_rloo_advantages(scores, logprobs, ref_logprobs, response_mask, group_ids,
+                               **dataclasses.asdict(options))

@@ -19,7 +19,7 @@ from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
-from jaxrl_llm.losses.trl_rloo import trl_rloo_advantages
+from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.trainer.forward import budget_chunked, micro_batched, response_log_probs, response_values
 from jaxrl_llm.trainer.packing import PackedLayout
@@ -117,20 +117,14 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
         rewards, current_kl = kl_in_reward(token_level_scores, old_log_probs, ref_log_probs, response_mask,
                                            kl_coef, s.kl_penalty)
         out["current_kl"] = current_kl
-    if s.trl_rloo:
-        seq_adv, trl_metrics = trl_rloo_advantages(
-            token_level_scores.sum(-1), old_log_probs, ref_log_probs, response_mask, group_ids,
-            kl_coef=s.trl_kl_coef, token_level_kl=s.trl_token_level_kl,
-            normalize_reward=s.trl_normalize_reward, reward_clip_range=s.trl_reward_clip_range,
-            normalize_advantage=s.trl_normalize_advantage)
-        advantages = seq_adv[:, None] * response_mask
-        returns = advantages
-        out["trl_rlhf_reward"] = trl_metrics["rlhf_reward"].mean()
-        out["trl_non_score_reward"] = trl_metrics["non_score_reward"].mean()
-    else:
-        advantages, returns = compute_advantage(
-            s.adv_estimator, rewards, response_mask, group_ids=group_ids, values=values, gamma=s.gamma,
-            lam=s.lam, norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo, reward_baselines=reward_baselines)
+    advantages, returns = compute_advantage(
+        s.adv_estimator, rewards, response_mask, group_ids=group_ids, values=values, gamma=s.gamma,
+        lam=s.lam, norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo, reward_baselines=reward_baselines,
+        log_probs=old_log_probs, ref_log_probs=ref_log_probs, trl_rloo=s.trl_rloo)
+    if s.adv_estimator == "trl_rloo":  # TRL's logged rewards: the score with the KL folded in, and the KL term
+        _, trl_rewards = trl_rloo_with(s.trl_rloo, rewards.sum(-1), old_log_probs, ref_log_probs, response_mask,
+                                       group_ids)
+        out.update({f"critic/{k}/mean": v.mean() for k, v in trl_rewards.items()})
     out.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
     return out
 
@@ -165,8 +159,7 @@ def make_experience(
     and returns (KL in the reward first when configured), then rollout correction."""
     adv = advantages_and_returns(token_level_scores, response_mask, group_ids, old_log_probs, ref_log_probs,
                                  values, reward_baselines, jax.numpy.float32(kl_coef), s=advantage)
-    metrics: dict[str, Any] = {k: v for k, v in adv.items() if k in ("current_kl", "trl_rlhf_reward",
-                                                                      "trl_non_score_reward")}
+    metrics: dict[str, Any] = {k: v for k, v in adv.items() if k == "current_kl" or k.startswith("critic/")}
     weights, mask = None, response_mask
     if correction.enabled:
         weights, mask, rc_metrics = rollout_correction(old_log_probs, rollout_log_probs, response_mask, s=correction)

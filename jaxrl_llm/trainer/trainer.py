@@ -413,10 +413,7 @@ class Trainer:
             current_kl = float(exp_metrics.pop("current_kl"))
             self.kl_ctrl.update(current_kl, n_steps=rows)
             out.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef})
-        for k in ("trl_rlhf_reward", "trl_non_score_reward"):
-            if k in exp_metrics:
-                out[f"critic/{k[4:]}/mean"] = float(exp_metrics.pop(k))
-        out.update({k: float(v) for k, v in exp_metrics.items()})  # rollout-correction metrics
+        out.update({k: float(v) for k, v in exp_metrics.items()})  # rollout correction, trl_rloo's rewards
         return out
 
     def _remax_baselines(self, batch: dict[str, np.ndarray], rng: jax.Array) -> jax.Array:

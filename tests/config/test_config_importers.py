@@ -381,10 +381,10 @@ def test_trl_rloo_flags():
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
                   f"{R}.n", f"{A}.ppo_epochs") == (1024, 512, 16, 4, 2)
     assert r.settings["trainer.total_training_steps"] == 245  # ceil(1e6 / 4096)
-    assert values(r, "algorithm.adv_estimator", "algorithm.trl_rloo.enable", "algorithm.kl_ctrl.kl_coef",
+    assert values(r, "algorithm.adv_estimator", "algorithm.kl_ctrl.kl_coef",
                   "algorithm.trl_rloo.token_level_kl", "algorithm.trl_rloo.normalize_advantage",
-                  "reward_model.missing_eos_penalty", f"{A}.use_kl_loss") == (
-        "rloo", True, 0.03, True, True, 1.0, False)
+                  "reward_model.missing_eos_penalty", f"{A}.use_kl_loss", "algorithm.use_kl_in_reward") == (
+        "trl_rloo", 0.03, True, True, 1.0, False, False)
     validate_config(r.config(apply_tiny(default_config())), dp_size=8, check_paths=False)
 
 

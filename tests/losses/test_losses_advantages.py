@@ -70,7 +70,7 @@ def test_gpg_f_norm_as_verl(batch, f_norm):
 
 
 def test_all_names_registered():
-    assert set(NAMES) | {"grpo_passk"} == set(ADV_ESTIMATORS.names())
+    assert set(NAMES) | {"grpo_passk", "trl_rloo"} == set(ADV_ESTIMATORS.names())  # their own tests: below, test_losses_trl_rloo.py
     with pytest.raises(ValueError, match="valid names.*grpo"):
         compute_advantage("grpoo", jnp.zeros((2, 3)), jnp.ones((2, 3)))
 

@@ -38,7 +38,8 @@ def test_registry_capabilities_defaults_filters_and_errors():
 def test_adv_estimator_capabilities():
     assert ADV_ESTIMATORS.names(needs_group_ids=True) == [
         "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "reinforce_plus_plus_baseline", "rloo",
-        "rloo_vectorized"]
+        "rloo_vectorized", "trl_rloo"]
+    assert ADV_ESTIMATORS.names(needs_log_probs=True) == ADV_ESTIMATORS.names(needs_ref_log_probs=True) == ["trl_rloo"]
     assert ADV_ESTIMATORS.names(needs_values=True) == ["gae"]
     assert ADV_ESTIMATORS.names(needs_reward_baselines=True) == ["remax"]
     assert ADV_ESTIMATORS.capabilities("reinforce_plus_plus") == {cap: False for cap in INPUT_CAPABILITIES}
@@ -47,7 +48,8 @@ def test_adv_estimator_capabilities():
 @pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
 def test_adv_estimator_needs_exactly_its_declared_inputs(batch, name):
     inputs = dict(group_ids=batch["group_ids"], values=batch["values"],
-                  reward_baselines=np.linspace(-1, 1, 8).astype(np.float32))
+                  reward_baselines=np.linspace(-1, 1, 8).astype(np.float32), log_probs=batch["lp"],
+                  ref_log_probs=batch["old"])
     if name == "grpo_passk":  # pass@k needs groups of 2 or more
         inputs["group_ids"] = np.array([3, 7, 3, 7, 7, 3, 9, 9], np.int32)
     caps = ADV_ESTIMATORS.capabilities(name)

@@ -51,3 +51,25 @@ def test_equals_rloo_vectorized_and_singletons(batch):
     assert a[3] == 0 and a[7] == 0  # singleton groups
     with pytest.raises(ValueError, match="has_eos"):
         trl_rloo_advantages(scores, m, m, m, batch["group_ids"], missing_eos_penalty=1.0)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_registered_estimator_is_trl_rloo_per_token(batch, norm):
+    """adv_estimator=trl_rloo: the sequence advantage on every response token, with the run's options."""
+    from jaxrl_llm.losses.advantages import compute_advantage
+    from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
+
+    m, lp, rlp, ids = batch["mask"], batch["lp"], batch["old"], batch["group_ids"]
+    scores = batch["rng"].normal(size=8).astype(np.float32) * 3
+    rewards = np.zeros_like(m)
+    rewards[np.arange(8), [np.nonzero(row)[0].max() for row in m]] = scores  # on each row's last token
+    opts = TrlRlooOptions(kl_coef=0.07, token_level_kl=True, normalize_reward=norm, reward_clip_range=1.5,
+                          normalize_advantage=norm)
+    want, _ = trl_rloo_advantages(scores, lp, rlp, m, ids, kl_coef=0.07, normalize_reward=norm,
+                                  reward_clip_range=1.5, normalize_advantage=norm)
+    adv, ret = compute_advantage("trl_rloo", rewards, m, group_ids=ids, log_probs=lp, ref_log_probs=rlp,
+                                 trl_rloo=opts)
+    np.testing.assert_allclose(adv, np.asarray(want)[:, None] * m, **TOL)
+    np.testing.assert_array_equal(np.asarray(adv), np.asarray(ret))
+    with pytest.raises(ValueError, match="trl_rloo.*needs log_probs"):
+        compute_advantage("trl_rloo", rewards, m, group_ids=ids)

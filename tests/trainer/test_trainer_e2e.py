@@ -115,6 +115,23 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     assert (tmp_path / "run" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_trl_rloo_estimator_runs_with_a_reference_and_logs_trl_rewards(tmp_path):
+    cfg = with_reward_file(tiny_config(tmp_path / "run", **{
+        "algorithm.adv_estimator": "trl_rloo", "algorithm.use_kl_in_reward": False,
+        "algorithm.kl_ctrl.kl_coef": 0.1, "algorithm.trl_rloo.normalize_advantage": True,
+        "trainer.total_training_steps": 1}), tmp_path)
+    trainer = Trainer(cfg)
+    assert trainer.need_ref  # the KL folded into the score needs the reference's log-probs
+    last = trainer.fit()
+    for key in ("critic/rlhf_reward/mean", "critic/non_score_reward/mean", "critic/advantages/mean",
+                "timing_s/ref", "actor/pg_loss"):
+        assert key in last and np.isfinite(last[key]), key
+    # step 1: the policy is the reference, so the KL term is 0 and the score is the task reward
+    assert abs(last["critic/non_score_reward/mean"]) < 1e-6
+    assert abs(last["critic/rlhf_reward/mean"] - last["critic/score/mean"]) < 1e-6
+    assert abs(last["critic/advantages/mean"]) < 1e-5  # whitened over the batch
+
+
 def _run(run_dir, tmp_path, steps, **extra):
     cfg = with_reward_file(tiny_config(run_dir, **{"trainer.total_training_steps": steps, **extra}), tmp_path)
     return Trainer(cfg)

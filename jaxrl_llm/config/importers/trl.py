@@ -224,10 +224,9 @@ def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool) -> None:
         elif key in args:
             m.ignore(key, "off; no counterpart in jaxrl_llm")
     if rloo or whole_run:
-        m.set("algorithm.adv_estimator", "rloo" if rloo else "grpo", "RLOOConfig" if rloo else "GRPOConfig")
+        m.set("algorithm.adv_estimator", "trl_rloo" if rloo else "grpo", "RLOOConfig" if rloo else "GRPOConfig")
         m.set("algorithm.use_kl_in_reward", False, "RLOOConfig" if rloo else "GRPOConfig")
-    if rloo:  # TRL's RLOO: KL folded into the sequence score, no KL loss
-        m.set("algorithm.trl_rloo.enable", True, "RLOOConfig")
+    if rloo:  # TRL's RLOO (adv_estimator=trl_rloo): KL folded into the sequence score, no KL loss
         m.set(f"{A}.use_kl_loss", False, "RLOOConfig")
     for key, ours in SIMPLE.items():
         if key in args and args[key] is not None:
