@@ -42,7 +42,9 @@ def _section_rows(tree: dict, prefix: str = "") -> list[str]:
     lines: list[str] = []
     for key, f in iter_fields(tree, prefix):
         kind = "dict" if f.open else type_name(f)
-        lines.append(f"| `{key}` | {_cell(_fmt(f.default))} | {_cell(kind)} | {_cell(f.doc)} |")
+        allowed = f.names()
+        rule = ", ".join(f"`{n}`" for n in allowed) if allowed is not None else f.range_text() or ""
+        lines.append(f"| `{key}` | {_cell(_fmt(f.default))} | {_cell(kind)} | {_cell(rule)} | {_cell(f.doc)} |")
     return lines
 
 
@@ -50,8 +52,8 @@ def render_config_docs() -> str:
     out = [_INTRO]
     for name, section in TREE.items():
         out.append(f"## `{name}`\n")
-        out.append("| key | default | type | meaning |")
-        out.append("|---|---|---|---|")
+        out.append("| key | default | type | allowed | meaning |")
+        out.append("|---|---|---|---|---|")
         out.extend(_section_rows(section, name + "."))
         out.append("")
     out.append("## Aliases (other frameworks' names)\n")

@@ -7,7 +7,7 @@ what lets `docs/config.md` be generated from the same source (so the docs cannot
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -24,6 +24,10 @@ class Field:
     types: accepted Python types (None is also accepted when `nullable`).
     nullable: None is a valid value (the default when `default is None`).
     open: a free-form dict: any sub-keys are accepted and passed through.
+    choices: the accepted names: a tuple, or a function returning them (a registry's names, read
+        when the config is validated, so names registered later count).
+    gt / ge / lt / le: bounds of a number; `also`: values accepted outside them (e.g. -1 = off).
+    None (and 'auto' where a key takes it) is never checked against choices or bounds.
     """
 
     default: Any
@@ -31,10 +35,56 @@ class Field:
     types: tuple[type, ...]
     nullable: bool
     open: bool = False
+    choices: tuple[str, ...] | Callable[[], Sequence[str]] | None = None
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    also: tuple[Any, ...] = ()
+
+    def names(self) -> tuple[str, ...] | None:
+        """The accepted names (None: any value of the type)."""
+        if self.choices is None:
+            return None
+        return tuple(self.choices() if callable(self.choices) else self.choices)
+
+    def range_text(self) -> str | None:
+        """The bounds as one phrase ('> 0', 'in [0, 1]', '> 0 or -1'), None without bounds."""
+        low = f"> {_num(self.gt)}" if self.gt is not None else f">= {_num(self.ge)}" if self.ge is not None else None
+        high = f"< {_num(self.lt)}" if self.lt is not None else f"<= {_num(self.le)}" if self.le is not None else None
+        if low is None and high is None:
+            return None
+        if low is not None and high is not None:
+            text = (f"in {'(' if self.gt is not None else '['}{low.split()[-1]}, {high.split()[-1]}"
+                    f"{')' if self.lt is not None else ']'}")
+        else:
+            text = low or high
+        return text + "".join(f" or {v}" for v in self.also)
+
+    def check_value(self, key: str, value: Any) -> None:
+        """ConfigError naming `key` when `value` is not one of the choices or outside the bounds."""
+        if value is None or value == "auto" or isinstance(value, bool):
+            return
+        allowed = self.names()
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"{key}={value!r}: unknown name; valid: {', '.join(sorted(allowed))}")
+        if self.range_text() is None or value in self.also or not isinstance(value, (int, float)):
+            return
+        ok = ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+              and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+        if not ok:
+            raise ConfigError(f"{key}={value!r}: must be {self.range_text()}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 def field(default: Any, doc: str, *, types: type | tuple[type, ...] | None = None,
-          nullable: bool | None = None, open: bool = False) -> Field:  # noqa: A002 (veRL-free name)
+          nullable: bool | None = None, open: bool = False,  # noqa: A002 (veRL-free name)
+          choices: tuple[str, ...] | Callable[[], Sequence[str]] | None = None, gt: float | None = None,
+          ge: float | None = None, lt: float | None = None, le: float | None = None, also: tuple[Any, ...] = ()
+          ) -> Field:
     """Declares a leaf; `types` is inferred from the default unless the default is None."""
     if types is None:
         if default is None:
@@ -45,7 +95,8 @@ def field(default: Any, doc: str, *, types: type | tuple[type, ...] | None = Non
     if float in types and int not in types:
         types = types + (int,)  # 1 is a fine learning-rate-like float; converted on validation
     return Field(default=default, doc=doc, types=tuple(types),
-                 nullable=(default is None) if nullable is None else nullable, open=open)
+                 nullable=(default is None) if nullable is None else nullable, open=open, choices=choices,
+                 gt=gt, ge=ge, lt=lt, le=le, also=tuple(also))
 
 
 Tree = Mapping[str, Any]  # nested: str -> Field | Tree

@@ -8,27 +8,33 @@ as aliases). `docs/config.md` is generated from this file.
 """
 from __future__ import annotations
 
+from jaxrl_llm.checkpoint import RESUME_MODES
+from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import field
+from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
+from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
+from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 
 STR_OR_LIST = (str, list)
 
 
 def _optim(lr: float, role: str) -> dict:
     return {
-        "lr": field(lr, f"Peak learning rate of the {role}'s AdamW (optax.adamw). veRL default."),
-        "weight_decay": field(0.01, "AdamW decoupled weight decay. veRL default."),
+        "lr": field(lr, f"Peak learning rate of the {role}'s AdamW (optax.adamw). veRL default.", gt=0),
+        "weight_decay": field(0.01, "AdamW decoupled weight decay. veRL default.", ge=0),
         "betas": field([0.9, 0.999], "AdamW (beta1, beta2). veRL optim default."),
-        "eps": field(1e-8, "AdamW epsilon (torch.optim.AdamW default, which veRL uses)."),
+        "eps": field(1e-8, "AdamW epsilon (torch.optim.AdamW default, which veRL uses).", gt=0),
         "lr_warmup_steps": field(-1, "Linear warmup, in training (RL) steps; < 0 means use "
                                      "lr_warmup_steps_ratio (resolved to an int once total steps are "
                                      "known). veRL."),
         "lr_warmup_steps_ratio": field(0.0, "Warmup as a fraction of total training steps, used when "
-                                            "lr_warmup_steps < 0. veRL."),
+                                            "lr_warmup_steps < 0. veRL.", ge=0, le=1),
         "lr_scheduler_type": field("constant", "After warmup: 'constant' or 'cosine' (decay to "
-                                              "min_lr_ratio * lr). veRL (old name: warmup_style, an alias)."),
-        "min_lr_ratio": field(0.0, "Cosine floor as a fraction of lr. veRL."),
+                                              "min_lr_ratio * lr). veRL (old name: warmup_style, an alias).",
+                                              choices=names.LR_SCHEDULERS),
+        "min_lr_ratio": field(0.0, "Cosine floor as a fraction of lr. veRL.", ge=0, le=1),
         "num_cycles": field(0.5, "Cosine cycles over the decay phase (0.5 = half cosine, lr ends at the "
-                                 "floor), as transformers' get_cosine_schedule_with_warmup. veRL."),
+                                 "floor), as transformers' get_cosine_schedule_with_warmup. veRL.", ge=0),
         "total_training_steps": field(-1, "Training (RL) steps of the schedule, which steps once per "
                                           "RL step (every mini-batch and epoch of step k uses lr(k)); "
                                           "-1 = trainer.total_training_steps. veRL."),
@@ -39,9 +45,9 @@ def _model(role: str, path_doc: str) -> dict:
     return {
         "path": field(None, path_doc, types=str),
         "dtype": field("float32", f"Compute dtype of the {role} forward/backward: 'float32' or 'bfloat16' "
-                                  "(logprobs and losses are always fp32)."),
+                                  "(logprobs and losses are always fp32).", choices=names.DTYPES),
         "param_dtype": field("float32", f"Storage dtype of the {role} master weights: 'float32' "
-                                        "(recommended) or 'bfloat16'."),
+                                        "(recommended) or 'bfloat16'.", choices=names.DTYPES),
         "enable_gradient_checkpointing": field(True, "Rematerialise each decoder block in the backward "
                                                      "pass (jax.checkpoint): less memory, ~30% more compute; "
                                                      "the default of the remat_policy key. veRL."),
@@ -73,22 +79,23 @@ DATA = {
                                       "no prompt_key column (ROLL-style files)."),
     "apply_chat_template": field(True, "Render prompts with the tokenizer's chat template "
                                        "(add_generation_prompt=True); False tokenizes the raw text."),
-    "max_prompt_length": field(512, "Prompt token budget; prompts are left-padded to it. veRL."),
-    "max_response_length": field(512, "Maximum generated tokens per response. veRL."),
+    "max_prompt_length": field(512, "Prompt token budget; prompts are left-padded to it. veRL.", gt=0),
+    "max_response_length": field(512, "Maximum generated tokens per response. veRL.", gt=0),
     "train_batch_size": field(1024, "Prompts per training step (each sampled rollout.n times). veRL "
-                                    "(TRL/ROLL: rollout_batch_size)."),
+                                    "(TRL/ROLL: rollout_batch_size).", gt=0),
     "val_batch_size": field(None, "Prompts per validation batch; None = the whole validation set in one batch. "
-                                  "veRL.", types=int),
+                                  "veRL.", types=int, gt=0),
     "return_raw_chat": field(False, "Keep the un-templated chat messages in the batch (for reward functions "
                                     "that need them). veRL."),
-    "truncation": field("error", "Over-long prompts: 'error', 'left', 'right' or 'middle'. veRL."),
+    "truncation": field("error", "Over-long prompts: 'error', 'left', 'right' or 'middle'. veRL.",
+                        choices=names.TRUNCATION),
     "filter_overlong_prompts": field(False, "Drop prompts longer than max_prompt_length when loading. veRL."),
-    "filter_overlong_prompts_workers": field(1, "Processes used to tokenize for filter_overlong_prompts. veRL."),
+    "filter_overlong_prompts_workers": field(1, "Processes used to tokenize for filter_overlong_prompts. veRL.", gt=0),
     "shuffle": field(True, "Shuffle training prompts each epoch. veRL."),
     "seed": field(1, "Seed of the training-data shuffle. veRL."),
-    "train_max_samples": field(-1, "Use at most this many training rows; -1 = all. veRL."),
-    "val_max_samples": field(-1, "Use at most this many validation rows; -1 = all. veRL."),
-    "dataloader_num_workers": field(0, "grain worker processes; 0 = in-process (veRL default 8 is for torch)."),
+    "train_max_samples": field(-1, "Use at most this many training rows; -1 = all. veRL.", gt=0, also=(-1,)),
+    "val_max_samples": field(-1, "Use at most this many validation rows; -1 = all. veRL.", gt=0, also=(-1,)),
+    "dataloader_num_workers": field(0, "grain worker processes; 0 = in-process (veRL default 8 is for torch).", ge=0),
     "custom_cls": {
         "path": field(None, "Python file defining a custom dataset class. veRL.", types=str),
         "name": field(None, "Class name in custom_cls.path. veRL.", types=str),
@@ -97,72 +104,77 @@ DATA = {
         "task": field(None, "Synthetic verifiable task (jaxrl_llm.data.synthetic: add, larger, repeat, multiply, "
                             "guess) written at start to <trainer.default_local_dir>/data/{train,test}.parquet; "
                             "train_files / "
-                            "val_files are derived to point there. jaxrl_llm-only.", types=str),
-        "n_train": field(512, "Synthetic training prompts."),
-        "n_val": field(64, "Synthetic validation prompts."),
-        "difficulty": field(1, "Synthetic task difficulty (digits per operand / words to repeat)."),
+                            "val_files are derived to point there. jaxrl_llm-only.",
+                            types=str, choices=names.synthetic_tasks),
+        "n_train": field(512, "Synthetic training prompts.", gt=0),
+        "n_val": field(64, "Synthetic validation prompts.", gt=0),
+        "difficulty": field(1, "Synthetic task difficulty (digits per operand / words to repeat).", gt=0),
         "answer_format": field("strict", "Synthetic scoring: strict (the whole response is the answer), "
                                          "lenient (the last number / the words anywhere) or first (the first "
-                                         "number / the response starts with the words)."),
+                                         "number / the response starts with the words).",
+                                         choices=names.synthetic_answer_formats),
         "seed": field(0, "Seed of the synthetic task generator."),
     },
 }
 
 ACTOR = {
     "ppo_mini_batch_size": field(256, "Prompts per optimizer step (x rollout.n sequences); "
-                                      "train_batch_size / ppo_mini_batch_size updates per ppo_epoch. veRL."),
+                                      "train_batch_size / ppo_mini_batch_size updates per ppo_epoch. veRL.", gt=0),
     "ppo_micro_batch_size_per_device": field(None, "Sequences per device per forward/backward (gradient "
                                                    "accumulation inside one lax.scan); derived: the whole "
                                                    "per-device mini-batch; 'auto' = the largest divisor of it whose "
                                                    "update fits the device memory (trainer.memory_plan). "
                                                    "veRL: ppo_micro_batch_size_per_gpu.",
-                                             types=(int, str)),
+                                             types=(int, str), gt=0),
     "use_dynamic_bsz": field(False, "Pack micro-batches to a token budget (ppo_max_token_len_per_device) "
                                     "instead of a fixed count; the loss stays exact. With use_remove_padding the "
                                     "micro-batches are fixed-size packed rows whose shapes only the config sets, so "
                                     "a step with new lengths compiles nothing. veRL."),
     "ppo_max_token_len_per_device": field(16384, "Token budget per device per micro-batch when "
-                                                 "use_dynamic_bsz. veRL: ppo_max_token_len_per_gpu."),
-    "ppo_epochs": field(1, "Passes over each rollout batch. veRL."),
+                                                 "use_dynamic_bsz. veRL: ppo_max_token_len_per_gpu.", gt=0),
+    "ppo_epochs": field(1, "Passes over each rollout batch. veRL.", gt=0),
     "shuffle": field(False, "Reshuffle sequences into new mini-batches at each ppo_epoch. veRL."),
-    "clip_ratio": field(0.2, "PPO clip epsilon (Schulman et al. 2017; docs/algorithms.md). veRL (TRL: cliprange)."),
+    "clip_ratio": field(0.2, "PPO clip epsilon (Schulman et al. 2017; docs/algorithms.md). veRL (TRL: cliprange).",
+                        gt=0),
     "clip_ratio_low": field(None, "Lower clip epsilon: ratio >= 1 - clip_ratio_low; derived: clip_ratio. "
-                                  "veRL / DAPO (Yu et al. 2025).", types=float),
+                                  "veRL / DAPO (Yu et al. 2025).", types=float, gt=0),
     "clip_ratio_high": field(None, "Upper clip epsilon: ratio <= 1 + clip_ratio_high; derived: clip_ratio. "
-                                   "DAPO clip-higher uses 0.28. veRL.", types=float),
+                                   "DAPO clip-higher uses 0.28. veRL.", types=float, gt=0),
     "clip_ratio_c": field(3.0, "Dual-clip constant c for negative advantages (Ye et al. 2020; "
-                               "docs/algorithms.md, vanilla); must be > 1. veRL."),
+                               "docs/algorithms.md, vanilla); must be > 1. veRL.", gt=1),
     "loss_agg_mode": field("token-mean", "Loss aggregation: token-mean | seq-mean-token-sum | "
-                                         "seq-mean-token-mean | seq-mean-token-sum-norm. veRL."),
+                                         "seq-mean-token-mean | seq-mean-token-sum-norm. veRL.",
+                                         choices=names.loss_agg_modes),
     "loss_scale_factor": field(None, "Denominator of seq-mean-token-sum-norm (Dr.GRPO); None = the padded "
                                      "response length. veRL.", types=float),
     "policy_loss": {
         "loss_mode": field("vanilla", "Policy loss from the losses registry: vanilla (PPO), gspo, sapo, gpg, "
-                                      "reinforce, cispo, geo_mean. veRL."),
+                                      "reinforce, cispo, geo_mean. veRL.", choices=names.policy_losses),
     },
-    "tau_pos": field(1.0, "SAPO temperature for positive advantages (docs/algorithms.md, sapo). veRL."),
-    "tau_neg": field(1.05, "SAPO temperature for negative advantages (docs/algorithms.md, sapo). veRL."),
-    "entropy_coeff": field(0.0, "Entropy bonus coefficient (subtracted from the loss). veRL."),
+    "tau_pos": field(1.0, "SAPO temperature for positive advantages (docs/algorithms.md, sapo). veRL.", gt=0),
+    "tau_neg": field(1.05, "SAPO temperature for negative advantages (docs/algorithms.md, sapo). veRL.", gt=0),
+    "entropy_coeff": field(0.0, "Entropy bonus coefficient (subtracted from the loss). veRL.", ge=0),
     "use_kl_loss": field(False, "Add a KL(policy || reference) loss term (GRPO, Shao et al. 2024; "
                                 "docs/algorithms.md). veRL."),
-    "kl_loss_coef": field(0.001, "Coefficient of the KL loss. veRL."),
+    "kl_loss_coef": field(0.001, "Coefficient of the KL loss. veRL.", ge=0),
     "kl_loss_type": field("low_var_kl", "KL estimator of the KL loss: kl|k1, abs, mse|k2, low_var_kl|k3, "
                                         "or a base name + '+' (k2 gradient); 'full' is rejected "
-                                        "(docs/algorithms.md). veRL."),
-    "grad_clip": field(1.0, "Global-norm gradient clipping (optax.clip_by_global_norm). veRL."),
+                                        "(docs/algorithms.md). veRL.", choices=names.kl_names),
+    "grad_clip": field(1.0, "Global-norm gradient clipping (optax.clip_by_global_norm). veRL.", gt=0),
     "remat_policy": field(None, "Rematerialisation of each decoder block in the backward pass: none, full "
                                 "(recompute everything), dots_saveable (keep matmul outputs) or offload (matmul "
                                 "outputs to pinned host memory; kept on device where the backend has none); "
-                                "derived: full when model.enable_gradient_checkpointing, else none.", types=str),
+                                "derived: full when model.enable_gradient_checkpointing, else none.",
+                                types=str, choices=names.REMAT),
     "optim": _optim(1e-6, "actor"),
 }
 
 ROLLOUT = {
     "n": field(1, "Responses sampled per prompt. veRL (TRL: num_generations / rloo_k; ROLL: "
-                  "num_return_sequences_in_group)."),
-    "temperature": field(1.0, "Sampling temperature; logprobs are scored at the same temperature. veRL."),
-    "top_k": field(-1, "Top-k sampling; -1 = off. veRL."),
-    "top_p": field(1.0, "Nucleus sampling; 1.0 = off. veRL."),
+                  "num_return_sequences_in_group).", gt=0),
+    "temperature": field(1.0, "Sampling temperature; logprobs are scored at the same temperature. veRL.", ge=0),
+    "top_k": field(-1, "Top-k sampling; -1 = off. veRL.", gt=0, also=(-1,)),
+    "top_p": field(1.0, "Nucleus sampling; 1.0 = off. veRL.", gt=0, le=1),
     "do_sample": field(True, "False = greedy decoding. veRL."),
     "response_length": field(None, "Tokens generated per response; derived: data.max_response_length "
                                    "(must equal it when set). veRL.", types=int),
@@ -171,7 +183,7 @@ ROLLOUT = {
     "log_prob_micro_batch_size_per_device": field(None, "Sequences per device per old-logprob forward; "
                                                         "'auto' = the largest that fits (trainer.memory_plan); "
                                                         "derived: actor.ppo_micro_batch_size_per_device. veRL.",
-                                                  types=(int, str)),
+                                                  types=(int, str), gt=0),
     "log_prob_use_dynamic_bsz": field(None, "Token-budget batching of the old-logprob pass; derived: "
                                             "actor.use_dynamic_bsz. veRL.", types=bool),
     "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
@@ -185,20 +197,21 @@ ROLLOUT = {
                             "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine) or 'static' (one padded "
                             "batch, jaxrl_llm/sampler/core.py: fewer programs to compile, the faster one for short "
                             "responses). max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, kv_cache_dtype "
-                            "and paged_attention configure the paged engine."),
+                            "and paged_attention configure the paged engine.", choices=ENGINES),
     "paged_attention": field("auto", "Decode attention of the paged engine: 'auto' (the Pallas kernel on GPU / TPU, "
                                      "the length-aware XLA loop elsewhere), 'pallas' or 'xla' (any backend; the "
-                                     "fallback if the kernel does not compile on a device). jaxrl_llm."),
+                                     "fallback if the kernel does not compile on a device). jaxrl_llm.",
+                                     choices=ATTENTION_IMPLS),
     "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
-                                "batch's requests). veRL / vLLM."),
+                                "batch's requests). veRL / vLLM.", gt=0),
     "max_num_batched_tokens": field(8192, "Prompt tokens the paged engine prefills between two decode calls "
-                                          "(at least one prompt). veRL / vLLM."),
+                                          "(at least one prompt). veRL / vLLM.", gt=0),
     "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
                                          "pool gets this fraction minus what is in use, where the backend "
                                          "reports its memory (GPU / TPU; CPU: every slot at full length). "
-                                         "veRL / vLLM."),
+                                         "veRL / vLLM.", gt=0, le=1),
     "kv_cache_dtype": field("auto", "Paged engine KV storage: 'auto' (the compute dtype) or 'int8' "
-                                    "(per-token-per-head scales). vLLM."),
+                                    "(per-token-per-head scales). vLLM.", choices=KV_CACHE_DTYPES),
     "multi_turn": {
         "enable": field(False, "Multi-turn rollouts (docs/agents.md): the model calls tools (hermes <tool_call>) "
                                "and / or talks with an interaction over several turns; tool / user tokens are "
@@ -217,9 +230,9 @@ ROLLOUT = {
                                        "veRL."),
         "max_tool_response_length": field(256, "Characters of one tool reply kept (see the truncate side). veRL."),
         "tool_response_truncate_side": field("middle", "'left' keeps the start, 'right' the end, 'middle' both "
-                                                       "ends. veRL."),
+                                                       "ends. veRL.", choices=("left", "middle", "right")),
         "format": field("hermes", "Tool-call format the model writes and the host parses; only 'hermes' "
-                                  "(<tool_call>{json}</tool_call>). veRL."),
+                                  "(<tool_call>{json}</tool_call>). veRL.", choices=("hermes",)),
         "use_inference_chat_template": field(False, "False: the trained tokens are exactly the tokens the model "
                                                     "saw and produced (token in, token out). True (re-render the "
                                                     "conversation with the inference template) is not supported: "
@@ -232,10 +245,10 @@ ROLLOUT = {
                                            "counted in multi_turn/tool_timeouts). jaxrl_llm (veRL: none)."),
     },
     "val_kwargs": {
-        "n": field(1, "Responses per validation prompt (reported as mean@n). veRL."),
-        "temperature": field(0.0, "Validation temperature. veRL."),
-        "top_k": field(-1, "Validation top-k; -1 = off. veRL."),
-        "top_p": field(1.0, "Validation top-p. veRL."),
+        "n": field(1, "Responses per validation prompt (reported as mean@n). veRL.", gt=0),
+        "temperature": field(0.0, "Validation temperature. veRL.", ge=0),
+        "top_k": field(-1, "Validation top-k; -1 = off. veRL.", gt=0, also=(-1,)),
+        "top_p": field(1.0, "Validation top-p. veRL.", gt=0, le=1),
         "do_sample": field(False, "False = greedy validation. veRL."),
     },
 }
@@ -244,17 +257,19 @@ REF = {
     "log_prob_micro_batch_size_per_device": field(None, "Sequences per device per reference-logprob forward; "
                                                         "'auto' = the largest that fits (trainer.memory_plan); "
                                                         "derived: actor.ppo_micro_batch_size_per_device. veRL.",
-                                                  types=(int, str)),
+                                                  types=(int, str), gt=0),
     "log_prob_use_dynamic_bsz": field(None, "Token-budget batching of the reference pass; derived: "
                                             "actor.use_dynamic_bsz. veRL.", types=bool),
     "log_prob_max_token_len_per_device": field(None, "Token budget of that pass; derived: "
                                                      "actor.ppo_max_token_len_per_device. veRL.", types=int),
     "param_dtype": field(None, "Storage dtype of the frozen reference policy's params: 'float32' or "
                                "'bfloat16'; derived: actor_rollout_ref.model.dtype (the compute dtype, so a "
-                               "bf16 run keeps a half-size reference; set float32 for an fp32 copy).", types=str),
+                               "bf16 run keeps a half-size reference; set float32 for an fp32 copy).",
+                               types=str, choices=names.DTYPES),
     "param_offload": field(False, "Keep the reference params in pinned host memory, moved to the device only "
                                   "for the reference pass (warns and keeps them on device where the backend "
-                                  "has no pinned host memory). veRL's ref.fsdp_config.param_offload is read as this key."),
+                                  "has no pinned host memory). veRL's ref.fsdp_config.param_offload is read as "
+                                  "this key."),
 }
 
 MODEL = dict(
@@ -272,7 +287,7 @@ MODEL = dict(
                                "program is compiled for, Triton on GPU / Mosaic on TPU, where a kernel vocab block "
                                "divides the vocabulary; the chunked XLA scan on CPU and otherwise), 'pallas' (the "
                                "device's kernel, forced), 'pallas_triton' / 'pallas_mosaic' (one kernel by name) "
-                               "or 'xla' (any backend). Same values and gradients. jaxrl_llm."),
+                               "or 'xla' (any backend). Same values and gradients. jaxrl_llm.", choices=LOGPROB_IMPLS),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),
     tiny={
@@ -296,47 +311,49 @@ CRITIC = {
                               "actor_rollout_ref.model.path. veRL."),
     "optim": _optim(1e-5, "critic"),
     "ppo_mini_batch_size": field(None, "Prompts per critic optimizer step; derived: "
-                                       "actor.ppo_mini_batch_size. veRL.", types=int),
+                                       "actor.ppo_mini_batch_size. veRL.", types=int, gt=0),
     "ppo_micro_batch_size_per_device": field(None, "Sequences per device per critic forward/backward; 'auto' = "
                                                    "the largest that fits (trainer.memory_plan); derived: "
-                                                   "actor.ppo_micro_batch_size_per_device. veRL.", types=(int, str)),
+                                                   "actor.ppo_micro_batch_size_per_device. veRL.",
+                                                   types=(int, str), gt=0),
     "forward_micro_batch_size_per_device": field(None, "Sequences per device per value forward (no grad); "
                                                        "'auto' = the largest that fits (trainer.memory_plan); "
                                                        "derived: critic.ppo_micro_batch_size_per_device. veRL.",
-                                                 types=(int, str)),
+                                                 types=(int, str), gt=0),
     "use_dynamic_bsz": field(None, "Token-budget micro-batches for the critic; derived: actor.use_dynamic_bsz. "
                                    "veRL.", types=bool),
     "ppo_max_token_len_per_device": field(32768, "Critic token budget per device per micro-batch. veRL."),
     "forward_max_token_len_per_device": field(None, "Token budget of the value forward; derived: "
                                                     "critic.ppo_max_token_len_per_device. veRL.", types=int),
-    "ppo_epochs": field(None, "Critic passes per batch; derived: actor.ppo_epochs. veRL.", types=int),
+    "ppo_epochs": field(None, "Critic passes per batch; derived: actor.ppo_epochs. veRL.", types=int, gt=0),
     "shuffle": field(None, "Reshuffle critic mini-batches per epoch; derived: actor.shuffle. veRL.", types=bool),
-    "cliprange_value": field(0.5, "Value clipping range around the old values. veRL."),
-    "loss_agg_mode": field(None, "Value-loss aggregation; derived: actor.loss_agg_mode. veRL.", types=str),
-    "grad_clip": field(1.0, "Critic global-norm gradient clipping. veRL."),
+    "cliprange_value": field(0.5, "Value clipping range around the old values. veRL.", gt=0),
+    "loss_agg_mode": field(None, "Value-loss aggregation; derived: actor.loss_agg_mode. veRL.",
+                           types=str, choices=names.loss_agg_modes),
+    "grad_clip": field(1.0, "Critic global-norm gradient clipping. veRL.", gt=0),
     "remat_policy": field(None, "Critic decoder remat: none, full, dots_saveable or offload (as "
                                 "actor.remat_policy); derived: full when critic.model.enable_gradient_checkpointing, "
-                                "else none.", types=str),
+                                "else none.", types=str, choices=names.REMAT),
 }
 
 REWARD_MODEL = {
     "enable": field(False, "Score responses with a sequence-classification reward model. veRL."),
     "reward_manager": field("naive", "How rule/custom scores are computed: naive (in-process) or prime "
                                      "(process pool: also survives hard crashes and calls stuck in C code); "
-                                     "DAPO shaping: reward_kwargs. veRL."),
+                                     "DAPO shaping: reward_kwargs. veRL.", choices=names.reward_managers),
     "reward_kwargs": {
         "timeout_s": field(10.0, "Seconds per compute_score call before it scores 0, counted in "
                                  "reward/num_timeouts (naive: raised in the call, by a SIGALRM timer on the main "
-                                 "thread or a watchdog elsewhere; prime: the worker is killed)."),
-        "num_workers": field(4, "Processes of the prime reward manager."),
+                                 "thread or a watchdog elsewhere; prime: the worker is killed).", gt=0),
+        "num_workers": field(4, "Processes of the prime reward manager.", gt=0),
         "max_resp_len": field(None, "Response length the overlong penalty is measured against; derived: "
                                     "data.max_response_length. veRL DAPO.", types=int),
         "overlong_buffer_cfg": {
             "enable": field(False, "DAPO soft overlong punishment (Yu et al. 2025): a penalty ramp set by "
                                    "len and penalty_factor."),
             "len": field(4096, "Buffer length: the penalty ramps linearly over the last `len` tokens "
-                               "before max_resp_len. veRL DAPO default."),
-            "penalty_factor": field(1.0, "Penalty at max_resp_len (reward -= factor * overflow / len)."),
+                               "before max_resp_len. veRL DAPO default.", gt=0),
+            "penalty_factor": field(1.0, "Penalty at max_resp_len (reward -= factor * overflow / len).", gt=0),
             "log": field(False, "Log the overlong penalty and flag as metrics."),
         },
     },
@@ -363,19 +380,20 @@ CUSTOM_REWARD = {
 
 ALGORITHM = {
     "adv_estimator": field("gae", "Advantage estimator from the losses registry (gae, grpo, rloo, "
-                                  "reinforce_plus_plus, remax, opo, gpg, ...). veRL."),
-    "gamma": field(1.0, "Discount factor (GAE, REINFORCE++). veRL."),
-    "lam": field(1.0, "GAE lambda (Schulman et al. 2016; docs/algorithms.md, gae). veRL."),
+                                  "reinforce_plus_plus, remax, opo, gpg, ...). veRL.", choices=names.adv_estimators),
+    "gamma": field(1.0, "Discount factor (GAE, REINFORCE++). veRL.", ge=0, le=1),
+    "lam": field(1.0, "GAE lambda (Schulman et al. 2016; docs/algorithms.md, gae). veRL.", ge=0, le=1),
     "norm_adv_by_std_in_grpo": field(True, "Divide GRPO advantages by the group std; False = Dr.GRPO "
                                            "(Liu et al. 2025). veRL."),
     "use_kl_in_reward": field(False, "Subtract kl_ctrl.kl_coef * KL(old || ref) from token rewards. veRL."),
-    "kl_penalty": field("kl", "KL estimator for the in-reward penalty (same names as kl_loss_type). veRL."),
+    "kl_penalty": field("kl", "KL estimator for the in-reward penalty (same names as kl_loss_type). veRL.",
+                        choices=names.kl_names),
     "kl_ctrl": {
         "type": field("fixed", "KL coefficient controller: fixed or adaptive (Ziegler et al. 2019; "
-                               "docs/algorithms.md). veRL."),
-        "kl_coef": field(0.001, "(Initial) KL coefficient. veRL (TRL: kl_coef)."),
-        "horizon": field(10000, "Adaptive controller horizon. veRL."),
-        "target_kl": field(0.1, "Adaptive controller target KL. veRL."),
+                               "docs/algorithms.md). veRL.", choices=names.KL_CTRL_TYPES),
+        "kl_coef": field(0.001, "(Initial) KL coefficient. veRL (TRL: kl_coef).", ge=0),
+        "horizon": field(10000, "Adaptive controller horizon. veRL.", gt=0),
+        "target_kl": field(0.1, "Adaptive controller target KL. veRL.", gt=0),
     },
     "filter_groups": {
         "enable": field(False, "DAPO dynamic sampling: drop groups whose metric has zero variance and keep "
@@ -386,8 +404,8 @@ ALGORITHM = {
     },
     "rollout_correction": {
         "rollout_is": field(None, "Importance weights for sampler/trainer mismatch: None, 'token' or "
-                                  "'sequence'. veRL.", types=str),
-        "rollout_is_threshold": field(2.0, "Upper truncation of the IS weights. veRL."),
+                                  "'sequence'. veRL.", types=str, choices=names.rollout_is_levels),
+        "rollout_is_threshold": field(2.0, "Upper truncation of the IS weights. veRL.", gt=0),
         "rollout_is_batch_normalize": field(False, "Normalise truncated IS weights to mean 1 over the batch. "
                                                    "veRL."),
         "rollout_rs": field(None, "Rejection sampling modes, comma-separated: token_k1|k2|k3, seq_sum_k*, "
@@ -395,13 +413,14 @@ ALGORITHM = {
                             types=str),
         "rollout_rs_threshold": field(None, "Threshold per rs mode (comma-separated when several; one value "
                                             "applies to all): k1 takes a ratio range 'lo_hi' or t (= [1/t, t]), "
-                                            "k2/k3 an upper bound. Required with rollout_rs. veRL.", types=(str, float)),
+                                            "k2/k3 an upper bound. Required with rollout_rs. veRL.",
+                                            types=(str, float)),
         "bypass_mode": field(False, "Use the sampler's logprobs as the PPO old logprobs (skip the old-logprob "
                                     "forward). veRL."),
     },
     "trl_rloo": {  # the options of adv_estimator=trl_rloo
-        "token_level_kl": field(False, "adv_estimator=trl_rloo: TRL's per-token KL form (-kl_coef * KL_t summed over tokens; "
-                                         "same value as the sequence form here). TRL."),
+        "token_level_kl": field(False, "adv_estimator=trl_rloo: TRL's per-token KL form (-kl_coef * KL_t "
+                                       "summed over tokens; same value as the sequence form here). TRL."),
         "normalize_reward": field(False, "Standardise scores over the batch. TRL."),
         "reward_clip_range": field(10.0, "Clip (normalised) scores to +-this. TRL."),
         "normalize_advantage": field(False, "Whiten advantages over the batch. TRL."),
@@ -409,36 +428,38 @@ ALGORITHM = {
 }
 
 TRAINER = {
-    "total_epochs": field(30, "Passes over the training prompts. veRL."),
+    "total_epochs": field(30, "Passes over the training prompts. veRL.", gt=0),
     "total_training_steps": field(None, "Stop after this many steps; derived: epochs x batches per epoch. "
-                                        "veRL.", types=int),
+                                        "veRL.", types=int, gt=0),
     "project_name": field("jaxrl_llm", "Logger project (W&B / TensorBoard). veRL."),
     "experiment_name": field("default", "Run name (logger run, default_local_dir). veRL."),
     "logger": field(["console", "jsonl"], "Sinks: console, jsonl, tensorboard, wandb. "
                                           "<default_local_dir>/metrics.jsonl is always written. veRL."),
     "log_val_generations": field(0, "Sample generations logged as a table per validation. veRL "
-                                    "(TRL: num_sample_generations)."),
+                                    "(TRL: num_sample_generations).", ge=0),
     "save_freq": field(-1, "Checkpoint every N steps and at the last step; -1 = no checkpoints (a preemption "
-                           "still saves one, see docs/multihost.md). veRL."),
-    "test_freq": field(-1, "Validate every N steps (and at the end); -1 = never during training. veRL."),
+                           "still saves one, see docs/multihost.md). veRL.", gt=0, also=(-1,)),
+    "test_freq": field(-1, "Validate every N steps (and at the end); -1 = never during training. veRL.",
+                       gt=0, also=(-1,)),
     "val_before_train": field(True, "Validate once before the first step. veRL."),
     "val_only": field(False, "Validate and exit. veRL."),
     "resume_mode": field("auto", "auto (latest checkpoint in default_local_dir if any), disable (an "
-                                 "error if default_local_dir holds checkpoints), or resume_path. veRL."),
+                                 "error if default_local_dir holds checkpoints), or resume_path. veRL.",
+                                 choices=RESUME_MODES),
     "resume_from_path": field(None, "Checkpoint step folder for resume_mode=resume_path. veRL.", types=str),
     "max_actor_ckpt_to_keep": field(None, "Keep at most N checkpoints (policy and critic are saved together); "
-                                          "None = all. veRL.", types=int),
+                                          "None = all. veRL.", types=int, gt=0),
     "max_critic_ckpt_to_keep": field(None, "No effect in jaxrl_llm (a warning when set): the critic is saved in "
                                            "the actor's checkpoint, kept by max_actor_ckpt_to_keep. veRL.",
-                                     types=int),
+                                     types=int, gt=0),
     "default_local_dir": field(None, "Run directory (checkpoints, metrics.jsonl, hf/): a local path or a "
                                      "gs:// URL (docs/multihost.md); derived: "
                                      "checkpoints/<project_name>/<experiment_name>. veRL.", types=str),
-    "critic_warmup": field(0, "Steps that update only the critic before the actor starts. veRL."),
+    "critic_warmup": field(0, "Steps that update only the critic before the actor starts. veRL.", ge=0),
     "max_consecutive_nonfinite": field(5, "Stop the run (one error naming the step and the first NaN/inf "
                                           "quantity) after this many optimizer updates in a row were skipped "
                                           "for a non-finite loss or gradient (counted in "
-                                          "actor/num_nonfinite_skipped)."),
+                                          "actor/num_nonfinite_skipped).", gt=0),
     "rollout_data_dir": field(None, "Dump each step's prompts/responses/scores as jsonl here. veRL.",
                               types=str),
     "validation_data_dir": field(None, "Dump validation generations as jsonl here. veRL.", types=str),
@@ -450,7 +471,7 @@ TRAINER = {
                                "prints it and exits). Always on when a micro-batch size is 'auto'. jaxrl_llm-only."),
     "device_memory_gb": field(None, "Device memory (GiB per device) the memory plan checks against; None = "
                                     "the device's own limit (memory_stats bytes_limit on GPU/TPU; no limit on "
-                                    "CPU). jaxrl_llm-only.", types=float),
+                                    "CPU). jaxrl_llm-only.", types=float, gt=0),
     "plan_topology": field(None, "TPU slice the memory plan compiles for instead of the local devices, named as "
                                  "gcloud names accelerator types (v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8) or as a "
                                  "topology (v5e:2x2): the real TPU compiler (libtpu, the tpu-plan extra) runs on "
@@ -458,7 +479,8 @@ TRAINER = {
                                  "published bf16 peak, and 'auto' micro-batch sizes resolve against it. Read by "
                                  "launch/train.py --plan (--topology overrides it); a training run on other devices "
                                  "refuses it. jaxrl_llm-only.", types=str),
-    "plan_num_slices": field(1, "Slices of plan_topology (multislice: the data axis spans them). jaxrl_llm-only."),
+    "plan_num_slices": field(1, "Slices of plan_topology (multislice: the data axis spans them). jaxrl_llm-only.",
+                             gt=0),
 }
 
 MESH = {

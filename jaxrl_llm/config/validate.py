@@ -16,26 +16,16 @@ from typing import Any
 import ml_collections
 
 from jaxrl_llm import storage
-from jaxrl_llm.checkpoint import RESUME_MODES
 from jaxrl_llm.config import names
 from jaxrl_llm.config.checks import check_inputs, check_sources
 from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
-from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
 from jaxrl_llm.models.lora import parse_target_modules
 from jaxrl_llm.platform.tpu import parse_accelerator_type
-from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
-from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 
 ARR = "actor_rollout_ref"
 ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
-
-
-def _choice(cfg: Any, key: str, valid: tuple[str, ...] | list[str]) -> None:
-    value = get_path(cfg, key)
-    if value not in valid:
-        raise ConfigError(f"{key}={value!r}: unknown name; valid: {', '.join(sorted(valid))}")
 
 
 def _require(ok: bool, key: str, cfg: Any, why: str) -> None:
@@ -53,41 +43,19 @@ def _check_types(cfg: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{key}={checked!r}: expected an int or 'auto'")
 
 
+def _check_declared(cfg: ml_collections.ConfigDict) -> None:
+    """The choices and bounds each key declares on its Field (config/tree.py)."""
+    for key, f in FIELDS.items():
+        f.check_value(key, get_path(cfg, key))
+
+
 def _check_names(cfg: ml_collections.ConfigDict) -> None:
-    _choice(cfg, "algorithm.adv_estimator", names.adv_estimators())
-    _choice(cfg, f"{ACTOR}.policy_loss.loss_mode", names.policy_losses())
-    kl = names.kl_names()
-    _choice(cfg, f"{ACTOR}.kl_loss_type", kl)
-    _choice(cfg, "algorithm.kl_penalty", kl)
     for key in (f"{ACTOR}.kl_loss_type", "algorithm.kl_penalty"):
         # the step scores tokens by log-probs only; the exact KL needs both models' full logits
         _require(get_path(cfg, key) != "full", key, cfg,
                  "the exact vocabulary KL is not available in the training step (it would need the reference's "
                  "logits at every token); use low_var_kl / k3 or a '+' form (jaxrl_llm.losses.token_kl_full "
                  "computes it from hidden states outside the trainer)")
-    agg = names.loss_agg_modes()
-    _choice(cfg, f"{ACTOR}.loss_agg_mode", agg)
-    if cfg.critic.loss_agg_mode is not None:
-        _choice(cfg, "critic.loss_agg_mode", agg)
-    _choice(cfg, "reward_model.reward_manager", names.reward_managers())
-    if cfg.data.synthetic.task is not None:
-        _choice(cfg, "data.synthetic.task", names.synthetic_tasks())
-        _choice(cfg, "data.synthetic.answer_format", names.synthetic_answer_formats())
-    _choice(cfg, "data.truncation", names.TRUNCATION)
-    _choice(cfg, "trainer.resume_mode", RESUME_MODES)
-    _choice(cfg, "algorithm.kl_ctrl.type", names.KL_CTRL_TYPES)
-    _choice(cfg, f"{ROLLOUT}.engine", ENGINES)
-    _choice(cfg, f"{ROLLOUT}.paged_attention", ATTENTION_IMPLS)
-    _choice(cfg, f"{ARR}.model.logprob_impl", LOGPROB_IMPLS)
-    _choice(cfg, f"{ROLLOUT}.kv_cache_dtype", KV_CACHE_DTYPES)
-    for role in (ACTOR, "critic"):
-        _choice(cfg, f"{role}.optim.lr_scheduler_type", names.LR_SCHEDULERS)
-    for role in (f"{ARR}.model", "critic.model"):
-        _choice(cfg, f"{role}.dtype", names.DTYPES)
-        _choice(cfg, f"{role}.param_dtype", names.DTYPES)
-    for key in (f"{ACTOR}.remat_policy", "critic.remat_policy", f"{ARR}.ref.param_dtype"):
-        if get_path(cfg, key) is not None:  # None: derived (config/derive.py)
-            _choice(cfg, key, names.DTYPES if key.endswith("param_dtype") else names.REMAT)
     for sink in cfg.trainer.logger:
         if sink not in names.LOGGERS:
             raise ConfigError(f"trainer.logger: unknown sink {sink!r}; valid: {', '.join(names.LOGGERS)}")
@@ -117,8 +85,6 @@ def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
 
 def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
     mt, key = cfg.actor_rollout_ref.rollout.multi_turn, f"{ROLLOUT}.multi_turn"
-    _choice(cfg, f"{key}.format", ("hermes",))
-    _choice(cfg, f"{key}.tool_response_truncate_side", ("left", "middle", "right"))
     if not mt.enable:
         return
     _require(not mt.use_inference_chat_template, f"{key}.use_inference_chat_template", cfg,
@@ -144,9 +110,6 @@ def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
-    if rc.rollout_is is not None:
-        _choice(cfg, f"{key}.rollout_is", names.rollout_is_levels())
-    _require(rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold", cfg, "must be > 0")
     if rc.rollout_rs is None:
         return
     modes = [m.strip() for m in rc.rollout_rs.split(",")]
@@ -166,60 +129,18 @@ def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {err}") from None
 
 
-def _positive(cfg: Any, *keys: str, allow_minus_one: bool = False, allow_zero: bool = False) -> None:
-    for key in keys:
-        value = get_path(cfg, key)
-        if value is None or value == AUTO:
-            continue
-        ok = value > 0 or (allow_zero and value == 0) or (allow_minus_one and value == -1)
-        extra = " or -1" if allow_minus_one else ""
-        _require(ok, key, cfg, f"must be {'>= 0' if allow_zero else '> 0'}{extra}")
-
-
 def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
-    _positive(cfg, "data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-              "data.val_batch_size", f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_device",
-              f"{ACTOR}.ppo_max_token_len_per_device", f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n",
-              f"{ROLLOUT}.val_kwargs.n", "trainer.total_epochs", "trainer.total_training_steps",
-              f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.grad_clip",
-              "critic.grad_clip", "critic.cliprange_value", f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg",
-              "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "data.filter_overlong_prompts_workers",
-              "reward_model.reward_kwargs.timeout_s", "reward_model.reward_kwargs.num_workers",
-              "data.synthetic.n_train", "data.synthetic.n_val", "data.synthetic.difficulty",
-              f"{ARR}.ref.log_prob_micro_batch_size_per_device", f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
-              "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
-              "critic.forward_micro_batch_size_per_device", "trainer.max_actor_ckpt_to_keep",
-              "trainer.max_critic_ckpt_to_keep", "trainer.max_consecutive_nonfinite", "trainer.device_memory_gb")
-    _positive(cfg, "trainer.save_freq", "trainer.test_freq", "data.train_max_samples", "data.val_max_samples",
-              allow_minus_one=True)
-    _positive(cfg, f"{ACTOR}.entropy_coeff", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef",
-              "trainer.critic_warmup", "trainer.log_val_generations", "data.dataloader_num_workers",
-              f"{ROLLOUT}.temperature", f"{ROLLOUT}.val_kwargs.temperature", allow_zero=True)
-    _require(cfg.actor_rollout_ref.actor.clip_ratio_c > 1.0, f"{ACTOR}.clip_ratio_c", cfg,
-             "dual-clip constant must be > 1")
-    for key in ("algorithm.gamma", "algorithm.lam"):
-        _require(0.0 <= get_path(cfg, key) <= 1.0, key, cfg, "must be in [0, 1]")
-    _positive(cfg, f"{ROLLOUT}.max_num_seqs", f"{ROLLOUT}.max_num_batched_tokens", "trainer.plan_num_slices")
+    """Range rules across keys or on list items (a single key's bounds are on its Field)."""
     if cfg.trainer.plan_topology is not None:
         try:  # the name only: libtpu is needed when the plan runs, not to validate the config
             parse_accelerator_type(cfg.trainer.plan_topology)
         except ValueError as err:
             raise ConfigError(f"trainer.plan_topology: {err}") from None
-    for key in (f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p", f"{ROLLOUT}.gpu_memory_utilization"):
-        _require(0.0 < get_path(cfg, key) <= 1.0, key, cfg, "must be in (0, 1]")
-    for key in (f"{ROLLOUT}.top_k", f"{ROLLOUT}.val_kwargs.top_k"):
-        _require(get_path(cfg, key) == -1 or get_path(cfg, key) > 0, key, cfg, "must be -1 (off) or > 0")
     for role in (ACTOR, "critic"):
         o = f"{role}.optim"
-        _positive(cfg, f"{o}.lr", f"{o}.eps")
-        _positive(cfg, f"{o}.weight_decay", f"{o}.lr_warmup_steps_ratio", f"{o}.min_lr_ratio", f"{o}.num_cycles",
-                  allow_zero=True)
         betas = get_path(cfg, f"{o}.betas")
         _require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
                  f"{o}.betas", cfg, "expected [beta1, beta2] with 0 <= beta < 1")
-        _require(get_path(cfg, f"{o}.lr_warmup_steps_ratio") <= 1.0, f"{o}.lr_warmup_steps_ratio", cfg,
-                 "must be in [0, 1]")
-        _require(get_path(cfg, f"{o}.min_lr_ratio") <= 1.0, f"{o}.min_lr_ratio", cfg, "must be in [0, 1]")
     _check_lora(cfg)
     for tok in cfg.actor_rollout_ref.rollout.stop_token_ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
@@ -315,8 +236,6 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("data.val_files=None: trainer.val_only needs validation files")
     ob = cfg.reward_model.reward_kwargs
     if ob.overlong_buffer_cfg.enable:
-        _positive(cfg, "reward_model.reward_kwargs.overlong_buffer_cfg.len",
-                  "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor")
         _require(ob.overlong_buffer_cfg.len < ob.max_resp_len, "reward_model.reward_kwargs.overlong_buffer_cfg.len",
                  cfg, f"must be shorter than max_resp_len={ob.max_resp_len}")
     if cfg.reward_model.enable and cfg.reward_model.model.path is None:
@@ -408,6 +327,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
     """
     cfg = normalize_config(copy.deepcopy(cfg))
     _check_types(cfg)
+    _check_declared(cfg)
     _check_names(cfg)
     _check_ranges(cfg)
     if dp_size is None:

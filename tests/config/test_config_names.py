@@ -43,7 +43,7 @@ def test_kl_names_include_straight_through_and_full():
 def test_capability_filters_reach_the_config():
     assert names.adv_estimators(needs_group_ids=True) == (
         "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "reinforce_plus_plus_baseline", "rloo",
-        "rloo_vectorized")
+        "rloo_vectorized", "trl_rloo")
     assert names.adv_estimators(needs_values=True) == ("gae",)
     assert names.policy_losses(fixed_agg_mode=None) == ("cispo", "gpg", "reinforce", "vanilla")
 

@@ -102,7 +102,7 @@ def test_batch_plan_numbers():
       "algorithm.adv_estimator=grpo"], 2, "actor_rollout_ref.actor.ppo_max_token_len_per_device=50: smaller than"),
     (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], 2, "actor_rollout_ref.rollout.n=1:"),
     (["actor_rollout_ref.rollout.response_length=16"], 2, "actor_rollout_ref.rollout.response_length=16 differs"),
-    (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 2, "actor_rollout_ref.actor.clip_ratio_c=0.5: dual-clip"),
+    (["actor_rollout_ref.actor.clip_ratio_c=0.5"], 2, "actor_rollout_ref.actor.clip_ratio_c=0.5: must be > 1"),
     (["actor_rollout_ref.rollout.top_p=0"], 2, "actor_rollout_ref.rollout.top_p=0.0: must be in (0, 1]"),
     (["actor_rollout_ref.actor.optim.lr=-1"], 2, "actor_rollout_ref.actor.optim.lr=-1.0: must be > 0"),
     (["actor_rollout_ref.actor.optim.betas=[0.9]"], 2, "actor_rollout_ref.actor.optim.betas=[0.9]"),
@@ -188,3 +188,36 @@ def test_synthetic_task_derives_data_files_and_steps(tmp_path):
     assert out.data.train_files == "/tmp/run/data/train.parquet"
     assert out.data.val_files == "/tmp/run/data/test.parquet"
     assert out.trainer.total_training_steps == (64 // 16) * 2
+
+
+def _declared() -> list[tuple[str, object]]:
+    """(key, a value its Field's declared choices or bounds refuse) for every key that declares some."""
+    from jaxrl_llm.config.overrides import FIELDS
+
+    out = []
+    for key, f in FIELDS.items():
+        if f.names() is not None:
+            out.append((key, "no_such_name"))
+        elif f.gt is not None or f.ge is not None:  # the lower bound itself, or one below it
+            out.append((key, f.gt if f.gt is not None else f.ge - 1))
+        elif f.le is not None or f.lt is not None:
+            out.append((key, (f.le if f.le is not None else f.lt) + 1))
+    return out
+
+
+@pytest.mark.parametrize("key,bad", _declared(), ids=[k for k, _ in _declared()])
+def test_declared_choices_and_bounds_are_enforced(key, bad):
+    """Every key's choices / bounds declared on its Field (config/tree.py) refuse a value outside them,
+    in one message naming the key and what is allowed; docs/config.md shows the same rule."""
+    from jaxrl_llm.config.overrides import FIELDS
+
+    f = FIELDS[key]
+    assert bad not in f.also
+    cfg = _cfg(f"{key}={bad}")
+    with pytest.raises(ConfigError) as err:
+        _validate(cfg)
+    message = str(err.value)
+    assert message.startswith(f"{key}="), message
+    rule = "unknown name; valid: " if f.names() is not None else f"must be {f.range_text()}"
+    assert rule in message, message
+    _validate(_cfg())  # the defaults (and this base config) pass every declared rule
