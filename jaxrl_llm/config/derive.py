@@ -11,9 +11,8 @@ import ml_collections
 
 from jaxrl_llm import storage
 from jaxrl_llm.config import names
-from jaxrl_llm.config.schema import ConfigError
+from jaxrl_llm.config.schema import AUTO, ConfigError
 
-AUTO = "auto"  # a micro-batch size picked by the memory plan (trainer/memory_plan.py)
 # the micro-batch keys that accept AUTO
 AUTO_KEYS = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_device",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device",

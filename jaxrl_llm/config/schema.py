@@ -14,6 +14,8 @@ import ml_collections
 
 from jaxrl_llm.errors import ConfigError as ConfigError  # raised by every config check; defined in a leaf module
 
+AUTO = "auto"  # a micro-batch size picked by the memory plan (trainer/memory_plan.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:
@@ -63,7 +65,7 @@ class Field:
 
     def check_value(self, key: str, value: Any) -> None:
         """ConfigError naming `key` when `value` is not one of the choices or outside the bounds."""
-        if value is None or value == "auto" or isinstance(value, bool):
+        if value is None or value == AUTO or isinstance(value, bool):
             return
         allowed = self.names()
         if allowed is not None and value not in allowed:
