@@ -24,11 +24,14 @@ quickstart: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
 
-# the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart
+# the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart.
+# Two pytest workers (pytest-xdist), a test file each at a time: most of a test's time is XLA compiling on one
+# thread, so two files at once use both cores (PYTEST_WORKERS=0 runs them in this process, one by one).
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,tpu-plan]"
 	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
-	$(PY) -m pytest -q --durations=25 -m "not examples" tests
+	$(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile -m "not examples" tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not examples" tests
