@@ -49,7 +49,7 @@ from jaxrl_llm.config.spec import ActorSpec  # noqa: E402
 from jaxrl_llm.hf import load_gguf  # noqa: E402
 from jaxrl_llm.models import init_head_params  # noqa: E402
 from jaxrl_llm.models.lora import LoraConfig, init_lora, with_lora  # noqa: E402
-from jaxrl_llm.trainer import packing as pk  # noqa: E402
+from jaxrl_llm import batching as pk  # noqa: E402
 from jaxrl_llm.trainer.actor import update_actor  # noqa: E402
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad  # noqa: E402
 
@@ -142,9 +142,9 @@ def _build(w: Workload, packed: bool, lora: LoraConfig | None = None, shared: bo
     computed = {k: rows * seq_len for k in ("update", "logprob", "values")}
     if packed:
         groups = pk.prompt_groups(np.asarray(w.exp.input_ids), w.mask, response_len) if shared else None
-        update_packing, _ = pk.plan_update(w.mask, response_len, rng, epochs=1, shuffle=False, num_mini=1,
-                                           num_micro=w.micro, shards=1, shared=groups)
-        chunks = pk.plan_chunks(w.mask, response_len, w.chunk_rows, shards=1, shared=groups)
+        rows = pk.StepRows.of_mask(w.mask, response_len, groups)
+        update_packing, _ = pk.plan_update(rows, rng, epochs=1, shuffle=False, num_mini=1, num_micro=w.micro, shards=1)
+        chunks = pk.plan_chunks(rows, w.chunk_rows, shards=1)
         computed = {"update": pk.packing_stats(update_packing.layout)["computed_tokens"],
                     **{k: pk.packing_stats(chunks)["computed_tokens"] for k in ("logprob", "values")}}
     update = jax.jit(functools.partial(update_actor, model_cfg=w.cfg, s=SPEC, tx=tx, num_mini_batches=1,

@@ -76,3 +76,16 @@ def toy_loss(params: dict, mb: ToyBatch, denoms: Any) -> tuple[jax.Array, dict[s
     err = (mb.x @ params["w"] + params["b"] - mb.y) * mb.response_mask
     loss = jnp.sum(err ** 2) / denoms.num_tokens
     return loss, {"toy/loss": loss}
+
+
+def assert_host_rows_match(rollout) -> None:
+    """The step rows the trainer plans from (host lengths and group ids, no device read) say what the
+    rollout's device arrays say: the same attention mask, and rows of one group id share their prompt."""
+    from jaxrl_llm.batching import StepBatching, prompt_groups
+
+    rows = StepBatching.rows_of(rollout)
+    mask, ids = np.asarray(rollout.attention_mask), np.asarray(rollout.input_ids)
+    np.testing.assert_array_equal(rows.attention_mask(), mask)
+    by_tokens = prompt_groups(ids, mask, int(rollout.response_mask.shape[1]))
+    for g in np.unique(rows.prompt_groups):
+        assert len(set(by_tokens[rows.prompt_groups == g].tolist())) == 1, f"group {g} holds different prompts"

@@ -31,7 +31,7 @@ class ModelSpec:
     param_dtype: str  # master-weight dtype (the compute dtype and remat policy are the role's: ActorSpec)
     tiny: tuple[tuple[str, Any], ...]  # dims of a tiny:<arch> model (actor_rollout_ref.model.tiny)
     override_config: tuple[tuple[str, Any], ...] = ()  # HF config fields replaced at load (model.override_config)
-    use_remove_padding: bool = True  # sequence packing (trainer/packing.py)
+    use_remove_padding: bool = True  # sequence packing (jaxrl_llm/batching)
     share_packed_prompts: bool = True  # packed rows hold a prompt once for the responses that share it
     lora: LoraConfig | None = None  # model.lora_rank > 0: train adapters on the frozen base (models/lora.py)
 

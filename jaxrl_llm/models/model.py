@@ -26,7 +26,7 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     cache is given), so left padding does not change any real token's output. segment_ids [B, T]
     (no cache): packed rows holding several sequences (ids 1, 2, ... per row, attention_mask 0 on
     the padding); attention stays within a segment and positions restart per segment, so every
-    sequence's hidden states equal those of the sequence alone (trainer/packing.py). branch_ids [B, T]
+    sequence's hidden states equal those of the sequence alone (jaxrl_llm/batching). branch_ids [B, T]
     (with segment_ids and positions): a segment holding one prompt and several continuations of it,
     each seeing the prompt and itself only (`attention_context`). LoRA adapters in
     `params["lora"]` (models/lora.py) are applied inside the layers.

@@ -21,7 +21,7 @@ from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.trainer.experience import Experience
 from jaxrl_llm.trainer.forward import response_log_probs
-from jaxrl_llm.trainer.packing import UpdatePacking
+from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
@@ -59,7 +59,7 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
 
 
 def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
-                 packing: UpdatePacking | None = None, frozen: dict | None = None, *, model_cfg: ModelConfig,
+                 packing: UpdateLayout | None = None, frozen: dict | None = None, *, model_cfg: ModelConfig,
                  s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int, num_micro_batches: int,
                  rows_sharding: Any = None, lora_scale: float = 0.0):
     """`ppo_epochs` x mini-batches x micro-batches of actor updates at learning rate `lr` (one XLA

@@ -17,7 +17,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.config.spec import CriticSpec
 from jaxrl_llm.trainer.experience import Experience
 from jaxrl_llm.trainer.forward import response_values
-from jaxrl_llm.trainer.packing import UpdatePacking
+from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
@@ -37,7 +37,7 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
 
 
 def update_critic(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
-                  packing: UpdatePacking | None = None,
+                  packing: UpdateLayout | None = None,
                   *, model_cfg: ModelConfig, s: CriticSpec, tx: optax.GradientTransformation,
                   num_mini_batches: int, num_micro_batches: int, rows_sharding: Any = None):
     loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)

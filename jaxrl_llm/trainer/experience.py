@@ -13,16 +13,16 @@ from typing import Any
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 
 from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
+from jaxrl_llm.batching import PackedLayout
+from jaxrl_llm.batching.ops import pad_columns
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.trainer.forward import budget_chunked, micro_batched, response_log_probs, response_values
-from jaxrl_llm.trainer.packing import PackedLayout
 
 Array = jax.Array
 
@@ -49,17 +49,6 @@ _RESPONSE_FIELDS = ("response_mask", "old_log_probs", "advantages", "returns", "
                     "rollout_is_weights")
 
 
-@functools.partial(jax.jit, static_argnames=("prompt_pad", "response_pad"))
-def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt_pad: int, response_pad: int
-                ) -> tuple[dict[str, Array], dict[str, Array]]:
-    """[N, P + R] `sequences` with `prompt_pad` columns before the prompts and `response_pad` after
-    the responses, [N, R] `responses` with `response_pad` after (0s: masked everywhere), so that
-    token-budget packing sees the config's longest shapes whatever this step's lengths
-    (trainer/packing.py `capacity_shape`)."""
-    pad = lambda before, after: lambda x: jnp.pad(x, ((0, 0), (before, after)))  # noqa: E731
-    return (jax.tree.map(pad(prompt_pad, response_pad), sequences), jax.tree.map(pad(0, response_pad), responses))
-
-
 def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Experience:
     """`exp` padded as `pad_columns` pads (its sequences and every per-response-token field)."""
     sequences, responses = pad_columns(
@@ -74,7 +63,7 @@ def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, res
                       packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
                       compute_dtype: str, micro_rows: int, logprob_impl: str = "auto", mesh: Any = None) -> Array:
     """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
-    `packing`: one layout per chunk (trainer/packing.py `plan_chunks`) to run packed, or with
+    `packing`: one layout per chunk (batching/plan.py `plan_chunks`) to run packed, or with
     micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`)."""
     response_len = response_mask.shape[1]
 

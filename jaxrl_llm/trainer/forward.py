@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.trainer.packing import (PackedLayout, filled_slots, map_response, packed_response_hidden,
-                                      unless_empty, unpack_response)
+from jaxrl_llm.batching import (PackedLayout, filled_slots, map_response, packed_response_hidden, unless_empty,
+                                unpack_response)
 
 Array = jax.Array
 
@@ -39,7 +39,7 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
                        remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
                        logprob_impl: str = "auto", mesh: Any = None):
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
-    With `packing` the model runs on packed rows (trainer/packing.py) and only real response
+    With `packing` the model runs on packed rows (jaxrl_llm/batching) and only real response
     tokens are scored (0 elsewhere). `logprob_impl`: the fused head's backend (losses/logprob.py);
     `mesh`: the program's mesh (a kernel then runs per shard of the rows)."""
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
@@ -92,7 +92,7 @@ def micro_batched(fn: Callable[[dict], dict], batch: dict, micro_rows: int, per_
 
 
 def budget_chunked(fn: Callable[[dict], Array], batch: dict, layouts: PackedLayout) -> Array:
-    """Sum of `fn` over token-budget chunks (`packing.plan_capacity_chunks`, leading axis =
+    """Sum of `fn` over token-budget chunks (`batching.plan_capacity_chunks`, leading axis =
     chunks): each call reads all of `batch` with one chunk's layout as `chunk["per_chunk"]` and
     returns per-token values that are 0 outside that chunk's tokens; a chunk this step leaves empty
     is skipped. Unlike `micro_batched`, the shapes never depend on the lengths."""

@@ -16,8 +16,9 @@ and validation alike:
 Masks (the one thing single-turn rollouts never needed): `Rollout.attention_mask` is 1 on every
 prompt and response token, tool / user replies included (the model attends to them), while
 `Rollout.response_mask`, which every loss, advantage, KL and metric reads as the loss mask, is 1
-on model tokens only. Both are contiguous-from-the-prompt for packing (trainer/packing.py plans
-from the attention mask). `rollout_log_probs` holds the sampler's log-probs on model tokens (0 on
+on model tokens only. The attention mask is contiguous from the prompt: `prompt_lengths` tokens
+before the response columns, then `response_lengths`; packing plans from those lengths
+(jaxrl_llm/batching). `rollout_log_probs` holds the sampler's log-probs on model tokens (0 on
 context tokens, which the loss mask drops); recomputed old / reference log-probs are computed for
 every position and read only where the loss mask is 1.
 

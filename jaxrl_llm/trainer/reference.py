@@ -4,18 +4,58 @@ copy) and, with `ref.param_offload`, in pinned host memory between reference pas
 
 `make_reference` builds it once (same shardings as the policy, memory kind aside);
 `reference_on_device` gives the arrays the reference pass reads: the stored ones, or a transient
-device copy of the offloaded ones that is freed once the pass's result is computed.
+device copy of the offloaded ones that is freed once the pass's result is computed. With LoRA the
+reference is the frozen base itself (adapters off): no copy. `ReferenceRole` is the role a run holds.
 """
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.config.spec import RefSpec
+from jaxrl_llm.config.spec import ModelSpec, RefSpec
+from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.remat import supports_pinned_host, warn_once
 from jaxrl_llm.trainer.forward import compute_dtype_of
 
 HOST = "pinned_host"
+log = logging.getLogger("jaxrl_llm")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceRole:
+    """The frozen reference policy of a run: the model it is (the policy's `model` spec and config)
+    and its params, stored as `make_reference` placed them (or the LoRA base, `shares_base`)."""
+
+    model: ModelSpec
+    model_cfg: ModelConfig
+    params: dict
+    param_dtype: str
+    shares_base: bool = False
+
+    def device_params(self) -> dict:
+        """The params a reference pass reads (a transient device copy when they are offloaded)."""
+        return reference_on_device(self.params)
+
+    def describe(self) -> str:
+        if self.shares_base:
+            return "on (the LoRA base, adapters off; no copy)"
+        where = "pinned host" if is_offloaded(self.params) else "device"
+        return f"on ({self.param_dtype}, {where} memory)"
+
+
+def make_reference_role(model: ModelSpec, model_cfg: ModelConfig, params: dict, spec: RefSpec, *,
+                        lora_base: dict | None = None) -> ReferenceRole:
+    """The reference of a policy that starts from `params`: with LoRA its frozen base `lora_base`
+    (no copy), else a copy in `spec.param_dtype` (`make_reference`)."""
+    if lora_base is not None:
+        if spec.param_offload:
+            log.warning("actor_rollout_ref.ref.param_offload: no effect with LoRA (the reference is the frozen base "
+                        "the policy also reads)")
+        return ReferenceRole(model, model_cfg, lora_base, spec.param_dtype, shares_base=True)
+    return ReferenceRole(model, model_cfg, make_reference(params, spec), spec.param_dtype)
 
 
 def offload_supported() -> bool:

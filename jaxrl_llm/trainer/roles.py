@@ -21,7 +21,8 @@ import optax
 from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as ckpt
-from jaxrl_llm.config.spec import ModelSpec, OptimSpec
+from jaxrl_llm.config.batch_plan import RoleBatch
+from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec
 from jaxrl_llm.hf import load_any, read_hf_config  # the HF bridge reads folders and GGUF files
 from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
@@ -39,6 +40,9 @@ UpdateFn = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
 
 @dataclasses.dataclass
 class TrainedRole:
+    """A model the run trains, with everything its update reads: its model spec (packing), loss
+    settings (epochs, shuffle; also bound into `update_fn`), batch split and LR-step offset."""
+
     name: str  # "actor" | "critic": the metric prefix
     model_cfg: ModelConfig
     params: dict
@@ -50,6 +54,10 @@ class TrainedRole:
     update_fn: UpdateFn  # `update_actor` / `update_critic` with model_cfg and settings bound
     frozen: dict | None = None  # LoRA: the frozen base params (then `params` is {"lora": adapters})
     lora: LoraConfig | None = None
+    model: ModelSpec | None = None  # the role's model spec (packing: use_remove_padding, share_packed_prompts)
+    settings: ActorSpec | CriticSpec | None = None  # its loss settings (ppo_epochs, shuffle, ...)
+    batch: RoleBatch | None = None  # its mini- / micro-batch split (config/batch_plan.py)
+    lr_offset: int = 0  # RL steps before its first update (the actor: trainer.critic_warmup)
     _compiled: dict[tuple[int, int], Callable] = dataclasses.field(default_factory=dict)
 
     @property
@@ -74,7 +82,7 @@ class TrainedRole:
 
         lr_step: how many RL steps this role has been updated before (veRL steps its LR scheduler
         once per update call); every optimizer update of this call uses `schedule(lr_step)`,
-        which the metrics report as `<name>/lr`. packing: a `trainer.packing.UpdatePacking` to run
+        which the metrics report as `<name>/lr`. packing: a `batching.UpdateLayout` to run
         packed (its shapes are bucketed, so the jitted update compiles once per bucket)."""
         key = (num_mini_batches, num_micro_batches)
         if key not in self._compiled:
@@ -160,8 +168,11 @@ def model_config_of(model: ModelSpec, tokenizer: Any) -> ModelConfig:
 
 
 def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,
-                      update_fn: UpdateFn, *, lora: LoraConfig | None = None, seed: int = 0) -> TrainedRole:
-    """A role training `params`, or with `lora` fresh adapters (from `seed`) on `params` kept frozen."""
+                      update_fn: UpdateFn, *, lora: LoraConfig | None = None, seed: int = 0,
+                      model: ModelSpec | None = None, settings: ActorSpec | CriticSpec | None = None,
+                      batch: RoleBatch | None = None, lr_offset: int = 0) -> TrainedRole:
+    """A role training `params`, or with `lora` fresh adapters (from `seed`) on `params` kept frozen;
+    `model`, `settings`, `batch` and `lr_offset` are what its updates in a run read (TrainedRole)."""
     frozen = None
     if lora is not None:
         frozen, params = params, {"lora": init_adapters(model_cfg, lora, _mesh_of(params), seed)}
@@ -171,7 +182,7 @@ def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: Op
     state_shardings = optimizer_state_sharding(abstract_state, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn,
-                       frozen=frozen, lora=lora)
+                       frozen=frozen, lora=lora, model=model, settings=settings, batch=batch, lr_offset=lr_offset)
 
 
 def _mesh_of(params: dict) -> Mesh:

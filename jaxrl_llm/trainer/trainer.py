@@ -27,24 +27,25 @@ from tqdm.auto import tqdm
 
 from jaxrl_llm import storage
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
-from jaxrl_llm.config.batch_plan import MicroBatching, RoleBatch
-from jaxrl_llm.config.spec import ModelSpec, RunSpec, SyntheticSpec
+from jaxrl_llm.batching import StepBatching, StepRows, update_metrics
+from jaxrl_llm.batching.ops import run_no_grad_pass
+from jaxrl_llm.config.batch_plan import MicroBatching
+from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
-from jaxrl_llm.sampler import SamplingParams, bucket_length
+from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, to_device, to_host
 from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm import checkpoint as ckpt
-from jaxrl_llm.trainer import packing
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_columns,
-                                         pad_experience, values_no_grad)
+from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_experience,
+                                         values_no_grad)
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.pipeline import make_pipeline
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
-from jaxrl_llm.trainer.reference import make_reference, reference_on_device
+from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import RolloutGenerator
 from jaxrl_llm.trainer.rollout_batch import Rollout, concat_rollouts, filter_metric, select_rows
@@ -103,22 +104,20 @@ class Trainer:
         self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
                                        functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor,
                                                          lora_scale=lora.scale if lora else 0.0),
-                                       lora=lora, seed=spec.trainer.seed)
-        self.need_ref = spec.need_ref
+                                       lora=lora, seed=spec.trainer.seed, model=spec.model, settings=spec.actor,
+                                       batch=spec.plan.actor, lr_offset=spec.trainer.critic_warmup)
         # the initial policy in ref.param_dtype, in host memory with ref.param_offload (trainer/reference.py);
         # with LoRA the reference is the frozen base itself (adapters off): no copy
-        self.ref_params = None
-        if self.need_ref:
-            self.ref_params = self.actor.frozen if lora else make_reference(params, spec.ref)
-            if lora and spec.ref.param_offload:
-                log.warning("actor_rollout_ref.ref.param_offload: no effect with LoRA (the reference is the "
-                            "frozen base the policy also reads)")
+        self.reference: ReferenceRole | None = None
+        if spec.need_ref:
+            self.reference = make_reference_role(spec.model, model_cfg, params, spec.ref, lora_base=self.actor.frozen)
         self.critic: TrainedRole | None = None
         if spec.critic is not None:
             critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
                                                    tokenizer=self.tokenizer, seed=spec.trainer.seed + 1)
             self.critic = make_trained_role("critic", critic_cfg, critic_params, spec.critic_optim,
-                                            functools.partial(update_critic, model_cfg=critic_cfg, s=spec.critic))
+                                            functools.partial(update_critic, model_cfg=critic_cfg, s=spec.critic),
+                                            model=spec.critic_model, settings=spec.critic, batch=spec.plan.critic)
         self.reward_manager = build_reward_manager(spec.reward)
         self.reward_model = None
         if spec.reward_model is not None:
@@ -134,6 +133,7 @@ class Trainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
         self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
+        self.batching = StepBatching(spec.plan, self.dp_size)  # every pass's split of a step (jaxrl_llm/batching)
         self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
         self.global_step = 0
         self.store = ckpt.CheckpointStore(storage.join(self.run_dir, "checkpoints"),
@@ -179,7 +179,11 @@ class Trainer:
         """The start-of-run summary (model, mesh, batch plan, algorithm, engine, schedule)."""
         from jaxrl_llm.trainer.summary import run_summary
 
-        return run_summary(self)
+        plan = self.spec.plan
+        engine = self.generator.describe_engine(plan.prompts * plan.n, plan.max_prompt_length, plan.response_length)
+        return run_summary(self.spec, actor=self.actor, critic=self.critic, reference=self.reference, mesh=self.mesh,
+                           engine=engine, total_steps=self.total_steps,
+                           schedule=None if self.pipeline.passthrough else self.pipeline.describe())
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -271,30 +275,26 @@ class Trainer:
                     rollout, gen_metrics = self._rollout(batch, rng)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
-            rows = rollout.num_rows
-            # sequence packing plans its layouts on the host from the attention masks and which rows
-            # share a prompt (computed once per packed micro-batch; trainer/packing.py)
-            packs = spec.model.use_remove_padding or (spec.critic_model is not None
-                                                      and spec.critic_model.use_remove_padding)
-            host = self._host_rows(rollout) if packs else None
+            # the step's rows as the host knows them (lengths, prompt groups): every pass plans its
+            # micro-batches and packed layouts from these, no device array is read (jaxrl_llm/batching)
+            rows = self.batching.rows_of(rollout)
 
             ref_lp = None
-            if self.need_ref:
+            if self.reference is not None:
                 with timer("ref") as span:
-                    ref_lp = span.wait(self._log_probs(reference_on_device(self.ref_params), rollout,
-                                                       plan.ref_log_prob, host))
+                    ref_lp = span.wait(self.log_probs(self.reference.device_params(), rollout, plan.ref_log_prob,
+                                                       rows))
             with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
-                    old_lp = span.wait(self._log_probs(self.actor.model_params, rollout, plan.old_log_prob,
-                                                       host))
+                    old_lp = span.wait(self.log_probs(self.actor.model_params, rollout, plan.old_log_prob, rows))
             values = None
             if self.critic is not None:
                 with timer("values") as span:
-                    values = span.wait(self._no_grad_pass(
-                        values_no_grad, self.critic.params, rollout, plan.values, _rows_for(host, spec.critic_model),
-                        spec.critic_model.use_remove_padding, model_cfg=self.critic.model_cfg,
-                        compute_dtype=spec.critic.compute_dtype))
+                    how = self.batching.no_grad(plan.values, self.critic.model, rows)
+                    values = span.wait(run_no_grad_pass(
+                        values_no_grad, self.critic.params, rollout.input_ids, rollout.attention_mask, mask, how,
+                        model_cfg=self.critic.model_cfg, compute_dtype=spec.critic.compute_dtype))
             with timer("adv") as span:
                 baselines = (self._remax_baselines(batch, rng) if ADV_ESTIMATORS.capability(
                     spec.advantage.adv_estimator, "needs_reward_baselines") else None)
@@ -305,13 +305,13 @@ class Trainer:
                     old_log_probs=old_lp, ref_log_probs=ref_lp, values=values, reward_baselines=baselines,
                     kl_coef=kl_coef, advantage=spec.advantage, correction=spec.rollout_correction)
                 span.wait(exp)
-                extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows)
+                extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
             if self.critic is not None:
                 with timer("update_critic"):
-                    extra.update(self._update(self.critic, plan.critic, exp, jax.random.fold_in(rng, 7), host))
-            if self.global_step >= spec.trainer.critic_warmup:
+                    extra.update(self._update(self.critic, exp, jax.random.fold_in(rng, 7), rows))
+            if self.global_step >= self.actor.lr_offset:  # the actor starts after trainer.critic_warmup steps
                 with timer("update_actor"):
-                    extra.update(self._update(self.actor, plan.actor, exp, jax.random.fold_in(rng, 11), host))
+                    extra.update(self._update(self.actor, exp, jax.random.fold_in(rng, 11), rows))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
@@ -362,49 +362,18 @@ class Trainer:
                 num_kept += len(varied)
         return concat_rollouts(kept, self.mesh), {"train/num_gen_batches": float(num_gen)}
 
-    def _host_rows(self, rollout: Rollout) -> packing.HostRows:
-        mask = np.asarray(to_host(rollout.attention_mask))
-        return packing.HostRows(mask, packing.prompt_groups(np.asarray(to_host(rollout.input_ids)), mask,
-                                                            int(rollout.response_mask.shape[1])))
-
-    def _log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching, host: packing.HostRows | None
-                   ) -> jax.Array:
-        """Response log-probs under `params` (reference or old policy), in `micro`'s micro-batches."""
-        return self._no_grad_pass(log_probs_no_grad, params, rollout, micro, _rows_for(host, self.spec.model),
-                                  self.spec.model.use_remove_padding, model_cfg=self.actor.model_cfg,
-                                  temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
-                                  logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
-
-    def _no_grad_pass(self, fn: Any, params: dict, rollout: Rollout, micro: MicroBatching,
-                      host: packing.HostRows | None, packed: bool, **settings: Any) -> jax.Array:
-        """`fn` (`log_probs_no_grad` / `values_no_grad`) over the rollout in `micro`'s chunks: padded
-        rows, packed chunks of a fixed number of rows, or packed to a token budget (rows padded to the
-        config's longest shapes first, so the program is the same at every step)."""
-        ids, attn, resp = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-        rows, seq_len, response_len = rollout.num_rows, int(ids.shape[1]), int(resp.shape[1])
-        if packed and micro.token_budget is not None:
-            pads = self._budget_padding(seq_len, response_len)
-            sequences, responses = pad_columns({"ids": ids, "attn": attn}, {"resp": resp}, *pads)
-            ids, attn, resp = sequences["ids"], sequences["attn"], responses["resp"]
-            padded = host.padded(pads)
-            layout = packing.plan_capacity_chunks(padded.attention_mask, response_len + pads[1], self.dp_size,
-                                                  micro.token_budget, padded.prompt_groups)
-            return fn(params, ids, attn, resp, layout, micro_rows=0, **settings)[:, :response_len]
-        if packed:
-            micro_rows = self.spec.plan.forward_micro_rows(micro, rows, seq_len)
-            layout = packing.plan_chunks(host.attention_mask, response_len, micro_rows, self.dp_size,
-                                         host.prompt_groups)
-        else:
-            micro_rows, layout = self.spec.plan.forward_micro_rows(micro, rows, seq_len), None
-        return fn(params, ids, attn, resp, layout, micro_rows=micro_rows, **settings)
-
-    def _budget_padding(self, seq_len: int, response_len: int) -> tuple[int, int]:
-        """(prompt, response) columns that bring a step's [N, P + R] rows to the config's longest
-        prompt bucket + response length: token-budget packing's shapes then never follow the step."""
-        plan = self.spec.plan
-        prompt_len = seq_len - response_len
-        return (max(prompt_len, bucket_length(plan.max_prompt_length)) - prompt_len,
-                max(response_len, plan.response_length) - response_len)
+    def log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching | None = None,
+                  rows: StepRows | None = None) -> jax.Array:
+        """Response log-probs [N, R] of `rollout` under `params` (the reference or the policy), as a step
+        computes them: in `micro`'s micro-batches (default: the old-log-prob pass's), packed as the
+        policy's model spec says."""
+        micro = self.spec.plan.old_log_prob if micro is None else micro
+        rows = self.batching.rows_of(rollout) if rows is None else rows
+        how = self.batching.no_grad(micro, self.spec.model, rows)
+        return run_no_grad_pass(log_probs_no_grad, params, rollout.input_ids, rollout.attention_mask,
+                                rollout.response_mask, how, model_cfg=self.actor.model_cfg,
+                                temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
+                                logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
 
     def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
         """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""
@@ -424,30 +393,19 @@ class Trainer:
         r = self.generator.generate(batch, self.actor.model_params, greedy, rng)
         return to_device(np.repeat(r.scores, train.n), self.mesh)
 
-    def _update(self, role: TrainedRole, role_batch: RoleBatch, exp: Experience, rng: jax.Array,
-                host: packing.HostRows | None) -> dict[str, float]:
-        rows, seq_len = int(exp.response_mask.shape[0]), int(exp.input_ids.shape[1])
-        num_mini, num_micro = self.spec.plan.update_split(role_batch, rows, seq_len)
-        layout = None
-        model, s = ((self.spec.model, self.spec.actor) if role is self.actor
-                    else (self.spec.critic_model, self.spec.critic))
-        if model.use_remove_padding:  # packed: the host plans layouts (and draws the shuffle) for the jit
-            host = _rows_for(host, model)
-            budget = role_batch.micro.token_budget
-            if budget is not None:  # the config's longest shapes: the same program at every step
-                pads = self._budget_padding(seq_len, int(exp.response_mask.shape[1]))
-                exp, host = pad_experience(exp, *pads), host.padded(pads)
-            layout, num_micro = packing.plan_update(
-                host.attention_mask, int(exp.response_mask.shape[1]), rng, epochs=s.ppo_epochs, shuffle=s.shuffle,
-                num_mini=num_mini, num_micro=None if budget is not None else num_micro, shards=self.dp_size,
-                token_budget=budget, shared=host.prompt_groups)
-        # the role's LR-scheduler step = its updates so far (the actor starts after critic_warmup)
-        lr_step = self.global_step - (self.spec.trainer.critic_warmup if role is self.actor else 0)
-        metrics = role.update(exp, rng, lr_step=lr_step, num_mini_batches=num_mini, num_micro_batches=num_micro,
-                              rows_sharding=self.rows_sharding, packing=layout)
+    def _update(self, role: TrainedRole, exp: Experience, rng: jax.Array, rows: StepRows) -> dict[str, float]:
+        """The role's update over the step: its split (and packed layouts, with the shuffle drawn on the
+        host) from its own batch plan and model spec; its LR step counts from its `lr_offset`."""
+        split = self.batching.update(role.batch, role.model, rows, rng, epochs=role.settings.ppo_epochs,
+                                     shuffle=role.settings.shuffle)
+        if split.pads != (0, 0):  # token budget: the config's longest shapes, the same program at every step
+            exp = pad_experience(exp, *split.pads)
+        metrics = role.update(exp, rng, lr_step=self.global_step - role.lr_offset, num_mini_batches=split.num_mini,
+                              num_micro_batches=split.num_micro, rows_sharding=self.rows_sharding,
+                              packing=split.layout)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if layout is not None and role is self.actor:
-            out.update(packing.update_metrics(layout.layout))
+        if split.layout is not None and role.name == "actor":  # perf/packing/* describe the policy's update
+            out.update(update_metrics(split.layout.layout))
         return out
 
     def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:
@@ -462,7 +420,7 @@ class Trainer:
         paged = spec.rollout_engine.resolved(spec.plan.response_length,
                                              multi_turn=spec.multi_turn is not None).engine == "paged"
         shared = spec.model.use_remove_padding and spec.model.share_packed_prompts
-        passes = int(self.need_ref) + int(spec.recompute_old_log_probs) + int(self.critic is not None)
+        passes = int(self.reference is not None) + int(spec.recompute_old_log_probs) + int(self.critic is not None)
         train_passes = spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0)
         flops = step_flops(num_params=self.actor.num_params, num_layers=m.num_hidden_layers,
                            hidden_size=m.hidden_size, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
@@ -493,14 +451,15 @@ class Trainer:
             dump_jsonl(storage.join(t.validation_data_dir, f"{self.global_step}.jsonl"), samples)
         return metrics
 
-    def _state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
+        """The trained state a checkpoint holds: each trained role's params and optimizer state."""
         state = {"actor": {"params": self.actor.params, "opt_state": self.actor.opt_state}}
         if self.critic is not None:
             state["critic"] = {"params": self.critic.params, "opt_state": self.critic.opt_state}
         return state
 
     def save_checkpoint(self) -> None:
-        assert_finite_state(self._state(), self.global_step)  # a NaN checkpoint must never replace a good one
+        assert_finite_state(self.state(), self.global_step)  # a NaN checkpoint must never replace a good one
         meta = {"global_step": self.global_step, "kl_coef": float(self.kl_ctrl.value),
                 "model_config": self.actor.model_cfg.to_hf_config(),
                 "tokenizer": str(self.spec.data.tokenizer),
@@ -514,7 +473,7 @@ class Trainer:
         # the loader as of the first untrained batch: a resume generates in-flight rollouts again, on
         # the weights they were launched with (saved by version)
         record, rollout_weights = self.pipeline.checkpoint_weights(self.global_step)
-        self.store.save(self.global_step, self._state(), self.pipeline.loader_state(self.global_step),
+        self.store.save(self.global_step, self.state(), self.pipeline.loader_state(self.global_step),
                         {**meta, **record}, rollout=rollout_weights)
 
     def _stop_preempted(self, reason: str) -> None:
@@ -536,7 +495,7 @@ class Trainer:
                 self.tracker.rewind(None)  # a fresh start: records of an earlier, never-saved attempt go
             return
         # the newest readable checkpoint of the resume point (a damaged one falls back, with a warning)
-        step, state, data_state, meta = ckpt.restore_resume_point(self.store, point, ckpt.abstract_like(self._state()))
+        step, state, data_state, meta = ckpt.restore_resume_point(self.store, point, ckpt.abstract_like(self.state()))
         # the reference policy is not saved: it is the initial policy, loaded again from model.path
         self.actor.params, self.actor.opt_state = state["actor"]["params"], state["actor"]["opt_state"]
         if self.critic is not None:
@@ -606,11 +565,6 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
             first = first or err
     if first is not None and not quiet:
         raise first
-
-
-def _rows_for(host: packing.HostRows | None, model: ModelSpec) -> packing.HostRows | None:
-    """`host` as `model`'s packing sees it: no shared prompts unless `model.share_packed_prompts`."""
-    return host if host is None or model.share_packed_prompts else host._replace(prompt_groups=None)
 
 
 def _check_plan_topology(spec: RunSpec, mesh: Any) -> None:

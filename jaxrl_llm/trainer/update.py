@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
-from jaxrl_llm.trainer.packing import CapacityPacking, response_coverage, unless_empty
+from jaxrl_llm.batching import UpdateLayout, response_coverage, unless_empty
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
@@ -74,7 +74,7 @@ def run_update_epochs(
     shuffle: bool,
     rows_sharding: NamedSharding | None = None,
     loss_scale_factor: float | None = None,
-    packing: Any = None,
+    packing: UpdateLayout | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
@@ -82,9 +82,9 @@ def run_update_epochs(
     `lr` is given: `tx.update` then receives it as `learning_rate=lr`, trainer/optim.py) and the
     non-finite counters of `nonfinite.update_flags_metrics`. Call inside `jax.jit`.
 
-    packing: a `trainer.packing.UpdatePacking` (sequence packing): its `order` replaces the device
-    shuffle (the host drew the same permutations) and each micro-batch gets its packed layout as
-    `micro.packing` (the batch must then be an `Experience`). A `CapacityPacking` (token budget)
+    packing: a `batching.UpdateLayout` (sequence packing): its `order` replaces the device shuffle
+    (the host drew the same permutations) and each micro-batch gets its packed layout as
+    `micro.packing` (the batch must then be an `Experience`). A `by_budget` layout (token budget)
     brings its own micro-batches (num_micro_batches must be 1): each reads the whole mini-batch with
     the response mask cut to its own sequences, and empty ones are skipped by a `lax.cond`."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
@@ -94,7 +94,7 @@ def run_update_epochs(
             f"{num_micro_batches} micro-batches"
         )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    by_budget = isinstance(packing, CapacityPacking)
+    by_budget = packing is not None and packing.by_budget
     if by_budget and num_micro_batches != 1:
         raise ValueError("token-budget packing splits mini-batches itself: pass num_micro_batches=1")
     tx = optax.with_extra_args_support(tx)
@@ -154,7 +154,7 @@ def run_update_epochs(
         minis = _split(rows, num_mini_batches, rows_sharding)
         return jax.lax.scan(mini_step, carry, (minis, layouts))
 
-    order, layouts = (None, None) if packing is None else packing
+    order, layouts = (None, None) if packing is None else (packing.order, packing.layout)
     (params, opt_state), (metrics, flags) = jax.lax.scan(
         epoch_step, (params, opt_state), (jax.random.split(rng, ppo_epochs), order, layouts)
     )

@@ -218,7 +218,7 @@ def test_bucket_run_dir_written_and_resumed(gcs, tmp_path, monkeypatch):
                               "trainer.logger": ["console"], "trainer.rollout_data_dir": f"{url}/rollouts"})
     full = Trainer(cfg)
     full.fit()
-    want_state = jax.device_get(full._state())
+    want_state = jax.device_get(full.state())
     want = tracking.parse_records(_text(gcs, "runs/tiny/metrics.jsonl"))
     assert [r["step"] for r in want] == [1, 2, 3]  # written although trainer.logger has no 'jsonl'
     names = set(_objects(gcs, "runs/tiny/"))
@@ -244,7 +244,7 @@ def test_bucket_run_dir_written_and_resumed(gcs, tmp_path, monkeypatch):
     resumed.fit()
     assert resumed.global_step == 3
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 jax.device_get(resumed._state()), want_state)
+                 jax.device_get(resumed.state()), want_state)
     got = tracking.parse_records(_text(gcs, "runs/tiny/metrics.jsonl"))
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got[:2] == want[:2]

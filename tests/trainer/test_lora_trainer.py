@@ -76,7 +76,7 @@ def test_lora_run_reference_checkpoint_resume_and_export(tmp_path):
     trainer.fit()
     actor = trainer.actor
     # the reference is the frozen base itself (no copy), which training left untouched
-    assert trainer.ref_params is actor.frozen
+    assert trainer.reference.params is actor.frozen and trainer.reference.shares_base
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(actor.frozen), base0)
     # trained params and optimizer state: adapters only
     assert set(actor.params) == {"lora"}

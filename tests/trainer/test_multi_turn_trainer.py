@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tiny_runs
+from tiny_runs import assert_host_rows_match
 
 from jaxrl_llm.agents import AgentConfigError, Generated
 from jaxrl_llm.config import resolve_config
@@ -74,8 +75,9 @@ def test_masks_logprobs_and_a_train_step(guess_trainer):
     assert rollout.reward_metrics["multi_turn/num_turns/mean"] == 6.0  # 3 assistant + 2 user + 1
     assert rollout.reward_metrics["multi_turn/model_tokens/mean"] == 3.0
     # rollout log-probs == the trainer's recomputed old log-probs (fp32, packed) on model tokens
-    recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, rollout, trainer.spec.plan.old_log_prob,
-                                               trainer._host_rows(rollout)))
+    # the step's rows from host lengths and group ids equal what the device arrays say
+    assert_host_rows_match(rollout)
+    recomputed = np.asarray(trainer.log_probs(trainer.actor.model_params, rollout))
     sampled = np.asarray(rollout.rollout_log_probs)
     on = loss > 0
     np.testing.assert_allclose(sampled[on], recomputed[on], atol=1e-5, rtol=0)
@@ -108,8 +110,8 @@ def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkey
     # (one-token turns: token 0 comes from the prefill, so no decode step runs)
     assert r.reward_metrics["rollout/engine/slot_utilisation"] == stats.utilisation
     assert r.reward_metrics["rollout/engine/prefill_tokens"] == stats.prefill_tokens > 0
-    recomputed = np.asarray(trainer._log_probs(trainer.actor.model_params, r, trainer.spec.plan.old_log_prob,
-                                               trainer._host_rows(r)))
+    assert_host_rows_match(r)
+    recomputed = np.asarray(trainer.log_probs(trainer.actor.model_params, r))
     np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
 
 

@@ -40,7 +40,7 @@ def test_bf16_step_without_the_old_log_prob_pass_equals_recomputing(tmp_path):
         "trainer.total_training_steps": 1, "trainer.test_freq": -1, "actor_rollout_ref.rollout.n": 4}), tmp_path)
     trainer = Trainer(cfg)
     assert trainer.spec.actor.old_log_probs_from_update and not trainer.spec.recompute_old_log_probs
-    state = jax.tree.map(jnp.copy, trainer._state())
+    state = jax.tree.map(jnp.copy, trainer.state())
     loader_state = trainer.train_loader.get_state()
     batch = next(trainer.train_loader)
     from_update = trainer.train_step(batch)

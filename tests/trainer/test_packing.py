@@ -15,7 +15,7 @@ from jaxrl_llm.config import ActorSpec, CriticSpec
 from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.models import ModelConfig, forward_hidden, init_params
 from jaxrl_llm.models.cache import segment_positions
-from jaxrl_llm.trainer import packing as pk
+from jaxrl_llm import batching as pk
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, pad_experience, values_no_grad
@@ -65,9 +65,9 @@ def _update(update_fn, params, s, b, packed, mesh=None, num_micro=2, shared=None
     rng = jax.random.PRNGKey(1)
     packing = None
     if packed:
-        packing, num_micro = pk.plan_update(np.asarray(b.attention_mask), R, rng, epochs=s.ppo_epochs,
-                                            shuffle=s.shuffle, num_mini=2, num_micro=num_micro, shards=shards,
-                                            shared=shared)
+        rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), R, shared)
+        packing, num_micro = pk.plan_update(rows, rng, epochs=s.ppo_epochs, shuffle=s.shuffle, num_mini=2,
+                                            num_micro=num_micro, shards=shards)
     fn = jax.jit(functools.partial(update_fn, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
                                    num_micro_batches=num_micro, rows_sharding=sharding))
     new, _, metrics = fn(params, tx.init(params), b, rng, None, packing)
@@ -112,7 +112,7 @@ def test_packed_critic_update_equals_padded():
 def test_no_grad_passes_equal_padded():
     b = _batch(2)
     mask = np.asarray(b.attention_mask)
-    layout = pk.plan_chunks(mask, R, micro_rows=8, shards=2)
+    layout = pk.plan_chunks(pk.StepRows.of_mask(mask, R), micro_rows=8, shards=2)
     params = init_params(CFG, jax.random.PRNGKey(0))
     kw = dict(model_cfg=CFG, temperature=0.7, compute_dtype="float32", micro_rows=8)
     want = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, **kw)
@@ -129,7 +129,7 @@ def test_no_grad_passes_equal_padded():
 def test_attention_does_not_cross_sequences_and_positions_restart():
     b = _batch(3)
     mask = np.asarray(b.attention_mask)
-    layout = pk.plan_chunks(mask, R, micro_rows=N, shards=1)
+    layout = pk.plan_chunks(pk.StepRows.of_mask(mask, R), micro_rows=N, shards=1)
     row = int(np.argmax(np.asarray(layout.segment_ids)[0, 0].max(-1)))  # the row with most sequences
     seg = np.asarray(layout.segment_ids)[0, 0, row]
     assert seg.max() >= 2  # this row packs several sequences
@@ -175,8 +175,8 @@ def test_no_recompile_across_steps_with_other_lengths():
     # bucket, another program: seed 5's 266 real tokens fit 3 rows instead of 4)
     for seed in (4, 6, 7):
         b = _batch(seed)
-        packing, _ = pk.plan_update(np.asarray(b.attention_mask), R, jax.random.PRNGKey(seed), epochs=2,
-                                    shuffle=True, num_mini=2, num_micro=2, shards=1)
+        packing, _ = pk.plan_update(pk.StepRows.of_mask(np.asarray(b.attention_mask), R), jax.random.PRNGKey(seed),
+                                    epochs=2, shuffle=True, num_mini=2, num_micro=2, shards=1)
         real.add(pk.packing_stats(packing.layout)["real_tokens"])
         fn(params, tx.init(params), b, jax.random.PRNGKey(seed), None, packing)
     assert len(real) == 3  # the steps really had different length mixes
@@ -194,17 +194,17 @@ def test_row_width_picked_for_fewest_computed_tokens():
     # computed tokens; 896-wide rows hold them in 2 rows = 1792, so the layout takes 896
     lengths = np.array([211, 250, 388, 297, 260, 226])
     mask = (np.arange(400)[None] >= 400 - lengths[:, None]).astype(np.int32)
-    layout = pk.build_layout(mask, 8, np.arange(6).reshape(1, 1, 6))
+    layout = pk.build_layout(pk.StepRows.of_mask(mask, 8), np.arange(6).reshape(1, 1, 6))
     assert layout.segment_ids.shape == (1, 1, 2, 896)
     stats = pk.packing_stats(layout)
     assert stats == {"computed_tokens": 1792, "real_tokens": int(lengths.sum())}
     # 100 + 250 tokens: two 256-wide rows (512) or one 384-wide row (384); once one row holds them
     # all, wider candidates only add padding and are not tried
     two = (np.arange(400)[None] >= 400 - np.array([[100], [250]])).astype(np.int32)
-    small = pk.build_layout(two, 8, np.arange(2).reshape(1, 1, 2))
+    small = pk.build_layout(pk.StepRows.of_mask(two, 8), np.arange(2).reshape(1, 1, 2))
     assert small.segment_ids.shape == (1, 1, 1, 384)
     # a tie (211 + 250: two 256-wide rows or one 512-wide row) keeps the narrower width
-    tie = pk.build_layout(mask[:2], 8, np.arange(2).reshape(1, 1, 2))
+    tie = pk.build_layout(pk.StepRows.of_mask(mask[:2], 8), np.arange(2).reshape(1, 1, 2))
     assert tie.segment_ids.shape == (1, 1, 2, 256)
 
 
@@ -220,10 +220,10 @@ def test_balanced_orders_even_out_micro_batches_within_mini_batches():
     # through plan_update (1 mini-batch, 2 micro-batches): the consecutive order would put 1140 tokens
     # in micro-batch 0 and 140 in 1, both shaped 2 rows x 640; balanced, each holds 640 in 1 x 640
     mask = (np.arange(300)[None] >= 300 - length[:, None]).astype(np.int32)
-    consecutive = pk.build_layout(mask, 8, np.arange(8).reshape(1, 1, 2, 1, 4))
+    consecutive = pk.build_layout(pk.StepRows.of_mask(mask, 8), np.arange(8).reshape(1, 1, 2, 1, 4))
     assert pk.packing_stats(consecutive)["computed_tokens"] == 2 * 2 * 640
-    packing, _ = pk.plan_update(mask, 8, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
-                                num_micro=2, shards=1)
+    packing, _ = pk.plan_update(pk.StepRows.of_mask(mask, 8), jax.random.PRNGKey(0), epochs=1, shuffle=False,
+                                num_mini=1, num_micro=2, shards=1)
     assert sorted(packing.order[0].tolist()) == list(range(8))
     assert pk.packing_stats(packing.layout) == {"computed_tokens": 2 * 640, "real_tokens": 1280}
 
@@ -232,10 +232,10 @@ def _budget_update(update_fn, params, s, b, budget, mesh=None, fn=None, shared=N
     tx = optax.sgd(0.5)
     b, sharding, shards = _place(b, mesh)
     rng = jax.random.PRNGKey(1)
-    packing, num_micro = pk.plan_update(np.asarray(b.attention_mask), b.response_mask.shape[1], rng,
-                                        epochs=s.ppo_epochs, shuffle=s.shuffle, num_mini=2, num_micro=None,
-                                        shards=shards, token_budget=budget, shared=shared)
-    assert isinstance(packing, pk.CapacityPacking) and num_micro == 1
+    rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), b.response_mask.shape[1], shared)
+    packing, num_micro = pk.plan_update(rows, rng, epochs=s.ppo_epochs, shuffle=s.shuffle, num_mini=2, num_micro=None,
+                                        shards=shards, token_budget=budget)
+    assert packing.by_budget and num_micro == 1
     fn = fn or jax.jit(functools.partial(update_fn, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
                                          num_micro_batches=1, rows_sharding=sharding))
     new, _, metrics = fn(params, tx.init(params), b, rng, None, packing)
@@ -247,8 +247,8 @@ def test_token_budget_layout_fills_fixed_micro_batches():
     mask = np.asarray(b.attention_mask)
     _, length = pk.sequence_spans(mask)
     budget, shards = 48, 2
-    packing, _ = pk.plan_update(mask, R, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
-                                num_micro=None, shards=shards, token_budget=budget)
+    packing, _ = pk.plan_update(pk.StepRows.of_mask(mask, R), jax.random.PRNGKey(0), epochs=1, shuffle=False,
+                                num_mini=1, num_micro=None, shards=shards, token_budget=budget)
     seg = np.asarray(packing.layout.segment_ids)
     # rows of the width bucket of P + R = 16 tokens, budget // 16 = 3 rows per micro-batch, and
     # enough micro-batches for 8 sequences per shard alone in their rows: ceil(8 / 3) = 3
@@ -265,8 +265,8 @@ def test_token_budget_layout_fills_fixed_micro_batches():
         np.testing.assert_array_equal(got, want)
     # the shapes come from the config alone: shorter sequences give the same shapes
     short = np.asarray(_batch(9, max_prompt=2, max_resp=2).attention_mask)
-    again, _ = pk.plan_update(short, R, jax.random.PRNGKey(0), epochs=1, shuffle=False, num_mini=1,
-                              num_micro=None, shards=shards, token_budget=budget)
+    again, _ = pk.plan_update(pk.StepRows.of_mask(short, R), jax.random.PRNGKey(0), epochs=1, shuffle=False,
+                              num_mini=1, num_micro=None, shards=shards, token_budget=budget)
     assert again.layout.segment_ids.shape == seg.shape
     assert (np.asarray(again.layout.segment_ids).reshape(3, -1) > 0).any(1).tolist() == [True, False, False]
 
@@ -331,7 +331,7 @@ def test_lm_head_skips_slot_blocks_past_the_filled_ones(monkeypatch):
 
 def test_token_budget_no_grad_passes_equal_padded():
     b = _batch(2)
-    layout = pk.plan_capacity_chunks(np.asarray(b.attention_mask), R, shards=2, token_budget=40)
+    layout = pk.plan_capacity_chunks(pk.StepRows.of_mask(np.asarray(b.attention_mask), R), shards=2, token_budget=40)
     assert (np.asarray(layout.segment_ids) > 0).any((1, 2, 3)).sum() >= 2
     params = init_params(CFG, jax.random.PRNGKey(0))
     kw = dict(model_cfg=CFG, temperature=0.7, compute_dtype="float32")
@@ -358,12 +358,20 @@ def test_trainer_step_same_with_and_without_packing(tmp_path):
         "actor_rollout_ref.actor.shuffle": True})
     trainer = Trainer(cfg)
     assert trainer.spec.model.use_remove_padding and trainer.spec.critic_model.use_remove_padding  # the default
-    state = jax.tree.map(jnp.copy, trainer._state())  # the update donates params and optimizer state
+    state = jax.tree.map(jnp.copy, trainer.state())  # the update donates params and optimizer state
     loader_state, kl_coef = trainer.train_loader.get_state(), trainer.kl_ctrl.value
 
-    def step():
+    def step(packs: bool):
         metrics = trainer.train_step(next(trainer.train_loader))
+        assert ("perf/packing/real_tokens" in metrics) == packs  # the step really ran (un)packed
         return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+    def configure(spec):  # the run's spec where each pass reads it: the batching plan and the roles
+        from jaxrl_llm.batching import StepBatching
+
+        trainer.spec, trainer.batching = spec, StepBatching(spec.plan, trainer.dp_size)
+        trainer.actor.model, trainer.actor.batch = spec.model, spec.plan.actor
+        trainer.critic.model, trainer.critic.batch = spec.critic_model, spec.plan.critic
 
     def reset():
         for role in ("actor", "critic"):
@@ -372,22 +380,22 @@ def test_trainer_step_same_with_and_without_packing(tmp_path):
         trainer.train_loader.set_state(loader_state)
         trainer.kl_ctrl.value = kl_coef
 
-    packed = step()
+    packed = step(packs=True)
     reset()
     spec = trainer.spec
-    trainer.spec = dataclasses.replace(
+    configure(dataclasses.replace(
         spec, model=dataclasses.replace(spec.model, use_remove_padding=False),
-        critic_model=dataclasses.replace(spec.critic_model, use_remove_padding=False))
-    padded = step()
+        critic_model=dataclasses.replace(spec.critic_model, use_remove_padding=False)))
+    padded = step(packs=False)
     # and packed to a token budget (use_dynamic_bsz) in every pass: rows padded to the config's
     # longest shapes, several fixed-size micro-batches per mini-batch
     reset()
     budget = MicroBatching("ppo_max_token_len_per_device", None, 96)
     plan = spec.plan
-    trainer.spec = dataclasses.replace(spec, plan=dataclasses.replace(
+    configure(dataclasses.replace(spec, plan=dataclasses.replace(
         plan, actor=dataclasses.replace(plan.actor, micro=budget), critic=dataclasses.replace(plan.critic, micro=budget),
-        ref_log_prob=budget, values=budget))
-    by_budget = step()
+        ref_log_prob=budget, values=budget)))
+    by_budget = step(packs=True)
     trainer.close()
     assert by_budget.keys() == packed.keys()
     for key in padded:

@@ -137,11 +137,11 @@ def test_trainer_step_with_a_bf16_offloaded_reference_and_offload_remat(tmp_path
     trainer = Trainer(cfg)
     assert "reference: on (bfloat16, pinned host memory)" in capsys.readouterr().out
     assert trainer.spec.actor.remat == "offload"
-    leaves = jax.tree.leaves(trainer.ref_params)
+    leaves = jax.tree.leaves(trainer.reference.params)
     assert {x.dtype for x in leaves} == {jnp.dtype("bfloat16")}
     assert {x.sharding.memory_kind for x in leaves} == {"pinned_host"}
     assert {x.dtype for x in jax.tree.leaves(trainer.actor.params)} == {jnp.dtype("float32")}  # fp32 master
     metrics = trainer.fit()
     # step 1: the reference is the policy itself, so the KL loss is ~0 (bf16 rounding only)
     assert np.isfinite(metrics["actor/pg_loss"]) and abs(metrics["actor/kl_loss"]) < 1e-3
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.ref_params)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.reference.params)} == {"pinned_host"}

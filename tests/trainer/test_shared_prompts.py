@@ -9,8 +9,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.config import CriticSpec
+from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.models import init_params
-from jaxrl_llm.trainer import packing as pk
+from jaxrl_llm import batching as pk
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import log_probs_no_grad, values_no_grad
@@ -51,8 +52,8 @@ def test_shared_layout_holds_each_prompt_once_and_scores_every_token():
     mask = np.asarray(b.attention_mask)
     start, length = pk.sequence_spans(mask)
     prompt = np.clip(P - start, 0, length)
-    plain = pk.plan_chunks(mask, R, micro_rows=N, shards=1)
-    shared = pk.plan_chunks(mask, R, micro_rows=N, shards=1, shared=_shared(b))
+    plain = pk.plan_chunks(pk.StepRows.of_mask(mask, R), micro_rows=N, shards=1)
+    shared = pk.plan_chunks(pk.StepRows.of_mask(mask, R, _shared(b)), micro_rows=N, shards=1)
     real = lambda lay: int((np.asarray(lay.segment_ids) > 0).sum())  # noqa: E731
     assert real(plain) == length.sum()
     # rows of width 16 hold a prompt and every response that fits after it
@@ -72,8 +73,8 @@ def test_shared_no_grad_passes_equal_padded():
     b = _grouped(2)
     params = init_params(CFG, jax.random.PRNGKey(0))
     vparams = init_params(CFG, jax.random.PRNGKey(0), head="value")
-    for layout, micro_rows in ((pk.plan_chunks(np.asarray(b.attention_mask), R, 8, 2, _shared(b)), 8),
-                               (pk.plan_capacity_chunks(np.asarray(b.attention_mask), R, 2, 40, _shared(b)), 0)):
+    rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), R, _shared(b))
+    for layout, micro_rows in ((pk.plan_chunks(rows, 8, 2), 8), (pk.plan_capacity_chunks(rows, 2, 40), 0)):
         assert (np.asarray(layout.branch_ids) >= 2).any()  # some prompt is shared
         kw = dict(model_cfg=CFG, temperature=0.7, compute_dtype="float32")
         want = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
@@ -89,7 +90,8 @@ def test_shared_no_grad_passes_equal_padded():
 
 def test_a_response_sees_its_prompt_and_not_its_siblings():
     b = _grouped(5)
-    layout = jax.tree.map(lambda x: x[0], pk.plan_chunks(np.asarray(b.attention_mask), R, N, 1, _shared(b)))
+    rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), R, _shared(b))
+    layout = jax.tree.map(lambda x: x[0], pk.plan_chunks(rows, N, 1))
     params = init_params(CFG, jax.random.PRNGKey(0))
     lp = jax.jit(lambda ids: response_log_probs(params, CFG, ids, b.attention_mask, R, packing=layout))
     base = np.asarray(lp(b.input_ids))
@@ -146,19 +148,19 @@ def test_shared_budget_update_equals_padded_on_8_devices():
 
 def test_share_packed_prompts_key_turns_sharing_off_per_model(tmp_path):
     """`model.share_packed_prompts=False` (policy) keeps the critic's sharing and packs the policy's
-    rows one sequence per segment, through the trainer's host rows."""
+    rows one sequence per segment, through the step's batching plan."""
     import tiny_runs
     from jaxrl_llm.config import resolve, validate_config
-    from jaxrl_llm.trainer.trainer import _rows_for
 
     cfg = tiny_runs.tiny_config(tmp_path, **{"actor_rollout_ref.model.share_packed_prompts": False,
                                               "algorithm.adv_estimator": "gae"})
     spec = resolve(validate_config(cfg, dp_size=1, check_paths=False), dp_size=1)
     assert not spec.model.share_packed_prompts and spec.critic_model.share_packed_prompts
     b = _grouped(2)
-    host = pk.HostRows(np.asarray(b.attention_mask), _shared(b))
-    assert _rows_for(host, spec.model).prompt_groups is None
-    assert _rows_for(host, spec.critic_model).prompt_groups is host.prompt_groups
-    policy = _rows_for(host, spec.model)
-    layout = pk.plan_chunks(policy.attention_mask, R, N, 1, policy.prompt_groups)
-    assert np.asarray(layout.branch_ids).max() == 1  # every segment is one prompt + one response
+    rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), R, _shared(b))
+    batching = pk.StepBatching(dataclasses.replace(spec.plan, dp_size=1), shards=1)
+    micro = MicroBatching("test", per_device=None, token_budget=None)
+    policy = batching.no_grad(micro, spec.model, rows).layout
+    critic = batching.no_grad(micro, spec.critic_model, rows).layout
+    assert np.asarray(policy.branch_ids).max() == 1  # every segment is one prompt + one response
+    assert np.asarray(critic.branch_ids).max() >= 2  # the critic's segments share their prompt

@@ -94,7 +94,7 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
         "critic.optim.lr": 1e-3})
     cfg = with_reward_file(cfg, tmp_path)
     trainer = Trainer(cfg)
-    assert trainer.critic is not None and trainer.need_ref
+    assert trainer.critic is not None and trainer.reference is not None
     last = trainer.fit()
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "actor/kl_loss",
                 "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/values", "timing_s/ref"):
@@ -121,7 +121,7 @@ def test_trl_rloo_estimator_runs_with_a_reference_and_logs_trl_rewards(tmp_path)
         "algorithm.kl_ctrl.kl_coef": 0.1, "algorithm.trl_rloo.normalize_advantage": True,
         "trainer.total_training_steps": 1}), tmp_path)
     trainer = Trainer(cfg)
-    assert trainer.need_ref  # the KL folded into the score needs the reference's log-probs
+    assert trainer.reference is not None  # the KL folded into the score needs the reference's log-probs
     last = trainer.fit()
     for key in ("critic/rlhf_reward/mean", "critic/non_score_reward/mean", "critic/advantages/mean",
                 "timing_s/ref", "actor/pg_loss"):

@@ -1,43 +1,35 @@
-"""Sequence packing (`model.use_remove_padding`): the forward/backward and no-grad passes run on
-rows that hold several variable-length sequences back to back, not on [N, P + R] padded rows.
+"""Sequence packing, planned on the host (numpy, no device work): where each micro-batch's tokens go
+in packed rows (`PackedLayout`) for the no-grad passes and the updates (`model.use_remove_padding`).
 
-The host builds a `PackedLayout` per micro-batch from the attention masks it already has (no
-device work): for each row shard (one per data-parallel device) the shard's sequences are packed
-first-fit-decreasing into `rows` rows of `width` tokens, with segment ids 1, 2, ... per row (0 on
-padding). Inside the jit the packed tokens are gathered from the micro-batch's padded
-`input_ids`, the model runs with segment ids (attention never crosses sequences, positions restart
-per sequence: models/cache.py), the hidden states that predict response tokens are gathered into
-[shards, M, H], and per-token outputs (log-probs, entropy, values) are scattered back to the
-padded [n, R] response layout. Everything after that (losses, metrics, denominators) is the
-unpacked code path, so packed and padded runs give the same numbers.
+Each row shard (one per data-parallel device) packs its sequences first-fit-decreasing into `rows`
+rows of `width` tokens, with segment ids 1, 2, ... per row (0 on padding). The plans read only a
+step's `StepRows` (row spans and prompt groups the rollout already has on the host); the device
+side (batching/ops.py) gathers the packed tokens, runs the model with segment ids and scatters
+per-token outputs back to the padded [n, R] response layout, so everything after it (losses,
+metrics, denominators) is the unpacked code path and packed and padded runs give the same numbers.
 
-Shared prompts (`model.share_packed_prompts`): rows whose prompts are the same (`prompt_groups`,
-from the host's prompt tokens: the n samples of a GRPO group) and that land in one shard's block
-form one segment: the prompt once, then each row's response, with explicit positions (a response
-continues its prompt's) and branch ids (0 on the prompt, j on the j-th response) so a response
-attends to the prompt and to itself only. The response's first token is scored by the prompt's last
-hidden state, which the samples share. A group that does not fit one row is split into several
-segments, each with its own copy of the prompt; no segment is longer than its rows alone, so a
-token budget's worst case still holds.
+Shared prompts (`model.share_packed_prompts`): rows of one prompt group that land in one shard's
+block form one segment: the prompt once, then each row's response, with explicit positions (a
+response continues its prompt's) and branch ids (0 on the prompt, j on the j-th response) so a
+response attends to the prompt and to itself only. The response's first token is scored by the
+prompt's last hidden state, which the samples share. A group that does not fit one row is split into
+several segments, each with its own copy of the prompt; no segment is longer than its rows alone, so
+a token budget's worst case still holds.
 
 Shapes come from a few buckets (row width >= the longest sequence and row count: `bucket`, 4
 sizes per doubling, the width picked among the next few buckets for the fewest computed tokens;
 response slots M: powers of two; token-budget micro-batches: one shape from the config), so a new
-step with other lengths mostly reuses a compiled program. Positions outside a row's attention mask
-come back as 0 (the padded path computes throwaway values there; every consumer masks them).
+step with other lengths mostly reuses a compiled program.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models import ModelConfig, forward_hidden
+from jaxrl_llm.batching.layout import PackedLayout, StepRows, UpdateLayout
 
-Array = jax.Array
 WIDTH_GRANULE = 128  # packed row widths are multiples of this (powers of two below it)
 MIN_RESPONSE_SLOTS = 16
 WIDTH_CHOICES = 4  # row widths tried per layout (the bucket of the longest sequence and the next 3)
@@ -60,77 +52,7 @@ def row_width(longest: int) -> int:
     return bucket(longest, WIDTH_GRANULE)
 
 
-@flax.struct.dataclass
-class PackedLayout:
-    """Where a micro-batch's tokens go in its packed rows, per row shard (leading axis `shards`; the
-    shard's sequences are its `n / shards` consecutive rows of the micro-batch).
-
-    token_index  int32 [shards, rows, width]: index into the shard's flattened [n_d * T] tokens
-    segment_ids  int32 [shards, rows, width]: 1, 2, ... per sequence of a packed row; 0 = padding
-    response_src int32 [shards, M]: index into the shard's flattened [rows * width] hidden states
-                 of the state that predicts a response token
-    response_dst int32 [shards, M]: that token's index in the shard's flattened [n_d * R] response
-                 layout; n_d * R on padding entries (dropped by the scatter)
-    positions    int32 [shards, rows, width]: each token's position in its own sequence
-    branch_ids   int32 [shards, rows, width]: 0 on a segment's prompt, j on the j-th response that
-                 follows it (a segment is one prompt + the responses of the rows that share it)
-    Extra leading axes (epochs, mini-batches, micro-batches) are scanned over by the update.
-    """
-
-    token_index: Array
-    segment_ids: Array
-    response_src: Array
-    response_dst: Array
-    positions: Array
-    branch_ids: Array
-
-
-class CapacityPacking(NamedTuple):
-    """Token-budget packing of an update call (`use_dynamic_bsz`): `order` as `UpdatePacking`'s and
-    `layout` with leading [epochs, mini-batches, micro-batches, shards] axes whose sizes come from
-    the config alone (`capacity_shape`). Each micro-batch reads its whole mini-batch and scores the
-    sequences its rows hold; micro-batches a step leaves empty are skipped."""
-
-    order: Any
-    layout: PackedLayout
-
-
-class HostRows(NamedTuple):
-    """What the host plans a step's packed layouts from: the rows' attention masks [N, P + R] and
-    their `prompt_groups` [N] (rows with one prompt share its tokens when packed together)."""
-
-    attention_mask: np.ndarray
-    prompt_groups: np.ndarray | None
-
-    def padded(self, pads: tuple[int, int]) -> "HostRows":
-        """The rows padded by (prompt, response) columns as `pad_experience` pads the device rows."""
-        return self._replace(attention_mask=np.pad(self.attention_mask, ((0, 0), pads)))
-
-
-class UpdatePacking(NamedTuple):
-    """Packing of a whole update call: `order` [epochs, N] the rows of each epoch in order (the
-    shuffle's permutation, computed on the host with the padded path's function, or arange) and
-    `layout`, a `PackedLayout` with leading [epochs, mini-batches, micro-batches] axes."""
-
-    order: Any
-    layout: PackedLayout
-
-
 # ---------------------------------------------------------------------------- host side
-
-
-def sequence_spans(attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(start, length) of each row's real tokens; raises unless they are one contiguous run (left-
-    padded prompt + right-padded response, the rollout layout)."""
-    mask = np.asarray(attention_mask) > 0
-    length = mask.sum(1).astype(np.int64)
-    start = np.argmax(mask, axis=1).astype(np.int64)
-    idx = np.arange(mask.shape[1])[None]
-    inside = (idx >= start[:, None]) & (idx < (start + length)[:, None])
-    if not np.array_equal(inside, mask):
-        raise ValueError("model.use_remove_padding needs each row's attention_mask to be one contiguous run of "
-                         "1s (left-padded prompt + right-padded response)")
-    return start, length
 
 
 def _first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
@@ -189,9 +111,9 @@ class _Geometry(NamedTuple):
     resp_tokens: np.ndarray
 
 
-def _response_geometry(mask: np.ndarray, response_len: int) -> _Geometry:
-    start, length = sequence_spans(mask)
-    resp0 = mask.shape[1] - response_len
+def _response_geometry(rows: StepRows) -> _Geometry:
+    start, length, response_len = rows.start, rows.length, rows.response_len
+    resp0 = rows.seq_len - response_len
     # response column c is scored by the hidden state at c - 1; both must be real tokens
     first_resp = np.maximum(resp0, start + 1)
     return _Geometry(start, length, np.clip(resp0 - start, 0, length), first_resp,
@@ -301,21 +223,19 @@ def _stack_blocks(blocks: list[tuple], lead: tuple[int, ...], n_d: int, response
                         response_src=src.reshape(*lead, m), response_dst=dst.reshape(*lead, m))
 
 
-def build_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray,
-                 shared: np.ndarray | None = None) -> PackedLayout:
+def build_layout(rows: StepRows, groups: np.ndarray) -> PackedLayout:
     """The packed layout (numpy) of `groups` [..., shards, n_d]: global row ids, each shard's rows in
     micro-batch order. Shapes: width >= the longest sequence, rows and M bucketed to the largest
-    shard's need, so all micro-batches of a call share one shape. `shared` (`prompt_groups`, [N]):
-    rows of one block with the same prompt share one copy of it (`_units`)."""
-    mask = np.asarray(attention_mask)
-    geometry = _response_geometry(mask, response_len)
+    shard's need, so all micro-batches of a call share one shape. With `rows.prompt_groups`, rows of
+    one block with the same prompt share one copy of it (`_units`)."""
+    geometry, shared, response_len = _response_geometry(rows), rows.prompt_groups, rows.response_len
     groups = np.asarray(groups)
-    width, rows, _ = _pick_width(geometry, shared, groups)
+    width, num_rows, _ = _pick_width(geometry, shared, groups)
     blocks = []
     for group in groups.reshape(-1, groups.shape[-1]):
         members = _packed_rows(group, geometry, shared, width)
-        members += [[] for _ in range(rows - len(members))]
-        blocks.append(_fill_block(members, group, geometry, width, mask.shape[1], response_len))
+        members += [[] for _ in range(num_rows - len(members))]
+        blocks.append(_fill_block(members, group, geometry, width, rows.seq_len, response_len))
     return _stack_blocks(blocks, groups.shape[:-1], groups.shape[-1], response_len)
 
 
@@ -330,15 +250,14 @@ def capacity_shape(seq_len: int, token_budget: int, rows_per_shard: int) -> tupl
     return -(-rows_per_shard // rows), rows, width
 
 
-def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups: np.ndarray, num_micro: int,
-                          rows: int, width: int, shared: np.ndarray | None = None) -> PackedLayout:
+def build_capacity_layout(step_rows: StepRows, groups: np.ndarray, num_micro: int, rows: int, width: int
+                          ) -> PackedLayout:
     """Token-budget layout of `groups` [..., shards, n_d] with leading axes [..., num_micro, shards]:
     each shard's sequences packed first-fit-decreasing into rows of `width`, `rows` rows per
     micro-batch in turn (trailing micro-batches empty). Indices are relative to the shard's whole
-    group, which every micro-batch reads (trainer/update.py). `shared` as `build_layout`'s: a
+    group, which every micro-batch reads (trainer/update.py). Shared prompts as `build_layout`'s: a
     segment never holds more tokens than its rows alone, so the worst case still fits."""
-    mask = np.asarray(attention_mask)
-    geometry = _response_geometry(mask, response_len)
+    geometry, shared, response_len = _response_geometry(step_rows), step_rows.prompt_groups, step_rows.response_len
     groups = np.asarray(groups)
     lead, n_d = groups.shape[:-2], groups.shape[-1]
     shards = groups.shape[-2]
@@ -353,14 +272,14 @@ def build_capacity_layout(attention_mask: np.ndarray, response_len: int, groups:
             members += [[] for _ in range(num_micro * rows - len(members))]
             for k in range(num_micro):
                 blocks[i * num_micro + k][s] = _fill_block(members[k * rows:(k + 1) * rows], group, geometry,
-                                                           width, mask.shape[1], response_len)
+                                                           width, step_rows.seq_len, response_len)
     # M: every token a micro-batch computes (one shape); the LM head skips the slot blocks past the
     # filled ones (`token_logprobs(rows_in_use=)`), so its work follows the real response tokens
     return _stack_blocks([b for mb in blocks for b in mb], (*lead, num_micro, shards), n_d, response_len,
                          min_slots=rows * width, max_slots=rows * width)
 
 
-def epoch_orders(rng: Array, epochs: int, num_rows: int, shuffle: bool) -> np.ndarray:
+def epoch_orders(rng: jax.Array, epochs: int, num_rows: int, shuffle: bool) -> np.ndarray:
     """[epochs, N] row order of each epoch: exactly the permutations `run_update_epochs` draws on
     device when it shuffles (same keys, same function), else arange."""
     if not shuffle:
@@ -403,73 +322,48 @@ def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins:
     return out
 
 
-def plan_update(attention_mask: np.ndarray, response_len: int, rng: Array, *, epochs: int, shuffle: bool,
-                num_mini: int, num_micro: int | None, shards: int, token_budget: int | None = None,
-                shared: np.ndarray | None = None) -> tuple[UpdatePacking | CapacityPacking, int]:
-    """(packing, micro-batches to split each mini-batch into) of one `run_update_epochs` call.
+def plan_update(rows: StepRows, rng: jax.Array, *, epochs: int, shuffle: bool, num_mini: int,
+                num_micro: int | None, shards: int, token_budget: int | None = None) -> tuple[UpdateLayout, int]:
+    """(layout, micro-batches to split each mini-batch into) of one `run_update_epochs` call.
     num_micro None: a dynamic batch size (`token_budget` tokens per shard per micro-batch): a
-    `CapacityPacking` whose shapes only the config sets, and 1 (every micro-batch reads the whole
-    mini-batch and scores its own sequences). `shared`: `prompt_groups` of the rows (rows with
-    one prompt that land in one micro-batch shard compute it once)."""
-    mask = np.asarray(attention_mask)
-    num_rows = mask.shape[0]
+    `by_budget` layout whose shapes only the config sets, and 1 (every micro-batch reads the whole
+    mini-batch and scores its own sequences). Rows of one `rows.prompt_groups` group that land in
+    one micro-batch shard compute their prompt once."""
+    num_rows, shared = rows.num_rows, rows.prompt_groups
     orders = epoch_orders(rng, epochs, num_rows, shuffle)
     if num_micro is None:
         per_shard = num_rows // num_mini // shards
         if per_shard * shards * num_mini != num_rows:
             raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {shards} shards")
-        count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
+        count, micro_rows, width = capacity_shape(rows.seq_len, token_budget, per_shard)
         groups = orders.reshape(epochs, num_mini, shards, per_shard)
-        return CapacityPacking(orders, build_capacity_layout(mask, response_len, groups, count, rows, width,
-                                                             shared)), 1
+        layout = build_capacity_layout(rows, groups, count, micro_rows, width)
+        return UpdateLayout(orders, layout, by_budget=True), 1
     n_d = num_rows // num_mini // num_micro // shards
     if n_d * shards * num_micro * num_mini != num_rows:
         raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {num_micro} micro-batches "
                          f"x {shards} shards")
-    orders = balanced_orders(sequence_spans(mask)[1], orders, num_mini, num_micro * shards, shared)
+    orders = balanced_orders(rows.length, orders, num_mini, num_micro * shards, shared)
     groups = orders.reshape(epochs, num_mini, num_micro, shards, n_d)
-    return UpdatePacking(orders, build_layout(mask, response_len, groups, shared)), num_micro
+    return UpdateLayout(orders, build_layout(rows, groups)), num_micro
 
 
-def plan_chunks(attention_mask: np.ndarray, response_len: int, micro_rows: int, shards: int,
-                shared: np.ndarray | None = None) -> PackedLayout:
+def plan_chunks(rows: StepRows, micro_rows: int, shards: int) -> PackedLayout:
     """Layout of a no-grad pass over consecutive chunks of `micro_rows` rows: leading axis = chunks."""
-    num_rows = np.shape(attention_mask)[0]
+    num_rows = rows.num_rows
     micro_rows = min(micro_rows, num_rows)
     shards = shards if micro_rows % shards == 0 else 1
     groups = np.arange(num_rows).reshape(num_rows // micro_rows, shards, micro_rows // shards)
-    return build_layout(attention_mask, response_len, groups, shared)
+    return build_layout(rows, groups)
 
 
-def plan_capacity_chunks(attention_mask: np.ndarray, response_len: int, shards: int, token_budget: int,
-                         shared: np.ndarray | None = None) -> PackedLayout:
+def plan_capacity_chunks(rows: StepRows, shards: int, token_budget: int) -> PackedLayout:
     """Token-budget layout of a no-grad pass (leading axes [chunks, shards]): each chunk reads all
-    rows and computes `token_budget` tokens per shard (`forward.packed_chunks`)."""
-    mask = np.asarray(attention_mask)
-    shards = shards if mask.shape[0] % shards == 0 else 1
-    per_shard = mask.shape[0] // shards
-    count, rows, width = capacity_shape(mask.shape[1], token_budget, per_shard)
-    return build_capacity_layout(mask, response_len, np.arange(mask.shape[0]).reshape(shards, per_shard),
-                                 count, rows, width, shared)
-
-
-def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
-    """`fn(*operands)`, or zeros shaped like its output where `layout` holds no token: a token-budget
-    micro-batch or chunk that a step's lengths leave empty costs nothing (`lax.cond`)."""
-    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))  # noqa: E731
-    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, zeros, *operands)
-
-
-def filled_slots(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
-    """[..., shards, M] bool: the response slots that hold a token (padding slots point past the
-    shard's n_d * R responses); they are filled from the front."""
-    return layout.response_dst < num_rows // layout.response_dst.shape[-2] * response_len
-
-
-def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
-    """[n, R] float32: 1 where `layout` scores a response token (a token-budget micro-batch's own
-    tokens), else 0."""
-    return unpack_response(jnp.ones(layout.response_dst.shape, jnp.float32), layout, num_rows, response_len)
+    rows and computes `token_budget` tokens per shard (`trainer/forward.py` `packed_chunks`)."""
+    shards = shards if rows.num_rows % shards == 0 else 1
+    per_shard = rows.num_rows // shards
+    count, micro_rows, width = capacity_shape(rows.seq_len, token_budget, per_shard)
+    return build_capacity_layout(rows, np.arange(rows.num_rows).reshape(shards, per_shard), count, micro_rows, width)
 
 
 def update_metrics(layout: PackedLayout) -> dict[str, float]:
@@ -488,41 +382,3 @@ def packing_stats(layout: PackedLayout) -> dict[str, int]:
     """Tokens the packed shape computes vs the real tokens in it (for benchmarks and logs)."""
     seg = np.asarray(layout.segment_ids)
     return {"computed_tokens": int(seg.size), "real_tokens": int((seg > 0).sum())}
-
-
-# ---------------------------------------------------------------------------- device side
-
-
-def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, layout: PackedLayout,
-                           response_len: int, *, compute_dtype: Any, remat: bool | str = False
-                           ) -> tuple[Array, Array]:
-    """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M]) of the
-    micro-batch `input_ids` [n, P + R] run packed as `layout` says."""
-    shards, rows, width = layout.segment_ids.shape
-    n, seq_len = input_ids.shape
-    tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), layout.token_index.reshape(shards, -1), axis=1)
-    seg = layout.segment_ids.reshape(shards * rows, width)
-    hidden, _ = forward_hidden(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
-                               segment_ids=seg, branch_ids=layout.branch_ids.reshape(shards * rows, width),
-                               positions=layout.positions.reshape(shards * rows, width),
-                               compute_dtype=compute_dtype, remat=remat)
-    hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
-    picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
-    response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
-    targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
-    return picked, targets
-
-
-def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:
-    """Per-token values [shards, M] back to the padded response layout [n, R] (0 where no token)."""
-    shards = x.shape[0]
-    out = jnp.zeros((shards, num_rows // shards * response_len), x.dtype)
-    out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, layout.response_dst, x)
-    return out.reshape(num_rows, response_len)
-
-
-def map_response(outputs: Sequence[Array] | Array, layout: PackedLayout, num_rows: int, response_len: int):
-    """`unpack_response` over one array or a tuple of them."""
-    if isinstance(outputs, (tuple, list)):
-        return type(outputs)(unpack_response(o, layout, num_rows, response_len) for o in outputs)
-    return unpack_response(outputs, layout, num_rows, response_len)

@@ -1,0 +1,97 @@
+"""Sequence packing on device: gather a micro-batch's tokens into the packed rows a host plan
+(batching/plan.py) laid out, run the model with segment ids (attention never crosses sequences,
+positions restart per sequence: models/cache.py), and scatter per-token outputs (log-probs, entropy,
+values) back to the padded [n, R] response layout. Positions outside a row's attention mask come back
+as 0 (the padded path computes throwaway values there; every consumer masks them).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.batching.layout import PackedLayout
+from jaxrl_llm.batching.step import PassLayout
+from jaxrl_llm.models import ModelConfig, forward_hidden
+
+Array = jax.Array
+
+
+def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, layout: PackedLayout,
+                           response_len: int, *, compute_dtype: Any, remat: bool | str = False
+                           ) -> tuple[Array, Array]:
+    """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M]) of the
+    micro-batch `input_ids` [n, P + R] run packed as `layout` says."""
+    shards, rows, width = layout.segment_ids.shape
+    n, seq_len = input_ids.shape
+    tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), layout.token_index.reshape(shards, -1), axis=1)
+    seg = layout.segment_ids.reshape(shards * rows, width)
+    hidden, _ = forward_hidden(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
+                               segment_ids=seg, branch_ids=layout.branch_ids.reshape(shards * rows, width),
+                               positions=layout.positions.reshape(shards * rows, width),
+                               compute_dtype=compute_dtype, remat=remat)
+    hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
+    picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
+    response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
+    targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
+    return picked, targets
+
+
+def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:
+    """Per-token values [shards, M] back to the padded response layout [n, R] (0 where no token)."""
+    shards = x.shape[0]
+    out = jnp.zeros((shards, num_rows // shards * response_len), x.dtype)
+    out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, layout.response_dst, x)
+    return out.reshape(num_rows, response_len)
+
+
+def map_response(outputs: Sequence[Array] | Array, layout: PackedLayout, num_rows: int, response_len: int):
+    """`unpack_response` over one array or a tuple of them."""
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(unpack_response(o, layout, num_rows, response_len) for o in outputs)
+    return unpack_response(outputs, layout, num_rows, response_len)
+
+
+def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
+    """`fn(*operands)`, or zeros shaped like its output where `layout` holds no token: a token-budget
+    micro-batch or chunk that a step's lengths leave empty costs nothing (`lax.cond`)."""
+    zeros = lambda *a: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *a))  # noqa: E731
+    return jax.lax.cond(jnp.any(layout.segment_ids > 0), fn, zeros, *operands)
+
+
+def filled_slots(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
+    """[..., shards, M] bool: the response slots that hold a token (padding slots point past the
+    shard's n_d * R responses); they are filled from the front."""
+    return layout.response_dst < num_rows // layout.response_dst.shape[-2] * response_len
+
+
+def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
+    """[n, R] float32: 1 where `layout` scores a response token (a token-budget micro-batch's own
+    tokens), else 0."""
+    return unpack_response(jnp.ones(layout.response_dst.shape, jnp.float32), layout, num_rows, response_len)
+
+
+@functools.partial(jax.jit, static_argnames=("prompt_pad", "response_pad"))
+def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt_pad: int, response_pad: int
+                ) -> tuple[dict[str, Array], dict[str, Array]]:
+    """[N, P + R] `sequences` with `prompt_pad` columns before the prompts and `response_pad` after
+    the responses, [N, R] `responses` with `response_pad` after (0s: masked everywhere), so that
+    token-budget packing sees the config's longest shapes whatever this step's lengths
+    (`StepBatching.budget_pads`)."""
+    pad = lambda before, after: lambda x: jnp.pad(x, ((0, 0), (before, after)))  # noqa: E731
+    return (jax.tree.map(pad(prompt_pad, response_pad), sequences), jax.tree.map(pad(0, response_pad), responses))
+
+
+def run_no_grad_pass(fn: Callable[..., Array], params: Any, input_ids: Array, attention_mask: Array,
+                     response_mask: Array, how: PassLayout, **settings: Any) -> Array:
+    """`fn` (trainer/experience.py `log_probs_no_grad` / `values_no_grad`) over the rows as `how`
+    says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]."""
+    if how.pads == (0, 0):
+        return fn(params, input_ids, attention_mask, response_mask, how.layout, micro_rows=how.micro_rows, **settings)
+    response_len = response_mask.shape[1]
+    sequences, responses = pad_columns({"ids": input_ids, "attn": attention_mask}, {"resp": response_mask}, *how.pads)
+    out = fn(params, sequences["ids"], sequences["attn"], responses["resp"], how.layout, micro_rows=how.micro_rows,
+             **settings)
+    return out[:, :response_len]
