@@ -14,7 +14,8 @@ Why copies: `update_actor` donates the actor's params, so a rollout that outlive
 its own buffers (`copy_tree`), or, with a split mesh (`mesh.rollout_devices`), the arrays moved
 device to device onto the rollout mesh (`sharding.split.transfer`). `sync_offset=0,
 sync_interval=1` on one device set keeps the synchronous path: no copy, no thread, the same
-programs in the same order, so its numbers equal a synchronous run's.
+programs in the same order, so its numbers equal a synchronous run's; that schedule runs as
+trainer/rollout_source.py's `SynchronousSource`, not through this pipeline.
 
 Threads: one worker runs the jobs in launch order (the data order and every step's rng stay as in
 a synchronous run); JAX dispatch is thread-safe, so its device work interleaves with the
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -40,14 +40,11 @@ from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size
 from jaxrl_llm.sharding.split import copy_tree, transfer
 from jaxrl_llm.trainer.roles import TrainedRole
-from jaxrl_llm.trainer.rollout import RolloutGenerator
 from jaxrl_llm.trainer.rollout_batch import Rollout
-
-log = logging.getLogger("jaxrl_llm")
 
 # generate(batch, params, rng, on_rollout_mesh) -> (rollout, generation metrics)
 Generate = Callable[[dict, dict, jax.Array, bool], tuple[Rollout, dict[str, float]]]
-_DEVICE_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs", "token_level_scores")
+DEVICE_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs", "token_level_scores")
 
 
 @dataclasses.dataclass
@@ -63,7 +60,10 @@ class Prepared:
 
 
 class RolloutPipeline:
-    """Prepares each training step's rollout on the `synchronizer` schedule (module docstring)."""
+    """Prepares each training step's rollout on the `synchronizer` schedule (module docstring): the
+    `RolloutSource` of off-policy and split-mesh runs (trainer/rollout_source.py)."""
+
+    synchronous = False
 
     def __init__(self, sync: SyncSpec, *, actor: TrainedRole, loader: Any, generate: Generate,
                  rng_for: Callable[[int], jax.Array], train_mesh: Mesh, rollout_mesh: Mesh | None,
@@ -73,8 +73,6 @@ class RolloutPipeline:
         if rollout_mesh is not None and jax.process_count() > 1:
             raise ValueError("mesh.rollout_devices: the split mesh is single-process only (two threads cannot "
                              "keep every process's programs in the same order)")
-        # synchronous: the rollout reads the actor's own arrays, generated and consumed before the update
-        self.passthrough = not sync.off_policy and rollout_mesh is None
         self.threaded = sync.sync_offset > 0 and jax.process_count() == 1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.threaded else None
         self._pending: dict[int, Future | Prepared] = {}
@@ -87,6 +85,11 @@ class RolloutPipeline:
         self._weights: dict[int, tuple[dict, Any]] = {}
         self._launched: dict[int, int] = {}  # pending step -> the version it was launched with
         self._resumed: dict[int, int] = {}  # after a resume: in-flight step -> its version
+
+    @property
+    def rollout_params(self) -> dict | None:
+        """The weights the next launch generates with (None before the first sync)."""
+        return self._params
 
     def describe(self) -> str:
         s = self.sync
@@ -120,16 +123,13 @@ class RolloutPipeline:
         staleness = step - item.version
         if staleness > self.sync.max_staleness:  # the schedule's invariant; a bug if it ever fails
             raise AssertionError(f"rollout staleness {staleness} > bound {self.sync.max_staleness}")
-        metrics = {**item.metrics, "rollout/staleness": float(staleness), "timing_s/gen_job": item.gen_s}
-        if not self.passthrough:
-            metrics["timing_s/weight_sync"] = sync_s
+        metrics = {**item.metrics, "rollout/staleness": float(staleness), "timing_s/gen_job": item.gen_s,
+                   "timing_s/weight_sync": sync_s}
         return item.batch, item.rollout, metrics
 
     def _sync(self, step: int) -> None:
         """The rollout weights := the actor's (of `step`, before its update)."""
-        if self.passthrough:
-            self._params = None  # read the actor's own at launch
-        elif self.rollout_mesh is not None:  # device to device onto the rollout mesh's shardings
+        if self.rollout_mesh is not None:  # device to device onto the rollout mesh's shardings
             self._params = jax.block_until_ready(transfer(self.actor.model_params, self.rollout_mesh))
         elif self.actor.frozen is not None:  # LoRA: only the adapters are donated; the base is shared
             lora = self.actor.lora
@@ -138,14 +138,12 @@ class RolloutPipeline:
         else:
             self._params = jax.block_until_ready(copy_tree(self.actor.params))
         self._version = step
-        if not self.passthrough:
-            payload = self._params["lora"] if self.actor.frozen is not None and self.rollout_mesh is None \
-                else self._params
-            self._weights[step] = (self._params, payload)
+        payload = self._params["lora"] if self.actor.frozen is not None and self.rollout_mesh is None else self._params
+        self._weights[step] = (self._params, payload)
 
     def _launch(self, step: int) -> None:
         version = self._resumed.pop(step, self._version)  # a resumed in-flight step: its original weights
-        params = self.actor.model_params if self.passthrough else self._weights[version][0]
+        params = self._weights[version][0]
         self._launched[step] = version
         job = lambda: self._job(step, params, version)  # noqa: E731 (binds this launch's weights)
         self._pending[step] = self._executor.submit(job) if self._executor is not None else self._run_inline(job)
@@ -165,7 +163,7 @@ class RolloutPipeline:
         rollout, metrics = self.generate(batch, params, self.rng_for(step), self.rollout_mesh is not None)
         if self.rollout_mesh is not None:
             rollout = to_mesh(rollout, self.train_mesh)
-        jax.block_until_ready([getattr(rollout, f) for f in _DEVICE_FIELDS])
+        jax.block_until_ready([getattr(rollout, f) for f in DEVICE_FIELDS])
         return Prepared(batch, rollout, metrics, version, state, time.perf_counter() - start)
 
     def _result(self, step: int) -> Prepared:
@@ -215,9 +213,7 @@ class RolloutPipeline:
     def checkpoint_weights(self, next_step: int) -> tuple[dict, dict | None]:
         """(JSON record, rollout weights by version) a checkpoint after `next_step - 1` needs for its
         resume to equal the uninterrupted run: the weights of every in-flight job, and the current
-        rollout weights when the next step does not sync. (None, {}) when synchronous."""
-        if self.passthrough:
-            return {}, None
+        rollout weights when the next step does not sync."""
         in_flight = {step: v for step, v in self._launched.items() if step >= next_step}
         current = self._version if self._version >= 0 and next_step % self.sync.sync_interval else None
         versions = sorted(set(in_flight.values()) | ({current} if current is not None else set()))
@@ -268,32 +264,4 @@ def to_mesh(rollout: Rollout, mesh: Mesh) -> Rollout:
         spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))) if rows_split else PartitionSpec()
         return jax.device_put(x, NamedSharding(mesh, spec))
 
-    return dataclasses.replace(rollout, **{f: put(getattr(rollout, f)) for f in _DEVICE_FIELDS})
-
-
-def make_pipeline(trainer: Any, model_cfg: Any) -> RolloutPipeline:
-    """`trainer`'s pipeline: its actor, data loader and meshes on the `synchronizer` schedule; with a split
-    mesh, a second generator on the rollout mesh. Warns when the schedule makes the data off-policy."""
-    spec = trainer.spec
-    if spec.sync.auto_correction:
-        log.warning("synchronizer: sync_offset=%d, sync_interval=%d make the data off-policy (staleness <= %d): "
-                    "algorithm.rollout_correction.rollout_is=token turned on (old log-probs are recomputed on "
-                    "the trained policy); set rollout_is / rollout_rs to choose another correction",
-                    spec.sync.sync_offset, spec.sync.sync_interval, spec.sync.max_staleness)
-    elif spec.sync.off_policy and spec.rollout_correction.bypass_mode:
-        log.warning("synchronizer: off-policy data with algorithm.rollout_correction.bypass_mode: the PPO old "
-                    "log-probs are the stale rollout policy's")
-    rollout_gen = None
-    if trainer.rollout_mesh is not None:
-        rollout_gen = RolloutGenerator(model_cfg=model_cfg, mesh=trainer.rollout_mesh, tokenizer=trainer.tokenizer,
-                                       reward_manager=trainer.reward_manager, reward_model=trainer.reward_model,
-                                       compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
-                                       multi_turn=trainer.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
-
-    def generate(batch: dict, params: dict, rng: jax.Array, on_rollout_mesh: bool) -> tuple[Rollout, dict]:
-        return trainer._rollout(batch, rng, params, rollout_gen if on_rollout_mesh else None)
-
-    return RolloutPipeline(spec.sync, actor=trainer.actor, loader=trainer.train_loader, generate=generate,
-                           rng_for=lambda step: jax.random.fold_in(trainer.base_rng, step), train_mesh=trainer.mesh,
-                           rollout_mesh=trainer.rollout_mesh, total_steps=trainer.total_steps)
-
+    return dataclasses.replace(rollout, **{f: put(getattr(rollout, f)) for f in DEVICE_FIELDS})

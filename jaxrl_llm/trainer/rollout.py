@@ -48,6 +48,13 @@ class RolloutGenerator:
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
 
+    def on_mesh(self, mesh: Mesh) -> "RolloutGenerator":
+        """The same generator sampling on `mesh` (a split mesh's rollout devices)."""
+        return RolloutGenerator(model_cfg=self.model_cfg, mesh=mesh, tokenizer=self.tokenizer,
+                                reward_manager=self.reward_manager, reward_model=self.reward_model,
+                                compute_dtype=self.compute_dtype, engine=self.engine, multi_turn=self.multi_turn,
+                                max_prompt_length=self.max_prompt_length)
+
     def engine_for(self, max_new_tokens: int) -> EngineOptions:
         """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
         return self.engine.resolved(max_new_tokens, multi_turn=self.multi_turn is not None)

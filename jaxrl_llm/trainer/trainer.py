@@ -1,7 +1,7 @@
 """`Trainer(config).fit()`: the RL loop that `launch/train.py` runs. Read `train_step` top to bottom:
 
     rollout (sample n responses per prompt on the policy's own params, score them; with a
-             `synchronizer` offset / interval, prepared ahead on a weight copy: trainer/pipeline.py)
+             `synchronizer` offset / interval, prepared ahead on a weight copy: trainer/rollout_source.py)
       -> reference log-probs (only when a KL is used)
       -> old log-probs (the sampler's own when they are exact, else recomputed)
       -> critic values -> `make_experience` (KL in reward, advantages, rollout correction)
@@ -43,12 +43,12 @@ from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_ex
                                          values_no_grad)
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
-from jaxrl_llm.trainer.pipeline import make_pipeline
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import RolloutGenerator
-from jaxrl_llm.trainer.rollout_batch import Rollout, concat_rollouts, filter_metric, select_rows
+from jaxrl_llm.trainer.rollout_batch import Rollout
+from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 
@@ -128,13 +128,24 @@ class Trainer:
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
                                           multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
-        self.pipeline = make_pipeline(self, model_cfg)  # the synchronizer schedule (trainer/pipeline.py)
+        # with a split mesh (mesh.rollout_devices) a second generator samples on the rollout devices
+        rollout_generator = None if self.rollout_mesh is None else self.generator.on_mesh(self.rollout_mesh)
+        # one batch sampled and scored; with DAPO's filter_groups, batches until enough groups vary
+        self.generate = generate_with(self.generator, spec.train_sampling, rollout_generator)
+        if spec.filter_groups.enable:
+            self.generate = GroupFilter(self.generate, self.train_loader, spec.filter_groups,
+                                        prompts=spec.plan.prompts, mesh=self.mesh)
+        self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
+        # each step's rollout: synchronous, or the synchronizer's off-policy pipeline (trainer/rollout_source.py)
+        self.rollout_source: RolloutSource = make_rollout_source(
+            spec, actor=self.actor, loader=self.train_loader, generate=self.generate,
+            rng_for=lambda step: jax.random.fold_in(self.base_rng, step), train_mesh=self.mesh,
+            rollout_mesh=self.rollout_mesh, total_steps=self.total_steps)
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
         self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
         self.batching = StepBatching(spec.plan, self.dp_size)  # every pass's split of a step (jaxrl_llm/batching)
-        self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
         self.global_step = 0
         self.store = ckpt.CheckpointStore(storage.join(self.run_dir, "checkpoints"),
                                           max_to_keep=spec.trainer.max_ckpt_to_keep)
@@ -183,7 +194,7 @@ class Trainer:
         engine = self.generator.describe_engine(plan.prompts * plan.n, plan.max_prompt_length, plan.response_length)
         return run_summary(self.spec, actor=self.actor, critic=self.critic, reference=self.reference, mesh=self.mesh,
                            engine=engine, total_steps=self.total_steps,
-                           schedule=None if self.pipeline.passthrough else self.pipeline.describe())
+                           schedule=None if self.rollout_source.synchronous else self.rollout_source.describe())
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -263,16 +274,16 @@ class Trainer:
 
     def train_step(self, batch: dict[str, np.ndarray] | None = None) -> dict[str, float]:
         """One RL step on `batch`, sampled now on the actor's params; batch None: the next batch and
-        its rollout from the synchronizer's pipeline (trainer/pipeline.py; `timing_s/gen` is then the
+        its rollout from the run's rollout source (trainer/rollout_source.py; `timing_s/gen` is then the
         time this step waited for it)."""
         spec, plan, timer = self.spec, self.spec.plan, Timer()
         rng = jax.random.fold_in(self.base_rng, self.global_step)
         with timer("step"):
             with timer("gen"):
                 if batch is None:
-                    batch, rollout, gen_metrics = self.pipeline.take(self.global_step)
+                    batch, rollout, gen_metrics = self.rollout_source.take(self.global_step)
                 else:
-                    rollout, gen_metrics = self._rollout(batch, rng)
+                    rollout, gen_metrics = self.generate(batch, self.actor.model_params, rng, False)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
             # the step's rows as the host knows them (lengths, prompt groups): every pass plans its
@@ -330,38 +341,6 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ pieces of a step
-    def _rollout(self, batch: dict[str, np.ndarray], rng: jax.Array, params: dict | None = None,
-                 generator: RolloutGenerator | None = None) -> tuple[Rollout, dict[str, float]]:
-        """Samples and scores (on `params`, default the actor's; `generator`, default the training
-        mesh's); with DAPO's `filter_groups`, keeps only groups whose metric varies and samples further
-        batches until `train_batch_size` groups are kept."""
-        fg, sampling = self.spec.filter_groups, self.spec.train_sampling
-        params = self.actor.model_params if params is None else params
-        generator = self.generator if generator is None else generator
-        if not fg.enable:
-            return generator.generate(batch, params, sampling, rng), {}
-        want = self.spec.plan.prompts
-        kept: list[Rollout] = []
-        num_kept, num_gen = 0, 0
-        while num_kept < want:
-            if fg.max_num_gen_batches > 0 and num_gen >= fg.max_num_gen_batches:
-                raise RuntimeError(
-                    f"algorithm.filter_groups: only {num_kept} of {want} prompt groups had varying "
-                    f"'{fg.metric}' after {num_gen} generation batches (max_num_gen_batches); "
-                    "the task may be too easy or too hard for the policy")
-            if num_gen > 0:
-                batch = next(self.train_loader)
-            r = generator.generate(batch, params, sampling, jax.random.fold_in(rng, num_gen))
-            num_gen += 1
-            metric = filter_metric(r, fg.metric)
-            groups = np.unique(r.group_ids)
-            varied = [g for g in groups if np.std(metric[r.group_ids == g]) > 0]
-            varied = varied[: want - num_kept]
-            if varied:
-                kept.append(select_rows(r, np.flatnonzero(np.isin(r.group_ids, varied))))
-                num_kept += len(varied)
-        return concat_rollouts(kept, self.mesh), {"train/num_gen_batches": float(num_gen)}
-
     def log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching | None = None,
                   rows: StepRows | None = None) -> jax.Array:
         """Response log-probs [N, R] of `rollout` under `params` (the reference or the policy), as a step
@@ -472,8 +451,8 @@ class Trainer:
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
         # the loader as of the first untrained batch: a resume generates in-flight rollouts again, on
         # the weights they were launched with (saved by version)
-        record, rollout_weights = self.pipeline.checkpoint_weights(self.global_step)
-        self.store.save(self.global_step, self.state(), self.pipeline.loader_state(self.global_step),
+        record, rollout_weights = self.rollout_source.checkpoint_weights(self.global_step)
+        self.store.save(self.global_step, self.state(), self.rollout_source.loader_state(self.global_step),
                         {**meta, **record}, rollout=rollout_weights)
 
     def _stop_preempted(self, reason: str) -> None:
@@ -513,8 +492,9 @@ class Trainer:
             print(f"resumed from {point.directory} step {step}", flush=True)
 
     def _resume_pipeline(self, directory: str, step: int, record: dict | None) -> None:
-        """The off-policy pipeline's in-flight rollouts restart on their own saved weights."""
-        if self.pipeline.passthrough:
+        """The off-policy pipeline's in-flight rollouts restart on their own saved weights (a synchronous
+        source has none)."""
+        if self.rollout_source.synchronous:
             return
         if record is None:
             log.warning("checkpoint %s/%d holds no rollout weights (a synchronous run's): the in-flight rollouts "
@@ -523,8 +503,8 @@ class Trainer:
         weights = None
         if record["versions"]:
             weights = ckpt.restore_rollout_weights(self.store, directory, step,
-                                                   self.pipeline.abstract_weights(record))
-        self.pipeline.resume(record, weights)
+                                                   self.rollout_source.abstract_weights(record))
+        self.rollout_source.resume(record, weights)
 
     def export_hf(self, out_dir: str) -> str:
         """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a
@@ -551,7 +531,8 @@ class Trainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        closers = (self.pipeline.close,) if getattr(self, "pipeline", None) is not None else ()
+        source = getattr(self, "rollout_source", None)
+        closers = (source.close,) if source is not None else ()
         _close_all(closers + (self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)
 
 

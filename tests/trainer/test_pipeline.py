@@ -1,4 +1,4 @@
-"""Off-policy pipelining (trainer/pipeline.py, sharding/split.py): the synchronizer's schedule,
+"""Off-policy pipelining (trainer/pipeline.py, trainer/rollout_source.py, sharding/split.py): the synchronizer's schedule,
 offset 0 / interval 1 == synchronous training, staleness bound with rollout correction on, a
 split mesh of 4 + 4 virtual CPU devices end to end, and resume == uninterrupted."""
 import jax
@@ -31,20 +31,38 @@ def run(cfg, steps):
 
 
 def test_offset0_interval1_equals_synchronous(tmp_path):
-    # the pipeline's schedule (take) against the plain synchronous step on the same batches
-    piped, t1 = run(tiny(tmp_path / "a", **{"trainer.total_training_steps": 2}), 2)
-    t2 = Trainer(tiny(tmp_path / "b", **{"trainer.total_training_steps": 2}))
+    # the pipeline's schedule (take, on weight copies) and the synchronous source against the plain
+    # step on the same batches
+    from jaxrl_llm.trainer.pipeline import RolloutPipeline
+    from jaxrl_llm.trainer.rollout_source import SynchronousSource
+
+    cfg = tiny(tmp_path / "a", **{"trainer.total_training_steps": 2})
+    t0 = Trainer(cfg)
+    assert isinstance(t0.rollout_source, SynchronousSource) and t0.rollout_source.synchronous
+    t0.rollout_source = RolloutPipeline(SyncSpec(1, 0, None), actor=t0.actor, loader=t0.train_loader,
+                                        generate=t0.generate, rng_for=lambda k: jax.random.fold_in(t0.base_rng, k),
+                                        train_mesh=t0.mesh, rollout_mesh=None, total_steps=2)
+    try:
+        piped = [t0.step() for _ in range(2)]
+    finally:
+        t0.close()
+    synchronous, t1 = run(tiny(tmp_path / "b", **{"trainer.total_training_steps": 2}), 2)
+    t2 = Trainer(tiny(tmp_path / "c", **{"trainer.total_training_steps": 2}))
     sync = []
     for _ in range(2):
         sync.append(t2.train_step(next(t2.train_loader)))
         t2.global_step += 1
     t2.close()
-    for a, b in zip(piped, sync):
+    for a, s, b in zip(piped, synchronous, sync):
         for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
-            assert a[k] == b[k], (k, a[k], b[k])
-        assert a["rollout/staleness"] == 0.0
-    for x, y in zip(jax.tree.leaves(t1.actor.params), jax.tree.leaves(t2.actor.params)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            assert a[k] == b[k] == s[k], (k, a[k], s[k], b[k])
+        assert a["rollout/staleness"] == s["rollout/staleness"] == 0.0
+        assert "timing_s/weight_sync" in a and "timing_s/weight_sync" not in s  # the pipeline copied weights
+    for x, y, z in zip(jax.tree.leaves(t0.actor.params), jax.tree.leaves(t1.actor.params),
+                       jax.tree.leaves(t2.actor.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(z))
+    piped = synchronous
     assert not any(k.startswith("rollout_corr/") for k in piped[-1])  # on-policy: no correction
 
 
@@ -52,7 +70,7 @@ def test_offset_staleness_bounded_and_corrected(tmp_path):
     cfg = tiny(tmp_path / "run", **{"trainer.total_training_steps": 4, "synchronizer.sync_offset": 1,
                                     "synchronizer.sync_interval": 2, "actor_rollout_ref.actor.optim.lr": 5e-2})
     rows, trainer = run(cfg, 4)
-    assert trainer.pipeline.threaded and trainer.spec.rollout_correction.rollout_is == "token"
+    assert trainer.rollout_source.threaded and trainer.spec.rollout_correction.rollout_is == "token"
     staleness = [r["rollout/staleness"] for r in rows]
     # step k trains the rollout launched at k - 1 on the weights of (k - 1) - (k - 1) % 2
     assert staleness == [0.0, 1.0, 2.0, 1.0], staleness
@@ -75,7 +93,7 @@ def test_split_mesh_4_plus_4_end_to_end(tmp_path):
         assert all(np.isfinite(v) for v in r.values()), r
         assert r["rollout/staleness"] <= trainer.spec.sync.max_staleness == 1
     # the weights generation reads live on the rollout devices only
-    rollout_params = trainer.pipeline._params
+    rollout_params = trainer.rollout_source.rollout_params
     assert {d for x in jax.tree.leaves(rollout_params) for d in x.devices()} == set(trainer.rollout_mesh.devices.flat)
 
 
