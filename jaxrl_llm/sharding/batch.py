@@ -48,7 +48,7 @@ def _local_batch_shards(mesh: Mesh, global_rows: int) -> list[tuple[int, int]]:
     """Distinct (start, stop) row ranges of a `global_rows` batch held by this process's devices."""
     index_map = batch_sharding(mesh, 1).addressable_devices_indices_map((global_rows,))
     return sorted({(idx[0].start or 0, global_rows if idx[0].stop is None else idx[0].stop)
-                   for idx in index_map.values()})
+                   for idx in index_map.values() if idx is not None})
 
 
 def host_local_to_global(batch: Any, mesh: Mesh) -> Any:
@@ -106,6 +106,15 @@ def to_device(arrays: Any, mesh: Mesh) -> Any:
     rows = np.shape(jax.tree.leaves(arrays)[0])[0]
     local = process_slice(rows, mesh)
     return host_local_to_global(jax.tree.map(lambda x: np.asarray(x)[local], arrays), mesh)
+
+
+def to_device_if_rows_split(arrays: Any, mesh: Mesh) -> Any:
+    """`to_device` when the rows split over the mesh's batch axes (a training batch), else plain
+    device arrays (a short validation batch that the batch axes do not divide)."""
+    rows = np.shape(jax.tree.leaves(arrays)[0])[0]
+    if rows % batch_axis_size(mesh):
+        return jax.tree.map(jax.numpy.asarray, arrays)
+    return to_device(arrays, mesh)
 
 
 def to_host(x: Any) -> Any:

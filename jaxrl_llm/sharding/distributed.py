@@ -48,7 +48,7 @@ def detect_cluster() -> tuple[str, int] | None:
 
 def _use_gloo_for_cpu_collectives() -> None:
     """Cross-process collectives on CPU need an implementation; keep the user's if they chose one."""
-    if jax.config.jax_cpu_collectives_implementation is None:
+    if jax.config.jax_cpu_collectives_implementation is None:  # pyright: ignore[reportAttributeAccessIssue]
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
+from jaxrl_llm.platform.chips import Device
+
 logger = logging.getLogger(__name__)
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
@@ -27,7 +29,7 @@ def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
     if mesh_cfg is None:
         return dict(DEFAULT_MESH_SIZES)
     if hasattr(mesh_cfg, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
-        mesh_cfg = mesh_cfg.to_dict()
+        mesh_cfg = getattr(mesh_cfg, "to_dict")()
     if not isinstance(mesh_cfg, Mapping):
         raise ValueError(f"mesh: expected a mapping with keys {MESH_AXES}, got {type(mesh_cfg).__name__}")
     # the split mesh's key (sharding/split.py) is no axis of this mesh
@@ -66,7 +68,7 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any] | Any | None, num_devices: in
 
 
 def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+              devices: Sequence[Device] | None = None) -> Mesh:
     """Builds the ('data', 'fsdp', 'tensor') mesh over `devices` (default: all global devices).
 
     `mesh_cfg` is the config's `mesh` section (dict or ConfigDict; missing keys default to

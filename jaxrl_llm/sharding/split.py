@@ -14,11 +14,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.platform.chips import Device
 from jaxrl_llm.sharding.mesh import MESH_AXES, make_mesh
 
 
-def split_devices(rollout_devices: int | Sequence[int] | None, devices: Sequence[jax.Device] | None = None
-                  ) -> tuple[list[jax.Device], list[jax.Device]]:
+def split_devices(rollout_devices: int | Sequence[int] | None, devices: Sequence[Device] | None = None
+                  ) -> tuple[list[Device], list[Device]]:
     """(training devices, rollout devices); rollout empty when `rollout_devices` is None.
     An int N takes the last N devices; a list names device ids. ValueError naming the key."""
     devices = list(jax.devices() if devices is None else devices)
@@ -53,7 +54,7 @@ def make_split_meshes(mesh_cfg: Mapping[str, Any] | Any) -> tuple[Mesh, Mesh | N
     """(training mesh, rollout mesh or None) from the config's `mesh` section. The training mesh
     takes data / fsdp / tensor as configured; the rollout mesh keeps the tensor size when it
     divides its devices and splits the rest over 'fsdp'."""
-    items = mesh_cfg.to_dict() if hasattr(mesh_cfg, "to_dict") else dict(mesh_cfg or {})
+    items = getattr(mesh_cfg, "to_dict")() if hasattr(mesh_cfg, "to_dict") else dict(mesh_cfg or {})
     train_devices, rollout = split_devices(items.pop("rollout_devices", None))
     train_mesh = make_mesh(items, train_devices)
     if not rollout:

@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -52,9 +51,9 @@ from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged, sized_engine
-from jaxrl_llm.sharding import batch_axis_size, to_device
+from jaxrl_llm.sharding import to_device_if_rows_split
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
-from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, score_responses
+from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -128,23 +127,12 @@ def _rows(batch: dict[str, np.ndarray]) -> list[dict]:
     return [{"prompt": p, **{k: batch[k][i] for k in keys}} for i, p in enumerate(batch["raw_prompt"])]
 
 
-def _device(arrays: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Batch-sharded when the rows split over the mesh (training), else replicated (a short validation batch)."""
-    rows = next(iter(arrays.values())).shape[0]
-    if rows % batch_axis_size(mesh):
-        return {k: jnp.asarray(v) for k, v in arrays.items()}
-    return to_device(arrays, mesh)
-
-
 def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams,
                         rng: jax.Array) -> Any:
     """The multi-turn counterpart of `RolloutGenerator.generate` (`gen`): a scored `Rollout`."""
     mt: MultiTurn = gen.multi_turn
     cfg, mesh, tokenizer = gen.model_cfg, gen.mesh, gen.tokenizer
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    eos = list(cfg.eos_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(int(tokenizer.eos_token_id))
+    pad_id, eos = gen.pad_id, list(gen.eos_ids)
     n = sampling.n
     trajs = trajectories_from_rows(_rows(batch), mt.renderer, interactions=mt.interactions, n=n)
     longest_prompt = max(len(t.prompt_ids) for t in trajs)
@@ -190,8 +178,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     padded = pad_trajectories(trajs, prompt_length=bucket_length(longest_prompt), response_length=width,
                               pad_id=pad_id)
     rows = np.repeat(np.arange(len(batch["raw_prompt"])), n)
-    meta = {k: v[rows] for k, v in batch.items()
-            if k in ("data_source", "ground_truth", "extra_info", "ability", "raw_prompt", "index")}
+    meta = rows_meta(batch, rows)
 
     # the scorer reads the final answer (the last assistant message); tools / interactions add theirs
     final_texts = [t.last_model_text for t in trajs]
@@ -214,7 +201,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     last_model = width - 1 - np.argmax(loss_mask[:, ::-1] > 0, axis=1)
     token_scores = np.zeros((len(trajs), width), np.float32)
     token_scores[np.arange(len(trajs)), last_model] = scores
-    arrays = _device({
+    arrays = to_device_if_rows_split({
         "input_ids": np.concatenate([padded.prompt_ids, padded.response_ids], 1),
         "attention_mask": np.concatenate([padded.prompt_mask, padded.response_mask], 1),
         "response_mask": loss_mask, "rollout_log_probs": padded.rollout_log_probs, "token_scores": token_scores,

@@ -24,10 +24,10 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
-from jaxrl_llm.sharding import batch_axis_size, to_device, to_host
+from jaxrl_llm.sharding import batch_axis_size, to_device, to_device_if_rows_split, to_host
 from jaxrl_llm.trainer.multi_turn import generate_multi_turn
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
-from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, score_responses
+from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
 
 Array = jax.Array
 _ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")
@@ -47,6 +47,13 @@ class RolloutGenerator:
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
+        # what every rollout (single- or multi-turn) pads with and stops at: the model's EOS ids and
+        # the tokenizer's, when it names another one
+        self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+        eos = list(model_cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(int(tokenizer.eos_token_id))
+        self.eos_ids: tuple[int, ...] = tuple(eos)
 
     def on_mesh(self, mesh: Mesh) -> "RolloutGenerator":
         """The same generator sampling on `mesh` (a split mesh's rollout devices)."""
@@ -73,7 +80,7 @@ class RolloutGenerator:
         if self.multi_turn is not None:
             return generate_multi_turn(self, batch, params, sampling, rng)
         model_cfg, mesh, tokenizer, reward_model = self.model_cfg, self.mesh, self.tokenizer, self.reward_model
-        pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+        pad_id = self.pad_id
         raw_prompts = list(batch["raw_prompt_ids"])
         num_prompts = len(raw_prompts)
         # a short (validation) batch is padded to the mesh's batch ways
@@ -82,10 +89,7 @@ class RolloutGenerator:
         prompt_ids, prompt_mask = left_pad(raw_prompts, pad_id, length=prompt_width)
         device = to_device({"ids": prompt_ids, "mask": prompt_mask}, mesh)
 
-        eos = list(model_cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos.append(int(tokenizer.eos_token_id))
-        settings, knobs = sampling.compile_args(eos, pad_id, vocab_size=model_cfg.vocab_size,
+        settings, knobs = sampling.compile_args(list(self.eos_ids), pad_id, vocab_size=model_cfg.vocab_size,
                                                 compute_dtype=self.compute_dtype)
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
@@ -107,8 +111,7 @@ class RolloutGenerator:
         tokens, finish = (np.asarray(a) for a in to_host((out.tokens[:, :width], out.finish_reason)))
         texts = decode_texts(tokenizer, tokens, lengths)
         rows = np.repeat(np.arange(num_prompts), n)
-        meta = {k: v[rows] for k, v in batch.items()
-                if k in ("data_source", "ground_truth", "extra_info", "ability", "raw_prompt", "index")}
+        meta = rows_meta(batch, rows)
 
         if reward_model is not None:
             raw = meta.get("raw_prompt")
@@ -117,6 +120,7 @@ class RolloutGenerator:
                                         raw_prompts=None if raw is None else list(raw))
             extra, reward_metrics = {"score": scores.copy()}, {}
         else:
+            assert self.reward_manager is not None, "a rollout is scored by a reward model or a reward manager"
             result = score_responses(self.reward_manager, texts, meta, response_lengths=lengths,
                                      finished_with_eos=finish == FINISH_EOS)
             scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
@@ -130,8 +134,7 @@ class RolloutGenerator:
         token_scores = np.zeros((len(scores), width), np.float32)
         token_scores[np.arange(len(scores)), np.maximum(lengths - 1, 0)] = scores
         response_mask = out.response_mask[:, :width]
-        host_side = ({"token_scores": jnp.asarray(token_scores)} if token_scores.shape[0] % batch_axis_size(mesh)
-                     else to_device({"token_scores": token_scores}, mesh))
+        host_side = to_device_if_rows_split({"token_scores": token_scores}, mesh)
         input_ids = jnp.concatenate([out.prompt_ids, out.tokens[:, :width]], axis=1)
         attention_mask = jnp.concatenate([out.prompt_mask, response_mask], axis=1)
         prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []

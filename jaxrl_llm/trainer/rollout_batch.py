@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.config.schema import ConfigError
+from jaxrl_llm.data.loader import METADATA_KEYS
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.sharding import BATCH_AXES
 
@@ -47,6 +48,16 @@ class Rollout:
     @property
     def num_rows(self) -> int:
         return int(self.group_ids.shape[0])
+
+
+# the batch columns a rollout keeps per row (scoring, validation, dumps)
+ROLLOUT_META_KEYS = (*METADATA_KEYS, "raw_prompt", "index")
+
+
+def rows_meta(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The batch's metadata columns (`ROLLOUT_META_KEYS` it has) repeated per rollout row: `rows`
+    are the prompt index of each row."""
+    return {k: v[rows] for k, v in batch.items() if k in ROLLOUT_META_KEYS}
 
 
 def response_bucket(longest: int, limit: int) -> int:
