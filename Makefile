@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart lint test test-fast test-examples bench clean
+.PHONY: setup quickstart lint typecheck test test-fast test-examples bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ quickstart: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
 
+# basedpyright over the package (pyrightconfig.json); each file held to its known-error count in
+# scripts/typecheck_baseline.json, which only goes down (`scripts/typecheck.py --update` after fixing some)
+typecheck: $(STAMP)
+	$(PY) scripts/typecheck.py
+
 # the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart.
 # Two pytest workers (pytest-xdist), a test file each at a time: most of a test's time is XLA compiling on one
 # thread, so two files at once use both cores (PYTEST_WORKERS=0 runs them in this process, one by one).
@@ -31,6 +36,7 @@ PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,tpu-plan]"
 	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
+	$(PY) scripts/typecheck.py
 	$(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile -m "not examples" tests
 
 test-fast: $(STAMP)

@@ -8,13 +8,13 @@ tokens go in packed rows; `UpdateLayout` is the packing of one whole update call
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import flax.struct
 import jax
 import numpy as np
 
 Array = jax.Array
+# planned on the host (numpy), then read on device (jax): layouts hold either
+HostOrDevice = jax.Array | np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +101,12 @@ class PackedLayout:
     Extra leading axes (epochs, mini-batches, micro-batches) are scanned over by the update.
     """
 
-    token_index: Array
-    segment_ids: Array
-    response_src: Array
-    response_dst: Array
-    positions: Array
-    branch_ids: Array
+    token_index: HostOrDevice
+    segment_ids: HostOrDevice
+    response_src: HostOrDevice
+    response_dst: HostOrDevice
+    positions: HostOrDevice
+    branch_ids: HostOrDevice
 
 
 @flax.struct.dataclass
@@ -122,6 +122,6 @@ class UpdateLayout:
            sequences its rows hold, and micro-batches a step leaves empty are skipped.
     """
 
-    order: Any
+    order: HostOrDevice
     layout: PackedLayout
     by_budget: bool = flax.struct.field(pytree_node=False, default=False)

@@ -7,7 +7,7 @@ as 0 (the padded path computes throwaway values there; every consumer masks them
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +26,13 @@ def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, lay
     micro-batch `input_ids` [n, P + R] run packed as `layout` says."""
     shards, rows, width = layout.segment_ids.shape
     n, seq_len = input_ids.shape
-    tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), layout.token_index.reshape(shards, -1), axis=1)
-    seg = layout.segment_ids.reshape(shards * rows, width)
+    token_index, seg, branch_ids, positions = (jnp.asarray(x) for x in (
+        layout.token_index, layout.segment_ids, layout.branch_ids, layout.positions))
+    tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), token_index.reshape(shards, -1), axis=1)
+    seg = seg.reshape(shards * rows, width)
     hidden, _ = forward_hidden(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
-                               segment_ids=seg, branch_ids=layout.branch_ids.reshape(shards * rows, width),
-                               positions=layout.positions.reshape(shards * rows, width),
+                               segment_ids=seg, branch_ids=branch_ids.reshape(shards * rows, width),
+                               positions=positions.reshape(shards * rows, width),
                                compute_dtype=compute_dtype, remat=remat)
     hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
     picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
@@ -47,7 +49,8 @@ def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len:
     return out.reshape(num_rows, response_len)
 
 
-def map_response(outputs: Sequence[Array] | Array, layout: PackedLayout, num_rows: int, response_len: int):
+def map_response(outputs: tuple[Array, ...] | list[Array] | Array, layout: PackedLayout, num_rows: int,
+                 response_len: int) -> tuple[Array, ...] | list[Array] | Array:
     """`unpack_response` over one array or a tuple of them."""
     if isinstance(outputs, (tuple, list)):
         return type(outputs)(unpack_response(o, layout, num_rows, response_len) for o in outputs)
@@ -64,7 +67,7 @@ def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -
 def filled_slots(layout: PackedLayout, num_rows: int, response_len: int) -> Array:
     """[..., shards, M] bool: the response slots that hold a token (padding slots point past the
     shard's n_d * R responses); they are filled from the front."""
-    return layout.response_dst < num_rows // layout.response_dst.shape[-2] * response_len
+    return jnp.asarray(layout.response_dst) < num_rows // layout.response_dst.shape[-2] * response_len
 
 
 def response_coverage(layout: PackedLayout, num_rows: int, response_len: int) -> Array:

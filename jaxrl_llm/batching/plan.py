@@ -95,6 +95,7 @@ def _pick_width(geometry: "_Geometry", shared: np.ndarray | None, groups: np.nda
         if need_rows == 1:  # one row already: a wider one only adds padding
             break
         width = row_width(width + 1)
+    assert best is not None  # WIDTH_CHOICES >= 1
     rows, width, need_m = best
     return width, rows, need_m
 
@@ -194,7 +195,7 @@ def _fill_block(row_units: Sequence[Sequence[_Unit]], group: np.ndarray, geometr
                 g = group[local]
                 first, n = int(start[g]) + p, int(length[g]) - p  # the row's first response column
                 place(r, offset, local, first, n, seg, p, branch)
-                pred = np.arange(first_resp[g], start[g] + length[g]) - 1  # columns whose states score
+                pred = np.arange(int(first_resp[g]), int(start[g] + length[g])) - 1  # columns whose states score
                 src.append(r * width + np.where(pred < first, prompt_at + pred - (first - p), offset + pred - first))
                 dst.append(local * response_len + (pred + 1 - resp0))
                 offset += n
@@ -332,6 +333,8 @@ def plan_update(rows: StepRows, rng: jax.Array, *, epochs: int, shuffle: bool, n
     num_rows, shared = rows.num_rows, rows.prompt_groups
     orders = epoch_orders(rng, epochs, num_rows, shuffle)
     if num_micro is None:
+        if token_budget is None:
+            raise ValueError("plan_update: a dynamic batch size (num_micro=None) needs token_budget")
         per_shard = num_rows // num_mini // shards
         if per_shard * shards * num_mini != num_rows:
             raise ValueError(f"{num_rows} rows do not split into {num_mini} mini-batches x {shards} shards")

@@ -182,7 +182,7 @@ def find_resume(mode: str, run_dir: str, resume_from_path: str | None) -> Resume
                 f"trainer.default_local_dir to a new folder (or delete {own_dir})")
         return None
     if mode == "auto":
-        return ResumePoint(own_dir, tuple(reversed(own_steps))) if own_steps else None
+        return ResumePoint(own_dir, tuple(reversed(own_steps))) if own_dir and own_steps else None
     if not resume_from_path:
         raise ConfigError("trainer.resume_from_path=None: required when trainer.resume_mode='resume_path'")
     path = storage.normalize(resume_from_path)

@@ -60,7 +60,7 @@ class Field:
             text = (f"in {'(' if self.gt is not None else '['}{low.split()[-1]}, {high.split()[-1]}"
                     f"{')' if self.lt is not None else ']'}")
         else:
-            text = low or high
+            text = low or high or ""
         return text + "".join(f" or {v}" for v in self.also)
 
     def check_value(self, key: str, value: Any) -> None:

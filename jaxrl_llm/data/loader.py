@@ -66,7 +66,8 @@ class _Collate(grain.transforms.Map):
         self.process_count = process_count
         self.return_raw_chat = return_raw_chat
 
-    def map(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    # grain's stub declares map(element) -> None
+    def map(self, indices: np.ndarray) -> dict[str, np.ndarray]:  # pyright: ignore[reportIncompatibleMethodOverride]
         share = np.array_split(np.asarray(indices), self.process_count)[self.process_index]
         return collate([self.dataset[int(i)] for i in share], self.return_raw_chat)
 

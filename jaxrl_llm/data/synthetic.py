@@ -202,7 +202,7 @@ def write_synthetic(out_dir: str, task: str, n_train: int, n_val: int, *, diffic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--task", choices=TASKS, default="add")
     parser.add_argument("--n-train", type=int, default=2000)

@@ -14,7 +14,6 @@ checks the inputs, picks the backend and wires the custom VJPs.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -134,8 +133,7 @@ def _blocked_stats(h, w, targets, live, lay: Layout, be: Backend) -> Stats:
     return Stats(*(jnp.concatenate(field) for field in zip(*parts)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused(h, w, targets, live, lay: Layout, be: Backend):
+def _fused_primal(h, w, targets, live, lay: Layout, be: Backend) -> tuple[Array, Array]:
     st = _blocked_stats(h, w, targets, live, lay, be)
     return st.target_logit - st.lse, st.lse - st.mean_logit
 
@@ -163,6 +161,7 @@ def _fused_bwd(lay, be, res, cotangents):
     return jnp.concatenate(dh), dw.astype(w.dtype), None, None
 
 
+_fused = jax.custom_vjp(_fused_primal, nondiff_argnums=(4, 5))
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
@@ -211,8 +210,7 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
 # ---------------------------------------------------------------- full KL between two heads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _kl_fused(hp, wp, hr, wr, lay: KLLayout):
+def _kl_fused_primal(hp, wp, hr, wr, lay: KLLayout) -> Array:
     return kl_stats(hp, wp, hr, wr, lay)[0]
 
 
@@ -222,9 +220,11 @@ def _kl_fwd(hp, wp, hr, wr, lay):
 
 
 def _kl_bwd(lay, res, g):
-    return kl_backward(*res, g, lay)
+    hp, wp, hr, wr, lse_p, lse_q, mean_diff = res
+    return kl_backward(hp, wp, hr, wr, lse_p, lse_q, mean_diff, g, lay)
 
 
+_kl_fused = jax.custom_vjp(_kl_fused_primal, nondiff_argnums=(4,))
 _kl_fused.defvjp(_kl_fwd, _kl_bwd)
 
 

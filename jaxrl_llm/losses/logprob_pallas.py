@@ -69,7 +69,7 @@ def _precision(dtype) -> jax.lax.Precision | None:
     """HIGHEST for fp32 operands when the run asks for full fp32 matmuls (`jax_default_matmul_precision`
     'highest' / 'float32', as the device tests do): a kernel's dot does not read that setting itself,
     and Triton would otherwise use TF32."""
-    wanted = str(jax.config.jax_default_matmul_precision or "").lower()
+    wanted = str(jax.config.jax_default_matmul_precision or "").lower()  # pyright: ignore[reportAttributeAccessIssue]
     full = wanted in ("highest", "float32", "precision.highest")
     return jax.lax.Precision.HIGHEST if full and jnp.dtype(dtype) == jnp.float32 else None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 Array = jax.Array
 
@@ -19,7 +20,7 @@ def masked_mean(x: Array, mask: Array, axis=None) -> Array:
 
 def is_concrete(x) -> bool:
     """True when `x` holds values on the host side of jit (not a tracer)."""
-    return not isinstance(x, jax.core.Tracer)
+    return not isinstance(x, Tracer)
 
 
 def masked_whiten(x: Array, mask: Array) -> Array:

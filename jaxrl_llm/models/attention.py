@@ -26,7 +26,6 @@ compute-dtype operands and accumulate in fp32, like the rest of the backward.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -95,9 +94,8 @@ def _run_chunks(q, k, v, allowed, nkv, chunks):
     return [_forward(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], nkv) for s, e, n in chunks]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend_chunks(q: Array, k: Array, v: Array, allowed: Array, nkv: int,
-                   chunks: tuple[tuple[int, int, int], ...]) -> Array:
+def _attend_chunks_primal(q: Array, k: Array, v: Array, allowed: Array, nkv: int,
+                          chunks: tuple[tuple[int, int, int], ...]) -> Array:
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D],
     query chunks (start, end, keys) attending to keys [0, keys) only."""
     return _attend_chunks_fwd(q, k, v, allowed, nkv, chunks)[0]
@@ -123,6 +121,7 @@ def _attend_chunks_bwd(nkv, chunks, residuals, d_out):
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
 
 
+_attend_chunks = jax.custom_vjp(_attend_chunks_primal, nondiff_argnums=(4, 5))
 _attend_chunks.defvjp(_attend_chunks_fwd, _attend_chunks_bwd)
 
 

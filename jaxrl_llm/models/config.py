@@ -46,6 +46,14 @@ def _token_ids(value: Any) -> int | tuple[int, ...] | None:
     return int(value)
 
 
+def _first_token_id(value: Any) -> int | None:
+    """One token id (the first, when a config lists several)."""
+    ids = _token_ids(value)
+    if isinstance(ids, tuple):
+        return ids[0] if ids else None
+    return ids
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -161,7 +169,7 @@ class ModelConfig:
             sliding_window=None if sliding_window is None else int(sliding_window),
             bos_token_id=_token_ids(d.get("bos_token_id")),
             eos_token_id=_token_ids(d.get("eos_token_id")),
-            pad_token_id=_token_ids(d.get("pad_token_id")),
+            pad_token_id=_first_token_id(d.get("pad_token_id")),
             initializer_range=float(d.get("initializer_range", 0.02)),
         )
 

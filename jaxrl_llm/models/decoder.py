@@ -55,7 +55,7 @@ class LayerAttention(Protocol):
     compute dtype (RoPE applied), `state` (the cache, carried through the layer scan) and the layer
     index (int32 scalar) -> (output [B, T, heads, D], fp32 or compute dtype; the new state)."""
 
-    def __call__(self, q: Array, k: Array, v: Array, state: Any, layer: Array) -> tuple[Array, Any]: ...
+    def __call__(self, q: Array, k: Array, v: Array, state: Any, layer: Array, /) -> tuple[Array, Any]: ...
 
 
 def rms_norm(x: Array, scale: Array, eps: float, dtype: Any) -> Array:

@@ -3,7 +3,7 @@ with the trainer's dense attention (the decoder's math: models/decoder.py), and 
 score heads."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,16 @@ from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
 Array = jax.Array
 
 
+@overload
+def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
+                   positions: Array | None = None, cache: None = None, compute_dtype: Any = jnp.float32,
+                   remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None
+                   ) -> tuple[Array, None]: ...
+@overload
+def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
+                   positions: Array | None = None, cache: dict, compute_dtype: Any = jnp.float32,
+                   remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None
+                   ) -> tuple[Array, dict]: ...
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
                    compute_dtype: Any = jnp.float32, remat: bool | str = False,
@@ -62,7 +72,7 @@ def compute_logits(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     """Full [B, T, V] fp32 logits (tests / eval). With `cache=` returns (logits, new_cache)."""
     hidden, new_cache = forward_hidden(params, cfg, input_ids, attention_mask, **kwargs)
     logits = logits_from_hidden(params, cfg, hidden)
-    return logits if kwargs.get("cache") is None else (logits, new_cache)
+    return logits if new_cache is None else (logits, new_cache)
 
 
 def value_from_hidden(params: dict, hidden: Array) -> Array:

@@ -9,10 +9,12 @@ the non-tensor-core fp32 rate (TF32 is a precision choice the run makes, not the
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeAlias
 
-import jax
 
 GB, GiB = 10**9, 1 << 30
+# a jax device (`jax.Device` is a runtime alias of jaxlib's class that type checkers cannot use as a type)
+Device: TypeAlias = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +43,7 @@ CHIPS: tuple[Chip, ...] = (
 )
 
 
-def chip_for(device: jax.Device | str) -> Chip | None:
+def chip_for(device: Device | str) -> Chip | None:
     """The table's chip for a device (or a `device_kind` string); None for CPUs and unknown chips.
     The longest matching prefix wins ('tpu v5 lite' before 'tpu v5')."""
     kind = (device if isinstance(device, str) else device.device_kind).lower().strip()
@@ -53,7 +55,7 @@ def chip_for(device: jax.Device | str) -> Chip | None:
     return best
 
 
-def peak_flops_of(device: jax.Device | str, dtype: str) -> float | None:
+def peak_flops_of(device: Device | str, dtype: str) -> float | None:
     """The published matmul peak of `device` for `dtype` compute, or None where the table has no row."""
     chip = chip_for(device)
     return None if chip is None else chip.peak_flops(dtype)

@@ -15,10 +15,10 @@ import dataclasses
 import importlib.util
 import os
 import re
+from typing import Any
 
-import jax
 
-from jaxrl_llm.platform.chips import Chip, chip_for
+from jaxrl_llm.platform.chips import Chip, Device, chip_for
 
 # generation -> (topology prefix, TensorCores per chip in the accelerator-type count, mesh rank)
 _GENERATIONS = {"v4": ("v4", 2, 3), "v5p": ("v5p", 2, 3), "v5litepod": ("v5e", 1, 2), "v5e": ("v5e", 1, 2),
@@ -41,7 +41,7 @@ class TpuTarget:
     topology: str  # libtpu's topology string, e.g. v5p:2x4x4
     num_slices: int
     chip: Chip
-    devices: tuple[jax.Device, ...]
+    devices: tuple[Device, ...]
 
     @property
     def num_chips(self) -> int:
@@ -83,7 +83,10 @@ def parse_accelerator_type(name: str) -> tuple[str, int]:
 def accelerator_chip(name: str) -> Chip:
     """The chip of an accelerator type or topology string (v5p-64 -> TPU v5p)."""
     topology, _ = parse_accelerator_type(name)
-    return chip_for("tpu " + topology.split(":")[0])
+    chip = chip_for("tpu " + topology.split(":")[0])
+    if chip is None:  # parse_accelerator_type accepts only chips the table knows
+        raise TpuPlanError(f"{name}: no chip figures for {topology}")
+    return chip
 
 
 def libtpu_installed() -> bool:
@@ -104,7 +107,7 @@ def tpu_target(name: str, num_slices: int = 1) -> TpuTarget:
     # planning run) fails on libtpu's lockfile
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    kwargs: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
     if topology.startswith("v4:"):  # one JAX device per chip (its two TensorCores as one), as v4 pods run
         kwargs["chip_config_name"] = "megacore"
     try:

@@ -213,7 +213,7 @@ class Planner:
             return out
         mem = compiled.memory_analysis()
         # XLA counts each loop body once: the layer scan's (one layer, so add the others), then the trips
-        body = _flops(compiled) + (program.layers - 1) * _layer_flops(program, plan, lowered, self.mesh.size)
+        body = _flops(compiled) + (program.layers - 1) * layer_flops(program, plan, lowered, self.mesh.size)
         flops = body * program.trips(plan) + program.extra_flops(plan)
         out = ProgramMemory(
             name=program.name, argument_bytes=int(mem.argument_size_in_bytes),
@@ -273,7 +273,7 @@ def _flops(stage: Any) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def _layer_flops(program: Program, plan: BatchPlan, lowered: Any, devices: int) -> float:
+def layer_flops(program: Program, plan: BatchPlan, lowered: Any, devices: int) -> float:
     """One layer's FLOPs per device in one trip of the program's loops (forward, and backward in an update).
 
     The layers run under a scan whose body XLA's cost analysis counts once, so the compiled count

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.platform.chips import chip_for, peak_flops_of
+from jaxrl_llm.platform.chips import Device, chip_for, peak_flops_of
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
@@ -90,13 +90,13 @@ def measured_matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "fl
     return 2.0 * n**3 * chain / best
 
 
-def device_peak_flops(device: jax.Device, dtype: str) -> tuple[float, str]:
+def device_peak_flops(device: Device, dtype: str) -> tuple[float, str]:
     """(matmul peak FLOP/s of one `device` for `dtype` compute, where it comes from): the published
     figure of its chip (platform/chips.py: H100, H200, B200, TPU v4 / v5e / v5p / v6e), else (CPUs,
     unknown chips) a measured matmul ceiling of this host's device."""
-    published = peak_flops_of(device, dtype)
-    if published is not None:
-        return published, f"the published {dtype} peak of {chip_for(device).name}"
+    published, chip = peak_flops_of(device, dtype), chip_for(device)
+    if published is not None and chip is not None:
+        return published, f"the published {dtype} peak of {chip.name}"
     return measured_matmul_peak_flops(dtype=dtype), f"the measured {dtype} matmul peak"
 
 

@@ -130,16 +130,14 @@ class RolloutPipeline:
     def _sync(self, step: int) -> None:
         """The rollout weights := the actor's (of `step`, before its update)."""
         if self.rollout_mesh is not None:  # device to device onto the rollout mesh's shardings
-            self._params = jax.block_until_ready(transfer(self.actor.model_params, self.rollout_mesh))
+            params = payload = jax.block_until_ready(transfer(self.actor.model_params, self.rollout_mesh))
         elif self.actor.frozen is not None:  # LoRA: only the adapters are donated; the base is shared
-            lora = self.actor.lora
-            self._params = with_lora(self.actor.frozen, jax.block_until_ready(copy_tree(self.actor.params["lora"])),
-                                     lora.scale)
+            payload = jax.block_until_ready(copy_tree(self.actor.params["lora"]))
+            params = with_lora(self.actor.frozen, payload, self.actor.lora_scale)
         else:
-            self._params = jax.block_until_ready(copy_tree(self.actor.params))
-        self._version = step
-        payload = self._params["lora"] if self.actor.frozen is not None and self.rollout_mesh is None else self._params
-        self._weights[step] = (self._params, payload)
+            params = payload = jax.block_until_ready(copy_tree(self.actor.params))
+        self._params, self._version = params, step
+        self._weights[step] = (params, payload)
 
     def _launch(self, step: int) -> None:
         version = self._resumed.pop(step, self._version)  # a resumed in-flight step: its original weights
@@ -237,7 +235,7 @@ class RolloutPipeline:
             if self.rollout_mesh is not None:
                 params = jax.block_until_ready(transfer(payload, self.rollout_mesh))
             elif self.actor.frozen is not None:
-                params = with_lora(self.actor.frozen, payload, self.actor.lora.scale)
+                params = with_lora(self.actor.frozen, payload, self.actor.lora_scale)
             else:
                 params = payload
             self._weights[int(key)] = (params, payload)

@@ -52,11 +52,11 @@ class TrainedRole:
     param_shardings: Any
     opt_state_shardings: Any
     update_fn: UpdateFn  # `update_actor` / `update_critic` with model_cfg and settings bound
+    model: ModelSpec  # the role's model spec (packing: use_remove_padding, share_packed_prompts)
+    settings: ActorSpec | CriticSpec  # its loss settings (ppo_epochs, shuffle, ...)
+    batch: RoleBatch  # its mini- / micro-batch split (config/batch_plan.py)
     frozen: dict | None = None  # LoRA: the frozen base params (then `params` is {"lora": adapters})
     lora: LoraConfig | None = None
-    model: ModelSpec | None = None  # the role's model spec (packing: use_remove_padding, share_packed_prompts)
-    settings: ActorSpec | CriticSpec | None = None  # its loss settings (ppo_epochs, shuffle, ...)
-    batch: RoleBatch | None = None  # its mini- / micro-batch split (config/batch_plan.py)
     lr_offset: int = 0  # RL steps before its first update (the actor: trainer.critic_warmup)
     _compiled: dict[tuple[int, int], Callable] = dataclasses.field(default_factory=dict)
 
@@ -65,12 +65,22 @@ class TrainedRole:
         """The params a forward pass / the sampler reads: `params`, or the base with the adapters."""
         if self.frozen is None:
             return self.params
-        return with_lora(self.frozen, self.params["lora"], self.lora.scale)
+        return with_lora(self.frozen, self.params["lora"], self.lora_scale)
+
+    @property
+    def lora_scale(self) -> float:
+        """alpha / rank of the adapters (0 without LoRA)."""
+        return self.lora.scale if self.lora is not None else 0.0
 
     @property
     def num_params(self) -> int:
         """Parameters of the model (the base's plus the adapters' with LoRA)."""
         return sum(int(x.size) for x in jax.tree.leaves(self.model_params))
+
+    @property
+    def compiled_updates(self) -> dict[tuple[int, int], Callable]:
+        """The jitted update per (mini-batches, micro-batches) split compiled so far."""
+        return dict(self._compiled)
 
     @property
     def num_trainable_params(self) -> int:
@@ -168,9 +178,8 @@ def model_config_of(model: ModelSpec, tokenizer: Any) -> ModelConfig:
 
 
 def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,
-                      update_fn: UpdateFn, *, lora: LoraConfig | None = None, seed: int = 0,
-                      model: ModelSpec | None = None, settings: ActorSpec | CriticSpec | None = None,
-                      batch: RoleBatch | None = None, lr_offset: int = 0) -> TrainedRole:
+                      update_fn: UpdateFn, *, model: ModelSpec, settings: ActorSpec | CriticSpec, batch: RoleBatch,
+                      lora: LoraConfig | None = None, seed: int = 0, lr_offset: int = 0) -> TrainedRole:
     """A role training `params`, or with `lora` fresh adapters (from `seed`) on `params` kept frozen;
     `model`, `settings`, `batch` and `lr_offset` are what its updates in a run read (TrainedRole)."""
     frozen = None
@@ -182,7 +191,7 @@ def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: Op
     state_shardings = optimizer_state_sharding(abstract_state, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn,
-                       frozen=frozen, lora=lora, model=model, settings=settings, batch=batch, lr_offset=lr_offset)
+                       model=model, settings=settings, batch=batch, frozen=frozen, lora=lora, lr_offset=lr_offset)
 
 
 def _mesh_of(params: dict) -> Mesh:

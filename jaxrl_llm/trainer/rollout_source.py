@@ -35,24 +35,31 @@ class RolloutSource(Protocol):
 
     def take(self, step: int) -> tuple[dict, Rollout, dict[str, float]]:
         """(batch, rollout, generation metrics) of training step `step`; StopIteration when the data ran out."""
+        ...
 
     def loader_state(self, next_step: int) -> Any:
         """The data loader's state a checkpoint after `next_step - 1` saves."""
+        ...
 
     def checkpoint_weights(self, next_step: int) -> tuple[dict, dict | None]:
         """(JSON record, rollout weights by version) a checkpoint needs to resume the in-flight rollouts."""
+        ...
 
     def abstract_weights(self, record: dict) -> dict:
         """The layout `checkpoint_weights`' trees restore onto."""
+        ...
 
     def resume(self, record: dict, weights: dict | None) -> None:
         """Restores what `checkpoint_weights` saved."""
+        ...
 
     def describe(self) -> str:
         """One line for the run summary."""
+        ...
 
     def close(self) -> None:
         """Stops any worker."""
+        ...
 
 
 class SynchronousSource:

@@ -204,7 +204,7 @@ class Tracking:
             self._tb = _tensorboard_writer(storage.join(self.run_dir, "tensorboard"))
         if "wandb" in self.sinks:
             try:
-                import wandb
+                import wandb  # pyright: ignore[reportMissingImports] (the optional wandb extra)
             except ImportError as err:  # optional dependency
                 raise ImportError(
                     "trainer.logger includes 'wandb' but wandb is not installed: pip install 'jaxrl_llm[wandb]'"
@@ -262,7 +262,7 @@ class Tracking:
             text = "\n\n".join(json.dumps(r, ensure_ascii=False) for r in rows)
             self._tb.add_text(name, text, step)
         if self._wandb is not None:
-            import wandb
+            import wandb  # pyright: ignore[reportMissingImports] (the optional wandb extra)
 
             columns = sorted({k for r in rows for k in r})
             table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])

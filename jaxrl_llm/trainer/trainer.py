@@ -70,6 +70,8 @@ class Trainer:
         from jaxrl_llm.rewards import build_reward_manager
 
         data = resolve_data(checked)
+        if data.tokenizer is None:  # derived from actor_rollout_ref.model.path, except for tiny: models
+            raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
         self.tokenizer = load_tokenizer(data.tokenizer)
         # before anything is written or loaded: a step that would not fit stops here (trainer/memory_plan.py)
         self.memory_plan = self._plan_memory(resolve(checked, dp_size=self.dp_size))
@@ -79,6 +81,7 @@ class Trainer:
         if self.memory_plan is not None:  # with every 'auto' micro-batch size resolved
             self.spec = dataclasses.replace(self.spec, plan=self.memory_plan.batch_plan)
         spec = self.spec
+        assert spec.trainer.total_steps is not None  # known once the dataset size is
         self.total_steps = int(spec.trainer.total_steps)
         self.run_dir = spec.trainer.run_dir
         # where a resume would come from, checked before anything heavy loads or anything is written
@@ -113,11 +116,13 @@ class Trainer:
             self.reference = make_reference_role(spec.model, model_cfg, params, spec.ref, lora_base=self.actor.frozen)
         self.critic: TrainedRole | None = None
         if spec.critic is not None:
-            critic_cfg, critic_params = load_model(spec.critic_model, head="value", mesh=self.mesh,
+            critic_model, critic_optim, critic_batch = spec.critic_model, spec.critic_optim, spec.plan.critic
+            assert critic_model and critic_optim and critic_batch, "resolve sets every critic part or none"
+            critic_cfg, critic_params = load_model(critic_model, head="value", mesh=self.mesh,
                                                    tokenizer=self.tokenizer, seed=spec.trainer.seed + 1)
-            self.critic = make_trained_role("critic", critic_cfg, critic_params, spec.critic_optim,
+            self.critic = make_trained_role("critic", critic_cfg, critic_params, critic_optim,
                                             functools.partial(update_critic, model_cfg=critic_cfg, s=spec.critic),
-                                            model=spec.critic_model, settings=spec.critic, batch=spec.plan.critic)
+                                            model=critic_model, settings=spec.critic, batch=critic_batch)
         self.reward_manager = build_reward_manager(spec.reward)
         self.reward_model = None
         if spec.reward_model is not None:
@@ -301,11 +306,12 @@ class Trainer:
                     old_lp = span.wait(self.log_probs(self.actor.model_params, rollout, plan.old_log_prob, rows))
             values = None
             if self.critic is not None:
+                assert plan.values is not None  # planned whenever there is a critic
                 with timer("values") as span:
                     how = self.batching.no_grad(plan.values, self.critic.model, rows)
                     values = span.wait(run_no_grad_pass(
                         values_no_grad, self.critic.params, rollout.input_ids, rollout.attention_mask, mask, how,
-                        model_cfg=self.critic.model_cfg, compute_dtype=spec.critic.compute_dtype))
+                        model_cfg=self.critic.model_cfg, compute_dtype=self.critic.settings.compute_dtype))
             with timer("adv") as span:
                 baselines = (self._remax_baselines(batch, rng) if ADV_ESTIMATORS.capability(
                     spec.advantage.adv_estimator, "needs_reward_baselines") else None)
@@ -419,6 +425,8 @@ class Trainer:
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:
         """One validation pass; logs its generations table and dump as configured; returns the metrics."""
+        if self.val_loader is None:
+            raise ValueError("validate: the run has no validation data (data.val_files)")
         self.val_loader.reset()
         rng = jax.random.fold_in(self.base_rng, 10_000_000 + self.global_step)
         metrics, samples = run_validation(self.generator, self.val_loader, self.actor.model_params,
@@ -553,9 +561,10 @@ def _check_plan_topology(spec: RunSpec, mesh: Any) -> None:
     slice's devices (its memory plan then compiles for them as they are)."""
     from jaxrl_llm.platform import accelerator_chip, chip_for, parse_accelerator_type
 
-    _, chips = parse_accelerator_type(spec.trainer.plan_topology)
+    topology = spec.trainer.plan_topology
+    assert topology is not None
+    _, chips = parse_accelerator_type(topology)
     device = mesh.devices.flat[0]
-    if mesh.size != chips * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(
-            spec.trainer.plan_topology):
+    if mesh.size != chips * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(topology):
         raise ConfigError(f"trainer.plan_topology={spec.trainer.plan_topology} is for launch/train.py --plan on any "
                           f"host; this run has {mesh.size} {device.device_kind} device(s): unset it")

@@ -172,7 +172,7 @@ def test_planned_flops_count_every_layer(tmp_path):
     # the program lowered with two layers per scan trip). Remat off: the update is the textbook 6N.
     import jax
 
-    from jaxrl_llm.trainer.memory_plan import _layer_flops
+    from jaxrl_llm.trainer.memory_plan import layer_flops
 
     flops, layer = {}, {}
     for n_layers in (2, 4):
@@ -183,7 +183,7 @@ def test_planned_flops_count_every_layer(tmp_path):
             if p.name in ("sample", "update_actor"):
                 # less the decode tokens after the first, counted analytically (2 x params x rows)
                 flops[n_layers, p.name] = planner.analyse(p, spec.plan).flops - p.extra_flops(spec.plan)
-                layer[n_layers, p.name] = _layer_flops(p, spec.plan, p.lower(spec.plan), mesh.size) * p.trips(spec.plan)
+                layer[n_layers, p.name] = layer_flops(p, spec.plan, p.lower(spec.plan), mesh.size) * p.trips(spec.plan)
     for name in ("sample", "update_actor"):
         assert layer[2, name] > 0 and layer[4, name] == pytest.approx(layer[2, name], rel=0.01)
         # two more layers add two layers' count, nothing else

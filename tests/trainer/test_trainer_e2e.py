@@ -70,7 +70,7 @@ def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
         metrics = trainer.train_step(next(trainer.train_loader))
         finite = {k: v for k, v in metrics.items() if k.startswith(("actor/", "critic/"))}
         assert all(np.isfinite(v) for v in finite.values()), (name, finite)
-    assert list(trainer.actor._compiled) == [(1, 1)]  # one actor update program for all of them
+    assert list(trainer.actor.compiled_updates) == [(1, 1)]  # one actor update program for all of them
 
     # rollout correction: old log-probs are recomputed and compared with the sampler's (equal in fp32)
     trainer.spec = dataclasses.replace(
@@ -105,8 +105,8 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     # (one 128-token row here: 150 tokens hold one row of the 64 prompt + 8 response width bucket)
     # and the update brings its own micro-batch axis, so both steps ran the (1 mini, 1) program, with
     # at most the two response-slot sizes a token-budget layout has
-    assert list(trainer.actor._compiled) == [(1, 1)]
-    assert trainer.actor._compiled[(1, 1)]._cache_size() <= 2
+    assert list(trainer.actor.compiled_updates) == [(1, 1)]
+    assert trainer.actor.compiled_updates[(1, 1)]._cache_size() <= 2
     assert sorted(os.listdir(tmp_path / "rollouts")) == ["0.jsonl", "1.jsonl"]
     row = json.loads(open(tmp_path / "rollouts" / "0.jsonl").readline())
     assert {"input", "output", "score", "data_source", "ground_truth"} <= set(row)

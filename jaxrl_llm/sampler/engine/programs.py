@@ -105,20 +105,22 @@ def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_
     else:
         dt = storage_dtype(as_jnp_dtype(compute_dtype))  # bf16 on CPU: uint16 bits (sampler/kv_bits.py)
         pool = {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
-    return reset_slots(DecodeState(pool=pool, page_table=None, positions=None, last=None, num_gen=None,
-                                   active=None, finish=None, request=None, budget=None, tokens=None, log_probs=None,
-                                   steps=None, useful=None), spec, max_new_tokens)
+    return empty_slots(pool, spec, max_new_tokens)
+
+
+def empty_slots(pool: dict, spec: EngineSpec, max_new_tokens: int) -> DecodeState:
+    """Empty slots around `pool` (each field its own buffer: the state is donated)."""
+    s, r = spec.max_num_seqs, max_new_tokens
+    z = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731
+    return DecodeState(pool=pool, page_table=jnp.zeros((s, spec.pages_per_slot), jnp.int32), positions=z(), last=z(),
+                       num_gen=z(), active=jnp.zeros((s,), bool), finish=z(), request=jnp.zeros((s, 2), jnp.int32),
+                       budget=z(), tokens=jnp.zeros((s, r), jnp.int32), log_probs=jnp.zeros((s, r), jnp.float32),
+                       steps=jnp.zeros((), jnp.int32), useful=jnp.zeros((), jnp.int32))
 
 
 def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> DecodeState:
-    """Empty slots around the same pool (each field its own buffer: the state is donated)."""
-    s, r = spec.max_num_seqs, max_new_tokens
-    z = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731
-    return state._replace(page_table=jnp.zeros((s, spec.pages_per_slot), jnp.int32), positions=z(), last=z(),
-                          num_gen=z(), active=jnp.zeros((s,), bool), finish=z(),
-                          request=jnp.zeros((s, 2), jnp.int32), budget=z(), tokens=jnp.zeros((s, r), jnp.int32),
-                          log_probs=jnp.zeros((s, r), jnp.float32), steps=jnp.zeros((), jnp.int32),
-                          useful=jnp.zeros((), jnp.int32))
+    """Empty slots around the same pool."""
+    return empty_slots(state.pool, spec, max_new_tokens)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -256,7 +258,7 @@ def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, req
 
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh"), donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
-             max_steps: Array, stop_on_finish: Array, stop_below: Array = 0, *, settings: SampleSettings,
+             max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, *, settings: SampleSettings,
              attn_impl: str = "auto", mesh: Mesh | None = None) -> DecodeState:
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
