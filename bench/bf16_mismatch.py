@@ -81,7 +81,8 @@ def mismatch(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, dtype: str
     if dtype != "float32":  # the same tokens scored in fp32: how far each bf16 path is from fp32
         exact = score(params, cfg, full_ids, full_mask, new_tokens, temperature=temperature, compute_dtype="float32")
         result["trainer_mean_abs_err_vs_fp32"] = float(np.mean(np.abs(np.asarray(train) - np.asarray(exact))[real]))
-        result["rollout_mean_abs_err_vs_fp32"] = float(np.mean(np.abs(np.asarray(out.log_probs) - np.asarray(exact))[real]))
+        rollout_err = np.abs(np.asarray(out.log_probs) - np.asarray(exact))[real]
+        result["rollout_mean_abs_err_vs_fp32"] = float(np.mean(rollout_err))
     return result
 
 

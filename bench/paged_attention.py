@@ -25,8 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.sampler.paged_attention_pallas import (default_pages_per_block, default_variant,
-                                                      paged_decode_attention_pallas)
+from jaxrl_llm.sampler.paged_attention_pallas import (
+    default_pages_per_block,
+    default_variant,
+    paged_decode_attention_pallas,
+)
 
 try:  # the engine's length-aware XLA path (jaxrl_llm/sampler/paged_attention.py), if merged
     from jaxrl_llm.sampler.paged_attention import paged_decode_attention_xla

@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = (f"{args.response_length} new tokens" if fixed else
                f"prompts {MIN_PROMPT}-{MAX_PROMPT} tokens, natural EOS <= {args.max_new_tokens} new tokens")
     print(f"\nSmolLM2-135M GRPO step ({args.workload}): {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} "
-          f"samples, {lengths}, {args.dtype} compute (fp32 master weights), no KL, 1 optimizer step; jax on {ours['devices']} "
+          f"samples, {lengths}, {args.dtype} compute (fp32 master weights), no KL, 1 optimizer step; "
+          f"jax on {ours['devices']} "
           f"device(s), cpu_count {os.cpu_count()}" + (f", torch threads {trl_res['threads']}" if trl_res else ""))
     print(f"{n / 1e6:.1f}M parameters; measured {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s (start "
           f"{ours['peak'] / 1e9:.1f}, end {peak_end / 1e9:.1f}; the trainer's perf/mfu uses the start); "

@@ -7,7 +7,8 @@ long step-by-step solutions. The static sampler and transformers run the request
 Reported per engine: useful new tokens/s (response tokens up to and including EOS / wall time of
 a warm run), slot utilisation (useful token-steps / slot-steps), prompt tokens prefilled
 (computed, bucket padding included), KV bytes held, compiled programs and compile time (a
-warm-up run for the paged engine, lowering + compiling for the static one). The machine may be shared with other jobs: numbers are wall-clock.
+warm-up run for the paged engine, lowering + compiling for the static one). The machine may be
+shared with other jobs: numbers are wall-clock.
 
 Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512 new tokens).
 

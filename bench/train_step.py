@@ -44,12 +44,12 @@ import optax
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from jaxrl_llm import batching as pk  # noqa: E402
 from jaxrl_llm.config import smollm2_gguf_path  # noqa: E402
 from jaxrl_llm.config.spec import ActorSpec  # noqa: E402
 from jaxrl_llm.hf import load_gguf  # noqa: E402
 from jaxrl_llm.models import init_head_params  # noqa: E402
 from jaxrl_llm.models.lora import LoraConfig, init_lora, with_lora  # noqa: E402
-from jaxrl_llm import batching as pk  # noqa: E402
 from jaxrl_llm.trainer.actor import update_actor  # noqa: E402
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad  # noqa: E402
 

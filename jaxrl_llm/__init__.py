@@ -6,7 +6,10 @@ is cheap and one subpackage's import cost is paid only when it is used.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
+    from jaxrl_llm.api import Model, SamplingParams, Trainer, export_hf, generate, load_model, load_tokenizer
 
 __version__ = "0.1.0"
 
@@ -21,7 +24,8 @@ _FACADE = {
     "Trainer": "jaxrl_llm.api",
 }
 
-__all__ = sorted(_FACADE) + ["__version__"]
+__all__ = ["Model", "SamplingParams", "Trainer", "__version__", "export_hf", "generate", "load_model",
+           "load_tokenizer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,15 +21,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from jaxrl_llm import checkpoint as _checkpoint
 from jaxrl_llm.hf import export_hf as _export_hf
 from jaxrl_llm.hf import load_any
 from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
 from jaxrl_llm.models import ModelConfig, compute_logits
+from jaxrl_llm.models.dtypes import as_jnp_dtype
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
-from jaxrl_llm.models.dtypes import as_jnp_dtype
-from jaxrl_llm import checkpoint as _checkpoint
 
 _logits = jax.jit(compute_logits, static_argnums=1)
 
@@ -41,7 +42,7 @@ class Model:
 
     config: ModelConfig
     params: dict
-    mesh: Any = None
+    mesh: Mesh | None = None
     tokenizer: Any = dataclasses.field(default=None, repr=False)  # a transformers tokenizer or None
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
@@ -75,7 +76,7 @@ def find_tokenizer(path: str | pathlib.Path) -> str | None:
     return None
 
 
-def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Any = None, *,
+def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Mesh | None = None, *,
                shardings: Any = None, tokenizer: Any = None) -> Model:
     """Load an HF folder, a .gguf file or a training checkpoint as a `Model` with params of `dtype`.
 

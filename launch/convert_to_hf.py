@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxrl_llm.checkpoint import is_checkpoint, load_lora_checkpoint, read_checkpoint_meta, register_checkpoint_loader
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
 from jaxrl_llm.models.dtypes import DTYPES, as_jnp_dtype
-from jaxrl_llm.checkpoint import (is_checkpoint, load_lora_checkpoint, read_checkpoint_meta,
-                                          register_checkpoint_loader)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         if not is_checkpoint(args.input):
             parser.error("--peft needs a LoRA training checkpoint as --input")
         cfg, adapters, lora, base_path = load_lora_checkpoint(args.input)
-        print(f"wrote LoRA adapters (rank {lora.rank}) to {export_peft(cfg, adapters, lora, args.peft, base_model_name_or_path=base_path)}")
+        out = export_peft(cfg, adapters, lora, args.peft, base_model_name_or_path=base_path)
+        print(f"wrote LoRA adapters (rank {lora.rank}) to {out}")
 
     register_checkpoint_loader()
     cfg, params = load_any(args.input, dtype=as_jnp_dtype(args.dtype))

@@ -30,8 +30,15 @@ import yaml
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_llm.config import (ConfigError, apply_overrides, default_config, mesh_dp_size, resolve_batch_plan,
-                              split_config_flag_overrides, validate_config)
+from jaxrl_llm.config import (
+    ConfigError,
+    apply_overrides,
+    default_config,
+    mesh_dp_size,
+    resolve_batch_plan,
+    split_config_flag_overrides,
+    validate_config,
+)
 from jaxrl_llm.config.importers import FORMATS, import_config, import_trl_flags, split_trl_flags
 from jaxrl_llm.platform import TpuPlanError
 

@@ -26,3 +26,11 @@ def test_facade_exposes_trainer():
     from jaxrl_llm.trainer import Trainer
 
     assert jrl.Trainer is Trainer
+
+
+def test_facade_names_in_all_resolve_to_the_api():
+    # __all__ is written out for type checkers; every name in it resolves lazily to jaxrl_llm.api's
+    import jaxrl_llm.api as api
+
+    names = [n for n in jrl.__all__ if n != "__version__"]
+    assert names and all(getattr(jrl, n) is getattr(api, n) for n in names)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from tiny_models import make_char_tokenizer
 
 import jaxrl_llm as jrl
 from jaxrl_llm.hf import export_hf
 from jaxrl_llm.models import ModelConfig, init_params
-from tiny_models import make_char_tokenizer
 
 GREEDY = jrl.SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
 

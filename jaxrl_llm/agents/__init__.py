@@ -35,5 +35,6 @@ __all__ = [
     "GuessNumberEnv", "MultiTurnResult", "PythonTool", "SandboxLimits", "SandboxResult", "Segment", "TemplateError",
     "ToolCall", "ToolCallError", "ToolResult", "Trajectory", "TrajectoryBatch", "TrajectorySource", "TurnLimits",
     "evaluate", "load_interactions", "load_tools", "multi_turn_metrics", "pad_trajectories", "parse_tool_calls",
-    "run_multi_turn", "run_multi_turn_streaming", "run_python", "trajectories_from_rows", "truncate_text", "unshare_available",
+    "run_multi_turn", "run_multi_turn_streaming", "run_python", "trajectories_from_rows", "truncate_text",
+    "unshare_available",
 ]

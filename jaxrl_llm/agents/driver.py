@@ -18,8 +18,8 @@ Per round, after the generation: a turn cut at its token limit ends the trajecto
 a turn with hermes tool calls (`tool_parser`) gets one tool message per call, the calls of all
 trajectories running together on a `JobRunner` of `max_parallel_calls` workers, each with
 `tool_timeout_s` from the moment it starts (a timed-out call is reported to the model and counted;
-see agents/job_runner.py for what happens to its thread); a turn without calls goes to the trajectory's environment when it
-has one, else ends the trajectory. Rows' tools are created at the start (`create(None,
+see agents/job_runner.py for what happens to its thread); a turn without calls goes to the
+trajectory's environment when it has one, else ends the trajectory. Rows' tools are created at the start (`create(None,
 **extra_info.tools_kwargs[name].create_kwargs)`, veRL's row field) and scored (`calc_reward`) and
 released at the end.
 
@@ -250,14 +250,15 @@ def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, 
     try:
         start_tools(trajs, kit.tools)
         while True:
-            budgets = {id(t): next_turn_budget(t, limits) for t in trajs}
-            active = [t for t in trajs if budgets[id(t)] is not None]
+            budgets = [(t, next_turn_budget(t, limits)) for t in trajs]
+            active = [(t, budget) for t, budget in budgets if budget is not None]
             if not active:
                 break
-            outs = list(continue_fn([t.ids for t in active], [budgets[id(t)] for t in active], stops))
-            _check_outputs(outs, [budgets[id(t)] for t in active])
+            active_budgets = [budget for _, budget in active]
+            outs = list(continue_fn([t.ids for t, _ in active], active_budgets, stops))
+            _check_outputs(outs, active_budgets)
             outcomes: list[tuple[Trajectory, TurnOutcome]] = []
-            for t, o in zip(active, outs):
+            for (t, _), o in zip(active, outs):
                 outcome = kit.record(t, o, limits)
                 if outcome is None:
                     continue
@@ -278,7 +279,8 @@ def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, 
 
 
 def finish_result(trajs: list[Trajectory], sanity_check: bool) -> MultiTurnResult:
-    mismatches = [t.tokenization_mismatch() for t in trajs] if sanity_check else [None] * len(trajs)
+    mismatches: list[str | None] = ([t.tokenization_mismatch() for t in trajs] if sanity_check
+                                    else [None] * len(trajs))
     return MultiTurnResult(trajs, multi_turn_metrics(trajs, mismatches if sanity_check else None), mismatches)
 
 

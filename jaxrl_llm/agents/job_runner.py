@@ -23,12 +23,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 JOB_STATUSES = ("ok", "error", "timeout")
+JobKey = TypeVar("JobKey", bound=Hashable)  # how the caller names its jobs
 
 
-class JobRunner:
+class JobRunner(Generic[JobKey]):
     def __init__(self, max_workers: int, timeout_s: float) -> None:
         if max_workers < 1 or timeout_s <= 0:
             raise ValueError(f"JobRunner: max_workers={max_workers} must be >= 1 and timeout_s={timeout_s} > 0")
@@ -36,10 +37,10 @@ class JobRunner:
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._fns: dict[Hashable, Callable[[], Any]] = {}
-        self._queued: set[Hashable] = set()
-        self._started: dict[Hashable, float] = {}  # running jobs -> start time
-        self._stuck: set[Hashable] = set()  # timed out but still running (their workers are lost)
+        self._fns: dict[JobKey, Callable[[], Any]] = {}
+        self._queued: set[JobKey] = set()
+        self._started: dict[JobKey, float] = {}  # running jobs -> start time
+        self._stuck: set[JobKey] = set()  # timed out but still running (their workers are lost)
         self._workers = 0
         self._closed = threading.Event()
 
@@ -48,7 +49,7 @@ class JobRunner:
         """Jobs submitted and not yet returned by `poll`."""
         return len(self._fns)
 
-    def submit(self, key: Hashable, fn: Callable[[], Any]) -> None:
+    def submit(self, key: JobKey, fn: Callable[[], Any]) -> None:
         with self._lock:
             if key in self._fns:
                 raise ValueError(f"JobRunner: job {key!r} is already running")
@@ -76,9 +77,9 @@ class JobRunner:
             except Exception as err:  # noqa: BLE001 - handed to the caller, who decides
                 self._done.put((key, "error", err))
 
-    def poll(self, wait_s: float = 0.0) -> list[tuple[Hashable, str, Any]]:
+    def poll(self, wait_s: float = 0.0) -> list[tuple[JobKey, str, Any]]:
         """Jobs resolved since the last call: (key, status, value); waits up to `wait_s` for the first."""
-        out: list[tuple[Hashable, str, Any]] = []
+        out: list[tuple[JobKey, str, Any]] = []
         try:
             item = self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait()
             while True:
@@ -106,11 +107,11 @@ class JobRunner:
                 del self._fns[key]
         return resolved
 
-    def run_all(self, fns: dict[Hashable, Callable[[], Any]]) -> dict[Hashable, tuple[str, Any]]:
+    def run_all(self, fns: dict[JobKey, Callable[[], Any]]) -> dict[JobKey, tuple[str, Any]]:
         """Submits `fns` and waits until each is resolved: key -> (status, value)."""
         for key, fn in fns.items():
             self.submit(key, fn)
-        results: dict[Hashable, tuple[str, Any]] = {}
+        results: dict[JobKey, tuple[str, Any]] = {}
         while len(results) < len(fns):
             results.update((key, (status, value)) for key, status, value in self.poll(wait_s=0.02) if key in fns)
         return results

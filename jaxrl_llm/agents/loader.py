@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from jaxrl_llm.agents.environment import Environment
-from jaxrl_llm.agents.tool_base import BaseTool, schema_problem
+from jaxrl_llm.agents.tool_base import BaseTool, checked_schema
 
 
 class AgentConfigError(ValueError):
@@ -90,10 +90,10 @@ def load_tools(path: str | pathlib.Path) -> dict[str, BaseTool]:
                                                      ("create", "execute", "calc_reward", "release")):
             raise AgentConfigError(f"{where}: tools[{i}].class_name: {cls.__name__} is not a BaseTool "
                                    "(needs create / execute / calc_reward / release)")
-        schema = entry.get("tool_schema", getattr(cls, "default_schema", None))
-        problem = schema_problem(schema)
-        if problem is not None:
-            raise AgentConfigError(f"{where}: tools[{i}].{problem}")
+        try:
+            schema = checked_schema(entry.get("tool_schema", getattr(cls, "default_schema", None)))
+        except ValueError as err:
+            raise AgentConfigError(f"{where}: tools[{i}].{err}") from None
         try:
             tool = cls(config=entry.get("config") or {}, tool_schema=schema)
         except Exception as err:  # noqa: BLE001 - the tool's constructor judges its own config

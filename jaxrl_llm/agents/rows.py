@@ -57,7 +57,7 @@ def trajectories_from_rows(rows: Sequence[Mapping[str, Any]], renderer: ChatRend
         messages = renderer.with_tools_prompt(_messages(row, prompt_key, i))
         prompt_ids = None
         for _ in range(n):  # the prompt is tokenized once per row
-            env = interactions[name]() if name is not None else None
+            env = interactions[name]() if interactions and name is not None else None
             t = Trajectory.start(renderer, messages, row=dict(row), env=env, prompt_ids=prompt_ids)
             prompt_ids = t.prompt_ids if env is None else None  # an env's first message may differ per copy
             trajs.append(t)

@@ -59,10 +59,11 @@ class StaticSamplerContinue:
         rows = bucket_batch(len(prefixes), 1 if self.mesh is None else batch_axis_size(self.mesh))
         batch = list(prefixes) + [prefixes[0]] * (rows - len(prefixes))
         ids, mask = left_pad(batch, self.pad_id, length=self.prefix_length)
-        arrays = (ids, mask) if self.mesh is None else shard_batch((ids, mask), self.mesh)
+        if self.mesh is not None:
+            ids, mask = shard_batch((ids, mask), self.mesh)
         rng = jax.random.fold_in(jax.random.key(params.seed), self.calls)
         self.calls += 1
-        out = sample(self.params, self.cfg, *arrays, rng, knobs, settings=settings, mesh=self.mesh)
+        out = sample(self.params, self.cfg, ids, mask, rng, knobs, settings=settings, mesh=self.mesh)
         return cut_to_budgets(out, max_new_tokens)
 
 

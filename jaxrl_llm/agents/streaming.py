@@ -28,30 +28,46 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.agents.driver import (Generated, MultiTurnResult, ToolJob, Tools, TurnOutcome, add_env_reply,
-                                     add_tool_replies, check_call_limits, finish_result, finish_tools,
-                                     next_turn_budget, record_tool_result, start_tools)
+from jaxrl_llm.agents.driver import (
+    Generated,
+    MultiTurnResult,
+    ToolJob,
+    Tools,
+    TurnOutcome,
+    add_env_reply,
+    add_tool_replies,
+    check_call_limits,
+    finish_result,
+    finish_tools,
+    next_turn_budget,
+    record_tool_result,
+    start_tools,
+)
 from jaxrl_llm.agents.job_runner import JobRunner
 from jaxrl_llm.agents.tool_base import BaseTool
 from jaxrl_llm.agents.trajectory import Trajectory, TurnLimits
 from jaxrl_llm.sampler import FINISH_REASONS
 from jaxrl_llm.sampler.engine import EngineRequest
 
+# a job's name: ("env", trajectory, turn) or ("tool", trajectory, turn, call slot)
+JobKey = tuple[Any, ...]
+
 
 class TrajectorySource:
     """`RequestSource` of multi-turn trajectories (see the module docstring)."""
 
-    def __init__(self, trajs: Sequence[Trajectory], *, limits: TurnLimits, tools: Tools, runner: JobRunner) -> None:
+    def __init__(self, trajs: Sequence[Trajectory], *, limits: TurnLimits, tools: Tools,
+                 runner: JobRunner[JobKey]) -> None:
         self.trajs, self.limits, self.tools, self.runner = list(trajs), limits, tools, runner
         self.ready: list[int] = list(range(len(self.trajs)))  # trajectories due for their next request
         self.waiting: dict[int, TurnOutcome] = {}  # trajectory -> its turn, while calls are out
         self.outstanding: dict[int, int] = {}  # trajectory -> calls not answered yet
-        self.jobs: dict[Hashable, ToolJob] = {}
+        self.jobs: dict[JobKey, ToolJob] = {}
         self.groups = itertools.count()
 
     # ------------------------------------------------------------------ RequestSource
@@ -80,7 +96,7 @@ class TrajectorySource:
         if outcome.env_message is not None:
             self._submit(k, outcome, {("env", k, turn): functools.partial(t.env.step, outcome.env_message)})
         elif outcome.jobs:
-            jobs = {("tool", k, turn, job.slot): job for job in outcome.jobs}
+            jobs: dict[JobKey, ToolJob] = {("tool", k, turn, job.slot): job for job in outcome.jobs}
             self.jobs.update(jobs)
             self._submit(k, outcome, jobs)
         else:  # only malformed calls: their error replies go back at once
@@ -94,7 +110,7 @@ class TrajectorySource:
         self._collect(self.runner.poll(wait_s=0.05))
 
     # ------------------------------------------------------------------ replies
-    def _submit(self, k: int, outcome: TurnOutcome, fns: Mapping[Hashable, Callable[[], Any]]) -> None:
+    def _submit(self, k: int, outcome: TurnOutcome, fns: Mapping[JobKey, Callable[[], Any]]) -> None:
         self.waiting[k], self.outstanding[k] = outcome, len(fns)
         for key, fn in fns.items():
             self.runner.submit(key, fn)
@@ -103,7 +119,7 @@ class TrajectorySource:
         if not self.trajs[k].done:
             self.ready.append(k)
 
-    def _collect(self, results: list[tuple[Hashable, str, Any]]) -> None:
+    def _collect(self, results: list[tuple[JobKey, str, Any]]) -> None:
         for key, status, value in results:
             kind, k = key[0], key[1]
             t, outcome = self.trajs[k], self.waiting[k]

@@ -62,6 +62,14 @@ def schema_problem(schema: Any) -> str | None:
     return None
 
 
+def checked_schema(schema: Any) -> dict:
+    """`schema` when it is an OpenAI function schema we can use; ValueError saying what is wrong."""
+    problem = schema_problem(schema)
+    if problem is not None or not isinstance(schema, dict):
+        raise ValueError(problem)
+    return schema
+
+
 class BaseTool:
     """Base class of every tool. Subclasses implement `execute`; the rest has working defaults.
 
@@ -74,10 +82,10 @@ class BaseTool:
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None) -> None:
         self.config = dict(config or {})
         schema = copy.deepcopy(tool_schema if tool_schema is not None else self.default_schema)
-        problem = schema_problem(schema)
-        if problem is not None:
-            raise ValueError(f"{type(self).__name__}: {problem}")
-        self.tool_schema: dict = schema
+        try:
+            self.tool_schema: dict = checked_schema(schema)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
         self._instances: dict[str, dict] = {}
 
     @property
@@ -131,4 +139,5 @@ def as_tool_result(out: Any, tool: str) -> ToolResult:
     return ToolResult(text, float(reward or 0.0), dict(metrics or {}))
 
 
-__all__ = ["BaseTool", "JSON_TYPES", "ToolResult", "as_tool_result", "call_tool_method", "schema_problem"]
+__all__ = ["BaseTool", "JSON_TYPES", "ToolResult", "as_tool_result", "call_tool_method", "checked_schema",
+           "schema_problem"]

@@ -139,7 +139,7 @@ class Trajectory:
     def response_log_probs(self) -> list[float]:
         """Rollout log-probs of model tokens, 0.0 on context tokens (aligned with `response_ids`)."""
         return [lp for s in self.segments[1:]
-                for lp in (s.log_probs if s.kind == "model" else [0.0] * len(s.ids))]
+                for lp in (s.log_probs if s.kind == "model" and s.log_probs is not None else [0.0] * len(s.ids))]
 
     @property
     def response_length(self) -> int:

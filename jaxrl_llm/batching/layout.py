@@ -8,13 +8,14 @@ tokens go in packed rows; `UpdateLayout` is the packing of one whole update call
 from __future__ import annotations
 
 import dataclasses
+
 import flax.struct
 import jax
 import numpy as np
 
+from jaxrl_llm.arrays import HostOrDevice  # planned on the host (numpy), then read on device: layouts hold either
+
 Array = jax.Array
-# planned on the host (numpy), then read on device (jax): layouts hold either
-HostOrDevice = jax.Array | np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.batching.layout import PackedLayout
-from jaxrl_llm.batching.step import PassLayout
+from jaxrl_llm.batching.step import NO_PADS, PassLayout
 from jaxrl_llm.models import ModelConfig, forward_hidden
 
 Array = jax.Array
@@ -47,14 +47,6 @@ def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len:
     out = jnp.zeros((shards, num_rows // shards * response_len), x.dtype)
     out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, layout.response_dst, x)
     return out.reshape(num_rows, response_len)
-
-
-def map_response(outputs: tuple[Array, ...] | list[Array] | Array, layout: PackedLayout, num_rows: int,
-                 response_len: int) -> tuple[Array, ...] | list[Array] | Array:
-    """`unpack_response` over one array or a tuple of them."""
-    if isinstance(outputs, (tuple, list)):
-        return type(outputs)(unpack_response(o, layout, num_rows, response_len) for o in outputs)
-    return unpack_response(outputs, layout, num_rows, response_len)
 
 
 def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
@@ -91,7 +83,7 @@ def run_no_grad_pass(fn: Callable[..., Array], params: Any, input_ids: Array, at
                      response_mask: Array, how: PassLayout, **settings: Any) -> Array:
     """`fn` (trainer/experience.py `log_probs_no_grad` / `values_no_grad`) over the rows as `how`
     says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]."""
-    if how.pads == (0, 0):
+    if how.pads == NO_PADS:
         return fn(params, input_ids, attention_mask, response_mask, how.layout, micro_rows=how.micro_rows, **settings)
     response_len = response_mask.shape[1]
     sequences, responses = pad_columns({"ids": input_ids, "attn": attention_mask}, {"resp": response_mask}, *how.pads)

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.batching.layout import PackedLayout, StepRows, UpdateLayout
+from jaxrl_llm.shapes import next_power_of_two
 
 WIDTH_GRANULE = 128  # packed row widths are multiples of this (powers of two below it)
 MIN_RESPONSE_SLOTS = 16
@@ -48,7 +49,7 @@ def bucket(x: int, granule: int = 1) -> int:
 def row_width(longest: int) -> int:
     """Packed row width for sequences of at most `longest` tokens."""
     if longest <= WIDTH_GRANULE:
-        return max(8, 1 << max(longest - 1, 0).bit_length())
+        return max(8, next_power_of_two(longest))
     return bucket(longest, WIDTH_GRANULE)
 
 
@@ -203,17 +204,13 @@ def _fill_block(row_units: Sequence[Sequence[_Unit]], group: np.ndarray, geometr
     return token_index, segment_ids, positions, branch_ids, cat(src), cat(dst)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
-
-
 def _stack_blocks(blocks: list[tuple], lead: tuple[int, ...], n_d: int, response_len: int,
                   min_slots: int = MIN_RESPONSE_SLOTS, max_slots: int | None = None) -> PackedLayout:
     """One `PackedLayout` with leading axes `lead` from its blocks (equal [rows, width] each); the
     response slots M: a power of two >= the most response tokens of a block (few distinct shapes),
     at least `min_slots`, at most `max_slots` and the n_d * R response tokens there are."""
     cap = min(n_d * response_len, max_slots or n_d * response_len)
-    m = min(max(min_slots, _pow2(max(len(b[-2]) for b in blocks))), cap)
+    m = min(max(min_slots, next_power_of_two(max(len(b[-2]) for b in blocks))), cap)
     src = np.zeros((len(blocks), m), np.int32)
     dst = np.full((len(blocks), m), n_d * response_len, np.int32)
     for i, (*_, s, d) in enumerate(blocks):

@@ -22,7 +22,7 @@ from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.spec import ModelSpec
 from jaxrl_llm.sampler.host import bucket_length
 
-NO_PADS = (0, 0)
+NO_PADS = (0, 0)  # (prompt, response) columns added to a step's rows: none
 
 
 class PassLayout(NamedTuple):

@@ -113,7 +113,8 @@ class CheckpointStore:
 
     def restore_rollout(self, step: int, abstract: Any) -> Any:
         """The `rollout` item of `step`, onto `abstract`'s layout."""
-        return self._manager.restore(step, args=ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract)))["rollout"]
+        restored = self._manager.restore(step, args=ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract)))
+        return restored["rollout"]
 
     def delete(self, step: int) -> None:
         self._manager.delete(step)
@@ -254,7 +255,9 @@ def restore_resume_point(store: CheckpointStore, point: ResumePoint,
 
     def load(step: int) -> tuple[Any, Any, dict]:
         state, data_state, meta = source.restore(step, abstract_state)
-        int(meta["global_step"]), float(meta["kl_coef"])  # a meta without them is as unreadable
+        # a meta without these is as unreadable as a missing array
+        int(meta["global_step"])
+        float(meta["kl_coef"])
         return state, data_state, meta
 
     try:

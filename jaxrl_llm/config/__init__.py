@@ -15,16 +15,39 @@ import ml_collections
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import resolve_total_steps, synthetic_data_dir, synthetic_data_files
 from jaxrl_llm.config.docs import render_config_docs
-from jaxrl_llm.config.overrides import (NAME_ALIASES, apply_overrides, canonical_key, normalize_config,
-                                        parse_value, split_config_flag_overrides)
+from jaxrl_llm.config.overrides import (
+    NAME_ALIASES,
+    apply_overrides,
+    canonical_key,
+    normalize_config,
+    parse_value,
+    split_config_flag_overrides,
+)
 from jaxrl_llm.config.paths import smollm2_gguf_path
+from jaxrl_llm.config.resolve import (
+    resolve,
+    resolve_batch_plan,
+    resolve_config,
+    resolve_data,
+    resolve_optim,
+    resolve_reward,
+    resolve_sampling,
+    resolve_synthetic,
+)
 from jaxrl_llm.config.schema import ConfigError, Field, build_config, iter_fields
+from jaxrl_llm.config.spec import (
+    ActorSpec,
+    AdvantageSpec,
+    CriticSpec,
+    KLControlSpec,
+    ModelSpec,
+    OptimSpec,
+    RefSpec,
+    RunSpec,
+    TrainerSpec,
+)
 from jaxrl_llm.config.tree import TREE
 from jaxrl_llm.config.validate import mesh_dp_size, validate_config
-from jaxrl_llm.config.resolve import (resolve, resolve_batch_plan, resolve_config, resolve_data, resolve_optim,
-                                      resolve_reward, resolve_sampling, resolve_synthetic)
-from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, KLControlSpec, ModelSpec, OptimSpec,
-                                   RefSpec, RunSpec, TrainerSpec)
 
 
 def default_config() -> ml_collections.ConfigDict:

@@ -46,8 +46,8 @@ def _warn_once(key: str, message: str) -> None:
 
 def check_inputs(cfg: ml_collections.ConfigDict) -> None:
     """Run names, the DAPO filter metric, override_config keys; warns about no-effect keys."""
-    from jaxrl_llm.config.tree import TREE
     from jaxrl_llm.config.schema import iter_fields
+    from jaxrl_llm.config.tree import TREE
 
     defaults = dict(iter_fields(TREE))
     for key, why in NO_EFFECT.items():

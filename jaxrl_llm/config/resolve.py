@@ -16,9 +16,22 @@ import ml_collections
 from jaxrl_llm import storage
 from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import AUTO, resolve_total_steps, synthetic_data_files
-from jaxrl_llm.config.spec import (ActorSpec, AdvantageSpec, CriticSpec, FilterGroupsSpec, KLControlSpec, ModelSpec,
-                                   MultiTurnSpec, OptimSpec, RefSpec, RolloutCorrectionSpec, RunSpec, SyncSpec,
-                                   SyntheticSpec, TrainerSpec)
+from jaxrl_llm.config.spec import (
+    ActorSpec,
+    AdvantageSpec,
+    CriticSpec,
+    FilterGroupsSpec,
+    KLControlSpec,
+    ModelSpec,
+    MultiTurnSpec,
+    OptimSpec,
+    RefSpec,
+    RolloutCorrectionSpec,
+    RunSpec,
+    SyncSpec,
+    SyntheticSpec,
+    TrainerSpec,
+)
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.losses.policy import POLICY_LOSSES
@@ -107,7 +120,8 @@ def resolve_reward(cfg: ConfigDict) -> RewardSpec:
 def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
     total = int(optim.total_training_steps)
     return OptimSpec(
-        lr=float(optim.lr), weight_decay=float(optim.weight_decay), betas=tuple(float(b) for b in optim.betas),
+        lr=float(optim.lr), weight_decay=float(optim.weight_decay),
+        betas=(float(optim.betas[0]), float(optim.betas[1])),
         eps=float(optim.eps), lr_scheduler_type=optim.lr_scheduler_type,
         warmup_steps=int(optim.lr_warmup_steps) if total > 0 else None, total_steps=total if total > 0 else None,
         min_lr_ratio=float(optim.min_lr_ratio), num_cycles=float(optim.num_cycles),
@@ -165,7 +179,13 @@ def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
 def _micro(key: str, fixed: int | str | None, dynamic: bool, budget: int | None) -> MicroBatching:
     if not dynamic and fixed == AUTO:
         return MicroBatching(key, None, None, auto=True)
-    return MicroBatching(key, None if dynamic else fixed, int(budget) if dynamic else None)
+    if dynamic:
+        if budget is None:
+            raise ValueError(f"{key}: dynamic batch size needs a token budget")
+        return MicroBatching(key, None, int(budget))
+    if isinstance(fixed, str):  # only `auto` is a string, handled above
+        raise ValueError(f"{key}={fixed!r}: a number or {AUTO!r}")
+    return MicroBatching(key, fixed, None)
 
 
 def _role(cfg: ConfigDict, section: ConfigDict, name: str, dp_size: int) -> RoleBatch:

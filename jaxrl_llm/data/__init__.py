@@ -10,8 +10,8 @@ See `jaxrl_llm.data.loader` for the batch layout and `jaxrl_llm.data.prompts` fo
 """
 from jaxrl_llm.data.loader import PromptLoader, collate, make_dataloader
 from jaxrl_llm.data.prompts import PromptDataset, build_dataset, truncate_ids
-from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.data.sources import DataError, read_rows
+from jaxrl_llm.data.spec import DataSpec
 
 __all__ = [
     "DataError",

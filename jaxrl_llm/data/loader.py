@@ -30,8 +30,8 @@ import grain
 import numpy as np
 
 from jaxrl_llm.data.prompts import PromptDataset, build_dataset
-from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.data.sources import DataError
+from jaxrl_llm.data.spec import DataSpec
 
 METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability")
 

@@ -14,8 +14,9 @@ Tasks (data_source `synthetic/<task>`, scored by `jaxrl_llm.rewards.scorers.synt
 
 Every prompt asks for the bare answer. `answer_format` (stored in extra_info) picks how strictly
 it is scored: `strict` = the whole response is the answer; `lenient` = the last number (or the
-words anywhere) matches; `first` = the first number matches (or the response starts with the words). Rows: prompt (one user message), data_source, ability,
-reward_model {style: rule, ground_truth}, extra_info {split, index, task, difficulty, answer_format}.
+words anywhere) matches; `first` = the first number matches (or the response starts with the
+words). Rows: prompt (one user message), data_source, ability, reward_model {style: rule,
+ground_truth}, extra_info {split, index, task, difficulty, answer_format}.
 Validation questions are disjoint from training questions whenever the task has enough distinct
 questions.
 

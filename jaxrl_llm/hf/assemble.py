@@ -64,15 +64,16 @@ def assemble_params(cfg: ModelConfig, source: TensorSource, *, head: str = "lm",
     specs = tensor_specs(cfg, head=head, num_labels=num_labels)
     present: dict[tuple[str, ...], bool] = {}
     for spec in specs:  # validate everything before reading any data
-        names = _names(spec, cfg)
-        missing = [n for n in names if source.shape(n) is None]
-        if missing and spec.optional and len(missing) == len(names):
+        shapes = {n: source.shape(n) for n in _names(spec, cfg)}
+        missing = [n for n, shape in shapes.items() if shape is None]
+        if missing and spec.optional and len(missing) == len(shapes):
             present[spec.path] = False
             continue
         if missing:
             raise MissingTensorError(f"checkpoint is missing tensor {missing[0]!r}")
-        for n in names:
-            spec.check(n, source.shape(n))
+        for n, shape in shapes.items():
+            if shape is not None:
+                spec.check(n, shape)
         present[spec.path] = True
 
     np_dtype = np.dtype(as_jnp_dtype(dtype))
@@ -81,8 +82,8 @@ def assemble_params(cfg: ModelConfig, source: TensorSource, *, head: str = "lm",
     params: dict = {}
     for spec in specs:
         if not present[spec.path]:
-            value = get_path(fresh, spec.path)
-            set_path(params, spec.path, place(np.asarray(value), _sharding_for(
+            value = np.asarray(get_path(fresh, spec.path))
+            set_path(params, spec.path, place(value, _sharding_for(
                 shardings, spec.path, value.shape, value.dtype)))
             continue
         host = np.empty(spec.our_shape(cfg), np_dtype)

@@ -4,14 +4,14 @@ Everything other components call is re-exported here; see `param_init.py` for th
 `decoder.py` for the one decoder every path runs and `cache.py` for the KV-cache calling convention.
 """
 from jaxrl_llm.models.cache import init_cache
-from jaxrl_llm.models.greedy import greedy_generate
-from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, DTYPES, as_jnp_dtype, dtype_name
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     UnsupportedArchitectureError,
     rope_inv_freq,
 )
+from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, DTYPES, as_jnp_dtype, dtype_name
+from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import (
     compute_logits,
     forward_hidden,

@@ -26,7 +26,6 @@ compute-dtype operands and accumulate in fp32, like the rest of the backward.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

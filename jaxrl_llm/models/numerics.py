@@ -15,7 +15,6 @@ fp32 last-bit difference rounded to bf16 flips an activation (the floor in docs/
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -11,7 +11,8 @@
   back in the backward pass (`offload_dot_with_no_batch_dims`); where the backend has no pinned
   host memory it falls back to `dots_with_no_batch_dims_saveable` with one warning.
 
-The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `jax.checkpoint` takes (models/decoder.py checkpoints each layer).
+The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `jax.checkpoint`
+takes (models/decoder.py checkpoints each layer).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 
+from jaxrl_llm.platform.chips import Device
 from jaxrl_llm.platform.target import has_target, target_platform
 
 log = logging.getLogger("jaxrl_llm")
@@ -39,13 +41,13 @@ def remat_name(value: bool | str | None) -> str:
     return value
 
 
-def supports_pinned_host(device: Any | None = None) -> bool:
+def supports_pinned_host(device: Device | None = None) -> bool:
     """Whether `device` (default: the first device) has a `pinned_host` memory space."""
     if device is None and has_target():  # planning for another platform: TPU and GPU have pinned host memory
         return target_platform() in ("tpu", "gpu")
-    device = jax.devices()[0] if device is None else device
+    target = jax.devices()[0] if device is None else device
     try:
-        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+        return any(m.kind == "pinned_host" for m in target.addressable_memories())
     except Exception:  # noqa: BLE001 - backends without the memories API have no host offload
         return False
 

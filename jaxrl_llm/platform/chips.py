@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeAlias
 
-
 GB, GiB = 10**9, 1 << 30
 # a jax device (`jax.Device` is a runtime alias of jaxlib's class that type checkers cannot use as a type)
 Device: TypeAlias = Any

@@ -17,7 +17,6 @@ import os
 import re
 from typing import Any
 
-
 from jaxrl_llm.platform.chips import Chip, Device, chip_for
 
 # generation -> (topology prefix, TensorCores per chip in the accelerator-type count, mesh rank)

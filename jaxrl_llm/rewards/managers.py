@@ -50,8 +50,8 @@ import numpy as np
 
 from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.scorers import UnknownDataSourceError
-from jaxrl_llm.rewards.spec import OverlongSpec, RewardSpec
 from jaxrl_llm.rewards.shaping import missing_eos_penalty, overlong_penalty
+from jaxrl_llm.rewards.spec import OverlongSpec, RewardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +165,14 @@ class RewardManager:
         timeout_s: float | None = None,
     ):
         self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.spec = compute_score if isinstance(compute_score, ScorerSpec) or compute_score is None else None
-        if compute_score is None:
-            self.spec = ScorerSpec()
-        # load now so a bad custom_reward_function fails at startup, not at the first step
-        self.compute_score = self.spec.load() if self.spec is not None else compute_score
+        self.compute_score: Callable[..., Any]
+        self.spec: ScorerSpec | None  # None for a plain callable
+        if isinstance(compute_score, ScorerSpec) or compute_score is None:
+            self.spec = ScorerSpec() if compute_score is None else compute_score
+            # load now so a bad custom_reward_function fails at startup, not at the first step
+            self.compute_score = self.spec.load()
+        else:
+            self.spec, self.compute_score = None, compute_score
         self.overlong = overlong if overlong is not None and overlong.enable else None
         if self.overlong is not None:
             if max_resp_len is None:
@@ -238,7 +241,7 @@ class RewardManager:
             "reward/num_timeouts": float(sum(f.kind == "timeout" for f in failures)),
         }
         if self.overlong is not None:
-            if response_lengths is None:
+            if response_lengths is None or self.max_resp_len is None:  # the second is checked at construction
                 raise ValueError("overlong reward shaping needs response_lengths")
             penalty = overlong_penalty(response_lengths, int(self.max_resp_len), self.overlong.len,
                                        self.overlong.penalty_factor)
@@ -299,7 +302,7 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
         self.process.start()
         child.close()
-        self.task: int | None = None
+        self.task = -1  # the call it runs (set by _dispatch)
         self.started = 0.0
         self.ready = False
 
@@ -332,17 +335,23 @@ class PrimeRewardManager(RewardManager):
     def __init__(self, compute_score: ScorerSpec | Callable[..., Any] | None = None, *,
                  timeout_s: float = 10.0, num_workers: int | None = None, **kwargs: Any):
         super().__init__(compute_score, timeout_s=timeout_s, **kwargs)
-        if self.spec is None:
-            # a plain callable must be importable by reference in the worker
-            self.spec = _spec_for_callable(self.compute_score)
+        self.call_timeout_s = float(timeout_s)
+        # a plain callable must be importable by reference in the worker
+        self.worker_spec = self.spec if self.spec is not None else _spec_for_callable(self.compute_score)
         self.num_workers = int(num_workers or min(8, os.cpu_count() or 1))
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []  # started on first use
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
 
+    @property
+    def worker_processes(self) -> tuple[Any, ...]:
+        """The pool's worker processes (multiprocessing.Process), started on first use; a worker that
+        dies or runs over its timeout is replaced by a new process."""
+        return tuple(w.process for w in self._workers)
+
     def _call_all(self, calls: list[dict[str, Any]]) -> list[Any]:
         while len(self._workers) < min(self.num_workers, len(calls)):
-            self._workers.append(_Worker(self._ctx, self.spec))
+            self._workers.append(_Worker(self._ctx, self.worker_spec))
         results: list[Any] = [None] * len(calls)
         pending = deque(range(len(calls)))
         idle = deque(self._workers)
@@ -351,12 +360,12 @@ class PrimeRewardManager(RewardManager):
             while pending and idle:
                 worker = self._dispatch(idle.popleft(), pending.popleft(), calls)
                 busy[worker.conn] = worker
-            deadline = min(w.started for w in busy.values()) + self.timeout_s
+            deadline = min(w.started for w in busy.values()) + self.call_timeout_s
             ready = multiprocessing.connection.wait(list(busy), timeout=max(0.0, deadline - time.monotonic()))
             for conn in ready:
                 worker = busy.pop(conn)
                 try:
-                    task_id, status, value = conn.recv()
+                    task_id, status, value = worker.conn.recv()
                 except (EOFError, OSError):  # the worker died (os._exit, segfault, ...)
                     results[worker.task] = _Failure("error", "scorer process died")
                     idle.append(self._replace(worker))
@@ -373,8 +382,8 @@ class PrimeRewardManager(RewardManager):
                 idle.append(worker)
             now = time.monotonic()
             for conn, worker in list(busy.items()):
-                if now - worker.started >= self.timeout_s:
-                    results[worker.task] = _Failure("timeout", f"scorer call ran over {self.timeout_s}s")
+                if now - worker.started >= self.call_timeout_s:
+                    results[worker.task] = _Failure("timeout", f"scorer call ran over {self.call_timeout_s}s")
                     del busy[conn]
                     idle.append(self._replace(worker))
         return results
@@ -397,7 +406,7 @@ class PrimeRewardManager(RewardManager):
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self._ctx, self.spec)
+        fresh = _Worker(self._ctx, self.worker_spec)
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 
@@ -419,8 +428,9 @@ def build_reward_manager(spec: RewardSpec) -> RewardManager:
     """The reward manager `spec.reward_manager` names, with its shaping."""
     if spec.reward_manager not in REWARD_MANAGERS:
         raise ValueError(f"reward_model.reward_manager={spec.reward_manager!r} is not one of {REWARD_MANAGERS}")
-    common = dict(overlong=spec.overlong, max_resp_len=spec.max_resp_len,
-                  missing_eos_penalty=spec.missing_eos_penalty, timeout_s=spec.timeout_s)
     if spec.reward_manager == "prime":
-        return PrimeRewardManager(spec.scorer, num_workers=spec.num_workers, **common)
-    return RewardManager(spec.scorer, **common)
+        return PrimeRewardManager(spec.scorer, num_workers=spec.num_workers, timeout_s=spec.timeout_s,
+                                  overlong=spec.overlong, max_resp_len=spec.max_resp_len,
+                                  missing_eos_penalty=spec.missing_eos_penalty)
+    return RewardManager(spec.scorer, timeout_s=spec.timeout_s, overlong=spec.overlong,
+                         max_resp_len=spec.max_resp_len, missing_eos_penalty=spec.missing_eos_penalty)

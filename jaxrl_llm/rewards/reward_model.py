@@ -113,6 +113,9 @@ class RewardModel:
 
     def encode_chats(self, chats: Sequence[Any], responses: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Right-padded [B, max_length] ids and mask of chat + assistant response in the RM's template."""
+        length = self.max_length
+        if not length:
+            raise ValueError("re-templating for the reward model needs reward_model.max_length")
         texts = []
         for chat, response in zip(chats, responses):
             if isinstance(chat, str):
@@ -124,10 +127,10 @@ class RewardModel:
             messages.append({"role": "assistant", "content": response})
             texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        ids = np.zeros((len(texts), self.max_length), np.int32)
-        mask = np.zeros((len(texts), self.max_length), np.int32)
+        ids = np.zeros((len(texts), length), np.int32)
+        mask = np.zeros((len(texts), length), np.int32)
         for i, row in enumerate(encoded):
-            row = row[:self.max_length]
+            row = row[:length]
             ids[i, :len(row)] = row
             mask[i, :len(row)] = 1
         return ids, mask

@@ -9,8 +9,7 @@ Trainer path (inside or outside another jit):
 
 Notebook path: `generate(model, prompts, SamplingParams(...)) -> GenerationResult`.
 """
-from jaxrl_llm.sampler.core import (FINISH_EOS, FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, SampleOutput,
-                                    sample)
+from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, SampleOutput, sample
 from jaxrl_llm.sampler.facade import generate, prompts_to_ids
 from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, bucket_length, decode_texts, left_pad
 from jaxrl_llm.sampler.params import NO_TOKEN, SampleKnobs, SampleSettings, SamplingParams, id_table

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxrl_llm.arrays import HostOrDevice
 from jaxrl_llm.models import ModelConfig, as_jnp_dtype, forward_hidden, init_cache, logits_from_hidden
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens
@@ -39,16 +40,17 @@ _CACHE_AXES = ("layers", "batch", "act_kv_heads", "length", "act_head_dim")  # m
 
 
 class SampleOutput(NamedTuple):
-    """What `sample` returns (B' = B * n rows, R = max_new_tokens)."""
+    """What `sample` returns (B' = B * n rows, R = max_new_tokens): device arrays from the static
+    sampler, host arrays from the paged engine (which builds its results on the host)."""
 
-    tokens: Array  # int32 [B', R] response ids, right-padded with the pad id
-    response_mask: Array  # int32 [B', R] 1 up to and including the EOS / stop token
-    log_probs: Array  # fp32 [B', R] log p(token) under softmax(logits / T) (T = 1 if greedy); 0 on pad
-    lengths: Array  # int32 [B'] number of response tokens (sum of response_mask)
-    finish_reason: Array  # int32 [B'] FINISH_LENGTH / FINISH_EOS / FINISH_STOP
-    prompt_ids: Array  # int32 [B', P] the prompts, repeated n times by index
-    prompt_mask: Array  # int32 [B', P]
-    num_steps: Array  # int32 scalar: tokens generated per row before the loop stopped (<= R)
+    tokens: HostOrDevice  # int32 [B', R] response ids, right-padded with the pad id
+    response_mask: HostOrDevice  # int32 [B', R] 1 up to and including the EOS / stop token
+    log_probs: HostOrDevice  # fp32 [B', R] log p(token) under softmax(logits / T) (T = 1 if greedy); 0 on pad
+    lengths: HostOrDevice  # int32 [B'] number of response tokens (sum of response_mask)
+    finish_reason: HostOrDevice  # int32 [B'] FINISH_LENGTH / FINISH_EOS / FINISH_STOP
+    prompt_ids: HostOrDevice  # int32 [B', P] the prompts, repeated n times by index
+    prompt_mask: HostOrDevice  # int32 [B', P]
+    num_steps: HostOrDevice  # int32 scalar: tokens generated per row before the loop stopped (<= R)
 
 
 class _LoopState(NamedTuple):
@@ -136,7 +138,7 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
                         prompt_mask=prompt_mask, num_steps=state.step)
 
 
-def sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
+def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask: HostOrDevice, rng: Array,
            knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None = None) -> SampleOutput:
     """Generates up to `settings.max_new_tokens` tokens for every row of a LEFT-padded prompt batch.
 

@@ -104,18 +104,20 @@ def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, token
     rows = bucket_batch(len(ids_list), ways)
     ids, mask = left_pad(ids_list + [ids_list[0]] * (rows - len(ids_list)), pad)
     if mesh is None:
-        batch = (ids, mask)
+        prompt_ids, prompt_mask = ids, mask
     elif jax.process_count() > 1:
         local = process_slice(rows, mesh)
-        batch = host_local_to_global((ids[local], mask[local]), mesh)
+        prompt_ids, prompt_mask = host_local_to_global((ids[local], mask[local]), mesh)
     else:
-        batch = shard_batch((ids, mask), mesh)
-    out = sample(params, cfg, *batch, jax.random.key(sampling_params.seed), knobs,
+        prompt_ids, prompt_mask = shard_batch((ids, mask), mesh)
+    out = sample(params, cfg, prompt_ids, prompt_mask, jax.random.key(sampling_params.seed), knobs,
                  settings=settings, mesh=mesh)
     fields = (out.tokens, out.response_mask, out.log_probs, out.lengths, out.finish_reason)
     if jax.process_count() > 1:
         fields = multihost_utils.process_allgather(fields, tiled=True)
     keep = len(ids_list) * sampling_params.n
     host = [np.asarray(f)[:keep] for f in fields]
-    return GenerationResult.from_arrays(*host, num_steps=int(out.num_steps.addressable_data(0)),
+    steps = out.num_steps  # replicated: read this process's copy (the global array may span processes)
+    steps = steps.addressable_data(0) if isinstance(steps, jax.Array) else steps
+    return GenerationResult.from_arrays(*host, num_steps=int(steps),
                                         n=sampling_params.n, tokenizer=tokenizer)

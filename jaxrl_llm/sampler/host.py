@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.arrays import HostOrDevice
 from jaxrl_llm.sampler.core import FINISH_REASONS
+from jaxrl_llm.shapes import next_power_of_two
 
 _LENGTH_STEPS = ((128, 16), (512, 64))  # (up to this length, round to a multiple of this)
 _LONG_STEP = 256
@@ -30,8 +32,7 @@ def bucket_batch(rows: int, multiple_of: int = 1) -> int:
     """Batch bucket: next power of two >= rows, then up to a multiple of `multiple_of`."""
     if rows < 1:
         raise ValueError(f"batch must have at least one prompt, got {rows}")
-    size = 1 << (rows - 1).bit_length()
-    return -(-size // multiple_of) * multiple_of
+    return -(-next_power_of_two(rows) // multiple_of) * multiple_of
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, *, length: int | None = None
@@ -80,8 +81,8 @@ class GenerationResult:
     num_steps: int
 
     @classmethod
-    def from_arrays(cls, tokens: np.ndarray, response_mask: np.ndarray, log_probs: np.ndarray,
-                    lengths: np.ndarray, finish_reason: np.ndarray, num_steps: int, n: int,
+    def from_arrays(cls, tokens: HostOrDevice, response_mask: HostOrDevice, log_probs: HostOrDevice,
+                    lengths: HostOrDevice, finish_reason: HostOrDevice, num_steps: int, n: int,
                     tokenizer: Any = None) -> "GenerationResult":
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
         return cls(tokens=tokens, response_mask=np.asarray(response_mask), log_probs=np.asarray(log_probs),

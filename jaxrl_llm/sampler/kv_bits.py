@@ -7,6 +7,8 @@ block read therefore converted the pool of every layer (measured at 32 slots on 
 gathers and scatters run natively, so the engine keeps such a pool as uint16 and bitcasts the
 values it writes (per token) and reads (per block). GPU and TPU keep bf16 pools (their kernels
 read them directly).
+
+int8 pools carry fp32 scales beside the pages; `scale_pair` checks the K and V scales come together.
 """
 from __future__ import annotations
 
@@ -39,3 +41,13 @@ def to_storage(x: Array, storage: Any) -> Array:
 def from_storage(x: Array) -> Array:
     """Pool contents as values (bf16 for a uint16 pool; anything else as stored)."""
     return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BITS else x
+
+
+def scale_pair(k_scales: Array | None, v_scales: Array | None) -> tuple[Array, Array] | None:
+    """(k_scales, v_scales) as arrays for an int8 pool, None for a float pool; one without the other
+    is an error."""
+    if k_scales is None or v_scales is None:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError("paged attention: pass both k_scales and v_scales or neither")
+        return None
+    return jnp.asarray(k_scales), jnp.asarray(v_scales)

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.numerics import MASKED_SCORE, probs_times_values
 from jaxrl_llm.platform.target import target_platform
-from jaxrl_llm.sampler.kv_bits import from_storage
+from jaxrl_llm.sampler.kv_bits import from_storage, scale_pair
 
 Array = jax.Array
 IMPLS = ("auto", "xla", "pallas")
@@ -63,12 +63,11 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     ~40% of a decode step at 32 slots).
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    if k_scales is not None:
-        k_scales, v_scales = jnp.asarray(k_scales), jnp.asarray(v_scales)
+    scales = scale_pair(k_scales, v_scales)
     if layer is None:  # one layer's pages: a layer axis of 1
         k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
-        if k_scales is not None:
-            k_scales, v_scales = k_scales[None], v_scales[None]
+        if scales is not None:
+            scales = (scales[0][None], scales[1][None])
     slots, nh, hd = q.shape
     _, nkv, _, ps, _ = k_pages.shape
     g = nh // nkv
@@ -87,8 +86,8 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     # decode step's time on CPU)
     num_layers, _, num_pages = k_pages.shape[:3]
     k_pages, v_pages = (t.reshape(num_layers, nkv * num_pages, ps, hd) for t in (k_pages, v_pages))
-    if k_scales is not None:
-        k_scales, v_scales = (t.reshape(num_layers, nkv * num_pages, ps) for t in (k_scales, v_scales))
+    k_scales, v_scales = (None, None) if scales is None else (
+        scales[0].reshape(num_layers, nkv * num_pages, ps), scales[1].reshape(num_layers, nkv * num_pages, ps))
     heads = jnp.arange(nkv, dtype=jnp.int32)[None, :, None] * num_pages
 
     def gather(pages: Array, scales: Array | None, ids: Array) -> Array:
@@ -175,12 +174,13 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
                                                  page_indices, sliding_window=sliding_window, layer=layer,
                                                  variant=variant, interpret=interpret)
         if mesh is None or mesh.size == 1:
-            return lambda *args: run(*args, layer)
+            return lambda q, kp, vp, lens, pages: run(q, kp, vp, lens, pages, layer)
         heads = kv_head_axis(mesh, k_pages.shape[-4])
         pool = P(*(None,) * (k_pages.ndim - 4), heads)
         per_shard = jax.shard_map(run, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P()),
                                   out_specs=P(None, heads), check_vma=False)
-        return lambda *args: per_shard(*args, jnp.int32(0) if layer is None else layer)
+        layer_index = jnp.int32(0) if layer is None else layer
+        return lambda q, kp, vp, lens, pages: per_shard(q, kp, vp, lens, pages, layer_index)
 
     triton = kernel("triton") if impl == "pallas" or triton_supports(q.shape[-1], k_pages.shape[-2]) else xla
     default = kernel("triton", interpret=True) if impl == "pallas" else xla

@@ -52,6 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrl_llm.platform.target import target_platform
+from jaxrl_llm.sampler.kv_bits import scale_pair
+from jaxrl_llm.shapes import next_power_of_two
 
 # Finite (not -inf) so that exp(mask - max) is an exact 0 and no inf - inf NaN can appear.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -61,16 +63,12 @@ Variant = Literal["triton", "mosaic"]
 MOSAIC_MAX_TABLE_ENTRIES = 1 << 16
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def default_pages_per_block(page_size: int, pages_per_slot: int, variant: Variant) -> int:
     """Pages per loop step: ~128 tokens (Triton: registers) / ~512 tokens (TPU: DMA size) a block,
     never more than the page table holds (rounded up to a power of 2 for Triton)."""
     target_tokens = 128 if variant == "triton" else 512
     ppb = max(1, target_tokens // page_size)
-    return min(ppb, _next_pow2(pages_per_slot))
+    return min(ppb, next_power_of_two(pages_per_slot))
 
 
 def _visible_blocks(length, block_tokens: int, sliding_window: int | None):
@@ -119,9 +117,9 @@ def _init_carry(rows: int, head_dim: int):
 
 
 def _finish(carry):
-    _, l, acc = carry
-    # Empty slot (length 0): nothing was attended, l == 0 -> zeros (the contract's output).
-    return jnp.where(l > 0.0, acc / jnp.where(l > 0.0, l, 1.0), 0.0)
+    _, denom, acc = carry
+    # Empty slot (length 0): nothing was attended, denom == 0 -> zeros (the contract's output).
+    return jnp.where(denom > 0.0, acc / jnp.where(denom > 0.0, denom, 1.0), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,8 +147,8 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
         pages = page_ids_ref[pl.ds(i * pages_per_block, pages_per_block)] + head_offset
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
-        k_scale = ks_ref[pages].reshape(block_tokens, 1) if quantized else None
-        v_scale = vs_ref[pages].reshape(block_tokens, 1) if quantized else None
+        k_scale = ks_ref[pages].reshape(block_tokens, 1) if ks_ref is not None else None
+        v_scale = vs_ref[pages].reshape(block_tokens, 1) if vs_ref is not None else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
                              sliding_window=sliding_window, compute_dtype=compute_dtype)
 
@@ -160,16 +158,16 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
         o_ref[...] = _finish(carry).astype(o_ref.dtype)
     else:  # unnormalised partial results, merged by _merge_splits
         m_ref, l_ref, acc_ref = out_refs
-        m, l, acc = carry
-        m_ref[...], l_ref[...], acc_ref[...] = m.reshape(m_ref.shape), l.reshape(l_ref.shape), acc
+        m, denom, acc = carry
+        m_ref[...], l_ref[...], acc_ref[...] = m.reshape(m_ref.shape), denom.reshape(l_ref.shape), acc
 
 
-def _merge_splits(m, l, acc):
+def _merge_splits(m, denom, acc):
     """Combine per-split online-softmax states [..., splits, rows(, D)] (fp32) into the output.
-    Empty splits carry m = MASK_VALUE, l = 0, acc = 0 and get weight 0 (or l_total = 0 -> 0)."""
+    Empty splits carry m = MASK_VALUE, denom = 0, acc = 0 and get weight 0 (or l_total = 0 -> 0)."""
     m_total = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_total)
-    l_total = jnp.sum(w * l, axis=2)
+    l_total = jnp.sum(w * denom, axis=2)
     acc_total = jnp.sum(w[..., None] * acc, axis=2)
     return jnp.where(l_total[..., None] > 0.0,
                      acc_total / jnp.where(l_total > 0.0, l_total, 1.0)[..., None], 0.0)
@@ -190,7 +188,7 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
             raise ValueError(f"paged attention (triton): {name}={n} must be a power of 2")
     if num_splits is None:
         num_splits = default_num_splits(slots, kv_heads, page_indices.shape[1] // pages_per_block)
-    rows = max(16, _next_pow2(group))  # tl.dot needs >= 16 rows; Triton blocks are powers of 2
+    rows = max(16, next_power_of_two(group))  # tl.dot needs >= 16 rows; Triton blocks are powers of 2
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     quantized = k_scales is not None
     # the whole flattened pool: each program gathers its kv head's pages by id (no per-head block copy)
@@ -283,8 +281,8 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
         # concatenation whatever the page dtype's packing (bf16 16 rows, int8 32 rows a tile).
         k = k_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
         v = v_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
-        k_scale = ks_buf[buf].reshape(block_tokens, 1) if quantized else None
-        v_scale = vs_buf[buf].reshape(block_tokens, 1) if quantized else None
+        k_scale = ks_buf[buf].reshape(block_tokens, 1) if ks_buf is not None else None
+        v_scale = vs_buf[buf].reshape(block_tokens, 1) if vs_buf is not None else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
                              sliding_window=sliding_window, compute_dtype=compute_dtype)
 
@@ -372,12 +370,11 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     `layer`: int32 scalar; the pages (and scales) are then the whole pool with a leading layer axis.
     """
     variant = variant or default_variant()
-    if (k_scales is None) != (v_scales is None):
-        raise ValueError("paged attention: pass both k_scales and v_scales or neither")
+    scales = scale_pair(k_scales, v_scales)
     if layer is None:  # one layer's pages: a layer axis of 1
         k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
-        if k_scales is not None:
-            k_scales, v_scales = k_scales[None], v_scales[None]
+        if scales is not None:
+            scales = (scales[0][None], scales[1][None])
     if k_pages.ndim != 5:
         raise ValueError(f"paged attention: k_pages {k_pages.shape} must be [kv_heads, num_pages, page_size, "
                          "head_dim], or [layers, ...] with layer=")
@@ -393,10 +390,10 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     if lengths.shape != (slots,) or page_indices.ndim != 2 or page_indices.shape[0] != slots:
         raise ValueError(f"paged attention: lengths {lengths.shape} / page_indices "
                          f"{page_indices.shape} must be [slots={slots}] / [slots, pages_per_slot]")
-    if k_scales is None and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+    if scales is None and not jnp.issubdtype(k_pages.dtype, jnp.floating):
         raise ValueError(f"paged attention: {k_pages.dtype} pages need k_scales/v_scales")
-    if k_scales is not None and (k_scales.shape != k_pages.shape[:-1] or v_scales.shape != k_scales.shape):
-        raise ValueError(f"paged attention: k_scales/v_scales {k_scales.shape}/{v_scales.shape} "
+    if scales is not None and (scales[0].shape != k_pages.shape[:-1] or scales[1].shape != scales[0].shape):
+        raise ValueError(f"paged attention: k_scales/v_scales {scales[0].shape}/{scales[1].shape} "
                          f"must be the pages' shape without head_dim, {k_pages.shape[:-1]}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged attention: sliding_window={sliding_window} must be >= 1 or None")
@@ -414,8 +411,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     flat = (num_layers * kv_heads * num_pages, page_size)
     k_pages, v_pages = k_pages.reshape(*flat, head_dim), v_pages.reshape(*flat, head_dim)
     lengths = lengths.astype(jnp.int32)
-    if k_scales is not None:
-        k_scales, v_scales = k_scales.astype(jnp.float32).reshape(flat), v_scales.astype(jnp.float32).reshape(flat)
+    k_scales, v_scales = (None, None) if scales is None else (
+        scales[0].astype(jnp.float32).reshape(flat), scales[1].astype(jnp.float32).reshape(flat))
     q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
     kw = dict(pages_per_block=pages_per_block, pages_per_head=num_pages, scale=head_dim ** -0.5,
               sliding_window=sliding_window,

@@ -1,8 +1,8 @@
 """SamplingParams: what to generate (user-facing), and its split into static settings + runtime knobs.
 
 `SamplingParams` is the one object users and the trainer build (directly, or through
-`jaxrl_llm.config.resolve` from `actor_rollout_ref.rollout` and its `val_kwargs`). `SamplingParams.compile_args` turns it
-into the two things the jitted core takes:
+`jaxrl_llm.config.resolve` from `actor_rollout_ref.rollout` and its `val_kwargs`).
+`SamplingParams.compile_args` turns it into the two things the jitted core takes:
 
 - `SampleSettings` (hashable, a static jit argument): everything that changes shapes or the
   program's structure: max_new_tokens, n, greedy, top_k (a `lax.top_k` size), whether top-p is on,

@@ -6,13 +6,15 @@ process seeing the whole batch.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.sharding.mesh import BATCH_AXES, batch_axis_size, mesh_axis_sizes
+
+BatchTree = TypeVar("BatchTree")  # a pytree of arrays, returned with the same structure
 
 
 def _path_str(path: tuple) -> str:
@@ -27,7 +29,14 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes or None, *([None] * (ndim - 1))))
 
 
-def shard_batch(batch: Any, mesh: Mesh) -> Any:
+def rows_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """`batch_sharding` when the leading dim (rows) splits over the mesh's batch axes, else replicated."""
+    if shape[0] % batch_axis_size(mesh):
+        return NamedSharding(mesh, PartitionSpec())
+    return batch_sharding(mesh, len(shape))
+
+
+def shard_batch(batch: BatchTree, mesh: Mesh) -> BatchTree:
     """Single-process: device_put every array of `batch` (any pytree) split along its leading dim."""
     if jax.process_count() > 1:
         raise RuntimeError("shard_batch is single-process; with several processes each one loads "

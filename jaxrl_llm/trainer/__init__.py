@@ -6,7 +6,10 @@ dependencies (data, rewards, sampler).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxrl_llm.trainer.trainer import Trainer
 
 __all__ = ["Trainer"]
 

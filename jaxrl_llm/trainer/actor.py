@@ -12,22 +12,23 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import Mesh
 
+from jaxrl_llm.batching import UpdateLayout
+from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.lora import with_lora
-from jaxrl_llm.config.spec import ActorSpec
-from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.trainer.experience import Experience, required
 from jaxrl_llm.trainer.forward import response_log_probs
-from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
 
 def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg: ModelConfig,
-               s: ActorSpec, mesh: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+               s: ActorSpec, mesh: Mesh | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised by the mini-batch's global counts."""
     mask = mb.response_mask
     response_len = mask.shape[1]
@@ -35,8 +36,8 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
         packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh)
-    counts = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
-                  loss_scale_factor=s.loss_scale_factor)
+    counts: dict[str, Any] = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
+                                  loss_scale_factor=s.loss_scale_factor)
     # one optimizer step on fresh samples (bf16): the old policy IS the current one (config/spec.py)
     old_log_prob = sg(log_prob) if s.old_log_probs_from_update else mb.old_log_probs
     pg_loss, metrics = compute_policy_loss(
@@ -51,7 +52,8 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     metrics["actor/pg_loss"] = sg(pg_loss)
     metrics["actor/entropy"] = sg(entropy_agg)
     if s.use_kl_loss:
-        kl = kl_penalty(log_prob, mb.ref_log_probs, s.kl_loss_type)
+        kl = kl_penalty(log_prob, required(mb.ref_log_probs, "ref_log_probs", "actor.use_kl_loss"),
+                        s.kl_loss_type)
         kl_loss = agg_loss(kl, mask, s.loss_agg_mode, **counts)
         loss = loss + s.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = sg(kl_loss)

@@ -11,13 +11,13 @@ from typing import Any
 import jax
 import optax
 
+from jaxrl_llm.batching import UpdateLayout
+from jaxrl_llm.config.spec import CriticSpec
 from jaxrl_llm.losses.masked import masked_sum
 from jaxrl_llm.losses.value import compute_value_loss
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.config.spec import CriticSpec
-from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.trainer.experience import Experience, required
 from jaxrl_llm.trainer.forward import response_values
-from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
@@ -28,7 +28,8 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
     mask = mb.response_mask
     vpreds = response_values(params, model_cfg, mb.input_ids, mb.attention_mask, mask.shape[1],
                              compute_dtype=s.compute_dtype, remat=s.remat, packing=mb.packing)
-    loss, clipfrac = compute_value_loss(vpreds, mb.returns, mb.values, mask, s.cliprange_value,
+    old_values = required(mb.values, "values", "the critic's value loss")
+    loss, clipfrac = compute_value_loss(vpreds, mb.returns, old_values, mask, s.cliprange_value,
                                         s.loss_agg_mode, num_tokens=denoms.num_tokens,
                                         num_seqs=denoms.num_seqs)
     vpred_mean = masked_sum(sg(vpreds), mask) / denoms.num_tokens

@@ -8,19 +8,21 @@ rejection-sampling mask) -> `Experience`. Formulas: docs/algorithms.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import flax.struct
 import jax
+from jax.sharding import Mesh
 
+from jaxrl_llm.batching import PackedLayout
+from jaxrl_llm.batching.ops import pad_columns
 from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
-from jaxrl_llm.batching import PackedLayout
-from jaxrl_llm.batching.ops import pad_columns
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.trainer.forward import budget_chunked, micro_batched, response_log_probs, response_values
 
@@ -45,6 +47,14 @@ class Experience:
     packing: PackedLayout | None = None
 
 
+def required(value: Array | None, field: str, needed_by: str) -> Array:
+    """An optional `Experience` field that `needed_by` reads; a missing one is a wiring bug (the
+    trainer fills each field its settings need), named here rather than failing inside a loss."""
+    if value is None:
+        raise ValueError(f"{needed_by} needs the experience's {field}, and it is None")
+    return value
+
+
 _RESPONSE_FIELDS = ("response_mask", "old_log_probs", "advantages", "returns", "ref_log_probs", "values",
                     "rollout_is_weights")
 
@@ -54,14 +64,15 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
     sequences, responses = pad_columns(
         {"input_ids": exp.input_ids, "attention_mask": exp.attention_mask},
         {f: getattr(exp, f) for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}, prompt_pad, response_pad)
-    return exp.replace(**sequences, **responses)
+    return dataclasses.replace(exp, **sequences, **responses)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows",
                                              "logprob_impl", "mesh"))
 def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
                       packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
-                      compute_dtype: str, micro_rows: int, logprob_impl: str = "auto", mesh: Any = None) -> Array:
+                      compute_dtype: str, micro_rows: int, logprob_impl: str = "auto",
+                      mesh: Mesh | None = None) -> Array:
     """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
     `packing`: one layout per chunk (batching/plan.py `plan_chunks`) to run packed, or with
     micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`)."""
@@ -90,6 +101,8 @@ def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, respon
 
 def _chunked(fn, batch: dict, micro_rows: int, packing: PackedLayout | None) -> Array:
     if micro_rows == 0:  # token-budget chunks (their shapes come from the config alone)
+        if packing is None:
+            raise ValueError("token-budget chunks (micro_rows=0) need their packed layouts")
         return budget_chunked(fn, batch, packing)
     return micro_batched(fn, batch, micro_rows, packing)
 
@@ -103,7 +116,9 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
     out: dict[str, Array] = {}
     rewards = token_level_scores
     if s.use_kl_in_reward:
-        rewards, current_kl = kl_in_reward(token_level_scores, old_log_probs, ref_log_probs, response_mask,
+        rewards, current_kl = kl_in_reward(token_level_scores, old_log_probs,
+                                           required(ref_log_probs, "ref_log_probs", "algorithm.use_kl_in_reward"),
+                                           response_mask,
                                            kl_coef, s.kl_penalty)
         out["current_kl"] = current_kl
     advantages, returns = compute_advantage(
@@ -111,8 +126,8 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
         lam=s.lam, norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo, reward_baselines=reward_baselines,
         log_probs=old_log_probs, ref_log_probs=ref_log_probs, trl_rloo=s.trl_rloo)
     if s.adv_estimator == "trl_rloo":  # TRL's logged rewards: the score with the KL folded in, and the KL term
-        _, trl_rewards = trl_rloo_with(s.trl_rloo, rewards.sum(-1), old_log_probs, ref_log_probs, response_mask,
-                                       group_ids)
+        ref = required(ref_log_probs, "ref_log_probs", "algorithm.adv_estimator=trl_rloo")
+        _, trl_rewards = trl_rloo_with(s.trl_rloo, rewards.sum(-1), old_log_probs, ref, response_mask, group_ids)
         out.update({f"critic/{k}/mean": v.mean() for k, v in trl_rewards.items()})
     out.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
     return out

@@ -7,18 +7,25 @@ are scored by hidden positions P-1 .. P+R-2. No `[N, T, V]` logits are ever form
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from jaxrl_llm.batching import (
+    PackedLayout,
+    filled_slots,
+    packed_response_hidden,
+    unless_empty,
+    unpack_response,
+)
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.batching import (PackedLayout, filled_slots, map_response, packed_response_hidden, unless_empty,
-                                unpack_response)
 
 Array = jax.Array
+ChunkOut = TypeVar("ChunkOut")  # what a chunk function returns: an array or a pytree of them
 
 
 def compute_dtype_of(name: str):
@@ -34,10 +41,20 @@ def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
     return jax.lax.dynamic_slice_in_dim(hidden, start, response_len, axis=1)
 
 
+@overload
+def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                       response_len: int, *, temperature: float = ..., compute_dtype: str = ...,
+                       remat: bool | str = ..., with_entropy: Literal[False] = ..., packing: PackedLayout | None = ...,
+                       logprob_impl: str = ..., mesh: Mesh | None = ...) -> Array: ...
+@overload
+def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                       response_len: int, *, temperature: float = ..., compute_dtype: str = ...,
+                       remat: bool | str = ..., with_entropy: Literal[True], packing: PackedLayout | None = ...,
+                       logprob_impl: str = ..., mesh: Mesh | None = ...) -> tuple[Array, Array]: ...
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
                        remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
-                       logprob_impl: str = "auto", mesh: Any = None):
+                       logprob_impl: str = "auto", mesh: Mesh | None = None) -> Array | tuple[Array, Array]:
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
     With `packing` the model runs on packed rows (jaxrl_llm/batching) and only real response
     tokens are scored (0 elsewhere). `logprob_impl`: the fused head's backend (losses/logprob.py);
@@ -58,7 +75,12 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
     out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
                          return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
                          rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
-    return map_response(out, packing, input_ids.shape[0], response_len)
+    num_rows = input_ids.shape[0]
+    if isinstance(out, tuple):  # with_entropy
+        log_prob, entropy = out
+        return (unpack_response(log_prob, packing, num_rows, response_len),
+                unpack_response(entropy, packing, num_rows, response_len))
+    return unpack_response(out, packing, num_rows, response_len)
 
 
 def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
@@ -76,7 +98,7 @@ def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
     return value_from_hidden(params, hidden).astype(jnp.float32)
 
 
-def micro_batched(fn: Callable[[dict], dict], batch: dict, micro_rows: int, per_chunk: Any = None) -> dict:
+def micro_batched(fn: Callable[[dict], ChunkOut], batch: dict, micro_rows: int, per_chunk: Any = None) -> ChunkOut:
     """Apply `fn` to `micro_rows` rows at a time with `lax.map` (bounds activation memory for
     no-grad passes: reference / old log-probs, values). `per_chunk`: a pytree with a leading
     chunk axis (a `PackedLayout`), passed to `fn` as `chunk["per_chunk"]`."""

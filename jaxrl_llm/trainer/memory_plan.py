@@ -44,8 +44,14 @@ from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
-from jaxrl_llm.trainer.memory_programs import (PROGRAM_BUILDERS, Context, Program, bytes_per_device, device_state_bytes,
-                                               make_context)
+from jaxrl_llm.trainer.memory_programs import (
+    PROGRAM_BUILDERS,
+    Context,
+    Program,
+    bytes_per_device,
+    device_state_bytes,
+    make_context,
+)
 
 GiB = 1 << 30
 log = logging.getLogger("jaxrl_llm")
@@ -195,7 +201,7 @@ class Planner:
         params = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_params"))
         opt = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_opt"))
         size = None
-        if micro is not None and not micro.auto:
+        if micro is not None and not micro.auto and program.micro_pass is not None:
             size = micro.sequences_per_device(_rows_per_device(plan, program.micro_pass), self.ctx.seq_len)
         try:
             compiled = lowered.compile()
@@ -342,7 +348,10 @@ def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | Non
         target = tpu_target(topology, num_slices or int(cfg.trainer.plan_num_slices))
     mesh = make_mesh(cfg.mesh, devices=None if target is None else target.devices)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
-    result = plan_memory(spec, mesh, load_tokenizer(resolve_data(cfg).tokenizer), check=False, target=target)
+    tokenizer = resolve_data(cfg).tokenizer  # validation sets it (model.path by default)
+    if tokenizer is None:
+        raise ValueError("data.tokenizer=None: the memory plan needs a validated config")
+    result = plan_memory(spec, mesh, load_tokenizer(tokenizer), check=False, target=target)
     try:
         result.check()
     except ConfigError:

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.config.batch_plan import BatchPlan
-from jaxrl_llm.config.spec import ModelSpec, OptimSpec, RunSpec
+from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, RunSpec
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.sampler import bucket_length
@@ -106,7 +106,7 @@ class Context:
             return self.states["actor_params"]
         return with_lora(self.states["actor_base_params"], self.states["actor_params"]["lora"], lora.scale)
 
-    def rows(self, n: int, width: int, dtype: Any) -> jax.ShapeDtypeStruct:
+    def rows(self, n: int, width: int, dtype: Any) -> Any:  # a ShapeDtypeStruct where programs take an Array
         return jax.ShapeDtypeStruct((n, width), dtype, sharding=batch_sharding(self.mesh, 2))
 
 
@@ -172,6 +172,8 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Any) -> Context:
         states["ref_params"] = _abstract(actor.params, actor.shardings, compute_dtype_of(spec.ref.param_dtype))
     critic = None
     if spec.critic is not None:
+        if spec.critic_model is None or spec.critic_optim is None:
+            raise ValueError("a run with a critic needs its model and optimizer specs (config.resolve sets them)")
         critic = _model(spec.critic_model, "value", mesh, tokenizer)
         txs["critic"] = _tx(spec.critic_optim)
         states["critic_params"], states["critic_opt"] = critic.params, _opt_state(txs["critic"], critic)
@@ -248,7 +250,9 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                    kv_bytes=bytes_per_device(state.pool), layers=cfg.num_hidden_layers)
 
 
-def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Program:
+def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model: Model,
+                     compute_dtype: str) -> Program:
+    """A no-grad pass of `model` (the actor's log-probs, or the critic's values for `values`)."""
     spec = ctx.spec
     n, t, r = spec.plan.sequences, ctx.seq_len, spec.plan.response_length
 
@@ -260,11 +264,11 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
         if micro_pass == "values":
             return _lower(values_no_grad, platforms, params, ids, ids, mask,
-                          model_cfg=_unrolled(ctx.critic.cfg, unroll), compute_dtype=spec.critic.compute_dtype,
+                          model_cfg=_unrolled(model.cfg, unroll), compute_dtype=compute_dtype,
                           micro_rows=micro_rows(plan))
         return _lower(log_probs_no_grad, platforms, params, ids, ids, mask,
-                      model_cfg=_unrolled(ctx.actor.cfg, unroll), temperature=spec.actor.temperature,
-                      compute_dtype=spec.actor.compute_dtype, micro_rows=micro_rows(plan),
+                      model_cfg=_unrolled(model.cfg, unroll), temperature=spec.actor.temperature,
+                      compute_dtype=compute_dtype, micro_rows=micro_rows(plan),
                       logprob_impl=spec.actor.logprob_impl, mesh=ctx.mesh)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
@@ -275,7 +279,6 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str) -> Pr
         return (*out, MESH_KEYS)
 
     states = ctx.policy_states if state == "actor_params" else (state,)
-    model = ctx.critic if micro_pass == "values" else ctx.actor
     return Program(name, lower, states, keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan),
                    layers=model.cfg.num_hidden_layers)
 
@@ -285,17 +288,20 @@ def ref_program(ctx: Context) -> Program | None:
         return None
     # with LoRA the reference is the frozen base itself (no copy)
     state = "actor_base_params" if ctx.spec.model.lora else "ref_params"
-    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state)
+    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state, ctx.actor, ctx.spec.actor.compute_dtype)
 
 
 def old_log_prob_program(ctx: Context) -> Program | None:
     if not ctx.spec.recompute_old_log_probs:
         return None
-    return _forward_program(ctx, "old_log_prob", "old_log_prob", "actor_params")
+    return _forward_program(ctx, "old_log_prob", "old_log_prob", "actor_params", ctx.actor,
+                            ctx.spec.actor.compute_dtype)
 
 
 def values_program(ctx: Context) -> Program | None:
-    return _forward_program(ctx, "values", "values", "critic_params") if ctx.critic is not None else None
+    if ctx.critic is None or ctx.spec.critic is None:
+        return None
+    return _forward_program(ctx, "values", "values", "critic_params", ctx.critic, ctx.spec.critic.compute_dtype)
 
 
 def _experience(ctx: Context) -> Experience:
@@ -310,17 +316,17 @@ def _experience(ctx: Context) -> Experience:
                       rollout_is_weights=f32() if rc.enabled and rc.rollout_is is not None else None)
 
 
-def _update_program(ctx: Context, role: str) -> Program:
+def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | CriticSpec) -> Program:
+    """The update of `model` (role "actor" or "critic") with its loss settings `s`."""
     spec = ctx.spec
-    model = ctx.actor if role == "actor" else ctx.critic
     lora = spec.model.lora if role == "actor" else None
 
     def update_fn(unroll: int) -> Callable:
         cfg = _unrolled(model.cfg, unroll)
-        return (functools.partial(update_actor, model_cfg=cfg, s=spec.actor, lora_scale=lora.scale if lora else 0.0)
-                if role == "actor" else functools.partial(update_critic, model_cfg=cfg, s=spec.critic))
+        if isinstance(s, CriticSpec):
+            return functools.partial(update_critic, model_cfg=cfg, s=s)
+        return functools.partial(update_actor, model_cfg=cfg, s=s, lora_scale=lora.scale if lora else 0.0)
     frozen = (ctx.states["actor_base_params"],) if lora else ()  # LoRA: the base, passed undifferentiated
-    s = spec.actor if role == "actor" else spec.critic
     n, t = spec.plan.sequences, ctx.seq_len
     params, opt = ctx.states[f"{role}_params"], ctx.states[f"{role}_opt"]
 
@@ -352,11 +358,13 @@ def _update_program(ctx: Context, role: str) -> Program:
 
 
 def critic_update_program(ctx: Context) -> Program | None:
-    return _update_program(ctx, "critic") if ctx.critic is not None else None
+    if ctx.critic is None or ctx.spec.critic is None:
+        return None
+    return _update_program(ctx, "critic", ctx.critic, ctx.spec.critic)
 
 
 def actor_update_program(ctx: Context) -> Program:
-    return _update_program(ctx, "actor")
+    return _update_program(ctx, "actor", ctx.actor, ctx.spec.actor)
 
 
 # In step order. A builder returns None when its program is not part of this run's step.

@@ -43,10 +43,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_llm.agents import (ChatRenderer, Generated, TurnLimits, load_interactions, load_tools, pad_trajectories,
-                              run_multi_turn, run_multi_turn_streaming, trajectories_from_rows)
-from jaxrl_llm.agents.sampler_continue import (StaticSamplerContinue, cut_to_budgets, round_sampling,
-                                              tool_call_stop_ids)
+from jaxrl_llm.agents import (
+    ChatRenderer,
+    Generated,
+    TurnLimits,
+    load_interactions,
+    load_tools,
+    pad_trajectories,
+    run_multi_turn,
+    run_multi_turn_streaming,
+    trajectories_from_rows,
+)
+from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, cut_to_budgets, round_sampling, tool_call_stop_ids
 from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
@@ -140,8 +148,9 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         raise ValueError(f"data.max_prompt_length={gen.max_prompt_length}: a multi-turn prompt has {longest_prompt} "
                          "tokens once the tool instructions / the interaction's first message are added; raise it")
     s, limits = mt.spec, mt.limits(sampling.max_new_tokens)
-    calls = dict(tools=mt.tools, max_parallel_calls=s.max_parallel_calls, tool_timeout_s=s.tool_call_timeout_s,
-                 sanity_check=s.sanity_check, tool_call_format=s.format)
+    calls: dict[str, Any] = dict(tools=mt.tools, max_parallel_calls=s.max_parallel_calls,
+                                 tool_timeout_s=s.tool_call_timeout_s, sanity_check=s.sanity_check,
+                                 tool_call_format=s.format)
     opts = gen.engine_for(sampling.max_new_tokens)
     if opts.engine == "paged" and jax.process_count() == 1:
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)

@@ -14,7 +14,7 @@ Warmup and total steps count RL steps; they are resolved by `jaxrl_llm.config.re
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,8 @@ def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
         # the same product optax's own scale_by_learning_rate forms: (-lr cast to the dtype) * u
         return jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates), state
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    # optax types the `update` field without extra arguments although this class exists to carry them
+    return optax.GradientTransformationExtraArgs(init, cast(optax.TransformUpdateFn, update))
 
 
 def make_optimizer(optim: OptimSpec) -> tuple[optax.GradientTransformationExtraArgs, Schedule]:

@@ -28,19 +28,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import SyncSpec
 from jaxrl_llm.models.lora import with_lora
-from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size
+from jaxrl_llm.sharding import rows_sharding
 from jaxrl_llm.sharding.split import copy_tree, transfer
 from jaxrl_llm.trainer.roles import TrainedRole
 from jaxrl_llm.trainer.rollout_batch import Rollout
+
+log = logging.getLogger("jaxrl_llm")
 
 # generate(batch, params, rng, on_rollout_mesh) -> (rollout, generation metrics)
 Generate = Callable[[dict, dict, jax.Array, bool], tuple[Rollout, dict[str, float]]]
@@ -219,7 +222,7 @@ class RolloutPipeline:
                   "versions": versions}
         return {"pipeline": record}, {str(v): self._weights[v][1] for v in versions} or None
 
-    def abstract_weights(self, record: dict) -> dict:
+    def _abstract_weights(self, record: dict) -> dict:
         """The layout to restore `checkpoint_weights`' trees onto (the training devices)."""
         if self.rollout_mesh is not None:
             one = self.actor.model_params
@@ -228,10 +231,15 @@ class RolloutPipeline:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), one)
         return {str(v): abstract for v in record["versions"]}
 
-    def resume(self, record: dict, weights: dict | None) -> None:
+    def resume(self, record: dict | None, load_weights: Callable[[dict], dict]) -> None:
         """Restores what `checkpoint_weights` saved: the in-flight steps are launched again on their
         own weights, and the next launches on the current ones until the next sync."""
-        for key, payload in (weights or {}).items():
+        if record is None:
+            log.warning("the checkpoint holds no rollout weights (a synchronous run's): the in-flight rollouts "
+                        "are generated again on the restored weights")
+            return
+        weights = load_weights(self._abstract_weights(record)) if record["versions"] else {}
+        for key, payload in weights.items():
             if self.rollout_mesh is not None:
                 params = jax.block_until_ready(transfer(payload, self.rollout_mesh))
             elif self.actor.frozen is not None:
@@ -257,9 +265,6 @@ class RolloutPipeline:
 def to_mesh(rollout: Rollout, mesh: Mesh) -> Rollout:
     """The rollout's device arrays moved onto `mesh`, rows split over its batch axes (replicated when
     the rows do not divide them)."""
-    def put(x: jax.Array) -> jax.Array:
-        rows_split = x.shape[0] % batch_axis_size(mesh) == 0
-        spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))) if rows_split else PartitionSpec()
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return dataclasses.replace(rollout, **{f: put(getattr(rollout, f)) for f in DEVICE_FIELDS})
+    moved = {f: jax.device_put(getattr(rollout, f), rows_sharding(mesh, getattr(rollout, f).shape))
+             for f in DEVICE_FIELDS}
+    return dataclasses.replace(rollout, **moved)

@@ -17,7 +17,10 @@ import math
 import os
 import pathlib
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from etils import epath
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -37,7 +40,7 @@ DPI = 100
 Series = dict[str, tuple[list[int], list[float]]]
 
 
-def _path(path: str | os.PathLike) -> Any:
+def _path(path: str | os.PathLike) -> pathlib.Path | epath.Path:
     """A local `pathlib.Path`, or an `epath.Path` for a bucket URL (jaxrl_llm/storage.py)."""
     from jaxrl_llm import storage
 
@@ -110,7 +113,8 @@ def collect_panels(records: Iterable[Mapping[str, Any]]) -> dict[str, Series]:
 
 
 def plot_run(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = None, *,
-             records: Sequence[Mapping[str, Any]] | None = None, title: str | None = None) -> pathlib.Path:
+             records: Sequence[Mapping[str, Any]] | None = None,
+             title: str | None = None) -> pathlib.Path | epath.Path:
     """Draw the run's metrics into one PNG (default `<run_dir>/plot.png`) and return its path.
 
     Reads `<run_dir>/metrics.jsonl` unless `records` (e.g. `Trainer.history`) are given. Which
@@ -166,7 +170,7 @@ def plot_run(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = No
 
 
 def plot_finished_run(run_dir: str | os.PathLike, history: Sequence[Mapping[str, Any]], *,
-                      from_file: bool) -> pathlib.Path | None:
+                      from_file: bool) -> pathlib.Path | epath.Path | None:
     """The trainer's end-of-run plot, `<run_dir>/plot.png`: from metrics.jsonl when the jsonl
     logger wrote it (`from_file`), else from `history`. Never fails a run: problems are logged."""
     try:

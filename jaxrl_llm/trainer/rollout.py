@@ -140,8 +140,8 @@ class RolloutGenerator:
         prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []
         return Rollout(
             input_ids=input_ids, attention_mask=attention_mask,
-            response_mask=response_mask.astype(jnp.float32),
-            rollout_log_probs=out.log_probs[:, :width], token_level_scores=host_side["token_scores"],
+            response_mask=jnp.asarray(response_mask, jnp.float32),
+            rollout_log_probs=jnp.asarray(out.log_probs[:, :width]), token_level_scores=host_side["token_scores"],
             group_ids=rows.astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
             prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
             texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.data.loader import METADATA_KEYS
 from jaxrl_llm.rewards import RewardManager, RewardResult
+from jaxrl_llm.shapes import next_power_of_two
 from jaxrl_llm.sharding import BATCH_AXES
 
 Array = jax.Array
@@ -62,7 +63,7 @@ def rows_meta(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.nd
 
 def response_bucket(longest: int, limit: int) -> int:
     """Power of two >= longest (min 8), capped at the configured response length."""
-    return min(limit, max(_MIN_RESPONSE_BUCKET, 1 << max(longest - 1, 0).bit_length()))
+    return min(limit, max(_MIN_RESPONSE_BUCKET, next_power_of_two(longest)))
 
 
 def broadcast_from_main(compute: Any) -> Any:

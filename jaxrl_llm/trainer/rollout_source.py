@@ -45,12 +45,9 @@ class RolloutSource(Protocol):
         """(JSON record, rollout weights by version) a checkpoint needs to resume the in-flight rollouts."""
         ...
 
-    def abstract_weights(self, record: dict) -> dict:
-        """The layout `checkpoint_weights`' trees restore onto."""
-        ...
-
-    def resume(self, record: dict, weights: dict | None) -> None:
-        """Restores what `checkpoint_weights` saved."""
+    def resume(self, record: dict | None, load_weights: Callable[[dict], dict]) -> None:
+        """Restores what `checkpoint_weights` saved (`record`: None when the checkpoint has none);
+        `load_weights(abstract)` reads the saved weight trees onto the `abstract` layout."""
         ...
 
     def describe(self) -> str:
@@ -84,10 +81,7 @@ class SynchronousSource:
     def checkpoint_weights(self, next_step: int) -> tuple[dict, dict | None]:
         return {}, None  # nothing in flight
 
-    def abstract_weights(self, record: dict) -> dict:
-        return {}
-
-    def resume(self, record: dict, weights: dict | None) -> None:
+    def resume(self, record: dict | None, load_weights: Callable[[dict], dict]) -> None:
         """A synchronous run resumes from the loader state alone (a pipelined checkpoint's in-flight
         rollouts are generated again, on the restored weights)."""
 

@@ -17,30 +17,30 @@ import dataclasses
 import functools
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
-from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
-from jaxrl_llm.batching import StepBatching, StepRows, update_metrics
+from jaxrl_llm.batching import NO_PADS, StepBatching, StepRows, update_metrics
 from jaxrl_llm.batching.ops import run_no_grad_pass
+from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching
-from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
+from jaxrl_llm.config.spec import ModelSpec, RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
+from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, to_device, to_host
 from jaxrl_llm.sharding.split import make_split_meshes
-from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import (Experience, log_probs_no_grad, make_experience, pad_experience,
-                                         values_no_grad)
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
@@ -51,6 +51,9 @@ from jaxrl_llm.trainer.rollout_batch import Rollout
 from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
+
+if TYPE_CHECKING:
+    from jaxrl_llm.trainer.memory_plan import MemoryPlan
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -73,13 +76,13 @@ class Trainer:
         if data.tokenizer is None:  # derived from actor_rollout_ref.model.path, except for tiny: models
             raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
         self.tokenizer = load_tokenizer(data.tokenizer)
-        # before anything is written or loaded: a step that would not fit stops here (trainer/memory_plan.py)
-        self.memory_plan = self._plan_memory(resolve(checked, dp_size=self.dp_size))
-        self._write_synthetic_data(resolve_synthetic(checked))
+        self._write_synthetic_data(resolve_synthetic(checked))  # the task's files, when data.synthetic.task is set
         train_set = build_dataset(data, self.tokenizer, "train")
-        self.spec: RunSpec = resolve(checked, dp_size=self.dp_size, num_train_samples=len(train_set))
-        if self.memory_plan is not None:  # with every 'auto' micro-batch size resolved
-            self.spec = dataclasses.replace(self.spec, plan=self.memory_plan.batch_plan)
+        # Resolved once, with the dataset's size (the total steps). The memory plan then fills in every
+        # 'auto' micro-batch size, and a step that would not fit stops here, before a model loads or
+        # anything of the run is written (trainer/memory_plan.py).
+        self.spec, self.memory_plan = self._plan_memory(
+            resolve(checked, dp_size=self.dp_size, num_train_samples=len(train_set)))
         spec = self.spec
         assert spec.trainer.total_steps is not None  # known once the dataset size is
         self.total_steps = int(spec.trainer.total_steps)
@@ -165,18 +168,19 @@ class Trainer:
             print(self.summary(), flush=True)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _plan_memory(self, spec: RunSpec) -> Any:
-        """The memory plan (`trainer.memory_plan`, or any 'auto' micro-batch size), printed; None when off."""
+    def _plan_memory(self, spec: RunSpec) -> tuple[RunSpec, MemoryPlan | None]:
+        """`spec` with its 'auto' micro-batch sizes resolved, and the memory plan (printed) when
+        `trainer.memory_plan` is on or a size is 'auto'; else `spec` as it is and None."""
         if spec.trainer.plan_topology is not None:
             _check_plan_topology(spec, self.mesh)
         if not (spec.trainer.memory_plan or spec.plan.auto_passes):
-            return None
+            return spec, None
         from jaxrl_llm.trainer.memory_plan import plan_memory
 
         plan = plan_memory(spec, self.mesh, self.tokenizer)
         if self.is_main:
             print(plan.table(), flush=True)
-        return plan
+        return dataclasses.replace(spec, plan=plan.batch_plan), plan
 
     def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
         if syn is None:
@@ -299,7 +303,8 @@ class Trainer:
             if self.reference is not None:
                 with timer("ref") as span:
                     ref_lp = span.wait(self.log_probs(self.reference.device_params(), rollout, plan.ref_log_prob,
-                                                       rows))
+                                                       rows, model=self.reference.model,
+                                                       model_cfg=self.reference.model_cfg))
             with timer("old_log_prob") as span:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
@@ -348,15 +353,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces of a step
     def log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching | None = None,
-                  rows: StepRows | None = None) -> jax.Array:
-        """Response log-probs [N, R] of `rollout` under `params` (the reference or the policy), as a step
-        computes them: in `micro`'s micro-batches (default: the old-log-prob pass's), packed as the
-        policy's model spec says."""
+                  rows: StepRows | None = None, *, model: ModelSpec | None = None,
+                  model_cfg: ModelConfig | None = None) -> jax.Array:
+        """Response log-probs [N, R] of `rollout` under `params` of the model `model` / `model_cfg`
+        (default: the policy's; the reference passes its own), as a step computes them: in `micro`'s
+        micro-batches (default: the old-log-prob pass's), packed as the model spec says."""
         micro = self.spec.plan.old_log_prob if micro is None else micro
         rows = self.batching.rows_of(rollout) if rows is None else rows
-        how = self.batching.no_grad(micro, self.spec.model, rows)
+        how = self.batching.no_grad(micro, self.spec.model if model is None else model, rows)
         return run_no_grad_pass(log_probs_no_grad, params, rollout.input_ids, rollout.attention_mask,
-                                rollout.response_mask, how, model_cfg=self.actor.model_cfg,
+                                rollout.response_mask, how,
+                                model_cfg=self.actor.model_cfg if model_cfg is None else model_cfg,
                                 temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
                                 logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
 
@@ -383,7 +390,7 @@ class Trainer:
         host) from its own batch plan and model spec; its LR step counts from its `lr_offset`."""
         split = self.batching.update(role.batch, role.model, rows, rng, epochs=role.settings.ppo_epochs,
                                      shuffle=role.settings.shuffle)
-        if split.pads != (0, 0):  # token budget: the config's longest shapes, the same program at every step
+        if split.pads != NO_PADS:  # token budget: the config's longest shapes, the same program at every step
             exp = pad_experience(exp, *split.pads)
         metrics = role.update(exp, rng, lr_step=self.global_step - role.lr_offset, num_mini_batches=split.num_mini,
                               num_micro_batches=split.num_micro, rows_sharding=self.rows_sharding,
@@ -488,7 +495,9 @@ class Trainer:
         if self.critic is not None:
             self.critic.params, self.critic.opt_state = state["critic"]["params"], state["critic"]["opt_state"]
         self.train_loader.set_state(data_state)
-        self._resume_pipeline(point.directory, step, meta.get("pipeline"))
+        # an off-policy pipeline's in-flight rollouts restart on their own saved weights
+        self.rollout_source.resume(meta.get("pipeline"), functools.partial(
+            ckpt.restore_rollout_weights, self.store, point.directory, step))
         self.kl_ctrl.value = float(meta["kl_coef"])
         self.global_step = int(meta["global_step"])
         ckpt.warn_config_changes(meta.get("config"), json.loads(self.spec.config_json),
@@ -498,21 +507,6 @@ class Trainer:
         log.info("resumed from %s at step %d", point.directory, step)
         if self.is_main:
             print(f"resumed from {point.directory} step {step}", flush=True)
-
-    def _resume_pipeline(self, directory: str, step: int, record: dict | None) -> None:
-        """The off-policy pipeline's in-flight rollouts restart on their own saved weights (a synchronous
-        source has none)."""
-        if self.rollout_source.synchronous:
-            return
-        if record is None:
-            log.warning("checkpoint %s/%d holds no rollout weights (a synchronous run's): the in-flight rollouts "
-                        "are generated again on the restored weights", directory, step)
-            return
-        weights = None
-        if record["versions"]:
-            weights = ckpt.restore_rollout_weights(self.store, directory, step,
-                                                   self.rollout_source.abstract_weights(record))
-        self.rollout_source.resume(record, weights)
 
     def export_hf(self, out_dir: str) -> str:
         """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a
@@ -556,7 +550,7 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
         raise first
 
 
-def _check_plan_topology(spec: RunSpec, mesh: Any) -> None:
+def _check_plan_topology(spec: RunSpec, mesh: Mesh) -> None:
     """`trainer.plan_topology` plans a TPU slice from any host (--plan); a run accepts it only on that
     slice's devices (its memory plan then compiles for them as they are)."""
     from jaxrl_llm.platform import accelerator_chip, chip_for, parse_accelerator_type

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
 from jaxrl_llm.batching import UpdateLayout, response_coverage, unless_empty
+from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]

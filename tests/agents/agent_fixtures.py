@@ -6,10 +6,10 @@ import collections
 from typing import Any
 
 import numpy as np
+from tiny_models import make_char_tokenizer
 
 from jaxrl_llm.agents import BaseTool, Generated, ToolResult
 from jaxrl_llm.sampler import FINISH_REASONS
-from tiny_models import make_char_tokenizer
 
 # Qwen2.5-style hermes template: tools listed in a system turn, consecutive tool messages merged
 # into one user turn of <tool_response> blocks.

@@ -6,10 +6,18 @@ import time
 
 import numpy as np
 import pytest
-
 from agent_fixtures import FAKE_SCHEMA, FakeTool, ScriptedContinue, hermes_char_tokenizer, serve_via
-from jaxrl_llm.agents import (BaseTool, ChatRenderer, GuessNumberEnv, ToolResult, Trajectory, TurnLimits,
-                              run_multi_turn, run_multi_turn_streaming)
+
+from jaxrl_llm.agents import (
+    BaseTool,
+    ChatRenderer,
+    GuessNumberEnv,
+    ToolResult,
+    Trajectory,
+    TurnLimits,
+    run_multi_turn,
+    run_multi_turn_streaming,
+)
 
 PROMPT = [{"role": "user", "content": "Add things up."}]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from agent_fixtures import hermes_char_tokenizer
+
 from jaxrl_llm.agents import ChatRenderer, GuessNumberEnv, Trajectory, TurnLimits, run_multi_turn
 from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, tool_call_stop_ids
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params

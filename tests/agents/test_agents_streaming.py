@@ -8,10 +8,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from agent_fixtures import FAKE_SCHEMA, FakeTool, ScriptedContinue, hermes_char_tokenizer, serve_via
-from jaxrl_llm.agents import (BaseTool, ChatRenderer, Environment, GuessNumberEnv, ToolResult, Trajectory,
-                              TurnLimits, run_multi_turn, run_multi_turn_streaming)
+
+from jaxrl_llm.agents import (
+    BaseTool,
+    ChatRenderer,
+    Environment,
+    GuessNumberEnv,
+    ToolResult,
+    Trajectory,
+    TurnLimits,
+    run_multi_turn,
+    run_multi_turn_streaming,
+)
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine

@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 import pytest
-
 from agent_fixtures import FAKE_SCHEMA
-from jaxrl_llm.agents import (AgentConfigError, CalculatorError, CalculatorTool, GuessNumberEnv, ToolCall,
-                              ToolCallError, evaluate, load_interactions, load_tools, parse_tool_calls,
-                              truncate_text)
+
+from jaxrl_llm.agents import (
+    AgentConfigError,
+    CalculatorError,
+    CalculatorTool,
+    GuessNumberEnv,
+    ToolCall,
+    ToolCallError,
+    evaluate,
+    load_interactions,
+    load_tools,
+    parse_tool_calls,
+    truncate_text,
+)
 from jaxrl_llm.agents.calculator import format_number
 
 

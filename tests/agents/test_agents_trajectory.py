@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import CHATML, make_char_tokenizer
 
 from jaxrl_llm.agents import ChatRenderer, TemplateError, Trajectory, TurnLimits
-from tiny_models import CHATML, make_char_tokenizer
 
 # Like Qwen3's: an assistant turn followed by later messages loses its <think>...</think> part.
 THINK_DROPPING = (

@@ -16,8 +16,15 @@ import pytest
 import yaml
 
 from jaxrl_llm.config import ConfigError, apply_overrides, default_config, validate_config
-from jaxrl_llm.config.importers import (NO_DUAL_CLIP, detect_format, import_config, import_trl_flags, load_yaml,
-                                        parse_trl_args, split_trl_flags)
+from jaxrl_llm.config.importers import (
+    NO_DUAL_CLIP,
+    detect_format,
+    import_config,
+    import_trl_flags,
+    load_yaml,
+    parse_trl_args,
+    split_trl_flags,
+)
 from jaxrl_llm.config.importers.roll import device_count
 from jaxrl_llm.config.importers.trinity_data import taskset_files
 

@@ -3,8 +3,14 @@ import logging
 
 import pytest
 
-from jaxrl_llm.config import (ConfigError, apply_overrides, default_config, normalize_config, parse_value,
-                              split_config_flag_overrides)
+from jaxrl_llm.config import (
+    ConfigError,
+    apply_overrides,
+    default_config,
+    normalize_config,
+    parse_value,
+    split_config_flag_overrides,
+)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -49,7 +55,8 @@ def test_overrides_set_values_with_field_types():
     ("token_level_kl", "true", "algorithm.trl_rloo.token_level_kl"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "4",
      "actor_rollout_ref.actor.ppo_micro_batch_size_per_device"),
-    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "9000", "actor_rollout_ref.actor.ppo_max_token_len_per_device"),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "9000",
+     "actor_rollout_ref.actor.ppo_max_token_len_per_device"),
     ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "16",
      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device"),
     ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "8192",
@@ -75,7 +82,8 @@ def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
     torch_keys = [
         "actor_rollout_ref.actor.fsdp_config.param_offload=True", "reward_model.model.fsdp_config.param_offload=True",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True", "actor_rollout_ref.actor.use_torch_compile=False",
-        "actor_rollout_ref.rollout.enable_chunked_prefill=True", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.enable_chunked_prefill=True",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True",
         "actor_rollout_ref.rollout.free_cache_engine=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
         "trainer.nnodes=1", "trainer.n_gpus_per_node=8", "reward_model.model.use_remove_padding=True",

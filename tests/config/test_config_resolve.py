@@ -53,7 +53,8 @@ def test_critic_and_reference_specs():
 
 def test_batch_plan_sizes_used_by_the_run():
     spec = _spec("algorithm.adv_estimator=gae", "data.train_batch_size=16", "actor_rollout_ref.rollout.n=2",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "critic.use_dynamic_bsz=true",
                  "critic.ppo_max_token_len_per_device=4096", "critic.forward_max_token_len_per_device=2048",
                  "data.max_prompt_length=256", "data.max_response_length=256", dp=4)
@@ -117,7 +118,8 @@ def test_rollout_engine_auto_is_paged_at_rl_lengths_and_static_for_short_respons
     assert _spec("data.max_response_length=64").rollout_engine.engine == "paged"
     assert _spec("data.max_response_length=63").rollout_engine.engine == "static"
     assert _spec("actor_rollout_ref.rollout.engine=static").rollout_engine.engine == "static"
-    assert _spec("actor_rollout_ref.rollout.engine=paged", "data.max_response_length=8").rollout_engine.engine == "paged"
+    paged = _spec("actor_rollout_ref.rollout.engine=paged", "data.max_response_length=8")
+    assert paged.rollout_engine.engine == "paged"
     assert EngineOptions().resolved(8, multi_turn=True).engine == "paged"  # multi-turn rollouts stream
     assert EngineOptions(engine="static").resolved(512, multi_turn=True).engine == "static"
     # rollout.paged_attention reaches the engine's programs

@@ -3,8 +3,14 @@ import json
 
 import pytest
 
-from jaxrl_llm.config import (ConfigError, apply_overrides, resolve_batch_plan, default_config,
-                              resolve_total_steps, validate_config)
+from jaxrl_llm.config import (
+    ConfigError,
+    apply_overrides,
+    default_config,
+    resolve_batch_plan,
+    resolve_total_steps,
+    validate_config,
+)
 from jaxrl_llm.models import ModelConfig
 
 
@@ -80,7 +86,8 @@ def test_batch_plan_numbers():
     (["algorithm.kl_penalty=bogus"], 2, "algorithm.kl_penalty='bogus'"),
     (["actor_rollout_ref.actor.loss_agg_mode=mean"], 2, "actor_rollout_ref.actor.loss_agg_mode='mean'"),
     (["reward_model.reward_manager=fast"], 2, "reward_model.reward_manager='fast'"),
-    (["data.synthetic.task=divide"], 2, "data.synthetic.task='divide': unknown name; valid: add, guess, larger, multiply, repeat"),
+    (["data.synthetic.task=divide"], 2,
+     "data.synthetic.task='divide': unknown name; valid: add, guess, larger, multiply, repeat"),
     (["data.truncation=cut"], 2, "data.truncation='cut'"),
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], 2,
      "actor_rollout_ref.actor.optim.lr_scheduler_type='linear'"),
@@ -182,7 +189,8 @@ def test_paths_must_exist(tmp_path):
 
 def test_synthetic_task_derives_data_files_and_steps(tmp_path):
     (tmp_path / "tok.gguf").write_bytes(b"")
-    cfg = _cfg("data.train_files=null", f"data.tokenizer={tmp_path}/tok.gguf", "data.synthetic.task=add", "data.synthetic.n_train=64",
+    cfg = _cfg("data.train_files=null", f"data.tokenizer={tmp_path}/tok.gguf", "data.synthetic.task=add",
+               "data.synthetic.n_train=64",
                "trainer.default_local_dir=/tmp/run", "trainer.total_epochs=2", "algorithm.adv_estimator=grpo")
     out = validate_config(cfg, dp_size=2)  # paths checked: synthetic files are written by the trainer
     assert out.data.train_files == "/tmp/run/data/train.parquet"

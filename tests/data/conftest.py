@@ -1,6 +1,5 @@
 """Fixtures for the data tests: a tiny char-level chat tokenizer and the real SmolLM2 tokenizer."""
 import pytest
-
 from tiny_models import make_char_tokenizer
 
 

@@ -1,7 +1,6 @@
 """Bad data inputs: one DataError naming the file (and row / line) and the problem."""
 import pandas as pd
 import pytest
-
 from spec_helpers import data_spec
 
 from jaxrl_llm.data import DataError, build_dataset, make_dataloader
@@ -66,7 +65,8 @@ def test_prompt_neither_string_nor_messages(tmp_path, char_tok, value):
 
 def test_messages_without_template(tmp_path, char_tok):
     pd.DataFrame({"prompt": [[{"role": "user", "content": "hi"}]]}).to_parquet(tmp_path / "m.parquet")
-    with pytest.raises(DataError, match=r"m\.parquet row 0: prompt is a message list but data.apply_chat_template=False"):
+    want = r"m\.parquet row 0: prompt is a message list but data.apply_chat_template=False"
+    with pytest.raises(DataError, match=want):
         build_dataset(cfg(tmp_path / "m.parquet", apply_chat_template=False), char_tok, "train")
 
 

@@ -4,7 +4,6 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-
 from spec_helpers import data_spec
 
 from jaxrl_llm.data import DataError, build_dataset, make_dataloader, truncate_ids

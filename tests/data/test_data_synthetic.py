@@ -5,7 +5,6 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-
 from spec_helpers import data_spec
 
 from jaxrl_llm.data import build_dataset

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-
 from tiny_models import build_hf_model
+
 from jaxrl_llm.hf import (
     MissingTensorError,
     TensorShapeError,

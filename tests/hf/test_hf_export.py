@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tiny_models import build_hf_model, left_padded_batch, torch_logits
+
 from jaxrl_llm.hf import export_hf, load_hf_folder, load_tokenizer
 from jaxrl_llm.models import compute_logits, greedy_generate
 

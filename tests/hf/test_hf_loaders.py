@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from jaxrl_llm.hf import BUILTIN_LOADERS, load_any, loaders, register_loader, unregister_loader
 from jaxrl_llm import checkpoint
+from jaxrl_llm.hf import BUILTIN_LOADERS, load_any, loaders, register_loader, unregister_loader
 
 
 @pytest.fixture

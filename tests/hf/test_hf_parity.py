@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tiny_models import build_hf_model, left_padded_batch, torch_logits
+
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import compute_logits, forward_hidden, score_from_hidden
 

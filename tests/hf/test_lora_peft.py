@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-
 from tiny_models import build_hf_model, left_padded_batch, torch_logits
+
 from jaxrl_llm.hf import export_hf, load_hf_folder
 from jaxrl_llm.hf.peft import export_peft
 from jaxrl_llm.models import compute_logits

@@ -1,10 +1,11 @@
 import jax
 import jax.numpy as jnp
+import losses_np_refs as ref
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import losses_np_refs as ref
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS, compute_advantage
 from jaxrl_llm.losses.masked import check_finite, masked_whiten
 
@@ -70,7 +71,8 @@ def test_gpg_f_norm_as_verl(batch, f_norm):
 
 
 def test_all_names_registered():
-    assert set(NAMES) | {"grpo_passk", "trl_rloo"} == set(ADV_ESTIMATORS.names())  # their own tests: below, test_losses_trl_rloo.py
+    # grpo_passk and trl_rloo have their own tests: below, and test_losses_trl_rloo.py
+    assert set(NAMES) | {"grpo_passk", "trl_rloo"} == set(ADV_ESTIMATORS.names())
     with pytest.raises(ValueError, match="valid names.*grpo"):
         compute_advantage("grpoo", jnp.zeros((2, 3)), jnp.ones((2, 3)))
 

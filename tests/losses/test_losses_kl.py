@@ -3,8 +3,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.losses.kl import (AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_in_reward,
-                                 kl_penalty, make_kl_controller)
+from jaxrl_llm.losses.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_in_reward,
+    kl_penalty,
+    make_kl_controller,
+)
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 
@@ -59,7 +65,8 @@ def test_full_kl_from_logits_and_unknown_kind():
     p = np.exp(a) / np.exp(a).sum(-1, keepdims=True)
     q = np.exp(b) / np.exp(b).sum(-1, keepdims=True)
     want = (p * (np.log(p) - np.log(q))).sum(-1)
-    np.testing.assert_allclose(kl_penalty(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), "full"), want, **TOL)
+    got = kl_penalty(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), "full")
+    np.testing.assert_allclose(got, want, **TOL)
     with pytest.raises(ValueError, match="valid names"):
         kl_penalty(jnp.zeros(3), jnp.zeros(3), "k4")
     with pytest.raises(ValueError, match=r"\[B, T, V\]"):

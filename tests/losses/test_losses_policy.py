@@ -1,10 +1,11 @@
 import jax
 import jax.numpy as jnp
+import losses_np_refs as ref
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import losses_np_refs as ref
 from jaxrl_llm.losses.agg import LOSS_AGG_MODES, agg_loss, global_counts
 from jaxrl_llm.losses.entropy import entropy_bonus, entropy_from_logits
 from jaxrl_llm.losses.policy import POLICY_LOSSES, compute_policy_loss
@@ -76,7 +77,7 @@ def np_losses(name, old, lp, adv, m, lo=0.2, hi=0.2):
 def test_other_policy_losses(batch, name):
     old, lp, adv, m = (batch[k].astype(np.float64) for k in ("old", "lp", "adv", "mask"))
     mat, mode, clipfrac = np_losses(name, old, lp, adv, m)
-    loss, metrics = jax.jit(lambda o, l, a, mm: compute_policy_loss(name, o, l, a, mm, loss_agg_mode="token-mean"))(
+    loss, metrics = jax.jit(lambda o, lp_, a, mm: compute_policy_loss(name, o, lp_, a, mm, loss_agg_mode="token-mean"))(
         batch["old"], batch["lp"], batch["adv"], batch["mask"])
     np.testing.assert_allclose(loss, ref.agg(mat, m, mode or "token-mean"), **TOL)
     np.testing.assert_allclose(metrics["actor/pg_clipfrac"], clipfrac, **TOL)
@@ -168,8 +169,8 @@ def test_microbatch_accumulation_is_exact(batch, mode, name):
     np.testing.assert_allclose(full, plain, **TOL)  # global counts of the full batch == local ones
     total, grads, metric_sum = 0.0, [], 0.0
     for sl in (slice(0, 3), slice(3, 5), slice(5, 8)):  # uneven micro-batches
-        (l, met), g = full_grad_fn(lp[sl], old[sl], adv[sl], m[sl], **counts)
-        total += l
+        (micro_loss, met), g = full_grad_fn(lp[sl], old[sl], adv[sl], m[sl], **counts)
+        total += micro_loss
         grads.append(g)
         metric_sum += met["actor/ppo_kl"]
     np.testing.assert_allclose(total, full, **TOL)
@@ -194,11 +195,11 @@ def test_policy_loss_sharded(batch):
     shard = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))  # noqa: E731
     args = [shard(batch[k]) for k in ("old", "lp", "adv", "mask")]
     f = jax.jit(jax.value_and_grad(
-        lambda o, l, a, m: compute_policy_loss("vanilla", o, l, a, m, loss_agg_mode="seq-mean-token-mean")[0],
+        lambda o, lp_, a, m: compute_policy_loss("vanilla", o, lp_, a, m, loss_agg_mode="seq-mean-token-mean")[0],
         argnums=1))
     loss, g = f(*args)
     want_loss, want_g = jax.value_and_grad(
-        lambda o, l, a, m: compute_policy_loss("vanilla", o, l, a, m, loss_agg_mode="seq-mean-token-mean")[0],
+        lambda o, lp_, a, m: compute_policy_loss("vanilla", o, lp_, a, m, loss_agg_mode="seq-mean-token-mean")[0],
         argnums=1)(batch["old"], batch["lp"], batch["adv"], batch["mask"])
     np.testing.assert_allclose(loss, want_loss, **TOL)
     np.testing.assert_allclose(g, want_g, **TOL)

@@ -1,10 +1,10 @@
 import math
 
 import jax
+import losses_np_refs as ref
 import numpy as np
 import pytest
 
-import losses_np_refs as ref
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction, parse_rejection_rules
 
 TOL = dict(atol=1e-5, rtol=1e-4)

@@ -15,9 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 
 def main(run_dir: str) -> None:
+    import tiny_runs
     from bf16_mismatch import mismatch, tiny_model
 
-    import tiny_runs
     from jaxrl_llm.trainer import Trainer
 
     cfg, params, prompts, pad = tiny_model()

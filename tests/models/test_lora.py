@@ -9,8 +9,15 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models import compute_logits as _compute_logits
-from jaxrl_llm.models.lora import (ALL_LINEAR, LoraConfig, init_lora, lora_logical_axes, merge_lora,
-                                   parse_target_modules, with_lora)
+from jaxrl_llm.models.lora import (
+    ALL_LINEAR,
+    LoraConfig,
+    init_lora,
+    lora_logical_axes,
+    merge_lora,
+    parse_target_modules,
+    with_lora,
+)
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sharding import shard_params
 
@@ -82,8 +89,9 @@ def test_target_modules_subset_and_names():
     assert set(ad["layers"]) == {"attn"} and set(ad["layers"]["attn"]) == {"q_proj", "v_proj"}
     params = init_params(cfg, jax.random.key(0))
     merged = merge_lora(with_lora(params, ad, lora.scale))
-    np.testing.assert_array_equal(merged["layers"]["attn"]["k_proj"]["kernel"], params["layers"]["attn"]["k_proj"]["kernel"])
-    assert not np.array_equal(merged["layers"]["attn"]["v_proj"]["kernel"], params["layers"]["attn"]["v_proj"]["kernel"])
+    merged_attn, base_attn = merged["layers"]["attn"], params["layers"]["attn"]
+    np.testing.assert_array_equal(merged_attn["k_proj"]["kernel"], base_attn["k_proj"]["kernel"])
+    assert not np.array_equal(merged_attn["v_proj"]["kernel"], base_attn["v_proj"]["kernel"])
     ids, mask = _batch(cfg.vocab_size)
     np.testing.assert_allclose(compute_logits(with_lora(params, ad, lora.scale), cfg, ids, mask),
                                compute_logits(merged, cfg, ids, mask), atol=1e-5, rtol=0)

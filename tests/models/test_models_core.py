@@ -15,7 +15,6 @@ from jaxrl_llm.models import (
     score_from_hidden,
     value_from_hidden,
 )
-
 from jaxrl_llm.models import compute_logits as _compute_logits
 from jaxrl_llm.models import forward_hidden as _forward_hidden
 

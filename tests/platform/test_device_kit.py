@@ -14,7 +14,8 @@ def test_device_check_tiny_runs_every_section(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--out", str(tmp_path),
                            "--budget_s", "1500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("env", "kernels", "step", "tests")}
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text())
+               for name in ("env", "kernels", "step", "tests")}
     assert all(r["status"] == "ok" for r in results.values()), results
     assert results["env"]["bf16_matmul_tflops"] > 0 and results["env"]["copy_gbps"] > 0
     for case in results["kernels"]["logprob"]:
@@ -23,7 +24,8 @@ def test_device_check_tiny_runs_every_section(tmp_path):
     for case in results["kernels"]["paged_attention"]:
         assert case["max_abs_err"] < 3e-2, case  # bf16 outputs
     assert 0 < results["step"]["perf/mfu"] < 1 and results["step"]["planned_peak_bytes"] > 0
-    assert [line for line in proc.stdout.splitlines() if line.startswith("[")] and "passed" in results["tests"]["summary"]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert "passed" in results["tests"]["summary"]
 
 
 def test_device_scripts_parse():

@@ -1,11 +1,18 @@
 """The chip table, accelerator-type names, and the FLOPs that MFU divides (no compile here)."""
 import pytest
+from tiny_runs import tiny_config
 
 from jaxrl_llm.config import ConfigError
-from jaxrl_llm.platform import TpuPlanError, accelerator_chip, chip_for, parse_accelerator_type, peak_flops_of, tpu_target
+from jaxrl_llm.platform import (
+    TpuPlanError,
+    accelerator_chip,
+    chip_for,
+    parse_accelerator_type,
+    peak_flops_of,
+    tpu_target,
+)
 from jaxrl_llm.platform import tpu as tpu_module
 from jaxrl_llm.trainer.metrics import device_peak_flops, step_flops
-from tiny_runs import tiny_config
 
 
 @pytest.mark.parametrize("kind,name,bf16_tflops,hbm_gib", [

@@ -8,7 +8,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+from tiny_runs import tiny_config
 
 from jaxrl_llm.config import validate_config
 from jaxrl_llm.hf import load_tokenizer
@@ -18,7 +20,6 @@ from jaxrl_llm.platform.target import CompileTarget, compiling_for
 from jaxrl_llm.platform.tpu import libtpu_installed
 from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
 from jaxrl_llm.sharding import batch_axis_size, make_mesh
-from tiny_runs import tiny_config
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason="libtpu not installed (pip install '.[tpu-plan]')")
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
@@ -149,7 +150,8 @@ def test_plan_cli_compiles_for_a_named_slice(tmp_path):
 
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={root / 'configs' / 'tiny.py'}",
+    config = root / "configs" / "tiny.py"
+    done = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={config}",
                            "--plan", "--topology=v5e-4", "--", f"trainer.default_local_dir={tmp_path}"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

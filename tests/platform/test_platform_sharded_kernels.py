@@ -3,7 +3,8 @@ devices, interpreted, they give the XLA path's values and gradients."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla

@@ -62,12 +62,13 @@ def main() -> None:
     cases = json.loads(pathlib.Path(cases_path).read_text())
     os.chdir(ROOT)
     train = _load_train_module()
-    import jaxrl_llm.data  # noqa: F401  (warm imports shared by every child)
-    import jaxrl_llm.hf  # noqa: F401
-    import jaxrl_llm.trainer  # noqa: F401
     import pandas  # noqa: F401  (csv files)
     import pyarrow.parquet  # noqa: F401
     import transformers
+
+    import jaxrl_llm.data  # noqa: F401  (warm imports shared by every child)
+    import jaxrl_llm.hf  # noqa: F401
+    import jaxrl_llm.trainer  # noqa: F401
 
     if len(sys.argv) > 3:
         transformers.AutoTokenizer.from_pretrained(sys.argv[3])

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_models import make_char_tokenizer
 
 from jaxrl_llm.models import ModelConfig

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm import checkpoint as ckpt
 
 META = {"global_step": 0, "kl_coef": 0.1}
 
@@ -178,14 +178,19 @@ class _Closer:
             raise self.error
 
 
-def test_fit_closes_everything_when_a_step_fails(caplog):
-    """A failing run still waits for its async saves and closes its sinks and reward workers; the
-    error the user sees is the step's, not a closing one."""
-    calls = []
+def _closing_trainer(calls: list) -> Trainer:
     trainer = Trainer.__new__(Trainer)  # only what fit() and close() touch
     trainer.store = _Closer(calls, "store")
     trainer.tracker = _Closer(calls, "tracker", OSError("disk full"))
     trainer.reward_manager = _Closer(calls, "reward workers")
+    return trainer
+
+
+def test_fit_closes_everything_when_a_step_fails(caplog):
+    """A failing run still waits for its async saves and closes its sinks and reward workers; the
+    error the user sees is the step's, not a closing one."""
+    calls = []
+    trainer = _closing_trainer(calls)
 
     def failing_start():
         raise RuntimeError("step failed")
@@ -200,7 +205,6 @@ def test_fit_closes_everything_when_a_step_fails(caplog):
 
     # a clean close that fails raises that failure
     calls.clear()
-    trainer._closed = False
     with pytest.raises(OSError, match="disk full"):
-        trainer.close()
+        _closing_trainer(calls).close()
     assert calls == ["store", "tracker", "reward workers"]

@@ -7,9 +7,19 @@ import random
 import time
 
 import pytest
-
-from preempt_runs import (FAULT_TRAIN, TOTAL_STEPS, Launch, assert_same_checkpoint, assert_same_metrics,
-                          base_env, committed_steps, reference_run, session_dir, train_args, wait_for)
+from preempt_runs import (
+    FAULT_TRAIN,
+    TOTAL_STEPS,
+    Launch,
+    assert_same_checkpoint,
+    assert_same_metrics,
+    base_env,
+    committed_steps,
+    reference_run,
+    session_dir,
+    train_args,
+    wait_for,
+)
 
 # 10 kills: 3 while a save is in flight, 4 at a random moment after the run has made progress
 # (mid-step, in the async save, between steps), 3 at a random moment of start-up (imports, restore,

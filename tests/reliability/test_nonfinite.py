@@ -17,20 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 import tiny_runs
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiny_runs import ToyBatch as Toy
 from tiny_runs import toy_loss as _toy_loss
 
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
 from jaxrl_llm.losses.kl import make_kl_controller
-from jaxrl_llm.trainer.nonfinite import (NonFiniteError, NonFiniteGuard, assert_finite_state, nonfinite_leaves,
-                                         sanitize_scores)
+from jaxrl_llm.trainer.nonfinite import (
+    NonFiniteError,
+    NonFiniteGuard,
+    assert_finite_state,
+    nonfinite_leaves,
+    sanitize_scores,
+)
 from jaxrl_llm.trainer.optim import make_optimizer
 from jaxrl_llm.trainer.update import run_update_epochs
-
-
 
 # ---------------------------------------------------------------------------------------------
 # The jitted update skips a non-finite mini-batch exactly.

@@ -11,11 +11,21 @@ import signal
 import time
 
 import pytest
-
 from multiprocess_util import run_processes
-from preempt_runs import (TOTAL_STEPS, Launch, assert_same_checkpoint, assert_same_metrics, base_env,
-                          committed_steps, launch_processes, metric_records, reference_run, session_dir,
-                          train_args, wait_for)
+from preempt_runs import (
+    TOTAL_STEPS,
+    Launch,
+    assert_same_checkpoint,
+    assert_same_metrics,
+    base_env,
+    committed_steps,
+    launch_processes,
+    metric_records,
+    reference_run,
+    session_dir,
+    train_args,
+    wait_for,
+)
 
 from jaxrl_llm.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 

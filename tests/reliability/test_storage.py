@@ -12,13 +12,12 @@ import tempfile
 import jax
 import numpy as np
 import pytest
-
 from fake_gcs import FakeGCS
 from storage_util import tiny_config
 
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
 from jaxrl_llm.config import ConfigError, resolve_config, validate_config
-from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.trainer import tracking
 
 BUCKET = "test-bucket"

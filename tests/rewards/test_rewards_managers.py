@@ -162,12 +162,13 @@ def test_prime_default_scorer_and_unknown_source():
 
 def test_prime_pool_does_not_hang_interpreter_exit(reward_file):
     script = textwrap.dedent(f"""
-        import sys
+        import sys, threading, time
         from jaxrl_llm.rewards import PrimeRewardManager, ScorerSpec
         m = PrimeRewardManager(ScorerSpec({str(reward_file)!r}), timeout_s=1.0, num_workers=1)
         m.score(["hang"], ["s"], ["1"])   # times out, worker replaced
         # leave a worker busy in the hanging scorer when the interpreter exits
-        m._workers[0].conn.send((0, dict(data_source="s", solution_str="hang", ground_truth="1")))
+        threading.Thread(target=m.score, args=(["hang"], ["s"], ["1"]), daemon=True).start()
+        time.sleep(2.0)  # the replacement worker boots, then takes the call
         print("done", flush=True)
         sys.exit(0)
     """)
@@ -237,11 +238,11 @@ def test_prime_replaces_an_idle_worker_that_died(reward_file):
 
     with PrimeRewardManager(ScorerSpec(str(reward_file)), timeout_s=5.0, num_workers=2) as manager:
         manager.score(["1", "1"], ["s", "s"], ["1", "1"])  # both workers started, now idle
-        dead = [w.process for w in manager._workers]
+        dead = manager.worker_processes
         for process in dead:
             os.kill(process.pid, signal.SIGKILL)
             process.join(5)
         result = manager.score(["1", "0", "1"], ["s"] * 3, ["1"] * 3)  # no BrokenPipeError
         np.testing.assert_array_equal(result.scores, np.float32([1, 0, 1]))
         assert result.metrics["reward/num_errors"] == 0.0
-        assert all(w.process.is_alive() and w.process not in dead for w in manager._workers)
+        assert all(p.is_alive() and p not in dead for p in manager.worker_processes)

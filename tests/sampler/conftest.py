@@ -3,7 +3,6 @@ SmolLM2's greedy transformers reference (loaded once for the static sampler and 
 import dataclasses
 
 import pytest
-
 from sampler_fixtures import hf_greedy, tiny_config, tiny_params
 
 

@@ -19,10 +19,10 @@ assert sharding.initialize(), "expected a multi-process run"
 import jax  # noqa: E402  (after initialize: nothing may touch the backend before it)
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from sampler_fixtures import MESHES, PAD_ID, PROMPTS8, tiny_config, tiny_params  # noqa: E402
 
 from jaxrl_llm.models import param_logical_axes  # noqa: E402
 from jaxrl_llm.sampler import SamplingParams, generate, left_pad, sample  # noqa: E402
-from sampler_fixtures import MESHES, PAD_ID, PROMPTS8, tiny_config, tiny_params  # noqa: E402
 
 R = 8
 cfg = tiny_config("llama")

@@ -1,12 +1,11 @@
 """Tiny models and prompt batches for the sampler tests (also imported by the 2-process worker)."""
 from __future__ import annotations
 
-
 import jax
 import numpy as np
+from tiny_models import TINY_HF
 
 from jaxrl_llm.models import ModelConfig, init_params
-from tiny_models import TINY_HF
 
 VOCAB = TINY_HF["vocab_size"]
 PAD_ID = TINY_HF["pad_token_id"]

@@ -5,14 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampler_fixtures import PAD_ID, PROMPTS
+from test_sampler_logprobs import rescore
 
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.core import FINISH_LENGTH
-from jaxrl_llm.sampler.engine import (EngineRequest, EngineSpec, PagedEngine, device_kv_budget, plan_num_pages,
-                                     programs)
+from jaxrl_llm.sampler.engine import EngineRequest, EngineSpec, PagedEngine, device_kv_budget, plan_num_pages, programs
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla
-from sampler_fixtures import PAD_ID, PROMPTS
-from test_sampler_logprobs import rescore
 
 NEW = 10
 SAMPLED = SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=20, top_p=0.9, n=3)

@@ -2,6 +2,8 @@
 import jax
 import numpy as np
 import pytest
+from sampler_fixtures import EOS_ID, MESHES, PAD_ID, PROMPTS, PROMPTS8, hf_greedy
+from tiny_models import build_hf_model
 
 from jaxrl_llm import sharding
 from jaxrl_llm.hf import load_hf_folder
@@ -9,8 +11,6 @@ from jaxrl_llm.models import param_logical_axes
 from jaxrl_llm.sampler import SamplingParams, left_pad
 from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
-from sampler_fixtures import EOS_ID, MESHES, PAD_ID, PROMPTS, PROMPTS8, hf_greedy
-from tiny_models import build_hf_model
 
 NEW = 12
 

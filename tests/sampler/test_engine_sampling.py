@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
+from test_sampler_distribution import DRAWS, LOGITS, expected_probs
 
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.engine.programs import choose_per_row
-from test_sampler_distribution import DRAWS, LOGITS, expected_probs
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.5, 3, 1.0), (2.0, 5, 0.7)])
@@ -57,10 +57,11 @@ def test_paged_and_static_engines_sample_the_same_distribution():
     EOS rate, mean log-prob. (A trainer test that fell short with the paged engine was seed noise:
     across trainer seeds 0 / 1 / 2 the score rise was -0.14 / 0.42 / -0.02 static and
     0.03 / -0.20 / -0.03 paged.) A temperature mix-up would be caught (checked below)."""
+    from sampler_fixtures import EOS_ID, PAD_ID, tiny_config, tiny_params
+
     from jaxrl_llm.sampler import left_pad
     from jaxrl_llm.sampler.core import sample
     from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
-    from sampler_fixtures import EOS_ID, PAD_ID, tiny_config, tiny_params
 
     cfg = tiny_config("llama")
     params = tiny_params(cfg, scale=6.0)  # peaked next-token distributions, not near-uniform

@@ -4,12 +4,20 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
-from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampler import (GenerationResult, SamplingParams, bucket_batch, bucket_length, generate,
-                               left_pad, prompts_to_ids, sample)
 from sampler_fixtures import tiny_params
 from tiny_models import make_char_tokenizer
+
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampler import (
+    GenerationResult,
+    SamplingParams,
+    bucket_batch,
+    bucket_length,
+    generate,
+    left_pad,
+    prompts_to_ids,
+    sample,
+)
 
 
 @dataclasses.dataclass

@@ -2,11 +2,11 @@
 import jax
 import numpy as np
 import pytest
+from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy
+from tiny_models import build_hf_model
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
-from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy
-from tiny_models import build_hf_model
 
 NEW_TOKENS = 12
 

@@ -4,12 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from sampler_fixtures import PAD_ID, PROMPTS
 
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import forward_hidden, lm_head_weight
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.core import sample_program
-from sampler_fixtures import PAD_ID, PROMPTS
 
 NEW_TOKENS = 10
 

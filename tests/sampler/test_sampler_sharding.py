@@ -5,11 +5,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from sampler_fixtures import MESHES, PAD_ID, PROMPTS8
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models import param_logical_axes
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
-from sampler_fixtures import MESHES, PAD_ID, PROMPTS8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from multiprocess_util import run_processes  # noqa: E402

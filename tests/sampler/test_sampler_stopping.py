@@ -2,10 +2,10 @@
 import jax
 import numpy as np
 import pytest
+from sampler_fixtures import PAD_ID, PROMPTS
 
 from jaxrl_llm.sampler import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.core import sample_program
-from sampler_fixtures import PAD_ID, PROMPTS
 
 R = 10
 

@@ -12,7 +12,6 @@ assert sharding.initialize(), "expected a multi-process run"
 assert sharding.initialize(), "initialize must be idempotent"
 
 import jax  # noqa: E402  (after initialize on purpose: nothing may touch the backend before it)
-
 from sharding_fixtures import GLOBAL_BATCH, logical_axes, loss_grad_metrics, make_batch, make_params  # noqa: E402
 
 results = {"process_index": jax.process_index(), "process_count": jax.process_count(),

@@ -4,9 +4,9 @@ import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from sharding_fixtures import logical_axes, make_params
 
 from jaxrl_llm import sharding
-from sharding_fixtures import logical_axes, make_params
 
 
 @pytest.mark.parametrize("cfg, shape", [
@@ -119,7 +119,8 @@ def test_batch_sharding_and_shard_batch():
     batch = sharding.shard_batch({"ids": jax.numpy.zeros((8, 5)), "mask": jax.numpy.ones((8,))}, mesh)
     assert batch["ids"].sharding.spec == P(("data", "fsdp"), None)
     assert batch["ids"].addressable_shards[0].data.shape == (2, 5)
-    with pytest.raises(ValueError, match=r"batch\[ids\]: leading dim of shape \(6, 5\) must be divisible by the data x fsdp mesh size 4"):
+    want = r"batch\[ids\]: leading dim of shape \(6, 5\) must be divisible by the data x fsdp mesh size 4"
+    with pytest.raises(ValueError, match=want):
         sharding.shard_batch({"ids": jax.numpy.zeros((6, 5))}, mesh)
     assert sharding.process_slice(8) == slice(0, 8)
     assert sharding.process_slice(8, mesh) == slice(0, 8)

@@ -5,10 +5,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from sharding_fixtures import GLOBAL_BATCH, loss_grad_metrics, make_batch, make_params
 
 from jaxrl_llm import sharding
 from jaxrl_llm.sharding import distributed
-from sharding_fixtures import GLOBAL_BATCH, loss_grad_metrics, make_batch, make_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from multiprocess_util import MultiProcessError, run_processes  # noqa: E402

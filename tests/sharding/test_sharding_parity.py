@@ -6,9 +6,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from sharding_fixtures import logical_axes, loss_and_logits, make_batch, make_params, mlp_loss
 
 from jaxrl_llm import sharding
-from sharding_fixtures import logical_axes, loss_and_logits, make_batch, make_params, mlp_loss
 
 MESHES = {"data2_tensor4": {"data": 2, "fsdp": 1, "tensor": 4}, "fsdp8": {"data": 1, "fsdp": -1, "tensor": 1}}
 

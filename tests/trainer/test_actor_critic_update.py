@@ -10,11 +10,11 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.config import ActorSpec, CriticSpec
 from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
-from jaxrl_llm.config import ActorSpec, CriticSpec
 from jaxrl_llm.trainer.actor import actor_loss, update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from test_actor_critic_update import SETTINGS
 
 from jaxrl_llm.hf import load_gguf, load_tokenizer

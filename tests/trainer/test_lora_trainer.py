@@ -10,18 +10,17 @@ import jax
 import numpy as np
 import optax
 import pytest
-
-from test_actor_critic_update import CFG, SETTINGS, _batch
 import tiny_runs
+from test_actor_critic_update import CFG, SETTINGS, _batch
 from test_trainer_e2e import read_metrics, tiny_config, with_reward_file
 
 import jaxrl_llm.hf as hf
+from jaxrl_llm.checkpoint import read_checkpoint_meta
 from jaxrl_llm.config import ConfigError, validate_config
 from jaxrl_llm.models import init_params
 from jaxrl_llm.models.lora import LoraConfig, init_lora, merge_lora, with_lora
 from jaxrl_llm.trainer import Trainer
 from jaxrl_llm.trainer.actor import actor_loss, update_actor
-from jaxrl_llm.checkpoint import read_checkpoint_meta
 from jaxrl_llm.trainer.update import denominators
 
 LORA = LoraConfig(rank=4, alpha=8.0)

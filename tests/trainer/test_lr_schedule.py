@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 import tiny_runs
 from tiny_runs import ToyBatch as Toy
 from tiny_runs import toy_loss as _toy_loss
@@ -20,7 +19,6 @@ from tiny_runs import toy_loss as _toy_loss
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
 from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
 from jaxrl_llm.trainer.update import denominators, run_update_epochs
-
 
 
 def verl_warmup(lr_warmup_steps: int, ratio: float, total: int) -> int:

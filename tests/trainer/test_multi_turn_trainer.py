@@ -8,7 +8,6 @@ import math
 import jax
 import numpy as np
 import pytest
-
 import tiny_runs
 from tiny_runs import assert_host_rows_match
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import tiny_runs
+
 from jaxrl_llm.config import resolve, validate_config
 
 BF16 = {"actor_rollout_ref.model.dtype": "bfloat16"}
@@ -32,9 +32,9 @@ def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from
 def test_bf16_step_without_the_old_log_prob_pass_equals_recomputing(tmp_path):
     """The same bf16 GRPO step twice from the same state: old log-probs from the update's forward,
     then from a separate no-grad pass. Same update (up to bf16 kernel noise); no pass in the first."""
-    from jaxrl_llm.trainer import Trainer
-
     from test_trainer_e2e import with_reward_file  # a reward that varies within a group
+
+    from jaxrl_llm.trainer import Trainer
 
     cfg = with_reward_file(tiny_runs.tiny_config(tmp_path / "run", **BF16, **{
         "trainer.total_training_steps": 1, "trainer.test_freq": -1, "actor_rollout_ref.rollout.n": 4}), tmp_path)

@@ -11,11 +11,11 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm import batching as pk
 from jaxrl_llm.config import ActorSpec, CriticSpec
 from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.models import ModelConfig, forward_hidden, init_params
 from jaxrl_llm.models.cache import segment_positions
-from jaxrl_llm import batching as pk
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, pad_experience, values_no_grad
@@ -350,6 +350,7 @@ def test_trainer_step_same_with_and_without_packing(tmp_path):
     """One PPO step (critic: value pass + update, reference KL loss, shuffled) gives the same
     metrics packed and padded: the same trainer runs the step twice from the same state."""
     import tiny_runs
+
     from jaxrl_llm.trainer import Trainer
 
     cfg = tiny_runs.tiny_config(tmp_path / "run", **{
@@ -393,7 +394,8 @@ def test_trainer_step_same_with_and_without_packing(tmp_path):
     budget = MicroBatching("ppo_max_token_len_per_device", None, 96)
     plan = spec.plan
     configure(dataclasses.replace(spec, plan=dataclasses.replace(
-        plan, actor=dataclasses.replace(plan.actor, micro=budget), critic=dataclasses.replace(plan.critic, micro=budget),
+        plan, actor=dataclasses.replace(plan.actor, micro=budget),
+        critic=dataclasses.replace(plan.critic, micro=budget),
         ref_log_prob=budget, values=budget)))
     by_budget = step(packs=True)
     trainer.close()

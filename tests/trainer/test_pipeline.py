@@ -1,18 +1,17 @@
-"""Off-policy pipelining (trainer/pipeline.py, trainer/rollout_source.py, sharding/split.py): the synchronizer's schedule,
-offset 0 / interval 1 == synchronous training, staleness bound with rollout correction on, a
+"""Off-policy pipelining (trainer/pipeline.py, trainer/rollout_source.py, sharding/split.py): the
+synchronizer's schedule, offset 0 / interval 1 == synchronous training, staleness bound with rollout correction on, a
 split mesh of 4 + 4 virtual CPU devices end to end, and resume == uninterrupted."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import tiny_runs
 
+from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.config import ConfigError, resolve_config
 from jaxrl_llm.config.spec import SyncSpec
 from jaxrl_llm.sharding.split import copy_tree, make_split_meshes, split_devices, transfer
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm import checkpoint as ckpt
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pathlib
 import struct
 import subprocess
 import sys
-import pathlib
 
 import numpy as np
 

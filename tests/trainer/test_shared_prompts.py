@@ -7,16 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from test_packing import CFG, SETTINGS, N, P, R, _assert_same, _batch, _budget_update, _masked, _update
 
+from jaxrl_llm import batching as pk
 from jaxrl_llm.config import CriticSpec
 from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.models import init_params
-from jaxrl_llm import batching as pk
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import log_probs_no_grad, values_no_grad
 from jaxrl_llm.trainer.forward import response_log_probs
-from test_packing import CFG, N, P, R, SETTINGS, _assert_same, _batch, _budget_update, _masked, _update
 
 GROUP = 4  # samples per prompt
 
@@ -150,6 +150,7 @@ def test_share_packed_prompts_key_turns_sharing_off_per_model(tmp_path):
     """`model.share_packed_prompts=False` (policy) keeps the critic's sharing and packs the policy's
     rows one sequence per segment, through the step's batching plan."""
     import tiny_runs
+
     from jaxrl_llm.config import resolve, validate_config
 
     cfg = tiny_runs.tiny_config(tmp_path, **{"actor_rollout_ref.model.share_packed_prompts": False,

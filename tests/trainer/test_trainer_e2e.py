@@ -9,7 +9,6 @@ import os
 import jax
 import numpy as np
 import pytest
-
 import tiny_runs
 
 import jaxrl_llm.hf as hf

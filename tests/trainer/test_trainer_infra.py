@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from spec_helpers import optim_spec
 
 from jaxrl_llm import checkpoint as ckpt
@@ -94,7 +93,7 @@ def test_tracking_jsonl_and_tensorboard(tmp_path, capsys):
     tracker.log({"actor/pg_loss": np.float32(0.25), "timing_s/gen": 1.5, "text": "skip"}, step=1)
     tracker.log_generations("val/generations", [{"input": "q", "output": "a", "score": 1.0}], step=1)
     tracker.close()
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines[0] == {"step": 1, "actor/pg_loss": 0.25, "timing_s/gen": 1.5}
     assert lines[1]["val/generations"][0]["score"] == 1.0
     assert os.listdir(tmp_path / "tensorboard")

@@ -5,7 +5,6 @@ import os
 import pathlib
 
 import numpy as np
-
 from multiprocess_util import run_processes
 
 WORKER = pathlib.Path(__file__).resolve().parent / "mp_trainer_worker.py"

@@ -46,6 +46,12 @@ class Unresolved:
         return f"<unresolved {self.text}>"
 
 
+def _raw_text(node: Any, key: Any) -> str:
+    """`node[key]` as written, before interpolation (e.g. '${data.max_prompt_length}')."""
+    child = node._get_node(key)
+    return "" if child is None else str(child._value())
+
+
 def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -53,12 +59,12 @@ def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None
     if isinstance(node, DictConfig):
         out = {}
         for key in node.keys():
-            if raw is not None and OmegaConf.is_interpolation(node, key):
-                raw[f"{prefix}{key}"] = str(node._get_node(key)._value())
+            if raw is not None and isinstance(key, (str, int)) and OmegaConf.is_interpolation(node, key):
+                raw[f"{prefix}{key}"] = _raw_text(node, key)
             try:
                 child = node[key]
             except OmegaConfBaseException as err:
-                out[key] = Unresolved(str(node._get_node(key)._value()), str(err).splitlines()[0])
+                out[key] = Unresolved(_raw_text(node, key), str(err).splitlines()[0])
                 continue
             out[key] = _resolve_node(child, f"{prefix}{key}.", raw)
         return out

@@ -13,8 +13,16 @@ import ast
 import re
 from typing import Any
 
-from jaxrl_llm.config.importers.common import (NO_DUAL_CLIP, PLACEMENT, Mapper, Source, flatten, int_or_error,
-                                               logger_sinks, ratio_steps)
+from jaxrl_llm.config.importers.common import (
+    NO_DUAL_CLIP,
+    PLACEMENT,
+    Mapper,
+    Source,
+    flatten,
+    int_or_error,
+    logger_sinks,
+    ratio_steps,
+)
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"

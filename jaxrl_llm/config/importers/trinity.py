@@ -21,8 +21,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxrl_llm.config.importers.common import (PLACEMENT, Mapper, Source, flatten, int_or_error, load_yaml,
-                                               logger_sinks, ratio_steps)
+from jaxrl_llm.config.importers.common import (
+    PLACEMENT,
+    Mapper,
+    Source,
+    flatten,
+    int_or_error,
+    load_yaml,
+    logger_sinks,
+    ratio_steps,
+)
 from jaxrl_llm.config.importers.trinity_data import import_tasksets
 from jaxrl_llm.config.importers.verl import import_verl_source
 from jaxrl_llm.config.overrides import OPEN_SECTIONS

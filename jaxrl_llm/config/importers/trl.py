@@ -129,9 +129,10 @@ def _special(m: Mapper, args: dict[str, Any]) -> None:
             m.error("delta", f"{get('delta')!r}: equals dual clip only when delta > 1 + epsilon_high ({1 + high})")
         m.set(f"{A}.clip_ratio_c", get("delta"), "delta")
     if "loss_type" in args:
-        if get("loss_type") not in LOSS_TYPES:
-            m.error("loss_type", f"{get('loss_type')!r}: jaxrl_llm has {', '.join(LOSS_TYPES)}")
-        m.set(f"{A}.loss_agg_mode", LOSS_TYPES[get("loss_type")], "loss_type")
+        loss_type = get("loss_type")
+        if not isinstance(loss_type, str) or loss_type not in LOSS_TYPES:
+            m.error("loss_type", f"{loss_type!r}: jaxrl_llm has {', '.join(LOSS_TYPES)}")
+        m.set(f"{A}.loss_agg_mode", LOSS_TYPES[loss_type], "loss_type")
     if "scale_rewards" in args:
         scale = {True: True, "group": True, False: False, "none": False}.get(get("scale_rewards"))
         if scale is None:

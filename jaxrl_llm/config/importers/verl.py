@@ -12,8 +12,16 @@ import fnmatch
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_llm.config.importers.common import (NO_COUNTERPART, PLACEMENT, Mapper, Source, Unresolved, flatten,
-                                               int_or_error, logger_sinks)
+from jaxrl_llm.config.importers.common import (
+    NO_COUNTERPART,
+    PLACEMENT,
+    Mapper,
+    Source,
+    Unresolved,
+    flatten,
+    int_or_error,
+    logger_sinks,
+)
 from jaxrl_llm.config.overrides import FIELDS, LEAF_RENAMES, OPEN_SECTIONS, is_torch_only
 
 TOP_LEVEL = ("data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "algorithm", "trainer")

@@ -1,5 +1,6 @@
 """DAPO math scorer (`math_dapo`, `math`, `aime*`) with veRL's semantics: the last `Answer: <x>`
-line of the response's final 300 characters, Minerva-normalised, against the normalised ground truth; 1.0 when equal, else -1.0.
+line of the response's final 300 characters, Minerva-normalised, against the normalised ground
+truth; 1.0 when equal, else -1.0.
 A response with no `Answer:` line predicts "[INVALID]" and scores -1, even when it holds a
 `\\boxed{}` answer. Returns {"score", "acc", "pred"}.
 

@@ -10,9 +10,18 @@ one-token decode through the paged pool; scheduler.py: the host driver; pages.py
 bookkeeping and pool sizing; jaxrl_llm/sampler/paged_attention.py: the attention itself.
 """
 from jaxrl_llm.sampler.engine.pages import PagePool, device_kv_budget, pages_for, plan_num_pages
-from jaxrl_llm.sampler.engine.programs import (KV_CACHE_DTYPES, DecodeState, EngineSpec, Prefix, generate,
-                                               init_state, insert, prefill)
+from jaxrl_llm.sampler.engine.programs import (
+    KV_CACHE_DTYPES,
+    DecodeState,
+    EngineSpec,
+    Prefix,
+    generate,
+    init_state,
+    insert,
+    prefill,
+)
 from jaxrl_llm.sampler.engine.scheduler import EngineRequest, EngineStats, PagedEngine, RequestSource
 
-__all__ = ["DecodeState", "EngineRequest", "EngineSpec", "EngineStats", "RequestSource", "KV_CACHE_DTYPES", "PagePool", "PagedEngine", "Prefix",
-           "device_kv_budget", "generate", "init_state", "insert", "pages_for", "plan_num_pages", "prefill"]
+__all__ = ["DecodeState", "EngineRequest", "EngineSpec", "EngineStats", "RequestSource", "KV_CACHE_DTYPES", "PagePool",
+           "PagedEngine", "Prefix", "device_kv_budget", "generate", "init_state", "insert", "pages_for",
+           "plan_num_pages", "prefill"]

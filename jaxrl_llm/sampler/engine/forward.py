@@ -19,11 +19,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
-from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 from jaxrl_llm.sampler.kv_bits import to_storage
+from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 
 Array = jax.Array
 
@@ -49,7 +50,7 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
 
 
 def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positions: Array, active: Array, *,
-                    attn_impl: str = "auto", mesh: Any = None) -> LayerAttention:
+                    attn_impl: str = "auto", mesh: Mesh | None = None) -> LayerAttention:
     """The decoder's attention for one token per slot over the paged pool (the attention state):
     writes the token's K/V at its page and offset, then attends over the slot's pages. Inactive
     slots write to the scratch page 0 and attend to nothing."""
@@ -70,7 +71,7 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
-                  mesh: Any = None) -> tuple[Array, dict]:
+                  mesh: Mesh | None = None) -> tuple[Array, dict]:
     """Final-norm hidden [S, H] for one token per slot, and the pool with their K/V written.
 
     tokens / positions [S]: the token fed to each slot and its position (= tokens already in the
@@ -86,7 +87,7 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
-                  mesh: Any = None) -> tuple[Array, dict]:
+                  mesh: Mesh | None = None) -> tuple[Array, dict]:
     """fp32 next-token logits [S, V] and the updated pool (see `decode_hidden`)."""
     hidden, pool = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
                                  compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh)

@@ -14,7 +14,7 @@ from jaxrl_llm.platform.target import target_memory_bytes
 
 
 class PagePool:
-    """Reference-counted pages 1..num_pages-1; `alloc` returns None when too few are free."""
+    """Reference-counted pages 1..num_pages-1; the scheduler checks `num_free` before `alloc`."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
@@ -26,9 +26,9 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, count: int, refs: int = 1) -> list[int] | None:
+    def alloc(self, count: int, refs: int = 1) -> list[int]:
         if count > len(self._free):
-            return None
+            raise RuntimeError(f"page pool: {count} pages asked, {len(self._free)} free (check num_free first)")
         pages = [heapq.heappop(self._free) for _ in range(count)]
         for p in pages:
             self._refs[p] = refs

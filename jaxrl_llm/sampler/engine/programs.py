@@ -25,13 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.arrays import HostOrDevice
 from jaxrl_llm.models import ModelConfig, as_jnp_dtype, forward_hidden, init_cache, logits_from_hidden
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
-from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
 from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
 from jaxrl_llm.sampler.paged_attention import kv_head_axis
+from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
+from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
 
 Array = jax.Array
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -134,7 +135,7 @@ SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish",
                 "log_probs")
 
 
-def resize_slots(state: DecodeState, keep: Array, num_keep: Array, *, slots: int) -> DecodeState:
+def resize_slots(state: DecodeState, keep: HostOrDevice, num_keep: HostOrDevice, *, slots: int) -> DecodeState:
     """The state with `slots` slots: slot i is old slot keep[i] for i < num_keep, the rest empty
     (inactive, scratch page table); the pool and the counters stay as they are. The scheduler
     shrinks the slot set while the queue drains (decode cost follows the live sequences) and grows

@@ -90,12 +90,14 @@ class RequestSource(Protocol):
 
     def poll(self) -> Sequence[EngineRequest]:
         """Requests ready now (called between decode calls; must not block)."""
+        ...
 
     def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
         """One request's generated ids, their log-probs and its finish code (sampler.FINISH_REASONS)."""
 
     def more_coming(self) -> bool:
         """Whether `poll` may return requests later (the engine stops once False with nothing left)."""
+        ...
 
     def wait(self) -> None:
         """Block briefly for `poll` to have something (called when the engine has no work at all)."""
@@ -191,7 +193,7 @@ class PagedEngine:
     def _resize(self, state: programs.DecodeState, keep: Sequence[int], slots: int) -> programs.DecodeState:
         order = np.zeros((self.spec.max_num_seqs,), np.int32)
         order[:len(keep)] = keep
-        return programs.resize_slots(state, order, np.int32(len(keep)), slots=slots)
+        return programs.resize_slots(state, order, np.asarray(len(keep), np.int32), slots=slots)
 
     def drain_sizes(self) -> list[int]:
         """The smaller slot sets of the drain (DRAIN_FRACTIONS of max_num_seqs), largest first."""
@@ -236,7 +238,7 @@ class PagedEngine:
         out = SampleOutput(tokens=np.where(valid, source.tokens, pad), response_mask=valid.astype(np.int32),
                            log_probs=np.where(valid, source.log_probs, 0.0).astype(np.float32),
                            lengths=source.lengths, finish_reason=source.finish, prompt_ids=p_ids, prompt_mask=p_mask,
-                           num_steps=np.int32(source.lengths.max(initial=0)))
+                           num_steps=np.asarray(source.lengths.max(initial=0), np.int32))
         return out, stats
 
     def _check(self, req: EngineRequest, r: int) -> None:
