@@ -76,13 +76,18 @@ class Trainer:
         if data.tokenizer is None:  # derived from actor_rollout_ref.model.path, except for tiny: models
             raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
         self.tokenizer = load_tokenizer(data.tokenizer)
-        self._write_synthetic_data(resolve_synthetic(checked))  # the task's files, when data.synthetic.task is set
-        train_set = build_dataset(data, self.tokenizer, "train")
-        # Resolved once, with the dataset's size (the total steps). The memory plan then fills in every
-        # 'auto' micro-batch size, and a step that would not fit stops here, before a model loads or
-        # anything of the run is written (trainer/memory_plan.py).
-        self.spec, self.memory_plan = self._plan_memory(
-            resolve(checked, dp_size=self.dp_size, num_train_samples=len(train_set)))
+        # A dataset of files is read first: its size gives the total steps. A synthetic task's size is
+        # in its config (validation derived the steps from it), and its files are written only below.
+        synthetic = resolve_synthetic(checked)
+        train_set = build_dataset(data, self.tokenizer, "train") if synthetic is None else None
+        # Resolved once. The memory plan then fills in every 'auto' micro-batch size, and a step that
+        # would not fit stops here, before a model loads or anything of the run is written
+        # (trainer/memory_plan.py).
+        self.spec, self.memory_plan = self._plan_memory(resolve(
+            checked, dp_size=self.dp_size, num_train_samples=None if train_set is None else len(train_set)))
+        if train_set is None:
+            self._write_synthetic_data(synthetic)
+            train_set = build_dataset(data, self.tokenizer, "train")
         spec = self.spec
         assert spec.trainer.total_steps is not None  # known once the dataset size is
         self.total_steps = int(spec.trainer.total_steps)
