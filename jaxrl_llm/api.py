@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from jaxrl_llm import checkpoint as _checkpoint
 from jaxrl_llm.hf import export_hf as _export_hf
 from jaxrl_llm.hf import load_any
 from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.models.dtypes import as_jnp_dtype
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
@@ -43,7 +44,7 @@ class Model:
     config: ModelConfig
     params: dict
     mesh: Mesh | None = None
-    tokenizer: Any = dataclasses.field(default=None, repr=False)  # a transformers tokenizer or None
+    tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)  # a transformers tokenizer or None
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
         """[B, T, V] float32 logits (jitted; left padding allowed, defined by the mask)."""
@@ -77,7 +78,7 @@ def find_tokenizer(path: str | pathlib.Path) -> str | None:
 
 
 def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Mesh | None = None, *,
-               shardings: Any = None, tokenizer: Any = None) -> Model:
+               shardings: Any = None, tokenizer: Tokenizer | None = None) -> Model:
     """Load an HF folder, a .gguf file or a training checkpoint as a `Model` with params of `dtype`.
 
     Placement: `shardings` (a params-shaped pytree of `jax.sharding.Sharding`, or a callable
@@ -109,13 +110,13 @@ def load_model(path: str | pathlib.Path, dtype: Any = "float32", mesh: Mesh | No
     return Model(cfg, params, mesh, tok)
 
 
-def load_tokenizer(path: str | pathlib.Path) -> Any:
+def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     """A transformers tokenizer from an HF folder or a .gguf file (chat template included)."""
     return _load_tokenizer(path)
 
 
-def export_hf(model: Model, out_dir: str | pathlib.Path, tokenizer: Any = None, **kw: Any
-              ) -> pathlib.Path:
+def export_hf(model: Model, out_dir: str | pathlib.Path, tokenizer: Tokenizer | Literal[False] | None = None,
+              **kw: Any) -> pathlib.Path:
     """Write `model` as an HF folder loadable by `transformers.AutoModelForCausalLM`, with
     `tokenizer` (default: the model's own; `False`: none) written beside it."""
     if tokenizer is None:
@@ -134,7 +135,7 @@ def _is_text_prompts(prompts: Any) -> tuple[bool, bool]:
 
 
 def generate(model: Model, prompts: Any, sampling_params: SamplingParams | None = None, *,
-             tokenizer: Any = None, chat: bool | None = None) -> GenerationResult:
+             tokenizer: Tokenizer | None = None, chat: bool | None = None) -> GenerationResult:
     """Sample from `model` (default `SamplingParams()`); see `jaxrl_llm.sampler.facade`.
 
     Prompts: a string or a list of strings, chat message lists (`[{"role": "user", "content":

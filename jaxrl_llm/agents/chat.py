@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import Any
+
+from jaxrl_llm.hf.tokenizer import Tokenizer
 
 _SENTINEL = "\u2063JAXRL-ASSISTANT-CONTENT\u2063"
 
@@ -43,7 +44,7 @@ class TemplateError(ValueError):
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, tools: Sequence[dict] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("the tokenizer has no chat_template: multi-turn rollouts render turns through it")
         self.tokenizer = tokenizer

@@ -22,12 +22,13 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.agents.driver import Generated
 from jaxrl_llm.agents.tool_parser import TOOL_CALL_END
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_batch, left_pad, sample
 from jaxrl_llm.sharding import batch_axis_size, shard_batch
 
 
-def tool_call_stop_ids(tokenizer: Any, end: str = TOOL_CALL_END) -> tuple[int, ...]:
+def tool_call_stop_ids(tokenizer: Tokenizer, end: str = TOOL_CALL_END) -> tuple[int, ...]:
     """(id,) when `end` is one token of `tokenizer` (Qwen's `</tool_call>`), else () (the turn then
     runs to EOS, and the calls are parsed from the whole turn)."""
     ids = tokenizer(end, add_special_tokens=False)["input_ids"]

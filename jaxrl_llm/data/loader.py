@@ -32,6 +32,7 @@ import numpy as np
 from jaxrl_llm.data.prompts import PromptDataset, build_dataset
 from jaxrl_llm.data.sources import DataError
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
 
 METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability")
 
@@ -141,7 +142,7 @@ class PromptLoader:
 
 def make_dataloader(
     data: DataSpec,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     split: str = "train",
     *,
     batch_size: int | None = None,

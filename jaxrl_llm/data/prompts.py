@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _normalise_prompt(value: Any, where: RowRef | str, column: str) -> list[dict
     )
 
 
-def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Any, apply_chat_template: bool) -> str:
+def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Tokenizer, apply_chat_template: bool) -> str:
     """The exact text fed to the tokenizer for one prompt."""
     if isinstance(prompt, str) and not apply_chat_template:
         return prompt
@@ -101,7 +102,7 @@ def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Any, apply_chat
 
 
 def encode_prompts(
-    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Any, apply_chat_template: bool
+    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool
 ) -> list[np.ndarray]:
     """Token ids (int32, unpadded) of each prompt."""
     templated = [not (isinstance(p, str) and not apply_chat_template) for p in prompts]
@@ -123,7 +124,7 @@ def _encode_chunk(args: tuple[Sequence[Any], Any, bool]) -> list[np.ndarray]:
 
 
 def encode_prompts_parallel(
-    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Any, apply_chat_template: bool, workers: int
+    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool, workers: int
 ) -> list[np.ndarray]:
     """`encode_prompts` split over `workers` processes (spawned, so safe next to jax threads)."""
     if workers <= 1 or len(prompts) < 2 * workers:
@@ -237,7 +238,7 @@ def _prompt_column(
 def records_from_rows(
     rows: Sequence[Mapping[str, Any]],
     refs: Sequence[RowRef | str],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     data: DataSpec,
 ) -> list[dict[str, Any]]:
     """Tokenised, filtered / truncated records of raw rows (errors name the row)."""
@@ -273,7 +274,7 @@ def records_from_rows(
     return records
 
 
-def _records_from_custom(dataset: Any, tokenizer: Any, data: DataSpec, name: str) -> list[dict[str, Any]]:
+def _records_from_custom(dataset: Any, tokenizer: Tokenizer, data: DataSpec, name: str) -> list[dict[str, Any]]:
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise DataError(f"data.custom_cls {name}: instances must define __len__ and __getitem__")
     items = [dataset[i] for i in range(len(dataset))]
@@ -301,7 +302,7 @@ def _records_from_custom(dataset: Any, tokenizer: Any, data: DataSpec, name: str
     return records
 
 
-def build_dataset(data: DataSpec, tokenizer: Any, split: str = "train") -> PromptDataset:
+def build_dataset(data: DataSpec, tokenizer: Tokenizer, split: str = "train") -> PromptDataset:
     """The `PromptDataset` of `split` ("train" reads data.train_files, "val" data.val_files)."""
     paths = as_path_list(data.files(split), f"data.{split}_files")
     max_samples = data.max_samples(split)

@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_llm import storage
 from jaxrl_llm.hf.names import TensorSpec, get_path, tensor_specs
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
 
@@ -102,7 +103,7 @@ def _remove_leftovers(out_dir: pathlib.Path) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, tokenizer: Any = None,
+def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, tokenizer: Tokenizer | None = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: Any = None,
               overwrite: bool = True) -> Any:
     """Write an HF folder at `out_dir` (a local path or a bucket URL); returns its path (an

@@ -3,14 +3,36 @@ from __future__ import annotations
 
 import functools
 import pathlib
-from typing import Any
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    """What jaxrl_llm reads of a tokenizer. A transformers tokenizer (what `load_tokenizer` returns)
+    satisfies it; tests pass small stand-ins. Token ids and chat renderings stay `Any`: transformers
+    returns lists, arrays or encodings depending on its arguments."""
+
+    @property
+    def eos_token_id(self) -> Any: ...  # an int, or None
+    @property
+    def pad_token_id(self) -> Any: ...
+    @property
+    def bos_token_id(self) -> Any: ...
+    @property
+    def eos_token(self) -> Any: ...
+    def __len__(self) -> int: ...
+    def __call__(self, text: Any, **kwargs: Any) -> Any: ...
+    def encode(self, text: Any, **kwargs: Any) -> Any: ...
+    def decode(self, token_ids: Any, **kwargs: Any) -> Any: ...
+    def batch_decode(self, sequences: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any: ...
 
 
 class TokenizerError(ValueError):
     """No tokenizer can be loaded from the given location (names it)."""
 
 
-def load_tokenizer(path: str | pathlib.Path) -> Any:
+def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     """A transformers tokenizer for an HF folder or a `.gguf` file (its chat template included).
 
     When the tokenizer defines no pad token, the eos token is used (padding is always defined by
@@ -24,7 +46,7 @@ def load_tokenizer(path: str | pathlib.Path) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Any:
+def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Tokenizer:
     from transformers import AutoTokenizer
 
     path = pathlib.Path(path_str)

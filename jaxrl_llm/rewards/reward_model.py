@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, forward_hidden, score_from_hidden
 from jaxrl_llm.rewards.spec import RewardModelSpec
 
@@ -57,9 +58,9 @@ class RewardModel:
         self,
         cfg: ModelConfig,
         params: dict,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
-        input_tokenizer: Any = None,
+        input_tokenizer: Tokenizer | None = None,
         max_length: int | None = None,
         micro_batch_size: int | None = None,
         compute_dtype: Any = jnp.float32,
@@ -79,7 +80,7 @@ class RewardModel:
         self._score = jax.jit(functools.partial(score_sequences, cfg=cfg, compute_dtype=compute_dtype))
 
     @classmethod
-    def load(cls, spec: RewardModelSpec, policy_tokenizer: Any, *, dtype: Any = jnp.float32) -> RewardModel:
+    def load(cls, spec: RewardModelSpec, policy_tokenizer: Tokenizer, *, dtype: Any = jnp.float32) -> RewardModel:
         """From `spec.path` (an HF *ForSequenceClassification folder); the policy's tokenizer is
         `policy_tokenizer`, else the one at `spec.input_tokenizer`."""
         from transformers import AutoTokenizer

@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.sampler.core import sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, left_pad
@@ -34,12 +35,13 @@ def _is_chat(p: Any) -> bool:
     return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, Mapping) for m in p)
 
 
-def _need_tokenizer(tokenizer: Any, row: int, kind: str) -> None:
+def _need_tokenizer(tokenizer: Tokenizer | None, row: int, kind: str) -> Tokenizer:
     if tokenizer is None:
         raise ValueError(f"prompt {row} is {kind}: pass tokenizer= (or give the model a .tokenizer)")
+    return tokenizer
 
 
-def prompts_to_ids(prompts: Any, tokenizer: Any = None) -> list[list[int]]:
+def prompts_to_ids(prompts: Any, tokenizer: Tokenizer | None = None) -> list[list[int]]:
     """Token ids per prompt from strings / chat message lists / id lists (see the module docstring)."""
     if isinstance(prompts, str) or _is_ids(prompts) or _is_chat(prompts):
         prompts = [prompts]
@@ -50,12 +52,11 @@ def prompts_to_ids(prompts: Any, tokenizer: Any = None) -> list[list[int]]:
     out = []
     for row, p in enumerate(prompts):
         if isinstance(p, str):
-            _need_tokenizer(tokenizer, row, "a string")
-            out.append(list(tokenizer(p)["input_ids"]))
+            out.append(list(_need_tokenizer(tokenizer, row, "a string")(p)["input_ids"]))
         elif _is_chat(p):
-            _need_tokenizer(tokenizer, row, "a chat message list")
-            text = tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
-            out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+            tok = _need_tokenizer(tokenizer, row, "a chat message list")
+            text = tok.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+            out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
         elif _is_ids(p):
             out.append([int(t) for t in p])
         else:
@@ -64,7 +65,7 @@ def prompts_to_ids(prompts: Any, tokenizer: Any = None) -> list[list[int]]:
     return out
 
 
-def _special_ids(cfg: Any, tokenizer: Any) -> tuple[list[int], int]:
+def _special_ids(cfg: Any, tokenizer: Tokenizer | None) -> tuple[list[int], int]:
     eos = list(cfg.eos_token_ids)
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in eos:
@@ -77,7 +78,7 @@ def _special_ids(cfg: Any, tokenizer: Any) -> tuple[list[int], int]:
     return eos, int(pad)
 
 
-def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, tokenizer: Any = None,
+def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, tokenizer: Tokenizer | None = None,
              mesh: Mesh | None = None, compute_dtype: str = "float32", engine: EngineOptions | str | None = None
              ) -> GenerationResult:
     """Samples `sampling_params.n` responses per prompt with `model`'s current params.

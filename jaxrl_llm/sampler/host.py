@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from jaxrl_llm.arrays import HostOrDevice
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.sampler.core import FINISH_REASONS
 from jaxrl_llm.shapes import next_power_of_two
 
@@ -57,7 +57,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, *, length: int | Non
     return ids, mask
 
 
-def decode_texts(tokenizer: Any, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+def decode_texts(tokenizer: Tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
     """`tokenizer.decode` of each row's valid tokens (skipping special tokens)."""
     return [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(tokens, lengths)]
 
@@ -83,7 +83,7 @@ class GenerationResult:
     @classmethod
     def from_arrays(cls, tokens: HostOrDevice, response_mask: HostOrDevice, log_probs: HostOrDevice,
                     lengths: HostOrDevice, finish_reason: HostOrDevice, num_steps: int, n: int,
-                    tokenizer: Any = None) -> "GenerationResult":
+                    tokenizer: Tokenizer | None = None) -> "GenerationResult":
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
         return cls(tokens=tokens, response_mask=np.asarray(response_mask), log_probs=np.asarray(log_probs),
                    lengths=lengths, finish_reasons=[FINISH_REASONS[int(c)] for c in np.asarray(finish_reason)],

@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
 from jaxrl_llm.trainer.memory_programs import (
@@ -166,7 +167,7 @@ def device_memory(spec: RunSpec) -> tuple[int | None, str]:
 class Planner:
     """Compiles the step's programs for a spec and mesh; caches analyses per process."""
 
-    def __init__(self, spec: RunSpec, mesh: Mesh, tokenizer: Any):
+    def __init__(self, spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer):
         self.spec, self.mesh = spec, mesh
         self.ctx: Context = make_context(spec, mesh, tokenizer)
         self.programs: list[Program] = [p for p in (build(self.ctx) for build in PROGRAM_BUILDERS) if p is not None]
@@ -302,7 +303,7 @@ def _without_micro(plan: BatchPlan) -> BatchPlan:
     return dataclasses.replace(plan, **roles, ref_log_prob=None, old_log_prob=None, values=None)
 
 
-def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Any, *, check: bool = True,
+def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, check: bool = True,
                 peak_flops: float | None = None, target: TpuTarget | None = None) -> MemoryPlan:
     """The step's memory plan; with `check`, raises MemoryPlanError when a program does not fit.
 
@@ -315,7 +316,7 @@ def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Any, *, check: bool = True
         return _plan(spec, mesh, tokenizer, check, peak_flops, target)
 
 
-def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Any, check: bool, peak_flops: float | None,
+def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flops: float | None,
           target: TpuTarget | None) -> MemoryPlan:
     from jaxrl_llm.trainer.metrics import device_peak_flops
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, RunSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.sampler import bucket_length
@@ -80,7 +81,7 @@ class Context:
 
     spec: RunSpec
     mesh: Mesh
-    tokenizer: Any
+    tokenizer: Tokenizer
     actor: Model
     critic: Model | None
     states: dict[str, Any]  # name -> abstract pytree: actor_params, actor_opt, ref_params, critic_*
@@ -135,7 +136,7 @@ def _abstract(tree: Any, shardings: Any, dtype: Any = None) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), tree, shardings)
 
 
-def _model(model: ModelSpec, head: str, mesh: Mesh, tokenizer: Any) -> Model:
+def _model(model: ModelSpec, head: str, mesh: Mesh, tokenizer: Tokenizer) -> Model:
     cfg = model_config_of(model, tokenizer)
     abstract, shardings = param_shardings_of(cfg, head, mesh, compute_dtype_of(model.param_dtype))
     return Model(cfg, _abstract(abstract, shardings), shardings)
@@ -153,7 +154,7 @@ def _opt_state(tx: Any, model: Model) -> Any:
     return _abstract(abstract, optimizer_state_sharding(abstract, model.shardings))
 
 
-def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Any) -> Context:
+def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
     """Model configs from config.json / GGUF header / tiny dims; params via `jax.eval_shape`."""
     actor = _model(spec.model, "lm", mesh, tokenizer)
     txs = {"actor": _tx(spec.actor_optim)}

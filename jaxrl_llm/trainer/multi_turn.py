@@ -56,6 +56,7 @@ from jaxrl_llm.agents import (
 )
 from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, cut_to_budgets, round_sampling, tool_call_stop_ids
 from jaxrl_llm.config.spec import MultiTurnSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged, sized_engine
@@ -111,7 +112,7 @@ class FixedShapeContinue:
 class MultiTurn:
     """Tools, interactions, the chat renderer and the limits of multi-turn rollouts."""
 
-    def __init__(self, spec: MultiTurnSpec, tokenizer: Any) -> None:
+    def __init__(self, spec: MultiTurnSpec, tokenizer: Tokenizer) -> None:
         if tokenizer is None:
             raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs a tokenizer with a chat template")
         self.spec = spec

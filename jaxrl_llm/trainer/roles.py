@@ -25,6 +25,7 @@ from jaxrl_llm.config.batch_plan import RoleBatch
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec
 from jaxrl_llm.hf import load_any, read_hf_config  # the HF bridge reads folders and GGUF files
 from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
 from jaxrl_llm.models.lora import LoraConfig, init_lora, lora_logical_axes, with_lora
@@ -129,7 +130,7 @@ def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) 
     return param_shardings_of(model_cfg, head, mesh, dtype)[1]
 
 
-def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
+def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer, seed: int) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params placed on the mesh) for `model.path`: an HF folder, a .gguf file, our
     checkpoint, or `tiny:<family>` (a random model with the dims in `model.tiny`, for tests), with
     `model.override_config`'s HF config fields replaced (they never change a parameter's shape)."""
@@ -137,7 +138,7 @@ def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed:
     return with_hf_overrides(model_cfg, dict(model.override_config)), params
 
 
-def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int) -> tuple[ModelConfig, dict]:
+def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer, seed: int) -> tuple[ModelConfig, dict]:
     dtype = compute_dtype_of(model.param_dtype)
     if model.is_tiny:
         model_cfg = _tiny_config(model, tokenizer)
@@ -151,7 +152,7 @@ def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Any, seed: int)
     return model_cfg, jax.device_put(params, _param_shardings(model_cfg, head, mesh, dtype))
 
 
-def _tiny_config(model: ModelSpec, tokenizer: Any) -> ModelConfig:
+def _tiny_config(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     tiny = dict(model.tiny)
     tiny.pop("seed")
     if tiny.get("vocab_size") is None:
@@ -163,7 +164,7 @@ def _tiny_config(model: ModelSpec, tokenizer: Any) -> ModelConfig:
     return ModelConfig.tiny(model.path[len(TINY_PREFIX):], **{**tiny, **special})
 
 
-def model_config_of(model: ModelSpec, tokenizer: Any) -> ModelConfig:
+def model_config_of(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     """The `ModelConfig` `load_model` would return, read without loading any weight: the tiny dims,
     an HF folder's config.json, a GGUF file's header (tensor table only) or a checkpoint's meta."""
     if model.is_tiny:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
@@ -37,7 +38,8 @@ class RolloutGenerator:
     """Prompts -> sampled, scored responses on given params: training rollouts, ReMax greedy
     baselines and validation all go through `generate`."""
 
-    def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Any, reward_manager: RewardManager | None,
+    def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer,
+                 reward_manager: RewardManager | None,
                  reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None,
                  multi_turn: Any = None, max_prompt_length: int | None = None):
         """multi_turn: a `trainer.multi_turn.MultiTurn` (every generation is then multi-turn);
