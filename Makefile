@@ -31,13 +31,15 @@ typecheck: $(STAMP)
 
 # the tests also compile for TPU topologies: libtpu (the tpu-plan extra, ~300 MB) only here, not for quickstart.
 # Two pytest workers (pytest-xdist), a test file each at a time: most of a test's time is XLA compiling on one
-# thread, so two files at once use both cores (PYTEST_WORKERS=0 runs them in this process, one by one).
+# thread, so two files at once use both cores (PYTEST_WORKERS=0 runs them in this process, one by one). Files go
+# out in collection order, the minutes-long ones first (tests/conftest.py HEAVY_FIRST), not xdist's default of
+# most tests first, which left the long multi-process files for last.
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,tpu-plan]"
 	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
 	$(PY) -m basedpyright --warnings
-	$(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile -m "not examples" tests
+	$(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not examples" tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not examples" tests

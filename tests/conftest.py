@@ -55,3 +55,25 @@ def _release_compiled_programs():
     release_engines()
     jax.clear_caches()
     gc.collect()
+
+
+# Files that take minutes, started first: CI runs two workers that each take a whole file at a time
+# (`pytest -n 2 --dist loadfile`, in collection order), and one of these started near the end would
+# leave the other core idle for its length. (Slowest single tests of the last full runs.)
+HEAVY_FIRST = (
+    "tests/reliability/test_preemption.py",
+    "tests/platform/test_device_kit.py",
+    "tests/reliability/test_kill_resume.py",
+    "tests/models/test_bf16_numerics.py",
+    "tests/trainer/test_trainer_multiprocess.py",
+    "tests/trainer/test_pipeline.py",
+    "tests/trainer/test_packing.py",
+    "tests/trainer/test_multi_turn_trainer.py",
+    "tests/platform/test_platform_compile.py",
+    "tests/trainer/test_memory_plan.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
