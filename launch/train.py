@@ -13,12 +13,14 @@
 (`jaxrl_llm.config.apply_overrides`): YAML-like values, TRL/ROLL/veRL aliases (`rloo_k`,
 `*_per_gpu`, ...), torch-only keys warned about and ignored, unknown keys rejected with a
 suggestion. `--import_config` reads another framework's config (jaxrl_llm.config.importers,
-docs/importing.md) onto the `--config` file, or onto the default tree when `--config` is not given;
-TRL `--name=value` flags after `--` are translated the same way; `--config.a.b=v` and `a.b=v`
-overrides apply last. The config is validated before anything is compiled; the loop is
-`jaxrl_llm.trainer.Trainer(config).fit()`. A bad input (config key, data file and row, model
-folder, reward file) ends the run with one line, `config error: ...` or `data error: ...`, and a
-non-zero exit status, without a traceback.
+docs/importing.md) onto the `--config` file; a pasted veRL line's `--config-path=DIR
+--config-name=NAME` after `--` imports DIR/NAME.yaml the same way. TRL `--name=value` flags after
+`--` are translated too; `--config.a.b=v` and `a.b=v` overrides apply last. Without `--config`, a
+run starts from the default tree (veRL's defaults) when it imports a file or has overrides or TRL
+flags, and from configs/quickstart.py when it has none of them. The config is validated before
+anything is compiled; the loop is `jaxrl_llm.trainer.Trainer(config).fit()`. A bad input (config
+key, data file and row, model folder, reward file) ends the run with one line, `config error: ...` or
+`data error: ...`, and a non-zero exit status, without a traceback.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from jaxrl_llm.config import (
     split_config_flag_overrides,
     validate_config,
 )
-from jaxrl_llm.config.importers import FORMATS, import_config, import_trl_flags, split_trl_flags
+from jaxrl_llm.config.importers import FORMATS, import_config, import_trl_flags, split_hydra_config, split_trl_flags
 from jaxrl_llm.platform import TpuPlanError
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
@@ -93,15 +95,24 @@ def main(argv: list[str]) -> None:
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint call at INFO
     initialize()  # jax.distributed on TPU pods / multi-node GPU, before any other JAX call
-    positional, trl_flags = split_trl_flags(argv[1:])
+    try:
+        hydra_file, items = split_hydra_config(argv[1:])  # a pasted veRL line's --config-path / --config-name
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+    if hydra_file is not None and _IMPORT.value:
+        sys.exit(f"config error: --import_config={_IMPORT.value} and --config-path / --config-name ({hydra_file}) "
+                 "both name a file to import: give one")
+    import_path = _IMPORT.value or hydra_file
+    import_format = _IMPORT_FORMAT.value or ("verl" if hydra_file else None)
+    positional, trl_flags = split_trl_flags(items)
     overrides = _FLAG_OVERRIDES + [a for a in positional if a != "--"]
-    base = _CONFIG.value if flags.FLAGS["config"].present or not _IMPORT.value else default_config()
+    base = _CONFIG.value if flags.FLAGS["config"].present else base_config(import_path, overrides, trl_flags)
     if _PLAN.value and _TOPOLOGY.value:
         overrides.append(f"trainer.plan_topology={_TOPOLOGY.value}")
     if _PLAN.value and _NUM_SLICES.value:
         overrides.append(f"trainer.plan_num_slices={_NUM_SLICES.value}")
     try:
-        cfg, dp_size = resolve(base, overrides, _IMPORT.value, _IMPORT_FORMAT.value, trl_flags,
+        cfg, dp_size = resolve(base, overrides, import_path, import_format, trl_flags,
                                num_devices=planned_devices(base, overrides) if _PLAN.value else None)
     except (ConfigError, TpuPlanError) as err:
         sys.exit(f"config error: {err}")
@@ -121,6 +132,15 @@ def main(argv: list[str]) -> None:
         Trainer(cfg).fit()
     except user_errors() as err:  # a bad input: one line naming it, no traceback
         sys.exit(user_error_line(err))
+
+
+def base_config(import_path: str | None, overrides: list[str], trl_flags: list[str]):
+    """The tree a run without --config starts from: with nothing else given, the quickstart (its
+    built-in default); with an imported file, pasted overrides or TRL flags, the default tree (veRL's
+    defaults, as veRL's own command line starts from them), never the quickstart's synthetic task."""
+    if import_path or overrides or trl_flags:
+        return default_config()
+    return _CONFIG.value
 
 
 def planned_devices(base, overrides: list[str]) -> int | None:

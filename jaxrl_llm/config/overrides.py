@@ -47,6 +47,17 @@ NAME_ALIASES: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
 }
 LEAF_RENAMES: dict[str, str] = {"warmup_style": "lr_scheduler_type"}  # veRL's older name
+# Values other frameworks write for one of ours: the same computation under another name.
+VALUE_ALIASES: dict[str, dict[Any, Any]] = {
+    # veRL's `dapo` manager = naive scoring + reward_kwargs.overlong_buffer_cfg, which our managers apply
+    "reward_model.reward_manager": {"dapo": "naive"},
+}
+
+
+def our_value(key: str, value: Any) -> Any:
+    """`value` of our key `key` in our spelling (VALUE_ALIASES), as a peer's file or command line wrote it."""
+    aliases = VALUE_ALIASES.get(key, {})
+    return aliases.get(value, value) if isinstance(value, str) else value
 
 # Keys that only configure torch / FSDP / vLLM / Ray / Megatron: accepted, warned about, dropped.
 TORCH_ONLY_PATTERNS: tuple[str, ...] = (
@@ -181,7 +192,7 @@ def set_value(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
     target = canonical_key(key)
     if target is None:
         return
-    set_path(cfg, target, _coerce_for_field(target, value))
+    set_path(cfg, target, _coerce_for_field(target, our_value(target, value)))
 
 
 def split_override(item: str) -> tuple[str, str]:
@@ -264,7 +275,7 @@ def normalize_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         target = canonical_key(key)  # raises for unknown keys
         _delete(cfg, key)
         if target is not None:
-            set_path(cfg, target, value)
+            set_path(cfg, target, our_value(target, value))
     for key in FIELDS:  # a config file may have deleted or replaced a section
         if not has_path(cfg, key):
             raise ConfigError(f"{key}: missing from the config (start from jaxrl_llm.config.default_config())")

@@ -50,3 +50,41 @@ def test_dry_run_reports_a_config_error_in_one_line():
     proc = run("--config=configs/tiny.py", "--dry_run", "--config.actor_rollout_ref.rollout.n=3")
     assert proc.returncode != 0
     assert "config error: actor_rollout_ref.actor.ppo_mini_batch_size=4: 4 prompts x rollout.n=3" in proc.stderr
+
+
+def test_pasted_verl_line_with_hydra_config_path_and_name(tmp_path, smollm2_gguf):
+    # a veRL command line pasted after `--`: Hydra's --config-path / --config-name name the YAML imported
+    # (as --import_config would), `dapo` is our naive manager (its overlong shaping is reward_kwargs'),
+    # and with no --config the run starts from the default tree, not the quickstart's synthetic task
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "my_grpo.yaml").write_text(yaml.safe_dump({
+        "data": {"train_batch_size": 8, "max_prompt_length": 64, "max_response_length": 32},
+        "actor_rollout_ref": {"rollout": {"n": 4},
+                              "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 1}},
+        "algorithm": {"adv_estimator": "grpo"}}))
+    import pandas as pd
+
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "1+1?"}]] * 16, "data_source": ["openai/gsm8k"] * 16,
+                  "reward_model": [{"style": "rule", "ground_truth": "2"}] * 16}).to_parquet(tmp_path / "t.parquet")
+    common = ["actor_rollout_ref.model.path=tiny:llama", f"data.tokenizer={smollm2_gguf}",
+              f"data.train_files={tmp_path / 't.parquet'}", "data.val_files=null",
+              f"trainer.default_local_dir={tmp_path / 'run'}", "reward_model.reward_manager=dapo"]
+    for hydra in (["--config-path", str(tmp_path / "config"), "--config-name", "my_grpo"],
+                  [f"--config-path={tmp_path / 'config'}", "--config-name=my_grpo.yaml"]):
+        proc = run("--dry_run", "--", *hydra, *common)
+        assert proc.returncode == 0, proc.stderr
+        cfg, _ = _split(proc.stdout)
+        assert cfg["data"]["train_batch_size"] == 8 and cfg["actor_rollout_ref"]["rollout"]["n"] == 4
+        assert cfg["algorithm"]["adv_estimator"] == "grpo"
+        assert cfg["reward_model"]["reward_manager"] == "naive"
+        assert cfg["data"]["synthetic"]["task"] is None  # the default tree's, not the quickstart's
+    proc = run("--dry_run", "--", "--config-path", str(tmp_path / "config"), "--config-name", "missing", *common)
+    assert proc.returncode != 0
+    assert f"no file {tmp_path / 'config' / 'missing.yaml'}" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_pasted_overrides_without_config_start_from_the_default_tree():
+    # before: the quickstart's synthetic task stayed underneath and `--dry_run` exited 0
+    proc = run("--dry_run", "--", "data.train_files=/nonexistent.parquet")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("config error: actor_rollout_ref.model.path=None")

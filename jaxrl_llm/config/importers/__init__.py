@@ -14,6 +14,7 @@ docs/importing.md.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,41 @@ def import_trl_flags(argv: Sequence[str], *, base: ml_collections.ConfigDict | N
     return m.result()
 
 
+HYDRA_FLAGS = ("--config-path", "--config-name")  # a pasted veRL line's Hydra config file
+
+
+def split_hydra_config(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """A pasted veRL command line's `--config-path=DIR --config-name=NAME` (Hydra's flags, `=` or
+    space separated) -> (the YAML file they name, the other items). The path is read from the current
+    directory (Hydra reads a relative one from the veRL script's folder: give that folder's path)."""
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(items):
+        name, sep, value = items[i].partition("=")
+        if name in HYDRA_FLAGS:
+            if not sep:
+                if i + 1 >= len(items):
+                    raise ConfigError(f"{name}: expected a value")
+                value, i = items[i + 1], i + 1
+            found[name] = value.strip("'\"")
+        else:
+            rest.append(items[i])
+        i += 1
+    if not found:
+        return None, rest
+    if "--config-name" not in found:
+        raise ConfigError(f"--config-path={found['--config-path']}: give --config-name too (the YAML file in it)")
+    folder = found.get("--config-path", ".")
+    name = found["--config-name"]
+    path = os.path.join(folder, name if name.endswith((".yaml", ".yml")) else name + ".yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config-path={folder} --config-name={name}: no file {path} (a relative --config-path "
+                          "is read from the current directory; Hydra reads it from the veRL script's folder, so "
+                          "give that folder's path)")
+    return path, rest
+
+
 def split_trl_flags(items: Sequence[str]) -> tuple[list[str], list[str]]:
     """Command-line items after `--` -> (veRL `a.b=c` overrides, TRL `--name[=value]` flags with their
     values)."""
@@ -101,4 +137,4 @@ def split_trl_flags(items: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 __all__ = ["FORMATS", "ImportResult", "NO_DUAL_CLIP", "detect_format", "import_config", "import_trl_flags",
-           "load_yaml", "parse_trl_args", "split_trl_flags"]
+           "load_yaml", "parse_trl_args", "split_hydra_config", "split_trl_flags"]

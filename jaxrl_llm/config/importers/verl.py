@@ -22,7 +22,7 @@ from jaxrl_llm.config.importers.common import (
     int_or_error,
     logger_sinks,
 )
-from jaxrl_llm.config.overrides import FIELDS, LEAF_RENAMES, OPEN_SECTIONS, is_torch_only
+from jaxrl_llm.config.overrides import FIELDS, LEAF_RENAMES, OPEN_SECTIONS, is_torch_only, our_value
 
 TOP_LEVEL = ("data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "algorithm", "trainer")
 
@@ -114,11 +114,6 @@ def _optimizer(m: Mapper, src: str, value: Any) -> None:
     m.ignore(src, "AdamW is the only optimizer (optax.adamw)")
 
 
-def _reward_manager(m: Mapper, src: str, value: Any) -> None:
-    # veRL's `dapo` manager = naive scoring + reward_kwargs.overlong_buffer_cfg, which our managers apply
-    m.set("reward_model.reward_manager", "naive" if value == "dapo" else value, src)
-
-
 def _logger(m: Mapper, src: str, value: Any) -> None:
     m.set("trainer.logger", logger_sinks(m, src, [value] if isinstance(value, str) else value), src)
 
@@ -144,7 +139,6 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "critic.optim.optimizer": _optimizer,
     "actor_rollout_ref.actor.optim.clip_grad": _clip_grad("actor_rollout_ref.actor"),
     "critic.optim.clip_grad": _clip_grad("critic"),
-    "reward_model.reward_manager": _reward_manager,
     "trainer.logger": _logger,
 }
 
@@ -165,7 +159,7 @@ def _generic(m: Mapper, src: str, key: str, value: Any, raw: str | None = None) 
         if value is None and field is not None and not field.nullable:
             m.ignore(src, "null keeps jaxrl_llm's default")
         else:
-            m.set(ours, value, src)
+            m.set(ours, our_value(ours, value), src)
     elif is_torch_only(key) or any(fnmatch.fnmatchcase(key, p) for p in VERL_MACHINERY):
         m.ignore(src, PLACEMENT)
     else:
