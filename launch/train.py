@@ -47,7 +47,9 @@ from jaxrl_llm.platform import TpuPlanError
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
                                           "Config file with get_config() (configs/*.py).", lock_config=False)
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and the batch arithmetic, then exit.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and the batch arithmetic, run the checks a "
+                                                 "start runs short of loading weights (tokenizer, multi-turn tools and "
+                                                 "interactions, reward function), then exit.")
 _PLAN = flags.DEFINE_bool("plan", False, "Compile every program of a step on abstract inputs (no weights) and "
                                          "print its per-device memory and FLOPs (trainer/memory_plan.py), then "
                                          "exit: 0 if it fits trainer.device_memory_gb / the device, 1 if not.")
@@ -119,6 +121,12 @@ def main(argv: list[str]) -> None:
     if _DRY_RUN.value:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
         print(resolve_batch_plan(cfg, dp_size).summary(cfg.trainer.total_training_steps, cfg.trainer.total_epochs))
+        from jaxrl_llm.trainer.preflight import preflight  # tokenizer, tools, interactions, reward function
+
+        try:
+            preflight(cfg, dp_size=dp_size)
+        except user_errors() as err:
+            sys.exit(user_error_line(err))
         return
     if _PLAN.value:
         try:
@@ -164,13 +172,14 @@ def plan_for_config(cfg):
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that report a bad input (config, data, model folder, reward code), not a bug."""
+    from jaxrl_llm.agents import AgentConfigError
     from jaxrl_llm.data import DataError
     from jaxrl_llm.hf.tokenizer import TokenizerError
     from jaxrl_llm.models import UnsupportedArchitectureError
     from jaxrl_llm.rewards import RewardFunctionError, UnknownDataSourceError
 
-    return (ConfigError, DataError, RewardFunctionError, TokenizerError, TpuPlanError, UnknownDataSourceError,
-            UnsupportedArchitectureError)
+    return (AgentConfigError, ConfigError, DataError, RewardFunctionError, TokenizerError, TpuPlanError,
+            UnknownDataSourceError, UnsupportedArchitectureError)
 
 
 def user_error_line(err: BaseException) -> str:

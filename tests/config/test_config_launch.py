@@ -88,3 +88,20 @@ def test_pasted_overrides_without_config_start_from_the_default_tree():
     proc = run("--dry_run", "--", "data.train_files=/nonexistent.parquet")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("config error: actor_rollout_ref.model.path=None")
+
+
+def test_dry_run_loads_tool_configs_and_reports_a_bad_one_in_one_line(tmp_path):
+    # a veRL tool config naming veRL's own class: the dry run loads it as a start would and stops with
+    # one `config error:` line (before: it passed --dry_run and the start printed a traceback)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "config": {},
+                                               "tool_schema": {"type": "function", "function": {
+                                                   "name": "calc_gsm8k_reward", "description": "d",
+                                                   "parameters": {"type": "object", "properties": {}}}}}]}))
+    base = ["--config=configs/multiturn_tool.py", "--dry_run", f"--config.trainer.default_local_dir={tmp_path}"]
+    assert run(*base).returncode == 0  # the shipped calculator tool loads
+    proc = run(*base, f"--config.actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"config error: {tools}: tools[0].class_name: cannot import module 'verl.tools.gsm8k_tool'")
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,27 @@
+"""What a start checks before it loads weights, run on its own for `launch/train.py --dry_run`: the
+tokenizer loads, multi-turn tool and interaction configs load (their classes imported and
+constructed), and the reward function and manager build. A bad one raises the error a start would
+(`AgentConfigError`, `RewardFunctionError`, `TokenizerError`, ...), so a dry run that passes means the
+run gets as far as loading its model."""
+from __future__ import annotations
+
+import ml_collections
+
+from jaxrl_llm.config import ConfigError, resolve, resolve_data
+
+
+def preflight(cfg: ml_collections.ConfigDict, *, dp_size: int) -> None:
+    """Runs the start's checks on the validated `cfg` (`dp_size`: the run's data-parallel size)."""
+    from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.rewards import build_reward_manager
+
+    spec = resolve(cfg, dp_size=dp_size)
+    data = resolve_data(cfg)
+    if data.tokenizer is None:
+        raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
+    tokenizer = load_tokenizer(data.tokenizer)
+    if spec.multi_turn is not None:
+        from jaxrl_llm.trainer.multi_turn import MultiTurn
+
+        MultiTurn(spec.multi_turn, tokenizer)
+    build_reward_manager(spec.reward).close()
