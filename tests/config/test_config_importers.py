@@ -345,6 +345,9 @@ def test_trl_yaml(home):
     # 16 x 8 x steps_per_generation 8 = 1024 completions (128 prompts) per generation
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
                   f"{R}.n", f"{A}.ppo_epochs") == (128, 64, 16, 8, 2)
+    # the reference / old log-probs in TRL's training batches, not the base tree's sizes
+    assert values(r, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
+                  f"{R}.log_prob_micro_batch_size_per_device") == (16, 16)
     # 2 mini-batches x 2 iterations = 4 optimizer steps per step: max_steps 200 -> 50, save 50 -> 13, eval 20 -> 5
     assert values(r, "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
                   f"{A}.optim.lr_warmup_steps") == (50, 13, 5, 3)
@@ -364,6 +367,11 @@ def test_trl_yaml(home):
     cfg = r.config()
     cfg.data.train_files = "train.parquet"  # TRL names a hub dataset (dataset_name): ignored
     assert validate_config(cfg, dp_size=8, check_paths=False).data.train_batch_size == 128
+
+
+def test_trl_yaml_without_num_generations_names_it(home, tmp_path):
+    with pytest.raises(ConfigError, match=r"variant.yaml: num_generations: not given: GRPO samples a group"):
+        import_config(variant(TRL, tmp_path, {"num_generations": None}), "trl", dp_size=8)
 
 
 def test_trl_flags_on_a_config_file():

@@ -224,6 +224,9 @@ def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool) -> None:
             m.error(key, f"{args[key]!r}: {why}")
         elif key in args:
             m.ignore(key, "off; no counterpart in jaxrl_llm")
+    if whole_run and not rloo and "num_generations" not in args:
+        m.error("num_generations", "not given: GRPO samples a group per prompt and TRL's default group size differs "
+                                   "between versions (8 in current TRL); set num_generations")
     if rloo or whole_run:
         m.set("algorithm.adv_estimator", "trl_rloo" if rloo else "grpo", "RLOOConfig" if rloo else "GRPOConfig")
         m.set("algorithm.use_kl_in_reward", False, "RLOOConfig" if rloo else "GRPOConfig")

@@ -63,6 +63,10 @@ def map_batch(m: Mapper, args: dict[str, Any], rloo: bool) -> None:
     m.set("data.train_batch_size", prompts, where)
     m.set(f"{A}.ppo_mini_batch_size", mini, where)
     m.set(f"{A}.ppo_micro_batch_size_per_device", per_device, "per_device_train_batch_size")
+    # TRL scores the reference and old log-probs in the same per-device batches it trains on
+    for role in ("ref", "rollout"):
+        m.set(f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_device", per_device,
+              "per_device_train_batch_size")
 
 
 def optimizer_steps_per_step(m: Mapper) -> int:
