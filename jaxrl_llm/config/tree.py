@@ -417,6 +417,10 @@ ALGORITHM = {
                                             types=(str, float)),
         "bypass_mode": field(False, "Use the sampler's logprobs as the PPO old logprobs (skip the old-logprob "
                                     "forward). veRL."),
+        "loss_type": field("ppo_clip", "The policy loss of bypass mode: ppo_clip (the actor's PPO loss with the "
+                                       "sampler's logprobs as the old ones). veRL's 'reinforce' (an IS-weighted "
+                                       "policy gradient) is not available and refused. veRL.",
+                           choices=("ppo_clip",)),
     },
     "trl_rloo": {  # the options of adv_estimator=trl_rloo
         "token_level_kl": field(False, "adv_estimator=trl_rloo: TRL's per-token KL form (-kl_coef * KL_t "

@@ -154,11 +154,21 @@ def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_pat
     ("algorithm.adv_estimator", "my_estimator", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.optim.optimizer", "SGD", "AdamW"),
+    # before: one of ~430 names in the no-counterpart warning, and the run trained PPO-clip
+    ("algorithm.rollout_correction.loss_type", "reinforce", "ppo_clip only"),
 ])
 def test_verl_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     with pytest.raises(ConfigError) as err:
         import_config(variant(VERL, tmp_path, {key: value}), dp_size=4)
     assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_pasted_rollout_correction_loss_type():
+    cfg = apply_overrides(default_config(), ["algorithm.rollout_correction.loss_type=ppo_clip"])
+    assert cfg.algorithm.rollout_correction.loss_type == "ppo_clip"
+    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction.loss_type='reinforce'"):
+        validate_config(apply_overrides(default_config(), ["algorithm.rollout_correction.loss_type=reinforce"]),
+                        dp_size=1, check_paths=False)
 
 
 def test_verl_multi_turn_keys_map_to_ours(home, tmp_path):

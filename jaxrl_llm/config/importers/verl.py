@@ -108,6 +108,13 @@ def _error_if(pred: Callable[[Any], bool], why: str):
     return handle
 
 
+def _correction_loss(m: Mapper, src: str, value: Any) -> None:
+    if value not in (None, "ppo_clip"):  # before: one of the no-counterpart names, and the run was PPO-clip
+        m.error(src, f"{value!r}: jaxrl_llm's bypass mode trains with ppo_clip only (veRL's reinforce loss, an "
+                     "IS-weighted policy gradient, is not available)")
+    m.ignore(src, "ppo_clip: jaxrl_llm's only bypass-mode loss")
+
+
 def _optimizer(m: Mapper, src: str, value: Any) -> None:
     if str(value).lower().replace("_", "") not in ("adamw", "adam"):
         m.error(src, f"{value!r}: jaxrl_llm trains with AdamW (optax.adamw) only")
@@ -133,6 +140,7 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "algorithm.use_pf_ppo": _error_if(bool, "preference-feedback PPO (sample reweighting) is not supported"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _error_if(
         lambda v: v is not None, "per-token veto is not supported (rollout_rs modes only)"),
+    "algorithm.rollout_correction.loss_type": _correction_loss,
     "algorithm.rollout_correction.rollout_rs_threshold_lower": _error_if(
         lambda v: v is not None, "give the lower bound in rollout_rs_threshold as 'lo_hi' (k1 modes)"),
     "actor_rollout_ref.actor.optim.optimizer": _optimizer,
