@@ -259,11 +259,18 @@ def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     ("buffer.total_steps", 30, "multiple of sync_interval"),
     ("explorer.auxiliary_models", [{"model_path": "judge"}], "auxiliary models"),
     ("mode", "train", "both"),
+    ("explorer.rollout_model.enable_thinking", False, "changes what a Qwen3 template renders"),
 ])
 def test_trinity_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     with pytest.raises(ConfigError) as err:
         import_config(variant(TRINITY, tmp_path, {key: value}), dp_size=4)
     assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_trinity_enable_thinking_true_is_the_template_default(home, tmp_path):
+    # Qwen3's template thinks unless told otherwise: `true` renders what no flag renders (before: refused)
+    r = import_config(variant(TRINITY, tmp_path, {"explorer.rollout_model.enable_thinking": True}), dp_size=4)
+    assert "explorer.rollout_model.enable_thinking" in r.ignored
 
 
 def test_trinity_trainer_config_path(home, tmp_path):

@@ -266,7 +266,10 @@ ERRORS = {  # key -> (is it set?, why)
     "model.custom_chat_template": (bool, "a custom chat template is not available (the tokenizer's is used)"),
     "model.lora_configs": (bool, "LoRA is not supported (full-parameter training only)"),
     "model.min_response_tokens": (lambda v: v not in (None, 0, 1), "a minimum response length is not available"),
-    "explorer.rollout_model.enable_thinking": (bool, "chat-template kwargs (enable_thinking) are not available"),
+    # true is the Qwen3 template's own default (and other templates ignore the flag): only false changes the prompt
+    "explorer.rollout_model.enable_thinking": (lambda v: v is False, "chat-template kwargs are not available, and "
+                                               "enable_thinking: false changes what a Qwen3 template renders (true, "
+                                               "its own default, is accepted)"),
     "explorer.rollout_model.chat_template": (bool, "a custom chat template is not available"),
     "explorer.auxiliary_models": (bool, "auxiliary models (LLM judges / generative reward models) are not "
                                         "available; reward_model.* takes a sequence-classification model"),
