@@ -8,18 +8,25 @@ from __future__ import annotations
 import ml_collections
 
 from jaxrl_llm.config import ConfigError, resolve, resolve_data
+from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
+
+
+def run_tokenizer(data: DataSpec) -> Tokenizer:
+    """The run's tokenizer (`data.tokenizer`, which validation derives from the model path)."""
+    from jaxrl_llm.hf import load_tokenizer
+
+    if data.tokenizer is None:  # derived from actor_rollout_ref.model.path, except for tiny: models
+        raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
+    return load_tokenizer(data.tokenizer)
 
 
 def preflight(cfg: ml_collections.ConfigDict, *, dp_size: int) -> None:
     """Runs the start's checks on the validated `cfg` (`dp_size`: the run's data-parallel size)."""
-    from jaxrl_llm.hf import load_tokenizer
     from jaxrl_llm.rewards import build_reward_manager
 
     spec = resolve(cfg, dp_size=dp_size)
-    data = resolve_data(cfg)
-    if data.tokenizer is None:
-        raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
-    tokenizer = load_tokenizer(data.tokenizer)
+    tokenizer = run_tokenizer(resolve_data(cfg))
     if spec.multi_turn is not None:
         from jaxrl_llm.trainer.multi_turn import MultiTurn
 

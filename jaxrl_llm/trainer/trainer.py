@@ -44,6 +44,7 @@ from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_exp
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
+from jaxrl_llm.trainer.preflight import run_tokenizer
 from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
 from jaxrl_llm.trainer.rollout import RolloutGenerator
@@ -69,13 +70,10 @@ class Trainer:
         checked = validate_config(config, dp_size=self.dp_size)
         self.is_main = jax.process_index() == 0
         from jaxrl_llm.data import build_dataset, make_dataloader
-        from jaxrl_llm.hf import load_tokenizer
         from jaxrl_llm.rewards import build_reward_manager
 
         data = resolve_data(checked)
-        if data.tokenizer is None:  # derived from actor_rollout_ref.model.path, except for tiny: models
-            raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
-        self.tokenizer = load_tokenizer(data.tokenizer)
+        self.tokenizer = run_tokenizer(data)
         # A dataset of files is read first: its size gives the total steps. A synthetic task's size is
         # in its config (validation derived the steps from it), and its files are written only below.
         synthetic = resolve_synthetic(checked)
