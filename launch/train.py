@@ -36,12 +36,12 @@ from jaxrl_llm.config import (
     ConfigError,
     apply_overrides,
     default_config,
-    mesh_dp_size,
     resolve_batch_plan,
     split_config_flag_overrides,
-    validate_config,
 )
-from jaxrl_llm.config.importers import FORMATS, import_config, import_trl_flags, split_hydra_config, split_trl_flags
+from jaxrl_llm.config.importers import FORMATS
+from jaxrl_llm.config.importers.command_line import resolve_command_line, split_command_line
+from jaxrl_llm.config.validate import check_input_paths
 from jaxrl_llm.platform import TpuPlanError
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
@@ -58,36 +58,14 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "With --plan: compile for this
                                                  "needs libtpu: the tpu-plan extra); overrides trainer.plan_topology.")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", None, "With --topology: slices of it (multislice); overrides "
                                                        "trainer.plan_num_slices.")
-_IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML) to run; "
+_IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML), or a "
+                                                     "veRL example script (*.sh, read without running it), to run; "
                                                      "applied onto --config (default: the default tree).")
 _IMPORT_FORMAT = flags.DEFINE_enum("import_format", None, list(FORMATS),
                                    "Format of --import_config; default: detected from its top-level keys.")
 
 # `--config.a.b=v` flags, taken out of argv before absl parses it (see split_config_flag_overrides).
 _FLAG_OVERRIDES: list[str] = []
-
-
-def resolve(config, overrides: list[str], import_path: str | None = None, import_format: str | None = None,
-            trl_flags: list[str] | None = None, num_devices: int | None = None):
-    """Imports a foreign config and TRL flags (if given), applies overrides, validates on this host's
-    devices (or `num_devices`: a planned slice's); returns (resolved config, dp size)."""
-    import jax
-
-    num_devices = num_devices or jax.device_count()
-    mesh = [o for o in overrides if o.split("=", 1)[0].lstrip("+").startswith("mesh.")]
-    cfg = config
-    if import_path:
-        result = import_config(import_path, import_format, base=apply_overrides(copy.deepcopy(cfg), mesh),
-                               num_devices=num_devices)
-        result.warn()
-        cfg = result.apply(cfg)
-    if trl_flags:
-        result = import_trl_flags(trl_flags, base=apply_overrides(copy.deepcopy(cfg), mesh), num_devices=num_devices)
-        result.warn()
-        cfg = result.apply(cfg)
-    cfg = apply_overrides(cfg, overrides)
-    cfg = validate_config(cfg, num_devices=num_devices)
-    return cfg, mesh_dp_size(cfg, num_devices)
 
 
 def main(argv: list[str]) -> None:
@@ -98,29 +76,30 @@ def main(argv: list[str]) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint call at INFO
     initialize()  # jax.distributed on TPU pods / multi-node GPU, before any other JAX call
     try:
-        hydra_file, items = split_hydra_config(argv[1:])  # a pasted veRL line's --config-path / --config-name
+        import_path, _, overrides, trl_flags = split_command_line(argv[1:], _IMPORT.value, _IMPORT_FORMAT.value)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
-    if hydra_file is not None and _IMPORT.value:
-        sys.exit(f"config error: --import_config={_IMPORT.value} and --config-path / --config-name ({hydra_file}) "
-                 "both name a file to import: give one")
-    import_path = _IMPORT.value or hydra_file
-    import_format = _IMPORT_FORMAT.value or ("verl" if hydra_file else None)
-    positional, trl_flags = split_trl_flags(items)
-    overrides = _FLAG_OVERRIDES + [a for a in positional if a != "--"]
-    base = _CONFIG.value if flags.FLAGS["config"].present else base_config(import_path, overrides, trl_flags)
+    has_config = flags.FLAGS["config"].present
+    base = _CONFIG.value if has_config else base_config(import_path, _FLAG_OVERRIDES + overrides, trl_flags)
+    extra = list(_FLAG_OVERRIDES)
     if _PLAN.value and _TOPOLOGY.value:
-        overrides.append(f"trainer.plan_topology={_TOPOLOGY.value}")
+        extra.append(f"trainer.plan_topology={_TOPOLOGY.value}")
     if _PLAN.value and _NUM_SLICES.value:
-        overrides.append(f"trainer.plan_num_slices={_NUM_SLICES.value}")
+        extra.append(f"trainer.plan_num_slices={_NUM_SLICES.value}")
     try:
-        cfg, dp_size = resolve(base, overrides, import_path, import_format, trl_flags,
-                               num_devices=planned_devices(base, overrides) if _PLAN.value else None)
+        cfg, dp_size = resolve_command_line(
+            base, argv[1:], import_path=_IMPORT.value, import_format=_IMPORT_FORMAT.value, extra_overrides=extra,
+            num_devices=planned_devices(base, extra + overrides) if _PLAN.value else None,
+            check_paths=not _DRY_RUN.value)
     except (ConfigError, TpuPlanError) as err:
         sys.exit(f"config error: {err}")
-    if _DRY_RUN.value:
+    if _DRY_RUN.value:  # the tree first, then the checks: a missing file is the last line (still an error)
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
         print(resolve_batch_plan(cfg, dp_size).summary(cfg.trainer.total_training_steps, cfg.trainer.total_epochs))
+        try:
+            check_input_paths(cfg)
+        except ConfigError as err:
+            sys.exit(f"config error: {err}")
         from jaxrl_llm.trainer.preflight import preflight  # tokenizer, tools, interactions, reward function
 
         try:

@@ -289,7 +289,8 @@ def _check_required(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"data.tokenizer=None: a {model.path} model needs a tokenizer path")
 
 
-def _check_paths(cfg: ml_collections.ConfigDict) -> None:
+def check_input_paths(cfg: ml_collections.ConfigDict) -> None:
+    """The files and model folders a run reads exist (ConfigError naming the key otherwise)."""
     data, model = cfg.data, cfg.actor_rollout_ref.model
     if data.synthetic.task is None:  # synthetic files are written by the trainer at start
         for key in ("data.train_files", "data.val_files"):
@@ -347,7 +348,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
     _check_required(cfg)
     _check_storage(cfg)
     if check_paths:
-        _check_paths(cfg)
+        check_input_paths(cfg)
         check_sources(cfg)
     if num_train_samples is not None and cfg.data.synthetic.task is None:
         resolve_total_steps(cfg, num_train_samples)

@@ -34,7 +34,7 @@ def test_dry_run_with_flag_and_verl_overrides(tmp_path):
     assert cfg["actor_rollout_ref"]["rollout"]["n"] == 4
     assert cfg["trainer"]["logger"] == ["console", "jsonl"]
     assert cfg["data"]["train_files"] == f"{tmp_path}/data/train.parquet"
-    assert "enforce_eager has no effect in jaxrl_llm" in proc.stderr
+    assert "actor_rollout_ref.rollout.enforce_eager=True (torch/vLLM/Ray/placement only)" in proc.stderr
     assert "8 prompts x n=4 = 32 sequences per step; data-parallel size 8 -> 4 sequences/device" in summary
     assert "2 mini-batch(es) of 4 prompts = 16 sequences (2/device)" in summary
     assert "micro-batch 1/device -> 2 accumulation step(s)" in summary

@@ -46,6 +46,22 @@ def detect_format(data: dict[str, Any]) -> str:
                       f"({', '.join(sorted(keys)) or 'none'}); pass --import_format=verl|trinity|roll|trl")
 
 
+def _top_level(path: str) -> dict[str, Any]:
+    """The file's top-level mapping as written (no Hydra composition, no interpolation)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: cannot parse YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
 def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CLI flag's name)
                   base: ml_collections.ConfigDict | None = None, num_devices: int | None = None,
                   dp_size: int | None = None) -> ImportResult:
@@ -57,8 +73,8 @@ def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CL
     num_devices / dp_size: for per-device sizes (default: jax.device_count() and the mesh).
     """
     raw: dict[str, str] = {}
-    data = load_yaml(path, raw)
-    fmt = format or detect_format(data)
+    fmt = format or detect_format(_top_level(path))
+    data = load_yaml(path, raw, missing_groups="error" if fmt == "verl" else "skip")
     if fmt not in FORMATS:
         raise ConfigError(f"--import_format={fmt!r}: expected one of {', '.join(FORMATS)}")
     m = Mapper(fmt, path, base=base, num_devices=num_devices, dp_size=dp_size)

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 NO_DUAL_CLIP = 1e9
 
 PLACEMENT = "torch/vLLM/Ray/placement only"
+NO_VALUE = object()  # Mapper.ignore without a value to show
 NO_COUNTERPART = "no counterpart in jaxrl_llm"
 
 
@@ -76,13 +77,17 @@ def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None
     return node
 
 
-def load_yaml(path: str, raw: dict[str, str] | None = None) -> dict[str, Any]:
+def load_yaml(path: str, raw: dict[str, str] | None = None, *, missing_groups: str = "error") -> dict[str, Any]:
     """A YAML file as plain nested dicts, Hydra/OmegaConf interpolations (`${oc.env:HOME}`,
     `${oc.env:X,default}`, `${oc.select:a.b,default}`, `${a.b}`) resolved; values that cannot be
-    resolved become `Unresolved` (an error only where the importer uses them). `raw`, when given,
-    receives dotted key -> interpolation text for every interpolated value."""
+    resolved become `Unresolved` (an error only where the importer uses them). A file with a Hydra
+    `defaults:` list is composed first (`compose_hydra`); when a group file is not there,
+    `missing_groups="error"` raises and `"skip"` reads the file without its defaults list (ROLL's
+    defaults are DeepSpeed / environment groups: keys that read them stay unresolved, an error only
+    where used). `raw`, when given, receives dotted key -> interpolation text for every interpolated
+    value."""
     import yaml
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     if not os.path.isfile(path):
@@ -91,10 +96,46 @@ def load_yaml(path: str, raw: dict[str, str] | None = None) -> dict[str, Any]:
         cfg = OmegaConf.load(path)
     except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot parse YAML ({err})") from None
+    if isinstance(cfg, DictConfig) and "defaults" in cfg:
+        try:
+            cfg = compose_hydra(path)
+        except MissingGroupError:
+            if missing_groups == "error":
+                raise
+            cfg.pop("defaults")
     data = _resolve_node(cfg, raw=raw)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
+
+
+class MissingGroupError(ConfigError):
+    """A Hydra defaults list names a config group file that is not there."""
+
+
+def compose_hydra(path: str) -> Any:
+    """The config Hydra composes from `path` and its `defaults:` list (config groups read from the
+    file's folder and its `hydra.searchpath`, as veRL's `--config-path` / `--config-name` do), with
+    Hydra itself. A group file that is not there is a ConfigError naming it."""
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        with warnings.catch_warnings(), initialize_config_dir(config_dir=folder, version_base=None):
+            warnings.simplefilter("ignore", UserWarning)  # Hydra 1.1's note on a defaults list without _self_
+            return compose(config_name=os.path.splitext(name)[0])
+    except MissingConfigException as err:
+        missing = getattr(err, "missing_cfg_file", None) or str(err).splitlines()[0]
+        raise MissingGroupError(f"{path}: defaults: the config group file {missing!r} is not there (Hydra reads the "
+                                f"groups from {folder} and the file's hydra.searchpath; for veRL, copy veRL's "
+                                "verl/trainer/config folder beside it, or import veRL's _generated_ppo_trainer.yaml, "
+                                "which has no defaults list)") from None
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(f"{path}: cannot compose its Hydra defaults list ({str(err).splitlines()[0]})") from None
 
 
 def flatten(node: Mapping[str, Any], prefix: str = "", leaves: Iterable[str] = ()) -> dict[str, Any]:
@@ -176,6 +217,13 @@ def _has_unresolved(value: Any) -> bool:
     return next(_iter_unresolved(value), None) is not None
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    if isinstance(value, Unresolved):
+        text = value.text
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @dataclasses.dataclass
 class ImportResult:
     """What an import produced: our settings (key -> value, applied in order onto a base config),
@@ -186,6 +234,7 @@ class ImportResult:
     settings: dict[str, Any]
     ignored: dict[str, str]
     origin: dict[str, str] = dataclasses.field(default_factory=dict)  # our key -> the key it came from
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)  # ignored key -> its value, where known
 
     def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         """Sets the imported values on `cfg` (in place) and returns it."""
@@ -211,10 +260,11 @@ class ImportResult:
             return None
         by_reason: dict[str, list[str]] = {}
         for key, why in self.ignored.items():
-            by_reason.setdefault(why, []).append(key)
+            shown = f"{key}={_short(self.values[key])}" if key in self.values else key
+            by_reason.setdefault(why, []).append(shown)
         parts = [f"{', '.join(keys)} ({why})" for why, keys in by_reason.items()]
-        return (f"{self.source} ({self.format}): {len(self.ignored)} key(s) have no effect in jaxrl_llm and were "
-                f"ignored: " + "; ".join(parts))
+        return (f"{self.source} ({self.format}): {len(self.ignored)} key(s) change nothing jaxrl_llm computes and "
+                f"were ignored: " + "; ".join(parts))
 
     def warn(self) -> None:
         """Logs the single warning listing every ignored key (if any)."""
@@ -236,6 +286,7 @@ class Mapper:
         self.num_devices, self.dp_size = num_devices, dp_size
         self.settings: dict[str, Any] = {}
         self.ignored: dict[str, str] = {}
+        self.values: dict[str, Any] = {}
         self.origin: dict[str, str] = {}
 
     def set(self, ours: str, value: Any, src: str) -> None:
@@ -252,8 +303,11 @@ class Mapper:
         """The value `ours` will have: imported if set, else the base config's."""
         return self.settings[ours] if ours in self.settings else get_path(self.base, ours)
 
-    def ignore(self, src: str, why: str = NO_COUNTERPART) -> None:
+    def ignore(self, src: str, why: str = NO_COUNTERPART, value: Any = NO_VALUE) -> None:
+        """`src` changes nothing jaxrl_llm computes: listed (with `value`, when given) in the one warning."""
         self.ignored[src] = why
+        if value is not NO_VALUE:
+            self.values[src] = value
 
     def error(self, src: str, why: str) -> NoReturn:
         raise ConfigError(f"{self.source}: {src}: {why}")
@@ -288,7 +342,8 @@ class Mapper:
 
     def result(self) -> ImportResult:
         self.check_names()
-        return ImportResult(self.format, self.source, dict(self.settings), dict(self.ignored), dict(self.origin))
+        return ImportResult(self.format, self.source, dict(self.settings), dict(self.ignored), dict(self.origin),
+                            dict(self.values))
 
 
 def ratio_steps(value: int, per_step: int) -> int:
@@ -304,11 +359,17 @@ def int_or_error(m: Mapper, src: str, value: Any) -> int:
 
 def logger_sinks(m: Mapper, src: str, names_in: Iterable[str]) -> list[str]:
     """Other frameworks' logger / tracker names -> trainer.logger (console + jsonl always kept)."""
+    import importlib.util
+
     sinks = ["console", "jsonl"]
     for name in names_in:
         low = str(name).lower()
-        if low in ("tensorboard", "wandb"):
+        package = {"tensorboard": "tensorboardX", "wandb": "wandb"}.get(low)
+        if package is not None and importlib.util.find_spec(package) is None:
+            m.ignore(f"{src}={name}", f"a logging backend whose package ({package}) is not installed; the run logs to "
+                                      "console and jsonl")
+        elif package is not None:
             sinks.append(low)
-        elif low not in ("console", "stdout", "none", ""):
+        elif low not in ("console", "stdout", "none", "", "jsonl"):
             m.ignore(f"{src}={name}", f"logger {name!r} is not available (console, jsonl, tensorboard, wandb)")
     return list(dict.fromkeys(sinks))

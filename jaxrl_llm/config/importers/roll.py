@@ -23,6 +23,7 @@ from jaxrl_llm.config.importers.common import (
     logger_sinks,
     ratio_steps,
 )
+from jaxrl_llm.config.importers.verl import training_tensor_parallel
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -214,8 +215,8 @@ def _roles(m: Mapper, src: Source) -> None:
         m.error("reference.model_args.model_name_or_path", f"{ref!r}: the reference model is the initial policy "
                                                            "in jaxrl_llm")
     tp = src.drop("actor_train.strategy_args.strategy_config.tensor_model_parallel_size")
-    if isinstance(tp, int) and tp > 0:
-        m.set("mesh.tensor", tp, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size")
+    if isinstance(tp, int) and tp > 0:  # the training engine's TP (verl.py's placement rule)
+        training_tensor_parallel(m, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size", tp)
 
 
 def _data(m: Mapper, src: Source) -> None:

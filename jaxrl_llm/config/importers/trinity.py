@@ -32,7 +32,7 @@ from jaxrl_llm.config.importers.common import (
     ratio_steps,
 )
 from jaxrl_llm.config.importers.trinity_data import import_tasksets
-from jaxrl_llm.config.importers.verl import import_verl_source
+from jaxrl_llm.config.importers.verl import import_verl_source, placement_only
 from jaxrl_llm.config.overrides import OPEN_SECTIONS
 
 TOP_LEVEL = ("algorithm", "model", "cluster", "buffer", "explorer", "synchronizer")
@@ -246,9 +246,9 @@ def _model(m: Mapper, src: Source) -> None:
     keep = src.take("trainer.max_checkpoints_to_keep")
     if keep is not None:  # one checkpoint holds actor and critic
         m.set("trainer.max_actor_ckpt_to_keep", keep, "trainer.max_checkpoints_to_keep")
-    if src.has("explorer.rollout_model.tensor_parallel_size"):
-        m.set("mesh.tensor", src.take("explorer.rollout_model.tensor_parallel_size"),
-              "explorer.rollout_model.tensor_parallel_size")
+    if src.has("explorer.rollout_model.tensor_parallel_size"):  # the inference engine's layout (verl.py's rule)
+        placement_only(m, "explorer.rollout_model.tensor_parallel_size",
+                       src.take("explorer.rollout_model.tensor_parallel_size"))
     root = src.take("checkpoint_root_dir")
     if root:
         parts = [root, m.get("trainer.project_name"), src.take("group") or "", m.get("trainer.experiment_name")]

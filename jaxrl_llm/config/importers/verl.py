@@ -1,19 +1,34 @@
-"""veRL `ppo_trainer.yaml`-shaped configs (all sections) -> our tree.
+"""veRL `ppo_trainer.yaml`-shaped configs (all sections, or pasted `key=value` overrides) -> our tree.
 
 Our tree keeps veRL's names, so most keys map to themselves; `*_per_gpu` -> `*_per_device` and
 `warmup_style` -> `lr_scheduler_type` as for command-line overrides. The keys handled specially
-(mesh, deprecated global micro-batch sizes, meaning-changing switches) are in `SPECIAL`; every
-other key our tree lacks is listed in the import's warning. Trinity-RFT's `trainer.trainer_config`
-section is imported with the same code.
+(mesh, deprecated global micro-batch sizes, meaning-changing switches) are in `SPECIAL`. A veRL key
+with no key of ours (`verl_keys.VERL_DEFAULTS`) is:
+- listed in the import's warning, with its value, when it changes nothing computed (placement,
+  engines, logging, metrics: `HARMLESS`, and the torch-only patterns);
+- dropped when it has veRL's default value (what jaxrl_llm computes);
+- an error naming file, key and value otherwise.
+A key that is neither veRL's nor ours is an error with close matches. Trinity-RFT's
+`trainer.trainer_config` section is imported with the same code.
+
+Placement, one rule from YAML and from the command line (`placement_mesh`): jaxrl_llm samples and
+trains on one mesh over every visible device. veRL's training sharding maps onto it: FSDP's
+`fsdp_size` (HSDP group) -> `mesh.fsdp` (the rest of the devices -> `mesh.data`), Megatron's
+`tensor_model_parallel_size` -> `mesh.tensor`, each reduced to the largest size the devices hold.
+The inference engine's layout (rollout TP / DP / EP / PP) and the cluster size (`nnodes`,
+`n_gpus_per_node`) are warned about with their values. Ulysses sequence parallelism is placement,
+but veRL's token budgets count per sequence-parallel group (`ppo_max_token_len_per_gpu x sp`
+tokens per micro-batch): they are imported multiplied by the role's sp size.
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import math
 from collections.abc import Callable
 from typing import Any
 
 from jaxrl_llm.config.importers.common import (
-    NO_COUNTERPART,
     PLACEMENT,
     Mapper,
     Source,
@@ -22,7 +37,16 @@ from jaxrl_llm.config.importers.common import (
     int_or_error,
     logger_sinks,
 )
-from jaxrl_llm.config.overrides import FIELDS, LEAF_RENAMES, OPEN_SECTIONS, is_torch_only, our_value
+from jaxrl_llm.config.importers.verl_keys import VERL_DEFAULTS
+from jaxrl_llm.config.overrides import (
+    FIELDS,
+    LEAF_RENAMES,
+    NAME_ALIASES,
+    OPEN_SECTIONS,
+    is_torch_only,
+    our_value,
+    unknown_key_message,
+)
 
 TOP_LEVEL = ("data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "algorithm", "trainer")
 
@@ -85,26 +109,52 @@ def our_key(key: str) -> str | None:
     return renamed if renamed in FIELDS else None
 
 
-def _tensor_parallel(m: Mapper, src: str, value: Any) -> None:
-    m.set("mesh.tensor", int_or_error(m, src, value), src)
+def _devices(m: Mapper) -> int:
+    if m.num_devices is not None:
+        return m.num_devices
+    import jax
+
+    return jax.device_count()
+
+
+def training_tensor_parallel(m: Mapper, src: str, value: Any) -> None:
+    """Megatron's training TP -> mesh.tensor (the largest size dividing the devices)."""
+    size = int_or_error(m, src, value)
+    held = math.gcd(max(size, 1), _devices(m))
+    m.set("mesh.tensor", held, src)
+    if held != size:
+        m.ignore(f"{src} (as mesh.tensor={held})", f"reduced to what the {_devices(m)} device(s) hold", size)
 
 
 def _fsdp_size(m: Mapper, src: str, value: Any) -> None:
+    """FSDP's HSDP group -> mesh.fsdp, the rest of the devices -> mesh.data; -1 or a group at least as
+    large as the devices: one FSDP group over all of them."""
     size = int_or_error(m, src, value)
-    if size > 0:  # HSDP: shard within groups of `size` devices, replicate across groups
-        m.set("mesh.fsdp", size, src)
-        m.set("mesh.data", -1, src)
+    if size <= 0:
+        return
+    free = _devices(m) // math.gcd(int(m.get("mesh.tensor") or 1), _devices(m))
+    if size >= free:
+        m.set("mesh.fsdp", -1, src)
+        m.set("mesh.data", 1, src)
+        return
+    held = math.gcd(size, free)
+    m.set("mesh.fsdp", held, src)
+    m.set("mesh.data", -1, src)
+    if held != size:
+        m.ignore(f"{src} (as mesh.fsdp={held})", f"reduced to what the {free} device(s) hold", size)
 
 
-def _placement(m: Mapper, src: str, value: Any) -> None:
-    m.ignore(src, f"{PLACEMENT}: jaxrl_llm uses every visible device, laid out by mesh.*")
+def placement_only(m: Mapper, src: str, value: Any) -> None:
+    if _at_default(src, value):
+        return
+    m.ignore(src, f"{PLACEMENT}: jaxrl_llm samples and trains on one mesh over every visible device (mesh.*)",
+             value)
 
 
 def _error_if(pred: Callable[[Any], bool], why: str):
     def handle(m: Mapper, src: str, value: Any) -> None:
         if pred(value):
-            m.error(src, f"{value!r}: {why}")
-        m.ignore(src, "off; no counterpart in jaxrl_llm")
+            m.error(src, f"{value!r}: {why}")  # off: what jaxrl_llm computes
     return handle
 
 
@@ -112,13 +162,11 @@ def _correction_loss(m: Mapper, src: str, value: Any) -> None:
     if value not in (None, "ppo_clip"):  # before: one of the no-counterpart names, and the run was PPO-clip
         m.error(src, f"{value!r}: jaxrl_llm's bypass mode trains with ppo_clip only (veRL's reinforce loss, an "
                      "IS-weighted policy gradient, is not available)")
-    m.ignore(src, "ppo_clip: jaxrl_llm's only bypass-mode loss")
 
 
 def _optimizer(m: Mapper, src: str, value: Any) -> None:
     if str(value).lower().replace("_", "") not in ("adamw", "adam"):
         m.error(src, f"{value!r}: jaxrl_llm trains with AdamW (optax.adamw) only")
-    m.ignore(src, "AdamW is the only optimizer (optax.adamw)")
 
 
 def _logger(m: Mapper, src: str, value: Any) -> None:
@@ -133,10 +181,14 @@ def _clip_grad(role: str) -> Callable[[Mapper, str, Any], None]:
 
 
 SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": _tensor_parallel,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": placement_only,
+    "actor_rollout_ref.rollout.data_parallel_size": placement_only,
+    "actor_rollout_ref.rollout.expert_parallel_size": placement_only,
+    "actor_rollout_ref.rollout.pipeline_model_parallel_size": placement_only,
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": training_tensor_parallel,
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": _fsdp_size,
-    "trainer.nnodes": _placement,
-    "trainer.n_gpus_per_node": _placement,
+    "trainer.nnodes": placement_only,
+    "trainer.n_gpus_per_node": placement_only,
     "algorithm.use_pf_ppo": _error_if(bool, "preference-feedback PPO (sample reweighting) is not supported"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _error_if(
         lambda v: v is not None, "per-token veto is not supported (rollout_rs modes only)"),
@@ -156,7 +208,73 @@ VERL_MACHINERY = ("*.agent.*", "*.agent", "*.use_shm",
                   "transfer_queue*", "*.nsight*", "*.profile_*", "trainer.profile_steps", "*.router_replay*")
 
 
+# veRL keys with no key of ours that change nothing computed: any value is listed in the warning
+HARMLESS = ("*._target_", "*.calculate_entropy", "*.calculate_sum_pi_squared", "*.sum_pi_squared_checkpointing",
+            "*.data_loader_seed", "*.use_prefix_grouper", "*.use_remove_padding", "*.enable_prefix_caching",
+            "*.scheduling_policy", "*.tokenization_sanity_check_mode", "*.checkpoint_engine.*", "*.trace.*",
+            "*.skip_dump_dir", "*.skip_tokenizer_init", "*.prometheus.*", "*.tiled_mlp.*", "*.hf_config_path",
+            "data.return_raw_input_ids", "data.return_full_prompt", "data.image_patch_size", "data.image_key",
+            "data.video_key", "data.return_multi_modal_inputs", "data.validation_shuffle",
+            "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
+            "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu",
+            "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion.max_concurrent",
+            "reward_model.sandbox_fusion.memory_limit_mb", "reward_model.use_reward_loop", "reward_model.num_workers",
+            "reward_model.rollout.*", "reward_model.reward_loop_source", "algorithm.pf_ppo.*",
+            # arguments of loss modes jaxrl_llm refuses by name (clip_cov, kl_cov, ppo_kl)
+            "*.policy_loss.clip_cov_*", "*.policy_loss.kl_cov_ratio", "*.policy_loss.ppo_kl_coef",
+            # critic LoRA shape: only read when critic.model.lora_rank > 0, which is refused
+            "critic.model.lora_alpha", "critic.model.target_modules", "reward_manager.source",
+    # the deprecated global micro-batch sizes are null in current veRL (GLOBAL_MICRO maps a value)
+    "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "*.forward_micro_batch_size",
+    "reward_model.micro_batch_size")
+# why a veRL key with no key of ours cannot take another value than veRL's default
+WHY = {
+    "actor_rollout_ref.rollout.over_sample_rate": "over-sampling (aborting the slowest requests of a step) is not "
+                                                  "available; every sample runs to its end",
+    "actor_rollout_ref.rollout.logprobs_mode": "the sampler's log-probs are always those of the processed "
+                                               "distribution (veRL's processed_logprobs)",
+    "actor_rollout_ref.rollout.quantization": "quantized rollout weights are not available",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": "MoE routing replay is not available",
+    "actor_rollout_ref.rollout.skip_rollout": "replaying dumped rollouts is not available",
+    "data.reward_fn_key": "reward functions are chosen by the row's data_source column",
+    "data.apply_chat_template_kwargs": "chat-template arguments are not available",
+    "actor_rollout_ref.model.custom_chat_template": "set data.chat_template instead",
+    "critic.model.lora_rank": "a LoRA critic is not available (full-parameter critic only)",
+}
+
+
+def _is_placement(key: str) -> bool:
+    return is_torch_only(key) or any(fnmatch.fnmatchcase(key, p) for p in VERL_MACHINERY)
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(value, Unresolved):
+        return False
+    if value in (None, {}, []) and default in (None, {}, []):
+        return True
+    return value == default and type(value) is type(default) or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value == default)
+
+
+def _at_default(src: str, value: Any) -> bool:
+    """Is veRL key `src` (possibly under Trinity's trainer_config prefix) at veRL's default value?"""
+    key = src.removeprefix("trainer.trainer_config.").lstrip("+")
+    return key in VERL_DEFAULTS and _same(value, VERL_DEFAULTS[key])
+
+
+def _no_counterpart(m: Mapper, src: str, key: str, value: Any) -> None:
+    """A veRL key our tree lacks (see the module doc for the rule)."""
+    if _same(value, VERL_DEFAULTS[key]):
+        return  # veRL's default: what jaxrl_llm computes
+    if any(fnmatch.fnmatchcase(key, p) for p in HARMLESS) or _is_placement(key):
+        m.ignore(src, "changes nothing computed (engine / placement / metrics)", value)
+    else:
+        why = WHY.get(key, "no counterpart in jaxrl_llm")
+        m.error(src, f"{value!r}: {why} (only veRL's default, {VERL_DEFAULTS[key]!r}, is what jaxrl_llm computes)")
+
+
 def _generic(m: Mapper, src: str, key: str, value: Any, raw: str | None = None) -> None:
+    key = key.lstrip("+")
     ours = our_key(key)
     if ours is not None and raw is not None and (
             (ours in DERIVED_FROM and _interpolates(raw, DERIVED_FROM[ours]))
@@ -168,10 +286,65 @@ def _generic(m: Mapper, src: str, key: str, value: Any, raw: str | None = None) 
             m.ignore(src, "null keeps jaxrl_llm's default")
         else:
             m.set(ours, our_value(ours, value), src)
-    elif is_torch_only(key) or any(fnmatch.fnmatchcase(key, p) for p in VERL_MACHINERY):
-        m.ignore(src, PLACEMENT)
+    elif key in VERL_DEFAULTS and not _is_placement(key):
+        _no_counterpart(m, src, key, value)
+    elif _is_placement(key):
+        if not _at_default(key, value):
+            m.ignore(src, PLACEMENT, value)
+    elif value is None or value is False or value in ({}, [], ""):
+        m.ignore(src, "not a key of current veRL or of jaxrl_llm (an older veRL's?); unset / off, so it changes "
+                      "nothing", value)
     else:
-        m.ignore(src, NO_COUNTERPART)
+        close = difflib.get_close_matches(key, list(VERL_DEFAULTS), n=2, cutoff=0.75)
+        hint = f" (veRL has {', '.join(close)})" if close else ""
+        m.error(src, f"{value!r}: {unknown_key_message(key)}{hint}; it is not a key of veRL's config either, so what "
+                     "it changes is unknown")
+
+
+def is_ours(key: str) -> bool:
+    """Is `key` (a command-line override) a key of ours or one of our aliases (not a veRL-only key)?"""
+    key = key.lstrip("+")
+    if key in FIELDS:
+        return True
+    if key in SPECIAL or key in GLOBAL_MICRO:
+        return False
+    return key in NAME_ALIASES or our_key(key) is not None
+
+
+def is_verl_key(key: str) -> bool:
+    """Is `key` one of veRL's (its config's keys, placement patterns, or handled specially)?"""
+    key = key.lstrip("+")
+    return key in VERL_DEFAULTS or key in SPECIAL or key in GLOBAL_MICRO or _is_placement(key)
+
+
+# veRL sizes counted per Ulysses sequence-parallel group of sp devices -> (the role whose sp applies, how they
+# scale): token budgets x sp (a micro-batch of the group holds up to budget x sp tokens, so one sequence may
+# be that long), micro-batch sequence counts / sp (the group's sequences spread over sp of our devices)
+SP_SCALED = {
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ("actor_rollout_ref.actor", "tokens"),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": ("actor_rollout_ref.ref", "tokens"),
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": ("actor_rollout_ref.actor", "tokens"),
+    "critic.ppo_max_token_len_per_gpu": ("critic", "tokens"),
+    "critic.forward_max_token_len_per_gpu": ("critic", "tokens"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("actor_rollout_ref.actor", "sequences"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ("actor_rollout_ref.ref", "sequences"),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": ("actor_rollout_ref.actor", "sequences"),
+    "critic.ppo_micro_batch_size_per_gpu": ("critic", "sequences"),
+    "critic.forward_micro_batch_size_per_gpu": ("critic", "sequences"),
+}
+
+
+def _sp_scaled(value: Any, sp: int, how: str) -> Any:
+    if sp <= 1 or not isinstance(value, int) or isinstance(value, bool):
+        return value
+    return value * sp if how == "tokens" else max(1, math.ceil(value / sp))
+
+
+def _sp_size(src: Source, role: str) -> int:
+    value = src.flat.get(f"{role}.ulysses_sequence_parallel_size")
+    if value is None and role == "actor_rollout_ref.ref":
+        value = src.flat.get("actor_rollout_ref.actor.ulysses_sequence_parallel_size")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
@@ -179,6 +352,7 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
     """Maps every key of `src` (veRL names); keys under a prefix in `skip` are ignored with a note
     (Trinity sets those itself); `raw`: interpolation texts by key (see DERIVED_FROM)."""
     raw = raw or {}
+    sp = {key: (_sp_size(src, role), how) for key, (role, how) in SP_SCALED.items()}
     for key in src.remaining():
         full = src.full(key)
         if any(key == p or key.startswith(p + ".") for p in skip):
@@ -189,16 +363,18 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
             value = src.take(key)
             if value is not None:
                 m.set(GLOBAL_MICRO[key.lstrip("+")], max(1, int_or_error(m, full, value) // m.dp()), full)
-            else:
-                m.ignore(full, "deprecated global size (null); use *_per_gpu")
-            continue
+            continue  # null: the deprecated global size is unused (current veRL)
         value = src.drop(key)  # unresolved values are an error only where they are used (Mapper.set)
         handler = SPECIAL.get(key.lstrip("+"))
         if handler is not None:
-            if isinstance(value, Unresolved) and handler is not _placement:
+            if isinstance(value, Unresolved) and handler is not placement_only:
                 src.unresolved(key, value)
             handler(m, full, value)
         else:
+            size, how = sp.get(key.lstrip("+"), (1, ""))
+            if size > 1:  # counted per sequence-parallel group in veRL
+                value = _sp_scaled(value, size, how)
+                raw = {k: v for k, v in raw.items() if k != key}  # no longer the interpolated value
             _generic(m, full, key, value, raw.get(key))
 
 
