@@ -19,7 +19,7 @@ from jaxrl_llm.models.remat import REMAT_POLICIES
 from jaxrl_llm.rewards.managers import REWARD_MANAGERS
 
 TRUNCATION = ("error", "left", "right", "middle")
-LR_SCHEDULERS = ("constant", "cosine")
+LR_SCHEDULERS = ("constant", "cosine", "linear")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes

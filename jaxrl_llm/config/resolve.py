@@ -51,6 +51,17 @@ def _files(value: Any) -> tuple[str, ...] | None:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _template_text(value: str | None) -> str | None:
+    """data.chat_template: the Jinja text itself, or a file holding it."""
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if "{" not in value and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
 def resolve_data(cfg: ConfigDict) -> DataSpec:
     """`data.*` of a validated config (also usable on a bare `data` section, where the reward
     settings, and so `builtin_scorers`, are unknown: False)."""
@@ -69,7 +80,9 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         seed=d.seed, train_max_samples=int(d.train_max_samples), val_max_samples=int(d.val_max_samples),
         dataloader_num_workers=int(d.dataloader_num_workers),
         custom_cls_path=d.custom_cls.path or None, custom_cls_name=d.custom_cls.name or None,
-        builtin_scorers=bool(builtin))
+        system_prompt=d.system_prompt, chat_template=_template_text(d.chat_template),
+        ground_truth_key=d.ground_truth_key,
+        default_data_source=d.default_data_source, builtin_scorers=bool(builtin))
 
 
 def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> SamplingParams:

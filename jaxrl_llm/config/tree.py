@@ -29,10 +29,11 @@ def _optim(lr: float, role: str) -> dict:
                                      "known). veRL."),
         "lr_warmup_steps_ratio": field(0.0, "Warmup as a fraction of total training steps, used when "
                                             "lr_warmup_steps < 0. veRL.", ge=0, le=1),
-        "lr_scheduler_type": field("constant", "After warmup: 'constant' or 'cosine' (decay to "
-                                              "min_lr_ratio * lr). veRL (old name: warmup_style, an alias).",
+        "lr_scheduler_type": field("constant", "After warmup: 'constant', 'cosine' or 'linear' (decay to "
+                                              "min_lr_ratio * lr; linear is TRL's default). veRL (old name: "
+                                              "warmup_style, an alias).",
                                               choices=names.LR_SCHEDULERS),
-        "min_lr_ratio": field(0.0, "Cosine floor as a fraction of lr. veRL.", ge=0, le=1),
+        "min_lr_ratio": field(0.0, "Cosine / linear floor as a fraction of lr. veRL.", ge=0, le=1),
         "num_cycles": field(0.5, "Cosine cycles over the decay phase (0.5 = half cosine, lr ends at the "
                                  "floor), as transformers' get_cosine_schedule_with_warmup. veRL.", ge=0),
         "total_training_steps": field(-1, "Training (RL) steps of the schedule, which steps once per "
@@ -79,6 +80,18 @@ DATA = {
                                       "no prompt_key column (ROLL-style files)."),
     "apply_chat_template": field(True, "Render prompts with the tokenizer's chat template "
                                        "(add_generation_prompt=True); False tokenizes the raw text."),
+    "system_prompt": field(None, "A system message put first in every prompt that has none (a string prompt "
+                                 "becomes [system, user]); needs apply_chat_template. TRL/open-r1 system_prompt, "
+                                 "Trinity format.system_prompt.", types=str),
+    "chat_template": field(None, "A Jinja chat template (the text, or a file holding it) that replaces the "
+                                 "tokenizer's for prompts and multi-turn rollouts; None = the tokenizer's own. TRL "
+                                 "chat_template, veRL custom_chat_template.",
+                           types=str),
+    "ground_truth_key": field(None, "Column holding each row's reference answer; None = reward_model.ground_truth "
+                                    "or a ground_truth column (veRL's row format). Trinity format.response_key.",
+                              types=str),
+    "default_data_source": field(None, "data_source of rows without a data_source column (it picks the built-in "
+                                       "scorer, e.g. openai/gsm8k); None = such rows have none.", types=str),
     "max_prompt_length": field(512, "Prompt token budget; prompts are left-padded to it. veRL.", gt=0),
     "max_response_length": field(512, "Maximum generated tokens per response. veRL.", gt=0),
     "train_batch_size": field(1024, "Prompts per training step (each sampled rollout.n times). veRL "

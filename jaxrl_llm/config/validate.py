@@ -280,6 +280,9 @@ def _check_storage(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _check_required(cfg: ml_collections.ConfigDict) -> None:
+    if cfg.data.system_prompt is not None and not cfg.data.apply_chat_template:
+        raise ConfigError("data.system_prompt needs data.apply_chat_template=True (a system message is a chat "
+                          "message; raw-text prompts have none)")
     data, model = cfg.data, cfg.actor_rollout_ref.model
     if model.path is None:
         raise ConfigError(f"{ARR}.model.path=None: set the policy (HF folder, .gguf file, checkpoint or tiny:<arch>)")

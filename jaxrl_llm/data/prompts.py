@@ -93,6 +93,18 @@ def _normalise_prompt(value: Any, where: RowRef | str, column: str) -> list[dict
     )
 
 
+def with_system_prompt(prompt: list[dict[str, Any]] | str, system_prompt: str | None
+                       ) -> list[dict[str, Any]] | str:
+    """`prompt` with `system_prompt` as its first message when it has no system message (a string
+    prompt becomes [system, user], as TRL / open-r1 build it); unchanged when `system_prompt` is None."""
+    if system_prompt is None:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if messages and messages[0].get("role") == "system":
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
 def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Tokenizer, apply_chat_template: bool) -> str:
     """The exact text fed to the tokenizer for one prompt."""
     if isinstance(prompt, str) and not apply_chat_template:
@@ -179,9 +191,15 @@ def normalise_ground_truth(value: Any) -> Any:
     return value
 
 
-def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool = False) -> dict[str, Any]:
+def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool = False,
+              ground_truth_key: str | None = None, default_data_source: str | None = None) -> dict[str, Any]:
     reward_model = row.get("reward_model")
-    if isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
+    if ground_truth_key is not None:
+        if ground_truth_key not in row:
+            raise DataError(f"{where}: missing column {ground_truth_key!r} (data.ground_truth_key); columns are "
+                            f"{sorted(row)}")
+        ground_truth = row[ground_truth_key]
+    elif isinstance(reward_model, Mapping) and "ground_truth" in reward_model:
         ground_truth = reward_model["ground_truth"]
     else:
         ground_truth = row.get("ground_truth")
@@ -191,7 +209,7 @@ def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool
         extra_info = {}
     if not isinstance(extra_info, Mapping):
         raise DataError(f"{where}: extra_info must be a dict, got {type(extra_info).__name__}")
-    data_source = row.get("data_source") or "unknown"
+    data_source = row.get("data_source") or default_data_source or "unknown"
     if builtin_scorers:  # what the built-in scorers need, checked now rather than at the first step
         from jaxrl_llm.rewards.scorers import BUILTIN_SOURCES, has_builtin_scorer
 
@@ -251,7 +269,8 @@ def records_from_rows(
     workers = data.filter_overlong_prompts_workers if filter_overlong else 1
 
     columns = _prompt_column(rows, refs, prompt_key, messages_key)
-    prompts = [_normalise_prompt(row[col], ref, col) for row, ref, col in zip(rows, refs, columns)]
+    prompts = [with_system_prompt(_normalise_prompt(row[col], ref, col), data.system_prompt)
+               for row, ref, col in zip(rows, refs, columns)]
     for prompt, ref in zip(prompts, refs):
         if not isinstance(prompt, str) and not apply_template:
             raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
@@ -266,7 +285,7 @@ def records_from_rows(
             num_dropped += 1
             continue
         record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
-        record.update(_metadata(row, ref, data.builtin_scorers))
+        record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, data.default_data_source))
         records.append(record)
     if num_dropped:
         logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",

@@ -29,6 +29,10 @@ class DataSpec:
     dataloader_num_workers: int
     custom_cls_path: str | None
     custom_cls_name: str | None
+    system_prompt: str | None = None  # put first in prompts without a system message
+    chat_template: str | None = None  # the Jinja text (read from its file by resolve) replacing the tokenizer's
+    ground_truth_key: str | None = None  # None: reward_model.ground_truth or a ground_truth column
+    default_data_source: str | None = None  # rows without a data_source column
     # rows are scored by the built-in rule scorers (no custom_reward_function, no reward model):
     # every row needs a ground truth and a data_source they know, checked when the data is loaded
     builtin_scorers: bool = False

@@ -9,6 +9,8 @@ compiled program never changes and the logged `actor/lr` is the rate that was ap
 - `lr_scheduler_type="cosine"`: linear warmup, then
   `max(min_lr_ratio, cos(pi * num_cycles * 2 * progress) * (1-min)/2 + (1+min)/2)`
   with progress = (step - warmup) / max(1, total - warmup)  (veRL `get_cosine_schedule_with_warmup`).
+- `lr_scheduler_type="linear"`: linear warmup, then `max(min_lr_ratio, (total - step) / max(1, total - warmup))`
+  (transformers' `get_linear_schedule_with_warmup`, TRL's default, when min_lr_ratio = 0).
 Warmup and total steps count RL steps; they are resolved by `jaxrl_llm.config.resolve`
 (docs/config.md, `*.optim`: `lr_warmup_steps < 0` means `lr_warmup_steps_ratio * total`, as veRL).
 """
@@ -22,7 +24,7 @@ import optax
 
 from jaxrl_llm.config.spec import OptimSpec
 
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "linear")
 Schedule = Callable[[Any], jnp.ndarray]
 
 
@@ -40,6 +42,9 @@ def make_lr_schedule(optim: OptimSpec) -> Schedule:
         warm = step / max(1, warmup)
         if style == "constant":
             factor = jnp.where(step < warmup, warm, 1.0)
+        elif style == "linear":
+            remaining = jnp.maximum(optim.min_lr_ratio, (total - step) / max(1, total - warmup))
+            factor = jnp.where(step < warmup, warm, remaining)
         else:
             progress = (step - warmup) / max(1, total - warmup)
             cosine = jnp.cos(jnp.pi * optim.num_cycles * 2.0 * progress)

@@ -5,6 +5,8 @@ constructed), and the reward function and manager build. A bad one raises the er
 run gets as far as loading its model."""
 from __future__ import annotations
 
+import copy
+
 import ml_collections
 
 from jaxrl_llm.config import ConfigError, resolve, resolve_data
@@ -18,7 +20,17 @@ def run_tokenizer(data: DataSpec) -> Tokenizer:
 
     if data.tokenizer is None:  # derived from actor_rollout_ref.model.path, except for tiny: models
         raise ConfigError("data.tokenizer: none given, and a tiny: model path names no tokenizer")
-    return load_tokenizer(data.tokenizer)
+    tokenizer = load_tokenizer(data.tokenizer)
+    if data.chat_template is None:
+        return tokenizer
+    tokenizer = copy.copy(tokenizer)  # the loaded instance is shared (cached): never changed in place
+    tokenizer.chat_template = data.chat_template
+    try:  # a template that does not render fails here, before anything is loaded
+        tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1 = ?"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except Exception as err:  # jinja2's TemplateError and what the template itself raises
+        raise ConfigError(f"data.chat_template: the template does not render a one-message chat ({err})") from None
+    return tokenizer
 
 
 def preflight(cfg: ml_collections.ConfigDict, *, dp_size: int) -> None:

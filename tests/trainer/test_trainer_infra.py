@@ -41,9 +41,19 @@ def test_cosine_schedule_matches_verl_formula():
         assert float(sched(s)) == pytest.approx(1e-3 * want, rel=1e-5), s
 
 
+def test_linear_schedule_matches_transformers_formula():
+    total, warm = 20, 4  # transformers' get_linear_schedule_with_warmup (TRL's default schedule)
+    sched = make_lr_schedule(_optim(total, lr_scheduler_type="linear", lr_warmup_steps=warm))
+    for s in range(total + 2):
+        want = s / warm if s < warm else max(0.0, (total - s) / (total - warm))
+        assert float(sched(s)) == pytest.approx(1e-3 * want, rel=1e-5, abs=1e-12), s
+    floored = make_lr_schedule(_optim(total, lr_scheduler_type="linear", lr_warmup_steps=warm, min_lr_ratio=0.25))
+    assert float(floored(total - 1)) == pytest.approx(1e-3 * 0.25, rel=1e-5)  # (20-19)/16 < 0.25
+
+
 def test_unknown_schedule_names_key():
     with pytest.raises(ValueError, match="lr_scheduler_type"):
-        make_lr_schedule(_optim(lr_scheduler_type="linear"))
+        make_lr_schedule(_optim(lr_scheduler_type="polynomial"))
 
 
 def test_optimizer_clips_then_applies_adamw():

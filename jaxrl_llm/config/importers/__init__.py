@@ -22,12 +22,13 @@ import ml_collections
 
 from jaxrl_llm.config.importers import roll, trinity, verl
 from jaxrl_llm.config.importers.common import NO_DUAL_CLIP, ImportResult, Mapper, load_yaml
-from jaxrl_llm.config.importers.trl import import_trl, parse_trl_args
+from jaxrl_llm.config.importers.trl import import_trl, parse_trl_args, trl_trainer
 from jaxrl_llm.config.schema import ConfigError
 
-FORMATS = ("verl", "trinity", "roll", "trl")
+FORMATS = ("verl", "trinity", "roll", "trl", "trl_grpo", "trl_rloo")
 TRL_MARKERS = ("num_generations", "per_device_train_batch_size", "learning_rate", "max_completion_length", "beta",
-               "rloo_k", "output_dir", "gradient_accumulation_steps")
+               "rloo_k", "output_dir", "gradient_accumulation_steps", "model_name_or_path", "reward_funcs",
+               "dataset_name", "use_peft")
 
 
 def detect_format(data: dict[str, Any]) -> str:
@@ -43,7 +44,7 @@ def detect_format(data: dict[str, Any]) -> str:
     if keys & set(TRL_MARKERS):
         return "trl"
     raise ConfigError("cannot tell the config's format from its top-level keys "
-                      f"({', '.join(sorted(keys)) or 'none'}); pass --import_format=verl|trinity|roll|trl")
+                      f"({', '.join(sorted(keys)) or 'none'}); pass --import_format={'|'.join(FORMATS)}")
 
 
 def _top_level(path: str) -> dict[str, Any]:
@@ -67,7 +68,8 @@ def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CL
                   dp_size: int | None = None) -> ImportResult:
     """Reads another framework's config file into our settings.
 
-    format: verl | trinity | roll | trl; None = detected from the top-level keys.
+    format: verl | trinity | roll | trl (trl_grpo / trl_rloo: which TRL trainer runs the file; trl
+      decides from the file); None = detected from the top-level keys.
     base: the config the result will be applied to (read where a mapping needs a current value,
       e.g. rollout.n for batch sizes); default: the default tree.
     num_devices / dp_size: for per-device sizes (default: jax.device_count() and the mesh).
@@ -78,6 +80,8 @@ def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CL
     if fmt not in FORMATS:
         raise ConfigError(f"--import_format={fmt!r}: expected one of {', '.join(FORMATS)}")
     m = Mapper(fmt, path, base=base, num_devices=num_devices, dp_size=dp_size)
+    if fmt.startswith("trl_"):
+        m.format = fmt
     if fmt == "verl":
         verl.import_verl(data, m, raw)
     elif fmt == "trinity":
@@ -85,7 +89,7 @@ def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CL
     elif fmt == "roll":
         roll.import_roll(data, m)
     else:
-        import_trl(data, m, whole_run=True)
+        import_trl(data, m, whole_run=True, trainer=trl_trainer(data, path, fmt))
     return m.result()
 
 

@@ -46,9 +46,7 @@ SIMPLE = {  # ROLL key -> our key
     "actor_infer.generating_args.temperature": f"{R}.temperature",
     "actor_infer.generating_args.top_p": f"{R}.top_p", "actor_infer.generating_args.top_k": f"{R}.top_k",
     "actor_infer.generating_args.do_sample": f"{R}.do_sample",
-    "validation.generating_args.temperature": f"{R}.val_kwargs.temperature",
-    "validation.generating_args.top_p": f"{R}.val_kwargs.top_p",
-    "validation.generating_args.top_k": f"{R}.val_kwargs.top_k", "val_n_sample": f"{R}.val_kwargs.n",
+    "val_n_sample": f"{R}.val_kwargs.n",
 }
 TRAINING_ARGS = {"learning_rate": "optim.lr", "weight_decay": "optim.weight_decay",
                  "warmup_ratio": "optim.lr_warmup_steps_ratio",
@@ -257,7 +255,76 @@ def _data(m: Mapper, src: Source) -> None:
         m.set("trainer.resume_mode", "auto" if resume else "disable", "resume_from_checkpoint")
 
 
+AGENTIC_KEYS = ("train_env_manager", "val_env_manager", "custom_envs", "env_manager")
+# ROLL's GeneratingArguments defaults (roll/configs/generating_args.py): ROLL samples unless told not to
+ROLL_SAMPLING = {"do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50}
+
+
+def _validation_sampling(m: Mapper, src: Source) -> None:
+    """ROLL validates with `validation.generating_args` over ROLL's defaults (sampling, not greedy)."""
+    if not src.keys_under("validation.generating_args"):
+        return
+    knobs = {k: src.take(f"validation.generating_args.{k}", d) for k, d in ROLL_SAMPLING.items()}
+    where = "validation.generating_args"
+    greedy = not knobs["do_sample"] or knobs["temperature"] == 0 or m.origin.get(f"{R}.val_kwargs.do_sample") == \
+        "val_greedy"
+    m.set(f"{R}.val_kwargs.do_sample", not greedy, f"{where}.do_sample")
+    m.set(f"{R}.val_kwargs.temperature", 0.0 if greedy else knobs["temperature"], f"{where}.temperature")
+    m.set(f"{R}.val_kwargs.top_p", knobs["top_p"], f"{where}.top_p")
+    m.set(f"{R}.val_kwargs.top_k", knobs["top_k"] or -1, f"{where}.top_k")
+    n = src.take(f"{where}.num_return_sequences")
+    if n is not None:
+        m.set(f"{R}.val_kwargs.n", n, f"{where}.num_return_sequences")
+
+
+def _lora(m: Mapper, src: Source) -> None:
+    """`actor_train.model_args.lora_rank / lora_alpha / lora_target` -> our LoRA (the inference
+    and reference roles' copies must agree: one model)."""
+    rank = src.take("actor_train.model_args.lora_rank")
+    for role in ("actor_infer", "reference"):
+        for name in ("lora_rank", "lora_alpha", "lora_target"):
+            other = src.take(f"{role}.model_args.{name}")
+            mine = rank if name == "lora_rank" else src.peek(f"actor_train.model_args.{name}")
+            if other is not None and other != mine:
+                m.error(f"{role}.model_args.{name}", f"{other!r} differs from actor_train's {mine!r}: jaxrl_llm "
+                                                     "samples with the model it trains")
+    if not rank:
+        for name in ("lora_alpha", "lora_target"):
+            src.take(f"actor_train.model_args.{name}")
+        return
+    model = "actor_rollout_ref.model"
+    m.set(f"{model}.lora_rank", int_or_error(m, "actor_train.model_args.lora_rank", rank),
+          "actor_train.model_args.lora_rank")
+    alpha = src.take("actor_train.model_args.lora_alpha")
+    if alpha is None:
+        m.error("actor_train.model_args.lora_alpha", "not given; set it (jaxrl_llm does not assume a default)")
+    m.set(f"{model}.lora_alpha", alpha, "actor_train.model_args.lora_alpha")
+    target = src.take("actor_train.model_args.lora_target", "all-linear")
+    if isinstance(target, str) and target != "all-linear":
+        target = [t.strip() for t in target.split(",") if t.strip()]
+    m.set(f"{model}.target_modules", target, "actor_train.model_args.lora_target")
+
+
+def _domains(m: Mapper, src: Source) -> None:
+    """ROLL's per-domain mixture: one domain (probability 1) is plain sampling; more is refused."""
+    for role in ("actor_train", "validation"):
+        key = f"{role}.data_args.domain_interleave_probs"
+        probs = {k[len(key) + 1:]: src.take(k) for k in src.keys_under(key) if k != key}
+        if len(probs) > 1:
+            m.error(key, f"{probs!r}: a per-domain sampling mixture is not available (jaxrl_llm draws the files' "
+                         "rows uniformly); give one domain, or mix the rows into the files in these proportions")
+        for name in ("interleave_probs",):
+            value = src.take(f"{role}.data_args.{name}")
+            if value is not None and str(value).strip() not in ("1", "1.0"):
+                m.error(f"{role}.data_args.{name}", f"{value!r}: a per-file sampling mixture is not available")
+
+
 def import_roll(data: dict[str, Any], m: Mapper) -> None:
+    agentic = [k for k in AGENTIC_KEYS if k in data]
+    if agentic:
+        m.error(agentic[0], "a ROLL agentic pipeline (environment managers and their environments) is not "
+                            "importable: jaxrl_llm's multi-turn rollouts take veRL's tool and interaction configs "
+                            "(docs/agents.md)")
     src = Source(flatten(data, leaves=("rewards",)), m.source)
     for key, why in ERRORS.items():
         for sub in src.keys_under(key):
@@ -283,8 +350,11 @@ def import_roll(data: dict[str, Any], m: Mapper) -> None:
         m.set("synchronizer.sync_offset", int(ratio), "async_generation_ratio")
     _algorithm(m, src)
     _batch(m, src)  # before _roles, which takes the strategy keys _batch reads
+    _lora(m, src)
     _roles(m, src)
     _data(m, src)
+    _domains(m, src)
+    _validation_sampling(m, src)
     for key in src.remaining():
         src.drop(key)
         head = key.split(".")[0]

@@ -55,7 +55,11 @@ ADVANTAGE_FNS = {"ppo": "gae", "grpo": "grpo", "reinforceplusplus": "reinforce_p
 POLICY_LOSS_FNS = {"ppo": "vanilla", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo"}
 # Trinity's default_args of the policy losses whose defaults differ from ours
 POLICY_LOSS_DEFAULT_ARGS = {"gspo": {"clip_range_low": 0.0003, "clip_range_high": 0.0004,
-                                     "loss_agg_mode": "seq-mean-token-mean"}}
+                                     "loss_agg_mode": "seq-mean-token-mean"},
+                            "cispo": {"clip_range_low": 1.0, "clip_range_high": 0.28, "loss_agg_mode": "token-mean"},
+                            "sapo": {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "token-mean"}}
+# losses whose aggregation is fixed in jaxrl_llm (veRL's): Trinity's must be the same
+FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
 KL_FNS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl", "abs": "abs"}
 POLICY_ARGS = {"clip_range": f"{A}.clip_ratio", "clip_range_low": f"{A}.clip_ratio_low",
                "clip_range_high": f"{A}.clip_ratio_high", "clip_ratio_c": f"{A}.clip_ratio_c",
@@ -113,9 +117,11 @@ def _algorithm(m: Mapper, src: Source) -> None:
     if loss not in POLICY_LOSS_FNS:
         m.error("algorithm.policy_loss_fn", f"{loss!r}: jaxrl_llm has {', '.join(POLICY_LOSS_FNS)}")
     m.set(f"{A}.policy_loss.loss_mode", POLICY_LOSS_FNS[loss], "algorithm.policy_loss_fn")
-    args = _fn_args(m, src, "policy_loss_fn") or dict(POLICY_LOSS_DEFAULT_ARGS.get(loss, {}))
-    if loss in ("cispo", "sapo") and not args:
-        m.error("algorithm.policy_loss_fn_args", f"set the {loss} arguments explicitly (clip ranges / tau)")
+    args = {**POLICY_LOSS_DEFAULT_ARGS.get(loss, {}), **_fn_args(m, src, "policy_loss_fn")}  # Trinity's defaults
+    if loss in FIXED_AGG and args.get("loss_agg_mode", FIXED_AGG[loss]) != FIXED_AGG[loss]:
+        m.error("algorithm.policy_loss_fn_args.loss_agg_mode",
+                f"{args['loss_agg_mode']!r} (Trinity's default for {loss}): jaxrl_llm's {loss} (veRL's) aggregates "
+                f"{FIXED_AGG[loss]}; set loss_agg_mode: {FIXED_AGG[loss]} to import it")
     if args.pop("enable_sequence_masking", False):
         m.error("algorithm.policy_loss_fn_args.enable_sequence_masking", "True: sequence masking is not available")
     if "delta" in args:
@@ -207,6 +213,10 @@ def _schedule(m: Mapper, src: Source) -> None:
     m.set("data.train_batch_size", batch * k, "buffer.batch_size")
     m.set(f"{A}.ppo_mini_batch_size", mini, "buffer.train_batch_size")
     optimizer_steps = batch * k // mini
+    for role in (A, "critic"):  # Trinity counts warmup in trainer steps (one optimizer step each)
+        key = f"{role}.optim.lr_warmup_steps"
+        if key in m.settings and m.settings[key] > 0:
+            m.set(key, ratio_steps(m.settings[key], optimizer_steps), m.origin[key])
     if src.has("buffer.total_epochs"):
         m.set("trainer.total_epochs", src.take("buffer.total_epochs"), "buffer.total_epochs")
     total = src.take("buffer.total_steps")
@@ -240,6 +250,11 @@ def _model(m: Mapper, src: Source) -> None:
         value = src.take(key)
         if value not in (None, ""):
             m.set(ours, value, key)
+    max_len, response = src.take("model.max_model_len"), m.get("data.max_response_length")
+    if max_len is not None and "data.max_prompt_length" not in m.settings:  # Trinity: the prompt gets the rest
+        if max_len <= response:
+            m.error("model.max_model_len", f"{max_len}: leaves no prompt tokens beside max_response_tokens={response}")
+        m.set("data.max_prompt_length", max_len - response, "model.max_model_len")
     for key in ("model.rope_theta", "model.rope_scaling"):
         if src.peek(key) is not None:
             m.set(f"actor_rollout_ref.model.override_config.{key[6:]}", src.take(key), key)
@@ -263,35 +278,90 @@ def _model(m: Mapper, src: Source) -> None:
 
 ERRORS = {  # key -> (is it set?, why)
     "mode": (lambda v: v not in (None, "both"), "only mode 'both' (explore and train together) is available"),
-    "model.custom_chat_template": (bool, "a custom chat template is not available (the tokenizer's is used)"),
-    "model.lora_configs": (bool, "LoRA is not supported (full-parameter training only)"),
     "model.min_response_tokens": (lambda v: v not in (None, 0, 1), "a minimum response length is not available"),
     # true is the Qwen3 template's own default (and other templates ignore the flag): only false changes the prompt
     "explorer.rollout_model.enable_thinking": (lambda v: v is False, "chat-template kwargs are not available, and "
                                                "enable_thinking: false changes what a Qwen3 template renders (true, "
                                                "its own default, is accepted)"),
-    "explorer.rollout_model.chat_template": (bool, "a custom chat template is not available"),
     "explorer.auxiliary_models": (bool, "auxiliary models (LLM judges / generative reward models) are not "
                                         "available; reward_model.* takes a sequence-classification model"),
     "data_processor.task_pipeline": (bool, "task pipelines (Data-Juicer) are not available"),
-    "data_processor.experience_pipeline.operators": (bool, "experience operators are not available"),
     "buffer.trainer_input.sft_warmup_steps": (bool, "SFT warmup is not available"),
     "buffer.trainer_input.sft_warmup_dataset": (bool, "SFT warmup is not available"),
     "stages": (bool, "multi-stage runs are not available"),
 }
 
 
+def _included(m: Mapper, path: str, key: str, name: str) -> str:
+    """An included file: as Trinity reads it, from the working directory (Trinity's repository root);
+    else beside the including file."""
+    for candidate in (os.path.expanduser(name), os.path.join(os.path.dirname(path), name)):
+        if os.path.isfile(candidate):
+            return candidate
+    m.error(key, f"{name!r}: the included file is not there (read from the working directory {os.getcwd()}, as "
+                 f"Trinity does, and beside {path})")
+
+
+def _lora(m: Mapper, src: Source) -> None:
+    """Trinity's `model.lora_configs` (one adapter: name, lora_rank, lora_alpha, target_modules)."""
+    configs = src.take("model.lora_configs")
+    if not configs:
+        return
+    if not isinstance(configs, list) or len(configs) != 1 or not isinstance(configs[0], dict):
+        m.error("model.lora_configs", f"{configs!r}: jaxrl_llm trains one LoRA adapter (a list of one)")
+    lora = dict(configs[0])
+    lora.pop("name", None)
+    model = "actor_rollout_ref.model"
+    for name in ("lora_rank", "lora_alpha"):
+        if name not in lora:  # Trinity's defaults have changed between versions: not assumed
+            m.error(f"model.lora_configs.{name}", "not given; set it (jaxrl_llm does not assume a Trinity version's "
+                                                  "default)")
+    m.set(f"{model}.lora_rank", lora.pop("lora_rank"), "model.lora_configs.lora_rank")
+    m.set(f"{model}.lora_alpha", lora.pop("lora_alpha"), "model.lora_configs.lora_alpha")
+    m.set(f"{model}.target_modules", lora.pop("target_modules", "all-linear"), "model.lora_configs.target_modules")
+    for name, value in lora.items():
+        if value not in (None, False, 0, "", [], {}):
+            m.error(f"model.lora_configs.{name}", f"{value!r}: not available for jaxrl_llm's LoRA (rank, alpha, "
+                                                  "target_modules)")
+
+
+# Trinity's experience operators that are jaxrl_llm's DAPO group filter (drop a task's group when its
+# rewards / accuracies do not vary; jaxrl_llm then samples more groups to refill the batch, as veRL's DAPO)
+GROUP_FILTERS = {"reward_std_filter": "seq_reward", "dapo_dynamic_sampling": "acc"}
+
+
+def _operators(m: Mapper, src: Source) -> None:
+    operators = src.take("data_processor.experience_pipeline.operators") or []
+    key = "data_processor.experience_pipeline.operators"
+    for i, op in enumerate(operators):
+        name = op.get("name") if isinstance(op, dict) else op
+        args = dict(op.get("args") or {}) if isinstance(op, dict) else {}
+        if name not in GROUP_FILTERS:
+            m.error(f"{key}[{i}].name", f"{name!r}: jaxrl_llm has the DAPO group filter only "
+                                        f"({', '.join(GROUP_FILTERS)})")
+        threshold = args.pop("threshold", args.pop("correct_threshold", 0.0))
+        if threshold not in (0, 0.0):
+            m.error(f"{key}[{i}].args.threshold", f"{threshold!r}: the group filter drops zero-variance groups only")
+        m.set("algorithm.filter_groups.enable", True, f"{key}[{i}]")
+        m.set("algorithm.filter_groups.metric", GROUP_FILTERS[name], f"{key}[{i}]")
+
+
 def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
     trainer = data.get("trainer")
     trainer_config = trainer.pop("trainer_config", None) if isinstance(trainer, dict) else None
-    src = Source(flatten(data, leaves=("buffer.explorer_input.taskset.rollout_args",)), m.source)
+    src = Source(flatten(data, leaves=("buffer.explorer_input.taskset.rollout_args", "model.lora_configs",
+                                       "data_processor.experience_pipeline.operators")), m.source)
+    kind = src.peek("algorithm.algorithm_type", "ppo")
+    if kind not in ALGORITHM_DEFAULTS:  # before the mode / SFT keys: the algorithm is the real difference
+        m.error("algorithm.algorithm_type", f"{kind!r}: jaxrl_llm has {', '.join(ALGORITHM_DEFAULTS)} "
+                                            "(no SFT / DPO / mixed / off-policy algorithm types)")
     for key, (is_set, why) in ERRORS.items():
         for sub in src.keys_under(key):
             if is_set(src.peek(sub)):
                 m.error(sub, f"{src.peek(sub)!r}: {why}")
     verl_path = src.take("trainer.trainer_config_path")
     if verl_path:  # veRL keys first: Trinity's own keys below override them, as in Trinity
-        full = os.path.join(os.path.dirname(path), verl_path)
+        full = _included(m, path, "trainer.trainer_config_path", verl_path)
         vsrc = Source(flatten(load_yaml(full), leaves=OPEN_SECTIONS), m.source, f"{verl_path}:")
         import_verl_source(m, vsrc, skip=TRINITY_OWNED)
     if isinstance(trainer_config, dict):
@@ -299,6 +369,8 @@ def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
         import_verl_source(m, vsrc, skip=TRINITY_OWNED)
     _algorithm(m, src)
     _model(m, src)
+    _lora(m, src)
+    _operators(m, src)
     _schedule(m, src)
     import_tasksets(m, src, os.path.dirname(path))
     for key in src.remaining():

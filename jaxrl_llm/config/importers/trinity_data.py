@@ -1,11 +1,17 @@
 """Trinity-RFT tasksets (`buffer.explorer_input`) -> data.* and the rollout / validation sampling.
 
-A taskset is `path` + `split` (+ `format` column keys, `rollout_args` sampling). A file path is
-used as is; a folder is searched for the split's files (`<split>.parquet`, `<split>-*.parquet`,
+A taskset is `path` + `subset_name` + `split` (+ `format` column keys, `rollout_args` sampling). A
+file path is used as is; a folder (a local copy of a Hugging Face dataset) is searched for the
+split's files under `<path>/<subset_name>` then `<path>` (`<split>.parquet`, `<split>-*.parquet`,
 ... any of .parquet/.jsonl/.json/.csv); a folder without such files maps to
-`<path>/<split>.parquet` (veRL's layout), which validation then reports if it is missing.
-Scoring is jaxrl_llm's (each row's `data_source` scorer or `custom_reward_function`), so single-turn
-math / simple workflows are accepted with a note, other workflows are errors.
+`<path>/<split>.parquet` (veRL's layout), which validation then reports if it is missing. The
+format keys map to ours: `prompt_key` -> data.prompt_key, `response_key` (the reference answer's
+column) -> data.ground_truth_key, `system_prompt` -> data.system_prompt, `chat_template` ->
+data.chat_template. Scoring is jaxrl_llm's (each row's `data_source` scorer or
+`custom_reward_function`): rows without a data_source column take `data.default_data_source`, set
+from the reward function (`math_dapo_reward` -> math_dapo) or from a taskset path that names a
+built-in source (openai/gsm8k). Single-turn math / simple workflows are accepted with a note, other
+workflows are errors; DAPO's overlong penalty (`reward_fn_args`) is veRL's overlong buffer.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any
 
 from jaxrl_llm.config.importers.common import Mapper, Source
 from jaxrl_llm.data.sources import SUPPORTED_SUFFIXES
+from jaxrl_llm.rewards.scorers import has_builtin_scorer
 
 EI = "buffer.explorer_input"
 SINGLE_TURN_WORKFLOWS = ("simple_workflow", "async_simple_workflow", "math_workflow", "async_math_workflow",
@@ -22,10 +29,9 @@ SINGLE_TURN_WORKFLOWS = ("simple_workflow", "async_simple_workflow", "math_workf
 SCORING_NOTE = ("scoring uses jaxrl_llm's scorer for each row's data_source (or custom_reward_function.path) "
                 "and the tokenizer's chat template")
 FORMAT_ERRORS = {
-    "system_prompt": "a system prompt is not available (put it in the data's message lists)",
-    "system_prompt_key": "a system prompt column is not available (put it in the data's message lists)",
+    "system_prompt_key": "a per-row system prompt column is not available (put it in the data's message lists, or "
+                         "one system_prompt for all rows)",
     "reply_prefix": "a reply prefix is not available",
-    "chat_template": "a custom chat template is not available",
     "image_key": "multimodal data is not available",
     "video_key": "multimodal data is not available",
     "enable_concatenated_multi_turn": "multi-turn data is not available",
@@ -43,17 +49,24 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def taskset_files(path: str, split: str) -> list[str]:
+def taskset_files(path: str, split: str, subset: str | None = None) -> list[str]:
     """The data files of a Trinity taskset (see the module docstring)."""
     local = os.path.expanduser(path)
     if local.endswith(SUPPORTED_SUFFIXES):
         return [path]
-    if os.path.isdir(local):
+    folders = [os.path.join(local, subset), local] if subset else [local]
+    for folder in folders:
+        if not os.path.isdir(folder):
+            continue
         for pattern in (f"{split}.*", f"{split}-*", f"*/{split}.*", f"*/{split}-*", f"*{split}*"):
-            found = sorted(f for f in glob.glob(os.path.join(local, pattern)) if f.endswith(SUPPORTED_SUFFIXES))
+            found = sorted(f for f in glob.glob(os.path.join(folder, pattern)) if f.endswith(SUPPORTED_SUFFIXES))
             if found:
                 return found
-    return [os.path.join(path, f"{split}.parquet")]
+    return [os.path.join(path, subset or "", f"{split}.parquet").replace(os.sep + os.sep, os.sep)]
+
+
+# Trinity reward functions -> the data_source whose built-in scorer computes the same
+REWARD_SOURCES = {"math_dapo_reward": "math_dapo"}
 
 
 def _workflow(m: Mapper, key: str, value: Any) -> None:
@@ -71,17 +84,10 @@ def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[s
         m.error(f"{where}.storage_type", f"{ts['storage_type']!r}: only file tasksets are available")
     if not ts.get("path"):
         m.error(f"{where}.path", "missing: the taskset's file or folder")
-    if ts.get("subset_name"):
-        m.error(f"{where}.subset_name", f"{ts['subset_name']!r}: dataset subsets are not available; point path "
-                                        "at the subset's files")
     fmt = dict(ts.get("format") or {})
     for name, why in FORMAT_ERRORS.items():
         if fmt.get(name):
             m.error(f"{where}.format.{name}", f"{fmt[name]!r}: {why}")
-    if fmt.get("response_key") not in (None, "ground_truth"):
-        m.error(f"{where}.format.response_key", f"{fmt['response_key']!r}: jaxrl_llm reads the reference answer "
-                "from reward_model.ground_truth or a ground_truth column and has no key to point elsewhere; rename "
-                "the column to ground_truth (or write veRL's row format) and drop response_key")
     for name in ("workflow_key", "reward_fn_key"):
         if fmt.get(name):
             m.error(f"{where}.format.{name}", f"{fmt[name]!r}: per-row workflows / reward functions are not available")
@@ -92,9 +98,10 @@ def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[s
     _workflow(m, f"{where}.default_eval_workflow_type", ts.get("default_eval_workflow_type"))
     if ts.get("default_reward_fn_type"):
         m.ignore(f"{where}.default_reward_fn_type={ts['default_reward_fn_type']}", SCORING_NOTE)
-    for name in ("workflow_args", "reward_fn_args"):
-        if ts.get(name):
-            m.error(f"{where}.{name}", f"{ts[name]!r}: workflow / reward-function arguments are not available")
+    if ts.get("workflow_args"):
+        m.error(f"{where}.workflow_args", f"{ts['workflow_args']!r}: workflow arguments are not available (use_base "
+                                          "renders Trinity's own plain-text prompt instead of the chat template)")
+    _reward_fn_args(m, dict(ts.get("reward_fn_args") or {}), f"{where}.reward_fn_args")
     args = dict(ts.get("rollout_args") or {})
     if not is_eval and args.get("n") not in (None, 1):
         m.error(f"{where}.rollout_args.n", "set algorithm.repeat_times instead (Trinity: do not set)")
@@ -114,6 +121,34 @@ def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[s
     return {"fmt": fmt, "args": args}
 
 
+FORMAT_KEYS = {"prompt_key": "data.prompt_key", "messages_key": "data.messages_key",
+               "response_key": "data.ground_truth_key", "system_prompt": "data.system_prompt",
+               "chat_template": "data.chat_template"}
+
+
+def _reward_fn_args(m: Mapper, args: dict[str, Any], where: str) -> None:
+    """Trinity's math_dapo_reward overlong penalty = veRL's DAPO overlong buffer: a linear penalty of up to
+    `penalty_factor` over the last `cache_length` tokens before `max_response_length`."""
+    if not args:
+        return
+    enable = bool(args.pop("enable_overlong_penalty", False))
+    length, factor = args.pop("cache_length", None), args.pop("penalty_factor", 1.0)
+    max_len = args.pop("max_response_length", None)
+    if args:
+        m.error(f"{where}.{next(iter(args))}", f"{next(iter(args.values()))!r}: this reward-function argument is "
+                                               "not available (overlong penalty arguments only)")
+    if not enable:
+        return
+    if length is None:
+        m.error(f"{where}.cache_length", "not given: the overlong penalty's buffer length")
+    cfg = "reward_model.reward_kwargs.overlong_buffer_cfg"
+    m.set(f"{cfg}.enable", True, f"{where}.enable_overlong_penalty")
+    m.set(f"{cfg}.len", length, f"{where}.cache_length")
+    m.set(f"{cfg}.penalty_factor", factor, f"{where}.penalty_factor")
+    if max_len is not None:
+        m.set("reward_model.reward_kwargs.max_resp_len", max_len, f"{where}.max_response_length")
+
+
 def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: bool) -> dict[str, Any] | None:
     if not tasksets:
         return None
@@ -123,8 +158,8 @@ def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: boo
         path, split = ts.get("path"), ts.get("split", "train")
         repeat = ts.get("repeat_times")
         info = _taskset(m, dict(ts), where, is_eval)
-        files += taskset_files(str(path), str(split))
-        values = {**{f"format.{k}": v for k, v in info["fmt"].items() if k in ("prompt_key", "messages_key")},
+        files += taskset_files(str(path), str(split), ts.get("subset_name") or None)
+        values = {**{f"format.{k}": v for k, v in info["fmt"].items() if k in FORMAT_KEYS},
                   **{f"rollout_args.{k}": v for k, v in info["args"].items()}}
         if is_eval:
             values["repeat_times"] = repeat if repeat is not None else 1
@@ -142,14 +177,17 @@ def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: boo
 
 def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
     del base_dir  # Trinity resolves relative taskset paths against the working directory, as we do
-    for key in ("system_prompt", "reply_prefix"):
-        if src.peek(f"{EI}.{key}"):
-            m.error(f"{EI}.{key}", f"{src.peek(f'{EI}.{key}')!r}: {FORMAT_ERRORS[key]}")
+    if src.peek(f"{EI}.reply_prefix"):
+        m.error(f"{EI}.reply_prefix", f"{src.peek(f'{EI}.reply_prefix')!r}: {FORMAT_ERRORS['reply_prefix']}")
+    if src.peek(f"{EI}.system_prompt"):
+        m.set("data.system_prompt", src.take(f"{EI}.system_prompt"), f"{EI}.system_prompt")
     for name in ("default_workflow_type", "default_eval_workflow_type"):  # defaults of every taskset
         _workflow(m, f"{EI}.{name}", src.take(f"{EI}.{name}"))
     reward = src.take(f"{EI}.default_reward_fn_type")
     if reward:
         m.ignore(f"{EI}.default_reward_fn_type={reward}", SCORING_NOTE)
+        if reward in REWARD_SOURCES:
+            m.set("data.default_data_source", REWARD_SOURCES[reward], f"{EI}.default_reward_fn_type")
     single = src.sub(f"{EI}.taskset.")
     train = [(f"{EI}.taskset", _unflatten(single.flat))] if single.flat else []
     listed = src.take(f"{EI}.tasksets") or []
@@ -160,6 +198,9 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
     got = _collect(m, train, is_eval=False)
     if got is not None:
         m.set("data.train_files", got.pop("files"), f"{EI}.taskset.path")
+        paths = {str(ts.get("path")) for _, ts in train}
+        if "data.default_data_source" not in m.settings and len(paths) == 1 and has_builtin_scorer(next(iter(paths))):
+            m.set("data.default_data_source", next(iter(paths)), f"{EI}.taskset.path")
         _sampling(m, got, "actor_rollout_ref.rollout", f"{EI}.taskset")
     got = _collect(m, evals, is_eval=True)
     if got is not None:
@@ -178,7 +219,7 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
 def _sampling(m: Mapper, got: dict[str, Any], section: str | None, where: str) -> None:
     for key, value in got.items():
         if key.startswith("format."):
-            ours = "data." + key.split(".", 1)[1]
+            ours = FORMAT_KEYS[key.split(".", 1)[1]]
             if ours in m.settings and m.settings[ours] != value:
                 m.error(f"{where}.{key}", f"{value!r} differs from {m.origin[ours]}={m.settings[ours]!r}; "
                                           "jaxrl_llm reads training and validation files with one key")

@@ -1,20 +1,28 @@
 """TRL `GRPOConfig` / `RLOOConfig` arguments (command-line flags or a YAML file) -> our tree.
 
 Flags are overrides: only the arguments given are translated, on top of the config they follow.
-A TRL YAML file (`--import_format=trl`) is a whole TRL run: it also selects GRPO (or TRL's RLOO)
-and turns off KL-in-reward. TRL's own defaults are not applied (they differ between TRL versions).
+A TRL YAML file is a whole TRL run (`trl grpo --config FILE` / `trl rloo --config FILE`): it selects
+the trainer (`--import_format=trl_grpo` / `trl_rloo`; `trl` decides from the file: RLOO when it has
+the older RLOOTrainer's arguments or its name says rloo, else GRPO), turns off KL-in-reward, and
+the arguments it leaves out take TRL's defaults (`GRPO_DEFAULTS` / `RLOO_DEFAULTS`, TRL's
+GRPOConfig / RLOOConfig as of mid-2026: e.g. 8 generations and the `dapo` loss for GRPO, 2
+generations and beta 0.05 for RLOO, a linear learning-rate decay).
 
-Arguments of TRL's older RLOOTrainer (`rloo_k`, `kl_coef`, `num_ppo_epochs`, `total_episodes`, ...)
-switch to `algorithm.trl_rloo` (TRL's sequence-level RLOO); GRPO-only arguments cannot be mixed in.
-Batch sizes and step counters: `trl_batch.py`.
+RLOO is `algorithm.adv_estimator=trl_rloo` (TRL's sequence-level RLOO, `beta` the coefficient of the
+KL folded into each sequence's reward); the older RLOOTrainer's arguments (`rloo_k`, `kl_coef`,
+`num_ppo_epochs`, `total_episodes`, ...) map there too. `--use_peft` with its `lora_*` arguments
+is LoRA. open-r1's recipe keys (`system_prompt`, `chat_template`, `dataset_prompt_column`) map to
+data.*; its reward functions other than accuracy are refused (scoring is jaxrl_llm's per
+data_source, or a custom_reward_function). Batch sizes and step counters: `trl_batch.py`.
 """
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_llm.config.importers.common import NO_COUNTERPART, PLACEMENT, Mapper, logger_sinks
+from jaxrl_llm.config.importers.common import NO_COUNTERPART, PLACEMENT, Mapper, int_or_error, logger_sinks
 from jaxrl_llm.config.importers.trl_batch import map_batch, map_steps
 from jaxrl_llm.config.overrides import parse_value
 from jaxrl_llm.config.schema import ConfigError
@@ -36,25 +44,42 @@ SIMPLE = {
     "normalize_advantage": "algorithm.trl_rloo.normalize_advantage",
     "token_level_kl": "algorithm.trl_rloo.token_level_kl",
 }
-RLOO_MODE = ("rloo_k", "kl_coef", "cliprange", "normalize_reward", "reward_clip_range", "normalize_advantage",
+# the older RLOOTrainer's arguments (sequence-level RLOO, its own batch arithmetic)
+RLOO_MODE = ("rloo_k", "kl_coef", "cliprange", "normalize_reward", "normalize_advantage",
              "token_level_kl", "num_ppo_epochs", "num_mini_batches", "total_episodes", "whiten_rewards")
-GRPO_ONLY = ("num_generations", "beta", "epsilon", "epsilon_high", "delta", "num_iterations", "steps_per_generation",
-             "generation_batch_size", "loss_type", "scale_rewards", "importance_sampling_level")
+GRPO_ONLY = ("delta", "loss_type", "scale_rewards", "importance_sampling_level")  # not RLOOConfig arguments
+# TRL's defaults (GRPOConfig / RLOOConfig and transformers' TrainingArguments, mid-2026) for a whole-run file
+_TRAINING_DEFAULTS = {"learning_rate": 1e-6, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+                      "num_train_epochs": 3, "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "weight_decay": 0.0,
+                      "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8, "max_grad_norm": 1.0,
+                      "bf16": True, "gradient_checkpointing": True, "max_completion_length": 512,
+                      "temperature": 1.0, "top_p": 1.0, "top_k": 0, "num_iterations": 1, "epsilon": 0.2}
+GRPO_DEFAULTS = {**_TRAINING_DEFAULTS, "num_generations": 8, "beta": 0.0, "loss_type": "dapo", "scale_rewards": "group"}
+RLOO_DEFAULTS = {**_TRAINING_DEFAULTS, "num_generations": 2, "beta": 0.05}
+# PEFT's default LoRA targets of the architectures jaxrl_llm loads (Llama, Qwen2/3, Mistral)
+PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]
+# open-r1 / TRL reward functions: the math accuracy check is jaxrl_llm's scorer per data_source
+ACCURACY_REWARDS = ("accuracy", "accuracy_reward")
 LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
               "dr_grpo": "seq-mean-token-sum-norm"}
 SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
-             "cosine_with_min_lr": "cosine"}
+             "cosine_with_min_lr": "cosine", "linear": "linear"}
 ERRORS = {  # argument -> (is its value unsupported?, why)
     "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "a repetition penalty is not available (1.0 only)"),
     "min_p": (lambda v: v not in (None, 0, 0.0), "min-p sampling is not available"),
     "mask_truncated_completions": (bool, "masking truncated completions out of the loss is not available"),
     "top_entropy_quantile": (lambda v: v not in (None, 1, 1.0), "entropy-quantile token masking is not available"),
     "sync_ref_model": (bool, "syncing the reference model to the policy is not available"),
-    "reward_weights": (lambda v: v is not None, "weighted multiple reward functions are not available"),
+    "reward_weights": (lambda v: v is not None and list(v) != [1.0], "weighted multiple reward functions are not "
+                                                                     "available"),
     "whiten_rewards": (bool, "reward whitening is not available"),
     "generation_kwargs": (bool, "extra generation arguments are not available"),
     "chat_template_kwargs": (bool, "chat-template arguments are not available"),
-    "use_peft": (bool, "LoRA / PEFT is not available (full-parameter training only)"),
+    "use_rslora": (bool, "rank-stabilised LoRA scaling is not available (alpha / rank only)"),
+    "use_dora": (bool, "DoRA is not available (plain LoRA only)"),
+    "lora_modules_to_save": (bool, "fully trained extra modules beside LoRA are not available"),
+    "load_in_4bit": (bool, "quantized (QLoRA) base weights are not available"),
+    "load_in_8bit": (bool, "quantized base weights are not available"),
 }
 IGNORED = {  # patterns -> reason
     PLACEMENT: ("use_vllm", "vllm_*", "ds3_*", "deepspeed", "fsdp*", "ddp_*", "dataloader_*", "torch_*", "tf32",
@@ -69,7 +94,11 @@ IGNORED = {  # patterns -> reason
                                     "do_predict", "save_safetensors", "save_only_model", "save_on_each_node",
                                     "num_completions_to_print", "wandb_*", "include_*", "exp_name",
                                     "resume_from_checkpoint", "skip_memory_metrics", "label_names"),
-    "data comes from data.train_files / data.val_files": ("dataset_*", "reward_funcs", "reward_model_name_or_path"),
+    "data comes from data.train_files / data.val_files (local files; jaxrl_llm never downloads)": (
+        "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
+        "dataset_mixture", "dataset_num_proc", "dataset_kwargs"),
+    "the policy's own model (no separate reward model path here)": ("reward_model_name_or_path",),
+    "PEFT bookkeeping": ("lora_task_type",),
     "jaxrl_llm's models have no dropout": ("disable_dropout",),
     "jaxrl_llm stops at EOS (and rollout.stop_token_ids)": ("stop_token",),
 }
@@ -190,7 +219,7 @@ def _optim(m: Mapper, args: dict[str, Any]) -> None:
     if "lr_scheduler_type" in args:
         kind = get("lr_scheduler_type")
         if kind not in SCHEDULES:
-            m.error("lr_scheduler_type", f"{kind!r}: jaxrl_llm has constant and cosine (with linear warmup)")
+            m.error("lr_scheduler_type", f"{kind!r}: jaxrl_llm has constant, cosine and linear (with linear warmup)")
         m.set(f"{A}.optim.lr_scheduler_type", SCHEDULES[kind], "lr_scheduler_type")
         kwargs = get("lr_scheduler_kwargs") or {}
         if "min_lr_rate" in kwargs:
@@ -201,7 +230,9 @@ def _optim(m: Mapper, args: dict[str, Any]) -> None:
         m.error("optim", f"{get('optim')!r}: jaxrl_llm trains with AdamW only")
 
 
-HANDLED = set(SIMPLE) | set(ERRORS) | {
+HANDLED = set(SIMPLE) | {
+    "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "reward_funcs", "system_prompt",
+    "chat_template", "dataset_prompt_column", "normalize_advantages",
     "top_k", "beta", "epsilon", "epsilon_high", "cliprange", "delta", "loss_type", "scale_rewards",
     "importance_sampling_level", "max_prompt_length", "bf16", "fp16", "gradient_checkpointing", "adam_beta1",
     "adam_beta2", "lr_scheduler_type", "lr_scheduler_kwargs", "optim", "report_to", "seed", "save_total_limit",
@@ -211,36 +242,101 @@ HANDLED = set(SIMPLE) | set(ERRORS) | {
     "warmup_steps"}
 
 
-def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool) -> None:
-    """TRL arguments into `m`; `whole_run` for a TRL YAML file (selects the algorithm too)."""
-    rloo = any(k in args for k in RLOO_MODE)
+def _lora(m: Mapper, args: dict[str, Any]) -> None:
+    """`--use_peft` with TRL's ModelConfig LoRA arguments (its defaults: r 16, alpha 32, dropout 0.05,
+    PEFT's default targets)."""
+    use = args.get("use_peft")
+    for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):
+        if key in args and not use:
+            m.ignore(key, "used only with use_peft")
+    if not use:
+        return
+    dropout = args.get("lora_dropout", 0.05)
+    if dropout not in (0, 0.0):
+        m.error("lora_dropout", f"{dropout!r}{' (TRL default)' if 'lora_dropout' not in args else ''}: jaxrl_llm's "
+                                "LoRA has no dropout; pass --lora_dropout=0 to train without it")
+    model = "actor_rollout_ref.model"
+    m.set(f"{model}.lora_rank", int_or_error(m, "lora_r", args.get("lora_r", 16)), "lora_r")
+    m.set(f"{model}.lora_alpha", args.get("lora_alpha", 32), "lora_alpha")
+    targets = args.get("lora_target_modules")
+    if targets is None:
+        targets = PEFT_DEFAULT_TARGETS
+    elif isinstance(targets, str) and targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    m.set(f"{model}.target_modules", targets, "lora_target_modules")
+
+
+def _rewards(m: Mapper, args: dict[str, Any]) -> None:
+    """open-r1 / TRL `reward_funcs`: accuracy is jaxrl_llm's scorer per data_source; others are refused."""
+    funcs = args.get("reward_funcs")
+    if funcs is None:
+        return
+    funcs = [funcs] if isinstance(funcs, str) else list(funcs)
+    other = [f for f in funcs if f not in ACCURACY_REWARDS]
+    if other:
+        m.error("reward_funcs", f"{other!r}: these reward functions are not built into jaxrl_llm (its built-in "
+                                "scorers check the answer per data_source); write them, with their weights, into a "
+                                "custom_reward_function.path")
+    m.ignore(f"reward_funcs={funcs}", "scoring uses jaxrl_llm's scorer for each row's data_source (or "
+                                      "custom_reward_function.path)")
+
+
+def _data_keys(m: Mapper, args: dict[str, Any]) -> None:
+    """open-r1's recipe keys for the prompt."""
+    if args.get("system_prompt") is not None:
+        m.set("data.system_prompt", args["system_prompt"], "system_prompt")
+    if args.get("chat_template") is not None:
+        m.set("data.chat_template", args["chat_template"], "chat_template")
+    if args.get("dataset_prompt_column") is not None:
+        m.set("data.prompt_key", args["dataset_prompt_column"], "dataset_prompt_column")
+
+
+def trl_trainer(args: dict[str, Any], source: str, fmt: str) -> str:
+    """'rloo' or 'grpo': the format's when it names one (trl_grpo / trl_rloo), else RLOO when the
+    arguments are the older RLOOTrainer's or the file's name says rloo."""
+    if fmt in ("trl_grpo", "trl_rloo"):
+        return fmt[4:]
+    legacy = any(k in args for k in RLOO_MODE)
+    return "rloo" if legacy or "rloo" in os.path.basename(source).lower() else "grpo"
+
+
+def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool, trainer: str | None = None) -> None:
+    """TRL arguments into `m`; `whole_run` for a TRL YAML file (selects the algorithm and fills TRL's
+    defaults); `trainer`: 'grpo' / 'rloo' (None: decided by the arguments, for flags)."""
+    legacy = any(k in args for k in RLOO_MODE)
+    rloo = trainer == "rloo" or legacy
     if rloo:
         mixed = [k for k in GRPO_ONLY if k in args]
         if mixed:
-            rloo_args = ", ".join(k for k in RLOO_MODE if k in args)
-            m.error(mixed[0], f"a GRPOConfig argument mixed with RLOOConfig ones ({rloo_args})")
+            m.error(mixed[0], "a GRPOConfig argument in an RLOO run (RLOOConfig has no such argument)")
+    if whole_run:  # the arguments the file leaves out take TRL's defaults, as `trl grpo/rloo --config` does
+        defaults = RLOO_DEFAULTS if rloo and not legacy else GRPO_DEFAULTS if not rloo else {}
+        args = {**defaults, **args}
+    _rewards(m, args)  # before reward_weights: the functions are what is refused
     for key, (bad, why) in ERRORS.items():
         if key in args and bad(args[key]):
             m.error(key, f"{args[key]!r}: {why}")
-        elif key in args:
-            m.ignore(key, "off; no counterpart in jaxrl_llm")
-    if whole_run and not rloo and "num_generations" not in args:
-        m.error("num_generations", "not given: GRPO samples a group per prompt and TRL's default group size differs "
-                                   "between versions (8 in current TRL); set num_generations")
     if rloo or whole_run:
         m.set("algorithm.adv_estimator", "trl_rloo" if rloo else "grpo", "RLOOConfig" if rloo else "GRPOConfig")
         m.set("algorithm.use_kl_in_reward", False, "RLOOConfig" if rloo else "GRPOConfig")
     if rloo:  # TRL's RLOO (adv_estimator=trl_rloo): KL folded into the sequence score, no KL loss
         m.set(f"{A}.use_kl_loss", False, "RLOOConfig")
+        if "beta" in args:  # RLOOConfig's beta: the coefficient of that KL
+            m.set("algorithm.kl_ctrl.kl_coef", args.pop("beta"), "beta")
+        if "normalize_advantages" in args:
+            m.set("algorithm.trl_rloo.normalize_advantage", bool(args.pop("normalize_advantages")),
+                  "normalize_advantages")
     for key, ours in SIMPLE.items():
         if key in args and args[key] is not None:
             m.set(ours, args[key], key)
     _special(m, args)
-    map_batch(m, args, rloo)
-    map_steps(m, args, rloo)
+    _lora(m, args)
+    _data_keys(m, args)
+    map_batch(m, args, legacy)
+    map_steps(m, args, legacy)
     for key in args:
-        if key in HANDLED:
+        if key in HANDLED or key in ERRORS:
             continue
         why = next((w for w, pats in IGNORED.items() if any(fnmatch.fnmatchcase(key, p) for p in pats)),
                    NO_COUNTERPART)
-        m.ignore(key, "jaxrl_llm logs every step" if key == "logging_steps" else why)
+        m.ignore(key, "jaxrl_llm logs every step" if key == "logging_steps" else why, args[key])
