@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "config" / "fixtures"
 VERL, TRINITY, ROLL, TRL = (str(FIX / f) for f in ("verl_grpo_gsm8k.yaml", "trinity_grpo_gsm8k.yaml",
                                                     "roll_rlvr_gsm8k.yaml", "trl_grpo_gsm8k.yaml"))
-A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
 
 
 @pytest.fixture
@@ -262,8 +262,8 @@ def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     ("algorithm.kl_loss_fn", "corrected_k3", "jaxrl_llm has"),
     ("algorithm.kl_loss_fn_args.adaptive", True, "adaptive"),
     ("buffer.explorer_input.default_workflow_type", "alfworld_workflow", "single-turn"),
-    ("buffer.explorer_input.taskset.format.response_key", "answer", "ground_truth"),
-    ("buffer.explorer_input.taskset.format.system_prompt", "Think step by step.", "system prompt"),
+    ("buffer.explorer_input.taskset.format.system_prompt_key", "sys", "per-row system prompt"),
+    ("buffer.explorer_input.taskset.workflow_args", {"use_base": True}, "plain-text prompt"),
     ("buffer.total_steps", 30, "multiple of sync_interval"),
     ("explorer.auxiliary_models", [{"model_path": "judge"}], "auxiliary models"),
     ("mode", "train", "both"),
@@ -344,7 +344,7 @@ def test_roll_defaults_and_gspo(home, tmp_path):
     ("actor_infer.generating_args.repetition_penalty", 1.1, "repetition"),
     ("loss_agg_mode", "token-mean", "not available"),  # with importance_sampling: seq below
     ("actor_train.training_args.gradient_accumulation_steps", 3, "whole number of groups"),
-    ("actor_train.training_args.lr_scheduler_type", "linear", "constant and cosine"),
+    ("actor_train.training_args.lr_scheduler_type", "polynomial", "constant, cosine and linear"),
 ])
 def test_roll_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     changes = {key: value}
@@ -394,9 +394,21 @@ def test_trl_yaml(home):
     assert validate_config(cfg, dp_size=8, check_paths=False).data.train_batch_size == 128
 
 
-def test_trl_yaml_without_num_generations_names_it(home, tmp_path):
-    with pytest.raises(ConfigError, match=r"variant.yaml: num_generations: not given: GRPO samples a group"):
-        import_config(variant(TRL, tmp_path, {"num_generations": None}), "trl", dp_size=8)
+def test_trl_yaml_left_out_arguments_take_trl_defaults(home, tmp_path):
+    # `trl grpo --config FILE` fills what the file leaves out with GRPOConfig's defaults (before: an error)
+    r = import_config(variant(TRL, tmp_path, {"num_generations": None, "loss_type": None, "beta": None}), "trl",
+                      dp_size=8)
+    assert values(r, f"{R}.n", f"{A}.loss_agg_mode", f"{A}.use_kl_loss") == (8, "token-mean", False)
+    rloo = import_config(variant(TRL, tmp_path, {"num_generations": None, "beta": None, "loss_type": None,
+                                                  "scale_rewards": None, "importance_sampling_level": None,
+                                                  "delta": None}), "trl_rloo", dp_size=8)
+    assert values(rloo, "algorithm.adv_estimator", f"{R}.n", "algorithm.kl_ctrl.kl_coef") == ("trl_rloo", 2, 0.05)
+
+
+def test_trl_use_peft_is_lora():
+    r = import_trl_flags(["--use_peft", "--lora_r=16", "--lora_dropout=0", "--lora_target_modules", "q_proj,v_proj"],
+                         dp_size=8)
+    assert values(r, f"{M}.lora_rank", f"{M}.lora_alpha", f"{M}.target_modules") == (16, 32, ["q_proj", "v_proj"])
 
 
 def test_trl_flags_on_a_config_file():
@@ -437,9 +449,10 @@ def apply_tiny(cfg):
     (["--repetition_penalty=1.1"], "repetition_penalty", "repetition penalty"),
     (["--mask_truncated_completions"], "mask_truncated_completions", "truncated"),
     (["--loss_type=sapo_like"], "loss_type", "jaxrl_llm has grpo"),
-    (["--lr_scheduler_type=linear"], "lr_scheduler_type", "constant and cosine"),
+    (["--lr_scheduler_type=polynomial"], "lr_scheduler_type", "constant, cosine and linear"),
     (["--scale_rewards=batch"], "scale_rewards", "group std"),
-    (["--rloo_k=4", "--num_generations=4"], "num_generations", "mixed"),
+    (["--rloo_k=4", "--loss_type=grpo"], "loss_type", "a GRPOConfig argument in an RLOO run"),
+    (["--use_peft", "--lora_r=16"], "lora_dropout", "0.05 (TRL default): jaxrl_llm's LoRA has no dropout"),
     (["--epsilon=0.2", "--delta=1.1"], "delta", "dual clip"),
     (["--importance_sampling_level=sequence"], "importance_sampling_level", "gspo"),
     (["--num_generations=16", "--per_device_train_batch_size=3"], "per_device_train_batch_size", "whole groups"),

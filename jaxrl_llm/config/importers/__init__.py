@@ -129,12 +129,19 @@ def split_hydra_config(items: Sequence[str]) -> tuple[str | None, list[str]]:
         raise ConfigError(f"--config-path={found['--config-path']}: give --config-name too (the YAML file in it)")
     folder = found.get("--config-path", ".")
     name = found["--config-name"]
-    path = os.path.join(folder, name if name.endswith((".yaml", ".yml")) else name + ".yaml")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config-path={folder} --config-name={name}: no file {path} (a relative --config-path "
-                          "is read from the current directory; Hydra reads it from the veRL script's folder, so "
-                          "give that folder's path)")
-    return path, rest
+    file = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    # Hydra reads a relative --config-path from the main module's folder (verl/trainer/ for main_ppo, run
+    # from veRL's repository root); we try the current directory first, then that folder
+    candidates = [os.path.join(folder, file)]
+    if not os.path.isabs(folder):
+        candidates.append(os.path.join("verl", "trainer", folder, file))
+    path = next((p for p in candidates if os.path.isfile(p)), None)
+    if path is None:
+        raise ConfigError(f"--config-path={folder} --config-name={name}: no file {' or '.join(candidates)} (a "
+                          "relative --config-path is read from the current directory, then from verl/trainer/ "
+                          "below it, where veRL's main_ppo reads it: run from veRL's repository root or give an "
+                          "absolute path)")
+    return os.path.normpath(path), rest
 
 
 def split_trl_flags(items: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -63,9 +63,10 @@ def import_overrides(overrides: Sequence[str], base: ml_collections.ConfigDict, 
     with_sp = any(split_override(o)[0].endswith("ulysses_sequence_parallel_size") for o in overrides)
     for item in overrides:
         key, text = split_override(item)
-        if is_ours(key) and not (with_sp and key.lstrip("+") in SP_SCALED):
+        scaled = with_sp and key.lstrip("+") in SP_SCALED
+        if is_ours(key) and not scaled:
             ours.append(item)
-        elif not is_verl_key(key):
+        elif not scaled and not is_verl_key(key):
             raise ConfigError(unknown_key_message(key.lstrip("+")))
         else:
             peer[key] = parse_value(text)

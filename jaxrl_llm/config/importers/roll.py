@@ -195,9 +195,10 @@ def _roles(m: Mapper, src: Source) -> None:
             m.set(f"{ours}.optim.betas", [b if b is not None else o for b, o in zip(betas, old)], ta + "adam_beta1")
         schedule = src.take(ta + "lr_scheduler_type")
         if schedule is not None:
-            if schedule not in ("constant", "constant_with_warmup", "cosine"):
-                m.error(ta + "lr_scheduler_type", f"{schedule!r}: jaxrl_llm has constant and cosine (with warmup)")
-            m.set(f"{ours}.optim.lr_scheduler_type", "cosine" if schedule == "cosine" else "constant",
+            if schedule not in ("constant", "constant_with_warmup", "cosine", "linear"):
+                m.error(ta + "lr_scheduler_type", f"{schedule!r}: jaxrl_llm has constant, cosine and linear (with "
+                                                  "warmup)")
+            m.set(f"{ours}.optim.lr_scheduler_type", "constant" if schedule.startswith("constant") else schedule,
                   ta + "lr_scheduler_type")
         model = "actor_rollout_ref.model" if role == "actor_train" else "critic.model"
         dtype = src.take(f"{role}.model_args.dtype")

@@ -304,11 +304,9 @@ def _generic(m: Mapper, src: str, key: str, value: Any, raw: str | None = None) 
 def is_ours(key: str) -> bool:
     """Is `key` (a command-line override) a key of ours or one of our aliases (not a veRL-only key)?"""
     key = key.lstrip("+")
-    if key in FIELDS:
-        return True
-    if key in SPECIAL or key in GLOBAL_MICRO:
+    if key in SPECIAL or key in GLOBAL_MICRO:  # handled as in a veRL file (e.g. a logger that is not installed)
         return False
-    return key in NAME_ALIASES or our_key(key) is not None
+    return key in FIELDS or key in NAME_ALIASES or our_key(key) is not None
 
 
 def is_verl_key(key: str) -> bool:

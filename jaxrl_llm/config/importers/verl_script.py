@@ -62,12 +62,6 @@ class _Expander:
     def expand(self, text: str, line: int, *, strict: bool) -> str | None:
         """`text` with $VAR / ${VAR} / ${VAR:-default} / $(pwd) expanded; None (when not strict) if it
         needs a value we do not have."""
-        def arithmetic(match: re.Match) -> str:
-            body = re.sub(r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda v: self._value(v.group(1)), match.group(1))
-            if not ARITHMETIC_TEXT.match(body):
-                raise _Missing(f"$(({match.group(1)}))", "arithmetic on values that are not integers")
-            return str(int(eval(body.replace("/", "//"), {"__builtins__": {}})))  # digits and operators only
-
         def substitution(match: re.Match) -> str:
             command = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
             words = command.split()
@@ -93,7 +87,7 @@ class _Expander:
             return value
 
         try:
-            text = ARITHMETIC.sub(arithmetic, text)
+            text = ARITHMETIC.sub(self._arithmetic, text)
             text = SUBSTITUTION.sub(substitution, text)
             return VARIABLE.sub(variable, text)
         except _Missing as missing:
@@ -101,6 +95,20 @@ class _Expander:
                 return None
             raise ScriptError(f"{self.path} line {line}: {missing.what} is {missing.why}; set it in the environment "
                               "(it wins over the script's own assignment)") from None
+
+    def _arithmetic(self, match: re.Match) -> str:
+        """`$(( ... ))` over integers and the script's variables (digits and + - * / % only, evaluated)."""
+        body = re.sub(r"\$?\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda v: self._value(v.group(1)), match.group(1))
+        if not ARITHMETIC_TEXT.match(body):
+            raise _Missing(f"$(({match.group(1)}))", "arithmetic on values that are not integers")
+        return str(int(eval(body.replace("/", "//"), {"__builtins__": {}})))  # only digits and operators remain
+
+    def arithmetic(self, text: str, line: int) -> str:
+        """`text` with its `$(( ))` expansions done (before the command is split into words)."""
+        try:
+            return ARITHMETIC.sub(self._arithmetic, text)
+        except _Missing as missing:
+            raise ScriptError(f"{self.path} line {line}: {missing.what} is {missing.why}") from None
 
     def _value(self, name: str) -> str:
         value = self.env.get(name) if name in self.env else self.values.get(name)
@@ -159,6 +167,7 @@ def read_verl_script(path: str, env: Mapping[str, str] | None = None) -> tuple[s
     if command is None:
         raise ScriptError(f"{path}: no `python3 -m verl.trainer.main_ppo ...` command found")
     number, args = command
+    args = expander.arithmetic(args, number)
     try:
         words = shlex.split(args, comments=True, posix=True)
     except ValueError as err:

@@ -1,0 +1,224 @@
+"""The peers' own config files as they ship (tests/config/peers, SOURCES.md there), each read the way
+`launch/train.py --import_config=FILE` reads it on the devices the file was written for: it imports
+with the checked values of the keys that matter, or it is refused naming the key and a reason that
+is a real difference in what would be computed. The counts are the ones docs/importing.md reports.
+"""
+import os
+import pathlib
+import re
+
+import pytest
+
+from jaxrl_llm.config import ConfigError, default_config
+from jaxrl_llm.config.importers.command_line import resolve_command_line
+from jaxrl_llm.config.schema import get_path
+
+PEERS = pathlib.Path(__file__).parent / "peers"
+DOCS = pathlib.Path(__file__).parents[2] / "docs" / "importing.md"
+A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+# what the veRL scripts read from the environment (a user sets these, as the scripts expect)
+SCRIPT_ENV = {"HOME": "/home/user", "EXPERIMENT_NAME": "run", "NOW": "20260101", "SLURM_JOB_NUM_NODES": "1"}
+
+
+def imports(**values):
+    return ("imports", {k.replace("__", "."): v for k, v in values.items()})
+
+
+def refused(key, reason):
+    return ("refused", (key, reason))
+
+
+GRPO_KL = dict(actor_rollout_ref__actor__use_kl_loss=True, actor_rollout_ref__actor__kl_loss_type="low_var_kl",
+               actor_rollout_ref__actor__kl_loss_coef=0.001, algorithm__use_kl_in_reward=False)
+# (file below peers/, working directory below peers/, devices the file is written for, extra items, outcome)
+CASES = {
+    "verl/examples/grpo_trainer/run_qwen2-7b_math.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="grpo", actor_rollout_ref__rollout__n=5, data__train_batch_size=1024,
+        actor_rollout_ref__actor__ppo_mini_batch_size=256, actor_rollout_ref__actor__ppo_micro_batch_size_per_device=16,
+        actor_rollout_ref__actor__optim__lr=1e-6, data__max_prompt_length=1024, data__max_response_length=1024,
+        data__train_files=["/home/user/data/gsm8k/train.parquet", "/home/user/data/math/train.parquet"],
+        mesh__tensor=1, mesh__fsdp=-1, trainer__total_epochs=15, **GRPO_KL)),
+    "verl/examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh": ("verl", 2, (), imports(
+        actor_rollout_ref__model__lora_rank=64, actor_rollout_ref__model__lora_alpha=32,
+        actor_rollout_ref__model__target_modules="all-linear", data__train_batch_size=16,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_device=40, actor_rollout_ref__actor__optim__lr=3e-6,
+        **GRPO_KL)),
+    "verl/examples/grpo_trainer/run_deepseek7b_llm_seq_balance.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="grpo", actor_rollout_ref__actor__use_dynamic_bsz=True,
+        actor_rollout_ref__actor__ppo_max_token_len_per_device=24000, actor_rollout_ref__rollout__n=5)),
+    "verl/examples/ppo_trainer/run_deepseek7b_llm.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="gae", critic__enable=True, actor_rollout_ref__rollout__n=1,
+        data__train_batch_size=1024, critic__optim__lr=1e-5, actor_rollout_ref__actor__use_kl_loss=False)),
+    # Ulysses SP 2: per-SP-group micro-batches spread over 2 devices, token budgets of the group
+    "verl/examples/ppo_trainer/run_deepseek7b_llm_sp2.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="gae", actor_rollout_ref__actor__ppo_micro_batch_size_per_device=16,
+        critic__ppo_micro_batch_size_per_device=32, critic__enable=True)),
+    "verl/examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": ("verl", 8, (), refused(
+        "algorithm.use_pf_ppo", "preference-feedback PPO (sample reweighting) is not supported")),
+    "verl/examples/ppo_trainer/run_gemma.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="gae", actor_rollout_ref__model__path="google/gemma-2-2b-it", critic__enable=True)),
+    "verl/examples/rloo_trainer/run_qwen2-7b.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="rloo", actor_rollout_ref__rollout__n=5, algorithm__use_kl_in_reward=True,
+        algorithm__kl_penalty="kl", algorithm__kl_ctrl__kl_coef=0.001)),
+    "verl/examples/reinforce_plus_plus_trainer/run_qwen2-7b_math_rf.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="reinforce_plus_plus", actor_rollout_ref__rollout__n=8,
+        actor_rollout_ref__actor__kl_loss_type="mse")),
+    "verl/examples/remax_trainer/run_qwen2.5-3b_seq_balance.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="remax", algorithm__use_kl_in_reward=True, algorithm__kl_penalty="kl")),
+    "verl/examples/gpg_trainer/run_qwen2-7b_math.sh": ("verl", 8, (), imports(
+        algorithm__adv_estimator="gpg", actor_rollout_ref__actor__policy_loss__loss_mode="gpg")),
+    "verl/examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh": ("verl", 1, (), imports(
+        actor_rollout_ref__actor__policy_loss__loss_mode="cispo", actor_rollout_ref__actor__clip_ratio_low=10,
+        actor_rollout_ref__actor__clip_ratio_high=0.2, data__train_batch_size=256)),
+    "verl/examples/gmpo_trainer/run_qwen2_5-7b_math.sh": ("verl", 8, (), imports(
+        actor_rollout_ref__actor__policy_loss__loss_mode="geo_mean", actor_rollout_ref__actor__clip_ratio_low=0.4,
+        actor_rollout_ref__actor__clip_ratio_high=0.4)),
+    "verl/examples/gspo_trainer/test_gspo_3b_math.sh": ("verl", 8, (), imports(
+        actor_rollout_ref__actor__policy_loss__loss_mode="gspo", actor_rollout_ref__rollout__n=16,
+        actor_rollout_ref__actor__clip_ratio_low=0.0003, actor_rollout_ref__actor__clip_ratio_high=0.0004,
+        data__max_response_length=8192, actor_rollout_ref__actor__loss_agg_mode="seq-mean-token-mean")),
+    "verl/examples/rollout_correction/run_with_rollout_corr.sh": ("verl", 8, (), refused(
+        "algorithm.rollout_correction.loss_type", "bypass mode trains with ppo_clip only")),
+    "verl/examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh": ("verl", 8, (), refused(
+        "actor_rollout_ref.rollout.over_sample_rate", "over-sampling (aborting the slowest requests")),
+    "verl/examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh": ("verl", 1, (), refused(
+        "actor_rollout_ref.rollout.n=1", "compares samples of the same prompt and needs n >= 2")),
+    # Hydra defaults composed from veRL's own config groups (copied beside it)
+    "verl/verl/trainer/config/ppo_trainer.yaml": ("verl", 8, ("actor_rollout_ref.model.path=/m",), imports(
+        algorithm__adv_estimator="gae", data__train_batch_size=1024, actor_rollout_ref__rollout__n=1,
+        actor_rollout_ref__actor__clip_ratio=0.2, actor_rollout_ref__actor__optim__lr=1e-6, critic__optim__lr=1e-5,
+        data__max_prompt_length=512, actor_rollout_ref__actor__ppo_mini_batch_size=256)),
+    "verl/verl/trainer/config/_generated_ppo_trainer.yaml": ("verl", 8, (), imports(
+        algorithm__adv_estimator="gae", data__train_batch_size=1024, actor_rollout_ref__actor__ppo_epochs=1)),
+    # TRL's documented CLI configs and open-r1's recipes
+    "trl/docs/grpo_config.yaml": (".", 4, ("data.train_files=/d/train.parquet",), imports(
+        algorithm__adv_estimator="grpo", actor_rollout_ref__rollout__n=8, data__train_batch_size=4,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_device=8, actor_rollout_ref__actor__optim__lr=1e-6,
+        actor_rollout_ref__actor__optim__lr_scheduler_type="linear", actor_rollout_ref__actor__use_kl_loss=False,
+        actor_rollout_ref__actor__loss_agg_mode="token-mean", actor_rollout_ref__model__dtype="bfloat16",
+        data__max_response_length=512, trainer__total_epochs=3, actor_rollout_ref__model__path="Qwen/Qwen2.5-0.5B")),
+    "trl/docs/rloo_config.yaml": (".", 4, ("data.train_files=/d/train.parquet",), imports(
+        algorithm__adv_estimator="trl_rloo", actor_rollout_ref__rollout__n=2, algorithm__kl_ctrl__kl_coef=0.05,
+        data__train_batch_size=16, actor_rollout_ref__actor__use_kl_loss=False)),
+    "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml": (".", 8, (), refused(
+        "reward_funcs", "['format', 'tag_count']: these reward functions are not built into jaxrl_llm")),
+    "open-r1/recipes/DeepSeek-R1-Distill-Qwen-1.5B/grpo/config_demo.yaml": (".", 8, (), refused(
+        "reward_funcs", "['format', 'tag_count']")),
+    "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo_code.yaml": (".", 8, (), refused(
+        "reward_funcs", "['code', 'format']")),
+    "open-r1/recipes/Qwen2.5-Coder-7B-Instruct/grpo/config_codeforces.yaml": (".", 8, (), refused(
+        "reward_funcs", "['cf_code', 'code_format']")),
+    # Trinity-RFT examples (run from Trinity's repository root, as Trinity reads them)
+    "trinity/examples/grpo_lora_gsm8k/gsm8k.yaml": ("trinity", 8, (), imports(
+        algorithm__adv_estimator="grpo", actor_rollout_ref__rollout__n=8, data__train_batch_size=96,
+        actor_rollout_ref__model__lora_rank=16, actor_rollout_ref__model__lora_alpha=16,
+        data__max_prompt_length=256, data__max_response_length=1024, data__ground_truth_key="answer",
+        data__prompt_key="question", data__default_data_source="openai/gsm8k",
+        data__train_files="openai/gsm8k/main/train.parquet", actor_rollout_ref__actor__optim__lr=1e-5,
+        actor_rollout_ref__actor__kl_loss_type="k2", actor_rollout_ref__actor__use_dynamic_bsz=True,
+        trainer__total_epochs=10)),
+    "trinity/examples/ppo_countdown/countdown.yaml": ("trinity", 8, (), imports(
+        algorithm__adv_estimator="gae", critic__enable=True, actor_rollout_ref__rollout__n=5,
+        data__train_batch_size=960, actor_rollout_ref__actor__ppo_mini_batch_size=96, critic__optim__lr=1e-5,
+        critic__cliprange_value=0.5, data__max_prompt_length=256, trainer__total_epochs=20)),
+    "trinity/examples/dapo_math/dapo.yaml": ("trinity", 8, (), refused(
+        "buffer.explorer_input.taskset.workflow_args", "use_base renders Trinity's own plain-text prompt")),
+    "trinity/examples/grpo_rubric/rubric.yaml": ("trinity", 8, (), refused(
+        "explorer.auxiliary_models", "LLM judges / generative reward models) are not available")),
+    "trinity/examples/dpo_humanlike/dpo.yaml": ("trinity", 8, (), refused(
+        "algorithm.algorithm_type", "'dpo'")),
+    "trinity/examples/mix_math/mix_math.yaml": ("trinity", 8, (), refused("algorithm.algorithm_type", "'mix'")),
+    "trinity/examples/rec_gsm8k/gsm8k.yaml": ("trinity", 8, (), refused("algorithm.algorithm_type", "'rec'")),
+    # its trainer_config_path file is not in Trinity's published tree we copied: the error names key and file
+    "trinity/examples/cispo_gsm8k/gsm8k.yaml": ("trinity", 8, (), refused(
+        "trainer.trainer_config_path", "the included file is not there")),
+    # ROLL examples: batch whitening / reward clipping / truncation masks are ROLL's own post-processing
+    "roll/examples/docs_examples/example_grpo.yaml": (".", 8, (), refused(
+        "whiten_advantages", "batch whitening of advantages is not available")),
+    "roll/examples/docs_examples/example_ppo.yaml": (".", 8, (), refused("whiten_advantages", "whitening")),
+    "roll/examples/docs_examples/example_gspo.yaml": (".", 8, (), refused("reward_clip", "reward clipping")),
+    "roll/examples/docs_examples/example_reinforce_pp.yaml": (".", 8, (), refused("reward_clip", "reward clipping")),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": (".", 8, (), refused("whiten_advantages", "whiten")),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml": (".", 8, (), refused(
+        "whiten_advantages", "whiten")),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": (".", 8, (), refused("whiten_advantages", "whiten")),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_8gpus_llm_as_judge.yaml": (".", 8, (), refused(
+        "whiten_advantages", "whiten")),
+    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml": (".", 8, (), refused("whiten_advantages", "whiten")),
+    "roll/examples/qwen2.5-0.5B-agentic/agent_val_frozen_lake.yaml": (".", 8, (), refused(
+        "train_env_manager", "a ROLL agentic pipeline")),
+}
+
+
+def resolve_peer(name, monkeypatch, items=()):
+    cwd, devices, extra, _ = CASES[name]
+    for key, value in SCRIPT_ENV.items():
+        monkeypatch.setenv(key, value)
+    folder = PEERS / cwd if cwd != "." else PEERS
+    monkeypatch.chdir(folder)
+    path = os.path.relpath(PEERS / name, folder)
+    return resolve_command_line(default_config(), [*extra, *items], import_path=path, num_devices=devices,
+                                check_paths=False)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_peer_file(name, monkeypatch):
+    kind, expected = CASES[name][3]
+    if kind == "imports":
+        cfg, _ = resolve_peer(name, monkeypatch)
+        got = {key: get_path(cfg, key) for key in expected}
+        assert got == expected
+    else:
+        key, reason = expected
+        with pytest.raises(ConfigError) as err:
+            resolve_peer(name, monkeypatch)
+        assert key in str(err.value) and reason in str(err.value), str(err.value)
+
+
+def test_counts_match_docs():
+    """docs/importing.md states the fixture set's outcome; no file may be a defect."""
+    counts = {"imports": 0, "refused": 0}
+    frameworks = {name.split("/")[0] for name in CASES}
+    for _, _, _, (kind, _) in CASES.values():
+        counts[kind] += 1
+    text = DOCS.read_text()
+    found = re.search(r"(\d+) peer files: (\d+) imported with a checked mapping, (\d+) refused with a stated "
+                      r"reason, (\d+) defects", text)
+    assert found, "docs/importing.md: the fixture-set count line is missing"
+    assert tuple(map(int, found.groups())) == (len(CASES), counts["imports"], counts["refused"], 0)
+    assert frameworks == {"verl", "trl", "open-r1", "trinity", "roll"}
+
+
+def test_script_reader_names_what_it_cannot_read(tmp_path, monkeypatch):
+    """Nothing in a script runs: a command substitution or an unset variable is an error naming the line."""
+    script = tmp_path / "run.sh"
+    script.write_text("set -x\nSTAMP=$(date +%s)\npython3 -m verl.trainer.main_ppo \\\n"
+                      "    trainer.experiment_name=x_$STAMP \\\n    data.train_batch_size=$((4 * 8)) $@\n")
+    monkeypatch.delenv("STAMP", raising=False)
+    with pytest.raises(ConfigError, match=r"run.sh line 3: \$STAMP is set on line 2 from a command that is not run"):
+        resolve_command_line(default_config(), [], import_path=str(script), num_devices=8, check_paths=False)
+    monkeypatch.setenv("STAMP", "7")  # the environment wins over the script's assignment
+    cfg, _ = resolve_command_line(default_config(), ["data.train_files=/d.parquet", f"{M}.path=/m",
+                                                     f"{A}.ppo_mini_batch_size=8"],
+                                  import_path=str(script), num_devices=8, check_paths=False)
+    assert cfg.trainer.experiment_name == "x_7" and cfg.data.train_batch_size == 32
+
+
+def test_pasted_and_yaml_placement_agree(tmp_path, monkeypatch):
+    """One placement rule from YAML and from the command line, never a mesh the devices cannot hold."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    items = [f"{R}.tensor_model_parallel_size=4", f"{A}.fsdp_config.fsdp_size=32", "trainer.n_gpus_per_node=8",
+             "trainer.nnodes=8", "data.train_files=/d.parquet", f"{M}.path=/m", "data.train_batch_size=512",
+             f"{A}.ppo_mini_batch_size=64"]
+    pasted, _ = resolve_command_line(default_config(), items, num_devices=64, check_paths=False)
+    yaml_file = tmp_path / "placement.yaml"
+    yaml_file.write_text("actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 4\n  actor:\n"
+                         "    fsdp_config:\n      fsdp_size: 32\ntrainer:\n  n_gpus_per_node: 8\n  nnodes: 8\n")
+    from_yaml, _ = resolve_command_line(default_config(), items[4:], import_path=str(yaml_file), num_devices=64,
+                                        check_paths=False)
+    # fsdp groups of 32, replicated over the rest (data=-1: 2 here); was fsdp 32 x tensor 4 = 128 devices
+    assert (pasted.mesh.data, pasted.mesh.fsdp, pasted.mesh.tensor) == (-1, 32, 1)
+    assert dict(from_yaml.mesh) == dict(pasted.mesh)
+    # an HSDP group larger than the devices: one FSDP group over all of them
+    small, _ = resolve_command_line(default_config(), items[1:], num_devices=8, check_paths=False)
+    assert (small.mesh.data, small.mesh.fsdp) == (1, -1)
