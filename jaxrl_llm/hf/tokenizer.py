@@ -13,6 +13,7 @@ class Tokenizer(Protocol):
 
     @property
     def eos_token_id(self) -> Any: ...  # an int, or None
+    chat_template: Any  # the Jinja text (or a dict of named templates), None when the tokenizer has none
     @property
     def pad_token_id(self) -> Any: ...
     @property

@@ -105,3 +105,23 @@ def test_dry_run_loads_tool_configs_and_reports_a_bad_one_in_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"config error: {tools}: tools[0].class_name: cannot import module 'verl.tools.gsm8k_tool'")
     assert "Traceback" not in proc.stderr
+
+
+def test_dry_run_of_a_verl_script_prints_the_tree_then_the_missing_file(tmp_path):
+    """A veRL example script as it ships: read (not run), resolved on the default tree; a missing data
+    file does not hide the resolved tree, it is the last line and the exit status is 1."""
+    script = ROOT / "tests" / "config" / "peers" / "verl" / "examples" / "grpo_trainer" / "run_qwen2-7b_math.sh"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"--import_config={script}",
+                           "--dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    cfg, summary = _split(proc.stdout)
+    assert cfg["algorithm"]["adv_estimator"] == "grpo" and cfg["actor_rollout_ref"]["rollout"]["n"] == 5
+    assert "1024 prompts x n=5 = 5120 sequences per step" in summary
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"config error: data.train_files='{tmp_path}/data/gsm8k/train.parquet': data file not found (local paths "
+        "only; jaxrl_llm never downloads)")
+    # the script's placement and engine keys are one warning, with their values
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" not in proc.stderr  # veRL's default: no line
+    assert "actor_rollout_ref.rollout.name='vllm' (torch/vLLM/Ray/placement only)" in proc.stderr

@@ -290,3 +290,40 @@ def test_dataloader_num_workers_is_honoured(tmp_path, char_tok, workers):
     want = _indices(make_dataloader(cfg(path), char_tok, "train", batch_size=2), 3)
     assert _indices(loader, 3) == want
     assert threads and all(threads) == (workers == 0) and any(threads) == (workers == 0)
+
+
+def test_trinity_style_rows_system_prompt_answer_column_and_default_source(tmp_path, char_tok):
+    """A dataset read as it is (Trinity's taskset keys): the prompt column, the answer column
+    (data.ground_truth_key), one system prompt for all rows, a data_source for rows without one."""
+    rows = [{"question": q, "answer": f"work ... #### {i}"} for i, q in enumerate(QUESTIONS)]
+    rows[0]["data_source"] = "synthetic/add"  # a row's own data_source wins
+    ds = build_dataset(cfg(write(rows, tmp_path / "t.jsonl"), prompt_key="question", ground_truth_key="answer",
+                           system_prompt="Be brief.", default_data_source="openai/gsm8k"), char_tok, "train")
+    want = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}] for q in QUESTIONS]
+    assert [r["input_ids"].tolist() for r in ds] == [expected_ids(char_tok, m) for m in want]
+    assert [r["raw_prompt"] for r in ds] == want
+    assert [r["ground_truth"] for r in ds] == [f"work ... #### {i}" for i in range(5)]
+    assert [r["data_source"] for r in ds] == ["synthetic/add"] + ["openai/gsm8k"] * 4
+    # a prompt that has its own system message keeps it
+    msgs = [{"messages": [{"role": "system", "content": "Own."}, {"role": "user", "content": "x"}]}]
+    own = build_dataset(cfg(write(msgs, tmp_path / "o.jsonl"), system_prompt="Be brief."), char_tok, "train")
+    assert own[0]["raw_prompt"][0]["content"] == "Own."
+    with pytest.raises(DataError, match=r"missing column 'solution' \(data.ground_truth_key\)"):
+        build_dataset(cfg(tmp_path / "t.jsonl", prompt_key="question", ground_truth_key="solution"), char_tok,
+                      "train")
+
+
+def test_chat_template_replaces_the_tokenizers(tmp_path, smollm2_gguf):
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.trainer.preflight import run_tokenizer
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok = run_tokenizer(data_spec(tokenizer=str(smollm2_gguf), chat_template=str(template)))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "[user] hi\n[assistant] "
+    base = run_tokenizer(data_spec(tokenizer=str(smollm2_gguf)))  # the shared, cached tokenizer is untouched
+    assert base is not tok and base.chat_template != tok.chat_template
+    with pytest.raises(ConfigError, match="data.chat_template: the template does not render"):
+        run_tokenizer(data_spec(tokenizer=str(smollm2_gguf), chat_template="{{ messages[0].nope.deeper }}"))

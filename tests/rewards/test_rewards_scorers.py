@@ -15,6 +15,9 @@ from jaxrl_llm.rewards.scorers import gsm8k, math_boxed, math_dapo
     ("#### 1,234", "1234", 1.0),                        # commas removed
     ("#### -3", "-3", 1.0),
     ("#### 72.", "72", 0.0),                            # veRL keeps the trailing dot
+    # the raw openai/gsm8k `answer` column as ground truth (data.ground_truth_key): its final number counts
+    ("#### 1234", "Janet sells 16 - 3 = <<16-3=13>>13 eggs.\n#### 1,234", 1.0),
+    ("#### 13", "Janet sells 16 - 3 = <<16-3=13>>13 eggs.\n#### 1,234", 0.0),
 ])
 def test_gsm8k(response, truth, want):
     assert default_compute_score("openai/gsm8k", response, truth) == want

@@ -78,7 +78,7 @@ class _Expander:
             if special is not None:
                 return "" if special in "@*" else self._missing(f"${special}", "a positional argument")
             value = self.env.get(name) if name in self.env else self.values.get(name, _UNSET)
-            if value is _UNSET or value is None:
+            if not isinstance(value, str):  # unset, or set by a command that is not run
                 if match.group(2) == "-" or match.group(2) == "=":
                     return self.expand(match.group(3), line, strict=True) or ""
                 if value is None:
