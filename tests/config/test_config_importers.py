@@ -100,9 +100,10 @@ def test_verl_ppo_trainer_yaml(home):
     assert s["trainer.logger"] == ["console", "jsonl"] + (["wandb"] if importlib.util.find_spec("wandb") else [])
     # the rollout engine's TP is its layout: warned with its value, never the training mesh's tensor axis
     assert "mesh.tensor" not in s  # (2 here: veRL's default, so not even listed)
-    for key, value in (("actor_rollout_ref.rollout.enforce_eager", True), ("critic.rollout_n", 5),
-                       ("actor_rollout_ref.ref.fsdp_config.param_offload", True)):
+    for key, value in (("actor_rollout_ref.rollout.enforce_eager", True), ("critic.rollout_n", 5)):
         assert r.values[key] == value and f"{key}={value}" in r.warning()  # listed with the value
+    # veRL's FSDP spelling of our reference offload maps from YAML as it does pasted (before: warned)
+    assert s["actor_rollout_ref.ref.param_offload"] is True
     # at veRL's default: what jaxrl_llm computes, dropped without a line
     for key in ("trainer.nnodes", "data.reward_fn_key", "algorithm.pf_ppo.weight_pow",
                 "actor_rollout_ref.actor.fsdp_config.param_offload"):
@@ -224,8 +225,9 @@ def test_trinity_grpo_like_the_alignment_guide(home):
         ["console", "jsonl", "tensorboard"], "auto", False)
     assert "mesh.tensor" not in s and r.values["explorer.rollout_model.tensor_parallel_size"] == 2
     for key in ("trainer.trainer_config.actor_rollout_ref.rollout.n", "synchronizer.sync_method",
-                "cluster.gpu_per_node", "trainer.trainer_config.actor_rollout_ref.ref.fsdp_config.param_offload"):
+                "cluster.gpu_per_node"):
         assert key in r.ignored
+    assert s["actor_rollout_ref.ref.param_offload"] is True  # veRL's fsdp_config spelling, inside trainer_config
     # veRL's default (fsdp param_offload False) changes nothing and is not listed
     assert "trainer.trainer_config.actor_rollout_ref.actor.fsdp_config.param_offload" not in r.ignored
     assert validate_config(r.config(), dp_size=4, check_paths=False).data.train_batch_size == 1024

@@ -245,11 +245,16 @@ def _model(m: Mapper, src: Source) -> None:
               "trainer.actor_grad_clip": f"{A}.grad_clip", "trainer.grad_clip": f"{A}.grad_clip",
               "trainer.use_dynamic_bsz": f"{A}.use_dynamic_bsz",
               "trainer.max_token_len_per_gpu": f"{A}.ppo_max_token_len_per_device",
+              "trainer.ppo_max_token_len_per_gpu": f"{A}.ppo_max_token_len_per_device",
               "project": "trainer.project_name", "name": "trainer.experiment_name"}
     for key, ours in simple.items():
         value = src.take(key)
         if value not in (None, ""):
             m.set(ours, value, key)
+    sp = src.peek("trainer.ulysses_sequence_parallel_size")
+    budget = f"{A}.ppo_max_token_len_per_device"
+    if isinstance(sp, int) and sp > 1 and budget in m.settings:  # per SP group in veRL (verl.py's rule)
+        m.set(budget, m.settings[budget] * sp, m.origin[budget])
     max_len, response = src.take("model.max_model_len"), m.get("data.max_response_length")
     if max_len is not None and "data.max_prompt_length" not in m.settings:  # Trinity: the prompt gets the rest
         if max_len <= response:
@@ -374,9 +379,9 @@ def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
     _schedule(m, src)
     import_tasksets(m, src, os.path.dirname(path))
     for key in src.remaining():
-        src.drop(key)
+        value = src.drop(key)
         head = key.split(".")[0]
         placement = head in ("cluster", "synchronizer", "log", "service", "ray_namespace", "monitor") or \
             key.startswith(("explorer.rollout_model.", "explorer.runner", "explorer.max_", "trainer.trainer_",
                             "trainer.ulysses", "buffer.trainer_input.experience_buffer", "data_processor."))
-        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm")
+        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm", value)

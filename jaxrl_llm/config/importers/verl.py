@@ -99,6 +99,8 @@ def our_key(key: str) -> str | None:
     key = key.lstrip("+")
     if key in FIELDS:
         return key
+    if "." in key and key in NAME_ALIASES:  # veRL spellings of our keys (e.g. ref.fsdp_config.param_offload)
+        return NAME_ALIASES[key]
     if any(key.startswith(s + ".") for s in OPEN_SECTIONS):
         return key
     parts = key.split(".")
