@@ -331,8 +331,7 @@ def import_roll(data: dict[str, Any], m: Mapper) -> None:
         for sub in src.keys_under(key):
             value = src.drop(sub)
             if IS_SET(value) and not (key == "actor_infer.generating_args.num_beams" and value == 1):
-                m.error(sub, f"{value!r}: {why}")
-            m.ignore(sub, "off; no counterpart in jaxrl_llm")
+                m.error(sub, f"{value!r}: {why}")  # off: what jaxrl_llm computes, no line
     for key, ours in SIMPLE.items():
         if key in ROLL_DEFAULTS or not src.has(key):
             continue
@@ -357,10 +356,10 @@ def import_roll(data: dict[str, Any], m: Mapper) -> None:
     _domains(m, src)
     _validation_sampling(m, src)
     for key in src.remaining():
-        src.drop(key)
+        value = src.drop(key)
         head = key.split(".")[0]
         placement = any(part in key for part in ("strategy_args", "device_mapping", "infer_batch_size",
                                                  "num_gpus", "worker_cls", "system_envs", "offload", "profiler",
                                                  "rpc_timeout", "max_running_requests", "logging_dir")) \
             or head in ("defaults", "num_nodes", "checkpoint_config", "tracker_kwargs", "base_dir")
-        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm")
+        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm", value)
