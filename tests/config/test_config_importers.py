@@ -546,3 +546,16 @@ def test_dry_run_reports_an_import_error_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"config error: {bad}: synchronizer.sync_style: 'dynamic_by_explorer':")
+
+
+def test_keys_no_rule_takes_are_errors_unless_off(home, tmp_path):
+    """TRL / ROLL / Trinity keys no mapping takes: listed (with the value) when off, an error naming
+    file, key and value otherwise (what they would change cannot be honoured)."""
+    with pytest.raises(ConfigError, match=r"TRL flags: future_trl_knob: 5: no counterpart in jaxrl_llm"):
+        import_trl_flags(["--future_trl_knob=5"], dp_size=8)
+    r = import_trl_flags(["--future_trl_knob=0"], dp_size=8)
+    assert r.values["future_trl_knob"] == 0 and "future_trl_knob=0" in r.warning()
+    with pytest.raises(ConfigError, match=r"variant.yaml: roll_new_switch: True: no counterpart"):
+        import_config(variant(ROLL, tmp_path, {"roll_new_switch": True}), dp_size=8)
+    with pytest.raises(ConfigError, match=r"variant.yaml: algorithm.new_fn_args.scale: 2: no counterpart"):
+        import_config(variant(TRINITY, tmp_path, {"algorithm.new_fn_args.scale": 2}), dp_size=4)

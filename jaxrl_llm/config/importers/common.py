@@ -346,6 +346,25 @@ class Mapper:
                             dict(self.values))
 
 
+def is_off(value: Any) -> bool:
+    """Unset or switched off: a key with this value asks for nothing."""
+    return value is None or value is False or (isinstance(value, (str, list, dict, tuple)) and not value) or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+
+
+def leftover(m: Mapper, key: str, value: Any, why: str | None = None) -> None:
+    """A key no rule of the importer took: listed (with its value) when `why` says what makes it
+    harmless or it is off; otherwise an error, since what it would change cannot be honoured."""
+    if why is not None:
+        m.ignore(key, why, value)
+    elif is_off(value):
+        m.ignore(key, "no counterpart in jaxrl_llm; unset / off, so it changes nothing", value)
+    else:
+        m.error(key, f"{value!r}: no counterpart in jaxrl_llm, so what it would change cannot be honoured (a key "
+                     "that changes nothing computed is listed in the importer's harmless keys: "
+                     "docs/importing.md)")
+
+
 def ratio_steps(value: int, per_step: int) -> int:
     """A count in optimizer steps converted to our training steps (rounded up, at least 1)."""
     return max(1, math.ceil(value / per_step))

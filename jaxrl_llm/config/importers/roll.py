@@ -10,6 +10,7 @@ device count). Keys left unset take ROLL's defaults where they decide what is co
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 from typing import Any
 
@@ -20,6 +21,7 @@ from jaxrl_llm.config.importers.common import (
     Source,
     flatten,
     int_or_error,
+    leftover,
     logger_sinks,
     ratio_steps,
 )
@@ -70,6 +72,7 @@ ERRORS = {  # key -> why (an error when set to anything but its off value)
     "train_infer_correction.filters": "set algorithm.rollout_correction instead",
     "reward_model": "a generative reward-model cluster is not available",
     "actor_infer.generating_args.num_beams": "beam search is not available",
+    "validation.generating_args.num_beams": "beam search is not available",
     "dataset_filter.source": "dataset filters are not available",
     "dataset_filter.num_samples": "dataset filters are not available",
     "is_use_additional_prompts": "over-sampling additional prompts is not available",
@@ -256,6 +259,16 @@ def _data(m: Mapper, src: Source) -> None:
         m.set("trainer.resume_mode", "auto" if resume else "disable", "resume_from_checkpoint")
 
 
+HARMLESS = {  # ROLL keys with no counterpart that change nothing computed -> why
+    "ROLL's inference / reference engine settings (jaxrl_llm samples and scores with the trained model)": (
+        "actor_infer.model_args.*", "reference.model_args.*", "actor_infer.training_args.*",
+        "reference.training_args.*"),
+    "ROLL recomputes it from the pipeline's own keys": (
+        "*.generating_args.max_new_tokens", "*.generating_args.num_return_sequences",
+        "actor_train.training_args.num_train_epochs"),
+    "data loading / logging / naming": ("*.preprocessing_num_workers", "*.data_args.template", "logging_steps",
+                                        "render_save_dir", "*.model_args.attn_implementation", "*.name"),
+}
 AGENTIC_KEYS = ("train_env_manager", "val_env_manager", "custom_envs", "env_manager")
 # ROLL's GeneratingArguments defaults (roll/configs/generating_args.py): ROLL samples unless told not to
 ROLL_SAMPLING = {"do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50}
@@ -330,7 +343,7 @@ def import_roll(data: dict[str, Any], m: Mapper) -> None:
     for key, why in ERRORS.items():
         for sub in src.keys_under(key):
             value = src.drop(sub)
-            if IS_SET(value) and not (key == "actor_infer.generating_args.num_beams" and value == 1):
+            if IS_SET(value) and not (key.endswith("generating_args.num_beams") and value == 1):
                 m.error(sub, f"{value!r}: {why}")  # off: what jaxrl_llm computes, no line
     for key, ours in SIMPLE.items():
         if key in ROLL_DEFAULTS or not src.has(key):
@@ -361,5 +374,7 @@ def import_roll(data: dict[str, Any], m: Mapper) -> None:
         placement = any(part in key for part in ("strategy_args", "device_mapping", "infer_batch_size",
                                                  "num_gpus", "worker_cls", "system_envs", "offload", "profiler",
                                                  "rpc_timeout", "max_running_requests", "logging_dir")) \
-            or head in ("defaults", "num_nodes", "checkpoint_config", "tracker_kwargs", "base_dir")
-        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm", value)
+            or head in ("defaults", "num_nodes", "checkpoint_config", "tracker_kwargs", "base_dir", "hydra")
+        harmless = next((why for why, patterns in HARMLESS.items()
+                         if any(fnmatch.fnmatchcase(key, p) for p in patterns)), None)
+        leftover(m, key, value, PLACEMENT if placement else harmless)

@@ -27,6 +27,7 @@ from jaxrl_llm.config.importers.common import (
     Source,
     flatten,
     int_or_error,
+    leftover,
     load_yaml,
     logger_sinks,
     ratio_steps,
@@ -145,8 +146,7 @@ def _algorithm(m: Mapper, src: Source) -> None:
     if strategy not in (None, "default", "warmup"):
         m.error("algorithm.sample_strategy", f"{strategy!r}: only on-policy sampling of the taskset is available")
     for key in src.keys_under("algorithm"):
-        src.drop(key)
-        m.ignore(key)
+        leftover(m, key, src.drop(key))
 
 
 def _kl(m: Mapper, src: Source, name: str, role: str) -> None:
@@ -384,4 +384,4 @@ def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
         placement = head in ("cluster", "synchronizer", "log", "service", "ray_namespace", "monitor") or \
             key.startswith(("explorer.rollout_model.", "explorer.runner", "explorer.max_", "trainer.trainer_",
                             "trainer.ulysses", "buffer.trainer_input.experience_buffer", "data_processor."))
-        m.ignore(key, PLACEMENT if placement else "no counterpart in jaxrl_llm", value)
+        leftover(m, key, value, PLACEMENT if placement else None)

@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_llm.config.importers.common import NO_COUNTERPART, PLACEMENT, Mapper, int_or_error, logger_sinks
+from jaxrl_llm.config.importers.common import PLACEMENT, Mapper, int_or_error, leftover, logger_sinks
 from jaxrl_llm.config.importers.trl_batch import map_batch, map_steps
 from jaxrl_llm.config.overrides import parse_value
 from jaxrl_llm.config.schema import ConfigError
@@ -337,6 +337,5 @@ def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool, trainer: str
     for key in args:
         if key in HANDLED or key in ERRORS:
             continue
-        why = next((w for w, pats in IGNORED.items() if any(fnmatch.fnmatchcase(key, p) for p in pats)),
-                   NO_COUNTERPART)
-        m.ignore(key, "jaxrl_llm logs every step" if key == "logging_steps" else why, args[key])
+        why = next((w for w, pats in IGNORED.items() if any(fnmatch.fnmatchcase(key, p) for p in pats)), None)
+        leftover(m, key, args[key], "jaxrl_llm logs every step" if key == "logging_steps" else why)
