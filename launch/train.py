@@ -48,8 +48,9 @@ _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pa
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
                                           "Config file with get_config() (configs/*.py).", lock_config=False)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and the batch arithmetic, run the checks a "
-                                                 "start runs short of loading weights (tokenizer, multi-turn tools and "
-                                                 "interactions, reward function), then exit.")
+                                                 "start runs short of loading weights (data and model paths, "
+                                                 "tokenizer and chat template, the first rows of each data file, "
+                                                 "multi-turn tools and interactions, reward function), then exit.")
 _PLAN = flags.DEFINE_bool("plan", False, "Compile every program of a step on abstract inputs (no weights) and "
                                          "print its per-device memory and FLOPs (trainer/memory_plan.py), then "
                                          "exit: 0 if it fits trainer.device_memory_gb / the device, 1 if not.")

@@ -1,4 +1,5 @@
 """launch/train.py --dry_run: --config.x=y overrides and veRL-style a.b=c after --."""
+import json
 import os
 import pathlib
 import subprocess
@@ -125,3 +126,20 @@ def test_dry_run_of_a_verl_script_prints_the_tree_then_the_missing_file(tmp_path
     # the script's placement and engine keys are one warning, with their values
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" not in proc.stderr  # veRL's default: no line
     assert "actor_rollout_ref.rollout.name='vllm' (torch/vLLM/Ray/placement only)" in proc.stderr
+
+
+def test_dry_run_reads_the_first_rows_as_a_start_would(tmp_path):
+    """A row the built-in scorers cannot score (no data_source) stops the dry run with the start's own
+    `data error:` line naming file and row; a Trinity-style file read through data.* keys passes."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"... #### {i + 1}"}) + "\n"
+                            for i in range(8)))
+    base = ["--config=configs/tiny.py", "--dry_run", f"--config.trainer.default_local_dir={tmp_path}", "--",
+            "data.synthetic.task=null", f"data.train_files={rows}", f"data.val_files={rows}",
+            "data.prompt_key=question"]
+    proc = run(*base)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"data error: {rows}")
+    assert "no ground truth" in proc.stderr.strip().splitlines()[-1]
+    ok = run(*base, "data.ground_truth_key=answer", "data.default_data_source=openai/gsm8k")
+    assert ok.returncode == 0, ok.stderr
