@@ -98,7 +98,7 @@ def build_cases(x: Inputs) -> list[tuple[str, list[str], str, str]]:
         ("negative_lr", ["actor_rollout_ref.actor.optim.lr=-1"], "actor_rollout_ref.actor.optim.lr", "config"),
         ("full_kl", ["actor_rollout_ref.actor.kl_loss_type=full"], "actor_rollout_ref.actor.kl_loss_type", "config"),
         ("top_p_zero", ["actor_rollout_ref.rollout.top_p=0"], "actor_rollout_ref.rollout.top_p", "config"),
-        ("unknown_logger", ["trainer.logger=[console,mlflow]"], "trainer.logger: unknown sink 'mlflow'", "config"),
+        ("unknown_logger", ["trainer.logger=[console,mlfow]"], "trainer.logger: unknown sink 'mlfow'", "config"),
         ("experiment_path", ["trainer.experiment_name=a/b"], "trainer.experiment_name='a/b'", "config"),
         ("project_dotdot", ["trainer.project_name=.."], "trainer.project_name='..'", "config"),
         ("filter_metric", ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=accuracy"],

@@ -376,6 +376,11 @@ def int_or_error(m: Mapper, src: str, value: Any) -> int:
     return int(value)
 
 
+# trackers veRL / TRL / ROLL / Trinity-RFT configs name that jaxrl_llm does not log to (warned, dropped)
+PEER_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "file", "comet_ml", "neptune", "aim",
+                "dvclive", "codecarbon", "azure_ml", "dagshub", "flyte")
+
+
 def logger_sinks(m: Mapper, src: str, names_in: Iterable[str]) -> list[str]:
     """Other frameworks' logger / tracker names -> trainer.logger (console + jsonl always kept)."""
     import importlib.util
@@ -389,6 +394,9 @@ def logger_sinks(m: Mapper, src: str, names_in: Iterable[str]) -> list[str]:
                                       "console and jsonl")
         elif package is not None:
             sinks.append(low)
-        elif low not in ("console", "stdout", "none", "", "jsonl"):
+        elif low in PEER_LOGGERS:  # a tracker of the peers': a logging backend changes nothing computed
             m.ignore(f"{src}={name}", f"logger {name!r} is not available (console, jsonl, tensorboard, wandb)")
+        elif low not in ("console", "stdout", "none", "", "jsonl"):
+            m.error(src, f"unknown sink {name!r}: neither jaxrl_llm's (console, jsonl, tensorboard, wandb) nor a "
+                         f"tracker the peers name ({', '.join(PEER_LOGGERS)})")
     return list(dict.fromkeys(sinks))
