@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import ml_collections
 
 from jaxrl_llm.config.importers import roll, trinity, verl
-from jaxrl_llm.config.importers.common import NO_DUAL_CLIP, ImportResult, Mapper, load_yaml
+from jaxrl_llm.config.importers.common import NO_DUAL_CLIP, ImportResult, Mapper, load_yaml, read_config_file
 from jaxrl_llm.config.importers.trl import import_trl, parse_trl_args, trl_trainer
 from jaxrl_llm.config.schema import ConfigError
 
@@ -48,19 +48,10 @@ def detect_format(data: dict[str, Any]) -> str:
 
 
 def _top_level(path: str) -> dict[str, Any]:
-    """The file's top-level mapping as written (no Hydra composition, no interpolation)."""
-    import yaml
+    """The file's mapping as written (no Hydra composition, interpolations left as text)."""
+    from omegaconf import OmegaConf
 
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: cannot parse YAML ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
+    return cast(dict[str, Any], OmegaConf.to_container(read_config_file(path), resolve=False))
 
 
 def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CLI flag's name)

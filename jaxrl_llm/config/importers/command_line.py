@@ -91,16 +91,21 @@ def resolve_command_line(base: ml_collections.ConfigDict, items: Sequence[str] =
     overrides = list(extra_overrides) + overrides
     mesh = [o for o in overrides if o.split("=", 1)[0].lstrip("+").startswith("mesh.")]
     cfg = base
+
+    def with_mesh() -> ml_collections.ConfigDict:
+        """The config so far with the command line's mesh: what each import's per-device sizes are
+        measured against."""
+        return apply_overrides(copy.deepcopy(cfg), mesh)
+
     if import_path:
-        result = import_config(import_path, import_format, base=apply_overrides(copy.deepcopy(cfg), mesh),
-                               num_devices=num_devices)
+        result = import_config(import_path, import_format, base=with_mesh(), num_devices=num_devices)
         result.warn()
         cfg = result.apply(cfg)
     if trl_flags:
-        result = import_trl_flags(trl_flags, base=apply_overrides(copy.deepcopy(cfg), mesh), num_devices=num_devices)
+        result = import_trl_flags(trl_flags, base=with_mesh(), num_devices=num_devices)
         result.warn()
         cfg = result.apply(cfg)
-    ours, peer = import_overrides(overrides, apply_overrides(copy.deepcopy(cfg), mesh), num_devices)
+    ours, peer = import_overrides(overrides, with_mesh(), num_devices)
     if peer is not None:
         peer.warn()
         cfg = peer.apply(cfg)

@@ -77,15 +77,9 @@ def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None
     return node
 
 
-def load_yaml(path: str, raw: dict[str, str] | None = None, *, missing_groups: str = "error") -> dict[str, Any]:
-    """A YAML file as plain nested dicts, Hydra/OmegaConf interpolations (`${oc.env:HOME}`,
-    `${oc.env:X,default}`, `${oc.select:a.b,default}`, `${a.b}`) resolved; values that cannot be
-    resolved become `Unresolved` (an error only where the importer uses them). A file with a Hydra
-    `defaults:` list is composed first (`compose_hydra`); when a group file is not there,
-    `missing_groups="error"` raises and `"skip"` reads the file without its defaults list (ROLL's
-    defaults are DeepSpeed / environment groups: keys that read them stay unresolved, an error only
-    where used). `raw`, when given, receives dotted key -> interpolation text for every interpolated
-    value."""
+def read_config_file(path: str) -> Any:
+    """The file as OmegaConf reads it (a DictConfig: nothing composed or resolved); a missing file,
+    bad YAML or a top level that is not a mapping is a ConfigError naming the file."""
     import yaml
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -96,17 +90,29 @@ def load_yaml(path: str, raw: dict[str, str] | None = None, *, missing_groups: s
         cfg = OmegaConf.load(path)
     except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot parse YAML ({err})") from None
-    if isinstance(cfg, DictConfig) and "defaults" in cfg:
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return cfg
+
+
+def load_yaml(path: str, raw: dict[str, str] | None = None, *, missing_groups: str = "error") -> dict[str, Any]:
+    """A YAML file as plain nested dicts, Hydra/OmegaConf interpolations (`${oc.env:HOME}`,
+    `${oc.env:X,default}`, `${oc.select:a.b,default}`, `${a.b}`) resolved; values that cannot be
+    resolved become `Unresolved` (an error only where the importer uses them). A file with a Hydra
+    `defaults:` list is composed first (`compose_hydra`); when a group file is not there,
+    `missing_groups="error"` raises and `"skip"` reads the file without its defaults list (ROLL's
+    defaults are DeepSpeed / environment groups: keys that read them stay unresolved, an error only
+    where used). `raw`, when given, receives dotted key -> interpolation text for every interpolated
+    value."""
+    cfg = read_config_file(path)
+    if "defaults" in cfg:
         try:
             cfg = compose_hydra(path)
         except MissingGroupError:
             if missing_groups == "error":
                 raise
             cfg.pop("defaults")
-    data = _resolve_node(cfg, raw=raw)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
+    return _resolve_node(cfg, raw=raw)
 
 
 class MissingGroupError(ConfigError):
@@ -318,15 +324,28 @@ class Mapper:
             return self.dp_size
         from jaxrl_llm.config.validate import mesh_dp_size
 
-        n = self.num_devices
-        if n is None:
-            import jax
-
-            n = jax.device_count()
         mesh = copy.deepcopy(self.base.mesh)
         for axis in ("data", "fsdp", "tensor"):
             mesh[axis] = self.get(f"mesh.{axis}")
-        return mesh_dp_size(ml_collections.ConfigDict({"mesh": mesh}), n)
+        return mesh_dp_size(ml_collections.ConfigDict({"mesh": mesh}), self.devices())
+
+    def devices(self) -> int:
+        """Devices the import is measured against (`num_devices`, else this host's)."""
+        if self.num_devices is not None:
+            return self.num_devices
+        import jax
+
+        return jax.device_count()
+
+    def set_lora(self, rank: Any, alpha: Any, targets: Any, src: tuple[str, str, str]) -> None:
+        """A peer's LoRA adapter -> model.lora_rank / lora_alpha / target_modules (`src`: the three keys
+        it came from); a comma-separated target string becomes a list, as PEFT reads it."""
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        model = "actor_rollout_ref.model"
+        self.set(f"{model}.lora_rank", int_or_error(self, src[0], rank), src[0])
+        self.set(f"{model}.lora_alpha", alpha, src[1])
+        self.set(f"{model}.target_modules", targets, src[2])
 
     def check_names(self) -> None:
         """Estimator / loss / KL / aggregation names we do not have: an error naming the source key."""

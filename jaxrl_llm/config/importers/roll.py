@@ -306,17 +306,12 @@ def _lora(m: Mapper, src: Source) -> None:
         for name in ("lora_alpha", "lora_target"):
             src.take(f"actor_train.model_args.{name}")
         return
-    model = "actor_rollout_ref.model"
-    m.set(f"{model}.lora_rank", int_or_error(m, "actor_train.model_args.lora_rank", rank),
-          "actor_train.model_args.lora_rank")
     alpha = src.take("actor_train.model_args.lora_alpha")
     if alpha is None:
         m.error("actor_train.model_args.lora_alpha", "not given; set it (jaxrl_llm does not assume a default)")
-    m.set(f"{model}.lora_alpha", alpha, "actor_train.model_args.lora_alpha")
-    target = src.take("actor_train.model_args.lora_target", "all-linear")
-    if isinstance(target, str) and target != "all-linear":
-        target = [t.strip() for t in target.split(",") if t.strip()]
-    m.set(f"{model}.target_modules", target, "actor_train.model_args.lora_target")
+    m.set_lora(rank, alpha, src.take("actor_train.model_args.lora_target", "all-linear"),
+               ("actor_train.model_args.lora_rank", "actor_train.model_args.lora_alpha",
+                "actor_train.model_args.lora_target"))
 
 
 def _domains(m: Mapper, src: Source) -> None:

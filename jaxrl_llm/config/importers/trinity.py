@@ -27,6 +27,7 @@ from jaxrl_llm.config.importers.common import (
     Source,
     flatten,
     int_or_error,
+    is_off,
     leftover,
     load_yaml,
     logger_sinks,
@@ -316,16 +317,14 @@ def _lora(m: Mapper, src: Source) -> None:
         m.error("model.lora_configs", f"{configs!r}: jaxrl_llm trains one LoRA adapter (a list of one)")
     lora = dict(configs[0])
     lora.pop("name", None)
-    model = "actor_rollout_ref.model"
     for name in ("lora_rank", "lora_alpha"):
         if name not in lora:  # Trinity's defaults have changed between versions: not assumed
             m.error(f"model.lora_configs.{name}", "not given; set it (jaxrl_llm does not assume a Trinity version's "
                                                   "default)")
-    m.set(f"{model}.lora_rank", lora.pop("lora_rank"), "model.lora_configs.lora_rank")
-    m.set(f"{model}.lora_alpha", lora.pop("lora_alpha"), "model.lora_configs.lora_alpha")
-    m.set(f"{model}.target_modules", lora.pop("target_modules", "all-linear"), "model.lora_configs.target_modules")
+    m.set_lora(lora.pop("lora_rank"), lora.pop("lora_alpha"), lora.pop("target_modules", "all-linear"),
+               ("model.lora_configs.lora_rank", "model.lora_configs.lora_alpha", "model.lora_configs.target_modules"))
     for name, value in lora.items():
-        if value not in (None, False, 0, "", [], {}):
+        if not is_off(value):
             m.error(f"model.lora_configs.{name}", f"{value!r}: not available for jaxrl_llm's LoRA (rank, alpha, "
                                                   "target_modules)")
 

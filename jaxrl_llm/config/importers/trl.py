@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_llm.config.importers.common import PLACEMENT, Mapper, int_or_error, leftover, logger_sinks
+from jaxrl_llm.config.importers.common import PLACEMENT, Mapper, leftover, logger_sinks
 from jaxrl_llm.config.importers.trl_batch import map_batch, map_steps
 from jaxrl_llm.config.overrides import parse_value
 from jaxrl_llm.config.schema import ConfigError
@@ -255,15 +255,9 @@ def _lora(m: Mapper, args: dict[str, Any]) -> None:
     if dropout not in (0, 0.0):
         m.error("lora_dropout", f"{dropout!r}{' (TRL default)' if 'lora_dropout' not in args else ''}: jaxrl_llm's "
                                 "LoRA has no dropout; pass --lora_dropout=0 to train without it")
-    model = "actor_rollout_ref.model"
-    m.set(f"{model}.lora_rank", int_or_error(m, "lora_r", args.get("lora_r", 16)), "lora_r")
-    m.set(f"{model}.lora_alpha", args.get("lora_alpha", 32), "lora_alpha")
     targets = args.get("lora_target_modules")
-    if targets is None:
-        targets = PEFT_DEFAULT_TARGETS
-    elif isinstance(targets, str) and targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-    m.set(f"{model}.target_modules", targets, "lora_target_modules")
+    m.set_lora(args.get("lora_r", 16), args.get("lora_alpha", 32), PEFT_DEFAULT_TARGETS if targets is None else targets,
+               ("lora_r", "lora_alpha", "lora_target_modules"))
 
 
 def _rewards(m: Mapper, args: dict[str, Any]) -> None:

@@ -11,7 +11,8 @@ with no key of ours (`verl_keys.VERL_DEFAULTS`) is:
 A key that is neither veRL's nor ours is an error with close matches. Trinity-RFT's
 `trainer.trainer_config` section is imported with the same code.
 
-Placement, one rule from YAML and from the command line (`placement_mesh`): jaxrl_llm samples and
+Placement, one rule from YAML and from the command line (`_fsdp_size`, `training_tensor_parallel`,
+`placement_only`): jaxrl_llm samples and
 trains on one mesh over every visible device. veRL's training sharding maps onto it: FSDP's
 `fsdp_size` (HSDP group) -> `mesh.fsdp` (the rest of the devices -> `mesh.data`), Megatron's
 `tensor_model_parallel_size` -> `mesh.tensor`, each reduced to the largest size the devices hold.
@@ -111,21 +112,13 @@ def our_key(key: str) -> str | None:
     return renamed if renamed in FIELDS else None
 
 
-def _devices(m: Mapper) -> int:
-    if m.num_devices is not None:
-        return m.num_devices
-    import jax
-
-    return jax.device_count()
-
-
 def training_tensor_parallel(m: Mapper, src: str, value: Any) -> None:
     """Megatron's training TP -> mesh.tensor (the largest size dividing the devices)."""
     size = int_or_error(m, src, value)
-    held = math.gcd(max(size, 1), _devices(m))
+    held = math.gcd(max(size, 1), m.devices())
     m.set("mesh.tensor", held, src)
     if held != size:
-        m.ignore(f"{src} (as mesh.tensor={held})", f"reduced to what the {_devices(m)} device(s) hold", size)
+        m.ignore(f"{src} (as mesh.tensor={held})", f"reduced to what the {m.devices()} device(s) hold", size)
 
 
 def _fsdp_size(m: Mapper, src: str, value: Any) -> None:
@@ -134,7 +127,7 @@ def _fsdp_size(m: Mapper, src: str, value: Any) -> None:
     size = int_or_error(m, src, value)
     if size <= 0:
         return
-    free = _devices(m) // math.gcd(int(m.get("mesh.tensor") or 1), _devices(m))
+    free = m.devices() // math.gcd(int(m.get("mesh.tensor") or 1), m.devices())
     if size >= free:
         m.set("mesh.fsdp", -1, src)
         m.set("mesh.data", 1, src)
@@ -268,7 +261,7 @@ def _no_counterpart(m: Mapper, src: str, key: str, value: Any) -> None:
     """A veRL key our tree lacks (see the module doc for the rule)."""
     if _same(value, VERL_DEFAULTS[key]):
         return  # veRL's default: what jaxrl_llm computes
-    if any(fnmatch.fnmatchcase(key, p) for p in HARMLESS) or _is_placement(key):
+    if any(fnmatch.fnmatchcase(key, p) for p in HARMLESS):
         m.ignore(src, "changes nothing computed (engine / placement / metrics)", value)
     else:
         why = WHY.get(key, "no counterpart in jaxrl_llm")
@@ -373,9 +366,8 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
         else:
             size, how = sp.get(key.lstrip("+"), (1, ""))
             if size > 1:  # counted per sequence-parallel group in veRL
-                value = _sp_scaled(value, size, how)
-                raw = {k: v for k, v in raw.items() if k != key}  # no longer the interpolated value
-            _generic(m, full, key, value, raw.get(key))
+                value = _sp_scaled(value, size, how)  # no longer the interpolated value: not left derived
+            _generic(m, full, key, value, None if size > 1 else raw.get(key))
 
 
 def import_verl(data: dict[str, Any], m: Mapper, raw: dict[str, str] | None = None) -> None:

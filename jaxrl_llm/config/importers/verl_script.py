@@ -77,14 +77,9 @@ class _Expander:
             special = match.group(5)
             if special is not None:
                 return "" if special in "@*" else self._missing(f"${special}", "a positional argument")
-            value = self.env.get(name) if name in self.env else self.values.get(name, _UNSET)
-            if not isinstance(value, str):  # unset, or set by a command that is not run
-                if match.group(2) == "-" or match.group(2) == "=":
-                    return self.expand(match.group(3), line, strict=True) or ""
-                if value is None:
-                    return self._missing(f"${name}", self.why[name])
-                return self._missing(f"${name}", "set neither in the script nor in the environment")
-            return value
+            if match.group(2) in ("-", "=") and self._lookup(name) is None:  # ${name:-default}
+                return self.expand(match.group(3), line, strict=True) or ""
+            return self._value(name)
 
         try:
             text = ARITHMETIC.sub(self._arithmetic, text)
@@ -110,8 +105,12 @@ class _Expander:
         except _Missing as missing:
             raise ScriptError(f"{self.path} line {line}: {missing.what} is {missing.why}") from None
 
+    def _lookup(self, name: str) -> str | None:
+        """The environment's value (it wins), else the script's; None when unset or set by a command."""
+        return self.env.get(name) if name in self.env else self.values.get(name)
+
     def _value(self, name: str) -> str:
-        value = self.env.get(name) if name in self.env else self.values.get(name)
+        value = self._lookup(name)
         if value is None:
             raise _Missing(f"${name}", self.why.get(name, "set neither in the script nor in the environment"))
         return value
@@ -138,8 +137,6 @@ class _Missing(Exception):
         super().__init__(what)
         self.what, self.why = what, why
 
-
-_UNSET = object()
 
 
 def read_verl_script(path: str, env: Mapping[str, str] | None = None) -> tuple[str | None, list[str]]:
