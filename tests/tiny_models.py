@@ -32,12 +32,24 @@ def make_char_tokenizer(chat_template: str = CHATML):
     return tok
 
 
+# the mixture-of-experts families' tiny twins (ModelConfig.tiny(family)): 8 experts, top-2, width 32
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
+MOE_FAMILIES = tuple(TINY_MOE)
+
+
 def hf_config(family: str, **overrides):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
-    return cls(**{**TINY_HF, **overrides})
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "mixtral": transformers.MixtralConfig}[family]
+    return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 
 def build_hf_model(family: str, folder, *, head: str = "lm", seed: int = 0, **overrides):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.hf.names import MissingTensorError, TensorSpec, get_path, set_path, tensor_specs
+from jaxrl_llm.hf.names import MissingTensorError, get_path, set_path, tensor_specs
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
 from jaxrl_llm.models.param_init import init_head_params
@@ -30,12 +30,6 @@ Shardings = Any  # pytree of jax.sharding.Sharding | Callable[[tuple, tuple, Any
 class TensorSource(Protocol):
     def shape(self, name: str) -> tuple[int, ...] | None: ...
     def read(self, name: str) -> np.ndarray: ...
-
-
-def _names(spec: TensorSpec, cfg: ModelConfig) -> list[str]:
-    if spec.layered:
-        return [spec.hf_name.format(i=i) for i in range(cfg.num_hidden_layers)]
-    return [spec.hf_name]
 
 
 def _sharding_for(shardings: Shardings, path: tuple[str, ...], shape, dtype):
@@ -64,7 +58,7 @@ def assemble_params(cfg: ModelConfig, source: TensorSource, *, head: str = "lm",
     specs = tensor_specs(cfg, head=head, num_labels=num_labels)
     present: dict[tuple[str, ...], bool] = {}
     for spec in specs:  # validate everything before reading any data
-        shapes = {n: source.shape(n) for n in _names(spec, cfg)}
+        shapes = {n: source.shape(n) for _, n in spec.units(cfg)}
         missing = [n for n, shape in shapes.items() if shape is None]
         if missing and spec.optional and len(missing) == len(shapes):
             present[spec.path] = False
@@ -87,15 +81,11 @@ def assemble_params(cfg: ModelConfig, source: TensorSource, *, head: str = "lm",
                 shardings, spec.path, value.shape, value.dtype)))
             continue
         host = np.empty(spec.our_shape(cfg), np_dtype)
-        for i, name in enumerate(_names(spec, cfg)):
+        for index, name in spec.units(cfg):
             tensor = source.read(name)
             if transform is not None:
                 tensor = transform(name, tensor)
-            converted = spec.to_ours(tensor).astype(np_dtype)
-            if spec.layered:
-                host[i] = converted
-            else:
-                host[...] = converted
+            host[index] = spec.to_ours(tensor).astype(np_dtype)
         sharding = _sharding_for(shardings, spec.path, host.shape, host.dtype)
         set_path(params, spec.path, place(host, sharding))
         del host

@@ -40,28 +40,27 @@ def _head_of(params: dict) -> tuple[str, int]:
     return "lm", 1
 
 
-def _hf_tensor(spec: TensorSpec, params: dict, layer: int | None,
-               dtype: np.dtype) -> tuple[str, np.ndarray]:
-    """(hf_name, numpy tensor in HF layout) for one spec (and one layer when stacked)."""
+Unit = tuple[TensorSpec, tuple[int, ...], str]  # (spec, index into our leaf, HF tensor name)
+
+
+def _hf_tensor(unit: Unit, params: dict, dtype: np.dtype) -> np.ndarray:
+    """One HF tensor (numpy, HF layout) of a spec's leaf."""
+    spec, index, _ = unit
     value = get_path(params, spec.path)
-    if layer is None:
-        return spec.hf_name, np.ascontiguousarray(spec.to_hf(np.asarray(value).astype(dtype)))
-    tensor = spec.to_hf(np.asarray(value[layer]).astype(dtype))
-    return spec.hf_name.format(i=layer), np.ascontiguousarray(tensor)
+    return np.ascontiguousarray(spec.to_hf(np.asarray(value[index] if index else value).astype(dtype)))
 
 
-def _plan_shards(cfg: ModelConfig, specs: list[TensorSpec], itemsize: int,
-                 max_shard_size: int) -> list[list[tuple[TensorSpec, int | None]]]:
-    """Group (spec, layer) units into shards of at most max_shard_size bytes (one unit minimum)."""
-    shards: list[list[tuple[TensorSpec, int | None]]] = [[]]
+def _plan_shards(cfg: ModelConfig, specs: list[TensorSpec], itemsize: int, max_shard_size: int) -> list[list[Unit]]:
+    """Group the HF tensors into shards of at most max_shard_size bytes (one tensor minimum)."""
+    shards: list[list[Unit]] = [[]]
     size = 0
     for spec in specs:
         nbytes = int(np.prod(spec.hf_shape)) * itemsize
-        for layer in (range(cfg.num_hidden_layers) if spec.layered else [None]):
+        for index, name in spec.units(cfg):
             if shards[-1] and size + nbytes > max_shard_size:
                 shards.append([])
                 size = 0
-            shards[-1].append((spec, layer))
+            shards[-1].append((spec, index, name))
             size += nbytes
     return shards
 
@@ -144,9 +143,8 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
             name = ("model.safetensors" if len(shards) == 1
                     else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
             tensors: dict[str, np.ndarray] = {}
-            for spec, layer in shard:
-                hf_name, tensor = _hf_tensor(spec, params, layer, np_dtype)
-                tensors[hf_name] = tensor
+            for unit in shard:
+                tensors[unit[2]] = _hf_tensor(unit, params, np_dtype)
             for hf_name, tensor in tensors.items():
                 weight_map[hf_name] = name
                 total += tensor.nbytes

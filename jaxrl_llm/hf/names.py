@@ -1,7 +1,8 @@
 """The one map between our params and Hugging Face tensor names / layouts (import and export).
 
 Each `TensorSpec` names one of our leaves, its HF tensor (with `{i}` for the layer index when the
-leaf is stacked over layers), the HF shape, and the two layout conversions. HF `nn.Linear` weights
+leaf is stacked over layers, and `{e}` for the expert index when it is stacked over experts too), the
+HF shape, and the two layout conversions. HF `nn.Linear` weights
 are [out, in]; ours are [in, ...out] split into (heads, head_dim) where attention needs it.
 """
 from __future__ import annotations
@@ -34,14 +35,28 @@ class TensorSpec:
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     optional: bool = False                  # absent in the file -> keep the fresh init
+    experts: int = 0                        # > 0: hf_name has "{e}", our leaf is [L, experts, ...]
 
     @property
     def layered(self) -> bool:
         return "{i}" in self.hf_name
 
     def our_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
-        per_layer = self.to_ours(np.zeros(self.hf_shape, np.float32)).shape
-        return ((cfg.num_hidden_layers,) if self.layered else ()) + per_layer
+        per_tensor = self.to_ours(np.zeros(self.hf_shape, np.float32)).shape
+        stacked = ((cfg.num_hidden_layers,) if self.layered else ()) + ((self.experts,) if self.experts else ())
+        return stacked + per_tensor
+
+    def units(self, cfg: ModelConfig, layers: range | None = None) -> list[tuple[tuple[int, ...], str]]:
+        """(index into our leaf, HF tensor name) of every HF tensor this leaf holds (of `layers` only)."""
+        if not self.layered:
+            return [((), self.hf_name)]
+        out = []
+        for i in (layers if layers is not None else range(cfg.num_hidden_layers)):
+            if self.experts:
+                out += [((i, e), self.hf_name.format(i=i, e=e)) for e in range(self.experts)]
+            else:
+                out.append(((i,), self.hf_name.format(i=i)))
+        return out
 
     def check(self, name: str, array_shape: tuple[int, ...]) -> None:
         if tuple(array_shape) != tuple(self.hf_shape):
@@ -92,9 +107,12 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
     if cfg.qk_norm:
         layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
-    layer(("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", (f, h), _linear(h, (f,)))
-    layer(("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", (f, h), _linear(h, (f,)))
-    layer(("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", (h, f), _linear(f, (h,)))
+    if cfg.is_moe:
+        specs += _moe_specs(cfg)
+    else:
+        layer(("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", (f, h), _linear(h, (f,)))
+        layer(("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", (f, h), _linear(h, (f,)))
+        layer(("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", (h, f), _linear(f, (h,)))
 
     transpose = (lambda w: w.T, lambda k: k.T)
     if head == "lm" and not cfg.tie_word_embeddings:
@@ -107,6 +125,32 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
                                 optional=True))
         specs.append(TensorSpec(("value_head", "bias"), "score.bias", (1,), _identity, _identity,
                                 optional=True))
+    return specs
+
+
+def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """A MoE layer's tensors as the checkpoints on the Hub store them (one tensor per expert; Mixtral's
+    `block_sparse_moe.experts.{e}.w1 / w3 / w2` are gate / up / down), which transformers 4 loads as
+    they are and transformers 5 fuses on load and splits again on save."""
+    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    lay = "model.layers.{i}."
+    mixtral = cfg.model_type == "mixtral"
+    block = lay + ("block_sparse_moe." if mixtral else "mlp.")
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {
+        m: m for m in ("gate_proj", "up_proj", "down_proj")}
+    specs = [TensorSpec(("layers", "moe", "router", "kernel"), block + "gate.weight", (e, h), *_linear(h, (e,)))]
+    for ours, theirs in names.items():
+        shape, conv = ((h, f), _linear(f, (h,))) if ours == "down_proj" else ((f, h), _linear(h, (f,)))
+        specs.append(TensorSpec(("layers", "moe", "experts", ours, "kernel"), block + f"experts.{{e}}.{theirs}.weight",
+                                shape, *conv, experts=e))
+    fs = cfg.shared_expert_intermediate_size
+    if fs:
+        for ours in ("gate_proj", "up_proj", "down_proj"):
+            shape, conv = ((h, fs), _linear(fs, (h,))) if ours == "down_proj" else ((fs, h), _linear(h, (fs,)))
+            specs.append(TensorSpec(("layers", "moe", "shared_expert", ours, "kernel"),
+                                    block + f"shared_expert.{ours}.weight", shape, *conv))
+        specs.append(TensorSpec(("layers", "moe", "shared_expert_gate", "kernel"), block + "shared_expert_gate.weight",
+                                (1, h), *_linear(h, (1,))))
     return specs
 
 

@@ -1,4 +1,5 @@
-"""Decoder family (Llama / Qwen2 / Qwen3 / Mistral), KV cache, value and score heads.
+"""Decoder families (Llama / Qwen2 / Qwen3 / Mistral; MoE: Qwen3-MoE / Qwen2-MoE / Mixtral), KV cache,
+value and score heads.
 
 Everything other components call is re-exported here; see `param_init.py` for the params layout,
 `decoder.py` for the one decoder every path runs and `cache.py` for the KV-cache calling convention.
@@ -15,6 +16,7 @@ from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import (
     compute_logits,
     forward_hidden,
+    forward_hidden_moe,
     last_valid_index,
     lm_head_weight,
     logits_from_hidden,
@@ -25,7 +27,8 @@ from jaxrl_llm.models.param_init import HEADS, init_head_params, init_params, pa
 
 __all__ = [
     "COMPUTE_DTYPES", "DTYPES", "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",
-    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "greedy_generate", "init_cache",
+    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "forward_hidden_moe",
+    "greedy_generate", "init_cache",
     "init_head_params", "init_params", "last_valid_index", "lm_head_weight", "logits_from_hidden", "param_logical_axes",
     "rope_inv_freq", "score_from_hidden", "value_from_hidden",
 ]

@@ -1,4 +1,5 @@
-"""ModelConfig: the one description of a decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3).
+"""ModelConfig: the one description of a decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3 and the
+mixture-of-experts families Qwen3-MoE, Qwen2-MoE, Mixtral).
 
 Built from a transformers `config.json` dict (`from_hf_config`) and written back (`to_hf_config`)
 so that `transformers` reads it with the same numbers. Frozen and hashable so it can be a static
@@ -17,7 +18,16 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"prefix": "Mistral", "attention_bias": False, "qk_norm": False},
     "qwen2": {"prefix": "Qwen2", "attention_bias": True, "qk_norm": False},
     "qwen3": {"prefix": "Qwen3", "attention_bias": False, "qk_norm": True},
+    # mixture-of-experts families (models/moe.py): every layer's MLP is a routed set of experts
+    "qwen3_moe": {"prefix": "Qwen3Moe", "attention_bias": False, "qk_norm": True, "moe": True},
+    "qwen2_moe": {"prefix": "Qwen2Moe", "attention_bias": True, "qk_norm": False, "moe": True},
+    "mixtral": {"prefix": "Mixtral", "attention_bias": False, "qk_norm": False, "moe": True},
 }
+MOE_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("moe"))
+# the grouped matmul of models/moe.py: "blocked" (ours, any backend), "ragged_dot" (jax.lax.ragged_dot:
+# XLA's native grouped matmul on TPU; a dense tokens x experts decomposition on CPU / GPU), "auto" (ragged_dot
+# on TPU, blocked elsewhere)
+MOE_KERNELS: tuple[str, ...] = ("auto", "blocked", "ragged_dot")
 _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
@@ -78,6 +88,19 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     initializer_range: float = 0.02
+    # mixture of experts (num_experts > 0; models/moe.py). Experts' FFN width is moe_intermediate_size
+    # (Mixtral: intermediate_size); Qwen2-MoE adds a shared expert of shared_expert_intermediate_size with a
+    # sigmoid gate. norm_topk_prob renormalises the top-k router probabilities (Mixtral always does).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
+    moe_kernel: str = "auto"
+    moe_block_rows: int = 32
     # layers per trip of the layer scan (`lax.scan(unroll=...)` in models/decoder.py); same numbers
     # either way. The memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
     # loop body (trainer/memory_plan.py); runs keep 1.
@@ -91,11 +114,25 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                                 f"{self.num_experts}")
+            if self.moe_intermediate_size < 1:
+                raise ValueError("moe_intermediate_size must be positive for a mixture-of-experts model")
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ValueError(f"moe_kernel={self.moe_kernel!r}; expected one of {MOE_KERNELS}")
+        if self.moe_block_rows < 1:
+            raise ValueError(f"moe_block_rows={self.moe_block_rows} must be positive")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -143,8 +180,9 @@ class ModelConfig:
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
         fam = _FAMILIES[model_type]
+        moe = _moe_fields(d, model_type) if fam.get("moe") else {}
         sliding_window = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             sliding_window = d.get("sliding_window")
         elif d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
             raise ValueError(f"config.json: sliding-window layers are unsupported for {model_type}")
@@ -164,13 +202,15 @@ class ModelConfig:
             rope_scaling=tuple(sorted(scaling.items())) or None,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", fam["attention_bias"])),
+            attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
+                                      fam["attention_bias"])),
             qk_norm=fam["qk_norm"],
             sliding_window=None if sliding_window is None else int(sliding_window),
             bos_token_id=_token_ids(d.get("bos_token_id")),
             eos_token_id=_token_ids(d.get("eos_token_id")),
             pad_token_id=_first_token_id(d.get("pad_token_id")),
             initializer_range=float(d.get("initializer_range", 0.02)),
+            **moe,
         )
 
     def to_hf_config(self, *, architecture: str | None = None, num_labels: int | None = None,
@@ -206,19 +246,36 @@ class ModelConfig:
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(rope_params)
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
+        if self.model_type == "qwen2_moe":
+            d["qkv_bias"] = self.attention_bias
         if self.model_type == "llama":
             d["mlp_bias"] = False
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             d["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
             d["use_sliding_window"] = False
             d["sliding_window"] = None
+        if self.is_moe:
+            d.update(self._hf_moe_fields())
         if num_labels is not None:
             d["num_labels"] = num_labels
             d["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
             d["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+        return d
+
+    def _hf_moe_fields(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok,
+                             "router_aux_loss_coef": self.router_aux_loss_coef,
+                             "output_router_logits": self.output_router_logits}
+        if self.model_type == "mixtral":
+            d["num_local_experts"] = self.num_experts
+            return d
+        d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                 norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+        if self.model_type == "qwen2_moe":
+            d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return d
 
     # ------------------------------------------------------------------ tests
@@ -236,6 +293,10 @@ class ModelConfig:
             attention_bias=fam["attention_bias"], qk_norm=fam["qk_norm"],
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
+        if fam.get("moe"):
+            base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        norm_topk_prob=family != "qwen2_moe", router_aux_loss_coef=0.001,
+                        shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
         base.update(overrides)
         return cls(**base)
 
@@ -243,10 +304,13 @@ class ModelConfig:
 # `model.override_config`: HF config.json fields an override may change (they reach ModelConfig
 # without changing any parameter's shape) and fields it may not (architecture, shapes).
 OVERRIDABLE_HF_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
-                       "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")
+                       "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                       "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits")
 FIXED_HF_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-                 "attention_bias", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types")
+                 "attention_bias", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types",
+                 "num_experts", "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "decoder_sparse_step", "mlp_only_layers", "qkv_bias")
 
 
 def classify_hf_overrides(keys: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -274,6 +338,35 @@ def with_hf_overrides(cfg: ModelConfig, overrides: dict[str, Any] | None) -> Mod
         d["rope_scaling"] = cfg.rope_scaling_dict
     d.update(overrides)
     return ModelConfig.from_hf_config(d)
+
+
+def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a MoE family's config.json; a layout jaxrl_llm does not
+    run (dense MLP layers between the sparse ones) is an error naming the key."""
+    # transformers 5 writes either name for either family (its attribute_map aliases them)
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    if model_type == "mixtral":
+        width = int(d["intermediate_size"])
+        norm_topk = True  # Mixtral's router always renormalises its top-k
+    else:
+        width = int(d.get("moe_intermediate_size") or 0)
+        norm_topk = bool(d.get("norm_topk_prob", False))
+        step = int(d.get("decoder_sparse_step", 1))
+        dense_layers = sorted(set(d.get("mlp_only_layers") or []))
+        if experts == 0 or step != 1 or dense_layers:
+            what = ("num_experts=0" if experts == 0 else f"mlp_only_layers={dense_layers}" if dense_layers
+                    else f"decoder_sparse_step={step}")
+            raise ValueError(f"config.json: {what} makes some layers dense MLPs in a {model_type} model; "
+                             "jaxrl_llm runs mixture-of-experts models whose every layer is sparse")
+    if d.get("router_jitter_noise"):
+        raise ValueError(f"config.json: router_jitter_noise={d['router_jitter_noise']} is unsupported "
+                         "(it multiplies hidden states by training-time noise)")
+    return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                moe_intermediate_size=width,
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0,
+                norm_topk_prob=norm_topk, router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+                output_router_logits=bool(d.get("output_router_logits", False)))
 
 
 def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:

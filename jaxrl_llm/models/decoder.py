@@ -44,6 +44,7 @@ from jax import lax
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
 from jaxrl_llm.models.lora import LoraAdapters, lora_delta
+from jaxrl_llm.models.moe import MoeOut, RouterStats, expert_ffn, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
@@ -131,25 +132,54 @@ def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale
     return dense("down_proj", act).reshape(*x.shape[:-1], -1)
 
 
+def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None, *,
+              dtype: Any, lora_scale: float) -> tuple[Array, RouterStats, Array]:
+    """fp32 [B, T, H] MoE MLP of normed x [B, T, H] (compute dtype), this layer's `RouterStats` over
+    valid [B, T] tokens, and the router's own top-k ids [B, T, k]. `replay` [B, T, k]: experts to use."""
+    b, t, h = x.shape
+    tokens = x.reshape(b * t, h)
+    k = cfg.num_experts_per_tok
+    routing = route(cfg, weights["router"]["kernel"], tokens, None if replay is None else replay.reshape(b * t, k))
+    out = expert_ffn(weights["experts"], tokens, routing, cfg, dtype=dtype)
+    if "shared_expert" in weights:  # Qwen2-MoE: a dense expert every token runs, gated by sigmoid(x @ w)
+        shared = mlp_block(weights["shared_expert"], adapters.get("shared_expert", {}), tokens, dtype=dtype,
+                           lora_scale=lora_scale)
+        gate = project(tokens, weights["shared_expert_gate"], None, 0.0, dtype)
+        out = out + jax.nn.sigmoid(gate) * shared
+    stats = router_stats(routing, valid.reshape(b * t))
+    return out.reshape(b, t, h), stats, routing.natural_ids.reshape(b, t, k)
+
+
 def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
-                  attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float
-                  ) -> tuple[Array, Any]:
-    """One pre-norm block on the fp32 residual stream x [B, T, H] -> (x, attention state)."""
+                  attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float,
+                  valid: Array | None = None, replay: Array | None = None
+                  ) -> tuple[Array, Any, tuple[RouterStats, Array] | None]:
+    """One pre-norm block on the fp32 residual stream x [B, T, H] -> (x, attention state, and for a
+    MoE layer its router stats over valid [B, T] tokens and its router's top-k ids; see `moe_block`)."""
     eps = cfg.rms_norm_eps
     h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}),
                                rms_norm(x, weights["attn_norm"]["scale"], eps, dtype), cos, sin, attention,
                                state, layer, dtype=dtype, lora_scale=lora_scale)
     x = x + h  # fp32 + fp32: the residual stream is never rounded
-    x = x + mlp_block(weights["mlp"], adapters.get("mlp", {}), rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype),
-                      dtype=dtype, lora_scale=lora_scale)
-    return x, state
+    normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype)
+    if not cfg.is_moe:
+        return x + mlp_block(weights["mlp"], adapters.get("mlp", {}), normed, dtype=dtype, lora_scale=lora_scale), \
+            state, None
+    valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
+    out, stats, ids = moe_block(cfg, weights["moe"], adapters, normed, valid, replay, dtype=dtype,
+                                lora_scale=lora_scale)
+    return x + out, state, (stats, ids)
 
 
 def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                    attention: LayerAttention, state: Any, *, compute_dtype: Any = jnp.float32,
-                   remat: bool | str = False) -> tuple[Array, Any]:
+                   remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
+                   record_routing: bool = False) -> tuple[Array, Any, MoeOut | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) of input_ids [B, T] at integer
-    positions [B, T], and the attention's final state (see `LayerAttention`)."""
+    positions [B, T], the attention's final state (see `LayerAttention`) and, for a mixture-of-experts
+    model, its `MoeOut`: router stats over valid [B, T] tokens (default all) and, with
+    `record_routing`, each layer's router top-k ids [L, B, T, k]. `replay` [L, B, T, k]: the experts
+    each layer runs instead of its router's top-k (routing replay)."""
     dtype = jnp.dtype(compute_dtype)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x = jnp.take(params["embedding"], input_ids, axis=0).astype(dtype).astype(jnp.float32)
@@ -158,18 +188,22 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     lora_layers = {} if adapters is None else adapters.weights["layers"]
     lora_scale = 0.0 if adapters is None else adapters.scale
 
-    def layer(carry: tuple[Array, Any, Array], weights: tuple[dict, dict]) -> tuple[tuple[Array, Any, Array], None]:
+    def layer(carry: tuple[Array, Any, Array], xs: tuple[dict, dict, Array | None]) -> tuple[tuple, Any]:
         x, state, index = carry
-        x, state = decoder_layer(cfg, weights[0], weights[1], x, cos, sin, attention, state, index,
-                                 dtype=dtype, lora_scale=lora_scale)
-        return (x, state, index + 1), None
+        weights, adapters, layer_replay = xs
+        x, state, moe = decoder_layer(cfg, weights, adapters, x, cos, sin, attention, state, index, dtype=dtype,
+                                      lora_scale=lora_scale, valid=valid, replay=layer_replay)
+        if moe is not None and not record_routing:
+            moe = (moe[0], None)
+        return (x, state, index + 1), moe
 
     step: Callable = layer
     if remat_name(remat) != "none":  # prevent_cse=False: the layers run under scan, which keeps them apart
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, state, _), _ = lax.scan(step, (x, state, jnp.int32(0)), (params["layers"], lora_layers),
-                                unroll=cfg.scan_unroll)
-    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype), state
+    (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (params["layers"], lora_layers, replay),
+                                  unroll=cfg.scan_unroll)
+    hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype)
+    return hidden, state, None if moe is None else MoeOut(*moe)
 
 
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0) -> LayerAttention:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models.cache import attention_context
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
+from jaxrl_llm.models.moe import MoeOut
 
 Array = jax.Array
 
@@ -41,17 +42,41 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     each seeing the prompt and itself only (`attention_context`). LoRA adapters in
     `params["lora"]` (models/lora.py) are applied inside the layers.
     """
+    hidden, new_cache, _ = _forward(params, cfg, input_ids, attention_mask, positions=positions, cache=cache,
+                                    compute_dtype=compute_dtype, remat=remat, segment_ids=segment_ids,
+                                    branch_ids=branch_ids)
+    return hidden, new_cache
+
+
+def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
+                       positions: Array | None = None, compute_dtype: Any = jnp.float32, remat: bool | str = False,
+                       segment_ids: Array | None = None, branch_ids: Array | None = None,
+                       replay: Array | None = None, record_routing: bool = False) -> tuple[Array, MoeOut | None]:
+    """`forward_hidden` (no cache) with the mixture-of-experts layers' `MoeOut` (None for a dense
+    model): router stats over the attention mask's tokens, the router's top-k ids per layer with
+    `record_routing`, and `replay` [L, B, T, k] expert ids used in place of the router's choice."""
+    hidden, _, moe = _forward(params, cfg, input_ids, attention_mask, positions=positions, cache=None,
+                              compute_dtype=compute_dtype, remat=remat, segment_ids=segment_ids,
+                              branch_ids=branch_ids, replay=replay, record_routing=record_routing)
+    return hidden, moe
+
+
+def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *, positions: Array | None,
+             cache: dict | None, compute_dtype: Any, remat: bool | str, segment_ids: Array | None,
+             branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False
+             ) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids, branch_ids)
     kv = None if cache is None else (cache["k"], cache["v"])
-    hidden, kv = decoder_hidden(params, cfg, input_ids, positions, dense_attention(cfg, allowed, write_index), kv,
-                                compute_dtype=compute_dtype, remat=remat)
+    hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, dense_attention(cfg, allowed, write_index),
+                                     kv, compute_dtype=compute_dtype, remat=remat, valid=attention_mask > 0,
+                                     replay=replay, record_routing=record_routing)
     if cache is None:
-        return hidden, None
+        return hidden, None, moe
     k_cache, v_cache = kv
     new_cache = {"k": k_cache, "v": v_cache, "mask": new_mask,
                  "index": cache["index"] + input_ids.shape[1]}
-    return hidden, new_cache
+    return hidden, new_cache, moe
 
 
 def lm_head_weight(params: dict, cfg: ModelConfig) -> Array:

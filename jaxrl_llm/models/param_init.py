@@ -13,6 +13,11 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
     layers/attn/{q,k}_norm/scale [L, D]    (qk_norm)
     layers/attn/o_proj/kernel [L, heads, D, H]
     layers/mlp/{gate,up}_proj/kernel [L, H, F]   layers/mlp/down_proj/kernel [L, F, H]
+    mixture-of-experts families (cfg.is_moe) have layers/moe in place of layers/mlp (models/moe.py):
+      layers/moe/router/kernel [L, H, E]
+      layers/moe/experts/{gate,up}_proj/kernel [L, E, H, Fe]   layers/moe/experts/down_proj/kernel [L, E, Fe, H]
+      layers/moe/shared_expert/{gate,up,down}_proj/kernel [L, H, Fs] / [L, Fs, H]   (Qwen2-MoE)
+      layers/moe/shared_expert_gate/kernel [L, H, 1]                               (Qwen2-MoE)
     final_norm/scale [H]
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")
@@ -74,6 +79,11 @@ def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, d
 def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
     mod = mods[-1]
+    if "experts" in mods:
+        return {"gate_proj": ("layers", "expert", "embed", "mlp"), "up_proj": ("layers", "expert", "embed", "mlp"),
+                "down_proj": ("layers", "expert", "mlp", "embed")}[mod]
+    if mod in ("router", "shared_expert_gate"):
+        return ("layers", "embed", None)
     if mod.endswith("norm"):
         return ("layers", None)
     heads = "heads" if mod in ("q_proj", "o_proj") else "kv_heads"
@@ -155,7 +165,10 @@ class _LayerParams(nn.Module):
         _Norm(cfg.hidden_size, dt, name="attn_norm")()
         _AttentionParams(cfg, dt, init, name="attn")()
         _Norm(cfg.hidden_size, dt, name="mlp_norm")()
-        _MlpParams(cfg.hidden_size, cfg.intermediate_size, dt, init, name="mlp")()
+        if cfg.is_moe:
+            _MoeParams(cfg, dt, init, name="moe")()
+        else:
+            _MlpParams(cfg.hidden_size, cfg.intermediate_size, dt, init, name="mlp")()
         return carry, None
 
 
@@ -188,6 +201,48 @@ class _MlpParams(nn.Module):
         h, f = self.hidden, self.intermediate
         for name, (n_in, n_out) in (("gate_proj", (h, f)), ("up_proj", (h, f)), ("down_proj", (f, h))):
             _Projection((n_in,), (n_out,), False, self.initializer, self.dtype, name=name)()
+
+
+class _MoeParams(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    initializer: Initializer
+
+    @nn.compact
+    def __call__(self) -> None:
+        cfg, dt, init = self.cfg, self.dtype, self.initializer
+        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        _Projection((h,), (e,), False, init, dt, name="router")()
+        _ExpertParams(h, f, e, dt, init, name="experts")()
+        if cfg.shared_expert_intermediate_size:
+            _MlpParams(h, cfg.shared_expert_intermediate_size, dt, init, name="shared_expert")()
+            _Projection((h,), (1,), False, init, dt, name="shared_expert_gate")()
+
+
+class _ExpertParams(nn.Module):
+    """Each expert's SwiGLU weights stacked on a leading expert axis (experts/<proj>/kernel)."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    dtype: Any
+    initializer: Initializer
+
+    @nn.compact
+    def __call__(self) -> None:
+        h, f, e = self.hidden, self.intermediate, self.experts
+        for name, shape in (("gate_proj", (e, h, f)), ("up_proj", (e, h, f)), ("down_proj", (e, f, h))):
+            _Stacked(shape, self.initializer, self.dtype, name=name)()
+
+
+class _Stacked(nn.Module):
+    shape: tuple[int, ...]
+    initializer: Initializer
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> None:
+        self.param("kernel", self.initializer, self.shape, self.dtype)
 
 
 class _BackboneParams(nn.Module):

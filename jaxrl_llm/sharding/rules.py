@@ -30,6 +30,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("layers", None),
+    ("expert", None),  # mixture-of-experts weights [E, ...]: replicated over experts, split by embed / mlp
     # activations (constrained at block boundaries)
     ("batch", ("data", "fsdp")),
     ("length", None),

@@ -36,7 +36,7 @@ def _hf_greedy(model, ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
     return out[:, ids.shape[1]:].numpy()
 
 
-@pytest.mark.parametrize("family,shard", [("qwen3", None), ("llama", 40_000)])
+@pytest.mark.parametrize("family,shard", [("qwen3", None), ("llama", 40_000), ("qwen2_moe", 40_000), ("mixtral", None)])
 def test_export_roundtrip_logits_and_greedy(family, shard, tmp_path, np_rng):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

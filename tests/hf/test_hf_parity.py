@@ -25,6 +25,9 @@ CASES = {
     "mistral_window": ("mistral", {"sliding_window": 4}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
 }
 
 

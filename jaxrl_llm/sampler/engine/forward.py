@@ -80,8 +80,8 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
     """
     attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
                                 mesh=mesh)
-    hidden, pool = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
-                                  compute_dtype=compute_dtype)
+    hidden, pool, _ = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
+                                     compute_dtype=compute_dtype, valid=active[:, None])
     return hidden[:, 0], pool
 
 

@@ -1,0 +1,249 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router, dropless routed experts and
+Qwen2-MoE's gated shared expert, as pure functions over one layer's `moe` params (models/param_init.py).
+
+Routing: router logits = x @ W_router (compute-dtype operands, fp32 result); softmax and top-k in fp32;
+the top-k probabilities renormalised when `norm_topk_prob` (Mixtral always). A replayed routing (the
+sampler's recorded expert ids, `replay`) replaces the top-k choice; the weights are still the
+router's probabilities of those experts, so the router gets gradients either way.
+
+Dropless experts: the N x k (token, expert) assignments are sorted by expert, each expert's run padded
+to a multiple of `moe_block_rows`, and the runs cut into blocks of that many rows, each block owned by
+one expert (`expert_layout`). The grouped matmul then multiplies each block by its expert's weights:
+compute and activation memory grow with N x k + E x block_rows rows, never with N x E, and no token
+is dropped (there is no capacity). Two kernels run that layout (`grouped_matmul`):
+
+- `blocked` (ours): a loop over blocks (`lax.scan`), one [block_rows, K] x [K, F] matmul each; empty
+  tail blocks are skipped. Its backward is written out (`_blocked_bwd`): dx is the same loop over
+  the transposed weights, dW accumulates each block's x^T dy into its expert's slice in place. Any backend.
+- `ragged_dot`: `jax.lax.ragged_dot` over the same padded groups. XLA:TPU runs it as a native
+  grouped matmul; JAX lowers it on CPU / GPU to a dense tokens x experts masked matmul, so `auto`
+  picks it on TPU only.
+
+Per-layer statistics for the losses and metrics (`RouterStats`): the top-k counts and the summed
+router probabilities per expert over the valid tokens (HF's `load_balancing_loss_func` pools these
+over layers: `load_balancing_loss`), the summed squared log-sum-exp of the router logits (router
+z-loss), and how many tokens' recomputed top-k equals the replayed one (`moe/routing_agreement`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.numerics import MATMUL_2D, matmul_f32
+
+Array = jax.Array
+
+
+class Routing(NamedTuple):
+    ids: Array          # [N, k] int32: the experts each token's MLP runs (replayed ones when replaying)
+    weights: Array      # [N, k] fp32: their mixing weights (router probabilities, renormalised or not)
+    natural_ids: Array  # [N, k] int32: the router's own top-k (what a sampler records)
+    probs: Array        # [N, E] fp32 softmax of the router logits
+    logits: Array       # [N, E] fp32
+
+
+class RouterStats(NamedTuple):
+    """Sums over one layer's valid tokens (stacked over layers by the decoder's scan)."""
+
+    counts: Array       # [E] fp32: top-k assignments per expert
+    prob_sum: Array     # [E] fp32: router probabilities per expert
+    z_sum: Array        # [] fp32: sum of logsumexp(logits)^2
+    agree: Array        # [] fp32: tokens whose router top-k (as a set) equals the experts used
+    tokens: Array       # [] fp32: valid tokens
+
+
+class ExpertLayout(NamedTuple):
+    dest: Array          # [N, k] int32: the padded row of each assignment
+    src_token: Array     # [R] int32: the token each padded row reads (N: an empty row)
+    block_expert: Array  # [R / block_rows] int32: the expert owning each block
+    block_used: Array    # [R / block_rows] bool: False for the empty blocks at the end
+    group_sizes: Array   # [E] int32: each expert's padded row count (sums to <= R)
+
+
+def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array | None = None) -> Routing:
+    """Routing of tokens [N, H] (compute dtype) through router_kernel [H, E]; `replay` [N, k] ids."""
+    logits = matmul_f32(tokens, router_kernel.astype(tokens.dtype))
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
+    ids = natural if replay is None else replay.astype(jnp.int32)
+    weights = top_probs if replay is None else jnp.take_along_axis(probs, ids, axis=-1)
+    if cfg.norm_topk_prob or cfg.model_type == "mixtral":
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)
+
+
+def router_stats(routing: Routing, valid: Array) -> RouterStats:
+    """Per-layer sums over tokens where valid [N] is true."""
+    w = valid.astype(jnp.float32)
+    num_experts = routing.probs.shape[-1]
+    counts = jnp.zeros((num_experts,), jnp.float32).at[routing.natural_ids].add(
+        jnp.broadcast_to(w[:, None], routing.natural_ids.shape))
+    z = jax.nn.logsumexp(routing.logits, axis=-1)
+    same = jnp.all(jnp.sort(routing.natural_ids, axis=-1) == jnp.sort(routing.ids, axis=-1), axis=-1)
+    return RouterStats(counts, jnp.sum(routing.probs * w[:, None], axis=0), jnp.sum(z * z * w),
+                       jnp.sum(same * w), jnp.sum(w))
+
+
+def load_balancing_loss(stats: RouterStats) -> Array:
+    """HF's `load_balancing_loss_func` (Switch Transformer eq. 4-6) from `router_stats` stacked over
+    layers: E * sum_e f_e * P_e, with f_e the share of (layer, token) rows routed to e (summing to k)
+    and P_e the mean router probability of e, both pooled over layers and valid tokens."""
+    rows = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+    f = jnp.sum(stats.counts.reshape(-1, stats.counts.shape[-1]), axis=0) / rows
+    p = jnp.sum(stats.prob_sum.reshape(-1, stats.prob_sum.shape[-1]), axis=0) / rows
+    return f.shape[0] * jnp.sum(f * p)
+
+
+def router_z_loss(stats: RouterStats) -> Array:
+    """ST-MoE's router z-loss: the mean over layers and valid tokens of logsumexp(router logits)^2."""
+    return jnp.sum(stats.z_sum) / jnp.maximum(jnp.sum(stats.tokens), 1.0)
+
+
+def expert_load_max(stats: RouterStats) -> Array:
+    """The busiest expert's share of the top-k assignments over the uniform share (1 = balanced),
+    pooled over layers."""
+    counts = jnp.sum(stats.counts.reshape(-1, stats.counts.shape[-1]), axis=0)
+    return jnp.max(counts) * counts.shape[0] / jnp.maximum(jnp.sum(counts), 1.0)
+
+
+def num_blocks(tokens: int, top_k: int, num_experts: int, block_rows: int) -> int:
+    """Static block count that holds any routing: each expert's run rounds up to whole blocks (at
+    most one partial block per expert), and no expert gets more than `tokens` rows."""
+    return min(math.ceil(tokens * top_k / block_rows) + num_experts,
+               num_experts * math.ceil(tokens / block_rows))
+
+
+def expert_layout(ids: Array, num_experts: int, block_rows: int) -> ExpertLayout:
+    """The padded, expert-sorted row layout of the assignments ids [N, k] (see the module doc)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    padded = (counts + block_rows - 1) // block_rows * block_rows
+    pad_end = jnp.cumsum(padded)
+    pad_start = pad_end - padded
+    start = jnp.cumsum(counts) - counts
+    order = jnp.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - start[sorted_experts]
+    dest = jnp.zeros_like(flat).at[order].set(pad_start[sorted_experts] + rank)
+    nb = num_blocks(n, k, num_experts, block_rows)
+    src_token = jnp.full((nb * block_rows,), n, jnp.int32).at[dest].set(
+        jnp.arange(flat.shape[0], dtype=jnp.int32) // k)
+    block_start = jnp.arange(nb, dtype=jnp.int32) * block_rows
+    block_expert = jnp.minimum(jnp.searchsorted(pad_end, block_start, side="right"), num_experts - 1)
+    return ExpertLayout(dest.reshape(n, k), src_token, block_expert.astype(jnp.int32), block_start < pad_end[-1],
+                        padded)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def _expert(w: Array, e: Array) -> Array:
+    return lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
+
+
+def _blocks(x: Array, layout_blocks: int) -> Array:
+    return x.reshape(layout_blocks, -1, x.shape[-1])
+
+
+def _blocked_loop(x: Array, w: Array, block_expert: Array, block_used: Array, dims, unroll: int | bool) -> Array:
+    """fp32 [R, F]: each block of x [R, K] times its expert's w[e] (contracted by `dims`), 0 for unused."""
+    xb = _blocks(x, block_expert.shape[0])
+    out_cols = w.shape[2] if dims == MATMUL_2D else w.shape[1]
+
+    def one(_: None, block: tuple[Array, Array, Array]) -> tuple[None, Array]:
+        rows, e, used = block
+        product = lambda: lax.dot_general(rows, _expert(w, e), dims, preferred_element_type=jnp.float32)  # noqa: E731
+        skip = lambda: jnp.zeros((rows.shape[0], out_cols), jnp.float32)  # noqa: E731
+        return None, lax.cond(used, product, skip)
+
+    _, y = lax.scan(one, None, (xb, block_expert, block_used), unroll=unroll)
+    return y.reshape(x.shape[0], out_cols)
+
+
+def _blocked_gmm(x: Array, w: Array, block_expert: Array, block_used: Array, unroll: int | bool) -> Array:
+    return _blocked_loop(x, w, block_expert, block_used, MATMUL_2D, unroll)
+
+
+_blocked = jax.custom_vjp(_blocked_gmm, nondiff_argnums=(4,))
+
+
+def _blocked_fwd(x, w, block_expert, block_used, unroll):
+    return _blocked_gmm(x, w, block_expert, block_used, unroll), (x, w, block_expert, block_used)
+
+
+def _blocked_bwd(unroll, residuals, dy):
+    x, w, block_expert, block_used = residuals
+    dy = dy.astype(x.dtype)  # one rounding of the fp32 cotangent to the compute dtype (models/numerics.py)
+    dx = _blocked_loop(dy, w, block_expert, block_used, (((1,), (1,)), ((), ())), unroll).astype(x.dtype)
+    xb, dyb = _blocks(x, block_expert.shape[0]), _blocks(dy, block_expert.shape[0])
+
+    def accumulate(dw: Array, block: tuple[Array, Array, Array, Array]) -> tuple[Array, None]:
+        rows, grads, e, used = block
+        contribution = lax.dot_general(rows, grads, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        updated = lax.dynamic_update_index_in_dim(dw, _expert(dw, e) + contribution, e, 0)
+        return jnp.where(used, updated, dw), None
+
+    dw, _ = lax.scan(accumulate, jnp.zeros(w.shape, jnp.float32), (xb, dyb, block_expert, block_used), unroll=unroll)
+    return dx, dw.astype(w.dtype), None, None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def resolve_kernel(name: str) -> str:
+    """`auto` -> `ragged_dot` on TPU (XLA's native grouped matmul), `blocked` elsewhere."""
+    if name == "auto":
+        return "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
+    return name
+
+
+def grouped_matmul(x: Array, w: Array, layout: ExpertLayout, kernel: str = "auto", *,
+                   unroll: int | bool = 1) -> Array:
+    """fp32 [R, F] = each padded row of x [R, K] times its expert's w [E, K, F] (compute-dtype
+    operands, fp32 accumulation). `unroll`: the blocked kernel's loop unrolling (cost analysis
+    counts a loop body once; tests unroll fully to count every block)."""
+    w = w.astype(x.dtype)
+    if resolve_kernel(kernel) == "ragged_dot":
+        return lax.ragged_dot(x, w, layout.group_sizes, preferred_element_type=jnp.float32)
+    return _blocked(x, w, layout.block_expert, layout.block_used, unroll)
+
+
+def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: Any,
+               kernel: str | None = None, unroll: int | bool = 1) -> Array:
+    """fp32 [N, H]: sum_k weight_k * SwiGLU_{expert_k}(token), dropless (module doc)."""
+    n, hidden = tokens.shape
+    layout = expert_layout(routing.ids, cfg.num_experts, cfg.moe_block_rows)
+    rows = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])[layout.src_token]
+    kernel = kernel or cfg.moe_kernel
+
+    def gmm(x: Array, name: str) -> Array:
+        return grouped_matmul(x, experts[name]["kernel"], layout, kernel, unroll=unroll)
+
+    act = (jax.nn.silu(gmm(rows, "gate_proj")) * gmm(rows, "up_proj")).astype(dtype)
+    out = gmm(act, "down_proj")  # [R, H] fp32
+    return jnp.einsum("nk,nkh->nh", routing.weights, out[layout.dest])
+
+
+class MoeOut(NamedTuple):
+    """What the decoder's MoE layers report, stacked over layers."""
+
+    stats: RouterStats
+    routing: Array | None  # [L, B, T, k] int32: the router's own top-k, when recorded
+
+
+def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: Any) -> Array:
+    """The all-experts reference of `expert_ffn`: every token through every expert (N x E SwiGLUs),
+    mixed by the routing weights scattered to [N, E]. Tests and bench/moe.py only."""
+    gate = jnp.einsum("nh,ehf->enf", tokens, experts["gate_proj"]["kernel"].astype(dtype),
+                      preferred_element_type=jnp.float32)
+    up = jnp.einsum("nh,ehf->enf", tokens, experts["up_proj"]["kernel"].astype(dtype),
+                    preferred_element_type=jnp.float32)
+    out = jnp.einsum("enf,efh->enh", (jax.nn.silu(gate) * up).astype(dtype),
+                     experts["down_proj"]["kernel"].astype(dtype), preferred_element_type=jnp.float32)
+    mix = jnp.zeros((tokens.shape[0], out.shape[0]), jnp.float32).at[
+        jnp.arange(tokens.shape[0])[:, None], routing.ids].add(routing.weights)
+    return jnp.einsum("ne,enh->nh", mix, out)
