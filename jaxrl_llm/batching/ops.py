@@ -14,31 +14,37 @@ import jax.numpy as jnp
 
 from jaxrl_llm.batching.layout import PackedLayout
 from jaxrl_llm.batching.step import NO_PADS, PassLayout
-from jaxrl_llm.models import ModelConfig, forward_hidden
+from jaxrl_llm.models import ModelConfig, forward_hidden_moe
+from jaxrl_llm.models.moe import NOT_RECORDED, MoeOut
 
 Array = jax.Array
 
 
 def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, layout: PackedLayout,
-                           response_len: int, *, compute_dtype: Any, remat: bool | str = False
-                           ) -> tuple[Array, Array]:
-    """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M]) of the
-    micro-batch `input_ids` [n, P + R] run packed as `layout` says."""
+                           response_len: int, *, compute_dtype: Any, remat: bool | str = False,
+                           replay: Array | None = None) -> tuple[Array, Array, MoeOut | None]:
+    """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M], a MoE model's
+    router stats over the packed tokens) of the micro-batch `input_ids` [n, P + R] run packed as
+    `layout` says. `replay` [n, P + R, L, k]: recorded expert ids, packed like the tokens."""
     shards, rows, width = layout.segment_ids.shape
     n, seq_len = input_ids.shape
     token_index, seg, branch_ids, positions = (jnp.asarray(x) for x in (
         layout.token_index, layout.segment_ids, layout.branch_ids, layout.positions))
     tokens = jnp.take_along_axis(input_ids.reshape(shards, -1), token_index.reshape(shards, -1), axis=1)
     seg = seg.reshape(shards * rows, width)
-    hidden, _ = forward_hidden(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
-                               segment_ids=seg, branch_ids=branch_ids.reshape(shards * rows, width),
-                               positions=positions.reshape(shards * rows, width),
-                               compute_dtype=compute_dtype, remat=remat)
+    if replay is not None:  # [n, P + R, L, k] -> the packed layout's [L, shards * rows, width, k]
+        flat = replay.reshape(shards, -1, *replay.shape[2:])
+        packed = jnp.take_along_axis(flat, token_index.reshape(shards, -1)[..., None, None], axis=1)
+        replay = jnp.moveaxis(packed.reshape(shards * rows, width, *replay.shape[2:]), 2, 0)
+    hidden, moe = forward_hidden_moe(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
+                                     segment_ids=seg, branch_ids=branch_ids.reshape(shards * rows, width),
+                                     positions=positions.reshape(shards * rows, width),
+                                     compute_dtype=compute_dtype, remat=remat, replay=replay)
     hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
     picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
     response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
     targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
-    return picked, targets
+    return picked, targets, moe
 
 
 def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:
@@ -80,13 +86,23 @@ def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt
 
 
 def run_no_grad_pass(fn: Callable[..., Array], params: Any, input_ids: Array, attention_mask: Array,
-                     response_mask: Array, how: PassLayout, **settings: Any) -> Array:
+                     response_mask: Array, how: PassLayout, routing: Array | None = None, **settings: Any) -> Array:
     """`fn` (trainer/experience.py `log_probs_no_grad` / `values_no_grad`) over the rows as `how`
-    says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]."""
+    says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]. `routing`:
+    a MoE policy's recorded routing [N, P + R, L, k] for `fn` to replay (padded with the rows)."""
+    if routing is not None:
+        settings["routing"] = routing
     if how.pads == NO_PADS:
         return fn(params, input_ids, attention_mask, response_mask, how.layout, micro_rows=how.micro_rows, **settings)
     response_len = response_mask.shape[1]
     sequences, responses = pad_columns({"ids": input_ids, "attn": attention_mask}, {"resp": response_mask}, *how.pads)
+    if routing is not None:
+        settings["routing"] = pad_routing(routing, *how.pads)
     out = fn(params, sequences["ids"], sequences["attn"], responses["resp"], how.layout, micro_rows=how.micro_rows,
              **settings)
     return out[:, :response_len]
+
+
+def pad_routing(routing: Array, before: int, after: int) -> Array:
+    """A recorded routing [N, P + R, L, k] with columns added as `pad_columns` adds them (not recorded)."""
+    return jnp.pad(routing, ((0, 0), (before, after), (0, 0), (0, 0)), constant_values=NOT_RECORDED)

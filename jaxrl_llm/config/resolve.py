@@ -166,7 +166,9 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         compute_dtype=arr.model.dtype, remat=a.remat_policy, logprob_impl=arr.model.logprob_impl,
         loss_scale_factor=None if a.loss_scale_factor is None else float(a.loss_scale_factor),
         loss_kwargs=tuple((k, float(a[k])) for k in POLICY_LOSSES.capability(mode, "extra_params")),
-        ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle))
+        ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
+        router_aux_loss_coef=None if a.router_aux_loss_coef is None else float(a.router_aux_loss_coef),
+        router_z_loss_coef=float(a.router_z_loss_coef), router_replay=a.router_replay)
 
 
 def resolve_critic(cfg: ConfigDict) -> CriticSpec:

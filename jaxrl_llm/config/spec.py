@@ -80,6 +80,10 @@ class ActorSpec:
     # separate pass would compute the same values (RunSpec.old_log_probs_from_update)
     old_log_probs_from_update: bool = False
     logprob_impl: str = "auto"  # the fused log-prob head's backend (losses/logprob.py IMPLS)
+    # mixture-of-experts models: None = the model's own (trainer/actor.py router_aux_loss_coef)
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0
+    router_replay: str = "none"  # none | rollout: the update replays the sampler's recorded routing
 
 
 @dataclasses.dataclass(frozen=True)

@@ -167,6 +167,19 @@ ACTOR = {
     "tau_pos": field(1.0, "SAPO temperature for positive advantages (docs/algorithms.md, sapo). veRL.", gt=0),
     "tau_neg": field(1.05, "SAPO temperature for negative advantages (docs/algorithms.md, sapo). veRL.", gt=0),
     "entropy_coeff": field(0.0, "Entropy bonus coefficient (subtracted from the loss). veRL.", ge=0),
+    "router_aux_loss_coef": field(None, "Mixture-of-experts models: coefficient of the load-balancing loss "
+                                        "(transformers' load_balancing_loss_func; docs/moe.md); None = the "
+                                        "model's config.json router_aux_loss_coef when its output_router_logits "
+                                        "is true, else 0 (transformers' own rule). Logged as moe/aux_loss.",
+                                  types=float, ge=0),
+    "router_replay": field("none", "Mixture-of-experts models: 'rollout' records the experts the sampler's "
+                                   "router chose for every prompt and response token, and the old log-prob pass "
+                                   "and the update run those experts (the router's probabilities of them still "
+                                   "weight the outputs and get gradients); 'none' lets every pass route by itself. "
+                                   "Logs moe/routing_agreement (docs/moe.md). veRL: router_replay.mode R3.",
+                           choices=("none", "rollout")),
+    "router_z_loss_coef": field(0.0, "Mixture-of-experts models: coefficient of the router z-loss (ST-MoE: mean "
+                                     "logsumexp(router logits)^2; docs/moe.md). Logged as moe/z_loss.", ge=0),
     "use_kl_loss": field(False, "Add a KL(policy || reference) loss term (GRPO, Shao et al. 2024; "
                                 "docs/algorithms.md). veRL."),
     "kl_loss_coef": field(0.001, "Coefficient of the KL loss. veRL.", ge=0),
@@ -313,6 +326,12 @@ MODEL = dict(
         "vocab_size": field(None, "Vocabulary of a tiny:<arch> model; derived: the tokenizer's size.",
                             types=int),
         "max_position_embeddings": field(2048, "Context length of a tiny:<arch> model."),
+        "num_experts": field(None, "Experts per layer of a tiny mixture-of-experts model (tiny:qwen3_moe, "
+                                   "tiny:qwen2_moe, tiny:mixtral); derived: 8.", types=int, gt=0),
+        "num_experts_per_tok": field(None, "Experts each token runs (top-k) in a tiny MoE model; derived: 2.",
+                                     types=int, gt=0),
+        "moe_intermediate_size": field(None, "Each expert's MLP width in a tiny MoE model; derived: 32.",
+                                       types=int, gt=0),
         "seed": field(0, "Initialisation seed of a tiny:<arch> model (not a ModelConfig field)."),
     },
 )

@@ -66,7 +66,14 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     if path is not None and path.startswith("tiny:") and path[5:] not in names.TINY_ARCHS:
         raise ConfigError(f"{ARR}.model.path={path!r}: unknown tiny architecture; valid: "
                           + ", ".join(f"tiny:{a}" for a in names.TINY_ARCHS))
+    tiny = cfg.actor_rollout_ref.model.tiny
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if tiny[key] is not None and not (path or "").startswith(tuple(f"tiny:{a}" for a in names.TINY_MOE_ARCHS)):
+            raise ConfigError(f"{ARR}.model.tiny.{key}={tiny[key]}: only a tiny mixture-of-experts model reads it "
+                              f"(model.path={path!r}; valid: " + ", ".join(f"tiny:{a}" for a in names.TINY_MOE_ARCHS)
+                              + ")")
     _check_rollout_correction(cfg)
+    _check_router_replay(cfg)
     _check_synchronizer(cfg)
     _check_multi_turn(cfg)
 
@@ -81,6 +88,14 @@ def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
     if rd is not None:
         _require((rd >= 1) if isinstance(rd, int) else (len(rd) >= 1 and all(isinstance(i, int) for i in rd)),
                  "mesh.rollout_devices", cfg, "expected a device count >= 1 or a list of device ids")
+
+
+def _check_router_replay(cfg: ml_collections.ConfigDict) -> None:
+    arr = cfg.actor_rollout_ref
+    if arr.actor.router_replay == "none":
+        return
+    _require(not arr.rollout.multi_turn.enable, f"{ARR}.actor.router_replay", cfg,
+             "multi-turn rollouts do not record their routing yet; use router_replay='none' there")
 
 
 def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:

@@ -27,7 +27,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import LoraConfig
 
 PREFIX = "base_model.model.model.layers.{i}."
-_HF_GROUP = {"attn": "self_attn", "mlp": "mlp"}
+_HF_GROUP = {"attn": "self_attn", "mlp": "mlp", "shared_expert": "mlp.shared_expert"}  # models/lora.py groups
 
 
 def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
@@ -44,10 +44,13 @@ def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def adapter_config(lora: LoraConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
+def adapter_config(lora: LoraConfig, base_model_name_or_path: str | None,
+                   targets: list[str] | None = None) -> dict[str, Any]:
+    """PEFT's adapter_config.json; `targets`: the projections that have adapters (default lora.targets)."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": list(lora.targets) if targets is None else targets,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
         "base_model_name_or_path": base_model_name_or_path,
     }
@@ -67,6 +70,8 @@ def export_peft(cfg: ModelConfig, adapters: dict, lora: LoraConfig, out_dir: str
     out_dir = pathlib.Path(out_dir)
     with staged_folder(out_dir) as tmp:
         save_file(peft_tensors(cfg, adapters), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = adapter_config(lora, base_model_name_or_path)
+        # 'all-linear' on a mixture-of-experts model: the projections that exist there (models/lora.py)
+        present = [m for m in lora.targets if any(m in mods for mods in adapters["layers"].values())]
+        config = adapter_config(lora, base_model_name_or_path, present)
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

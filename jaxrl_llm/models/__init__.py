@@ -17,6 +17,7 @@ from jaxrl_llm.models.model import (
     compute_logits,
     forward_hidden,
     forward_hidden_moe,
+    forward_hidden_routed,
     last_valid_index,
     lm_head_weight,
     logits_from_hidden,
@@ -27,7 +28,7 @@ from jaxrl_llm.models.param_init import HEADS, init_head_params, init_params, pa
 
 __all__ = [
     "COMPUTE_DTYPES", "DTYPES", "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",
-    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "forward_hidden_moe",
+    "as_jnp_dtype", "compute_logits", "dtype_name", "forward_hidden", "forward_hidden_moe", "forward_hidden_routed",
     "greedy_generate", "init_cache",
     "init_head_params", "init_params", "last_valid_index", "lm_head_weight", "logits_from_hidden", "param_logical_axes",
     "rope_inv_freq", "score_from_hidden", "value_from_hidden",

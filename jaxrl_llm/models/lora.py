@@ -9,6 +9,11 @@ are a plain nested dict stacked on the layer axis like the base params (models/m
     layers/attn/o_proj/{A [L, heads, D, r], B [L, r, H]}
     layers/mlp/{gate,up}_proj/{A [L, H, r], B [L, r, F]}   layers/mlp/down_proj/{A [L, F, r], B [L, r, H]}
 
+Mixture-of-experts models: the attention projections, and Qwen2-MoE's shared expert under
+`layers/shared_expert/{gate,up,down}_proj` (its params: layers/moe/shared_expert). The routed experts and
+the router get no adapters, so 'all-linear' means the attention (and shared-expert) projections there;
+naming gate/up/down_proj for a model without a shared expert is an error.
+
 `A` is initialised as PEFT's default (kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in))) and `B` at
 zero, so step 0 is exactly the base model. A forward pass sees the adapters when the params dict
 carries them under "lora" (`with_lora`); the base dict without that entry is the model with the
@@ -35,8 +40,24 @@ ALL_LINEAR = ATTN_MODULES + MLP_MODULES
 _IN_DIMS = {"o_proj": 2}
 
 
-def group_of(module: str) -> str:
-    return "attn" if module in ATTN_MODULES else "mlp"
+# adapter group -> the path of its projections under params["layers"]
+GROUP_PATHS = {"attn": ("attn",), "mlp": ("mlp",), "shared_expert": ("moe", "shared_expert")}
+
+
+def module_groups(cfg: ModelConfig) -> dict[str, str]:
+    """{projection: its adapter group} for the projections LoRA can target in this model."""
+    groups = {m: "attn" for m in ATTN_MODULES}
+    if not cfg.is_moe:
+        groups.update({m: "mlp" for m in MLP_MODULES})
+    elif cfg.shared_expert_intermediate_size:
+        groups.update({m: "shared_expert" for m in MLP_MODULES})
+    return groups
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +114,16 @@ def split_lora(params: dict) -> tuple[dict, LoraAdapters | None]:
 
 def _kernel_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = jax.eval_shape(lambda: init_backbone(cfg, jax.random.key(0)))["layers"]
-    return {m: tuple(shapes[group_of(m)][m]["kernel"].shape) for m in ALL_LINEAR}
+    return {m: tuple(_get(shapes, GROUP_PATHS[g])[m]["kernel"].shape) for m, g in module_groups(cfg).items()}
 
 
 def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """{module: (A shape, B shape)} for the targeted modules."""
+    """{module: (A shape, B shape)} for the targeted modules ('all-linear': those this model has)."""
+    missing = [m for m in lora.targets if m not in module_groups(cfg)]
+    if missing and lora.targets != ALL_LINEAR:
+        raise ValueError(f"target_modules: {', '.join(missing)} not in {cfg.architecture}: a mixture-of-experts "
+                         "model's routed experts get no LoRA adapters (only the attention and a shared expert's "
+                         "projections do; docs/moe.md)")
     out = {}
     for m, shape in _kernel_shapes(cfg).items():
         if m in lora.targets:
@@ -110,10 +136,11 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[tuple[
 def init_lora(cfg: ModelConfig, lora: LoraConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
     """Fresh adapters: A ~ U(+-1/sqrt(fan_in)) (PEFT's kaiming_uniform(a=sqrt(5))), B = 0."""
     adapters: dict = {"layers": {}}
+    groups = module_groups(cfg)
     for i, (m, (a_shape, b_shape)) in enumerate(adapter_shapes(cfg, lora).items()):
         bound = 1.0 / math.sqrt(math.prod(a_shape[1:-1]))
         a = jax.random.uniform(jax.random.fold_in(rng, i), a_shape, dtype, -bound, bound)
-        adapters["layers"].setdefault(group_of(m), {})[m] = {"A": a, "B": jnp.zeros(b_shape, dtype)}
+        adapters["layers"].setdefault(groups[m], {})[m] = {"A": a, "B": jnp.zeros(b_shape, dtype)}
     return adapters
 
 
@@ -121,11 +148,12 @@ def lora_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
     """Logical axes of the adapters: A like its kernel's input dims, B like its output dims (the
     rank dim is replicated). Leaves are tuples, as `param_logical_axes`."""
     kernel_axes = param_logical_axes(cfg)["layers"]
+    groups = module_groups(cfg)
     out: dict = {"layers": {}}
     for m in adapter_shapes(cfg, lora):
-        axes = kernel_axes[group_of(m)][m]["kernel"]
+        axes = _get(kernel_axes, GROUP_PATHS[groups[m]])[m]["kernel"]
         n_in = _IN_DIMS.get(m, 1)
-        out["layers"].setdefault(group_of(m), {})[m] = {
+        out["layers"].setdefault(groups[m], {})[m] = {
             "A": (axes[0], *axes[1:1 + n_in], None), "B": (axes[0], None, *axes[1 + n_in:])}
     return out
 
@@ -146,14 +174,15 @@ def merge_lora(params: dict) -> dict:
     base, adapters = split_lora(params)
     if adapters is None:
         return params
-    layers = {g: dict(mods) for g, mods in base["layers"].items()}
+    layers = jax.tree.map(lambda x: x, base["layers"])  # a fresh dict tree over the same arrays
     for g, mods in adapters.weights["layers"].items():
+        projections = _get(layers, GROUP_PATHS[g])
         for m, ad in mods.items():
-            kernel = layers[g][m]["kernel"]
+            kernel = projections[m]["kernel"]
             a = jnp.asarray(ad["A"], jnp.float32)
             b = jnp.asarray(ad["B"], jnp.float32)
             delta = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
                                b.reshape(b.shape[0], b.shape[1], -1)).reshape(kernel.shape)
             merged = (jnp.asarray(kernel, jnp.float32) + adapters.scale * delta).astype(kernel.dtype)
-            layers[g][m] = {**layers[g][m], "kernel": merged}
+            projections[m] = {**projections[m], "kernel": merged}
     return {**base, "layers": layers}

@@ -61,6 +61,17 @@ def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attenti
     return hidden, moe
 
 
+def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
+                          cache: dict, compute_dtype: Any = jnp.float32) -> tuple[Array, dict, Array | None]:
+    """`forward_hidden` with a cache that also returns each MoE layer's router top-k ids
+    [L, B, T, k] int32 (None for a dense model): what a sampler records for routing replay."""
+    hidden, new_cache, moe = _forward(params, cfg, input_ids, attention_mask, positions=None, cache=cache,
+                                      compute_dtype=compute_dtype, remat=False, segment_ids=None, branch_ids=None,
+                                      record_routing=True)
+    assert new_cache is not None
+    return hidden, new_cache, None if moe is None else moe.routing
+
+
 def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *, positions: Array | None,
              cache: dict | None, compute_dtype: Any, remat: bool | str, segment_ids: Array | None,
              branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False

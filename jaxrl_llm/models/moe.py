@@ -65,13 +65,26 @@ class ExpertLayout(NamedTuple):
     group_sizes: Array   # [E] int32: each expert's padded row count (sums to <= R)
 
 
+NOT_RECORDED = -1  # a replayed routing's id where the sampler recorded none: the router's own choice
+
+
+def routing_dtype(num_experts: int) -> jnp.dtype:
+    """The compact integer type a recorded routing is stored in (ids and NOT_RECORDED fit)."""
+    return jnp.dtype(jnp.int8 if num_experts <= 127 else jnp.int16)
+
+
 def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array | None = None) -> Routing:
-    """Routing of tokens [N, H] (compute dtype) through router_kernel [H, E]; `replay` [N, k] ids."""
+    """Routing of tokens [N, H] (compute dtype) through router_kernel [H, E]; `replay` [N, k] ids (a
+    token whose ids are NOT_RECORDED keeps the router's own top-k)."""
     logits = matmul_f32(tokens, router_kernel.astype(tokens.dtype))
     probs = jax.nn.softmax(logits, axis=-1)
     top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
-    ids = natural if replay is None else replay.astype(jnp.int32)
-    weights = top_probs if replay is None else jnp.take_along_axis(probs, ids, axis=-1)
+    if replay is None:
+        ids, weights = natural, top_probs
+    else:
+        recorded = jnp.all(replay >= 0, axis=-1, keepdims=True)
+        ids = jnp.where(recorded, replay.astype(jnp.int32), natural)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
     if cfg.norm_topk_prob or cfg.model_type == "mixtral":
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)

@@ -26,7 +26,15 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jaxrl_llm.arrays import HostOrDevice
-from jaxrl_llm.models import ModelConfig, as_jnp_dtype, forward_hidden, init_cache, logits_from_hidden
+from jaxrl_llm.models import (
+    ModelConfig,
+    as_jnp_dtype,
+    forward_hidden,
+    forward_hidden_routed,
+    init_cache,
+    logits_from_hidden,
+)
+from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens
 from jaxrl_llm.sharding import with_activation_constraint
@@ -51,6 +59,9 @@ class SampleOutput(NamedTuple):
     prompt_ids: HostOrDevice  # int32 [B', P] the prompts, repeated n times by index
     prompt_mask: HostOrDevice  # int32 [B', P]
     num_steps: HostOrDevice  # int32 scalar: tokens generated per row before the loop stopped (<= R)
+    # settings.record_routing on a MoE model: [B', P + R, L, k] the experts each fed token's layers ran
+    # (models/moe.py routing_dtype; NOT_RECORDED for the last sampled token, never fed, and unused columns)
+    routing: HostOrDevice | None = None
 
 
 class _LoopState(NamedTuple):
@@ -62,6 +73,7 @@ class _LoopState(NamedTuple):
     tokens: Array
     log_probs: Array
     cache: dict
+    routing: Array | None  # [B', P + R, L, k] when recording
 
 
 def _constrain_cache(cache: dict, mesh: Mesh | None) -> dict:
@@ -100,11 +112,19 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
     # prefill each prompt once, then repeat its cache and last logits by index (row b*n + j is
     # sample j of prompt b): n samples share one prefill instead of computing it n times
     cache = _constrain_cache(init_cache(cfg, prompt_ids.shape[0], prompt_ids.shape[1] + r - 1, dtype), mesh)
-    hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
+    record = settings.record_routing and cfg.is_moe
+    routing = None
+    if record:
+        hidden, cache, prefill_routing = forward_hidden_routed(params, cfg, prompt_ids, prompt_mask, cache=cache,
+                                                               compute_dtype=dtype)
+        routing = _routing_buffer(prefill_routing, cfg, r)
+    else:
+        hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
     # left padding: the last slot of every row is its last real prompt token
     logits = logits_from_hidden(params, cfg, hidden[:, -1])
     if n > 1:
         prompt_ids, prompt_mask, logits = (jnp.repeat(x, n, axis=0) for x in (prompt_ids, prompt_mask, logits))
+        routing = None if routing is None else jnp.repeat(routing, n, axis=0)
         cache = {"k": jnp.repeat(cache["k"], n, axis=1), "v": jnp.repeat(cache["v"], n, axis=1),
                  "mask": jnp.repeat(cache["mask"], n, axis=0), "index": cache["index"]}
         prompt_ids = with_activation_constraint(prompt_ids, ("batch", "length"), mesh)
@@ -116,7 +136,7 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
         step=jnp.int32(1), last=tok, done=jnp.zeros((b,), bool),
         finish=jnp.full((b,), FINISH_LENGTH, jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
         tokens=jnp.full((b, r), knobs.pad_id, jnp.int32), log_probs=jnp.zeros((b, r), jnp.float32),
-        cache=cache)
+        cache=cache, routing=routing)
     state = _record(state, jnp.int32(0), tok, lp, knobs)
 
     def keep_going(s: _LoopState) -> Array:
@@ -124,8 +144,16 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
 
     def decode_one(s: _LoopState) -> _LoopState:
         feed_mask = (~s.done).astype(jnp.int32)[:, None]  # finished rows: slot ignored from now on
-        hidden, cache = forward_hidden(params, cfg, s.last[:, None], feed_mask, cache=s.cache,
-                                       compute_dtype=dtype)
+        if s.routing is not None:  # the fed token (response column step - 1) is at column P + step - 1
+            hidden, cache, fed = forward_hidden_routed(params, cfg, s.last[:, None], feed_mask, cache=s.cache,
+                                                       compute_dtype=dtype)
+            assert fed is not None
+            column = jnp.moveaxis(fed, 0, 2).astype(s.routing.dtype)  # [B, 1, L, k]
+            s = s._replace(routing=lax.dynamic_update_slice(
+                s.routing, column, (0, prompt_ids.shape[1] + s.step - 1, 0, 0)))
+        else:
+            hidden, cache = forward_hidden(params, cfg, s.last[:, None], feed_mask, cache=s.cache,
+                                           compute_dtype=dtype)
         tok, lp = choose_tokens(logits_from_hidden(params, cfg, hidden[:, 0]),
                                 jax.random.fold_in(rng, s.step), knobs, settings)
         s = _record(s._replace(cache=_constrain_cache(cache, mesh)), s.step, tok, lp, knobs)
@@ -135,7 +163,15 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
     response_mask = (jnp.arange(r, dtype=jnp.int32)[None, :] < state.lengths[:, None]).astype(jnp.int32)
     return SampleOutput(tokens=state.tokens, response_mask=response_mask, log_probs=state.log_probs,
                         lengths=state.lengths, finish_reason=state.finish, prompt_ids=prompt_ids,
-                        prompt_mask=prompt_mask, num_steps=state.step)
+                        prompt_mask=prompt_mask, num_steps=state.step, routing=state.routing)
+
+
+def _routing_buffer(prefill: Array | None, cfg: ModelConfig, max_new_tokens: int) -> Array:
+    """[B, P + R, L, k] with the prefill's routing [L, B, P, k] in its first P columns, NOT_RECORDED after."""
+    assert prefill is not None
+    rows = jnp.moveaxis(prefill, 0, 2).astype(routing_dtype(cfg.num_experts))  # [B, P, L, k]
+    rest = jnp.full((rows.shape[0], max_new_tokens, *rows.shape[2:]), NOT_RECORDED, rows.dtype)
+    return jnp.concatenate([rows, rest], axis=1)
 
 
 def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask: HostOrDevice, rng: Array,

@@ -108,6 +108,8 @@ class SampleSettings:
     top_k: int = 0
     use_top_p: bool = False
     compute_dtype: str = "float32"
+    # a mixture-of-experts policy's routing recorded per token (SampleOutput.routing) for routing replay
+    record_routing: bool = False
 
 
 class SampleKnobs(NamedTuple):

@@ -3,7 +3,11 @@
 loss = policy loss (registry[policy_loss.loss_mode])
        - entropy_coeff * agg(entropy)                 (entropy bonus)
        + kl_loss_coef * agg(kl_penalty(lp, ref_lp))   (when use_kl_loss)
-each aggregated with `loss_agg_mode` over the mini-batch's global token / sequence counts.
+       + router_aux_loss_coef * load_balancing_loss     (mixture-of-experts models; HF's formula)
+       + router_z_loss_coef * router_z_loss             (mixture-of-experts models)
+each aggregated with `loss_agg_mode` over the mini-batch's global token / sequence counts; the MoE
+terms are computed per micro-batch forward (as HF does per forward) and weighted by the micro-batch's
+share of the mini-batch's response tokens.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
@@ -21,8 +26,9 @@ from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.lora import with_lora
+from jaxrl_llm.models.moe import MoeOut, expert_load_max, load_balancing_loss, router_z_loss
 from jaxrl_llm.trainer.experience import Experience, required
-from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.trainer.forward import response_scores
 from jaxrl_llm.trainer.update import Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
@@ -32,10 +38,11 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     """Loss of one micro-batch, normalised by the mini-batch's global counts."""
     mask = mb.response_mask
     response_len = mask.shape[1]
-    log_prob, entropy = response_log_probs(
+    log_prob, entropy, router = response_scores(
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
-        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh)
+        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing)
+    assert entropy is not None
     counts: dict[str, Any] = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                                   loss_scale_factor=s.loss_scale_factor)
     # one optimizer step on fresh samples (bf16): the old policy IS the current one (config/spec.py)
@@ -57,6 +64,36 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
         kl_loss = agg_loss(kl, mask, s.loss_agg_mode, **counts)
         loss = loss + s.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = sg(kl_loss)
+    if router is not None:
+        loss, metrics = _with_router_losses(loss, metrics, router, mask, denoms, model_cfg, s, mb.routing is not None)
+    return loss, metrics
+
+
+def router_aux_loss_coef(s: ActorSpec, model_cfg: ModelConfig) -> float:
+    """`actor.router_aux_loss_coef`, or when unset the model's own: config.json's `router_aux_loss_coef`
+    where `output_router_logits` is true (transformers adds the loss only then), else 0."""
+    if s.router_aux_loss_coef is not None:
+        return s.router_aux_loss_coef
+    return model_cfg.router_aux_loss_coef if model_cfg.output_router_logits else 0.0
+
+
+def _with_router_losses(loss: jax.Array, metrics: dict, router: MoeOut, mask: jax.Array, denoms: Denominators,
+                        model_cfg: ModelConfig, s: ActorSpec, replayed: bool) -> tuple[jax.Array, dict]:
+    """The load-balancing and z-loss terms of a MoE forward, weighted by this micro-batch's share of the
+    mini-batch's response tokens (the update sums micro-batches)."""
+    share = mask.astype(jnp.float32).sum() / jnp.maximum(denoms.num_tokens, 1.0)
+    aux, z = load_balancing_loss(router.stats), router_z_loss(router.stats)
+    coef = router_aux_loss_coef(s, model_cfg)
+    if coef:
+        loss = loss + share * coef * aux
+    if s.router_z_loss_coef:
+        loss = loss + share * s.router_z_loss_coef * z
+    metrics["moe/aux_loss"] = sg(share * aux)
+    metrics["moe/z_loss"] = sg(share * z)
+    metrics["moe/expert_load_max"] = sg(share * expert_load_max(router.stats))
+    if replayed:  # how often the update's own router picks the experts the sampler ran
+        stats = router.stats
+        metrics["moe/routing_agreement"] = sg(share * jnp.sum(stats.agree) / jnp.maximum(jnp.sum(stats.tokens), 1.0))
     return loss, metrics
 
 

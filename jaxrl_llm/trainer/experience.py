@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl_llm.batching import PackedLayout
-from jaxrl_llm.batching.ops import pad_columns
+from jaxrl_llm.batching.ops import pad_columns, pad_routing
 from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
@@ -43,6 +43,8 @@ class Experience:
     ref_log_probs: Array | None = None  # the KL loss reads it
     values: Array | None = None  # the critic's value loss reads it
     rollout_is_weights: Array | None = None  # rollout-correction importance weights
+    # routing replay (actor.router_replay = rollout): the sampler's expert ids [N, P + R, L, k]
+    routing: Array | None = None
     # set per micro-batch by the update when sequences are packed (model.use_remove_padding)
     packing: PackedLayout | None = None
 
@@ -64,26 +66,33 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
     sequences, responses = pad_columns(
         {"input_ids": exp.input_ids, "attention_mask": exp.attention_mask},
         {f: getattr(exp, f) for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}, prompt_pad, response_pad)
+    if exp.routing is not None:
+        sequences["routing"] = pad_routing(exp.routing, prompt_pad, response_pad)
     return dataclasses.replace(exp, **sequences, **responses)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows",
                                              "logprob_impl", "mesh"))
 def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
-                      packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
-                      compute_dtype: str, micro_rows: int, logprob_impl: str = "auto",
+                      packing: PackedLayout | None = None, routing: Array | None = None, *, model_cfg: ModelConfig,
+                      temperature: float, compute_dtype: str, micro_rows: int, logprob_impl: str = "auto",
                       mesh: Mesh | None = None) -> Array:
     """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
     `packing`: one layout per chunk (batching/plan.py `plan_chunks`) to run packed, or with
-    micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`)."""
+    micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`); `routing`: a MoE
+    policy's recorded routing [N, P + R, L, k] replayed (actor.router_replay)."""
     response_len = response_mask.shape[1]
 
     def one(chunk: dict) -> Array:
         return response_log_probs(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
                                   temperature=temperature, compute_dtype=compute_dtype,
-                                  packing=chunk.get("per_chunk"), logprob_impl=logprob_impl, mesh=mesh)
+                                  packing=chunk.get("per_chunk"), logprob_impl=logprob_impl, mesh=mesh,
+                                  replay=chunk.get("routing"))
 
-    return _chunked(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
+    batch = {"ids": input_ids, "mask": attention_mask}
+    if routing is not None:
+        batch["routing"] = routing
+    return _chunked(one, batch, micro_rows, packing)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "compute_dtype", "micro_rows"))
@@ -158,6 +167,7 @@ def make_experience(
     kl_coef: float,
     advantage: AdvantageSpec,
     correction: RolloutCorrectionSpec,
+    routing: Array | None = None,
 ) -> tuple[Experience, Array, dict[str, Any]]:
     """The step's `Experience`, its token-level rewards [N, R] and device-side metrics: advantages
     and returns (KL in the reward first when configured), then rollout correction."""
@@ -170,5 +180,5 @@ def make_experience(
         metrics.update(rc_metrics)
     exp = Experience(input_ids=input_ids, attention_mask=attention_mask, response_mask=mask,
                      old_log_probs=old_log_probs, advantages=adv["advantages"], returns=adv["returns"],
-                     ref_log_probs=ref_log_probs, values=values, rollout_is_weights=weights)
+                     ref_log_probs=ref_log_probs, values=values, rollout_is_weights=weights, routing=routing)
     return exp, adv["token_level_rewards"], metrics

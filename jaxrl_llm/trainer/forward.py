@@ -7,7 +7,7 @@ are scored by hidden positions P-1 .. P+R-2. No `[N, T, V]` logits are ever form
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, TypeVar, overload
+from typing import Any, Callable, Literal, NamedTuple, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,9 @@ from jaxrl_llm.batching import (
     unpack_response,
 )
 from jaxrl_llm.losses.logprob import token_logprobs
-from jaxrl_llm.models import ModelConfig, forward_hidden, lm_head_weight, value_from_hidden
+from jaxrl_llm.models import ModelConfig, forward_hidden_moe, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
+from jaxrl_llm.models.moe import MoeOut
 
 Array = jax.Array
 ChunkOut = TypeVar("ChunkOut")  # what a chunk function returns: an array or a pytree of them
@@ -33,54 +34,85 @@ def compute_dtype_of(name: str):
 
 
 def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
-                    response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False) -> Array:
-    """Hidden states [N, R, H] at the positions that predict the response tokens."""
-    hidden, _ = forward_hidden(params, model_cfg, input_ids, attention_mask,
-                               compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
+                    response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False,
+                    replay: Array | None = None) -> tuple[Array, MoeOut | None]:
+    """Hidden states [N, R, H] at the positions that predict the response tokens (and a MoE model's
+    router stats over every valid token). `replay` [N, P + R, L, k]: the experts each token's layers
+    run (routing replay; models/moe.py)."""
+    hidden, moe = forward_hidden_moe(params, model_cfg, input_ids, attention_mask,
+                                     compute_dtype=compute_dtype_of(compute_dtype), remat=remat,
+                                     replay=None if replay is None else jnp.moveaxis(replay, 2, 0))
     start = input_ids.shape[1] - response_len - 1
-    return jax.lax.dynamic_slice_in_dim(hidden, start, response_len, axis=1)
+    return jax.lax.dynamic_slice_in_dim(hidden, start, response_len, axis=1), moe
+
+
+class ResponseScores(NamedTuple):
+    log_prob: Array         # [N, R] fp32
+    entropy: Array | None   # [N, R] fp32 (with_entropy)
+    router: MoeOut | None   # a mixture-of-experts model's router stats (models/moe.py)
+
+
+def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                    response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
+                    remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
+                    logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None
+                    ) -> ResponseScores:
+    """`response_log_probs` with its forward's router stats (the actor loss's MoE terms); `replay`
+    [N, P + R, L, k]: recorded expert ids the MoE layers run (routing replay)."""
+    # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
+    unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
+                            else (lm_head_weight(params, model_cfg), False))
+    if packing is None:
+        hidden, moe = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
+                                      compute_dtype=compute_dtype, remat=remat, replay=replay)
+        targets = input_ids[:, input_ids.shape[1] - response_len:]
+        out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
+                             return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh)
+        if isinstance(out, tuple):
+            return ResponseScores(out[0], out[1], moe)
+        return ResponseScores(out, None, moe)
+    hidden, targets, moe = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
+                                                  compute_dtype=compute_dtype_of(compute_dtype), remat=remat,
+                                                  replay=replay)
+    # the LM head skips the slot blocks past the filled ones
+    out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
+                         return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
+                         rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
+    num_rows = input_ids.shape[0]
+    unpack = lambda x: unpack_response(x, packing, num_rows, response_len)  # noqa: E731
+    if isinstance(out, tuple):  # with_entropy
+        return ResponseScores(unpack(out[0]), unpack(out[1]), moe)
+    return ResponseScores(unpack(out), None, moe)
 
 
 @overload
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = ..., compute_dtype: str = ...,
                        remat: bool | str = ..., with_entropy: Literal[False] = ..., packing: PackedLayout | None = ...,
-                       logprob_impl: str = ..., mesh: Mesh | None = ...) -> Array: ...
+                       logprob_impl: str = ..., mesh: Mesh | None = ..., replay: Array | None = ...) -> Array: ...
 @overload
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = ..., compute_dtype: str = ...,
                        remat: bool | str = ..., with_entropy: Literal[True], packing: PackedLayout | None = ...,
-                       logprob_impl: str = ..., mesh: Mesh | None = ...) -> tuple[Array, Array]: ...
+                       logprob_impl: str = ..., mesh: Mesh | None = ..., replay: Array | None = ...
+                       ) -> tuple[Array, Array]: ...
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
                        remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
-                       logprob_impl: str = "auto", mesh: Mesh | None = None) -> Array | tuple[Array, Array]:
+                       logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None
+                       ) -> Array | tuple[Array, Array]:
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
     With `packing` the model runs on packed rows (jaxrl_llm/batching) and only real response
     tokens are scored (0 elsewhere). `logprob_impl`: the fused head's backend (losses/logprob.py);
-    `mesh`: the program's mesh (a kernel then runs per shard of the rows)."""
-    # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
-    unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
-                            else (lm_head_weight(params, model_cfg), False))
-    if packing is None:
-        hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
-                                 compute_dtype=compute_dtype, remat=remat)
-        targets = input_ids[:, input_ids.shape[1] - response_len:]
-        return token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
-                              return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl,
-                              mesh=mesh)
-    hidden, targets = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
-                                             compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
-    # the LM head skips the slot blocks past the filled ones
-    out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
-                         return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
-                         rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
-    num_rows = input_ids.shape[0]
-    if isinstance(out, tuple):  # with_entropy
-        log_prob, entropy = out
-        return (unpack_response(log_prob, packing, num_rows, response_len),
-                unpack_response(entropy, packing, num_rows, response_len))
-    return unpack_response(out, packing, num_rows, response_len)
+    `mesh`: the program's mesh (a kernel then runs per shard of the rows); `replay`: a MoE model's
+    recorded routing [N, P + R, L, k] to run (routing replay)."""
+    scores = response_scores(params, model_cfg, input_ids, attention_mask, response_len, temperature=temperature,
+                             compute_dtype=compute_dtype, remat=remat, with_entropy=with_entropy, packing=packing,
+                             logprob_impl=logprob_impl, mesh=mesh, replay=replay)
+    if with_entropy:
+        assert scores.entropy is not None
+        return scores.log_prob, scores.entropy
+    return scores.log_prob
 
 
 def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
@@ -89,12 +121,12 @@ def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
     """Critic values [N, R] fp32 at the positions that predict the response tokens (veRL's
     `values[:, -response_length - 1 : -1]`); packed as `response_log_probs`."""
     if packing is not None:
-        hidden, _ = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
-                                           compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
+        hidden, _, _ = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
+                                              compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
         values = value_from_hidden(params, hidden).astype(jnp.float32)
         return unpack_response(values, packing, input_ids.shape[0], response_len)
-    hidden = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
-                             compute_dtype=compute_dtype, remat=remat)
+    hidden, _ = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
+                                compute_dtype=compute_dtype, remat=remat)
     return value_from_hidden(params, hidden).astype(jnp.float32)
 
 

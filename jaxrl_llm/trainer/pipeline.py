@@ -265,6 +265,6 @@ class RolloutPipeline:
 def to_mesh(rollout: Rollout, mesh: Mesh) -> Rollout:
     """The rollout's device arrays moved onto `mesh`, rows split over its batch axes (replicated when
     the rows do not divide them)."""
-    moved = {f: jax.device_put(getattr(rollout, f), rows_sharding(mesh, getattr(rollout, f).shape))
-             for f in DEVICE_FIELDS}
+    fields = DEVICE_FIELDS + (("routing",) if rollout.routing is not None else ())
+    moved = {f: jax.device_put(getattr(rollout, f), rows_sharding(mesh, getattr(rollout, f).shape)) for f in fields}
     return dataclasses.replace(rollout, **moved)

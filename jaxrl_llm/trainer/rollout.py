@@ -13,6 +13,7 @@ once, on process 0, and broadcast (`score_responses`), so processes can never di
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -31,7 +32,8 @@ from jaxrl_llm.trainer.nonfinite import sanitize_scores
 from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
 
 Array = jax.Array
-_ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask")
+_ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask",
+               "routing")
 
 
 class RolloutGenerator:
@@ -41,10 +43,12 @@ class RolloutGenerator:
     def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer,
                  reward_manager: RewardManager | None,
                  reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None,
-                 multi_turn: Any = None, max_prompt_length: int | None = None):
+                 multi_turn: Any = None, max_prompt_length: int | None = None, record_routing: bool = False):
         """multi_turn: a `trainer.multi_turn.MultiTurn` (every generation is then multi-turn);
-        max_prompt_length: the bound its rendered prompts must fit (data.max_prompt_length)."""
+        max_prompt_length: the bound its rendered prompts must fit (data.max_prompt_length);
+        record_routing: a MoE policy's rollouts carry the sampler's routing (actor.router_replay)."""
         self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
+        self.record_routing = record_routing and model_cfg.is_moe
         self.multi_turn, self.max_prompt_length = multi_turn, max_prompt_length
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
         self.engine = engine if engine is not None else EngineOptions()
@@ -62,7 +66,7 @@ class RolloutGenerator:
         return RolloutGenerator(model_cfg=self.model_cfg, mesh=mesh, tokenizer=self.tokenizer,
                                 reward_manager=self.reward_manager, reward_model=self.reward_model,
                                 compute_dtype=self.compute_dtype, engine=self.engine, multi_turn=self.multi_turn,
-                                max_prompt_length=self.max_prompt_length)
+                                max_prompt_length=self.max_prompt_length, record_routing=self.record_routing)
 
     def engine_for(self, max_new_tokens: int) -> EngineOptions:
         """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
@@ -93,19 +97,21 @@ class RolloutGenerator:
 
         settings, knobs = sampling.compile_args(list(self.eos_ids), pad_id, vocab_size=model_cfg.vocab_size,
                                                 compute_dtype=self.compute_dtype)
+        settings = dataclasses.replace(settings, record_routing=self.record_routing)
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
         if opts.engine == "paged":
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
                                                             settings=settings, opts=opts, mesh=mesh)
-            out = host_out._replace(**to_device({f: getattr(host_out, f) for f in _ROW_FIELDS}, mesh))
+            out = host_out._replace(**to_device({f: getattr(host_out, f) for f in _ROW_FIELDS
+                                                 if getattr(host_out, f) is not None}, mesh))
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
 
         n = sampling.n
         if len(raw_prompts) > num_prompts:  # drop the padding rows again
             keep = num_prompts * n
-            out = out._replace(**{f: getattr(out, f)[:keep] for f in _ROW_FIELDS})
+            out = out._replace(**{f: getattr(out, f)[:keep] for f in _ROW_FIELDS if getattr(out, f) is not None})
             raw_prompts = raw_prompts[:num_prompts]
             prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
         lengths = np.asarray(to_host(out.lengths)).astype(np.int32)
@@ -147,4 +153,5 @@ class RolloutGenerator:
             group_ids=rows.astype(np.int32), scores=np.asarray(scores, np.float32), response_lengths=lengths,
             prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
             texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
-            meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics)
+            meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics,
+            routing=None if out.routing is None else jnp.asarray(out.routing[:, :input_ids.shape[1]]))

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.data.loader import METADATA_KEYS
+from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.shapes import next_power_of_two
 from jaxrl_llm.sharding import BATCH_AXES
@@ -45,6 +46,9 @@ class Rollout:
     meta: dict[str, np.ndarray]  # data_source, ground_truth, extra_info, ... repeated per row
     reward_extra_info: dict[str, np.ndarray]
     reward_metrics: dict[str, float]
+    # routing replay (actor.router_replay = rollout): int [N, P + R, L, k] the experts the sampler's MoE
+    # layers ran for each token (models/moe.py NOT_RECORDED where it recorded none)
+    routing: Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -130,7 +134,8 @@ def select_rows(r: Rollout, rows: np.ndarray) -> Rollout:
         response_lengths=r.response_lengths[rows], prompt_lengths=r.prompt_lengths[rows],
         texts=[r.texts[i] for i in rows], prompt_texts=[r.prompt_texts[i] for i in rows] if r.prompt_texts else [],
         meta={k: v[rows] for k, v in r.meta.items()},
-        reward_extra_info={k: np.asarray(v)[rows] for k, v in r.reward_extra_info.items()})
+        reward_extra_info={k: np.asarray(v)[rows] for k, v in r.reward_extra_info.items()},
+        routing=None if r.routing is None else take(r.routing))
 
 
 def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
@@ -147,14 +152,18 @@ def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
         right = width - r
         seq = lambda x: jnp.pad(x, ((0, 0), (left, right)))  # noqa: E731  (pad id 0 under mask 0)
         resp = lambda x: jnp.pad(x, ((0, 0), (0, right)))  # noqa: E731
-        return {"input_ids": seq(p.input_ids), "attention_mask": seq(p.attention_mask),
-                "response_mask": resp(p.response_mask), "rollout_log_probs": resp(p.rollout_log_probs),
-                "token_level_scores": resp(p.token_level_scores)}
+        out = {"input_ids": seq(p.input_ids), "attention_mask": seq(p.attention_mask),
+               "response_mask": resp(p.response_mask), "rollout_log_probs": resp(p.rollout_log_probs),
+               "token_level_scores": resp(p.token_level_scores)}
+        if p.routing is not None:  # not recorded on the padding columns
+            out["routing"] = jnp.pad(p.routing, ((0, 0), (left, right), (0, 0), (0, 0)), constant_values=NOT_RECORDED)
+        return out
 
     padded = [pad(p) for p in parts]
     joined = {k: jnp.concatenate([d[k] for d in padded]) for k in padded[0]}
     spec = lambda x: jax.sharding.NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))))  # noqa: E731
     joined = {k: jax.device_put(v, spec(v)) for k, v in joined.items()}
+    joined_routing = joined.pop("routing", None)
     offsets = np.cumsum([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]])
     cat = lambda xs: np.concatenate(xs)  # noqa: E731
     return Rollout(
@@ -167,4 +176,5 @@ def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
                            for k in parts[0].reward_extra_info if all(k in p.reward_extra_info for p in parts)},
         # counts (reward/num_errors, num_nonfinite, ...) add up over the parts; rates are averaged
         reward_metrics={k: float((np.sum if k.startswith("reward/num_") else np.mean)(
-                            [p.reward_metrics.get(k, 0.0) for p in parts])) for k in parts[0].reward_metrics})
+                            [p.reward_metrics.get(k, 0.0) for p in parts])) for k in parts[0].reward_metrics},
+        routing=joined_routing)

@@ -105,6 +105,9 @@ class Trainer:
             self.multi_turn = MultiTurn(spec.multi_turn, self.tokenizer)
         model_cfg, params = load_model(spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
                                        seed=spec.trainer.seed)
+        if spec.actor.router_replay != "none" and not model_cfg.is_moe:
+            raise ConfigError(f"actor_rollout_ref.actor.router_replay={spec.actor.router_replay!r}: the policy "
+                              f"({model_cfg.architecture}) has no mixture-of-experts layers to replay")
         longest = spec.plan.max_tokens_per_sequence
         if longest > model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_prompt_length + rollout.response_length = {longest} exceeds the model's "
@@ -138,7 +141,8 @@ class Trainer:
         self.generator = RolloutGenerator(model_cfg=model_cfg, mesh=self.mesh, tokenizer=self.tokenizer,
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
-                                          multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length)
+                                          multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length,
+                                          record_routing=spec.actor.router_replay == "rollout")
         # with a split mesh (mesh.rollout_devices) a second generator samples on the rollout devices
         rollout_generator = None if self.rollout_mesh is None else self.generator.on_mesh(self.rollout_mesh)
         # one batch sampled and scored; with DAPO's filter_groups, batches until enough groups vary
@@ -328,7 +332,8 @@ class Trainer:
                     **seq, response_mask=mask, token_level_scores=rollout.token_level_scores,
                     rollout_log_probs=rollout.rollout_log_probs, group_ids=to_device(rollout.group_ids, self.mesh),
                     old_log_probs=old_lp, ref_log_probs=ref_lp, values=values, reward_baselines=baselines,
-                    kl_coef=kl_coef, advantage=spec.advantage, correction=spec.rollout_correction)
+                    kl_coef=kl_coef, advantage=spec.advantage, correction=spec.rollout_correction,
+                    routing=rollout.routing)
                 span.wait(exp)
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
             if self.critic is not None:
@@ -364,8 +369,10 @@ class Trainer:
         micro = self.spec.plan.old_log_prob if micro is None else micro
         rows = self.batching.rows_of(rollout) if rows is None else rows
         how = self.batching.no_grad(micro, self.spec.model if model is None else model, rows)
+        # the policy's own passes replay the sampler's routing; the reference routes by itself
+        replay = rollout.routing if model_cfg is None else None
         return run_no_grad_pass(log_probs_no_grad, params, rollout.input_ids, rollout.attention_mask,
-                                rollout.response_mask, how,
+                                rollout.response_mask, how, replay,
                                 model_cfg=self.actor.model_cfg if model_cfg is None else model_cfg,
                                 temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
                                 logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)

@@ -19,7 +19,9 @@ from jaxrl_llm.models.lora import LoraConfig, init_lora, merge_lora, with_lora
 compute_logits = jax.jit(compute_logits, static_argnums=1)
 
 
-@pytest.mark.parametrize("family,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj"))])
+@pytest.mark.parametrize("family,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj")),
+                                            ("qwen2_moe", ("q_proj", "v_proj", "down_proj")),
+                                            ("qwen3_moe", "all-linear")])
 def test_peft_adapter_folder_loads_with_equal_logits(family, targets, tmp_path, np_rng):
     pytest.importorskip("peft")
     from peft import PeftModel
@@ -37,10 +39,16 @@ def test_peft_adapter_folder_loads_with_equal_logits(family, targets, tmp_path, 
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
     tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     prefix = "base_model.model.model.layers.1."
-    assert tensors[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, cfg.intermediate_size)  # [r, in]
+    # mixture of experts: adapters on the attention and a shared expert only (routed experts have none)
+    targets_present = ["q_proj", "k_proj", "v_proj", "o_proj"] if family == "qwen3_moe" else list(lora.targets)
+    assert config["target_modules"] == targets_present
+    if "down_proj" in targets_present:
+        mlp, width = (("mlp.shared_expert", cfg.shared_expert_intermediate_size) if family == "qwen2_moe"
+                      else ("mlp", cfg.intermediate_size))
+        assert tensors[prefix + f"{mlp}.down_proj.lora_A.weight"].shape == (4, width)  # [r, in]
     assert tensors[prefix + "self_attn.v_proj.lora_B.weight"].shape == (
         cfg.num_key_value_heads * cfg.head_dim, 4)  # [out, r]
-    assert len(tensors) == 2 * cfg.num_hidden_layers * len(lora.targets)
+    assert len(tensors) == 2 * cfg.num_hidden_layers * len(targets_present)
 
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()

@@ -1,0 +1,103 @@
+"""Routing replay (actor.router_replay = rollout): on a mixture-of-experts policy whose router logits are
+near-tied, the trainer's recomputation routes some tokens to other experts than the sampler did and
+its log-probs drift from the sampler's; replaying the sampler's recorded routing brings the mismatch
+back to the dense model's fp32 floor, and a training step logs moe/routing_agreement."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_runs import read_metrics, tiny_config
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params
+from jaxrl_llm.models.moe import NOT_RECORDED
+from jaxrl_llm.sampler import SamplingParams, left_pad, sample
+from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.trainer.trainer import Trainer
+
+CFG = ModelConfig.tiny("qwen3_moe")
+NEW_TOKENS = 16
+
+
+def _near_tied(params: dict, eps: float = 1e-6) -> dict:
+    """Every expert's router column = one shared column + eps x its own: the top-k is decided by
+    differences at the level of fp32 rounding, which the decode step and the full-sequence forward
+    (another matmul summation order) do not share."""
+    router = params["layers"]["moe"]["router"]["kernel"]
+    near = router[:, :, :1] + eps * router
+    moe = {**params["layers"]["moe"], "router": {"kernel": near}}
+    return {**params, "layers": {**params["layers"], "moe": moe}}
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    params = _near_tied(init_params(CFG, jax.random.key(0)))
+    prompts = [list(np.random.default_rng(i).integers(3, 200, size=6 + i)) for i in range(4)]
+    ids, mask = left_pad(prompts, 0)
+    settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(
+        CFG.eos_token_ids, 0, vocab_size=CFG.vocab_size)
+    out = sample(params, CFG, ids, mask, jax.random.key(1), knobs,
+                 settings=dataclasses.replace(settings, record_routing=True))
+    full = jnp.concatenate([out.prompt_ids, out.tokens], 1)
+    attention = jnp.concatenate([out.prompt_mask, out.response_mask], 1)
+    return params, out, full, attention
+
+
+def test_sampler_records_every_fed_token(rollout):
+    _, out, full, attention = rollout
+    routing = np.asarray(out.routing)
+    assert routing.shape == (*full.shape, CFG.num_hidden_layers, CFG.num_experts_per_tok)
+    assert routing.dtype == np.int8  # 8 experts: compact ids
+    fed = np.asarray(attention).astype(bool).copy()
+    fed[np.arange(fed.shape[0]), ids_end := out.prompt_ids.shape[1] + np.asarray(out.lengths) - 1] = False
+    assert (routing[fed] >= 0).all() and (routing[fed] < CFG.num_experts).all()
+    # the last sampled token is never fed to the model: nothing recorded for it
+    assert (routing[np.arange(fed.shape[0]), ids_end] == NOT_RECORDED).all()
+
+
+def test_replay_brings_the_log_prob_mismatch_back_to_the_floor(rollout):
+    params, out, full, attention = rollout
+    recorded = np.asarray(out.routing)
+    _, moe = forward_hidden_moe(params, CFG, full, attention, record_routing=True)
+    assert moe is not None and moe.routing is not None
+    recomputed = np.moveaxis(np.asarray(moe.routing), 0, 2)
+    scored = recorded[..., 0] >= 0
+    flips = ~(np.sort(recorded, -1) == np.sort(recomputed, -1)).all(-1) & scored
+    assert flips.sum() >= 5, flips.sum()  # the trainer's own routing differs for some tokens
+    mask = np.asarray(out.response_mask) > 0
+    free = np.asarray(response_log_probs(params, CFG, full, attention, NEW_TOKENS))
+    replayed = np.asarray(response_log_probs(params, CFG, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
+    sampler = np.asarray(out.log_probs)
+    assert np.abs(free - sampler)[mask].max() > 1e-3  # routed by itself: the importance ratio drifts
+    assert np.abs(replayed - sampler)[mask].max() <= 1e-6  # replayed: the dense model's fp32 floor
+    _, stats = forward_hidden_moe(params, CFG, full, attention, replay=jnp.moveaxis(jnp.asarray(recorded), 2, 0))
+    assert stats is not None
+    assert float(jnp.sum(stats.stats.agree)) < float(jnp.sum(stats.stats.tokens))
+
+    def loss(router):
+        moe_params = {**params["layers"]["moe"], "router": {"kernel": router}}
+        p = {**params, "layers": {**params["layers"], "moe": moe_params}}
+        return jnp.sum(response_log_probs(p, CFG, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
+
+    assert float(jnp.abs(jax.grad(loss)(params["layers"]["moe"]["router"]["kernel"])).max()) > 0
+
+
+def test_training_step_with_replay_logs_routing_agreement(tmp_path):
+    cfg = tiny_config(tmp_path, **{"actor_rollout_ref.model.path": "tiny:qwen3_moe",
+                                   "actor_rollout_ref.actor.router_replay": "rollout",
+                                   "actor_rollout_ref.rollout.engine": "static",
+                                   "trainer.total_training_steps": 1})
+    Trainer(cfg).fit()
+    row = read_metrics(tmp_path)[0]
+    assert 0.0 < row["moe/routing_agreement"] <= 1.0
+    assert row["moe/aux_loss"] > 0
+
+
+def test_replay_on_a_dense_policy_is_refused(tmp_path):
+    cfg = tiny_config(tmp_path, **{"actor_rollout_ref.actor.router_replay": "rollout"})
+    with pytest.raises(ConfigError, match="router_replay='rollout'.*no mixture-of-experts"):
+        Trainer(cfg)

@@ -1,0 +1,92 @@
+"""The actor update of a mixture-of-experts policy: the router losses enter the loss exactly as
+ALGORITHMS' terms (coefficient x HF's load-balancing loss, coefficient x z-loss), and one update gives
+the same loss, metrics and params on 1 device and on 8 devices with the expert weights sharded."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm import sharding
+from jaxrl_llm.config import ActorSpec
+from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params, param_logical_axes
+from jaxrl_llm.models.moe import load_balancing_loss, router_z_loss
+from jaxrl_llm.trainer.actor import actor_loss, update_actor
+from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.trainer.update import denominators
+
+CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, moe_block_rows=8)
+N, P, R = 8, 5, 6
+SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                     clip_ratio_c=3.0, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
+                     kl_loss_type="low_var_kl", temperature=1.0, compute_dtype="float32", remat="none",
+                     loss_scale_factor=None, loss_kwargs=(), ppo_epochs=1, shuffle=False,
+                     router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+
+
+def _batch(seed: int = 0) -> Experience:
+    rng = np.random.default_rng(seed)
+    prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
+    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
+    return Experience(
+        input_ids=jnp.asarray(rng.integers(3, 64, size=(N, P + R)), jnp.int32),
+        attention_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        response_mask=jnp.asarray(resp_mask, jnp.float32),
+        old_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
+        advantages=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
+        returns=jnp.zeros((N, R), jnp.float32))
+
+
+def test_router_losses_enter_the_actor_loss_with_their_coefficients():
+    params, b = init_params(CFG, jax.random.key(0)), _batch()
+    d = denominators(b.response_mask)
+    loss, metrics = actor_loss(params, b, d, model_cfg=CFG, s=SETTINGS)
+    plain, _ = actor_loss(params, b, d, model_cfg=CFG,
+                          s=dataclasses.replace(SETTINGS, router_aux_loss_coef=0.0, router_z_loss_coef=0.0))
+    _, moe = forward_hidden_moe(params, CFG, b.input_ids, b.attention_mask)
+    assert moe is not None
+    aux, z = float(load_balancing_loss(moe.stats)), float(router_z_loss(moe.stats))
+    np.testing.assert_allclose(float(loss) - float(plain), 0.01 * aux + 0.001 * z, rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["moe/aux_loss"]), aux, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["moe/z_loss"]), z, rtol=1e-5)
+    assert 1.0 <= float(metrics["moe/expert_load_max"]) <= CFG.num_experts
+    # unset: the model's own coefficient only where its config.json asks for router logits (HF's rule)
+    unset = dataclasses.replace(SETTINGS, router_aux_loss_coef=None, router_z_loss_coef=0.0)
+    quiet, _ = actor_loss(params, b, d, model_cfg=CFG, s=unset)
+    np.testing.assert_allclose(float(quiet), float(plain), rtol=1e-6)
+    loud_cfg = dataclasses.replace(CFG, output_router_logits=True)
+    loud, _ = actor_loss(params, b, d, model_cfg=loud_cfg, s=unset)
+    np.testing.assert_allclose(float(loud) - float(plain), CFG.router_aux_loss_coef * aux, rtol=1e-4)
+
+
+def _run(mesh_shape: dict | None):
+    params = init_params(CFG, jax.random.key(0))
+    b = _batch()
+    rows = None
+    if mesh_shape is not None:
+        mesh = sharding.make_mesh(mesh_shape)
+        params = sharding.shard_params(params, param_logical_axes(CFG), mesh)
+        rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+        b = jax.tree.map(lambda v: jax.device_put(v, NamedSharding(
+            mesh, PartitionSpec(("data", "fsdp"), *([None] * (v.ndim - 1))))), b)
+    tx = optax.sgd(0.5)
+    update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=SETTINGS, tx=tx, num_mini_batches=1,
+                                       num_micro_batches=1, rows_sharding=rows))
+    new, _, metrics = update(params, tx.init(params), b, jax.random.key(1))
+    return jax.device_get(new), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 2, "tensor": 4}],
+                         ids=["data2_fsdp4", "fsdp2_tensor4"])
+def test_moe_update_same_on_8_devices(mesh_shape):
+    p1, m1 = _run(None)
+    p8, m8 = _run(mesh_shape)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
+    for key in ("actor/pg_loss", "moe/aux_loss", "moe/z_loss", "moe/expert_load_max", "actor/grad_norm"):
+        np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=key)
