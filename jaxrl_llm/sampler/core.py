@@ -117,7 +117,7 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
     if record:
         hidden, cache, prefill_routing = forward_hidden_routed(params, cfg, prompt_ids, prompt_mask, cache=cache,
                                                                compute_dtype=dtype)
-        routing = _routing_buffer(prefill_routing, cfg, r)
+        routing = _routing_buffer(prefill_routing, prompt_mask, cfg, r)
     else:
         hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
     # left padding: the last slot of every row is its last real prompt token
@@ -149,6 +149,7 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
                                                        compute_dtype=dtype)
             assert fed is not None
             column = jnp.moveaxis(fed, 0, 2).astype(s.routing.dtype)  # [B, 1, L, k]
+            column = jnp.where(feed_mask[:, :, None, None] > 0, column, jnp.asarray(NOT_RECORDED, column.dtype))
             s = s._replace(routing=lax.dynamic_update_slice(
                 s.routing, column, (0, prompt_ids.shape[1] + s.step - 1, 0, 0)))
         else:
@@ -166,10 +167,12 @@ def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mas
                         prompt_mask=prompt_mask, num_steps=state.step, routing=state.routing)
 
 
-def _routing_buffer(prefill: Array | None, cfg: ModelConfig, max_new_tokens: int) -> Array:
-    """[B, P + R, L, k] with the prefill's routing [L, B, P, k] in its first P columns, NOT_RECORDED after."""
+def _routing_buffer(prefill: Array | None, prompt_mask: Array, cfg: ModelConfig, max_new_tokens: int) -> Array:
+    """[B, P + R, L, k] with the prefill's routing [L, B, P, k] in its first P columns (NOT_RECORDED on
+    the padding) and NOT_RECORDED after."""
     assert prefill is not None
     rows = jnp.moveaxis(prefill, 0, 2).astype(routing_dtype(cfg.num_experts))  # [B, P, L, k]
+    rows = jnp.where(prompt_mask[:, :, None, None] > 0, rows, jnp.asarray(NOT_RECORDED, rows.dtype))
     rest = jnp.full((rows.shape[0], max_new_tokens, *rows.shape[2:]), NOT_RECORDED, rows.dtype)
     return jnp.concatenate([rows, rest], axis=1)
 

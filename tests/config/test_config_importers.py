@@ -559,3 +559,16 @@ def test_keys_no_rule_takes_are_errors_unless_off(home, tmp_path):
         import_config(variant(ROLL, tmp_path, {"roll_new_switch": True}), dp_size=8)
     with pytest.raises(ConfigError, match=r"variant.yaml: algorithm.new_fn_args.scale: 2: no counterpart"):
         import_config(variant(TRINITY, tmp_path, {"algorithm.new_fn_args.scale": 2}), dp_size=4)
+
+
+def test_verl_router_replay_r3_maps_to_rollout_replay(home, tmp_path):
+    s = import_config(variant(VERL, tmp_path, {"actor_rollout_ref.actor.router_replay.mode": "R3",
+                                               "actor_rollout_ref.rollout.enable_rollout_routing_replay": True}),
+                      dp_size=4).settings
+    assert s["actor_rollout_ref.actor.router_replay"] == "rollout"
+    for key, value, why in (("actor_rollout_ref.actor.router_replay.mode", "R2", "(R2) is not available"),
+                            ("actor_rollout_ref.ref.router_replay.mode", "R3", "routes by itself"),
+                            ("actor_rollout_ref.actor.router_replay.record_file", "/tmp/r.pt", "files")):
+        with pytest.raises(ConfigError) as err:
+            import_config(variant(VERL, tmp_path, {key: value}), dp_size=4)
+        assert key in str(err.value) and why in str(err.value)

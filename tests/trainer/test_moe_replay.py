@@ -16,6 +16,7 @@ from jaxrl_llm.config import ConfigError
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
+from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine
 from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.trainer import Trainer
 
@@ -36,8 +37,7 @@ def _near_tied(params: dict, eps: float = 1e-6) -> dict:
 @pytest.fixture(scope="module")
 def rollout():
     params = _near_tied(init_params(CFG, jax.random.key(0)))
-    prompts = [list(np.random.default_rng(i).integers(3, 200, size=6 + i)) for i in range(4)]
-    ids, mask = left_pad(prompts, 0)
+    ids, mask = left_pad(_prompts(), 0)
     settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(
         CFG.eos_token_ids, 0, vocab_size=CFG.vocab_size)
     out = sample(params, CFG, ids, mask, jax.random.key(1), knobs,
@@ -55,6 +55,7 @@ def test_sampler_records_every_fed_token(rollout):
     fed = np.asarray(attention).astype(bool).copy()
     fed[np.arange(fed.shape[0]), ids_end := out.prompt_ids.shape[1] + np.asarray(out.lengths) - 1] = False
     assert (routing[fed] >= 0).all() and (routing[fed] < CFG.num_experts).all()
+    assert (routing[~np.asarray(attention).astype(bool)] == NOT_RECORDED).all()  # padding: nothing fed
     # the last sampled token is never fed to the model: nothing recorded for it
     assert (routing[np.arange(fed.shape[0]), ids_end] == NOT_RECORDED).all()
 
@@ -86,10 +87,43 @@ def test_replay_brings_the_log_prob_mismatch_back_to_the_floor(rollout):
     assert float(jnp.abs(jax.grad(loss)(params["layers"]["moe"]["router"]["kernel"])).max()) > 0
 
 
+def _prompts() -> list[list[int]]:
+    return [list(np.random.default_rng(i).integers(3, 200, size=6 + i)) for i in range(4)]
+
+
+def test_paged_engine_records_what_the_static_sampler_records():
+    """Greedy on an ordinary router: both engines generate the same tokens and record the same experts
+    (prompt and response tokens, the same left-padded layout); on the near-tied router the paged
+    engine's recording, replayed, brings the trainer to the sampler's log-probs."""
+    settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False).compile_args(
+        CFG.eos_token_ids, 0, vocab_size=CFG.vocab_size)
+    settings = dataclasses.replace(settings, record_routing=True)
+    engine = PagedEngine(CFG, EngineSpec(max_num_seqs=3, page_size=4, num_pages=64, pages_per_slot=16),
+                         steps_per_call=4)  # 3 slots for 4 prompts: a slot is reused mid-run
+    ordinary = init_params(CFG, jax.random.key(0))
+    ids, mask = left_pad(_prompts(), 0)
+    static = sample(ordinary, CFG, ids, mask, jax.random.key(1), knobs, settings=settings)
+    paged, _ = engine.run(ordinary, _prompts(), jax.random.key(1), knobs, settings)
+    np.testing.assert_array_equal(paged.tokens, np.asarray(static.tokens))
+    assert paged.routing is not None
+    np.testing.assert_array_equal(paged.routing, np.asarray(static.routing))
+
+    tied = _near_tied(ordinary)
+    out, _ = engine.run(tied, _prompts(), jax.random.key(1), knobs, settings)
+    assert out.routing is not None
+    full = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.tokens)], 1)
+    attention = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], 1)
+    replayed = response_log_probs(tied, CFG, full, attention, NEW_TOKENS, replay=jnp.asarray(out.routing))
+    free = response_log_probs(tied, CFG, full, attention, NEW_TOKENS)
+    valid = out.response_mask > 0
+    assert np.abs(np.asarray(free) - out.log_probs)[valid].max() > 1e-3
+    assert np.abs(np.asarray(replayed) - out.log_probs)[valid].max() <= 1e-6
+
+
 def test_training_step_with_replay_logs_routing_agreement(tmp_path):
     cfg = tiny_config(tmp_path, **{"actor_rollout_ref.model.path": "tiny:qwen3_moe",
                                    "actor_rollout_ref.actor.router_replay": "rollout",
-                                   "actor_rollout_ref.rollout.engine": "static",
+                                   "actor_rollout_ref.rollout.engine": "paged",
                                    "trainer.total_training_steps": 1})
     Trainer(cfg).fit()
     row = read_metrics(tmp_path)[0]

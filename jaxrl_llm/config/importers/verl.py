@@ -175,6 +175,20 @@ def _clip_grad(role: str) -> Callable[[Mapper, str, Any], None]:
     return handle
 
 
+def _router_replay(m: Mapper, src: str, value: Any) -> None:
+    """veRL's actor.router_replay.mode: R3 (rollout routing replay) is ours 'rollout'."""
+    mode = str(value)
+    if mode == "R3":
+        m.set("actor_rollout_ref.actor.router_replay", "rollout", src)
+    elif mode != "disabled":
+        m.error(src, f"{value!r}: replaying the old log-prob pass's routing (R2) is not available; R3 (the "
+                     "sampler's routing, actor.router_replay=rollout) is")
+
+
+_NO_ROUTING_FILES = _error_if(lambda v: v is not None, "routing read from / written to files is not available "
+                                                       "(R3 replays the sampler's routing in memory)")
+
+
 SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "actor_rollout_ref.rollout.tensor_model_parallel_size": placement_only,
     "actor_rollout_ref.rollout.data_parallel_size": placement_only,
@@ -195,12 +209,21 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "actor_rollout_ref.actor.optim.clip_grad": _clip_grad("actor_rollout_ref.actor"),
     "critic.optim.clip_grad": _clip_grad("critic"),
     "trainer.logger": _logger,
+    "actor_rollout_ref.actor.router_replay.mode": _router_replay,
+    "actor_rollout_ref.ref.router_replay.mode": _error_if(
+        lambda v: str(v) != "disabled", "the reference policy routes by itself (only the actor replays)"),
+    "actor_rollout_ref.actor.router_replay.record_file": _NO_ROUTING_FILES,
+    "actor_rollout_ref.actor.router_replay.replay_file": _NO_ROUTING_FILES,
+    "actor_rollout_ref.ref.router_replay.record_file": _NO_ROUTING_FILES,
+    "actor_rollout_ref.ref.router_replay.replay_file": _NO_ROUTING_FILES,
+    # the sampler records its routing whenever actor.router_replay = rollout (R3 above)
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": lambda m, src, value: None,
 }
 
 # keys that configure only veRL's own machinery (on top of overrides.TORCH_ONLY_PATTERNS)
 VERL_MACHINERY = ("*.agent.*", "*.agent", "*.use_shm",
                   "trainer.ray_*", "*.use_dynamic_bsz_balance", "*.swanlab*", "*.mlflow*", "global_profiler*",
-                  "transfer_queue*", "*.nsight*", "*.profile_*", "trainer.profile_steps", "*.router_replay*")
+                  "transfer_queue*", "*.nsight*", "*.profile_*", "trainer.profile_steps")
 
 
 # veRL keys with no key of ours that change nothing computed: any value is listed in the warning
@@ -229,7 +252,6 @@ WHY = {
     "actor_rollout_ref.rollout.logprobs_mode": "the sampler's log-probs are always those of the processed "
                                                "distribution (veRL's processed_logprobs)",
     "actor_rollout_ref.rollout.quantization": "quantized rollout weights are not available",
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": "MoE routing replay is not available",
     "actor_rollout_ref.rollout.skip_rollout": "replaying dumped rollouts is not available",
     "data.reward_fn_key": "reward functions are chosen by the row's data_source column",
     "data.apply_chat_template_kwargs": "chat-template arguments are not available",

@@ -71,8 +71,9 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
-                  mesh: Mesh | None = None) -> tuple[Array, dict]:
-    """Final-norm hidden [S, H] for one token per slot, and the pool with their K/V written.
+                  mesh: Mesh | None = None, record_routing: bool = False) -> tuple[Array, dict, Array | None]:
+    """Final-norm hidden [S, H] for one token per slot, the pool with their K/V written, and with
+    `record_routing` a MoE model's router top-k ids of each fed token [S, L, k] (else None).
 
     tokens / positions [S]: the token fed to each slot and its position (= tokens already in the
     slot's KV). page_table [S, pages_per_slot]. active [S] bool: inactive slots write to the
@@ -80,15 +81,18 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
     """
     attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
                                 mesh=mesh)
-    hidden, pool, _ = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
-                                     compute_dtype=compute_dtype, valid=active[:, None])
-    return hidden[:, 0], pool
+    hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
+                                       compute_dtype=compute_dtype, valid=active[:, None],
+                                       record_routing=record_routing)
+    routing = None if moe is None or moe.routing is None else jnp.moveaxis(moe.routing[:, :, 0], 0, 1)
+    return hidden[:, 0], pool, routing
 
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
-                  mesh: Mesh | None = None) -> tuple[Array, dict]:
-    """fp32 next-token logits [S, V] and the updated pool (see `decode_hidden`)."""
-    hidden, pool = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
-                                 compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh)
-    return logits_from_hidden(params, cfg, hidden), pool
+                  mesh: Mesh | None = None, record_routing: bool = False) -> tuple[Array, dict, Array | None]:
+    """fp32 next-token logits [S, V], the updated pool and the recorded routing (see `decode_hidden`)."""
+    hidden, pool, routing = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
+                                          compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
+                                          record_routing=record_routing)
+    return logits_from_hidden(params, cfg, hidden), pool, routing

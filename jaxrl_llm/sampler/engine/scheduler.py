@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype, is_uncast_matmul_weight, matmul_weights_in
+from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
@@ -92,8 +93,12 @@ class RequestSource(Protocol):
         """Requests ready now (called between decode calls; must not block)."""
         ...
 
-    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
-        """One request's generated ids, their log-probs and its finish code (sampler.FINISH_REASONS)."""
+    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int,
+                 routing: np.ndarray | None = None) -> None:
+        """One request's generated ids, their log-probs and its finish code (sampler.FINISH_REASONS);
+        with settings.record_routing on a MoE model (and only then) also `routing`, the experts of its
+        prompt and response tokens [len(ids) + len(token_ids), L, k] (NOT_RECORDED for the last token,
+        never fed)."""
 
     def more_coming(self) -> bool:
         """Whether `poll` may return requests later (the engine stops once False with nothing left)."""
@@ -109,6 +114,7 @@ class _Group:
     shared: list[int]  # full prompt pages, shared by the members
     pending: int  # members not inserted yet
     left: int  # members not finished yet
+    prompt_routing: np.ndarray | None = None  # [len(ids), L, k] when recording
 
 
 class _BatchSource:
@@ -123,15 +129,31 @@ class _BatchSource:
         self.log_probs = np.zeros((rows, max_new_tokens), np.float32)
         self.lengths = np.zeros((rows,), np.int32)
         self.finish = np.zeros((rows,), np.int32)
+        self.routing: dict[int, np.ndarray] = {}  # row -> [prompt + response tokens, L, k]
 
     def poll(self) -> list[EngineRequest]:
         out, self.requests = self.requests, []
         return out
 
-    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
+    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int,
+                 routing: np.ndarray | None = None) -> None:
         row = request.key[0] * self.n + request.key[1]
         self.tokens[row, :len(token_ids)], self.log_probs[row, :len(token_ids)] = token_ids, log_probs
         self.lengths[row], self.finish[row] = len(token_ids), finish
+        if routing is not None:
+            self.routing[row] = routing
+
+    def routing_rows(self, prompt_lengths: np.ndarray, prompt_width: int) -> np.ndarray | None:
+        """The recorded routing as the static sampler lays it out: [rows, prompt_width + R, L, k],
+        prompts left-padded to `prompt_width`, NOT_RECORDED where nothing was fed."""
+        if not self.routing:
+            return None
+        first = next(iter(self.routing.values()))
+        out = np.full((self.tokens.shape[0], prompt_width + self.r, *first.shape[1:]), NOT_RECORDED, first.dtype)
+        for row, rec in self.routing.items():
+            start = prompt_width - int(prompt_lengths[row])
+            out[row, start:start + len(rec)] = rec
+        return out
 
     def more_coming(self) -> bool:
         return bool(self.requests)
@@ -171,24 +193,26 @@ class PagedEngine:
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mesh = mesh
-        self._init_state: dict[int, Any] = {}  # max_new_tokens -> jitted pool + slot initialiser
+        self._init_state: dict[tuple[int, bool], Any] = {}  # (max_new_tokens, recording) -> jitted initialiser
         self._state_r = None
         self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
 
     def max_model_len(self) -> int:
         return self.spec.pages_per_slot * self.spec.page_size
 
-    def _fresh_state(self, max_new_tokens: int) -> programs.DecodeState:
+    def _fresh_state(self, max_new_tokens: int, record_routing: bool = False) -> programs.DecodeState:
         """A new pool and slot arrays for a run (the pool lives for the run only: `serve`)."""
-        if max_new_tokens not in self._init_state:
-            make = functools.partial(programs.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype)
+        key = (max_new_tokens, record_routing)
+        if key not in self._init_state:
+            make = functools.partial(programs.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype,
+                                     record_routing)
             # with a mesh: the pool's kv heads over 'tensor' (when divisible), slot arrays replicated;
             # built by a jitted program so every process holds its part of the same global arrays
             out_shardings = (None if self.mesh is None else
                              programs.state_sharding(jax.eval_shape(make), self.cfg, self.mesh))
-            self._init_state[max_new_tokens] = jax.jit(make, out_shardings=out_shardings)
+            self._init_state[key] = jax.jit(make, out_shardings=out_shardings)
         self._state_r = max_new_tokens
-        return self._init_state[max_new_tokens]()
+        return self._init_state[key]()
 
     def _resize(self, state: programs.DecodeState, keep: Sequence[int], slots: int) -> programs.DecodeState:
         order = np.zeros((self.spec.max_num_seqs,), np.int32)
@@ -235,10 +259,11 @@ class PagedEngine:
         pad = int(knobs.pad_id)
         valid = np.arange(r)[None] < source.lengths[:, None]
         p_ids, p_mask = left_pad([prompts[i] for i in range(len(prompts)) for _ in range(n)], pad)
+        routing = source.routing_rows(p_mask.sum(axis=1), p_ids.shape[1])
         out = SampleOutput(tokens=np.where(valid, source.tokens, pad), response_mask=valid.astype(np.int32),
                            log_probs=np.where(valid, source.log_probs, 0.0).astype(np.float32),
                            lengths=source.lengths, finish_reason=source.finish, prompt_ids=p_ids, prompt_mask=p_mask,
-                           num_steps=np.asarray(source.lengths.max(initial=0), np.int32))
+                           num_steps=np.asarray(source.lengths.max(initial=0), np.int32), routing=routing)
         return out, stats
 
     def _check(self, req: EngineRequest, r: int) -> None:
@@ -262,7 +287,8 @@ class PagedEngine:
         pool = PagePool(spec.num_pages)
         # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
         params = _decode_weights(params, self.compute_dtype)
-        state = self._fresh_state(r)
+        record = settings.record_routing and cfg.is_moe
+        state = self._fresh_state(r, record)
         stats = EngineStats()
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
         sizes = self.drain_sizes()
@@ -324,8 +350,11 @@ class PagedEngine:
                         break  # rollout.max_num_batched_tokens: prefill more after the next decode call
                     ids = np.full((bucket_length(length),), 0, np.int32)
                     ids[:length] = req.ids
-                    entry.prefix = programs.prefill(params, cfg, ids, np.int32(length),
-                                                    compute_dtype=self.compute_dtype)
+                    prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
+                                              record_routing=record)
+                    entry.prefix = prefix
+                    if prefix.routing is not None:
+                        entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]
                     entry.shared = pool.alloc(shared_n, refs=entry.left)
                     prefilled += length
                     stats.prefill_tokens += length
@@ -361,6 +390,7 @@ class PagedEngine:
             if done:
                 tok, lp, num_gen, fin = (np.asarray(a) for a in to_host(
                     (state.tokens, state.log_probs, state.num_gen, state.finish)))
+                routing = None if state.routing is None else np.asarray(to_host(state.routing))
                 for s in sorted(done):
                     req, own = slot_req.pop(s)
                     entry = groups[req.group]
@@ -370,7 +400,11 @@ class PagedEngine:
                         del groups[req.group]
                     free_slots.append(s)
                     k = int(num_gen[s])
-                    source.finished(req, tok[s, :k].copy(), lp[s, :k].copy(), int(fin[s]))
+                    result = (req, tok[s, :k].copy(), lp[s, :k].copy(), int(fin[s]))
+                    if routing is not None and entry.prompt_routing is not None:  # only recording runs pass it
+                        source.finished(*result, np.concatenate([entry.prompt_routing, routing[s, :k]]))
+                    else:
+                        source.finished(*result)
                 free_slots.sort()
             take_new()
 
