@@ -8,8 +8,9 @@ same parameters per token). Prints, each with the MoE / dense ratio:
 
 - training tokens/s: forward + backward of the response log-probs (the actor's pass), batch x length;
 - decode tokens/s: greedy generation through the static sampler;
-- the MoE MLP alone: the dropless grouped matmul (models/moe.py, `blocked` and `ragged_dot`) against
-  the all-experts dense reference (every token through every expert), forward + backward.
+- the MoE MLP alone: the dropless grouped matmul (models/moe.py, `blocked` and `ragged_dot`) and the
+  per-assignment weight gather (what a decode step runs) against the all-experts dense reference
+  (every token through every expert), forward + backward.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def mlp_seconds(cfg: ModelConfig, params: dict, tokens: int, reps: int) -> dict[
         return best_time(lambda: step(experts, x), reps)
 
     out = {kernel: timed(lambda e, x, r, k=kernel: expert_ffn(e, x, r, cfg, dtype=jnp.float32, kernel=k))
-           for kernel in ("blocked", "ragged_dot")}
+           for kernel in ("blocked", "ragged_dot", "gather")}
     out["dense all-experts"] = timed(lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32))
     return out
 

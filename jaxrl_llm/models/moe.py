@@ -227,8 +227,12 @@ def grouped_matmul(x: Array, w: Array, layout: ExpertLayout, kernel: str = "auto
 
 def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: Any,
                kernel: str | None = None, unroll: int | bool = 1) -> Array:
-    """fp32 [N, H]: sum_k weight_k * SwiGLU_{expert_k}(token), dropless (module doc)."""
+    """fp32 [N, H]: sum_k weight_k * SwiGLU_{expert_k}(token), dropless (module doc). With no more
+    assignments than one block holds (a decode step), each assignment reads its expert's weights
+    directly (`gathered_expert_ffn`) instead; `kernel`: force one ("gather" or a MOE_KERNELS name)."""
     n, hidden = tokens.shape
+    if kernel == "gather" or (kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows):
+        return gathered_expert_ffn(experts, tokens, routing, dtype=dtype)
     layout = expert_layout(routing.ids, cfg.num_experts, cfg.moe_block_rows)
     rows = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])[layout.src_token]
     kernel = kernel or cfg.moe_kernel
@@ -246,6 +250,20 @@ class MoeOut(NamedTuple):
 
     stats: RouterStats
     routing: Array | None  # [L, B, T, k] int32: the router's own top-k, when recorded
+
+
+def gathered_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: Any) -> Array:
+    """`expert_ffn` for a few tokens: the N x k assignments each gather their expert's matrices
+    ([N, k, H, F] weights read, N x k SwiGLUs computed), no sort and no padded blocks. A decode step's
+    batch would otherwise run one mostly empty block per expert it touches."""
+    weights = {name: experts[name]["kernel"][routing.ids].astype(dtype) for name in ("gate_proj", "up_proj",
+                                                                                     "down_proj")}
+    x = tokens.astype(dtype)
+    gate = jnp.einsum("nh,nkhf->nkf", x, weights["gate_proj"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("nh,nkhf->nkf", x, weights["up_proj"], preferred_element_type=jnp.float32)
+    out = jnp.einsum("nkf,nkfh->nkh", (jax.nn.silu(gate) * up).astype(dtype), weights["down_proj"],
+                     preferred_element_type=jnp.float32)
+    return jnp.einsum("nk,nkh->nh", routing.weights, out)
 
 
 def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: Any) -> Array:

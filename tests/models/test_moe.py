@@ -39,7 +39,7 @@ def _case(tokens: int = 37, experts: int = 8, top_k: int = 2, block_rows: int = 
     return cfg, x, router, _random_experts(k3, experts, hidden, width)
 
 
-@pytest.mark.parametrize("kernel", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("kernel", ["blocked", "ragged_dot", "gather"])
 def test_grouped_matmul_equals_all_experts_reference_values_and_gradients(kernel):
     cfg, x, router, experts = _case()
 
