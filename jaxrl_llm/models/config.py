@@ -120,6 +120,8 @@ class ModelConfig:
                                  f"{self.num_experts}")
             if self.moe_intermediate_size < 1:
                 raise ValueError("moe_intermediate_size must be positive for a mixture-of-experts model")
+            if self.model_type == "mixtral":  # one width: config.json's intermediate_size is the experts'
+                object.__setattr__(self, "intermediate_size", self.moe_intermediate_size)
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r}; expected one of {MOE_KERNELS}")
         if self.moe_block_rows < 1:
@@ -269,8 +271,8 @@ class ModelConfig:
         d: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok,
                              "router_aux_loss_coef": self.router_aux_loss_coef,
                              "output_router_logits": self.output_router_logits}
-        if self.model_type == "mixtral":
-            d["num_local_experts"] = self.num_experts
+        if self.model_type == "mixtral":  # Mixtral's experts are `intermediate_size` wide
+            d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             return d
         d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
                  norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])

@@ -150,3 +150,16 @@ def test_replay_uses_the_given_experts_and_keeps_router_gradients():
         return jnp.sum(h.astype(jnp.float32) ** 2)
 
     assert float(jnp.abs(jax.grad(loss)(params["layers"]["moe"]["router"]["kernel"])).max()) > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_config_json_round_trip_and_refused_layouts(family):
+    cfg = ModelConfig.tiny(family)
+    hf = cfg.to_hf_config()
+    assert ModelConfig.from_hf_config(hf) == cfg
+    if family != "mixtral":
+        for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
+            with pytest.raises(ValueError, match=f"config.json: {key}="):
+                ModelConfig.from_hf_config({**hf, key: value})
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1 is unsupported"):
+        ModelConfig.from_hf_config({**hf, "router_jitter_noise": 0.1})
