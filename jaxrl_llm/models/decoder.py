@@ -9,10 +9,15 @@ takes one layer's RoPE'd q / k / v, its state (nothing, a dense cache, a page po
 index, and returns the attention output and the new state. A model family is added here once.
 
 Differences between Llama / Mistral / Qwen2 / Qwen3 are `ModelConfig` flags: q/k/v bias, per-head
-q/k RMSNorm, sliding window. Layers run under `lax.scan` (params carry a leading layer axis, so
-compile time does not grow with depth); `remat` (a policy name of jaxrl_llm/models/remat.py, or a
-bool) checkpoints each layer with that policy. LoRA adapters (models/lora.py) in `params["lora"]`
-are scanned with the layers and add `scale * (x @ A) @ B` to each targeted projection's output.
+q/k RMSNorm, sliding window. The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) replace
+the MLP with `moe_block`: a router, dropless routed experts (models/moe.py) and Qwen2-MoE's gated
+shared expert; each layer also reports its router statistics (and, when asked, the experts each
+token ran, for routing replay) as the layer scan's outputs.
+
+Layers run under `lax.scan` (params carry a leading layer axis, so compile time does not grow with
+depth); `remat` (a policy name of jaxrl_llm/models/remat.py, or a bool) checkpoints each layer with
+that policy. LoRA adapters (models/lora.py) in `params["lora"]` are scanned with the layers and add
+`scale * (x @ A) @ B` to each targeted projection's output.
 
 Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance.md): every
 matmul takes compute-dtype operands and accumulates AND returns fp32; the fp32 result is rounded to
