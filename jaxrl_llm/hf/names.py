@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.lora import MLP_MODULES
 from jaxrl_llm.models.param_init import HEADS
 
 
@@ -80,6 +81,13 @@ def _linear_in_heads(in_shape: tuple[int, ...], out_dim: int) -> tuple[Callable,
             lambda k: k.reshape(-1, out_dim).T)
 
 
+def _mlp_tensor(proj: str, hidden: int, width: int) -> tuple[tuple[int, ...], tuple[Callable, Callable]]:
+    """(HF shape, conversions) of one SwiGLU projection: gate / up [width, hidden], down [hidden, width]."""
+    if proj == "down_proj":
+        return (hidden, width), _linear(width, (hidden,))
+    return (width, hidden), _linear(hidden, (width,))
+
+
 def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> list[TensorSpec]:
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
@@ -110,9 +118,8 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
     if cfg.is_moe:
         specs += _moe_specs(cfg)
     else:
-        layer(("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", (f, h), _linear(h, (f,)))
-        layer(("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", (f, h), _linear(h, (f,)))
-        layer(("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", (h, f), _linear(f, (h,)))
+        for proj in MLP_MODULES:
+            layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f))
 
     transpose = (lambda w: w.T, lambda k: k.T)
     if head == "lm" and not cfg.tie_word_embeddings:
@@ -136,17 +143,16 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
     lay = "model.layers.{i}."
     mixtral = cfg.model_type == "mixtral"
     block = lay + ("block_sparse_moe." if mixtral else "mlp.")
-    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {
-        m: m for m in ("gate_proj", "up_proj", "down_proj")}
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {m: m for m in MLP_MODULES}
     specs = [TensorSpec(("layers", "moe", "router", "kernel"), block + "gate.weight", (e, h), *_linear(h, (e,)))]
     for ours, theirs in names.items():
-        shape, conv = ((h, f), _linear(f, (h,))) if ours == "down_proj" else ((f, h), _linear(h, (f,)))
+        shape, conv = _mlp_tensor(ours, h, f)
         specs.append(TensorSpec(("layers", "moe", "experts", ours, "kernel"), block + f"experts.{{e}}.{theirs}.weight",
                                 shape, *conv, experts=e))
     fs = cfg.shared_expert_intermediate_size
     if fs:
-        for ours in ("gate_proj", "up_proj", "down_proj"):
-            shape, conv = ((h, fs), _linear(fs, (h,))) if ours == "down_proj" else ((fs, h), _linear(h, (fs,)))
+        for ours in MLP_MODULES:
+            shape, conv = _mlp_tensor(ours, h, fs)
             specs.append(TensorSpec(("layers", "moe", "shared_expert", ours, "kernel"),
                                     block + f"shared_expert.{ours}.weight", shape, *conv))
         specs.append(TensorSpec(("layers", "moe", "shared_expert_gate", "kernel"), block + "shared_expert_gate.weight",

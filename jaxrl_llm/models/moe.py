@@ -102,13 +102,17 @@ def router_stats(routing: Routing, valid: Array) -> RouterStats:
                        jnp.sum(same * w), jnp.sum(w))
 
 
+def _over_layers(per_expert: Array) -> Array:
+    """[E] sums of a per-layer statistic [..., E] (stacked over layers or one layer's)."""
+    return jnp.sum(per_expert.reshape(-1, per_expert.shape[-1]), axis=0)
+
+
 def load_balancing_loss(stats: RouterStats) -> Array:
     """HF's `load_balancing_loss_func` (Switch Transformer eq. 4-6) from `router_stats` stacked over
     layers: E * sum_e f_e * P_e, with f_e the share of (layer, token) rows routed to e (summing to k)
     and P_e the mean router probability of e, both pooled over layers and valid tokens."""
     rows = jnp.maximum(jnp.sum(stats.tokens), 1.0)
-    f = jnp.sum(stats.counts.reshape(-1, stats.counts.shape[-1]), axis=0) / rows
-    p = jnp.sum(stats.prob_sum.reshape(-1, stats.prob_sum.shape[-1]), axis=0) / rows
+    f, p = _over_layers(stats.counts) / rows, _over_layers(stats.prob_sum) / rows
     return f.shape[0] * jnp.sum(f * p)
 
 
@@ -120,7 +124,7 @@ def router_z_loss(stats: RouterStats) -> Array:
 def expert_load_max(stats: RouterStats) -> Array:
     """The busiest expert's share of the top-k assignments over the uniform share (1 = balanced),
     pooled over layers."""
-    counts = jnp.sum(stats.counts.reshape(-1, stats.counts.shape[-1]), axis=0)
+    counts = _over_layers(stats.counts)
     return jnp.max(counts) * counts.shape[0] / jnp.maximum(jnp.sum(counts), 1.0)
 
 
