@@ -90,3 +90,22 @@ def test_moe_update_same_on_8_devices(mesh_shape):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
     for key in ("actor/pg_loss", "moe/aux_loss", "moe/z_loss", "moe/expert_load_max", "actor/grad_norm"):
         np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=key)
+
+
+def test_tiny_moe_keys_shape_the_model():
+    from types import SimpleNamespace
+
+    from jaxrl_llm.config.spec import ModelSpec
+    from jaxrl_llm.trainer.roles import model_config_of
+
+    dims = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=64, max_position_embeddings=128, seed=0)
+    tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    shaped = ModelSpec(path="tiny:mixtral", param_dtype="float32", override_config=(), tiny=tuple({
+        **dims, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 16}.items()))
+    cfg = model_config_of(shaped, tokenizer)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 1, 16)
+    unset = ModelSpec(path="tiny:mixtral", param_dtype="float32", override_config=(), tiny=tuple({
+        **dims, "num_experts": None, "num_experts_per_tok": None, "moe_intermediate_size": None}.items()))
+    default = model_config_of(unset, tokenizer)  # the family's tiny defaults
+    assert (default.num_experts, default.num_experts_per_tok, default.moe_intermediate_size) == (8, 2, 32)
