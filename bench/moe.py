@@ -11,17 +11,24 @@ same parameters per token). Prints, each with the MoE / dense ratio:
 - the MoE MLP alone: the dropless grouped matmul (models/moe.py, `blocked` and `ragged_dot`) and the
   per-assignment weight gather (what a decode step runs) against the all-experts dense reference
   (every token through every expert), forward + backward.
+
+With several devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8), also the training
+pass on meshes that split the experts (models/expert_parallel.py) against the same devices as plain
+fsdp: time per step and the bytes each device sends in the expert exchange (all-gather +
+reduce-scatter over `expert`, read from the compiled program).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models import ModelConfig, greedy_generate, init_params
+from jaxrl_llm import sharding
+from jaxrl_llm.models import ModelConfig, greedy_generate, init_params, param_logical_axes
 from jaxrl_llm.models.moe import dense_expert_ffn, expert_ffn, route
 from jaxrl_llm.trainer.forward import response_log_probs
 
@@ -77,6 +84,40 @@ def mlp_seconds(cfg: ModelConfig, params: dict, tokens: int, reps: int) -> dict[
     return out
 
 
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter)\(")
+_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "s8": 1, "s16": 2, "f16": 2}
+
+
+def collective_bytes(hlo: str) -> int:
+    """Bytes the all-gathers and reduce-scatters of a compiled program produce per device."""
+    total = 0
+    for dtype, dims, _ in _COLLECTIVE.findall(hlo):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * _BYTES.get(dtype, 4)
+    return total
+
+
+def expert_parallel_rows(cfg: ModelConfig, params: dict, batch: int, length: int, reps: int) -> list[tuple]:
+    """(mesh, seconds per training pass, MiB of all-gather + reduce-scatter per device) on every
+    device: plain fsdp, then the experts split over `expert`."""
+    n = jax.device_count()
+    ids = jax.random.randint(jax.random.key(1), (batch, length), 3, cfg.vocab_size)
+    rows = []
+    for name, shape in ((f"fsdp{n}", {"fsdp": n}), (f"fsdp2_expert{n // 2}", {"fsdp": 2, "expert": n // 2}),
+                        (f"expert{n}", {"fsdp": 1, "expert": n})):
+        mesh = sharding.make_mesh(shape)
+        placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
+        tokens = sharding.shard_batch(ids, mesh)
+        mask = jnp.ones_like(tokens)
+        loss = lambda p: jnp.sum(response_log_probs(p, cfg, tokens, mask, length // 2))  # noqa: E731
+        with sharding.mesh_context(mesh):
+            compiled = jax.jit(jax.grad(loss)).lower(placed).compile()
+        rows.append((name, best_time(lambda: compiled(placed), reps), collective_bytes(compiled.as_text()) / 2**20))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -108,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MoE MLP fwd+bwd, {args.mlp_tokens} tokens:")
     for name, s in seconds.items():
         print(f"  {name:22s}{s * 1e3:9.1f} ms   {reference / s:6.2f}x the all-experts reference")
+    if jax.device_count() >= 4 and args.experts % jax.device_count() == 0:
+        print(f"MoE training pass (fwd+bwd, {args.batch} x {args.length}) on {jax.device_count()} devices:")
+        rows = expert_parallel_rows(moe_cfg, moe, args.batch, args.length, args.reps)
+        for name, s, mib in rows:
+            print(f"  {name:22s}{s * 1e3:9.1f} ms   {rows[0][1] / s:6.2f}x fsdp   "
+                  f"all-gather + reduce-scatter {mib:8.1f} MiB/device")
+    else:
+        print("expert parallelism: needs >= 4 devices dividing --experts "
+              "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     return 0
 
 

@@ -32,6 +32,7 @@ from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.models.dtypes import as_jnp_dtype
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
+from jaxrl_llm.sharding import mesh_context
 
 _logits = jax.jit(compute_logits, static_argnums=1)
 
@@ -50,7 +51,8 @@ class Model:
         """[B, T, V] float32 logits (jitted; left padding allowed, defined by the mask)."""
         ids = jnp.asarray(input_ids, jnp.int32)
         mask = jnp.ones_like(ids) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
-        return _logits(self.params, self.config, ids, mask)
+        with mesh_context(self.mesh):  # a MoE model's experts split over the mesh's `expert` axis
+            return _logits(self.params, self.config, ids, mask)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

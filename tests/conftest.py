@@ -1,5 +1,7 @@
 """Shared test setup. 8 virtual CPU devices must be requested before jax is imported."""
+import getpass
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -9,6 +11,13 @@ if os.environ["JAX_PLATFORMS"] != "cpu":
     # the parity tests claim fp32 equality: on GPU fp32 matmuls default to TF32 and on TPU to one
     # bf16 pass (bench/device_check.py runs a subset there); CPU matmuls are full fp32 already
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One persistent XLA compilation cache for the session's processes (both pytest workers and the
+# subprocesses that inherit the environment): a test that builds a program another test already
+# compiled (every trainer re-jits the same tiny programs) loads it instead (~15% of the suite's time).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"jaxrl_llm_test_xla_cache_{getpass.getuser()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

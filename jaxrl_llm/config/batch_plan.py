@@ -4,7 +4,7 @@ The printed summary (`BatchPlan.summary()`, shown by `--dry_run` and at the star
 the run itself (`update_split`, `forward_micro_rows`) read the same numbers.
 
 Sizes are per step: `data.train_batch_size` prompts x `rollout.n` samples = `sequences`, split over
-the data-parallel size `dp_size` (mesh data x fsdp). Each trained role (actor, critic) runs
+the data-parallel size `dp_size` (mesh data x fsdp x expert). Each trained role (actor, critic) runs
 `epochs` x `mini_batches` optimizer steps, each over `micro` micro-batches (gradient accumulation).
 No-grad passes (reference log-probs, old log-probs, critic values) run in micro-batches too.
 A micro-batch is either a fixed number of sequences per device, or, with a dynamic batch size, as

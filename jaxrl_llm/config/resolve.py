@@ -41,6 +41,7 @@ from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
+from jaxrl_llm.sharding.mesh import MESH_AXES
 
 ConfigDict = ml_collections.ConfigDict
 
@@ -296,7 +297,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         reward=resolve_reward(cfg),
         reward_model=(RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length,
                                       rm.micro_batch_size_per_device) if rm.enable else None),
-        trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in ("data", "fsdp", "tensor")),
+        trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in MESH_AXES),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
         multi_turn=resolve_multi_turn(arr.rollout))
     return dataclasses.replace(spec, actor=dataclasses.replace(

@@ -522,6 +522,10 @@ TRAINER = {
 MESH = {
     "data": field(1, "Mesh 'data' axis: replicated params, split batch; -1 = the remaining devices."),
     "fsdp": field(-1, "Mesh 'fsdp' axis: split batch and params (ZeRO-3); -1 = the remaining devices."),
+    "expert": field(1, "Mesh 'expert' axis (mixture-of-experts models): each device holds num_experts / expert of "
+                       "the experts, tokens are sent to their experts and back; data parallel for every other "
+                       "weight (it splits the batch). Must divide num_experts. Replaces Megatron's "
+                       "expert_model_parallel_size. -1 = the remaining devices."),
     "tensor": field(1, "Mesh 'tensor' axis: split heads / MLP / vocab; replaces tensor_model_parallel_size."),
     "rollout_devices": field(None, "Split mesh: a device count (the last N devices) or a list of device ids that "
                                    "only generate; the rest train (data/fsdp/tensor apply to them). Weights move "

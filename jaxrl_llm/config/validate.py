@@ -177,17 +177,17 @@ def _check_lora(cfg: ml_collections.ConfigDict) -> None:
 
 
 def mesh_dp_size(cfg: ml_collections.ConfigDict, num_devices: int) -> int:
-    """Data-parallel size (mesh 'data' x 'fsdp', the axes that split the batch) on `num_devices`,
+    """Data-parallel size (mesh 'data' x 'fsdp' x 'expert', the axes that split the batch) on `num_devices`,
     resolved exactly as `sharding.make_mesh` will build the mesh."""
-    from jaxrl_llm.sharding.mesh import resolve_mesh_shape
+    from jaxrl_llm.sharding.mesh import MESH_AXES, resolve_mesh_shape
     from jaxrl_llm.sharding.split import num_training_devices
 
     try:  # a split mesh trains on the devices mesh.rollout_devices leaves
         num_devices = num_training_devices(cfg.mesh.get("rollout_devices"), num_devices)
-        sizes = resolve_mesh_shape({k: cfg.mesh[k] for k in ("data", "fsdp", "tensor")}, num_devices)
+        sizes = resolve_mesh_shape({k: cfg.mesh[k] for k in MESH_AXES}, num_devices)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return sizes["data"] * sizes["fsdp"]
+    return sizes["data"] * sizes["fsdp"] * sizes["expert"]
 
 
 def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool) -> None:
@@ -336,7 +336,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
                     num_train_samples: int | None = None, check_paths: bool = True) -> ml_collections.ConfigDict:
     """Checks `cfg` and returns a resolved copy (derived values filled in).
 
-    dp_size: the data-parallel size the batch is split over; default: mesh data x fsdp on
+    dp_size: the data-parallel size the batch is split over; default: mesh data x fsdp x expert on
       `num_devices` (default: jax.device_count()).
     model_max_positions: the policy's context length when known (tiny:* models: from model.tiny).
     num_train_samples: training prompts, when known, to derive total steps (else the trainer

@@ -33,6 +33,7 @@ from jaxrl_llm.losses.logprob_xla import (
     xla_stats,
 )
 from jaxrl_llm.platform.target import target_platform
+from jaxrl_llm.sharding.mesh import BATCH_AXES
 
 Array = jax.Array
 DEFAULT_CHUNK = 2048
@@ -90,7 +91,7 @@ def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Sta
 
 def _row_axes(mesh: Mesh, rows: int) -> tuple[str, ...] | None:
     """The mesh's batch axes the rows are split over inside shard_map (None: they do not divide)."""
-    axes = tuple(a for a in ("data", "fsdp") if dict(mesh.shape).get(a, 1) > 1)
+    axes = tuple(a for a in BATCH_AXES if dict(mesh.shape).get(a, 1) > 1)
     ways = math.prod(dict(mesh.shape)[a] for a in axes)
     return axes if rows % ways == 0 else None
 

@@ -48,8 +48,9 @@ from jax import lax
 
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.lora import LoraAdapters, lora_delta
-from jaxrl_llm.models.moe import MoeOut, RouterStats, expert_ffn, route, router_stats
+from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
@@ -145,7 +146,7 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     tokens = x.reshape(b * t, h)
     k = cfg.num_experts_per_tok
     routing = route(cfg, weights["router"]["kernel"], tokens, None if replay is None else replay.reshape(b * t, k))
-    out = expert_ffn(weights["experts"], tokens, routing, cfg, dtype=dtype)
+    out = routed_experts(weights["experts"], tokens, routing, cfg, dtype=dtype)  # expert parallel on a mesh
     if "shared_expert" in weights:  # Qwen2-MoE: a dense expert every token runs, gated by sigmoid(x @ w)
         shared = mlp_block(weights["shared_expert"], adapters.get("shared_expert", {}), tokens, dtype=dtype,
                            lora_scale=lora_scale)

@@ -35,6 +35,7 @@ from jax import lax
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.numerics import MATMUL_2D, matmul_f32
+from jaxrl_llm.platform.target import target_platform
 
 Array = jax.Array
 
@@ -135,8 +136,11 @@ def num_blocks(tokens: int, top_k: int, num_experts: int, block_rows: int) -> in
                num_experts * math.ceil(tokens / block_rows))
 
 
-def expert_layout(ids: Array, num_experts: int, block_rows: int) -> ExpertLayout:
-    """The padded, expert-sorted row layout of the assignments ids [N, k] (see the module doc)."""
+def expert_layout(ids: Array, num_experts: int, block_rows: int, computed: int | None = None) -> ExpertLayout:
+    """The padded, expert-sorted row layout of the assignments ids [N, k] (see the module doc). Only
+    the first `computed` experts' blocks are used (default all): under expert parallelism the last
+    group collects the assignments other devices compute (models/expert_parallel.py)."""
+    computed = num_experts if computed is None else computed
     n, k = ids.shape
     flat = ids.reshape(-1)
     counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
@@ -152,9 +156,11 @@ def expert_layout(ids: Array, num_experts: int, block_rows: int) -> ExpertLayout
     src_token = jnp.full((nb * block_rows,), n, jnp.int32).at[dest].set(
         jnp.arange(flat.shape[0], dtype=jnp.int32) // k)
     block_start = jnp.arange(nb, dtype=jnp.int32) * block_rows
-    block_expert = jnp.minimum(jnp.searchsorted(pad_end, block_start, side="right"), num_experts - 1)
-    return ExpertLayout(dest.reshape(n, k), src_token, block_expert.astype(jnp.int32), block_start < pad_end[-1],
-                        padded)
+    # searchsorted(pad_end, block_start, side="right") as a count ([blocks, E] compares): jnp.searchsorted
+    # fails to trace inside shard_map (expert parallelism) in jax 0.10
+    block_expert = jnp.minimum(jnp.sum(pad_end[None, :] <= block_start[:, None], axis=1), num_experts - 1)
+    return ExpertLayout(dest.reshape(n, k), src_token, block_expert.astype(jnp.int32),
+                        block_start < pad_end[computed - 1], padded[:computed])
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -212,9 +218,10 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def resolve_kernel(name: str) -> str:
-    """`auto` -> `ragged_dot` on TPU (XLA's native grouped matmul), `blocked` elsewhere."""
+    """`auto` -> `ragged_dot` on TPU (XLA's native grouped matmul), `blocked` elsewhere; the platform is
+    the one programs are built for (a TPU slice compiled from this host: `platform.target`)."""
     if name == "auto":
-        return "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
+        return "ragged_dot" if target_platform() == "tpu" else "blocked"
     return name
 
 
@@ -234,10 +241,21 @@ def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig,
     """fp32 [N, H]: sum_k weight_k * SwiGLU_{expert_k}(token), dropless (module doc). With no more
     assignments than one block holds (a decode step), each assignment reads its expert's weights
     directly (`gathered_expert_ffn`) instead; `kernel`: force one ("gather" or a MOE_KERNELS name)."""
+    return held_expert_ffn(experts, tokens, routing.ids, routing.weights, cfg, dtype=dtype, kernel=kernel,
+                           unroll=unroll)
+
+
+def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: Any,
+                    kernel: str | None = None, unroll: int | bool = 1) -> Array:
+    """`expert_ffn` over the experts `experts` holds ([E_held, ...]): all of them, or one device's
+    share under expert parallelism, where an id equal to E_held marks an assignment another device
+    computes (its weight is 0 and no block runs it). ids / weights [N, k]."""
     n, hidden = tokens.shape
+    held = experts["gate_proj"]["kernel"].shape[0]
     if kernel == "gather" or (kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows):
-        return gathered_expert_ffn(experts, tokens, routing, dtype=dtype)
-    layout = expert_layout(routing.ids, cfg.num_experts, cfg.moe_block_rows)
+        return gathered_expert_ffn(experts, tokens, jnp.minimum(ids, held - 1), weights, dtype=dtype)
+    groups = held + 1 if held < cfg.num_experts else held
+    layout = expert_layout(ids, groups, cfg.moe_block_rows, computed=held)
     rows = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])[layout.src_token]
     kernel = kernel or cfg.moe_kernel
 
@@ -246,7 +264,7 @@ def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig,
 
     act = (jax.nn.silu(gmm(rows, "gate_proj")) * gmm(rows, "up_proj")).astype(dtype)
     out = gmm(act, "down_proj")  # [R, H] fp32
-    return jnp.einsum("nk,nkh->nh", routing.weights, out[layout.dest])
+    return jnp.einsum("nk,nkh->nh", weights, out[layout.dest])
 
 
 class MoeOut(NamedTuple):
@@ -256,18 +274,17 @@ class MoeOut(NamedTuple):
     routing: Array | None  # [L, B, T, k] int32: the router's own top-k, when recorded
 
 
-def gathered_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: Any) -> Array:
-    """`expert_ffn` for a few tokens: the N x k assignments each gather their expert's matrices
-    ([N, k, H, F] weights read, N x k SwiGLUs computed), no sort and no padded blocks. A decode step's
-    batch would otherwise run one mostly empty block per expert it touches."""
-    weights = {name: experts[name]["kernel"][routing.ids].astype(dtype) for name in ("gate_proj", "up_proj",
-                                                                                     "down_proj")}
+def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *, dtype: Any) -> Array:
+    """`expert_ffn` for a few tokens: the N x k assignments (ids, mixing weights mix [N, k]) each gather
+    their expert's matrices ([N, k, H, F] weights read, N x k SwiGLUs computed), no sort and no padded
+    blocks. A decode step's batch would otherwise run one mostly empty block per expert it touches."""
+    weights = {name: experts[name]["kernel"][ids].astype(dtype) for name in ("gate_proj", "up_proj", "down_proj")}
     x = tokens.astype(dtype)
     gate = jnp.einsum("nh,nkhf->nkf", x, weights["gate_proj"], preferred_element_type=jnp.float32)
     up = jnp.einsum("nh,nkhf->nkf", x, weights["up_proj"], preferred_element_type=jnp.float32)
     out = jnp.einsum("nkf,nkfh->nkh", (jax.nn.silu(gate) * up).astype(dtype), weights["down_proj"],
                      preferred_element_type=jnp.float32)
-    return jnp.einsum("nk,nkh->nh", routing.weights, out)
+    return jnp.einsum("nk,nkh->nh", mix, out)
 
 
 def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: Any) -> Array:

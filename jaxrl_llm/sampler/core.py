@@ -37,7 +37,7 @@ from jaxrl_llm.models import (
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens
-from jaxrl_llm.sharding import with_activation_constraint
+from jaxrl_llm.sharding import mesh_context, with_activation_constraint
 
 Array = jax.Array
 
@@ -102,7 +102,13 @@ def _record(state: _LoopState, step: Array, tok: Array, lp: Array, knobs: Sample
 def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
                    knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
     """The jitted program behind `sample` (no input checks): what the memory plan lowers and what
-    tests count compiled programs of."""
+    tests count compiled programs of. Traced on `mesh` (expert parallelism reads it)."""
+    with mesh_context(mesh):
+        return _sample(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)
+
+
+def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
+            knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
     prompt_ids = with_activation_constraint(prompt_ids.astype(jnp.int32), ("batch", "length"), mesh)
     prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
     n = settings.n

@@ -15,8 +15,11 @@ from jaxrl_llm.sharding.mesh import (
     BATCH_AXES,
     DEFAULT_MESH_SIZES,
     MESH_AXES,
+    batch_axes,
     batch_axis_size,
     make_mesh,
+    mesh_context,
+    on_own_mesh,
     resolve_mesh_shape,
 )
 from jaxrl_llm.sharding.optimizer import optimizer_state_sharding
@@ -30,9 +33,10 @@ from jaxrl_llm.sharding.rules import (
 )
 
 __all__ = [
-    "BATCH_AXES", "DEFAULT_MESH_SIZES", "DEFAULT_RULES", "MESH_AXES", "batch_axis_size",
+    "BATCH_AXES", "DEFAULT_MESH_SIZES", "DEFAULT_RULES", "MESH_AXES", "batch_axes", "batch_axis_size",
     "batch_sharding", "detect_cluster", "host_local_to_global", "initialize", "logical_to_sharding",
-    "logical_to_spec", "make_mesh", "optimizer_state_sharding", "process_slice", "resolve_mesh_shape",
+    "logical_to_spec", "make_mesh", "mesh_context", "on_own_mesh", "optimizer_state_sharding", "process_slice",
+    "resolve_mesh_shape",
     "rows_sharding", "rules_dict", "shard_batch", "shard_params", "to_device", "to_device_if_rows_split", "to_host",
     "with_activation_constraint",
 ]

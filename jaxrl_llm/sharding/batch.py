@@ -1,4 +1,4 @@
-"""Batch placement: the leading (batch) dim is split over ('data', 'fsdp'), the rest replicated.
+"""Batch placement: the leading (batch) dim is split over ('data', 'fsdp', 'expert'), the rest replicated.
 
 Single process: `shard_batch` device_puts a host batch. Multi-host: every process loads only its
 own rows (`process_slice`) and `host_local_to_global` assembles the global jax.Array without any
@@ -22,7 +22,7 @@ def _path_str(path: tuple) -> str:
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading dim over ('data', 'fsdp'), other `ndim - 1` dims replicated."""
+    """Leading dim over ('data', 'fsdp', 'expert'), other `ndim - 1` dims replicated."""
     if ndim < 1:
         raise ValueError(f"batch_sharding: a batch array needs a leading batch dim, got ndim={ndim}")
     axes = tuple(a for a in BATCH_AXES if a in mesh_axis_sizes(mesh))
@@ -47,7 +47,7 @@ def shard_batch(batch: BatchTree, mesh: Mesh) -> BatchTree:
         shape = np.shape(leaf)
         if not shape or shape[0] % ways:
             raise ValueError(f"batch[{_path_str(path)}]: leading dim of shape {shape} must be divisible "
-                             f"by the data x fsdp mesh size {ways}")
+                             f"by the data x fsdp x expert mesh size {ways}")
         return jax.device_put(leaf, batch_sharding(mesh, len(shape)))
 
     return jax.tree_util.tree_map_with_path(put, batch)
@@ -97,7 +97,7 @@ def process_slice(global_batch_size: int, mesh: Mesh | None = None) -> slice:
         return slice(index * per, (index + 1) * per)
     ways = batch_axis_size(mesh)
     if global_batch_size % ways:
-        raise ValueError(f"global batch size {global_batch_size} is not divisible by the data x fsdp "
+        raise ValueError(f"global batch size {global_batch_size} is not divisible by the data x fsdp x expert "
                          f"mesh size {ways}")
     ranges = _local_batch_shards(mesh, global_batch_size)
     start, stop = ranges[0][0], ranges[-1][1]

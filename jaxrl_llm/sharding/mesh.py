@@ -1,15 +1,19 @@
-"""The device mesh: axes ('data', 'fsdp', 'tensor') with sizes from the config's `mesh` section.
+"""The device mesh: axes ('data', 'fsdp', 'expert', 'tensor') with sizes from the config's `mesh` section.
 
 `data` replicates parameters and splits the batch, `fsdp` splits both the batch and the parameters
-(ZeRO-3 style: weights are all-gathered per use), `tensor` splits heads / MLP / vocab (Megatron
+(ZeRO-3 style: weights are all-gathered per use), `expert` splits a mixture-of-experts model's experts
+(each device holds num_experts / expert of them; tokens go to their experts and back: models/moe.py)
+and, for everything else, the batch like `data`; `tensor` splits heads / MLP / vocab (Megatron
 style). At most one size may be -1, meaning "all remaining devices".
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ContextManager, TypeVar
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -17,11 +21,13 @@ from jax.sharding import AxisType, Mesh
 from jaxrl_llm.platform.chips import Device
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
-# The batch dimension is split over these axes (data parallel x fully-sharded data parallel).
-BATCH_AXES: tuple[str, str] = ("data", "fsdp")
-DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "tensor": 1}
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+# The batch dimension is split over these axes (data parallel x fully-sharded data parallel x the
+# expert axis, which is data parallel for every weight but the experts').
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
 
 
 def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
@@ -43,7 +49,8 @@ def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
 
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, Any] | Any | None, num_devices: int) -> dict[str, int]:
-    """Returns {'data': d, 'fsdp': f, 'tensor': t} with -1 resolved; ValueError naming the bad key."""
+    """Returns {'data': d, 'fsdp': f, 'expert': e, 'tensor': t} with -1 resolved; ValueError naming the
+    bad key."""
     items = _mesh_items(mesh_cfg)
     sizes: dict[str, int] = {}
     for key in MESH_AXES:
@@ -69,11 +76,11 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any] | Any | None, num_devices: in
 
 def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
               devices: Sequence[Device] | None = None) -> Mesh:
-    """Builds the ('data', 'fsdp', 'tensor') mesh over `devices` (default: all global devices).
+    """Builds the ('data', 'fsdp', 'expert', 'tensor') mesh over `devices` (default: all global devices).
 
     `mesh_cfg` is the config's `mesh` section (dict or ConfigDict; missing keys default to
-    data=1, fsdp=-1, tensor=1). When the sizes multiply to fewer devices than available (no -1),
-    the mesh uses the first ones, so `{'data': 1, 'fsdp': 1, 'tensor': 1}` is a 1-device mesh.
+    data=1, fsdp=-1, expert=1, tensor=1). When the sizes multiply to fewer devices than available (no -1),
+    the mesh uses the first ones, so `{'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1}` is a 1-device mesh.
     Axes are `Auto`: shardings propagate through jit from the inputs and constraints.
     """
     devices = list(jax.devices() if devices is None else devices)
@@ -86,12 +93,39 @@ def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
                          devices=devices)
 
 
+def mesh_context(mesh: Mesh | Any | None) -> ContextManager[Any]:
+    """The mesh programs traced inside this context see as `jax.sharding.get_abstract_mesh()`: what the
+    model's expert-parallel layers split over (models/expert_parallel.py). Entered by every entry
+    point that traces the model on a mesh (trainer, samplers, memory plan, `jrl` functions); a jitted
+    program that gets its mesh as an argument enters it in its own body. None: no context."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh  # an AbstractMesh as it is
+    return jax.sharding.use_abstract_mesh(abstract)
+
+
+def on_own_mesh(method: Callable[..., T]) -> Callable[..., T]:
+    """A method of an object with a `.mesh` run inside `mesh_context(self.mesh)`."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> T:
+        with mesh_context(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def mesh_axis_sizes(mesh: Mesh | Any) -> dict[str, int]:
     """{axis name: size} for a concrete `Mesh` or an `AbstractMesh`."""
     return dict(mesh.shape)
 
 
+def batch_axes(mesh: Mesh | Any) -> tuple[str, ...]:
+    """The mesh's axes among BATCH_AXES (a mesh built by hand may lack some), in order."""
+    sizes = mesh_axis_sizes(mesh)
+    return tuple(a for a in BATCH_AXES if a in sizes)
+
+
 def batch_axis_size(mesh: Mesh | Any) -> int:
-    """How many ways the batch dimension is split (data x fsdp)."""
+    """How many ways the batch dimension is split (data x fsdp x expert)."""
     sizes = mesh_axis_sizes(mesh)
     return math.prod(sizes.get(a, 1) for a in BATCH_AXES)

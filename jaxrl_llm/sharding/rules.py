@@ -30,9 +30,9 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("layers", None),
-    ("expert", None),  # mixture-of-experts weights [E, ...]: replicated over experts, split by embed / mlp
+    ("expert", "expert"),  # mixture-of-experts weights [E, ...]: experts over 'expert', then embed / mlp
     # activations (constrained at block boundaries)
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("act_embed", None),
     ("act_mlp", "tensor"),

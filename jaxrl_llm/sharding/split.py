@@ -1,7 +1,7 @@
 """Split mesh: a device subset that only generates (`mesh.rollout_devices`) beside the training mesh.
 
-The rollout mesh is ('data', 'fsdp', 'tensor') like the training mesh, so every parameter's
-PartitionSpec means the same thing on both; weights move with `jax.device_put` onto the rollout
+The rollout mesh has the training mesh's axes ('data', 'fsdp', 'expert', 'tensor'; its `expert` is 1:
+the experts are not split there), so every parameter's PartitionSpec means the same thing on both; weights move with `jax.device_put` onto the rollout
 mesh's `NamedSharding`s (device to device, no host staging). A dimension that the rollout mesh
 cannot split evenly is replicated there instead.
 """
@@ -52,7 +52,7 @@ def num_training_devices(rollout_devices: int | Sequence[int] | None, num_device
 
 def make_split_meshes(mesh_cfg: Mapping[str, Any] | Any) -> tuple[Mesh, Mesh | None]:
     """(training mesh, rollout mesh or None) from the config's `mesh` section. The training mesh
-    takes data / fsdp / tensor as configured; the rollout mesh keeps the tensor size when it
+    takes data / fsdp / expert / tensor as configured; the rollout mesh keeps the tensor size when it
     divides its devices and splits the rest over 'fsdp'."""
     items = getattr(mesh_cfg, "to_dict")() if hasattr(mesh_cfg, "to_dict") else dict(mesh_cfg or {})
     train_devices, rollout = split_devices(items.pop("rollout_devices", None))

@@ -45,6 +45,7 @@ from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
+from jaxrl_llm.sharding.mesh import mesh_context
 from jaxrl_llm.trainer.memory_programs import (
     PROGRAM_BUILDERS,
     Context,
@@ -309,10 +310,12 @@ def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, check: bool 
 
     peak_flops: FLOP/s per device for the time estimate; default: the published peak of the device
     (trainer/metrics.py `device_peak_flops`: the chip table, or a measured matmul on CPU).
-    target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply."""
+    target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply.
+    Every program is traced on `mesh` (`mesh_context`), as the run traces it."""
     if target is None:
-        return _plan(spec, mesh, tokenizer, check, peak_flops, None)
-    with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)):
+        with mesh_context(mesh):
+            return _plan(spec, mesh, tokenizer, check, peak_flops, None)
+    with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)), mesh_context(mesh):
         return _plan(spec, mesh, tokenizer, check, peak_flops, target)
 
 

@@ -26,7 +26,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
-from jaxrl_llm.sharding import batch_axis_size, to_device, to_device_if_rows_split, to_host
+from jaxrl_llm.sharding import batch_axis_size, on_own_mesh, to_device, to_device_if_rows_split, to_host
 from jaxrl_llm.trainer.multi_turn import generate_multi_turn
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
 from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
@@ -81,6 +81,7 @@ class RolloutGenerator:
                            max_new_tokens=max_new_tokens, compute_dtype=self.compute_dtype, mesh=self.mesh)
         return describe(self.model_cfg, spec, self.compute_dtype, self.mesh)
 
+    @on_own_mesh  # traced on its own mesh, also from the pipeline's thread (the context is per thread)
     def generate(self, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams, rng: Array) -> Rollout:
         """`sampling.n` responses per prompt of `batch` (the whole global batch), scored."""
         if self.multi_turn is not None:

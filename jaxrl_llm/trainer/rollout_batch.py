@@ -22,7 +22,7 @@ from jaxrl_llm.data.loader import METADATA_KEYS
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.shapes import next_power_of_two
-from jaxrl_llm.sharding import BATCH_AXES
+from jaxrl_llm.sharding import batch_axes
 
 Array = jax.Array
 _MIN_RESPONSE_BUCKET = 8
@@ -161,7 +161,7 @@ def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
 
     padded = [pad(p) for p in parts]
     joined = {k: jnp.concatenate([d[k] for d in padded]) for k in padded[0]}
-    spec = lambda x: jax.sharding.NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))))  # noqa: E731
+    spec = lambda x: jax.sharding.NamedSharding(mesh, PartitionSpec(batch_axes(mesh), *([None] * (x.ndim - 1))))  # noqa: E731
     joined = {k: jax.device_put(v, spec(v)) for k, v in joined.items()}
     joined_routing = joined.pop("routing", None)
     offsets = np.cumsum([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]])

@@ -36,7 +36,7 @@ from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sharding import BATCH_AXES, batch_axis_size, initialize, to_device, to_host
+from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device, to_host
 from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
@@ -108,6 +108,10 @@ class Trainer:
         if spec.actor.router_replay != "none" and not model_cfg.is_moe:
             raise ConfigError(f"actor_rollout_ref.actor.router_replay={spec.actor.router_replay!r}: the policy "
                               f"({model_cfg.architecture}) has no mixture-of-experts layers to replay")
+        experts_split = self.mesh.shape["expert"]
+        if model_cfg.is_moe and model_cfg.num_experts % experts_split:
+            raise ConfigError(f"mesh.expert={experts_split} does not divide the policy's {model_cfg.num_experts} "
+                              "experts (each device holds num_experts / mesh.expert of them)")
         longest = spec.plan.max_tokens_per_sequence
         if longest > model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_prompt_length + rollout.response_length = {longest} exceeds the model's "
@@ -159,7 +163,7 @@ class Trainer:
         kl = spec.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
-        self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
+        self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(batch_axes(self.mesh)))
         self.batching = StepBatching(spec.plan, self.dp_size)  # every pass's split of a step (jaxrl_llm/batching)
         self.global_step = 0
         self.store = ckpt.CheckpointStore(storage.join(self.run_dir, "checkpoints"),
@@ -288,6 +292,7 @@ class Trainer:
 
             plot_finished_run(self.run_dir, self.history, from_file=True)
 
+    @on_own_mesh  # every program of the step is traced on the training mesh (expert parallelism reads it)
     def train_step(self, batch: dict[str, np.ndarray] | None = None) -> dict[str, float]:
         """One RL step on `batch`, sampled now on the actor's params; batch None: the next batch and
         its rollout from the run's rollout source (trainer/rollout_source.py; `timing_s/gen` is then the
@@ -360,6 +365,7 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ pieces of a step
+    @on_own_mesh
     def log_probs(self, params: dict, rollout: Rollout, micro: MicroBatching | None = None,
                   rows: StepRows | None = None, *, model: ModelSpec | None = None,
                   model_cfg: ModelConfig | None = None) -> jax.Array:

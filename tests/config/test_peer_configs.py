@@ -222,3 +222,18 @@ def test_pasted_and_yaml_placement_agree(tmp_path, monkeypatch):
     # an HSDP group larger than the devices: one FSDP group over all of them
     small, _ = resolve_command_line(default_config(), items[1:], num_devices=8, check_paths=False)
     assert (small.mesh.data, small.mesh.fsdp) == (1, -1)
+
+
+def test_megatron_expert_parallelism_becomes_the_expert_axis():
+    """veRL's / ROLL's Megatron EP -> mesh.expert (reduced to what the devices hold); it splits the
+    batch, so per-device sizes count it as data parallelism."""
+    base = ["data.train_files=/d.parquet", f"{M}.path=/m", "data.train_batch_size=16", f"{A}.ppo_mini_batch_size=8",
+            f"{A}.ppo_micro_batch_size=8"]
+    cfg, _ = resolve_command_line(default_config(), [*base, f"{A}.megatron.expert_model_parallel_size=4"],
+                                  num_devices=8, check_paths=False)
+    assert cfg.mesh.expert == 4
+    # the deprecated global micro-batch size over data x fsdp x expert = 8 devices: 1 per device
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_device == 1
+    reduced, _ = resolve_command_line(default_config(), [*base, f"{A}.megatron.expert_model_parallel_size=6"],
+                                      num_devices=8, check_paths=False)
+    assert reduced.mesh.expert == 2

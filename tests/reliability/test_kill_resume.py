@@ -21,10 +21,10 @@ from preempt_runs import (
     wait_for,
 )
 
-# 10 kills: 3 while a save is in flight, 4 at a random moment after the run has made progress
-# (mid-step, in the async save, between steps), 3 at a random moment of start-up (imports, restore,
+# 7 kills: 3 while a save is in flight, 2 at a random moment after the run has made progress
+# (mid-step, in the async save, between steps), 2 at a random moment of start-up (imports, restore,
 # compilation). Each launch costs seconds of imports and tracing (compiles come from the cache).
-KILLS = ["save", "running", "start", "running", "save", "running", "start", "save", "running", "start"]
+KILLS = ["save", "running", "start", "save", "running", "start", "save"]
 
 
 @pytest.fixture(scope="module")

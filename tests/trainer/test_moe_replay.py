@@ -121,10 +121,11 @@ def test_paged_engine_records_what_the_static_sampler_records():
 
 
 def test_training_step_with_replay_logs_routing_agreement(tmp_path):
+    # on an expert-parallel mesh: 2 of the 8 experts per device (tests/sharding/test_expert_parallel.py)
     cfg = tiny_config(tmp_path, **{"actor_rollout_ref.model.path": "tiny:qwen3_moe",
                                    "actor_rollout_ref.actor.router_replay": "rollout",
                                    "actor_rollout_ref.rollout.engine": "paged",
-                                   "trainer.total_training_steps": 1})
+                                   "trainer.total_training_steps": 1, "mesh.fsdp": 2, "mesh.expert": 4})
     Trainer(cfg).fit()
     row = read_metrics(tmp_path)[0]
     assert 0.0 < row["moe/routing_agreement"] <= 1.0

@@ -5,46 +5,21 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from moe_cases import CFG, SETTINGS, moe_batch
 
 from jaxrl_llm import sharding
-from jaxrl_llm.config import ActorSpec
-from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params, param_logical_axes
+from jaxrl_llm.models import forward_hidden_moe, init_params, param_logical_axes
 from jaxrl_llm.models.moe import load_balancing_loss, router_z_loss
 from jaxrl_llm.trainer.actor import actor_loss, update_actor
-from jaxrl_llm.trainer.experience import Experience
 from jaxrl_llm.trainer.update import denominators
-
-CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=24, moe_block_rows=8)
-N, P, R = 8, 5, 6
-SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                     clip_ratio_c=3.0, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
-                     kl_loss_type="low_var_kl", temperature=1.0, compute_dtype="float32", remat="none",
-                     loss_scale_factor=None, loss_kwargs=(), ppo_epochs=1, shuffle=False,
-                     router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
-
-
-def _batch(seed: int = 0) -> Experience:
-    rng = np.random.default_rng(seed)
-    prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
-    return Experience(
-        input_ids=jnp.asarray(rng.integers(3, 64, size=(N, P + R)), jnp.int32),
-        attention_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
-        response_mask=jnp.asarray(resp_mask, jnp.float32),
-        old_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
-        advantages=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),
-        returns=jnp.zeros((N, R), jnp.float32))
 
 
 def test_router_losses_enter_the_actor_loss_with_their_coefficients():
-    params, b = init_params(CFG, jax.random.key(0)), _batch()
+    params, b = init_params(CFG, jax.random.key(0)), moe_batch()
     d = denominators(b.response_mask)
     loss, metrics = actor_loss(params, b, d, model_cfg=CFG, s=SETTINGS)
     plain, _ = actor_loss(params, b, d, model_cfg=CFG,
@@ -67,7 +42,7 @@ def test_router_losses_enter_the_actor_loss_with_their_coefficients():
 
 def _run(mesh_shape: dict | None):
     params = init_params(CFG, jax.random.key(0))
-    b = _batch()
+    b = moe_batch()
     rows = None
     if mesh_shape is not None:
         mesh = sharding.make_mesh(mesh_shape)

@@ -323,9 +323,10 @@ class Mapper:
         if self.dp_size is not None:
             return self.dp_size
         from jaxrl_llm.config.validate import mesh_dp_size
+        from jaxrl_llm.sharding.mesh import MESH_AXES
 
         mesh = copy.deepcopy(self.base.mesh)
-        for axis in ("data", "fsdp", "tensor"):
+        for axis in MESH_AXES:
             mesh[axis] = self.get(f"mesh.{axis}")
         return mesh_dp_size(ml_collections.ConfigDict({"mesh": mesh}), self.devices())
 

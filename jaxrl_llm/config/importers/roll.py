@@ -25,7 +25,7 @@ from jaxrl_llm.config.importers.common import (
     logger_sinks,
     ratio_steps,
 )
-from jaxrl_llm.config.importers.verl import training_tensor_parallel
+from jaxrl_llm.config.importers.verl import training_expert_parallel, training_tensor_parallel
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -219,6 +219,9 @@ def _roles(m: Mapper, src: Source) -> None:
     tp = src.drop("actor_train.strategy_args.strategy_config.tensor_model_parallel_size")
     if isinstance(tp, int) and tp > 0:  # the training engine's TP (verl.py's placement rule)
         training_tensor_parallel(m, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size", tp)
+    ep = src.drop("actor_train.strategy_args.strategy_config.expert_model_parallel_size")
+    if isinstance(ep, int) and ep > 0:
+        training_expert_parallel(m, "actor_train.strategy_args.strategy_config.expert_model_parallel_size", ep)
 
 
 def _data(m: Mapper, src: Source) -> None:

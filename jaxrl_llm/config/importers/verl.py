@@ -12,10 +12,11 @@ A key that is neither veRL's nor ours is an error with close matches. Trinity-RF
 `trainer.trainer_config` section is imported with the same code.
 
 Placement, one rule from YAML and from the command line (`_fsdp_size`, `training_tensor_parallel`,
-`placement_only`): jaxrl_llm samples and
+`training_expert_parallel`, `placement_only`): jaxrl_llm samples and
 trains on one mesh over every visible device. veRL's training sharding maps onto it: FSDP's
 `fsdp_size` (HSDP group) -> `mesh.fsdp` (the rest of the devices -> `mesh.data`), Megatron's
-`tensor_model_parallel_size` -> `mesh.tensor`, each reduced to the largest size the devices hold.
+`tensor_model_parallel_size` -> `mesh.tensor` and `expert_model_parallel_size` -> `mesh.expert`, each
+reduced to the largest size the devices hold.
 The inference engine's layout (rollout TP / DP / EP / PP) and the cluster size (`nnodes`,
 `n_gpus_per_node`) are warned about with their values. Ulysses sequence parallelism is placement,
 but veRL's token budgets count per sequence-parallel group (`ppo_max_token_len_per_gpu x sp`
@@ -121,13 +122,25 @@ def training_tensor_parallel(m: Mapper, src: str, value: Any) -> None:
         m.ignore(f"{src} (as mesh.tensor={held})", f"reduced to what the {m.devices()} device(s) hold", size)
 
 
+def training_expert_parallel(m: Mapper, src: str, value: Any) -> None:
+    """Megatron's expert parallelism -> mesh.expert (the largest size dividing the devices TP leaves;
+    like Megatron's EP group it also splits the batch)."""
+    size = int_or_error(m, src, value)
+    free = m.devices() // math.gcd(int(m.get("mesh.tensor") or 1), m.devices())
+    held = math.gcd(max(size, 1), free)
+    m.set("mesh.expert", held, src)
+    if held != size:
+        m.ignore(f"{src} (as mesh.expert={held})", f"reduced to what the {free} device(s) hold", size)
+
+
 def _fsdp_size(m: Mapper, src: str, value: Any) -> None:
     """FSDP's HSDP group -> mesh.fsdp, the rest of the devices -> mesh.data; -1 or a group at least as
     large as the devices: one FSDP group over all of them."""
     size = int_or_error(m, src, value)
     if size <= 0:
         return
-    free = m.devices() // math.gcd(int(m.get("mesh.tensor") or 1), m.devices())
+    taken = int(m.get("mesh.tensor") or 1) * int(m.get("mesh.expert") or 1)
+    free = m.devices() // math.gcd(taken, m.devices())
     if size >= free:
         m.set("mesh.fsdp", -1, src)
         m.set("mesh.data", 1, src)
@@ -195,6 +208,7 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "actor_rollout_ref.rollout.expert_parallel_size": placement_only,
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": placement_only,
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": training_tensor_parallel,
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": training_expert_parallel,
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": _fsdp_size,
     "trainer.nnodes": placement_only,
     "trainer.n_gpus_per_node": placement_only,

@@ -41,6 +41,7 @@ from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
 from jaxrl_llm.sampler.paged_attention import kv_head_axis
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
+from jaxrl_llm.sharding import mesh_context
 
 Array = jax.Array
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -233,11 +234,17 @@ def _finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: Array
     return is_eos | is_stop | (num_gen >= max_new), reason
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing"))
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
-            record_routing: bool = False) -> Prefix:
+            record_routing: bool = False, mesh: Mesh | None = None) -> Prefix:
     """KV of one right-padded prompt [Pb] (its first `length` ids real) and its next-token logits
-    (and with `record_routing`, a MoE model's experts per prompt token)."""
+    (and with `record_routing`, a MoE model's experts per prompt token). Traced on `mesh`."""
+    with mesh_context(mesh):
+        return _prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype, record_routing=record_routing)
+
+
+def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
+             record_routing: bool) -> Prefix:
     dt = as_jnp_dtype(compute_dtype)
     pb = prompt_ids.shape[0]
     mask = (jnp.arange(pb) < length).astype(jnp.int32)[None]
@@ -300,7 +307,16 @@ def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kno
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
     `stop_below` slots are still active, so the host can move them to a smaller slot set.
-    `mesh`: the state's mesh (`state_sharding`); an attention kernel then runs per kv-head shard."""
+    `mesh`: the state's mesh (`state_sharding`); an attention kernel then runs per kv-head shard, and the
+    program is traced on it."""
+    with mesh_context(mesh):
+        return _generate(params, cfg, state, rng, knobs, max_steps, stop_on_finish, stop_below, settings=settings,
+                         attn_impl=attn_impl, mesh=mesh)
+
+
+def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
+              max_steps: Array, stop_on_finish: Array, stop_below: Array | int, *, settings: SampleSettings,
+              attn_impl: str, mesh: Mesh | None) -> DecodeState:
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
     rows = jnp.arange(state.active.shape[0])

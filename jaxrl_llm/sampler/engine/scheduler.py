@@ -351,7 +351,7 @@ class PagedEngine:
                     ids = np.full((bucket_length(length),), 0, np.int32)
                     ids[:length] = req.ids
                     prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
-                                              record_routing=record)
+                                              record_routing=record, mesh=self.mesh)
                     entry.prefix = prefix
                     if prefix.routing is not None:
                         entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]

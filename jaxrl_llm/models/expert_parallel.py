@@ -1,0 +1,97 @@
+"""Expert parallelism: the routed experts of a mixture-of-experts layer split over the mesh's `expert`
+axis, each device holding num_experts / expert of them (the `expert` sharding rule of
+jaxrl_llm/sharding/rules.py), and the tokens moved to their experts and back.
+
+Tokens are split over the batch axes (data, fsdp, expert), so the devices of one expert group hold
+different tokens and different experts. The exchange is an all-gather then a reduce-scatter over
+`expert` (a `shard_map` manual over the batch axes; `tensor` stays automatic):
+
+1. each device all-gathers its group's tokens and their routing (the router ran before, on each
+   device's own tokens, so the router's statistics and gradients need no exchange);
+2. it runs the dropless grouped matmul (models/moe.py, `held_expert_ffn`) on the assignments to the
+   experts it holds; assignments to the others go to one skipped group at the end of the layout, so
+   compute stays tokens x top-k / expert per device;
+3. a reduce-scatter over `expert` sums each token's contributions from the devices that hold its k
+   experts and hands every device back its own tokens.
+
+With fsdp, each device's share of the experts is further split over `fsdp` along the hidden size and
+all-gathered here per use (ZeRO-3, as the other weights); gradients come back reduce-scattered.
+
+We chose gather / scatter over all-to-all: with top-k routing a token goes to k of the E experts, so
+an all-to-all moves k copies of a token where the all-gather moves expert - 1; for the small expert
+groups a host holds (2-8 devices, top-2 to top-8) the volumes are of one order, and the gathered
+layout is static and dropless with no capacity to size. A batch whose token count the batch axes do
+not divide (a generation of one prompt) runs replicated: every device routes all tokens, computes its
+experts' share and the shares are summed (psum).
+
+The mesh comes from the tracing context (`jax.set_mesh` / `jax.sharding.use_abstract_mesh`, set by
+the trainer, the samplers, the memory plan and `jrl.load_model`'s functions). Without one, or with
+`expert` = 1, the experts run as one grouped matmul and XLA places them as the weights' shardings say
+(correct, not expert parallel).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.moe import Routing, expert_ffn, held_expert_ffn
+
+Array = jax.Array
+
+EXPERT_AXIS = "expert"
+_BATCH_AXES = ("data", "fsdp", "expert")  # sharding/mesh.py BATCH_AXES (models/ does not import sharding/)
+_EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_ways(cfg: ModelConfig, mesh: Any = None) -> int:
+    """How many ways the experts are split: the `expert` size of `mesh` (default: the context mesh),
+    1 without one or when it does not divide num_experts (the weights then stay replicated over it)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    ways = 1 if mesh.empty else dict(mesh.shape).get(EXPERT_AXIS, 1)
+    return ways if ways > 1 and cfg.num_experts % ways == 0 else 1
+
+
+def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: Any) -> Array:
+    """fp32 [N, H]: the routed experts' mixed outputs for tokens [N, H], expert parallel when the
+    context mesh has an `expert` axis (module doc), else `expert_ffn` on all experts."""
+    mesh = jax.sharding.get_abstract_mesh()
+    ways = expert_ways(cfg, mesh)
+    if ways == 1:
+        return expert_ffn(experts, tokens, routing, cfg, dtype=dtype)
+    sizes = dict(mesh.shape)
+    batch = tuple(a for a in _BATCH_AXES if a in sizes)
+    split = tokens.shape[0] % math.prod(sizes[a] for a in batch) == 0
+    rows = P(batch) if split else P()
+    fsdp = sizes.get("fsdp", 1)
+    hidden = tokens.shape[1]
+    fsdp_split = fsdp > 1 and hidden % fsdp == 0  # as the `embed` rule places the experts' hidden dim
+    embed = "fsdp" if fsdp_split else None
+    matrix_specs = {"gate_proj": P(EXPERT_AXIS, embed), "up_proj": P(EXPERT_AXIS, embed),
+                    "down_proj": P(EXPERT_AXIS, None, embed)}
+    held = cfg.num_experts // ways
+
+    def body(x: Array, ids: Array, weights: Array, matrices: dict) -> Array:
+        if split:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
+            x, ids, weights = (lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, ids, weights))
+        if fsdp_split:  # the rounding to the compute dtype first: half the bytes gathered in bf16
+            matrices = {name: lax.all_gather(w.astype(dtype), "fsdp", axis=1 if name != "down_proj" else 2,
+                                             tiled=True) for name, w in matrices.items()}
+        local = ids - lax.axis_index(EXPERT_AXIS) * held
+        mine = (local >= 0) & (local < held)
+        out = held_expert_ffn({name: {"kernel": w} for name, w in matrices.items()}, x,
+                              jnp.where(mine, local, held), jnp.where(mine, weights, 0.0), cfg, dtype=dtype)
+        if split:
+            return lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        return lax.psum(out, EXPERT_AXIS)
+
+    # check_vma=False: the blocked kernel's lax.cond / custom_vjp are not written for varying-axis types;
+    # the transposes (all_gather -> reduce-scatter, replicated weights -> psum) are the ones wanted
+    run = jax.shard_map(body, in_specs=(rows, rows, rows, matrix_specs), out_specs=rows, axis_names=set(batch),
+                        check_vma=False)
+    return run(tokens, routing.ids, routing.weights, {name: experts[name]["kernel"] for name in _EXPERT_MATRICES})
