@@ -14,8 +14,8 @@ same parameters per token). Prints, each with the MoE / dense ratio:
 
 With several devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8), also the training
 pass on meshes that split the experts (models/expert_parallel.py) against the same devices as plain
-fsdp: time per step and the bytes each device sends in the expert exchange (all-gather +
-reduce-scatter over `expert`, read from the compiled program).
+fsdp: time per step and the bytes of collectives per device (read from the compiled program, where the
+layer scan's body, one layer, appears once).
 """
 from __future__ import annotations
 
@@ -84,12 +84,14 @@ def mlp_seconds(cfg: ModelConfig, params: dict, tokens: int, reps: int) -> dict[
     return out
 
 
-_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter)\(")
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? "
+                         r"(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)\(")
 _BYTES = {"f32": 4, "bf16": 2, "s32": 4, "s8": 1, "s16": 2, "f16": 2}
 
 
 def collective_bytes(hlo: str) -> int:
-    """Bytes the all-gathers and reduce-scatters of a compiled program produce per device."""
+    """Bytes the collectives of a compiled program's text produce per device (all-gather, reduce-scatter,
+    all-reduce, all-to-all, collective-permute), each loop body once: the layer scan's body is one layer."""
     total = 0
     for dtype, dims, _ in _COLLECTIVE.findall(hlo):
         size = 1
@@ -100,8 +102,8 @@ def collective_bytes(hlo: str) -> int:
 
 
 def expert_parallel_rows(cfg: ModelConfig, params: dict, batch: int, length: int, reps: int) -> list[tuple]:
-    """(mesh, seconds per training pass, MiB of all-gather + reduce-scatter per device) on every
-    device: plain fsdp, then the experts split over `expert`."""
+    """(mesh, seconds per training pass, MiB of collectives per device in the program text: one layer plus
+    what runs outside the layer scan) on every device: plain fsdp, then the experts split over `expert`."""
     n = jax.device_count()
     ids = jax.random.randint(jax.random.key(1), (batch, length), 3, cfg.vocab_size)
     rows = []
@@ -118,6 +120,23 @@ def expert_parallel_rows(cfg: ModelConfig, params: dict, batch: int, length: int
     return rows
 
 
+def single_device_rows(args: argparse.Namespace, moe_cfg: ModelConfig, dense_cfg: ModelConfig, moe: dict,
+                       dense: dict) -> None:
+    """Training and decode tokens/s of the MoE and dense models, and the MoE MLP's kernels."""
+    rows = [("training tokens/s", training_tokens_per_s(moe_cfg, moe, args.batch, args.length, args.reps),
+             training_tokens_per_s(dense_cfg, dense, args.batch, args.length, args.reps)),
+            ("decode tokens/s", decode_tokens_per_s(moe_cfg, moe, args.batch, args.new_tokens, args.reps),
+             decode_tokens_per_s(dense_cfg, dense, args.batch, args.new_tokens, args.reps))]
+    print(f"{'':24s}{'MoE':>12s}{'dense':>12s}{'MoE/dense':>11s}")
+    for name, a, b in rows:
+        print(f"{name:24s}{a:12.0f}{b:12.0f}{a / b:11.2f}")
+    seconds = mlp_seconds(moe_cfg, moe, args.mlp_tokens, args.reps)
+    reference = seconds["dense all-experts"]
+    print(f"MoE MLP fwd+bwd, {args.mlp_tokens} tokens:")
+    for name, s in seconds.items():
+        print(f"  {name:22s}{s * 1e3:9.1f} ms   {reference / s:6.2f}x the all-experts reference")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -131,30 +150,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--mlp-tokens", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--expert-parallel-only", action="store_true", help="only the meshes' training pass")
     args = parser.parse_args(argv)
     moe_cfg, dense_cfg = configs(args)
     moe, dense = init_params(moe_cfg, jax.random.key(0)), init_params(dense_cfg, jax.random.key(0))
     count = lambda p: sum(x.size for x in jax.tree.leaves(p))  # noqa: E731
     print(f"backend {jax.default_backend()}; MoE {count(moe) / 1e6:.1f}M params ({args.experts} experts, "
           f"top-{args.top_k}), dense {count(dense) / 1e6:.1f}M (same active params per token)")
-    rows = [("training tokens/s", training_tokens_per_s(moe_cfg, moe, args.batch, args.length, args.reps),
-             training_tokens_per_s(dense_cfg, dense, args.batch, args.length, args.reps)),
-            ("decode tokens/s", decode_tokens_per_s(moe_cfg, moe, args.batch, args.new_tokens, args.reps),
-             decode_tokens_per_s(dense_cfg, dense, args.batch, args.new_tokens, args.reps))]
-    print(f"{'':24s}{'MoE':>12s}{'dense':>12s}{'MoE/dense':>11s}")
-    for name, a, b in rows:
-        print(f"{name:24s}{a:12.0f}{b:12.0f}{a / b:11.2f}")
-    seconds = mlp_seconds(moe_cfg, moe, args.mlp_tokens, args.reps)
-    reference = seconds["dense all-experts"]
-    print(f"MoE MLP fwd+bwd, {args.mlp_tokens} tokens:")
-    for name, s in seconds.items():
-        print(f"  {name:22s}{s * 1e3:9.1f} ms   {reference / s:6.2f}x the all-experts reference")
+    if not args.expert_parallel_only:
+        single_device_rows(args, moe_cfg, dense_cfg, moe, dense)
     if jax.device_count() >= 4 and args.experts % jax.device_count() == 0:
         print(f"MoE training pass (fwd+bwd, {args.batch} x {args.length}) on {jax.device_count()} devices:")
         rows = expert_parallel_rows(moe_cfg, moe, args.batch, args.length, args.reps)
         for name, s, mib in rows:
             print(f"  {name:22s}{s * 1e3:9.1f} ms   {rows[0][1] / s:6.2f}x fsdp   "
-                  f"all-gather + reduce-scatter {mib:8.1f} MiB/device")
+                  f"collectives {mib:7.1f} MiB/device (one layer + the rest)")
     else:
         print("expert parallelism: needs >= 4 devices dividing --experts "
               "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
