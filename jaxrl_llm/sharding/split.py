@@ -1,9 +1,9 @@
 """Split mesh: a device subset that only generates (`mesh.rollout_devices`) beside the training mesh.
 
 The rollout mesh has the training mesh's axes ('data', 'fsdp', 'expert', 'tensor'; its `expert` is 1:
-the experts are not split there), so every parameter's PartitionSpec means the same thing on both; weights move with `jax.device_put` onto the rollout
-mesh's `NamedSharding`s (device to device, no host staging). A dimension that the rollout mesh
-cannot split evenly is replicated there instead.
+the experts are not split there), so every parameter's PartitionSpec means the same thing on both;
+weights move with `jax.device_put` onto the rollout mesh's `NamedSharding`s (device to device, no
+host staging). A dimension that the rollout mesh cannot split evenly is replicated there instead.
 """
 from __future__ import annotations
 
