@@ -14,8 +14,9 @@ different tokens and different experts. The exchange is an all-gather then a red
 3. a reduce-scatter over `expert` sums each token's contributions from the devices that hold its k
    experts and hands every device back its own tokens.
 
-With fsdp, each device's share of the experts is further split over `fsdp` along the hidden size and
-all-gathered here per use (ZeRO-3, as the other weights); gradients come back reduce-scattered.
+With fsdp, each device's share of the experts is further split over `fsdp` along the hidden size (the
+sharding rules' placement of the experts' `embed` dim) and all-gathered here per use (ZeRO-3, as the
+other weights); gradients come back reduce-scattered.
 
 We chose gather / scatter over all-to-all: with top-k routing a token goes to k of the E experts, so
 an all-to-all moves k copies of a token where the all-gather moves expert - 1; for the small expert
@@ -24,8 +25,8 @@ layout is static and dropless with no capacity to size. A batch whose token coun
 not divide (a generation of one prompt) runs replicated: every device routes all tokens, computes its
 experts' share and the shares are summed (psum).
 
-The mesh comes from the tracing context (`jax.set_mesh` / `jax.sharding.use_abstract_mesh`, set by
-the trainer, the samplers, the memory plan and `jrl.load_model`'s functions). Without one, or with
+The mesh comes from the tracing context (`sharding.mesh_context`, entered by the trainer, the
+samplers, the memory plan and `jrl` models). Without one, or with
 `expert` = 1, the experts run as one grouped matmul and XLA places them as the weights' shardings say
 (correct, not expert parallel).
 """
@@ -41,12 +42,24 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.moe import Routing, expert_ffn, held_expert_ffn
+from jaxrl_llm.models.param_init import EXPERT_AXES
+from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.rules import logical_to_spec
 
 Array = jax.Array
 
 EXPERT_AXIS = "expert"
-_BATCH_AXES = ("data", "fsdp", "expert")  # sharding/mesh.py BATCH_AXES (models/ does not import sharding/)
-_EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _manual_spec(matrix: Array, name: str, mesh: Any, manual: tuple[str, ...]) -> tuple[P, dict[int, tuple]]:
+    """The sharding rules' spec of one expert matrix reduced to the shard_map's manual axes, and the
+    dims after the expert dim that those axes split (all-gathered in the body before use)."""
+    spec = logical_to_spec(EXPERT_AXES[name], matrix.shape, mesh, where=f"experts/{name}")
+    dims = [tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in manual) for axes in spec]
+    if dims[0] != (EXPERT_AXIS,):
+        raise ValueError(f"experts/{name}: the sharding rules place the expert dim on {spec[0]!r}; expert "
+                         f"parallelism needs it on {EXPERT_AXIS!r} alone")
+    return P(*(d[0] if len(d) == 1 else (d or None) for d in dims)), {i: d for i, d in enumerate(dims) if i and d}
 
 
 def expert_ways(cfg: ModelConfig, mesh: Any = None) -> int:
@@ -65,23 +78,22 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     if ways == 1:
         return expert_ffn(experts, tokens, routing, cfg, dtype=dtype)
     sizes = dict(mesh.shape)
-    batch = tuple(a for a in _BATCH_AXES if a in sizes)
+    batch = tuple(a for a in BATCH_AXES if a in sizes)
     split = tokens.shape[0] % math.prod(sizes[a] for a in batch) == 0
     rows = P(batch) if split else P()
-    fsdp = sizes.get("fsdp", 1)
-    hidden = tokens.shape[1]
-    fsdp_split = fsdp > 1 and hidden % fsdp == 0  # as the `embed` rule places the experts' hidden dim
-    embed = "fsdp" if fsdp_split else None
-    matrix_specs = {"gate_proj": P(EXPERT_AXIS, embed), "up_proj": P(EXPERT_AXIS, embed),
-                    "down_proj": P(EXPERT_AXIS, None, embed)}
+    matrices = {name: experts[name]["kernel"] for name in EXPERT_AXES}
+    placed = {name: _manual_spec(w, name, mesh, batch) for name, w in matrices.items()}
     held = cfg.num_experts // ways
+
+    def gathered(name: str, w: Array) -> Array:  # fsdp's share of a matrix; rounded first: half the bytes in bf16
+        for dim, axes in placed[name][1].items():
+            w = lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+        return w
 
     def body(x: Array, ids: Array, weights: Array, matrices: dict) -> Array:
         if split:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
             x, ids, weights = (lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, ids, weights))
-        if fsdp_split:  # the rounding to the compute dtype first: half the bytes gathered in bf16
-            matrices = {name: lax.all_gather(w.astype(dtype), "fsdp", axis=1 if name != "down_proj" else 2,
-                                             tiled=True) for name, w in matrices.items()}
+        matrices = {name: gathered(name, w) for name, w in matrices.items()}
         local = ids - lax.axis_index(EXPERT_AXIS) * held
         mine = (local >= 0) & (local < held)
         out = held_expert_ffn({name: {"kernel": w} for name, w in matrices.items()}, x,
@@ -92,6 +104,7 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
 
     # check_vma=False: the blocked kernel's lax.cond / custom_vjp are not written for varying-axis types;
     # the transposes (all_gather -> reduce-scatter, replicated weights -> psum) are the ones wanted
-    run = jax.shard_map(body, in_specs=(rows, rows, rows, matrix_specs), out_specs=rows, axis_names=set(batch),
+    specs = {name: spec for name, (spec, _) in placed.items()}
+    run = jax.shard_map(body, in_specs=(rows, rows, rows, specs), out_specs=rows, axis_names=set(batch),
                         check_vma=False)
-    return run(tokens, routing.ids, routing.weights, {name: experts[name]["kernel"] for name in _EXPERT_MATRICES})
+    return run(tokens, routing.ids, routing.weights, matrices)

@@ -76,12 +76,16 @@ def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, d
     return params
 
 
+# one layer's routed-expert matrices [E, H, F] / [E, F, H] (the layer scan strips the leading "layers")
+EXPERT_AXES = {"gate_proj": ("expert", "embed", "mlp"), "up_proj": ("expert", "embed", "mlp"),
+               "down_proj": ("expert", "mlp", "embed")}
+
+
 def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
     mod = mods[-1]
     if "experts" in mods:
-        return {"gate_proj": ("layers", "expert", "embed", "mlp"), "up_proj": ("layers", "expert", "embed", "mlp"),
-                "down_proj": ("layers", "expert", "mlp", "embed")}[mod]
+        return ("layers", *EXPERT_AXES[mod])
     if mod in ("router", "shared_expert_gate"):
         return ("layers", "embed", None)
     if mod.endswith("norm"):

@@ -2,7 +2,8 @@
 
 `data` replicates parameters and splits the batch, `fsdp` splits both the batch and the parameters
 (ZeRO-3 style: weights are all-gathered per use), `expert` splits a mixture-of-experts model's experts
-(each device holds num_experts / expert of them; tokens go to their experts and back: models/moe.py)
+(each device holds num_experts / expert of them; tokens go to their experts and back:
+models/expert_parallel.py)
 and, for everything else, the batch like `data`; `tensor` splits heads / MLP / vocab (Megatron
 style). At most one size may be -1, meaning "all remaining devices".
 """
