@@ -81,7 +81,9 @@ def run_processes(script_path_or_code: str | os.PathLike, num_processes: int = 2
             path = tmp_dir / "script.py"
             path.write_text(str(script_path_or_code))
         port = portpicker.pick_unused_port()
-        base_env = dict(os.environ)
+        # no persistent compilation cache (tests/conftest.py sets one): a process that loads a cached
+        # executable while its peer compiles one ran mismatched gloo collectives and aborted
+        base_env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         base_env.update(env or {})
         base_env.update({
             "JAX_PLATFORMS": "cpu",
