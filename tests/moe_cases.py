@@ -9,6 +9,10 @@ from jaxrl_llm.trainer.experience import Experience
 
 CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24, moe_block_rows=8)
+# the same with a dense MLP layer between two sparse ones (Qwen2-MoE's mlp_only_layers)
+MIXED_CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=24, moe_block_rows=8, num_hidden_layers=3,
+                             mlp_only_layers=(1,))
 N, P, R = 8, 5, 6
 SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
                      clip_ratio_c=3.0, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,

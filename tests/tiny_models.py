@@ -40,6 +40,16 @@ TINY_MOE = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 MOE_FAMILIES = tuple(TINY_MOE)
+# mixture-of-experts models with dense MLP layers between the sparse ones: (family, config overrides)
+MIXED_MOE = {
+    "qwen3_moe_mixed": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[0])),      # sparse: 1, 2
+    "qwen2_moe_mixed": ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2)),  # sparse: 1, 3
+}
+
+
+def family_case(case: str) -> tuple[str, dict]:
+    """(family, overrides) of a family name or a MIXED_MOE case name."""
+    return MIXED_MOE.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):

@@ -37,26 +37,32 @@ class TensorSpec:
     to_hf: Callable[[np.ndarray], np.ndarray]
     optional: bool = False                  # absent in the file -> keep the fresh init
     experts: int = 0                        # > 0: hf_name has "{e}", our leaf is [L, experts, ...]
+    # the HF layer of each row of a stacked leaf (None: every layer; a mixed-layer MoE model's dense MLPs
+    # and experts are stacked over their own layers, models/param_init.py)
+    layer_ids: tuple[int, ...] | None = None
 
     @property
     def layered(self) -> bool:
         return "{i}" in self.hf_name
 
+    def _layers(self, cfg: ModelConfig) -> tuple[int, ...]:
+        return tuple(range(cfg.num_hidden_layers)) if self.layer_ids is None else self.layer_ids
+
     def our_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
         per_tensor = self.to_ours(np.zeros(self.hf_shape, np.float32)).shape
-        stacked = ((cfg.num_hidden_layers,) if self.layered else ()) + ((self.experts,) if self.experts else ())
+        stacked = ((len(self._layers(cfg)),) if self.layered else ()) + ((self.experts,) if self.experts else ())
         return stacked + per_tensor
 
-    def units(self, cfg: ModelConfig, layers: range | None = None) -> list[tuple[tuple[int, ...], str]]:
-        """(index into our leaf, HF tensor name) of every HF tensor this leaf holds (of `layers` only)."""
+    def units(self, cfg: ModelConfig) -> list[tuple[tuple[int, ...], str]]:
+        """(index into our leaf, HF tensor name) of every HF tensor this leaf holds."""
         if not self.layered:
             return [((), self.hf_name)]
         out = []
-        for i in (layers if layers is not None else range(cfg.num_hidden_layers)):
+        for row, i in enumerate(self._layers(cfg)):
             if self.experts:
-                out += [((i, e), self.hf_name.format(i=i, e=e)) for e in range(self.experts)]
+                out += [((row, e), self.hf_name.format(i=i, e=e)) for e in range(self.experts)]
             else:
-                out.append(((i,), self.hf_name.format(i=i)))
+                out.append(((row,), self.hf_name.format(i=i)))
         return out
 
     def check(self, name: str, array_shape: tuple[int, ...]) -> None:
@@ -98,9 +104,9 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
                         _identity, _identity),
              TensorSpec(("final_norm", "scale"), "model.norm.weight", (h,), _identity, _identity)]
 
-    def layer(path: tuple[str, ...], name: str, shape: tuple[int, ...], conv=None) -> None:
+    def layer(path: tuple[str, ...], name: str, shape: tuple[int, ...], conv=None, layer_ids=None) -> None:
         to_ours, to_hf = conv or (_identity, _identity)
-        specs.append(TensorSpec(("layers",) + path, lay + name, shape, to_ours, to_hf))
+        specs.append(TensorSpec(("layers",) + path, lay + name, shape, to_ours, to_hf, layer_ids=layer_ids))
 
     layer(("attn_norm", "scale"), "input_layernorm.weight", (h,))
     layer(("mlp_norm", "scale"), "post_attention_layernorm.weight", (h,))
@@ -117,9 +123,10 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
     if cfg.is_moe:
         specs += _moe_specs(cfg)
-    else:
+    if cfg.dense_layer_ids:
+        dense = None if not cfg.is_moe else cfg.dense_layer_ids  # a mixed-layer model's dense layers only
         for proj in MLP_MODULES:
-            layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f))
+            layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f), layer_ids=dense)
 
     transpose = (lambda w: w.T, lambda k: k.T)
     if head == "lm" and not cfg.tie_word_embeddings:
@@ -144,19 +151,21 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
     mixtral = cfg.model_type == "mixtral"
     block = lay + ("block_sparse_moe." if mixtral else "mlp.")
     names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {m: m for m in MLP_MODULES}
-    specs = [TensorSpec(("layers", "moe", "router", "kernel"), block + "gate.weight", (e, h), *_linear(h, (e,)))]
+    ids = cfg.moe_layer_ids if cfg.mixed_layers else None
+    specs = [TensorSpec(("layers", "moe", "router", "kernel"), block + "gate.weight", (e, h), *_linear(h, (e,)),
+                        layer_ids=ids)]
     for ours, theirs in names.items():
         shape, conv = _mlp_tensor(ours, h, f)
         specs.append(TensorSpec(("layers", "moe", "experts", ours, "kernel"), block + f"experts.{{e}}.{theirs}.weight",
-                                shape, *conv, experts=e))
+                                shape, *conv, experts=e, layer_ids=ids))
     fs = cfg.shared_expert_intermediate_size
     if fs:
         for ours in MLP_MODULES:
             shape, conv = _mlp_tensor(ours, h, fs)
             specs.append(TensorSpec(("layers", "moe", "shared_expert", ours, "kernel"),
-                                    block + f"shared_expert.{ours}.weight", shape, *conv))
+                                    block + f"shared_expert.{ours}.weight", shape, *conv, layer_ids=ids))
         specs.append(TensorSpec(("layers", "moe", "shared_expert_gate", "kernel"), block + "shared_expert_gate.weight",
-                                (1, h), *_linear(h, (1,))))
+                                (1, h), *_linear(h, (1,)), layer_ids=ids))
     return specs
 
 

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from jaxrl_llm import storage
 from jaxrl_llm.hf.export import staged_folder
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.lora import LoraConfig
+from jaxrl_llm.models.lora import LoraConfig, group_layer_ids
 
 PREFIX = "base_model.model.model.layers.{i}."
 _HF_GROUP = {"attn": "self_attn", "mlp": "mlp", "shared_expert": "mlp.shared_expert"}  # models/lora.py groups
@@ -37,10 +37,10 @@ def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
         for module, ad in mods.items():
             a, b = np.asarray(ad["A"], np.float32), np.asarray(ad["B"], np.float32)
             rank = a.shape[-1]
-            for i in range(cfg.num_hidden_layers):
+            for row, i in enumerate(group_layer_ids(cfg, group)):
                 name = PREFIX.format(i=i) + f"{_HF_GROUP[group]}.{module}."
-                out[name + "lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
-                out[name + "lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
+                out[name + "lora_A.weight"] = np.ascontiguousarray(a[row].reshape(-1, rank).T)
+                out[name + "lora_B.weight"] = np.ascontiguousarray(b[row].reshape(rank, -1).T)
     return out
 
 

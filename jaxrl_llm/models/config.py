@@ -98,6 +98,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
+    # which layers are sparse (Qwen2-MoE / Qwen3-MoE): layer i has routed experts iff i is not in
+    # mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the others have a dense MLP of intermediate_size
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
@@ -122,6 +126,17 @@ class ModelConfig:
                 raise ValueError("moe_intermediate_size must be positive for a mixture-of-experts model")
             if self.model_type == "mixtral":  # one width: config.json's intermediate_size is the experts'
                 object.__setattr__(self, "intermediate_size", self.moe_intermediate_size)
+            object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(int(i) for i in self.mlp_only_layers))))
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be positive")
+            outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+            if outside:
+                raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)}: layer {outside[0]} is not in "
+                                 f"0..{self.num_hidden_layers - 1}")
+            if not self.moe_layer_ids:
+                raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers="
+                                 f"{list(self.mlp_only_layers)} leave no layer with experts in a {self.model_type} "
+                                 f"model of {self.num_hidden_layers} layers")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r}; expected one of {MOE_KERNELS}")
         if self.moe_block_rows < 1:
@@ -135,6 +150,26 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose MLP is a routed set of experts (HF's rule; none in a dense model)."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose MLP is dense (every layer of a dense model)."""
+        sparse = set(self.moe_layer_ids)
+        return tuple(i for i in range(self.num_hidden_layers) if i not in sparse)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """A mixture-of-experts model with dense MLP layers between the sparse ones: its `mlp` and `moe`
+        params are stacked over their own layers (models/param_init.py)."""
+        return self.is_moe and bool(self.dense_layer_ids)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -275,7 +310,8 @@ class ModelConfig:
             d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             return d
         d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
-                 norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+                 norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                 mlp_only_layers=list(self.mlp_only_layers))
         if self.model_type == "qwen2_moe":
             d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return d
@@ -343,23 +379,21 @@ def with_hf_overrides(cfg: ModelConfig, overrides: dict[str, Any] | None) -> Mod
 
 
 def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields from a MoE family's config.json; a layout jaxrl_llm does not
-    run (dense MLP layers between the sparse ones) is an error naming the key."""
+    """ModelConfig's mixture-of-experts fields from a MoE family's config.json."""
     # transformers 5 writes either name for either family (its attribute_map aliases them)
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    layout: dict[str, Any] = {}
     if model_type == "mixtral":
         width = int(d["intermediate_size"])
         norm_topk = True  # Mixtral's router always renormalises its top-k
     else:
         width = int(d.get("moe_intermediate_size") or 0)
         norm_topk = bool(d.get("norm_topk_prob", False))
-        step = int(d.get("decoder_sparse_step", 1))
-        dense_layers = sorted(set(d.get("mlp_only_layers") or []))
-        if experts == 0 or step != 1 or dense_layers:
-            what = ("num_experts=0" if experts == 0 else f"mlp_only_layers={dense_layers}" if dense_layers
-                    else f"decoder_sparse_step={step}")
-            raise ValueError(f"config.json: {what} makes some layers dense MLPs in a {model_type} model; "
-                             "jaxrl_llm runs mixture-of-experts models whose every layer is sparse")
+        if experts == 0:
+            raise ValueError(f"config.json: num_experts=0 makes every layer a dense MLP in a {model_type} model; "
+                             f"load it as its dense family")
+        layout = dict(decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                      mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
     if d.get("router_jitter_noise"):
         raise ValueError(f"config.json: router_jitter_noise={d['router_jitter_noise']} is unsupported "
                          "(it multiplies hidden states by training-time noise)")
@@ -368,7 +402,7 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
                 shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
                 if model_type == "qwen2_moe" else 0,
                 norm_topk_prob=norm_topk, router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
-                output_router_logits=bool(d.get("output_router_logits", False)))
+                output_router_logits=bool(d.get("output_router_logits", False)), **layout)
 
 
 def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:

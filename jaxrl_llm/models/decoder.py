@@ -12,7 +12,8 @@ Differences between Llama / Mistral / Qwen2 / Qwen3 are `ModelConfig` flags: q/k
 q/k RMSNorm, sliding window. The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) replace
 the MLP with `moe_block`: a router, dropless routed experts (models/moe.py) and Qwen2-MoE's gated
 shared expert; each layer also reports its router statistics (and, when asked, the experts each
-token ran, for routing replay) as the layer scan's outputs.
+token ran, for routing replay) as the layer scan's outputs. A MoE model may keep dense MLPs in some
+layers (`mixed_mlp`): the scan stays one loop, and each layer picks its MLP with `lax.cond`.
 
 Layers run under `lax.scan` (params carry a leading layer axis, so compile time does not grow with
 depth); `remat` (a policy name of jaxrl_llm/models/remat.py, or a bool) checkpoints each layer with
@@ -44,6 +45,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrl_llm.models.attention import attend
@@ -156,12 +158,16 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     return out.reshape(b, t, h), stats, routing.natural_ids.reshape(b, t, k)
 
 
+MlpStacks = tuple[dict, dict, Array, Array]  # a mixed-layer model's (params, adapters, is_moe [L], row [L])
+
+
 def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
                   attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float,
-                  valid: Array | None = None, replay: Array | None = None
+                  valid: Array | None = None, replay: Array | None = None, stacks: MlpStacks | None = None
                   ) -> tuple[Array, Any, tuple[RouterStats, Array] | None]:
     """One pre-norm block on the fp32 residual stream x [B, T, H] -> (x, attention state, and for a
-    MoE layer its router stats over valid [B, T] tokens and its router's top-k ids; see `moe_block`)."""
+    MoE model its router stats over valid [B, T] tokens and its router's top-k ids; see `moe_block`).
+    `stacks`: a mixed-layer model's MLPs, stacked apart from the layers (`mixed_mlp`)."""
     eps = cfg.rms_norm_eps
     h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}),
                                rms_norm(x, weights["attn_norm"]["scale"], eps, dtype), cos, sin, attention,
@@ -172,9 +178,53 @@ def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos
         return x + mlp_block(weights["mlp"], adapters.get("mlp", {}), normed, dtype=dtype, lora_scale=lora_scale), \
             state, None
     valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
-    out, stats, ids = moe_block(cfg, weights["moe"], adapters, normed, valid, replay, dtype=dtype,
-                                lora_scale=lora_scale)
+    if stacks is not None:
+        out, stats, ids = mixed_mlp(cfg, stacks, layer, normed, valid, replay, dtype=dtype, lora_scale=lora_scale)
+    else:
+        out, stats, ids = moe_block(cfg, weights["moe"], adapters, normed, valid, replay, dtype=dtype,
+                                    lora_scale=lora_scale)
     return x + out, state, (stats, ids)
+
+
+def mixed_mlp(cfg: ModelConfig, stacks: MlpStacks, layer: Array, x: Array, valid: Array, replay: Array | None, *,
+              dtype: Any, lora_scale: float) -> tuple[Array, RouterStats, Array]:
+    """A mixed-layer model's MLP of `layer`: its row of the dense stack or of the MoE stack, chosen with
+    `lax.cond`, so the layer scan stays one loop. A dense layer reports empty router stats (no tokens:
+    the pooled losses and metrics count the sparse layers only, as HF's) and zero expert ids."""
+    params, adapters, is_moe, row = stacks
+    index = row[layer]
+
+    def take(tree: dict) -> dict:
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
+
+    def sparse(x: Array) -> tuple[Array, RouterStats, Array]:
+        return moe_block(cfg, take(params["moe"]), take({k: v for k, v in adapters.items() if k != "mlp"}), x,
+                         valid, replay, dtype=dtype, lora_scale=lora_scale)
+
+    def dense(x: Array) -> tuple[Array, RouterStats, Array]:
+        out = mlp_block(take(params["mlp"]), take(adapters.get("mlp", {})), x, dtype=dtype, lora_scale=lora_scale)
+        e, zero = cfg.num_experts, jnp.zeros((), jnp.float32)
+        stats = RouterStats(jnp.zeros((e,), jnp.float32), jnp.zeros((e,), jnp.float32), zero, zero, zero)
+        return out.reshape(*x.shape[:-1], -1), stats, jnp.zeros((*x.shape[:-1], cfg.num_experts_per_tok), jnp.int32)
+
+    return lax.cond(is_moe[layer], sparse, dense, x)
+
+
+def mlp_stacks(cfg: ModelConfig, layers: dict, lora_layers: dict) -> tuple[dict, dict, MlpStacks | None]:
+    """(the params and adapters the layer scan steps through, and a mixed-layer model's MLP stacks: the
+    `mlp` / `moe` params and adapters stacked over their own layers, indexed per layer instead)."""
+    if not cfg.mixed_layers:
+        return layers, lora_layers, None
+    apart = ("mlp", "moe", "shared_expert")
+    is_moe = np.zeros(cfg.num_hidden_layers, bool)
+    is_moe[list(cfg.moe_layer_ids)] = True
+    row = np.zeros(cfg.num_hidden_layers, np.int32)  # each layer's row in its kind's stack
+    row[list(cfg.moe_layer_ids)] = np.arange(len(cfg.moe_layer_ids))
+    row[list(cfg.dense_layer_ids)] = np.arange(len(cfg.dense_layer_ids))
+    stacks = ({k: v for k, v in layers.items() if k in apart}, {k: v for k, v in lora_layers.items() if k in apart},
+              jnp.asarray(is_moe), jnp.asarray(row))
+    return ({k: v for k, v in layers.items() if k not in apart},
+            {k: v for k, v in lora_layers.items() if k not in apart}, stacks)
 
 
 def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
@@ -185,7 +235,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     positions [B, T], the attention's final state (see `LayerAttention`) and, for a mixture-of-experts
     model, its `MoeOut`: router stats over valid [B, T] tokens (default all) and, with
     `record_routing`, each layer's router top-k ids [L, B, T, k]. `replay` [L, B, T, k]: the experts
-    each layer runs instead of its router's top-k (routing replay)."""
+    each layer runs instead of its router's top-k (routing replay). A mixed-layer model's dense layers
+    have stats of no tokens and ids 0, and ignore their `replay` rows."""
     dtype = jnp.dtype(compute_dtype)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x = jnp.take(params["embedding"], input_ids, axis=0).astype(dtype).astype(jnp.float32)
@@ -193,12 +244,13 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     adapters: LoraAdapters | None = params.get("lora")
     lora_layers = {} if adapters is None else adapters.weights["layers"]
     lora_scale = 0.0 if adapters is None else adapters.scale
+    layers, lora_layers, stacks = mlp_stacks(cfg, params["layers"], lora_layers)
 
     def layer(carry: tuple[Array, Any, Array], xs: tuple[dict, dict, Array | None]) -> tuple[tuple, Any]:
         x, state, index = carry
         weights, adapters, layer_replay = xs
         x, state, moe = decoder_layer(cfg, weights, adapters, x, cos, sin, attention, state, index, dtype=dtype,
-                                      lora_scale=lora_scale, valid=valid, replay=layer_replay)
+                                      lora_scale=lora_scale, valid=valid, replay=layer_replay, stacks=stacks)
         if moe is not None and not record_routing:
             moe = (moe[0], None)
         return (x, state, index + 1), moe
@@ -206,7 +258,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     step: Callable = layer
     if remat_name(remat) != "none":  # prevent_cse=False: the layers run under scan, which keeps them apart
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (params["layers"], lora_layers, replay),
+    (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (layers, lora_layers, replay),
                                   unroll=cfg.scan_unroll)
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype)
     return hidden, state, None if moe is None else MoeOut(*moe)

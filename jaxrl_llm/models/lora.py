@@ -12,7 +12,9 @@ are a plain nested dict stacked on the layer axis like the base params (models/m
 Mixture-of-experts models: the attention projections, and Qwen2-MoE's shared expert under
 `layers/shared_expert/{gate,up,down}_proj` (its params: layers/moe/shared_expert). The routed experts and
 the router get no adapters, so 'all-linear' means the attention (and shared-expert) projections there;
-naming gate/up/down_proj for a model without a shared expert is an error.
+naming gate/up/down_proj for a model without a shared expert is an error. A model with dense MLP layers
+between the sparse ones (`decoder_sparse_step`, `mlp_only_layers`) also has `layers/mlp` adapters on its
+dense layers; each group is stacked over the layers its params are (`group_layer_ids`).
 
 `A` is initialised as PEFT's default (kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in))) and `B` at
 zero, so step 0 is exactly the base model. A forward pass sees the adapters when the params dict
@@ -44,14 +46,30 @@ _IN_DIMS = {"o_proj": 2}
 GROUP_PATHS = {"attn": ("attn",), "mlp": ("mlp",), "shared_expert": ("moe", "shared_expert")}
 
 
-def module_groups(cfg: ModelConfig) -> dict[str, str]:
-    """{projection: its adapter group} for the projections LoRA can target in this model."""
-    groups = {m: "attn" for m in ATTN_MODULES}
-    if not cfg.is_moe:
-        groups.update({m: "mlp" for m in MLP_MODULES})
-    elif cfg.shared_expert_intermediate_size:
-        groups.update({m: "shared_expert" for m in MLP_MODULES})
+def module_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """{projection: the adapter groups holding it} for the projections LoRA can target in this model (a
+    mixed-layer Qwen2-MoE's gate_proj is in its dense MLPs and in its shared experts)."""
+    groups: dict[str, tuple[str, ...]] = {m: ("attn",) for m in ATTN_MODULES}
+    mlp = (("mlp",) if cfg.dense_layer_ids else ()) + (
+        ("shared_expert",) if cfg.is_moe and cfg.shared_expert_intermediate_size else ())
+    if mlp:
+        groups.update({m: mlp for m in MLP_MODULES})
     return groups
+
+
+def group_layer_ids(cfg: ModelConfig, group: str) -> tuple[int, ...]:
+    """The layers an adapter group is stacked over (as its params: a mixed-layer model's dense MLPs and
+    experts are stacked over their own layers, models/param_init.py)."""
+    if group == "mlp":
+        return cfg.dense_layer_ids
+    if group == "shared_expert":
+        return cfg.moe_layer_ids
+    return tuple(range(cfg.num_hidden_layers))
+
+
+def _slots(cfg: ModelConfig, targets: Sequence[str]) -> list[tuple[str, str]]:
+    """(group, projection) of every adapter for `targets`, in a fixed order."""
+    return [(g, m) for m, groups in module_groups(cfg).items() if m in targets for g in groups]
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> dict:
@@ -112,35 +130,33 @@ def split_lora(params: dict) -> tuple[dict, LoraAdapters | None]:
     return base, params.get("lora")
 
 
-def _kernel_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    shapes = jax.eval_shape(lambda: init_backbone(cfg, jax.random.key(0)))["layers"]
-    return {m: tuple(_get(shapes, GROUP_PATHS[g])[m]["kernel"].shape) for m, g in module_groups(cfg).items()}
+Shape = tuple[int, ...]
 
 
-def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """{module: (A shape, B shape)} for the targeted modules ('all-linear': those this model has)."""
+def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[tuple[str, str], tuple[Shape, Shape]]:
+    """{(group, module): (A shape, B shape)} for the targeted modules ('all-linear': those this model has)."""
     missing = [m for m in lora.targets if m not in module_groups(cfg)]
     if missing and lora.targets != ALL_LINEAR:
         raise ValueError(f"target_modules: {', '.join(missing)} not in {cfg.architecture}: a mixture-of-experts "
                          "model's routed experts get no LoRA adapters (only the attention and a shared expert's "
                          "projections do; docs/moe.md)")
+    shapes = jax.eval_shape(lambda: init_backbone(cfg, jax.random.key(0)))["layers"]
     out = {}
-    for m, shape in _kernel_shapes(cfg).items():
-        if m in lora.targets:
-            n_in = _IN_DIMS.get(m, 1)
-            layers, ins, outs = shape[0], shape[1:1 + n_in], shape[1 + n_in:]
-            out[m] = ((layers, *ins, lora.rank), (layers, lora.rank, *outs))
+    for g, m in _slots(cfg, lora.targets):
+        shape = _get(shapes, GROUP_PATHS[g])[m]["kernel"].shape
+        n_in = _IN_DIMS.get(m, 1)
+        layers, ins, outs = shape[0], shape[1:1 + n_in], shape[1 + n_in:]
+        out[(g, m)] = ((layers, *ins, lora.rank), (layers, lora.rank, *outs))
     return out
 
 
 def init_lora(cfg: ModelConfig, lora: LoraConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
     """Fresh adapters: A ~ U(+-1/sqrt(fan_in)) (PEFT's kaiming_uniform(a=sqrt(5))), B = 0."""
     adapters: dict = {"layers": {}}
-    groups = module_groups(cfg)
-    for i, (m, (a_shape, b_shape)) in enumerate(adapter_shapes(cfg, lora).items()):
+    for i, ((g, m), (a_shape, b_shape)) in enumerate(adapter_shapes(cfg, lora).items()):
         bound = 1.0 / math.sqrt(math.prod(a_shape[1:-1]))
         a = jax.random.uniform(jax.random.fold_in(rng, i), a_shape, dtype, -bound, bound)
-        adapters["layers"].setdefault(groups[m], {})[m] = {"A": a, "B": jnp.zeros(b_shape, dtype)}
+        adapters["layers"].setdefault(g, {})[m] = {"A": a, "B": jnp.zeros(b_shape, dtype)}
     return adapters
 
 
@@ -148,12 +164,11 @@ def lora_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
     """Logical axes of the adapters: A like its kernel's input dims, B like its output dims (the
     rank dim is replicated). Leaves are tuples, as `param_logical_axes`."""
     kernel_axes = param_logical_axes(cfg)["layers"]
-    groups = module_groups(cfg)
     out: dict = {"layers": {}}
-    for m in adapter_shapes(cfg, lora):
-        axes = _get(kernel_axes, GROUP_PATHS[groups[m]])[m]["kernel"]
+    for g, m in adapter_shapes(cfg, lora):
+        axes = _get(kernel_axes, GROUP_PATHS[g])[m]["kernel"]
         n_in = _IN_DIMS.get(m, 1)
-        out["layers"].setdefault(groups[m], {})[m] = {
+        out["layers"].setdefault(g, {})[m] = {
             "A": (axes[0], *axes[1:1 + n_in], None), "B": (axes[0], None, *axes[1 + n_in:])}
     return out
 

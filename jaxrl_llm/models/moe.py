@@ -225,6 +225,28 @@ def resolve_kernel(name: str) -> str:
     return name
 
 
+def routed_expert_flops(cfg: ModelConfig, tokens: float) -> float:
+    """FLOPs of the routed experts' three matmuls for `tokens` tokens through every sparse layer, forward
+    (2 x tokens x k x 3 x H x F per layer; a backward is twice that)."""
+    per_token = 2.0 * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return per_token * len(cfg.moe_layer_ids) * tokens
+
+
+def uncounted_expert_flops(cfg: ModelConfig, tokens: float) -> float:
+    """The routed-expert FLOPs XLA's cost analysis misses for `tokens` forward-equivalent token passes:
+    the `blocked` kernel is a loop whose body (one block) it counts once. 0 for a dense model or the
+    `ragged_dot` kernel (one op)."""
+    if not cfg.is_moe or resolve_kernel(cfg.moe_kernel) != "blocked":
+        return 0.0
+    return routed_expert_flops(cfg, tokens)
+
+
+def active_params(cfg: ModelConfig, num_params: int) -> int:
+    """Of a model's `num_params`, those one token runs through (the top-k of each sparse layer's experts)."""
+    idle = cfg.num_experts - cfg.num_experts_per_tok
+    return num_params - len(cfg.moe_layer_ids) * idle * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
 def grouped_matmul(x: Array, w: Array, layout: ExpertLayout, kernel: str = "auto", *,
                    unroll: int | bool = 1) -> Array:
     """fp32 [R, F] = each padded row of x [R, K] times its expert's w [E, K, F] (compute-dtype

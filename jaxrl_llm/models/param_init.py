@@ -18,6 +18,9 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
       layers/moe/experts/{gate,up}_proj/kernel [L, E, H, Fe]   layers/moe/experts/down_proj/kernel [L, E, Fe, H]
       layers/moe/shared_expert/{gate,up,down}_proj/kernel [L, H, Fs] / [L, Fs, H]   (Qwen2-MoE)
       layers/moe/shared_expert_gate/kernel [L, H, 1]                               (Qwen2-MoE)
+    a MoE model with dense MLP layers between the sparse ones (cfg.mixed_layers: Qwen2-MoE / Qwen3-MoE
+    `decoder_sparse_step` > 1 or `mlp_only_layers`) has both, each stacked over its own layers only:
+      layers/mlp/... [L_dense, ...] (cfg.dense_layer_ids, in order)   layers/moe/... [L_moe, ...] (cfg.moe_layer_ids)
     final_norm/scale [H]
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")
@@ -159,8 +162,12 @@ class _Projection(nn.Module):
 
 
 class _LayerParams(nn.Module):
+    """One layer's params; `mlp`: which MLP it holds ("dense", "moe", or "none" when a mixed-layer
+    model stacks its MLPs apart: `_MlpStack`)."""
+
     cfg: ModelConfig
     dtype: Any
+    mlp: str
 
     @nn.compact
     def __call__(self, carry: None, _: None = None) -> tuple[None, None]:
@@ -169,10 +176,27 @@ class _LayerParams(nn.Module):
         _Norm(cfg.hidden_size, dt, name="attn_norm")()
         _AttentionParams(cfg, dt, init, name="attn")()
         _Norm(cfg.hidden_size, dt, name="mlp_norm")()
-        if cfg.is_moe:
+        if self.mlp == "moe":
             _MoeParams(cfg, dt, init, name="moe")()
-        else:
+        elif self.mlp == "dense":
             _MlpParams(cfg.hidden_size, cfg.intermediate_size, dt, init, name="mlp")()
+        return carry, None
+
+
+class _MlpStack(nn.Module):
+    """A mixed-layer model's MLPs of one kind ("dense" or "moe"), one scan step per layer of that kind."""
+
+    cfg: ModelConfig
+    dtype: Any
+    kind: str
+
+    @nn.compact
+    def __call__(self, carry: None, _: None = None) -> tuple[None, None]:
+        init = nn.initializers.normal(self.cfg.initializer_range)
+        if self.kind == "moe":
+            _MoeParams(self.cfg, self.dtype, init, name="moe")()
+        else:
+            _MlpParams(self.cfg.hidden_size, self.cfg.intermediate_size, self.dtype, init, name="mlp")()
         return carry, None
 
 
@@ -258,16 +282,22 @@ class _BackboneParams(nn.Module):
         cfg = self.cfg
         self.param("embedding", nn.initializers.normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
                    self.dtype)
-        layers = nn.scan(_LayerParams, variable_axes={"params": 0}, split_rngs={"params": True},
-                         length=cfg.num_hidden_layers)
-        layers(cfg, self.dtype, name="layers")(None)
+        scan = functools.partial(nn.scan, variable_axes={"params": 0}, split_rngs={"params": True})
+        mlp = "none" if cfg.mixed_layers else "moe" if cfg.is_moe else "dense"
+        scan(_LayerParams, length=cfg.num_hidden_layers)(cfg, self.dtype, mlp, name="layers")(None)
         _Norm(cfg.hidden_size, self.dtype, name="final_norm")()
+        if cfg.mixed_layers:
+            scan(_MlpStack, length=len(cfg.dense_layer_ids))(cfg, self.dtype, "dense", name="dense_mlps")(None)
+            scan(_MlpStack, length=len(cfg.moe_layer_ids))(cfg, self.dtype, "moe", name="moe_mlps")(None)
 
 
 def init_backbone(cfg: ModelConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
     """Random backbone params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
     variables = _BackboneParams(cfg, dtype).init(rng)
-    return _plain(variables["params"])
+    params = _plain(variables["params"])
+    if cfg.mixed_layers:  # the MLP stacks join the layers (layout above)
+        params["layers"].update(params.pop("dense_mlps"), **params.pop("moe_mlps"))
+    return params
 
 
 def _plain(tree: Any) -> Any:

@@ -28,6 +28,7 @@ from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, R
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
+from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.sampler import bucket_length
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler.engine import programs as engine_programs
@@ -58,6 +59,8 @@ class Program:
     micro_pass: str | None = None  # the BatchPlan pass whose micro-batch it runs (for 'auto')
     trips: Callable[[BatchPlan], int] = lambda plan: 1  # loop trips XLA's cost analysis counts once
     extra_flops: Callable[[BatchPlan], float] = lambda plan: 0.0  # FLOPs outside any counted loop body
+    # (per device, added as they are: the decode steps past the first, a MoE model's routed experts
+    # inside the blocked kernel's loop, models/moe.py `uncounted_expert_flops`)
     kv_bytes: int = 0  # per device: the sampler's KV cache
     layers: int = 1  # trips of its model's layer scan (counted once, like any loop body)
 
@@ -202,10 +205,13 @@ def sample_program(ctx: Context) -> Program:
     ways = batch_axis_size(mesh)
     prompts = -(-spec.plan.prompts // ways) * ways  # RolloutGenerator pads the batch to the mesh's batch ways
     rows, width, r = prompts * sampling.n, ctx.prompt_width, sampling.max_new_tokens
-    # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per parameter per row
-    decode = lambda plan: 2.0 * ctx.actor.num_params * rows * (r - 1) / mesh.size  # noqa: E731
+    # XLA counts the decode loop's body once: the other r - 1 tokens are ~2 FLOPs per active parameter per row
+    # (a MoE token runs its top-k experts only)
+    per_token = 2.0 * active_params(cfg, ctx.actor.num_params)
+    decode = lambda plan: per_token * rows * (r - 1) / mesh.size  # noqa: E731
     if spec.rollout_engine.resolved(r, multi_turn=spec.multi_turn is not None).engine == "paged":
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
+    prefill_experts = uncounted_expert_flops(cfg, rows * width) / mesh.size
 
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
@@ -219,8 +225,9 @@ def sample_program(ctx: Context) -> Program:
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
-    return Program("sample", lower, (*ctx.policy_states, "kv_pool"), lambda plan: keys, extra_flops=decode,
-                   kv_bytes=kv_bytes, layers=cfg.num_hidden_layers)
+    return Program("sample", lower, (*ctx.policy_states, "kv_pool"), lambda plan: keys,
+                   extra_flops=lambda plan: decode(plan) + prefill_experts, kv_bytes=kv_bytes,
+                   layers=cfg.num_hidden_layers)
 
 
 def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, decode: Callable) -> Program:
@@ -280,8 +287,9 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
         return (*out, MESH_KEYS)
 
     states = ctx.policy_states if state == "actor_params" else (state,)
+    experts = uncounted_expert_flops(model.cfg, n * t) / ctx.mesh.size  # every row through the experts once
     return Program(name, lower, states, keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan),
-                   layers=model.cfg.num_hidden_layers)
+                   extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers)
 
 
 def ref_program(ctx: Context) -> Program | None:
@@ -354,8 +362,11 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
         return s.ppo_epochs * num_mini * num_micro
 
     states = (f"{role}_params", f"{role}_opt") + (("actor_base_params",) if lora else ())
+    # each epoch: forward + backward (2x) through the experts, and the forward again under remat
+    passes = s.ppo_epochs * (3 + (s.remat != "none"))
+    experts = uncounted_expert_flops(model.cfg, passes * n * t) / ctx.mesh.size
     return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips,
-                   layers=model.cfg.num_hidden_layers)
+                   extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers)
 
 
 def critic_update_program(ctx: Context) -> Program | None:

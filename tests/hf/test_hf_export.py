@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import build_hf_model, left_padded_batch, torch_logits
+from tiny_models import build_hf_model, family_case, left_padded_batch, torch_logits
 
 from jaxrl_llm.hf import export_hf, load_hf_folder, load_tokenizer
 from jaxrl_llm.models import compute_logits, greedy_generate
@@ -36,11 +36,13 @@ def _hf_greedy(model, ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
     return out[:, ids.shape[1]:].numpy()
 
 
-@pytest.mark.parametrize("family,shard", [("qwen3", None), ("llama", 40_000), ("qwen2_moe", 40_000), ("mixtral", None)])
-def test_export_roundtrip_logits_and_greedy(family, shard, tmp_path, np_rng):
+@pytest.mark.parametrize("case,shard", [("qwen3", None), ("llama", 40_000), ("qwen2_moe", 40_000), ("mixtral", None),
+                                        ("qwen2_moe_mixed", 40_000)])
+def test_export_roundtrip_logits_and_greedy(case, shard, tmp_path, np_rng):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    build_hf_model(family, tmp_path / "src", tie_word_embeddings=(family == "llama"))
+    family, overrides = family_case(case)
+    build_hf_model(family, tmp_path / "src", tie_word_embeddings=(family == "llama"), **overrides)
     cfg, params = load_hf_folder(tmp_path / "src")
     out = tmp_path / "out"
     kw = {} if shard is None else {"max_shard_size": shard}

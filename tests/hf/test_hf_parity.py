@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import build_hf_model, left_padded_batch, torch_logits
+from tiny_models import MIXED_MOE, build_hf_model, left_padded_batch, torch_logits
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import compute_logits, forward_hidden, score_from_hidden
@@ -28,6 +28,7 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {}),
     "qwen2_moe": ("qwen2_moe", {}),
     "mixtral": ("mixtral", {}),
+    **MIXED_MOE,  # dense MLP layers between the sparse ones
 }
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from tiny_models import build_hf_model, left_padded_batch, torch_logits
+from tiny_models import build_hf_model, family_case, left_padded_batch, torch_logits
 
 from jaxrl_llm.hf import export_hf, load_hf_folder
 from jaxrl_llm.hf.peft import export_peft
@@ -19,15 +19,16 @@ from jaxrl_llm.models.lora import LoraConfig, init_lora, merge_lora, with_lora
 compute_logits = jax.jit(compute_logits, static_argnums=1)
 
 
-@pytest.mark.parametrize("family,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj")),
-                                            ("qwen2_moe", ("q_proj", "v_proj", "down_proj")),
-                                            ("qwen3_moe", "all-linear")])
-def test_peft_adapter_folder_loads_with_equal_logits(family, targets, tmp_path, np_rng):
+@pytest.mark.parametrize("case,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj")),
+                                          ("qwen2_moe", ("q_proj", "v_proj", "down_proj")),
+                                          ("qwen3_moe", "all-linear"), ("qwen2_moe_mixed", ("v_proj", "down_proj"))])
+def test_peft_adapter_folder_loads_with_equal_logits(case, targets, tmp_path, np_rng):
     pytest.importorskip("peft")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    build_hf_model(family, tmp_path / "base")
+    family, overrides = family_case(case)
+    build_hf_model(family, tmp_path / "base", **overrides)
     cfg, params = load_hf_folder(tmp_path / "base")
     lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
     ad = init_lora(cfg, lora, jax.random.key(1))
@@ -48,6 +49,9 @@ def test_peft_adapter_folder_loads_with_equal_logits(family, targets, tmp_path, 
         assert tensors[prefix + f"{mlp}.down_proj.lora_A.weight"].shape == (4, width)  # [r, in]
     assert tensors[prefix + "self_attn.v_proj.lora_B.weight"].shape == (
         cfg.num_key_value_heads * cfg.head_dim, 4)  # [out, r]
+    if cfg.mixed_layers:  # a dense layer's MLP has its own adapters (layer 1 above is sparse)
+        assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (
+            4, cfg.intermediate_size)
     assert len(tensors) == 2 * cfg.num_hidden_layers * len(targets_present)
 
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import build_hf_model, left_padded_batch
+from tiny_models import build_hf_model, family_case, left_padded_batch
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params
@@ -103,18 +103,22 @@ def test_grouped_matmul_flops_grow_with_tokens_times_k_not_experts():
     assert blocked_32 / blocked < 1.2 * padding_growth < 1.9
 
 
-def test_aux_loss_equals_transformers_and_routing_spreads(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_mixed"])
+def test_aux_loss_equals_transformers_and_routing_spreads(case, tmp_path):
     import torch
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    model = build_hf_model("qwen3_moe", tmp_path, output_router_logits=True)
+    family, overrides = family_case(case)
+    model = build_hf_model(family, tmp_path, output_router_logits=True, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     ids, mask = left_padded_batch(np.random.default_rng(0), cfg.vocab_size, lengths=(12, 9, 5))
     _, moe = forward_hidden_moe(params, cfg, jnp.asarray(ids), jnp.asarray(mask))
     assert moe is not None
-    per_layer_experts = (np.asarray(moe.stats.counts) > 0).sum(axis=-1)
+    sparse = list(cfg.moe_layer_ids)  # a dense layer's stats count no tokens (HF pools the sparse layers only)
+    np.testing.assert_array_equal(np.asarray(moe.stats.tokens) > 0, np.isin(np.arange(cfg.num_hidden_layers), sparse))
+    per_layer_experts = (np.asarray(moe.stats.counts)[sparse] > 0).sum(axis=-1)
     assert (per_layer_experts >= 6).all(), per_layer_experts  # tokens really go to different experts
-    np.testing.assert_allclose(np.asarray(moe.stats.counts).sum(-1), mask.sum() * 2)  # k per valid token
+    np.testing.assert_allclose(np.asarray(moe.stats.counts)[sparse].sum(-1), mask.sum() * 2)  # k per valid token
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
     expected = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok,
@@ -122,7 +126,8 @@ def test_aux_loss_equals_transformers_and_routing_spreads(tmp_path):
     np.testing.assert_allclose(float(load_balancing_loss(moe.stats)), float(expected), rtol=1e-5)
     # z-loss: the mean over layers and valid tokens of logsumexp(router logits)^2
     lse = np.stack([torch.logsumexp(r, -1).numpy() for r in out.router_logits])  # [L, B*T]
-    want_z = (lse ** 2 * mask.reshape(-1)).sum() / (mask.sum() * cfg.num_hidden_layers)
+    assert len(out.router_logits) == len(sparse)
+    want_z = (lse ** 2 * mask.reshape(-1)).sum() / (mask.sum() * len(sparse))
     np.testing.assert_allclose(float(router_z_loss(moe.stats)), want_z, rtol=1e-5)
     load = float(expert_load_max(moe.stats))
     assert 1.0 <= load <= cfg.num_experts
@@ -157,9 +162,19 @@ def test_config_json_round_trip_and_refused_layouts(family):
     cfg = ModelConfig.tiny(family)
     hf = cfg.to_hf_config()
     assert ModelConfig.from_hf_config(hf) == cfg
+    assert cfg.moe_layer_ids == (0, 1) and not cfg.mixed_layers
     if family != "mixtral":
-        for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
-            with pytest.raises(ValueError, match=f"config.json: {key}="):
-                ModelConfig.from_hf_config({**hf, key: value})
+        # HF's rule: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+        hf4 = {**hf, "num_hidden_layers": 6}
+        mixed = ModelConfig.from_hf_config({**hf4, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+        assert (mixed.moe_layer_ids, mixed.dense_layer_ids, mixed.mixed_layers) == ((1, 5), (0, 2, 3, 4), True)
+        assert ModelConfig.from_hf_config(mixed.to_hf_config()) == mixed
+        assert ModelConfig.from_hf_config({**hf4, "mlp_only_layers": [0, 4]}).dense_layer_ids == (0, 4)
+        with pytest.raises(ValueError, match="leave no layer with experts"):
+            ModelConfig.from_hf_config({**hf4, "decoder_sparse_step": 7})
+        with pytest.raises(ValueError, match="mlp_only_layers=.*layer 6 is not in 0..5"):
+            ModelConfig.from_hf_config({**hf4, "mlp_only_layers": [6]})
+        with pytest.raises(ValueError, match="config.json: num_experts=0"):
+            ModelConfig.from_hf_config({**hf4, "num_experts": 0})
     with pytest.raises(ValueError, match="router_jitter_noise=0.1 is unsupported"):
         ModelConfig.from_hf_config({**hf, "router_jitter_noise": 0.1})

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 from sampler_fixtures import EOS_ID, MESHES, PAD_ID, PROMPTS, PROMPTS8, hf_greedy
-from tiny_models import MOE_FAMILIES, build_hf_model
+from tiny_models import MIXED_MOE, MOE_FAMILIES, build_hf_model, family_case
 
 from jaxrl_llm import sharding
 from jaxrl_llm.hf import load_hf_folder
@@ -15,9 +15,10 @@ from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 NEW = 12
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES])
-def test_engine_greedy_matches_transformers(family, tmp_path):
-    torch_model = build_hf_model(family, tmp_path)
+@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *MIXED_MOE])
+def test_engine_greedy_matches_transformers(case, tmp_path):
+    family, overrides = family_case(case)
+    torch_model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     hf_ids, hf_mask = left_pad(PROMPTS, PAD_ID, length=max(map(len, PROMPTS)))
     expected = hf_greedy(torch_model, hf_ids, hf_mask, NEW, EOS_ID, PAD_ID)

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy
-from tiny_models import MOE_FAMILIES, build_hf_model
+from tiny_models import MIXED_MOE, MOE_FAMILIES, build_hf_model, family_case
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
@@ -11,9 +11,10 @@ from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 NEW_TOKENS = 12
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES])
-def test_greedy_matches_transformers(family, tmp_path):
-    torch_model = build_hf_model(family, tmp_path)
+@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *MIXED_MOE])
+def test_greedy_matches_transformers(case, tmp_path):
+    family, overrides = family_case(case)
+    torch_model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     # ours: padded to the 16-token bucket; transformers: padded to the longest prompt only
     ids, mask = left_pad(PROMPTS, PAD_ID)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from moe_cases import CFG, SETTINGS, moe_batch
+from moe_cases import CFG, MIXED_CFG, SETTINGS, moe_batch
 from tiny_runs import tiny_config
 
 from jaxrl_llm import sharding
@@ -29,16 +29,16 @@ PROMPTS8 = [[5, 17, 9, 33, 23, 2, 41, 7, 60], [12, 25, 3], [47, 4, 4, 8, 19], [2
 NEW = 6
 
 
-def _update(mesh: jax.sharding.Mesh | None):
+def _update(mesh: jax.sharding.Mesh | None, cfg=CFG):
     """One actor update (loss, router losses, SGD step) and the compiled program's text."""
-    params, batch = init_params(CFG, jax.random.key(0)), moe_batch()
+    params, batch = init_params(cfg, jax.random.key(0)), moe_batch()
     rows = None
     if mesh is not None:
-        params = sharding.shard_params(params, param_logical_axes(CFG), mesh)
+        params = sharding.shard_params(params, param_logical_axes(cfg), mesh)
         rows = NamedSharding(mesh, PartitionSpec(sharding.batch_axes(mesh)))
         batch = sharding.shard_batch(batch, mesh)
     tx = optax.sgd(0.5)
-    update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=SETTINGS, tx=tx,
+    update = jax.jit(functools.partial(update_actor, model_cfg=cfg, s=SETTINGS, tx=tx,
                                        num_mini_batches=1, num_micro_batches=1, rows_sharding=rows))
     args = (params, tx.init(params), batch, jax.random.key(1))
     with sharding.mesh_context(mesh):
@@ -66,6 +66,22 @@ def test_update_same_on_expert_meshes(one_device_update, mesh_name):
     # tokens go to their experts (all-gather over `expert`) and come back summed (reduce-scatter)
     assert "reduce-scatter" in hlo and "all-gather" in hlo
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
+    for key in ("actor/pg_loss", "moe/aux_loss", "moe/z_loss", "moe/expert_load_max", "actor/grad_norm"):
+        np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=key)
+
+
+def test_mixed_layer_update_same_on_an_expert_mesh():
+    """A dense MLP layer between the sparse ones: its layer picks the dense stack (lax.cond), the sparse
+    layers exchange tokens over `expert`, and the update equals the 1-device one."""
+    assert MIXED_CFG.moe_layer_ids == (0, 2) and MIXED_CFG.dense_layer_ids == (1,)
+    p1, m1, _, _ = _update(None, MIXED_CFG)
+    p8, m8, hlo, placed = _update(sharding.make_mesh(MESHES["fsdp2_expert4"]), MIXED_CFG)
+    assert placed["layers"]["moe"]["experts"]["gate_proj"]["kernel"].addressable_shards[0].data.shape[:2] == (2, 2)
+    assert placed["layers"]["mlp"]["gate_proj"]["kernel"].shape[0] == 1
+    assert "reduce-scatter" in hlo
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
+    fresh = init_params(MIXED_CFG, jax.random.key(0))["layers"]["mlp"]["up_proj"]["kernel"]
+    assert float(np.abs(p1["layers"]["mlp"]["up_proj"]["kernel"] - np.asarray(fresh)).max()) > 0  # the dense MLP trains
     for key in ("actor/pg_loss", "moe/aux_loss", "moe/z_loss", "moe/expert_load_max", "actor/grad_norm"):
         np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=key)
 

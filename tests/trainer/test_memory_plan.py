@@ -201,6 +201,30 @@ def test_planned_flops_count_every_layer(tmp_path):
     assert flops[4, "update_actor"] == pytest.approx(analytic, rel=0.2)
 
 
+def test_planned_flops_count_the_routed_experts(tmp_path):
+    # the blocked expert kernel is a loop over row blocks whose body XLA counts once: the plan adds the
+    # routed experts analytically (tokens x k per sparse layer), so a MoE update counts about as much as
+    # the dense model of its active shape (an MLP k x moe_intermediate_size wide), which XLA counts whole
+    from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
+
+    def update_flops(path: str, **tiny) -> tuple[float, float, Planner]:
+        spec, mesh, tok = _spec(tmp_path / path, **{"actor_rollout_ref.model.path": path,
+                                                    "actor_rollout_ref.actor.remat_policy": "none", **tiny})
+        planner = Planner(spec, mesh, tok)
+        update = next(p for p in planner.programs if p.name == "update_actor")
+        return planner.analyse(update, spec.plan).flops, update.extra_flops(spec.plan), planner
+
+    moe, experts, planner = update_flops("tiny:qwen3_moe")
+    cfg = planner.ctx.actor.cfg
+    width = cfg.num_experts_per_tok * cfg.moe_intermediate_size
+    dense, _, dense_planner = update_flops("tiny:qwen3", **{"actor_rollout_ref.model.tiny.intermediate_size": width})
+    assert active_params(cfg, planner.ctx.actor.num_params) == pytest.approx(  # + the router
+        dense_planner.ctx.actor.num_params, abs=cfg.hidden_size * cfg.num_experts)
+    rows, seq = planner.ctx.spec.plan.sequences, planner.ctx.seq_len
+    assert experts == uncounted_expert_flops(cfg, 3 * rows * seq) / planner.ctx.mesh.size > 0.25 * dense
+    assert moe == pytest.approx(dense, rel=0.12)  # without the experts' count it would be > 25% short
+
+
 def test_pipeline_weight_copies_are_resident(tmp_path):
     # offset 1 / interval 1: at a sync the copy of step k - 1 (its rollout still running) and step k's
     spec, mesh, tok = _spec(tmp_path, **{"synchronizer.sync_offset": 1})

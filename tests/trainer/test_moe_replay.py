@@ -21,6 +21,8 @@ from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.trainer import Trainer
 
 CFG = ModelConfig.tiny("qwen3_moe")
+# a dense MLP layer between two sparse ones: its recorded ids are unused and its replay rows ignored
+MIXED_CFG = ModelConfig.tiny("qwen3_moe", num_hidden_layers=3, mlp_only_layers=(1,))
 NEW_TOKENS = 16
 
 
@@ -34,55 +36,59 @@ def _near_tied(params: dict, eps: float = 1e-6) -> dict:
     return {**params, "layers": {**params["layers"], "moe": moe}}
 
 
-@pytest.fixture(scope="module")
-def rollout():
-    params = _near_tied(init_params(CFG, jax.random.key(0)))
+@pytest.fixture(scope="module", params=["sparse", "mixed"])
+def rollout(request):
+    cfg = CFG if request.param == "sparse" else MIXED_CFG
+    params = _near_tied(init_params(cfg, jax.random.key(0)))
     ids, mask = left_pad(_prompts(), 0)
     settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(
-        CFG.eos_token_ids, 0, vocab_size=CFG.vocab_size)
-    out = sample(params, CFG, ids, mask, jax.random.key(1), knobs,
+        cfg.eos_token_ids, 0, vocab_size=cfg.vocab_size)
+    out = sample(params, cfg, ids, mask, jax.random.key(1), knobs,
                  settings=dataclasses.replace(settings, record_routing=True))
     full = jnp.concatenate([out.prompt_ids, out.tokens], 1)
     attention = jnp.concatenate([out.prompt_mask, out.response_mask], 1)
-    return params, out, full, attention
+    return cfg, params, out, full, attention
 
 
 def test_sampler_records_every_fed_token(rollout):
-    _, out, full, attention = rollout
+    cfg, _, out, full, attention = rollout
     routing = np.asarray(out.routing)
-    assert routing.shape == (*full.shape, CFG.num_hidden_layers, CFG.num_experts_per_tok)
+    assert routing.shape == (*full.shape, cfg.num_hidden_layers, cfg.num_experts_per_tok)
     assert routing.dtype == np.int8  # 8 experts: compact ids
     fed = np.asarray(attention).astype(bool).copy()
     fed[np.arange(fed.shape[0]), ids_end := out.prompt_ids.shape[1] + np.asarray(out.lengths) - 1] = False
-    assert (routing[fed] >= 0).all() and (routing[fed] < CFG.num_experts).all()
+    assert (routing[fed] >= 0).all() and (routing[fed] < cfg.num_experts).all()
     assert (routing[~np.asarray(attention).astype(bool)] == NOT_RECORDED).all()  # padding: nothing fed
     # the last sampled token is never fed to the model: nothing recorded for it
     assert (routing[np.arange(fed.shape[0]), ids_end] == NOT_RECORDED).all()
 
 
 def test_replay_brings_the_log_prob_mismatch_back_to_the_floor(rollout):
-    params, out, full, attention = rollout
+    cfg, params, out, full, attention = rollout
     recorded = np.asarray(out.routing)
-    _, moe = forward_hidden_moe(params, CFG, full, attention, record_routing=True)
+    _, moe = forward_hidden_moe(params, cfg, full, attention, record_routing=True)
     assert moe is not None and moe.routing is not None
     recomputed = np.moveaxis(np.asarray(moe.routing), 0, 2)
+    sparse = list(cfg.moe_layer_ids)
+    recorded, recomputed = recorded[:, :, sparse], recomputed[:, :, sparse]  # dense layers route nothing
     scored = recorded[..., 0] >= 0
     flips = ~(np.sort(recorded, -1) == np.sort(recomputed, -1)).all(-1) & scored
     assert flips.sum() >= 5, flips.sum()  # the trainer's own routing differs for some tokens
     mask = np.asarray(out.response_mask) > 0
-    free = np.asarray(response_log_probs(params, CFG, full, attention, NEW_TOKENS))
-    replayed = np.asarray(response_log_probs(params, CFG, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
+    free = np.asarray(response_log_probs(params, cfg, full, attention, NEW_TOKENS))
+    recorded = np.asarray(out.routing)
+    replayed = np.asarray(response_log_probs(params, cfg, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
     sampler = np.asarray(out.log_probs)
     assert np.abs(free - sampler)[mask].max() > 1e-3  # routed by itself: the importance ratio drifts
     assert np.abs(replayed - sampler)[mask].max() <= 1e-6  # replayed: the dense model's fp32 floor
-    _, stats = forward_hidden_moe(params, CFG, full, attention, replay=jnp.moveaxis(jnp.asarray(recorded), 2, 0))
+    _, stats = forward_hidden_moe(params, cfg, full, attention, replay=jnp.moveaxis(jnp.asarray(recorded), 2, 0))
     assert stats is not None
     assert float(jnp.sum(stats.stats.agree)) < float(jnp.sum(stats.stats.tokens))
 
     def loss(router):
         moe_params = {**params["layers"]["moe"], "router": {"kernel": router}}
         p = {**params, "layers": {**params["layers"], "moe": moe_params}}
-        return jnp.sum(response_log_probs(p, CFG, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
+        return jnp.sum(response_log_probs(p, cfg, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
 
     assert float(jnp.abs(jax.grad(loss)(params["layers"]["moe"]["router"]["kernel"])).max()) > 0
 
