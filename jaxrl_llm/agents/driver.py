@@ -46,11 +46,13 @@ FINISH_REASONS = ("eos", "stop", "length")
 
 
 class Generated(NamedTuple):
-    """One continuation from `continue_fn`."""
+    """One continuation from `continue_fn`. routing: when recording a MoE model's routing, the experts
+    of the prefix and the generated tokens [len(prefix) + len(token_ids), L, k] (routing replay)."""
 
     token_ids: Sequence[int]
     log_probs: Sequence[float]
     finish_reason: str  # FINISH_REASONS
+    routing: Any = None
 
 
 ContinueFn = Callable[[list[list[int]], list[int], tuple[int, ...]], Sequence[Generated]]
@@ -171,7 +173,7 @@ class TurnOutcome:
 def record_model_turn(t: Trajectory, out: Generated, *, limits: TurnLimits, tools: Mapping[str, BaseTool],
                       schemas: Mapping[str, dict], parse: Callable) -> TurnOutcome | None:
     """Appends one generation and returns what comes next, or None when the trajectory ended."""
-    content = t.add_model_turn(out.token_ids, out.log_probs, out.finish_reason)
+    content = t.add_model_turn(out.token_ids, out.log_probs, out.finish_reason, routing=out.routing)
     calls = _after_turn(t, content, out.finish_reason, limits, schemas, parse)
     if t.done:
         return None
@@ -240,9 +242,12 @@ def check_call_limits(max_parallel_calls: int, tool_timeout_s: float) -> None:
 def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, *, limits: TurnLimits,
                    tools: Mapping[str, BaseTool] | None = None, max_parallel_calls: int = 1,
                    tool_timeout_s: float = 30.0, stop_token_ids: Sequence[int] = (),
-                   sanity_check: bool = False, tool_call_format: str = "hermes") -> MultiTurnResult:
+                   sanity_check: bool = False, tool_call_format: str = "hermes",
+                   record_routing: bool = False) -> MultiTurnResult:
     """Runs every trajectory to its end in rounds (see the module docstring); returns them with
-    metrics. `tool_call_format`: veRL's multi_turn.format (`tool_parser.TOOL_CALL_FORMATS`)."""
+    metrics. `tool_call_format`: veRL's multi_turn.format (`tool_parser.TOOL_CALL_FORMATS`).
+    `record_routing`: a MoE model's routing is recorded: `continue_fn` also gets `routings=`, each
+    prefix's experts so far (`Trajectory.prefix_routing`), and returns the whole record."""
     check_call_limits(max_parallel_calls, tool_timeout_s)
     runner = JobRunner(max_parallel_calls, tool_timeout_s)
     trajs, kit = list(trajectories), Tools(tools, tool_call_format)
@@ -255,7 +260,12 @@ def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, 
             if not active:
                 break
             active_budgets = [budget for _, budget in active]
-            outs = list(continue_fn([t.ids for t, _ in active], active_budgets, stops))
+            prefixes = [t.ids for t, _ in active]
+            if record_routing:
+                outs = list(continue_fn(prefixes, active_budgets, stops,
+                                        routings=[t.prefix_routing() for t, _ in active]))  # pyright: ignore[reportCallIssue]
+            else:
+                outs = list(continue_fn(prefixes, active_budgets, stops))
             _check_outputs(outs, active_budgets)
             outcomes: list[tuple[Trajectory, TurnOutcome]] = []
             for (t, _), o in zip(active, outs):

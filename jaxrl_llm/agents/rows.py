@@ -20,6 +20,7 @@ import numpy as np
 from jaxrl_llm.agents.chat import ChatRenderer
 from jaxrl_llm.agents.environment import Environment, interaction_kwargs
 from jaxrl_llm.agents.trajectory import Trajectory
+from jaxrl_llm.models.moe import NOT_RECORDED
 
 
 def _messages(row: Mapping[str, Any], key: str, index: int) -> list[dict]:
@@ -75,6 +76,9 @@ class TrajectoryBatch:
     loss_mask: np.ndarray  # int32 [B, R]: 1 on model tokens only
     rollout_log_probs: np.ndarray  # float32 [B, R]: rollout log-probs on model tokens, 0 elsewhere
     num_turns: np.ndarray  # int32 [B]: assistant + user turns + 1
+    # routing replay: the sampler's experts [B, P + R, L, k] in the [prompt | response] layout
+    # (NOT_RECORDED where nothing was fed); None unless every trajectory recorded its routing
+    routing: np.ndarray | None = None
 
 
 def pad_trajectories(trajs: Sequence[Trajectory], *, prompt_length: int, response_length: int,
@@ -99,7 +103,20 @@ def pad_trajectories(trajs: Sequence[Trajectory], *, prompt_length: int, respons
         out["loss_mask"][i, :n] = t.loss_mask
         out["rollout_log_probs"][i, :n] = t.response_log_probs
     turns = np.array([t.assistant_turns + t.user_turns + 1 for t in trajs], np.int32)
-    return TrajectoryBatch(**out, num_turns=turns)
+    return TrajectoryBatch(**out, num_turns=turns, routing=_routing_rows(trajs, prompt_length, response_length))
+
+
+def _routing_rows(trajs: Sequence[Trajectory], prompt_length: int, response_length: int) -> np.ndarray | None:
+    records = [t.prefix_routing() for t in trajs]
+    if not records or any(r is None for r in records):
+        return None
+    first = next(r for r in records if r is not None)
+    out = np.full((len(trajs), prompt_length + response_length, *first.shape[1:]), NOT_RECORDED, first.dtype)
+    for i, (t, rec) in enumerate(zip(trajs, records)):
+        assert rec is not None
+        start = prompt_length - len(t.prompt_ids)
+        out[i, start:start + len(rec)] = rec
+    return out
 
 
 __all__ = ["TrajectoryBatch", "pad_trajectories", "trajectories_from_rows"]

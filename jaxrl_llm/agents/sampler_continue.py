@@ -24,6 +24,7 @@ from jaxrl_llm.agents.driver import Generated
 from jaxrl_llm.agents.tool_parser import TOOL_CALL_END
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_batch, left_pad, sample
 from jaxrl_llm.sharding import batch_axis_size, shard_batch
 
@@ -50,7 +51,10 @@ class StaticSamplerContinue:
         self.calls = 0
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
+                 ) -> list[Generated]:
+        """`routings`: record a MoE model's routing, each prefix replaying its experts so far (None or
+        NOT_RECORDED rows: the router's choice); each `Generated` then carries its whole record."""
         if not prefixes or len(prefixes) != len(max_new_tokens) or min(max_new_tokens) < 1:
             raise ValueError(f"StaticSamplerContinue: {len(prefixes)} prefixes and budgets {list(max_new_tokens)} "
                              "(need one budget >= 1 per prefix)")
@@ -60,12 +64,31 @@ class StaticSamplerContinue:
         rows = bucket_batch(len(prefixes), 1 if self.mesh is None else batch_axis_size(self.mesh))
         batch = list(prefixes) + [prefixes[0]] * (rows - len(prefixes))
         ids, mask = left_pad(batch, self.pad_id, length=self.prefix_length)
+        replay = None
+        if routings is not None and self.cfg.is_moe:
+            settings = dataclasses.replace(settings, record_routing=True)
+            replay = left_pad_routing(self.cfg, list(routings) + [routings[0]] * (rows - len(prefixes)),
+                                      [len(p) for p in batch], ids.shape[1])
         if self.mesh is not None:
             ids, mask = shard_batch((ids, mask), self.mesh)
+            replay = None if replay is None else shard_batch(replay, self.mesh)
         rng = jax.random.fold_in(jax.random.key(params.seed), self.calls)
         self.calls += 1
-        out = sample(self.params, self.cfg, ids, mask, rng, knobs, settings=settings, mesh=self.mesh)
-        return cut_to_budgets(out, max_new_tokens)
+        out = sample(self.params, self.cfg, ids, mask, rng, knobs, settings=settings, mesh=self.mesh,
+                     prompt_routing=replay)
+        return cut_to_budgets(out, max_new_tokens, [len(p) for p in prefixes])
+
+
+def left_pad_routing(cfg: ModelConfig, routings: Sequence[np.ndarray | None], lengths: Sequence[int],
+                     width: int) -> np.ndarray:
+    """Prefixes' recorded experts left-padded like their ids: [rows, width, L, k], NOT_RECORDED where
+    the router chooses (padding, a prefix without a record, tokens never fed)."""
+    out = np.full((len(lengths), width, cfg.num_hidden_layers, cfg.num_experts_per_tok), NOT_RECORDED,
+                  routing_dtype(cfg.num_experts))
+    for row, (rec, n) in enumerate(zip(routings, lengths)):
+        if rec is not None:
+            out[row, width - n:width - n + len(rec)] = rec[:n]
+    return out
 
 
 def round_sampling(sampling: SamplingParams, max_new_tokens: Sequence[int], stop_token_ids: Sequence[int],
@@ -77,18 +100,25 @@ def round_sampling(sampling: SamplingParams, max_new_tokens: Sequence[int], stop
                                stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *stop_token_ids))))
 
 
-def cut_to_budgets(out: Any, max_new_tokens: Sequence[int]) -> list[Generated]:
+def cut_to_budgets(out: Any, max_new_tokens: Sequence[int], prefix_lengths: Sequence[int] | None = None
+                   ) -> list[Generated]:
     """A sampler output's rows (first `len(max_new_tokens)`) as `Generated`, each cut to its own budget
-    (finish "length" when cut)."""
+    (finish "length" when cut). With a recorded routing (and the rows' `prefix_lengths`), each carries
+    the experts of its prefix and generated tokens."""
     tokens, log_probs = np.asarray(out.tokens), np.asarray(out.log_probs)
     lengths, finish = np.asarray(out.lengths), np.asarray(out.finish_reason)
+    routing = None if out.routing is None or prefix_lengths is None else np.asarray(out.routing)
+    width = np.asarray(out.prompt_ids).shape[1]
     result = []
     for i, budget in enumerate(max_new_tokens):
         n, reason = int(lengths[i]), FINISH_REASONS[int(finish[i])]
         if n > budget:
             n, reason = int(budget), "length"
-        result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason))
+        rec = None
+        if routing is not None and prefix_lengths is not None:  # [prefix | the n kept tokens]
+            rec = routing[i, width - prefix_lengths[i]:width + n]
+        result.append(Generated(tokens[i, :n].tolist(), log_probs[i, :n].tolist(), reason, rec))
     return result
 
 
-__all__ = ["StaticSamplerContinue", "cut_to_budgets", "round_sampling", "tool_call_stop_ids"]
+__all__ = ["StaticSamplerContinue", "cut_to_budgets", "left_pad_routing", "round_sampling", "tool_call_stop_ids"]

@@ -62,8 +62,9 @@ class TrajectorySource:
     """`RequestSource` of multi-turn trajectories (see the module docstring)."""
 
     def __init__(self, trajs: Sequence[Trajectory], *, limits: TurnLimits, tools: Tools,
-                 runner: JobRunner[JobKey]) -> None:
+                 runner: JobRunner[JobKey], record_routing: bool = False) -> None:
         self.trajs, self.limits, self.tools, self.runner = list(trajs), limits, tools, runner
+        self.record_routing = record_routing  # each request replays its trajectory's experts so far
         self.ready: list[int] = list(range(len(self.trajs)))  # trajectories due for their next request
         self.waiting: dict[int, TurnOutcome] = {}  # trajectory -> its turn, while calls are out
         self.outstanding: dict[int, int] = {}  # trajectory -> calls not answered yet
@@ -80,15 +81,19 @@ class TrajectorySource:
             if budget is None:
                 continue
             ids = t.ids
-            group = shared.setdefault(tuple(ids), next(self.groups))
-            out.append(EngineRequest(ids, (k, t.assistant_turns), group, budget))
+            routing = t.prefix_routing() if self.record_routing else None
+            # one prefill per prefix: the same ids and, when replaying, the same experts
+            same = (tuple(ids), None if routing is None else routing.tobytes())
+            group = shared.setdefault(same, next(self.groups))
+            out.append(EngineRequest(ids, (k, t.assistant_turns), group, budget, routing))
         self.ready = []
         return out
 
-    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int) -> None:
+    def finished(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray, finish: int,
+                 routing: np.ndarray | None = None) -> None:
         k = request.key[0]
         t = self.trajs[k]
-        gen = Generated([int(x) for x in token_ids], [float(x) for x in log_probs], FINISH_REASONS[finish])
+        gen = Generated([int(x) for x in token_ids], [float(x) for x in log_probs], FINISH_REASONS[finish], routing)
         outcome = self.tools.record(t, gen, self.limits)
         if outcome is None:
             return
@@ -144,15 +149,17 @@ class TrajectorySource:
 def run_multi_turn_streaming(trajectories: Sequence[Trajectory], serve: Callable[[TrajectorySource], Any], *,
                              limits: TurnLimits, tools: Mapping[str, BaseTool] | None = None,
                              max_parallel_calls: int = 1, tool_timeout_s: float = 30.0, sanity_check: bool = False,
-                             tool_call_format: str = "hermes") -> MultiTurnResult:
+                             tool_call_format: str = "hermes", record_routing: bool = False) -> MultiTurnResult:
     """Runs every trajectory to its end through `serve(source)` (an engine's `serve` over the source;
-    the tool-call stop ids belong in its sampling settings). Same result type as `run_multi_turn`."""
+    the tool-call stop ids belong in its sampling settings). Same result type as `run_multi_turn`.
+    `record_routing`: the engine records a MoE model's routing (settings.record_routing) and each
+    continuation's prefill replays the experts its trajectory ran so far."""
     check_call_limits(max_parallel_calls, tool_timeout_s)
     runner = JobRunner(max_parallel_calls, tool_timeout_s)
     trajs, kit = list(trajectories), Tools(tools, tool_call_format)
     try:
         start_tools(trajs, kit.tools)
-        source = TrajectorySource(trajs, limits=limits, tools=kit, runner=runner)
+        source = TrajectorySource(trajs, limits=limits, tools=kit, runner=runner, record_routing=record_routing)
         serve(source)
         running = [i for i, t in enumerate(trajs) if not t.done]
         if running or source.more_coming():

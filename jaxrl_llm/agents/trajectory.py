@@ -17,7 +17,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxrl_llm.agents.chat import ChatRenderer
+from jaxrl_llm.models.moe import NOT_RECORDED
 
 TRUNCATE_SIDES = ("left", "middle", "right")
 SEGMENT_KINDS = ("prompt", "model", "context")
@@ -99,6 +102,9 @@ class Trajectory:
     tool_instances: dict[str, str] = dataclasses.field(default_factory=dict)  # tool name -> instance id
     tool_final_rewards: dict[str, float] = dataclasses.field(default_factory=dict)  # calc_reward per tool
     tool_metrics: list[dict] = dataclasses.field(default_factory=list)
+    # routing replay: the experts the sampler ran for the first len(routing) ids [n, L, k] (the last
+    # generation's record: its prefix replayed the earlier turns' experts); None when not recording
+    routing: Any = None
     _tail: str = ""  # what the last model turn emitted after its content (its EOS text or "")
 
     @classmethod
@@ -156,12 +162,28 @@ class Trajectory:
     def last_model_text(self) -> str:
         return self.messages[-1]["content"] if self.messages[-1]["role"] == "assistant" else ""
 
+    def prefix_routing(self) -> np.ndarray | None:
+        """The recorded experts of every id [len(ids), L, k] (NOT_RECORDED for ids never fed: the last
+        generated token and the context after it), or None before any recording."""
+        if self.routing is None:
+            return None
+        out = np.full((len(self.ids), *self.routing.shape[1:]), NOT_RECORDED, self.routing.dtype)
+        out[:len(self.routing)] = self.routing
+        return out
+
     # ------------------------------------------------------------------ appending turns
-    def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float], finish_reason: str) -> str:
-        """Appends one generation (as produced; never re-tokenized); returns its text content."""
+    def add_model_turn(self, ids: Sequence[int], log_probs: Sequence[float], finish_reason: str, *,
+                       routing: Any = None) -> str:
+        """Appends one generation (as produced; never re-tokenized); returns its text content.
+        `routing`: the sampler's experts of the prefix and this generation [len(ids) after, L, k]."""
         ids, log_probs = [int(t) for t in ids], [float(x) for x in log_probs]
         if len(ids) != len(log_probs):
             raise ValueError(f"model turn: {len(ids)} ids but {len(log_probs)} log-probs")
+        if routing is not None:
+            if len(routing) != len(self.ids) + len(ids):
+                raise ValueError(f"model turn: routing for {len(routing)} tokens, the prefix and the turn have "
+                                 f"{len(self.ids) + len(ids)}")
+            self.routing = np.asarray(routing)
         self.segments.append(Segment("model", ids, log_probs))
         content, self._tail = self.renderer.split_model_text(self.renderer.decode(ids), finish_reason)
         self.messages.append({"role": "assistant", "content": content})

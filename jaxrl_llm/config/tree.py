@@ -175,8 +175,9 @@ ACTOR = {
     "router_replay": field("none", "Mixture-of-experts models: 'rollout' records the experts the sampler's "
                                    "router chose for every prompt and response token, and the old log-prob pass "
                                    "and the update run those experts (the router's probabilities of them still "
-                                   "weight the outputs and get gradients); 'none' lets every pass route by itself. "
-                                   "Logs moe/routing_agreement (docs/moe.md). veRL: router_replay.mode R3.",
+                                   "weight the outputs and get gradients); in multi-turn rollouts each turn's "
+                                   "prefill also replays the earlier turns' experts. 'none' lets every pass route "
+                                   "by itself. Logs moe/routing_agreement (docs/moe.md). veRL: router_replay.mode R3.",
                            choices=("none", "rollout")),
     "router_z_loss_coef": field(0.0, "Mixture-of-experts models: coefficient of the router z-loss (ST-MoE: mean "
                                      "logsumexp(router logits)^2; docs/moe.md). Logged as moe/z_loss.", ge=0),

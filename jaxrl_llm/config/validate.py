@@ -73,7 +73,6 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
                               f"(model.path={path!r}; valid: " + ", ".join(f"tiny:{a}" for a in names.TINY_MOE_ARCHS)
                               + ")")
     _check_rollout_correction(cfg)
-    _check_router_replay(cfg)
     _check_synchronizer(cfg)
     _check_multi_turn(cfg)
 
@@ -88,14 +87,6 @@ def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
     if rd is not None:
         _require((rd >= 1) if isinstance(rd, int) else (len(rd) >= 1 and all(isinstance(i, int) for i in rd)),
                  "mesh.rollout_devices", cfg, "expected a device count >= 1 or a list of device ids")
-
-
-def _check_router_replay(cfg: ml_collections.ConfigDict) -> None:
-    arr = cfg.actor_rollout_ref
-    if arr.actor.router_replay == "none":
-        return
-    _require(not arr.rollout.multi_turn.enable, f"{ARR}.actor.router_replay", cfg,
-             "multi-turn rollouts do not record their routing yet; use router_replay='none' there")
 
 
 def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:

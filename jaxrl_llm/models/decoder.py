@@ -143,7 +143,8 @@ def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale
 def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None, *,
               dtype: Any, lora_scale: float) -> tuple[Array, RouterStats, Array]:
     """fp32 [B, T, H] MoE MLP of normed x [B, T, H] (compute dtype), this layer's `RouterStats` over
-    valid [B, T] tokens, and the router's own top-k ids [B, T, k]. `replay` [B, T, k]: experts to use."""
+    valid [B, T] tokens, and the experts each token ran [B, T, k] (the router's own top-k, or the
+    replayed ones). `replay` [B, T, k]: experts to use (NOT_RECORDED: the router's choice)."""
     b, t, h = x.shape
     tokens = x.reshape(b * t, h)
     k = cfg.num_experts_per_tok
@@ -155,7 +156,7 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
         gate = project(tokens, weights["shared_expert_gate"], None, 0.0, dtype)
         out = out + jax.nn.sigmoid(gate) * shared
     stats = router_stats(routing, valid.reshape(b * t))
-    return out.reshape(b, t, h), stats, routing.natural_ids.reshape(b, t, k)
+    return out.reshape(b, t, h), stats, routing.ids.reshape(b, t, k)
 
 
 MlpStacks = tuple[dict, dict, Array, Array]  # a mixed-layer model's (params, adapters, is_moe [L], row [L])
@@ -234,8 +235,9 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     """Hidden states after the final norm [B, T, H] (compute dtype) of input_ids [B, T] at integer
     positions [B, T], the attention's final state (see `LayerAttention`) and, for a mixture-of-experts
     model, its `MoeOut`: router stats over valid [B, T] tokens (default all) and, with
-    `record_routing`, each layer's router top-k ids [L, B, T, k]. `replay` [L, B, T, k]: the experts
-    each layer runs instead of its router's top-k (routing replay). A mixed-layer model's dense layers
+    `record_routing`, the experts each layer ran [L, B, T, k] (its router's top-k where not replayed).
+    `replay` [L, B, T, k]: the experts each layer runs instead of its router's top-k (routing replay;
+    a sampler's prefill replays a multi-turn conversation's earlier turns). A mixed-layer model's dense layers
     have stats of no tokens and ids 0, and ignore their `replay` rows."""
     dtype = jnp.dtype(compute_dtype)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream

@@ -25,10 +25,16 @@ layout is static and dropless with no capacity to size. A batch whose token coun
 not divide (a generation of one prompt) runs replicated: every device routes all tokens, computes its
 experts' share and the shares are summed (psum).
 
+The experts' width split over `tensor` stays split inside (gate / up compute their slice, down a
+partial sum, added over `tensor` after the grouped matmul), so the shard_map is manual over every
+axis and no collective runs inside the grouped matmul's loop. With `expert` = 1 the same program
+runs each device's own tokens through all experts, gathered over fsdp (ZeRO-3, as the dense MLPs),
+rather than leaving XLA to place a sharded expert matmul inside the blocked kernel's per-block
+`lax.cond`: a collective inside a conditional is what deadlocked XLA:CPU's devices in the fused
+log-prob head (losses/logprob.py), and each device's blocks differ here.
+
 The mesh comes from the tracing context (`sharding.mesh_context`, entered by the trainer, the
-samplers, the memory plan and `jrl` models). Without one, or with
-`expert` = 1, the experts run as one grouped matmul and XLA places them as the weights' shardings say
-(correct, not expert parallel).
+samplers, the memory plan and `jrl` models). Without one, the experts run as one grouped matmul.
 """
 from __future__ import annotations
 
@@ -49,14 +55,17 @@ from jaxrl_llm.sharding.rules import logical_to_spec
 Array = jax.Array
 
 EXPERT_AXIS = "expert"
+TENSOR_AXIS = "tensor"
 
 
-def _manual_spec(matrix: Array, name: str, mesh: Any, manual: tuple[str, ...]) -> tuple[P, dict[int, tuple]]:
+def _manual_spec(matrix: Array, name: str, mesh: Any, manual: tuple[str, ...], ways: int
+                 ) -> tuple[P, dict[int, tuple]]:
     """The sharding rules' spec of one expert matrix reduced to the shard_map's manual axes, and the
-    dims after the expert dim that those axes split (all-gathered in the body before use)."""
+    dims after the expert dim that those axes split (all-gathered in the body before use, `tensor`
+    excepted: see `routed_experts`)."""
     spec = logical_to_spec(EXPERT_AXES[name], matrix.shape, mesh, where=f"experts/{name}")
     dims = [tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in manual) for axes in spec]
-    if dims[0] != (EXPERT_AXIS,):
+    if dims[0] not in (((EXPERT_AXIS,),) if ways > 1 else ((), (EXPERT_AXIS,))):
         raise ValueError(f"experts/{name}: the sharding rules place the expert dim on {spec[0]!r}; expert "
                          f"parallelism needs it on {EXPERT_AXIS!r} alone")
     return P(*(d[0] if len(d) == 1 else (d or None) for d in dims)), {i: d for i, d in enumerate(dims) if i and d}
@@ -71,33 +80,46 @@ def expert_ways(cfg: ModelConfig, mesh: Any = None) -> int:
 
 
 def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: Any) -> Array:
-    """fp32 [N, H]: the routed experts' mixed outputs for tokens [N, H], expert parallel when the
-    context mesh has an `expert` axis (module doc), else `expert_ffn` on all experts."""
+    """fp32 [N, H]: the routed experts' mixed outputs for tokens [N, H]. On a mesh of several devices
+    they run in a `shard_map` manual over the batch axes and `tensor` (module doc): expert parallel
+    when the mesh has an `expert` axis, else each device runs its own tokens through all experts
+    (gathered over fsdp). Without a mesh: `expert_ffn` on all experts."""
     mesh = jax.sharding.get_abstract_mesh()
-    ways = expert_ways(cfg, mesh)
-    if ways == 1:
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    if math.prod(sizes.values()) <= 1:
         return expert_ffn(experts, tokens, routing, cfg, dtype=dtype)
-    sizes = dict(mesh.shape)
+    ways = expert_ways(cfg, mesh)
     batch = tuple(a for a in BATCH_AXES if a in sizes)
+    manual = batch + ((TENSOR_AXIS,) if TENSOR_AXIS in sizes else ())
     split = tokens.shape[0] % math.prod(sizes[a] for a in batch) == 0
     rows = P(batch) if split else P()
     matrices = {name: experts[name]["kernel"] for name in EXPERT_AXES}
-    placed = {name: _manual_spec(w, name, mesh, batch) for name, w in matrices.items()}
+    placed = {name: _manual_spec(w, name, mesh, manual, ways) for name, w in matrices.items()}
     held = cfg.num_experts // ways
+    # the experts' width split over `tensor` stays split: gate / up give their slice of the SwiGLU, down
+    # a partial sum, added over `tensor` once after the grouped matmul (no collective inside its loop)
+    partial = TENSOR_AXIS in placed["down_proj"][1].get(1, ())
 
     def gathered(name: str, w: Array) -> Array:  # fsdp's share of a matrix; rounded first: half the bytes in bf16
         for dim, axes in placed[name][1].items():
-            w = lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+            axes = tuple(a for a in axes if a != TENSOR_AXIS)
+            if axes:
+                w = lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
         return w
 
     def body(x: Array, ids: Array, weights: Array, matrices: dict) -> Array:
-        if split:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
+        if split and ways > 1:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
             x, ids, weights = (lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, ids, weights))
-        matrices = {name: gathered(name, w) for name, w in matrices.items()}
-        local = ids - lax.axis_index(EXPERT_AXIS) * held
-        mine = (local >= 0) & (local < held)
-        out = held_expert_ffn({name: {"kernel": w} for name, w in matrices.items()}, x,
-                              jnp.where(mine, local, held), jnp.where(mine, weights, 0.0), cfg, dtype=dtype)
+        matrices = {name: {"kernel": gathered(name, w)} for name, w in matrices.items()}
+        if ways > 1:
+            local = ids - lax.axis_index(EXPERT_AXIS) * held
+            mine = (local >= 0) & (local < held)
+            ids, weights = jnp.where(mine, local, held), jnp.where(mine, weights, 0.0)
+        out = held_expert_ffn(matrices, x, ids, weights, cfg, dtype=dtype)
+        if partial:
+            out = lax.psum(out, TENSOR_AXIS)
+        if ways == 1:
+            return out
         if split:
             return lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         return lax.psum(out, EXPERT_AXIS)
@@ -105,6 +127,6 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     # check_vma=False: the blocked kernel's lax.cond / custom_vjp are not written for varying-axis types;
     # the transposes (all_gather -> reduce-scatter, replicated weights -> psum) are the ones wanted
     specs = {name: spec for name, (spec, _) in placed.items()}
-    run = jax.shard_map(body, in_specs=(rows, rows, rows, specs), out_specs=rows, axis_names=set(batch),
+    run = jax.shard_map(body, in_specs=(rows, rows, rows, specs), out_specs=rows, axis_names=set(manual),
                         check_vma=False)
     return run(tokens, routing.ids, routing.weights, matrices)

@@ -43,7 +43,7 @@ Array = jax.Array
 class Routing(NamedTuple):
     ids: Array          # [N, k] int32: the experts each token's MLP runs (replayed ones when replaying)
     weights: Array      # [N, k] fp32: their mixing weights (router probabilities, renormalised or not)
-    natural_ids: Array  # [N, k] int32: the router's own top-k (what a sampler records)
+    natural_ids: Array  # [N, k] int32: the router's own top-k (what agreement compares `ids` with)
     probs: Array        # [N, E] fp32 softmax of the router logits
     logits: Array       # [N, E] fp32
 

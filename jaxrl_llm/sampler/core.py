@@ -100,15 +100,18 @@ def _record(state: _LoopState, step: Array, tok: Array, lp: Array, knobs: Sample
 
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "mesh"))
 def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
-                   knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
+                   knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None,
+                   prompt_routing: Array | None = None) -> SampleOutput:
     """The jitted program behind `sample` (no input checks): what the memory plan lowers and what
     tests count compiled programs of. Traced on `mesh` (expert parallelism reads it)."""
     with mesh_context(mesh):
-        return _sample(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)
+        return _sample(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh,
+                       prompt_routing=prompt_routing)
 
 
 def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
-            knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None) -> SampleOutput:
+            knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None,
+            prompt_routing: Array | None) -> SampleOutput:
     prompt_ids = with_activation_constraint(prompt_ids.astype(jnp.int32), ("batch", "length"), mesh)
     prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
     n = settings.n
@@ -121,8 +124,9 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
     record = settings.record_routing and cfg.is_moe
     routing = None
     if record:
+        replay = None if prompt_routing is None else jnp.moveaxis(prompt_routing.astype(jnp.int32), 2, 0)
         hidden, cache, prefill_routing = forward_hidden_routed(params, cfg, prompt_ids, prompt_mask, cache=cache,
-                                                               compute_dtype=dtype)
+                                                               compute_dtype=dtype, replay=replay)
         routing = _routing_buffer(prefill_routing, prompt_mask, cfg, r)
     else:
         hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
@@ -184,17 +188,24 @@ def _routing_buffer(prefill: Array | None, prompt_mask: Array, cfg: ModelConfig,
 
 
 def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask: HostOrDevice, rng: Array,
-           knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None = None) -> SampleOutput:
+           knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None = None,
+           prompt_routing: HostOrDevice | None = None) -> SampleOutput:
     """Generates up to `settings.max_new_tokens` tokens for every row of a LEFT-padded prompt batch.
 
     prompt_ids / prompt_mask: int [B, P], every row with at least one real token and its last
     slot real (left padding). rng: a PRNG key. knobs / settings: from
     `SamplingParams.compile_args`. mesh: the mesh the params live on (None: the mesh in context,
-    or a single device). Jitted (static: cfg, settings, mesh); callable inside another jit.
+    or a single device). prompt_routing: with settings.record_routing on a MoE model, int
+    [B, P, L, k] experts the prefill runs (a multi-turn conversation's earlier turns; NOT_RECORDED:
+    the router's choice), recorded as they ran. Jitted (static: cfg, settings, mesh); callable
+    inside another jit.
     """
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be "
                          "equal 2-D [batch, prompt_len] shapes")
     if prompt_ids.shape[1] < 1:
         raise ValueError("prompt_ids: prompt length must be >= 1")
-    return sample_program(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh)
+    if prompt_routing is not None and prompt_routing.shape[:2] != prompt_ids.shape:
+        raise ValueError(f"prompt_routing {prompt_routing.shape} does not start with prompt_ids' {prompt_ids.shape}")
+    return sample_program(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh,
+                          prompt_routing=prompt_routing)

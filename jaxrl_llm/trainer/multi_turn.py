@@ -54,7 +54,13 @@ from jaxrl_llm.agents import (
     run_multi_turn_streaming,
     trajectories_from_rows,
 )
-from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, cut_to_budgets, round_sampling, tool_call_stop_ids
+from jaxrl_llm.agents.sampler_continue import (
+    StaticSamplerContinue,
+    cut_to_budgets,
+    left_pad_routing,
+    round_sampling,
+    tool_call_stop_ids,
+)
 from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
@@ -80,15 +86,21 @@ class PagedContinue:
         self.token_bucket, self.calls = token_bucket, 0
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
+                 ) -> list[Generated]:
+        """`routings`: record the routing, each prefix's prefill replaying its experts so far."""
         params = round_sampling(self.sampling, max_new_tokens, stop_token_ids, self.token_bucket)
         settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
                                               compute_dtype=self.compute_dtype)
+        replay = None
+        if routings is not None and self.cfg.is_moe:
+            settings = dataclasses.replace(settings, record_routing=True)
+            replay = [left_pad_routing(self.cfg, [r], [len(p)], len(p))[0] for p, r in zip(prefixes, routings)]
         out, _ = sample_paged(self.params, self.cfg, [list(p) for p in prefixes],
                               jax.random.fold_in(self.rng, self.calls), knobs, settings=settings, opts=self.opts,
-                              mesh=self.mesh)
+                              mesh=self.mesh, prompt_routing=replay)
         self.calls += 1
-        return cut_to_budgets(out, max_new_tokens)
+        return cut_to_budgets(out, max_new_tokens, [len(p) for p in prefixes])
 
 
 class FixedShapeContinue:
@@ -101,11 +113,14 @@ class FixedShapeContinue:
         self.inner, self.rows = inner, rows
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop_token_ids: Sequence[int] = ()) -> list[Generated]:
+                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
+                 ) -> list[Generated]:
         k = len(prefixes)
         pad = max(self.rows - k, 0)
-        out = self.inner(list(prefixes) + [prefixes[0]] * pad, list(max_new_tokens) + [max_new_tokens[0]] * pad,
-                         stop_token_ids)
+        padded = (list(prefixes) + [prefixes[0]] * pad, list(max_new_tokens) + [max_new_tokens[0]] * pad,
+                  stop_token_ids)
+        out = self.inner(*padded) if routings is None else self.inner(
+            *padded, routings=list(routings) + [routings[0]] * pad)
         return list(out[:k])
 
 
@@ -153,15 +168,19 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
                                  tool_timeout_s=s.tool_call_timeout_s, sanity_check=s.sanity_check,
                                  tool_call_format=s.format)
     opts = gen.engine_for(sampling.max_new_tokens)
+    # routing replay: every generation records its experts, and a continuation's prefill replays the
+    # experts its conversation ran so far, so each token has one routing for all turns (docs/moe.md)
+    record = bool(gen.record_routing)
     if opts.engine == "paged" and jax.process_count() == 1:
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
         params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)
         settings, knobs = params_r.compile_args(eos, pad_id, vocab_size=cfg.vocab_size, compute_dtype=gen.compute_dtype)
+        settings = dataclasses.replace(settings, record_routing=record)
         engine = sized_engine(cfg, opts, num_requests=len(trajs), max_prompt_len=longest_prompt,
                               settings=settings, mesh=mesh)
         stats: list = []
         serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings))  # noqa: E731
-        result = run_multi_turn_streaming(trajs, serve, limits=limits, **calls)
+        result = run_multi_turn_streaming(trajs, serve, limits=limits, record_routing=record, **calls)
         gen.last_engine_stats = stats[0]
         engine_metrics = stats[0].metrics()
     else:
@@ -176,7 +195,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
                 params, cfg, dataclasses.replace(sampling, seed=seed), pad_token_id=pad_id, eos_token_ids=eos,
                 mesh=mesh, compute_dtype=gen.compute_dtype, token_bucket=width,
                 prefix_length=bucket_length(longest_prompt) + width), len(trajs))
-        result = run_multi_turn(trajs, cont, limits=limits, stop_token_ids=mt.stop_ids, **calls)
+        result = run_multi_turn(trajs, cont, limits=limits, stop_token_ids=mt.stop_ids, record_routing=record, **calls)
     first_mismatch = next((m for m in result.mismatches if m is not None), None)
     if first_mismatch is not None:
         log.warning("multi_turn.enable_tokenization_sanity_check: %d trajectories differ from their re-rendering; "
@@ -215,6 +234,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         "input_ids": np.concatenate([padded.prompt_ids, padded.response_ids], 1),
         "attention_mask": np.concatenate([padded.prompt_mask, padded.response_mask], 1),
         "response_mask": loss_mask, "rollout_log_probs": padded.rollout_log_probs, "token_scores": token_scores,
+        **({} if padded.routing is None else {"routing": padded.routing}),
     }, mesh)
     decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
     return Rollout(
@@ -223,7 +243,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         group_ids=rows.astype(np.int32), scores=scores, response_lengths=resp_lengths,
         prompt_lengths=np.array([len(t.prompt_ids) for t in trajs], np.int32),
         texts=[decode(t.response_ids) for t in trajs], prompt_texts=[decode(t.prompt_ids) for t in trajs],
-        meta=meta, reward_extra_info=extra, reward_metrics=metrics)
+        meta=meta, reward_extra_info=extra, reward_metrics=metrics, routing=arrays.get("routing"))
 
 
 __all__ = ["FixedShapeContinue", "MultiTurn", "PagedContinue", "generate_multi_turn"]

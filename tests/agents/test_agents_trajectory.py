@@ -111,3 +111,33 @@ def test_tool_instructions_go_to_the_system_turn_only_when_the_template_ignores_
     h0, h1 = trajectories_from_rows([{"prompt": "hi"}], hermes, n=2)
     assert hermes.renders_tools and h0.messages == h1.messages == [{"role": "user", "content": "hi"}]
     assert h0.prompt_ids == h1.prompt_ids and h0.segments[0] is not h1.segments[0]
+
+
+def test_recorded_routing_covers_the_ids_fed_and_pads_the_rest():
+    """Routing replay (docs/moe.md): a model turn's record covers its prefix and its tokens; a context
+    turn appended after it (and the turn's last token, never fed) is NOT_RECORDED for the next prefill,
+    and the padded rows lay it out as [prompt | response]."""
+    import numpy as np
+
+    from jaxrl_llm.agents import pad_trajectories
+    from jaxrl_llm.models.moe import NOT_RECORDED
+
+    r = ChatRenderer(make_char_tokenizer(CHATML))
+    traj = Trajectory.start(r, [{"role": "user", "content": "hi"}])
+    assert traj.prefix_routing() is None  # nothing recorded yet: the router chooses
+    prompt = len(traj.ids)
+    ids = r.encode("ok")
+    record = np.arange((prompt + len(ids)) * 2 * 2, dtype=np.int8).reshape(prompt + len(ids), 2, 2) % 8
+    record[-1] = NOT_RECORDED  # the last generated token is never fed
+    with pytest.raises(ValueError, match="routing for 3 tokens"):
+        traj.add_model_turn(ids, [-0.5] * len(ids), "length", routing=record[:3])
+    traj.add_model_turn(ids, [-0.5] * len(ids), "length", routing=record)
+    assert traj.add_context_turn([{"role": "user", "content": "more"}], TurnLimits(max_response_length=100))
+    prefix = traj.prefix_routing()
+    assert prefix is not None and prefix.shape == (len(traj.ids), 2, 2)
+    np.testing.assert_array_equal(prefix[:len(record)], record)
+    assert (prefix[len(record):] == NOT_RECORDED).all()  # the reply: routed (and recorded) by the next prefill
+    batch = pad_trajectories([traj], prompt_length=prompt + 3, response_length=len(traj.ids) - prompt + 2, pad_id=0)
+    assert batch.routing is not None and batch.routing.shape == (1, len(traj.ids) + 5, 2, 2)
+    np.testing.assert_array_equal(batch.routing[0, 3:3 + len(traj.ids)], prefix)
+    assert (batch.routing[0, :3] == NOT_RECORDED).all() and (batch.routing[0, -2:] == NOT_RECORDED).all()

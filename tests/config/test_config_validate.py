@@ -139,9 +139,6 @@ def test_batch_plan_numbers():
     (["data.tokenizer=null"], 2, "data.tokenizer=None: a tiny:llama model needs a tokenizer path"),
     (["actor_rollout_ref.model.tiny.num_experts=4"], 2,
      "actor_rollout_ref.model.tiny.num_experts=4: only a tiny mixture-of-experts model reads it"),
-    (["actor_rollout_ref.actor.router_replay=rollout", "actor_rollout_ref.rollout.multi_turn.enable=true",
-      "actor_rollout_ref.rollout.multi_turn.tool_config_path=/dev/null"], 2,
-     "actor_rollout_ref.actor.router_replay='rollout': multi-turn rollouts do not record their routing"),
     (["actor_rollout_ref.actor.router_replay=always"], 2, "actor_rollout_ref.actor.router_replay='always'"),
 ])
 def test_each_failure_is_one_message_naming_the_key(overrides, dp, prefix):

@@ -236,15 +236,18 @@ def _finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: Array
 
 @functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
-            record_routing: bool = False, mesh: Mesh | None = None) -> Prefix:
+            record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None) -> Prefix:
     """KV of one right-padded prompt [Pb] (its first `length` ids real) and its next-token logits
-    (and with `record_routing`, a MoE model's experts per prompt token). Traced on `mesh`."""
+    (and with `record_routing`, a MoE model's experts per prompt token). `replay` [Pb, L, k]: experts
+    to run (a multi-turn conversation's earlier turns; NOT_RECORDED: the router's choice); they are
+    what is recorded for those tokens. Traced on `mesh`."""
     with mesh_context(mesh):
-        return _prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype, record_routing=record_routing)
+        return _prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype, record_routing=record_routing,
+                        replay=replay)
 
 
 def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
-             record_routing: bool) -> Prefix:
+             record_routing: bool, replay: Array | None) -> Prefix:
     dt = as_jnp_dtype(compute_dtype)
     pb = prompt_ids.shape[0]
     mask = (jnp.arange(pb) < length).astype(jnp.int32)[None]
@@ -252,7 +255,9 @@ def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *
     ids = prompt_ids[None].astype(jnp.int32)
     routing = None
     if record_routing and cfg.is_moe:
-        hidden, cache, recorded = forward_hidden_routed(params, cfg, ids, mask, cache=cache, compute_dtype=dt)
+        fixed = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 1, 0)[:, None]  # [L, 1, Pb, k]
+        hidden, cache, recorded = forward_hidden_routed(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
+                                                        replay=fixed)
         assert recorded is not None
         routing = jnp.moveaxis(recorded[:, 0], 0, 1).astype(routing_dtype(cfg.num_experts))  # [Pb, L, k]
     else:

@@ -77,13 +77,17 @@ class EngineRequest:
     ids: prompt token ids. key: its random-number identity (two ints: token t draws with
     fold_in(fold_in(fold_in(rng, key[0]), key[1]), t)). group: requests of one group have the same
     ids and share one prefill (the n samples of a prompt); a source delivers a group's requests in
-    one `poll`. max_new_tokens: its own budget, at most the settings' max_new_tokens.
+    one `poll`. max_new_tokens: its own budget, at most the settings' max_new_tokens. routing: when
+    recording a MoE model's routing, the experts to replay for `ids` [len(ids), L, k] in the prefill
+    (a multi-turn conversation's earlier turns; NOT_RECORDED where the router chooses); a group's
+    requests have the same.
     """
 
     ids: Sequence[int]
     key: tuple[int, int]
     group: int
     max_new_tokens: int
+    routing: np.ndarray | None = None
 
 
 class RequestSource(Protocol):
@@ -121,8 +125,9 @@ class _BatchSource:
     """`run`'s requests: every (prompt, sample) at once; results into `SampleOutput` arrays."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
-                 order: Sequence[tuple[int, int]]) -> None:
-        self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens) for i, j in order]
+                 order: Sequence[tuple[int, int]], prompt_routing: Sequence[np.ndarray] | None = None) -> None:
+        self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens,
+                                       None if prompt_routing is None else prompt_routing[i]) for i, j in order]
         self.n, self.r = n, max_new_tokens
         rows = len(prompts) * n
         self.tokens = np.zeros((rows, max_new_tokens), np.int32)
@@ -241,11 +246,12 @@ class PagedEngine:
         return state
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
-            settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None
-            ) -> tuple[SampleOutput, EngineStats]:
+            settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None,
+            prompt_routing: Sequence[np.ndarray] | None = None) -> tuple[SampleOutput, EngineStats]:
         """`settings.n` samples of every prompt; rows prompt-major (row i*n + j = sample j of prompt i).
 
         order: the queue as (prompt, sample) pairs (default prompt-major); results do not depend on it.
+        prompt_routing: per prompt, experts its prefill replays (see `EngineRequest.routing`).
         """
         n, r = settings.n, settings.max_new_tokens
         for i, p in enumerate(prompts):
@@ -254,7 +260,7 @@ class PagedEngine:
         every = [(i, j) for i in range(len(prompts)) for j in range(n)]
         if order is not None and sorted(order) != every:
             raise ValueError("order must list every (prompt, sample) pair exactly once")
-        source = _BatchSource(prompts, n, r, every if order is None else order)
+        source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing)
         stats = self.serve(params, source, rng, knobs, settings)
         pad = int(knobs.pad_id)
         valid = np.arange(r)[None] < source.lengths[:, None]
@@ -275,6 +281,9 @@ class PagedEngine:
         if len(req.ids) + req.max_new_tokens - 1 > self.max_model_len():
             raise ValueError(f"request {req.key}: prompt ({len(req.ids)} tokens) + max_new_tokens "
                              f"{req.max_new_tokens} exceeds the engine's max_model_len {self.max_model_len()}")
+        if req.routing is not None and len(req.routing) != len(req.ids):
+            raise ValueError(f"request {req.key}: routing for {len(req.routing)} tokens, the prompt has "
+                             f"{len(req.ids)}")
 
     def serve(self, params: dict, source: RequestSource, rng: jax.Array, knobs: SampleKnobs,
               settings: SampleSettings) -> EngineStats:
@@ -350,8 +359,12 @@ class PagedEngine:
                         break  # rollout.max_num_batched_tokens: prefill more after the next decode call
                     ids = np.full((bucket_length(length),), 0, np.int32)
                     ids[:length] = req.ids
+                    replay = None
+                    if record and req.routing is not None:  # the conversation's earlier turns keep their experts
+                        replay = np.full((len(ids), *req.routing.shape[1:]), NOT_RECORDED, req.routing.dtype)
+                        replay[:length] = req.routing
                     prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
-                                              record_routing=record, mesh=self.mesh)
+                                              record_routing=record, mesh=self.mesh, replay=replay)
                     entry.prefix = prefix
                     if prefix.routing is not None:
                         entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]

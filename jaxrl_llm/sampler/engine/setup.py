@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
@@ -117,13 +118,14 @@ def release_engines() -> None:
 
 
 def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
-                 knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None
-                 ) -> tuple[SampleOutput, EngineStats]:
+                 knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None,
+                 prompt_routing: Sequence[np.ndarray] | None = None) -> tuple[SampleOutput, EngineStats]:
     """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
-    `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats."""
+    `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats.
+    prompt_routing: per prompt, the experts its prefill replays (`EngineRequest.routing`)."""
     engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=max(map(len, prompts)),
                           settings=settings, mesh=mesh)
-    return engine.run(params, prompts, rng, knobs, settings)
+    return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing)
 
 
 def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
