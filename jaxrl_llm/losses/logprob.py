@@ -182,9 +182,10 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
     blocks of `row_block` (default ROW_BLOCK), and a block with none in use is skipped in both directions (its
     log-probs and entropy are 0): a caller with a fixed capacity of rows filled from the front
     (packed response slots) pays for the rows it fills, not for the capacity. On a multi-device
-    `mesh` every block runs: a skipped block is a `lax.cond` whose branch holds the collectives that
-    gather the head's weight shards, and a collective inside a conditional deadlocked XLA:CPU's
-    devices (fsdp 8, packed multi-turn rows with routing replay: the devices met different collectives).
+    CPU `mesh` every block runs: a skipped block is a `lax.cond` whose branch holds the collectives
+    that gather the head's weight shards, and XLA:CPU's devices, which run independent thunks
+    concurrently, met different collectives there and deadlocked (fsdp 8, packed multi-turn rows
+    with routing replay); GPU and TPU programs keep the skip.
     `mesh`: the mesh of the program (a multi-device program runs a kernel per shard of the rows:
     XLA cannot partition its custom call); None for a single-device program.
     """
@@ -199,7 +200,7 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
     lay = Layout(float(temperature), int(chunk_size or DEFAULT_CHUNK), vm, bool(return_entropy))
     lead = hidden.shape[:-1]
     live, n = None, math.prod(lead)
-    if rows_in_use is not None and (mesh is None or mesh.size == 1):
+    if rows_in_use is not None and (mesh is None or mesh.size == 1 or target_platform() != "cpu"):
         if rows_in_use.shape != lead:
             raise ValueError(f"rows_in_use {rows_in_use.shape} must match hidden {hidden.shape} without the last axis")
         block = row_block or ROW_BLOCK
