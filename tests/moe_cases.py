@@ -21,6 +21,15 @@ SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio
                      router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
 
 
+def near_tied(params: dict, eps: float = 1e-6) -> dict:
+    """Every expert's router column = one shared column + eps x its own: the top-k is decided by
+    differences at the level of fp32 rounding, which the decode step and the full-sequence forward
+    (another matmul summation order) do not share (routing replay tests)."""
+    router = params["layers"]["moe"]["router"]["kernel"]
+    moe = {**params["layers"]["moe"], "router": {"kernel": router[:, :, :1] + eps * router}}
+    return {**params, "layers": {**params["layers"], "moe": moe}}
+
+
 def moe_batch(seed: int = 0) -> Experience:
     rng = np.random.default_rng(seed)
     prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)

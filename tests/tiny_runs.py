@@ -12,6 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# the guess-the-number environment as a multi-turn interaction config (multi_turn.interaction_config_path)
+GUESS_YAML = """interaction:
+  - name: guess_number
+    class_name: jaxrl_llm.agents.environment.GuessNumberEnv
+    config: {low: 1, high: 10, max_guesses: 7}
+"""
 
 
 def tiny_config(run_dir: Any, **overrides: Any) -> Any:

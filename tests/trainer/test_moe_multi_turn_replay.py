@@ -12,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 import tiny_runs
+from moe_cases import near_tied
+from tiny_runs import GUESS_YAML
 
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.trainer import Trainer
@@ -19,18 +21,6 @@ from jaxrl_llm.trainer import multi_turn as mt_module
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 MT = "actor_rollout_ref.rollout.multi_turn"
-GUESS_YAML = """interaction:
-  - name: guess_number
-    class_name: jaxrl_llm.agents.environment.GuessNumberEnv
-    config: {low: 1, high: 10, max_guesses: 7}
-"""
-
-
-def _near_tied(params: dict, eps: float = 1e-6) -> dict:
-    """Every expert's router column = one shared column + eps x its own (as tests/trainer/test_moe_replay.py)."""
-    router = params["layers"]["moe"]["router"]["kernel"]
-    moe = {**params["layers"]["moe"], "router": {"kernel": router[:, :, :1] + eps * router}}
-    return {**params, "layers": {**params["layers"], "moe": moe}}
 
 
 class _SeveralProcesses:
@@ -57,7 +47,7 @@ def rollout(request, tmp_path_factory):
         "actor_rollout_ref.rollout.stop_token_ids": list(range(49152)),
         "actor_rollout_ref.rollout.engine": request.param.removesuffix("_rounds")})
     trainer = Trainer(cfg)
-    params = _near_tied(trainer.actor.model_params)
+    params = near_tied(trainer.actor.model_params)
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "paged_rounds":  # the rounds several processes run (PagedContinue), in this one
             patch.setattr(mt_module, "jax", _SeveralProcesses())

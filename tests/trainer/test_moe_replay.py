@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_cases import near_tied
 from tiny_runs import read_metrics, tiny_config
 
 from jaxrl_llm.config import ConfigError
@@ -26,20 +27,10 @@ MIXED_CFG = ModelConfig.tiny("qwen3_moe", num_hidden_layers=3, mlp_only_layers=(
 NEW_TOKENS = 16
 
 
-def _near_tied(params: dict, eps: float = 1e-6) -> dict:
-    """Every expert's router column = one shared column + eps x its own: the top-k is decided by
-    differences at the level of fp32 rounding, which the decode step and the full-sequence forward
-    (another matmul summation order) do not share."""
-    router = params["layers"]["moe"]["router"]["kernel"]
-    near = router[:, :, :1] + eps * router
-    moe = {**params["layers"]["moe"], "router": {"kernel": near}}
-    return {**params, "layers": {**params["layers"], "moe": moe}}
-
-
 @pytest.fixture(scope="module", params=["sparse", "mixed"])
 def rollout(request):
     cfg = CFG if request.param == "sparse" else MIXED_CFG
-    params = _near_tied(init_params(cfg, jax.random.key(0)))
+    params = near_tied(init_params(cfg, jax.random.key(0)))
     ids, mask = left_pad(_prompts(), 0)
     settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(
         cfg.eos_token_ids, 0, vocab_size=cfg.vocab_size)
@@ -114,7 +105,7 @@ def test_paged_engine_records_what_the_static_sampler_records():
     assert paged.routing is not None
     np.testing.assert_array_equal(paged.routing, np.asarray(static.routing))
 
-    tied = _near_tied(ordinary)
+    tied = near_tied(ordinary)
     out, _ = engine.run(tied, _prompts(), jax.random.key(1), knobs, settings)
     assert out.routing is not None
     full = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.tokens)], 1)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import tiny_runs
-from tiny_runs import assert_host_rows_match
+from tiny_runs import GUESS_YAML, assert_host_rows_match
 
 from jaxrl_llm.agents import AgentConfigError, Generated
 from jaxrl_llm.config import resolve_config
@@ -21,11 +21,6 @@ from jaxrl_llm.trainer.multi_turn import MultiTurn
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 MT = "actor_rollout_ref.rollout.multi_turn"
-GUESS_YAML = """interaction:
-  - name: guess_number
-    class_name: jaxrl_llm.agents.environment.GuessNumberEnv
-    config: {low: 1, high: 10, max_guesses: 7}
-"""
 TOOLS_YAML = """tools:
   - class_name: jaxrl_llm.agents.calculator.CalculatorTool
     config: {}
