@@ -110,16 +110,17 @@ def _check_hf_folder(key: str, folder: pathlib.Path) -> Any:
     return model_cfg
 
 
-def check_model_source(key: str, path: str) -> int | None:
+def check_model_source(key: str, path: str) -> Any:
     """`path` (a local model location) is an HF folder or .gguf of a supported architecture with its
-    weights, or a jaxrl_llm checkpoint; other locations are left to the loaders. Returns the
-    model's context length when it was read (HF folder, .gguf), else None."""
+    weights, or a jaxrl_llm checkpoint; other locations are left to the loaders. Returns what is known
+    of the model's context when it was read: its `ModelConfig` (HF folder) or context length (.gguf),
+    else None."""
     if path.startswith("tiny:") or not _is_local(path):
         return None
     p = pathlib.Path(path).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file():
-            return _check_hf_folder(key, p).max_position_embeddings
+            return _check_hf_folder(key, p)
         if not is_checkpoint(p):
             raise ConfigError(f"{key}={path!r}: not a model folder (no config.json); expected an HF folder, a "
                               ".gguf file or a jaxrl_llm checkpoint")
@@ -141,18 +142,47 @@ def check_model_source(key: str, path: str) -> int | None:
     return int(meta.get("llama.context_length", 2048))
 
 
+def check_context(model_cfg: Any, total: int, key: str = f"{ARR}.model") -> None:
+    """Prompt + response (`total` tokens) fit the context of the model `model_cfg` (a ModelConfig):
+    `max_position_embeddings`, or the scaled context of its RoPE scaling (`ModelConfig.context_length`).
+    Dynamic NTK scaling past max_position_embeddings is refused: its frequencies follow each pass's
+    longest position, so the sampler (growing one token a step) and the trainer (the whole sequence at
+    once) would score the same tokens under different RoPE (models/decoder.py)."""
+    scaling = model_cfg.rope_scaling_dict
+    where = (f"({model_cfg.max_position_embeddings} positions" +
+             (f", {model_cfg.context_length} with its rope_scaling {scaling.get('rope_type')!r})" if scaling else ")"))
+    if total > model_cfg.context_length:
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length = {total} exceeds the context of "
+                          f"{key}.path {where}; shorten them, or extend the context with RoPE scaling "
+                          f"({key}.override_config.rope_scaling, e.g. yarn)")
+    if scaling.get("rope_type") == "dynamic" and total > model_cfg.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length = {total} exceeds {key}.path's "
+                          f"max_position_embeddings={model_cfg.max_position_embeddings} under dynamic NTK RoPE "
+                          "scaling, whose frequencies differ between the sampler's decode steps and the "
+                          f"trainer's full-sequence pass; use yarn ({key}.override_config.rope_scaling) instead")
+
+
 def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collections.ConfigDict,
-                   positions: int | None) -> None:
+                   known: Any) -> None:
     """Prompt + response fit the model's context (after override_config), known once its config is read."""
-    if positions is None:
+    if known is None:
         return
-    overrides = section.override_config
-    positions = int((overrides or {}).get("max_position_embeddings", positions))
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if total > positions:
-        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length}: prompt + response "
-                          f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {total}) exceeds the "
-                          f"context of {key}.path ({positions} positions)")
+    overrides = dict(section.override_config or {})
+    if isinstance(known, int):  # a .gguf header's context length
+        positions = int(overrides.get("max_position_embeddings", known))
+        if total > positions:
+            raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length}: prompt + response "
+                              f"({cfg.data.max_prompt_length} + {cfg.data.max_response_length} = {total}) exceeds "
+                              f"the context of {key}.path ({positions} positions)")
+        return
+    from jaxrl_llm.models.config import with_hf_overrides
+
+    try:
+        model_cfg = with_hf_overrides(known, overrides)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{key}.override_config: {err}") from None
+    check_context(model_cfg, total, key)
 
 
 def check_tokenizer_source(key: str, path: str | None) -> None:

@@ -8,6 +8,7 @@ argument of `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,9 @@ _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
+_ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -176,6 +179,16 @@ class ModelConfig:
         return dict(self.rope_scaling or ())
 
     @property
+    def context_length(self) -> int:
+        """The positions the model serves: `max_position_embeddings`, or with RoPE scaling the scaled
+        pre-training context (factor x original_max_position_embeddings), when that is longer."""
+        s = self.rope_scaling_dict
+        if not s:
+            return self.max_position_embeddings
+        original = int(s.get("original_max_position_embeddings", self.max_position_embeddings))
+        return max(self.max_position_embeddings, int(float(s.get("factor", 1.0)) * original))
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         e = self.eos_token_id
         return () if e is None else (e,) if isinstance(e, int) else tuple(e)
@@ -211,11 +224,20 @@ class ModelConfig:
         legacy = d.get("rope_scaling") or {}
         rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         scaling = {**legacy, **rope}
+        scaling.pop("rope_theta", None)  # a legacy rope_scaling written beside rope_parameters repeats it
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         scaling.pop("type", None)
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
+        elif scaling["rope_type"] in _ORIGINAL_CONTEXT_ROPE_TYPES:  # HF's default: the config's own context
+            scaling.setdefault("original_max_position_embeddings",
+                               d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048))
+        if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:  # DeepSeek's convention, as HF
+            scaling["factor"] = d.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
+        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
+                             "(RoPE on every head dimension only)")
         fam = _FAMILIES[model_type]
         moe = _moe_fields(d, model_type) if fam.get("moe") else {}
         sliding_window = None
@@ -409,8 +431,51 @@ def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:
     return list(v) if isinstance(v, tuple) else v
 
 
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor transformers multiplies RoPE's cos and sin by (YaRN's attention temperature; else 1):
+    `attention_factor` when given, else 0.1 ln(factor) + 1 (DeepSeek's mscale / mscale_all_dim ratio
+    when both are set)."""
+    s = cfg.rope_scaling_dict
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(factor, float(s["mscale"])) / mscale(factor, float(s["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(inv: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """YaRN (arXiv 2309.00071) as transformers computes it: each frequency blends the interpolated
+    (inv / factor) and the original one by a linear ramp over the dims between the rotation counts
+    beta_slow and beta_fast of the original context."""
+    s, dim = cfg.rope_scaling_dict, cfg.head_dim
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (the original frequency), 0: interpolate
+    return (inv / np.float32(factor) * (1 - keep) + inv * keep).astype(np.float32)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] (float32), with linear / llama3 scaling as transformers does."""
+    """Inverse frequencies [head_dim/2] (float32), with linear / llama3 / yarn scaling as transformers does
+    (`dynamic` depends on the positions of each forward: models/decoder.py `rope_cos_sin`; these are its
+    frequencies within max_position_embeddings)."""
     dim = cfg.head_dim
     inv = (1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)))
     inv = inv.astype(np.float32)
@@ -429,4 +494,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, cfg)
     return inv

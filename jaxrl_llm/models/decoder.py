@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.models.attention import attend
-from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.lora import LoraAdapters, lora_delta
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
@@ -75,11 +75,29 @@ def rms_norm(x: Array, scale: Array, eps: float, dtype: Any) -> Array:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout)."""
+    """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout),
+    times YaRN's attention factor where the model has one (as transformers scales them)."""
     inv = jnp.asarray(rope_inv_freq(cfg))
+    if cfg.rope_scaling_dict.get("rope_type") == "dynamic":
+        inv = dynamic_ntk_inv_freq(cfg, positions)
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    scale = rope_attention_factor(cfg)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def dynamic_ntk_inv_freq(cfg: ModelConfig, positions: Array) -> Array:
+    """Dynamic NTK scaling: past max_position_embeddings the RoPE base grows with the longest position
+    of this forward (transformers' dynamic_rope_update within one generate call: a decode step uses the
+    current length, the cached keys keep theirs). A full-sequence pass thus scores early tokens under
+    the final length's base, which is why the trainer refuses it past the context (trainer.py)."""
+    dim, limit = cfg.head_dim, cfg.max_position_embeddings
+    factor = float(cfg.rope_scaling_dict["factor"])
+    seq = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1, float(limit))
+    base = cfg.rope_theta * ((factor * seq / limit) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:

@@ -31,6 +31,7 @@ from jaxrl_llm.batching import NO_PADS, StepBatching, StepRows, update_metrics
 from jaxrl_llm.batching.ops import run_no_grad_pass
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching
+from jaxrl_llm.config.checks import check_context
 from jaxrl_llm.config.spec import ModelSpec, RunSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
@@ -112,10 +113,7 @@ class Trainer:
         if model_cfg.is_moe and model_cfg.num_experts % experts_split:
             raise ConfigError(f"mesh.expert={experts_split} does not divide the policy's {model_cfg.num_experts} "
                               "experts (each device holds num_experts / mesh.expert of them)")
-        longest = spec.plan.max_tokens_per_sequence
-        if longest > model_cfg.max_position_embeddings:
-            raise ValueError(f"data.max_prompt_length + rollout.response_length = {longest} exceeds the model's "
-                             f"max_position_embeddings={model_cfg.max_position_embeddings}")
+        check_context(model_cfg, spec.plan.max_tokens_per_sequence)
         lora = spec.model.lora  # LoRA: adapters trained on the frozen `params` (trainer/roles.py)
         self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
                                        functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor,

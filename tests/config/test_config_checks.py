@@ -144,9 +144,17 @@ def test_sources_checked_before_loading(tmp_path):
         with pytest.raises(ConfigError) as err:
             check(*ok, f"actor_rollout_ref.model.path={folder}", paths=True)
         assert str(err.value).startswith(f"actor_rollout_ref.model.path='{folder}'") and why in str(err.value)
-    with pytest.raises(ConfigError, match=r"^data.max_prompt_length=512: .* exceeds the context of "
-                                          r"actor_rollout_ref.model.path \(1000 positions\)"):
-        check(*ok, "actor_rollout_ref.model.override_config.max_position_embeddings=1000", paths=True)
+    short = "actor_rollout_ref.model.override_config.max_position_embeddings=1000"
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_length \+ data.max_response_length = 1024 exceeds the "
+                                          r"context of actor_rollout_ref.model.path \(1000 positions\); .* yarn"):
+        check(*ok, short, paths=True)
+    # RoPE scaling extends it: YaRN x4 of the 1000 pre-training positions serves 4000
+    yarn = "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 1000}"
+    check(*ok, short, f"actor_rollout_ref.model.override_config.rope_scaling={yarn}", paths=True)
+    with pytest.raises(ConfigError, match=r"exceeds actor_rollout_ref.model.path's max_position_embeddings=1000 "
+                                          r"under dynamic NTK RoPE scaling"):
+        check(*ok, short, "actor_rollout_ref.model.override_config.rope_scaling={rope_type: dynamic, factor: 4.0}",
+              paths=True)
     notok = _hf_folder(tmp_path / "notok", tokenizer=False)
     with pytest.raises(ConfigError, match=r"^data.tokenizer=.*notok': no tokenizer in the folder"):
         check(*ok, f"actor_rollout_ref.model.path={notok}", paths=True)

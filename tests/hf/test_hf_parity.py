@@ -61,3 +61,30 @@ def test_score_head_matches_sequence_classification(tmp_path, np_rng):
     ours = np.asarray(score_from_hidden(params, hidden, jnp.asarray(mask)))
     assert ours.shape == (3, 3)
     assert np.abs(ours - expected).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family,rope", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e4}),
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e4,
+               "beta_fast": 16, "attention_factor": 0.9}),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+])
+def test_rope_scaling_beyond_the_original_context_matches_transformers(family, rope, tmp_path):
+    """YaRN (frequency ramp and attention factor) and dynamic NTK at positions past the pre-training
+    context of 32: logits equal transformers', and dropping the scaling would not."""
+    import dataclasses
+
+    model = build_hf_model(family, tmp_path, rope_parameters=rope, max_position_embeddings=32)
+    cfg, params = load_hf_folder(tmp_path)
+    assert cfg.rope_scaling_dict["rope_type"] == rope["rope_type"]
+    assert cfg.context_length == (128 if rope["rope_type"] == "yarn" else 64)
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 60))
+    mask = np.ones_like(ids)
+    expected = torch_logits(model, ids, mask)
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(ours - expected).max() <= 1e-4
+    plain = np.asarray(compute_logits(params, dataclasses.replace(cfg, rope_scaling=None), jnp.asarray(ids),
+                                      jnp.asarray(mask)))
+    assert np.abs(plain - expected)[:, 33:].max() > 1e-3
+    again = type(cfg).from_hf_config(cfg.to_hf_config())  # config.json round trip keeps the scaling
+    assert again.rope_scaling == cfg.rope_scaling and again.context_length == cfg.context_length
