@@ -337,10 +337,12 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
     return result
 
 
-def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None) -> MemoryPlan:
+def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None, *,
+                    check: bool = True) -> MemoryPlan:
     """The memory plan of a validated config, without loading any weight or writing anything: on the
     local devices, or compiled for the TPU slice `topology` (default: `trainer.plan_topology`).
-    Raises MemoryPlanError (a ConfigError) when a program does not fit, after printing the table."""
+    Raises MemoryPlanError (a ConfigError) when a program does not fit, after printing the table
+    (`check=False`: returns the plan, fitting or not)."""
     from jaxrl_llm.config import resolve as resolve_spec
     from jaxrl_llm.config import resolve_data
     from jaxrl_llm.hf import load_tokenizer
@@ -356,6 +358,8 @@ def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | Non
     if tokenizer is None:
         raise ValueError("data.tokenizer=None: the memory plan needs a validated config")
     result = plan_memory(spec, mesh, load_tokenizer(tokenizer), check=False, target=target)
+    if not check:
+        return result
     try:
         result.check()
     except ConfigError:
