@@ -91,6 +91,12 @@ class ProgramMemory:
     def total_bytes(self) -> int:
         return self.peak_bytes + self.resident_bytes
 
+    def fits(self, limit: int) -> bool:
+        """Within `limit` bytes per device, and compiled: a program the TPU compiler refused for lack of
+        HBM does not fit whatever its bytes add up to (the compiler's usable HBM is below the published
+        figure, and its refusal counts the temporaries only)."""
+        return self.note is None and self.total_bytes <= limit
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -113,7 +119,7 @@ class MemoryPlan:
                  f"{'program':<14}{'micro':>6}{'args':>10}{'outputs':>10}{'temps':>10}{'resident':>10}"
                  f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'GFLOP':>10}{'est. s':>9}"]
         for p in self.programs:
-            fit = "-" if self.device_memory is None else ("ok" if p.total_bytes <= self.device_memory else "NO")
+            fit = "-" if self.device_memory is None else ("ok" if p.fits(self.device_memory) else "NO")
             if p.note:
                 fit += "*"
             secs = f"{p.flops / self.peak_flops:9.3f}" if self.peak_flops else f"{'-':>9}"
@@ -139,7 +145,7 @@ class MemoryPlan:
         if self.device_memory is None:
             return
         for p in self.programs:
-            if p.total_bytes > self.device_memory:
+            if not p.fits(self.device_memory):
                 raise MemoryPlanError(_does_not_fit(p, self.device_memory, self.device_memory_source))
 
 
@@ -148,9 +154,10 @@ def _gib(n: int) -> str:
 
 
 def _does_not_fit(p: ProgramMemory, limit: int, source: str) -> str:
+    refused = f" ({p.note}: its temporaries alone asked for {_gib(p.temp_bytes)})" if p.note else ""
     return (f"memory plan: program '{p.name}' needs {_gib(p.total_bytes)} per device ({_gib(p.peak_bytes)} of its "
-            f"own + {_gib(p.resident_bytes)} of other resident state) but the device has {_gib(limit)} ({source}); "
-            f"to make it fit change: {'; '.join(p.keys)}")
+            f"own + {_gib(p.resident_bytes)} of other resident state){refused} but the device has {_gib(limit)} "
+            f"({source}); to make it fit change: {'; '.join(p.keys)}")
 
 
 def device_memory(spec: RunSpec) -> tuple[int | None, str]:
@@ -248,7 +255,7 @@ class Planner:
 
     def _largest_fitting(self, program: Program, plan: BatchPlan, name: str, divisors: list[int], limit: int,
                          source: str) -> int:
-        fits = lambda d: self.analyse(program, plan.with_micro(name, d)).total_bytes <= limit  # noqa: E731
+        fits = lambda d: self.analyse(program, plan.with_micro(name, d)).fits(limit)  # noqa: E731
         lo, hi = 0, len(divisors) - 1  # bisection: the answer is the last divisor that fits
         if not fits(divisors[0]):
             raise MemoryPlanError(_does_not_fit(self.analyse(program, plan.with_micro(name, 1)), limit, source)

@@ -261,3 +261,21 @@ def test_paged_engine_plan_holds_its_kv_pool(tmp_path):
     pool = engine.num_pages * engine.page_bytes(planner.ctx.actor.cfg, spec.actor.compute_dtype)
     assert sample.kv_bytes == pool and sample.argument_bytes >= pool + sample.params_bytes
     assert sample.flops > 0 and any("max_num_seqs" in k for k in sample.keys)
+
+
+def test_a_program_the_compiler_refused_never_fits():
+    """The TPU compiler refuses a program whose temporaries exceed its usable HBM, which is below the
+    published figure: the plan records the bytes it asked for, and the row does not fit even when those
+    bytes add up to less than the chip's HBM (v6e-8 refused 24.8 GiB of temporaries against 32 GiB)."""
+    from jaxrl_llm.trainer.memory_plan import MemoryPlan, ProgramMemory
+
+    row = dict(name="update_actor", argument_bytes=GiB, output_bytes=0, alias_bytes=0, temp_bytes=20 * GiB,
+               code_bytes=0, resident_bytes=0, params_bytes=GiB, opt_state_bytes=0, kv_bytes=0, flops=0.0, micro=8,
+               keys=(f"{ACTOR_MICRO}=8",))
+    compiled, refused = ProgramMemory(**row), ProgramMemory(**row, note="the compiler ran out of device memory")
+    assert compiled.fits(32 * GiB) and not refused.fits(32 * GiB)
+    plan = lambda p: MemoryPlan((p,), 32 * GiB, "published HBM", None, None)  # noqa: E731 - check() reads no batch plan
+    plan(compiled).check()
+    with pytest.raises(MemoryPlanError, match=r"the compiler ran out of device memory: its temporaries alone asked "
+                                              r"for 20.000G\) but the device has 32.000G"):
+        plan(refused).check()
