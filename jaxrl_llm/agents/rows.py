@@ -107,15 +107,13 @@ def pad_trajectories(trajs: Sequence[Trajectory], *, prompt_length: int, respons
 
 
 def _routing_rows(trajs: Sequence[Trajectory], prompt_length: int, response_length: int) -> np.ndarray | None:
-    records = [t.prefix_routing() for t in trajs]
-    if not records or any(r is None for r in records):
+    if not trajs or any(t.routing is None for t in trajs):
         return None
-    first = next(r for r in records if r is not None)
+    first = trajs[0].routing
     out = np.full((len(trajs), prompt_length + response_length, *first.shape[1:]), NOT_RECORDED, first.dtype)
-    for i, (t, rec) in enumerate(zip(trajs, records)):
-        assert rec is not None
+    for i, t in enumerate(trajs):  # the record covers the ids fed; the rest stays NOT_RECORDED
         start = prompt_length - len(t.prompt_ids)
-        out[i, start:start + len(rec)] = rec
+        out[i, start:start + len(t.routing)] = t.routing
     return out
 
 

@@ -123,10 +123,8 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
     if cfg.is_moe:
         specs += _moe_specs(cfg)
-    if cfg.dense_layer_ids:
-        dense = None if not cfg.is_moe else cfg.dense_layer_ids  # a mixed-layer model's dense layers only
-        for proj in MLP_MODULES:
-            layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f), layer_ids=dense)
+    for proj in MLP_MODULES if cfg.dense_layer_ids else ():  # a mixed-layer model's: its dense layers only
+        layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f), layer_ids=cfg.dense_layer_ids)
 
     transpose = (lambda w: w.T, lambda k: k.T)
     if head == "lm" and not cfg.tie_word_embeddings:
@@ -151,7 +149,7 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
     mixtral = cfg.model_type == "mixtral"
     block = lay + ("block_sparse_moe." if mixtral else "mlp.")
     names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {m: m for m in MLP_MODULES}
-    ids = cfg.moe_layer_ids if cfg.mixed_layers else None
+    ids = cfg.moe_layer_ids
     specs = [TensorSpec(("layers", "moe", "router", "kernel"), block + "gate.weight", (e, h), *_linear(h, (e,)),
                         layer_ids=ids)]
     for ours, theirs in names.items():

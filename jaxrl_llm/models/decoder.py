@@ -77,9 +77,10 @@ def rms_norm(x: Array, scale: Array, eps: float, dtype: Any) -> Array:
 def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
     """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout),
     times YaRN's attention factor where the model has one (as transformers scales them)."""
-    inv = jnp.asarray(rope_inv_freq(cfg))
     if cfg.rope_scaling_dict.get("rope_type") == "dynamic":
         inv = dynamic_ntk_inv_freq(cfg, positions)
+    else:
+        inv = jnp.asarray(rope_inv_freq(cfg))
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
     scale = rope_attention_factor(cfg)

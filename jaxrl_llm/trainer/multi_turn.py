@@ -54,13 +54,7 @@ from jaxrl_llm.agents import (
     run_multi_turn_streaming,
     trajectories_from_rows,
 )
-from jaxrl_llm.agents.sampler_continue import (
-    StaticSamplerContinue,
-    cut_to_budgets,
-    left_pad_routing,
-    round_sampling,
-    tool_call_stop_ids,
-)
+from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, cut_to_budgets, round_sampling, tool_call_stop_ids
 from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
@@ -93,9 +87,9 @@ class PagedContinue:
         settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
                                               compute_dtype=self.compute_dtype)
         replay = None
-        if routings is not None and self.cfg.is_moe:
+        if routings is not None and self.cfg.is_moe:  # a prefix without a record yet is routed by the router
             settings = dataclasses.replace(settings, record_routing=True)
-            replay = [left_pad_routing(self.cfg, [r], [len(p)], len(p))[0] for p, r in zip(prefixes, routings)]
+            replay = list(routings)
         out, _ = sample_paged(self.params, self.cfg, [list(p) for p in prefixes],
                               jax.random.fold_in(self.rng, self.calls), knobs, settings=settings, opts=self.opts,
                               mesh=self.mesh, prompt_routing=replay)

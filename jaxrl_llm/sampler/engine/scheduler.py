@@ -125,7 +125,7 @@ class _BatchSource:
     """`run`'s requests: every (prompt, sample) at once; results into `SampleOutput` arrays."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
-                 order: Sequence[tuple[int, int]], prompt_routing: Sequence[np.ndarray] | None = None) -> None:
+                 order: Sequence[tuple[int, int]], prompt_routing: Sequence[np.ndarray | None] | None = None) -> None:
         self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens,
                                        None if prompt_routing is None else prompt_routing[i]) for i, j in order]
         self.n, self.r = n, max_new_tokens
@@ -247,7 +247,7 @@ class PagedEngine:
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None,
-            prompt_routing: Sequence[np.ndarray] | None = None) -> tuple[SampleOutput, EngineStats]:
+            prompt_routing: Sequence[np.ndarray | None] | None = None) -> tuple[SampleOutput, EngineStats]:
         """`settings.n` samples of every prompt; rows prompt-major (row i*n + j = sample j of prompt i).
 
         order: the queue as (prompt, sample) pairs (default prompt-major); results do not depend on it.

@@ -119,7 +119,7 @@ def release_engines() -> None:
 
 def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
                  knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None,
-                 prompt_routing: Sequence[np.ndarray] | None = None) -> tuple[SampleOutput, EngineStats]:
+                 prompt_routing: Sequence[np.ndarray | None] | None = None) -> tuple[SampleOutput, EngineStats]:
     """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
     `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats.
     prompt_routing: per prompt, the experts its prefill replays (`EngineRequest.routing`)."""
