@@ -24,6 +24,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -89,12 +90,18 @@ def _head_case(hidden: int, vocab: int, dtype, tiny: bool) -> dict:
     kernel_impl = "pallas_triton" if tiny else "pallas"
     (_, (lp_k, ent_k)), g_k = loss(kernel_impl)(h, w)
     (_, (lp_x, ent_x)), g_x = loss("xla")(h, w)
-    naive = jax.jit(lambda h, w: jax.nn.log_softmax((h @ w).astype(jnp.float32), -1))
+    def naive_loss(h, w):  # the same objective through [rows, V] fp32 logits
+        logp = jax.nn.log_softmax((h @ w).astype(jnp.float32), -1)
+        lp = jnp.take_along_axis(logp, t[:, None], -1)[:, 0]
+        return jnp.sum(lp) - 0.1 * jnp.sum(jnp.exp(logp) * logp)
+
+    naive = jax.jit(jax.value_and_grad(naive_loss, argnums=(0, 1)))
     err = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))  # noqa: E731
     return {"hidden": hidden, "vocab": vocab, "dtype": jnp.dtype(dtype).name,
             "max_abs_err_logprob": err(lp_k, lp_x), "max_abs_err_entropy": err(ent_k, ent_x),
             "max_abs_err_grad_h": err(g_k[0], g_x[0]), "max_abs_err_grad_w": err(g_k[1], g_x[1]),
             "kernel_s": _timed(loss(kernel_impl), h, w), "xla_s": _timed(loss("xla"), h, w),
+            # value and gradient temporaries, both ways
             "naive_temp_bytes": int(naive.lower(h, w).compile().memory_analysis().temp_size_in_bytes),
             "fused_temp_bytes": int(loss(kernel_impl).lower(h, w).compile().memory_analysis().temp_size_in_bytes)}
 
@@ -130,7 +137,7 @@ def _paged_case(slots: int, tiny: bool) -> dict:
 def section_kernels(tiny: bool) -> dict:
     import jax.numpy as jnp
 
-    shapes = [(24, 640)] if tiny else [(896, 151936), (4096, 151936)]
+    shapes = [(48, 640)] if tiny else [(896, 151936), (4096, 151936)]
     heads = [_head_case(h, v, dt, tiny) for h, v in shapes for dt in (jnp.float32, jnp.bfloat16)]
     paged = [_paged_case(s, tiny) for s in ((4, 8) if tiny else (64, 256))]
     worst = max(c["max_abs_err_logprob"] for c in heads if c["dtype"] == "float32")
@@ -160,7 +167,8 @@ def section_step(tiny: bool, out: pathlib.Path) -> dict:
                           "data.train_batch_size": 16, "actor_rollout_ref.rollout.n": 8,
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
                           "actor_rollout_ref.rollout.ignore_eos": True, "data.synthetic.n_train": 64})
-    run_dir = out / "step_run"
+    # the run's own files stay out of <out>: the device tool brings back 8 files at most
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_step_"))
     trainer = Trainer(tiny_config(run_dir, **overrides))
     trainer.fit()
     last = read_metrics(run_dir)[-1]
@@ -178,22 +186,31 @@ def section_step(tiny: bool, out: pathlib.Path) -> dict:
     return result
 
 
-def section_tests(tiny: bool) -> dict:
+def section_tests(tiny: bool, out: pathlib.Path) -> dict:
     paths = ["tests/platform/test_platform_chips.py"] if tiny else [
         "tests/losses/test_losses_logprob.py", "tests/sampler/test_paged_attention_pallas.py",
         "tests/platform", "tests/models/test_attention.py"]
     env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest")
     if not tiny:
-        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cuda")  # conftest defaults to cpu
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *paths], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        # the accelerator first (the default backend; conftest defaults to cpu), and the CPU beside it:
+        # the kernels' interpret-mode tests run their bodies through callbacks on a CPU device
+        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cuda") + ",cpu"
+    # not -x: one run on a lent device should show every failure; the kit's own CPU rehearsal
+    # (tests/platform/test_device_kit.py) is not run inside the kit. The log is written as the tests
+    # run, so a section stopped at its deadline still tells how far it got.
+    log = out / "tests_log.txt"
+    with open(log, "w") as sink:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *paths,
+                               "--deselect",
+                               "tests/platform/test_device_kit.py::test_device_check_tiny_runs_every_section"],
+                              cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    tail = log.read_text().strip().splitlines()[-15:]
     return {"returncode": proc.returncode, "tail": tail, "summary": tail[-1] if tail else "no output",
             "status": "ok" if proc.returncode == 0 else "failed"}
 
 
 def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:
-    fns = {"env": section_env, "kernels": section_kernels, "tests": section_tests,
+    fns = {"env": section_env, "kernels": section_kernels, "tests": lambda tiny: section_tests(tiny, out),
            "step": lambda tiny: section_step(tiny, out)}
     result = fns[name](tiny)
     result.setdefault("status", "ok")

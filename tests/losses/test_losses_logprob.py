@@ -191,3 +191,36 @@ def test_backends_import_public_names_only():
         assert all(not name.startswith("_") for _, name in names), (module, names)
     assert imported["logprob_xla"] == []
     assert {m for m, _ in imported["logprob_pallas"]} == {"jaxrl_llm.losses.logprob_xla"}
+
+
+@pytest.mark.parametrize("hidden,dtype", [(96, jnp.float32), (384, jnp.bfloat16)])
+def test_triton_kernel_sums_hidden_pieces_in_its_inner_loop(hidden, dtype):
+    # 96 fp32 = 3 pieces of 32, 384 bf16 = 3 pieces of 128: the inner loop's partial logits add up
+    from jaxrl_llm.losses import logprob_pallas
+
+    assert hidden // logprob_pallas.hidden_piece(hidden, jnp.dtype(dtype).itemsize) == 3
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    h = jax.random.normal(k[0], (B * T, hidden)).astype(dtype)
+    w = (jax.random.normal(k[1], (hidden, V)) / np.sqrt(hidden)).astype(dtype)
+    t = jax.random.randint(k[2], (B * T,), 0, V)
+    lp_k, ent_k = token_logprobs(h, w, t, return_entropy=True, impl="pallas_triton", interpret=True)
+    lp_x, ent_x = token_logprobs(h, w, t, return_entropy=True, impl="xla")
+    np.testing.assert_allclose(lp_k, lp_x, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(ent_k, ent_x, atol=1e-4, rtol=1e-5)
+
+
+def test_triton_kernel_tiles_stay_inside_gpu_shared_memory_at_any_hidden_size():
+    # An H200 refused the kernel that held all of a row block's hidden pieces: "Shared memory size
+    # limit exceeded: requested 819200, available: 232448" at H = 896. Its pipelined tiles are now
+    # a [64, piece] and a [piece, 128] slice per stage, whatever H is.
+    from jaxrl_llm.losses import logprob_pallas as lp
+
+    shared_memory = 232448  # H100 / H200, per block
+    for hidden in (576, 896, 1536, 2048, 3584, 4096, 5120, 8192):
+        for itemsize in (2, 4):
+            piece = lp.hidden_piece(hidden, itemsize)
+            assert piece >= lp.TRITON_MIN_PIECE and hidden % piece == 0, (hidden, itemsize)
+            stage = (lp.TOKEN_BLOCK * piece + piece * lp.TRITON_VOCAB_BLOCK) * itemsize
+            assert lp.TRITON_STAGES * stage <= shared_memory, (hidden, itemsize)
+    # no power-of-two divisor of 16 or more: the Triton kernel does not serve (the XLA path does)
+    assert not lp.supports(640, 24, 4, "pallas_triton") and lp.supports(640, 24, 4, "pallas_mosaic")

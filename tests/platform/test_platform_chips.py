@@ -35,6 +35,8 @@ def test_fp32_peaks_and_unknown_devices():
 def test_cpu_peak_is_measured():
     import jax
 
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"the {jax.default_backend()} run reads the chip table (test_peak_table_*)")
     flops, source = device_peak_flops(jax.devices()[0], "float32")
     assert "measured" in source and 1e8 < flops < 1e14
 
