@@ -47,9 +47,18 @@ MIXED_MOE = {
 }
 
 
+# per-layer sliding windows (Qwen2 / Qwen3 `layer_types`): 3 layers, a window of 3 tokens
+WINDOW_LAYERS = {
+    "qwen2_window_layers": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=3,
+                                          max_window_layers=1)),  # sliding: 1, 2
+    "qwen3_layer_types": ("qwen3", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=3,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
 def family_case(case: str) -> tuple[str, dict]:
-    """(family, overrides) of a family name or a MIXED_MOE case name."""
-    return MIXED_MOE.get(case, (case, {}))
+    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS case name."""
+    return {**MIXED_MOE, **WINDOW_LAYERS}.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):

@@ -94,11 +94,21 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
     k_slot = jnp.arange(slot_mask.shape[1], dtype=jnp.int32)
     visible = k_slot[None, :] <= q_slot[:, None]
-    if cfg.sliding_window is not None:
-        visible &= (q_slot[:, None] - k_slot[None, :]) < cfg.sliding_window
+    if cfg.sliding_window is not None and not cfg.mixed_windows:  # mixed: `window_mask` per local layer
+        visible &= window_mask(cfg, write_index, t, slot_mask.shape[1])
     allowed = visible[None] & (slot_mask[:, None, :] > 0)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
     if branch_ids is not None:
         allowed &= (branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
     return positions, allowed, write_index, new_mask
+
+
+def window_mask(cfg: ModelConfig, write_index: Array, t: int, slots: int) -> Array:
+    """[T, S] bool: key slot s is within the sliding window of query slot q (q - s < W). A model whose
+    layers differ (`cfg.mixed_windows`) ANDs it into `allowed` on its local layers only."""
+    assert cfg.sliding_window is not None
+    q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
+    k_slot = jnp.arange(slots, dtype=jnp.int32)
+    return (q_slot[:, None] - k_slot[None, :]) < cfg.sliding_window
+

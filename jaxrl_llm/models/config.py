@@ -87,6 +87,9 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # the layers that attend within `sliding_window` (HF `layer_types` "sliding_attention"); None: every
+    # layer (Mistral / Mixtral, Qwen3-MoE), when there is a window
+    sliding_layers: tuple[int, ...] | None = None
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -119,6 +122,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.sliding_layers is not None and any(not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers={list(self.sliding_layers)}: layers are 0..{self.num_hidden_layers - 1}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.num_experts:
@@ -173,6 +178,21 @@ class ModelConfig:
         """A mixture-of-experts model with dense MLP layers between the sparse ones: its `mlp` and `moe`
         params are stacked over their own layers (models/param_init.py)."""
         return self.is_moe and bool(self.dense_layer_ids)
+
+    @property
+    def local_layer_ids(self) -> tuple[int, ...]:
+        """The layers that attend within `sliding_window` (none without a window)."""
+        if self.sliding_window is None:
+            return ()
+        if self.sliding_layers is None:
+            return tuple(range(self.num_hidden_layers))
+        return self.sliding_layers
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers attend within the sliding window and others over the whole context (Qwen2 / Qwen3
+        with `max_window_layers`): each layer picks its mask (dense attention) or kernel (paged) by index."""
+        return 0 < len(self.local_layer_ids) < self.num_hidden_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -240,11 +260,7 @@ class ModelConfig:
                              "(RoPE on every head dimension only)")
         fam = _FAMILIES[model_type]
         moe = _moe_fields(d, model_type) if fam.get("moe") else {}
-        sliding_window = None
-        if model_type in ("mistral", "mixtral"):
-            sliding_window = d.get("sliding_window")
-        elif d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
-            raise ValueError(f"config.json: sliding-window layers are unsupported for {model_type}")
+        sliding_window, sliding_layers = _sliding_windows(d, model_type)
         heads = int(d["num_attention_heads"])
         return cls(
             architecture=arch,
@@ -264,7 +280,8 @@ class ModelConfig:
             attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
                                       fam["attention_bias"])),
             qk_norm=fam["qk_norm"],
-            sliding_window=None if sliding_window is None else int(sliding_window),
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
             bos_token_id=_token_ids(d.get("bos_token_id")),
             eos_token_id=_token_ids(d.get("eos_token_id")),
             pad_token_id=_first_token_id(d.get("pad_token_id")),
@@ -314,8 +331,14 @@ class ModelConfig:
         if self.model_type in ("mistral", "mixtral"):
             d["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-            d["use_sliding_window"] = False
-            d["sliding_window"] = None
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["sliding_window"] = self.sliding_window
+            if self.sliding_window is not None and self.model_type != "qwen3_moe":
+                local = set(self.local_layer_ids)
+                d["layer_types"] = ["sliding_attention" if i in local else "full_attention"
+                                    for i in range(self.num_hidden_layers)]
+                # transformers derives layer_types from it when a reader drops them: the first local layer
+                d["max_window_layers"] = min(local) if local else self.num_hidden_layers
         if self.is_moe:
             d.update(self._hf_moe_fields())
         if num_labels is not None:
@@ -425,6 +448,32 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
                 if model_type == "qwen2_moe" else 0,
                 norm_topk_prob=norm_topk, router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
                 output_router_logits=bool(d.get("output_router_logits", False)), **layout)
+
+
+def _sliding_windows(d: dict[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding_window, sliding_layers) of a config.json, as transformers reads it per family: Mistral /
+    Mixtral window every layer; Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types`
+    marks "sliding_attention" (default: from `max_window_layers` on); Qwen3-MoE every layer."""
+    layers = int(d["num_hidden_layers"])
+    if model_type in ("mistral", "mixtral"):
+        window = d.get("sliding_window")
+        return (None if window is None else int(window)), None
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    if window is None:
+        return None, None
+    if model_type == "qwen3_moe":
+        return int(window), None
+    if model_type == "qwen2_moe":
+        raise ValueError("config.json: use_sliding_window is unsupported for qwen2_moe (its layer_types rule "
+                         "differs from Qwen2's; no released checkpoint sets it)")
+    types = d.get("layer_types")
+    if types is None:
+        first = int(d.get("max_window_layers", layers))
+        return int(window), tuple(range(first, layers))
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"config.json: layer_types={types!r} must list 'sliding_attention' or 'full_attention' "
+                         f"for each of the {layers} layers")
+    return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:

@@ -285,12 +285,19 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     return hidden, state, None if moe is None else MoeOut(*moe)
 
 
-def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0) -> LayerAttention:
+def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,
+                    local_allowed: Array | None = None) -> LayerAttention:
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
     `jaxrl_llm.models.cache.attention_context`. State: None (attention over the sequence itself,
     causal query chunks) or a dense cache (k, v) [L, B, kv_heads, S, D], written at slots
-    [write_index, write_index + T) of the layer before attending over all its slots."""
+    [write_index, write_index + T) of the layer before attending over all its slots.
+    `local_allowed` [B, T, S]: the mask of a mixed-window model's sliding layers (`cfg.local_layer_ids`)."""
     nkv = cfg.num_key_value_heads
+    is_local = None
+    if local_allowed is not None:
+        flags = np.zeros(cfg.num_hidden_layers, bool)
+        flags[list(cfg.local_layer_ids)] = True
+        is_local = jnp.asarray(flags)
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array
                   ) -> tuple[Array, tuple[Array, Array] | None]:
@@ -305,7 +312,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False).astype(dtype)
             v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
-        out = attend(q, k, v, allowed, nkv, causal=cache is None)  # fp32 [B * T, heads, D]
+        mask = allowed if is_local is None else jnp.where(is_local[layer], local_allowed, allowed)
+        out = attend(q, k, v, mask, nkv, causal=cache is None)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache
 
     return attention

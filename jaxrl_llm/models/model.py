@@ -8,7 +8,7 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import attention_context
+from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
 from jaxrl_llm.models.moe import MoeOut
@@ -81,9 +81,13 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids, branch_ids)
     kv = None if cache is None else (cache["k"], cache["v"])
-    hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, dense_attention(cfg, allowed, write_index),
-                                     kv, compute_dtype=compute_dtype, remat=remat, valid=attention_mask > 0,
-                                     replay=replay, record_routing=record_routing)
+    local = None
+    if cfg.mixed_windows:  # the local layers' mask: `allowed` within the sliding window
+        local = allowed & window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2])[None]
+    attention = dense_attention(cfg, allowed, write_index, local_allowed=local)
+    hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
+                                     remat=remat, valid=attention_mask > 0, replay=replay,
+                                     record_routing=record_routing)
     if cache is None:
         return hidden, None, moe
     k_cache, v_cache = kv

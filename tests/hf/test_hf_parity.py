@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import MIXED_MOE, build_hf_model, left_padded_batch, torch_logits
+from tiny_models import MIXED_MOE, WINDOW_LAYERS, build_hf_model, left_padded_batch, torch_logits
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import compute_logits, forward_hidden, score_from_hidden
@@ -23,6 +23,7 @@ CASES = {
     "llama_linear_rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                                         "rope_theta": 1e4}}),
     "mistral_window": ("mistral", {"sliding_window": 4}),
+    **WINDOW_LAYERS,  # per-layer sliding windows: from max_window_layers, from layer_types
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3_moe": ("qwen3_moe", {}),
@@ -38,6 +39,7 @@ def test_logits_match_transformers_left_padded(case, tmp_path, np_rng):
     model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     assert cfg.model_type == family
+    assert cfg.mixed_windows == ("layer" in case)
     ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
     expected = torch_logits(model, ids, mask)
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))

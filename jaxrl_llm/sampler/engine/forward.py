@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
@@ -59,11 +61,21 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
     offset = jnp.where(active, positions % page_size, 0)
     lengths = jnp.where(active, positions + 1, 0)
 
+    local = np.zeros(cfg.num_hidden_layers, bool)
+    local[list(cfg.local_layer_ids)] = True
+
     def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array) -> tuple[Array, dict]:
         pool = write_tokens(pool, layer, k[:, 0], v[:, 0], page, offset)
-        out = paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
-                                     sliding_window=cfg.sliding_window, impl=attn_impl, mesh=mesh,
-                                     k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
+
+        def attend(window: int | None) -> Array:  # a local layer reads only its window's pages
+            return paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
+                                          sliding_window=window, impl=attn_impl, mesh=mesh,
+                                          k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
+
+        if cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
+            out = lax.cond(jnp.asarray(local)[layer], lambda: attend(cfg.sliding_window), lambda: attend(None))
+        else:
+            out = attend(cfg.sliding_window)
         return out[:, None], pool
 
     return attention
