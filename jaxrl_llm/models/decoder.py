@@ -293,11 +293,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     [write_index, write_index + T) of the layer before attending over all its slots.
     `local_allowed` [B, T, S]: the mask of a mixed-window model's sliding layers (`cfg.local_layer_ids`)."""
     nkv = cfg.num_key_value_heads
-    is_local = None
-    if local_allowed is not None:
-        flags = np.zeros(cfg.num_hidden_layers, bool)
-        flags[list(cfg.local_layer_ids)] = True
-        is_local = jnp.asarray(flags)
+    is_local = np.zeros(cfg.num_hidden_layers, bool)  # read only with local_allowed
+    is_local[list(cfg.local_layer_ids)] = True
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array
                   ) -> tuple[Array, tuple[Array, Array] | None]:
@@ -312,7 +309,7 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False).astype(dtype)
             v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
-        mask = allowed if is_local is None else jnp.where(is_local[layer], local_allowed, allowed)
+        mask = allowed if local_allowed is None else jnp.where(is_local[layer], local_allowed, allowed)
         out = attend(q, k, v, mask, nkv, causal=cache is None)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache
 
