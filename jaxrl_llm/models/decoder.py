@@ -309,7 +309,7 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False).astype(dtype)
             v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
-        mask = allowed if local_allowed is None else jnp.where(is_local[layer], local_allowed, allowed)
+        mask = allowed if local_allowed is None else jnp.where(jnp.asarray(is_local)[layer], local_allowed, allowed)
         out = attend(q, k, v, mask, nkv, causal=cache is None)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache
 
