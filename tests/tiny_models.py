@@ -56,9 +56,22 @@ WINDOW_LAYERS = {
 }
 
 
+# Gemma 2 / Gemma 3 (text): 3 layers, sliding (window 3), full, sliding; query_pre_attn_scalar 32 (not
+# head_dim 16); Gemma 2's soft-caps small enough to bite at these scales; Gemma 3's own local RoPE base
+GEMMA = {
+    "gemma2": ("gemma2", dict(num_hidden_layers=3, sliding_window=3, query_pre_attn_scalar=32,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=3, sliding_window=3, query_pre_attn_scalar=32,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 1e4}})),
+}
+
+
 def family_case(case: str) -> tuple[str, dict]:
-    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS case name."""
-    return {**MIXED_MOE, **WINDOW_LAYERS}.get(case, (case, {}))
+    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA case name."""
+    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA}.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):
@@ -67,7 +80,8 @@ def hf_config(family: str, **overrides):
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "mixtral": transformers.MixtralConfig}[family]
+           "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
+           "gemma3_text": transformers.Gemma3TextConfig}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 
@@ -79,7 +93,8 @@ def build_hf_model(family: str, folder, *, head: str = "lm", seed: int = 0, **ov
     torch.manual_seed(seed)
     auto = (transformers.AutoModelForSequenceClassification if head == "score"
             else transformers.AutoModelForCausalLM)
-    model = auto.from_config(hf_config(family, **overrides), dtype=torch.float32)
+    # eager attention: the reference computation (sdpa has no soft-capping)
+    model = auto.from_config(hf_config(family, **overrides), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)

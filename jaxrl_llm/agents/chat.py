@@ -23,7 +23,7 @@ import functools
 import json
 from collections.abc import Sequence
 
-from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 
 _SENTINEL = "\u2063JAXRL-ASSISTANT-CONTENT\u2063"
 
@@ -53,8 +53,7 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         extra = {"tools": self.tools} if self.tools else {}
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **extra)
+        return render_chat(self.tokenizer, list(messages), add_generation_prompt=add_generation_prompt, **extra)
 
     @functools.cached_property
     def renders_tools(self) -> bool:

@@ -24,7 +24,7 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes
 TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", *TINY_MOE_ARCHS)
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", *TINY_MOE_ARCHS)
 REMAT = REMAT_POLICIES  # `actor.remat_policy` / `critic.remat_policy`: jaxrl_llm.models.remat
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
-from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Tokenizer, appl
     if isinstance(prompt, str) and not apply_chat_template:
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return render_chat(tokenizer, messages, add_generation_prompt=True)
 
 
 def encode_prompts(

@@ -32,6 +32,10 @@ def read_hf_config(folder: str | pathlib.Path) -> dict[str, Any]:
         return json.load(f)
 
 
+TEXT_TOWER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+
+
 class SafetensorsSource:
     """HF-named tensors across one or more .safetensors files, opened lazily."""
 
@@ -49,10 +53,19 @@ class SafetensorsSource:
                 f"no {WEIGHTS_NAME} or {INDEX_NAME} in model folder {str(folder)!r}")
         self._handles: dict[pathlib.Path, Any] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._stored: dict[str, str] = {}  # the name a tensor is read by -> its name in the file
         for file in self._files():
             handle = self._open(file)
             for name in handle.keys():
                 self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+                self._stored[name] = name
+        # a multimodal checkpoint's language model (Gemma 3: `language_model.model.*` as transformers 4
+        # saves it, `model.language_model.*` as transformers 5 does) answers to the text model's names
+        for name in list(self._shapes):
+            for theirs, ours in TEXT_TOWER_PREFIXES:
+                if name.startswith(theirs) and ours + name[len(theirs):] not in self._shapes:
+                    alias = ours + name[len(theirs):]
+                    self._shapes[alias], self._stored[alias] = self._shapes[name], name
 
     def _files(self) -> list[pathlib.Path]:
         if self._file_of is None:
@@ -72,6 +85,7 @@ class SafetensorsSource:
         return self._shapes.get(name)
 
     def read(self, name: str) -> np.ndarray:
+        name = self._stored.get(name, name)
         file = self._single if self._file_of is None else self._file_of[name]
         return self._open(file).get_tensor(name)
 

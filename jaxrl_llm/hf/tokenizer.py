@@ -64,3 +64,20 @@ def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Tokenizer:
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """`tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`. A template that has no system
+    role (Gemma 2's raises "System role not supported") gets the system message folded into the first
+    user turn, "system\\n\\nuser", as Gemma 3's own template folds it."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except jinja2.TemplateError:
+        if not (messages and messages[0].get("role") == "system" and len(messages) > 1
+                and messages[1].get("role") == "user"):
+            raise
+    system, user, *rest = messages
+    folded = {**user, "content": f"{system['content']}\n\n{user['content']}"}
+    return tokenizer.apply_chat_template([folded, *rest], tokenize=False, **kwargs)

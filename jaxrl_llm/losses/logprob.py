@@ -174,8 +174,11 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature: float = 1.0,
                    return_entropy: bool = False, chunk_size: int | None = None,
                    vocab_major: bool | None = None, impl: str = "auto", interpret: bool = False,
-                   rows_in_use: Array | None = None, row_block: int | None = None, mesh: Mesh | None = None):
+                   rows_in_use: Array | None = None, row_block: int | None = None, mesh: Mesh | None = None,
+                   softcap: float | None = None):
     """log p(target) under `softmax(hidden @ W / temperature)` (and the entropy), fp32 `[B, T]`.
+    `softcap`: the logits are `cap * tanh(hidden @ W / cap)` before the temperature (Gemma 2's
+    final_logit_softcapping), forward and backward.
 
     `unembed` is `[H, V]` or `[V, H]` (tied embeddings), told apart by shape or `vocab_major`.
     Differentiable w.r.t. `hidden` and `unembed` (entropy too, for an entropy bonus).
@@ -203,7 +206,10 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
     vm = _resolve_vocab_major(hidden_size, unembed, vocab_major)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets {targets.shape} must match hidden {hidden.shape} without the last axis")
-    lay = Layout(float(temperature), int(chunk_size or DEFAULT_CHUNK), vm, bool(return_entropy))
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    lay = Layout(float(temperature), int(chunk_size or DEFAULT_CHUNK), vm, bool(return_entropy),
+                 None if softcap is None else float(softcap))
     lead = hidden.shape[:-1]
     live, n = None, math.prod(lead)
     if rows_in_use is not None and (mesh is None or mesh.size == 1 or target_platform() != "cpu"):
@@ -241,8 +247,9 @@ _kl_fused.defvjp(_kl_fwd, _kl_bwd)
 
 def token_kl_full(h_policy: Array, w_policy: Array, h_ref: Array, w_ref: Array, *, temperature: float = 1.0,
                   chunk_size: int | None = None, policy_vocab_major: bool | None = None,
-                  ref_vocab_major: bool | None = None) -> Array:
-    """Exact per-token KL(pi || ref) over the vocabulary, `[B, T]`, streamed over vocab chunks.
+                  ref_vocab_major: bool | None = None, softcap: float | None = None) -> Array:
+    """Exact per-token KL(pi || ref) over the vocabulary, `[B, T]`, streamed over vocab chunks
+    (`softcap`: both heads' logits soft-capped, as `token_logprobs`).
 
     Differentiable w.r.t. all four inputs (stop-gradient the reference side at the call site).
     """
@@ -253,7 +260,8 @@ def token_kl_full(h_policy: Array, w_policy: Array, h_ref: Array, w_ref: Array, 
         raise ValueError(f"policy and reference vocab sizes differ: {w_policy.shape} vs {w_ref.shape}")
     if h_policy.shape[:-1] != h_ref.shape[:-1]:
         raise ValueError(f"h_policy {h_policy.shape} and h_ref {h_ref.shape} must share [B, T]")
-    lay = KLLayout(float(temperature), int(chunk_size or DEFAULT_CHUNK), pvm, rvm)
+    lay = KLLayout(float(temperature), int(chunk_size or DEFAULT_CHUNK), pvm, rvm,
+                   None if softcap is None else float(softcap))
     lead = h_policy.shape[:-1]
     kl = _kl_fused(h_policy.reshape(-1, hs), w_policy, h_ref.reshape(-1, h_ref.shape[-1]), w_ref, lay)
     return kl.reshape(lead)

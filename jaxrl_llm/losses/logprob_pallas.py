@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxrl_llm.losses.logprob_xla import Layout, Stats, vocab_size, xla_stats
+from jaxrl_llm.losses.logprob_xla import Layout, Stats, cap_logits, vocab_size, xla_stats
 
 TOKEN_BLOCK = 64
 VOCAB_BLOCKS = (512, 256, 128)
@@ -85,7 +85,7 @@ def _precision(dtype) -> jax.lax.Precision | None:
 def _logits(h, w, lay: Layout):
     dims = (((1,), (1,)), ((), ())) if lay.vocab_major else (((1,), (0,)), ((), ()))
     z = jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=_precision(h.dtype))
-    return z / lay.temperature
+    return cap_logits(z, lay.softcap, lay.temperature)
 
 
 def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: Layout, block_v: int, n_blocks: int,
@@ -109,7 +109,8 @@ def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: La
             return z + jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=precision)
 
         z = jax.lax.fori_loop(0, n_pieces, add_piece, jnp.zeros((bn, block_v), jnp.float32))
-        return _block_update(state, z / lay.temperature, targets, start, block_v, lay.with_entropy)
+        return _block_update(state, cap_logits(z, lay.softcap, lay.temperature), targets, start, block_v,
+                             lay.with_entropy)
 
     zeros = jnp.zeros((bn, 1), jnp.float32)
     init = (jnp.full((bn, 1), -jnp.inf, jnp.float32), zeros, zeros, zeros)

@@ -24,6 +24,23 @@ class Layout(NamedTuple):
     chunk: int
     vocab_major: bool  # unembed is [V, H] (True) or [H, V] (False)
     with_entropy: bool
+    softcap: float | None = None  # logits become cap * tanh(logits / cap) before the temperature (Gemma 2)
+
+
+def cap_logits(raw: Array, softcap: float | None, temperature: float) -> Array:
+    """fp32 logits as the model's head gives them (soft-capped, Gemma 2's final_logit_softcapping),
+    divided by the sampling temperature."""
+    if softcap is not None:
+        raw = softcap * jnp.tanh(raw / softcap)
+    return raw / temperature
+
+
+def cap_grad(dz: Array, z: Array, softcap: float | None, temperature: float) -> Array:
+    """The gradient w.r.t. the raw logits h @ W of one w.r.t. z = cap_logits(raw)."""
+    dz = dz / temperature
+    if softcap is not None:  # d(cap * tanh(r / cap)) / dr = 1 - tanh^2, and tanh = z * T / cap
+        dz = dz * (1.0 - jnp.square(z * (temperature / softcap)))
+    return dz
 
 
 def vocab_size(w: Array, vocab_major: bool) -> int:
@@ -39,7 +56,7 @@ def chunk_logits(h: Array, w: Array, start, size: int, lay: Layout) -> tuple[Arr
     else:
         wc = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
         z = jnp.einsum("nh,hc->nc", h, wc, preferred_element_type=jnp.float32)
-    return z / lay.temperature, wc
+    return cap_logits(z, lay.softcap, lay.temperature), wc
 
 
 def chunk_plan(vocab: int, chunk: int) -> tuple[int, int, int]:
@@ -96,7 +113,7 @@ def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout, dw_into:
         dz = g_lp[:, None] * (hit.astype(jnp.float32) - p)
         if lay.with_entropy:
             dz = dz + g_ent[:, None] * p * (stats.mean_logit[:, None] - z)
-        dz = dz / lay.temperature
+        dz = cap_grad(dz, z, lay.softcap, lay.temperature)
         if lay.vocab_major:
             dh = dh + jnp.einsum("nc,ch->nh", dz, wc.astype(jnp.float32))
             dwc = jnp.einsum("nc,nh->ch", dz, h.astype(jnp.float32))
@@ -127,12 +144,14 @@ class KLLayout(NamedTuple):
     chunk: int
     policy_vocab_major: bool
     ref_vocab_major: bool
+    softcap: float | None = None  # both heads' final logit soft-cap (one model family)
 
 
 def kl_chunk(hp, wp, hr, wr, start, size, lay: KLLayout):
     """Policy and reference logits of one vocab chunk, and the two weight slices."""
-    zp, wpc = chunk_logits(hp, wp, start, size, Layout(lay.temperature, size, lay.policy_vocab_major, False))
-    zq, wqc = chunk_logits(hr, wr, start, size, Layout(lay.temperature, size, lay.ref_vocab_major, False))
+    zp, wpc = chunk_logits(hp, wp, start, size,
+                           Layout(lay.temperature, size, lay.policy_vocab_major, False, lay.softcap))
+    zq, wqc = chunk_logits(hr, wr, start, size, Layout(lay.temperature, size, lay.ref_vocab_major, False, lay.softcap))
     return zp, zq, wpc, wqc
 
 
@@ -181,8 +200,8 @@ def kl_backward(hp, wp, hr, wr, lse_p, lse_q, mean_diff, g, lay: KLLayout):
         p = jnp.exp(zp - lse_p[:, None])
         q = jnp.exp(zq - lse_q[:, None])
         # d KL / d zp = p (zp - zq - E_p[zp - zq]); d KL / d zq = q - p.
-        dzp = g[:, None] * p * (zp - zq - mean_diff[:, None]) / lay.temperature
-        dzq = g[:, None] * (q - p) / lay.temperature
+        dzp = cap_grad(g[:, None] * p * (zp - zq - mean_diff[:, None]), zp, lay.softcap, lay.temperature)
+        dzq = cap_grad(g[:, None] * (q - p), zq, lay.softcap, lay.temperature)
         a, b = grads_of(dzp, hp, wpc, lay.policy_vocab_major)
         c, d = grads_of(dzq, hr, wqc, lay.ref_vocab_major)
         dwp = jax.lax.dynamic_update_slice_in_dim(dwp, b, start, axis=0 if lay.policy_vocab_major else 1)

@@ -48,16 +48,20 @@ def _ungroup(x: Array, t: int) -> Array:
     return x.reshape(b, nkv, gt // t, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, -1, hd)
 
 
-def _masked_scores(qg: Array, k: Array, allowed: Array, groups: int) -> Array:
-    """fp32 scaled scores [B, kv, g, T, S], MASKED_SCORE where not allowed."""
+def _masked_scores(qg: Array, k: Array, allowed: Array, groups: int, softcap: float | None) -> Array:
+    """fp32 scaled scores [B, kv, g, T, S] (soft-capped: cap * tanh(s / cap), Gemma 2), MASKED_SCORE
+    where not allowed."""
     b, nkv, gt, hd = qg.shape
-    scores = einsum_f32("bkqd,bksd->bkqs", qg, k).reshape(b, nkv, groups, gt // groups, -1)
-    return jnp.where(allowed[:, None, None], scores * (hd ** -0.5), MASKED_SCORE)
+    scores = einsum_f32("bkqd,bksd->bkqs", qg, k).reshape(b, nkv, groups, gt // groups, -1) * (hd ** -0.5)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    return jnp.where(allowed[:, None, None], scores, MASKED_SCORE)
 
 
-def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int) -> tuple[Array, Array]:
+def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None
+             ) -> tuple[Array, Array]:
     b, t, nh, _ = q.shape
-    scores = _masked_scores(_group_queries(q, nkv), k, allowed, nh // nkv)
+    scores = _masked_scores(_group_queries(q, nkv), k, allowed, nh // nkv, softcap)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     unnormalized = jnp.exp(scores - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
@@ -67,19 +71,23 @@ def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int) -> tuple[Ar
     return out, lse
 
 
-def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv):
+def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv, softcap):
     """(dq, dk, dv) of one query chunk: q [B, t, heads, D], k / v [B, kv, e, D], d_out fp32
     [B, t, heads, D]; `out` (fp32 [B, kv, g * t, D]) and `lse` [B, kv, g, t] from `_forward`."""
     b, t, nh, hd = q.shape
     cd = v.dtype
     qg = _group_queries(q, nkv)
     dog = _group_queries(d_out, nkv)  # fp32 [B, kv, g * t, D]
-    scores = _masked_scores(qg, k, allowed, nh // nkv)
+    scores = _masked_scores(qg, k, allowed, nh // nkv, softcap)
     probs = jnp.exp(scores - lse[..., None])  # [B, kv, g, t, e]; 0 where masked (unless the row is)
     d_probs = einsum_f32("bkqd,bksd->bkqs", dog.astype(cd), v).reshape(probs.shape)
     row_dot = jnp.sum(dog * out, axis=-1).reshape(lse.shape)[..., None]
+    d_scores = probs * (d_probs - row_dot)
+    if softcap is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2 (the masked scores left out: no overflow)
+        capped = jnp.where(allowed[:, None, None], scores, 0.0)
+        d_scores = d_scores * (1.0 - jnp.square(capped / softcap))
     # masked scores got no gradient in the forward's where(), fully masked rows included
-    d_scores = jnp.where(allowed[:, None, None], probs * (d_probs - row_dot), 0.0) * (hd ** -0.5)
+    d_scores = jnp.where(allowed[:, None, None], d_scores, 0.0) * (hd ** -0.5)
     probs = probs.reshape(b, nkv, -1, probs.shape[-1]).astype(cd)
     d_scores = d_scores.reshape(probs.shape).astype(cd)
     d_v = einsum_f32("bkqs,bkqd->bksd", probs, dog.astype(cd))
@@ -88,39 +96,39 @@ def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv):
     return d_q, d_k, d_v
 
 
-def _run_chunks(q, k, v, allowed, nkv, chunks):
+def _run_chunks(q, k, v, allowed, nkv, chunks, softcap):
     """Per chunk (s, e, keys): the grouped fp32 output and lse of queries [s, e) over keys [0, keys)."""
-    return [_forward(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], nkv) for s, e, n in chunks]
+    return [_forward(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], nkv, softcap) for s, e, n in chunks]
 
 
 def _attend_chunks_primal(q: Array, k: Array, v: Array, allowed: Array, nkv: int,
-                          chunks: tuple[tuple[int, int, int], ...]) -> Array:
+                          chunks: tuple[tuple[int, int, int], ...], softcap: float | None) -> Array:
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D],
     query chunks (start, end, keys) attending to keys [0, keys) only."""
-    return _attend_chunks_fwd(q, k, v, allowed, nkv, chunks)[0]
+    return _attend_chunks_fwd(q, k, v, allowed, nkv, chunks, softcap)[0]
 
 
-def _attend_chunks_fwd(q, k, v, allowed, nkv, chunks):
-    results = _run_chunks(q, k, v, allowed, nkv, chunks)
+def _attend_chunks_fwd(q, k, v, allowed, nkv, chunks, softcap):
+    results = _run_chunks(q, k, v, allowed, nkv, chunks, softcap)
     out = jnp.concatenate([_ungroup(o, e - s) for (o, _), (s, e, _) in zip(results, chunks)], axis=1)
     # residuals: the inputs once (not per chunk), each chunk's fp32 output and lse
     return out, (q, k, v, allowed, [o for o, _ in results], [lse for _, lse in results])
 
 
-def _attend_chunks_bwd(nkv, chunks, residuals, d_out):
+def _attend_chunks_bwd(nkv, chunks, softcap, residuals, d_out):
     q, k, v, allowed, outs, lses = residuals
     d_out = d_out.astype(jnp.float32)
     d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for (s, e, n), out, lse in zip(chunks, outs, lses):
         dq, dk, dv = _chunk_grads(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], out, lse,
-                                  d_out[:, s:e], nkv)
+                                  d_out[:, s:e], nkv, softcap)
         d_q.append(dq)
         d_k, d_v = d_k.at[:, :, :n].add(dk), d_v.at[:, :, :n].add(dv)
     d_q = jnp.concatenate(d_q, axis=1)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
 
 
-_attend_chunks = jax.custom_vjp(_attend_chunks_primal, nondiff_argnums=(4, 5))
+_attend_chunks = jax.custom_vjp(_attend_chunks_primal, nondiff_argnums=(4, 5, 6))
 _attend_chunks.defvjp(_attend_chunks_fwd, _attend_chunks_bwd)
 
 
@@ -130,14 +138,16 @@ def chunk_bounds(t: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, t)) for s in range(0, t, size)]
 
 
-def attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, *, causal: bool) -> Array:
+def attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, *, causal: bool,
+           softcap: float | None = None) -> Array:
     """Attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D] where `allowed` [B, T, S];
     fp32 [B * T, heads, D]. `causal` (S == T, `allowed` implies key <= query): run the queries in
-    chunks, each over the keys up to its last row only."""
+    chunks, each over the keys up to its last row only. `softcap`: scores become cap * tanh(s / cap)
+    (Gemma 2's attn_logit_softcapping)."""
     b, t, nh, hd = q.shape
     keys = k.shape[2]
     if causal and t == keys:
         chunks = tuple((s, e, e) for s, e in chunk_bounds(t))
     else:
         chunks = ((0, t, keys),)
-    return _attend_chunks(q, k, v, allowed, nkv, chunks).reshape(b * t, nh, hd)
+    return _attend_chunks(q, k, v, allowed, nkv, chunks, softcap).reshape(b * t, nh, hd)

@@ -23,7 +23,14 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"prefix": "Qwen3Moe", "attention_bias": False, "qk_norm": True, "moe": True},
     "qwen2_moe": {"prefix": "Qwen2Moe", "attention_bias": True, "qk_norm": False, "moe": True},
     "mixtral": {"prefix": "Mixtral", "attention_bias": False, "qk_norm": False, "moe": True},
+    # Gemma (models/decoder.py): GeGLU, embeddings x sqrt(hidden), (1 + w) norms (stored as 1 + w, hf/names.py),
+    # norms before and after attention and MLP, query_pre_attn_scalar, per-layer sliding windows;
+    # Gemma 2 soft-caps attention and final logits, Gemma 3 has QK-norm and a RoPE base of its own for local layers
+    "gemma2": {"prefix": "Gemma2", "attention_bias": False, "qk_norm": False, "gemma": True},
+    "gemma3_text": {"prefix": "Gemma3", "attention_bias": False, "qk_norm": True, "gemma": True},
 }
+GEMMA_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("gemma"))
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 MOE_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("moe"))
 # the grouped matmul of models/moe.py: "blocked" (ours, any backend), "ragged_dot" (jax.lax.ragged_dot:
 # XLA's native grouped matmul on TPU; a dense tokens x experts decomposition on CPU / GPU), "auto" (ragged_dot
@@ -32,7 +39,7 @@ MOE_KERNELS: tuple[str, ...] = ("auto", "blocked", "ragged_dot")
 _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
-)
+) + ("Gemma3ForConditionalGeneration",)  # its text tower (`_text_tower`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
 _ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
@@ -90,6 +97,17 @@ class ModelConfig:
     # the layers that attend within `sliding_window` (HF `layer_types` "sliding_attention"); None: every
     # layer (Mistral / Mixtral, Qwen3-MoE), when there is a window
     sliding_layers: tuple[int, ...] | None = None
+    # Gemma: the MLP's activation (GeGLU), embeddings times sqrt(hidden_size), a norm after the attention
+    # and after the MLP as well as before each, attention scaled by query_pre_attn_scalar^-0.5 (not
+    # head_dim^-0.5), cap * tanh(x / cap) on attention scores and final logits (Gemma 2), and the RoPE
+    # base of the sliding layers (Gemma 3: rope_theta is the full-attention layers')
+    hidden_act: str = "silu"
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -122,6 +140,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} unsupported; supported: {HIDDEN_ACTS}")
         if self.sliding_layers is not None and any(not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
             raise ValueError(f"sliding_layers={list(self.sliding_layers)}: layers are 0..{self.num_hidden_layers - 1}")
         if self.head_dim % 2:
@@ -216,6 +236,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = _text_tower(d)
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         if archs:
@@ -235,14 +256,28 @@ class ModelConfig:
                     "num_attention_heads"):
             if key not in d:
                 raise ValueError(f"config.json is missing required key {key!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act {d['hidden_act']!r} unsupported (only 'silu')")
+        fam = _FAMILIES[model_type]
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act not in HIDDEN_ACTS or (act != "silu") != bool(fam.get("gemma")):
+            raise ValueError(f"config.json: hidden_act {act!r} unsupported for {model_type} "
+                             f"(only {'gelu_pytorch_tanh' if fam.get('gemma') else 'silu'})")
         if d.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=True is unsupported")
-        # transformers 5 keeps theta and scaling in `rope_parameters`; older files use top-level keys
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("config.json: use_bidirectional_attention=True (an encoder) is unsupported")
+        # transformers 5 keeps theta and scaling in `rope_parameters`; older files use top-level keys.
+        # Gemma 3 (transformers 5) keeps one entry per layer type
         rope = dict(d.get("rope_parameters") or {})
+        local_theta = None
+        if model_type == "gemma3_text":
+            local = dict(rope.pop("sliding_attention", None) or {})
+            rope = dict(rope.pop("full_attention", None) or rope)
+            local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"config.json: rope_parameters.sliding_attention.rope_type={local['rope_type']!r} "
+                                 "is unsupported (only 'default')")
         legacy = d.get("rope_scaling") or {}
-        rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 1e6 if local_theta else 10000.0)))
         scaling = {**legacy, **rope}
         scaling.pop("rope_theta", None)  # a legacy rope_scaling written beside rope_parameters repeats it
         if "type" in scaling and "rope_type" not in scaling:
@@ -258,8 +293,8 @@ class ModelConfig:
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
-        fam = _FAMILIES[model_type]
         moe = _moe_fields(d, model_type) if fam.get("moe") else {}
+        gemma = _gemma_fields(d, local_theta) if fam.get("gemma") else {}
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
         heads = int(d["num_attention_heads"])
         return cls(
@@ -276,7 +311,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=tuple(sorted(scaling.items())) or None,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(fam.get("gemma")))),  # Gemma ties by default
             attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
                                       fam["attention_bias"])),
             qk_norm=fam["qk_norm"],
@@ -287,6 +322,7 @@ class ModelConfig:
             pad_token_id=_first_token_id(d.get("pad_token_id")),
             initializer_range=float(d.get("initializer_range", 0.02)),
             **moe,
+            **gemma,
         )
 
     def to_hf_config(self, *, architecture: str | None = None, num_labels: int | None = None,
@@ -306,7 +342,7 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": rope_params,
@@ -339,12 +375,33 @@ class ModelConfig:
                                     for i in range(self.num_hidden_layers)]
                 # transformers derives layer_types from it when a reader drops them: the first local layer
                 d["max_window_layers"] = min(local) if local else self.num_hidden_layers
+        if self.model_type in GEMMA_FAMILIES:
+            d.update(self._hf_gemma_fields(rope_params))
         if self.is_moe:
             d.update(self._hf_moe_fields())
         if num_labels is not None:
             d["num_labels"] = num_labels
             d["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
             d["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+        return d
+
+    def _hf_gemma_fields(self, rope_params: dict[str, Any]) -> dict[str, Any]:
+        local = set(self.local_layer_ids)
+        d: dict[str, Any] = {
+            "hidden_activation": self.hidden_act,
+            "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar),  # transformers 5 wants an int
+            "attn_logit_softcapping": self.attn_logit_softcapping,
+            "final_logit_softcapping": self.final_logit_softcapping, "attention_bias": False,
+            "sliding_window": self.sliding_window,
+            "layer_types": ["sliding_attention" if i in local else "full_attention"
+                            for i in range(self.num_hidden_layers)]}
+        if self.model_type == "gemma3_text":
+            local_theta = self.rope_local_theta or 10000.0
+            d["rope_parameters"] = {"full_attention": rope_params,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+            d["rope_local_base_freq"] = local_theta  # transformers 4
+            if self.rope_scaling:
+                d["rope_scaling"] = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         return d
 
     def _hf_moe_fields(self) -> dict[str, Any]:
@@ -380,6 +437,13 @@ class ModelConfig:
             base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         norm_topk_prob=family != "qwen2_moe", router_aux_loss_coef=0.001,
                         shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
+        if fam.get("gemma"):  # layer 0 local (window 4), layer 1 global
+            base.update(hidden_act="gelu_pytorch_tanh", scale_embeddings=True, sandwich_norms=True,
+                        query_pre_attn_scalar=32.0, tie_word_embeddings=True, sliding_window=4, sliding_layers=(0,))
+            if family == "gemma2":
+                base.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+            else:
+                base.update(rope_theta=1e6, rope_local_theta=1e4)
         base.update(overrides)
         return cls(**base)
 
@@ -450,11 +514,54 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
                 output_router_logits=bool(d.get("output_router_logits", False)), **layout)
 
 
+def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 checkpoint's config.json (`Gemma3ForConditionalGeneration`) read as its text
+    model's, `Gemma3ForCausalLM` (the language model is what RL trains; the vision tower is not loaded,
+    hf/hf_folder.py maps its tensor names). Its `text_config` lists only what differs from transformers'
+    defaults, so transformers fills in the rest; token ids come from the top level where it has them."""
+    if d.get("model_type") != "gemma3" or not isinstance(d.get("text_config"), dict):
+        return d
+    from transformers import Gemma3TextConfig
+
+    text = {k: v for k, v in d["text_config"].items() if k not in ("model_type", "architectures")}
+    out = Gemma3TextConfig(**text).to_dict()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if d.get(key) is not None:
+            out[key] = d[key]
+    out.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])
+    return out
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
+def _gemma_fields(d: dict[str, Any], local_theta: float | None) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 2 / Gemma 3 config.json beyond the shared ones."""
+    def optional(key: str) -> float | None:
+        return None if d.get(key) is None else float(d[key])
+
+    return dict(hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+                scale_embeddings=True, sandwich_norms=True,
+                query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+                attn_logit_softcapping=optional("attn_logit_softcapping"),
+                final_logit_softcapping=optional("final_logit_softcapping"),
+                rope_local_theta=local_theta)
+
+
 def _sliding_windows(d: dict[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
     """(sliding_window, sliding_layers) of a config.json, as transformers reads it per family: Mistral /
     Mixtral window every layer; Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types`
     marks "sliding_attention" (default: from `max_window_layers` on); Qwen3-MoE every layer."""
     layers = int(d["num_hidden_layers"])
+    if model_type in GEMMA_FAMILIES:  # Gemma 2: every other layer from the first; Gemma 3: 5 of every 6
+        pattern = 2 if model_type == "gemma2" else int(d.get("sliding_window_pattern", 6))
+        types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                         for i in range(layers)]
+        window = d.get("sliding_window")
+        if window is None:
+            return None, None
+        return int(window), _sliding_layer_ids(types, layers)
     if model_type in ("mistral", "mixtral"):
         window = d.get("sliding_window")
         return (None if window is None else int(window)), None
@@ -470,10 +577,14 @@ def _sliding_windows(d: dict[str, Any], model_type: str) -> tuple[int | None, tu
     if types is None:
         first = int(d.get("max_window_layers", layers))
         return int(window), tuple(range(first, layers))
+    return int(window), _sliding_layer_ids(types, layers)
+
+
+def _sliding_layer_ids(types: list[str], layers: int) -> tuple[int, ...]:
     if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
         raise ValueError(f"config.json: layer_types={types!r} must list 'sliding_attention' or 'full_attention' "
                          f"for each of the {layers} layers")
-    return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _json_ids(v: int | tuple[int, ...] | None) -> int | list[int] | None:

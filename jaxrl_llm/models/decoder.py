@@ -74,9 +74,17 @@ def rms_norm(x: Array, scale: Array, eps: float, dtype: Any) -> Array:
     return (y * scale.astype(jnp.float32)).astype(dtype)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
+def rope_cos_sin(cfg: ModelConfig, positions: Array, *, local: bool = False) -> tuple[Array, Array]:
     """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout),
-    times YaRN's attention factor where the model has one (as transformers scales them)."""
+    times YaRN's attention factor where the model has one (as transformers scales them). `local`: the
+    sliding layers' table of a model with a RoPE base of their own (Gemma 3: unscaled, `rope_local_theta`)."""
+    if local:
+        assert cfg.rope_local_theta is not None
+        dim = cfg.head_dim
+        inv = 1.0 / (cfg.rope_local_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        return jnp.cos(angles), jnp.sin(angles)
     if cfg.rope_scaling_dict.get("rope_type") == "dynamic":
         inv = dynamic_ntk_inv_freq(cfg, positions)
     else:
@@ -140,22 +148,34 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim per head, before RoPE (fp32 until after RoPE)
         q = rms_norm(q, weights["q_norm"]["scale"], eps, jnp.float32)
         k = rms_norm(k, weights["k_norm"]["scale"], eps, jnp.float32)
+    q = apply_rope(q, cos, sin)
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != hd:
+        # Gemma scales scores by query_pre_attn_scalar^-0.5; the attention applies head_dim^-0.5
+        q = q * float(np.sqrt(hd / cfg.query_pre_attn_scalar))
     # one rounding to the compute dtype; a KV cache stores exactly these values
-    q, k = apply_rope(q, cos, sin).astype(dtype), apply_rope(k, cos, sin).astype(dtype)
+    q, k = q.astype(dtype), apply_rope(k, cos, sin).astype(dtype)
     out, state = attention(q, k, v.astype(dtype), state, layer)
     out = out.astype(dtype).reshape(b * t, nh, hd)
     o = project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2)
     return o.reshape(b, t, h), state
 
 
-def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale: float) -> Array:
-    """fp32 [..., H] SwiGLU MLP of normed x [..., H] (compute dtype)."""
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu,  # SwiGLU
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma)
+}
+
+
+def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale: float,
+              activation: str = "silu") -> Array:
+    """fp32 [..., H] gated MLP (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") of normed x [..., H]
+    (compute dtype)."""
     tokens = x.reshape(-1, x.shape[-1])
 
     def dense(name: str, h: Array) -> Array:
         return project(h, weights[name], adapters.get(name), lora_scale, dtype)
 
-    act = (jax.nn.silu(dense("gate_proj", tokens)) * dense("up_proj", tokens)).astype(dtype)
+    act = (ACTIVATIONS[activation](dense("gate_proj", tokens)) * dense("up_proj", tokens)).astype(dtype)
     return dense("down_proj", act).reshape(*x.shape[:-1], -1)
 
 
@@ -192,11 +212,16 @@ def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos
     h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}),
                                rms_norm(x, weights["attn_norm"]["scale"], eps, dtype), cos, sin, attention,
                                state, layer, dtype=dtype, lora_scale=lora_scale)
+    if cfg.sandwich_norms:  # Gemma: the sublayer's output is normed before the residual add (kept fp32)
+        h = rms_norm(h, weights["attn_post_norm"]["scale"], eps, jnp.float32)
     x = x + h  # fp32 + fp32: the residual stream is never rounded
     normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype)
     if not cfg.is_moe:
-        return x + mlp_block(weights["mlp"], adapters.get("mlp", {}), normed, dtype=dtype, lora_scale=lora_scale), \
-            state, None
+        h = mlp_block(weights["mlp"], adapters.get("mlp", {}), normed, dtype=dtype, lora_scale=lora_scale,
+                      activation=cfg.hidden_act)
+        if cfg.sandwich_norms:
+            h = rms_norm(h, weights["mlp_post_norm"]["scale"], eps, jnp.float32)
+        return x + h, state, None
     valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
     if stacks is not None:
         out, stats, ids = mixed_mlp(cfg, stacks, layer, normed, valid, replay, dtype=dtype, lora_scale=lora_scale)
@@ -260,8 +285,16 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     have stats of no tokens and ids 0, and ignore their `replay` rows."""
     dtype = jnp.dtype(compute_dtype)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
-    x = jnp.take(params["embedding"], input_ids, axis=0).astype(dtype).astype(jnp.float32)
+    x = jnp.take(params["embedding"], input_ids, axis=0).astype(dtype)
+    if cfg.scale_embeddings:  # Gemma: times sqrt(hidden_size), a constant in the embedding's dtype (as HF)
+        x = x * jnp.asarray(np.sqrt(cfg.hidden_size), dtype)
+    x = x.astype(jnp.float32)
     cos, sin = rope_cos_sin(cfg, positions)
+    local_rope = None
+    if cfg.rope_local_theta is not None and cfg.local_layer_ids:  # Gemma 3: the sliding layers' own base
+        is_local = np.zeros(cfg.num_hidden_layers, bool)
+        is_local[list(cfg.local_layer_ids)] = True
+        local_rope = (jnp.asarray(is_local), *rope_cos_sin(cfg, positions, local=True))
     adapters: LoraAdapters | None = params.get("lora")
     lora_layers = {} if adapters is None else adapters.weights["layers"]
     lora_scale = 0.0 if adapters is None else adapters.scale
@@ -270,7 +303,11 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     def layer(carry: tuple[Array, Any, Array], xs: tuple[dict, dict, Array | None]) -> tuple[tuple, Any]:
         x, state, index = carry
         weights, adapters, layer_replay = xs
-        x, state, moe = decoder_layer(cfg, weights, adapters, x, cos, sin, attention, state, index, dtype=dtype,
+        c, s = cos, sin
+        if local_rope is not None:
+            flags, local_cos, local_sin = local_rope
+            c, s = jnp.where(flags[index], local_cos, cos), jnp.where(flags[index], local_sin, sin)
+        x, state, moe = decoder_layer(cfg, weights, adapters, x, c, s, attention, state, index, dtype=dtype,
                                       lora_scale=lora_scale, valid=valid, replay=layer_replay, stacks=stacks)
         if moe is not None and not record_routing:
             moe = (moe[0], None)
@@ -310,7 +347,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
         mask = allowed if local_allowed is None else jnp.where(jnp.asarray(is_local)[layer], local_allowed, allowed)
-        out = attend(q, k, v, mask, nkv, causal=cache is None)  # fp32 [B * T, heads, D]
+        out = attend(q, k, v, mask, nkv, causal=cache is None,
+                     softcap=cfg.attn_logit_softcapping)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache
 
     return attention

@@ -8,6 +8,7 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.losses.logprob_xla import cap_logits
 from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
@@ -104,9 +105,11 @@ def lm_head_weight(params: dict, cfg: ModelConfig) -> Array:
 
 
 def logits_from_hidden(params: dict, cfg: ModelConfig, hidden: Array) -> Array:
-    """[..., V] float32 logits (matmul in the hidden's dtype, fp32 accumulation)."""
+    """[..., V] float32 logits (matmul in the hidden's dtype, fp32 accumulation; soft-capped where the
+    model caps them, as the fused log-prob head does: losses/logprob_xla.cap_logits)."""
     w = lm_head_weight(params, cfg).astype(hidden.dtype)
-    return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return cap_logits(logits, cfg.final_logit_softcapping, 1.0)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array,

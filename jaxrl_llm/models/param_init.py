@@ -9,6 +9,7 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
 
     embedding [V, H]
     layers/attn_norm/scale [L, H]          layers/mlp_norm/scale [L, H]
+    layers/attn_post_norm/scale [L, H]     layers/mlp_post_norm/scale [L, H]   (sandwich_norms: Gemma)
     layers/attn/{q,k,v}_proj/kernel [L, H, heads|kv_heads, D]   (+ bias [L, heads, D] with attention_bias)
     layers/attn/{q,k}_norm/scale [L, D]    (qk_norm)
     layers/attn/o_proj/kernel [L, heads, D, H]
@@ -175,6 +176,9 @@ class _LayerParams(nn.Module):
         init = nn.initializers.normal(cfg.initializer_range)
         _Norm(cfg.hidden_size, dt, name="attn_norm")()
         _AttentionParams(cfg, dt, init, name="attn")()
+        if cfg.sandwich_norms:
+            _Norm(cfg.hidden_size, dt, name="attn_post_norm")()
+            _Norm(cfg.hidden_size, dt, name="mlp_post_norm")()
         _Norm(cfg.hidden_size, dt, name="mlp_norm")()
         if self.mlp == "moe":
             _MoeParams(cfg, dt, init, name="moe")()

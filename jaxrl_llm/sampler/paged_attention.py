@@ -53,14 +53,14 @@ def _pages_per_block(page_size: int, pages_per_slot: int) -> int:
 def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths: Array,
                                page_indices: Array, *, sliding_window: int | None = None,
                                k_scales: Array | None = None, v_scales: Array | None = None,
-                               layer: Array | None = None) -> Array:
+                               layer: Array | None = None, softcap: float | None = None) -> Array:
     """The contract's attention in plain XLA (any backend); see the module docstring.
 
     k_scales / v_scales: fp32 [num_kv_heads, num_pages, page_size] when the pages hold int8
     (value = int8 * scale), else None. layer: with a layer index, the pages (and scales) are the
     whole pool with a leading layer axis and each block gathers its pages from that layer directly
     (slicing the layer out first copies the layer's entire pool every step: on CPU that copy was
-    ~40% of a decode step at 32 slots).
+    ~40% of a decode step at 32 slots). softcap: scores become cap * tanh(s / cap) (Gemma 2).
     """
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
     scales = scale_pair(k_scales, v_scales)
@@ -104,6 +104,8 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
         if k_scales is not None:
             k = k.astype(q.dtype)
         scores = jnp.einsum("skgd,sknd->skgn", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+        if softcap is not None:
+            scores = softcap * jnp.tanh(scores / softcap)
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lo[:, None])  # [slots, n]
         scores = jnp.where(valid[:, None, None, :], scores, MASKED_SCORE)
@@ -149,7 +151,8 @@ def _check_impl(impl: str) -> None:
 def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, *,
                            sliding_window: int | None = None, impl: str = "auto",
                            k_scales: Array | None = None, v_scales: Array | None = None,
-                           layer: Array | None = None, mesh: Mesh | None = None) -> Array:
+                           layer: Array | None = None, mesh: Mesh | None = None,
+                           softcap: float | None = None) -> Array:
     """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. 'auto' takes the kernel of the
     platform the program is lowered for (Triton on CUDA where its power-of-two shapes hold, Mosaic
     on TPU; `lax.platform_dependent`, so a program compiled here for a TPU topology gets Mosaic) and
@@ -162,7 +165,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
 
     def xla(q, k_pages, v_pages, lengths, page_indices):
         return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
-                                          k_scales=k_scales, v_scales=v_scales, layer=layer)
+                                          k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap)
 
     if impl == "xla" or k_scales is not None or (impl == "auto" and target_platform() == "cpu"):
         return xla(q, k_pages, v_pages, lengths, page_indices)
@@ -172,6 +175,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
         def run(q, k_pages, v_pages, lengths, page_indices, layer):
             return paged_decode_attention_pallas(q, from_storage(k_pages), from_storage(v_pages), lengths,
                                                  page_indices, sliding_window=sliding_window, layer=layer,
+                                                 softcap=softcap,
                                                  variant=variant, interpret=interpret)
         if mesh is None or mesh.size == 1:
             return lambda q, kp, vp, lens, pages: run(q, kp, vp, lens, pages, layer)

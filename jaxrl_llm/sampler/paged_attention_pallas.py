@@ -79,7 +79,7 @@ def _visible_blocks(length, block_tokens: int, sliding_window: int | None):
     return lax.div(jnp.maximum(length - sliding_window, 0), block_tokens), hi
 
 
-def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: float,
+def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: float, softcap: float | None,
                   sliding_window: int | None, compute_dtype):
     """One online-softmax step over `block_tokens` keys starting at token position `start`.
 
@@ -96,6 +96,8 @@ def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: flo
         v = v * v_scale
     s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=hp,
                         preferred_element_type=jnp.float32) * scale
+    if softcap is not None:  # Gemma 2's attn_logit_softcapping, as the trainer's attention
+        s = softcap * jnp.tanh(s / softcap)
     pos = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     valid = pos < length
     if sliding_window is not None:
@@ -127,8 +129,8 @@ def _finish(carry):
 
 
 def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
-                   pages_per_head: int, scale: float, sliding_window: int | None, quantized: bool,
-                   compute_dtype, num_splits: int):
+                   pages_per_head: int, scale: float, softcap: float | None, sliding_window: int | None,
+                   quantized: bool, compute_dtype, num_splits: int):
     ks_ref, vs_ref = rest[:2] if quantized else (None, None)
     out_refs = rest[2:] if quantized else rest
     page_size, head_dim = k_ref.shape[-2:]
@@ -150,7 +152,7 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
         k_scale = ks_ref[pages].reshape(block_tokens, 1) if ks_ref is not None else None
         v_scale = vs_ref[pages].reshape(block_tokens, 1) if vs_ref is not None else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
-                             sliding_window=sliding_window, compute_dtype=compute_dtype)
+                             softcap=softcap, sliding_window=sliding_window, compute_dtype=compute_dtype)
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
     if num_splits == 1:
@@ -179,7 +181,7 @@ def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
 
 
 def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, pages_per_head, scale, sliding_window, interpret, compute_dtype, num_splits):
+                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype, num_splits):
     slots, kv_heads, group, head_dim = q4.shape
     flat_pages, page_size, _ = k_pages.shape
     for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
@@ -212,7 +214,7 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
         out_shape = [stat_shape, stat_shape,
                      jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, head_dim), jnp.float32)]
     kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, pages_per_head=pages_per_head,
-                               scale=scale, sliding_window=sliding_window, quantized=quantized,
+                               scale=scale, softcap=softcap, sliding_window=sliding_window, quantized=quantized,
                                compute_dtype=compute_dtype, num_splits=num_splits)
     compiler_params = None
     if not interpret:
@@ -233,8 +235,8 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
 
 
 def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, pages_per_block: int,
-                   pages_per_slot: int, pages_per_head: int, scale: float, sliding_window: int | None,
-                   quantized: bool, compute_dtype):
+                   pages_per_slot: int, pages_per_head: int, scale: float, softcap: float | None,
+                   sliding_window: int | None, quantized: bool, compute_dtype):
     if quantized:
         ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
     else:
@@ -284,14 +286,14 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
         k_scale = ks_buf[buf].reshape(block_tokens, 1) if ks_buf is not None else None
         v_scale = vs_buf[buf].reshape(block_tokens, 1) if vs_buf is not None else None
         return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
-                             sliding_window=sliding_window, compute_dtype=compute_dtype)
+                             softcap=softcap, sliding_window=sliding_window, compute_dtype=compute_dtype)
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
     o_ref[...] = _finish(carry).astype(o_ref.dtype)
 
 
 def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, pages_per_head, scale, sliding_window, interpret, compute_dtype):
+                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype):
     from jax.experimental.pallas import tpu as pltpu
     slots, kv_heads, group, head_dim = q4.shape
     _, page_size, _ = k_pages.shape
@@ -313,7 +315,7 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     kernel = functools.partial(_mosaic_kernel, pages_per_block=pages_per_block,
                                pages_per_slot=pages_per_slot, pages_per_head=pages_per_head, scale=scale,
-                               sliding_window=sliding_window, quantized=quantized,
+                               softcap=softcap, sliding_window=sliding_window, quantized=quantized,
                                compute_dtype=compute_dtype)
     pages = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
     # The page table is scalar-prefetched whole into SMEM (1 MiB up to v6e): slots go in chunks
@@ -350,13 +352,14 @@ def default_variant() -> Variant:
     return "mosaic" if target_platform() == "tpu" else "triton"
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "interpret", "pages_per_block",
+@functools.partial(jax.jit, static_argnames=("sliding_window", "softcap", "interpret", "pages_per_block",
                                              "variant", "num_splits"))
 def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   lengths: jax.Array, page_indices: jax.Array, *,
                                   k_scales: jax.Array | None = None,
                                   v_scales: jax.Array | None = None,
-                                  sliding_window: int | None = None, interpret: bool = False,
+                                  sliding_window: int | None = None, softcap: float | None = None,
+                                  interpret: bool = False,
                                   pages_per_block: int | None = None,
                                   variant: Variant | None = None,
                                   num_splits: int | None = None,
@@ -368,6 +371,7 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     `num_splits` (triton): programs sharing one slot's visible blocks, merged after the kernel
     (flash-decoding; default `default_num_splits`: more when slots * kv_heads is small).
     `layer`: int32 scalar; the pages (and scales) are then the whole pool with a leading layer axis.
+    `softcap`: scores become cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping).
     """
     variant = variant or default_variant()
     scales = scale_pair(k_scales, v_scales)
@@ -415,7 +419,7 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
         scales[0].astype(jnp.float32).reshape(flat), scales[1].astype(jnp.float32).reshape(flat))
     q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
     kw = dict(pages_per_block=pages_per_block, pages_per_head=num_pages, scale=head_dim ** -0.5,
-              sliding_window=sliding_window,
+              softcap=softcap, sliding_window=sliding_window,
               interpret=interpret, compute_dtype=q.dtype)
     if variant == "triton":
         out = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,

@@ -67,7 +67,8 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
                                       compute_dtype=compute_dtype, remat=remat, replay=replay)
         targets = input_ids[:, input_ids.shape[1] - response_len:]
         out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
-                             return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh)
+                             return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
+                             softcap=model_cfg.final_logit_softcapping)
         if isinstance(out, tuple):
             return ResponseScores(out[0], out[1], moe)
         return ResponseScores(out, None, moe)
@@ -77,6 +78,7 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
     # the LM head skips the slot blocks past the filled ones
     out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
                          return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
+                         softcap=model_cfg.final_logit_softcapping,
                          rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
     num_rows = input_ids.shape[0]
     unpack = lambda x: unpack_response(x, packing, num_rows, response_len)  # noqa: E731

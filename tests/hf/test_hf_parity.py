@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import MIXED_MOE, WINDOW_LAYERS, build_hf_model, left_padded_batch, torch_logits
+from tiny_models import GEMMA, MIXED_MOE, TINY_HF, WINDOW_LAYERS, build_hf_model, left_padded_batch, torch_logits
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import compute_logits, forward_hidden, score_from_hidden
@@ -24,6 +24,7 @@ CASES = {
                                                         "rope_theta": 1e4}}),
     "mistral_window": ("mistral", {"sliding_window": 4}),
     **WINDOW_LAYERS,  # per-layer sliding windows: from max_window_layers, from layer_types
+    **GEMMA,  # Gemma 2 (soft-caps) and Gemma 3 (QK-norm, local RoPE base)
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3_moe": ("qwen3_moe", {}),
@@ -39,7 +40,7 @@ def test_logits_match_transformers_left_padded(case, tmp_path, np_rng):
     model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     assert cfg.model_type == family
-    assert cfg.mixed_windows == ("layer" in case)
+    assert cfg.mixed_windows == ("layer" in case or case in GEMMA)
     ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
     expected = torch_logits(model, ids, mask)
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
@@ -90,3 +91,35 @@ def test_rope_scaling_beyond_the_original_context_matches_transformers(family, r
     assert np.abs(plain - expected)[:, 33:].max() > 1e-3
     again = type(cfg).from_hf_config(cfg.to_hf_config())  # config.json round trip keeps the scaling
     assert again.rope_scaling == cfg.rope_scaling and again.context_length == cfg.context_length
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_tower(tmp_path, np_rng):
+    """A Gemma3ForConditionalGeneration folder (vision tower, `language_model.model.*` tensors, a sparse
+    text_config) is read as its language model: logits equal the multimodal model's on text."""
+    import json
+
+    import torch
+    import transformers
+
+    family, overrides = GEMMA["gemma3"]
+    text = transformers.Gemma3TextConfig(**{**TINY_HF, **overrides})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, image_token_index=250, boi_token_index=251,
+                                       eoi_token_index=252)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma3"
+    cfg, params = load_hf_folder(tmp_path)
+    assert (cfg.architecture, cfg.model_type, cfg.local_layer_ids) == ("Gemma3ForCausalLM", family, (0, 2))
+    ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
+    ids[ids >= 250] = 5  # text only: no image placeholder tokens
+    expected = torch_logits(model, ids, mask)
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - expected[valid]).max() <= 1e-4

@@ -21,7 +21,8 @@ compute_logits = jax.jit(compute_logits, static_argnums=1)
 
 @pytest.mark.parametrize("case,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj")),
                                           ("qwen2_moe", ("q_proj", "v_proj", "down_proj")),
-                                          ("qwen3_moe", "all-linear"), ("qwen2_moe_mixed", ("v_proj", "down_proj"))])
+                                          ("qwen3_moe", "all-linear"), ("qwen2_moe_mixed", ("v_proj", "down_proj")),
+                                          ("gemma2", "all-linear"), ("gemma3", ("q_proj", "v_proj", "up_proj"))])
 def test_peft_adapter_folder_loads_with_equal_logits(case, targets, tmp_path, np_rng):
     pytest.importorskip("peft")
     from peft import PeftModel

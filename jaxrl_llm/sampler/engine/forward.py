@@ -70,6 +70,7 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
         def attend(window: int | None) -> Array:  # a local layer reads only its window's pages
             return paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
                                           sliding_window=window, impl=attn_impl, mesh=mesh,
+                                          softcap=cfg.attn_logit_softcapping,
                                           k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
 
         if cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
