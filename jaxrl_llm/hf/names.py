@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxrl_llm.models.config import GEMMA_FAMILIES, ModelConfig
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import MLP_MODULES
 from jaxrl_llm.models.param_init import HEADS
 
@@ -75,9 +75,6 @@ def _identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
-_gemma_norm = (lambda w: w.astype(np.float32) + 1.0, lambda s: s.astype(np.float32) - 1.0)
-
-
 def _linear(in_dim: int, out_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
     """HF [prod(out), in] <-> ours [in, *out]."""
     return (lambda w: w.T.reshape(in_dim, *out_shape),
@@ -103,21 +100,19 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     lay = "model.layers.{i}."
-    # Gemma's RMSNorm multiplies by (1 + w): our scale is 1 + w, so the forward has one norm
-    norm = _gemma_norm if cfg.model_type in GEMMA_FAMILIES else (_identity, _identity)
     specs = [TensorSpec(("embedding",), "model.embed_tokens.weight", (cfg.vocab_size, h),
                         _identity, _identity),
-             TensorSpec(("final_norm", "scale"), "model.norm.weight", (h,), *norm)]
+             TensorSpec(("final_norm", "scale"), "model.norm.weight", (h,), _identity, _identity)]
 
     def layer(path: tuple[str, ...], name: str, shape: tuple[int, ...], conv=None, layer_ids=None) -> None:
         to_ours, to_hf = conv or (_identity, _identity)
         specs.append(TensorSpec(("layers",) + path, lay + name, shape, to_ours, to_hf, layer_ids=layer_ids))
 
-    layer(("attn_norm", "scale"), "input_layernorm.weight", (h,), norm)
+    layer(("attn_norm", "scale"), "input_layernorm.weight", (h,))
     if cfg.sandwich_norms:  # Gemma: post_attention_layernorm is the attention's output norm
-        layer(("attn_post_norm", "scale"), "post_attention_layernorm.weight", (h,), norm)
-        layer(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", (h,), norm)
-        layer(("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", (h,), norm)
+        layer(("attn_post_norm", "scale"), "post_attention_layernorm.weight", (h,))
+        layer(("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", (h,))
+        layer(("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", (h,))
     else:
         layer(("mlp_norm", "scale"), "post_attention_layernorm.weight", (h,))
     for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
@@ -129,8 +124,8 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
     layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d),
           _linear_in_heads((nh, d), h))
     if cfg.qk_norm:
-        layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,), norm)
-        layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,), norm)
+        layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
+        layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
     if cfg.is_moe:
         specs += _moe_specs(cfg)
     for proj in MLP_MODULES if cfg.dense_layer_ids else ():  # a mixed-layer model's: its dense layers only

@@ -23,7 +23,7 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"prefix": "Qwen3Moe", "attention_bias": False, "qk_norm": True, "moe": True},
     "qwen2_moe": {"prefix": "Qwen2Moe", "attention_bias": True, "qk_norm": False, "moe": True},
     "mixtral": {"prefix": "Mixtral", "attention_bias": False, "qk_norm": False, "moe": True},
-    # Gemma (models/decoder.py): GeGLU, embeddings x sqrt(hidden), (1 + w) norms (stored as 1 + w, hf/names.py),
+    # Gemma (models/decoder.py): GeGLU, embeddings x sqrt(hidden), (1 + w) norms (norm_offset),
     # norms before and after attention and MLP, query_pre_attn_scalar, per-layer sliding windows;
     # Gemma 2 soft-caps attention and final logits, Gemma 3 has QK-norm and a RoPE base of its own for local layers
     "gemma2": {"prefix": "Gemma2", "attention_bias": False, "qk_norm": False, "gemma": True},
@@ -102,6 +102,7 @@ class ModelConfig:
     # head_dim^-0.5), cap * tanh(x / cap) on attention scores and final logits (Gemma 2), and the RoPE
     # base of the sliding layers (Gemma 3: rope_theta is the full-attention layers')
     hidden_act: str = "silu"
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + scale): Gemma's 1 + w (its weights stay HF's w)
     scale_embeddings: bool = False
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
@@ -438,7 +439,7 @@ class ModelConfig:
                         norm_topk_prob=family != "qwen2_moe", router_aux_loss_coef=0.001,
                         shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
         if fam.get("gemma"):  # layer 0 local (window 4), layer 1 global
-            base.update(hidden_act="gelu_pytorch_tanh", scale_embeddings=True, sandwich_norms=True,
+            base.update(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
                         query_pre_attn_scalar=32.0, tie_word_embeddings=True, sliding_window=4, sliding_layers=(0,))
             if family == "gemma2":
                 base.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
@@ -542,7 +543,7 @@ def _gemma_fields(d: dict[str, Any], local_theta: float | None) -> dict[str, Any
         return None if d.get(key) is None else float(d[key])
 
     return dict(hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-                scale_embeddings=True, sandwich_norms=True,
+                norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
                 query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
                 attn_logit_softcapping=optional("attn_logit_softcapping"),
                 final_logit_softcapping=optional("final_logit_softcapping"),

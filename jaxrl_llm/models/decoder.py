@@ -67,11 +67,12 @@ class LayerAttention(Protocol):
     def __call__(self, q: Array, k: Array, v: Array, state: Any, layer: Array, /) -> tuple[Array, Any]: ...
 
 
-def rms_norm(x: Array, scale: Array, eps: float, dtype: Any) -> Array:
-    """RMSNorm over the last axis in fp32, the result in `dtype`."""
+def rms_norm(x: Array, scale: Array, eps: float, dtype: Any, offset: float = 0.0) -> Array:
+    """RMSNorm over the last axis in fp32, times (offset + scale) (Gemma: 1 + w), the result in `dtype`."""
     x32 = x.astype(jnp.float32)
     y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(dtype)
+    weight = scale.astype(jnp.float32)
+    return (y * (weight + offset if offset else weight)).astype(dtype)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: Array, *, local: bool = False) -> tuple[Array, Array]:
@@ -146,8 +147,8 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
 
     q, k, v = qkv("q_proj", nh), qkv("k_proj", nkv), qkv("v_proj", nkv)
     if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim per head, before RoPE (fp32 until after RoPE)
-        q = rms_norm(q, weights["q_norm"]["scale"], eps, jnp.float32)
-        k = rms_norm(k, weights["k_norm"]["scale"], eps, jnp.float32)
+        q = rms_norm(q, weights["q_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
+        k = rms_norm(k, weights["k_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
     q = apply_rope(q, cos, sin)
     if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != hd:
         # Gemma scales scores by query_pre_attn_scalar^-0.5; the attention applies head_dim^-0.5
@@ -209,18 +210,18 @@ def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos
     MoE model its router stats over valid [B, T] tokens and its router's top-k ids; see `moe_block`).
     `stacks`: a mixed-layer model's MLPs, stacked apart from the layers (`mixed_mlp`)."""
     eps = cfg.rms_norm_eps
-    h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}),
-                               rms_norm(x, weights["attn_norm"]["scale"], eps, dtype), cos, sin, attention,
+    normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, cfg.norm_offset)
+    h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}), normed, cos, sin, attention,
                                state, layer, dtype=dtype, lora_scale=lora_scale)
     if cfg.sandwich_norms:  # Gemma: the sublayer's output is normed before the residual add (kept fp32)
-        h = rms_norm(h, weights["attn_post_norm"]["scale"], eps, jnp.float32)
+        h = rms_norm(h, weights["attn_post_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
     x = x + h  # fp32 + fp32: the residual stream is never rounded
-    normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype)
+    normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, cfg.norm_offset)
     if not cfg.is_moe:
         h = mlp_block(weights["mlp"], adapters.get("mlp", {}), normed, dtype=dtype, lora_scale=lora_scale,
                       activation=cfg.hidden_act)
         if cfg.sandwich_norms:
-            h = rms_norm(h, weights["mlp_post_norm"]["scale"], eps, jnp.float32)
+            h = rms_norm(h, weights["mlp_post_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
         return x + h, state, None
     valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
     if stacks is not None:
@@ -318,7 +319,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
     (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (layers, lora_layers, replay),
                                   unroll=cfg.scan_unroll)
-    hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype)
+    hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
 
 

@@ -136,12 +136,15 @@ def param_logical_axes(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 
 
 
 class _Norm(nn.Module):
+    """A norm's scale: ones, or zeros where the norm multiplies by (offset + scale) (Gemma's 1 + w)."""
+
     size: int
     dtype: Any
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self) -> None:
-        self.param("scale", nn.initializers.ones, (self.size,), self.dtype)
+        self.param("scale", nn.initializers.zeros if self.offset else nn.initializers.ones, (self.size,), self.dtype)
 
 
 class _Projection(nn.Module):
@@ -174,12 +177,12 @@ class _LayerParams(nn.Module):
     def __call__(self, carry: None, _: None = None) -> tuple[None, None]:
         cfg, dt = self.cfg, self.dtype
         init = nn.initializers.normal(cfg.initializer_range)
-        _Norm(cfg.hidden_size, dt, name="attn_norm")()
+        _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="attn_norm")()
         _AttentionParams(cfg, dt, init, name="attn")()
         if cfg.sandwich_norms:
-            _Norm(cfg.hidden_size, dt, name="attn_post_norm")()
-            _Norm(cfg.hidden_size, dt, name="mlp_post_norm")()
-        _Norm(cfg.hidden_size, dt, name="mlp_norm")()
+            _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="attn_post_norm")()
+            _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="mlp_post_norm")()
+        _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="mlp_norm")()
         if self.mlp == "moe":
             _MoeParams(cfg, dt, init, name="moe")()
         elif self.mlp == "dense":
@@ -217,8 +220,8 @@ class _AttentionParams(nn.Module):
                             ("v_proj", cfg.num_key_value_heads)):
             _Projection((h,), (heads, hd), cfg.attention_bias, self.initializer, dt, name=name)()
         if cfg.qk_norm:
-            _Norm(hd, dt, name="q_norm")()
-            _Norm(hd, dt, name="k_norm")()
+            _Norm(hd, dt, cfg.norm_offset, name="q_norm")()
+            _Norm(hd, dt, cfg.norm_offset, name="k_norm")()
         _Projection((cfg.num_attention_heads, hd), (h,), False, self.initializer, dt, name="o_proj")()
 
 
@@ -289,7 +292,7 @@ class _BackboneParams(nn.Module):
         scan = functools.partial(nn.scan, variable_axes={"params": 0}, split_rngs={"params": True})
         mlp = "none" if cfg.mixed_layers else "moe" if cfg.is_moe else "dense"
         scan(_LayerParams, length=cfg.num_hidden_layers)(cfg, self.dtype, mlp, name="layers")(None)
-        _Norm(cfg.hidden_size, self.dtype, name="final_norm")()
+        _Norm(cfg.hidden_size, self.dtype, cfg.norm_offset, name="final_norm")()
         if cfg.mixed_layers:
             scan(_MlpStack, length=len(cfg.dense_layer_ids))(cfg, self.dtype, "dense", name="dense_mlps")(None)
             scan(_MlpStack, length=len(cfg.moe_layer_ids))(cfg, self.dtype, "moe", name="moe_mlps")(None)
