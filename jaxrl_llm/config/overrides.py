@@ -71,7 +71,7 @@ TORCH_ONLY_PATTERNS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.dtype",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.rollout.enforce_eager", "actor_rollout_ref.rollout.free_cache_engine",
-    "actor_rollout_ref.rollout.max_model_len", "actor_rollout_ref.rollout.enable_chunked_prefill",
+    "actor_rollout_ref.rollout.max_model_len",
     "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
     "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.engine_kwargs*",
     "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.multi_stage_wake_up",

@@ -101,7 +101,8 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
     opts = EngineOptions(engine=rollout.engine, max_num_seqs=int(rollout.max_num_seqs),
                          max_num_batched_tokens=int(rollout.max_num_batched_tokens),
                          gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-                         kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention)
+                         kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
+                         enable_chunked_prefill=bool(rollout.enable_chunked_prefill))
     return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))
 
 

@@ -232,7 +232,12 @@ ROLLOUT = {
     "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
                                 "batch's requests). veRL / vLLM.", gt=0),
     "max_num_batched_tokens": field(8192, "Prompt tokens the paged engine prefills between two decode calls "
-                                          "(at least one prompt). veRL / vLLM.", gt=0),
+                                          "(at least one prompt); with enable_chunked_prefill also the tokens one "
+                                          "prefill step runs (its largest power of two). veRL / vLLM.", gt=0),
+    "enable_chunked_prefill": field(True, "Prefill a prompt longer than max_num_batched_tokens in chunks of that "
+                                          "many tokens over its growing KV cache (one compiled step of that size, "
+                                          "attention [chunk, prompt]), not as one program of the whole prompt. "
+                                          "veRL / vLLM.", types=bool),
     "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
                                          "pool gets this fraction minus what is in use, where the backend "
                                          "reports its memory (GPU / TPU; CPU: every slot at full length). "

@@ -82,7 +82,6 @@ def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
     torch_keys = [
         "actor_rollout_ref.actor.fsdp_config.param_offload=True", "reward_model.model.fsdp_config.param_offload=True",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True", "actor_rollout_ref.actor.use_torch_compile=False",
-        "actor_rollout_ref.rollout.enable_chunked_prefill=True",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True",
         "actor_rollout_ref.rollout.free_cache_engine=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",

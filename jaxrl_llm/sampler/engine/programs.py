@@ -234,16 +234,42 @@ def _finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: Array
     return is_eos | is_stop | (num_gen >= max_new), reason
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh"))
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh", "chunk"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
-            record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None) -> Prefix:
+            record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None,
+            chunk: int | None = None) -> Prefix:
     """KV of one right-padded prompt [Pb] (its first `length` ids real) and its next-token logits
     (and with `record_routing`, a MoE model's experts per prompt token). `replay` [Pb, L, k]: experts
     to run (a multi-turn conversation's earlier turns; NOT_RECORDED: the router's choice); they are
-    what is recorded for those tokens. Traced on `mesh`."""
+    what is recorded for those tokens. `chunk` (chunked prefill, dividing Pb): the prompt runs `chunk`
+    tokens at a time over the growing cache (a `lax.scan`), so the program's activations and attention
+    scores are [chunk, Pb] rather than [Pb, Pb]. Traced on `mesh`."""
     with mesh_context(mesh):
+        if chunk is not None and chunk < prompt_ids.shape[0]:
+            return _chunked_prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype,
+                                    record_routing=record_routing, replay=replay, chunk=chunk)
         return _prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype, record_routing=record_routing,
                         replay=replay)
+
+
+def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache: dict, replay: Array | None, *,
+                  dt: Any, record: bool) -> tuple[Array, dict, Array | None]:
+    """One forward of ids / mask [1, T] over the dense cache: (hidden [T, H], cache, routing [T, L, k] or None)."""
+    if not record:
+        hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt)
+        return hidden[0], cache, None
+    fixed = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 1, 0)[:, None]  # [L, 1, T, k]
+    hidden, cache, recorded = forward_hidden_routed(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
+                                                    replay=fixed)
+    assert recorded is not None
+    return hidden[0], cache, jnp.moveaxis(recorded[:, 0], 0, 1).astype(routing_dtype(cfg.num_experts))
+
+
+def _prefix(params: dict, cfg: ModelConfig, hidden: Array, cache: dict, length: Array, routing: Array | None
+            ) -> Prefix:
+    last = lax.dynamic_index_in_dim(hidden, length - 1, 0, keepdims=False)
+    return Prefix(k=cache["k"][:, 0], v=cache["v"][:, 0], logits=logits_from_hidden(params, cfg, last),
+                  length=length.astype(jnp.int32), routing=routing)
 
 
 def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
@@ -252,19 +278,33 @@ def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *
     pb = prompt_ids.shape[0]
     mask = (jnp.arange(pb) < length).astype(jnp.int32)[None]
     cache = init_cache(cfg, 1, pb, dt)
-    ids = prompt_ids[None].astype(jnp.int32)
-    routing = None
-    if record_routing and cfg.is_moe:
-        fixed = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 1, 0)[:, None]  # [L, 1, Pb, k]
-        hidden, cache, recorded = forward_hidden_routed(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
-                                                        replay=fixed)
-        assert recorded is not None
-        routing = jnp.moveaxis(recorded[:, 0], 0, 1).astype(routing_dtype(cfg.num_experts))  # [Pb, L, k]
-    else:
-        hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt)
-    last = lax.dynamic_index_in_dim(hidden[0], length - 1, 0, keepdims=False)
-    return Prefix(k=cache["k"][:, 0], v=cache["v"][:, 0], logits=logits_from_hidden(params, cfg, last),
-                  length=length.astype(jnp.int32), routing=routing)
+    hidden, cache, routing = _prefill_step(params, cfg, prompt_ids[None].astype(jnp.int32), mask, cache, replay,
+                                           dt=dt, record=record_routing and cfg.is_moe)
+    return _prefix(params, cfg, hidden, cache, length, routing)
+
+
+def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
+                     record_routing: bool, replay: Array | None, chunk: int) -> Prefix:
+    dt = as_jnp_dtype(compute_dtype)
+    pb = prompt_ids.shape[0]
+    if pb % chunk:
+        raise ValueError(f"chunked prefill: the prompt bucket {pb} is not a multiple of the chunk {chunk}")
+    n = pb // chunk
+    record = record_routing and cfg.is_moe
+    mask = (jnp.arange(pb) < length).astype(jnp.int32)
+    xs = (prompt_ids.astype(jnp.int32).reshape(n, 1, chunk), mask.reshape(n, 1, chunk),
+          None if replay is None or not record else replay.reshape(n, chunk, *replay.shape[1:]))
+
+    def step(cache: dict, x: tuple) -> tuple[dict, tuple[Array, Array | None]]:
+        ids, chunk_mask, chunk_replay = x
+        hidden, cache, routing = _prefill_step(params, cfg, ids, chunk_mask, cache, chunk_replay, dt=dt,
+                                               record=record)
+        return cache, (hidden, routing)
+
+    cache, (hidden, routing) = lax.scan(step, init_cache(cfg, 1, pb, dt), xs)
+    hidden = hidden.reshape(pb, -1)
+    routing = None if routing is None else routing.reshape(pb, *routing.shape[2:])
+    return _prefix(params, cfg, hidden, cache, length, routing)
 
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))

@@ -191,13 +191,18 @@ class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
     def __init__(self, cfg: ModelConfig, spec: programs.EngineSpec, *, compute_dtype: str = "float32",
-                 steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None):
+                 steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None,
+                 prefill_chunk: int | None = None):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
         self.cfg, self.spec, self.compute_dtype = cfg, spec, compute_dtype
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mesh = mesh
+        # chunked prefill: prompts whose bucket is longer run this many tokens at a time (a power of two)
+        if prefill_chunk is not None and (prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1)):
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
+        self.prefill_chunk = prefill_chunk
         self._init_state: dict[tuple[int, bool], Any] = {}  # (max_new_tokens, recording) -> jitted initialiser
         self._state_r = None
         self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
@@ -364,7 +369,8 @@ class PagedEngine:
                         replay = np.full((len(ids), *req.routing.shape[1:]), NOT_RECORDED, req.routing.dtype)
                         replay[:length] = req.routing
                     prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
-                                              record_routing=record, mesh=self.mesh, replay=replay)
+                                              record_routing=record, mesh=self.mesh, replay=replay,
+                                              chunk=self.prefill_chunk)
                     entry.prefix = prefix
                     if prefix.routing is not None:
                         entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]

@@ -45,6 +45,15 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"
     steps_per_call: int = 16
     attention_impl: str = "auto"  # paged attention: 'auto' (Pallas on GPU / TPU, XLA elsewhere), 'pallas', 'xla'
+    enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Tokens per chunked-prefill step: the largest power of two within max_num_batched_tokens (the
+        prompt buckets are powers of two, so it divides every longer one); None when disabled."""
+        if not self.enable_chunked_prefill:
+            return None
+        return 1 << (self.max_num_batched_tokens.bit_length() - 1)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -103,12 +112,13 @@ _ENGINES: dict[tuple, PagedEngine] = {}
 def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_dtype: str,
                mesh: Mesh | None = None) -> PagedEngine:
     """A cached engine per (model, shape, mesh): its KV buffers and compiled programs are reused."""
-    key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, mesh)
+    key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, opts.prefill_chunk, mesh)
     if key not in _ENGINES:
         if len(_ENGINES) >= 4:  # a few shapes per run; drop the oldest pool
             _ENGINES.pop(next(iter(_ENGINES)))
         _ENGINES[key] = PagedEngine(cfg, spec, compute_dtype=compute_dtype, steps_per_call=opts.steps_per_call,
-                                    max_num_batched_tokens=opts.max_num_batched_tokens, mesh=mesh)
+                                    max_num_batched_tokens=opts.max_num_batched_tokens, mesh=mesh,
+                                    prefill_chunk=opts.prefill_chunk)
     return _ENGINES[key]
 
 
