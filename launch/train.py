@@ -57,6 +57,9 @@ _PLAN = flags.DEFINE_bool("plan", False, "Compile every program of a step on abs
 _TOPOLOGY = flags.DEFINE_string("topology", None, "With --plan: compile for this TPU slice instead of the local "
                                                  "devices (v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8, or v5e:2x2; "
                                                  "needs libtpu: the tpu-plan extra); overrides trainer.plan_topology.")
+_LONGEST = flags.DEFINE_bool("longest", False, "With --plan: also find the longest response each program fits per "
+                                               "device at one sequence per micro-batch (a bisection of compiles: "
+                                               "trainer/memory_longest.py; needs a device memory).")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", None, "With --topology: slices of it (multislice); overrides "
                                                        "trainer.plan_num_slices.")
 _IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML), or a "
@@ -111,6 +114,10 @@ def main(argv: list[str]) -> None:
     if _PLAN.value:
         try:
             print(plan_for_config(cfg).table())
+            if _LONGEST.value:
+                from jaxrl_llm.trainer.memory_longest import longest_sequences
+
+                print(longest_sequences(cfg).table())
         except user_errors() as err:
             sys.exit(user_error_line(err))
         return

@@ -279,3 +279,33 @@ def test_a_program_the_compiler_refused_never_fits():
     with pytest.raises(MemoryPlanError, match=r"the compiler ran out of device memory: its temporaries alone asked "
                                               r"for 20.000G\) but the device has 32.000G"):
         plan(refused).check()
+
+
+def test_longest_response_per_program_is_the_last_length_that_fits(tmp_path):
+    """`--plan --longest`: per program, the reported length fits the device memory at one sequence per
+    device and the next step does not (memory-bound rows), or the model's context ends first."""
+    import copy
+
+    from jaxrl_llm.trainer.memory_longest import longest_sequences
+    from jaxrl_llm.trainer.memory_plan import plan_for_config
+
+    overrides = {**SMALL, "actor_rollout_ref.model.tiny.max_position_embeddings": 4096 + 64,
+                 "trainer.device_memory_gb": 0.12, "actor_rollout_ref.actor.remat_policy": "none"}
+    cfg = validate_config(tiny_config(tmp_path / "run", **overrides), num_devices=8)
+    report = longest_sequences(cfg, step=512, max_tokens=4096)
+    rows = {r.program: r for r in report.rows}
+    assert set(rows) >= {"sample", "update_actor"} and report.prompt_tokens == 64
+    assert rows["update_actor"].bound == "memory" and 0 < rows["update_actor"].response_tokens < 4096
+    assert rows["update_actor"].response_tokens <= rows["sample"].response_tokens  # the update holds more
+    assert "longest response per device" in report.table()
+
+    def fits(response: int) -> bool:  # the plain memory plan at that length, one sequence per device
+        probe = copy.deepcopy(cfg)
+        probe.data.max_response_length = probe.actor_rollout_ref.rollout.response_length = response
+        probe.actor_rollout_ref.actor.ppo_micro_batch_size_per_device = 1
+        plan = plan_for_config(probe, check=False)
+        return plan.program("update_actor").fits(plan.device_memory)
+
+    longest = rows["update_actor"].response_tokens
+    assert fits(longest) and not fits(longest + 512)
+    assert not any(tmp_path.iterdir())  # nothing written
