@@ -532,6 +532,12 @@ MESH = {
                        "the experts, tokens are sent to their experts and back; data parallel for every other "
                        "weight (it splits the batch). Must divide num_experts. Replaces Megatron's "
                        "expert_model_parallel_size. -1 = the remaining devices."),
+    "context": field(1, "Mesh 'context' axis: context parallelism. Each sequence's tokens are split over it in the "
+                        "training forward / backward and the scoring passes (activations 1/context per device; "
+                        "each device gathers the keys / values it attends to); the devices of a group share "
+                        "rows and params. For responses longer than one device holds "
+                        "(launch/train.py --plan --longest). veRL's Ulysses sequence parallelism does the same job. "
+                        "-1 = the remaining devices."),
     "tensor": field(1, "Mesh 'tensor' axis: split heads / MLP / vocab; replaces tensor_model_parallel_size."),
     "rollout_devices": field(None, "Split mesh: a device count (the last N devices) or a list of device ids that "
                                    "only generate; the rest train (data/fsdp/tensor apply to them). Weights move "

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
@@ -55,6 +56,8 @@ from jaxrl_llm.models.lora import LoraAdapters, lora_delta
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
+from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxrl_llm.sharding.rules import with_activation_constraint
 
 Array = jax.Array
 
@@ -290,6 +293,10 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     if cfg.scale_embeddings:  # Gemma: times sqrt(hidden_size), a constant in the embedding's dtype (as HF)
         x = x * jnp.asarray(np.sqrt(cfg.hidden_size), dtype)
     x = x.astype(jnp.float32)
+    # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
+    split_tokens = state is None and context_parallel_size() > 1
+    if split_tokens:
+        x = with_activation_constraint(x, ("batch", "length", "act_embed"))
     cos, sin = rope_cos_sin(cfg, positions)
     local_rope = None
     if cfg.rope_local_theta is not None and cfg.local_layer_ids:  # Gemma 3: the sliding layers' own base
@@ -310,6 +317,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
             c, s = jnp.where(flags[index], local_cos, cos), jnp.where(flags[index], local_sin, sin)
         x, state, moe = decoder_layer(cfg, weights, adapters, x, c, s, attention, state, index, dtype=dtype,
                                       lora_scale=lora_scale, valid=valid, replay=layer_replay, stacks=stacks)
+        if split_tokens:
+            x = with_activation_constraint(x, ("batch", "length", "act_embed"))
         if moe is not None and not record_routing:
             moe = (moe[0], None)
         return (x, state, index + 1), moe
@@ -323,13 +332,51 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     return hidden, state, None if moe is None else MoeOut(*moe)
 
 
+def context_parallel_size() -> int:
+    """The traced program's mesh's 'context' axis size (1 without a mesh in context: mesh_context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None) -> Array:
+    """fp32 [B, T, heads, D] attention with the tokens split over the mesh's 'context' axis: each device
+    attends its own query rows (and mask rows) to the whole keys / values of its rows, gathered over
+    the axis; the gradients of the keys and values are summed back over it (shard_map's transpose).
+    Written per device (shard_map) so the scores are [T / context, S] there: under automatic
+    partitioning the grouped queries' (group, token) merge lost the token split and every device
+    computed all the scores."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape)
+    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
+        rows = ()
+    row_spec = rows or None
+    tokens = PartitionSpec(row_spec, CONTEXT_AXIS, None, None)
+    whole = PartitionSpec(row_spec, None, None, None)
+
+    def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+        # the same keys / values on every device of the axis; marked varying, so their cotangents (each
+        # device's part) are summed over it by the cast's transpose
+        k, v = (lax.pcast(x, CONTEXT_AXIS, to="varying") for x in (k, v))
+        return attend(q, k, v, allowed, nkv, causal=False, softcap=softcap).reshape(q.shape)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(tokens, whole, whole, PartitionSpec(row_spec, CONTEXT_AXIS, None)),
+                        out_specs=tokens)
+    return run(q, k, v, allowed)
+
+
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,
                     local_allowed: Array | None = None) -> LayerAttention:
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
     `jaxrl_llm.models.cache.attention_context`. State: None (attention over the sequence itself,
     causal query chunks) or a dense cache (k, v) [L, B, kv_heads, S, D], written at slots
     [write_index, write_index + T) of the layer before attending over all its slots.
-    `local_allowed` [B, T, S]: the mask of a mixed-window model's sliding layers (`cfg.local_layer_ids`)."""
+    `local_allowed` [B, T, S]: the mask of a mixed-window model's sliding layers (`cfg.local_layer_ids`).
+
+    Context parallelism (no cache, a mesh whose 'context' axis is > 1): the queries and the mask stay
+    split over the tokens, the keys and values are gathered whole (each device attends its own query
+    rows to every key), and the queries run as one chunk (a causal chunk is a slice across the
+    devices' token shards)."""
     nkv = cfg.num_key_value_heads
     is_local = np.zeros(cfg.num_hidden_layers, bool)  # read only with local_allowed
     is_local[list(cfg.local_layer_ids)] = True
@@ -348,6 +395,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
         mask = allowed if local_allowed is None else jnp.where(jnp.asarray(is_local)[layer], local_allowed, allowed)
+        if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
+            return context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
         out = attend(q, k, v, mask, nkv, causal=cache is None,
                      softcap=cfg.attn_logit_softcapping)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache

@@ -1,9 +1,11 @@
-"""The device mesh: axes ('data', 'fsdp', 'expert', 'tensor') with sizes from the config's `mesh` section.
+"""The device mesh: axes ('data', 'fsdp', 'context', 'expert', 'tensor') with sizes from the config's `mesh` section.
 
 `data` replicates parameters and splits the batch, `fsdp` splits both the batch and the parameters
 (ZeRO-3 style: weights are all-gathered per use), `expert` splits a mixture-of-experts model's experts
 (each device holds num_experts / expert of them; tokens go to their experts and back:
-models/expert_parallel.py)
+models/expert_parallel.py), `context` splits each row's tokens in the training forward / backward and
+the no-grad scoring passes (context parallelism: the devices of a `context` group share rows and
+params, each holds 1/context of every activation and gathers the keys / values it attends to)
 and, for everything else, the batch like `data`; `tensor` splits heads / MLP / vocab (Megatron
 style). At most one size may be -1, meaning "all remaining devices".
 """
@@ -24,11 +26,13 @@ from jaxrl_llm.platform.chips import Device
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "expert", "tensor")
 # The batch dimension is split over these axes (data parallel x fully-sharded data parallel x the
 # expert axis, which is data parallel for every weight but the experts').
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
-DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
+DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "context": 1, "expert": 1, "tensor": 1}
+# The training passes' token axis is split over this one (context parallelism: models/decoder.py)
+CONTEXT_AXIS = "context"
 
 
 def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:

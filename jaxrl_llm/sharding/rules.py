@@ -33,7 +33,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("expert", "expert"),  # mixture-of-experts weights [E, ...]: experts over 'expert', then embed / mlp
     # activations (constrained at block boundaries)
     ("batch", ("data", "fsdp", "expert")),
-    ("length", None),
+    ("length", "context"),  # context parallelism (the training forward only: models/decoder.py)
     ("act_embed", None),
     ("act_mlp", "tensor"),
     ("act_heads", "tensor"),

@@ -10,34 +10,36 @@ from jaxrl_llm import sharding
 
 
 @pytest.mark.parametrize("cfg, shape", [
-    (None, (1, 8, 1, 1)),
-    ({}, (1, 8, 1, 1)),
-    ({"data": 2, "fsdp": 1, "tensor": 4}, (2, 1, 1, 4)),
-    ({"data": 2, "tensor": 2}, (2, 2, 1, 2)),
-    ({"data": -1, "fsdp": 1, "tensor": 2}, (4, 1, 1, 2)),
-    ({"data": 1, "fsdp": 2, "tensor": -1}, (1, 2, 1, 4)),
-    ({"data": 8, "fsdp": 1}, (8, 1, 1, 1)),
-    ({"data": 1, "fsdp": 1, "tensor": 1}, (1, 1, 1, 1)),  # a 1-device mesh on the first device
-    ({"data": 2, "fsdp": 1, "expert": 4}, (2, 1, 4, 1)),
-    ({"fsdp": 2, "expert": -1}, (1, 2, 4, 1)),
+    (None, (1, 8, 1, 1, 1)),
+    ({}, (1, 8, 1, 1, 1)),
+    ({"data": 2, "fsdp": 1, "tensor": 4}, (2, 1, 1, 1, 4)),
+    ({"data": 2, "tensor": 2}, (2, 2, 1, 1, 2)),
+    ({"data": -1, "fsdp": 1, "tensor": 2}, (4, 1, 1, 1, 2)),
+    ({"data": 1, "fsdp": 2, "tensor": -1}, (1, 2, 1, 1, 4)),
+    ({"data": 8, "fsdp": 1}, (8, 1, 1, 1, 1)),
+    ({"data": 1, "fsdp": 1, "tensor": 1}, (1, 1, 1, 1, 1)),  # a 1-device mesh on the first device
+    ({"data": 2, "fsdp": 1, "expert": 4}, (2, 1, 1, 4, 1)),
+    ({"fsdp": 2, "expert": -1}, (1, 2, 1, 4, 1)),
+    ({"data": 2, "fsdp": 1, "context": 4}, (2, 1, 4, 1, 1)),
+    ({"fsdp": 1, "context": -1}, (1, 1, 8, 1, 1)),
 ])
 def test_mesh_shapes(cfg, shape):
     mesh = sharding.make_mesh(cfg)
-    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "context", "expert", "tensor")
     assert tuple(mesh.devices.shape) == shape
     assert len({d.id for d in mesh.devices.flat}) == mesh.devices.size
 
 
 def test_mesh_from_config_dict():
     cfg = ml_collections.ConfigDict({"data": 2, "fsdp": -1, "tensor": 2})
-    assert dict(sharding.make_mesh(cfg).shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(sharding.make_mesh(cfg).shape) == {"data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize("cfg, message", [
     ({"data": 3, "fsdp": 1, "tensor": 1}, "mesh.data=3 does not divide the 8"),
     ({"data": 2, "fsdp": -1, "tensor": 3}, "mesh.tensor=3 does not divide"),
     ({"data": 4, "fsdp": 1, "tensor": 4},
-     "mesh.data=4 x mesh.fsdp=1 x mesh.expert=1 x mesh.tensor=4 = 16 does not divide"),
+     "mesh.data=4 x mesh.fsdp=1 x mesh.context=1 x mesh.expert=1 x mesh.tensor=4 = 16 does not divide"),
     ({"data": -1, "fsdp": -1}, "mesh.fsdp=-1: only one mesh axis may be -1"),
     ({"data": 0}, "mesh.data=0: must be a positive int or -1"),
     ({"tensor": 2.0}, "mesh.tensor=2.0"),
@@ -88,8 +90,8 @@ def test_indivisible_and_reused_axes_replicate():
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
     assert sharding.logical_to_spec(("vocab", "embed"), (49154, 64), mesh) == P(None, "fsdp")
     assert sharding.logical_to_spec(("embed",), (7,), mesh) == P(None)
-    # batch over (data, fsdp, expert): 6 rows split over data=1 x fsdp=2 x expert=1
-    assert sharding.logical_to_spec(("batch", "length"), (6, 5), mesh) == P(("data", "fsdp", "expert"), None)
+    # batch over (data, fsdp, expert): 6 rows split over data=1 x fsdp=2 x expert=1; tokens over context (1)
+    assert sharding.logical_to_spec(("batch", "length"), (6, 5), mesh) == P(("data", "fsdp", "expert"), "context")
     mesh8 = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
     # 6 rows: data=2 divides, data x fsdp = 8 does not -> 'data' (and expert, of size 1)
     assert sharding.logical_to_spec(("batch", None), (6, 5), mesh8) == P(("data", "expert"), None)
