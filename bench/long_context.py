@@ -1,0 +1,89 @@
+"""Long rows under context parallelism: training tokens/s and per-device temporaries, context 1 / 4 / 8.
+
+    python bench/long_context.py [--lengths 4096,8192,16384,32768] [--contexts 1,4,8] [--reps 2]
+    python bench/long_context.py --model qwen2-0.5b --lengths 4096 --contexts 1   # on a GPU
+
+One row of T tokens (a T/2-token response) through the training forward and backward: the value and
+gradient of the response's summed log-probs (trainer/forward.py `response_log_probs`, the actor
+update's model path), jitted on a mesh of `context` devices (mesh.context). Prints, per (length,
+context): tokens/s (best of --reps after a compile) and the compiled program's per-device temporaries
+(`memory_analysis`). On this CPU host the devices are virtual (XLA_FLAGS 8 host devices, set below):
+they share the 2 cores, so tokens/s shows the program's overhead, not a speed-up; the memory column
+is the point. Context parallelism here gathers each row's keys / values over the axis and scores
+each device's query rows against them (models/decoder.py `context_parallel_attend`); ring attention
+is not built, so there is no second variant to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from jaxrl_llm import sharding  # noqa: E402
+from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes  # noqa: E402
+from jaxrl_llm.trainer.forward import response_log_probs  # noqa: E402
+
+MODELS = {
+    # a small Llama that runs 32k-token rows on this CPU host
+    "small": dict(family="llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=2048),
+    # Qwen2-0.5B's shape (random weights), for a GPU
+    "qwen2-0.5b": dict(family="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936),
+}
+
+
+def run(model: str, length: int, context: int, reps: int, dtype: str) -> tuple[float, int]:
+    dims = dict(MODELS[model])
+    cfg = ModelConfig.tiny(dims.pop("family"), max_position_embeddings=max(length, 4096), **dims)
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "expert": 1, "tensor": 1})
+    params = sharding.shard_params(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
+    whole = NamedSharding(mesh, PartitionSpec())
+    ids = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (1, length)), jnp.int32),
+                         whole)
+    mask = jax.device_put(jnp.ones((1, length), jnp.int32), whole)
+
+    def loss(params, ids, mask):
+        return jnp.sum(response_log_probs(params, cfg, ids, mask, length // 2, compute_dtype=dtype, remat="full"))
+
+    with sharding.mesh_context(mesh):
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(params, ids, mask).compile()
+    temps = int(compiled.memory_analysis().temp_size_in_bytes)
+    jax.block_until_ready(compiled(params, ids, mask))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(params, ids, mask))
+        best = min(best, time.perf_counter() - start)
+    return length / best, temps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="small", choices=sorted(MODELS))
+    parser.add_argument("--lengths", default="4096,8192,16384,32768")
+    parser.add_argument("--contexts", default="1,4,8")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    print(f"model {args.model}, {args.dtype}, devices: {jax.device_count()} {jax.devices()[0].platform}")
+    print(f"{'tokens/row':>10} {'context':>8} {'tokens/s':>10} {'temps MiB/device':>17} {'vs context 1':>13}")
+    for length in lengths:
+        base = None
+        for context in contexts:
+            rate, temps = run(args.model, length, context, args.reps, args.dtype)
+            base = temps if context == contexts[0] else base
+            print(f"{length:>10} {context:>8} {rate:>10.0f} {temps / 2**20:>17.1f} {temps / base:>13.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
