@@ -210,6 +210,18 @@ class ModelConfig:
         return self.sliding_layers
 
     @property
+    def local_layer_flags(self) -> np.ndarray:
+        """[L] bool: layer i attends within the sliding window (what a layer scan indexes by layer)."""
+        flags = np.zeros(self.num_hidden_layers, bool)
+        flags[list(self.local_layer_ids)] = True
+        return flags
+
+    @property
+    def layer_types(self) -> list[str]:
+        """HF's `layer_types`: "sliding_attention" / "full_attention" per layer."""
+        return ["sliding_attention" if local else "full_attention" for local in self.local_layer_flags]
+
+    @property
     def mixed_windows(self) -> bool:
         """Some layers attend within the sliding window and others over the whole context (Qwen2 / Qwen3
         with `max_window_layers`): each layer picks its mask (dense attention) or kernel (paged) by index."""
@@ -295,7 +307,7 @@ class ModelConfig:
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
         moe = _moe_fields(d, model_type) if fam.get("moe") else {}
-        gemma = _gemma_fields(d, local_theta) if fam.get("gemma") else {}
+        gemma = _gemma_fields(d, act, local_theta) if fam.get("gemma") else {}
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
         heads = int(d["num_attention_heads"])
         return cls(
@@ -371,11 +383,9 @@ class ModelConfig:
             d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
             if self.sliding_window is not None and self.model_type != "qwen3_moe":
-                local = set(self.local_layer_ids)
-                d["layer_types"] = ["sliding_attention" if i in local else "full_attention"
-                                    for i in range(self.num_hidden_layers)]
+                d["layer_types"] = self.layer_types
                 # transformers derives layer_types from it when a reader drops them: the first local layer
-                d["max_window_layers"] = min(local) if local else self.num_hidden_layers
+                d["max_window_layers"] = min(self.local_layer_ids, default=self.num_hidden_layers)
         if self.model_type in GEMMA_FAMILIES:
             d.update(self._hf_gemma_fields(rope_params))
         if self.is_moe:
@@ -387,15 +397,12 @@ class ModelConfig:
         return d
 
     def _hf_gemma_fields(self, rope_params: dict[str, Any]) -> dict[str, Any]:
-        local = set(self.local_layer_ids)
         d: dict[str, Any] = {
             "hidden_activation": self.hidden_act,
             "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar),  # transformers 5 wants an int
             "attn_logit_softcapping": self.attn_logit_softcapping,
             "final_logit_softcapping": self.final_logit_softcapping, "attention_bias": False,
-            "sliding_window": self.sliding_window,
-            "layer_types": ["sliding_attention" if i in local else "full_attention"
-                            for i in range(self.num_hidden_layers)]}
+            "sliding_window": self.sliding_window, "layer_types": self.layer_types}
         if self.model_type == "gemma3_text":
             local_theta = self.rope_local_theta or 10000.0
             d["rope_parameters"] = {"full_attention": rope_params,
@@ -537,13 +544,12 @@ def _int_if_whole(x: float | None) -> float | int | None:
     return int(x) if x is not None and float(x).is_integer() else x
 
 
-def _gemma_fields(d: dict[str, Any], local_theta: float | None) -> dict[str, Any]:
+def _gemma_fields(d: dict[str, Any], act: str, local_theta: float | None) -> dict[str, Any]:
     """ModelConfig fields of a Gemma 2 / Gemma 3 config.json beyond the shared ones."""
     def optional(key: str) -> float | None:
         return None if d.get(key) is None else float(d[key])
 
-    return dict(hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-                norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
+    return dict(hidden_act=act, norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
                 query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
                 attn_logit_softcapping=optional("attn_logit_softcapping"),
                 final_logit_softcapping=optional("final_logit_softcapping"),

@@ -300,9 +300,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     cos, sin = rope_cos_sin(cfg, positions)
     local_rope = None
     if cfg.rope_local_theta is not None and cfg.local_layer_ids:  # Gemma 3: the sliding layers' own base
-        is_local = np.zeros(cfg.num_hidden_layers, bool)
-        is_local[list(cfg.local_layer_ids)] = True
-        local_rope = (jnp.asarray(is_local), *rope_cos_sin(cfg, positions, local=True))
+        local_rope = (jnp.asarray(cfg.local_layer_flags), *rope_cos_sin(cfg, positions, local=True))
     adapters: LoraAdapters | None = params.get("lora")
     lora_layers = {} if adapters is None else adapters.weights["layers"]
     lora_scale = 0.0 if adapters is None else adapters.scale
@@ -378,8 +376,6 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     rows to every key), and the queries run as one chunk (a causal chunk is a slice across the
     devices' token shards)."""
     nkv = cfg.num_key_value_heads
-    is_local = np.zeros(cfg.num_hidden_layers, bool)  # read only with local_allowed
-    is_local[list(cfg.local_layer_ids)] = True
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array
                   ) -> tuple[Array, tuple[Array, Array] | None]:
@@ -394,7 +390,10 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False).astype(dtype)
             v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
-        mask = allowed if local_allowed is None else jnp.where(jnp.asarray(is_local)[layer], local_allowed, allowed)
+        if local_allowed is not None:
+            mask = jnp.where(jnp.asarray(cfg.local_layer_flags)[layer], local_allowed, allowed)
+        else:
+            mask = allowed
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
             return context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
         out = attend(q, k, v, mask, nkv, causal=cache is None,

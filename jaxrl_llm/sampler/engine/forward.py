@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
@@ -61,9 +60,6 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
     offset = jnp.where(active, positions % page_size, 0)
     lengths = jnp.where(active, positions + 1, 0)
 
-    local = np.zeros(cfg.num_hidden_layers, bool)
-    local[list(cfg.local_layer_ids)] = True
-
     def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array) -> tuple[Array, dict]:
         pool = write_tokens(pool, layer, k[:, 0], v[:, 0], page, offset)
 
@@ -74,7 +70,8 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
                                           k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
 
         if cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
-            out = lax.cond(jnp.asarray(local)[layer], lambda: attend(cfg.sliding_window), lambda: attend(None))
+            local = jnp.asarray(cfg.local_layer_flags)[layer]
+            out = lax.cond(local, lambda: attend(cfg.sliding_window), lambda: attend(None))
         else:
             out = attend(cfg.sliding_window)
         return out[:, None], pool
