@@ -74,16 +74,14 @@ def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Sta
     if impl in logprob_pallas.KINDS:
         return logprob_pallas.pallas_stats(h, w, targets, lay, kind=impl, interpret=interpret)
     kernels = impl == "pallas" or logprob_pallas.supports(vocab_size(w, lay.vocab_major))
-    # Triton also needs a hidden size its pieces divide; otherwise the CUDA branch is the XLA path
-    triton = kernels and logprob_pallas.supports(vocab_size(w, lay.vocab_major), h.shape[1],
-                                                 jnp.dtype(h.dtype).itemsize, "pallas_triton")
 
     def xla(h, w, t):
         return tuple(xla_stats(h, w, t, lay))
 
     def kernel(kind: str, interpret: bool = False):
-        if not (triton if kind == "pallas_triton" else kernels):
+        if not kernels:
             return xla
+        # a shape the kernel does not serve (Triton: a hidden size no piece divides) is its XLA fallback
         return lambda h, w, t: tuple(logprob_pallas.pallas_stats(h, w, t, lay, kind=kind, interpret=interpret))
 
     # the branch of the platform being lowered for (one platform: the others are not lowered). On GPU

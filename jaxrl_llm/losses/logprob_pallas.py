@@ -82,10 +82,14 @@ def _precision(dtype) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if full and jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _logits(h, w, lay: Layout):
+def _dot(h, w, lay: Layout):
+    """fp32 h @ W (W stored [V, H] when vocab-major), at the run's fp32 matmul precision."""
     dims = (((1,), (1,)), ((), ())) if lay.vocab_major else (((1,), (0,)), ((), ()))
-    z = jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=_precision(h.dtype))
-    return cap_logits(z, lay.softcap, lay.temperature)
+    return jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=_precision(h.dtype))
+
+
+def _logits(h, w, lay: Layout):
+    return cap_logits(_dot(h, w, lay), lay.softcap, lay.temperature)
 
 
 def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: Layout, block_v: int, n_blocks: int,
@@ -93,8 +97,6 @@ def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: La
     targets = t_ref[...]
     bn = targets.shape[0]
     n_pieces = h_ref.shape[1] // piece
-    dims = (((1,), (1,)), ((), ())) if lay.vocab_major else (((1,), (0,)), ((), ()))
-    precision = _precision(h_ref.dtype)
 
     def body(j, state):
         start = j * block_v
@@ -106,7 +108,7 @@ def _triton_kernel(h_ref, w_ref, t_ref, m_ref, s_ref, a_ref, tgt_ref, *, lay: La
                 w = w_ref[pl.ds(start, block_v), pl.ds(off, piece)]
             else:
                 w = w_ref[pl.ds(off, piece), pl.ds(start, block_v)]
-            return z + jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32, precision=precision)
+            return z + _dot(h, w, lay)
 
         z = jax.lax.fori_loop(0, n_pieces, add_piece, jnp.zeros((bn, block_v), jnp.float32))
         return _block_update(state, cap_logits(z, lay.softcap, lay.temperature), targets, start, block_v,
