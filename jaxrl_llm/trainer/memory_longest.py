@@ -67,24 +67,13 @@ def longest_sequences(cfg: Any, *, topology: str | None = None, num_slices: int 
     `cfg`: a validated config. Needs a device memory: the device's own (GPU / TPU), the TPU target's
     HBM, or `trainer.device_memory_gb`."""
     from jaxrl_llm.config import resolve as resolve_spec
-    from jaxrl_llm.config import resolve_data
-    from jaxrl_llm.hf import load_tokenizer
-    from jaxrl_llm.platform.target import CompileTarget, compiling_for
-    from jaxrl_llm.platform.tpu import tpu_target
-    from jaxrl_llm.sharding import batch_axis_size, make_mesh
-    from jaxrl_llm.sharding.mesh import mesh_context
-    from jaxrl_llm.trainer.memory_plan import Planner, device_memory
+    from jaxrl_llm.sharding import batch_axis_size
+    from jaxrl_llm.trainer.memory_plan import Planner, device_memory, planning_context, planning_setup
 
     if step < 1:
         raise ValueError(f"step={step} must be >= 1")
-    topology = topology or cfg.trainer.plan_topology
-    target = tpu_target(topology, num_slices or int(cfg.trainer.plan_num_slices)) if topology else None
-    mesh = make_mesh(cfg.mesh, devices=None if target is None else target.devices)
+    target, mesh, tokenizer = planning_setup(cfg, topology, num_slices)
     dp = batch_axis_size(mesh)
-    tokenizer_path = resolve_data(cfg).tokenizer  # validation sets it (model.path by default)
-    if tokenizer_path is None:
-        raise ValueError("data.tokenizer=None: the longest-sequence report needs a validated config")
-    tokenizer = load_tokenizer(tokenizer_path)
     prompt = int(cfg.data.max_prompt_length)
 
     def spec_for(response: int):
@@ -94,23 +83,23 @@ def longest_sequences(cfg: Any, *, topology: str | None = None, num_slices: int 
         spec = resolve_spec(probe, dp_size=dp)
         return dataclasses.replace(spec, plan=_one_sequence_per_device(spec.plan))
 
-    base = spec_for(step)
-    limit, _ = device_memory(base) if target is None else (target.chip.hbm_bytes, "")
-    if limit is None:
-        raise ConfigError("the longest-sequence report needs a device memory: a GPU / TPU, a TPU target "
-                          "(--topology) or trainer.device_memory_gb")
-    probes: dict[int, dict[str, tuple[bool, int]]] = {}
-
-    def probe(response: int) -> dict[str, tuple[bool, int]]:
-        if response not in probes:
-            spec = spec_for(response)
-            planner = Planner(spec, mesh, tokenizer)
-            probes[response] = {p.name: (m.fits(limit), m.total_bytes)
-                                for p in planner.programs for m in [planner.analyse(p, spec.plan)]}
-        return probes[response]
+    def analysed(planner: Planner, limit: int) -> dict[str, tuple[bool, int]]:
+        plan = planner.spec.plan
+        return {p.name: (m.fits(limit), m.total_bytes) for p in planner.programs for m in [planner.analyse(p, plan)]}
 
     def run() -> LongestReport:
-        first = Planner(base, mesh, tokenizer)
+        first = Planner(spec_for(step), mesh, tokenizer)
+        limit, _ = device_memory(first.spec)  # a TPU target's HBM inside planning_context, as the plan's
+        if limit is None:
+            raise ConfigError("the longest-sequence report needs a device memory: a GPU / TPU, a TPU target "
+                              "(--topology) or trainer.device_memory_gb")
+        probes = {step: analysed(first, limit)}  # response length -> per program (fits, bytes)
+
+        def probe(response: int) -> dict[str, tuple[bool, int]]:
+            if response not in probes:
+                probes[response] = analysed(Planner(spec_for(response), mesh, tokenizer), limit)
+            return probes[response]
+
         context = first.ctx.actor.cfg.context_length - prompt
         top = max(0, min(context, max_tokens)) // step  # candidates: 1..top steps
         rows = []
@@ -130,8 +119,5 @@ def longest_sequences(cfg: Any, *, topology: str | None = None, num_slices: int 
                                         probe(lo * step)[name][1]))
         return LongestReport(prompt, step, limit, 1, tuple(rows))
 
-    if target is None:
-        with mesh_context(mesh):
-            return run()
-    with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)), mesh_context(mesh):
+    with planning_context(mesh, target):
         return run()

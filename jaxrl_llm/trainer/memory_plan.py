@@ -30,6 +30,7 @@ Trace-time choices that follow the backend (KV pool storage, its size from
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -319,11 +320,37 @@ def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, check: bool 
     (trainer/metrics.py `device_peak_flops`: the chip table, or a measured matmul on CPU).
     target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply.
     Every program is traced on `mesh` (`mesh_context`), as the run traces it."""
-    if target is None:
-        with mesh_context(mesh):
-            return _plan(spec, mesh, tokenizer, check, peak_flops, None)
-    with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)), mesh_context(mesh):
+    with planning_context(mesh, target):
         return _plan(spec, mesh, tokenizer, check, peak_flops, target)
+
+
+def planning_context(mesh: Mesh, target: TpuTarget | None) -> contextlib.ExitStack:
+    """What a plan's programs are traced in: `mesh` (`mesh_context`) and, for a TPU slice, that target
+    (its HBM and trace-time choices: platform/target.py)."""
+    stack = contextlib.ExitStack()
+    if target is not None:
+        stack.enter_context(compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)))
+    stack.enter_context(mesh_context(mesh))
+    return stack
+
+
+def planning_setup(cfg: Any, topology: str | None = None, num_slices: int | None = None
+                   ) -> tuple[TpuTarget | None, Mesh, Tokenizer]:
+    """(the TPU slice `topology` names, default `trainer.plan_topology`, or None; the run's mesh over it or
+    the local devices; the run's tokenizer) of a validated config, as a plan of it compiles."""
+    from jaxrl_llm.config import resolve_data
+    from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.sharding import make_mesh
+
+    topology = topology or cfg.trainer.plan_topology
+    target = None
+    if topology:
+        target = tpu_target(topology, num_slices or int(cfg.trainer.plan_num_slices))
+    mesh = make_mesh(cfg.mesh, devices=None if target is None else target.devices)
+    tokenizer = resolve_data(cfg).tokenizer  # validation sets it (model.path by default)
+    if tokenizer is None:
+        raise ValueError("data.tokenizer=None: the memory plan needs a validated config")
+    return target, mesh, load_tokenizer(tokenizer)
 
 
 def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flops: float | None,
@@ -351,20 +378,11 @@ def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | Non
     Raises MemoryPlanError (a ConfigError) when a program does not fit, after printing the table
     (`check=False`: returns the plan, fitting or not)."""
     from jaxrl_llm.config import resolve as resolve_spec
-    from jaxrl_llm.config import resolve_data
-    from jaxrl_llm.hf import load_tokenizer
-    from jaxrl_llm.sharding import batch_axis_size, make_mesh
+    from jaxrl_llm.sharding import batch_axis_size
 
-    topology = topology or cfg.trainer.plan_topology
-    target = None
-    if topology:
-        target = tpu_target(topology, num_slices or int(cfg.trainer.plan_num_slices))
-    mesh = make_mesh(cfg.mesh, devices=None if target is None else target.devices)
+    target, mesh, tokenizer = planning_setup(cfg, topology, num_slices)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
-    tokenizer = resolve_data(cfg).tokenizer  # validation sets it (model.path by default)
-    if tokenizer is None:
-        raise ValueError("data.tokenizer=None: the memory plan needs a validated config")
-    result = plan_memory(spec, mesh, load_tokenizer(tokenizer), check=False, target=target)
+    result = plan_memory(spec, mesh, tokenizer, check=False, target=target)
     if not check:
         return result
     try:
