@@ -111,4 +111,3 @@ def window_mask(cfg: ModelConfig, write_index: Array, t: int, slots: int) -> Arr
     q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
     k_slot = jnp.arange(slots, dtype=jnp.int32)
     return (q_slot[:, None] - k_slot[None, :]) < cfg.sliding_window
-
