@@ -1,6 +1,8 @@
-"""Long rows under context parallelism: training tokens/s and per-device temporaries, context 1 / 4 / 8.
+"""Long rows under context parallelism: training tokens/s and per-device temporaries, context 1 / 4 / 8,
+ring attention vs all-to-all over heads (Ulysses) vs gathered keys / values.
 
     python bench/long_context.py [--lengths 4096,8192,16384,32768] [--contexts 1,4,8] [--reps 2]
+                                 [--attention ring,all_to_all,gather]
     python bench/long_context.py --model qwen2-0.5b --lengths 4096 --contexts 1   # on a GPU
 
 One row of T tokens (a T/2-token response) through the training forward and backward: the value and
@@ -9,9 +11,8 @@ update's model path), jitted on a mesh of `context` devices (mesh.context). Prin
 context): tokens/s (best of --reps after a compile) and the compiled program's per-device temporaries
 (`memory_analysis`). On this CPU host the devices are virtual (XLA_FLAGS 8 host devices, set below):
 they share the 2 cores, so tokens/s shows the program's overhead, not a speed-up; the memory column
-is the point. Context parallelism here gathers each row's keys / values over the axis and scores
-each device's query rows against them (models/decoder.py `context_parallel_attend`); ring attention
-is not built, so there is no second variant to compare.
+is the point. The three ways to attend with split tokens (mesh.context_attention,
+models/context_parallel.py) run on the same row; context 1 has no split, so it runs once.
 """
 from __future__ import annotations
 
@@ -28,21 +29,24 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from jaxrl_llm import sharding  # noqa: E402
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes  # noqa: E402
+from jaxrl_llm.models.config import CONTEXT_ATTENTION  # noqa: E402
 from jaxrl_llm.trainer.forward import response_log_probs  # noqa: E402
 
 MODELS = {
     # a small Llama that runs 32k-token rows on this CPU host
-    "small": dict(family="llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, vocab_size=2048),
+    # (8 query heads: all-to-all over heads needs them divisible by the context size)
+    "small": dict(family="llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=16, vocab_size=2048),
     # Qwen2-0.5B's shape (random weights), for a GPU
     "qwen2-0.5b": dict(family="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
                        num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936),
 }
 
 
-def run(model: str, length: int, context: int, reps: int, dtype: str) -> tuple[float, int]:
+def run(model: str, length: int, context: int, attention: str, reps: int, dtype: str) -> tuple[float, int]:
     dims = dict(MODELS[model])
-    cfg = ModelConfig.tiny(dims.pop("family"), max_position_embeddings=max(length, 4096), **dims)
+    cfg = ModelConfig.tiny(dims.pop("family"), max_position_embeddings=max(length, 4096), context_attention=attention,
+                           **dims)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "expert": 1, "tensor": 1})
     params = sharding.shard_params(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
     whole = NamedSharding(mesh, PartitionSpec())
@@ -70,19 +74,29 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=sorted(MODELS))
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--contexts", default="1,4,8")
+    parser.add_argument("--attention", default=",".join(CONTEXT_ATTENTION),
+                        help="the ways to attend with split tokens (mesh.context_attention)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     print(f"model {args.model}, {args.dtype}, devices: {jax.device_count()} {jax.devices()[0].platform}")
-    print(f"{'tokens/row':>10} {'context':>8} {'tokens/s':>10} {'temps MiB/device':>17} {'vs context 1':>13}")
+    kinds = args.attention.split(",")
+    print(f"{'tokens/row':>10} {'context':>8} {'attention':>10} {'tokens/s':>10} {'temps MiB/device':>17} "
+          f"{'vs first':>9}")
     for length in lengths:
         base = None
         for context in contexts:
-            rate, temps = run(args.model, length, context, args.reps, args.dtype)
-            base = temps if context == contexts[0] else base
-            print(f"{length:>10} {context:>8} {rate:>10.0f} {temps / 2**20:>17.1f} {temps / base:>13.2f}", flush=True)
+            for kind in kinds if context > 1 else kinds[:1]:
+                try:
+                    rate, temps = run(args.model, length, context, kind, args.reps, args.dtype)
+                except ValueError as err:  # all-to-all with heads that do not divide
+                    print(f"{length:>10} {context:>8} {kind:>10}  skipped: {err}", flush=True)
+                    continue
+                base = base or temps
+                print(f"{length:>10} {context:>8} {kind if context > 1 else '-':>10} {rate:>10.0f} "
+                      f"{temps / 2**20:>17.1f} {temps / base:>9.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,21 @@ def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collect
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{key}.override_config: {err}") from None
     check_context(model_cfg, total, key)
+    check_heads_split(cfg, key, model_cfg.num_attention_heads)
+
+
+def check_heads_split(cfg: ml_collections.ConfigDict, key: str, heads: int) -> None:
+    """mesh.context_attention=all_to_all splits each device's attention heads (num_heads / tensor where that
+    divides) over the context axis: they must divide by mesh.context (an explicit size; -1 is checked when
+    the program is traced)."""
+    mesh = cfg.mesh
+    if mesh.context_attention != "all_to_all" or mesh.context <= 1:
+        return
+    per_device = heads // mesh.tensor if mesh.tensor > 1 and heads % mesh.tensor == 0 else heads
+    if per_device % mesh.context:
+        raise ConfigError(f"mesh.context_attention=all_to_all: {key} has {heads} attention heads, {per_device} per "
+                          f"device, which do not split over mesh.context={mesh.context}; use ring, or a context "
+                          f"size that divides {per_device}")
 
 
 def check_tokenizer_source(key: str, path: str | None) -> None:
@@ -216,6 +231,8 @@ def check_sources(cfg: ml_collections.ConfigDict) -> None:
     """What the configured paths hold (see module docstring)."""
     policy = cfg.actor_rollout_ref.model
     _check_context(cfg, f"{ARR}.model", policy, check_model_source(f"{ARR}.model.path", policy.path))
+    if policy.path.startswith("tiny:"):
+        check_heads_split(cfg, f"{ARR}.model", int(policy.tiny.num_attention_heads))
     if cfg.critic.enable and cfg.critic.model.path != policy.path:
         _check_context(cfg, "critic.model", cfg.critic.model,
                        check_model_source("critic.model.path", cfg.critic.model.path))

@@ -45,6 +45,10 @@ NAME_ALIASES: dict[str, str] = {
     "async_generation_ratio": "synchronizer.sync_offset",
     # veRL's FSDP spelling of the same switch (host memory between reference passes)
     "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
+    # veRL's Ulysses sequence parallelism: each sequence's tokens split over a group of devices (the
+    # actor's size; fsdp_config's is its current spelling)
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "mesh.context",
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": "mesh.context",
 }
 LEAF_RENAMES: dict[str, str] = {"warmup_style": "lr_scheduler_type"}  # veRL's older name
 # Values other frameworks write for one of ours: the same computation under another name.

@@ -147,13 +147,14 @@ def _plain(value: Any) -> dict:
     return value.to_dict() if isinstance(value, ConfigDict) else dict(value or {})
 
 
-def _model(section: ConfigDict, tiny: ConfigDict) -> ModelSpec:
+def _model(section: ConfigDict, tiny: ConfigDict, mesh: ConfigDict) -> ModelSpec:
     rank = int(section.get("lora_rank", 0))  # the policy's keys only (critic.model has none)
     lora = LoraConfig(rank, float(section.lora_alpha), parse_target_modules(section.target_modules)) if rank else None
     return ModelSpec(path=section.path, param_dtype=section.param_dtype, tiny=tuple(tiny.to_dict().items()),
                      override_config=tuple(sorted(_plain(section.override_config).items())),
                      use_remove_padding=bool(section.use_remove_padding),
-                     share_packed_prompts=bool(section.share_packed_prompts), lora=lora)
+                     share_packed_prompts=bool(section.share_packed_prompts), lora=lora,
+                     context_attention=mesh.context_attention)
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:
@@ -281,13 +282,13 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         rollout_is = "token"
     spec = RunSpec(
         data=resolve_data(cfg), synthetic=resolve_synthetic(cfg),
-        model=_model(arr.model, arr.model.tiny), actor=resolve_actor(cfg),
+        model=_model(arr.model, arr.model.tiny, cfg.mesh), actor=resolve_actor(cfg),
         actor_optim=resolve_optim(arr.actor.optim, arr.actor.grad_clip),
         ref=RefSpec(param_dtype=arr.ref.param_dtype, param_offload=bool(arr.ref.param_offload)),
         train_sampling=resolve_sampling(arr.rollout), val_sampling=resolve_sampling(arr.rollout, validation=True),
         rollout_engine=resolve_rollout_engine(arr.rollout),
         critic=resolve_critic(cfg) if critic_on else None,
-        critic_model=_model(cfg.critic.model, arr.model.tiny) if critic_on else None,
+        critic_model=_model(cfg.critic.model, arr.model.tiny, cfg.mesh) if critic_on else None,
         critic_optim=resolve_optim(cfg.critic.optim, cfg.critic.grad_clip) if critic_on else None,
         advantage=resolve_advantage(cfg),
         kl_ctrl=KLControlSpec(kl.type, float(kl.kl_coef), float(kl.target_kl), int(kl.horizon)),

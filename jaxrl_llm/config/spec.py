@@ -34,6 +34,7 @@ class ModelSpec:
     use_remove_padding: bool = True  # sequence packing (jaxrl_llm/batching)
     share_packed_prompts: bool = True  # packed rows hold a prompt once for the responses that share it
     lora: LoraConfig | None = None  # model.lora_rank > 0: train adapters on the frozen base (models/lora.py)
+    context_attention: str = "ring"  # mesh.context_attention: how a context group attends (models/context_parallel.py)
 
     @property
     def is_tiny(self) -> bool:

@@ -12,6 +12,7 @@ from jaxrl_llm.checkpoint import RESUME_MODES
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import field
 from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
+from jaxrl_llm.models.config import CONTEXT_ATTENTION
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
 from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 
@@ -533,11 +534,18 @@ MESH = {
                        "weight (it splits the batch). Must divide num_experts. Replaces Megatron's "
                        "expert_model_parallel_size. -1 = the remaining devices."),
     "context": field(1, "Mesh 'context' axis: context parallelism. Each sequence's tokens are split over it in the "
-                        "training forward / backward and the scoring passes (activations 1/context per device; "
-                        "each device gathers the keys / values it attends to); the devices of a group share "
-                        "rows and params. For responses longer than one device holds "
-                        "(launch/train.py --plan --longest). veRL's Ulysses sequence parallelism does the same job. "
-                        "-1 = the remaining devices."),
+                        "training forward / backward and the scoring passes (activations 1/context per device); "
+                        "the devices of a group share rows and params and attend as mesh.context_attention says. "
+                        "For responses longer than one device holds (launch/train.py --plan --longest). veRL's "
+                        "ulysses_sequence_parallel_size is read as this axis. -1 = the remaining devices."),
+    "context_attention": field("ring", "How the devices of a 'context' group attend: ring (key / value blocks "
+                                       "passed around the group, one query chunk at a time, blocks a device's "
+                                       "rows cannot see skipped; the fastest and leanest measured), all_to_all "
+                                       "(DeepSpeed Ulysses: heads split instead of tokens for the attention; "
+                                       "needs the heads per device divisible by mesh.context) or gather (every "
+                                       "device gathers the whole keys / values). Same numbers either way "
+                                       "(docs/long_context.md). jaxrl_llm-only.",
+                               choices=CONTEXT_ATTENTION),
     "tensor": field(1, "Mesh 'tensor' axis: split heads / MLP / vocab; replaces tensor_model_parallel_size."),
     "rollout_devices": field(None, "Split mesh: a device count (the last N devices) or a list of device ids that "
                                    "only generate; the rest train (data/fsdp/tensor apply to them). Weights move "

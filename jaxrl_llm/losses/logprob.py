@@ -32,8 +32,10 @@ from jaxrl_llm.losses.logprob_xla import (
     xla_backward,
     xla_stats,
 )
+from jaxrl_llm.models.context_parallel import context_parallel_size
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.rules import with_activation_constraint
 
 Array = jax.Array
 DEFAULT_CHUNK = 2048
@@ -216,8 +218,11 @@ def token_logprobs(hidden: Array, unembed: Array, targets: Array, *, temperature
         block = row_block or ROW_BLOCK
         if n > block and n % block == 0:
             live = jnp.any(rows_in_use.reshape(-1, block), axis=1)
-    lp, ent = _fused(hidden.reshape(-1, hidden_size), unembed, targets.reshape(-1).astype(jnp.int32), live,
-                     lay, Backend(impl, interpret, mesh))
+    rows, row_targets = hidden.reshape(-1, hidden_size), targets.reshape(-1).astype(jnp.int32)
+    if context_parallel_size() > 1:  # the flattened rows lost the token split (models/decoder.py): restore it
+        rows = with_activation_constraint(rows, ("tokens", None))
+        row_targets = with_activation_constraint(row_targets, ("tokens",))
+    lp, ent = _fused(rows, unembed, row_targets, live, lay, Backend(impl, interpret, mesh))
     lp = lp.reshape(lead)
     return (lp, ent.reshape(lead)) if return_entropy else lp
 

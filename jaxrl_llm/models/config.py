@@ -36,6 +36,8 @@ MOE_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("
 # XLA's native grouped matmul on TPU; a dense tokens x experts decomposition on CPU / GPU), "auto" (ragged_dot
 # on TPU, blocked elsewhere)
 MOE_KERNELS: tuple[str, ...] = ("auto", "blocked", "ragged_dot")
+# how attention runs on a mesh whose 'context' axis splits the tokens (models/context_parallel.py)
+CONTEXT_ATTENTION: tuple[str, ...] = ("ring", "all_to_all", "gather")
 _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
@@ -130,6 +132,8 @@ class ModelConfig:
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
+    # attention under context parallelism (CONTEXT_ATTENTION; the config's mesh.context_attention)
+    context_attention: str = "ring"
     # layers per trip of the layer scan (`lax.scan(unroll=...)` in models/decoder.py); same numbers
     # either way. The memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
     # loop body (trainer/memory_plan.py); runs keep 1.
@@ -168,6 +172,8 @@ class ModelConfig:
                                  f"model of {self.num_hidden_layers} layers")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel={self.moe_kernel!r}; expected one of {MOE_KERNELS}")
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise ValueError(f"context_attention={self.context_attention!r}; expected one of {CONTEXT_ATTENTION}")
         if self.moe_block_rows < 1:
             raise ValueError(f"moe_block_rows={self.moe_block_rows} must be positive")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")

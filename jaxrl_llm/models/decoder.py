@@ -32,6 +32,8 @@ Matmuls run on [tokens, features] (the [B, T] axes flattened) as 2-D matrices, t
 kernels [H, heads, D] / [heads, D, H] reshaped for free: XLA:CPU turned the weight gradient of a
 contraction over two axes into a transposing copy that ran at a few GB/s (~0.5 s of a SmolLM2
 4 x 512 forward+backward); flattened, the backward of SmolLM2's MLP stack runs ~1.8x faster.
+Under context parallelism (a mesh whose 'context' axis splits T) they keep [B, T] apart instead: the
+merged axis cannot hold a split of its minor part, so every device would run every token.
 
 Masking (dense attention) is by slot: a query at slot `q` sees key slot `s` iff `s <= q`, the key
 slot is valid (its attention-mask bit is 1) and, with a sliding window W, `q - s < W`. Without a
@@ -47,16 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from jaxrl_llm.models.context_parallel import context_parallel_attend, context_parallel_size
 from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.lora import LoraAdapters, lora_delta
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
-from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
 Array = jax.Array
@@ -124,15 +125,18 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 def project(x: Array, weights: dict, adapter: dict | None, lora_scale: float, dtype: Any, *,
             in_axes: int = 1) -> Array:
-    """fp32 [tokens, *out] = x [tokens, *in] @ kernel [*in, *out] (+ bias, + the LoRA delta), as
-    one 2-D matmul of compute-dtype operands (`in_axes`: the trailing axes of x contracted)."""
+    """fp32 [..., *out] = x [..., *in] @ kernel [*in, *out] (+ bias, + the LoRA delta), as one matmul of
+    compute-dtype operands over the flattened in / out axes (`in_axes`: the trailing axes of x
+    contracted) and the flattened leading axes (kept apart under context parallelism)."""
     kernel = weights["kernel"]
     n_in = math.prod(kernel.shape[:in_axes])
     out_shape = kernel.shape[in_axes:]
-    y = matmul_f32(x.reshape(-1, n_in).astype(dtype), kernel.reshape(n_in, -1).astype(dtype))
+    lead = x.shape[:x.ndim - in_axes]
+    rows = (math.prod(lead),) if context_parallel_size() == 1 else lead  # see the module docstring
+    y = matmul_f32(x.reshape(*rows, n_in).astype(dtype), kernel.reshape(n_in, -1).astype(dtype))
     if "bias" in weights:
         y = y + weights["bias"].reshape(-1).astype(dtype)
-    y = y.reshape(*x.shape[:x.ndim - in_axes], *out_shape)
+    y = y.reshape(*lead, *out_shape)
     delta = lora_delta(x, adapter, lora_scale, dtype)
     return y if delta is None else y + delta
 
@@ -143,10 +147,9 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     """fp32 [B, T, H] output of the attention sublayer for normed x [B, T, H] (compute dtype)."""
     b, t, h = x.shape
     nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    tokens = x.reshape(b * t, h)
 
     def qkv(name: str, heads: int) -> Array:  # fp32 [B, T, heads, D] (bias added in fp32)
-        return project(tokens, weights[name], adapters.get(name), lora_scale, dtype).reshape(b, t, heads, hd)
+        return project(x, weights[name], adapters.get(name), lora_scale, dtype).reshape(b, t, heads, hd)
 
     q, k, v = qkv("q_proj", nh), qkv("k_proj", nkv), qkv("v_proj", nkv)
     if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim per head, before RoPE (fp32 until after RoPE)
@@ -159,9 +162,8 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     # one rounding to the compute dtype; a KV cache stores exactly these values
     q, k = q.astype(dtype), apply_rope(k, cos, sin).astype(dtype)
     out, state = attention(q, k, v.astype(dtype), state, layer)
-    out = out.astype(dtype).reshape(b * t, nh, hd)
-    o = project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2)
-    return o.reshape(b, t, h), state
+    out = out.astype(dtype).reshape(b, t, nh, hd)
+    return project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2), state
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -174,13 +176,11 @@ def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale
               activation: str = "silu") -> Array:
     """fp32 [..., H] gated MLP (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") of normed x [..., H]
     (compute dtype)."""
-    tokens = x.reshape(-1, x.shape[-1])
-
     def dense(name: str, h: Array) -> Array:
         return project(h, weights[name], adapters.get(name), lora_scale, dtype)
 
-    act = (ACTIVATIONS[activation](dense("gate_proj", tokens)) * dense("up_proj", tokens)).astype(dtype)
-    return dense("down_proj", act).reshape(*x.shape[:-1], -1)
+    act = (ACTIVATIONS[activation](dense("gate_proj", x)) * dense("up_proj", x)).astype(dtype)
+    return dense("down_proj", act)
 
 
 def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None, *,
@@ -190,6 +190,8 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     replayed ones). `replay` [B, T, k]: experts to use (NOT_RECORDED: the router's choice)."""
     b, t, h = x.shape
     tokens = x.reshape(b * t, h)
+    if context_parallel_size() > 1:  # the merged axis lost the token split (module docstring): restore it
+        tokens = with_activation_constraint(tokens, ("tokens", None))
     k = cfg.num_experts_per_tok
     routing = route(cfg, weights["router"]["kernel"], tokens, None if replay is None else replay.reshape(b * t, k))
     out = routed_experts(weights["experts"], tokens, routing, cfg, dtype=dtype)  # expert parallel on a mesh
@@ -330,39 +332,6 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     return hidden, state, None if moe is None else MoeOut(*moe)
 
 
-def context_parallel_size() -> int:
-    """The traced program's mesh's 'context' axis size (1 without a mesh in context: mesh_context)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
-
-
-def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None) -> Array:
-    """fp32 [B, T, heads, D] attention with the tokens split over the mesh's 'context' axis: each device
-    attends its own query rows (and mask rows) to the whole keys / values of its rows, gathered over
-    the axis; the gradients of the keys and values are summed back over it (shard_map's transpose).
-    Written per device (shard_map) so the scores are [T / context, S] there: under automatic
-    partitioning the grouped queries' (group, token) merge lost the token split and every device
-    computed all the scores."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(mesh.shape)
-    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
-        rows = ()
-    row_spec = rows or None
-    tokens = PartitionSpec(row_spec, CONTEXT_AXIS, None, None)
-    whole = PartitionSpec(row_spec, None, None, None)
-
-    def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
-        # the same keys / values on every device of the axis; marked varying, so their cotangents (each
-        # device's part) are summed over it by the cast's transpose
-        k, v = (lax.pcast(x, CONTEXT_AXIS, to="varying") for x in (k, v))
-        return attend(q, k, v, allowed, nkv, causal=False, softcap=softcap).reshape(q.shape)
-
-    run = jax.shard_map(local, mesh=mesh, in_specs=(tokens, whole, whole, PartitionSpec(row_spec, CONTEXT_AXIS, None)),
-                        out_specs=tokens)
-    return run(q, k, v, allowed)
-
-
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,
                     local_allowed: Array | None = None) -> LayerAttention:
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
@@ -371,10 +340,9 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     [write_index, write_index + T) of the layer before attending over all its slots.
     `local_allowed` [B, T, S]: the mask of a mixed-window model's sliding layers (`cfg.local_layer_ids`).
 
-    Context parallelism (no cache, a mesh whose 'context' axis is > 1): the queries and the mask stay
-    split over the tokens, the keys and values are gathered whole (each device attends its own query
-    rows to every key), and the queries run as one chunk (a causal chunk is a slice across the
-    devices' token shards)."""
+    Context parallelism (no cache, a mesh whose 'context' axis is > 1): the queries, keys, values and
+    mask rows stay split over the tokens and the devices attend as `cfg.context_attention` says
+    (models/context_parallel.py: ring, all-to-all over heads, or gathered keys / values)."""
     nkv = cfg.num_key_value_heads
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array
@@ -395,7 +363,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
         else:
             mask = allowed
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
-            return context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
+            return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention),
+                    cache)
         out = attend(q, k, v, mask, nkv, causal=cache is None,
                      softcap=cfg.attn_logit_softcapping)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache

@@ -21,8 +21,9 @@ other weights); gradients come back reduce-scattered.
 We chose gather / scatter over all-to-all: with top-k routing a token goes to k of the E experts, so
 an all-to-all moves k copies of a token where the all-gather moves expert - 1; for the small expert
 groups a host holds (2-8 devices, top-2 to top-8) the volumes are of one order, and the gathered
-layout is static and dropless with no capacity to size. A batch whose token count the batch axes do
-not divide (a generation of one prompt) runs replicated: every device routes all tokens, computes its
+layout is static and dropless with no capacity to size. Under context parallelism the tokens are
+split over 'context' as well (each device routes and runs its own). A batch whose token count the
+batch axes do not divide (a generation of one prompt) runs replicated: every device routes all tokens, computes its
 experts' share and the shares are summed (psum).
 
 The experts' width split over `tensor` stays split inside (gate / up compute their slice, down a
@@ -49,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.moe import Routing, expert_ffn, held_expert_ffn
 from jaxrl_llm.models.param_init import EXPERT_AXES
-from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
 from jaxrl_llm.sharding.rules import logical_to_spec
 
 Array = jax.Array
@@ -89,7 +90,8 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     if math.prod(sizes.values()) <= 1:
         return expert_ffn(experts, tokens, routing, cfg, dtype=dtype)
     ways = expert_ways(cfg, mesh)
-    batch = tuple(a for a in BATCH_AXES if a in sizes)
+    # the token axes: the batch axes, and 'context' where it splits the tokens (context parallelism)
+    batch = tuple(a for a in BATCH_AXES if a in sizes) + ((CONTEXT_AXIS,) if sizes.get(CONTEXT_AXIS, 1) > 1 else ())
     manual = batch + ((TENSOR_AXIS,) if TENSOR_AXIS in sizes else ())
     split = tokens.shape[0] % math.prod(sizes[a] for a in batch) == 0
     rows = P(batch) if split else P()

@@ -25,15 +25,22 @@ Array = jax.Array
 # fully masked (padding) query row stays NaN-free
 MASKED_SCORE = float(jnp.finfo(jnp.float32).min)
 
-MATMUL_2D = (((1,), (0,)), ((), ()))  # [N, K] x [K, F]: every projection of models/decoder.py
+MATMUL_2D = (((1,), (0,)), ((), ()))  # [N, K] x [K, F]
+
+
+def _last_by_first(ndim: int) -> tuple:
+    """dot_general dimensions of x [..., K] x w [K, F] -> [..., F]."""
+    return (((ndim - 1,), (0,)), ((), ()))
 
 
 def matmul_f32(x: Array, w: Array) -> Array:
-    """fp32 [N, F] = x [N, K] @ w [K, F]: compute-dtype operands, fp32 accumulation and result (every
-    projection of models/decoder.py). bf16 operands also run the backward as bf16 matmuls
+    """fp32 [..., F] = x [..., K] @ w [K, F]: compute-dtype operands, fp32 accumulation and result (every
+    projection of models/decoder.py). The leading axes stay apart: merging a row axis and a token axis
+    split over the mesh's 'context' axis into one would lose the token split (each device would run
+    every row's tokens). bf16 operands also run the backward as bf16 matmuls
     (`matmul_low_precision_grads`); fp32 operands keep JAX's own gradient."""
     if x.dtype != w.dtype or x.dtype == jnp.float32:
-        return _matmul_f32(x, w, MATMUL_2D)
+        return _matmul_f32(x, w, _last_by_first(x.ndim))
     return matmul_low_precision_grads(x, w)
 
 
@@ -43,24 +50,29 @@ def _matmul_f32(a: Array, b: Array, dims) -> Array:
 
 @jax.custom_vjp
 def matmul_low_precision_grads(x: Array, w: Array) -> Array:
-    """fp32 [N, F] = x [N, K] @ w [K, F] (both bf16, fp32 accumulation). Backward: the fp32 output
+    """fp32 [..., F] = x [..., K] @ w [K, F] (both bf16, fp32 accumulation). Backward: the fp32 output
     cotangent is rounded to bf16 once, as mixed-precision training does (torch autocast's matmul
     outputs, hence its gradients, are bf16), so dx and dw are bf16 x bf16 matmuls with fp32
     accumulation; JAX's own transpose would multiply the fp32 cotangent by a bf16 operand, which XLA
     runs as an fp32 matmul (on a CPU with AMX ~5x slower than bf16)."""
-    return _matmul_f32(x, w, MATMUL_2D)
+    return _matmul_f32(x, w, _last_by_first(x.ndim))
 
 
 def _low_fwd(x, w):
-    return _matmul_f32(x, w, MATMUL_2D), (x.T, w)
+    # 2-D: keep x^T, so dw is a plain [K, N] x [N, F] matmul (XLA:CPU, models/decoder.py's docstring)
+    return _matmul_f32(x, w, _last_by_first(x.ndim)), (x.T if x.ndim == 2 else x, w)
 
 
 def _low_bwd(residuals, g):
-    xt, w = residuals
-    g = g.astype(xt.dtype)
-    dx = _matmul_f32(g, w, (((1,), (1,)), ((), ())))  # [N, F] x [K, F] -> [N, K]
-    dw = _matmul_f32(xt, g, MATMUL_2D)  # [K, N] x [N, F] -> [K, F]
-    return dx.astype(xt.dtype), dw.astype(w.dtype)
+    x, w = residuals
+    g = g.astype(x.dtype)
+    dx = _matmul_f32(g, w, (((g.ndim - 1,), (1,)), ((), ())))  # [..., F] x [K, F] -> [..., K]
+    if g.ndim == 2:  # x holds x^T [K, N]
+        dw = _matmul_f32(x, g, MATMUL_2D)  # [K, N] x [N, F] -> [K, F]
+    else:
+        lead = tuple(range(x.ndim - 1))
+        dw = _matmul_f32(x, g, ((lead, lead), ((), ())))  # [..., K] x [..., F] -> [K, F]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 matmul_low_precision_grads.defvjp(_low_fwd, _low_bwd)

@@ -5,7 +5,8 @@
 (each device holds num_experts / expert of them; tokens go to their experts and back:
 models/expert_parallel.py), `context` splits each row's tokens in the training forward / backward and
 the no-grad scoring passes (context parallelism: the devices of a `context` group share rows and
-params, each holds 1/context of every activation and gathers the keys / values it attends to)
+params, each holds 1/context of every activation; attention by ring, all-to-all or gathered keys /
+values: models/context_parallel.py)
 and, for everything else, the batch like `data`; `tensor` splits heads / MLP / vocab (Megatron
 style). At most one size may be -1, meaning "all remaining devices".
 """
@@ -33,6 +34,8 @@ BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "context": 1, "expert": 1, "tensor": 1}
 # The training passes' token axis is split over this one (context parallelism: models/decoder.py)
 CONTEXT_AXIS = "context"
+# the config's `mesh` keys that are not axes
+MESH_SETTINGS: tuple[str, ...] = ("rollout_devices", "context_attention")
 
 
 def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
@@ -43,8 +46,8 @@ def _mesh_items(mesh_cfg: Mapping[str, Any] | Any | None) -> dict[str, Any]:
         mesh_cfg = getattr(mesh_cfg, "to_dict")()
     if not isinstance(mesh_cfg, Mapping):
         raise ValueError(f"mesh: expected a mapping with keys {MESH_AXES}, got {type(mesh_cfg).__name__}")
-    # the split mesh's key (sharding/split.py) is no axis of this mesh
-    mesh_cfg = {k: v for k, v in mesh_cfg.items() if k != "rollout_devices"}
+    # the split mesh's key (sharding/split.py) and how a context group attends are no axes of this mesh
+    mesh_cfg = {k: v for k, v in mesh_cfg.items() if k not in MESH_SETTINGS}
     unknown = sorted(set(mesh_cfg) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"mesh.{unknown[0]}: unknown mesh axis (known: {', '.join(MESH_AXES)})")

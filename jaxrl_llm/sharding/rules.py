@@ -34,6 +34,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # activations (constrained at block boundaries)
     ("batch", ("data", "fsdp", "expert")),
     ("length", "context"),  # context parallelism (the training forward only: models/decoder.py)
+    # [rows x tokens] flattened (the log-prob head's rows): split over every axis the two were split over
+    ("tokens", ("data", "fsdp", "expert", "context")),
     ("act_embed", None),
     ("act_mlp", "tensor"),
     ("act_heads", "tensor"),

@@ -8,9 +8,9 @@ longest response whose program still fits the device memory, bounded by the mode
 (`ModelConfig.context_length`) minus the prompt. Probes are shared between the programs (one
 compile of each program per probed length).
 
-A response beyond the reported length needs more devices per sequence (context parallelism, not
-yet built: the size reported is 1), fewer bytes per token (bf16 compute, remat, int8 KV) or a
-smaller prompt.
+The probes run on the run's mesh, so `mesh.context` (context parallelism: each sequence's tokens over
+that many devices) is in them and in the report. A response beyond the reported length needs a larger
+`mesh.context`, fewer bytes per token (bf16 compute, remat, int8 KV) or a smaller prompt.
 """
 from __future__ import annotations
 
@@ -68,12 +68,14 @@ def longest_sequences(cfg: Any, *, topology: str | None = None, num_slices: int 
     HBM, or `trainer.device_memory_gb`."""
     from jaxrl_llm.config import resolve as resolve_spec
     from jaxrl_llm.sharding import batch_axis_size
+    from jaxrl_llm.sharding.mesh import CONTEXT_AXIS
     from jaxrl_llm.trainer.memory_plan import Planner, device_memory, planning_context, planning_setup
 
     if step < 1:
         raise ValueError(f"step={step} must be >= 1")
     target, mesh, tokenizer = planning_setup(cfg, topology, num_slices)
     dp = batch_axis_size(mesh)
+    context_size = dict(mesh.shape).get(CONTEXT_AXIS, 1)
     prompt = int(cfg.data.max_prompt_length)
 
     def spec_for(response: int):
@@ -117,7 +119,7 @@ def longest_sequences(cfg: Any, *, topology: str | None = None, num_slices: int 
                     hi = mid - 1
             rows.append(LongestSequence(name, lo * step, "context" if lo == top else "memory",
                                         probe(lo * step)[name][1]))
-        return LongestReport(prompt, step, limit, 1, tuple(rows))
+        return LongestReport(prompt, step, limit, context_size, tuple(rows))
 
     with planning_context(mesh, target):
         return run()

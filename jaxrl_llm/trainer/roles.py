@@ -135,7 +135,15 @@ def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer,
     checkpoint, or `tiny:<family>` (a random model with the dims in `model.tiny`, for tests), with
     `model.override_config`'s HF config fields replaced (they never change a parameter's shape)."""
     model_cfg, params = _load(model, head=head, mesh=mesh, tokenizer=tokenizer, seed=seed)
-    return with_hf_overrides(model_cfg, dict(model.override_config)), params
+    return _as_configured(model_cfg, model), params
+
+
+def _as_configured(model_cfg: ModelConfig, model: ModelSpec) -> ModelConfig:
+    """`model_cfg` with `model.override_config`'s HF fields and the run's compute choices (mesh.context_attention)."""
+    cfg = with_hf_overrides(model_cfg, dict(model.override_config))
+    if cfg.context_attention == model.context_attention:
+        return cfg
+    return dataclasses.replace(cfg, context_attention=model.context_attention)
 
 
 def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer, seed: int) -> tuple[ModelConfig, dict]:
@@ -180,7 +188,7 @@ def model_config_of(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
         cfg = ModelConfig.from_hf_config(ckpt.read_checkpoint_meta(model.path)["model_config"])
     else:
         cfg = ModelConfig.from_hf_config(read_hf_config(model.path))
-    return with_hf_overrides(cfg, dict(model.override_config))
+    return _as_configured(cfg, model)
 
 
 def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,

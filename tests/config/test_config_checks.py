@@ -169,6 +169,21 @@ def test_sources_checked_before_loading(tmp_path):
         check(*ok, f"custom_reward_function.path={reward}", "custom_reward_function.name=score_fn", paths=True)
 
 
+def test_all_to_all_context_attention_needs_heads_that_split(tmp_path):
+    """Ulysses splits each device's heads over mesh.context: a tiny model's and an HF folder's heads are checked
+    before anything loads (ring takes any head count)."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("{}\n")
+    folder = _hf_folder(tmp_path / "model")  # 4 heads
+    ok = [f"data.train_files={train}", f"data.tokenizer={folder}", "mesh.context=8", "mesh.fsdp=1"]
+    for model in (f"actor_rollout_ref.model.path={folder}", "actor_rollout_ref.model.path=tiny:llama"):
+        with pytest.raises(ConfigError, match=r"^mesh.context_attention=all_to_all: actor_rollout_ref.model has 4 "
+                                              r"attention heads, 4 per device, which do not split over mesh.context=8"):
+            check(*ok, model, "mesh.context_attention=all_to_all", paths=True)
+        for fine in ("mesh.context_attention=ring", "mesh.context_attention=gather", "mesh.context=2"):
+            check(*ok, model, "mesh.context_attention=all_to_all", fine, paths=True)
+
+
 def _gguf_bytes(kvs, version=3):
     """A GGUF header with the given (key, type, payload bytes) entries and no tensors."""
     import struct

@@ -137,6 +137,38 @@ def test_verl_env_default_aliases_and_special_keys(home, monkeypatch, tmp_path):
     assert s["reward_model.reward_manager"] == "naive" and s[f"{A}.grad_clip"] == 0.5
 
 
+@pytest.mark.parametrize("spelling", ["ulysses_sequence_parallel_size", "fsdp_config.ulysses_sequence_parallel_size"])
+def test_verl_ulysses_sequence_parallelism_is_mesh_context(home, tmp_path, spelling):
+    """veRL's sp groups are our context groups: the actor's sp sets mesh.context, its per-GPU micro-batches
+    (per sp group) stay, its token budgets hold sp x the per-GPU tokens; a critic of sp 2 on the sp-4 mesh
+    has two of its groups in each context group, and the per-GPU tokens on each of the group's devices."""
+    path = variant(VERL, tmp_path, {f"{A}.{spelling}": 4, "critic.ulysses_sequence_parallel_size": 2,
+                                    f"{A}.ppo_micro_batch_size_per_gpu": 8, "critic.ppo_micro_batch_size_per_gpu": 8,
+                                    "critic.enable": True})
+    s = import_config(path, num_devices=8).settings
+    assert s["mesh.context"] == 4
+    assert s[f"{A}.ppo_micro_batch_size_per_device"] == 8
+    assert s[f"{A}.ppo_max_token_len_per_device"] == 4 * 16384
+    assert s[f"{R}.log_prob_max_token_len_per_device"] == 4 * 16384  # the reference's sp defaults to the actor's
+    assert s["critic.ppo_micro_batch_size_per_device"] == 16 and s["critic.ppo_max_token_len_per_device"] == 4 * 32768
+    # an sp size the devices cannot hold is reduced, and said so
+    s = import_config(variant(VERL, tmp_path, {f"{A}.{spelling}": 4}), num_devices=2).settings
+    assert s["mesh.context"] == 2
+
+
+def test_trinity_and_roll_sequence_parallelism_is_mesh_context(home, tmp_path):
+    s = import_config(variant(TRINITY, tmp_path, {"trainer.ulysses_sequence_parallel_size": 2}), num_devices=8).settings
+    assert s["mesh.context"] == 2
+    s = import_config(variant(ROLL, tmp_path, {"actor_train.model_args.ulysses_size": 2}), num_devices=8).settings
+    assert s["mesh.context"] == 2
+
+
+def test_ulysses_override_is_mesh_context():
+    for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"):
+        assert apply_overrides(default_config(), [f"{key}=4"]).mesh.context == 4
+
+
 def test_verl_lora_keys_map_to_ours(home, tmp_path):
     path = variant(VERL, tmp_path, {"actor_rollout_ref.model.lora_rank": 32, "actor_rollout_ref.model.lora_alpha": 64,
                                     "actor_rollout_ref.model.target_modules": ["q_proj", "v_proj"]})

@@ -84,7 +84,7 @@ def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True", "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True",
-        "actor_rollout_ref.rollout.free_cache_engine=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.rollout.free_cache_engine=True", "critic.ulysses_sequence_parallel_size=2",
         "trainer.nnodes=1", "trainer.n_gpus_per_node=8", "reward_model.model.use_remove_padding=True",
         "actor_rollout_ref.actor.strategy=fsdp", "critic.model.fsdp_config.param_offload=False",
         "trainer.balance_batch=True",

@@ -49,10 +49,11 @@ CASES = {
     "verl/examples/ppo_trainer/run_deepseek7b_llm.sh": ("verl", 8, (), imports(
         algorithm__adv_estimator="gae", critic__enable=True, actor_rollout_ref__rollout__n=1,
         data__train_batch_size=1024, critic__optim__lr=1e-5, actor_rollout_ref__actor__use_kl_loss=False)),
-    # Ulysses SP 2: per-SP-group micro-batches spread over 2 devices, token budgets of the group
+    # Ulysses SP 2 -> mesh.context 2: the per-SP-group micro-batches are per context group as they are
     "verl/examples/ppo_trainer/run_deepseek7b_llm_sp2.sh": ("verl", 8, (), imports(
-        algorithm__adv_estimator="gae", actor_rollout_ref__actor__ppo_micro_batch_size_per_device=16,
-        critic__ppo_micro_batch_size_per_device=32, critic__enable=True)),
+        algorithm__adv_estimator="gae", mesh__context=2, actor_rollout_ref__actor__ppo_micro_batch_size_per_device=32,
+        actor_rollout_ref__rollout__log_prob_micro_batch_size_per_device=64,
+        critic__ppo_micro_batch_size_per_device=64, critic__enable=True)),
     "verl/examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": ("verl", 8, (), refused(
         "algorithm.use_pf_ppo", "preference-feedback PPO (sample reweighting) is not supported")),
     "verl/examples/ppo_trainer/run_gemma.sh": ("verl", 8, (), imports(

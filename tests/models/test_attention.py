@@ -119,6 +119,11 @@ def test_bf16_matmul_backward_runs_on_the_rounded_cotangent():
     for got, want in ((dx, fdx), (dw, fdw)):
         err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
         assert 0 < err < 2e-2
+    # rows and tokens kept apart ([B, T, K] x [K, F]): the same numbers as the flattened matmul
+    out3, vjp3 = jax.vjp(matmul_f32, x.reshape(4, 16, 24), w)
+    dx3, dw3 = vjp3(c.reshape(4, 16, 40))
+    for got, want in ((out3.reshape(out.shape), out), (dx3.reshape(dx.shape), dx), (dw3, dw)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     # fp32 operands keep JAX's own gradient
     d32 = jax.grad(lambda a: jnp.sum(matmul_f32(a, w32) * c))(x32)
     np.testing.assert_allclose(np.asarray(d32), np.asarray(jnp.dot(c, w32.T, precision=hi)), rtol=1e-5, atol=1e-5)

@@ -1,7 +1,9 @@
 """Context parallelism (`mesh.context`): the training forward / backward splits each row's tokens over the
-'context' axis. On 8 CPU devices as (context 4, data 2) and (context 8), a packed actor update with several
-segments per row and shared prompts gives the 1-device params and every metric, and the compiled update's
-per-device temporaries fall about linearly with the context size."""
+'context' axis. On 8 CPU devices as (context 4, data 2) and (context 8), with each way to attend
+(`mesh.context_attention`: ring, all-to-all over heads, gathered keys / values), a packed actor update with
+several segments per row and shared prompts gives the 1-device params and every metric; the attention
+alone equals the unsplit one (values and gradients) with windows, soft-capping and tensor-split heads;
+and the compiled update's per-device temporaries fall about linearly with the context size."""
 import dataclasses
 import functools
 import sys
@@ -27,14 +29,15 @@ MESHES = {"context4_data2": {"data": 2, "fsdp": 1, "context": 4, "tensor": 1},
 PARAM_ATOL = 3e-5  # an Adam-free SGD step; reductions in other orders (tests/trainer/test_shared_prompts.py)
 
 
-def _update(mesh, b, *, budget=40, lower_only=False):
-    params = init_params(CFG, jax.random.PRNGKey(0))
+def _update(mesh, b, *, budget=40, lower_only=False, attention="ring"):
+    cfg = dataclasses.replace(CFG, context_attention=attention)
+    params = init_params(cfg, jax.random.PRNGKey(0))
     s = dataclasses.replace(SETTINGS, loss_agg_mode="seq-mean-token-sum")
     tx = optax.sgd(0.5)
     rng = jax.random.PRNGKey(1)
     rows_sharding, shards = None, 1
     if mesh is not None:
-        params = sharding.shard_params(params, param_logical_axes(CFG), mesh)
+        params = sharding.shard_params(params, param_logical_axes(cfg), mesh)
         axes = sharding.batch_axes(mesh)
         rows_sharding = NamedSharding(mesh, PartitionSpec(axes))
         shards = sharding.batch_axis_size(mesh)
@@ -42,7 +45,7 @@ def _update(mesh, b, *, budget=40, lower_only=False):
     rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), R, _shared(b))
     packing, num_micro = pk.plan_update(rows, rng, epochs=s.ppo_epochs, shuffle=s.shuffle, num_mini=2, num_micro=None,
                                         shards=shards, token_budget=budget)
-    fn = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=2,
+    fn = jax.jit(functools.partial(update_actor, model_cfg=cfg, s=s, tx=tx, num_mini_batches=2,
                                    num_micro_batches=num_micro, rows_sharding=rows_sharding))
     args = (params, tx.init(params), b, rng, None, packing)
     with sharding.mesh_context(mesh):
@@ -58,45 +61,109 @@ def one_device():
     return _update(None, _grouped(1))
 
 
+@pytest.mark.parametrize("attention", ["ring", "all_to_all", "gather"])
 @pytest.mark.parametrize("name", sorted(MESHES))
-def test_context_parallel_update_equals_one_device(one_device, name):
+def test_context_parallel_update_equals_one_device(one_device, name, attention):
     mesh = sharding.make_mesh(MESHES[name])
     assert mesh.shape["context"] == MESHES[name]["context"]
     p1, m1, packing = one_device
     assert (np.asarray(packing.layout.branch_ids) >= 2).any()  # shared prompts in the rows
     assert (np.asarray(packing.layout.segment_ids).max(axis=-1) >= 2).any()  # several segments per row
     assert np.asarray(packing.layout.segment_ids).shape[-1] % 8 == 0  # the rows' tokens split 4 / 8 ways
-    pn, mn, _ = _update(mesh, _grouped(1))
+    if attention == "all_to_all" and CFG.num_attention_heads % mesh.shape["context"]:
+        with pytest.raises(ValueError, match="4 heads per device do not divide by mesh.context=8; use ring"):
+            _update(mesh, _grouped(1), attention=attention)
+        return
+    pn, mn, _ = _update(mesh, _grouped(1), attention=attention)
     _assert_same((p1, m1), (pn, mn), atol=PARAM_ATOL)
+
+
+def _packed_mask(b, t, window=None):
+    """[B, T, T] causal mask of packed rows: three segments in row 0, a prompt with two branches in row 1."""
+    segments = np.zeros((b, t), int)
+    segments[0, t // 3:], segments[0, t // 2 + 5:] = 1, 2
+    branches = np.zeros((b, t), int)
+    branches[-1, t // 4: t // 2], branches[-1, t // 2:] = 1, 2
+    idx = np.arange(t)
+    allowed = idx[:, None] >= idx[None, :]
+    if window is not None:
+        allowed &= idx[:, None] - idx[None, :] < window
+    allowed = allowed[None] & (segments[:, :, None] == segments[:, None, :])
+    allowed &= (branches[:, None, :] == 0) | (branches[:, :, None] == branches[:, None, :])
+    return allowed
+
+
+ATTENTION_MESHES = {"context4_data2": MESHES["context4_data2"], "context8": MESHES["context8"],
+                    "context4_tensor2": {"data": 1, "fsdp": 1, "context": 4, "tensor": 2},
+                    "context2_data4": {"data": 4, "fsdp": 1, "context": 2, "tensor": 1}}
+
+
+@pytest.mark.parametrize("attention", ["ring", "all_to_all", "gather"])
+@pytest.mark.parametrize("name", sorted(ATTENTION_MESHES))
+@pytest.mark.parametrize("tokens,window,softcap", [(64, None, None), (1024, 300, 20.0)])
+def test_split_attention_equals_the_unsplit_one(name, attention, tokens, window, softcap):
+    """Values and q / k / v gradients (1e-5) of a weighted sum of the attention output, 8 heads over 2 key /
+    value heads (all-to-all repeats the key / value heads where they do not divide); 1024 tokens run several
+    causal query chunks per ring block, and a sliding window skips whole blocks."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models.attention import attend
+    from jaxrl_llm.models.context_parallel import context_parallel_attend
+
+    b, nh, nkv, d = 2, 8, 2, 8
+    rng = np.random.default_rng(0)
+    q, w = (jnp.asarray(rng.normal(size=(b, tokens, nh, d)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(b, nkv, tokens, d)), jnp.float32) for _ in range(2))
+    allowed = jnp.asarray(_packed_mask(b, tokens, window))
+
+    def unsplit(q, k, v):
+        return jnp.sum(attend(q, k, v, allowed, nkv, causal=True, softcap=softcap).reshape(q.shape) * w)
+
+    def split(q, k, v):
+        return jnp.sum(context_parallel_attend(q, k, v, allowed, nkv, softcap, attention) * w)
+
+    want, want_grads = jax.value_and_grad(unsplit, argnums=(0, 1, 2))(q, k, v)
+    mesh = sharding.make_mesh(ATTENTION_MESHES[name])
+    placed = jax.device_put((q, k, v), NamedSharding(mesh, PartitionSpec()))
+    with sharding.mesh_context(mesh):
+        got, grads = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2)))(*placed)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for g, wg in zip(grads, want_grads):
+        np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-5)
 
 
 def test_per_device_activation_memory_falls_with_the_context_size():
     """The value and gradient of the log-probs of two 2048-token rows (a 1024-token response each): the
-    compiled program's per-device temporaries for context 1, 2, 4, 8."""
+    compiled program's per-device temporaries for context 1, 2, 4, 8 under ring attention, and gathered keys /
+    values at 8."""
     import jax.numpy as jnp
 
     from jaxrl_llm.models import ModelConfig
     from jaxrl_llm.trainer.forward import response_log_probs
 
-    cfg = ModelConfig.tiny("llama", vocab_size=512, max_position_embeddings=4096)
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 512, size=(2, 2048)), jnp.int32)
     mask = jnp.ones(ids.shape, jnp.int32)
 
-    def loss(params, ids, mask):
-        return jnp.sum(response_log_probs(params, cfg, ids, mask, 1024))
+    def temps_of(context, attention):
+        cfg = ModelConfig.tiny("llama", vocab_size=512, max_position_embeddings=4096, context_attention=attention)
 
-    temps = {}
-    for context in (1, 2, 4, 8):
+        def loss(params, ids, mask):
+            return jnp.sum(response_log_probs(params, cfg, ids, mask, 1024))
+
         mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "tensor": 1})
         params = sharding.shard_params(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
         whole = NamedSharding(mesh, PartitionSpec())
         with sharding.mesh_context(mesh):
             compiled = jax.jit(jax.value_and_grad(loss)).lower(params, jax.device_put(ids, whole),
                                                                jax.device_put(mask, whole)).compile()
-        temps[context] = compiled.memory_analysis().temp_size_in_bytes
-    # context 1 skips the causal chunks' hidden keys; from 2 on every device scores its rows against
-    # all keys, and the split roughly halves the bytes per doubling (measured: 258, 252, 142, 87 MiB)
-    assert temps[4] < 0.6 * temps[2] and temps[8] < 0.7 * temps[4] and temps[8] < 0.4 * temps[1], temps
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    ring = {context: temps_of(context, "ring") for context in (1, 2, 4, 8)}
+    gather = temps_of(8, "gather")
+    # each doubling halves the bytes (measured: 264, 47, 23, 12 MiB; gathered keys / values: 61 at 8). Context 1
+    # keeps every causal chunk's scores alive at once (models/attention.py), ring one query chunk's at a time
+    assert ring[2] < 0.25 * ring[1] and ring[4] < 0.6 * ring[2] and ring[8] < 0.6 * ring[4], ring
+    assert ring[8] < 0.3 * gather, (ring, gather)
 
 
 @pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
@@ -118,3 +185,41 @@ def test_a_run_on_a_context_mesh_logs_the_numbers_of_one_without(tmp_path):
     for key, value in logged[1].items():
         if isinstance(value, float):
             np.testing.assert_allclose(logged[4][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("mesh_sizes", [{"data": 2, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1},
+                                        {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1}])
+def test_moe_model_under_context_parallelism_equals_one_device(mesh_sizes):
+    """A Qwen3-MoE model's log-probs and their gradients on a context mesh (with data, or with expert
+    parallelism) equal one device's; each device routes and runs only its own tokens' experts, so the
+    forward's per-device FLOPs are a quarter of context 1's or less."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.trainer.forward import response_log_probs
+
+    cfg = ModelConfig.tiny("qwen3_moe", vocab_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           norm_topk_prob=True)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 128, size=(4, 128)), jnp.int32)
+    mask = jnp.ones(ids.shape, jnp.int32)
+    params = init_params(cfg, jax.random.key(0))
+
+    def loss(params, ids, mask):
+        return jnp.sum(response_log_probs(params, cfg, ids, mask, 64))
+
+    want, want_grads = jax.jit(jax.value_and_grad(loss))(params, ids, mask)
+    flops = {}
+    for context in (1, mesh_sizes["context"]):
+        mesh = sharding.make_mesh({**mesh_sizes, "context": context})
+        placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
+        whole = NamedSharding(mesh, PartitionSpec())
+        args = (placed, jax.device_put(ids, whole), jax.device_put(mask, whole))
+        with sharding.mesh_context(mesh):
+            cost = jax.jit(loss).lower(*args).compile().cost_analysis()
+            flops[context] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+            if context > 1:
+                got, grads = jax.jit(jax.value_and_grad(loss))(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), jax.device_get(grads),
+                 jax.device_get(want_grads))
+    assert flops[mesh_sizes["context"]] < 0.3 * flops[1], flops

@@ -309,3 +309,8 @@ def test_longest_response_per_program_is_the_last_length_that_fits(tmp_path):
     longest = rows["update_actor"].response_tokens
     assert fits(longest) and not fits(longest + 512)
     assert not any(tmp_path.iterdir())  # nothing written
+    # context parallelism: each sequence's tokens over 4 devices, so the update fits a longer response
+    split = validate_config(tiny_config(tmp_path / "run", **overrides, **{"mesh.context": 4}), num_devices=8)
+    report = longest_sequences(split, step=512, max_tokens=4096)
+    assert report.context_parallel == 4 and "context-parallel size 4" in report.table()
+    assert {r.program: r for r in report.rows}["update_actor"].response_tokens > longest

@@ -63,7 +63,8 @@ def import_overrides(overrides: Sequence[str], base: ml_collections.ConfigDict, 
     with_sp = any(split_override(o)[0].endswith("ulysses_sequence_parallel_size") for o in overrides)
     for item in overrides:
         key, text = split_override(item)
-        scaled = with_sp and key.lstrip("+") in SP_SCALED
+        # the sp sizes themselves go with them: the import reads them to scale and sets mesh.context
+        scaled = with_sp and (key.lstrip("+") in SP_SCALED or key.endswith("ulysses_sequence_parallel_size"))
         if is_ours(key) and not scaled:
             ours.append(item)
         elif not scaled and not is_verl_key(key):

@@ -25,7 +25,7 @@ from jaxrl_llm.config.importers.common import (
     logger_sinks,
     ratio_steps,
 )
-from jaxrl_llm.config.importers.verl import training_expert_parallel, training_tensor_parallel
+from jaxrl_llm.config.importers.verl import context_parallel, training_expert_parallel, training_tensor_parallel
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -222,6 +222,11 @@ def _roles(m: Mapper, src: Source) -> None:
     ep = src.drop("actor_train.strategy_args.strategy_config.expert_model_parallel_size")
     if isinstance(ep, int) and ep > 0:
         training_expert_parallel(m, "actor_train.strategy_args.strategy_config.expert_model_parallel_size", ep)
+    for key in ("actor_train.model_args.ulysses_size",
+                "actor_train.strategy_args.strategy_config.context_parallel_size"):
+        size = src.drop(key)
+        if isinstance(size, int) and size > 1:  # each sequence's tokens over a group of devices
+            context_parallel(m, key, size)
 
 
 def _data(m: Mapper, src: Source) -> None:

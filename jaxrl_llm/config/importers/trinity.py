@@ -34,7 +34,7 @@ from jaxrl_llm.config.importers.common import (
     ratio_steps,
 )
 from jaxrl_llm.config.importers.trinity_data import import_tasksets
-from jaxrl_llm.config.importers.verl import import_verl_source, placement_only
+from jaxrl_llm.config.importers.verl import context_parallel, import_verl_source, placement_only
 from jaxrl_llm.config.overrides import OPEN_SECTIONS
 
 TOP_LEVEL = ("algorithm", "model", "cluster", "buffer", "explorer", "synchronizer")
@@ -252,10 +252,12 @@ def _model(m: Mapper, src: Source) -> None:
         value = src.take(key)
         if value not in (None, ""):
             m.set(ours, value, key)
-    sp = src.peek("trainer.ulysses_sequence_parallel_size")
+    sp = src.take("trainer.ulysses_sequence_parallel_size")
     budget = f"{A}.ppo_max_token_len_per_device"
-    if isinstance(sp, int) and sp > 1 and budget in m.settings:  # per SP group in veRL (verl.py's rule)
-        m.set(budget, m.settings[budget] * sp, m.origin[budget])
+    if isinstance(sp, int) and sp > 1:  # veRL's Ulysses groups: mesh.context, budgets per group (verl.py's rule)
+        context_parallel(m, "trainer.ulysses_sequence_parallel_size", sp)
+        if budget in m.settings:
+            m.set(budget, m.settings[budget] * sp, m.origin[budget])
     max_len, response = src.take("model.max_model_len"), m.get("data.max_response_length")
     if max_len is not None and "data.max_prompt_length" not in m.settings:  # Trinity: the prompt gets the rest
         if max_len <= response:

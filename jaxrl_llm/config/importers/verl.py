@@ -18,9 +18,16 @@ trains on one mesh over every visible device. veRL's training sharding maps onto
 `tensor_model_parallel_size` -> `mesh.tensor` and `expert_model_parallel_size` -> `mesh.expert`, each
 reduced to the largest size the devices hold.
 The inference engine's layout (rollout TP / DP / EP / PP) and the cluster size (`nnodes`,
-`n_gpus_per_node`) are warned about with their values. Ulysses sequence parallelism is placement,
-but veRL's token budgets count per sequence-parallel group (`ppo_max_token_len_per_gpu x sp`
-tokens per micro-batch): they are imported multiplied by the role's sp size.
+`n_gpus_per_node`) are warned about with their values.
+
+Ulysses sequence parallelism (`actor.ulysses_sequence_parallel_size`, sp) -> `mesh.context` (context
+parallelism: a group of devices shares rows and splits their tokens), reduced to what the devices hold.
+veRL counts its per-GPU sizes per sp group: micro-batch sequence counts are per group, as ours are
+per context group, and token budgets hold `ppo_max_token_len_per_gpu x sp` tokens per group's
+micro-batch (the per-GPU count on each device), so they are imported multiplied by the sp size. A role
+whose sp differs from the actor's (the critic's) runs on the same mesh: its sequence counts scale by
+mesh.context / its sp, its token budgets by mesh.context (by its sp where the devices could not hold
+the actor's, so that one sequence still fits).
 """
 from __future__ import annotations
 
@@ -152,6 +159,34 @@ def _fsdp_size(m: Mapper, src: str, value: Any) -> None:
         m.ignore(f"{src} (as mesh.fsdp={held})", f"reduced to what the {free} device(s) hold", size)
 
 
+ACTOR_SP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+SP_LEAF = "ulysses_sequence_parallel_size"
+
+
+def _context_size(devices: int, sp: int) -> int:
+    """veRL's sp size as mesh.context: the largest size dividing the devices."""
+    return math.gcd(max(sp, 1), devices)
+
+
+def context_parallel(m: Mapper, src: str, value: Any) -> None:
+    """The actor's Ulysses sp size (Trinity's trainer's, ROLL's ulysses_size / Megatron context_parallel_size)
+    -> mesh.context (see the module doc)."""
+    size = int_or_error(m, src, value)
+    if size <= 1:
+        return
+    held = _context_size(m.devices(), size)
+    m.set("mesh.context", held, src)
+    if held != size:
+        m.ignore(f"{src} (as mesh.context={held})", f"reduced to what the {m.devices()} device(s) hold", size)
+
+
+def _role_sp(m: Mapper, src: str, value: Any) -> None:
+    """A ref / critic / reward-model sp size: the mesh is the actor's (its sizes scale: SP_SCALED)."""
+    if not _at_default(src, value):
+        m.ignore(src, "every role runs on the one mesh, whose mesh.context is the actor's "
+                      "ulysses_sequence_parallel_size; this role's per-GPU sizes are scaled to it", value)
+
+
 def placement_only(m: Mapper, src: str, value: Any) -> None:
     if _at_default(src, value):
         return
@@ -210,6 +245,13 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": training_tensor_parallel,
     "actor_rollout_ref.actor.megatron.expert_model_parallel_size": training_expert_parallel,
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": _fsdp_size,
+    ACTOR_SP: context_parallel,
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": context_parallel,
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": _role_sp,
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": _role_sp,
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": _role_sp,
+    "critic.ulysses_sequence_parallel_size": _role_sp,
+    "reward_model.ulysses_sequence_parallel_size": _role_sp,
     "trainer.nnodes": placement_only,
     "trainer.n_gpus_per_node": placement_only,
     "algorithm.use_pf_ppo": _error_if(bool, "preference-feedback PPO (sample reweighting) is not supported"),
@@ -347,8 +389,9 @@ def is_verl_key(key: str) -> bool:
 
 
 # veRL sizes counted per Ulysses sequence-parallel group of sp devices -> (the role whose sp applies, how they
-# scale): token budgets x sp (a micro-batch of the group holds up to budget x sp tokens, so one sequence may
-# be that long), micro-batch sequence counts / sp (the group's sequences spread over sp of our devices)
+# scale): token budgets x max(mesh.context, sp) (the per-GPU tokens on each device of a context group, and
+# at least the sp group's budget x sp, so one sequence may be that long), micro-batch sequence counts
+# x mesh.context / sp (a context group of ours holds mesh.context / sp of the role's sp groups)
 SP_SCALED = {
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ("actor_rollout_ref.actor", "tokens"),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": ("actor_rollout_ref.ref", "tokens"),
@@ -363,17 +406,28 @@ SP_SCALED = {
 }
 
 
-def _sp_scaled(value: Any, sp: int, how: str) -> Any:
-    if sp <= 1 or not isinstance(value, int) or isinstance(value, bool):
+def _sp_scales(sp: int, context: int, how: str) -> bool:
+    """Does a size counted per sp group of `sp` devices change on a mesh of `context` (SP_SCALED)?"""
+    if how == "tokens":
+        return max(sp, context) > 1
+    return how == "sequences" and sp != context
+
+
+def _sp_scaled(value: Any, sp: int, context: int, how: str) -> Any:
+    if not isinstance(value, int) or isinstance(value, bool):
         return value
-    return value * sp if how == "tokens" else max(1, math.ceil(value / sp))
+    return value * max(sp, context) if how == "tokens" else max(1, math.ceil(value * context / sp))
 
 
 def _sp_size(src: Source, role: str) -> int:
-    value = src.flat.get(f"{role}.ulysses_sequence_parallel_size")
-    if value is None and role == "actor_rollout_ref.ref":
-        value = src.flat.get("actor_rollout_ref.actor.ulysses_sequence_parallel_size")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+    """A role's sp size: its own key or its fsdp_config's (veRL's current spelling; the critic's sits under
+    critic.model), the reference's defaulting to the actor's."""
+    config = "critic.model.fsdp_config" if role == "critic" else f"{role}.fsdp_config"
+    sizes = [src.flat.get(f"{role}.{SP_LEAF}"), src.flat.get(f"{config}.{SP_LEAF}")]
+    sizes = [int(v) for v in sizes if isinstance(v, int) and not isinstance(v, bool) and v > 1]
+    if not sizes and role == "actor_rollout_ref.ref":
+        return _sp_size(src, "actor_rollout_ref.actor")
+    return max(sizes, default=1)
 
 
 def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
@@ -382,6 +436,7 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
     (Trinity sets those itself); `raw`: interpolation texts by key (see DERIVED_FROM)."""
     raw = raw or {}
     sp = {key: (_sp_size(src, role), how) for key, (role, how) in SP_SCALED.items()}
+    context = _context_size(m.devices(), _sp_size(src, "actor_rollout_ref.actor"))  # what context_parallel sets
     for key in src.remaining():
         full = src.full(key)
         if any(key == p or key.startswith(p + ".") for p in skip):
@@ -401,9 +456,11 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
             handler(m, full, value)
         else:
             size, how = sp.get(key.lstrip("+"), (1, ""))
-            if size > 1:  # counted per sequence-parallel group in veRL
-                value = _sp_scaled(value, size, how)  # no longer the interpolated value: not left derived
-            _generic(m, full, key, value, None if size > 1 else raw.get(key))
+            if _sp_scales(size, context, how):  # counted per sequence-parallel group in veRL
+                value = _sp_scaled(value, size, context, how)  # no longer the interpolated value: not left derived
+                _generic(m, full, key, value)
+            else:
+                _generic(m, full, key, value, raw.get(key))
 
 
 def import_verl(data: dict[str, Any], m: Mapper, raw: dict[str, str] | None = None) -> None:

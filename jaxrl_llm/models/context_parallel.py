@@ -1,0 +1,243 @@
+"""Attention with each row's tokens split over the mesh's 'context' axis (context parallelism): the
+training forward / backward and the no-grad scoring passes of `dense_attention` (models/decoder.py)
+when the traced program's mesh has context > 1. Three ways to attend, `ModelConfig.context_attention`:
+
+- `ring` (the default: the fastest and by far the leanest measured, docs/long_context.md): each
+  device keeps its own query rows and passes its key / value block around the axis (`ppermute`), one
+  block per step. Its rows run in query chunks, one at a time (a loop of dynamic length over the
+  chunks that see the block: none for the causal future or another packed segment), and merge into
+  the running result by log-sum-exp. A hand-written backward passes the blocks around again with
+  their key / value gradients travelling beside them, so each block returns home with its gradient
+  summed. Per device: one block, one chunk's scores [chunk, T / context], the mask rows [T / context, T].
+- `all_to_all` (DeepSpeed Ulysses, veRL's `ulysses_sequence_parallel_size`): an all-to-all trades the
+  token split for a head split, each device attends the whole row for num_heads / context heads
+  (causal query chunks, models/attention.py), and a second all-to-all trades it back. Needs the
+  query heads divisible by the context size; key / value heads that are not are repeated first.
+  Per device: the whole mask [T, T] and the causal chunks' scores for its heads.
+- `gather`: every device gathers the row's keys / values and scores its query rows against all of
+  them ([T / context, T] scores at once).
+
+All three take the packed rows' mask as it is ([B, T, S] bool, split over T: segments, shared-prompt
+branches, causality, sliding windows), so each gives the unsplit attention's numbers. They run per
+device (`shard_map`): under automatic partitioning the grouped queries' (group, token) merge lost the
+token split and every device computed all the scores. Rows stay split over the batch axes and heads
+over 'tensor' where they divide.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxrl_llm.models.attention import _chunk_grads, _forward, _group_queries, _ungroup, attend, chunk_bounds
+from jaxrl_llm.models.config import CONTEXT_ATTENTION
+from jaxrl_llm.models.numerics import MASKED_SCORE
+from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
+
+Array = jax.Array
+TENSOR_AXIS = "tensor"
+
+
+def context_parallel_size() -> int:
+    """The traced program's mesh's 'context' axis size (1 without a mesh in context: mesh_context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
+                            kind: str = "ring") -> Array:
+    """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, T, D] where
+    `allowed` [B, T, T], with T split over the mesh's 'context' axis; `kind` one of CONTEXT_ATTENTION."""
+    if kind not in CONTEXT_ATTENTION:
+        raise ValueError(f"context_attention={kind!r}; expected one of {CONTEXT_ATTENTION}")
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape)
+    context = sizes[CONTEXT_AXIS]
+    nh = q.shape[2]
+    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
+        rows = ()
+    row_spec = rows or None
+    tensor = sizes.get(TENSOR_AXIS, 1)
+    heads = TENSOR_AXIS if tensor > 1 and nh % tensor == 0 and nkv % tensor == 0 else None
+    local_kv = nkv // tensor if heads else nkv
+    local_heads = nh // tensor if heads else nh
+    if kind == "all_to_all" and local_heads % context:
+        raise ValueError(f"mesh.context_attention=all_to_all splits the attention heads over the context axis: "
+                         f"{local_heads} heads per device do not divide by mesh.context={context}; use ring")
+    split = PartitionSpec(row_spec, CONTEXT_AXIS, heads, None)  # q / the output [B, T, heads, D]
+    kv_split = PartitionSpec(row_spec, heads, CONTEXT_AXIS, None)  # head-major k / v [B, kv, T, D]
+    mask_split = PartitionSpec(row_spec, CONTEXT_AXIS, None)
+
+    if kind == "ring":
+        def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+            return _ring(q, k, v, allowed, local_kv, softcap, context)
+    elif kind == "all_to_all":
+        def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+            return _all_to_all(q, k, v, allowed, local_kv, softcap, context)
+    else:
+        def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+            # the whole keys / values on every device of the axis (their cotangents, each device's part,
+            # are summed back over it by the gather's transpose)
+            k, v = (lax.all_gather(x, CONTEXT_AXIS, axis=2, tiled=True) for x in (k, v))
+            return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap).reshape(q.shape)
+
+    # ring: its skipped blocks' constants are not typed as varying over the axes; its backward is its own
+    run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split), out_specs=split,
+                        check_vma=kind != "ring")
+    return run(q, k, v, allowed)
+
+
+# ---- Ulysses: all-to-all over heads ----
+
+def _all_to_all(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
+                context: int) -> Array:
+    """One device's part: q [B, t, heads, D], k / v [B, kv, t, D], allowed [B, t, T] (t = T / context)."""
+    if nkv % context:  # repeat each key / value head so that the heads' split keeps their groups whole
+        repeat = context // math.gcd(nkv, context)
+        k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
+        nkv *= repeat
+    q_heads = lax.all_to_all(q, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)  # [B, T, heads / c, D]
+    k, v = (lax.all_to_all(x, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True) for x in (k, v))
+    whole_mask = lax.all_gather(allowed, CONTEXT_AXIS, axis=1, tiled=True)  # [B, T, T]
+    out = attend(q_heads, k, v, whole_mask, nkv // context, causal=True, softcap=softcap).reshape(q_heads.shape)
+    return lax.all_to_all(out, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+
+# ---- ring attention ----
+
+def _ring_perm(context: int) -> list[tuple[int, int]]:
+    """Each device sends its current block to the next one around the axis."""
+    return [(i, (i + 1) % context) for i in range(context)]
+
+
+def _block_mask(allowed: Array, step: Array, context: int) -> Array:
+    """The mask columns [B, t, t] of the key block a device holds at ring step `step`: the block of
+    device (own index - step) mod context."""
+    t = allowed.shape[1]
+    source = (lax.axis_index(CONTEXT_AXIS) - step) % context
+    return lax.dynamic_slice_in_dim(allowed, source * t, t, axis=2)
+
+
+def _token_major_lse(lse: Array) -> Array:
+    """[B, kv, g, t] -> [B, t, heads]: the log-sum-exps in the queries' own layout."""
+    b, nkv, g, t = lse.shape
+    return lse.transpose(0, 3, 1, 2).reshape(b, t, nkv * g)
+
+
+def _grouped_lse(lse: Array, nkv: int) -> Array:
+    """[B, t, heads] -> [B, kv, g, t] (`_forward`'s layout)."""
+    b, t, nh = lse.shape
+    return lse.reshape(b, t, nkv, nh // nkv).transpose(0, 2, 3, 1)
+
+
+def _chunk_rows(t: int) -> int:
+    """Query rows per chunk of a device's t rows: the causal chunks' size (models/attention.py
+    `chunk_bounds`) where it divides t, else t (one chunk)."""
+    size = chunk_bounds(t)[0][1]
+    return size if t % size == 0 else t
+
+
+def _chunked(x: Array, size: int) -> Array:
+    """[B, t, ...] -> [t / size, B, size, ...]: the chunks a `lax.map` / `lax.scan` runs one at a time (a
+    Python loop over chunks lets XLA keep every chunk's scores alive at once)."""
+    b, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, t // size, size, *x.shape[2:]), 1, 0)
+
+
+def _unchunked(x: Array) -> Array:
+    """[n, B, size, ...] -> [B, n * size, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _seen_chunks(masks: Array) -> tuple[Array, Array]:
+    """[first, end) of the query chunks (masks [n, B, size, t]) that see any key of the block; (0, 0) if
+    none does. Chunks between two that see it run too (their masked scores weigh nothing in the merge)."""
+    seen = jnp.any(masks, axis=(1, 2, 3))
+    n = seen.shape[0]
+    first = jnp.argmax(seen)
+    end = jnp.where(jnp.any(seen), n - jnp.argmax(seen[::-1]), 0)
+    return first, end
+
+
+def _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context):
+    """fp32 output [B, t, heads, D] and lse [B, t, heads] of the local queries over every block: at each
+    step the query chunks that see the block's keys attend to it one at a time, each merging into its
+    running result by log-sum-exp. The chunks run in a loop of dynamic length (a while loop), not
+    under `lax.cond`: inside the decoder's layer scan, a cond here made reverse-mode keep every chunk's
+    scores of every step (8x the per-device temporaries at 16k tokens)."""
+    size = _chunk_rows(q.shape[1])
+    q_chunks = _chunked(q, size)
+
+    def step(i, carry):
+        out, lse, k, v = carry
+        masks = _chunked(_block_mask(allowed, i, context), size)
+
+        def one(c, acc):
+            out, lse = acc
+            block_out, block_lse = _forward(q_chunks[c], k, v, masks[c], nkv, softcap)
+            block_out, block_lse = _ungroup(block_out, size), _token_major_lse(block_lse)
+            merged = jnp.logaddexp(lse[c], block_lse)
+            new = out[c] * jnp.exp(lse[c] - merged)[..., None] + block_out * jnp.exp(block_lse - merged)[..., None]
+            return out.at[c].set(new), lse.at[c].set(merged)
+
+        out, lse = lax.fori_loop(*_seen_chunks(masks), one, (out, lse))
+        k, v = (lax.ppermute(x, CONTEXT_AXIS, _ring_perm(context)) for x in (k, v))
+        return out, lse, k, v
+
+    out = jnp.zeros(q_chunks.shape, jnp.float32)
+    lse = jnp.full(q_chunks.shape[:4], MASKED_SCORE, jnp.float32)
+    out, lse, _, _ = lax.fori_loop(0, context, step, (out, lse, k, v))
+    return _unchunked(out), _unchunked(lse)
+
+
+def _ring_primal(q, k, v, allowed, nkv, softcap, context):
+    return _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)[0]
+
+
+def _ring_fwd(q, k, v, allowed, nkv, softcap, context):
+    out, lse = _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)
+    return out, (q, k, v, allowed, out, lse)
+
+
+def _ring_bwd(nkv, softcap, context, residuals, d_out):
+    """The flash-attention backward per block and query chunk against the final output and lse; each
+    key / value block travels the ring once more with its gradient accumulating beside it, and is home
+    after `context` steps."""
+    q, k, v, allowed, out, lse = residuals
+    size = _chunk_rows(q.shape[1])
+    chunks = tuple(_chunked(x, size) for x in (q, out, lse, d_out.astype(jnp.float32)))
+
+    def step(i, carry):
+        d_q, k_blk, v_blk, d_k_blk, d_v_blk = carry
+        masks = _chunked(_block_mask(allowed, i, context), size)
+
+        def one(kv_grads: tuple[Array, Array], chunk: tuple[Array, ...]) -> tuple[tuple[Array, Array], Array]:
+            part, out_c, lse_c, d_out_c, mask = chunk
+
+            def computed():
+                return _chunk_grads(part, k_blk, v_blk, mask, _group_queries(out_c, nkv), _grouped_lse(lse_c, nkv),
+                                    d_out_c, nkv, softcap)
+
+            def skipped():
+                return tuple(jnp.zeros(x.shape, jnp.float32) for x in (part, k_blk, v_blk))
+
+            dq, dk, dv = lax.cond(jnp.any(mask), computed, skipped)
+            return (kv_grads[0] + dk, kv_grads[1] + dv), dq
+
+        (d_k_blk, d_v_blk), d_q_chunks = lax.scan(one, (d_k_blk, d_v_blk), (*chunks, masks))
+        k_blk, v_blk, d_k_blk, d_v_blk = (lax.ppermute(x, CONTEXT_AXIS, _ring_perm(context))
+                                          for x in (k_blk, v_blk, d_k_blk, d_v_blk))
+        return d_q + _unchunked(d_q_chunks), k_blk, v_blk, d_k_blk, d_v_blk
+
+    init = (jnp.zeros(q.shape, jnp.float32), k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    d_q, _, _, d_k, d_v = lax.fori_loop(0, context, step, init)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+
+
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(4, 5, 6))
+_ring.defvjp(_ring_fwd, _ring_bwd)
