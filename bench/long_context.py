@@ -4,6 +4,7 @@ ring attention vs all-to-all over heads (Ulysses) vs gathered keys / values.
     python bench/long_context.py [--lengths 4096,8192,16384,32768] [--contexts 1,4,8] [--reps 2]
                                  [--attention ring,all_to_all,gather]
     python bench/long_context.py --model qwen2-0.5b --lengths 4096 --contexts 1   # on a GPU
+    python bench/long_context.py --contexts 1 --blockwise-from 1000000   # context 1 without blockwise
 
 One row of T tokens (a T/2-token response) through the training forward and backward: the value and
 gradient of the response's summed log-probs (trainer/forward.py `response_log_probs`, the actor
@@ -12,7 +13,9 @@ context): tokens/s (best of --reps after a compile) and the compiled program's p
 (`memory_analysis`). On this CPU host the devices are virtual (XLA_FLAGS 8 host devices, set below):
 they share the 2 cores, so tokens/s shows the program's overhead, not a speed-up; the memory column
 is the point. The three ways to attend with split tokens (mesh.context_attention,
-models/context_parallel.py) run on the same row; context 1 has no split, so it runs once.
+models/context_parallel.py) run on the same row; context 1 has no split, so it runs once. Rows of
+--blockwise-from tokens or more attend blockwise (models/blockwise.py; the library's threshold by
+default); a large value gives context 1 the chunked attention, for comparison.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from jaxrl_llm import sharding  # noqa: E402
-from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes  # noqa: E402
+from jaxrl_llm.models import ModelConfig, blockwise, init_params, param_logical_axes  # noqa: E402
 from jaxrl_llm.models.config import CONTEXT_ATTENTION  # noqa: E402
 from jaxrl_llm.trainer.forward import response_log_probs  # noqa: E402
 
@@ -37,6 +40,9 @@ MODELS = {
     # (8 query heads: all-to-all over heads needs them divisible by the context size)
     "small": dict(family="llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=16, vocab_size=2048),
+    # SmolLM2-135M's shape with 4 of its 30 layers
+    "smollm2-4l": dict(family="llama", num_hidden_layers=4, hidden_size=576, intermediate_size=1536,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=2048),
     # Qwen2-0.5B's shape (random weights), for a GPU
     "qwen2-0.5b": dict(family="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
                        num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936),
@@ -76,12 +82,16 @@ def main() -> None:
     parser.add_argument("--contexts", default="1,4,8")
     parser.add_argument("--attention", default=",".join(CONTEXT_ATTENTION),
                         help="the ways to attend with split tokens (mesh.context_attention)")
+    parser.add_argument("--blockwise-from", type=int, default=blockwise.BLOCKWISE_MIN_TOKENS,
+                        help="rows of this many tokens or more attend blockwise (models/blockwise.py)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
+    blockwise.BLOCKWISE_MIN_TOKENS = args.blockwise_from
     lengths = [int(x) for x in args.lengths.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    print(f"model {args.model}, {args.dtype}, devices: {jax.device_count()} {jax.devices()[0].platform}")
+    print(f"model {args.model}, {args.dtype}, devices: {jax.device_count()} {jax.devices()[0].platform}, "
+          f"blockwise from {args.blockwise_from} tokens")
     kinds = args.attention.split(",")
     print(f"{'tokens/row':>10} {'context':>8} {'attention':>10} {'tokens/s':>10} {'temps MiB/device':>17} "
           f"{'vs first':>9}")

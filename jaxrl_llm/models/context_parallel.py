@@ -11,9 +11,9 @@ when the traced program's mesh has context > 1. Three ways to attend, `ModelConf
   summed. Per device: one block, one chunk's scores [chunk, T / context], the mask rows [T / context, T].
 - `all_to_all` (DeepSpeed Ulysses, veRL's `ulysses_sequence_parallel_size`): an all-to-all trades the
   token split for a head split, each device attends the whole row for num_heads / context heads
-  (causal query chunks, models/attention.py), and a second all-to-all trades it back. Needs the
-  query heads divisible by the context size; key / value heads that are not are repeated first.
-  Per device: the whole mask [T, T] and the causal chunks' scores for its heads.
+  (causal, as the unsplit pass: blockwise for long rows), and a second all-to-all trades it back.
+  Needs the query heads divisible by the context size; key / value heads that are not are repeated
+  first. Per device: the whole mask [T, T] and its heads' scores.
 - `gather`: every device gathers the row's keys / values and scores its query rows against all of
   them ([T / context, T] scores at once).
 
@@ -32,9 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.models.attention import _chunk_grads, _forward, _group_queries, _ungroup, attend, chunk_bounds
+from jaxrl_llm.models import blockwise
+from jaxrl_llm.models.attention import attend
+from jaxrl_llm.models.blockwise import blockwise_grads, blockwise_update, chunk_rows, chunked, empty_results, unchunked
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
-from jaxrl_llm.models.numerics import MASKED_SCORE
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
 
 Array = jax.Array
@@ -85,9 +86,9 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
             k, v = (lax.all_gather(x, CONTEXT_AXIS, axis=2, tiled=True) for x in (k, v))
             return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap).reshape(q.shape)
 
-    # ring: its skipped blocks' constants are not typed as varying over the axes; its backward is its own
+    # the blockwise loops' (models/blockwise.py) constant carries are not typed as varying over the axes
     run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split), out_specs=split,
-                        check_vma=kind != "ring")
+                        check_vma=kind == "gather")
     return run(q, k, v, allowed)
 
 
@@ -103,7 +104,11 @@ def _all_to_all(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap:
     q_heads = lax.all_to_all(q, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)  # [B, T, heads / c, D]
     k, v = (lax.all_to_all(x, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True) for x in (k, v))
     whole_mask = lax.all_gather(allowed, CONTEXT_AXIS, axis=1, tiled=True)  # [B, T, T]
-    out = attend(q_heads, k, v, whole_mask, nkv // context, causal=True, softcap=softcap).reshape(q_heads.shape)
+    t = q_heads.shape[1]
+    if t >= blockwise.BLOCKWISE_MIN_TOKENS and blockwise.chunk_rows(t) < t:  # as the unsplit pass (decoder.py)
+        out = blockwise.causal_blockwise_attend(q_heads, k, v, whole_mask, nkv // context, softcap)
+    else:
+        out = attend(q_heads, k, v, whole_mask, nkv // context, causal=True, softcap=softcap).reshape(q_heads.shape)
     return lax.all_to_all(out, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
@@ -122,121 +127,53 @@ def _block_mask(allowed: Array, step: Array, context: int) -> Array:
     return lax.dynamic_slice_in_dim(allowed, source * t, t, axis=2)
 
 
-def _token_major_lse(lse: Array) -> Array:
-    """[B, kv, g, t] -> [B, t, heads]: the log-sum-exps in the queries' own layout."""
-    b, nkv, g, t = lse.shape
-    return lse.transpose(0, 3, 1, 2).reshape(b, t, nkv * g)
-
-
-def _grouped_lse(lse: Array, nkv: int) -> Array:
-    """[B, t, heads] -> [B, kv, g, t] (`_forward`'s layout)."""
-    b, t, nh = lse.shape
-    return lse.reshape(b, t, nkv, nh // nkv).transpose(0, 2, 3, 1)
-
-
-def _chunk_rows(t: int) -> int:
-    """Query rows per chunk of a device's t rows: the causal chunks' size (models/attention.py
-    `chunk_bounds`) where it divides t, else t (one chunk)."""
-    size = chunk_bounds(t)[0][1]
-    return size if t % size == 0 else t
-
-
-def _chunked(x: Array, size: int) -> Array:
-    """[B, t, ...] -> [t / size, B, size, ...]: the chunks a `lax.map` / `lax.scan` runs one at a time (a
-    Python loop over chunks lets XLA keep every chunk's scores alive at once)."""
-    b, t = x.shape[:2]
-    return jnp.moveaxis(x.reshape(b, t // size, size, *x.shape[2:]), 1, 0)
-
-
-def _unchunked(x: Array) -> Array:
-    """[n, B, size, ...] -> [B, n * size, ...]."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])
-
-
-def _seen_chunks(masks: Array) -> tuple[Array, Array]:
-    """[first, end) of the query chunks (masks [n, B, size, t]) that see any key of the block; (0, 0) if
-    none does. Chunks between two that see it run too (their masked scores weigh nothing in the merge)."""
-    seen = jnp.any(masks, axis=(1, 2, 3))
-    n = seen.shape[0]
-    first = jnp.argmax(seen)
-    end = jnp.where(jnp.any(seen), n - jnp.argmax(seen[::-1]), 0)
-    return first, end
-
-
 def _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context):
-    """fp32 output [B, t, heads, D] and lse [B, t, heads] of the local queries over every block: at each
-    step the query chunks that see the block's keys attend to it one at a time, each merging into its
-    running result by log-sum-exp. The chunks run in a loop of dynamic length (a while loop), not
-    under `lax.cond`: inside the decoder's layer scan, a cond here made reverse-mode keep every chunk's
-    scores of every step (8x the per-device temporaries at 16k tokens)."""
-    size = _chunk_rows(q.shape[1])
-    q_chunks = _chunked(q, size)
+    """fp32 output and lse of the local queries (chunked: models/blockwise.py) over every device's block:
+    at each step the (query chunk, key sub-block) pairs that see anything of the held block attend to
+    it (blockwise), merging into the running results by log-sum-exp."""
+    size = chunk_rows(q.shape[1])
+    q_chunks = chunked(q, size)
 
     def step(i, carry):
         out, lse, k, v = carry
-        masks = _chunked(_block_mask(allowed, i, context), size)
-
-        def one(c, acc):
-            out, lse = acc
-            block_out, block_lse = _forward(q_chunks[c], k, v, masks[c], nkv, softcap)
-            block_out, block_lse = _ungroup(block_out, size), _token_major_lse(block_lse)
-            merged = jnp.logaddexp(lse[c], block_lse)
-            new = out[c] * jnp.exp(lse[c] - merged)[..., None] + block_out * jnp.exp(block_lse - merged)[..., None]
-            return out.at[c].set(new), lse.at[c].set(merged)
-
-        out, lse = lax.fori_loop(*_seen_chunks(masks), one, (out, lse))
+        masks = chunked(_block_mask(allowed, i, context), size)
+        out, lse = blockwise_update(q_chunks, k, v, masks, out, lse, nkv, softcap, size)
         k, v = (lax.ppermute(x, CONTEXT_AXIS, _ring_perm(context)) for x in (k, v))
         return out, lse, k, v
 
-    out = jnp.zeros(q_chunks.shape, jnp.float32)
-    lse = jnp.full(q_chunks.shape[:4], MASKED_SCORE, jnp.float32)
-    out, lse, _, _ = lax.fori_loop(0, context, step, (out, lse, k, v))
-    return _unchunked(out), _unchunked(lse)
+    out, lse, _, _ = lax.fori_loop(0, context, step, (*empty_results(q_chunks), k, v))
+    return out, lse
 
 
 def _ring_primal(q, k, v, allowed, nkv, softcap, context):
-    return _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)[0]
+    return unchunked(_ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)[0])
 
 
 def _ring_fwd(q, k, v, allowed, nkv, softcap, context):
     out, lse = _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)
-    return out, (q, k, v, allowed, out, lse)
+    return unchunked(out), (q, k, v, allowed, out, lse)
 
 
 def _ring_bwd(nkv, softcap, context, residuals, d_out):
-    """The flash-attention backward per block and query chunk against the final output and lse; each
-    key / value block travels the ring once more with its gradient accumulating beside it, and is home
-    after `context` steps."""
+    """The flash-attention backward per held block (blockwise) against the final output and lse; each key /
+    value block travels the ring once more with its gradient accumulating beside it, and is home after
+    `context` steps."""
     q, k, v, allowed, out, lse = residuals
-    size = _chunk_rows(q.shape[1])
-    chunks = tuple(_chunked(x, size) for x in (q, out, lse, d_out.astype(jnp.float32)))
+    size = chunk_rows(q.shape[1])
+    q_chunks, d_out = chunked(q, size), chunked(d_out.astype(jnp.float32), size)
 
     def step(i, carry):
         d_q, k_blk, v_blk, d_k_blk, d_v_blk = carry
-        masks = _chunked(_block_mask(allowed, i, context), size)
-
-        def one(kv_grads: tuple[Array, Array], chunk: tuple[Array, ...]) -> tuple[tuple[Array, Array], Array]:
-            part, out_c, lse_c, d_out_c, mask = chunk
-
-            def computed():
-                return _chunk_grads(part, k_blk, v_blk, mask, _group_queries(out_c, nkv), _grouped_lse(lse_c, nkv),
-                                    d_out_c, nkv, softcap)
-
-            def skipped():
-                return tuple(jnp.zeros(x.shape, jnp.float32) for x in (part, k_blk, v_blk))
-
-            dq, dk, dv = lax.cond(jnp.any(mask), computed, skipped)
-            return (kv_grads[0] + dk, kv_grads[1] + dv), dq
-
-        (d_k_blk, d_v_blk), d_q_chunks = lax.scan(one, (d_k_blk, d_v_blk), (*chunks, masks))
+        masks = chunked(_block_mask(allowed, i, context), size)
+        dq, dk, dv = blockwise_grads(q_chunks, k_blk, v_blk, masks, out, lse, d_out, nkv, softcap, size)
         k_blk, v_blk, d_k_blk, d_v_blk = (lax.ppermute(x, CONTEXT_AXIS, _ring_perm(context))
-                                          for x in (k_blk, v_blk, d_k_blk, d_v_blk))
-        return d_q + _unchunked(d_q_chunks), k_blk, v_blk, d_k_blk, d_v_blk
+                                          for x in (k_blk, v_blk, d_k_blk + dk, d_v_blk + dv))
+        return d_q + dq, k_blk, v_blk, d_k_blk, d_v_blk
 
-    init = (jnp.zeros(q.shape, jnp.float32), k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    init = (jnp.zeros(q_chunks.shape, jnp.float32), k, v, jnp.zeros(k.shape, jnp.float32),
+            jnp.zeros(v.shape, jnp.float32))
     d_q, _, _, d_k, d_v = lax.fori_loop(0, context, step, init)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    return unchunked(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
 
 
 _ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(4, 5, 6))

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrl_llm.models import blockwise
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxrl_llm.models.context_parallel import context_parallel_attend, context_parallel_size
@@ -362,6 +363,9 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             mask = jnp.where(jnp.asarray(cfg.local_layer_flags)[layer], local_allowed, allowed)
         else:
             mask = allowed
+        if cache is None and context_parallel_size() == 1 and q.shape[1] >= blockwise.BLOCKWISE_MIN_TOKENS \
+                and blockwise.chunk_rows(q.shape[1]) < q.shape[1]:  # long rows: one chunk's scores at a time
+            return blockwise.causal_blockwise_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
             return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention),
                     cache)

@@ -101,11 +101,16 @@ ATTENTION_MESHES = {"context4_data2": MESHES["context4_data2"], "context8": MESH
 @pytest.mark.parametrize("attention", ["ring", "all_to_all", "gather"])
 @pytest.mark.parametrize("name", sorted(ATTENTION_MESHES))
 @pytest.mark.parametrize("tokens,window,softcap", [(64, None, None), (1024, 300, 20.0)])
-def test_split_attention_equals_the_unsplit_one(name, attention, tokens, window, softcap):
+def test_split_attention_equals_the_unsplit_one(name, attention, tokens, window, softcap, monkeypatch):
     """Values and q / k / v gradients (1e-5) of a weighted sum of the attention output, 8 heads over 2 key /
     value heads (all-to-all repeats the key / value heads where they do not divide); 1024 tokens run several
-    causal query chunks per ring block, and a sliding window skips whole blocks."""
+    query chunks and key blocks per ring block (and all-to-all's whole rows blockwise, as long rows do), and
+    a sliding window skips whole blocks."""
     import jax.numpy as jnp
+
+    from jaxrl_llm.models import blockwise
+
+    monkeypatch.setattr(blockwise, "BLOCKWISE_MIN_TOKENS", 1024)
 
     from jaxrl_llm.models.attention import attend
     from jaxrl_llm.models.context_parallel import context_parallel_attend
