@@ -19,7 +19,7 @@ from jaxrl_llm.platform import export_for_cuda, kernel_calls, tpu_target
 from jaxrl_llm.platform.target import CompileTarget, compiling_for
 from jaxrl_llm.platform.tpu import libtpu_installed
 from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
-from jaxrl_llm.sharding import batch_axis_size, make_mesh
+from jaxrl_llm.sharding import batch_axis_size, make_mesh, mesh_context
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason="libtpu not installed (pip install '.[tpu-plan]')")
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
@@ -165,3 +165,35 @@ def test_plan_cli_compiles_for_a_named_slice(tmp_path):
     bad = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={root / 'configs' / 'tiny.py'}",
                           "--plan", "--topology=v5e-3"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "config error: " in bad.stderr and "v5e-3" in bad.stderr
+
+
+@needs_libtpu
+def test_a_context_parallel_step_compiles_for_tpu_and_lowers_for_cuda(tmp_path):
+    """Every program of a step on (fsdp 2, context 2): ring attention in the training passes, compiled for
+    v5e:2x2 and lowered for CUDA; and a 4096-token row's blockwise attention (value and gradient)
+    compiled for one v5e chip."""
+    from jaxrl_llm.models.blockwise import causal_blockwise_attend
+    from jaxrl_llm.trainer.memory_plan import plan_for_config
+
+    split = {**STEP, "mesh.fsdp": 2, "mesh.context": 2}
+    cfg = validate_config(tiny_config(tmp_path, **split, **{"trainer.plan_topology": "v5e:2x2"}), num_devices=4)
+    plan = plan_for_config(cfg)
+    assert all(0 < p.total_bytes for p in plan.programs) and len(plan.programs) == 5
+    cfg = validate_config(tiny_config(tmp_path, **split), num_devices=4)
+    with compiling_for(CompileTarget("gpu", None)), mesh_context(make_mesh(cfg.mesh, devices=jax.devices()[:4])):
+        spec, programs = _programs(cfg, jax.devices()[:4])
+        for program in programs:  # the ring's ppermute in the training passes (the sampler does not split)
+            text = program.lower(spec.plan, platforms=("cuda",)).as_text()
+            assert ("collective_permute" in text) == (program.name != "sample"), program.name
+
+    device = tpu_target("v5e:2x2").devices[0]
+    shaped = functools.partial(jax.ShapeDtypeStruct, sharding=SingleDeviceSharding(device))
+    tokens, heads, kv_heads, head_dim = 4096, 8, 2, 64
+
+    def loss(q, k, v, allowed):
+        return jnp.sum(causal_blockwise_attend(q, k, v, allowed, kv_heads, None))
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        shaped((1, tokens, heads, head_dim), jnp.bfloat16), shaped((1, kv_heads, tokens, head_dim), jnp.bfloat16),
+        shaped((1, kv_heads, tokens, head_dim), jnp.bfloat16), shaped((1, tokens, tokens), jnp.bool_)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2 ** 20
