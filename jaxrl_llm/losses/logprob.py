@@ -32,9 +32,8 @@ from jaxrl_llm.losses.logprob_xla import (
     xla_backward,
     xla_stats,
 )
-from jaxrl_llm.models.context_parallel import context_parallel_size
 from jaxrl_llm.platform.target import target_platform
-from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.mesh import BATCH_AXES, context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
 Array = jax.Array

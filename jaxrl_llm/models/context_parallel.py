@@ -42,12 +42,6 @@ Array = jax.Array
 TENSOR_AXIS = "tensor"
 
 
-def context_parallel_size() -> int:
-    """The traced program's mesh's 'context' axis size (1 without a mesh in context: mesh_context)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
-
-
 def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
                             kind: str = "ring") -> Array:
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, T, D] where

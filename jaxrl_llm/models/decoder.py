@@ -53,12 +53,13 @@ from jax import lax
 from jaxrl_llm.models import blockwise
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
-from jaxrl_llm.models.context_parallel import context_parallel_attend, context_parallel_size
+from jaxrl_llm.models.context_parallel import context_parallel_attend
 from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.lora import LoraAdapters, lora_delta
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
+from jaxrl_llm.sharding.mesh import context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
 Array = jax.Array

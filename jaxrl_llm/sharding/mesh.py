@@ -122,6 +122,12 @@ def on_own_mesh(method: Callable[..., T]) -> Callable[..., T]:
     return run
 
 
+def context_parallel_size() -> int:
+    """The traced program's mesh's 'context' axis size (1 without a mesh in context: mesh_context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
 def mesh_axis_sizes(mesh: Mesh | Any) -> dict[str, int]:
     """{axis name: size} for a concrete `Mesh` or an `AbstractMesh`."""
     return dict(mesh.shape)
