@@ -183,17 +183,19 @@ def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collect
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{key}.override_config: {err}") from None
     check_context(model_cfg, total, key)
-    check_heads_split(cfg, key, model_cfg.num_attention_heads)
+    check_heads_split(cfg, key, model_cfg.num_attention_heads, model_cfg.num_key_value_heads)
 
 
-def check_heads_split(cfg: ml_collections.ConfigDict, key: str, heads: int) -> None:
-    """mesh.context_attention=all_to_all splits each device's attention heads (num_heads / tensor where that
-    divides) over the context axis: they must divide by mesh.context (an explicit size; -1 is checked when
-    the program is traced)."""
+def check_heads_split(cfg: ml_collections.ConfigDict, key: str, heads: int, kv_heads: int) -> None:
+    """mesh.context_attention=all_to_all splits each device's attention heads (models/context_parallel.py
+    `heads_per_device`) over the context axis: they must divide by mesh.context (an explicit size; -1 is
+    checked when the program is traced)."""
+    from jaxrl_llm.models.context_parallel import heads_per_device
+
     mesh = cfg.mesh
     if mesh.context_attention != "all_to_all" or mesh.context <= 1:
         return
-    per_device = heads // mesh.tensor if mesh.tensor > 1 and heads % mesh.tensor == 0 else heads
+    per_device = heads_per_device(heads, kv_heads, mesh.tensor)[0]
     if per_device % mesh.context:
         raise ConfigError(f"mesh.context_attention=all_to_all: {key} has {heads} attention heads, {per_device} per "
                           f"device, which do not split over mesh.context={mesh.context}; use ring, or a context "
@@ -232,7 +234,8 @@ def check_sources(cfg: ml_collections.ConfigDict) -> None:
     policy = cfg.actor_rollout_ref.model
     _check_context(cfg, f"{ARR}.model", policy, check_model_source(f"{ARR}.model.path", policy.path))
     if policy.path.startswith("tiny:"):
-        check_heads_split(cfg, f"{ARR}.model", int(policy.tiny.num_attention_heads))
+        check_heads_split(cfg, f"{ARR}.model", int(policy.tiny.num_attention_heads),
+                          int(policy.tiny.num_key_value_heads))
     if cfg.critic.enable and cfg.critic.model.path != policy.path:
         _check_context(cfg, "critic.model", cfg.critic.model,
                        check_model_source("critic.model.path", cfg.critic.model.path))

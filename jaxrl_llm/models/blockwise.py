@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_llm.models.attention import _chunk_grads, _forward, _group_queries, _ungroup, chunk_bounds
+from jaxrl_llm.models.attention import _chunk_grads, _forward, _group_queries, _ungroup, attend, chunk_bounds
 from jaxrl_llm.models.numerics import MASKED_SCORE
 
 Array = jax.Array
@@ -138,6 +138,15 @@ def empty_results(q_chunks: Array) -> tuple[Array, Array]:
 
 
 # ---- the unsplit causal pass ----
+
+def causal_attention(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None) -> Array:
+    """fp32 [B, T, heads, D] causal attention of a whole row (no cache, no split): blockwise from
+    BLOCKWISE_MIN_TOKENS tokens (where the chunks split the row), else the chunked attention."""
+    t = q.shape[1]
+    if t >= BLOCKWISE_MIN_TOKENS and chunk_rows(t) < t:
+        return causal_blockwise_attend(q, k, v, allowed, nkv, softcap)
+    return attend(q, k, v, allowed, nkv, causal=True, softcap=softcap).reshape(q.shape)
+
 
 def _causal_primal(q, k, v, allowed, nkv, softcap):
     return _causal_fwd(q, k, v, allowed, nkv, softcap)[0]

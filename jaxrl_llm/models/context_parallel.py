@@ -32,14 +32,28 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.models import blockwise
 from jaxrl_llm.models.attention import attend
-from jaxrl_llm.models.blockwise import blockwise_grads, blockwise_update, chunk_rows, chunked, empty_results, unchunked
+from jaxrl_llm.models.blockwise import (
+    blockwise_grads,
+    blockwise_update,
+    causal_attention,
+    chunk_rows,
+    chunked,
+    empty_results,
+    unchunked,
+)
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
 
 Array = jax.Array
 TENSOR_AXIS = "tensor"
+
+
+def heads_per_device(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:
+    """(query heads, key / value heads) on each device: split over 'tensor' where both divide by it."""
+    if tensor > 1 and heads % tensor == 0 and kv_heads % tensor == 0:
+        return heads // tensor, kv_heads // tensor
+    return heads, kv_heads
 
 
 def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
@@ -56,10 +70,8 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
     if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
         rows = ()
     row_spec = rows or None
-    tensor = sizes.get(TENSOR_AXIS, 1)
-    heads = TENSOR_AXIS if tensor > 1 and nh % tensor == 0 and nkv % tensor == 0 else None
-    local_kv = nkv // tensor if heads else nkv
-    local_heads = nh // tensor if heads else nh
+    local_heads, local_kv = heads_per_device(nh, nkv, sizes.get(TENSOR_AXIS, 1))
+    heads = TENSOR_AXIS if local_heads < nh else None
     if kind == "all_to_all" and local_heads % context:
         raise ValueError(f"mesh.context_attention=all_to_all splits the attention heads over the context axis: "
                          f"{local_heads} heads per device do not divide by mesh.context={context}; use ring")
@@ -98,11 +110,7 @@ def _all_to_all(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap:
     q_heads = lax.all_to_all(q, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)  # [B, T, heads / c, D]
     k, v = (lax.all_to_all(x, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True) for x in (k, v))
     whole_mask = lax.all_gather(allowed, CONTEXT_AXIS, axis=1, tiled=True)  # [B, T, T]
-    t = q_heads.shape[1]
-    if t >= blockwise.BLOCKWISE_MIN_TOKENS and blockwise.chunk_rows(t) < t:  # as the unsplit pass (decoder.py)
-        out = blockwise.causal_blockwise_attend(q_heads, k, v, whole_mask, nkv // context, softcap)
-    else:
-        out = attend(q_heads, k, v, whole_mask, nkv // context, causal=True, softcap=softcap).reshape(q_heads.shape)
+    out = causal_attention(q_heads, k, v, whole_mask, nkv // context, softcap)  # as the unsplit pass
     return lax.all_to_all(out, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 

@@ -364,14 +364,12 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             mask = jnp.where(jnp.asarray(cfg.local_layer_flags)[layer], local_allowed, allowed)
         else:
             mask = allowed
-        if cache is None and context_parallel_size() == 1 and q.shape[1] >= blockwise.BLOCKWISE_MIN_TOKENS \
-                and blockwise.chunk_rows(q.shape[1]) < q.shape[1]:  # long rows: one chunk's scores at a time
-            return blockwise.causal_blockwise_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
             return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention),
                     cache)
-        out = attend(q, k, v, mask, nkv, causal=cache is None,
-                     softcap=cfg.attn_logit_softcapping)  # fp32 [B * T, heads, D]
+        if cache is None:  # long rows blockwise (one chunk x block of scores at a time)
+            return blockwise.causal_attention(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
+        out = attend(q, k, v, mask, nkv, causal=False, softcap=cfg.attn_logit_softcapping)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache
 
     return attention
