@@ -8,6 +8,7 @@
 from jaxrl_llm.batching.layout import PackedLayout, StepRows, UpdateLayout, sequence_spans
 from jaxrl_llm.batching.ops import (
     filled_slots,
+    pack_response,
     packed_response_hidden,
     response_coverage,
     unless_empty,
@@ -32,6 +33,6 @@ from jaxrl_llm.batching.step import NO_PADS, PassLayout, StepBatching, UpdateSpl
 
 __all__ = ["NO_PADS", "PackedLayout", "PassLayout", "StepBatching", "StepRows", "UpdateLayout", "UpdateSplit",
            "balanced_orders", "bucket", "build_capacity_layout", "build_layout", "capacity_shape", "epoch_orders",
-           "filled_slots", "packed_response_hidden", "packing_stats", "plan_capacity_chunks",
+           "filled_slots", "pack_response", "packed_response_hidden", "packing_stats", "plan_capacity_chunks",
            "plan_chunks", "plan_update", "prompt_groups", "response_coverage", "row_width", "sequence_spans",
            "unless_empty", "unpack_response", "update_metrics"]

@@ -48,11 +48,20 @@ def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, lay
 
 
 def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:
-    """Per-token values [shards, M] back to the padded response layout [n, R] (0 where no token)."""
-    shards = x.shape[0]
-    out = jnp.zeros((shards, num_rows // shards * response_len), x.dtype)
+    """Per-token values [shards, M, ...] back to the padded response layout [n, R, ...] (0 where no token)."""
+    shards, rest = x.shape[0], x.shape[2:]
+    out = jnp.zeros((shards, num_rows // shards * response_len, *rest), x.dtype)
     out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, layout.response_dst, x)
-    return out.reshape(num_rows, response_len)
+    return out.reshape(num_rows, response_len, *rest)
+
+
+def pack_response(x: Array, layout: PackedLayout) -> Array:
+    """Per-response-token values [n, R, ...] in the packed slots' order [shards, M, ...], as the
+    packed targets are taken (`packed_response_hidden`; padding slots read the last token)."""
+    shards = layout.response_dst.shape[-2]
+    flat = x.reshape(shards, -1, *x.shape[2:])
+    index = jnp.minimum(layout.response_dst, flat.shape[1] - 1)
+    return jnp.take_along_axis(flat, index.reshape(*index.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
 def unless_empty(layout: PackedLayout, fn: Callable[..., Any], *operands: Any) -> Any:
@@ -100,7 +109,7 @@ def run_no_grad_pass(fn: Callable[..., Array], params: Any, input_ids: Array, at
         settings["routing"] = pad_routing(routing, *how.pads)
     out = fn(params, sequences["ids"], sequences["attn"], responses["resp"], how.layout, micro_rows=how.micro_rows,
              **settings)
-    return out[:, :response_len]
+    return jax.tree.map(lambda x: x[:, :response_len], out)
 
 
 def pad_routing(routing: Array, before: int, after: int) -> Array:

@@ -69,6 +69,8 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
         _fill(section, "log_prob_max_token_len_per_device", actor.ppo_max_token_len_per_device)
 
     _fill(ref, "param_dtype", arr.model.dtype)
+    teacher = alg.distillation.teacher
+    _fill(teacher, "dtype", arr.model.dtype)
     _fill(actor, "remat_policy", "full" if arr.model.enable_gradient_checkpointing else "none")
     _fill(critic, "remat_policy", "full" if critic.model.enable_gradient_checkpointing else "none")
 

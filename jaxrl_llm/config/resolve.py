@@ -20,6 +20,7 @@ from jaxrl_llm.config.spec import (
     ActorSpec,
     AdvantageSpec,
     CriticSpec,
+    DistillSpec,
     FilterGroupsSpec,
     KLControlSpec,
     ModelSpec,
@@ -38,7 +39,7 @@ from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
 from jaxrl_llm.rewards.custom import ScorerSpec
-from jaxrl_llm.rewards.spec import OverlongSpec, RewardModelSpec, RewardSpec
+from jaxrl_llm.rewards.spec import JudgeSpec, OverlongSpec, RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
 from jaxrl_llm.sharding.mesh import MESH_AXES
@@ -69,13 +70,17 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
     whole = "data" in cfg and isinstance(cfg.data, ConfigDict)
     d = cfg.data if whole else cfg
     builtin = whole and cfg.custom_reward_function.path is None and not cfg.reward_model.enable
+    # a judge's template and a teacher's own prompt are rendered from the row's chat messages
+    needs_chat = whole and ((cfg.reward_model.enable and cfg.reward_model.style == "generative")
+                            or cfg.algorithm.distillation.enable)
     return DataSpec(
         train_files=_files(d.train_files), val_files=_files(d.val_files), tokenizer=d.tokenizer,
         prompt_key=d.prompt_key, messages_key=d.messages_key, apply_chat_template=bool(d.apply_chat_template),
         max_prompt_length=int(d.max_prompt_length), train_batch_size=int(d.train_batch_size),
         val_batch_size=d.val_batch_size, truncation=d.truncation,
         # multi-turn rollouts render later turns from the row's chat messages, not only its ids
-        return_raw_chat=bool(d.return_raw_chat) or bool(whole and cfg.actor_rollout_ref.rollout.multi_turn.enable),
+        return_raw_chat=(bool(d.return_raw_chat) or bool(needs_chat)
+                         or bool(whole and cfg.actor_rollout_ref.rollout.multi_turn.enable)),
         filter_overlong_prompts=bool(d.filter_overlong_prompts),
         filter_overlong_prompts_workers=int(d.filter_overlong_prompts_workers), shuffle=bool(d.shuffle),
         seed=d.seed, train_max_samples=int(d.train_max_samples), val_max_samples=int(d.val_max_samples),
@@ -129,7 +134,8 @@ def resolve_reward(cfg: ConfigDict) -> RewardSpec:
         reward_manager=rm.reward_manager, scorer=scorer, timeout_s=float(kwargs.timeout_s),
         num_workers=int(kwargs.num_workers), max_resp_len=kwargs.max_resp_len,
         overlong=OverlongSpec(bool(ob.enable), int(ob.len), float(ob.penalty_factor), bool(ob.log)),
-        missing_eos_penalty=rm.missing_eos_penalty)
+        missing_eos_penalty=rm.missing_eos_penalty,
+        no_verdict_ok=bool(rm.enable and rm.style == "generative"))
 
 
 def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
@@ -171,7 +177,46 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         loss_kwargs=tuple((k, float(a[k])) for k in POLICY_LOSSES.capability(mode, "extra_params")),
         ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
         router_aux_loss_coef=None if a.router_aux_loss_coef is None else float(a.router_aux_loss_coef),
-        router_z_loss_coef=float(a.router_z_loss_coef), router_replay=a.router_replay)
+        router_z_loss_coef=float(a.router_z_loss_coef), router_replay=a.router_replay,
+        distill_topk_coef=_distill_topk_coef(cfg.algorithm.distillation))
+
+
+def _distill_topk_coef(distill: ConfigDict) -> float:
+    return float(distill.coef) if distill.enable and distill.signal == "topk_forward_kl" else 0.0
+
+
+def resolve_distillation(cfg: ConfigDict) -> DistillSpec | None:
+    """`algorithm.distillation` when enabled: the teacher is loaded as the policy would be (packing,
+    context attention, a tiny model's dims), in its own dtype."""
+    distill, arr = cfg.algorithm.distillation, cfg.actor_rollout_ref
+    if not distill.enable:
+        return None
+    teacher = distill.teacher
+    policy = _model(arr.model, arr.model.tiny, cfg.mesh)
+    model = dataclasses.replace(policy, path=teacher.path, param_dtype=teacher.dtype, override_config=(), lora=None)
+    return DistillSpec(
+        signal=distill.signal, coef=float(distill.coef), reward_coef=float(distill.reward_coef),
+        discount=float(distill.discount), topk=int(distill.topk), teacher=model,
+        param_offload=bool(teacher.param_offload), system_prompt=teacher.system_prompt,
+        prompt_template=teacher.prompt_template,
+        fewshot=tuple((str(m["role"]), str(m["content"])) for m in teacher.fewshot))
+
+
+def resolve_reward_model(cfg: ConfigDict) -> RewardModelSpec | None:
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    judge = None
+    if rm.style == "generative":
+        j = rm.judge
+        judge = JudgeSpec(
+            template=j.template, system_prompt=j.system_prompt, parser=j.parser, min_score=float(j.min_score),
+            max_score=float(j.max_score), default_score=float(j.default_score), max_new_tokens=int(j.max_new_tokens),
+            temperature=float(j.temperature), max_prompt_length=int(j.max_prompt_length), combine=j.combine,
+            rule_weight=float(j.rule_weight), judge_weight=float(j.judge_weight),
+            on_rollout_devices=bool(j.on_rollout_devices))
+    return RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length, rm.micro_batch_size_per_device,
+                           style=rm.style, judge=judge, dtype=cfg.actor_rollout_ref.model.dtype)
 
 
 def resolve_critic(cfg: ConfigDict) -> CriticSpec:
@@ -272,7 +317,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
     if num_train_samples is not None and unresolved:
         cfg = copy.deepcopy(cfg)  # the caller's tree is not changed
         resolve_total_steps(cfg, num_train_samples)
-    arr, alg, rm = cfg.actor_rollout_ref, cfg.algorithm, cfg.reward_model
+    arr, alg = cfg.actor_rollout_ref, cfg.algorithm
     critic_on = bool(cfg.critic.enable)
     kl, rc, fg = alg.kl_ctrl, alg.rollout_correction, alg.filter_groups
     threshold = rc.rollout_rs_threshold
@@ -297,11 +342,10 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
             tuple(threshold) if isinstance(threshold, (list, tuple)) else threshold, bool(rc.bypass_mode)),
         filter_groups=FilterGroupsSpec(bool(fg.enable), fg.metric, int(fg.max_num_gen_batches)),
         reward=resolve_reward(cfg),
-        reward_model=(RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length,
-                                      rm.micro_batch_size_per_device) if rm.enable else None),
+        reward_model=resolve_reward_model(cfg),
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in MESH_AXES),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
-        multi_turn=resolve_multi_turn(arr.rollout))
+        multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg))
     return dataclasses.replace(spec, actor=dataclasses.replace(
         spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update))
 

@@ -85,6 +85,7 @@ class ActorSpec:
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     router_replay: str = "none"  # none | rollout: the update replays the sampler's recorded routing
+    distill_topk_coef: float = 0.0  # algorithm.distillation with signal topk_forward_kl: its loss weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,27 @@ class RefSpec:
 
     param_dtype: str  # storage dtype of the copy (default: the compute dtype)
     param_offload: bool  # kept in pinned host memory between reference passes
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSpec:
+    """`algorithm.distillation.*` when enabled: the teacher and its signal (trainer/teacher.py)."""
+
+    signal: str  # reverse_kl | topk_forward_kl (losses/distill.py)
+    coef: float
+    reward_coef: float  # weight of the task reward's advantage
+    discount: float  # reverse_kl: discount over later tokens
+    topk: int  # topk_forward_kl: teacher tokens per position
+    teacher: ModelSpec  # its path, storage dtype (param_dtype) and packing (the policy's)
+    param_offload: bool
+    system_prompt: str | None = None  # context distillation: the teacher's own prompt
+    prompt_template: str | None = None
+    fewshot: tuple[tuple[str, str], ...] = ()  # (role, content) messages before the row's chat
+
+    @property
+    def own_prompt(self) -> bool:
+        """Whether the teacher sees another prompt than the student (context distillation)."""
+        return self.system_prompt is not None or self.prompt_template is not None or bool(self.fewshot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +287,7 @@ class RunSpec:
     config_json: str  # the resolved config tree, for checkpoint metadata and loggers
     sync: SyncSpec = SyncSpec()  # off-policy pipelining (`synchronizer`, mesh.rollout_devices)
     multi_turn: MultiTurnSpec | None = None  # None: single-turn rollouts
+    distillation: DistillSpec | None = None  # algorithm.distillation.enable
 
     @property
     def need_ref(self) -> bool:

@@ -399,9 +399,41 @@ REWARD_MODEL = {
     "missing_eos_penalty": field(None, "Subtracted from the score of responses that end without EOS; "
                                        "None = off. TRL.", types=float),
     "model": {
-        "path": field(None, "Reward model (HF folder with a sequence-classification head). veRL.", types=str),
+        "path": field(None, "Reward model: an HF folder with a sequence-classification head (style "
+                            "discriminative), or the judge's weights (style generative: HF folder, .gguf or our "
+                            "checkpoint). veRL.", types=str),
         "input_tokenizer": field(None, "Tokenizer of the policy whose text is re-tokenized for the reward "
                                        "model; derived: actor_rollout_ref.model.path. veRL.", types=str),
+    },
+    "style": field("discriminative", "discriminative: a sequence-classification head scores each response; "
+                                     "generative: a judge model reads prompt and response, writes a verdict "
+                                     "(reward_model.judge), and a parser turns it into the score.",
+                   choices=("discriminative", "generative")),
+    "judge": {  # reward_model.style=generative (rewards/judge.py)
+        "template": field("Question:\n{prompt}\n\nAnswer:\n{response}\n\nIs the answer correct? Reply yes or no.",
+                          "The judge's user message: {prompt} (the row's last user message), {response} and "
+                          "{ground_truth} are filled in; rendered with the judge's chat template."),
+        "system_prompt": field(None, "System message of the judge's chat.", types=str),
+        "parser": field("yes_no", "Verdict -> score: number (the last number, clipped to [min_score, "
+                                  "max_score] and scaled to [0, 1]), boxed (\\boxed{x}, as number), yes_no "
+                                  "(1 / 0 by the first yes or no), score_tag ('Score: 7/10' -> 0.7), or "
+                                  "'file.py:fn' (fn(verdict, **row) -> float or None)."),
+        "min_score": field(0.0, "number / boxed: the lowest score the template asks for."),
+        "max_score": field(10.0, "number / boxed: the highest score the template asks for."),
+        "default_score": field(0.0, "Score of a verdict the parser cannot read (counted in "
+                                    "reward/judge_parse_failures)."),
+        "max_new_tokens": field(16, "Longest verdict.", gt=0),
+        "temperature": field(0.0, "Judge sampling temperature; 0 = greedy.", ge=0),
+        "max_prompt_length": field(512, "Longest rendered judge prompt, in tokens (longer ones are cut on the "
+                                        "left of the response's question).", gt=0),
+        "combine": field("judge", "With the rule scorer: judge (the judge's score alone), sum (rule_weight * "
+                                  "rule + judge_weight * judge), or fallback (the judge only where the rule "
+                                  "scorer has no verdict: it returned None, or the data source has none).",
+                         choices=("judge", "sum", "fallback")),
+        "rule_weight": field(1.0, "combine=sum: weight of the rule score."),
+        "judge_weight": field(1.0, "combine=sum: weight of the judge score."),
+        "on_rollout_devices": field(True, "With a split mesh (mesh.rollout_devices), the judge generates on "
+                                          "the rollout devices; else on the training mesh."),
     },
     "max_length": field(None, "Reward-model input token limit; derived: prompt + response lengths. veRL.",
                         types=int),
@@ -460,6 +492,36 @@ ALGORITHM = {
                                        "sampler's logprobs as the old ones). veRL's 'reinforce' (an IS-weighted "
                                        "policy gradient) is not available and refused. veRL.",
                            choices=("ppo_clip",)),
+    },
+    "distillation": {  # a teacher model's signal on the student's own samples (trainer/teacher.py)
+        "enable": field(False, "On-policy distillation from algorithm.distillation.teacher: the teacher scores "
+                               "the student's sampled tokens (docs/algorithms.md, distillation)."),
+        "signal": field("reverse_kl", "reverse_kl: per-token advantage -(log pi - log teacher) on the sampled "
+                                      "tokens (discounted by `discount`), added to the task advantage; "
+                                      "topk_forward_kl: a loss term, the forward KL over the teacher's top-k "
+                                      "tokens (plus one rest-of-vocabulary bucket) at each response position.",
+                        choices=("reverse_kl", "topk_forward_kl")),
+        "coef": field(1.0, "Weight of the distillation signal (the reverse-KL advantage, or the top-k KL loss).",
+                      ge=0),
+        "reward_coef": field(1.0, "Weight of the task reward's advantage beside it; 0 = pure distillation (the "
+                                  "task scores are still computed and logged).", ge=0),
+        "discount": field(0.0, "reverse_kl: discount of later tokens' signal in a token's advantage (0 = each "
+                               "token's own, as on-policy distillation).", ge=0, le=1),
+        "topk": field(20, "topk_forward_kl: teacher tokens per position.", gt=0),
+        "teacher": {
+            "path": field(None, "Teacher weights: HF folder, .gguf file or our checkpoint; its vocabulary must be "
+                                "the student's (checked at start).", types=str),
+            "dtype": field(None, "Storage and compute dtype of the teacher ('float32' or 'bfloat16'); derived: "
+                                 "actor_rollout_ref.model.dtype.", types=str, choices=names.DTYPES),
+            "param_offload": field(False, "Keep the teacher's params in pinned host memory between teacher "
+                                          "passes (as ref.param_offload)."),
+            "system_prompt": field(None, "Context distillation: the teacher's prompt has this system message "
+                                         "(replacing the row's own), the student's does not.", types=str),
+            "prompt_template": field(None, "Context distillation: the teacher sees the row's last user message "
+                                           "rendered through this text ('{prompt}' is the message).", types=str),
+            "fewshot": field([], "Context distillation: chat messages ({role, content}) the teacher sees before "
+                                 "the row's conversation (worked examples)."),
+        },
     },
     "trl_rloo": {  # the options of adv_estimator=trl_rloo
         "token_level_kl": field(False, "adv_estimator=trl_rloo: TRL's per-token KL form (-kl_coef * KL_t "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import string
 from typing import Any
 
 import ml_collections
@@ -23,6 +24,7 @@ from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
 from jaxrl_llm.models.lora import parse_target_modules
 from jaxrl_llm.platform.tpu import parse_accelerator_type
+from jaxrl_llm.rewards.judge_parsers import JUDGE_FIELDS, JUDGE_PARSERS
 
 ARR = "actor_rollout_ref"
 ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
@@ -246,6 +248,46 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
                  cfg, f"must be shorter than max_resp_len={ob.max_resp_len}")
     if cfg.reward_model.enable and cfg.reward_model.model.path is None:
         raise ConfigError("reward_model.model.path=None: required when reward_model.enable")
+    _check_distillation(cfg)
+    _check_judge(cfg)
+
+
+def _check_distillation(cfg: ml_collections.ConfigDict) -> None:
+    distill = cfg.algorithm.distillation
+    if not distill.enable:
+        return
+    key = "algorithm.distillation"
+    if distill.teacher.path is None:
+        raise ConfigError(f"{key}.teacher.path=None: required when {key}.enable (HF folder, .gguf or checkpoint)")
+    if distill.coef == 0 and distill.reward_coef == 0:
+        raise ConfigError(f"{key}.coef=0 and {key}.reward_coef=0: nothing would train the policy")
+    template = distill.teacher.prompt_template
+    if template is not None and "{prompt}" not in template:
+        raise ConfigError(f"{key}.teacher.prompt_template={template!r}: has no '{{prompt}}' for the row's message")
+    for i, message in enumerate(distill.teacher.fewshot):
+        if not (isinstance(message, dict) and set(message) >= {"role", "content"}):
+            raise ConfigError(f"{key}.teacher.fewshot[{i}]={message!r}: expected a {{role, content}} message")
+    context = template is not None or distill.teacher.system_prompt is not None or len(distill.teacher.fewshot) > 0
+    if context and not cfg.data.apply_chat_template:
+        raise ConfigError(f"{key}.teacher: a teacher prompt of its own (system_prompt, prompt_template, fewshot) "
+                          "is rendered from the row's chat: it needs data.apply_chat_template=True")
+
+
+def _check_judge(cfg: ml_collections.ConfigDict) -> None:
+    rm = cfg.reward_model
+    if not (rm.enable and rm.style == "generative"):
+        return
+    judge, key = rm.judge, "reward_model.judge"
+    if "{response}" not in judge.template:
+        raise ConfigError(f"{key}.template: has no '{{response}}' (the judge would not see the answer)")
+    unknown = {name for _, name, _, _ in string.Formatter().parse(judge.template) if name} - JUDGE_FIELDS
+    if unknown:
+        raise ConfigError(f"{key}.template: unknown field(s) {sorted(unknown)}; valid: {sorted(JUDGE_FIELDS)}")
+    if judge.max_score <= judge.min_score:
+        raise ConfigError(f"{key}.max_score={judge.max_score}: must exceed min_score={judge.min_score}")
+    parser = judge.parser
+    if parser not in JUDGE_PARSERS and (":" not in parser or not parser.split(":")[0].endswith(".py")):
+        raise ConfigError(f"{key}.parser={parser!r}: one of {', '.join(JUDGE_PARSERS)} or 'file.py:function'")
 
 
 def _check_lengths(cfg: ml_collections.ConfigDict, model_max_positions: int | None) -> None:
@@ -314,6 +356,8 @@ def check_input_paths(cfg: ml_collections.ConfigDict) -> None:
         optional.append(("critic.model.path", "critic model"))
     if cfg.reward_model.enable:
         optional.append(("reward_model.model.path", "reward model"))
+    if cfg.algorithm.distillation.enable:
+        optional.append(("algorithm.distillation.teacher.path", "teacher model"))
     if cfg.trainer.resume_mode == "resume_path":
         optional.append(("trainer.resume_from_path", "checkpoint"))
     for key, what in optional:

@@ -133,6 +133,15 @@ def _thread_deadline(seconds: float) -> Iterator[None]:
                 _set_async_exc(target, None)  # withdraw it if still pending
 
 
+class _NoVerdict:
+    """A scorer's "no verdict" (it returned None, or knows no scorer for the data source): scored NaN
+    for a judge to fill in (reward_model.judge.combine=fallback); only accepted when the manager
+    is built with `no_verdict_ok`."""
+
+
+NO_VERDICT = _NoVerdict()
+
+
 def _check_score(result: Any) -> Any:
     """A float, or a dict whose "score" is a number; anything else is an error for that sample.
     A NaN / inf score is passed on: the trainer counts it in `reward/num_nonfinite` and scores it 0
@@ -163,8 +172,10 @@ class RewardManager:
         max_resp_len: int | None = None,
         missing_eos_penalty: float | None = None,
         timeout_s: float | None = None,
+        no_verdict_ok: bool = False,
     ):
         self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.no_verdict_ok = no_verdict_ok
         self.compute_score: Callable[..., Any]
         self.spec: ScorerSpec | None  # None for a plain callable
         if isinstance(compute_score, ScorerSpec) or compute_score is None:
@@ -187,14 +198,24 @@ class RewardManager:
             try:
                 with _deadline(self.timeout_s):
                     value = self.compute_score(**kwargs)
-                results.append(_check_score(value))
+                results.append(self._verdict(value))
+            except UnknownDataSourceError:
+                if not self.no_verdict_ok:
+                    raise
+                results.append(NO_VERDICT)
             except _CallTimeout:
                 results.append(_Failure("timeout", f"scorer call ran over {self.timeout_s}s"))
-            except (UnknownDataSourceError, KeyboardInterrupt):
+            except KeyboardInterrupt:
                 raise
             except BaseException as err:  # noqa: BLE001 - a bad sample (even sys.exit) must not stop the run
                 results.append(_Failure("error", f"{type(err).__name__}: {err}"))
         return results
+
+    def _verdict(self, value: Any) -> Any:
+        """A scorer's checked result, or NO_VERDICT for None where that is accepted."""
+        if value is None and self.no_verdict_ok:
+            return NO_VERDICT
+        return _check_score(value)
 
     def score(
         self,
@@ -222,6 +243,9 @@ class RewardManager:
         failures = [r for r in results if isinstance(r, _Failure)]
         for i, result in enumerate(results):
             if isinstance(result, _Failure):
+                continue
+            if result is NO_VERDICT:
+                raw[i] = np.nan
                 continue
             if isinstance(result, dict):
                 raw[i] = float(result["score"])
@@ -371,10 +395,12 @@ class PrimeRewardManager(RewardManager):
                     idle.append(self._replace(worker))
                     continue
                 if status == "unknown":
-                    raise UnknownDataSourceError(value)
-                if status == "ok":
+                    if not self.no_verdict_ok:
+                        raise UnknownDataSourceError(value)
+                    results[task_id] = NO_VERDICT
+                elif status == "ok":
                     try:
-                        results[task_id] = _check_score(value)
+                        results[task_id] = self._verdict(value)
                     except TypeError as err:
                         results[task_id] = _Failure("error", str(err))
                 else:
@@ -431,6 +457,7 @@ def build_reward_manager(spec: RewardSpec) -> RewardManager:
     if spec.reward_manager == "prime":
         return PrimeRewardManager(spec.scorer, num_workers=spec.num_workers, timeout_s=spec.timeout_s,
                                   overlong=spec.overlong, max_resp_len=spec.max_resp_len,
-                                  missing_eos_penalty=spec.missing_eos_penalty)
+                                  missing_eos_penalty=spec.missing_eos_penalty, no_verdict_ok=spec.no_verdict_ok)
     return RewardManager(spec.scorer, timeout_s=spec.timeout_s, overlong=spec.overlong,
-                         max_resp_len=spec.max_resp_len, missing_eos_penalty=spec.missing_eos_penalty)
+                         max_resp_len=spec.max_resp_len, missing_eos_penalty=spec.missing_eos_penalty,
+                         no_verdict_ok=spec.no_verdict_ok)

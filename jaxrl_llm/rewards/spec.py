@@ -27,13 +27,37 @@ class RewardSpec:
     max_resp_len: int | None
     overlong: OverlongSpec
     missing_eos_penalty: float | None
+    no_verdict_ok: bool = False  # a scorer may return None or lack a data source's scorer (beside a judge)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSpec:
+    """`reward_model.judge.*`: how a generative reward model is prompted and read (rewards/judge.py)."""
+
+    template: str
+    system_prompt: str | None
+    parser: str  # a built-in name (rewards/judge_parsers.py) or 'file.py:function'
+    min_score: float
+    max_score: float
+    default_score: float
+    max_new_tokens: int
+    temperature: float
+    max_prompt_length: int
+    combine: str  # judge | sum | fallback
+    rule_weight: float
+    judge_weight: float
+    on_rollout_devices: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardModelSpec:
-    """`reward_model.*` for a score-head model (built by `jaxrl_llm.config.resolve`)."""
+    """`reward_model.*` for a score-head model, or a judge (style generative); built by
+    `jaxrl_llm.config.resolve`."""
 
     path: str
     input_tokenizer: str | None
     max_length: int | None
     micro_batch_size_per_device: int | None
+    style: str = "discriminative"  # discriminative | generative
+    judge: JudgeSpec | None = None  # style generative
+    dtype: str = "float32"  # the judge's params and compute dtype (actor_rollout_ref.model.dtype)

@@ -5,6 +5,7 @@ loss = policy loss (registry[policy_loss.loss_mode])
        + kl_loss_coef * agg(kl_penalty(lp, ref_lp))   (when use_kl_loss)
        + router_aux_loss_coef * load_balancing_loss     (mixture-of-experts models; HF's formula)
        + router_z_loss_coef * router_z_loss             (mixture-of-experts models)
+       + distill_topk_coef * agg(topk_forward_kl)         (algorithm.distillation, signal topk_forward_kl)
 each aggregated with `loss_agg_mode` over the mini-batch's global token / sequence counts; the MoE
 terms are computed per micro-batch forward (as HF does per forward) and weighted by the micro-batch's
 share of the mini-batch's response tokens.
@@ -22,6 +23,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.losses.agg import agg_loss
+from jaxrl_llm.losses.distill import topk_forward_kl
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig
@@ -38,10 +40,12 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     """Loss of one micro-batch, normalised by the mini-batch's global counts."""
     mask = mb.response_mask
     response_len = mask.shape[1]
-    log_prob, entropy, router = response_scores(
+    topk_ids = (required(mb.teacher_topk_ids, "teacher_topk_ids", "algorithm.distillation (topk_forward_kl)")
+                if s.distill_topk_coef else None)
+    log_prob, entropy, router, topk = response_scores(
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
-        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing)
+        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing, topk_ids=topk_ids)
     assert entropy is not None
     counts: dict[str, Any] = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                                   loss_scale_factor=s.loss_scale_factor)
@@ -64,6 +68,11 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
         kl_loss = agg_loss(kl, mask, s.loss_agg_mode, **counts)
         loss = loss + s.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = sg(kl_loss)
+    if topk is not None:  # the forward KL over the teacher's top-k tokens (losses/distill.py)
+        teacher = required(mb.teacher_topk_log_probs, "teacher_topk_log_probs", "algorithm.distillation")
+        distill_loss = agg_loss(topk_forward_kl(topk.log_probs, teacher), mask, s.loss_agg_mode, **counts)
+        loss = loss + s.distill_topk_coef * distill_loss
+        metrics["actor/distill_topk_kl"] = sg(distill_loss)
     if router is not None:
         loss, metrics = _with_router_losses(loss, metrics, router, mask, denoms, model_cfg, s, mb.routing is not None)
     return loss, metrics

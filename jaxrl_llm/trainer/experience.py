@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_llm.batching import PackedLayout
@@ -24,7 +25,13 @@ from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.trainer.forward import budget_chunked, micro_batched, response_log_probs, response_values
+from jaxrl_llm.trainer.forward import (
+    budget_chunked,
+    micro_batched,
+    response_log_probs,
+    response_scores,
+    response_values,
+)
 
 Array = jax.Array
 
@@ -45,6 +52,9 @@ class Experience:
     rollout_is_weights: Array | None = None  # rollout-correction importance weights
     # routing replay (actor.router_replay = rollout): the sampler's expert ids [N, P + R, L, k]
     routing: Array | None = None
+    # top-k distillation (algorithm.distillation.signal = topk_forward_kl): the teacher's [N, R, k]
+    teacher_topk_ids: Array | None = None
+    teacher_topk_log_probs: Array | None = None
     # set per micro-batch by the update when sequences are packed (model.use_remove_padding)
     packing: PackedLayout | None = None
 
@@ -68,6 +78,9 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
         {f: getattr(exp, f) for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}, prompt_pad, response_pad)
     if exp.routing is not None:
         sequences["routing"] = pad_routing(exp.routing, prompt_pad, response_pad)
+    for f in ("teacher_topk_ids", "teacher_topk_log_probs"):  # [N, R, k]: response columns padded with 0s
+        if getattr(exp, f) is not None:
+            responses[f] = jax.numpy.pad(getattr(exp, f), ((0, 0), (0, response_pad), (0, 0)))
     return dataclasses.replace(exp, **sequences, **responses)
 
 
@@ -92,6 +105,32 @@ def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, res
     batch = {"ids": input_ids, "mask": attention_mask}
     if routing is not None:
         batch["routing"] = routing
+    return _chunked(one, batch, micro_rows, packing)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows", "topk",
+                                             "logprob_impl", "mesh"))
+def teacher_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
+                    packing: PackedLayout | None = None, *, model_cfg: ModelConfig, temperature: float,
+                    compute_dtype: str, micro_rows: int, topk: int = 0, logprob_impl: str = "auto",
+                    mesh: Mesh | None = None) -> dict[str, Array]:
+    """A teacher's scores of the responses, chunked as `log_probs_no_grad`: "log_probs" [N, R] of the
+    sampled tokens, and with `topk` its k most likely tokens at each position ("topk_ids",
+    "topk_log_probs" [N, R, k]; 0 where no response token)."""
+    response_len = response_mask.shape[1]
+
+    def one(chunk: dict) -> dict[str, Array]:
+        scores = response_scores(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
+                                 temperature=temperature, compute_dtype=compute_dtype, packing=chunk.get("per_chunk"),
+                                 logprob_impl=logprob_impl, mesh=mesh, topk=topk)
+        out = {"log_probs": scores.log_prob}
+        if scores.topk is not None:
+            keep = chunk["response"][..., None] > 0  # 0 where no response token
+            out.update(topk_ids=jnp.where(keep, scores.topk.ids, 0),
+                       topk_log_probs=jnp.where(keep, scores.topk.log_probs, 0.0))
+        return out
+
+    batch = {"ids": input_ids, "mask": attention_mask, "response": response_mask}
     return _chunked(one, batch, micro_rows, packing)
 
 
@@ -152,6 +191,24 @@ def rollout_correction(old_log_probs: Array, rollout_log_probs: Array, response_
         rollout_rs=s.rollout_rs, rollout_rs_threshold=s.rollout_rs_threshold)
 
 
+class DistillSignal(NamedTuple):
+    """What a teacher adds to a step (trainer/teacher.py): a per-token advantage to mix in (reverse
+    KL; None for the top-k loss), and the teacher's top-k for the actor's loss (or None)."""
+
+    advantages: Array | None  # [N, R], already discounted
+    coef: float  # its weight
+    reward_coef: float  # the task advantage's weight
+    topk_ids: Array | None = None  # [N, R, k]
+    topk_log_probs: Array | None = None
+
+
+@jax.jit
+def mix_advantages(task: Array, distill: Array | None, reward_coef: Array, coef: Array) -> Array:
+    """reward_coef * task advantage + coef * distillation advantage (docs/algorithms.md, distillation)."""
+    mixed = reward_coef * task
+    return mixed if distill is None else mixed + coef * distill
+
+
 def make_experience(
     *,
     input_ids: Array,
@@ -168,11 +225,16 @@ def make_experience(
     advantage: AdvantageSpec,
     correction: RolloutCorrectionSpec,
     routing: Array | None = None,
+    distill: DistillSignal | None = None,
 ) -> tuple[Experience, Array, dict[str, Any]]:
     """The step's `Experience`, its token-level rewards [N, R] and device-side metrics: advantages
-    and returns (KL in the reward first when configured), then rollout correction."""
+    and returns (KL in the reward first when configured), mixed with a teacher's signal
+    (`distill`), then rollout correction."""
     adv = advantages_and_returns(token_level_scores, response_mask, group_ids, old_log_probs, ref_log_probs,
                                  values, reward_baselines, jax.numpy.float32(kl_coef), s=advantage)
+    if distill is not None:
+        adv["advantages"] = mix_advantages(adv["advantages"], distill.advantages, jnp.float32(distill.reward_coef),
+                                           jnp.float32(distill.coef))
     metrics: dict[str, Any] = {k: v for k, v in adv.items() if k == "current_kl" or k.startswith("critic/")}
     weights, mask = None, response_mask
     if correction.enabled:
@@ -180,5 +242,7 @@ def make_experience(
         metrics.update(rc_metrics)
     exp = Experience(input_ids=input_ids, attention_mask=attention_mask, response_mask=mask,
                      old_log_probs=old_log_probs, advantages=adv["advantages"], returns=adv["returns"],
-                     ref_log_probs=ref_log_probs, values=values, rollout_is_weights=weights, routing=routing)
+                     ref_log_probs=ref_log_probs, values=values, rollout_is_weights=weights, routing=routing,
+                     teacher_topk_ids=None if distill is None else distill.topk_ids,
+                     teacher_topk_log_probs=None if distill is None else distill.topk_log_probs)
     return exp, adv["token_level_rewards"], metrics

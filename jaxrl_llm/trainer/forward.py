@@ -16,10 +16,12 @@ from jax.sharding import Mesh
 from jaxrl_llm.batching import (
     PackedLayout,
     filled_slots,
+    pack_response,
     packed_response_hidden,
     unless_empty,
     unpack_response,
 )
+from jaxrl_llm.losses.distill import TopK, teacher_topk, topk_log_probs
 from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
@@ -50,15 +52,35 @@ class ResponseScores(NamedTuple):
     log_prob: Array         # [N, R] fp32
     entropy: Array | None   # [N, R] fp32 (with_entropy)
     router: MoeOut | None   # a mixture-of-experts model's router stats (models/moe.py)
+    topk: TopK | None = None  # [N, R, k] ids and log-probs: the model's own top-k, or at given ids
+
+
+def _topk_scores(hidden: Array, unembed: Array, vocab_major: bool, model_cfg: ModelConfig, temperature: float,
+                 topk: int, topk_ids: Array | None) -> TopK | None:
+    """The top-k part of `response_scores` on [..., H] hidden states (ids [..., k] already in their layout)."""
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    softcap = model_cfg.final_logit_softcapping
+    if topk_ids is not None:
+        lp = topk_log_probs(flat, unembed, topk_ids.reshape(-1, topk_ids.shape[-1]), temperature=temperature,
+                            vocab_major=vocab_major, softcap=softcap)
+        return TopK(topk_ids, lp.reshape(topk_ids.shape))
+    if topk:
+        top = teacher_topk(jax.lax.stop_gradient(flat), unembed, k=topk, temperature=temperature,
+                           vocab_major=vocab_major, softcap=softcap)
+        return TopK(top.ids.reshape(*lead, topk), top.log_probs.reshape(*lead, topk))
+    return None
 
 
 def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                     response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
                     remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
-                    logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None
-                    ) -> ResponseScores:
+                    logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None,
+                    topk: int = 0, topk_ids: Array | None = None) -> ResponseScores:
     """`response_log_probs` with its forward's router stats (the actor loss's MoE terms); `replay`
-    [N, P + R, L, k]: recorded expert ids the MoE layers run (routing replay)."""
+    [N, P + R, L, k]: recorded expert ids the MoE layers run (routing replay). `topk`: also the
+    model's k most likely tokens at each response position (a teacher's pass); `topk_ids` [N, R, k]:
+    also the log-probs of these ids (the student's side of the top-k distillation loss)."""
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
     unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
                             else (lm_head_weight(params, model_cfg), False))
@@ -69,9 +91,10 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
         out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
                              return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
                              softcap=model_cfg.final_logit_softcapping)
+        top = _topk_scores(hidden, unembed.astype(hidden.dtype), vocab_major, model_cfg, temperature, topk, topk_ids)
         if isinstance(out, tuple):
-            return ResponseScores(out[0], out[1], moe)
-        return ResponseScores(out, None, moe)
+            return ResponseScores(out[0], out[1], moe, top)
+        return ResponseScores(out, None, moe, top)
     hidden, targets, moe = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
                                                   compute_dtype=compute_dtype_of(compute_dtype), remat=remat,
                                                   replay=replay)
@@ -82,9 +105,12 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
                          rows_in_use=filled_slots(packing, input_ids.shape[0], response_len))
     num_rows = input_ids.shape[0]
     unpack = lambda x: unpack_response(x, packing, num_rows, response_len)  # noqa: E731
+    packed_ids = None if topk_ids is None else pack_response(topk_ids, packing)
+    top = _topk_scores(hidden, unembed.astype(hidden.dtype), vocab_major, model_cfg, temperature, topk, packed_ids)
+    top = None if top is None else TopK(unpack(top.ids) if topk_ids is None else topk_ids, unpack(top.log_probs))
     if isinstance(out, tuple):  # with_entropy
-        return ResponseScores(unpack(out[0]), unpack(out[1]), moe)
-    return ResponseScores(unpack(out), None, moe)
+        return ResponseScores(unpack(out[0]), unpack(out[1]), moe, top)
+    return ResponseScores(unpack(out), None, moe, top)
 
 
 @overload
@@ -147,7 +173,7 @@ def micro_batched(fn: Callable[[dict], ChunkOut], batch: dict, micro_rows: int, 
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
 
 
-def budget_chunked(fn: Callable[[dict], Array], batch: dict, layouts: PackedLayout) -> Array:
+def budget_chunked(fn: Callable[[dict], ChunkOut], batch: dict, layouts: PackedLayout) -> ChunkOut:
     """Sum of `fn` over token-budget chunks (`batching.plan_capacity_chunks`, leading axis =
     chunks): each call reads all of `batch` with one chunk's layout as `chunk["per_chunk"]` and
     returns per-token values that are 0 outside that chunk's tokens; a chunk this step leaves empty
@@ -156,6 +182,7 @@ def budget_chunked(fn: Callable[[dict], Array], batch: dict, layouts: PackedLayo
     out_shape = jax.eval_shape(run, jax.tree.map(lambda x: x[0], layouts))
 
     def step(total, layout):
-        return total + unless_empty(layout, run, layout), None
+        return jax.tree.map(jnp.add, total, unless_empty(layout, run, layout)), None
 
-    return jax.lax.scan(step, jnp.zeros(out_shape.shape, out_shape.dtype), layouts)[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+    return jax.lax.scan(step, zeros, layouts)[0]

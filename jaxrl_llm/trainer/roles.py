@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
@@ -29,9 +29,14 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
 from jaxrl_llm.models.lora import LoraConfig, init_lora, lora_logical_axes, with_lora
+from jaxrl_llm.rewards.spec import JudgeSpec
+from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sharding import logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.forward import compute_dtype_of
 from jaxrl_llm.trainer.optim import make_optimizer
+
+if TYPE_CHECKING:
+    from jaxrl_llm.rewards.judge import Judge
 
 log = logging.getLogger("jaxrl_llm")
 TINY_PREFIX = "tiny:"
@@ -218,3 +223,30 @@ def init_adapters(model_cfg: ModelConfig, lora: LoraConfig, mesh: Mesh, seed: in
     shardings = logical_to_sharding(lora_logical_axes(model_cfg, lora), abstract, mesh)
     init = jax.jit(lambda key: init_lora(model_cfg, lora, key), out_shardings=shardings)
     return init(jax.random.fold_in(jax.random.PRNGKey(seed), 0x10AA))
+
+
+def load_judge(path: str, spec: JudgeSpec, *, policy_model: ModelSpec, tokenizer: Tokenizer, mesh: Mesh,
+               engine: EngineOptions, dtype: str, seed: int) -> Judge:
+    """The judge at `path` (HF folder, .gguf, our checkpoint, or tiny:<arch> with the policy's tiny
+    dims, for tests) placed on `mesh`; `tokenizer` is the policy's (a tiny judge's own)."""
+    from jaxrl_llm.rewards.judge import Judge
+
+    model = dataclasses.replace(policy_model, path=path, param_dtype=dtype, override_config=(), lora=None)
+    judge_tokenizer = tokenizer_of(model, tokenizer, key="reward_model.model.path")
+    model_cfg, params = load_model(model, head="lm", mesh=mesh, tokenizer=judge_tokenizer, seed=seed)
+    return Judge(spec, model_cfg, params, judge_tokenizer, mesh=mesh, engine=engine, compute_dtype=dtype, path=path)
+
+
+def tokenizer_of(model: ModelSpec, tiny_tokenizer: Tokenizer, *, key: str) -> Tokenizer:
+    """The tokenizer that comes with `model.path` (a second model's: teacher, judge): a folder's or
+    GGUF file's own, the one a checkpoint's metadata names, or `tiny_tokenizer` for tiny:<arch>."""
+    from jaxrl_llm.hf import load_tokenizer
+
+    if model.is_tiny:
+        return tiny_tokenizer
+    if ckpt.is_checkpoint(model.path):
+        source = ckpt.read_checkpoint_meta(model.path).get("tokenizer")
+        if not source:
+            raise ValueError(f"{key}={model.path!r}: the checkpoint names no tokenizer")
+        return load_tokenizer(source)
+    return load_tokenizer(model.path)

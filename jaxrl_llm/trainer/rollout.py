@@ -14,6 +14,7 @@ once, on process 0, and broadcast (`score_responses`), so processes can never di
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ from jaxrl_llm.trainer.nonfinite import sanitize_scores
 from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
 
 Array = jax.Array
+_JUDGE_STREAM = 0x7D6E  # the judge's random stream: fold_in(the rollout's key, this)
 _ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask",
                "routing")
 
@@ -43,14 +45,17 @@ class RolloutGenerator:
     def __init__(self, *, model_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer,
                  reward_manager: RewardManager | None,
                  reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None,
-                 multi_turn: Any = None, max_prompt_length: int | None = None, record_routing: bool = False):
+                 multi_turn: Any = None, max_prompt_length: int | None = None, record_routing: bool = False,
+                 judge: Any = None):
         """multi_turn: a `trainer.multi_turn.MultiTurn` (every generation is then multi-turn);
         max_prompt_length: the bound its rendered prompts must fit (data.max_prompt_length);
-        record_routing: a MoE policy's rollouts carry the sampler's routing (actor.router_replay)."""
+        record_routing: a MoE policy's rollouts carry the sampler's routing (actor.router_replay);
+        judge: a generative reward model (rewards/judge.py) scoring beside the rule scorer."""
         self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
         self.record_routing = record_routing and model_cfg.is_moe
         self.multi_turn, self.max_prompt_length = multi_turn, max_prompt_length
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
+        self.judge = judge
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
         # what every rollout (single- or multi-turn) pads with and stops at: the model's EOS ids and
@@ -66,7 +71,8 @@ class RolloutGenerator:
         return RolloutGenerator(model_cfg=self.model_cfg, mesh=mesh, tokenizer=self.tokenizer,
                                 reward_manager=self.reward_manager, reward_model=self.reward_model,
                                 compute_dtype=self.compute_dtype, engine=self.engine, multi_turn=self.multi_turn,
-                                max_prompt_length=self.max_prompt_length, record_routing=self.record_routing)
+                                max_prompt_length=self.max_prompt_length, record_routing=self.record_routing,
+                                judge=self.judge)
 
     def engine_for(self, max_new_tokens: int) -> EngineOptions:
         """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
@@ -133,6 +139,16 @@ class RolloutGenerator:
             result = score_responses(self.reward_manager, texts, meta, response_lengths=lengths,
                                      finished_with_eos=finish == FINISH_EOS)
             scores, extra, reward_metrics = result.scores, result.reward_extra_info, result.metrics
+            if self.judge is not None:  # a generative reward model reads and grades the responses
+                chats = meta.get("raw_prompt")
+                if chats is None:
+                    chats = [tokenizer.decode(raw_prompts[i], skip_special_tokens=True) for i in rows]
+                start = time.perf_counter()
+                verdicts = self.judge.judge(list(chats), texts, list(meta["ground_truth"]),
+                                            jax.random.fold_in(rng, _JUDGE_STREAM))
+                scores, judge_info, judge_metrics = self.judge.combine(scores, verdicts)
+                extra = {**extra, **judge_info, "score": scores.copy()}
+                reward_metrics = {**reward_metrics, **judge_metrics, "timing_s/judge": time.perf_counter() - start}
         # a NaN / inf reward from any source is counted and scored 0 (trainer/nonfinite.py)
         scores, num_nonfinite = sanitize_scores(scores)
         reward_metrics = {**reward_metrics, "reward/num_nonfinite": float(num_nonfinite)}

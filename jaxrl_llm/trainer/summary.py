@@ -10,9 +10,11 @@ from jaxrl_llm.trainer.roles import TrainedRole
 
 
 def run_summary(spec: RunSpec, *, actor: TrainedRole, critic: TrainedRole | None, reference: ReferenceRole | None,
-                mesh: Mesh, engine: str, total_steps: int, schedule: str | None = None) -> str:
+                mesh: Mesh, engine: str, total_steps: int, schedule: str | None = None,
+                teacher: str | None = None, reward: str | None = None) -> str:
     """Model (and LoRA), mesh, batch plan, algorithm and reference, rollout engine (`engine`: the
-    generator's own line), run dir, and the synchronizer `schedule` when it is not the synchronous one."""
+    generator's own line), run dir, the teacher and a judge reward when there are, and the
+    synchronizer `schedule` when it is not the synchronous one."""
     m = actor.model_cfg
     lines = [
         f"model: {m.architecture} ({spec.model.path}), "
@@ -27,6 +29,10 @@ def run_summary(spec: RunSpec, *, actor: TrainedRole, critic: TrainedRole | None
         engine,
         f"run dir: {spec.trainer.run_dir}; {total_steps} steps",
     ]
+    if teacher is not None:
+        lines.append(f"distillation: {teacher}")
+    if reward is not None:
+        lines.append(f"reward: {reward}")
     if schedule is not None:
         lines.append(schedule)
     return "\n".join(lines)

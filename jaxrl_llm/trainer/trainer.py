@@ -4,6 +4,7 @@
              `synchronizer` offset / interval, prepared ahead on a weight copy: trainer/rollout_source.py)
       -> reference log-probs (only when a KL is used)
       -> old log-probs (the sampler's own when they are exact, else recomputed)
+      -> teacher log-probs (on-policy distillation: trainer/teacher.py)
       -> critic values -> `make_experience` (KL in reward, advantages, rollout correction)
       -> critic update -> actor update (ppo_epochs x mini-batches x micro-batches, one jit each)
       -> metrics
@@ -41,13 +42,21 @@ from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_m
 from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
+from jaxrl_llm.trainer.experience import (
+    DistillSignal,
+    Experience,
+    log_probs_no_grad,
+    make_experience,
+    pad_experience,
+    teacher_no_grad,
+    values_no_grad,
+)
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.trainer.preflight import run_tokenizer
 from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
-from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role
+from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role, model_config_of
 from jaxrl_llm.trainer.rollout import RolloutGenerator
 from jaxrl_llm.trainer.rollout_batch import Rollout
 from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
@@ -55,7 +64,9 @@ from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 
 if TYPE_CHECKING:
+    from jaxrl_llm.rewards.judge import Judge
     from jaxrl_llm.trainer.memory_plan import MemoryPlan
+    from jaxrl_llm.trainer.teacher import TeacherRole
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -104,6 +115,12 @@ class Trainer:
             from jaxrl_llm.trainer.multi_turn import MultiTurn
 
             self.multi_turn = MultiTurn(spec.multi_turn, self.tokenizer)
+        teacher_tokenizer = None
+        if spec.distillation is not None:  # the teacher's vocabulary is checked before any weight loads
+            from jaxrl_llm.trainer.teacher import check_teacher
+
+            teacher_tokenizer = check_teacher(spec.distillation, model_config_of(spec.model, self.tokenizer),
+                                              self.tokenizer)
         model_cfg, params = load_model(spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
                                        seed=spec.trainer.seed)
         if spec.actor.router_replay != "none" and not model_cfg.is_moe:
@@ -125,6 +142,13 @@ class Trainer:
         self.reference: ReferenceRole | None = None
         if spec.need_ref:
             self.reference = make_reference_role(spec.model, model_cfg, params, spec.ref, lora_base=self.actor.frozen)
+        # on-policy distillation: a frozen teacher scores the student's samples (trainer/teacher.py)
+        self.teacher: TeacherRole | None = None
+        if spec.distillation is not None:
+            assert teacher_tokenizer is not None
+            from jaxrl_llm.trainer.teacher import load_teacher
+
+            self.teacher = load_teacher(spec.distillation, teacher_tokenizer, mesh=self.mesh, seed=spec.trainer.seed)
         self.critic: TrainedRole | None = None
         if spec.critic is not None:
             critic_model, critic_optim, critic_batch = spec.critic_model, spec.critic_optim, spec.plan.critic
@@ -136,7 +160,10 @@ class Trainer:
                                             model=critic_model, settings=spec.critic, batch=critic_batch)
         self.reward_manager = build_reward_manager(spec.reward)
         self.reward_model = None
-        if spec.reward_model is not None:
+        self.judge = None
+        if spec.reward_model is not None and spec.reward_model.style == "generative":
+            self.judge = self._load_judge(spec)  # a language model grading responses (rewards/judge.py)
+        elif spec.reward_model is not None:
             from jaxrl_llm.rewards.reward_model import RewardModel
 
             self.reward_model = RewardModel.load(spec.reward_model, self.tokenizer)
@@ -144,7 +171,7 @@ class Trainer:
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
                                           multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length,
-                                          record_routing=spec.actor.router_replay == "rollout")
+                                          record_routing=spec.actor.router_replay == "rollout", judge=self.judge)
         # with a split mesh (mesh.rollout_devices) a second generator samples on the rollout devices
         rollout_generator = None if self.rollout_mesh is None else self.generator.on_mesh(self.rollout_mesh)
         # one batch sampled and scored; with DAPO's filter_groups, batches until enough groups vary
@@ -191,6 +218,17 @@ class Trainer:
             print(plan.table(), flush=True)
         return dataclasses.replace(spec, plan=plan.batch_plan), plan
 
+    def _load_judge(self, spec: RunSpec) -> Judge:
+        """The judge of `reward_model.style=generative`, on the rollout devices of a split mesh when
+        `judge.on_rollout_devices`, else on the training mesh."""
+        from jaxrl_llm.trainer.roles import load_judge
+
+        rm = spec.reward_model
+        assert rm is not None and rm.judge is not None
+        mesh = self.rollout_mesh if self.rollout_mesh is not None and rm.judge.on_rollout_devices else self.mesh
+        return load_judge(rm.path, rm.judge, policy_model=spec.model, tokenizer=self.tokenizer, mesh=mesh,
+                          engine=spec.rollout_engine, dtype=rm.dtype, seed=spec.trainer.seed + 2)
+
     def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
         if syn is None:
             return
@@ -212,7 +250,9 @@ class Trainer:
         engine = self.generator.describe_engine(plan.prompts * plan.n, plan.max_prompt_length, plan.response_length)
         return run_summary(self.spec, actor=self.actor, critic=self.critic, reference=self.reference, mesh=self.mesh,
                            engine=engine, total_steps=self.total_steps,
-                           schedule=None if self.rollout_source.synchronous else self.rollout_source.describe())
+                           schedule=None if self.rollout_source.synchronous else self.rollout_source.describe(),
+                           teacher=None if self.teacher is None else self.teacher.describe(),
+                           reward=None if self.judge is None else self.judge.describe())
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -319,6 +359,11 @@ class Trainer:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
                     old_lp = span.wait(self.log_probs(self.actor.model_params, rollout, plan.old_log_prob, rows))
+            distill, distill_metrics = None, {}
+            if self.teacher is not None:  # the teacher scores the student's tokens (trainer/teacher.py)
+                with timer("teacher") as span:
+                    distill, distill_metrics = self._teacher_signal(rollout, old_lp)
+                    span.wait(distill_metrics)
             values = None
             if self.critic is not None:
                 assert plan.values is not None  # planned whenever there is a critic
@@ -336,9 +381,10 @@ class Trainer:
                     rollout_log_probs=rollout.rollout_log_probs, group_ids=to_device(rollout.group_ids, self.mesh),
                     old_log_probs=old_lp, ref_log_probs=ref_lp, values=values, reward_baselines=baselines,
                     kl_coef=kl_coef, advantage=spec.advantage, correction=spec.rollout_correction,
-                    routing=rollout.routing)
+                    routing=rollout.routing, distill=distill)
                 span.wait(exp)
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
+                extra.update({k: float(v) for k, v in jax.device_get(distill_metrics).items()})
             if self.critic is not None:
                 with timer("update_critic"):
                     extra.update(self._update(self.critic, exp, jax.random.fold_in(rng, 7), rows))
@@ -380,6 +426,22 @@ class Trainer:
                                 model_cfg=self.actor.model_cfg if model_cfg is None else model_cfg,
                                 temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
                                 logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
+
+    def _teacher_signal(self, rollout: Rollout, student_log_probs: jax.Array) -> tuple[DistillSignal, dict]:
+        """The teacher's pass over `rollout` as the teacher reads it (its own prompt, the same response
+        tokens), in the reference pass's micro-batches, and the signal it gives (trainer/teacher.py)."""
+        from jaxrl_llm.trainer.teacher import distill_signal
+
+        teacher = self.teacher
+        assert teacher is not None
+        seen = teacher.rollout_for(rollout, self.mesh)
+        how = self.batching.no_grad(self.spec.plan.ref_log_prob, teacher.spec.teacher, self.batching.rows_of(seen))
+        out = run_no_grad_pass(
+            teacher_no_grad, teacher.device_params(), seen.input_ids, seen.attention_mask, seen.response_mask, how,
+            model_cfg=teacher.model_cfg, temperature=self.spec.actor.temperature,
+            compute_dtype=teacher.spec.teacher.param_dtype, logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh,
+            topk=teacher.spec.topk if teacher.spec.signal == "topk_forward_kl" else 0)
+        return distill_signal(out, student_log_probs, rollout.response_mask, teacher.spec)
 
     def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
         """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""
@@ -441,6 +503,11 @@ class Trainer:
                  "data_source": str(ds), "ground_truth": str(gt)}
                 for p, o, s, ds, gt in zip(rollout.prompt_texts, rollout.texts, rollout.scores,
                                            rollout.meta["data_source"], rollout.meta["ground_truth"])]
+        verdicts = rollout.reward_extra_info.get("judge_verdict")
+        if verdicts is not None:  # a judge's verdict and score beside each response
+            judge_scores = rollout.reward_extra_info["judge_score"]
+            for row, verdict, judge_score in zip(rows, verdicts, judge_scores):
+                row.update(judge_verdict=str(verdict), judge_score=float(judge_score))
         dump_jsonl(storage.join(self.spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"), rows)
 
     # ------------------------------------------------------------------ validation, checkpoints, export
