@@ -80,6 +80,7 @@ HEAVY_FIRST = (
     "tests/trainer/test_multi_turn_trainer.py",
     "tests/platform/test_platform_compile.py",
     "tests/trainer/test_memory_plan.py",
+    "tests/examples/test_teacher_judge_examples.py",
 )
 
 

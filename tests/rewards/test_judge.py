@@ -1,0 +1,148 @@
+"""Generative reward models (rewards/judge.py, rewards/judge_parsers.py): every built-in parser on
+scripted verdicts, garbage counted and defaulted, the three ways to combine with the rule scorer,
+the rule scorer's "no verdict", config errors, and a tiny judge through a training step."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tiny_runs import read_metrics, tiny_config
+
+from jaxrl_llm.config import ConfigError, validate_config
+from jaxrl_llm.rewards.judge import Judge, JudgeVerdicts, last_user_message, render_user_message
+from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
+from jaxrl_llm.rewards.managers import RewardManager
+from jaxrl_llm.rewards.spec import JudgeSpec
+
+SCALE = ScoreRange(0.0, 10.0)
+
+
+@pytest.mark.parametrize("parser,verdict,score", [
+    ("number", "I give it 7.", 0.7), ("number", "3 then 12", 1.0), ("number", "-4", 0.0), ("number", "none", None),
+    ("boxed", "so \\boxed{8} overall", 0.8), ("boxed", "8", None),
+    ("yes_no", "Yes, it is.", 1.0), ("yes_no", "no.", 0.0), ("yes_no", "Nope, yesterday", None),
+    ("yes_no", "It is not. No.", 0.0),
+    ("score_tag", "Score: 7/10", 0.7), ("score_tag", "score = 3", 0.3), ("score_tag", "Score: 9/0", None),
+    ("score_tag", "seven", None),
+])
+def test_builtin_parsers(parser, verdict, score):
+    got = read_verdict(load_parser(parser, SCALE), verdict, {})
+    assert got == pytest.approx(score) if score is not None else got is None
+
+
+def test_user_parser_file(tmp_path):
+    path = tmp_path / "parse.py"
+    path.write_text("def grade(verdict, prompt, response, ground_truth):\n"
+                    "    if verdict == 'boom':\n        raise RuntimeError('bad')\n"
+                    "    return float(verdict.strip() == ground_truth)\n")
+    parser = load_parser(f"{path}:grade", SCALE)
+    row = {"prompt": "p", "response": "r", "ground_truth": "7"}
+    assert read_verdict(parser, "7", row) == 1.0 and read_verdict(parser, "8", row) == 0.0
+    assert read_verdict(parser, "boom", row) is None  # a raising parser is a parse failure
+    with pytest.raises(ValueError, match="defines no function 'nope'"):
+        load_parser(f"{path}:nope", SCALE)
+
+
+def _spec(**kw) -> JudgeSpec:
+    base = dict(template="Q: {prompt}\nA: {response}\nGT: {ground_truth}", system_prompt=None, parser="yes_no",
+                min_score=0.0, max_score=10.0, default_score=-1.0, max_new_tokens=8, temperature=0.0,
+                max_prompt_length=64, combine="judge", rule_weight=1.0, judge_weight=1.0, on_rollout_devices=True)
+    return JudgeSpec(**{**base, **kw})
+
+
+class ScriptedJudge(Judge):
+    """A judge whose engine returns fixed verdicts (no model): parsing and combining under test."""
+
+    def __init__(self, spec: JudgeSpec, verdicts: list[str]):
+        from jaxrl_llm.rewards.judge_parsers import load_parser
+
+        self.spec, self.verdicts = spec, verdicts
+        self.parser = load_parser(spec.parser, ScoreRange(spec.min_score, spec.max_score))
+        self.seen: list = []
+
+    def prompts(self, chats, responses, ground_truths):
+        self.seen = [render_user_message(self.spec.template, prompt=last_user_message(c), response=r,
+                                         ground_truth=g) for c, r, g in zip(chats, responses, ground_truths)]
+        return [np.zeros(1, np.int32)] * len(chats)
+
+    def generate(self, prompts, rng):
+        return self.verdicts[:len(prompts)]
+
+
+@pytest.mark.parametrize("parser,verdicts,want", [
+    ("yes_no", ["Yes", "no", "maybe"], [1.0, 0.0, -1.0]),
+    ("number", ["7", "score 11", "?"], [0.7, 1.0, -1.0]),
+    ("boxed", ["\\boxed{5}", "\\boxed{x}", "\\boxed{10}"], [0.5, -1.0, 1.0]),
+    ("score_tag", ["Score: 1/4", "Score: 6", "great"], [0.25, 0.6, -1.0]),
+])
+def test_scripted_judge_scores_through_every_parser(parser, verdicts, want):
+    judge = ScriptedJudge(_spec(parser=parser), verdicts)
+    chats = [[{"role": "user", "content": "What is {2}?"}], "plain", [{"role": "system", "content": "s"}]]
+    out = judge.judge(chats, ["a", "b", "c"], ["4", None, "x"], rng=None)
+    scores, info, metrics = judge.combine(None, out)
+    np.testing.assert_allclose(scores, want, rtol=1e-6)
+    assert metrics["reward/judge_parse_failures"] == 1.0
+    assert list(info["judge_verdict"]) == verdicts
+    assert judge.seen[0] == "Q: What is {2}?\nA: a\nGT: 4"  # braces in the row's text survive
+    assert judge.seen[1] == "Q: plain\nA: b\nGT: "
+
+
+def test_combine_modes_and_agreement():
+    verdicts = JudgeVerdicts(["yes", "no", "yes", "??"], np.asarray([1.0, 0.0, 1.0, np.nan], np.float32))
+    rule = np.asarray([1.0, 1.0, np.nan, 0.0], np.float32)
+    judge = ScriptedJudge(_spec(combine="judge", default_score=0.0), [])
+    scores, _, metrics = judge.combine(rule, verdicts)
+    np.testing.assert_allclose(scores, [1, 0, 1, 0])
+    assert metrics["reward/judge_rule_agreement"] == pytest.approx(0.5)  # rows 0, 1 (row 2: no rule, 3: no verdict)
+    judge = ScriptedJudge(_spec(combine="sum", rule_weight=2.0, judge_weight=0.5, default_score=0.0), [])
+    np.testing.assert_allclose(judge.combine(rule, verdicts)[0], [2.5, 2.0, 0.5, 0.0])
+    judge = ScriptedJudge(_spec(combine="fallback", default_score=0.0), [])
+    scores, _, metrics = judge.combine(rule, verdicts)
+    np.testing.assert_allclose(scores, [1.0, 1.0, 1.0, 0.0])
+    assert metrics["reward/judge_fallback_frac"] == pytest.approx(0.25)
+
+
+def test_rule_scorer_no_verdict_is_nan_only_when_allowed():
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        return None if solution_str == "skip" else 1.0
+
+    result = RewardManager(score, no_verdict_ok=True).score(["a", "skip"], ["d", "d"], ["", ""])
+    assert result.scores[0] == 1.0 and np.isnan(result.scores[1])
+    result = RewardManager(score).score(["a", "skip"], ["d", "d"], ["", ""])  # None stays an error (score 0)
+    assert result.scores[1] == 0.0 and result.metrics["reward/num_errors"] == 1.0
+    unknown = RewardManager(no_verdict_ok=True).score(["a"], ["no/such/source"], [""])  # built-ins: no scorer
+    assert np.isnan(unknown.scores[0])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("reward_model.judge.template", "no response here {prompt}", "has no '{response}'"),
+    ("reward_model.judge.template", "{response} {answer}", r"unknown field\(s\) \['answer'\]"),
+    ("reward_model.judge.parser", "regex", "one of number, boxed, yes_no, score_tag"),
+    ("reward_model.judge.max_score", 0.0, "must exceed min_score"),
+])
+def test_judge_config_errors(tmp_path, key, value, match):
+    cfg = tiny_config(tmp_path, **{"reward_model.enable": True, "reward_model.style": "generative",
+                                   "reward_model.model.path": "tiny:llama", key: value})
+    with pytest.raises(ConfigError, match=match):
+        validate_config(cfg, check_paths=False)
+
+
+def test_tiny_judge_scores_a_training_step(tmp_path):
+    from jaxrl_llm.trainer.trainer import Trainer
+
+    dump = tmp_path / "dump"
+    cfg = tiny_config(tmp_path / "run", **{
+        "reward_model.enable": True, "reward_model.style": "generative", "reward_model.model.path": "tiny:llama",
+        "reward_model.judge.combine": "sum", "reward_model.judge.default_score": 0.25,
+        "trainer.total_training_steps": 1, "trainer.rollout_data_dir": str(dump)})
+    trainer = Trainer(cfg)
+    assert "reward: judge tiny:llama" in trainer.summary()
+    trainer.fit()
+    row = read_metrics(tmp_path / "run")[-1]
+    # a random tiny judge writes no yes / no: every verdict is a parse failure scored the default
+    assert row["reward/judge_parse_failures"] == 8.0 and row["reward/judge_score/mean"] == pytest.approx(0.25)
+    assert row["timing_s/judge"] > 0
+    rows = [json.loads(line) for line in open(dump / "0.jsonl")]
+    assert len(rows) == 8 and all("judge_verdict" in r and r["judge_score"] == 0.25 for r in rows)
+    assert all(r["score"] == pytest.approx(0.25 + float(r["output"].strip() == r["ground_truth"])) for r in rows)
