@@ -94,9 +94,10 @@ def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt
     return (jax.tree.map(pad(prompt_pad, response_pad), sequences), jax.tree.map(pad(0, response_pad), responses))
 
 
-def run_no_grad_pass(fn: Callable[..., Array], params: Any, input_ids: Array, attention_mask: Array,
-                     response_mask: Array, how: PassLayout, routing: Array | None = None, **settings: Any) -> Array:
-    """`fn` (trainer/experience.py `log_probs_no_grad` / `values_no_grad`) over the rows as `how`
+def run_no_grad_pass(fn: Callable[..., Any], params: Any, input_ids: Array, attention_mask: Array,
+                     response_mask: Array, how: PassLayout, routing: Array | None = None, **settings: Any) -> Any:
+    """`fn` (trainer/experience.py `log_probs_no_grad` / `values_no_grad` / `teacher_no_grad`; an
+    array [N, R, ...] or a dict of them) over the rows as `how`
     says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]. `routing`:
     a MoE policy's recorded routing [N, P + R, L, k] for `fn` to replay (padded with the rows)."""
     if routing is not None:

@@ -90,7 +90,7 @@ class Judge:
                 f"combine {self.spec.combine}, up to {self.spec.max_new_tokens} verdict tokens")
 
     def prompts(self, chats: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any]
-                ) -> list[np.ndarray]:
+                ) -> list[Any]:
         """The judge's prompt token ids for each (chat, response, ground truth), at most
         `max_prompt_length` tokens (the last ones)."""
         system = [] if self.spec.system_prompt is None else [{"role": "system", "content": self.spec.system_prompt}]
@@ -101,7 +101,7 @@ class Judge:
         return [ids[-self.spec.max_prompt_length:] for ids in encoded]
 
     @on_own_mesh
-    def generate(self, prompts: list[np.ndarray], rng: jax.Array) -> list[str]:
+    def generate(self, prompts: list[Any], rng: jax.Array) -> list[str]:
         """The judge's verdict text for each prompt (paged engine, one sample each)."""
         sampling = SamplingParams(max_new_tokens=self.spec.max_new_tokens, temperature=self.spec.temperature,
                                   do_sample=self.spec.temperature > 0, n=1)

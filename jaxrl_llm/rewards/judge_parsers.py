@@ -14,7 +14,7 @@ import importlib.util
 import math
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 JUDGE_PARSERS = ("number", "boxed", "yes_no", "score_tag")
 JUDGE_FIELDS = frozenset({"prompt", "response", "ground_truth"})  # what reward_model.judge.template may name
@@ -87,7 +87,7 @@ def load_parser(name: str, scale: ScoreRange) -> Parser:
     fn = getattr(module, function, None)
     if not callable(fn):
         raise ValueError(f"reward_model.judge.parser={name!r}: {path} defines no function {function!r}")
-    return fn
+    return cast(Parser, fn)  # the user's function: read_verdict checks what it returns
 
 
 def read_verdict(parser: Parser, verdict: str, row: dict[str, Any]) -> float | None:

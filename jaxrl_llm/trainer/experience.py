@@ -147,7 +147,7 @@ def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, respon
     return _chunked(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
 
 
-def _chunked(fn, batch: dict, micro_rows: int, packing: PackedLayout | None) -> Array:
+def _chunked(fn: Any, batch: dict, micro_rows: int, packing: PackedLayout | None) -> Any:
     if micro_rows == 0:  # token-budget chunks (their shapes come from the config alone)
         if packing is None:
             raise ValueError("token-budget chunks (micro_rows=0) need their packed layouts")

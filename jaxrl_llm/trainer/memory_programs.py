@@ -36,7 +36,7 @@ from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size, batch_sharding, logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, teacher_no_grad, values_no_grad
 from jaxrl_llm.trainer.forward import compute_dtype_of
 from jaxrl_llm.trainer.optim import make_optimizer
 from jaxrl_llm.trainer.reference import offload_supported
@@ -87,8 +87,9 @@ class Context:
     tokenizer: Tokenizer
     actor: Model
     critic: Model | None
-    states: dict[str, Any]  # name -> abstract pytree: actor_params, actor_opt, ref_params, critic_*
+    states: dict[str, Any]  # name -> abstract pytree: actor_params, actor_opt, ref_params, critic_*, teacher_params
     txs: dict[str, Any]  # role -> optax transformation
+    teacher: Model | None = None  # on-policy distillation's teacher
 
     @property
     def prompt_width(self) -> int:
@@ -174,6 +175,10 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
         states["rollout_params"] = [states["actor_params"]] * spec.sync.weight_copies
     if spec.need_ref and spec.model.lora is None:
         states["ref_params"] = _abstract(actor.params, actor.shardings, compute_dtype_of(spec.ref.param_dtype))
+    teacher = None
+    if spec.distillation is not None:  # the teacher's params, stored in its own dtype (trainer/teacher.py)
+        teacher = _model(spec.distillation.teacher, "lm", mesh, tokenizer)
+        states["teacher_params"] = teacher.params
     critic = None
     if spec.critic is not None:
         if spec.critic_model is None or spec.critic_optim is None:
@@ -181,7 +186,7 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
         critic = _model(spec.critic_model, "value", mesh, tokenizer)
         txs["critic"] = _tx(spec.critic_optim)
         states["critic_params"], states["critic_opt"] = critic.params, _opt_state(txs["critic"], critic)
-    return Context(spec, mesh, tokenizer, actor, critic, states, txs)
+    return Context(spec, mesh, tokenizer, actor, critic, states, txs, teacher)
 
 
 def device_state_bytes(ctx: Context) -> dict[str, int]:
@@ -189,6 +194,9 @@ def device_state_bytes(ctx: Context) -> dict[str, int]:
     out = {name: bytes_per_device(tree) for name, tree in ctx.states.items()}
     if "ref_params" in out and ctx.spec.ref.param_offload and offload_supported():
         out["ref_params"] = 0
+    distill = ctx.spec.distillation
+    if "teacher_params" in out and distill is not None and distill.param_offload and offload_supported():
+        out["teacher_params"] = 0
     return out
 
 
@@ -300,6 +308,50 @@ def ref_program(ctx: Context) -> Program | None:
     return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state, ctx.actor, ctx.spec.actor.compute_dtype)
 
 
+def teacher_program(ctx: Context) -> Program | None:
+    """The teacher's pass (`teacher_no_grad`) in the reference pass's micro-batches, over rows whose
+    prompt also holds the teacher's own context (its system prompt / few-shot turns, measured)."""
+    distill, teacher = ctx.spec.distillation, ctx.teacher
+    if distill is None or teacher is None:
+        return None
+    spec = ctx.spec
+    n, r = spec.plan.sequences, spec.plan.response_length
+    t = bucket_length(spec.plan.max_prompt_length + teacher_context_tokens(distill, ctx.tokenizer)) + r
+    topk = distill.topk if distill.signal == "topk_forward_kl" else 0
+
+    def micro_rows(plan: BatchPlan) -> int:
+        return plan.forward_micro_rows(plan.micro_of("ref_log_prob"), n, t)
+
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
+        ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
+        return _lower(teacher_no_grad, platforms, ctx.states["teacher_params"], ids, ids, mask,
+                      model_cfg=_unrolled(teacher.cfg, unroll), temperature=spec.actor.temperature,
+                      compute_dtype=distill.teacher.param_dtype, micro_rows=micro_rows(plan), topk=topk,
+                      logprob_impl=spec.actor.logprob_impl, mesh=ctx.mesh)
+
+    def keys(plan: BatchPlan) -> tuple[str, ...]:
+        micro = plan.micro_of("ref_log_prob")
+        dtype = f"algorithm.distillation.teacher.dtype={distill.teacher.param_dtype}"
+        return (f"{micro.key}={micro.describe()}", dtype, "algorithm.distillation.teacher.param_offload", MESH_KEYS)
+
+    experts = uncounted_expert_flops(teacher.cfg, n * t) / ctx.mesh.size
+    return Program("teacher", lower, ("teacher_params",), keys, micro_pass="ref_log_prob",
+                   trips=lambda plan: n // micro_rows(plan), extra_flops=lambda plan: experts,
+                   layers=teacher.cfg.num_hidden_layers)
+
+
+def teacher_context_tokens(distill: Any, tokenizer: Tokenizer) -> int:
+    """Tokens the teacher's own prompt adds to a row's (0 without context distillation)."""
+    if not distill.own_prompt:
+        return 0
+    from jaxrl_llm.data.prompts import encode_prompts
+    from jaxrl_llm.trainer.teacher import teacher_messages
+
+    chat = [{"role": "user", "content": "x"}]
+    own, plain = encode_prompts([teacher_messages(chat, distill), chat], tokenizer, apply_chat_template=True)
+    return max(len(own) - len(plain), 0)
+
+
 def old_log_prob_program(ctx: Context) -> Program | None:
     if not ctx.spec.recompute_old_log_probs:
         return None
@@ -322,7 +374,18 @@ def _experience(ctx: Context) -> Experience:
                       response_mask=f32(), old_log_probs=f32(), advantages=f32(), returns=f32(),
                       ref_log_probs=f32() if spec.need_ref else None,
                       values=f32() if spec.critic is not None else None,
-                      rollout_is_weights=f32() if rc.enabled and rc.rollout_is is not None else None)
+                      rollout_is_weights=f32() if rc.enabled and rc.rollout_is is not None else None,
+                      **_teacher_topk(ctx))
+
+
+def _teacher_topk(ctx: Context) -> dict[str, Any]:
+    """The teacher's top-k [N, R, k] the actor update reads (signal topk_forward_kl), else nothing."""
+    distill = ctx.spec.distillation
+    if distill is None or distill.signal != "topk_forward_kl":
+        return {}
+    shape = (ctx.spec.plan.sequences, ctx.spec.plan.response_length, distill.topk)
+    row = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(ctx.mesh, 3))  # noqa: E731
+    return {"teacher_topk_ids": row(jnp.int32), "teacher_topk_log_probs": row(jnp.float32)}
 
 
 def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | CriticSpec) -> Program:
@@ -381,5 +444,6 @@ def actor_update_program(ctx: Context) -> Program:
 
 # In step order. A builder returns None when its program is not part of this run's step.
 PROGRAM_BUILDERS: list[Callable[[Context], Program | None]] = [
-    sample_program, ref_program, old_log_prob_program, values_program, critic_update_program, actor_update_program,
+    sample_program, ref_program, old_log_prob_program, teacher_program, values_program, critic_update_program,
+    actor_update_program,
 ]

@@ -74,7 +74,7 @@ class TeacherRole:
         chats = rollout.meta.get("raw_prompt")
         if chats is None:
             raise ValueError(f"{KEY}: a teacher prompt of its own needs the row's chat (data.return_raw_chat)")
-        prompts = teacher_prompt_ids(chats, rollout.group_ids, self.spec, self.tokenizer)
+        prompts = teacher_prompt_ids(list(chats), rollout.group_ids, self.spec, self.tokenizer)
         return with_prompts(rollout, prompts, self.model_cfg.pad_token_id or 0, mesh)
 
 
@@ -100,14 +100,14 @@ def teacher_messages(chat: Any, spec: DistillSpec) -> list[dict[str, Any]]:
 
 
 def teacher_prompt_ids(chats: Sequence[Any], group_ids: np.ndarray, spec: DistillSpec,
-                       tokenizer: Tokenizer) -> list[np.ndarray]:
+                       tokenizer: Tokenizer) -> list[Any]:
     """Per row, the teacher's prompt token ids (rendered once per prompt group: its n samples share it)."""
     _, first, inverse = np.unique(np.asarray(group_ids), return_index=True, return_inverse=True)
     rendered = encode_prompts([teacher_messages(chats[i], spec) for i in first], tokenizer, apply_chat_template=True)
     return [rendered[g] for g in inverse.reshape(-1)]
 
 
-def with_prompts(rollout: Rollout, prompts: Sequence[np.ndarray], pad_id: int, mesh: Mesh) -> Rollout:
+def with_prompts(rollout: Rollout, prompts: Sequence[Any], pad_id: int, mesh: Mesh) -> Rollout:
     """`rollout` with its prompts replaced by `prompts` (left-padded to their bucket): the response
     columns, mask and lengths stay as they are, so position P' + j of the new rows is response token
     j of the old ones (`response_scores` reads the last R columns)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from tiny_runs import read_metrics, tiny_config
@@ -146,3 +147,18 @@ def test_tiny_judge_scores_a_training_step(tmp_path):
     rows = [json.loads(line) for line in open(dump / "0.jsonl")]
     assert len(rows) == 8 and all("judge_verdict" in r and r["judge_score"] == 0.25 for r in rows)
     assert all(r["score"] == pytest.approx(0.25 + float(r["output"].strip() == r["ground_truth"])) for r in rows)
+
+
+def test_judge_generates_on_the_rollout_devices_of_a_split_mesh(tmp_path):
+    from jaxrl_llm.trainer.trainer import Trainer
+
+    cfg = tiny_config(tmp_path / "run", **{
+        "reward_model.enable": True, "reward_model.style": "generative", "reward_model.model.path": "tiny:llama",
+        "mesh.rollout_devices": 4, "synchronizer.sync_offset": 1, "trainer.total_training_steps": 2})
+    trainer = Trainer(cfg)
+    assert trainer.rollout_mesh is not None and trainer.judge is not None
+    assert trainer.judge.mesh is trainer.rollout_mesh
+    judge_devices = {d for x in jax.tree.leaves(trainer.judge.params) for d in x.sharding.device_set}
+    assert judge_devices == set(trainer.rollout_mesh.devices.flat)
+    rows = trainer.fit()
+    assert rows["reward/judge_parse_failures"] == 8.0

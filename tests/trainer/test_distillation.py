@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from tiny_models import make_char_tokenizer
-from tiny_runs import read_metrics, tiny_config
+from tiny_runs import GUESS_YAML, read_metrics, tiny_config
 
 from jaxrl_llm.batching import StepRows, plan_chunks
 from jaxrl_llm.config import ActorSpec, ConfigError
@@ -274,3 +274,46 @@ def test_distillation_runs_packed_as_unpacked(tmp_path, signal):
     for k in keys:
         np.testing.assert_allclose(packed[k], unpacked[k], rtol=1e-4, atol=1e-6, err_msg=k)
     assert packed["timing_s/teacher"] > 0 and abs(packed["distill/reverse_kl"]) > 0
+
+
+def test_distillation_with_a_lora_student_and_the_memory_plan(tmp_path):
+    from jaxrl_llm.trainer.trainer import Trainer
+
+    cfg = tiny_config(tmp_path, **{
+        "algorithm.distillation.enable": True, "algorithm.distillation.signal": "topk_forward_kl",
+        "algorithm.distillation.teacher.path": "tiny:llama", "algorithm.distillation.topk": 4,
+        "algorithm.distillation.teacher.fewshot": [{"role": "user", "content": "What is 1 + 1?"},
+                                                   {"role": "assistant", "content": "2"}],
+        "algorithm.distillation.reward_coef": 0.0, "actor_rollout_ref.model.lora_rank": 4,
+        "trainer.memory_plan": True, "trainer.total_training_steps": 1})
+    trainer = Trainer(cfg)
+    table = trainer.memory_plan.table()
+    assert "\nteacher " in table and "\nupdate_actor " in table
+    row = trainer.fit()
+    # the teacher is the student's base: with the adapters at zero (B = 0) they agree, so the first
+    # step's top-k KL is ~0 even though the teacher alone sees the worked example in its prompt
+    assert abs(row["distill/reverse_kl"]) > 0 and row["actor/distill_topk_kl"] >= 0
+    assert row["actor/pg_loss"] == 0.0  # reward_coef 0: the task advantage is off
+
+
+def test_distillation_scores_model_tokens_of_multi_turn_trajectories(tmp_path):
+    from jaxrl_llm.trainer.trainer import Trainer
+
+    (tmp_path / "guess.yaml").write_text(GUESS_YAML)
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = tiny_config(tmp_path / "run", **{
+        "data.synthetic.task": "guess", "data.max_prompt_length": 96, "data.max_response_length": 64,
+        f"{mt}.enable": True, f"{mt}.interaction_config_path": str(tmp_path / "guess.yaml"),
+        f"{mt}.max_assistant_turns": 3, "actor_rollout_ref.rollout.stop_token_ids": list(range(49152)),
+        "actor_rollout_ref.rollout.engine": "static", "trainer.total_training_steps": 1,
+        "algorithm.distillation.enable": True, "algorithm.distillation.teacher.path": "tiny:llama",
+        "algorithm.distillation.teacher.system_prompt": "Guess well."})
+    trainer = Trainer(cfg)
+    batch = next(iter(trainer.train_loader))
+    rollout, _ = trainer.generate(batch, trainer.actor.model_params, jax.random.PRNGKey(0), False)
+    assert float(rollout.response_mask.sum()) < float((np.asarray(rollout.attention_mask)[:, -64:]).sum())
+    signal, metrics = trainer._teacher_signal(rollout, rollout.rollout_log_probs)
+    tool_tokens = (np.asarray(rollout.attention_mask)[:, -64:] > 0) & (np.asarray(rollout.response_mask) == 0)
+    assert tool_tokens.any()
+    assert np.all(np.asarray(signal.advantages)[tool_tokens] == 0.0)  # environment tokens carry no signal
+    assert np.isfinite(float(metrics["distill/reverse_kl"]))
