@@ -424,8 +424,8 @@ REWARD_MODEL = {
                                     "reward/judge_parse_failures)."),
         "max_new_tokens": field(16, "Longest verdict.", gt=0),
         "temperature": field(0.0, "Judge sampling temperature; 0 = greedy.", ge=0),
-        "max_prompt_length": field(512, "Longest rendered judge prompt, in tokens (longer ones are cut on the "
-                                        "left of the response's question).", gt=0),
+        "max_prompt_length": field(512, "Longest rendered judge prompt, in tokens (a longer one keeps its last "
+                                        "tokens: the response and the question after it).", gt=0),
         "combine": field("judge", "With the rule scorer: judge (the judge's score alone), sum (rule_weight * "
                                   "rule + judge_weight * judge), or fallback (the judge only where the rule "
                                   "scorer has no verdict: it returned None, or the data source has none).",
