@@ -391,3 +391,17 @@ def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | Non
         print(result.table())
         raise
     return result
+
+
+def check_plan_topology(spec: RunSpec, mesh: Mesh) -> None:
+    """`trainer.plan_topology` plans a TPU slice from any host (--plan); a run accepts it only on that
+    slice's devices (its memory plan then compiles for them as they are)."""
+    from jaxrl_llm.platform import accelerator_chip, chip_for, parse_accelerator_type
+
+    topology = spec.trainer.plan_topology
+    assert topology is not None
+    _, chips = parse_accelerator_type(topology)
+    device = mesh.devices.flat[0]
+    if mesh.size != chips * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(topology):
+        raise ConfigError(f"trainer.plan_topology={spec.trainer.plan_topology} is for launch/train.py --plan on any "
+                          f"host; this run has {mesh.size} {device.device_kind} device(s): unset it")

@@ -107,6 +107,20 @@ def score_responses(manager: RewardManager, texts: list[str], meta: dict[str, np
         finished_with_eos=finished_with_eos))
 
 
+def rollout_dump_rows(r: Rollout, step: int) -> list[dict[str, Any]]:
+    """One `trainer.rollout_data_dir` record per row: prompt, response, score, data source, ground
+    truth, and a judge's verdict and score beside the response when a judge scored it."""
+    rows = [{"step": step, "input": p, "output": o, "score": float(s), "data_source": str(ds),
+             "ground_truth": str(gt)}
+            for p, o, s, ds, gt in zip(r.prompt_texts, r.texts, r.scores, r.meta["data_source"],
+                                       r.meta["ground_truth"])]
+    verdicts = r.reward_extra_info.get("judge_verdict")
+    if verdicts is not None:
+        for row, verdict, judge_score in zip(rows, verdicts, r.reward_extra_info["judge_score"]):
+            row.update(judge_verdict=str(verdict), judge_score=float(judge_score))
+    return rows
+
+
 def filter_metric(r: Rollout, metric: str) -> np.ndarray:
     """DAPO `filter_groups.metric` per row: the sequence score for seq_reward / seq_final_reward /
     score, else the numeric key of that name the reward function returned (a clear error otherwise)."""

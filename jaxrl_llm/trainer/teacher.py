@@ -3,11 +3,10 @@ that scores the student's own samples.
 
     check_teacher(spec, student_cfg, tokenizer)  # before any weight loads: one clear error if the
                                                  # vocabularies differ (sizes, a sample of token ids)
-    teacher = load_teacher(spec, mesh=..., tokenizer=..., seed=...)   # placed like the reference
-    rollout_t = teacher.rollout_for(rollout, mesh)  # context distillation: the teacher's own prompt,
-                                                    # the student's response tokens, aligned
-    out = run_no_grad_pass(teacher_no_grad, teacher.device_params(), ...)  # trainer.py
-    signal, metrics = distill_signal(out, student_log_probs, mask, spec)
+    teacher = load_teacher(spec, tokenizer, mesh=..., seed=...)   # placed like the reference
+    signal, metrics = teacher.signal(rollout, student_log_probs, batching=..., micro=..., ...)
+        # rollout_for: context distillation's rows (the teacher's own prompt, the student's
+        # response tokens, aligned); teacher_no_grad over them; distill_signal
 
 The teacher's pass is the reference pass with another model (trainer/experience.py
 `teacher_no_grad`): packed, in the reference pass's micro-batches, with its params in
@@ -27,7 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.batching import StepBatching
+from jaxrl_llm.batching.ops import run_no_grad_pass
 from jaxrl_llm.config import ConfigError
+from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.config.spec import DistillSpec, RefSpec
 from jaxrl_llm.data.prompts import encode_prompts
 from jaxrl_llm.hf.tokenizer import Tokenizer
@@ -35,7 +37,7 @@ from jaxrl_llm.losses.distill import reverse_kl_advantages
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import bucket_length, left_pad
 from jaxrl_llm.sharding import to_device
-from jaxrl_llm.trainer.experience import DistillSignal
+from jaxrl_llm.trainer.experience import DistillSignal, teacher_no_grad
 from jaxrl_llm.trainer.reference import is_offloaded, make_reference, reference_on_device
 from jaxrl_llm.trainer.roles import load_model, model_config_of, tokenizer_of
 from jaxrl_llm.trainer.rollout_batch import Rollout
@@ -65,6 +67,19 @@ class TeacherRole:
         return (f"{self.spec.signal} from {self.spec.teacher.path} ({self.model_cfg.architecture}, "
                 f"{self.spec.teacher.param_dtype}, {where} memory){prompt}; coef {self.spec.coef}, "
                 f"reward_coef {self.spec.reward_coef}")
+
+    def signal(self, rollout: Rollout, student_log_probs: Array, *, batching: StepBatching, micro: MicroBatching,
+               temperature: float, logprob_impl: str, mesh: Mesh) -> tuple[DistillSignal, dict[str, Array]]:
+        """The teacher's pass over `rollout` as it reads it (`rollout_for`), in `micro`'s
+        micro-batches (the reference pass's), packed as the student's passes are, and the signal it
+        gives against the student's sampled-token log-probs (`distill_signal`)."""
+        seen = self.rollout_for(rollout, mesh)
+        how = batching.no_grad(micro, self.spec.teacher, batching.rows_of(seen))
+        out = run_no_grad_pass(
+            teacher_no_grad, self.device_params(), seen.input_ids, seen.attention_mask, seen.response_mask, how,
+            model_cfg=self.model_cfg, temperature=temperature, compute_dtype=self.spec.teacher.param_dtype,
+            logprob_impl=logprob_impl, mesh=mesh, topk=self.spec.topk if self.spec.signal == "topk_forward_kl" else 0)
+        return distill_signal(out, student_log_probs, rollout.response_mask, self.spec)
 
     def rollout_for(self, rollout: Rollout, mesh: Mesh) -> Rollout:
         """`rollout` as the teacher reads it: the same response tokens after the teacher's prompt

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxrl_llm import checkpoint as ckpt
@@ -42,15 +42,7 @@ from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_m
 from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import (
-    DistillSignal,
-    Experience,
-    log_probs_no_grad,
-    make_experience,
-    pad_experience,
-    teacher_no_grad,
-    values_no_grad,
-)
+from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
@@ -58,7 +50,7 @@ from jaxrl_llm.trainer.preflight import run_tokenizer
 from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role, model_config_of
 from jaxrl_llm.trainer.rollout import RolloutGenerator
-from jaxrl_llm.trainer.rollout_batch import Rollout
+from jaxrl_llm.trainer.rollout_batch import Rollout, rollout_dump_rows
 from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
@@ -207,11 +199,12 @@ class Trainer:
     def _plan_memory(self, spec: RunSpec) -> tuple[RunSpec, MemoryPlan | None]:
         """`spec` with its 'auto' micro-batch sizes resolved, and the memory plan (printed) when
         `trainer.memory_plan` is on or a size is 'auto'; else `spec` as it is and None."""
+        from jaxrl_llm.trainer.memory_plan import check_plan_topology, plan_memory
+
         if spec.trainer.plan_topology is not None:
-            _check_plan_topology(spec, self.mesh)
+            check_plan_topology(spec, self.mesh)
         if not (spec.trainer.memory_plan or spec.plan.auto_passes):
             return spec, None
-        from jaxrl_llm.trainer.memory_plan import plan_memory
 
         plan = plan_memory(spec, self.mesh, self.tokenizer)
         if self.is_main:
@@ -362,7 +355,9 @@ class Trainer:
             distill, distill_metrics = None, {}
             if self.teacher is not None:  # the teacher scores the student's tokens (trainer/teacher.py)
                 with timer("teacher") as span:
-                    distill, distill_metrics = self._teacher_signal(rollout, old_lp)
+                    distill, distill_metrics = self.teacher.signal(
+                        rollout, old_lp, batching=self.batching, micro=plan.ref_log_prob,
+                        temperature=spec.actor.temperature, logprob_impl=spec.actor.logprob_impl, mesh=self.mesh)
                     span.wait(distill_metrics)
             values = None
             if self.critic is not None:
@@ -405,7 +400,8 @@ class Trainer:
         # skipped non-finite updates: counted, and K in a row stop the run (trainer/nonfinite.py)
         self.nonfinite.check(self.global_step + 1, metrics, lambda: first_nonfinite(rollout, exp))
         if spec.trainer.rollout_data_dir and self.is_main:
-            self._dump_rollout(rollout)
+            dump_jsonl(storage.join(spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"),
+                       rollout_dump_rows(rollout, self.global_step))
         return metrics
 
     # ------------------------------------------------------------------ pieces of a step
@@ -426,22 +422,6 @@ class Trainer:
                                 model_cfg=self.actor.model_cfg if model_cfg is None else model_cfg,
                                 temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
                                 logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
-
-    def _teacher_signal(self, rollout: Rollout, student_log_probs: jax.Array) -> tuple[DistillSignal, dict]:
-        """The teacher's pass over `rollout` as the teacher reads it (its own prompt, the same response
-        tokens), in the reference pass's micro-batches, and the signal it gives (trainer/teacher.py)."""
-        from jaxrl_llm.trainer.teacher import distill_signal
-
-        teacher = self.teacher
-        assert teacher is not None
-        seen = teacher.rollout_for(rollout, self.mesh)
-        how = self.batching.no_grad(self.spec.plan.ref_log_prob, teacher.spec.teacher, self.batching.rows_of(seen))
-        out = run_no_grad_pass(
-            teacher_no_grad, teacher.device_params(), seen.input_ids, seen.attention_mask, seen.response_mask, how,
-            model_cfg=teacher.model_cfg, temperature=self.spec.actor.temperature,
-            compute_dtype=teacher.spec.teacher.param_dtype, logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh,
-            topk=teacher.spec.topk if teacher.spec.signal == "topk_forward_kl" else 0)
-        return distill_signal(out, student_log_probs, rollout.response_mask, teacher.spec)
 
     def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
         """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""
@@ -497,18 +477,6 @@ class Trainer:
                            pass_prompt_tokens=group_prompt_tokens if shared else None)
         return perf_metrics(times, total_tokens=prompt_tokens + response_tokens, flops=flops,
                             num_devices=jax.device_count(), peak_flops=self._peak_flops)
-
-    def _dump_rollout(self, rollout: Rollout) -> None:
-        rows = [{"step": self.global_step, "input": p, "output": o, "score": float(s),
-                 "data_source": str(ds), "ground_truth": str(gt)}
-                for p, o, s, ds, gt in zip(rollout.prompt_texts, rollout.texts, rollout.scores,
-                                           rollout.meta["data_source"], rollout.meta["ground_truth"])]
-        verdicts = rollout.reward_extra_info.get("judge_verdict")
-        if verdicts is not None:  # a judge's verdict and score beside each response
-            judge_scores = rollout.reward_extra_info["judge_score"]
-            for row, verdict, judge_score in zip(rows, verdicts, judge_scores):
-                row.update(judge_verdict=str(verdict), judge_score=float(judge_score))
-        dump_jsonl(storage.join(self.spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"), rows)
 
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:
@@ -629,17 +597,3 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
             first = first or err
     if first is not None and not quiet:
         raise first
-
-
-def _check_plan_topology(spec: RunSpec, mesh: Mesh) -> None:
-    """`trainer.plan_topology` plans a TPU slice from any host (--plan); a run accepts it only on that
-    slice's devices (its memory plan then compiles for them as they are)."""
-    from jaxrl_llm.platform import accelerator_chip, chip_for, parse_accelerator_type
-
-    topology = spec.trainer.plan_topology
-    assert topology is not None
-    _, chips = parse_accelerator_type(topology)
-    device = mesh.devices.flat[0]
-    if mesh.size != chips * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(topology):
-        raise ConfigError(f"trainer.plan_topology={spec.trainer.plan_topology} is for launch/train.py --plan on any "
-                          f"host; this run has {mesh.size} {device.device_kind} device(s): unset it")

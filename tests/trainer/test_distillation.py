@@ -312,7 +312,9 @@ def test_distillation_scores_model_tokens_of_multi_turn_trajectories(tmp_path):
     batch = next(iter(trainer.train_loader))
     rollout, _ = trainer.generate(batch, trainer.actor.model_params, jax.random.PRNGKey(0), False)
     assert float(rollout.response_mask.sum()) < float((np.asarray(rollout.attention_mask)[:, -64:]).sum())
-    signal, metrics = trainer._teacher_signal(rollout, rollout.rollout_log_probs)
+    signal, metrics = trainer.teacher.signal(
+        rollout, rollout.rollout_log_probs, batching=trainer.batching, micro=trainer.spec.plan.ref_log_prob,
+        temperature=1.0, logprob_impl="auto", mesh=trainer.mesh)
     tool_tokens = (np.asarray(rollout.attention_mask)[:, -64:] > 0) & (np.asarray(rollout.response_mask) == 0)
     assert tool_tokens.any()
     assert np.all(np.asarray(signal.advantages)[tool_tokens] == 0.0)  # environment tokens carry no signal
