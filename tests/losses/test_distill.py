@@ -81,3 +81,15 @@ def test_topk_kl_with_full_vocab_is_the_forward_kl():
     got = topk_forward_kl(topk_log_probs(hs, w, top.ids, chunk=8), top.log_probs)
     pt, ps = _dense_log_probs(ht, w, 1.0, True), _dense_log_probs(hs, w, 1.0, True)
     np.testing.assert_allclose(got, jnp.sum(jnp.exp(pt) * (pt - ps), -1), rtol=1e-4, atol=1e-5)
+
+
+def test_never_materialises_full_logits():
+    """The teacher's top-k and the student's top-k KL (value and gradient) hold no [N, V] fp32
+    buffer: their compiled temp memory stays well under one such array."""
+    n, hid, vocab, k = 512, 32, 8192, 16
+    h, w = jnp.zeros((n, hid)), jnp.zeros((vocab, hid))
+    teacher = jax.jit(lambda h, w: teacher_topk(h, w, k=k, chunk=512))
+    assert teacher.lower(h, w).compile().memory_analysis().temp_size_in_bytes < 0.25 * n * vocab * 4
+    ids, lp = jnp.zeros((n, k), jnp.int32), jnp.full((n, k), -5.0)
+    loss = jax.value_and_grad(lambda h, w: topk_forward_kl(topk_log_probs(h, w, ids, chunk=512), lp).sum(), (0, 1))
+    assert jax.jit(loss).lower(h, w).compile().memory_analysis().temp_size_in_bytes < 0.25 * n * vocab * 4

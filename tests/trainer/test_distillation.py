@@ -319,3 +319,23 @@ def test_distillation_scores_model_tokens_of_multi_turn_trajectories(tmp_path):
     assert tool_tokens.any()
     assert np.all(np.asarray(signal.advantages)[tool_tokens] == 0.0)  # environment tokens carry no signal
     assert np.isfinite(float(metrics["distill/reverse_kl"]))
+
+
+def test_distillation_resume_equals_uninterrupted(tmp_path):
+    """The teacher is not saved (it is frozen, loaded again from its path): a run resumed from step 1
+    logs the same metrics (distillation ones included) at steps 2-3 as the run that never stopped."""
+    import tiny_runs
+
+    from jaxrl_llm.trainer.trainer import Trainer
+
+    def run(run_dir, steps, **extra):
+        return Trainer(tiny_config(run_dir, **{
+            "algorithm.distillation.enable": True, "algorithm.distillation.signal": "topk_forward_kl",
+            "algorithm.distillation.teacher.path": "tiny:llama", "algorithm.distillation.topk": 4,
+            "algorithm.distillation.teacher.system_prompt": "Be brief.", "trainer.total_training_steps": steps,
+            **extra}))
+
+    full = tmp_path / "full"
+    run(full, 3, **{"trainer.save_freq": 1}).fit()
+    tiny_runs.assert_resume_equals_uninterrupted(run, full, tmp_path / "resumed")
+    assert all("distill/reverse_kl" in r for r in read_metrics(full))
