@@ -37,6 +37,21 @@ def tiny_config(run_dir: Any, **overrides: Any) -> Any:
     return cfg
 
 
+def train_example(run_dir: pathlib.Path, config: str, *overrides: str, timeout: int = 1500) -> list[dict]:
+    """launch/train.py `config` on one CPU device in a subprocess, as a user runs it; the
+    metrics.jsonl rows it wrote (the example tests under tests/examples)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one device, as `python launch/train.py`
+    cmd = [sys.executable, "launch/train.py", f"--config={config}", f"--config.trainer.default_local_dir={run_dir}",
+           *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(run_dir)
+
+
 def read_metrics(run_dir: Any) -> list[dict]:
     """The rows of a run's metrics.jsonl."""
     return [json.loads(line) for line in open(pathlib.Path(run_dir) / "metrics.jsonl")]

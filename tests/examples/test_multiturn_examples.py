@@ -8,34 +8,17 @@ user runs it; the rollouts stream through the paged engine):
   slowly (greedy validation 0.0 -> 0.1 / 0.4 at step 8, measured in docs/performance.md)."""
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tiny_runs import train_example
 
 # the real SmolLM2, three or four training steps each: ~8-9 min per test on 2 cores, so they run
 # with `make test-examples`, outside CI's time budget
 pytestmark = [pytest.mark.slow, pytest.mark.examples]
 
 
-def train(run_dir: pathlib.Path, config: str, *overrides: str) -> list[dict]:
-    """launch/train.py on one CPU device; the metrics.jsonl rows it wrote."""
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one device, as `python launch/train.py`
-    cmd = [sys.executable, "launch/train.py", f"--config={config}", f"--config.trainer.default_local_dir={run_dir}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_multiturn_tool_example_learns(tmp_path, smollm2_gguf):
-    rows = train(tmp_path / "run", "configs/multiturn_tool.py", "--config.trainer.total_training_steps=3",
-                 "--config.trainer.val_before_train=False", "--config.trainer.test_freq=-1")
+    rows = train_example(tmp_path / "run", "configs/multiturn_tool.py", "--config.trainer.total_training_steps=3",
+                         "--config.trainer.val_before_train=False", "--config.trainer.test_freq=-1")
     steps = [r for r in rows if "critic/score/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     scores = [r["critic/score/mean"] for r in steps]
@@ -47,8 +30,8 @@ def test_multiturn_tool_example_learns(tmp_path, smollm2_gguf):
 
 
 def test_multiturn_guess_example_learns(tmp_path, smollm2_gguf):
-    rows = train(tmp_path / "run", "configs/multiturn_guess.py", "--config.trainer.total_training_steps=4",
-                 "--config.trainer.test_freq=-1")
+    rows = train_example(tmp_path / "run", "configs/multiturn_guess.py", "--config.trainer.total_training_steps=4",
+                         "--config.trainer.test_freq=-1")
     val = [r["val-core/synthetic/guess/reward/mean@1"] for r in rows if "val-core/synthetic/guess/reward/mean@1" in r]
     steps = [r for r in rows if "multi_turn/num_turns/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and len(val) == 1

@@ -9,33 +9,18 @@ as a user runs it), in CI:
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tiny_runs import train_example
 
 # the real SmolLM2, 6 / 10 steps: ~1.5-2 min each on 2 cores
 pytestmark = pytest.mark.slow
 
 
-def train(run_dir: pathlib.Path, config: str, *overrides: str) -> list[dict]:
-    """launch/train.py on one CPU device; the metrics.jsonl rows it wrote."""
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "launch/train.py", f"--config={config}", f"--config.trainer.default_local_dir={run_dir}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_context_distillation_example_learns(tmp_path, smollm2_gguf):
-    rows = train(tmp_path / "run", "configs/distill_context.py", "--config.trainer.total_training_steps=6",
-                 "--config.trainer.test_freq=6")
+    rows = train_example(tmp_path / "run", "configs/distill_context.py", "--config.trainer.total_training_steps=6",
+                         "--config.trainer.test_freq=6")
     key = "val-core/synthetic/add/reward/mean@1"
     val = [r[key] for r in rows if key in r]
     kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
@@ -47,8 +32,8 @@ def test_context_distillation_example_learns(tmp_path, smollm2_gguf):
 
 
 def test_judge_example_learns(tmp_path, smollm2_gguf):
-    rows = train(tmp_path / "run", "configs/judge.py", "--config.trainer.total_training_steps=10",
-                 "--config.trainer.val_before_train=False", "--config.trainer.test_freq=-1",
+    rows = train_example(tmp_path / "run", "configs/judge.py", "--config.trainer.total_training_steps=10",
+                         "--config.trainer.val_before_train=False", "--config.trainer.test_freq=-1",
                  f"--config.trainer.rollout_data_dir={tmp_path / 'rollouts'}")
     steps = [r for r in rows if "reward/judge_score/mean" in r]
     judge = [r["reward/judge_score/mean"] for r in steps]
