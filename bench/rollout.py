@@ -17,6 +17,11 @@ the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 to
 prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
+Batched prefill (`paged` row; `paged_1pf`: one prefill call per prompt, 2026-11-27,
+`--prompts 64 --n 4 --slots 64 --new-tokens 32 --skip static transformers`): 38 vs 64 prefill
+calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the
+timed run: 27 vs 6 programs) and 0.98x with `--warm-all` (411.0 vs 419.7 tok/s): on CPU a prefill
+call's overhead is small next to its compute, so `rollout.batch_prefill` stays off by default.
 """
 from __future__ import annotations
 
@@ -53,8 +58,8 @@ def rl_prompts(count: int) -> list[str]:
 
 
 def cache_sizes() -> int:
-    return sum(f._cache_size() for f in (programs.prefill, programs.insert, programs.generate,
-                                         programs.clear_slots))
+    return sum(f._cache_size() for f in (programs.prefill, programs.prefill_batch, programs.insert,
+                                         programs.insert_at, programs.generate, programs.clear_slots))
 
 
 def timed(fn):
@@ -79,7 +84,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--slots", type=int, default=64)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["paged", "static", "transformers"])
+    parser.add_argument("--warm-all", action="store_true",
+                        help="warm the paged engine on the timed prompts (steady state: no compile in the timed run)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["paged", "paged_1pf", "static", "transformers"])
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.new_tokens, args.slots = 16, 128, 16
@@ -110,8 +117,12 @@ def main() -> None:
 
     print(f"{'engine':>12} | {'tok/s':>7} {'util':>5} {'tokens':>7} {'wall s':>7} | {'prefill tok':>11} "
           f"{'KV MiB':>7} | {'programs':>8} {'compile s':>9}", flush=True)
-    if "paged" not in args.skip:
-        opts = EngineOptions(max_num_seqs=slots)
+    # the paged engine twice: new prompts of a round batched into one prefill call (rollout.batch_prefill),
+    # and one prefill call per prompt (the default)
+    for name, batch_prefill in (("paged", True), ("paged_1pf", False)):
+        if name in args.skip:
+            continue
+        opts = EngineOptions(max_num_seqs=slots, batch_prefill=batch_prefill)
         before = cache_sizes()
         # warm-up (compiles): one prompt per length bucket, the longest included, enough requests
         # for the same slot count -> the very programs of the timed run
@@ -119,6 +130,8 @@ def main() -> None:
         warm = list(by_bucket.values())
         while len(warm) * n <= slots // 2:
             warm += warm
+        if args.warm_all:  # the timed prompts themselves (other seed): the steady state of an RL run
+            warm = prompts
         _, compile_s = timed(lambda: sample_paged(params, cfg, warm, jax.random.key(0), knobs, settings=settings,
                                                   opts=opts))
         (out, stats), warm_s = timed(lambda: sample_paged(params, cfg, prompts, jax.random.key(1), knobs,
@@ -126,13 +139,14 @@ def main() -> None:
         spec = engine_spec(cfg, opts, num_requests=len(prompts) * n, max_prompt_len=max(map(len, prompts)),
                            max_new_tokens=r, compute_dtype="float32")
         useful = int(out.lengths.sum())
-        report("paged", dict(tps=useful / warm_s, util=stats.utilisation, useful=useful, wall=warm_s,
-                             prefill=sum(bucket_length(len(p)) for p in prompts),
-                             kv=spec.num_pages * spec.page_bytes(cfg, "float32"),
-                             compiles=cache_sizes() - before, compile_s=compile_s))
-        print(f"       paged: {stats.decode_steps} decode steps, {stats.generate_calls} generate calls, "
-              f"{stats.resizes} slot-set resizes, peak {stats.peak_pages_used} of {spec.num_pages - 1} pages "
-              f"used, warm-up run incl. compiles {compile_s:.1f} s", flush=True)
+        report(name, dict(tps=useful / warm_s, util=stats.utilisation, useful=useful, wall=warm_s,
+                          prefill=sum(bucket_length(len(p)) for p in prompts),
+                          kv=spec.num_pages * spec.page_bytes(cfg, "float32"),
+                          compiles=cache_sizes() - before, compile_s=compile_s))
+        print(f"{name:>12}: {stats.decode_steps} decode steps, {stats.generate_calls} generate calls, "
+              f"{stats.prefill_calls} prefill calls, {stats.resizes} slot-set resizes, peak "
+              f"{stats.peak_pages_used} of {spec.num_pages - 1} pages used, warm-up run incl. compiles "
+              f"{compile_s:.1f} s", flush=True)
 
     requests = [p for p in prompts for _ in range(n)]  # prompt-major, n copies (the static path's repeat)
 
@@ -189,7 +203,7 @@ def main() -> None:
                                     prefill=prefill, kv=kv, compiles=0, compile_s=0.0))
 
     if "paged" in rows:
-        for other in ("static", "transformers"):
+        for other in ("paged_1pf", "static", "transformers"):
             if other in rows:
                 print(f"paged / {other}: {rows['paged']['tps'] / rows[other]['tps']:.2f}x useful tokens/s")
 

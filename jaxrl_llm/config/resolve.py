@@ -107,7 +107,8 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          max_num_batched_tokens=int(rollout.max_num_batched_tokens),
                          gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                          kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
-                         enable_chunked_prefill=bool(rollout.enable_chunked_prefill))
+                         enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
+                         batch_prefill=bool(rollout.batch_prefill))
     return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))
 
 

@@ -307,6 +307,24 @@ def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: 
     return _prefix(params, cfg, hidden, cache, length, routing)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "mesh"))
+def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Array, *, compute_dtype: str,
+                  mesh: Mesh | None = None) -> Prefix:
+    """`prefill` of B right-padded prompts [B, Pb] of one bucket in one forward (their first
+    `lengths[b]` ids real): a Prefix whose every field has a leading [B] axis (`insert_at` takes
+    one row). Many short prompts then cost one program call rather than one each (no routing
+    recording, no chunking: the scheduler keeps those on `prefill`)."""
+    with mesh_context(mesh):
+        dt = as_jnp_dtype(compute_dtype)
+        b, pb = prompt_ids.shape
+        mask = (jnp.arange(pb)[None] < lengths[:, None]).astype(jnp.int32)
+        hidden, cache = forward_hidden(params, cfg, prompt_ids.astype(jnp.int32), mask,
+                                       cache=init_cache(cfg, b, pb, dt), compute_dtype=dt)
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        return Prefix(k=jnp.moveaxis(cache["k"], 1, 0), v=jnp.moveaxis(cache["v"], 1, 0),
+                      logits=logits_from_hidden(params, cfg, last), length=lengths.astype(jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
 def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
            rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
@@ -314,6 +332,19 @@ def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, req
     The slot then generates at most `budget` (<= settings.max_new_tokens) tokens.
 
     Pages shared by the samples of one prompt are rewritten with identical values (harmless)."""
+    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, settings=settings)
+
+
+@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
+def insert_at(prefixes: Prefix, index: Array, state: DecodeState, slot: Array, page_row: Array, request: Array,
+              budget: Array, rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
+    """`insert` of row `index` of a batched prefix (`prefill_batch`)."""
+    prefix = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False), prefixes)
+    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, settings=settings)
+
+
+def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
+            rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
     pool = state.pool
     ps = pool["k"].shape[3]
     pb = prefix.k.shape[2]

@@ -5,9 +5,10 @@
 
 Loop: admit queued requests into free slots (one prefill per prompt, its KV inserted into each of
 its n samples' slots; full prompt pages are shared by the samples, the partial last page and the
-response pages are their own), then one `generate` call of up to `steps_per_call` decode steps
-that returns early when a slot finishes while requests wait, then collect finished slots and
-free their pages. A request waits while the pool lacks the pages for its whole sequence
+response pages are their own; with `batch_prefill` the new prompts of a round that share a length
+bucket prefill in one program call, within `max_num_batched_tokens`), then one `generate` call of
+up to `steps_per_call` decode steps that returns early when a slot finishes while requests wait,
+then collect finished slots and free their pages. A request waits while the pool lacks the pages for its whole sequence
 (prompt + max_new_tokens), so a running request never runs out of KV.
 
 `run` queues every (prompt, sample) at once; `serve` takes any `RequestSource`, whose requests
@@ -50,7 +51,7 @@ class EngineStats:
     slot_steps: int = 0  # decode steps x the slots each step computed
     useful_token_steps: int = 0
     prefill_tokens: int = 0  # real prompt tokens prefilled (once per prompt)
-    prefill_calls: int = 0
+    prefill_calls: int = 0  # program calls (a batched call prefills several prompts)
     max_prefill_tokens_per_round: int = 0  # bounded by max_num_batched_tokens (or one prompt)
     generate_calls: int = 0
     peak_pages_used: int = 0
@@ -114,7 +115,8 @@ class RequestSource(Protocol):
 
 @dataclasses.dataclass
 class _Group:
-    prefix: programs.Prefix | None  # dropped once every member is in a slot
+    # (prefix, its row of a batched prefill or None), dropped once every member is in a slot
+    prefix: tuple[programs.Prefix, int | None] | None
     shared: list[int]  # full prompt pages, shared by the members
     pending: int  # members not inserted yet
     left: int  # members not finished yet
@@ -192,7 +194,7 @@ class PagedEngine:
 
     def __init__(self, cfg: ModelConfig, spec: programs.EngineSpec, *, compute_dtype: str = "float32",
                  steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, batch_prefill: bool = False):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
         self.cfg, self.spec, self.compute_dtype = cfg, spec, compute_dtype
@@ -203,6 +205,7 @@ class PagedEngine:
         if prefill_chunk is not None and (prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1)):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
         self.prefill_chunk = prefill_chunk
+        self.batch_prefill = batch_prefill  # new groups' short prompts of one bucket share a prefill call
         self._init_state: dict[tuple[int, bool], Any] = {}  # (max_new_tokens, recording) -> jitted initialiser
         self._state_r = None
         self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
@@ -277,6 +280,46 @@ class PagedEngine:
                            num_steps=np.asarray(source.lengths.max(initial=0), np.int32), routing=routing)
         return out, stats
 
+    def _prefill_groups(self, params: dict, fresh: list[tuple[_Group, EngineRequest]], record: bool) -> int:
+        """Prefills the first request of each new group in `fresh`, setting `entry.prefix` to
+        (prefix, row in it or None); returns the program calls. Prompts of one bucket share a call
+        (`prefill_batch`, the batch padded to a power of two so a handful of shapes compile); a
+        recording (MoE routing) or chunked prompt runs alone (`prefill`)."""
+        cfg, calls = self.cfg, 0
+        batchable: dict[int, list[tuple[_Group, EngineRequest]]] = collections.defaultdict(list)
+        for entry, req in fresh:
+            length = len(req.ids)
+            width = bucket_length(length)
+            chunked = self.prefill_chunk is not None and self.prefill_chunk < width
+            if self.batch_prefill and not record and not chunked:
+                batchable[width].append((entry, req))
+                continue
+            ids = np.full((width,), 0, np.int32)
+            ids[:length] = req.ids
+            replay = None
+            if record and req.routing is not None:  # the conversation's earlier turns keep their experts
+                replay = np.full((len(ids), *req.routing.shape[1:]), NOT_RECORDED, req.routing.dtype)
+                replay[:length] = req.routing
+            prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
+                                      record_routing=record, mesh=self.mesh, replay=replay, chunk=self.prefill_chunk)
+            entry.prefix = (prefix, None)
+            if prefix.routing is not None:
+                entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]
+            calls += 1
+        for width, members in batchable.items():
+            rows = 1 << (len(members) - 1).bit_length()  # padded to a power of two: few compiled shapes
+            ids = np.zeros((rows, width), np.int32)
+            lengths = np.ones((rows,), np.int32)  # padding rows: one token, never read
+            for i, (_, req) in enumerate(members):
+                ids[i, :len(req.ids)] = req.ids
+                lengths[i] = len(req.ids)
+            prefix = programs.prefill_batch(params, cfg, ids, lengths, compute_dtype=self.compute_dtype,
+                                            mesh=self.mesh)
+            for i, (entry, _) in enumerate(members):
+                entry.prefix = (prefix, i)
+            calls += 1
+        return calls
+
     def _check(self, req: EngineRequest, r: int) -> None:
         if len(req.ids) < 1:
             raise ValueError(f"request {req.key}: the prompt is empty")
@@ -345,7 +388,11 @@ class PagedEngine:
                 slot_req = {new: slot_req[old] for new, old in enumerate(order)}
                 free_slots, size = list(range(len(order), target)), target
                 stats.resizes += 1
+            # admit what fits (slots, pages, the prefill token budget), then prefill the new groups
+            # (several short prompts of one bucket in one call) and insert every admitted request
             prefilled = 0
+            admitted: list[tuple[EngineRequest, _Group, np.ndarray, int]] = []
+            fresh: list[tuple[_Group, EngineRequest]] = []  # groups prefilled this round, in order
             while queue and free_slots:
                 req = queue[0]
                 length, entry = len(req.ids), groups[req.group]
@@ -362,34 +409,30 @@ class PagedEngine:
                 if new_group:
                     if budget is not None and prefilled and prefilled + length > budget:
                         break  # rollout.max_num_batched_tokens: prefill more after the next decode call
-                    ids = np.full((bucket_length(length),), 0, np.int32)
-                    ids[:length] = req.ids
-                    replay = None
-                    if record and req.routing is not None:  # the conversation's earlier turns keep their experts
-                        replay = np.full((len(ids), *req.routing.shape[1:]), NOT_RECORDED, req.routing.dtype)
-                        replay[:length] = req.routing
-                    prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
-                                              record_routing=record, mesh=self.mesh, replay=replay,
-                                              chunk=self.prefill_chunk)
-                    entry.prefix = prefix
-                    if prefix.routing is not None:
-                        entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]
+                    fresh.append((entry, req))
                     entry.shared = pool.alloc(shared_n, refs=entry.left)
                     prefilled += length
                     stats.prefill_tokens += length
-                    stats.prefill_calls += 1
                 own = pool.alloc(total - shared_n)
                 row = np.zeros((spec.pages_per_slot,), np.int32)
                 row[:total] = entry.shared + own
                 slot = free_slots.pop(0)
-                state = programs.insert(entry.prefix, state, np.int32(slot), row, np.asarray(req.key, np.int32),
-                                        np.int32(req.max_new_tokens), rng, knobs, settings=settings)
                 queue.popleft()
                 slot_req[slot] = (req, own)
                 entry.pending -= 1
+                admitted.append((req, entry, row, slot))
+                stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
+            stats.prefill_calls += self._prefill_groups(params, fresh, record)
+            for req, entry, row, slot in admitted:
+                assert entry.prefix is not None
+                prefix, index = entry.prefix
+                args = (state, np.int32(slot), row, np.asarray(req.key, np.int32), np.int32(req.max_new_tokens), rng,
+                        knobs)
+                state = (programs.insert(prefix, *args, settings=settings) if index is None else
+                         programs.insert_at(prefix, np.int32(index), *args, settings=settings))
+            for _, entry, _, _ in admitted:
                 if entry.pending == 0:
                     entry.prefix = None  # drop the prefix KV, keep the page list
-                stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
             stats.max_prefill_tokens_per_round = max(stats.max_prefill_tokens_per_round, prefilled)
 
             # stop at the first finish while requests wait or may still come, to refill its slot

@@ -46,6 +46,7 @@ class EngineOptions:
     steps_per_call: int = 16
     attention_impl: str = "auto"  # paged attention: 'auto' (Pallas on GPU / TPU, XLA elsewhere), 'pallas', 'xla'
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
+    batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -112,13 +113,14 @@ _ENGINES: dict[tuple, PagedEngine] = {}
 def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_dtype: str,
                mesh: Mesh | None = None) -> PagedEngine:
     """A cached engine per (model, shape, mesh): its KV buffers and compiled programs are reused."""
-    key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, opts.prefill_chunk, mesh)
+    key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, opts.prefill_chunk,
+           opts.batch_prefill, mesh)
     if key not in _ENGINES:
         if len(_ENGINES) >= 4:  # a few shapes per run; drop the oldest pool
             _ENGINES.pop(next(iter(_ENGINES)))
         _ENGINES[key] = PagedEngine(cfg, spec, compute_dtype=compute_dtype, steps_per_call=opts.steps_per_call,
                                     max_num_batched_tokens=opts.max_num_batched_tokens, mesh=mesh,
-                                    prefill_chunk=opts.prefill_chunk)
+                                    prefill_chunk=opts.prefill_chunk, batch_prefill=opts.batch_prefill)
     return _ENGINES[key]
 
 
