@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sampler_fixtures import PAD_ID, PROMPTS
+from sampler_fixtures import MESHES, PAD_ID, PROMPTS, PROMPTS8
 from test_sampler_logprobs import rescore
 
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
@@ -304,3 +304,23 @@ def test_decode_reads_compute_dtype_weights_and_frees_its_pool(llama_tiny, monke
     again, _ = engine.run(bf16, PROMPTS, jax.random.key(0), knobs, settings)
     np.testing.assert_array_equal(out.tokens, again.tokens)
     np.testing.assert_array_equal(out.log_probs, again.log_probs)
+
+
+def test_batched_prefill_on_a_mesh_equals_one_device(llama_tiny, mesh_name="data2_tensor4"):
+    """rollout.batch_prefill under a mesh (params over tensor, the batched prompts' rows replicated):
+    the same greedy tokens as one prefill call per prompt on one device."""
+    from jaxrl_llm import sharding
+    from jaxrl_llm.models import param_logical_axes
+    from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False, n=2))
+    one, _ = sample_paged(jax.device_put(params, jax.devices()[0]), cfg, PROMPTS8, jax.random.key(0), knobs,
+                          settings=settings, opts=EngineOptions(engine="paged", max_num_seqs=8))
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
+    out, stats = sample_paged(placed, cfg, PROMPTS8, jax.random.key(0), knobs, settings=settings,
+                              opts=EngineOptions(engine="paged", max_num_seqs=8, batch_prefill=True), mesh=mesh)
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    np.testing.assert_allclose(out.log_probs, one.log_probs, atol=1e-5)
+    assert stats.prefill_calls < len(PROMPTS8)
