@@ -11,6 +11,7 @@ from __future__ import annotations
 from jaxrl_llm.checkpoint import RESUME_MODES
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import field
+from jaxrl_llm.losses.distill import SIGNALS as DISTILL_SIGNALS
 from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
@@ -505,7 +506,7 @@ ALGORITHM = {
                                       "tokens (discounted by `discount`), added to the task advantage; "
                                       "topk_forward_kl: a loss term, the forward KL over the teacher's top-k "
                                       "tokens (plus one rest-of-vocabulary bucket) at each response position.",
-                        choices=("reverse_kl", "topk_forward_kl")),
+                        choices=DISTILL_SIGNALS),
         "coef": field(1.0, "Weight of the distillation signal (the reverse-KL advantage, or the top-k KL loss).",
                       ge=0),
         "reward_coef": field(1.0, "Weight of the task reward's advantage beside it; 0 = pure distillation (the "

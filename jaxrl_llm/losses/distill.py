@@ -5,7 +5,7 @@ tokens, and each token's advantage is the negative per-token reverse KL estimate
 
     A_t = sum_{s >= t} discount^(s - t) * -(log pi(y_s) - log teacher(y_s))     (discount 0: A_t = -kl_t)
 
-added to the task advantage with weight `coef` (`distill_advantages`).
+added to the task advantage with weight `coef` (trainer/experience.py `mix_advantages`).
 
 topk_forward_kl: at every response position the teacher's top-k tokens S_k and their log-probs
 t_j; the student's log-probs s_j at the same ids (through the fused head, `topk_log_probs`); the
@@ -25,7 +25,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.losses.logprob_xla import Layout, cap_grad, chunk_logits, chunk_plan, vocab_size
+from jaxrl_llm.losses.logprob_xla import (
+    Layout,
+    cap_grad,
+    chunk_grads,
+    chunk_logits,
+    online_lse,
+    over_vocab_chunks,
+    vocab_size,
+)
 
 Array = jax.Array
 SIGNALS = ("reverse_kl", "topk_forward_kl")
@@ -68,18 +76,6 @@ def _layout(temperature: float, chunk: int, vocab_major: bool, softcap: float | 
     return Layout(float(temperature), int(chunk), bool(vocab_major), False, None if softcap is None else float(softcap))
 
 
-def _over_chunks(update, state, w: Array, lay: Layout):
-    """`update(state, start, size)` over the vocabulary's chunks (a scan over the full ones)."""
-    chunk, n_full, rem = chunk_plan(vocab_size(w, lay.vocab_major), lay.chunk)
-    state, _ = jax.lax.scan(lambda st, i: (update(st, i * chunk, chunk), None), state, jnp.arange(n_full))
-    return update(state, n_full * chunk, rem) if rem else state
-
-
-def _online_lse(m: Array, s: Array, z: Array) -> tuple[Array, Array]:
-    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
-    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
-
-
 @functools.partial(jax.jit, static_argnames=("k", "temperature", "chunk", "vocab_major", "softcap"))
 def teacher_topk(hidden: Array, unembed: Array, *, k: int, temperature: float = 1.0, chunk: int = 2048,
                  vocab_major: bool = True, softcap: float | None = None) -> TopK:
@@ -93,7 +89,7 @@ def teacher_topk(hidden: Array, unembed: Array, *, k: int, temperature: float = 
     def update(state, start, size):
         m, s, best, best_ids = state
         z, _ = chunk_logits(hidden, unembed, start, size, lay)
-        m, s = _online_lse(m, s, z)
+        m, s = online_lse(m, s, z)
         ids = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32) + start, z.shape)
         best, pick = jax.lax.top_k(jnp.concatenate([best, z], axis=1), k)
         best_ids = jnp.take_along_axis(jnp.concatenate([best_ids, ids], axis=1), pick, axis=1)
@@ -101,7 +97,7 @@ def teacher_topk(hidden: Array, unembed: Array, *, k: int, temperature: float = 
 
     state = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
              jnp.full((n, k), -jnp.inf, jnp.float32), jnp.zeros((n, k), jnp.int32))
-    m, s, best, best_ids = _over_chunks(update, state, unembed, lay)
+    m, s, best, best_ids = over_vocab_chunks(update, state, vocab_size(unembed, vocab_major), chunk)
     return TopK(best_ids, best - (m + jnp.log(s))[:, None])
 
 
@@ -112,14 +108,14 @@ def _gather_stats(h: Array, w: Array, ids: Array, lay: Layout) -> tuple[Array, A
     def update(state, start, size):
         m, s, picked = state
         z, _ = chunk_logits(h, w, start, size, lay)
-        m, s = _online_lse(m, s, z)
+        m, s = online_lse(m, s, z)
         local = ids - start
         inside = (local >= 0) & (local < size)
         values = jnp.take_along_axis(z, jnp.clip(local, 0, size - 1), axis=1)
         return m, s, jnp.where(inside, values, picked)
 
     state = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32), jnp.zeros(ids.shape, jnp.float32))
-    m, s, picked = _over_chunks(update, state, w, lay)
+    m, s, picked = over_vocab_chunks(update, state, vocab_size(w, lay.vocab_major), lay.chunk)
     return m + jnp.log(s), picked
 
 
@@ -146,18 +142,11 @@ def _topk_bwd(lay: Layout, res, g):
         local = ids - start
         inside = (local >= 0) & (local < size)
         dz = dz.at[rows, jnp.clip(local, 0, size - 1)].add(jnp.where(inside, g, 0.0))
-        dz = cap_grad(dz, z, lay.softcap, lay.temperature)
-        if lay.vocab_major:
-            dh = dh + jnp.einsum("nc,ch->nh", dz, wc.astype(jnp.float32))
-            dwc = jnp.einsum("nc,nh->ch", dz, h.astype(jnp.float32))
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc, start, axis=0)
-        else:
-            dh = dh + jnp.einsum("nc,hc->nh", dz, wc.astype(jnp.float32))
-            dwc = jnp.einsum("nh,nc->hc", h.astype(jnp.float32), dz)
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc, start, axis=1)
-        return dh, dw
+        dh_chunk, dwc = chunk_grads(cap_grad(dz, z, lay.softcap, lay.temperature), h, wc, lay.vocab_major)
+        return dh + dh_chunk, jax.lax.dynamic_update_slice_in_dim(dw, dwc, start, axis=0 if lay.vocab_major else 1)
 
-    dh, dw = _over_chunks(update, (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32)), w, lay)
+    carry = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    dh, dw = over_vocab_chunks(update, carry, vocab_size(w, lay.vocab_major), lay.chunk)
     return dh.astype(h.dtype), dw.astype(w.dtype), None
 
 

@@ -65,6 +65,28 @@ def chunk_plan(vocab: int, chunk: int) -> tuple[int, int, int]:
     return chunk, vocab // chunk, vocab % chunk
 
 
+def over_vocab_chunks(update, state, vocab: int, chunk: int):
+    """`update(state, start, size)` over the vocabulary's chunks: a `lax.scan` over the full ones,
+    then the partial last one; returns the final state."""
+    chunk, n_full, rem = chunk_plan(vocab, chunk)
+    state, _ = jax.lax.scan(lambda st, i: (update(st, i * chunk, chunk), None), state, jnp.arange(n_full))
+    return update(state, n_full * chunk, rem) if rem else state
+
+
+def online_lse(m: Array, s: Array, z: Array) -> tuple[Array, Array]:
+    """The running (max, sum of exp(z - max)) of an online logsumexp, with chunk logits z [N, C] added."""
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
+
+
+def chunk_grads(dz: Array, h: Array, wc: Array, vocab_major: bool) -> tuple[Array, Array]:
+    """(dh [N, H], dW's chunk) of the chunk logits' gradient dz [N, C] (fp32), for the weight slice wc."""
+    wc32, h32 = wc.astype(jnp.float32), h.astype(jnp.float32)
+    if vocab_major:
+        return jnp.einsum("nc,ch->nh", dz, wc32), jnp.einsum("nc,nh->ch", dz, h32)
+    return jnp.einsum("nc,hc->nh", dz, wc32), jnp.einsum("nh,nc->hc", h32, dz)
+
+
 class Stats(NamedTuple):
     """Per-token forward statistics every backend returns (the backward needs only these)."""
 
@@ -76,7 +98,6 @@ class Stats(NamedTuple):
 def xla_stats(h: Array, w: Array, targets: Array, lay: Layout) -> Stats:
     """Online logsumexp (+ E_p[z] for entropy) over vocab chunks with lax.scan."""
     n = h.shape[0]
-    chunk, n_full, rem = chunk_plan(vocab_size(w, lay.vocab_major), lay.chunk)
 
     def update(state, start, size):
         m, s, a, tgt = state
@@ -93,18 +114,13 @@ def xla_stats(h: Array, w: Array, targets: Array, lay: Layout) -> Stats:
 
     zeros = jnp.zeros((n,), jnp.float32)
     state = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-    state, _ = jax.lax.scan(lambda st, i: (update(st, i * chunk, chunk), None), state, jnp.arange(n_full))
-    if rem:
-        state = update(state, n_full * chunk, rem)
-    m, s, a, tgt = state
+    m, s, a, tgt = over_vocab_chunks(update, state, vocab_size(w, lay.vocab_major), lay.chunk)
     return Stats(m + jnp.log(s), tgt, a / s if lay.with_entropy else zeros)
 
 
 def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout, dw_into: Array | None = None):
     """Recompute each chunk's softmax and accumulate dh and dW (written chunk by chunk). `dw_into`
     (fp32, w's shape): add dW to it and return the fp32 sum (row blocks of one call share one dW)."""
-    chunk, n_full, rem = chunk_plan(vocab_size(w, lay.vocab_major), lay.chunk)
-
     def update(carry, start, size):
         dh, dw = carry
         z, wc = chunk_logits(h, w, start, size, lay)
@@ -114,12 +130,8 @@ def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout, dw_into:
         if lay.with_entropy:
             dz = dz + g_ent[:, None] * p * (stats.mean_logit[:, None] - z)
         dz = cap_grad(dz, z, lay.softcap, lay.temperature)
-        if lay.vocab_major:
-            dh = dh + jnp.einsum("nc,ch->nh", dz, wc.astype(jnp.float32))
-            dwc = jnp.einsum("nc,nh->ch", dz, h.astype(jnp.float32))
-        else:
-            dh = dh + jnp.einsum("nc,hc->nh", dz, wc.astype(jnp.float32))
-            dwc = jnp.einsum("nh,nc->hc", h.astype(jnp.float32), dz)
+        dh_chunk, dwc = chunk_grads(dz, h, wc, lay.vocab_major)
+        dh = dh + dh_chunk
         axis = 0 if lay.vocab_major else 1
         if dw_into is not None:
             dwc = dwc + jax.lax.dynamic_slice_in_dim(dw, start, size, axis=axis)
@@ -127,10 +139,7 @@ def xla_backward(h, w, targets, stats: Stats, g_lp, g_ent, lay: Layout, dw_into:
         return dh, dw
 
     carry = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32) if dw_into is None else dw_into)
-    carry, _ = jax.lax.scan(lambda c, i: (update(c, i * chunk, chunk), None), carry, jnp.arange(n_full))
-    if rem:
-        carry = update(carry, n_full * chunk, rem)
-    dh, dw = carry
+    dh, dw = over_vocab_chunks(update, carry, vocab_size(w, lay.vocab_major), lay.chunk)
     return dh.astype(h.dtype), (dw if dw_into is not None else dw.astype(w.dtype))
 
 
@@ -158,7 +167,6 @@ def kl_chunk(hp, wp, hr, wr, start, size, lay: KLLayout):
 def kl_stats(hp, wp, hr, wr, lay: KLLayout):
     """(KL(p || q), logsumexp_p, logsumexp_q, E_p[zp - zq]) per token, one pass over the chunks."""
     n = hp.shape[0]
-    chunk, n_full, rem = chunk_plan(vocab_size(wp, lay.policy_vocab_major), lay.chunk)
 
     def update(state, start, size):
         mp, sp, a, mq, sq = state
@@ -168,17 +176,13 @@ def kl_stats(hp, wp, hr, wr, lay: KLLayout):
         e = jnp.exp(zp - mp_new[:, None])
         sp = sp * scale + jnp.sum(e, -1)
         a = a * scale + jnp.sum(e * (zp - zq), -1)
-        mq_new = jnp.maximum(mq, jnp.max(zq, -1))
-        sq = sq * jnp.exp(mq - mq_new) + jnp.sum(jnp.exp(zq - mq_new[:, None]), -1)
-        return mp_new, sp, a, mq_new, sq
+        mq, sq = online_lse(mq, sq, zq)
+        return mp_new, sp, a, mq, sq
 
     zeros = jnp.zeros((n,), jnp.float32)
     ninf = jnp.full((n,), -jnp.inf, jnp.float32)
     state = (ninf, zeros, zeros, ninf, zeros)
-    state, _ = jax.lax.scan(lambda st, i: (update(st, i * chunk, chunk), None), state, jnp.arange(n_full))
-    if rem:
-        state = update(state, n_full * chunk, rem)
-    mp, sp, a, mq, sq = state
+    mp, sp, a, mq, sq = over_vocab_chunks(update, state, vocab_size(wp, lay.policy_vocab_major), lay.chunk)
     lse_p, lse_q = mp + jnp.log(sp), mq + jnp.log(sq)
     mean_diff = a / sp  # E_p[zp - zq]
     return mean_diff - lse_p + lse_q, lse_p, lse_q, mean_diff
@@ -186,14 +190,6 @@ def kl_stats(hp, wp, hr, wr, lay: KLLayout):
 
 def kl_backward(hp, wp, hr, wr, lse_p, lse_q, mean_diff, g, lay: KLLayout):
     """Gradients of sum(g * KL) w.r.t. both heads' hidden states and unembeddings, chunk by chunk."""
-    chunk, n_full, rem = chunk_plan(vocab_size(wp, lay.policy_vocab_major), lay.chunk)
-
-    def grads_of(dz, h, wc, vocab_major):
-        wc32, h32 = wc.astype(jnp.float32), h.astype(jnp.float32)
-        if vocab_major:
-            return jnp.einsum("nc,ch->nh", dz, wc32), jnp.einsum("nc,nh->ch", dz, h32)
-        return jnp.einsum("nc,hc->nh", dz, wc32), jnp.einsum("nh,nc->hc", h32, dz)
-
     def update(carry, start, size):
         dhp, dwp, dhr, dwr = carry
         zp, zq, wpc, wqc = kl_chunk(hp, wp, hr, wr, start, size, lay)
@@ -202,17 +198,14 @@ def kl_backward(hp, wp, hr, wr, lse_p, lse_q, mean_diff, g, lay: KLLayout):
         # d KL / d zp = p (zp - zq - E_p[zp - zq]); d KL / d zq = q - p.
         dzp = cap_grad(g[:, None] * p * (zp - zq - mean_diff[:, None]), zp, lay.softcap, lay.temperature)
         dzq = cap_grad(g[:, None] * (q - p), zq, lay.softcap, lay.temperature)
-        a, b = grads_of(dzp, hp, wpc, lay.policy_vocab_major)
-        c, d = grads_of(dzq, hr, wqc, lay.ref_vocab_major)
+        a, b = chunk_grads(dzp, hp, wpc, lay.policy_vocab_major)
+        c, d = chunk_grads(dzq, hr, wqc, lay.ref_vocab_major)
         dwp = jax.lax.dynamic_update_slice_in_dim(dwp, b, start, axis=0 if lay.policy_vocab_major else 1)
         dwr = jax.lax.dynamic_update_slice_in_dim(dwr, d, start, axis=0 if lay.ref_vocab_major else 1)
         return dhp + a, dwp, dhr + c, dwr
 
     f32 = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
     carry = (f32(hp), f32(wp), f32(hr), f32(wr))
-    carry, _ = jax.lax.scan(lambda c, i: (update(c, i * chunk, chunk), None), carry, jnp.arange(n_full))
-    if rem:
-        carry = update(carry, n_full * chunk, rem)
-    dhp, dwp, dhr, dwr = carry
+    dhp, dwp, dhr, dwr = over_vocab_chunks(update, carry, vocab_size(wp, lay.policy_vocab_major), lay.chunk)
     return dhp.astype(hp.dtype), dwp.astype(wp.dtype), dhr.astype(hr.dtype), dwr.astype(wr.dtype)
 

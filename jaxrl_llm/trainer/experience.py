@@ -80,7 +80,7 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
         sequences["routing"] = pad_routing(exp.routing, prompt_pad, response_pad)
     for f in ("teacher_topk_ids", "teacher_topk_log_probs"):  # [N, R, k]: response columns padded with 0s
         if getattr(exp, f) is not None:
-            responses[f] = jax.numpy.pad(getattr(exp, f), ((0, 0), (0, response_pad), (0, 0)))
+            responses[f] = jnp.pad(getattr(exp, f), ((0, 0), (0, response_pad), (0, 0)))
     return dataclasses.replace(exp, **sequences, **responses)
 
 
