@@ -266,11 +266,13 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                    kv_bytes=bytes_per_device(state.pool), layers=cfg.num_hidden_layers)
 
 
-def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model: Model,
-                     compute_dtype: str) -> Program:
-    """A no-grad pass of `model` (the actor's log-probs, or the critic's values for `values`)."""
+def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model: Model, fn: Callable, *,
+                     seq_len: int | None = None, extra_keys: tuple[str, ...] = (), **settings: Any) -> Program:
+    """A no-grad pass `fn` of `model` (experience.py `log_probs_no_grad`, `values_no_grad` or
+    `teacher_no_grad`, with `settings`) over rows of `seq_len` tokens (default: the policy's), in the
+    micro-batches of `micro_pass`; `extra_keys`: config keys beside the micro-batch that shrink it."""
     spec = ctx.spec
-    n, t, r = spec.plan.sequences, ctx.seq_len, spec.plan.response_length
+    n, t, r = spec.plan.sequences, seq_len or ctx.seq_len, spec.plan.response_length
 
     def micro_rows(plan: BatchPlan) -> int:
         return plan.forward_micro_rows(plan.micro_of(micro_pass), n, t)
@@ -278,21 +280,12 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
-        if micro_pass == "values":
-            return _lower(values_no_grad, platforms, params, ids, ids, mask,
-                          model_cfg=_unrolled(model.cfg, unroll), compute_dtype=compute_dtype,
-                          micro_rows=micro_rows(plan))
-        return _lower(log_probs_no_grad, platforms, params, ids, ids, mask,
-                      model_cfg=_unrolled(model.cfg, unroll), temperature=spec.actor.temperature,
-                      compute_dtype=compute_dtype, micro_rows=micro_rows(plan),
-                      logprob_impl=spec.actor.logprob_impl, mesh=ctx.mesh)
+        return _lower(fn, platforms, params, ids, ids, mask, model_cfg=_unrolled(model.cfg, unroll),
+                      micro_rows=micro_rows(plan), **settings)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
         micro = plan.micro_of(micro_pass)
-        out = [f"{micro.key}={micro.describe()}"]
-        if micro_pass == "ref_log_prob":
-            out += [f"{ARR}.ref.param_dtype={spec.ref.param_dtype}", f"{ARR}.ref.param_offload"]
-        return (*out, MESH_KEYS)
+        return (f"{micro.key}={micro.describe()}", *extra_keys, MESH_KEYS)
 
     states = ctx.policy_states if state == "actor_params" else (state,)
     experts = uncounted_expert_flops(model.cfg, n * t) / ctx.mesh.size  # every row through the experts once
@@ -300,12 +293,21 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
                    extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers)
 
 
+def _log_prob_settings(ctx: Context, compute_dtype: str) -> dict[str, Any]:
+    """The settings of a log-prob pass (`log_probs_no_grad`, `teacher_no_grad`) as a step runs it."""
+    return dict(temperature=ctx.spec.actor.temperature, compute_dtype=compute_dtype,
+                logprob_impl=ctx.spec.actor.logprob_impl, mesh=ctx.mesh)
+
+
 def ref_program(ctx: Context) -> Program | None:
-    if not ctx.spec.need_ref:
+    spec = ctx.spec
+    if not spec.need_ref:
         return None
     # with LoRA the reference is the frozen base itself (no copy)
-    state = "actor_base_params" if ctx.spec.model.lora else "ref_params"
-    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state, ctx.actor, ctx.spec.actor.compute_dtype)
+    state = "actor_base_params" if spec.model.lora else "ref_params"
+    return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state, ctx.actor, log_probs_no_grad,
+                            extra_keys=(f"{ARR}.ref.param_dtype={spec.ref.param_dtype}", f"{ARR}.ref.param_offload"),
+                            **_log_prob_settings(ctx, spec.actor.compute_dtype))
 
 
 def teacher_program(ctx: Context) -> Program | None:
@@ -314,30 +316,14 @@ def teacher_program(ctx: Context) -> Program | None:
     distill, teacher = ctx.spec.distillation, ctx.teacher
     if distill is None or teacher is None:
         return None
-    spec = ctx.spec
-    n, r = spec.plan.sequences, spec.plan.response_length
-    t = bucket_length(spec.plan.max_prompt_length + teacher_context_tokens(distill, ctx.tokenizer)) + r
-    topk = distill.topk if distill.signal == "topk_forward_kl" else 0
-
-    def micro_rows(plan: BatchPlan) -> int:
-        return plan.forward_micro_rows(plan.micro_of("ref_log_prob"), n, t)
-
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
-        ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
-        return _lower(teacher_no_grad, platforms, ctx.states["teacher_params"], ids, ids, mask,
-                      model_cfg=_unrolled(teacher.cfg, unroll), temperature=spec.actor.temperature,
-                      compute_dtype=distill.teacher.param_dtype, micro_rows=micro_rows(plan), topk=topk,
-                      logprob_impl=spec.actor.logprob_impl, mesh=ctx.mesh)
-
-    def keys(plan: BatchPlan) -> tuple[str, ...]:
-        micro = plan.micro_of("ref_log_prob")
-        dtype = f"algorithm.distillation.teacher.dtype={distill.teacher.param_dtype}"
-        return (f"{micro.key}={micro.describe()}", dtype, "algorithm.distillation.teacher.param_offload", MESH_KEYS)
-
-    experts = uncounted_expert_flops(teacher.cfg, n * t) / ctx.mesh.size
-    return Program("teacher", lower, ("teacher_params",), keys, micro_pass="ref_log_prob",
-                   trips=lambda plan: n // micro_rows(plan), extra_flops=lambda plan: experts,
-                   layers=teacher.cfg.num_hidden_layers)
+    plan, dtype = ctx.spec.plan, distill.teacher.param_dtype
+    prompt = bucket_length(plan.max_prompt_length + teacher_context_tokens(distill, ctx.tokenizer))
+    seq_len = prompt + plan.response_length
+    return _forward_program(ctx, "teacher", "ref_log_prob", "teacher_params", teacher, teacher_no_grad,
+                            seq_len=seq_len, topk=distill.topk if distill.signal == "topk_forward_kl" else 0,
+                            extra_keys=(f"algorithm.distillation.teacher.dtype={dtype}",
+                                        "algorithm.distillation.teacher.param_offload"),
+                            **_log_prob_settings(ctx, dtype))
 
 
 def teacher_context_tokens(distill: Any, tokenizer: Tokenizer) -> int:
@@ -355,14 +341,15 @@ def teacher_context_tokens(distill: Any, tokenizer: Tokenizer) -> int:
 def old_log_prob_program(ctx: Context) -> Program | None:
     if not ctx.spec.recompute_old_log_probs:
         return None
-    return _forward_program(ctx, "old_log_prob", "old_log_prob", "actor_params", ctx.actor,
-                            ctx.spec.actor.compute_dtype)
+    return _forward_program(ctx, "old_log_prob", "old_log_prob", "actor_params", ctx.actor, log_probs_no_grad,
+                            **_log_prob_settings(ctx, ctx.spec.actor.compute_dtype))
 
 
 def values_program(ctx: Context) -> Program | None:
     if ctx.critic is None or ctx.spec.critic is None:
         return None
-    return _forward_program(ctx, "values", "values", "critic_params", ctx.critic, ctx.spec.critic.compute_dtype)
+    return _forward_program(ctx, "values", "values", "critic_params", ctx.critic, values_no_grad,
+                            compute_dtype=ctx.spec.critic.compute_dtype)
 
 
 def _experience(ctx: Context) -> Experience:
