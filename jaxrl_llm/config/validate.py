@@ -24,7 +24,7 @@ from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
 from jaxrl_llm.models.lora import parse_target_modules
 from jaxrl_llm.platform.tpu import parse_accelerator_type
-from jaxrl_llm.rewards.judge_parsers import JUDGE_FIELDS, JUDGE_PARSERS
+from jaxrl_llm.rewards.judge_parsers import JUDGE_FIELDS, JUDGE_PARSERS, parser_file
 
 ARR = "actor_rollout_ref"
 ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
@@ -286,7 +286,7 @@ def _check_judge(cfg: ml_collections.ConfigDict) -> None:
     if judge.max_score <= judge.min_score:
         raise ConfigError(f"{key}.max_score={judge.max_score}: must exceed min_score={judge.min_score}")
     parser = judge.parser
-    if parser not in JUDGE_PARSERS and (":" not in parser or not parser.split(":")[0].endswith(".py")):
+    if parser not in JUDGE_PARSERS and parser_file(parser) is None:
         raise ConfigError(f"{key}.parser={parser!r}: one of {', '.join(JUDGE_PARSERS)} or 'file.py:function'")
 
 

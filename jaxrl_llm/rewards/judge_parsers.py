@@ -69,15 +69,21 @@ def parse_score_tag(verdict: str, scale: ScoreRange) -> float | None:
 _BUILTIN = {"number": parse_number, "boxed": parse_boxed, "yes_no": parse_yes_no, "score_tag": parse_score_tag}
 
 
+def parser_file(name: str) -> tuple[str, str] | None:
+    """(file, function) of a user parser named 'file.py:function'; None for any other name."""
+    path, _, function = name.rpartition(":")
+    return (path, function) if path.endswith(".py") and function else None
+
+
 def load_parser(name: str, scale: ScoreRange) -> Parser:
     """`parser(verdict, **row) -> float | None` for a built-in name or 'file.py:function'."""
     if name in _BUILTIN:
         builtin = _BUILTIN[name]
         return lambda verdict, **row: builtin(verdict, scale)
-    path, _, function = name.rpartition(":")
-    if not path.endswith(".py") or not function:
+    user = parser_file(name)
+    if user is None:
         raise ValueError(f"reward_model.judge.parser={name!r}: one of {', '.join(JUDGE_PARSERS)} or 'file.py:function'")
-    path = os.path.abspath(os.path.expanduser(path))
+    path, function = os.path.abspath(os.path.expanduser(user[0])), user[1]
     if not os.path.isfile(path):
         raise ValueError(f"reward_model.judge.parser={name!r}: no such file {path}")
     spec = importlib.util.spec_from_file_location(f"jaxrl_llm_judge_parser_{abs(hash(path))}", path)

@@ -135,8 +135,8 @@ def _thread_deadline(seconds: float) -> Iterator[None]:
 
 class _NoVerdict:
     """A scorer's "no verdict" (it returned None, or knows no scorer for the data source): scored NaN
-    for a judge to fill in (reward_model.judge.combine=fallback); only accepted when the manager
-    is built with `no_verdict_ok`."""
+    beside a judge (reward_model.style=generative: combine=fallback fills it in, every mode leaves it
+    out of the agreement); only accepted when the manager is built with `no_verdict_ok`."""
 
 
 NO_VERDICT = _NoVerdict()
