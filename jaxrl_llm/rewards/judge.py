@@ -1,6 +1,6 @@
 """Generative reward model (LLM-as-judge): `reward_model.enable=True, reward_model.style=generative`.
 
-    judge = Judge.load(spec.reward_model, policy_model=spec.model, engine=..., mesh=..., tokenizer=...)
+    judge = load_judge(path, spec.reward_model.judge, policy_model=..., ...)  # trainer/roles.py
     verdicts = judge.judge(chats, responses, ground_truths, rng)    # JudgeVerdicts
     scores, info, metrics = judge.combine(rule_scores, verdicts)    # with the rule scorer's, if any
 
@@ -32,11 +32,9 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.spec import JudgeSpec
-from jaxrl_llm.sampler import SamplingParams, decode_texts
+from jaxrl_llm.sampler import SamplingParams, decode_texts, eos_ids_of
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sharding import batch_axis_size, on_own_mesh
-
-KEY = "reward_model.judge"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +76,7 @@ class Judge:
         self.engine = dataclasses.replace(engine, engine="paged")
         self.parser = load_parser(spec.parser, ScoreRange(spec.min_score, spec.max_score))
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
-        eos = list(model_cfg.eos_token_ids)
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos.append(int(tokenizer.eos_token_id))
-        self.eos_ids = tuple(eos)
+        self.eos_ids = eos_ids_of(model_cfg, tokenizer)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"reward_model.model.path={path!r}: the judge's tokenizer has no chat template")
 
@@ -115,13 +110,12 @@ class Judge:
         return decode_texts(self.tokenizer, tokens, lengths)
 
     def judge(self, chats: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any],
-              rng: jax.Array, rows: Sequence[dict[str, Any]] | None = None) -> JudgeVerdicts:
-        """Verdicts and parsed scores of the responses; `rows`: what a user parser receives beside
-        the verdict (default: prompt, response, ground_truth)."""
+              rng: jax.Array) -> JudgeVerdicts:
+        """Verdicts and parsed scores of the responses (a user parser receives prompt, response and
+        ground_truth beside the verdict)."""
         texts = self.generate(self.prompts(chats, responses, ground_truths), rng)
-        if rows is None:
-            rows = [{"prompt": last_user_message(c), "response": r, "ground_truth": g}
-                    for c, r, g in zip(chats, responses, ground_truths)]
+        rows = [{"prompt": last_user_message(c), "response": r, "ground_truth": g}
+                for c, r, g in zip(chats, responses, ground_truths)]
         parsed = [read_verdict(self.parser, text, row) for text, row in zip(texts, rows)]
         return JudgeVerdicts(texts, np.asarray([np.nan if v is None else v for v in parsed], np.float32))
 

@@ -11,13 +11,20 @@ Notebook path: `generate(model, prompts, SamplingParams(...)) -> GenerationResul
 """
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, SampleOutput, sample
 from jaxrl_llm.sampler.facade import generate, prompts_to_ids
-from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, bucket_length, decode_texts, left_pad
+from jaxrl_llm.sampler.host import (
+    GenerationResult,
+    bucket_batch,
+    bucket_length,
+    decode_texts,
+    eos_ids_of,
+    left_pad,
+)
 from jaxrl_llm.sampler.params import NO_TOKEN, SampleKnobs, SampleSettings, SamplingParams, id_table
 from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
 
 __all__ = [
     "FINISH_EOS", "FINISH_LENGTH", "FINISH_REASONS", "FINISH_STOP", "GenerationResult", "NO_TOKEN",
     "SampleKnobs", "SampleOutput", "SampleSettings", "SamplingParams", "bucket_batch", "bucket_length",
-    "choose_tokens", "decode_texts", "filtered_logits", "generate", "id_table", "left_pad",
+    "choose_tokens", "decode_texts", "eos_ids_of", "filtered_logits", "generate", "id_table", "left_pad",
     "prompts_to_ids", "sample",
 ]

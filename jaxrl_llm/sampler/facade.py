@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.sampler.core import sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
-from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, left_pad
+from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, eos_ids_of, left_pad
 from jaxrl_llm.sampler.params import SamplingParams
 from jaxrl_llm.sharding import batch_axis_size, host_local_to_global, process_slice, shard_batch
 
@@ -66,10 +66,7 @@ def prompts_to_ids(prompts: Any, tokenizer: Tokenizer | None = None) -> list[lis
 
 
 def _special_ids(cfg: Any, tokenizer: Tokenizer | None) -> tuple[list[int], int]:
-    eos = list(cfg.eos_token_ids)
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if tok_eos is not None and tok_eos not in eos:
-        eos.append(int(tok_eos))
+    eos = list(eos_ids_of(cfg, tokenizer))
     pad = cfg.pad_token_id
     if pad is None:
         pad = getattr(tokenizer, "pad_token_id", None)

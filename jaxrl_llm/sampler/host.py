@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,16 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, *, length: int | Non
         ids[row, width - n:] = np.asarray(p, np.int64)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+def eos_ids_of(cfg: Any, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """What a generation stops at: the model's EOS ids (`ModelConfig.eos_token_ids`), and the
+    tokenizer's when it names another one."""
+    eos = list(cfg.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None and tok_eos not in eos:
+        eos.append(int(tok_eos))
+    return tuple(eos)
 
 
 def decode_texts(tokenizer: Tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:

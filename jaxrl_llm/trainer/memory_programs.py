@@ -29,7 +29,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
-from jaxrl_llm.sampler import bucket_length
+from jaxrl_llm.sampler import bucket_length, eos_ids_of
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
@@ -205,11 +205,8 @@ def sample_program(ctx: Context) -> Program:
     spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
     sampling = spec.train_sampling
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    eos = list(cfg.eos_token_ids)
-    tok_eos = getattr(ctx.tokenizer, "eos_token_id", None)
-    if tok_eos is not None and tok_eos not in eos:
-        eos.append(int(tok_eos))
-    settings, knobs = sampling.compile_args(eos, pad, vocab_size=cfg.vocab_size, compute_dtype=spec.actor.compute_dtype)
+    settings, knobs = sampling.compile_args(list(eos_ids_of(cfg, ctx.tokenizer)), pad, vocab_size=cfg.vocab_size,
+                                            compute_dtype=spec.actor.compute_dtype)
     ways = batch_axis_size(mesh)
     prompts = -(-spec.plan.prompts // ways) * ways  # RolloutGenerator pads the batch to the mesh's batch ways
     rows, width, r = prompts * sampling.n, ctx.prompt_width, sampling.max_new_tokens

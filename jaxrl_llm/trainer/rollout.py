@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
-from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, left_pad, sample
+from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, eos_ids_of, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
 from jaxrl_llm.sharding import batch_axis_size, on_own_mesh, to_device, to_device_if_rows_split, to_host
 from jaxrl_llm.trainer.multi_turn import generate_multi_turn
@@ -61,10 +61,7 @@ class RolloutGenerator:
         # what every rollout (single- or multi-turn) pads with and stops at: the model's EOS ids and
         # the tokenizer's, when it names another one
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
-        eos = list(model_cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos.append(int(tokenizer.eos_token_id))
-        self.eos_ids: tuple[int, ...] = tuple(eos)
+        self.eos_ids: tuple[int, ...] = eos_ids_of(model_cfg, tokenizer)
 
     def on_mesh(self, mesh: Mesh) -> "RolloutGenerator":
         """The same generator sampling on `mesh` (a split mesh's rollout devices)."""
