@@ -14,17 +14,22 @@ point, so a kernel whose time tracks the mean length (not the table width) is le
     options: --slots 8 64 256 --lengths 128 512 2048 --max-len 4096 --page-size 16 --heads 9
              --kv-heads 3 --head-dim 64 --dtype bfloat16 --window W --pages-per-block N --repeats 5
              --variant triton|mosaic --num-splits N (triton; default: from slots * kv_heads)
+             --group N --prompt-len P: slots in groups of N samples sharing a P-token prompt's full pages
+             (rollout.n = N); adds the cascade rows (`pallas_cascade`, `xla_cascade`: the shared pages
+             read once per group), whose KV GB/s count the bytes the plain kernel reads (effective rate)
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.sampler.cascade_attention import Cascade, cascade_decode_attention_pallas, cascade_decode_attention_xla
 from jaxrl_llm.sampler.paged_attention_pallas import (
     default_pages_per_block,
     default_variant,
@@ -74,18 +79,27 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
     return 2 * nbytes / median_time(lambda: f(x), repeats)
 
 
-def make_inputs(rng, *, slots, mean_len, max_len, page_size, heads, kv_heads, head_dim, dtype):
+def make_inputs(rng, *, slots, mean_len, max_len, page_size, heads, kv_heads, head_dim, dtype, group=1,
+                prompt_len=0) -> dict[str, Any]:
     pages_per_slot = max_len // page_size
     num_pages = slots * pages_per_slot
     lengths = np.clip(rng.integers(mean_len // 2, mean_len * 3 // 2 + 1, slots), 1, max_len)
-    lengths[0] = 0  # an empty slot
     page_indices = rng.permutation(num_pages).reshape(slots, pages_per_slot)
+    shared = prompt_len // page_size if group > 1 else 0
+    rows = np.full((max(1, slots // 2), max(group, 1)), -1, np.int32)
+    for g, first in enumerate(range(0, slots - group + 1, group) if group > 1 else []):
+        members = np.arange(first, first + group)
+        page_indices[members, :shared] = page_indices[first, :shared]  # the prompt's full pages, once
+        lengths[members] = np.maximum(lengths[members], prompt_len + 1)
+        rows[g] = members
+    lengths[0] = 0  # an empty slot
     shape = (kv_heads, num_pages, page_size, head_dim)
     key = jax.random.key(int(rng.integers(1 << 30)))
     kq, kk, kv = jax.random.split(key, 3)
     return dict(q=jax.random.normal(kq, (slots, heads, head_dim), dtype),
                 k_pages=jax.random.normal(kk, shape, dtype), v_pages=jax.random.normal(kv, shape, dtype),
-                lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(page_indices, jnp.int32))
+                lengths=jnp.asarray(lengths, jnp.int32), page_indices=jnp.asarray(page_indices, jnp.int32),
+                cascade=Cascade(jnp.asarray(rows), jnp.asarray(np.where(rows[:, 0] >= 0, shared, 0), jnp.int32)))
 
 
 def main() -> None:
@@ -104,6 +118,8 @@ def main() -> None:
     parser.add_argument("--variant", choices=["triton", "mosaic"], default=None)
     parser.add_argument("--num-splits", type=int, default=None, help="triton: splits per slot")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--group", type=int, default=1, help="samples per prompt sharing its pages (cascade rows)")
+    parser.add_argument("--prompt-len", type=int, default=256, help="the shared prompt's tokens (with --group)")
     args = parser.parse_args()
     interpret = args.tiny or jax.default_backend() == "cpu"
     if args.tiny:
@@ -125,6 +141,14 @@ def main() -> None:
         xla_fn = jax.jit(paged_decode_attention_xla, static_argnames=("sliding_window",))
         impls["xla"] = lambda c: xla_fn(c["q"], c["k_pages"], c["v_pages"], c["lengths"],
                                         c["page_indices"], sliding_window=args.window)
+    if args.group > 1:
+        if args.window is None:  # the engine keeps the plain kernel in windowed layers
+            impls["pallas_cascade"] = lambda c: cascade_decode_attention_pallas(
+                c["q"], c["k_pages"], c["v_pages"], c["lengths"], c["page_indices"], c["cascade"],
+                interpret=interpret, variant=variant)
+        cascade_xla = jax.jit(cascade_decode_attention_xla, static_argnames=("sliding_window",))
+        impls["xla_cascade"] = lambda c: cascade_xla(c["q"], c["k_pages"], c["v_pages"], c["lengths"],
+                                                     c["page_indices"], c["cascade"], sliding_window=args.window)
     impls["dense"] = lambda c: dense_gather(c["q"], c["k_pages"], c["v_pages"], c["lengths"],
                                             c["page_indices"], sliding_window=args.window)
     # Error bound vs the fp32 reference: fp32 summation order (1e-5) plus, for bf16 outputs, the
@@ -137,7 +161,7 @@ def main() -> None:
         for mean_len in args.lengths:
             case = make_inputs(rng, slots=slots, mean_len=mean_len, max_len=args.max_len,
                                page_size=args.page_size, heads=args.heads, kv_heads=args.kv_heads,
-                               head_dim=args.head_dim, dtype=dtype)
+                               head_dim=args.head_dim, dtype=dtype, group=args.group, prompt_len=args.prompt_len)
             lengths = np.asarray(case["lengths"])
             first = 0 if args.window is None else np.maximum(lengths - args.window, 0) // args.page_size
             pages_read = np.sum(-(-lengths // args.page_size) - first)

@@ -17,7 +17,9 @@ the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 to
 prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
-Batched prefill (`paged` row; `paged_1pf`: one prefill call per prompt, 2026-11-27,
+Rows `paged` (the defaults), `paged_flat` (rollout.cascade_attention=False: every sample reads its
+prompt's pages itself) and `paged_bpf` (rollout.batch_prefill=True).
+Batched prefill (then the `paged` row; `paged_1pf`: one prefill call per prompt, 2026-11-27,
 `--prompts 64 --n 4 --slots 64 --new-tokens 32 --skip static transformers`): 38 vs 64 prefill
 calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the
 timed run: 27 vs 6 programs) and 0.98x with `--warm-all` (411.0 vs 419.7 tok/s): on CPU a prefill
@@ -50,6 +52,10 @@ LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h
         "Solve step by step: Tom has 3 boxes of 12 apples and gives away 17 apples. How many are left?",
         "Write a detailed step-by-step explanation of how to compute 15% of 240.",
         "Explain step by step how photosynthesis works, then summarise it."]
+
+
+# the paged engine's rows: its defaults, then one rollout option flipped each
+PAGED_ROWS = {"paged": {}, "paged_flat": {"cascade_attention": False}, "paged_bpf": {"batch_prefill": True}}
 
 
 def rl_prompts(count: int) -> list[str]:
@@ -86,7 +92,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--warm-all", action="store_true",
                         help="warm the paged engine on the timed prompts (steady state: no compile in the timed run)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["paged", "paged_1pf", "static", "transformers"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=[*PAGED_ROWS, "static", "transformers"])
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.new_tokens, args.slots = 16, 128, 16
@@ -117,12 +123,13 @@ def main() -> None:
 
     print(f"{'engine':>12} | {'tok/s':>7} {'util':>5} {'tokens':>7} {'wall s':>7} | {'prefill tok':>11} "
           f"{'KV MiB':>7} | {'programs':>8} {'compile s':>9}", flush=True)
-    # the paged engine twice: new prompts of a round batched into one prefill call (rollout.batch_prefill),
-    # and one prefill call per prompt (the default)
-    for name, batch_prefill in (("paged", True), ("paged_1pf", False)):
+    # the paged engine with its defaults, then each rollout option flipped: samples reading their prompt's
+    # pages once per sample (rollout.cascade_attention=False), new prompts of a round batched into one
+    # prefill call (rollout.batch_prefill=True)
+    for name, options in PAGED_ROWS.items():
         if name in args.skip:
             continue
-        opts = EngineOptions(max_num_seqs=slots, batch_prefill=batch_prefill)
+        opts = EngineOptions(max_num_seqs=slots, **options)
         before = cache_sizes()
         # warm-up (compiles): one prompt per length bucket, the longest included, enough requests
         # for the same slot count -> the very programs of the timed run
@@ -203,7 +210,7 @@ def main() -> None:
                                     prefill=prefill, kv=kv, compiles=0, compile_s=0.0))
 
     if "paged" in rows:
-        for other in ("paged_1pf", "static", "transformers"):
+        for other in (*list(PAGED_ROWS)[1:], "static", "transformers"):
             if other in rows:
                 print(f"paged / {other}: {rows['paged']['tps'] / rows[other]['tps']:.2f}x useful tokens/s")
 

@@ -108,7 +108,8 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                          kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
                          enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
-                         batch_prefill=bool(rollout.batch_prefill))
+                         batch_prefill=bool(rollout.batch_prefill),
+                         cascade_attention=bool(rollout.cascade_attention))
     return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))
 
 

@@ -245,6 +245,12 @@ ROLLOUT = {
                                   "max_num_batched_tokens. Off by default: on the 2-core CPU it measured 0.98x "
                                   "(64 prompts x 4, steady state) and compiles a program per (bucket, rows); "
                                   "to be measured on GPU / TPU, where a call's overhead weighs more."),
+    "cascade_attention": field(True, "Paged engine: the n samples of a prompt read the prompt's shared full KV "
+                                     "pages once per decode step (one attention over them with the n queries, "
+                                     "one over each sample's own pages, the same softmax; equal to plain paged "
+                                     "attention to 1e-6 in fp32). Used whenever rollout.n >= 2; false reads "
+                                     "them once per sample. jaxrl_llm (FlashInfer's cascade attention).",
+                               types=bool),
     "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
                                          "pool gets this fraction minus what is in use, where the backend "
                                          "reports its memory (GPU / TPU; CPU: every slot at full length). "

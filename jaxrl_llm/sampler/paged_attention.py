@@ -31,6 +31,8 @@ head) are dequantised block by block. The Pallas kernels keep the online softmax
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -50,6 +52,69 @@ def _pages_per_block(page_size: int, pages_per_slot: int) -> int:
     return max(1, min(pages_per_slot, _BLOCK_TOKENS // page_size))
 
 
+class FlatPool(NamedTuple):
+    """A KV pool as the XLA path reads it: (kv head, page) flattened into one row axis per layer,
+    so a block's gather itself yields the [rows, kv, keys, head_dim] layout both matmuls read
+    (gathering [slots, pages, kv, ...] and transposing it was ~half of a decode step on CPU)."""
+
+    k: Array  # [layers, kv * pages, page_size, head_dim]
+    v: Array
+    k_scales: Array | None  # [layers, kv * pages, page_size] fp32 (int8 pages) or None
+    v_scales: Array | None
+    layer: Array  # int32 scalar
+    kv_heads: int
+    num_pages: int
+    page_size: int
+
+
+def flat_pool(k_pages: Array, v_pages: Array, k_scales: Array | None, v_scales: Array | None,
+              layer: Array | None) -> FlatPool:
+    """The contract's pages (one layer's, or the stacked pool with `layer`) as a `FlatPool`."""
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    scales = scale_pair(k_scales, v_scales)
+    if layer is None:  # one layer's pages: a layer axis of 1
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
+        if scales is not None:
+            scales = (scales[0][None], scales[1][None])
+    num_layers, nkv, num_pages, ps, hd = k_pages.shape
+    rows = (num_layers, nkv * num_pages, ps)
+    return FlatPool(k=k_pages.reshape(*rows, hd), v=v_pages.reshape(*rows, hd),
+                    k_scales=None if scales is None else scales[0].reshape(rows),
+                    v_scales=None if scales is None else scales[1].reshape(rows),
+                    layer=jnp.asarray(layer, jnp.int32), kv_heads=nkv, num_pages=num_pages, page_size=ps)
+
+
+def gather_block(pool: FlatPool, name: str, ids: Array, compute_dtype: Any) -> Array:
+    """K or V of the pages `ids` [R, ppb] for every kv head: [R, kv, ppb * page_size, head_dim].
+    int8 pages are dequantised here: K rounded to the compute dtype (as a caller-side
+    dequantisation would store it), V kept in fp32."""
+    pages, scales = (pool.k, pool.k_scales) if name == "k" else (pool.v, pool.v_scales)
+    heads = jnp.arange(pool.kv_heads, dtype=jnp.int32)[None, :, None] * pool.num_pages
+    flat = heads + ids[:, None, :]  # [R, kv, ppb] rows of the flattened pool
+    blk = from_storage(pages[pool.layer, flat])  # [R, kv, ppb, ps, hd]; uint16 pools: sampler/kv_bits.py
+    if scales is not None:
+        blk = blk.astype(jnp.float32) * scales[pool.layer, flat][..., None]
+        if name == "k":
+            blk = blk.astype(compute_dtype)
+    r, nkv, ppb = flat.shape
+    return blk.reshape(r, nkv, ppb * pool.page_size, blk.shape[-1])
+
+
+def attention_scores(spec: str, q: Array, k: Array, softcap: float | None) -> Array:
+    """fp32 scaled (and soft-capped) q.k scores, as the trainer's attention computes them."""
+    scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def trainer_softmax(scores: Array, lengths: Array) -> Array:
+    """The trainer's softmax over a slot's key buffer [S, kv, g, keys], operation for operation
+    (models/attention.py); empty slots (length 0) get all-zero probabilities."""
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    unnormalized = jnp.exp(scores - peak)
+    probs = unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
+    return probs * (lengths > 0)[:, None, None, None]
+
+
 def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths: Array,
                                page_indices: Array, *, sliding_window: int | None = None,
                                k_scales: Array | None = None, v_scales: Array | None = None,
@@ -62,14 +127,10 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     (slicing the layer out first copies the layer's entire pool every step: on CPU that copy was
     ~40% of a decode step at 32 slots). softcap: scores become cap * tanh(s / cap) (Gemma 2).
     """
-    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    scales = scale_pair(k_scales, v_scales)
-    if layer is None:  # one layer's pages: a layer axis of 1
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
-        if scales is not None:
-            scales = (scales[0][None], scales[1][None])
+    q = jnp.asarray(q)
+    pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer)
     slots, nh, hd = q.shape
-    _, nkv, _, ps, _ = k_pages.shape
+    nkv, ps = pool.kv_heads, pool.page_size
     g = nh // nkv
     pps = page_indices.shape[1]
     ppb = _pages_per_block(ps, pps)
@@ -81,31 +142,10 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     block_tokens = ppb * ps
     lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
 
-    # (kv head, page) flattened into one axis, so a block's gather itself yields the [slots, kv, keys]
-    # layout both matmuls read (gathering [slots, pages, kv, ...] and transposing it was ~half of a
-    # decode step's time on CPU)
-    num_layers, _, num_pages = k_pages.shape[:3]
-    k_pages, v_pages = (t.reshape(num_layers, nkv * num_pages, ps, hd) for t in (k_pages, v_pages))
-    k_scales, v_scales = (None, None) if scales is None else (
-        scales[0].reshape(num_layers, nkv * num_pages, ps), scales[1].reshape(num_layers, nkv * num_pages, ps))
-    heads = jnp.arange(nkv, dtype=jnp.int32)[None, :, None] * num_pages
-
-    def gather(pages: Array, scales: Array | None, ids: Array) -> Array:
-        flat = heads + ids[:, None, :]  # [slots, kv, ppb] rows of the flattened pool
-        blk = from_storage(pages[layer, flat])  # [slots, kv, ppb, ps, hd]; uint16 pools: sampler/kv_bits.py
-        if scales is not None:
-            blk = blk.astype(jnp.float32) * scales[layer, flat][..., None]
-        return blk.reshape(slots, nkv, block_tokens, hd)
-
     def block_scores(carry: tuple[Array, Array]) -> tuple[Array, Array]:
         i, buf = carry
         ids = lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)  # [slots, ppb]
-        k = gather(k_pages, k_scales, ids)
-        if k_scales is not None:
-            k = k.astype(q.dtype)
-        scores = jnp.einsum("skgd,sknd->skgn", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
-        if softcap is not None:
-            scores = softcap * jnp.tanh(scores / softcap)
+        scores = attention_scores("skgd,sknd->skgn", qg, gather_block(pool, "k", ids, q.dtype), softcap)
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lo[:, None])  # [slots, n]
         scores = jnp.where(valid[:, None, None, :], scores, MASKED_SCORE)
@@ -114,9 +154,8 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     def block_values(carry: tuple[Array, Array]) -> tuple[Array, Array]:
         i, acc = carry
         ids = lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)
-        v = gather(v_pages, v_scales, ids)
         p = lax.dynamic_slice_in_dim(probs, i * block_tokens, block_tokens, axis=3)
-        return i + 1, acc + probs_times_values("skgn,sknd->skgd", p, v)
+        return i + 1, acc + probs_times_values("skgn,sknd->skgd", p, gather_block(pool, "v", ids, q.dtype))
 
     first = jnp.min(jnp.where(lengths > 0, lo, jnp.iinfo(jnp.int32).max)) // block_tokens
     first = jnp.clip(first, 0, num_blocks)
@@ -125,11 +164,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     # rows' hundreds); blocks outside stay masked
     buf = jnp.full((slots, nkv, g, num_blocks * block_tokens), MASKED_SCORE, jnp.float32)
     _, scores = lax.while_loop(lambda c: c[0] < last, block_scores, (first, buf))
-    # the trainer's softmax over the slot's keys, operation for operation (models/attention.py)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    unnormalized = jnp.exp(scores - peak)
-    probs = unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
-    probs = probs * (lengths > 0)[:, None, None, None]  # empty slots: output 0
+    probs = trainer_softmax(scores, lengths)
     # pass 2: probabilities x V block by block, with the trainer's `probs_times_values`
     init = (first, jnp.zeros((slots, nkv, g, hd), jnp.float32))
     _, out = lax.while_loop(lambda c: c[0] < last, block_values, init)
@@ -152,7 +187,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
                            sliding_window: int | None = None, impl: str = "auto",
                            k_scales: Array | None = None, v_scales: Array | None = None,
                            layer: Array | None = None, mesh: Mesh | None = None,
-                           softcap: float | None = None) -> Array:
+                           softcap: float | None = None, cascade: Any = None) -> Array:
     """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. 'auto' takes the kernel of the
     platform the program is lowered for (Triton on CUDA where its power-of-two shapes hold, Mosaic
     on TPU; `lax.platform_dependent`, so a program compiled here for a TPU topology gets Mosaic) and
@@ -160,31 +195,44 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     the XLA path (it dequantises block by block; the kernel reads compute-dtype pages). layer: the
     pages are the whole pool [layers, kv, pages, page_size, head_dim], read by layer index. mesh: the
     program's mesh (the engine's: pool kv heads over 'tensor' where they divide, slots replicated);
-    XLA cannot partition a kernel's custom call, so there it runs per shard under shard_map."""
+    XLA cannot partition a kernel's custom call, so there it runs per shard under shard_map.
+    cascade: a `cascade_attention.Cascade` (slots sharing leading pages read them once per group;
+    the Pallas path keeps the plain kernel in sliding-window layers), or None."""
     _check_impl(impl)
+    from jaxrl_llm.sampler import cascade_attention
 
     def xla(q, k_pages, v_pages, lengths, page_indices):
+        if cascade is not None:
+            return cascade_attention.cascade_decode_attention_xla(
+                q, k_pages, v_pages, lengths, page_indices, cascade, sliding_window=sliding_window,
+                k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap)
         return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
                                           k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap)
 
     if impl == "xla" or k_scales is not None or (impl == "auto" and target_platform() == "cpu"):
         return xla(q, k_pages, v_pages, lengths, page_indices)
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas, triton_supports
+    use_cascade = cascade is not None and sliding_window is None
 
     def kernel(variant: str, interpret: bool = False):
-        def run(q, k_pages, v_pages, lengths, page_indices, layer):
-            return paged_decode_attention_pallas(q, from_storage(k_pages), from_storage(v_pages), lengths,
-                                                 page_indices, sliding_window=sliding_window, layer=layer,
-                                                 softcap=softcap,
+        def run(q, k_pages, v_pages, lengths, page_indices, layer, groups):
+            k_pages, v_pages = from_storage(k_pages), from_storage(v_pages)
+            if use_cascade:
+                return cascade_attention.cascade_decode_attention_pallas(
+                    q, k_pages, v_pages, lengths, page_indices, cascade_attention.Cascade(*groups), layer=layer,
+                    softcap=softcap, variant=variant, interpret=interpret)
+            return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
+                                                 sliding_window=sliding_window, layer=layer, softcap=softcap,
                                                  variant=variant, interpret=interpret)
+        groups = (cascade.group_slots, cascade.prefix_pages) if use_cascade and cascade is not None else ()
         if mesh is None or mesh.size == 1:
-            return lambda q, kp, vp, lens, pages: run(q, kp, vp, lens, pages, layer)
+            return lambda q, kp, vp, lens, pages: run(q, kp, vp, lens, pages, layer, groups)
         heads = kv_head_axis(mesh, k_pages.shape[-4])
         pool = P(*(None,) * (k_pages.ndim - 4), heads)
-        per_shard = jax.shard_map(run, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P()),
+        per_shard = jax.shard_map(run, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P(), P()),
                                   out_specs=P(None, heads), check_vma=False)
         layer_index = jnp.int32(0) if layer is None else layer
-        return lambda q, kp, vp, lens, pages: per_shard(q, kp, vp, lens, pages, layer_index)
+        return lambda q, kp, vp, lens, pages: per_shard(q, kp, vp, lens, pages, layer_index, groups)
 
     triton = kernel("triton") if impl == "pallas" or triton_supports(q.shape[-1], k_pages.shape[-2]) else xla
     default = kernel("triton", interpret=True) if impl == "pallas" else xla

@@ -61,6 +61,7 @@ Variant = Literal["triton", "mosaic"]
 # Page-table entries per Mosaic call (int32 in SMEM): 64Ki entries = 256 KiB, a quarter of the
 # 1 MiB SMEM of TPUs up to v6e (vLLM keeps its block tables under half).
 MOSAIC_MAX_TABLE_ENTRIES = 1 << 16
+_LANES = 128  # the Mosaic kernel's softmax statistics are written as one (rows, 128) tile
 
 
 def default_pages_per_block(page_size: int, pages_per_slot: int, variant: Variant) -> int:
@@ -130,7 +131,7 @@ def _finish(carry):
 
 def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
                    pages_per_head: int, scale: float, softcap: float | None, sliding_window: int | None,
-                   quantized: bool, compute_dtype, num_splits: int):
+                   quantized: bool, compute_dtype, num_splits: int, stats: bool):
     ks_ref, vs_ref = rest[:2] if quantized else (None, None)
     out_refs = rest[2:] if quantized else rest
     page_size, head_dim = k_ref.shape[-2:]
@@ -155,7 +156,7 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
                              softcap=softcap, sliding_window=sliding_window, compute_dtype=compute_dtype)
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
-    if num_splits == 1:
+    if not stats:
         (o_ref,) = out_refs
         o_ref[...] = _finish(carry).astype(o_ref.dtype)
     else:  # unnormalised partial results, merged by _merge_splits
@@ -165,14 +166,20 @@ def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_
 
 
 def _merge_splits(m, denom, acc):
-    """Combine per-split online-softmax states [..., splits, rows(, D)] (fp32) into the output.
-    Empty splits carry m = MASK_VALUE, denom = 0, acc = 0 and get weight 0 (or l_total = 0 -> 0)."""
+    """Combine per-split online-softmax states [..., splits, rows(, D)] (fp32) into the output and
+    its log-sum-exp [..., rows] (-inf where nothing was attended). Empty splits carry
+    m = MASK_VALUE, denom = 0, acc = 0 and get weight 0 (or l_total = 0 -> 0)."""
     m_total = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_total)
     l_total = jnp.sum(w * denom, axis=2)
     acc_total = jnp.sum(w[..., None] * acc, axis=2)
-    return jnp.where(l_total[..., None] > 0.0,
-                     acc_total / jnp.where(l_total > 0.0, l_total, 1.0)[..., None], 0.0)
+    out = jnp.where(l_total[..., None] > 0.0, acc_total / jnp.where(l_total > 0.0, l_total, 1.0)[..., None], 0.0)
+    return out, _log_sum_exp(m_total[:, :, 0], l_total)
+
+
+def _log_sum_exp(m, denom):
+    """log(sum exp(scores)) from the online-softmax max and sum; -inf for an empty row."""
+    return jnp.where(denom > 0.0, m + jnp.log(jnp.where(denom > 0.0, denom, 1.0)), -jnp.inf)
 
 
 def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
@@ -181,7 +188,8 @@ def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
 
 
 def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype, num_splits):
+                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype, num_splits,
+                 return_lse):
     slots, kv_heads, group, head_dim = q4.shape
     flat_pages, page_size, _ = k_pages.shape
     for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
@@ -204,7 +212,8 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     if quantized:
         in_specs += [scale_pool, scale_pool]
         args += [k_scales, v_scales]
-    if num_splits == 1:
+    stats = num_splits > 1 or return_lse  # per-split (max, sum, unnormalised output), merged below
+    if not stats:
         out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
     else:
         stat = pl.BlockSpec((None, None, None, rows), lambda s, h, j: (s, h, j, 0))
@@ -215,7 +224,7 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
                      jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, head_dim), jnp.float32)]
     kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, pages_per_head=pages_per_head,
                                scale=scale, softcap=softcap, sliding_window=sliding_window, quantized=quantized,
-                               compute_dtype=compute_dtype, num_splits=num_splits)
+                               compute_dtype=compute_dtype, num_splits=num_splits, stats=stats)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -225,9 +234,10 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
         out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
         name="paged_decode_attention_triton",
     )(*args)
-    if num_splits > 1:
-        out = _merge_splits(*out)
-    return out[:, :, :group]
+    if not stats:
+        return out[:, :, :group], None
+    out, lse = _merge_splits(*out)
+    return out[:, :, :group], lse[:, :, :group]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,12 +246,19 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
 
 def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, pages_per_block: int,
                    pages_per_slot: int, pages_per_head: int, scale: float, softcap: float | None,
-                   sliding_window: int | None, quantized: bool, compute_dtype):
+                   sliding_window: int | None, quantized: bool, compute_dtype, stats: bool):
     if quantized:
-        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = rest
+        ks_hbm, vs_hbm, *rest = rest
     else:
-        o_ref, k_buf, v_buf, sems = rest
-        ks_hbm = vs_hbm = ks_buf = vs_buf = None
+        ks_hbm = vs_hbm = None
+    if stats:
+        o_ref, m_ref, l_ref, *rest = rest
+    else:
+        (o_ref, *rest), m_ref, l_ref = rest, None, None
+    if quantized:
+        k_buf, v_buf, ks_buf, vs_buf, sems = rest
+    else:
+        (k_buf, v_buf, sems), ks_buf, vs_buf = rest, None, None
     slot, head = pl.program_id(0), pl.program_id(1)
     page_size, head_dim = k_buf.shape[-2:]
     block_tokens = pages_per_block * page_size
@@ -290,10 +307,13 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, page
 
     carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
     o_ref[...] = _finish(carry).astype(o_ref.dtype)
+    if m_ref is not None and l_ref is not None:  # softmax statistics over a lane tile (TPU blocks: (8, 128))
+        m_ref[...] = jnp.broadcast_to(carry[0], m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(carry[1], l_ref.shape)
 
 
 def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype):
+                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype, return_lse):
     from jax.experimental.pallas import tpu as pltpu
     slots, kv_heads, group, head_dim = q4.shape
     _, page_size, _ = k_pages.shape
@@ -316,7 +336,9 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     kernel = functools.partial(_mosaic_kernel, pages_per_block=pages_per_block,
                                pages_per_slot=pages_per_slot, pages_per_head=pages_per_head, scale=scale,
                                softcap=softcap, sliding_window=sliding_window, quantized=quantized,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, stats=return_lse)
+    stat_spec = pl.BlockSpec((None, None, rows, _LANES), lambda s, h, *_: (s, h, 0, 0))
+    out_specs = [q_spec] + ([stat_spec, stat_spec] if return_lse else [])
     pages = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
     # The page table is scalar-prefetched whole into SMEM (1 MiB up to v6e): slots go in chunks
     # whose table stays under MOSAIC_MAX_TABLE_ENTRIES, one kernel call each.
@@ -324,20 +346,22 @@ def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     outs = []
     for start in range(0, slots, chunk):
         n = min(chunk, slots - start)
+        stat_shape = jax.ShapeDtypeStruct((n, kv_heads, rows, _LANES), jnp.float32)
         outs.append(pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(n, kv_heads),
-                                                   in_specs=in_specs, out_specs=q_spec,
+                                                   in_specs=in_specs, out_specs=out_specs,
                                                    scratch_shapes=scratch),
-            out_shape=jax.ShapeDtypeStruct((n, *q4.shape[1:]), jnp.float32),
+            out_shape=[jax.ShapeDtypeStruct((n, *q4.shape[1:]), jnp.float32)] + [stat_shape] * (2 * return_lse),
             # Each program issues and waits its own DMAs: programs are independent (megacore).
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
             interpret=pltpu.InterpretParams() if interpret else False,
             name="paged_decode_attention_mosaic",
         )(lengths[start:start + n], page_indices[start:start + n].reshape(-1),
           q4[start:start + n], *pages))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-    return out[:, :, :group]
+    out, *stats = (jnp.concatenate(parts) for parts in zip(*outs, strict=True))
+    lse = _log_sum_exp(stats[0][..., 0], stats[1][..., 0])[:, :, :group] if return_lse else None
+    return out[:, :, :group], lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +377,7 @@ def default_variant() -> Variant:
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "softcap", "interpret", "pages_per_block",
-                                             "variant", "num_splits"))
+                                             "variant", "num_splits", "return_lse"))
 def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   lengths: jax.Array, page_indices: jax.Array, *,
                                   k_scales: jax.Array | None = None,
@@ -363,7 +387,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
                                   pages_per_block: int | None = None,
                                   variant: Variant | None = None,
                                   num_splits: int | None = None,
-                                  layer: jax.Array | None = None) -> jax.Array:
+                                  layer: jax.Array | None = None,
+                                  return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of one query per slot over paged K/V; see the module docstring.
 
     `pages_per_block`: pages per inner-loop step (default `default_pages_per_block`).
@@ -372,6 +397,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     (flash-decoding; default `default_num_splits`: more when slots * kv_heads is small).
     `layer`: int32 scalar; the pages (and scales) are then the whole pool with a leading layer axis.
     `softcap`: scores become cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping).
+    `return_lse`: also the log-sum-exp of each row's scores [slots, heads] fp32 (-inf: no key), and
+    the output in fp32: a partial attention another part merges with (cascade_attention.py).
     """
     variant = variant or default_variant()
     scales = scale_pair(k_scales, v_scales)
@@ -420,10 +447,12 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
     kw = dict(pages_per_block=pages_per_block, pages_per_head=num_pages, scale=head_dim ** -0.5,
               softcap=softcap, sliding_window=sliding_window,
-              interpret=interpret, compute_dtype=q.dtype)
+              interpret=interpret, compute_dtype=q.dtype, return_lse=return_lse)
     if variant == "triton":
-        out = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
-                           num_splits=num_splits, **kw)
+        out, lse = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
+                                num_splits=num_splits, **kw)
     else:
-        out = _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
+        out, lse = _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
+    if lse is not None:  # return_lse
+        return out.reshape(slots, num_heads, head_dim).astype(jnp.float32), lse.reshape(slots, num_heads)
     return out.reshape(slots, num_heads, head_dim).astype(q.dtype)

@@ -31,6 +31,7 @@ from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.sampler import bucket_length, eos_ids_of
 from jaxrl_llm.sampler import core as sampler_core
+from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size, batch_sharding, logical_to_sharding, optimizer_state_sharding
@@ -248,10 +249,14 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     shardings = engine_programs.state_sharding(abstract, cfg, mesh)
     state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
 
+    groups = engine_programs.cascade_shape(engine, engine.max_num_seqs, settings.n)
+    cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
+                                                  jax.ShapeDtypeStruct(groups[:1], jnp.int32))
+
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         return _lower(engine_programs.generate, platforms, ctx.policy_params(), _unrolled(cfg, unroll), state,
-                      jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar,
+                      jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       settings=settings, attn_impl=engine.attn_impl, mesh=mesh)
 
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",

@@ -62,6 +62,8 @@ def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology):
             # the critic's passes read a value head: no vocabulary, no kernel
             assert bool(kernel_calls(text, "tpu")) == ("critic" not in program.name and program.name != "values"), \
                 program.name
+            if program.name == "sample":  # rollout.n = 2: cascade attention, the Mosaic kernel twice
+                assert sum(kernel_calls(text, "tpu").values()) >= 2, program.name
 
 
 @pytest.mark.parametrize("engine", ["paged", "static"])
@@ -77,6 +79,8 @@ def test_every_program_of_a_step_lowers_for_cuda(tmp_path, engine):
             # the XLA path there (faster than the Triton kernel on an H200); the static sampler's logits
             # are [rows, V] per token and the critic reads a value head
             assert bool(calls) == (program.name == "sample" and engine == "paged"), program.name
+            if calls and program.name == "sample":  # rollout.n = 2: cascade attention, the kernel twice
+                assert sum(calls.values()) >= 2, calls
 
 
 def _head(hidden, vocab, vocab_major, dtype, mesh, impl="auto"):

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.losses.logprob import token_logprobs
+from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla
 from jaxrl_llm.sharding import make_mesh
 
@@ -54,4 +55,13 @@ def test_paged_attention_kernel_per_kv_head_shard_equals_xla():
         out = attend(q, k_pages, v_pages, jnp.int32(layer))
         ref = paged_decode_attention_xla(q, k_pages, v_pages, lengths, table, layer=jnp.int32(layer),
                                          sliding_window=10)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    # cascade groups (slots 2 and 4 share their first page; slot 3 alone): the kernel twice per shard
+    cascade = Cascade(jnp.asarray([[2, 4], [-1, -1]], jnp.int32), jnp.asarray([1, 0], jnp.int32))
+    shared_table = table.at[4, 0].set(table[2, 0])
+    grouped = jax.jit(lambda q, k, v, layer: paged_decode_attention(q, k, v, lengths, shared_table, layer=layer,
+                                                                    impl="pallas", mesh=mesh, cascade=cascade))
+    for layer in range(layers):
+        out = grouped(q, k_pages, v_pages, jnp.int32(layer))
+        ref = paged_decode_attention_xla(q, k_pages, v_pages, lengths, shared_table, layer=jnp.int32(layer))
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)

@@ -324,3 +324,24 @@ def test_batched_prefill_on_a_mesh_equals_one_device(llama_tiny, mesh_name="data
     np.testing.assert_array_equal(out.tokens, one.tokens)
     np.testing.assert_allclose(out.log_probs, one.log_probs, atol=1e-5)
     assert stats.prefill_calls < len(PROMPTS8)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_cascade_attention_equals_plain_paged_attention(llama_tiny, sampled):
+    """The n samples of a prompt reading its shared pages once (the default) generate what reading
+    them once per sample does: the same tokens, log-probs to 1e-5, through the drain's smaller slot
+    sets and the page-wait queue."""
+    cfg, params = llama_tiny
+    sp = SAMPLED if sampled else SamplingParams(max_new_tokens=NEW, do_sample=False, n=2)
+    settings, knobs = _args(cfg, sp)
+    prompts = PROMPTS + [[5] * 13, [7, 1] * 6]  # several full 4-token pages to share
+    runs = {}
+    for cascade in (False, True):
+        spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=24, pages_per_slot=8, cascade=cascade)
+        runs[cascade] = PagedEngine(cfg, spec, steps_per_call=3).run(params, prompts, jax.random.key(3), knobs,
+                                                                      settings)
+    (plain, plain_stats), (got, stats) = runs[False], runs[True]
+    np.testing.assert_array_equal(got.tokens, plain.tokens)
+    np.testing.assert_allclose(got.log_probs, plain.log_probs, atol=1e-5, rtol=1e-5)
+    assert stats.peak_cascade_groups >= 1 and plain_stats.peak_cascade_groups == 0
+    assert stats.metrics()["rollout/engine/cascade_groups"] == stats.peak_cascade_groups

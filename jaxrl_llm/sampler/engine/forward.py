@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
+from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.kv_bits import to_storage
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 
@@ -51,10 +52,12 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
 
 
 def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positions: Array, active: Array, *,
-                    attn_impl: str = "auto", mesh: Mesh | None = None) -> LayerAttention:
+                    attn_impl: str = "auto", mesh: Mesh | None = None, cascade: Cascade | None = None
+                    ) -> LayerAttention:
     """The decoder's attention for one token per slot over the paged pool (the attention state):
     writes the token's K/V at its page and offset, then attends over the slot's pages. Inactive
-    slots write to the scratch page 0 and attend to nothing."""
+    slots write to the scratch page 0 and attend to nothing. `cascade`: the groups of slots that
+    read their shared prompt pages once (sampler/cascade_attention.py)."""
     page = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
     page = jnp.where(active, page, 0)
     offset = jnp.where(active, positions % page_size, 0)
@@ -66,7 +69,7 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
         def attend(window: int | None) -> Array:  # a local layer reads only its window's pages
             return paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
                                           sliding_window=window, impl=attn_impl, mesh=mesh,
-                                          softcap=cfg.attn_logit_softcapping,
+                                          softcap=cfg.attn_logit_softcapping, cascade=cascade,
                                           k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
 
         if cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
@@ -81,7 +84,8 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
-                  mesh: Mesh | None = None, record_routing: bool = False) -> tuple[Array, dict, Array | None]:
+                  mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
+                  ) -> tuple[Array, dict, Array | None]:
     """Final-norm hidden [S, H] for one token per slot, the pool with their K/V written, and with
     `record_routing` a MoE model's router top-k ids of each fed token [S, L, k] (else None).
 
@@ -90,7 +94,7 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
     scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1.
     """
     attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
-                                mesh=mesh)
+                                mesh=mesh, cascade=cascade)
     hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
                                        compute_dtype=compute_dtype, valid=active[:, None],
                                        record_routing=record_routing)
@@ -100,9 +104,10 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
-                  mesh: Mesh | None = None, record_routing: bool = False) -> tuple[Array, dict, Array | None]:
+                  mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
+                  ) -> tuple[Array, dict, Array | None]:
     """fp32 next-token logits [S, V], the updated pool and the recorded routing (see `decode_hidden`)."""
     hidden, pool, routing = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
                                           compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
-                                          record_routing=record_routing)
+                                          record_routing=record_routing, cascade=cascade)
     return logits_from_hidden(params, cfg, hidden), pool, routing

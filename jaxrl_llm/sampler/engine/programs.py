@@ -35,6 +35,7 @@ from jaxrl_llm.models import (
     logits_from_hidden,
 )
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
+from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
 from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
@@ -54,6 +55,8 @@ class EngineSpec:
     max_num_seqs: decode slots. page_size: tokens per KV page. num_pages: pool pages (page 0 is
     scratch). pages_per_slot: page-table width (max_model_len / page_size, rounded up).
     kv_cache_dtype: 'auto' (the compute dtype) or 'int8'. attn_impl: paged attention impl.
+    cascade: the samples of a prompt read its shared full pages once per decode step
+    (sampler/cascade_attention.py; the scheduler passes the groups to `generate`).
     """
 
     max_num_seqs: int
@@ -62,6 +65,7 @@ class EngineSpec:
     pages_per_slot: int
     kv_cache_dtype: str = "auto"
     attn_impl: str = "auto"
+    cascade: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -189,6 +193,15 @@ def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeSt
     rep = NamedSharding(mesh, PartitionSpec())
     pool = {k: NamedSharding(mesh, PartitionSpec(None, axis)) for k in state.pool}
     return state._replace(pool=pool, **{f: rep for f in state._fields if f != "pool" and getattr(state, f) is not None})
+
+
+def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | None:
+    """(rows, members per row) of the cascade groups `generate` takes for `slots` slots and n samples
+    per prompt, or None when it takes none (cascade off, or n = 1: nothing shared). slots // 2 rows
+    hold every group with two or more members in slots."""
+    if not spec.cascade or n < 2:
+        return None
+    return max(1, slots // 2), min(n, slots)
 
 
 def request_keys(rng: Array, request: Array, token_index: Array) -> Array:
@@ -378,21 +391,22 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
 
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh"), donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
-             max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, *, settings: SampleSettings,
-             attn_impl: str = "auto", mesh: Mesh | None = None) -> DecodeState:
+             max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, cascade: Cascade | None = None, *,
+             settings: SampleSettings, attn_impl: str = "auto", mesh: Mesh | None = None) -> DecodeState:
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
     `stop_below` slots are still active, so the host can move them to a smaller slot set.
     `mesh`: the state's mesh (`state_sharding`); an attention kernel then runs per kv-head shard, and the
-    program is traced on it."""
+    program is traced on it. `cascade`: groups of slots sharing their prompt's full pages, each read
+    once per group (the slots stay where they are during the call; a finished member reads nothing)."""
     with mesh_context(mesh):
-        return _generate(params, cfg, state, rng, knobs, max_steps, stop_on_finish, stop_below, settings=settings,
-                         attn_impl=attn_impl, mesh=mesh)
+        return _generate(params, cfg, state, rng, knobs, max_steps, stop_on_finish, stop_below, cascade,
+                         settings=settings, attn_impl=attn_impl, mesh=mesh)
 
 
 def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
-              max_steps: Array, stop_on_finish: Array, stop_below: Array | int, *, settings: SampleSettings,
-              attn_impl: str, mesh: Mesh | None) -> DecodeState:
+              max_steps: Array, stop_on_finish: Array, stop_below: Array | int, cascade: Cascade | None, *,
+              settings: SampleSettings, attn_impl: str, mesh: Mesh | None) -> DecodeState:
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
     rows = jnp.arange(state.active.shape[0])
@@ -406,7 +420,7 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
         i, _, s = c
         logits, pool, fed = decode_logits(params, cfg, s.pool, s.last, s.positions, s.page_table, s.active,
                                           compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
-                                          record_routing=s.routing is not None)
+                                          record_routing=s.routing is not None, cascade=cascade)
         routing = s.routing
         if routing is not None and fed is not None:  # the fed token is response token num_gen - 1
             fed_col = jnp.clip(s.num_gen - 1, 0, r - 1)

@@ -8,8 +8,10 @@ its n samples' slots; full prompt pages are shared by the samples, the partial l
 response pages are their own; with `batch_prefill` the new prompts of a round that share a length
 bucket prefill in one program call, within `max_num_batched_tokens`), then one `generate` call of
 up to `steps_per_call` decode steps that returns early when a slot finishes while requests wait,
-then collect finished slots and free their pages. A request waits while the pool lacks the pages for its whole sequence
-(prompt + max_new_tokens), so a running request never runs out of KV.
+then collect finished slots and free their pages. With `spec.cascade` each `generate` call gets the
+groups of slots whose shared prompt pages are read once per group (sampler/cascade_attention.py).
+A request waits while the pool lacks the pages for its whole sequence (prompt + max_new_tokens),
+so a running request never runs out of KV.
 
 `run` queues every (prompt, sample) at once; `serve` takes any `RequestSource`, whose requests
 may arrive while others decode (agents/streaming.py: the next turn of a multi-turn trajectory once
@@ -35,6 +37,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype, is_uncast_matmul_weight, matmul_weights_in
 from jaxrl_llm.models.moe import NOT_RECORDED
+from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
@@ -57,6 +60,7 @@ class EngineStats:
     peak_pages_used: int = 0
     waits_for_pages: int = 0
     resizes: int = 0  # slot-set changes (shrunk while the queue drains, grown back for new requests)
+    peak_cascade_groups: int = 0  # most groups reading their shared prompt pages once in one generate call
 
     @property
     def utilisation(self) -> float:
@@ -68,7 +72,8 @@ class EngineStats:
                 "rollout/engine/decode_steps": float(self.decode_steps),
                 "rollout/engine/prefill_tokens": float(self.prefill_tokens),
                 "rollout/engine/peak_kv_pages": float(self.peak_pages_used),
-                "rollout/engine/waits_for_pages": float(self.waits_for_pages)}
+                "rollout/engine/waits_for_pages": float(self.waits_for_pages),
+                "rollout/engine/cascade_groups": float(self.peak_cascade_groups)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +252,8 @@ class PagedEngine:
         for size in self.drain_sizes():
             empty = self._resize(state, [], size)
             out = programs.generate(params, self.cfg, empty, rng, knobs, np.int32(0), np.bool_(False), np.int32(0),
-                                    settings=settings, attn_impl=self.spec.attn_impl, mesh=self.mesh)
+                                    self._cascade({}, {}, size, settings), settings=settings,
+                                    attn_impl=self.spec.attn_impl, mesh=self.mesh)
             # the pool and counters went through (donated) and back; the full set's slots are as they were
             state = out._replace(**{f: getattr(state, f) for f in programs.SLOT_FIELDS})
         self._warm.add(key)
@@ -319,6 +325,32 @@ class PagedEngine:
                 entry.prefix = (prefix, i)
             calls += 1
         return calls
+
+    def _cascade(self, slot_req: dict[int, tuple[EngineRequest, list[int]]], groups: dict[int, _Group], size: int,
+                 settings: SampleSettings) -> Cascade | None:
+        """The groups of the slots that read their prompt's shared full pages once per decode step
+        (sampler/cascade_attention.py): one row per group with two or more members in slots, at most
+        size // 2 rows of settings.n members (a larger group's extra members read the plain way).
+        None when the spec turns cascade attention off or one sample per prompt shares nothing; the
+        shapes depend on the slot count and n only (no program per group layout)."""
+        shape = programs.cascade_shape(self.spec, size, settings.n)
+        if shape is None:
+            return None
+        rows, width = shape
+        group_slots = np.full((rows, width), -1, np.int32)
+        prefix_pages = np.zeros((rows,), np.int32)
+        members: dict[int, list[int]] = collections.defaultdict(list)
+        for slot in sorted(slot_req):
+            members[slot_req[slot][0].group].append(slot)
+        row = 0
+        for group in sorted(members):
+            slots, shared = members[group], len(groups[group].shared)
+            if len(slots) < 2 or shared == 0 or row == rows:
+                continue
+            group_slots[row, :min(width, len(slots))] = slots[:width]
+            prefix_pages[row] = shared
+            row += 1
+        return Cascade(group_slots, prefix_pages)
 
     def _check(self, req: EngineRequest, r: int) -> None:
         if len(req.ids) < 1:
@@ -441,8 +473,11 @@ class PagedEngine:
             steps = self.steps_per_call if refill else r
             # draining: return once the running sequences fit the next smaller set, to move them there
             smaller = max([s for s in sizes if s < size], default=0) if not refill else 0
+            cascade = self._cascade(slot_req, groups, size, settings)
+            if cascade is not None:
+                stats.peak_cascade_groups = max(stats.peak_cascade_groups, int(np.sum(cascade.prefix_pages > 0)))
             state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
-                                      np.int32(smaller), settings=settings, attn_impl=spec.attn_impl,
+                                      np.int32(smaller), cascade, settings=settings, attn_impl=spec.attn_impl,
                                       mesh=self.mesh)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))

@@ -47,6 +47,7 @@ class EngineOptions:
     attention_impl: str = "auto"  # paged attention: 'auto' (Pallas on GPU / TPU, XLA elsewhere), 'pallas', 'xla'
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
+    cascade_attention: bool = True  # rollout.cascade_attention: a prompt's n samples read its pages once
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -91,7 +92,8 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     max_model_len = -(-(bucket_length(max_prompt_len) + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
     pps = pages_for(max_model_len, PAGE_SIZE)
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
-                       kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl)
+                       kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl,
+                       cascade=opts.cascade_attention)
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
                                budget_bytes=device_kv_budget(opts.gpu_memory_utilization))
