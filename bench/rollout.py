@@ -19,6 +19,8 @@ Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
 Rows `paged` (the defaults), `paged_flat` (rollout.cascade_attention=False: every sample reads its
 prompt's pages itself) and `paged_bpf` (rollout.batch_prefill=True).
+Cascade attention (2026-11-27, --quick, one engine row per process): paged 161.9 / 181.2 tok/s,
+paged_flat 103.7 / 105.0 tok/s (1.6-1.7x); transformers 78.8 tok/s in the 181.2 run (2.30x).
 Batched prefill (then the `paged` row; `paged_1pf`: one prefill call per prompt, 2026-11-27,
 `--prompts 64 --n 4 --slots 64 --new-tokens 32 --skip static transformers`): 38 vs 64 prefill
 calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the

@@ -39,10 +39,11 @@ from jax import lax
 
 from jaxrl_llm.models.numerics import MASKED_SCORE, probs_times_values
 from jaxrl_llm.sampler.paged_attention import (
-    _pages_per_block,
     attention_scores,
+    block_layout,
     flat_pool,
     gather_block,
+    query_rows,
     trainer_softmax,
 )
 
@@ -97,17 +98,13 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
     """`paged_decode_attention_xla` with the rows of `cascade` reading their shared pages once."""
     q = jnp.asarray(q)
     pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer)
-    slots, nh, hd = q.shape
-    nkv, ps = pool.kv_heads, pool.page_size
-    g = nh // nkv
-    pps = page_indices.shape[1]
-    ppb = _pages_per_block(ps, pps)
-    num_blocks = -(-pps // ppb)
-    bt = ppb * ps  # keys per block
+    qg = query_rows(q, pool)
+    slots, nkv, g, hd = qg.shape
+    ps = pool.page_size
+    ppb, num_blocks, bt = block_layout(ps, page_indices.shape[1])  # bt: keys per block
     width = num_blocks * bt  # the plain path's score buffer
     lengths = jnp.asarray(lengths, jnp.int32)
     lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
-    qg = q.reshape(slots, nkv, g, hd)
     idx = member_index(cascade, slots)  # [G, M]
     safe = jnp.minimum(idx, slots - 1)
     member = idx < slots
@@ -184,7 +181,7 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
     _, out = lax.while_loop(lambda c: c[0] < own_last, own_values,
                             (own_first, jnp.zeros((slots, nkv, g, hd), jnp.float32)))
     out = out + jnp.zeros((slots + 1, nkv, g, hd), jnp.float32).at[idx].add(shared)[:slots]
-    return out.reshape(slots, nh, hd).astype(q.dtype)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 def merge_partials(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> Array:

@@ -48,8 +48,24 @@ IMPLS = ("auto", "xla", "pallas")
 _BLOCK_TOKENS = 128  # keys per loop iteration (rounded to whole pages)
 
 
-def _pages_per_block(page_size: int, pages_per_slot: int) -> int:
-    return max(1, min(pages_per_slot, _BLOCK_TOKENS // page_size))
+class BlockLayout(NamedTuple):
+    """How the XLA loops walk a page table: `pages` pages (`tokens` keys) per iteration, `count`
+    iterations covering the whole table."""
+
+    pages: int
+    count: int
+    tokens: int
+
+
+def block_layout(page_size: int, pages_per_slot: int) -> BlockLayout:
+    ppb = max(1, min(pages_per_slot, _BLOCK_TOKENS // page_size))
+    return BlockLayout(pages=ppb, count=-(-pages_per_slot // ppb), tokens=ppb * page_size)
+
+
+def query_rows(q: Array, pool: FlatPool) -> Array:
+    """q [slots, heads, head_dim] as [slots, kv heads, GQA group, head_dim]."""
+    slots, nh, hd = q.shape
+    return q.reshape(slots, pool.kv_heads, nh // pool.kv_heads, hd)
 
 
 class FlatPool(NamedTuple):
@@ -129,17 +145,12 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     """
     q = jnp.asarray(q)
     pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer)
-    slots, nh, hd = q.shape
-    nkv, ps = pool.kv_heads, pool.page_size
-    g = nh // nkv
-    pps = page_indices.shape[1]
-    ppb = _pages_per_block(ps, pps)
-    num_blocks = -(-pps // ppb)
+    qg = query_rows(q, pool)
+    slots, nkv, g, hd = qg.shape
+    ppb, num_blocks, block_tokens = block_layout(pool.page_size, page_indices.shape[1])
     # pad the table so every block slice is in range (padding entries are never valid keys)
-    table = jnp.pad(jnp.asarray(page_indices, jnp.int32), ((0, 0), (0, num_blocks * ppb - pps)))
+    table = jnp.pad(jnp.asarray(page_indices, jnp.int32), ((0, 0), (0, num_blocks * ppb - page_indices.shape[1])))
     lengths = jnp.asarray(lengths, jnp.int32)
-    qg = q.reshape(slots, nkv, g, hd)
-    block_tokens = ppb * ps
     lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
 
     def block_scores(carry: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -168,7 +179,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     # pass 2: probabilities x V block by block, with the trainer's `probs_times_values`
     init = (first, jnp.zeros((slots, nkv, g, hd), jnp.float32))
     _, out = lax.while_loop(lambda c: c[0] < last, block_values, init)
-    return out.reshape(slots, nh, hd).astype(q.dtype)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 def kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:

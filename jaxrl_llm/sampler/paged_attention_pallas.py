@@ -237,7 +237,7 @@ def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices
     if not stats:
         return out[:, :, :group], None
     out, lse = _merge_splits(*out)
-    return out[:, :, :group], lse[:, :, :group]
+    return out[:, :, :group], lse[:, :, :group] if return_lse else None
 
 
 # ----------------------------------------------------------------------------------------------
