@@ -49,17 +49,17 @@ _BLOCK_TOKENS = 128  # keys per loop iteration (rounded to whole pages)
 
 
 class BlockLayout(NamedTuple):
-    """How the XLA loops walk a page table: `pages` pages (`tokens` keys) per iteration, `count`
+    """How the XLA loops walk a page table: `pages` pages (`tokens` keys) per iteration, `blocks`
     iterations covering the whole table."""
 
     pages: int
-    count: int
+    blocks: int
     tokens: int
 
 
 def block_layout(page_size: int, pages_per_slot: int) -> BlockLayout:
     ppb = max(1, min(pages_per_slot, _BLOCK_TOKENS // page_size))
-    return BlockLayout(pages=ppb, count=-(-pages_per_slot // ppb), tokens=ppb * page_size)
+    return BlockLayout(pages=ppb, blocks=-(-pages_per_slot // ppb), tokens=ppb * page_size)
 
 
 def query_rows(q: Array, pool: FlatPool) -> Array:
