@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models.numerics import MASKED_SCORE, probs_times_values
-from jaxrl_llm.sampler.paged_attention import (
+from jaxrl_llm.sampler.paged_blocks import (
     attention_scores,
     block_layout,
     flat_pool,

@@ -1,0 +1,96 @@
+"""The XLA paged-attention paths' building blocks, shared by the plain path
+(sampler/paged_attention.py) and the cascade path (sampler/cascade_attention.py)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.sampler.kv_bits import from_storage, scale_pair
+
+Array = jax.Array
+_BLOCK_TOKENS = 128  # keys per loop iteration (rounded to whole pages)
+
+
+class BlockLayout(NamedTuple):
+    """How the XLA loops walk a page table: `pages` pages (`tokens` keys) per iteration, `blocks`
+    iterations covering the whole table."""
+
+    pages: int
+    blocks: int
+    tokens: int
+
+
+def block_layout(page_size: int, pages_per_slot: int) -> BlockLayout:
+    ppb = max(1, min(pages_per_slot, _BLOCK_TOKENS // page_size))
+    return BlockLayout(pages=ppb, blocks=-(-pages_per_slot // ppb), tokens=ppb * page_size)
+
+
+def query_rows(q: Array, pool: FlatPool) -> Array:
+    """q [slots, heads, head_dim] as [slots, kv heads, GQA group, head_dim]."""
+    slots, nh, hd = q.shape
+    return q.reshape(slots, pool.kv_heads, nh // pool.kv_heads, hd)
+
+
+class FlatPool(NamedTuple):
+    """A KV pool as the XLA path reads it: (kv head, page) flattened into one row axis per layer,
+    so a block's gather itself yields the [rows, kv, keys, head_dim] layout both matmuls read
+    (gathering [slots, pages, kv, ...] and transposing it was ~half of a decode step on CPU)."""
+
+    k: Array  # [layers, kv * pages, page_size, head_dim]
+    v: Array
+    k_scales: Array | None  # [layers, kv * pages, page_size] fp32 (int8 pages) or None
+    v_scales: Array | None
+    layer: Array  # int32 scalar
+    kv_heads: int
+    num_pages: int
+    page_size: int
+
+
+def flat_pool(k_pages: Array, v_pages: Array, k_scales: Array | None, v_scales: Array | None,
+              layer: Array | None) -> FlatPool:
+    """The contract's pages (one layer's, or the stacked pool with `layer`) as a `FlatPool`."""
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    scales = scale_pair(k_scales, v_scales)
+    if layer is None:  # one layer's pages: a layer axis of 1
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
+        if scales is not None:
+            scales = (scales[0][None], scales[1][None])
+    num_layers, nkv, num_pages, ps, hd = k_pages.shape
+    rows = (num_layers, nkv * num_pages, ps)
+    return FlatPool(k=k_pages.reshape(*rows, hd), v=v_pages.reshape(*rows, hd),
+                    k_scales=None if scales is None else scales[0].reshape(rows),
+                    v_scales=None if scales is None else scales[1].reshape(rows),
+                    layer=jnp.asarray(layer, jnp.int32), kv_heads=nkv, num_pages=num_pages, page_size=ps)
+
+
+def gather_block(pool: FlatPool, name: str, ids: Array, compute_dtype: Any) -> Array:
+    """K or V of the pages `ids` [R, ppb] for every kv head: [R, kv, ppb * page_size, head_dim].
+    int8 pages are dequantised here: K rounded to the compute dtype (as a caller-side
+    dequantisation would store it), V kept in fp32."""
+    pages, scales = (pool.k, pool.k_scales) if name == "k" else (pool.v, pool.v_scales)
+    heads = jnp.arange(pool.kv_heads, dtype=jnp.int32)[None, :, None] * pool.num_pages
+    flat = heads + ids[:, None, :]  # [R, kv, ppb] rows of the flattened pool
+    blk = from_storage(pages[pool.layer, flat])  # [R, kv, ppb, ps, hd]; uint16 pools: sampler/kv_bits.py
+    if scales is not None:
+        blk = blk.astype(jnp.float32) * scales[pool.layer, flat][..., None]
+        if name == "k":
+            blk = blk.astype(compute_dtype)
+    r, nkv, ppb = flat.shape
+    return blk.reshape(r, nkv, ppb * pool.page_size, blk.shape[-1])
+
+
+def attention_scores(spec: str, q: Array, k: Array, softcap: float | None) -> Array:
+    """fp32 scaled (and soft-capped) q.k scores, as the trainer's attention computes them."""
+    scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def trainer_softmax(scores: Array, lengths: Array) -> Array:
+    """The trainer's softmax over a slot's key buffer [S, kv, g, keys], operation for operation
+    (models/attention.py); empty slots (length 0) get all-zero probabilities."""
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    unnormalized = jnp.exp(scores - peak)
+    probs = unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
+    return probs * (lengths > 0)[:, None, None, None]
