@@ -2,6 +2,7 @@
 tests/trainer/test_moe_update.py and tests/sharding/test_expert_parallel.py)."""
 import jax.numpy as jnp
 import numpy as np
+from tiny_models import random_rollout
 
 from jaxrl_llm.config import ActorSpec
 from jaxrl_llm.models import ModelConfig
@@ -32,12 +33,10 @@ def near_tied(params: dict, eps: float = 1e-6) -> dict:
 
 def moe_batch(seed: int = 0) -> Experience:
     rng = np.random.default_rng(seed)
-    prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
+    ids, mask, resp_mask, _, _ = random_rollout(rng, N, P, R)
     return Experience(
-        input_ids=jnp.asarray(rng.integers(3, 64, size=(N, P + R)), jnp.int32),
-        attention_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        input_ids=jnp.asarray(ids),
+        attention_mask=jnp.asarray(mask),
         response_mask=jnp.asarray(resp_mask, jnp.float32),
         old_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
         advantages=jnp.asarray(rng.normal(size=(N, R)), jnp.float32),

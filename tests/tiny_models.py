@@ -121,3 +121,19 @@ def left_padded_batch(rng: np.random.Generator, vocab: int, lengths=(8, 5, 3), p
         ids[row, t - n] = pad_id  # a real token equal to the pad id
         mask[row, t - n:] = 1
     return ids, mask
+
+
+def random_rollout(rng: np.random.Generator, rows: int, prompt_width: int, response_width: int, *,
+                   min_prompt: int = 2, max_prompt: int | None = None, max_response: int | None = None,
+                   low_id: int = 3, vocab: int = 64):
+    """A random rollout batch in the trainer's layout (numpy): prompts left-padded to `prompt_width`,
+    responses right-padded to `response_width`. Returns (ids [rows, P + R] int32, attention_mask
+    [rows, P + R] int32, response_mask [rows, R] int32, prompt lengths, response lengths). Draws
+    prompt lengths, response lengths, then ids from `rng`, so callers that draw more afterwards keep
+    their numbers."""
+    prompt_len = rng.integers(min_prompt, (max_prompt or prompt_width) + 1, size=rows)
+    resp_len = rng.integers(1, (max_response or response_width) + 1, size=rows)
+    prompt_mask = (np.arange(prompt_width)[None] >= prompt_width - prompt_len[:, None]).astype(np.int32)
+    resp_mask = (np.arange(response_width)[None] < resp_len[:, None]).astype(np.int32)
+    ids = rng.integers(low_id, vocab, size=(rows, prompt_width + response_width)).astype(np.int32)
+    return ids, np.concatenate([prompt_mask, resp_mask], 1), resp_mask, prompt_len, resp_len

@@ -10,6 +10,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from tiny_models import random_rollout
 
 from jaxrl_llm.config import ActorSpec, default_config, resolve_config
 from jaxrl_llm.models import ModelConfig, init_params
@@ -29,13 +30,10 @@ SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio
 
 def _batch(seed=0):
     rng = np.random.default_rng(seed)
-    prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
+    ids, mask, resp_mask, _, _ = random_rollout(rng, N, P, R)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     return Experience(
-        input_ids=rng.integers(3, 64, size=(N, P + R)).astype(np.int32),
-        attention_mask=np.concatenate([prompt_mask, resp_mask], 1), response_mask=f32(resp_mask),
+        input_ids=ids, attention_mask=mask, response_mask=f32(resp_mask),
         old_log_probs=f32(rng.normal(-3.0, 0.3, (N, R))), ref_log_probs=f32(rng.normal(-3.0, 0.3, (N, R))),
         advantages=f32(rng.normal(size=(N, R))), returns=f32(rng.normal(size=(N, R))))
 

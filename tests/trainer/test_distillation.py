@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_models import make_char_tokenizer
+from tiny_models import make_char_tokenizer, random_rollout
 from tiny_runs import GUESS_YAML, read_metrics, tiny_config
 
 from jaxrl_llm.batching import StepRows, plan_chunks
@@ -51,13 +51,8 @@ def _spec(signal="reverse_kl", **kw) -> DistillSpec:
 
 
 def _batch(seed=0):
-    rng = np.random.default_rng(seed)
-    prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
-    ids = rng.integers(3, 64, size=(N, P + R)).astype(np.int32)
-    return (jnp.asarray(ids), jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
-            jnp.asarray(resp_mask, jnp.float32), prompt_len, resp_len)
+    ids, mask, resp_mask, prompt_len, resp_len = random_rollout(np.random.default_rng(seed), N, P, R)
+    return jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(resp_mask, jnp.float32), prompt_len, resp_len
 
 
 def _teacher(params, ids, mask, resp, topk=0, packing=None, micro_rows=N):

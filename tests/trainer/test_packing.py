@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tiny_models import random_rollout
 
 from jaxrl_llm import batching as pk
 from jaxrl_llm.config import ActorSpec, CriticSpec
@@ -32,13 +33,10 @@ ROWS_SPEC = PartitionSpec(("data", "fsdp"))
 
 def _batch(seed=0, max_prompt=P, max_resp=R):
     rng = np.random.default_rng(seed)
-    prompt_len = rng.integers(1, max_prompt + 1, size=N)
-    resp_len = rng.integers(1, max_resp + 1, size=N)
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
-    ids = rng.integers(3, 64, size=(N, P + R)).astype(np.int32)
+    ids, mask, resp_mask, _, _ = random_rollout(rng, N, P, R, min_prompt=1, max_prompt=max_prompt,
+                                                max_response=max_resp)
     return Experience(
-        input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(mask),
         response_mask=jnp.asarray(resp_mask, jnp.float32),
         old_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),
         ref_log_probs=jnp.asarray(rng.normal(-3.0, 0.3, (N, R)), jnp.float32),

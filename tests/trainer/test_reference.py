@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import random_rollout
 
 from jaxrl_llm.config import default_config, resolve_config
 from jaxrl_llm.config.spec import RefSpec
@@ -29,13 +30,8 @@ def _policy():
 
 
 def _rollout(seed=0):
-    rng = np.random.default_rng(seed)
-    prompt_len, resp_len = rng.integers(2, P + 1, size=N), rng.integers(1, R + 1, size=N)
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    resp_mask = (np.arange(R)[None] < resp_len[:, None]).astype(np.int32)
-    ids = rng.integers(3, 64, size=(N, P + R)).astype(np.int32)
-    return (jnp.asarray(ids), jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
-            jnp.asarray(resp_mask, jnp.float32))
+    ids, mask, resp_mask, _, _ = random_rollout(np.random.default_rng(seed), N, P, R)
+    return jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(resp_mask, jnp.float32)
 
 
 def _log_probs(params, compute_dtype):
