@@ -58,22 +58,26 @@ class Cascade(NamedTuple):
     prefix_pages: Any  # int32 [G]: shared full pages of the row's members (0 = unused row)
 
 
-def member_index(cascade: Cascade, slots: int) -> Array:
-    """group_slots with -1 replaced by `slots` (an out-of-range row: scatters drop it)."""
-    gs = jnp.asarray(cascade.group_slots, jnp.int32)
-    return jnp.where(gs >= 0, gs, slots)
+class Members(NamedTuple):
+    """A cascade's rows resolved against the slots' lengths (both paths start from these)."""
+
+    slot_ids: Array  # [G, M] member slots, `slots` (a scratch row past the last, dropped by scatters) for none
+    safe: Array  # [G, M] slot_ids clipped into range, for gathers (a non-member's values land in the scratch row)
+    member: Array  # [G, M] bool
+    slot_pages: Array  # [S] shared pages each slot reads through its row (0: none, or its row idle)
+    row_pages: Array  # [G] shared pages of each row, 0 where no member is live (length > 0)
 
 
-def slot_prefix_pages(cascade: Cascade, lengths: Array) -> tuple[Array, Array]:
-    """(per-slot shared pages [S], per-row shared pages [G]), both 0 where no member of the row is
-    live (length > 0): an idle row reads nothing."""
+def members(cascade: Cascade, lengths: Array) -> Members:
     slots = lengths.shape[0]
-    idx = member_index(cascade, slots)
-    member_len = jnp.where(idx < slots, jnp.asarray(lengths, jnp.int32)[jnp.minimum(idx, slots - 1)], 0)
-    live = jnp.any(member_len > 0, axis=1)
+    gs = jnp.asarray(cascade.group_slots, jnp.int32)
+    index = jnp.where(gs >= 0, gs, slots)
+    safe = jnp.minimum(index, slots - 1)
+    member = index < slots
+    live = jnp.any(member & (jnp.asarray(lengths, jnp.int32)[safe] > 0), axis=1)
     rows = jnp.where(live, jnp.asarray(cascade.prefix_pages, jnp.int32), 0)
-    per_slot = jnp.zeros((slots + 1,), jnp.int32).at[idx].set(jnp.broadcast_to(rows[:, None], idx.shape))
-    return per_slot[:slots], rows
+    per_slot = jnp.zeros((slots + 1,), jnp.int32).at[index].set(jnp.broadcast_to(rows[:, None], index.shape))
+    return Members(index, safe, member, per_slot[:slots], rows)
 
 
 def shifted_table(page_indices: Array, skip: Array, width: int) -> Array:
@@ -105,10 +109,7 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
     width = num_blocks * bt  # the plain path's score buffer
     lengths = jnp.asarray(lengths, jnp.int32)
     lo = jnp.zeros_like(lengths) if sliding_window is None else lengths - sliding_window
-    idx = member_index(cascade, slots)  # [G, M]
-    safe = jnp.minimum(idx, slots - 1)
-    member = idx < slots
-    pre, rows = slot_prefix_pages(cascade, lengths)
+    idx, safe, member, pre, rows = members(cascade, lengths)
     pre_tok, row_tok = pre * ps, rows * ps
     big = jnp.iinfo(jnp.int32).max
 
@@ -165,8 +166,8 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
         p = lax.dynamic_slice_in_dim(probs, i * bt, bt, axis=3)[safe]  # [G, M, kv, g, bt]
         # only the shared keys: the block's later positions are the members' own (read below)
         pos = i * bt + jnp.arange(bt, dtype=jnp.int32)
-        shared_key = (pos[None, None] < row_tok[:, None, None]) & member[..., None]  # [G, M, bt]
-        p = jnp.where(shared_key[:, :, None, None], p, 0.0).swapaxes(1, 2).reshape(nrows, nkv, m * g, bt)
+        shared_key = pos[None] < row_tok[:, None]  # [G, bt]
+        p = jnp.where(shared_key[:, None, None, None], p, 0.0).swapaxes(1, 2).reshape(nrows, nkv, m * g, bt)
         return i + 1, acc + probs_times_values("gkrn,gknd->gkrd", p, gather_block(pool, "v", ids, q.dtype))
 
     def own_values(carry: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -207,10 +208,7 @@ def cascade_decode_attention_pallas(q: Array, k_pages: Array, v_pages: Array, le
     ps = k_pages.shape[-2]
     g = nh // nkv
     lengths = jnp.asarray(lengths, jnp.int32)
-    idx = member_index(cascade, slots)
-    safe = jnp.minimum(idx, slots - 1)
-    member = idx < slots
-    pre, rows = slot_prefix_pages(cascade, lengths)
+    idx, safe, _, pre, rows = members(cascade, lengths)
     kw = dict(layer=layer, softcap=softcap, variant=variant, interpret=interpret, return_lse=True)
     # shared: row r is one kernel slot whose kv head h has the members' M x g query rows
     m = idx.shape[1]
@@ -221,7 +219,6 @@ def cascade_decode_attention_pallas(q: Array, k_pages: Array, v_pages: Array, le
 
     def per_slot(x: Array, fill: float) -> Array:  # [G, kv * M * g, ...] -> [S, nh, ...]
         x = x.reshape(idx.shape[0], nkv, m, g, *x.shape[2:]).swapaxes(1, 2)  # [G, M, kv, g, ...]
-        x = jnp.where(member.reshape(*member.shape, *(1,) * (x.ndim - 2)), x, fill)
         base = jnp.full((slots + 1, *x.shape[2:]), fill, x.dtype)
         return base.at[idx].set(x)[:slots].reshape(slots, nh, *x.shape[4:])
 

@@ -31,8 +31,6 @@ head) are dequantised block by block. The Pallas kernels keep the online softmax
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -123,7 +121,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
                            sliding_window: int | None = None, impl: str = "auto",
                            k_scales: Array | None = None, v_scales: Array | None = None,
                            layer: Array | None = None, mesh: Mesh | None = None,
-                           softcap: float | None = None, cascade: Any = None) -> Array:
+                           softcap: float | None = None, cascade: cascade_attention.Cascade | None = None) -> Array:
     """Dispatcher: the Pallas kernel (imported lazily) or the XLA path. 'auto' takes the kernel of the
     platform the program is lowered for (Triton on CUDA where its power-of-two shapes hold, Mosaic
     on TPU; `lax.platform_dependent`, so a program compiled here for a TPU topology gets Mosaic) and
