@@ -1,16 +1,24 @@
-"""Speculative decoding's acceptance rule (work in progress: not wired into the engine yet).
+"""Speculative decoding: n-gram drafts, and the acceptance rule that keeps the target's distribution.
 
-Given the target model's logits at the k + 1 positions of a verification forward (the slot's last
-token followed by its k draft tokens) and the drafts, decide per slot how many drafts to keep and
-draw the token that follows them, so that the emitted tokens are distributed exactly as plain
-sampling from the target (Leviathan et al. 2023, Chen et al. 2023), at any temperature and with
-top-k / top-p (the target distribution is the filtered one plain sampling draws from).
+Each verification step of the paged engine (engine/verify.py) feeds every slot its last token and
+k drafted tokens, and keeps the longest run of drafts the target agrees with plus one token of its
+own, so a slot emits 1 to k + 1 tokens per step. This module holds the two parts that do not touch
+the KV pool:
+
+- `ngram_drafts`: prompt-lookup drafts (vLLM's `ngram` method): the tokens that followed the most
+  recent earlier occurrence of the sequence's last n tokens (n from `ngram_max` down to
+  `ngram_min`), in the prompt or the response so far.
+- `accept_drafts`: given the target model's logits at the k + 1 positions of a verification
+  forward (the slot's last token followed by its k drafts), how many drafts to keep and the token
+  that follows them, so that the emitted tokens are distributed exactly as plain sampling from the
+  target (Leviathan et al. 2023, Chen et al. 2023), at any temperature and with top-k / top-p
+  (the target distribution is the filtered one plain sampling draws from).
 
     tokens, log_probs, accepted = accept_drafts(logits, drafts, draft_probs, keys, knobs, settings)
 
 logits [S, k + 1, V] fp32; drafts [S, k] int32; draft_probs [S, k, V] (a draft model's filtered
 distribution) or None (n-gram drafts: a point mass on the draft token); keys [S, k + 1]: the key of
-token index num_gen + i, from `programs.request_keys` (a token's random numbers depend on the
+token index num_gen + i, from `engine.draws.request_keys` (a token's random numbers depend on the
 request and its index only, as in plain decoding). Returns tokens [S, k + 1] (the first
 accepted + 1 are emitted), their log-probs under the full softmax of logits / temperature (what
 the trainer scores) and accepted [S] in [0, k].
@@ -20,6 +28,8 @@ token-identical to plain greedy decoding.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -27,6 +37,59 @@ from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import filtered_logits
 
 Array = jax.Array
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSpec:
+    """How the paged engine drafts (hashable: a static argument of `generate`).
+
+    method: 'ngram' (prompt lookup). num_tokens: drafts verified per slot and step (k).
+    ngram_max / ngram_min: the longest and shortest suffix looked up."""
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS[1:]:
+            raise ValueError(f"rollout.speculative.method={self.method!r}: expected one of {SPECULATIVE_METHODS}")
+        if self.num_tokens < 1:
+            raise ValueError(f"rollout.speculative.num_tokens={self.num_tokens} must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"rollout.speculative: need 1 <= ngram_min ({self.ngram_min}) <= ngram_max "
+                             f"({self.ngram_max})")
+
+
+def ngram_drafts(history: Array, length: Array, k: int, ngram_max: int, ngram_min: int) -> tuple[Array, Array]:
+    """(drafts [S, k] int32, found [S] bool) from each row's tokens history [S, H] (its first
+    length[S] entries real; the last of them is the token fed next).
+
+    For n = ngram_max .. ngram_min, the most recent earlier end j < length - 1 of the last n tokens;
+    the drafts are the tokens after it, continued periodically past the end of the history (a
+    repeat j + 1 .. length - 1 of period d = length - 1 - j: token length + i is token
+    j + 1 + i mod d). Rows with no match draft their last token k times (right for a run of one
+    token, and a verification step then emits at least one token as plain decoding would)."""
+    s, h = history.shape
+    length = length.astype(jnp.int32)
+    rows = jnp.arange(s)
+    ends = jnp.arange(h)[None]
+    best = jnp.full((s,), -1, jnp.int32)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        match = (ends >= n - 1) & (ends <= length[:, None] - 2) & (length[:, None] > n)
+        for m in range(n):  # token j - m equals the suffix's token length - 1 - m
+            want = history[rows, jnp.clip(length - 1 - m, 0, h - 1)]
+            shifted = jnp.pad(history, ((0, 0), (m, 0)), constant_values=-1)[:, :h]
+            match &= shifted == want[:, None]
+        found_n = jnp.max(jnp.where(match, ends, -1), axis=1).astype(jnp.int32)
+        best = jnp.where(best >= 0, best, found_n)
+    found = best >= 0
+    period = jnp.maximum(length - 1 - best, 1)
+    index = best[:, None] + 1 + jnp.arange(k)[None] % period[:, None]
+    last = history[rows, jnp.clip(length - 1, 0, h - 1)]
+    drafts = jnp.where(found[:, None], history[rows[:, None], jnp.clip(index, 0, h - 1)], last[:, None])
+    return drafts.astype(jnp.int32), found
 
 
 def target_distribution(logits: Array, knobs: SampleKnobs, settings: SampleSettings) -> Array:

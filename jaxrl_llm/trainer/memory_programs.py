@@ -257,7 +257,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         return _lower(engine_programs.generate, platforms, ctx.policy_params(), _unrolled(cfg, unroll), state,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
-                      settings=settings, attn_impl=engine.attn_impl, mesh=mesh)
+                      settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",

@@ -8,7 +8,7 @@ from scipy import stats
 from test_sampler_distribution import DRAWS, LOGITS, expected_probs
 
 from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sampler.engine.programs import choose_per_row
+from jaxrl_llm.sampler.engine.draws import choose_per_row
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.5, 3, 1.0), (2.0, 5, 0.7)])

@@ -36,12 +36,13 @@ from jaxrl_llm.models import (
 )
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
+from jaxrl_llm.sampler.engine.verify import verify_step
 from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
 from jaxrl_llm.sampler.paged_attention import kv_head_axis
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import mesh_context
 
 Array = jax.Array
@@ -57,6 +58,7 @@ class EngineSpec:
     kv_cache_dtype: 'auto' (the compute dtype) or 'int8'. attn_impl: paged attention impl.
     cascade: the samples of a prompt read its shared full pages once per decode step
     (sampler/cascade_attention.py; the scheduler passes the groups to `generate`).
+    speculative: draft and verify several tokens per slot and step (engine/verify.py), or None.
     """
 
     max_num_seqs: int
@@ -66,6 +68,7 @@ class EngineSpec:
     kv_cache_dtype: str = "auto"
     attn_impl: str = "auto"
     cascade: bool = True
+    speculative: SpeculativeSpec | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -92,6 +95,7 @@ class Prefix(NamedTuple):
     logits: Array  # fp32 [V]
     length: Array  # int32 scalar
     routing: Array | None = None  # [Pb, L, k] the prompt tokens' experts (a MoE model, recording)
+    ids: Array | None = None  # int32 [Pb] the prompt (a speculative engine's n-gram history)
 
 
 class DecodeState(NamedTuple):
@@ -113,6 +117,11 @@ class DecodeState(NamedTuple):
     # settings.record_routing on a MoE model: [S, R, L, k] the experts of each fed response token
     # (column c: response token c, fed at the next step; NOT_RECORDED until then)
     routing: Array | None = None
+    # speculative decoding (spec.speculative): [S, max_model_len + 1] each slot's prompt and response
+    # tokens (what n-gram drafts are looked up in), and int32 [3] counters: tokens emitted by
+    # verification steps, drafts verified, drafts the target kept
+    history: Array | None = None
+    spec_counts: Array | None = None
 
 
 def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_dtype: str,
@@ -136,9 +145,14 @@ def empty_slots(pool: dict, spec: EngineSpec, max_new_tokens: int, routing: Any 
     slot's recorded-routing row (shape and dtype) when recording, else None."""
     s, r = spec.max_num_seqs, max_new_tokens
     z = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731
-    return DecodeState(pool=pool, page_table=jnp.zeros((s, spec.pages_per_slot), jnp.int32), positions=z(), last=z(),
-                       num_gen=z(), active=jnp.zeros((s,), bool), finish=z(), request=jnp.zeros((s, 2), jnp.int32),
-                       budget=z(), tokens=jnp.zeros((s, r), jnp.int32), log_probs=jnp.zeros((s, r), jnp.float32),
+    speculative = {}
+    if spec.speculative is not None:
+        speculative = dict(history=jnp.zeros((s, spec.pages_per_slot * spec.page_size + 1), jnp.int32),
+                           spec_counts=jnp.zeros((3,), jnp.int32))
+    return DecodeState(**speculative, pool=pool, page_table=jnp.zeros((s, spec.pages_per_slot), jnp.int32),
+                       positions=z(), last=z(), num_gen=z(), active=jnp.zeros((s,), bool), finish=z(),
+                       request=jnp.zeros((s, 2), jnp.int32), budget=z(), tokens=jnp.zeros((s, r), jnp.int32),
+                       log_probs=jnp.zeros((s, r), jnp.float32),
                        steps=jnp.zeros((), jnp.int32), useful=jnp.zeros((), jnp.int32),
                        routing=None if routing is None else jnp.full((s, *routing.shape), NOT_RECORDED, routing.dtype))
 
@@ -157,7 +171,7 @@ def clear_slots(state: DecodeState) -> DecodeState:
 
 
 SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
-               "log_probs", "routing")
+               "log_probs", "routing", "history")
 
 
 def slot_fields(state: DecodeState) -> dict[str, Array]:
@@ -204,49 +218,6 @@ def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | Non
     return max(1, slots // 2), min(n, slots)
 
 
-def request_keys(rng: Array, request: Array, token_index: Array) -> Array:
-    """One PRNG key per row from (prompt index, sample index, token index) only."""
-    one = lambda r, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, r[0]), r[1]), t)  # noqa: E731
-    return jax.vmap(one)(request, token_index)
-
-
-def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: SampleSettings
-                   ) -> tuple[Array, Array]:
-    """(tokens [S], log-probs [S]) with one key per row (a row's draw does not depend on its
-    neighbours); the same distribution and log-probs as `choose_tokens`.
-
-    Sampling is by inverse CDF: one uniform per row against the cumulative candidate
-    probabilities. The Gumbel-max draw of `jax.random.categorical` needs one random number per
-    vocabulary entry (49k for SmolLM2), which on CPU cost ~3/4 of the sampling step and a third
-    of a whole 16-slot decode step; this needs S numbers (tests/sampler/test_engine_sampling.py)."""
-    if settings.greedy:
-        one = lambda lg, key: choose_tokens(lg[None], key, knobs, settings)  # noqa: E731
-        tok, lp = jax.vmap(one)(logits, keys)
-        return tok[:, 0], lp[:, 0]
-    scaled = logits.astype(jnp.float32) / knobs.temperature
-    cand, cand_ids = filtered_logits(scaled, settings.top_k, settings.use_top_p, knobs.top_p)
-    probs = jax.nn.softmax(cand, axis=-1)  # dropped candidates (-inf) -> 0
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
-    # first index whose cdf exceeds u: always a candidate of non-zero probability; the clip to the
-    # last such index guards u rounding up to the total
-    last_nz = cand.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    pick = jnp.minimum(jnp.sum((cdf <= u[:, None]).astype(jnp.int32), axis=-1), last_nz)
-    tok = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
-    tok = tok.astype(jnp.int32)
-    chosen = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
-    return tok, chosen - jax.nn.logsumexp(scaled, axis=-1)
-
-
-def _finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: Array) -> tuple[Array, Array]:
-    """(ends [S] bool, reason [S]) after a slot emitted `tok` as its `num_gen`-th token (`max_new`:
-    each slot's budget)."""
-    is_eos = jnp.any(tok[:, None] == knobs.eos_ids[None, :], axis=-1)
-    is_stop = ~is_eos & jnp.any(tok[:, None] == knobs.stop_ids[None, :], axis=-1)
-    reason = jnp.where(is_eos, FINISH_EOS, jnp.where(is_stop, FINISH_STOP, FINISH_LENGTH))
-    return is_eos | is_stop | (num_gen >= max_new), reason
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh", "chunk"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
             record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None,
@@ -278,11 +249,11 @@ def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache
     return hidden[0], cache, jnp.moveaxis(recorded[:, 0], 0, 1).astype(routing_dtype(cfg.num_experts))
 
 
-def _prefix(params: dict, cfg: ModelConfig, hidden: Array, cache: dict, length: Array, routing: Array | None
-            ) -> Prefix:
+def _prefix(params: dict, cfg: ModelConfig, hidden: Array, cache: dict, length: Array, routing: Array | None,
+            ids: Array) -> Prefix:
     last = lax.dynamic_index_in_dim(hidden, length - 1, 0, keepdims=False)
     return Prefix(k=cache["k"][:, 0], v=cache["v"][:, 0], logits=logits_from_hidden(params, cfg, last),
-                  length=length.astype(jnp.int32), routing=routing)
+                  length=length.astype(jnp.int32), routing=routing, ids=ids.astype(jnp.int32))
 
 
 def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
@@ -293,7 +264,7 @@ def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *
     cache = init_cache(cfg, 1, pb, dt)
     hidden, cache, routing = _prefill_step(params, cfg, prompt_ids[None].astype(jnp.int32), mask, cache, replay,
                                            dt=dt, record=record_routing and cfg.is_moe)
-    return _prefix(params, cfg, hidden, cache, length, routing)
+    return _prefix(params, cfg, hidden, cache, length, routing, prompt_ids)
 
 
 def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
@@ -317,7 +288,7 @@ def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: 
     cache, (hidden, routing) = lax.scan(step, init_cache(cfg, 1, pb, dt), xs)
     hidden = hidden.reshape(pb, -1)
     routing = None if routing is None else routing.reshape(pb, *routing.shape[2:])
-    return _prefix(params, cfg, hidden, cache, length, routing)
+    return _prefix(params, cfg, hidden, cache, length, routing, prompt_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "mesh"))
@@ -335,7 +306,8 @@ def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Ar
                                        cache=init_cache(cfg, b, pb, dt), compute_dtype=dt)
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         return Prefix(k=jnp.moveaxis(cache["k"], 1, 0), v=jnp.moveaxis(cache["v"], 1, 0),
-                      logits=logits_from_hidden(params, cfg, last), length=lengths.astype(jnp.int32))
+                      logits=logits_from_hidden(params, cfg, last), length=lengths.astype(jnp.int32),
+                      ids=prompt_ids.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
@@ -374,13 +346,19 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
         new_pool[name] = pool[name].at[:, :, pages, offsets].set(to_storage(x.transpose(1, 2, 0, 3), pool[name].dtype))
     keys = request_keys(rng, request[None], jnp.zeros((1,), jnp.int32))
     tok, lp = choose_per_row(prefix.logits[None], keys, knobs, settings)
-    ends, reason = _finish_codes(tok, jnp.ones((1,), jnp.int32), knobs, budget)
+    ends, reason = finish_codes(tok, jnp.ones((1,), jnp.int32), knobs, budget)
     r = settings.max_new_tokens
     routing = state.routing
     if routing is not None:  # the slot's previous request's routing is not this one's
         routing = routing.at[slot].set(jnp.full(routing.shape[1:], NOT_RECORDED, routing.dtype))
+    history = state.history
+    if history is not None:  # the prompt, then token 0 (the rest of the row is never read)
+        assert prefix.ids is not None
+        row = jnp.zeros(history.shape[1:], jnp.int32).at[jnp.where(real, t, history.shape[1])].set(
+            prefix.ids, mode="drop")
+        history = history.at[slot].set(row.at[prefix.length].set(tok[0], mode="drop"))
     return state._replace(
-        routing=routing, pool=new_pool, page_table=state.page_table.at[slot].set(page_row),
+        routing=routing, history=history, pool=new_pool, page_table=state.page_table.at[slot].set(page_row),
         positions=state.positions.at[slot].set(prefix.length), last=state.last.at[slot].set(tok[0]),
         num_gen=state.num_gen.at[slot].set(1), active=state.active.at[slot].set(~ends[0]),
         finish=state.finish.at[slot].set(reason[0]), request=state.request.at[slot].set(request),
@@ -389,24 +367,29 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
         log_probs=state.log_probs.at[slot].set(jnp.zeros((r,), jnp.float32).at[0].set(lp[0])))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh", "speculative"),
+                   donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
              max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, cascade: Cascade | None = None, *,
-             settings: SampleSettings, attn_impl: str = "auto", mesh: Mesh | None = None) -> DecodeState:
+             settings: SampleSettings, attn_impl: str = "auto", mesh: Mesh | None = None,
+             speculative: SpeculativeSpec | None = None) -> DecodeState:
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
     `stop_below` slots are still active, so the host can move them to a smaller slot set.
     `mesh`: the state's mesh (`state_sharding`); an attention kernel then runs per kv-head shard, and the
     program is traced on it. `cascade`: groups of slots sharing their prompt's full pages, each read
-    once per group (the slots stay where they are during the call; a finished member reads nothing)."""
+    once per group (the slots stay where they are during the call; a finished member reads nothing).
+    `speculative` (the spec's; the state then carries its history): every step verifies drafted
+    tokens and emits 1 to num_tokens + 1 per slot (engine/verify.py)."""
     with mesh_context(mesh):
         return _generate(params, cfg, state, rng, knobs, max_steps, stop_on_finish, stop_below, cascade,
-                         settings=settings, attn_impl=attn_impl, mesh=mesh)
+                         settings=settings, attn_impl=attn_impl, mesh=mesh, speculative=speculative)
 
 
 def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
               max_steps: Array, stop_on_finish: Array, stop_below: Array | int, cascade: Cascade | None, *,
-              settings: SampleSettings, attn_impl: str, mesh: Mesh | None) -> DecodeState:
+              settings: SampleSettings, attn_impl: str, mesh: Mesh | None,
+              speculative: SpeculativeSpec | None) -> DecodeState:
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
     rows = jnp.arange(state.active.shape[0])
@@ -418,6 +401,10 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
 
     def step(c: tuple[Array, Array, DecodeState]) -> tuple[Array, Array, DecodeState]:
         i, _, s = c
+        if speculative is not None:
+            changes, finished = verify_step(params, cfg, s, rng, knobs, cascade, settings=settings,
+                                            speculative=speculative, compute_dtype=dt, attn_impl=attn_impl, mesh=mesh)
+            return i + 1, finished, s._replace(**changes)
         logits, pool, fed = decode_logits(params, cfg, s.pool, s.last, s.positions, s.page_table, s.active,
                                           compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
                                           record_routing=s.routing is not None, cascade=cascade)
@@ -433,7 +420,7 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
         col = jnp.minimum(s.num_gen, r - 1)
         tok = jnp.where(act, tok, knobs.pad_id)
         num_gen = s.num_gen + act.astype(jnp.int32)
-        ends, reason = _finish_codes(tok, num_gen, knobs, s.budget)
+        ends, reason = finish_codes(tok, num_gen, knobs, s.budget)
         ends &= act
         s = s._replace(
             pool=pool, positions=s.positions + act.astype(jnp.int32), last=tok, num_gen=num_gen,

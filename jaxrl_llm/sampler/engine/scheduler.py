@@ -61,6 +61,11 @@ class EngineStats:
     waits_for_pages: int = 0
     resizes: int = 0  # slot-set changes (shrunk while the queue drains, grown back for new requests)
     peak_cascade_groups: int = 0  # most groups reading their shared prompt pages once in one generate call
+    # speculative decoding: tokens its verification steps emitted, drafts verified, drafts kept
+    spec_emitted: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    speculative: bool = False
 
     @property
     def utilisation(self) -> float:
@@ -73,7 +78,16 @@ class EngineStats:
                 "rollout/engine/prefill_tokens": float(self.prefill_tokens),
                 "rollout/engine/peak_kv_pages": float(self.peak_pages_used),
                 "rollout/engine/waits_for_pages": float(self.waits_for_pages),
-                "rollout/engine/cascade_groups": float(self.peak_cascade_groups)}
+                "rollout/engine/cascade_groups": float(self.peak_cascade_groups),
+                **self.speculative_metrics()}
+
+    def speculative_metrics(self) -> dict[str, float]:
+        """`rollout/tokens_per_step` (tokens a live slot emits per decode step: 1 without speculation)
+        and, speculating, `rollout/spec_accept_rate` (drafts the target kept / drafts verified)."""
+        if not self.speculative:
+            return {"rollout/tokens_per_step": 1.0}
+        return {"rollout/tokens_per_step": self.spec_emitted / max(1, self.useful_token_steps),
+                "rollout/spec_accept_rate": self.spec_accepted / max(1, self.spec_proposed)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +267,7 @@ class PagedEngine:
             empty = self._resize(state, [], size)
             out = programs.generate(params, self.cfg, empty, rng, knobs, np.int32(0), np.bool_(False), np.int32(0),
                                     self._cascade({}, {}, size, settings), settings=settings,
-                                    attn_impl=self.spec.attn_impl, mesh=self.mesh)
+                                    attn_impl=self.spec.attn_impl, mesh=self.mesh, speculative=self.spec.speculative)
             # the pool and counters went through (donated) and back; the full set's slots are as they were
             state = out._replace(**{f: getattr(state, f) for f in programs.SLOT_FIELDS})
         self._warm.add(key)
@@ -377,8 +391,11 @@ class PagedEngine:
         # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
         params = _decode_weights(params, self.compute_dtype)
         record = settings.record_routing and cfg.is_moe
+        if record and spec.speculative is not None:
+            raise ValueError("rollout.speculative: recording a MoE model's routing (routing replay) needs one token "
+                             "per decode step; set rollout.speculative.method='none'")
         state = self._fresh_state(r, record)
-        stats = EngineStats()
+        stats = EngineStats(speculative=spec.speculative is not None)
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
         sizes = self.drain_sizes()
         state = self._warm_drain_sizes(params, state, rng, knobs, settings)
@@ -478,7 +495,7 @@ class PagedEngine:
                 stats.peak_cascade_groups = max(stats.peak_cascade_groups, int(np.sum(cascade.prefix_pages > 0)))
             state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
                                       np.int32(smaller), cascade, settings=settings, attn_impl=spec.attn_impl,
-                                      mesh=self.mesh)
+                                      mesh=self.mesh, speculative=spec.speculative)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))
             stats.slot_steps += (int(total_steps) - stats.decode_steps) * size
@@ -506,6 +523,8 @@ class PagedEngine:
             take_new()
 
         stats.useful_token_steps = int(to_host(state.useful))
+        if state.spec_counts is not None:
+            stats.spec_emitted, stats.spec_proposed, stats.spec_accepted = (int(c) for c in to_host(state.spec_counts))
         # the pool is not kept: the update that follows has the memory (the memory plan counts a pool
         # only where generation overlaps training, trainer/memory_programs.py); the next run makes a
         # new one with the cached initialiser
