@@ -26,6 +26,8 @@ Batched prefill (then the `paged` row; `paged_1pf`: one prefill call per prompt,
 calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the
 timed run: 27 vs 6 programs) and 0.98x with `--warm-all` (411.0 vs 419.7 tok/s): on CPU a prefill
 call's overhead is small next to its compute, so `rollout.batch_prefill` stays off by default.
+Row `paged_ngram` (rollout.speculative.method=ngram, 4 drafts; 2026-11-27, --quick): 103.8 vs 157.8
+tok/s for `paged` (0.66x), 1.15 tokens per live slot and step, 4% of drafts kept: off by default.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from jaxrl_llm.sampler.core import sample_program
 from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec, sample_paged
 from jaxrl_llm.sampler.host import bucket_length
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 ONE_WORD = ["What colour is grass? Answer with one word.", "What is the capital of Italy? One word.",
             "Is fire hot or cold? One word.", "What animal says moo? One word."]
@@ -57,7 +60,8 @@ LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h
 
 
 # the paged engine's rows: its defaults, then one rollout option flipped each
-PAGED_ROWS = {"paged": {}, "paged_flat": {"cascade_attention": False}, "paged_bpf": {"batch_prefill": True}}
+PAGED_ROWS = {"paged": {}, "paged_flat": {"cascade_attention": False}, "paged_bpf": {"batch_prefill": True},
+              "paged_ngram": {"speculative": SpeculativeSpec(num_tokens=4)}}
 
 
 def rl_prompts(count: int) -> list[str]:
@@ -156,6 +160,10 @@ def main() -> None:
               f"{stats.prefill_calls} prefill calls, {stats.resizes} slot-set resizes, peak "
               f"{stats.peak_pages_used} of {spec.num_pages - 1} pages used, warm-up run incl. compiles "
               f"{compile_s:.1f} s", flush=True)
+        if stats.speculative:
+            spec_m = stats.speculative_metrics()
+            print(f"{name:>12}: {spec_m['rollout/tokens_per_step']:.2f} tokens per live slot and step, "
+                  f"{spec_m['rollout/spec_accept_rate']:.0%} of drafts kept", flush=True)
 
     requests = [p for p in prompts for _ in range(n)]  # prompt-major, n copies (the static path's repeat)
 

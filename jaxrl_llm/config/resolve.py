@@ -42,6 +42,7 @@ from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.spec import JudgeSpec, OverlongSpec, RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding.mesh import MESH_AXES
 
 ConfigDict = ml_collections.ConfigDict
@@ -109,8 +110,17 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
                          enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
                          batch_prefill=bool(rollout.batch_prefill),
-                         cascade_attention=bool(rollout.cascade_attention))
+                         cascade_attention=bool(rollout.cascade_attention),
+                         speculative=resolve_speculative(rollout.speculative))
     return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))
+
+
+def resolve_speculative(section: ConfigDict) -> SpeculativeSpec | None:
+    """`rollout.speculative` as the engine's spec (None: off)."""
+    if section.method == "none":
+        return None
+    return SpeculativeSpec(method=section.method, num_tokens=int(section.num_tokens),
+                           ngram_max=int(section.prompt_lookup_max), ngram_min=int(section.prompt_lookup_min))
 
 
 def resolve_multi_turn(rollout: ConfigDict) -> MultiTurnSpec | None:

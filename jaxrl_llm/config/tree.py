@@ -16,6 +16,7 @@ from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
 from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
+from jaxrl_llm.sampler.speculative import SPECULATIVE_METHODS
 
 STR_OR_LIST = (str, list)
 
@@ -251,6 +252,23 @@ ROLLOUT = {
                                      "attention to 1e-6 in fp32). Used whenever rollout.n >= 2; false reads "
                                      "them once per sample. jaxrl_llm (FlashInfer's cascade attention).",
                                types=bool),
+    "speculative": {
+        "method": field("none", "Speculative decoding in the paged engine: 'ngram' drafts num_tokens tokens per "
+                                "sequence and step from its own prompt and response (prompt lookup: what followed "
+                                "the latest earlier occurrence of its last prompt_lookup_max..min tokens) and "
+                                "verifies them in one forward; the kept drafts plus one token are emitted (1 to "
+                                "num_tokens + 1 per step), distributed exactly as plain sampling at any "
+                                "temperature / top-k / top-p, and greedy output is token-identical. 'none' (the "
+                                "default): one token per step; on the 2-core CPU ngram measured slower on "
+                                "SmolLM2's RL-style answers (docs/performance.md), where a verify step costs about "
+                                "what its k + 1 tokens cost. Needs the paged engine; not with "
+                                "actor.router_replay='rollout'. Logs rollout/spec_accept_rate and "
+                                "rollout/tokens_per_step. vLLM: speculative_config.method.",
+                         choices=SPECULATIVE_METHODS),
+        "num_tokens": field(4, "Drafts verified per sequence and step (k). vLLM: num_speculative_tokens.", gt=0),
+        "prompt_lookup_max": field(3, "Longest suffix the n-gram drafter looks up. vLLM.", gt=0),
+        "prompt_lookup_min": field(1, "Shortest suffix it falls back to (<= prompt_lookup_max). vLLM.", gt=0),
+    },
     "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
                                          "pool gets this fraction minus what is in use, where the backend "
                                          "reports its memory (GPU / TPU; CPU: every slot at full length). "

@@ -77,6 +77,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _check_rollout_correction(cfg)
     _check_synchronizer(cfg)
     _check_multi_turn(cfg)
+    _check_speculative(cfg)
 
 
 def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
@@ -114,6 +115,20 @@ def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
              "tools' calc_reward and interaction rewards are)")
     _require(bool(cfg.data.apply_chat_template), f"{key}.enable", cfg,
              "multi-turn rollouts render turns through the chat template: data.apply_chat_template must be True")
+
+
+def _check_speculative(cfg: ml_collections.ConfigDict) -> None:
+    rollout, key = cfg.actor_rollout_ref.rollout, f"{ROLLOUT}.speculative"
+    spec = rollout.speculative
+    if spec.method == "none":
+        return
+    _require(rollout.engine != "static", f"{ROLLOUT}.engine", cfg,
+             f"{key}.method={spec.method!r} runs in the paged engine: set engine to 'paged' or 'auto'")
+    _require(cfg.actor_rollout_ref.actor.router_replay != "rollout", f"{key}.method", cfg,
+             f"recording the experts per token ({ACTOR}.router_replay='rollout') needs one token per decode step: "
+             f"set {key}.method='none'")
+    _require(spec.prompt_lookup_min <= spec.prompt_lookup_max, f"{key}.prompt_lookup_min", cfg,
+             f"must be <= {key}.prompt_lookup_max={spec.prompt_lookup_max}")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:

@@ -131,3 +131,28 @@ def test_rollout_engine_auto_is_paged_at_rl_lengths_and_static_for_short_respons
         _spec("actor_rollout_ref.rollout.paged_attention=triton")
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.engine='vllm'"):
         _spec("actor_rollout_ref.rollout.engine=vllm")
+
+
+def test_rollout_speculative_reaches_the_engine_spec():
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.sampler.engine.setup import engine_spec
+    from jaxrl_llm.sampler.speculative import SpeculativeSpec
+
+    key = "actor_rollout_ref.rollout.speculative"
+    assert _spec().rollout_engine.speculative is None  # off by default
+    opts = _spec(f"{key}.method=ngram", f"{key}.num_tokens=6", f"{key}.prompt_lookup_max=4",
+                 "data.max_response_length=16").rollout_engine
+    want = SpeculativeSpec("ngram", num_tokens=6, ngram_max=4, ngram_min=1)
+    assert opts.speculative == want and opts.engine == "paged"  # short responses: auto still picks paged
+    spec = engine_spec(ModelConfig.tiny("llama"), opts, num_requests=4, max_prompt_len=10, max_new_tokens=16,
+                       compute_dtype="float32")
+    assert spec.speculative == want
+    with pytest.raises(ConfigError, match=rf"^actor_rollout_ref.rollout.engine='static': {key}.method='ngram'"):
+        _spec(f"{key}.method=ngram", "actor_rollout_ref.rollout.engine=static")
+    with pytest.raises(ConfigError, match=rf"^{key}.method='ngram': recording the experts"):
+        _spec(f"{key}.method=ngram", "actor_rollout_ref.actor.router_replay=rollout")
+    with pytest.raises(ConfigError, match=rf"^{key}.prompt_lookup_min=3: must be <= "):
+        _spec(f"{key}.method=ngram", f"{key}.prompt_lookup_min=3", f"{key}.prompt_lookup_max=2")
+    with pytest.raises(ConfigError, match=rf"{key}.method='eagle'"):
+        _spec(f"{key}.method=eagle")

@@ -25,6 +25,7 @@ from jaxrl_llm.sampler.engine.scheduler import EngineStats, PagedEngine
 from jaxrl_llm.sampler.host import bucket_batch, bucket_length
 from jaxrl_llm.sampler.paged_attention import IMPLS as ATTENTION_IMPLS
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 ENGINES = ("auto", "paged", "static")
 PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
@@ -48,6 +49,7 @@ class EngineOptions:
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
     cascade_attention: bool = True  # rollout.cascade_attention: a prompt's n samples read its pages once
+    speculative: SpeculativeSpec | None = None  # rollout.speculative: draft and verify tokens (None: off)
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -71,10 +73,11 @@ class EngineOptions:
 
     def resolved(self, max_new_tokens: int, *, multi_turn: bool = False) -> EngineOptions:
         """These options with engine 'auto' replaced by the engine it picks for responses of up to
-        `max_new_tokens` tokens: 'paged' from AUTO_PAGED_MIN_NEW_TOKENS on or for multi-turn, else 'static'."""
+        `max_new_tokens` tokens: 'paged' from AUTO_PAGED_MIN_NEW_TOKENS on, for multi-turn or speculative
+        decoding, else 'static'."""
         if self.engine != "auto":
             return self
-        paged = multi_turn or max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS
+        paged = multi_turn or max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS or self.speculative is not None
         return dataclasses.replace(self, engine="paged" if paged else "static")
 
 
@@ -93,7 +96,7 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     pps = pages_for(max_model_len, PAGE_SIZE)
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
                        kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl,
-                       cascade=opts.cascade_attention)
+                       cascade=opts.cascade_attention, speculative=opts.speculative)
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
                                budget_bytes=device_kv_budget(opts.gpu_memory_utilization))
