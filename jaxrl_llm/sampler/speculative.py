@@ -33,24 +33,30 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import filtered_logits
 
 Array = jax.Array
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeSpec:
     """How the paged engine drafts (hashable: a static argument of `generate`).
 
-    method: 'ngram' (prompt lookup). num_tokens: drafts verified per slot and step (k).
-    ngram_max / ngram_min: the longest and shortest suffix looked up."""
+    method: 'ngram' (prompt lookup) or 'draft' (a smaller model of the same vocabulary drafts
+    autoregressively over its own paged KV). num_tokens: drafts verified per slot and step (k).
+    ngram_max / ngram_min: the longest and shortest suffix looked up. draft_path: where the draft
+    model is (rollout.speculative.draft_model.path); draft_cfg: its config once read (the engine
+    needs it; the trainer fills it in before building the engine)."""
 
     method: str = "ngram"
     num_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
+    draft_path: str | None = None
+    draft_cfg: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS[1:]:
@@ -60,6 +66,12 @@ class SpeculativeSpec:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"rollout.speculative: need 1 <= ngram_min ({self.ngram_min}) <= ngram_max "
                              f"({self.ngram_max})")
+        if self.method == "draft" and self.draft_path is None and self.draft_cfg is None:
+            raise ValueError("rollout.speculative.method='draft' needs rollout.speculative.draft_model.path")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft"
 
 
 def ngram_drafts(history: Array, length: Array, k: int, ngram_max: int, ngram_min: int) -> tuple[Array, Array]:
@@ -106,7 +118,7 @@ def target_distribution(logits: Array, knobs: SampleKnobs, settings: SampleSetti
     return probs.reshape(logits.shape)
 
 
-def _draw(probs: Array, u: Array) -> Array:
+def draw_from(probs: Array, u: Array) -> Array:
     """Inverse-CDF draw from unnormalised probs [S, V] with uniforms u [S] (a zero-mass row gives 0)."""
     cdf = jnp.cumsum(probs, axis=-1)
     pick = jnp.sum((cdf <= (u * cdf[:, -1])[:, None]).astype(jnp.int32), axis=-1)
@@ -141,7 +153,7 @@ def accept_drafts(logits: Array, drafts: Array, draft_probs: Array | None, keys:
     residual = jnp.maximum(p_next - q_next, 0.0)
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)
     u_next = u[rows, accepted, 1]
-    nxt = jnp.argmax(p_next, axis=-1).astype(jnp.int32) if settings.greedy else _draw(residual, u_next)
+    nxt = jnp.argmax(p_next, axis=-1).astype(jnp.int32) if settings.greedy else draw_from(residual, u_next)
     tokens = jnp.concatenate([drafts, jnp.zeros((s, 1), jnp.int32)], axis=1)
     tokens = tokens.at[rows, accepted].set(nxt)
     scaled = logits.astype(jnp.float32) / knobs.temperature

@@ -7,11 +7,13 @@ Two tiny models: the random one of the other sampler tests (its greedy text rare
 drafts are mostly rejected) and a "cycling" one whose head mostly predicts a fixed successor of the
 current token (cycles of three tokens), with attention and MLP scaled down but not off (they still
 move every logit), so drafts are often kept."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sampler_fixtures import PAD_ID, PROMPTS
+from sampler_fixtures import PAD_ID, PROMPTS, tiny_params
 from scipy import stats as scipy_stats
 from test_sampler_logprobs import rescore
 
@@ -45,6 +47,19 @@ def cycling_params(cfg, params, sharpness=8.0, residual=0.02):  # successor ~0.7
 def models(llama_tiny):
     cfg, params = llama_tiny
     return cfg, {"random": params, "cycling": cycling_params(cfg, params)}
+
+
+@pytest.fixture(scope="module")
+def draft_model(llama_tiny):
+    """A one-layer draft of the same vocabulary, other weights: its own pool dims; its head mostly
+    predicts the cycling target's successor, less sharply (so drafts are kept and rejected)."""
+    cfg, _ = llama_tiny
+    draft_cfg = dataclasses.replace(cfg, num_hidden_layers=1)
+    return draft_cfg, cycling_params(draft_cfg, tiny_params(draft_cfg, seed=3), sharpness=6.0, residual=0.1)
+
+
+def _draft_spec(draft_model, k):
+    return SpeculativeSpec("draft", num_tokens=k, draft_cfg=draft_model[0])
 
 
 def _engine(cfg, speculative, *, slots=4, num_pages=48, steps=4):
@@ -96,6 +111,34 @@ def test_greedy_is_token_identical_to_plain_decoding(models, model, k):
         assert 0 <= metrics["rollout/spec_accept_rate"] < 0.1
 
 
+@pytest.mark.parametrize("draft", ["other", "target"])
+def test_draft_model_greedy_is_token_identical_to_plain_decoding(models, draft_model, draft):
+    """A draft model of other dims and weights, and the target itself as its own draft (every draft kept)."""
+    cfg, all_params = models
+    params = all_params["cycling"]
+    k = 3
+    speculative, draft_params = _draft_spec(draft_model, k), draft_model[1]
+    if draft == "target":
+        speculative, draft_params = SpeculativeSpec("draft", num_tokens=k, draft_cfg=cfg), params
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False, n=2))
+    plain, plain_stats = _engine(cfg, None).run(params, SPEC_PROMPTS, jax.random.key(0), knobs, settings)
+    out, stats = _engine(cfg, speculative).run(params, SPEC_PROMPTS, jax.random.key(0), knobs, settings,
+                                               draft_params=draft_params)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.finish_reason, plain.finish_reason)
+    m = out.response_mask.astype(bool)
+    np.testing.assert_allclose(out.log_probs[m], np.asarray(rescore(params, cfg, out, 1.0))[m], atol=1e-5, rtol=1e-5)
+    rate = stats.metrics()["rollout/spec_accept_rate"]
+    if draft == "target":
+        assert rate == 1.0
+        assert stats.metrics()["rollout/tokens_per_step"] > 0.8 * (k + 1)
+    else:
+        assert 0.2 < rate < 1.0
+    assert stats.decode_steps < plain_stats.decode_steps
+    with pytest.raises(ValueError, match="draft_params"):
+        _engine(cfg, speculative).run(params, SPEC_PROMPTS, jax.random.key(0), knobs, settings)
+
+
 def test_sampled_logprobs_equal_scoring_and_do_not_depend_on_slots(models):
     cfg, all_params = models
     params = all_params["cycling"]
@@ -130,20 +173,24 @@ def randomized_pit(params, cfg, out, rng):
     return u[np.asarray(out.response_mask, bool)]
 
 
-def test_samples_follow_the_model_at_temperature_one(models):
-    """Seeded (engine key 11, numpy seed 0): deterministic, so it cannot flake; ~40k tokens, 20 bins."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_samples_follow_the_model_at_temperature_one(models, draft_model, method):
+    """Seeded (engine key 11, numpy seed 0): deterministic, so it cannot flake; ~12k tokens, 20 bins."""
     cfg, all_params = models
     params = all_params["cycling"]
+    speculative, draft_params = SpeculativeSpec(num_tokens=3), None
+    if method == "draft":
+        speculative, draft_params = _draft_spec(draft_model, 3), draft_model[1]
     settings, knobs = _args(cfg, SamplingParams(max_new_tokens=16, temperature=1.0, n=256))
     prompts = [[5, 6, 7, 8] * 2, [9, 3] * 3, [40, 41, 42]]  # 768 samples
     results = {}
-    for name, spec in (("plain", None), ("ngram", SpeculativeSpec(num_tokens=3))):
+    for name, spec in (("plain", None), (method, speculative)):
         out, stats = _engine(cfg, spec, slots=64, num_pages=400, steps=16).run(
-            params, prompts, jax.random.key(11), knobs, settings)
+            params, prompts, jax.random.key(11), knobs, settings, draft_params=None if spec is None else draft_params)
         u = randomized_pit(params, cfg, out, np.random.default_rng(0))
         counts = np.histogram(u, bins=20, range=(0.0, 1.0))[0]
         results[name] = (scipy_stats.chisquare(counts).pvalue, stats, u.size)
-    pvalue, stats, draws = results["ngram"]
+    pvalue, stats, draws = results[method]
     assert draws > 10000
     assert pvalue > 1e-3, results
     assert results["plain"][0] > 1e-3, results  # the same test passes plain sampling

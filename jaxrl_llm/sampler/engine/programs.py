@@ -117,27 +117,37 @@ class DecodeState(NamedTuple):
     # settings.record_routing on a MoE model: [S, R, L, k] the experts of each fed response token
     # (column c: response token c, fed at the next step; NOT_RECORDED until then)
     routing: Array | None = None
-    # speculative decoding (spec.speculative): [S, max_model_len + 1] each slot's prompt and response
-    # tokens (what n-gram drafts are looked up in), and int32 [3] counters: tokens emitted by
+    # speculative decoding (spec.speculative): n-gram drafts, [S, max_model_len + 1] each slot's prompt
+    # and response tokens (what drafts are looked up in); int32 [3] counters: tokens emitted by
     # verification steps, drafts verified, drafts the target kept
     history: Array | None = None
     spec_counts: Array | None = None
+    # a draft model's KV pool (speculative method 'draft'): its own dims, the same pages and tables
+    draft_pool: dict | None = None
+
+
+def empty_pool(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str) -> dict:
+    """A zero KV pool of `cfg`'s dims over the spec's pages (see engine/forward.py for the layout)."""
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, spec.num_pages, spec.page_size, cfg.head_dim)
+    if spec.kv_cache_dtype == "int8":
+        return {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
+                "k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
+    dt = storage_dtype(as_jnp_dtype(compute_dtype))  # bf16 on CPU: uint16 bits (sampler/kv_bits.py)
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
 
 
 def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_dtype: str,
                record_routing: bool = False) -> DecodeState:
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, spec.num_pages, spec.page_size, cfg.head_dim)
-    if spec.kv_cache_dtype == "int8":
-        pool = {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
-                "k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
-    else:
-        dt = storage_dtype(as_jnp_dtype(compute_dtype))  # bf16 on CPU: uint16 bits (sampler/kv_bits.py)
-        pool = {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+    pool = empty_pool(cfg, spec, compute_dtype)
     routing = None
     if record_routing and cfg.is_moe:  # one slot row's shape [R, L, k]; empty_slots stacks S of them
         routing = jax.ShapeDtypeStruct((max_new_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok),
                                        routing_dtype(cfg.num_experts))
-    return empty_slots(pool, spec, max_new_tokens, routing)
+    state = empty_slots(pool, spec, max_new_tokens, routing)
+    if spec.speculative is not None and spec.speculative.uses_draft_model:
+        assert spec.speculative.draft_cfg is not None, "the draft model's config is filled in before the engine"
+        state = state._replace(draft_pool=empty_pool(spec.speculative.draft_cfg, spec, compute_dtype))
+    return state
 
 
 def empty_slots(pool: dict, spec: EngineSpec, max_new_tokens: int, routing: Any = None) -> DecodeState:
@@ -147,8 +157,9 @@ def empty_slots(pool: dict, spec: EngineSpec, max_new_tokens: int, routing: Any 
     z = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731
     speculative = {}
     if spec.speculative is not None:
-        speculative = dict(history=jnp.zeros((s, spec.pages_per_slot * spec.page_size + 1), jnp.int32),
-                           spec_counts=jnp.zeros((3,), jnp.int32))
+        speculative["spec_counts"] = jnp.zeros((3,), jnp.int32)
+        if not spec.speculative.uses_draft_model:  # the n-gram drafter looks up the prompt and response
+            speculative["history"] = jnp.zeros((s, spec.pages_per_slot * spec.page_size + 1), jnp.int32)
     return DecodeState(**speculative, pool=pool, page_table=jnp.zeros((s, spec.pages_per_slot), jnp.int32),
                        positions=z(), last=z(), num_gen=z(), active=jnp.zeros((s,), bool), finish=z(),
                        request=jnp.zeros((s, 2), jnp.int32), budget=z(), tokens=jnp.zeros((s, r), jnp.int32),
@@ -160,14 +171,15 @@ def empty_slots(pool: dict, spec: EngineSpec, max_new_tokens: int, routing: Any 
 def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> DecodeState:
     """Empty slots around the same pool."""
     row = None if state.routing is None else jax.ShapeDtypeStruct(state.routing.shape[1:], state.routing.dtype)
-    return empty_slots(state.pool, spec, max_new_tokens, row)
+    return empty_slots(state.pool, spec, max_new_tokens, row)._replace(draft_pool=state.draft_pool)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def clear_slots(state: DecodeState) -> DecodeState:
-    """`reset_slots` of a live state, on device (the pool stays where it is)."""
+    """`reset_slots` of a live state, on device (the pools stay where they are)."""
     zero = lambda x: jnp.zeros_like(x)  # noqa: E731
-    return jax.tree.map(zero, state._replace(pool=None))._replace(pool=state.pool)
+    return jax.tree.map(zero, state._replace(pool=None, draft_pool=None))._replace(pool=state.pool,
+                                                                                  draft_pool=state.draft_pool)
 
 
 SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
@@ -201,12 +213,18 @@ def _gather_slots(fields: dict, keep: Array, num_keep: Array, *, slots: int) -> 
 
 
 def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
-    """Shardings of a state: the pool's kv-heads dim over 'tensor' when it divides, the rest
+    """Shardings of a state: the pools' kv-heads dim over 'tensor' when it divides, the rest
     replicated (every process reads the same small slot arrays: identical scheduling)."""
-    axis = kv_head_axis(mesh, cfg.num_key_value_heads)
     rep = NamedSharding(mesh, PartitionSpec())
-    pool = {k: NamedSharding(mesh, PartitionSpec(None, axis)) for k in state.pool}
-    return state._replace(pool=pool, **{f: rep for f in state._fields if f != "pool" and getattr(state, f) is not None})
+
+    def pool_sharding(pool: dict, kv_heads: int) -> dict:
+        return {k: NamedSharding(mesh, PartitionSpec(None, kv_head_axis(mesh, kv_heads))) for k in pool}
+
+    pools = {"pool": pool_sharding(state.pool, cfg.num_key_value_heads)}
+    if state.draft_pool is not None:
+        pools["draft_pool"] = pool_sharding(state.draft_pool, state.draft_pool["k"].shape[1])
+    rest = {f: rep for f in state._fields if f not in pools and getattr(state, f) is not None}
+    return state._replace(**pools, **rest)
 
 
 def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | None:
@@ -312,28 +330,29 @@ def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Ar
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
 def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
-           rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
+           rng: Array, knobs: SampleKnobs, draft: Prefix | None = None, *, settings: SampleSettings) -> DecodeState:
     """Copies the prefix KV into the pages of `page_row` (the slot's page table), draws token 0.
-    The slot then generates at most `budget` (<= settings.max_new_tokens) tokens.
+    The slot then generates at most `budget` (<= settings.max_new_tokens) tokens. `draft`: the
+    draft model's prefix of the same prompt (speculative method 'draft'), copied into its pool.
 
     Pages shared by the samples of one prompt are rewritten with identical values (harmless)."""
-    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, settings=settings)
+    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, draft, settings=settings)
 
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
 def insert_at(prefixes: Prefix, index: Array, state: DecodeState, slot: Array, page_row: Array, request: Array,
-              budget: Array, rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
-    """`insert` of row `index` of a batched prefix (`prefill_batch`)."""
-    prefix = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False), prefixes)
-    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, settings=settings)
+              budget: Array, rng: Array, knobs: SampleKnobs, drafts: Prefix | None = None, *,
+              settings: SampleSettings) -> DecodeState:
+    """`insert` of row `index` of a batched prefix (`prefill_batch`), and of the draft model's."""
+    row = lambda tree: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False), tree)  # noqa: E731
+    return _insert(row(prefixes), state, slot, page_row, request, budget, rng, knobs,
+                   None if drafts is None else row(drafts), settings=settings)
 
 
-def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
-            rng: Array, knobs: SampleKnobs, *, settings: SampleSettings) -> DecodeState:
-    pool = state.pool
+def _write_prefix(pool: dict, prefix: Prefix, page_row: Array) -> dict:
+    """`pool` with the prompt KV of `prefix` written at its positions' pages of `page_row`."""
     ps = pool["k"].shape[3]
-    pb = prefix.k.shape[2]
-    t = jnp.arange(pb, dtype=jnp.int32)
+    t = jnp.arange(prefix.k.shape[2], dtype=jnp.int32)
     real = t < prefix.length
     pages = jnp.where(real, page_row[jnp.minimum(t // ps, page_row.shape[0] - 1)], 0)
     offsets = jnp.where(real, t % ps, 0)
@@ -344,6 +363,18 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
             x, scale = quantize_int8(x)
             new_pool[f"{name}_scale"] = pool[f"{name}_scale"].at[:, :, pages, offsets].set(scale.transpose(1, 2, 0))
         new_pool[name] = pool[name].at[:, :, pages, offsets].set(to_storage(x.transpose(1, 2, 0, 3), pool[name].dtype))
+    return new_pool
+
+
+def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
+            rng: Array, knobs: SampleKnobs, draft: Prefix | None, *, settings: SampleSettings) -> DecodeState:
+    new_pool = _write_prefix(state.pool, prefix, page_row)
+    draft_pool = state.draft_pool
+    if draft_pool is not None:
+        assert draft is not None, "a draft-model engine inserts the draft model's prefix too"
+        draft_pool = _write_prefix(draft_pool, draft, page_row)
+    t = jnp.arange(prefix.k.shape[2], dtype=jnp.int32)
+    real = t < prefix.length
     keys = request_keys(rng, request[None], jnp.zeros((1,), jnp.int32))
     tok, lp = choose_per_row(prefix.logits[None], keys, knobs, settings)
     ends, reason = finish_codes(tok, jnp.ones((1,), jnp.int32), knobs, budget)
@@ -358,7 +389,8 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
             prefix.ids, mode="drop")
         history = history.at[slot].set(row.at[prefix.length].set(tok[0], mode="drop"))
     return state._replace(
-        routing=routing, history=history, pool=new_pool, page_table=state.page_table.at[slot].set(page_row),
+        routing=routing, history=history, pool=new_pool, draft_pool=draft_pool,
+        page_table=state.page_table.at[slot].set(page_row),
         positions=state.positions.at[slot].set(prefix.length), last=state.last.at[slot].set(tok[0]),
         num_gen=state.num_gen.at[slot].set(1), active=state.active.at[slot].set(~ends[0]),
         finish=state.finish.at[slot].set(reason[0]), request=state.request.at[slot].set(request),
@@ -370,9 +402,9 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh", "speculative"),
                    donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
-             max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, cascade: Cascade | None = None, *,
-             settings: SampleSettings, attn_impl: str = "auto", mesh: Mesh | None = None,
-             speculative: SpeculativeSpec | None = None) -> DecodeState:
+             max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, cascade: Cascade | None = None,
+             draft_params: dict | None = None, *, settings: SampleSettings, attn_impl: str = "auto",
+             mesh: Mesh | None = None, speculative: SpeculativeSpec | None = None) -> DecodeState:
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
     `stop_below` slots are still active, so the host can move them to a smaller slot set.
@@ -380,15 +412,16 @@ def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kno
     program is traced on it. `cascade`: groups of slots sharing their prompt's full pages, each read
     once per group (the slots stay where they are during the call; a finished member reads nothing).
     `speculative` (the spec's; the state then carries its history): every step verifies drafted
-    tokens and emits 1 to num_tokens + 1 per slot (engine/verify.py)."""
+    tokens and emits 1 to num_tokens + 1 per slot (engine/verify.py); `draft_params`: the draft
+    model's (method 'draft')."""
     with mesh_context(mesh):
         return _generate(params, cfg, state, rng, knobs, max_steps, stop_on_finish, stop_below, cascade,
-                         settings=settings, attn_impl=attn_impl, mesh=mesh, speculative=speculative)
+                         draft_params, settings=settings, attn_impl=attn_impl, mesh=mesh, speculative=speculative)
 
 
 def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
-              max_steps: Array, stop_on_finish: Array, stop_below: Array | int, cascade: Cascade | None, *,
-              settings: SampleSettings, attn_impl: str, mesh: Mesh | None,
+              max_steps: Array, stop_on_finish: Array, stop_below: Array | int, cascade: Cascade | None,
+              draft_params: dict | None, *, settings: SampleSettings, attn_impl: str, mesh: Mesh | None,
               speculative: SpeculativeSpec | None) -> DecodeState:
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
@@ -402,7 +435,7 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
     def step(c: tuple[Array, Array, DecodeState]) -> tuple[Array, Array, DecodeState]:
         i, _, s = c
         if speculative is not None:
-            changes, finished = verify_step(params, cfg, s, rng, knobs, cascade, settings=settings,
+            changes, finished = verify_step(params, cfg, s, rng, knobs, cascade, draft_params, settings=settings,
                                             speculative=speculative, compute_dtype=dt, attn_impl=attn_impl, mesh=mesh)
             return i + 1, finished, s._replace(**changes)
         logits, pool, fed = decode_logits(params, cfg, s.pool, s.last, s.positions, s.page_table, s.active,

@@ -134,8 +134,9 @@ class RequestSource(Protocol):
 
 @dataclasses.dataclass
 class _Group:
-    # (prefix, its row of a batched prefill or None), dropped once every member is in a slot
-    prefix: tuple[programs.Prefix, int | None] | None
+    # (prefix, its row of a batched prefill or None, the draft model's prefix or None), dropped once
+    # every member is in a slot
+    prefix: tuple[programs.Prefix, int | None, programs.Prefix | None] | None
     shared: list[int]  # full prompt pages, shared by the members
     pending: int  # members not inserted yet
     left: int  # members not finished yet
@@ -257,7 +258,7 @@ class PagedEngine:
         return sorted({max(1, int(full * f)) for f in DRAIN_FRACTIONS} - {full}, reverse=True)
 
     def _warm_drain_sizes(self, params: dict, state: programs.DecodeState, rng: jax.Array, knobs: SampleKnobs,
-                          settings: SampleSettings) -> programs.DecodeState:
+                          settings: SampleSettings, draft_params: dict | None = None) -> programs.DecodeState:
         """Compiles `generate` for every drain size now (zero steps on empty slots), so which sizes
         a run's drain reaches never adds a program in a later run."""
         key = (settings, self._state_r)
@@ -266,7 +267,7 @@ class PagedEngine:
         for size in self.drain_sizes():
             empty = self._resize(state, [], size)
             out = programs.generate(params, self.cfg, empty, rng, knobs, np.int32(0), np.bool_(False), np.int32(0),
-                                    self._cascade({}, {}, size, settings), settings=settings,
+                                    self._cascade({}, {}, size, settings), draft_params, settings=settings,
                                     attn_impl=self.spec.attn_impl, mesh=self.mesh, speculative=self.spec.speculative)
             # the pool and counters went through (donated) and back; the full set's slots are as they were
             state = out._replace(**{f: getattr(state, f) for f in programs.SLOT_FIELDS})
@@ -275,11 +276,13 @@ class PagedEngine:
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None,
-            prompt_routing: Sequence[np.ndarray | None] | None = None) -> tuple[SampleOutput, EngineStats]:
+            prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None
+            ) -> tuple[SampleOutput, EngineStats]:
         """`settings.n` samples of every prompt; rows prompt-major (row i*n + j = sample j of prompt i).
 
         order: the queue as (prompt, sample) pairs (default prompt-major); results do not depend on it.
         prompt_routing: per prompt, experts its prefill replays (see `EngineRequest.routing`).
+        draft_params: the draft model's params (speculative method 'draft').
         """
         n, r = settings.n, settings.max_new_tokens
         for i, p in enumerate(prompts):
@@ -289,7 +292,7 @@ class PagedEngine:
         if order is not None and sorted(order) != every:
             raise ValueError("order must list every (prompt, sample) pair exactly once")
         source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing)
-        stats = self.serve(params, source, rng, knobs, settings)
+        stats = self.serve(params, source, rng, knobs, settings, draft_params)
         pad = int(knobs.pad_id)
         valid = np.arange(r)[None] < source.lengths[:, None]
         p_ids, p_mask = left_pad([prompts[i] for i in range(len(prompts)) for _ in range(n)], pad)
@@ -300,11 +303,14 @@ class PagedEngine:
                            num_steps=np.asarray(source.lengths.max(initial=0), np.int32), routing=routing)
         return out, stats
 
-    def _prefill_groups(self, params: dict, fresh: list[tuple[_Group, EngineRequest]], record: bool) -> int:
+    def _prefill_groups(self, params: dict, fresh: list[tuple[_Group, EngineRequest]], record: bool,
+                        draft_params: dict | None = None) -> int:
         """Prefills the first request of each new group in `fresh`, setting `entry.prefix` to
-        (prefix, row in it or None); returns the program calls. Prompts of one bucket share a call
-        (`prefill_batch`, the batch padded to a power of two so a handful of shapes compile); a
-        recording (MoE routing) or chunked prompt runs alone (`prefill`)."""
+        (prefix, row in it or None, the draft model's prefix or None); returns the program calls.
+        Prompts of one bucket share a call (`prefill_batch`, the batch padded to a power of two so a
+        handful of shapes compile); a recording (MoE routing) or chunked prompt runs alone
+        (`prefill`). With `draft_params` the draft model prefills the same prompts the same way."""
+        draft_cfg = None if draft_params is None else self._draft_cfg()
         cfg, calls = self.cfg, 0
         batchable: dict[int, list[tuple[_Group, EngineRequest]]] = collections.defaultdict(list)
         for entry, req in fresh:
@@ -322,7 +328,11 @@ class PagedEngine:
                 replay[:length] = req.routing
             prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
                                       record_routing=record, mesh=self.mesh, replay=replay, chunk=self.prefill_chunk)
-            entry.prefix = (prefix, None)
+            draft = None
+            if draft_params is not None:
+                draft = programs.prefill(draft_params, draft_cfg, ids, np.int32(length),
+                                         compute_dtype=self.compute_dtype, mesh=self.mesh, chunk=self.prefill_chunk)
+            entry.prefix = (prefix, None, draft)
             if prefix.routing is not None:
                 entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]
             calls += 1
@@ -335,8 +345,12 @@ class PagedEngine:
                 lengths[i] = len(req.ids)
             prefix = programs.prefill_batch(params, cfg, ids, lengths, compute_dtype=self.compute_dtype,
                                             mesh=self.mesh)
+            draft = None
+            if draft_params is not None:
+                draft = programs.prefill_batch(draft_params, draft_cfg, ids, lengths, compute_dtype=self.compute_dtype,
+                                               mesh=self.mesh)
             for i, (entry, _) in enumerate(members):
-                entry.prefix = (prefix, i)
+                entry.prefix = (prefix, i, draft)
             calls += 1
         return calls
 
@@ -379,17 +393,29 @@ class PagedEngine:
             raise ValueError(f"request {req.key}: routing for {len(req.routing)} tokens, the prompt has "
                              f"{len(req.ids)}")
 
+    def _draft_cfg(self) -> ModelConfig:
+        speculative = self.spec.speculative
+        assert speculative is not None and speculative.draft_cfg is not None
+        return speculative.draft_cfg
+
     def serve(self, params: dict, source: RequestSource, rng: jax.Array, knobs: SampleKnobs,
-              settings: SampleSettings) -> EngineStats:
-        """Runs `source`'s requests until it has no more (see the module doc); returns the counters."""
+              settings: SampleSettings, draft_params: dict | None = None) -> EngineStats:
+        """Runs `source`'s requests until it has no more (see the module doc); returns the counters.
+        `draft_params`: the draft model's (speculative method 'draft', and only then)."""
         spec, cfg, r = self.spec, self.cfg, settings.max_new_tokens
         ps = spec.page_size
         if settings.compute_dtype != self.compute_dtype:
             raise ValueError(f"settings.compute_dtype={settings.compute_dtype} differs from the engine's "
                              f"{self.compute_dtype}")
         pool = PagePool(spec.num_pages)
+        uses_draft = spec.speculative is not None and spec.speculative.uses_draft_model
+        if uses_draft != (draft_params is not None):
+            raise ValueError("draft_params: the draft model's params are needed exactly when rollout.speculative."
+                             f"method='draft' (the engine's is {spec.speculative and spec.speculative.method!r})")
         # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
         params = _decode_weights(params, self.compute_dtype)
+        if draft_params is not None:
+            draft_params = _decode_weights(draft_params, self.compute_dtype)
         record = settings.record_routing and cfg.is_moe
         if record and spec.speculative is not None:
             raise ValueError("rollout.speculative: recording a MoE model's routing (routing replay) needs one token "
@@ -398,7 +424,7 @@ class PagedEngine:
         stats = EngineStats(speculative=spec.speculative is not None)
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
         sizes = self.drain_sizes()
-        state = self._warm_drain_sizes(params, state, rng, knobs, settings)
+        state = self._warm_drain_sizes(params, state, rng, knobs, settings, draft_params)
         queue: collections.deque[EngineRequest] = collections.deque()
         groups: dict[int, _Group] = {}
         slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
@@ -471,12 +497,12 @@ class PagedEngine:
                 entry.pending -= 1
                 admitted.append((req, entry, row, slot))
                 stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
-            stats.prefill_calls += self._prefill_groups(params, fresh, record)
+            stats.prefill_calls += self._prefill_groups(params, fresh, record, draft_params)
             for req, entry, row, slot in admitted:
                 assert entry.prefix is not None
-                prefix, index = entry.prefix
+                prefix, index, draft = entry.prefix
                 args = (state, np.int32(slot), row, np.asarray(req.key, np.int32), np.int32(req.max_new_tokens), rng,
-                        knobs)
+                        knobs, draft)
                 state = (programs.insert(prefix, *args, settings=settings) if index is None else
                          programs.insert_at(prefix, np.int32(index), *args, settings=settings))
             for _, entry, _, _ in admitted:
@@ -494,8 +520,8 @@ class PagedEngine:
             if cascade is not None:
                 stats.peak_cascade_groups = max(stats.peak_cascade_groups, int(np.sum(cascade.prefix_pages > 0)))
             state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
-                                      np.int32(smaller), cascade, settings=settings, attn_impl=spec.attn_impl,
-                                      mesh=self.mesh, speculative=spec.speculative)
+                                      np.int32(smaller), cascade, draft_params, settings=settings,
+                                      attn_impl=spec.attn_impl, mesh=self.mesh, speculative=spec.speculative)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))
             stats.slot_steps += (int(total_steps) - stats.decode_steps) * size

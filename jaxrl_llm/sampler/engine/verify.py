@@ -14,6 +14,13 @@ would only matter for a token the slot may not emit) are inactive: they write to
 
 Cascade groups (shared prompt pages read once per group) cover the virtual rows too: group row g's
 member slot s becomes members s * (k + 1) .. s * (k + 1) + k.
+
+Draft model (method 'draft'): k + 1 decode steps of the draft model over its own pool (the same
+pages and tables as the target's, its own dims) feed the last token and then each draft it drew, so
+that after any outcome its KV holds every token up to the next one fed (the (k + 1)-th step only
+writes the last draft's KV). Drafts are drawn from the draft's distribution filtered as plain
+sampling filters the target's (temperature, top-k, top-p; greedy: its argmax), with keys of their
+own from (seed, prompt, sample, token index), and that distribution goes to the acceptance rule.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
@@ -28,9 +36,10 @@ from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine.draws import finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.speculative import SpeculativeSpec, accept_drafts, ngram_drafts
+from jaxrl_llm.sampler.speculative import SpeculativeSpec, accept_drafts, draw_from, ngram_drafts, target_distribution
 
 Array = jax.Array
+_DRAFT_STREAM = 0x5EED  # the draft model's draws: keys of their own, apart from the target's
 
 
 def virtual_cascade(cascade: Cascade | None, k1: int) -> Cascade | None:
@@ -42,17 +51,49 @@ def virtual_cascade(cascade: Cascade | None, k1: int) -> Cascade | None:
     return Cascade(rows.reshape(gs.shape[0], -1), cascade.prefix_pages)
 
 
-def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs, cascade: Cascade | None, *,
-                settings: SampleSettings, speculative: SpeculativeSpec, compute_dtype: Any, attn_impl: str,
-                mesh: Mesh | None) -> tuple[dict[str, Array], Array]:
-    """One step on the decode state `s` (programs.DecodeState with its `history`): (the fields it
-    changes, whether some slot finished)."""
+def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs,
+                 cascade: Cascade | None, k: int, *, settings: SampleSettings, compute_dtype: Any, attn_impl: str,
+                 mesh: Mesh | None) -> tuple[Array, Array, dict]:
+    """(drafts [S, k], their filtered distributions [S, k, V], the draft pool) from k + 1 draft-model
+    decode steps (see the module doc)."""
+    draft_rng = jax.random.fold_in(rng, _DRAFT_STREAM)
+
+    def step(carry: tuple[dict, Array], j: Array) -> tuple[tuple[dict, Array], tuple[Array, Array]]:
+        pool, fed = carry
+        live = s.active & (s.num_gen + j < s.budget)  # as the verification rows: inside the budget
+        logits, pool, _ = decode_logits(draft_params, draft_cfg, pool, fed, s.positions + j, s.page_table, live,
+                                        compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh, cascade=cascade)
+        q = target_distribution(logits, knobs, settings)
+        if settings.greedy:
+            nxt = jnp.argmax(q, axis=-1).astype(jnp.int32)
+        else:
+            keys = request_keys(draft_rng, s.request, s.num_gen + j)
+            nxt = draw_from(q, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys))
+        return (pool, nxt), (nxt, q)
+
+    (pool, _), (drafts, probs) = lax.scan(step, (s.draft_pool, s.last), jnp.arange(k + 1, dtype=jnp.int32))
+    return drafts[:k].T, jnp.moveaxis(probs[:k], 0, 1), pool
+
+
+def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs, cascade: Cascade | None,
+                draft_params: dict | None = None, *, settings: SampleSettings, speculative: SpeculativeSpec,
+                compute_dtype: Any, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Array], Array]:
+    """One step on the decode state `s` (programs.DecodeState with its `history`, and with a draft
+    model its `draft_pool`): (the fields it changes, whether some slot finished)."""
     k = speculative.num_tokens
     k1 = k + 1
     slots, r = s.active.shape[0], settings.max_new_tokens
     rows = jnp.arange(slots)
     offsets = jnp.arange(k1, dtype=jnp.int32)[None]
-    drafts, _ = ngram_drafts(s.history, s.positions + 1, k, speculative.ngram_max, speculative.ngram_min)
+    changes: dict[str, Array] = {}
+    if speculative.uses_draft_model:
+        assert draft_params is not None and speculative.draft_cfg is not None
+        drafts, draft_probs, changes["draft_pool"] = model_drafts(
+            draft_params, speculative.draft_cfg, s, rng, knobs, cascade, k, settings=settings,
+            compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh)
+    else:
+        drafts, _ = ngram_drafts(s.history, s.positions + 1, k, speculative.ngram_max, speculative.ngram_min)
+        draft_probs = None
     fed = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [S, k + 1]
     positions = s.positions[:, None] + offsets
     # row i's logits choose response token num_gen + i: only worth computing inside the budget
@@ -62,7 +103,8 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
                                     compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
                                     cascade=virtual_cascade(cascade, k1))
     keys = jax.vmap(lambda i: request_keys(rng, s.request, s.num_gen + i), out_axes=1)(jnp.arange(k1))
-    tokens, log_probs, accepted = accept_drafts(logits.reshape(slots, k1, -1), drafts, None, keys, knobs, settings)
+    tokens, log_probs, accepted = accept_drafts(logits.reshape(slots, k1, -1), drafts, draft_probs, keys, knobs,
+                                                settings)
     # emit the kept drafts and the token after them, cut at the budget and after an EOS / stop token
     room = jnp.maximum(s.budget - s.num_gen, 1)
     emit = jnp.minimum(accepted + 1, room)
@@ -78,16 +120,17 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
     ends, reason = finish_codes(last_tok, num_gen, knobs, s.budget)
     ends &= s.active
     cols = jnp.where(keep, s.num_gen[:, None] + offsets, r)  # r: out of range, dropped
-    hist_cols = jnp.where(keep, s.positions[:, None] + 1 + offsets, s.history.shape[1])
+    if s.history is not None:  # the n-gram drafter's history: prompt and response tokens
+        hist_cols = jnp.where(keep, s.positions[:, None] + 1 + offsets, s.history.shape[1])
+        changes["history"] = s.history.at[rows[:, None], hist_cols].set(tokens, mode="drop")
     # drafts inside the budget, and those of them the target kept (before any EOS cut)
     proposed = jnp.sum(jnp.where(s.active, jnp.minimum(k, room - 1), 0))
     accepted_in_budget = jnp.sum(jnp.where(s.active, jnp.minimum(accepted, room - 1), 0))
-    changes = dict(
+    changes.update(
         pool=pool, positions=s.positions + emit, last=jnp.where(s.active, last_tok, s.last), num_gen=num_gen,
         active=s.active & ~ends, finish=jnp.where(ends, reason, s.finish),
         tokens=s.tokens.at[rows[:, None], cols].set(tokens, mode="drop"),
         log_probs=s.log_probs.at[rows[:, None], cols].set(log_probs, mode="drop"),
-        history=s.history.at[rows[:, None], hist_cols].set(tokens, mode="drop"),
         steps=s.steps + 1, useful=s.useful + jnp.sum(s.active.astype(jnp.int32)),
         spec_counts=s.spec_counts + jnp.stack([jnp.sum(emit), proposed, accepted_in_budget]))
     return changes, jnp.any(ends)
