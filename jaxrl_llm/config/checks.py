@@ -241,5 +241,8 @@ def check_sources(cfg: ml_collections.ConfigDict) -> None:
                        check_model_source("critic.model.path", cfg.critic.model.path))
     if cfg.reward_model.enable:
         check_model_source("reward_model.model.path", cfg.reward_model.model.path)
+    speculative = cfg.actor_rollout_ref.rollout.speculative
+    if speculative.method == "draft" and speculative.draft_model.path is not None:
+        check_model_source(f"{ARR}.rollout.speculative.draft_model.path", speculative.draft_model.path)
     check_tokenizer_source("data.tokenizer", cfg.data.tokenizer)
     check_user_code(cfg)

@@ -119,8 +119,12 @@ def resolve_speculative(section: ConfigDict) -> SpeculativeSpec | None:
     """`rollout.speculative` as the engine's spec (None: off)."""
     if section.method == "none":
         return None
+    path = section.draft_model.path
+    if section.method == "draft" and path is not None and not path.startswith("tiny:"):
+        path = os.path.abspath(os.path.expanduser(path))
     return SpeculativeSpec(method=section.method, num_tokens=int(section.num_tokens),
-                           ngram_max=int(section.prompt_lookup_max), ngram_min=int(section.prompt_lookup_min))
+                           ngram_max=int(section.prompt_lookup_max), ngram_min=int(section.prompt_lookup_min),
+                           draft_path=path if section.method == "draft" else None)
 
 
 def resolve_multi_turn(rollout: ConfigDict) -> MultiTurnSpec | None:

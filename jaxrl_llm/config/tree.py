@@ -253,21 +253,26 @@ ROLLOUT = {
                                      "them once per sample. jaxrl_llm (FlashInfer's cascade attention).",
                                types=bool),
     "speculative": {
-        "method": field("none", "Speculative decoding in the paged engine: 'ngram' drafts num_tokens tokens per "
-                                "sequence and step from its own prompt and response (prompt lookup: what followed "
-                                "the latest earlier occurrence of its last prompt_lookup_max..min tokens) and "
-                                "verifies them in one forward; the kept drafts plus one token are emitted (1 to "
-                                "num_tokens + 1 per step), distributed exactly as plain sampling at any "
-                                "temperature / top-k / top-p, and greedy output is token-identical. 'none' (the "
-                                "default): one token per step; on the 2-core CPU ngram measured slower on "
-                                "SmolLM2's RL-style answers (docs/performance.md), where a verify step costs about "
-                                "what its k + 1 tokens cost. Needs the paged engine; not with "
-                                "actor.router_replay='rollout'. Logs rollout/spec_accept_rate and "
-                                "rollout/tokens_per_step. vLLM: speculative_config.method.",
-                         choices=SPECULATIVE_METHODS),
+        "method": field("none", "Speculative decoding in the paged engine: num_tokens tokens are drafted per "
+                                "sequence and step and verified in one forward; the kept drafts plus one token are "
+                                "emitted (1 to num_tokens + 1 per step), distributed exactly as plain sampling at "
+                                "any temperature / top-k / top-p, and greedy output is token-identical. 'ngram' "
+                                "drafts from the sequence's own prompt and response (prompt lookup: what followed "
+                                "the latest earlier occurrence of its last prompt_lookup_max..min tokens); 'draft' "
+                                "runs draft_model (same vocabulary, checked at start, frozen) over its own paged "
+                                "KV. 'none' (the default): one token per step; on the 2-core CPU speculation "
+                                "measured slower on SmolLM2's RL-style answers (docs/performance.md). Needs the "
+                                "paged engine; not with actor.router_replay='rollout'. Logs "
+                                "rollout/spec_accept_rate and rollout/tokens_per_step. vLLM: "
+                                "speculative_config.method.", choices=SPECULATIVE_METHODS),
         "num_tokens": field(4, "Drafts verified per sequence and step (k). vLLM: num_speculative_tokens.", gt=0),
         "prompt_lookup_max": field(3, "Longest suffix the n-gram drafter looks up. vLLM.", gt=0),
         "prompt_lookup_min": field(1, "Shortest suffix it falls back to (<= prompt_lookup_max). vLLM.", gt=0),
+        "draft_model": {
+            "path": field(None, "method='draft': the draft model, an HF folder, a .gguf file, our checkpoint or "
+                                "tiny:<arch> (tests); loaded in the policy's param dtype and placed like it. "
+                                "vLLM: speculative_config.model.", types=str),
+        },
     },
     "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
                                          "pool gets this fraction minus what is in use, where the backend "

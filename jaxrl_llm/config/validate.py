@@ -129,6 +129,8 @@ def _check_speculative(cfg: ml_collections.ConfigDict) -> None:
              f"set {key}.method='none'")
     _require(spec.prompt_lookup_min <= spec.prompt_lookup_max, f"{key}.prompt_lookup_min", cfg,
              f"must be <= {key}.prompt_lookup_max={spec.prompt_lookup_max}")
+    _require(spec.method != "draft" or spec.draft_model.path is not None, f"{key}.draft_model.path", cfg,
+             f"required when {key}.method='draft' (HF folder, .gguf, checkpoint or tiny:<arch>)")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:

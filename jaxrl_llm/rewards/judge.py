@@ -73,7 +73,9 @@ class Judge:
                  engine: EngineOptions, compute_dtype: str = "float32", path: str = ""):
         self.spec, self.model_cfg, self.params, self.tokenizer = spec, model_cfg, params, tokenizer
         self.mesh, self.compute_dtype, self.path = mesh, compute_dtype, path
-        self.engine = dataclasses.replace(engine, engine="paged")
+        # the rollout's draft model drafts for the policy, not the judge: the judge decodes plainly then
+        drafting = engine.speculative is not None and engine.speculative.uses_draft_model
+        self.engine = dataclasses.replace(engine, engine="paged", speculative=None if drafting else engine.speculative)
         self.parser = load_parser(spec.parser, ScoreRange(spec.min_score, spec.max_score))
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         self.eos_ids = eos_ids_of(model_cfg, tokenizer)

@@ -249,6 +249,13 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     shardings = engine_programs.state_sharding(abstract, cfg, mesh)
     state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
 
+    draft = None  # a draft model's params (speculative method 'draft'), placed as the policy's shapes are
+    if engine.speculative is not None and engine.speculative.draft_cfg is not None:
+        draft_cfg = engine.speculative.draft_cfg
+        abstract_draft, draft_shardings = param_shardings_of(draft_cfg, "lm", mesh, compute_dtype_of(
+            spec.model.param_dtype))
+        draft = _abstract(abstract_draft, draft_shardings)
+
     groups = engine_programs.cascade_shape(engine, engine.max_num_seqs, settings.n)
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
                                                   jax.ShapeDtypeStruct(groups[:1], jnp.int32))
@@ -257,7 +264,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         return _lower(engine_programs.generate, platforms, ctx.policy_params(), _unrolled(cfg, unroll), state,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
-                      settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
+                      draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",

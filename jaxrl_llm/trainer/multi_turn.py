@@ -73,8 +73,8 @@ class PagedContinue:
 
     def __init__(self, params: dict, model_cfg: ModelConfig, sampling: SamplingParams, *, eos: Sequence[int],
                  pad_token_id: int, opts: EngineOptions, mesh: Mesh | None, compute_dtype: str, rng: jax.Array,
-                 token_bucket: int = 16) -> None:
-        self.params, self.cfg, self.sampling = params, model_cfg, sampling
+                 token_bucket: int = 16, draft_params: dict | None = None) -> None:
+        self.params, self.cfg, self.sampling, self.draft_params = params, model_cfg, sampling, draft_params
         self.eos, self.pad_id = tuple(eos), pad_token_id
         self.opts, self.mesh, self.compute_dtype, self.rng = opts, mesh, compute_dtype, rng
         self.token_bucket, self.calls = token_bucket, 0
@@ -92,7 +92,7 @@ class PagedContinue:
             replay = list(routings)
         out, _ = sample_paged(self.params, self.cfg, [list(p) for p in prefixes],
                               jax.random.fold_in(self.rng, self.calls), knobs, settings=settings, opts=self.opts,
-                              mesh=self.mesh, prompt_routing=replay)
+                              mesh=self.mesh, prompt_routing=replay, draft_params=self.draft_params)
         self.calls += 1
         return cut_to_budgets(out, max_new_tokens, [len(p) for p in prefixes])
 
@@ -173,7 +173,8 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         engine = sized_engine(cfg, opts, num_requests=len(trajs), max_prompt_len=longest_prompt,
                               settings=settings, mesh=mesh)
         stats: list = []
-        serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings))  # noqa: E731
+        serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings,  # noqa: E731
+                                                         gen.draft_params))
         result = run_multi_turn_streaming(trajs, serve, limits=limits, record_routing=record, **calls)
         gen.last_engine_stats = stats[0]
         engine_metrics = stats[0].metrics()
@@ -181,7 +182,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         engine_metrics = {}
         if opts.engine == "paged":  # several processes: rounds schedule identically on every host
             cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=opts, mesh=mesh,
-                                 compute_dtype=gen.compute_dtype, rng=rng)
+                                 compute_dtype=gen.compute_dtype, rng=rng, draft_params=gen.draft_params)
         else:
             seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
             width = sampling.max_new_tokens  # every round: the same rows, prefix length and width (one program)

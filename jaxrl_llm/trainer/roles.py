@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as ckpt
+from jaxrl_llm.config import ConfigError
 from jaxrl_llm.config.batch_plan import RoleBatch
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec
 from jaxrl_llm.hf import load_any, read_hf_config  # the HF bridge reads folders and GGUF files
@@ -250,3 +251,29 @@ def tokenizer_of(model: ModelSpec, tiny_tokenizer: Tokenizer, *, key: str) -> To
             raise ValueError(f"{key}={model.path!r}: the checkpoint names no tokenizer")
         return load_tokenizer(source)
     return load_tokenizer(model.path)
+
+
+_VOCAB_SAMPLE = 64  # token ids compared between the two tokenizers, spread over the vocabulary
+
+
+def check_vocabulary(own_cfg: ModelConfig, own_tokenizer: Tokenizer, other_cfg: ModelConfig,
+                     other_tokenizer: Tokenizer, path: str, *, key: str, names: tuple[str, str], purpose: str) -> None:
+    """A second model (a teacher, a draft model) reads the policy's token ids: the same vocabulary
+    size and the same token for a sample of ids across the vocabulary (chat templates may differ).
+    ConfigError naming `key`, the sizes or the first differing id otherwise. names: (the policy's
+    role, the other model's role) as the message calls them."""
+    own, other = names
+    if other_cfg.vocab_size != own_cfg.vocab_size:
+        raise ConfigError(f"{key}={path!r}: the {other}'s vocabulary has {other_cfg.vocab_size} tokens, the "
+                          f"{own}'s {own_cfg.vocab_size}; {purpose} needs the same vocabulary")
+    size = min(len(own_tokenizer), len(other_tokenizer))
+    if len(own_tokenizer) != len(other_tokenizer):
+        raise ConfigError(f"{key}={path!r}: the {other}'s tokenizer has {len(other_tokenizer)} tokens, the "
+                          f"{own}'s {len(own_tokenizer)}; {purpose} needs the same vocabulary")
+    ids = sorted(set(np.linspace(0, size - 1, _VOCAB_SAMPLE).astype(int).tolist()))
+    mine, theirs = (tok.convert_ids_to_tokens(ids) for tok in (own_tokenizer, other_tokenizer))
+    differ = [(i, s, t) for i, s, t in zip(ids, mine, theirs) if s != t]
+    if differ:
+        i, s, t = differ[0]
+        raise ConfigError(f"{key}={path!r}: the tokenizers differ at {len(differ)} of {len(ids)} sampled ids "
+                          f"(id {i}: {own} {s!r}, {other} {t!r}); {purpose} needs the same vocabulary")

@@ -28,6 +28,7 @@ from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, eos_ids_of, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
 from jaxrl_llm.sharding import batch_axis_size, on_own_mesh, to_device, to_device_if_rows_split, to_host
+from jaxrl_llm.sharding.split import transfer
 from jaxrl_llm.trainer.multi_turn import generate_multi_turn
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
 from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
@@ -46,16 +47,18 @@ class RolloutGenerator:
                  reward_manager: RewardManager | None,
                  reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None,
                  multi_turn: Any = None, max_prompt_length: int | None = None, record_routing: bool = False,
-                 judge: Any = None):
+                 judge: Any = None, draft_params: dict | None = None):
         """multi_turn: a `trainer.multi_turn.MultiTurn` (every generation is then multi-turn);
         max_prompt_length: the bound its rendered prompts must fit (data.max_prompt_length);
         record_routing: a MoE policy's rollouts carry the sampler's routing (actor.router_replay);
-        judge: a generative reward model (rewards/judge.py) scoring beside the rule scorer."""
+        judge: a generative reward model (rewards/judge.py) scoring beside the rule scorer;
+        draft_params: the draft model of rollout.speculative.method='draft' (trainer/draft.py)."""
         self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
         self.record_routing = record_routing and model_cfg.is_moe
         self.multi_turn, self.max_prompt_length = multi_turn, max_prompt_length
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
         self.judge = judge
+        self.draft_params = draft_params
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
         # what every rollout (single- or multi-turn) pads with and stops at: the model's EOS ids and
@@ -69,7 +72,8 @@ class RolloutGenerator:
                                 reward_manager=self.reward_manager, reward_model=self.reward_model,
                                 compute_dtype=self.compute_dtype, engine=self.engine, multi_turn=self.multi_turn,
                                 max_prompt_length=self.max_prompt_length, record_routing=self.record_routing,
-                                judge=self.judge)
+                                judge=self.judge,
+                                draft_params=None if self.draft_params is None else transfer(self.draft_params, mesh))
 
     def engine_for(self, max_new_tokens: int) -> EngineOptions:
         """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
@@ -106,7 +110,8 @@ class RolloutGenerator:
         self.last_engine_stats = None
         if opts.engine == "paged":
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
-                                                            settings=settings, opts=opts, mesh=mesh)
+                                                            settings=settings, opts=opts, mesh=mesh,
+                                                            draft_params=self.draft_params)
             out = host_out._replace(**to_device({f: getattr(host_out, f) for f in _ROW_FIELDS
                                                  if getattr(host_out, f) is not None}, mesh))
         else:

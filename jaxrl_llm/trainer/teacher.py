@@ -39,12 +39,11 @@ from jaxrl_llm.sampler import bucket_length, left_pad
 from jaxrl_llm.sharding import to_device
 from jaxrl_llm.trainer.experience import DistillSignal, teacher_no_grad
 from jaxrl_llm.trainer.reference import is_offloaded, make_reference, reference_on_device
-from jaxrl_llm.trainer.roles import load_model, model_config_of, tokenizer_of
+from jaxrl_llm.trainer.roles import check_vocabulary, load_model, model_config_of, tokenizer_of
 from jaxrl_llm.trainer.rollout_batch import Rollout
 
 Array = jax.Array
 KEY = "algorithm.distillation.teacher"
-_VOCAB_SAMPLE = 64  # token ids compared between the two tokenizers, spread over the vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,26 +136,6 @@ def with_prompts(rollout: Rollout, prompts: Sequence[Any], pad_id: int, mesh: Me
         prompt_lengths=np.asarray([len(p) for p in prompts], np.int32), routing=None)
 
 
-def check_vocabulary(student_cfg: ModelConfig, student_tokenizer: Tokenizer, teacher_cfg: ModelConfig,
-                     teacher_tokenizer: Tokenizer, path: str) -> None:
-    """The teacher scores the student's token ids: same vocabulary size and the same token for a
-    sample of ids across the vocabulary (chat templates may differ). ConfigError otherwise."""
-    if teacher_cfg.vocab_size != student_cfg.vocab_size:
-        raise ConfigError(f"{KEY}.path={path!r}: the teacher's vocabulary has {teacher_cfg.vocab_size} tokens, the "
-                          f"student's {student_cfg.vocab_size}; distillation needs the same vocabulary")
-    size = min(len(student_tokenizer), len(teacher_tokenizer))
-    if len(student_tokenizer) != len(teacher_tokenizer):
-        raise ConfigError(f"{KEY}.path={path!r}: the teacher's tokenizer has {len(teacher_tokenizer)} tokens, the "
-                          f"student's {len(student_tokenizer)}; distillation needs the same vocabulary")
-    ids = sorted(set(np.linspace(0, size - 1, _VOCAB_SAMPLE).astype(int).tolist()))
-    student, teacher = (tok.convert_ids_to_tokens(ids) for tok in (student_tokenizer, teacher_tokenizer))
-    differ = [(i, s, t) for i, s, t in zip(ids, student, teacher) if s != t]
-    if differ:
-        i, s, t = differ[0]
-        raise ConfigError(f"{KEY}.path={path!r}: the tokenizers differ at {len(differ)} of {len(ids)} sampled ids "
-                          f"(id {i}: student {s!r}, teacher {t!r}); distillation needs the same vocabulary")
-
-
 def check_teacher(spec: DistillSpec, student_cfg: ModelConfig, student_tokenizer: Tokenizer) -> Tokenizer:
     """The teacher's tokenizer, once its vocabulary is checked against the student's (no weight is
     read: configs and tokenizers only)."""
@@ -165,7 +144,8 @@ def check_teacher(spec: DistillSpec, student_cfg: ModelConfig, student_tokenizer
     except ValueError as err:
         raise ConfigError(str(err)) from None
     teacher_cfg = model_config_of(spec.teacher, tokenizer)
-    check_vocabulary(student_cfg, student_tokenizer, teacher_cfg, tokenizer, spec.teacher.path)
+    check_vocabulary(student_cfg, student_tokenizer, teacher_cfg, tokenizer, spec.teacher.path, key=f"{KEY}.path",
+                     names=("student", "teacher"), purpose="distillation")
     if spec.own_prompt and getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"{KEY}: a teacher prompt of its own is rendered with the teacher's chat template, and "
                           f"{spec.teacher.path} has none")

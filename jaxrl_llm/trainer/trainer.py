@@ -42,6 +42,7 @@ from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_m
 from jaxrl_llm.sharding.split import make_split_meshes
 from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
+from jaxrl_llm.trainer.draft import load_draft, with_draft_config
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
@@ -85,8 +86,10 @@ class Trainer:
         # Resolved once. The memory plan then fills in every 'auto' micro-batch size, and a step that
         # would not fit stops here, before a model loads or anything of the run is written
         # (trainer/memory_plan.py).
-        self.spec, self.memory_plan = self._plan_memory(resolve(
-            checked, dp_size=self.dp_size, num_train_samples=None if train_set is None else len(train_set)))
+        # a draft model (rollout.speculative.method='draft'): its vocabulary checked, its config read (trainer/draft.py)
+        self.spec, self.memory_plan = self._plan_memory(with_draft_config(resolve(
+            checked, dp_size=self.dp_size, num_train_samples=None if train_set is None else len(train_set)),
+            self.tokenizer))
         if train_set is None:
             self._write_synthetic_data(synthetic)
             train_set = build_dataset(data, self.tokenizer, "train")
@@ -163,7 +166,9 @@ class Trainer:
                                           reward_manager=self.reward_manager, reward_model=self.reward_model,
                                           compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
                                           multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length,
-                                          record_routing=spec.actor.router_replay == "rollout", judge=self.judge)
+                                          record_routing=spec.actor.router_replay == "rollout", judge=self.judge,
+                                          draft_params=load_draft(spec, self.tokenizer, mesh=self.mesh,
+                                                                  seed=spec.trainer.seed + 2))
         # with a split mesh (mesh.rollout_devices) a second generator samples on the rollout devices
         rollout_generator = None if self.rollout_mesh is None else self.generator.on_mesh(self.rollout_mesh)
         # one batch sampled and scored; with DAPO's filter_groups, batches until enough groups vary

@@ -25,9 +25,9 @@ from jaxrl_llm.models import ModelConfig, compute_logits, init_params
 from jaxrl_llm.trainer.actor import actor_loss, update_actor
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, mix_advantages, teacher_no_grad
 from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.trainer.roles import check_vocabulary
 from jaxrl_llm.trainer.rollout_batch import Rollout
 from jaxrl_llm.trainer.teacher import (
-    check_vocabulary,
     distill_signal,
     teacher_messages,
     teacher_prompt_ids,
@@ -203,14 +203,17 @@ def test_teacher_messages_replace_the_system_prompt_and_template_the_last_user_m
     assert teacher_messages("hi", _spec()) == [{"role": "user", "content": "hi"}]
 
 
+NAMES = dict(key="algorithm.distillation.teacher.path", names=("student", "teacher"), purpose="distillation")
+
+
 def test_a_different_vocabulary_is_one_clear_error():
     tok = make_char_tokenizer()
     cfg = dataclasses.replace(CFG, vocab_size=len(tok))
     with pytest.raises(ConfigError, match="vocabulary has 64 tokens, the student's 104"):
-        check_vocabulary(cfg, tok, CFG, tok, "teacher/")
+        check_vocabulary(cfg, tok, CFG, tok, "teacher/", **NAMES)
     shuffled = _swapped_char_tokenizer()
     with pytest.raises(ConfigError, match="tokenizers differ at .* sampled ids"):
-        check_vocabulary(cfg, tok, cfg, shuffled, "teacher/")
+        check_vocabulary(cfg, tok, cfg, shuffled, "teacher/", **NAMES)
 
 
 def _swapped_char_tokenizer():
@@ -334,3 +337,25 @@ def test_distillation_resume_equals_uninterrupted(tmp_path):
     run(full, 3, **{"trainer.save_freq": 1}).fit()
     tiny_runs.assert_resume_equals_uninterrupted(run, full, tmp_path / "resumed")
     assert all("distill/reverse_kl" in r for r in read_metrics(full))
+
+
+def test_draft_model_vocabulary_is_checked_before_any_weight_loads(tmp_path, monkeypatch):
+    """rollout.speculative's draft model reads the policy's token ids: the same check, the same moment."""
+    from tiny_models import build_hf_model
+
+    folder = tmp_path / "draft"
+    build_hf_model("llama", folder)
+    make_char_tokenizer().save_pretrained(folder)
+    import jaxrl_llm.trainer.draft as draft_module
+    import jaxrl_llm.trainer.trainer as trainer_module
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the draft model's vocabulary was checked")
+
+    monkeypatch.setattr(trainer_module, "load_model", no_load)
+    monkeypatch.setattr(draft_module, "load_model", no_load)
+    key = "actor_rollout_ref.rollout.speculative"
+    cfg = tiny_config(tmp_path / "run", **{f"{key}.method": "draft", f"{key}.draft_model.path": str(folder)})
+    with pytest.raises(ConfigError, match=rf"^{key}\.draft_model\.path=.*the draft model's vocabulary has 256 tokens, "
+                                          r"the policy's"):
+        trainer_module.Trainer(cfg)

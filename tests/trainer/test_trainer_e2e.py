@@ -190,3 +190,22 @@ def test_paged_engine_training_step_logs_engine_metrics(tmp_path):
     assert 0 < m["rollout/engine/slot_utilisation"] <= 1 and m["rollout/engine/decode_steps"] > 0
     assert m["rollout/engine/prefill_tokens"] > 0 and m["rollout/engine/peak_kv_pages"] > 0
     assert abs(m["rollout_corr/kl"]) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_rollouts_log_their_rates_and_the_trainers_log_probs(tmp_path, method):
+    """rollout.speculative through a training step (with the memory plan, which lowers the engine's
+    program with the draft model): its rates are step metrics, and the sampled log-probs are still
+    the trainer's (rollout_corr/kl ~ 0). The draft is a tiny model of the policy's dims, other weights."""
+    key = "actor_rollout_ref.rollout.speculative"
+    cfg = tiny_config(tmp_path / "run", **{"trainer.total_training_steps": 1, "trainer.test_freq": -1,
+                                           "trainer.memory_plan": True, f"{key}.method": method,
+                                           f"{key}.draft_model.path": "tiny:llama" if method == "draft" else None,
+                                           "algorithm.rollout_correction.rollout_is": "token"})
+    trainer = Trainer(cfg)
+    try:
+        m = trainer.step()
+    finally:
+        trainer.close()
+    assert 0 <= m["rollout/spec_accept_rate"] <= 1 and m["rollout/tokens_per_step"] >= 1
+    assert abs(m["rollout_corr/kl"]) < 1e-5

@@ -136,13 +136,15 @@ def release_engines() -> None:
 
 def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
                  knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None,
-                 prompt_routing: Sequence[np.ndarray | None] | None = None) -> tuple[SampleOutput, EngineStats]:
+                 prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None
+                 ) -> tuple[SampleOutput, EngineStats]:
     """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
     `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats.
-    prompt_routing: per prompt, the experts its prefill replays (`EngineRequest.routing`)."""
+    prompt_routing: per prompt, the experts its prefill replays (`EngineRequest.routing`);
+    draft_params: the draft model's (opts.speculative.method 'draft')."""
     engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=max(map(len, prompts)),
                           settings=settings, mesh=mesh)
-    return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing)
+    return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing, draft_params=draft_params)
 
 
 def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,

@@ -77,7 +77,7 @@ def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array,
 
 def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs, cascade: Cascade | None,
                 draft_params: dict | None = None, *, settings: SampleSettings, speculative: SpeculativeSpec,
-                compute_dtype: Any, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Array], Array]:
+                compute_dtype: Any, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Any], Array]:
     """One step on the decode state `s` (programs.DecodeState with its `history`, and with a draft
     model its `draft_pool`): (the fields it changes, whether some slot finished)."""
     k = speculative.num_tokens
@@ -85,7 +85,7 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
     slots, r = s.active.shape[0], settings.max_new_tokens
     rows = jnp.arange(slots)
     offsets = jnp.arange(k1, dtype=jnp.int32)[None]
-    changes: dict[str, Array] = {}
+    changes: dict[str, Any] = {}
     if speculative.uses_draft_model:
         assert draft_params is not None and speculative.draft_cfg is not None
         drafts, draft_probs, changes["draft_pool"] = model_drafts(
