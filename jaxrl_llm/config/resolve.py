@@ -26,6 +26,7 @@ from jaxrl_llm.config.spec import (
     ModelSpec,
     MultiTurnSpec,
     OptimSpec,
+    PartialSpec,
     RefSpec,
     RolloutCorrectionSpec,
     RunSpec,
@@ -339,7 +340,11 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
     threshold = rc.rollout_rs_threshold
     sync = resolve_sync(cfg)
     rollout_is = rc.rollout_is
-    if sync.auto_correction:  # off-policy data: token-level IS (which also recomputes old log-probs)
+    partial = PartialSpec(bool(arr.rollout.partial.enable), int(arr.rollout.partial.max_staleness))
+    unset = rc.rollout_is is None and rc.rollout_rs is None
+    # off-policy data (the synchronizer's schedule, or partial rollouts' resumed samples): token-level
+    # IS (which also recomputes old log-probs) unless the user chose a correction
+    if sync.auto_correction or (partial.active and unset):
         rollout_is = "token"
     spec = RunSpec(
         data=resolve_data(cfg), synthetic=resolve_synthetic(cfg),
@@ -361,7 +366,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         reward_model=resolve_reward_model(cfg),
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in MESH_AXES),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
-        multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg))
+        multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg), partial=partial)
     return dataclasses.replace(spec, actor=dataclasses.replace(
         spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update))
 

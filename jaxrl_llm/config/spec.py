@@ -204,6 +204,19 @@ class FilterGroupsSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PartialSpec:
+    """`actor_rollout_ref.rollout.partial` (trainer/partial.py)."""
+
+    enable: bool = False
+    max_staleness: int = 1
+
+    @property
+    def active(self) -> bool:
+        """Samples may wait for a later step (max_staleness = 0 is the plain rollout)."""
+        return self.enable and self.max_staleness > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class MultiTurnSpec:
     """`actor_rollout_ref.rollout.multi_turn.*` when enabled (trainer/multi_turn.py builds the runtime)."""
 
@@ -288,6 +301,7 @@ class RunSpec:
     sync: SyncSpec = SyncSpec()  # off-policy pipelining (`synchronizer`, mesh.rollout_devices)
     multi_turn: MultiTurnSpec | None = None  # None: single-turn rollouts
     distillation: DistillSpec | None = None  # algorithm.distillation.enable
+    partial: PartialSpec = PartialSpec()  # rollout.partial: paused samples resume at the next step
 
     @property
     def need_ref(self) -> bool:

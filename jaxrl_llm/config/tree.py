@@ -274,6 +274,20 @@ ROLLOUT = {
                                 "vLLM: speculative_config.model.", types=str),
         },
     },
+    "partial": {
+        "enable": field(False, "Partial rollouts: a training step stops generating once it has its batch of "
+                               "finished prompt groups; samples still running pause and resume first at the next "
+                               "step on the newer policy (their tokens keep the log-probs they were sampled "
+                               "with; token-level rollout correction turns on when rollout_is / rollout_rs are "
+                               "unset). One loader batch is read ahead. Logs rollout/staleness, "
+                               "rollout/staleness_max, rollout/partial/paused and rollout/partial/resumed. "
+                               "Checkpoints keep the paused samples (a resume continues exactly). Paged engine, "
+                               "synchronous schedule, single-turn, no filter_groups. slime / veRL: "
+                               "partial_rollout.", types=bool),
+        "max_staleness": field(1, "Most training steps between a token's sampling and its training (a group must "
+                                  "finish within this many steps of its first token); 0 = nothing waits: the "
+                                  "plain rollout. slime / veRL.", ge=0),
+    },
     "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
                                          "pool gets this fraction minus what is in use, where the backend "
                                          "reports its memory (GPU / TPU; CPU: every slot at full length). "

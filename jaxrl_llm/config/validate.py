@@ -78,6 +78,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _check_synchronizer(cfg)
     _check_multi_turn(cfg)
     _check_speculative(cfg)
+    _check_partial(cfg)
 
 
 def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
@@ -115,6 +116,24 @@ def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
              "tools' calc_reward and interaction rewards are)")
     _require(bool(cfg.data.apply_chat_template), f"{key}.enable", cfg,
              "multi-turn rollouts render turns through the chat template: data.apply_chat_template must be True")
+
+
+def _check_partial(cfg: ml_collections.ConfigDict) -> None:
+    rollout, key = cfg.actor_rollout_ref.rollout, f"{ROLLOUT}.partial"
+    if not rollout.partial.enable:
+        return
+    why = "paused samples resume in the paged engine at the next synchronous step"
+    _require(rollout.engine != "static", f"{ROLLOUT}.engine", cfg, f"{key}.enable: {why}")
+    _require(not rollout.multi_turn.enable, f"{ROLLOUT}.multi_turn.enable", cfg,
+             f"{key}.enable is for single-turn rollouts")
+    _require(cfg.actor_rollout_ref.actor.router_replay != "rollout", f"{ACTOR}.router_replay", cfg,
+             f"{key}.enable: a resumed sample's earlier experts are not replayed")
+    _require(not cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", cfg,
+             f"{key}.enable: the group filter samples further batches itself; use one or the other")
+    sync = cfg.synchronizer
+    _require(sync.sync_interval == 1 and sync.sync_offset == 0 and cfg.mesh.get("rollout_devices") is None,
+             f"{key}.enable", cfg, f"{why}: set synchronizer.sync_interval=1, sync_offset=0 and no "
+             "mesh.rollout_devices")
 
 
 def _check_speculative(cfg: ml_collections.ConfigDict) -> None:

@@ -35,7 +35,7 @@ from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta,
 
 Array = jax.Array
 _JUDGE_STREAM = 0x7D6E  # the judge's random stream: fold_in(the rollout's key, this)
-_ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask",
+ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask",
                "routing")
 
 
@@ -93,8 +93,7 @@ class RolloutGenerator:
         """`sampling.n` responses per prompt of `batch` (the whole global batch), scored."""
         if self.multi_turn is not None:
             return generate_multi_turn(self, batch, params, sampling, rng)
-        model_cfg, mesh, tokenizer, reward_model = self.model_cfg, self.mesh, self.tokenizer, self.reward_model
-        pad_id = self.pad_id
+        model_cfg, mesh, pad_id = self.model_cfg, self.mesh, self.pad_id
         raw_prompts = list(batch["raw_prompt_ids"])
         num_prompts = len(raw_prompts)
         # a short (validation) batch is padded to the mesh's batch ways
@@ -112,7 +111,7 @@ class RolloutGenerator:
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
                                                             settings=settings, opts=opts, mesh=mesh,
                                                             draft_params=self.draft_params)
-            out = host_out._replace(**to_device({f: getattr(host_out, f) for f in _ROW_FIELDS
+            out = host_out._replace(**to_device({f: getattr(host_out, f) for f in ROW_FIELDS
                                                  if getattr(host_out, f) is not None}, mesh))
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
@@ -120,11 +119,18 @@ class RolloutGenerator:
         n = sampling.n
         if len(raw_prompts) > num_prompts:  # drop the padding rows again
             keep = num_prompts * n
-            out = out._replace(**{f: getattr(out, f)[:keep] for f in _ROW_FIELDS if getattr(out, f) is not None})
-            raw_prompts = raw_prompts[:num_prompts]
-            prompt_ids, prompt_mask = prompt_ids[:num_prompts], prompt_mask[:num_prompts]
+            out = out._replace(**{f: getattr(out, f)[:keep] for f in ROW_FIELDS if getattr(out, f) is not None})
+        return self.scored(batch, out, n, sampling.max_new_tokens, rng)
+
+    def scored(self, batch: dict[str, np.ndarray], out: Any, n: int, max_new_tokens: int, rng: Array) -> Rollout:
+        """The scored `Rollout` of `out` (a SampleOutput: n rows per prompt of `batch`, prompt-major,
+        its row fields on the mesh), with the last paged generation's engine counters."""
+        mesh, tokenizer, reward_model = self.mesh, self.tokenizer, self.reward_model
+        raw_prompts = list(batch["raw_prompt_ids"])
+        num_prompts = len(raw_prompts)
+        prompt_ids, prompt_mask = left_pad(raw_prompts, self.pad_id, length=int(out.prompt_ids.shape[1]))
         lengths = np.asarray(to_host(out.lengths)).astype(np.int32)
-        width = response_bucket(int(lengths.max()), sampling.max_new_tokens)
+        width = response_bucket(int(lengths.max()), max_new_tokens)
         tokens, finish = (np.asarray(a) for a in to_host((out.tokens[:, :width], out.finish_reason)))
         texts = decode_texts(tokenizer, tokens, lengths)
         rows = np.repeat(np.arange(num_prompts), n)

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import FilterGroupsSpec, RunSpec
 from jaxrl_llm.sampler import SamplingParams
+from jaxrl_llm.trainer.partial import PartialRollouts
 from jaxrl_llm.trainer.pipeline import DEVICE_FIELDS, Generate, RolloutPipeline
 from jaxrl_llm.trainer.roles import TrainedRole
 from jaxrl_llm.trainer.rollout import RolloutGenerator
@@ -73,17 +74,23 @@ class SynchronousSource:
         batch = next(self.loader)
         rollout, metrics = self.generate(batch, self.actor.model_params, self.rng_for(step), False)
         jax.block_until_ready([getattr(rollout, f) for f in DEVICE_FIELDS])
-        return batch, rollout, {**metrics, "rollout/staleness": 0.0, "timing_s/gen_job": time.perf_counter() - start}
+        # on-policy unless partial rollouts resumed samples of earlier steps (they report their own)
+        return batch, rollout, {"rollout/staleness": 0.0, **metrics, "timing_s/gen_job": time.perf_counter() - start}
 
     def loader_state(self, next_step: int) -> Any:
         return self.loader.get_state()
 
     def checkpoint_weights(self, next_step: int) -> tuple[dict, dict | None]:
+        if isinstance(self.generate, PartialRollouts):  # the paused samples (JSON), no weights
+            return {"pipeline": {"partial": self.generate.state()}}, None
         return {}, None  # nothing in flight
 
     def resume(self, record: dict | None, load_weights: Callable[[dict], dict]) -> None:
         """A synchronous run resumes from the loader state alone (a pipelined checkpoint's in-flight
-        rollouts are generated again, on the restored weights)."""
+        rollouts are generated again, on the restored weights), and with partial rollouts from the
+        paused samples the checkpoint kept."""
+        if isinstance(self.generate, PartialRollouts) and record and "partial" in record:
+            self.generate.restore(record["partial"])
 
     def describe(self) -> str:
         return "synchronizer: synchronous (each rollout sampled on the policy's own params, then trained on)"

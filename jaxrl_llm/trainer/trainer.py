@@ -46,6 +46,7 @@ from jaxrl_llm.trainer.draft import load_draft, with_draft_config
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
+from jaxrl_llm.trainer.partial import PartialRollouts
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.trainer.preflight import run_tokenizer
 from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
@@ -176,10 +177,15 @@ class Trainer:
         if spec.filter_groups.enable:
             self.generate = GroupFilter(self.generate, self.train_loader, spec.filter_groups,
                                         prompts=spec.plan.prompts, mesh=self.mesh)
+        step_loader = self.train_loader
+        if spec.partial.active:  # samples still running at a step's end resume at the next (trainer/partial.py)
+            self.generate = PartialRollouts(self.generator, spec.train_sampling, self.train_loader, spec.partial,
+                                            prompts=spec.plan.prompts)
+            step_loader = self.generate.step_loader()
         self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
         # each step's rollout: synchronous, or the synchronizer's off-policy pipeline (trainer/rollout_source.py)
         self.rollout_source: RolloutSource = make_rollout_source(
-            spec, actor=self.actor, loader=self.train_loader, generate=self.generate,
+            spec, actor=self.actor, loader=step_loader, generate=self.generate,
             rng_for=lambda step: jax.random.fold_in(self.base_rng, step), train_mesh=self.mesh,
             rollout_mesh=self.rollout_mesh, total_steps=self.total_steps)
         kl = spec.kl_ctrl

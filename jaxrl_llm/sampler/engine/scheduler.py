@@ -131,6 +131,15 @@ class RequestSource(Protocol):
     def wait(self) -> None:
         """Block briefly for `poll` to have something (called when the engine has no work at all)."""
 
+    def stop_requested(self) -> bool:
+        """True to stop now (checked before every admission round): the engine hands each unfinished
+        request back through `paused` and returns (partial rollouts: trainer/partial.py)."""
+        ...
+
+    def paused(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray) -> None:
+        """A request stopped unfinished: the tokens it generated so far and their log-probs (none if it
+        was still queued)."""
+
 
 @dataclasses.dataclass
 class _Group:
@@ -187,6 +196,12 @@ class _BatchSource:
 
     def wait(self) -> None:
         return None
+
+    def stop_requested(self) -> bool:
+        return False
+
+    def paused(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray) -> None:
+        raise AssertionError("a batch run never stops early")
 
 
 # The slot sets of the drain, as fractions of max_num_seqs: one more `generate` program each. A
@@ -380,6 +395,18 @@ class PagedEngine:
             row += 1
         return Cascade(group_slots, prefix_pages)
 
+    @staticmethod
+    def _pause(state: programs.DecodeState, slot_req: dict[int, tuple[EngineRequest, list[int]]],
+               queue: collections.deque[EngineRequest], source: RequestSource) -> None:
+        """Hands every running request's tokens so far, then every queued request, back to `source`
+        (the pool goes with the run: no page needs releasing)."""
+        tok, lp, num_gen = (np.asarray(a) for a in to_host((state.tokens, state.log_probs, state.num_gen)))
+        for s in sorted(slot_req):
+            k = int(num_gen[s])
+            source.paused(slot_req[s][0], tok[s, :k].copy(), lp[s, :k].copy())
+        for req in queue:
+            source.paused(req, np.zeros((0,), np.int32), np.zeros((0,), np.float32))
+
     def _check(self, req: EngineRequest, r: int) -> None:
         if len(req.ids) < 1:
             raise ValueError(f"request {req.key}: the prompt is empty")
@@ -445,6 +472,9 @@ class PagedEngine:
 
         take_new()
         while True:
+            if source.stop_requested():
+                self._pause(state, slot_req, queue, source)
+                break
             if not queue and not slot_req:
                 if not source.more_coming():
                     break

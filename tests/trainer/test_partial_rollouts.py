@@ -1,0 +1,63 @@
+"""Partial rollouts (rollout.partial, trainer/partial.py) through the real trainer: max_staleness=0
+is the plain rollout, no token is trained more than max_staleness steps after it was sampled while
+samples do pause mid-response and resume, and a run resumed from a checkpoint (which keeps the
+paused samples) continues exactly."""
+import pytest
+import tiny_runs
+from test_trainer_e2e import with_reward_file
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny runs use SmolLM2's tokenizer
+# a fifth of the vocabulary ends a response: the random tiny model's lengths then vary, so a step
+# stops while some samples are mid-response; 4 slots make the rest queue
+STOPS = list(range(0, 49152, 5))
+KEY = "actor_rollout_ref.rollout.partial"
+
+
+def _run(run_dir, steps, **extra):
+    """A tiny run that learns (a reward the random model can earn), so its policy moves from step to step."""
+    cfg = tiny_runs.tiny_config(run_dir, **{
+        "trainer.logger": ["jsonl"], "data.synthetic.n_train": 32, "trainer.total_training_steps": steps,
+        "trainer.test_freq": -1, "actor_rollout_ref.rollout.engine": "paged",
+        "actor_rollout_ref.rollout.max_num_seqs": 4, "actor_rollout_ref.rollout.stop_token_ids": STOPS, **extra})
+    return Trainer(with_reward_file(cfg, run_dir.parent))
+
+
+def test_max_staleness_zero_is_the_plain_rollout(tmp_path):
+    _run(tmp_path / "plain", 2).fit()
+    _run(tmp_path / "zero", 2, **{f"{KEY}.enable": True, f"{KEY}.max_staleness": 0}).fit()
+    a, b = tiny_runs.read_metrics(tmp_path / "plain"), tiny_runs.read_metrics(tmp_path / "zero")
+    for step in (1, 2):
+        want, got = tiny_runs.step_numbers(a, step), tiny_runs.step_numbers(b, step)
+        assert want.keys() == got.keys()
+        for k in want:
+            if not k.startswith("timing") and not k.startswith("perf"):
+                assert got[k] == want[k], (step, k)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_no_token_lags_more_than_the_bound_and_resume_is_exact(tmp_path, bound):
+    steps = 4
+    full = tmp_path / "full"
+    run = lambda d, n, **kw: _run(d, n, **{f"{KEY}.enable": True, f"{KEY}.max_staleness": bound,  # noqa: E731
+                                           "trainer.save_freq": 1, **kw})
+    run(full, steps).fit()
+    rows = [tiny_runs.step_numbers(tiny_runs.read_metrics(full), s) for s in range(1, steps + 1)]
+    assert all(r["rollout/staleness_max"] <= bound for r in rows)
+    assert sum(r["rollout/partial/paused"] for r in rows) > 0  # samples stopped mid-response ...
+    assert sum(r["rollout/partial/resumed"] for r in rows) > 0  # ... and went on at a later step
+    assert max(r["rollout/staleness"] for r in rows) > 0
+    assert rows[0]["rollout/staleness"] == 0  # the first step trains what it sampled
+    # stale tokens are weighed by token-level rollout correction, on by default here
+    assert any(abs(r["rollout_corr/kl"]) > 1e-6 for r in rows[1:])
+    tiny_runs.assert_resume_equals_uninterrupted(run, full, tmp_path / "resumed", steps=steps)
+
+
+def test_partial_rollouts_refuse_what_they_cannot_resume(tmp_path):
+    for extra, match in ((dict(**{"actor_rollout_ref.rollout.engine": "static"}), r"rollout.engine='static'"),
+                         ({"algorithm.filter_groups.enable": True}, "filter_groups"),
+                         ({"synchronizer.sync_offset": 1}, "sync_offset=0")):
+        with pytest.raises(ConfigError, match=match):
+            _run(tmp_path / "x", 1, **{f"{KEY}.enable": True, **extra})
