@@ -188,8 +188,30 @@ class CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(on_event)
 
 
-def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
-    """Builds the trainer, exports its initial policy to `hf_dir` (TRL's model), times train_step."""
+# our trainer again with one rollout option flipped each (`--variants`): a column of the table each
+VARIANTS = {
+    "no_cascade": {"cascade_attention": False},  # every sample reads its prompt's pages itself
+    "batch_prefill": {"batch_prefill": True},
+    "ngram": {"speculative.method": "ngram"},  # speculative decoding, n-gram drafts
+    "partial": {"partial.enable": True},  # partial rollouts, max_staleness 1
+}
+
+
+def with_rollout_options(cfg, options: dict[str, Any]):
+    """A copy of `cfg` with `actor_rollout_ref.rollout.<key>` set for each of `options`."""
+    cfg = cfg.copy_and_resolve_references()
+    for key, value in options.items():
+        section = cfg.actor_rollout_ref.rollout
+        *parents, leaf = key.split(".")
+        for p in parents:
+            section = section[p]
+        section[leaf] = value
+    return cfg
+
+
+def run_ours(cfg, steps: int, hf_dir: str | None) -> dict[str, Any]:
+    """Builds the trainer, exports its initial policy to `hf_dir` (TRL's model; None: no export), times
+    train_step."""
     import jax
 
     from jaxrl_llm.trainer import Trainer
@@ -197,7 +219,8 @@ def run_ours(cfg, steps: int, hf_dir: str) -> dict[str, Any]:
 
     compiles = CompileCounter()
     trainer = Trainer(cfg)
-    trainer.export_hf(hf_dir)
+    if hf_dir is not None:
+        trainer.export_hf(hf_dir)
     # cached: the trainer's perf metrics use the same value (a matmul in the compute dtype)
     peak = measured_matmul_peak_flops(dtype=cfg.actor_rollout_ref.model.dtype)
     rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
@@ -402,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute dtype of both sides (fp32 master weights): ours model.dtype, TRL bf16=True "
                              "(torch autocast)")
     parser.add_argument("--skip-trl", action="store_true", help="time only our trainer")
+    parser.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                        help="also time our trainer with these rollout options flipped (a column each)")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads for TRL; 0 = the faster of 1 and all cores, probed")
     args = parser.parse_args(argv)
@@ -421,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
         hf_dir = os.path.join(tmp, "hf")
         print(f"jaxrl_llm: 1 warm-up + {args.steps} timed steps", flush=True)
         ours = run_ours(cfg, args.steps, hf_dir)
+        variants = []
+        for name in args.variants:
+            print(f"jaxrl_llm {name} ({VARIANTS[name]}): 1 warm-up + {args.steps} timed steps", flush=True)
+            run_dir = os.path.join(tmp, f"run_{name}")
+            variant_cfg = with_rollout_options(cfg, VARIANTS[name])
+            variant_cfg.trainer.default_local_dir = run_dir
+            variants.append((f"ours {name}", run_ours(variant_cfg, args.steps, None)))
         trl_res = None
         if run_trl_side:
             print(f"TRL GRPOTrainer: 1 warm-up + {args.steps} timed steps", flush=True)
@@ -433,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     # one measurement can land in a busy moment; MFU uses the better of the two
     peak_end = measured_matmul_peak_flops(2048, 6, args.dtype)
     n, peak = ours["num_params"], max(ours["peak"], peak_end)
-    sides = [("jaxrl_llm", ours)] + ([("TRL", trl_res)] if trl_res else [])
+    sides = [("jaxrl_llm", ours)] + variants + ([("TRL", trl_res)] if trl_res else [])
     lengths = (f"{args.response_length} new tokens" if fixed else
                f"prompts {MIN_PROMPT}-{MAX_PROMPT} tokens, natural EOS <= {args.max_new_tokens} new tokens")
     print(f"\nSmolLM2-135M GRPO step ({args.workload}): {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} "
@@ -443,11 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n / 1e6:.1f}M parameters; measured {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s (start "
           f"{ours['peak'] / 1e9:.1f}, end {peak_end / 1e9:.1f}; the trainer's perf/mfu uses the start); "
           f"mean of {args.steps} timed steps after 1 warm-up step")
-    header = f"{'':>24}" + "".join(f"{name:>12}" for name, _ in sides)
+    header = f"{'':>24}" + "".join(f"{name:>18}" for name, _ in sides)
     print(header)
 
     def row(label: str, fn, fmt: str) -> None:
-        print(f"{label:>24}" + "".join(f"{format(fn(s), fmt):>12}" for _, s in sides))
+        print(f"{label:>24}" + "".join(f"{format(fn(s), fmt):>18}" for _, s in sides))
 
     row("warm-up step s", lambda s: s["warmup_s"], ".2f")
     row("seconds / step", lambda s: s["step_s"], ".2f")
@@ -465,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'XLA compiles per step':>24}{' / '.join(str(c) for c in ours['compiles']):>12} "
           f"(warm-up first; {' / '.join(f'{s:.0f}' for s in ours['compile_s'])} s compiling)")
     row("mean score", lambda s: s["score"], ".3f")
+    for name, res in variants:  # > 1: the flipped option makes the step faster
+        print(f"ratio jaxrl_llm (defaults) time / {name} time: {ours['step_s'] / res['step_s']:.2f}x mean, "
+              f"{ours['gen_s'] / res['gen_s']:.2f}x generation"
+              + (f"; TRL time / {name} time: {trl_res['step_s'] / res['step_s']:.2f}x" if trl_res else ""))
     if trl_res:
         print(f"ratio TRL time / jaxrl_llm time: {trl_res['step_s'] / ours['step_s']:.2f}x mean, "
               f"{trl_res['best_s'] / ours['best_s']:.2f}x best step, "

@@ -108,12 +108,6 @@ class TrajectorySource:
             add_tool_replies(t, outcome, self.limits)
             self._ready(k)
 
-    def stop_requested(self) -> bool:
-        return False
-
-    def paused(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray) -> None:
-        raise AssertionError("a multi-turn rollout never stops early")
-
     def more_coming(self) -> bool:
         return bool(self.ready or self.waiting)
 

@@ -232,22 +232,32 @@ def _swapped_char_tokenizer():
                                    unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
 
 
-def test_vocabulary_is_checked_before_any_weight_loads(tmp_path, monkeypatch):
+def _checked_before_loading(tmp_path, monkeypatch, overrides, match):
+    """A second model of another vocabulary (an HF folder with a 256-token tokenizer) at `overrides`'
+    path ('<folder>'): one ConfigError matching `match`, raised before any weight loads."""
     from tiny_models import build_hf_model
 
-    folder = tmp_path / "teacher"
-    build_hf_model("llama", folder)
-    make_char_tokenizer().save_pretrained(folder)
+    import jaxrl_llm.trainer.draft as draft_module
     import jaxrl_llm.trainer.trainer as trainer_module
 
-    def no_load(*a, **k):
-        raise AssertionError("a model was loaded before the teacher's vocabulary was checked")
+    folder = tmp_path / "other"
+    build_hf_model("llama", folder)
+    make_char_tokenizer().save_pretrained(folder)
 
-    monkeypatch.setattr(trainer_module, "load_model", no_load)
-    cfg = tiny_config(tmp_path / "run", **{"algorithm.distillation.enable": True,
-                                           "algorithm.distillation.teacher.path": str(folder)})
-    with pytest.raises(ConfigError, match=r"algorithm\.distillation\.teacher\.path=.*vocabulary has 256 tokens"):
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the vocabularies were checked")
+
+    for module in (trainer_module, draft_module):
+        monkeypatch.setattr(module, "load_model", no_load)
+    cfg = tiny_config(tmp_path / "run", **{k: str(folder) if v == "<folder>" else v for k, v in overrides.items()})
+    with pytest.raises(ConfigError, match=match):
         trainer_module.Trainer(cfg)
+
+
+def test_vocabulary_is_checked_before_any_weight_loads(tmp_path, monkeypatch):
+    _checked_before_loading(tmp_path, monkeypatch, {"algorithm.distillation.enable": True,
+                                                    "algorithm.distillation.teacher.path": "<folder>"},
+                            r"algorithm\.distillation\.teacher\.path=.*vocabulary has 256 tokens")
 
 
 @pytest.mark.parametrize("signal", ["reverse_kl", "topk_forward_kl"])
@@ -341,21 +351,6 @@ def test_distillation_resume_equals_uninterrupted(tmp_path):
 
 def test_draft_model_vocabulary_is_checked_before_any_weight_loads(tmp_path, monkeypatch):
     """rollout.speculative's draft model reads the policy's token ids: the same check, the same moment."""
-    from tiny_models import build_hf_model
-
-    folder = tmp_path / "draft"
-    build_hf_model("llama", folder)
-    make_char_tokenizer().save_pretrained(folder)
-    import jaxrl_llm.trainer.draft as draft_module
-    import jaxrl_llm.trainer.trainer as trainer_module
-
-    def no_load(*a, **k):
-        raise AssertionError("a model was loaded before the draft model's vocabulary was checked")
-
-    monkeypatch.setattr(trainer_module, "load_model", no_load)
-    monkeypatch.setattr(draft_module, "load_model", no_load)
     key = "actor_rollout_ref.rollout.speculative"
-    cfg = tiny_config(tmp_path / "run", **{f"{key}.method": "draft", f"{key}.draft_model.path": str(folder)})
-    with pytest.raises(ConfigError, match=rf"^{key}\.draft_model\.path=.*the draft model's vocabulary has 256 tokens, "
-                                          r"the policy's"):
-        trainer_module.Trainer(cfg)
+    _checked_before_loading(tmp_path, monkeypatch, {f"{key}.method": "draft", f"{key}.draft_model.path": "<folder>"},
+                            rf"^{key}\.draft_model\.path=.*the draft model's vocabulary has 256 tokens, the policy's")

@@ -176,17 +176,21 @@ def test_val_only_validates_and_stops(tmp_path):
     assert len(tables) == 1 and len(tables[0]) == 2
 
 
+def _one_step(tmp_path, **overrides):
+    """The metrics of one training step (token IS on: rollout_corr/kl compares the sampler's log-probs)."""
+    cfg = tiny_config(tmp_path / "run", **{"trainer.total_training_steps": 1, "trainer.test_freq": -1,
+                                           "algorithm.rollout_correction.rollout_is": "token", **overrides})
+    trainer = Trainer(cfg)
+    try:
+        return trainer.step()
+    finally:
+        trainer.close()
+
+
 def test_paged_engine_training_step_logs_engine_metrics(tmp_path):
     """A single-turn step through the paged engine: its counters are step metrics, and its sampled
     log-probs are the trainer's (token IS: rollout_corr/kl ~ 0)."""
-    cfg = tiny_config(tmp_path / "run", **{"trainer.total_training_steps": 1, "trainer.test_freq": -1,
-                                           "actor_rollout_ref.rollout.engine": "paged",
-                                           "algorithm.rollout_correction.rollout_is": "token"})
-    trainer = Trainer(cfg)
-    try:
-        m = trainer.step()
-    finally:
-        trainer.close()
+    m = _one_step(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged"})
     assert 0 < m["rollout/engine/slot_utilisation"] <= 1 and m["rollout/engine/decode_steps"] > 0
     assert m["rollout/engine/prefill_tokens"] > 0 and m["rollout/engine/peak_kv_pages"] > 0
     assert abs(m["rollout_corr/kl"]) < 1e-5
@@ -198,14 +202,7 @@ def test_speculative_rollouts_log_their_rates_and_the_trainers_log_probs(tmp_pat
     program with the draft model): its rates are step metrics, and the sampled log-probs are still
     the trainer's (rollout_corr/kl ~ 0). The draft is a tiny model of the policy's dims, other weights."""
     key = "actor_rollout_ref.rollout.speculative"
-    cfg = tiny_config(tmp_path / "run", **{"trainer.total_training_steps": 1, "trainer.test_freq": -1,
-                                           "trainer.memory_plan": True, f"{key}.method": method,
-                                           f"{key}.draft_model.path": "tiny:llama" if method == "draft" else None,
-                                           "algorithm.rollout_correction.rollout_is": "token"})
-    trainer = Trainer(cfg)
-    try:
-        m = trainer.step()
-    finally:
-        trainer.close()
+    m = _one_step(tmp_path, **{"trainer.memory_plan": True, f"{key}.method": method,
+                               f"{key}.draft_model.path": "tiny:llama" if method == "draft" else None})
     assert 0 <= m["rollout/spec_accept_rate"] <= 1 and m["rollout/tokens_per_step"] >= 1
     assert abs(m["rollout_corr/kl"]) < 1e-5

@@ -131,14 +131,10 @@ class RequestSource(Protocol):
     def wait(self) -> None:
         """Block briefly for `poll` to have something (called when the engine has no work at all)."""
 
-    def stop_requested(self) -> bool:
-        """True to stop now (checked before every admission round): the engine hands each unfinished
-        request back through `paused` and returns (partial rollouts: trainer/partial.py)."""
-        ...
-
-    def paused(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray) -> None:
-        """A request stopped unfinished: the tokens it generated so far and their log-probs (none if it
-        was still queued)."""
+    # Optional (a source without them runs to the end): `stop_requested() -> bool`, checked before
+    # every admission round: True stops the run, and the engine hands each unfinished request back
+    # through `paused(request, token_ids, log_probs)` with the tokens it has so far (none if it was
+    # still queued) before returning (partial rollouts: trainer/partial.py).
 
 
 @dataclasses.dataclass
@@ -197,11 +193,6 @@ class _BatchSource:
     def wait(self) -> None:
         return None
 
-    def stop_requested(self) -> bool:
-        return False
-
-    def paused(self, request: EngineRequest, token_ids: np.ndarray, log_probs: np.ndarray) -> None:
-        raise AssertionError("a batch run never stops early")
 
 
 # The slot sets of the drain, as fractions of max_num_seqs: one more `generate` program each. A
@@ -401,11 +392,12 @@ class PagedEngine:
         """Hands every running request's tokens so far, then every queued request, back to `source`
         (the pool goes with the run: no page needs releasing)."""
         tok, lp, num_gen = (np.asarray(a) for a in to_host((state.tokens, state.log_probs, state.num_gen)))
+        paused = getattr(source, "paused")  # a source that asks to stop takes its requests back
         for s in sorted(slot_req):
             k = int(num_gen[s])
-            source.paused(slot_req[s][0], tok[s, :k].copy(), lp[s, :k].copy())
+            paused(slot_req[s][0], tok[s, :k].copy(), lp[s, :k].copy())
         for req in queue:
-            source.paused(req, np.zeros((0,), np.int32), np.zeros((0,), np.float32))
+            paused(req, np.zeros((0,), np.int32), np.zeros((0,), np.float32))
 
     def _check(self, req: EngineRequest, r: int) -> None:
         if len(req.ids) < 1:
@@ -471,8 +463,9 @@ class PagedEngine:
             queue.extend(new)
 
         take_new()
+        stop_requested = getattr(source, "stop_requested", lambda: False)
         while True:
-            if source.stop_requested():
+            if stop_requested():
                 self._pause(state, slot_req, queue, source)
                 break
             if not queue and not slot_req:
