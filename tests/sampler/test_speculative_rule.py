@@ -1,6 +1,8 @@
-"""The speculative acceptance rule keeps the target distribution (work in progress: the engine does
-not call it yet). Seeded, many draws: a chi-square test on the joint of the first two emitted tokens
-that cannot flake at these seeds, for n-gram (point-mass) drafts and a draft model's distribution."""
+"""The speculative acceptance rule alone (sampler/speculative.py) keeps the target distribution.
+Seeded, many draws: a chi-square test of the first emitted token that cannot flake at these seeds,
+for n-gram (point-mass) drafts and a draft model's distribution, at temperature 1 and with
+temperature 0.7 + top-k; greedy keeps only argmax drafts. The engine's use of it:
+tests/sampler/test_speculative_engine.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
