@@ -20,7 +20,9 @@ varied --steps 2 --max-new-tokens 128 [--dtype bfloat16]`: fp32 ours 46.9 / 53.9
 (8 / 3 compiles, 2.2 / 1.3 s), TRL 91.5 / 112.1 s: TRL time / ours = 2.02x (2.10x in tokens/s);
 bf16 ours 41.8 / 48.0 s, TRL 69.2 / 82.5 s: 1.69x. The 13:00 figures before shared-prompt packing
 were 1.61x and 1.28x (docs/performance.md). Each step prints its timing spans, XLA compiles and the
-update's packed micro-batches.
+update's packed micro-batches. 2026-11-27, the same fp32 command with `--variants no_cascade ngram
+partial`: ours 36.6 s, cascade off 36.7 s, ngram 60.9 s, partial 42.4 s, TRL 131.2 s per timed step:
+TRL / ours 3.59x (docs/performance.md "The GRPO step with each rollout option flipped").
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--dtype float32|bfloat16] [--skip-trl]
