@@ -128,8 +128,8 @@ class _StepSource:
             return False
         return all(g.finished for g in self.groups if g.born <= self.due)
 
-    def more_coming(self) -> bool:  # keeps each decode call returning at a finish, to check the stop
-        return not self.stop_requested()
+    def more_coming(self) -> bool:  # every request is polled at once (the engine still checks the stop
+        return False                 # after each finish, and moves the last ones to smaller slot sets)
 
     def wait(self) -> None:
         return None

@@ -463,6 +463,7 @@ class PagedEngine:
             queue.extend(new)
 
         take_new()
+        stoppable = hasattr(source, "stop_requested")
         stop_requested = getattr(source, "stop_requested", lambda: False)
         while True:
             if stop_requested():
@@ -536,13 +537,15 @@ class PagedEngine:
             # stop at the first finish while requests wait or may still come, to refill its slot
             # (slots whose token 0 already ended them make the loop exit at once)
             refill = bool(queue) or source.more_coming()
+            # a source that may stop the run checks its stop after every finish, draining or not
+            stop_on_finish = refill or stoppable
             steps = self.steps_per_call if refill else r
             # draining: return once the running sequences fit the next smaller set, to move them there
             smaller = max([s for s in sizes if s < size], default=0) if not refill else 0
             cascade = self._cascade(slot_req, groups, size, settings)
             if cascade is not None:
                 stats.peak_cascade_groups = max(stats.peak_cascade_groups, int(np.sum(cascade.prefix_pages > 0)))
-            state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(refill),
+            state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(stop_on_finish),
                                       np.int32(smaller), cascade, draft_params, settings=settings,
                                       attn_impl=spec.attn_impl, mesh=self.mesh, speculative=spec.speculative)
             stats.generate_calls += 1
