@@ -34,6 +34,16 @@ def filtered_logits(scaled: Array, top_k: int, use_top_p: bool, top_p: Array) ->
     return vals, ids
 
 
+def draw_from(probs: Array, u: Array) -> Array:
+    """Inverse-CDF draw: per row of probs [B, C] (unnormalised, >= 0) the first index whose cumulative
+    mass exceeds u [B] (uniforms in [0, 1)) times the row's total; int32 [B]. Always an index of
+    non-zero mass: the clip to the last such index guards u * total rounding up to the total."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    pick = jnp.sum((cdf <= (u * cdf[:, -1])[:, None]).astype(jnp.int32), axis=-1)
+    last_nz = probs.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(pick, last_nz).astype(jnp.int32)
+
+
 def choose_tokens(logits: Array, key: Array, knobs: SampleKnobs, settings: SampleSettings
                   ) -> tuple[Array, Array]:
     """(token ids [B] int32, their logprobs [B] fp32) from next-token logits [B, V] (fp32)."""

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.sampling import filtered_logits
+from jaxrl_llm.sampler.sampling import draw_from, filtered_logits
 
 Array = jax.Array
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -87,13 +87,16 @@ def ngram_drafts(history: Array, length: Array, k: int, ngram_max: int, ngram_mi
     length = length.astype(jnp.int32)
     rows = jnp.arange(s)
     ends = jnp.arange(h)[None]
+    # same[n - 1][r, j]: tokens j - n + 1 .. j equal the last n tokens (one comparison per offset m,
+    # shared by every n > m)
+    same, agree = [], jnp.ones((s, h), bool)
+    for m in range(ngram_max):  # token j - m equals the suffix's token length - 1 - m
+        want = history[rows, jnp.clip(length - 1 - m, 0, h - 1)]
+        agree = agree & (jnp.pad(history, ((0, 0), (m, 0)), constant_values=-1)[:, :h] == want[:, None])
+        same.append(agree)
     best = jnp.full((s,), -1, jnp.int32)
     for n in range(ngram_max, ngram_min - 1, -1):
-        match = (ends >= n - 1) & (ends <= length[:, None] - 2) & (length[:, None] > n)
-        for m in range(n):  # token j - m equals the suffix's token length - 1 - m
-            want = history[rows, jnp.clip(length - 1 - m, 0, h - 1)]
-            shifted = jnp.pad(history, ((0, 0), (m, 0)), constant_values=-1)[:, :h]
-            match &= shifted == want[:, None]
+        match = same[n - 1] & (ends >= n - 1) & (ends <= length[:, None] - 2) & (length[:, None] > n)
         found_n = jnp.max(jnp.where(match, ends, -1), axis=1).astype(jnp.int32)
         best = jnp.where(best >= 0, best, found_n)
     found = best >= 0
@@ -116,14 +119,6 @@ def target_distribution(logits: Array, knobs: SampleKnobs, settings: SampleSetti
     if cand_ids is not None:
         probs = jnp.zeros_like(flat).at[jnp.arange(flat.shape[0])[:, None], cand_ids].set(probs)
     return probs.reshape(logits.shape)
-
-
-def draw_from(probs: Array, u: Array) -> Array:
-    """Inverse-CDF draw from unnormalised probs [S, V] with uniforms u [S] (a zero-mass row gives 0)."""
-    cdf = jnp.cumsum(probs, axis=-1)
-    pick = jnp.sum((cdf <= (u * cdf[:, -1])[:, None]).astype(jnp.int32), axis=-1)
-    last_nz = probs.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(pick, last_nz).astype(jnp.int32)
 
 
 def accept_drafts(logits: Array, drafts: Array, draft_probs: Array | None, keys: Array, knobs: SampleKnobs,

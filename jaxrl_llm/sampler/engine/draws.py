@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.sampling import choose_tokens, filtered_logits
+from jaxrl_llm.sampler.sampling import choose_tokens, draw_from, filtered_logits
 
 Array = jax.Array
 
@@ -34,22 +34,27 @@ def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: Sam
     scaled = logits.astype(jnp.float32) / knobs.temperature
     cand, cand_ids = filtered_logits(scaled, settings.top_k, settings.use_top_p, knobs.top_p)
     probs = jax.nn.softmax(cand, axis=-1)  # dropped candidates (-inf) -> 0
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
-    # first index whose cdf exceeds u: always a candidate of non-zero probability; the clip to the
-    # last such index guards u rounding up to the total
-    last_nz = cand.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    pick = jnp.minimum(jnp.sum((cdf <= u[:, None]).astype(jnp.int32), axis=-1), last_nz)
+    pick = draw_from(probs, jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys))
     tok = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
     tok = tok.astype(jnp.int32)
     chosen = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
     return tok, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
+def is_eos(tok: Array, knobs: SampleKnobs) -> Array:
+    """Whether each token (any shape) is an EOS id."""
+    return jnp.any(tok[..., None] == knobs.eos_ids, axis=-1)
+
+
+def ends_sequence(tok: Array, knobs: SampleKnobs) -> Array:
+    """Whether each token (any shape) ends its sequence: an EOS or a stop id."""
+    return is_eos(tok, knobs) | jnp.any(tok[..., None] == knobs.stop_ids, axis=-1)
+
+
 def finish_codes(tok: Array, num_gen: Array, knobs: SampleKnobs, max_new: Array) -> tuple[Array, Array]:
     """(ends [S] bool, reason [S]) after a slot emitted `tok` as its `num_gen`-th token (`max_new`:
     each slot's budget)."""
-    is_eos = jnp.any(tok[:, None] == knobs.eos_ids[None, :], axis=-1)
-    is_stop = ~is_eos & jnp.any(tok[:, None] == knobs.stop_ids[None, :], axis=-1)
-    reason = jnp.where(is_eos, FINISH_EOS, jnp.where(is_stop, FINISH_STOP, FINISH_LENGTH))
-    return is_eos | is_stop | (num_gen >= max_new), reason
+    eos = is_eos(tok, knobs)
+    is_stop = ~eos & ends_sequence(tok, knobs)
+    reason = jnp.where(eos, FINISH_EOS, jnp.where(is_stop, FINISH_STOP, FINISH_LENGTH))
+    return eos | is_stop | (num_gen >= max_new), reason

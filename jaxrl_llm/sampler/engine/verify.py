@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.engine.draws import finish_codes, request_keys
+from jaxrl_llm.sampler.engine.draws import ends_sequence, finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.speculative import SpeculativeSpec, accept_drafts, draw_from, ngram_drafts, target_distribution
@@ -108,11 +108,8 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
     # emit the kept drafts and the token after them, cut at the budget and after an EOS / stop token
     room = jnp.maximum(s.budget - s.num_gen, 1)
     emit = jnp.minimum(accepted + 1, room)
-    ends_at, _ = finish_codes(tokens.reshape(-1), jnp.zeros((slots * k1,), jnp.int32), knobs,
-                              jnp.full((slots * k1,), r + 1, jnp.int32))  # EOS / stop only
-    stop_first = jnp.argmax(ends_at.reshape(slots, k1) & (offsets < emit[:, None]), axis=1)
-    has_stop = jnp.any(ends_at.reshape(slots, k1) & (offsets < emit[:, None]), axis=1)
-    emit = jnp.where(has_stop, stop_first + 1, emit)
+    stops = ends_sequence(tokens, knobs) & (offsets < emit[:, None])  # [S, k + 1]: EOS / stop ids emitted
+    emit = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, emit)
     emit = jnp.where(s.active, emit, 0)
     keep = offsets < emit[:, None]  # [S, k + 1]
     last_tok = tokens[rows, jnp.maximum(emit - 1, 0)]
