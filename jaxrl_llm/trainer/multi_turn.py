@@ -168,8 +168,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     if opts.engine == "paged" and jax.process_count() == 1:
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
         params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)
-        settings, knobs = params_r.compile_args(eos, pad_id, vocab_size=cfg.vocab_size, compute_dtype=gen.compute_dtype)
-        settings = dataclasses.replace(settings, record_routing=record)
+        settings, knobs = gen.compile_args(params_r)
         engine = sized_engine(cfg, opts, num_requests=len(trajs), max_prompt_len=longest_prompt,
                               settings=settings, mesh=mesh)
         stats: list = []

@@ -30,6 +30,7 @@ continues exactly. The data loader's position includes the batch read ahead.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -37,12 +38,12 @@ import numpy as np
 
 from jaxrl_llm.config.spec import PartialSpec
 from jaxrl_llm.data.loader import collate
-from jaxrl_llm.sampler import SamplingParams, bucket_length, left_pad
+from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import EngineRequest
+from jaxrl_llm.sampler.engine.scheduler import sample_output
 from jaxrl_llm.sampler.engine.setup import sized_engine
-from jaxrl_llm.sharding import to_device
-from jaxrl_llm.trainer.rollout import ROW_FIELDS, RolloutGenerator
+from jaxrl_llm.trainer.rollout import RolloutGenerator, rows_on_mesh
 from jaxrl_llm.trainer.rollout_batch import Rollout
 
 Array = jax.Array
@@ -91,21 +92,20 @@ class _StepSource:
         self.requests: list[EngineRequest] = []
         self.owner: dict[tuple[int, int], tuple[Group, Sample]] = {}
         self.paused_count = self.resumed_count = 0
-        engine_group = 0
+        engine_groups = itertools.count()  # requests of one engine group share one prefill
         for g_index, group in enumerate(groups):
             key = fresh_keys.get(g_index, carry_base + g_index)
-            untouched = all(not s.tokens for s in group.samples)
+            # a group none of whose samples started shares its prompt's prefill; a resumed sample's
+            # prompt (its prompt + its tokens) is its own
+            shared = next(engine_groups) if all(not s.tokens for s in group.samples) else None
             for j, sample in enumerate(group.samples):
                 if sample.finish is not None:
                     continue
-                if sample.tokens:
-                    self.resumed_count += 1
-                # a group's untouched samples share one prefill; a resumed one has a prompt of its own
-                ids = group.prompt + sample.tokens
-                self.requests.append(EngineRequest(ids, (key, j), engine_group if untouched else engine_group + 1 + j,
+                self.resumed_count += bool(sample.tokens)
+                engine_group = shared if shared is not None else next(engine_groups)
+                self.requests.append(EngineRequest(group.prompt + sample.tokens, (key, j), engine_group,
                                                    max_new_tokens - len(sample.tokens)))
                 self.owner[(key, j)] = (group, sample)
-            engine_group += 1 + len(group.samples)
         self.finished_groups = sum(g.finished for g in groups)
 
     def poll(self) -> list[EngineRequest]:
@@ -128,8 +128,10 @@ class _StepSource:
             return False
         return all(g.finished for g in self.groups if g.born <= self.due)
 
-    def more_coming(self) -> bool:  # every request is polled at once (the engine still checks the stop
-        return False                 # after each finish, and moves the last ones to smaller slot sets)
+    def more_coming(self) -> bool:
+        """Never: every request is polled at once (the engine still checks the stop after each
+        finish, and moves the last running ones to smaller slot sets)."""
+        return False
 
     def wait(self) -> None:
         return None
@@ -199,8 +201,7 @@ class PartialRollouts:
         source = _StepSource(groups, self.step, want=self.prompts, due=self.step - self.spec.max_staleness,
                              fresh_keys=fresh_keys, carry_base=2 * self.prompts, max_new_tokens=r)
         requests = source.requests
-        settings, knobs = self.sampling.compile_args(list(gen.eos_ids), gen.pad_id, vocab_size=gen.model_cfg.vocab_size,
-                                                     compute_dtype=gen.compute_dtype)
+        settings, knobs = gen.compile_args(self.sampling)
         engine = sized_engine(gen.model_cfg, gen.engine_for(r), num_requests=len(requests),
                               max_prompt_len=max(len(q.ids) for q in requests), settings=settings, mesh=gen.mesh)
         gen.last_engine_stats = engine.serve(params, source, rng, knobs, settings, gen.draft_params)
@@ -218,27 +219,18 @@ class PartialRollouts:
 
     def _output(self, groups: list[Group]) -> tuple[SampleOutput, dict[str, np.ndarray]]:
         """The finished `groups` as the engine's `SampleOutput` (rows group-major, on the mesh) and their batch."""
-        gen, n, r = self.generator, self.sampling.n, self.sampling.max_new_tokens
-        rows = len(groups) * n
-        tokens = np.full((rows, r), gen.pad_id, np.int32)
-        log_probs = np.zeros((rows, r), np.float32)
-        lengths, finish = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-        for g, group in enumerate(groups):
-            for j, s in enumerate(group.samples):
-                k = len(s.tokens)
-                tokens[g * n + j, :k], log_probs[g * n + j, :k] = s.tokens, s.log_probs
-                lengths[g * n + j], finish[g * n + j] = k, int(s.finish or 0)
-        prompts = [g.prompt for g in groups]
-        p_ids, p_mask = left_pad([p for p in prompts for _ in range(n)], gen.pad_id,
-                                 length=bucket_length(max(map(len, prompts))))
-        mask = (np.arange(r)[None] < lengths[:, None]).astype(np.int32)
-        host = SampleOutput(tokens=tokens, response_mask=mask, log_probs=log_probs, lengths=lengths,
-                            finish_reason=finish, prompt_ids=p_ids, prompt_mask=p_mask,
-                            num_steps=np.asarray(lengths.max(initial=0), np.int32))
-        out = host._replace(**to_device({f: getattr(host, f) for f in ROW_FIELDS if getattr(host, f) is not None},
-                                        gen.mesh))
+        gen, r = self.generator, self.sampling.max_new_tokens
+        samples = [s for g in groups for s in g.samples]  # group-major
+        tokens = np.zeros((len(samples), r), np.int32)
+        log_probs = np.zeros((len(samples), r), np.float32)
+        for row, s in enumerate(samples):
+            tokens[row, :len(s.tokens)], log_probs[row, :len(s.tokens)] = s.tokens, s.log_probs
+        lengths = np.asarray([len(s.tokens) for s in samples], np.int32)
+        finish = np.asarray([int(s.finish or 0) for s in samples], np.int32)
+        host = sample_output([g.prompt for g in groups], self.sampling.n, tokens, log_probs, lengths, finish,
+                             gen.pad_id)
         batch = {k: np.concatenate([g.row[k] for g in groups]) for k in groups[0].row}
-        return out, batch
+        return rows_on_mesh(host, gen.mesh), batch
 
     def step_loader(self) -> StepLoader:
         """The loader the step source reads (see `StepLoader`)."""

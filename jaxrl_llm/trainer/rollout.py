@@ -26,7 +26,9 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, eos_ids_of, left_pad, sample
+from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
+from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sharding import batch_axis_size, on_own_mesh, to_device, to_device_if_rows_split, to_host
 from jaxrl_llm.sharding.split import transfer
 from jaxrl_llm.trainer.multi_turn import generate_multi_turn
@@ -38,6 +40,11 @@ _JUDGE_STREAM = 0x7D6E  # the judge's random stream: fold_in(the rollout's key, 
 ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask",
                "routing")
 
+
+
+def rows_on_mesh(out: SampleOutput, mesh: Mesh) -> SampleOutput:
+    """A host `SampleOutput` (the paged engine's) with its row fields as global arrays on `mesh`."""
+    return out._replace(**to_device({f: getattr(out, f) for f in ROW_FIELDS if getattr(out, f) is not None}, mesh))
 
 class RolloutGenerator:
     """Prompts -> sampled, scored responses on given params: training rollouts, ReMax greedy
@@ -75,6 +82,13 @@ class RolloutGenerator:
                                 judge=self.judge,
                                 draft_params=None if self.draft_params is None else transfer(self.draft_params, mesh))
 
+    def compile_args(self, sampling: SamplingParams) -> tuple[SampleSettings, SampleKnobs]:
+        """`sampling`'s static settings and traced knobs for this generator's model: its EOS ids and
+        pad id, its compute dtype, its routing recording."""
+        settings, knobs = sampling.compile_args(list(self.eos_ids), self.pad_id, vocab_size=self.model_cfg.vocab_size,
+                                                compute_dtype=self.compute_dtype)
+        return dataclasses.replace(settings, record_routing=self.record_routing), knobs
+
     def engine_for(self, max_new_tokens: int) -> EngineOptions:
         """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
         return self.engine.resolved(max_new_tokens, multi_turn=self.multi_turn is not None)
@@ -102,17 +116,14 @@ class RolloutGenerator:
         prompt_ids, prompt_mask = left_pad(raw_prompts, pad_id, length=prompt_width)
         device = to_device({"ids": prompt_ids, "mask": prompt_mask}, mesh)
 
-        settings, knobs = sampling.compile_args(list(self.eos_ids), pad_id, vocab_size=model_cfg.vocab_size,
-                                                compute_dtype=self.compute_dtype)
-        settings = dataclasses.replace(settings, record_routing=self.record_routing)
+        settings, knobs = self.compile_args(sampling)
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
         if opts.engine == "paged":
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
                                                             settings=settings, opts=opts, mesh=mesh,
                                                             draft_params=self.draft_params)
-            out = host_out._replace(**to_device({f: getattr(host_out, f) for f in ROW_FIELDS
-                                                 if getattr(host_out, f) is not None}, mesh))
+            out = rows_on_mesh(host_out, mesh)
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
 
@@ -128,7 +139,6 @@ class RolloutGenerator:
         mesh, tokenizer, reward_model = self.mesh, self.tokenizer, self.reward_model
         raw_prompts = list(batch["raw_prompt_ids"])
         num_prompts = len(raw_prompts)
-        prompt_ids, prompt_mask = left_pad(raw_prompts, self.pad_id, length=int(out.prompt_ids.shape[1]))
         lengths = np.asarray(to_host(out.lengths)).astype(np.int32)
         width = response_bucket(int(lengths.max()), max_new_tokens)
         tokens, finish = (np.asarray(a) for a in to_host((out.tokens[:, :width], out.finish_reason)))
@@ -138,6 +148,7 @@ class RolloutGenerator:
 
         if reward_model is not None:
             raw = meta.get("raw_prompt")
+            prompt_ids, prompt_mask = left_pad(raw_prompts, self.pad_id, length=int(out.prompt_ids.shape[1]))
             scores = reward_model.score(np.repeat(prompt_ids, n, 0), np.repeat(prompt_mask, n, 0), tokens,
                                         (np.arange(width)[None] < lengths[:, None]).astype(np.int32),
                                         raw_prompts=None if raw is None else list(raw))

@@ -195,6 +195,19 @@ class _BatchSource:
 
 
 
+def sample_output(prompts: Sequence[Sequence[int]], n: int, tokens: np.ndarray, log_probs: np.ndarray,
+                  lengths: np.ndarray, finish: np.ndarray, pad_id: int) -> SampleOutput:
+    """Host results as the static sampler lays them out: rows prompt-major (row i*n + j: sample j of
+    prompt i), tokens / log_probs [rows, R] padded past each row's length, prompts left-padded to
+    their bucket and repeated n times; no routing."""
+    valid = np.arange(tokens.shape[1])[None] < lengths[:, None]
+    p_ids, p_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
+    return SampleOutput(tokens=np.where(valid, tokens, pad_id), response_mask=valid.astype(np.int32),
+                        log_probs=np.where(valid, log_probs, 0.0).astype(np.float32), lengths=lengths,
+                        finish_reason=finish, prompt_ids=p_ids, prompt_mask=p_mask,
+                        num_steps=np.asarray(lengths.max(initial=0), np.int32))
+
+
 # The slot sets of the drain, as fractions of max_num_seqs: one more `generate` program each. A
 # three-quarter step between the top halvings matters most, since the large sets waste the most
 # slot-steps (bench/rollout.py's full size: 88% utilisation with 1/2, 1/4, 1/8; a host simulation of
@@ -299,15 +312,10 @@ class PagedEngine:
             raise ValueError("order must list every (prompt, sample) pair exactly once")
         source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing)
         stats = self.serve(params, source, rng, knobs, settings, draft_params)
-        pad = int(knobs.pad_id)
-        valid = np.arange(r)[None] < source.lengths[:, None]
-        p_ids, p_mask = left_pad([prompts[i] for i in range(len(prompts)) for _ in range(n)], pad)
-        routing = source.routing_rows(p_mask.sum(axis=1), p_ids.shape[1])
-        out = SampleOutput(tokens=np.where(valid, source.tokens, pad), response_mask=valid.astype(np.int32),
-                           log_probs=np.where(valid, source.log_probs, 0.0).astype(np.float32),
-                           lengths=source.lengths, finish_reason=source.finish, prompt_ids=p_ids, prompt_mask=p_mask,
-                           num_steps=np.asarray(source.lengths.max(initial=0), np.int32), routing=routing)
-        return out, stats
+        out = sample_output(prompts, n, source.tokens, source.log_probs, source.lengths, source.finish,
+                            int(knobs.pad_id))
+        routing = source.routing_rows(np.asarray(out.prompt_mask).sum(axis=1), out.prompt_ids.shape[1])
+        return out._replace(routing=routing), stats
 
     def _prefill_groups(self, params: dict, fresh: list[tuple[_Group, EngineRequest]], record: bool,
                         draft_params: dict | None = None) -> int:
