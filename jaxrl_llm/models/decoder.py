@@ -280,6 +280,18 @@ def mlp_stacks(cfg: ModelConfig, layers: dict, lora_layers: dict) -> tuple[dict,
             {k: v for k, v in lora_layers.items() if k not in apart}, stacks)
 
 
+def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
+    """`params` with `layers` as a tuple of per-layer dicts (each its own arrays) instead of one stack:
+    `decoder_hidden` then runs the layers one after another instead of scanning them. On CPU a scan
+    copies each layer's weights out of the stack before its matmuls (XLA:CPU's dot fusions read whole
+    buffers, not a dynamic slice of one): on SmolLM2 decode those copies were about a third of a
+    16-slot step. Mixed-layer MoE models (whose MLPs are stacked apart) stay stacked."""
+    layers = params["layers"]
+    if isinstance(layers, tuple) or cfg.mixed_layers:
+        return params
+    return dict(params, layers=tuple(jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_hidden_layers)))
+
+
 def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                    attention: LayerAttention, state: Any, *, compute_dtype: Any = jnp.float32,
                    remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
@@ -308,7 +320,9 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     adapters: LoraAdapters | None = params.get("lora")
     lora_layers = {} if adapters is None else adapters.weights["layers"]
     lora_scale = 0.0 if adapters is None else adapters.scale
-    layers, lora_layers, stacks = mlp_stacks(cfg, params["layers"], lora_layers)
+    layers, lora_layers, stacks = params["layers"], lora_layers, None
+    if not isinstance(layers, tuple):
+        layers, lora_layers, stacks = mlp_stacks(cfg, layers, lora_layers)
 
     def layer(carry: tuple[Array, Any, Array], xs: tuple[dict, dict, Array | None]) -> tuple[tuple, Any]:
         x, state, index = carry
@@ -328,8 +342,16 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     step: Callable = layer
     if remat_name(remat) != "none":  # prevent_cse=False: the layers run under scan, which keeps them apart
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (layers, lora_layers, replay),
-                                  unroll=cfg.scan_unroll)
+    if isinstance(layers, tuple):  # unstacked (`unstack_layers`): one call per layer, each its own arrays
+        carry, outs = (x, state, jnp.int32(0)), []
+        for i, weights in enumerate(layers):
+            pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: B023, E731
+            carry, out = step(carry, (weights, pick(lora_layers), None if replay is None else replay[i]))
+            outs.append(out)
+        (x, state, _), moe = carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
+    else:
+        (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (layers, lora_layers, replay),
+                                      unroll=cfg.scan_unroll)
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
 

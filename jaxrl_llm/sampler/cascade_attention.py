@@ -127,7 +127,7 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
         i, buf = carry
         ids = lax.dynamic_slice_in_dim(gtable, i * ppb, ppb, axis=1)  # [G, ppb]
         k = gather_block(pool, "k", ids, q.dtype)  # [G, kv, bt, hd]
-        scores = attention_scores("gkrd,gknd->gkrn", q_rows, k, softcap).reshape(nrows, nkv, m, g, bt)
+        scores = attention_scores(q_rows, k, softcap).reshape(nrows, nkv, m, g, bt)
         pos = i * bt + jnp.arange(bt, dtype=jnp.int32)
         valid = ((pos[None, None] < row_tok[:, None, None]) & (pos[None, None] >= m_lo[..., None])
                  & m_live[..., None])  # [G, M, bt]
@@ -151,7 +151,7 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
     def own_scores(carry: tuple[Array, Array]) -> tuple[Array, Array]:
         i, buf = carry
         ids = lax.dynamic_slice_in_dim(own_table, i * ppb, ppb, axis=1)
-        scores = attention_scores("skgd,sknd->skgn", qg, gather_block(pool, "k", ids, q.dtype), softcap)
+        scores = attention_scores(qg, gather_block(pool, "k", ids, q.dtype), softcap)
         pos = pre_tok[:, None] + i * bt + jnp.arange(bt, dtype=jnp.int32)[None, :]  # absolute positions
         valid = (pos < lengths[:, None]) & (pos >= lo[:, None])
         scores = jnp.where(valid[:, None, None, :], scores, MASKED_SCORE)

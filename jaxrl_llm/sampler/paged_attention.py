@@ -79,7 +79,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     def block_scores(carry: tuple[Array, Array]) -> tuple[Array, Array]:
         i, buf = carry
         ids = lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)  # [slots, ppb]
-        scores = attention_scores("skgd,sknd->skgn", qg, gather_block(pool, "k", ids, q.dtype), softcap)
+        scores = attention_scores(qg, gather_block(pool, "k", ids, q.dtype), softcap)
         pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         valid = (pos[None, :] < lengths[:, None]) & (pos[None, :] >= lo[:, None])  # [slots, n]
         scores = jnp.where(valid[:, None, None, :], scores, MASKED_SCORE)

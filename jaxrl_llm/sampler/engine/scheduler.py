@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.decoder import unstack_layers
 from jaxrl_llm.models.dtypes import as_jnp_dtype, is_uncast_matmul_weight, matmul_weights_in
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -226,6 +227,25 @@ def _decode_weights(params: dict, compute_dtype: str) -> dict:
     if not any(is_uncast_matmul_weight(x, target) for x in jax.tree.leaves(params)):
         return params
     return _weights_in(params, compute_dtype)
+
+
+def step_weights(params: dict, cfg: ModelConfig) -> dict:
+    """The weights as the decode loop reads them: on CPU its layers as per-layer arrays, run one
+    after another (`models.decoder.unstack_layers`: a layer scan copies each layer's weights out of
+    the stack every step there: 14% of a 16-slot SmolLM2 decode step, docs/performance.md). It costs a
+    copy of the layers while the run lasts and a longer compile of `generate` (~20 s more per slot
+    count on SmolLM2). Elsewhere the stacked params, unchanged."""
+    leaf = jax.tree.leaves(params)[0]
+    devices = leaf.devices() if isinstance(leaf, jax.Array) else {jax.devices()[0]}
+    on_cpu = {d.platform for d in devices} == {"cpu"}
+    if not on_cpu or cfg.mixed_layers or isinstance(params["layers"], tuple):  # nothing to unstack
+        return params
+    return _unstacked(params, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _unstacked(params: dict, cfg: ModelConfig) -> dict:
+    return unstack_layers(params, cfg)  # one program, not an eager slice per weight and layer
 
 
 class PagedEngine:
@@ -443,6 +463,9 @@ class PagedEngine:
         params = _decode_weights(params, self.compute_dtype)
         if draft_params is not None:
             draft_params = _decode_weights(draft_params, self.compute_dtype)
+        # the decode loop's own layout of them (per-layer arrays on CPU); prefill keeps the stacked ones
+        step_params = step_weights(params, cfg)
+        step_draft = None if draft_params is None else step_weights(draft_params, self._draft_cfg())
         record = settings.record_routing and cfg.is_moe
         if record and spec.speculative is not None:
             raise ValueError("rollout.speculative: recording a MoE model's routing (routing replay) needs one token "
@@ -451,7 +474,7 @@ class PagedEngine:
         stats = EngineStats(speculative=spec.speculative is not None)
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
         sizes = self.drain_sizes()
-        state = self._warm_drain_sizes(params, state, rng, knobs, settings, draft_params)
+        state = self._warm_drain_sizes(step_params, state, rng, knobs, settings, step_draft)
         queue: collections.deque[EngineRequest] = collections.deque()
         groups: dict[int, _Group] = {}
         slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
@@ -553,8 +576,8 @@ class PagedEngine:
             cascade = self._cascade(slot_req, groups, size, settings)
             if cascade is not None:
                 stats.peak_cascade_groups = max(stats.peak_cascade_groups, int(np.sum(cascade.prefix_pages > 0)))
-            state = programs.generate(params, cfg, state, rng, knobs, np.int32(steps), np.bool_(stop_on_finish),
-                                      np.int32(smaller), cascade, draft_params, settings=settings,
+            state = programs.generate(step_params, cfg, state, rng, knobs, np.int32(steps), np.bool_(stop_on_finish),
+                                      np.int32(smaller), cascade, step_draft, settings=settings,
                                       attn_impl=spec.attn_impl, mesh=self.mesh, speculative=spec.speculative)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))

@@ -1,0 +1,48 @@
+"""The decoder over per-layer weight arrays (`unstack_layers`, the paged engine's CPU decode layout)
+computes what the layer scan over the stacked params computes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models.decoder import unstack_layers
+from jaxrl_llm.models.model import forward_hidden_moe
+from jaxrl_llm.sampler.engine.scheduler import step_weights
+
+forward = jax.jit(forward_hidden_moe, static_argnums=1, static_argnames=("record_routing",))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])
+def test_unstacked_layers_give_the_scans_hidden_states_and_routing(family):
+    cfg = ModelConfig.tiny(family)
+    params = init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+    mask = jnp.asarray([[1] * 7, [0, 0] + [1] * 5], jnp.int32)
+    flat = unstack_layers(params, cfg)
+    assert isinstance(flat["layers"], tuple) and len(flat["layers"]) == cfg.num_hidden_layers
+    np.testing.assert_array_equal(np.asarray(flat["layers"][1]["attn"]["q_proj"]["kernel"]),
+                                  np.asarray(params["layers"]["attn"]["q_proj"]["kernel"][1]))
+    record = cfg.is_moe
+    want, want_moe = forward(params, cfg, ids, mask, record_routing=record)
+    got, got_moe = forward(flat, cfg, ids, mask, record_routing=record)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    if record:
+        assert want_moe is not None and got_moe is not None
+        np.testing.assert_array_equal(np.asarray(got_moe.routing), np.asarray(want_moe.routing))
+        for a, b in zip(jax.tree.leaves(got_moe.stats), jax.tree.leaves(want_moe.stats), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert unstack_layers(flat, cfg) is flat  # already unstacked: unchanged
+
+
+def test_the_engine_decodes_over_per_layer_arrays_on_cpu_and_mixed_moe_stays_stacked():
+    cfg = ModelConfig.tiny("llama")
+    params = init_params(cfg, jax.random.key(0))
+    assert isinstance(step_weights(params, cfg)["layers"], tuple)  # this host is a CPU
+    mixed = ModelConfig.tiny("qwen2_moe", mlp_only_layers=(0,))
+    assert mixed.mixed_layers
+    mixed_params = init_params(mixed, jax.random.key(0))
+    assert step_weights(mixed_params, mixed) is mixed_params  # its MLPs are stacked apart: no copy
