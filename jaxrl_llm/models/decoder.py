@@ -16,8 +16,10 @@ token ran, for routing replay) as the layer scan's outputs. A MoE model may keep
 layers (`mixed_mlp`): the scan stays one loop, and each layer picks its MLP with `lax.cond`.
 
 Layers run under `lax.scan` (params carry a leading layer axis, so compile time does not grow with
-depth); `remat` (a policy name of jaxrl_llm/models/remat.py, or a bool) checkpoints each layer with
-that policy. LoRA adapters (models/lora.py) in `params["lora"]` are scanned with the layers and add
+depth); params whose `layers` is a tuple of per-layer dicts (`unstack_layers`: the paged engine's
+decode on CPU) run them one after another instead. `remat` (a policy name of
+jaxrl_llm/models/remat.py, or a bool) checkpoints each layer with that policy. LoRA adapters
+(models/lora.py) in `params["lora"]` are scanned with the layers and add
 `scale * (x @ A) @ B` to each targeted projection's output.
 
 Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance.md): every
@@ -284,8 +286,9 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     """`params` with `layers` as a tuple of per-layer dicts (each its own arrays) instead of one stack:
     `decoder_hidden` then runs the layers one after another instead of scanning them. On CPU a scan
     copies each layer's weights out of the stack before its matmuls (XLA:CPU's dot fusions read whole
-    buffers, not a dynamic slice of one): on SmolLM2 decode those copies were about a third of a
-    16-slot step. Mixed-layer MoE models (whose MLPs are stacked apart) stay stacked."""
+    buffers, not a dynamic slice of one): 14% of a 16-slot SmolLM2 decode step (docs/performance.md).
+    Mixed-layer MoE models (whose MLPs are stacked apart) stay stacked; LoRA adapters stay stacked
+    and are sliced per layer."""
     layers = params["layers"]
     if isinstance(layers, tuple) or cfg.mixed_layers:
         return params
