@@ -44,7 +44,9 @@ cache the slots are the sequence indices; with a cache they are cache indices
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Any, Callable, Protocol
 
 import jax
@@ -292,7 +294,12 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     layers = params["layers"]
     if isinstance(layers, tuple) or cfg.mixed_layers:
         return params
-    return dict(params, layers=tuple(jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_hidden_layers)))
+    return dict(params, layers=_layer_slices(layers, cfg.num_hidden_layers))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _layer_slices(layers: dict, count: int) -> tuple[dict, ...]:
+    return tuple(jax.tree.map(operator.itemgetter(i), layers) for i in range(count))  # one program, not one per slice
 
 
 def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
@@ -348,8 +355,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     if isinstance(layers, tuple):  # unstacked (`unstack_layers`): one call per layer, each its own arrays
         carry, outs = (x, state, jnp.int32(0)), []
         for i, weights in enumerate(layers):
-            pick = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: B023, E731
-            carry, out = step(carry, (weights, pick(lora_layers), None if replay is None else replay[i]))
+            layer_lora = jax.tree.map(operator.itemgetter(i), lora_layers)
+            carry, out = step(carry, (weights, layer_lora, None if replay is None else replay[i]))
             outs.append(out)
         (x, state, _), moe = carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
     else:

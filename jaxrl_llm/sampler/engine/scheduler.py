@@ -238,14 +238,7 @@ def step_weights(params: dict, cfg: ModelConfig) -> dict:
     leaf = jax.tree.leaves(params)[0]
     devices = leaf.devices() if isinstance(leaf, jax.Array) else {jax.devices()[0]}
     on_cpu = {d.platform for d in devices} == {"cpu"}
-    if not on_cpu or cfg.mixed_layers or isinstance(params["layers"], tuple):  # nothing to unstack
-        return params
-    return _unstacked(params, cfg)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _unstacked(params: dict, cfg: ModelConfig) -> dict:
-    return unstack_layers(params, cfg)  # one program, not an eager slice per weight and layer
+    return unstack_layers(params, cfg) if on_cpu else params
 
 
 class PagedEngine:
