@@ -196,6 +196,7 @@ VARIANTS = {
     "batch_prefill": {"batch_prefill": True},
     "ngram": {"speculative.method": "ngram"},  # speculative decoding, n-gram drafts
     "partial": {"partial.enable": True},  # partial rollouts, max_staleness 1
+    "unroll_layers": {"unroll_layers": True},  # decode over per-layer weights (longer compile)
 }
 
 

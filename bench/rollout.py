@@ -17,8 +17,8 @@ the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 to
 prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
-Rows `paged` (the defaults), `paged_scan` (decode scans the stacked layers, as it does off CPU: on
-CPU the engine decodes over per-layer weight arrays), `paged_flat` (rollout.cascade_attention=False:
+Rows `paged` (the defaults), `paged_unrolled` (rollout.unroll_layers=True: decode over per-layer
+weight arrays instead of a scan over the stack), `paged_flat` (rollout.cascade_attention=False:
 every sample reads its prompt's pages itself) and `paged_bpf` (rollout.batch_prefill=True).
 Cascade attention (2026-11-27, --quick, one engine row per process): paged 161.9 / 181.2 tok/s,
 paged_flat 103.7 / 105.0 tok/s (1.6-1.7x); transformers 78.8 tok/s in the 181.2 run (2.30x).
@@ -27,8 +27,10 @@ Batched prefill (then the `paged` row; `paged_1pf`: one prefill call per prompt,
 calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the
 timed run: 27 vs 6 programs) and 0.98x with `--warm-all` (411.0 vs 419.7 tok/s): on CPU a prefill
 call's overhead is small next to its compute, so `rollout.batch_prefill` stays off by default.
-Per-layer decode weights on CPU and product-sum attention scores (2026-11-28, --quick, a slower
-machine): paged 69.4 tok/s, paged_scan 46.1 (1.51x), transformers 39.8 (1.74x).
+Per-layer decode weights (then on by default on CPU) and product-sum attention scores (2026-11-28,
+--quick, a slower machine): 69.4 tok/s, against 46.1 for the scan with product-sum scores (1.51x) and
+53.2 before both; transformers 39.8 (1.74x). The per-layer weights cost 186 vs 33 s of warm-up
+compile, so they became the option `rollout.unroll_layers` (row `paged_unrolled`), off by default.
 Row `paged_ngram` (rollout.speculative.method=ngram, 4 drafts; 2026-11-27, --quick): 103.8 vs 157.8
 tok/s for `paged` (0.66x), 1.15 tokens per live slot and step, 4% of drafts kept: off by default.
 Row `paged_draft` (method 'draft', the draft = SmolLM2's first 6 layers, 2026-11-27, --quick): 60.5
@@ -50,8 +52,7 @@ from jaxrl_llm.hf import load_gguf
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, left_pad
 from jaxrl_llm.sampler.core import sample_program
-from jaxrl_llm.sampler.engine import programs, scheduler
-from jaxrl_llm.sampler.engine.scheduler import step_weights
+from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec, sample_paged
 from jaxrl_llm.sampler.host import bucket_length
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
@@ -68,7 +69,7 @@ LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h
 
 
 # the paged engine's rows: its defaults, then one rollout option flipped each
-PAGED_ROWS = {"paged": {}, "paged_scan": {}, "paged_flat": {"cascade_attention": False},
+PAGED_ROWS = {"paged": {}, "paged_unrolled": {"unroll_layers": True}, "paged_flat": {"cascade_attention": False},
               "paged_bpf": {"batch_prefill": True},
               "paged_ngram": {"speculative": SpeculativeSpec(num_tokens=4)},
               "paged_draft": {"speculative": "draft"}}  # the draft: the model's first --draft-layers layers
@@ -158,8 +159,6 @@ def main() -> None:
             draft_cfg, draft_params = layer_draft(cfg, params, args.draft_layers)
             options = {"speculative": SpeculativeSpec("draft", num_tokens=4, draft_cfg=draft_cfg)}
         opts = EngineOptions(max_num_seqs=slots, **options)
-        # paged_scan: decode scans the stacked layers, as off CPU (on CPU the engine runs per-layer arrays)
-        scheduler.step_weights = (lambda p, c: p) if name == "paged_scan" else step_weights
         before = cache_sizes()
         # warm-up (compiles): one prompt per length bucket, the longest included, enough requests
         # for the same slot count -> the very programs of the timed run

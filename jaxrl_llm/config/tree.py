@@ -252,6 +252,12 @@ ROLLOUT = {
                                      "attention to 1e-6 in fp32). Used whenever rollout.n >= 2; false reads "
                                      "them once per sample. jaxrl_llm (FlashInfer's cascade attention).",
                                types=bool),
+    "unroll_layers": field(False, "Paged engine: decode runs over per-layer copies of the weights, one layer "
+                                  "after another, instead of a scan over the stacked layers. On XLA:CPU the scan "
+                                  "copies each layer's weights out of the stack every step (SmolLM2, 16 slots: "
+                                  "257 -> 221 ms per step), but each decode program compiles ~13-20 s longer "
+                                  "(a program per drain slot set, 7 at 64 slots): worth it for long CPU runs. "
+                                  "Elsewhere it only lengthens the compile. jaxrl_llm.", types=bool),
     "speculative": {
         "method": field("none", "Speculative decoding in the paged engine: num_tokens tokens are drafted per "
                                 "sequence and step and verified in one forward; the kept drafts plus one token are "

@@ -17,7 +17,7 @@ layers (`mixed_mlp`): the scan stays one loop, and each layer picks its MLP with
 
 Layers run under `lax.scan` (params carry a leading layer axis, so compile time does not grow with
 depth); params whose `layers` is a tuple of per-layer dicts (`unstack_layers`: the paged engine's
-decode on CPU) run them one after another instead. `remat` (a policy name of
+decode with rollout.unroll_layers) run them one after another instead. `remat` (a policy name of
 jaxrl_llm/models/remat.py, or a bool) checkpoints each layer with that policy. LoRA adapters
 (models/lora.py) in `params["lora"]` are scanned with the layers and add
 `scale * (x @ A) @ B` to each targeted projection's output.

@@ -1,5 +1,5 @@
-"""The decoder over per-layer weight arrays (`unstack_layers`, the paged engine's CPU decode layout)
-computes what the layer scan over the stacked params computes."""
+"""The decoder over per-layer weight arrays (`unstack_layers`, the paged engine's decode layout with
+rollout.unroll_layers) computes what the layer scan over the stacked params computes."""
 from __future__ import annotations
 
 import jax
@@ -10,7 +10,9 @@ import pytest
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models.decoder import unstack_layers
 from jaxrl_llm.models.model import forward_hidden_moe
-from jaxrl_llm.sampler.engine.scheduler import step_weights
+from jaxrl_llm.sampler import SamplingParams
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 forward = jax.jit(forward_hidden_moe, static_argnums=1, static_argnames=("record_routing",))
 
@@ -38,11 +40,32 @@ def test_unstacked_layers_give_the_scans_hidden_states_and_routing(family):
     assert unstack_layers(flat, cfg) is flat  # already unstacked: unchanged
 
 
-def test_the_engine_decodes_over_per_layer_arrays_on_cpu_and_mixed_moe_stays_stacked():
+@pytest.mark.parametrize("speculative", [None, "draft"])
+def test_the_engines_unrolled_decode_samples_what_its_scan_samples(speculative):
+    """rollout.unroll_layers: the same tokens and log-probs at temperature 1 (n=2: cascade attention),
+    with the target as its own unrolled draft too."""
     cfg = ModelConfig.tiny("llama")
     params = init_params(cfg, jax.random.key(0))
-    assert isinstance(step_weights(params, cfg)["layers"], tuple)  # this host is a CPU
+    settings, knobs = SamplingParams(max_new_tokens=10, temperature=1.0, n=2, seed=3).compile_args(
+        cfg.eos_token_ids, 0, vocab_size=cfg.vocab_size)
+    prompts = [[5, 6, 7, 8, 9], [3, 1], [11, 12, 13, 14, 15, 16, 17]]
+    spec = None if speculative is None else SpeculativeSpec("draft", num_tokens=3, draft_cfg=cfg)
+    outs = []
+    for unroll in (False, True):
+        opts = EngineOptions(engine="paged", max_num_seqs=4, speculative=spec, unroll_layers=unroll)
+        out, _ = sample_paged(params, cfg, prompts, jax.random.key(1), knobs, settings=settings, opts=opts,
+                              draft_params=None if spec is None else params)
+        outs.append(out)
+    scan, unrolled = outs
+    np.testing.assert_array_equal(unrolled.tokens, scan.tokens)
+    np.testing.assert_array_equal(unrolled.lengths, scan.lengths)
+    m = scan.response_mask.astype(bool)
+    assert m.sum() > 20
+    np.testing.assert_allclose(unrolled.log_probs[m], scan.log_probs[m], rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixed_layer_moe_model_stays_stacked():
     mixed = ModelConfig.tiny("qwen2_moe", mlp_only_layers=(0,))
     assert mixed.mixed_layers
     mixed_params = init_params(mixed, jax.random.key(0))
-    assert step_weights(mixed_params, mixed) is mixed_params  # its MLPs are stacked apart: no copy
+    assert unstack_layers(mixed_params, mixed) is mixed_params  # its MLPs are stacked apart: no copy

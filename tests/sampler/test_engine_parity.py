@@ -25,9 +25,11 @@ def test_engine_greedy_matches_transformers(case, tmp_path):
     expected = hf_greedy(torch_model, hf_ids, hf_mask, NEW, EOS_ID, PAD_ID)
     settings, knobs = SamplingParams(max_new_tokens=NEW, do_sample=False).compile_args(
         cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
-    # 3 slots for 4 prompts: the last prompt is inserted into a slot freed mid-run
+    # 3 slots for 4 prompts: the last prompt is inserted into a slot freed mid-run; decode over per-layer
+    # weights (rollout.unroll_layers: every family's unrolled decode against transformers, while the
+    # other engine tests run the default layer scan)
     engine = PagedEngine(cfg, EngineSpec(max_num_seqs=3, page_size=4, num_pages=32, pages_per_slot=8),
-                         steps_per_call=4)
+                         steps_per_call=4, unroll_layers=True)
     out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
     np.testing.assert_array_equal(out.tokens, expected)
     for row, seq in enumerate(expected):

@@ -229,24 +229,12 @@ def _decode_weights(params: dict, compute_dtype: str) -> dict:
     return _weights_in(params, compute_dtype)
 
 
-def step_weights(params: dict, cfg: ModelConfig) -> dict:
-    """The weights as the decode loop reads them: on CPU its layers as per-layer arrays, run one
-    after another (`models.decoder.unstack_layers`: a layer scan copies each layer's weights out of
-    the stack every step there: 14% of a 16-slot SmolLM2 decode step, docs/performance.md). It costs a
-    copy of the layers while the run lasts and a longer compile of `generate` (~20 s more per slot
-    count on SmolLM2). Elsewhere the stacked params, unchanged."""
-    leaf = jax.tree.leaves(params)[0]
-    devices = leaf.devices() if isinstance(leaf, jax.Array) else {jax.devices()[0]}
-    on_cpu = {d.platform for d in devices} == {"cpu"}
-    return unstack_layers(params, cfg) if on_cpu else params
-
-
 class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
     def __init__(self, cfg: ModelConfig, spec: programs.EngineSpec, *, compute_dtype: str = "float32",
                  steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None,
-                 prefill_chunk: int | None = None, batch_prefill: bool = False):
+                 prefill_chunk: int | None = None, batch_prefill: bool = False, unroll_layers: bool = False):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
         self.cfg, self.spec, self.compute_dtype = cfg, spec, compute_dtype
@@ -258,6 +246,9 @@ class PagedEngine:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
         self.prefill_chunk = prefill_chunk
         self.batch_prefill = batch_prefill  # new groups' short prompts of one bucket share a prefill call
+        # decode over per-layer weight arrays, layer after layer, instead of a scan over the stack (XLA:CPU
+        # copies a layer's weights out of the stack every step; rollout.unroll_layers, docs/performance.md)
+        self.unroll_layers = unroll_layers
         self._init_state: dict[tuple[int, bool], Any] = {}  # (max_new_tokens, recording) -> jitted initialiser
         self._state_r = None
         self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
@@ -456,9 +447,12 @@ class PagedEngine:
         params = _decode_weights(params, self.compute_dtype)
         if draft_params is not None:
             draft_params = _decode_weights(draft_params, self.compute_dtype)
-        # the decode loop's own layout of them (per-layer arrays on CPU); prefill keeps the stacked ones
-        step_params = step_weights(params, cfg)
-        step_draft = None if draft_params is None else step_weights(draft_params, self._draft_cfg())
+        # the decode loop's own layout of them (rollout.unroll_layers: per-layer arrays, a copy while the run
+        # lasts); prefill keeps the stacked ones
+        step_params, step_draft = params, draft_params
+        if self.unroll_layers:
+            step_params = unstack_layers(params, cfg)
+            step_draft = None if draft_params is None else unstack_layers(draft_params, self._draft_cfg())
         record = settings.record_routing and cfg.is_moe
         if record and spec.speculative is not None:
             raise ValueError("rollout.speculative: recording a MoE model's routing (routing replay) needs one token "

@@ -49,6 +49,7 @@ class EngineOptions:
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
     cascade_attention: bool = True  # rollout.cascade_attention: a prompt's n samples read its pages once
+    unroll_layers: bool = False  # rollout.unroll_layers: decode over per-layer weights (faster steps on CPU)
     speculative: SpeculativeSpec | None = None  # rollout.speculative: draft and verify tokens (None: off)
 
     @property
@@ -119,13 +120,14 @@ def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_
                mesh: Mesh | None = None) -> PagedEngine:
     """A cached engine per (model, shape, mesh): its KV buffers and compiled programs are reused."""
     key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, opts.prefill_chunk,
-           opts.batch_prefill, mesh)
+           opts.batch_prefill, opts.unroll_layers, mesh)
     if key not in _ENGINES:
         if len(_ENGINES) >= 4:  # a few shapes per run; drop the oldest pool
             _ENGINES.pop(next(iter(_ENGINES)))
         _ENGINES[key] = PagedEngine(cfg, spec, compute_dtype=compute_dtype, steps_per_call=opts.steps_per_call,
                                     max_num_batched_tokens=opts.max_num_batched_tokens, mesh=mesh,
-                                    prefill_chunk=opts.prefill_chunk, batch_prefill=opts.batch_prefill)
+                                    prefill_chunk=opts.prefill_chunk, batch_prefill=opts.batch_prefill,
+                                    unroll_layers=opts.unroll_layers)
     return _ENGINES[key]
 
 
