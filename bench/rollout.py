@@ -27,10 +27,13 @@ Batched prefill (then the `paged` row; `paged_1pf`: one prefill call per prompt,
 calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the
 timed run: 27 vs 6 programs) and 0.98x with `--warm-all` (411.0 vs 419.7 tok/s): on CPU a prefill
 call's overhead is small next to its compute, so `rollout.batch_prefill` stays off by default.
-Per-layer decode weights (then on by default on CPU) and product-sum attention scores (2026-11-28,
---quick, a slower machine): 69.4 tok/s, against 46.1 for the scan with product-sum scores (1.51x) and
-53.2 before both; transformers 39.8 (1.74x). The per-layer weights cost 186 vs 33 s of warm-up
-compile, so they became the option `rollout.unroll_layers` (row `paged_unrolled`), off by default.
+Per-layer decode weights (then on by default on CPU; both rows with product-sum attention scores,
+2026-11-28, --quick, a slower shared machine): 69.4 tok/s against 46.1 for the layer scan (1.51x; 53.2
+before both changes); transformers 39.8 (1.74x). A rerun later that day: paged 55.1, paged_unrolled 60.1
+(1.09x), transformers 40.4 (paged 1.37x). The per-layer weights cost 176-186 s of warm-up against
+33-57 s, so they became the option `rollout.unroll_layers` (row `paged_unrolled`), off by default.
+Half size at 512 new tokens (2026-11-28, `--prompts 32 --slots 32 --n 4 --new-tokens 512`, same
+host): paged 72.8 tok/s, 96%; transformers 25.7 tok/s, 28%: 2.83x.
 Row `paged_ngram` (rollout.speculative.method=ngram, 4 drafts; 2026-11-27, --quick): 103.8 vs 157.8
 tok/s for `paged` (0.66x), 1.15 tokens per live slot and step, 4% of drafts kept: off by default.
 Row `paged_draft` (method 'draft', the draft = SmolLM2's first 6 layers, 2026-11-27, --quick): 60.5
