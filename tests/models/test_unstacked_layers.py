@@ -11,7 +11,8 @@ from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models.decoder import unstack_layers
 from jaxrl_llm.models.model import forward_hidden_moe
 from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+from jaxrl_llm.sampler.engine import EngineSpec
+from jaxrl_llm.sampler.engine.setup import EngineOptions, get_engine, release_engines, sample_paged
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 forward = jax.jit(forward_hidden_moe, static_argnums=1, static_argnames=("record_routing",))
@@ -62,6 +63,24 @@ def test_the_engines_unrolled_decode_samples_what_its_scan_samples(speculative):
     m = scan.response_mask.astype(bool)
     assert m.sum() > 20
     np.testing.assert_allclose(unrolled.log_probs[m], scan.log_probs[m], rtol=1e-5, atol=1e-5)
+
+
+def test_the_config_key_reaches_the_engine():
+    from jaxrl_llm.config import apply_overrides, default_config
+    from jaxrl_llm.config.resolve import resolve_rollout_engine
+
+    rollout = "actor_rollout_ref.rollout"
+    paged = [f"{rollout}.engine=paged", f"{rollout}.response_length=128"]
+    on = apply_overrides(default_config(), [f"{rollout}.unroll_layers=True", *paged])
+    off = apply_overrides(default_config(), paged)
+    opts_on = resolve_rollout_engine(on.actor_rollout_ref.rollout)
+    opts_off = resolve_rollout_engine(off.actor_rollout_ref.rollout)
+    assert opts_on.unroll_layers and not opts_off.unroll_layers
+    cfg = ModelConfig.tiny("llama")
+    spec = EngineSpec(max_num_seqs=2, page_size=4, num_pages=8, pages_per_slot=4)
+    engine_on, engine_off = get_engine(cfg, spec, opts_on, "float32"), get_engine(cfg, spec, opts_off, "float32")
+    assert engine_on.unroll_layers and not engine_off.unroll_layers  # two cached engines, one per layout
+    release_engines()
 
 
 def test_a_mixed_layer_moe_model_stays_stacked():
