@@ -21,7 +21,8 @@ varied --steps 2 --max-new-tokens 128 [--dtype bfloat16]`: fp32 ours 46.9 / 53.9
 bf16 ours 41.8 / 48.0 s, TRL 69.2 / 82.5 s: 1.69x. The 13:00 figures before shared-prompt packing
 were 1.61x and 1.28x (docs/performance.md). Each step prints its timing spans, XLA compiles and the
 update's packed micro-batches. 2026-11-27, the same fp32 command with `--variants no_cascade ngram
-partial`: ours 36.6 s, cascade off 36.7 s, ngram 60.9 s, partial 42.4 s, TRL 131.2 s per timed step:
+partial` (no_cascade: cascade attention off, then on by default; now the variant is `cascade`, on,
+since the default 'auto' leaves it off on CPU): ours 36.6 s, cascade off 36.7 s, ngram 60.9 s, partial 42.4 s, TRL 131.2 s per timed step:
 TRL / ours 3.59x (docs/performance.md "The GRPO step with each rollout option flipped").
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
@@ -192,7 +193,7 @@ class CompileCounter:
 
 # our trainer again with one rollout option flipped each (`--variants`): a column of the table each
 VARIANTS = {
-    "no_cascade": {"cascade_attention": False},  # every sample reads its prompt's pages itself
+    "cascade": {"cascade_attention": True},  # a prompt's samples read its pages once (CPU default 'auto': off)
     "batch_prefill": {"batch_prefill": True},
     "ngram": {"speculative.method": "ngram"},  # speculative decoding, n-gram drafts
     "partial": {"partial.enable": True},  # partial rollouts, max_staleness 1

@@ -18,10 +18,13 @@ prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers 
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
 Rows `paged` (the defaults), `paged_unrolled` (rollout.unroll_layers=True: decode over per-layer
-weight arrays instead of a scan over the stack), `paged_flat` (rollout.cascade_attention=False:
-every sample reads its prompt's pages itself) and `paged_bpf` (rollout.batch_prefill=True).
-Cascade attention (2026-11-27, --quick, one engine row per process): paged 161.9 / 181.2 tok/s,
-paged_flat 103.7 / 105.0 tok/s (1.6-1.7x); transformers 78.8 tok/s in the 181.2 run (2.30x).
+weight arrays instead of a scan over the stack), `paged_cascade` (rollout.cascade_attention=True: a
+prompt's samples read its shared pages once; the default 'auto' does so only with the GPU / TPU
+kernels) and `paged_bpf` (rollout.batch_prefill=True).
+Cascade attention (2026-11-27, --quick, one engine row per process, then the default): paged 161.9 /
+181.2 tok/s, cascade off 103.7 / 105.0 tok/s (1.6-1.7x); transformers 78.8 tok/s in the 181.2 run (2.30x).
+At full size on 2026-11-28 (after the product-sum scores) the XLA path measured the other way:
+cascade on 89.6 tok/s, off 103.8 (0.86x), so 'auto' leaves it off on the XLA path (see below).
 Batched prefill (then the `paged` row; `paged_1pf`: one prefill call per prompt, 2026-11-27,
 `--prompts 64 --n 4 --slots 64 --new-tokens 32 --skip static transformers`): 38 vs 64 prefill
 calls, 0.77x useful tokens/s with the default warm-up (its new (bucket, rows) shapes compile in the
@@ -34,6 +37,10 @@ before both changes); transformers 39.8 (1.74x). A rerun later that day: paged 5
 33-57 s, so they became the option `rollout.unroll_layers` (row `paged_unrolled`), off by default.
 Half size at 512 new tokens (2026-11-28, `--prompts 32 --slots 32 --n 4 --new-tokens 512`, same
 host): paged 72.8 tok/s, 96%; transformers 25.7 tok/s, 28%: 2.83x.
+Full size (2026-11-28 afternoon, `--skip static paged_unrolled paged_bpf paged_ngram paged_draft`, the
+same host, cascade 'auto'): paged 103.9 tok/s, 94%; paged_cascade 95.8; transformers 27.9 tok/s, 25%:
+paged 3.72x transformers. An earlier full-size run that day (cascade then on by default): paged 89.6,
+paged_unrolled 91.4, cascade off 103.8, paged_bpf 84.4 (docs/performance.md).
 Row `paged_ngram` (rollout.speculative.method=ngram, 4 drafts; 2026-11-27, --quick): 103.8 vs 157.8
 tok/s for `paged` (0.66x), 1.15 tokens per live slot and step, 4% of drafts kept: off by default.
 Row `paged_draft` (method 'draft', the draft = SmolLM2's first 6 layers, 2026-11-27, --quick): 60.5
@@ -72,7 +79,7 @@ LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h
 
 
 # the paged engine's rows: its defaults, then one rollout option flipped each
-PAGED_ROWS = {"paged": {}, "paged_unrolled": {"unroll_layers": True}, "paged_flat": {"cascade_attention": False},
+PAGED_ROWS = {"paged": {}, "paged_unrolled": {"unroll_layers": True}, "paged_cascade": {"cascade_attention": True},
               "paged_bpf": {"batch_prefill": True},
               "paged_ngram": {"speculative": SpeculativeSpec(num_tokens=4)},
               "paged_draft": {"speculative": "draft"}}  # the draft: the model's first --draft-layers layers
@@ -151,9 +158,10 @@ def main() -> None:
 
     print(f"{'engine':>12} | {'tok/s':>7} {'util':>5} {'tokens':>7} {'wall s':>7} | {'prefill tok':>11} "
           f"{'KV MiB':>7} | {'programs':>8} {'compile s':>9}", flush=True)
-    # the paged engine with its defaults, then each rollout option flipped: samples reading their prompt's
-    # pages once per sample (rollout.cascade_attention=False), new prompts of a round batched into one
-    # prefill call (rollout.batch_prefill=True)
+    # the paged engine with its defaults, then each rollout option flipped: per-layer decode weights,
+    # samples reading their prompt's shared pages once (rollout.cascade_attention=True; 'auto' leaves it
+    # off on CPU), new prompts of a round batched into one prefill call (rollout.batch_prefill=True),
+    # speculative decoding with n-gram or draft-model drafts
     for name, options in PAGED_ROWS.items():
         if name in args.skip:
             continue

@@ -111,7 +111,7 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
                          enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
                          batch_prefill=bool(rollout.batch_prefill),
-                         cascade_attention=bool(rollout.cascade_attention),
+                         cascade_attention=rollout.cascade_attention,
                          unroll_layers=bool(rollout.unroll_layers),
                          speculative=resolve_speculative(rollout.speculative))
     return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))

@@ -246,12 +246,16 @@ ROLLOUT = {
                                   "max_num_batched_tokens. Off by default: on the 2-core CPU it measured 0.98x "
                                   "(64 prompts x 4, steady state) and compiles a program per (bucket, rows); "
                                   "to be measured on GPU / TPU, where a call's overhead weighs more."),
-    "cascade_attention": field(True, "Paged engine: the n samples of a prompt read the prompt's shared full KV "
-                                     "pages once per decode step (one attention over them with the n queries, "
-                                     "one over each sample's own pages, the same softmax; equal to plain paged "
-                                     "attention to 1e-6 in fp32). Used whenever rollout.n >= 2; false reads "
-                                     "them once per sample. jaxrl_llm (FlashInfer's cascade attention).",
-                               types=bool),
+    "cascade_attention": field("auto", "Paged engine: the n samples of a prompt read the prompt's shared full "
+                                       "KV pages once per decode step (one attention over them with the n "
+                                       "queries, one over each sample's own pages, the same softmax; equal to "
+                                       "plain paged attention to 1e-6 in fp32). true: whenever rollout.n >= 2; "
+                                       "false: once per sample; 'auto' (the default): where decode attention is "
+                                       "a Pallas kernel (GPU / TPU), not on the XLA path (CPU, int8 KV, "
+                                       "paged_attention='xla'), where it measured slower (SmolLM2, 64 slots x "
+                                       "512 tokens on the 2-core CPU: 89.6 vs 103.8 useful tokens/s). "
+                                       "jaxrl_llm (FlashInfer's cascade attention).",
+                               types=(str, bool), choices=("auto",)),
     "unroll_layers": field(False, "Paged engine: decode runs over per-layer copies of the weights, one layer "
                                   "after another, instead of a scan over the stacked layers. On XLA:CPU the scan "
                                   "copies each layer's weights out of the stack every step (SmolLM2, 16 slots: "

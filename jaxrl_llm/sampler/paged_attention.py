@@ -112,6 +112,13 @@ def kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:
     return "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
 
 
+def takes_xla_path(impl: str, int8_pages: bool) -> bool:
+    """Whether `paged_decode_attention` runs the XLA path for programs built for `target_platform()`:
+    impl 'xla', int8 pages, or 'auto' on CPU. (On CUDA the dispatcher also falls back to XLA where
+    the Triton kernel's power-of-two shapes do not hold; that choice is made at lowering.)"""
+    return impl == "xla" or int8_pages or (impl == "auto" and target_platform() == "cpu")
+
+
 def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl={impl!r}: expected one of {IMPLS}")
@@ -142,7 +149,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
         return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
                                           k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap)
 
-    if impl == "xla" or k_scales is not None or (impl == "auto" and target_platform() == "cpu"):
+    if takes_xla_path(impl, k_scales is not None):
         return xla(q, k_pages, v_pages, lengths, page_indices)
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas, triton_supports
     use_cascade = cascade is not None and sliding_window is None

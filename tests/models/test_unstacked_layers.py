@@ -53,7 +53,8 @@ def test_the_engines_unrolled_decode_samples_what_its_scan_samples(speculative):
     spec = None if speculative is None else SpeculativeSpec("draft", num_tokens=3, draft_cfg=cfg)
     outs = []
     for unroll in (False, True):
-        opts = EngineOptions(engine="paged", max_num_seqs=4, speculative=spec, unroll_layers=unroll)
+        opts = EngineOptions(engine="paged", max_num_seqs=4, speculative=spec, unroll_layers=unroll,
+                             cascade_attention=True)
         out, _ = sample_paged(params, cfg, prompts, jax.random.key(1), knobs, settings=settings, opts=opts,
                               draft_params=None if spec is None else params)
         outs.append(out)

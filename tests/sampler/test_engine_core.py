@@ -8,10 +8,12 @@ import pytest
 from sampler_fixtures import MESHES, PAD_ID, PROMPTS, PROMPTS8
 from test_sampler_logprobs import rescore
 
+from jaxrl_llm.platform.target import CompileTarget, compiling_for
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.core import FINISH_LENGTH
 from jaxrl_llm.sampler.engine import EngineRequest, EngineSpec, PagedEngine, device_kv_budget, plan_num_pages, programs
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 NEW = 10
 SAMPLED = SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=20, top_p=0.9, n=3)
@@ -326,22 +328,45 @@ def test_batched_prefill_on_a_mesh_equals_one_device(llama_tiny, mesh_name="data
     assert stats.prefill_calls < len(PROMPTS8)
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_cascade_attention_equals_plain_paged_attention(llama_tiny, sampled):
-    """The n samples of a prompt reading its shared pages once (the default) generate what reading
+@pytest.mark.parametrize("sampled,speculative", [(False, False), (True, False), (True, True)])
+def test_cascade_attention_equals_plain_paged_attention(llama_tiny, sampled, speculative):
+    """The n samples of a prompt reading its shared pages once (cascade=True) generate what reading
     them once per sample does: the same tokens, log-probs to 1e-5, through the drain's smaller slot
-    sets and the page-wait queue."""
+    sets and the page-wait queue, and through the n-gram verification forward. 'auto' (the default)
+    takes no cascade rows on the XLA path (CPU) and samples the same tokens."""
     cfg, params = llama_tiny
     sp = SAMPLED if sampled else SamplingParams(max_new_tokens=NEW, do_sample=False, n=2)
     settings, knobs = _args(cfg, sp)
     prompts = PROMPTS + [[5] * 13, [7, 1] * 6]  # several full 4-token pages to share
+    drafts = SpeculativeSpec(num_tokens=3) if speculative else None
     runs = {}
-    for cascade in (False, True):
-        spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=24, pages_per_slot=8, cascade=cascade)
+    for cascade in (False, True, "auto"):
+        spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=24, pages_per_slot=8, cascade=cascade,
+                          speculative=drafts)
         runs[cascade] = PagedEngine(cfg, spec, steps_per_call=3).run(params, prompts, jax.random.key(3), knobs,
                                                                       settings)
-    (plain, plain_stats), (got, stats) = runs[False], runs[True]
+    (plain, plain_stats), (got, stats), (auto, auto_stats) = runs[False], runs[True], runs["auto"]
     np.testing.assert_array_equal(got.tokens, plain.tokens)
     np.testing.assert_allclose(got.log_probs, plain.log_probs, atol=1e-5, rtol=1e-5)
     assert stats.peak_cascade_groups >= 1 and plain_stats.peak_cascade_groups == 0
     assert stats.metrics()["rollout/engine/cascade_groups"] == stats.peak_cascade_groups
+    np.testing.assert_array_equal(auto.tokens, plain.tokens)
+    assert auto_stats.peak_cascade_groups == 0
+
+
+def test_auto_cascade_follows_the_decode_attention():
+    """cascade='auto': rows where the dispatcher takes a Pallas kernel (a TPU target, or impl='pallas'),
+    none on its XLA path (CPU with impl 'auto' or 'xla', int8 pages); True / False as set."""
+    def shape(platform: str, **kw):
+        spec = EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8, **kw)
+        with compiling_for(CompileTarget(platform, None)):
+            return programs.cascade_shape(spec, 8, 4)
+
+    assert shape("cpu") is None and shape("cpu", attn_impl="xla") is None
+    assert shape("tpu") == (4, 4) and shape("gpu") == (4, 4) and shape("cpu", attn_impl="pallas") == (4, 4)
+    assert shape("tpu", kv_cache_dtype="int8") is None
+    assert shape("cpu", cascade=True) == (4, 4) and shape("tpu", cascade=False) is None
+    assert programs.cascade_shape(EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8,
+                                             cascade=True), 8, 1) is None  # n = 1: nothing shared
+    with pytest.raises(ValueError, match="cascade_attention"):
+        EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8, cascade="always")

@@ -40,7 +40,7 @@ from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
 from jaxrl_llm.sampler.engine.verify import verify_step
 from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
-from jaxrl_llm.sampler.paged_attention import kv_head_axis
+from jaxrl_llm.sampler.paged_attention import kv_head_axis, takes_xla_path
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import mesh_context
@@ -57,7 +57,8 @@ class EngineSpec:
     scratch). pages_per_slot: page-table width (max_model_len / page_size, rounded up).
     kv_cache_dtype: 'auto' (the compute dtype) or 'int8'. attn_impl: paged attention impl.
     cascade: the samples of a prompt read its shared full pages once per decode step
-    (sampler/cascade_attention.py; the scheduler passes the groups to `generate`).
+    (sampler/cascade_attention.py; the scheduler passes the groups to `generate`): True, False, or
+    'auto' (only where decode attention is a Pallas kernel; see `cascade_shape`).
     speculative: draft and verify several tokens per slot and step (engine/verify.py), or None.
     """
 
@@ -67,10 +68,12 @@ class EngineSpec:
     pages_per_slot: int
     kv_cache_dtype: str = "auto"
     attn_impl: str = "auto"
-    cascade: bool = True
+    cascade: bool | str = "auto"
     speculative: SpeculativeSpec | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cascade, bool) and self.cascade != "auto":
+            raise ValueError(f"rollout.cascade_attention={self.cascade!r}: expected True, False or 'auto'")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"rollout.kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
         for name in ("max_num_seqs", "page_size", "pages_per_slot"):
@@ -229,9 +232,14 @@ def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeSt
 
 def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | None:
     """(rows, members per row) of the cascade groups `generate` takes for `slots` slots and n samples
-    per prompt, or None when it takes none (cascade off, or n = 1: nothing shared). slots // 2 rows
-    hold every group with two or more members in slots."""
-    if not spec.cascade or n < 2:
+    per prompt, or None when it takes none: cascade off, n = 1 (nothing shared), or 'auto' where the
+    decode attention is the XLA path (on CPU it measured slower with cascade rows than without: the
+    extra passes and row-to-slot moves cost more than the shared pages' reads they save; 0.86x
+    useful tokens/s at 64 slots x 512 tokens on SmolLM2, docs/performance.md). slots // 2 rows hold
+    every group with two or more members in slots."""
+    if spec.cascade is False or n < 2:
+        return None
+    if spec.cascade == "auto" and takes_xla_path(spec.attn_impl, spec.kv_cache_dtype == "int8"):
         return None
     return max(1, slots // 2), min(n, slots)
 

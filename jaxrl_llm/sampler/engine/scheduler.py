@@ -8,8 +8,9 @@ its n samples' slots; full prompt pages are shared by the samples, the partial l
 response pages are their own; with `batch_prefill` the new prompts of a round that share a length
 bucket prefill in one program call, within `max_num_batched_tokens`), then one `generate` call of
 up to `steps_per_call` decode steps that returns early when a slot finishes while requests wait,
-then collect finished slots and free their pages. With `spec.cascade` each `generate` call gets the
-groups of slots whose shared prompt pages are read once per group (sampler/cascade_attention.py).
+then collect finished slots and free their pages. With cascade rows (`programs.cascade_shape`: per
+`spec.cascade` and the decode attention's path) each `generate` call gets the groups of slots whose
+shared prompt pages are read once per group (sampler/cascade_attention.py).
 A request waits while the pool lacks the pages for its whole sequence (prompt + max_new_tokens),
 so a running request never runs out of KV.
 

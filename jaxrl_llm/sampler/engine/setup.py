@@ -48,7 +48,7 @@ class EngineOptions:
     attention_impl: str = "auto"  # paged attention: 'auto' (Pallas on GPU / TPU, XLA elsewhere), 'pallas', 'xla'
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
-    cascade_attention: bool = True  # rollout.cascade_attention: a prompt's n samples read its pages once
+    cascade_attention: bool | str = "auto"  # rollout.cascade_attention: a prompt's n samples read its pages once
     unroll_layers: bool = False  # rollout.unroll_layers: decode over per-layer weights (faster steps on CPU)
     speculative: SpeculativeSpec | None = None  # rollout.speculative: draft and verify tokens (None: off)
 
