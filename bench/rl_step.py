@@ -22,8 +22,9 @@ bf16 ours 41.8 / 48.0 s, TRL 69.2 / 82.5 s: 1.69x. The 13:00 figures before shar
 were 1.61x and 1.28x (docs/performance.md). Each step prints its timing spans, XLA compiles and the
 update's packed micro-batches. 2026-11-27, the same fp32 command with `--variants no_cascade ngram
 partial` (no_cascade: cascade attention off, then on by default; now the variant is `cascade`, on,
-since the default 'auto' leaves it off on CPU): ours 36.6 s, cascade off 36.7 s, ngram 60.9 s, partial 42.4 s, TRL 131.2 s per timed step:
-TRL / ours 3.59x (docs/performance.md "The GRPO step with each rollout option flipped").
+since the default 'auto' leaves it off on CPU): ours 36.6 s, cascade off 36.7 s, ngram 60.9 s,
+partial 42.4 s, TRL 131.2 s per timed step: TRL / ours 3.59x (docs/performance.md "The GRPO step
+with each rollout option flipped").
 2026-11-28, `--workload varied --steps 1` (512 new tokens): ours 284.0 s (27 s of it compiling), TRL
 538.0 s per timed step: 1.89x per step, 2.37x in total tokens/s (our answers 270 tokens on average
 against TRL's 189 on the same prompts).
