@@ -5,7 +5,8 @@ back, one table printed, and a run that would not fit stopped before anything is
 Per program (per device): arguments, outputs, temporaries (`compiled.memory_analysis()`); its
 peak = arguments + outputs - aliased (donated) + temporaries + generated code; plus the persistent
 state of the step that is NOT among its arguments (`resident`: e.g. the critic and the reference
-while the actor updates), so `total` is what the device holds while the program runs. The row
+while the actor updates, or the fp32 masters while the paged engine decodes from their compute-dtype
+copy), so `total` is what the device holds while the program runs. The row
 also names the params / optimizer state / KV cache it holds, its FLOPs
 (`compiled.cost_analysis()`, whose loop bodies XLA counts once: one layer's count, read from the
 program lowered with two layers per layer-scan trip, is added for the other layers, and the sum
@@ -183,8 +184,10 @@ class Planner:
         self.state_bytes = device_state_bytes(self.ctx)
         # the sampler's KV pool lives for its rollout only (sampler/engine/scheduler.py): it is resident
         # during the other programs where a pipelined rollout runs beside them on the same devices
+        # (and so are its decode weight copies, `Program.held_bytes`)
         if spec.sync.weight_copies:
             self.state_bytes["kv_pool"] = sum(p.kv_bytes for p in self.programs if p.name == "sample")
+            self.state_bytes["decode_weights"] = sum(p.held_bytes for p in self.programs if p.name == "sample")
         # what the programs depend on (not the run dir, data files or logging): equal runs share probes
         self._fingerprint = (repr((spec.model, spec.actor, spec.actor_optim, spec.ref, spec.train_sampling, spec.critic,
                                    spec.critic_model, spec.critic_optim, spec.advantage, spec.rollout_correction,
@@ -206,7 +209,7 @@ class Planner:
 
     def _analyse(self, program: Program, plan: BatchPlan, micro: Any) -> ProgramMemory:
         lowered = program.lower(plan)
-        resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args)
+        resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args) + program.held_bytes
         # as arguments the states are on device, an offloaded reference included
         params = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_params"))
         opt = sum(bytes_per_device(self.ctx.states[s]) for s in program.state_args if s.endswith("_opt"))

@@ -263,6 +263,41 @@ def test_paged_engine_plan_holds_its_kv_pool(tmp_path):
     assert sample.flops > 0 and any("max_num_seqs" in k for k in sample.keys)
 
 
+def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
+    """The engine decodes from a compute-dtype copy of the matmul weights (the fp32 masters stay alive)
+    and, with rollout.unroll_layers, from per-layer copies of the layers: the sampler's row holds them."""
+    import jax
+    import jax.numpy as jnp
+
+    def sample_and_planner(**overrides):
+        spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged", **overrides})
+        planner = Planner(spec, mesh, tok)
+        return plan_memory(spec, mesh, tok, peak_flops=PEAK).program("sample"), planner
+
+    def states_beside(planner):  # the step's states the sampler does not take as arguments
+        return sum(b for s, b in planner.state_bytes.items() if s != "actor_params")
+
+    sample, planner = sample_and_planner()
+    params = planner.ctx.states["actor_params"]
+    matmul = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
+    assert sample.resident_bytes == states_beside(planner)  # fp32: decode reads the masters themselves
+
+    bf16 = {"actor_rollout_ref.model.dtype": "bfloat16"}
+    sample, planner = sample_and_planner(**bf16)
+    masters = sum(bytes_per_device(x) for x in matmul)
+    assert sample.resident_bytes == states_beside(planner) + masters  # the masters beside the bf16 copy
+
+    unroll = {"actor_rollout_ref.rollout.unroll_layers": True}
+    sample, planner = sample_and_planner(**unroll)
+    assert sample.resident_bytes == states_beside(planner) + bytes_per_device(params["layers"])
+    assert any("unroll_layers" in k for k in sample.keys)
+
+    sample, planner = sample_and_planner(**bf16, **unroll)
+    bf16_layers = sum(bytes_per_device(x) // (2 if x.ndim >= 2 else 1) for x in jax.tree.leaves(params["layers"]))
+    assert all(x.dtype == jnp.float32 for x in matmul) and 0 < bf16_layers < bytes_per_device(params["layers"])
+    assert sample.resident_bytes == states_beside(planner) + masters + bf16_layers
+
+
 def test_a_program_the_compiler_refused_never_fits():
     """The TPU compiler refuses a program whose temporaries exceed its usable HBM, which is below the
     published figure: the plan records the bytes it asked for, and the row does not fit even when those
