@@ -14,7 +14,15 @@ writes <out>/<section>.json and prints one summary line:
             decode attention kernel vs XLA at 64 and 256 slots, KV GB/s against the copy ceiling;
 3. step     a GRPO step of a Qwen2-0.5B-shaped bf16 model (random weights): update MFU, reference
             pass, paged decode tokens/s, the memory plan's peak against the measured one;
-4. tests    a pytest subset on the device with jax_default_matmul_precision=highest.
+4. tests    a pytest subset on the device with jax_default_matmul_precision=highest;
+5. decode   (not in the default run: `--sections decode`, a call of its own) the paged engine's rollout
+            rows on the Qwen2-0.5B-shaped bf16 model: 64 prompts x n=4, 256 new tokens, at 64 and 256
+            slots with cascade attention off and on, and at 64 slots with n-gram and draft-model
+            speculation (the draft: the model's first quarter of layers): useful tokens/s, decode steps,
+            and the bytes a step reads (weights + KV) per second of decode step. Random weights: the
+            speculative rows measure the drafting / verification overhead, not a real acceptance rate.
+
+A section a deadline stops keeps the rows it wrote (decode writes its JSON after every row).
 """
 from __future__ import annotations
 
@@ -28,9 +36,9 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("env", "kernels", "step", "tests")
-# seconds each section may take, as shares of --budget_s
-SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2}
+SECTIONS = ("env", "kernels", "step", "tests")  # the default run; "decode" on request
+# seconds each section may take, as shares of --budget_s (normalised over the sections run)
+SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0}
 
 
 def _timed(fn, *args, repeats: int = 3) -> float:
@@ -208,10 +216,99 @@ def section_tests(tiny: bool, out: pathlib.Path) -> dict:
     return {"returncode": proc.returncode, "tail": tail, "summary": tail[-1] if tail else "no output",
             "status": "ok" if proc.returncode == 0 else "failed"}
 
+def _decode_model(tiny: bool):
+    """(config, bf16 random params) of the decode rows: Qwen2-0.5B's shape, or a tiny qwen2."""
+    import jax
+
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.models.param_init import init_params
+
+    shape = {} if tiny else dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                                 max_position_embeddings=4096, tie_word_embeddings=True)
+    cfg = ModelConfig.tiny("qwen2", **shape)
+    return cfg, init_params(cfg, jax.random.PRNGKey(0), dtype="bfloat16")
+
+
+def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int, options: dict,
+                draft_params=None) -> dict:
+    """One engine row: a warm-up run (compiles), then the timed run of the same shapes, other seed."""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm.sampler import SamplingParams
+    from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=n, seed=0)
+    # EOS: a token no prompt uses and random weights rarely pick, so lengths stay near the limit
+    settings, knobs = sp.compile_args([cfg.eos_token_id], cfg.pad_token_id, vocab_size=cfg.vocab_size,
+                                      compute_dtype="bfloat16")
+    opts = EngineOptions(max_num_seqs=slots, **options)
+    run = lambda seed: sample_paged(params, cfg, prompts, jax.random.key(seed), knobs,  # noqa: E731
+                                    settings=settings, opts=opts, draft_params=draft_params)
+    start = time.perf_counter()
+    jax.block_until_ready(run(0)[0].lengths)
+    warm_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out, stats = run(1)
+    wall = time.perf_counter() - start
+    useful = int(np.asarray(out.lengths).sum())
+    # bytes a decode step reads without cascade: every weight once, and each live slot's KV up to its
+    # position (on average its prompt and half its response)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16 K + V
+    live = stats.useful_token_steps / max(1, stats.decode_steps)  # mean live slots per step
+    context = float(np.mean([len(p) for p in prompts])) + useful / (len(prompts) * n) / 2
+    step_s = wall / max(1, stats.decode_steps)
+    spec = options.get("speculative")
+    row = {"slots": slots, "cascade_attention": options.get("cascade_attention", "auto"),
+           "speculative": None if spec is None else f"{spec.method}, {spec.num_tokens} drafts", "useful_tokens": useful,
+           "wall_s": wall, "warmup_s": warm_s, "tokens_per_s": useful / wall, "decode_steps": stats.decode_steps,
+           "step_ms": 1e3 * step_s, "mean_live_slots": live,
+           "read_gbps": (weight_bytes + live * context * kv_token) / step_s / 1e9,
+           "utilisation": stats.utilisation, "peak_cascade_groups": stats.peak_cascade_groups}
+    row.update(stats.speculative_metrics())
+    return row
+
+
+def section_decode(tiny: bool, out: pathlib.Path) -> dict:
+    """The paged engine's decode rows (module doc, 5.), each written to <out>/decode.json as it ends."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jaxrl_llm.sampler.speculative import SpeculativeSpec
+
+    cfg, params = _decode_model(tiny)
+    # prompts of whole KV pages (16 tokens each), which a group's samples share: cascade has rows to take
+    prompt_len, new_tokens, num_prompts, n = (40, 8, 4, 2) if tiny else (128, 256, 64, 4)
+    small, large = (2, None) if tiny else (64, 256)  # the CPU rehearsal: one slot count (each compiles anew)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, prompt_len)] for _ in range(num_prompts)]
+    layers = max(1, cfg.num_hidden_layers // 4)
+    draft_cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+    draft_params = dict(params, layers=jax.tree.map(lambda x: x[:layers], params["layers"]))
+    plans = [(name, slots, {"cascade_attention": name == "cascade"}) for slots in (small, large) if slots
+             for name in ("plain", "cascade")]
+    plans += [("ngram", small, {"speculative": SpeculativeSpec("ngram", num_tokens=4)}),
+              ("draft", small, {"speculative": SpeculativeSpec("draft", num_tokens=4, draft_cfg=draft_cfg)})]
+    result: dict = {"model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+                             f"bf16 random weights", "prompts": num_prompts, "n": n, "prompt_tokens": prompt_len,
+                    "new_tokens": new_tokens, "rows": []}
+    for name, slots, options in plans:
+        row = _decode_row(cfg, params, prompts, slots, new_tokens, n, options,
+                          draft_params if name == "draft" else None)
+        result["rows"].append({"name": name, **row})
+        result["summary"] = ", ".join(f"{r['name']}@{r['slots']} {r['tokens_per_s']:.0f} tok/s "
+                                      f"{r['read_gbps']:.0f} GB/s" for r in result["rows"])
+        (out / "decode.json").write_text(json.dumps({**result, "status": "partial"}, indent=1, default=str))
+    return result
+
 
 def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:
     fns = {"env": section_env, "kernels": section_kernels, "tests": lambda tiny: section_tests(tiny, out),
-           "step": lambda tiny: section_step(tiny, out)}
+           "step": lambda tiny: section_step(tiny, out), "decode": lambda tiny: section_decode(tiny, out)}
     result = fns[name](tiny)
     result.setdefault("status", "ok")
     return result
@@ -235,14 +332,20 @@ def main() -> int:
         (out / f"{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
         return 0 if result["status"] == "ok" else 1
     failed = 0
-    for name in args.sections.split(","):
-        deadline = SHARES[name] * args.budget_s
+    names = args.sections.split(",")
+    unknown = [name for name in names if name not in SHARES]
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; known: {list(SHARES)}")
+    for name in names:
+        deadline = SHARES[name] / sum(SHARES[s] for s in names) * args.budget_s
         start = time.perf_counter()
         cmd = [sys.executable, __file__, "--section", name, "--out", str(out)] + (["--tiny"] if args.tiny else [])
         try:
             subprocess.run(cmd, timeout=deadline, check=False)
-        except subprocess.TimeoutExpired:
-            (out / f"{name}.json").write_text(json.dumps({"status": "timeout", "deadline_s": deadline}))
+        except subprocess.TimeoutExpired:  # what it wrote so far stays (decode's finished rows)
+            path = out / f"{name}.json"
+            partial = json.loads(path.read_text()) if path.exists() else {}
+            path.write_text(json.dumps({**partial, "status": "timeout", "deadline_s": deadline}, default=str))
         path = out / f"{name}.json"
         result = json.loads(path.read_text()) if path.exists() else {"status": "crashed"}
         failed += result.get("status") != "ok"

@@ -28,6 +28,26 @@ def test_device_check_tiny_runs_every_section(tmp_path):
     assert "passed" in results["tests"]["summary"]
 
 
+def test_device_check_tiny_decode_rows(tmp_path):
+    """The decode section (#30's GPU rows, a call of its own on the device) rehearsed: every row runs,
+    the cascade row takes shared-prefix groups, the speculative rows report their drafts."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--sections", "decode",
+                           "--out", str(tmp_path), "--budget_s", "1200"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "decode.json").read_text())
+    assert result["status"] == "ok", result
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "cascade", "ngram", "draft"}
+    for row in rows.values():  # 4 prompts x n=2, 8 new tokens each (random weights: EOS is rare)
+        assert 0 < row["useful_tokens"] <= 64 and row["tokens_per_s"] > 0 and row["read_gbps"] > 0, row
+    assert rows["plain"]["peak_cascade_groups"] == 0 < rows["cascade"]["peak_cascade_groups"]
+    for name in ("ngram", "draft"):
+        assert 0 <= rows[name]["rollout/spec_accept_rate"] <= 1 and rows[name]["rollout/tokens_per_step"] >= 1
+    assert "plain@2" in result["summary"]
+
+
 def test_device_scripts_parse():
     for script in ("fetch_wheels.sh", "run.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / "device" / script)], check=True)
