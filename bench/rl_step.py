@@ -27,7 +27,8 @@ partial 42.4 s, TRL 131.2 s per timed step: TRL / ours 3.59x (docs/performance.m
 with each rollout option flipped").
 2026-11-28, `--workload varied --steps 1` (512 new tokens): ours 284.0 s (27 s of it compiling), TRL
 538.0 s per timed step: 1.89x per step, 2.37x in total tokens/s (our answers 270 tokens on average
-against TRL's 189 on the same prompts).
+against TRL's 189 on the same prompts). `--steps 2 --variants partial --torch-threads 2`: ours 278.6 s,
+partial rollouts 262.8 s, TRL 510.9 s per timed step: 1.83x (1.94x with partial), 1.99x in total tokens/s.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--dtype float32|bfloat16] [--skip-trl]
