@@ -184,10 +184,10 @@ class Planner:
         self.state_bytes = device_state_bytes(self.ctx)
         # the sampler's KV pool lives for its rollout only (sampler/engine/scheduler.py): it is resident
         # during the other programs where a pipelined rollout runs beside them on the same devices
-        # (and so are its decode weight copies, `Program.held_bytes`)
+        # (and so are its decode weight copies, `Program.copy_bytes`)
         if spec.sync.weight_copies:
             self.state_bytes["kv_pool"] = sum(p.kv_bytes for p in self.programs if p.name == "sample")
-            self.state_bytes["decode_weights"] = sum(p.held_bytes for p in self.programs if p.name == "sample")
+            self.state_bytes["decode_weights"] = sum(p.copy_bytes for p in self.programs if p.name == "sample")
         # what the programs depend on (not the run dir, data files or logging): equal runs share probes
         self._fingerprint = (repr((spec.model, spec.actor, spec.actor_optim, spec.ref, spec.train_sampling, spec.critic,
                                    spec.critic_model, spec.critic_optim, spec.advantage, spec.rollout_correction,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,9 @@ class Program:
     # per device: arrays its caller holds while it runs beside its arguments and the step's states (the paged
     # engine's fp32 masters under their compute-dtype decode copy, the per-layer copy of rollout.unroll_layers)
     held_bytes: int = 0
+    # per device: the weight copies the paged engine makes for a rollout (resident beside the other programs
+    # while a pipelined rollout runs, as its KV pool is)
+    copy_bytes: int = 0
     layers: int = 1  # trips of its model's layer scan (counted once, like any loop body)
 
 
@@ -240,29 +243,37 @@ def sample_program(ctx: Context) -> Program:
                    layers=cfg.num_hidden_layers)
 
 
-def decode_weight_copies(params: Any, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool) -> tuple[Any, int]:
-    """(the abstract params the paged engine's decode steps read, per-device bytes it holds besides them)
-    for abstract `params` (with shardings). The engine (sampler/engine/scheduler.py) reads a copy of the
-    matmul weights in the compute dtype, made once per rollout, while the masters stay alive; with
-    `rollout.unroll_layers` the steps read per-layer copies of that copy's layers, while prefill keeps
-    the stacked ones. Unrolled layers are planned as the stack (same bytes per device)."""
+class DecodeWeights(NamedTuple):
+    """What the paged engine decodes from, for abstract params (per-device bytes)."""
+
+    params: Any  # the abstract params `generate` reads (the matmul weights in the compute dtype)
+    held: int  # held besides them while it runs: the masters they were cast from, the per-layer copy
+    copies: int  # the copies the rollout makes: the cast weights and the per-layer copy
+
+
+def decode_weights(params: Any, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool) -> DecodeWeights:
+    """The paged engine's decode weights for abstract `params` (with shardings). The engine
+    (sampler/engine/scheduler.py) reads a copy of the matmul weights in the compute dtype, made once
+    per rollout, while the masters stay alive; with `rollout.unroll_layers` the steps read per-layer
+    copies of that copy's layers, while prefill keeps the stacked ones. Unrolled layers are planned
+    as the stack (the same bytes per device)."""
     target = jnp.dtype(compute_dtype_of(compute_dtype))
-    cast = [is_uncast_matmul_weight(x, target) for x in jax.tree.leaves(params)]
-    masters = sum(bytes_per_device(x) for x, c in zip(jax.tree.leaves(params), cast) if c)
-    step = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)
-                        if is_uncast_matmul_weight(x, target) else x, params)
+    in_target = lambda x: jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)  # noqa: E731
+    cast = [x for x in jax.tree.leaves(params) if is_uncast_matmul_weight(x, target)]
+    step = jax.tree.map(lambda x: in_target(x) if is_uncast_matmul_weight(x, target) else x, params)
     per_layer = bytes_per_device(step["layers"]) if unroll_layers and not cfg.mixed_layers else 0
-    return step, masters + per_layer
+    return DecodeWeights(step, bytes_per_device(cast) + per_layer,
+                         bytes_per_device([in_target(x) for x in cast]) + per_layer)
 
 
 def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, decode: Callable) -> Program:
     """The paged engine's `generate` (jaxrl_llm/sampler/engine): its decode state holds the KV pool,
     sized as the run sizes it (`engine_spec`), so the pool is among the program's arguments, as are
-    the decode weights (`decode_weight_copies`). The per-prompt prefill (chunked: one chunk's scores at
+    the decode weights (`decode_weights`). The per-prompt prefill (chunked: one chunk's scores at
     a time) is far smaller and not planned."""
     spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
     opts, dtype = spec.rollout_engine, spec.actor.compute_dtype
-    policy, held = decode_weight_copies(ctx.policy_params(), cfg, dtype, opts.unroll_layers)
+    weights = [decode_weights(ctx.policy_params(), cfg, dtype, opts.unroll_layers)]
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
     make = functools.partial(engine_programs.init_state, cfg, engine, settings.max_new_tokens, dtype)
@@ -275,9 +286,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         draft_cfg = engine.speculative.draft_cfg
         abstract_draft, draft_shardings = param_shardings_of(draft_cfg, "lm", mesh, compute_dtype_of(
             spec.model.param_dtype))
-        draft, draft_held = decode_weight_copies(_abstract(abstract_draft, draft_shardings), draft_cfg, dtype,
-                                                 opts.unroll_layers)
-        held += draft_held
+        weights.append(decode_weights(_abstract(abstract_draft, draft_shardings), draft_cfg, dtype, opts.unroll_layers))
+        draft = weights[-1].params
 
     groups = engine_programs.cascade_shape(engine, engine.max_num_seqs, settings.n)
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
@@ -285,7 +295,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
 
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
-        return _lower(engine_programs.generate, platforms, policy, _unrolled(cfg, unroll), state,
+        return _lower(engine_programs.generate, platforms, weights[0].params, _unrolled(cfg, unroll), state,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
@@ -297,8 +307,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     if opts.unroll_layers:
         keys += (f"{ARR}.rollout.unroll_layers=False (no per-layer weight copy)",)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
-                   extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=held,
-                   layers=cfg.num_hidden_layers)
+                   extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),
+                   copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers)
 
 
 def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model: Model, fn: Callable, *,

@@ -297,6 +297,11 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     assert all(x.dtype == jnp.float32 for x in matmul) and 0 < bf16_layers < bytes_per_device(params["layers"])
     assert sample.resident_bytes == states_beside(planner) + masters + bf16_layers
 
+    # a pipelined rollout runs beside the other programs: its copies (not the masters) are resident then
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged", **bf16,
+                                         "synchronizer.sync_offset": 1})
+    assert Planner(spec, mesh, tok).state_bytes["decode_weights"] == masters // 2
+
 
 def test_a_program_the_compiler_refused_never_fits():
     """The TPU compiler refuses a program whose temporaries exceed its usable HBM, which is below the
