@@ -216,6 +216,7 @@ def section_tests(tiny: bool, out: pathlib.Path) -> dict:
     return {"returncode": proc.returncode, "tail": tail, "summary": tail[-1] if tail else "no output",
             "status": "ok" if proc.returncode == 0 else "failed"}
 
+
 def _decode_model(tiny: bool):
     """(config, bf16 random params) of the decode rows: Qwen2-0.5B's shape, or a tiny qwen2."""
     import jax
