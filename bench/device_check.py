@@ -41,6 +41,14 @@ SECTIONS = ("env", "kernels", "step", "tests")  # the default run; "decode" on r
 SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0}
 
 
+def _write_json(path: pathlib.Path, result: dict) -> None:
+    """`result` as JSON at `path`, whole or not at all: a section killed at its deadline while writing
+    leaves its previous file, which the kit then reads."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def _timed(fn, *args, repeats: int = 3) -> float:
     """Best wall time of `fn(*args)` in seconds, blocked on (compiled by a first call)."""
     import jax
@@ -303,7 +311,7 @@ def section_decode(tiny: bool, out: pathlib.Path) -> dict:
         result["rows"].append({"name": name, **row})
         result["summary"] = ", ".join(f"{r['name']}@{r['slots']} {r['tokens_per_s']:.0f} tok/s "
                                       f"{r['read_gbps']:.0f} GB/s" for r in result["rows"])
-        (out / "decode.json").write_text(json.dumps({**result, "status": "partial"}, indent=1, default=str))
+        _write_json(out / "decode.json", {**result, "status": "partial"})
     return result
 
 
@@ -330,7 +338,7 @@ def main() -> int:
             result = run_section(args.section, args.tiny, out)
         except Exception as err:  # noqa: BLE001 - reported in the section's JSON, the kit goes on
             result = {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000], "summary": str(err)[:200]}
-        (out / f"{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
+        _write_json(out / f"{args.section}.json", result)
         return 0 if result["status"] == "ok" else 1
     failed = 0
     names = args.sections.split(",")
@@ -346,7 +354,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:  # what it wrote so far stays (decode's finished rows)
             path = out / f"{name}.json"
             partial = json.loads(path.read_text()) if path.exists() else {}
-            path.write_text(json.dumps({**partial, "status": "timeout", "deadline_s": deadline}, default=str))
+            _write_json(path, {**partial, "status": "timeout", "deadline_s": deadline})
         path = out / f"{name}.json"
         result = json.loads(path.read_text()) if path.exists() else {"status": "crashed"}
         failed += result.get("status") != "ok"
