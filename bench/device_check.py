@@ -20,9 +20,11 @@ writes <out>/<section>.json and prints one summary line:
             slots with cascade attention off and on, and at 64 slots with n-gram and draft-model
             speculation (the draft: the model's first quarter of layers): useful tokens/s, decode steps,
             and the bytes a step reads (weights + KV) per second of decode step. Random weights: the
-            speculative rows measure the drafting / verification overhead, not a real acceptance rate.
+            speculative rows measure the drafting / verification overhead, not a real acceptance rate;
+6. cascade  (on request too: `--sections cascade`) cascade attention off and on with long shared
+            prompts: 16 prompts of 2048, then 1024 tokens, x n=8, 64 slots, 64 new tokens.
 
-A section a deadline stops keeps the rows it wrote (decode writes its JSON after every row).
+A section a deadline stops keeps the rows it wrote (decode and cascade write their JSON after every row).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = ("env", "kernels", "step", "tests")  # the default run; "decode" on request
 # seconds each section may take, as shares of --budget_s (normalised over the sections run)
-SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0}
+SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0, "cascade": 1.0}
 
 
 def _write_json(path: pathlib.Path, result: dict) -> None:
@@ -218,7 +220,8 @@ def section_tests(tiny: bool, out: pathlib.Path) -> dict:
     with open(log, "w") as sink:
         kit = "tests/platform/test_device_kit.py::test_device_check_tiny_"
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *paths,
-                               "--deselect", kit + "runs_every_section", "--deselect", kit + "decode_rows"],
+                               "--deselect", kit + "runs_every_section", "--deselect", kit + "decode_rows",
+                               "--deselect", kit + "cascade_rows"],
                               cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     tail = log.read_text().strip().splitlines()[-15:]
     return {"returncode": proc.returncode, "tail": tail, "summary": tail[-1] if tail else "no output",
@@ -280,6 +283,13 @@ def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int,
     return row
 
 
+def _write_rows(out: pathlib.Path, name: str, result: dict, label) -> None:
+    """`result` with its rows' summary (`label(row)` names a row) to <out>/<name>.json, marked partial."""
+    result["summary"] = ", ".join(f"{label(r)} {r['tokens_per_s']:.0f} tok/s {r['read_gbps']:.0f} GB/s"
+                                  for r in result["rows"])
+    _write_json(out / f"{name}.json", {**result, "status": "partial"})
+
+
 def section_decode(tiny: bool, out: pathlib.Path) -> dict:
     """The paged engine's decode rows (module doc, 5.), each written to <out>/decode.json as it ends."""
     import dataclasses
@@ -309,15 +319,34 @@ def section_decode(tiny: bool, out: pathlib.Path) -> dict:
         row = _decode_row(cfg, params, prompts, slots, new_tokens, n, options,
                           draft_params if name == "draft" else None)
         result["rows"].append({"name": name, **row})
-        result["summary"] = ", ".join(f"{r['name']}@{r['slots']} {r['tokens_per_s']:.0f} tok/s "
-                                      f"{r['read_gbps']:.0f} GB/s" for r in result["rows"])
-        _write_json(out / "decode.json", {**result, "status": "partial"})
+        _write_rows(out, "decode", result, lambda r: f"{r['name']}@{r['slots']}")
+    return result
+
+
+def section_cascade(tiny: bool, out: pathlib.Path) -> dict:
+    """Cascade attention off and on where it has the most to save (module doc, 6.): long prompts shared
+    by n = 8 samples, so a plain decode step reads mostly prompt KV. Rows to <out>/cascade.json."""
+    import numpy as np
+
+    cfg, params = _decode_model(tiny)
+    lengths, new_tokens, num_prompts, n, slots = ((64,), 4, 2, 4, 8) if tiny else ((2048, 1024), 64, 16, 8, 64)
+    rng = np.random.default_rng(0)
+    result: dict = {"model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+                             f"bf16 random weights", "prompts": num_prompts, "n": n, "slots": slots,
+                    "new_tokens": new_tokens, "rows": []}
+    for prompt_len in lengths:
+        prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, prompt_len)] for _ in range(num_prompts)]
+        for name in ("plain", "cascade"):
+            row = _decode_row(cfg, params, prompts, slots, new_tokens, n, {"cascade_attention": name == "cascade"})
+            result["rows"].append({"name": name, "prompt_tokens": prompt_len, **row})
+            _write_rows(out, "cascade", result, lambda r: f"{r['name']}@{r['prompt_tokens']}p")
     return result
 
 
 def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:
     fns = {"env": section_env, "kernels": section_kernels, "tests": lambda tiny: section_tests(tiny, out),
-           "step": lambda tiny: section_step(tiny, out), "decode": lambda tiny: section_decode(tiny, out)}
+           "step": lambda tiny: section_step(tiny, out), "decode": lambda tiny: section_decode(tiny, out),
+           "cascade": lambda tiny: section_cascade(tiny, out)}
     result = fns[name](tiny)
     result.setdefault("status", "ok")
     return result

@@ -250,10 +250,12 @@ ROLLOUT = {
                                        "KV pages once per decode step (one attention over them with the n "
                                        "queries, one over each sample's own pages, the same softmax; equal to "
                                        "plain paged attention to 1e-6 in fp32). true: whenever rollout.n >= 2; "
-                                       "false: once per sample; 'auto' (the default): where decode attention is "
-                                       "a Pallas kernel (GPU / TPU), not on the XLA path (CPU, int8 KV, "
-                                       "paged_attention='xla'), where it measured slower (SmolLM2, 64 slots x "
-                                       "512 tokens on the 2-core CPU: 89.6 vs 103.8 useful tokens/s). "
+                                       "false: once per sample; 'auto' (the default): only where decode attention "
+                                       "is the TPU's Mosaic kernel (not measured yet). Off on CPU's XLA path "
+                                       "(and int8 KV, paged_attention='xla') and on GPU, where it measured "
+                                       "slower: SmolLM2, 64 slots x 512 tokens on the 2-core CPU, 89.6 vs "
+                                       "103.8 useful tokens/s; H200, Qwen2-0.5B shape, 0.74-0.95x with "
+                                       "128-2048-token prompts (docs/performance.md). "
                                        "jaxrl_llm (FlashInfer's cascade attention).",
                                types=(str, bool), choices=("auto",)),
     "unroll_layers": field(False, "Paged engine: decode runs over per-layer copies of the weights, one layer "

@@ -48,6 +48,24 @@ def test_device_check_tiny_decode_rows(tmp_path):
     assert "plain@2" in result["summary"]
 
 
+def test_device_check_tiny_cascade_rows(tmp_path):
+    """The cascade section (long shared prompts, cascade off and on) rehearsed: both rows decode the
+    same number of tokens, only the cascade row takes shared-prefix groups."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--sections", "cascade",
+                           "--out", str(tmp_path), "--budget_s", "600"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=700)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "cascade.json").read_text())
+    assert result["status"] == "ok", result
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "cascade"} and len(result["rows"]) == 2
+    assert rows["plain"]["decode_steps"] == rows["cascade"]["decode_steps"] > 0
+    assert 0 < rows["plain"]["useful_tokens"] <= 2 * 4 * 4  # 2 prompts x n=4, 4 new tokens each
+    assert rows["plain"]["peak_cascade_groups"] == 0 < rows["cascade"]["peak_cascade_groups"]
+    assert "plain@64p" in result["summary"] and "cascade@64p" in result["summary"]
+
+
 def test_device_scripts_parse():
     for script in ("fetch_wheels.sh", "run.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / "device" / script)], check=True)

@@ -68,7 +68,9 @@ def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology):
 
 @pytest.mark.parametrize("engine", ["paged", "static"])
 def test_every_program_of_a_step_lowers_for_cuda(tmp_path, engine):
-    cfg = validate_config(tiny_config(tmp_path, **{**STEP, "actor_rollout_ref.rollout.engine": engine}),
+    # cascade attention set on: its 'auto' is off on GPU (slower on an H200), and its lowering is checked here
+    cfg = validate_config(tiny_config(tmp_path, **{**STEP, "actor_rollout_ref.rollout.engine": engine,
+                                                   "actor_rollout_ref.rollout.cascade_attention": True}),
                           num_devices=8)
     with compiling_for(CompileTarget("gpu", None)):
         spec, programs = _programs(cfg, jax.devices())

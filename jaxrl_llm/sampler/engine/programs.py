@@ -35,6 +35,7 @@ from jaxrl_llm.models import (
     logits_from_hidden,
 )
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
+from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
@@ -58,7 +59,7 @@ class EngineSpec:
     kv_cache_dtype: 'auto' (the compute dtype) or 'int8'. attn_impl: paged attention impl.
     cascade: the samples of a prompt read its shared full pages once per decode step
     (sampler/cascade_attention.py; the scheduler passes the groups to `generate`): True, False, or
-    'auto' (only where decode attention is a Pallas kernel; see `cascade_shape`).
+    'auto' (only where decode attention is the TPU's Mosaic kernel; see `cascade_shape`).
     speculative: draft and verify several tokens per slot and step (engine/verify.py), or None.
     """
 
@@ -232,14 +233,18 @@ def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeSt
 
 def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | None:
     """(rows, members per row) of the cascade groups `generate` takes for `slots` slots and n samples
-    per prompt, or None when it takes none: cascade off, n = 1 (nothing shared), or 'auto' where the
-    decode attention is the XLA path (on CPU it measured slower with cascade rows than without: the
-    extra passes and row-to-slot moves cost more than the shared pages' reads they save; 0.86x
-    useful tokens/s at 64 slots x 512 tokens on SmolLM2, docs/performance.md). slots // 2 rows hold
-    every group with two or more members in slots."""
+    per prompt, or None when it takes none: cascade off, n = 1 (nothing shared), or 'auto' anywhere but
+    a TPU's Mosaic kernel. Where measured, cascade rows were slower than plain paged attention: on
+    CPU's XLA path the extra passes and row-to-slot moves cost more than the shared reads they save
+    (0.86x useful tokens/s, SmolLM2 at 64 slots x 512 tokens), and on an H200's Triton kernel decode
+    is bound by per-step overhead, not bytes (0.86x / 0.95x at 64 / 256 slots with 128-token prompts,
+    0.74x / 0.95x with 1024 / 2048-token prompts x n=8; docs/performance.md). A TPU's decode is not
+    measured yet: there the kernel reads pages at HBM speed, and reading them once per group is the
+    point. slots // 2 rows hold every group with two or more members in slots."""
     if spec.cascade is False or n < 2:
         return None
-    if spec.cascade == "auto" and takes_xla_path(spec.attn_impl, spec.kv_cache_dtype == "int8"):
+    if spec.cascade == "auto" and (target_platform() != "tpu"
+                                   or takes_xla_path(spec.attn_impl, spec.kv_cache_dtype == "int8")):
         return None
     return max(1, slots // 2), min(n, slots)
 
