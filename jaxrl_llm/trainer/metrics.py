@@ -133,6 +133,25 @@ def step_flops(
     return gen + score + train
 
 
+def rollout_step_flops(rollout_rows: Mapping[str, np.ndarray], *, num_params: int, num_layers: int,
+                       hidden_size: int, forward_passes: int, training_passes: int, paged_prefill: bool,
+                       shared_prompts: bool) -> tuple[float, int]:
+    """(`step_flops`, prompt + response tokens) of a step's rollout, from its rows' `prompt_lengths`,
+    `response_lengths` and `group_ids`: a group's prompt counts once where the paged engine's prefill
+    (`paged_prefill`) or shared-prompt packing (`shared_prompts`) computes it once."""
+    prompt_lengths = np.asarray(rollout_rows["prompt_lengths"])
+    prompt_tokens = int(prompt_lengths.sum())
+    response_tokens = int(np.asarray(rollout_rows["response_lengths"]).sum())
+    _, first_rows = np.unique(np.asarray(rollout_rows["group_ids"]), return_index=True)
+    group_prompt_tokens = int(prompt_lengths[first_rows].sum())
+    flops = step_flops(num_params=num_params, num_layers=num_layers, hidden_size=hidden_size,
+                       prompt_tokens=prompt_tokens, response_tokens=response_tokens, forward_passes=forward_passes,
+                       training_passes=training_passes,
+                       prefill_prompt_tokens=group_prompt_tokens if paged_prefill else None,
+                       pass_prompt_tokens=group_prompt_tokens if shared_prompts else None)
+    return flops, prompt_tokens + response_tokens
+
+
 def perf_metrics(
     timings: Mapping[str, float], *, total_tokens: int, flops: float, num_devices: int, peak_flops: float
 ) -> dict[str, float]:

@@ -14,7 +14,6 @@ comes from it, and every batch split from its `BatchPlan`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -33,7 +32,7 @@ from jaxrl_llm.batching.ops import run_no_grad_pass
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.config.checks import check_context
-from jaxrl_llm.config.spec import ModelSpec, RunSpec, SyntheticSpec
+from jaxrl_llm.config.spec import ModelSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.models import ModelConfig
@@ -44,7 +43,8 @@ from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.draft import load_draft, with_draft_config
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
-from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, step_flops
+from jaxrl_llm.trainer.export import export_policy
+from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, rollout_step_flops
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.partial import PartialRollouts
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
@@ -54,12 +54,11 @@ from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role, 
 from jaxrl_llm.trainer.rollout import RolloutGenerator
 from jaxrl_llm.trainer.rollout_batch import Rollout, rollout_dump_rows
 from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
+from jaxrl_llm.trainer.run_setup import load_run_judge, plan_run_memory, write_synthetic_data
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
 from jaxrl_llm.trainer.validation import run_validation
 
 if TYPE_CHECKING:
-    from jaxrl_llm.rewards.judge import Judge
-    from jaxrl_llm.trainer.memory_plan import MemoryPlan
     from jaxrl_llm.trainer.teacher import TeacherRole
 
 log = logging.getLogger("jaxrl_llm")
@@ -88,11 +87,11 @@ class Trainer:
         # would not fit stops here, before a model loads or anything of the run is written
         # (trainer/memory_plan.py).
         # a draft model (rollout.speculative.method='draft'): its vocabulary checked, its config read (trainer/draft.py)
-        self.spec, self.memory_plan = self._plan_memory(with_draft_config(resolve(
+        self.spec, self.memory_plan = plan_run_memory(with_draft_config(resolve(
             checked, dp_size=self.dp_size, num_train_samples=None if train_set is None else len(train_set)),
-            self.tokenizer))
+            self.tokenizer), self.mesh, self.tokenizer, is_main=self.is_main)
         if train_set is None:
-            self._write_synthetic_data(synthetic)
+            write_synthetic_data(synthetic, is_main=self.is_main)
             train_set = build_dataset(data, self.tokenizer, "train")
         spec = self.spec
         assert spec.trainer.total_steps is not None  # known once the dataset size is
@@ -158,7 +157,8 @@ class Trainer:
         self.reward_model = None
         self.judge = None
         if spec.reward_model is not None and spec.reward_model.style == "generative":
-            self.judge = self._load_judge(spec)  # a language model grading responses (rewards/judge.py)
+            # a language model grading responses (rewards/judge.py)
+            self.judge = load_run_judge(spec, self.mesh, self.rollout_mesh, self.tokenizer)
         elif spec.reward_model is not None:
             from jaxrl_llm.rewards.reward_model import RewardModel
 
@@ -205,46 +205,6 @@ class Trainer:
         self.history: list[dict[str, float]] = []  # every logged step's metrics, for notebooks and plots
         if self.is_main:
             print(self.summary(), flush=True)
-
-    # ------------------------------------------------------------------ set-up helpers
-    def _plan_memory(self, spec: RunSpec) -> tuple[RunSpec, MemoryPlan | None]:
-        """`spec` with its 'auto' micro-batch sizes resolved, and the memory plan (printed) when
-        `trainer.memory_plan` is on or a size is 'auto'; else `spec` as it is and None."""
-        from jaxrl_llm.trainer.memory_plan import check_plan_topology, plan_memory
-
-        if spec.trainer.plan_topology is not None:
-            check_plan_topology(spec, self.mesh)
-        if not (spec.trainer.memory_plan or spec.plan.auto_passes):
-            return spec, None
-
-        plan = plan_memory(spec, self.mesh, self.tokenizer)
-        if self.is_main:
-            print(plan.table(), flush=True)
-        return dataclasses.replace(spec, plan=plan.batch_plan), plan
-
-    def _load_judge(self, spec: RunSpec) -> Judge:
-        """The judge of `reward_model.style=generative`, on the rollout devices of a split mesh when
-        `judge.on_rollout_devices`, else on the training mesh."""
-        from jaxrl_llm.trainer.roles import load_judge
-
-        rm = spec.reward_model
-        assert rm is not None and rm.judge is not None
-        mesh = self.rollout_mesh if self.rollout_mesh is not None and rm.judge.on_rollout_devices else self.mesh
-        return load_judge(rm.path, rm.judge, policy_model=spec.model, tokenizer=self.tokenizer, mesh=mesh,
-                          engine=spec.rollout_engine, dtype=rm.dtype, seed=spec.trainer.seed + 2)
-
-    def _write_synthetic_data(self, syn: SyntheticSpec | None) -> None:
-        if syn is None:
-            return
-        from jaxrl_llm.data.synthetic import write_synthetic_files
-
-        if self.is_main and not (storage.exists(syn.train_path) and storage.exists(syn.val_path)):
-            write_synthetic_files(syn.train_path, syn.val_path, syn.task, syn.n_train, syn.n_val,
-                                  difficulty=syn.difficulty, answer_format=syn.answer_format, seed=syn.seed)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("synthetic data written")
 
     def summary(self) -> str:
         """The start-of-run summary (model, mesh, batch plan, algorithm, engine, schedule)."""
@@ -471,23 +431,17 @@ class Trainer:
         if self._peak_flops is None:
             self._peak_flops, _ = device_peak_flops(self.mesh.devices.flat[0], self.spec.actor.compute_dtype)
         spec, m = self.spec, self.actor.model_cfg
-        prompt_tokens = int(rollout.prompt_lengths.sum())
-        response_tokens = int(rollout.response_lengths.sum())
-        # a group's prompt once: what the paged engine's prefill and shared-prompt packing compute
-        _, first_rows = np.unique(rollout.group_ids, return_index=True)
-        group_prompt_tokens = int(rollout.prompt_lengths[first_rows].sum())
         paged = spec.rollout_engine.resolved(spec.plan.response_length,
                                              multi_turn=spec.multi_turn is not None).engine == "paged"
-        shared = spec.model.use_remove_padding and spec.model.share_packed_prompts
         passes = int(self.reference is not None) + int(spec.recompute_old_log_probs) + int(self.critic is not None)
-        train_passes = spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0)
-        flops = step_flops(num_params=self.actor.num_params, num_layers=m.num_hidden_layers,
-                           hidden_size=m.hidden_size, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
-                           forward_passes=passes, training_passes=train_passes,
-                           prefill_prompt_tokens=group_prompt_tokens if paged else None,
-                           pass_prompt_tokens=group_prompt_tokens if shared else None)
-        return perf_metrics(times, total_tokens=prompt_tokens + response_tokens, flops=flops,
-                            num_devices=jax.device_count(), peak_flops=self._peak_flops)
+        flops, tokens = rollout_step_flops(
+            {"prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
+             "group_ids": rollout.group_ids}, num_params=self.actor.num_params, num_layers=m.num_hidden_layers,
+            hidden_size=m.hidden_size, forward_passes=passes,
+            training_passes=spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0),
+            paged_prefill=paged, shared_prompts=spec.model.use_remove_padding and spec.model.share_packed_prompts)
+        return perf_metrics(times, total_tokens=tokens, flops=flops, num_devices=jax.device_count(),
+                            peak_flops=self._peak_flops)
 
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:
@@ -569,23 +523,8 @@ class Trainer:
             print(f"resumed from {point.directory} step {step}", flush=True)
 
     def export_hf(self, out_dir: str) -> str:
-        """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a
-        PEFT folder at `<out_dir>_peft`)."""
-        from jaxrl_llm.hf import export_hf
-        from jaxrl_llm.models.lora import merge_lora
-
-        params = to_host(merge_lora(self.actor.model_params))  # a collective: every process takes part
-        if self.is_main:
-            export_hf(self.actor.model_cfg, params, out_dir, tokenizer=self.tokenizer)
-        lora = self.spec.model.lora
-        if lora is not None:
-            from jaxrl_llm.hf.peft import export_peft
-
-            adapters = to_host(self.actor.params["lora"])
-            if self.is_main:
-                export_peft(self.actor.model_cfg, adapters, lora, f"{out_dir}_peft",
-                            base_model_name_or_path=self.spec.model.path)
-        return out_dir
+        """The policy as an HF folder at `out_dir` (trainer/export.py; every process calls it)."""
+        return export_policy(self.actor, self.spec.model, self.tokenizer, out_dir, is_main=self.is_main)
 
     def close(self, *, quiet: bool = False) -> None:
         """Waits for async saves, then closes the store, the sinks and the reward workers; each is

@@ -1,4 +1,5 @@
 """The chip table, accelerator-type names, and the FLOPs that MFU divides (no compile here)."""
+import numpy as np
 import pytest
 from tiny_runs import tiny_config
 
@@ -12,7 +13,7 @@ from jaxrl_llm.platform import (
     tpu_target,
 )
 from jaxrl_llm.platform import tpu as tpu_module
-from jaxrl_llm.trainer.metrics import device_peak_flops, step_flops
+from jaxrl_llm.trainer.metrics import device_peak_flops, rollout_step_flops, step_flops
 
 
 @pytest.mark.parametrize("kind,name,bf16_tflops,hbm_gib", [
@@ -79,6 +80,21 @@ def test_step_flops_count_a_shared_prompt_once():
     per_token = (every_row - 0) / ((40 + 80) * (1 + 1 + 3))  # gen + 1 scoring + 1 fwd/bwd (x3) over 120 tokens
     # generation computes 40 + 20 tokens, scoring and training 40 + 20 each
     assert shared == pytest.approx(per_token * (60 + 60 + 3 * 60))
+
+
+def test_rollout_step_flops_take_each_groups_prompt_once_where_it_is_shared():
+    # two groups of two rows: prompts of 10 and 30 tokens, responses of 5, 6, 7 and 8
+    rows = {"prompt_lengths": np.array([10, 10, 30, 30]), "response_lengths": np.array([5, 6, 7, 8]),
+            "group_ids": np.array([4, 4, 9, 9])}
+    common = dict(num_params=1000, num_layers=2, hidden_size=8, forward_passes=2, training_passes=1)
+    flops, tokens = rollout_step_flops(rows, paged_prefill=True, shared_prompts=False, **common)
+    assert tokens == 80 + 26
+    assert flops == step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40, **common)
+    plain, _ = rollout_step_flops(rows, paged_prefill=False, shared_prompts=False, **common)
+    both, _ = rollout_step_flops(rows, paged_prefill=True, shared_prompts=True, **common)
+    assert plain == step_flops(prompt_tokens=80, response_tokens=26, **common) > flops > both
+    assert both == step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40,
+                              pass_prompt_tokens=40, **common)
 
 
 def test_logprob_impl_key_reaches_the_actor_and_is_validated(tmp_path):

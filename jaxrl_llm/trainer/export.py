@@ -1,0 +1,27 @@
+"""The trained policy as a Hugging Face folder (`trainer.export_hf`, and `Trainer.export_hf`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxrl_llm.config.spec import ModelSpec
+from jaxrl_llm.sharding import to_host
+from jaxrl_llm.trainer.roles import TrainedRole
+
+
+def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Any, out_dir: str, *, is_main: bool) -> str:
+    """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a PEFT
+    folder at `<out_dir>_peft`). Every process must call it (gathering the weights is a collective);
+    the main process writes."""
+    from jaxrl_llm.hf import export_hf
+    from jaxrl_llm.models.lora import merge_lora
+
+    params = to_host(merge_lora(actor.model_params))
+    if is_main:
+        export_hf(actor.model_cfg, params, out_dir, tokenizer=tokenizer)
+    if model.lora is not None:
+        from jaxrl_llm.hf.peft import export_peft
+
+        adapters = to_host(actor.params["lora"])
+        if is_main:
+            export_peft(actor.model_cfg, adapters, model.lora, f"{out_dir}_peft", base_model_name_or_path=model.path)
+    return out_dir
