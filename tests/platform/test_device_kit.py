@@ -28,16 +28,22 @@ def test_device_check_tiny_runs_every_section(tmp_path):
     assert "passed" in results["tests"]["summary"]
 
 
+def _tiny_section(out: pathlib.Path, section: str, *, budget_s: int) -> dict:
+    """One kit section rehearsed on CPU (a call of its own, as on the device): its JSON, checked ok."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--sections", section,
+                           "--out", str(out), "--budget_s", str(budget_s)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=budget_s + 100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / f"{section}.json").read_text())
+    assert result["status"] == "ok", result
+    return result
+
+
 def test_device_check_tiny_decode_rows(tmp_path):
     """The decode section (#30's GPU rows, a call of its own on the device) rehearsed: every row runs,
     the cascade row takes shared-prefix groups, the speculative rows report their drafts."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--sections", "decode",
-                           "--out", str(tmp_path), "--budget_s", "1200"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "decode.json").read_text())
-    assert result["status"] == "ok", result
+    result = _tiny_section(tmp_path, "decode", budget_s=1200)
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "cascade", "ngram", "draft"}
     for row in rows.values():  # 4 prompts x n=2, 8 new tokens each (random weights: EOS is rare)
@@ -51,13 +57,7 @@ def test_device_check_tiny_decode_rows(tmp_path):
 def test_device_check_tiny_cascade_rows(tmp_path):
     """The cascade section (long shared prompts, cascade off and on) rehearsed: both rows decode the
     same number of tokens, only the cascade row takes shared-prefix groups."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--sections", "cascade",
-                           "--out", str(tmp_path), "--budget_s", "600"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=700)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "cascade.json").read_text())
-    assert result["status"] == "ok", result
+    result = _tiny_section(tmp_path, "cascade", budget_s=600)
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "cascade"} and len(result["rows"]) == 2
     assert rows["plain"]["decode_steps"] == rows["cascade"]["decode_steps"] > 0
