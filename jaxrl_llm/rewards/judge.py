@@ -43,6 +43,8 @@ class JudgeVerdicts:
 
     texts: list[str]
     parsed: np.ndarray  # float32 [N], NaN where the parser could not read the verdict
+    prompt_tokens: int = 0  # what the judge's generation read (its prompts) and wrote: for perf/mfu
+    response_tokens: int = 0
 
     @property
     def failures(self) -> np.ndarray:
@@ -98,8 +100,8 @@ class Judge:
         return [ids[-self.spec.max_prompt_length:] for ids in encoded]
 
     @on_own_mesh
-    def generate(self, prompts: list[Any], rng: jax.Array) -> list[str]:
-        """The judge's verdict text for each prompt (paged engine, one sample each)."""
+    def generate(self, prompts: list[Any], rng: jax.Array) -> tuple[list[str], np.ndarray]:
+        """The judge's verdict text for each prompt (paged engine, one sample each), and its length in tokens."""
         sampling = SamplingParams(max_new_tokens=self.spec.max_new_tokens, temperature=self.spec.temperature,
                                   do_sample=self.spec.temperature > 0, n=1)
         settings, knobs = sampling.compile_args(list(self.eos_ids), self.pad_id, vocab_size=self.model_cfg.vocab_size,
@@ -109,17 +111,19 @@ class Judge:
         out, _ = sample_paged(self.params, self.model_cfg, padded, rng, knobs, settings=settings, opts=self.engine,
                               mesh=self.mesh)
         tokens, lengths = np.asarray(out.tokens)[:count], np.asarray(out.lengths)[:count]
-        return decode_texts(self.tokenizer, tokens, lengths)
+        return decode_texts(self.tokenizer, tokens, lengths), lengths
 
     def judge(self, chats: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any],
               rng: jax.Array) -> JudgeVerdicts:
         """Verdicts and parsed scores of the responses (a user parser receives prompt, response and
         ground_truth beside the verdict)."""
-        texts = self.generate(self.prompts(chats, responses, ground_truths), rng)
+        prompts = self.prompts(chats, responses, ground_truths)
+        texts, lengths = self.generate(prompts, rng)
         rows = [{"prompt": last_user_message(c), "response": r, "ground_truth": g}
                 for c, r, g in zip(chats, responses, ground_truths)]
         parsed = [read_verdict(self.parser, text, row) for text, row in zip(texts, rows)]
-        return JudgeVerdicts(texts, np.asarray([np.nan if v is None else v for v in parsed], np.float32))
+        return JudgeVerdicts(texts, np.asarray([np.nan if v is None else v for v in parsed], np.float32),
+                             prompt_tokens=sum(len(p) for p in prompts), response_tokens=int(np.sum(lengths)))
 
     def combine(self, rule_scores: np.ndarray | None, verdicts: JudgeVerdicts
                 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
@@ -130,7 +134,9 @@ class Judge:
         failures = verdicts.failures
         judge_scores = np.where(failures, np.float32(s.default_score), verdicts.parsed).astype(np.float32)
         metrics = {"reward/judge_parse_failures": float(failures.sum()),
-                   "reward/judge_score/mean": float(judge_scores.mean()) if len(judge_scores) else 0.0}
+                   "reward/judge_score/mean": float(judge_scores.mean()) if len(judge_scores) else 0.0,
+                   "reward/num_judge_prompt_tokens": float(verdicts.prompt_tokens),  # summed over merged batches
+                   "reward/num_judge_response_tokens": float(verdicts.response_tokens)}
         info = {"judge_verdict": np.asarray(verdicts.texts, dtype=object), "judge_score": judge_scores}
         if rule_scores is None:
             return judge_scores, info, metrics

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models.moe import active_params
 from jaxrl_llm.platform.chips import Device, chip_for, peak_flops_of
+
+if TYPE_CHECKING:
+    from jaxrl_llm.config.spec import RunSpec
+    from jaxrl_llm.rewards.judge import Judge
+    from jaxrl_llm.trainer.roles import TrainedRole
+    from jaxrl_llm.trainer.rollout_batch import Rollout
+    from jaxrl_llm.trainer.teacher import TeacherRole
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
@@ -119,12 +127,7 @@ def step_flops(
     paged engine's prefill (`prefill_prompt_tokens`) and by shared-prompt packing
     (`pass_prompt_tokens`): those counts, where given, replace it (MFU then never credits work
     that was not done)."""
-    total_tokens = prompt_tokens + response_tokens
-    dense = 2.0 * num_params
-    # attention score/value FLOPs per token ~ 4 * layers * hidden * average context length
-    avg_context = total_tokens / 2.0
-    attention = 4.0 * num_layers * hidden_size * avg_context / max(total_tokens, 1)
-    per_token_fwd = dense + attention
+    per_token_fwd = _per_token_forward(num_params, num_layers, hidden_size, prompt_tokens + response_tokens)
     prefill = prompt_tokens if prefill_prompt_tokens is None else prefill_prompt_tokens
     scored = response_tokens + (prompt_tokens if pass_prompt_tokens is None else pass_prompt_tokens)
     gen = (response_tokens + prefill) * per_token_fwd
@@ -133,23 +136,45 @@ def step_flops(
     return gen + score + train
 
 
+def _per_token_forward(num_params: int, num_layers: int, hidden_size: int, total_tokens: int) -> float:
+    """Forward FLOPs per token: 2N, plus attention scores and values (~4 * layers * hidden * the average
+    context, half the rows' tokens)."""
+    avg_context = total_tokens / 2.0
+    return 2.0 * num_params + 4.0 * num_layers * hidden_size * avg_context / max(total_tokens, 1)
+
+
+def _token_counts(rows: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
+    """(prompt, response, one-prompt-per-group) tokens of rows' `prompt_lengths`, `response_lengths`
+    and `group_ids`."""
+    prompt_lengths = np.asarray(rows["prompt_lengths"])
+    _, first_rows = np.unique(np.asarray(rows["group_ids"]), return_index=True)
+    return (int(prompt_lengths.sum()), int(np.asarray(rows["response_lengths"]).sum()),
+            int(prompt_lengths[first_rows].sum()))
+
+
 def rollout_step_flops(rollout_rows: Mapping[str, np.ndarray], *, num_params: int, num_layers: int,
                        hidden_size: int, forward_passes: int, training_passes: int, paged_prefill: bool,
                        shared_prompts: bool) -> tuple[float, int]:
     """(`step_flops`, prompt + response tokens) of a step's rollout, from its rows' `prompt_lengths`,
     `response_lengths` and `group_ids`: a group's prompt counts once where the paged engine's prefill
     (`paged_prefill`) or shared-prompt packing (`shared_prompts`) computes it once."""
-    prompt_lengths = np.asarray(rollout_rows["prompt_lengths"])
-    prompt_tokens = int(prompt_lengths.sum())
-    response_tokens = int(np.asarray(rollout_rows["response_lengths"]).sum())
-    _, first_rows = np.unique(np.asarray(rollout_rows["group_ids"]), return_index=True)
-    group_prompt_tokens = int(prompt_lengths[first_rows].sum())
+    prompt_tokens, response_tokens, group_prompt_tokens = _token_counts(rollout_rows)
     flops = step_flops(num_params=num_params, num_layers=num_layers, hidden_size=hidden_size,
                        prompt_tokens=prompt_tokens, response_tokens=response_tokens, forward_passes=forward_passes,
                        training_passes=training_passes,
                        prefill_prompt_tokens=group_prompt_tokens if paged_prefill else None,
                        pass_prompt_tokens=group_prompt_tokens if shared_prompts else None)
     return flops, prompt_tokens + response_tokens
+
+
+def forward_pass_flops(rows: Mapping[str, np.ndarray], *, num_params: int, num_layers: int, hidden_size: int,
+                       shared_prompts: bool) -> float:
+    """FLOPs of one scoring forward over `rows` (as `rollout_step_flops` reads them) by another model
+    than the policy: a distillation teacher's pass. A group's prompt counts once with shared-prompt
+    packing."""
+    prompt_tokens, response_tokens, group_prompt_tokens = _token_counts(rows)
+    scored = response_tokens + (group_prompt_tokens if shared_prompts else prompt_tokens)
+    return scored * _per_token_forward(num_params, num_layers, hidden_size, prompt_tokens + response_tokens)
 
 
 def perf_metrics(
@@ -162,6 +187,39 @@ def perf_metrics(
         "perf/throughput": total_tokens / step_time / num_devices,
         "perf/mfu": flops / step_time / (peak_flops * num_devices),
     }
+
+
+def step_perf_metrics(spec: RunSpec, rollout: Rollout, times: Mapping[str, float], *, actor: TrainedRole,
+                      teacher: TeacherRole | None, judge: Judge | None, peak_flops: float) -> dict[str, float]:
+    """perf/* of a step (`perf_metrics`) over `rollout`: the policy's generation, scoring passes
+    (reference, recomputed old log-probs, critic values) and updates at its active parameters (a MoE
+    policy's top-k experts), plus a distillation teacher's pass and a generative reward model's
+    (judge's) generation, each at its own size (the judge's tokens: the rollout's
+    `reward/num_judge_*_tokens`)."""
+    m = actor.model_cfg
+    paged = spec.rollout_engine.resolved(spec.plan.response_length,
+                                         multi_turn=spec.multi_turn is not None).engine == "paged"
+    shared = spec.model.use_remove_padding and spec.model.share_packed_prompts
+    passes = int(spec.need_ref) + int(spec.recompute_old_log_probs) + int(spec.critic is not None)
+    rows = {"prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
+            "group_ids": rollout.group_ids}
+    flops, tokens = rollout_step_flops(
+        rows, num_params=active_params(m, actor.num_params), num_layers=m.num_hidden_layers,
+        hidden_size=m.hidden_size, forward_passes=passes,
+        training_passes=spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0),
+        paged_prefill=paged, shared_prompts=shared)
+    if teacher is not None:
+        t = teacher.model_cfg
+        flops += forward_pass_flops(teacher.pass_rows(rollout), num_params=teacher.active_params,
+                                    num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, shared_prompts=shared)
+    if judge is not None:
+        j, judged = judge.model_cfg, rollout.reward_metrics
+        read, written = int(judged.get("reward/num_judge_prompt_tokens", 0)), int(
+            judged.get("reward/num_judge_response_tokens", 0))
+        num_params = active_params(j, sum(int(x.size) for x in jax.tree.leaves(judge.params)))
+        flops += (read + written) * _per_token_forward(num_params, j.num_hidden_layers, j.hidden_size, read + written)
+    return perf_metrics(times, total_tokens=tokens, flops=flops, num_devices=jax.device_count(),
+                        peak_flops=peak_flops)
 
 
 class Timer:

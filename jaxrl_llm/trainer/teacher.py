@@ -35,6 +35,7 @@ from jaxrl_llm.data.prompts import encode_prompts
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.distill import reverse_kl_advantages
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.moe import active_params
 from jaxrl_llm.sampler import bucket_length, left_pad
 from jaxrl_llm.sharding import to_device
 from jaxrl_llm.trainer.experience import DistillSignal, teacher_no_grad
@@ -66,6 +67,22 @@ class TeacherRole:
         return (f"{self.spec.signal} from {self.spec.teacher.path} ({self.model_cfg.architecture}, "
                 f"{self.spec.teacher.param_dtype}, {where} memory){prompt}; coef {self.spec.coef}, "
                 f"reward_coef {self.spec.reward_coef}")
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (a MoE teacher: its top-k experts of each sparse layer)."""
+        return active_params(self.model_cfg, sum(int(x.size) for x in jax.tree.leaves(self.params)))
+
+    def pass_rows(self, rollout: Rollout) -> dict[str, np.ndarray]:
+        """Host lengths of the rows the teacher's pass reads (`rollout_for`'s prompts, rendered again
+        when it has its own): `prompt_lengths`, `response_lengths`, `group_ids` (for perf/mfu)."""
+        rows = {"prompt_lengths": np.asarray(rollout.prompt_lengths),
+                "response_lengths": np.asarray(rollout.response_lengths), "group_ids": np.asarray(rollout.group_ids)}
+        chats = rollout.meta.get("raw_prompt")
+        if self.spec.own_prompt and chats is not None:
+            prompts = teacher_prompt_ids(list(chats), rollout.group_ids, self.spec, self.tokenizer)
+            rows["prompt_lengths"] = np.asarray([len(p) for p in prompts])
+        return rows
 
     def signal(self, rollout: Rollout, student_log_probs: Array, *, batching: StepBatching, micro: MicroBatching,
                temperature: float, logprob_impl: str, mesh: Mesh) -> tuple[DistillSignal, dict[str, Array]]:

@@ -44,7 +44,7 @@ from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.draft import load_draft, with_draft_config
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
 from jaxrl_llm.trainer.export import export_policy
-from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, perf_metrics, rollout_step_flops
+from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, step_perf_metrics
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
 from jaxrl_llm.trainer.partial import PartialRollouts
 from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
@@ -366,7 +366,10 @@ class Trainer:
         metrics.update(gen_metrics)
         metrics.update(rollout.reward_metrics)
         metrics.update(timer.metrics())
-        metrics.update(self._perf(rollout, timer.times))
+        if self._peak_flops is None:
+            self._peak_flops, _ = device_peak_flops(self.mesh.devices.flat[0], spec.actor.compute_dtype)
+        metrics.update(step_perf_metrics(spec, rollout, timer.times, actor=self.actor, teacher=self.teacher,
+                                         judge=self.judge, peak_flops=self._peak_flops))
         metrics["training/global_step"] = float(self.global_step + 1)
         # skipped non-finite updates: counted, and K in a row stop the run (trainer/nonfinite.py)
         self.nonfinite.check(self.global_step + 1, metrics, lambda: first_nonfinite(rollout, exp))
@@ -426,22 +429,6 @@ class Trainer:
         if split.layout is not None and role.name == "actor":  # perf/packing/* describe the policy's update
             out.update(update_metrics(split.layout.layout))
         return out
-
-    def _perf(self, rollout: Rollout, times: dict[str, float]) -> dict[str, float]:
-        if self._peak_flops is None:
-            self._peak_flops, _ = device_peak_flops(self.mesh.devices.flat[0], self.spec.actor.compute_dtype)
-        spec, m = self.spec, self.actor.model_cfg
-        paged = spec.rollout_engine.resolved(spec.plan.response_length,
-                                             multi_turn=spec.multi_turn is not None).engine == "paged"
-        passes = int(self.reference is not None) + int(spec.recompute_old_log_probs) + int(self.critic is not None)
-        flops, tokens = rollout_step_flops(
-            {"prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
-             "group_ids": rollout.group_ids}, num_params=self.actor.num_params, num_layers=m.num_hidden_layers,
-            hidden_size=m.hidden_size, forward_passes=passes,
-            training_passes=spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0),
-            paged_prefill=paged, shared_prompts=spec.model.use_remove_padding and spec.model.share_packed_prompts)
-        return perf_metrics(times, total_tokens=tokens, flops=flops, num_devices=jax.device_count(),
-                            peak_flops=self._peak_flops)
 
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:

@@ -13,7 +13,7 @@ from jaxrl_llm.platform import (
     tpu_target,
 )
 from jaxrl_llm.platform import tpu as tpu_module
-from jaxrl_llm.trainer.metrics import device_peak_flops, rollout_step_flops, step_flops
+from jaxrl_llm.trainer.metrics import device_peak_flops, forward_pass_flops, rollout_step_flops, step_flops
 
 
 @pytest.mark.parametrize("kind,name,bf16_tflops,hbm_gib", [
@@ -95,6 +95,13 @@ def test_rollout_step_flops_take_each_groups_prompt_once_where_it_is_shared():
     assert plain == step_flops(prompt_tokens=80, response_tokens=26, **common) > flops > both
     assert both == step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40,
                               pass_prompt_tokens=40, **common)
+    # a teacher's pass over the same rows: one scoring pass of the step's formula, with its own size
+    size = dict(num_params=5000, num_layers=3, hidden_size=16)
+    for shared in (False, True):
+        counts = dict(prompt_tokens=80, response_tokens=26, pass_prompt_tokens=40 if shared else None)
+        one_pass = (step_flops(forward_passes=1, training_passes=0, **counts, **size)
+                    - step_flops(forward_passes=0, training_passes=0, **counts, **size))
+        assert forward_pass_flops(rows, shared_prompts=shared, **size) == pytest.approx(one_pass, rel=1e-12)
 
 
 def test_logprob_impl_key_reaches_the_actor_and_is_validated(tmp_path):

@@ -4,6 +4,7 @@ the rule scorer's "no verdict", config errors, and a tiny judge through a traini
 from __future__ import annotations
 
 import json
+import types
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from jaxrl_llm.rewards.judge import Judge, JudgeVerdicts, last_user_message, ren
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.managers import RewardManager
 from jaxrl_llm.rewards.spec import JudgeSpec
+from jaxrl_llm.trainer.metrics import step_flops, step_perf_metrics
 
 SCALE = ScoreRange(0.0, 10.0)
 
@@ -68,7 +70,8 @@ class ScriptedJudge(Judge):
         return [np.zeros(1, np.int32)] * len(chats)
 
     def generate(self, prompts, rng):
-        return self.verdicts[:len(prompts)]
+        texts = self.verdicts[:len(prompts)]
+        return texts, np.asarray([len(t) for t in texts])
 
 
 @pytest.mark.parametrize("parser,verdicts,want", [
@@ -84,6 +87,8 @@ def test_scripted_judge_scores_through_every_parser(parser, verdicts, want):
     scores, info, metrics = judge.combine(None, out)
     np.testing.assert_allclose(scores, want, rtol=1e-6)
     assert metrics["reward/judge_parse_failures"] == 1.0
+    assert metrics["reward/num_judge_prompt_tokens"] == 3.0  # one token per scripted prompt
+    assert metrics["reward/num_judge_response_tokens"] == sum(len(v) for v in verdicts)
     assert list(info["judge_verdict"]) == verdicts
     assert judge.seen[0] == "Q: What is {2}?\nA: a\nGT: 4"  # braces in the row's text survive
     assert judge.seen[1] == "Q: plain\nA: b\nGT: "
@@ -144,6 +149,20 @@ def test_tiny_judge_scores_a_training_step(tmp_path):
     # a random tiny judge writes no yes / no: every verdict is a parse failure scored the default
     assert row["reward/judge_parse_failures"] == 8.0 and row["reward/judge_score/mean"] == pytest.approx(0.25)
     assert row["timing_s/judge"] > 0
+    # perf/mfu counts the judge's generation: its prompts read and verdicts written, at its own size
+    read, written = row["reward/num_judge_prompt_tokens"], row["reward/num_judge_response_tokens"]
+    assert read > 8 and 8 <= written <= 8 * trainer.judge.spec.max_new_tokens
+    rollout = types.SimpleNamespace(prompt_lengths=np.full(8, 12), response_lengths=np.full(8, 5),
+                                    group_ids=np.repeat(np.arange(4), 2),
+                                    reward_metrics={k: row[k] for k in row if k.startswith("reward/num_judge")})
+    mfu = {judged: step_perf_metrics(trainer.spec, rollout, {"step": 1.0}, actor=trainer.actor, teacher=None,
+                                     judge=trainer.judge if judged else None, peak_flops=1.0)["perf/mfu"]
+           for judged in (False, True)}
+    j = trainer.judge.model_cfg
+    judge_params = sum(x.size for x in jax.tree.leaves(trainer.judge.params))
+    want = step_flops(num_params=judge_params, num_layers=j.num_hidden_layers, hidden_size=j.hidden_size,
+                      prompt_tokens=int(read), response_tokens=int(written), forward_passes=0, training_passes=0)
+    assert (mfu[True] - mfu[False]) * jax.device_count() == pytest.approx(want, rel=1e-9)
     rows = [json.loads(line) for line in open(dump / "0.jsonl")]
     assert len(rows) == 8 and all("judge_verdict" in r and r["judge_score"] == 0.25 for r in rows)
     assert all(r["score"] == pytest.approx(0.25 + float(r["output"].strip() == r["ground_truth"])) for r in rows)

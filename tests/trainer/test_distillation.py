@@ -28,6 +28,7 @@ from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.roles import check_vocabulary
 from jaxrl_llm.trainer.rollout_batch import Rollout
 from jaxrl_llm.trainer.teacher import (
+    TeacherRole,
     distill_signal,
     teacher_messages,
     teacher_prompt_ids,
@@ -170,6 +171,13 @@ def test_context_distillation_aligns_teacher_and_student_tokens():
     prompts = teacher_prompt_ids(rollout.meta["raw_prompt"], rollout.group_ids, spec, tokenizer)
     seen = with_prompts(rollout, prompts, 0, mesh)
     assert seen.input_ids.shape[1] - R > rollout.input_ids.shape[1] - R  # the teacher's prompts are longer
+    # perf/mfu counts the teacher's pass over these rows: its own prompts, the student's responses
+    role = TeacherRole(spec, cfg, teacher, tokenizer)
+    counted = role.pass_rows(rollout)
+    np.testing.assert_array_equal(counted["prompt_lengths"], [len(p) for p in prompts])
+    np.testing.assert_array_equal(counted["prompt_lengths"], np.asarray(seen.prompt_lengths))
+    np.testing.assert_array_equal(counted["response_lengths"], rollout.response_lengths)
+    assert role.active_params == sum(x.size for x in jax.tree.leaves(teacher))
     # expected: each row alone, unpadded: the teacher's own prompt, then the student's response tokens
     resp = np.asarray(rollout.input_ids)[:, -R:]
     want = np.zeros((6, R), np.float32)
