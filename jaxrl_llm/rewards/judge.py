@@ -136,7 +136,8 @@ class Judge:
         metrics = {"reward/judge_parse_failures": float(failures.sum()),
                    "reward/judge_score/mean": float(judge_scores.mean()) if len(judge_scores) else 0.0,
                    "reward/num_judge_prompt_tokens": float(verdicts.prompt_tokens),  # summed over merged batches
-                   "reward/num_judge_response_tokens": float(verdicts.response_tokens)}
+                   "reward/num_judge_response_tokens": float(verdicts.response_tokens),
+                   "reward/num_judge_rows": float(len(verdicts.texts))}
         info = {"judge_verdict": np.asarray(verdicts.texts, dtype=object), "judge_score": judge_scores}
         if rule_scores is None:
             return judge_scores, info, metrics

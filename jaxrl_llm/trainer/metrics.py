@@ -119,15 +119,18 @@ def step_flops(
     training_passes: int,
     prefill_prompt_tokens: int | None = None,
     pass_prompt_tokens: int | None = None,
+    mean_context: float = 0.0,
 ) -> float:
     """Model FLOPs of one RL step as computed: generation (2N per generated token plus attention
     over the context), `forward_passes` scoring passes (ref / old logprobs / values) and
     `training_passes` forward+backward passes (6N per token) over prompt+response tokens.
+    Attention adds 4 * layers * hidden * `mean_context` per token forward (scores and values over
+    the keys a token attends to, on average; `rollout_context` computes it from the rows).
     `prompt_tokens` counts every row's prompt; a prompt its n samples share is computed once by the
     paged engine's prefill (`prefill_prompt_tokens`) and by shared-prompt packing
     (`pass_prompt_tokens`): those counts, where given, replace it (MFU then never credits work
     that was not done)."""
-    per_token_fwd = _per_token_forward(num_params, num_layers, hidden_size, prompt_tokens + response_tokens)
+    per_token_fwd = _per_token_forward(num_params, num_layers, hidden_size, mean_context)
     prefill = prompt_tokens if prefill_prompt_tokens is None else prefill_prompt_tokens
     scored = response_tokens + (prompt_tokens if pass_prompt_tokens is None else pass_prompt_tokens)
     gen = (response_tokens + prefill) * per_token_fwd
@@ -136,20 +139,26 @@ def step_flops(
     return gen + score + train
 
 
-def _per_token_forward(num_params: int, num_layers: int, hidden_size: int, total_tokens: int) -> float:
-    """Forward FLOPs per token: 2N, plus attention scores and values (~4 * layers * hidden * the average
-    context, half the rows' tokens)."""
-    avg_context = total_tokens / 2.0
-    return 2.0 * num_params + 4.0 * num_layers * hidden_size * avg_context / max(total_tokens, 1)
+def _per_token_forward(num_params: int, num_layers: int, hidden_size: int, mean_context: float) -> float:
+    """Forward FLOPs per token: 2N, plus attention scores and values over `mean_context` keys."""
+    return 2.0 * num_params + 4.0 * num_layers * hidden_size * mean_context
 
 
-def _token_counts(rows: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
-    """(prompt, response, one-prompt-per-group) tokens of rows' `prompt_lengths`, `response_lengths`
-    and `group_ids`."""
+def rollout_context(row_tokens: np.ndarray) -> float:
+    """The mean number of keys a token of these causal rows (`row_tokens` long each) attends to: a row
+    of T tokens attends to 1 + 2 + ... + T = T (T + 1) / 2 keys, so sum(T (T + 1)) / (2 sum(T))."""
+    t = np.asarray(row_tokens, np.float64)
+    return float((t * (t + 1)).sum() / (2.0 * t.sum())) if t.sum() > 0 else 0.0
+
+
+def _token_counts(rows: Mapping[str, np.ndarray]) -> tuple[int, int, int, float]:
+    """(prompt, response, one-prompt-per-group tokens, `rollout_context`) of rows' `prompt_lengths`,
+    `response_lengths` and `group_ids`."""
     prompt_lengths = np.asarray(rows["prompt_lengths"])
+    response_lengths = np.asarray(rows["response_lengths"])
     _, first_rows = np.unique(np.asarray(rows["group_ids"]), return_index=True)
-    return (int(prompt_lengths.sum()), int(np.asarray(rows["response_lengths"]).sum()),
-            int(prompt_lengths[first_rows].sum()))
+    return (int(prompt_lengths.sum()), int(response_lengths.sum()), int(prompt_lengths[first_rows].sum()),
+            rollout_context(prompt_lengths + response_lengths))
 
 
 def rollout_step_flops(rollout_rows: Mapping[str, np.ndarray], *, num_params: int, num_layers: int,
@@ -158,12 +167,12 @@ def rollout_step_flops(rollout_rows: Mapping[str, np.ndarray], *, num_params: in
     """(`step_flops`, prompt + response tokens) of a step's rollout, from its rows' `prompt_lengths`,
     `response_lengths` and `group_ids`: a group's prompt counts once where the paged engine's prefill
     (`paged_prefill`) or shared-prompt packing (`shared_prompts`) computes it once."""
-    prompt_tokens, response_tokens, group_prompt_tokens = _token_counts(rollout_rows)
+    prompt_tokens, response_tokens, group_prompt_tokens, context = _token_counts(rollout_rows)
     flops = step_flops(num_params=num_params, num_layers=num_layers, hidden_size=hidden_size,
                        prompt_tokens=prompt_tokens, response_tokens=response_tokens, forward_passes=forward_passes,
                        training_passes=training_passes,
                        prefill_prompt_tokens=group_prompt_tokens if paged_prefill else None,
-                       pass_prompt_tokens=group_prompt_tokens if shared_prompts else None)
+                       pass_prompt_tokens=group_prompt_tokens if shared_prompts else None, mean_context=context)
     return flops, prompt_tokens + response_tokens
 
 
@@ -172,9 +181,9 @@ def forward_pass_flops(rows: Mapping[str, np.ndarray], *, num_params: int, num_l
     """FLOPs of one scoring forward over `rows` (as `rollout_step_flops` reads them) by another model
     than the policy: a distillation teacher's pass. A group's prompt counts once with shared-prompt
     packing."""
-    prompt_tokens, response_tokens, group_prompt_tokens = _token_counts(rows)
+    prompt_tokens, response_tokens, group_prompt_tokens, context = _token_counts(rows)
     scored = response_tokens + (group_prompt_tokens if shared_prompts else prompt_tokens)
-    return scored * _per_token_forward(num_params, num_layers, hidden_size, prompt_tokens + response_tokens)
+    return scored * _per_token_forward(num_params, num_layers, hidden_size, context)
 
 
 def perf_metrics(
@@ -214,10 +223,12 @@ def step_perf_metrics(spec: RunSpec, rollout: Rollout, times: Mapping[str, float
                                     num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, shared_prompts=shared)
     if judge is not None:
         j, judged = judge.model_cfg, rollout.reward_metrics
-        read, written = int(judged.get("reward/num_judge_prompt_tokens", 0)), int(
-            judged.get("reward/num_judge_response_tokens", 0))
+        tokens_judged = judged.get("reward/num_judge_prompt_tokens", 0.0) + judged.get(
+            "reward/num_judge_response_tokens", 0.0)
+        # `rollout_context` of rows of the mean length: a lower bound of the rows' (sum(T^2) >= sum(T)^2 / rows)
+        context = (tokens_judged / max(1.0, judged.get("reward/num_judge_rows", 1.0)) + 1.0) / 2.0
         num_params = active_params(j, sum(int(x.size) for x in jax.tree.leaves(judge.params)))
-        flops += (read + written) * _per_token_forward(num_params, j.num_hidden_layers, j.hidden_size, read + written)
+        flops += tokens_judged * _per_token_forward(num_params, j.num_hidden_layers, j.hidden_size, context)
     return perf_metrics(times, total_tokens=tokens, flops=flops, num_devices=jax.device_count(),
                         peak_flops=peak_flops)
 

@@ -13,7 +13,13 @@ from jaxrl_llm.platform import (
     tpu_target,
 )
 from jaxrl_llm.platform import tpu as tpu_module
-from jaxrl_llm.trainer.metrics import device_peak_flops, forward_pass_flops, rollout_step_flops, step_flops
+from jaxrl_llm.trainer.metrics import (
+    device_peak_flops,
+    forward_pass_flops,
+    rollout_context,
+    rollout_step_flops,
+    step_flops,
+)
 
 
 @pytest.mark.parametrize("kind,name,bf16_tflops,hbm_gib", [
@@ -86,19 +92,32 @@ def test_rollout_step_flops_take_each_groups_prompt_once_where_it_is_shared():
     # two groups of two rows: prompts of 10 and 30 tokens, responses of 5, 6, 7 and 8
     rows = {"prompt_lengths": np.array([10, 10, 30, 30]), "response_lengths": np.array([5, 6, 7, 8]),
             "group_ids": np.array([4, 4, 9, 9])}
-    common = dict(num_params=1000, num_layers=2, hidden_size=8, forward_passes=2, training_passes=1)
-    flops, tokens = rollout_step_flops(rows, paged_prefill=True, shared_prompts=False, **common)
+    # a token attends to the keys up to its own: 1 + ... + T per row of T tokens
+    context = sum(t * (t + 1) / 2 for t in (15, 16, 37, 38)) / (15 + 16 + 37 + 38)
+    assert rollout_context(np.array([15, 16, 37, 38])) == pytest.approx(context, rel=1e-12)
+    common = dict(num_params=1000, num_layers=2, hidden_size=8, forward_passes=2, training_passes=1,
+                  mean_context=context)
+    flops, tokens = rollout_step_flops(rows, paged_prefill=True, shared_prompts=False,
+                                       **{k: v for k, v in common.items() if k != "mean_context"})
     assert tokens == 80 + 26
-    assert flops == step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40, **common)
-    plain, _ = rollout_step_flops(rows, paged_prefill=False, shared_prompts=False, **common)
-    both, _ = rollout_step_flops(rows, paged_prefill=True, shared_prompts=True, **common)
-    assert plain == step_flops(prompt_tokens=80, response_tokens=26, **common) > flops > both
-    assert both == step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40,
-                              pass_prompt_tokens=40, **common)
+    assert flops == pytest.approx(step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40,
+                                             **common), rel=1e-12)
+    # attention: 4 * layers * hidden * context per token forward, 2N the rest
+    no_attention = step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40,
+                              **{**common, "mean_context": 0.0})
+    assert flops / no_attention == pytest.approx((2 * 1000 + 4 * 2 * 8 * context) / (2 * 1000), rel=1e-12)
+    kw = dict(num_params=1000, num_layers=2, hidden_size=8, forward_passes=2, training_passes=1)
+    plain, _ = rollout_step_flops(rows, paged_prefill=False, shared_prompts=False, **kw)
+    both, _ = rollout_step_flops(rows, paged_prefill=True, shared_prompts=True, **kw)
+    assert plain == pytest.approx(step_flops(prompt_tokens=80, response_tokens=26, **common), rel=1e-12)
+    assert plain > flops > both
+    assert both == pytest.approx(step_flops(prompt_tokens=80, response_tokens=26, prefill_prompt_tokens=40,
+                                            pass_prompt_tokens=40, **common), rel=1e-12)
     # a teacher's pass over the same rows: one scoring pass of the step's formula, with its own size
     size = dict(num_params=5000, num_layers=3, hidden_size=16)
     for shared in (False, True):
-        counts = dict(prompt_tokens=80, response_tokens=26, pass_prompt_tokens=40 if shared else None)
+        counts = dict(prompt_tokens=80, response_tokens=26, pass_prompt_tokens=40 if shared else None,
+                      mean_context=context)
         one_pass = (step_flops(forward_passes=1, training_passes=0, **counts, **size)
                     - step_flops(forward_passes=0, training_passes=0, **counts, **size))
         assert forward_pass_flops(rows, shared_prompts=shared, **size) == pytest.approx(one_pass, rel=1e-12)

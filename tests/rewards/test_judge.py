@@ -16,7 +16,7 @@ from jaxrl_llm.rewards.judge import Judge, JudgeVerdicts, last_user_message, ren
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.managers import RewardManager
 from jaxrl_llm.rewards.spec import JudgeSpec
-from jaxrl_llm.trainer.metrics import step_flops, step_perf_metrics
+from jaxrl_llm.trainer.metrics import rollout_context, step_flops, step_perf_metrics
 
 SCALE = ScoreRange(0.0, 10.0)
 
@@ -160,8 +160,10 @@ def test_tiny_judge_scores_a_training_step(tmp_path):
            for judged in (False, True)}
     j = trainer.judge.model_cfg
     judge_params = sum(x.size for x in jax.tree.leaves(trainer.judge.params))
+    assert row["reward/num_judge_rows"] == 8.0
     want = step_flops(num_params=judge_params, num_layers=j.num_hidden_layers, hidden_size=j.hidden_size,
-                      prompt_tokens=int(read), response_tokens=int(written), forward_passes=0, training_passes=0)
+                      prompt_tokens=int(read), response_tokens=int(written), forward_passes=0, training_passes=0,
+                      mean_context=rollout_context(np.full(8, (read + written) / 8)))
     assert (mfu[True] - mfu[False]) * jax.device_count() == pytest.approx(want, rel=1e-9)
     rows = [json.loads(line) for line in open(dump / "0.jsonl")]
     assert len(rows) == 8 and all("judge_verdict" in r and r["judge_score"] == 0.25 for r in rows)
