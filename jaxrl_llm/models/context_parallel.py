@@ -43,10 +43,9 @@ from jaxrl_llm.models.blockwise import (
     unchunked,
 )
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
-from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 
 Array = jax.Array
-TENSOR_AXIS = "tensor"
 
 
 def heads_per_device(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:

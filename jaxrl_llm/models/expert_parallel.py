@@ -50,13 +50,12 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.moe import Routing, expert_ffn, held_expert_ffn
 from jaxrl_llm.models.param_init import EXPERT_AXES
-from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from jaxrl_llm.sharding.rules import logical_to_spec
 
 Array = jax.Array
 
 EXPERT_AXIS = "expert"
-TENSOR_AXIS = "tensor"
 
 
 def _manual_spec(matrix: Array, name: str, mesh: Any, manual: tuple[str, ...], ways: int

@@ -34,6 +34,8 @@ BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 DEFAULT_MESH_SIZES: dict[str, int] = {"data": 1, "fsdp": -1, "context": 1, "expert": 1, "tensor": 1}
 # The training passes' token axis is split over this one (context parallelism: models/decoder.py)
 CONTEXT_AXIS = "context"
+# attention heads, MLP columns and the pool's kv heads are split over this one (tensor parallelism)
+TENSOR_AXIS = "tensor"
 # the config's `mesh` keys that are not axes
 MESH_SETTINGS: tuple[str, ...] = ("rollout_devices", "context_attention")
 
