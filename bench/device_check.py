@@ -242,6 +242,10 @@ def _decode_model(tiny: bool):
     return cfg, init_params(cfg, jax.random.PRNGKey(0), dtype="bfloat16")
 
 
+def _model_line(cfg) -> str:
+    return f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, bf16 random weights"
+
+
 def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int, options: dict,
                 draft_params=None) -> dict:
     """One engine row: a warm-up run (compiles), then the timed run of the same shapes, other seed."""
@@ -312,8 +316,7 @@ def section_decode(tiny: bool, out: pathlib.Path) -> dict:
              for name in ("plain", "cascade")]
     plans += [("ngram", small, {"speculative": SpeculativeSpec("ngram", num_tokens=4)}),
               ("draft", small, {"speculative": SpeculativeSpec("draft", num_tokens=4, draft_cfg=draft_cfg)})]
-    result: dict = {"model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-                             f"bf16 random weights", "prompts": num_prompts, "n": n, "prompt_tokens": prompt_len,
+    result: dict = {"model": _model_line(cfg), "prompts": num_prompts, "n": n, "prompt_tokens": prompt_len,
                     "new_tokens": new_tokens, "rows": []}
     for name, slots, options in plans:
         row = _decode_row(cfg, params, prompts, slots, new_tokens, n, options,
@@ -331,8 +334,7 @@ def section_cascade(tiny: bool, out: pathlib.Path) -> dict:
     cfg, params = _decode_model(tiny)
     lengths, new_tokens, num_prompts, n, slots = ((64,), 4, 2, 4, 8) if tiny else ((2048, 1024), 64, 16, 8, 64)
     rng = np.random.default_rng(0)
-    result: dict = {"model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-                             f"bf16 random weights", "prompts": num_prompts, "n": n, "slots": slots,
+    result: dict = {"model": _model_line(cfg), "prompts": num_prompts, "n": n, "slots": slots,
                     "new_tokens": new_tokens, "rows": []}
     for prompt_len in lengths:
         prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, prompt_len)] for _ in range(num_prompts)]

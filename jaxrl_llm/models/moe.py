@@ -247,6 +247,11 @@ def active_params(cfg: ModelConfig, num_params: int) -> int:
     return num_params - len(cfg.moe_layer_ids) * idle * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def active_params_of(cfg: ModelConfig, params: Any) -> int:
+    """`active_params` of the model whose weights are the pytree `params`."""
+    return active_params(cfg, sum(int(x.size) for x in jax.tree.leaves(params)))
+
+
 def grouped_matmul(x: Array, w: Array, layout: ExpertLayout, kernel: str = "auto", *,
                    unroll: int | bool = 1) -> Array:
     """fp32 [R, F] = each padded row of x [R, K] times its expert's w [E, K, F] (compute-dtype

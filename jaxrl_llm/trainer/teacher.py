@@ -4,9 +4,10 @@ that scores the student's own samples.
     check_teacher(spec, student_cfg, tokenizer)  # before any weight loads: one clear error if the
                                                  # vocabularies differ (sizes, a sample of token ids)
     teacher = load_teacher(spec, tokenizer, mesh=..., seed=...)   # placed like the reference
-    signal, metrics = teacher.signal(rollout, student_log_probs, batching=..., micro=..., ...)
-        # rollout_for: context distillation's rows (the teacher's own prompt, the student's
-        # response tokens, aligned); teacher_no_grad over them; distill_signal
+    seen = teacher.rollout_for(rollout, mesh)  # context distillation's rows: the teacher's own
+        # prompt, the student's response tokens, aligned (else `rollout` itself)
+    signal, metrics = teacher.signal(seen, student_log_probs, batching=..., micro=..., ...)
+        # teacher_no_grad over them; distill_signal
 
 The teacher's pass is the reference pass with another model (trainer/experience.py
 `teacher_no_grad`): packed, in the reference pass's micro-batches, with its params in
@@ -35,7 +36,6 @@ from jaxrl_llm.data.prompts import encode_prompts
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.distill import reverse_kl_advantages
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.moe import active_params
 from jaxrl_llm.sampler import bucket_length, left_pad
 from jaxrl_llm.sharding import to_device
 from jaxrl_llm.trainer.experience import DistillSignal, teacher_no_grad
@@ -68,34 +68,18 @@ class TeacherRole:
                 f"{self.spec.teacher.param_dtype}, {where} memory){prompt}; coef {self.spec.coef}, "
                 f"reward_coef {self.spec.reward_coef}")
 
-    @property
-    def active_params(self) -> int:
-        """Parameters one token runs through (a MoE teacher: its top-k experts of each sparse layer)."""
-        return active_params(self.model_cfg, sum(int(x.size) for x in jax.tree.leaves(self.params)))
-
-    def pass_rows(self, rollout: Rollout) -> dict[str, np.ndarray]:
-        """Host lengths of the rows the teacher's pass reads (`rollout_for`'s prompts, rendered again
-        when it has its own): `prompt_lengths`, `response_lengths`, `group_ids` (for perf/mfu)."""
-        rows = {"prompt_lengths": np.asarray(rollout.prompt_lengths),
-                "response_lengths": np.asarray(rollout.response_lengths), "group_ids": np.asarray(rollout.group_ids)}
-        chats = rollout.meta.get("raw_prompt")
-        if self.spec.own_prompt and chats is not None:
-            prompts = teacher_prompt_ids(list(chats), rollout.group_ids, self.spec, self.tokenizer)
-            rows["prompt_lengths"] = np.asarray([len(p) for p in prompts])
-        return rows
-
-    def signal(self, rollout: Rollout, student_log_probs: Array, *, batching: StepBatching, micro: MicroBatching,
+    def signal(self, seen: Rollout, student_log_probs: Array, *, batching: StepBatching, micro: MicroBatching,
                temperature: float, logprob_impl: str, mesh: Mesh) -> tuple[DistillSignal, dict[str, Array]]:
-        """The teacher's pass over `rollout` as it reads it (`rollout_for`), in `micro`'s
-        micro-batches (the reference pass's), packed as the student's passes are, and the signal it
-        gives against the student's sampled-token log-probs (`distill_signal`)."""
-        seen = self.rollout_for(rollout, mesh)
+        """The teacher's pass over `seen`, the rollout as it reads it (`rollout_for`: its response
+        columns and mask are the student's), in `micro`'s micro-batches (the reference pass's), packed
+        as the student's passes are, and the signal it gives against the student's sampled-token
+        log-probs (`distill_signal`)."""
         how = batching.no_grad(micro, self.spec.teacher, batching.rows_of(seen))
         out = run_no_grad_pass(
             teacher_no_grad, self.device_params(), seen.input_ids, seen.attention_mask, seen.response_mask, how,
             model_cfg=self.model_cfg, temperature=temperature, compute_dtype=self.spec.teacher.param_dtype,
             logprob_impl=logprob_impl, mesh=mesh, topk=self.spec.topk if self.spec.signal == "topk_forward_kl" else 0)
-        return distill_signal(out, student_log_probs, rollout.response_mask, self.spec)
+        return distill_signal(out, student_log_probs, seen.response_mask, self.spec)
 
     def rollout_for(self, rollout: Rollout, mesh: Mesh) -> Rollout:
         """`rollout` as the teacher reads it: the same response tokens after the teacher's prompt

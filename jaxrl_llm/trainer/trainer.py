@@ -323,11 +323,12 @@ class Trainer:
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
                     old_lp = span.wait(self.log_probs(self.actor.model_params, rollout, plan.old_log_prob, rows))
-            distill, distill_metrics = None, {}
+            distill, distill_metrics, teacher_rollout = None, {}, None
             if self.teacher is not None:  # the teacher scores the student's tokens (trainer/teacher.py)
                 with timer("teacher") as span:
+                    teacher_rollout = self.teacher.rollout_for(rollout, self.mesh)  # its own prompts, if any
                     distill, distill_metrics = self.teacher.signal(
-                        rollout, old_lp, batching=self.batching, micro=plan.ref_log_prob,
+                        teacher_rollout, old_lp, batching=self.batching, micro=plan.ref_log_prob,
                         temperature=spec.actor.temperature, logprob_impl=spec.actor.logprob_impl, mesh=self.mesh)
                     span.wait(distill_metrics)
             values = None
@@ -369,7 +370,8 @@ class Trainer:
         if self._peak_flops is None:
             self._peak_flops, _ = device_peak_flops(self.mesh.devices.flat[0], spec.actor.compute_dtype)
         metrics.update(step_perf_metrics(spec, rollout, timer.times, actor=self.actor, teacher=self.teacher,
-                                         judge=self.judge, peak_flops=self._peak_flops))
+                                         teacher_rollout=teacher_rollout, judge=self.judge,
+                                         peak_flops=self._peak_flops))
         metrics["training/global_step"] = float(self.global_step + 1)
         # skipped non-finite updates: counted, and K in a row stop the run (trainer/nonfinite.py)
         self.nonfinite.check(self.global_step + 1, metrics, lambda: first_nonfinite(rollout, exp))

@@ -156,7 +156,8 @@ def test_tiny_judge_scores_a_training_step(tmp_path):
                                     group_ids=np.repeat(np.arange(4), 2),
                                     reward_metrics={k: row[k] for k in row if k.startswith("reward/num_judge")})
     mfu = {judged: step_perf_metrics(trainer.spec, rollout, {"step": 1.0}, actor=trainer.actor, teacher=None,
-                                     judge=trainer.judge if judged else None, peak_flops=1.0)["perf/mfu"]
+                                     teacher_rollout=None, judge=trainer.judge if judged else None,
+                                     peak_flops=1.0)["perf/mfu"]
            for judged in (False, True)}
     j = trainer.judge.model_cfg
     judge_params = sum(x.size for x in jax.tree.leaves(trainer.judge.params))

@@ -22,13 +22,13 @@ from jaxrl_llm.config.spec import DistillSpec, ModelSpec
 from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.distill import topk_forward_kl
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
+from jaxrl_llm.models.moe import active_params_of
 from jaxrl_llm.trainer.actor import actor_loss, update_actor
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, mix_advantages, teacher_no_grad
 from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.roles import check_vocabulary
 from jaxrl_llm.trainer.rollout_batch import Rollout
 from jaxrl_llm.trainer.teacher import (
-    TeacherRole,
     distill_signal,
     teacher_messages,
     teacher_prompt_ids,
@@ -171,13 +171,11 @@ def test_context_distillation_aligns_teacher_and_student_tokens():
     prompts = teacher_prompt_ids(rollout.meta["raw_prompt"], rollout.group_ids, spec, tokenizer)
     seen = with_prompts(rollout, prompts, 0, mesh)
     assert seen.input_ids.shape[1] - R > rollout.input_ids.shape[1] - R  # the teacher's prompts are longer
-    # perf/mfu counts the teacher's pass over these rows: its own prompts, the student's responses
-    role = TeacherRole(spec, cfg, teacher, tokenizer)
-    counted = role.pass_rows(rollout)
-    np.testing.assert_array_equal(counted["prompt_lengths"], [len(p) for p in prompts])
-    np.testing.assert_array_equal(counted["prompt_lengths"], np.asarray(seen.prompt_lengths))
-    np.testing.assert_array_equal(counted["response_lengths"], rollout.response_lengths)
-    assert role.active_params == sum(x.size for x in jax.tree.leaves(teacher))
+    # perf/mfu counts the teacher's pass over these rows (trainer/metrics.py): its own prompts, the
+    # student's responses, at the teacher's size
+    np.testing.assert_array_equal(np.asarray(seen.prompt_lengths), [len(p) for p in prompts])
+    np.testing.assert_array_equal(np.asarray(seen.response_lengths), rollout.response_lengths)
+    assert active_params_of(cfg, teacher) == sum(x.size for x in jax.tree.leaves(teacher))
     # expected: each row alone, unpadded: the teacher's own prompt, then the student's response tokens
     resp = np.asarray(rollout.input_ids)[:, -R:]
     want = np.zeros((6, R), np.float32)
@@ -328,8 +326,9 @@ def test_distillation_scores_model_tokens_of_multi_turn_trajectories(tmp_path):
     batch = next(iter(trainer.train_loader))
     rollout, _ = trainer.generate(batch, trainer.actor.model_params, jax.random.PRNGKey(0), False)
     assert float(rollout.response_mask.sum()) < float((np.asarray(rollout.attention_mask)[:, -64:]).sum())
+    seen = trainer.teacher.rollout_for(rollout, trainer.mesh)
     signal, metrics = trainer.teacher.signal(
-        rollout, rollout.rollout_log_probs, batching=trainer.batching, micro=trainer.spec.plan.ref_log_prob,
+        seen, rollout.rollout_log_probs, batching=trainer.batching, micro=trainer.spec.plan.ref_log_prob,
         temperature=1.0, logprob_impl="auto", mesh=trainer.mesh)
     tool_tokens = (np.asarray(rollout.attention_mask)[:, -64:] > 0) & (np.asarray(rollout.response_mask) == 0)
     assert tool_tokens.any()
