@@ -22,7 +22,12 @@ writes <out>/<section>.json and prints one summary line:
             and the bytes a step reads (weights + KV) per second of decode step. Random weights: the
             speculative rows measure the drafting / verification overhead, not a real acceptance rate;
 6. cascade  (on request too: `--sections cascade`) cascade attention off and on with long shared
-            prompts: 16 prompts of 2048, then 1024 tokens, x n=8, 64 slots, 64 new tokens.
+            prompts: 16 prompts of 2048, then 1024 tokens, x n=8, 64 slots, 64 new tokens;
+7. profile  (on request: `--sections profile`) where a decode step's time goes: decode's plain and n-gram
+            rows at 64 slots (32 prompts of 128 tokens x n=2, 64 new tokens), each timed run under
+            `jax.profiler`; per row the op families (bench/trace_ops.py) in ms per decode step, and the
+            trace itself (<out>/trace_<row>/, when under 30 MB). Traced runs are slower: the tokens/s
+            of these rows are not the decode section's.
 
 A section a deadline stops keeps the rows it wrote (decode and cascade write their JSON after every row).
 """
@@ -40,7 +45,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = ("env", "kernels", "step", "tests")  # the default run; "decode" on request
 # seconds each section may take, as shares of --budget_s (normalised over the sections run)
-SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0, "cascade": 1.0}
+SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0, "cascade": 1.0, "profile": 1.0}
 
 
 def _write_json(path: pathlib.Path, result: dict) -> None:
@@ -218,10 +223,8 @@ def section_tests(tiny: bool, out: pathlib.Path) -> dict:
     # run, so a section stopped at its deadline still tells how far it got.
     log = out / "tests_log.txt"
     with open(log, "w") as sink:
-        kit = "tests/platform/test_device_kit.py::test_device_check_tiny_"
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *paths,
-                               "--deselect", kit + "runs_every_section", "--deselect", kit + "decode_rows",
-                               "--deselect", kit + "cascade_rows"],
+                               "-k", "not test_device_check_tiny_"],
                               cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     tail = log.read_text().strip().splitlines()[-15:]
     return {"returncode": proc.returncode, "tail": tail, "summary": tail[-1] if tail else "no output",
@@ -247,8 +250,11 @@ def _model_line(cfg) -> str:
 
 
 def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int, options: dict,
-                draft_params=None) -> dict:
-    """One engine row: a warm-up run (compiles), then the timed run of the same shapes, other seed."""
+                draft_params=None, trace_dir: pathlib.Path | None = None) -> dict:
+    """One engine row: a warm-up run (compiles), then the timed run of the same shapes, other seed
+    (with `trace_dir`: under `jax.profiler`, its trace written there)."""
+    import contextlib
+
     import jax
     import numpy as np
 
@@ -265,9 +271,13 @@ def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int,
     start = time.perf_counter()
     jax.block_until_ready(run(0)[0].lengths)
     warm_s = time.perf_counter() - start
-    start = time.perf_counter()
-    out, stats = run(1)
-    wall = time.perf_counter() - start
+    tracing = (contextlib.nullcontext() if trace_dir is None
+               else jax.profiler.trace(str(trace_dir), create_perfetto_trace=True))
+    with tracing:
+        start = time.perf_counter()
+        out, stats = run(1)
+        jax.block_until_ready(out.lengths)
+        wall = time.perf_counter() - start
     useful = int(np.asarray(out.lengths).sum())
     # bytes a decode step reads without cascade: every weight once, and each live slot's KV up to its
     # position (on average its prompt and half its response)
@@ -345,10 +355,40 @@ def section_cascade(tiny: bool, out: pathlib.Path) -> dict:
     return result
 
 
+def section_profile(tiny: bool, out: pathlib.Path) -> dict:
+    """Where a decode step's time goes (module doc, 7.): traced plain and n-gram rows, their op
+    families in ms per decode step, to <out>/profile.json after each row."""
+    import shutil
+
+    import numpy as np
+    from trace_ops import newest_trace, op_families  # bench/trace_ops.py, beside this script
+
+    from jaxrl_llm.sampler.speculative import SpeculativeSpec
+
+    cfg, params = _decode_model(tiny)
+    prompt_len, new_tokens, num_prompts, n, slots = (40, 8, 4, 2, 2) if tiny else (128, 64, 32, 2, 64)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, prompt_len)] for _ in range(num_prompts)]
+    result: dict = {"model": _model_line(cfg), "prompts": num_prompts, "n": n, "slots": slots,
+                    "new_tokens": new_tokens, "rows": []}
+    for name, options in (("plain", {}), ("ngram", {"speculative": SpeculativeSpec("ngram", num_tokens=4)})):
+        trace = out / f"trace_{name}"
+        shutil.rmtree(trace, ignore_errors=True)
+        row = _decode_row(cfg, params, prompts, slots, new_tokens, n, options, trace_dir=trace)
+        steps = max(1, row["decode_steps"])
+        for key, exact in (("ops_ms_per_step", False), ("ops_exact_ms_per_step", True)):
+            row[key] = [{**op, "ms": op["ms"] / steps} for op in op_families(trace, exact=exact)[:40]]
+        if newest_trace(trace).stat().st_size > 30 * 2**20:  # too large to bring back: the tables stay
+            shutil.rmtree(trace)
+        result["rows"].append({"name": name, **row})
+        _write_rows(out, "profile", result, lambda r: f"{r['name']} (traced)")
+    return result
+
+
 def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:
     fns = {"env": section_env, "kernels": section_kernels, "tests": lambda tiny: section_tests(tiny, out),
            "step": lambda tiny: section_step(tiny, out), "decode": lambda tiny: section_decode(tiny, out),
-           "cascade": lambda tiny: section_cascade(tiny, out)}
+           "cascade": lambda tiny: section_cascade(tiny, out), "profile": lambda tiny: section_profile(tiny, out)}
     result = fns[name](tiny)
     result.setdefault("status", "ok")
     return result

@@ -66,6 +66,50 @@ def test_device_check_tiny_cascade_rows(tmp_path):
     assert "plain@64p" in result["summary"] and "cascade@64p" in result["summary"]
 
 
+def test_device_check_tiny_profile_rows(tmp_path):
+    """The profile section (where a decode step's time goes, traced) rehearsed: both rows carry op
+    families in ms per decode step whose sum is below the traced run's time per step."""
+    result = _tiny_section(tmp_path, "profile", budget_s=600)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "ngram"}
+    for row in rows.values():
+        ops = row["ops_ms_per_step"]
+        assert ops and all(op["ms"] > 0 and op["count"] > 0 for op in ops), row
+        assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+        in_ops = sum(op["ms"] for op in ops if op["process"] == ops[0]["process"])
+        assert 0 < in_ops <= 2 * row["step_ms"]  # CPU ops run on up to 2 threads at once
+        assert sum(op["count"] for op in row["ops_exact_ms_per_step"]) >= 1
+        assert (tmp_path / f"trace_{row['name']}").is_dir()  # tiny traces are kept
+    assert "plain (traced)" in result["summary"]
+
+
+def test_trace_ops_sums_a_trace_by_op_family(tmp_path):
+    """bench/trace_ops.py on a trace of known ops: families without numeric suffixes, the executor's
+    and the Python thread's spans left out, times per step."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from trace_ops import op_families, table
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "M", "name": "thread_name", "pid": 1, "tid": 5, "args": {"name": "python"}},
+              {"ph": "X", "name": "np.asarray(jax.Array)", "pid": 1, "tid": 5, "dur": 7000},
+              {"ph": "X", "name": "ThunkExecutor::Execute", "pid": 1, "dur": 9000},
+              {"ph": "X", "name": "ynn_fusion.3", "pid": 1, "dur": 2000},
+              {"ph": "X", "name": "ynn_fusion", "pid": 1, "dur": 1000},
+              {"ph": "X", "name": "loop_gather_fusion_12", "pid": 1, "dur": 500},
+              {"ph": "X", "name": "while.7", "pid": 1, "dur": 4000}]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = op_families(tmp_path)
+    assert [(r["op"], r["ms"], r["count"]) for r in rows] == [("ynn_fusion", 3.0, 2), ("loop_gather_fusion", 0.5, 1)]
+    assert {r["op"] for r in op_families(tmp_path, exact=True)} == {"ynn_fusion.3", "ynn_fusion",
+                                                                  "loop_gather_fusion_12"}
+    assert "1.75 ms in ops (times / 2)" in table(rows, per=2) and "1.500 ms  85.7%" in table(rows, per=2)
+
+
 def test_device_scripts_parse():
     for script in ("fetch_wheels.sh", "run.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / "device" / script)], check=True)

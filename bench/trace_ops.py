@@ -1,0 +1,81 @@
+"""Where a traced run's time goes: the ops of a `jax.profiler` trace, summed by op family.
+
+    python bench/trace_ops.py TRACE_DIR [--per N] [--top 30] [--exact]
+
+TRACE_DIR is what `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wrote; the newest
+`perfetto_trace.json.gz` under it is read. An op family is the op's name without its numeric suffix
+(`ynn_fusion.3` and `ynn_fusion` are one family, `loop_gather_fusion_12` is `loop_gather_fusion`),
+summed per process (the CPU runs ops on the host process's XLA threads, a GPU on its device's
+streams). The executor's spans and the Python thread's (which contain the ops or wait for them) are
+left out. `--per N`
+divides the times by N (the run's decode steps: ms per step).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+
+# spans that contain the ops (the host's view of a call), not ops themselves
+_WRAPPERS = re.compile(r"^(\$|ThunkExecutor|PjitFunction|CommonPjRt|PjRt|SlinkyThreadPool|TfrtCpu|"
+                       r"ExecuteHelper|Thunk::|end: |while(\.\d+)?$|conditional(\.\d+)?$|call(\.\d+)?$)")
+_SUFFIX = re.compile(r"([._]\d+)+$")
+
+
+def newest_trace(trace_dir: str | pathlib.Path) -> pathlib.Path:
+    """The newest perfetto trace file under `trace_dir`."""
+    found = sorted(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"{trace_dir}: no perfetto_trace.json.gz (trace with create_perfetto_trace=True)")
+    return found[-1]
+
+
+def op_families(trace_dir: str | pathlib.Path, exact: bool = False) -> list[dict]:
+    """[{process, op, ms, count}] of the trace's ops by family (`exact`: by full name), longest first
+    (see the module doc)."""
+    data = json.loads(gzip.open(newest_trace(trace_dir)).read())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    python_threads = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+                      and e["args"].get("name") == "python"}
+    totals: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or _WRAPPERS.match(e.get("name", "")) or (e.get("pid"), e.get("tid")) in python_threads:
+            continue
+        key = (processes.get(e.get("pid"), str(e.get("pid"))), e["name"] if exact else _SUFFIX.sub("", e["name"]))
+        totals[key] += e.get("dur", 0) / 1e3
+        counts[key] += 1
+    return [{"process": p, "op": op, "ms": ms, "count": counts[(p, op)]} for (p, op), ms in totals.most_common()]
+
+
+def table(rows: list[dict], per: float = 1.0, top: int = 30) -> str:
+    """The families as text lines: ms (divided by `per`), share of the process's total, count, name."""
+    by_process: dict[str, float] = collections.defaultdict(float)
+    for row in rows:
+        by_process[row["process"]] += row["ms"]
+    lines = []
+    for process, total in sorted(by_process.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{process}: {total / per:.2f} ms in ops" + (f" (times / {per:g})" if per != 1 else ""))
+        for row in [r for r in rows if r["process"] == process][:top]:
+            lines.append(f"  {row['ms'] / per:10.3f} ms {row['ms'] / total:6.1%} {row['count']:8d}  {row['op'][:90]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace_dir")
+    parser.add_argument("--per", type=float, default=1.0, help="divide times by this (e.g. the decode steps)")
+    parser.add_argument("--top", type=int, default=30, help="families shown per process")
+    parser.add_argument("--exact", action="store_true", help="by full op name (ynn_fusion.3 apart from ynn_fusion)")
+    args = parser.parse_args(argv)
+    print(table(op_families(args.trace_dir, args.exact), args.per, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
