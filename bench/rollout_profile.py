@@ -65,9 +65,14 @@ def main(argv: list[str] | None = None) -> int:
           f"utilisation {stats.utilisation:.0%}; {lengths.sum()} tokens, responses {lengths.min()}..{lengths.max()} "
           f"(mean {lengths.mean():.0f}), {(lengths == args.new_tokens).sum()} at the cap")
     # the profiler keeps a bounded number of events (the run's first ones): count the steps it kept
-    # from the per-layer ops (most op names run once per layer and step)
-    counts = collections.Counter(row["count"] for row in op_families(args.out, exact=True))
-    traced = min(stats.decode_steps, max(1, round(counts.most_common(1)[0][0] / cfg.num_hidden_layers)))
+    # from the per-layer ops: the call count that holds the most op time (the layers' matmuls) / layers
+    layers = cfg.num_hidden_layers
+    time_by_count: collections.Counter = collections.Counter()
+    for row in op_families(args.out, exact=True):
+        if row["count"] >= layers:
+            time_by_count[row["count"]] += row["ms"]
+    per_layer = time_by_count.most_common(1)[0][0] if time_by_count else layers
+    traced = min(stats.decode_steps, max(1, round(per_layer / layers)))
     print(f"the trace holds ~{traced} of the {stats.decode_steps} decode steps (the first ones); ms per traced step:")
     print(table(op_families(args.out, args.exact), per=traced, top=args.top))
     return 0
