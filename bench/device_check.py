@@ -271,8 +271,10 @@ def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int,
     start = time.perf_counter()
     jax.block_until_ready(run(0)[0].lengths)
     warm_s = time.perf_counter() - start
-    tracing = (contextlib.nullcontext() if trace_dir is None
-               else jax.profiler.trace(str(trace_dir), create_perfetto_trace=True))
+    profile_options = jax.profiler.ProfileOptions()
+    profile_options.python_tracer_level = 0  # XLA's ops only: Python call events would fill the trace's buffer
+    tracing = (contextlib.nullcontext() if trace_dir is None else
+               jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=profile_options))
     with tracing:
         start = time.perf_counter()
         out, stats = run(1)
