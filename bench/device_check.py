@@ -272,7 +272,7 @@ def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int,
     jax.block_until_ready(run(0)[0].lengths)
     warm_s = time.perf_counter() - start
     profile_options = jax.profiler.ProfileOptions()
-    profile_options.python_tracer_level = 0  # XLA's ops only: Python call events would fill the trace's buffer
+    profile_options.python_tracer_level = 0  # XLA's ops only (the profiler keeps a bounded number of events)
     tracing = (contextlib.nullcontext() if trace_dir is None else
                jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=profile_options))
     with tracing:
@@ -363,7 +363,7 @@ def section_profile(tiny: bool, out: pathlib.Path) -> dict:
     import shutil
 
     import numpy as np
-    from trace_ops import newest_trace, op_families  # bench/trace_ops.py, beside this script
+    from trace_ops import newest_trace, op_families, traced_steps  # bench/trace_ops.py, beside this script
 
     from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
@@ -377,7 +377,9 @@ def section_profile(tiny: bool, out: pathlib.Path) -> dict:
         trace = out / f"trace_{name}"
         shutil.rmtree(trace, ignore_errors=True)
         row = _decode_row(cfg, params, prompts, slots, new_tokens, n, options, trace_dir=trace)
-        steps = max(1, row["decode_steps"])
+        # per decode step the trace holds (a bounded number of events: a long run's first steps only)
+        row["traced_steps"] = steps = traced_steps(op_families(trace, exact=True), cfg.num_hidden_layers,
+                                                   max(1, row["decode_steps"]))
         for key, exact in (("ops_ms_per_step", False), ("ops_exact_ms_per_step", True)):
             row[key] = [{**op, "ms": op["ms"] / steps} for op in op_families(trace, exact=exact)[:40]]
         if newest_trace(trace).stat().st_size > 30 * 2**20:  # too large to bring back: the tables stay

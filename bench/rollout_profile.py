@@ -13,14 +13,13 @@ profiles a drain-sized set. The traced run is slower than an untraced one.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 
 import jax
 import numpy as np
 from rl_step import varied_rows  # bench/rl_step.py, beside this script
-from trace_ops import op_families, table
+from trace_ops import op_families, table, traced_steps
 
 from jaxrl_llm.config import smollm2_gguf_path
 from jaxrl_llm.hf import load_gguf, load_tokenizer
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     run()
     print(f"warm-up run (compiles): {time.perf_counter() - start:.1f} s", flush=True)
     options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # XLA's ops only: Python call events would fill the trace's buffer
+    options.python_tracer_level = 0  # XLA's ops only (the profiler keeps a bounded number of events)
     with jax.profiler.trace(args.out, create_perfetto_trace=True, profiler_options=options):
         start = time.perf_counter()
         out, stats = run()
@@ -64,15 +63,7 @@ def main(argv: list[str] | None = None) -> int:
           f"each incl. prefill), {stats.generate_calls} generate calls, {stats.resizes} slot-set resizes, "
           f"utilisation {stats.utilisation:.0%}; {lengths.sum()} tokens, responses {lengths.min()}..{lengths.max()} "
           f"(mean {lengths.mean():.0f}), {(lengths == args.new_tokens).sum()} at the cap")
-    # the profiler keeps a bounded number of events (the run's first ones): count the steps it kept
-    # from the per-layer ops: the call count that holds the most op time (the layers' matmuls) / layers
-    layers = cfg.num_hidden_layers
-    time_by_count: collections.Counter = collections.Counter()
-    for row in op_families(args.out, exact=True):
-        if row["count"] >= layers:
-            time_by_count[row["count"]] += row["ms"]
-    per_layer = time_by_count.most_common(1)[0][0] if time_by_count else layers
-    traced = min(stats.decode_steps, max(1, round(per_layer / layers)))
+    traced = traced_steps(op_families(args.out, exact=True), cfg.num_hidden_layers, stats.decode_steps)
     print(f"the trace holds ~{traced} of the {stats.decode_steps} decode steps (the first ones); ms per traced step:")
     print(table(op_families(args.out, args.exact), per=traced, top=args.top))
     return 0

@@ -53,6 +53,19 @@ def op_families(trace_dir: str | pathlib.Path, exact: bool = False) -> list[dict
     return [{"process": p, "op": op, "ms": ms, "count": counts[(p, op)]} for (p, op), ms in totals.most_common()]
 
 
+def traced_steps(exact_rows: list[dict], layers: int, steps: int) -> int:
+    """How many of a run's `steps` decode steps the trace holds (the profiler keeps a bounded number
+    of events, the run's first ones): the call count of `op_families(..., exact=True)` that carries
+    the most op time among counts of at least `layers` (the layers' matmuls, once per layer and
+    step), divided by `layers`; at most `steps`."""
+    time_by_count: collections.Counter = collections.Counter()
+    for row in exact_rows:
+        if row["count"] >= layers:
+            time_by_count[row["count"]] += row["ms"]
+    per_layer = time_by_count.most_common(1)[0][0] if time_by_count else layers
+    return min(steps, max(1, round(per_layer / layers)))
+
+
 def table(rows: list[dict], per: float = 1.0, top: int = 30) -> str:
     """The families as text lines: ms (divided by `per`), share of the process's total, count, name."""
     by_process: dict[str, float] = collections.defaultdict(float)

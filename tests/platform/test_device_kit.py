@@ -79,6 +79,7 @@ def test_device_check_tiny_profile_rows(tmp_path):
         in_ops = sum(op["ms"] for op in ops if op["process"] == ops[0]["process"])
         assert 0 < in_ops <= 2 * row["step_ms"]  # CPU ops run on up to 2 threads at once
         assert sum(op["count"] for op in row["ops_exact_ms_per_step"]) >= 1
+        assert row["traced_steps"] == row["decode_steps"]  # a tiny run's trace holds every step
         assert (tmp_path / f"trace_{row['name']}").is_dir()  # tiny traces are kept
     assert "plain (traced)" in result["summary"]
 
@@ -89,7 +90,7 @@ def test_trace_ops_sums_a_trace_by_op_family(tmp_path):
     import gzip
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from trace_ops import op_families, table
+    from trace_ops import op_families, table, traced_steps
 
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
               {"ph": "M", "name": "thread_name", "pid": 1, "tid": 5, "args": {"name": "python"}},
@@ -108,6 +109,10 @@ def test_trace_ops_sums_a_trace_by_op_family(tmp_path):
     assert {r["op"] for r in op_families(tmp_path, exact=True)} == {"ynn_fusion.3", "ynn_fusion",
                                                                   "loop_gather_fusion_12"}
     assert "1.75 ms in ops (times / 2)" in table(rows, per=2) and "1.500 ms  85.7%" in table(rows, per=2)
+    # each op ran once: one step of a one-layer model; with 30 layers, the 60-call ops are 2 steps
+    assert traced_steps(op_families(tmp_path, exact=True), layers=1, steps=10) == 1
+    per_layer = [{"count": 60, "ms": 5.0}, {"count": 60, "ms": 4.0}, {"count": 20, "ms": 6.0}, {"count": 2, "ms": 9.0}]
+    assert traced_steps(per_layer, layers=30, steps=500) == 2 and traced_steps(per_layer, layers=30, steps=1) == 1
 
 
 def test_device_scripts_parse():
