@@ -271,10 +271,9 @@ def _decode_row(cfg, params, prompts: list, slots: int, new_tokens: int, n: int,
     start = time.perf_counter()
     jax.block_until_ready(run(0)[0].lengths)
     warm_s = time.perf_counter() - start
-    profile_options = jax.profiler.ProfileOptions()
-    profile_options.python_tracer_level = 0  # XLA's ops only (the profiler keeps a bounded number of events)
-    tracing = (contextlib.nullcontext() if trace_dir is None else
-               jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=profile_options))
+    from trace_ops import ops_only_trace  # bench/trace_ops.py, beside this script
+
+    tracing = contextlib.nullcontext() if trace_dir is None else ops_only_trace(trace_dir)
     with tracing:
         start = time.perf_counter()
         out, stats = run(1)
@@ -363,7 +362,7 @@ def section_profile(tiny: bool, out: pathlib.Path) -> dict:
     import shutil
 
     import numpy as np
-    from trace_ops import newest_trace, op_families, traced_steps  # bench/trace_ops.py, beside this script
+    from trace_ops import by_family, newest_trace, op_families, traced_steps  # bench/trace_ops.py, beside this script
 
     from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
@@ -378,10 +377,10 @@ def section_profile(tiny: bool, out: pathlib.Path) -> dict:
         shutil.rmtree(trace, ignore_errors=True)
         row = _decode_row(cfg, params, prompts, slots, new_tokens, n, options, trace_dir=trace)
         # per decode step the trace holds (a bounded number of events: a long run's first steps only)
-        row["traced_steps"] = steps = traced_steps(op_families(trace, exact=True), cfg.num_hidden_layers,
-                                                   max(1, row["decode_steps"]))
-        for key, exact in (("ops_ms_per_step", False), ("ops_exact_ms_per_step", True)):
-            row[key] = [{**op, "ms": op["ms"] / steps} for op in op_families(trace, exact=exact)[:40]]
+        exact = op_families(trace, exact=True)  # the trace read once
+        row["traced_steps"] = steps = traced_steps(exact, cfg.num_hidden_layers, max(1, row["decode_steps"]))
+        for key, ops in (("ops_ms_per_step", by_family(exact)), ("ops_exact_ms_per_step", exact)):
+            row[key] = [{**op, "ms": op["ms"] / steps} for op in ops[:40]]
         if newest_trace(trace).stat().st_size > 30 * 2**20:  # too large to bring back: the tables stay
             shutil.rmtree(trace)
         result["rows"].append({"name": name, **row})

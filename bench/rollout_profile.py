@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 from rl_step import varied_rows  # bench/rl_step.py, beside this script
-from trace_ops import op_families, table, traced_steps
+from trace_ops import by_family, op_families, ops_only_trace, table, traced_steps
 
 from jaxrl_llm.config import smollm2_gguf_path
 from jaxrl_llm.hf import load_gguf, load_tokenizer
@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     run()
     print(f"warm-up run (compiles): {time.perf_counter() - start:.1f} s", flush=True)
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # XLA's ops only (the profiler keeps a bounded number of events)
-    with jax.profiler.trace(args.out, create_perfetto_trace=True, profiler_options=options):
+    with ops_only_trace(args.out):
         start = time.perf_counter()
         out, stats = run()
         wall = time.perf_counter() - start
@@ -63,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
           f"each incl. prefill), {stats.generate_calls} generate calls, {stats.resizes} slot-set resizes, "
           f"utilisation {stats.utilisation:.0%}; {lengths.sum()} tokens, responses {lengths.min()}..{lengths.max()} "
           f"(mean {lengths.mean():.0f}), {(lengths == args.new_tokens).sum()} at the cap")
-    traced = traced_steps(op_families(args.out, exact=True), cfg.num_hidden_layers, stats.decode_steps)
+    exact = op_families(args.out, exact=True)  # the trace read once
+    traced = traced_steps(exact, cfg.num_hidden_layers, stats.decode_steps)
     print(f"the trace holds ~{traced} of the {stats.decode_steps} decode steps (the first ones); ms per traced step:")
-    print(table(op_families(args.out, args.exact), per=traced, top=args.top))
+    print(table(exact if args.exact else by_family(exact), per=traced, top=args.top))
     return 0
 
 

@@ -42,15 +42,36 @@ def op_families(trace_dir: str | pathlib.Path, exact: bool = False) -> list[dict
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     python_threads = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
                       and e["args"].get("name") == "python"}
+    rows = [{"process": processes.get(e.get("pid"), str(e.get("pid"))), "op": e["name"], "ms": e.get("dur", 0) / 1e3,
+             "count": 1} for e in events
+            if e.get("ph") == "X" and not _WRAPPERS.match(e.get("name", ""))
+            and (e.get("pid"), e.get("tid")) not in python_threads]
+    return _summed(rows, lambda op: op) if exact else by_family(rows)
+
+
+def by_family(rows: list[dict]) -> list[dict]:
+    """`rows` (op_families' by full name, or single events) summed by op family, longest first."""
+    return _summed(rows, lambda op: _SUFFIX.sub("", op))
+
+
+def _summed(rows: list[dict], key) -> list[dict]:
     totals: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("ph") != "X" or _WRAPPERS.match(e.get("name", "")) or (e.get("pid"), e.get("tid")) in python_threads:
-            continue
-        key = (processes.get(e.get("pid"), str(e.get("pid"))), e["name"] if exact else _SUFFIX.sub("", e["name"]))
-        totals[key] += e.get("dur", 0) / 1e3
-        counts[key] += 1
+    for row in rows:
+        k = (row["process"], key(row["op"]))
+        totals[k] += row["ms"]
+        counts[k] += row["count"]
     return [{"process": p, "op": op, "ms": ms, "count": counts[(p, op)]} for (p, op), ms in totals.most_common()]
+
+
+def ops_only_trace(trace_dir: str | pathlib.Path):
+    """`jax.profiler.trace` into `trace_dir` with a perfetto trace and XLA's ops only (no Python call
+    events: the profiler keeps a bounded number of events)."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    return jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=options)
 
 
 def traced_steps(exact_rows: list[dict], layers: int, steps: int) -> int:
