@@ -373,3 +373,38 @@ def test_auto_cascade_follows_the_decode_attention():
                                              cascade=True), 8, 1) is None  # n = 1: nothing shared
     with pytest.raises(ValueError, match="cascade_attention"):
         EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8, cascade="always")
+
+
+@pytest.mark.parametrize("slots,kv", [(1, "auto"), (2, "auto"), (1, "int8")])
+def test_decode_writes_the_pool_in_place_at_every_slot_count(llama_tiny, monkeypatch, slots, kv):
+    """The compiled `generate` never copies the KV pool. XLA turned a one-slot step's page write (a
+    one-index scatter) into a dynamic-update-slice fused into each reader of the pool, with a copy of
+    the whole pool per reader: ~8 per layer and step, a 1-slot step 20x slower than a 3-slot one on
+    SmolLM2. A 1-slot engine still gives the static sampler's greedy tokens."""
+    import re
+
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False, n=1))
+    calls, real_generate = [], programs.generate
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(programs, "generate", spy)
+    # pages of 16 tokens, 16 per slot: two attention blocks per slot (with one the copies do not appear)
+    engine = PagedEngine(cfg, EngineSpec(max_num_seqs=slots, page_size=16, num_pages=40, pages_per_slot=16,
+                                         kv_cache_dtype=kv), steps_per_call=3)
+    out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    monkeypatch.undo()
+    if kv == "auto":
+        ids, mask = left_pad(PROMPTS, PAD_ID)
+        static = sample(params, cfg, ids, mask, jax.random.key(0), knobs, settings=settings)
+        np.testing.assert_array_equal(out.tokens, np.asarray(static.tokens))
+    args, kwargs = next(c for c in calls if c[0][2].active.shape[0] == slots)
+    pool = args[2].pool
+    hlo = programs.generate.lower(*args, **kwargs).compile().as_text()
+    for name, x in pool.items():
+        dims = ",".join(map(str, x.shape))
+        copies = re.findall(rf"= \w+\[{dims}\]\{{[0-9,]*\}} copy\(", hlo)
+        assert not copies, f"{len(copies)} copies of pool[{name!r}] {x.shape} in the {slots}-slot decode program"
