@@ -203,6 +203,7 @@ VARIANTS = {
     "ngram": {"speculative.method": "ngram"},  # speculative decoding, n-gram drafts
     "partial": {"partial.enable": True},  # partial rollouts, max_staleness 1
     "unroll_layers": {"unroll_layers": True},  # decode over per-layer weights (longer compile)
+    "scan_layers": {"unroll_layers": False},  # decode scans the stacked layers ('auto' unrolls on CPU at 512 tokens)
 }
 
 

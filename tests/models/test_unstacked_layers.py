@@ -73,7 +73,7 @@ def test_the_config_key_reaches_the_engine():
     rollout = "actor_rollout_ref.rollout"
     paged = [f"{rollout}.engine=paged", f"{rollout}.response_length=128"]
     on = apply_overrides(default_config(), [f"{rollout}.unroll_layers=True", *paged])
-    off = apply_overrides(default_config(), paged)
+    off = apply_overrides(default_config(), [f"{rollout}.unroll_layers=False", *paged])
     opts_on = resolve_rollout_engine(on.actor_rollout_ref.rollout)
     opts_off = resolve_rollout_engine(off.actor_rollout_ref.rollout)
     assert opts_on.unroll_layers and not opts_off.unroll_layers
@@ -84,8 +84,30 @@ def test_the_config_key_reaches_the_engine():
     release_engines()
 
 
-def test_a_mixed_layer_moe_model_stays_stacked():
-    mixed = ModelConfig.tiny("qwen2_moe", mlp_only_layers=(0,))
-    assert mixed.mixed_layers
-    mixed_params = init_params(mixed, jax.random.key(0))
-    assert unstack_layers(mixed_params, mixed) is mixed_params  # its MLPs are stacked apart: no copy
+def test_auto_unrolls_long_rollouts_on_cpu_only():
+    """unroll_layers='auto' (the default): per-layer weights where decode compiles for a CPU and responses
+    reach 512 tokens; the scan for shorter ones and on GPU / TPU targets; True / False as set; anything
+    else is an error naming the key. The config keeps 'auto' until an engine is built (or planned) for
+    its platform; an unresolved 'auto' never reaches an engine."""
+    from jaxrl_llm.config import apply_overrides, default_config
+    from jaxrl_llm.config.resolve import resolve_rollout_engine
+    from jaxrl_llm.platform.target import CompileTarget, compiling_for
+
+    def unroll(platform: str, tokens: int, value: str | None = None) -> bool:
+        keys = [f"actor_rollout_ref.rollout.response_length={tokens}"]
+        keys += [] if value is None else [f"actor_rollout_ref.rollout.unroll_layers={value}"]
+        opts = resolve_rollout_engine(apply_overrides(default_config(), keys).actor_rollout_ref.rollout)
+        assert opts.unroll_layers == ("auto" if value is None else value == "True")
+        with compiling_for(CompileTarget(platform, None)):
+            return opts.unroll_for(tokens)
+
+    assert unroll("cpu", 512) is True and unroll("cpu", 2048) is True
+    assert unroll("cpu", 511) is False and unroll("cpu", 128) is False
+    assert unroll("gpu", 512) is False and unroll("tpu", 4096) is False
+    assert unroll("cpu", 1024, "False") is False and unroll("tpu", 128, "True") is True
+    with pytest.raises(ValueError, match="rollout.unroll_layers='always'"):
+        EngineOptions(unroll_layers="always")
+    cfg = ModelConfig.tiny("llama")
+    spec = EngineSpec(max_num_seqs=2, page_size=4, num_pages=8, pages_per_slot=4)
+    with pytest.raises(ValueError, match="unroll_layers='auto'"):
+        get_engine(cfg, spec, EngineOptions(), "float32")

@@ -408,3 +408,25 @@ def test_decode_writes_the_pool_in_place_at_every_slot_count(llama_tiny, monkeyp
         dims = ",".join(map(str, x.shape))
         copies = re.findall(rf"= \w+\[{dims}\]\{{[0-9,]*\}} copy\(", hlo)
         assert not copies, f"{len(copies)} copies of pool[{name!r}] {x.shape} in the {slots}-slot decode program"
+
+
+def test_a_runs_prompt_bound_sizes_one_engine_for_every_batch(llama_tiny):
+    """sample_paged(max_prompt_len=data.max_prompt_length): batches whose longest prompts need other
+    page-table sizes (16 + 8 tokens fit 256 per slot, 256 + 8 need 512) share one engine and its
+    programs, with the tokens of an engine sized by the batch."""
+    from jaxrl_llm.sampler.engine.setup import EngineOptions, release_engines, sample_paged
+
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=8, do_sample=False, n=1))
+    opts = EngineOptions(engine="paged", max_num_seqs=2)
+    short, long_ = [[3, 4, 5], [7] * 10], [[3, 4, 5], [7] * 250]
+    release_engines()
+    run = lambda prompts, bound=None: sample_paged(params, cfg, prompts, jax.random.key(0), knobs,  # noqa: E731
+                                                   settings=settings, opts=opts, max_prompt_len=bound)[0]
+    bounded = run(short, 256)
+    compiled = programs.generate._cache_size()
+    run(long_, 256)
+    assert programs.generate._cache_size() == compiled  # the long batch reused the short one's engine
+    np.testing.assert_array_equal(bounded.tokens, run(short).tokens)
+    assert programs.generate._cache_size() > compiled  # sized by its own prompts: a 256-token table
+    release_engines()

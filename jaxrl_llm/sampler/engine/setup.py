@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES, EngineSpec
@@ -33,6 +34,12 @@ PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
 # multi-turn rollout); below it the static batch: its long tail is a few steps at most, and it
 # compiles two programs instead of the engine's dozen (measured: docs/performance.md)
 AUTO_PAGED_MIN_NEW_TOKENS = 64
+# unroll_layers='auto' decodes over per-layer weights on CPU from this many new tokens per response on:
+# XLA:CPU copies each layer's weights out of the scan's stack every decode step (~30% of a SmolLM2
+# drain step), while the unrolled programs compile ~8 s longer per slot set; at 512 tokens a rollout's
+# ~500 steps save more than the 7 slot sets' extra compile within a run's first few steps, and shorter
+# runs (tests, the quickstart's 8 tokens) keep the fast compile (docs/performance.md)
+AUTO_UNROLL_MIN_NEW_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +56,7 @@ class EngineOptions:
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
     cascade_attention: bool | str = "auto"  # rollout.cascade_attention: a prompt's n samples read its pages once
-    unroll_layers: bool = False  # rollout.unroll_layers: decode over per-layer weights (faster steps on CPU)
+    unroll_layers: bool | str = "auto"  # rollout.unroll_layers: decode over per-layer weights (`unroll_for`)
     speculative: SpeculativeSpec | None = None  # rollout.speculative: draft and verify tokens (None: off)
 
     @property
@@ -67,6 +74,8 @@ class EngineOptions:
             raise ValueError(f"rollout.paged_attention={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"rollout.kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        if not isinstance(self.unroll_layers, bool) and self.unroll_layers != "auto":
+            raise ValueError(f"rollout.unroll_layers={self.unroll_layers!r}: expected 'auto', True or False")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.steps_per_call < 1:
             raise ValueError("rollout.max_num_seqs / max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -80,6 +89,15 @@ class EngineOptions:
             return self
         paged = multi_turn or max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS or self.speculative is not None
         return dataclasses.replace(self, engine="paged" if paged else "static")
+
+    def unroll_for(self, max_new_tokens: int) -> bool:
+        """Whether decode runs over per-layer weights for responses of up to `max_new_tokens` tokens:
+        unroll_layers as set, and for 'auto' where the programs compile for a CPU (XLA:CPU copies a
+        scanned layer's weights; a GPU or TPU reads them in place) from AUTO_UNROLL_MIN_NEW_TOKENS on.
+        Resolved where the engine is built (or planned), so a plan for a TPU slice follows the TPU."""
+        if isinstance(self.unroll_layers, bool):
+            return self.unroll_layers
+        return target_platform() == "cpu" and max_new_tokens >= AUTO_UNROLL_MIN_NEW_TOKENS
 
 
 _MODEL_LEN_STEP = 256  # max_model_len rounds up to a multiple of this (a few page-table shapes per run)
@@ -118,7 +136,10 @@ _ENGINES: dict[tuple, PagedEngine] = {}
 
 def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_dtype: str,
                mesh: Mesh | None = None) -> PagedEngine:
-    """A cached engine per (model, shape, mesh): its KV buffers and compiled programs are reused."""
+    """A cached engine per (model, shape, mesh): its KV buffers and compiled programs are reused.
+    `opts.unroll_layers` resolved (`EngineOptions.unroll_for`)."""
+    if not isinstance(opts.unroll_layers, bool):
+        raise ValueError("get_engine: resolve rollout.unroll_layers='auto' first (EngineOptions.unroll_for)")
     key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, opts.prefill_chunk,
            opts.batch_prefill, opts.unroll_layers, mesh)
     if key not in _ENGINES:
@@ -138,13 +159,16 @@ def release_engines() -> None:
 
 def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
                  knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None,
-                 prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None
-                 ) -> tuple[SampleOutput, EngineStats]:
+                 prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None,
+                 max_prompt_len: int | None = None) -> tuple[SampleOutput, EngineStats]:
     """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
     `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats.
     prompt_routing: per prompt, the experts its prefill replays (`EngineRequest.routing`);
-    draft_params: the draft model's (opts.speculative.method 'draft')."""
-    engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=max(map(len, prompts)),
+    draft_params: the draft model's (opts.speculative.method 'draft'); max_prompt_len: the run's bound
+    on prompt length (data.max_prompt_length), which sizes the engine instead of this batch's longest
+    prompt, so every batch of a run reuses one engine and its compiled programs."""
+    longest = max(max(map(len, prompts)), max_prompt_len or 0)
+    engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=longest,
                           settings=settings, mesh=mesh)
     return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing, draft_params=draft_params)
 
@@ -153,6 +177,7 @@ def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, ma
                  settings: SampleSettings, mesh: Mesh | None = None) -> PagedEngine:
     """The cached engine for `num_requests` sequences of at most `max_prompt_len` prompt tokens plus
     `settings.max_new_tokens` (see the module doc for the sizing)."""
+    opts = dataclasses.replace(opts, unroll_layers=opts.unroll_for(settings.max_new_tokens))
     spec = engine_spec(cfg, opts, num_requests=num_requests, max_prompt_len=max_prompt_len,
                        max_new_tokens=settings.max_new_tokens, compute_dtype=settings.compute_dtype, mesh=mesh)
     return get_engine(cfg, spec, opts, settings.compute_dtype, mesh)
