@@ -42,10 +42,10 @@ def quantize_int8(x: Array) -> tuple[Array, Array]:
 def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, offsets: Array) -> dict:
     """Writes k / v [N, kv_heads, D] of N tokens at (pages[N], offsets[N]) of one layer."""
     if pages.shape[0] == 1:
-        # one token: XLA rewrites a one-index scatter as a dynamic-update-slice, fuses it into each
-        # reader of the pool and copies the whole pool (every layer) per copy, ~8 per layer and step
-        # (a 1-slot decode step ran 20x slower than a 3-slot one). A second write of the same values
-        # to the scratch page 0 keeps it a scatter, done in place.
+        # one token: XLA rewrites a one-index scatter as a dynamic-update-slice and fuses it into
+        # each reader of the pool, each with its own copy of the whole pool (all layers): ~8 copies
+        # per layer and step, a 1-slot SmolLM2 step 20x slower than a 3-slot one. A second write of
+        # the same values to the scratch page 0 keeps it a scatter, done in place.
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
         pages, offsets = jnp.concatenate([pages, jnp.zeros_like(pages)]), jnp.concatenate([offsets, offsets])
     out = dict(pool)
