@@ -111,3 +111,10 @@ def test_auto_unrolls_long_rollouts_on_cpu_only():
     spec = EngineSpec(max_num_seqs=2, page_size=4, num_pages=8, pages_per_slot=4)
     with pytest.raises(ValueError, match="unroll_layers='auto'"):
         get_engine(cfg, spec, EngineOptions(), "float32")
+
+
+def test_a_mixed_layer_moe_model_stays_stacked():
+    mixed = ModelConfig.tiny("qwen2_moe", mlp_only_layers=(0,))
+    assert mixed.mixed_layers
+    mixed_params = init_params(mixed, jax.random.key(0))
+    assert unstack_layers(mixed_params, mixed) is mixed_params  # its MLPs are stacked apart: no copy
