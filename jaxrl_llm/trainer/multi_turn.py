@@ -169,8 +169,10 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
         params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)
         settings, knobs = gen.compile_args(params_r)
-        engine = sized_engine(cfg, opts, num_requests=len(trajs), max_prompt_len=longest_prompt,
-                              settings=settings, mesh=mesh)
+        # sized by the run's prompt bound (as the single-turn engine), so every step reuses one engine
+        engine = sized_engine(cfg, opts, num_requests=len(trajs),
+                              max_prompt_len=max(longest_prompt, gen.max_prompt_length or 0), settings=settings,
+                              mesh=mesh)
         stats: list = []
         serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings,  # noqa: E731
                                                          gen.draft_params))

@@ -202,8 +202,13 @@ class PartialRollouts:
                              fresh_keys=fresh_keys, carry_base=2 * self.prompts, max_new_tokens=r)
         requests = source.requests
         settings, knobs = gen.compile_args(self.sampling)
+        # sized by the run's prompt bound, as the plain rollout's engine: a resumed request (its prompt
+        # + its tokens so far, with what is left of the budget) needs no more room than its prompt did
+        # with the whole budget, so carried requests neither grow the page table nor rebuild the engine
+        longest = max(len(q.ids) + q.max_new_tokens for q in requests) - r
         engine = sized_engine(gen.model_cfg, gen.engine_for(r), num_requests=len(requests),
-                              max_prompt_len=max(len(q.ids) for q in requests), settings=settings, mesh=gen.mesh)
+                              max_prompt_len=max(longest, gen.max_prompt_length or 0), settings=settings,
+                              mesh=gen.mesh)
         gen.last_engine_stats = engine.serve(params, source, rng, knobs, settings, gen.draft_params)
         done = sorted((g for g in groups if g.finished), key=lambda g: (g.born, g.order))[:self.prompts]
         chosen = {id(g) for g in done}

@@ -14,7 +14,7 @@ from tiny_runs import GUESS_YAML, assert_host_rows_match
 from jaxrl_llm.agents import AgentConfigError, Generated
 from jaxrl_llm.config import resolve_config
 from jaxrl_llm.config.schema import ConfigError
-from jaxrl_llm.sampler.engine.setup import EngineOptions
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sized_engine
 from jaxrl_llm.trainer import Trainer
 from jaxrl_llm.trainer import multi_turn as mt_module
 from jaxrl_llm.trainer.multi_turn import MultiTurn
@@ -92,9 +92,13 @@ def test_masks_logprobs_and_a_train_step(guess_trainer):
 def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkeypatch):
     trainer, _ = guess_trainer
     monkeypatch.setattr(trainer.generator, "engine", EngineOptions(engine="paged", max_num_seqs=8))
+    sized = []  # the prompt length the engine is sized for: the run's bound, as the single-turn engine's
+    monkeypatch.setattr(mt_module, "sized_engine", lambda *a, max_prompt_len, **kw: sized.append(max_prompt_len) or
+                        sized_engine(*a, max_prompt_len=max_prompt_len, **kw))
     trainer.train_loader.reset()
     batch = next(trainer.train_loader)
     r = trainer.generator.generate(batch, trainer.actor.model_params, trainer.spec.train_sampling, jax.random.key(2))
+    assert sized == [96]  # data.max_prompt_length (guess_config), not this batch's longest prompt
     loss = np.asarray(r.response_mask)
     assert (loss.sum(-1) == 3).all()  # three one-token model turns through the paged engine too
     # streamed (agents/streaming.py): one engine run for every turn, the n samples of a row share

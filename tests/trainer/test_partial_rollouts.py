@@ -7,7 +7,8 @@ import tiny_runs
 from test_trainer_e2e import with_reward_file
 
 from jaxrl_llm.config import ConfigError
-from jaxrl_llm.trainer import Trainer
+from jaxrl_llm.sampler.engine.setup import sized_engine
+from jaxrl_llm.trainer import Trainer, partial
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny runs use SmolLM2's tokenizer
 # a fifth of the vocabulary ends a response: the random tiny model's lengths then vary, so a step
@@ -38,12 +39,20 @@ def test_max_staleness_zero_is_the_plain_rollout(tmp_path):
 
 
 @pytest.mark.parametrize("bound", [1, 2])
-def test_no_token_lags_more_than_the_bound_and_resume_is_exact(tmp_path, bound):
+def test_no_token_lags_more_than_the_bound_and_resume_is_exact(tmp_path, bound, monkeypatch):
     steps = 4
     full = tmp_path / "full"
     run = lambda d, n, **kw: _run(d, n, **{f"{KEY}.enable": True, f"{KEY}.max_staleness": bound,  # noqa: E731
                                            "trainer.save_freq": 1, **kw})
+    sized = []  # the prompt length each step's engine is sized for
+    monkeypatch.setattr(partial, "sized_engine",
+                        lambda *a, max_prompt_len, **kw: sized.append(max_prompt_len) or
+                        sized_engine(*a, max_prompt_len=max_prompt_len, **kw))
     run(full, steps).fit()
+    # every step, resumed samples (prompt + their tokens so far) included, fits the run's prompt bound:
+    # one engine for the run, as the plain rollout
+    assert sized == [tiny_runs.tiny_config(tmp_path / "cfg").data.max_prompt_length] * steps
+    monkeypatch.undo()
     rows = [tiny_runs.step_numbers(tiny_runs.read_metrics(full), s) for s in range(1, steps + 1)]
     assert all(r["rollout/staleness_max"] <= bound for r in rows)
     assert sum(r["rollout/partial/paused"] for r in rows) > 0  # samples stopped mid-response ...
