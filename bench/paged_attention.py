@@ -17,6 +17,11 @@ point, so a kernel whose time tracks the mean length (not the table width) is le
              --group N --prompt-len P: slots in groups of N samples sharing a P-token prompt's full pages
              (rollout.n = N); adds the cascade rows (`pallas_cascade`, `xla_cascade`: the shared pages
              read once per group), whose KV GB/s count the bytes the plain kernel reads (effective rate)
+             --impls xla dense: only these rows (on a CPU the kernels run interpreted: slow)
+    python bench/paged_attention.py --slots 12 32 --lengths 256 512 --max-len 1024 --dtype float32 \
+        --impls xla dense                                # the CPU engine's attention, per layer
+
+The header's read_bw (a jitted sum) is the floor a KV read can reach; `bw use` divides by copy_bw.
 """
 from __future__ import annotations
 
@@ -79,6 +84,14 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
     return 2 * nbytes / median_time(lambda: f(x), repeats)
 
 
+def read_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes/s of a jitted sum over an `nbytes` fp32 array (reads only: the roofline of a KV read)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    return nbytes / median_time(lambda: f(x), repeats)
+
+
 def make_inputs(rng, *, slots, mean_len, max_len, page_size, heads, kv_heads, head_dim, dtype, group=1,
                 prompt_len=0) -> dict[str, Any]:
     pages_per_slot = max_len // page_size
@@ -120,6 +133,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--group", type=int, default=1, help="samples per prompt sharing its pages (cascade rows)")
     parser.add_argument("--prompt-len", type=int, default=256, help="the shared prompt's tokens (with --group)")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="rows to run (pallas xla pallas_cascade xla_cascade dense; default: all)")
     args = parser.parse_args()
     interpret = args.tiny or jax.default_backend() == "cpu"
     if args.tiny:
@@ -129,10 +144,12 @@ def main() -> None:
     ppb = args.pages_per_block or default_pages_per_block(args.page_size, args.max_len // args.page_size,
                                                           variant)
     bw = copy_bandwidth(1 << (22 if interpret else 30), args.repeats)
+    read_bw = read_bandwidth(1 << (22 if args.tiny else 30), args.repeats)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} variant={variant} "
           f"interpret={interpret} dtype={dtype.name} heads={args.heads}/{args.kv_heads} "
           f"head_dim={args.head_dim} page_size={args.page_size} pages_per_block={ppb} "
-          f"max_len={args.max_len} window={args.window} copy_bw={bw / 1e9:.1f} GB/s")
+          f"max_len={args.max_len} window={args.window} copy_bw={bw / 1e9:.1f} GB/s "
+          f"read_bw={read_bw / 1e9:.1f} GB/s (a sum: the floor of a KV read is its bytes / read_bw)")
     impls = {"pallas": lambda c: paged_decode_attention_pallas(
         c["q"], c["k_pages"], c["v_pages"], c["lengths"], c["page_indices"],
         sliding_window=args.window, interpret=interpret, pages_per_block=ppb, variant=variant,
@@ -151,6 +168,11 @@ def main() -> None:
                                                      c["page_indices"], c["cascade"], sliding_window=args.window)
     impls["dense"] = lambda c: dense_gather(c["q"], c["k_pages"], c["v_pages"], c["lengths"],
                                             c["page_indices"], sliding_window=args.window)
+    if args.impls:  # e.g. the XLA rows only on a CPU, where the kernels would run interpreted
+        missing = sorted(set(args.impls) - set(impls))
+        if missing:
+            parser.error(f"--impls {' '.join(missing)}: not available here (have {', '.join(impls)})")
+        impls = {name: fn for name, fn in impls.items() if name in args.impls}
     # Error bound vs the fp32 reference: fp32 summation order (1e-5) plus, for bf16 outputs, the
     # final rounding (half a bf16 ulp <= 2**-8 |x|); the tests assert the same bound.
     rel = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0
