@@ -375,39 +375,57 @@ def test_auto_cascade_follows_the_decode_attention():
         EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8, cascade="always")
 
 
-@pytest.mark.parametrize("slots,kv", [(1, "auto"), (2, "auto"), (1, "int8")])
-def test_decode_writes_the_pool_in_place_at_every_slot_count(llama_tiny, monkeypatch, slots, kv):
-    """The compiled `generate` never copies the KV pool. XLA turned a one-slot step's page write (a
-    one-index scatter) into a dynamic-update-slice fused into each reader of the pool, with a copy of
-    the whole pool per reader: ~8 per layer and step, a 1-slot step 20x slower than a 3-slot one on
-    SmolLM2. A 1-slot engine still gives the static sampler's greedy tokens."""
+POOL_PROGRAMS = ("insert", "insert_at", "generate", "clear_slots")  # the engine's programs that take the pool
+
+
+@pytest.mark.parametrize("slots,kv,speculative", [(1, "auto", False), (2, "auto", False), (1, "int8", False),
+                                                  (1, "auto", True), (2, "auto", True)])
+def test_no_engine_program_copies_the_pool_at_any_slot_count(llama_tiny, monkeypatch, slots, kv, speculative):
+    """No compiled engine program (prefill's insert, decode, speculative verification, slot clearing)
+    copies the KV pool. XLA turned a one-slot step's page write (a one-index scatter) into a
+    dynamic-update-slice fused into each reader of the pool, with a copy of the whole pool per
+    reader: ~8 per layer and step, a 1-slot step 20x slower than a 3-slot one on SmolLM2. A 1-slot
+    engine still gives the static sampler's greedy tokens."""
     import re
 
     cfg, params = llama_tiny
     settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False, n=1))
-    calls, real_generate = [], programs.generate
+    calls: dict[str, list] = {name: [] for name in POOL_PROGRAMS}
 
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real_generate(*args, **kwargs)
+    def spy(name, real):
+        def run(*args, **kwargs):
+            calls[name].append((args, kwargs))
+            return real(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(programs, "generate", spy)
+    for name in POOL_PROGRAMS:
+        monkeypatch.setattr(programs, name, spy(name, getattr(programs, name)))
     # pages of 16 tokens, 16 per slot: two attention blocks per slot (with one the copies do not appear)
     engine = PagedEngine(cfg, EngineSpec(max_num_seqs=slots, page_size=16, num_pages=40, pages_per_slot=16,
-                                         kv_cache_dtype=kv), steps_per_call=3)
+                                         kv_cache_dtype=kv, speculative=SpeculativeSpec(num_tokens=3)
+                                         if speculative else None), steps_per_call=3)
     out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
     monkeypatch.undo()
     if kv == "auto":
         ids, mask = left_pad(PROMPTS, PAD_ID)
         static = sample(params, cfg, ids, mask, jax.random.key(0), knobs, settings=settings)
         np.testing.assert_array_equal(out.tokens, np.asarray(static.tokens))
-    args, kwargs = next(c for c in calls if c[0][2].active.shape[0] == slots)
-    pool = args[2].pool
-    hlo = programs.generate.lower(*args, **kwargs).compile().as_text()
-    for name, x in pool.items():
-        dims = ",".join(map(str, x.shape))
-        copies = re.findall(rf"= \w+\[{dims}\]\{{[0-9,]*\}} copy\(", hlo)
-        assert not copies, f"{len(copies)} copies of pool[{name!r}] {x.shape} in the {slots}-slot decode program"
+    checked = []
+    for name, recorded in calls.items():
+        seen = set()
+        for args, kwargs in recorded:
+            state = next(a for a in (*args, *kwargs.values()) if isinstance(a, programs.DecodeState))
+            if state.active.shape in seen:  # one compilation per slot count
+                continue
+            seen.add(state.active.shape)
+            hlo = getattr(programs, name).lower(*args, **kwargs).compile().as_text()
+            for key, x in state.pool.items():
+                dims = ",".join(map(str, x.shape))
+                copies = re.findall(rf"= \w+\[{dims}\]\{{[0-9,]*\}} copy\(", hlo)
+                assert not copies, (f"{len(copies)} copies of pool[{key!r}] {x.shape} in {name} at "
+                                    f"{state.active.shape[0]} of {slots} slots")
+            checked.append(name)
+    assert {"generate", "insert"} <= set(checked) or {"generate", "insert_at"} <= set(checked), checked
 
 
 def test_a_runs_prompt_bound_sizes_one_engine_for_every_batch(llama_tiny):
