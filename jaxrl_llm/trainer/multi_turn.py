@@ -59,7 +59,7 @@ from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
-from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged, sized_engine
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sized_engine
 from jaxrl_llm.sharding import to_device_if_rows_split
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
 from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
@@ -68,31 +68,43 @@ log = logging.getLogger("jaxrl_llm")
 
 
 class PagedContinue:
-    """`continue_fn` over the paged engine (`sample_paged`): each active trajectory's token prefix
-    is one request; the generation width is the largest budget rounded up to `token_bucket`."""
+    """`continue_fn` over the paged engine: each active trajectory's token prefix is one request with
+    its own remaining budget. Every round runs one engine, sized as the single-process streaming path
+    sizes it (`num_requests` trajectories, prompts up to `max_prompt_len`, responses of the sampling's
+    max_new_tokens): a conversation's prefix plus its remaining budget never exceeds its prompt plus
+    the response length, so the growing prefixes of later rounds fit the first round's engine and
+    reuse its compiled programs (sizing each round by its own prefixes built a new engine per round)."""
 
     def __init__(self, params: dict, model_cfg: ModelConfig, sampling: SamplingParams, *, eos: Sequence[int],
                  pad_token_id: int, opts: EngineOptions, mesh: Mesh | None, compute_dtype: str, rng: jax.Array,
-                 token_bucket: int = 16, draft_params: dict | None = None) -> None:
+                 token_bucket: int = 16, draft_params: dict | None = None, num_requests: int = 1,
+                 max_prompt_len: int = 1) -> None:
         self.params, self.cfg, self.sampling, self.draft_params = params, model_cfg, sampling, draft_params
         self.eos, self.pad_id = tuple(eos), pad_token_id
         self.opts, self.mesh, self.compute_dtype, self.rng = opts, mesh, compute_dtype, rng
         self.token_bucket, self.calls = token_bucket, 0
+        self.num_requests, self.max_prompt_len = num_requests, max_prompt_len
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                  stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
                  ) -> list[Generated]:
         """`routings`: record the routing, each prefix's prefill replaying its experts so far."""
-        params = round_sampling(self.sampling, max_new_tokens, stop_token_ids, self.token_bucket)
+        # the programs' width: the response length (a round's largest budget is at most that)
+        width = max(self.sampling.max_new_tokens, max(max_new_tokens))
+        params = round_sampling(self.sampling, [width], stop_token_ids, self.token_bucket)
         settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
                                               compute_dtype=self.compute_dtype)
         replay = None
         if routings is not None and self.cfg.is_moe:  # a prefix without a record yet is routed by the router
             settings = dataclasses.replace(settings, record_routing=True)
             replay = list(routings)
-        out, _ = sample_paged(self.params, self.cfg, [list(p) for p in prefixes],
-                              jax.random.fold_in(self.rng, self.calls), knobs, settings=settings, opts=self.opts,
-                              mesh=self.mesh, prompt_routing=replay, draft_params=self.draft_params)
+        # a prefix may be longer than any prompt, but prefix + budget <= prompt + response length
+        room = max(len(p) + b for p, b in zip(prefixes, max_new_tokens)) - settings.max_new_tokens
+        engine = sized_engine(self.cfg, self.opts, num_requests=max(len(prefixes), self.num_requests),
+                              max_prompt_len=max(room, self.max_prompt_len), settings=settings, mesh=self.mesh)
+        out, _ = engine.run(self.params, [list(p) for p in prefixes], jax.random.fold_in(self.rng, self.calls),
+                            knobs, settings, prompt_routing=replay, draft_params=self.draft_params,
+                            max_new_tokens=list(max_new_tokens))
         self.calls += 1
         return cut_to_budgets(out, max_new_tokens, [len(p) for p in prefixes])
 
@@ -165,13 +177,13 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     # routing replay: every generation records its experts, and a continuation's prefill replays the
     # experts its conversation ran so far, so each token has one routing for all turns (docs/moe.md)
     record = bool(gen.record_routing)
+    # engines are sized by the run's prompt bound (as the single-turn engine), so every step reuses one
+    prompt_bound = max(longest_prompt, gen.max_prompt_length or 0)
     if opts.engine == "paged" and jax.process_count() == 1:
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
         params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)
         settings, knobs = gen.compile_args(params_r)
-        # sized by the run's prompt bound (as the single-turn engine), so every step reuses one engine
-        engine = sized_engine(cfg, opts, num_requests=len(trajs),
-                              max_prompt_len=max(longest_prompt, gen.max_prompt_length or 0), settings=settings,
+        engine = sized_engine(cfg, opts, num_requests=len(trajs), max_prompt_len=prompt_bound, settings=settings,
                               mesh=mesh)
         stats: list = []
         serve = lambda source: stats.append(engine.serve(params, source, rng, knobs, settings,  # noqa: E731
@@ -183,7 +195,8 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         engine_metrics = {}
         if opts.engine == "paged":  # several processes: rounds schedule identically on every host
             cont = PagedContinue(params, cfg, sampling, eos=eos, pad_token_id=pad_id, opts=opts, mesh=mesh,
-                                 compute_dtype=gen.compute_dtype, rng=rng, draft_params=gen.draft_params)
+                                 compute_dtype=gen.compute_dtype, rng=rng, draft_params=gen.draft_params,
+                                 num_requests=len(trajs), max_prompt_len=prompt_bound)
         else:
             seed = int(jax.random.randint(rng, (), 0, np.iinfo(np.int32).max))
             width = sampling.max_new_tokens  # every round: the same rows, prefix length and width (one program)

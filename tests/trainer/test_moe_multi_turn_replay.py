@@ -78,7 +78,10 @@ def test_replay_brings_every_turn_to_the_floor(rollout):
     replayed = np.asarray(trainer.log_probs(params, out))
     free = np.asarray(trainer.log_probs(params, dataclasses.replace(out, routing=None)))
     assert np.abs(free - sampled)[on].max() > 1e-3  # routed by itself, the trainer drifts
-    # one routing per token for all turns: the sampler's prefills replayed the earlier turns' experts
-    assert np.abs(replayed - sampled)[on].max() <= 1e-6
+    # one routing per token for all turns: the sampler's prefills replayed the earlier turns' experts.
+    # The fp32 floor: a few units in the last place of each log-prob (~-11 here, 1 ulp = 9.5e-7; the
+    # engine's block sums may round differently from the trainer's), against > 1e-3 routed freely
+    floor = 4 * np.spacing(np.abs(sampled[on]).astype(np.float32))
+    assert (np.abs(replayed - sampled)[on] <= floor).all(), np.abs(replayed - sampled)[on].max()
     metrics = trainer.step()
     assert 0.0 < metrics["moe/routing_agreement"] <= 1.0

@@ -113,6 +113,45 @@ def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkey
     np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
 
 
+class _TwoProcesses:
+    """`jax` as trainer/multi_turn.py sees it in a two-process run: multi-turn takes the rounds path."""
+
+    def __getattr__(self, name: str):
+        return getattr(jax, name)
+
+    @staticmethod
+    def process_count() -> int:
+        return 2
+
+
+def test_paged_rounds_run_one_engine_for_every_round(guess_trainer, monkeypatch):
+    trainer, _ = guess_trainer
+    monkeypatch.setattr(trainer.generator, "engine", EngineOptions(engine="paged", max_num_seqs=8))
+    monkeypatch.setattr(mt_module, "jax", _TwoProcesses())
+    sized, runs = [], []  # what each round's engine is sized for, and the budgets it runs
+
+    def spy(*a, num_requests, max_prompt_len, settings, **kw):
+        sized.append((num_requests, max_prompt_len, settings.max_new_tokens))
+        engine = sized_engine(*a, num_requests=num_requests, max_prompt_len=max_prompt_len, settings=settings, **kw)
+        run = engine.run
+        monkeypatch.setattr(engine, "run", lambda *ra, **rk: runs.append(rk["max_new_tokens"]) or run(*ra, **rk))
+        return engine
+
+    monkeypatch.setattr(mt_module, "sized_engine", spy)
+    trainer.train_loader.reset()
+    batch = next(trainer.train_loader)
+    r = trainer.generator.generate(batch, trainer.actor.model_params, trainer.spec.train_sampling, jax.random.key(2))
+    loss = np.asarray(r.response_mask)
+    assert (loss.sum(-1) == 3).all()  # three one-token model turns: three rounds
+    # every round: the trajectory count, data.max_prompt_length and data.max_response_length, as the
+    # streaming path's engine (each round's own longest prefix built a new engine per round before)
+    assert sized == [(len(loss), 96, 64)] * 3
+    # each conversation runs with what is left of its budget (the environment's replies use some)
+    assert runs[0] == [64] * len(loss) and all(max(b) < 64 for b in runs[1:])
+    recomputed = np.asarray(trainer.log_probs(trainer.actor.model_params, r))
+    np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
+
+
 class ScriptedCalculatorCall:
     """A continue_fn: first turn a hermes calculator call, then the number it read back."""
 

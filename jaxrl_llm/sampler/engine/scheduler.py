@@ -154,8 +154,9 @@ class _BatchSource:
     """`run`'s requests: every (prompt, sample) at once; results into `SampleOutput` arrays."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
-                 order: Sequence[tuple[int, int]], prompt_routing: Sequence[np.ndarray | None] | None = None) -> None:
-        self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens,
+                 order: Sequence[tuple[int, int]], prompt_routing: Sequence[np.ndarray | None] | None = None,
+                 budgets: Sequence[int] | None = None) -> None:
+        self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens if budgets is None else int(budgets[i]),
                                        None if prompt_routing is None else prompt_routing[i]) for i, j in order]
         self.n, self.r = n, max_new_tokens
         rows = len(prompts) * n
@@ -300,22 +301,28 @@ class PagedEngine:
 
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None,
-            prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None
-            ) -> tuple[SampleOutput, EngineStats]:
+            prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None,
+            max_new_tokens: Sequence[int] | None = None) -> tuple[SampleOutput, EngineStats]:
         """`settings.n` samples of every prompt; rows prompt-major (row i*n + j = sample j of prompt i).
 
         order: the queue as (prompt, sample) pairs (default prompt-major); results do not depend on it.
         prompt_routing: per prompt, experts its prefill replays (see `EngineRequest.routing`).
         draft_params: the draft model's params (speculative method 'draft').
+        max_new_tokens: per prompt, its own budget (at most settings.max_new_tokens, which stays the
+        programs' and the output's width; a request stops at its budget with finish 'length'); None:
+        settings.max_new_tokens for all. Multi-turn rounds pass each conversation's remaining budget,
+        so a long prefix does not need room for the longest budget of the round.
         """
         n, r = settings.n, settings.max_new_tokens
         for i, p in enumerate(prompts):
             if len(p) < 1:
                 raise ValueError(f"prompt {i} is empty")
+        if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
+            raise ValueError(f"max_new_tokens: {len(max_new_tokens)} budgets for {len(prompts)} prompts")
         every = [(i, j) for i in range(len(prompts)) for j in range(n)]
         if order is not None and sorted(order) != every:
             raise ValueError("order must list every (prompt, sample) pair exactly once")
-        source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing)
+        source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing, max_new_tokens)
         stats = self.serve(params, source, rng, knobs, settings, draft_params)
         out = sample_output(prompts, n, source.tokens, source.log_probs, source.lengths, source.finish,
                             int(knobs.pad_id))
