@@ -110,3 +110,15 @@ def assert_host_rows_match(rollout) -> None:
     by_tokens = prompt_groups(ids, mask, int(rollout.response_mask.shape[1]))
     for g in np.unique(rows.prompt_groups):
         assert len(set(by_tokens[rows.prompt_groups == g].tolist())) == 1, f"group {g} holds different prompts"
+
+
+class TwoProcesses:
+    """`jax` as a module sees it in a two-process run (patch it over the module's `jax`): only
+    `process_count` changes, e.g. multi-turn rollouts take the rounds path (trainer/multi_turn.py)."""
+
+    def __getattr__(self, name: str):
+        return getattr(jax, name)
+
+    @staticmethod
+    def process_count() -> int:
+        return 2

@@ -23,17 +23,6 @@ pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 MT = "actor_rollout_ref.rollout.multi_turn"
 
 
-class _SeveralProcesses:
-    """`jax` as trainer/multi_turn.py sees it when the run has two processes (nothing else changes)."""
-
-    def __getattr__(self, name: str):
-        return getattr(jax, name)
-
-    @staticmethod
-    def process_count() -> int:
-        return 2
-
-
 @pytest.fixture(scope="module", params=["static", "paged", "paged_rounds"])
 def rollout(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"mt_moe_{request.param}")
@@ -50,7 +39,7 @@ def rollout(request, tmp_path_factory):
     params = near_tied(trainer.actor.model_params)
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "paged_rounds":  # the rounds several processes run (PagedContinue), in this one
-            patch.setattr(mt_module, "jax", _SeveralProcesses())
+            patch.setattr(mt_module, "jax", tiny_runs.TwoProcesses())
         out = trainer.generator.generate(next(trainer.train_loader), params, trainer.spec.train_sampling,
                                          jax.random.key(0))
     return trainer, params, out

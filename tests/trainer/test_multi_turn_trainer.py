@@ -113,21 +113,10 @@ def test_paged_engine_continue_matches_recomputed_logprobs(guess_trainer, monkey
     np.testing.assert_allclose(np.asarray(r.rollout_log_probs)[loss > 0], recomputed[loss > 0], atol=1e-5, rtol=0)
 
 
-class _TwoProcesses:
-    """`jax` as trainer/multi_turn.py sees it in a two-process run: multi-turn takes the rounds path."""
-
-    def __getattr__(self, name: str):
-        return getattr(jax, name)
-
-    @staticmethod
-    def process_count() -> int:
-        return 2
-
-
 def test_paged_rounds_run_one_engine_for_every_round(guess_trainer, monkeypatch):
     trainer, _ = guess_trainer
     monkeypatch.setattr(trainer.generator, "engine", EngineOptions(engine="paged", max_num_seqs=8))
-    monkeypatch.setattr(mt_module, "jax", _TwoProcesses())
+    monkeypatch.setattr(mt_module, "jax", tiny_runs.TwoProcesses())
     sized, runs = [], []  # what each round's engine is sized for, and the budgets it runs
 
     def spy(*a, num_requests, max_prompt_len, settings, **kw):
