@@ -225,6 +225,26 @@ def test_serve_late_requests_with_own_budgets_match_run(llama_tiny):
         _engine(cfg, 2).serve(params, _OneRequest(EngineRequest([1, 2], (0, 0), 0, NEW + 1)), rng, knobs, settings)
 
 
+def test_run_with_per_prompt_budgets_stops_each_at_its_own(llama_tiny):
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SAMPLED)
+    rng = jax.random.key(7)
+    base, _ = _engine(cfg, 3).run(params, PROMPTS, rng, knobs, settings)
+    budgets = [2, NEW, 1, 4]  # one per prompt (PROMPTS has four)
+    out, _ = _engine(cfg, 3).run(params, PROMPTS, rng, knobs, settings, max_new_tokens=budgets)
+    for row in range(len(PROMPTS) * 3):  # the same draws, each prompt's samples cut at its budget
+        full, budget = int(base.lengths[row]), budgets[row // 3]
+        want = min(full, budget)
+        assert int(out.lengths[row]) == want
+        np.testing.assert_array_equal(out.tokens[row, :want], base.tokens[row, :want])
+        assert (out.tokens[row, want:] == PAD_ID).all()
+        assert out.finish_reason[row] == (FINISH_LENGTH if full > budget else base.finish_reason[row])
+    assert (out.lengths < base.lengths).any()  # some samples were cut
+    assert out.tokens.shape == base.tokens.shape  # the width stays settings.max_new_tokens
+    with pytest.raises(ValueError, match="2 budgets for 4 prompts"):
+        _engine(cfg, 3).run(params, PROMPTS, rng, knobs, settings, max_new_tokens=[1, 2])
+
+
 class _OneRequest(_LateSource):
     def __init__(self, request):
         self.groups, self.results, self.polls = [[request]], {}, 0
