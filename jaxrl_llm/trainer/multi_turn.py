@@ -77,21 +77,22 @@ class PagedContinue:
 
     def __init__(self, params: dict, model_cfg: ModelConfig, sampling: SamplingParams, *, eos: Sequence[int],
                  pad_token_id: int, opts: EngineOptions, mesh: Mesh | None, compute_dtype: str, rng: jax.Array,
-                 token_bucket: int = 16, draft_params: dict | None = None, num_requests: int = 1,
+                 draft_params: dict | None = None, num_requests: int = 1,
                  max_prompt_len: int = 1) -> None:
         self.params, self.cfg, self.sampling, self.draft_params = params, model_cfg, sampling, draft_params
         self.eos, self.pad_id = tuple(eos), pad_token_id
         self.opts, self.mesh, self.compute_dtype, self.rng = opts, mesh, compute_dtype, rng
-        self.token_bucket, self.calls = token_bucket, 0
+        self.calls = 0
         self.num_requests, self.max_prompt_len = num_requests, max_prompt_len
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                  stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
                  ) -> list[Generated]:
         """`routings`: record the routing, each prefix's prefill replaying its experts so far."""
-        # the programs' width: the response length (a round's largest budget is at most that)
+        # the programs' width: the response length (a round's largest budget is at most that), not
+        # rounded, as the streaming path's, so both build the same engine
         width = max(self.sampling.max_new_tokens, max(max_new_tokens))
-        params = round_sampling(self.sampling, [width], stop_token_ids, self.token_bucket)
+        params = round_sampling(self.sampling, [width], stop_token_ids, width)
         settings, knobs = params.compile_args(self.eos, self.pad_id, vocab_size=self.cfg.vocab_size,
                                               compute_dtype=self.compute_dtype)
         replay = None

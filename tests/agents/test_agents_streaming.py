@@ -226,7 +226,7 @@ def test_paged_engine_streaming_equals_rounds_greedy():
     streamed, _ = _streamed(cfg, params, tok, sampling, slots=4, delays=2)
     cont = PagedContinue(params, cfg, sampling, eos=cfg.eos_token_ids, pad_token_id=tok.pad_token_id,
                          opts=EngineOptions(engine="paged", max_num_seqs=8), mesh=None, compute_dtype="float32",
-                         rng=jax.random.key(0), token_bucket=6)
+                         rng=jax.random.key(0))
     rounds = run_multi_turn(_guess_trajs(ChatRenderer(tok)), cont, limits=LIMITS)
     for t, u in zip(streamed.trajectories, rounds.trajectories):
         assert t.ids == u.ids and t.stop_reason == u.stop_reason == "env_done" and t.assistant_turns == 3
