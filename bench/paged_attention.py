@@ -19,7 +19,8 @@ point, so a kernel whose time tracks the mean length (not the table width) is le
              read once per group), whose KV GB/s count the bytes the plain kernel reads (effective rate)
              --impls xla dense: only these rows (on a CPU the kernels run interpreted: slow)
     python bench/paged_attention.py --slots 12 32 --lengths 256 512 --max-len 1024 --dtype float32 \
-        --impls xla dense                                # the CPU engine's attention, per layer
+        --impls xla cpu dense                            # the CPU engine's attention, per layer
+             (row cpu: the C++ kernel of jaxrl_llm/sampler/native, fp32 on a CPU backend)
 
 The header's read_bw (a jitted sum) is the floor a KV read can reach; `bw use` divides by copy_bw.
 """
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.sampler import native
 from jaxrl_llm.sampler.cascade_attention import Cascade, cascade_decode_attention_pallas, cascade_decode_attention_xla
 from jaxrl_llm.sampler.paged_attention_pallas import (
     default_pages_per_block,
@@ -134,7 +136,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=1, help="samples per prompt sharing its pages (cascade rows)")
     parser.add_argument("--prompt-len", type=int, default=256, help="the shared prompt's tokens (with --group)")
     parser.add_argument("--impls", nargs="+", default=None,
-                        help="rows to run (pallas xla pallas_cascade xla_cascade dense; default: all)")
+                        help="rows to run (pallas xla cpu pallas_cascade xla_cascade dense; default: all)")
     args = parser.parse_args()
     interpret = args.tiny or jax.default_backend() == "cpu"
     if args.tiny:
@@ -158,6 +160,10 @@ def main() -> None:
         xla_fn = jax.jit(paged_decode_attention_xla, static_argnames=("sliding_window",))
         impls["xla"] = lambda c: xla_fn(c["q"], c["k_pages"], c["v_pages"], c["lengths"],
                                         c["page_indices"], sliding_window=args.window)
+    if jax.default_backend() == "cpu" and dtype == jnp.float32 and native.available():
+        cpu_fn = jax.jit(native.paged_decode_attention_cpu, static_argnames=("sliding_window",))
+        impls["cpu"] = lambda c: cpu_fn(c["q"], c["k_pages"], c["v_pages"], c["lengths"], c["page_indices"],
+                                        sliding_window=args.window)
     if args.group > 1:
         if args.window is None:  # the engine keeps the plain kernel in windowed layers
             impls["pallas_cascade"] = lambda c: cascade_decode_attention_pallas(

@@ -204,6 +204,7 @@ VARIANTS = {
     "partial": {"partial.enable": True},  # partial rollouts, max_staleness 1
     "unroll_layers": {"unroll_layers": True},  # decode over per-layer weights (longer compile)
     "scan_layers": {"unroll_layers": False},  # decode scans the stacked layers ('auto' unrolls on CPU at 512 tokens)
+    "xla_attention": {"paged_attention": "xla"},  # decode attention on the XLA path (CPU default: the C++ kernel)
 }
 
 

@@ -81,7 +81,8 @@ LONG = ["Solve step by step: a train travels 60 km/h for 2.5 hours, then 80 km/h
 
 
 # the paged engine's rows: its defaults, then one rollout option flipped each
-PAGED_ROWS = {"paged": {}, "paged_unrolled": {"unroll_layers": True}, "paged_scan": {"unroll_layers": False},
+PAGED_ROWS = {"paged": {}, "paged_xla": {"attention_impl": "xla"},
+              "paged_unrolled": {"unroll_layers": True}, "paged_scan": {"unroll_layers": False},
               "paged_cascade": {"cascade_attention": True},
               "paged_bpf": {"batch_prefill": True},
               "paged_ngram": {"speculative": SpeculativeSpec(num_tokens=4)},

@@ -229,8 +229,9 @@ ROLLOUT = {
                             "responses). max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, kv_cache_dtype "
                             "and paged_attention configure the paged engine.", choices=ENGINES),
     "paged_attention": field("auto", "Decode attention of the paged engine: 'auto' (the Pallas kernel on GPU / TPU, "
-                                     "the length-aware XLA loop elsewhere), 'pallas' or 'xla' (any backend; the "
-                                     "fallback if the kernel does not compile on a device). jaxrl_llm.",
+                                     "on CPU the C++ kernel of jaxrl_llm/sampler/native for fp32 pages where a C++ "
+                                     "compiler builds it, else the length-aware XLA loop), 'pallas', 'cpu' or 'xla' "
+                                     "(any backend; the fallback if a kernel does not compile). jaxrl_llm.",
                                      choices=ATTENTION_IMPLS),
     "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
                                 "batch's requests). veRL / vLLM.", gt=0),

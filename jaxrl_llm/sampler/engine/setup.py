@@ -52,7 +52,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.5
     kv_cache_dtype: str = "auto"
     steps_per_call: int = 16
-    attention_impl: str = "auto"  # paged attention: 'auto' (Pallas on GPU / TPU, XLA elsewhere), 'pallas', 'xla'
+    attention_impl: str = "auto"  # 'auto' (Pallas on GPU / TPU, the C++ kernel on CPU), 'pallas', 'cpu', 'xla'
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
     cascade_attention: bool | str = "auto"  # rollout.cascade_attention: a prompt's n samples read its pages once
