@@ -53,7 +53,8 @@ def _cpu_flags() -> str | None:
     return None
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with: `$CXX`, else the first of g++ / c++ / clang++ found."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return name
@@ -65,9 +66,10 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "jaxrl_llm" / "native"
 
 
-def _build() -> pathlib.Path:
-    """The compiled library (built now unless cached); raises RuntimeError with the reason."""
-    cxx = _compiler()
+def build() -> pathlib.Path:
+    """The compiled library's path in the cache folder (compiled now unless there); raises
+    RuntimeError with the reason when it cannot be built."""
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     include = pathlib.Path(jax.ffi.include_dir())
@@ -104,7 +106,7 @@ def _register() -> str | None:
     with _lock:
         if "error" not in _state:
             try:
-                library = ctypes.cdll.LoadLibrary(str(_build()))
+                library = ctypes.cdll.LoadLibrary(str(build()))
                 jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxrlPagedAttentionCpu), platform="cpu")
                 _state["error"] = None
             except (RuntimeError, OSError) as e:

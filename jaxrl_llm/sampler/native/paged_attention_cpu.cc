@@ -50,6 +50,13 @@ struct Problem {
   float softcap;   // <= 0: none
 };
 
+// The page holding key `pos` of a slot's table row, clamped into the pool as XLA clamps a gather's
+// indices (the engine's tables are valid for every visible key; this keeps a bad one from reading
+// outside the pool).
+inline int64_t PageOf(const Problem& p, const int32_t* row, int64_t pos) {
+  return std::clamp<int64_t>(row[pos / p.page_size], 0, p.num_pages - 1);
+}
+
 // One (slot, kv head): its `group` query rows against the slot's keys [lo, length).
 void AttendOne(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
   const int64_t hd = p.head_dim, g = p.group;
@@ -70,7 +77,7 @@ void AttendOne(const Problem& p, int64_t slot, int64_t head, std::vector<float>&
   const int32_t* row = p.table + slot * p.pages_per_slot;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t pos = lo; pos < length; ++pos) {
-    const float* key = k_head + row[pos / p.page_size] * page_stride + (pos % p.page_size) * hd;
+    const float* key = k_head + PageOf(p, row, pos) * page_stride + (pos % p.page_size) * hd;
     for (int64_t r = 0; r < g; ++r) {
       float s = Dot(q + r * hd, key, hd) * scale;
       if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
@@ -90,7 +97,7 @@ void AttendOne(const Problem& p, int64_t slot, int64_t head, std::vector<float>&
   }
   std::fill(out, out + g * hd, 0.0f);
   for (int64_t pos = lo; pos < length; ++pos) {
-    const float* value = v_head + row[pos / p.page_size] * page_stride + (pos % p.page_size) * hd;
+    const float* value = v_head + PageOf(p, row, pos) * page_stride + (pos % p.page_size) * hd;
     for (int64_t r = 0; r < g; ++r) {
       const float w = scores[r * n + (pos - lo)];
       float* o = out + r * hd;
