@@ -163,8 +163,10 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     the Pallas path keeps the plain kernel in sliding-window layers), or None."""
     _check_impl(impl)
     if takes_cpu_kernel(impl, q.dtype, k_pages.dtype, k_scales is not None, cascade is not None):
+        kv_axis = None if mesh is None else kv_head_axis(mesh, k_pages.shape[-4])
         return native.paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_indices, layer=layer,
-                                                 sliding_window=sliding_window, softcap=softcap, mesh=mesh)
+                                                 sliding_window=sliding_window, softcap=softcap, mesh=mesh,
+                                                 kv_axis=kv_axis)
 
     def xla(q, k_pages, v_pages, lengths, page_indices):
         if cascade is not None:

@@ -63,7 +63,8 @@ def test_on_a_mesh_equals_one_device():
     case = make_case(5, group=2, head_dim=64, page_size=16, kv_heads=4)
     args = [case[n] for n in ARGS]
     one = native.paged_decode_attention_cpu(*args, sliding_window=21)
-    sharded = jax.jit(lambda *a: native.paged_decode_attention_cpu(*a, sliding_window=21, mesh=mesh))(*args)
+    sharded = jax.jit(lambda *a: native.paged_decode_attention_cpu(*a, sliding_window=21, mesh=mesh,
+                                                                   kv_axis="tensor"))(*args)
     np.testing.assert_array_equal(np.asarray(sharded), np.asarray(one))
 
 

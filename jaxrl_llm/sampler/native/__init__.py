@@ -134,10 +134,12 @@ def supports(q_dtype, page_dtype, int8_pages: bool) -> bool:
 
 def paged_decode_attention_cpu(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, *,
                                sliding_window: int | None = None, layer: Array | None = None,
-                               softcap: float | None = None, mesh: Mesh | None = None) -> Array:
+                               softcap: float | None = None, mesh: Mesh | None = None,
+                               kv_axis: str | None = None) -> Array:
     """The paged-attention contract (sampler/paged_attention.py) on the CPU kernel: fp32 q [S, H, D],
     pages [KV, P, PS, D] (or the stacked pool [L, KV, P, PS, D] with `layer`). On a multi-device
-    mesh it runs per kv-head shard under shard_map (XLA cannot partition a custom call)."""
+    `mesh` it runs per shard under shard_map (XLA cannot partition a custom call), the kv heads split
+    over `kv_axis` (`paged_attention.kv_head_axis`; None: every shard computes all of them)."""
     if not available():
         raise RuntimeError(f"rollout.paged_attention='cpu': {unavailable_reason()}")
     if layer is None:
@@ -147,12 +149,9 @@ def paged_decode_attention_cpu(q: Array, k_pages: Array, v_pages: Array, lengths
     lengths, page_indices = jnp.asarray(lengths, jnp.int32), jnp.asarray(page_indices, jnp.int32)
     if mesh is None or mesh.size == 1:
         return call(q, k_pages, v_pages, lengths, page_indices, layer)
-    from jaxrl_llm.sampler.paged_attention import kv_head_axis  # the dispatcher imports this module
-
-    heads = kv_head_axis(mesh, k_pages.shape[1])
-    pool = P(None, heads)
-    per_shard = jax.shard_map(call, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P()),
-                              out_specs=P(None, heads), check_vma=False)
+    pool = P(None, kv_axis)
+    per_shard = jax.shard_map(call, mesh=mesh, in_specs=(P(None, kv_axis), pool, pool, P(), P(), P()),
+                              out_specs=P(None, kv_axis), check_vma=False)
     return per_shard(q, k_pages, v_pages, lengths, page_indices, layer)
 
 
