@@ -21,8 +21,10 @@ from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_deco
 ARGS = ("q", "k_pages", "v_pages", "lengths", "page_indices")
 TARGET = "jaxrl_llm_paged_attention_cpu"
 
-# only a host without a C++ compiler skips; with one, a kernel that does not build fails these tests
-pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the CPU kernel")
+# only a host without a C++ compiler (or whose default backend is an accelerator, where the kernel is
+# never taken) skips; with one, a kernel that does not build fails these tests
+pytestmark = pytest.mark.skipif(native.compiler() is None or jax.default_backend() != "cpu",
+                                reason="no C++ compiler to build the CPU kernel, or not a CPU backend")
 
 
 # (GQA group, head_dim, page_size, sliding window, softcap): lengths 0 .. a full table (make_case),
