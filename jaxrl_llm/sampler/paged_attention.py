@@ -41,12 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.numerics import MASKED_SCORE, probs_times_values
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler import cascade_attention, native
 from jaxrl_llm.sampler.kv_bits import from_storage
+from jaxrl_llm.sampler.kv_shards import per_kv_head_shard
 from jaxrl_llm.sampler.paged_blocks import (
     attention_scores,
     block_layout,
@@ -111,13 +111,6 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:
-    """'tensor' when a KV pool's kv heads are split over it (they divide its size), else None: the
-    engine's pool sharding (engine/programs.py `state_sharding`) and the kernel's shard_map."""
-    tensor = dict(mesh.shape).get("tensor", 1)
-    return "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
-
-
 def takes_xla_path(impl: str, int8_pages: bool) -> bool:
     """Whether `paged_decode_attention` runs the XLA path or the CPU kernel (not a Pallas kernel) for
     programs built for `target_platform()`: impl 'xla' or 'cpu', int8 pages, or 'auto' on CPU. (On
@@ -163,10 +156,8 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     the Pallas path keeps the plain kernel in sliding-window layers), or None."""
     _check_impl(impl)
     if takes_cpu_kernel(impl, q.dtype, k_pages.dtype, k_scales is not None, cascade is not None):
-        kv_axis = None if mesh is None else kv_head_axis(mesh, k_pages.shape[-4])
         return native.paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_indices, layer=layer,
-                                                 sliding_window=sliding_window, softcap=softcap, mesh=mesh,
-                                                 kv_axis=kv_axis)
+                                                 sliding_window=sliding_window, softcap=softcap, mesh=mesh)
 
     def xla(q, k_pages, v_pages, lengths, page_indices):
         if cascade is not None:
@@ -182,7 +173,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     use_cascade = cascade is not None and sliding_window is None
 
     def kernel(variant: str, interpret: bool = False):
-        def run(q, k_pages, v_pages, lengths, page_indices, layer, groups):
+        def run(q, k_pages, v_pages, lengths, page_indices, groups, layer=None):
             k_pages, v_pages = from_storage(k_pages), from_storage(v_pages)
             if use_cascade:
                 return cascade_attention.cascade_decode_attention_pallas(
@@ -192,14 +183,9 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
                                                  sliding_window=sliding_window, layer=layer, softcap=softcap,
                                                  variant=variant, interpret=interpret)
         groups = (cascade.group_slots, cascade.prefix_pages) if use_cascade and cascade is not None else ()
-        if mesh is None or mesh.size == 1:
-            return lambda q, kp, vp, lens, pages: run(q, kp, vp, lens, pages, layer, groups)
-        heads = kv_head_axis(mesh, k_pages.shape[-4])
-        pool = P(*(None,) * (k_pages.ndim - 4), heads)
-        per_shard = jax.shard_map(run, mesh=mesh, in_specs=(P(None, heads), pool, pool, P(), P(), P(), P()),
-                                  out_specs=P(None, heads), check_vma=False)
-        layer_index = jnp.int32(0) if layer is None else layer
-        return lambda q, kp, vp, lens, pages: per_shard(q, kp, vp, lens, pages, layer_index, groups)
+        rest = (groups,) if layer is None else (groups, layer)
+        per_shard = per_kv_head_shard(run, mesh, k_pages, replicated=2 + len(rest))
+        return lambda q, kp, vp, lens, pages: per_shard(q, kp, vp, lens, pages, *rest)
 
     triton = kernel("triton") if impl == "pallas" or triton_supports(q.shape[-1], k_pages.shape[-2]) else xla
     default = kernel("triton", interpret=True) if impl == "pallas" else xla

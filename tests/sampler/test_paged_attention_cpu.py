@@ -28,10 +28,11 @@ pytestmark = pytest.mark.skipif(native.compiler() is None or jax.default_backend
 
 
 # (GQA group, head_dim, page_size, sliding window, softcap): lengths 0 .. a full table (make_case),
-# windows starting mid-page, a head_dim that is not a multiple of the kernel's 16 lanes
+# windows starting mid-page; the vector path's head dims (64 / 128 / 256 unrolled, 80 at run time) with
+# groups of 1-8 (row blocks of 4, then the rest), and the scalar path's (72: not a multiple of 16 lanes)
 @pytest.mark.parametrize("group,head_dim,page_size,window,softcap", [
     (1, 64, 16, None, None), (3, 64, 16, 21, None), (2, 128, 32, 40, None), (4, 80, 16, None, 30.0),
-    (3, 64, 8, 5, 50.0)])
+    (3, 64, 8, 5, 50.0), (5, 64, 16, 37, None), (8, 256, 16, None, None), (3, 72, 16, 19, 30.0)])
 def test_equals_the_xla_path_and_the_dense_reference(group, head_dim, page_size, window, softcap):
     case = make_case(3, group=group, head_dim=head_dim, page_size=page_size, kv_heads=2)
     args = [case[n] for n in ARGS]
@@ -65,8 +66,7 @@ def test_on_a_mesh_equals_one_device():
     case = make_case(5, group=2, head_dim=64, page_size=16, kv_heads=4)
     args = [case[n] for n in ARGS]
     one = native.paged_decode_attention_cpu(*args, sliding_window=21)
-    sharded = jax.jit(lambda *a: native.paged_decode_attention_cpu(*a, sliding_window=21, mesh=mesh,
-                                                                   kv_axis="tensor"))(*args)
+    sharded = jax.jit(lambda *a: native.paged_decode_attention_cpu(*a, sliding_window=21, mesh=mesh))(*args)
     np.testing.assert_array_equal(np.asarray(sharded), np.asarray(one))
 
 

@@ -41,7 +41,8 @@ from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
 from jaxrl_llm.sampler.engine.verify import verify_step
 from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
-from jaxrl_llm.sampler.paged_attention import kv_head_axis, takes_xla_path
+from jaxrl_llm.sampler.kv_shards import kv_head_axis
+from jaxrl_llm.sampler.paged_attention import takes_xla_path
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import mesh_context

@@ -33,13 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm.sampler.kv_shards import per_kv_head_shard
 
 Array = jax.Array
 _SOURCE = pathlib.Path(__file__).with_name("paged_attention_cpu.cc")
 _TARGET = "jaxrl_llm_paged_attention_cpu"
 _lock = threading.Lock()
-_state: dict[str, str | None] = {}  # "error": why the kernel is unavailable (None: registered)
 
 
 def _cpu_flags() -> str | None:
@@ -103,17 +103,20 @@ def build() -> pathlib.Path:
 
 def _register() -> str | None:
     """Builds and registers the kernel once per process; None on success, else the reason."""
-    with _lock:
-        if "error" not in _state:
-            try:
-                library = ctypes.cdll.LoadLibrary(str(build()))
-                jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxrlPagedAttentionCpu), platform="cpu")
-                _state["error"] = None
-            except (RuntimeError, OSError) as e:
-                _state["error"] = str(e)
-                warnings.warn(f"the CPU paged-attention kernel is unavailable, decode attention takes the XLA "
-                              f"path: {e}", stacklevel=3)
-        return _state["error"]
+    with _lock:  # the cache is read under the lock: concurrent first calls build and register once
+        return _build_and_register()
+
+
+@functools.cache
+def _build_and_register() -> str | None:
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxrlPagedAttentionCpu), platform="cpu")
+        return None
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"the CPU paged-attention kernel is unavailable, decode attention takes the XLA path: {e}",
+                      stacklevel=4)
+        return str(e)
 
 
 def available() -> bool:
@@ -134,25 +137,19 @@ def supports(q_dtype, page_dtype, int8_pages: bool) -> bool:
 
 def paged_decode_attention_cpu(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, *,
                                sliding_window: int | None = None, layer: Array | None = None,
-                               softcap: float | None = None, mesh: Mesh | None = None,
-                               kv_axis: str | None = None) -> Array:
+                               softcap: float | None = None, mesh: Mesh | None = None) -> Array:
     """The paged-attention contract (sampler/paged_attention.py) on the CPU kernel: fp32 q [S, H, D],
     pages [KV, P, PS, D] (or the stacked pool [L, KV, P, PS, D] with `layer`). On a multi-device
-    `mesh` it runs per shard under shard_map (XLA cannot partition a custom call), the kv heads split
-    over `kv_axis` (`paged_attention.kv_head_axis`; None: every shard computes all of them)."""
+    `mesh` it runs per kv-head shard under shard_map (XLA cannot partition a custom call;
+    sampler/kv_shards.py)."""
     if not available():
         raise RuntimeError(f"rollout.paged_attention='cpu': {unavailable_reason()}")
     if layer is None:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], jnp.int32(0)
     call = functools.partial(_call, window=int(sliding_window or 0), softcap=float(softcap or 0.0))
-    layer = jnp.asarray(layer, jnp.int32)
     lengths, page_indices = jnp.asarray(lengths, jnp.int32), jnp.asarray(page_indices, jnp.int32)
-    if mesh is None or mesh.size == 1:
-        return call(q, k_pages, v_pages, lengths, page_indices, layer)
-    pool = P(None, kv_axis)
-    per_shard = jax.shard_map(call, mesh=mesh, in_specs=(P(None, kv_axis), pool, pool, P(), P(), P()),
-                              out_specs=P(None, kv_axis), check_vma=False)
-    return per_shard(q, k_pages, v_pages, lengths, page_indices, layer)
+    return per_kv_head_shard(call, mesh, k_pages, replicated=3)(q, k_pages, v_pages, lengths, page_indices,
+                                                                jnp.asarray(layer, jnp.int32))
 
 
 def _call(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array, layer: Array, *,

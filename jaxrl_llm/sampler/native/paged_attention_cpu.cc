@@ -7,11 +7,18 @@
 // attention, in fp32: scores = (q . k) * head_dim^-0.5 (soft-capped), softmax as
 // exp(s - max) / sum, output = sum(p * v); only the summation order differs (fp32 rounding).
 // Work is split over (slot, kv head) pairs on XLA's intra-op thread pool.
+//
+// A head_dim that is a multiple of 16 takes the vector path: per tile of 16 keys, each query row's
+// 16-lane partial products of each key summed into one score per key by a transposing tree
+// (`SumEach`), a polynomial exp over whole rows (`Exp`), and probabilities x V with the output rows
+// held in registers; keys and values are read page by page (one page-table lookup per page). Other
+// head dims take the scalar path (`AttendScalar`), the same math one key at a time.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -57,8 +64,8 @@ inline int64_t PageOf(const Problem& p, const int32_t* row, int64_t pos) {
   return std::clamp<int64_t>(row[pos / p.page_size], 0, p.num_pages - 1);
 }
 
-// One (slot, kv head): its `group` query rows against the slot's keys [lo, length).
-void AttendOne(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
+// One (slot, kv head) one key at a time: its `group` query rows against the slot's keys [lo, length).
+void AttendScalar(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
   const int64_t hd = p.head_dim, g = p.group;
   const float* q = p.q + (slot * p.kv_heads + head) * g * hd;
   float* out = p.out + (slot * p.kv_heads + head) * g * hd;
@@ -103,6 +110,211 @@ void AttendOne(const Problem& p, int64_t slot, int64_t head, std::vector<float>&
       float* o = out + r * hd;
       for (int64_t d = 0; d < hd; ++d) o[d] += w * value[d];
     }
+  }
+}
+
+// ---- vector path (head_dim a multiple of 16): GCC / clang vector extensions, which compile to the
+// host's widest registers (one AVX-512 register, two AVX2 ones, ...) under -march=native
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+constexpr int kRowBlock = 4;  // query rows whose accumulators stay in registers together
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+inline Vec Splat(float x) { return Vec{} + x; }
+
+// Lane j of the result = the sum of parts[j]'s lanes: a transposing tree of shuffles and adds
+// (15 combines for 16 keys, where one horizontal sum per key costs about as much as 4 of them).
+inline Vec SumEach(const Vec* parts) {
+  Vec t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // halves: lanes 0-7 partial sums of key 2i, 8-15 of key 2i+1
+    Vec a = parts[2 * i], b = parts[2 * i + 1];
+    t[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // quarters: key 4i + quarter
+    Vec a = t[2 * i], b = t[2 * i + 1];
+    u[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // pairs: key 8i + pair
+    Vec a = u[2 * i], b = u[2 * i + 1];
+    w[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf (range reduction by ln 2, a degree-6
+// polynomial), within ~1 ulp of expf; 0 below -87.3 (where expf underflows to denormals).
+inline Vec Exp(Vec x) {
+  const Vec clamped = x < Splat(-87.3f) ? Splat(-87.3f) : x;
+  const Vec magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (clamped * 1.44269504088896341f + magic) - magic;
+  const Vec r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec y = Splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const IVec scale = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec two_n;
+  std::memcpy(&two_n, &scale, sizeof(two_n));
+  return x < Splat(-87.3f) ? Splat(0.0f) : y * two_n;
+}
+
+// Reads one slot's key (or value) rows [lo, ...) in order, looking its page table up once per page.
+class PageRows {
+ public:
+  PageRows(const Problem& p, const float* head_base, const int32_t* row, int64_t lo)
+      : p_(p), base_(head_base), row_(row), pos_(lo) {}
+
+  const float* Next() {
+    if (left_ == 0) {
+      const int64_t offset = pos_ % p_.page_size;
+      ptr_ = base_ + (PageOf(p_, row_, pos_) * p_.page_size + offset) * p_.head_dim;
+      left_ = p_.page_size - offset;
+    }
+    const float* out = ptr_;
+    ptr_ += p_.head_dim;
+    --left_;
+    ++pos_;
+    return out;
+  }
+
+ private:
+  const Problem& p_;
+  const float* base_;
+  const int32_t* row_;
+  int64_t pos_;
+  const float* ptr_ = nullptr;
+  int64_t left_ = 0;
+};
+
+constexpr int kMaxChunks = 16;  // head_dim <= 256 on the vector path
+
+// Scores of R query rows (q: R x head_dim) against `count` <= 16 keys: out[r * stride + j], lanes past
+// `count` 0. D16 = head_dim / 16 (0: `chunks` at run time).
+template <int D16, int R>
+void ScoreTile(const float* q, int64_t chunks, const float* const* keys, int count, float scale, float* out,
+               int64_t stride) {
+  const int64_t c16 = D16 > 0 ? D16 : chunks, hd = c16 * kLanes;
+  Vec parts[R][kLanes];
+  for (int j = 0; j < count; ++j) {
+    Vec acc[R] = {};
+    for (int64_t c = 0; c < c16; ++c) {
+      const Vec k = Load(keys[j] + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[r] += Load(q + r * hd + c * kLanes) * k;
+    }
+    for (int r = 0; r < R; ++r) parts[r][j] = acc[r];
+  }
+  for (int j = count; j < kLanes; ++j) {
+    for (int r = 0; r < R; ++r) parts[r][j] = Vec{};
+  }
+  for (int r = 0; r < R; ++r) Store(out + r * stride, SumEach(parts[r]) * scale);
+}
+
+// out (R x head_dim) = sum over the n keys of weights[r * stride + i] * value row i.
+template <int D16, int R>
+void AddValues(const float* weights, int64_t stride, PageRows values, int64_t n, int64_t chunks, float* out) {
+  const int64_t c16 = D16 > 0 ? D16 : chunks, hd = c16 * kLanes;
+  Vec acc[R][D16 > 0 ? D16 : kMaxChunks] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = values.Next();
+    for (int64_t c = 0; c < c16; ++c) {
+      const Vec value = Load(v + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][c] += weights[r * stride + i] * value;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < c16; ++c) Store(out + r * hd + c * kLanes, acc[r][c]);
+  }
+}
+
+// One (slot, kv head) on the vector path (head_dim = 16 * D16, or 16 * `chunks` when D16 is 0).
+template <int D16>
+void AttendVector(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
+  const int64_t hd = p.head_dim, g = p.group, chunks = hd / kLanes;
+  const float* q = p.q + (slot * p.kv_heads + head) * g * hd;
+  float* out = p.out + (slot * p.kv_heads + head) * g * hd;
+  const int64_t length = std::min<int64_t>(p.lengths[slot], p.pages_per_slot * p.page_size);
+  if (length <= 0) {
+    std::fill(out, out + g * hd, 0.0f);
+    return;
+  }
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  const int64_t n = length - lo, stride = (n + kLanes - 1) / kLanes * kLanes;
+  scores.resize(static_cast<size_t>(g * stride));
+  const int64_t head_base = (p.layer * p.kv_heads + head) * p.num_pages * p.page_size * hd;
+  const int32_t* row = p.table + slot * p.pages_per_slot;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  PageRows keys(p, p.k + head_base, row, lo);
+  const float* tile[kLanes];
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const int count = static_cast<int>(std::min<int64_t>(kLanes, n - t));
+    for (int j = 0; j < count; ++j) tile[j] = keys.Next();
+    for (int64_t r0 = 0; r0 < g; r0 += kRowBlock) {
+      const float* qr = q + r0 * hd;
+      float* s = scores.data() + r0 * stride + t;
+      switch (std::min<int64_t>(kRowBlock, g - r0)) {
+        case 1: ScoreTile<D16, 1>(qr, chunks, tile, count, scale, s, stride); break;
+        case 2: ScoreTile<D16, 2>(qr, chunks, tile, count, scale, s, stride); break;
+        case 3: ScoreTile<D16, 3>(qr, chunks, tile, count, scale, s, stride); break;
+        default: ScoreTile<D16, 4>(qr, chunks, tile, count, scale, s, stride); break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < g; ++r) {
+    float* s = scores.data() + r * stride;
+    if (p.softcap > 0.0f) {
+      for (int64_t i = 0; i < n; ++i) s[i] = p.softcap * std::tanh(s[i] / p.softcap);
+    }
+    std::fill(s + n, s + stride, -INFINITY);  // the last tile's lanes past the keys: weight 0
+    Vec peak = Load(s);
+    for (int64_t i = kLanes; i < stride; i += kLanes) {
+      const Vec x = Load(s + i);
+      peak = x > peak ? x : peak;
+    }
+    float top = peak[0];
+    for (int j = 1; j < kLanes; ++j) top = std::max(top, peak[j]);
+    Vec total = {};
+    for (int64_t i = 0; i < stride; i += kLanes) {
+      const Vec e = Exp(Load(s + i) - top);
+      Store(s + i, e);
+      total += e;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < kLanes; ++j) sum += total[j];
+    for (int64_t i = 0; i < stride; i += kLanes) Store(s + i, Load(s + i) / sum);
+  }
+  for (int64_t r0 = 0; r0 < g; r0 += kRowBlock) {
+    const float* w = scores.data() + r0 * stride;
+    PageRows values(p, p.v + head_base, row, lo);
+    float* o = out + r0 * hd;
+    switch (std::min<int64_t>(kRowBlock, g - r0)) {
+      case 1: AddValues<D16, 1>(w, stride, values, n, chunks, o); break;
+      case 2: AddValues<D16, 2>(w, stride, values, n, chunks, o); break;
+      case 3: AddValues<D16, 3>(w, stride, values, n, chunks, o); break;
+      default: AddValues<D16, 4>(w, stride, values, n, chunks, o); break;
+    }
+  }
+}
+
+void AttendOne(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
+  if (p.head_dim % kLanes != 0 || p.head_dim > kMaxChunks * kLanes) return AttendScalar(p, slot, head, scores);
+  switch (p.head_dim / kLanes) {
+    case 4: return AttendVector<4>(p, slot, head, scores);
+    case 8: return AttendVector<8>(p, slot, head, scores);
+    case 16: return AttendVector<16>(p, slot, head, scores);
+    default: return AttendVector<0>(p, slot, head, scores);
   }
 }
 
