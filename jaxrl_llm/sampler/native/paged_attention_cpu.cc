@@ -64,24 +64,44 @@ inline int64_t PageOf(const Problem& p, const int32_t* row, int64_t pos) {
   return std::clamp<int64_t>(row[pos / p.page_size], 0, p.num_pages - 1);
 }
 
-// One (slot, kv head) one key at a time: its `group` query rows against the slot's keys [lo, length).
-void AttendScalar(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
-  const int64_t hd = p.head_dim, g = p.group;
-  const float* q = p.q + (slot * p.kv_heads + head) * g * hd;
-  float* out = p.out + (slot * p.kv_heads + head) * g * hd;
+// One (slot, kv head): its query rows, output rows, page-table row, the offset of the (layer, head)
+// pages in the pool, and its visible keys [lo, lo + n) (the last `window` ones with a sliding window).
+struct Slice {
+  const float* q;
+  float* out;
+  const int32_t* row;
+  int64_t head_base, lo, n;
+};
+
+// The slice of (slot, head); false, with its output zeroed, when the slot has no keys.
+inline bool SliceOf(const Problem& p, int64_t slot, int64_t head, Slice& s) {
+  const int64_t rows = p.group * p.head_dim;
+  s.q = p.q + (slot * p.kv_heads + head) * rows;
+  s.out = p.out + (slot * p.kv_heads + head) * rows;
   const int64_t length = std::min<int64_t>(p.lengths[slot], p.pages_per_slot * p.page_size);
   if (length <= 0) {
-    std::fill(out, out + g * hd, 0.0f);
-    return;
+    std::fill(s.out, s.out + rows, 0.0f);
+    return false;
   }
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
-  const int64_t n = length - lo;
+  s.lo = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  s.n = length - s.lo;
+  s.row = p.table + slot * p.pages_per_slot;
+  s.head_base = (p.layer * p.kv_heads + head) * p.num_pages * p.page_size * p.head_dim;
+  return true;
+}
+
+// One (slot, kv head) one key at a time: its `group` query rows against the slot's keys [lo, length).
+void AttendScalar(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
+  Slice t;
+  if (!SliceOf(p, slot, head, t)) return;
+  const int64_t hd = p.head_dim, g = p.group, lo = t.lo, n = t.n, length = lo + n;
+  const float* q = t.q;
+  float* out = t.out;
   scores.resize(static_cast<size_t>(g * n));
   const int64_t page_stride = p.page_size * hd;
-  const int64_t head_base = (p.layer * p.kv_heads + head) * p.num_pages * page_stride;
-  const float* k_head = p.k + head_base;
-  const float* v_head = p.v + head_base;
-  const int32_t* row = p.table + slot * p.pages_per_slot;
+  const float* k_head = p.k + t.head_base;
+  const float* v_head = p.v + t.head_base;
+  const int32_t* row = t.row;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t pos = lo; pos < length; ++pos) {
     const float* key = k_head + PageOf(p, row, pos) * page_stride + (pos % p.page_size) * hd;
@@ -242,19 +262,14 @@ void AddValues(const float* weights, int64_t stride, PageRows values, int64_t n,
 // One (slot, kv head) on the vector path (head_dim = 16 * D16, or 16 * `chunks` when D16 is 0).
 template <int D16>
 void AttendVector(const Problem& p, int64_t slot, int64_t head, std::vector<float>& scores) {
-  const int64_t hd = p.head_dim, g = p.group, chunks = hd / kLanes;
-  const float* q = p.q + (slot * p.kv_heads + head) * g * hd;
-  float* out = p.out + (slot * p.kv_heads + head) * g * hd;
-  const int64_t length = std::min<int64_t>(p.lengths[slot], p.pages_per_slot * p.page_size);
-  if (length <= 0) {
-    std::fill(out, out + g * hd, 0.0f);
-    return;
-  }
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
-  const int64_t n = length - lo, stride = (n + kLanes - 1) / kLanes * kLanes;
+  Slice t;
+  if (!SliceOf(p, slot, head, t)) return;
+  const int64_t hd = p.head_dim, g = p.group, chunks = hd / kLanes, lo = t.lo, n = t.n, head_base = t.head_base;
+  const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;  // score rows padded to whole tiles
+  const float* q = t.q;
+  float* out = t.out;
+  const int32_t* row = t.row;
   scores.resize(static_cast<size_t>(g * stride));
-  const int64_t head_base = (p.layer * p.kv_heads + head) * p.num_pages * p.page_size * hd;
-  const int32_t* row = p.table + slot * p.pages_per_slot;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   PageRows keys(p, p.k + head_base, row, lo);
   const float* tile[kLanes];
