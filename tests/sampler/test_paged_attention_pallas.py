@@ -276,3 +276,27 @@ def test_kernel_reads_one_layer_of_a_stacked_pool(variant, int8):
                            disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(
         jnp.int32(0), stacked).mlir_module()
     assert target in module and "dynamic_slice" not in module
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_dispatcher_runs_the_kernel_per_kv_head_shard(stacked):
+    # impl='pallas' on a mesh whose 'tensor' axis splits the kv heads: the kernel runs per shard under
+    # shard_map (sampler/kv_shards.py), one layer's pages or the stacked pool read by layer, and each
+    # (slot, kv head) equals the one-device call
+    from sampler_fixtures import MESHES
+
+    from jaxrl_llm import sharding
+    from jaxrl_llm.sampler.paged_attention import paged_decode_attention
+
+    mesh = sharding.make_mesh(MESHES["data2_tensor4"])
+    case = make_case(9, group=2, head_dim=64, page_size=16, kv_heads=4)
+    pages = {k: case[k] for k in ("k_pages", "v_pages")}
+    layer = None
+    if stacked:  # a 2-layer pool, layer 1 read
+        pages = {k: jnp.stack([-v, v]) for k, v in pages.items()}
+        layer = jnp.int32(1)
+    args = (case["q"], pages["k_pages"], pages["v_pages"], case["lengths"], case["page_indices"])
+    sharded = jax.jit(lambda *a: paged_decode_attention(*a, impl="pallas", layer=layer, mesh=mesh))(*args)
+    one = paged_decode_attention(*args, impl="pallas", layer=layer)
+    np.testing.assert_allclose(np.asarray(sharded), np.asarray(one), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(reference(case)), atol=1e-5, rtol=0)
