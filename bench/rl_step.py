@@ -29,6 +29,9 @@ with each rollout option flipped").
 538.0 s per timed step: 1.89x per step, 2.37x in total tokens/s (our answers 270 tokens on average
 against TRL's 189 on the same prompts). `--steps 2 --variants partial --torch-threads 2`: ours 278.6 s,
 partial rollouts 262.8 s, TRL 510.9 s per timed step: 1.83x (1.94x with partial), 1.99x in total tokens/s.
+2026-11-29 (evening, the CPU decode kernel's vector path), `--workload varied --steps 1 --torch-threads 2`:
+ours 113.6 s (generation 41.4 s), TRL 273.0 s (126.7 s): 2.40x per step, 2.96x in total tokens/s; our
+answers drew 263.9 tokens on average, TRL's 189.0 (one draw per side: docs/performance.md).
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--dtype float32|bfloat16] [--skip-trl]
