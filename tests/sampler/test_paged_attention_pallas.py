@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampler_fixtures import MESHES
 
+from jaxrl_llm import sharding
+from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
 
 NUM_PAGES = 48
@@ -283,11 +286,6 @@ def test_dispatcher_runs_the_kernel_per_kv_head_shard(stacked):
     # impl='pallas' on a mesh whose 'tensor' axis splits the kv heads: the kernel runs per shard under
     # shard_map (sampler/kv_shards.py), one layer's pages or the stacked pool read by layer, and each
     # (slot, kv head) equals the one-device call
-    from sampler_fixtures import MESHES
-
-    from jaxrl_llm import sharding
-    from jaxrl_llm.sampler.paged_attention import paged_decode_attention
-
     mesh = sharding.make_mesh(MESHES["data2_tensor4"])
     case = make_case(9, group=2, head_dim=64, page_size=16, kv_heads=4)
     pages = {k: case[k] for k in ("k_pages", "v_pages")}

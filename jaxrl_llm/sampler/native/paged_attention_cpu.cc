@@ -273,12 +273,12 @@ void AttendVector(const Problem& p, int64_t slot, int64_t head, std::vector<floa
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   PageRows keys(p, p.k + head_base, row, lo);
   const float* tile[kLanes];
-  for (int64_t t = 0; t < n; t += kLanes) {
-    const int count = static_cast<int>(std::min<int64_t>(kLanes, n - t));
+  for (int64_t first = 0; first < n; first += kLanes) {
+    const int count = static_cast<int>(std::min<int64_t>(kLanes, n - first));
     for (int j = 0; j < count; ++j) tile[j] = keys.Next();
     for (int64_t r0 = 0; r0 < g; r0 += kRowBlock) {
       const float* qr = q + r0 * hd;
-      float* s = scores.data() + r0 * stride + t;
+      float* s = scores.data() + r0 * stride + first;
       switch (std::min<int64_t>(kRowBlock, g - r0)) {
         case 1: ScoreTile<D16, 1>(qr, chunks, tile, count, scale, s, stride); break;
         case 2: ScoreTile<D16, 2>(qr, chunks, tile, count, scale, s, stride); break;
