@@ -178,6 +178,17 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def gated_product(gate: Array, up: Array, activation: str, dtype: Any) -> Array:
+    """act(gate) * up in the compute dtype, recomputed in the backward from gate and up.
+
+    Why: differentiated as written, the activation keeps its own intermediates alive for the
+    backward (silu's sigmoid, the quotient, the product: four more [tokens, intermediate] tensors per
+    layer beside gate and up, each stacked by the layer scan). Recomputing them is a few elementwise
+    passes; keeping them cost 2.5% of a SmolLM2 update on CPU (docs/performance.md, 2026-11-29)."""
+    return (ACTIVATIONS[activation](gate) * up).astype(dtype)
+
+
 def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale: float,
               activation: str = "silu") -> Array:
     """fp32 [..., H] gated MLP (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") of normed x [..., H]
@@ -185,8 +196,7 @@ def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale
     def dense(name: str, h: Array) -> Array:
         return project(h, weights[name], adapters.get(name), lora_scale, dtype)
 
-    act = (ACTIVATIONS[activation](dense("gate_proj", x)) * dense("up_proj", x)).astype(dtype)
-    return dense("down_proj", act)
+    return dense("down_proj", gated_product(dense("gate_proj", x), dense("up_proj", x), activation, dtype))
 
 
 def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None, *,
