@@ -34,14 +34,42 @@ def filtered_logits(scaled: Array, top_k: int, use_top_p: bool, top_p: Array) ->
     return vals, ids
 
 
-def draw_from(probs: Array, u: Array) -> Array:
+DRAW_BLOCK = 256  # candidates per block of the two-level inverse-CDF draw (`draw_from`)
+
+
+def _first_above(cdf: Array, target: Array, mass: Array) -> Array:
+    """Per row: the first index whose cumulative mass `cdf` exceeds `target`, clipped to the last
+    index of non-zero `mass` (guards a target that rounds up to the row's total); int32."""
+    pick = jnp.sum((cdf <= target[:, None]).astype(jnp.int32), axis=-1)
+    last_nz = mass.shape[-1] - 1 - jnp.argmax((mass > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(pick, last_nz).astype(jnp.int32)
+
+
+def draw_from(probs: Array, u: Array, block: int = DRAW_BLOCK) -> Array:
     """Inverse-CDF draw: per row of probs [B, C] (unnormalised, >= 0) the first index whose cumulative
     mass exceeds u [B] (uniforms in [0, 1)) times the row's total; int32 [B]. Always an index of
-    non-zero mass: the clip to the last such index guards u * total rounding up to the total."""
-    cdf = jnp.cumsum(probs, axis=-1)
-    pick = jnp.sum((cdf <= (u * cdf[:, -1])[:, None]).astype(jnp.int32), axis=-1)
-    last_nz = probs.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(pick, last_nz).astype(jnp.int32)
+    non-zero mass.
+
+    Two levels when C > 2 * block: the block of the draw from the blocks' total masses, then the
+    index inside that block. A cumulative sum over a whole 49k vocabulary row is a log-depth tree of
+    passes over it on CPU; this reads the row once (the block sums) and sums `block` entries of one
+    block."""
+    b, c = probs.shape
+    if c <= 2 * block:
+        cdf = jnp.cumsum(probs, axis=-1)
+        return _first_above(cdf, u * cdf[:, -1], probs)
+    num_blocks = -(-c // block)
+    blocks = jnp.pad(probs, ((0, 0), (0, num_blocks * block - c))).reshape(b, num_blocks, block)
+    block_mass = jnp.sum(blocks, axis=-1)  # [B, blocks]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = u * block_cdf[:, -1]
+    chosen = _first_above(block_cdf, target, block_mass)  # [B]
+    # mass before the chosen block, exactly the block cdf's previous entry (<= target by the choice)
+    before = jnp.where(chosen > 0, jnp.take_along_axis(block_cdf, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0],
+                       0.0)
+    inside = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
+    offset = _first_above(jnp.cumsum(inside, axis=-1), target - before, inside)
+    return chosen * block + offset
 
 
 def choose_tokens(logits: Array, key: Array, knobs: SampleKnobs, settings: SampleSettings

@@ -9,6 +9,7 @@ from test_sampler_distribution import DRAWS, LOGITS, expected_probs
 
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.engine.draws import choose_per_row
+from jaxrl_llm.sampler.sampling import DRAW_BLOCK, draw_from
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.5, 3, 1.0), (2.0, 5, 0.7)])
@@ -87,3 +88,52 @@ def test_paged_and_static_engines_sample_the_same_distribution():
     assert abs(static_lp.mean() - paged_lp.mean()) < 0.1, (static_lp.mean(), paged_lp.mean())
     cold_tok, cold_lp = run("paged", 0.5)
     assert _histogram_pvalue(static_tok, cold_tok) < 1e-6 and cold_lp.mean() > static_lp.mean() + 0.3
+
+
+def _sparse_weights(rng, rows, size):
+    """Unnormalised weights with zero runs: a zero block, zeros sprinkled, a zero tail."""
+    w = rng.gamma(0.3, size=(rows, size)).astype(np.float32)
+    w[:, size // 10:size // 5] = 0.0
+    w[rng.random((rows, size)) < 0.2] = 0.0
+    w[:, size - size // 7:] = 0.0
+    return w
+
+
+def test_blocked_draw_picks_the_flat_draws_index():
+    """`draw_from` on a vocabulary-sized row (blocks of DRAW_BLOCK, then inside the block) picks the
+    index the flat cumulative sum picks for the same uniform, and only indices of non-zero mass,
+    including at u near 1 (the target rounding up to the row total) and with zero blocks and a
+    zero tail."""
+    rng = np.random.default_rng(0)
+    rows, size = 4096, 5000  # not a multiple of the block: a padded last block
+    weights = _sparse_weights(rng, rows, size)
+    u = rng.random(rows).astype(np.float32)
+    u[:16] = np.float32(1.0) - np.float32(2.0 ** -24)  # the largest uniform below 1
+    u[16:32] = 0.0
+    blocked = np.asarray(jax.jit(draw_from)(jnp.asarray(weights), jnp.asarray(u)))
+    flat = np.asarray(jax.jit(lambda w, x: draw_from(w, x, block=size))(jnp.asarray(weights), jnp.asarray(u)))
+    assert size > 2 * DRAW_BLOCK
+    assert np.all(weights[np.arange(rows), blocked] > 0) and np.all(weights[np.arange(rows), flat] > 0)
+    # the two sum in different orders: a pick may move only where u sits within rounding of a boundary
+    assert np.mean(blocked == flat) > 0.999, np.mean(blocked == flat)
+    assert len(np.unique(blocked)) > 1000  # draws across the row, not one index
+
+
+def test_blocked_draw_distribution():
+    """Chi-square of blocked draws against the weights they come from (a row of 600 candidates in
+    blocks of 32, counted in 20 bins), and a shifted distribution is rejected."""
+    rng = np.random.default_rng(1)
+    size, draws = 600, 40_000
+    weights = _sparse_weights(rng, 1, size)[0]
+    u = jax.random.uniform(jax.random.key(5), (draws,), jnp.float32)
+    picks = np.asarray(jax.jit(draw_from, static_argnums=2)(jnp.broadcast_to(jnp.asarray(weights), (draws, size)),
+                                                           u, 32))
+    assert np.all(weights[picks] > 0)
+    bins = np.arange(size) // 30
+    observed = np.bincount(bins[picks], minlength=20)
+    want = np.bincount(bins, weights=weights.astype(np.float64), minlength=20)
+    kept = want > 0
+    assert np.all(observed[~kept] == 0)
+    expected = want[kept] / want[kept].sum() * draws
+    assert stats.chisquare(observed[kept], expected).pvalue > 1e-3
+    assert stats.chisquare(observed[kept], np.roll(expected, 1)).pvalue < 1e-6

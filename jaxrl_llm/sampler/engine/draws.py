@@ -33,12 +33,17 @@ def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: Sam
         return tok[:, 0], lp[:, 0]
     scaled = logits.astype(jnp.float32) / knobs.temperature
     cand, cand_ids = filtered_logits(scaled, settings.top_k, settings.use_top_p, knobs.top_p)
-    probs = jax.nn.softmax(cand, axis=-1)  # dropped candidates (-inf) -> 0
-    pick = draw_from(probs, jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys))
-    tok = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
+    # the softmax's weights, unnormalised (the draw scales u by the total); dropped candidates -> 0
+    peak = jnp.max(cand, axis=-1)
+    weights = jnp.exp(cand - peak[:, None])
+    pick = draw_from(weights, jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys))
+    if cand_ids is None:  # the candidates are the vocabulary: their weights give the log-partition too
+        tok, log_total = pick, peak + jnp.log(jnp.sum(weights, axis=-1))
+    else:
+        tok, log_total = jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0], jax.nn.logsumexp(scaled, axis=-1)
     tok = tok.astype(jnp.int32)
     chosen = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
-    return tok, chosen - jax.nn.logsumexp(scaled, axis=-1)
+    return tok, chosen - log_total
 
 
 def is_eos(tok: Array, knobs: SampleKnobs) -> Array:
