@@ -32,6 +32,9 @@ partial rollouts 262.8 s, TRL 510.9 s per timed step: 1.83x (1.94x with partial)
 2026-11-29 (evening, the CPU decode kernel's vector path), `--workload varied --steps 1 --torch-threads 2`:
 ours 113.6 s (generation 41.4 s), TRL 273.0 s (126.7 s): 2.40x per step, 2.96x in total tokens/s; our
 answers drew 263.9 tokens on average, TRL's 189.0 (one draw per side: docs/performance.md).
+2026-11-29 (night), `--steps 3`: ours 120.2 s, TRL 285.1 s per timed step (2.37x; 2.62x in total
+tokens/s; our answers 276.8 tokens on average, TRL's 233.9); with the two-level draw, ours 113.5 s
+(`--skip-trl`): 2.51x against that TRL column.
 
     python bench/rl_step.py [--workload fixed|varied] [--steps 3] [--response-length 64]
                             [--max-new-tokens 512] [--dtype float32|bfloat16] [--skip-trl]
