@@ -183,9 +183,10 @@ def gated_product(gate: Array, up: Array, activation: str, dtype: Any) -> Array:
     """act(gate) * up in the compute dtype, recomputed in the backward from gate and up.
 
     Why: differentiated as written, the activation keeps its own intermediates alive for the
-    backward (silu's sigmoid, the quotient, the product: four more [tokens, intermediate] tensors per
-    layer beside gate and up, each stacked by the layer scan). Recomputing them is a few elementwise
-    passes; keeping them cost 2.5% of a SmolLM2 update on CPU (docs/performance.md, 2026-11-29)."""
+    backward (silu's sigmoid and quotient, the product's factors: [tokens, intermediate] tensors
+    beside gate and up, each stacked by the layer scan; six such stacks per layer in a SmolLM2
+    update). Recomputing them is a few elementwise passes; keeping them cost 2.5% of that update on
+    CPU (docs/performance.md, 2026-11-29)."""
     return (ACTIVATIONS[activation](gate) * up).astype(dtype)
 
 
