@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.models import blockwise
+from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.attention import attend
 from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxrl_llm.models.context_parallel import context_parallel_attend
@@ -170,24 +171,6 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     out, state = attention(q, k, v.astype(dtype), state, layer)
     out = out.astype(dtype).reshape(b, t, nh, hd)
     return project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2), state
-
-
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "silu": jax.nn.silu,  # SwiGLU
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma)
-}
-
-
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def gated_product(gate: Array, up: Array, activation: str, dtype: Any) -> Array:
-    """act(gate) * up in the compute dtype, recomputed in the backward from gate and up.
-
-    Why: differentiated as written, the activation keeps its own intermediates alive for the
-    backward (silu's sigmoid and quotient, the product's factors: [tokens, intermediate] tensors
-    beside gate and up, each stacked by the layer scan; six such stacks per layer in a SmolLM2
-    update). Recomputing them is a few elementwise passes; keeping them cost 2.5% of that update on
-    CPU (docs/performance.md, 2026-11-29)."""
-    return (ACTIVATIONS[activation](gate) * up).astype(dtype)
 
 
 def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale: float,

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.numerics import MATMUL_2D, matmul_f32
 from jaxrl_llm.platform.target import target_platform
@@ -289,8 +290,7 @@ def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cf
     def gmm(x: Array, name: str) -> Array:
         return grouped_matmul(x, experts[name]["kernel"], layout, kernel, unroll=unroll)
 
-    act = (jax.nn.silu(gmm(rows, "gate_proj")) * gmm(rows, "up_proj")).astype(dtype)
-    out = gmm(act, "down_proj")  # [R, H] fp32
+    out = gmm(gated_product(gmm(rows, "gate_proj"), gmm(rows, "up_proj"), "silu", dtype), "down_proj")  # [R, H] fp32
     return jnp.einsum("nk,nkh->nh", weights, out[layout.dest])
 
 
@@ -309,7 +309,7 @@ def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *,
     x = tokens.astype(dtype)
     gate = jnp.einsum("nh,nkhf->nkf", x, weights["gate_proj"], preferred_element_type=jnp.float32)
     up = jnp.einsum("nh,nkhf->nkf", x, weights["up_proj"], preferred_element_type=jnp.float32)
-    out = jnp.einsum("nkf,nkfh->nkh", (jax.nn.silu(gate) * up).astype(dtype), weights["down_proj"],
+    out = jnp.einsum("nkf,nkfh->nkh", gated_product(gate, up, "silu", dtype), weights["down_proj"],
                      preferred_element_type=jnp.float32)
     return jnp.einsum("nk,nkh->nh", mix, out)
 
@@ -321,7 +321,7 @@ def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: A
                       preferred_element_type=jnp.float32)
     up = jnp.einsum("nh,ehf->enf", tokens, experts["up_proj"]["kernel"].astype(dtype),
                     preferred_element_type=jnp.float32)
-    out = jnp.einsum("enf,efh->enh", (jax.nn.silu(gate) * up).astype(dtype),
+    out = jnp.einsum("enf,efh->enh", gated_product(gate, up, "silu", dtype),
                      experts["down_proj"]["kernel"].astype(dtype), preferred_element_type=jnp.float32)
     mix = jnp.zeros((tokens.shape[0], out.shape[0]), jnp.float32).at[
         jnp.arange(tokens.shape[0])[:, None], routing.ids].add(routing.weights)

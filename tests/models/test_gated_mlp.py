@@ -1,13 +1,13 @@
-"""The gated MLP's activation product (`decoder.gated_product`): recomputed in the backward, so the
-backward keeps gate and up only. Its gradients equal the plain expression's (SwiGLU and GeGLU), and
-the compiled gradient program needs less temporary memory than the plain one, which keeps the
-activation's intermediates alive."""
+"""The gated MLP's activation product (`models.activations.gated_product`, used by dense MLPs and
+MoE experts): recomputed in the backward, so the backward keeps gate and up only. Its gradients
+equal the plain expression's (SwiGLU and GeGLU), and the compiled gradient program needs less
+temporary memory than the plain one, which keeps the activation's intermediates alive."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models.decoder import ACTIVATIONS, gated_product
+from jaxrl_llm.models.activations import ACTIVATIONS, gated_product
 
 TOKENS, HIDDEN, INTERMEDIATE = 512, 32, 256
 
