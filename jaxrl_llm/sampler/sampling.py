@@ -64,9 +64,9 @@ def draw_from(probs: Array, u: Array, block: int = DRAW_BLOCK) -> Array:
     block_cdf = jnp.cumsum(block_mass, axis=-1)
     target = u * block_cdf[:, -1]
     chosen = _first_above(block_cdf, target, block_mass)  # [B]
-    # mass before the chosen block, exactly the block cdf's previous entry (<= target by the choice)
-    before = jnp.where(chosen > 0, jnp.take_along_axis(block_cdf, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0],
-                       0.0)
+    # mass before each block: the block cdf's previous entry exactly (so <= target for the chosen one)
+    starts = jnp.pad(block_cdf[:, :-1], ((0, 0), (1, 0)))
+    before = jnp.take_along_axis(starts, chosen[:, None], axis=-1)[:, 0]
     inside = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
     offset = _first_above(jnp.cumsum(inside, axis=-1), target - before, inside)
     return chosen * block + offset
