@@ -111,6 +111,8 @@ def fidelity(model, sequences: list[Sequence], eos: list[int], seed: int = 0) ->
     pits, lp_err = [], []
     stops, expected, variance = 0, 0.0, 0.0
     for prompt, response, stored in sequences:
+        if not response:  # nothing drawn (a zero-token budget): nothing to check
+            continue
         with torch.no_grad():
             logits = model(torch.tensor([prompt + response])).logits[0]
         log_p = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(response)].double(), -1)
@@ -131,7 +133,7 @@ def fidelity(model, sequences: list[Sequence], eos: list[int], seed: int = 0) ->
     result = {
         "responses": len(sequences), "tokens": int(u.size),
         "mean_length": float(np.mean([len(r) for _, r, _ in sequences])),
-        "capped": sum(r[-1] not in eos for _, r, _ in sequences),
+        "capped": sum(bool(r) and r[-1] not in eos for _, r, _ in sequences),
         "pit_mean": float(u.mean()), "pit_se": float(1 / np.sqrt(12 * u.size)),
         "pit_ks_p": float(stats.kstest(u, "uniform").pvalue),
         "pit_deciles": np.histogram(u, bins=10, range=(0, 1))[0] / u.size,
