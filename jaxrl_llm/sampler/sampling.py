@@ -45,10 +45,21 @@ def _first_above(cdf: Array, target: Array, mass: Array) -> Array:
     return jnp.minimum(pick, last_nz).astype(jnp.int32)
 
 
+def row_uniforms(keys: Array) -> Array:
+    """One fp32 uniform in [0, 1) per PRNG key of keys [B] (a row's draw from its own key)."""
+    return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+
+
 def draw_from(probs: Array, u: Array, block: int = DRAW_BLOCK) -> Array:
     """Inverse-CDF draw: per row of probs [B, C] (unnormalised, >= 0) the first index whose cumulative
     mass exceeds u [B] (uniforms in [0, 1)) times the row's total; int32 [B]. Always an index of
-    non-zero mass.
+    non-zero mass. (`draw_with_total` also returns the row totals.)"""
+    return draw_with_total(probs, u, block)[0]
+
+
+def draw_with_total(probs: Array, u: Array, block: int = DRAW_BLOCK) -> tuple[Array, Array]:
+    """(`draw_from`'s indices, each row's total mass [B]): the total the draw sums anyway, for a
+    caller that needs it too (the log-partition of `choose_per_row`).
 
     Two levels when C > 2 * block: the block of the draw from the blocks' total masses, then the
     index inside that block. A cumulative sum over a whole 49k vocabulary row is a log-depth tree of
@@ -57,19 +68,20 @@ def draw_from(probs: Array, u: Array, block: int = DRAW_BLOCK) -> Array:
     b, c = probs.shape
     if c <= 2 * block:
         cdf = jnp.cumsum(probs, axis=-1)
-        return _first_above(cdf, u * cdf[:, -1], probs)
+        return _first_above(cdf, u * cdf[:, -1], probs), cdf[:, -1]
     num_blocks = -(-c // block)
     blocks = jnp.pad(probs, ((0, 0), (0, num_blocks * block - c))).reshape(b, num_blocks, block)
     block_mass = jnp.sum(blocks, axis=-1)  # [B, blocks]
     block_cdf = jnp.cumsum(block_mass, axis=-1)
-    target = u * block_cdf[:, -1]
+    total = block_cdf[:, -1]
+    target = u * total
     chosen = _first_above(block_cdf, target, block_mass)  # [B]
     # mass before each block: the block cdf's previous entry exactly (so <= target for the chosen one)
     starts = jnp.pad(block_cdf[:, :-1], ((0, 0), (1, 0)))
     before = jnp.take_along_axis(starts, chosen[:, None], axis=-1)[:, 0]
     inside = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
     offset = _first_above(jnp.cumsum(inside, axis=-1), target - before, inside)
-    return chosen * block + offset
+    return chosen * block + offset, total
 
 
 def choose_tokens(logits: Array, key: Array, knobs: SampleKnobs, settings: SampleSettings

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.sampling import choose_tokens, draw_from, filtered_logits
+from jaxrl_llm.sampler.sampling import choose_tokens, draw_with_total, filtered_logits, row_uniforms
 
 Array = jax.Array
 
@@ -36,9 +36,9 @@ def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: Sam
     # the softmax's weights, unnormalised (the draw scales u by the total); dropped candidates -> 0
     peak = jnp.max(cand, axis=-1)
     weights = jnp.exp(cand - peak[:, None])
-    pick = draw_from(weights, jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys))
-    if cand_ids is None:  # the candidates are the vocabulary: their weights give the log-partition too
-        tok, log_total = pick, peak + jnp.log(jnp.sum(weights, axis=-1))
+    pick, total = draw_with_total(weights, row_uniforms(keys))
+    if cand_ids is None:  # the candidates are the vocabulary: the draw's total gives the log-partition too
+        tok, log_total = pick, peak + jnp.log(total)
     else:
         tok, log_total = jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0], jax.nn.logsumexp(scaled, axis=-1)
     tok = tok.astype(jnp.int32)

@@ -36,7 +36,8 @@ from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine.draws import ends_sequence, finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sampler.speculative import SpeculativeSpec, accept_drafts, draw_from, ngram_drafts, target_distribution
+from jaxrl_llm.sampler.sampling import draw_from, row_uniforms
+from jaxrl_llm.sampler.speculative import SpeculativeSpec, accept_drafts, ngram_drafts, target_distribution
 
 Array = jax.Array
 _DRAFT_STREAM = 0x5EED  # the draft model's draws: keys of their own, apart from the target's
@@ -68,7 +69,7 @@ def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array,
             nxt = jnp.argmax(q, axis=-1).astype(jnp.int32)
         else:
             keys = request_keys(draft_rng, s.request, s.num_gen + j)
-            nxt = draw_from(q, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys))
+            nxt = draw_from(q, row_uniforms(keys))
         return (pool, nxt), (nxt, q)
 
     (pool, _), (drafts, probs) = lax.scan(step, (s.draft_pool, s.last), jnp.arange(k + 1, dtype=jnp.int32))
