@@ -33,7 +33,6 @@ transformers'; transformers.generate 192 responses, mean length 229.2 (59 at the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -80,18 +79,20 @@ def sample_transformers(model, tokenizer, prompts: list[list[int]], max_new_toke
     a batch of PROMPTS_PER_STEP prompts at a time, as TRL's GRPOTrainer samples on CPU."""
     import torch
 
+    from jaxrl_llm.sampler import left_pad
+
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     out: list[Sequence] = []
     for start in range(0, len(prompts), PROMPTS_PER_STEP):
         chunk = [p for p in prompts[start:start + PROMPTS_PER_STEP] for _ in range(SAMPLES_PER_PROMPT)]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids, mask = left_pad(chunk, pad, length=width)
         t0 = time.perf_counter()
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+            gen = model.generate(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=pad)
         lengths = []
         for p, row in zip(chunk, gen[:, width:].tolist()):
             stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from jaxrl_llm.config import smollm2_gguf_path
+    from jaxrl_llm.data.synthetic import write_rows
     from jaxrl_llm.hf import load_tokenizer
 
     if smollm2_gguf_path() is None:
@@ -181,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = varied_rows(tokenizer, PROMPTS_PER_STEP * (args.batches + 1))
     with tempfile.TemporaryDirectory(prefix="sampler_fidelity_") as tmp:
         train_file = os.path.join(tmp, "rows.jsonl")
-        with open(train_file, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_rows(rows, train_file)
         cfg = quickstart_config(args.batches, args.max_new_tokens, os.path.join(tmp, "run"), train_file)
         hf_dir = os.path.join(tmp, "hf")
         print(f"jaxrl_llm: {args.batches} batches", flush=True)
