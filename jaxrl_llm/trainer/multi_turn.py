@@ -59,7 +59,7 @@ from jaxrl_llm.config.spec import MultiTurnSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams, bucket_length
-from jaxrl_llm.sampler.engine.setup import EngineOptions, sized_engine
+from jaxrl_llm.sampler.engine.setup import EngineOptions, prompt_room, sized_engine
 from jaxrl_llm.sharding import to_device_if_rows_split
 from jaxrl_llm.trainer.nonfinite import sanitize_scores
 from jaxrl_llm.trainer.rollout_batch import Rollout, response_bucket, rows_meta, score_responses
@@ -102,7 +102,7 @@ class PagedContinue:
         # a prefix may be longer than any prompt, but prefix + budget <= prompt + response length
         room = max(len(p) + b for p, b in zip(prefixes, max_new_tokens)) - settings.max_new_tokens
         engine = sized_engine(self.cfg, self.opts, num_requests=max(len(prefixes), self.num_requests),
-                              max_prompt_len=max(room, self.max_prompt_len), settings=settings, mesh=self.mesh)
+                              max_prompt_len=prompt_room(room, self.max_prompt_len), settings=settings, mesh=self.mesh)
         out, _ = engine.run(self.params, [list(p) for p in prefixes], jax.random.fold_in(self.rng, self.calls),
                             knobs, settings, prompt_routing=replay, draft_params=self.draft_params,
                             max_new_tokens=list(max_new_tokens))
@@ -179,7 +179,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     # experts its conversation ran so far, so each token has one routing for all turns (docs/moe.md)
     record = bool(gen.record_routing)
     # engines are sized by the run's prompt bound (as the single-turn engine), so every step reuses one
-    prompt_bound = max(longest_prompt, gen.max_prompt_length or 0)
+    prompt_bound = prompt_room(longest_prompt, gen.max_prompt_length)
     if opts.engine == "paged" and jax.process_count() == 1:
         # no rounds: a trajectory waiting on a tool holds only itself (agents/streaming.py)
         params_r = round_sampling(sampling, [sampling.max_new_tokens], mt.stop_ids, sampling.max_new_tokens)

@@ -42,7 +42,7 @@ from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import EngineRequest
 from jaxrl_llm.sampler.engine.scheduler import sample_output
-from jaxrl_llm.sampler.engine.setup import sized_engine
+from jaxrl_llm.sampler.engine.setup import prompt_room, sized_engine
 from jaxrl_llm.trainer.rollout import RolloutGenerator, rows_on_mesh
 from jaxrl_llm.trainer.rollout_batch import Rollout
 
@@ -207,7 +207,7 @@ class PartialRollouts:
         # with the whole budget, so carried requests neither grow the page table nor rebuild the engine
         longest = max(len(q.ids) + q.max_new_tokens for q in requests) - r
         engine = sized_engine(gen.model_cfg, gen.engine_for(r), num_requests=len(requests),
-                              max_prompt_len=max(longest, gen.max_prompt_length or 0), settings=settings,
+                              max_prompt_len=prompt_room(longest, gen.max_prompt_length), settings=settings,
                               mesh=gen.mesh)
         gen.last_engine_stats = engine.serve(params, source, rng, knobs, settings, gen.draft_params)
         done = sorted((g for g in groups if g.finished), key=lambda g: (g.born, g.order))[:self.prompts]

@@ -167,10 +167,17 @@ def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]
     draft_params: the draft model's (opts.speculative.method 'draft'); max_prompt_len: the run's bound
     on prompt length (data.max_prompt_length), which sizes the engine instead of this batch's longest
     prompt, so every batch of a run reuses one engine and its compiled programs."""
-    longest = max(max(map(len, prompts)), max_prompt_len or 0)
+    longest = prompt_room(max(map(len, prompts)), max_prompt_len)
     engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=longest,
                           settings=settings, mesh=mesh)
     return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing, draft_params=draft_params)
+
+
+def prompt_room(longest: int, run_bound: int | None) -> int:
+    """The prompt length to size an engine for: the run's bound on prompts (data.max_prompt_length),
+    so every call of a run reuses one engine and its compiled programs, or `longest` (this call's
+    longest prompt, or resumed prefix) where it is longer or there is no bound."""
+    return max(longest, run_bound or 0)
 
 
 def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
