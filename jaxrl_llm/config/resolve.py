@@ -368,8 +368,11 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in MESH_AXES),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
         multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg), partial=partial)
+    in_loss = spec.rollout_is_in_update
     return dataclasses.replace(spec, actor=dataclasses.replace(
-        spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update))
+        spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update,
+        rollout_is_in_loss=spec.rollout_correction.rollout_is if in_loss else None,
+        rollout_is_threshold=spec.rollout_correction.rollout_is_threshold))
 
 
 def resolve_sync(cfg: ConfigDict) -> SyncSpec:

@@ -80,6 +80,11 @@ class ActorSpec:
     # the update's own forward supplies the old log-probs (stop-gradient): set by `resolve` where a
     # separate pass would compute the same values (RunSpec.old_log_probs_from_update)
     old_log_probs_from_update: bool = False
+    # rollout correction's IS weights ("token" | "sequence", truncated at the threshold) taken in the
+    # loss from the update's own forward against the sampler's log-probs, which `old_log_probs` then
+    # holds: set by `resolve` (RunSpec.rollout_is_in_update); None: the experience brings its weights
+    rollout_is_in_loss: str | None = None
+    rollout_is_threshold: float = 2.0
     logprob_impl: str = "auto"  # the fused log-prob head's backend (losses/logprob.py IMPLS)
     # mixture-of-experts models: None = the model's own (trainer/actor.py router_aux_loss_coef)
     router_aux_loss_coef: float | None = None
@@ -322,12 +327,35 @@ class RunSpec:
     @property
     def old_log_probs_from_update(self) -> bool:
         """Whether the actor update can take the old log-probs from its own forward (stop-gradient)
-        instead of a separate no-grad pass: in bf16 (where the sampler's are not the trainer's) with
-        ONE optimizer step per RL step, the recomputed old log-probs are the current policy's, i.e.
-        what the update's forward computes (ratio 1, as TRL's GRPOTrainer with num_iterations=1),
-        provided nothing reads them before the update (KL in the reward, TRL-RLOO's KL, rollout
-        correction). Saves a forward pass over the batch per step."""
-        return (self.actor.compute_dtype != "float32" and not self.rollout_correction.enabled
-                and not self.advantage.use_kl_in_reward
+        instead of a separate no-grad pass: with ONE optimizer step per RL step, the recomputed old
+        log-probs are the current policy's, i.e. what the update's forward computes (ratio 1, as
+        TRL's GRPOTrainer with num_iterations=1), provided nothing reads them before the update (KL
+        in the reward, TRL-RLOO's KL). Where a pass would run: in bf16 (the
+        sampler's log-probs are not the trainer's), and for rollout correction whose weights the
+        loss can take itself (`rollout_is_in_update`). Saves a forward pass over the batch per step."""
+        if not self._update_is_first_use_of_old_log_probs:
+            return False
+        bf16_only = self.actor.compute_dtype != "float32" and not self.rollout_correction.enabled
+        return bf16_only or self.rollout_is_in_update
+
+    @property
+    def rollout_is_in_update(self) -> bool:
+        """Whether rollout correction runs inside the actor's loss (`ActorSpec.rollout_is_in_loss`):
+        IS weights per token or per sequence, truncated at the threshold, need only their own
+        tokens, so each micro-batch takes them from its forward's log-probs (stop-gradient) and the
+        sampler's, with values equal to a separate pass's when there is one optimizer step per RL
+        step (partial rollouts' and the synchronizer's default token IS). Batch normalisation and
+        rejection sampling need the whole batch before the update, so they keep the pass; bypass
+        mode has none. The rollout_corr/* diagnostics are then computed after the update from the
+        log-probs it returns (trainer.py)."""
+        rc = self.rollout_correction
+        return (rc.rollout_is is not None and rc.rollout_rs is None and not rc.rollout_is_batch_normalize
+                and not rc.bypass_mode and self.distillation is None  # a teacher reads them first
+                and self._update_is_first_use_of_old_log_probs)
+
+    @property
+    def _update_is_first_use_of_old_log_probs(self) -> bool:
+        """Nothing reads the old log-probs before the actor update, which takes one optimizer step."""
+        return (not self.advantage.use_kl_in_reward
                 and not ADV_ESTIMATORS.capability(self.advantage.adv_estimator, "needs_ref_log_probs")
                 and self.plan.actor.optimizer_steps == 1)

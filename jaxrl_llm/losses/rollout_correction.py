@@ -115,9 +115,7 @@ def compute_rollout_correction(
     sequence, times the mask, truncated above at `rollout_is_threshold`, stop-gradient, then
     optionally divided by their batch mean (so they may exceed the threshold afterwards).
     """
-    mask = jnp.asarray(response_mask, jnp.float32)
-    lr_raw = jnp.asarray(train_log_prob, jnp.float32) - jnp.asarray(rollout_log_prob, jnp.float32)
-    log_ratio = jnp.where(mask > 0, lr_raw, 0.0)  # junk in padding never reaches a statistic
+    mask, log_ratio = _masked_log_ratio(train_log_prob, rollout_log_prob, response_mask)
     metrics: dict[str, Array] = {}
     weights = None
     if rollout_is is not None:
@@ -141,6 +139,22 @@ def compute_rollout_correction(
                                       jnp.asarray(rollout_log_prob, jnp.float32), mask))
     metrics = {f"rollout_corr/{k}": jax.lax.stop_gradient(v) for k, v in metrics.items()}
     return weights, jax.lax.stop_gradient(new_mask), metrics
+
+
+def _masked_log_ratio(train_log_prob: Array, rollout_log_prob: Array, response_mask: Array) -> tuple[Array, Array]:
+    """(fp32 mask, log(pi_train / pi_rollout) where the mask is set, else 0)."""
+    mask = jnp.asarray(response_mask, jnp.float32)
+    lr_raw = jnp.asarray(train_log_prob, jnp.float32) - jnp.asarray(rollout_log_prob, jnp.float32)
+    return mask, jnp.where(mask > 0, lr_raw, 0.0)  # junk in padding never reaches a statistic
+
+
+def rollout_is_weights(train_log_prob: Array, rollout_log_prob: Array, response_mask: Array, *, rollout_is: str,
+                       rollout_is_threshold: float) -> Array:
+    """The truncated, stop-gradient IS weights of `compute_rollout_correction` without batch
+    normalisation: each row's own tokens decide them, so a micro-batch can take them in the loss
+    (RunSpec.rollout_is_in_update)."""
+    mask, log_ratio = _masked_log_ratio(train_log_prob, rollout_log_prob, response_mask)
+    return _is_weights(log_ratio, mask, rollout_is, rollout_is_threshold, False)[0]
 
 
 def _is_weights(log_ratio, mask, level, threshold, batch_normalize):

@@ -26,14 +26,16 @@ from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.distill import topk_forward_kl
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
+from jaxrl_llm.losses.rollout_correction import rollout_is_weights
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.models.moe import MoeOut, expert_load_max, load_balancing_loss, router_z_loss
 from jaxrl_llm.trainer.experience import Experience, required
 from jaxrl_llm.trainer.forward import response_scores
-from jaxrl_llm.trainer.update import Denominators, run_update_epochs
+from jaxrl_llm.trainer.update import TOKEN_OUTPUT, Denominators, run_update_epochs
 
 sg = jax.lax.stop_gradient
+OLD_LOG_PROBS = TOKEN_OUTPUT + "old_log_probs"  # the update's own log-probs, [N, R] (update.py TOKEN_OUTPUT)
 
 def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg: ModelConfig,
                s: ActorSpec, mesh: Mesh | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -49,17 +51,24 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     assert entropy is not None
     counts: dict[str, Any] = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                                   loss_scale_factor=s.loss_scale_factor)
-    # one optimizer step on fresh samples (bf16): the old policy IS the current one (config/spec.py)
+    # one optimizer step per RL step: the old policy IS the current one (config/spec.py)
     old_log_prob = sg(log_prob) if s.old_log_probs_from_update else mb.old_log_probs
+    is_weights = mb.rollout_is_weights
+    if s.rollout_is_in_loss is not None:  # rollout correction from this forward (RunSpec.rollout_is_in_update):
+        # old_log_probs hold the sampler's log-probs; the update returns its own for the diagnostics
+        is_weights = rollout_is_weights(old_log_prob, mb.old_log_probs, mask, rollout_is=s.rollout_is_in_loss,
+                                        rollout_is_threshold=s.rollout_is_threshold)
     pg_loss, metrics = compute_policy_loss(
         s.loss_mode, old_log_prob, log_prob, mb.advantages, mask,
         loss_agg_mode=s.loss_agg_mode, clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-        rollout_is_weights=mb.rollout_is_weights, **counts, **dict(s.loss_kwargs))
+        rollout_is_weights=is_weights, **counts, **dict(s.loss_kwargs))
     # The entropy is always reported; it carries gradient only when it is part of the loss.
     entropy_agg = agg_loss(entropy if s.entropy_coeff else sg(entropy), mask, s.loss_agg_mode, **counts)
     loss = pg_loss - s.entropy_coeff * entropy_agg
     metrics = dict(metrics)
+    if s.rollout_is_in_loss is not None:
+        metrics[OLD_LOG_PROBS] = jnp.where(mask > 0, old_log_prob, 0.0)
     metrics["actor/pg_loss"] = sg(pg_loss)
     metrics["actor/entropy"] = sg(entropy_agg)
     if s.use_kl_loss:
@@ -122,4 +131,4 @@ def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding,
-        packing=packing)
+        packing=packing, token_outputs=(OLD_LOG_PROBS,) if s.rollout_is_in_loss else ())

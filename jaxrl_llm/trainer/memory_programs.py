@@ -402,12 +402,12 @@ def _experience(ctx: Context) -> Experience:
     spec = ctx.spec
     n, t, r = spec.plan.sequences, ctx.seq_len, spec.plan.response_length
     f32 = lambda: ctx.rows(n, r, jnp.float32)  # noqa: E731
-    rc = spec.rollout_correction
+    weighed = spec.rollout_correction.rollout_is is not None and not spec.actor.rollout_is_in_loss
     return Experience(input_ids=ctx.rows(n, t, jnp.int32), attention_mask=ctx.rows(n, t, jnp.int32),
                       response_mask=f32(), old_log_probs=f32(), advantages=f32(), returns=f32(),
                       ref_log_probs=f32() if spec.need_ref else None,
                       values=f32() if spec.critic is not None else None,
-                      rollout_is_weights=f32() if rc.enabled and rc.rollout_is is not None else None,
+                      rollout_is_weights=f32() if weighed else None,
                       **_teacher_topk(ctx))
 
 

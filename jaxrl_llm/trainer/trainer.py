@@ -14,6 +14,7 @@ comes from it, and every batch split from its `BatchPlan`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -32,17 +33,24 @@ from jaxrl_llm.batching.ops import run_no_grad_pass
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.config.checks import check_context
-from jaxrl_llm.config.spec import ModelSpec
+from jaxrl_llm.config.spec import ModelSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device, to_host
 from jaxrl_llm.sharding.split import make_split_meshes
-from jaxrl_llm.trainer.actor import update_actor
+from jaxrl_llm.trainer.actor import OLD_LOG_PROBS, update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.draft import load_draft, with_draft_config
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, make_experience, pad_experience, values_no_grad
+from jaxrl_llm.trainer.experience import (
+    Experience,
+    log_probs_no_grad,
+    make_experience,
+    pad_experience,
+    rollout_correction,
+    values_no_grad,
+)
 from jaxrl_llm.trainer.export import export_policy
 from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, step_perf_metrics
 from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
@@ -56,6 +64,7 @@ from jaxrl_llm.trainer.rollout_batch import Rollout, rollout_dump_rows
 from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
 from jaxrl_llm.trainer.run_setup import load_run_judge, plan_run_memory, write_synthetic_data
 from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
+from jaxrl_llm.trainer.update import TOKEN_OUTPUT
 from jaxrl_llm.trainer.validation import run_validation
 
 if TYPE_CHECKING:
@@ -347,17 +356,20 @@ class Trainer:
                     **seq, response_mask=mask, token_level_scores=rollout.token_level_scores,
                     rollout_log_probs=rollout.rollout_log_probs, group_ids=to_device(rollout.group_ids, self.mesh),
                     old_log_probs=old_lp, ref_log_probs=ref_lp, values=values, reward_baselines=baselines,
-                    kl_coef=kl_coef, advantage=spec.advantage, correction=spec.rollout_correction,
+                    kl_coef=kl_coef, advantage=spec.advantage, correction=self._experience_correction,
                     routing=rollout.routing, distill=distill)
                 span.wait(exp)
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
                 extra.update({k: float(v) for k, v in jax.device_get(distill_metrics).items()})
             if self.critic is not None:
                 with timer("update_critic"):
-                    extra.update(self._update(self.critic, exp, jax.random.fold_in(rng, 7), rows))
+                    extra.update(self._update(self.critic, exp, jax.random.fold_in(rng, 7), rows)[0])
             if self.global_step >= self.actor.lr_offset:  # the actor starts after trainer.critic_warmup steps
                 with timer("update_actor"):
-                    extra.update(self._update(self.actor, exp, jax.random.fold_in(rng, 11), rows))
+                    actor_metrics, tokens = self._update(self.actor, exp, jax.random.fold_in(rng, 11), rows)
+                    extra.update(actor_metrics)
+                if spec.actor.rollout_is_in_loss:  # the loss took the IS weights; the diagnostics from its log-probs
+                    extra.update(self._correction_metrics(tokens[OLD_LOG_PROBS], rollout))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
@@ -417,9 +429,26 @@ class Trainer:
         r = self.generator.generate(batch, self.actor.model_params, greedy, rng)
         return to_device(np.repeat(r.scores, train.n), self.mesh)
 
-    def _update(self, role: TrainedRole, exp: Experience, rng: jax.Array, rows: StepRows) -> dict[str, float]:
+    @property
+    def _experience_correction(self) -> RolloutCorrectionSpec:
+        """The rollout correction `make_experience` applies: none where the actor's loss takes it."""
+        rc = self.spec.rollout_correction
+        return dataclasses.replace(rc, rollout_is=None) if self.spec.actor.rollout_is_in_loss else rc
+
+    def _correction_metrics(self, update_log_probs: jax.Array, rollout: Rollout) -> dict[str, float]:
+        """rollout_corr/* of the step from the update's own log-probs ([N, R'] with R' >= R: the token
+        budget pads the columns), as a separate pass's would give (RunSpec.rollout_is_in_update, which
+        `resolve` turns into the actor's `rollout_is_in_loss`)."""
+        r = rollout.response_mask.shape[1]
+        _, _, metrics = rollout_correction(update_log_probs[:, :r], rollout.rollout_log_probs,
+                                           rollout.response_mask, s=self.spec.rollout_correction)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def _update(self, role: TrainedRole, exp: Experience, rng: jax.Array, rows: StepRows
+                ) -> tuple[dict[str, float], dict[str, jax.Array]]:
         """The role's update over the step: its split (and packed layouts, with the shuffle drawn on the
-        host) from its own batch plan and model spec; its LR step counts from its `lr_offset`."""
+        host) from its own batch plan and model spec; its LR step counts from its `lr_offset`.
+        Returns its metrics and its per-token outputs (update.py TOKEN_OUTPUT, on device)."""
         split = self.batching.update(role.batch, role.model, rows, rng, epochs=role.settings.ppo_epochs,
                                      shuffle=role.settings.shuffle)
         if split.pads != NO_PADS:  # token budget: the config's longest shapes, the same program at every step
@@ -427,10 +456,11 @@ class Trainer:
         metrics = role.update(exp, rng, lr_step=self.global_step - role.lr_offset, num_mini_batches=split.num_mini,
                               num_micro_batches=split.num_micro, rows_sharding=self.rows_sharding,
                               packing=split.layout)
+        tokens = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(TOKEN_OUTPUT)]}
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if split.layout is not None and role.name == "actor":  # perf/packing/* describe the policy's update
             out.update(update_metrics(split.layout.layout))
-        return out
+        return out, tokens
 
     # ------------------------------------------------------------------ validation, checkpoints, export
     def validate(self) -> dict[str, float]:

@@ -28,6 +28,9 @@ from jaxrl_llm.batching import UpdateLayout, response_coverage, unless_empty
 from jaxrl_llm.trainer.nonfinite import UpdateFlags, update_flags_metrics
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
+# the prefix of per-token loss outputs (`run_update_epochs`' token_outputs), which callers pop from
+# the metrics
+TOKEN_OUTPUT = "tokens/"
 LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -43,6 +46,11 @@ def denominators(mask: jax.Array, loss_scale_factor: float | None = None) -> Den
     mask = mask.astype(jnp.float32)
     scale = None if loss_scale_factor is None else jnp.float32(loss_scale_factor)
     return Denominators(mask.sum(), (mask.sum(-1) > 0).sum().astype(jnp.float32), scale)
+
+
+def _merge_leading(x: jax.Array) -> jax.Array:
+    """[parts, n, ...] -> [parts * n, ...]: `_split`'s inverse for one array."""
+    return x.reshape(-1, *x.shape[2:])
 
 
 def _split(tree: Batch, parts: int, mesh_rows_spec: NamedSharding | None) -> Batch:
@@ -75,12 +83,17 @@ def run_update_epochs(
     rows_sharding: NamedSharding | None = None,
     loss_scale_factor: float | None = None,
     packing: UpdateLayout | None = None,
+    token_outputs: tuple[str, ...] = (),
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
     and epochs, plus `<metric_prefix>/grad_norm` per optimizer step, `<metric_prefix>/lr` (when
     `lr` is given: `tx.update` then receives it as `learning_rate=lr`, trainer/optim.py) and the
     non-finite counters of `nonfinite.update_flags_metrics`. Call inside `jax.jit`.
+
+    token_outputs: names of loss metrics that are per-token fp32 arrays shaped like the micro-batch's
+    `response_mask` (0 off its tokens; by convention under the `TOKEN_OUTPUT` prefix): returned as
+    [N, R] in `batch`'s row order, each row's values from its micro-batch in epoch 0, not summed.
 
     packing: a `batching.UpdateLayout` (sequence packing): its `order` replaces the device shuffle
     (the host drew the same permutations) and each micro-batch gets its packed layout as
@@ -112,19 +125,29 @@ def run_update_epochs(
             (loss, metrics), grads = grad_fn(params, micro, denoms)
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
-        def budget_micro_step(acc, layout):
+        def budget_micro(layout):
             # every micro-batch reads the whole mini-batch and scores the sequences its rows hold:
             # the other rows' tokens are masked out (their log-probs come back as 0)
             covered = response_coverage(layout, mini.response_mask.shape[0], mini.response_mask.shape[1])
-            micro = mini.replace(packing=layout, response_mask=mini.response_mask * covered)
+            return mini.replace(packing=layout, response_mask=mini.response_mask * covered)
+
+        def budget_micro_step(acc, layout):
+            grads_acc, tokens_acc = acc
+            micro = budget_micro(layout)
             (loss, metrics), grads = unless_empty(layout, lambda: grad_fn(params, micro, denoms))
-            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+            # each micro-batch's token outputs hold the mini-batch's rows, 0 off its own sequences:
+            # added up in the carry (stacking them would keep [micro-batches, N, R])
+            tokens = {k: metrics.pop(k) for k in token_outputs}
+            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, tokens_acc, tokens)), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         if by_budget:
-            grads, (losses, metrics) = jax.lax.scan(budget_micro_step, zeros, layouts)
+            tokens = {k: jnp.zeros(mini.response_mask.shape, jnp.float32) for k in token_outputs}
+            (grads, tokens), (losses, metrics) = jax.lax.scan(budget_micro_step, (zeros, tokens), layouts)
         else:
             grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micros, layouts))
+            # the micro-batches are consecutive slices of the mini-batch's rows
+            tokens = {k: _merge_leading(metrics.pop(k)) for k in token_outputs}
         grad_norm = optax.tree.norm(grads)
         loss_ok = jnp.isfinite(jnp.sum(losses))
         finite = loss_ok & jnp.isfinite(grad_norm)
@@ -140,25 +163,29 @@ def run_update_epochs(
         # micro-batch values add up to the mini-batch values.
         metrics = jax.tree.map(jnp.sum, metrics)
         metrics[f"{metric_prefix}/grad_norm"] = grad_norm
-        return (params, opt_state), (metrics, UpdateFlags(~finite, ~loss_ok))
+        return (params, opt_state), (metrics, UpdateFlags(~finite, ~loss_ok), tokens)
 
     def epoch_step(carry, xs):
         epoch_rng, order, layouts = xs
+        perm = None
         if order is not None:  # packed: the host drew this epoch's permutation (or arange)
-            rows = jax.tree.map(lambda x: x[order], batch)
+            perm = order
         elif shuffle:
             perm = jax.random.permutation(epoch_rng, num_rows)
-            rows = jax.tree.map(lambda x: x[perm], batch)
-        else:
-            rows = batch
+        rows = batch if perm is None else jax.tree.map(lambda x: x[perm], batch)
         minis = _split(rows, num_mini_batches, rows_sharding)
-        return jax.lax.scan(mini_step, carry, (minis, layouts))
+        carry, (metrics, flags, tokens) = jax.lax.scan(mini_step, carry, (minis, layouts))
+        tokens = {k: _merge_leading(v) for k, v in tokens.items()}  # [N, ...] in `rows`' order
+        if perm is not None:  # back to the batch's order
+            tokens = {k: jnp.zeros_like(v).at[perm].set(v) for k, v in tokens.items()}
+        return carry, (metrics, flags, tokens)
 
     order, layouts = (None, None) if packing is None else (packing.order, packing.layout)
-    (params, opt_state), (metrics, flags) = jax.lax.scan(
+    (params, opt_state), (metrics, flags, tokens) = jax.lax.scan(
         epoch_step, (params, opt_state), (jax.random.split(rng, ppo_epochs), order, layouts)
     )
     metrics = jax.tree.map(jnp.mean, metrics)
+    metrics.update({k: v[0] for k, v in tokens.items()})
     metrics.update(update_flags_metrics(metric_prefix, flags))
     if lr is not None:
         metrics[f"{metric_prefix}/lr"] = jnp.asarray(lr, jnp.float32)

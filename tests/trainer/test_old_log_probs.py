@@ -1,6 +1,7 @@
-"""Where the old log-probs come from (config/spec.py `old_log_probs_from_update`): in bf16 with one
-optimizer step per RL step the update's own forward supplies them (no separate pass), with the same
-update as recomputing them; anything that reads them before the update keeps the pass."""
+"""Where the old log-probs come from (config/spec.py `old_log_probs_from_update`): in bf16, or for
+rollout correction's per-token / per-sequence IS weights, with one optimizer step per RL step the
+update's own forward supplies them (no separate pass), with the same update as recomputing them;
+anything that reads them before the update keeps the pass."""
 import dataclasses
 
 import jax
@@ -14,19 +15,32 @@ from jaxrl_llm.config import resolve, validate_config
 BF16 = {"actor_rollout_ref.model.dtype": "bfloat16"}
 
 
-@pytest.mark.parametrize("overrides,from_update", [
-    ({}, False),  # fp32: the sampler's log-probs are the trainer's, nothing to compute
-    (BF16, True),  # bf16, one optimizer step: the update's forward supplies them
-    ({**BF16, "actor_rollout_ref.actor.ppo_epochs": 2}, False),  # later steps need the pre-update policy
-    ({**BF16, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}, False),
-    ({**BF16, "algorithm.use_kl_in_reward": True}, False),  # read before the update
-    ({**BF16, "algorithm.rollout_correction.rollout_is": "token"}, False),
+RC = "algorithm.rollout_correction."
+
+
+@pytest.mark.parametrize("overrides,from_update,in_loss", [
+    ({}, False, False),  # fp32: the sampler's log-probs are the trainer's, nothing to compute
+    (BF16, True, False),  # bf16, one optimizer step: the update's forward supplies them
+    ({**BF16, "actor_rollout_ref.actor.ppo_epochs": 2}, False, False),  # later steps need the pre-update policy
+    ({**BF16, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}, False, False),
+    ({**BF16, "algorithm.use_kl_in_reward": True}, False, False),  # read before the update
+    # rollout correction whose weights need only their own tokens: taken in the loss (fp32 and bf16)
+    ({RC + "rollout_is": "token"}, True, True),
+    ({**BF16, RC + "rollout_is": "sequence"}, True, True),
+    # ... but not with more than one optimizer step, batch normalisation or rejection sampling
+    ({RC + "rollout_is": "token", "actor_rollout_ref.actor.ppo_epochs": 2}, False, False),
+    ({RC + "rollout_is": "token", RC + "rollout_is_batch_normalize": True}, False, False),
+    ({RC + "rollout_is": "token", RC + "rollout_rs": "token_k1", RC + "rollout_rs_threshold": "0.5_2.0"}, False, False),
+    ({RC + "rollout_rs": "token_k1", RC + "rollout_rs_threshold": "0.5_2.0"}, False, False),
 ])
-def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from_update):
+def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from_update, in_loss):
     spec = resolve(validate_config(tiny_runs.tiny_config(tmp_path, **overrides), dp_size=1), dp_size=1)
     assert spec.actor.old_log_probs_from_update is from_update
+    assert spec.rollout_is_in_update is in_loss
+    assert spec.actor.rollout_is_in_loss == (overrides.get(RC + "rollout_is") if in_loss else None)
     bf16 = overrides.get("actor_rollout_ref.model.dtype") == "bfloat16"
-    assert spec.recompute_old_log_probs is (bf16 and not from_update)
+    corrected = any(overrides.get(RC + k) for k in ("rollout_is", "rollout_rs"))
+    assert spec.recompute_old_log_probs is ((bf16 or corrected) and not from_update)
 
 
 def test_bf16_step_without_the_old_log_prob_pass_equals_recomputing(tmp_path):

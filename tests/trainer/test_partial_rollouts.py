@@ -2,6 +2,7 @@
 is the plain rollout, no token is trained more than max_staleness steps after it was sampled while
 samples do pause mid-response and resume, and a run resumed from a checkpoint (which keeps the
 paused samples) continues exactly."""
+import numpy as np
 import pytest
 import tiny_runs
 from test_trainer_e2e import with_reward_file
@@ -70,3 +71,32 @@ def test_partial_rollouts_refuse_what_they_cannot_resume(tmp_path):
                          ({"synchronizer.sync_offset": 1}, "sync_offset=0")):
         with pytest.raises(ConfigError, match=match):
             _run(tmp_path / "x", 1, **{f"{KEY}.enable": True, **extra})
+
+
+DYNAMIC = {"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_device": 80}
+
+
+@pytest.mark.parametrize("level,batching", [("token", {}), ("sequence", DYNAMIC)])
+def test_rollout_correction_in_the_loss_equals_the_separate_pass(tmp_path, monkeypatch, level, batching):
+    """Stale tokens' IS weights taken in the actor's loss from its own forward (RunSpec.rollout_is_in_update,
+    no old-log-prob pass) train as the separate pass's weights do, with the same rollout_corr/* metrics;
+    with fixed micro-batches and with token-budget ones (whose log-probs the update adds up per row)."""
+    from jaxrl_llm.config.spec import RunSpec
+
+    steps, extra = 3, {f"{KEY}.enable": True, f"{KEY}.max_staleness": 1,
+                       "algorithm.rollout_correction.rollout_is": level, **batching}
+    in_loss = _run(tmp_path / "in_loss", steps, **extra)
+    assert in_loss.spec.rollout_is_in_update and not in_loss.spec.recompute_old_log_probs
+    in_loss.fit()
+    monkeypatch.setattr(RunSpec, "rollout_is_in_update", property(lambda self: False))
+    separate = _run(tmp_path / "separate", steps, **extra)
+    assert separate.spec.recompute_old_log_probs and separate.spec.actor.rollout_is_in_loss is None
+    separate.fit()
+    rows = [[tiny_runs.step_numbers(tiny_runs.read_metrics(tmp_path / d), s) for s in range(1, steps + 1)]
+            for d in ("in_loss", "separate")]
+    assert any(abs(r["rollout_corr/kl"]) > 1e-6 for r in rows[1][1:])  # stale tokens were weighed
+    for got, want in zip(*rows):
+        assert got.keys() == want.keys()
+        for k in want:
+            if k.startswith(("actor/", "rollout_corr/", "critic/", "response_length/")):
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)

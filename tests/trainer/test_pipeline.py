@@ -114,7 +114,9 @@ def test_config_checks_and_derived_bound(tmp_path):
     spec = resolve_config(tiny(tmp_path, **{"synchronizer.sync_offset": 2, "synchronizer.sync_interval": 3}),
                           dp_size=8, check_paths=False)
     assert spec.sync == SyncSpec(3, 2, None, auto_correction=True) and spec.sync.max_staleness == 4
-    assert spec.recompute_old_log_probs
+    # token IS on the off-policy data, its weights taken in the actor's loss (no old-log-prob pass)
+    assert spec.rollout_correction.rollout_is == "token"
+    assert spec.rollout_is_in_update and not spec.recompute_old_log_probs
     # an explicit correction is kept
     spec = resolve_config(tiny(tmp_path, **{"synchronizer.sync_offset": 1,
                                             "algorithm.rollout_correction.rollout_is": "sequence"}),
