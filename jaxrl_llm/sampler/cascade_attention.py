@@ -101,7 +101,7 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
                                  layer: Array | None = None, softcap: float | None = None) -> Array:
     """`paged_decode_attention_xla` with the rows of `cascade` reading their shared pages once."""
     q = jnp.asarray(q)
-    pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer)
+    pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer, q.shape[-1])
     qg = query_rows(q, pool)
     slots, nkv, g, hd = qg.shape
     ps = pool.page_size

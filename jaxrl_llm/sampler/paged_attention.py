@@ -73,7 +73,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     ~40% of a decode step at 32 slots). softcap: scores become cap * tanh(s / cap) (Gemma 2).
     """
     q = jnp.asarray(q)
-    pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer)
+    pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer, q.shape[-1])
     qg = query_rows(q, pool)
     slots, nkv, g, hd = qg.shape
     ppb, num_blocks, block_tokens = block_layout(pool.page_size, page_indices.shape[1])

@@ -3,7 +3,8 @@
     out = paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
                                         sliding_window=None, interpret=False, layer=None)
     q [slots, heads, head_dim]; k/v_pages [kv_heads, num_pages, page_size, head_dim], or with
-    `layer` the engine's whole pool [layers, kv_heads, num_pages, page_size, head_dim];
+    `layer` the engine's whole pool [layers, kv_heads, num_pages, page_size, head_dim]; the pages'
+    head_dim may be q's lane-padded (a TPU pool, sampler/kv_bits.py: zero pad lanes);
     lengths [slots] int32 (0 = empty slot -> zeros); page_indices [slots, pages_per_slot] int32
 
 Both kernels read the pool flattened to [layers * kv_heads * num_pages, page_size, head_dim] (a
@@ -415,9 +416,9 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     num_layers, kv_heads, num_pages, page_size, kv_dim = k_pages.shape
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"paged attention: v_pages {v_pages.shape} != k_pages {k_pages.shape}")
-    if kv_dim != head_dim or num_heads % kv_heads:
+    if kv_dim < head_dim or num_heads % kv_heads:
         raise ValueError(f"paged attention: q {q.shape} does not fit k_pages {k_pages.shape} "
-                         "(head_dim must match; num_heads a multiple of num_kv_heads)")
+                         "(the pages' head_dim must be q's, or q's lane-padded; num_heads a multiple of num_kv_heads)")
     if lengths.shape != (slots,) or page_indices.ndim != 2 or page_indices.shape[0] != slots:
         raise ValueError(f"paged attention: lengths {lengths.shape} / page_indices "
                          f"{page_indices.shape} must be [slots={slots}] / [slots, pages_per_slot]")
@@ -440,11 +441,13 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     # the layer's first page in the flattened pool (the kernels add the kv head's)
     page_indices = page_indices + jnp.asarray(layer, jnp.int32) * (kv_heads * num_pages)
     flat = (num_layers * kv_heads * num_pages, page_size)
-    k_pages, v_pages = k_pages.reshape(*flat, head_dim), v_pages.reshape(*flat, head_dim)
+    k_pages, v_pages = k_pages.reshape(*flat, kv_dim), v_pages.reshape(*flat, kv_dim)
     lengths = lengths.astype(jnp.int32)
     k_scales, v_scales = (None, None) if scales is None else (
         scales[0].astype(jnp.float32).reshape(flat), scales[1].astype(jnp.float32).reshape(flat))
-    q4 = q.reshape(slots, kv_heads, num_heads // kv_heads, head_dim)
+    # a lane-padded pool (sampler/kv_bits.py): q padded with zeros, which add nothing to q.k; the pad
+    # lanes of the output (probs x zero V lanes) are dropped below
+    q4 = jnp.pad(q, ((0, 0), (0, 0), (0, kv_dim - head_dim))).reshape(slots, kv_heads, num_heads // kv_heads, kv_dim)
     kw = dict(pages_per_block=pages_per_block, pages_per_head=num_pages, scale=head_dim ** -0.5,
               softcap=softcap, sliding_window=sliding_window,
               interpret=interpret, compute_dtype=q.dtype, return_lse=return_lse)
@@ -453,6 +456,7 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
                                 num_splits=num_splits, **kw)
     else:
         out, lse = _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
+    out = out.reshape(slots, num_heads, kv_dim)[..., :head_dim]
     if lse is not None:  # return_lse
-        return out.reshape(slots, num_heads, head_dim).astype(jnp.float32), lse.reshape(slots, num_heads)
-    return out.reshape(slots, num_heads, head_dim).astype(q.dtype)
+        return out.astype(jnp.float32), lse.reshape(slots, num_heads)
+    return out.astype(q.dtype)

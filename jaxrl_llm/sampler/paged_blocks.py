@@ -46,11 +46,13 @@ class FlatPool(NamedTuple):
     kv_heads: int
     num_pages: int
     page_size: int
+    head_dim: int  # the queries' (a TPU pool stores it lane-padded: sampler/kv_bits.py)
 
 
 def flat_pool(k_pages: Array, v_pages: Array, k_scales: Array | None, v_scales: Array | None,
-              layer: Array | None) -> FlatPool:
-    """The contract's pages (one layer's, or the stacked pool with `layer`) as a `FlatPool`."""
+              layer: Array | None, head_dim: int) -> FlatPool:
+    """The contract's pages (one layer's, or the stacked pool with `layer`) as a `FlatPool` read by
+    queries of `head_dim` (at most the pages' own, which may be lane-padded)."""
     k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
     scales = scale_pair(k_scales, v_scales)
     if layer is None:  # one layer's pages: a layer axis of 1
@@ -58,21 +60,25 @@ def flat_pool(k_pages: Array, v_pages: Array, k_scales: Array | None, v_scales: 
         if scales is not None:
             scales = (scales[0][None], scales[1][None])
     num_layers, nkv, num_pages, ps, hd = k_pages.shape
+    if head_dim > hd:
+        raise ValueError(f"paged attention: queries of head_dim {head_dim} do not fit pages {k_pages.shape}")
     rows = (num_layers, nkv * num_pages, ps)
     return FlatPool(k=k_pages.reshape(*rows, hd), v=v_pages.reshape(*rows, hd),
                     k_scales=None if scales is None else scales[0].reshape(rows),
                     v_scales=None if scales is None else scales[1].reshape(rows),
-                    layer=jnp.asarray(layer, jnp.int32), kv_heads=nkv, num_pages=num_pages, page_size=ps)
+                    layer=jnp.asarray(layer, jnp.int32), kv_heads=nkv, num_pages=num_pages, page_size=ps,
+                    head_dim=head_dim)
 
 
 def gather_block(pool: FlatPool, name: str, ids: Array, compute_dtype: Any) -> Array:
-    """K or V of the pages `ids` [R, ppb] for every kv head: [R, kv, ppb * page_size, head_dim].
+    """K or V of the pages `ids` [R, ppb] for every kv head: [R, kv, ppb * page_size, pool.head_dim].
     int8 pages are dequantised here: K rounded to the compute dtype (as a caller-side
     dequantisation would store it), V kept in fp32."""
     pages, scales = (pool.k, pool.k_scales) if name == "k" else (pool.v, pool.v_scales)
     heads = jnp.arange(pool.kv_heads, dtype=jnp.int32)[None, :, None] * pool.num_pages
     flat = heads + ids[:, None, :]  # [R, kv, ppb] rows of the flattened pool
     blk = from_storage(pages[pool.layer, flat])  # [R, kv, ppb, ps, hd]; uint16 pools: sampler/kv_bits.py
+    blk = blk[..., :pool.head_dim]  # a lane-padded pool's real head dim (a slice of the gathered block only)
     if scales is not None:
         blk = blk.astype(jnp.float32) * scales[pool.layer, flat][..., None]
         if name == "k":

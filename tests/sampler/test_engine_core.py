@@ -297,6 +297,26 @@ def test_bf16_pool_is_stored_as_bits_on_cpu_and_reads_the_same(llama_tiny):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_tpu_pool_stores_lane_padded_head_dims_and_gives_the_same_numbers(llama_tiny):
+    """sampler/kv_bits.py: a pool built for a TPU stores each K/V row padded to 128 lanes (zeros), so its
+    default device layout is the attention kernel's and no program copies it; written and read through
+    the engine (the XLA path, as on CPU), the run's tokens and log-probs are the unpadded pool's exactly."""
+    from jaxrl_llm.sampler.kv_bits import storage_head_dim
+
+    cfg, params = llama_tiny
+    settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, temperature=0.8, n=2))
+    spec = EngineSpec(max_num_seqs=3, page_size=4, num_pages=64, pages_per_slot=8, attn_impl="xla")
+    want, _ = PagedEngine(cfg, spec, steps_per_call=3).run(params, PROMPTS, jax.random.key(3), knobs, settings)
+    with compiling_for(CompileTarget("tpu", None)):
+        assert storage_head_dim(cfg.head_dim) == 128 and storage_head_dim(192) == 256
+        engine = PagedEngine(cfg, spec, steps_per_call=3)
+        pool = engine._fresh_state(NEW).pool
+        assert pool["k"].shape[-1] == 128 and cfg.head_dim < 128
+        got, _ = engine.run(params, PROMPTS, jax.random.key(3), knobs, settings)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.log_probs, want.log_probs)
+
+
 def test_decode_reads_compute_dtype_weights_and_frees_its_pool(llama_tiny, monkeypatch):
     # fp32 master weights, bf16 compute: every generate call gets the bf16 copy made once per run
     # (not the fp32 weights, cast at every step), and no KV pool outlives the run (the update that

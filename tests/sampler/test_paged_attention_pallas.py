@@ -232,6 +232,25 @@ def test_matches_engine_xla_path(dtype):
     assert np.all(np.abs(out - ref) <= rel * np.abs(ref) + 1e-5), float(np.abs(out - ref).max())
 
 
+@pytest.mark.parametrize("path", ["mosaic", "triton", "xla"])
+def test_lane_padded_pool_gives_the_unpadded_numbers(path):
+    # a TPU pool stores head_dim 64 padded to 128 lanes with zeros (sampler/kv_bits.py): q.k and
+    # probs.V are the same sums, the scale is the queries' head_dim**-0.5, the output is q's width
+    xla = pytest.importorskip("jaxrl_llm.sampler.paged_attention").paged_decode_attention_xla
+    case = make_case(21, group=2, head_dim=64, page_size=16, kv_heads=2)
+    args = [case[n] for n in ("q", "k_pages", "v_pages", "lengths", "page_indices")]
+    padded = list(args)
+    padded[1:3] = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 64))) for x in args[1:3]]
+    if path == "xla":
+        want, got = xla(*args, sliding_window=37), xla(*padded, sliding_window=37)
+    else:
+        run = lambda a: paged_decode_attention_pallas(*a, sliding_window=37, interpret=True,  # noqa: E731
+                                                      variant=path)
+        want, got = run(args), run(padded)
+    assert got.shape == want.shape == case["q"].shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_xla_path_reads_one_layer_of_a_stacked_pool(int8):
     # The engine passes the whole [layers, kv, pages, ...] pool and a layer index (no per-step copy of

@@ -8,7 +8,8 @@ Tests check that its logits equal the dense model's (tests/sampler/test_engine_c
 
 KV pool layout (a dict pytree, carried through the decode loop and updated in place):
 
-    k, v        [L, kv_heads, num_pages, page_size, head_dim]   compute dtype, or int8
+    k, v        [L, kv_heads, num_pages, page_size, head_dim']  compute dtype, or int8 (head_dim' = the
+                                                                 head dim, lane-padded on TPU: kv_bits.py)
     k_scale, v_scale [L, kv_heads, num_pages, page_size] fp32    (int8 only: value = int8 * scale)
 
 Page 0 is a scratch page no request owns: empty slots write their (ignored) token there.
@@ -25,7 +26,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.kv_bits import to_storage
+from jaxrl_llm.sampler.kv_bits import write_rows
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 
 Array = jax.Array
@@ -49,12 +50,13 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
         pages, offsets = jnp.concatenate([pages, jnp.zeros_like(pages)]), jnp.concatenate([offsets, offsets])
     out = dict(pool)
+    heads = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    index = (layer, heads, pages[:, None], offsets[:, None])  # -> [N, kv]
     for name, x in (("k", k), ("v", v)):
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
-            # mixed advanced indices separated by a slice: the indexed dims come first -> [N, kv]
-            out[f"{name}_scale"] = pool[f"{name}_scale"].at[layer, :, pages, offsets].set(scale)
-        out[name] = pool[name].at[layer, :, pages, offsets].set(to_storage(x, pool[name].dtype))
+            out[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)
+        out[name] = write_rows(pool[name], index, x)
     return out
 
 

@@ -40,7 +40,7 @@ from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
 from jaxrl_llm.sampler.engine.verify import verify_step
-from jaxrl_llm.sampler.kv_bits import storage_dtype, to_storage
+from jaxrl_llm.sampler.kv_bits import storage_dtype, storage_head_dim, write_rows
 from jaxrl_llm.sampler.kv_shards import kv_head_axis
 from jaxrl_llm.sampler.paged_attention import takes_xla_path
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
@@ -87,9 +87,10 @@ class EngineSpec:
     def page_bytes(self, cfg: ModelConfig, compute_dtype: str) -> int:
         """Bytes of one page over all layers, K and V (with int8 scales)."""
         per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * 2
+        head_dim = storage_head_dim(cfg.head_dim)
         if self.kv_cache_dtype == "int8":
-            return per_token * self.page_size * (cfg.head_dim + 4)
-        return per_token * self.page_size * cfg.head_dim * as_jnp_dtype(compute_dtype).itemsize
+            return per_token * self.page_size * (head_dim + 4)
+        return per_token * self.page_size * head_dim * as_jnp_dtype(compute_dtype).itemsize
 
 
 class Prefix(NamedTuple):
@@ -133,7 +134,8 @@ class DecodeState(NamedTuple):
 
 def empty_pool(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str) -> dict:
     """A zero KV pool of `cfg`'s dims over the spec's pages (see engine/forward.py for the layout)."""
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, spec.num_pages, spec.page_size, cfg.head_dim)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, spec.num_pages, spec.page_size,
+             storage_head_dim(cfg.head_dim))
     if spec.kv_cache_dtype == "int8":
         return {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
                 "k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
@@ -370,13 +372,15 @@ def _write_prefix(pool: dict, prefix: Prefix, page_row: Array) -> dict:
     real = t < prefix.length
     pages = jnp.where(real, page_row[jnp.minimum(t // ps, page_row.shape[0] - 1)], 0)
     offsets = jnp.where(real, t % ps, 0)
+    num_layers, kv = prefix.k.shape[:2]
+    index = (jnp.arange(num_layers, dtype=jnp.int32)[:, None, None], jnp.arange(kv, dtype=jnp.int32)[None, :, None],
+             pages[None, None], offsets[None, None])  # -> [L, kv, Pb], the prefix's rows
     new_pool = dict(pool)
     for name, x in (("k", prefix.k), ("v", prefix.v)):
-        x = x.transpose(2, 0, 1, 3)  # [Pb, L, kv, D]
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
-            new_pool[f"{name}_scale"] = pool[f"{name}_scale"].at[:, :, pages, offsets].set(scale.transpose(1, 2, 0))
-        new_pool[name] = pool[name].at[:, :, pages, offsets].set(to_storage(x.transpose(1, 2, 0, 3), pool[name].dtype))
+            new_pool[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)
+        new_pool[name] = write_rows(pool[name], index, x)
     return new_pool
 
 
