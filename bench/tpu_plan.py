@@ -73,8 +73,8 @@ def plan_row(name: str, topology: str, folder: pathlib.Path) -> list[str]:
     from jaxrl_llm.platform import parse_accelerator_type
     from jaxrl_llm.trainer.memory_plan import plan_for_config
 
-    _, chips = parse_accelerator_type(topology)
-    cfg = validate_config(grpo_config(write_model(folder / name, QWEN2[name]), topology), num_devices=chips)
+    _, devices = parse_accelerator_type(topology)
+    cfg = validate_config(grpo_config(write_model(folder / name, QWEN2[name]), topology), num_devices=devices)
     start = time.perf_counter()
     try:
         plan = plan_for_config(cfg, check=False)  # every program's row, fitting or not

@@ -139,15 +139,15 @@ def base_config(import_path: str | None, overrides: list[str], trl_flags: list[s
 
 
 def planned_devices(base, overrides: list[str]) -> int | None:
-    """Chips of the TPU slice the plan compiles for (`trainer.plan_topology` after the overrides), or
+    """JAX devices of the TPU slice the plan compiles for (`trainer.plan_topology` after the overrides), or
     None for the local devices: the config's batch arithmetic is checked against that many."""
     from jaxrl_llm.platform import parse_accelerator_type
 
     cfg = apply_overrides(copy.deepcopy(base), [o for o in overrides if o.lstrip("+").startswith("trainer.plan_")])
     if not cfg.trainer.plan_topology:
         return None
-    _, chips = parse_accelerator_type(cfg.trainer.plan_topology)
-    return chips * int(cfg.trainer.plan_num_slices)
+    _, devices = parse_accelerator_type(cfg.trainer.plan_topology)
+    return devices * int(cfg.trainer.plan_num_slices)
 
 
 def plan_for_config(cfg):

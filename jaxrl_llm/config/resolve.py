@@ -103,11 +103,15 @@ def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> Sampli
         ignore_eos=bool(rollout.ignore_eos), stop_token_ids=tuple(rollout.stop_token_ids))
 
 
+def _fraction_or_auto(value: Any) -> float | str:
+    return value if value == "auto" else float(value)
+
+
 def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
     """The rollout engine options, 'auto' already resolved to the engine the run uses."""
     opts = EngineOptions(engine=rollout.engine, max_num_seqs=int(rollout.max_num_seqs),
                          max_num_batched_tokens=int(rollout.max_num_batched_tokens),
-                         gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+                         gpu_memory_utilization=_fraction_or_auto(rollout.gpu_memory_utilization),
                          kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
                          enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
                          batch_prefill=bool(rollout.batch_prefill),

@@ -70,6 +70,10 @@ class Field:
         allowed = self.names()
         if allowed is not None and value not in allowed:
             raise ConfigError(f"{key}={value!r}: unknown name; valid: {', '.join(sorted(allowed))}")
+        if isinstance(value, str) and allowed is None and self.range_text() is not None:  # a number or a word
+            if value not in self.also:
+                raise ConfigError(f"{key}={value!r}: must be {self.range_text()}")
+            return
         if self.range_text() is None or value in self.also or not isinstance(value, (int, float)):
             return
         ok = ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)

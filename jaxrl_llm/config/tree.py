@@ -304,10 +304,14 @@ ROLLOUT = {
                                   "finish within this many steps of its first token); 0 = nothing waits: the "
                                   "plain rollout. slime / veRL.", ge=0),
     },
-    "gpu_memory_utilization": field(0.5, "Fraction of device memory the run may fill: the paged engine's KV "
-                                         "pool gets this fraction minus what is in use, where the backend "
-                                         "reports its memory (GPU / TPU; CPU: every slot at full length). "
-                                         "veRL / vLLM.", gt=0, le=1),
+    "gpu_memory_utilization": field("auto", "Fraction of device memory the run may fill: the paged engine's KV "
+                                            "pool gets this fraction minus what is in use (params, optimizer "
+                                            "state, reference), where the backend reports its memory (GPU / TPU; "
+                                            "CPU: every slot at full length); 'auto': what is left, 0.9 of the "
+                                            "memory less what is in use and the sampling step's logits buffers. "
+                                            "The slots shrink to the sequences the pool holds at full length. "
+                                            "veRL / vLLM (there: 0.5 / 0.9).", types=(float, str), gt=0, le=1,
+                                    also=("auto",)),
     "kv_cache_dtype": field("auto", "Paged engine KV storage: 'auto' (the compute dtype) or 'int8' "
                                     "(per-token-per-head scales). vLLM.", choices=KV_CACHE_DTYPES),
     "multi_turn": {
@@ -395,6 +399,11 @@ MODEL = dict(
         "num_attention_heads": field(4, "Attention heads of a tiny:<arch> model."),
         "num_key_value_heads": field(2, "Key/value heads (GQA) of a tiny:<arch> model."),
         "intermediate_size": field(128, "MLP width of a tiny:<arch> model."),
+        "head_dim": field(None, "Per-head width of a tiny:<arch> model (Qwen3 and Gemma set it apart from the "
+                                "hidden size); derived: hidden_size / num_attention_heads.", types=int, gt=0),
+        "tie_word_embeddings": field(None, "A tiny:<arch> model's output head is its input embedding (Qwen2-0.5B "
+                                           "/ 1.5B, Gemma) rather than a matrix of its own; derived: true for the "
+                                           "Gemma families, else false.", types=bool),
         "vocab_size": field(None, "Vocabulary of a tiny:<arch> model; derived: the tokenizer's size.",
                             types=int),
         "max_position_embeddings": field(2048, "Context length of a tiny:<arch> model."),

@@ -49,3 +49,23 @@ def target_memory_bytes() -> int | None:
 
 def has_target() -> bool:
     return _TARGET.get() is not None
+
+
+_IN_USE: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxrl_llm_in_use", default=None)
+
+
+@contextlib.contextmanager
+def planning_in_use(bytes_per_device: int) -> Iterator[None]:
+    """Within the block, sizing that reads the device's memory in use (the paged engine's KV pool) reads
+    `bytes_per_device` instead: what the run will hold when it samples (its params, optimizer state,
+    reference), not what this host holds while it plans."""
+    token = _IN_USE.set(bytes_per_device)
+    try:
+        yield
+    finally:
+        _IN_USE.reset(token)
+
+
+def planned_in_use_bytes() -> int | None:
+    """The in-use bytes of an active `planning_in_use`, else None."""
+    return _IN_USE.get()

@@ -5,9 +5,9 @@ host when libtpu is installed (the `tpu-plan` extra); a program jitted on a mesh
 compiles with the real TPU compiler (Mosaic kernels included) and reports its memory and cost
 analyses. Nothing runs: the devices are compile-only.
 
-Names as gcloud spells them: `v4-N` and `v5p-N` count TensorCores (2 per chip, one megacore JAX
-device per chip), `v5litepod-N` / `v5e-N` and `v6e-N` count chips; a topology string
-(`v5e:2x2`, `v5p:2x2x1`) is accepted as it is.
+Names as gcloud spells them: `v4-N`, `v5p-N` and `tpu7x-N` count TensorCores (2 per chip: one megacore
+JAX device per chip on v4 / v5p, one device per TensorCore on TPU7x), `v5litepod-N` / `v5e-N` and
+`v6e-N` count chips; a topology string (`v5e:2x2`, `v5p:2x2x1`, `tpu7x:2x2x1`) is accepted as it is.
 """
 from __future__ import annotations
 
@@ -19,9 +19,21 @@ from typing import Any
 
 from jaxrl_llm.platform.chips import Chip, Device, chip_for
 
-# generation -> (topology prefix, TensorCores per chip in the accelerator-type count, mesh rank)
-_GENERATIONS = {"v4": ("v4", 2, 3), "v5p": ("v5p", 2, 3), "v5litepod": ("v5e", 1, 2), "v5e": ("v5e", 1, 2),
-                "v6e": ("v6e", 1, 2)}
+
+@dataclasses.dataclass(frozen=True)
+class _Generation:
+    topology: str  # libtpu's topology prefix
+    cores_per_chip: int  # TensorCores per chip in the accelerator-type count
+    rank: int  # torus dimensions
+    devices_per_chip: int  # JAX devices per chip
+    device_kind: str  # what its devices' `device_kind` starts with (the chip table's key)
+
+
+_V5E = _Generation("v5e", 1, 2, 1, "tpu v5 lite")
+_GENERATIONS = {"v4": _Generation("v4", 2, 3, 1, "tpu v4"), "v5p": _Generation("v5p", 2, 3, 1, "tpu v5p"),
+                "v5litepod": _V5E, "v5e": _V5E, "v6e": _Generation("v6e", 1, 2, 1, "tpu v6 lite"),
+                "tpu7x": _Generation("tpu7x", 2, 3, 2, "tpu7x")}
+_BY_TOPOLOGY = {g.topology: g for g in _GENERATIONS.values()}
 _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
               512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16", 8192: "16x16x32"}
@@ -43,46 +55,47 @@ class TpuTarget:
     devices: tuple[Device, ...]
 
     @property
-    def num_chips(self) -> int:
+    def num_devices(self) -> int:
         return len(self.devices)
 
     def describe(self) -> str:
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
         chip = self.chip
-        return (f"{self.name} ({self.topology}{slices}: {self.num_chips} {chip.name} chips, "
+        unit = "devices (TensorCores)" if _BY_TOPOLOGY[self.topology.split(":")[0]].devices_per_chip > 1 else "chips"
+        return (f"{self.name} ({self.topology}{slices}: {self.num_devices} {chip.name} {unit}, "
                 f"{chip.hbm_bytes / (1 << 30):.0f} GiB HBM and {chip.bf16_flops / 1e12:.0f} bf16 TFLOP/s each)")
 
 
 def parse_accelerator_type(name: str) -> tuple[str, int]:
-    """(libtpu topology string, chips per slice) of an accelerator type or a topology string."""
+    """(libtpu topology string, JAX devices per slice) of an accelerator type or a topology string."""
     text = name.strip().lower()
     if ":" in text:  # a topology string already
         gen, _, shape = text.partition(":")
-        if gen not in {g for g, _, _ in _GENERATIONS.values()} or not re.fullmatch(r"\d+(x\d+){1,2}", shape):
-            raise TpuPlanError(f"--topology {name!r}: not a TPU topology (e.g. v5e:2x2, v5p:2x2x1)")
+        if gen not in _BY_TOPOLOGY or not re.fullmatch(r"\d+(x\d+){1,2}", shape):
+            raise TpuPlanError(f"--topology {name!r}: not a TPU topology (e.g. v5e:2x2, v5p:2x2x1, tpu7x:2x2x1)")
         chips = 1
         for d in shape.split("x"):
             chips *= int(d)
-        return text, chips
-    match = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", text)
+        return text, chips * _BY_TOPOLOGY[gen].devices_per_chip
+    match = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e|tpu7x)-(\d+)", text)
     if not match:
         raise TpuPlanError(f"--topology {name!r}: expected an accelerator type as gcloud names it "
-                           "(v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8) or a topology (v5e:2x2)")
-    prefix, cores_per_chip, rank = _GENERATIONS[match.group(1)]
+                           "(v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8, tpu7x-8) or a topology (v5e:2x2)")
+    gen = _GENERATIONS[match.group(1)]
     count = int(match.group(2))
-    chips, rem = divmod(count, cores_per_chip)
-    shapes = _SHAPES_3D if rank == 3 else _SHAPES_2D
+    chips, rem = divmod(count, gen.cores_per_chip)
+    shapes = _SHAPES_3D if gen.rank == 3 else _SHAPES_2D
     if rem or chips not in shapes:
-        unit = "TensorCores" if cores_per_chip > 1 else "chips"
+        unit = "TensorCores" if gen.cores_per_chip > 1 else "chips"
         raise TpuPlanError(f"--topology {name!r}: {match.group(1)} slices come in "
-                           f"{sorted(c * cores_per_chip for c in shapes)} ({unit})")
-    return f"{prefix}:{shapes[chips]}", chips
+                           f"{sorted(c * gen.cores_per_chip for c in shapes)} ({unit})")
+    return f"{gen.topology}:{shapes[chips]}", chips * gen.devices_per_chip
 
 
 def accelerator_chip(name: str) -> Chip:
     """The chip of an accelerator type or topology string (v5p-64 -> TPU v5p)."""
     topology, _ = parse_accelerator_type(name)
-    chip = chip_for("tpu " + topology.split(":")[0])
+    chip = chip_for(_BY_TOPOLOGY[topology.split(":")[0]].device_kind)
     if chip is None:  # parse_accelerator_type accepts only chips the table knows
         raise TpuPlanError(f"{name}: no chip figures for {topology}")
     return chip

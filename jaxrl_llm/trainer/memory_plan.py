@@ -45,7 +45,8 @@ from jaxrl_llm.config.batch_plan import BatchPlan
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
-from jaxrl_llm.platform.target import CompileTarget, compiling_for, target_memory_bytes
+from jaxrl_llm.platform.chips import Chip, chip_for
+from jaxrl_llm.platform.target import CompileTarget, compiling_for, planning_in_use, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
 from jaxrl_llm.sharding.mesh import mesh_context
 from jaxrl_llm.trainer.memory_programs import (
@@ -56,6 +57,7 @@ from jaxrl_llm.trainer.memory_programs import (
     device_state_bytes,
     make_context,
 )
+from jaxrl_llm.trainer.roofline import Cost, Roofline, compiled_cost, roofline
 
 GiB = 1 << 30
 log = logging.getLogger("jaxrl_llm")
@@ -84,6 +86,9 @@ class ProgramMemory:
     micro: int | None  # sequences per device per micro-batch (passes that have one)
     keys: tuple[str, ...]  # config keys that make it smaller
     note: str | None = None  # e.g. the TPU compiler refused it for lack of HBM (temps: what it needed)
+    counted: Cost | None = None  # the compiled program's own counts (each loop body once), when it compiled
+    cost: Cost | None = None  # the whole program per device, every layer and loop trip (`Planner.costed`)
+    model_flops: float | None = None  # FLOPs of the model math it runs, no recompute (updates: the MFU numerator)
 
     @property
     def peak_bytes(self) -> int:
@@ -110,31 +115,78 @@ class MemoryPlan:
     auto: tuple[tuple[str, int], ...] = ()  # (pass, picked sequences per device)
     target: str | None = None  # the TPU slice compiled for (None: the local devices)
     peak_source: str = "the measured matmul peak"
+    chip: Chip | None = None  # the device's published figures (None: a CPU, or a device the table lacks)
+    hbm_bandwidth: float | None = None  # bytes/s per device where the chip table has none (a measured CPU)
+    num_devices: int | None = None  # the mesh's
 
     def program(self, name: str) -> ProgramMemory:
         return next(p for p in self.programs if p.name == name)
+
+    def roofline(self, p: ProgramMemory) -> Roofline | None:
+        """`p`'s estimated time (trainer/roofline.py), where its whole cost was computed."""
+        if p.cost is None or not self.peak_flops:
+            return None
+        return roofline(p.cost, self.chip, self.peak_flops, hbm_bandwidth=self.hbm_bandwidth)
+
+    def estimates(self) -> list[str]:
+        """The step's estimated time, the rollout's tokens/s per device and the updates' MFU (lines)."""
+        lines = []
+        times = {p.name: r for p in self.programs if (r := self.roofline(p)) is not None}
+        if not times:
+            return lines
+        bp = self.batch_plan
+        lines.append(f"estimated step: {sum(r.seconds for r in times.values()):.2f} s over {len(times)} programs "
+                     f"(roofline estimates at {self._figures()}; measured steps run slower)")
+        if "sample" in times:
+            tokens = bp.sequences * bp.response_length
+            devices = self.num_devices or 1
+            lines.append(f"estimated rollout: {tokens / times['sample'].seconds / devices:,.0f} response tokens/s "
+                         f"per device ({bp.sequences} x {bp.response_length} tokens over {devices} devices)")
+        for p in self.programs:
+            r = times.get(p.name)
+            if r is not None and p.model_flops and self.peak_flops:
+                lines.append(f"estimated {p.name} MFU: {100 * p.model_flops / r.seconds / self.peak_flops:.1f}% "
+                             "(model FLOPs, no recompute)")
+        return lines
+
+    def _figures(self) -> str:
+        chip = self.chip
+        if chip is None:
+            hbm = f", {self.hbm_bandwidth / 1e9:.0f} GB/s measured" if self.hbm_bandwidth else ", no bandwidth figure"
+            return f"{self.peak_flops / 1e12:.2f} TFLOP/s{hbm}"
+        return (f"{chip.name}'s published {self.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
+                f"HBM, {chip.link_bandwidth / 1e9:.0f} GB/s interconnect")
+
 
     def table(self) -> str:
         mem = "unknown (no limit)" if self.device_memory is None else _gib(self.device_memory)
         lines = [f"compiled for {self.target}"] if self.target else []
         lines += [f"memory plan (per device; device memory {mem}, {self.device_memory_source}):",
                  f"{'program':<14}{'micro':>6}{'args':>10}{'outputs':>10}{'temps':>10}{'resident':>10}"
-                 f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'GFLOP':>10}{'est. s':>9}"]
+                 f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'GFLOP':>10}{'GB HBM':>9}"
+                 f"{'GB link':>9}{'est. s':>9}{'bound':>8}"]
         for p in self.programs:
             fit = "-" if self.device_memory is None else ("ok" if p.fits(self.device_memory) else "NO")
             if p.note:
                 fit += "*"
-            secs = f"{p.flops / self.peak_flops:9.3f}" if self.peak_flops else f"{'-':>9}"
+            r = self.roofline(p)
+            if r is not None:
+                work = f"{r.cost.flops / 1e9:>10.1f}{r.cost.hbm_bytes / 1e9:>9.1f}{r.cost.link_bytes / 1e9:>9.2f}"
+                secs = f"{r.seconds:9.3f}{r.bound:>8}"
+            else:
+                work = f"{p.flops / 1e9:>10.1f}{'-':>9}{'-':>9}"
+                secs = (f"{p.flops / self.peak_flops:9.3f}" if self.peak_flops else f"{'-':>9}") + f"{'-':>8}"
             lines.append(f"{p.name:<14}{p.micro if p.micro is not None else '-':>6}{_gib(p.argument_bytes):>10}"
                          f"{_gib(p.output_bytes):>10}{_gib(p.temp_bytes):>10}{_gib(p.resident_bytes):>10}"
                          f"{_gib(p.total_bytes):>10}{fit:>5}{_gib(p.params_bytes):>10}{_gib(p.opt_state_bytes):>10}"
-                         f"{_gib(p.kv_bytes):>10}{p.flops / 1e9:>10.2f}{secs}")
-        total = sum(p.flops for p in self.programs)
+                         f"{_gib(p.kv_bytes):>10}{work}{secs}")
+        total = sum(p.cost.flops if p.cost is not None else p.flops for p in self.programs)
         est = f", ~{total / self.peak_flops:.3f} s at {self.peak_source} of {self.peak_flops / 1e12:.2f} " \
               "TFLOP/s" if self.peak_flops else ""
         bp = self.batch_plan
         lines.append(f"step: {total / 1e9:.2f} GFLOP per device{est}; worst-case shapes (every prompt "
                      f"{bp.max_prompt_length} tokens bucketed, every response {bp.response_length})")
+        lines += self.estimates()
         for name, size in self.auto:
             lines.append(f"auto: {self.batch_plan.micro_of(name).key}={size}")
         for p in self.programs:
@@ -180,8 +232,10 @@ class Planner:
     def __init__(self, spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer):
         self.spec, self.mesh = spec, mesh
         self.ctx: Context = make_context(spec, mesh, tokenizer)
-        self.programs: list[Program] = [p for p in (build(self.ctx) for build in PROGRAM_BUILDERS) if p is not None]
         self.state_bytes = device_state_bytes(self.ctx)
+        # the engine's KV pool is sized from what the run holds while it samples, not from this host's memory
+        with planning_in_use(sum(self.state_bytes.values())):
+            self.programs: list[Program] = [p for p in (build(self.ctx) for build in PROGRAM_BUILDERS) if p is not None]
         # the sampler's KV pool lives for its rollout only (sampler/engine/scheduler.py): it is resident
         # during the other programs where a pipelined rollout runs beside them on the same devices
         # (and so are its decode weight copies, `Program.copy_bytes`)
@@ -239,8 +293,37 @@ class Planner:
             output_bytes=int(mem.output_size_in_bytes),
             alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
             code_bytes=int(mem.generated_code_size_in_bytes), resident_bytes=resident, params_bytes=params,
-            opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan))
+            opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
+            counted=compiled_cost(compiled))
         return out
+
+    def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
+        """`analyse`'s row with the program's whole cost (trainer/roofline.py): the compiled counts with one
+        layer's count, from the program compiled again with two layers per scan trip, added for the other
+        layers, then its loops' trips (`Program.total_cost`). A program that did not compile has none."""
+        row = self.analyse(program, plan)
+        if row.counted is None:
+            return row
+        key = (self._fingerprint, program.name, None if program.micro_pass is None else plan.micro_of(
+            program.micro_pass), "cost")
+        if key not in _CACHE:
+            layer = Cost()
+            if program.layers > 1:
+                try:
+                    layer = (compiled_cost(program.lower(plan, unroll=2).compile()) - row.counted).at_least_zero()
+                except Exception as err:  # noqa: BLE001 - the TPU compiler refuses it for lack of HBM
+                    if exhausted_bytes(err) is None:
+                        raise
+                    log.warning("memory plan: %s with two layers per scan trip did not compile (%s); its cost "
+                                "counts one layer", program.name, str(err).splitlines()[0][:120])
+            body = row.counted + layer * (program.layers - 1)
+            if program.total_cost is not None:
+                cost = program.total_cost(plan, body)
+            else:
+                cost = body * program.trips(plan) + Cost(flops=program.extra_flops(plan))
+            model_flops = None if program.model_flops is None else program.model_flops(plan)
+            _CACHE[key] = dataclasses.replace(row, cost=cost, flops=cost.flops, model_flops=model_flops)
+        return _CACHE[key]
 
     def resolve_auto(self, plan: BatchPlan, limit: int | None, source: str) -> tuple[BatchPlan, list[tuple[str, int]]]:
         """`plan` with each 'auto' micro-batch set to the largest fitting divisor of its rows."""
@@ -316,15 +399,18 @@ def _without_micro(plan: BatchPlan) -> BatchPlan:
 
 
 def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, check: bool = True,
-                peak_flops: float | None = None, target: TpuTarget | None = None) -> MemoryPlan:
+                peak_flops: float | None = None, target: TpuTarget | None = None, costs: bool = False,
+                hbm_bandwidth: float | None = None) -> MemoryPlan:
     """The step's memory plan; with `check`, raises MemoryPlanError when a program does not fit.
 
     peak_flops: FLOP/s per device for the time estimate; default: the published peak of the device
     (trainer/metrics.py `device_peak_flops`: the chip table, or a measured matmul on CPU).
     target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply.
+    costs: each program's whole cost and roofline estimate (`Planner.costed`: one more compile per
+    program); hbm_bandwidth: bytes/s per device for it where the chip table has no row (a CPU).
     Every program is traced on `mesh` (`mesh_context`), as the run traces it."""
     with planning_context(mesh, target):
-        return _plan(spec, mesh, tokenizer, check, peak_flops, target)
+        return _plan(spec, mesh, tokenizer, check, peak_flops, target, costs, hbm_bandwidth)
 
 
 def planning_context(mesh: Mesh, target: TpuTarget | None) -> contextlib.ExitStack:
@@ -357,35 +443,37 @@ def planning_setup(cfg: Any, topology: str | None = None, num_slices: int | None
 
 
 def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flops: float | None,
-          target: TpuTarget | None) -> MemoryPlan:
+          target: TpuTarget | None, costs: bool, hbm_bandwidth: float | None) -> MemoryPlan:
     from jaxrl_llm.trainer.metrics import device_peak_flops
 
     limit, source = device_memory(spec)
     planner = Planner(spec, mesh, tokenizer)
     plan, picked = planner.resolve_auto(spec.plan, limit, source)
-    rows = tuple(planner.analyse(p, plan) for p in planner.programs)
+    analyse = planner.costed if costs else planner.analyse
+    rows = tuple(analyse(p, plan) for p in planner.programs)
     peak_source = "the given peak"
     if peak_flops is None:
         peak_flops, peak_source = device_peak_flops(mesh.devices.flat[0], spec.actor.compute_dtype)
     result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked),
-                        target=None if target is None else target.describe(), peak_source=peak_source)
+                        target=None if target is None else target.describe(), peak_source=peak_source,
+                        chip=chip_for(mesh.devices.flat[0]), hbm_bandwidth=hbm_bandwidth, num_devices=mesh.size)
     if check:
         result.check()
     return result
 
 
 def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None, *,
-                    check: bool = True) -> MemoryPlan:
+                    check: bool = True, costs: bool = True) -> MemoryPlan:
     """The memory plan of a validated config, without loading any weight or writing anything: on the
-    local devices, or compiled for the TPU slice `topology` (default: `trainer.plan_topology`).
-    Raises MemoryPlanError (a ConfigError) when a program does not fit, after printing the table
-    (`check=False`: returns the plan, fitting or not)."""
+    local devices, or compiled for the TPU slice `topology` (default: `trainer.plan_topology`), with
+    each program's roofline estimate (`costs`). Raises MemoryPlanError (a ConfigError) when a program
+    does not fit, after printing the table (`check=False`: returns the plan, fitting or not)."""
     from jaxrl_llm.config import resolve as resolve_spec
     from jaxrl_llm.sharding import batch_axis_size
 
     target, mesh, tokenizer = planning_setup(cfg, topology, num_slices)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
-    result = plan_memory(spec, mesh, tokenizer, check=False, target=target)
+    result = plan_memory(spec, mesh, tokenizer, check=False, target=target, costs=costs)
     if not check:
         return result
     try:
@@ -403,8 +491,8 @@ def check_plan_topology(spec: RunSpec, mesh: Mesh) -> None:
 
     topology = spec.trainer.plan_topology
     assert topology is not None
-    _, chips = parse_accelerator_type(topology)
+    _, devices = parse_accelerator_type(topology)
     device = mesh.devices.flat[0]
-    if mesh.size != chips * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(topology):
+    if mesh.size != devices * spec.trainer.plan_num_slices or chip_for(device) != accelerator_chip(topology):
         raise ConfigError(f"trainer.plan_topology={spec.trainer.plan_topology} is for launch/train.py --plan on any "
                           f"host; this run has {mesh.size} {device.device_kind} device(s): unset it")

@@ -40,9 +40,11 @@ from jaxrl_llm.trainer.actor import update_actor
 from jaxrl_llm.trainer.critic import update_critic
 from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, teacher_no_grad, values_no_grad
 from jaxrl_llm.trainer.forward import compute_dtype_of
+from jaxrl_llm.trainer.metrics import per_token_forward_flops, rollout_context
 from jaxrl_llm.trainer.optim import make_optimizer
 from jaxrl_llm.trainer.reference import offload_supported
 from jaxrl_llm.trainer.roles import jit_update, model_config_of, param_shardings_of
+from jaxrl_llm.trainer.roofline import Cost
 
 ARR = "actor_rollout_ref"
 MESH_KEYS = "mesh.fsdp / mesh.tensor (shard the params and batch over more devices)"
@@ -71,6 +73,11 @@ class Program:
     # while a pipelined rollout runs, as its KV pool is)
     copy_bytes: int = 0
     layers: int = 1  # trips of its model's layer scan (counted once, like any loop body)
+    # (plan, body) -> the program's whole cost per device, from `body`: the compiled count of one trip of its
+    # loops with every layer (trainer/roofline.py); None: body x trips + extra_flops
+    total_cost: Callable[[BatchPlan, Cost], Cost] | None = None
+    # (plan) -> model FLOPs per device of what it computes (no recompute): an update's MFU numerator
+    model_flops: Callable[[BatchPlan], float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +137,24 @@ def bytes_per_device(tree: Any) -> int:
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
     return total
+
+
+def matmul_params(cfg: ModelConfig, num_params: int) -> int:
+    """Of a model's `num_params`, those a token multiplies by: the active ones (a MoE model's top-k
+    experts) less an untied input embedding, which is looked up, not multiplied."""
+    lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return active_params(cfg, num_params) - lookup
+
+
+def head_cost(cfg: ModelConfig, tokens: float, passes: int, dtype: Any) -> Cost:
+    """The fused log-prob head over `tokens` rows, `passes` vocab-sized matmuls each (1 forward; an update's
+    backward adds the recomputed logits and the two gradients: 4): its vocabulary chunks run in a loop the
+    compiled count holds once, and its TPU / GPU kernel is a custom call XLA does not count. Bytes: the
+    unembedding read once per pass and 2048-row block (losses/logprob.py)."""
+    unembedding = cfg.vocab_size * cfg.hidden_size
+    blocks = max(1.0, tokens / 2048)
+    return Cost(flops=2.0 * passes * tokens * unembedding,
+                hbm_bytes=passes * blocks * unembedding * jnp.dtype(compute_dtype_of(dtype)).itemsize)
 
 
 def _lower(jitted: Any, platforms: tuple[str, ...] | None, *args: Any, **kwargs: Any) -> Any:
@@ -276,6 +301,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     unroll = opts.unroll_for(settings.max_new_tokens)  # for the plan's target ('auto': on CPU at long responses)
     weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll)]
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
+                         samples_per_prompt=settings.n,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
     make = functools.partial(engine_programs.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
@@ -300,6 +326,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
+    total_cost = functools.partial(_rollout_cost, ctx, engine, rows=rows, n=settings.n, r=settings.max_new_tokens,
+                                   cascade=groups is not None, weight_bytes=bytes_per_device(weights[0].params))
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
             f"{ARR}.rollout.kv_cache_dtype={opts.kv_cache_dtype}",
@@ -309,7 +337,36 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         keys += (f"{ARR}.rollout.unroll_layers=False (no per-layer weight copy)",)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
                    extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),
-                   copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers)
+                   copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers, total_cost=total_cost)
+
+
+def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, rows: int, n: int, r: int,
+                  cascade: bool, weight_bytes: int) -> Cost:
+    """The paged engine's rollout of `rows` sequences of r new tokens (worst case: every one r long), per
+    device, from one decode `step`'s compiled count (all layers): the steps its slots need (as many
+    sequences at once as the slots and the pool's pages hold, a prompt's pages shared by its n samples),
+    plus what the compiled step cannot count: the attention kernel's K/V reads and products (a custom call),
+    every step's keys from the prompt (read once per group with cascade attention) and the response so
+    far; and the prefill of each prompt (one call per prompt, not planned: its weights read once and
+    2N FLOPs per token, split over the devices as decode's matmuls are). The pool is split over the kv
+    heads on 'tensor' only, so every device reads its kv heads of every slot."""
+    cfg, mesh = ctx.actor.cfg, ctx.mesh
+    prompt, ps = ctx.prompt_width, engine.page_size
+    prompt_pages = prompt // ps
+    group_pages = prompt_pages + n * (-(-(prompt + r) // ps) - prompt_pages)
+    concurrent = max(1, min(engine.max_num_seqs, n * (engine.num_pages - 1) // group_pages))
+    steps = -(-rows // concurrent) * r
+    tensor = dict(mesh.shape).get("tensor", 1)
+    kv_shards = tensor if cfg.num_key_value_heads % tensor == 0 else 1
+    key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
+    keys_read = rows * r * ((prompt / n if cascade else prompt) + (r + 1) / 2)
+    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * keys_read / kv_shards
+    prompts = -(-rows // n)
+    prefill_flops = prompts * prompt * per_token_forward_flops(
+        active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim,
+        (prompt + 1) / 2) / mesh.size
+    return step * steps + Cost(flops=attention_flops + prefill_flops,
+                               hbm_bytes=keys_read * key_bytes + prompts * weight_bytes)
 
 
 def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model: Model, fn: Callable, *,
@@ -335,8 +392,15 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
 
     states = ctx.policy_states if state == "actor_params" else (state,)
     experts = uncounted_expert_flops(model.cfg, n * t) / ctx.mesh.size  # every row through the experts once
-    return Program(name, lower, states, keys, micro_pass=micro_pass, trips=lambda plan: n // micro_rows(plan),
-                   extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers)
+    trips = lambda plan: n // micro_rows(plan)  # noqa: E731
+    head = Cost() if fn is values_no_grad else head_cost(model.cfg, n * t / ctx.mesh.size, 1,
+                                                          settings.get("compute_dtype", "float32"))
+
+    def total_cost(plan: BatchPlan, body: Cost) -> Cost:
+        return body * trips(plan) + Cost(flops=experts) + head
+
+    return Program(name, lower, states, keys, micro_pass=micro_pass, trips=trips,
+                   extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers, total_cost=total_cost)
 
 
 def _log_prob_settings(ctx: Context, compute_dtype: str) -> dict[str, Any]:
@@ -461,8 +525,26 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
     # each epoch: forward + backward (2x) through the experts, and the forward again under remat
     passes = s.ppo_epochs * (3 + (s.remat != "none"))
     experts = uncounted_expert_flops(model.cfg, passes * n * t) / ctx.mesh.size
+    # one optimizer step (per mini-batch and epoch, not per micro-batch, though the compiled body holds it):
+    # reads params, grads and moments, writes params and moments
+    param_bytes, opt_bytes = bytes_per_device(params), bytes_per_device(opt)
+    optimizer_step = Cost(flops=12.0 * param_bytes / 4, hbm_bytes=3.0 * param_bytes + 2.0 * opt_bytes)
+
+    cfg = model.cfg
+    head = Cost() if role == "critic" else head_cost(cfg, n * t / ctx.mesh.size, 4 * s.ppo_epochs, s.compute_dtype)
+
+    def total_cost(plan: BatchPlan, body: Cost) -> Cost:
+        num_mini, _ = split(plan)
+        steps = s.ppo_epochs * num_mini
+        return ((body - optimizer_step).at_least_zero() * trips(plan) + optimizer_step * steps + Cost(flops=experts)
+                + head)
+
+    per_token = per_token_forward_flops(matmul_params(cfg, model.num_params), cfg.num_hidden_layers,
+                                        cfg.num_attention_heads * cfg.head_dim, rollout_context(np.array([t])))
+    model_flops = s.ppo_epochs * 3.0 * per_token * n * t / ctx.mesh.size  # forward + backward, no recompute
     return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips,
-                   extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers)
+                   extra_flops=lambda plan: experts, layers=cfg.num_hidden_layers, total_cost=total_cost,
+                   model_flops=lambda plan: model_flops)
 
 
 def critic_update_program(ctx: Context) -> Program | None:

@@ -130,7 +130,7 @@ def step_flops(
     paged engine's prefill (`prefill_prompt_tokens`) and by shared-prompt packing
     (`pass_prompt_tokens`): those counts, where given, replace it (MFU then never credits work
     that was not done)."""
-    per_token_fwd = _per_token_forward(num_params, num_layers, hidden_size, mean_context)
+    per_token_fwd = per_token_forward_flops(num_params, num_layers, hidden_size, mean_context)
     prefill = prompt_tokens if prefill_prompt_tokens is None else prefill_prompt_tokens
     scored = response_tokens + (prompt_tokens if pass_prompt_tokens is None else pass_prompt_tokens)
     gen = (response_tokens + prefill) * per_token_fwd
@@ -139,7 +139,7 @@ def step_flops(
     return gen + score + train
 
 
-def _per_token_forward(num_params: int, num_layers: int, hidden_size: int, mean_context: float) -> float:
+def per_token_forward_flops(num_params: int, num_layers: int, hidden_size: int, mean_context: float) -> float:
     """Forward FLOPs per token: 2N, plus attention scores and values over `mean_context` keys."""
     return 2.0 * num_params + 4.0 * num_layers * hidden_size * mean_context
 
@@ -183,7 +183,7 @@ def forward_pass_flops(rows: Mapping[str, np.ndarray], *, num_params: int, num_l
     packing."""
     prompt_tokens, response_tokens, group_prompt_tokens, context = _token_counts(rows)
     scored = response_tokens + (group_prompt_tokens if shared_prompts else prompt_tokens)
-    return scored * _per_token_forward(num_params, num_layers, hidden_size, context)
+    return scored * per_token_forward_flops(num_params, num_layers, hidden_size, context)
 
 
 def perf_metrics(
@@ -227,7 +227,7 @@ def step_perf_metrics(spec: RunSpec, rollout: Rollout, times: Mapping[str, float
             "reward/num_judge_response_tokens", 0.0)
         # `rollout_context` of rows of the mean length: a lower bound of the rows' (sum(T^2) >= sum(T)^2 / rows)
         context = (tokens_judged / max(1.0, judged.get("reward/num_judge_rows", 1.0)) + 1.0) / 2.0
-        flops += tokens_judged * _per_token_forward(active_params_of(j, judge.params), j.num_hidden_layers,
+        flops += tokens_judged * per_token_forward_flops(active_params_of(j, judge.params), j.num_hidden_layers,
                                                     j.hidden_size, context)
     return perf_metrics(times, total_tokens=tokens, flops=flops, num_devices=jax.device_count(),
                         peak_flops=peak_flops)

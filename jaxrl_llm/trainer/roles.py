@@ -169,14 +169,15 @@ def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer, seed
 def _tiny_config(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     tiny = dict(model.tiny)
     tiny.pop("seed")
-    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
     family = model.path[len(TINY_PREFIX):]
-    for key in moe_keys:  # unset: the family's tiny default (validate.py refuses them on dense models)
+    # unset: the family's tiny default (validate.py refuses the MoE keys on dense models)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "tie_word_embeddings"):
         if tiny.get(key) is None:
             tiny.pop(key, None)
     if tiny.get("vocab_size") is None:
         tiny["vocab_size"] = len(tokenizer)
-    tiny.setdefault("head_dim", tiny["hidden_size"] // tiny["num_attention_heads"])
+    if tiny.get("head_dim") is None:
+        tiny["head_dim"] = tiny["hidden_size"] // tiny["num_attention_heads"]
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                    else tokenizer.eos_token_id)

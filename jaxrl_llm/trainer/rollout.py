@@ -93,13 +93,15 @@ class RolloutGenerator:
         """The engine options with 'auto' resolved for responses of up to `max_new_tokens` tokens."""
         return self.engine.resolved(max_new_tokens, multi_turn=self.multi_turn is not None)
 
-    def describe_engine(self, num_requests: int, max_prompt_len: int, max_new_tokens: int) -> str:
+    def describe_engine(self, num_requests: int, max_prompt_len: int, max_new_tokens: int,
+                        samples_per_prompt: int = 1) -> str:
         """The start-of-run summary line of the rollout engine for a batch of that shape."""
         opts = self.engine_for(max_new_tokens)
         if opts.engine == "static":
             return "rollout engine: static (one padded batch)"
         spec = engine_spec(self.model_cfg, opts, num_requests=num_requests, max_prompt_len=max_prompt_len,
-                           max_new_tokens=max_new_tokens, compute_dtype=self.compute_dtype, mesh=self.mesh)
+                           max_new_tokens=max_new_tokens, compute_dtype=self.compute_dtype, mesh=self.mesh,
+                           samples_per_prompt=samples_per_prompt)
         return describe(self.model_cfg, spec, self.compute_dtype, self.mesh)
 
     @on_own_mesh  # traced on its own mesh, also from the pipeline's thread (the context is per thread)

@@ -220,7 +220,8 @@ class Trainer:
         from jaxrl_llm.trainer.summary import run_summary
 
         plan = self.spec.plan
-        engine = self.generator.describe_engine(plan.prompts * plan.n, plan.max_prompt_length, plan.response_length)
+        engine = self.generator.describe_engine(plan.prompts * plan.n, plan.max_prompt_length, plan.response_length,
+                                                plan.n)
         return run_summary(self.spec, actor=self.actor, critic=self.critic, reference=self.reference, mesh=self.mesh,
                            engine=engine, total_steps=self.total_steps,
                            schedule=None if self.rollout_source.synchronous else self.rollout_source.describe(),

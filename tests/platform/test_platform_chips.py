@@ -48,15 +48,17 @@ def test_cpu_peak_is_measured():
     assert "measured" in source and 1e8 < flops < 1e14
 
 
-@pytest.mark.parametrize("name,topology,chips,chip", [
+@pytest.mark.parametrize("name,topology,devices,chip", [
     ("v5p-64", "v5p:2x4x4", 32, "TPU v5p"), ("v4-8", "v4:2x2x1", 4, "TPU v4"), ("v5litepod-8", "v5e:2x4", 8, "TPU v5e"),
-    ("v5e-4", "v5e:2x2", 4, "TPU v5e"), ("v6e-8", "v6e:2x4", 8, "TPU v6e"), ("v6e:2x2", "v6e:2x2", 4, "TPU v6e")])
-def test_accelerator_type_names(name, topology, chips, chip):
-    assert parse_accelerator_type(name) == (topology, chips)
+    ("v5e-4", "v5e:2x2", 4, "TPU v5e"), ("v6e-8", "v6e:2x4", 8, "TPU v6e"), ("v6e:2x2", "v6e:2x2", 4, "TPU v6e"),
+    ("tpu7x-8", "tpu7x:2x2x1", 8, "TPU7x"), ("tpu7x:2x2x1", "tpu7x:2x2x1", 8, "TPU7x")])
+def test_accelerator_type_names(name, topology, devices, chip):
+    # devices: JAX devices (a TPU7x chip is two, one per TensorCore)
+    assert parse_accelerator_type(name) == (topology, devices)
     assert accelerator_chip(name).name == chip
 
 
-@pytest.mark.parametrize("name", ["v5p-3", "v7-8", "h100-8", "v5e:2y2"])
+@pytest.mark.parametrize("name", ["v5p-3", "v7-8", "h100-8", "v5e:2y2", "tpu7x-3"])
 def test_bad_accelerator_type_names(name):
     with pytest.raises(TpuPlanError, match=name.replace(":", ":")):
         parse_accelerator_type(name)

@@ -165,6 +165,33 @@ def test_prefill_token_budget_and_pool_plan(llama_tiny):
     assert device_kv_budget(0.5) is None  # CPU reports no memory limit: the full-length pool
 
 
+def test_the_pool_gets_what_is_left_and_the_slots_what_the_pool_holds(llama_tiny):
+    """gpu_memory_utilization: a fraction of the device's memory less what is in use, or 'auto' (0.9 of it
+    less what is in use and the sampling step's logits buffers); then slots beyond the full-length
+    sequences the pool holds (a prompt's full pages counted once for its samples) are dropped, down to
+    a power of two, where before 64 slots decoded with pages for 8."""
+    from jaxrl_llm.platform.target import planning_in_use
+    from jaxrl_llm.sampler.engine.setup import LOGITS_BUFFERS, EngineOptions, engine_spec
+
+    cfg = llama_tiny[0]
+    memory, in_use = 8 * 2**20, 2 * 2**20
+    kwargs = dict(num_requests=64, max_prompt_len=64, max_new_tokens=192, compute_dtype="float32",
+                  samples_per_prompt=4)
+    page_bytes = EngineSpec(max_num_seqs=1, page_size=16, num_pages=2, pages_per_slot=1).page_bytes(cfg, "float32")
+    with compiling_for(CompileTarget("gpu", memory)), planning_in_use(in_use):
+        assert device_kv_budget(0.5) == memory // 2 - in_use
+        fixed = engine_spec(cfg, EngineOptions(engine="paged", gpu_memory_utilization=0.3), **kwargs)
+        auto = engine_spec(cfg, EngineOptions(engine="paged"), **kwargs)
+    assert fixed.num_pages == (int(0.3 * memory) - in_use) // page_bytes
+    logits = LOGITS_BUFFERS * 64 * cfg.vocab_size * 4
+    assert auto.num_pages == (int(0.9 * memory) - in_use - logits) // page_bytes
+    for spec in (fixed, auto):
+        # 64-token prompts (4 shared pages) + 192 new tokens in 256-token rows: 4 + 4 x 12 pages per group of 4
+        held = 4 * (spec.num_pages - 1) // (4 + 4 * 12)
+        assert held < 64 and spec.max_num_seqs == 1 << (held.bit_length() - 1), (held, spec)
+    assert fixed.max_num_seqs < auto.max_num_seqs
+
+
 def test_int8_kv_cache_stays_close(llama_tiny):
     cfg, params = llama_tiny
     settings, knobs = _args(cfg, SamplingParams(max_new_tokens=NEW, do_sample=False, n=2))

@@ -10,7 +10,11 @@ import heapq
 import jax
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.platform.target import target_memory_bytes
+from jaxrl_llm.platform.target import planned_in_use_bytes, target_memory_bytes
+
+# gpu_memory_utilization 'auto': the KV pool gets this fraction of the device's memory, less what is in use
+# and the sampling step's temporaries, as vLLM's default utilisation leaves room for its own
+AUTO_MEMORY_FRACTION = 0.9
 
 
 class PagePool:
@@ -46,21 +50,26 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-def device_kv_budget(gpu_memory_utilization: float) -> int | None:
+def device_kv_budget(gpu_memory_utilization: float | str, temporaries: int = 0) -> int | None:
     """KV bytes per device from `rollout.gpu_memory_utilization`: that fraction of the device's
-    memory limit minus what is in use now (params, optimizer state); None where the backend
-    reports no memory limit (CPU). Planning for a target (platform/target.py): that fraction of the
-    target's memory (what the params take is the memory plan's to count)."""
-    target = target_memory_bytes()
-    if target is not None:
-        return int(gpu_memory_utilization * target)
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return max(0, int(gpu_memory_utilization * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    memory limit minus what is in use (params, optimizer state, reference); 'auto': what is left,
+    AUTO_MEMORY_FRACTION of the limit less what is in use and the sampling step's `temporaries`.
+    None where the backend reports no memory limit (CPU). Planning (platform/target.py): a target's
+    memory, and the in-use bytes the plan gives (`planning_in_use`) rather than this host's."""
+    limit, in_use = target_memory_bytes(), planned_in_use_bytes()
+    if limit is None:
+        try:
+            stats = jax.local_devices()[0].memory_stats()
+        except Exception:  # noqa: BLE001 - backends without memory stats
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limit = int(stats["bytes_limit"])
+        in_use = int(stats.get("bytes_in_use", 0)) if in_use is None else in_use
+    in_use = in_use or 0
+    if gpu_memory_utilization == "auto":
+        return max(0, int(AUTO_MEMORY_FRACTION * limit) - in_use - temporaries)
+    return max(0, int(float(gpu_memory_utilization) * limit) - in_use)
 
 
 def plan_num_pages(cfg: ModelConfig, *, max_num_seqs: int, pages_per_slot: int, page_bytes: int,

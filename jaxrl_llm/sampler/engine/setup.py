@@ -5,7 +5,10 @@ Sizing: slots = min(max_num_seqs, power-of-two bucket of the number of requests)
 batch does not decode empty slots and a run sees a few slot counts at most; the page table
 covers max_model_len = bucket(longest prompt) + max_new_tokens rounded up to a multiple of 256
 (a handful of values, so a handful of programs); the pool holds every slot at full length, capped
-by `gpu_memory_utilization` of the device's memory where the backend reports it. Engines are
+by `gpu_memory_utilization` of the device's memory where the backend reports it ('auto': what is
+left after what is in use and the sampling step's temporaries). Where that cap leaves fewer
+full-length sequences than slots (a prompt's pages shared by its samples), the slots shrink to the
+power of two below: a slot the pool cannot fill would decode nothing at every step. Engines are
 cached per shape, so their compiled programs and KV buffers are reused from call to call.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jaxrl_llm.sampler.host import bucket_batch, bucket_length
 from jaxrl_llm.sampler.paged_attention import IMPLS as ATTENTION_IMPLS
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
+from jaxrl_llm.shapes import previous_power_of_two
 
 ENGINES = ("auto", "paged", "static")
 PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
@@ -49,7 +53,7 @@ class EngineOptions:
     engine: str = "auto"  # 'auto': paged at RL lengths, static for short responses (`resolved`)
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | str = "auto"
     kv_cache_dtype: str = "auto"
     steps_per_call: int = 16
     attention_impl: str = "auto"  # 'auto' (Pallas on GPU / TPU, the C++ kernel on CPU), 'pallas', 'cpu', 'xla'
@@ -78,8 +82,9 @@ class EngineOptions:
             raise ValueError(f"rollout.unroll_layers={self.unroll_layers!r}: expected 'auto', True or False")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.steps_per_call < 1:
             raise ValueError("rollout.max_num_seqs / max_num_batched_tokens must be >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        util = self.gpu_memory_utilization
+        if util != "auto" and (isinstance(util, str) or not 0.0 < util <= 1.0):
+            raise ValueError(f"rollout.gpu_memory_utilization={util!r}: must be in (0, 1] or 'auto'")
 
     def resolved(self, max_new_tokens: int, *, multi_turn: bool = False) -> EngineOptions:
         """These options with engine 'auto' replaced by the engine it picks for responses of up to
@@ -108,18 +113,33 @@ def _kv_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
     return tensor if cfg.num_key_value_heads % tensor == 0 else 1
 
 
+# gpu_memory_utilization 'auto' leaves room for this many [slots, vocab] fp32 buffers: the sampling step's
+# logits, softmax weights and draws (the 0.5B sampler's temporaries on v5e-8 were ~5 of them)
+LOGITS_BUFFERS = 6
+
+
 def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
-                max_new_tokens: int, compute_dtype: str, mesh: Mesh | None = None) -> EngineSpec:
+                max_new_tokens: int, compute_dtype: str, mesh: Mesh | None = None,
+                samples_per_prompt: int = 1) -> EngineSpec:
+    """The engine for `num_requests` sequences (`samples_per_prompt` of each prompt, sharing its full
+    prompt pages) of up to `max_prompt_len` + `max_new_tokens` tokens (see the module doc)."""
     slots = min(opts.max_num_seqs, bucket_batch(num_requests))
-    max_model_len = -(-(bucket_length(max_prompt_len) + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
+    prompt_len = bucket_length(max_prompt_len)
+    max_model_len = -(-(prompt_len + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
     pps = pages_for(max_model_len, PAGE_SIZE)
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
                        kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl,
                        cascade=opts.cascade_attention, speculative=opts.speculative)
+    temporaries = LOGITS_BUFFERS * slots * cfg.vocab_size * 4
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
-                               budget_bytes=device_kv_budget(opts.gpu_memory_utilization))
-    return dataclasses.replace(probe, num_pages=num_pages)
+                               budget_bytes=device_kv_budget(opts.gpu_memory_utilization, temporaries))
+    # full-length sequences the pool holds: a prompt's full pages once for its samples, each sample's own rest
+    shared, n = prompt_len // PAGE_SIZE, max(1, samples_per_prompt)
+    held = n * (num_pages - 1) // (shared + n * (pps - shared))
+    if held < slots:
+        slots = previous_power_of_two(max(1, held))
+    return dataclasses.replace(probe, max_num_seqs=slots, num_pages=num_pages)
 
 
 def describe(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str, mesh: Mesh | None = None) -> str:
@@ -169,7 +189,7 @@ def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]
     prompt, so every batch of a run reuses one engine and its compiled programs."""
     longest = prompt_room(max(map(len, prompts)), max_prompt_len)
     engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=longest,
-                          settings=settings, mesh=mesh)
+                          settings=settings, mesh=mesh, samples_per_prompt=settings.n)
     return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing, draft_params=draft_params)
 
 
@@ -181,10 +201,11 @@ def prompt_room(longest: int, run_bound: int | None) -> int:
 
 
 def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max_prompt_len: int,
-                 settings: SampleSettings, mesh: Mesh | None = None) -> PagedEngine:
+                 settings: SampleSettings, mesh: Mesh | None = None, samples_per_prompt: int = 1) -> PagedEngine:
     """The cached engine for `num_requests` sequences of at most `max_prompt_len` prompt tokens plus
-    `settings.max_new_tokens` (see the module doc for the sizing)."""
+    `settings.max_new_tokens`, `samples_per_prompt` of each prompt (see the module doc for the sizing)."""
     opts = dataclasses.replace(opts, unroll_layers=opts.unroll_for(settings.max_new_tokens))
     spec = engine_spec(cfg, opts, num_requests=num_requests, max_prompt_len=max_prompt_len,
-                       max_new_tokens=settings.max_new_tokens, compute_dtype=settings.compute_dtype, mesh=mesh)
+                       max_new_tokens=settings.max_new_tokens, compute_dtype=settings.compute_dtype, mesh=mesh,
+                       samples_per_prompt=samples_per_prompt)
     return get_engine(cfg, spec, opts, settings.compute_dtype, mesh)
