@@ -45,6 +45,8 @@ NAME_ALIASES: dict[str, str] = {
     "async_generation_ratio": "synchronizer.sync_offset",
     # veRL's FSDP spelling of the same switch (host memory between reference passes)
     "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "actor_rollout_ref.actor.optim.offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.optim.offload",
     # veRL's Ulysses sequence parallelism: each sequence's tokens split over a group of devices (the
     # actor's size; fsdp_config's is its current spelling)
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "mesh.context",

@@ -168,7 +168,8 @@ def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
         eps=float(optim.eps), lr_scheduler_type=optim.lr_scheduler_type,
         warmup_steps=int(optim.lr_warmup_steps) if total > 0 else None, total_steps=total if total > 0 else None,
         min_lr_ratio=float(optim.min_lr_ratio), num_cycles=float(optim.num_cycles),
-        grad_clip=None if grad_clip is None else float(grad_clip))
+        grad_clip=None if grad_clip is None else float(grad_clip), moment_dtype=optim.moment_dtype,
+        offload=bool(optim.offload))
 
 
 def _plain(value: Any) -> dict:

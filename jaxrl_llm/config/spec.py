@@ -55,6 +55,8 @@ class OptimSpec:
     min_lr_ratio: float
     num_cycles: float
     grad_clip: float | None
+    moment_dtype: str = "float32"  # the Adam moments' storage dtype
+    offload: bool = False  # the optimizer state in pinned host memory between updates
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,17 @@ def _optim(lr: float, role: str) -> dict:
         "total_training_steps": field(-1, "Training (RL) steps of the schedule, which steps once per "
                                           "RL step (every mini-batch and epoch of step k uses lr(k)); "
                                           "-1 = trainer.total_training_steps. veRL."),
+        "moment_dtype": field("float32", f"Storage dtype of the {role}'s Adam moments (mu, nu): 'float32', or "
+                                         "'bfloat16' (4 bytes a parameter instead of 8; each step still computes "
+                                         "them in fp32 from the stored values and stores them rounded to bf16's "
+                                         "8-bit significand, a relative error of at most 2^-8 each; the weights "
+                                         "and the update's arithmetic stay fp32; docs/performance.md, 'TPU "
+                                         "slices'). MaxText: mu_dtype.", choices=names.DTYPES),
+        "offload": field(False, f"Keep the {role}'s optimizer state in pinned host memory between updates, "
+                                "moved to the device for each update only (the rollout and the scoring passes "
+                                "then have its bytes for the KV pool and activations; same numbers; warns and "
+                                "keeps it on device where the backend has no pinned host memory). veRL's "
+                                "fsdp_config.optimizer_offload is read as this key."),
     }
 
 

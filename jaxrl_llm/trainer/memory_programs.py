@@ -227,6 +227,9 @@ def device_state_bytes(ctx: Context) -> dict[str, int]:
     out = {name: bytes_per_device(tree) for name, tree in ctx.states.items()}
     if "ref_params" in out and ctx.spec.ref.param_offload and offload_supported():
         out["ref_params"] = 0
+    for role, optim in (("actor", ctx.spec.actor_optim), ("critic", ctx.spec.critic_optim)):
+        if f"{role}_opt" in out and optim is not None and optim.offload and offload_supported():
+            out[f"{role}_opt"] = 0  # on the host but for its update, where it is an argument
     distill = ctx.spec.distillation
     if "teacher_params" in out and distill is not None and distill.param_offload and offload_supported():
         out["teacher_params"] = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,13 +82,19 @@ def make_reference(params: dict, spec: RefSpec) -> dict:
     return cast(params)
 
 
-def is_offloaded(params: dict) -> bool:
+def is_offloaded(params: Any) -> bool:
     return any(getattr(x.sharding, "memory_kind", None) == HOST for x in jax.tree.leaves(params))
 
 
-def reference_on_device(params: dict) -> dict:
+def reference_on_device(params: Any) -> Any:
     """`params` in device memory: themselves, or a device copy of offloaded (pinned host) arrays."""
     if not is_offloaded(params):
         return params
     kind = jax.devices()[0].default_memory().kind
     return jax.device_put(params, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), params))
+
+
+def to_host(tree: Any) -> Any:
+    """`tree` moved to pinned host memory, on the same shardings (the device buffers are freed when
+    nothing else holds them)."""
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(HOST), tree))

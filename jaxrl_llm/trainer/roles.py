@@ -30,11 +30,13 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
 from jaxrl_llm.models.lora import LoraConfig, init_lora, lora_logical_axes, with_lora
+from jaxrl_llm.models.remat import warn_once
 from jaxrl_llm.rewards.spec import JudgeSpec
 from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sharding import logical_to_sharding, optimizer_state_sharding
 from jaxrl_llm.trainer.forward import compute_dtype_of
 from jaxrl_llm.trainer.optim import make_optimizer
+from jaxrl_llm.trainer.reference import offload_supported, reference_on_device, to_host
 
 if TYPE_CHECKING:
     from jaxrl_llm.rewards.judge import Judge
@@ -65,6 +67,8 @@ class TrainedRole:
     frozen: dict | None = None  # LoRA: the frozen base params (then `params` is {"lora": adapters})
     lora: LoraConfig | None = None
     lr_offset: int = 0  # RL steps before its first update (the actor: trainer.critic_warmup)
+    # optim.offload: `opt_state` lives in pinned host memory between updates (`make_trained_role`)
+    offload_optimizer: bool = False
     _compiled: dict[tuple[int, int], Callable] = dataclasses.field(default_factory=dict)
 
     @property
@@ -109,8 +113,10 @@ class TrainedRole:
         # a host scalar: traced by the jitted update (no recompile per value), valid on every process
         lr = np.float32(self.schedule(max(int(lr_step), 0)))
         frozen = () if self.frozen is None else (self.frozen,)  # never donated: it is not updated
-        self.params, self.opt_state, metrics = self._compiled[key](self.params, self.opt_state, batch, rng, lr,
-                                                                   packing, *frozen)
+        # an offloaded optimizer state comes to the device for the update only (the device copy is donated)
+        opt_state = reference_on_device(self.opt_state)
+        self.params, opt_state, metrics = self._compiled[key](self.params, opt_state, batch, rng, lr, packing, *frozen)
+        self.opt_state = to_host(opt_state) if self.offload_optimizer else opt_state
         return metrics
 
 
@@ -211,8 +217,16 @@ def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: Op
     abstract_state = jax.eval_shape(tx.init, params)
     state_shardings = optimizer_state_sharding(abstract_state, param_shardings)
     opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+    offload = optim.offload
+    if offload and not offload_supported():
+        warn_once(f"{name}_optimizer_offload", "%s optim.offload: no effect on this backend (%s has no pinned_host "
+                  "memory); the optimizer state stays in device memory", name, jax.default_backend())
+        offload = False
+    if offload:
+        opt_state = to_host(opt_state)
     return TrainedRole(name, model_cfg, params, tx, schedule, opt_state, param_shardings, state_shardings, update_fn,
-                       model=model, settings=settings, batch=batch, frozen=frozen, lora=lora, lr_offset=lr_offset)
+                       model=model, settings=settings, batch=batch, frozen=frozen, lora=lora, lr_offset=lr_offset,
+                       offload_optimizer=offload)
 
 
 def _mesh_of(params: dict) -> Mesh:
