@@ -317,6 +317,15 @@ class Planner:
                     log.warning("memory plan: %s with two layers per scan trip did not compile (%s); its cost "
                                 "counts one layer", program.name, str(err).splitlines()[0][:120])
             body = row.counted + layer * (program.layers - 1)
+            if program.pool_pages > 2:
+                # XLA's generic cost model (CPU, GPU) charges an in-place scatter or a gather on the KV pool
+                # with the whole pool (measured on CPU: a 256-row write into a 400 MB pool counted 800 MB);
+                # the TPU's charges the rows. What a layer's count grows with the pool is taken out (the
+                # rollout cost counts the K / V rows it reads and writes itself): the step compiled on half
+                # the pages gives it
+                half = compiled_cost(program.lower(plan, pool_pages=program.pool_pages // 2).compile())
+                per_layer = max(row.counted.hbm_bytes - half.hbm_bytes, 0.0) * 2
+                body = (body - Cost(hbm_bytes=per_layer * program.layers)).at_least_zero()
             if program.total_cost is not None:
                 cost = program.total_cost(plan, body)
             else:
@@ -400,17 +409,18 @@ def _without_micro(plan: BatchPlan) -> BatchPlan:
 
 def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, check: bool = True,
                 peak_flops: float | None = None, target: TpuTarget | None = None, costs: bool = False,
-                hbm_bandwidth: float | None = None) -> MemoryPlan:
+                hbm_bandwidth: float | None = None, chip: Chip | None = None) -> MemoryPlan:
     """The step's memory plan; with `check`, raises MemoryPlanError when a program does not fit.
 
     peak_flops: FLOP/s per device for the time estimate; default: the published peak of the device
     (trainer/metrics.py `device_peak_flops`: the chip table, or a measured matmul on CPU).
     target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply.
     costs: each program's whole cost and roofline estimate (`Planner.costed`: one more compile per
-    program); hbm_bandwidth: bytes/s per device for it where the chip table has no row (a CPU).
-    Every program is traced on `mesh` (`mesh_context`), as the run traces it."""
+    program); hbm_bandwidth: bytes/s per device for it where the chip table has no row (a CPU); chip: the
+    figures to estimate against instead of the devices' own (bench/roofline_check.py: an H200 run's
+    programs compiled here). Every program is traced on `mesh` (`mesh_context`), as the run traces it."""
     with planning_context(mesh, target):
-        return _plan(spec, mesh, tokenizer, check, peak_flops, target, costs, hbm_bandwidth)
+        return _plan(spec, mesh, tokenizer, check, peak_flops, target, costs, hbm_bandwidth, chip)
 
 
 def planning_context(mesh: Mesh, target: TpuTarget | None) -> contextlib.ExitStack:
@@ -443,7 +453,7 @@ def planning_setup(cfg: Any, topology: str | None = None, num_slices: int | None
 
 
 def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flops: float | None,
-          target: TpuTarget | None, costs: bool, hbm_bandwidth: float | None) -> MemoryPlan:
+          target: TpuTarget | None, costs: bool, hbm_bandwidth: float | None, chip: Chip | None) -> MemoryPlan:
     from jaxrl_llm.trainer.metrics import device_peak_flops
 
     limit, source = device_memory(spec)
@@ -452,11 +462,15 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
     analyse = planner.costed if costs else planner.analyse
     rows = tuple(analyse(p, plan) for p in planner.programs)
     peak_source = "the given peak"
+    chip = chip or chip_for(mesh.devices.flat[0])
+    if peak_flops is None and chip is not None:
+        dtype = spec.actor.compute_dtype
+        peak_flops, peak_source = chip.peak_flops(dtype), f"the published {dtype} peak of {chip.name}"
     if peak_flops is None:
         peak_flops, peak_source = device_peak_flops(mesh.devices.flat[0], spec.actor.compute_dtype)
     result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked),
                         target=None if target is None else target.describe(), peak_source=peak_source,
-                        chip=chip_for(mesh.devices.flat[0]), hbm_bandwidth=hbm_bandwidth, num_devices=mesh.size)
+                        chip=chip, hbm_bandwidth=hbm_bandwidth, num_devices=mesh.size)
     if check:
         result.check()
     return result

@@ -78,6 +78,8 @@ class Program:
     total_cost: Callable[[BatchPlan, Cost], Cost] | None = None
     # (plan) -> model FLOPs per device of what it computes (no recompute): an update's MFU numerator
     model_flops: Callable[[BatchPlan], float] | None = None
+    # pages of the KV pool among its arguments (the paged sampler; `lower(..., pool_pages=p)` lowers it on p)
+    pool_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,9 +325,12 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
                                                   jax.ShapeDtypeStruct(groups[:1], jnp.int32))
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None, pool_pages: int = 0) -> Any:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
-        return _lower(engine_programs.generate, platforms, weights[0].params, _unrolled(cfg, unroll), state,
+        pages = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], pool_pages, *x.shape[3:]), x.dtype,  # noqa: E731
+                                               sharding=x.sharding)
+        pooled = state if not pool_pages else state._replace(pool=jax.tree.map(pages, state.pool))
+        return _lower(engine_programs.generate, platforms, weights[0].params, _unrolled(cfg, unroll), pooled,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
@@ -340,7 +345,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         keys += (f"{ARR}.rollout.unroll_layers=False (no per-layer weight copy)",)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
                    extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),
-                   copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers, total_cost=total_cost)
+                   copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers, total_cost=total_cost,
+                   pool_pages=engine.num_pages)
 
 
 def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, rows: int, n: int, r: int,
@@ -352,7 +358,8 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     every step's keys from the prompt (read once per group with cascade attention) and the response so
     far; and the prefill of each prompt (one call per prompt, not planned: its weights read once and
     2N FLOPs per token, split over the devices as decode's matmuls are). The pool is split over the kv
-    heads on 'tensor' only, so every device reads its kv heads of every slot."""
+    heads on 'tensor' only, so every device reads its kv heads of every slot. `step` comes without the
+    bytes the compiled count charges in proportion to the pool (`Planner.costed`)."""
     cfg, mesh = ctx.actor.cfg, ctx.mesh
     prompt, ps = ctx.prompt_width, engine.page_size
     prompt_pages = prompt // ps
