@@ -148,15 +148,31 @@ def project(x: Array, weights: dict, adapter: dict | None, lora_scale: float, dt
     return y if delta is None else y + delta
 
 
+def batch_rows(x: Array, split: bool, last: str = "act_embed") -> Array:
+    """x [B, T, F] (or [B, T, heads, D]) constrained to its rows split over the batch axes (and tokens over
+    'context'), F over `last`'s axes, where `split` (the training and scoring forward). Without it XLA
+    may carry an FSDP kernel's split of its contracting (embed) dim over to the activations, so that
+    every device computes every row: a Qwen2-7B update at one sequence per chip kept [rows, intermediate]
+    whole on each chip and asked for 43 GiB on v5e-32 (docs/performance.md). The sampler's decode leaves
+    its few rows to XLA (an all-reduce of [slots, F] costs less there than all-gathering the weights)."""
+    if not split:
+        return x
+    names = ("batch", "length", last) if x.ndim == 3 else ("batch", "length", last, "act_head_dim")
+    return with_activation_constraint(x, names)
+
+
 def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
-                    attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float
-                    ) -> tuple[Array, Any]:
-    """fp32 [B, T, H] output of the attention sublayer for normed x [B, T, H] (compute dtype)."""
+                    attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float,
+                    split_rows: bool = False) -> tuple[Array, Any]:
+    """fp32 [B, T, H] output of the attention sublayer for normed x [B, T, H] (compute dtype);
+    `split_rows`: `batch_rows` on its activations."""
     b, t, h = x.shape
     nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    x = batch_rows(x, split_rows)
 
     def qkv(name: str, heads: int) -> Array:  # fp32 [B, T, heads, D] (bias added in fp32)
-        return project(x, weights[name], adapters.get(name), lora_scale, dtype).reshape(b, t, heads, hd)
+        y = project(x, weights[name], adapters.get(name), lora_scale, dtype).reshape(b, t, heads, hd)
+        return batch_rows(y, split_rows, "act_heads" if heads == nh else "act_kv_heads")
 
     q, k, v = qkv("q_proj", nh), qkv("k_proj", nkv), qkv("v_proj", nkv)
     if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim per head, before RoPE (fp32 until after RoPE)
@@ -174,11 +190,15 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
 
 
 def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale: float,
-              activation: str = "silu") -> Array:
+              activation: str = "silu", split_rows: bool = False) -> Array:
     """fp32 [..., H] gated MLP (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") of normed x [..., H]
-    (compute dtype)."""
+    (compute dtype); `split_rows`: `batch_rows` on a [B, T, ...] x's activations."""
+    split_rows = split_rows and x.ndim == 3
+
     def dense(name: str, h: Array) -> Array:
-        return project(h, weights[name], adapters.get(name), lora_scale, dtype)
+        y = project(batch_rows(h, split_rows, "act_mlp" if name == "down_proj" else "act_embed"), weights[name],
+                    adapters.get(name), lora_scale, dtype)
+        return batch_rows(y, split_rows, "act_embed" if name == "down_proj" else "act_mlp")
 
     return dense("down_proj", gated_product(dense("gate_proj", x), dense("up_proj", x), activation, dtype))
 
@@ -209,22 +229,23 @@ MlpStacks = tuple[dict, dict, Array, Array]  # a mixed-layer model's (params, ad
 
 def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
                   attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float,
-                  valid: Array | None = None, replay: Array | None = None, stacks: MlpStacks | None = None
-                  ) -> tuple[Array, Any, tuple[RouterStats, Array] | None]:
+                  valid: Array | None = None, replay: Array | None = None, stacks: MlpStacks | None = None,
+                  split_rows: bool = False) -> tuple[Array, Any, tuple[RouterStats, Array] | None]:
     """One pre-norm block on the fp32 residual stream x [B, T, H] -> (x, attention state, and for a
     MoE model its router stats over valid [B, T] tokens and its router's top-k ids; see `moe_block`).
-    `stacks`: a mixed-layer model's MLPs, stacked apart from the layers (`mixed_mlp`)."""
+    `stacks`: a mixed-layer model's MLPs, stacked apart from the layers (`mixed_mlp`). `split_rows`:
+    the activations kept split over the batch axes (`batch_rows`: the training and scoring forward)."""
     eps = cfg.rms_norm_eps
     normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, cfg.norm_offset)
     h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}), normed, cos, sin, attention,
-                               state, layer, dtype=dtype, lora_scale=lora_scale)
+                               state, layer, dtype=dtype, lora_scale=lora_scale, split_rows=split_rows)
     if cfg.sandwich_norms:  # Gemma: the sublayer's output is normed before the residual add (kept fp32)
         h = rms_norm(h, weights["attn_post_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
     x = x + h  # fp32 + fp32: the residual stream is never rounded
     normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, cfg.norm_offset)
     if not cfg.is_moe:
         h = mlp_block(weights["mlp"], adapters.get("mlp", {}), normed, dtype=dtype, lora_scale=lora_scale,
-                      activation=cfg.hidden_act)
+                      activation=cfg.hidden_act, split_rows=split_rows)
         if cfg.sandwich_norms:
             h = rms_norm(h, weights["mlp_post_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
         return x + h, state, None
@@ -314,7 +335,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
         x = x * jnp.asarray(np.sqrt(cfg.hidden_size), dtype)
     x = x.astype(jnp.float32)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
-    split_tokens = state is None and context_parallel_size() > 1
+    split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)
+    split_tokens = split_rows and context_parallel_size() > 1
     if split_tokens:
         x = with_activation_constraint(x, ("batch", "length", "act_embed"))
     cos, sin = rope_cos_sin(cfg, positions)
@@ -336,7 +358,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
             flags, local_cos, local_sin = local_rope
             c, s = jnp.where(flags[index], local_cos, cos), jnp.where(flags[index], local_sin, sin)
         x, state, moe = decoder_layer(cfg, weights, adapters, x, c, s, attention, state, index, dtype=dtype,
-                                      lora_scale=lora_scale, valid=valid, replay=layer_replay, stacks=stacks)
+                                      lora_scale=lora_scale, valid=valid, replay=layer_replay, stacks=stacks,
+                                      split_rows=split_rows)
         if split_tokens:
             x = with_activation_constraint(x, ("batch", "length", "act_embed"))
         if moe is not None and not record_routing:

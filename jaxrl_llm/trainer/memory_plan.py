@@ -299,8 +299,9 @@ class Planner:
 
     def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         """`analyse`'s row with the program's whole cost (trainer/roofline.py): the compiled counts with one
-        layer's count, from the program compiled again with two layers per scan trip, added for the other
-        layers, then its loops' trips (`Program.total_cost`). A program that did not compile has none."""
+        layer's count, from the program compiled again with k layers per scan trip (the smallest k > 1 that
+        divides the layer count), added for the other layers, then its loops' trips (`Program.total_cost`).
+        A program that did not compile has none."""
         row = self.analyse(program, plan)
         if row.counted is None:
             return row
@@ -309,8 +310,12 @@ class Planner:
         if key not in _CACHE:
             layer = Cost()
             if program.layers > 1:
+                # k layers a trip, k dividing the layer count (an odd count with 2 a trip peels a layer off
+                # the loop, which the count then holds besides the body): k - 1 layers more than one a trip
+                k = next(d for d in range(2, program.layers + 1) if program.layers % d == 0)
                 try:
-                    layer = (compiled_cost(program.lower(plan, unroll=2).compile()) - row.counted).at_least_zero()
+                    more = compiled_cost(program.lower(plan, unroll=k).compile()) - row.counted
+                    layer = (more * (1.0 / (k - 1))).at_least_zero()
                 except Exception as err:  # noqa: BLE001 - the TPU compiler refuses it for lack of HBM
                     if exhausted_bytes(err) is None:
                         raise
