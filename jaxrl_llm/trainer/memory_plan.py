@@ -150,11 +150,11 @@ class MemoryPlan:
         return lines
 
     def _figures(self) -> str:
-        chip = self.chip
+        chip, peak = self.chip, self.peak_flops or 0.0
         if chip is None:
             hbm = f", {self.hbm_bandwidth / 1e9:.0f} GB/s measured" if self.hbm_bandwidth else ", no bandwidth figure"
-            return f"{self.peak_flops / 1e12:.2f} TFLOP/s{hbm}"
-        return (f"{chip.name}'s published {self.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
+            return f"{peak / 1e12:.2f} TFLOP/s{hbm}"
+        return (f"{chip.name}'s published {peak / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s "
                 f"HBM, {chip.link_bandwidth / 1e9:.0f} GB/s interconnect")
 
 

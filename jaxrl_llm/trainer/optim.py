@@ -105,10 +105,10 @@ def make_optimizer(optim: OptimSpec) -> tuple[optax.GradientTransformationExtraA
     parts = []
     if optim.grad_clip is not None and optim.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(optim.grad_clip))
-    adam = dict(b1=optim.betas[0], b2=optim.betas[1], eps=optim.eps)
+    b1, b2, eps = optim.betas[0], optim.betas[1], optim.eps
     if optim.moment_dtype == "float32":
-        parts.append(optax.scale_by_adam(**adam))
+        parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     else:
-        parts.append(scale_by_adam_stored_as(jnp.dtype(optim.moment_dtype), **adam))
+        parts.append(scale_by_adam_stored_as(jnp.dtype(optim.moment_dtype), b1=b1, b2=b2, eps=eps))
     parts += [optax.add_decayed_weights(optim.weight_decay), scale_by_learning_rate_arg()]
     return optax.chain(*parts), schedule
