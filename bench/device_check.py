@@ -27,7 +27,9 @@ writes <out>/<section>.json and prints one summary line:
             rows at 64 slots (32 prompts of 128 tokens x n=2, 64 new tokens), each timed run under
             `jax.profiler`; per row the op families (bench/trace_ops.py) in ms per decode step, and the
             trace itself (<out>/trace_<row>/, when under 30 MB). Traced runs are slower: the tokens/s
-            of these rows are not the decode section's.
+            of these rows are not the decode section's. Then where the update's time goes: the step
+            section's GRPO run, its second actor update under `jax.profiler`, op families in ms per
+            update beside the memory plan's roofline estimate of it (row `update`).
 
 A section a deadline stops keeps the rows it wrote (decode and cascade write their JSON after every row).
 """
@@ -171,14 +173,8 @@ def section_kernels(tiny: bool) -> dict:
                        + "; paged " + ", ".join(f"{c['slots']} slots {c['kernel_kv_gbps']:.0f} GB/s" for c in paged)}
 
 
-def section_step(tiny: bool, out: pathlib.Path) -> dict:
-    import jax
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_runs import read_metrics, tiny_config
-
-    from jaxrl_llm.trainer import Trainer
-
+def _step_overrides(tiny: bool) -> dict:
+    """The step section's run (configs/tiny.py with these keys): a GRPO step of Qwen2-0.5B's shape."""
     overrides = {"trainer.total_training_steps": 2, "trainer.memory_plan": True,
                  "actor_rollout_ref.model.dtype": "bfloat16", "actor_rollout_ref.rollout.engine": "paged"}
     if not tiny:  # Qwen2-0.5B's shape, random weights; GRPO 8 samples of 16 prompts, 512 new tokens
@@ -190,9 +186,20 @@ def section_step(tiny: bool, out: pathlib.Path) -> dict:
                           "data.train_batch_size": 16, "actor_rollout_ref.rollout.n": 8,
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 16,
                           "actor_rollout_ref.rollout.ignore_eos": True, "data.synthetic.n_train": 64})
+    return overrides
+
+
+def section_step(tiny: bool, out: pathlib.Path) -> dict:
+    import jax
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_runs import read_metrics, tiny_config
+
+    from jaxrl_llm.trainer import Trainer
+
     # the run's own files stay out of <out>: the device tool brings back 8 files at most
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_step_"))
-    trainer = Trainer(tiny_config(run_dir, **overrides))
+    trainer = Trainer(tiny_config(run_dir, **_step_overrides(tiny)))
     trainer.fit()
     last = read_metrics(run_dir)[-1]
     planned = max(p.total_bytes for p in trainer.memory_plan.programs) if trainer.memory_plan else None
@@ -385,7 +392,57 @@ def section_profile(tiny: bool, out: pathlib.Path) -> dict:
             shutil.rmtree(trace)
         result["rows"].append({"name": name, **row})
         _write_rows(out, "profile", result, lambda r: f"{r['name']} (traced)")
+    result["update"] = _profile_update(tiny, out / "trace_update")
+    result["summary"] += f", update {result['update']['update_s']:.2f} s traced"
     return result
+
+
+def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
+    """The step section's run with its second actor update traced (the first compiles): the update's
+    wall time under the profiler, its op families in ms, and the memory plan's roofline estimate of it
+    (trainer/roofline.py) at this device's figures."""
+    import shutil
+
+    import jax
+    from trace_ops import by_family, newest_trace, op_families
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_runs import tiny_config
+
+    from jaxrl_llm.trainer import Trainer
+    from jaxrl_llm.trainer.memory_plan import plan_memory
+    from jaxrl_llm.trainer.roles import TrainedRole
+
+    shutil.rmtree(trace, ignore_errors=True)
+    real, seen, timed = TrainedRole.update, [], {}
+
+    def update(self, *args, **kwargs):
+        seen.append(self.name)
+        if self.name != "actor" or seen.count("actor") != 2:
+            return real(self, *args, **kwargs)
+        jax.block_until_ready((self.params, self.opt_state, args, kwargs))  # the work before it, done untraced
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            start = time.perf_counter()
+            metrics = jax.block_until_ready(real(self, *args, **kwargs))
+            timed["update_s"] = time.perf_counter() - start
+        return metrics
+
+    TrainedRole.update = update
+    try:
+        trainer = Trainer(tiny_config(pathlib.Path(tempfile.mkdtemp(prefix="device_check_profile_")),
+                                      **_step_overrides(tiny)))
+        trainer.fit()
+    finally:
+        TrainedRole.update = real
+    plan = plan_memory(trainer.spec, trainer.mesh, trainer.tokenizer, check=False, costs=True)
+    estimate = plan.roofline(plan.program("update_actor"))
+    ops = by_family(op_families(trace, exact=True))
+    if newest_trace(trace).stat().st_size > 30 * 2**20:
+        shutil.rmtree(trace)
+    return {**timed, "ops_ms": ops[:40],
+            "estimate": None if estimate is None else {"seconds": estimate.seconds, "bound": estimate.bound,
+                                                       "compute_s": estimate.compute_s, "hbm_s": estimate.hbm_s,
+                                                       "link_s": estimate.link_s}}
 
 
 def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:

@@ -6,7 +6,8 @@ TRACE_DIR is what `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wr
 `perfetto_trace.json.gz` under it is read. An op family is the op's name without its numeric suffix
 (`ynn_fusion.3` and `ynn_fusion` are one family, `loop_gather_fusion_12` is `loop_gather_fusion`),
 summed per process (the CPU runs ops on the host process's XLA threads, a GPU on its device's
-streams). The executor's spans and the Python thread's (which contain the ops or wait for them) are
+streams). The executor's spans, the Python thread's (which contain the ops or wait for them) and a device
+thread's waits on the others (collectives' rendezvous on CPU) are
 left out. `--per N`
 divides the times by N (the run's decode steps: ms per step).
 """
@@ -21,7 +22,8 @@ import re
 
 # spans that contain the ops (the host's view of a call), not ops themselves
 _WRAPPERS = re.compile(r"^(\$|ThunkExecutor|PjitFunction|CommonPjRt|PjRt|SlinkyThreadPool|TfrtCpu|"
-                       r"ExecuteHelper|Thunk::|end: |while(\.\d+)?$|conditional(\.\d+)?$|call(\.\d+)?$)")
+                       r"ExecuteHelper|Thunk::|end: |while(\.\d+)?$|conditional(\.\d+)?$|call(\.\d+)?$|"
+                       r"Wait[: ]|Rendezvous|InvokeRendezvous)")  # the last: a device thread waiting on another
 _SUFFIX = re.compile(r"([._]\d+)+$")
 
 

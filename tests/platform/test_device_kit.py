@@ -67,8 +67,9 @@ def test_device_check_tiny_cascade_rows(tmp_path):
 
 
 def test_device_check_tiny_profile_rows(tmp_path):
-    """The profile section (where a decode step's time goes, traced) rehearsed: both rows carry op
-    families in ms per decode step whose sum is below the traced run's time per step."""
+    """The profile section (where a decode step's and the update's time goes, traced) rehearsed: both decode
+    rows carry op families in ms per decode step whose sum is below the traced run's time per step; the
+    traced update its op families and the roofline estimate."""
     result = _tiny_section(tmp_path, "profile", budget_s=600)
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "ngram"}
@@ -82,6 +83,13 @@ def test_device_check_tiny_profile_rows(tmp_path):
         assert row["traced_steps"] == row["decode_steps"]  # a tiny run's trace holds every step
         assert (tmp_path / f"trace_{row['name']}").is_dir()  # tiny traces are kept
     assert "plain (traced)" in result["summary"]
+    # the update: its second call traced, op families in ms per update within its wall time, the estimate
+    update = result["update"]
+    assert update["update_s"] > 0 and update["ops_ms"] and (tmp_path / "trace_update").is_dir()
+    in_ops = sum(op["ms"] for op in update["ops_ms"] if op["process"] == update["ops_ms"][0]["process"])
+    assert 0 < in_ops <= 8 * 1000 * update["update_s"]  # the ops of the 8 test devices' threads, summed
+    assert update["estimate"]["seconds"] > 0 and update["estimate"]["bound"] in ("compute", "hbm", "link")
+    assert "update" in result["summary"]
 
 
 def test_trace_ops_sums_a_trace_by_op_family(tmp_path):
