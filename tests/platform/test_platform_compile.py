@@ -47,13 +47,20 @@ def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology):
     from jaxrl_llm.trainer.memory_plan import plan_for_config
 
     cfg = validate_config(tiny_config(tmp_path, **STEP, **{"trainer.plan_topology": topology}), num_devices=4)
-    plan = plan_for_config(cfg)
+    costs = topology == "v5e:2x2"  # the roofline of every program, on one of the two (a compile or two more each)
+    plan = plan_for_config(cfg, costs=costs)
     target = tpu_target(topology)
     assert {p.name for p in plan.programs} == {"sample", "ref_log_prob", "values", "update_critic",
                                                "update_actor"}
     assert plan.device_memory == target.chip.hbm_bytes
     for p in plan.programs:
         assert 0 < p.total_bytes < target.chip.hbm_bytes and p.flops > 0, p
+        roofline = plan.roofline(p)
+        assert (roofline is not None) == costs, p.name
+        if roofline is not None:
+            assert roofline.seconds > 0 and roofline.cost.hbm_bytes > 0 and roofline.cost.link_bytes > 0, p.name
+    if costs:
+        assert "estimated step:" in plan.table() and "estimated update_actor MFU" in plan.table()
     # the kernels are in the compiled TPU programs: paged attention in the sampler, the fused head elsewhere
     with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)):
         spec, programs = _programs(cfg, target.devices)
@@ -183,7 +190,7 @@ def test_a_context_parallel_step_compiles_for_tpu_and_lowers_for_cuda(tmp_path):
 
     split = {**STEP, "mesh.fsdp": 2, "mesh.context": 2}
     cfg = validate_config(tiny_config(tmp_path, **split, **{"trainer.plan_topology": "v5e:2x2"}), num_devices=4)
-    plan = plan_for_config(cfg)
+    plan = plan_for_config(cfg, costs=False)
     assert all(0 < p.total_bytes for p in plan.programs) and len(plan.programs) == 5
     cfg = validate_config(tiny_config(tmp_path, **split), num_devices=4)
     with compiling_for(CompileTarget("gpu", None)), mesh_context(make_mesh(cfg.mesh, devices=jax.devices()[:4])):

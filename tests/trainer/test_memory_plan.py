@@ -343,7 +343,7 @@ def test_longest_response_per_program_is_the_last_length_that_fits(tmp_path):
         probe = copy.deepcopy(cfg)
         probe.data.max_response_length = probe.actor_rollout_ref.rollout.response_length = response
         probe.actor_rollout_ref.actor.ppo_micro_batch_size_per_device = 1
-        plan = plan_for_config(probe, check=False)
+        plan = plan_for_config(probe, check=False, costs=False)
         return plan.program("update_actor").fits(plan.device_memory)
 
     longest = rows["update_actor"].response_tokens
