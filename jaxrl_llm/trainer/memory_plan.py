@@ -145,8 +145,12 @@ class MemoryPlan:
         for p in self.programs:
             r = times.get(p.name)
             if r is not None and p.model_flops and self.peak_flops:
+                # XLA's count can fall short of the model's (how it partitions a matmul's gradient): then the
+                # estimate's time, and this MFU, are off by that much
+                short = (f"; XLA counts {r.cost.flops / p.model_flops:.2f}x the model's FLOPs"
+                         if r.cost.flops < p.model_flops else "")
                 lines.append(f"estimated {p.name} MFU: {100 * p.model_flops / r.seconds / self.peak_flops:.1f}% "
-                             "(model FLOPs, no recompute)")
+                             f"(model FLOPs, no recompute{short})")
         return lines
 
     def _figures(self) -> str:
