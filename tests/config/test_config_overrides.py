@@ -81,7 +81,7 @@ def test_aliases_map_onto_our_keys(alias, value, key):
 def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
     torch_keys = [
         "actor_rollout_ref.actor.fsdp_config.param_offload=True", "reward_model.model.fsdp_config.param_offload=True",
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True", "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True",
         "actor_rollout_ref.rollout.free_cache_engine=True", "critic.ulysses_sequence_parallel_size=2",
@@ -97,6 +97,13 @@ def test_torch_only_keys_warn_once_each_and_change_nothing(caplog):
     assert len(warned) == len(torch_keys)
     for item, message in zip(torch_keys, warned):
         assert item.split("=")[0] in message and "no effect in jaxrl_llm" in message
+
+
+def test_verl_optimizer_offload_is_our_optim_offload():
+    cfg = apply_overrides(default_config(), ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+                                             "critic.model.fsdp_config.optimizer_offload=True"])
+    assert cfg.actor_rollout_ref.actor.optim.offload is True and cfg.critic.optim.offload is True
+    assert "fsdp_config" not in cfg.actor_rollout_ref.actor and "fsdp_config" not in cfg.critic.model
 
 
 def test_verl_ref_fsdp_param_offload_is_our_ref_param_offload():
