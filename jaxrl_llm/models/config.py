@@ -132,6 +132,10 @@ class ModelConfig:
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
+    # the most (token, expert) assignments one pass of the grouped matmul lays out: more tokens run in
+    # rematerialised chunks of that many (`held_expert_ffn`), so the [assignments, hidden] rows and outputs
+    # never exist whole; under expert parallelism a device lays out its whole expert group's tokens
+    moe_chunk_rows: int = 65536
     # attention under context parallelism (CONTEXT_ATTENTION; the config's mesh.context_attention)
     context_attention: str = "ring"
     # layers per trip of the layer scan (`lax.scan(unroll=...)` in models/decoder.py); same numbers
@@ -176,6 +180,9 @@ class ModelConfig:
             raise ValueError(f"context_attention={self.context_attention!r}; expected one of {CONTEXT_ATTENTION}")
         if self.moe_block_rows < 1:
             raise ValueError(f"moe_block_rows={self.moe_block_rows} must be positive")
+        if self.moe_chunk_rows < self.moe_block_rows:
+            raise ValueError(f"moe_chunk_rows={self.moe_chunk_rows} must be at least moe_block_rows="
+                             f"{self.moe_block_rows}")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(

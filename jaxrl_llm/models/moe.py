@@ -233,13 +233,17 @@ def routed_expert_flops(cfg: ModelConfig, tokens: float) -> float:
     return per_token * len(cfg.moe_layer_ids) * tokens
 
 
-def uncounted_expert_flops(cfg: ModelConfig, tokens: float) -> float:
-    """The routed-expert FLOPs XLA's cost analysis misses for `tokens` forward-equivalent token passes:
-    the `blocked` kernel is a loop whose body (one block) it counts once. 0 for a dense model or the
-    `ragged_dot` kernel (one op)."""
-    if not cfg.is_moe or resolve_kernel(cfg.moe_kernel) != "blocked":
+def uncounted_expert_flops(cfg: ModelConfig, tokens: float, layout_tokens: int = 0) -> float:
+    """The routed-expert FLOPs XLA's cost analysis misses for `tokens` forward-equivalent token passes,
+    `layout_tokens` of them laid out at once on a device (`held_expert_ffn`): the `blocked` kernel is a
+    loop whose body (one block) it counts once; the `ragged_dot` kernel is one op, counted once per
+    chunk loop (`token_chunks`). 0 for a dense model."""
+    if not cfg.is_moe:
         return 0.0
-    return routed_expert_flops(cfg, tokens)
+    if resolve_kernel(cfg.moe_kernel) == "blocked":
+        return routed_expert_flops(cfg, tokens)
+    chunks = token_chunks(layout_tokens, cfg.num_experts_per_tok, cfg.moe_chunk_rows) if layout_tokens else 1
+    return routed_expert_flops(cfg, tokens) * (1.0 - 1.0 / chunks)
 
 
 def active_params(cfg: ModelConfig, num_params: int) -> int:
@@ -277,7 +281,39 @@ def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cf
                     kernel: str | None = None, unroll: int | bool = 1) -> Array:
     """`expert_ffn` over the experts `experts` holds ([E_held, ...]): all of them, or one device's
     share under expert parallelism, where an id equal to E_held marks an assignment another device
-    computes (its weight is 0 and no block runs it). ids / weights [N, k]."""
+    computes (its weight is 0 and no block runs it). ids / weights [N, k].
+
+    More than `cfg.moe_chunk_rows` assignments run in equal chunks of tokens (`lax.map`, each chunk
+    rematerialised in the backward): the same numbers, with the padded rows, their SwiGLU and the
+    [N, k, H] outputs held for one chunk at a time. A Qwen3-30B-A3B update on v5p-32 (16 expert
+    ways, one 5k-token sequence per chip) laid out its group's 655k assignments whole: 5 GiB a buffer."""
+    n, k = ids.shape
+    chunks = token_chunks(n, k, cfg.moe_chunk_rows)
+    if chunks == 1:
+        return _held_expert_ffn(experts, tokens, ids, weights, cfg, dtype=dtype, kernel=kernel, unroll=unroll)
+
+    @jax.checkpoint
+    def one(chunk: tuple[Array, Array, Array]) -> Array:
+        return _held_expert_ffn(experts, *chunk, cfg, dtype=dtype, kernel=kernel, unroll=unroll)
+
+    def split(a: Array) -> Array:
+        return a.reshape(chunks, n // chunks, *a.shape[1:])
+
+    return lax.map(one, (split(tokens), split(ids), split(weights))).reshape(n, tokens.shape[1])
+
+
+def token_chunks(tokens: int, top_k: int, chunk_rows: int) -> int:
+    """How many equal chunks `tokens` tokens of `top_k` assignments each are cut into: the fewest
+    that divide `tokens` with at most `chunk_rows` assignments a chunk (one token a chunk at worst)."""
+    chunks = max(1, -(-tokens * top_k // chunk_rows))
+    while tokens % chunks:
+        chunks += 1
+    return min(chunks, max(tokens, 1))
+
+
+def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: Any,
+                     kernel: str | None, unroll: int | bool) -> Array:
+    """`held_expert_ffn` in one pass."""
     n, hidden = tokens.shape
     held = experts["gate_proj"]["kernel"].shape[0]
     if kernel == "gather" or (kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ContextManager, TypeVar
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxrl_llm.platform.chips import Device
@@ -98,9 +99,21 @@ def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
     shape = tuple(sizes[k] for k in MESH_AXES)
     if math.prod(shape) < len(devices):
         logger.warning("mesh %s uses %d of %d devices", sizes, math.prod(shape), len(devices))
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+    if slices > 1 and math.prod(shape) == len(devices):
+        # multislice: the slices joined over the data-centre network along the outermost axis they divide
+        # (data, else fsdp), every other axis inside a slice on its ICI (MaxText's dcn_data_parallelism)
+        outer = next((i for i, size in enumerate(shape) if size % slices == 0), None)
+        if outer is None:
+            raise ValueError(f"mesh {sizes}: no axis divides into the {slices} slices (make 'data' or 'fsdp' a "
+                             "multiple of the slice count)")
+        dcn = tuple(slices if i == outer else 1 for i in range(len(shape)))
+        ici = tuple(size // d for size, d in zip(shape, dcn))
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
     # jax.make_mesh orders devices for the physical topology (rings on TPU, NVLink islands on GPU).
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 def mesh_context(mesh: Mesh | Any | None) -> ContextManager[Any]:

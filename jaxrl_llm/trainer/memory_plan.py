@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.config.batch_plan import BatchPlan
@@ -118,6 +119,7 @@ class MemoryPlan:
     chip: Chip | None = None  # the device's published figures (None: a CPU, or a device the table lacks)
     hbm_bandwidth: float | None = None  # bytes/s per device where the chip table has none (a measured CPU)
     num_devices: int | None = None  # the mesh's
+    hosts: tuple[str, ...] = ()  # what each process of a multi-host mesh loads, writes and exchanges (`hosts_lines`)
 
     def program(self, name: str) -> ProgramMemory:
         return next(p for p in self.programs if p.name == name)
@@ -165,21 +167,22 @@ class MemoryPlan:
     def table(self) -> str:
         mem = "unknown (no limit)" if self.device_memory is None else _gib(self.device_memory)
         lines = [f"compiled for {self.target}"] if self.target else []
+        lines += list(self.hosts)
         lines += [f"memory plan (per device; device memory {mem}, {self.device_memory_source}):",
                  f"{'program':<14}{'micro':>6}{'args':>10}{'outputs':>10}{'temps':>10}{'resident':>10}"
-                 f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'GFLOP':>10}{'GB HBM':>9}"
-                 f"{'GB link':>9}{'est. s':>9}{'bound':>8}"]
+                 f"{'total':>10}{'fit':>5}{'params':>10}{'opt':>10}{'KV':>10}{'TFLOP':>10}{'GB HBM':>10}"
+                 f"{'GB link':>10}{'est. s':>10}{'bound':>8}"]
         for p in self.programs:
             fit = "-" if self.device_memory is None else ("ok" if p.fits(self.device_memory) else "NO")
             if p.note:
                 fit += "*"
             r = self.roofline(p)
             if r is not None:
-                work = f"{r.cost.flops / 1e9:>10.1f}{r.cost.hbm_bytes / 1e9:>9.1f}{r.cost.link_bytes / 1e9:>9.2f}"
-                secs = f"{r.seconds:9.3f}{r.bound:>8}"
+                work = f"{r.cost.flops / 1e12:>10.2f}{r.cost.hbm_bytes / 1e9:>10.1f}{r.cost.link_bytes / 1e9:>10.1f}"
+                secs = f"{r.seconds:10.2f}{r.bound:>8}"
             else:
-                work = f"{p.flops / 1e9:>10.1f}{'-':>9}{'-':>9}"
-                secs = (f"{p.flops / self.peak_flops:9.3f}" if self.peak_flops else f"{'-':>9}") + f"{'-':>8}"
+                work = f"{p.flops / 1e12:>10.2f}{'-':>10}{'-':>10}"
+                secs = (f"{p.flops / self.peak_flops:10.2f}" if self.peak_flops else f"{'-':>10}") + f"{'-':>8}"
             lines.append(f"{p.name:<14}{p.micro if p.micro is not None else '-':>6}{_gib(p.argument_bytes):>10}"
                          f"{_gib(p.output_bytes):>10}{_gib(p.temp_bytes):>10}{_gib(p.resident_bytes):>10}"
                          f"{_gib(p.total_bytes):>10}{fit:>5}{_gib(p.params_bytes):>10}{_gib(p.opt_state_bytes):>10}"
@@ -188,7 +191,7 @@ class MemoryPlan:
         est = f", ~{total / self.peak_flops:.3f} s at {self.peak_source} of {self.peak_flops / 1e12:.2f} " \
               "TFLOP/s" if self.peak_flops else ""
         bp = self.batch_plan
-        lines.append(f"step: {total / 1e9:.2f} GFLOP per device{est}; worst-case shapes (every prompt "
+        lines.append(f"step: {total / 1e12:.2f} TFLOP per device{est}; worst-case shapes (every prompt "
                      f"{bp.max_prompt_length} tokens bucketed, every response {bp.response_length})")
         lines += self.estimates()
         for name, size in self.auto:
@@ -479,10 +482,41 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
         peak_flops, peak_source = device_peak_flops(mesh.devices.flat[0], spec.actor.compute_dtype)
     result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked),
                         target=None if target is None else target.describe(), peak_source=peak_source,
-                        chip=chip, hbm_bandwidth=hbm_bandwidth, num_devices=mesh.size)
+                        chip=chip, hbm_bandwidth=hbm_bandwidth, num_devices=mesh.size,
+                        hosts=hosts_lines(mesh, plan, rows))
     if check:
         result.check()
     return result
+
+
+def slice_crossing_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which neighbouring devices sit in different slices (multislice): their
+    collectives cross the data-centre network (DCN), not the slice's ICI."""
+    slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0)(mesh.devices)
+    return tuple(name for axis, name in enumerate(mesh.axis_names)
+                 if mesh.devices.shape[axis] > 1 and (np.diff(slices, axis=axis) != 0).any())
+
+
+def hosts_lines(mesh: Mesh, plan: BatchPlan, rows: tuple[ProgramMemory, ...]) -> tuple[str, ...]:
+    """For a mesh over several processes (hosts): the process and slice counts, the prompts each
+    process's data loader reads per step (data/loader.py: its contiguous share of the batch), the
+    checkpoint bytes each writes (its devices' shards of the trained state) and the mesh axes whose
+    collectives cross slices. Nothing for a single process."""
+    # compile-only multislice devices number their processes within each slice
+    processes = sorted({(getattr(d, "slice_index", 0) or 0, d.process_index) for d in mesh.devices.flat})
+    if len(processes) <= 1:
+        return ()
+    per_process = mesh.size // len(processes)
+    slices = len({getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat})
+    state = max((p.params_bytes + p.opt_state_bytes for p in rows if p.name.startswith("update_")), default=0)
+    crossing = slice_crossing_axes(mesh)
+    between = ("collectives over mesh axes " + ", ".join(repr(a) for a in crossing) + " cross slices (DCN)"
+               if crossing else "no mesh axis crosses a slice" if slices > 1 else "one slice: every collective on ICI")
+    return (f"hosts: {len(processes)} processes x {per_process} devices, {slices} slice(s); each process reads "
+            f"{plan.prompts // len(processes)} of the step's {plan.prompts} prompts "
+            f"({plan.sequences // len(processes)} of {plan.sequences} sequences) and writes "
+            f"~{_gib(state * per_process)} of each checkpoint (its devices' shards of params and optimizer state); "
+            f"{between}",)
 
 
 def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None, *,

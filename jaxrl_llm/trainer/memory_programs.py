@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -254,7 +255,7 @@ def sample_program(ctx: Context) -> Program:
     decode = lambda plan: per_token * rows * (r - 1) / mesh.size  # noqa: E731
     if spec.rollout_engine.resolved(r, multi_turn=spec.multi_turn is not None).engine == "paged":
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
-    prefill_experts = uncounted_expert_flops(cfg, rows * width) / mesh.size
+    prefill_experts = uncounted_expert_flops(cfg, rows * width, _layout_tokens(ctx, rows, width)) / mesh.size
 
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
         ids = ctx.rows(prompts, width, jnp.int32)
@@ -401,16 +402,17 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
         return (f"{micro.key}={micro.describe()}", *extra_keys, MESH_KEYS)
 
     states = ctx.policy_states if state == "actor_params" else (state,)
-    experts = uncounted_expert_flops(model.cfg, n * t) / ctx.mesh.size  # every row through the experts once
+    def experts(plan: BatchPlan) -> float:  # every row through the experts once
+        return uncounted_expert_flops(model.cfg, n * t, _layout_tokens(ctx, micro_rows(plan), t)) / ctx.mesh.size
     trips = lambda plan: n // micro_rows(plan)  # noqa: E731
     head = Cost() if fn is values_no_grad else head_cost(model.cfg, n * t / ctx.mesh.size, 1,
                                                           settings.get("compute_dtype", "float32"))
 
     def total_cost(plan: BatchPlan, body: Cost) -> Cost:
-        return body * trips(plan) + Cost(flops=experts) + head
+        return body * trips(plan) + Cost(flops=experts(plan)) + head
 
     return Program(name, lower, states, keys, micro_pass=micro_pass, trips=trips,
-                   extra_flops=lambda plan: experts, layers=model.cfg.num_hidden_layers, total_cost=total_cost)
+                   extra_flops=experts, layers=model.cfg.num_hidden_layers, total_cost=total_cost)
 
 
 def _log_prob_settings(ctx: Context, compute_dtype: str) -> dict[str, Any]:
@@ -534,7 +536,11 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
     states = (f"{role}_params", f"{role}_opt") + (("actor_base_params",) if lora else ())
     # each epoch: forward + backward (2x) through the experts, and the forward again under remat
     passes = s.ppo_epochs * (3 + (s.remat != "none"))
-    experts = uncounted_expert_flops(model.cfg, passes * n * t) / ctx.mesh.size
+
+    def experts(plan: BatchPlan) -> float:
+        micro = n // math.prod(split(plan))
+        return uncounted_expert_flops(model.cfg, passes * n * t, _layout_tokens(ctx, micro, t)) / ctx.mesh.size
+
     # one optimizer step (per mini-batch and epoch, not per micro-batch, though the compiled body holds it):
     # reads params, grads and moments, writes params and moments
     param_bytes, opt_bytes = bytes_per_device(params), bytes_per_device(opt)
@@ -546,15 +552,23 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
     def total_cost(plan: BatchPlan, body: Cost) -> Cost:
         num_mini, _ = split(plan)
         steps = s.ppo_epochs * num_mini
-        return ((body - optimizer_step).at_least_zero() * trips(plan) + optimizer_step * steps + Cost(flops=experts)
+        return ((body - optimizer_step).at_least_zero() * trips(plan) + optimizer_step * steps
+                + Cost(flops=experts(plan))
                 + head)
 
     per_token = per_token_forward_flops(matmul_params(cfg, model.num_params), cfg.num_hidden_layers,
                                         cfg.num_attention_heads * cfg.head_dim, rollout_context(np.array([t])))
     model_flops = s.ppo_epochs * 3.0 * per_token * n * t / ctx.mesh.size  # forward + backward, no recompute
     return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips,
-                   extra_flops=lambda plan: experts, layers=cfg.num_hidden_layers, total_cost=total_cost,
+                   extra_flops=experts, layers=cfg.num_hidden_layers, total_cost=total_cost,
                    model_flops=lambda plan: model_flops)
+
+
+def _layout_tokens(ctx: Context, rows: int, t: int) -> int:
+    """Tokens one device lays out at once in a MoE layer for `rows` rows of `t` tokens over the mesh:
+    its own share of the batch, times the expert ways (expert parallelism gathers its group's tokens)."""
+    ways = dict(ctx.mesh.shape).get("expert", 1)
+    return max(1, rows * t * ways // max(1, batch_axis_size(ctx.mesh)))
 
 
 def critic_update_program(ctx: Context) -> Program | None:

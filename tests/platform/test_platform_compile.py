@@ -181,6 +181,34 @@ def test_plan_cli_compiles_for_a_named_slice(tmp_path):
 
 
 @needs_libtpu
+def test_a_multi_host_plan_says_what_each_process_loads_and_which_axes_cross_slices():
+    """v5e-32 is 8 hosts of 4 chips; two v5e-8 slices join over DCN along 'data' (the outermost axis the
+    slice count divides), every other axis staying on a slice's ICI. No compile: the mesh and the lines."""
+    import types
+
+    from jaxrl_llm.trainer.memory_plan import ProgramMemory, hosts_lines, slice_crossing_axes
+
+    update = ProgramMemory("update_actor", 0, 0, 0, 0, 0, 0, params_bytes=1 << 30, opt_state_bytes=2 << 30,
+                           kv_bytes=0, flops=0.0, micro=1, keys=())
+    plan = types.SimpleNamespace(prompts=64, sequences=512)
+    pod = make_mesh({"fsdp": -1}, devices=tpu_target("v5e-32").devices)
+    assert slice_crossing_axes(pod) == ()
+    (line,) = hosts_lines(pod, plan, (update,))
+    assert line.startswith("hosts: 8 processes x 4 devices, 1 slice(s); each process reads 8 of the step's 64 "
+                           "prompts (64 of 512 sequences) and writes ~12.000G of each checkpoint"), line
+    assert "one slice: every collective on ICI" in line
+    two = tpu_target("v5e-8", num_slices=2)
+    mesh = make_mesh({"data": 2, "fsdp": -1}, devices=two.devices)
+    assert dict(mesh.shape)["data"] == 2 and slice_crossing_axes(mesh) == ("data",)
+    slices = [{d.slice_index for d in row.flat} for row in mesh.devices]  # each data row: one slice
+    assert slices == [{0}, {1}]
+    (line,) = hosts_lines(mesh, plan, (update,))
+    assert "4 processes x 4 devices, 2 slice(s)" in line and "mesh axes 'data' cross slices (DCN)" in line
+    assert slice_crossing_axes(make_mesh({"fsdp": -1}, devices=two.devices)) == ("fsdp",)
+    assert hosts_lines(make_mesh({"fsdp": -1}, devices=jax.devices()), plan, (update,)) == ()  # one process
+
+
+@needs_libtpu
 def test_a_context_parallel_step_compiles_for_tpu_and_lowers_for_cuda(tmp_path):
     """Every program of a step on (fsdp 2, context 2): ring attention in the training passes, compiled for
     v5e:2x2 and lowered for CUDA; and a 4096-token row's blockwise attention (value and gradient)

@@ -146,7 +146,9 @@ def test_prime_manager_survives_raising_hanging_and_dying_scorers(reward_file):
         elapsed = time.monotonic() - t0
         np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0, 0, 0.5, 1]))
         assert result.metrics["reward/num_timeouts"] == 1.0 and result.metrics["reward/num_errors"] == 2.0
-        assert elapsed < 8.0, elapsed
+        # the hanging scorer never returns: coming back at all is the timeout; the bound leaves room for a
+        # loaded CI machine respawning the dead worker (12 s seen there)
+        assert elapsed < 60.0, elapsed
         again = manager.score(["1", "2"], ["s", "s"], ["1", "1"])  # the pool was repaired
         np.testing.assert_array_equal(again.scores, np.float32([1, 0]))
         assert again.metrics["reward/num_errors"] == 0.0
@@ -195,7 +197,7 @@ def test_naive_manager_times_out_and_survives_system_exit(reward_file):
     elapsed = time.monotonic() - t0
     np.testing.assert_array_equal(result.scores, np.float32([1, 0, 0, 0, 0, 1]))
     assert result.metrics["reward/num_timeouts"] == 2.0 and result.metrics["reward/num_errors"] == 2.0
-    assert 0.6 <= elapsed < 3.0, elapsed
+    assert 0.6 <= elapsed < 15.0, elapsed
     # the timer is off and the previous SIGALRM handler is back after the calls
     import signal
 
@@ -228,7 +230,7 @@ def test_naive_timeout_off_the_main_thread(reward_file):
     thread.start()
     thread.join(30)
     np.testing.assert_array_equal(out["r"].scores, np.float32([1, 0, 0, 1]))
-    assert out["r"].metrics["reward/num_timeouts"] == 2.0 and 0.6 <= out["elapsed"] < 3.0, out
+    assert out["r"].metrics["reward/num_timeouts"] == 2.0 and 0.6 <= out["elapsed"] < 15.0, out
     assert out["after"].metrics["reward/num_timeouts"] == 0.0 and out["after"].scores.sum() == 50
 
 

@@ -69,7 +69,7 @@ def test_plan_lists_every_program_with_real_bytes(tmp_path):
     # the reference is stored in the compute dtype: half the fp32 policy's bytes
     assert planner.state_bytes["ref_params"] * 2 == pytest.approx(actor_params, rel=0.01)
     assert plan.program("sample").kv_bytes > 0
-    assert "update_actor" in table and "GFLOP" in table
+    assert "update_actor" in table and "TFLOP" in table
 
 
 def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
