@@ -697,8 +697,9 @@ MESH = {
     "rollout_devices": field(None, "Split mesh: a device count (the last N devices) or a list of device ids that "
                                    "only generate; the rest train (data/fsdp/tensor apply to them). Weights move "
                                    "device to device every synchronizer.sync_interval steps; generation runs "
-                                   "while the trainer updates (docs/async.md). None = one device set. "
-                                   "Single-process only. jaxrl_llm-only.", types=(int, list)),
+                                   "while the trainer updates (docs/async.md). None = one device set. Across "
+                                   "processes, give each host the same share of both (a list of ids). "
+                                   "jaxrl_llm-only.", types=(int, list)),
 }
 
 SYNCHRONIZER = {

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.platform.chips import Device
@@ -85,8 +86,47 @@ def shardings_on(tree: Any, mesh: Mesh) -> Any:
 
 
 def transfer(tree: Any, mesh: Mesh) -> Any:
-    """`tree`'s arrays moved onto `mesh` (device to device; new buffers, never aliases)."""
-    return jax.device_put(tree, shardings_on(tree, mesh), may_alias=False)
+    """`tree`'s arrays moved onto `mesh` (device to device; new buffers, never aliases). Across
+    processes `jax.device_put` refuses meshes of different device sets (outside Pathways / TPU's TFRT
+    runtime): there each array moves by `_transfer_across_processes`."""
+    return move(tree, shardings_on(tree, mesh))
+
+
+def move(tree: Any, shardings: Any) -> Any:
+    """`tree`'s arrays as new buffers on `shardings` (a tree of them, or one for every array), whatever
+    devices they are on now: `jax.device_put`, or across processes `_transfer_across_processes`."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings, may_alias=False)
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(_transfer_across_processes, tree, shardings)
+    return jax.tree.map(lambda x: _transfer_across_processes(x, shardings), tree)
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _transfer_across_processes(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+    """`x` on `target` in a multi-process run. Where every target shard's data is on a source device of
+    the same process (a split that gives each host's training and rollout devices the same layout),
+    each process copies its own shards device to device; otherwise the array is all-gathered to every
+    host and each process places its target shards from host memory. The choice is made from the
+    global shardings alone, so every process takes the same path (the gather is a collective)."""
+    if x.sharding.device_set == target.device_set:
+        return jax.device_put(x, target, may_alias=False)
+    sources: dict[tuple[int, tuple], Any] = {}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        sources.setdefault((device.process_index, _index_key(index)), device)
+    wanted = {d: sources.get((d.process_index, _index_key(index)))
+              for d, index in target.devices_indices_map(x.shape).items()}
+    if all(source is not None for source in wanted.values()):
+        local = {shard.device: shard.data for shard in x.addressable_shards}
+        me = jax.process_index()
+        shards = [jax.device_put(local[source], device, may_alias=False) for device, source in wanted.items()
+                  if device.process_index == me]
+        return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+    whole = multihost_utils.process_allgather(x, tiled=True)
+    return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
 
 
 def copy_tree(tree: Any) -> Any:

@@ -500,8 +500,8 @@ def slice_crossing_axes(mesh: Mesh) -> tuple[str, ...]:
 def hosts_lines(mesh: Mesh, plan: BatchPlan, rows: tuple[ProgramMemory, ...]) -> tuple[str, ...]:
     """For a mesh over several processes (hosts): the process and slice counts, the prompts each
     process's data loader reads per step (data/loader.py: its contiguous share of the batch), the
-    checkpoint bytes each writes (its devices' shards of the trained state) and the mesh axes whose
-    collectives cross slices. Nothing for a single process."""
+    trained state its devices hold (what its checkpoint shards come from; orbax writes a replicated
+    shard once) and the mesh axes whose collectives cross slices. Nothing for a single process."""
     # compile-only multislice devices number their processes within each slice
     processes = sorted({(getattr(d, "slice_index", 0) or 0, d.process_index) for d in mesh.devices.flat})
     if len(processes) <= 1:
@@ -514,9 +514,9 @@ def hosts_lines(mesh: Mesh, plan: BatchPlan, rows: tuple[ProgramMemory, ...]) ->
                if crossing else "no mesh axis crosses a slice" if slices > 1 else "one slice: every collective on ICI")
     return (f"hosts: {len(processes)} processes x {per_process} devices, {slices} slice(s); each process reads "
             f"{plan.prompts // len(processes)} of the step's {plan.prompts} prompts "
-            f"({plan.sequences // len(processes)} of {plan.sequences} sequences) and writes "
-            f"~{_gib(state * per_process)} of each checkpoint (its devices' shards of params and optimizer state); "
-            f"{between}",)
+            f"({plan.sequences // len(processes)} of {plan.sequences} sequences) and holds "
+            f"{_gib(state * per_process)} of params and optimizer state (its checkpoint writes are its shards of "
+            f"that: all of it where the state is split, less where replicated); {between}",)
 
 
 def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None, *,

@@ -21,8 +21,9 @@ Threads: one worker runs the jobs in launch order (the data order and every step
 a synchronous run); JAX dispatch is thread-safe, so its device work interleaves with the
 trainer's and its host work (decoding, scoring, loading) overlaps the trainer's device work.
 With several processes every process must issue the same programs in the same order, which two
-threads cannot promise: there the jobs run inline (same schedule and staleness, no overlap),
-and a split mesh is refused.
+threads cannot promise: there the jobs run inline (same schedule and staleness, no overlap). A
+split mesh spanning several processes moves weights and rollouts with `sharding.split.move`
+(`jax.device_put` alone refuses meshes of different device sets across processes outside Pathways).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.config.spec import SyncSpec
 from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.sharding import rows_sharding
-from jaxrl_llm.sharding.split import copy_tree, transfer
+from jaxrl_llm.sharding.split import copy_tree, move, transfer
 from jaxrl_llm.trainer.roles import TrainedRole
 from jaxrl_llm.trainer.rollout_batch import Rollout
 
@@ -73,9 +74,6 @@ class RolloutPipeline:
                  total_steps: int):
         self.sync, self.actor, self.loader, self.generate, self.rng_for = sync, actor, loader, generate, rng_for
         self.train_mesh, self.rollout_mesh, self.total_steps = train_mesh, rollout_mesh, total_steps
-        if rollout_mesh is not None and jax.process_count() > 1:
-            raise ValueError("mesh.rollout_devices: the split mesh is single-process only (two threads cannot "
-                             "keep every process's programs in the same order)")
         self.threaded = sync.sync_offset > 0 and jax.process_count() == 1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.threaded else None
         self._pending: dict[int, Future | Prepared] = {}
@@ -266,5 +264,5 @@ def to_mesh(rollout: Rollout, mesh: Mesh) -> Rollout:
     """The rollout's device arrays moved onto `mesh`, rows split over its batch axes (replicated when
     the rows do not divide them)."""
     fields = DEVICE_FIELDS + (("routing",) if rollout.routing is not None else ())
-    moved = {f: jax.device_put(getattr(rollout, f), rows_sharding(mesh, getattr(rollout, f).shape)) for f in fields}
+    moved = {f: move(getattr(rollout, f), rows_sharding(mesh, getattr(rollout, f).shape)) for f in fields}
     return dataclasses.replace(rollout, **moved)

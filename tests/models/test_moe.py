@@ -19,8 +19,8 @@ from jaxrl_llm.models.moe import (
     load_balancing_loss,
     num_blocks,
     route,
-    token_chunks,
     router_z_loss,
+    token_chunks,
 )
 
 

@@ -195,7 +195,7 @@ def test_a_multi_host_plan_says_what_each_process_loads_and_which_axes_cross_sli
     assert slice_crossing_axes(pod) == ()
     (line,) = hosts_lines(pod, plan, (update,))
     assert line.startswith("hosts: 8 processes x 4 devices, 1 slice(s); each process reads 8 of the step's 64 "
-                           "prompts (64 of 512 sequences) and writes ~12.000G of each checkpoint"), line
+                           "prompts (64 of 512 sequences) and holds 12.000G of params and optimizer state"), line
     assert "one slice: every collective on ICI" in line
     two = tpu_target("v5e-8", num_slices=2)
     mesh = make_mesh({"data": 2, "fsdp": -1}, devices=two.devices)

@@ -110,3 +110,45 @@ def test_harness_reports_failures_from_every_process():
     hang = "import time\ntime.sleep(60)\n"
     with pytest.raises(MultiProcessError, match="timed out after 2 s"):
         run_processes(hang, num_processes=2, timeout=2)
+
+
+SPLIT_TRANSFER = """
+import json
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxrl_llm import sharding
+from jaxrl_llm.sharding.split import move, transfer
+sharding.initialize()
+devices = jax.devices()  # process 0: positions 0-3, process 1: 4-7
+mesh = lambda positions: Mesh(np.array([devices[i] for i in positions]), ("fsdp",))
+whole = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+source = jax.make_array_from_callback(whole.shape, NamedSharding(mesh([0, 1, 4, 5]), P("fsdp")),
+                                      lambda index: whole[index])
+out = {}
+# each process's rows stay on its own devices: copied device to device
+local = transfer({"w": source}, mesh([2, 3, 6, 7]))["w"]
+# process 1's devices first: its shards need process 0's rows, so the array travels through the hosts
+crossed = transfer({"w": source}, mesh([6, 7, 2, 3]))["w"]
+back = move(crossed, NamedSharding(mesh([0, 1, 4, 5]), P(None, "fsdp")))  # and a new layout on the way back
+for name, array in (("local", local), ("crossed", crossed), ("back", back)):
+    out[name] = {"devices": sorted(d.id for d in array.sharding.device_set),
+                 "shards": sorted([int(s.data[0, 0]), s.device.id] for s in array.addressable_shards),
+                 "equal": all(np.array_equal(np.asarray(s.data), whole[s.index]) for s in array.addressable_shards)}
+print(json.dumps(out))
+"""
+
+
+def test_arrays_move_between_meshes_that_span_both_processes():
+    """`mesh.rollout_devices` across hosts: jax.device_put refuses meshes of different device sets in
+    multi-controller JAX, so `sharding.split.transfer` copies each process's own shards, or, where a
+    target shard's rows live on the other process, goes through the hosts; every shard holds its rows."""
+    results = run_processes(SPLIT_TRANSFER, num_processes=2, devices_per_process=4, timeout=240)
+    for proc in results:
+        for name in ("local", "crossed", "back"):
+            assert proc.json[name]["equal"], (proc.process_id, name, proc.json[name])
+    first, second = (r.json for r in results)
+    assert first["local"]["devices"] == second["local"]["devices"] and len(first["local"]["devices"]) == 4
+    # mesh([6, 7, 2, 3]): process 0's devices hold rows 4-7 (the second half), which process 1 held
+    assert [value for value, _ in first["crossed"]["shards"]] == [32, 48]  # whole[4, 0], whole[6, 0]
+    assert [value for value, _ in second["crossed"]["shards"]] == [0, 16]

@@ -1,5 +1,8 @@
 """One process of a multi-process tiny training run (launched by tests/multiprocess_util.py):
-`python mp_trainer_worker.py RUN_DIR STEPS`; prints the last step's metrics as one JSON line."""
+`python mp_trainer_worker.py RUN_DIR STEPS [split]`; prints the last step's metrics as one JSON line.
+`split`: the rollout on its own mesh of the devices at positions 2, 3, 6, 7 of the 8 (each process's
+last two of four when there are two), the training mesh on the others: both meshes span both processes,
+so the weights move between meshes across processes at every sync."""
 import importlib.util
 import json
 import pathlib
@@ -24,6 +27,11 @@ def main() -> None:
     cfg.trainer.save_freq = steps
     cfg.trainer.export_hf = True
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 2
+    if sys.argv[3:] == ["split"]:
+        import jax
+
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 2, 2
+        cfg.mesh.rollout_devices = [d.id for i, d in enumerate(jax.devices()) if i % 4 >= 2]
 
     from jaxrl_llm.trainer import Trainer
 
