@@ -41,6 +41,19 @@ def _programs(cfg, devices):
     return spec, [p for p in (build(ctx) for build in PROGRAM_BUILDERS) if p is not None]
 
 
+def _compiled_program(tmp_path, overrides: dict, name: str):
+    """(program `name` of the tiny run with `overrides` on a v5e:2x2 plan, its TPU compile)."""
+    from jaxrl_llm.config import resolve as resolve_spec
+    from jaxrl_llm.trainer.memory_plan import Planner, planning_context, planning_setup
+
+    cfg = validate_config(tiny_config(tmp_path, **overrides), num_devices=4)
+    target, mesh, tokenizer = planning_setup(cfg)
+    spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
+    with planning_context(mesh, target):
+        program = next(p for p in Planner(spec, mesh, tokenizer).programs if p.name == name)
+        return program, program.lower(spec.plan).compile()
+
+
 @needs_libtpu
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology):
@@ -250,9 +263,6 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
     5.0x the pool here (Mosaic; 2.0x on the XLA path), 4-6x at Qwen2-0.5B's shape (bench/tpu_plan.py)."""
     import re
 
-    from jaxrl_llm.config import resolve as resolve_spec
-    from jaxrl_llm.trainer.memory_plan import Planner, planning_context, planning_setup
-
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
                  "actor_rollout_ref.rollout.paged_attention": attention, "trainer.plan_topology": "v5e:2x2",
                  "data.max_prompt_length": 64, "data.max_response_length": 256, "data.train_batch_size": 8,
@@ -260,12 +270,7 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
                  "actor_rollout_ref.model.tiny.num_hidden_layers": 8,
                  "actor_rollout_ref.model.tiny.max_position_embeddings": 1024,
                  "actor_rollout_ref.model.tiny.hidden_size": 256}  # 4 heads of 64
-    cfg = validate_config(tiny_config(tmp_path, **overrides), num_devices=4)
-    target, mesh, tokenizer = planning_setup(cfg)
-    spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
-    with planning_context(mesh, target):
-        program = next(p for p in Planner(spec, mesh, tokenizer).programs if p.name == "sample")
-        compiled = program.lower(spec.plan).compile()
+    program, compiled = _compiled_program(tmp_path, overrides, "sample")
     memory = compiled.memory_analysis()
     assert program.kv_bytes >= 64 * 2**20  # too large for the compiler to keep a copy in on-chip memory
     assert memory.temp_size_in_bytes < 0.1 * program.kv_bytes, (memory.temp_size_in_bytes, program.kv_bytes)
@@ -324,9 +329,6 @@ def test_the_update_keeps_its_rows_split_over_fsdp_on_tpu(tmp_path):
     update on v5e-32 asked for 43 GiB; 10.8 GiB with it)."""
     import re
 
-    from jaxrl_llm.config import resolve as resolve_spec
-    from jaxrl_llm.trainer.memory_plan import Planner, planning_context, planning_setup
-
     overrides = {"trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.dtype": "bfloat16",
                  "data.max_prompt_length": 64, "data.max_response_length": 960, "data.train_batch_size": 2,
                  "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
@@ -335,12 +337,7 @@ def test_the_update_keeps_its_rows_split_over_fsdp_on_tpu(tmp_path):
                  "actor_rollout_ref.model.tiny.hidden_size": 512,
                  "actor_rollout_ref.model.tiny.intermediate_size": 4096,
                  "actor_rollout_ref.model.tiny.num_attention_heads": 8}
-    cfg = validate_config(tiny_config(tmp_path, **overrides), num_devices=4)
-    target, mesh, tokenizer = planning_setup(cfg)
-    spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
-    with planning_context(mesh, target):
-        program = next(p for p in Planner(spec, mesh, tokenizer).programs if p.name == "update_actor")
-        compiled = program.lower(spec.plan).compile()
+    _, compiled = _compiled_program(tmp_path, overrides, "update_actor")
     text = compiled.as_text()
     assert "f32[1,1024,4096]" in text  # one row's MLP activations per chip
     assert not re.findall(r"f32\[4,1024,4096\]|f32\[4096,4096\]", text)  # not the four rows of the mesh
