@@ -181,11 +181,15 @@ def test_plan_cli_compiles_for_a_named_slice(tmp_path):
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     config = root / "configs" / "tiny.py"
+    # two slices of four chips, one per 'data' row: every program compiled for the multislice mesh
     done = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={config}",
-                           "--plan", "--topology=v5e-4", "--", f"trainer.default_local_dir={tmp_path}"],
+                           "--plan", "--topology=v5e-4", "--num_slices=2", "--", "mesh.data=2",
+                           f"trainer.default_local_dir={tmp_path}"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled for v5e-4 (v5e:2x2: 4 TPU v5e chips" in done.stdout
+    assert "compiled for v5e-4 (v5e:2x2 x 2 slices: 8 TPU v5e chips" in done.stdout
+    assert "hosts: 2 processes x 4 devices, 2 slice(s)" in done.stdout
+    assert "collectives over mesh axes 'data' cross slices (DCN)" in done.stdout
     assert "the target chip's published HBM" in done.stdout and "update_actor" in done.stdout
     assert not list(tmp_path.iterdir())  # a plan writes nothing
     bad = subprocess.run([sys.executable, str(root / "launch" / "train.py"), f"--config={root / 'configs' / 'tiny.py'}",
