@@ -122,6 +122,8 @@ def tpu_target(name: str, num_slices: int = 1) -> TpuTarget:
     kwargs: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
     if topology.startswith("v4:"):  # one JAX device per chip (its two TensorCores as one), as v4 pods run
         kwargs["chip_config_name"] = "megacore"
+    if topology.endswith(":2x4"):  # GCP's v5e-8 / v6e-8 are one VM of 8 chips (larger slices: 4 a host)
+        kwargs["chips_per_host_bounds"] = (2, 4, 1)
     try:
         devices = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs).devices
     except Exception as err:  # libtpu's own message names what it did not accept

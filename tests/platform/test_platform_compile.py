@@ -199,7 +199,7 @@ def test_plan_cli_compiles_for_a_named_slice(tmp_path):
 
 @needs_libtpu
 def test_a_multi_host_plan_says_what_each_process_loads_and_which_axes_cross_slices():
-    """v5e-32 is 8 hosts of 4 chips; two v5e-8 slices join over DCN along 'data' (the outermost axis the
+    """v5e-32 is 8 hosts of 4 chips, v5e-8 one of 8; two v5e-8 slices join over DCN along 'data' (the outermost axis the
     slice count divides), every other axis staying on a slice's ICI. No compile: the mesh and the lines."""
     import types
 
@@ -220,7 +220,7 @@ def test_a_multi_host_plan_says_what_each_process_loads_and_which_axes_cross_sli
     slices = [{d.slice_index for d in row.flat} for row in mesh.devices]  # each data row: one slice
     assert slices == [{0}, {1}]
     (line,) = hosts_lines(mesh, plan, (update,))
-    assert "4 processes x 4 devices, 2 slice(s)" in line and "mesh axes 'data' cross slices (DCN)" in line
+    assert "2 processes x 8 devices, 2 slice(s)" in line and "mesh axes 'data' cross slices (DCN)" in line
     assert slice_crossing_axes(make_mesh({"fsdp": -1}, devices=two.devices)) == ("fsdp",)
     assert hosts_lines(make_mesh({"fsdp": -1}, devices=jax.devices()), plan, (update,)) == ()  # one process
 
