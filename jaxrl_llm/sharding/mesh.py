@@ -85,6 +85,11 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any] | Any | None, num_devices: in
     return sizes
 
 
+def slice_of(device: Device) -> int:
+    """The multislice slice a device is in (0 for a device of a single slice, which may not say)."""
+    return getattr(device, "slice_index", 0) or 0
+
+
 def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
               devices: Sequence[Device] | None = None) -> Mesh:
     """Builds the ('data', 'fsdp', 'expert', 'tensor') mesh over `devices` (default: all global devices).
@@ -100,7 +105,7 @@ def make_mesh(mesh_cfg: Mapping[str, Any] | Any | None = None,
     if math.prod(shape) < len(devices):
         logger.warning("mesh %s uses %d of %d devices", sizes, math.prod(shape), len(devices))
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
-    slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+    slices = len({slice_of(d) for d in devices})
     if slices > 1 and math.prod(shape) == len(devices):
         # multislice: the slices joined over the data-centre network along the outermost axis they divide
         # (data, else fsdp), every other axis inside a slice on its ICI (MaxText's dcn_data_parallelism)

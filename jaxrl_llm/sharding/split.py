@@ -97,9 +97,9 @@ def move(tree: Any, shardings: Any) -> Any:
     devices they are on now: `jax.device_put`, or across processes `_transfer_across_processes`."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings, may_alias=False)
-    if not isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(_transfer_across_processes, tree, shardings)
-    return jax.tree.map(lambda x: _transfer_across_processes(x, shardings), tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(_transfer_across_processes, tree, shardings)
 
 
 def _index_key(index: tuple[slice, ...]) -> tuple:

@@ -49,7 +49,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.platform.chips import Chip, chip_for
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, planning_in_use, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
-from jaxrl_llm.sharding.mesh import mesh_context
+from jaxrl_llm.sharding.mesh import mesh_context, slice_of
 from jaxrl_llm.trainer.memory_programs import (
     PROGRAM_BUILDERS,
     Context,
@@ -492,7 +492,7 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
 def slice_crossing_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes along which neighbouring devices sit in different slices (multislice): their
     collectives cross the data-centre network (DCN), not the slice's ICI."""
-    slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0)(mesh.devices)
+    slices = np.vectorize(slice_of)(mesh.devices)
     return tuple(name for axis, name in enumerate(mesh.axis_names)
                  if mesh.devices.shape[axis] > 1 and (np.diff(slices, axis=axis) != 0).any())
 
@@ -503,11 +503,11 @@ def hosts_lines(mesh: Mesh, plan: BatchPlan, rows: tuple[ProgramMemory, ...]) ->
     trained state its devices hold (what its checkpoint shards come from; orbax writes a replicated
     shard once) and the mesh axes whose collectives cross slices. Nothing for a single process."""
     # compile-only multislice devices number their processes within each slice
-    processes = sorted({(getattr(d, "slice_index", 0) or 0, d.process_index) for d in mesh.devices.flat})
+    processes = sorted({(slice_of(d), d.process_index) for d in mesh.devices.flat})
     if len(processes) <= 1:
         return ()
     per_process = mesh.size // len(processes)
-    slices = len({getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat})
+    slices = len({index for index, _ in processes})
     state = max((p.params_bytes + p.opt_state_bytes for p in rows if p.name.startswith("update_")), default=0)
     crossing = slice_crossing_axes(mesh)
     between = ("collectives over mesh axes " + ", ".join(repr(a) for a in crossing) + " cross slices (DCN)"
