@@ -312,7 +312,7 @@ def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
         rollout_data_dir=_location(t.rollout_data_dir), validation_data_dir=_location(t.validation_data_dir),
         seed=int(t.seed), export_hf=bool(t.export_hf), memory_plan=bool(t.memory_plan),
         device_memory_gb=None if t.device_memory_gb is None else float(t.device_memory_gb),
-        plan_topology=t.plan_topology, plan_num_slices=int(t.plan_num_slices))
+        plan_topology=t.plan_topology, plan_num_slices=int(t.plan_num_slices), memory_levers=tuple(t.memory_levers))
 
 
 def _location(path: str | None) -> str | None:

@@ -279,6 +279,7 @@ class TrainerSpec:
     device_memory_gb: float | None = None  # the memory plan's device memory; None = the device's own
     plan_topology: str | None = None  # the memory plan's TPU slice (platform/tpu.py); None = the local devices
     plan_num_slices: int = 1
+    memory_levers: tuple[str, ...] = ()  # what the memory plan may change to fit (trainer/memory_levers.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -669,6 +669,14 @@ TRAINER = {
                                  "published bf16 peak, and 'auto' micro-batch sizes resolve against it. Read by "
                                  "launch/train.py --plan (--topology overrides it); a training run on other devices "
                                  "refuses it. jaxrl_llm-only.", types=str),
+    "memory_levers": field(["ref_offload", "teacher_offload", "optimizer_offload", "remat"],
+                           "What the memory plan may change, in this order, when a program of the step does not "
+                           "fit at any micro-batch size: ref_offload / teacher_offload (frozen weights in host "
+                           "memory between their passes), optimizer_offload (the optimizer state in host memory "
+                           "between updates), remat (remat_policy none / dots_saveable -> full), bf16_moments "
+                           "(Adam moments stored in bf16: changes the numbers, so only when listed). Each key it "
+                           "sets is printed with the plan; [] = never change a key, stop with the error instead. "
+                           "jaxrl_llm-only."),
     "plan_num_slices": field(1, "Slices of plan_topology (multislice: the data axis spans them). jaxrl_llm-only.",
                              gt=0),
 }

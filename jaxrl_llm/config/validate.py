@@ -58,6 +58,10 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
                  "the exact vocabulary KL is not available in the training step (it would need the reference's "
                  "logits at every token); use low_var_kl / k3 or a '+' form (jaxrl_llm.losses.token_kl_full "
                  "computes it from hidden states outside the trainer)")
+    for lever in cfg.trainer.memory_levers:
+        if lever not in names.MEMORY_LEVERS:
+            raise ConfigError(f"trainer.memory_levers: unknown lever {lever!r}; valid: "
+                              f"{', '.join(names.MEMORY_LEVERS)}")
     for sink in cfg.trainer.logger:
         if sink not in names.LOGGERS:
             raise ConfigError(f"trainer.logger: unknown sink {sink!r}; valid: {', '.join(names.LOGGERS)}")

@@ -17,6 +17,9 @@ too, counted once (one 2048-token-chunk of the head).
 `auto` micro-batch sizes: for each pass set to 'auto' (BatchPlan.auto_passes), the largest
 divisor of its per-device rows whose program fits is found by bisection over the divisors
 (memory grows with the micro-batch), one compile per probe; probes are cached per process.
+When a program does not fit at any size, the levers of `trainer.memory_levers` are pulled, cheapest
+first (trainer/memory_levers.py: host offload of frozen weights and of the optimizer state, remat),
+and the run trains with the keys they set, which the table prints.
 
 The device memory is `trainer.device_memory_gb`, else the device's `bytes_limit`
 (memory_stats, GPU/TPU); on CPU, without the key, nothing is refused and 'auto' takes the
@@ -50,6 +53,7 @@ from jaxrl_llm.platform.chips import Chip, chip_for
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, planning_in_use, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
 from jaxrl_llm.sharding.mesh import mesh_context, slice_of
+from jaxrl_llm.trainer.memory_levers import fit_with_levers
 from jaxrl_llm.trainer.memory_programs import (
     PROGRAM_BUILDERS,
     Context,
@@ -120,6 +124,9 @@ class MemoryPlan:
     hbm_bandwidth: float | None = None  # bytes/s per device where the chip table has none (a measured CPU)
     num_devices: int | None = None  # the mesh's
     hosts: tuple[str, ...] = ()  # what each process of a multi-host mesh loads, writes and exchanges (`hosts_lines`)
+    levers: tuple[str, ...] = ()  # `key=value` the plan set to make the step fit (trainer/memory_levers.py)
+    levers_left: tuple[str, ...] = ()  # levers this run could still use, not in trainer.memory_levers
+    spec: RunSpec | None = None  # the run as planned: levers pulled, every 'auto' micro-batch resolved
 
     def program(self, name: str) -> ProgramMemory:
         return next(p for p in self.programs if p.name == name)
@@ -196,6 +203,8 @@ class MemoryPlan:
         lines += self.estimates()
         for name, size in self.auto:
             lines.append(f"auto: {self.batch_plan.micro_of(name).key}={size}")
+        for key in self.levers:
+            lines.append(f"auto: {key} (trainer.memory_levers: the step did not fit without it)")
         for p in self.programs:
             if p.note:
                 lines.append(f"* {p.name}: {p.note} (temps: what it asked for)")
@@ -207,7 +216,14 @@ class MemoryPlan:
             return
         for p in self.programs:
             if not p.fits(self.device_memory):
-                raise MemoryPlanError(_does_not_fit(p, self.device_memory, self.device_memory_source))
+                message = _does_not_fit(p, self.device_memory, self.device_memory_source)
+                floor = [self.batch_plan.micro_of(name).key for name, size in self.auto if size == 1]
+                message += "".join(f" (even {key}=1 does not fit)" for key in floor if p.keys[0].startswith(f"{key}="))
+                if self.levers:
+                    message += f"; the plan already set {', '.join(self.levers)}"
+                if self.levers_left:
+                    message += ("; levers trainer.memory_levers does not list: " + "; ".join(self.levers_left))
+                raise MemoryPlanError(message)
 
 
 def _gib(n: int) -> str:
@@ -252,7 +268,7 @@ class Planner:
         # what the programs depend on (not the run dir, data files or logging): equal runs share probes
         self._fingerprint = (repr((spec.model, spec.actor, spec.actor_optim, spec.ref, spec.train_sampling, spec.critic,
                                    spec.critic_model, spec.critic_optim, spec.advantage, spec.rollout_correction,
-                                   spec.sync, spec.rollout_engine, _without_micro(spec.plan))),
+                                   spec.sync, spec.rollout_engine, spec.distillation, _without_micro(spec.plan))),
                              tuple(dict(mesh.shape).items()), tuple(d.id for d in mesh.devices.flat))
 
     def analyse(self, program: Program, plan: BatchPlan) -> ProgramMemory:
@@ -346,8 +362,9 @@ class Planner:
             _CACHE[key] = dataclasses.replace(row, cost=cost, flops=cost.flops, model_flops=model_flops)
         return _CACHE[key]
 
-    def resolve_auto(self, plan: BatchPlan, limit: int | None, source: str) -> tuple[BatchPlan, list[tuple[str, int]]]:
-        """`plan` with each 'auto' micro-batch set to the largest fitting divisor of its rows."""
+    def resolve_auto(self, plan: BatchPlan, limit: int | None) -> tuple[BatchPlan, list[tuple[str, int]]]:
+        """`plan` with each 'auto' micro-batch set to the largest fitting divisor of its rows (1 where none
+        fits: `MemoryPlan.check` then names it)."""
         picked = []
         for name in plan.auto_passes:
             program = next((p for p in self.programs if p.micro_pass == name), None)
@@ -356,18 +373,16 @@ class Planner:
             if program is None or limit is None:  # a pass this step does not run / nothing to fit
                 best = divisors[-1]
             else:
-                best = self._largest_fitting(program, plan, name, divisors, limit, source)
+                best = self._largest_fitting(program, plan, name, divisors, limit)
             plan = plan.with_micro(name, best)
             picked.append((name, best))
         return plan, picked
 
-    def _largest_fitting(self, program: Program, plan: BatchPlan, name: str, divisors: list[int], limit: int,
-                         source: str) -> int:
+    def _largest_fitting(self, program: Program, plan: BatchPlan, name: str, divisors: list[int], limit: int) -> int:
         fits = lambda d: self.analyse(program, plan.with_micro(name, d)).fits(limit)  # noqa: E731
         lo, hi = 0, len(divisors) - 1  # bisection: the answer is the last divisor that fits
         if not fits(divisors[0]):
-            raise MemoryPlanError(_does_not_fit(self.analyse(program, plan.with_micro(name, 1)), limit, source)
-                                  + f" (even {plan.micro_of(name).key}=1 does not fit)")
+            return divisors[0]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if fits(divisors[mid]):
@@ -469,10 +484,21 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
     from jaxrl_llm.trainer.metrics import device_peak_flops
 
     limit, source = device_memory(spec)
-    planner = Planner(spec, mesh, tokenizer)
-    plan, picked = planner.resolve_auto(spec.plan, limit, source)
-    analyse = planner.costed if costs else planner.analyse
-    rows = tuple(analyse(p, plan) for p in planner.programs)
+
+    def attempt(s: RunSpec) -> tuple[Planner, BatchPlan, list[tuple[str, int]], tuple[ProgramMemory, ...]]:
+        planner = Planner(s, mesh, tokenizer)
+        plan, picked = planner.resolve_auto(s.plan, limit)
+        return planner, plan, picked, tuple(planner.analyse(p, plan) for p in planner.programs)
+
+    def excess(a: tuple[Any, Any, Any, tuple[ProgramMemory, ...]]) -> int:
+        """Bytes over the limit, summed over the programs (one for a program the compiler refused)."""
+        assert limit is not None
+        return sum(max(p.total_bytes - limit, 0 if p.note is None else 1) for p in a[3])
+
+    fitted = fit_with_levers(spec, spec.trainer.memory_levers if limit is not None else (), attempt, excess)
+    planner, plan, picked, rows = fitted.attempt
+    if costs:
+        rows = tuple(planner.costed(p, plan) for p in planner.programs)
     peak_source = "the given peak"
     chip = chip or chip_for(mesh.devices.flat[0])
     if peak_flops is None and chip is not None:
@@ -483,7 +509,8 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
     result = MemoryPlan(rows, limit, source, peak_flops, plan, tuple(picked),
                         target=None if target is None else target.describe(), peak_source=peak_source,
                         chip=chip, hbm_bandwidth=hbm_bandwidth, num_devices=mesh.size,
-                        hosts=hosts_lines(mesh, plan, rows))
+                        hosts=hosts_lines(mesh, plan, rows), levers=fitted.pulled, levers_left=fitted.left,
+                        spec=dataclasses.replace(fitted.spec, plan=plan))
     if check:
         result.check()
     return result

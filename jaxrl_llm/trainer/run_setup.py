@@ -3,7 +3,6 @@ memory plan (which resolves 'auto' micro-batch sizes before a model loads), a sy
 files, and a generative reward model's judge."""
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,7 +29,8 @@ def plan_run_memory(spec: RunSpec, mesh: Mesh, tokenizer: Any, *, is_main: bool)
     plan = plan_memory(spec, mesh, tokenizer)
     if is_main:
         print(plan.table(), flush=True)
-    return dataclasses.replace(spec, plan=plan.batch_plan), plan
+    assert plan.spec is not None  # plan_memory sets it
+    return plan.spec, plan
 
 
 def write_synthetic_data(syn: SyntheticSpec | None, *, is_main: bool) -> None:

@@ -83,7 +83,9 @@ def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
     assert sample < totals[2]  # so the limit below is set by the update alone
 
     def picked(limit_bytes: int) -> tuple[int, int]:
-        s = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device_memory_gb=limit_bytes / GiB))
+        # no lever (tests/trainer/test_memory_levers.py): the micro-batch alone decides
+        s = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device_memory_gb=limit_bytes / GiB,
+                                                                  memory_levers=()))
         plan = plan_memory(s, mesh, tok, peak_flops=PEAK)
         seq_len = spec.plan.max_tokens_per_sequence
         return plan.program("update_actor").micro, plan.batch_plan.update_split(plan.batch_plan.actor, 32, seq_len)[1]
