@@ -70,6 +70,7 @@ def _release_compiled_programs():
 # (`pytest -n 2 --dist loadfile`, in collection order), and one of these started near the end would
 # leave the other core idle for its length. (Slowest single tests of the last full runs.)
 HEAVY_FIRST = (
+    "tests/examples/test_judge_example.py",
     "tests/reliability/test_preemption.py",
     "tests/platform/test_device_kit.py",
     "tests/reliability/test_kill_resume.py",
@@ -80,7 +81,7 @@ HEAVY_FIRST = (
     "tests/trainer/test_multi_turn_trainer.py",
     "tests/platform/test_platform_compile.py",
     "tests/trainer/test_memory_plan.py",
-    "tests/examples/test_teacher_judge_examples.py",
+    "tests/examples/test_distill_example.py",
 )
 
 
