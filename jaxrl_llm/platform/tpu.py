@@ -12,12 +12,16 @@ JAX device per chip on v4 / v5p, one device per TensorCore on TPU7x), `v5litepod
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 from typing import Any
 
 from jaxrl_llm.platform.chips import Chip, Device, chip_for
+
+log = logging.getLogger("jaxrl_llm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +109,33 @@ def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
+# libtpu 0.0.42.1 (jax 0.10.2's) segfaults compiling full-size programs for TPU7x (the 0.5B sampler at
+# 1k + 2k tokens; the tiny test programs compile); 0.0.45 compiles them with the same jax
+# (docs/performance.md, "libtpu's crashes"). Newer releases (0.0.52) no longer read jax 0.10.2's HLO.
+TPU7X_LIBTPU = (0, 0, 45)
+
+
+def tpu7x_libtpu_warning(topology: str, libtpu_version: str | None, library_path: str | None) -> str | None:
+    """Why planning `topology` with this libtpu may crash, and the fix; None where it will not.
+    `library_path`: TPU_LIBRARY_PATH (another libtpu.so chosen by hand: its version is not the package's)."""
+    if not topology.startswith("tpu7x") or library_path or libtpu_version is None:
+        return None
+    release = tuple(int(x) for x in re.findall(r"\d+", libtpu_version)[:3])
+    if release >= TPU7X_LIBTPU:
+        return None
+    return (f"libtpu {libtpu_version} crashes (SIGSEGV) compiling full-size programs for {topology}; libtpu "
+            f"{'.'.join(map(str, TPU7X_LIBTPU))} compiles them with this jax: pip download --no-deps "
+            f"libtpu=={'.'.join(map(str, TPU7X_LIBTPU))}, unzip it and set "
+            "TPU_LIBRARY_PATH=<that folder>/libtpu/libtpu.so")
+
+
+def _libtpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def tpu_target(name: str, num_slices: int = 1) -> TpuTarget:
     """Compile-only devices of `name` (see the module docstring); raises TpuPlanError with what to
     install when libtpu is missing."""
@@ -118,6 +149,9 @@ def tpu_target(name: str, num_slices: int = 1) -> TpuTarget:
     # compile-only use needs no exclusive TPU: without this a second process (a test beside a
     # planning run) fails on libtpu's lockfile
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    warning = tpu7x_libtpu_warning(topology, _libtpu_version(), os.environ.get("TPU_LIBRARY_PATH"))
+    if warning:
+        log.warning(warning)
 
     kwargs: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
     if topology.startswith("v4:"):  # one JAX device per chip (its two TensorCores as one), as v4 pods run

@@ -132,3 +132,14 @@ def test_logprob_impl_key_reaches_the_actor_and_is_validated(tmp_path):
     assert resolve(cfg, dp_size=8).actor.logprob_impl == "pallas"
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.logprob_impl"):
         validate_config(tiny_config(tmp_path, **{"actor_rollout_ref.model.logprob_impl": "triton"}), num_devices=8)
+
+
+def test_a_tpu7x_plan_with_the_libtpu_that_crashes_says_which_one_compiles():
+    from jaxrl_llm.platform.tpu import tpu7x_libtpu_warning
+
+    warning = tpu7x_libtpu_warning("tpu7x:2x2x1", "0.0.42.1", None)
+    assert warning is not None and "libtpu 0.0.42.1 crashes" in warning and "libtpu==0.0.45" in warning
+    assert "TPU_LIBRARY_PATH=" in warning
+    assert tpu7x_libtpu_warning("tpu7x:2x2x1", "0.0.45", None) is None
+    assert tpu7x_libtpu_warning("tpu7x:2x2x1", "0.0.42.1", "/opt/libtpu/libtpu.so") is None  # chosen by hand
+    assert tpu7x_libtpu_warning("v6e:2x4", "0.0.42.1", None) is None
