@@ -17,6 +17,7 @@ Cost per step of each lever (an estimate of what it adds, for the order):
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,6 +106,22 @@ class Fitted:
     left: tuple[str, ...]  # levers not in `trainer.memory_levers` that apply to this run (for the error)
 
 
+def with_keys_in_config_json(spec: RunSpec, pulled: Sequence[str]) -> RunSpec:
+    """`spec` whose resolved config tree (loggers, checkpoint metadata, the resume's config check) holds the
+    values the levers set (`key=value`, as `Fitted.pulled`)."""
+    if not pulled:
+        return spec
+    tree = json.loads(spec.config_json)
+    for item in pulled:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = {"True": True, "False": False}.get(value, value)
+    return dataclasses.replace(spec, config_json=json.dumps(tree))
+
+
 def fit_with_levers(spec: RunSpec, names: Sequence[str], attempt: Callable[[RunSpec], Any],
                     excess: Callable[[Any], int]) -> Fitted:
     """Pulls the levers `names`, in order, while `excess(attempt(spec))` (the bytes over the device's
@@ -123,4 +140,4 @@ def fit_with_levers(spec: RunSpec, names: Sequence[str], attempt: Callable[[RunS
             pulled += keys
     left = tuple(f"{lever.name}: {lever.what}" for lever in LEVERS.values()
                  if lever.name not in names and lever.pull(spec)[1])
-    return Fitted(spec, best, tuple(pulled), left)
+    return Fitted(with_keys_in_config_json(spec, pulled), best, tuple(pulled), left)

@@ -6,6 +6,7 @@ byte counts of the tiny model (8 CPU devices), so each test fails without its le
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from test_memory_plan import AUTO, PEAK, _spec
@@ -45,6 +46,8 @@ def test_an_update_that_fits_no_micro_batch_turns_remat_on(tmp_path):
     assert run_spec.actor.remat == "full" and not run_spec.actor_optim.offload
     assert run_spec.plan.actor.micro.per_device == 1 and not run_spec.plan.auto_passes
     assert "auto: actor_rollout_ref.actor.remat_policy=full (trainer.memory_levers" in plan.table()
+    # what loggers and checkpoints record as the run's config (a resume compares it)
+    assert json.loads(run_spec.config_json)["actor_rollout_ref"]["actor"]["remat_policy"] == "full"
 
     with pytest.raises(MemoryPlanError) as err:  # the same step with no lever to pull
         plan_memory(_with_limit(spec, limit, levers=()), mesh, tok, peak_flops=PEAK)
@@ -88,6 +91,8 @@ def test_levers_are_tried_cheapest_first_and_kept_only_when_they_help(tmp_path):
     assert fitted.pulled == ("actor_rollout_ref.actor.optim.offload=True", "actor_rollout_ref.actor.remat_policy=full",
                              "actor_rollout_ref.actor.optim.moment_dtype=bfloat16")
     assert not fitted.spec.ref.param_offload and excess(fitted.spec) == 0
+    optim = json.loads(fitted.spec.config_json)["actor_rollout_ref"]["actor"]["optim"]
+    assert optim["offload"] is True and optim["moment_dtype"] == "bfloat16"
     effect["remat"] = 80  # enough with the offload: bf16 moments (which change the numbers) stay off
     fitted = fit_with_levers(spec, tuple(LEVERS), lambda s: s, excess)
     assert fitted.spec.actor_optim.moment_dtype == "float32" and fitted.left == ()
