@@ -18,7 +18,7 @@ from tiny_runs import ROOT, tiny_config
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, validate_config
 from jaxrl_llm.hf import load_tokenizer
 from jaxrl_llm.sharding import batch_axis_size, make_mesh
-from jaxrl_llm.trainer.memory_plan import GiB, MemoryPlanError, Planner, plan_memory
+from jaxrl_llm.trainer.memory_plan import GiB, MemoryPlanError, Planner, plan_memory, planning_context
 from jaxrl_llm.trainer.memory_programs import bytes_per_device
 
 PEAK = 1e12  # a fixed FLOP/s figure: no matmul measurement in tests
@@ -75,11 +75,12 @@ def test_plan_lists_every_program_with_real_bytes(tmp_path):
 def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
     spec, mesh, tok = _spec(tmp_path, **AUTO)
     assert spec.plan.auto_passes[0] == "actor"
-    planner = Planner(spec, mesh, tok)
-    update = next(p for p in planner.programs if p.name == "update_actor")
-    totals = {d: planner.analyse(update, spec.plan.with_micro("actor", d)).total_bytes for d in (1, 2, 4)}
+    with planning_context(mesh, None):  # traced as plan_memory traces them (its probes then hit these)
+        planner = Planner(spec, mesh, tok)
+        update = next(p for p in planner.programs if p.name == "update_actor")
+        totals = {d: planner.analyse(update, spec.plan.with_micro("actor", d)).total_bytes for d in (1, 2, 4)}
+        sample = planner.analyse(planner.programs[0], spec.plan).total_bytes
     assert totals[1] < totals[2] < totals[4]  # activations grow with the micro-batch
-    sample = planner.analyse(planner.programs[0], spec.plan).total_bytes
     assert sample < totals[2]  # so the limit below is set by the update alone
 
     def picked(limit_bytes: int) -> tuple[int, int]:
