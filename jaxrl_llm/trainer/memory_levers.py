@@ -23,9 +23,9 @@ from typing import Any
 
 from jaxrl_llm.config.names import MEMORY_LEVERS
 from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.trainer.memory_programs import ARR
 from jaxrl_llm.trainer.reference import offload_supported
 
-ARR = "actor_rollout_ref"
 # set: the changed spec and the keys it set (`key=value`); () where the lever does nothing for this run
 Pull = Callable[[RunSpec], tuple[RunSpec, tuple[str, ...]]]
 

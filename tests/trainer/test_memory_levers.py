@@ -9,10 +9,10 @@ import dataclasses
 import json
 
 import pytest
-from test_memory_plan import AUTO, PEAK, _spec
+from test_memory_plan import AUTO, PEAK, _spec, program_totals
 
 from jaxrl_llm.trainer.memory_levers import LEVERS, fit_with_levers
-from jaxrl_llm.trainer.memory_plan import GiB, MemoryPlanError, Planner, plan_memory, planning_context
+from jaxrl_llm.trainer.memory_plan import GiB, MemoryPlanError, plan_memory
 from jaxrl_llm.trainer.run_setup import plan_run_memory
 
 TWO_LAYERS = {**AUTO, "actor_rollout_ref.model.tiny.num_hidden_layers": 2}  # AUTO: remat_policy none
@@ -24,18 +24,11 @@ def _with_limit(spec, limit: float, levers=None):
     return dataclasses.replace(spec, trainer=trainer)
 
 
-def _totals(spec, mesh, tok, micro: int = 1) -> dict[str, int]:
-    with planning_context(mesh, None):  # traced as the plan traces them (the cache holds them for it)
-        planner = Planner(spec, mesh, tok)
-        plan = spec.plan.with_micro("actor", micro)
-        return {p.name: planner.analyse(p, plan).total_bytes for p in planner.programs}
-
-
 def test_an_update_that_fits_no_micro_batch_turns_remat_on(tmp_path):
     spec, mesh, tok = _spec(tmp_path, **TWO_LAYERS)
     assert spec.actor.remat == "none" and spec.trainer.memory_levers[-1] == "remat"
-    kept = _totals(spec, mesh, tok)
-    remat = _totals(dataclasses.replace(spec, actor=dataclasses.replace(spec.actor, remat="full")), mesh, tok)
+    kept = program_totals(spec, mesh, tok)
+    remat = program_totals(dataclasses.replace(spec, actor=dataclasses.replace(spec.actor, remat="full")), mesh, tok)
     assert remat["update_actor"] < kept["update_actor"]  # two layers' activations recomputed, not kept
     limit = (remat["update_actor"] + kept["update_actor"]) // 2
     assert kept["sample"] < limit  # only the update is over: host offload of the optimizer state cannot help
@@ -60,9 +53,9 @@ def test_a_sampler_over_by_the_optimizer_state_offloads_it(tmp_path):
     # 16 samples a prompt: the sampler (all 32 rows per device at once) outgrows the update at micro 1
     spec, mesh, tok = _spec(tmp_path, **{**TWO_LAYERS, "actor_rollout_ref.actor.remat_policy": "full",
                                          "actor_rollout_ref.rollout.n": 16})
-    on_device = _totals(spec, mesh, tok)
-    offloaded = _totals(dataclasses.replace(spec, actor_optim=dataclasses.replace(spec.actor_optim, offload=True)),
-                        mesh, tok)
+    on_device = program_totals(spec, mesh, tok)
+    offload = dataclasses.replace(spec, actor_optim=dataclasses.replace(spec.actor_optim, offload=True))
+    offloaded = program_totals(offload, mesh, tok)
     assert on_device["update_actor"] < offloaded["sample"] < on_device["sample"]  # by the optimizer state
     limit = (offloaded["sample"] + on_device["sample"]) // 2
 

@@ -36,6 +36,16 @@ def _spec(tmp_path: pathlib.Path, **overrides):
     return resolve(checked, dp_size=batch_axis_size(mesh)), mesh, load_tokenizer(resolve_data(checked).tokenizer)
 
 
+def program_totals(spec, mesh, tok, micro: int = 1) -> dict[str, int]:
+    """Each program's total bytes per device with the actor's micro-batch at `micro`, traced inside
+    `planning_context` as plan_memory traces them (outside it they compile to other byte counts, which
+    the plan's per-process cache would then serve to a plan_memory of the same spec)."""
+    with planning_context(mesh, None):
+        planner = Planner(spec, mesh, tok)
+        plan = spec.plan.with_micro("actor", micro)
+        return {p.name: planner.analyse(p, plan).total_bytes for p in planner.programs}
+
+
 # 16 prompts x n=2 = 32 sequences over the 8 test devices: 4 per device, so 'auto' chooses among 1, 2, 4
 AUTO = {"data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 16, ACTOR_MICRO: "auto",
         "actor_rollout_ref.actor.remat_policy": "none"}  # activations kept: the update outgrows the sampler
@@ -75,11 +85,9 @@ def test_plan_lists_every_program_with_real_bytes(tmp_path):
 def test_auto_picks_the_largest_micro_batch_that_fits(tmp_path):
     spec, mesh, tok = _spec(tmp_path, **AUTO)
     assert spec.plan.auto_passes[0] == "actor"
-    with planning_context(mesh, None):  # traced as plan_memory traces them (its probes then hit these)
-        planner = Planner(spec, mesh, tok)
-        update = next(p for p in planner.programs if p.name == "update_actor")
-        totals = {d: planner.analyse(update, spec.plan.with_micro("actor", d)).total_bytes for d in (1, 2, 4)}
-        sample = planner.analyse(planner.programs[0], spec.plan).total_bytes
+    by_micro = {d: program_totals(spec, mesh, tok, micro=d) for d in (1, 2, 4)}
+    totals = {d: rows["update_actor"] for d, rows in by_micro.items()}
+    sample = by_micro[1]["sample"]
     assert totals[1] < totals[2] < totals[4]  # activations grow with the micro-batch
     assert sample < totals[2]  # so the limit below is set by the update alone
 
