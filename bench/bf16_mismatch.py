@@ -19,9 +19,9 @@ import numpy as np
 
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
 from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.roles.forward import response_log_probs
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
-from jaxrl_llm.trainer.forward import response_log_probs
 
 QUESTIONS = ["What is 12 times 7?", "Name three primary colours.", "Write a haiku about autumn leaves.",
              "Explain in one sentence why the sky is blue.", "What is the capital of France?",

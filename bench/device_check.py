@@ -75,7 +75,7 @@ def section_env(tiny: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm.trainer.metrics import device_peak_flops, measured_matmul_peak_flops
+    from jaxrl_llm.bookkeeping.metrics import device_peak_flops, measured_matmul_peak_flops
 
     device = jax.devices()[0]
     n = 256 if tiny else 8192
@@ -400,7 +400,7 @@ def section_profile(tiny: bool, out: pathlib.Path) -> dict:
 def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
     """The step section's run with its second actor update traced (the first compiles): the update's
     wall time under the profiler, its op families in ms, and the memory plan's roofline estimate of it
-    (trainer/roofline.py) at this device's figures."""
+    (planning/roofline.py) at this device's figures."""
     import shutil
 
     import jax
@@ -409,9 +409,9 @@ def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_runs import tiny_config
 
+    from jaxrl_llm.planning.memory import plan_memory
+    from jaxrl_llm.roles.trained import TrainedRole
     from jaxrl_llm.trainer import Trainer
-    from jaxrl_llm.trainer.memory_plan import plan_memory
-    from jaxrl_llm.trainer.roles import TrainedRole
 
     shutil.rmtree(trace, ignore_errors=True)
     real, seen, timed = TrainedRole.update, [], {}

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.bookkeeping.metrics import measured_matmul_peak_flops
 from jaxrl_llm.hf import export_hf, load_gguf
 from jaxrl_llm.models import ModelConfig, compute_logits
-from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 
 
 def best_time(fn, reps: int) -> float:

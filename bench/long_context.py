@@ -7,7 +7,7 @@ ring attention vs all-to-all over heads (Ulysses) vs gathered keys / values.
     python bench/long_context.py --contexts 1 --blockwise-from 1000000   # context 1 without blockwise
 
 One row of T tokens (a T/2-token response) through the training forward and backward: the value and
-gradient of the response's summed log-probs (trainer/forward.py `response_log_probs`, the actor
+gradient of the response's summed log-probs (roles/forward.py `response_log_probs`, the actor
 update's model path), jitted on a mesh of `context` devices (mesh.context). Prints, per (length,
 context): tokens/s (best of --reps after a compile) and the compiled program's per-device temporaries
 (`memory_analysis`). On this CPU host the devices are virtual (XLA_FLAGS 8 host devices, set below):
@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from jaxrl_llm import sharding  # noqa: E402
 from jaxrl_llm.models import ModelConfig, blockwise, init_params, param_logical_axes  # noqa: E402
 from jaxrl_llm.models.config import CONTEXT_ATTENTION  # noqa: E402
-from jaxrl_llm.trainer.forward import response_log_probs  # noqa: E402
+from jaxrl_llm.roles.forward import response_log_probs  # noqa: E402
 
 MODELS = {
     # a small Llama that runs 32k-token rows on this CPU host

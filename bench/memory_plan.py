@@ -1,4 +1,4 @@
-"""The memory plan (jaxrl_llm/trainer/memory_plan.py) against the measured peak, per program.
+"""The memory plan (jaxrl_llm/planning/memory.py) against the measured peak, per program.
 
     python bench/memory_plan.py [--model tiny|smollm2] [--prompts 8] [--n 4] [--prompt-len 64] \
         [--response-len 64] [--out plan_vs_measured.json]
@@ -61,8 +61,8 @@ def _config(args: argparse.Namespace):
 def _planner(args: argparse.Namespace):
     from jaxrl_llm.config import resolve, resolve_data, validate_config
     from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.planning.memory import Planner
     from jaxrl_llm.sharding import batch_axis_size, make_mesh
-    from jaxrl_llm.trainer.memory_plan import Planner
 
     cfg = _config(args)
     mesh = make_mesh(cfg.mesh)

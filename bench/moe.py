@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxrl_llm import sharding
 from jaxrl_llm.models import ModelConfig, greedy_generate, init_params, param_logical_axes
 from jaxrl_llm.models.moe import dense_expert_ffn, expert_ffn, route
-from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.roles.forward import response_log_probs
 
 
 def best_time(fn: Callable[[], Any], reps: int) -> float:

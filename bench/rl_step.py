@@ -234,8 +234,8 @@ def run_ours(cfg, steps: int, hf_dir: str | None) -> dict[str, Any]:
     train_step."""
     import jax
 
+    from jaxrl_llm.bookkeeping.metrics import measured_matmul_peak_flops
     from jaxrl_llm.trainer import Trainer
-    from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
 
     compiles = CompileCounter()
     trainer = Trainer(cfg)
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             trl_res = run_trl(cfg, rows, args.steps, hf_dir, args.torch_threads, os.path.join(tmp, "trl"), fixed,
                               bf16=args.dtype == "bfloat16")
 
-    from jaxrl_llm.trainer.metrics import measured_matmul_peak_flops
+    from jaxrl_llm.bookkeeping.metrics import measured_matmul_peak_flops
 
     # the peak again after both sides (other arguments, so not the cached value): on a shared machine
     # one measurement can land in a busy moment; MFU uses the better of the two

@@ -1,4 +1,4 @@
-"""The memory plan's roofline estimates (trainer/roofline.py) against steps we measured.
+"""The memory plan's roofline estimates (planning/roofline.py) against steps we measured.
 
 Two checks, each printing estimated vs measured seconds per program and their ratio:
 
@@ -72,8 +72,8 @@ def _config(run_dir: str, dims: dict, *, prompts: int, n: int, prompt_len: int, 
 def _estimates(cfg, **plan_kwargs) -> dict[str, float]:
     from jaxrl_llm.config import resolve, resolve_data, validate_config
     from jaxrl_llm.hf import load_tokenizer
+    from jaxrl_llm.planning.memory import plan_memory
     from jaxrl_llm.sharding import make_mesh
-    from jaxrl_llm.trainer.memory_plan import plan_memory
 
     cfg = validate_config(cfg, num_devices=1)
     mesh = make_mesh(cfg.mesh)

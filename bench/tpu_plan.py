@@ -37,8 +37,8 @@ def tpu_grpo(shape: str):
 
 def plan_rows(shape: str, topology: str) -> list[str]:
     from jaxrl_llm.config import ConfigError, validate_config
+    from jaxrl_llm.planning.memory import plan_for_config
     from jaxrl_llm.platform import parse_accelerator_type
-    from jaxrl_llm.trainer.memory_plan import plan_for_config
 
     _, devices = parse_accelerator_type(topology)
     cfg = tpu_grpo(shape)

@@ -50,8 +50,8 @@ from jaxrl_llm.config.spec import ActorSpec  # noqa: E402
 from jaxrl_llm.hf import load_gguf  # noqa: E402
 from jaxrl_llm.models import init_head_params  # noqa: E402
 from jaxrl_llm.models.lora import LoraConfig, init_lora, with_lora  # noqa: E402
-from jaxrl_llm.trainer.actor import update_actor  # noqa: E402
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, values_no_grad  # noqa: E402
+from jaxrl_llm.roles.actor import update_actor  # noqa: E402
+from jaxrl_llm.roles.experience import Experience, log_probs_no_grad, values_no_grad  # noqa: E402
 
 MAX_PROMPT, MIN_PROMPT = 300, 30
 MAX_RESPONSE, MIN_RESPONSE = 512, 10

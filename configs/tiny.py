@@ -42,6 +42,6 @@ def get_config():
     cfg.trainer.val_before_train = False
     cfg.trainer.logger = ["jsonl"]
     cfg.trainer.export_hf = False
-    # tests skip the ahead-of-time compile of every program (tests/trainer/test_memory_plan.py runs it)
+    # tests skip the ahead-of-time compile of every program (tests/planning/test_memory_plan.py runs it)
     cfg.trainer.memory_plan = False
     return cfg

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxrl_llm.trainer.plot import collect_panels, plot_run, read_metrics
+from jaxrl_llm.bookkeeping.plot import collect_panels, plot_run, read_metrics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@
 #   --poll     TPU_POLL_S    60            seconds between two looks at the slice's state
 #
 # --run relaunches after a preemption. When the training command ends with exit code 75 (a
-# preemption: the run saved a checkpoint, jaxrl_llm/trainer/preemption.py) or the slice is no
+# preemption: the run saved a checkpoint, jaxrl_llm/bookkeeping/preemption.py) or the slice is no
 # longer READY (ACTIVE for a queued resource), it polls the slice's state; a slice that was lost
 # (PREEMPTED, TERMINATED, STOPPED, SUSPENDED, FAILED, or gone) is deleted and created again and
 # set up again (--setup's commands); once the slice is back it runs the same command, which resumes
@@ -46,7 +46,7 @@ REPO="${JAXRL_REPO:-}"
 SPOT="${TPU_SPOT:-0}"
 MAX_RESTARTS="${TPU_MAX_RESTARTS:-20}"
 POLL="${TPU_POLL_S:-60}"
-PREEMPTED_EXIT=75  # jaxrl_llm.trainer.preemption.PREEMPTED_EXIT_CODE
+PREEMPTED_EXIT=75  # jaxrl_llm.bookkeeping.preemption.PREEMPTED_EXIT_CODE
 REMOTE_DIR="jaxrl_llm"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DRY_RUN=0 DO_CREATE=0 DO_SETUP=0 DO_RUN=0 DO_DELETE=0

@@ -52,14 +52,14 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and th
                                                  "tokenizer and chat template, the first rows of each data file, "
                                                  "multi-turn tools and interactions, reward function), then exit.")
 _PLAN = flags.DEFINE_bool("plan", False, "Compile every program of a step on abstract inputs (no weights) and "
-                                         "print its per-device memory and FLOPs (trainer/memory_plan.py), then "
+                                         "print its per-device memory and FLOPs (planning/memory.py), then "
                                          "exit: 0 if it fits trainer.device_memory_gb / the device, 1 if not.")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "With --plan: compile for this TPU slice instead of the local "
                                                  "devices (v4-8, v5litepod-8 / v5e-8, v5p-64, v6e-8, or v5e:2x2; "
                                                  "needs libtpu: the tpu-plan extra); overrides trainer.plan_topology.")
 _LONGEST = flags.DEFINE_bool("longest", False, "With --plan: also find the longest response each program fits per "
                                                "device at one sequence per micro-batch (a bisection of compiles: "
-                                               "trainer/memory_longest.py; needs a device memory).")
+                                               "planning/longest.py; needs a device memory).")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", None, "With --topology: slices of it (multislice); overrides "
                                                        "trainer.plan_num_slices.")
 _IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML), or a "
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
             check_input_paths(cfg)
         except ConfigError as err:
             sys.exit(f"config error: {err}")
-        from jaxrl_llm.trainer.preflight import preflight  # tokenizer, tools, interactions, reward function
+        from jaxrl_llm.planning.preflight import preflight  # tokenizer, tools, interactions, reward function
 
         try:
             preflight(cfg, dp_size=dp_size)
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
         try:
             print(plan_for_config(cfg).table())
             if _LONGEST.value:
-                from jaxrl_llm.trainer.memory_longest import longest_sequences
+                from jaxrl_llm.planning.longest import longest_sequences
 
                 print(longest_sequences(cfg).table())
         except user_errors() as err:
@@ -151,8 +151,8 @@ def planned_devices(base, overrides: list[str]) -> int | None:
 
 
 def plan_for_config(cfg):
-    """trainer/memory_plan.py's `plan_for_config` (imported only for --plan)."""
-    from jaxrl_llm.trainer.memory_plan import plan_for_config as plan
+    """planning/memory.py's `plan_for_config` (imported only for --plan)."""
+    from jaxrl_llm.planning.memory import plan_for_config as plan
 
     return plan(cfg)
 

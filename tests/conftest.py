@@ -76,11 +76,11 @@ HEAVY_FIRST = (
     "tests/reliability/test_kill_resume.py",
     "tests/models/test_bf16_numerics.py",
     "tests/trainer/test_trainer_multiprocess.py",
-    "tests/trainer/test_pipeline.py",
+    "tests/rollout/test_pipeline.py",
     "tests/trainer/test_packing.py",
     "tests/trainer/test_multi_turn_trainer.py",
     "tests/platform/test_platform_compile.py",
-    "tests/trainer/test_memory_plan.py",
+    "tests/planning/test_memory_plan.py",
     "tests/examples/test_distill_example.py",
 )
 

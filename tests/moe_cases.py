@@ -6,7 +6,7 @@ from tiny_models import random_rollout
 
 from jaxrl_llm.config import ActorSpec
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.trainer.experience import Experience
+from jaxrl_llm.roles.experience import Experience
 
 CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24, moe_block_rows=8)

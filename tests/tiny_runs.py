@@ -114,7 +114,7 @@ def assert_host_rows_match(rollout) -> None:
 
 class TwoProcesses:
     """`jax` as a module sees it in a two-process run (patch it over the module's `jax`): only
-    `process_count` changes, e.g. multi-turn rollouts take the rounds path (trainer/multi_turn.py)."""
+    `process_count` changes, e.g. multi-turn rollouts take the rounds path (rollout/multi_turn.py)."""
 
     def __getattr__(self, name: str):
         return getattr(jax, name)
@@ -122,3 +122,18 @@ class TwoProcesses:
     @staticmethod
     def process_count() -> int:
         return 2
+
+
+# a reward the random tiny policy can learn (the e2e, LoRA, Gemma and partial-rollout runs use it)
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # learnable by a random tiny model: responses that start with a space-prefixed word
+    return {"score": 1.0 if solution_str.startswith(" ") else 0.0, "length": float(len(solution_str))}
+'''
+
+
+def with_reward_file(cfg, tmp_path):
+    path = tmp_path / "toy_reward.py"
+    path.write_text(REWARD_FILE)
+    cfg.custom_reward_function.path = str(path)
+    return cfg

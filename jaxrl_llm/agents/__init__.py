@@ -24,11 +24,11 @@ from jaxrl_llm.agents.environment import Environment, GuessNumberEnv
 from jaxrl_llm.agents.loader import AgentConfigError, load_interactions, load_tools
 from jaxrl_llm.agents.python_tool import PythonTool
 from jaxrl_llm.agents.rows import TrajectoryBatch, pad_trajectories, trajectories_from_rows
-from jaxrl_llm.agents.sandbox import SandboxLimits, SandboxResult, run_python, unshare_available
 from jaxrl_llm.agents.streaming import TrajectorySource, run_multi_turn_streaming
 from jaxrl_llm.agents.tool_base import BaseTool, ToolResult
 from jaxrl_llm.agents.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from jaxrl_llm.agents.trajectory import Segment, Trajectory, TurnLimits, truncate_text
+from jaxrl_llm.sandbox import SandboxLimits, SandboxResult, run_python, unshare_available
 
 __all__ = [
     "AgentConfigError", "BaseTool", "CalculatorError", "CalculatorTool", "ChatRenderer", "Environment", "Generated",

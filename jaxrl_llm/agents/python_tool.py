@@ -1,4 +1,4 @@
-"""`PythonTool`: runs the model's code in the sandbox (`jaxrl_llm.agents.sandbox`) and returns its output.
+"""`PythonTool`: runs the model's code in the sandbox (`jaxrl_llm.sandbox`) and returns its output.
 
 Config keys (all optional): `cpu_s`, `memory_mb`, `wall_s`, `max_output_chars` (the SandboxLimits
 fields) and `use_namespace`. The reply is stdout, then stderr under a "stderr:" line, then a status
@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl_llm.agents.sandbox import SandboxLimits, run_python
 from jaxrl_llm.agents.tool_base import BaseTool, ToolResult
+from jaxrl_llm.sandbox import SandboxLimits, run_python
 
 PYTHON_SCHEMA = {
     "type": "function",

@@ -96,7 +96,7 @@ def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt
 
 def run_no_grad_pass(fn: Callable[..., Any], params: Any, input_ids: Array, attention_mask: Array,
                      response_mask: Array, how: PassLayout, routing: Array | None = None, **settings: Any) -> Any:
-    """`fn` (trainer/experience.py `log_probs_no_grad` / `values_no_grad` / `teacher_no_grad`; an
+    """`fn` (roles/experience.py `log_probs_no_grad` / `values_no_grad` / `teacher_no_grad`; an
     array [N, R, ...] or a dict of them) over the rows as `how`
     says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]. `routing`:
     a MoE policy's recorded routing [N, P + R, L, k] for `fn` to replay (padded with the rows)."""

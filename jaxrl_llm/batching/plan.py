@@ -253,7 +253,7 @@ def build_capacity_layout(step_rows: StepRows, groups: np.ndarray, num_micro: in
     """Token-budget layout of `groups` [..., shards, n_d] with leading axes [..., num_micro, shards]:
     each shard's sequences packed first-fit-decreasing into rows of `width`, `rows` rows per
     micro-batch in turn (trailing micro-batches empty). Indices are relative to the shard's whole
-    group, which every micro-batch reads (trainer/update.py). Shared prompts as `build_layout`'s: a
+    group, which every micro-batch reads (roles/update.py). Shared prompts as `build_layout`'s: a
     segment never holds more tokens than its rows alone, so the worst case still fits."""
     geometry, shared, response_len = _response_geometry(step_rows), step_rows.prompt_groups, step_rows.response_len
     groups = np.asarray(groups)
@@ -294,7 +294,7 @@ def balanced_orders(length: np.ndarray, orders: np.ndarray, num_mini: int, bins:
     shape, so balanced groups compute less padding. With `shared` (`prompt_groups`) the rows of one
     prompt move together where a group has room for all of them, so packing computes the prompt
     once. The mini-batches keep their rows, and losses and metrics are sums over the mini-batch's
-    global denominators (trainer/update.py), so the update is the same up to float summation order."""
+    global denominators (roles/update.py), so the update is the same up to float summation order."""
     if bins == 1:
         return orders
     out = np.empty_like(orders)
@@ -359,7 +359,7 @@ def plan_chunks(rows: StepRows, micro_rows: int, shards: int) -> PackedLayout:
 
 def plan_capacity_chunks(rows: StepRows, shards: int, token_budget: int) -> PackedLayout:
     """Token-budget layout of a no-grad pass (leading axes [chunks, shards]): each chunk reads all
-    rows and computes `token_budget` tokens per shard (`trainer/forward.py` `packed_chunks`)."""
+    rows and computes `token_budget` tokens per shard (`roles/forward.py` `packed_chunks`)."""
     shards = shards if rows.num_rows % shards == 0 else 1
     per_shard = rows.num_rows // shards
     count, micro_rows, width = capacity_shape(rows.seq_len, token_budget, per_shard)

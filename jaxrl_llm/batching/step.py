@@ -16,10 +16,9 @@ from typing import NamedTuple, Protocol
 import jax
 import numpy as np
 
+from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.batching.layout import PackedLayout, StepRows, UpdateLayout
 from jaxrl_llm.batching.plan import plan_capacity_chunks, plan_chunks, plan_update
-from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
-from jaxrl_llm.config.spec import ModelSpec
 from jaxrl_llm.sampler.host import bucket_length
 
 NO_PADS = (0, 0)  # (prompt, response) columns added to a step's rows: none
@@ -45,8 +44,18 @@ class UpdateSplit(NamedTuple):
     pads: tuple[int, int] = NO_PADS
 
 
+class PackingSwitches(Protocol):
+    """The model spec's packing keys a pass reads (config.spec.ModelSpec has them)."""
+
+    @property
+    def use_remove_padding(self) -> bool: ...
+
+    @property
+    def share_packed_prompts(self) -> bool: ...
+
+
 class RolloutRows(Protocol):
-    """What `StepBatching.rows_of` reads of a rollout (trainer/rollout_batch.py `Rollout`)."""
+    """What `StepBatching.rows_of` reads of a rollout (rollout/batch.py `Rollout`)."""
 
     input_ids: jax.Array
     response_mask: jax.Array
@@ -78,7 +87,7 @@ class StepBatching:
         return (max(prompt_len, bucket_length(self.plan.max_prompt_length)) - prompt_len,
                 max(rows.response_len, self.plan.response_length) - rows.response_len)
 
-    def no_grad(self, micro: MicroBatching, model: ModelSpec, rows: StepRows) -> PassLayout:
+    def no_grad(self, micro: MicroBatching, model: PackingSwitches, rows: StepRows) -> PassLayout:
         """The layout of a no-grad pass (log-probs, values) of `model` over the step's rows."""
         if not model.use_remove_padding:
             return PassLayout(self.plan.forward_micro_rows(micro, rows.num_rows, rows.seq_len))
@@ -89,7 +98,7 @@ class StepBatching:
         micro_rows = self.plan.forward_micro_rows(micro, rows.num_rows, rows.seq_len)
         return PassLayout(micro_rows, plan_chunks(rows, micro_rows, self.shards))
 
-    def update(self, role: RoleBatch, model: ModelSpec, rows: StepRows, rng: jax.Array, *, epochs: int,
+    def update(self, role: RoleBatch, model: PackingSwitches, rows: StepRows, rng: jax.Array, *, epochs: int,
                shuffle: bool) -> UpdateSplit:
         """The split of a role's update over the step's rows; packed, the host plans every epoch's
         layout and draws the shuffle (the same permutations the device would draw from `rng`)."""
@@ -105,6 +114,6 @@ class StepBatching:
         return UpdateSplit(num_mini, num_micro, layout, pads)
 
 
-def _as_seen_by(rows: StepRows, model: ModelSpec) -> StepRows:
+def _as_seen_by(rows: StepRows, model: PackingSwitches) -> StepRows:
     """`rows` as `model`'s packing sees them: no shared prompts unless `model.share_packed_prompts`."""
     return rows if model.share_packed_prompts else rows.unshared()

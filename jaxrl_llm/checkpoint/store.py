@@ -1,7 +1,7 @@
 """Checkpoints with orbax: `state` (params, optimizer, critic, step as one pytree), `data` (the
 prompt iterator's state), `meta` (JSON: config, KL coefficient, rng, last metrics), and with an
 off-policy `synchronizer` `rollout` (the weights the in-flight rollouts were launched with, by
-version: trainer/pipeline.py), so that a resumed pipelined run equals the uninterrupted one.
+version: rollout/pipeline.py), so that a resumed pipelined run equals the uninterrupted one.
 
 Saving is asynchronous and atomic (orbax writes to a temporary folder and renames it when the save
 is complete; on a bucket it writes a commit marker last), so a run killed mid-save leaves the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
+from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import resolve_total_steps, synthetic_data_dir, synthetic_data_files
 from jaxrl_llm.config.docs import render_config_docs
 from jaxrl_llm.config.overrides import (

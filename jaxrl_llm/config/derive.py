@@ -1,5 +1,5 @@
 """Derived config values (veRL's `${oc.select:...}` interpolations and runtime fills); the batch
-arithmetic built from them is `jaxrl_llm.config.batch_plan`.
+arithmetic built from them is `jaxrl_llm.batching.batch_plan`.
 
 All functions take a normalized, type-checked ConfigDict and write the derived values in place.
 """

@@ -22,7 +22,7 @@ TRUNCATION = ("error", "left", "right", "middle")
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-# `trainer.memory_levers`, cheapest first: jaxrl_llm.trainer.memory_levers (which implements each)
+# `trainer.memory_levers`, cheapest first: jaxrl_llm.planning.levers (which implements each)
 MEMORY_LEVERS = ("ref_offload", "teacher_offload", "optimizer_offload", "remat", "bf16_moments")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes
 TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")

@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 
 from jaxrl_llm import storage
-from jaxrl_llm.config.batch_plan import BatchPlan, MicroBatching, RoleBatch
+from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.config.derive import AUTO, resolve_total_steps, synthetic_data_files
 from jaxrl_llm.config.spec import (
     ActorSpec,

@@ -14,7 +14,7 @@ import ml_collections
 
 from jaxrl_llm.errors import ConfigError as ConfigError  # raised by every config check; defined in a leaf module
 
-AUTO = "auto"  # a micro-batch size picked by the memory plan (trainer/memory_plan.py)
+AUTO = "auto"  # a micro-batch size picked by the memory plan (planning/memory.py)
 
 
 @dataclasses.dataclass(frozen=True)

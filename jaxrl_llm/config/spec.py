@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl_llm.config.batch_plan import BatchPlan
+from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
@@ -88,7 +88,7 @@ class ActorSpec:
     rollout_is_in_loss: str | None = None
     rollout_is_threshold: float = 2.0
     logprob_impl: str = "auto"  # the fused log-prob head's backend (losses/logprob.py IMPLS)
-    # mixture-of-experts models: None = the model's own (trainer/actor.py router_aux_loss_coef)
+    # mixture-of-experts models: None = the model's own (roles/actor.py router_aux_loss_coef)
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     router_replay: str = "none"  # none | rollout: the update replays the sampler's recorded routing
@@ -117,7 +117,7 @@ class RefSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DistillSpec:
-    """`algorithm.distillation.*` when enabled: the teacher and its signal (trainer/teacher.py)."""
+    """`algorithm.distillation.*` when enabled: the teacher and its signal (roles/teacher.py)."""
 
     signal: str  # reverse_kl | topk_forward_kl (losses/distill.py)
     coef: float
@@ -173,7 +173,7 @@ class RolloutCorrectionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SyncSpec:
-    """The `synchronizer` section (Trinity-RFT's fixed schedule; trainer/pipeline.py)."""
+    """The `synchronizer` section (Trinity-RFT's fixed schedule; rollout/pipeline.py)."""
 
     sync_interval: int = 1  # the rollout's weights are the actor's of the last multiple of this
     sync_offset: int = 0  # rollouts for step k + offset are generated while step k trains
@@ -197,7 +197,7 @@ class SyncSpec:
         training devices (0: synchronous, or a split mesh, whose copies live on the rollout devices).
         At most at a sync: the pending rollouts were launched at the `offset` steps before it, on the
         weights of the ceil(offset / interval) interval blocks those steps lie in, and the sync makes
-        one more copy while they still run (tests/trainer/test_pipeline.py simulates the schedule)."""
+        one more copy while they still run (tests/rollout/test_pipeline.py simulates the schedule)."""
         if not self.off_policy or self.rollout_devices is not None:
             return 0
         return -(-self.sync_offset // self.sync_interval) + 1
@@ -212,7 +212,7 @@ class FilterGroupsSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PartialSpec:
-    """`actor_rollout_ref.rollout.partial` (trainer/partial.py)."""
+    """`actor_rollout_ref.rollout.partial` (rollout/partial.py)."""
 
     enable: bool = False
     max_staleness: int = 1
@@ -225,7 +225,7 @@ class PartialSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MultiTurnSpec:
-    """`actor_rollout_ref.rollout.multi_turn.*` when enabled (trainer/multi_turn.py builds the runtime)."""
+    """`actor_rollout_ref.rollout.multi_turn.*` when enabled (rollout/multi_turn.py builds the runtime)."""
 
     max_assistant_turns: int | None
     max_user_turns: int | None
@@ -275,11 +275,11 @@ class TrainerSpec:
     validation_data_dir: str | None
     seed: int
     export_hf: bool
-    memory_plan: bool = True  # compile the step's programs on abstract inputs first (trainer/memory_plan.py)
+    memory_plan: bool = True  # compile the step's programs on abstract inputs first (planning/memory.py)
     device_memory_gb: float | None = None  # the memory plan's device memory; None = the device's own
     plan_topology: str | None = None  # the memory plan's TPU slice (platform/tpu.py); None = the local devices
     plan_num_slices: int = 1
-    memory_levers: tuple[str, ...] = ()  # what the memory plan may change to fit (trainer/memory_levers.py)
+    memory_levers: tuple[str, ...] = ()  # what the memory plan may change to fit (planning/levers.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -494,7 +494,7 @@ REWARD_MODEL = {
                                      "generative: a judge model reads prompt and response, writes a verdict "
                                      "(reward_model.judge), and a parser turns it into the score.",
                    choices=("discriminative", "generative")),
-    "judge": {  # reward_model.style=generative (rewards/judge.py)
+    "judge": {  # reward_model.style=generative (roles/judge.py)
         "template": field("Question:\n{prompt}\n\nAnswer:\n{response}\n\nIs the answer correct? Reply yes or no.",
                           "The judge's user message: {prompt} (the row's last user message), {response} and "
                           "{ground_truth} are filled in; rendered with the judge's chat template."),
@@ -578,7 +578,7 @@ ALGORITHM = {
                                        "policy gradient) is not available and refused. veRL.",
                            choices=("ppo_clip",)),
     },
-    "distillation": {  # a teacher model's signal on the student's own samples (trainer/teacher.py)
+    "distillation": {  # a teacher model's signal on the student's own samples (roles/teacher.py)
         "enable": field(False, "On-policy distillation from algorithm.distillation.teacher: the teacher scores "
                                "the student's sampled tokens (docs/algorithms.md, distillation)."),
         "signal": field("reverse_kl", "reverse_kl: per-token advantage -(log pi - log teacher) on the sampled "

@@ -5,7 +5,7 @@ tokens, and each token's advantage is the negative per-token reverse KL estimate
 
     A_t = sum_{s >= t} discount^(s - t) * -(log pi(y_s) - log teacher(y_s))     (discount 0: A_t = -kl_t)
 
-added to the task advantage with weight `coef` (trainer/experience.py `mix_advantages`).
+added to the task advantage with weight `coef` (roles/experience.py `mix_advantages`).
 
 topk_forward_kl: at every response position the teacher's top-k tokens S_k and their log-probs
 t_j; the student's log-probs s_j at the same ids (through the fused head, `topk_log_probs`); the

@@ -101,7 +101,7 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """A non-finite KL (NaN log-probs) is ignored: the coefficient keeps its value, since one NaN
-        would otherwise stay in it for the rest of the run (trainer/nonfinite.py)."""
+        would otherwise stay in it for the rest of the run (bookkeeping/nonfinite.py)."""
         if not math.isfinite(float(current_kl)):
             return
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)

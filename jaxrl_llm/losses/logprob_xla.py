@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models.numerics import cap_logits
+
 Array = jax.Array
 
 
@@ -25,14 +27,6 @@ class Layout(NamedTuple):
     vocab_major: bool  # unembed is [V, H] (True) or [H, V] (False)
     with_entropy: bool
     softcap: float | None = None  # logits become cap * tanh(logits / cap) before the temperature (Gemma 2)
-
-
-def cap_logits(raw: Array, softcap: float | None, temperature: float) -> Array:
-    """fp32 logits as the model's head gives them (soft-capped, Gemma 2's final_logit_softcapping),
-    divided by the sampling temperature."""
-    if softcap is not None:
-        raw = softcap * jnp.tanh(raw / softcap)
-    return raw / temperature
 
 
 def cap_grad(dz: Array, z: Array, softcap: float | None, temperature: float) -> Array:

@@ -140,7 +140,7 @@ class ModelConfig:
     context_attention: str = "ring"
     # layers per trip of the layer scan (`lax.scan(unroll=...)` in models/decoder.py); same numbers
     # either way. The memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
-    # loop body (trainer/memory_plan.py); runs keep 1.
+    # loop body (planning/memory.py); runs keep 1.
     scan_unroll: int = 1
 
     def __post_init__(self) -> None:

@@ -8,11 +8,11 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.losses.logprob_xla import cap_logits
 from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
 from jaxrl_llm.models.moe import MoeOut
+from jaxrl_llm.models.numerics import cap_logits
 
 Array = jax.Array
 

@@ -95,3 +95,11 @@ def probs_times_values(spec: str, probs: Array, v: Array) -> Array:
     hi = probs.astype(v.dtype)
     lo = (probs - hi.astype(jnp.float32)).astype(v.dtype)
     return einsum_f32(spec, hi, v) + einsum_f32(spec, lo, v)
+
+
+def cap_logits(raw: jax.Array, softcap: float | None, temperature: float) -> jax.Array:
+    """fp32 logits as the model's head gives them (soft-capped, Gemma 2's final_logit_softcapping),
+    divided by the sampling temperature."""
+    if softcap is not None:
+        raw = softcap * jnp.tanh(raw / softcap)
+    return raw / temperature

@@ -1,7 +1,7 @@
 """Published per-device figures: HBM size and bandwidth, dense matmul peaks and interconnect bandwidth,
 keyed by what `jax.Device.device_kind` says.
 
-The MFU denominator on an accelerator and the memory plan's limit and roofline (trainer/roofline.py)
+The MFU denominator on an accelerator and the memory plan's limit and roofline (planning/roofline.py)
 for a TPU topology. Figures are per JAX device: per GPU; per TPU chip where a chip is one device
 (v5e / v6e, and v4 / v5p in megacore mode); per TensorCore on TPU7x (Ironwood), whose two chiplets
 are two devices, each with half the chip's HBM, bandwidth and peak. Peaks are the vendors' dense (no

@@ -5,7 +5,7 @@
     build_reward_manager(spec: RewardSpec) -> RewardManager
         # .score(...) -> RewardResult(scores, reward_extra_info, metrics)
 
-The reward model (`jaxrl_llm.rewards.reward_model.RewardModel`, `score_sequences`) imports jax:
+The reward model (`jaxrl_llm.roles.reward_model.RewardModel`, `score_sequences`) imports jax:
 import it from its module when reward_model.enable is set.
 """
 from jaxrl_llm.rewards.custom import RewardFunctionError, ScorerSpec, load_from_file

@@ -16,7 +16,7 @@ timeout scores 0 and is counted (`reward/num_errors`, `reward/num_timeouts`); th
 exceptions propagate: `UnknownDataSourceError` (a config mistake) and `KeyboardInterrupt` (a
 Ctrl-C must still reach the trainer). A NaN / inf score is returned as it is: the trainer counts
 it (`reward/num_nonfinite`) and scores it 0, for every reward source alike
-(jaxrl_llm/trainer/nonfinite.py).
+(jaxrl_llm/bookkeeping/nonfinite.py).
 
 - `naive` calls the scorer in this process. Its timeout raises inside the call: a SIGALRM timer
   (`signal.setitimer`) on the main thread, and on any other thread (the pipelined rollout's
@@ -145,7 +145,7 @@ NO_VERDICT = _NoVerdict()
 def _check_score(result: Any) -> Any:
     """A float, or a dict whose "score" is a number; anything else is an error for that sample.
     A NaN / inf score is passed on: the trainer counts it in `reward/num_nonfinite` and scores it 0
-    (jaxrl_llm/trainer/nonfinite.py)."""
+    (jaxrl_llm/bookkeeping/nonfinite.py)."""
     value = result.get("score") if isinstance(result, dict) else result
     if isinstance(value, (bool, int, float, np.number)):
         return result

@@ -32,7 +32,7 @@ class RewardSpec:
 
 @dataclasses.dataclass(frozen=True)
 class JudgeSpec:
-    """`reward_model.judge.*`: how a generative reward model is prompted and read (rewards/judge.py)."""
+    """`reward_model.judge.*`: how a generative reward model is prompted and read (roles/judge.py)."""
 
     template: str
     system_prompt: str | None

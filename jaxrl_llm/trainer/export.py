@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxrl_llm.config.spec import ModelSpec
+from jaxrl_llm.roles.trained import TrainedRole
 from jaxrl_llm.sharding import to_host
-from jaxrl_llm.trainer.roles import TrainedRole
 
 
 def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Any, out_dir: str, *, is_main: bool) -> str:

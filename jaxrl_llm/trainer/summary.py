@@ -5,8 +5,8 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import RunSpec
-from jaxrl_llm.trainer.reference import ReferenceRole
-from jaxrl_llm.trainer.roles import TrainedRole
+from jaxrl_llm.roles.reference import ReferenceRole
+from jaxrl_llm.roles.trained import TrainedRole
 
 
 def run_summary(spec: RunSpec, *, actor: TrainedRole, critic: TrainedRole | None, reference: ReferenceRole | None,

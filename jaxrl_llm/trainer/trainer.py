@@ -1,10 +1,10 @@
 """`Trainer(config).fit()`: the RL loop that `launch/train.py` runs. Read `train_step` top to bottom:
 
     rollout (sample n responses per prompt on the policy's own params, score them; with a
-             `synchronizer` offset / interval, prepared ahead on a weight copy: trainer/rollout_source.py)
+             `synchronizer` offset / interval, prepared ahead on a weight copy: rollout/sources.py)
       -> reference log-probs (only when a KL is used)
       -> old log-probs (the sampler's own when they are exact, else recomputed)
-      -> teacher log-probs (on-policy distillation: trainer/teacher.py)
+      -> teacher log-probs (on-policy distillation: roles/teacher.py)
       -> critic values -> `make_experience` (KL in reward, advantages, rollout correction)
       -> critic update -> actor update (ppo_epochs x mini-batches x micro-batches, one jit each)
       -> metrics
@@ -18,32 +18,27 @@ import dataclasses
 import functools
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
-from jaxrl_llm.batching import NO_PADS, StepBatching, StepRows, update_metrics
+from jaxrl_llm.batching import NO_PADS, StepRows, update_metrics
+from jaxrl_llm.batching.batch_plan import MicroBatching
 from jaxrl_llm.batching.ops import run_no_grad_pass
-from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
-from jaxrl_llm.config.batch_plan import MicroBatching
-from jaxrl_llm.config.checks import check_context
+from jaxrl_llm.bookkeeping.metrics import Timer, data_metrics, device_peak_flops
+from jaxrl_llm.bookkeeping.nonfinite import assert_finite_state, first_nonfinite
+from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
+from jaxrl_llm.bookkeeping.tracking import dump_jsonl
 from jaxrl_llm.config.spec import ModelSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
-from jaxrl_llm.losses.kl import make_kl_controller
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device, to_host
-from jaxrl_llm.sharding.split import make_split_meshes
-from jaxrl_llm.trainer.actor import OLD_LOG_PROBS, update_actor
-from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.draft import load_draft, with_draft_config
-from jaxrl_llm.trainer.experience import (
+from jaxrl_llm.roles.actor import OLD_LOG_PROBS
+from jaxrl_llm.roles.experience import (
     Experience,
     log_probs_no_grad,
     make_experience,
@@ -51,164 +46,27 @@ from jaxrl_llm.trainer.experience import (
     rollout_correction,
     values_no_grad,
 )
+from jaxrl_llm.roles.trained import TrainedRole
+from jaxrl_llm.roles.update import TOKEN_OUTPUT
+from jaxrl_llm.rollout.batch import Rollout, rollout_dump_rows
+from jaxrl_llm.sampler import SamplingParams
+from jaxrl_llm.sharding import on_own_mesh, to_device, to_host
+from jaxrl_llm.trainer.build import Run, build_run
 from jaxrl_llm.trainer.export import export_policy
-from jaxrl_llm.trainer.metrics import Timer, data_metrics, device_peak_flops, step_perf_metrics
-from jaxrl_llm.trainer.nonfinite import NonFiniteGuard, assert_finite_state, first_nonfinite
-from jaxrl_llm.trainer.partial import PartialRollouts
-from jaxrl_llm.trainer.preemption import Preempted, PreemptionGuard
-from jaxrl_llm.trainer.preflight import run_tokenizer
-from jaxrl_llm.trainer.reference import ReferenceRole, make_reference_role
-from jaxrl_llm.trainer.roles import TrainedRole, load_model, make_trained_role, model_config_of
-from jaxrl_llm.trainer.rollout import RolloutGenerator
-from jaxrl_llm.trainer.rollout_batch import Rollout, rollout_dump_rows
-from jaxrl_llm.trainer.rollout_source import GroupFilter, RolloutSource, generate_with, make_rollout_source
-from jaxrl_llm.trainer.run_setup import load_run_judge, plan_run_memory, write_synthetic_data
-from jaxrl_llm.trainer.tracking import Tracking, dump_jsonl
-from jaxrl_llm.trainer.update import TOKEN_OUTPUT
+from jaxrl_llm.trainer.perf import step_perf_metrics
 from jaxrl_llm.trainer.validation import run_validation
-
-if TYPE_CHECKING:
-    from jaxrl_llm.trainer.teacher import TeacherRole
 
 log = logging.getLogger("jaxrl_llm")
 
 
-class Trainer:
-    """Builds everything a run needs from a config (validated and resolved first), then `fit()`s."""
+class Trainer(Run):
+    """A run (`build_run`: everything it holds, trainer/build.py) and its loop: `fit()`, `step()`,
+    `train_step()`, validation, checkpoints."""
 
     def __init__(self, config: ml_collections.ConfigDict):
-        initialize()  # jax.distributed when several processes are configured; a no-op otherwise
-        # the training mesh, and the generation-only one of a split mesh (mesh.rollout_devices; else None)
-        self.mesh, self.rollout_mesh = make_split_meshes(config.mesh)
-        self.dp_size = batch_axis_size(self.mesh)
-        checked = validate_config(config, dp_size=self.dp_size)
-        self.is_main = jax.process_index() == 0
-        from jaxrl_llm.data import build_dataset, make_dataloader
-        from jaxrl_llm.rewards import build_reward_manager
-
-        data = resolve_data(checked)
-        self.tokenizer = run_tokenizer(data)
-        # A dataset of files is read first: its size gives the total steps. A synthetic task's size is
-        # in its config (validation derived the steps from it), and its files are written only below.
-        synthetic = resolve_synthetic(checked)
-        train_set = build_dataset(data, self.tokenizer, "train") if synthetic is None else None
-        # Resolved once. The memory plan then fills in every 'auto' micro-batch size, and a step that
-        # would not fit stops here, before a model loads or anything of the run is written
-        # (trainer/memory_plan.py).
-        # a draft model (rollout.speculative.method='draft'): its vocabulary checked, its config read (trainer/draft.py)
-        self.spec, self.memory_plan = plan_run_memory(with_draft_config(resolve(
-            checked, dp_size=self.dp_size, num_train_samples=None if train_set is None else len(train_set)),
-            self.tokenizer), self.mesh, self.tokenizer, is_main=self.is_main)
-        if train_set is None:
-            write_synthetic_data(synthetic, is_main=self.is_main)
-            train_set = build_dataset(data, self.tokenizer, "train")
-        spec = self.spec
-        assert spec.trainer.total_steps is not None  # known once the dataset size is
-        self.total_steps = int(spec.trainer.total_steps)
-        self.run_dir = spec.trainer.run_dir
-        # where a resume would come from, checked before anything heavy loads or anything is written
-        self._resume_point = ckpt.find_resume(spec.trainer.resume_mode, self.run_dir, spec.trainer.resume_from_path)
-        # Every process reads the whole global batch (prompts are small): host-side rewards and
-        # metrics are then identical everywhere; device arrays take each process's own rows.
-        self.train_loader = make_dataloader(data, self.tokenizer, "train", dataset=train_set)
-        self.val_loader = make_dataloader(data, self.tokenizer, "val") if data.val_files else None
-
-        # tools / interactions load before the model: a bad YAML or class path fails here (trainer/multi_turn.py)
-        self.multi_turn = None
-        if spec.multi_turn is not None:
-            from jaxrl_llm.trainer.multi_turn import MultiTurn
-
-            self.multi_turn = MultiTurn(spec.multi_turn, self.tokenizer)
-        teacher_tokenizer = None
-        if spec.distillation is not None:  # the teacher's vocabulary is checked before any weight loads
-            from jaxrl_llm.trainer.teacher import check_teacher
-
-            teacher_tokenizer = check_teacher(spec.distillation, model_config_of(spec.model, self.tokenizer),
-                                              self.tokenizer)
-        model_cfg, params = load_model(spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
-                                       seed=spec.trainer.seed)
-        if spec.actor.router_replay != "none" and not model_cfg.is_moe:
-            raise ConfigError(f"actor_rollout_ref.actor.router_replay={spec.actor.router_replay!r}: the policy "
-                              f"({model_cfg.architecture}) has no mixture-of-experts layers to replay")
-        experts_split = self.mesh.shape["expert"]
-        if model_cfg.is_moe and model_cfg.num_experts % experts_split:
-            raise ConfigError(f"mesh.expert={experts_split} does not divide the policy's {model_cfg.num_experts} "
-                              "experts (each device holds num_experts / mesh.expert of them)")
-        check_context(model_cfg, spec.plan.max_tokens_per_sequence)
-        lora = spec.model.lora  # LoRA: adapters trained on the frozen `params` (trainer/roles.py)
-        self.actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
-                                       functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor,
-                                                         lora_scale=lora.scale if lora else 0.0),
-                                       lora=lora, seed=spec.trainer.seed, model=spec.model, settings=spec.actor,
-                                       batch=spec.plan.actor, lr_offset=spec.trainer.critic_warmup)
-        # the initial policy in ref.param_dtype, in host memory with ref.param_offload (trainer/reference.py);
-        # with LoRA the reference is the frozen base itself (adapters off): no copy
-        self.reference: ReferenceRole | None = None
-        if spec.need_ref:
-            self.reference = make_reference_role(spec.model, model_cfg, params, spec.ref, lora_base=self.actor.frozen)
-        # on-policy distillation: a frozen teacher scores the student's samples (trainer/teacher.py)
-        self.teacher: TeacherRole | None = None
-        if spec.distillation is not None:
-            assert teacher_tokenizer is not None
-            from jaxrl_llm.trainer.teacher import load_teacher
-
-            self.teacher = load_teacher(spec.distillation, teacher_tokenizer, mesh=self.mesh, seed=spec.trainer.seed)
-        self.critic: TrainedRole | None = None
-        if spec.critic is not None:
-            critic_model, critic_optim, critic_batch = spec.critic_model, spec.critic_optim, spec.plan.critic
-            assert critic_model and critic_optim and critic_batch, "resolve sets every critic part or none"
-            critic_cfg, critic_params = load_model(critic_model, head="value", mesh=self.mesh,
-                                                   tokenizer=self.tokenizer, seed=spec.trainer.seed + 1)
-            self.critic = make_trained_role("critic", critic_cfg, critic_params, critic_optim,
-                                            functools.partial(update_critic, model_cfg=critic_cfg, s=spec.critic),
-                                            model=critic_model, settings=spec.critic, batch=critic_batch)
-        self.reward_manager = build_reward_manager(spec.reward)
-        self.reward_model = None
-        self.judge = None
-        if spec.reward_model is not None and spec.reward_model.style == "generative":
-            # a language model grading responses (rewards/judge.py)
-            self.judge = load_run_judge(spec, self.mesh, self.rollout_mesh, self.tokenizer)
-        elif spec.reward_model is not None:
-            from jaxrl_llm.rewards.reward_model import RewardModel
-
-            self.reward_model = RewardModel.load(spec.reward_model, self.tokenizer)
-        self.generator = RolloutGenerator(model_cfg=model_cfg, mesh=self.mesh, tokenizer=self.tokenizer,
-                                          reward_manager=self.reward_manager, reward_model=self.reward_model,
-                                          compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
-                                          multi_turn=self.multi_turn, max_prompt_length=spec.plan.max_prompt_length,
-                                          record_routing=spec.actor.router_replay == "rollout", judge=self.judge,
-                                          draft_params=load_draft(spec, self.tokenizer, mesh=self.mesh,
-                                                                  seed=spec.trainer.seed + 2))
-        # with a split mesh (mesh.rollout_devices) a second generator samples on the rollout devices
-        rollout_generator = None if self.rollout_mesh is None else self.generator.on_mesh(self.rollout_mesh)
-        # one batch sampled and scored; with DAPO's filter_groups, batches until enough groups vary
-        self.generate = generate_with(self.generator, spec.train_sampling, rollout_generator)
-        if spec.filter_groups.enable:
-            self.generate = GroupFilter(self.generate, self.train_loader, spec.filter_groups,
-                                        prompts=spec.plan.prompts, mesh=self.mesh)
-        step_loader = self.train_loader
-        if spec.partial.active:  # samples still running at a step's end resume at the next (trainer/partial.py)
-            self.generate = PartialRollouts(self.generator, spec.train_sampling, self.train_loader, spec.partial,
-                                            prompts=spec.plan.prompts)
-            step_loader = self.generate.step_loader()
-        self.base_rng = jax.random.PRNGKey(spec.trainer.seed)
-        # each step's rollout: synchronous, or the synchronizer's off-policy pipeline (trainer/rollout_source.py)
-        self.rollout_source: RolloutSource = make_rollout_source(
-            spec, actor=self.actor, loader=step_loader, generate=self.generate,
-            rng_for=lambda step: jax.random.fold_in(self.base_rng, step), train_mesh=self.mesh,
-            rollout_mesh=self.rollout_mesh, total_steps=self.total_steps)
-        kl = spec.kl_ctrl
-        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-        self.nonfinite = NonFiniteGuard(spec.trainer.max_consecutive_nonfinite)  # trainer/nonfinite.py
-        self.rows_sharding = NamedSharding(self.mesh, PartitionSpec(batch_axes(self.mesh)))
-        self.batching = StepBatching(spec.plan, self.dp_size)  # every pass's split of a step (jaxrl_llm/batching)
+        run = build_run(config)
+        super().__init__(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
         self.global_step = 0
-        self.store = ckpt.CheckpointStore(storage.join(self.run_dir, "checkpoints"),
-                                          max_to_keep=spec.trainer.max_ckpt_to_keep)
-        t = spec.trainer
-        self.tracker = Tracking(list(t.logger), self.run_dir, project_name=t.project_name,
-                                experiment_name=t.experiment_name, config=json.loads(spec.config_json),
-                                is_main_process=self.is_main)
         self._peak_flops: float | None = None
         self._started = False
         self.history: list[dict[str, float]] = []  # every logged step's metrics, for notebooks and plots
@@ -300,14 +158,14 @@ class Trainer:
             self.export_hf(storage.join(self.run_dir, "hf"))
         self.close()
         if self.is_main:  # <run_dir>/plot.png, from metrics.jsonl (the run's record)
-            from jaxrl_llm.trainer.plot import plot_finished_run
+            from jaxrl_llm.bookkeeping.plot import plot_finished_run
 
             plot_finished_run(self.run_dir, self.history, from_file=True)
 
     @on_own_mesh  # every program of the step is traced on the training mesh (expert parallelism reads it)
     def train_step(self, batch: dict[str, np.ndarray] | None = None) -> dict[str, float]:
         """One RL step on `batch`, sampled now on the actor's params; batch None: the next batch and
-        its rollout from the run's rollout source (trainer/rollout_source.py; `timing_s/gen` is then the
+        its rollout from the run's rollout source (rollout/sources.py; `timing_s/gen` is then the
         time this step waited for it)."""
         spec, plan, timer = self.spec, self.spec.plan, Timer()
         rng = jax.random.fold_in(self.base_rng, self.global_step)
@@ -316,7 +174,7 @@ class Trainer:
                 if batch is None:
                     batch, rollout, gen_metrics = self.rollout_source.take(self.global_step)
                 else:
-                    rollout, gen_metrics = self.generate(batch, self.actor.model_params, rng, False)
+                    rollout, gen_metrics = self.rollout_source.sample(batch, rng)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
             mask = rollout.response_mask
             # the step's rows as the host knows them (lengths, prompt groups): every pass plans its
@@ -334,7 +192,7 @@ class Trainer:
                 if spec.recompute_old_log_probs:
                     old_lp = span.wait(self.log_probs(self.actor.model_params, rollout, plan.old_log_prob, rows))
             distill, distill_metrics, teacher_rollout = None, {}, None
-            if self.teacher is not None:  # the teacher scores the student's tokens (trainer/teacher.py)
+            if self.teacher is not None:  # the teacher scores the student's tokens (roles/teacher.py)
                 with timer("teacher") as span:
                     teacher_rollout = self.teacher.rollout_for(rollout, self.mesh)  # its own prompts, if any
                     distill, distill_metrics = self.teacher.signal(
@@ -386,7 +244,7 @@ class Trainer:
                                          teacher_rollout=teacher_rollout, judge=self.judge,
                                          peak_flops=self._peak_flops))
         metrics["training/global_step"] = float(self.global_step + 1)
-        # skipped non-finite updates: counted, and K in a row stop the run (trainer/nonfinite.py)
+        # skipped non-finite updates: counted, and K in a row stop the run (bookkeeping/nonfinite.py)
         self.nonfinite.check(self.global_step + 1, metrics, lambda: first_nonfinite(rollout, exp))
         if spec.trainer.rollout_data_dir and self.is_main:
             dump_jsonl(storage.join(spec.trainer.rollout_data_dir, f"{self.global_step}.jsonl"),
@@ -506,7 +364,7 @@ class Trainer:
 
     def _stop_preempted(self, reason: str) -> None:
         """Checkpoints this step (unless `save_freq` just did), waits until the save is committed,
-        closes the run and raises `Preempted` (exit code 75); see trainer/preemption.py."""
+        closes the run and raises `Preempted` (exit code 75); see bookkeeping/preemption.py."""
         if self.global_step not in self.store.all_steps():
             self.save_checkpoint()
         self.store.wait()
@@ -517,7 +375,7 @@ class Trainer:
         raise Preempted(self.global_step, reason)
 
     def _maybe_resume(self) -> None:
-        point, t = self._resume_point, self.spec.trainer
+        point, t = self.resume_point, self.spec.trainer
         if point is None:
             if not t.val_only:
                 self.tracker.rewind(None)  # a fresh start: records of an earlier, never-saved attempt go

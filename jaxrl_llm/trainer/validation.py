@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
+from jaxrl_llm.rollout.generator import RolloutGenerator
 from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.trainer.rollout import RolloutGenerator
 
 
 def run_validation(generator: RolloutGenerator, batches: Iterable[dict[str, np.ndarray]], params: dict,

@@ -152,7 +152,7 @@ def test_a_killed_caller_leaves_no_sandboxed_child_behind(tmp_path):
 
     pid_file = tmp_path / "child.pid"
     program = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
-    caller = subprocess.Popen([sys.executable, "-c", "from jaxrl_llm.agents.sandbox import SandboxLimits, run_python\n"
+    caller = subprocess.Popen([sys.executable, "-c", "from jaxrl_llm.sandbox import SandboxLimits, run_python\n"
                                f"run_python({program!r}, limits=SandboxLimits(wall_s=60))"],
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:

@@ -216,8 +216,8 @@ def test_paged_engine_streaming_is_reproducible_and_its_logprobs_are_the_models(
 
 
 def test_paged_engine_streaming_equals_rounds_greedy():
+    from jaxrl_llm.rollout.multi_turn import PagedContinue
     from jaxrl_llm.sampler.engine.setup import EngineOptions
-    from jaxrl_llm.trainer.multi_turn import PagedContinue
 
     tok = hermes_char_tokenizer()
     cfg, params = _tiny_model(len(tok))

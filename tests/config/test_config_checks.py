@@ -90,7 +90,7 @@ def test_hf_overrides_round_trip_and_replace(family):
 def test_override_config_reaches_the_loaded_model(monkeypatch):
     """roles.load_model applies it to whatever the loader read: the logits are those of a model
     with the new rope_theta."""
-    from jaxrl_llm.trainer import roles
+    from jaxrl_llm.roles import trained as roles
 
     base_cfg = ModelConfig.tiny("llama", num_hidden_layers=1, vocab_size=32)
     rng = np.random.default_rng(0)  # random weights without compiling an initialiser

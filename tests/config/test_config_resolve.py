@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
+from jaxrl_llm.batching.batch_plan import MicroBatching
 from jaxrl_llm.config import apply_overrides, default_config, resolve, resolve_config, validate_config
-from jaxrl_llm.config.batch_plan import MicroBatching
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jaxrl_llm"
 

@@ -315,7 +315,7 @@ def test_trinity_style_rows_system_prompt_answer_column_and_default_source(tmp_p
 
 def test_chat_template_replaces_the_tokenizers(tmp_path, smollm2_gguf):
     from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.trainer.preflight import run_tokenizer
+    from jaxrl_llm.planning.preflight import run_tokenizer
 
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"

@@ -95,8 +95,8 @@ def test_smollm2_bf16_scoring_close_to_fp32(smollm2_gguf):
     """The trainer's bf16 scoring of real answers against its fp32 scoring: the policy halves the
     bf16 error (mean |Δ logp| 0.025 -> 0.012 measured on these 46 tokens)."""
     from jaxrl_llm.hf import load_gguf, load_tokenizer
+    from jaxrl_llm.roles.forward import response_log_probs
     from jaxrl_llm.sampler import left_pad
-    from jaxrl_llm.trainer.forward import response_log_probs
 
     cfg, params = load_gguf(smollm2_gguf)
     tok = load_tokenizer(smollm2_gguf)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl_llm.models import ModelConfig, blockwise, init_params
 from jaxrl_llm.models.attention import attend
-from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.roles.forward import response_log_probs
 
 
 def packed_mask(b, t, window=None, pad=0):

@@ -16,9 +16,9 @@ from jaxrl_llm.config import ActorSpec, default_config, resolve_config
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models import remat as remat_mod
 from jaxrl_llm.models.remat import REMAT_POLICIES, checkpoint_policy, remat_name
-from jaxrl_llm.trainer.actor import actor_loss
-from jaxrl_llm.trainer.experience import Experience
-from jaxrl_llm.trainer.update import denominators
+from jaxrl_llm.roles.actor import actor_loss
+from jaxrl_llm.roles.experience import Experience
+from jaxrl_llm.roles.update import denominators
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 N, P, R = 8, 5, 6

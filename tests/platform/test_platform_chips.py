@@ -3,6 +3,13 @@ import numpy as np
 import pytest
 from tiny_runs import tiny_config
 
+from jaxrl_llm.bookkeeping.metrics import (
+    device_peak_flops,
+    forward_pass_flops,
+    rollout_context,
+    rollout_step_flops,
+    step_flops,
+)
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.platform import (
     TpuPlanError,
@@ -13,13 +20,6 @@ from jaxrl_llm.platform import (
     tpu_target,
 )
 from jaxrl_llm.platform import tpu as tpu_module
-from jaxrl_llm.trainer.metrics import (
-    device_peak_flops,
-    forward_pass_flops,
-    rollout_context,
-    rollout_step_flops,
-    step_flops,
-)
 
 
 @pytest.mark.parametrize("kind,name,bf16_tflops,hbm_gib", [

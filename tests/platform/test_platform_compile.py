@@ -33,7 +33,7 @@ STEP = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.actor.us
 def _programs(cfg, devices):
     from jaxrl_llm.config import resolve as resolve_spec
     from jaxrl_llm.config import resolve_data
-    from jaxrl_llm.trainer.memory_programs import PROGRAM_BUILDERS, make_context
+    from jaxrl_llm.planning.programs import PROGRAM_BUILDERS, make_context
 
     mesh = make_mesh(cfg.mesh, devices=devices)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
@@ -44,7 +44,7 @@ def _programs(cfg, devices):
 def _compiled_program(tmp_path, overrides: dict, name: str):
     """(program `name` of the tiny run with `overrides` on a v5e:2x2 plan, its TPU compile)."""
     from jaxrl_llm.config import resolve as resolve_spec
-    from jaxrl_llm.trainer.memory_plan import Planner, planning_context, planning_setup
+    from jaxrl_llm.planning.memory import Planner, planning_context, planning_setup
 
     cfg = validate_config(tiny_config(tmp_path, **overrides), num_devices=4)
     target, mesh, tokenizer = planning_setup(cfg)
@@ -57,7 +57,7 @@ def _compiled_program(tmp_path, overrides: dict, name: str):
 @needs_libtpu
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology):
-    from jaxrl_llm.trainer.memory_plan import plan_for_config
+    from jaxrl_llm.planning.memory import plan_for_config
 
     cfg = validate_config(tiny_config(tmp_path, **STEP, **{"trainer.plan_topology": topology}), num_devices=4)
     costs = topology == "v5e:2x2"  # the roofline of every program, on one of the two (a compile or two more each)
@@ -203,7 +203,7 @@ def test_a_multi_host_plan_says_what_each_process_loads_and_which_axes_cross_sli
     slice count divides), every other axis staying on a slice's ICI. No compile: the mesh and the lines."""
     import types
 
-    from jaxrl_llm.trainer.memory_plan import ProgramMemory, hosts_lines, slice_crossing_axes
+    from jaxrl_llm.planning.memory import ProgramMemory, hosts_lines, slice_crossing_axes
 
     update = ProgramMemory("update_actor", 0, 0, 0, 0, 0, 0, params_bytes=1 << 30, opt_state_bytes=2 << 30,
                            kv_bytes=0, flops=0.0, micro=1, keys=())
@@ -231,7 +231,7 @@ def test_a_context_parallel_step_compiles_for_tpu_and_lowers_for_cuda(tmp_path):
     v5e:2x2 and lowered for CUDA; and a 4096-token row's blockwise attention (value and gradient)
     compiled for one v5e chip."""
     from jaxrl_llm.models.blockwise import causal_blockwise_attend
-    from jaxrl_llm.trainer.memory_plan import plan_for_config
+    from jaxrl_llm.planning.memory import plan_for_config
 
     split = {**STEP, "mesh.fsdp": 2, "mesh.context": 2}
     cfg = validate_config(tiny_config(tmp_path, **split, **{"trainer.plan_topology": "v5e:2x2"}), num_devices=4)

@@ -13,7 +13,7 @@ sharding.initialize()
 
 import jax  # noqa: E402
 
-from jaxrl_llm.trainer.preemption import PreemptionGuard, jax_preemption_service_active  # noqa: E402
+from jaxrl_llm.bookkeeping.preemption import PreemptionGuard, jax_preemption_service_active  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Fault injection: NaN rewards and non-finite gradients (jaxrl_llm/trainer/nonfinite.py).
+"""Fault injection: NaN rewards and non-finite gradients (jaxrl_llm/bookkeeping/nonfinite.py).
 
 - a non-finite loss / gradient skips exactly that optimizer update (params and optimizer state as
   if the mini-batch had not been there), on a sharded 8-device mesh too;
@@ -22,17 +22,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiny_runs import ToyBatch as Toy
 from tiny_runs import toy_loss as _toy_loss
 
-from jaxrl_llm.config import apply_overrides, default_config, resolve_config
-from jaxrl_llm.losses.kl import make_kl_controller
-from jaxrl_llm.trainer.nonfinite import (
+from jaxrl_llm.bookkeeping.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
     assert_finite_state,
     nonfinite_leaves,
     sanitize_scores,
 )
-from jaxrl_llm.trainer.optim import make_optimizer
-from jaxrl_llm.trainer.update import run_update_epochs
+from jaxrl_llm.config import apply_overrides, default_config, resolve_config
+from jaxrl_llm.losses.kl import make_kl_controller
+from jaxrl_llm.roles.optim import make_optimizer
+from jaxrl_llm.roles.update import run_update_epochs
 
 # ---------------------------------------------------------------------------------------------
 # The jitted update skips a non-finite mini-batch exactly.

@@ -1,4 +1,4 @@
-"""Preemption (jaxrl_llm/trainer/preemption.py): SIGTERM mid-step makes `launch/train.py` finish the
+"""Preemption (jaxrl_llm/bookkeeping/preemption.py): SIGTERM mid-step makes `launch/train.py` finish the
 step, commit a checkpoint at it, print `preempted at step N; checkpoint saved` and exit 75; the
 same command then resumes and ends bit-identical to the uninterrupted run. With 2 JAX processes,
 a SIGTERM to one of them stops both at the same step with the same checkpoint. The guard itself:
@@ -27,7 +27,7 @@ from preempt_runs import (
     wait_for,
 )
 
-from jaxrl_llm.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
+from jaxrl_llm.bookkeeping.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 
 GUARD_WORKER = pathlib.Path(__file__).resolve().parent / "mp_guard_worker.py"
 

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from jaxrl_llm.trainer import tracking
-from jaxrl_llm.trainer.tracking import RunRecord, Tracking, dump_jsonl
+from jaxrl_llm.bookkeeping import tracking
+from jaxrl_llm.bookkeeping.tracking import RunRecord, Tracking, dump_jsonl
 
 
 def _records(path):

@@ -17,8 +17,8 @@ from storage_util import tiny_config
 
 from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
+from jaxrl_llm.bookkeeping import tracking
 from jaxrl_llm.config import ConfigError, resolve_config, validate_config
-from jaxrl_llm.trainer import tracking
 
 BUCKET = "test-bucket"
 

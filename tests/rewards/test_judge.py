@@ -1,4 +1,4 @@
-"""Generative reward models (rewards/judge.py, rewards/judge_parsers.py): every built-in parser on
+"""Generative reward models (roles/judge.py, rewards/judge_parsers.py): every built-in parser on
 scripted verdicts, garbage counted and defaulted, the three ways to combine with the rule scorer,
 the rule scorer's "no verdict", config errors, and a tiny judge through a training step."""
 from __future__ import annotations
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from tiny_runs import read_metrics, tiny_config
 
+from jaxrl_llm.bookkeeping.metrics import rollout_context, step_flops
 from jaxrl_llm.config import ConfigError, validate_config
-from jaxrl_llm.rewards.judge import Judge, JudgeVerdicts, last_user_message, render_user_message
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.managers import RewardManager
 from jaxrl_llm.rewards.spec import JudgeSpec
-from jaxrl_llm.trainer.metrics import rollout_context, step_flops, step_perf_metrics
+from jaxrl_llm.roles.judge import Judge, JudgeVerdicts, last_user_message, render_user_message
+from jaxrl_llm.trainer.perf import step_perf_metrics
 
 SCALE = ScoreRange(0.0, 10.0)
 

@@ -14,7 +14,7 @@ sharding.initialize()
 import jax
 
 from jaxrl_llm.rewards import RewardManager, UnknownDataSourceError
-from jaxrl_llm.trainer.rollout_batch import score_responses
+from jaxrl_llm.rollout.batch import score_responses
 
 calls = []
 

@@ -7,7 +7,7 @@ from tiny_models import make_char_tokenizer
 torch = pytest.importorskip("torch")
 
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
-from jaxrl_llm.rewards.reward_model import RewardModel  # noqa: E402
+from jaxrl_llm.roles.reward_model import RewardModel  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

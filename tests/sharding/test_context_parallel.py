@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_llm import batching as pk
 from jaxrl_llm import sharding
 from jaxrl_llm.models import init_params, param_logical_axes
-from jaxrl_llm.trainer.actor import update_actor
+from jaxrl_llm.roles.actor import update_actor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from test_packing import CFG, SETTINGS, R, _assert_same  # noqa: E402
@@ -144,7 +144,7 @@ def test_per_device_activation_memory_falls_with_the_context_size():
     import jax.numpy as jnp
 
     from jaxrl_llm.models import ModelConfig
-    from jaxrl_llm.trainer.forward import response_log_probs
+    from jaxrl_llm.roles.forward import response_log_probs
 
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 512, size=(2, 2048)), jnp.int32)
     mask = jnp.ones(ids.shape, jnp.int32)
@@ -201,7 +201,7 @@ def test_moe_model_under_context_parallelism_equals_one_device(mesh_sizes):
     import jax.numpy as jnp
 
     from jaxrl_llm.models import ModelConfig
-    from jaxrl_llm.trainer.forward import response_log_probs
+    from jaxrl_llm.roles.forward import response_log_probs
 
     cfg = ModelConfig.tiny("qwen3_moe", vocab_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            norm_topk_prob=True)

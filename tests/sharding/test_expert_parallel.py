@@ -16,9 +16,9 @@ from tiny_runs import tiny_config
 from jaxrl_llm import sharding
 from jaxrl_llm.models import init_params, param_logical_axes
 from jaxrl_llm.models.expert_parallel import expert_ways
+from jaxrl_llm.roles.actor import update_actor
 from jaxrl_llm.sampler import SamplingParams, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
-from jaxrl_llm.trainer.actor import update_actor
 
 MESHES = {"data2_expert4": {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1},
           "fsdp2_expert4": {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1},

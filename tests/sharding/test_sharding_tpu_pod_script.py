@@ -84,7 +84,7 @@ def test_spot_uses_a_queued_resource_and_previews_the_relaunch():
 
 
 def test_exit_code_is_the_trainers():
-    from jaxrl_llm.trainer.preemption import PREEMPTED_EXIT_CODE
+    from jaxrl_llm.bookkeeping.preemption import PREEMPTED_EXIT_CODE
 
     assert f"PREEMPTED_EXIT={PREEMPTED_EXIT_CODE}" in SCRIPT.read_text()
 

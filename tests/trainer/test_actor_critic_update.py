@@ -16,11 +16,11 @@ from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
-from jaxrl_llm.trainer.actor import actor_loss, update_actor
-from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience
-from jaxrl_llm.trainer.forward import response_log_probs
-from jaxrl_llm.trainer.update import denominators
+from jaxrl_llm.roles.actor import actor_loss, update_actor
+from jaxrl_llm.roles.critic import update_critic
+from jaxrl_llm.roles.experience import Experience
+from jaxrl_llm.roles.forward import response_log_probs
+from jaxrl_llm.roles.update import denominators
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 N, P, R = 8, 5, 6

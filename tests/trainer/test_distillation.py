@@ -1,4 +1,4 @@
-"""On-policy distillation (trainer/teacher.py, losses/distill.py): the reverse-KL advantages and the
+"""On-policy distillation (roles/teacher.py, losses/distill.py): the reverse-KL advantages and the
 top-k loss through the trainer's own passes equal their formulas on a tiny student / teacher pair,
 a teacher equal to the student gives no signal and no update, context distillation aligns the
 teacher's positions with the student's response tokens (packed and unpacked), and a teacher with
@@ -23,18 +23,18 @@ from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.distill import topk_forward_kl
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
 from jaxrl_llm.models.moe import active_params_of
-from jaxrl_llm.trainer.actor import actor_loss, update_actor
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, mix_advantages, teacher_no_grad
-from jaxrl_llm.trainer.forward import response_log_probs
-from jaxrl_llm.trainer.roles import check_vocabulary
-from jaxrl_llm.trainer.rollout_batch import Rollout
-from jaxrl_llm.trainer.teacher import (
+from jaxrl_llm.roles.actor import actor_loss, update_actor
+from jaxrl_llm.roles.experience import Experience, log_probs_no_grad, mix_advantages, teacher_no_grad
+from jaxrl_llm.roles.forward import response_log_probs
+from jaxrl_llm.roles.teacher import (
     distill_signal,
     teacher_messages,
     teacher_prompt_ids,
     with_prompts,
 )
-from jaxrl_llm.trainer.update import denominators
+from jaxrl_llm.roles.trained import check_vocabulary
+from jaxrl_llm.roles.update import denominators
+from jaxrl_llm.rollout.batch import Rollout
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 N, P, R, T = 8, 5, 6, 0.7
@@ -171,7 +171,7 @@ def test_context_distillation_aligns_teacher_and_student_tokens():
     prompts = teacher_prompt_ids(rollout.meta["raw_prompt"], rollout.group_ids, spec, tokenizer)
     seen = with_prompts(rollout, prompts, 0, mesh)
     assert seen.input_ids.shape[1] - R > rollout.input_ids.shape[1] - R  # the teacher's prompts are longer
-    # perf/mfu counts the teacher's pass over these rows (trainer/metrics.py): its own prompts, the
+    # perf/mfu counts the teacher's pass over these rows (bookkeeping/metrics.py): its own prompts, the
     # student's responses, at the teacher's size
     np.testing.assert_array_equal(np.asarray(seen.prompt_lengths), [len(p) for p in prompts])
     np.testing.assert_array_equal(np.asarray(seen.response_lengths), rollout.response_lengths)
@@ -243,8 +243,9 @@ def _checked_before_loading(tmp_path, monkeypatch, overrides, match):
     path ('<folder>'): one ConfigError matching `match`, raised before any weight loads."""
     from tiny_models import build_hf_model
 
-    import jaxrl_llm.trainer.draft as draft_module
-    import jaxrl_llm.trainer.trainer as trainer_module
+    import jaxrl_llm.roles.draft as draft_module
+    import jaxrl_llm.trainer.build as build_module
+    from jaxrl_llm.trainer import Trainer
 
     folder = tmp_path / "other"
     build_hf_model("llama", folder)
@@ -253,11 +254,11 @@ def _checked_before_loading(tmp_path, monkeypatch, overrides, match):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the vocabularies were checked")
 
-    for module in (trainer_module, draft_module):
+    for module in (build_module, draft_module):
         monkeypatch.setattr(module, "load_model", no_load)
     cfg = tiny_config(tmp_path / "run", **{k: str(folder) if v == "<folder>" else v for k, v in overrides.items()})
     with pytest.raises(ConfigError, match=match):
-        trainer_module.Trainer(cfg)
+        Trainer(cfg)
 
 
 def test_vocabulary_is_checked_before_any_weight_loads(tmp_path, monkeypatch):
@@ -324,7 +325,7 @@ def test_distillation_scores_model_tokens_of_multi_turn_trajectories(tmp_path):
         "algorithm.distillation.teacher.system_prompt": "Guess well."})
     trainer = Trainer(cfg)
     batch = next(iter(trainer.train_loader))
-    rollout, _ = trainer.generate(batch, trainer.actor.model_params, jax.random.PRNGKey(0), False)
+    rollout, _ = trainer.rollout_source.sample(batch, jax.random.PRNGKey(0))
     assert float(rollout.response_mask.sum()) < float((np.asarray(rollout.attention_mask)[:, -64:]).sum())
     seen = trainer.teacher.rollout_for(rollout, trainer.mesh)
     signal, metrics = trainer.teacher.signal(

@@ -15,9 +15,9 @@ from test_actor_critic_update import SETTINGS
 
 from jaxrl_llm.hf import load_gguf, load_tokenizer
 from jaxrl_llm.models.lora import LoraConfig, init_lora, with_lora
-from jaxrl_llm.trainer.actor import update_actor
-from jaxrl_llm.trainer.experience import Experience
-from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.roles.actor import update_actor
+from jaxrl_llm.roles.experience import Experience
+from jaxrl_llm.roles.forward import response_log_probs
 
 pytestmark = pytest.mark.slow
 

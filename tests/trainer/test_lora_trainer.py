@@ -19,9 +19,9 @@ from jaxrl_llm.checkpoint import read_checkpoint_meta
 from jaxrl_llm.config import ConfigError, validate_config
 from jaxrl_llm.models import init_params
 from jaxrl_llm.models.lora import LoraConfig, init_lora, merge_lora, with_lora
+from jaxrl_llm.roles.actor import actor_loss, update_actor
+from jaxrl_llm.roles.update import denominators
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm.trainer.actor import actor_loss, update_actor
-from jaxrl_llm.trainer.update import denominators
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 ARR = "actor_rollout_ref"

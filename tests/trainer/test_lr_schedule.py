@@ -17,8 +17,8 @@ from tiny_runs import ToyBatch as Toy
 from tiny_runs import toy_loss as _toy_loss
 
 from jaxrl_llm.config import apply_overrides, default_config, resolve_config
-from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
-from jaxrl_llm.trainer.update import denominators, run_update_epochs
+from jaxrl_llm.roles.optim import make_lr_schedule, make_optimizer
+from jaxrl_llm.roles.update import denominators, run_update_epochs
 
 
 def verl_warmup(lr_warmup_steps: int, ratio: float, total: int) -> int:

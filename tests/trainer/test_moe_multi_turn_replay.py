@@ -16,8 +16,8 @@ from moe_cases import near_tied
 from tiny_runs import GUESS_YAML
 
 from jaxrl_llm.models.moe import NOT_RECORDED
+from jaxrl_llm.rollout import multi_turn as mt_module
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm.trainer import multi_turn as mt_module
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 MT = "actor_rollout_ref.rollout.multi_turn"

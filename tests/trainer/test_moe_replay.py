@@ -16,9 +16,9 @@ from tiny_runs import read_metrics, tiny_config
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params
 from jaxrl_llm.models.moe import NOT_RECORDED
+from jaxrl_llm.roles.forward import response_log_probs
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine
-from jaxrl_llm.trainer.forward import response_log_probs
 from jaxrl_llm.trainer.trainer import Trainer
 
 CFG = ModelConfig.tiny("qwen3_moe")

@@ -14,8 +14,8 @@ from moe_cases import CFG, SETTINGS, moe_batch
 from jaxrl_llm import sharding
 from jaxrl_llm.models import forward_hidden_moe, init_params, param_logical_axes
 from jaxrl_llm.models.moe import load_balancing_loss, router_z_loss
-from jaxrl_llm.trainer.actor import actor_loss, update_actor
-from jaxrl_llm.trainer.update import denominators
+from jaxrl_llm.roles.actor import actor_loss, update_actor
+from jaxrl_llm.roles.update import denominators
 
 
 def test_router_losses_enter_the_actor_loss_with_their_coefficients():
@@ -71,7 +71,7 @@ def test_tiny_moe_keys_shape_the_model():
     from types import SimpleNamespace
 
     from jaxrl_llm.config.spec import ModelSpec
-    from jaxrl_llm.trainer.roles import model_config_of
+    from jaxrl_llm.roles.trained import model_config_of
 
     dims = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, vocab_size=64, max_position_embeddings=128, seed=0)

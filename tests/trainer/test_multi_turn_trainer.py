@@ -14,10 +14,10 @@ from tiny_runs import GUESS_YAML, assert_host_rows_match
 from jaxrl_llm.agents import AgentConfigError, Generated
 from jaxrl_llm.config import resolve_config
 from jaxrl_llm.config.schema import ConfigError
+from jaxrl_llm.rollout import multi_turn as mt_module
+from jaxrl_llm.rollout.multi_turn import MultiTurn
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sized_engine
 from jaxrl_llm.trainer import Trainer
-from jaxrl_llm.trainer import multi_turn as mt_module
-from jaxrl_llm.trainer.multi_turn import MultiTurn
 
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
 MT = "actor_rollout_ref.rollout.multi_turn"

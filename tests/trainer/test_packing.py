@@ -1,4 +1,4 @@
-"""Sequence packing (model.use_remove_padding, trainer/packing.py): packed updates and no-grad
+"""Sequence packing (model.use_remove_padding, batching/plan.py): packed updates and no-grad
 passes equal the padded ones, attention stays inside a sequence, positions restart, shapes come
 from buckets (no recompile across steps with other lengths), dynamic micro-batches fill the budget."""
 import dataclasses
@@ -13,14 +13,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiny_models import random_rollout
 
 from jaxrl_llm import batching as pk
+from jaxrl_llm.batching.batch_plan import MicroBatching
 from jaxrl_llm.config import ActorSpec, CriticSpec
-from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.models import ModelConfig, forward_hidden, init_params
 from jaxrl_llm.models.cache import segment_positions
-from jaxrl_llm.trainer.actor import update_actor
-from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import Experience, log_probs_no_grad, pad_experience, values_no_grad
-from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.roles.actor import update_actor
+from jaxrl_llm.roles.critic import update_critic
+from jaxrl_llm.roles.experience import Experience, log_probs_no_grad, pad_experience, values_no_grad
+from jaxrl_llm.roles.forward import response_log_probs
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 N, P, R = 16, 7, 9

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from jaxrl_llm.trainer.plot import DPI, FIGSIZE, collect_panels, plot_finished_run, plot_run
+from jaxrl_llm.bookkeeping.plot import DPI, FIGSIZE, collect_panels, plot_finished_run, plot_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WIDTH, HEIGHT = int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI)

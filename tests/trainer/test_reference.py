@@ -1,4 +1,4 @@
-"""The frozen reference policy (trainer/reference.py): stored in `ref.param_dtype` (default: the
+"""The frozen reference policy (roles/reference.py): stored in `ref.param_dtype` (default: the
 compute dtype), its own buffers on the policy's shardings, in pinned host memory with
 `ref.param_offload` where the backend has it (else one warning), and scoring the same log-probs as
 the full fp32 copy it replaces."""
@@ -14,10 +14,10 @@ from jaxrl_llm.config import default_config, resolve_config
 from jaxrl_llm.config.spec import RefSpec
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models import remat as remat_mod
+from jaxrl_llm.roles import reference as ref_mod
+from jaxrl_llm.roles.experience import log_probs_no_grad
+from jaxrl_llm.roles.reference import is_offloaded, make_reference, reference_on_device
 from jaxrl_llm.sharding import logical_to_sharding, make_mesh
-from jaxrl_llm.trainer import reference as ref_mod
-from jaxrl_llm.trainer.experience import log_probs_no_grad
-from jaxrl_llm.trainer.reference import is_offloaded, make_reference, reference_on_device
 
 CFG = ModelConfig.tiny("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 N, P, R = 8, 5, 6

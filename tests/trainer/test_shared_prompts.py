@@ -1,4 +1,4 @@
-"""Shared-prompt packing (`model.share_packed_prompts`, trainer/packing.py `_units`): rows with the
+"""Shared-prompt packing (`model.share_packed_prompts`, batching/plan.py `_units`): rows with the
 same prompt (a group's n samples) packed into one micro-batch hold the prompt once, each response
 attending to it and to itself only. Log-probs, values, updates and metrics equal the padded rows."""
 import dataclasses
@@ -10,13 +10,13 @@ from jax.sharding import Mesh
 from test_packing import CFG, SETTINGS, N, P, R, _assert_same, _batch, _budget_update, _masked, _update
 
 from jaxrl_llm import batching as pk
+from jaxrl_llm.batching.batch_plan import MicroBatching
 from jaxrl_llm.config import CriticSpec
-from jaxrl_llm.config.batch_plan import MicroBatching
 from jaxrl_llm.models import init_params
-from jaxrl_llm.trainer.actor import update_actor
-from jaxrl_llm.trainer.critic import update_critic
-from jaxrl_llm.trainer.experience import log_probs_no_grad, values_no_grad
-from jaxrl_llm.trainer.forward import response_log_probs
+from jaxrl_llm.roles.actor import update_actor
+from jaxrl_llm.roles.critic import update_critic
+from jaxrl_llm.roles.experience import log_probs_no_grad, values_no_grad
+from jaxrl_llm.roles.forward import response_log_probs
 
 GROUP = 4  # samples per prompt
 

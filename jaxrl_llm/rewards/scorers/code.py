@@ -1,5 +1,5 @@
 """Code scorer: runs a dataset row's test cases against the program in a response, in the sandbox
-(`jaxrl_llm.agents.sandbox`, one child process per test case); score = fraction of tests passed.
+(`jaxrl_llm.sandbox`, one child process per test case); score = fraction of tests passed.
 
 The program is the last ```python fenced block of the response (else the last ``` block, else the
 whole response). `ground_truth` (a mapping, or a JSON string of one, as veRL stores it) is either
@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_llm.agents.sandbox import SandboxLimits, run_python
+from jaxrl_llm.sandbox import SandboxLimits, run_python
 
 SOURCES = ("code", "codecontests", "apps", "codeforces", "taco")
 DEFAULT_LIMITS = SandboxLimits(cpu_s=4, memory_mb=512, wall_s=8.0, max_output_chars=1 << 16)

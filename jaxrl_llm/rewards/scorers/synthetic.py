@@ -21,7 +21,7 @@ _INTEGER = re.compile(r"-?\d+")
 
 def compute_score(response: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> float:
     if (extra_info or {}).get("task") == "guess":
-        return 0.0  # the interaction's reward is the score (trainer/multi_turn.py adds it)
+        return 0.0  # the interaction's reward is the score (rollout/multi_turn.py adds it)
     answer_format = (extra_info or {}).get("answer_format", "strict")
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"extra_info['answer_format']={answer_format!r} is not one of {ANSWER_FORMATS}")

@@ -136,7 +136,7 @@ class RequestSource(Protocol):
     # Optional (a source without them runs to the end): `stop_requested() -> bool`, checked before
     # every admission round: True stops the run, and the engine hands each unfinished request back
     # through `paused(request, token_ids, log_probs)` with the tokens it has so far (none if it was
-    # still queued) before returning (partial rollouts: trainer/partial.py).
+    # still queued) before returning (partial rollouts: rollout/partial.py).
 
 
 @dataclasses.dataclass
@@ -604,7 +604,7 @@ class PagedEngine:
         if state.spec_counts is not None:
             stats.spec_emitted, stats.spec_proposed, stats.spec_accepted = (int(c) for c in to_host(state.spec_counts))
         # the pool is not kept: the update that follows has the memory (the memory plan counts a pool
-        # only where generation overlaps training, trainer/memory_programs.py); the next run makes a
+        # only where generation overlaps training, planning/programs.py); the next run makes a
         # new one with the cached initialiser
         del state
         return stats

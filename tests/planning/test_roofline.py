@@ -1,0 +1,80 @@
+"""The memory plan's roofline (planning/roofline.py): collectives' wire bytes read from compiled HLO,
+the bound that holds, every layer and loop trip in a program's cost, and the decode step's count
+free of what XLA's generic cost model charges a KV pool write with (the whole pool)."""
+from __future__ import annotations
+
+import pytest
+from test_memory_plan import _spec
+
+from jaxrl_llm.planning.memory import Planner
+from jaxrl_llm.planning.roofline import Cost, link_bytes_of, roofline
+from jaxrl_llm.platform.chips import chip_for
+
+HLO = "\n".join([
+    "%all-gather.1 = bf16[1024,896]{1,0} all-gather(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}",
+    "%all-reduce.2 = (f32[256,4864]{1,0:T(8,128)}, f32[256,128]{1,0}) all-reduce(%a, %b), channel_id=2, "
+    "replica_groups=mesh['axis_0'=1,'axis_1'=8] {'axis_1'}, to_apply=%add",
+    "%reduce-scatter.3 = f32[128]{0} reduce-scatter(%g), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, "
+    "dimensions={0}",
+    "%all-gather-start.4 = (f32[16]{0}, f32[64]{0}) all-gather-start(%x), channel_id=4, replica_groups=[2,4]<=[8]",
+    "%all-gather-done.4 = f32[64]{0} all-gather-done(%all-gather-start.4)",
+    "%collective-permute.5 = f32[32]{0} collective-permute(%y), source_target_pairs={{0,1},{1,0}}",
+    "%all-reduce.6 = f32[8]{0} all-reduce(%z), replica_groups={{0},{1}}, to_apply=%add",
+])
+
+
+def test_collective_wire_bytes_follow_the_ring_factors():
+    gather = 3 / 4 * 1024 * 896 * 2  # a group of 4: 3/4 of the result comes over the wire
+    reduce = 2 * 7 / 8 * (256 * 4864 + 256 * 128) * 4  # a tuple all-reduce over 8
+    scatter = 3 * 128 * 4  # reduce-scatter: (n - 1) x the result
+    started = 3 / 4 * 64 * 4  # the async pair counts once, at its start, by its result
+    permute = 32 * 4
+    assert link_bytes_of(HLO) == pytest.approx(gather + reduce + scatter + started + permute)  # groups of 1: free
+
+
+def test_the_largest_bound_holds():
+    chip = chip_for("TPU v5 lite")
+    assert chip is not None
+    r = roofline(Cost(flops=197e12, hbm_bytes=2 * 819e9, link_bytes=100e9), chip, chip.bf16_flops)
+    assert (r.compute_s, r.hbm_s, r.link_s) == pytest.approx((1.0, 2.0, 0.25))
+    assert r.bound == "hbm" and r.seconds == pytest.approx(2.0)
+    cpu = roofline(Cost(flops=1e9, hbm_bytes=1e12), None, 1e10)  # no bandwidth figure: compute only
+    assert cpu.bound == "compute" and cpu.hbm_s == 0.0
+
+
+def test_costs_count_every_layer(tmp_path):
+    """The sampler's and the update's costs grow by the same amount with each layer (the compiled count
+    holds one layer; the plan adds the others from the program compiled with two per scan trip)."""
+    costs = {}
+    for layers in (2, 3, 4):  # 3: a trip of 3 layers (2 a trip would peel one off the loop)
+        spec, mesh, tok = _spec(tmp_path / str(layers), **{"actor_rollout_ref.model.tiny.num_hidden_layers": layers,
+                                                           "actor_rollout_ref.rollout.engine": "paged"})
+        planner = Planner(spec, mesh, tok)
+        for p in planner.programs:
+            if p.name in ("sample", "update_actor"):
+                costs[layers, p.name] = planner.costed(p, spec.plan).cost
+    for name in ("sample", "update_actor"):
+        first, second = costs[3, name] - costs[2, name], costs[4, name] - costs[3, name]
+        assert first.flops > 0 and second.flops == pytest.approx(first.flops, rel=0.05), (name, first, second)
+        assert first.hbm_bytes > 0 and second.hbm_bytes == pytest.approx(first.hbm_bytes, rel=0.25), name
+
+
+def test_the_decode_step_is_not_charged_the_whole_pool_per_write(tmp_path, monkeypatch):
+    """XLA:CPU charges each layer's K and V writes into the pool (and its gathers) with the whole pool; the
+    plan takes out what the step's count grows with the pool (one more compile on half the pages):
+    2 x the pool per layer and decode step, as measured on CPU."""
+    import dataclasses
+
+    from jaxrl_llm.planning import memory as memory_plan
+
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.model.tiny.num_hidden_layers": 2,
+                                         "actor_rollout_ref.rollout.engine": "paged"})
+    planner = Planner(spec, mesh, tok)
+    sample = next(p for p in planner.programs if p.name == "sample")
+    corrected = planner.costed(sample, spec.plan)
+    monkeypatch.setattr(memory_plan, "_CACHE", {})
+    charged = planner.costed(dataclasses.replace(sample, pool_pages=0), spec.plan)
+    steps = spec.plan.response_length  # one wave: every sequence has its slot
+    pool = corrected.kv_bytes
+    removed = (charged.cost.hbm_bytes - corrected.cost.hbm_bytes) / steps
+    assert removed == pytest.approx(2 * 2 * pool, rel=0.1), (removed, pool)
