@@ -137,3 +137,17 @@ def with_reward_file(cfg, tmp_path):
     path.write_text(REWARD_FILE)
     cfg.custom_reward_function.path = str(path)
     return cfg
+
+
+def assert_step_runs_the_planned_programs(trainer, metrics: dict) -> None:
+    """The memory plan's program list (planning/programs.py PROGRAM_BUILDERS) names the passes this
+    step timed (`timing_s/*` of `metrics`), no more and no fewer: a pass added to `Trainer.train_step`
+    without a program to plan, or a program planned for a pass the step no longer runs, fails here."""
+    from jaxrl_llm.planning.programs import PROGRAM_BUILDERS, STEP_SPANS, UNPLANNED_SPANS, make_context
+
+    ctx = make_context(trainer.spec, trainer.mesh, trainer.tokenizer)
+    planned = {STEP_SPANS[p.name] for p in (build(ctx) for build in PROGRAM_BUILDERS) if p is not None}
+    timed = {k.removeprefix("timing_s/") for k in metrics if k.startswith("timing_s/")} - UNPLANNED_SPANS
+    if not trainer.spec.recompute_old_log_probs:  # the span stays (veRL's metric), timing no pass
+        timed.discard("old_log_prob")
+    assert timed == planned, f"the step timed {sorted(timed)}, the plan holds {sorted(planned)}"

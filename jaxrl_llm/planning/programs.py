@@ -581,7 +581,17 @@ def actor_update_program(ctx: Context) -> Program:
     return _update_program(ctx, "actor", ctx.actor, ctx.spec.actor)
 
 
-# In step order. A builder returns None when its program is not part of this run's step.
+# In step order. A builder returns None when its program is not part of this run's step. This list and
+# `Trainer.train_step` must name the same passes: each program's timing span in the step
+# (`timing_s/<span>`) is in STEP_SPANS, and the trainer tests check, run by run, that the spans a step
+# timed are the programs planned here (tests/tiny_runs.py `assert_step_runs_the_planned_programs`).
+STEP_SPANS: dict[str, str] = {
+    "sample": "gen", "ref_log_prob": "ref", "old_log_prob": "old_log_prob", "teacher": "teacher", "values": "values",
+    "update_critic": "update_critic", "update_actor": "update_actor",
+}
+# the step's spans that run no planned program: the whole step, the experience (advantages, KL in reward:
+# element-wise work beside the passes), and the rollout source's own timings
+UNPLANNED_SPANS = frozenset({"step", "adv", "gen_job", "weight_sync"})
 PROGRAM_BUILDERS: list[Callable[[Context], Program | None]] = [
     sample_program, ref_program, old_log_prob_program, teacher_program, values_program, critic_update_program,
     actor_update_program,

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from tiny_models import make_char_tokenizer, random_rollout
-from tiny_runs import GUESS_YAML, read_metrics, tiny_config
+from tiny_runs import GUESS_YAML, assert_step_runs_the_planned_programs, read_metrics, tiny_config
 
 from jaxrl_llm.batching import StepRows, plan_chunks
 from jaxrl_llm.config import ActorSpec, ConfigError
@@ -305,6 +305,7 @@ def test_distillation_with_a_lora_student_and_the_memory_plan(tmp_path):
     table = trainer.memory_plan.table()
     assert "\nteacher " in table and "\nupdate_actor " in table
     row = trainer.fit()
+    assert_step_runs_the_planned_programs(trainer, row)  # the teacher's pass, no reference (LoRA's base)
     # the teacher is the student's base: with the adapters at zero (B = 0) they agree, so the first
     # step's top-k KL is ~0 even though the teacher alone sees the worked example in its prompt
     assert abs(row["distill/reverse_kl"]) > 0 and row["actor/distill_topk_kl"] >= 0

@@ -82,6 +82,7 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     trainer = Trainer(cfg)
     assert trainer.critic is not None and trainer.reference is not None
     last = trainer.fit()
+    tiny_runs.assert_step_runs_the_planned_programs(trainer, last)  # ref, values, both updates
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "actor/kl_loss",
                 "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/values", "timing_s/ref"):
         assert key in last and np.isfinite(last[key]), key
