@@ -25,15 +25,15 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import sharding  # noqa: E402
-from jaxrl_llm.models import ModelConfig, blockwise, init_params, param_logical_axes  # noqa: E402
-from jaxrl_llm.models.config import CONTEXT_ATTENTION  # noqa: E402
-from jaxrl_llm.roles.forward import response_log_probs  # noqa: E402
+from jaxrl_llm import sharding
+from jaxrl_llm.models import ModelConfig, blockwise, init_params, param_logical_axes
+from jaxrl_llm.models.config import CONTEXT_ATTENTION
+from jaxrl_llm.roles.forward import response_log_probs
 
 MODELS = {
     # a small Llama that runs 32k-token rows on this CPU host

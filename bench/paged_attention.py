@@ -203,7 +203,7 @@ def main() -> None:
                 compile_s = time.perf_counter() - t0
                 diff = jnp.abs(out.astype(jnp.float32) - ref)
                 err, ok = float(jnp.max(diff)), bool(jnp.all(diff <= rel * jnp.abs(ref) + 1e-5))
-                t = median_time(lambda: fn(case), args.repeats)  # noqa: B023
+                t = median_time(lambda: fn(case), args.repeats)
                 print(f"{slots:>5} {mean_len:>8} {name:>6} | {compile_s:>10.2f} {t * 1e6:>9.1f} "
                       f"{slots / t:>10.0f} {kv_bytes / t / 1e9:>8.2f} {kv_bytes / t / bw:>6.1%} | "
                       f"{err:.2e} {'yes' if ok else 'NO'}")

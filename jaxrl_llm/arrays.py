@@ -15,7 +15,7 @@ HostOrDevice = jax.Array | np.ndarray
 # static type, so this stays `Any` to the checker; the name says what is expected.
 ArrayTree = Any
 # A model's parameters: nested dicts with array leaves (`{"embed": ..., "layers": {...}}`; with LoRA
-# `{"lora": adapters}`).
-Params = dict[str, Any]
+# `{"lora": adapters}`). An `ArrayTree` to the checker too (optax and orbax hand back untyped trees).
+Params = ArrayTree
 # A dtype as our functions accept it: a name ("bfloat16"), a numpy / jnp dtype or scalar type.
 DType = DTypeLike

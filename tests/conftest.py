@@ -22,10 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
+import importlib.util
+import pathlib
 
-import pytest  # noqa: E402
+import pytest
 
 
 def smollm2_gguf_path() -> pathlib.Path | None:

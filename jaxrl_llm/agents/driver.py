@@ -79,7 +79,7 @@ class ToolJob:
         iid = self.traj.tool_instances[self.tool.name]
         try:
             return as_tool_result(call_tool_method(self.tool.execute, iid, self.arguments), self.tool.name)
-        except Exception as err:  # noqa: BLE001 - fed back to the model
+        except Exception as err:  # fed back to the model
             return ToolResult(f"Error: tool {self.tool.name!r} failed: {type(err).__name__}: {err}", 0.0,
                               {"error": 1})
 
@@ -110,11 +110,11 @@ def finish_tools(trajs: Sequence[Trajectory], tools: Mapping[str, BaseTool]) -> 
         for name, iid in list(t.tool_instances.items()):
             try:
                 t.tool_final_rewards[name] = float(call_tool_method(tools[name].calc_reward, iid))
-            except Exception as err:  # noqa: BLE001 - re-raised below, after the releases
+            except Exception as err:  # re-raised below, after the releases
                 first = first or err
             try:
                 call_tool_method(tools[name].release, iid)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 first = first or err
             del t.tool_instances[name]
     if first is not None:

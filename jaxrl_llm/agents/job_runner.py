@@ -74,7 +74,7 @@ class JobRunner(Generic[JobKey]):
                 fn = self._fns[key]
             try:
                 self._done.put((key, "ok", fn()))
-            except Exception as err:  # noqa: BLE001 - handed to the caller, who decides
+            except Exception as err:  # handed to the caller, who decides
                 self._done.put((key, "error", err))
 
     def poll(self, wait_s: float = 0.0) -> list[tuple[JobKey, str, Any]]:

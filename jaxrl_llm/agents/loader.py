@@ -59,7 +59,7 @@ def import_class(path: Any, where: str) -> type:
     module_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - any import failure of a user module is a config error
+    except Exception as err:  # any import failure of a user module is a config error
         raise AgentConfigError(f"{where}: cannot import module {module_name!r} "
                                f"({type(err).__name__}: {err})") from None
     cls = getattr(module, attr, None)
@@ -96,7 +96,7 @@ def load_tools(path: str | pathlib.Path) -> dict[str, BaseTool]:
             raise AgentConfigError(f"{where}: tools[{i}].{err}") from None
         try:
             tool = cls(config=entry.get("config") or {}, tool_schema=schema)
-        except Exception as err:  # noqa: BLE001 - the tool's constructor judges its own config
+        except Exception as err:  # the tool's constructor judges its own config
             raise AgentConfigError(f"{where}: tools[{i}].config: {cls.__name__} rejected it "
                                    f"({type(err).__name__}: {err})") from None
         name = schema["function"]["name"]
@@ -125,7 +125,7 @@ def load_interactions(path: str | pathlib.Path) -> dict[str, Callable[[], Enviro
         config = dict(entry.get("config") or {})
         try:
             cls(config=config)
-        except Exception as err:  # noqa: BLE001 - the class judges its own config
+        except Exception as err:  # the class judges its own config
             raise AgentConfigError(f"{where}: interaction[{i}].config: {cls.__name__} rejected it "
                                    f"({type(err).__name__}: {err})") from None
         factories[name] = lambda cls=cls, config=config: cls(config=dict(config))

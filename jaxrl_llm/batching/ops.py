@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.arrays import DType, Params
 from jaxrl_llm.batching.layout import PackedLayout
 from jaxrl_llm.batching.step import NO_PADS, PassLayout
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe
@@ -21,7 +22,7 @@ Array = jax.Array
 
 
 def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, layout: PackedLayout,
-                           response_len: int, *, compute_dtype: Any, remat: bool | str = False,
+                           response_len: int, *, compute_dtype: DType, remat: bool | str = False,
                            replay: Array | None = None) -> tuple[Array, Array, MoeOut | None]:
     """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M], a MoE model's
     router stats over the packed tokens) of the micro-batch `input_ids` [n, P + R] run packed as
@@ -94,7 +95,7 @@ def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt
     return (jax.tree.map(pad(prompt_pad, response_pad), sequences), jax.tree.map(pad(0, response_pad), responses))
 
 
-def run_no_grad_pass(fn: Callable[..., Any], params: Any, input_ids: Array, attention_mask: Array,
+def run_no_grad_pass(fn: Callable[..., Any], params: Params, input_ids: Array, attention_mask: Array,
                      response_mask: Array, how: PassLayout, routing: Array | None = None, **settings: Any) -> Any:
     """`fn` (roles/experience.py `log_probs_no_grad` / `values_no_grad` / `teacher_no_grad`; an
     array [N, R, ...] or a dict of them) over the rows as `how`

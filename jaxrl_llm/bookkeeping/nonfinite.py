@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.arrays import ArrayTree
+
 log = logging.getLogger("jaxrl_llm")
 Array = jax.Array
 
@@ -129,7 +131,7 @@ class NonFiniteGuard:
 
 
 @jax.jit
-def _leaf_nonfinite(tree: Any) -> Any:
+def _leaf_nonfinite(tree: ArrayTree) -> Any:
     def bad(x: Array) -> Array:
         if not jnp.issubdtype(x.dtype, jnp.inexact):
             return jnp.bool_(False)
@@ -138,14 +140,14 @@ def _leaf_nonfinite(tree: Any) -> Any:
     return jax.tree.map(bad, tree)
 
 
-def nonfinite_leaves(tree: Any) -> list[str]:
+def nonfinite_leaves(tree: ArrayTree) -> list[str]:
     """Paths of the leaves of `tree` (device arrays, possibly sharded) holding a NaN / inf."""
     flags = jax.device_get(_leaf_nonfinite(tree))
     leaves, _ = jax.tree_util.tree_flatten_with_path(flags)
     return [jax.tree_util.keystr(path) for path, flag in leaves if bool(flag)]
 
 
-def assert_finite_state(state: Any, step: int) -> None:
+def assert_finite_state(state: ArrayTree, step: int) -> None:
     """Raises `NonFiniteError` when a train state to checkpoint holds a non-finite value."""
     bad = nonfinite_leaves(state)
     if bad:

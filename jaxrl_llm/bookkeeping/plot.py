@@ -175,6 +175,6 @@ def plot_finished_run(run_dir: str | os.PathLike, history: Sequence[Mapping[str,
     logger wrote it (`from_file`), else from `history`. Never fails a run: problems are logged."""
     try:
         return plot_run(run_dir, records=None if from_file else list(history))
-    except Exception as err:  # noqa: BLE001 (a plot must not fail a finished run)
+    except Exception as err:  # (a plot must not fail a finished run)
         log.warning("could not write %s/plot.png: %s", run_dir, err)
         return None

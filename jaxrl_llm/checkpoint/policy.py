@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxrl_llm import storage
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.checkpoint.store import ITEMS, is_checkpoint, locate_checkpoint, read_checkpoint_meta
 from jaxrl_llm.hf import load_any, register_loader
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models.lora import LoraConfig, merge_lora, with_lora
 
 
-def load_policy_checkpoint(path: Any, *, dtype: Any = None, **_: Any) -> tuple[Any, dict]:
+def load_policy_checkpoint(path: Any, *, dtype: DType | None = None, **_: Any) -> tuple[Any, dict]:
     """(ModelConfig, policy params on the default device) from a training checkpoint; after
     `register_checkpoint_loader()`, `jaxrl_llm.hf.load_any` (and so `launch/convert_to_hf.py` and
     `jrl.load_model`) accepts it. A LoRA checkpoint gives its adapters merged into the base."""

@@ -24,6 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxrl_llm import storage
+from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.errors import ConfigError
 
 ITEMS = ("state", "data", "meta", "rollout")
@@ -81,7 +82,7 @@ class CheckpointStore:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, data_state: Any, meta: Mapping[str, Any], rollout: Any = None) -> None:
+    def save(self, step: int, state: ArrayTree, data_state: Any, meta: Mapping[str, Any], rollout: Any = None) -> None:
         """Starts an (async) save of `step` (`rollout`: the pipeline's rollout weights, if any).
         Raises `CheckpointError` when orbax declines it: it never saves a step at or below the
         latest one it holds, and a skipped save is lost work."""
@@ -128,7 +129,7 @@ class CheckpointStore:
         self._manager.close()
 
 
-def abstract_like(tree: Any) -> Any:
+def abstract_like(tree: ArrayTree) -> Any:
     """ShapeDtypeStructs (with shardings) describing `tree`, for a restore onto the same layout."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
@@ -297,7 +298,7 @@ RECORD_KEYS = (
 )
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: ArrayTree, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, Mapping):
         out: dict[str, Any] = {}
         for key, value in tree.items():

@@ -87,7 +87,7 @@ def _num(x: float) -> str:
 
 
 def field(default: Any, doc: str, *, types: type | tuple[type, ...] | None = None,
-          nullable: bool | None = None, open: bool = False,  # noqa: A002 (veRL-free name)
+          nullable: bool | None = None, open: bool = False,  # (veRL-free name)
           choices: tuple[str, ...] | Callable[[], Sequence[str]] | None = None, gt: float | None = None,
           ge: float | None = None, lt: float | None = None, le: float | None = None, also: tuple[Any, ...] = ()
           ) -> Field:

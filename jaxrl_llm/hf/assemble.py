@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.hf.names import MissingTensorError, get_path, set_path, tensor_specs
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
@@ -48,7 +49,7 @@ def place(host: np.ndarray, sharding) -> jax.Array:
 
 
 def assemble_params(cfg: ModelConfig, source: TensorSource, *, head: str = "lm",
-                    num_labels: int = 1, dtype: Any = jnp.float32, shardings: Shardings = None,
+                    num_labels: int = 1, dtype: DType = jnp.float32, shardings: Shardings = None,
                     rng: jax.Array | None = None,
                     transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> dict:
     """Our params from `source`. Fresh head params (value head) come from `rng` (default key 0).

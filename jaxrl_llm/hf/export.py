@@ -23,6 +23,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxrl_llm import storage
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.hf.names import TensorSpec, get_path, tensor_specs
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models.config import ModelConfig
@@ -103,7 +104,7 @@ def _remove_leftovers(out_dir: pathlib.Path) -> None:
 
 
 def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, tokenizer: Tokenizer | None = None,
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: Any = None,
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: DType | None = None,
               overwrite: bool = True) -> Any:
     """Write an HF folder at `out_dir` (a local path or a bucket URL); returns its path (an
     `epath.Path` for a URL). `dtype` defaults to the params' dtype.

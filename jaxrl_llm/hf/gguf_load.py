@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.hf.assemble import Shardings, assemble_params
 from jaxrl_llm.models.config import ModelConfig
 
@@ -138,7 +139,7 @@ def gguf_config(source: GGUFSource) -> ModelConfig:
     return ModelConfig.from_hf_config(d)
 
 
-def load_gguf(path: str | pathlib.Path, *, dtype: Any = jnp.float32, shardings: Shardings = None,
+def load_gguf(path: str | pathlib.Path, *, dtype: DType = jnp.float32, shardings: Shardings = None,
               head: str = "lm", rng=None) -> tuple[ModelConfig, dict]:
     """(cfg, params) from a GGUF file (dequantised to `dtype`)."""
     path = pathlib.Path(path)

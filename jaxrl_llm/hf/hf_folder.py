@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.hf.assemble import Shardings, assemble_params
 from jaxrl_llm.models.config import ModelConfig
 
@@ -97,7 +98,7 @@ def _head_for(cfg_dict: dict[str, Any], head: str | None) -> str:
     return "score" if archs and archs[0].endswith("ForSequenceClassification") else "lm"
 
 
-def load_hf_folder(path: str | pathlib.Path, *, dtype: Any = jnp.float32,
+def load_hf_folder(path: str | pathlib.Path, *, dtype: DType = jnp.float32,
                    shardings: Shardings = None, head: str | None = None, num_labels: int | None = None,
                    rng: jax.Array | None = None) -> tuple[ModelConfig, dict]:
     """(cfg, params) from an HF folder. `head`: "lm" | "value" | "score" (default: from the

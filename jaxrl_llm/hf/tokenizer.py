@@ -59,7 +59,7 @@ def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Tokenizer:
             tok = AutoTokenizer.from_pretrained(str(path))
         else:
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a bad tokenizer folder
+    except Exception as err:  # transformers raises many kinds for a bad tokenizer folder
         raise TokenizerError(f"cannot load a tokenizer from {str(path)!r}: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from err
     if tok.pad_token is None and tok.eos_token is not None:

@@ -3,9 +3,11 @@ recomputed in the backward from gate and up."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
+
+from jaxrl_llm.arrays import DType
 
 Array = jax.Array
 
@@ -16,7 +18,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def gated_product(gate: Array, up: Array, activation: str, dtype: Any) -> Array:
+def gated_product(gate: Array, up: Array, activation: str, dtype: DType) -> Array:
     """act(gate) * up in the compute dtype, recomputed in the backward from gate and up.
 
     Why: differentiated as written, the activation keeps its own intermediates alive for the

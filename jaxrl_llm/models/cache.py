@@ -30,18 +30,17 @@ on the concatenated sequence. Pass `positions=` to override. The caller must kee
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 
 Array = jax.Array
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> dict:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DType = jnp.float32) -> dict:
     """An empty cache of `max_len` slots per row (see the module docstring for the convention)."""
     shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     return {

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrl_llm.arrays import ArrayTree, DType
 from jaxrl_llm.models import blockwise
 from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.attention import attend
@@ -75,10 +76,10 @@ class LayerAttention(Protocol):
     compute dtype (RoPE applied), `state` (the cache, carried through the layer scan) and the layer
     index (int32 scalar) -> (output [B, T, heads, D], fp32 or compute dtype; the new state)."""
 
-    def __call__(self, q: Array, k: Array, v: Array, state: Any, layer: Array, /) -> tuple[Array, Any]: ...
+    def __call__(self, q: Array, k: Array, v: Array, state: ArrayTree, layer: Array, /) -> tuple[Array, Any]: ...
 
 
-def rms_norm(x: Array, scale: Array, eps: float, dtype: Any, offset: float = 0.0) -> Array:
+def rms_norm(x: Array, scale: Array, eps: float, dtype: DType, offset: float = 0.0) -> Array:
     """RMSNorm over the last axis in fp32, times (offset + scale) (Gemma: 1 + w), the result in `dtype`."""
     x32 = x.astype(jnp.float32)
     y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -130,7 +131,7 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x.dtype)
 
 
-def project(x: Array, weights: dict, adapter: dict | None, lora_scale: float, dtype: Any, *,
+def project(x: Array, weights: dict, adapter: dict | None, lora_scale: float, dtype: DType, *,
             in_axes: int = 1) -> Array:
     """fp32 [..., *out] = x [..., *in] @ kernel [*in, *out] (+ bias, + the LoRA delta), as one matmul of
     compute-dtype operands over the flattened in / out axes (`in_axes`: the trailing axes of x
@@ -162,7 +163,7 @@ def batch_rows(x: Array, split: bool, last: str = "act_embed") -> Array:
 
 
 def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
-                    attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float,
+                    attention: LayerAttention, state: ArrayTree, layer: Array, *, dtype: DType, lora_scale: float,
                     split_rows: bool = False) -> tuple[Array, Any]:
     """fp32 [B, T, H] output of the attention sublayer for normed x [B, T, H] (compute dtype);
     `split_rows`: `batch_rows` on its activations."""
@@ -189,7 +190,7 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     return project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2), state
 
 
-def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale: float,
+def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: DType, lora_scale: float,
               activation: str = "silu", split_rows: bool = False) -> Array:
     """fp32 [..., H] gated MLP (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") of normed x [..., H]
     (compute dtype); `split_rows`: `batch_rows` on a [B, T, ...] x's activations."""
@@ -204,7 +205,7 @@ def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: Any, lora_scale
 
 
 def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None, *,
-              dtype: Any, lora_scale: float) -> tuple[Array, RouterStats, Array]:
+              dtype: DType, lora_scale: float) -> tuple[Array, RouterStats, Array]:
     """fp32 [B, T, H] MoE MLP of normed x [B, T, H] (compute dtype), this layer's `RouterStats` over
     valid [B, T] tokens, and the experts each token ran [B, T, k] (the router's own top-k, or the
     replayed ones). `replay` [B, T, k]: experts to use (NOT_RECORDED: the router's choice)."""
@@ -228,7 +229,7 @@ MlpStacks = tuple[dict, dict, Array, Array]  # a mixed-layer model's (params, ad
 
 
 def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
-                  attention: LayerAttention, state: Any, layer: Array, *, dtype: Any, lora_scale: float,
+                  attention: LayerAttention, state: ArrayTree, layer: Array, *, dtype: DType, lora_scale: float,
                   valid: Array | None = None, replay: Array | None = None, stacks: MlpStacks | None = None,
                   split_rows: bool = False) -> tuple[Array, Any, tuple[RouterStats, Array] | None]:
     """One pre-norm block on the fp32 residual stream x [B, T, H] -> (x, attention state, and for a
@@ -259,7 +260,7 @@ def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos
 
 
 def mixed_mlp(cfg: ModelConfig, stacks: MlpStacks, layer: Array, x: Array, valid: Array, replay: Array | None, *,
-              dtype: Any, lora_scale: float) -> tuple[Array, RouterStats, Array]:
+              dtype: DType, lora_scale: float) -> tuple[Array, RouterStats, Array]:
     """A mixed-layer model's MLP of `layer`: its row of the dense stack or of the MoE stack, chosen with
     `lax.cond`, so the layer scan stays one loop. A dense layer reports empty router stats (no tokens:
     the pooled losses and metrics count the sparse layers only, as HF's) and zero expert ids."""
@@ -318,7 +319,7 @@ def _layer_slices(layers: dict, count: int) -> tuple[dict, ...]:
 
 
 def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
-                   attention: LayerAttention, state: Any, *, compute_dtype: Any = jnp.float32,
+                   attention: LayerAttention, state: ArrayTree, *, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
                    record_routing: bool = False) -> tuple[Array, Any, MoeOut | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) of input_ids [B, T] at integer

@@ -13,35 +13,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.arrays import DType, Params
+
 DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 
-def dtype_name(name_or_dtype: Any, *, allowed: Sequence[str] | None = None, what: str | None = None) -> str:
+def dtype_name(name_or_dtype: DType, *, allowed: Sequence[str] | None = None, what: str | None = None) -> str:
     """Canonical name (`"bfloat16"`, ...) of a name in `DTYPES` or of a dtype (`jnp.bfloat16`, np.dtype).
 
     `allowed` narrows the accepted names (e.g. `COMPUTE_DTYPES`); `what` names the setting in the
     error (e.g. `"actor_rollout_ref.model.dtype"`).
     """
     accepted = tuple(DTYPES) if allowed is None else tuple(allowed)
-    name = name_or_dtype
+    name: str | None = name_or_dtype if isinstance(name_or_dtype, str) else None
     if not isinstance(name_or_dtype, str):
         try:
             name = np.dtype(name_or_dtype).name
         except TypeError:
             name = None
-    if name not in accepted:
+    if name is None or name not in accepted:
         where = f" for {what}" if what else ""
         raise ValueError(f"unknown dtype {name_or_dtype!r}{where}; accepted names: {', '.join(accepted)}")
     return name
 
 
-def as_jnp_dtype(name_or_dtype: Any, *, allowed: Sequence[str] | None = None, what: str | None = None) -> np.dtype:
+def as_jnp_dtype(name_or_dtype: DType, *, allowed: Sequence[str] | None = None, what: str | None = None) -> np.dtype:
     """`jnp.dtype` of a name in `DTYPES` (or of a dtype); ValueError naming the accepted names otherwise."""
     return jnp.dtype(DTYPES[dtype_name(name_or_dtype, allowed=allowed, what=what)])
 
 
-def matmul_weights_in(params: Any, dtype: Any) -> Any:
+def matmul_weights_in(params: Params, dtype: DType) -> Any:
     """`params` with every floating leaf of 2 or more dims (projections, embeddings, lm head) in
     `dtype`; 1-D leaves (norm scales) as they are. Decoding reads every weight once per token: a
     copy in the compute dtype made once per rollout replaces a cast of the fp32 master weights at
@@ -51,6 +53,6 @@ def matmul_weights_in(params: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if is_uncast_matmul_weight(x, dtype) else x, params)
 
 
-def is_uncast_matmul_weight(x: Any, dtype: Any) -> bool:
+def is_uncast_matmul_weight(x: Any, dtype: DType) -> bool:
     """A floating leaf of 2 or more dims not yet in `dtype` (what `matmul_weights_in` casts)."""
     return getattr(x, "ndim", 0) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)

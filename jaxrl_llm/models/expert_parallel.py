@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.moe import Routing, expert_ffn, held_expert_ffn
 from jaxrl_llm.models.param_init import EXPERT_AXES
@@ -79,7 +80,7 @@ def expert_ways(cfg: ModelConfig, mesh: Any = None) -> int:
     return ways if ways > 1 and cfg.num_experts % ways == 0 else 1
 
 
-def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: Any) -> Array:
+def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: DType) -> Array:
     """fp32 [N, H]: the routed experts' mixed outputs for tokens [N, H]. On a mesh of several devices
     they run in a `shard_map` manual over the batch axes and `tensor` (module doc): expert parallel
     when the mesh has an `expert` axis, else each device runs its own tokens through all experts

@@ -6,12 +6,12 @@ one token per step for a fixed number of steps (no early stop), all inside one j
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
@@ -20,7 +20,7 @@ from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
 @functools.partial(jax.jit, static_argnums=(1, 4), static_argnames=("compute_dtype",))
 def greedy_generate(params: dict, cfg: ModelConfig, input_ids: jax.Array,
                     attention_mask: jax.Array, max_new_tokens: int, *,
-                    compute_dtype: Any = jnp.float32) -> jax.Array:
+                    compute_dtype: DType = jnp.float32) -> jax.Array:
     """[B, max_new_tokens] argmax continuations of left-padded prompts [B, P]."""
     b, p = input_ids.shape
     cache = init_cache(cfg, b, p + max_new_tokens, compute_dtype)

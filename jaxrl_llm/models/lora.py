@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.param_init import init_backbone, param_logical_axes
 
@@ -150,7 +151,7 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[tuple[str, str], 
     return out
 
 
-def init_lora(cfg: ModelConfig, lora: LoraConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
+def init_lora(cfg: ModelConfig, lora: LoraConfig, rng: Array, dtype: DType = jnp.float32) -> dict:
     """Fresh adapters: A ~ U(+-1/sqrt(fan_in)) (PEFT's kaiming_uniform(a=sqrt(5))), B = 0."""
     adapters: dict = {"layers": {}}
     for i, ((g, m), (a_shape, b_shape)) in enumerate(adapter_shapes(cfg, lora).items()):
@@ -173,7 +174,7 @@ def lora_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> dict:
     return out
 
 
-def lora_delta(x: Array, adapter: dict | None, scale: float, compute_dtype: Any) -> Array | None:
+def lora_delta(x: Array, adapter: dict | None, scale: float, compute_dtype: DType) -> Array | None:
     """scale * (x @ A) @ B for one layer's adapter {A [in..., r], B [r, out...]} (None: no adapter)."""
     if adapter is None:
         return None

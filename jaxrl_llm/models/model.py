@@ -8,6 +8,7 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
@@ -19,17 +20,17 @@ Array = jax.Array
 
 @overload
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
-                   positions: Array | None = None, cache: None = None, compute_dtype: Any = jnp.float32,
+                   positions: Array | None = None, cache: None = None, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None
                    ) -> tuple[Array, None]: ...
 @overload
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
-                   positions: Array | None = None, cache: dict, compute_dtype: Any = jnp.float32,
+                   positions: Array | None = None, cache: dict, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None
                    ) -> tuple[Array, dict]: ...
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
-                   compute_dtype: Any = jnp.float32, remat: bool | str = False,
+                   compute_dtype: DType = jnp.float32, remat: bool | str = False,
                    segment_ids: Array | None = None, branch_ids: Array | None = None
                    ) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
@@ -50,7 +51,7 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
 
 
 def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
-                       positions: Array | None = None, compute_dtype: Any = jnp.float32, remat: bool | str = False,
+                       positions: Array | None = None, compute_dtype: DType = jnp.float32, remat: bool | str = False,
                        segment_ids: Array | None = None, branch_ids: Array | None = None,
                        replay: Array | None = None, record_routing: bool = False) -> tuple[Array, MoeOut | None]:
     """`forward_hidden` (no cache) with the mixture-of-experts layers' `MoeOut` (None for a dense
@@ -63,7 +64,7 @@ def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attenti
 
 
 def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
-                          cache: dict, compute_dtype: Any = jnp.float32, replay: Array | None = None
+                          cache: dict, compute_dtype: DType = jnp.float32, replay: Array | None = None
                           ) -> tuple[Array, dict, Array | None]:
     """`forward_hidden` with a cache that also returns the experts each MoE layer ran [L, B, T, k]
     int32 (None for a dense model): what a sampler records for routing replay. `replay` [L, B, T, k]:
@@ -76,7 +77,7 @@ def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, atte
 
 
 def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *, positions: Array | None,
-             cache: dict | None, compute_dtype: Any, remat: bool | str, segment_ids: Array | None,
+             cache: dict | None, compute_dtype: DType, remat: bool | str, segment_ids: Array | None,
              branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False
              ) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,

@@ -27,12 +27,13 @@ z-loss), and how many tokens' recomputed top-k equals the replayed one (`moe/rou
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.arrays import DType, Params
 from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.numerics import MATMUL_2D, matmul_f32
@@ -252,7 +253,7 @@ def active_params(cfg: ModelConfig, num_params: int) -> int:
     return num_params - len(cfg.moe_layer_ids) * idle * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
-def active_params_of(cfg: ModelConfig, params: Any) -> int:
+def active_params_of(cfg: ModelConfig, params: Params) -> int:
     """`active_params` of the model whose weights are the pytree `params`."""
     return active_params(cfg, sum(int(x.size) for x in jax.tree.leaves(params)))
 
@@ -268,7 +269,7 @@ def grouped_matmul(x: Array, w: Array, layout: ExpertLayout, kernel: str = "auto
     return _blocked(x, w, layout.block_expert, layout.block_used, unroll)
 
 
-def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: Any,
+def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig, *, dtype: DType,
                kernel: str | None = None, unroll: int | bool = 1) -> Array:
     """fp32 [N, H]: sum_k weight_k * SwiGLU_{expert_k}(token), dropless (module doc). With no more
     assignments than one block holds (a decode step), each assignment reads its expert's weights
@@ -277,7 +278,7 @@ def expert_ffn(experts: dict, tokens: Array, routing: Routing, cfg: ModelConfig,
                            unroll=unroll)
 
 
-def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: Any,
+def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: DType,
                     kernel: str | None = None, unroll: int | bool = 1) -> Array:
     """`expert_ffn` over the experts `experts` holds ([E_held, ...]): all of them, or one device's
     share under expert parallelism, where an id equal to E_held marks an assignment another device
@@ -311,7 +312,7 @@ def token_chunks(tokens: int, top_k: int, chunk_rows: int) -> int:
     return min(chunks, max(tokens, 1))
 
 
-def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: Any,
+def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: DType,
                      kernel: str | None, unroll: int | bool) -> Array:
     """`held_expert_ffn` in one pass."""
     n, hidden = tokens.shape
@@ -337,7 +338,7 @@ class MoeOut(NamedTuple):
     routing: Array | None  # [L, B, T, k] int32: the router's own top-k, when recorded
 
 
-def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *, dtype: Any) -> Array:
+def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *, dtype: DType) -> Array:
     """`expert_ffn` for a few tokens: the N x k assignments (ids, mixing weights mix [N, k]) each gather
     their expert's matrices ([N, k, H, F] weights read, N x k SwiGLUs computed), no sort and no padded
     blocks. A decode step's batch would otherwise run one mostly empty block per expert it touches."""
@@ -350,7 +351,7 @@ def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *,
     return jnp.einsum("nk,nkh->nh", mix, out)
 
 
-def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: Any) -> Array:
+def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: DType) -> Array:
     """The all-experts reference of `expert_ffn`: every token through every expert (N x E SwiGLUs),
     mixed by the routing weights scattered to [N, E]. Tests and bench/moe.py only."""
     gate = jnp.einsum("nh,ehf->enf", tokens, experts["gate_proj"]["kernel"].astype(dtype),

@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.arrays import ArrayTree, DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
 
@@ -52,7 +53,7 @@ def _check_head(head: str) -> None:
 
 
 def init_head_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labels: int = 1,
-                     dtype: Any = jnp.float32) -> dict:
+                     dtype: DType = jnp.float32) -> dict:
     """Freshly initialised head params (the part of `init_params` outside the backbone)."""
     _check_head(head)
     normal = jax.nn.initializers.normal(cfg.initializer_range)
@@ -66,14 +67,14 @@ def init_head_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labe
 
 
 def init_params(cfg: ModelConfig, rng: Array, *, head: str = "lm", num_labels: int = 1,
-                dtype: Any = jnp.float32) -> dict:
+                dtype: DType = jnp.float32) -> dict:
     """Random params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
     _check_head(head)
     return _init_params_jit(cfg, rng, head, num_labels, as_jnp_dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
-def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, dtype: Any) -> dict:
+def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, dtype: DType) -> dict:
     backbone_rng, head_rng = jax.random.split(rng)
     params = init_backbone(cfg, backbone_rng, dtype)
     params.update(init_head_params(cfg, head_rng, head=head, num_labels=num_labels, dtype=dtype))
@@ -139,7 +140,7 @@ class _Norm(nn.Module):
     """A norm's scale: ones, or zeros where the norm multiplies by (offset + scale) (Gemma's 1 + w)."""
 
     size: int
-    dtype: Any
+    dtype: DType
     offset: float = 0.0
 
     @nn.compact
@@ -154,7 +155,7 @@ class _Projection(nn.Module):
     outputs: tuple[int, ...]
     use_bias: bool
     initializer: Initializer
-    dtype: Any
+    dtype: DType
 
     @nn.compact
     def __call__(self) -> None:
@@ -170,7 +171,7 @@ class _LayerParams(nn.Module):
     model stacks its MLPs apart: `_MlpStack`)."""
 
     cfg: ModelConfig
-    dtype: Any
+    dtype: DType
     mlp: str
 
     @nn.compact
@@ -194,7 +195,7 @@ class _MlpStack(nn.Module):
     """A mixed-layer model's MLPs of one kind ("dense" or "moe"), one scan step per layer of that kind."""
 
     cfg: ModelConfig
-    dtype: Any
+    dtype: DType
     kind: str
 
     @nn.compact
@@ -209,7 +210,7 @@ class _MlpStack(nn.Module):
 
 class _AttentionParams(nn.Module):
     cfg: ModelConfig
-    dtype: Any
+    dtype: DType
     initializer: Initializer
 
     @nn.compact
@@ -228,7 +229,7 @@ class _AttentionParams(nn.Module):
 class _MlpParams(nn.Module):
     hidden: int
     intermediate: int
-    dtype: Any
+    dtype: DType
     initializer: Initializer
 
     @nn.compact
@@ -240,7 +241,7 @@ class _MlpParams(nn.Module):
 
 class _MoeParams(nn.Module):
     cfg: ModelConfig
-    dtype: Any
+    dtype: DType
     initializer: Initializer
 
     @nn.compact
@@ -260,7 +261,7 @@ class _ExpertParams(nn.Module):
     hidden: int
     intermediate: int
     experts: int
-    dtype: Any
+    dtype: DType
     initializer: Initializer
 
     @nn.compact
@@ -273,7 +274,7 @@ class _ExpertParams(nn.Module):
 class _Stacked(nn.Module):
     shape: tuple[int, ...]
     initializer: Initializer
-    dtype: Any
+    dtype: DType
 
     @nn.compact
     def __call__(self) -> None:
@@ -282,7 +283,7 @@ class _Stacked(nn.Module):
 
 class _BackboneParams(nn.Module):
     cfg: ModelConfig
-    dtype: Any
+    dtype: DType
 
     @nn.compact
     def __call__(self) -> None:
@@ -298,7 +299,7 @@ class _BackboneParams(nn.Module):
             scan(_MlpStack, length=len(cfg.moe_layer_ids))(cfg, self.dtype, "moe", name="moe_mlps")(None)
 
 
-def init_backbone(cfg: ModelConfig, rng: Array, dtype: Any = jnp.float32) -> dict:
+def init_backbone(cfg: ModelConfig, rng: Array, dtype: DType = jnp.float32) -> dict:
     """Random backbone params (normal(initializer_range) matrices, unit norms) as a plain nested dict."""
     variables = _BackboneParams(cfg, dtype).init(rng)
     params = _plain(variables["params"])
@@ -307,7 +308,7 @@ def init_backbone(cfg: ModelConfig, rng: Array, dtype: Any = jnp.float32) -> dic
     return params
 
 
-def _plain(tree: Any) -> Any:
+def _plain(tree: ArrayTree) -> Any:
     if hasattr(tree, "items"):
         return {k: _plain(v) for k, v in tree.items()}
     return tree

@@ -48,7 +48,7 @@ def supports_pinned_host(device: Device | None = None) -> bool:
     target = jax.devices()[0] if device is None else device
     try:
         return any(m.kind == "pinned_host" for m in target.addressable_memories())
-    except Exception:  # noqa: BLE001 - backends without the memories API have no host offload
+    except Exception:  # backends without the memories API have no host offload
         return False
 
 

@@ -295,7 +295,7 @@ class Planner:
             size = micro.sequences_per_device(_rows_per_device(plan, program.micro_pass), self.ctx.seq_len)
         try:
             compiled = lowered.compile()
-        except Exception as err:  # noqa: BLE001 - the TPU compiler refuses a program over its HBM
+        except Exception as err:  # the TPU compiler refuses a program over its HBM
             required = exhausted_bytes(err)
             if required is None:
                 raise
@@ -339,7 +339,7 @@ class Planner:
                 try:
                     more = compiled_cost(program.lower(plan, unroll=k).compile()) - row.counted
                     layer = (more * (1.0 / (k - 1))).at_least_zero()
-                except Exception as err:  # noqa: BLE001 - the TPU compiler refuses it for lack of HBM
+                except Exception as err:  # the TPU compiler refuses it for lack of HBM
                     if exhausted_bytes(err) is None:
                         raise
                     log.warning("memory plan: %s with two layers per scan trip did not compile (%s); its cost "

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.arrays import ArrayTree, DType, Params
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops, rollout_context
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, RunSpec
@@ -88,7 +89,7 @@ class Model:
     """A model as the run places it, without weights: config, abstract params (with shardings)."""
 
     cfg: ModelConfig
-    params: Any  # ShapeDtypeStruct pytree with shardings
+    params: Params  # ShapeDtypeStruct pytree with shardings
     shardings: Any
 
     @property
@@ -129,11 +130,11 @@ class Context:
             return self.states["actor_params"]
         return with_lora(self.states["actor_base_params"], self.states["actor_params"]["lora"], lora.scale)
 
-    def rows(self, n: int, width: int, dtype: Any) -> Any:  # a ShapeDtypeStruct where programs take an Array
+    def rows(self, n: int, width: int, dtype: DType) -> Any:  # a ShapeDtypeStruct where programs take an Array
         return jax.ShapeDtypeStruct((n, width), dtype, sharding=batch_sharding(self.mesh, 2))
 
 
-def bytes_per_device(tree: Any) -> int:
+def bytes_per_device(tree: ArrayTree) -> int:
     """Bytes one device holds of a pytree of sharded (abstract) arrays."""
     total = 0
     for x in jax.tree.leaves(tree):
@@ -149,7 +150,7 @@ def matmul_params(cfg: ModelConfig, num_params: int) -> int:
     return active_params(cfg, num_params) - lookup
 
 
-def head_cost(cfg: ModelConfig, tokens: float, passes: int, dtype: Any) -> Cost:
+def head_cost(cfg: ModelConfig, tokens: float, passes: int, dtype: str) -> Cost:
     """The fused log-prob head over `tokens` rows, `passes` vocab-sized matmuls each (1 forward; an update's
     backward adds the recomputed logits and the two gradients: 4): its vocabulary chunks run in a loop the
     compiled count holds once, and its TPU / GPU kernel is a custom call XLA does not count. Bytes: the
@@ -172,7 +173,7 @@ def _unrolled(cfg: ModelConfig, unroll: int) -> ModelConfig:
     return cfg if unroll == cfg.scan_unroll else dataclasses.replace(cfg, scan_unroll=unroll)
 
 
-def _abstract(tree: Any, shardings: Any, dtype: Any = None) -> Any:
+def _abstract(tree: ArrayTree, shardings: Any, dtype: DType | None = None) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), tree, shardings)
 
 
@@ -277,12 +278,12 @@ def sample_program(ctx: Context) -> Program:
 class DecodeWeights(NamedTuple):
     """What the paged engine decodes from, for abstract params (per-device bytes)."""
 
-    params: Any  # the abstract params `generate` reads (the matmul weights in the compute dtype)
+    params: Params  # the abstract params `generate` reads (the matmul weights in the compute dtype)
     held: int  # held besides them while it runs: the masters they were cast from, the per-layer copy
     copies: int  # the copies the rollout makes: the cast weights and the per-layer copy
 
 
-def decode_weights(params: Any, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool) -> DecodeWeights:
+def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool) -> DecodeWeights:
     """The paged engine's decode weights for abstract `params` (with shardings). The engine
     (sampler/engine/scheduler.py) reads a copy of the matmul weights in the compute dtype, made once
     per rollout, while the masters stay alive; with `rollout.unroll_layers` the steps read per-layer

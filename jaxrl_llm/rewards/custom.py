@@ -44,7 +44,7 @@ def load_from_file(path: str, name: str, key: str = "custom_reward_function") ->
         except KeyboardInterrupt:
             del sys.modules[module_name]
             raise
-        except BaseException as err:  # noqa: BLE001 - even sys.exit() at import is a bad file, not an exit
+        except BaseException as err:  # even sys.exit() at import is a bad file, not an exit
             del sys.modules[module_name]
             raise RewardFunctionError(f"{key}.path: importing {path} failed: {type(err).__name__}: {err}") from err
     if not hasattr(module, name):

@@ -101,7 +101,7 @@ def read_verdict(parser: Parser, verdict: str, row: dict[str, Any]) -> float | N
     a user parser that raised)."""
     try:
         value = parser(verdict, **row)
-    except Exception:  # noqa: BLE001 - a user parser's bad verdict is a parse failure, not a crashed step
+    except Exception:  # a user parser's bad verdict is a parse failure, not a crashed step
         return None
     if value is None:
         return None

@@ -207,7 +207,7 @@ class RewardManager:
                 results.append(_Failure("timeout", f"scorer call ran over {self.timeout_s}s"))
             except KeyboardInterrupt:
                 raise
-            except BaseException as err:  # noqa: BLE001 - a bad sample (even sys.exit) must not stop the run
+            except BaseException as err:  # a bad sample (even sys.exit) must not stop the run
                 results.append(_Failure("error", f"{type(err).__name__}: {err}"))
         return results
 
@@ -308,7 +308,7 @@ def _worker_main(conn: multiprocessing.connection.Connection, spec: ScorerSpec) 
             reply = (task_id, "ok", fn(**kwargs))
         except UnknownDataSourceError as err:
             reply = (task_id, "unknown", str(err))
-        except BaseException as err:  # noqa: BLE001 - report anything the user function raises
+        except BaseException as err:  # report anything the user function raises
             reply = (task_id, "error", f"{type(err).__name__}: {err}")
         try:
             conn.send(reply)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.losses.agg import agg_loss
@@ -115,7 +116,7 @@ def _with_router_losses(loss: jax.Array, metrics: dict, router: MoeOut, mask: ja
     return loss, metrics
 
 
-def update_actor(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
+def update_actor(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
                  packing: UpdateLayout | None = None, frozen: dict | None = None, *, model_cfg: ModelConfig,
                  s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int, num_micro_batches: int,
                  rows_sharding: Any = None, lora_scale: float = 0.0):

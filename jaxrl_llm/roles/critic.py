@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import optax
 
+from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.batching import UpdateLayout
 from jaxrl_llm.config.spec import CriticSpec
 from jaxrl_llm.losses.masked import masked_sum
@@ -37,7 +38,7 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
                   "critic/vpred_mean": vpred_mean}
 
 
-def update_critic(params: dict, opt_state: Any, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
+def update_critic(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
                   packing: UpdateLayout | None = None,
                   *, model_cfg: ModelConfig, s: CriticSpec, tx: optax.GradientTransformation,
                   num_mini_batches: int, num_micro_batches: int, rows_sharding: Any = None):

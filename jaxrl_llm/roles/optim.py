@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl_llm.arrays import ArrayTree, DType, Params
 from jaxrl_llm.config.spec import OptimSpec
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -60,11 +61,11 @@ def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
     """`updates * -learning_rate`, the rate given to `update(..., learning_rate=lr)` (a traced
     scalar), so one compiled update serves every step of the schedule. Stateless."""
 
-    def init(params: Any) -> optax.EmptyState:
+    def init(params: Params) -> optax.EmptyState:
         del params
         return optax.EmptyState()
 
-    def update(updates: Any, state: optax.EmptyState, params: Any = None, *, learning_rate: Any,
+    def update(updates: Any, state: optax.EmptyState, params: Params | None = None, *, learning_rate: Any,
                **extra: Any) -> tuple[Any, optax.EmptyState]:
         del params, extra
         # the same product optax's own scale_by_learning_rate forms: (-lr cast to the dtype) * u
@@ -74,20 +75,20 @@ def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init, cast(optax.TransformUpdateFn, update))
 
 
-def scale_by_adam_stored_as(dtype: Any, **adam: Any) -> optax.GradientTransformation:
+def scale_by_adam_stored_as(dtype: DType, **adam: Any) -> optax.GradientTransformation:
     """optax.scale_by_adam whose moments (mu, nu) are stored in `dtype` between steps: each step reads them
     back in float32, runs optax's own update on them and stores the new moments rounded to `dtype`. With
     bfloat16 the state is 4 bytes a parameter instead of 8; the update a step applies is computed from
     moments with an 8-bit mantissa (optax's `mu_dtype` alone covers mu, not nu)."""
     inner = optax.scale_by_adam(**adam)
 
-    def stored(state: Any, to: Any) -> Any:
+    def stored(state: ArrayTree, to: Any) -> Any:
         return state._replace(mu=optax.tree.cast(state.mu, to), nu=optax.tree.cast(state.nu, to))
 
-    def init(params: Any) -> Any:
+    def init(params: Params) -> Any:
         return stored(inner.init(params), dtype)
 
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    def update(updates: Any, state: ArrayTree, params: Params | None = None) -> tuple[Any, Any]:
         updates, new_state = inner.update(updates, stored(state, jnp.float32), params)
         return updates, stored(new_state, dtype)
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.arrays import ArrayTree, Params
 from jaxrl_llm.config.spec import ModelSpec, RefSpec
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.remat import supports_pinned_host, warn_once
@@ -82,11 +83,11 @@ def make_reference(params: dict, spec: RefSpec) -> dict:
     return cast(params)
 
 
-def is_offloaded(params: Any) -> bool:
+def is_offloaded(params: Params) -> bool:
     return any(getattr(x.sharding, "memory_kind", None) == HOST for x in jax.tree.leaves(params))
 
 
-def reference_on_device(params: Any) -> Any:
+def reference_on_device(params: Params) -> Any:
     """`params` in device memory: themselves, or a device copy of offloaded (pinned host) arrays."""
     if not is_offloaded(params):
         return params
@@ -94,7 +95,7 @@ def reference_on_device(params: Any) -> Any:
     return jax.device_put(params, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), params))
 
 
-def to_host(tree: Any) -> Any:
+def to_host(tree: ArrayTree) -> Any:
     """`tree` moved to pinned host memory, on the same shardings (the device buffers are freed when
     nothing else holds them)."""
     return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(HOST), tree))

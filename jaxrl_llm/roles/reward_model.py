@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, forward_hidden, score_from_hidden
 from jaxrl_llm.rewards.spec import RewardModelSpec
 
 
 def score_sequences(params: dict, cfg: ModelConfig, input_ids: jax.Array, attention_mask: jax.Array,
-                    *, compute_dtype: Any = jnp.float32) -> jax.Array:
+                    *, compute_dtype: DType = jnp.float32) -> jax.Array:
     """float32[B]: label-0 score at each row's last valid token (pure; jit it or call inside jit)."""
     hidden, _ = forward_hidden(params, cfg, input_ids, attention_mask, compute_dtype=compute_dtype)
     return score_from_hidden(params, hidden, attention_mask)[:, 0]
@@ -63,7 +64,7 @@ class RewardModel:
         input_tokenizer: Tokenizer | None = None,
         max_length: int | None = None,
         micro_batch_size: int | None = None,
-        compute_dtype: Any = jnp.float32,
+        compute_dtype: DType = jnp.float32,
     ):
         if "score" not in params:
             raise ValueError("reward model params have no 'score' head (load it with head='score')")
@@ -80,7 +81,7 @@ class RewardModel:
         self._score = jax.jit(functools.partial(score_sequences, cfg=cfg, compute_dtype=compute_dtype))
 
     @classmethod
-    def load(cls, spec: RewardModelSpec, policy_tokenizer: Tokenizer, *, dtype: Any = jnp.float32) -> RewardModel:
+    def load(cls, spec: RewardModelSpec, policy_tokenizer: Tokenizer, *, dtype: DType = jnp.float32) -> RewardModel:
         """From `spec.path` (an HF *ForSequenceClassification folder); the policy's tokenizer is
         `policy_tokenizer`, else the one at `spec.input_tokenizer`."""
         from transformers import AutoTokenizer

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as ckpt
+from jaxrl_llm.arrays import ArrayTree, DType
 from jaxrl_llm.batching.batch_plan import RoleBatch
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec
@@ -58,7 +59,7 @@ class TrainedRole:
     params: dict
     tx: optax.GradientTransformation
     schedule: Callable[[Any], jax.Array]  # LR of the role's RL-step count (roles/optim.py)
-    opt_state: Any
+    opt_state: ArrayTree
     param_shardings: Any
     opt_state_shardings: Any
     update_fn: UpdateFn  # `update_actor` / `update_critic` with model_cfg and settings bound
@@ -141,13 +142,13 @@ def jit_update(update_fn: UpdateFn, tx: optax.GradientTransformation, param_shar
                    out_shardings=(param_shardings, opt_state_shardings, None), donate_argnums=(0, 1))
 
 
-def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) -> Any:
+def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> Any:
     """(abstract params, their shardings) of a model as `load_model` places it, without weights."""
     abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.PRNGKey(0), head=head, dtype=dtype))
     return abstract, logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)
 
 
-def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: Any) -> Any:
+def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> Any:
     return param_shardings_of(model_cfg, head, mesh, dtype)[1]
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl_llm.arrays import ArrayTree, Params
 from jaxrl_llm.batching import UpdateLayout, response_coverage, unless_empty
 from jaxrl_llm.bookkeeping.nonfinite import UpdateFlags, update_flags_metrics
 
@@ -67,8 +68,8 @@ def _split(tree: Batch, parts: int, mesh_rows_spec: NamedSharding | None) -> Bat
 
 
 def run_update_epochs(
-    params: Any,
-    opt_state: Any,
+    params: Params,
+    opt_state: ArrayTree,
     batch: Batch,
     rng: jax.Array,
     lr: jax.Array | None = None,

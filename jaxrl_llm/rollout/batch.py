@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,19 @@ from jaxrl_llm.sharding import batch_axes
 Array = jax.Array
 _MIN_RESPONSE_BUCKET = 8
 
+
+
+class BatchLoader(Protocol):
+    """The prompt batches a rollout source reads, in order, with a state a checkpoint saves: the data's
+    `PromptLoader` (data/loader.py), or a partial-rollout run's `StepLoader` around it."""
+
+    dataset: Any  # the rows (a partial-rollout checkpoint names its carried samples by dataset index)
+
+    def __next__(self) -> dict[str, np.ndarray]: ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
 
 @dataclasses.dataclass
 class Rollout:
@@ -79,11 +92,11 @@ def broadcast_from_main(compute: Any) -> Any:
     if jax.process_index() == 0:
         try:
             outcome: tuple[str, Any] = ("ok", compute())
-        except Exception as err:  # noqa: BLE001 - re-raised on every process below
+        except Exception as err:  # re-raised on every process below
             outcome = ("error", err)
         try:
             payload = pickle.dumps(outcome)
-        except Exception:  # noqa: BLE001 - an unpicklable exception
+        except Exception:  # an unpicklable exception
             payload = pickle.dumps(("error", RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}")))
     size = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
     buffer = np.zeros(size, np.uint8)

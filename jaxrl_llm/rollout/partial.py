@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxrl_llm.config.spec import PartialSpec
 from jaxrl_llm.data.loader import collate
-from jaxrl_llm.rollout.batch import Rollout
+from jaxrl_llm.rollout.batch import BatchLoader, Rollout
 from jaxrl_llm.rollout.generator import RolloutGenerator, rows_on_mesh
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.core import SampleOutput
@@ -142,7 +142,7 @@ class StepLoader:
     out, empty batches while the carry still holds a step's groups, so the batch read ahead is
     trained on and the run has as many steps as a plain one. State and dataset are the loader's."""
 
-    def __init__(self, loader: Any, partial: PartialRollouts) -> None:
+    def __init__(self, loader: BatchLoader, partial: PartialRollouts) -> None:
         self.loader, self.partial = loader, partial
         self.dataset = loader.dataset
 
@@ -157,17 +157,17 @@ class StepLoader:
                 raise
             return {k: v[:0] for k, v in self.partial.carry[0].row.items()}
 
-    def get_state(self) -> Any:
+    def get_state(self) -> dict[str, Any]:
         return self.loader.get_state()
 
-    def set_state(self, state: Any) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         self.loader.set_state(state)
 
 
 class PartialRollouts:
     """The training step's `Generate` with partial rollouts (see the module doc)."""
 
-    def __init__(self, generator: RolloutGenerator, sampling: SamplingParams, loader: Any, spec: PartialSpec, *,
+    def __init__(self, generator: RolloutGenerator, sampling: SamplingParams, loader: BatchLoader, spec: PartialSpec, *,
                  prompts: int) -> None:
         self.generator, self.sampling, self.loader, self.spec, self.prompts = generator, sampling, loader, spec, prompts
         self.carry: list[Group] = []

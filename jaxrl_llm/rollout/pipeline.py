@@ -38,7 +38,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import SyncSpec
-from jaxrl_llm.rollout.batch import Rollout
+from jaxrl_llm.rollout.batch import BatchLoader, Rollout
 from jaxrl_llm.rollout.weights import PolicyWeights
 from jaxrl_llm.sharding import rows_sharding
 from jaxrl_llm.sharding.split import copy_tree, move, transfer
@@ -68,7 +68,7 @@ class RolloutPipeline:
 
     synchronous = False
 
-    def __init__(self, sync: SyncSpec, *, policy: PolicyWeights, loader: Any, generate: Generate,
+    def __init__(self, sync: SyncSpec, *, policy: PolicyWeights, loader: BatchLoader, generate: Generate,
                  rng_for: Callable[[int], jax.Array], train_mesh: Mesh, rollout_mesh: Mesh | None,
                  total_steps: int):
         self.sync, self.policy, self.loader, self.generate, self.rng_for = sync, policy, loader, generate, rng_for
@@ -205,7 +205,7 @@ class RolloutPipeline:
         if isinstance(entry, Future):
             try:
                 entry = entry.result()
-            except Exception:  # noqa: BLE001 (the error surfaces when the step is taken)
+            except Exception:  # (the error surfaces when the step is taken)
                 return self.loader.get_state()
             self._pending[next_step] = entry
         return entry.loader_state

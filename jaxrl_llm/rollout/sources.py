@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import FilterGroupsSpec, RunSpec
-from jaxrl_llm.rollout.batch import Rollout, concat_rollouts, filter_metric, select_rows
+from jaxrl_llm.rollout.batch import BatchLoader, Rollout, concat_rollouts, filter_metric, select_rows
 from jaxrl_llm.rollout.generator import RolloutGenerator
 from jaxrl_llm.rollout.partial import PartialRollouts
 from jaxrl_llm.rollout.pipeline import DEVICE_FIELDS, Generate, RolloutPipeline
@@ -72,7 +72,7 @@ class SynchronousSource:
 
     synchronous = True
 
-    def __init__(self, *, policy: PolicyWeights, loader: Any, generate: Generate,
+    def __init__(self, *, policy: PolicyWeights, loader: BatchLoader, generate: Generate,
                  rng_for: Callable[[int], jax.Array]):
         self.policy, self.loader, self.generate, self.rng_for = policy, loader, generate, rng_for
 
@@ -125,7 +125,7 @@ class GroupFilter:
     groups whose `metric` varies, and samples further batches from `loader` until `prompts` groups
     are kept (at most `max_num_gen_batches`, then a clear error)."""
 
-    def __init__(self, generate: Generate, loader: Any, spec: FilterGroupsSpec, *, prompts: int, mesh: Mesh):
+    def __init__(self, generate: Generate, loader: BatchLoader, spec: FilterGroupsSpec, *, prompts: int, mesh: Mesh):
         self.generate, self.loader, self.spec, self.prompts, self.mesh = generate, loader, spec, prompts, mesh
 
     def __call__(self, batch: dict, params: dict, rng: jax.Array, on_rollout_mesh: bool
@@ -153,7 +153,7 @@ class GroupFilter:
         return concat_rollouts(kept, self.mesh), {"train/num_gen_batches": float(num_gen)}
 
 
-def make_rollouts(spec: RunSpec, generator: RolloutGenerator, *, policy: PolicyWeights, loader: Any,
+def make_rollouts(spec: RunSpec, generator: RolloutGenerator, *, policy: PolicyWeights, loader: BatchLoader,
                   rng_for: Callable[[int], jax.Array], train_mesh: Mesh, rollout_mesh: Mesh | None,
                   rollout_generator: RolloutGenerator | None, total_steps: int) -> RolloutSource:
     """The run's one way to its rollouts: the `Generate` of one batch (sample and score with
@@ -170,7 +170,7 @@ def make_rollouts(spec: RunSpec, generator: RolloutGenerator, *, policy: PolicyW
                                train_mesh=train_mesh, rollout_mesh=rollout_mesh, total_steps=total_steps)
 
 
-def make_rollout_source(spec: RunSpec, *, policy: PolicyWeights, loader: Any, generate: Generate,
+def make_rollout_source(spec: RunSpec, *, policy: PolicyWeights, loader: BatchLoader, generate: Generate,
                         rng_for: Callable[[int], jax.Array], train_mesh: Mesh, rollout_mesh: Mesh | None,
                         total_steps: int) -> RolloutSource:
     """The synchronous source, or the pipeline when the `synchronizer` schedule is off-policy or

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.platform.target import target_platform
 
 Array = jax.Array
@@ -46,7 +47,7 @@ def storage_head_dim(head_dim: int) -> int:
     return head_dim
 
 
-def storage_dtype(dtype: Any) -> Any:
+def storage_dtype(dtype: DType) -> Any:
     """The dtype a pool of `dtype` values is stored in on this backend."""
     if jnp.dtype(dtype) == jnp.bfloat16 and target_platform() == "cpu":
         return BITS

@@ -35,13 +35,12 @@ keys); its sums run in another order, so it agrees with this path to fp32 roundi
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.numerics import MASKED_SCORE, probs_times_values
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler import cascade_attention, native
@@ -119,7 +118,7 @@ def takes_xla_path(impl: str, int8_pages: bool) -> bool:
     return impl in ("xla", "cpu") or int8_pages or (impl == "auto" and target_platform() == "cpu")
 
 
-def takes_cpu_kernel(impl: str, q_dtype: Any, page_dtype: Any, int8_pages: bool, cascade: bool) -> bool:
+def takes_cpu_kernel(impl: str, q_dtype: DType, page_dtype: DType, int8_pages: bool, cascade: bool) -> bool:
     """Whether `paged_decode_attention` runs the CPU kernel (sampler/native): impl 'cpu', or 'auto' for
     a CPU target where the kernel builds, on fp32 pages without cascade rows (bf16 / int8 pools and
     cascade rows keep the XLA path). impl 'cpu' on inputs it does not take is an error."""

@@ -2,11 +2,12 @@
 (sampler/paged_attention.py) and the cascade path (sampler/cascade_attention.py)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.sampler.kv_bits import from_storage, scale_pair
 
 Array = jax.Array
@@ -70,7 +71,7 @@ def flat_pool(k_pages: Array, v_pages: Array, k_scales: Array | None, v_scales: 
                     head_dim=head_dim)
 
 
-def gather_block(pool: FlatPool, name: str, ids: Array, compute_dtype: Any) -> Array:
+def gather_block(pool: FlatPool, name: str, ids: Array, compute_dtype: DType) -> Array:
     """K or V of the pages `ids` [R, ppb] for every kv head: [R, kv, ppb * page_size, pool.head_dim].
     int8 pages are dequantised here: K rounded to the compute dtype (as a caller-side
     dequantisation would store it), V kept in fp32."""

@@ -14,6 +14,7 @@ from typing import Any, Union
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.arrays import Params
 from jaxrl_llm.sharding.mesh import mesh_axis_sizes
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def logical_to_sharding(logical_axes_tree: Any, shapes_tree: Any, mesh: Mesh,
         raise ValueError(f"logical axes tree does not match the param tree: {err}") from err
 
 
-def shard_params(params: Any, logical_axes: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+def shard_params(params: Params, logical_axes: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
     """Places `params` (host arrays or arrays already on devices) with their logical shardings."""
     return jax.device_put(params, logical_to_sharding(logical_axes, params, mesh, rules))
 

@@ -15,6 +15,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.platform.chips import Device
 from jaxrl_llm.sharding.mesh import MESH_AXES, make_mesh
 
@@ -76,7 +77,7 @@ def _spec_on(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partiti
     return PartitionSpec(*out)
 
 
-def shardings_on(tree: Any, mesh: Mesh) -> Any:
+def shardings_on(tree: ArrayTree, mesh: Mesh) -> Any:
     """A NamedSharding on `mesh` per array of `tree`, with each array's own PartitionSpec."""
     def one(x: jax.Array) -> NamedSharding:
         spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
@@ -85,14 +86,14 @@ def shardings_on(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(one, tree)
 
 
-def transfer(tree: Any, mesh: Mesh) -> Any:
+def transfer(tree: ArrayTree, mesh: Mesh) -> Any:
     """`tree`'s arrays moved onto `mesh` (device to device; new buffers, never aliases). Across
     processes `jax.device_put` refuses meshes of different device sets (outside Pathways / TPU's TFRT
     runtime): there each array moves by `_transfer_across_processes`."""
     return move(tree, shardings_on(tree, mesh))
 
 
-def move(tree: Any, shardings: Any) -> Any:
+def move(tree: ArrayTree, shardings: Any) -> Any:
     """`tree`'s arrays as new buffers on `shardings` (a tree of them, or one for every array), whatever
     devices they are on now: `jax.device_put`, or across processes `_transfer_across_processes`."""
     if jax.process_count() == 1:
@@ -129,6 +130,6 @@ def _transfer_across_processes(x: jax.Array, target: jax.sharding.Sharding) -> j
     return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
 
 
-def copy_tree(tree: Any) -> Any:
+def copy_tree(tree: ArrayTree) -> Any:
     """A real copy of `tree` on the same devices: new buffers that outlive a donation of the originals."""
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)

@@ -420,7 +420,7 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
     for close in closers:
         try:
             close()
-        except Exception as err:  # noqa: BLE001 (the others must still close)
+        except Exception as err:  # (the others must still close)
             log.warning("while closing: %s: %s", type(err).__name__, err)
             first = first or err
     if first is not None and not quiet:

@@ -49,7 +49,7 @@ def _child(train, argv: list[str], out_path: str, err_path: str) -> None:
         else:
             print(exit_.code, file=sys.stderr)
             code = 1
-    except BaseException:  # noqa: BLE001 - an uncaught exception: traceback and status 1
+    except BaseException:  # an uncaught exception: traceback and status 1
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
@@ -66,8 +66,8 @@ def main() -> None:
     import pyarrow.parquet  # noqa: F401
     import transformers
 
-    import jaxrl_llm.data  # noqa: F401  (warm imports shared by every child)
-    import jaxrl_llm.hf  # noqa: F401
+    import jaxrl_llm.data
+    import jaxrl_llm.hf
     import jaxrl_llm.trainer  # noqa: F401
 
     if len(sys.argv) > 3:

@@ -117,7 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:  # (http.server's naming)
         self.store.requests.append(("GET", self.path))
         route = self._route()
         if route is None:
@@ -171,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
             payload["prefixes"] = sorted(prefixes)
         self._json(200, payload)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.store.requests.append(("POST", self.path))
         route = self._route()
         body = self._body()
@@ -186,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(412, {"error": {"code": 412, "message": "precondition failed"}})
         self._json(200, _metadata(bucket, query["name"], body, generation))
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         self.store.requests.append(("DELETE", self.path))
         route = self._route()
         if route is None or not route[1]:

@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: tiny_models
 
-from jaxrl_llm import sharding  # noqa: E402
+from jaxrl_llm import sharding
 
 assert sharding.initialize(), "expected a multi-process run"
 

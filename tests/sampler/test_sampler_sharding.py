@@ -12,7 +12,7 @@ from jaxrl_llm.models import param_logical_axes
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from multiprocess_util import run_processes  # noqa: E402
+from multiprocess_util import run_processes
 
 WORKER = pathlib.Path(__file__).with_name("mp_sampler_worker.py")
 R = 8

@@ -21,8 +21,8 @@ from jaxrl_llm.models import init_params, param_logical_axes
 from jaxrl_llm.roles.actor import update_actor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from test_packing import CFG, SETTINGS, R, _assert_same  # noqa: E402
-from test_shared_prompts import _grouped, _shared  # noqa: E402
+from test_packing import CFG, SETTINGS, R, _assert_same
+from test_shared_prompts import _grouped, _shared
 
 MESHES = {"context4_data2": {"data": 2, "fsdp": 1, "context": 4, "tensor": 1},
           "context8": {"data": 1, "fsdp": 1, "context": 8, "tensor": 1}}

@@ -11,7 +11,7 @@ from jaxrl_llm import sharding
 from jaxrl_llm.sharding import distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from multiprocess_util import MultiProcessError, run_processes  # noqa: E402
+from multiprocess_util import MultiProcessError, run_processes
 
 WORKER = pathlib.Path(__file__).with_name("mp_sharded_sum_worker.py")
 CLUSTER_ENV = ["JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",

@@ -54,7 +54,7 @@ def _top_level(path: str) -> dict[str, Any]:
     return cast(dict[str, Any], OmegaConf.to_container(read_config_file(path), resolve=False))
 
 
-def import_config(path: str, format: str | None = None, *,  # noqa: A002 (the CLI flag's name)
+def import_config(path: str, format: str | None = None, *,  # (the CLI flag's name)
                   base: ml_collections.ConfigDict | None = None, num_devices: int | None = None,
                   dp_size: int | None = None) -> ImportResult:
     """Reads another framework's config file into our settings.

@@ -16,13 +16,12 @@ Page 0 is a scratch page no request owns: empty slots write their (ignored) toke
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -92,7 +91,7 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
 
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
-                  page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
+                  page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
                   mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
                   ) -> tuple[Array, dict, Array | None]:
     """Final-norm hidden [S, H] for one token per slot, the pool with their K/V written, and with
@@ -112,7 +111,7 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
 
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
-                  page_table: Array, active: Array, *, compute_dtype: Any, attn_impl: str = "auto",
+                  page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
                   mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
                   ) -> tuple[Array, dict, Array | None]:
     """fp32 next-token logits [S, V], the updated pool and the recorded routing (see `decode_hidden`)."""

@@ -60,7 +60,7 @@ def device_kv_budget(gpu_memory_utilization: float | str, temporaries: int = 0) 
     if limit is None:
         try:
             stats = jax.local_devices()[0].memory_stats()
-        except Exception:  # noqa: BLE001 - backends without memory stats
+        except Exception:  # backends without memory stats
             stats = None
         if not stats or "bytes_limit" not in stats:
             return None

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine.draws import ends_sequence, finish_codes, request_keys
@@ -53,7 +54,7 @@ def virtual_cascade(cascade: Cascade | None, k1: int) -> Cascade | None:
 
 
 def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs,
-                 cascade: Cascade | None, k: int, *, settings: SampleSettings, compute_dtype: Any, attn_impl: str,
+                 cascade: Cascade | None, k: int, *, settings: SampleSettings, compute_dtype: DType, attn_impl: str,
                  mesh: Mesh | None) -> tuple[Array, Array, dict]:
     """(drafts [S, k], their filtered distributions [S, k, V], the draft pool) from k + 1 draft-model
     decode steps (see the module doc)."""
@@ -78,7 +79,7 @@ def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array,
 
 def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs, cascade: Cascade | None,
                 draft_params: dict | None = None, *, settings: SampleSettings, speculative: SpeculativeSpec,
-                compute_dtype: Any, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Any], Array]:
+                compute_dtype: DType, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Any], Array]:
     """One step on the decode state `s` (programs.DecodeState with its `history`, and with a draft
     model its `draft_pool`): (the fields it changes, whether some slot finished)."""
     k = speculative.num_tokens
