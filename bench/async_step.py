@@ -22,7 +22,7 @@ the host work's share; numbers are wall-clock and noisy (compare ratios within o
 Last measured (--steps 3 --devices 2, 2026-11-24, idle 2-core CPU): sync 22.33 s/step; offset1
 24.23 (0.92x: 5.19 of 5.37 s of generation overlapped, but the rollout correction's old-log-prob
 pass adds 3.80 s); split 17.22 (1.30x, mostly from training on one virtual device instead of two).
-Table and reading: docs/performance.md.
+Table and reading: docs/performance-history.md.
 """
 from __future__ import annotations
 

@@ -19,11 +19,11 @@ Last measured (varied, 2026-11-25 15:45, idle 2-core CPU), `python bench/rl_step
 varied --steps 2 --max-new-tokens 128 [--dtype bfloat16]`: fp32 ours 46.9 / 53.9 s per timed step
 (8 / 3 compiles, 2.2 / 1.3 s), TRL 91.5 / 112.1 s: TRL time / ours = 2.02x (2.10x in tokens/s);
 bf16 ours 41.8 / 48.0 s, TRL 69.2 / 82.5 s: 1.69x. The 13:00 figures before shared-prompt packing
-were 1.61x and 1.28x (docs/performance.md). Each step prints its timing spans, XLA compiles and the
+were 1.61x and 1.28x (docs/performance-history.md). Each step prints its timing spans, XLA compiles and the
 update's packed micro-batches. 2026-11-27, the same fp32 command with `--variants no_cascade ngram
 partial` (no_cascade: cascade attention off, then on by default; now the variant is `cascade`, on,
 since the default 'auto' leaves it off on CPU): ours 36.6 s, cascade off 36.7 s, ngram 60.9 s,
-partial 42.4 s, TRL 131.2 s per timed step: TRL / ours 3.59x (docs/performance.md "The GRPO step
+partial 42.4 s, TRL 131.2 s per timed step: TRL / ours 3.59x (docs/performance-history.md "The GRPO step
 with each rollout option flipped").
 2026-11-28, `--workload varied --steps 1` (512 new tokens): ours 284.0 s (27 s of it compiling), TRL
 538.0 s per timed step: 1.89x per step, 2.37x in total tokens/s (our answers 270 tokens on average
@@ -31,7 +31,7 @@ against TRL's 189 on the same prompts). `--steps 2 --variants partial --torch-th
 partial rollouts 262.8 s, TRL 510.9 s per timed step: 1.83x (1.94x with partial), 1.99x in total tokens/s.
 2026-11-29 (evening, the CPU decode kernel's vector path), `--workload varied --steps 1 --torch-threads 2`:
 ours 113.6 s (generation 41.4 s), TRL 273.0 s (126.7 s): 2.40x per step, 2.96x in total tokens/s; our
-answers drew 263.9 tokens on average, TRL's 189.0 (one draw per side: docs/performance.md).
+answers drew 263.9 tokens on average, TRL's 189.0 (one draw per side: docs/performance-history.md).
 2026-11-29 (night), `--steps 3`: ours 120.2 s, TRL 285.1 s per timed step (2.37x; 2.62x in total
 tokens/s; our answers 276.8 tokens on average, TRL's 233.9); with the two-level draw, ours 113.5 s
 (`--skip-trl`): 2.51x against that TRL column.

@@ -14,7 +14,7 @@ Run: `.venv/bin/python bench/rollout.py [--quick]`  (full: 64 prompts x n=4, 512
 
 Last measured (--quick, 2026-11-24, idle 2-core CPU): paged 138.1 tok/s, 96% utilisation (79% before
 the drain shrinks the slot set), 864 prefill tokens, 11 programs; static 90.2 tok/s, 50%, 4608
-prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance.md).
+prefill tokens; transformers 59.6 tok/s: paged 1.53x static, 2.30x transformers (docs/performance-history.md).
 Full size (2026-11-25, `--skip static`, then `--skip paged transformers`): paged 102.0 tok/s, 94%;
 transformers 40.7 tok/s, 25%; static 16.7 tok/s, 28% (paged 2.50x transformers, 6.1x static).
 Rows `paged` (the defaults), `paged_unrolled` / `paged_scan` (rollout.unroll_layers=True / False: decode
@@ -42,7 +42,7 @@ host): paged 72.8 tok/s, 96%; transformers 25.7 tok/s, 28%: 2.83x.
 Full size (2026-11-28 afternoon, `--skip static paged_unrolled paged_bpf paged_ngram paged_draft`, the
 same host, cascade 'auto'): paged 103.9 tok/s, 94%; paged_cascade 95.8; transformers 27.9 tok/s, 25%:
 paged 3.72x transformers. An earlier full-size run that day (cascade then on by default): paged 89.6,
-paged_unrolled 91.4, cascade off 103.8, paged_bpf 84.4 (docs/performance.md).
+paged_unrolled 91.4, cascade off 103.8, paged_bpf 84.4 (docs/performance-history.md).
 Row `paged_ngram` (rollout.speculative.method=ngram, 4 drafts; 2026-11-27, --quick): 103.8 vs 157.8
 tok/s for `paged` (0.66x), 1.15 tokens per live slot and step, 4% of drafts kept: off by default.
 Row `paged_draft` (method 'draft', the draft = SmolLM2's first 6 layers, 2026-11-27, --quick): 60.5

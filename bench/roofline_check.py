@@ -2,7 +2,7 @@
 
 Two checks, each printing estimated vs measured seconds per program and their ratio:
 
-- `--check h200` (default): the GRPO step measured on an H200 (docs/performance.md, 2026-11-27: a
+- `--check h200` (default): the GRPO step measured on an H200 (docs/performance-history.md, 2026-11-27: a
   Qwen2-0.5B-shaped model with random weights, bf16 compute, 16 prompts x 8 samples, 256-token
   prompts, 512 new tokens with ignore_eos, the paged engine at 128 slots, one micro-batch of 128
   sequences): generation 1.56 s, actor update 1.64 s. Its programs are compiled here for this CPU
@@ -26,7 +26,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# docs/performance.md, "A GRPO step of a Qwen2-0.5B-shaped model" (H200, 2026-11-27)
+# docs/performance-history.md, "A GRPO step of a Qwen2-0.5B-shaped model" (H200, 2026-11-27)
 H200_MEASURED = {"sample": 1.56, "update_actor": 1.64}
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)

@@ -24,7 +24,7 @@ draws instead of one GRPO step's.
     JAX_PLATFORMS=cpu python bench/sampler_fidelity.py [--batches 6] [--max-new-tokens 512]
                                                        [--control] [--torch-threads 2]
 
-Last measured (2026-11-29, 2-core CPU, `--batches 6 --control`; docs/performance.md "Are our
+Last measured (2026-11-29, 2-core CPU, `--batches 6 --control`; docs/performance-history.md "Are our
 rollouts draws from the model?"): ours 192 responses, 46908 tokens, mean length 244.3 (66 at the
 cap), PIT mean 0.4989 (se 0.0013), KS p = 0.32, EOS z = +1.71, stored log-probs within 6.8e-5 of
 transformers'; transformers.generate 192 responses, mean length 229.2 (59 at the cap), PIT mean

@@ -11,7 +11,7 @@ The runs are configs/tpu_grpo.py's (Qwen2-0.5B / 1.5B / 7B and Qwen3-30B-A3B sha
 bf16 compute, fp32 master weights, every micro-batch 'auto'); a plan is what
 `launch/train.py --config=configs/tpu_grpo.py:<shape> --plan --topology=<slice>` prints. The Ironwood
 (tpu7x) plans need libtpu 0.0.45 through TPU_LIBRARY_PATH (0.0.42.1 segfaults on them; the plan warns
-and docs/performance.md says how).
+and docs/performance-history.md says how).
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def _optim(lr: float, role: str) -> dict:
                                          "'bfloat16' (4 bytes a parameter instead of 8; each step still computes "
                                          "them in fp32 from the stored values and stores them rounded to bf16's "
                                          "8-bit significand, a relative error of at most 2^-8 each; the weights "
-                                         "and the update's arithmetic stay fp32; docs/performance.md, 'TPU "
+                                         "and the update's arithmetic stay fp32; docs/performance-history.md, 'TPU "
                                          "slices'). MaxText: mu_dtype.", choices=names.DTYPES),
         "offload": field(False, f"Keep the {role}'s optimizer state in pinned host memory between updates, "
                                 "moved to the device for each update only (the rollout and the scoring passes "
@@ -234,7 +234,7 @@ ROLLOUT = {
     "engine": field("auto", "Rollout engine: 'auto' (the default: 'paged' when response_length >= 64 or "
                             "multi_turn.enable, else 'static'), 'paged' (continuous batching over max_num_seqs "
                             "slots, one prefill per prompt, paged KV read up to each sequence's length; 2.5x "
-                            "transformers.generate at 94% slot utilisation on RL-shaped lengths, docs/performance.md; "
+                            "transformers.generate at 94% slot utilisation on RL-shaped lengths, docs/performance-history.md; "
                             "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine) or 'static' (one padded "
                             "batch, jaxrl_llm/sampler/core.py: fewer programs to compile, the faster one for short "
                             "responses). max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, kv_cache_dtype "
@@ -267,7 +267,7 @@ ROLLOUT = {
                                        "(and int8 KV, paged_attention='xla') and on GPU, where it measured "
                                        "slower: SmolLM2, 64 slots x 512 tokens on the 2-core CPU, 89.6 vs "
                                        "103.8 useful tokens/s; H200, Qwen2-0.5B shape, 0.74-0.95x with "
-                                       "128-2048-token prompts (docs/performance.md). "
+                                       "128-2048-token prompts (docs/performance-history.md). "
                                        "jaxrl_llm (FlashInfer's cascade attention).",
                                types=(str, bool), choices=("auto",)),
     "unroll_layers": field("auto", "Paged engine: decode runs over per-layer copies of the weights, one layer "
@@ -288,7 +288,7 @@ ROLLOUT = {
                                 "the latest earlier occurrence of its last prompt_lookup_max..min tokens); 'draft' "
                                 "runs draft_model (same vocabulary, checked at start, frozen) over its own paged "
                                 "KV. 'none' (the default): one token per step; on the 2-core CPU speculation "
-                                "measured slower on SmolLM2's RL-style answers (docs/performance.md). Needs the "
+                                "measured slower on SmolLM2's RL-style answers (docs/performance-history.md). Needs the "
                                 "paged engine; not with actor.router_replay='rollout'. Logs "
                                 "rollout/spec_accept_rate and rollout/tokens_per_step. vLLM: "
                                 "speculative_config.method.", choices=SPECULATIVE_METHODS),

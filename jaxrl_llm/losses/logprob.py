@@ -87,7 +87,7 @@ def _kernel_stats(h, w, targets, lay: Layout, impl: str, interpret: bool) -> Sta
 
     # the branch of the platform being lowered for (one platform: the others are not lowered). On GPU
     # `auto` is the XLA path: on an H200 the Triton kernel's value and gradient took 1.1-1.2x the XLA
-    # path's time in bf16 and 3-4x in fp32 (bench/device_check.py, docs/performance.md); "pallas" forces it
+    # path's time in bf16 and 3-4x in fp32 (bench/device_check.py, docs/performance-history.md); "pallas" forces it
     default = kernel("pallas_triton", interpret=True) if impl == "pallas" else xla
     cuda = kernel("pallas_triton") if impl == "pallas" else xla
     return Stats(*jax.lax.platform_dependent(h, w, targets, cuda=cuda, tpu=kernel("pallas_mosaic"), default=default))

@@ -25,5 +25,5 @@ def gated_product(gate: Array, up: Array, activation: str, dtype: DType) -> Arra
     backward (silu's sigmoid and quotient, the product's factors: [tokens, intermediate] tensors
     beside gate and up, each stacked by the layer scan; six such stacks per layer in a SmolLM2
     update). Recomputing them is a few elementwise passes; keeping them cost 2.5% of that update on
-    CPU (docs/performance.md, 2026-11-29)."""
+    CPU (docs/performance-history.md, 2026-11-29)."""
     return (ACTIVATIONS[activation](gate) * up).astype(dtype)

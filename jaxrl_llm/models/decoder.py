@@ -22,7 +22,7 @@ jaxrl_llm/models/remat.py, or a bool) checkpoints each layer with that policy. L
 (models/lora.py) in `params["lora"]` are scanned with the layers and add
 `scale * (x @ A) @ B` to each targeted projection's output.
 
-Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance.md): every
+Numerics (rollout/trainer agreement: `jaxrl_llm.models.numerics`, docs/performance-history.md): every
 matmul takes compute-dtype operands and accumulates AND returns fp32; the fp32 result is rounded to
 the compute dtype once, where the next matmul consumes it (bias add, q/k norm, RoPE and the SiLU
 gate run in fp32 before that rounding); the residual stream between layers is fp32 (the
@@ -154,7 +154,7 @@ def batch_rows(x: Array, split: bool, last: str = "act_embed") -> Array:
     'context'), F over `last`'s axes, where `split` (the training and scoring forward). Without it XLA
     may carry an FSDP kernel's split of its contracting (embed) dim over to the activations, so that
     every device computes every row: a Qwen2-7B update at one sequence per chip kept [rows, intermediate]
-    whole on each chip and asked for 43 GiB on v5e-32 (docs/performance.md). The sampler's decode leaves
+    whole on each chip and asked for 43 GiB on v5e-32 (docs/performance-history.md). The sampler's decode leaves
     its few rows to XLA (an all-reduce of [slots, F] costs less there than all-gathering the weights)."""
     if not split:
         return x
@@ -304,7 +304,7 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     """`params` with `layers` as a tuple of per-layer dicts (each its own arrays) instead of one stack:
     `decoder_hidden` then runs the layers one after another instead of scanning them. On CPU a scan
     copies each layer's weights out of the stack before its matmuls (XLA:CPU's dot fusions read whole
-    buffers, not a dynamic slice of one): 14% of a 16-slot SmolLM2 decode step (docs/performance.md).
+    buffers, not a dynamic slice of one): 14% of a 16-slot SmolLM2 decode step (docs/performance-history.md).
     Mixed-layer MoE models (whose MLPs are stacked apart) stay stacked; LoRA adapters stay stacked
     and are sliced per layer."""
     layers = params["layers"]

@@ -111,7 +111,7 @@ def libtpu_installed() -> bool:
 
 # libtpu 0.0.42.1 (jax 0.10.2's) segfaults compiling full-size programs for TPU7x (the 0.5B sampler at
 # 1k + 2k tokens; the tiny test programs compile); 0.0.45 compiles them with the same jax
-# (docs/performance.md, "libtpu's crashes"). Newer releases (0.0.52) no longer read jax 0.10.2's HLO.
+# (docs/performance-history.md, "libtpu's crashes"). Newer releases (0.0.52) no longer read jax 0.10.2's HLO.
 TPU7X_LIBTPU = (0, 0, 45)
 
 

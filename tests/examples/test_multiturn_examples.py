@@ -5,7 +5,7 @@ user runs it; the rollouts stream through the paged engine):
   on every trajectory and answers right;
 - configs/multiturn_guess.py: within two steps it learns to keep playing the game (short numeric
   replies instead of prose that runs out the response budget in one turn); winning rises more
-  slowly (greedy validation 0.0 -> 0.1 / 0.4 at step 8, measured in docs/performance.md)."""
+  slowly (greedy validation 0.0 -> 0.1 / 0.4 at step 8, measured in docs/performance-history.md)."""
 from __future__ import annotations
 
 import pytest
@@ -47,4 +47,4 @@ def test_multiturn_guess_example_learns(tmp_path, smollm2_gguf):
     assert turns[-1] >= turns[0] + 2 and first_reply[-1] <= first_reply[0] / 2, (turns, first_reply)
     assert min(turns[1:]) >= turns[0] + 1.5 and max(first_reply[1:]) <= 0.6 * first_reply[0], (turns, first_reply)
     # Winning follows more slowly and noisily (greedy validation 0.4 and 0.1 at step 8 in two runs,
-    # 0.4 at steps 12 and 16 of the full 16-step example): docs/performance.md.
+    # 0.4 at steps 12 and 16 of the full 16-step example): docs/performance-history.md.

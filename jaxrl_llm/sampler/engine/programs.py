@@ -241,7 +241,7 @@ def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | Non
     CPU's XLA path the extra passes and row-to-slot moves cost more than the shared reads they save
     (0.86x useful tokens/s, SmolLM2 at 64 slots x 512 tokens), and on an H200's Triton kernel decode
     is bound by per-step overhead, not bytes (0.86x / 0.95x at 64 / 256 slots with 128-token prompts,
-    0.74x / 0.95x with 1024 / 2048-token prompts x n=8; docs/performance.md). A TPU's decode is not
+    0.74x / 0.95x with 1024 / 2048-token prompts x n=8; docs/performance-history.md). A TPU's decode is not
     measured yet: there the kernel reads pages at HBM speed, and reading them once per group is the
     point. slots // 2 rows hold every group with two or more members in slots."""
     if spec.cascade is False or n < 2:

@@ -249,7 +249,7 @@ class PagedEngine:
         self.prefill_chunk = prefill_chunk
         self.batch_prefill = batch_prefill  # new groups' short prompts of one bucket share a prefill call
         # decode over per-layer weight arrays, layer after layer, instead of a scan over the stack (XLA:CPU
-        # copies a layer's weights out of the stack every step; rollout.unroll_layers, docs/performance.md)
+        # copies a layer's weights out of the stack every step; rollout.unroll_layers, docs/performance-history.md)
         self.unroll_layers = unroll_layers
         self._init_state: dict[tuple[int, bool], Any] = {}  # (max_new_tokens, recording) -> jitted initialiser
         self._state_r = None

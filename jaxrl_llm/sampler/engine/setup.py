@@ -36,13 +36,13 @@ ENGINES = ("auto", "paged", "static")
 PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
 # engine='auto' takes the paged engine from this many new tokens per response on (and for every
 # multi-turn rollout); below it the static batch: its long tail is a few steps at most, and it
-# compiles two programs instead of the engine's dozen (measured: docs/performance.md)
+# compiles two programs instead of the engine's dozen (measured: docs/performance-history.md)
 AUTO_PAGED_MIN_NEW_TOKENS = 64
 # unroll_layers='auto' decodes over per-layer weights on CPU from this many new tokens per response on:
 # XLA:CPU copies each layer's weights out of the scan's stack every decode step (~30% of a SmolLM2
 # drain step), while the unrolled programs compile ~8 s longer per slot set; at 512 tokens a rollout's
 # ~500 steps save more than the 7 slot sets' extra compile within a run's first few steps, and shorter
-# runs (tests, the quickstart's 8 tokens) keep the fast compile (docs/performance.md)
+# runs (tests, the quickstart's 8 tokens) keep the fast compile (docs/performance-history.md)
 AUTO_UNROLL_MIN_NEW_TOKENS = 512
 
 

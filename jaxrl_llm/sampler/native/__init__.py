@@ -6,7 +6,7 @@ block of gathered pages and reduces q.k over the minor head_dim, reading the poo
 a host whose plain reads reach ~27 GB/s; at 32 slots and ~512 tokens of context that attention
 was ~2/3 of a SmolLM2 decode step. The kernel reads every slot's keys and values in place through
 its page table, 16 keys at a time in vector registers (7.5x the XLA path per layer there, within
-~15% of the read floor; docs/performance.md). No library offers paged decode attention for JAX on
+~15% of the read floor; docs/performance-history.md). No library offers paged decode attention for JAX on
 CPU.
 
 Build: the C++ source is compiled with the host's C++ compiler (`$CXX`, else g++) against
