@@ -233,8 +233,8 @@ ROLLOUT = {
                                         "returns its per-token logprobs (rollout_log_probs). veRL."),
     "engine": field("auto", "Rollout engine: 'auto' (the default: 'paged' when response_length >= 64 or "
                             "multi_turn.enable, else 'static'), 'paged' (continuous batching over max_num_seqs "
-                            "slots, one prefill per prompt, paged KV read up to each sequence's length; 2.5x "
-                            "transformers.generate at 94% slot utilisation on RL-shaped lengths, docs/performance-history.md; "
+                            "slots, one prefill per prompt, paged KV read up to each sequence's length; 7x "
+                            "transformers.generate at 94% slot utilisation on RL-shaped lengths, docs/performance.md; "
                             "multi-turn rollouts stream through it; jaxrl_llm/sampler/engine) or 'static' (one padded "
                             "batch, jaxrl_llm/sampler/core.py: fewer programs to compile, the faster one for short "
                             "responses). max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, kv_cache_dtype "
@@ -287,8 +287,8 @@ ROLLOUT = {
                                 "drafts from the sequence's own prompt and response (prompt lookup: what followed "
                                 "the latest earlier occurrence of its last prompt_lookup_max..min tokens); 'draft' "
                                 "runs draft_model (same vocabulary, checked at start, frozen) over its own paged "
-                                "KV. 'none' (the default): one token per step; on the 2-core CPU speculation "
-                                "measured slower on SmolLM2's RL-style answers (docs/performance-history.md). Needs the "
+                                "KV. 'none' (the default): one token per step; on the 2-core CPU and the H200 speculation "
+                                "measured slower on SmolLM2's RL-style answers (docs/performance.md). Needs the "
                                 "paged engine; not with actor.router_replay='rollout'. Logs "
                                 "rollout/spec_accept_rate and rollout/tokens_per_step. vLLM: "
                                 "speculative_config.method.", choices=SPECULATIVE_METHODS),
