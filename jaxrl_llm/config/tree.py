@@ -287,9 +287,9 @@ ROLLOUT = {
                                 "drafts from the sequence's own prompt and response (prompt lookup: what followed "
                                 "the latest earlier occurrence of its last prompt_lookup_max..min tokens); 'draft' "
                                 "runs draft_model (same vocabulary, checked at start, frozen) over its own paged "
-                                "KV. 'none' (the default): one token per step; on the 2-core CPU and the H200 speculation "
-                                "measured slower on SmolLM2's RL-style answers (docs/performance.md). Needs the "
-                                "paged engine; not with actor.router_replay='rollout'. Logs "
+                                "KV. 'none' (the default): one token per step; on the 2-core CPU and the H200 "
+                                "speculation measured slower on SmolLM2's RL-style answers (docs/performance.md). "
+                                "Needs the paged engine; not with actor.router_replay='rollout'. Logs "
                                 "rollout/spec_accept_rate and rollout/tokens_per_step. vLLM: "
                                 "speculative_config.method.", choices=SPECULATIVE_METHODS),
         "num_tokens": field(4, "Drafts verified per sequence and step (k). vLLM: num_speculative_tokens.", gt=0),
