@@ -1,6 +1,8 @@
-"""The RL loop: rollout -> experience -> update; metrics; validation; checkpoints.
+"""The RL loop: `build_run` (build.py: everything a run holds, built and checked in order) and
+`Trainer` (trainer.py: the run plus `fit()`, `step()` and `train_step`, which reads top to bottom:
+rollout -> scoring passes -> experience -> updates -> metrics), validation, perf metrics, export.
 
-`Trainer(config).fit()` (trainer.py) is the entry point; `train_step` reads top to bottom.
+`Trainer(config).fit()` is the entry point.
 `Trainer` is imported lazily, so the package can be imported without the loop's
 dependencies (data, rewards, sampler).
 """
