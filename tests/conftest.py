@@ -1,7 +1,12 @@
 """Shared test setup. 8 virtual CPU devices must be requested before jax is imported."""
 import getpass
+import importlib.metadata as _metadata
+import importlib.util
 import os
+import pathlib
 import tempfile
+
+import pytest  # imports no jax: the flags below still apply
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -14,18 +19,18 @@ if os.environ["JAX_PLATFORMS"] != "cpu":
 # One persistent XLA compilation cache for the session's processes (both pytest workers and the
 # subprocesses that inherit the environment): a test that builds a program another test already
 # compiled (every trainer re-jits the same tiny programs) loads it instead (~15% of the suite's time).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), f"jaxrl_llm_test_xla_cache_{getpass.getuser()}"))
+# Keyed by the installed jax / jaxlib (read without importing jax): a cache another release wrote is
+# never read. .ci/run keeps the root between CI runs (JAXRL_LLM_XLA_CACHE_ROOT).
+_cache_root = os.environ.get("JAXRL_LLM_XLA_CACHE_ROOT") or os.path.join(
+    tempfile.gettempdir(), f"jaxrl_llm_test_xla_cache_{getpass.getuser()}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    _cache_root, f"jax-{_metadata.version('jax')}-jaxlib-{_metadata.version('jaxlib')}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import importlib.util
-import pathlib
-
-import pytest
 
 
 def smollm2_gguf_path() -> pathlib.Path | None:
