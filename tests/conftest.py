@@ -25,6 +25,8 @@ _cache_root = os.environ.get("JAXRL_LLM_XLA_CACHE_ROOT") or os.path.join(
     tempfile.gettempdir(), f"jaxrl_llm_test_xla_cache_{getpass.getuser()}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     _cache_root, f"jax-{_metadata.version('jax')}-jaxlib-{_metadata.version('jaxlib')}"))
+# tokenizers built from GGUF files (seconds each, in every subprocess a test starts) are kept there too
+os.environ.setdefault("JAXRL_LLM_CACHE_DIR", os.path.join(_cache_root, "jaxrl_llm"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

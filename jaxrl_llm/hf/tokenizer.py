@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
 import pathlib
+import shutil
+import tempfile
 from typing import Any, Protocol
+
+log = logging.getLogger("jaxrl_llm")
 
 
 class Tokenizer(Protocol):
@@ -39,8 +46,8 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
 
     When the tokenizer defines no pad token, the eos token is used (padding is always defined by
     attention masks in this package, never by the pad id). A file is read once per process and
-    modification time (building a GGUF tokenizer takes seconds): callers share the instance and
-    must not change it.
+    modification time (building a GGUF tokenizer takes seconds; it is also kept on disk as an HF
+    folder, `tokenizer_cache_dir()`): callers share the instance and must not change it.
     """
     path = pathlib.Path(path).expanduser().resolve()
     stamp = path.stat().st_mtime_ns if path.exists() else None
@@ -58,12 +65,46 @@ def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Tokenizer:
         if path.is_dir():
             tok = AutoTokenizer.from_pretrained(str(path))
         else:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = _gguf_tokenizer(path)
     except Exception as err:  # transformers raises many kinds for a bad tokenizer folder
         raise TokenizerError(f"cannot load a tokenizer from {str(path)!r}: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from err
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_cache_dir() -> pathlib.Path:
+    """Where tokenizers built from GGUF files are kept as HF folders: `$JAXRL_LLM_CACHE_DIR/tokenizers`,
+    else `$XDG_CACHE_HOME/jaxrl_llm/tokenizers` (default `~/.cache`)."""
+    root = os.environ.get("JAXRL_LLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxrl_llm")
+    return pathlib.Path(root) / "tokenizers"
+
+
+def _gguf_tokenizer(path: pathlib.Path) -> Any:
+    """The tokenizer of a GGUF file. transformers builds it from the file's metadata, which takes
+    seconds (every launch, every worker process); the result is kept as an HF folder keyed by the
+    file's path, size and modification time and read from there next time (a tenth of a second).
+    A cache that cannot be written (read-only home) is skipped with a debug line."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = tokenizer_cache_dir() / f"{path.stem}-{key}"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:  # written whole in a temporary folder, then renamed: a reader never sees half a folder
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        tok.save_pretrained(str(staging))
+        try:
+            staging.rename(cached)
+        except OSError:  # another process wrote it first: theirs is the same
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as err:
+        log.debug("tokenizer cache %s not written: %s", cached, err)
     return tok
 
 

@@ -52,3 +52,37 @@ def test_smollm2_gguf_parity_tokenizer_and_export(smollm2_gguf, tmp_path):
     np.testing.assert_array_equal(ours_tokens, hf_tokens)
     reloaded = load_tokenizer(out)
     assert reloaded.chat_template == tok.chat_template and reloaded.eos_token == "<|im_end|>"
+
+
+def test_a_gguf_tokenizer_is_kept_as_a_folder_and_read_back_the_same(smollm2_gguf, tmp_path, monkeypatch):
+    """Building a tokenizer from GGUF metadata takes seconds per process: the first load keeps it as an
+    HF folder (jaxrl_llm/hf/tokenizer.py `tokenizer_cache_dir`) and the next reads that folder, with the
+    same ids, special tokens and chat template as transformers' own GGUF load."""
+    from transformers import AutoTokenizer
+
+    from jaxrl_llm.hf import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("JAXRL_LLM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_reads = []
+    real = AutoTokenizer.from_pretrained
+
+    def counting(*args, **kwargs):
+        gguf_reads.append(kwargs.get("gguf_file"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting)
+    first = tokenizer_module._load_tokenizer_cached.__wrapped__(str(smollm2_gguf.resolve()), 0)
+    [folder] = (tmp_path / "cache" / "tokenizers").iterdir()
+    assert folder.name.startswith(smollm2_gguf.stem) and (folder / "tokenizer_config.json").is_file()
+    second = tokenizer_module._load_tokenizer_cached.__wrapped__(str(smollm2_gguf.resolve()), 0)
+    assert gguf_reads == [smollm2_gguf.name, None]  # the second load read the folder, not the GGUF file
+    reference = real(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    texts = ["The capital of France is", "12+7=19, then 3*4=12.", "naïve café — ünïcödé 日本語", "  spaced\n\tout  "]
+    for tok in (first, second):
+        assert len(tok) == len(reference) and tok.chat_template == reference.chat_template
+        assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+            reference.bos_token_id, reference.eos_token_id, reference.eos_token_id)
+        assert [tok(t)["input_ids"] for t in texts] == [reference(t)["input_ids"] for t in texts]
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+        assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
+            reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))

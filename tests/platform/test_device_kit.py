@@ -6,17 +6,37 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_device_check_tiny_runs_every_section(tmp_path):
+# Every section in one rehearsal (the kit starts jax, builds its tiny models and compiles once); on the
+# device the on-request sections (decode, cascade, profile) are calls of their own.
+SECTIONS = ("env", "kernels", "step", "tests", "decode", "cascade", "profile")
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> tuple[pathlib.Path, str]:
+    """`bench/device_check.py --tiny` over every section once: (its output folder, its stdout)."""
+    out = tmp_path_factory.mktemp("device_kit")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--out", str(tmp_path),
-                           "--budget_s", "1500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1600)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--out", str(out),
+                           "--sections", ",".join(SECTIONS), "--budget_s", "3900"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=4000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = {name: json.loads((tmp_path / f"{name}.json").read_text())
-               for name in ("env", "kernels", "step", "tests")}
-    assert all(r["status"] == "ok" for r in results.values()), results
+    return out, proc.stdout
+
+
+def _section(kit: tuple[pathlib.Path, str], section: str) -> dict:
+    """One section's JSON from the rehearsal, checked ok."""
+    result = json.loads((kit[0] / f"{section}.json").read_text())
+    assert result["status"] == "ok", result
+    return result
+
+
+def test_device_check_tiny_runs_every_section(kit):
+    results = {name: _section(kit, name) for name in ("env", "kernels", "step", "tests")}
     assert results["env"]["bf16_matmul_tflops"] > 0 and results["env"]["copy_gbps"] > 0
     for case in results["kernels"]["logprob"]:
         tol = 1e-4 if case["dtype"] == "float32" else 5e-2
@@ -24,26 +44,14 @@ def test_device_check_tiny_runs_every_section(tmp_path):
     for case in results["kernels"]["paged_attention"]:
         assert case["max_abs_err"] < 3e-2, case  # bf16 outputs
     assert 0 < results["step"]["perf/mfu"] < 1 and results["step"]["planned_peak_bytes"] > 0
-    assert [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert [line for line in kit[1].splitlines() if line.startswith("[")]
     assert "passed" in results["tests"]["summary"]
 
 
-def _tiny_section(out: pathlib.Path, section: str, *, budget_s: int) -> dict:
-    """One kit section rehearsed on CPU (a call of its own, as on the device): its JSON, checked ok."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--sections", section,
-                           "--out", str(out), "--budget_s", str(budget_s)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=budget_s + 100)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / f"{section}.json").read_text())
-    assert result["status"] == "ok", result
-    return result
-
-
-def test_device_check_tiny_decode_rows(tmp_path):
+def test_device_check_tiny_decode_rows(kit):
     """The decode section (#30's GPU rows, a call of its own on the device) rehearsed: every row runs,
     the cascade row takes shared-prefix groups, the speculative rows report their drafts."""
-    result = _tiny_section(tmp_path, "decode", budget_s=1200)
+    result = _section(kit, "decode")
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "cascade", "ngram", "draft"}
     for row in rows.values():  # 4 prompts x n=2, 8 new tokens each (random weights: EOS is rare)
@@ -54,10 +62,10 @@ def test_device_check_tiny_decode_rows(tmp_path):
     assert "plain@2" in result["summary"]
 
 
-def test_device_check_tiny_cascade_rows(tmp_path):
+def test_device_check_tiny_cascade_rows(kit):
     """The cascade section (long shared prompts, cascade off and on) rehearsed: both rows decode the
     same number of tokens, only the cascade row takes shared-prefix groups."""
-    result = _tiny_section(tmp_path, "cascade", budget_s=600)
+    result = _section(kit, "cascade")
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "cascade"} and len(result["rows"]) == 2
     assert rows["plain"]["decode_steps"] == rows["cascade"]["decode_steps"] > 0
@@ -66,11 +74,12 @@ def test_device_check_tiny_cascade_rows(tmp_path):
     assert "plain@64p" in result["summary"] and "cascade@64p" in result["summary"]
 
 
-def test_device_check_tiny_profile_rows(tmp_path):
+def test_device_check_tiny_profile_rows(kit):
     """The profile section (where a decode step's and the update's time goes, traced) rehearsed: both decode
     rows carry op families in ms per decode step whose sum is below the traced run's time per step; the
     traced update its op families and the roofline estimate."""
-    result = _tiny_section(tmp_path, "profile", budget_s=600)
+    result = _section(kit, "profile")
+    out = kit[0]
     rows = {r["name"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "ngram"}
     for row in rows.values():
@@ -81,11 +90,11 @@ def test_device_check_tiny_profile_rows(tmp_path):
         assert 0 < in_ops <= 2 * row["step_ms"]  # CPU ops run on up to 2 threads at once
         assert sum(op["count"] for op in row["ops_exact_ms_per_step"]) >= 1
         assert row["traced_steps"] == row["decode_steps"]  # a tiny run's trace holds every step
-        assert (tmp_path / f"trace_{row['name']}").is_dir()  # tiny traces are kept
+        assert (out / f"trace_{row['name']}").is_dir()  # tiny traces are kept
     assert "plain (traced)" in result["summary"]
     # the update: its second call traced, op families in ms per update within its wall time, the estimate
     update = result["update"]
-    assert update["update_s"] > 0 and update["ops_ms"] and (tmp_path / "trace_update").is_dir()
+    assert update["update_s"] > 0 and update["ops_ms"] and (out / "trace_update").is_dir()
     in_ops = sum(op["ms"] for op in update["ops_ms"] if op["process"] == update["ops_ms"][0]["process"])
     assert 0 < in_ops <= 8 * 1000 * update["update_s"]  # the ops of the 8 test devices' threads, summed
     assert update["estimate"]["seconds"] > 0 and update["estimate"]["bound"] in ("compute", "hbm", "link")
