@@ -58,7 +58,7 @@ def sample_ours(cfg, batches: int, hf_dir: str) -> tuple[list[Sequence], list[in
     for i in range(batches):
         batch = next(trainer.train_loader)
         t0 = time.perf_counter()
-        rollout, _ = trainer.generate(batch, trainer.actor.model_params, jax.random.PRNGKey(1000 + i), False)
+        rollout, _ = trainer.rollout_source.sample(batch, jax.random.PRNGKey(1000 + i))
         ids, mask = np.asarray(rollout.input_ids), np.asarray(rollout.attention_mask)
         response_mask, log_probs = np.asarray(rollout.response_mask), np.asarray(rollout.rollout_log_probs)
         width = ids.shape[1] - response_mask.shape[1]
