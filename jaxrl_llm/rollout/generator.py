@@ -14,6 +14,7 @@ once, on process 0, and broadcast (`score_responses`), so processes can never di
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -40,6 +41,13 @@ _JUDGE_STREAM = 0x7D6E  # the judge's random stream: fold_in(the rollout's key, 
 ROW_FIELDS = ("tokens", "response_mask", "log_probs", "lengths", "finish_reason", "prompt_ids", "prompt_mask",
                "routing")
 
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _first_rows(fields: dict[str, jax.Array], keep: int) -> dict[str, jax.Array]:
+    """Every field's first `keep` rows, in one program: sliced one by one, each eager slice of a
+    sharded array was its own dispatch (7 a batch, ~10% of a small sharded step on CPU)."""
+    return {k: jax.lax.slice_in_dim(v, 0, keep, axis=0) for k, v in fields.items()}
 
 
 def rows_on_mesh(out: SampleOutput, mesh: Mesh) -> SampleOutput:
@@ -133,7 +141,8 @@ class RolloutGenerator:
         n = sampling.n
         if len(raw_prompts) > num_prompts:  # drop the padding rows again
             keep = num_prompts * n
-            out = out._replace(**{f: getattr(out, f)[:keep] for f in ROW_FIELDS if getattr(out, f) is not None})
+            out = out._replace(**_first_rows({f: getattr(out, f) for f in ROW_FIELDS if getattr(out, f) is not None},
+                                             keep))
         return self.scored(batch, out, n, sampling.max_new_tokens, rng)
 
     def scored(self, batch: dict[str, np.ndarray], out: Any, n: int, max_new_tokens: int, rng: Array) -> Rollout:
