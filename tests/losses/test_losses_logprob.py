@@ -174,7 +174,8 @@ def test_never_materialises_full_logits():
 
 
 def test_backends_import_public_names_only():
-    """logprob.py dispatches; logprob_xla.py and logprob_pallas.py import no private name (no cycle)."""
+    """logprob.py dispatches; logprob_xla.py and logprob_pallas.py import no private name (no cycle); the
+    XLA path takes only the model's logit cap from below (models/numerics.py, shared with the decoder)."""
     import ast
     import pathlib
 
@@ -189,7 +190,7 @@ def test_backends_import_public_names_only():
                             for alias in node.names]
     for module, names in imported.items():
         assert all(not name.startswith("_") for _, name in names), (module, names)
-    assert imported["logprob_xla"] == []
+    assert imported["logprob_xla"] == [("jaxrl_llm.models.numerics", "cap_logits")]
     assert {m for m, _ in imported["logprob_pallas"]} == {"jaxrl_llm.losses.logprob_xla"}
 
 
