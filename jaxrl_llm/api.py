@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as _checkpoint
-from jaxrl_llm.arrays import DType
+from jaxrl_llm.arrays import DType, ShardingTree
 from jaxrl_llm.hf import export_hf as _export_hf
 from jaxrl_llm.hf import load_any
 from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
@@ -81,7 +81,7 @@ def find_tokenizer(path: str | pathlib.Path) -> str | None:
 
 
 def load_model(path: str | pathlib.Path, dtype: DType = "float32", mesh: Mesh | None = None, *,
-               shardings: Any = None, tokenizer: Tokenizer | None = None) -> Model:
+               shardings: ShardingTree | None = None, tokenizer: Tokenizer | None = None) -> Model:
     """Load an HF folder, a .gguf file or a training checkpoint as a `Model` with params of `dtype`.
 
     Placement: `shardings` (a params-shaped pytree of `jax.sharding.Sharding`, or a callable

@@ -19,3 +19,6 @@ ArrayTree = Any
 Params = ArrayTree
 # A dtype as our functions accept it: a name ("bfloat16"), a numpy / jnp dtype or scalar type.
 DType = DTypeLike
+# Where each leaf of an `ArrayTree` lives: the same tree with a `jax.sharding.Sharding` per leaf
+# (parameter and optimizer-state shardings, what `jit`'s in/out_shardings take).
+ShardingTree = Any

@@ -23,7 +23,6 @@ import posixpath
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 from etils import epath
 
@@ -31,19 +30,22 @@ from etils import epath
 # `gcs` driver for gs://, its `file` driver for local paths; orbax accepts no other URL scheme.
 CHECKPOINT_SCHEMES = ("gs",)
 
+# A local path or a bucket URL, as text or a path object (`pathlib.Path`, `epath.Path`).
+PathLike = str | os.PathLike[str]
 
-def is_url(path: Any) -> bool:
+
+def is_url(path: PathLike) -> bool:
     """`scheme://...` (gs://bucket/x); a Windows drive letter is not a scheme."""
     text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     scheme, sep, _ = text.partition("://")
     return bool(sep) and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").isalnum()
 
 
-def scheme(path: Any) -> str | None:
+def scheme(path: PathLike) -> str | None:
     return str(path).split("://", 1)[0] if is_url(path) else None
 
 
-def normalize(path: Any) -> str:
+def normalize(path: PathLike) -> str:
     """Local: `~` expanded and absolute. URL: unchanged but for a trailing slash."""
     text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     if is_url(text):
@@ -51,18 +53,18 @@ def normalize(path: Any) -> str:
     return os.path.abspath(os.path.expanduser(text))
 
 
-def as_path(path: Any) -> epath.Path:
+def as_path(path: PathLike) -> epath.Path:
     """An `epath.Path` of the normalized path (what orbax takes as well)."""
     return epath.Path(normalize(path))
 
 
-def join(base: Any, *parts: str) -> str:
+def join(base: PathLike, *parts: str) -> str:
     """`os.path.join` for local paths, `/`-joined for URLs (never a local folder named `gs:`)."""
     text = str(base)
     return posixpath.join(text, *parts) if is_url(text) else os.path.join(text, *parts)
 
 
-def split(path: Any) -> tuple[str, str]:
+def split(path: PathLike) -> tuple[str, str]:
     """(parent, last name) of a normalized path or URL."""
     text = normalize(path)
     if is_url(text):
@@ -71,7 +73,7 @@ def split(path: Any) -> tuple[str, str]:
     return os.path.dirname(text), os.path.basename(text)
 
 
-def unavailable_reason(path: Any, *, checkpoints: bool = False) -> str | None:
+def unavailable_reason(path: PathLike, *, checkpoints: bool = False) -> str | None:
     """Why no installed back-end can open `path`, or None when one can (always None for a local path).
 
     checkpoints: the path holds orbax checkpoints (run dir, resume path): only `gs://` URLs, and
@@ -118,26 +120,26 @@ def _epath_backend_installed(name: str) -> bool:
     return True
 
 
-def exists(path: Any) -> bool:
+def exists(path: PathLike) -> bool:
     return as_path(path).exists()
 
 
-def is_dir(path: Any) -> bool:
+def is_dir(path: PathLike) -> bool:
     return as_path(path).is_dir()
 
 
-def makedirs(path: Any) -> None:
+def makedirs(path: PathLike) -> None:
     """Creates a local folder (and parents). A no-op for a URL: buckets have no folders, and
     gcsfs would create a missing *bucket* here (a typo would make one instead of failing)."""
     if not is_url(path):
         os.makedirs(normalize(path), exist_ok=True)
 
 
-def read_text(path: Any) -> str:
+def read_text(path: PathLike) -> str:
     return as_path(path).read_text(encoding="utf-8")
 
 
-def write_bytes(path: Any, data: bytes) -> None:
+def write_bytes(path: PathLike, data: bytes) -> None:
     """Writes a whole file at once: a temporary sibling renamed into place locally (a kill leaves
     the old file or the new one, never half of it); one object write on a bucket (atomic there)."""
     target = normalize(path)
@@ -158,11 +160,11 @@ def write_bytes(path: Any, data: bytes) -> None:
         raise
 
 
-def write_text(path: Any, text: str) -> None:
+def write_text(path: PathLike, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def remove_tree(path: Any) -> None:
+def remove_tree(path: PathLike) -> None:
     """Deletes a folder (or a bucket prefix) and everything under it; missing is fine."""
     p = as_path(path)
     if p.is_dir():

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from jaxrl_llm import storage
 from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.storage import PathLike
 
 ITEMS = ("state", "data", "meta", "rollout")
 RESUME_MODES = ("auto", "disable", "resume_path")  # veRL's trainer.resume_mode
@@ -99,7 +100,7 @@ class CheckpointStore:
                 "(orbax saves only steps after the latest). Use a new trainer.default_local_dir, or resume "
                 "that run with trainer.resume_mode=auto")
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, Any, dict]:
+    def restore(self, step: int, abstract_state: ArrayTree) -> tuple[Any, Any, dict]:
         """Restore onto the shardings/dtypes of `abstract_state` (a tree of ShapeDtypeStruct)."""
         restored = self._manager.restore(
             step,
@@ -112,7 +113,7 @@ class CheckpointStore:
         data = _from_jsonable(restored["data"])["iterator"]
         return restored["state"], data, _from_jsonable(restored["meta"])
 
-    def restore_rollout(self, step: int, abstract: Any) -> Any:
+    def restore_rollout(self, step: int, abstract: ArrayTree) -> ArrayTree:
         """The `rollout` item of `step`, onto `abstract`'s layout."""
         restored = self._manager.restore(step, args=ocp.args.Composite(rollout=ocp.args.StandardRestore(abstract)))
         return restored["rollout"]
@@ -129,7 +130,7 @@ class CheckpointStore:
         self._manager.close()
 
 
-def abstract_like(tree: ArrayTree) -> Any:
+def abstract_like(tree: ArrayTree) -> ArrayTree:
     """ShapeDtypeStructs (with shardings) describing `tree`, for a restore onto the same layout."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
@@ -223,7 +224,7 @@ def resolve_resume(mode: str, run_dir: str, resume_from_path: str | None) -> tup
     return None if point is None else (point.directory, point.step)
 
 
-def restore_rollout_weights(store: CheckpointStore, directory: str, step: int, abstract: Any) -> Any:
+def restore_rollout_weights(store: CheckpointStore, directory: str, step: int, abstract: ArrayTree) -> ArrayTree:
     """`CheckpointStore.restore_rollout` of `directory`'s `step` (a read-only store when it is not `store`'s)."""
     source = store if storage.normalize(directory) == store.directory else CheckpointStore(directory, read_only=True)
     try:
@@ -249,7 +250,7 @@ def restore_first_readable(store: CheckpointStore, steps: tuple[int, ...],
 
 
 def restore_resume_point(store: CheckpointStore, point: ResumePoint,
-                         abstract_state: Any) -> tuple[int, Any, Any, dict]:
+                         abstract_state: ArrayTree) -> tuple[int, Any, Any, dict]:
     """(step, state, data state, meta) of the newest readable step of `point` (restored onto
     `abstract_state`'s layout), opening a read-only store when it lies outside `store`'s folder."""
     source = store if point.directory == store.directory else CheckpointStore(point.directory, read_only=True)
@@ -334,7 +335,7 @@ def _step_dirs(path: str) -> list[str]:
             if p.name.isdigit() and storage.is_dir(storage.join(path, p.name, "state"))]
 
 
-def is_checkpoint(path: Any) -> bool:
+def is_checkpoint(path: PathLike) -> bool:
     """A step folder (`.../checkpoints/40`), a checkpoints folder, or a run folder holding one."""
     path = storage.normalize(path)
     if not storage.is_dir(path):
@@ -346,7 +347,7 @@ def is_checkpoint(path: Any) -> bool:
     return bool(_step_dirs(path))
 
 
-def locate_checkpoint(path: Any) -> tuple[str, int]:
+def locate_checkpoint(path: PathLike) -> tuple[str, int]:
     """(checkpoints folder, step) of a step folder, a checkpoints folder or a run folder (its latest step)."""
     path = storage.normalize(path)
     if storage.is_dir(storage.join(path, "checkpoints")) and not storage.is_dir(storage.join(path, "state")):
@@ -356,7 +357,7 @@ def locate_checkpoint(path: Any) -> tuple[str, int]:
     return found
 
 
-def read_checkpoint_meta(path: Any) -> dict:
+def read_checkpoint_meta(path: PathLike) -> dict:
     """The `meta` item (config, KL coefficient, model config, ...) of a checkpoint."""
     directory, step = locate_checkpoint(path)
     return _from_jsonable(json.loads(storage.read_text(storage.join(directory, str(step), "meta", "metadata"))))

@@ -22,9 +22,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
-from jaxrl_llm.arrays import ArrayTree, DType, Params
+from jaxrl_llm.arrays import ArrayTree, DType, Params, ShardingTree
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops, rollout_context
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, RunSpec
@@ -90,7 +91,7 @@ class Model:
 
     cfg: ModelConfig
     params: Params  # ShapeDtypeStruct pytree with shardings
-    shardings: Any
+    shardings: ShardingTree
 
     @property
     def num_params(self) -> int:
@@ -123,7 +124,7 @@ class Context:
         """The states a policy forward reads: its params, or with LoRA the frozen base + adapters."""
         return ("actor_base_params", "actor_params") if self.spec.model.lora else ("actor_params",)
 
-    def policy_params(self) -> Any:
+    def policy_params(self) -> Params:
         """The params the sampler / old-log-prob pass read (the base with the adapters under LoRA)."""
         lora = self.spec.model.lora
         if lora is None:
@@ -173,7 +174,7 @@ def _unrolled(cfg: ModelConfig, unroll: int) -> ModelConfig:
     return cfg if unroll == cfg.scan_unroll else dataclasses.replace(cfg, scan_unroll=unroll)
 
 
-def _abstract(tree: ArrayTree, shardings: Any, dtype: DType | None = None) -> Any:
+def _abstract(tree: ArrayTree, shardings: ShardingTree, dtype: DType | None = None) -> ArrayTree:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), tree, shardings)
 
 
@@ -183,14 +184,14 @@ def _model(model: ModelSpec, head: str, mesh: Mesh, tokenizer: Tokenizer) -> Mod
     return Model(cfg, _abstract(abstract, shardings), shardings)
 
 
-def _tx(optim: OptimSpec) -> Any:
+def _tx(optim: OptimSpec) -> optax.GradientTransformation:
     # the transformation's state does not depend on the schedule, unknown before the dataset is read
     if optim.total_steps is None:
         optim = dataclasses.replace(optim, total_steps=1, warmup_steps=0)
     return make_optimizer(optim)[0]
 
 
-def _opt_state(tx: Any, model: Model) -> Any:
+def _opt_state(tx: optax.GradientTransformation, model: Model) -> ArrayTree:
     abstract = jax.eval_shape(tx.init, model.params)
     return _abstract(abstract, optimizer_state_sharding(abstract, model.shardings))
 

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as ckpt
-from jaxrl_llm.arrays import ArrayTree, DType
+from jaxrl_llm.arrays import ArrayTree, DType, ShardingTree
 from jaxrl_llm.batching.batch_plan import RoleBatch
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec
@@ -60,8 +60,8 @@ class TrainedRole:
     tx: optax.GradientTransformation
     schedule: Callable[[Any], jax.Array]  # LR of the role's RL-step count (roles/optim.py)
     opt_state: ArrayTree
-    param_shardings: Any
-    opt_state_shardings: Any
+    param_shardings: ShardingTree
+    opt_state_shardings: ShardingTree
     update_fn: UpdateFn  # `update_actor` / `update_critic` with model_cfg and settings bound
     model: ModelSpec  # the role's model spec (packing: use_remove_padding, share_packed_prompts)
     settings: ActorSpec | CriticSpec  # its loss settings (ppo_epochs, shuffle, ...)
@@ -130,8 +130,8 @@ class TrainedRole:
         return metrics
 
 
-def jit_update(update_fn: UpdateFn, tx: optax.GradientTransformation, param_shardings: Any,
-               opt_state_shardings: Any, *, num_mini_batches: int, num_micro_batches: int,
+def jit_update(update_fn: UpdateFn, tx: optax.GradientTransformation, param_shardings: ShardingTree,
+               opt_state_shardings: ShardingTree, *, num_mini_batches: int, num_micro_batches: int,
                rows_sharding: Any) -> Callable:
     """The jitted update of one (mini-batches, micro-batches) split: the program `TrainedRole.update`
     runs, and the one the memory plan (planning/memory.py) lowers ahead of time.
@@ -142,13 +142,13 @@ def jit_update(update_fn: UpdateFn, tx: optax.GradientTransformation, param_shar
                    out_shardings=(param_shardings, opt_state_shardings, None), donate_argnums=(0, 1))
 
 
-def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> Any:
+def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> ShardingTree:
     """(abstract params, their shardings) of a model as `load_model` places it, without weights."""
     abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.PRNGKey(0), head=head, dtype=dtype))
     return abstract, logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)
 
 
-def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> Any:
+def _param_shardings(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> ShardingTree:
     return param_shardings_of(model_cfg, head, mesh, dtype)[1]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm.arrays import ArrayTree
+from jaxrl_llm.arrays import ArrayTree, ShardingTree
 from jaxrl_llm.sharding.mesh import mesh_axis_sizes
 
 
@@ -31,7 +31,7 @@ def _fits(leaf: Any, sharding: NamedSharding) -> bool:
     return True
 
 
-def optimizer_state_sharding(opt_state: ArrayTree, params_shardings: Any) -> Any:
+def optimizer_state_sharding(opt_state: ArrayTree, params_shardings: ShardingTree) -> ShardingTree:
     """NamedSharding tree for `opt_state` (arrays or ShapeDtypeStructs, e.g. from eval_shape)."""
     leaves, params_def = jax.tree.flatten(params_shardings)
     if not leaves:

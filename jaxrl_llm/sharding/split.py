@@ -15,7 +15,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.arrays import ArrayTree
+from jaxrl_llm.arrays import ArrayTree, ShardingTree
 from jaxrl_llm.platform.chips import Device
 from jaxrl_llm.sharding.mesh import MESH_AXES, make_mesh
 
@@ -93,7 +93,7 @@ def transfer(tree: ArrayTree, mesh: Mesh) -> Any:
     return move(tree, shardings_on(tree, mesh))
 
 
-def move(tree: ArrayTree, shardings: Any) -> Any:
+def move(tree: ArrayTree, shardings: ShardingTree) -> ArrayTree:
     """`tree`'s arrays as new buffers on `shardings` (a tree of them, or one for every array), whatever
     devices they are on now: `jax.device_put`, or across processes `_transfer_across_processes`."""
     if jax.process_count() == 1:

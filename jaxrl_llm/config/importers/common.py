@@ -36,6 +36,10 @@ PLACEMENT = "torch/vLLM/Ray/placement only"
 NO_VALUE = object()  # Mapper.ignore without a value to show
 NO_COUNTERPART = "no counterpart in jaxrl_llm"
 
+# A value read from a peer's config file: a scalar, list, dict or None as YAML / JSON / a script's
+# flags give it, or an `Unresolved` interpolation.
+SourceValue = Any
+
 
 class Unresolved:
     """A value whose interpolation could not be resolved; an error only if the key is used."""
@@ -47,13 +51,13 @@ class Unresolved:
         return f"<unresolved {self.text}>"
 
 
-def _raw_text(node: Any, key: Any) -> str:
+def _raw_text(node: SourceValue, key: Any) -> str:
     """`node[key]` as written, before interpolation (e.g. '${data.max_prompt_length}')."""
     child = node._get_node(key)
     return "" if child is None else str(child._value())
 
 
-def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None) -> Any:
+def _resolve_node(node: SourceValue, prefix: str = "", raw: dict[str, str] | None = None) -> SourceValue:
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -173,13 +177,13 @@ class Source:
     def has(self, key: str) -> bool:
         return key in self.flat
 
-    def peek(self, key: str, default: Any = None) -> Any:
+    def peek(self, key: str, default: SourceValue = None) -> SourceValue:
         value = self.flat.get(key, default)
         if isinstance(value, Unresolved):
             self.unresolved(key, value)
         return value
 
-    def take(self, key: str, default: Any = None) -> Any:
+    def take(self, key: str, default: SourceValue = None) -> SourceValue:
         """The value of `key` (removed from the remaining keys), `default` when absent."""
         if key not in self.flat:
             return default
@@ -188,11 +192,11 @@ class Source:
             self.unresolved(key, value)
         return value
 
-    def drop(self, key: str) -> Any:
+    def drop(self, key: str) -> SourceValue:
         """Removes `key` and returns its raw value (possibly `Unresolved`): for keys that are ignored."""
         return self.flat.pop(key, None)
 
-    def unresolved(self, key: str, value: Any) -> NoReturn:
+    def unresolved(self, key: str, value: SourceValue) -> NoReturn:
         bad = value if isinstance(value, Unresolved) else next(_iter_unresolved(value))
         raise ConfigError(f"{self.path}: {self.full(key)}: cannot resolve {bad.text} ({bad.why})")
 
@@ -208,7 +212,7 @@ class Source:
         return list(self.flat)
 
 
-def _iter_unresolved(value: Any):
+def _iter_unresolved(value: SourceValue):
     if isinstance(value, Unresolved):
         yield value
     elif isinstance(value, Mapping):
@@ -219,11 +223,11 @@ def _iter_unresolved(value: Any):
             yield from _iter_unresolved(v)
 
 
-def _has_unresolved(value: Any) -> bool:
+def _has_unresolved(value: SourceValue) -> bool:
     return next(_iter_unresolved(value), None) is not None
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: SourceValue, limit: int = 60) -> str:
     text = repr(value) if isinstance(value, str) else str(value)
     if isinstance(value, Unresolved):
         text = value.text
@@ -295,7 +299,7 @@ class Mapper:
         self.values: dict[str, Any] = {}
         self.origin: dict[str, str] = {}
 
-    def set(self, ours: str, value: Any, src: str) -> None:
+    def set(self, ours: str, value: SourceValue, src: str) -> None:
         if ours not in FIELDS and not any(ours.startswith(s + ".") for s in OPEN_SECTIONS):
             raise AssertionError(f"importer bug: {ours} is not a key of the config tree")
         if _has_unresolved(value):
@@ -305,11 +309,11 @@ class Mapper:
         self.settings[ours] = value
         self.origin[ours] = src
 
-    def get(self, ours: str) -> Any:
+    def get(self, ours: str) -> SourceValue:
         """The value `ours` will have: imported if set, else the base config's."""
         return self.settings[ours] if ours in self.settings else get_path(self.base, ours)
 
-    def ignore(self, src: str, why: str = NO_COUNTERPART, value: Any = NO_VALUE) -> None:
+    def ignore(self, src: str, why: str = NO_COUNTERPART, value: SourceValue = NO_VALUE) -> None:
         """`src` changes nothing jaxrl_llm computes: listed (with `value`, when given) in the one warning."""
         self.ignored[src] = why
         if value is not NO_VALUE:
@@ -338,7 +342,7 @@ class Mapper:
 
         return jax.device_count()
 
-    def set_lora(self, rank: Any, alpha: Any, targets: Any, src: tuple[str, str, str]) -> None:
+    def set_lora(self, rank: SourceValue, alpha: SourceValue, targets: SourceValue, src: tuple[str, str, str]) -> None:
         """A peer's LoRA adapter -> model.lora_rank / lora_alpha / target_modules (`src`: the three keys
         it came from); a comma-separated target string becomes a list, as PEFT reads it."""
         if isinstance(targets, str) and targets != "all-linear":
@@ -366,13 +370,13 @@ class Mapper:
                             dict(self.values))
 
 
-def is_off(value: Any) -> bool:
+def is_off(value: SourceValue) -> bool:
     """Unset or switched off: a key with this value asks for nothing."""
     return value is None or value is False or (isinstance(value, (str, list, dict, tuple)) and not value) or (
         isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
 
 
-def leftover(m: Mapper, key: str, value: Any, why: str | None = None) -> None:
+def leftover(m: Mapper, key: str, value: SourceValue, why: str | None = None) -> None:
     """A key no rule of the importer took: listed (with its value) when `why` says what makes it
     harmless or it is off; otherwise an error, since what it would change cannot be honoured."""
     if why is not None:
@@ -390,7 +394,7 @@ def ratio_steps(value: int, per_step: int) -> int:
     return max(1, math.ceil(value / per_step))
 
 
-def int_or_error(m: Mapper, src: str, value: Any) -> int:
+def int_or_error(m: Mapper, src: str, value: SourceValue) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
         m.error(src, f"expected an integer, got {value!r}")
     return int(value)

@@ -19,6 +19,7 @@ from jaxrl_llm.config.importers.common import (
     PLACEMENT,
     Mapper,
     Source,
+    SourceValue,
     flatten,
     int_or_error,
     leftover,
@@ -79,7 +80,7 @@ ERRORS = {  # key -> why (an error when set to anything but its off value)
 }
 
 
-def device_count(value: Any) -> int | None:
+def device_count(value: SourceValue) -> int | None:
     """ROLL's `device_mapping` (a list or a string such as 'list(range(0,16))') -> number of devices."""
     if isinstance(value, list):
         return len(value)

@@ -19,7 +19,7 @@ import glob
 import os
 from typing import Any
 
-from jaxrl_llm.config.importers.common import Mapper, Source
+from jaxrl_llm.config.importers.common import Mapper, Source, SourceValue
 from jaxrl_llm.data.sources import SUPPORTED_SUFFIXES
 from jaxrl_llm.rewards.scorers import has_builtin_scorer
 
@@ -69,7 +69,7 @@ def taskset_files(path: str, split: str, subset: str | None = None) -> list[str]
 REWARD_SOURCES = {"math_dapo_reward": "math_dapo"}
 
 
-def _workflow(m: Mapper, key: str, value: Any) -> None:
+def _workflow(m: Mapper, key: str, value: SourceValue) -> None:
     if value in (None, ""):
         return
     if value not in SINGLE_TURN_WORKFLOWS:

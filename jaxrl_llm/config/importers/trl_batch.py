@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxrl_llm.config.importers.common import Mapper, int_or_error, ratio_steps
+from jaxrl_llm.config.importers.common import Mapper, SourceValue, int_or_error, ratio_steps
 
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
@@ -96,7 +96,7 @@ def map_steps(m: Mapper, args: dict[str, Any], rloo: bool) -> None:
     _save_eval(m, args, per_step)
 
 
-def _steps(m: Mapper, key: str, value: Any, per_step: int) -> int | None:
+def _steps(m: Mapper, key: str, value: SourceValue, per_step: int) -> int | None:
     if value is None:
         return None
     if value < 1:  # HF: a float < 1 is a fraction of the total steps

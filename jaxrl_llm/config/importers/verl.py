@@ -41,6 +41,7 @@ from jaxrl_llm.config.importers.common import (
     PLACEMENT,
     Mapper,
     Source,
+    SourceValue,
     Unresolved,
     flatten,
     int_or_error,
@@ -120,7 +121,7 @@ def our_key(key: str) -> str | None:
     return renamed if renamed in FIELDS else None
 
 
-def training_tensor_parallel(m: Mapper, src: str, value: Any) -> None:
+def training_tensor_parallel(m: Mapper, src: str, value: SourceValue) -> None:
     """Megatron's training TP -> mesh.tensor (the largest size dividing the devices)."""
     size = int_or_error(m, src, value)
     held = math.gcd(max(size, 1), m.devices())
@@ -129,7 +130,7 @@ def training_tensor_parallel(m: Mapper, src: str, value: Any) -> None:
         m.ignore(f"{src} (as mesh.tensor={held})", f"reduced to what the {m.devices()} device(s) hold", size)
 
 
-def training_expert_parallel(m: Mapper, src: str, value: Any) -> None:
+def training_expert_parallel(m: Mapper, src: str, value: SourceValue) -> None:
     """Megatron's expert parallelism -> mesh.expert (the largest size dividing the devices TP leaves;
     like Megatron's EP group it also splits the batch)."""
     size = int_or_error(m, src, value)
@@ -140,7 +141,7 @@ def training_expert_parallel(m: Mapper, src: str, value: Any) -> None:
         m.ignore(f"{src} (as mesh.expert={held})", f"reduced to what the {free} device(s) hold", size)
 
 
-def _fsdp_size(m: Mapper, src: str, value: Any) -> None:
+def _fsdp_size(m: Mapper, src: str, value: SourceValue) -> None:
     """FSDP's HSDP group -> mesh.fsdp, the rest of the devices -> mesh.data; -1 or a group at least as
     large as the devices: one FSDP group over all of them."""
     size = int_or_error(m, src, value)
@@ -168,7 +169,7 @@ def _context_size(devices: int, sp: int) -> int:
     return math.gcd(max(sp, 1), devices)
 
 
-def context_parallel(m: Mapper, src: str, value: Any) -> None:
+def context_parallel(m: Mapper, src: str, value: SourceValue) -> None:
     """The actor's Ulysses sp size (Trinity's trainer's, ROLL's ulysses_size / Megatron context_parallel_size)
     -> mesh.context (see the module doc)."""
     size = int_or_error(m, src, value)
@@ -180,14 +181,14 @@ def context_parallel(m: Mapper, src: str, value: Any) -> None:
         m.ignore(f"{src} (as mesh.context={held})", f"reduced to what the {m.devices()} device(s) hold", size)
 
 
-def _role_sp(m: Mapper, src: str, value: Any) -> None:
+def _role_sp(m: Mapper, src: str, value: SourceValue) -> None:
     """A ref / critic / reward-model sp size: the mesh is the actor's (its sizes scale: SP_SCALED)."""
     if not _at_default(src, value):
         m.ignore(src, "every role runs on the one mesh, whose mesh.context is the actor's "
                       "ulysses_sequence_parallel_size; this role's per-GPU sizes are scaled to it", value)
 
 
-def placement_only(m: Mapper, src: str, value: Any) -> None:
+def placement_only(m: Mapper, src: str, value: SourceValue) -> None:
     if _at_default(src, value):
         return
     m.ignore(src, f"{PLACEMENT}: jaxrl_llm samples and trains on one mesh over every visible device (mesh.*)",
@@ -195,35 +196,35 @@ def placement_only(m: Mapper, src: str, value: Any) -> None:
 
 
 def _error_if(pred: Callable[[Any], bool], why: str):
-    def handle(m: Mapper, src: str, value: Any) -> None:
+    def handle(m: Mapper, src: str, value: SourceValue) -> None:
         if pred(value):
             m.error(src, f"{value!r}: {why}")  # off: what jaxrl_llm computes
     return handle
 
 
-def _correction_loss(m: Mapper, src: str, value: Any) -> None:
+def _correction_loss(m: Mapper, src: str, value: SourceValue) -> None:
     if value not in (None, "ppo_clip"):  # before: one of the no-counterpart names, and the run was PPO-clip
         m.error(src, f"{value!r}: jaxrl_llm's bypass mode trains with ppo_clip only (veRL's reinforce loss, an "
                      "IS-weighted policy gradient, is not available)")
 
 
-def _optimizer(m: Mapper, src: str, value: Any) -> None:
+def _optimizer(m: Mapper, src: str, value: SourceValue) -> None:
     if str(value).lower().replace("_", "") not in ("adamw", "adam"):
         m.error(src, f"{value!r}: jaxrl_llm trains with AdamW (optax.adamw) only")
 
 
-def _logger(m: Mapper, src: str, value: Any) -> None:
+def _logger(m: Mapper, src: str, value: SourceValue) -> None:
     m.set("trainer.logger", logger_sinks(m, src, [value] if isinstance(value, str) else value), src)
 
 
 def _clip_grad(role: str) -> Callable[[Mapper, str, Any], None]:
-    def handle(m: Mapper, src: str, value: Any) -> None:
+    def handle(m: Mapper, src: str, value: SourceValue) -> None:
         if value is not None:
             m.set(f"{role}.grad_clip", value, src)
     return handle
 
 
-def _router_replay(m: Mapper, src: str, value: Any) -> None:
+def _router_replay(m: Mapper, src: str, value: SourceValue) -> None:
     """veRL's actor.router_replay.mode: R3 (rollout routing replay) is ours 'rollout'."""
     mode = str(value)
     if mode == "R3":
@@ -320,7 +321,7 @@ def _is_placement(key: str) -> bool:
     return is_torch_only(key) or any(fnmatch.fnmatchcase(key, p) for p in VERL_MACHINERY)
 
 
-def _same(value: Any, default: Any) -> bool:
+def _same(value: SourceValue, default: SourceValue) -> bool:
     if isinstance(value, Unresolved):
         return False
     if value in (None, {}, []) and default in (None, {}, []):
@@ -329,13 +330,13 @@ def _same(value: Any, default: Any) -> bool:
         isinstance(value, (int, float)) and not isinstance(value, bool) and value == default)
 
 
-def _at_default(src: str, value: Any) -> bool:
+def _at_default(src: str, value: SourceValue) -> bool:
     """Is veRL key `src` (possibly under Trinity's trainer_config prefix) at veRL's default value?"""
     key = src.removeprefix("trainer.trainer_config.").lstrip("+")
     return key in VERL_DEFAULTS and _same(value, VERL_DEFAULTS[key])
 
 
-def _no_counterpart(m: Mapper, src: str, key: str, value: Any) -> None:
+def _no_counterpart(m: Mapper, src: str, key: str, value: SourceValue) -> None:
     """A veRL key our tree lacks (see the module doc for the rule)."""
     if _same(value, VERL_DEFAULTS[key]):
         return  # veRL's default: what jaxrl_llm computes
@@ -346,7 +347,7 @@ def _no_counterpart(m: Mapper, src: str, key: str, value: Any) -> None:
         m.error(src, f"{value!r}: {why} (only veRL's default, {VERL_DEFAULTS[key]!r}, is what jaxrl_llm computes)")
 
 
-def _generic(m: Mapper, src: str, key: str, value: Any, raw: str | None = None) -> None:
+def _generic(m: Mapper, src: str, key: str, value: SourceValue, raw: str | None = None) -> None:
     key = key.lstrip("+")
     ours = our_key(key)
     if ours is not None and raw is not None and (
@@ -413,7 +414,7 @@ def _sp_scales(sp: int, context: int, how: str) -> bool:
     return how == "sequences" and sp != context
 
 
-def _sp_scaled(value: Any, sp: int, context: int, how: str) -> Any:
+def _sp_scaled(value: SourceValue, sp: int, context: int, how: str) -> Any:
     if not isinstance(value, int) or isinstance(value, bool):
         return value
     return value * max(sp, context) if how == "tokens" else max(1, math.ceil(value * context / sp))
