@@ -8,8 +8,15 @@ import tempfile
 
 import pytest  # imports no jax: the flags below still apply
 
+# Compile speed over code speed, for the tests only (they inherit into the subprocesses tests start):
+# most of the suite's time is XLA:CPU compiling thousands of small distinct programs, not running them.
+# LLVM at -O0 and one codegen thread per compile (two pytest workers already fill the two cores) cut a
+# trainer file's compile time by half (tests/trainer/test_packing.py, cold cache: 136 s -> 80 s) while
+# the SmolLM2 files that mostly run code stay as fast (128 s -> 118 s). Neither changes the values a
+# program computes (no fast-math; the same HLO), only how well LLVM optimises it.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] != "cpu":
@@ -75,20 +82,30 @@ def _release_compiled_programs():
 
 # Files that take minutes, started first: CI runs two workers that each take a whole file at a time
 # (`pytest -n 2 --dist loadfile`, in collection order), and one of these started near the end would
-# leave the other core idle for its length. (Slowest single tests of the last full runs.)
+# leave the other core idle for its length. The 20 slowest files of the last full run (2026-12-02, junit
+# times), longest first: that order left the two workers within 4 s of each other in a replay of the run,
+# where the order before (a shorter list) left one idle for 160 s.
 HEAVY_FIRST = (
-    "tests/examples/test_judge_example.py",
-    "tests/reliability/test_preemption.py",
-    "tests/platform/test_device_kit.py",
-    "tests/reliability/test_kill_resume.py",
-    "tests/models/test_bf16_numerics.py",
-    "tests/trainer/test_trainer_multiprocess.py",
-    "tests/rollout/test_pipeline.py",
-    "tests/trainer/test_packing.py",
-    "tests/trainer/test_multi_turn_trainer.py",
     "tests/platform/test_platform_compile.py",
+    "tests/platform/test_device_kit.py",
+    "tests/sampler/test_engine_core.py",
     "tests/planning/test_memory_plan.py",
+    "tests/reliability/test_preemption.py",
+    "tests/sharding/test_context_parallel.py",
+    "tests/sampler/test_engine_parity.py",
+    "tests/examples/test_judge_example.py",
+    "tests/sampler/test_speculative_engine.py",
+    "tests/sharding/test_expert_parallel.py",
+    "tests/trainer/test_trainer_e2e.py",
     "tests/examples/test_distill_example.py",
+    "tests/trainer/test_packing.py",
+    "tests/trainer/test_trainer_multiprocess.py",
+    "tests/trainer/test_distillation.py",
+    "tests/trainer/test_moe_replay.py",
+    "tests/models/test_unstacked_layers.py",
+    "tests/models/test_bf16_numerics.py",
+    "tests/sampler/test_sampler_hf_parity.py",
+    "tests/trainer/test_moe_multi_turn_replay.py",
 )
 
 
