@@ -8,7 +8,8 @@ import tempfile
 
 import pytest  # imports no jax: the flags below still apply
 
-# Compile speed over code speed, for the tests only (they inherit into the subprocesses tests start):
+# Compile speed over code speed, for the tests only (subprocesses that keep this XLA_FLAGS inherit them;
+# tests/tiny_runs.py's example runs reset it to run as a user does):
 # most of the suite's time is XLA:CPU compiling thousands of small distinct programs, not running them.
 # LLVM at -O0 and one codegen thread per compile (two pytest workers already fill the two cores) cut a
 # trainer file's compile time by half (tests/trainer/test_packing.py, cold cache: 136 s -> 80 s) while

@@ -142,7 +142,8 @@ def jit_update(update_fn: UpdateFn, tx: optax.GradientTransformation, param_shar
                    out_shardings=(param_shardings, opt_state_shardings, None), donate_argnums=(0, 1))
 
 
-def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh, dtype: DType) -> ShardingTree:
+def param_shardings_of(model_cfg: ModelConfig, head: str, mesh: Mesh,
+                       dtype: DType) -> tuple[ArrayTree, ShardingTree]:
     """(abstract params, their shardings) of a model as `load_model` places it, without weights."""
     abstract = jax.eval_shape(lambda: init_params(model_cfg, jax.random.PRNGKey(0), head=head, dtype=dtype))
     return abstract, logical_to_sharding(param_logical_axes(model_cfg, head=head), abstract, mesh)

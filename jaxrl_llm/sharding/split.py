@@ -86,7 +86,7 @@ def shardings_on(tree: ArrayTree, mesh: Mesh) -> Any:
     return jax.tree.map(one, tree)
 
 
-def transfer(tree: ArrayTree, mesh: Mesh) -> Any:
+def transfer(tree: ArrayTree, mesh: Mesh) -> ArrayTree:
     """`tree`'s arrays moved onto `mesh` (device to device; new buffers, never aliases). Across
     processes `jax.device_put` refuses meshes of different device sets (outside Pathways / TPU's TFRT
     runtime): there each array moves by `_transfer_across_processes`."""

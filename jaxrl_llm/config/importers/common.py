@@ -51,13 +51,13 @@ class Unresolved:
         return f"<unresolved {self.text}>"
 
 
-def _raw_text(node: SourceValue, key: Any) -> str:
+def _raw_text(node: Any, key: Any) -> str:
     """`node[key]` as written, before interpolation (e.g. '${data.max_prompt_length}')."""
     child = node._get_node(key)
     return "" if child is None else str(child._value())
 
 
-def _resolve_node(node: SourceValue, prefix: str = "", raw: dict[str, str] | None = None) -> SourceValue:
+def _resolve_node(node: Any, prefix: str = "", raw: dict[str, str] | None = None) -> SourceValue:
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -309,7 +309,7 @@ class Mapper:
         self.settings[ours] = value
         self.origin[ours] = src
 
-    def get(self, ours: str) -> SourceValue:
+    def get(self, ours: str) -> Any:
         """The value `ours` will have: imported if set, else the base config's."""
         return self.settings[ours] if ours in self.settings else get_path(self.base, ours)
 

@@ -195,7 +195,7 @@ def placement_only(m: Mapper, src: str, value: SourceValue) -> None:
              value)
 
 
-def _error_if(pred: Callable[[Any], bool], why: str):
+def _error_if(pred: Callable[[SourceValue], bool], why: str):
     def handle(m: Mapper, src: str, value: SourceValue) -> None:
         if pred(value):
             m.error(src, f"{value!r}: {why}")  # off: what jaxrl_llm computes
@@ -217,7 +217,7 @@ def _logger(m: Mapper, src: str, value: SourceValue) -> None:
     m.set("trainer.logger", logger_sinks(m, src, [value] if isinstance(value, str) else value), src)
 
 
-def _clip_grad(role: str) -> Callable[[Mapper, str, Any], None]:
+def _clip_grad(role: str) -> Callable[[Mapper, str, SourceValue], None]:
     def handle(m: Mapper, src: str, value: SourceValue) -> None:
         if value is not None:
             m.set(f"{role}.grad_clip", value, src)
