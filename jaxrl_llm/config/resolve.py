@@ -259,7 +259,13 @@ def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
         trl_rloo=TrlRlooOptions(kl_coef=float(alg.kl_ctrl.kl_coef), token_level_kl=bool(trl.token_level_kl),
                                 normalize_reward=bool(trl.normalize_reward),
                                 reward_clip_range=float(trl.reward_clip_range),
-                                normalize_advantage=bool(trl.normalize_advantage)))
+                                normalize_advantage=bool(trl.normalize_advantage)),
+        reward_clip=None if alg.reward_clip is None else float(alg.reward_clip),
+        whiten_rewards=bool(alg.whiten_rewards), whiten_advantages=bool(alg.whiten_advantages),
+        advantage_clip=None if alg.advantage_clip is None else float(alg.advantage_clip),
+        max_len_mask=bool(alg.max_len_mask),
+        difficulty_mask=((float(alg.difficulty_mask.low_threshold), float(alg.difficulty_mask.high_threshold))
+                         if alg.difficulty_mask.enable else None))
 
 
 def _micro(key: str, fixed: int | str | None, dynamic: bool, budget: int | None) -> MicroBatching:

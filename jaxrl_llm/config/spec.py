@@ -147,6 +147,17 @@ class AdvantageSpec:
     use_kl_in_reward: bool
     kl_penalty: str
     trl_rloo: TrlRlooOptions  # adv_estimator=trl_rloo only (algorithm.trl_rloo.*)
+    # ROLL's shaping around the estimator (losses/shaping.py; None / False: off)
+    reward_clip: float | None = None
+    whiten_rewards: bool = False
+    whiten_advantages: bool = False
+    advantage_clip: float | None = None
+    max_len_mask: bool = False  # ROLL's sample-level masks (losses/shaping.py `sample_mask`)
+    difficulty_mask: tuple[float, float] | None = None  # (low, high) thresholds on a prompt's mean score
+
+    @property
+    def masks_samples(self) -> bool:
+        return self.max_len_mask or self.difficulty_mask is not None
 
 
 @dataclasses.dataclass(frozen=True)

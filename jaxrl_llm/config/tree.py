@@ -542,6 +542,27 @@ ALGORITHM = {
     "norm_adv_by_std_in_grpo": field(True, "Divide GRPO advantages by the group std; False = Dr.GRPO "
                                            "(Liu et al. 2025). veRL."),
     "use_kl_in_reward": field(False, "Subtract kl_ctrl.kl_coef * KL(old || ref) from token rewards. veRL."),
+    "max_len_mask": field(False, "Leave the responses that reached data.max_response_length out of the loss and "
+                                 "the advantage whitening (logs actor/max_len_mask_ratio, the share kept). ROLL."),
+    "difficulty_mask": {
+        "enable": field(False, "Keep only the prompts whose mean score over their samples lies strictly "
+                               "between low_threshold and high_threshold; the others' responses leave the loss "
+                               "and the whitening (logs actor/difficulty_mask_ratio). ROLL: difficulty_mask."),
+        "low_threshold": field(0.0, "A prompt's mean score must be above this. ROLL: "
+                                    "difficulty_low_threshold.", types=float),
+        "high_threshold": field(1.0, "... and below this. ROLL: difficulty_high_threshold.", types=float),
+    },
+    "reward_clip": field(None, "Clamp each response's reward to [-reward_clip, reward_clip]: for grpo its "
+                               "group-normalised score, for the other estimators the raw score (before the "
+                               "KL in the reward); logs critic/reward_clip_frac. None = off. ROLL.",
+                         types=float, gt=0),
+    "whiten_rewards": field(False, "Whiten the token rewards over the step's response tokens before the "
+                                   "estimator (masked mean, unbiased variance). ROLL."),
+    "whiten_advantages": field(False, "Whiten the advantages over the step's response tokens after the "
+                                      "estimator (masked mean, unbiased variance). ROLL."),
+    "advantage_clip": field(None, "Clamp the advantages to [-advantage_clip, advantage_clip] after whitening; "
+                                  "logs critic/advantage_clip_frac (share of response tokens clipped). None = off. "
+                                  "ROLL.", types=float, gt=0),
     "kl_penalty": field("kl", "KL estimator for the in-reward penalty (same names as kl_loss_type). veRL.",
                         choices=names.kl_names),
     "kl_ctrl": {

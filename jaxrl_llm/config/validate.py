@@ -273,6 +273,13 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
                           "of the same prompt and needs n >= 2")
     if alg.filter_groups.enable and n < 2:
         raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.filter_groups needs n >= 2 samples per prompt")
+    difficulty = alg.difficulty_mask
+    if difficulty.enable and n < 2:
+        raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.difficulty_mask needs n >= 2 samples per prompt (it "
+                          "reads a prompt's mean score over its samples)")
+    if difficulty.enable and not difficulty.low_threshold < difficulty.high_threshold:
+        raise ConfigError(f"algorithm.difficulty_mask.low_threshold={difficulty.low_threshold}: must be below "
+                          f"high_threshold={difficulty.high_threshold} (no prompt would be kept)")
     if alg.adv_estimator == "trl_rloo" and alg.use_kl_in_reward:
         raise ConfigError("algorithm.use_kl_in_reward=True: adv_estimator='trl_rloo' folds the KL into the "
                           "sequence score itself (TRL's RLOO); set use_kl_in_reward=False")

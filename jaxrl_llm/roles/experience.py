@@ -23,6 +23,7 @@ from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
+from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, whiten_tokens
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.roles.forward import (
@@ -160,19 +161,35 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
                            old_log_probs: Array, ref_log_probs: Array | None, values: Array | None,
                            reward_baselines: Array | None, kl_coef: Array, *, s: AdvantageSpec
                            ) -> dict[str, Array]:
-    """token_level_rewards (scores - beta * KL when KL is in the reward), advantages, returns."""
+    """token_level_rewards (scores - beta * KL when KL is in the reward), advantages, returns; ROLL's
+    shaping around the estimator where set (losses/shaping.py, in ROLL's order: reward clip, KL,
+    reward whitening, the estimator, the grpo score's clip, advantage whitening, advantage clip)."""
     out: dict[str, Array] = {}
     rewards = token_level_scores
+    clip_score_first = s.reward_clip is not None and s.adv_estimator != "grpo"  # grpo clips its normalised score
+    if clip_score_first:
+        rewards, out["critic/reward_clip_frac"] = clip_sequence_scores(rewards, response_mask, s.reward_clip)
     if s.use_kl_in_reward:
         rewards, current_kl = kl_in_reward(token_level_scores, old_log_probs,
                                            required(ref_log_probs, "ref_log_probs", "algorithm.use_kl_in_reward"),
                                            response_mask,
                                            kl_coef, s.kl_penalty)
         out["current_kl"] = current_kl
+    if s.whiten_rewards:
+        rewards = whiten_tokens(rewards, response_mask)
     advantages, returns = compute_advantage(
         s.adv_estimator, rewards, response_mask, group_ids=group_ids, values=values, gamma=s.gamma,
         lam=s.lam, norm_adv_by_std_in_grpo=s.norm_adv_by_std_in_grpo, reward_baselines=reward_baselines,
         log_probs=old_log_probs, ref_log_probs=ref_log_probs, trl_rloo=s.trl_rloo)
+    tokens = response_mask > 0
+    if s.reward_clip is not None and not clip_score_first:  # a grpo advantage is its row's normalised score
+        row_score = jnp.sum(jnp.where(tokens, advantages, 0.0), -1) / jnp.maximum(jnp.sum(tokens, -1), 1)
+        out["critic/reward_clip_frac"] = clip_symmetric(row_score, s.reward_clip, jnp.any(tokens, axis=-1))[1]
+        advantages = jnp.clip(advantages, -s.reward_clip, s.reward_clip)
+    if s.whiten_advantages:
+        advantages = whiten_tokens(advantages, response_mask)
+    if s.advantage_clip is not None:
+        advantages, out["critic/advantage_clip_frac"] = clip_symmetric(advantages, s.advantage_clip, tokens)
     if s.adv_estimator == "trl_rloo":  # TRL's logged rewards: the score with the KL folded in, and the KL term
         ref = required(ref_log_probs, "ref_log_probs", "algorithm.adv_estimator=trl_rloo")
         _, trl_rewards = trl_rloo_with(s.trl_rloo, rewards.sum(-1), old_log_probs, ref, response_mask, group_ids)

@@ -36,6 +36,7 @@ from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.bookkeeping.tracking import dump_jsonl
 from jaxrl_llm.config.spec import ModelSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
+from jaxrl_llm.losses.shaping import sample_mask
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.roles.actor import OLD_LOG_PROBS
 from jaxrl_llm.roles.experience import (
@@ -176,7 +177,13 @@ class Trainer(Run):
                 else:
                     rollout, gen_metrics = self.rollout_source.sample(batch, rng)
             seq = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask}
-            mask = rollout.response_mask
+            mask, mask_metrics = rollout.response_mask, {}
+            if spec.advantage.masks_samples:  # ROLL's sample-level masks: the left-out rows leave loss and advantages
+                keep, mask_metrics = sample_mask(
+                    rollout.scores, rollout.response_lengths, rollout.group_ids,
+                    max_response_length=plan.response_length, max_len_mask=spec.advantage.max_len_mask,
+                    difficulty=spec.advantage.difficulty_mask)
+                mask = mask * to_device(keep[:, None], self.mesh)
             # the step's rows as the host knows them (lengths, prompt groups): every pass plans its
             # micro-batches and packed layouts from these, no device array is read (jaxrl_llm/batching)
             rows = self.batching.rows_of(rollout)
@@ -219,6 +226,7 @@ class Trainer(Run):
                     routing=rollout.routing, distill=distill)
                 span.wait(exp)
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
+                extra.update(mask_metrics)
                 extra.update({k: float(v) for k, v in jax.device_get(distill_metrics).items()})
             if self.critic is not None:
                 with timer("update_critic"):

@@ -370,11 +370,34 @@ def test_roll_defaults_and_gspo(home, tmp_path):
     assert f"{A}.clip_ratio_high" not in s
 
 
+def test_roll_shaping_and_sample_masks_import(home, tmp_path):
+    """ROLL's whitening, clipping and sample masks become our algorithm.* keys of ROLL's names."""
+    path = variant(ROLL, tmp_path, {"whiten_advantages": True, "advantage_clip": 2.0, "reward_clip": 10,
+                                    "whiten_rewards": True, "max_len_mask": True, "difficulty_mask": True,
+                                    "difficulty_low_threshold": 0.1, "difficulty_high_threshold": 0.95})
+    cfg = validate_config(import_config(path, dp_size=8).config(), dp_size=8, check_paths=False)
+    alg = cfg.algorithm
+    assert (alg.whiten_advantages, alg.advantage_clip, alg.reward_clip, alg.whiten_rewards, alg.max_len_mask) == (
+        True, 2.0, 10, True, True)
+    assert (alg.difficulty_mask.enable, alg.difficulty_mask.low_threshold, alg.difficulty_mask.high_threshold) == (
+        True, 0.1, 0.95)
+    # reinforce without normalisation, whitened: REINFORCE++ (which whitens itself)
+    path = variant(ROLL, tmp_path, {"adv_estimator": "reinforce", "norm_mean_type": None, "norm_std_type": None,
+                                    "whiten_advantages": True})
+    alg = import_config(path, dp_size=8).config().algorithm
+    assert (alg.adv_estimator, alg.whiten_advantages) == ("reinforce_plus_plus", False)
+    # ROLL's gae whitens only when asked; ours (veRL's) always does
+    path = variant(ROLL, tmp_path, {"adv_estimator": "gae", "whiten_advantages": True})
+    alg = import_config(path, dp_size=8).config().algorithm
+    assert (alg.adv_estimator, alg.whiten_advantages) == ("gae", False)
+    with pytest.raises(ConfigError, match="gae' without whiten_advantages"):
+        import_config(variant(ROLL, tmp_path, {"adv_estimator": "gae", "whiten_advantages": False}), dp_size=8)
+
+
 @pytest.mark.parametrize("key,value,why", [
     ("async_generation_ratio", 1.5, "whole number"),
     ("adv_estimator", "gigpo", "jaxrl_llm has gae, grpo"),
-    ("whiten_advantages", True, "whitening"),
-    ("max_len_mask", True, "truncated"),
+    ("error_max_len_clip", True, "wrong answers"),
     ("actor_infer.generating_args.repetition_penalty", 1.1, "repetition"),
     ("loss_agg_mode", "token-mean", "not available"),  # with importance_sampling: seq below
     ("actor_train.training_args.gradient_accumulation_steps", 3, "whole number of groups"),

@@ -56,6 +56,18 @@ def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
         metrics = trainer.train_step(next(trainer.train_loader))
         finite = {k: v for k, v in metrics.items() if k.startswith(("actor/", "critic/"))}
         assert all(np.isfinite(v) for v in finite.values()), (name, finite)
+    # ROLL's shaping around the estimator (sample masks, clips, whitening): the same update program again
+    trainer.spec = dataclasses.replace(trainer.spec, advantage=dataclasses.replace(
+        trainer.spec.advantage, adv_estimator="grpo", max_len_mask=True, difficulty_mask=(0.1, 0.95),
+        reward_clip=0.8, whiten_advantages=True, advantage_clip=1.5))
+    metrics = trainer.train_step(next(trainer.train_loader))
+    assert metrics["actor/samples_total"] == 16 and 0 < metrics["actor/final_mask_ratio"] <= 1
+    assert metrics["actor/samples_used"] == 16 * metrics["actor/final_mask_ratio"]
+    assert 0 <= metrics["critic/reward_clip_frac"] <= 1 and 0 <= metrics["critic/advantage_clip_frac"] <= 1
+    assert all(np.isfinite(v) for k, v in metrics.items() if k.startswith(("actor/", "critic/"))), metrics
+    trainer.spec = dataclasses.replace(trainer.spec, advantage=dataclasses.replace(
+        trainer.spec.advantage, max_len_mask=False, difficulty_mask=None, reward_clip=None, whiten_advantages=False,
+        advantage_clip=None))
     assert list(trainer.actor.compiled_updates) == [(1, 1)]  # one actor update program for all of them
 
     # rollout correction: old log-probs are recomputed and compared with the sampler's (equal in fp32)

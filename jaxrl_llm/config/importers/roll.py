@@ -57,14 +57,12 @@ TRAINING_ARGS = {"learning_rate": "optim.lr", "weight_decay": "optim.weight_deca
 ROLL_DEFAULTS = {"loss_agg_mode": "seq-mean-token-mean", "kl_loss_coef": 0.0, "init_kl_coef": 0.2,
                  "add_token_level_kl": False, "use_kl_loss": False, "entropy_loss_coef": 0.0, "lambd": 0.95,
                  "gamma": 1.0, "pg_clip": 0.2}
+SHAPING = ("max_len_mask", "reward_clip", "whiten_rewards", "whiten_advantages", "advantage_clip")
 IS_SET = lambda v: v not in (None, False, 0, 0.0, "", [], {}, "no_filter")  # noqa: E731
 ERRORS = {  # key -> why (an error when set to anything but its off value)
-    "whiten_advantages": "batch whitening of advantages is not available",
-    "whiten_rewards": "reward whitening is not available", "reward_clip": "reward clipping is not available",
-    "advantage_clip": "advantage clipping is not available", "use_reward_scaling": "reward scaling is not available",
+    "use_reward_scaling": "reward scaling is not available",
     "use_reward_norm": "reward normalisation is not available", "add_len_reward": "length rewards are not available",
-    "max_len_mask": "masking truncated responses is not available", "difficulty_mask": "difficulty masks are not "
-    "available", "error_max_len_clip": "length-based masks are not available",
+    "error_max_len_clip": "length-based masks of wrong answers are not available",
     "difficulty_loss_weight": "sample weights are not available", "length_loss_weight": "sample weights are not "
     "available", "postive_loss_coef": "an SFT loss on positive samples is not available",
     "use_topr_loss": "TOPR is not available", "use_topr_neg_loss_coef": "TOPR is not available",
@@ -138,15 +136,34 @@ def _batch(m: Mapper, src: Source) -> None:
 def _algorithm(m: Mapper, src: Source) -> None:
     estimator = src.take("adv_estimator", "gae")
     mean, std = src.take("norm_mean_type"), src.take("norm_std_type")
-    if estimator in ("gae", "grpo"):
+    if estimator == "gae":  # ours is veRL's, which whitens its advantages over the batch's response tokens
+        if not src.peek("whiten_advantages"):
+            m.error("adv_estimator", "'gae' without whiten_advantages: jaxrl_llm's gae (veRL's) always whitens "
+                                     "its advantages over the batch's response tokens; set whiten_advantages: true")
+        m.set("algorithm.adv_estimator", "gae", "adv_estimator")
+        src.take("whiten_advantages")
+    elif estimator == "grpo":
         m.set("algorithm.adv_estimator", estimator, "adv_estimator")
     elif estimator == "reinforce" and mean == "group" and std in ("group", None):
         m.set("algorithm.adv_estimator", "grpo", "adv_estimator")
         m.set("algorithm.norm_adv_by_std_in_grpo", std == "group", "norm_std_type")
+    elif estimator == "reinforce" and mean is None and std is None and src.peek("whiten_advantages"):
+        # discounted returns whitened over the batch's response tokens: REINFORCE++ (the estimator whitens)
+        m.set("algorithm.adv_estimator", "reinforce_plus_plus", "adv_estimator")
+        src.take("whiten_advantages")
     else:
         m.error("adv_estimator", f"{estimator!r} with norm_mean_type={mean!r}, norm_std_type={std!r}: jaxrl_llm "
                                  "has gae, grpo and reinforce with group mean (and optionally group std) "
                                  "normalisation (= grpo)")
+    for key in SHAPING:  # ROLL's shaping around the estimator: our keys of its names (losses/shaping.py)
+        value = src.take(key)
+        if value is not None:
+            m.set(f"algorithm.{key}", value, key)
+    low, high = src.take("difficulty_low_threshold", 0.0), src.take("difficulty_high_threshold", 1.0)
+    if src.take("difficulty_mask", False):
+        m.set("algorithm.difficulty_mask.enable", True, "difficulty_mask")
+        m.set("algorithm.difficulty_mask.low_threshold", low, "difficulty_low_threshold")
+        m.set("algorithm.difficulty_mask.high_threshold", high, "difficulty_high_threshold")
     for key, default in ROLL_DEFAULTS.items():
         if key in SIMPLE:
             m.set(SIMPLE[key], src.take(key, default), key)

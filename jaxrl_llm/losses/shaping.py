@@ -1,0 +1,75 @@
+"""Reward and advantage shaping around the estimator, as ROLL does it (`get_sample_level_mask`,
+`reward_postprocess` and `compute_advantage` in its roll/utils/functionals.py; docs/algorithms.md,
+"Shaping around the estimator"): sample-level masks, reward clipping, whitening of rewards or
+advantages over the step's response tokens, advantage clipping. Each clip also returns the fraction
+it clipped, for ROLL's metrics."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.losses.masked import masked_mean
+
+Array = jax.Array
+
+
+def whiten_tokens(x: Array, mask: Array) -> Array:
+    """`x` whitened over the batch's response tokens (masked mean, unbiased masked variance,
+    `(x - mean) * rsqrt(var + 1e-8)`), zero off the mask. Left as it is where the batch holds at
+    most one response token (ROLL skips whitening an empty mask)."""
+    mask = jnp.asarray(mask, jnp.float32)
+    n = jnp.sum(mask)
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask) * n / jnp.maximum(n - 1, 1.0)
+    whitened = (x - mean) * jax.lax.rsqrt(var + 1e-8)
+    return jnp.where(n > 1, whitened, x) * mask
+
+
+def clip_symmetric(x: Array, limit: float, counted: Array) -> tuple[Array, Array]:
+    """(`x` clamped to [-limit, limit], the fraction of the `counted` entries that were outside)."""
+    counted = jnp.asarray(counted, jnp.float32)
+    outside = (jnp.abs(x) > limit).astype(jnp.float32) * counted
+    return jnp.clip(x, -limit, limit), jnp.sum(outside) / jnp.maximum(jnp.sum(counted), 1.0)
+
+
+def clip_sequence_scores(token_level_scores: Array, response_mask: Array, limit: float) -> tuple[Array, Array]:
+    """Each response's score (its token scores' sum, placed on its last response token as the reward
+    manager places it) clamped to [-limit, limit]; the fraction of responses clipped."""
+    mask = jnp.asarray(response_mask, jnp.float32)
+    score = jnp.sum(token_level_scores * mask, axis=-1)
+    clipped, frac = clip_symmetric(score, limit, jnp.any(mask > 0, axis=-1))
+    width = mask.shape[1]
+    last = width - 1 - jnp.argmax(mask[:, ::-1] > 0, axis=-1)  # a multi-turn row's mask has holes
+    # the clipped amount comes off the last response token; the row's other token scores stay
+    moved = jnp.where(jnp.arange(width) == last[:, None], (clipped - score)[:, None], 0.0)
+    return token_level_scores + moved * mask, frac
+
+
+def sample_mask(scores: np.ndarray, response_lengths: np.ndarray, group_ids: np.ndarray, *,
+                max_response_length: int, max_len_mask: bool = False,
+                difficulty: tuple[float, float] | None = None) -> tuple[np.ndarray, dict[str, float]]:
+    """ROLL's sample-level masks (`get_sample_level_mask`), host side: 1.0 for each response the loss and
+    the advantages keep, 0.0 for one left out, and ROLL's metrics (each `*_ratio` the share kept).
+    `max_len_mask`: leave out responses that reached `max_response_length` tokens. `difficulty` (low,
+    high): keep only the prompts whose mean score over their samples lies strictly between the two.
+    Where every response would be left out, all are kept (as ROLL does)."""
+    rows = len(scores)
+    keep = np.ones(rows, np.float32)
+    metrics = {"actor/max_len_mask_ratio": 1.0, "actor/difficulty_mask_ratio": 1.0}
+    if max_len_mask:
+        kept = (np.asarray(response_lengths) != max_response_length).astype(np.float32)
+        keep *= kept
+        metrics["actor/max_len_mask_ratio"] = float(kept.mean())
+    if difficulty is not None:
+        low, high = difficulty
+        groups, index = np.unique(np.asarray(group_ids), return_inverse=True)
+        means = np.bincount(index, weights=scores, minlength=len(groups)) / np.bincount(index, minlength=len(groups))
+        kept = ((means[index] > low) & (means[index] < high)).astype(np.float32)
+        keep *= kept
+        metrics["actor/difficulty_mask_ratio"] = float(kept.mean())
+    if not keep.any():
+        keep[:] = 1.0
+    metrics.update({"actor/final_mask_ratio": float(keep.mean()), "actor/samples_used": float(keep.sum()),
+                    "actor/samples_total": float(rows)})
+    return keep, metrics
