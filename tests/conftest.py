@@ -7,15 +7,20 @@ import pathlib
 import tempfile
 
 import pytest  # imports no jax: the flags below still apply
+from compile_flags import TEST_XLA_FLAGS, UNOPTIMIZED  # tests/ is on the path (pyproject's pythonpath)
 
-# Compile speed over code speed, for the tests only (subprocesses that keep this XLA_FLAGS inherit them;
-# tests/tiny_runs.py's example runs reset it to run as a user does):
-# most of the suite's time is XLA:CPU compiling thousands of small distinct programs, not running them.
-# LLVM at -O0 and one codegen thread per compile (two pytest workers already fill the two cores) cut a
-# trainer file's compile time by half (tests/trainer/test_packing.py, cold cache: 136 s -> 80 s) while
-# the SmolLM2 files that mostly run code stay as fast (128 s -> 118 s). Neither changes the values a
-# program computes (no fast-math; the same HLO), only how well LLVM optimises it.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+# Compile speed over code speed, for the tests only: most of the suite's time is XLA:CPU compiling
+# thousands of small distinct programs, not running them. Three settings, each measured on
+# tests/trainer/test_packing.py with a cold cache (2 cores): LLVM at -O0 (jax's own
+# `jax_disable_most_optimizations`, so a test can turn it back off: 140 s -> 107 s), one codegen thread
+# per compile (two pytest workers already fill the two cores), and XLA:CPU's classic elemental emitters
+# instead of its MLIR fusion emitters, whose pipeline is the slow part of an -O0 compile (107 s -> 71 s;
+# it gains nothing at the default level). None changes what a program computes (no fast-math; the same
+# HLO), only how its code is generated. Tests that mostly run code (real SmolLM2 forwards, a 32k-token
+# decode) take the `optimized_xla` mark and compile at the default level (`pytest_runtest_setup` below).
+# Subprocesses that keep this environment inherit them; tests/tiny_runs.py's example runs reset them to
+# run as a user does.
+SUITE_UNOPTIMIZED = os.environ.setdefault(UNOPTIMIZED, "1")  # "0" in the environment: the default level throughout
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
 ).strip()
@@ -108,6 +113,20 @@ HEAVY_FIRST = (
     "tests/sampler/test_sampler_hf_parity.py",
     "tests/trainer/test_moe_multi_turn_replay.py",
 )
+
+
+def _set_unoptimized(value: str) -> None:
+    """The suite's compile level for what compiles next, in this process and the subprocesses it starts."""
+    import jax
+
+    os.environ[UNOPTIMIZED] = value
+    jax.config.update("jax_disable_most_optimizations", value == "1")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before the test's fixtures: a module-scoped fixture of a marked file (a loaded SmolLM2) compiles optimised
+    _set_unoptimized("0" if item.get_closest_marker("optimized_xla") else SUITE_UNOPTIMIZED)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -44,7 +44,8 @@ def train_example(run_dir: pathlib.Path, config: str, *overrides: str, timeout: 
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one device, as `python launch/train.py`
+    # one device and XLA's default optimisation, as `python launch/train.py` runs (tests/conftest.py)
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
     cmd = [sys.executable, "launch/train.py", f"--config={config}", f"--config.trainer.default_local_dir={run_dir}",
            *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import yaml
+from compile_flags import cpu_devices_flags
 
 from jaxrl_llm.config import ConfigError, apply_overrides, default_config, validate_config
 from jaxrl_llm.config.importers import (
@@ -546,7 +547,7 @@ def test_detect_format(home):
 
 
 def run_train(*args, home):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(8), JAX_PLATFORMS="cpu",
                HOME=str(home), PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)

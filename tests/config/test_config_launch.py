@@ -6,12 +6,13 @@ import subprocess
 import sys
 
 import yaml
+from compile_flags import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run(*args):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(8), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -112,7 +113,7 @@ def test_dry_run_of_a_verl_script_prints_the_tree_then_the_missing_file(tmp_path
     """A veRL example script as it ships: read (not run), resolved on the default tree; a missing data
     file does not hide the resolved tree, it is the last line and the exit status is 1."""
     script = ROOT / "tests" / "config" / "peers" / "verl" / "examples" / "grpo_trainer" / "run_qwen2-7b_math.sh"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_devices_flags(8), JAX_PLATFORMS="cpu",
                HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), f"--import_config={script}",
                            "--dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -34,6 +34,7 @@ def outputs_of(cell) -> tuple[str, list[bytes]]:
     return "".join(text), images
 
 
+@pytest.mark.optimized_xla  # the kernel inherits the environment: SmolLM2 steps compiled as a user's are
 def test_quickstart_notebook_runs(tmp_path, monkeypatch, smollm2_gguf):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

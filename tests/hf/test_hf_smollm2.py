@@ -12,6 +12,7 @@ from jaxrl_llm.models import compute_logits, greedy_generate
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.optimized_xla  # real SmolLM2 forwards: running, not compiling
 def test_smollm2_gguf_parity_tokenizer_and_export(smollm2_gguf, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

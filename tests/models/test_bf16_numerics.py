@@ -91,6 +91,7 @@ QA = [("What is the capital of France?", "The capital of France is Paris, a city
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_xla  # real SmolLM2 forwards: running, not compiling
 def test_smollm2_bf16_scoring_close_to_fp32(smollm2_gguf):
     """The trainer's bf16 scoring of real answers against its fp32 scoring: the policy halves the
     bf16 error (mean |Δ logp| 0.025 -> 0.012 measured on these 46 tokens)."""

@@ -344,7 +344,7 @@ def test_longest_response_per_program_is_the_last_length_that_fits(tmp_path):
     overrides = {**SMALL, "actor_rollout_ref.model.tiny.max_position_embeddings": 4096 + 64,
                  "trainer.device_memory_gb": 0.12, "actor_rollout_ref.actor.remat_policy": "none"}
     cfg = validate_config(tiny_config(tmp_path / "run", **overrides), num_devices=8)
-    report = longest_sequences(cfg, step=512, max_tokens=4096)
+    report = longest_sequences(cfg, step=1024, max_tokens=4096)  # a bisection over 4 lengths: 2 plans
     rows = {r.program: r for r in report.rows}
     assert set(rows) >= {"sample", "update_actor"} and report.prompt_tokens == 64
     assert rows["update_actor"].bound == "memory" and 0 < rows["update_actor"].response_tokens < 4096
@@ -359,10 +359,10 @@ def test_longest_response_per_program_is_the_last_length_that_fits(tmp_path):
         return plan.program("update_actor").fits(plan.device_memory)
 
     longest = rows["update_actor"].response_tokens
-    assert fits(longest) and not fits(longest + 512)
+    assert fits(longest) and not fits(longest + 1024)
     assert not any(tmp_path.iterdir())  # nothing written
     # context parallelism: each sequence's tokens over 4 devices, so the update fits a longer response
     split = validate_config(tiny_config(tmp_path / "run", **overrides, **{"mesh.context": 4}), num_devices=8)
-    report = longest_sequences(split, step=512, max_tokens=4096)
+    report = longest_sequences(split, step=1024, max_tokens=4096)
     assert report.context_parallel == 4 and "context-parallel size 4" in report.table()
     assert {r.program: r for r in report.rows}["update_actor"].response_tokens > longest

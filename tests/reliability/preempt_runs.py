@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import portpicker
+from compile_flags import UNOPTIMIZED, cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launch" / "train.py"
@@ -62,7 +63,7 @@ def base_env(session: pathlib.Path, devices: int = 1) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update({
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": cpu_devices_flags(devices), UNOPTIMIZED: "1",  # compiled as the suite compiles
         "JAX_COMPILATION_CACHE_DIR": str(session / "jax_cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",

@@ -56,6 +56,7 @@ def test_engine_options_chunk_is_the_largest_power_of_two_of_the_token_budget():
     assert resolve_rollout_engine(cfg.actor_rollout_ref.rollout).prefill_chunk == 512
 
 
+@pytest.mark.optimized_xla  # 65k decode steps of a tiny model: running, not compiling, is its time
 def test_a_32k_token_response_waits_for_pages_and_scores_like_the_trainer():
     new = 32768
     cfg = ModelConfig.tiny("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,

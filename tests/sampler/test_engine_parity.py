@@ -38,6 +38,7 @@ def test_engine_greedy_matches_transformers(case, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_xla  # real SmolLM2 forwards: running, not compiling
 def test_smollm2_engine_greedy_matches_transformers(smollm2_greedy):
     case = smollm2_greedy
     settings, knobs = SamplingParams(max_new_tokens=case.new_tokens, do_sample=False).compile_args(

@@ -37,6 +37,7 @@ def test_greedy_matches_transformers(case, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_xla  # real SmolLM2 forwards: running, not compiling
 def test_smollm2_greedy_matches_transformers(smollm2_greedy):
     case = smollm2_greedy
     ids, mask = left_pad(case.prompts, case.pad_id)  # ours: padded to the sampler's length bucket
