@@ -166,11 +166,11 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
     reward whitening, the estimator, the grpo score's clip, advantage whitening, advantage clip)."""
     out: dict[str, Array] = {}
     rewards = token_level_scores
-    clip_score_first = s.reward_clip is not None and s.adv_estimator != "grpo"  # grpo clips its normalised score
-    if clip_score_first:
+    clip_score_first = s.adv_estimator != "grpo"  # grpo clips its normalised score, after the estimator
+    if s.reward_clip is not None and clip_score_first:
         rewards, out["critic/reward_clip_frac"] = clip_sequence_scores(rewards, response_mask, s.reward_clip)
     if s.use_kl_in_reward:
-        rewards, current_kl = kl_in_reward(token_level_scores, old_log_probs,
+        rewards, current_kl = kl_in_reward(rewards, old_log_probs,
                                            required(ref_log_probs, "ref_log_probs", "algorithm.use_kl_in_reward"),
                                            response_mask,
                                            kl_coef, s.kl_penalty)
