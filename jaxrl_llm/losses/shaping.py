@@ -9,21 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.losses.masked import masked_mean
+from jaxrl_llm.losses.masked import masked_whiten
 
 Array = jax.Array
 
 
+@jax.jit  # traced, masked_whiten yields NaN (not an error) for <= 1 token, which the `where` drops
 def whiten_tokens(x: Array, mask: Array) -> Array:
-    """`x` whitened over the batch's response tokens (masked mean, unbiased masked variance,
-    `(x - mean) * rsqrt(var + 1e-8)`), zero off the mask. Left as it is where the batch holds at
-    most one response token (ROLL skips whitening an empty mask)."""
+    """`x` whitened over the batch's response tokens (losses/masked.py `masked_whiten`), zero off the
+    mask. Left as it is where the batch holds at most one response token (ROLL skips whitening an
+    empty mask)."""
     mask = jnp.asarray(mask, jnp.float32)
-    n = jnp.sum(mask)
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask) * n / jnp.maximum(n - 1, 1.0)
-    whitened = (x - mean) * jax.lax.rsqrt(var + 1e-8)
-    return jnp.where(n > 1, whitened, x) * mask
+    return jnp.where(jnp.sum(mask) > 1, masked_whiten(x, mask), x) * mask
 
 
 def clip_symmetric(x: Array, limit: float, counted: Array) -> tuple[Array, Array]:
