@@ -60,6 +60,7 @@ from jaxrl_llm.planning.programs import (
 )
 from jaxrl_llm.planning.roofline import Cost, Roofline, compiled_cost, roofline
 from jaxrl_llm.platform.chips import Chip, chip_for
+from jaxrl_llm.platform.lowering import kernel_calls
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, planning_in_use, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
 from jaxrl_llm.sharding.mesh import mesh_context, slice_of
@@ -94,6 +95,9 @@ class ProgramMemory:
     counted: Cost | None = None  # the compiled program's own counts (each loop body once), when it compiled
     cost: Cost | None = None  # the whole program per device, every layer and loop trip (`Planner.costed`)
     model_flops: float | None = None  # FLOPs of the model math it runs, no recompute (updates: the MFU numerator)
+    # our Pallas kernels' custom calls in the compiled program, (call target, count), on a TPU or GPU target:
+    # where a kernel should serve and none is listed, XLA's own formulation runs instead
+    kernels: tuple[tuple[str, int], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -205,6 +209,10 @@ class MemoryPlan:
             lines.append(f"auto: {self.batch_plan.micro_of(name).key}={size}")
         for key in self.levers:
             lines.append(f"auto: {key} (trainer.memory_levers: the step did not fit without it)")
+        calls = [f"{p.name} {', '.join(f'{t} x{n}' for t, n in p.kernels) or 'none'}" for p in self.programs
+                 if p.note is None and self.chip is not None]
+        if calls:
+            lines.append("kernels (Pallas calls compiled in): " + "; ".join(calls))
         for p in self.programs:
             if p.note:
                 lines.append(f"* {p.name}: {p.note} (temps: what it asked for)")
@@ -269,7 +277,9 @@ class Planner:
         self._fingerprint = (repr((spec.model, spec.actor, spec.actor_optim, spec.ref, spec.train_sampling, spec.critic,
                                    spec.critic_model, spec.critic_optim, spec.advantage, spec.rollout_correction,
                                    spec.sync, spec.rollout_engine, spec.distillation, _without_micro(spec.plan))),
-                             tuple(dict(mesh.shape).items()), tuple(d.id for d in mesh.devices.flat))
+                             tuple(dict(mesh.shape).items()),
+                             # the devices' kind too: a v5e and a v6e slice number their chips alike
+                             tuple((d.platform, d.device_kind, d.id, slice_of(d)) for d in mesh.devices.flat))
 
     def analyse(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         micro = None if program.micro_pass is None else plan.micro_of(program.micro_pass)
@@ -317,8 +327,13 @@ class Planner:
             alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
             code_bytes=int(mem.generated_code_size_in_bytes), resident_bytes=resident, params_bytes=params,
             opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
-            counted=compiled_cost(compiled))
+            counted=compiled_cost(compiled), kernels=self._kernels(compiled))
         return out
+
+    def _kernels(self, compiled: Any) -> tuple[tuple[str, int], ...]:
+        """Our kernels' custom calls in `compiled` (none on a CPU, where the kernels are not used)."""
+        platform = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}.get(self.mesh.devices.flat[0].platform)
+        return () if platform is None else tuple(sorted(kernel_calls(compiled.as_text(), platform).items()))
 
     def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         """`analyse`'s row with the program's whole cost (planning/roofline.py): the compiled counts with one

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from compile_flags import cpu_devices_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,8 @@ SECTIONS = ("env", "kernels", "step", "tests", "decode", "cascade", "profile")
 def kit(tmp_path_factory) -> tuple[pathlib.Path, str]:
     """`bench/device_check.py --tiny` over every section once: (its output folder, its stdout)."""
     out = tmp_path_factory.mktemp("device_kit")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # one device, as the lent GPU is (the suite's process has 8)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_devices_flags(1))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--tiny", "--out", str(out),
                            "--sections", ",".join(SECTIONS), "--budget_s", "3900"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=4000)
