@@ -22,3 +22,6 @@ DType = DTypeLike
 # Where each leaf of an `ArrayTree` lives: the same tree with a `jax.sharding.Sharding` per leaf
 # (parameter and optimizer-state shardings, what `jit`'s in/out_shardings take).
 ShardingTree = Any
+# The logical axis names of each parameter: the params' tree with a tuple of names (or None) per leaf
+# (models/param_init.py), what sharding/rules.py maps onto mesh axes.
+LogicalAxesTree = Any

@@ -131,7 +131,7 @@ class NonFiniteGuard:
 
 
 @jax.jit
-def _leaf_nonfinite(tree: ArrayTree) -> Any:
+def _leaf_nonfinite(tree: ArrayTree) -> ArrayTree:
     def bad(x: Array) -> Array:
         if not jnp.issubdtype(x.dtype, jnp.inexact):
             return jnp.bool_(False)

@@ -12,7 +12,6 @@ import copy
 import importlib.util
 import os
 import string
-from typing import Any
 
 import ml_collections
 
@@ -30,7 +29,7 @@ ARR = "actor_rollout_ref"
 ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
 
 
-def _require(ok: bool, key: str, cfg: Any, why: str) -> None:
+def _require(ok: bool, key: str, cfg: ml_collections.ConfigDict, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={get_path(cfg, key)!r}: {why}")
 

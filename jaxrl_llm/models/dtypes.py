@@ -43,7 +43,7 @@ def as_jnp_dtype(name_or_dtype: DType, *, allowed: Sequence[str] | None = None, 
     return jnp.dtype(DTYPES[dtype_name(name_or_dtype, allowed=allowed, what=what)])
 
 
-def matmul_weights_in(params: Params, dtype: DType) -> Any:
+def matmul_weights_in(params: Params, dtype: DType) -> Params:
     """`params` with every floating leaf of 2 or more dims (projections, embeddings, lm head) in
     `dtype`; 1-D leaves (norm scales) as they are. Decoding reads every weight once per token: a
     copy in the compute dtype made once per rollout replaces a cast of the fp32 master weights at

@@ -40,11 +40,11 @@ samplers, the memory plan and `jrl` models). Without one, the experts run as one
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import DType
@@ -59,7 +59,7 @@ Array = jax.Array
 EXPERT_AXIS = "expert"
 
 
-def _manual_spec(matrix: Array, name: str, mesh: Any, manual: tuple[str, ...], ways: int
+def _manual_spec(matrix: Array, name: str, mesh: Mesh | AbstractMesh, manual: tuple[str, ...], ways: int
                  ) -> tuple[P, dict[int, tuple]]:
     """The sharding rules' spec of one expert matrix reduced to the shard_map's manual axes, and the
     dims after the expert dim that those axes split (all-gathered in the body before use, `tensor`
@@ -72,7 +72,7 @@ def _manual_spec(matrix: Array, name: str, mesh: Any, manual: tuple[str, ...], w
     return P(*(d[0] if len(d) == 1 else (d or None) for d in dims)), {i: d for i, d in enumerate(dims) if i and d}
 
 
-def expert_ways(cfg: ModelConfig, mesh: Any = None) -> int:
+def expert_ways(cfg: ModelConfig, mesh: Mesh | AbstractMesh | None = None) -> int:
     """How many ways the experts are split: the `expert` size of `mesh` (default: the context mesh),
     1 without one or when it does not divide num_experts (the weights then stay replicated over it)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -308,7 +308,7 @@ def init_backbone(cfg: ModelConfig, rng: Array, dtype: DType = jnp.float32) -> d
     return params
 
 
-def _plain(tree: ArrayTree) -> Any:
+def _plain(tree: ArrayTree) -> ArrayTree:
     if hasattr(tree, "items"):
         return {k: _plain(v) for k, v in tree.items()}
     return tree

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+
+from ml_collections import ConfigDict
 
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.config.schema import ConfigError
@@ -61,7 +62,7 @@ def _one_sequence_per_device(plan: BatchPlan) -> BatchPlan:
     return plan
 
 
-def longest_sequences(cfg: Any, *, topology: str | None = None, num_slices: int | None = None,
+def longest_sequences(cfg: ConfigDict, *, topology: str | None = None, num_slices: int | None = None,
                       step: int = 1024, max_tokens: int = 1 << 20) -> LongestReport:
     """The longest response each program of `cfg`'s step fits per device (see the module docstring).
     `cfg`: a validated config. Needs a device memory: the device's own (GPU / TPU), the TPU target's

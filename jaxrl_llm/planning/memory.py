@@ -44,8 +44,9 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from ml_collections import ConfigDict
 
-from jaxrl_llm.batching.batch_plan import BatchPlan
+from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
@@ -294,7 +295,7 @@ class Planner:
                  "-" if out.micro is None else out.micro, time.perf_counter() - start)
         return out
 
-    def _analyse(self, program: Program, plan: BatchPlan, micro: Any) -> ProgramMemory:
+    def _analyse(self, program: Program, plan: BatchPlan, micro: MicroBatching | None) -> ProgramMemory:
         lowered = program.lower(plan)
         resident = sum(b for s, b in self.state_bytes.items() if s not in program.state_args) + program.held_bytes
         # as arguments the states are on device, an offloaded reference included
@@ -330,10 +331,10 @@ class Planner:
             counted=compiled_cost(compiled), kernels=self._kernels(compiled))
         return out
 
-    def _kernels(self, compiled: Any) -> tuple[tuple[str, int], ...]:
+    def _kernels(self, compiled: jax.stages.Compiled) -> tuple[tuple[str, int], ...]:
         """Our kernels' custom calls in `compiled` (none on a CPU, where the kernels are not used)."""
         platform = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}.get(self.mesh.devices.flat[0].platform)
-        return () if platform is None else tuple(sorted(kernel_calls(compiled.as_text(), platform).items()))
+        return () if platform is None else tuple(sorted(kernel_calls(compiled.as_text() or "", platform).items()))
 
     def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         """`analyse`'s row with the program's whole cost (planning/roofline.py): the compiled counts with one
@@ -420,13 +421,13 @@ def exhausted_bytes(err: BaseException) -> int | None:
     return int(float(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}[match.group(2)])
 
 
-def _flops(stage: Any) -> float:
+def _flops(stage: jax.stages.Lowered | jax.stages.Compiled) -> float:
     cost = stage.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
     return float((cost or {}).get("flops", 0.0))
 
 
-def layer_flops(program: Program, plan: BatchPlan, lowered: Any, devices: int) -> float:
+def layer_flops(program: Program, plan: BatchPlan, lowered: jax.stages.Lowered, devices: int) -> float:
     """One layer's FLOPs per device in one trip of the program's loops (forward, and backward in an update).
 
     The layers run under a scan whose body XLA's cost analysis counts once, so the compiled count
@@ -475,7 +476,7 @@ def planning_context(mesh: Mesh, target: TpuTarget | None) -> contextlib.ExitSta
     return stack
 
 
-def planning_setup(cfg: Any, topology: str | None = None, num_slices: int | None = None
+def planning_setup(cfg: ConfigDict, topology: str | None = None, num_slices: int | None = None
                    ) -> tuple[TpuTarget | None, Mesh, Tokenizer]:
     """(the TPU slice `topology` names, default `trainer.plan_topology`, or None; the run's mesh over it or
     the local devices; the run's tokenizer) of a validated config, as a plan of it compiles."""
@@ -561,7 +562,7 @@ def hosts_lines(mesh: Mesh, plan: BatchPlan, rows: tuple[ProgramMemory, ...]) ->
             f"that: all of it where the state is split, less where replicated); {between}",)
 
 
-def plan_for_config(cfg: Any, topology: str | None = None, num_slices: int | None = None, *,
+def plan_for_config(cfg: ConfigDict, topology: str | None = None, num_slices: int | None = None, *,
                     check: bool = True, costs: bool = True) -> MemoryPlan:
     """The memory plan of a validated config, without loading any weight or writing anything: on the
     local devices, or compiled for the TPU slice `topology` (default: `trainer.plan_topology`), with

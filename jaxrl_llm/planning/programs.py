@@ -162,7 +162,7 @@ def head_cost(cfg: ModelConfig, tokens: float, passes: int, dtype: str) -> Cost:
                 hbm_bytes=passes * blocks * unembedding * jnp.dtype(compute_dtype_of(dtype)).itemsize)
 
 
-def _lower(jitted: Any, platforms: tuple[str, ...] | None, *args: Any, **kwargs: Any) -> Any:
+def _lower(jitted: Any, platforms: tuple[str, ...] | None, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """`jitted.lower(*args, **kwargs)`, for `platforms` when given (the kernels of those platforms are
     then lowered: Pallas -> Triton for "cuda" runs on any host)."""
     if platforms is None:
@@ -259,7 +259,7 @@ def sample_program(ctx: Context) -> Program:
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
     prefill_experts = uncounted_expert_flops(cfg, rows * width, _layout_tokens(ctx, rows, width)) / mesh.size
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         ids = ctx.rows(prompts, width, jnp.int32)
         return _lower(sampler_core.sample_program, platforms, ctx.policy_params(), _unrolled(cfg, unroll), ids, ids,
                       jax.random.PRNGKey(0), knobs, settings=settings, mesh=mesh)
@@ -328,7 +328,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
                                                   jax.ShapeDtypeStruct(groups[:1], jnp.int32))
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None, pool_pages: int = 0) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None,
+              pool_pages: int = 0) -> jax.stages.Lowered:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         pages = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], pool_pages, *x.shape[3:]), x.dtype,  # noqa: E731
                                                sharding=x.sharding)
@@ -393,7 +394,7 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
     def micro_rows(plan: BatchPlan) -> int:
         return plan.forward_micro_rows(plan.micro_of(micro_pass), n, t)
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
         return _lower(fn, platforms, params, ids, ids, mask, model_cfg=_unrolled(model.cfg, unroll),
@@ -516,7 +517,7 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
     def split(plan: BatchPlan) -> tuple[int, int]:
         return plan.update_split(getattr(plan, role), n, t)
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> Any:
+    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         num_mini, num_micro = split(plan)
         fn = jit_update(update_fn(unroll), ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
                         jax.tree.map(lambda x: x.sharding, opt),

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
 
+import jax
 import numpy as np
 
 from jaxrl_llm.platform.chips import Chip
@@ -101,13 +101,13 @@ def link_bytes_of(hlo_text: str) -> float:
     return total
 
 
-def compiled_cost(compiled: Any) -> Cost:
+def compiled_cost(compiled: jax.stages.Compiled) -> Cost:
     """A compiled program's own counts (loop bodies once)."""
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis  # older jax: one per computation
     analysis = analysis or {}
     return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-                link_bytes_of(compiled.as_text()))
+                link_bytes_of(compiled.as_text() or ""))
 
 
 @dataclasses.dataclass(frozen=True)

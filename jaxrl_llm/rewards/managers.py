@@ -41,6 +41,7 @@ import os
 import signal
 import threading
 import time
+import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -87,7 +88,7 @@ def _deadline(seconds: float | None) -> Iterator[None]:
             yield
         return
 
-    def on_alarm(signum: int, frame: Any) -> None:
+    def on_alarm(signum: int, frame: types.FrameType | None) -> None:
         raise _CallTimeout()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)

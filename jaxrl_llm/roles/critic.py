@@ -6,10 +6,10 @@ the critic's causal-LM checkpoint with a fresh head. Its loss is veRL's clipped 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import optax
+from jax.sharding import NamedSharding
 
 from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.batching import UpdateLayout
@@ -41,7 +41,7 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
 def update_critic(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
                   packing: UpdateLayout | None = None,
                   *, model_cfg: ModelConfig, s: CriticSpec, tx: optax.GradientTransformation,
-                  num_mini_batches: int, num_micro_batches: int, rows_sharding: Any = None):
+                  num_mini_batches: int, num_micro_batches: int, rows_sharding: NamedSharding | None = None):
     loss_fn = functools.partial(critic_loss, model_cfg=model_cfg, s=s)
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="critic",

@@ -65,8 +65,8 @@ def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
         del params
         return optax.EmptyState()
 
-    def update(updates: Any, state: optax.EmptyState, params: Params | None = None, *, learning_rate: Any,
-               **extra: Any) -> tuple[Any, optax.EmptyState]:
+    def update(updates: ArrayTree, state: optax.EmptyState, params: Params | None = None, *,
+               learning_rate: jax.Array | float, **extra: Any) -> tuple[ArrayTree, optax.EmptyState]:
         del params, extra
         # the same product optax's own scale_by_learning_rate forms: (-lr cast to the dtype) * u
         return jax.tree.map(lambda u: jnp.asarray(-learning_rate, u.dtype) * u, updates), state
@@ -82,13 +82,13 @@ def scale_by_adam_stored_as(dtype: DType, **adam: Any) -> optax.GradientTransfor
     moments with an 8-bit mantissa (optax's `mu_dtype` alone covers mu, not nu)."""
     inner = optax.scale_by_adam(**adam)
 
-    def stored(state: ArrayTree, to: Any) -> Any:
+    def stored(state: ArrayTree, to: DType) -> ArrayTree:
         return state._replace(mu=optax.tree.cast(state.mu, to), nu=optax.tree.cast(state.nu, to))
 
-    def init(params: Params) -> Any:
+    def init(params: Params) -> ArrayTree:
         return stored(inner.init(params), dtype)
 
-    def update(updates: Any, state: ArrayTree, params: Params | None = None) -> tuple[Any, Any]:
+    def update(updates: ArrayTree, state: ArrayTree, params: Params | None = None) -> tuple[ArrayTree, ArrayTree]:
         updates, new_state = inner.update(updates, stored(state, jnp.float32), params)
         return updates, stored(new_state, dtype)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +86,7 @@ def is_offloaded(params: Params) -> bool:
     return any(getattr(x.sharding, "memory_kind", None) == HOST for x in jax.tree.leaves(params))
 
 
-def reference_on_device(params: Params) -> Any:
+def reference_on_device(params: Params) -> Params:
     """`params` in device memory: themselves, or a device copy of offloaded (pinned host) arrays."""
     if not is_offloaded(params):
         return params
@@ -95,7 +94,7 @@ def reference_on_device(params: Params) -> Any:
     return jax.device_put(params, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), params))
 
 
-def to_host(tree: ArrayTree) -> Any:
+def to_host(tree: ArrayTree) -> ArrayTree:
     """`tree` moved to pinned host memory, on the same shardings (the device buffers are freed when
     nothing else holds them)."""
     return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(HOST), tree))

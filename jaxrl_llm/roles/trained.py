@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, Sharding
 
 from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.arrays import ArrayTree, DType, ShardingTree
@@ -108,7 +108,7 @@ class TrainedRole:
         return sum(int(x.size) for x in jax.tree.leaves(self.params))
 
     def update(self, batch: Any, rng: jax.Array, *, lr_step: int, num_mini_batches: int, num_micro_batches: int,
-               rows_sharding: Any, packing: Any = None) -> dict[str, jax.Array]:
+               rows_sharding: Sharding | None, packing: Any = None) -> dict[str, jax.Array]:
         """Runs the role's update over `batch` in place; returns its (device) metrics.
 
         lr_step: how many RL steps this role has been updated before (veRL steps its LR scheduler

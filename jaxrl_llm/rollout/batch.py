@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -77,13 +78,15 @@ def rows_meta(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.nd
     are the prompt index of each row."""
     return {k: v[rows] for k, v in batch.items() if k in ROLLOUT_META_KEYS}
 
+T = TypeVar("T")  # what `broadcast_from_main` hands every process
+
 
 def response_bucket(longest: int, limit: int) -> int:
     """Power of two >= longest (min 8), capped at the configured response length."""
     return min(limit, max(_MIN_RESPONSE_BUCKET, next_power_of_two(longest)))
 
 
-def broadcast_from_main(compute: Any) -> Any:
+def broadcast_from_main(compute: Callable[[], T]) -> T:
     """`compute()` run on process 0 only, its result (any picklable object) returned on every
     process; an exception raised there is raised on every process (none waits forever)."""
     if jax.process_count() == 1:

@@ -159,7 +159,7 @@ def _rows(batch: dict[str, np.ndarray]) -> list[dict]:
 
 
 def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams,
-                        rng: jax.Array) -> Any:
+                        rng: jax.Array) -> Rollout:
     """The multi-turn counterpart of `RolloutGenerator.generate` (`gen`): a scored `Rollout`."""
     mt: MultiTurn = gen.multi_turn
     cfg, mesh, tokenizer = gen.model_cfg, gen.mesh, gen.tokenizer

@@ -58,7 +58,7 @@ class Prepared:
     rollout: Rollout
     metrics: dict[str, float]
     version: int  # the actor step whose weights generated the rollout
-    loader_state: Any  # the data loader's state before this job read its batch (checkpoints resume here)
+    loader_state: dict[str, Any]  # the data loader's state before this job read its batch (checkpoints resume here)
     gen_s: float  # the job's own wall time (sampling + scoring + loading)
 
 
@@ -196,7 +196,7 @@ class RolloutPipeline:
         self._launched.clear()
 
     # ------------------------------------------------------------------ checkpoints, shutdown
-    def loader_state(self, next_step: int) -> Any:
+    def loader_state(self, next_step: int) -> dict[str, Any]:
         """The data loader's state to checkpoint after `next_step - 1`: before the batch of the first
         step not yet trained, so a resume generates the in-flight batches again."""
         entry = self._pending.get(next_step)

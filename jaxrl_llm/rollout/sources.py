@@ -44,7 +44,7 @@ class RolloutSource(Protocol):
         current params, as the source's own steps are (group filter, partial rollouts)."""
         ...
 
-    def loader_state(self, next_step: int) -> Any:
+    def loader_state(self, next_step: int) -> dict[str, Any]:
         """The data loader's state a checkpoint after `next_step - 1` saves."""
         ...
 
@@ -87,7 +87,7 @@ class SynchronousSource:
     def sample(self, batch: dict, rng: jax.Array) -> tuple[Rollout, dict[str, float]]:
         return self.generate(batch, self.policy.sampling(), rng, False)
 
-    def loader_state(self, next_step: int) -> Any:
+    def loader_state(self, next_step: int) -> dict[str, Any]:
         return self.loader.get_state()
 
     def checkpoint_weights(self, next_step: int) -> tuple[dict, dict | None]:

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.sampler.core import sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, eos_ids_of, left_pad
@@ -65,7 +66,7 @@ def prompts_to_ids(prompts: Any, tokenizer: Tokenizer | None = None) -> list[lis
     return out
 
 
-def _special_ids(cfg: Any, tokenizer: Tokenizer | None) -> tuple[list[int], int]:
+def _special_ids(cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[list[int], int]:
     eos = list(eos_ids_of(cfg, tokenizer))
     pad = cfg.pad_token_id
     if pad is None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from jaxrl_llm.arrays import HostOrDevice
 from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.sampler.core import FINISH_REASONS
 from jaxrl_llm.shapes import next_power_of_two
 
@@ -58,7 +58,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, *, length: int | Non
     return ids, mask
 
 
-def eos_ids_of(cfg: Any, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+def eos_ids_of(cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """What a generation stops at: the model's EOS ids (`ModelConfig.eos_token_ids`), and the
     tokenizer's when it names another one."""
     eos = list(cfg.eos_token_ids)

@@ -26,8 +26,6 @@ int8 pools carry fp32 scales beside the pages; `scale_pair` checks the K and V s
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,14 +45,14 @@ def storage_head_dim(head_dim: int) -> int:
     return head_dim
 
 
-def storage_dtype(dtype: DType) -> Any:
+def storage_dtype(dtype: DType) -> DType:
     """The dtype a pool of `dtype` values is stored in on this backend."""
     if jnp.dtype(dtype) == jnp.bfloat16 and target_platform() == "cpu":
         return BITS
     return dtype
 
 
-def to_storage(x: Array, storage: Any) -> Array:
+def to_storage(x: Array, storage: DType) -> Array:
     """Values (any float dtype) as a pool of dtype `storage` holds them."""
     if jnp.dtype(storage) == BITS:
         return lax.bitcast_convert_type(x.astype(jnp.bfloat16), BITS)

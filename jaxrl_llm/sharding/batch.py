@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.sharding.mesh import BATCH_AXES, batch_axis_size, mesh_axis_sizes
 
 BatchTree = TypeVar("BatchTree")  # a pytree of arrays, returned with the same structure
@@ -60,7 +61,7 @@ def _local_batch_shards(mesh: Mesh, global_rows: int) -> list[tuple[int, int]]:
                    for idx in index_map.values() if idx is not None})
 
 
-def host_local_to_global(batch: Any, mesh: Mesh) -> Any:
+def host_local_to_global(batch: ArrayTree, mesh: Mesh) -> ArrayTree:
     """Multi-host: turns this process's rows of every array in `batch` into global jax.Arrays.
 
     Each process passes the rows `process_slice(global_batch_size, mesh)` selects; the global
@@ -107,7 +108,7 @@ def process_slice(global_batch_size: int, mesh: Mesh | None = None) -> slice:
     return slice(start, stop)
 
 
-def to_device(arrays: Any, mesh: Mesh) -> Any:
+def to_device(arrays: ArrayTree, mesh: Mesh) -> ArrayTree:
     """Global batch-sharded arrays from host arrays that hold the whole batch on every process
     (each process contributes the rows its devices hold)."""
     if jax.process_count() == 1:
@@ -117,7 +118,7 @@ def to_device(arrays: Any, mesh: Mesh) -> Any:
     return host_local_to_global(jax.tree.map(lambda x: np.asarray(x)[local], arrays), mesh)
 
 
-def to_device_if_rows_split(arrays: Any, mesh: Mesh) -> Any:
+def to_device_if_rows_split(arrays: ArrayTree, mesh: Mesh) -> ArrayTree:
     """`to_device` when the rows split over the mesh's batch axes (a training batch), else plain
     device arrays (a short validation batch that the batch axes do not divide)."""
     rows = np.shape(jax.tree.leaves(arrays)[0])[0]
@@ -126,7 +127,7 @@ def to_device_if_rows_split(arrays: Any, mesh: Mesh) -> Any:
     return to_device(arrays, mesh)
 
 
-def to_host(x: Any) -> Any:
+def to_host(x: ArrayTree) -> ArrayTree:  # numpy leaves
     """The full value of (a pytree of) global arrays as numpy, on every process."""
     if jax.process_count() == 1:
         return jax.device_get(x)

@@ -14,7 +14,7 @@ from typing import Any, Union
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.arrays import Params
+from jaxrl_llm.arrays import ArrayTree, LogicalAxesTree, Params, ShardingTree
 from jaxrl_llm.sharding.mesh import mesh_axis_sizes
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,8 @@ def _path_str(path: tuple) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
-def logical_to_sharding(logical_axes_tree: Any, shapes_tree: Any, mesh: Mesh,
-                        rules: Rules | None = None) -> Any:
+def logical_to_sharding(logical_axes_tree: LogicalAxesTree, shapes_tree: ArrayTree, mesh: Mesh,
+                        rules: Rules | None = None) -> ShardingTree:
     """NamedSharding tree for `shapes_tree` (arrays or ShapeDtypeStructs) with logical names from
     `logical_axes_tree` (same structure; leaves are tuples / PartitionSpecs of names, or None)."""
 
@@ -142,7 +142,7 @@ def logical_to_sharding(logical_axes_tree: Any, shapes_tree: Any, mesh: Mesh,
         raise ValueError(f"logical axes tree does not match the param tree: {err}") from err
 
 
-def shard_params(params: Params, logical_axes: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+def shard_params(params: Params, logical_axes: LogicalAxesTree, mesh: Mesh, rules: Rules | None = None) -> Params:
     """Places `params` (host arrays or arrays already on devices) with their logical shardings."""
     return jax.device_put(params, logical_to_sharding(logical_axes, params, mesh, rules))
 

@@ -77,7 +77,7 @@ def _spec_on(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partiti
     return PartitionSpec(*out)
 
 
-def shardings_on(tree: ArrayTree, mesh: Mesh) -> Any:
+def shardings_on(tree: ArrayTree, mesh: Mesh) -> ShardingTree:
     """A NamedSharding on `mesh` per array of `tree`, with each array's own PartitionSpec."""
     def one(x: jax.Array) -> NamedSharding:
         spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
@@ -130,6 +130,6 @@ def _transfer_across_processes(x: jax.Array, target: jax.sharding.Sharding) -> j
     return jax.make_array_from_callback(x.shape, target, lambda index: whole[index])
 
 
-def copy_tree(tree: ArrayTree) -> Any:
+def copy_tree(tree: ArrayTree) -> ArrayTree:
     """A real copy of `tree` on the same devices: new buffers that outlive a donation of the originals."""
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)

@@ -1,14 +1,13 @@
 """The trained policy as a Hugging Face folder (`trainer.export_hf`, and `Trainer.export_hf`)."""
 from __future__ import annotations
 
-from typing import Any
-
 from jaxrl_llm.config.spec import ModelSpec
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.roles.trained import TrainedRole
 from jaxrl_llm.sharding import to_host
 
 
-def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Any, out_dir: str, *, is_main: bool) -> str:
+def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Tokenizer, out_dir: str, *, is_main: bool) -> str:
     """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a PEFT
     folder at `<out_dir>_peft`). Every process must call it (gathering the weights is a collective);
     the main process writes."""
