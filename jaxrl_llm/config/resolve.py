@@ -40,6 +40,7 @@ from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
 from jaxrl_llm.rewards.custom import ScorerSpec
+from jaxrl_llm.rewards.named import NamedRewards
 from jaxrl_llm.rewards.spec import JudgeSpec, OverlongSpec, RewardModelSpec, RewardSpec
 from jaxrl_llm.sampler.engine.setup import EngineOptions
 from jaxrl_llm.sampler.params import SamplingParams
@@ -157,7 +158,19 @@ def resolve_reward(cfg: ConfigDict) -> RewardSpec:
         num_workers=int(kwargs.num_workers), max_resp_len=kwargs.max_resp_len,
         overlong=OverlongSpec(bool(ob.enable), int(ob.len), float(ob.penalty_factor), bool(ob.log)),
         missing_eos_penalty=rm.missing_eos_penalty,
-        no_verdict_ok=bool(rm.enable and rm.style == "generative"))
+        no_verdict_ok=bool(rm.enable and rm.style == "generative"), named=resolve_named_rewards(custom))
+
+
+def resolve_named_rewards(custom: ConfigDict) -> NamedRewards | None:
+    """`custom_reward_function.reward_funcs` / `reward_weights` / `openr1.*` (None without functions)."""
+    funcs = tuple(str(f) for f in custom.reward_funcs)
+    if not funcs:
+        return None
+    weights = tuple(float(w) for w in (custom.reward_weights or [1.0] * len(funcs)))
+    o = custom.openr1
+    return NamedRewards(funcs, weights, float(o.cosine_min_value_wrong), float(o.cosine_max_value_wrong),
+                        float(o.cosine_min_value_correct), float(o.cosine_max_value_correct), int(o.cosine_max_len),
+                        int(o.repetition_n_grams), float(o.repetition_max_penalty), str(o.code_language))
 
 
 def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:

@@ -532,6 +532,26 @@ CUSTOM_REWARD = {
     "name": field("compute_score", "Function name in that file: compute_score(data_source, solution_str, "
                                    "ground_truth, extra_info=None). veRL."),
     "reward_kwargs": field({}, "Extra keyword arguments passed to the custom function. veRL.", open=True),
+    "reward_funcs": field([], "open-r1's reward functions by name, summed with reward_weights (accuracy = the "
+                              "row's scorer: path / name above or the data_source's built-in; format, tag_count, "
+                              "reasoning_steps, cosine, repetition_penalty, length, code, binary_code, "
+                              "code_format; formulas: docs/algorithms.md); [] = the scorer alone. TRL / open-r1.",
+                          types=list),
+    "reward_weights": field(None, "One weight per reward_funcs entry; None = 1.0 each. TRL / open-r1.", types=list),
+    "openr1": {
+        "cosine_min_value_wrong": field(0.0, "cosine: reward of a wrong answer of length 0 (the ends swap for wrong "
+                                             "answers: longer scores closer to this). open-r1."),
+        "cosine_max_value_wrong": field(-0.5, "cosine: reward of a wrong answer of cosine_max_len characters. "
+                                              "open-r1."),
+        "cosine_min_value_correct": field(0.5, "cosine: reward of a correct answer of cosine_max_len characters. "
+                                               "open-r1."),
+        "cosine_max_value_correct": field(1.0, "cosine: reward of a correct answer of length 0. open-r1."),
+        "cosine_max_len": field(1000, "cosine: the length (characters) the cosine schedule spans. open-r1.", gt=0),
+        "repetition_n_grams": field(3, "repetition_penalty: n-gram size (words). open-r1.", gt=0),
+        "repetition_max_penalty": field(-1.0, "repetition_penalty: the reward of a response made of one repeated "
+                                              "n-gram (<= 0). open-r1.", le=0),
+        "code_language": field("python", "code_format: the fenced block's language. open-r1."),
+    },
 }
 
 ALGORITHM = {

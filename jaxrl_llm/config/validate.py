@@ -61,6 +61,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
         if lever not in names.MEMORY_LEVERS:
             raise ConfigError(f"trainer.memory_levers: unknown lever {lever!r}; valid: "
                               f"{', '.join(names.MEMORY_LEVERS)}")
+    _check_reward_funcs(cfg.custom_reward_function)
     for sink in cfg.trainer.logger:
         if sink not in names.LOGGERS:
             raise ConfigError(f"trainer.logger: unknown sink {sink!r}; valid: {', '.join(names.LOGGERS)}")
@@ -452,3 +453,21 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
     if num_train_samples is not None and cfg.data.synthetic.task is None:
         resolve_total_steps(cfg, num_train_samples)
     return cfg
+
+
+def _check_reward_funcs(custom: ml_collections.ConfigDict) -> None:
+    """custom_reward_function.reward_funcs names open-r1's functions (rewards/named.py), one weight each."""
+    from jaxrl_llm.rewards.named import NAMES
+
+    funcs, weights = list(custom.reward_funcs), custom.reward_weights
+    for name in funcs:
+        if name not in NAMES:
+            raise ConfigError(f"custom_reward_function.reward_funcs: {name!r} is not one of {', '.join(NAMES)}")
+    if len(set(funcs)) != len(funcs):
+        raise ConfigError(f"custom_reward_function.reward_funcs={funcs}: a function is named twice")
+    if weights is not None:
+        if len(weights) != len(funcs):
+            raise ConfigError(f"custom_reward_function.reward_weights={list(weights)}: {len(weights)} weights for "
+                              f"{len(funcs)} reward_funcs")
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+            raise ConfigError(f"custom_reward_function.reward_weights={list(weights)}: numbers expected")

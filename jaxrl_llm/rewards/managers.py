@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxrl_llm.rewards.custom import ScorerSpec
+from jaxrl_llm.rewards.named import NamedRewards, named_scores
 from jaxrl_llm.rewards.scorers import UnknownDataSourceError
 from jaxrl_llm.rewards.shaping import missing_eos_penalty, overlong_penalty
 from jaxrl_llm.rewards.spec import OverlongSpec, RewardSpec
@@ -174,9 +175,11 @@ class RewardManager:
         missing_eos_penalty: float | None = None,
         timeout_s: float | None = None,
         no_verdict_ok: bool = False,
+        named: NamedRewards | None = None,
     ):
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.no_verdict_ok = no_verdict_ok
+        self.named = named
         self.compute_score: Callable[..., Any]
         self.spec: ScorerSpec | None  # None for a plain callable
         if isinstance(compute_score, ScorerSpec) or compute_score is None:
@@ -237,7 +240,8 @@ class RewardManager:
             {"data_source": ds, "solution_str": r, "ground_truth": gt, "extra_info": ei}
             for r, ds, gt, ei in zip(responses, data_source, ground_truth, extra_info)
         ]
-        results = self._call_all(calls)
+        # named reward functions without accuracy, cosine or length do not read the row's scorer
+        results = self._call_all(calls) if self.named is None or self.named.needs_scorer else [0.0] * b
 
         raw = np.zeros(b, dtype=np.float32)
         extra_keys: dict[str, list[Any]] = {}
@@ -265,6 +269,14 @@ class RewardManager:
             "reward/num_errors": float(sum(f.kind == "error" for f in failures)),
             "reward/num_timeouts": float(sum(f.kind == "timeout" for f in failures)),
         }
+        if self.named is not None:  # open-r1's functions, weighted and summed (rewards/named.py)
+            scores, each, errors = named_scores(self.named, responses, raw, ground_truth)
+            for name, values in each.items():
+                info[f"{name}_reward"] = values
+                metrics[f"reward/{name}/mean"] = float(np.nanmean(values)) if len(values) else 0.0
+            if errors:
+                logger.warning("reward: %d reward function calls failed (score 0); first: %s", len(errors), errors[0])
+            metrics["reward/num_errors"] += len(errors)
         if self.overlong is not None:
             if response_lengths is None or self.max_resp_len is None:  # the second is checked at construction
                 raise ValueError("overlong reward shaping needs response_lengths")
@@ -458,7 +470,8 @@ def build_reward_manager(spec: RewardSpec) -> RewardManager:
     if spec.reward_manager == "prime":
         return PrimeRewardManager(spec.scorer, num_workers=spec.num_workers, timeout_s=spec.timeout_s,
                                   overlong=spec.overlong, max_resp_len=spec.max_resp_len,
-                                  missing_eos_penalty=spec.missing_eos_penalty, no_verdict_ok=spec.no_verdict_ok)
+                                  missing_eos_penalty=spec.missing_eos_penalty, no_verdict_ok=spec.no_verdict_ok,
+                                  named=spec.named)
     return RewardManager(spec.scorer, timeout_s=spec.timeout_s, overlong=spec.overlong,
                          max_resp_len=spec.max_resp_len, missing_eos_penalty=spec.missing_eos_penalty,
-                         no_verdict_ok=spec.no_verdict_ok)
+                         no_verdict_ok=spec.no_verdict_ok, named=spec.named)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_llm.rewards.custom import ScorerSpec
+from jaxrl_llm.rewards.named import NamedRewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RewardSpec:
     overlong: OverlongSpec
     missing_eos_penalty: float | None
     no_verdict_ok: bool = False  # a scorer may return None or lack a data source's scorer (beside a judge)
+    named: NamedRewards | None = None  # open-r1's reward functions by name (custom_reward_function.reward_funcs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,14 +101,20 @@ CASES = {
     "trl/docs/rloo_config.yaml": (".", 4, ("data.train_files=/d/train.parquet",), imports(
         algorithm__adv_estimator="trl_rloo", actor_rollout_ref__rollout__n=2, algorithm__kl_ctrl__kl_coef=0.05,
         data__train_batch_size=16, actor_rollout_ref__actor__use_kl_loss=False)),
-    "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml": (".", 8, (), refused(
-        "reward_funcs", "['format', 'tag_count']: these reward functions are not built into jaxrl_llm")),
-    "open-r1/recipes/DeepSeek-R1-Distill-Qwen-1.5B/grpo/config_demo.yaml": (".", 8, (), refused(
-        "reward_funcs", "['format', 'tag_count']")),
+    # open-r1's reward functions by name (rewards/named.py), weighted
+    "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml": (".", 8, ("data.train_files=/d/train.parquet",),
+                                                                    imports(
+        custom_reward_function__reward_funcs=["accuracy", "format", "tag_count"],
+        custom_reward_function__reward_weights=[1.0, 1.0, 1.0], actor_rollout_ref__rollout__n=16)),
+    "open-r1/recipes/DeepSeek-R1-Distill-Qwen-1.5B/grpo/config_demo.yaml": (
+        ".", 8, ("data.train_files=/d/train.parquet",), imports(
+            custom_reward_function__reward_funcs=["accuracy", "format", "tag_count"],
+            custom_reward_function__reward_weights=[1.0, 1.0, 1.0])),
+    # 16 x 8 x 4 = 512 completions per optimizer step are not whole groups of 14 generations
     "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo_code.yaml": (".", 8, (), refused(
-        "reward_funcs", "['code', 'format']")),
+        "per_device_train_batch_size", "must both be whole groups of num_generations=14")),
     "open-r1/recipes/Qwen2.5-Coder-7B-Instruct/grpo/config_codeforces.yaml": (".", 8, (), refused(
-        "reward_funcs", "['cf_code', 'code_format']")),
+        "reward_funcs", "['cf_code']: these run competition checkers on open-r1's Piston / Morph servers")),
     # Trinity-RFT examples (run from Trinity's repository root, as Trinity reads them)
     "trinity/examples/grpo_lora_gsm8k/gsm8k.yaml": ("trinity", 8, (), imports(
         algorithm__adv_estimator="grpo", actor_rollout_ref__rollout__n=8, data__train_batch_size=96,

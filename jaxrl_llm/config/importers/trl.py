@@ -12,8 +12,10 @@ RLOO is `algorithm.adv_estimator=trl_rloo` (TRL's sequence-level RLOO, `beta` th
 KL folded into each sequence's reward); the older RLOOTrainer's arguments (`rloo_k`, `kl_coef`,
 `num_ppo_epochs`, `total_episodes`, ...) map there too. `--use_peft` with its `lora_*` arguments
 is LoRA. open-r1's recipe keys (`system_prompt`, `chat_template`, `dataset_prompt_column`) map to
-data.*; its reward functions other than accuracy are refused (scoring is jaxrl_llm's per
-data_source, or a custom_reward_function). Batch sizes and step counters: `trl_batch.py`.
+data.*; its reward functions by name with `reward_weights` and their parameters (`cosine_*`,
+`repetition_*`, `code_language`) map to custom_reward_function.* (rewards/named.py: accuracy is the
+row's scorer per data_source or a custom_reward_function); the ones that need open-r1's judge servers
+(`cf_code`, `ioi_code`) are refused. Batch sizes and step counters: `trl_batch.py`.
 """
 from __future__ import annotations
 
@@ -58,8 +60,14 @@ GRPO_DEFAULTS = {**_TRAINING_DEFAULTS, "num_generations": 8, "beta": 0.0, "loss_
 RLOO_DEFAULTS = {**_TRAINING_DEFAULTS, "num_generations": 2, "beta": 0.05}
 # PEFT's default LoRA targets of the architectures jaxrl_llm loads (Llama, Qwen2/3, Mistral)
 PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]
-# open-r1 / TRL reward functions: the math accuracy check is jaxrl_llm's scorer per data_source
+# open-r1's reward functions: accuracy is the row's scorer (per data_source, or custom_reward_function.path);
+# the others are rewards/named.py's; these run competition checkers on open-r1's Piston / Morph servers
 ACCURACY_REWARDS = ("accuracy", "accuracy_reward")
+SERVER_REWARDS = ("cf_code", "ioi_code")
+# open-r1's reward-function arguments (GRPOScriptArguments)
+OPENR1_ARGS = ("cosine_min_value_wrong", "cosine_max_value_wrong", "cosine_min_value_correct",
+               "cosine_max_value_correct", "cosine_max_len", "repetition_n_grams", "repetition_max_penalty",
+               "code_language")
 LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
               "dr_grpo": "seq-mean-token-sum-norm"}
 SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
@@ -70,8 +78,6 @@ ERRORS = {  # argument -> (is its value unsupported?, why)
     "mask_truncated_completions": (bool, "masking truncated completions out of the loss is not available"),
     "top_entropy_quantile": (lambda v: v not in (None, 1, 1.0), "entropy-quantile token masking is not available"),
     "sync_ref_model": (bool, "syncing the reference model to the policy is not available"),
-    "reward_weights": (lambda v: v is not None and list(v) != [1.0], "weighted multiple reward functions are not "
-                                                                     "available"),
     "whiten_rewards": (bool, "reward whitening is not available"),
     "generation_kwargs": (bool, "extra generation arguments are not available"),
     "chat_template_kwargs": (bool, "chat-template arguments are not available"),
@@ -98,6 +104,11 @@ IGNORED = {  # patterns -> reason
         "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
         "dataset_mixture", "dataset_num_proc", "dataset_kwargs"),
     "the policy's own model (no separate reward model path here)": ("reward_model_name_or_path",),
+    "the model is the local folder or file model_name_or_path names (jaxrl_llm never downloads; a revision is the "
+    "snapshot that folder holds)": ("model_revision",),
+    "code runs in the local sandbox (jaxrl_llm.sandbox), every test case of a row": (
+        "code_provider", "e2b_router_url", "morph_router_url", "parallel_code_exec_per_proc",
+        "code_eval_test_batch_size", "code_eval_scoring_mode"),
     "PEFT bookkeeping": ("lora_task_type",),
     "jaxrl_llm's models have no dropout": ("disable_dropout",),
     "jaxrl_llm stops at EOS (and rollout.stop_token_ids)": ("stop_token",),
@@ -231,7 +242,8 @@ def _optim(m: Mapper, args: dict[str, Any]) -> None:
 
 
 HANDLED = set(SIMPLE) | {
-    "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "reward_funcs", "system_prompt",
+    "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "reward_funcs", "reward_weights",
+    *OPENR1_ARGS, "system_prompt",
     "chat_template", "dataset_prompt_column", "normalize_advantages",
     "top_k", "beta", "epsilon", "epsilon_high", "cliprange", "delta", "loss_type", "scale_rewards",
     "importance_sampling_level", "max_prompt_length", "bf16", "fp16", "gradient_checkpointing", "adam_beta1",
@@ -261,18 +273,36 @@ def _lora(m: Mapper, args: dict[str, Any]) -> None:
 
 
 def _rewards(m: Mapper, args: dict[str, Any]) -> None:
-    """open-r1 / TRL `reward_funcs`: accuracy is jaxrl_llm's scorer per data_source; others are refused."""
+    """open-r1 / TRL `reward_funcs` with `reward_weights` and open-r1's function arguments ->
+    custom_reward_function.* (rewards/named.py; accuracy is the row's scorer)."""
+    from jaxrl_llm.rewards.named import NAMES
+
     funcs = args.get("reward_funcs")
+    for key in OPENR1_ARGS:
+        if key in args:
+            m.set(f"custom_reward_function.openr1.{key}", args[key], key)
     if funcs is None:
+        if args.get("reward_weights") is not None:
+            m.ignore("reward_weights", "no reward_funcs to weigh")
         return
     funcs = [funcs] if isinstance(funcs, str) else list(funcs)
-    other = [f for f in funcs if f not in ACCURACY_REWARDS]
-    if other:
-        m.error("reward_funcs", f"{other!r}: these reward functions are not built into jaxrl_llm (its built-in "
-                                "scorers check the answer per data_source); write them, with their weights, into a "
-                                "custom_reward_function.path")
-    m.ignore(f"reward_funcs={funcs}", "scoring uses jaxrl_llm's scorer for each row's data_source (or "
-                                      "custom_reward_function.path)")
+    server = [f for f in funcs if f in SERVER_REWARDS]
+    if server:
+        m.error("reward_funcs", f"{server!r}: these run competition checkers on open-r1's Piston / Morph servers "
+                                "(its Codeforces / IOI test data); use code or binary_code, which run a row's test "
+                                "cases in the local sandbox")
+    unknown = [f for f in funcs if f not in NAMES and f not in ACCURACY_REWARDS]
+    if unknown:
+        m.error("reward_funcs", f"{unknown!r}: not among open-r1's reward functions jaxrl_llm builds in "
+                                f"({', '.join(NAMES)}); write them into a custom_reward_function.path")
+    names = ["accuracy" if f in ACCURACY_REWARDS else f for f in funcs]
+    weights = args.get("reward_weights")
+    if names == ["accuracy"] and weights in (None, [1.0], [1]):
+        m.ignore(f"reward_funcs={funcs}", "the row's scorer alone (its data_source's, or custom_reward_function.path)")
+        return
+    m.set("custom_reward_function.reward_funcs", names, "reward_funcs")
+    if weights is not None:
+        m.set("custom_reward_function.reward_weights", [float(w) for w in weights], "reward_weights")
 
 
 def _data_keys(m: Mapper, args: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ whole response). `ground_truth` (a mapping, or a JSON string of one, as veRL sto
   `{"inputs": ["1 2\\n", ...], "outputs": ["3\\n", ...]}`. A case passes when the program exits
   normally and its stdout equals the expected output up to trailing whitespace on each line and
   leading / trailing blank lines. A list of lines is accepted for an input or an output.
+- open-r1's `verification_info`: `{"language": "python", "test_cases": [{"input": ..., "output": ...}, ...]}`
+  (stdin / stdout pairs as above; another language is refused).
 - assert-style tests: `{"asserts": ["assert add(1, 2) == 3", ...]}`. Each assert runs after the
   program (in the same process, its own process per assert); it passes when the run exits normally.
 
@@ -50,6 +52,14 @@ def parse_tests(ground_truth: Any) -> dict:
         raise ValueError("code scorer: ground_truth must be a mapping (or its JSON) with inputs/outputs or asserts")
     if tests.get("fn_name"):
         raise ValueError("code scorer: call-based tests (fn_name) are not supported; use inputs/outputs or asserts")
+    if isinstance(tests.get("test_cases"), list):  # open-r1's verification_info
+        if tests.get("language", "python") != "python":
+            raise ValueError(f"code scorer: verification_info.language={tests['language']!r}: only python runs in "
+                             "the sandbox")
+        cases = tests["test_cases"]
+        if not all(isinstance(c, Mapping) and "input" in c and "output" in c for c in cases):
+            raise ValueError("code scorer: each verification_info.test_cases entry needs 'input' and 'output'")
+        tests = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
     if "asserts" in tests:
         if not isinstance(tests["asserts"], list):
             raise ValueError("code scorer: ground_truth.asserts must be a list of assert statements")
