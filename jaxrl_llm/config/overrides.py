@@ -43,6 +43,8 @@ NAME_ALIASES: dict[str, str] = {
     "token_level_kl": "algorithm.trl_rloo.token_level_kl",  # TRL RLOOConfig
     # ROLL: generation runs this many batches ahead of training (integers only, as in ROLL)
     "async_generation_ratio": "synchronizer.sync_offset",
+    # veRL's root reward_manager section (current veRL; its default follows reward_model.reward_manager)
+    "reward_manager.name": "reward_model.reward_manager",
     # veRL's FSDP spelling of the same switch (host memory between reference passes)
     "actor_rollout_ref.ref.fsdp_config.param_offload": "actor_rollout_ref.ref.param_offload",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "actor_rollout_ref.actor.optim.offload",

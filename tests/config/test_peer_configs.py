@@ -218,6 +218,40 @@ def test_script_reader_names_what_it_cannot_read(tmp_path, monkeypatch):
     assert cfg.trainer.experiment_name == "x_7" and cfg.data.train_batch_size == 32
 
 
+def test_hydra_searchpath_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    """veRL's multi-turn YAML names its config groups by `hydra.searchpath: file://verl/trainer/config`,
+    relative to veRL's root; run from elsewhere it is looked for from the file's folder up."""
+    folder = PEERS / "verl" / "examples" / "sglang_multiturn" / "config"
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = resolve_command_line(default_config(), [
+        f"{R}.multi_turn.tool_config_path={folder / 'tool_config' / 'gsm8k_tool_config.yaml'}"],
+        import_path=str(folder / "gsm8k_multiturn_grpo.yaml"), num_devices=8, check_paths=False)
+    assert cfg.data.train_batch_size == 256 and cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns == 5
+    # from ppo_trainer.yaml, the group the searchpath found (the script sets grpo on the command line)
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.actor_rollout_ref.actor.ppo_epochs == 1
+
+
+def test_the_root_reward_manager_of_a_resolved_verl_yaml(tmp_path, monkeypatch):
+    """Current veRL reads the root `reward_manager.name` (its default interpolates the older
+    `reward_model.reward_manager`): a resolved YAML's `dapo` imports as the naive manager with DAPO's
+    shaping keys, and an explicit root name wins over the older key."""
+    shipped = (PEERS / "verl" / "verl" / "trainer" / "config" / "_generated_ppo_trainer.yaml").read_text()
+    interpolated = "  name: ${oc.select:reward_model.reward_manager,naive}\n"
+    assert interpolated in shipped
+    for name, ours in (("dapo", "naive"), ("prime", "prime")):
+        resolved = tmp_path / f"{name}.yaml"
+        resolved.write_text(shipped.replace(interpolated, f"  name: {name}\n"))
+        cfg, _ = resolve_command_line(default_config(), [], import_path=str(resolved), num_devices=8,
+                                      check_paths=False)
+        assert cfg.reward_model.reward_manager == ours, name
+    # as shipped (interpolated), the older key decides
+    monkeypatch.chdir(PEERS / "verl")
+    cfg, _ = resolve_command_line(default_config(), ["reward_model.reward_manager=prime"],
+                                  import_path="verl/trainer/config/_generated_ppo_trainer.yaml", num_devices=8,
+                                  check_paths=False)
+    assert cfg.reward_model.reward_manager == "prime"
+
+
 def test_pasted_and_yaml_placement_agree(tmp_path, monkeypatch):
     """One placement rule from YAML and from the command line, never a mesh the devices cannot hold."""
     monkeypatch.setenv("HOME", str(tmp_path))

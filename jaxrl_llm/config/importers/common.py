@@ -134,10 +134,12 @@ def compose_hydra(path: str) -> Any:
     from omegaconf.errors import OmegaConfBaseException
 
     folder, name = os.path.split(os.path.abspath(path))
+    searchpath = _search_path(path)
+    overrides = [f"hydra.searchpath=[{','.join(searchpath)}]"] if searchpath else []
     try:
         with warnings.catch_warnings(), initialize_config_dir(config_dir=folder, version_base=None):
             warnings.simplefilter("ignore", UserWarning)  # Hydra 1.1's note on a defaults list without _self_
-            return compose(config_name=os.path.splitext(name)[0])
+            return compose(config_name=os.path.splitext(name)[0], overrides=overrides)
     except MissingConfigException as err:
         missing = getattr(err, "missing_cfg_file", None) or str(err).splitlines()[0]
         raise MissingGroupError(f"{path}: defaults: the config group file {missing!r} is not there (Hydra reads the "
@@ -146,6 +148,32 @@ def compose_hydra(path: str) -> Any:
                                 "which has no defaults list)") from None
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(f"{path}: cannot compose its Hydra defaults list ({str(err).splitlines()[0]})") from None
+
+
+def _search_path(path: str) -> list[str]:
+    """The file's `hydra.searchpath` with each relative `file://` folder made absolute: Hydra reads it from
+    the working directory (veRL's examples name `file://verl/trainer/config`, run from veRL's root); one
+    not there is looked for from the file's own folder up (the repository the file sits in). [] when the
+    file has none."""
+    import yaml
+
+    with open(path) as f:
+        node = yaml.safe_load(f) or {}
+    entries = (node.get("hydra") or {}).get("searchpath") if isinstance(node, Mapping) else None
+    if not entries:
+        return []
+    out = []
+    for entry in entries:
+        entry = str(entry)
+        rel = entry[len("file://"):] if entry.startswith("file://") else None
+        if rel is not None and not os.path.isabs(rel) and not os.path.isdir(rel):
+            here = os.path.dirname(os.path.abspath(path))
+            while not os.path.isdir(os.path.join(here, rel)) and os.path.dirname(here) != here:
+                here = os.path.dirname(here)
+            if os.path.isdir(os.path.join(here, rel)):
+                entry = "file://" + os.path.join(here, rel)
+        out.append(entry)
+    return out
 
 
 def flatten(node: Mapping[str, Any], prefix: str = "", leaves: Iterable[str] = ()) -> dict[str, Any]:

@@ -467,4 +467,13 @@ def import_verl_source(m: Mapper, src: Source, *, skip: tuple[str, ...] = (),
 def import_verl(data: dict[str, Any], m: Mapper, raw: dict[str, str] | None = None) -> None:
     """A veRL config (nested dict, interpolations resolved; `raw` their texts by dotted key) into `m`."""
     src = Source(flatten(data, leaves=OPEN_SECTIONS), m.source)
+    _one_reward_manager(src, raw or {})
     import_verl_source(m, src, raw=raw)
+
+
+def _one_reward_manager(src: Source, raw: dict[str, str]) -> None:
+    """Current veRL reads the root `reward_manager.name`, whose default interpolates the older
+    `reward_model.reward_manager`: keep the one veRL uses (the root, unless it is that interpolation)."""
+    root, old = "reward_manager.name", "reward_model.reward_manager"
+    if src.has(root) and src.has(old):
+        src.drop(old if "reward_model.reward_manager" not in raw.get(root, "") else root)
