@@ -154,6 +154,8 @@ class AdvantageSpec:
     advantage_clip: float | None = None
     max_len_mask: bool = False  # ROLL's sample-level masks (losses/shaping.py `sample_mask`)
     difficulty_mask: tuple[float, float] | None = None  # (low, high) thresholds on a prompt's mean score
+    # veRL's pf-PPO (algorithm.use_pf_ppo): (reweight_method, weight_pow) of the rows' resampling after GAE
+    pf_ppo: tuple[str, float] | None = None
 
     @property
     def masks_samples(self) -> bool:
@@ -365,6 +367,7 @@ class RunSpec:
         rc = self.rollout_correction
         return (rc.rollout_is is not None and rc.rollout_rs is None and not rc.rollout_is_batch_normalize
                 and not rc.bypass_mode and self.distillation is None  # a teacher reads them first
+                and self.advantage.pf_ppo is None  # its diagnostics compare the rows as sampled, not resampled
                 and self._update_is_first_use_of_old_log_probs)
 
     @property

@@ -572,6 +572,16 @@ ALGORITHM = {
                                     "difficulty_low_threshold.", types=float),
         "high_threshold": field(1.0, "... and below this. ROLL: difficulty_high_threshold.", types=float),
     },
+    "use_pf_ppo": field(False, "Preference-feedback PPO (gae only, as veRL): after the advantages, the step's "
+                               "rows are resampled with replacement, each drawn with a weight from its score "
+                               "(pf_ppo.*), and both updates train on the resampled batch (metrics describe the "
+                               "batch as sampled). veRL."),
+    "pf_ppo": {
+        "reweight_method": field("pow", "pow: |score|^weight_pow; max_min: 1 for the step's highest and lowest "
+                                        "scores, 0 for the others; max_random: 0.4 for the highest, 0.1 for the "
+                                        "others (each + 1e-8). veRL.", choices=("pow", "max_min", "max_random")),
+        "weight_pow": field(2.0, "The power of the pow method. veRL.", ge=0),
+    },
     "reward_clip": field(None, "Clamp each response's reward to [-reward_clip, reward_clip]: for grpo its "
                                "group-normalised score, for the other estimators the raw score (before the "
                                "KL in the reward); logs critic/reward_clip_frac. None = off. ROLL.",

@@ -273,6 +273,9 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
                           "of the same prompt and needs n >= 2")
     if alg.filter_groups.enable and n < 2:
         raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.filter_groups needs n >= 2 samples per prompt")
+    if alg.use_pf_ppo and alg.adv_estimator != "gae":
+        raise ConfigError(f"algorithm.use_pf_ppo=True with adv_estimator={alg.adv_estimator!r}: veRL resamples the "
+                          "rows after GAE only (its other estimators ignore the key); use gae or drop use_pf_ppo")
     difficulty = alg.difficulty_mask
     if difficulty.enable and n < 2:
         raise ConfigError(f"{ROLLOUT}.n={n}: algorithm.difficulty_mask needs n >= 2 samples per prompt (it "

@@ -70,3 +70,26 @@ def sample_mask(scores: np.ndarray, response_lengths: np.ndarray, group_ids: np.
     metrics.update({"actor/final_mask_ratio": float(keep.mean()), "actor/samples_used": float(keep.sum()),
                     "actor/samples_total": float(rows)})
     return keep, metrics
+
+
+def pf_ppo_weights(scores: np.ndarray, method: str, weight_pow: float) -> np.ndarray:
+    """veRL's pf-PPO resampling weight of each row from its sequence score: `pow` |s|^weight_pow,
+    `max_min` 1 at the step's highest and lowest scores and 0 elsewhere, `max_random` 0.4 at the highest
+    and 0.1 elsewhere; then + 1e-8 (at least 1e-8), so every row can be drawn."""
+    s = np.asarray(scores, np.float64)
+    if method == "pow":
+        w = np.abs(s) ** weight_pow
+    elif method == "max_min":
+        w = ((s == s.max()) | (s == s.min())).astype(np.float64)
+    elif method == "max_random":
+        w = np.where(s == s.max(), 0.4, 0.1)
+    else:
+        raise ValueError(f"algorithm.pf_ppo.reweight_method={method!r}: one of pow, max_min, max_random")
+    return np.maximum(w + 1e-8, 1e-8)
+
+
+def pf_ppo_rows(scores: np.ndarray, method: str, weight_pow: float, seed: int) -> np.ndarray:
+    """As many row indices as rows, drawn with replacement in proportion to `pf_ppo_weights` (veRL's
+    torch.multinomial; here numpy's generator seeded by the step, the same on every process)."""
+    w = pf_ppo_weights(scores, method, weight_pow)
+    return np.random.default_rng(seed).choice(len(w), size=len(w), replace=True, p=w / w.sum())

@@ -15,15 +15,16 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_llm.batching import PackedLayout
+from jaxrl_llm.batching import PackedLayout, StepRows
 from jaxrl_llm.batching.ops import pad_columns, pad_routing
 from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
-from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, whiten_tokens
+from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, pf_ppo_rows, whiten_tokens
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.roles.forward import (
@@ -83,6 +84,22 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
         if getattr(exp, f) is not None:
             responses[f] = jnp.pad(getattr(exp, f), ((0, 0), (0, response_pad), (0, 0)))
     return dataclasses.replace(exp, **sequences, **responses)
+
+
+@jax.jit
+def _take_rows(exp: Experience, idx: Array) -> Experience:
+    return jax.tree.map(lambda x: x[idx], exp)
+
+
+def pf_ppo_resample(exp: Experience, rows: StepRows, scores: np.ndarray, pf_ppo: tuple[str, float], *,
+                    seed: tuple[int, int]) -> tuple[Experience, StepRows, float]:
+    """veRL's pf-PPO: `exp`'s rows (and their layout `rows`) resampled with replacement by score
+    (losses/shaping.py `pf_ppo_rows`); the fraction of distinct rows drawn. Duplicated rows share no
+    prompt tokens in a packed layout (each is packed whole)."""
+    idx = pf_ppo_rows(scores, *pf_ppo, seed=int(np.random.SeedSequence(seed).generate_state(1)[0]))
+    resampled = _take_rows(exp, idx.astype(np.int32))  # the same indices on every process
+    layout = dataclasses.replace(rows, start=rows.start[idx], length=rows.length[idx], prompt_groups=None)
+    return resampled, layout, float(len(np.unique(idx)) / len(idx))
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "compute_dtype", "micro_rows",

@@ -44,6 +44,7 @@ from jaxrl_llm.roles.experience import (
     log_probs_no_grad,
     make_experience,
     pad_experience,
+    pf_ppo_resample,
     rollout_correction,
     values_no_grad,
 )
@@ -228,12 +229,18 @@ class Trainer(Run):
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
                 extra.update(mask_metrics)
                 extra.update({k: float(v) for k, v in jax.device_get(distill_metrics).items()})
+            # pf-PPO: both updates train on the rows resampled by score (the metrics describe the batch as sampled)
+            train_exp, train_rows = exp, rows
+            if spec.advantage.pf_ppo is not None:
+                train_exp, train_rows, extra["actor/pf_ppo_distinct_rows"] = pf_ppo_resample(
+                    exp, rows, rollout.scores, spec.advantage.pf_ppo, seed=(spec.trainer.seed, self.global_step))
             if self.critic is not None:
                 with timer("update_critic"):
-                    extra.update(self._update(self.critic, exp, jax.random.fold_in(rng, 7), rows)[0])
+                    extra.update(self._update(self.critic, train_exp, jax.random.fold_in(rng, 7), train_rows)[0])
             if self.global_step >= self.actor.lr_offset:  # the actor starts after trainer.critic_warmup steps
                 with timer("update_actor"):
-                    actor_metrics, tokens = self._update(self.actor, exp, jax.random.fold_in(rng, 11), rows)
+                    actor_metrics, tokens = self._update(self.actor, train_exp, jax.random.fold_in(rng, 11),
+                                                         train_rows)
                     extra.update(actor_metrics)
                 if spec.actor.rollout_is_in_loss:  # the loss took the IS weights; the diagnostics from its log-probs
                     extra.update(self._correction_metrics(tokens[OLD_LOG_PROBS], rollout))

@@ -140,6 +140,13 @@ def test_batch_plan_numbers():
     (["actor_rollout_ref.model.tiny.num_experts=4"], 2,
      "actor_rollout_ref.model.tiny.num_experts=4: only a tiny mixture-of-experts model reads it"),
     (["actor_rollout_ref.actor.router_replay=always"], 2, "actor_rollout_ref.actor.router_replay='always'"),
+    (["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"], 2,
+     "algorithm.use_pf_ppo=True with adv_estimator='grpo': veRL resamples the rows after GAE only"),
+    (["algorithm.pf_ppo.reweight_method=top"], 2, "algorithm.pf_ppo.reweight_method='top'"),
+    (["custom_reward_function.reward_funcs=[accuracy,fmt]"], 2,
+     "custom_reward_function.reward_funcs: 'fmt' is not one of accuracy, format"),
+    (["custom_reward_function.reward_funcs=[accuracy,format]", "custom_reward_function.reward_weights=[1.0]"], 2,
+     "custom_reward_function.reward_weights=[1.0]: 1 weights for 2 reward_funcs"),
 ])
 def test_each_failure_is_one_message_naming_the_key(overrides, dp, prefix):
     cfg = _cfg("actor_rollout_ref.model.tiny.max_position_embeddings=128", *overrides)

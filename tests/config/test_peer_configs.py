@@ -54,8 +54,9 @@ CASES = {
         algorithm__adv_estimator="gae", mesh__context=2, actor_rollout_ref__actor__ppo_micro_batch_size_per_device=32,
         actor_rollout_ref__rollout__log_prob_micro_batch_size_per_device=64,
         critic__ppo_micro_batch_size_per_device=64, critic__enable=True)),
+    # as shipped, a `\ # comment` on line 6 ends bash's command there (test_pf_ppo_script_... reads it mended)
     "verl/examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh": ("verl", 8, (), refused(
-        "algorithm.use_pf_ppo", "preference-feedback PPO (sample reweighting) is not supported")),
+        "line 6", "the backslash before '#' escapes a blank, so bash ends the veRL command on this line")),
     "verl/examples/ppo_trainer/run_gemma.sh": ("verl", 8, (), imports(
         algorithm__adv_estimator="gae", actor_rollout_ref__model__path="google/gemma-2-2b-it", critic__enable=True)),
     "verl/examples/rloo_trainer/run_qwen2-7b.sh": ("verl", 8, (), imports(
@@ -229,6 +230,21 @@ def test_hydra_searchpath_is_found_from_any_working_directory(tmp_path, monkeypa
     assert cfg.data.train_batch_size == 256 and cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns == 5
     # from ppo_trainer.yaml, the group the searchpath found (the script sets grpo on the command line)
     assert cfg.algorithm.adv_estimator == "gae" and cfg.actor_rollout_ref.actor.ppo_epochs == 1
+
+
+def test_pf_ppo_script_with_its_comment_moved_imports(tmp_path, monkeypatch):
+    """veRL's pf-PPO example, its line-6 comment moved off the continued line: pf-PPO imports."""
+    shipped = (PEERS / "verl" / "examples" / "ppo_trainer" / "run_deepseek7b_llm_pfppo.sh").read_text()
+    mended = tmp_path / "run_deepseek7b_llm_pfppo.sh"
+    mended.write_text(shipped.replace('reweight_method=pow \\  # ["pow", "max_min", "max_random"]',
+                                      "reweight_method=pow \\"))
+    assert mended.read_text() != shipped
+    monkeypatch.chdir(PEERS / "verl")
+    cfg, _ = resolve_command_line(default_config(), [], import_path=str(mended), num_devices=8, check_paths=False)
+    alg = cfg.algorithm
+    assert (alg.adv_estimator, alg.use_pf_ppo, alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow) == (
+        "gae", True, "pow", 2.0)
+    assert cfg.critic.enable
 
 
 def test_the_root_reward_manager_of_a_resolved_verl_yaml(tmp_path, monkeypatch):

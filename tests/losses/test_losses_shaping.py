@@ -158,3 +158,25 @@ def test_shaping_off_changes_nothing():
     assert not any(k.endswith("clip_frac") for k in plain)
     again = run(dataclasses.replace(spec("grpo"), whiten_rewards=False, reward_clip=None))
     np.testing.assert_array_equal(plain["advantages"], again["advantages"])
+
+
+def test_pf_ppo_weights_and_draws_follow_verls_formula():
+    """veRL's compute_pf_ppo_reweight_data: weights from the sequence scores (+1e-8, at least 1e-8), rows
+    drawn with replacement in proportion."""
+    from jaxrl_llm.losses.shaping import pf_ppo_rows, pf_ppo_weights
+
+    scores = np.array([-1.0, 0.0, 0.5, 2.0, 2.0])
+    np.testing.assert_allclose(pf_ppo_weights(scores, "pow", 2.0), np.abs(scores) ** 2 + 1e-8)
+    np.testing.assert_allclose(pf_ppo_weights(scores, "pow", 1.0), np.abs(scores) + 1e-8)
+    np.testing.assert_allclose(pf_ppo_weights(scores, "max_min", 2.0), [1, 1e-8, 1e-8, 1, 1] + np.array(
+        [1e-8, 0, 0, 1e-8, 1e-8]))
+    np.testing.assert_allclose(pf_ppo_weights(scores, "max_random", 2.0), [0.1 + 1e-8] * 3 + [0.4 + 1e-8] * 2)
+    with pytest.raises(ValueError, match="reweight_method"):
+        pf_ppo_weights(scores, "top", 2.0)
+    # the draws: as many as rows, with replacement, in proportion to the weights
+    draws = np.concatenate([pf_ppo_rows(scores, "pow", 2.0, seed) for seed in range(4000)])
+    assert draws.shape == (20000,)
+    share = np.bincount(draws, minlength=5) / len(draws)
+    np.testing.assert_allclose(share, np.abs(scores) ** 2 / np.sum(np.abs(scores) ** 2), atol=0.015)
+    assert share[1] == 0.0  # a zero score's 1e-8 weight is as good as never drawn
+    assert np.array_equal(pf_ppo_rows(scores, "pow", 2.0, 7), pf_ppo_rows(scores, "pow", 2.0, 7))

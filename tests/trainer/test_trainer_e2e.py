@@ -113,6 +113,16 @@ def test_ppo_with_critic_gae_and_kl(tmp_path):
     # finish() drew the run's metrics into <run_dir>/plot.png
     assert (tmp_path / "run" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # veRL's pf-PPO: both updates train on the rows resampled by score (packed anew), with the same programs
+    trainer.total_steps = trainer.global_step + 1
+    trainer.spec = dataclasses.replace(trainer.spec, advantage=dataclasses.replace(
+        trainer.spec.advantage, pf_ppo=("max_random", 2.0)))
+    metrics = trainer.train_step(next(trainer.train_loader))
+    assert 0 < metrics["actor/pf_ppo_distinct_rows"] <= 1, metrics["actor/pf_ppo_distinct_rows"]
+    assert np.isfinite(metrics["critic/vf_loss"]) and np.isfinite(metrics["actor/pg_loss"])
+    assert list(trainer.actor.compiled_updates) == [(1, 1)]
+    trainer.close()
+
 
 def test_trl_rloo_estimator_runs_with_a_reference_and_logs_trl_rewards(tmp_path):
     cfg = with_reward_file(tiny_config(tmp_path / "run", **{

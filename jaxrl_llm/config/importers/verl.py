@@ -255,7 +255,6 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "reward_model.ulysses_sequence_parallel_size": _role_sp,
     "trainer.nnodes": placement_only,
     "trainer.n_gpus_per_node": placement_only,
-    "algorithm.use_pf_ppo": _error_if(bool, "preference-feedback PPO (sample reweighting) is not supported"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _error_if(
         lambda v: v is not None, "per-token veto is not supported (rollout_rs modes only)"),
     "algorithm.rollout_correction.loss_type": _correction_loss,
@@ -294,7 +293,7 @@ HARMLESS = ("*._target_", "*.calculate_entropy", "*.calculate_sum_pi_squared", "
             "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu",
             "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion.max_concurrent",
             "reward_model.sandbox_fusion.memory_limit_mb", "reward_model.use_reward_loop", "reward_model.num_workers",
-            "reward_model.rollout.*", "reward_model.reward_loop_source", "algorithm.pf_ppo.*",
+            "reward_model.rollout.*", "reward_model.reward_loop_source",
             # arguments of loss modes jaxrl_llm refuses by name (clip_cov, kl_cov, ppo_kl)
             "*.policy_loss.clip_cov_*", "*.policy_loss.kl_cov_ratio", "*.policy_loss.ppo_kl_coef",
             # critic LoRA shape: only read when critic.model.lora_rank > 0, which is refused

@@ -34,10 +34,13 @@ class ScriptError(ConfigError):
     """A script whose command line cannot be read without running it."""
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, line) with backslash continuations joined and comments outside quotes kept
-    (shlex drops them later)."""
-    out: list[tuple[int, str]] = []
+ESCAPED_BLANK_COMMENT = re.compile(r"\\[ \t]+#")  # `\ # ...`: bash escapes the blank, the comment ends the line
+
+
+def _logical_lines(text: str) -> list[tuple[int, str, int]]:
+    """(first line number, line, last line number) with backslash continuations joined and comments
+    outside quotes kept (shlex drops them later)."""
+    out: list[tuple[int, str, int]] = []
     buffer, start = "", 0
     for number, line in enumerate(text.splitlines(), 1):
         if not buffer:
@@ -46,11 +49,25 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
         if stripped.endswith("\\"):
             buffer += stripped[:-1] + " "
             continue
-        out.append((start, buffer + line))
+        out.append((start, buffer + line, number))
         buffer = ""
     if buffer:
-        out.append((start, buffer))
+        out.append((start, buffer, start))
     return out
+
+
+def _check_not_cut(path: str, lines: list[str], last: int) -> None:
+    """The veRL command's last line `last` (1-based) ends in `\\ # comment` while the next line goes on
+    with overrides: bash ends the command there (the backslash escapes a blank, the comment ends the
+    line), so those overrides never reach veRL. The script does not run as its author meant: an error."""
+    if not ESCAPED_BLANK_COMMENT.search(lines[last - 1]) or last >= len(lines):
+        return
+    following = lines[last].strip()
+    if "=" in following.split()[0] if following else False:
+        raise ScriptError(f"{path} line {last}: the backslash before '#' escapes a blank, so bash ends the veRL "
+                          f"command on this line and runs line {last + 1} on ({following.split()[0]!r}, ...) as "
+                          "commands of their own: the overrides there never reach veRL. Move the comment off the "
+                          "continued line and import the script again")
 
 
 class _Expander:
@@ -150,12 +167,13 @@ def read_verl_script(path: str, env: Mapping[str, str] | None = None) -> tuple[s
         text = f.read()
     expander = _Expander(path, os.environ if env is None else env)
     command: tuple[int, str] | None = None
-    for number, line in _logical_lines(text):
+    for number, line, last in _logical_lines(text):
         found = ENTRY_POINTS.search(line)
         if found:
             if command is not None:
                 raise ScriptError(f"{path} line {number}: a second veRL command (the first is on line {command[0]}); "
                                   "give a script that runs one")
+            _check_not_cut(path, text.splitlines(), last)
             command = (number, line[found.end():])
             continue
         assigned = ASSIGNMENT.match(line)
