@@ -48,7 +48,8 @@ def load_lora_checkpoint(path: Any) -> tuple[Any, dict, Any, str]:
     lora = meta.get("lora")
     if lora is None:
         raise ValueError(f"checkpoint {path}: not a LoRA run (actor_rollout_ref.model.lora_rank was 0)")
-    return cfg, params["lora"], LoraConfig(int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"])), \
+    return cfg, params["lora"], LoraConfig(int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"]),
+                                            float(lora.get("dropout", 0.0))), \
         lora["base_path"]
 
 

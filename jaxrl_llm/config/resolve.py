@@ -191,7 +191,8 @@ def _plain(value: Any) -> dict:
 
 def _model(section: ConfigDict, tiny: ConfigDict, mesh: ConfigDict) -> ModelSpec:
     rank = int(section.get("lora_rank", 0))  # the policy's keys only (critic.model has none)
-    lora = LoraConfig(rank, float(section.lora_alpha), parse_target_modules(section.target_modules)) if rank else None
+    lora = LoraConfig(rank, float(section.lora_alpha), parse_target_modules(section.target_modules),
+                      float(section.get("lora_dropout", 0.0))) if rank else None
     return ModelSpec(path=section.path, param_dtype=section.param_dtype, tiny=tuple(tiny.to_dict().items()),
                      override_config=tuple(sorted(_plain(section.override_config).items())),
                      use_remove_padding=bool(section.use_remove_padding),

@@ -395,6 +395,9 @@ MODEL = dict(
                        "and checkpoints hold the adapters (plus the base path). veRL."),
     lora_alpha=field(16, "LoRA scale numerator: adapters add (lora_alpha / lora_rank) * (x @ A) @ B. veRL.",
                      types=float),
+    lora_dropout=field(0.0, "Dropout on the adapters' input in the update's forward (PEFT's lora_dropout: each "
+                            "element dropped with this probability, the rest scaled by 1 / (1 - p); the sampler "
+                            "and the no-grad passes see no dropout). PEFT / TRL.", ge=0, lt=1),
     logprob_impl=field("auto", "Fused log-prob head (jaxrl_llm/losses/logprob.py) of the policy's training, "
                                "reference and old log-prob passes: 'auto' (the Mosaic kernel on TPU where a kernel "
                                "vocab block divides the vocabulary; the chunked XLA scan on CPU, GPU (faster there "

@@ -50,7 +50,7 @@ def adapter_config(lora: LoraConfig, base_model_name_or_path: str | None,
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         "target_modules": list(lora.targets) if targets is None else targets,
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True,
         "base_model_name_or_path": base_model_name_or_path,
     }

@@ -86,10 +86,13 @@ class LoraConfig:
     rank: int
     alpha: float
     targets: tuple[str, ...] = ALL_LINEAR
+    dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input, in the update's forward only
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
             raise ValueError(f"LoraConfig.rank={self.rank}: must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraConfig.dropout={self.dropout}: must be in [0, 1)")
         object.__setattr__(self, "targets", parse_target_modules(self.targets))
 
     @property
@@ -120,9 +123,26 @@ class LoraAdapters:
     scale: float = flax.struct.field(pytree_node=False)
 
 
-def with_lora(base: dict, adapters: dict, scale: float) -> dict:
-    """The params dict of base + adapters (`adapters` as `init_lora` returns them)."""
+def with_lora(base: dict, adapters: dict, scale: float, dropout: float = 0.0, rng: Array | None = None) -> dict:
+    """The params dict of base + adapters (`adapters` as `init_lora` returns them). With `dropout` > 0 and
+    `rng` (the update's forward), each adapter drops its input's elements with probability `dropout` and
+    scales the rest by 1 / (1 - dropout), PEFT's `lora_dropout`: a mask of its own per projection, layer,
+    token and feature; the base projection sees the whole input."""
+    if dropout > 0.0 and rng is not None:
+        adapters = _with_dropout_keys(adapters, 1.0 - dropout, rng)
     return {**base, "lora": LoraAdapters(adapters, float(scale))}
+
+
+def _with_dropout_keys(tree: dict, keep: float, rng: Array, counter: list[int] | None = None) -> dict:
+    """Each adapter {A, B} of `tree` with a dropout key per layer and the keep probability beside it
+    (stacked on its layer axis, so the layer scan hands each layer its own)."""
+    counter = [0] if counter is None else counter
+    if "A" in tree and "B" in tree:
+        layers = tree["A"].shape[0]
+        counter[0] += 1
+        keys = jax.random.split(jax.random.fold_in(rng, counter[0]), layers)
+        return {**tree, "dropout_key": keys, "dropout_keep": jnp.full((layers,), keep, jnp.float32)}
+    return {k: _with_dropout_keys(v, keep, rng, counter) if isinstance(v, dict) else v for k, v in sorted(tree.items())}
 
 
 def split_lora(params: dict) -> tuple[dict, LoraAdapters | None]:
@@ -178,6 +198,10 @@ def lora_delta(x: Array, adapter: dict | None, scale: float, compute_dtype: DTyp
     """scale * (x @ A) @ B for one layer's adapter {A [in..., r], B [r, out...]} (None: no adapter)."""
     if adapter is None:
         return None
+    if "dropout_key" in adapter:  # the update's forward under lora_dropout (`with_lora`)
+        keep = adapter["dropout_keep"]
+        kept = jax.random.bernoulli(adapter["dropout_key"], keep, x.shape)
+        x = jnp.where(kept, x / keep.astype(x.dtype), jnp.zeros((), x.dtype))
     a, b = adapter["A"].astype(compute_dtype), adapter["B"].astype(compute_dtype)
     n_in = a.ndim - 1
     u = jnp.tensordot(x.astype(compute_dtype), a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))

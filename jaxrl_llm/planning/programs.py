@@ -509,7 +509,8 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
         cfg = _unrolled(model.cfg, unroll)
         if isinstance(s, CriticSpec):
             return functools.partial(update_critic, model_cfg=cfg, s=s)
-        return functools.partial(update_actor, model_cfg=cfg, s=s, lora_scale=lora.scale if lora else 0.0)
+        return functools.partial(update_actor, model_cfg=cfg, s=s, lora_scale=lora.scale if lora else 0.0,
+                                 lora_dropout=lora.dropout if lora else 0.0)
     frozen = (ctx.states["actor_base_params"],) if lora else ()  # LoRA: the base, passed undifferentiated
     n, t = spec.plan.sequences, ctx.seq_len
     params, opt = ctx.states[f"{role}_params"], ctx.states[f"{role}_opt"]

@@ -119,17 +119,20 @@ def _with_router_losses(loss: jax.Array, metrics: dict, router: MoeOut, mask: ja
 def update_actor(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax.Array, lr: jax.Array | None = None,
                  packing: UpdateLayout | None = None, frozen: dict | None = None, *, model_cfg: ModelConfig,
                  s: ActorSpec, tx: optax.GradientTransformation, num_mini_batches: int, num_micro_batches: int,
-                 rows_sharding: Any = None, lora_scale: float = 0.0):
+                 rows_sharding: Any = None, lora_scale: float = 0.0, lora_dropout: float = 0.0):
     """`ppo_epochs` x mini-batches x micro-batches of actor updates at learning rate `lr` (one XLA
     program once jitted, which `TrainedRole.update` does). LoRA: `params` is {"lora": adapters}, the
-    only leaves differentiated and updated, and `frozen` the base they are attached to."""
+    only leaves differentiated and updated, and `frozen` the base they are attached to; `lora_dropout`:
+    PEFT's dropout on the adapters' input in this forward (a key per micro-batch)."""
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s,
                                 mesh=None if rows_sharding is None else rows_sharding.mesh)
+    dropout = frozen is not None and lora_dropout > 0.0
     if frozen is not None:
         lora_loss = loss_fn
-        loss_fn = lambda p, mb, d: lora_loss(with_lora(frozen, p["lora"], lora_scale), mb, d)  # noqa: E731
+        loss_fn = lambda p, mb, d, key=None: lora_loss(  # noqa: E731
+            with_lora(frozen, p["lora"], lora_scale, lora_dropout, key), mb, d)
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding,
-        packing=packing, token_outputs=(OLD_LOG_PROBS,) if s.rollout_is_in_loss else ())
+        packing=packing, token_outputs=(OLD_LOG_PROBS,) if s.rollout_is_in_loss else (), loss_takes_rng=dropout)

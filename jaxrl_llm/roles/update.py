@@ -32,7 +32,8 @@ Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experi
 # the prefix of per-token loss outputs (`run_update_epochs`' token_outputs), which callers pop from
 # the metrics
 TOKEN_OUTPUT = "tokens/"
-LossFn = Callable[[Any, Batch, "Denominators"], tuple[jax.Array, dict[str, jax.Array]]]
+# loss_fn(params, micro-batch, denominators) -> (loss, metrics); with loss_takes_rng a 4th argument, its key
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 class Denominators(NamedTuple):
@@ -85,6 +86,7 @@ def run_update_epochs(
     loss_scale_factor: float | None = None,
     packing: UpdateLayout | None = None,
     token_outputs: tuple[str, ...] = (),
+    loss_takes_rng: bool = False,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
@@ -100,14 +102,20 @@ def run_update_epochs(
     (the host drew the same permutations) and each micro-batch gets its packed layout as
     `micro.packing` (the batch must then be an `Experience`). A `by_budget` layout (token budget)
     brings its own micro-batches (num_micro_batches must be 1): each reads the whole mini-batch with
-    the response mask cut to its own sequences, and empty ones are skipped by a `lax.cond`."""
+    the response mask cut to its own sequences, and empty ones are skipped by a `lax.cond`.
+
+    loss_takes_rng: `loss_fn(params, micro, denominators, key)` with a key of its own per micro-batch,
+    epoch and mini-batch (LoRA dropout), drawn from `rng` apart from the shuffle's."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     if num_rows % (num_mini_batches * num_micro_batches):
         raise ValueError(
             f"{num_rows} rows do not split into {num_mini_batches} mini-batches x "
             f"{num_micro_batches} micro-batches"
         )
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    def loss_with_key(params: Any, micro: Any, denoms: Any, key: jax.Array) -> Any:
+        return loss_fn(params, micro, denoms, key) if loss_takes_rng else loss_fn(params, micro, denoms)
+
+    grad_fn = jax.value_and_grad(loss_with_key, has_aux=True)
     by_budget = packing is not None and packing.by_budget
     if by_budget and num_micro_batches != 1:
         raise ValueError("token-budget packing splits mini-batches itself: pass num_micro_batches=1")
@@ -115,15 +123,17 @@ def run_update_epochs(
     lr_args = {} if lr is None else {"learning_rate": lr}
 
     def mini_step(carry, xs):
-        (params, opt_state), (mini, layouts) = carry, xs
+        (params, opt_state), (mini, layouts, mini_key) = carry, xs
         denoms = denominators(mini.response_mask, loss_scale_factor)
         micros = _split(mini, num_micro_batches, rows_sharding)
+        micro_keys = None if mini_key is None else jax.random.split(
+            mini_key, num_micro_batches if not by_budget else jax.tree.leaves(layouts)[0].shape[0])
 
         def micro_step(acc, xs):
-            micro, layout = xs
+            micro, layout, key = xs
             if layout is not None:
                 micro = micro.replace(packing=layout)
-            (loss, metrics), grads = grad_fn(params, micro, denoms)
+            (loss, metrics), grads = grad_fn(params, micro, denoms, key)
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         def budget_micro(layout):
@@ -132,10 +142,11 @@ def run_update_epochs(
             covered = response_coverage(layout, mini.response_mask.shape[0], mini.response_mask.shape[1])
             return mini.replace(packing=layout, response_mask=mini.response_mask * covered)
 
-        def budget_micro_step(acc, layout):
+        def budget_micro_step(acc, xs):
+            layout, key = xs
             grads_acc, tokens_acc = acc
             micro = budget_micro(layout)
-            (loss, metrics), grads = unless_empty(layout, lambda: grad_fn(params, micro, denoms))
+            (loss, metrics), grads = unless_empty(layout, lambda: grad_fn(params, micro, denoms, key))
             # each micro-batch's token outputs hold the mini-batch's rows, 0 off its own sequences:
             # added up in the carry (stacking them would keep [micro-batches, N, R])
             tokens = {k: metrics.pop(k) for k in token_outputs}
@@ -144,9 +155,10 @@ def run_update_epochs(
         zeros = jax.tree.map(jnp.zeros_like, params)
         if by_budget:
             tokens = {k: jnp.zeros(mini.response_mask.shape, jnp.float32) for k in token_outputs}
-            (grads, tokens), (losses, metrics) = jax.lax.scan(budget_micro_step, (zeros, tokens), layouts)
+            (grads, tokens), (losses, metrics) = jax.lax.scan(budget_micro_step, (zeros, tokens),
+                                                              (layouts, micro_keys))
         else:
-            grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micros, layouts))
+            grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micros, layouts, micro_keys))
             # the micro-batches are consecutive slices of the mini-batch's rows
             tokens = {k: _merge_leading(metrics.pop(k)) for k in token_outputs}
         grad_norm = optax.tree.norm(grads)
@@ -175,7 +187,9 @@ def run_update_epochs(
             perm = jax.random.permutation(epoch_rng, num_rows)
         rows = batch if perm is None else jax.tree.map(lambda x: x[perm], batch)
         minis = _split(rows, num_mini_batches, rows_sharding)
-        carry, (metrics, flags, tokens) = jax.lax.scan(mini_step, carry, (minis, layouts))
+        # the loss's own keys (LoRA dropout), apart from the shuffle's
+        mini_keys = jax.random.split(jax.random.fold_in(epoch_rng, 1), num_mini_batches) if loss_takes_rng else None
+        carry, (metrics, flags, tokens) = jax.lax.scan(mini_step, carry, (minis, layouts, mini_keys))
         tokens = {k: _merge_leading(v) for k, v in tokens.items()}  # [N, ...] in `rows`' order
         if perm is not None:  # back to the batch's order
             tokens = {k: jnp.zeros_like(v).at[perm].set(v) for k, v in tokens.items()}

@@ -195,7 +195,8 @@ def _load_roles(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer
     lora = spec.model.lora  # LoRA: adapters trained on the frozen `params` (roles/trained.py)
     actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
                               functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor,
-                                                lora_scale=lora.scale if lora else 0.0),
+                                                lora_scale=lora.scale if lora else 0.0,
+                                                lora_dropout=lora.dropout if lora else 0.0),
                               lora=lora, seed=seed, model=spec.model, settings=spec.actor,
                               batch=spec.plan.actor, lr_offset=spec.trainer.critic_warmup)
     # the initial policy in ref.param_dtype, in host memory with ref.param_offload (roles/reference.py);

@@ -369,7 +369,7 @@ class Trainer(Run):
         lora = self.spec.model.lora
         if lora is not None:  # the state holds only the adapters: they apply to this base
             meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.targets),
-                            "base_path": self.spec.model.path}
+                            "dropout": lora.dropout, "base_path": self.spec.model.path}
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
         # the loader as of the first untrained batch: a resume generates in-flight rollouts again, on
         # the weights they were launched with (saved by version)

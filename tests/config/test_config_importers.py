@@ -189,7 +189,6 @@ def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_pat
 
 
 @pytest.mark.parametrize("key,value,why", [
-    ("algorithm.use_pf_ppo", True, "preference-feedback"),
     ("algorithm.adv_estimator", "my_estimator", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.optim.optimizer", "SGD", "AdamW"),
@@ -200,6 +199,13 @@ def test_verl_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     with pytest.raises(ConfigError) as err:
         import_config(variant(VERL, tmp_path, {key: value}), dp_size=4)
     assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)
+
+
+def test_verl_pf_ppo_keys_are_ours(home, tmp_path):
+    s = import_config(variant(VERL, tmp_path, {"algorithm.use_pf_ppo": True, "algorithm.pf_ppo.reweight_method":
+                                               "max_min", "algorithm.pf_ppo.weight_pow": 1.5}), dp_size=4)
+    assert values(s, "algorithm.use_pf_ppo", "algorithm.pf_ppo.reweight_method", "algorithm.pf_ppo.weight_pow") == (
+        True, "max_min", 1.5)
 
 
 def test_pasted_rollout_correction_loss_type():
@@ -466,7 +472,11 @@ def test_trl_yaml_left_out_arguments_take_trl_defaults(home, tmp_path):
 def test_trl_use_peft_is_lora():
     r = import_trl_flags(["--use_peft", "--lora_r=16", "--lora_dropout=0", "--lora_target_modules", "q_proj,v_proj"],
                          dp_size=8)
-    assert values(r, f"{M}.lora_rank", f"{M}.lora_alpha", f"{M}.target_modules") == (16, 32, ["q_proj", "v_proj"])
+    assert values(r, f"{M}.lora_rank", f"{M}.lora_alpha", f"{M}.target_modules", f"{M}.lora_dropout") == (
+        16, 32, ["q_proj", "v_proj"], 0.0)
+    # TRL's default dropout (0.05) is PEFT's lora_dropout, trained as PEFT does (models/lora.py)
+    r = import_trl_flags(["--use_peft", "--lora_r=16"], dp_size=8)
+    assert values(r, f"{M}.lora_rank", f"{M}.lora_dropout") == (16, 0.05)
 
 
 def test_trl_flags_on_a_config_file():
@@ -510,7 +520,6 @@ def apply_tiny(cfg):
     (["--lr_scheduler_type=polynomial"], "lr_scheduler_type", "constant, cosine and linear"),
     (["--scale_rewards=batch"], "scale_rewards", "group std"),
     (["--rloo_k=4", "--loss_type=grpo"], "loss_type", "a GRPOConfig argument in an RLOO run"),
-    (["--use_peft", "--lora_r=16"], "lora_dropout", "0.05 (TRL default): jaxrl_llm's LoRA has no dropout"),
     (["--epsilon=0.2", "--delta=1.1"], "delta", "dual clip"),
     (["--importance_sampling_level=sequence"], "importance_sampling_level", "gspo"),
     (["--num_generations=16", "--per_device_train_batch_size=3"], "per_device_train_batch_size", "whole groups"),

@@ -13,6 +13,7 @@ from jaxrl_llm.models.lora import (
     ALL_LINEAR,
     LoraConfig,
     init_lora,
+    lora_delta,
     lora_logical_axes,
     merge_lora,
     parse_target_modules,
@@ -75,6 +76,37 @@ def test_adapters_in_layers_equal_merged_weights(family):
     want = compute_logits(merge_lora(full), cfg, ids, mask)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert float(jnp.abs(got - compute_logits(params, cfg, ids, mask)).max()) > 0.05  # the adapters matter
+
+
+def test_lora_dropout_is_peft_on_the_adapters_input():
+    """PEFT's lora_dropout: scale * ((x * m / keep) @ A) @ B, m ~ Bernoulli(keep) per element, a mask of its own
+    per projection and layer; dropout 0 (or no key: the sampler, the no-grad passes) is the plain adapter."""
+    x = jax.random.normal(jax.random.key(0), (3, 5, 32))
+    a, b = jax.random.normal(jax.random.key(1), (32, 4)), jax.random.normal(jax.random.key(2), (4, 8))
+    key = jax.random.key(3)
+    got = lora_delta(x, {"A": a, "B": b, "dropout_key": key, "dropout_keep": jnp.float32(0.75)}, 2.0, jnp.float32)
+    kept = jax.random.bernoulli(key, 0.75, x.shape)
+    np.testing.assert_allclose(got, 2.0 * (jnp.where(kept, x / 0.75, 0.0) @ a) @ b, rtol=1e-5, atol=1e-5)
+    assert 0.6 < float(kept.mean()) < 0.9
+
+    cfg = _cfg()
+    params, ad = init_params(cfg, jax.random.key(0)), _trained(cfg)
+    ids, mask = _batch(cfg.vocab_size)
+    plain = compute_logits(with_lora(params, ad, LORA.scale), cfg, ids, mask)
+    np.testing.assert_array_equal(compute_logits(with_lora(params, ad, LORA.scale, 0.0, jax.random.key(5)), cfg,
+                                                 ids, mask), plain)
+    np.testing.assert_array_equal(compute_logits(with_lora(params, ad, LORA.scale, 0.5), cfg, ids, mask), plain)
+    one = compute_logits(with_lora(params, ad, LORA.scale, 0.5, jax.random.key(5)), cfg, ids, mask)
+    np.testing.assert_array_equal(one, compute_logits(with_lora(params, ad, LORA.scale, 0.5, jax.random.key(5)),
+                                                      cfg, ids, mask))
+    assert float(jnp.abs(one - plain).max()) > 1e-3
+    assert float(jnp.abs(one - compute_logits(with_lora(params, ad, LORA.scale, 0.5, jax.random.key(6)), cfg, ids,
+                                              mask)).max()) > 1e-3
+    keys = with_lora(params, ad, LORA.scale, 0.5, jax.random.key(5))["lora"].weights["layers"]["attn"]
+    assert not np.array_equal(jax.random.key_data(keys["q_proj"]["dropout_key"]),
+                              jax.random.key_data(keys["k_proj"]["dropout_key"]))
+    with pytest.raises(ValueError, match="dropout"):
+        LoraConfig(rank=4, alpha=8.0, dropout=1.0)
 
 
 def test_target_modules_subset_and_names():

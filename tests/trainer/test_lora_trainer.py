@@ -49,11 +49,33 @@ def test_lora_update_moves_only_adapters_by_their_gradient():
     assert float(metrics["actor/grad_norm"]) > 0
 
 
+def test_lora_dropout_draws_its_masks_from_the_update_key():
+    """lora_dropout in the update: the same key gives the same update, another key (or no dropout) another;
+    the gradient stays on the adapters."""
+    base = init_params(CFG, jax.random.PRNGKey(0))
+    ad = jax.tree.map(lambda x: x + 0.05, init_lora(CFG, LORA, jax.random.PRNGKey(1)))
+    b = _batch()
+    s = dataclasses.replace(SETTINGS, ppo_epochs=1, shuffle=False)
+    tx = optax.sgd(0.1)
+
+    def run(dropout, key):
+        update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
+                                           num_micro_batches=2, lora_scale=LORA.scale, lora_dropout=dropout))
+        params = {"lora": ad}
+        new, _, metrics = update(params, tx.init(params), b, jax.random.PRNGKey(key), None, None, base)
+        return jax.device_get(new["lora"]), float(metrics["actor/grad_norm"])
+
+    plain, again, other, none = run(0.3, 1), run(0.3, 1), run(0.3, 2), run(0.0, 1)
+    jax.tree.map(np.testing.assert_array_equal, plain[0], again[0])
+    assert plain[1] == again[1] and plain[1] != other[1] and plain[1] != none[1] and plain[1] > 0
+
+
 @pytest.mark.parametrize("key,value,match", [
     (f"{ARR}.model.lora_rank", -1, r"actor_rollout_ref.model.lora_rank=-1: must be an int >= 0"),
     (f"{ARR}.model.target_modules", ["q_proj", "attn"],
      r"actor_rollout_ref.model.target_modules=.*unknown module name.*'attn'"),
     (f"{ARR}.model.lora_alpha", 0, r"actor_rollout_ref.model.lora_alpha=0(\.0)?: must be > 0"),
+    (f"{ARR}.model.lora_dropout", 1.0, r"actor_rollout_ref.model.lora_dropout=1.0: must be in \[0, 1\)"),
 ])
 def test_bad_lora_keys_name_the_key(tmp_path, key, value, match):
     cfg = tiny_config(tmp_path, **{f"{ARR}.model.lora_rank": 4, key: value})
@@ -62,7 +84,10 @@ def test_bad_lora_keys_name_the_key(tmp_path, key, value, match):
 
 
 def _run(run_dir, tmp_path, steps, **extra):
-    overrides = {f"{ARR}.model.lora_rank": 8, f"{ARR}.model.lora_alpha": 16, f"{ARR}.actor.optim.lr": 1e-2,
+    # TRL's default lora_dropout: PEFT's dropout in the update's forward, its masks drawn from the step's key
+    # (so the resumed run below trains on the same masks)
+    overrides = {f"{ARR}.model.lora_rank": 8, f"{ARR}.model.lora_alpha": 16, f"{ARR}.model.lora_dropout": 0.05,
+                 f"{ARR}.actor.optim.lr": 1e-2,
                  f"{ARR}.actor.use_kl_loss": True, f"{ARR}.actor.kl_loss_coef": 0.1,
                  "trainer.total_training_steps": steps, **extra}
     return Trainer(with_reward_file(tiny_config(run_dir, **overrides), tmp_path))
@@ -88,12 +113,14 @@ def test_lora_run_reference_checkpoint_resume_and_export(tmp_path):
     assert max(float(abs(x).max()) for x in jax.tree.leaves(jax.device_get(actor.params))) > 0
 
     meta = read_checkpoint_meta(full / "checkpoints" / "3")
-    assert meta["lora"] == {"rank": 8, "alpha": 16.0, "target_modules": list(LORA.targets), "base_path": "tiny:llama"}
+    assert meta["lora"] == {"rank": 8, "alpha": 16.0, "target_modules": list(LORA.targets), "dropout": 0.05,
+                            "base_path": "tiny:llama"}
     merged = jax.device_get(merge_lora(actor.model_params))
     exported = hf.load_hf_folder(full / "hf")[1]  # finish(): the merged policy as an HF folder ...
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), exported, merged)
     peft_dir = full / "hf_peft"  # ... and the adapters as a PEFT folder
-    assert json.loads((peft_dir / "adapter_config.json").read_text())["r"] == 8
+    peft_config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert (peft_config["r"], peft_config["lora_dropout"]) == (8, 0.05)
     # a LoRA checkpoint converts to the merged HF folder (base re-read from its path) and a PEFT folder
     convert = tiny_runs.load_convert_to_hf()
     assert convert.main(["--input", str(full), "--output", str(tmp_path / "hf"), "--peft", str(tmp_path / "peft")]) == 0

@@ -325,6 +325,9 @@ def _lora(m: Mapper, src: Source) -> None:
                                                   "default)")
     m.set_lora(lora.pop("lora_rank"), lora.pop("lora_alpha"), lora.pop("target_modules", "all-linear"),
                ("model.lora_configs.lora_rank", "model.lora_configs.lora_alpha", "model.lora_configs.target_modules"))
+    if "lora_dropout" in lora:
+        m.set("actor_rollout_ref.model.lora_dropout", float(lora.pop("lora_dropout")),
+              "model.lora_configs.lora_dropout")
     for name, value in lora.items():
         if not is_off(value):
             m.error(f"model.lora_configs.{name}", f"{value!r}: not available for jaxrl_llm's LoRA (rank, alpha, "

@@ -263,10 +263,8 @@ def _lora(m: Mapper, args: dict[str, Any]) -> None:
             m.ignore(key, "used only with use_peft")
     if not use:
         return
-    dropout = args.get("lora_dropout", 0.05)
-    if dropout not in (0, 0.0):
-        m.error("lora_dropout", f"{dropout!r}{' (TRL default)' if 'lora_dropout' not in args else ''}: jaxrl_llm's "
-                                "LoRA has no dropout; pass --lora_dropout=0 to train without it")
+    m.set(f"{M}.lora_dropout", float(args.get("lora_dropout", 0.05)),
+          "lora_dropout" if "lora_dropout" in args else "lora_dropout (TRL's default)")
     targets = args.get("lora_target_modules")
     m.set_lora(args.get("lora_r", 16), args.get("lora_alpha", 32), PEFT_DEFAULT_TARGETS if targets is None else targets,
                ("lora_r", "lora_alpha", "lora_target_modules"))
