@@ -280,7 +280,8 @@ def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
         max_len_mask=bool(alg.max_len_mask),
         difficulty_mask=((float(alg.difficulty_mask.low_threshold), float(alg.difficulty_mask.high_threshold))
                          if alg.difficulty_mask.enable else None),
-        pf_ppo=((str(alg.pf_ppo.reweight_method), float(alg.pf_ppo.weight_pow)) if alg.use_pf_ppo else None))
+        pf_ppo=((str(alg.pf_ppo.reweight_method), float(alg.pf_ppo.weight_pow)) if alg.use_pf_ppo else None),
+        mask_truncated=bool(alg.mask_truncated_completions))
 
 
 def _micro(key: str, fixed: int | str | None, dynamic: bool, budget: int | None) -> MicroBatching:

@@ -154,6 +154,7 @@ class AdvantageSpec:
     advantage_clip: float | None = None
     max_len_mask: bool = False  # ROLL's sample-level masks (losses/shaping.py `sample_mask`)
     difficulty_mask: tuple[float, float] | None = None  # (low, high) thresholds on a prompt's mean score
+    mask_truncated: bool = False  # TRL's mask_truncated_completions: no-EOS responses leave the loss only
     # veRL's pf-PPO (algorithm.use_pf_ppo): (reweight_method, weight_pow) of the rows' resampling after GAE
     pf_ppo: tuple[str, float] | None = None
 

@@ -575,6 +575,10 @@ ALGORITHM = {
                                     "difficulty_low_threshold.", types=float),
         "high_threshold": field(1.0, "... and below this. ROLL: difficulty_high_threshold.", types=float),
     },
+    "mask_truncated_completions": field(False, "Leave the responses that did not end with an EOS token (cut at "
+                                               "data.max_response_length) out of the loss, not out of the "
+                                               "advantages (their scores still count in their group); logs "
+                                               "actor/truncated_frac. TRL."),
     "use_pf_ppo": field(False, "Preference-feedback PPO (gae only, as veRL): after the advantages, the step's "
                                "rows are resampled with replacement, each drawn with a weight from its score "
                                "(pf_ppo.*), and both updates train on the resampled batch (metrics describe the "

@@ -93,3 +93,10 @@ def pf_ppo_rows(scores: np.ndarray, method: str, weight_pow: float, seed: int) -
     torch.multinomial; here numpy's generator seeded by the step, the same on every process)."""
     w = pf_ppo_weights(scores, method, weight_pow)
     return np.random.default_rng(seed).choice(len(w), size=len(w), replace=True, p=w / w.sum())
+
+
+def truncated_rows(last_tokens: np.ndarray, response_lengths: np.ndarray, eos_ids: tuple[int, ...]) -> np.ndarray:
+    """TRL's truncated completions: the rows whose response does not end with an EOS token (cut at the
+    response length), or is empty. `last_tokens` [N]: each row's last response token."""
+    lengths = np.asarray(response_lengths)
+    return (lengths == 0) | ~np.isin(np.asarray(last_tokens), np.asarray(eos_ids))

@@ -47,7 +47,10 @@ class Denominators(NamedTuple):
 def denominators(mask: jax.Array, loss_scale_factor: float | None = None) -> Denominators:
     mask = mask.astype(jnp.float32)
     scale = None if loss_scale_factor is None else jnp.float32(loss_scale_factor)
-    return Denominators(mask.sum(), (mask.sum(-1) > 0).sum().astype(jnp.float32), scale)
+    # at least 1 (TRL's clamp): a mini-batch whose every response is masked out (mask_truncated_completions,
+    # sample masks) has loss 0 and no gradient, not 0 / 0
+    return Denominators(jnp.maximum(mask.sum(), 1.0), jnp.maximum((mask.sum(-1) > 0).sum().astype(jnp.float32), 1.0),
+                        scale)
 
 
 def _merge_leading(x: jax.Array) -> jax.Array:

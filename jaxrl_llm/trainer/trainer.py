@@ -36,7 +36,7 @@ from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.bookkeeping.tracking import dump_jsonl
 from jaxrl_llm.config.spec import ModelSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
-from jaxrl_llm.losses.shaping import sample_mask
+from jaxrl_llm.losses.shaping import sample_mask, truncated_rows
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.roles.actor import OLD_LOG_PROBS
 from jaxrl_llm.roles.experience import (
@@ -229,6 +229,8 @@ class Trainer(Run):
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
                 extra.update(mask_metrics)
                 extra.update({k: float(v) for k, v in jax.device_get(distill_metrics).items()})
+            if spec.advantage.mask_truncated:  # TRL: the advantages keep every row, the loss only the finished
+                exp, extra["actor/truncated_frac"] = self._mask_truncated(exp, rollout)
             # pf-PPO: both updates train on the rows resampled by score (the metrics describe the batch as sampled)
             train_exp, train_rows = exp, rows
             if spec.advantage.pf_ppo is not None:
@@ -284,6 +286,17 @@ class Trainer(Run):
                                 model_cfg=self.actor.model_cfg if model_cfg is None else model_cfg,
                                 temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
                                 logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)
+
+    def _mask_truncated(self, exp: Experience, rollout: Rollout) -> tuple[Experience, float]:
+        """`exp` with the responses that did not end with EOS out of the loss (TRL's
+        mask_truncated_completions); the fraction of them."""
+        ids = np.asarray(to_host(rollout.input_ids))
+        prompt_cols = ids.shape[1] - int(rollout.response_mask.shape[1])
+        lengths = np.asarray(rollout.response_lengths)
+        last = ids[np.arange(len(lengths)), prompt_cols + np.maximum(lengths - 1, 0)]
+        truncated = truncated_rows(last, lengths, self.generator.eos_ids)
+        keep = to_device((~truncated).astype(np.float32)[:, None], self.mesh)
+        return dataclasses.replace(exp, response_mask=exp.response_mask * keep), float(truncated.mean())
 
     def _experience_metrics(self, exp_metrics: dict[str, Any], kl_coef: float, rows: int) -> dict[str, float]:
         """Host metrics of `make_experience`; steps the KL controller on the in-reward KL."""

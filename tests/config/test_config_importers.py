@@ -474,6 +474,8 @@ def test_trl_use_peft_is_lora():
                          dp_size=8)
     assert values(r, f"{M}.lora_rank", f"{M}.lora_alpha", f"{M}.target_modules", f"{M}.lora_dropout") == (
         16, 32, ["q_proj", "v_proj"], 0.0)
+    r = import_trl_flags(["--mask_truncated_completions"], dp_size=8)
+    assert values(r, "algorithm.mask_truncated_completions") == (True,)
     # TRL's default dropout (0.05) is PEFT's lora_dropout, trained as PEFT does (models/lora.py)
     r = import_trl_flags(["--use_peft", "--lora_r=16"], dp_size=8)
     assert values(r, f"{M}.lora_rank", f"{M}.lora_dropout") == (16, 0.05)
@@ -515,7 +517,6 @@ def apply_tiny(cfg):
 
 @pytest.mark.parametrize("flags,key,why", [
     (["--repetition_penalty=1.1"], "repetition_penalty", "repetition penalty"),
-    (["--mask_truncated_completions"], "mask_truncated_completions", "truncated"),
     (["--loss_type=sapo_like"], "loss_type", "jaxrl_llm has grpo"),
     (["--lr_scheduler_type=polynomial"], "lr_scheduler_type", "constant, cosine and linear"),
     (["--scale_rewards=batch"], "scale_rewards", "group std"),

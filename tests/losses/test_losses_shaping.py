@@ -180,3 +180,12 @@ def test_pf_ppo_weights_and_draws_follow_verls_formula():
     np.testing.assert_allclose(share, np.abs(scores) ** 2 / np.sum(np.abs(scores) ** 2), atol=0.015)
     assert share[1] == 0.0  # a zero score's 1e-8 weight is as good as never drawn
     assert np.array_equal(pf_ppo_rows(scores, "pow", 2.0, 7), pf_ppo_rows(scores, "pow", 2.0, 7))
+
+
+def test_truncated_rows_are_trls():
+    """TRL's mask_truncated_completions: a completion without an EOS token is truncated (here: its last
+    response token is not an EOS id, or it is empty)."""
+    from jaxrl_llm.losses.shaping import truncated_rows
+
+    got = truncated_rows(np.array([2, 5, 2, 7]), np.array([3, 8, 0, 4]), (2, 7))
+    np.testing.assert_array_equal(got, [False, True, True, False])

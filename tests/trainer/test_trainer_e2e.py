@@ -70,6 +70,16 @@ def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
         advantage_clip=None))
     assert list(trainer.actor.compiled_updates) == [(1, 1)]  # one actor update program for all of them
 
+    # TRL's mask_truncated_completions: the responses without EOS (nearly all of this random model's 8-token
+    # ones) leave the loss, the advantages unchanged; the same update program
+    trainer.spec = dataclasses.replace(trainer.spec, advantage=dataclasses.replace(
+        trainer.spec.advantage, mask_truncated=True))
+    metrics = trainer.train_step(next(trainer.train_loader))
+    assert 0 < metrics["actor/truncated_frac"] <= 1 and metrics["actor/num_nonfinite_skipped"] == 0, metrics
+    trainer.spec = dataclasses.replace(trainer.spec, advantage=dataclasses.replace(
+        trainer.spec.advantage, mask_truncated=False))
+    assert list(trainer.actor.compiled_updates) == [(1, 1)]
+
     # rollout correction: old log-probs are recomputed and compared with the sampler's (equal in fp32)
     trainer.spec = dataclasses.replace(
         trainer.spec, rollout_correction=dataclasses.replace(trainer.spec.rollout_correction, rollout_is="token"))

@@ -45,6 +45,7 @@ SIMPLE = {
     "reward_clip_range": "algorithm.trl_rloo.reward_clip_range",
     "normalize_advantage": "algorithm.trl_rloo.normalize_advantage",
     "token_level_kl": "algorithm.trl_rloo.token_level_kl",
+    "mask_truncated_completions": "algorithm.mask_truncated_completions",
 }
 # the older RLOOTrainer's arguments (sequence-level RLOO, its own batch arithmetic)
 RLOO_MODE = ("rloo_k", "kl_coef", "cliprange", "normalize_reward", "normalize_advantage",
@@ -75,7 +76,6 @@ SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine
 ERRORS = {  # argument -> (is its value unsupported?, why)
     "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "a repetition penalty is not available (1.0 only)"),
     "min_p": (lambda v: v not in (None, 0, 0.0), "min-p sampling is not available"),
-    "mask_truncated_completions": (bool, "masking truncated completions out of the loss is not available"),
     "top_entropy_quantile": (lambda v: v not in (None, 1, 1.0), "entropy-quantile token masking is not available"),
     "sync_ref_model": (bool, "syncing the reference model to the policy is not available"),
     "whiten_rewards": (bool, "reward whitening is not available"),
