@@ -58,9 +58,12 @@ def test_lora_dropout_draws_its_masks_from_the_update_key():
     s = dataclasses.replace(SETTINGS, ppo_epochs=1, shuffle=False)
     tx = optax.sgd(0.1)
 
+    updates = {dropout: jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
+                                                  num_micro_batches=2, lora_scale=LORA.scale, lora_dropout=dropout))
+               for dropout in (0.0, 0.3)}
+
     def run(dropout, key):
-        update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
-                                           num_micro_batches=2, lora_scale=LORA.scale, lora_dropout=dropout))
+        update = updates[dropout]
         params = {"lora": ad}
         new, _, metrics = update(params, tx.init(params), b, jax.random.PRNGKey(key), None, None, base)
         return jax.device_get(new["lora"]), float(metrics["actor/grad_norm"])
