@@ -35,15 +35,11 @@ typecheck: $(STAMP)
 # out in collection order, the minutes-long ones first (tests/conftest.py HEAVY_FIRST), not xdist's default of
 # most tests first, which left the long multi-process files for last.
 PYTEST_WORKERS ?= 2
-# The type check (a minute of one core) runs beside the tests, its report printed after them; either failing
-# fails the target.
 test: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,tpu-plan]"
 	$(PY) -m ruff check jaxrl_llm launch bench scripts tests
-	$(PY) -m basedpyright --warnings > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
-	$(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not examples" tests; \
-	tests=$$?; wait $$typecheck; types=$$?; cat $(VENV)/typecheck.log; \
-	test $$tests -eq 0 && test $$types -eq 0
+	$(PY) -m basedpyright --warnings
+	$(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not examples" tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not examples" tests
