@@ -459,18 +459,14 @@ def validate_config(cfg: ml_collections.ConfigDict, *, model_max_positions: int 
 
 
 def _check_reward_funcs(custom: ml_collections.ConfigDict) -> None:
-    """custom_reward_function.reward_funcs names open-r1's functions (rewards/named.py), one weight each."""
-    from jaxrl_llm.rewards.named import NAMES
+    """custom_reward_function.reward_funcs / reward_weights as rewards/named.py's `NamedRewards` checks them
+    (known names, each once, one weight each), the weights numbers."""
+    from jaxrl_llm.rewards.named import NamedRewards
 
-    funcs, weights = list(custom.reward_funcs), custom.reward_weights
-    for name in funcs:
-        if name not in NAMES:
-            raise ConfigError(f"custom_reward_function.reward_funcs: {name!r} is not one of {', '.join(NAMES)}")
-    if len(set(funcs)) != len(funcs):
-        raise ConfigError(f"custom_reward_function.reward_funcs={funcs}: a function is named twice")
-    if weights is not None:
-        if len(weights) != len(funcs):
-            raise ConfigError(f"custom_reward_function.reward_weights={list(weights)}: {len(weights)} weights for "
-                              f"{len(funcs)} reward_funcs")
-        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
-            raise ConfigError(f"custom_reward_function.reward_weights={list(weights)}: numbers expected")
+    funcs, weights = tuple(custom.reward_funcs), custom.reward_weights
+    if weights is not None and not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise ConfigError(f"custom_reward_function.reward_weights={list(weights)}: numbers expected")
+    try:
+        NamedRewards(funcs, tuple(float(w) for w in (weights or [1.0] * len(funcs))))  # its own checks
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

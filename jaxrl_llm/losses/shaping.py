@@ -88,7 +88,7 @@ def pf_ppo_weights(scores: np.ndarray, method: str, weight_pow: float) -> np.nda
     return np.maximum(w + 1e-8, 1e-8)
 
 
-def pf_ppo_rows(scores: np.ndarray, method: str, weight_pow: float, seed: int) -> np.ndarray:
+def pf_ppo_rows(scores: np.ndarray, method: str, weight_pow: float, seed: int | tuple[int, ...]) -> np.ndarray:
     """As many row indices as rows, drawn with replacement in proportion to `pf_ppo_weights` (veRL's
     torch.multinomial; here numpy's generator seeded by the step, the same on every process)."""
     w = pf_ppo_weights(scores, method, weight_pow)

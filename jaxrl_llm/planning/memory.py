@@ -319,6 +319,7 @@ class Planner:
                 note="the compiler ran out of device memory")
             return out
         mem = compiled.memory_analysis()
+        text = compiled.as_text() or ""  # read once: the costs' collectives and the kernels
         # XLA counts each loop body once: the layer scan's (one layer, so add the others), then the trips
         body = _flops(compiled) + (program.layers - 1) * layer_flops(program, plan, lowered, self.mesh.size)
         flops = body * program.trips(plan) + program.extra_flops(plan)
@@ -328,13 +329,14 @@ class Planner:
             alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
             code_bytes=int(mem.generated_code_size_in_bytes), resident_bytes=resident, params_bytes=params,
             opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
-            counted=compiled_cost(compiled), kernels=self._kernels(compiled))
+            counted=compiled_cost(compiled, text), kernels=self._kernels(text))
         return out
 
-    def _kernels(self, compiled: jax.stages.Compiled) -> tuple[tuple[str, int], ...]:
-        """Our kernels' custom calls in `compiled` (none on a CPU, where the kernels are not used)."""
+    def _kernels(self, text: str) -> tuple[tuple[str, int], ...]:
+        """Our kernels' custom calls in a compiled program's `text` (none on a CPU, where the kernels are
+        not used)."""
         platform = {"tpu": "tpu", "gpu": "cuda", "cuda": "cuda"}.get(self.mesh.devices.flat[0].platform)
-        return () if platform is None else tuple(sorted(kernel_calls(compiled.as_text() or "", platform).items()))
+        return () if platform is None else tuple(sorted(kernel_calls(text, platform).items()))
 
     def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         """`analyse`'s row with the program's whole cost (planning/roofline.py): the compiled counts with one

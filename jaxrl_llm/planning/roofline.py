@@ -101,13 +101,14 @@ def link_bytes_of(hlo_text: str) -> float:
     return total
 
 
-def compiled_cost(compiled: jax.stages.Compiled) -> Cost:
-    """A compiled program's own counts (loop bodies once)."""
+def compiled_cost(compiled: jax.stages.Compiled, text: str | None = None) -> Cost:
+    """A compiled program's own counts (loop bodies once); `text`: its `as_text()` where the caller
+    already holds it (a large program's text takes a while to print)."""
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis  # older jax: one per computation
     analysis = analysis or {}
     return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-                link_bytes_of(compiled.as_text() or ""))
+                link_bytes_of((compiled.as_text() or "") if text is None else text))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,12 +58,14 @@ class NamedRewards:
     code_language: str = "python"
 
     def __post_init__(self) -> None:
-        unknown = [f for f in self.funcs if f not in NAMES]
-        if unknown:
-            raise ValueError(f"custom_reward_function.reward_funcs: {unknown} are not among {list(NAMES)}")
+        for name in self.funcs:
+            if name not in NAMES:
+                raise ValueError(f"custom_reward_function.reward_funcs: {name!r} is not one of {', '.join(NAMES)}")
+        if len(set(self.funcs)) != len(self.funcs):
+            raise ValueError(f"custom_reward_function.reward_funcs={list(self.funcs)}: a function is named twice")
         if len(self.weights) != len(self.funcs):
-            raise ValueError(f"custom_reward_function.reward_weights: {len(self.weights)} weights for "
-                             f"{len(self.funcs)} reward_funcs")
+            raise ValueError(f"custom_reward_function.reward_weights={list(self.weights)}: {len(self.weights)} "
+                             f"weights for {len(self.funcs)} reward_funcs")
         if self.repetition_max_penalty > 0:
             raise ValueError(f"custom_reward_function.openr1.repetition_max_penalty={self.repetition_max_penalty}: "
                              "must not be positive (open-r1)")
@@ -120,8 +122,10 @@ def code_reward(text: str, ground_truth: Any) -> float:
     return code.compute_score(text, ground_truth)
 
 
-def _per_response(name: str, p: NamedRewards) -> Callable[[str, bool, Any], float]:
-    """`(response, correct, ground_truth) -> score` for a function scored one response at a time."""
+def _per_response(name: str, p: NamedRewards, code_fraction: Callable[[str, Any], float]
+                  ) -> Callable[[str, bool, Any], float]:
+    """`(response, correct, ground_truth) -> score` for a function scored one response at a time;
+    `code_fraction`: `code_reward`, or a cache of it (code and binary_code run the tests once)."""
     return {
         "format": lambda t, c, g: format_reward(t),
         "tag_count": lambda t, c, g: tag_count_reward(t),
@@ -129,8 +133,8 @@ def _per_response(name: str, p: NamedRewards) -> Callable[[str, bool, Any], floa
         "cosine": lambda t, c, g: cosine_reward(t, c, p),
         "repetition_penalty": lambda t, c, g: repetition_penalty_reward(t, p.repetition_n_grams,
                                                                         p.repetition_max_penalty),
-        "code": lambda t, c, g: code_reward(t, g),
-        "binary_code": lambda t, c, g: float(code_reward(t, g) > BINARY_THRESHOLD),
+        "code": lambda t, c, g: code_fraction(t, g),
+        "binary_code": lambda t, c, g: float(code_fraction(t, g) > BINARY_THRESHOLD),
         "code_format": lambda t, c, g: code_format_reward(t, p.code_language),
     }[name]
 
@@ -144,13 +148,22 @@ def named_scores(p: NamedRewards, responses: Sequence[str], scorer: np.ndarray, 
     total = np.zeros(len(responses), np.float32)
     each: dict[str, np.ndarray] = {}
     errors: list[str] = []
+    # the fraction of its row's tests a response passes, per (response, ground truth) of this call
+    passed: dict[tuple[str, int], float] = {}
+
+    def code_fraction(text: str, truth: Any) -> float:
+        key = (text, id(truth))  # the ground truths live through the call
+        if key not in passed:
+            passed[key] = code_reward(text, truth)
+        return passed[key]
+
     for name, weight in zip(p.funcs, p.weights):
         if name == "accuracy":
             values = np.asarray(scorer, np.float32)
         elif name == "length":
             values = length_rewards(responses, correct)
         else:
-            fn = _per_response(name, p)
+            fn = _per_response(name, p, code_fraction)
             values = np.zeros(len(responses), np.float32)
             for i, (text, ok, truth) in enumerate(zip(responses, correct, ground_truths)):
                 try:

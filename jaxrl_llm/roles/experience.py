@@ -96,7 +96,7 @@ def pf_ppo_resample(exp: Experience, rows: StepRows, scores: np.ndarray, pf_ppo:
     """veRL's pf-PPO: `exp`'s rows (and their layout `rows`) resampled with replacement by score
     (losses/shaping.py `pf_ppo_rows`); the fraction of distinct rows drawn. Duplicated rows share no
     prompt tokens in a packed layout (each is packed whole)."""
-    idx = pf_ppo_rows(scores, *pf_ppo, seed=int(np.random.SeedSequence(seed).generate_state(1)[0]))
+    idx = pf_ppo_rows(scores, *pf_ppo, seed=seed)
     resampled = _take_rows(exp, idx.astype(np.int32))  # the same indices on every process
     layout = dataclasses.replace(rows, start=rows.start[idx], length=rows.length[idx], prompt_groups=None)
     return resampled, layout, float(len(np.unique(idx)) / len(idx))

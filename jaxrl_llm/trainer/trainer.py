@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
@@ -290,10 +291,11 @@ class Trainer(Run):
     def _mask_truncated(self, exp: Experience, rollout: Rollout) -> tuple[Experience, float]:
         """`exp` with the responses that did not end with EOS out of the loss (TRL's
         mask_truncated_completions); the fraction of them."""
-        ids = np.asarray(to_host(rollout.input_ids))
-        prompt_cols = ids.shape[1] - int(rollout.response_mask.shape[1])
+        prompt_cols = int(rollout.input_ids.shape[1]) - int(rollout.response_mask.shape[1])
         lengths = np.asarray(rollout.response_lengths)
-        last = ids[np.arange(len(lengths)), prompt_cols + np.maximum(lengths - 1, 0)]
+        # each row's last response token, gathered on the devices (not the whole [N, P + R] to the host)
+        last = np.asarray(to_host(_tokens_at(rollout.input_ids, (prompt_cols + np.maximum(lengths - 1, 0)).astype(
+            np.int32))))
         truncated = truncated_rows(last, lengths, self.generator.eos_ids)
         keep = to_device((~truncated).astype(np.float32)[:, None], self.mesh)
         return dataclasses.replace(exp, response_mask=exp.response_mask * keep), float(truncated.mean())
@@ -453,3 +455,9 @@ def _close_all(closers: Any, *, quiet: bool) -> None:
             first = first or err
     if first is not None and not quiet:
         raise first
+
+
+@jax.jit
+def _tokens_at(ids: jax.Array, cols: jax.Array) -> jax.Array:
+    """`ids[i, cols[i]]` for each row i."""
+    return jnp.take_along_axis(ids, cols[:, None], axis=1)[:, 0]

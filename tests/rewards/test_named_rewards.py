@@ -65,12 +65,15 @@ def test_length_is_kimis_over_the_step():
     np.testing.assert_allclose(named.length_rewards(["ab", "cd"], np.array([True, False])), [0.0, 0.0])
 
 
-def test_code_rewards_run_the_rows_tests_in_the_sandbox():
+def test_code_rewards_run_the_rows_tests_in_the_sandbox(monkeypatch):
     info = {"language": "python", "test_cases": [{"input": "1 2\n", "output": "3\n", "type": "stdin_stdout"},
                                                  {"input": "5 5\n", "output": "10\n", "type": "stdin_stdout"}]}
     right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     half = "```python\na, b = map(int, input().split())\nprint(3)\n```"
     assert named.code_reward(right, json.dumps(info)) == 1.0 and named.code_reward(half, info) == 0.5
+    runs = []
+    sandbox = named.code_reward
+    monkeypatch.setattr(named, "code_reward", lambda t, g: runs.append(t) or sandbox(t, g))
     p = NamedRewards(("code", "binary_code", "code_format"), (1.0, 1.0, 1.0))
     formatted = f"<think>\nsum\n</think>\n<answer>\n{right}\n</answer>"
     total, each, errors = named_scores(p, [formatted, half, "no code"], np.zeros(3), [info, info, {"x": 1}])
@@ -79,6 +82,7 @@ def test_code_rewards_run_the_rows_tests_in_the_sandbox():
     np.testing.assert_allclose(each["code_format"], [1.0, 0.0, 0.0])
     np.testing.assert_allclose(total, [3.0, 0.5, 0.0])
     assert len(errors) == 2 and all("ValueError" in e for e in errors)  # the row without test cases, twice
+    assert len(runs) == 4  # code and binary_code share each row's run (the failed one is tried by each)
 
 
 def test_manager_sums_the_weighted_functions_and_logs_each():

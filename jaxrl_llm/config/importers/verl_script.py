@@ -51,8 +51,8 @@ def _logical_lines(text: str) -> list[tuple[int, str, int]]:
             continue
         out.append((start, buffer + line, number))
         buffer = ""
-    if buffer:
-        out.append((start, buffer, start))
+    if buffer:  # the file ends on a continued line
+        out.append((start, buffer, len(text.splitlines())))
     return out
 
 
@@ -62,10 +62,10 @@ def _check_not_cut(path: str, lines: list[str], last: int) -> None:
     line), so those overrides never reach veRL. The script does not run as its author meant: an error."""
     if not ESCAPED_BLANK_COMMENT.search(lines[last - 1]) or last >= len(lines):
         return
-    following = lines[last].strip()
-    if "=" in following.split()[0] if following else False:
+    first_word = (lines[last].split() or [""])[0]
+    if "=" in first_word:
         raise ScriptError(f"{path} line {last}: the backslash before '#' escapes a blank, so bash ends the veRL "
-                          f"command on this line and runs line {last + 1} on ({following.split()[0]!r}, ...) as "
+                          f"command on this line and runs line {last + 1} on ({first_word!r}, ...) as "
                           "commands of their own: the overrides there never reach veRL. Move the comment off the "
                           "continued line and import the script again")
 
