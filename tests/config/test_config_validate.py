@@ -45,6 +45,31 @@ def test_derived_values():
     assert grpo.critic.enable is False
 
 
+def test_the_peer_feature_keys_reach_the_run_spec():
+    """The keys of open-r1's reward functions, pf-PPO, TRL's truncation mask and LoRA dropout resolve into
+    the specs the reward manager, the trainer and the update read."""
+    from jaxrl_llm.config.resolve import resolve_advantage, resolve_reward
+
+    cfg = _validate(_cfg("custom_reward_function.reward_funcs=[accuracy,cosine]",
+                         "custom_reward_function.reward_weights=[1.0,0.5]",
+                         "custom_reward_function.openr1.cosine_max_len=500",
+                         "custom_reward_function.openr1.repetition_n_grams=4",
+                         "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min",
+                         "algorithm.pf_ppo.weight_pow=1.5", "algorithm.mask_truncated_completions=true",
+                         "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_dropout=0.1"))
+    named = resolve_reward(cfg).named
+    assert named is not None and (named.funcs, named.weights) == (("accuracy", "cosine"), (1.0, 0.5))
+    assert (named.cosine_max_len, named.repetition_n_grams) == (500, 4)
+    adv = resolve_advantage(cfg)
+    assert adv.pf_ppo == ("max_min", 1.5) and adv.mask_truncated
+    from jaxrl_llm.config import resolve as resolve_spec
+
+    spec = resolve_spec(cfg, dp_size=2)
+    assert spec.model.lora is not None and spec.model.lora.dropout == 0.1
+    plain = _validate(_cfg())
+    assert resolve_reward(plain).named is None and resolve_advantage(plain).pf_ppo is None
+
+
 def test_validate_returns_a_copy_and_is_idempotent():
     cfg = _cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
     before = cfg.to_dict()
