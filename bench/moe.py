@@ -80,7 +80,7 @@ def mlp_seconds(cfg: ModelConfig, params: dict, tokens: int, reps: int) -> dict[
 
     out = {kernel: timed(lambda e, x, r, k=kernel: expert_ffn(e, x, r, cfg, dtype=jnp.float32, kernel=k))
            for kernel in ("blocked", "ragged_dot", "gather")}
-    out["dense all-experts"] = timed(lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32))
+    out["dense all-experts"] = timed(lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32, cfg=cfg))
     return out
 
 

@@ -14,6 +14,10 @@ CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, m
 MIXED_CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
                              shared_expert_intermediate_size=24, moe_block_rows=8, num_hidden_layers=3,
                              mlp_only_layers=(1,))
+# GPT-OSS: attention sinks, biases on q / k / v / o, the router and the experts, the top-k softmax router and a
+# SwiGLU clamp these scales reach
+GPT_OSS_CFG = ModelConfig.tiny("gpt_oss", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
+                               intermediate_size=16, moe_block_rows=8, swiglu_limit=0.3)
 N, P, R = 8, 5, 6
 SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
                      clip_ratio_c=3.0, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
@@ -29,6 +33,18 @@ def near_tied(params: dict, eps: float = 1e-6) -> dict:
     router = params["layers"]["moe"]["router"]["kernel"]
     moe = {**params["layers"]["moe"], "router": {"kernel": router[:, :, :1] + eps * router}}
     return {**params, "layers": {**params["layers"], "moe": moe}}
+
+
+def with_random_biases(params: dict, seed: int = 0, scale: float = 0.3) -> dict:
+    """`params` with every bias and attention sink drawn normal(0, scale): fresh ones are zeros, which would
+    leave their paths untested."""
+    import jax
+
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    drawn = [jax.random.normal(k, x.shape, x.dtype) * scale if p[-1].key in ("bias", "sinks") else x
+             for (p, x), k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(tree, drawn)
 
 
 def moe_batch(seed: int = 0) -> Experience:

@@ -38,6 +38,7 @@ TINY_MOE = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 MOE_FAMILIES = tuple(TINY_MOE)
 # mixture-of-experts models with dense MLP layers between the sparse ones: (family, config overrides)
@@ -69,9 +70,17 @@ GEMMA = {
 }
 
 
+# GPT-OSS: 3 layers, sliding (window 3), full, sliding; a SwiGLU clamp the tiny weights reach (transformers'
+# default YaRN RoPE, attention sinks, biases everywhere)
+GPT_OSS = {"gpt_oss": ("gpt_oss", dict(num_hidden_layers=3, sliding_window=3, swiglu_limit=1.0,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                        "beta_slow": 1.0, "truncate": False, "rope_theta": 1.5e5,
+                                                        "original_max_position_embeddings": 64}))}
+
+
 def family_case(case: str) -> tuple[str, dict]:
-    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA case name."""
-    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA}.get(case, (case, {}))
+    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA / GPT_OSS case name."""
+    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GPT_OSS}.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):
@@ -81,7 +90,7 @@ def hf_config(family: str, **overrides):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
-           "gemma3_text": transformers.Gemma3TextConfig}[family]
+           "gemma3_text": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 

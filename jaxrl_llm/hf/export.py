@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_llm import storage
 from jaxrl_llm.arrays import DType
-from jaxrl_llm.hf.names import TensorSpec, get_path, tensor_specs
+from jaxrl_llm.hf.names import TensorSpec, get_path, interleave_parts, tensor_specs
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
@@ -47,8 +47,14 @@ Unit = tuple[TensorSpec, tuple[int, ...], str]  # (spec, index into our leaf, HF
 def _hf_tensor(unit: Unit, params: dict, dtype: np.dtype) -> np.ndarray:
     """One HF tensor (numpy, HF layout) of a spec's leaf."""
     spec, index, _ = unit
-    value = get_path(params, spec.path)
-    return np.ascontiguousarray(spec.to_hf(np.asarray(value[index] if index else value).astype(dtype)))
+
+    def leaf(path: tuple[str, ...]) -> np.ndarray:
+        value = get_path(params, path)
+        return np.asarray(value[index] if index else value).astype(dtype)
+
+    if spec.parts:  # interleaved leaves: one HF tensor
+        return np.ascontiguousarray(interleave_parts([leaf(p) for p in spec.parts]))
+    return np.ascontiguousarray(spec.to_hf(leaf(spec.path)))
 
 
 def _plan_shards(cfg: ModelConfig, specs: list[TensorSpec], itemsize: int, max_shard_size: int) -> list[list[Unit]]:
@@ -56,6 +62,8 @@ def _plan_shards(cfg: ModelConfig, specs: list[TensorSpec], itemsize: int, max_s
     shards: list[list[Unit]] = [[]]
     size = 0
     for spec in specs:
+        if spec.part:  # written with part 0 (`_hf_tensor`)
+            continue
         nbytes = int(np.prod(spec.hf_shape)) * itemsize
         for index, name in spec.units(cfg):
             if shards[-1] and size + nbytes > max_shard_size:

@@ -15,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.hf import mxfp4
 from jaxrl_llm.hf.assemble import Shardings, assemble_params
 from jaxrl_llm.models.config import ModelConfig
 
@@ -67,6 +68,14 @@ class SafetensorsSource:
                 if name.startswith(theirs) and ours + name[len(theirs):] not in self._shapes:
                     alias = ours + name[len(theirs):]
                     self._shapes[alias], self._stored[alias] = self._shapes[name], name
+        # MXFP4 experts (GPT-OSS releases): `<name>_blocks` + `<name>_scales` answer to `<name>`, dequantised
+        self._mxfp4: dict[str, tuple[str, str]] = {}
+        for name in list(self._shapes):
+            base = name[:-len(mxfp4.BLOCKS_SUFFIX)]
+            if name.endswith(mxfp4.BLOCKS_SUFFIX) and base + mxfp4.SCALES_SUFFIX in self._shapes \
+                    and base not in self._shapes:
+                self._shapes[base] = mxfp4.dequantized_shape(self._shapes[name])
+                self._mxfp4[base] = (name, base + mxfp4.SCALES_SUFFIX)
 
     def _files(self) -> list[pathlib.Path]:
         if self._file_of is None:
@@ -86,6 +95,9 @@ class SafetensorsSource:
         return self._shapes.get(name)
 
     def read(self, name: str) -> np.ndarray:
+        if name in self._mxfp4:
+            blocks, scales = self._mxfp4[name]
+            return mxfp4.dequantize(self.read(blocks), self.read(scales))
         name = self._stored.get(name, name)
         file = self._single if self._file_of is None else self._file_of[name]
         return self._open(file).get_tensor(name)

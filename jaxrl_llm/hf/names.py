@@ -40,6 +40,11 @@ class TensorSpec:
     # the HF layer of each row of a stacked leaf (None: every layer; a mixed-layer MoE model's dense MLPs
     # and experts are stacked over their own layers, models/param_init.py)
     layer_ids: tuple[int, ...] | None = None
+    # several of our leaves interleaved along the HF tensor's last axis (GPT-OSS's experts' gate_up_proj:
+    # gate at even, up at odd columns): every part's leaf path in order; this spec is part `part` (its
+    # to_ours takes every len(parts)-th column). Export writes the tensor once, from part 0.
+    parts: tuple[tuple[str, ...], ...] = ()
+    part: int = 0
 
     @property
     def layered(self) -> bool:
@@ -73,6 +78,11 @@ class TensorSpec:
 
 def _identity(x: np.ndarray) -> np.ndarray:
     return x
+
+
+def interleave_parts(parts: list[np.ndarray]) -> np.ndarray:
+    """The HF tensor of interleaved parts (each [..., F]) -> [..., len(parts) * F], part k at columns k::n."""
+    return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
 
 
 def _linear(in_dim: int, out_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
@@ -123,6 +133,10 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
                   (lambda b, n=heads: b.reshape(n, d), lambda b: b.reshape(-1)))
     layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d),
           _linear_in_heads((nh, d), h))
+    if cfg.o_proj_bias:
+        layer(("attn", "o_proj", "bias"), "self_attn.o_proj.bias", (h,))
+    if cfg.attention_sinks:
+        layer(("attn", "sinks"), "self_attn.sinks", (nh,))
     if cfg.qk_norm:
         layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
@@ -151,6 +165,8 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
     they are and transformers 5 fuses on load and splits again on save."""
     h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     lay = "model.layers.{i}."
+    if cfg.model_type == "gpt_oss":
+        return _gpt_oss_moe_specs(cfg)
     mixtral = cfg.model_type == "mixtral"
     block = lay + ("block_sparse_moe." if mixtral else "mlp.")
     names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {m: m for m in MLP_MODULES}
@@ -169,6 +185,27 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
                                     block + f"shared_expert.{ours}.weight", shape, *conv, layer_ids=ids))
         specs.append(TensorSpec(("layers", "moe", "shared_expert_gate", "kernel"), block + "shared_expert_gate.weight",
                                 (1, h), *_linear(h, (1,)), layer_ids=ids))
+    return specs
+
+
+def _gpt_oss_moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """GPT-OSS's experts as its checkpoints store them: one tensor per layer for all experts, [E, in, out]
+    (our layout), gate and up interleaved in `gate_up_proj` (gate at even columns), every projection with
+    a bias, and a biased router `mlp.router` (MXFP4 checkpoints: hf/hf_folder.py dequantises the blocks)."""
+    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    block = "model.layers.{i}.mlp."
+    root = ("layers", "moe")
+    specs = [TensorSpec(root + ("router", "kernel"), block + "router.weight", (e, h), *_linear(h, (e,))),
+             TensorSpec(root + ("router", "bias"), block + "router.bias", (e,), _identity, _identity)]
+    for leaf, suffix, shape in (("kernel", "", (e, h, 2 * f)), ("bias", "_bias", (e, 2 * f))):
+        parts = (root + ("experts", "gate_proj", leaf), root + ("experts", "up_proj", leaf))
+        for k, path in enumerate(parts):
+            specs.append(TensorSpec(path, block + f"experts.gate_up_proj{suffix}", shape,
+                                    lambda w, k=k: w[..., k::2], _identity, parts=parts, part=k))
+    specs.append(TensorSpec(root + ("experts", "down_proj", "kernel"), block + "experts.down_proj", (e, f, h),
+                            _identity, _identity))
+    specs.append(TensorSpec(root + ("experts", "down_proj", "bias"), block + "experts.down_proj_bias", (e, h),
+                            _identity, _identity))
     return specs
 
 

@@ -20,6 +20,11 @@ are a quarter the size (they stay in cache). Results are unchanged for every que
 one visible key; a query with none (left padding) gets a uniform average over its chunk's keys
 instead of over all keys, which nothing reads.
 
+Attention sinks (GPT-OSS): a learned logit per query head that joins the softmax's denominator as a
+key whose value is zero. It is one more term in the row's log-sum-exp, so the backward's
+P = exp(scores - lse) is already right; the sink's own gradient is -sum over rows of
+exp(sink - lse) * rowsum(dO * O) (dP for a zero value is 0).
+
 Numerics (models/numerics.py): the forward is exactly the shared policy (fp32 scores, fp32
 softmax with a finite mask value, `probs_times_values`); the backward's matmuls take
 compute-dtype operands and accumulate in fp32, like the rest of the backward.
@@ -58,17 +63,34 @@ def _masked_scores(qg: Array, k: Array, allowed: Array, groups: int, softcap: fl
     return jnp.where(allowed[:, None, None], scores, MASKED_SCORE)
 
 
-def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None
-             ) -> tuple[Array, Array]:
+def _grouped_sinks(sinks: Array, nkv: int) -> Array:
+    """fp32 sinks [heads] -> [kv, g, 1] (broadcast against [B, kv, g, T] rows)."""
+    return sinks.astype(jnp.float32).reshape(nkv, -1)[:, :, None]
+
+
+def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
+             sinks: Array | None = None) -> tuple[Array, Array]:
     b, t, nh, _ = q.shape
     scores = _masked_scores(_group_queries(q, nkv), k, allowed, nh // nkv, softcap)
     peak = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = _grouped_sinks(sinks, nkv)[..., None]  # [kv, g, 1, 1]
+        peak = jnp.maximum(peak, sink)
     unnormalized = jnp.exp(scores - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - peak)
     probs = (unnormalized / total).reshape(b, nkv, -1, scores.shape[-1])
     out = probs_times_values("bkqs,bksd->bkqd", probs, v)  # fp32 [B, kv, g * T, D]
     lse = (peak + jnp.log(total))[..., 0]  # [B, kv, g, T]
     return out, lse
+
+
+def sink_grads(sinks: Array, out: Array, lse: Array, d_out: Array, nkv: int) -> Array:
+    """d(loss)/d(sinks) [heads] (fp32) from grouped fp32 out / d_out [B, kv, g * T, D] and lse [B, kv, g, T]."""
+    row_dot = jnp.sum(d_out * out, axis=-1).reshape(lse.shape)
+    p_sink = jnp.exp(_grouped_sinks(sinks, nkv) - lse)
+    return -jnp.sum(p_sink * row_dot, axis=(0, 3)).reshape(-1)
 
 
 def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv, softcap):
@@ -96,39 +118,44 @@ def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv, softcap):
     return d_q, d_k, d_v
 
 
-def _run_chunks(q, k, v, allowed, nkv, chunks, softcap):
+def _run_chunks(q, k, v, allowed, sinks, nkv, chunks, softcap):
     """Per chunk (s, e, keys): the grouped fp32 output and lse of queries [s, e) over keys [0, keys)."""
-    return [_forward(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], nkv, softcap) for s, e, n in chunks]
+    return [_forward(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], nkv, softcap, sinks)
+            for s, e, n in chunks]
 
 
-def _attend_chunks_primal(q: Array, k: Array, v: Array, allowed: Array, nkv: int,
+def _attend_chunks_primal(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None, nkv: int,
                           chunks: tuple[tuple[int, int, int], ...], softcap: float | None) -> Array:
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D],
     query chunks (start, end, keys) attending to keys [0, keys) only."""
-    return _attend_chunks_fwd(q, k, v, allowed, nkv, chunks, softcap)[0]
+    return _attend_chunks_fwd(q, k, v, allowed, sinks, nkv, chunks, softcap)[0]
 
 
-def _attend_chunks_fwd(q, k, v, allowed, nkv, chunks, softcap):
-    results = _run_chunks(q, k, v, allowed, nkv, chunks, softcap)
+def _attend_chunks_fwd(q, k, v, allowed, sinks, nkv, chunks, softcap):
+    results = _run_chunks(q, k, v, allowed, sinks, nkv, chunks, softcap)
     out = jnp.concatenate([_ungroup(o, e - s) for (o, _), (s, e, _) in zip(results, chunks)], axis=1)
     # residuals: the inputs once (not per chunk), each chunk's fp32 output and lse
-    return out, (q, k, v, allowed, [o for o, _ in results], [lse for _, lse in results])
+    return out, (q, k, v, allowed, sinks, [o for o, _ in results], [lse for _, lse in results])
 
 
 def _attend_chunks_bwd(nkv, chunks, softcap, residuals, d_out):
-    q, k, v, allowed, outs, lses = residuals
+    q, k, v, allowed, sinks, outs, lses = residuals
     d_out = d_out.astype(jnp.float32)
     d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    d_sinks = None if sinks is None else jnp.zeros(sinks.shape, jnp.float32)
     for (s, e, n), out, lse in zip(chunks, outs, lses):
         dq, dk, dv = _chunk_grads(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], out, lse,
                                   d_out[:, s:e], nkv, softcap)
         d_q.append(dq)
         d_k, d_v = d_k.at[:, :, :n].add(dk), d_v.at[:, :, :n].add(dv)
+        if sinks is not None:
+            d_sinks = d_sinks + sink_grads(sinks, out, lse, _group_queries(d_out[:, s:e], nkv), nkv)
     d_q = jnp.concatenate(d_q, axis=1)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    d_sinks = None if sinks is None else d_sinks.astype(sinks.dtype)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks
 
 
-_attend_chunks = jax.custom_vjp(_attend_chunks_primal, nondiff_argnums=(4, 5, 6))
+_attend_chunks = jax.custom_vjp(_attend_chunks_primal, nondiff_argnums=(5, 6, 7))
 _attend_chunks.defvjp(_attend_chunks_fwd, _attend_chunks_bwd)
 
 
@@ -139,15 +166,15 @@ def chunk_bounds(t: int) -> list[tuple[int, int]]:
 
 
 def attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, *, causal: bool,
-           softcap: float | None = None) -> Array:
+           softcap: float | None = None, sinks: Array | None = None) -> Array:
     """Attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D] where `allowed` [B, T, S];
     fp32 [B * T, heads, D]. `causal` (S == T, `allowed` implies key <= query): run the queries in
     chunks, each over the keys up to its last row only. `softcap`: scores become cap * tanh(s / cap)
-    (Gemma 2's attn_logit_softcapping)."""
+    (Gemma 2's attn_logit_softcapping). `sinks` fp32 [heads]: GPT-OSS's attention sinks (module doc)."""
     b, t, nh, hd = q.shape
     keys = k.shape[2]
     if causal and t == keys:
         chunks = tuple((s, e, e) for s, e in chunk_bounds(t))
     else:
         chunks = ((0, t, keys),)
-    return _attend_chunks(q, k, v, allowed, nkv, chunks, softcap).reshape(b * t, nh, hd)
+    return _attend_chunks(q, k, v, allowed, sinks, nkv, chunks, softcap).reshape(b * t, nh, hd)

@@ -132,42 +132,59 @@ def blockwise_grads(q_chunks: Array, k: Array, v: Array, masks: Array, out: Arra
     return lax.fori_loop(*seen_range(chunk_any), chunk, init)
 
 
-def empty_results(q_chunks: Array) -> tuple[Array, Array]:
-    """(out, lse) before any key: zeros and MASKED_SCORE (weight 0 in the first merge)."""
-    return jnp.zeros(q_chunks.shape, jnp.float32), jnp.full(q_chunks.shape[:4], MASKED_SCORE, jnp.float32)
+def empty_results(q_chunks: Array, sinks: Array | None = None) -> tuple[Array, Array]:
+    """(out, lse) before any key: zeros and MASKED_SCORE (weight 0 in the first merge); with attention
+    sinks (fp32 [heads]) the lse starts at the sink, a key of value zero merged like any other block."""
+    out = jnp.zeros(q_chunks.shape, jnp.float32)
+    if sinks is None:
+        return out, jnp.full(q_chunks.shape[:4], MASKED_SCORE, jnp.float32)
+    return out, jnp.broadcast_to(sinks.astype(jnp.float32), q_chunks.shape[:4])
+
+
+def sink_grads_token_major(sinks: Array, out: Array, lse: Array, d_out: Array) -> Array:
+    """d(loss)/d(sinks) [heads] from fp32 out / d_out [..., heads, D] and lse [..., heads] (token-major layouts):
+    -sum over rows of exp(sink - lse) * rowsum(dO * O) (models/attention.py)."""
+    row_dot = jnp.sum(d_out * out, axis=-1)
+    p_sink = jnp.exp(sinks.astype(jnp.float32) - lse)
+    return -jnp.sum((p_sink * row_dot).reshape(-1, lse.shape[-1]), axis=0)
 
 
 # ---- the unsplit causal pass ----
 
-def causal_attention(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None) -> Array:
+def causal_attention(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
+                     sinks: Array | None = None) -> Array:
     """fp32 [B, T, heads, D] causal attention of a whole row (no cache, no split): blockwise from
-    BLOCKWISE_MIN_TOKENS tokens (where the chunks split the row), else the chunked attention."""
+    BLOCKWISE_MIN_TOKENS tokens (where the chunks split the row), else the chunked attention.
+    `sinks`: fp32 [heads] attention sinks (GPT-OSS) or None."""
     t = q.shape[1]
     if t >= BLOCKWISE_MIN_TOKENS and chunk_rows(t) < t:
-        return causal_blockwise_attend(q, k, v, allowed, nkv, softcap)
-    return attend(q, k, v, allowed, nkv, causal=True, softcap=softcap).reshape(q.shape)
+        return causal_blockwise_attend(q, k, v, allowed, sinks, nkv, softcap)
+    return attend(q, k, v, allowed, nkv, causal=True, softcap=softcap, sinks=sinks).reshape(q.shape)
 
 
-def _causal_primal(q, k, v, allowed, nkv, softcap):
-    return _causal_fwd(q, k, v, allowed, nkv, softcap)[0]
+def _causal_primal(q, k, v, allowed, sinks, nkv, softcap):
+    return _causal_fwd(q, k, v, allowed, sinks, nkv, softcap)[0]
 
 
-def _causal_fwd(q, k, v, allowed, nkv, softcap):
+def _causal_fwd(q, k, v, allowed, sinks, nkv, softcap):
     size = chunk_rows(q.shape[1])
     q_chunks = chunked(q, size)
-    out, lse = blockwise_update(q_chunks, k, v, chunked(allowed, size), *empty_results(q_chunks), nkv, softcap, size)
-    return unchunked(out), (q, k, v, allowed, out, lse)
+    out, lse = blockwise_update(q_chunks, k, v, chunked(allowed, size), *empty_results(q_chunks, sinks), nkv,
+                                softcap, size)
+    return unchunked(out), (q, k, v, allowed, sinks, out, lse)
 
 
 def _causal_bwd(nkv, softcap, residuals, d_out):
-    q, k, v, allowed, out, lse = residuals
+    q, k, v, allowed, sinks, out, lse = residuals
     size = chunk_rows(q.shape[1])
-    d_q, d_k, d_v = blockwise_grads(chunked(q, size), k, v, chunked(allowed, size), out, lse,
-                                    chunked(d_out.astype(jnp.float32), size), nkv, softcap, size)
-    return unchunked(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    d_out = chunked(d_out.astype(jnp.float32), size)
+    d_q, d_k, d_v = blockwise_grads(chunked(q, size), k, v, chunked(allowed, size), out, lse, d_out, nkv, softcap,
+                                    size)
+    d_sinks = None if sinks is None else sink_grads_token_major(sinks, out, lse, d_out).astype(sinks.dtype)
+    return unchunked(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks
 
 
-causal_blockwise_attend = jax.custom_vjp(_causal_primal, nondiff_argnums=(4, 5))
+causal_blockwise_attend = jax.custom_vjp(_causal_primal, nondiff_argnums=(5, 6))
 causal_blockwise_attend.defvjp(_causal_fwd, _causal_bwd)
 causal_blockwise_attend.__doc__ = """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major
 k / v [B, kv, T, D] where `allowed` [B, T, T] (causal: a query sees no later key), blockwise (module doc)."""

@@ -28,6 +28,10 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # Gemma 2 soft-caps attention and final logits, Gemma 3 has QK-norm and a RoPE base of its own for local layers
     "gemma2": {"prefix": "Gemma2", "attention_bias": False, "qk_norm": False, "gemma": True},
     "gemma3_text": {"prefix": "Gemma3", "attention_bias": False, "qk_norm": True, "gemma": True},
+    # GPT-OSS: learned attention sinks, biases on q / k / v / o, alternating sliding (128) / full layers,
+    # routed experts with biases, a biased router whose softmax runs over the chosen experts' logits, and
+    # the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)
+    "gpt_oss": {"prefix": "GptOss", "attention_bias": True, "qk_norm": False, "moe": True},
 }
 GEMMA_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("gemma"))
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -129,6 +133,16 @@ class ModelConfig:
     # mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the others have a dense MLP of intermediate_size
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # GPT-OSS: a learned logit per query head that joins every softmax's denominator (a key with value 0:
+    # "attention sinks"), a bias on o_proj as well as q / k / v, biases on the router and the experts' three
+    # projections, the router's softmax over the top-k logits only, and the experts' clamped SwiGLU:
+    # (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    expert_bias: bool = False
+    router_topk_softmax: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
@@ -161,7 +175,7 @@ class ModelConfig:
                                  f"{self.num_experts}")
             if self.moe_intermediate_size < 1:
                 raise ValueError("moe_intermediate_size must be positive for a mixture-of-experts model")
-            if self.model_type == "mixtral":  # one width: config.json's intermediate_size is the experts'
+            if self.model_type in ("mixtral", "gpt_oss"):  # one width: config.json's intermediate_size is the experts'
                 object.__setattr__(self, "intermediate_size", self.moe_intermediate_size)
             object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(int(i) for i in self.mlp_only_layers))))
             if self.decoder_sparse_step < 1:
@@ -289,6 +303,10 @@ class ModelConfig:
                              f"(only {'gelu_pytorch_tanh' if fam.get('gemma') else 'silu'})")
         if d.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=True is unsupported")
+        quant = d.get("quantization_config") or {}
+        if quant and (quant.get("quant_method") != "mxfp4" or model_type != "gpt_oss"):
+            raise ValueError(f"config.json: quantization_config.quant_method={quant.get('quant_method')!r} is "
+                             f"unsupported for {model_type} (only GPT-OSS's mxfp4 experts, dequantised on load)")
         if d.get("use_bidirectional_attention"):
             raise ValueError("config.json: use_bidirectional_attention=True (an encoder) is unsupported")
         # transformers 5 keeps theta and scaling in `rope_parameters`; older files use top-level keys.
@@ -320,6 +338,8 @@ class ModelConfig:
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
         moe = _moe_fields(d, model_type) if fam.get("moe") else {}
+        if model_type == "gpt_oss":
+            moe.update(_gpt_oss_fields(d))
         gemma = _gemma_fields(d, act, local_theta) if fam.get("gemma") else {}
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
         heads = int(d["num_attention_heads"])
@@ -392,6 +412,9 @@ class ModelConfig:
             d["mlp_bias"] = False
         if self.model_type in ("mistral", "mixtral"):
             d["sliding_window"] = self.sliding_window
+        if self.model_type == "gpt_oss":
+            d.update(attention_bias=True, sliding_window=self.sliding_window, layer_types=self.layer_types,
+                     swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         if self.model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
             d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
@@ -429,7 +452,7 @@ class ModelConfig:
         d: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok,
                              "router_aux_loss_coef": self.router_aux_loss_coef,
                              "output_router_logits": self.output_router_logits}
-        if self.model_type == "mixtral":  # Mixtral's experts are `intermediate_size` wide
+        if self.model_type in ("mixtral", "gpt_oss"):  # their experts are `intermediate_size` wide
             d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             return d
         d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
@@ -456,8 +479,11 @@ class ModelConfig:
         )
         if fam.get("moe"):
             base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        norm_topk_prob=family != "qwen2_moe", router_aux_loss_coef=0.001,
+                        norm_topk_prob=family not in ("qwen2_moe", "gpt_oss"), router_aux_loss_coef=0.001,
                         shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
+        if family == "gpt_oss":  # layer 0 local (window 4), layer 1 global; a low clamp so that tests reach it
+            base.update(attention_sinks=True, o_proj_bias=True, expert_bias=True, router_topk_softmax=True,
+                        swiglu_limit=0.05, sliding_window=4, sliding_layers=(0,), intermediate_size=32)
         if fam.get("gemma"):  # layer 0 local (window 4), layer 1 global
             base.update(hidden_act="gelu_pytorch_tanh", norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
                         query_pre_attn_scalar=32.0, tie_word_embeddings=True, sliding_window=4, sliding_layers=(0,))
@@ -473,7 +499,8 @@ class ModelConfig:
 # without changing any parameter's shape) and fields it may not (architecture, shapes).
 OVERRIDABLE_HF_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
                        "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-                       "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits")
+                       "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits",
+                       "swiglu_limit", "swiglu_alpha")
 FIXED_HF_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
                  "attention_bias", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types",
@@ -513,9 +540,10 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     # transformers 5 writes either name for either family (its attribute_map aliases them)
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
     layout: dict[str, Any] = {}
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         width = int(d["intermediate_size"])
-        norm_topk = True  # Mixtral's router always renormalises its top-k
+        norm_topk = model_type == "mixtral"  # Mixtral's router always renormalises its top-k (GPT-OSS: a softmax of
+        # the top-k logits, `router_topk_softmax`)
     else:
         width = int(d.get("moe_intermediate_size") or 0)
         norm_topk = bool(d.get("norm_topk_prob", False))
@@ -533,6 +561,16 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
                 if model_type == "qwen2_moe" else 0,
                 norm_topk_prob=norm_topk, router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
                 output_router_logits=bool(d.get("output_router_logits", False)), **layout)
+
+
+def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a GPT-OSS config.json beyond the MoE ones."""
+    if d.get("attention_bias") is False:
+        raise ValueError("config.json: attention_bias=False is unsupported for gpt_oss (every released checkpoint "
+                         "has q / k / v / o biases)")
+    limit = d.get("swiglu_limit", 7.0)
+    return dict(attention_sinks=True, o_proj_bias=True, expert_bias=True, router_topk_softmax=True,
+                swiglu_limit=None if limit is None else float(limit), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
 
 
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
@@ -581,6 +619,13 @@ def _sliding_windows(d: dict[str, Any], model_type: str) -> tuple[int | None, tu
         window = d.get("sliding_window")
         if window is None:
             return None, None
+        return int(window), _sliding_layer_ids(types, layers)
+    if model_type == "gpt_oss":  # every other layer from the first, unless layer_types says otherwise
+        window = d.get("sliding_window", 128)
+        if window is None:
+            return None, None
+        types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                         for i in range(layers)]
         return int(window), _sliding_layer_ids(types, layers)
     if model_type in ("mistral", "mixtral"):
         window = d.get("sliding_window")

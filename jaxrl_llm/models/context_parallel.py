@@ -40,6 +40,7 @@ from jaxrl_llm.models.blockwise import (
     chunk_rows,
     chunked,
     empty_results,
+    sink_grads_token_major,
     unchunked,
 )
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
@@ -56,9 +57,11 @@ def heads_per_device(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:
 
 
 def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
-                            kind: str = "ring") -> Array:
+                            kind: str = "ring", *, sinks: Array | None = None) -> Array:
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, T, D] where
-    `allowed` [B, T, T], with T split over the mesh's 'context' axis; `kind` one of CONTEXT_ATTENTION."""
+    `allowed` [B, T, T], with T split over the mesh's 'context' axis; `kind` one of CONTEXT_ATTENTION.
+    `sinks`: fp32 [heads] attention sinks (GPT-OSS), each device given its own copy of its heads' (a row of
+    a [context, heads] broadcast), so that their gradients are summed outside the manual region."""
     if kind not in CONTEXT_ATTENTION:
         raise ValueError(f"context_attention={kind!r}; expected one of {CONTEXT_ATTENTION}")
     mesh = jax.sharding.get_abstract_mesh()
@@ -74,34 +77,38 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
     if kind == "all_to_all" and local_heads % context:
         raise ValueError(f"mesh.context_attention=all_to_all splits the attention heads over the context axis: "
                          f"{local_heads} heads per device do not divide by mesh.context={context}; use ring")
+    sink_rows = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (context, nh))
     split = PartitionSpec(row_spec, CONTEXT_AXIS, heads, None)  # q / the output [B, T, heads, D]
     kv_split = PartitionSpec(row_spec, heads, CONTEXT_AXIS, None)  # head-major k / v [B, kv, T, D]
     mask_split = PartitionSpec(row_spec, CONTEXT_AXIS, None)
 
     if kind == "ring":
-        def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
-            return _ring(q, k, v, allowed, local_kv, softcap, context)
+        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
+            return _ring(q, k, v, allowed, None if sinks is None else sinks[0], local_kv, softcap, context)
     elif kind == "all_to_all":
-        def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
-            return _all_to_all(q, k, v, allowed, local_kv, softcap, context)
+        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
+            return _all_to_all(q, k, v, allowed, None if sinks is None else sinks[0], local_kv, softcap, context)
     else:
-        def local(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
             # the whole keys / values on every device of the axis (their cotangents, each device's part,
             # are summed back over it by the gather's transpose)
             k, v = (lax.all_gather(x, CONTEXT_AXIS, axis=2, tiled=True) for x in (k, v))
-            return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap).reshape(q.shape)
+            return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap,
+                          sinks=None if sinks is None else sinks[0]).reshape(q.shape)
 
     # the blockwise loops' (models/blockwise.py) constant carries are not typed as varying over the axes
-    run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split), out_specs=split,
-                        check_vma=kind == "gather")
-    return run(q, k, v, allowed)
+    sink_spec = None if sinks is None else PartitionSpec(CONTEXT_AXIS, heads)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split, sink_spec),
+                        out_specs=split, check_vma=kind == "gather")
+    return run(q, k, v, allowed, sink_rows)
 
 
 # ---- Ulysses: all-to-all over heads ----
 
-def _all_to_all(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
+def _all_to_all(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None, nkv: int, softcap: float | None,
                 context: int) -> Array:
-    """One device's part: q [B, t, heads, D], k / v [B, kv, t, D], allowed [B, t, T] (t = T / context)."""
+    """One device's part: q [B, t, heads, D], k / v [B, kv, t, D], allowed [B, t, T] (t = T / context);
+    sinks [heads] (the device attends for its context index's share of them)."""
     if nkv % context:  # repeat each key / value head so that the heads' split keeps their groups whole
         repeat = context // math.gcd(nkv, context)
         k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
@@ -109,7 +116,10 @@ def _all_to_all(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap:
     q_heads = lax.all_to_all(q, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)  # [B, T, heads / c, D]
     k, v = (lax.all_to_all(x, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True) for x in (k, v))
     whole_mask = lax.all_gather(allowed, CONTEXT_AXIS, axis=1, tiled=True)  # [B, T, T]
-    out = causal_attention(q_heads, k, v, whole_mask, nkv // context, softcap)  # as the unsplit pass
+    if sinks is not None:
+        share = sinks.shape[0] // context
+        sinks = lax.dynamic_slice_in_dim(sinks, lax.axis_index(CONTEXT_AXIS) * share, share)
+    out = causal_attention(q_heads, k, v, whole_mask, nkv // context, softcap, sinks)  # as the unsplit pass
     return lax.all_to_all(out, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
@@ -128,7 +138,7 @@ def _block_mask(allowed: Array, step: Array, context: int) -> Array:
     return lax.dynamic_slice_in_dim(allowed, source * t, t, axis=2)
 
 
-def _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context):
+def _ring_fwd_parts(q, k, v, allowed, sinks, nkv, softcap, context):
     """fp32 output and lse of the local queries (chunked: models/blockwise.py) over every device's block:
     at each step the (query chunk, key sub-block) pairs that see anything of the held block attend to
     it (blockwise), merging into the running results by log-sum-exp."""
@@ -142,26 +152,27 @@ def _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context):
         k, v = (lax.ppermute(x, CONTEXT_AXIS, _ring_perm(context)) for x in (k, v))
         return out, lse, k, v
 
-    out, lse, _, _ = lax.fori_loop(0, context, step, (*empty_results(q_chunks), k, v))
+    out, lse, _, _ = lax.fori_loop(0, context, step, (*empty_results(q_chunks, sinks), k, v))
     return out, lse
 
 
-def _ring_primal(q, k, v, allowed, nkv, softcap, context):
-    return unchunked(_ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)[0])
+def _ring_primal(q, k, v, allowed, sinks, nkv, softcap, context):
+    return unchunked(_ring_fwd_parts(q, k, v, allowed, sinks, nkv, softcap, context)[0])
 
 
-def _ring_fwd(q, k, v, allowed, nkv, softcap, context):
-    out, lse = _ring_fwd_parts(q, k, v, allowed, nkv, softcap, context)
-    return unchunked(out), (q, k, v, allowed, out, lse)
+def _ring_fwd(q, k, v, allowed, sinks, nkv, softcap, context):
+    out, lse = _ring_fwd_parts(q, k, v, allowed, sinks, nkv, softcap, context)
+    return unchunked(out), (q, k, v, allowed, sinks, out, lse)
 
 
 def _ring_bwd(nkv, softcap, context, residuals, d_out):
     """The flash-attention backward per held block (blockwise) against the final output and lse; each key /
     value block travels the ring once more with its gradient accumulating beside it, and is home after
     `context` steps."""
-    q, k, v, allowed, out, lse = residuals
+    q, k, v, allowed, sinks, out, lse = residuals
     size = chunk_rows(q.shape[1])
     q_chunks, d_out = chunked(q, size), chunked(d_out.astype(jnp.float32), size)
+    d_sinks = None if sinks is None else sink_grads_token_major(sinks, out, lse, d_out).astype(sinks.dtype)
 
     def step(i, carry):
         d_q, k_blk, v_blk, d_k_blk, d_v_blk = carry
@@ -174,8 +185,8 @@ def _ring_bwd(nkv, softcap, context, residuals, d_out):
     init = (jnp.zeros(q_chunks.shape, jnp.float32), k, v, jnp.zeros(k.shape, jnp.float32),
             jnp.zeros(v.shape, jnp.float32))
     d_q, _, _, d_k, d_v = lax.fori_loop(0, context, step, init)
-    return unchunked(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None
+    return unchunked(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks
 
 
-_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(4, 5, 6))
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(5, 6, 7))
 _ring.defvjp(_ring_fwd, _ring_bwd)

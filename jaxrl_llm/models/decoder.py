@@ -73,10 +73,12 @@ Array = jax.Array
 
 class LayerAttention(Protocol):
     """One layer's attention with its cache: q [B, T, heads, D] and k / v [B, T, kv_heads, D] in the
-    compute dtype (RoPE applied), `state` (the cache, carried through the layer scan) and the layer
-    index (int32 scalar) -> (output [B, T, heads, D], fp32 or compute dtype; the new state)."""
+    compute dtype (RoPE applied), `state` (the cache, carried through the layer scan), the layer
+    index (int32 scalar) and the layer's attention sinks (fp32 [heads], GPT-OSS; else None: a logit per
+    head in every softmax's denominator) -> (output [B, T, heads, D], fp32 or compute dtype; the new state)."""
 
-    def __call__(self, q: Array, k: Array, v: Array, state: ArrayTree, layer: Array, /) -> tuple[Array, Any]: ...
+    def __call__(self, q: Array, k: Array, v: Array, state: ArrayTree, layer: Array, sinks: Array | None, /
+                 ) -> tuple[Array, Any]: ...
 
 
 def rms_norm(x: Array, scale: Array, eps: float, dtype: DType, offset: float = 0.0) -> Array:
@@ -185,7 +187,8 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
         q = q * float(np.sqrt(hd / cfg.query_pre_attn_scalar))
     # one rounding to the compute dtype; a KV cache stores exactly these values
     q, k = q.astype(dtype), apply_rope(k, cos, sin).astype(dtype)
-    out, state = attention(q, k, v.astype(dtype), state, layer)
+    sinks = weights["sinks"].astype(jnp.float32) if cfg.attention_sinks else None
+    out, state = attention(q, k, v.astype(dtype), state, layer, sinks)
     out = out.astype(dtype).reshape(b, t, nh, hd)
     return project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2), state
 
@@ -214,7 +217,8 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     if context_parallel_size() > 1:  # the merged axis lost the token split (module docstring): restore it
         tokens = with_activation_constraint(tokens, ("tokens", None))
     k = cfg.num_experts_per_tok
-    routing = route(cfg, weights["router"]["kernel"], tokens, None if replay is None else replay.reshape(b * t, k))
+    routing = route(cfg, weights["router"]["kernel"], tokens, None if replay is None else replay.reshape(b * t, k),
+                    weights["router"].get("bias"))
     out = routed_experts(weights["experts"], tokens, routing, cfg, dtype=dtype)  # expert parallel on a mesh
     if "shared_expert" in weights:  # Qwen2-MoE: a dense expert every token runs, gated by sigmoid(x @ w)
         shared = mlp_block(weights["shared_expert"], adapters.get("shared_expert", {}), tokens, dtype=dtype,
@@ -397,8 +401,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     (models/context_parallel.py: ring, all-to-all over heads, or gathered keys / values)."""
     nkv = cfg.num_key_value_heads
 
-    def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array
-                  ) -> tuple[Array, tuple[Array, Array] | None]:
+    def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array,
+                  sinks: Array | None) -> tuple[Array, tuple[Array, Array] | None]:
         dtype = q.dtype
         # head-major [B, kv, S, D]: the layout both attention matmuls read without a transposed copy
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -415,11 +419,12 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
         else:
             mask = allowed
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
-            return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention),
-                    cache)
+            return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention,
+                                            sinks=sinks), cache)
         if cache is None:  # long rows blockwise (one chunk x block of scores at a time)
-            return blockwise.causal_attention(q, k, v, mask, nkv, cfg.attn_logit_softcapping), cache
-        out = attend(q, k, v, mask, nkv, causal=False, softcap=cfg.attn_logit_softcapping)  # fp32 [B * T, heads, D]
+            return blockwise.causal_attention(q, k, v, mask, nkv, cfg.attn_logit_softcapping, sinks), cache
+        out = attend(q, k, v, mask, nkv, causal=False, softcap=cfg.attn_logit_softcapping,
+                     sinks=sinks)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache
 
     return attention

@@ -49,8 +49,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.moe import Routing, expert_ffn, held_expert_ffn
-from jaxrl_llm.models.param_init import EXPERT_AXES
+from jaxrl_llm.models.moe import Routing, down_bias, expert_ffn, held_expert_ffn
+from jaxrl_llm.models.param_init import EXPERT_AXES, EXPERT_BIAS_AXES
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from jaxrl_llm.sharding.rules import logical_to_spec
 
@@ -61,10 +61,12 @@ EXPERT_AXIS = "expert"
 
 def _manual_spec(matrix: Array, name: str, mesh: Mesh | AbstractMesh, manual: tuple[str, ...], ways: int
                  ) -> tuple[P, dict[int, tuple]]:
-    """The sharding rules' spec of one expert matrix reduced to the shard_map's manual axes, and the
-    dims after the expert dim that those axes split (all-gathered in the body before use, `tensor`
-    excepted: see `routed_experts`)."""
-    spec = logical_to_spec(EXPERT_AXES[name], matrix.shape, mesh, where=f"experts/{name}")
+    """The sharding rules' spec of one expert matrix (`name`: a projection, or "<projection>/bias") reduced
+    to the shard_map's manual axes, and the dims after the expert dim that those axes split (all-gathered in
+    the body before use, `tensor` excepted: see `routed_experts`)."""
+    proj, _, bias = name.partition("/")
+    axes = (EXPERT_BIAS_AXES if bias else EXPERT_AXES)[proj]
+    spec = logical_to_spec(axes, matrix.shape, mesh, where=f"experts/{name}")
     dims = [tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in manual) for axes in spec]
     if dims[0] not in (((EXPERT_AXIS,),) if ways > 1 else ((), (EXPERT_AXIS,))):
         raise ValueError(f"experts/{name}: the sharding rules place the expert dim on {spec[0]!r}; expert "
@@ -96,6 +98,7 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     split = tokens.shape[0] % math.prod(sizes[a] for a in batch) == 0
     rows = P(batch) if split else P()
     matrices = {name: experts[name]["kernel"] for name in EXPERT_AXES}
+    matrices.update({f"{name}/bias": experts[name]["bias"] for name in EXPERT_AXES if "bias" in experts[name]})
     placed = {name: _manual_spec(w, name, mesh, manual, ways) for name, w in matrices.items()}
     held = cfg.num_experts // ways
     # the experts' width split over `tensor` stays split: gate / up give their slice of the SwiGLU, down
@@ -112,14 +115,21 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     def body(x: Array, ids: Array, weights: Array, matrices: dict) -> Array:
         if split and ways > 1:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
             x, ids, weights = (lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, ids, weights))
-        matrices = {name: {"kernel": gathered(name, w)} for name, w in matrices.items()}
+        held_experts: dict = {}
+        for name, w in matrices.items():
+            proj, _, leaf = name.partition("/")
+            held_experts.setdefault(proj, {})[leaf or "kernel"] = gathered(name, w)
+        # the output bias joins once the `tensor` partial sums are added
+        out_bias = {"down_proj": held_experts["down_proj"]}
+        held_experts["down_proj"] = {"kernel": held_experts["down_proj"]["kernel"]}
         if ways > 1:
             local = ids - lax.axis_index(EXPERT_AXIS) * held
             mine = (local >= 0) & (local < held)
             ids, weights = jnp.where(mine, local, held), jnp.where(mine, weights, 0.0)
-        out = held_expert_ffn(matrices, x, ids, weights, cfg, dtype=dtype)
+        out = held_expert_ffn(held_experts, x, ids, weights, cfg, dtype=dtype)
         if partial:
             out = lax.psum(out, TENSOR_AXIS)
+        out = out + down_bias(out_bias, jnp.minimum(ids, held - 1), weights, dtype)
         if ways == 1:
             return out
         if split:

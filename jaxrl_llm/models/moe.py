@@ -76,10 +76,15 @@ def routing_dtype(num_experts: int) -> jnp.dtype:
     return jnp.dtype(jnp.int8 if num_experts <= 127 else jnp.int16)
 
 
-def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array | None = None) -> Routing:
-    """Routing of tokens [N, H] (compute dtype) through router_kernel [H, E]; `replay` [N, k] ids (a
-    token whose ids are NOT_RECORDED keeps the router's own top-k)."""
+def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array | None = None,
+          router_bias: Array | None = None) -> Routing:
+    """Routing of tokens [N, H] (compute dtype) through router_kernel [H, E] (+ router_bias [E], GPT-OSS);
+    `replay` [N, k] ids (a token whose ids are NOT_RECORDED keeps the router's own top-k). With
+    `router_topk_softmax` (GPT-OSS) the mixing weights are the softmax of the chosen experts' logits
+    (the same numbers as renormalised top-k probabilities, computed as transformers does)."""
     logits = matmul_f32(tokens, router_kernel.astype(tokens.dtype))
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
     if replay is None:
@@ -88,7 +93,9 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
         recorded = jnp.all(replay >= 0, axis=-1, keepdims=True)
         ids = jnp.where(recorded, replay.astype(jnp.int32), natural)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
-    if cfg.norm_topk_prob or cfg.model_type == "mixtral":
+    if cfg.router_topk_softmax:
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+    elif cfg.norm_topk_prob or cfg.model_type == "mixtral":
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)
 
@@ -318,17 +325,38 @@ def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, c
     n, hidden = tokens.shape
     held = experts["gate_proj"]["kernel"].shape[0]
     if kernel == "gather" or (kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows):
-        return gathered_expert_ffn(experts, tokens, jnp.minimum(ids, held - 1), weights, dtype=dtype)
+        return gathered_expert_ffn(experts, tokens, jnp.minimum(ids, held - 1), weights, dtype=dtype, cfg=cfg)
     groups = held + 1 if held < cfg.num_experts else held
     layout = expert_layout(ids, groups, cfg.moe_block_rows, computed=held)
     rows = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])[layout.src_token]
     kernel = kernel or cfg.moe_kernel
 
     def gmm(x: Array, name: str) -> Array:
-        return grouped_matmul(x, experts[name]["kernel"], layout, kernel, unroll=unroll)
+        y = grouped_matmul(x, experts[name]["kernel"], layout, kernel, unroll=unroll)
+        if "bias" in experts[name] and name != "down_proj":  # each padded row's expert's (unused rows: a clipped id)
+            row_expert = jnp.repeat(jnp.minimum(layout.block_expert, held - 1), cfg.moe_block_rows,
+                                    total_repeat_length=y.shape[0])
+            y = y + experts[name]["bias"].astype(dtype)[row_expert]
+        return y
 
-    out = gmm(gated_product(gmm(rows, "gate_proj"), gmm(rows, "up_proj"), "silu", dtype), "down_proj")  # [R, H] fp32
-    return jnp.einsum("nk,nkh->nh", weights, out[layout.dest])
+    out = gmm(expert_glu(cfg, gmm(rows, "gate_proj"), gmm(rows, "up_proj"), dtype), "down_proj")  # [R, H] fp32
+    mixed = jnp.einsum("nk,nkh->nh", weights, out[layout.dest])
+    return mixed + down_bias(experts, jnp.minimum(ids, held - 1), weights, dtype)
+
+
+def down_bias(experts: dict, ids: Array, weights: Array, dtype: DType) -> Array | float:
+    """sum_k weight_k * down_bias[expert_k] for ids / weights [N, k] (GPT-OSS's experts' output bias, added
+    once per token: under a `tensor` split of the experts' width it follows the partial sums' reduction)."""
+    bias = experts["down_proj"].get("bias")
+    if bias is None:
+        return 0.0
+    return jnp.einsum("nk,nkh->nh", weights, bias.astype(dtype)[ids].astype(jnp.float32))
+
+
+def expert_glu(cfg: ModelConfig, gate: Array, up: Array, dtype: DType) -> Array:
+    """The experts' gated product: SwiGLU, or GPT-OSS's clamped SwiGLU (`swiglu_limit`)."""
+    clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_limit, cfg.swiglu_alpha)
+    return gated_product(gate, up, "silu", dtype, clamp)
 
 
 class MoeOut(NamedTuple):
@@ -338,28 +366,37 @@ class MoeOut(NamedTuple):
     routing: Array | None  # [L, B, T, k] int32: the router's own top-k, when recorded
 
 
-def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *, dtype: DType) -> Array:
+def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *, dtype: DType,
+                        cfg: ModelConfig) -> Array:
     """`expert_ffn` for a few tokens: the N x k assignments (ids, mixing weights mix [N, k]) each gather
     their expert's matrices ([N, k, H, F] weights read, N x k SwiGLUs computed), no sort and no padded
     blocks. A decode step's batch would otherwise run one mostly empty block per expert it touches."""
     weights = {name: experts[name]["kernel"][ids].astype(dtype) for name in ("gate_proj", "up_proj", "down_proj")}
     x = tokens.astype(dtype)
-    gate = jnp.einsum("nh,nkhf->nkf", x, weights["gate_proj"], preferred_element_type=jnp.float32)
-    up = jnp.einsum("nh,nkhf->nkf", x, weights["up_proj"], preferred_element_type=jnp.float32)
-    out = jnp.einsum("nkf,nkfh->nkh", gated_product(gate, up, "silu", dtype), weights["down_proj"],
+
+    def biased(y: Array, name: str) -> Array:
+        return y + experts[name]["bias"].astype(dtype)[ids] if "bias" in experts[name] else y
+
+    gate = biased(jnp.einsum("nh,nkhf->nkf", x, weights["gate_proj"], preferred_element_type=jnp.float32), "gate_proj")
+    up = biased(jnp.einsum("nh,nkhf->nkf", x, weights["up_proj"], preferred_element_type=jnp.float32), "up_proj")
+    out = jnp.einsum("nkf,nkfh->nkh", expert_glu(cfg, gate, up, dtype), weights["down_proj"],
                      preferred_element_type=jnp.float32)
-    return jnp.einsum("nk,nkh->nh", mix, out)
+    return jnp.einsum("nk,nkh->nh", mix, biased(out, "down_proj"))
 
 
-def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: DType) -> Array:
+def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: DType, cfg: ModelConfig) -> Array:
     """The all-experts reference of `expert_ffn`: every token through every expert (N x E SwiGLUs),
     mixed by the routing weights scattered to [N, E]. Tests and bench/moe.py only."""
-    gate = jnp.einsum("nh,ehf->enf", tokens, experts["gate_proj"]["kernel"].astype(dtype),
-                      preferred_element_type=jnp.float32)
-    up = jnp.einsum("nh,ehf->enf", tokens, experts["up_proj"]["kernel"].astype(dtype),
-                    preferred_element_type=jnp.float32)
-    out = jnp.einsum("enf,efh->enh", gated_product(gate, up, "silu", dtype),
-                     experts["down_proj"]["kernel"].astype(dtype), preferred_element_type=jnp.float32)
+    def biased(y: Array, name: str) -> Array:  # y [E, N, out]
+        return y + experts[name]["bias"].astype(dtype)[:, None] if "bias" in experts[name] else y
+
+    gate = biased(jnp.einsum("nh,ehf->enf", tokens, experts["gate_proj"]["kernel"].astype(dtype),
+                             preferred_element_type=jnp.float32), "gate_proj")
+    up = biased(jnp.einsum("nh,ehf->enf", tokens, experts["up_proj"]["kernel"].astype(dtype),
+                           preferred_element_type=jnp.float32), "up_proj")
+    out = biased(jnp.einsum("enf,efh->enh", expert_glu(cfg, gate, up, dtype),
+                            experts["down_proj"]["kernel"].astype(dtype), preferred_element_type=jnp.float32),
+                 "down_proj")
     mix = jnp.zeros((tokens.shape[0], out.shape[0]), jnp.float32).at[
         jnp.arange(tokens.shape[0])[:, None], routing.ids].add(routing.weights)
     return jnp.einsum("ne,enh->nh", mix, out)

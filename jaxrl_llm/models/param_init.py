@@ -12,11 +12,14 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
     layers/attn_post_norm/scale [L, H]     layers/mlp_post_norm/scale [L, H]   (sandwich_norms: Gemma)
     layers/attn/{q,k,v}_proj/kernel [L, H, heads|kv_heads, D]   (+ bias [L, heads, D] with attention_bias)
     layers/attn/{q,k}_norm/scale [L, D]    (qk_norm)
-    layers/attn/o_proj/kernel [L, heads, D, H]
+    layers/attn/o_proj/kernel [L, heads, D, H]    (+ bias [L, H] with o_proj_bias: GPT-OSS)
+    layers/attn/sinks [L, heads]           (attention_sinks: GPT-OSS's per-head softmax logit)
     layers/mlp/{gate,up}_proj/kernel [L, H, F]   layers/mlp/down_proj/kernel [L, F, H]
     mixture-of-experts families (cfg.is_moe) have layers/moe in place of layers/mlp (models/moe.py):
       layers/moe/router/kernel [L, H, E]
       layers/moe/experts/{gate,up}_proj/kernel [L, E, H, Fe]   layers/moe/experts/down_proj/kernel [L, E, Fe, H]
+      layers/moe/router/bias [L, E], layers/moe/experts/{gate,up}_proj/bias [L, E, Fe],
+      layers/moe/experts/down_proj/bias [L, E, H]                                   (expert_bias: GPT-OSS)
       layers/moe/shared_expert/{gate,up,down}_proj/kernel [L, H, Fs] / [L, Fs, H]   (Qwen2-MoE)
       layers/moe/shared_expert_gate/kernel [L, H, 1]                               (Qwen2-MoE)
     a MoE model with dense MLP layers between the sparse ones (cfg.mixed_layers: Qwen2-MoE / Qwen3-MoE
@@ -84,15 +87,19 @@ def _init_params_jit(cfg: ModelConfig, rng: Array, head: str, num_labels: int, d
 # one layer's routed-expert matrices [E, H, F] / [E, F, H] (the layer scan strips the leading "layers")
 EXPERT_AXES = {"gate_proj": ("expert", "embed", "mlp"), "up_proj": ("expert", "embed", "mlp"),
                "down_proj": ("expert", "mlp", "embed")}
+# their biases [E, F] / [E, H] (GPT-OSS)
+EXPERT_BIAS_AXES = {"gate_proj": ("expert", "mlp"), "up_proj": ("expert", "mlp"), "down_proj": ("expert", "embed")}
 
 
 def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
     mod = mods[-1]
+    if leaf == "sinks":
+        return ("layers", "heads")
     if "experts" in mods:
-        return ("layers", *EXPERT_AXES[mod])
+        return ("layers", *(EXPERT_BIAS_AXES if leaf == "bias" else EXPERT_AXES)[mod])
     if mod in ("router", "shared_expert_gate"):
-        return ("layers", "embed", None)
+        return ("layers", None) if leaf == "bias" else ("layers", "embed", None)
     if mod.endswith("norm"):
         return ("layers", None)
     heads = "heads" if mod in ("q_proj", "o_proj") else "kv_heads"
@@ -104,6 +111,7 @@ def _layer_axes(path: tuple[str, ...]) -> tuple:
         ("k_proj", "bias"): ("layers", heads, "head_dim"),
         ("v_proj", "bias"): ("layers", heads, "head_dim"),
         ("o_proj", "kernel"): ("layers", "heads", "head_dim", "embed"),
+        ("o_proj", "bias"): ("layers", "embed"),
         ("gate_proj", "kernel"): ("layers", "embed", "mlp"),
         ("up_proj", "kernel"): ("layers", "embed", "mlp"),
         ("down_proj", "kernel"): ("layers", "mlp", "embed"),
@@ -223,7 +231,9 @@ class _AttentionParams(nn.Module):
         if cfg.qk_norm:
             _Norm(hd, dt, cfg.norm_offset, name="q_norm")()
             _Norm(hd, dt, cfg.norm_offset, name="k_norm")()
-        _Projection((cfg.num_attention_heads, hd), (h,), False, self.initializer, dt, name="o_proj")()
+        _Projection((cfg.num_attention_heads, hd), (h,), cfg.o_proj_bias, self.initializer, dt, name="o_proj")()
+        if cfg.attention_sinks:  # transformers draws them normal(initializer_range)
+            self.param("sinks", self.initializer, (cfg.num_attention_heads,), dt)
 
 
 class _MlpParams(nn.Module):
@@ -248,8 +258,8 @@ class _MoeParams(nn.Module):
     def __call__(self) -> None:
         cfg, dt, init = self.cfg, self.dtype, self.initializer
         h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        _Projection((h,), (e,), False, init, dt, name="router")()
-        _ExpertParams(h, f, e, dt, init, name="experts")()
+        _Projection((h,), (e,), cfg.expert_bias, init, dt, name="router")()
+        _ExpertParams(h, f, e, dt, init, cfg.expert_bias, name="experts")()
         if cfg.shared_expert_intermediate_size:
             _MlpParams(h, cfg.shared_expert_intermediate_size, dt, init, name="shared_expert")()
             _Projection((h,), (1,), False, init, dt, name="shared_expert_gate")()
@@ -263,22 +273,28 @@ class _ExpertParams(nn.Module):
     experts: int
     dtype: DType
     initializer: Initializer
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self) -> None:
         h, f, e = self.hidden, self.intermediate, self.experts
         for name, shape in (("gate_proj", (e, h, f)), ("up_proj", (e, h, f)), ("down_proj", (e, f, h))):
-            _Stacked(shape, self.initializer, self.dtype, name=name)()
+            _Stacked(shape, self.initializer, self.dtype, self.use_bias, name=name)()
 
 
 class _Stacked(nn.Module):
+    """kernel [E, in, out] (and bias [E, out] zeros)."""
+
     shape: tuple[int, ...]
     initializer: Initializer
     dtype: DType
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self) -> None:
         self.param("kernel", self.initializer, self.shape, self.dtype)
+        if self.use_bias:
+            self.param("bias", nn.initializers.zeros, (self.shape[0], self.shape[-1]), self.dtype)
 
 
 class _BackboneParams(nn.Module):

@@ -45,6 +45,7 @@ from jaxrl_llm.sampler.paged_blocks import (
     gather_block,
     query_rows,
     trainer_softmax,
+    with_sinks,
 )
 
 Array = jax.Array
@@ -98,7 +99,8 @@ def group_table(page_indices: Array, cascade: Cascade, rows: Array, width: int) 
 def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array,
                                  cascade: Cascade, *, sliding_window: int | None = None,
                                  k_scales: Array | None = None, v_scales: Array | None = None,
-                                 layer: Array | None = None, softcap: float | None = None) -> Array:
+                                 layer: Array | None = None, softcap: float | None = None,
+                                 sinks: Array | None = None) -> Array:
     """`paged_decode_attention_xla` with the rows of `cascade` reading their shared pages once."""
     q = jnp.asarray(q)
     pool = flat_pool(k_pages, v_pages, k_scales, v_scales, layer, q.shape[-1])
@@ -158,7 +160,7 @@ def cascade_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengt
         return i + 1, at_offset(buf, scores, pre_tok + i * bt)
 
     _, buf = lax.while_loop(lambda c: c[0] < own_last, own_scores, (own_first, buf))
-    probs = trainer_softmax(buf, lengths)
+    probs = trainer_softmax(buf, lengths, sinks)
 
     def shared_values(carry: tuple[Array, Array]) -> tuple[Array, Array]:
         i, acc = carry
@@ -199,9 +201,10 @@ def merge_partials(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> Ar
 
 def cascade_decode_attention_pallas(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array,
                                     cascade: Cascade, *, layer: Array | None = None, softcap: float | None = None,
-                                    variant: Any = None, interpret: bool = False) -> Array:
+                                    variant: Any = None, interpret: bool = False, sinks: Array | None = None) -> Array:
     """The Pallas kernel twice (shared rows as one slot each with the members' query heads, then
-    every slot's own pages) merged by log-sum-exp; see the module doc. No sliding window."""
+    every slot's own pages) merged by log-sum-exp; see the module doc. No sliding window. `sinks`:
+    attention sinks joined to the merged result by its log-sum-exp."""
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
     slots, nh, hd = q.shape
     nkv = k_pages.shape[-4]
@@ -228,4 +231,7 @@ def cascade_decode_attention_pallas(q: Array, k_pages: Array, v_pages: Array, le
     own_len = jnp.where(lengths > 0, lengths - pre * ps, 0)
     own_table = shifted_table(page_indices, pre, page_indices.shape[1])
     out_o, lse_o = paged_decode_attention_pallas(q, k_pages, v_pages, own_len, own_table, **kw)
-    return merge_partials(out_s, lse_s, out_o, lse_o).astype(q.dtype)
+    merged = merge_partials(out_s, lse_s, out_o, lse_o)
+    if sinks is not None:
+        merged = with_sinks(merged, jnp.logaddexp(lse_s, lse_o), sinks)
+    return merged.astype(q.dtype)

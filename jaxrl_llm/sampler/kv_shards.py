@@ -20,15 +20,17 @@ def kv_head_axis(mesh: Mesh, kv_heads: int) -> str | None:
     return "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
 
 
-def per_kv_head_shard(kernel: Callable[..., Array], mesh: Mesh | None, k_pages: Array, replicated: int
-                      ) -> Callable[..., Array]:
+def per_kv_head_shard(kernel: Callable[..., Array], mesh: Mesh | None, k_pages: Array, replicated: int,
+                      per_head: tuple[int, ...] = ()) -> Callable[..., Array]:
     """`kernel(q [S, H, D], k_pages, v_pages, *rest)` as one call on `mesh`: per shard of the kv heads
     (the pool's axis -4, q's heads and the output's axis 1 split alike; `replicated` trailing
-    arguments whole on every shard) under shard_map, or `kernel` itself without a multi-device mesh.
-    Each (slot, kv head) is computed as on one device."""
+    arguments whole on every shard, except those at the positions `per_head` among them: per query
+    head on their axis 0, split as q's heads) under shard_map, or `kernel` itself without a
+    multi-device mesh. Each (slot, kv head) is computed as on one device."""
     if mesh is None or mesh.size == 1:
         return kernel
     heads = kv_head_axis(mesh, k_pages.shape[-4])
     pool = P(*(None,) * (k_pages.ndim - 4), heads)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(P(None, heads), pool, pool, *(P(),) * replicated),
+    rest = tuple(P(heads) if i in per_head else P() for i in range(replicated))
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(P(None, heads), pool, pool, *rest),
                          out_specs=P(None, heads), check_vma=False)

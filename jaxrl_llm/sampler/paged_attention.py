@@ -53,6 +53,7 @@ from jaxrl_llm.sampler.paged_blocks import (
     gather_block,
     query_rows,
     trainer_softmax,
+    with_sinks,
 )
 
 Array = jax.Array
@@ -62,8 +63,10 @@ IMPLS = ("auto", "xla", "pallas", "cpu")
 def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths: Array,
                                page_indices: Array, *, sliding_window: int | None = None,
                                k_scales: Array | None = None, v_scales: Array | None = None,
-                               layer: Array | None = None, softcap: float | None = None) -> Array:
-    """The contract's attention in plain XLA (any backend); see the module docstring.
+                               layer: Array | None = None, softcap: float | None = None,
+                               sinks: Array | None = None) -> Array:
+    """The contract's attention in plain XLA (any backend); see the module docstring. `sinks`: fp32
+    [heads] attention sinks (GPT-OSS) in the trainer's softmax.
 
     k_scales / v_scales: fp32 [num_kv_heads, num_pages, page_size] when the pages hold int8
     (value = int8 * scale), else None. layer: with a layer index, the pages (and scales) are the
@@ -103,7 +106,7 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     # rows' hundreds); blocks outside stay masked
     buf = jnp.full((slots, nkv, g, num_blocks * block_tokens), MASKED_SCORE, jnp.float32)
     _, scores = lax.while_loop(lambda c: c[0] < last, block_scores, (first, buf))
-    probs = trainer_softmax(scores, lengths)
+    probs = trainer_softmax(scores, lengths, sinks)
     # pass 2: probabilities x V block by block, with the trainer's `probs_times_values`
     init = (first, jnp.zeros((slots, nkv, g, hd), jnp.float32))
     _, out = lax.while_loop(lambda c: c[0] < last, block_values, init)
@@ -141,7 +144,8 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
                            sliding_window: int | None = None, impl: str = "auto",
                            k_scales: Array | None = None, v_scales: Array | None = None,
                            layer: Array | None = None, mesh: Mesh | None = None,
-                           softcap: float | None = None, cascade: cascade_attention.Cascade | None = None) -> Array:
+                           softcap: float | None = None, cascade: cascade_attention.Cascade | None = None,
+                           sinks: Array | None = None) -> Array:
     """Dispatcher: the Pallas kernel (imported lazily), the CPU kernel or the XLA path. 'auto' takes the
     kernel of the platform the program is lowered for (Triton on CUDA where its power-of-two shapes
     hold, Mosaic on TPU; `lax.platform_dependent`, so a program compiled here for a TPU topology gets
@@ -152,9 +156,13 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     program's mesh (the engine's: pool kv heads over 'tensor' where they divide, slots replicated);
     XLA cannot partition a kernel's custom call, so there it runs per shard under shard_map.
     cascade: a `cascade_attention.Cascade` (slots sharing leading pages read them once per group;
-    the Pallas path keeps the plain kernel in sliding-window layers), or None."""
+    the Pallas path keeps the plain kernel in sliding-window layers), or None. sinks: fp32 [heads] attention
+    sinks (GPT-OSS): in the XLA paths' softmax, joined to the Pallas kernels' results by their
+    log-sum-exp (`with_sinks`); the CPU kernel does not take them (the XLA path runs)."""
     _check_impl(impl)
-    if takes_cpu_kernel(impl, q.dtype, k_pages.dtype, k_scales is not None, cascade is not None):
+    if impl == "cpu" and sinks is not None:
+        raise ValueError("rollout.paged_attention='cpu' does not take attention sinks (GPT-OSS); use 'auto' or 'xla'")
+    if sinks is None and takes_cpu_kernel(impl, q.dtype, k_pages.dtype, k_scales is not None, cascade is not None):
         return native.paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_indices, layer=layer,
                                                  sliding_window=sliding_window, softcap=softcap, mesh=mesh)
 
@@ -162,9 +170,10 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
         if cascade is not None:
             return cascade_attention.cascade_decode_attention_xla(
                 q, k_pages, v_pages, lengths, page_indices, cascade, sliding_window=sliding_window,
-                k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap)
+                k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap, sinks=sinks)
         return paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
-                                          k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap)
+                                          k_scales=k_scales, v_scales=v_scales, layer=layer, softcap=softcap,
+                                          sinks=sinks)
 
     if takes_xla_path(impl, k_scales is not None):
         return xla(q, k_pages, v_pages, lengths, page_indices)
@@ -172,18 +181,23 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     use_cascade = cascade is not None and sliding_window is None
 
     def kernel(variant: str, interpret: bool = False):
-        def run(q, k_pages, v_pages, lengths, page_indices, groups, layer=None):
+        def run(q, k_pages, v_pages, lengths, page_indices, sinks, groups, layer=None):
             k_pages, v_pages = from_storage(k_pages), from_storage(v_pages)
             if use_cascade:
                 return cascade_attention.cascade_decode_attention_pallas(
                     q, k_pages, v_pages, lengths, page_indices, cascade_attention.Cascade(*groups), layer=layer,
-                    softcap=softcap, variant=variant, interpret=interpret)
-            return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
-                                                 sliding_window=sliding_window, layer=layer, softcap=softcap,
-                                                 variant=variant, interpret=interpret)
+                    softcap=softcap, variant=variant, interpret=interpret, sinks=sinks)
+            if sinks is None:
+                return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
+                                                     sliding_window=sliding_window, layer=layer, softcap=softcap,
+                                                     variant=variant, interpret=interpret)
+            out, lse = paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
+                                                     sliding_window=sliding_window, layer=layer, softcap=softcap,
+                                                     variant=variant, interpret=interpret, return_lse=True)
+            return with_sinks(out, lse, sinks).astype(q.dtype)
         groups = (cascade.group_slots, cascade.prefix_pages) if use_cascade and cascade is not None else ()
-        rest = (groups,) if layer is None else (groups, layer)
-        per_shard = per_kv_head_shard(run, mesh, k_pages, replicated=2 + len(rest))
+        rest = (sinks, groups) if layer is None else (sinks, groups, layer)
+        per_shard = per_kv_head_shard(run, mesh, k_pages, replicated=2 + len(rest), per_head=(2,))
         return lambda q, kp, vp, lens, pages: per_shard(q, kp, vp, lens, pages, *rest)
 
     triton = kernel("triton") if impl == "pallas" or triton_supports(q.shape[-1], k_pages.shape[-2]) else xla

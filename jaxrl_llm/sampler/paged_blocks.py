@@ -100,10 +100,26 @@ def attention_scores(q: Array, k: Array, softcap: float | None) -> Array:
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
-def trainer_softmax(scores: Array, lengths: Array) -> Array:
+def trainer_softmax(scores: Array, lengths: Array, sinks: Array | None = None) -> Array:
     """The trainer's softmax over a slot's key buffer [S, kv, g, keys], operation for operation
-    (models/attention.py); empty slots (length 0) get all-zero probabilities."""
+    (models/attention.py); empty slots (length 0) get all-zero probabilities. `sinks` fp32 [heads]:
+    GPT-OSS's attention sinks, one more term of each row's denominator."""
     peak = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(scores.shape[1], scores.shape[2], 1)
+        peak = jnp.maximum(peak, sink)
     unnormalized = jnp.exp(scores - peak)
-    probs = unnormalized / jnp.sum(unnormalized, axis=-1, keepdims=True)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - peak)
+    probs = unnormalized / total
     return probs * (lengths > 0)[:, None, None, None]
+
+
+def with_sinks(out: Array, lse: Array, sinks: Array | None) -> Array:
+    """A normalised attention output [S, heads, D] (fp32) and its log-sum-exp [S, heads] (-inf: no key) with
+    attention sinks (fp32 [heads]) joined to its denominator: out * Z / (Z + e^sink) = out * sigmoid(lse - sink).
+    For the kernels whose online softmax returns the log-sum-exp (Pallas, cascade)."""
+    if sinks is None:
+        return out
+    return out * jax.nn.sigmoid(lse - sinks.astype(jnp.float32))[..., None]

@@ -5,7 +5,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import GEMMA, MIXED_MOE, TINY_HF, WINDOW_LAYERS, build_hf_model, left_padded_batch, torch_logits
+from tiny_models import (
+    GEMMA,
+    GPT_OSS,
+    MIXED_MOE,
+    TINY_HF,
+    WINDOW_LAYERS,
+    build_hf_model,
+    left_padded_batch,
+    torch_logits,
+)
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import compute_logits, forward_hidden, score_from_hidden
@@ -31,6 +40,7 @@ CASES = {
     "qwen2_moe": ("qwen2_moe", {}),
     "mixtral": ("mixtral", {}),
     **MIXED_MOE,  # dense MLP layers between the sparse ones
+    **GPT_OSS,  # attention sinks, biases, alternating windows, top-k softmax router, clamped SwiGLU, YaRN
 }
 
 
@@ -40,7 +50,7 @@ def test_logits_match_transformers_left_padded(case, tmp_path, np_rng):
     model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     assert cfg.model_type == family
-    assert cfg.mixed_windows == ("layer" in case or case in GEMMA)
+    assert cfg.mixed_windows == ("layer" in case or case in GEMMA or case in GPT_OSS)
     ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
     expected = torch_logits(model, ids, mask)
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))

@@ -24,25 +24,33 @@ from jaxrl_llm.models.moe import (
 )
 
 
-def _random_experts(rng, experts: int, hidden: int, width: int) -> dict:
-    keys = jax.random.split(rng, 3)
-    return {"gate_proj": {"kernel": jax.random.normal(keys[0], (experts, hidden, width)) * 0.2},
-            "up_proj": {"kernel": jax.random.normal(keys[1], (experts, hidden, width)) * 0.2},
-            "down_proj": {"kernel": jax.random.normal(keys[2], (experts, width, hidden)) * 0.2}}
+def _random_experts(rng, experts: int, hidden: int, width: int, bias: bool = False) -> dict:
+    keys = jax.random.split(rng, 6)
+    out = {"gate_proj": {"kernel": jax.random.normal(keys[0], (experts, hidden, width)) * 0.2},
+           "up_proj": {"kernel": jax.random.normal(keys[1], (experts, hidden, width)) * 0.2},
+           "down_proj": {"kernel": jax.random.normal(keys[2], (experts, width, hidden)) * 0.2}}
+    if bias:  # GPT-OSS
+        for key, (name, size) in zip(keys[3:], (("gate_proj", width), ("up_proj", width), ("down_proj", hidden))):
+            out[name]["bias"] = jax.random.normal(key, (experts, size)) * 0.5
+    return out
 
 
-def _case(tokens: int = 37, experts: int = 8, top_k: int = 2, block_rows: int = 8, hidden: int = 16, width: int = 24):
-    cfg = ModelConfig.tiny("qwen3_moe", num_experts=experts, num_experts_per_tok=top_k, moe_block_rows=block_rows,
-                           hidden_size=hidden, moe_intermediate_size=width)
+def _case(tokens: int = 37, experts: int = 8, top_k: int = 2, block_rows: int = 8, hidden: int = 16, width: int = 24,
+          family: str = "qwen3_moe"):
+    extra = {"intermediate_size": width, "swiglu_limit": 0.5} if family == "gpt_oss" else {}
+    cfg = ModelConfig.tiny(family, num_experts=experts, num_experts_per_tok=top_k, moe_block_rows=block_rows,
+                           hidden_size=hidden, moe_intermediate_size=width, **extra)
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k1, (tokens, hidden))
     router = jax.random.normal(k2, (hidden, experts))
-    return cfg, x, router, _random_experts(k3, experts, hidden, width)
+    return cfg, x, router, _random_experts(k3, experts, hidden, width, bias=cfg.expert_bias)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("kernel", ["blocked", "ragged_dot", "gather"])
-def test_grouped_matmul_equals_all_experts_reference_values_and_gradients(kernel):
-    cfg, x, router, experts = _case()
+def test_grouped_matmul_equals_all_experts_reference_values_and_gradients(kernel, family):
+    """gpt_oss: the experts' biases, the clamped SwiGLU (a clamp the values reach) and the top-k softmax router."""
+    cfg, x, router, experts = _case(family=family)
 
     def loss(fn, x, router, experts):
         routing = route(cfg, router, x)
@@ -50,7 +58,7 @@ def test_grouped_matmul_equals_all_experts_reference_values_and_gradients(kernel
         return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
     ours = lambda e, x, r: expert_ffn(e, x, r, cfg, dtype=jnp.float32, kernel=kernel)  # noqa: E731
-    ref = lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32)  # noqa: E731
+    ref = lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32, cfg=cfg)  # noqa: E731
     routing = route(cfg, router, x)
     assert len(np.unique(np.asarray(routing.ids))) == cfg.num_experts  # every expert gets tokens
     np.testing.assert_allclose(ours(experts, x, routing), ref(experts, x, routing), atol=1e-5, rtol=1e-5)
@@ -110,7 +118,7 @@ def _ffn_flops(tokens: int, experts: int, k: int, hidden: int, width: int, block
 
     # fully unrolled: XLA's cost analysis counts a loop body once
     return (flops(lambda e, x, r: expert_ffn(e, x, r, cfg, dtype=jnp.float32, kernel="blocked", unroll=True)),
-            flops(lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32)))
+            flops(lambda e, x, r: dense_expert_ffn(e, x, r, dtype=jnp.float32, cfg=cfg)))
 
 
 def test_grouped_matmul_flops_grow_with_tokens_times_k_not_experts():
@@ -130,7 +138,7 @@ def test_grouped_matmul_flops_grow_with_tokens_times_k_not_experts():
     assert blocked_32 / blocked < 1.2 * padding_growth < 1.9
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_mixed"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_mixed", "gpt_oss"])
 def test_aux_loss_equals_transformers_and_routing_spreads(case, tmp_path):
     import torch
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func

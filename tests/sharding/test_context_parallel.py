@@ -100,12 +100,12 @@ ATTENTION_MESHES = {"context4_data2": MESHES["context4_data2"], "context8": MESH
 
 @pytest.mark.parametrize("attention", ["ring", "all_to_all", "gather"])
 @pytest.mark.parametrize("name", sorted(ATTENTION_MESHES))
-@pytest.mark.parametrize("tokens,window,softcap", [(64, None, None), (1024, 300, 20.0)])
-def test_split_attention_equals_the_unsplit_one(name, attention, tokens, window, softcap, monkeypatch):
+@pytest.mark.parametrize("tokens,window,softcap,sinks", [(64, None, None, False), (1024, 300, 20.0, True)])
+def test_split_attention_equals_the_unsplit_one(name, attention, tokens, window, softcap, sinks, monkeypatch):
     """Values and q / k / v gradients (1e-5) of a weighted sum of the attention output, 8 heads over 2 key /
     value heads (all-to-all repeats the key / value heads where they do not divide); 1024 tokens run several
     query chunks and key blocks per ring block (and all-to-all's whole rows blockwise, as long rows do), and
-    a sliding window skips whole blocks."""
+    a sliding window skips whole blocks; there with GPT-OSS's attention sinks too (and their gradient)."""
     import jax.numpy as jnp
 
     from jaxrl_llm.models import blockwise
@@ -119,19 +119,21 @@ def test_split_attention_equals_the_unsplit_one(name, attention, tokens, window,
     rng = np.random.default_rng(0)
     q, w = (jnp.asarray(rng.normal(size=(b, tokens, nh, d)), jnp.float32) for _ in range(2))
     k, v = (jnp.asarray(rng.normal(size=(b, nkv, tokens, d)), jnp.float32) for _ in range(2))
+    s = jnp.asarray(rng.normal(size=(nh,)) + 2.0, jnp.float32) if sinks else None
     allowed = jnp.asarray(_packed_mask(b, tokens, window))
 
-    def unsplit(q, k, v):
-        return jnp.sum(attend(q, k, v, allowed, nkv, causal=True, softcap=softcap).reshape(q.shape) * w)
+    def unsplit(q, k, v, s):
+        return jnp.sum(attend(q, k, v, allowed, nkv, causal=True, softcap=softcap, sinks=s).reshape(q.shape) * w)
 
-    def split(q, k, v):
-        return jnp.sum(context_parallel_attend(q, k, v, allowed, nkv, softcap, attention) * w)
+    def split(q, k, v, s):
+        return jnp.sum(context_parallel_attend(q, k, v, allowed, nkv, softcap, attention, sinks=s) * w)
 
-    want, want_grads = jax.value_and_grad(unsplit, argnums=(0, 1, 2))(q, k, v)
+    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+    want, want_grads = jax.value_and_grad(unsplit, argnums=argnums)(q, k, v, s)
     mesh = sharding.make_mesh(ATTENTION_MESHES[name])
-    placed = jax.device_put((q, k, v), NamedSharding(mesh, PartitionSpec()))
+    placed = jax.device_put((q, k, v, s), NamedSharding(mesh, PartitionSpec()))
     with sharding.mesh_context(mesh):
-        got, grads = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2)))(*placed)
+        got, grads = jax.jit(jax.value_and_grad(split, argnums=argnums))(*placed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     for g, wg in zip(grads, want_grads):
         np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-5)

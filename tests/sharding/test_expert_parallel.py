@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from moe_cases import CFG, MIXED_CFG, SETTINGS, moe_batch
+from moe_cases import CFG, GPT_OSS_CFG, MIXED_CFG, SETTINGS, moe_batch, with_random_biases
 from tiny_runs import tiny_config
 
 from jaxrl_llm import sharding
@@ -32,6 +32,8 @@ NEW = 6
 def _update(mesh: jax.sharding.Mesh | None, cfg=CFG):
     """One actor update (loss, router losses, SGD step) and the compiled program's text."""
     params, batch = init_params(cfg, jax.random.key(0)), moe_batch()
+    if cfg.expert_bias:
+        params = with_random_biases(params)
     rows = None
     if mesh is not None:
         params = sharding.shard_params(params, param_logical_axes(cfg), mesh)
@@ -84,6 +86,21 @@ def test_mixed_layer_update_same_on_an_expert_mesh():
     assert float(np.abs(p1["layers"]["mlp"]["up_proj"]["kernel"] - np.asarray(fresh)).max()) > 0  # the dense MLP trains
     for key in ("actor/pg_loss", "moe/aux_loss", "moe/z_loss", "moe/expert_load_max", "actor/grad_norm"):
         np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=key)
+
+
+def test_gpt_oss_update_same_on_expert_and_tensor_meshes():
+    """GPT-OSS's expert biases under expert parallelism (each device its experts' biases) and with the experts'
+    width split over `tensor` (the output bias joins after the partial sums are added), attention sinks split
+    with the heads, and the clamped SwiGLU: the 1-device update."""
+    p1, m1, _, _ = _update(None, GPT_OSS_CFG)
+    assert float(np.abs(p1["layers"]["attn"]["sinks"]).min()) > 0
+    for shape in (MESHES["fsdp2_expert4"], {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}):
+        p8, m8, hlo, placed = _update(sharding.make_mesh(shape), GPT_OSS_CFG)
+        bias = placed["layers"]["moe"]["experts"]["up_proj"]["bias"]  # [L, E, F]
+        assert bias.addressable_shards[0].data.shape[1] == GPT_OSS_CFG.num_experts // shape["expert"]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
+        for key in ("actor/pg_loss", "moe/aux_loss", "actor/grad_norm"):
+            np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=f"{key} on {shape}")
 
 
 GREEDY = SamplingParams(max_new_tokens=NEW, do_sample=False)

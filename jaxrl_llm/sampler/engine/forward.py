@@ -71,13 +71,13 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
     offset = jnp.where(active, positions % page_size, 0)
     lengths = jnp.where(active, positions + 1, 0)
 
-    def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array) -> tuple[Array, dict]:
+    def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array, sinks: Array | None) -> tuple[Array, dict]:
         pool = write_tokens(pool, layer, k[:, 0], v[:, 0], page, offset)
 
         def attend(window: int | None) -> Array:  # a local layer reads only its window's pages
             return paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
                                           sliding_window=window, impl=attn_impl, mesh=mesh,
-                                          softcap=cfg.attn_logit_softcapping, cascade=cascade,
+                                          softcap=cfg.attn_logit_softcapping, cascade=cascade, sinks=sinks,
                                           k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
 
         if cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
