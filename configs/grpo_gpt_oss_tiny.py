@@ -3,7 +3,7 @@ in about a minute:
 
     python launch/train.py --config=configs/grpo_gpt_oss_tiny.py
 
-Every GPT-OSS trait runs in every program of the step (docs/models.md): attention sinks in the rollout
+Every GPT-OSS trait runs in every program of the step (docs/gpt_oss.md): attention sinks in the rollout
 engine's paged attention and the trainer's, q / k / v / o and expert biases, the top-k softmax router and
 the clamped SwiGLU; the actor loss adds the load-balancing loss at `actor.router_aux_loss_coef`. The
 weights are random, so the reward does not rise in 4 steps: the smallest released GPT-OSS has 21B

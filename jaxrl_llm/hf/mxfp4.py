@@ -6,7 +6,7 @@ exponent per block of 32 values, biased by 127); `config.json` says `quantizatio
 mxfp4`. Dequantised, block g of row o holds the inputs [32 g, 32 g + 32) of output o, so the tensor
 read back is [E, in, out], the layout of transformers' dequantised `GptOssExperts` (hf/names.py's
 `gate_up_proj` / `down_proj`). We dequantise rather than train in FP4: RL updates need the master
-weights in fp32 (and export writes them dense: docs/models.md).
+weights in fp32 (and export writes them dense: docs/gpt_oss.md).
 """
 from __future__ import annotations
 

@@ -73,12 +73,12 @@ def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: fl
     b, t, nh, _ = q.shape
     scores = _masked_scores(_group_queries(q, nkv), k, allowed, nh // nkv, softcap)
     peak = jnp.max(scores, axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = _grouped_sinks(sinks, nkv)[..., None]  # [kv, g, 1, 1]
+    sink = None if sinks is None else _grouped_sinks(sinks, nkv)[..., None]  # [kv, g, 1, 1]
+    if sink is not None:
         peak = jnp.maximum(peak, sink)
     unnormalized = jnp.exp(scores - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    if sinks is not None:
+    if sink is not None:
         total = total + jnp.exp(sink - peak)
     probs = (unnormalized / total).reshape(b, nkv, -1, scores.shape[-1])
     out = probs_times_values("bkqs,bksd->bkqd", probs, v)  # fp32 [B, kv, g * T, D]
@@ -142,16 +142,16 @@ def _attend_chunks_bwd(nkv, chunks, softcap, residuals, d_out):
     q, k, v, allowed, sinks, outs, lses = residuals
     d_out = d_out.astype(jnp.float32)
     d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    d_sinks = None if sinks is None else jnp.zeros(sinks.shape, jnp.float32)
+    d_sink_parts = []
     for (s, e, n), out, lse in zip(chunks, outs, lses):
         dq, dk, dv = _chunk_grads(q[:, s:e], k[:, :, :n], v[:, :, :n], allowed[:, s:e, :n], out, lse,
                                   d_out[:, s:e], nkv, softcap)
         d_q.append(dq)
         d_k, d_v = d_k.at[:, :, :n].add(dk), d_v.at[:, :, :n].add(dv)
         if sinks is not None:
-            d_sinks = d_sinks + sink_grads(sinks, out, lse, _group_queries(d_out[:, s:e], nkv), nkv)
+            d_sink_parts.append(sink_grads(sinks, out, lse, _group_queries(d_out[:, s:e], nkv), nkv))
     d_q = jnp.concatenate(d_q, axis=1)
-    d_sinks = None if sinks is None else d_sinks.astype(sinks.dtype)
+    d_sinks = None if sinks is None else jnp.sum(jnp.stack(d_sink_parts), axis=0).astype(sinks.dtype)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks
 
 

@@ -61,7 +61,7 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, T, D] where
     `allowed` [B, T, T], with T split over the mesh's 'context' axis; `kind` one of CONTEXT_ATTENTION.
     `sinks`: fp32 [heads] attention sinks (GPT-OSS), each device given its own copy of its heads' (a row of
-    a [context, heads] broadcast), so that their gradients are summed outside the manual region."""
+    a [batch shards, context, heads] broadcast), so that their gradients are summed outside the manual region."""
     if kind not in CONTEXT_ATTENTION:
         raise ValueError(f"context_attention={kind!r}; expected one of {CONTEXT_ATTENTION}")
     mesh = jax.sharding.get_abstract_mesh()
@@ -77,27 +77,28 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
     if kind == "all_to_all" and local_heads % context:
         raise ValueError(f"mesh.context_attention=all_to_all splits the attention heads over the context axis: "
                          f"{local_heads} heads per device do not divide by mesh.context={context}; use ring")
-    sink_rows = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (context, nh))
+    row_shards = math.prod(sizes[a] for a in rows)
+    sink_rows = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (row_shards, context, nh))
     split = PartitionSpec(row_spec, CONTEXT_AXIS, heads, None)  # q / the output [B, T, heads, D]
     kv_split = PartitionSpec(row_spec, heads, CONTEXT_AXIS, None)  # head-major k / v [B, kv, T, D]
     mask_split = PartitionSpec(row_spec, CONTEXT_AXIS, None)
 
     if kind == "ring":
         def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
-            return _ring(q, k, v, allowed, None if sinks is None else sinks[0], local_kv, softcap, context)
+            return _ring(q, k, v, allowed, None if sinks is None else sinks[0, 0], local_kv, softcap, context)
     elif kind == "all_to_all":
         def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
-            return _all_to_all(q, k, v, allowed, None if sinks is None else sinks[0], local_kv, softcap, context)
+            return _all_to_all(q, k, v, allowed, None if sinks is None else sinks[0, 0], local_kv, softcap, context)
     else:
         def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
             # the whole keys / values on every device of the axis (their cotangents, each device's part,
             # are summed back over it by the gather's transpose)
             k, v = (lax.all_gather(x, CONTEXT_AXIS, axis=2, tiled=True) for x in (k, v))
             return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap,
-                          sinks=None if sinks is None else sinks[0]).reshape(q.shape)
+                          sinks=None if sinks is None else sinks[0, 0]).reshape(q.shape)
 
     # the blockwise loops' (models/blockwise.py) constant carries are not typed as varying over the axes
-    sink_spec = None if sinks is None else PartitionSpec(CONTEXT_AXIS, heads)
+    sink_spec = None if sinks is None else PartitionSpec(row_spec, CONTEXT_AXIS, heads)
     run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split, sink_spec),
                         out_specs=split, check_vma=kind == "gather")
     return run(q, k, v, allowed, sink_rows)

@@ -105,12 +105,12 @@ def trainer_softmax(scores: Array, lengths: Array, sinks: Array | None = None) -
     (models/attention.py); empty slots (length 0) get all-zero probabilities. `sinks` fp32 [heads]:
     GPT-OSS's attention sinks, one more term of each row's denominator."""
     peak = jnp.max(scores, axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(scores.shape[1], scores.shape[2], 1)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(scores.shape[1], scores.shape[2], 1)
+    if sink is not None:
         peak = jnp.maximum(peak, sink)
     unnormalized = jnp.exp(scores - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    if sinks is not None:
+    if sink is not None:
         total = total + jnp.exp(sink - peak)
     probs = unnormalized / total
     return probs * (lengths > 0)[:, None, None, None]

@@ -22,7 +22,8 @@ compute_logits = jax.jit(compute_logits, static_argnums=1)
 @pytest.mark.parametrize("case,targets", [("llama", "all-linear"), ("qwen2", ("q_proj", "v_proj", "down_proj")),
                                           ("qwen2_moe", ("q_proj", "v_proj", "down_proj")),
                                           ("qwen3_moe", "all-linear"), ("qwen2_moe_mixed", ("v_proj", "down_proj")),
-                                          ("gemma2", "all-linear"), ("gemma3", ("q_proj", "v_proj", "up_proj"))])
+                                          ("gemma2", "all-linear"), ("gemma3", ("q_proj", "v_proj", "up_proj")),
+                                          ("gpt_oss", "all-linear")])
 def test_peft_adapter_folder_loads_with_equal_logits(case, targets, tmp_path, np_rng):
     pytest.importorskip("peft")
     from peft import PeftModel
@@ -42,7 +43,8 @@ def test_peft_adapter_folder_loads_with_equal_logits(case, targets, tmp_path, np
     tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     prefix = "base_model.model.model.layers.1."
     # mixture of experts: adapters on the attention and a shared expert only (routed experts have none)
-    targets_present = ["q_proj", "k_proj", "v_proj", "o_proj"] if family == "qwen3_moe" else list(lora.targets)
+    targets_present = (["q_proj", "k_proj", "v_proj", "o_proj"] if family in ("qwen3_moe", "gpt_oss")
+                       else list(lora.targets))
     assert config["target_modules"] == targets_present
     if "down_proj" in targets_present:
         mlp, width = (("mlp.shared_expert", cfg.shared_expert_intermediate_size) if family == "qwen2_moe"

@@ -135,18 +135,22 @@ def test_dispatcher_takes_the_cascade():
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("platform,custom_call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
-def test_cascade_lowers_for_device_backends(platform, custom_call):
+def test_cascade_lowers_for_device_backends(platform, custom_call, sinks):
     # The engine's dispatch ('auto') on a GPU / TPU: the kernel twice (shared rows, own pages) and the
-    # merge, lowered here for the real backends (Triton IR / Mosaic MLIR).
+    # merge, lowered here for the real backends (Triton IR / Mosaic MLIR); with GPT-OSS's attention sinks
+    # joined by the merged log-sum-exp.
     from jax import export
 
     from jaxrl_llm.platform.target import CompileTarget, compiling_for
     args, _, cascade = make_groups(10, kv_heads=1, loose=1)
     spec = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*args, *cascade)]
+    spec.append(jax.ShapeDtypeStruct(args[0].shape[1:2], jnp.float32) if sinks else None)
 
-    def fn(q, k, v, lengths, table, group_slots, prefix_pages):
-        return paged_decode_attention(q, k, v, lengths, table, cascade=Cascade(group_slots, prefix_pages))
+    def fn(q, k, v, lengths, table, group_slots, prefix_pages, sinks):
+        return paged_decode_attention(q, k, v, lengths, table, cascade=Cascade(group_slots, prefix_pages),
+                                      sinks=sinks)
 
     with compiling_for(CompileTarget("gpu" if platform == "cuda" else platform, None)):
         exported = export.export(jax.jit(fn), platforms=[platform],

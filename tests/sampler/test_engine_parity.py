@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 from sampler_fixtures import EOS_ID, MESHES, PAD_ID, PROMPTS, PROMPTS8, hf_greedy
-from tiny_models import GEMMA, MIXED_MOE, MOE_FAMILIES, WINDOW_LAYERS, build_hf_model, family_case
+from tiny_models import GEMMA, GPT_OSS, MIXED_MOE, MOE_FAMILIES, WINDOW_LAYERS, build_hf_model, family_case
 
 from jaxrl_llm import sharding
 from jaxrl_llm.hf import load_hf_folder
@@ -77,3 +77,32 @@ def test_engine_sharded_matches_one_device(llama_tiny, engine_single_device, mes
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_gpt_oss_engine_paths_follow_transformers_and_the_trainers_scoring(impl, tmp_path):
+    """GPT-OSS's attention sinks in every path of the paged engine: 2 samples a prompt reading their shared
+    pages once (cascade), prompts prefilled 4 tokens at a time (chunked prefill), n-gram drafts verified 2 at a
+    time (speculative), on the XLA path and the interpreted Triton kernel: greedy tokens are transformers',
+    and sampled tokens' log-probs are the trainer's scoring of them."""
+    from test_sampler_logprobs import rescore
+
+    from jaxrl_llm.sampler.speculative import SpeculativeSpec
+
+    family, overrides = GPT_OSS["gpt_oss"]
+    torch_model = build_hf_model(family, tmp_path, **overrides)
+    cfg, params = load_hf_folder(tmp_path)
+    hf_ids, hf_mask = left_pad(PROMPTS, PAD_ID, length=max(map(len, PROMPTS)))
+    expected = np.repeat(hf_greedy(torch_model, hf_ids, hf_mask, NEW, EOS_ID, PAD_ID), 2, axis=0)
+    spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=48, pages_per_slot=8, attn_impl=impl, cascade=True,
+                      speculative=SpeculativeSpec(num_tokens=2))
+    engine = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=4)
+    for sp in (SamplingParams(max_new_tokens=NEW, do_sample=False, n=2), SamplingParams(max_new_tokens=NEW, n=2)):
+        settings, knobs = sp.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
+        out, stats = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
+        if not sp.do_sample:
+            np.testing.assert_array_equal(out.tokens, expected)
+            assert stats.spec_proposed > 0
+        else:
+            m = out.response_mask.astype(bool)
+            np.testing.assert_allclose(out.log_probs[m], np.asarray(rescore(params, cfg, out, 1.0))[m], atol=1e-5)

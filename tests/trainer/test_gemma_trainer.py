@@ -1,6 +1,6 @@
-"""A LoRA run of a tiny Gemma 2 / Gemma 3 (both engines' sampler, the soft-capped head in the update)
-learns, and its merged export reloads in transformers with equal logits and in our loader with equal
-params."""
+"""A LoRA run of a tiny Gemma 2 / Gemma 3 (both engines' sampler, the soft-capped head in the update) or
+GPT-OSS (attention sinks, biases and the clamped experts in the paged engine and the update) learns, and its
+merged export reloads in transformers with equal logits and in our loader with equal params."""
 import json
 
 import jax
@@ -17,7 +17,7 @@ from jaxrl_llm.trainer import Trainer
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
 
 
-@pytest.mark.parametrize("family,engine", [("gemma2", "paged"), ("gemma3_text", "static")])
+@pytest.mark.parametrize("family,engine", [("gemma2", "paged"), ("gemma3_text", "static"), ("gpt_oss", "paged")])
 def test_gemma_lora_run_learns_and_its_merged_export_reloads_in_transformers(family, engine, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -29,7 +29,8 @@ def test_gemma_lora_run_learns_and_its_merged_export_reloads_in_transformers(fam
                  f"{arr}.rollout.engine": engine, "trainer.export_hf": True}
     trainer = Trainer(with_reward_file(tiny_config(tmp_path / "run", **overrides), tmp_path))
     cfg = trainer.actor.model_cfg
-    assert cfg.model_type == family and cfg.sandwich_norms and cfg.local_layer_ids == (0,)
+    assert cfg.model_type == family and cfg.local_layer_ids == (0,)
+    assert cfg.attention_sinks if family == "gpt_oss" else cfg.sandwich_norms
     trainer.fit()
     rows = [r for r in read_metrics(tmp_path / "run") if "actor/kl_loss" in r]
     assert rows[0]["actor/kl_loss"] == 0.0 and rows[-1]["actor/kl_loss"] > 0  # the adapters moved the policy
