@@ -197,9 +197,8 @@ def opo(rewards, mask, *, group_ids, **_):
     return _outcome(scalar, mask)
 
 
-@register_adv_est("reinforce_plus_plus")
-def reinforce_plus_plus(rewards, mask, *, gamma, **_):
-    """Reverse discounted return, reset to 0 after each masked position; whitened * mask."""
+def _discounted_returns(rewards: Array, mask: Array, gamma: float) -> Array:
+    """Reverse discounted return over valid tokens, reset to 0 after each masked position; [B, T], unmasked."""
 
     def step(running, xs):
         r, m = xs
@@ -207,8 +206,23 @@ def reinforce_plus_plus(rewards, mask, *, gamma, **_):
         return jnp.where(m > 0, running, 0.0), running
 
     _, ret_t = jax.lax.scan(step, jnp.zeros(rewards.shape[0], jnp.float32), (rewards.T, mask.T), reverse=True)
-    returns = ret_t.T
+    return ret_t.T
+
+
+@register_adv_est("reinforce_plus_plus")
+def reinforce_plus_plus(rewards, mask, *, gamma, **_):
+    """Reverse discounted return, reset to 0 after each masked position; whitened * mask."""
+    returns = _discounted_returns(rewards, mask, gamma)
     return masked_whiten(returns, mask) * mask, returns
+
+
+@register_adv_est("reinforce")
+def reinforce(rewards, mask, *, gamma, **_):
+    """ROLL's `reinforce` without reward normalisation or whitening (norm_mean_type / norm_std_type None,
+    whiten_advantages false): the plain policy gradient's discounted return, as REINFORCE++ computes it,
+    unwhitened; advantages = returns * mask."""
+    returns = _discounted_returns(rewards, mask, gamma)
+    return returns * mask, returns
 
 
 @register_adv_est("reinforce_plus_plus_baseline", needs_group_ids=True)

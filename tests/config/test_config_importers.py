@@ -393,6 +393,11 @@ def test_roll_shaping_and_sample_masks_import(home, tmp_path):
                                     "whiten_advantages": True})
     alg = import_config(path, dp_size=8).config().algorithm
     assert (alg.adv_estimator, alg.whiten_advantages) == ("reinforce_plus_plus", False)
+    # ... and unwhitened: the discounted returns themselves, our `reinforce`
+    path = variant(ROLL, tmp_path, {"adv_estimator": "reinforce", "norm_mean_type": None, "norm_std_type": None,
+                                    "whiten_advantages": False})
+    alg = import_config(path, dp_size=8).config().algorithm
+    assert (alg.adv_estimator, alg.whiten_advantages) == ("reinforce", False)
     # ROLL's gae whitens only when asked; ours (veRL's) always does
     path = variant(ROLL, tmp_path, {"adv_estimator": "gae", "whiten_advantages": True})
     alg = import_config(path, dp_size=8).config().algorithm

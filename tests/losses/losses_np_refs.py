@@ -105,6 +105,12 @@ def opo(r, m, ids):
     return out[:, None] * m
 
 
+def reinforce(r, m, gamma):
+    """ROLL's reinforce without normalisation: the unwhitened returns of `reinforce_pp`."""
+    ret = reinforce_pp(r, m, gamma)[1]
+    return ret * m, ret
+
+
 def reinforce_pp(r, m, gamma):
     b, t = r.shape
     ret = np.zeros((b, t))

@@ -19,6 +19,8 @@ def expected(name, b, rewards):
         return ref.gae(r, b["values"], m, 0.95, 0.9)
     if name == "reinforce_plus_plus":
         return ref.reinforce_pp(r, m, 0.9)
+    if name == "reinforce":
+        return ref.reinforce(r, m, 0.9)
     if name == "remax":
         return ref.remax(r, m, np.linspace(-1, 1, 8))
     adv = {
@@ -34,7 +36,7 @@ def expected(name, b, rewards):
 
 
 NAMES = ["gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "reinforce_plus_plus",
-         "reinforce_plus_plus_baseline", "remax", "gpg"]
+         "reinforce_plus_plus_baseline", "reinforce", "remax", "gpg"]
 
 
 def call(name, b, rewards, jit=False):
@@ -46,7 +48,8 @@ def call(name, b, rewards, jit=False):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_estimator_matches_reference(batch, name):
-    rewards = batch["token_rewards"] if name in ("gae", "reinforce_plus_plus", "remax") else batch["outcome"]
+    token_level = ("gae", "reinforce_plus_plus", "reinforce", "remax")
+    rewards = batch["token_rewards"] if name in token_level else batch["outcome"]
     want_adv, want_ret = expected(name, batch, rewards)
     for jit in (False, True):
         adv, ret = call(name, batch, rewards, jit)

@@ -151,10 +151,14 @@ def _algorithm(m: Mapper, src: Source) -> None:
         # discounted returns whitened over the batch's response tokens: REINFORCE++ (the estimator whitens)
         m.set("algorithm.adv_estimator", "reinforce_plus_plus", "adv_estimator")
         src.take("whiten_advantages")
+    elif estimator == "reinforce" and mean is None and std is None:
+        # the discounted returns themselves (clipped by reward_clip / advantage_clip where set): our `reinforce`
+        m.set("algorithm.adv_estimator", "reinforce", "adv_estimator")
+        src.take("whiten_advantages")
     else:
         m.error("adv_estimator", f"{estimator!r} with norm_mean_type={mean!r}, norm_std_type={std!r}: jaxrl_llm "
-                                 "has gae, grpo and reinforce with group mean (and optionally group std) "
-                                 "normalisation (= grpo)")
+                                 "has gae, grpo, reinforce with group mean (and optionally group std) "
+                                 "normalisation (= grpo) and reinforce without normalisation")
     for key in SHAPING:  # ROLL's shaping around the estimator: our keys of its names (losses/shaping.py)
         value = src.take(key)
         if value is not None:
