@@ -388,18 +388,23 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         kl_ctrl=KLControlSpec(kl.type, float(kl.kl_coef), float(kl.target_kl), int(kl.horizon)),
         rollout_correction=RolloutCorrectionSpec(
             rollout_is, float(rc.rollout_is_threshold), bool(rc.rollout_is_batch_normalize), rc.rollout_rs,
-            tuple(threshold) if isinstance(threshold, (list, tuple)) else threshold, bool(rc.bypass_mode)),
+            tuple(threshold) if isinstance(threshold, (list, tuple)) else threshold, bool(rc.bypass_mode),
+            str(rc.loss_type)),
         filter_groups=FilterGroupsSpec(bool(fg.enable), fg.metric, int(fg.max_num_gen_batches)),
         reward=resolve_reward(cfg),
         reward_model=resolve_reward_model(cfg),
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in MESH_AXES),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
         multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg), partial=partial)
-    in_loss = spec.rollout_is_in_update
-    return dataclasses.replace(spec, actor=dataclasses.replace(
+    in_loss = spec.rollout_is_in_update or spec.rollout_correction.bypass_reinforce
+    actor = dataclasses.replace(
         spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update,
         rollout_is_in_loss=spec.rollout_correction.rollout_is if in_loss else None,
-        rollout_is_threshold=spec.rollout_correction.rollout_is_threshold))
+        rollout_is_threshold=spec.rollout_correction.rollout_is_threshold)
+    if spec.rollout_correction.bypass_reinforce:  # veRL's bypass dispatch: the IS-weighted policy gradient
+        actor = dataclasses.replace(actor, loss_mode="reinforce",
+                                    rollout_is_batch_normalize=spec.rollout_correction.rollout_is_batch_normalize)
+    return dataclasses.replace(spec, actor=actor)
 
 
 def resolve_sync(cfg: ConfigDict) -> SyncSpec:

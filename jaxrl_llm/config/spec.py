@@ -87,6 +87,7 @@ class ActorSpec:
     # holds: set by `resolve` (RunSpec.rollout_is_in_update); None: the experience brings its weights
     rollout_is_in_loss: str | None = None
     rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False  # bypass mode's reinforce loss: mean 1 over each micro-batch
     logprob_impl: str = "auto"  # the fused log-prob head's backend (losses/logprob.py IMPLS)
     # mixture-of-experts models: None = the model's own (roles/actor.py router_aux_loss_coef)
     router_aux_loss_coef: float | None = None
@@ -179,6 +180,13 @@ class RolloutCorrectionSpec:
     rollout_rs: str | None
     rollout_rs_threshold: Any  # str, float or tuple (one per mode)
     bypass_mode: bool
+    loss_type: str = "ppo_clip"  # bypass mode's policy loss: ppo_clip or reinforce (the IS-weighted gradient)
+
+    @property
+    def bypass_reinforce(self) -> bool:
+        """veRL's bypass mode with loss_type reinforce: the actor's loss is -A * w * log pi, its IS weights w
+        taken in the update from its own (stop-gradient) log-probs against the sampler's."""
+        return self.bypass_mode and self.loss_type == "reinforce"
 
     @property
     def enabled(self) -> bool:

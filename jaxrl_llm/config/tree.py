@@ -632,9 +632,11 @@ ALGORITHM = {
         "bypass_mode": field(False, "Use the sampler's logprobs as the PPO old logprobs (skip the old-logprob "
                                     "forward). veRL."),
         "loss_type": field("ppo_clip", "The policy loss of bypass mode: ppo_clip (the actor's PPO loss with the "
-                                       "sampler's logprobs as the old ones). veRL's 'reinforce' (an IS-weighted "
-                                       "policy gradient) is not available and refused. veRL.",
-                           choices=("ppo_clip",)),
+                                       "sampler's logprobs as the old ones; the ratio is the correction) or "
+                                       "reinforce (-A * w * log pi, w = sg(pi / pi_rollout) per token or sequence "
+                                       "as rollout_is says, truncated at rollout_is_threshold; none without "
+                                       "rollout_is). veRL.",
+                           choices=("ppo_clip", "reinforce")),
     },
     "distillation": {  # a teacher model's signal on the student's own samples (roles/teacher.py)
         "enable": field(False, "On-policy distillation from algorithm.distillation.teacher: the teacher scores "

@@ -158,6 +158,19 @@ def _check_speculative(cfg: ml_collections.ConfigDict) -> None:
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if rc.loss_type == "reinforce":
+        if not rc.bypass_mode:
+            raise ConfigError(f"{key}.loss_type='reinforce' is bypass mode's loss: set {key}.bypass_mode=true "
+                              "(the sampler's log-probs as the old ones), or leave loss_type at ppo_clip")
+        if rc.rollout_rs is not None:
+            raise ConfigError(f"{key}.rollout_rs={rc.rollout_rs!r} with loss_type='reinforce': the update takes each "
+                              "micro-batch's IS weights from its own forward, and rejection sampling needs the "
+                              "whole batch first; use rollout_is with rollout_is_threshold")
+        mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+        if mode != "vanilla":
+            raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} with {key}.loss_type="
+                              "'reinforce': bypass mode's loss replaces the policy loss (as in veRL); leave it "
+                              "at vanilla")
     if rc.rollout_rs is None:
         return
     modes = [m.strip() for m in rc.rollout_rs.split(",")]

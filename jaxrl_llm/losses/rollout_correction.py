@@ -149,12 +149,13 @@ def _masked_log_ratio(train_log_prob: Array, rollout_log_prob: Array, response_m
 
 
 def rollout_is_weights(train_log_prob: Array, rollout_log_prob: Array, response_mask: Array, *, rollout_is: str,
-                       rollout_is_threshold: float) -> Array:
-    """The truncated, stop-gradient IS weights of `compute_rollout_correction` without batch
-    normalisation: each row's own tokens decide them, so a micro-batch can take them in the loss
-    (RunSpec.rollout_is_in_update)."""
+                       rollout_is_threshold: float, batch_normalize: bool = False) -> Array:
+    """The truncated, stop-gradient IS weights of `compute_rollout_correction`: each row's own tokens
+    decide them, so a micro-batch can take them in the loss (RunSpec.rollout_is_in_update). With
+    `batch_normalize` (bypass mode's reinforce loss) they are normalised to mean 1 over the rows given:
+    in the loss, the micro-batch (all of its devices' rows), as veRL's bypass loss sees its micro-batch."""
     mask, log_ratio = _masked_log_ratio(train_log_prob, rollout_log_prob, response_mask)
-    return _is_weights(log_ratio, mask, rollout_is, rollout_is_threshold, False)[0]
+    return _is_weights(log_ratio, mask, rollout_is, rollout_is_threshold, batch_normalize)[0]
 
 
 def _is_weights(log_ratio, mask, level, threshold, batch_normalize):

@@ -55,10 +55,12 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     # one optimizer step per RL step: the old policy IS the current one (config/spec.py)
     old_log_prob = sg(log_prob) if s.old_log_probs_from_update else mb.old_log_probs
     is_weights = mb.rollout_is_weights
-    if s.rollout_is_in_loss is not None:  # rollout correction from this forward (RunSpec.rollout_is_in_update):
-        # old_log_probs hold the sampler's log-probs; the update returns its own for the diagnostics
-        is_weights = rollout_is_weights(old_log_prob, mb.old_log_probs, mask, rollout_is=s.rollout_is_in_loss,
-                                        rollout_is_threshold=s.rollout_is_threshold)
+    if s.rollout_is_in_loss is not None:  # rollout correction from this forward (RunSpec.rollout_is_in_update,
+        # bypass mode's reinforce loss): old_log_probs hold the sampler's log-probs; the update returns its own
+        # for the diagnostics
+        is_weights = rollout_is_weights(sg(log_prob), mb.old_log_probs, mask, rollout_is=s.rollout_is_in_loss,
+                                        rollout_is_threshold=s.rollout_is_threshold,
+                                        batch_normalize=s.rollout_is_batch_normalize)
     pg_loss, metrics = compute_policy_loss(
         s.loss_mode, old_log_prob, log_prob, mb.advantages, mask,
         loss_agg_mode=s.loss_agg_mode, clip_ratio_low=s.clip_ratio_low,

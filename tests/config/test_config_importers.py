@@ -192,8 +192,7 @@ def test_verl_unresolved_interpolation_is_an_error_only_where_used(home, tmp_pat
     ("algorithm.adv_estimator", "my_estimator", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "not available in jaxrl_llm"),
     ("actor_rollout_ref.actor.optim.optimizer", "SGD", "AdamW"),
-    # before: one of ~430 names in the no-counterpart warning, and the run trained PPO-clip
-    ("algorithm.rollout_correction.loss_type", "reinforce", "ppo_clip only"),
+    ("algorithm.rollout_correction.loss_type", "dppo", "ppo_clip or reinforce"),
 ])
 def test_verl_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     with pytest.raises(ConfigError) as err:
@@ -208,10 +207,15 @@ def test_verl_pf_ppo_keys_are_ours(home, tmp_path):
         True, "max_min", 1.5)
 
 
-def test_pasted_rollout_correction_loss_type():
+def test_rollout_correction_loss_type(home, tmp_path):
+    """Bypass mode's reinforce loss imports from veRL; pasted without bypass mode it is refused by name."""
+    rc = "algorithm.rollout_correction."
+    s = import_config(variant(VERL, tmp_path, {rc + "bypass_mode": True, rc + "loss_type": "reinforce",
+                                               rc + "rollout_is": "sequence"}), dp_size=4)
+    assert values(s, rc + "bypass_mode", rc + "loss_type", rc + "rollout_is") == (True, "reinforce", "sequence")
     cfg = apply_overrides(default_config(), ["algorithm.rollout_correction.loss_type=ppo_clip"])
     assert cfg.algorithm.rollout_correction.loss_type == "ppo_clip"
-    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction.loss_type='reinforce'"):
+    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction.loss_type='reinforce' is bypass mode's"):
         validate_config(apply_overrides(default_config(), ["algorithm.rollout_correction.loss_type=reinforce"]),
                         dp_size=1, check_paths=False)
 

@@ -79,8 +79,10 @@ CASES = {
         actor_rollout_ref__actor__policy_loss__loss_mode="gspo", actor_rollout_ref__rollout__n=16,
         actor_rollout_ref__actor__clip_ratio_low=0.0003, actor_rollout_ref__actor__clip_ratio_high=0.0004,
         data__max_response_length=8192, actor_rollout_ref__actor__loss_agg_mode="seq-mean-token-mean")),
+    # bypass mode's reinforce loss imports; on 8 devices its 32 sequences a mini-batch leave 4 a device, fewer than
+    # its micro-batch of 8 (veRL asserts the same)
     "verl/examples/rollout_correction/run_with_rollout_corr.sh": ("verl", 8, (), refused(
-        "algorithm.rollout_correction.loss_type", "bypass mode trains with ppo_clip only")),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=8", "must divide the per-device mini-batch")),
     "verl/examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh": ("verl", 8, (), refused(
         "actor_rollout_ref.rollout.over_sample_rate", "over-sampling (aborting the slowest requests")),
     "verl/examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh": ("verl", 1, (), refused(

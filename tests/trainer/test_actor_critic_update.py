@@ -74,6 +74,43 @@ def test_actor_loss_equals_formula():
                             "actor/ppo_kl", "actor/pg_clipfrac_lower"}
 
 
+@pytest.mark.parametrize("level,normalize", [("token", False), ("sequence", True)])
+def test_bypass_reinforce_loss_is_the_is_weighted_policy_gradient(level, normalize):
+    """veRL's bypass mode with loss_type reinforce: -A * w * log pi, w = sg(pi / pi_rollout) per token or per
+    sequence (its summed log-ratio), truncated at the threshold, with batch normalisation mean 1 over the
+    micro-batch's valid tokens (token) or non-empty rows (sequence); values and gradients."""
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    b = _batch()
+    lp0 = response_log_probs(params, CFG, b.input_ids, b.attention_mask, R, temperature=0.7)
+    rng = np.random.default_rng(3)  # the sampler's log-probs: the trainer's, moved by up to a few tenths
+    b = dataclasses.replace(b, old_log_probs=lp0 + jnp.asarray(rng.normal(0, 0.3, lp0.shape), jnp.float32))
+    s = dataclasses.replace(SETTINGS, loss_mode="reinforce", entropy_coeff=0.0, use_kl_loss=False,
+                            rollout_is_in_loss=level, rollout_is_threshold=1.5, rollout_is_batch_normalize=normalize)
+    m = b.response_mask
+
+    def want_loss(p):
+        lp = response_log_probs(p, CFG, b.input_ids, b.attention_mask, R, temperature=0.7)
+        log_ratio = jnp.where(m > 0, jax.lax.stop_gradient(lp) - b.old_log_probs, 0.0)
+        if level == "sequence":
+            log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, -1, keepdims=True), log_ratio.shape)
+        w = jnp.minimum(jnp.exp(log_ratio), 1.5) * m
+        if normalize:
+            rows = jnp.sum(m, -1) > 0
+            w = w / (jnp.sum(jnp.sum(w, -1) / jnp.maximum(jnp.sum(m, -1), 1) * rows) / jnp.sum(rows))
+        return jnp.sum(-b.advantages * w * lp * m) / jnp.sum(m)
+
+    ours = lambda p: actor_loss(p, b, denominators(m), model_cfg=CFG, s=s)  # noqa: E731
+    (loss, metrics), grads = jax.value_and_grad(ours, has_aux=True)(params)
+    want, want_grads = jax.value_and_grad(want_loss)(params)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-4), grads, want_grads)
+    # ppo_kl against the sampler's log-probs, as veRL's reinforce loss reports it
+    np.testing.assert_allclose(float(metrics["actor/ppo_kl"]),
+                               float(jnp.sum((b.old_log_probs - lp0) * m) / jnp.sum(m)), rtol=1e-4)
+    plain = dataclasses.replace(s, rollout_is_in_loss=None)  # without the weights the loss moves
+    assert abs(float(actor_loss(params, b, denominators(m), model_cfg=CFG, s=plain)[0]) - float(loss)) > 1e-3
+
+
 def _run_actor(num_micro, mesh=None, mode="token-mean"):
     params = init_params(CFG, jax.random.PRNGKey(0))
     tx = optax.sgd(0.5)

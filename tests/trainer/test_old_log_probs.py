@@ -43,6 +43,25 @@ def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from
     assert spec.recompute_old_log_probs is ((bf16 or corrected) and not from_update)
 
 
+def test_bypass_reinforce_takes_its_weights_in_the_loss(tmp_path):
+    """veRL's bypass mode with loss_type reinforce: the sampler's log-probs are the old ones (no pass), and the
+    actor's loss is the IS-weighted policy gradient with the weights from its own forward; the keys it cannot
+    take are refused by name."""
+    from jaxrl_llm.config.schema import ConfigError
+
+    bypass = {RC + "bypass_mode": True, RC + "loss_type": "reinforce", RC + "rollout_is": "sequence",
+              RC + "rollout_is_batch_normalize": True}
+    spec = resolve(validate_config(tiny_runs.tiny_config(tmp_path, **bypass), dp_size=1), dp_size=1)
+    a = spec.actor
+    assert (a.loss_mode, a.rollout_is_in_loss, a.rollout_is_batch_normalize) == ("reinforce", "sequence", True)
+    assert not spec.recompute_old_log_probs and not a.old_log_probs_from_update
+    for extra, key in [({RC + "bypass_mode": False}, "loss_type='reinforce' is bypass mode's loss"),
+                       ({RC + "rollout_rs": "token_k1", RC + "rollout_rs_threshold": 2.0}, "rollout_rs='token_k1'"),
+                       ({"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "loss_mode='gspo'")]:
+        with pytest.raises(ConfigError, match=key):
+            validate_config(tiny_runs.tiny_config(tmp_path, **{**bypass, **extra}), dp_size=1)
+
+
 def test_bf16_step_without_the_old_log_prob_pass_equals_recomputing(tmp_path):
     """The same bf16 GRPO step twice from the same state: old log-probs from the update's forward,
     then from a separate no-grad pass. Same update (up to bf16 kernel noise); no pass in the first."""

@@ -203,9 +203,10 @@ def _error_if(pred: Callable[[SourceValue], bool], why: str):
 
 
 def _correction_loss(m: Mapper, src: str, value: SourceValue) -> None:
-    if value not in (None, "ppo_clip"):  # before: one of the no-counterpart names, and the run was PPO-clip
-        m.error(src, f"{value!r}: jaxrl_llm's bypass mode trains with ppo_clip only (veRL's reinforce loss, an "
-                     "IS-weighted policy gradient, is not available)")
+    if value not in (None, "ppo_clip", "reinforce"):
+        m.error(src, f"{value!r}: bypass mode's loss is ppo_clip or reinforce")
+    elif value is not None:
+        m.set("algorithm.rollout_correction.loss_type", value, src)
 
 
 def _optimizer(m: Mapper, src: str, value: SourceValue) -> None:
