@@ -138,3 +138,107 @@ def test_config_json_round_trip():
 
     hf = GptOssConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     assert ModelConfig.from_hf_config({**hf.to_dict(), "architectures": d["architectures"]}) == cfg
+
+
+def _write_gpt_oss_gguf(model, path, *, fused_gate_up: bool) -> None:
+    """A GGUF of `model` laid out as llama.cpp's converter writes GPT-OSS: gate / up experts split from
+    transformers' interleaved `gate_up_proj` (or fused, gate first) and transposed to [E, F, H], down to
+    [E, H, F], the expert matrices in GGML's MXFP4, everything else F32."""
+    import gguf
+
+    cfg = model.config
+    mx = gguf.GGMLQuantizationType.MXFP4
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+    w.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+    for name, t in model.state_dict().items():
+        a = t.detach().numpy().astype(np.float32)
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+            continue
+        name = name.removeprefix("model.")
+        if name in names:
+            w.add_tensor(names[name], a)
+            continue
+        i, rest = name.removeprefix("layers.").split(".", 1)
+        blk = f"blk.{i}."
+        if rest == "self_attn.sinks":
+            w.add_tensor(blk + "attn_sinks.weight", a)
+        elif rest.startswith("mlp.experts."):
+            what = rest.removeprefix("mlp.experts.")
+            if what == "down_proj":  # [E, F, H] -> [E, H, F]
+                q = gguf.quants.quantize(np.ascontiguousarray(np.swapaxes(a, -1, -2)), mx)
+                w.add_tensor(blk + "ffn_down_exps.weight", q, raw_dtype=mx)
+            elif what == "down_proj_bias":
+                w.add_tensor(blk + "ffn_down_exps.bias", a)
+            else:
+                bias = what.endswith("_bias")
+                gate, up = a[..., 0::2], a[..., 1::2]
+                if not bias:
+                    gate, up = np.swapaxes(gate, -1, -2), np.swapaxes(up, -1, -2)  # [E, F, H]
+                leaf = "bias" if bias else "weight"
+                parts = {"ffn_gate_up_exps": np.concatenate([gate, up], axis=1)} if fused_gate_up else {
+                    "ffn_gate_exps": gate, "ffn_up_exps": up}
+                for gname, v in parts.items():
+                    v = np.ascontiguousarray(v)
+                    if bias:
+                        w.add_tensor(blk + f"{gname}.{leaf}", v)
+                    else:
+                        w.add_tensor(blk + f"{gname}.{leaf}", gguf.quants.quantize(v, mx), raw_dtype=mx)
+        else:
+            module, leaf = rest.rsplit(".", 1)
+            w.add_tensor(blk + f"{layer[module]}.{leaf}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("fused_gate_up", [False, True])
+def test_gguf_with_mxfp4_experts_loads_with_transformers_logits(tmp_path, fused_gate_up):
+    """llama.cpp's gpt-oss GGUF layout (split or fused gate / up experts, MXFP4 expert matrices): the logits
+    of the transformers model whose experts hold the same (MXFP4-rounded) weights."""
+    import gguf
+    import torch
+
+    from jaxrl_llm.hf import load_gguf
+
+    family, overrides = GPT_OSS["gpt_oss"]
+    # llama.cpp keeps no swiglu_limit (its gpt-oss clamps at transformers' default 7)
+    model = build_hf_model(family, tmp_path / "hf", **{**overrides, "swiglu_limit": 7.0})
+    mx = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():  # weights GGML's MXFP4 holds exactly (quantised along each row's inputs)
+        for layer in model.model.layers:
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(layer.mlp.experts, name)
+                rows = np.ascontiguousarray(np.swapaxes(p.numpy(), -1, -2))  # [E, out, in]
+                exact = gguf.quants.dequantize(gguf.quants.quantize(rows, mx), mx).reshape(rows.shape)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(np.swapaxes(exact, -1, -2))))
+    path = tmp_path / "gpt-oss.gguf"
+    _write_gpt_oss_gguf(model, path, fused_gate_up=fused_gate_up)
+    cfg, params = load_gguf(path)
+    assert cfg.model_type == "gpt_oss" and cfg.local_layer_ids == (0, 2) and cfg.attention_sinks
+    ids, mask = left_padded_batch(np.random.default_rng(0), cfg.vocab_size)
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - torch_logits(model, ids, mask)[valid]).max() <= 1e-4
