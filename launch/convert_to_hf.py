@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="output HF folder (replaced atomically)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--max-shard-size", type=int, default=5 * 1024**3, help="bytes per shard")
+    parser.add_argument("--experts", default="dense", choices=["dense", "mxfp4"],
+                        help="GPT-OSS: write the expert matrices as MXFP4 blocks and scales, as its releases do")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer")
     parser.add_argument("--tokenizer", default=None, help="tokenizer location (default: see above)")
     parser.add_argument("--peft", default=None, help="also write a LoRA checkpoint's adapters as a PEFT folder here")
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_path = args.tokenizer or (read_checkpoint_meta(args.input)["tokenizer"]
                                         if is_checkpoint(args.input) else args.input)
     tokenizer = None if args.no_tokenizer else load_tokenizer(tokenizer_path)
-    out = export_hf(cfg, params, args.output, tokenizer=tokenizer, max_shard_size=args.max_shard_size)
+    out = export_hf(cfg, params, args.output, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
+                    experts=args.experts)
     print(f"wrote {cfg.architecture} ({cfg.num_hidden_layers} layers, {args.dtype}) to {out}")
     return 0
 

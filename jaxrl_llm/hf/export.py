@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_llm import storage
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.hf import mxfp4
 from jaxrl_llm.hf.names import TensorSpec, get_path, interleave_parts, tensor_specs
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models.config import ModelConfig
@@ -42,6 +43,23 @@ def _head_of(params: dict) -> tuple[str, int]:
 
 
 Unit = tuple[TensorSpec, tuple[int, ...], str]  # (spec, index into our leaf, HF tensor name)
+
+
+EXPERT_FORMATS = ("dense", "mxfp4")
+# GPT-OSS's expert matrices, the tensors an MXFP4 export stores as blocks and scales (as its releases do)
+_MXFP4_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# what transformers' MXFP4 quantizer leaves in the compute dtype (the releases' list)
+_MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def _hf_tensors(unit: Unit, params: dict, dtype: np.dtype, experts: str) -> dict[str, np.ndarray]:
+    """The HF tensors of one unit: itself, or with `experts="mxfp4"` a GPT-OSS expert matrix as
+    `<name>_blocks` / `<name>_scales` (hf/mxfp4.py)."""
+    name = unit[2]
+    if experts == "mxfp4" and name.endswith(_MXFP4_TENSORS):
+        blocks, scales = mxfp4.quantize(_hf_tensor(unit, params, np.dtype(np.float32)))
+        return {name + mxfp4.BLOCKS_SUFFIX: blocks, name + mxfp4.SCALES_SUFFIX: scales}
+    return {name: _hf_tensor(unit, params, dtype)}
 
 
 def _hf_tensor(unit: Unit, params: dict, dtype: np.dtype) -> np.ndarray:
@@ -113,9 +131,12 @@ def _remove_leftovers(out_dir: pathlib.Path) -> None:
 
 def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, tokenizer: Tokenizer | None = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: DType | None = None,
-              overwrite: bool = True) -> Any:
+              overwrite: bool = True, experts: str = "dense") -> Any:
     """Write an HF folder at `out_dir` (a local path or a bucket URL); returns its path (an
-    `epath.Path` for a URL). `dtype` defaults to the params' dtype.
+    `epath.Path` for a URL). `dtype` defaults to the params' dtype. `experts`: "dense" (every tensor in
+    `dtype`), or "mxfp4" for GPT-OSS: its expert matrices as MXFP4 blocks and scales with config.json's
+    `quantization_config`, the layout its releases ship (rounded to the nearest E2M1 value of each
+    32-input block's power-of-two scale; the rest in `dtype`).
 
     A URL gets the folder built locally first, then uploaded over the old one with config.json
     last, so a reader never sees a config.json beside missing weights."""
@@ -125,10 +146,14 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
             raise FileExistsError(f"output folder {url!r} exists (pass overwrite=True)")
         with tempfile.TemporaryDirectory(prefix="jaxrl_llm-hf-") as local:
             export_hf(cfg, params, pathlib.Path(local) / "hf", tokenizer=tokenizer, max_shard_size=max_shard_size,
-                      dtype=dtype)
+                      dtype=dtype, experts=experts)
             storage.remove_tree(url)
             storage.upload_dir(str(pathlib.Path(local) / "hf"), url, last=("config.json",))
         return storage.as_path(url)
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts={experts!r}: expected one of {EXPERT_FORMATS}")
+    if experts == "mxfp4" and cfg.model_type != "gpt_oss":
+        raise ValueError(f"experts='mxfp4' is GPT-OSS's checkpoint format; {cfg.model_type} exports dense tensors")
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"output folder {str(out_dir)!r} exists (pass overwrite=True)")
@@ -143,6 +168,9 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
     with staged_folder(out_dir) as tmp:
         hf_config = cfg.to_hf_config(architecture=arch, dtype=np_dtype.name,
                                      num_labels=num_labels if head == "score" else None)
+        if experts == "mxfp4":
+            hf_config["quantization_config"] = {"quant_method": "mxfp4",
+                                                "modules_to_not_convert": list(_MXFP4_NOT_CONVERTED)}
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
         shards = _plan_shards(cfg, specs, np_dtype.itemsize, max_shard_size)
@@ -153,7 +181,7 @@ def export_hf(cfg: ModelConfig, params: dict, out_dir: str | pathlib.Path, *, to
                     else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
             tensors: dict[str, np.ndarray] = {}
             for unit in shard:
-                tensors[unit[2]] = _hf_tensor(unit, params, np_dtype)
+                tensors.update(_hf_tensors(unit, params, np_dtype, experts))
             for hf_name, tensor in tensors.items():
                 weight_map[hf_name] = name
                 total += tensor.nbytes

@@ -242,3 +242,37 @@ def test_gguf_with_mxfp4_experts_loads_with_transformers_logits(tmp_path, fused_
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
     valid = mask.astype(bool)
     assert np.abs(ours[valid] - torch_logits(model, ids, mask)[valid]).max() <= 1e-4
+
+
+def test_mxfp4_export_reloads_in_transformers_and_ours(tmp_path):
+    """`export_hf(experts="mxfp4")`: the experts as blocks and scales with `quantization_config`, as the releases
+    ship; transformers' MXFP4 loader (dequantising on CPU) and ours give the same logits, the expert weights are
+    the originals rounded to MXFP4, and a family without that format is refused."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl_llm.hf import export_hf
+
+    family, overrides = GPT_OSS["gpt_oss"]
+    build_hf_model(family, tmp_path / "src", **overrides)
+    cfg, params = load_hf_folder(tmp_path / "src")
+    export_hf(cfg, params, tmp_path / "mx", experts="mxfp4")
+    assert json.loads((tmp_path / "mx" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    with safe_open(str(tmp_path / "mx" / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+    cfg2, params2 = load_hf_folder(tmp_path / "mx")
+    assert cfg2 == cfg
+    up = np.asarray(params["layers"]["moe"]["experts"]["up_proj"]["kernel"])
+    up2 = np.asarray(params2["layers"]["moe"]["experts"]["up_proj"]["kernel"])
+    assert 0 < np.abs(up2 - up).max() < 0.2 * np.abs(up).max()  # rounded, not replaced
+    np.testing.assert_array_equal(params2["layers"]["attn"]["sinks"], params["layers"]["attn"]["sinks"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "mx", dtype=torch.float32).eval()
+    ids, mask = left_padded_batch(np.random.default_rng(0), cfg.vocab_size)
+    ours = np.asarray(compute_logits(params2, cfg2, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - torch_logits(hf, ids, mask)[valid]).max() <= 1e-4
+    with pytest.raises(ValueError, match="GPT-OSS's checkpoint format"):
+        export_hf(ModelConfig.tiny("qwen3_moe"), {}, tmp_path / "no", experts="mxfp4")
