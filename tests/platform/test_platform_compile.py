@@ -256,7 +256,7 @@ def test_a_context_parallel_step_compiles_for_tpu_and_lowers_for_cuda(tmp_path):
     tokens, heads, kv_heads, head_dim = 4096, 8, 2, 64
 
     def loss(q, k, v, allowed):
-        return jnp.sum(causal_blockwise_attend(q, k, v, allowed, kv_heads, None))
+        return jnp.sum(causal_blockwise_attend(q, k, v, allowed, None, kv_heads, None))  # no sinks, no cap
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
         shaped((1, tokens, heads, head_dim), jnp.bfloat16), shaped((1, kv_heads, tokens, head_dim), jnp.bfloat16),

@@ -79,12 +79,13 @@ def test_engine_sharded_matches_one_device(llama_tiny, engine_single_device, mes
     np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_gpt_oss_engine_paths_follow_transformers_and_the_trainers_scoring(impl, tmp_path):
+def test_gpt_oss_engine_paths_follow_transformers_and_the_trainers_scoring(tmp_path):
     """GPT-OSS's attention sinks in every path of the paged engine: 2 samples a prompt reading their shared
     pages once (cascade), prompts prefilled 4 tokens at a time (chunked prefill), n-gram drafts verified 2 at a
-    time (speculative), on the XLA path and the interpreted Triton kernel: greedy tokens are transformers',
-    and sampled tokens' log-probs are the trainer's scoring of them."""
+    time (speculative), through the interpreted Triton kernels (the XLA paths with sinks: the plain engine
+    parity above and tests/models/test_gpt_oss.py): greedy tokens are transformers', and sampled tokens'
+    log-probs are the trainer's scoring of them."""
+    impl = "pallas"
     from test_sampler_logprobs import rescore
 
     from jaxrl_llm.sampler.speculative import SpeculativeSpec
