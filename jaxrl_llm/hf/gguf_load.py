@@ -91,14 +91,11 @@ class GGUFSource:
                 raise UnsupportedQuantizationError(
                     f"GGUF tensor {t.name!r} has quantisation type {kind}, which is unsupported; "
                     f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}")
+        self.arch = str(self.field("general.architecture", "llama"))
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
-
-    @property
-    def arch(self) -> str:
-        return str(self.field("general.architecture", "llama"))
 
     def _stored_shape(self, gguf_tensor: str) -> tuple[int, ...] | None:
         t = self._tensors.get(gguf_tensor)
@@ -153,8 +150,9 @@ class GGUFSource:
             return np.swapaxes(self._stored(blk + "ffn_down_exps.weight"), -1, -2)
         bias = what.endswith("_bias")
         leaf = "bias" if bias else "weight"
-        kind, _ = self._gate_up_parts(blk, bias=bias) or ("split", ())
-        if kind == "split":
+        parts = self._gate_up_parts(blk, bias=bias)
+        assert parts is not None, name  # assemble_params checked every shape before reading
+        if parts[0] == "split":
             gate, up = self._stored(blk + f"ffn_gate_exps.{leaf}"), self._stored(blk + f"ffn_up_exps.{leaf}")
         else:
             gate, up = np.split(self._stored(blk + f"ffn_gate_up_exps.{leaf}"), 2, axis=1)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.numerics import MASKED_SCORE, einsum_f32, probs_times_values
+from jaxrl_llm.models.numerics import MASKED_SCORE, einsum_f32, probs_times_values, softmax_terms
 
 Array = jax.Array
 CAUSAL_CHUNK = 128  # query rows per chunk (the smallest; long rows use at most MAX_CHUNKS chunks)
@@ -63,34 +63,30 @@ def _masked_scores(qg: Array, k: Array, allowed: Array, groups: int, softcap: fl
     return jnp.where(allowed[:, None, None], scores, MASKED_SCORE)
 
 
-def _grouped_sinks(sinks: Array, nkv: int) -> Array:
-    """fp32 sinks [heads] -> [kv, g, 1] (broadcast against [B, kv, g, T] rows)."""
-    return sinks.astype(jnp.float32).reshape(nkv, -1)[:, :, None]
-
-
 def _forward(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
              sinks: Array | None = None) -> tuple[Array, Array]:
     b, t, nh, _ = q.shape
     scores = _masked_scores(_group_queries(q, nkv), k, allowed, nh // nkv, softcap)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    sink = None if sinks is None else _grouped_sinks(sinks, nkv)[..., None]  # [kv, g, 1, 1]
-    if sink is not None:
-        peak = jnp.maximum(peak, sink)
-    unnormalized = jnp.exp(scores - peak)
-    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + jnp.exp(sink - peak)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(nkv, -1, 1, 1)  # [kv, g, 1, 1]
+    peak, unnormalized, total = softmax_terms(scores, sink)
     probs = (unnormalized / total).reshape(b, nkv, -1, scores.shape[-1])
     out = probs_times_values("bkqs,bksd->bkqd", probs, v)  # fp32 [B, kv, g * T, D]
     lse = (peak + jnp.log(total))[..., 0]  # [B, kv, g, T]
     return out, lse
 
 
-def sink_grads(sinks: Array, out: Array, lse: Array, d_out: Array, nkv: int) -> Array:
-    """d(loss)/d(sinks) [heads] (fp32) from grouped fp32 out / d_out [B, kv, g * T, D] and lse [B, kv, g, T]."""
-    row_dot = jnp.sum(d_out * out, axis=-1).reshape(lse.shape)
-    p_sink = jnp.exp(_grouped_sinks(sinks, nkv) - lse)
-    return -jnp.sum(p_sink * row_dot, axis=(0, 3)).reshape(-1)
+def sink_grads(sinks: Array, out: Array, lse: Array, d_out: Array) -> Array:
+    """d(loss)/d(sinks) [heads] (fp32) from token-major fp32 out / d_out [..., heads, D] and lse [..., heads]:
+    -sum over rows of exp(sink - lse) * rowsum(dO * O) (module doc)."""
+    row_dot = jnp.sum(d_out * out, axis=-1)
+    p_sink = jnp.exp(sinks.astype(jnp.float32) - lse)
+    return -jnp.sum((p_sink * row_dot).reshape(-1, lse.shape[-1]), axis=0)
+
+
+def token_major_lse(lse: Array) -> Array:
+    """`_forward`'s lse [B, kv, g, t] -> [B, t, heads]."""
+    b, nkv, g, t = lse.shape
+    return lse.transpose(0, 3, 1, 2).reshape(b, t, nkv * g)
 
 
 def _chunk_grads(q, k, v, allowed, out, lse, d_out, nkv, softcap):
@@ -149,7 +145,7 @@ def _attend_chunks_bwd(nkv, chunks, softcap, residuals, d_out):
         d_q.append(dq)
         d_k, d_v = d_k.at[:, :, :n].add(dk), d_v.at[:, :, :n].add(dv)
         if sinks is not None:
-            d_sink_parts.append(sink_grads(sinks, out, lse, _group_queries(d_out[:, s:e], nkv), nkv))
+            d_sink_parts.append(sink_grads(sinks, _ungroup(out, e - s), token_major_lse(lse), d_out[:, s:e]))
     d_q = jnp.concatenate(d_q, axis=1)
     d_sinks = None if sinks is None else jnp.sum(jnp.stack(d_sink_parts), axis=0).astype(sinks.dtype)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks

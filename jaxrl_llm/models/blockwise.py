@@ -21,7 +21,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_llm.models.attention import _chunk_grads, _forward, _group_queries, _ungroup, attend, chunk_bounds
+from jaxrl_llm.models.attention import (
+    _chunk_grads,
+    _forward,
+    _group_queries,
+    _ungroup,
+    attend,
+    chunk_bounds,
+    sink_grads,
+    token_major_lse,
+)
 from jaxrl_llm.models.numerics import MASKED_SCORE
 
 Array = jax.Array
@@ -63,12 +72,6 @@ def _key_blocks_seen(mask: Array, block: int) -> tuple[Array, Array]:
     return seen_range(jnp.any(mask.reshape(b, size, keys // block, block), axis=(0, 1, 3)))
 
 
-def _token_major_lse(lse: Array) -> Array:
-    """[B, kv, g, t] -> [B, t, heads]."""
-    b, nkv, g, t = lse.shape
-    return lse.transpose(0, 3, 1, 2).reshape(b, t, nkv * g)
-
-
 def _grouped_lse(lse: Array, nkv: int) -> Array:
     """[B, t, heads] -> [B, kv, g, t] (`_forward`'s layout)."""
     b, t, nh = lse.shape
@@ -94,7 +97,7 @@ def blockwise_update(q_chunks: Array, k: Array, v: Array, masks: Array, out: Arr
             out_c, lse_c = running
             part_out, part_lse = _forward(q_chunks[c], _keys(k, j, block), _keys(v, j, block),
                                           lax.dynamic_slice_in_dim(mask, j * block, block, axis=2), nkv, softcap)
-            part_out, part_lse = _ungroup(part_out, size), _token_major_lse(part_lse)
+            part_out, part_lse = _ungroup(part_out, size), token_major_lse(part_lse)
             merged = jnp.logaddexp(lse_c, part_lse)
             new = out_c * jnp.exp(lse_c - merged)[..., None] + part_out * jnp.exp(part_lse - merged)[..., None]
             return new, merged
@@ -141,13 +144,6 @@ def empty_results(q_chunks: Array, sinks: Array | None = None) -> tuple[Array, A
     return out, jnp.broadcast_to(sinks.astype(jnp.float32), q_chunks.shape[:4])
 
 
-def sink_grads_token_major(sinks: Array, out: Array, lse: Array, d_out: Array) -> Array:
-    """d(loss)/d(sinks) [heads] from fp32 out / d_out [..., heads, D] and lse [..., heads] (token-major layouts):
-    -sum over rows of exp(sink - lse) * rowsum(dO * O) (models/attention.py)."""
-    row_dot = jnp.sum(d_out * out, axis=-1)
-    p_sink = jnp.exp(sinks.astype(jnp.float32) - lse)
-    return -jnp.sum((p_sink * row_dot).reshape(-1, lse.shape[-1]), axis=0)
-
 
 # ---- the unsplit causal pass ----
 
@@ -180,7 +176,7 @@ def _causal_bwd(nkv, softcap, residuals, d_out):
     d_out = chunked(d_out.astype(jnp.float32), size)
     d_q, d_k, d_v = blockwise_grads(chunked(q, size), k, v, chunked(allowed, size), out, lse, d_out, nkv, softcap,
                                     size)
-    d_sinks = None if sinks is None else sink_grads_token_major(sinks, out, lse, d_out).astype(sinks.dtype)
+    d_sinks = None if sinks is None else sink_grads(sinks, out, lse, d_out).astype(sinks.dtype)
     return unchunked(d_q).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_sinks
 
 

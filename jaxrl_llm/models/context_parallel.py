@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.models.attention import attend
+from jaxrl_llm.models.attention import attend, sink_grads
 from jaxrl_llm.models.blockwise import (
     blockwise_grads,
     blockwise_update,
@@ -40,7 +40,6 @@ from jaxrl_llm.models.blockwise import (
     chunk_rows,
     chunked,
     empty_results,
-    sink_grads_token_major,
     unchunked,
 )
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
@@ -173,7 +172,7 @@ def _ring_bwd(nkv, softcap, context, residuals, d_out):
     q, k, v, allowed, sinks, out, lse = residuals
     size = chunk_rows(q.shape[1])
     q_chunks, d_out = chunked(q, size), chunked(d_out.astype(jnp.float32), size)
-    d_sinks = None if sinks is None else sink_grads_token_major(sinks, out, lse, d_out).astype(sinks.dtype)
+    d_sinks = None if sinks is None else sink_grads(sinks, out, lse, d_out).astype(sinks.dtype)
 
     def step(i, carry):
         d_q, k_blk, v_blk, d_k_blk, d_v_blk = carry

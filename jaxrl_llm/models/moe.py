@@ -381,7 +381,7 @@ def gathered_expert_ffn(experts: dict, tokens: Array, ids: Array, mix: Array, *,
     up = biased(jnp.einsum("nh,nkhf->nkf", x, weights["up_proj"], preferred_element_type=jnp.float32), "up_proj")
     out = jnp.einsum("nkf,nkfh->nkh", expert_glu(cfg, gate, up, dtype), weights["down_proj"],
                      preferred_element_type=jnp.float32)
-    return jnp.einsum("nk,nkh->nh", mix, biased(out, "down_proj"))
+    return jnp.einsum("nk,nkh->nh", mix, out) + down_bias(experts, ids, mix, dtype)
 
 
 def dense_expert_ffn(experts: dict, tokens: Array, routing: Routing, *, dtype: DType, cfg: ModelConfig) -> Array:

@@ -97,6 +97,20 @@ def probs_times_values(spec: str, probs: Array, v: Array) -> Array:
     return einsum_f32(spec, hi, v) + einsum_f32(spec, lo, v)
 
 
+def softmax_terms(scores: Array, sink: Array | None = None) -> tuple[Array, Array, Array]:
+    """(peak, exp(scores - peak), their sum) over the last axis of fp32 `scores`, as every attention path
+    computes its softmax (probs = unnormalized / total, lse = peak + log total). `sink` (broadcastable against
+    the [..., 1] peak): GPT-OSS's attention sink, one more term of the denominator (a key of value 0)."""
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    if sink is not None:
+        peak = jnp.maximum(peak, sink)
+    unnormalized = jnp.exp(scores - peak)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - peak)
+    return peak, unnormalized, total
+
+
 def cap_logits(raw: jax.Array, softcap: float | None, temperature: float) -> jax.Array:
     """fp32 logits as the model's head gives them (soft-capped, Gemma 2's final_logit_softcapping),
     divided by the sampling temperature."""

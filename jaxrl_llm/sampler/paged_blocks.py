@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.models.numerics import softmax_terms
 from jaxrl_llm.sampler.kv_bits import from_storage, scale_pair
 
 Array = jax.Array
@@ -104,14 +105,8 @@ def trainer_softmax(scores: Array, lengths: Array, sinks: Array | None = None) -
     """The trainer's softmax over a slot's key buffer [S, kv, g, keys], operation for operation
     (models/attention.py); empty slots (length 0) get all-zero probabilities. `sinks` fp32 [heads]:
     GPT-OSS's attention sinks, one more term of each row's denominator."""
-    peak = jnp.max(scores, axis=-1, keepdims=True)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(scores.shape[1], scores.shape[2], 1)
-    if sink is not None:
-        peak = jnp.maximum(peak, sink)
-    unnormalized = jnp.exp(scores - peak)
-    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + jnp.exp(sink - peak)
+    _, unnormalized, total = softmax_terms(scores, sink)
     probs = unnormalized / total
     return probs * (lengths > 0)[:, None, None, None]
 
