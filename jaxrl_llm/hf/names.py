@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import MLP_MODULES
-from jaxrl_llm.models.param_init import HEADS
+from jaxrl_llm.models.param_init import HEADS, typed_layer_ids
 
 
 class MissingTensorError(KeyError):
@@ -125,24 +125,26 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
         layer(("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", (h,))
     else:
         layer(("mlp_norm", "scale"), "post_attention_layernorm.weight", (h,))
-    for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
+    if cfg.typed_layers:
+        specs += _gemma4_specs(cfg)
+    for proj, heads in () if cfg.typed_layers else (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
         layer(("attn", proj, "kernel"), f"self_attn.{proj}.weight", (heads * d, h),
               _linear(h, (heads, d)))
         if cfg.attention_bias:
             layer(("attn", proj, "bias"), f"self_attn.{proj}.bias", (heads * d,),
                   (lambda b, n=heads: b.reshape(n, d), lambda b: b.reshape(-1)))
-    layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d),
-          _linear_in_heads((nh, d), h))
+    if not cfg.typed_layers:
+        layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d), _linear_in_heads((nh, d), h))
     if cfg.o_proj_bias:
         layer(("attn", "o_proj", "bias"), "self_attn.o_proj.bias", (h,))
     if cfg.attention_sinks:
         layer(("attn", "sinks"), "self_attn.sinks", (nh,))
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.typed_layers:
         layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
     if cfg.is_moe:
         specs += _moe_specs(cfg)
-    for proj in MLP_MODULES if cfg.dense_layer_ids else ():  # a mixed-layer model's: its dense layers only
+    for proj in MLP_MODULES if cfg.dense_layer_ids and not cfg.typed_layers else ():  # mixed: its dense layers
         layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f), layer_ids=cfg.dense_layer_ids)
 
     transpose = (lambda w: w.T, lambda k: k.T)
@@ -156,6 +158,51 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
                                 optional=True))
         specs.append(TensorSpec(("value_head", "bias"), "score.bias", (1,), _identity, _identity,
                                 optional=True))
+    return specs
+
+
+def _gemma4_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """A Gemma 4 model's tensors beyond the norms: the attention and MLP of each layer kind (stacked over
+    its own layers, models/param_init.py), the layer scalars and the per-layer-input weights."""
+    h, nh, lay = cfg.hidden_size, cfg.num_attention_heads, "model.layers.{i}."
+    kinds = typed_layer_ids(cfg)
+    specs = [TensorSpec(("layers", "layer_scalar"), lay + "layer_scalar", (1,), lambda w: w.reshape(()),
+                        lambda k: k.reshape(1))]
+    for kind, ids in kinds.items():
+        full = kind.endswith("_full")
+        d = cfg.full_head_dim if full else cfg.head_dim
+        kv = cfg.full_kv_heads if full else cfg.num_key_value_heads
+
+        def spec(path: tuple[str, ...], name: str, shape: tuple[int, ...], conv=None) -> None:
+            to_ours, to_hf = conv or (_identity, _identity)
+            specs.append(TensorSpec(("layers", kind) + path, lay + name, shape, to_ours, to_hf, layer_ids=ids))
+
+        if kind.startswith("attn"):
+            spec(("q_proj", "kernel"), "self_attn.q_proj.weight", (nh * d, h), _linear(h, (nh, d)))
+            spec(("q_norm", "scale"), "self_attn.q_norm.weight", (d,))
+            spec(("o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d), _linear_in_heads((nh, d), h))
+        elif kind.startswith("kv"):
+            for proj in ("k_proj",) if full and cfg.attention_k_eq_v else ("k_proj", "v_proj"):
+                spec((proj, "kernel"), f"self_attn.{proj}.weight", (kv * d, h), _linear(h, (kv, d)))
+            spec(("k_norm", "scale"), "self_attn.k_norm.weight", (d,))
+        else:
+            width = cfg.intermediate_size * (2 if kind == "mlp_wide" else 1)
+            for proj in MLP_MODULES:
+                spec((proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, width))
+    p = cfg.per_layer_input_size
+    if p:
+        width = cfg.num_hidden_layers * p
+        for path, name, shape, conv in (
+                (("ple_gate", "kernel"), "per_layer_input_gate.weight", (p, h), _linear(h, (p,))),
+                (("ple_proj", "kernel"), "per_layer_projection.weight", (h, p), _linear(p, (h,))),
+                (("ple_norm", "scale"), "post_per_layer_input_norm.weight", (h,), (_identity, _identity))):
+            specs.append(TensorSpec(("layers",) + path, lay + name, shape, *conv))
+        specs += [TensorSpec(("ple_embedding",), "model.embed_tokens_per_layer.weight",
+                             (cfg.per_layer_vocab_size, width), _identity, _identity),
+                  TensorSpec(("ple_model_proj", "kernel"), "model.per_layer_model_projection.weight", (width, h),
+                             *_linear(h, (width,))),
+                  TensorSpec(("ple_proj_norm", "scale"), "model.per_layer_projection_norm.weight", (p,),
+                             _identity, _identity)]
     return specs
 
 

@@ -6,6 +6,7 @@ Layout (a plain dict pytree, so it can be donated to `jit` and carried through `
       "k":     [L, B, kv_heads, S, head_dim]   keys, S = max_len slots (cache dtype, e.g. bf16/fp32);
                                              head-major, the layout attention reads with no copy
       "v":     [L, B, kv_heads, S, head_dim]   values
+      ("k_full", "v_full": a Gemma 4 model's full-attention layers, `kv_shapes`)
       "mask":  [B, S] int32                    1 where a slot holds a real (non-pad) token
       "index": int32 scalar                    next slot to write; the same for every row
     }
@@ -41,14 +42,22 @@ Array = jax.Array
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DType = jnp.float32) -> dict:
-    """An empty cache of `max_len` slots per row (see the module docstring for the convention)."""
-    shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-    return {
-        "k": jnp.zeros(shape, dtype),
-        "v": jnp.zeros(shape, dtype),
-        "mask": jnp.zeros((batch, max_len), jnp.int32),
-        "index": jnp.zeros((), jnp.int32),
-    }
+    """An empty cache of `max_len` slots per row (see the module docstring for the convention). A Gemma 4
+    model's holds one pair per attention type, over the layers that compute keys / values (`kv_shapes`)."""
+    kv = {name: jnp.zeros(shape, dtype) for name, shape in kv_shapes(cfg, batch, max_len).items()}
+    return {**kv, "mask": jnp.zeros((batch, max_len), jnp.int32), "index": jnp.zeros((), jnp.int32)}
+
+
+def kv_shapes(cfg: ModelConfig, batch: int, slots: int) -> dict[str, tuple[int, ...]]:
+    """The cache's key / value arrays: "k" / "v" [L, B, kv_heads, S, head_dim]; a Gemma 4 model
+    (`cfg.typed_layers`) has them for its sliding layers and "k_full" / "v_full" for its full layers, each over
+    the layers of that type that compute keys / values (`cfg.kv_layer_ids`: the KV-sharing layers hold none)."""
+    if not cfg.typed_layers:
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim)
+        return {"k": shape, "v": shape}
+    local = (len(cfg.kv_layer_ids(True)), batch, cfg.num_key_value_heads, slots, cfg.head_dim)
+    full = (len(cfg.kv_layer_ids(False)), batch, cfg.full_kv_heads, slots, cfg.full_head_dim)
+    return {"k": local, "v": local, "k_full": full, "v_full": full}
 
 
 def segment_positions(segment_ids: Array) -> Array:

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.models.config_gemma4 import gemma4_fields, gemma4_hf_fields
+
 # HF `architectures[0]` -> (model_type, family traits)
 _FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"prefix": "Llama", "attention_bias": False, "qk_norm": False},
@@ -28,6 +30,10 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # Gemma 2 soft-caps attention and final logits, Gemma 3 has QK-norm and a RoPE base of its own for local layers
     "gemma2": {"prefix": "Gemma2", "attention_bias": False, "qk_norm": False, "gemma": True},
     "gemma3_text": {"prefix": "Gemma3", "attention_bias": False, "qk_norm": True, "gemma": True},
+    # Gemma 4 (models/gemma4.py, config fields: models/config_gemma4.py): plain-w norms, unscaled scores of
+    # RMS-normed q / k, unscaled-RMS-normed values, full layers with heads of their own shape, KV shared by the
+    # last layers, per-layer input embeddings, a learned scalar per layer
+    "gemma4_text": {"prefix": "Gemma4", "attention_bias": False, "qk_norm": True, "gemma": True},
     # GPT-OSS: learned attention sinks, biases on q / k / v / o, alternating sliding (128) / full layers,
     # routed experts with biases, a biased router whose softmax runs over the chosen experts' logits, and
     # the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)
@@ -45,7 +51,7 @@ CONTEXT_ATTENTION: tuple[str, ...] = ("ring", "all_to_all", "gather")
 _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
-) + ("Gemma3ForConditionalGeneration",)  # its text tower (`_text_tower`)
+) + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")  # their text towers (`_text_tower`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
 _ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
@@ -143,6 +149,20 @@ class ModelConfig:
     router_topk_softmax: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Gemma 4 (`typed_layers`; models/gemma4.py): the full-attention layers' head width and kv heads
+    # (None: head_dim / num_key_value_heads), their keys doubling as values (attention_k_eq_v: no v_proj),
+    # the last kv_shared_layers layers attending with the keys / values of the last earlier layer of their
+    # type (computing none), an MLP twice as wide on those layers (double_wide_mlp), per-layer input embeddings
+    # of per_layer_input_size per layer (a table of per_layer_vocab_size rows), and RoPE on the first
+    # rope_partial_factor of a full layer's head dims only (HF's "proportional")
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    rope_partial_factor: float = 1.0
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
@@ -167,8 +187,17 @@ class ModelConfig:
             raise ValueError(f"hidden_act {self.hidden_act!r} unsupported; supported: {HIDDEN_ACTS}")
         if self.sliding_layers is not None and any(not 0 <= i < self.num_hidden_layers for i in self.sliding_layers):
             raise ValueError(f"sliding_layers={list(self.sliding_layers)}: layers are 0..{self.num_hidden_layers - 1}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim % 2 or self.full_head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} (full layers: {self.full_head_dim}) must be even for RoPE")
+        if self.num_attention_heads % self.full_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of the full layers' "
+                             f"kv heads {self.full_kv_heads}")
+        if not self.typed_layers and (self.global_head_dim or self.global_kv_heads or self.attention_k_eq_v
+                                      or self.kv_shared_layers or self.per_layer_input_size):
+            raise ValueError(f"{self.model_type}: per-type attention shapes, shared KV and per-layer inputs are "
+                             "Gemma 4's (gemma4_text)")
+        if not 0 <= self.kv_shared_layers < self.num_hidden_layers:
+            raise ValueError(f"kv_shared_layers={self.kv_shared_layers} must be in 0..{self.num_hidden_layers - 1}")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
@@ -255,6 +284,44 @@ class ModelConfig:
         return 0 < len(self.local_layer_ids) < self.num_hidden_layers
 
     @property
+    def typed_layers(self) -> bool:
+        """Gemma 4: the attention and MLP weights are stacked per layer kind (models/gemma4.py)."""
+        return self.model_type == "gemma4_text"
+
+    @property
+    def full_head_dim(self) -> int:
+        return self.global_head_dim or self.head_dim
+
+    @property
+    def full_kv_heads(self) -> int:
+        return self.global_kv_heads or self.num_key_value_heads
+
+    @property
+    def first_shared_layer(self) -> int:
+        """The first layer that reads an earlier layer's keys / values (num_hidden_layers: none does)."""
+        return self.num_hidden_layers - self.kv_shared_layers
+
+    def kv_layer_ids(self, local: bool) -> tuple[int, ...]:
+        """The layers of one attention type (sliding: `local`) that compute their own keys / values: the rows
+        of that type's KV cache (the shared layers hold none)."""
+        flags = self.local_layer_flags
+        return tuple(i for i in range(self.first_shared_layer) if bool(flags[i]) == local)
+
+    @property
+    def kv_rows(self) -> np.ndarray:
+        """[L] int32: the row of each layer's keys / values in its type's KV cache (a shared layer: its
+        producer's, the last layer of its type before the shared ones)."""
+        rows = np.zeros(self.num_hidden_layers, np.int32)
+        for local in (True, False):
+            own = self.kv_layer_ids(local)
+            for row, i in enumerate(own):
+                rows[i] = row
+            for i in range(self.first_shared_layer, self.num_hidden_layers):
+                if bool(self.local_layer_flags[i]) == local:
+                    rows[i] = len(own) - 1
+        return rows
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 
@@ -334,14 +401,17 @@ class ModelConfig:
                                d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048))
         if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:  # DeepSeek's convention, as HF
             scaling["factor"] = d.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
-        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "gemma4_text":
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
         moe = _moe_fields(d, model_type) if fam.get("moe") else {}
         if model_type == "gpt_oss":
             moe.update(_gpt_oss_fields(d))
-        gemma = _gemma_fields(d, act, local_theta) if fam.get("gemma") else {}
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
+        gemma = _gemma_fields(d, act, local_theta) if fam.get("gemma") else {}
+        if model_type == "gemma4_text":
+            gemma = gemma4_fields(d, sliding_layers or ())
+            rope_theta, scaling = gemma.pop("rope_theta"), dict(gemma.pop("rope_scaling") or ())
         heads = int(d["num_attention_heads"])
         return cls(
             architecture=arch,
@@ -422,7 +492,9 @@ class ModelConfig:
                 d["layer_types"] = self.layer_types
                 # transformers derives layer_types from it when a reader drops them: the first local layer
                 d["max_window_layers"] = min(self.local_layer_ids, default=self.num_hidden_layers)
-        if self.model_type in GEMMA_FAMILIES:
+        if self.model_type == "gemma4_text":
+            d.update(gemma4_hf_fields(self))
+        elif self.model_type in GEMMA_FAMILIES:
             d.update(self._hf_gemma_fields(rope_params))
         if self.is_moe:
             d.update(self._hf_moe_fields())
@@ -491,6 +563,11 @@ class ModelConfig:
                 base.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
             else:
                 base.update(rope_theta=1e6, rope_local_theta=1e4)
+        if family == "gemma4_text":  # 4 layers: sliding, full, then both again reading layers 0 and 1's K / V
+            base.update(num_hidden_layers=4, sliding_layers=(0, 2), norm_offset=0.0, query_pre_attn_scalar=1.0,
+                        final_logit_softcapping=30.0, global_head_dim=32, global_kv_heads=1, attention_k_eq_v=True,
+                        kv_shared_layers=2, double_wide_mlp=True, per_layer_input_size=8, per_layer_vocab_size=256,
+                        rope_partial_factor=0.25)
         base.update(overrides)
         return cls(**base)
 
@@ -574,20 +651,21 @@ def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal Gemma 3 checkpoint's config.json (`Gemma3ForConditionalGeneration`) read as its text
-    model's, `Gemma3ForCausalLM` (the language model is what RL trains; the vision tower is not loaded,
+    """A multimodal Gemma 3 / Gemma 4 checkpoint's config.json (`Gemma3ForConditionalGeneration`) read as its
+    text model's, `Gemma3ForCausalLM` (the language model is what RL trains; the vision tower is not loaded,
     hf/hf_folder.py maps its tensor names). Its `text_config` lists only what differs from transformers'
     defaults, so transformers fills in the rest; token ids come from the top level where it has them."""
-    if d.get("model_type") != "gemma3" or not isinstance(d.get("text_config"), dict):
+    if d.get("model_type") not in ("gemma3", "gemma4") or not isinstance(d.get("text_config"), dict):
         return d
-    from transformers import Gemma3TextConfig
+    import transformers
 
+    family = "Gemma3" if d["model_type"] == "gemma3" else "Gemma4"
     text = {k: v for k, v in d["text_config"].items() if k not in ("model_type", "architectures")}
-    out = Gemma3TextConfig(**text).to_dict()
+    out = getattr(transformers, f"{family}TextConfig")(**text).to_dict()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if d.get(key) is not None:
             out[key] = d[key]
-    out.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])
+    out.update(model_type=f"{d['model_type']}_text", architectures=[f"{family}ForCausalLM"])
     return out
 
 
@@ -616,6 +694,8 @@ def _sliding_windows(d: dict[str, Any], model_type: str) -> tuple[int | None, tu
         pattern = 2 if model_type == "gemma2" else int(d.get("sliding_window_pattern", 6))
         types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                          for i in range(layers)]
+        if model_type == "gemma4_text":  # transformers makes the last layer a full one whatever the file says
+            types = list(types)[:-1] + ["full_attention"]
         window = d.get("sliding_window")
         if window is None:
             return None, None

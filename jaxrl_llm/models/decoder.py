@@ -45,9 +45,8 @@ cache the slots are the sequence indices; with a cache they are cache indices
 from __future__ import annotations
 
 import functools
-import math
 import operator
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,112 +55,28 @@ from jax import lax
 
 from jaxrl_llm.arrays import ArrayTree, DType
 from jaxrl_llm.models import blockwise
-from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.attention import attend
-from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from jaxrl_llm.models.blocks import (
+    LayerAttention,
+    apply_rope,
+    batch_rows,
+    embed_tokens,
+    mlp_block,
+    project,
+    rms_norm,
+    rope_cos_sin,
+)
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.context_parallel import context_parallel_attend
 from jaxrl_llm.models.expert_parallel import routed_experts
-from jaxrl_llm.models.lora import LoraAdapters, lora_delta
+from jaxrl_llm.models.gemma4 import typed_decoder_hidden
+from jaxrl_llm.models.lora import LoraAdapters
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
-from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 from jaxrl_llm.sharding.mesh import context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
 Array = jax.Array
-
-
-class LayerAttention(Protocol):
-    """One layer's attention with its cache: q [B, T, heads, D] and k / v [B, T, kv_heads, D] in the
-    compute dtype (RoPE applied), `state` (the cache, carried through the layer scan), the layer
-    index (int32 scalar) and the layer's attention sinks (fp32 [heads], GPT-OSS; else None: a logit per
-    head in every softmax's denominator) -> (output [B, T, heads, D], fp32 or compute dtype; the new state)."""
-
-    def __call__(self, q: Array, k: Array, v: Array, state: ArrayTree, layer: Array, sinks: Array | None, /
-                 ) -> tuple[Array, Any]: ...
-
-
-def rms_norm(x: Array, scale: Array, eps: float, dtype: DType, offset: float = 0.0) -> Array:
-    """RMSNorm over the last axis in fp32, times (offset + scale) (Gemma: 1 + w), the result in `dtype`."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    weight = scale.astype(jnp.float32)
-    return (y * (weight + offset if offset else weight)).astype(dtype)
-
-
-def rope_cos_sin(cfg: ModelConfig, positions: Array, *, local: bool = False) -> tuple[Array, Array]:
-    """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout),
-    times YaRN's attention factor where the model has one (as transformers scales them). `local`: the
-    sliding layers' table of a model with a RoPE base of their own (Gemma 3: unscaled, `rope_local_theta`)."""
-    if local:
-        assert cfg.rope_local_theta is not None
-        dim = cfg.head_dim
-        inv = 1.0 / (cfg.rope_local_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
-        angles = jnp.concatenate([angles, angles], axis=-1)
-        return jnp.cos(angles), jnp.sin(angles)
-    if cfg.rope_scaling_dict.get("rope_type") == "dynamic":
-        inv = dynamic_ntk_inv_freq(cfg, positions)
-    else:
-        inv = jnp.asarray(rope_inv_freq(cfg))
-    angles = positions.astype(jnp.float32)[..., None] * inv
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    scale = rope_attention_factor(cfg)
-    if scale == 1.0:
-        return jnp.cos(angles), jnp.sin(angles)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def dynamic_ntk_inv_freq(cfg: ModelConfig, positions: Array) -> Array:
-    """Dynamic NTK scaling: past max_position_embeddings the RoPE base grows with the longest position
-    of this forward (transformers' dynamic_rope_update within one generate call: a decode step uses the
-    current length, the cached keys keep theirs). A full-sequence pass thus scores early tokens under
-    the final length's base, which is why the trainer refuses it past the context (trainer.py)."""
-    dim, limit = cfg.head_dim, cfg.max_position_embeddings
-    factor = float(cfg.rope_scaling_dict["factor"])
-    seq = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1, float(limit))
-    base = cfg.rope_theta * ((factor * seq / limit) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """x: [B, T, heads, D]; cos/sin: [B, T, D]. Computed in fp32, returned in x's dtype."""
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
-
-
-def project(x: Array, weights: dict, adapter: dict | None, lora_scale: float, dtype: DType, *,
-            in_axes: int = 1) -> Array:
-    """fp32 [..., *out] = x [..., *in] @ kernel [*in, *out] (+ bias, + the LoRA delta), as one matmul of
-    compute-dtype operands over the flattened in / out axes (`in_axes`: the trailing axes of x
-    contracted) and the flattened leading axes (kept apart under context parallelism)."""
-    kernel = weights["kernel"]
-    n_in = math.prod(kernel.shape[:in_axes])
-    out_shape = kernel.shape[in_axes:]
-    lead = x.shape[:x.ndim - in_axes]
-    rows = (math.prod(lead),) if context_parallel_size() == 1 else lead  # see the module docstring
-    y = matmul_f32(x.reshape(*rows, n_in).astype(dtype), kernel.reshape(n_in, -1).astype(dtype))
-    if "bias" in weights:
-        y = y + weights["bias"].reshape(-1).astype(dtype)
-    y = y.reshape(*lead, *out_shape)
-    delta = lora_delta(x, adapter, lora_scale, dtype)
-    return y if delta is None else y + delta
-
-
-def batch_rows(x: Array, split: bool, last: str = "act_embed") -> Array:
-    """x [B, T, F] (or [B, T, heads, D]) constrained to its rows split over the batch axes (and tokens over
-    'context'), F over `last`'s axes, where `split` (the training and scoring forward). Without it XLA
-    may carry an FSDP kernel's split of its contracting (embed) dim over to the activations, so that
-    every device computes every row: a Qwen2-7B update at one sequence per chip kept [rows, intermediate]
-    whole on each chip and asked for 43 GiB on v5e-32 (docs/performance-history.md). The sampler's decode leaves
-    its few rows to XLA (an all-reduce of [slots, F] costs less there than all-gathering the weights)."""
-    if not split:
-        return x
-    names = ("batch", "length", last) if x.ndim == 3 else ("batch", "length", last, "act_head_dim")
-    return with_activation_constraint(x, names)
 
 
 def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
@@ -191,20 +106,6 @@ def attention_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     out, state = attention(q, k, v.astype(dtype), state, layer, sinks)
     out = out.astype(dtype).reshape(b, t, nh, hd)
     return project(out, weights["o_proj"], adapters.get("o_proj"), lora_scale, dtype, in_axes=2), state
-
-
-def mlp_block(weights: dict, adapters: dict, x: Array, *, dtype: DType, lora_scale: float,
-              activation: str = "silu", split_rows: bool = False) -> Array:
-    """fp32 [..., H] gated MLP (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") of normed x [..., H]
-    (compute dtype); `split_rows`: `batch_rows` on a [B, T, ...] x's activations."""
-    split_rows = split_rows and x.ndim == 3
-
-    def dense(name: str, h: Array) -> Array:
-        y = project(batch_rows(h, split_rows, "act_mlp" if name == "down_proj" else "act_embed"), weights[name],
-                    adapters.get(name), lora_scale, dtype)
-        return batch_rows(y, split_rows, "act_embed" if name == "down_proj" else "act_mlp")
-
-    return dense("down_proj", gated_product(dense("gate_proj", x), dense("up_proj", x), activation, dtype))
 
 
 def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None, *,
@@ -312,7 +213,7 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     Mixed-layer MoE models (whose MLPs are stacked apart) stay stacked; LoRA adapters stay stacked
     and are sliced per layer."""
     layers = params["layers"]
-    if isinstance(layers, tuple) or cfg.mixed_layers:
+    if isinstance(layers, tuple) or cfg.mixed_layers or cfg.typed_layers:
         return params
     return dict(params, layers=_layer_slices(layers, cfg.num_hidden_layers))
 
@@ -323,7 +224,8 @@ def _layer_slices(layers: dict, count: int) -> tuple[dict, ...]:
 
 
 def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
-                   attention: LayerAttention, state: ArrayTree, *, compute_dtype: DType = jnp.float32,
+                   attention: LayerAttention | dict[str, LayerAttention], state: ArrayTree, *,
+                   compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
                    record_routing: bool = False) -> tuple[Array, Any, MoeOut | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) of input_ids [B, T] at integer
@@ -332,13 +234,16 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     `record_routing`, the experts each layer ran [L, B, T, k] (its router's top-k where not replayed).
     `replay` [L, B, T, k]: the experts each layer runs instead of its router's top-k (routing replay;
     a sampler's prefill replays a multi-turn conversation's earlier turns). A mixed-layer model's dense layers
-    have stats of no tokens and ids 0, and ignore their `replay` rows."""
+    have stats of no tokens and ids 0, and ignore their `replay` rows. A Gemma 4 model (`cfg.typed_layers`)
+    takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py)."""
     dtype = jnp.dtype(compute_dtype)
+    if cfg.typed_layers:  # Gemma 4: per-kind weight stacks, a state per attention type (models/gemma4.py)
+        assert isinstance(attention, dict) and replay is None
+        hidden, state = typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype,
+                                             remat=remat)
+        return hidden, state, None
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
-    x = jnp.take(params["embedding"], input_ids, axis=0).astype(dtype)
-    if cfg.scale_embeddings:  # Gemma: times sqrt(hidden_size), a constant in the embedding's dtype (as HF)
-        x = x * jnp.asarray(np.sqrt(cfg.hidden_size), dtype)
-    x = x.astype(jnp.float32)
+    x, _ = embed_tokens(params, cfg, input_ids, dtype)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
     split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1
@@ -389,7 +294,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
 
 
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,
-                    local_allowed: Array | None = None) -> LayerAttention:
+                    local_allowed: Array | None = None, kv_heads: int | None = None) -> LayerAttention:
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
     `jaxrl_llm.models.cache.attention_context`. State: None (attention over the sequence itself,
     causal query chunks) or a dense cache (k, v) [L, B, kv_heads, S, D], written at slots
@@ -398,8 +303,9 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
 
     Context parallelism (no cache, a mesh whose 'context' axis is > 1): the queries, keys, values and
     mask rows stay split over the tokens and the devices attend as `cfg.context_attention` says
-    (models/context_parallel.py: ring, all-to-all over heads, or gathered keys / values)."""
-    nkv = cfg.num_key_value_heads
+    (models/context_parallel.py: ring, all-to-all over heads, or gathered keys / values). `kv_heads`: the
+    keys' heads where they are not the config's (Gemma 4's full layers)."""
+    nkv = kv_heads or cfg.num_key_value_heads
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array,
                   sinks: Array | None) -> tuple[Array, tuple[Array, Array] | None]:

@@ -12,6 +12,7 @@ from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
+from jaxrl_llm.models.gemma4 import typed_state, untyped_state
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.numerics import cap_logits
 
@@ -82,19 +83,23 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
              ) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids, branch_ids)
-    kv = None if cache is None else (cache["k"], cache["v"])
     local = None
     if cfg.mixed_windows:  # the local layers' mask: `allowed` within the sliding window
         local = allowed & window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2])[None]
-    attention = dense_attention(cfg, allowed, write_index, local_allowed=local)
+    if cfg.typed_layers:  # Gemma 4: an attention and a cache per attention type (models/gemma4.py)
+        attention: Any = {"sliding": dense_attention(cfg, allowed if local is None else local, write_index),
+                          "full": dense_attention(cfg, allowed, write_index, kv_heads=cfg.full_kv_heads)}
+        kv: Any = typed_state(cache)
+    else:
+        attention = dense_attention(cfg, allowed, write_index, local_allowed=local)
+        kv = None if cache is None else (cache["k"], cache["v"])
     hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
                                      remat=remat, valid=attention_mask > 0, replay=replay,
                                      record_routing=record_routing)
     if cache is None:
         return hidden, None, moe
-    k_cache, v_cache = kv
-    new_cache = {"k": k_cache, "v": v_cache, "mask": new_mask,
-                 "index": cache["index"] + input_ids.shape[1]}
+    arrays = untyped_state(kv) if cfg.typed_layers else {"k": kv[0], "v": kv[1]}
+    new_cache = {**arrays, "mask": new_mask, "index": cache["index"] + input_ids.shape[1]}
     return hidden, new_cache, moe
 
 

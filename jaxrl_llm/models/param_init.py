@@ -25,6 +25,14 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
     a MoE model with dense MLP layers between the sparse ones (cfg.mixed_layers: Qwen2-MoE / Qwen3-MoE
     `decoder_sparse_step` > 1 or `mlp_only_layers`) has both, each stacked over its own layers only:
       layers/mlp/... [L_dense, ...] (cfg.dense_layer_ids, in order)   layers/moe/... [L_moe, ...] (cfg.moe_layer_ids)
+    Gemma 4 (cfg.typed_layers; models/gemma4.py) stacks its attention and MLP weights per layer kind, each
+    over its own layers (`typed_stacks`): layers/attn/{q_proj, q_norm, o_proj} [L_sliding, ...] and
+    layers/attn_full/... [L_full, ...] (the full layers' head shape); layers/kv/{k_proj, k_norm, v_proj}
+    [L_sliding_own, ...] and layers/kv_full/... [L_full_own, ...] over the layers that compute keys / values
+    (no v_proj with attention_k_eq_v); layers/mlp [L_narrow, ...] and layers/mlp_wide [L_shared, H, 2F]
+    (double_wide_mlp); and, stacked over every layer, layers/layer_scalar [L], the per-layer-input gate
+    layers/ple_gate/kernel [L, H, P], layers/ple_proj/kernel [L, P, H], layers/ple_norm/scale [L, H], with
+    ple_embedding [V_ple, L * P], ple_model_proj/kernel [H, L * P], ple_proj_norm/scale [P] at the top
     final_norm/scale [H]
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")
@@ -93,7 +101,11 @@ EXPERT_BIAS_AXES = {"gate_proj": ("expert", "mlp"), "up_proj": ("expert", "mlp")
 
 def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
+    if leaf == "layer_scalar":
+        return ("layers",)
     mod = mods[-1]
+    if mod in ("ple_gate", "ple_proj"):
+        return ("layers", "embed", None) if mod == "ple_gate" else ("layers", None, "embed")
     if leaf == "sinks":
         return ("layers", "heads")
     if "experts" in mods:
@@ -126,6 +138,9 @@ _TOP_AXES = {
     ("value_head", "kernel"): ("embed", None),
     ("value_head", "bias"): (None,),
     ("score", "kernel"): ("embed", None),
+    ("ple_embedding",): ("vocab", None),
+    ("ple_model_proj", "kernel"): ("embed", None),
+    ("ple_proj_norm", "scale"): (None,),
 }
 
 
@@ -187,7 +202,15 @@ class _LayerParams(nn.Module):
         cfg, dt = self.cfg, self.dtype
         init = nn.initializers.normal(cfg.initializer_range)
         _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="attn_norm")()
-        _AttentionParams(cfg, dt, init, name="attn")()
+        if cfg.typed_layers:  # the attention and MLP are stacked per kind (`_TypedStack`)
+            self.param("layer_scalar", nn.initializers.ones, (), dt)
+            if cfg.per_layer_input_size:
+                p = cfg.per_layer_input_size
+                _Projection((cfg.hidden_size,), (p,), False, init, dt, name="ple_gate")()
+                _Projection((p,), (cfg.hidden_size,), False, init, dt, name="ple_proj")()
+                _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="ple_norm")()
+        else:
+            _AttentionParams(cfg, dt, init, name="attn")()
         if cfg.sandwich_norms:
             _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="attn_post_norm")()
             _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="mlp_post_norm")()
@@ -213,6 +236,36 @@ class _MlpStack(nn.Module):
             _MoeParams(self.cfg, self.dtype, init, name="moe")()
         else:
             _MlpParams(self.cfg.hidden_size, self.cfg.intermediate_size, self.dtype, init, name="mlp")()
+        return carry, None
+
+
+class _TypedStack(nn.Module):
+    """One Gemma 4 layer kind's weights (`kind`: attn / attn_full, kv / kv_full, mlp / mlp_wide; module doc),
+    one scan step per layer of that kind."""
+
+    cfg: ModelConfig
+    dtype: DType
+    kind: str
+
+    @nn.compact
+    def __call__(self, carry: None, _: None = None) -> tuple[None, None]:
+        cfg, dt, kind = self.cfg, self.dtype, self.kind
+        init = nn.initializers.normal(cfg.initializer_range)
+        h, full = cfg.hidden_size, kind.endswith("_full")
+        hd = cfg.full_head_dim if full else cfg.head_dim
+        if kind.startswith("attn"):
+            _Projection((h,), (cfg.num_attention_heads, hd), False, init, dt, name="q_proj")()
+            _Norm(hd, dt, cfg.norm_offset, name="q_norm")()
+            _Projection((cfg.num_attention_heads, hd), (h,), False, init, dt, name="o_proj")()
+        elif kind.startswith("kv"):
+            kv = cfg.full_kv_heads if full else cfg.num_key_value_heads
+            _Projection((h,), (kv, hd), False, init, dt, name="k_proj")()
+            _Norm(hd, dt, cfg.norm_offset, name="k_norm")()
+            if not (full and cfg.attention_k_eq_v):
+                _Projection((h,), (kv, hd), False, init, dt, name="v_proj")()
+        else:
+            width = cfg.intermediate_size * (2 if kind == "mlp_wide" else 1)
+            _MlpParams(h, width, dt, init, name="mlp")()
         return carry, None
 
 
@@ -307,9 +360,19 @@ class _BackboneParams(nn.Module):
         self.param("embedding", nn.initializers.normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
                    self.dtype)
         scan = functools.partial(nn.scan, variable_axes={"params": 0}, split_rngs={"params": True})
-        mlp = "none" if cfg.mixed_layers else "moe" if cfg.is_moe else "dense"
+        mlp = "none" if cfg.mixed_layers or cfg.typed_layers else "moe" if cfg.is_moe else "dense"
         scan(_LayerParams, length=cfg.num_hidden_layers)(cfg, self.dtype, mlp, name="layers")(None)
         _Norm(cfg.hidden_size, self.dtype, cfg.norm_offset, name="final_norm")()
+        if cfg.typed_layers:
+            for kind, layers in typed_layer_ids(cfg).items():
+                scan(_TypedStack, length=len(layers))(cfg, self.dtype, kind, name=f"typed_{kind}")(None)
+            if cfg.per_layer_input_size:
+                width = cfg.num_hidden_layers * cfg.per_layer_input_size
+                self.param("ple_embedding", nn.initializers.normal(cfg.initializer_range),
+                           (cfg.per_layer_vocab_size, width), self.dtype)
+                _Projection((cfg.hidden_size,), (width,), False, nn.initializers.normal(cfg.initializer_range),
+                            self.dtype, name="ple_model_proj")()
+                _Norm(cfg.per_layer_input_size, self.dtype, cfg.norm_offset, name="ple_proj_norm")()
         if cfg.mixed_layers:
             scan(_MlpStack, length=len(cfg.dense_layer_ids))(cfg, self.dtype, "dense", name="dense_mlps")(None)
             scan(_MlpStack, length=len(cfg.moe_layer_ids))(cfg, self.dtype, "moe", name="moe_mlps")(None)
@@ -321,7 +384,23 @@ def init_backbone(cfg: ModelConfig, rng: Array, dtype: DType = jnp.float32) -> d
     params = _plain(variables["params"])
     if cfg.mixed_layers:  # the MLP stacks join the layers (layout above)
         params["layers"].update(params.pop("dense_mlps"), **params.pop("moe_mlps"))
+    for kind in typed_layer_ids(cfg) if cfg.typed_layers else ():
+        stack = params.pop(f"typed_{kind}")
+        params["layers"][kind] = stack["mlp"] if kind.startswith("mlp") else stack
     return params
+
+
+def typed_layer_ids(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Gemma 4 model's weight stacks (module doc) -> the layers each is stacked over, in order; the
+    kinds no layer has are left out."""
+    every = range(cfg.num_hidden_layers)
+    local = set(cfg.local_layer_ids)
+    shared = set(range(cfg.first_shared_layer, cfg.num_hidden_layers))
+    wide = shared if cfg.double_wide_mlp else set()
+    kinds = {"attn": tuple(i for i in every if i in local), "attn_full": tuple(i for i in every if i not in local),
+             "kv": cfg.kv_layer_ids(True), "kv_full": cfg.kv_layer_ids(False),
+             "mlp": tuple(i for i in every if i not in wide), "mlp_wide": tuple(i for i in every if i in wide)}
+    return {kind: ids for kind, ids in kinds.items() if ids}
 
 
 def _plain(tree: ArrayTree) -> ArrayTree:
