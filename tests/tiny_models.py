@@ -78,9 +78,23 @@ GPT_OSS = {"gpt_oss": ("gpt_oss", dict(num_hidden_layers=3, sliding_window=3, sw
                                                         "original_max_position_embeddings": 64}))}
 
 
+# Gemma 4 (text): 6 layers, sliding (window 3) / full alternating, full layers with heads twice as wide;
+# "gemma4": the E2B-style traits (k = v with one global kv head, the last 2 layers reading layers 2 and 3's
+# K / V, double-wide MLP there, per-layer inputs, a final soft-cap); "gemma4_plain": none of those (the 31B
+# shape: own K / V everywhere, v_proj on every layer)
+_GEMMA4_BASE = dict(num_hidden_layers=6, sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 3,
+                    global_head_dim=32)
+GEMMA4 = {
+    "gemma4": ("gemma4_text", dict(_GEMMA4_BASE, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                   num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                                   vocab_size_per_layer_input=256, final_logit_softcapping=30.0)),
+    "gemma4_plain": ("gemma4_text", dict(_GEMMA4_BASE, hidden_size_per_layer_input=0)),
+}
+
+
 def family_case(case: str) -> tuple[str, dict]:
-    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA / GPT_OSS case name."""
-    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GPT_OSS}.get(case, (case, {}))
+    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA / GEMMA4 / GPT_OSS case name."""
+    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GEMMA4, **GPT_OSS}.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):
@@ -90,7 +104,8 @@ def hf_config(family: str, **overrides):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
-           "gemma3_text": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}[family]
+           "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
+           "gpt_oss": transformers.GptOssConfig}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 
@@ -107,6 +122,9 @@ def build_hf_model(family: str, folder, *, head: str = "lm", seed: int = 0, **ov
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():  # Gemma 4's per-layer scalar is a (saved) buffer
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
     model.eval()
     model.save_pretrained(folder)
     return model

@@ -563,10 +563,15 @@ class ModelConfig:
                 base.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
             else:
                 base.update(rope_theta=1e6, rope_local_theta=1e4)
-        if family == "gemma4_text":  # 4 layers: sliding, full, then both again reading layers 0 and 1's K / V
-            base.update(num_hidden_layers=4, sliding_layers=(0, 2), norm_offset=0.0, query_pre_attn_scalar=1.0,
-                        final_logit_softcapping=30.0, global_head_dim=32, global_kv_heads=1, attention_k_eq_v=True,
-                        kv_shared_layers=2, double_wide_mlp=True, per_layer_input_size=8, per_layer_vocab_size=256,
+        if family == "gemma4_text":  # sliding / full alternating (the last full), full heads twice as wide with one
+            # kv head and k = v, per-layer inputs; from 4 layers on the last 2 read the K / V of the 2 before them
+            layers = int(overrides.get("num_hidden_layers", 4))
+            shared = 2 if layers >= 4 else 0
+            base.update(num_hidden_layers=layers, sliding_layers=tuple(range(0, layers - 1, 2)), norm_offset=0.0,
+                        query_pre_attn_scalar=1.0, final_logit_softcapping=30.0, global_kv_heads=1,
+                        global_head_dim=2 * int(overrides.get("head_dim", base["head_dim"])), attention_k_eq_v=True,
+                        kv_shared_layers=shared, double_wide_mlp=shared > 0, per_layer_input_size=8,
+                        per_layer_vocab_size=int(overrides.get("vocab_size", base["vocab_size"])),
                         rope_partial_factor=0.25)
         base.update(overrides)
         return cls(**base)

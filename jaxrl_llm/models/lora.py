@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.param_init import init_backbone, param_logical_axes
+from jaxrl_llm.models.param_init import init_backbone, param_logical_axes, typed_layer_ids
 
 Array = jax.Array
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -44,12 +44,21 @@ _IN_DIMS = {"o_proj": 2}
 
 
 # adapter group -> the path of its projections under params["layers"]
-GROUP_PATHS = {"attn": ("attn",), "mlp": ("mlp",), "shared_expert": ("moe", "shared_expert")}
+GROUP_PATHS = {"attn": ("attn",), "mlp": ("mlp",), "shared_expert": ("moe", "shared_expert"),
+               # Gemma 4's per-kind stacks (models/param_init.py `typed_layer_ids`)
+               "attn_full": ("attn_full",), "kv": ("kv",), "kv_full": ("kv_full",), "mlp_wide": ("mlp_wide",)}
 
 
 def module_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     """{projection: the adapter groups holding it} for the projections LoRA can target in this model (a
     mixed-layer Qwen2-MoE's gate_proj is in its dense MLPs and in its shared experts)."""
+    if cfg.typed_layers:  # Gemma 4: each projection in the stacks of the layer kinds that have it
+        kinds = typed_layer_ids(cfg)
+        holders = {"q_proj": ("attn", "attn_full"), "o_proj": ("attn", "attn_full"), "k_proj": ("kv", "kv_full"),
+                   "v_proj": ("kv",) + (() if cfg.attention_k_eq_v else ("kv_full",)),
+                   **{m: ("mlp", "mlp_wide") for m in MLP_MODULES}}
+        return {m: tuple(g for g in groups if g in kinds) for m, groups in holders.items()
+                if any(g in kinds for g in groups)}
     groups: dict[str, tuple[str, ...]] = {m: ("attn",) for m in ATTN_MODULES}
     mlp = (("mlp",) if cfg.dense_layer_ids else ()) + (
         ("shared_expert",) if cfg.is_moe and cfg.shared_expert_intermediate_size else ())
@@ -61,6 +70,8 @@ def module_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
 def group_layer_ids(cfg: ModelConfig, group: str) -> tuple[int, ...]:
     """The layers an adapter group is stacked over (as its params: a mixed-layer model's dense MLPs and
     experts are stacked over their own layers, models/param_init.py)."""
+    if cfg.typed_layers:
+        return typed_layer_ids(cfg)[group]
     if group == "mlp":
         return cfg.dense_layer_ids
     if group == "shared_expert":

@@ -267,7 +267,8 @@ def sample_program(ctx: Context) -> Program:
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
     tensor = dict(mesh.shape).get("tensor", 1)
     kv_split = ways * (tensor if cfg.num_key_value_heads % tensor == 0 else 1)
-    kv_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (kv["k"], kv["v"])) // kv_split
+    kv_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for name, x in kv.items()
+                   if name not in ("mask", "index")) // kv_split
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
             f"data.max_prompt_length={spec.plan.max_prompt_length} + data.max_response_length={r} (the KV cache)",
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)

@@ -76,10 +76,12 @@ class _LoopState(NamedTuple):
     routing: Array | None  # [B', P + R, L, k] when recording
 
 
+_KV_KEYS = ("k", "v", "k_full", "v_full")  # models/cache.py `kv_shapes` (the *_full: Gemma 4's full layers)
+
+
 def _constrain_cache(cache: dict, mesh: Mesh | None) -> dict:
-    return {"k": with_activation_constraint(cache["k"], _CACHE_AXES, mesh),
-            "v": with_activation_constraint(cache["v"], _CACHE_AXES, mesh),
-            "mask": with_activation_constraint(cache["mask"], ("batch", "length"), mesh),
+    kv = {name: with_activation_constraint(cache[name], _CACHE_AXES, mesh) for name in _KV_KEYS if name in cache}
+    return {**kv, "mask": with_activation_constraint(cache["mask"], ("batch", "length"), mesh),
             "index": cache["index"]}
 
 
@@ -135,7 +137,7 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
     if n > 1:
         prompt_ids, prompt_mask, logits = (jnp.repeat(x, n, axis=0) for x in (prompt_ids, prompt_mask, logits))
         routing = None if routing is None else jnp.repeat(routing, n, axis=0)
-        cache = {"k": jnp.repeat(cache["k"], n, axis=1), "v": jnp.repeat(cache["v"], n, axis=1),
+        cache = {**{name: jnp.repeat(cache[name], n, axis=1) for name in _KV_KEYS if name in cache},
                  "mask": jnp.repeat(cache["mask"], n, axis=0), "index": cache["index"]}
         prompt_ids = with_activation_constraint(prompt_ids, ("batch", "length"), mesh)
         prompt_mask = with_activation_constraint(prompt_mask, ("batch", "length"), mesh)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tiny_models import (
     GEMMA,
+    GEMMA4,
     GPT_OSS,
     MIXED_MOE,
     TINY_HF,
@@ -41,6 +42,7 @@ CASES = {
     "mixtral": ("mixtral", {}),
     **MIXED_MOE,  # dense MLP layers between the sparse ones
     **GPT_OSS,  # attention sinks, biases, alternating windows, top-k softmax router, clamped SwiGLU, YaRN
+    **GEMMA4,  # per-type head shapes, k = v, shared KV, per-layer inputs, layer scalars, proportional RoPE
 }
 
 
@@ -50,7 +52,7 @@ def test_logits_match_transformers_left_padded(case, tmp_path, np_rng):
     model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     assert cfg.model_type == family
-    assert cfg.mixed_windows == ("layer" in case or case in GEMMA or case in GPT_OSS)
+    assert cfg.mixed_windows == ("layer" in case or case in GEMMA or case in GPT_OSS or case in GEMMA4)
     ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
     expected = torch_logits(model, ids, mask)
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))

@@ -23,7 +23,7 @@ compute_logits = jax.jit(compute_logits, static_argnums=1)
                                           ("qwen2_moe", ("q_proj", "v_proj", "down_proj")),
                                           ("qwen3_moe", "all-linear"), ("qwen2_moe_mixed", ("v_proj", "down_proj")),
                                           ("gemma2", "all-linear"), ("gemma3", ("q_proj", "v_proj", "up_proj")),
-                                          ("gpt_oss", "all-linear")])
+                                          ("gpt_oss", "all-linear"), ("gemma4", "all-linear")])
 def test_peft_adapter_folder_loads_with_equal_logits(case, targets, tmp_path, np_rng):
     pytest.importorskip("peft")
     from peft import PeftModel
@@ -50,12 +50,18 @@ def test_peft_adapter_folder_loads_with_equal_logits(case, targets, tmp_path, np
         mlp, width = (("mlp.shared_expert", cfg.shared_expert_intermediate_size) if family == "qwen2_moe"
                       else ("mlp", cfg.intermediate_size))
         assert tensors[prefix + f"{mlp}.down_proj.lora_A.weight"].shape == (4, width)  # [r, in]
-    assert tensors[prefix + "self_attn.v_proj.lora_B.weight"].shape == (
+    v_layer = "base_model.model.model.layers.0." if cfg.typed_layers else prefix  # Gemma 4's 1 is k = v
+    assert tensors[v_layer + "self_attn.v_proj.lora_B.weight"].shape == (
         cfg.num_key_value_heads * cfg.head_dim, 4)  # [out, r]
     if cfg.mixed_layers:  # a dense layer's MLP has its own adapters (layer 1 above is sparse)
         assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (
             4, cfg.intermediate_size)
-    assert len(tensors) == 2 * cfg.num_hidden_layers * len(targets_present)
+    if cfg.typed_layers:  # k / v adapters on the 4 layers that compute K / V (not on layer 1 and 3's v: k = v)
+        assert len(tensors) == 2 * (cfg.num_hidden_layers * 5 + 4 + 2)
+        assert tensors["base_model.model.model.layers.5.mlp.up_proj.lora_B.weight"].shape == (
+            2 * cfg.intermediate_size, 4)  # double-wide on a sharing layer
+    else:
+        assert len(tensors) == 2 * cfg.num_hidden_layers * len(targets_present)
 
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
