@@ -4,11 +4,11 @@
 
 Every Gemma 4 trait runs in every program of the step (models/gemma4.py, docs/gemma4.md): sliding and full
 layers with heads of their own shapes, k = v on the full layers, the last two layers reading the K / V of
-the two before them (the static engine's cache holds those two only) with a double-wide MLP, per-layer
-input embeddings, layer scalars and proportional RoPE. The rollout runs on the static engine (the paged
-engine does not take Gemma 4 yet). The weights are random, so the reward does not rise in 4 steps; point
-`model.path` at a Gemma 4 checkpoint folder (gemma-4-E2B-it: the same traits) for a run that learns. The
-tokenizer is SmolLM2's; the task is synthetic addition.
+the two before them with a double-wide MLP, per-layer input embeddings, layer scalars and proportional
+RoPE. The rollout runs on the paged engine, whose pool holds one set of pages per attention type over the
+layers that compute keys / values (the sharing layers have none). The weights are random, so the reward
+does not rise in 4 steps; point `model.path` at a Gemma 4 checkpoint folder (gemma-4-E2B-it has the same
+traits) for a run that learns. The tokenizer is SmolLM2's; the task is synthetic addition.
 """
 from jaxrl_llm.config import default_config, smollm2_gguf_path
 
@@ -35,7 +35,7 @@ def get_config():
     cfg.algorithm.adv_estimator = "grpo"
     rollout = cfg.actor_rollout_ref.rollout
     rollout.n = 4
-    rollout.engine = "static"  # the paged engine does not take Gemma 4 yet
+    rollout.engine = "paged"  # 'auto' would pick the static engine for 8-token responses
     actor = cfg.actor_rollout_ref.actor
     actor.ppo_mini_batch_size = 4
     actor.optim.lr = 1e-3

@@ -20,7 +20,6 @@ import ml_collections
 
 from jaxrl_llm.checkpoint import is_checkpoint
 from jaxrl_llm.config.schema import ConfigError, get_path
-from jaxrl_llm.sampler.engine.setup import EngineOptions
 
 logger = logging.getLogger(__name__)
 
@@ -185,22 +184,6 @@ def _check_context(cfg: ml_collections.ConfigDict, key: str, section: ml_collect
         raise ConfigError(f"{key}.override_config: {err}") from None
     check_context(model_cfg, total, key)
     check_heads_split(cfg, key, model_cfg.num_attention_heads, model_cfg.num_key_value_heads)
-    if key == f"{ARR}.model":
-        check_rollout_engine(cfg, model_cfg.model_type)
-
-
-def check_rollout_engine(cfg: ml_collections.ConfigDict, model_type: str) -> None:
-    """Gemma 4 samples on the static engine only (its two KV shapes per model are not in the paged pool yet)."""
-    if model_type != "gemma4_text":
-        return
-    rollout = cfg.actor_rollout_ref.rollout
-    engine = EngineOptions(engine=rollout.engine).resolved(int(rollout.response_length),
-                                                           multi_turn=bool(rollout.multi_turn.enable)).engine
-    if engine == "paged" or (rollout.engine == "auto" and rollout.speculative.method != "none"):
-        why = "as set" if rollout.engine == "paged" else (
-            f"'auto' picks it for response_length={rollout.response_length} >= 64, multi-turn or speculative decoding")
-        raise ConfigError(f"{ARR}.rollout.engine={rollout.engine!r}: the paged engine ({why}) does not run Gemma 4 "
-                          f"yet (its sliding and full layers' KV shapes differ); set {ARR}.rollout.engine=static")
 
 
 def check_heads_split(cfg: ml_collections.ConfigDict, key: str, heads: int, kv_heads: int) -> None:
@@ -253,7 +236,6 @@ def check_sources(cfg: ml_collections.ConfigDict) -> None:
     if policy.path.startswith("tiny:"):
         check_heads_split(cfg, f"{ARR}.model", int(policy.tiny.num_attention_heads),
                           int(policy.tiny.num_key_value_heads))
-        check_rollout_engine(cfg, policy.path.removeprefix("tiny:"))
     if cfg.critic.enable and cfg.critic.model.path != policy.path:
         _check_context(cfg, "critic.model", cfg.critic.model,
                        check_model_source("critic.model.path", cfg.critic.model.path))

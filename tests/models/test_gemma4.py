@@ -125,14 +125,51 @@ def test_what_is_refused_names_the_key(change, message):
         ModelConfig.from_hf_config(d)
 
 
-def test_the_paged_engine_is_refused_at_config_time():
-    from jaxrl_llm.config import default_config
-    from jaxrl_llm.config.checks import check_rollout_engine
-    from jaxrl_llm.config.schema import ConfigError
+@pytest.mark.parametrize("case", sorted(GEMMA4))
+def test_paged_engine_paths_follow_transformers_and_the_trainers_scoring(case, tmp_path):
+    """A pool per attention type through every path of the paged engine: chunked prefill (4 tokens at a
+    time), 2 samples a prompt reading their shared pages once (cascade), n-gram drafts verified 2 at a time
+    (speculative), the interpreted Pallas kernel and int8 pages: greedy tokens are transformers', sampled
+    tokens' log-probs the trainer's scoring of them."""
+    from jaxrl_llm.roles.forward import response_log_probs
+    from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine
+    from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
-    cfg = default_config()
-    cfg.actor_rollout_ref.rollout.response_length = 256  # 'auto' picks the paged engine
-    with pytest.raises(ConfigError, match=r"rollout.engine='auto': the paged engine \('auto' picks it"):
-        check_rollout_engine(cfg, "gemma4_text")
-    cfg.actor_rollout_ref.rollout.engine = "static"
-    check_rollout_engine(cfg, "gemma4_text")
+    family, overrides = GEMMA4[case]
+    torch_model = build_hf_model(family, tmp_path, **overrides)
+    cfg, params = load_hf_folder(tmp_path)
+    hf_ids, hf_mask = left_pad(PROMPTS, PAD_ID, length=max(map(len, PROMPTS)))
+    expected = np.repeat(hf_greedy(torch_model, hf_ids, hf_mask, NEW, EOS_ID, PAD_ID), 2, axis=0)
+    for extra in (dict(cascade=True, speculative=SpeculativeSpec(num_tokens=2)), dict(attn_impl="pallas")):
+        spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=48, pages_per_slot=8, **extra)
+        engine = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=4)
+        for sp in (SamplingParams(max_new_tokens=NEW, do_sample=False, n=2), SamplingParams(max_new_tokens=NEW, n=2)):
+            settings, knobs = sp.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
+            out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
+            if not sp.do_sample:
+                np.testing.assert_array_equal(out.tokens, expected)
+                continue
+            m = out.response_mask.astype(bool)
+            seqs = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.tokens)], axis=1)
+            seq_mask = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], axis=1)
+            scored = np.asarray(response_log_probs(params, cfg, seqs, seq_mask, NEW))
+            np.testing.assert_allclose(out.log_probs[m], scored[m], rtol=1e-5, atol=1e-5)
+    int8 = PagedEngine(cfg, EngineSpec(max_num_seqs=4, page_size=4, num_pages=48, pages_per_slot=8,
+                                       kv_cache_dtype="int8"), steps_per_call=4)
+    settings, knobs = SamplingParams(max_new_tokens=NEW, do_sample=False).compile_args(
+        cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
+    out, _ = int8.run(params, PROMPTS, jax.random.key(0), knobs, settings)
+    assert (out.tokens == expected[::2]).mean() > 0.8  # int8 pages round the keys / values
+
+
+def test_the_pool_holds_only_the_producing_layers_and_the_plan_counts_its_bytes():
+    from jaxrl_llm.sampler.engine.programs import EngineSpec, empty_pool, pool_dims
+
+    cfg = ModelConfig.tiny("gemma4_text", num_hidden_layers=6)
+    spec = EngineSpec(max_num_seqs=2, page_size=8, num_pages=10, pages_per_slot=4)
+    pool = jax.eval_shape(lambda: empty_pool(cfg, spec, "float32"))
+    assert pool["sliding"]["k"].shape == (2, cfg.num_key_value_heads, 10, 8, cfg.head_dim)
+    assert pool["full"]["v"].shape == (2, 1, 10, 8, 2 * cfg.head_dim)
+    assert pool_dims(cfg) == {"sliding": (2, 2, 16), "full": (2, 1, 32)}
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
+    assert spec.page_bytes(cfg, "float32") * spec.num_pages == pool_bytes == 10 * 8 * 4 * 2 * (2 * 2 * 16 + 2 * 32)

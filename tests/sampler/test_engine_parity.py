@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 from sampler_fixtures import EOS_ID, MESHES, PAD_ID, PROMPTS, PROMPTS8, hf_greedy
-from tiny_models import GEMMA, GPT_OSS, MIXED_MOE, MOE_FAMILIES, WINDOW_LAYERS, build_hf_model, family_case
+from tiny_models import GEMMA, GEMMA4, GPT_OSS, MIXED_MOE, MOE_FAMILIES, WINDOW_LAYERS, build_hf_model, family_case
 
 from jaxrl_llm import sharding
 from jaxrl_llm.hf import load_hf_folder
@@ -16,7 +16,7 @@ NEW = 12
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *MIXED_MOE,
-                                  *WINDOW_LAYERS, *GEMMA])
+                                  *WINDOW_LAYERS, *GEMMA, *GEMMA4])
 def test_engine_greedy_matches_transformers(case, tmp_path):
     family, overrides = family_case(case)
     torch_model = build_hf_model(family, tmp_path, **overrides)

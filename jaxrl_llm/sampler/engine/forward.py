@@ -12,9 +12,15 @@ KV pool layout (a dict pytree, carried through the decode loop and updated in pl
                                                                  head dim, lane-padded on TPU: kv_bits.py)
     k_scale, v_scale [L, kv_heads, num_pages, page_size] fp32    (int8 only: value = int8 * scale)
 
+A Gemma 4 model's pool is one such dict per attention type, {"sliding": ..., "full": ...}, each over the
+layers of its type that compute keys / values (engine/programs.py `pool_dims`); the KV-sharing layers
+rewrite and read their producer's rows (models/gemma4.py).
+
 Page 0 is a scratch page no request owns: empty slots write their (ignored) token there.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +66,13 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
 
 
 def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positions: Array, active: Array, *,
-                    attn_impl: str = "auto", mesh: Mesh | None = None, cascade: Cascade | None = None
-                    ) -> LayerAttention:
+                    attn_impl: str = "auto", mesh: Mesh | None = None, cascade: Cascade | None = None,
+                    window: int | None | str = "per_layer") -> LayerAttention:
     """The decoder's attention for one token per slot over the paged pool (the attention state):
     writes the token's K/V at its page and offset, then attends over the slot's pages. Inactive
     slots write to the scratch page 0 and attend to nothing. `cascade`: the groups of slots that
-    read their shared prompt pages once (sampler/cascade_attention.py)."""
+    read their shared prompt pages once (sampler/cascade_attention.py). `window`: the sliding window
+    of every layer it serves (a Gemma 4 pool's type), or "per_layer" (the config's, by layer index)."""
     page = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
     page = jnp.where(active, page, 0)
     offset = jnp.where(active, positions % page_size, 0)
@@ -80,7 +87,9 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
                                           softcap=cfg.attn_logit_softcapping, cascade=cascade, sinks=sinks,
                                           k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
 
-        if cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
+        if window != "per_layer":
+            out = attend(window if isinstance(window, int) else None)
+        elif cfg.mixed_windows:  # each layer its own variant of the kernel (static windows), by index
             local = jnp.asarray(cfg.local_layer_flags)[layer]
             out = lax.cond(local, lambda: attend(cfg.sliding_window), lambda: attend(None))
         else:
@@ -101,8 +110,14 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
     slot's KV). page_table [S, pages_per_slot]. active [S] bool: inactive slots write to the
     scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1.
     """
-    attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
-                                mesh=mesh, cascade=cascade)
+    if cfg.typed_layers:  # Gemma 4: a pool and an attention per type (models/gemma4.py)
+        attention: Any = {kind: paged_attention(cfg, pool[kind]["k"].shape[3], page_table, positions, active,
+                                                attn_impl=attn_impl, mesh=mesh, cascade=cascade,
+                                                window=cfg.sliding_window if kind == "sliding" else None)
+                          for kind in ("sliding", "full")}
+    else:
+        attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
+                                    mesh=mesh, cascade=cascade)
     hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
                                        compute_dtype=compute_dtype, valid=active[:, None],
                                        record_routing=record_routing)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,18 +86,31 @@ class EngineSpec:
 
     def page_bytes(self, cfg: ModelConfig, compute_dtype: str) -> int:
         """Bytes of one page over all layers, K and V (with int8 scales)."""
-        per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * 2
-        head_dim = storage_head_dim(cfg.head_dim)
-        if self.kv_cache_dtype == "int8":
-            return per_token * self.page_size * (head_dim + 4)
-        return per_token * self.page_size * head_dim * as_jnp_dtype(compute_dtype).itemsize
+        total = 0
+        for layers, kv_heads, head_dim in pool_dims(cfg).values():
+            per_token = layers * kv_heads * 2
+            if self.kv_cache_dtype == "int8":
+                total += per_token * self.page_size * (storage_head_dim(head_dim) + 4)
+            else:
+                total += per_token * self.page_size * storage_head_dim(head_dim) * as_jnp_dtype(compute_dtype).itemsize
+        return total
+
+
+def pool_dims(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """(layers, kv heads, head dim) of each KV pool a model's engine holds: one, or for a Gemma 4 model one
+    per attention type ("sliding", "full") over the layers of that type that compute keys / values (the
+    KV-sharing layers read their producer's rows; engine/forward.py)."""
+    if not cfg.typed_layers:
+        return {"": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)}
+    return {"sliding": (len(cfg.kv_layer_ids(True)), cfg.num_key_value_heads, cfg.head_dim),
+            "full": (len(cfg.kv_layer_ids(False)), cfg.full_kv_heads, cfg.full_head_dim)}
 
 
 class Prefix(NamedTuple):
     """A prefilled prompt: its KV (right-padded to the bucket) and the next-token logits."""
 
-    k: Array  # [L, kv, Pb, D]
-    v: Array
+    k: Any  # [L, kv, Pb, D] (a Gemma 4 model: one per attention type, {"sliding": ..., "full": ...})
+    v: Any
     logits: Array  # fp32 [V]
     length: Array  # int32 scalar
     routing: Array | None = None  # [Pb, L, k] the prompt tokens' experts (a MoE model, recording)
@@ -133,9 +146,14 @@ class DecodeState(NamedTuple):
 
 
 def empty_pool(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str) -> dict:
-    """A zero KV pool of `cfg`'s dims over the spec's pages (see engine/forward.py for the layout)."""
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, spec.num_pages, spec.page_size,
-             storage_head_dim(cfg.head_dim))
+    """A zero KV pool of `cfg`'s dims over the spec's pages (see engine/forward.py for the layout); a Gemma
+    4 model's holds one per attention type (`pool_dims`)."""
+    pools = {kind: _zero_pool((layers, kv_heads, spec.num_pages, spec.page_size, storage_head_dim(head_dim)), spec,
+                              compute_dtype) for kind, (layers, kv_heads, head_dim) in pool_dims(cfg).items()}
+    return pools[""] if "" in pools else pools
+
+
+def _zero_pool(shape: tuple[int, ...], spec: EngineSpec, compute_dtype: str) -> dict:
     if spec.kv_cache_dtype == "int8":
         return {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
                 "k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
@@ -224,12 +242,15 @@ def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeSt
     replicated (every process reads the same small slot arrays: identical scheduling)."""
     rep = NamedSharding(mesh, PartitionSpec())
 
-    def pool_sharding(pool: dict, kv_heads: int) -> dict:
-        return {k: NamedSharding(mesh, PartitionSpec(None, kv_head_axis(mesh, kv_heads))) for k in pool}
+    def pool_sharding(pool: dict) -> dict:
+        if "k" not in pool:  # one pool per attention type (Gemma 4), each split by its own kv heads
+            return {kind: pool_sharding(sub) for kind, sub in pool.items()}
+        heads = kv_head_axis(mesh, pool["k"].shape[1])
+        return {k: NamedSharding(mesh, PartitionSpec(None, heads)) for k in pool}
 
-    pools = {"pool": pool_sharding(state.pool, cfg.num_key_value_heads)}
+    pools = {"pool": pool_sharding(state.pool)}
     if state.draft_pool is not None:
-        pools["draft_pool"] = pool_sharding(state.draft_pool, state.draft_pool["k"].shape[1])
+        pools["draft_pool"] = pool_sharding(state.draft_pool)
     rest = {f: rep for f in state._fields if f not in pools and getattr(state, f) is not None}
     return state._replace(**pools, **rest)
 
@@ -286,8 +307,17 @@ def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache
 def _prefix(params: dict, cfg: ModelConfig, hidden: Array, cache: dict, length: Array, routing: Array | None,
             ids: Array) -> Prefix:
     last = lax.dynamic_index_in_dim(hidden, length - 1, 0, keepdims=False)
-    return Prefix(k=cache["k"][:, 0], v=cache["v"][:, 0], logits=logits_from_hidden(params, cfg, last),
-                  length=length.astype(jnp.int32), routing=routing, ids=ids.astype(jnp.int32))
+    k, v = _cache_kv(cfg, cache, lambda x: x[:, 0])
+    return Prefix(k=k, v=v, logits=logits_from_hidden(params, cfg, last), length=length.astype(jnp.int32),
+                  routing=routing, ids=ids.astype(jnp.int32))
+
+
+def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> tuple[Any, Any]:
+    """A dense cache's (k, v) through `take`: arrays, or for a Gemma 4 model one per attention type."""
+    if not cfg.typed_layers:
+        return take(cache["k"]), take(cache["v"])
+    return ({"sliding": take(cache["k"]), "full": take(cache["k_full"])},
+            {"sliding": take(cache["v"]), "full": take(cache["v_full"])})
 
 
 def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
@@ -339,8 +369,8 @@ def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Ar
         hidden, cache = forward_hidden(params, cfg, prompt_ids.astype(jnp.int32), mask,
                                        cache=init_cache(cfg, b, pb, dt), compute_dtype=dt)
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-        return Prefix(k=jnp.moveaxis(cache["k"], 1, 0), v=jnp.moveaxis(cache["v"], 1, 0),
-                      logits=logits_from_hidden(params, cfg, last), length=lengths.astype(jnp.int32),
+        k, v = _cache_kv(cfg, cache, lambda x: jnp.moveaxis(x, 1, 0))
+        return Prefix(k=k, v=v, logits=logits_from_hidden(params, cfg, last), length=lengths.astype(jnp.int32),
                       ids=prompt_ids.astype(jnp.int32))
 
 
@@ -367,16 +397,23 @@ def insert_at(prefixes: Prefix, index: Array, state: DecodeState, slot: Array, p
 
 def _write_prefix(pool: dict, prefix: Prefix, page_row: Array) -> dict:
     """`pool` with the prompt KV of `prefix` written at its positions' pages of `page_row`."""
+    if "k" not in pool:  # one pool per attention type (Gemma 4)
+        return {kind: _write_kv(sub, prefix.k[kind], prefix.v[kind], prefix.length, page_row)
+                for kind, sub in pool.items()}
+    return _write_kv(pool, prefix.k, prefix.v, prefix.length, page_row)
+
+
+def _write_kv(pool: dict, k: Array, v: Array, length: Array, page_row: Array) -> dict:
     ps = pool["k"].shape[3]
-    t = jnp.arange(prefix.k.shape[2], dtype=jnp.int32)
-    real = t < prefix.length
+    t = jnp.arange(k.shape[2], dtype=jnp.int32)
+    real = t < length
     pages = jnp.where(real, page_row[jnp.minimum(t // ps, page_row.shape[0] - 1)], 0)
     offsets = jnp.where(real, t % ps, 0)
-    num_layers, kv = prefix.k.shape[:2]
+    num_layers, kv = k.shape[:2]
     index = (jnp.arange(num_layers, dtype=jnp.int32)[:, None, None], jnp.arange(kv, dtype=jnp.int32)[None, :, None],
              pages[None, None], offsets[None, None])  # -> [L, kv, Pb], the prefix's rows
     new_pool = dict(pool)
-    for name, x in (("k", prefix.k), ("v", prefix.v)):
+    for name, x in (("k", k), ("v", v)):
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
             new_pool[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)
@@ -391,7 +428,7 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
     if draft_pool is not None:
         assert draft is not None, "a draft-model engine inserts the draft model's prefix too"
         draft_pool = _write_prefix(draft_pool, draft, page_row)
-    t = jnp.arange(prefix.k.shape[2], dtype=jnp.int32)
+    t = jnp.arange(jax.tree.leaves(prefix.k)[0].shape[2], dtype=jnp.int32)
     real = t < prefix.length
     keys = request_keys(rng, request[None], jnp.zeros((1,), jnp.int32))
     tok, lp = choose_per_row(prefix.logits[None], keys, knobs, settings)
