@@ -89,6 +89,10 @@ GEMMA4 = {
                                    num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
                                    vocab_size_per_layer_input=256, final_logit_softcapping=30.0)),
     "gemma4_plain": ("gemma4_text", dict(_GEMMA4_BASE, hidden_size_per_layer_input=0)),
+    # the 26B-A4B shape: routed experts (4, top-2, width 16) beside every layer's MLP, k = v
+    "gemma4_moe": ("gemma4_text", dict(_GEMMA4_BASE, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                       hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                                       top_k_experts=2, moe_intermediate_size=16)),
 }
 
 

@@ -70,8 +70,8 @@ def _hf_tensor(unit: Unit, params: dict, dtype: np.dtype) -> np.ndarray:
         value = get_path(params, path)
         return np.asarray(value[index] if index else value).astype(dtype)
 
-    if spec.parts:  # interleaved leaves: one HF tensor
-        return np.ascontiguousarray(interleave_parts([leaf(p) for p in spec.parts]))
+    if spec.parts:  # several leaves in one HF tensor (interleaved columns unless the spec joins them otherwise)
+        return np.ascontiguousarray((spec.join or interleave_parts)([leaf(p) for p in spec.parts]))
     return np.ascontiguousarray(spec.to_hf(leaf(spec.path)))
 
 

@@ -45,6 +45,8 @@ class TensorSpec:
     # to_ours takes every len(parts)-th column). Export writes the tensor once, from part 0.
     parts: tuple[tuple[str, ...], ...] = ()
     part: int = 0
+    # how export makes the HF tensor of the parts' leaves (None: interleaved columns, `interleave_parts`)
+    join: Callable[[list[np.ndarray]], np.ndarray] | None = None
 
     @property
     def layered(self) -> bool:
@@ -142,7 +144,7 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
     if cfg.qk_norm and not cfg.typed_layers:
         layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
-    if cfg.is_moe:
+    if cfg.is_moe and not cfg.typed_layers:
         specs += _moe_specs(cfg)
     for proj in MLP_MODULES if cfg.dense_layer_ids and not cfg.typed_layers else ():  # mixed: its dense layers
         layer(("mlp", proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, f), layer_ids=cfg.dense_layer_ids)
@@ -189,6 +191,8 @@ def _gemma4_specs(cfg: ModelConfig) -> list[TensorSpec]:
             width = cfg.intermediate_size * (2 if kind == "mlp_wide" else 1)
             for proj in MLP_MODULES:
                 spec((proj, "kernel"), f"mlp.{proj}.weight", *_mlp_tensor(proj, h, width))
+    if cfg.is_moe:
+        specs += _gemma4_moe_specs(cfg)
     p = cfg.per_layer_input_size
     if p:
         width = cfg.num_hidden_layers * p
@@ -204,6 +208,33 @@ def _gemma4_specs(cfg: ModelConfig) -> list[TensorSpec]:
                   TensorSpec(("ple_proj_norm", "scale"), "model.per_layer_projection_norm.weight", (p,),
                              _identity, _identity)]
     return specs
+
+
+def _gemma4_moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Gemma 4's MoE block (beside each layer's MLP): `router.{proj.weight, scale, per_expert_scale}`, the
+    experts as one [E, out, in] tensor per layer with gate and up stacked in `gate_up_proj` (gate the first
+    half of its rows), and the block's three norms."""
+    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    lay, root = "model.layers.{i}.", ("layers", "moe")
+    swap = (lambda w: w.transpose(0, 2, 1), lambda k: k.transpose(0, 2, 1))  # [E, out, in] <-> [E, in, out]
+    gate_up = (("experts", "gate_proj", "kernel"), ("experts", "up_proj", "kernel"))
+    specs = [TensorSpec(root + ("router", "kernel"), lay + "router.proj.weight", (e, h), *_linear(h, (e,))),
+             TensorSpec(root + ("router_scale",), lay + "router.scale", (h,), _identity, _identity),
+             TensorSpec(root + ("expert_scale",), lay + "router.per_expert_scale", (e,), _identity, _identity),
+             TensorSpec(root + ("experts", "down_proj", "kernel"), lay + "experts.down_proj", (e, h, f), *swap)]
+    for k, part in enumerate(gate_up):
+        specs.append(TensorSpec(root + part, lay + "experts.gate_up_proj", (e, 2 * f, h),
+                                lambda w, k=k: w[:, k * f:(k + 1) * f].transpose(0, 2, 1), swap[1],
+                                parts=tuple(root + p for p in gate_up), part=k, join=_stacked_rows))
+    for ours, theirs in (("mlp_out_norm", "post_feedforward_layernorm_1"), ("moe_norm", "pre_feedforward_layernorm_2"),
+                         ("moe_out_norm", "post_feedforward_layernorm_2")):
+        specs.append(TensorSpec(("layers", ours, "scale"), lay + theirs + ".weight", (h,), _identity, _identity))
+    return specs
+
+
+def _stacked_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """Gemma 4's gate_up_proj [E, 2F, H] from our gate and up [E, H, F]: gate's rows, then up's."""
+    return np.concatenate([p.transpose(0, 2, 1) for p in parts], axis=1)
 
 
 def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:

@@ -496,7 +496,7 @@ class ModelConfig:
             d.update(gemma4_hf_fields(self))
         elif self.model_type in GEMMA_FAMILIES:
             d.update(self._hf_gemma_fields(rope_params))
-        if self.is_moe:
+        if self.is_moe and not self.typed_layers:  # Gemma 4's: models/config_gemma4.py
             d.update(self._hf_moe_fields())
         if num_labels is not None:
             d["num_labels"] = num_labels

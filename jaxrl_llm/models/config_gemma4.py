@@ -14,9 +14,14 @@ _PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
 def gemma4_fields(d: dict[str, Any], sliding: tuple[int, ...]) -> dict[str, Any]:
     """ModelConfig fields of a Gemma 4 text config.json beyond the shared ones; `sliding`: its sliding layers."""
     layers = int(d["num_hidden_layers"])
-    if d.get("enable_moe_block"):
-        raise ValueError("config.json: enable_moe_block=True (Gemma 4's MoE block beside the dense MLP) is not "
-                         "supported yet; the dense Gemma 4 models (E2B, E4B, 31B) load")
+    moe: dict[str, Any] = {}
+    if d.get("enable_moe_block"):  # routed experts beside every layer's dense MLP (gemma-4-26B-A4B)
+        missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not d.get(k)]
+        if missing:
+            raise ValueError(f"config.json: enable_moe_block=True needs {missing[0]}")
+        moe = dict(num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["top_k_experts"]),
+                   moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=True,
+                   router_aux_loss_coef=float(d.get("router_aux_loss_coef") or 0.0))
     full = [i for i in range(layers) if i not in sliding]
     head_dim, kv_heads = _full_layer_shape(d, full)
     shared = int(d.get("num_kv_shared_layers") or 0)
@@ -56,7 +61,7 @@ def gemma4_fields(d: dict[str, Any], sliding: tuple[int, ...]) -> dict[str, Any]
         global_head_dim=head_dim, global_kv_heads=kv_heads, attention_k_eq_v=bool(d.get("attention_k_eq_v")),
         kv_shared_layers=shared, double_wide_mlp=bool(d.get("use_double_wide_mlp")) and shared > 0,
         per_layer_input_size=per_layer,
-        per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or d["vocab_size"]) if per_layer else 0)
+        per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or d["vocab_size"]) if per_layer else 0, **moe)
 
 
 def _full_layer_shape(d: dict[str, Any], full: list[int]) -> tuple[int, int]:
@@ -102,5 +107,7 @@ def gemma4_hf_fields(cfg: Any) -> dict[str, Any]:
                              for i in range(cfg.num_hidden_layers) if i not in cfg.local_layer_ids},
         "attention_k_eq_v": cfg.attention_k_eq_v, "num_kv_shared_layers": cfg.kv_shared_layers,
         "use_double_wide_mlp": cfg.double_wide_mlp, "hidden_size_per_layer_input": cfg.per_layer_input_size,
-        "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size, "enable_moe_block": False,
+        "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size, "enable_moe_block": cfg.is_moe,
+        **({"num_experts": cfg.num_experts, "top_k_experts": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size} if cfg.is_moe else {}),
     }

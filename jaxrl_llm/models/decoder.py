@@ -238,10 +238,9 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py)."""
     dtype = jnp.dtype(compute_dtype)
     if cfg.typed_layers:  # Gemma 4: per-kind weight stacks, a state per attention type (models/gemma4.py)
-        assert isinstance(attention, dict) and replay is None
-        hidden, state = typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype,
-                                             remat=remat)
-        return hidden, state, None
+        assert isinstance(attention, dict)
+        return typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
+                                    valid=valid, replay=replay, record_routing=record_routing)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'

@@ -21,6 +21,10 @@ What Gemma 4 adds to Gemma 3's layer (transformers' `Gemma4TextDecoderLayer` is 
   norm(proj(gelu(gate(x)) * input)) to the residual stream.
 - **A learned scalar per layer** multiplies the layer's output, and an MLP twice as wide on the sharing
   layers (`double_wide_mlp`).
+- **The MoE block** (`enable_moe_block`, gemma-4-26B-A4B): routed GeGLU experts beside every layer's dense
+  MLP, reading the same residual stream through norms of their own (`moe_beside_mlp`); the two outputs are
+  summed before the layer's post-MLP norm. Router stats, routing replay and expert parallelism are the
+  other MoE families' (models/moe.py, models/expert_parallel.py).
 """
 from __future__ import annotations
 
@@ -45,7 +49,9 @@ from jaxrl_llm.models.blocks import (
     rope_cos_sin,
 )
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.lora import LoraAdapters
+from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.param_init import typed_layer_ids
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
@@ -194,11 +200,36 @@ def typed_mlp(cfg: ModelConfig, stacks: TypedStacks, x: Array, layer: Array, *, 
     return lax.cond(jnp.asarray(wide)[layer], run("mlp_wide"), run("mlp"), x)
 
 
+def moe_beside_mlp(cfg: ModelConfig, weights: dict, x: Array, valid: Array, replay: Array | None, *,
+                   dtype: DType) -> tuple[Array, RouterStats, Array]:
+    """fp32 [B, T, H] output of the MoE block of a layer on its residual stream x [B, T, H] (fp32), its
+    `RouterStats` over valid [B, T] tokens and the experts each token ran [B, T, k] (`replay` [B, T, k]:
+    experts to run instead). The router reads x RMS-normed without a scale, times `router_scale` and
+    H^-0.5; its renormalised top-k weights are multiplied by each chosen expert's `expert_scale`; the
+    experts (GeGLU) read x through the block's own norm (transformers' `Gemma4TextRouter` / `Experts`)."""
+    b, t, h = x.shape
+    moe, eps = weights["moe"], cfg.rms_norm_eps
+    tokens = x.reshape(b * t, h)
+    if context_parallel_size() > 1:  # the merged axis lost the token split: restore it
+        tokens = with_activation_constraint(tokens, ("tokens", None))
+    scaled = rms_norm(tokens, jnp.ones((), jnp.float32), eps, jnp.float32) * moe["router_scale"].astype(jnp.float32)
+    router_in = (scaled * np.float32(h ** -0.5)).astype(dtype)
+    k = cfg.num_experts_per_tok
+    routing = route(cfg, moe["router"]["kernel"], router_in, None if replay is None else replay.reshape(b * t, k))
+    routing = routing._replace(weights=routing.weights * moe["expert_scale"].astype(jnp.float32)[routing.ids])
+    experts_in = rms_norm(tokens, weights["moe_norm"]["scale"], eps, dtype, cfg.norm_offset)
+    out = routed_experts(moe["experts"], experts_in, routing, cfg, dtype=dtype)
+    out = rms_norm(out, weights["moe_out_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
+    return out.reshape(b, t, h), router_stats(routing, valid.reshape(b * t)), routing.ids.reshape(b, t, k)
+
+
 def typed_layer(cfg: ModelConfig, weights: dict, x: Array, layer_input: Array | None, ropes: Ropes,
                 attention: dict[str, LayerAttention], state: dict | None, produced: Produced, layer: Array,
-                stacks: TypedStacks, *, dtype: DType, lora_scale: float, split_rows: bool
-                ) -> tuple[Array, dict | None, Produced]:
-    """One Gemma 4 layer on the fp32 residual stream x [B, T, H]; `layer_input` [B, T, P]: its per-layer input."""
+                stacks: TypedStacks, *, dtype: DType, lora_scale: float, split_rows: bool, valid: Array,
+                replay: Array | None = None) -> tuple[Array, dict | None, Produced, tuple[RouterStats, Array] | None]:
+    """One Gemma 4 layer on the fp32 residual stream x [B, T, H]; `layer_input` [B, T, P]: its per-layer input.
+    With the MoE block, also its router stats over valid [B, T] tokens and the experts each token ran
+    (`replay`: the experts to run instead)."""
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, offset)
     h, state, produced = typed_attention(cfg, stacks, normed, ropes, attention, state, produced, layer, dtype=dtype,
@@ -206,20 +237,27 @@ def typed_layer(cfg: ModelConfig, weights: dict, x: Array, layer_input: Array | 
     x = x + rms_norm(h, weights["attn_post_norm"]["scale"], eps, jnp.float32, offset)
     normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, offset)
     h = typed_mlp(cfg, stacks, normed, layer, dtype=dtype, lora_scale=lora_scale, split_rows=split_rows)
+    moe = None
+    if cfg.is_moe:  # the dense MLP's output normed, plus the experts' (both from the same residual stream)
+        experts, stats, ids = moe_beside_mlp(cfg, weights, x, valid, replay, dtype=dtype)
+        h = rms_norm(h, weights["mlp_out_norm"]["scale"], eps, jnp.float32, offset) + experts
+        moe = (stats, ids)
     x = x + rms_norm(h, weights["mlp_post_norm"]["scale"], eps, jnp.float32, offset)
     if layer_input is not None:  # the per-layer input, gated by the residual stream itself (not normed)
         gate = project(x.astype(dtype), weights["ple_gate"], None, 0.0, dtype)
         h = project(gated_product(gate, layer_input.astype(jnp.float32), cfg.hidden_act, dtype), weights["ple_proj"],
                     None, 0.0, dtype)
         x = x + rms_norm(h, weights["ple_norm"]["scale"], eps, jnp.float32, offset)
-    return x * weights["layer_scalar"].astype(jnp.float32), state, produced
+    return x * weights["layer_scalar"].astype(jnp.float32), state, produced, moe
 
 
 def typed_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                          attention: dict[str, LayerAttention], state: dict | None, *, dtype: DType,
-                         remat: bool | str = False) -> tuple[Array, dict | None]:
+                         remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
+                         record_routing: bool = False) -> tuple[Array, dict | None, MoeOut | None]:
     """`decoder_hidden` (models/decoder.py) of a Gemma 4 model: hidden states after the final norm [B, T, H]
-    (compute dtype) and the new per-type attention state."""
+    (compute dtype), the new per-type attention state and, with the MoE block, its `MoeOut`."""
+    valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
     x, embedded = embed_tokens(params, cfg, input_ids, dtype)
     split_rows = state is None  # the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1
@@ -237,21 +275,26 @@ def typed_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posit
         shapes = {"sliding": (cfg.num_key_value_heads, cfg.head_dim), "full": (cfg.full_kv_heads, cfg.full_head_dim)}
         produced = {kind: (jnp.zeros((b, t, *shape), dtype),) * 2 for kind, shape in shapes.items()}
 
-    def layer(carry: tuple[Array, Any, Produced, Array], xs: tuple[dict, Array | None]) -> tuple[tuple, None]:
+    def layer(carry: tuple[Array, Any, Produced, Array], xs: tuple[dict, Array | None, Array | None]
+              ) -> tuple[tuple, Any]:
         x, state, produced, index = carry
-        weights, layer_input = xs
-        x, state, produced = typed_layer(cfg, weights, x, layer_input, ropes, attention, state, produced, index,
-                                         stacks, dtype=dtype, lora_scale=lora_scale, split_rows=split_rows)
+        weights, layer_input, layer_replay = xs
+        x, state, produced, moe = typed_layer(cfg, weights, x, layer_input, ropes, attention, state, produced, index,
+                                              stacks, dtype=dtype, lora_scale=lora_scale, split_rows=split_rows,
+                                              valid=valid, replay=layer_replay)
         if split_tokens:
             x = with_activation_constraint(x, ("batch", "length", "act_embed"))
-        return (x, state, produced, index + 1), None
+        if moe is not None and not record_routing:
+            moe = (moe[0], None)
+        return (x, state, produced, index + 1), moe
 
     step: Callable = layer
     if remat_name(remat) != "none":
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, state, _, _), _ = lax.scan(step, (x, state, produced, jnp.int32(0)), (layers, inputs), unroll=cfg.scan_unroll)
+    (x, state, _, _), moe = lax.scan(step, (x, state, produced, jnp.int32(0)), (layers, inputs, replay),
+                                     unroll=cfg.scan_unroll)
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
-    return hidden, state
+    return hidden, state, None if moe is None else MoeOut(*moe)
 
 
 def typed_state(cache: dict | None) -> dict | None:

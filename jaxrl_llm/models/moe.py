@@ -354,9 +354,10 @@ def down_bias(experts: dict, ids: Array, weights: Array, dtype: DType) -> Array 
 
 
 def expert_glu(cfg: ModelConfig, gate: Array, up: Array, dtype: DType) -> Array:
-    """The experts' gated product: SwiGLU, or GPT-OSS's clamped SwiGLU (`swiglu_limit`)."""
+    """The experts' gated product: SwiGLU (GeGLU for Gemma 4, the model's activation), or GPT-OSS's clamped
+    SwiGLU (`swiglu_limit`)."""
     clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_limit, cfg.swiglu_alpha)
-    return gated_product(gate, up, "silu", dtype, clamp)
+    return gated_product(gate, up, cfg.hidden_act, dtype, clamp)
 
 
 class MoeOut(NamedTuple):

@@ -32,7 +32,9 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
     (no v_proj with attention_k_eq_v); layers/mlp [L_narrow, ...] and layers/mlp_wide [L_shared, H, 2F]
     (double_wide_mlp); and, stacked over every layer, layers/layer_scalar [L], the per-layer-input gate
     layers/ple_gate/kernel [L, H, P], layers/ple_proj/kernel [L, P, H], layers/ple_norm/scale [L, H], with
-    ple_embedding [V_ple, L * P], ple_model_proj/kernel [H, L * P], ple_proj_norm/scale [P] at the top
+    ple_embedding [V_ple, L * P], ple_model_proj/kernel [H, L * P], ple_proj_norm/scale [P] at the top; with
+    the MoE block (cfg.is_moe) layers/moe/... as above plus moe/router_scale [L, H], moe/expert_scale [L, E]
+    and the norms layers/{mlp_out_norm, moe_norm, moe_out_norm}/scale [L, H]
     final_norm/scale [H]
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")
@@ -103,6 +105,8 @@ def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
     if leaf == "layer_scalar":
         return ("layers",)
+    if leaf in ("router_scale", "expert_scale"):  # Gemma 4's router scales
+        return ("layers", None)
     mod = mods[-1]
     if mod in ("ple_gate", "ple_proj"):
         return ("layers", "embed", None) if mod == "ple_gate" else ("layers", None, "embed")
@@ -209,6 +213,10 @@ class _LayerParams(nn.Module):
                 _Projection((cfg.hidden_size,), (p,), False, init, dt, name="ple_gate")()
                 _Projection((p,), (cfg.hidden_size,), False, init, dt, name="ple_proj")()
                 _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="ple_norm")()
+            if cfg.is_moe:  # the MoE block beside the dense MLP, with its own input and output norms
+                _MoeParams(cfg, dt, init, name="moe")()
+                for name in ("mlp_out_norm", "moe_norm", "moe_out_norm"):
+                    _Norm(cfg.hidden_size, dt, cfg.norm_offset, name=name)()
         else:
             _AttentionParams(cfg, dt, init, name="attn")()
         if cfg.sandwich_norms:
@@ -313,6 +321,9 @@ class _MoeParams(nn.Module):
         h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         _Projection((h,), (e,), cfg.expert_bias, init, dt, name="router")()
         _ExpertParams(h, f, e, dt, init, cfg.expert_bias, name="experts")()
+        if cfg.typed_layers:  # Gemma 4's router: a scale on its (RMS-normed) input, one on each expert's weight
+            self.param("router_scale", nn.initializers.ones, (h,), dt)
+            self.param("expert_scale", nn.initializers.ones, (e,), dt)
         if cfg.shared_expert_intermediate_size:
             _MlpParams(h, cfg.shared_expert_intermediate_size, dt, init, name="shared_expert")()
             _Projection((h,), (1,), False, init, dt, name="shared_expert_gate")()

@@ -62,14 +62,19 @@ def test_the_cache_holds_only_the_layers_that_compute_keys_and_values():
     assert params["mlp_wide"]["up_proj"]["kernel"].shape == (2, cfg.hidden_size, 2 * cfg.intermediate_size)
 
 
-@pytest.mark.parametrize("mesh_sizes", [{"data": 2, "fsdp": 2, "context": 1, "tensor": 2},
-                                        {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}])
-def test_log_probs_and_gradients_on_a_mesh_equal_one_device(mesh_sizes):
-    """The new tensors' sharding rules (per-kind stacks, per-layer inputs) and context parallelism, whose
-    shared layers attend with the producers' keys / values split over the tokens like their own."""
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("mesh_sizes,moe", [({"data": 2, "fsdp": 2, "context": 1, "tensor": 2}, False),
+                                            ({"data": 2, "fsdp": 1, "context": 4, "tensor": 1}, False),
+                                            ({"data": 1, "fsdp": 2, "context": 1, "tensor": 1, "expert": 4}, True)])
+def test_log_probs_and_gradients_on_a_mesh_equal_one_device(mesh_sizes, moe):
+    """The new tensors' sharding rules (per-kind stacks, per-layer inputs, the MoE block's router scales),
+    context parallelism, whose shared layers attend with the producers' keys / values split over the tokens
+    like their own, and the MoE block's experts split over 'expert'."""
     from jaxrl_llm.roles.forward import response_log_probs
 
-    cfg = ModelConfig.tiny("gemma4_text", vocab_size=128)
+    cfg = ModelConfig.tiny("gemma4_text", vocab_size=128, **(MOE if moe else {}))
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 128, size=(4, 64)), jnp.int32)
     mask = jnp.ones(ids.shape, jnp.int32).at[1, :9].set(0)
     params = init_params(cfg, jax.random.key(0))
@@ -86,7 +91,8 @@ def test_log_probs_and_gradients_on_a_mesh_equal_one_device(mesh_sizes):
         got, grads = jax.jit(jax.value_and_grad(loss))(placed, jax.device_put(ids, whole), jax.device_put(mask, whole))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     for g, w in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(jax.device_get(want_grads))):
-        assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max()  # fp32 sums in other orders, of gradients up to ~60
+        # fp32 sums in other orders (gradients up to ~60 through 4 layers); a misplaced shard is off by O(1)
+        assert np.abs(g - w).max() <= 1e-4 * np.abs(w).max()
 
 
 def test_config_json_in_each_form_transformers_reads():
@@ -112,8 +118,8 @@ def test_config_json_in_each_form_transformers_reads():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
-     "enable_moe_block=True"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=None, moe_intermediate_size=16),
+     "enable_moe_block=True needs top_k_experts"),
     (dict(num_kv_shared_layers=5), "num_kv_shared_layers=5 leaves no earlier full-attention layer"),
     (dict(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 64}, "5": {"head_dim": 32}}),
      "different shapes"),
@@ -125,7 +131,7 @@ def test_what_is_refused_names_the_key(change, message):
         ModelConfig.from_hf_config(d)
 
 
-@pytest.mark.parametrize("case", sorted(GEMMA4))
+@pytest.mark.parametrize("case", ["gemma4", "gemma4_moe"])
 def test_paged_engine_paths_follow_transformers_and_the_trainers_scoring(case, tmp_path):
     """A pool per attention type through every path of the paged engine: chunked prefill (4 tokens at a
     time), 2 samples a prompt reading their shared pages once (cascade), n-gram drafts verified 2 at a time

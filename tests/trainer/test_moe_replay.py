@@ -24,12 +24,15 @@ from jaxrl_llm.trainer.trainer import Trainer
 CFG = ModelConfig.tiny("qwen3_moe")
 # a dense MLP layer between two sparse ones: its recorded ids are unused and its replay rows ignored
 MIXED_CFG = ModelConfig.tiny("qwen3_moe", num_hidden_layers=3, mlp_only_layers=(1,))
+# Gemma 4's MoE block beside every layer's dense MLP (its router: scaled input, per-expert weight scales)
+GEMMA4_CFG = ModelConfig.tiny("gemma4_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True)
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=["sparse", "mixed"])
+@pytest.fixture(scope="module", params=["sparse", "mixed", "gemma4"])
 def rollout(request):
-    cfg = CFG if request.param == "sparse" else MIXED_CFG
+    cfg = {"sparse": CFG, "mixed": MIXED_CFG, "gemma4": GEMMA4_CFG}[request.param]
     params = near_tied(init_params(cfg, jax.random.key(0)))
     ids, mask = left_pad(_prompts(), 0)
     settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(
