@@ -353,3 +353,22 @@ def test_the_update_keeps_its_rows_split_over_fsdp_on_tpu(tmp_path):
     assert "f32[1,1024,4096]" in text  # one row's MLP activations per chip
     assert not re.findall(r"f32\[4,1024,4096\]|f32\[4096,4096\]", text)  # not the four rows of the mesh
     assert compiled.memory_analysis().temp_size_in_bytes < 100 * 2**20
+
+
+@needs_libtpu
+def test_gemma4_decode_and_update_compile_for_tpu(tmp_path):
+    """A Gemma 4 model (sliding / full layers of different head shapes, shared KV, per-layer inputs) on v6e:2x2:
+    the paged engine's decode runs the Mosaic kernel on each attention type's pool (each its own shape,
+    lane-padded), and the actor update compiles with the per-kind weight stacks split over the mesh."""
+    import re
+
+    overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.path": "tiny:gemma4_text",
+                 "actor_rollout_ref.model.tiny.num_hidden_layers": 6, "actor_rollout_ref.model.dtype": "bfloat16",
+                 "actor_rollout_ref.rollout.paged_attention": "pallas", "trainer.plan_topology": "v6e:2x2"}
+    program, compiled = _compiled_program(tmp_path, overrides, "sample")
+    assert dict(kernel_calls(compiled.as_text(), "tpu")).get("tpu_custom_call", 0) >= 2  # a kernel per type
+    text = compiled.as_text()
+    # sliding: 2 producing layers x 2 kv heads x head_dim 16; full: 2 x 1 kv head x 32 (both lane-padded)
+    assert re.findall(r"bf16\[2,2,\d+,\d+,128\]", text) and re.findall(r"bf16\[2,1,\d+,\d+,128\]", text)
+    _, update = _compiled_program(tmp_path, overrides, "update_actor")
+    assert update.memory_analysis().temp_size_in_bytes > 0
