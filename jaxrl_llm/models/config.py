@@ -297,6 +297,14 @@ class ModelConfig:
         return self.global_kv_heads or self.num_key_value_heads
 
     @property
+    def attention_width(self) -> int:
+        """heads x head_dim of a query, averaged over the layers (Gemma 4's full layers are wider): what the
+        attention's FLOPs per (query, key) pair scale with, per layer (planning / MFU)."""
+        full = self.num_hidden_layers - len(self.local_layer_ids) if self.typed_layers else 0
+        widths = (self.num_hidden_layers - full) * self.head_dim + full * self.full_head_dim
+        return round(self.num_attention_heads * widths / self.num_hidden_layers)
+
+    @property
     def first_shared_layer(self) -> int:
         """The first layer that reads an earlier layer's keys / values (num_hidden_layers: none does)."""
         return self.num_hidden_layers - self.kv_shared_layers

@@ -241,6 +241,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
         assert isinstance(attention, dict)
         return typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
                                     valid=valid, replay=replay, record_routing=record_routing)
+    assert not isinstance(attention, dict)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'

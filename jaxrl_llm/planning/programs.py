@@ -375,10 +375,10 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     kv_shards = tensor if cfg.num_key_value_heads % tensor == 0 else 1
     key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
     keys_read = rows * r * ((prompt / n if cascade else prompt) + (r + 1) / 2)
-    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * keys_read / kv_shards
+    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.attention_width * keys_read / kv_shards
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(
-        active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim,
+        active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.attention_width,
         (prompt + 1) / 2) / mesh.size
     return step * steps + Cost(flops=attention_flops + prefill_flops,
                                hbm_bytes=keys_read * key_bytes + prompts * weight_bytes)
@@ -562,7 +562,7 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
                 + head)
 
     per_token = per_token_forward_flops(matmul_params(cfg, model.num_params), cfg.num_hidden_layers,
-                                        cfg.num_attention_heads * cfg.head_dim, rollout_context(np.array([t])))
+                                        cfg.attention_width, rollout_context(np.array([t])))
     model_flops = s.ppo_epochs * 3.0 * per_token * n * t / ctx.mesh.size  # forward + backward, no recompute
     return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips,
                    extra_flops=experts, layers=cfg.num_hidden_layers, total_cost=total_cost,

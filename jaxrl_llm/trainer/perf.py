@@ -33,14 +33,15 @@ def step_perf_metrics(spec: RunSpec, rollout: Rollout, times: Mapping[str, float
     passes = int(spec.need_ref) + int(spec.recompute_old_log_probs) + int(spec.critic is not None)
     flops, tokens = rollout_step_flops(
         _lengths_of(rollout), num_params=active_params(m, actor.num_params), num_layers=m.num_hidden_layers,
-        hidden_size=m.hidden_size, forward_passes=passes,
+        hidden_size=m.attention_width, forward_passes=passes,
         training_passes=spec.actor.ppo_epochs + (spec.critic.ppo_epochs if spec.critic else 0),
         paged_prefill=paged, shared_prompts=shared)
     if teacher is not None:
         assert teacher_rollout is not None, "a teacher's pass reads its own view of the rollout"
         t = teacher.model_cfg
         flops += forward_pass_flops(_lengths_of(teacher_rollout), num_params=active_params_of(t, teacher.params),
-                                    num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, shared_prompts=shared)
+                                    num_layers=t.num_hidden_layers, hidden_size=t.attention_width,
+                                    shared_prompts=shared)
     if judge is not None:
         j, judged = judge.model_cfg, rollout.reward_metrics
         tokens_judged = judged.get("reward/num_judge_prompt_tokens", 0.0) + judged.get(
@@ -48,7 +49,7 @@ def step_perf_metrics(spec: RunSpec, rollout: Rollout, times: Mapping[str, float
         # `rollout_context` of rows of the mean length: a lower bound of the rows' (sum(T^2) >= sum(T)^2 / rows)
         context = (tokens_judged / max(1.0, judged.get("reward/num_judge_rows", 1.0)) + 1.0) / 2.0
         flops += tokens_judged * per_token_forward_flops(active_params_of(j, judge.params), j.num_hidden_layers,
-                                                    j.hidden_size, context)
+                                                    j.attention_width, context)
     return perf_metrics(times, total_tokens=tokens, flops=flops, num_devices=jax.device_count(),
                         peak_flops=peak_flops)
 

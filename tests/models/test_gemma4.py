@@ -19,7 +19,7 @@ from jaxrl_llm.models import ModelConfig, init_cache, init_params, param_logical
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sampler"))
-from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy  # noqa: E402
+from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy
 
 NEW = 10
 
