@@ -135,3 +135,34 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_tower(tmp_path, np_rng):
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
     valid = mask.astype(bool)
     assert np.abs(ours[valid] - expected[valid]).max() <= 1e-4
+
+
+def test_gemma4_multimodal_checkpoint_loads_its_text_tower(tmp_path, np_rng):
+    """A Gemma4ForConditionalGeneration folder (vision tower, `model.language_model.*` tensors) is read as its
+    language model, Gemma 4's traits included: logits equal the multimodal model's on text."""
+    import json
+
+    import torch
+    import transformers
+
+    family, overrides = GEMMA4["gemma4"]
+    text = transformers.Gemma4TextConfig(**{**TINY_HF, **overrides})
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                                       image_token_id=250, boi_token_id=251, eoi_token_id=252)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma4"
+    cfg, params = load_hf_folder(tmp_path)
+    assert (cfg.architecture, cfg.model_type, cfg.kv_shared_layers) == ("Gemma4ForCausalLM", family, 2)
+    ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
+    ids[ids >= 250] = 5  # text only: no image placeholder tokens
+    expected = torch_logits(model, ids, mask)
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - expected[valid]).max() <= 1e-4
