@@ -1,5 +1,6 @@
-"""A LoRA run of a tiny Gemma 2 / Gemma 3 (both engines' sampler, the soft-capped head in the update) or
-GPT-OSS (attention sinks, biases and the clamped experts in the paged engine and the update) learns, and its
+"""A LoRA run of a tiny Gemma 2 / Gemma 3 (both engines' sampler, the soft-capped head in the update),
+GPT-OSS (attention sinks, biases and the clamped experts in the paged engine and the update) or Gemma 4 (its
+typed layers, shared KV and per-layer inputs, adapters on each layer kind's stack) learns, and its
 merged export reloads in transformers with equal logits and in our loader with equal params."""
 import json
 
@@ -17,7 +18,8 @@ from jaxrl_llm.trainer import Trainer
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
 
 
-@pytest.mark.parametrize("family,engine", [("gemma2", "paged"), ("gemma3_text", "static"), ("gpt_oss", "paged")])
+@pytest.mark.parametrize("family,engine", [("gemma2", "paged"), ("gemma3_text", "static"), ("gpt_oss", "paged"),
+                                           ("gemma4_text", "paged")])
 def test_gemma_lora_run_learns_and_its_merged_export_reloads_in_transformers(family, engine, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -25,11 +27,13 @@ def test_gemma_lora_run_learns_and_its_merged_export_reloads_in_transformers(fam
     arr = "actor_rollout_ref"
     overrides = {f"{arr}.model.path": f"tiny:{family}", f"{arr}.model.lora_rank": 8, f"{arr}.model.lora_alpha": 16,
                  f"{arr}.actor.optim.lr": 1e-2, f"{arr}.actor.use_kl_loss": True, f"{arr}.actor.kl_loss_coef": 0.1,
-                 f"{arr}.model.tiny.num_hidden_layers": 3, "trainer.total_training_steps": 3,
+                 f"{arr}.model.tiny.num_hidden_layers": 4 if family == "gemma4_text" else 3,
+                 "trainer.total_training_steps": 3,
                  f"{arr}.rollout.engine": engine, "trainer.export_hf": True}
     trainer = Trainer(with_reward_file(tiny_config(tmp_path / "run", **overrides), tmp_path))
     cfg = trainer.actor.model_cfg
-    assert cfg.model_type == family and cfg.local_layer_ids == (0,)
+    assert cfg.model_type == family
+    assert cfg.local_layer_ids == ((0, 2) if family == "gemma4_text" else (0,))  # Gemma 4: layers 2, 3 share KV
     assert cfg.attention_sinks if family == "gpt_oss" else cfg.sandwich_norms
     trainer.fit()
     rows = [r for r in read_metrics(tmp_path / "run") if "actor/kl_loss" in r]
