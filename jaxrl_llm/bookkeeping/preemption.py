@@ -24,11 +24,12 @@ One process: no collective; SIGTERM and SIGINT are caught here.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -41,17 +42,47 @@ PREEMPTED_EXIT_CODE = 75
 
 
 class Preempted(SystemExit):
-    """Raised by `Trainer.fit()` once the preemption checkpoint is committed. A `SystemExit`, so an
-    uncaught one ends a script with `PREEMPTED_EXIT_CODE` and no traceback, and `except Exception`
-    in user code does not swallow it."""
+    """Raised by `Trainer.fit()` once the preemption checkpoint is committed (`saved`), or when the signal came
+    before the first step of this launch, so there was nothing new to save. A `SystemExit`, so an uncaught one
+    ends a script with `PREEMPTED_EXIT_CODE` and no traceback, and `except Exception` in user code does not
+    swallow it."""
 
-    def __init__(self, step: int, reason: str):
+    def __init__(self, step: int, reason: str, saved: bool = True):
         super().__init__(PREEMPTED_EXIT_CODE)
         self.step = step
         self.reason = reason
+        self.saved = saved
 
     def __str__(self) -> str:
+        if not self.saved:
+            return f"stopped before training step {self.step + 1} ({self.reason}); nothing to save"
         return f"preempted at step {self.step} ({self.reason}); checkpoint saved"
+
+
+@contextlib.contextmanager
+def stop_during_setup() -> Iterator[None]:
+    """Around a run's setup (loading models and data, compiling, restoring), before `PreemptionGuard` takes
+    over: SIGTERM / SIGINT stop the process at once with `PREEMPTED_EXIT_CODE` (there is nothing to save yet;
+    `finally` blocks on the way out still run), so that `launch/tpu_pod.sh --run` relaunches a job whose
+    slice got a maintenance notice during a long load. With jax's preemption service (several processes) it
+    owns SIGTERM: the notice is kept and the first step's sync point stops every process together."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    service = jax.process_count() > 1 and jax_preemption_service_active()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        print(f"received {name} during setup: stopping (nothing to save yet)", flush=True)
+        raise Preempted(-1, f"{name} during setup", saved=False)
+
+    previous = {sig: signal.signal(sig, handle) for sig in ([signal.SIGINT] if service
+                                                           else [signal.SIGINT, signal.SIGTERM])}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def jax_preemption_service_active() -> bool:

@@ -13,9 +13,11 @@ from jaxrl_llm.checkpoint.policy import (
     register_checkpoint_loader,
 )
 from jaxrl_llm.checkpoint.store import (
+    CHECKPOINT_ERROR_EXIT_CODE,
     ITEMS,
     RESUME_MODES,
     CheckpointError,
+    CheckpointSaveError,
     CheckpointStore,
     ResumePoint,
     abstract_like,
@@ -33,7 +35,8 @@ from jaxrl_llm.checkpoint.store import (
 )
 
 __all__ = [
-    "ITEMS", "RESUME_MODES", "CheckpointError", "CheckpointStore", "ResumePoint", "abstract_like", "changed_run_keys",
+    "CHECKPOINT_ERROR_EXIT_CODE", "ITEMS", "RESUME_MODES", "CheckpointError", "CheckpointSaveError", "CheckpointStore",
+    "ResumePoint", "abstract_like", "changed_run_keys",
     "find_resume", "is_checkpoint", "list_steps", "load_lora_checkpoint", "load_policy_checkpoint", "locate_checkpoint",
     "lora_base_params", "read_checkpoint_meta", "register_checkpoint_loader", "resolve_resume",
     "restore_first_readable", "restore_resume_point", "restore_rollout_weights", "warn_config_changes",

@@ -15,10 +15,13 @@ or `gs://` URLs (jaxrl_llm/storage.py).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
-from typing import Any, Callable, Mapping
+import os
+import re
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -35,6 +38,46 @@ log = logging.getLogger("jaxrl_llm")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or no checkpoint of a resume could be read."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """An asynchronous save failed in orbax's background threads (a full disk, a bucket refusing writes):
+    the run cannot commit checkpoints. The message names the step, the folder and the storage's error."""
+
+
+# sysexits.h EX_IOERR: launch/train.py's exit status for a save that failed (a crash is 1, preemption 75)
+CHECKPOINT_ERROR_EXIT_CODE = 74
+
+
+def storage_reason(err: BaseException) -> str:
+    """The storage's own words from an orbax / tensorstore error: "No space left on device (errno 28)" from
+    tensorstore's '...: Failed to write N bytes to file F: No space left on device [os_error_code='28']', an
+    HTTP status from a bucket, else the error's first line."""
+    text = str(err)
+    os_error = re.search(r":\s*([^:\[]+?)\s*\[os_error_code='?(\d+)'?\]", text)
+    if os_error:
+        return f"{os_error.group(1)} (errno {os_error.group(2)})"
+    python_os_error = re.search(r"\[Errno (\d+)\] ([^:'\"]+)", text)  # an OSError raised in orbax's own Python
+    if python_os_error:
+        return f"{python_os_error.group(2).strip()} (errno {python_os_error.group(1)})"
+    http = re.search(r"HTTP response code: (\d+)", text)
+    first = text.splitlines()[0] if text else type(err).__name__
+    if http:
+        return f"the bucket answered HTTP {http.group(1)}: {first[:200]}"
+    return first[:300]
+
+
+class _SaveThreadErrors(logging.Filter):
+    """Drops orbax's own ERROR records that carry a traceback (a failed background save logs one per thread:
+    the writer, the metadata writer, the commit, the finalize): orbax raises the same error again at its next
+    call, which the store turns into one `CheckpointSaveError` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname
+                    and (record.exc_info is not None or "raised an exception" in record.getMessage()))
+
+
+logging.getLogger("absl").addFilter(_SaveThreadErrors())
 
 
 def _jsonable(value: Any) -> Any:
@@ -76,6 +119,8 @@ class CheckpointStore:
             cleanup_tmp_directories=not read_only,
         )
         self._manager = ocp.CheckpointManager(storage.as_path(self.directory), options=options, item_names=ITEMS)
+        self._pending: int | None = None  # the step of the last save started and not yet known committed
+        self._failed: CheckpointSaveError | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -92,7 +137,10 @@ class CheckpointStore:
                      meta=ocp.args.JsonSave(_jsonable(dict(meta))))
         if rollout is not None:
             items["rollout"] = ocp.args.StandardSave(rollout)
-        saved = self._manager.save(step, args=ocp.args.Composite(**items))
+        self.check()
+        with self._reporting():
+            saved = self._manager.save(step, args=ocp.args.Composite(**items))
+        self._pending = step
         if not saved:
             latest = self._manager.latest_step()
             raise CheckpointError(
@@ -121,13 +169,53 @@ class CheckpointStore:
     def delete(self, step: int) -> None:
         self._manager.delete(step)
 
+    def check(self) -> None:
+        """Raises `CheckpointSaveError` if an earlier async save failed (without waiting for one in flight):
+        the trainer calls it every step, so a failed save stops the run at once rather than at the next save."""
+        if self._failed is not None:
+            raise self._failed
+        with self._reporting():
+            self._manager.check_for_errors()
+
     def wait(self) -> None:
-        """Blocks until the last async save is committed (raises its error, if any)."""
-        self._manager.wait_until_finished()
+        """Blocks until the last async save is committed (raises `CheckpointSaveError` if it failed)."""
+        if self._failed is not None:
+            raise self._failed
+        with self._reporting():
+            self._manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the last save, then closes orbax's threads, after a failed save too (no thread is left
+        writing at interpreter exit). Raises `CheckpointSaveError` if the last save failed unnoticed so far;
+        a failure already raised (by `check`, `save` or `wait`) is not raised again."""
+        try:
+            if self._failed is None:
+                self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except Exception as err:  # the failed save's error once more: already raised to the caller
+                if self._failed is None:
+                    raise
+                log.debug("closing the checkpoint manager after a failed save: %s", err)
+
+    @contextlib.contextmanager
+    def _reporting(self) -> Iterator[None]:
+        """Turns the error of a failed background save (raised by orbax's next call) into `CheckpointSaveError`."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as err:  # orbax re-raises the writer thread's error: tensorstore's ValueError, OSError...
+            step = "" if self._pending is None else f" of step {self._pending}"
+            self._failed = CheckpointSaveError(f"the save{step} to {self.directory} failed: {storage_reason(err)}; "
+                                               f"the last committed checkpoint is step {self._committed()}")
+            raise self._failed from None
+
+    def _committed(self) -> str:
+        steps = [s for s in self._manager.all_steps() if s != self._pending]
+        return str(max(steps)) if steps else "none"
 
 
 def abstract_like(tree: ArrayTree) -> ArrayTree:

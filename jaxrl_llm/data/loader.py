@@ -12,7 +12,7 @@ A batch is a dict of numpy arrays for this process's share of one global batch
     raw_prompt_ids  object[B]    unpadded int32 id arrays (the sampler left-pads them to its length bucket)
     prompt_lengths  int32[B]     their lengths
     index           int64[B]     row position in the dataset
-    data_source, ground_truth, extra_info, ability   object[B]  per-row metadata for the rewards
+    data_source, ground_truth, extra_info, ability, source   object[B]  per-row metadata for the rewards
     raw_prompt      object[B]    chat messages / text, only with data.return_raw_chat=True
 
 Rows are not repeated here for `n` samples; the trainer repeats them by index (object arrays take
@@ -34,7 +34,9 @@ from jaxrl_llm.data.sources import DataError
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 
-METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability")
+# "source": the file and row a prompt came from (str of data.sources.RowRef; None for generated rows), what a
+# failed scorer call names
+METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability", "source")
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
@@ -52,7 +54,7 @@ def collate(records: list[dict[str, Any]], return_raw_chat: bool = False) -> dic
         "index": np.asarray([r["index"] for r in records], dtype=np.int64),
     }
     for key in METADATA_KEYS:
-        batch[key] = _object_array([r[key] for r in records])
+        batch[key] = _object_array([r.get(key) for r in records])
     if return_raw_chat:
         batch["raw_prompt"] = _object_array([r["raw_prompt"] for r in records])
     return batch

@@ -211,7 +211,7 @@ def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool
         raise DataError(f"{where}: extra_info must be a dict, got {type(extra_info).__name__}")
     data_source = row.get("data_source") or default_data_source or "unknown"
     if builtin_scorers:  # what the built-in scorers need, checked now rather than at the first step
-        from jaxrl_llm.rewards.scorers import BUILTIN_SOURCES, has_builtin_scorer
+        from jaxrl_llm.rewards.scorers import BUILTIN_SOURCES, ground_truth_problem, has_builtin_scorer
 
         if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
             raise DataError(f"{where}: no ground truth (reward_model.ground_truth or a ground_truth column), which "
@@ -220,11 +220,15 @@ def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool
             what = "no data_source, so" if data_source == "unknown" else f"data_source {data_source!r}:"
             raise DataError(f"{where}: {what} no built-in scorer applies (built in: {', '.join(BUILTIN_SOURCES)}); "
                             "fix the data_source column or set custom_reward_function.path")
+        problem = ground_truth_problem(str(data_source), ground_truth)
+        if problem is not None:
+            raise DataError(f"{where}: reward_model.ground_truth: {problem}")
     return {
         "data_source": data_source,
         "ground_truth": ground_truth,
         "extra_info": dict(extra_info),
         "ability": row.get("ability"),
+        "source": str(where),
     }
 
 

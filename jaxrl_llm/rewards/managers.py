@@ -229,7 +229,10 @@ class RewardManager:
         extra_info: Sequence[dict | None] | None = None,
         response_lengths: np.ndarray | None = None,
         finished_with_eos: np.ndarray | None = None,
+        sources: Sequence[Any] | None = None,
     ) -> RewardResult:
+        """`sources`: where each row came from (the data file and row, `RowRef`), named by the warning of a
+        failed scorer call."""
         b = len(responses)
         if extra_info is None:
             extra_info = [None] * b
@@ -260,8 +263,10 @@ class RewardManager:
             else:
                 raw[i] = float(result)
         if failures:
-            logger.warning("reward: %d of %d scorer calls failed (score 0); first: %s",
-                           len(failures), b, failures[0].message)
+            first = next(i for i, r in enumerate(results) if isinstance(r, _Failure))
+            where = "" if sources is None or sources[first] is None else f"{sources[first]}: "
+            logger.warning("reward: %d of %d scorer calls failed (score 0); first: %s%s",
+                           len(failures), b, where, failures[0].message)
 
         scores = raw.copy()
         info = {"score": raw.copy(), **{k: _stack(v) for k, v in extra_keys.items()}}

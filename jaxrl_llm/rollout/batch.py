@@ -116,11 +116,11 @@ def score_responses(manager: RewardManager, texts: list[str], meta: dict[str, np
                     response_lengths: np.ndarray, finished_with_eos: np.ndarray) -> RewardResult:
     """The reward manager's scores of `texts` (rows of `meta`), computed on process 0 and
     broadcast to every process."""
-    extra_info = meta.get("extra_info")
+    extra_info, sources = meta.get("extra_info"), meta.get("source")
     return broadcast_from_main(lambda: manager.score(
         texts, list(meta["data_source"]), list(meta["ground_truth"]),
         None if extra_info is None else list(extra_info), response_lengths=response_lengths,
-        finished_with_eos=finished_with_eos))
+        finished_with_eos=finished_with_eos, sources=None if sources is None else list(sources)))
 
 
 def rollout_dump_rows(r: Rollout, step: int) -> list[dict[str, Any]]:

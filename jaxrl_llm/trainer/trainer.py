@@ -102,24 +102,28 @@ class Trainer(Run):
             self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
 
     def _fit_loop(self) -> dict[str, float]:
-        last = self.start()
-        if self.spec.trainer.val_only:
-            return last
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
         with PreemptionGuard() as guard:  # SIGTERM / SIGINT: finish the step, checkpoint, exit 75
-            while self.global_step < self.total_steps:
-                try:
-                    metrics = self.step()
-                except StopIteration:
-                    log.info("training data exhausted after %d steps", self.global_step)
-                    break
-                bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
-                bar.update(1)
-                last = metrics
-                if self.global_step < self.total_steps and guard.stop_requested(self.global_step):
-                    bar.close()
-                    self._stop_preempted(guard.reason)
-        bar.close()
+            last = self.start()  # resume and the first validation: a signal there stops before training
+            if guard.stop_requested(self.global_step):
+                self._stop_before_training(guard.reason)
+            if self.spec.trainer.val_only:
+                return last
+            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl steps", disable=not self.is_main)
+            try:
+                while self.global_step < self.total_steps:
+                    try:
+                        metrics = self.step()
+                    except StopIteration:
+                        log.info("training data exhausted after %d steps", self.global_step)
+                        break
+                    bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
+                    bar.update(1)
+                    last = metrics
+                    if self.global_step < self.total_steps and guard.stop_requested(self.global_step):
+                        bar.close()
+                        self._stop_preempted(guard.reason)
+            finally:
+                bar.close()  # before any error's line: that line is the run's last
         self.finish()
         return last
 
@@ -143,6 +147,7 @@ class Trainer(Run):
         configured for that step. Returns the step's metrics (also appended to `history`). Raises
         StopIteration when the training data is exhausted."""
         self.start()
+        self.store.check()  # an earlier async save that failed stops the run now, not at the next save
         t = self.spec.trainer
         metrics = self.train_step()  # its batch and rollout come from the synchronizer's schedule
         self.global_step += 1
@@ -403,6 +408,15 @@ class Trainer(Run):
         log.warning("%s (%s)", message, reason)
         print(message, flush=True)
         raise Preempted(self.global_step, reason)
+
+    def _stop_before_training(self, reason: str) -> None:
+        """A signal during the resume or the first validation: nothing was trained, so nothing is saved (the
+        latest checkpoint is this launch's starting point); closes the run and raises `Preempted` (exit 75)."""
+        self.close()
+        stopped = Preempted(self.global_step, reason, saved=False)
+        log.warning("%s", stopped)
+        print(stopped, flush=True)
+        raise stopped
 
     def _maybe_resume(self) -> None:
         point, t = self.resume_point, self.spec.trainer

@@ -140,6 +140,10 @@ def build_cases(x: Inputs) -> list[tuple[str, list[str], str, str]]:
          "ep.jsonl line 4: empty prompt", "data"),
         ("data_no_ground_truth", [f"data.train_files={x.rows('ngt.jsonl', {**ROW, 'reward_model': {}}, at=5)}"],
          "ngt.jsonl line 6: no ground truth", "data"),
+        ("data_ground_truth_type",  # a dict where the gsm8k scorer reads a string: was scored 0 and trained on
+         [f"data.train_files={x.rows('gtt.jsonl', {**ROW, 'reward_model': {'ground_truth': {'answer': '2'}}}, at=6)}"],
+         "gtt.jsonl line 7: reward_model.ground_truth: the 'openai/gsm8k' scorer compares the answer with a string",
+         "data"),
         ("data_unknown_source", [f"data.train_files={x.rows('uds.jsonl', {**ROW, 'data_source': 'my/task'})}"],
          "uds.jsonl line 2: data_source 'my/task'", "data"),
         ("data_no_prompt_column", [f"data.train_files={_jsonl(x.d / 'q.jsonl', [{'question': 'hi'}] * 8)}"],

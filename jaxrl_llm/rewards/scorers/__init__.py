@@ -37,6 +37,22 @@ def has_builtin_scorer(data_source: str) -> bool:
 BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>", *code.SOURCES)
 
 
+def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
+    """Why `default_compute_score` could not read this row's ground truth (None: it can): the math and
+    synthetic scorers compare against a string (numbers read from a file are strings by then), the code
+    scorer parses its test cases. Checked when the rows are loaded, as the prompts are."""
+    if data_source in code.SOURCES:
+        try:
+            code.parse_tests(ground_truth)
+        except (ValueError, TypeError) as err:
+            return str(err)
+        return None
+    if has_builtin_scorer(data_source) and not isinstance(ground_truth, str):
+        return (f"the {data_source!r} scorer compares the answer with a string ground truth; this row's is a "
+                f"{type(ground_truth).__name__} ({str(ground_truth)[:80]!r})")
+    return None
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float | dict:
@@ -61,4 +77,4 @@ def default_compute_score(
 
 
 __all__ = ["BUILTIN_SOURCES", "DAPO_SOURCES", "MATH_SOURCES", "UnknownDataSourceError", "default_compute_score",
-           "has_builtin_scorer"]
+           "ground_truth_problem", "has_builtin_scorer"]

@@ -1,0 +1,77 @@
+"""Faults a pod meets, each ending with one clear last line, its own exit status and nothing lost (tiny runs of
+`launch/train.py` as subprocesses; the faults injected by tests/reliability/fault_train.py):
+
+- a checkpoint save that fails in orbax's background thread (a full disk: ENOSPC) stops the run within one
+  step with `checkpoint error: ...` naming the step, the folder and the OS error, exit 74, no traceback;
+  the last committed checkpoint is intact and the relaunch gives the uninterrupted run bit for bit;
+- SIGTERM while the run sets up (models loaded, before the loop) or during the first validation exits 75
+  at once (launch/tpu_pod.sh --run relaunches on 75), with nothing written.
+
+(A ground truth the data source's scorer cannot read is a `data error:` naming file and row:
+tests/reliability/test_bad_inputs.py `data_ground_truth_type`.)"""
+import pytest
+from preempt_runs import (
+    FAULT_TRAIN,
+    TOTAL_STEPS,
+    Launch,
+    assert_same_checkpoint,
+    assert_same_metrics,
+    base_env,
+    committed_steps,
+    metric_records,
+    reference_run,
+    session_dir,
+    train_args,
+)
+
+from jaxrl_llm.bookkeeping.preemption import PREEMPTED_EXIT_CODE
+from jaxrl_llm.checkpoint import CHECKPOINT_ERROR_EXIT_CODE
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory)
+
+
+def _last_line(launch: Launch) -> str:
+    return [line for line in launch.err_path.read_text().splitlines() if line.strip()][-1]
+
+
+def test_a_save_that_fails_on_a_full_disk_stops_the_run_with_one_line(tmp_path, tmp_path_factory, reference):
+    session = session_dir(tmp_path_factory)
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    args = train_args(session, run)
+    failing = Launch(args, {**base_env(session), "JAXRL_TEST_FULL_DISK_AT_SAVE": "4"}, logs, "full", FAULT_TRAIN)
+    assert failing.wait() == CHECKPOINT_ERROR_EXIT_CODE, failing.tail()
+    stderr = failing.err_path.read_text()
+    assert _last_line(failing) == (f"checkpoint error: the save of step 4 to {run}/checkpoints failed: No space "
+                                   "left on device (errno 28); the last committed checkpoint is step 3"), stderr[-2000:]
+    assert "Traceback" not in stderr and "sys.meta_path is None" not in stderr
+    assert committed_steps(run) == [1, 2, 3]
+    assert max(r["step"] for r in metric_records(run)) <= 5  # stopped at the next step, not at the next save
+    relaunch = Launch(args, base_env(session), logs, "relaunch")
+    assert relaunch.wait() == 0, relaunch.tail()
+    assert "resumed from" in relaunch.stdout and "step 3" in relaunch.stdout
+    assert_same_checkpoint(run, reference, TOTAL_STEPS)
+    assert_same_metrics(run, reference)
+
+
+@pytest.mark.parametrize("moment", ["setup", "validation"])
+def test_sigterm_before_the_first_step_exits_75_with_nothing_lost(moment, tmp_path, tmp_path_factory):
+    session = session_dir(tmp_path_factory)
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    extra = ("trainer.val_before_train=True",) if moment == "validation" else ()
+    args = train_args(session, run, *extra)
+    stopped = Launch(args, {**base_env(session), "JAXRL_TEST_SIGTERM_AT": moment}, logs, moment, FAULT_TRAIN)
+    assert stopped.wait() == PREEMPTED_EXIT_CODE, stopped.tail()
+    out = [line for line in stopped.stdout.splitlines() if line.strip()]
+    if moment == "setup":
+        assert out[-1] == "received SIGTERM during setup: stopping (nothing to save yet)", stopped.tail()
+    else:
+        assert out[-1] == "stopped before training step 1 (SIGTERM received); nothing to save", stopped.tail()
+    assert "Traceback" not in stopped.err_path.read_text()
+    # nothing trained, nothing written: the relaunch starts this run afresh (as test_kill_resume's kills
+    # during start-up show, a fresh start of the same command is the uninterrupted run)
+    assert committed_steps(run) == []
+    # (a validation under way finishes and logs its step-0 record, as a step under way does)
+    assert not (run / "metrics.jsonl").exists() or all(r["step"] == 0 for r in metric_records(run))
