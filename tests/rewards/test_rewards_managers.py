@@ -105,6 +105,14 @@ def test_naive_manager_scores_and_counts_errors(reward_file):
     assert result.reward_extra_info["pred"].tolist() == [None, None, None, "d", None]
 
 
+def test_a_failed_scorer_call_names_the_file_and_row_of_its_sample(reward_file, caplog):
+    manager = build_reward_manager(resolve_reward(config(reward_file)))
+    sources = [f"train.parquet row {i}" for i in (7, 150, 151)]
+    with caplog.at_level("WARNING", logger="jaxrl_llm"):
+        manager.score(["1", "raise", "raise"], ["s"] * 3, ["1"] * 3, sources=sources)
+    assert "reward: 2 of 3 scorer calls failed (score 0); first: train.parquet row 150: " in caplog.text
+
+
 def test_default_scorer_in_manager_and_unknown_source():
     manager = RewardManager()
     result = manager.score(["#### 3", "Answer: 4"], ["openai/gsm8k", "math_dapo"], ["3", "5"])
