@@ -293,6 +293,7 @@ class TrainerSpec:
     max_ckpt_to_keep: int | None
     critic_warmup: int
     max_consecutive_nonfinite: int  # skipped non-finite updates in a row that stop the run
+    worker_timeout_s: float  # several processes: a peer silent this long is lost (bookkeeping/watchdog.py)
     rollout_data_dir: str | None
     validation_data_dir: str | None
     seed: int

@@ -706,6 +706,11 @@ TRAINER = {
                                      "gs:// URL (docs/multihost.md); derived: "
                                      "checkpoints/<project_name>/<experiment_name>. veRL.", types=str),
     "critic_warmup": field(0, "Steps that update only the critic before the actor starts. veRL.", ge=0),
+    "worker_timeout_s": field(30.0, "Several JAX processes: a process whose heartbeat (a watchdog thread's, "
+                                    "bookkeeping/watchdog.py) has not moved for this long is lost; the others "
+                                    "exit 75 at once naming it and the last committed checkpoint (jax's own "
+                                    "coordination service would abort them after about a minute). jaxrl_llm.",
+                             gt=0),
     "max_consecutive_nonfinite": field(5, "Stop the run (one error naming the step and the first NaN/inf "
                                           "quantity) after this many optimizer updates in a row were skipped "
                                           "for a non-finite loss or gradient (counted in "

@@ -35,6 +35,7 @@ from jaxrl_llm.bookkeeping.metrics import Timer, data_metrics, device_peak_flops
 from jaxrl_llm.bookkeeping.nonfinite import assert_finite_state, first_nonfinite
 from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.bookkeeping.tracking import dump_jsonl
+from jaxrl_llm.bookkeeping.watchdog import WorkerWatchdog
 from jaxrl_llm.config.spec import ModelSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.shaping import sample_mask, truncated_rows
@@ -94,10 +95,16 @@ class Trainer(Run):
         """Trains for `trainer.total_training_steps`; returns the last step's metrics. Whatever
         happens, async saves are waited for and the sinks and reward workers closed."""
         finished = False
+        # several processes: a lost peer ends this one at once (exit 75, naming it and the last checkpoint)
+        self._watchdog = WorkerWatchdog(self.spec.trainer.worker_timeout_s,
+                                        lambda: str(self.store.latest_step())).start()
         try:
             last = self._fit_loop()
             finished = True
             return last
+        except jax.errors.JaxRuntimeError:
+            self._watchdog.wait_for_verdict()  # a collective that failed for a lost peer: exit 75 naming it
+            raise
         finally:
             self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
 
@@ -454,6 +461,9 @@ class Trainer(Run):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
         source = getattr(self, "rollout_source", None)
         closers = (source.close,) if source is not None else ()
         _close_all(closers + (self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)

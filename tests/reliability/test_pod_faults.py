@@ -75,3 +75,33 @@ def test_sigterm_before_the_first_step_exits_75_with_nothing_lost(moment, tmp_pa
     assert committed_steps(run) == []
     # (a validation under way finishes and logs its step-0 record, as a step under way does)
     assert not (run / "metrics.jsonl").exists() or all(r["step"] == 0 for r in metric_records(run))
+
+
+def test_a_lost_worker_stops_the_others_within_the_timeout_naming_it(tmp_path, tmp_path_factory):
+    """kill -9 of process 1 of 2 mid-run: process 0, blocked in the next collective, exits 75 within
+    trainer.worker_timeout_s (+ the watchdog's beat) naming process 1 and the last committed checkpoint, which
+    is the uninterrupted run's."""
+    import signal
+    import time
+
+    from preempt_runs import launch_processes, wait_for
+
+    steps, timeout_s = 8, 5.0
+    session = session_dir(tmp_path_factory)
+    reference = reference_run(tmp_path_factory, devices=2, steps=steps)  # shared with test_preemption
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    args = train_args(session, run, f"trainer.worker_timeout_s={timeout_s}", steps=steps)
+    procs = launch_processes(args, session, logs, "lost", num_processes=2)
+    wait_for(lambda: len(committed_steps(run)) >= 2, timeout=300, proc=procs[0])
+    procs[1].proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert procs[0].wait() == PREEMPTED_EXIT_CODE, procs[0].tail()
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < timeout_s + 8, elapsed  # the timeout, a beat (2 s at most) and the process's exit
+    last = max(committed_steps(run))
+    lines = [line for line in procs[0].stdout.splitlines() if line.strip()]
+    assert lines[-1].startswith("lost worker: process 1 of 2 (it has not reported for "), procs[0].tail()
+    assert lines[-1].endswith(f"trainer.worker_timeout_s=5); the last committed checkpoint is step {last}; "
+                              "exiting 75 so that the relaunch resumes from it"), lines[-1]
+    assert_same_checkpoint(run, reference, last)
+    print(f"lost worker detected {elapsed:.1f} s after the kill (worker_timeout_s={timeout_s:g})")
