@@ -10,22 +10,14 @@ weights are random, so the reward does not rise in 4 steps: the smallest release
 parameters, which a CI machine cannot train; point `model.path` at a checkpoint folder (MXFP4 experts are
 dequantised on load) for a run that learns. The tokenizer is SmolLM2's; the task is synthetic addition.
 """
-import importlib.util
 import pathlib
 
-
-def _moe_tiny():
-    """configs/grpo_moe_tiny.py (config files are loaded by path, not as a package)."""
-    path = pathlib.Path(__file__).with_name("grpo_moe_tiny.py")
-    spec = importlib.util.spec_from_file_location("grpo_moe_tiny", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxrl_llm.config import config_from_file
 
 
 def get_config():
-    cfg = _moe_tiny().get_config()  # the same run, sizes and task as the tiny Qwen3-MoE one
+    # the same run, sizes and task as the tiny Qwen3-MoE one
+    cfg = config_from_file(pathlib.Path(__file__).with_name("grpo_moe_tiny.py"))
     cfg.actor_rollout_ref.model.path = "tiny:gpt_oss"
     cfg.actor_rollout_ref.actor.router_aux_loss_coef = 0.001  # GPT-OSS's config.json value, applied in training
     cfg.trainer.experiment_name = "grpo_gpt_oss_tiny"

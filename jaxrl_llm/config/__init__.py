@@ -23,7 +23,7 @@ from jaxrl_llm.config.overrides import (
     parse_value,
     split_config_flag_overrides,
 )
-from jaxrl_llm.config.paths import smollm2_gguf_path
+from jaxrl_llm.config.paths import config_from_file, smollm2_gguf_path
 from jaxrl_llm.config.resolve import (
     resolve,
     resolve_batch_plan,
@@ -58,8 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
 __all__ = [
     "ActorSpec", "AdvantageSpec", "BatchPlan", "ConfigError", "CriticSpec", "Field", "KLControlSpec", "MicroBatching",
     "ModelSpec", "NAME_ALIASES", "OptimSpec", "RefSpec", "RoleBatch", "RunSpec", "TREE", "TrainerSpec",
-    "apply_overrides",
-    "canonical_key", "default_config", "iter_fields", "mesh_dp_size", "normalize_config", "parse_value",
+    "apply_overrides", "canonical_key", "config_from_file", "default_config", "iter_fields", "mesh_dp_size",
+    "normalize_config", "parse_value",
     "render_config_docs", "resolve", "resolve_batch_plan", "resolve_config", "resolve_data", "resolve_optim",
     "resolve_reward", "resolve_sampling", "resolve_synthetic", "resolve_total_steps", "smollm2_gguf_path",
     "split_config_flag_overrides", "synthetic_data_dir", "synthetic_data_files", "validate_config",

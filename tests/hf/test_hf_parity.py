@@ -105,61 +105,48 @@ def test_rope_scaling_beyond_the_original_context_matches_transformers(family, r
     assert again.rope_scaling == cfg.rope_scaling and again.context_length == cfg.context_length
 
 
-def test_gemma3_multimodal_checkpoint_loads_its_text_tower(tmp_path, np_rng):
+def _multimodal_gemma(version: int):
+    """(family, a random tiny Gemma 3 / Gemma 4 ForConditionalGeneration model: a vision tower beside the text
+    model of the GEMMA / GEMMA4 case, image tokens 250-252)."""
+    import torch
+    import transformers
+
+    if version == 3:
+        family, overrides = GEMMA["gemma3"]
+        text = transformers.Gemma3TextConfig(**{**TINY_HF, **overrides})
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                           mm_tokens_per_image=4, image_token_index=250, boi_token_index=251,
+                                           eoi_token_index=252)
+    else:
+        family, overrides = GEMMA4["gemma4"]
+        text = transformers.Gemma4TextConfig(**{**TINY_HF, **overrides})
+        vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+        config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                           audio_config=None, image_token_id=250, boi_token_id=251, eoi_token_id=252)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"Gemma{version}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    return family, model
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_gemma_multimodal_checkpoint_loads_its_text_tower(version, tmp_path, np_rng):
     """A Gemma3ForConditionalGeneration folder (vision tower, `language_model.model.*` tensors, a sparse
-    text_config) is read as its language model: logits equal the multimodal model's on text."""
+    text_config) or a Gemma4ForConditionalGeneration one (`model.language_model.*`, Gemma 4's traits) is read as
+    its language model: logits equal the multimodal model's on text."""
     import json
 
-    import torch
-    import transformers
-
-    family, overrides = GEMMA["gemma3"]
-    text = transformers.Gemma3TextConfig(**{**TINY_HF, **overrides})
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                       mm_tokens_per_image=4, image_token_index=250, boi_token_index=251,
-                                       eoi_token_index=252)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    family, model = _multimodal_gemma(version)
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma3"
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == f"gemma{version}"
     cfg, params = load_hf_folder(tmp_path)
-    assert (cfg.architecture, cfg.model_type, cfg.local_layer_ids) == ("Gemma3ForCausalLM", family, (0, 2))
-    ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
-    ids[ids >= 250] = 5  # text only: no image placeholder tokens
-    expected = torch_logits(model, ids, mask)
-    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
-    valid = mask.astype(bool)
-    assert np.abs(ours[valid] - expected[valid]).max() <= 1e-4
-
-
-def test_gemma4_multimodal_checkpoint_loads_its_text_tower(tmp_path, np_rng):
-    """A Gemma4ForConditionalGeneration folder (vision tower, `model.language_model.*` tensors) is read as its
-    language model, Gemma 4's traits included: logits equal the multimodal model's on text."""
-    import json
-
-    import torch
-    import transformers
-
-    family, overrides = GEMMA4["gemma4"]
-    text = transformers.Gemma4TextConfig(**{**TINY_HF, **overrides})
-    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
-    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
-                                       image_token_id=250, boi_token_id=251, eoi_token_id=252)
-    torch.manual_seed(0)
-    model = transformers.Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma4"
-    cfg, params = load_hf_folder(tmp_path)
-    assert (cfg.architecture, cfg.model_type, cfg.kv_shared_layers) == ("Gemma4ForCausalLM", family, 2)
+    assert (cfg.architecture, cfg.model_type) == (f"Gemma{version}ForCausalLM", family)
+    assert cfg.local_layer_ids == ((0, 2) if version == 3 else (0, 2, 4))
     ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
     ids[ids >= 250] = 5  # text only: no image placeholder tokens
     expected = torch_logits(model, ids, mask)
