@@ -60,10 +60,12 @@ def storage_reason(err: BaseException) -> str:
     python_os_error = re.search(r"\[Errno (\d+)\] ([^:'\"]+)", text)  # an OSError raised in orbax's own Python
     if python_os_error:
         return f"{python_os_error.group(2).strip()} (errno {python_os_error.group(1)})"
-    http = re.search(r"HTTP response code: (\d+)", text)
+    http = re.search(r"\[http_response_code='?(\d+)'?\]", text) or re.search(r"HTTP response code: (\d+)", text)
+    if http:  # tensorstore: '<STATUS>: Error writing <path>: <message> [http_response_code=...] [..._body=...]'
+        body = re.search(r'message\\?"\s*:\s*\\?"([^"\\]+)', text)  # the JSON body's message, when it has one
+        said = body.group(1) if body else text[:http.start()].strip().rsplit(": ", 1)[-1]
+        return f"the bucket answered HTTP {http.group(1)}: {said[:200]}"
     first = text.splitlines()[0] if text else type(err).__name__
-    if http:
-        return f"the bucket answered HTTP {http.group(1)}: {first[:200]}"
     return first[:300]
 
 

@@ -44,6 +44,7 @@ class ObjectStore:
         self.lock = threading.Lock()
         self._generation = 1000
         self.requests: list[tuple[str, str]] = []  # (method, path) seen by the HTTP server
+        self.refuse_uploads = False  # a fault: media uploads answered 403 (a bucket that refuses writes)
 
     def put(self, bucket: str, name: str, data: bytes, if_generation_match: int | None = None) -> int | None:
         """Writes an object; None when the precondition fails."""
@@ -178,6 +179,9 @@ class _Handler(BaseHTTPRequestHandler):
         if route is None:
             return self._json(404, {"error": {"code": 404, "message": "no such bucket"}})
         bucket, _, query = route
+        if self.store.refuse_uploads:
+            return self._json(403, {"error": {"code": 403, "message": "fake@test.iam does not have "
+                                              "storage.objects.create access to the Google Cloud Storage object"}})
         if query.get("uploadType") != "media" or "name" not in query:
             return self._json(400, {"error": {"code": 400, "message": "only media uploads are served"}})
         match = int(query["ifGenerationMatch"]) if "ifGenerationMatch" in query else None

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,7 @@ class _Closer:
 
 def _closing_trainer(calls: list) -> Trainer:
     trainer = Trainer.__new__(Trainer)  # only what fit() and close() touch
+    trainer.spec = types.SimpleNamespace(trainer=types.SimpleNamespace(worker_timeout_s=30.0))  # the watchdog's
     trainer.store = _Closer(calls, "store")
     trainer.tracker = _Closer(calls, "tracker", OSError("disk full"))
     trainer.reward_manager = _Closer(calls, "reward workers")
@@ -208,3 +210,18 @@ def test_fit_closes_everything_when_a_step_fails(caplog):
     with pytest.raises(OSError, match="disk full"):
         _closing_trainer(calls).close()
     assert calls == ["store", "tracker", "reward workers"]
+
+
+@pytest.mark.parametrize("error,reason", [
+    # tensorstore on a full local disk (as seen on a 3.4 MB tmpfs)
+    ('RESOURCE_EXHAUSTED: Error writing "actor.opt_state.1.count/0" in OCDBT database at local file "/fs/4.orbax-'
+     'checkpoint-tmp/state": Failed writing: "/fs/4/d/07": Failed to write 766321 bytes to file 21: No space left '
+     "on device [os_error_code='28']", "No space left on device (errno 28)"),
+    ("[Errno 28] No space left on device: '/fs/4.orbax-checkpoint-tmp'", "No space left on device (errno 28)"),
+    ("PERMISSION_DENIED: Error writing gs://b/x: [http_response_body='{\"error\":{\"code\":403,\"message\":\"no "
+     "storage.objects.create access\"}}'] [http_response_code='403']",
+     "the bucket answered HTTP 403: no storage.objects.create access"),
+    ("something else\nwith a second line", "something else"),
+])
+def test_a_failed_save_is_reported_in_the_storages_own_words(error, reason):
+    assert ckpt.storage_reason(ValueError(error)) == reason

@@ -124,6 +124,30 @@ def test_checkpoints_on_a_bucket_save_keep_restore_and_clean_up(gcs):
     assert any(method == "POST" and "/upload/storage/v1/b/test-bucket/o" in path for method, path in gcs.store.requests)
 
 
+def test_a_bucket_that_refuses_writes_fails_the_save_with_one_error(gcs):
+    """A save whose uploads the bucket answers 403 (lost write access): the store's next call raises one
+    `CheckpointSaveError` naming the step, the folder, the HTTP status and the last committed step."""
+    import jax.numpy as jnp
+
+    directory = f"gs://{BUCKET}/run/checkpoints"
+    store = ckpt.CheckpointStore(directory)
+    store.save(1, {"w": jnp.arange(4.0)}, {"pos": 1}, {"global_step": 1})
+    store.wait()
+    gcs.store.refuse_uploads = True
+    try:
+        with pytest.raises(ckpt.CheckpointSaveError) as caught:
+            store.save(2, {"w": jnp.arange(4.0) * 2}, {"pos": 2}, {"global_step": 2})
+            store.wait()
+    finally:
+        gcs.store.refuse_uploads = False
+        store.close()
+    message = str(caught.value)
+    assert message.startswith(f"the save of step 2 to {directory} failed: the bucket answered HTTP 403: fake@test.iam "
+                              "does not have storage.objects.create access"), message
+    assert message.endswith("the last committed checkpoint is step 1"), message
+    assert ckpt.list_steps(directory) == [1]
+
+
 def test_record_dumps_data_and_export_on_a_bucket(gcs, monkeypatch):
     run = f"gs://{BUCKET}/run"
     # the record: a bucket object cannot be appended to, so it is rewritten whole when due
