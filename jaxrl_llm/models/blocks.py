@@ -137,3 +137,9 @@ def embed_tokens(params: dict, cfg: ModelConfig, input_ids: Array, dtype: DType)
     if cfg.scale_embeddings:
         x = x * jnp.asarray(np.sqrt(cfg.hidden_size), dtype)
     return x.astype(jnp.float32), x
+
+
+def take_row(tree: Any, index: Array) -> Any:
+    """Row `index` of every leaf of a tree stacked on a leading axis (a layer kind's weights stacked over its
+    own layers: a mixed-layer MoE model's MLPs, Gemma 4's per-kind stacks)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)

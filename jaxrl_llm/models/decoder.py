@@ -65,6 +65,7 @@ from jaxrl_llm.models.blocks import (
     project,
     rms_norm,
     rope_cos_sin,
+    take_row,
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.context_parallel import context_parallel_attend
@@ -170,10 +171,7 @@ def mixed_mlp(cfg: ModelConfig, stacks: MlpStacks, layer: Array, x: Array, valid
     `lax.cond`, so the layer scan stays one loop. A dense layer reports empty router stats (no tokens:
     the pooled losses and metrics count the sparse layers only, as HF's) and zero expert ids."""
     params, adapters, is_moe, row = stacks
-    index = row[layer]
-
-    def take(tree: dict) -> dict:
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
+    take = functools.partial(take_row, index=row[layer])
 
     def sparse(x: Array) -> tuple[Array, RouterStats, Array]:
         return moe_block(cfg, take(params["moe"]), take({k: v for k, v in adapters.items() if k != "mlp"}), x,

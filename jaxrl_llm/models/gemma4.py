@@ -47,6 +47,7 @@ from jaxrl_llm.models.blocks import (
     project,
     rms_norm,
     rope_cos_sin,
+    take_row,
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.expert_parallel import routed_experts
@@ -114,10 +115,6 @@ def per_layer_inputs(params: dict, cfg: ModelConfig, input_ids: Array, embedded:
     return ((projected + table) * np.float32(2 ** -0.5)).astype(dtype).transpose(2, 0, 1, 3)
 
 
-def _take(tree: Any, index: Array) -> Any:
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
-
-
 Ropes = dict[str, tuple[Array, Array]]
 Produced = dict[str, tuple[Array, Array]] | None
 
@@ -144,15 +141,15 @@ def typed_attention(cfg: ModelConfig, stacks: TypedStacks, x: Array, ropes: Rope
             return batch_rows(y, split_rows, "act_heads" if count == nh else "act_kv_heads")
 
         def run(state: dict | None, produced: Produced) -> tuple[Array, dict | None, Produced]:
-            w = _take(stacks.params["attn" + suffix], stacks.rows["attn" + suffix][layer])
-            a = _take(stacks.adapters.get("attn" + suffix, {}), stacks.rows["attn" + suffix][layer])
+            w = take_row(stacks.params["attn" + suffix], stacks.rows["attn" + suffix][layer])
+            a = take_row(stacks.adapters.get("attn" + suffix, {}), stacks.rows["attn" + suffix][layer])
             cos, sin = ropes[kind]
             q = rms_norm(heads("q_proj", w, a, nh), w["q_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
             # scores are q . k unscaled: undo the kernels' head_dim^-0.5 (exact in bf16 for a power-of-4 width)
             q = (apply_rope(q, cos, sin) * np.float32(math.sqrt(hd))).astype(dtype)
             if own:
-                kw = _take(stacks.params["kv" + suffix], stacks.rows["kv" + suffix][layer])
-                ka = _take(stacks.adapters.get("kv" + suffix, {}), stacks.rows["kv" + suffix][layer])
+                kw = take_row(stacks.params["kv" + suffix], stacks.rows["kv" + suffix][layer])
+                ka = take_row(stacks.adapters.get("kv" + suffix, {}), stacks.rows["kv" + suffix][layer])
                 k_raw = heads("k_proj", kw, ka, nkv)
                 v_raw = heads("v_proj", kw, ka, nkv) if "v_proj" in kw else k_raw  # attention_k_eq_v
                 k = apply_rope(rms_norm(k_raw, kw["k_norm"]["scale"], eps, jnp.float32, cfg.norm_offset),
@@ -190,7 +187,7 @@ def typed_mlp(cfg: ModelConfig, stacks: TypedStacks, x: Array, layer: Array, *, 
     def run(kind: str) -> Callable[[Array], Array]:
         def mlp(x: Array) -> Array:
             row = stacks.rows[kind][layer]
-            return mlp_block(_take(stacks.params[kind], row), _take(stacks.adapters.get(kind, {}), row), x,
+            return mlp_block(take_row(stacks.params[kind], row), take_row(stacks.adapters.get(kind, {}), row), x,
                              dtype=dtype, lora_scale=lora_scale, activation=cfg.hidden_act, split_rows=split_rows)
         return mlp
 

@@ -34,6 +34,7 @@ from jaxrl_llm.models import (
     init_cache,
     logits_from_hidden,
 )
+from jaxrl_llm.models.gemma4 import typed_state
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -316,8 +317,9 @@ def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> 
     """A dense cache's (k, v) through `take`: arrays, or for a Gemma 4 model one per attention type."""
     if not cfg.typed_layers:
         return take(cache["k"]), take(cache["v"])
-    return ({"sliding": take(cache["k"]), "full": take(cache["k_full"])},
-            {"sliding": take(cache["v"]), "full": take(cache["v_full"])})
+    typed = typed_state(cache)  # models/gemma4.py: the one place that names the per-type cache entries
+    assert typed is not None
+    return {kind: take(k) for kind, (k, _) in typed.items()}, {kind: take(v) for kind, (_, v) in typed.items()}
 
 
 def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
