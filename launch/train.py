@@ -43,6 +43,7 @@ from jaxrl_llm.config.importers import FORMATS
 from jaxrl_llm.config.importers.command_line import resolve_command_line, split_command_line
 from jaxrl_llm.config.validate import check_input_paths
 from jaxrl_llm.platform import TpuPlanError
+from jaxrl_llm.user_errors import user_error_line, user_errors
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
@@ -162,26 +163,6 @@ def plan_for_config(cfg):
     from jaxrl_llm.planning.memory import plan_for_config as plan
 
     return plan(cfg)
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that report a bad input (config, data, model folder, reward code), not a bug."""
-    from jaxrl_llm.agents import AgentConfigError
-    from jaxrl_llm.data import DataError
-    from jaxrl_llm.hf.tokenizer import TokenizerError
-    from jaxrl_llm.models import UnsupportedArchitectureError
-    from jaxrl_llm.rewards import RewardFunctionError, UnknownDataSourceError
-
-    return (AgentConfigError, ConfigError, DataError, RewardFunctionError, TokenizerError, TpuPlanError,
-            UnknownDataSourceError, UnsupportedArchitectureError)
-
-
-def user_error_line(err: BaseException) -> str:
-    """`data error: <file> line N: ...` for data files, `config error: <key>: ...` for the rest."""
-    from jaxrl_llm.data import DataError
-
-    kind = "data error" if isinstance(err, DataError) else "config error"
-    return f"{kind}: " + " ".join(str(err).split("\n"))
 
 
 def run() -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 
@@ -44,16 +45,19 @@ class TemplateError(ValueError):
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: Tokenizer, tools: Sequence[dict] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, tools: Sequence[dict] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("the tokenizer has no chat_template: multi-turn rollouts render turns through it")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, for every render
         self.eos_text: str = tokenizer.eos_token or ""
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         extra = {"tools": self.tools} if self.tools else {}
-        return render_chat(self.tokenizer, list(messages), add_generation_prompt=add_generation_prompt, **extra)
+        return render_chat(self.tokenizer, list(messages), add_generation_prompt=add_generation_prompt, **extra,
+                           **self.template_kwargs)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -92,7 +96,17 @@ class ChatRenderer:
             return text[: -len(self.eos_text)], self.eos_text
         return text, ""
 
-    def _closure(self, messages: list[dict]) -> str:
+    def opening(self, messages: list[dict]) -> str:
+        """The text the template renders before the last (assistant) message's content."""
+        marked = messages[:-1] + [{**messages[-1], "content": _SENTINEL}]
+        text = self.render(marked, add_generation_prompt=False)
+        at = text.rfind(_SENTINEL)
+        if at < 0:
+            raise TemplateError("the chat template does not render the assistant message content")
+        return text[:at]
+
+    def closure(self, messages: list[dict]) -> str:
+        """The text the template renders after the last (assistant) message's content."""
         marked = messages[:-1] + [{**messages[-1], "content": _SENTINEL}]
         text = self.render(marked, add_generation_prompt=False)
         at = text.rfind(_SENTINEL)
@@ -110,7 +124,7 @@ class ChatRenderer:
         messages, new = list(messages), list(new)
         if not messages or messages[-1].get("role") != "assistant":
             raise TemplateError("delta_text: the conversation must end with an assistant message")
-        closure = self._closure(messages)
+        closure = self.closure(messages)
         glue = closure[len(tail):] if closure.startswith(tail) else closure
         suffix = self._suffix(messages, new)
         if suffix is None:

@@ -106,7 +106,7 @@ class NonFiniteGuard:
         were skipped and raises `NonFiniteError` once a role has skipped `max_consecutive` updates
         in a row. `step` is the 1-based step as logged; `describe` names the first non-finite input
         (`first_nonfinite`), called only when something was skipped."""
-        for role in ("actor", "critic"):
+        for role in ("actor", "critic", "train"):  # train: an SFT run's policy (sft/loss.py)
             if f"{role}/{_NUM_UPDATES}" not in metrics:
                 continue
             total = int(metrics.pop(f"{role}/{_NUM_UPDATES}"))

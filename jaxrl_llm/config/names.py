@@ -19,7 +19,7 @@ from jaxrl_llm.models.remat import REMAT_POLICIES
 from jaxrl_llm.rewards.managers import REWARD_MANAGERS
 
 TRUNCATION = ("error", "left", "right", "middle")
-LR_SCHEDULERS = ("constant", "cosine", "linear")
+LR_SCHEDULERS = ("constant", "cosine", "linear", "wsd")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # `trainer.memory_levers`, cheapest first: jaxrl_llm.planning.levers (which implements each)

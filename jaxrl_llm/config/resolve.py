@@ -182,7 +182,7 @@ def resolve_optim(optim: ConfigDict, grad_clip: float | None) -> OptimSpec:
         warmup_steps=int(optim.lr_warmup_steps) if total > 0 else None, total_steps=total if total > 0 else None,
         min_lr_ratio=float(optim.min_lr_ratio), num_cycles=float(optim.num_cycles),
         grad_clip=None if grad_clip is None else float(grad_clip), moment_dtype=optim.moment_dtype,
-        offload=bool(optim.offload))
+        offload=bool(optim.offload), stable_ratio=float(optim.get("stable_ratio", 0.9)))
 
 
 def _plain(value: Any) -> dict:

@@ -49,13 +49,14 @@ class OptimSpec:
     weight_decay: float
     betas: tuple[float, float]
     eps: float
-    lr_scheduler_type: str  # constant | cosine
+    lr_scheduler_type: str  # constant | cosine | linear | wsd
     warmup_steps: int | None  # None only before the dataset size is known (--dry_run)
     total_steps: int | None
     min_lr_ratio: float
     num_cycles: float
     grad_clip: float | None
     moment_dtype: str = "float32"  # the Adam moments' storage dtype
+    stable_ratio: float = 0.9  # wsd: the share of the post-warmup steps held at lr
     offload: bool = False  # the optimizer state in pinned host memory between updates
 
 

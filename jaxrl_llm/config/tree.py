@@ -11,6 +11,7 @@ from __future__ import annotations
 from jaxrl_llm.checkpoint import RESUME_MODES
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import field
+from jaxrl_llm.config.tree_sft import SFT
 from jaxrl_llm.losses.distill import SIGNALS as DISTILL_SIGNALS
 from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
@@ -32,13 +33,17 @@ def _optim(lr: float, role: str) -> dict:
                                      "known). veRL."),
         "lr_warmup_steps_ratio": field(0.0, "Warmup as a fraction of total training steps, used when "
                                             "lr_warmup_steps < 0. veRL.", ge=0, le=1),
-        "lr_scheduler_type": field("constant", "After warmup: 'constant', 'cosine' or 'linear' (decay to "
-                                              "min_lr_ratio * lr; linear is TRL's default). veRL (old name: "
-                                              "warmup_style, an alias).",
+        "lr_scheduler_type": field("constant", "After warmup: 'constant', 'cosine', 'linear' (decay to "
+                                              "min_lr_ratio * lr; linear is TRL's default) or 'wsd' (warmup-stable-"
+                                              "decay: lr held for stable_ratio of the steps after warmup, then a "
+                                              "cosine to min_lr_ratio * lr; veRL's SFT lr_scheduler: wsd). veRL "
+                                              "(old name: warmup_style, an alias).",
                                               choices=names.LR_SCHEDULERS),
         "min_lr_ratio": field(0.0, "Cosine / linear floor as a fraction of lr. veRL.", ge=0, le=1),
         "num_cycles": field(0.5, "Cosine cycles over the decay phase (0.5 = half cosine, lr ends at the "
                                  "floor), as transformers' get_cosine_schedule_with_warmup. veRL.", ge=0),
+        "stable_ratio": field(0.9, "lr_scheduler_type=wsd: the share of the steps after warmup held at lr (the "
+                                   "rest decays). veRL get_wsd_schedule_with_warmup's stable_ratio.", ge=0, le=1),
         "total_training_steps": field(-1, "Training (RL) steps of the schedule, which steps once per "
                                           "RL step (every mini-batch and epoch of step k uses lr(k)); "
                                           "-1 = trainer.total_training_steps. veRL."),
@@ -795,4 +800,5 @@ TREE = {
     "trainer": TRAINER,
     "mesh": MESH,
     "synchronizer": SYNCHRONIZER,
+    "sft": SFT,
 }

@@ -11,6 +11,9 @@ compiled program never changes and the logged `actor/lr` is the rate that was ap
   with progress = (step - warmup) / max(1, total - warmup)  (veRL `get_cosine_schedule_with_warmup`).
 - `lr_scheduler_type="linear"`: linear warmup, then `max(min_lr_ratio, (total - step) / max(1, total - warmup))`
   (transformers' `get_linear_schedule_with_warmup`, TRL's default, when min_lr_ratio = 0).
+- `lr_scheduler_type="wsd"`: linear warmup, lr for the first `int(stable_ratio * (total - warmup))` steps
+  after it, then the cosine above over the remaining (decay) steps, and `min_lr_ratio` from `total` on
+  (veRL `get_wsd_schedule_with_warmup`, its SFT trainer's `lr_scheduler: wsd`).
 Warmup and total steps count RL steps; they are resolved by `jaxrl_llm.config.resolve`
 (docs/config.md, `*.optim`: `lr_warmup_steps < 0` means `lr_warmup_steps_ratio * total`, as veRL).
 """
@@ -25,7 +28,7 @@ import optax
 from jaxrl_llm.arrays import ArrayTree, DType, Params
 from jaxrl_llm.config.spec import OptimSpec
 
-SCHEDULES = ("constant", "cosine", "linear")
+SCHEDULES = ("constant", "cosine", "linear", "wsd")
 Schedule = Callable[[Any], jnp.ndarray]
 
 
@@ -46,6 +49,14 @@ def make_lr_schedule(optim: OptimSpec) -> Schedule:
         elif style == "linear":
             remaining = jnp.maximum(optim.min_lr_ratio, (total - step) / max(1, total - warmup))
             factor = jnp.where(step < warmup, warm, remaining)
+        elif style == "wsd":
+            stable = int((total - warmup) * optim.stable_ratio) if total > warmup else 0
+            decay_start = warmup + stable
+            progress = (step - decay_start) / max(1, total - decay_start)
+            cosine = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * optim.num_cycles * 2.0 * progress)))
+            floor = optim.min_lr_ratio
+            decayed = jnp.where(step < total, (1.0 - floor) * cosine + floor, floor)
+            factor = jnp.where(step < warmup, warm, jnp.where(step < decay_start, 1.0, decayed))
         else:
             progress = (step - warmup) / max(1, total - warmup)
             cosine = jnp.cos(jnp.pi * optim.num_cycles * 2.0 * progress)

@@ -1,0 +1,49 @@
+"""The `sft` section of the config tree: supervised fine-tuning (`launch/sft.py`) and Trinity-RFT's
+SFT warm-up before RL. The rest of an SFT run reads the keys RL reads: `data.train_files` /
+`val_files` / `train_batch_size` (sequences per optimizer step) / `prompt_key` / `messages_key` /
+`truncation` / `shuffle` / `seed`, `actor_rollout_ref.model.*` (path, LoRA, gradient checkpointing),
+`actor_rollout_ref.actor.optim.*` and `grad_clip`, `trainer.*` and `mesh.*`. veRL's
+`sft_trainer.yaml` names for each key: docs/sft_dpo_eval.md.
+"""
+from __future__ import annotations
+
+from jaxrl_llm.config.schema import field
+
+SFT = {
+    "response_key": field("response", "Column holding the response of a single-turn row (a string). veRL SFT "
+                                      "data.response_key."),
+    "prompt_dict_keys": field(None, "Keys read in turn inside the prompt column (a dict column: "
+                                    "row[prompt_key][k1][k2]...); None = the column itself. veRL SFT "
+                                    "data.prompt_dict_keys.", types=list),
+    "response_dict_keys": field(None, "Keys read in turn inside the response column (e.g. ['ground_truth'] with "
+                                      "response_key=reward_model reads veRL's RL rows). veRL SFT "
+                                      "data.response_dict_keys.", types=list),
+    "multiturn": field(False, "Rows are conversations (data.messages_key: a list of chat messages); the loss "
+                              "covers every assistant turn. veRL SFT data.multiturn.enable (the engine trainer "
+                              "reads messages always)."),
+    "tools_key": field("tools", "Column holding a conversation's tool schemas (OpenAI format), rendered by the "
+                                "chat template. veRL SFT data.tools_key."),
+    "enable_thinking_key": field("enable_thinking", "Column holding a conversation's enable_thinking flag, "
+                                                    "passed to the chat template. veRL SFT "
+                                                    "data.enable_thinking_key."),
+    "apply_chat_template_kwargs": field({}, "Extra keyword arguments of every apply_chat_template call (e.g. "
+                                            "{enable_thinking: false}). veRL SFT data.apply_chat_template_kwargs.",
+                                        open=True),
+    "max_length": field(1024, "Token budget of one sequence (prompt + response, or a whole conversation); "
+                              "longer rows follow data.truncation (error / left / right). veRL SFT "
+                              "data.max_length.", gt=1),
+    "micro_batch_size_per_device": field(4, "Sequences per device per forward / backward (gradient accumulation "
+                                            "over the rest of data.train_batch_size). veRL SFT "
+                                            "data.micro_batch_size_per_gpu.", gt=0),
+    "use_dynamic_bsz": field(False, "Micro-batches packed to max_token_len_per_device tokens instead of a fixed "
+                                    "number of sequences (needs model.use_remove_padding). veRL SFT "
+                                    "data.use_dynamic_bsz."),
+    "max_token_len_per_device": field(8192, "Token budget of a dynamic micro-batch per device. veRL SFT "
+                                            "data.max_token_len_per_gpu.", gt=0),
+    "warmup_steps": field(0, "RL runs (launch/train.py): SFT steps on the policy before the first RL step, on "
+                             "sft.warmup_files with the keys above (one optimizer step per data.train_batch_size "
+                             "sequences, at actor.optim.lr without its schedule). Trinity-RFT "
+                             "buffer.trainer_input.sft_warmup_steps.", ge=0),
+    "warmup_files": field(None, "RL runs: the SFT rows of the warm-up (same formats as data.train_files). "
+                                "Trinity-RFT buffer.trainer_input.sft_warmup_dataset.", types=(str, list)),
+}

@@ -1,0 +1,330 @@
+"""`SftTrainer(config).fit()`: supervised fine-tuning on the RL stack (`launch/sft.py` runs it).
+
+    rows (sft/data.py: prompt + response, or conversations; loss on the assistant tokens)
+      -> batches of data.train_batch_size sequences (sft/batch.py)
+      -> one optimizer step each: micro-batches (or token-budget packs) accumulated (sft/loss.py)
+      -> validation loss every trainer.test_freq steps, checkpoints every trainer.save_freq steps,
+         the HF folder at the end (trainer.export_hf)
+
+The policy is the RL actor (`roles/trained.py`: the same loading, LoRA, optimizer, shardings), its
+checkpoints hold `{"actor": params, opt_state}` as RL's do, so an RL run starts from one with
+`actor_rollout_ref.model.path=<run>/checkpoints`. The RL batch keys an SFT run reuses are derived from
+the `sft` section first (`sft_view`).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+from typing import Any
+
+import jax
+import ml_collections
+from tqdm.auto import tqdm
+
+from jaxrl_llm import checkpoint as ckpt
+from jaxrl_llm import storage
+from jaxrl_llm.batching import NO_PADS, StepBatching
+from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
+from jaxrl_llm.batching.ops import pad_columns
+from jaxrl_llm.bookkeeping.metrics import Timer
+from jaxrl_llm.bookkeeping.nonfinite import NonFiniteGuard, assert_finite_state
+from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
+from jaxrl_llm.bookkeeping.tracking import Tracking
+from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
+from jaxrl_llm.config.checks import check_context
+from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.planning.preflight import run_tokenizer
+from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role
+from jaxrl_llm.sft.batch import HostBatch, SftBatch, SftLoader, eval_batches
+from jaxrl_llm.sft.data import SFT_TRUNCATION, SftExample, SftSpec, read_sft_examples
+from jaxrl_llm.sft.loss import METRIC_PREFIX, batch_nll, update_sft
+from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device
+from jaxrl_llm.sharding.split import make_split_meshes
+from jaxrl_llm.trainer.build import write_synthetic_data
+from jaxrl_llm.trainer.export import export_policy
+
+log = logging.getLogger("jaxrl_llm")
+
+
+def resolve_sft(cfg: ml_collections.ConfigDict, files: tuple[str, ...] | None = None) -> SftSpec:
+    """The `sft` section of a config as an `SftSpec`."""
+    s = cfg.sft
+    if cfg.data.truncation not in SFT_TRUNCATION:
+        raise ConfigError(f"data.truncation={cfg.data.truncation!r}: SFT sequences are cut 'error', 'left' or "
+                          "'right' (veRL's SFT choices)")
+    warmup = s.warmup_files
+    return SftSpec(
+        response_key=s.response_key, prompt_dict_keys=tuple(s.prompt_dict_keys or ()),
+        response_dict_keys=tuple(s.response_dict_keys or ()), multiturn=bool(s.multiturn), tools_key=s.tools_key,
+        enable_thinking_key=s.enable_thinking_key,
+        template_kwargs=tuple(sorted(dict(s.apply_chat_template_kwargs).items())), max_length=int(s.max_length),
+        micro_batch_size_per_device=int(s.micro_batch_size_per_device), use_dynamic_bsz=bool(s.use_dynamic_bsz),
+        max_token_len_per_device=int(s.max_token_len_per_device), warmup_steps=int(s.warmup_steps),
+        warmup_files=files if files is not None else ((warmup,) if isinstance(warmup, str) else
+                                                      tuple(warmup) if warmup else None))
+
+
+def sft_view(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` with the RL keys an SFT run reuses derived from its `sft` section: one mini-batch of
+    data.train_batch_size sequences (rollout.n = 1) split into sft.micro_batch_size_per_device (or
+    token-budget) micro-batches, and a sequence budget of sft.max_length tokens."""
+    cfg = copy.deepcopy(config)
+    s, arr = cfg.sft, cfg.actor_rollout_ref
+    arr.rollout.n = 1
+    arr.actor.ppo_mini_batch_size = cfg.data.train_batch_size
+    arr.actor.ppo_epochs = 1
+    arr.actor.ppo_micro_batch_size_per_device = s.micro_batch_size_per_device
+    arr.actor.use_dynamic_bsz = s.use_dynamic_bsz
+    arr.actor.ppo_max_token_len_per_device = s.max_token_len_per_device
+    cfg.data.max_prompt_length = max(1, s.max_length - 1)
+    cfg.data.max_response_length = 1
+    cfg.data.truncation = "error" if config.data.truncation not in ("left", "right") else config.data.truncation
+    cfg.data.filter_overlong_prompts = False
+    cfg.critic.enable = False
+    cfg.data.val_batch_size = None
+    # no RL step runs: the algorithm keys are set to ones that ask nothing of the batch (no groups, no critic)
+    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
+    cfg.algorithm.use_kl_in_reward = False
+    cfg.algorithm.filter_groups.enable = False
+    arr.actor.use_kl_loss = False
+    return cfg
+
+
+def sft_batch_plan(train_batch_size: int, dp_size: int, sft: SftSpec, longest: tuple[int, int]) -> BatchPlan:
+    """The `BatchPlan` of one SFT step: one mini-batch of every sequence; `longest` (prompt, response)
+    tokens are what token-budget passes pad to."""
+    micro = (MicroBatching("sft.max_token_len_per_device", None, sft.max_token_len_per_device) if sft.use_dynamic_bsz
+             else MicroBatching("sft.micro_batch_size_per_device", sft.micro_batch_size_per_device, None))
+    role = RoleBatch(train_batch_size, train_batch_size, 1, 1, train_batch_size // dp_size, micro)
+    return BatchPlan(prompts=train_batch_size, n=1, dp_size=dp_size, max_prompt_length=longest[0],
+                     response_length=longest[1], actor=role, critic=None, ref_log_prob=micro, old_log_prob=micro,
+                     values=None)
+
+
+def sft_update_fn(role_model_cfg: Any, spec: RunSpec) -> Any:
+    """`update_sft` bound to the policy's model and compute settings (a `TrainedRole.update_fn`)."""
+    lora = spec.model.lora
+    return functools.partial(update_sft, model_cfg=role_model_cfg, compute_dtype=spec.actor.compute_dtype,
+                             remat=spec.actor.remat, logprob_impl=spec.actor.logprob_impl,
+                             lora_scale=lora.scale if lora else 0.0, lora_dropout=lora.dropout if lora else 0.0)
+
+
+def sft_step(role: TrainedRole, host: HostBatch, batching: StepBatching, rng: jax.Array, *, lr_step: int,
+             rows_sharding: Any) -> dict[str, float]:
+    """One optimizer step of `role` (whose `update_fn` is `update_sft` and `batch` the SFT split) on
+    `host`: micro-batches or packed layouts planned on the host (jaxrl_llm/batching)."""
+    mesh = rows_sharding.mesh
+    rows = batching.rows_of(host)
+    split = batching.update(role.batch, role.model, rows, rng, epochs=1, shuffle=False)
+    fields = to_device(host.device_fields(), mesh)
+    if split.pads != NO_PADS:  # token budget: the run's longest shapes, one program
+        seq, resp = pad_columns({"input_ids": fields["input_ids"], "attention_mask": fields["attention_mask"]},
+                                {"response_mask": fields["response_mask"]}, *split.pads)
+        fields = {**seq, **resp}
+    metrics = role.update(SftBatch(**fields), rng, lr_step=lr_step, num_mini_batches=split.num_mini,
+                          num_micro_batches=split.num_micro, rows_sharding=rows_sharding, packing=split.layout)
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    out[f"{METRIC_PREFIX}/global_tokens"] = float(host.num_tokens)
+    return out
+
+
+class SftTrainer:
+    """An SFT run: its spec, mesh, tokenizer, examples, policy, batching, checkpoints and loggers, and
+    the loop (`fit`)."""
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        initialize()
+        self.mesh, _ = make_split_meshes(config.mesh)
+        dp = batch_axis_size(self.mesh)
+        self.is_main = jax.process_index() == 0
+        view = sft_view(config)
+        checked = validate_config(view, dp_size=dp)
+        self.sft = resolve_sft(checked)
+        if self.sft.micro_batch_size_per_device * dp > checked.data.train_batch_size and not self.sft.use_dynamic_bsz:
+            raise ConfigError(f"sft.micro_batch_size_per_device={self.sft.micro_batch_size_per_device} x "
+                              f"{dp} devices is more than data.train_batch_size={checked.data.train_batch_size}")
+        data = resolve_data(checked)
+        self.tokenizer = run_tokenizer(data)
+        write_synthetic_data(resolve_synthetic(checked), is_main=self.is_main)
+        assert data.train_files is not None  # validate_config requires them (or derives a synthetic task's)
+        self.train_examples = read_sft_examples(data.train_files, data, self.sft, self.tokenizer,
+                                                data.train_max_samples)
+        self.val_examples: list[SftExample] = (read_sft_examples(data.val_files, data, self.sft, self.tokenizer,
+                                                                 data.val_max_samples) if data.val_files else [])
+        self.spec = resolve(checked, dp_size=dp, num_train_samples=len(self.train_examples))
+        t = self.spec.trainer
+        assert t.total_steps is not None
+        self.total_steps = int(t.total_steps)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.loader = SftLoader(self.train_examples, int(checked.data.train_batch_size), shuffle=data.shuffle,
+                                seed=data.seed, pad_id=pad_id)
+        self.pad_id = pad_id
+        # where a resume comes from, checked before the weights load
+        self.resume_point = ckpt.find_resume(t.resume_mode, t.run_dir, t.resume_from_path)
+        model_cfg, params = load_model(self.spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
+                                       seed=t.seed)
+        check_context(model_cfg, self.sft.max_length)
+        plan = sft_batch_plan(int(checked.data.train_batch_size), dp, self.sft, self.loader.longest())
+        self.batching = StepBatching(plan, dp)
+        lora = self.spec.model.lora
+        self.policy = make_trained_role("actor", model_cfg, params, self.spec.actor_optim,
+                                        sft_update_fn(model_cfg, self.spec), lora=lora, seed=t.seed,
+                                        model=self.spec.model, settings=self.spec.actor, batch=plan.actor)
+        self.rows_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(batch_axes(self.mesh)))
+        self.base_rng = jax.random.PRNGKey(t.seed)
+        self.store = ckpt.CheckpointStore(storage.join(t.run_dir, "checkpoints"), max_to_keep=t.max_ckpt_to_keep)
+        self.tracker = Tracking(list(t.logger), t.run_dir, project_name=t.project_name,
+                                experiment_name=t.experiment_name, config=json.loads(self.spec.config_json),
+                                is_main_process=self.is_main)
+        self.nonfinite = NonFiniteGuard(t.max_consecutive_nonfinite)
+        self.global_step = 0
+        self.history: list[dict[str, float]] = []
+        if self.is_main:
+            print(self.summary(), flush=True)
+
+    def summary(self) -> str:
+        p, s = self.policy, self.sft
+        micro = (f"token budget {s.max_token_len_per_device}/device" if s.use_dynamic_bsz
+                 else f"{s.micro_batch_size_per_device} sequences/device")
+        return "\n".join([
+            f"sft: {self.spec.model.path} ({p.model_cfg.architecture}, {p.num_params / 1e6:.1f}M params, "
+            f"{p.num_trainable_params / 1e6:.2f}M trained{', LoRA' if self.spec.model.lora else ''})",
+            f"data: {len(self.train_examples)} train / {len(self.val_examples)} val sequences "
+            f"({'conversations' if s.multiturn else 'prompt + response'}), <= {s.max_length} tokens",
+            f"batch: {self.loader.batch_size} sequences per step, micro-batches of {micro}; "
+            f"{self.total_steps} steps ({self.loader.batches_per_epoch} per epoch)",
+            f"mesh: {dict(self.mesh.shape)}"])
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Trains for trainer.total_training_steps; returns the last step's metrics."""
+        finished = False
+        try:
+            last = self._loop()
+            finished = True
+            return last
+        finally:
+            self.close(quiet=not finished)
+
+    def _loop(self) -> dict[str, float]:
+        t = self.spec.trainer
+        last: dict[str, float] = {}
+        with PreemptionGuard() as guard:
+            self._maybe_resume()
+            if (t.val_before_train or t.val_only) and self.val_examples:
+                last = self.validate()
+                self.tracker.log(last, self.global_step)
+                if t.val_only:
+                    return last
+            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="sft steps", disable=not self.is_main)
+            try:
+                while self.global_step < self.total_steps:
+                    last = self.step()
+                    bar.set_postfix(loss=f"{last[f'{METRIC_PREFIX}/loss']:.4f}")
+                    bar.update(1)
+                    if self.global_step < self.total_steps and guard.stop_requested(self.global_step):
+                        bar.close()
+                        self._stop_preempted(guard.reason)
+            finally:
+                bar.close()
+        if t.export_hf:
+            self.export_hf(storage.join(self.spec.trainer.run_dir, "hf"))
+        return last
+
+    @on_own_mesh
+    def step(self) -> dict[str, float]:
+        """One optimizer step on the next batch, then validation, logging and checkpointing as configured."""
+        self.store.check()  # a failed async save stops the run now
+        t, timer = self.spec.trainer, Timer()
+        with timer("step"):
+            host = self.loader.next()
+            rng = jax.random.fold_in(self.base_rng, self.global_step)
+            metrics = sft_step(self.policy, host, self.batching, rng, lr_step=self.global_step,
+                               rows_sharding=self.rows_sharding)
+        metrics.update(timer.metrics())
+        metrics["perf/throughput"] = host.num_tokens / max(timer.times["step"], 1e-9)
+        self.global_step += 1
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/epoch"] = float(self.loader.epoch)
+        self.nonfinite.check(self.global_step, metrics, lambda: "the SFT batch")
+        is_last = self.global_step >= self.total_steps
+        if t.test_freq > 0 and self.val_examples and (self.global_step % t.test_freq == 0 or is_last):
+            metrics.update(self.validate())
+        self.tracker.log(metrics, self.global_step)
+        self.history.append(metrics)
+        if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+            self.save_checkpoint()
+        return metrics
+
+    @on_own_mesh
+    def validate(self) -> dict[str, float]:
+        """val/loss: the token-mean negative log-likelihood over every validation sequence."""
+        dp = batch_axis_size(self.mesh)
+        size = dp * self.sft.micro_batch_size_per_device  # veRL: the micro-batch size is the val batch size
+        total, count = 0.0, 0.0
+        params = self.policy.model_params
+        for host in eval_batches(self.val_examples, size, self.pad_id):
+            fields = to_device(host.device_fields(), self.mesh)
+            nll, n = batch_nll(params, fields["input_ids"], fields["attention_mask"], fields["response_mask"],
+                               model_cfg=self.policy.model_cfg, compute_dtype=self.spec.actor.compute_dtype,
+                               logprob_impl=self.spec.actor.logprob_impl)
+            total, count = total + float(nll), count + float(n)
+        return {"val/loss": total / max(count, 1.0)}
+
+    # ------------------------------------------------------------------ checkpoints, export
+    def state(self) -> dict[str, Any]:
+        return {"actor": {"params": self.policy.params, "opt_state": self.policy.opt_state}}
+
+    def save_checkpoint(self) -> None:
+        assert_finite_state(self.state(), self.global_step)
+        meta: dict[str, Any] = {"global_step": self.global_step, "kind": "sft",
+                                "model_config": self.policy.model_cfg.to_hf_config(),
+                                "tokenizer": str(self.spec.data.tokenizer),
+                                "config": json.loads(self.spec.config_json)}
+        lora = self.spec.model.lora
+        if lora is not None:
+            meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.targets),
+                            "dropout": lora.dropout, "base_path": self.spec.model.path}
+        self.tracker.flush()
+        self.store.save(self.global_step, self.state(), self.loader.state(), meta)
+
+    def _maybe_resume(self) -> None:
+        point = self.resume_point
+        if point is None:
+            self.tracker.rewind(None)
+            return
+        step, state, data_state, meta = ckpt.restore_resume_point(self.store, point, ckpt.abstract_like(self.state()))
+        self.policy.params, self.policy.opt_state = state["actor"]["params"], state["actor"]["opt_state"]
+        self.loader.set_state(data_state)
+        self.global_step = int(meta["global_step"])
+        ckpt.warn_config_changes(meta.get("config"), json.loads(self.spec.config_json),
+                                 where=f"{point.directory}/{step}")
+        self.tracker.rewind(self.global_step)
+        if self.is_main:
+            print(f"resumed from {point.directory} step {step}", flush=True)
+
+    def _stop_preempted(self, reason: str) -> None:
+        if self.global_step not in self.store.all_steps():
+            self.save_checkpoint()
+        self.store.wait()
+        self.close()
+        print(f"preempted at step {self.global_step}; checkpoint saved", flush=True)
+        raise Preempted(self.global_step, reason)
+
+    def export_hf(self, out_dir: str) -> str:
+        """The policy as an HF folder (LoRA: merged, and a PEFT folder beside it)."""
+        return export_policy(self.policy, self.spec.model, self.tokenizer, out_dir, is_main=self.is_main)
+
+    def close(self, *, quiet: bool = False) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for close in (self.store.close, self.tracker.close):
+            try:
+                close()
+            except Exception as err:  # (the other must still close)
+                if not quiet:
+                    raise
+                log.warning("while closing: %s: %s", type(err).__name__, err)

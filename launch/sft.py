@@ -1,0 +1,152 @@
+"""Supervised fine-tuning (SFT) from a config file, veRL's SFT YAML or veRL's SFT command-line keys.
+
+    python launch/sft.py                                   # configs/sft_tiny.py: the tiny model, CPU-sized
+    python launch/sft.py --config=configs/sft_gsm8k.py -- trainer.total_epochs=2 sft.max_length=1024
+    python launch/sft.py --import_config=sft_trainer.yaml --dry_run   # veRL's sft_trainer(_engine).yaml
+    python launch/sft.py --config=configs/sft_gsm8k.py -- data.micro_batch_size_per_gpu=4 \
+        model.partial_pretrain=~/models/Qwen2.5-0.5B-Instruct optim.lr=1e-4 data.response_key=answer
+
+Overrides after `--` are keys of ours (docs/config.md; the `sft` section and the RL keys an SFT run
+reads) or veRL's SFT keys (`data.micro_batch_size_per_gpu`, `model.partial_pretrain`, `optim.lr`, ...),
+mapped by jaxrl_llm/config/importers/verl_sft.py exactly as in a veRL SFT YAML file. The loop is
+`jaxrl_llm.sft.SftTrainer(config).fit()` (docs/sft_dpo_eval.md). A bad input ends the run with one line,
+`config error: ...` or `data error: ...`; SIGTERM checkpoints and exits 75 as RL runs do.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import yaml
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxrl_llm.config import ConfigError, apply_overrides, default_config, split_config_flag_overrides
+from jaxrl_llm.config.importers.common import Mapper, Source, load_yaml
+from jaxrl_llm.config.importers.verl import is_ours
+from jaxrl_llm.config.importers.verl_sft import DIRECT, import_verl_sft, import_verl_sft_source, is_verl_sft_key, \
+    looks_like_sft
+from jaxrl_llm.config.overrides import parse_value, split_override, unknown_key_message
+from jaxrl_llm.user_errors import user_error_line, user_errors
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "sft_tiny.py")
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
+                                          "Config file with get_config() (configs/sft_*.py).", lock_config=False)
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the resolved config and the SFT batch arithmetic, read and "
+                                               "tokenize the data (every row checked), then exit.")
+_IMPORT = flags.DEFINE_string("import_config", None, "A veRL SFT config (sft_trainer.yaml or "
+                                                     "sft_trainer_engine.yaml layout), applied onto --config (default: "
+                                                     "the default tree).")
+_FLAG_OVERRIDES: list[str] = []
+
+
+def split_sft_overrides(items: list[str]) -> tuple[list[str], dict[str, object]]:
+    """(overrides of ours, veRL SFT keys with their parsed values): a key veRL's SFT layout renames
+    (data.micro_batch_size_per_gpu, model.*, optim.*, ...) goes to the SFT importer."""
+    ours: list[str] = []
+    peer: dict[str, object] = {}
+    for item in items:
+        if item == "--":
+            continue
+        key, text = split_override(item)
+        bare = key.lstrip("+")
+        renamed = bare in DIRECT and DIRECT[bare] != bare
+        if is_ours(bare) and not renamed:
+            ours.append(item)
+        elif is_verl_sft_key(bare):
+            peer[bare] = parse_value(text)
+        else:
+            raise ConfigError(unknown_key_message(bare))
+    return ours, peer
+
+
+def sft_config(base, items: list[str], import_path: str | None):
+    """The config of an SFT run: `base`, the imported veRL SFT file, the `--config.a.b=v` flags, then
+    the overrides after `--` (veRL SFT keys imported, ours applied), later wins."""
+    cfg = copy.deepcopy(base)
+    if import_path:
+        data = load_yaml(import_path, missing_groups="skip")
+        if not looks_like_sft(data):
+            raise ConfigError(f"{import_path}: not a veRL SFT config (its top-level keys are {sorted(data)}; "
+                              "an RL file runs with launch/train.py)")
+        m = Mapper("verl_sft", import_path, base=cfg)
+        import_verl_sft(data, m)
+        result = m.result()
+        result.warn()
+        cfg = result.apply(cfg)
+    ours, peer = split_sft_overrides(list(_FLAG_OVERRIDES) + items)
+    if peer:
+        m = Mapper("verl_sft", "command line", base=cfg)
+        import_verl_sft_source(m, Source(peer, "command line"))
+        result = m.result()
+        result.warn()
+        cfg = result.apply(cfg)
+    return apply_overrides(cfg, ours)
+
+
+def main(argv: list[str]) -> None:
+    from absl import logging as absl_logging
+
+    from jaxrl_llm.sharding import initialize
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    initialize()
+    try:
+        items = argv[1:]
+        base = _CONFIG.value if flags.FLAGS["config"].present or not (items or _IMPORT.value) else default_config()
+        cfg = sft_config(base, items, _IMPORT.value)
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+    from jaxrl_llm.bookkeeping.preemption import stop_during_setup
+    from jaxrl_llm.checkpoint import CHECKPOINT_ERROR_EXIT_CODE, CheckpointSaveError
+    from jaxrl_llm.sft import SftTrainer
+
+    if _DRY_RUN.value:
+        try:
+            dry_run(cfg)
+        except user_errors() as err:
+            sys.exit(user_error_line(err))
+        return
+    try:
+        with stop_during_setup():
+            trainer = SftTrainer(cfg)
+        trainer.fit()
+    except user_errors() as err:
+        sys.exit(user_error_line(err))
+    except CheckpointSaveError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
+        sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
+
+
+def dry_run(cfg) -> None:
+    """The resolved config and batch arithmetic, and every row read and tokenized (no weights load)."""
+    import jax
+
+    from jaxrl_llm.config import resolve_data, resolve_synthetic, validate_config
+    from jaxrl_llm.planning.preflight import run_tokenizer
+    from jaxrl_llm.sft import read_sft_examples, resolve_sft, sft_view
+    from jaxrl_llm.trainer.build import write_synthetic_data
+
+    checked = validate_config(sft_view(cfg), check_paths=True)
+    print(yaml.safe_dump(checked.to_dict(), sort_keys=False, default_flow_style=None), end="")
+    sft, data = resolve_sft(checked), resolve_data(checked)
+    tokenizer = run_tokenizer(data)
+    write_synthetic_data(resolve_synthetic(checked), is_main=jax.process_index() == 0)
+    assert data.train_files is not None
+    examples = read_sft_examples(data.train_files, data, sft, tokenizer, data.train_max_samples)
+    batch = int(checked.data.train_batch_size)
+    tokens = sum(int(e.loss_mask.sum()) for e in examples)
+    print(f"sft: {len(examples)} sequences, {tokens} trained tokens; {batch} sequences per step -> "
+          f"{len(examples) // batch} steps per epoch x {checked.trainer.total_epochs} epoch(s)")
+
+
+def run() -> None:
+    argv, overrides = split_config_flag_overrides(sys.argv)
+    _FLAG_OVERRIDES[:] = overrides
+    sys.argv = argv
+    app.run(main, argv=argv)
+
+
+if __name__ == "__main__":
+    run()
