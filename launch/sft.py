@@ -14,7 +14,6 @@ mapped by jaxrl_llm/config/importers/verl_sft.py exactly as in a veRL SFT YAML f
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -22,12 +21,8 @@ import yaml
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_llm.config import ConfigError, apply_overrides, default_config, split_config_flag_overrides
-from jaxrl_llm.config.importers.common import Mapper, Source, load_yaml
-from jaxrl_llm.config.importers.verl import is_ours
-from jaxrl_llm.config.importers.verl_sft import DIRECT, import_verl_sft, import_verl_sft_source, is_verl_sft_key, \
-    looks_like_sft
-from jaxrl_llm.config.overrides import parse_value, split_override, unknown_key_message
+from jaxrl_llm.config import ConfigError, default_config, split_config_flag_overrides
+from jaxrl_llm.config.importers.verl_sft import sft_config
 from jaxrl_llm.user_errors import user_error_line, user_errors
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "sft_tiny.py")
@@ -41,50 +36,6 @@ _IMPORT = flags.DEFINE_string("import_config", None, "A veRL SFT config (sft_tra
 _FLAG_OVERRIDES: list[str] = []
 
 
-def split_sft_overrides(items: list[str]) -> tuple[list[str], dict[str, object]]:
-    """(overrides of ours, veRL SFT keys with their parsed values): a key veRL's SFT layout renames
-    (data.micro_batch_size_per_gpu, model.*, optim.*, ...) goes to the SFT importer."""
-    ours: list[str] = []
-    peer: dict[str, object] = {}
-    for item in items:
-        if item == "--":
-            continue
-        key, text = split_override(item)
-        bare = key.lstrip("+")
-        renamed = bare in DIRECT and DIRECT[bare] != bare
-        if is_ours(bare) and not renamed:
-            ours.append(item)
-        elif is_verl_sft_key(bare):
-            peer[bare] = parse_value(text)
-        else:
-            raise ConfigError(unknown_key_message(bare))
-    return ours, peer
-
-
-def sft_config(base, items: list[str], import_path: str | None):
-    """The config of an SFT run: `base`, the imported veRL SFT file, the `--config.a.b=v` flags, then
-    the overrides after `--` (veRL SFT keys imported, ours applied), later wins."""
-    cfg = copy.deepcopy(base)
-    if import_path:
-        data = load_yaml(import_path, missing_groups="skip")
-        if not looks_like_sft(data):
-            raise ConfigError(f"{import_path}: not a veRL SFT config (its top-level keys are {sorted(data)}; "
-                              "an RL file runs with launch/train.py)")
-        m = Mapper("verl_sft", import_path, base=cfg)
-        import_verl_sft(data, m)
-        result = m.result()
-        result.warn()
-        cfg = result.apply(cfg)
-    ours, peer = split_sft_overrides(list(_FLAG_OVERRIDES) + items)
-    if peer:
-        m = Mapper("verl_sft", "command line", base=cfg)
-        import_verl_sft_source(m, Source(peer, "command line"))
-        result = m.result()
-        result.warn()
-        cfg = result.apply(cfg)
-    return apply_overrides(cfg, ours)
-
-
 def main(argv: list[str]) -> None:
     from absl import logging as absl_logging
 
@@ -95,7 +46,7 @@ def main(argv: list[str]) -> None:
     try:
         items = argv[1:]
         base = _CONFIG.value if flags.FLAGS["config"].present or not (items or _IMPORT.value) else default_config()
-        cfg = sft_config(base, items, _IMPORT.value)
+        cfg = sft_config(base, list(_FLAG_OVERRIDES) + items, _IMPORT.value)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
     from jaxrl_llm.bookkeeping.preemption import stop_during_setup

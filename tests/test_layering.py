@@ -26,7 +26,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("roles",),        # actor, critic, reference, teacher, draft, judge, reward model
     ("planning",),     # memory plan, roofline: compiles the roles' programs
     ("trainer",),      # the Trainer: build a run, the RL step, the loop
-    ("api",),          # the notebook API (`import jaxrl_llm as jrl`)
+    ("sft",),          # supervised fine-tuning: the trainer's run pieces (synthetic data, export) around its update
+    ("api", "user_errors"),  # the notebook API (`import jaxrl_llm as jrl`) | what entry points report as bad input
     ("(package)",),    # jaxrl_llm/__init__.py
 ]
 

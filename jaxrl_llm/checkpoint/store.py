@@ -349,7 +349,8 @@ def restore_resume_point(store: CheckpointStore, point: ResumePoint,
         state, data_state, meta = source.restore(step, abstract_state)
         # a meta without these is as unreadable as a missing array
         int(meta["global_step"])
-        float(meta["kl_coef"])
+        if meta.get("kind") != "sft":  # an RL step's KL controller (an SFT run has none)
+            float(meta["kl_coef"])
         return state, data_state, meta
 
     try:

@@ -10,10 +10,25 @@ or is an error naming the file, key and value. The table with every key: docs/sf
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from jaxrl_llm.config.importers.common import PLACEMENT, Mapper, Source, flatten, int_or_error, is_off, leftover, \
-    logger_sinks
+import ml_collections
+
+from jaxrl_llm.config.importers.common import (
+    PLACEMENT,
+    Mapper,
+    Source,
+    flatten,
+    int_or_error,
+    is_off,
+    leftover,
+    load_yaml,
+    logger_sinks,
+)
+from jaxrl_llm.config.importers.verl import is_ours
+from jaxrl_llm.config.overrides import apply_overrides, parse_value, split_override, unknown_key_message
+from jaxrl_llm.config.schema import ConfigError
 
 A = "actor_rollout_ref.actor"
 M = "actor_rollout_ref.model"
@@ -171,3 +186,48 @@ def is_verl_sft_key(key: str) -> bool:
         "ulysses_sequence_parallel_size", "use_remove_padding", "trainer.resume_path", "data.micro_batch_size",
         "trainer.logger") or any(
         key.startswith(p) for p in PLACEMENT_PREFIXES) or key.startswith("data.multiturn.")
+
+
+def split_sft_overrides(items: list[str]) -> tuple[list[str], dict[str, object]]:
+    """(overrides of ours, veRL SFT keys with their parsed values): a key veRL's SFT layout renames
+    (data.micro_batch_size_per_gpu, model.*, optim.*, ...) goes to the SFT importer."""
+    ours: list[str] = []
+    peer: dict[str, object] = {}
+    for item in items:
+        if item == "--":
+            continue
+        key, text = split_override(item)
+        bare = key.lstrip("+")
+        renamed = bare in DIRECT and DIRECT[bare] != bare
+        if is_ours(bare) and not renamed:
+            ours.append(item)
+        elif is_verl_sft_key(bare):
+            peer[bare] = parse_value(text)
+        else:
+            raise ConfigError(unknown_key_message(bare))
+    return ours, peer
+
+
+def sft_config(base: ml_collections.ConfigDict, items: list[str], import_path: str | None
+               ) -> ml_collections.ConfigDict:
+    """The config of an SFT run (launch/sft.py): `base`, the imported veRL SFT file, then `items`
+    (`--config.a.b=v` flags and the overrides after `--`: veRL SFT keys imported, ours applied), later wins."""
+    cfg = copy.deepcopy(base)
+    if import_path:
+        data = load_yaml(import_path, missing_groups="skip")
+        if not looks_like_sft(data):
+            raise ConfigError(f"{import_path}: not a veRL SFT config (its top-level keys are {sorted(data)}; "
+                              "an RL file runs with launch/train.py)")
+        m = Mapper("verl_sft", import_path, base=cfg)
+        import_verl_sft(data, m)
+        result = m.result()
+        result.warn()
+        cfg = result.apply(cfg)
+    ours, peer = split_sft_overrides(items)
+    if peer:
+        m = Mapper("verl_sft", "command line", base=cfg)
+        import_verl_sft_source(m, Source(peer, "command line"))
+        result = m.result()
+        result.warn()
+        cfg = result.apply(cfg)
+    return apply_overrides(cfg, ours)
