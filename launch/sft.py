@@ -75,9 +75,9 @@ def dry_run(cfg) -> None:
     import jax
 
     from jaxrl_llm.config import resolve_data, resolve_synthetic, validate_config
+    from jaxrl_llm.data.synthetic import write_synthetic_data
     from jaxrl_llm.planning.preflight import run_tokenizer
     from jaxrl_llm.sft import read_sft_examples, resolve_sft, sft_view
-    from jaxrl_llm.trainer.build import write_synthetic_data
 
     checked = validate_config(sft_view(cfg), check_paths=True)
     print(yaml.safe_dump(checked.to_dict(), sort_keys=False, default_flow_style=None), end="")

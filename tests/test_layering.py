@@ -25,8 +25,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("rollout",),      # sampled, scored batches: sources, pipeline, partial, multi-turn
     ("roles",),        # actor, critic, reference, teacher, draft, judge, reward model
     ("planning",),     # memory plan, roofline: compiles the roles' programs
+    ("sft",),          # supervised fine-tuning: the policy role with a cross-entropy update (and RL's SFT warm-up)
     ("trainer",),      # the Trainer: build a run, the RL step, the loop
-    ("sft",),          # supervised fine-tuning: the trainer's run pieces (synthetic data, export) around its update
     ("api", "user_errors"),  # the notebook API (`import jaxrl_llm as jrl`) | what entry points report as bad input
     ("(package)",),    # jaxrl_llm/__init__.py
 ]

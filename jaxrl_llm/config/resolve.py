@@ -35,7 +35,7 @@ from jaxrl_llm.config.spec import (
     TrainerSpec,
 )
 from jaxrl_llm.config.validate import validate_config
-from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.data.spec import DataSpec, SftSpec
 from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
@@ -304,6 +304,21 @@ def _role(cfg: ConfigDict, section: ConfigDict, name: str, dp_size: int) -> Role
     return RoleBatch(mini, mini * n, prompts // mini, int(section.ppo_epochs), mini * n // dp_size, micro)
 
 
+def resolve_sft(cfg: ConfigDict) -> SftSpec:
+    """The `sft` section of a config as an `SftSpec`."""
+    s = cfg.sft
+    warmup = s.warmup_files
+    return SftSpec(
+        response_key=s.response_key, prompt_key=s.prompt_key, messages_key=s.messages_key,
+        prompt_dict_keys=tuple(s.prompt_dict_keys or ()),
+        response_dict_keys=tuple(s.response_dict_keys or ()), multiturn=bool(s.multiturn), tools_key=s.tools_key,
+        enable_thinking_key=s.enable_thinking_key,
+        template_kwargs=tuple(sorted(dict(s.apply_chat_template_kwargs).items())), max_length=int(s.max_length),
+        micro_batch_size_per_device=int(s.micro_batch_size_per_device), use_dynamic_bsz=bool(s.use_dynamic_bsz),
+        max_token_len_per_device=int(s.max_token_len_per_device), warmup_steps=int(s.warmup_steps),
+        warmup_files=(warmup,) if isinstance(warmup, str) else tuple(warmup) if warmup else None)
+
+
 def resolve_batch_plan(cfg: ConfigDict, dp_size: int) -> BatchPlan:
     """Every batch size of a step, from a validated config."""
     arr = cfg.actor_rollout_ref
@@ -395,7 +410,8 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         reward_model=resolve_reward_model(cfg),
         trainer=resolve_trainer(cfg), mesh=tuple((k, int(cfg.mesh[k])) for k in MESH_AXES),
         plan=resolve_batch_plan(cfg, dp_size), config_json=cfg.to_json_best_effort(), sync=sync,
-        multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg), partial=partial)
+        multi_turn=resolve_multi_turn(arr.rollout), distillation=resolve_distillation(cfg), partial=partial,
+        sft_warmup=resolve_sft(cfg) if cfg.sft.warmup_steps else None)
     in_loss = spec.rollout_is_in_update or spec.rollout_correction.bypass_reinforce
     actor = dataclasses.replace(
         spec.actor, old_log_probs_from_update=spec.old_log_probs_from_update,

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from jaxrl_llm.batching.batch_plan import BatchPlan
-from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.data.spec import DataSpec, SftSpec, SyntheticSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig
@@ -263,20 +263,6 @@ class MultiTurnSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class SyntheticSpec:
-    """A synthetic task written into the run dir at start (`data.synthetic.*`)."""
-
-    task: str
-    n_train: int
-    n_val: int
-    difficulty: int
-    answer_format: str
-    seed: int
-    train_path: str
-    val_path: str
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainerSpec:
     run_dir: str  # trainer.default_local_dir: an absolute local path or a bucket URL (gs://...)
     total_steps: int | None  # None only before the dataset size is known (--dry_run)
@@ -334,6 +320,7 @@ class RunSpec:
     multi_turn: MultiTurnSpec | None = None  # None: single-turn rollouts
     distillation: DistillSpec | None = None  # algorithm.distillation.enable
     partial: PartialSpec = PartialSpec()  # rollout.partial: paused samples resume at the next step
+    sft_warmup: SftSpec | None = None  # sft.warmup_steps > 0: SFT steps on the policy before RL (sft/warmup.py)
 
     @property
     def need_ref(self) -> bool:

@@ -10,6 +10,11 @@ from __future__ import annotations
 from jaxrl_llm.config.schema import field
 
 SFT = {
+    "prompt_key": field(None, "Column holding the prompt of a single-turn row; None = data.prompt_key (an RL run's "
+                              "SFT warm-up may read other columns than its prompts). Trinity-RFT "
+                              "sft_warmup_dataset.format.prompt_key.", types=str),
+    "messages_key": field(None, "Column holding a conversation (sft.multiturn); None = data.messages_key. Trinity-RFT "
+                                "sft_warmup_dataset.format.messages_key.", types=str),
     "response_key": field("response", "Column holding the response of a single-turn row (a string). veRL SFT "
                                       "data.response_key."),
     "prompt_dict_keys": field(None, "Keys read in turn inside the prompt column (a dict column: "
@@ -30,7 +35,7 @@ SFT = {
                                             "{enable_thinking: false}). veRL SFT data.apply_chat_template_kwargs.",
                                         open=True),
     "max_length": field(1024, "Token budget of one sequence (prompt + response, or a whole conversation); "
-                              "longer rows follow data.truncation (error / left / right). veRL SFT "
+                              "longer rows follow data.truncation (error / left / right / middle). veRL SFT "
                               "data.max_length.", gt=1),
     "micro_batch_size_per_device": field(4, "Sequences per device per forward / backward (gradient accumulation "
                                             "over the rest of data.train_batch_size). veRL SFT "

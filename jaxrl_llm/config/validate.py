@@ -401,6 +401,11 @@ def _check_required(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("data.train_files=None: set training files or data.synthetic.task")
     if model.path.startswith("tiny:") and data.tokenizer is None:
         raise ConfigError(f"data.tokenizer=None: a {model.path} model needs a tokenizer path")
+    sft = cfg.sft
+    if sft.warmup_steps and not sft.warmup_files:
+        raise ConfigError(f"sft.warmup_steps={sft.warmup_steps}: set sft.warmup_files, the SFT rows of the warm-up")
+    if sft.warmup_files and not sft.warmup_steps:
+        raise ConfigError(f"sft.warmup_files={sft.warmup_files!r}: set sft.warmup_steps (> 0) to run the warm-up")
 
 
 def check_input_paths(cfg: ml_collections.ConfigDict) -> None:
@@ -411,6 +416,9 @@ def check_input_paths(cfg: ml_collections.ConfigDict) -> None:
             files = get_path(cfg, key)
             for path in [files] if isinstance(files, str) else (files or []):
                 _existing(key, path, "data file", url_ok=True)
+    warmup = cfg.sft.warmup_files
+    for path in [warmup] if isinstance(warmup, str) else (warmup or []):
+        _existing("sft.warmup_files", path, "data file", url_ok=True)
     if not model.path.startswith("tiny:"):
         _existing(f"{ARR}.model.path", model.path, "model")
     optional = [("data.tokenizer", "tokenizer"), ("custom_reward_function.path", "reward function file"),

@@ -3,6 +3,7 @@ by `jaxrl_llm.config.resolve`; nothing here reads a config tree or re-defaults a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +45,38 @@ class DataSpec:
 
     def max_samples(self, split: str) -> int:
         return self.train_max_samples if split == "train" else self.val_max_samples
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec:
+    """A synthetic task written into the run dir at start (`data.synthetic.*`)."""
+
+    task: str
+    n_train: int
+    n_val: int
+    difficulty: int
+    answer_format: str
+    seed: int
+    train_path: str
+    val_path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """The `sft.*` settings (config/tree_sft.py): SFT rows, their batches and the RL run's SFT warm-up."""
+
+    response_key: str = "response"
+    prompt_key: str | None = None  # None: data.prompt_key
+    messages_key: str | None = None  # None: data.messages_key
+    prompt_dict_keys: tuple[str, ...] = ()
+    response_dict_keys: tuple[str, ...] = ()
+    multiturn: bool = False
+    tools_key: str = "tools"
+    enable_thinking_key: str = "enable_thinking"
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    max_length: int = 1024
+    micro_batch_size_per_device: int = 4
+    use_dynamic_bsz: bool = False
+    max_token_len_per_device: int = 8192
+    warmup_steps: int = 0
+    warmup_files: tuple[str, ...] | None = None

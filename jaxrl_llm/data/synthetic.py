@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm import storage
+from jaxrl_llm.data.spec import SyntheticSpec
 
 TASKS = ("add", "larger", "repeat", "multiply", "guess")
 ANSWER_FORMATS = ("strict", "lenient", "first")
@@ -200,6 +201,22 @@ def write_synthetic(out_dir: str, task: str, n_train: int, n_val: int, *, diffic
     paths = (storage.join(out_dir, "train.parquet"), storage.join(out_dir, "test.parquet"))
     write_synthetic_files(*paths, task, n_train, n_val, difficulty=difficulty, answer_format=answer_format, seed=seed)
     return paths
+
+
+def write_synthetic_data(syn: SyntheticSpec | None, *, is_main: bool) -> None:
+    """A synthetic task's train / val files (`data.synthetic`), written once by the main process (kept
+    when both exist); every process waits for them."""
+    if syn is None:
+        return
+    if is_main and not (storage.exists(syn.train_path) and storage.exists(syn.val_path)):
+        write_synthetic_files(syn.train_path, syn.val_path, syn.task, syn.n_train, syn.n_val,
+                              difficulty=syn.difficulty, answer_format=syn.answer_format, seed=syn.seed)
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("synthetic data written")
 
 
 def main(argv: list[str] | None = None) -> None:

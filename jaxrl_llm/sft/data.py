@@ -34,31 +34,11 @@ import numpy as np
 from jaxrl_llm.agents.chat import ChatRenderer, TemplateError
 from jaxrl_llm.data.prompts import _normalise_prompt, render_prompt, with_system_prompt
 from jaxrl_llm.data.sources import DataError, RowRef, read_files
-from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.data.spec import DataSpec, SftSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 
 log = logging.getLogger("jaxrl_llm")
 
-SFT_TRUNCATION = ("error", "left", "right")
-
-
-@dataclasses.dataclass(frozen=True)
-class SftSpec:
-    """The `sft.*` settings (config/tree_sft.py) the data and batching read."""
-
-    response_key: str = "response"
-    prompt_dict_keys: tuple[str, ...] = ()
-    response_dict_keys: tuple[str, ...] = ()
-    multiturn: bool = False
-    tools_key: str = "tools"
-    enable_thinking_key: str = "enable_thinking"
-    template_kwargs: tuple[tuple[str, Any], ...] = ()
-    max_length: int = 1024
-    micro_batch_size_per_device: int = 4
-    use_dynamic_bsz: bool = False
-    max_token_len_per_device: int = 8192
-    warmup_steps: int = 0
-    warmup_files: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +53,7 @@ class SftExample:
 
 def _nested(row: Mapping[str, Any], column: str, keys: Sequence[str], where: RowRef, key_name: str) -> Any:
     if column not in row:
-        raise DataError(f"{where}: missing column {column!r} (sft.{key_name}; data.prompt_key for prompts); "
+        raise DataError(f"{where}: missing column {column!r} (sft.{key_name}, or data.prompt_key for prompts); "
                         f"columns are {sorted(row)}")
     value = row[column]
     path = column
@@ -156,19 +136,23 @@ def encode_segments(segments: Sequence[tuple[str, bool]], tokenizer: Tokenizer) 
 
 def truncate_sequence(ids: np.ndarray, mask: np.ndarray, max_length: int, mode: str, where: object
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """`ids` / `mask` cut to `max_length` tokens: `left` keeps the end, `right` the start; `error`
-    raises a DataError naming `where` and the length."""
+    """`ids` / `mask` cut to `max_length` tokens: `left` keeps the end, `right` the start, `middle` the
+    head (max_length // 2 tokens) and the tail (as prompts are cut: data/prompts.py); `error` raises a
+    DataError naming `where` and the length."""
     n = len(ids)
     if n <= max_length:
         return ids, mask
     if mode == "error":
         raise DataError(f"{where}: the sequence has {n} tokens, more than sft.max_length={max_length} "
-                        "(set data.truncation=left or right)")
+                        "(set data.truncation=left, right or middle)")
     if mode == "left":
         return ids[n - max_length:], mask[n - max_length:]
     if mode == "right":
         return ids[:max_length], mask[:max_length]
-    raise DataError(f"data.truncation={mode!r}: SFT cuts sequences 'error', 'left' or 'right' (veRL's SFT choices)")
+    if mode == "middle":
+        head, tail = max_length // 2, n - (max_length - max_length // 2)
+        return np.concatenate([ids[:head], ids[tail:]]), np.concatenate([mask[:head], mask[tail:]])
+    raise DataError(f"data.truncation={mode!r}: one of error, left, right, middle")
 
 
 def split_at_first_trained(ids: np.ndarray, mask: np.ndarray, where: str) -> SftExample | None:
@@ -184,9 +168,10 @@ def split_at_first_trained(ids: np.ndarray, mask: np.ndarray, where: str) -> Sft
 
 def _conversation(row: Mapping[str, Any], where: RowRef, data: DataSpec, sft: SftSpec, tokenizer: Tokenizer
                   ) -> tuple[list[tuple[str, bool]], bool]:
-    column = data.messages_key
+    column = sft.messages_key or data.messages_key
     if column not in row:
-        raise DataError(f"{where}: missing column {column!r} (data.messages_key, sft.multiturn=True); columns are "
+        raise DataError(f"{where}: missing column {column!r} (sft.messages_key / data.messages_key, "
+                        f"sft.multiturn=True); columns are "
                         f"{sorted(row)}")
     value = row[column]
     messages = _normalise_prompt(value, where, column)
@@ -209,8 +194,9 @@ def _conversation(row: Mapping[str, Any], where: RowRef, data: DataSpec, sft: Sf
 
 def _single_turn(row: Mapping[str, Any], where: RowRef, data: DataSpec, sft: SftSpec, tokenizer: Tokenizer
                  ) -> list[tuple[str, bool]]:
-    prompt_value = _nested(row, data.prompt_key, sft.prompt_dict_keys, where, "prompt_key")
-    prompt = with_system_prompt(_normalise_prompt(prompt_value, where, data.prompt_key), data.system_prompt)
+    prompt_key = sft.prompt_key or data.prompt_key
+    prompt_value = _nested(row, prompt_key, sft.prompt_dict_keys, where, "prompt_key")
+    prompt = with_system_prompt(_normalise_prompt(prompt_value, where, prompt_key), data.system_prompt)
     response = _nested(row, sft.response_key, sft.response_dict_keys, where, "response_key")
     if isinstance(response, np.ndarray) and response.shape == ():
         response = response.item()

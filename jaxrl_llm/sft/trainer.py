@@ -13,8 +13,6 @@ the `sft` section first (`sft_view`).
 """
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import logging
 from typing import Any
@@ -25,109 +23,26 @@ from tqdm.auto import tqdm
 
 from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
-from jaxrl_llm.batching import NO_PADS, StepBatching
-from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
-from jaxrl_llm.batching.ops import pad_columns
+from jaxrl_llm.batching import StepBatching
 from jaxrl_llm.bookkeeping.metrics import Timer
 from jaxrl_llm.bookkeeping.nonfinite import NonFiniteGuard, assert_finite_state
 from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
 from jaxrl_llm.bookkeeping.tracking import Tracking
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.checks import check_context
-from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.config.resolve import resolve_sft
+from jaxrl_llm.data.synthetic import write_synthetic_data
 from jaxrl_llm.planning.preflight import run_tokenizer
-from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role
-from jaxrl_llm.sft.batch import HostBatch, SftBatch, SftLoader, eval_batches
-from jaxrl_llm.sft.data import SFT_TRUNCATION, SftExample, SftSpec, read_sft_examples
-from jaxrl_llm.sft.loss import METRIC_PREFIX, batch_nll, update_sft
+from jaxrl_llm.roles.export import export_policy
+from jaxrl_llm.roles.trained import load_model, make_trained_role
+from jaxrl_llm.sft.batch import SftLoader, eval_batches
+from jaxrl_llm.sft.data import SftExample, read_sft_examples
+from jaxrl_llm.sft.loss import METRIC_PREFIX, batch_nll
+from jaxrl_llm.sft.steps import sft_batch_plan, sft_step, sft_update_fn, sft_view
 from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device
 from jaxrl_llm.sharding.split import make_split_meshes
-from jaxrl_llm.trainer.build import write_synthetic_data
-from jaxrl_llm.trainer.export import export_policy
 
 log = logging.getLogger("jaxrl_llm")
-
-
-def resolve_sft(cfg: ml_collections.ConfigDict, files: tuple[str, ...] | None = None) -> SftSpec:
-    """The `sft` section of a config as an `SftSpec`."""
-    s = cfg.sft
-    if cfg.data.truncation not in SFT_TRUNCATION:
-        raise ConfigError(f"data.truncation={cfg.data.truncation!r}: SFT sequences are cut 'error', 'left' or "
-                          "'right' (veRL's SFT choices)")
-    warmup = s.warmup_files
-    return SftSpec(
-        response_key=s.response_key, prompt_dict_keys=tuple(s.prompt_dict_keys or ()),
-        response_dict_keys=tuple(s.response_dict_keys or ()), multiturn=bool(s.multiturn), tools_key=s.tools_key,
-        enable_thinking_key=s.enable_thinking_key,
-        template_kwargs=tuple(sorted(dict(s.apply_chat_template_kwargs).items())), max_length=int(s.max_length),
-        micro_batch_size_per_device=int(s.micro_batch_size_per_device), use_dynamic_bsz=bool(s.use_dynamic_bsz),
-        max_token_len_per_device=int(s.max_token_len_per_device), warmup_steps=int(s.warmup_steps),
-        warmup_files=files if files is not None else ((warmup,) if isinstance(warmup, str) else
-                                                      tuple(warmup) if warmup else None))
-
-
-def sft_view(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """`config` with the RL keys an SFT run reuses derived from its `sft` section: one mini-batch of
-    data.train_batch_size sequences (rollout.n = 1) split into sft.micro_batch_size_per_device (or
-    token-budget) micro-batches, and a sequence budget of sft.max_length tokens."""
-    cfg = copy.deepcopy(config)
-    s, arr = cfg.sft, cfg.actor_rollout_ref
-    arr.rollout.n = 1
-    arr.actor.ppo_mini_batch_size = cfg.data.train_batch_size
-    arr.actor.ppo_epochs = 1
-    arr.actor.ppo_micro_batch_size_per_device = s.micro_batch_size_per_device
-    arr.actor.use_dynamic_bsz = s.use_dynamic_bsz
-    arr.actor.ppo_max_token_len_per_device = s.max_token_len_per_device
-    cfg.data.max_prompt_length = max(1, s.max_length - 1)
-    cfg.data.max_response_length = 1
-    cfg.data.truncation = "error" if config.data.truncation not in ("left", "right") else config.data.truncation
-    cfg.data.filter_overlong_prompts = False
-    cfg.critic.enable = False
-    cfg.data.val_batch_size = None
-    # no RL step runs: the algorithm keys are set to ones that ask nothing of the batch (no groups, no critic)
-    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
-    cfg.algorithm.use_kl_in_reward = False
-    cfg.algorithm.filter_groups.enable = False
-    arr.actor.use_kl_loss = False
-    return cfg
-
-
-def sft_batch_plan(train_batch_size: int, dp_size: int, sft: SftSpec, longest: tuple[int, int]) -> BatchPlan:
-    """The `BatchPlan` of one SFT step: one mini-batch of every sequence; `longest` (prompt, response)
-    tokens are what token-budget passes pad to."""
-    micro = (MicroBatching("sft.max_token_len_per_device", None, sft.max_token_len_per_device) if sft.use_dynamic_bsz
-             else MicroBatching("sft.micro_batch_size_per_device", sft.micro_batch_size_per_device, None))
-    role = RoleBatch(train_batch_size, train_batch_size, 1, 1, train_batch_size // dp_size, micro)
-    return BatchPlan(prompts=train_batch_size, n=1, dp_size=dp_size, max_prompt_length=longest[0],
-                     response_length=longest[1], actor=role, critic=None, ref_log_prob=micro, old_log_prob=micro,
-                     values=None)
-
-
-def sft_update_fn(role_model_cfg: Any, spec: RunSpec) -> Any:
-    """`update_sft` bound to the policy's model and compute settings (a `TrainedRole.update_fn`)."""
-    lora = spec.model.lora
-    return functools.partial(update_sft, model_cfg=role_model_cfg, compute_dtype=spec.actor.compute_dtype,
-                             remat=spec.actor.remat, logprob_impl=spec.actor.logprob_impl,
-                             lora_scale=lora.scale if lora else 0.0, lora_dropout=lora.dropout if lora else 0.0)
-
-
-def sft_step(role: TrainedRole, host: HostBatch, batching: StepBatching, rng: jax.Array, *, lr_step: int,
-             rows_sharding: Any) -> dict[str, float]:
-    """One optimizer step of `role` (whose `update_fn` is `update_sft` and `batch` the SFT split) on
-    `host`: micro-batches or packed layouts planned on the host (jaxrl_llm/batching)."""
-    mesh = rows_sharding.mesh
-    rows = batching.rows_of(host)
-    split = batching.update(role.batch, role.model, rows, rng, epochs=1, shuffle=False)
-    fields = to_device(host.device_fields(), mesh)
-    if split.pads != NO_PADS:  # token budget: the run's longest shapes, one program
-        seq, resp = pad_columns({"input_ids": fields["input_ids"], "attention_mask": fields["attention_mask"]},
-                                {"response_mask": fields["response_mask"]}, *split.pads)
-        fields = {**seq, **resp}
-    metrics = role.update(SftBatch(**fields), rng, lr_step=lr_step, num_mini_batches=split.num_mini,
-                          num_micro_batches=split.num_micro, rows_sharding=rows_sharding, packing=split.layout)
-    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    out[f"{METRIC_PREFIX}/global_tokens"] = float(host.num_tokens)
-    return out
 
 
 class SftTrainer:

@@ -27,7 +27,8 @@ from jaxrl_llm.bookkeeping.nonfinite import NonFiniteGuard
 from jaxrl_llm.bookkeeping.tracking import Tracking
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthetic, validate_config
 from jaxrl_llm.config.checks import check_context
-from jaxrl_llm.config.spec import RunSpec, SyntheticSpec
+from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.data.synthetic import write_synthetic_data
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.kl import AdaptiveKLController, FixedKLController, make_kl_controller
 from jaxrl_llm.planning.preflight import run_tokenizer
@@ -238,22 +239,6 @@ def plan_run_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, is_main:
         print(plan.table(), flush=True)
     assert plan.spec is not None  # plan_memory sets it
     return plan.spec, plan
-
-
-def write_synthetic_data(syn: SyntheticSpec | None, *, is_main: bool) -> None:
-    """A synthetic task's train / val files, written once by the main process (kept when both exist);
-    every process waits for them."""
-    if syn is None:
-        return
-    from jaxrl_llm.data.synthetic import write_synthetic_files
-
-    if is_main and not (storage.exists(syn.train_path) and storage.exists(syn.val_path)):
-        write_synthetic_files(syn.train_path, syn.val_path, syn.task, syn.n_train, syn.n_val,
-                              difficulty=syn.difficulty, answer_format=syn.answer_format, seed=syn.seed)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("synthetic data written")
 
 
 def load_run_judge(spec: RunSpec, mesh: Mesh, rollout_mesh: Mesh | None, tokenizer: Tokenizer) -> Judge:

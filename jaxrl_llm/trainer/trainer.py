@@ -50,13 +50,13 @@ from jaxrl_llm.roles.experience import (
     rollout_correction,
     values_no_grad,
 )
+from jaxrl_llm.roles.export import export_policy
 from jaxrl_llm.roles.trained import TrainedRole
 from jaxrl_llm.roles.update import TOKEN_OUTPUT
 from jaxrl_llm.rollout.batch import Rollout, rollout_dump_rows
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import on_own_mesh, to_device, to_host
 from jaxrl_llm.trainer.build import Run, build_run
-from jaxrl_llm.trainer.export import export_policy
 from jaxrl_llm.trainer.perf import step_perf_metrics
 from jaxrl_llm.trainer.validation import run_validation
 
@@ -142,12 +142,26 @@ class Trainer(Run):
         self._started = True
         self._maybe_resume()
         t = self.spec.trainer
+        if self.resume_point is None and self.spec.sft_warmup is not None and not t.val_only:
+            self._sft_warmup()
         if (t.val_before_train or t.val_only) and self.val_loader is not None:
             val = self.validate()
             self.tracker.log(val, self.global_step)
             self.history.append({"training/global_step": float(self.global_step), **val})
             return val
         return {}
+
+    @on_own_mesh
+    def _sft_warmup(self) -> None:
+        """Trinity's SFT warm-up: `sft.warmup_steps` SFT steps on the policy before the first RL step
+        (sft/warmup.py); its summary is logged at step 0."""
+        from jaxrl_llm.sft.warmup import run_sft_warmup
+
+        assert self.spec.sft_warmup is not None
+        metrics = run_sft_warmup(self.actor, self.spec, self.spec.sft_warmup, self.tokenizer, self.rows_sharding,
+                                 jax.random.fold_in(self.base_rng, 20_000_000), is_main=self.is_main)
+        self.tracker.log(metrics, 0)
+        self.history.append({"training/global_step": 0.0, **metrics})
 
     def step(self) -> dict[str, float]:
         """One RL step on the next training batch, then validation, logging and checkpointing as
@@ -452,7 +466,7 @@ class Trainer(Run):
             print(f"resumed from {point.directory} step {step}", flush=True)
 
     def export_hf(self, out_dir: str) -> str:
-        """The policy as an HF folder at `out_dir` (trainer/export.py; every process calls it)."""
+        """The policy as an HF folder at `out_dir` (roles/export.py; every process calls it)."""
         return export_policy(self.actor, self.spec.model, self.tokenizer, out_dir, is_main=self.is_main)
 
     def close(self, *, quiet: bool = False) -> None:

@@ -176,3 +176,27 @@ def test_launch_runs_and_a_bad_column_is_one_data_error_line(tmp_path):
     assert bad.returncode == 1
     last = bad.stderr.strip().splitlines()[-1]
     assert last.startswith("data error: ") and "train.parquet row 0: missing column 'answer'" in last
+
+
+def test_trinity_sft_warmup_maps_onto_the_sft_section(tmp_path, monkeypatch):
+    import yaml
+
+    from jaxrl_llm.config.importers import import_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    fixture = ROOT / "tests" / "config" / "fixtures" / "trinity_grpo_gsm8k.yaml"
+    data = yaml.safe_load(fixture.read_text())
+    data["buffer"].setdefault("trainer_input", {}).update({
+        "sft_warmup_steps": 10,
+        "sft_warmup_dataset": {"storage_type": "file", "path": str(tmp_path / "sft.jsonl"),
+                               "format": {"prompt_type": "plaintext", "prompt_key": "question",
+                                          "response_key": "answer"}}})
+    path = tmp_path / "trinity.yaml"
+    path.write_text(yaml.safe_dump(data))
+    s = import_config(str(path), dp_size=4).settings
+    assert s["sft.warmup_steps"] == 10 and list(s["sft.warmup_files"]) == [str(tmp_path / "sft.jsonl")]
+    assert (s["sft.multiturn"], s["sft.prompt_key"], s["sft.response_key"]) == (False, "question", "answer")
+    data["buffer"]["trainer_input"]["sft_warmup_dataset"]["format"] = {"prompt_type": "chatpair"}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="format.prompt_type: 'chatpair'"):
+        import_config(str(path), dp_size=4)

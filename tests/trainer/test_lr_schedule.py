@@ -29,6 +29,17 @@ def verl_factor(step: int, style: str, warmup: int, total: int, min_lr_ratio: fl
                 num_cycles: float = 0.5) -> float:
     if style == "constant":
         return step / max(1.0, warmup) if step < warmup else 1.0
+    if style == "wsd":  # veRL get_wsd_schedule_with_warmup (stable_ratio 0.9), its SFT trainer's lr_scheduler: wsd
+        stable = int(max(0, total - warmup) * 0.9)
+        if step < warmup:
+            return step / max(1, warmup)
+        if step < warmup + stable:
+            return 1.0
+        if step < total:
+            progress = (step - warmup - stable) / max(1, total - warmup - stable)
+            return (1 - min_lr_ratio) * max(0.0, 0.5 * (1 + math.cos(math.pi * num_cycles * 2.0 * progress))) \
+                + min_lr_ratio
+        return min_lr_ratio
     if step < warmup:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
@@ -52,6 +63,8 @@ def _actor_optim(total: int, **optim):
     ("cosine", 4, 0.0, 0.2, 0.5),
     ("cosine", 2, 0.0, 0.1, 1.0),       # a full cosine cycle: back up to lr at the end
     ("cosine", -1, 0.2, 0.05, 2.0),
+    ("wsd", -1, 0.1, 0.0, 0.5),
+    ("wsd", 3, 0.0, 0.1, 0.5),
 ])
 def test_schedule_values_equal_verl(style, warmup_steps, ratio, min_lr_ratio, num_cycles):
     total, lr = 20, 1e-3

@@ -33,7 +33,7 @@ from jaxrl_llm.config.importers.common import (
     logger_sinks,
     ratio_steps,
 )
-from jaxrl_llm.config.importers.trinity_data import import_tasksets
+from jaxrl_llm.config.importers.trinity_data import import_tasksets, taskset_files
 from jaxrl_llm.config.importers.verl import context_parallel, import_verl_source, placement_only
 from jaxrl_llm.config.overrides import OPEN_SECTIONS
 
@@ -294,8 +294,6 @@ ERRORS = {  # key -> (is it set?, why)
     "explorer.auxiliary_models": (bool, "auxiliary models (LLM judges / generative reward models) are not "
                                         "available; reward_model.* takes a sequence-classification model"),
     "data_processor.task_pipeline": (bool, "task pipelines (Data-Juicer) are not available"),
-    "buffer.trainer_input.sft_warmup_steps": (bool, "SFT warmup is not available"),
-    "buffer.trainer_input.sft_warmup_dataset": (bool, "SFT warmup is not available"),
     "stages": (bool, "multi-stage runs are not available"),
 }
 
@@ -355,6 +353,41 @@ def _operators(m: Mapper, src: Source) -> None:
         m.set("algorithm.filter_groups.metric", GROUP_FILTERS[name], f"{key}[{i}]")
 
 
+WARMUP = "buffer.trainer_input.sft_warmup_dataset"
+# the SFT warm-up dataset's format keys -> the sft section's (its own columns: the taskset's stay with RL)
+WARMUP_FORMAT = {"prompt_key": "sft.prompt_key", "messages_key": "sft.messages_key", "response_key": "sft.response_key",
+                 "tools_key": "sft.tools_key", "enable_thinking_key": "sft.enable_thinking_key"}
+
+
+def _sft_warmup(m: Mapper, src: Source) -> None:
+    """`buffer.trainer_input.sft_warmup_steps` / `sft_warmup_dataset` -> sft.warmup_steps / warmup_files and the
+    dataset's columns (`format.prompt_type`: messages -> sft.multiturn, plaintext -> prompt + response)."""
+    steps = src.take("buffer.trainer_input.sft_warmup_steps")
+    dataset = {k[len(WARMUP) + 1:]: src.take(k) for k in src.keys_under(WARMUP)}
+    if steps:
+        m.set("sft.warmup_steps", int_or_error(m, "buffer.trainer_input.sft_warmup_steps", steps),
+              "buffer.trainer_input.sft_warmup_steps")
+    if not dataset or not any(v is not None for v in dataset.values()):
+        return
+    if dataset.get("storage_type", "file") not in ("file", None):
+        m.error(f"{WARMUP}.storage_type", f"{dataset['storage_type']!r}: only file datasets are available")
+    if not dataset.get("path"):
+        m.error(f"{WARMUP}.path", "missing: the SFT warm-up dataset's file or folder")
+    m.set("sft.warmup_files", taskset_files(dataset["path"], dataset.get("split") or "train",
+                                            dataset.get("subset_name")), f"{WARMUP}.path")
+    kind = dataset.get("format.prompt_type", "messages")
+    if kind not in ("messages", "plaintext"):
+        m.error(f"{WARMUP}.format.prompt_type", f"{kind!r}: SFT rows are messages or plaintext (prompt + response)")
+    m.set("sft.multiturn", kind == "messages", f"{WARMUP}.format.prompt_type")
+    for name, ours in WARMUP_FORMAT.items():
+        if dataset.get(f"format.{name}") is not None:
+            m.set(ours, dataset[f"format.{name}"], f"{WARMUP}.format.{name}")
+    for key in dataset:
+        if key not in ("path", "storage_type", "split", "subset_name", "name", "format.prompt_type") and not (
+                key.startswith("format.") and key[len("format."):] in WARMUP_FORMAT):
+            leftover(m, f"{WARMUP}.{key}", dataset[key])
+
+
 def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
     trainer = data.get("trainer")
     trainer_config = trainer.pop("trainer_config", None) if isinstance(trainer, dict) else None
@@ -382,6 +415,7 @@ def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
     _operators(m, src)
     _schedule(m, src)
     import_tasksets(m, src, os.path.dirname(path))
+    _sft_warmup(m, src)
     for key in src.remaining():
         value = src.drop(key)
         head = key.split(".")[0]
