@@ -17,13 +17,11 @@ from __future__ import annotations
 import os
 import sys
 
-import yaml
 from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl_llm.config import ConfigError, default_config, split_config_flag_overrides
 from jaxrl_llm.config.importers.verl_sft import sft_config
-from jaxrl_llm.user_errors import user_error_line, user_errors
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "sft_tiny.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
@@ -49,47 +47,10 @@ def main(argv: list[str]) -> None:
         cfg = sft_config(base, list(_FLAG_OVERRIDES) + items, _IMPORT.value)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
-    from jaxrl_llm.bookkeeping.preemption import stop_during_setup
-    from jaxrl_llm.checkpoint import CHECKPOINT_ERROR_EXIT_CODE, CheckpointSaveError
     from jaxrl_llm.sft import SftTrainer
+    from jaxrl_llm.sft.launch import run_entry_point
 
-    if _DRY_RUN.value:
-        try:
-            dry_run(cfg)
-        except user_errors() as err:
-            sys.exit(user_error_line(err))
-        return
-    try:
-        with stop_during_setup():
-            trainer = SftTrainer(cfg)
-        trainer.fit()
-    except user_errors() as err:
-        sys.exit(user_error_line(err))
-    except CheckpointSaveError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-        sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
-
-
-def dry_run(cfg) -> None:
-    """The resolved config and batch arithmetic, and every row read and tokenized (no weights load)."""
-    import jax
-
-    from jaxrl_llm.config import resolve_data, resolve_synthetic, validate_config
-    from jaxrl_llm.data.synthetic import write_synthetic_data
-    from jaxrl_llm.planning.preflight import run_tokenizer
-    from jaxrl_llm.sft import read_sft_examples, resolve_sft, sft_view
-
-    checked = validate_config(sft_view(cfg), check_paths=True)
-    print(yaml.safe_dump(checked.to_dict(), sort_keys=False, default_flow_style=None), end="")
-    sft, data = resolve_sft(checked), resolve_data(checked)
-    tokenizer = run_tokenizer(data)
-    write_synthetic_data(resolve_synthetic(checked), is_main=jax.process_index() == 0)
-    assert data.train_files is not None
-    examples = read_sft_examples(data.train_files, data, sft, tokenizer, data.train_max_samples)
-    batch = int(checked.data.train_batch_size)
-    tokens = sum(int(e.loss_mask.sum()) for e in examples)
-    print(f"sft: {len(examples)} sequences, {tokens} trained tokens; {batch} sequences per step -> "
-          f"{len(examples) // batch} steps per epoch x {checked.trainer.total_epochs} epoch(s)")
+    run_entry_point(SftTrainer, cfg, dry_run=_DRY_RUN.value)
 
 
 def run() -> None:

@@ -349,7 +349,7 @@ def restore_resume_point(store: CheckpointStore, point: ResumePoint,
         state, data_state, meta = source.restore(step, abstract_state)
         # a meta without these is as unreadable as a missing array
         int(meta["global_step"])
-        if meta.get("kind") != "sft":  # an RL step's KL controller (an SFT run has none)
+        if "kind" not in meta:  # an RL run's KL controller (an SFT / DPO run's meta has a kind and none)
             float(meta["kl_coef"])
         return state, data_state, meta
 

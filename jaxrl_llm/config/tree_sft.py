@@ -1,4 +1,4 @@
-"""The `sft` section of the config tree: supervised fine-tuning (`launch/sft.py`) and Trinity-RFT's
+"""The `sft` and `dpo` sections of the config tree: supervised fine-tuning (`launch/sft.py`) and Trinity-RFT's
 SFT warm-up before RL. The rest of an SFT run reads the keys RL reads: `data.train_files` /
 `val_files` / `train_batch_size` (sequences per optimizer step) / `prompt_key` / `messages_key` /
 `truncation` / `shuffle` / `seed`, `actor_rollout_ref.model.*` (path, LoRA, gradient checkpointing),
@@ -51,4 +51,30 @@ SFT = {
                              "buffer.trainer_input.sft_warmup_steps.", ge=0),
     "warmup_files": field(None, "RL runs: the SFT rows of the warm-up (same formats as data.train_files). "
                                 "Trinity-RFT buffer.trainer_input.sft_warmup_dataset.", types=(str, list)),
+}
+
+# `dpo`: preference training (`launch/dpo.py`). A DPO run reads the keys an SFT run reads (data files,
+# data.prompt_key, data.truncation, model, optimizer, trainer, mesh); data.train_batch_size counts pairs.
+DPO = {
+    "chosen_key": field("chosen", "Column holding the preferred response (a string, or chat messages whose last "
+                                  "assistant turn is it). TRL / veRL preference rows."),
+    "rejected_key": field("rejected", "Column holding the dispreferred response (as chosen_key). TRL / veRL."),
+    "loss_type": field("sigmoid", "sigmoid (DPO), ipo (on length-averaged log-probs, as TRL) or hinge (SLiC). TRL "
+                                  "DPOConfig.loss_type.", choices=("sigmoid", "ipo", "hinge")),
+    "beta": field(0.1, "Strength of the implicit KL to the reference (IPO: its tau). TRL DPOConfig.beta.", gt=0),
+    "label_smoothing": field(0.0, "cDPO / robust DPO: the assumed probability that a pair's labels are flipped "
+                                  "(sigmoid loss only). TRL DPOConfig.label_smoothing.", ge=0, lt=0.5),
+    "reference_free": field(False, "Take the reference's log-probs as 0 (no reference model). TRL "
+                                   "DPOConfig.reference_free."),
+    "ref_chosen_key": field("ref_chosen_logps", "Column of precomputed reference log-probs of the chosen response; "
+                                                "used when the rows have it and ref_rejected_key (TRL's "
+                                                "precompute_ref_log_probs writes these), else the frozen reference "
+                                                "(actor_rollout_ref.ref.*) scores every batch."),
+    "ref_rejected_key": field("ref_rejected_logps", "Column of precomputed reference log-probs of the rejected "
+                                                    "response (see ref_chosen_key)."),
+    "max_length": field(1024, "Token budget of prompt + response; longer pairs follow data.truncation (left: the "
+                              "prompt's start is cut, the same for both; right: the responses' ends). TRL "
+                              "DPOConfig.max_length.", gt=1),
+    "micro_batch_size_per_device": field(2, "Pairs per device per forward / backward (2 sequences each). veRL / TRL "
+                                            "per_device_train_batch_size.", gt=0),
 }

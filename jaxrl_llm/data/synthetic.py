@@ -16,7 +16,8 @@ Every prompt asks for the bare answer. `answer_format` (stored in extra_info) pi
 it is scored: `strict` = the whole response is the answer; `lenient` = the last number (or the
 words anywhere) matches; `first` = the first number matches (or the response starts with the
 words). Rows: prompt (one user message), data_source, ability, reward_model {style: rule,
-ground_truth}, extra_info {split, index, task, difficulty, answer_format}.
+ground_truth}, extra_info {split, index, task, difficulty, answer_format}, and a preference pair
+(chosen: the answer, rejected: a wrong one) for DPO.
 Validation questions are disjoint from training questions whenever the task has enough distinct
 questions.
 
@@ -112,6 +113,14 @@ def _questions(task: str, difficulty: int) -> tuple[int, Callable[[int], dict[st
     raise ValueError(f"unknown synthetic task {task!r}; expected one of {TASKS}")
 
 
+def _wrong_answer(task: str, answer: str, k: int) -> str:
+    """A deterministic wrong answer to question `k` (the `rejected` side of a preference pair)."""
+    if task == "repeat":
+        words = answer.split()
+        return " ".join(words[::-1]) if len(set(words)) > 1 else f"{answer} {answer}"
+    return str(int(answer) + 1 + k % 3)
+
+
 def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, answer_format: str = "strict",
                 seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """veRL rows of the train and validation splits (deterministic in `seed`)."""
@@ -146,6 +155,9 @@ def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, ans
                 "ability": _ABILITY[task],
                 "reward_model": {"style": "rule", "ground_truth": fields["answer"]},
                 "extra_info": extra,
+                # a preference pair (DPO: configs/dpo_tiny.py): the right answer and a wrong one
+                "chosen": fields["answer"],
+                "rejected": _wrong_answer(task, fields["answer"], int(k)),
             })
         return out
 

@@ -54,9 +54,10 @@ class HostBatch:
 
 
 def collate(examples: Sequence[SftExample], pad_id: int, *, prompt_len: int | None = None,
-            response_len: int | None = None) -> HostBatch:
+            response_len: int | None = None, group_size: int = 1) -> HostBatch:
     """`examples` as one padded batch: prompts left-padded, responses right-padded to their length
-    buckets (or to `prompt_len` / `response_len`)."""
+    buckets (or to `prompt_len` / `response_len`); every `group_size` consecutive rows share their
+    prompt (a DPO pair: packing then holds it once)."""
     n = len(examples)
     p = prompt_len or bucket_length(max(len(e.prompt) for e in examples))
     r = response_len or bucket_length(max(max(len(e.response) for e in examples), 1))
@@ -70,20 +71,25 @@ def collate(examples: Sequence[SftExample], pad_id: int, *, prompt_len: int | No
         attn[i, p - lp:p + lr] = 1
         loss[i, :lr] = e.loss_mask
     return HostBatch(ids, attn, loss, np.asarray([len(e.prompt) for e in examples], np.int32),
-                     np.asarray([len(e.response) for e in examples], np.int32), np.arange(n, dtype=np.int32))
+                     np.asarray([len(e.response) for e in examples], np.int32),
+                     (np.arange(n) // group_size).astype(np.int32))
 
 
 class SftLoader:
-    """Batches of `batch_size` examples, epoch after epoch: `next()` gives the next one, `state()` /
-    `set_state()` the position a checkpoint saves (the same batches follow a resume)."""
+    """Batches of `batch_size` items, epoch after epoch: `next()` gives the next one, `state()` /
+    `set_state()` the position a checkpoint saves (the same batches follow a resume). An item is an
+    `SftExample`, or with `group_size` > 1 a tuple of that many examples sharing a prompt (a DPO pair:
+    its rows stay consecutive, so micro-batches of even rows never split it)."""
 
-    def __init__(self, examples: Sequence[SftExample], batch_size: int, *, shuffle: bool, seed: int | None,
-                 pad_id: int):
+    def __init__(self, examples: Sequence[Any], batch_size: int, *, shuffle: bool, seed: int | None,
+                 pad_id: int, group_size: int = 1):
         if len(examples) < batch_size:
             raise ValueError(f"{len(examples)} SFT rows make no batch of data.train_batch_size={batch_size}")
         self.examples = list(examples)
         self.batch_size = int(batch_size)
         self.shuffle, self.seed, self.pad_id = shuffle, 0 if seed is None else int(seed), pad_id
+        self.group_size = int(group_size)
+        self.last_items: list[Any] = []
         self.epoch, self.index = 0, 0
 
     @property
@@ -100,7 +106,11 @@ class SftLoader:
             self.epoch, self.index = self.epoch + 1, 0
         order = self._order(self.epoch)[self.index * self.batch_size:(self.index + 1) * self.batch_size]
         self.index += 1
-        return collate([self.examples[i] for i in order], self.pad_id)
+        self.last_items = [self.examples[i] for i in order]  # what the batch holds (DPO reads its pairs' extras)
+        return collate(self._rows(self.last_items), self.pad_id, group_size=self.group_size)
+
+    def _rows(self, items: list[Any]) -> list[SftExample]:
+        return items if self.group_size == 1 else [e for item in items for e in item]
 
     def state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index}
@@ -110,7 +120,8 @@ class SftLoader:
 
     def longest(self) -> tuple[int, int]:
         """(longest prompt, longest response) in tokens: the token-budget passes pad to these."""
-        return max(len(e.prompt) for e in self.examples), max(len(e.response) for e in self.examples)
+        rows = self._rows(self.examples)
+        return max(len(e.prompt) for e in rows), max(len(e.response) for e in rows)
 
 
 def eval_batches(examples: Sequence[SftExample], batch_size: int, pad_id: int) -> list[HostBatch]:

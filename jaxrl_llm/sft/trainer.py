@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
 from jaxrl_llm.batching import StepBatching
+from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import Timer
 from jaxrl_llm.bookkeeping.nonfinite import NonFiniteGuard, assert_finite_state
 from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
@@ -32,11 +34,12 @@ from jaxrl_llm.config import ConfigError, resolve, resolve_data, resolve_synthet
 from jaxrl_llm.config.checks import check_context
 from jaxrl_llm.config.resolve import resolve_sft
 from jaxrl_llm.data.synthetic import write_synthetic_data
+from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.planning.preflight import run_tokenizer
 from jaxrl_llm.roles.export import export_policy
 from jaxrl_llm.roles.trained import load_model, make_trained_role
-from jaxrl_llm.sft.batch import SftLoader, eval_batches
-from jaxrl_llm.sft.data import SftExample, read_sft_examples
+from jaxrl_llm.sft.batch import HostBatch, SftLoader, eval_batches
+from jaxrl_llm.sft.data import read_sft_examples
 from jaxrl_llm.sft.loss import METRIC_PREFIX, batch_nll
 from jaxrl_llm.sft.steps import sft_batch_plan, sft_step, sft_update_fn, sft_view
 from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device
@@ -49,44 +52,43 @@ class SftTrainer:
     """An SFT run: its spec, mesh, tokenizer, examples, policy, batching, checkpoints and loggers, and
     the loop (`fit`)."""
 
-    def __init__(self, config: ml_collections.ConfigDict):
+    def __init__(self, config: ml_collections.ConfigDict, *, dry_run: bool = False):
+        """dry_run: stop once every row is read and tokenized (`--dry_run`: no weight loads, nothing written
+        but a synthetic task's files)."""
         initialize()
         self.mesh, _ = make_split_meshes(config.mesh)
         dp = batch_axis_size(self.mesh)
         self.is_main = jax.process_index() == 0
         view = sft_view(config)
         checked = validate_config(view, dp_size=dp)
+        self.checked = checked
         self.sft = resolve_sft(checked)
-        if self.sft.micro_batch_size_per_device * dp > checked.data.train_batch_size and not self.sft.use_dynamic_bsz:
-            raise ConfigError(f"sft.micro_batch_size_per_device={self.sft.micro_batch_size_per_device} x "
-                              f"{dp} devices is more than data.train_batch_size={checked.data.train_batch_size}")
         data = resolve_data(checked)
+        self.data = data
         self.tokenizer = run_tokenizer(data)
         write_synthetic_data(resolve_synthetic(checked), is_main=self.is_main)
         assert data.train_files is not None  # validate_config requires them (or derives a synthetic task's)
-        self.train_examples = read_sft_examples(data.train_files, data, self.sft, self.tokenizer,
-                                                data.train_max_samples)
-        self.val_examples: list[SftExample] = (read_sft_examples(data.val_files, data, self.sft, self.tokenizer,
-                                                                 data.val_max_samples) if data.val_files else [])
+        self.train_examples = self.read_rows(data.train_files, data.train_max_samples)
+        self.val_examples = self.read_rows(data.val_files, data.val_max_samples) if data.val_files else []
         self.spec = resolve(checked, dp_size=dp, num_train_samples=len(self.train_examples))
         t = self.spec.trainer
         assert t.total_steps is not None
         self.total_steps = int(t.total_steps)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.loader = SftLoader(self.train_examples, int(checked.data.train_batch_size), shuffle=data.shuffle,
-                                seed=data.seed, pad_id=pad_id)
-        self.pad_id = pad_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.loader = self.make_loader(self.train_examples, int(checked.data.train_batch_size))
+        if dry_run:
+            return
         # where a resume comes from, checked before the weights load
         self.resume_point = ckpt.find_resume(t.resume_mode, t.run_dir, t.resume_from_path)
         model_cfg, params = load_model(self.spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
                                        seed=t.seed)
-        check_context(model_cfg, self.sft.max_length)
-        plan = sft_batch_plan(int(checked.data.train_batch_size), dp, self.sft, self.loader.longest())
+        check_context(model_cfg, self.max_length)
+        plan = self.batch_plan(dp)
         self.batching = StepBatching(plan, dp)
-        lora = self.spec.model.lora
         self.policy = make_trained_role("actor", model_cfg, params, self.spec.actor_optim,
-                                        sft_update_fn(model_cfg, self.spec), lora=lora, seed=t.seed,
+                                        self.update_fn(model_cfg), lora=self.spec.model.lora, seed=t.seed,
                                         model=self.spec.model, settings=self.spec.actor, batch=plan.actor)
+        self.after_policy(params)
         self.rows_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(batch_axes(self.mesh)))
         self.base_rng = jax.random.PRNGKey(t.seed)
         self.store = ckpt.CheckpointStore(storage.join(t.run_dir, "checkpoints"), max_to_keep=t.max_ckpt_to_keep)
@@ -98,6 +100,45 @@ class SftTrainer:
         self.history: list[dict[str, float]] = []
         if self.is_main:
             print(self.summary(), flush=True)
+
+    # ------------------------------------------------------------------ what a subclass (DPO) replaces
+    kind = "sft"  # the checkpoint meta's `kind`, the progress bar's name
+    loss_key = f"{METRIC_PREFIX}/loss"
+
+    @property
+    def max_length(self) -> int:
+        return self.sft.max_length
+
+    def read_rows(self, files: Sequence[str], max_samples: int) -> list[Any]:
+        """The training (or validation) items of `files`: here SFT examples."""
+        return read_sft_examples(files, self.data, self.sft, self.tokenizer, max_samples)
+
+    def make_loader(self, items: list[Any], batch_size: int) -> SftLoader:
+        return SftLoader(items, batch_size, shuffle=self.data.shuffle, seed=self.data.seed, pad_id=self.pad_id)
+
+    def batch_plan(self, dp: int) -> BatchPlan:
+        s, rows = self.sft, self.loader.batch_size
+        if not s.use_dynamic_bsz and rows % (s.micro_batch_size_per_device * dp):
+            raise ConfigError(f"sft.micro_batch_size_per_device={s.micro_batch_size_per_device} x {dp} devices does "
+                              f"not divide data.train_batch_size={rows}")
+        return sft_batch_plan(rows, dp, s, self.loader.longest())
+
+    def update_fn(self, model_cfg: ModelConfig) -> Any:
+        return sft_update_fn(model_cfg, self.spec)
+
+    def after_policy(self, params: dict) -> None:
+        """Called once the policy is built (DPO builds its reference here)."""
+
+    def train_step(self, host: HostBatch, rng: jax.Array) -> dict[str, float]:
+        return sft_step(self.policy, host, self.batching, rng, lr_step=self.global_step,
+                        rows_sharding=self.rows_sharding)
+
+    def rows_summary(self) -> str:
+        """What --dry_run prints after the resolved tree: the rows read and the step arithmetic."""
+        tokens = sum(int(e.loss_mask.sum()) for item in self.train_examples for e in self.loader._rows([item]))
+        return (f"{self.kind}: {len(self.train_examples)} train / {len(self.val_examples)} val items, {tokens} "
+                f"trained tokens; {self.loader.batch_size} per step -> {self.loader.batches_per_epoch} steps per "
+                f"epoch; {self.total_steps} steps")
 
     def summary(self) -> str:
         p, s = self.policy, self.sft
@@ -133,11 +174,12 @@ class SftTrainer:
                 self.tracker.log(last, self.global_step)
                 if t.val_only:
                     return last
-            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="sft steps", disable=not self.is_main)
+            bar = tqdm(total=self.total_steps, initial=self.global_step, desc=f"{self.kind} steps",
+                       disable=not self.is_main)
             try:
                 while self.global_step < self.total_steps:
                     last = self.step()
-                    bar.set_postfix(loss=f"{last[f'{METRIC_PREFIX}/loss']:.4f}")
+                    bar.set_postfix(loss=f"{last[self.loss_key]:.4f}")
                     bar.update(1)
                     if self.global_step < self.total_steps and guard.stop_requested(self.global_step):
                         bar.close()
@@ -155,9 +197,7 @@ class SftTrainer:
         t, timer = self.spec.trainer, Timer()
         with timer("step"):
             host = self.loader.next()
-            rng = jax.random.fold_in(self.base_rng, self.global_step)
-            metrics = sft_step(self.policy, host, self.batching, rng, lr_step=self.global_step,
-                               rows_sharding=self.rows_sharding)
+            metrics = self.train_step(host, jax.random.fold_in(self.base_rng, self.global_step))
         metrics.update(timer.metrics())
         metrics["perf/throughput"] = host.num_tokens / max(timer.times["step"], 1e-9)
         self.global_step += 1
@@ -194,7 +234,7 @@ class SftTrainer:
 
     def save_checkpoint(self) -> None:
         assert_finite_state(self.state(), self.global_step)
-        meta: dict[str, Any] = {"global_step": self.global_step, "kind": "sft",
+        meta: dict[str, Any] = {"global_step": self.global_step, "kind": self.kind,
                                 "model_config": self.policy.model_cfg.to_hf_config(),
                                 "tokenizer": str(self.spec.data.tokenizer),
                                 "config": json.loads(self.spec.config_json)}

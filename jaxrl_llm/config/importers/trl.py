@@ -200,7 +200,7 @@ def _special(m: Mapper, args: dict[str, Any]) -> None:
         for model in (M, "critic.model"):
             m.set(f"{model}.enable_gradient_checkpointing", bool(get("gradient_checkpointing")),
                   "gradient_checkpointing")
-    _optim(m, args)
+    map_optim(m, args)
     if "report_to" in args:
         targets = get("report_to")
         targets = [targets] if isinstance(targets, str) or targets is None else targets
@@ -222,7 +222,7 @@ def _special(m: Mapper, args: dict[str, Any]) -> None:
         m.set(f"{R}.stop_token_ids", [get("stop_token_id")], "stop_token_id")
 
 
-def _optim(m: Mapper, args: dict[str, Any]) -> None:
+def map_optim(m: Mapper, args: dict[str, Any]) -> None:
     get = args.get
     if "adam_beta1" in args or "adam_beta2" in args:
         old = m.get(f"{A}.optim.betas")
@@ -254,7 +254,7 @@ HANDLED = set(SIMPLE) | {
     "warmup_steps"}
 
 
-def _lora(m: Mapper, args: dict[str, Any]) -> None:
+def map_lora(m: Mapper, args: dict[str, Any]) -> None:
     """`--use_peft` with TRL's ModelConfig LoRA arguments (its defaults: r 16, alpha 32, dropout 0.05,
     PEFT's default targets)."""
     use = args.get("use_peft")
@@ -352,7 +352,7 @@ def import_trl(args: dict[str, Any], m: Mapper, *, whole_run: bool, trainer: str
         if key in args and args[key] is not None:
             m.set(ours, args[key], key)
     _special(m, args)
-    _lora(m, args)
+    map_lora(m, args)
     _data_keys(m, args)
     map_batch(m, args, legacy)
     map_steps(m, args, legacy)
