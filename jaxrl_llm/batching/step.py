@@ -57,11 +57,21 @@ class PackingSwitches(Protocol):
 class RolloutRows(Protocol):
     """What `StepBatching.rows_of` reads of a rollout (rollout/batch.py `Rollout`)."""
 
-    input_ids: jax.Array
-    response_mask: jax.Array
-    prompt_lengths: np.ndarray
-    response_lengths: np.ndarray
-    group_ids: np.ndarray
+    # read-only: only the arrays' shapes and the host lengths / groups are read (an SFT batch's are numpy)
+    @property
+    def input_ids(self) -> jax.Array | np.ndarray: ...
+
+    @property
+    def response_mask(self) -> jax.Array | np.ndarray: ...
+
+    @property
+    def prompt_lengths(self) -> np.ndarray: ...
+
+    @property
+    def response_lengths(self) -> np.ndarray: ...
+
+    @property
+    def group_ids(self) -> np.ndarray: ...
 
 
 class StepBatching:

@@ -153,7 +153,7 @@ class DpoTrainer(SftTrainer):
         policy, ref, counts = (table[:, i] for i in range(3))
         if d.loss_type == "ipo":  # TRL scores IPO pairs by the mean log-prob per token
             policy, ref = policy / np.maximum(counts, 1.0), ref / np.maximum(counts, 1.0)
-        chosen, rejected, ref_c, ref_r = policy[0::2], policy[1::2], ref[0::2], ref[1::2]
+        chosen, rejected, ref_c, ref_r = (jnp.asarray(x) for x in (policy[0::2], policy[1::2], ref[0::2], ref[1::2]))
         pairs = float(len(chosen))
         losses = pair_losses(chosen, rejected, ref_c, ref_r, loss_type=d.loss_type, beta=d.beta,
                              label_smoothing=d.label_smoothing)
