@@ -63,6 +63,9 @@ _LONGEST = flags.DEFINE_bool("longest", False, "With --plan: also find the longe
                                                "planning/longest.py; needs a device memory).")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", None, "With --topology: slices of it (multislice); overrides "
                                                        "trainer.plan_num_slices.")
+_EVAL_ONLY = flags.DEFINE_bool("eval_only", False, "Validate the policy (actor_rollout_ref.model.path: an HF folder, "
+                                                   ".gguf or one of our checkpoints) on data.val_files and exit, "
+                                                   "without training: veRL's trainer.val_only=true.")
 _IMPORT = flags.DEFINE_string("import_config", None, "A veRL / Trinity-RFT / ROLL / TRL config file (YAML), or a "
                                                      "veRL example script (*.sh, read without running it), to run; "
                                                      "applied onto --config (default: the default tree).")
@@ -87,6 +90,8 @@ def main(argv: list[str]) -> None:
     has_config = flags.FLAGS["config"].present
     base = _CONFIG.value if has_config else base_config(import_path, _FLAG_OVERRIDES + overrides, trl_flags)
     extra = list(_FLAG_OVERRIDES)
+    if _EVAL_ONLY.value:
+        extra.append("trainer.val_only=true")
     if _PLAN.value and _TOPOLOGY.value:
         extra.append(f"trainer.plan_topology={_TOPOLOGY.value}")
     if _PLAN.value and _NUM_SLICES.value:

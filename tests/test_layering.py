@@ -26,7 +26,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("roles",),        # actor, critic, reference, teacher, draft, judge, reward model
     ("planning",),     # memory plan, roofline: compiles the roles' programs
     ("sft",),          # supervised fine-tuning: the policy role with a cross-entropy update (and RL's SFT warm-up)
-    ("dpo",),          # preference optimisation: the SFT run with pairs, a reference and the DPO loss
+    ("dpo", "evaluation"),  # preference optimisation on the SFT run | offline generation and scoring
     ("trainer",),      # the Trainer: build a run, the RL step, the loop
     ("api", "user_errors"),  # the notebook API (`import jaxrl_llm as jrl`) | what entry points report as bad input
     ("(package)",),    # jaxrl_llm/__init__.py

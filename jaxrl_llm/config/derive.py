@@ -128,3 +128,20 @@ def _resolve_optim_steps(cfg: ml_collections.ConfigDict, total: int) -> None:
             optim.total_training_steps = total
         if optim.lr_warmup_steps is None or optim.lr_warmup_steps < 0:  # veRL: < 0 means "use the ratio"
             optim.lr_warmup_steps = int(optim.lr_warmup_steps_ratio * optim.total_training_steps)
+
+
+def without_rl_step(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`cfg` (changed in place) for a run that takes no RL step (SFT, DPO, batch generation): one mini-batch
+    of data.train_batch_size sequences, no critic, and algorithm keys that ask nothing of the batch (no
+    groups, no KL), so the RL checks pass whatever the RL keys held."""
+    arr = cfg.actor_rollout_ref
+    arr.actor.ppo_mini_batch_size = cfg.data.train_batch_size
+    arr.actor.ppo_epochs = 1
+    cfg.critic.enable = False
+    cfg.data.val_batch_size = None
+    cfg.data.filter_overlong_prompts = False
+    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
+    cfg.algorithm.use_kl_in_reward = False
+    cfg.algorithm.filter_groups.enable = False
+    arr.actor.use_kl_loss = False
+    return cfg

@@ -11,7 +11,7 @@ from __future__ import annotations
 from jaxrl_llm.checkpoint import RESUME_MODES
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import field
-from jaxrl_llm.config.tree_sft import DPO, SFT
+from jaxrl_llm.config.tree_sft import DPO, EVALUATION, GENERATION, SFT
 from jaxrl_llm.losses.distill import SIGNALS as DISTILL_SIGNALS
 from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
@@ -802,4 +802,6 @@ TREE = {
     "synchronizer": SYNCHRONIZER,
     "sft": SFT,
     "dpo": DPO,
+    "generation": GENERATION,
+    "evaluation": EVALUATION,
 }

@@ -1,9 +1,10 @@
-"""The `sft` and `dpo` sections of the config tree: supervised fine-tuning (`launch/sft.py`) and Trinity-RFT's
-SFT warm-up before RL. The rest of an SFT run reads the keys RL reads: `data.train_files` /
-`val_files` / `train_batch_size` (sequences per optimizer step) / `prompt_key` / `messages_key` /
-`truncation` / `shuffle` / `seed`, `actor_rollout_ref.model.*` (path, LoRA, gradient checkpointing),
-`actor_rollout_ref.actor.optim.*` and `grad_clip`, `trainer.*` and `mesh.*`. veRL's
-`sft_trainer.yaml` names for each key: docs/sft_dpo_eval.md.
+"""The `sft`, `dpo`, `generation` and `evaluation` sections of the config tree: supervised fine-tuning
+(`launch/sft.py`) and Trinity-RFT's SFT warm-up before RL, preference training (`launch/dpo.py`), batch
+generation and offline evaluation (`launch/generate.py`, `launch/evaluate.py`). The rest of such a run
+reads the keys RL reads: `data.*` (files, batch size, prompt column, chat template, truncation, shuffle),
+`actor_rollout_ref.model.*` (path, LoRA, gradient checkpointing), `actor_rollout_ref.actor.optim.*` and
+`grad_clip`, `actor_rollout_ref.rollout.*` (sampling), `trainer.*` and `mesh.*`. veRL's / TRL's names for
+each key: docs/sft_dpo_eval.md.
 """
 from __future__ import annotations
 
@@ -77,4 +78,36 @@ DPO = {
                               "DPOConfig.max_length.", gt=1),
     "micro_batch_size_per_device": field(2, "Pairs per device per forward / backward (2 sequences each). veRL / TRL "
                                             "per_device_train_batch_size.", gt=0),
+}
+
+# `generation` (`launch/generate.py`): a prompt file -> the same rows with n sampled responses each, as veRL's
+# main_generation. The prompts are read as RL prompts are (data.prompt_key, chat template, system prompt,
+# data.max_prompt_length / truncation); sampling follows actor_rollout_ref.rollout.* (temperature, top_p,
+# top_k, do_sample, engine), data.max_response_length new tokens at most; the model is
+# actor_rollout_ref.model.path (an HF folder, .gguf, one of our checkpoints or tiny:<arch>).
+GENERATION = {
+    "input_path": field(None, "The prompt file (parquet / jsonl / json / csv, veRL's row layout). veRL generation "
+                              "data.path.", types=str),
+    "output_path": field(None, "Where the rows with their responses are written (.parquet or .jsonl); finished "
+                               "batches wait in <output_path>.parts/ until the end, so a killed run resumes "
+                               "there. veRL generation data.output_path.", types=str),
+    "n_samples": field(1, "Responses per prompt. veRL generation data.n_samples.", gt=0),
+    "batch_size": field(128, "Prompts per engine call (and per resumable part). veRL generation data.batch_size.",
+                        gt=0),
+    "response_key": field("responses", "The column the responses are written to (a list of n strings)."),
+}
+
+# `evaluation` (`launch/evaluate.py`): a file of responses -> scores per data source, as veRL's main_eval
+# (evaluation.yaml), with custom_reward_function.* choosing the scorer (default: the built-in scorers).
+EVALUATION = {
+    "path": field(None, "The responses file; None = generation.output_path. veRL evaluation data.path.", types=str),
+    "response_key": field("responses", "Column of each row's responses (a list of strings, or one string). veRL "
+                                       "evaluation data.response_key."),
+    "data_source_key": field("data_source", "Column naming the scorer / grouping of a row. veRL evaluation "
+                                            "data.data_source_key."),
+    "reward_model_key": field("reward_model", "Column holding {ground_truth: ...}. veRL evaluation "
+                                              "data.reward_model_key."),
+    "output_path": field(None, "The JSON report; None = <path without its suffix>.eval.json.", types=str),
+    "correct_threshold": field(0.0, "A response counts as correct for pass@k when its score is above this.",
+                               types=float),
 }

@@ -14,6 +14,7 @@ import ml_collections
 from jaxrl_llm.batching import NO_PADS, StepBatching
 from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.batching.ops import pad_columns
+from jaxrl_llm.config.derive import without_rl_step
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.roles.trained import TrainedRole
 from jaxrl_llm.sft.batch import HostBatch, SftBatch
@@ -26,24 +27,14 @@ def sft_view(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """`config` with the RL keys an SFT run reuses derived from its `sft` section: one mini-batch of
     data.train_batch_size sequences (rollout.n = 1) split into sft.micro_batch_size_per_device (or
     token-budget) micro-batches, and a sequence budget of sft.max_length tokens."""
-    cfg = copy.deepcopy(config)
+    cfg = without_rl_step(copy.deepcopy(config))
     s, arr = cfg.sft, cfg.actor_rollout_ref
     arr.rollout.n = 1
-    arr.actor.ppo_mini_batch_size = cfg.data.train_batch_size
-    arr.actor.ppo_epochs = 1
     arr.actor.ppo_micro_batch_size_per_device = s.micro_batch_size_per_device
     arr.actor.use_dynamic_bsz = s.use_dynamic_bsz
     arr.actor.ppo_max_token_len_per_device = s.max_token_len_per_device
     cfg.data.max_prompt_length = max(1, s.max_length - 1)
     cfg.data.max_response_length = 1
-    cfg.data.filter_overlong_prompts = False
-    cfg.critic.enable = False
-    cfg.data.val_batch_size = None
-    # no RL step runs: the algorithm keys are set to ones that ask nothing of the batch (no groups, no critic)
-    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
-    cfg.algorithm.use_kl_in_reward = False
-    cfg.algorithm.filter_groups.enable = False
-    arr.actor.use_kl_loss = False
     return cfg
 
 

@@ -23,7 +23,7 @@ def _split(stdout: str):
 
 
 def test_dry_run_with_flag_and_verl_overrides(tmp_path):
-    proc = run("--config=configs/tiny.py", "--dry_run", "--config.actor_rollout_ref.actor.optim.lr=2e-6",
+    proc = run("--config=configs/tiny.py", "--dry_run", "--eval_only", "--config.actor_rollout_ref.actor.optim.lr=2e-6",
                f"--config.trainer.default_local_dir={tmp_path}", "--",
                "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                "num_generations=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
@@ -35,6 +35,7 @@ def test_dry_run_with_flag_and_verl_overrides(tmp_path):
     assert actor["ppo_micro_batch_size_per_device"] == 1
     assert cfg["actor_rollout_ref"]["rollout"]["n"] == 4
     assert cfg["trainer"]["logger"] == ["console", "jsonl"]
+    assert cfg["trainer"]["val_only"]  # --eval_only: veRL's trainer.val_only
     assert cfg["data"]["train_files"] == f"{tmp_path}/data/train.parquet"
     assert "actor_rollout_ref.rollout.enforce_eager=True (torch/vLLM/Ray/placement only)" in proc.stderr
     assert "8 prompts x n=4 = 32 sequences per step; data-parallel size 8 -> 4 sequences/device" in summary
