@@ -14,13 +14,13 @@ line, `config error: ...` or `data error: ...`; SIGTERM checkpoints and exits 75
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from jaxrl_llm.config import ConfigError, default_config, split_config_flag_overrides
+from jaxrl_llm.config import default_config
 from jaxrl_llm.config.importers.dpo import dpo_config
+from jaxrl_llm.entry import run_app
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "dpo_tiny.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
@@ -34,30 +34,14 @@ _FLAG_OVERRIDES: list[str] = []
 
 
 def main(argv: list[str]) -> None:
-    from absl import logging as absl_logging
-
-    from jaxrl_llm.sharding import initialize
-
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    initialize()
-    try:
-        items = argv[1:]
-        base = _CONFIG.value if flags.FLAGS["config"].present or not (items or _IMPORT.value) else default_config()
-        cfg = dpo_config(base, list(_FLAG_OVERRIDES) + items, _IMPORT.value)
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
     from jaxrl_llm.dpo import DpoTrainer
-    from jaxrl_llm.sft.launch import run_entry_point
+    from jaxrl_llm.sft.launch import launch_trainer
 
-    run_entry_point(DpoTrainer, cfg, dry_run=_DRY_RUN.value)
-
-
-def run() -> None:
-    argv, overrides = split_config_flag_overrides(sys.argv)
-    _FLAG_OVERRIDES[:] = overrides
-    sys.argv = argv
-    app.run(main, argv=argv)
+    # a file or overrides without --config start from the default tree (as launch/train.py)
+    base = _CONFIG.value if flags.FLAGS["config"].present or not (argv[1:] or _IMPORT.value) else default_config()
+    launch_trainer(argv, base=base, import_path=_IMPORT.value, flag_overrides=_FLAG_OVERRIDES, to_config=dpo_config,
+                   make_trainer=DpoTrainer, dry_run=_DRY_RUN.value)
 
 
 if __name__ == "__main__":
-    run()
+    run_app(main, _FLAG_OVERRIDES)

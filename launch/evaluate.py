@@ -11,20 +11,18 @@ custom_reward_function.*; the table is printed and the JSON report written besid
 """
 from __future__ import annotations
 
-import sys
+from absl import flags
 
-from absl import app, flags
-
-from jaxrl_llm.config import ConfigError, default_config, split_config_flag_overrides
+from jaxrl_llm.config import ConfigError, default_config
 from jaxrl_llm.config.importers.verl_offline import EVALUATION, offline_config
-from jaxrl_llm.user_errors import user_error_line, user_errors
+from jaxrl_llm.entry import one_line_errors, run_app
 
 _IMPORT = flags.DEFINE_string("import_config", None, "veRL's evaluation.yaml, applied onto the default tree.")
 _FLAG_OVERRIDES: list[str] = []
 
 
 def main(argv: list[str]) -> None:
-    try:
+    with one_line_errors():  # a bad key or row: one `config error:` / `data error:` line
         cfg = offline_config(default_config(), list(_FLAG_OVERRIDES) + argv[1:], _IMPORT.value, EVALUATION)
         e, custom = cfg.evaluation, cfg.custom_reward_function
         path = e.path or cfg.generation.output_path
@@ -38,18 +36,7 @@ def main(argv: list[str]) -> None:
         evaluate_file(path, scorer, response_key=e.response_key, data_source_key=e.data_source_key,
                       reward_model_key=e.reward_model_key, threshold=float(e.correct_threshold),
                       output_path=e.output_path)
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
-    except user_errors() as err:
-        sys.exit(user_error_line(err))
-
-
-def run() -> None:
-    argv, overrides = split_config_flag_overrides(sys.argv)
-    _FLAG_OVERRIDES[:] = overrides
-    sys.argv = argv
-    app.run(main, argv=argv)
 
 
 if __name__ == "__main__":
-    run()
+    run_app(main, _FLAG_OVERRIDES)

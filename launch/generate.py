@@ -14,14 +14,13 @@ the run with one `config error:` / `data error:` line.
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from jaxrl_llm.config import ConfigError, default_config, split_config_flag_overrides
+from jaxrl_llm.config import default_config
 from jaxrl_llm.config.importers.verl_offline import GENERATION, offline_config
-from jaxrl_llm.user_errors import user_error_line, user_errors
+from jaxrl_llm.entry import one_line_errors, run_app
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
@@ -39,24 +38,13 @@ def main(argv: list[str]) -> None:
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     initialize()
-    try:
+    with one_line_errors():  # a bad key or row: one `config error:` / `data error:` line
         base = _CONFIG.value if flags.FLAGS["config"].present else default_config()
         cfg = offline_config(base, list(_FLAG_OVERRIDES) + argv[1:], _IMPORT.value, GENERATION)
         from jaxrl_llm.evaluation import BatchGenerator
 
         print(f"wrote {BatchGenerator(cfg).run()}")
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
-    except user_errors() as err:
-        sys.exit(user_error_line(err))
-
-
-def run() -> None:
-    argv, overrides = split_config_flag_overrides(sys.argv)
-    _FLAG_OVERRIDES[:] = overrides
-    sys.argv = argv
-    app.run(main, argv=argv)
 
 
 if __name__ == "__main__":
-    run()
+    run_app(main, _FLAG_OVERRIDES)

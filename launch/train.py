@@ -29,7 +29,7 @@ import os
 import sys
 
 import yaml
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from jaxrl_llm.config import (
@@ -37,13 +37,12 @@ from jaxrl_llm.config import (
     apply_overrides,
     default_config,
     resolve_batch_plan,
-    split_config_flag_overrides,
 )
 from jaxrl_llm.config.importers import FORMATS
 from jaxrl_llm.config.importers.command_line import resolve_command_line, split_command_line
 from jaxrl_llm.config.validate import check_input_paths
+from jaxrl_llm.entry import run_app, user_error_line, user_errors
 from jaxrl_llm.platform import TpuPlanError
-from jaxrl_llm.user_errors import user_error_line, user_errors
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "quickstart.py")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT_CONFIG),
@@ -171,10 +170,7 @@ def plan_for_config(cfg):
 
 
 def run() -> None:
-    argv, overrides = split_config_flag_overrides(sys.argv)
-    _FLAG_OVERRIDES[:] = overrides
-    sys.argv = argv  # config_flags reads sys.argv itself when the --config flag is parsed
-    app.run(main, argv=argv)
+    run_app(main, _FLAG_OVERRIDES)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,19 @@ def smollm2_gguf() -> pathlib.Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """(a random tiny transformers Llama, its ModelConfig and params as jaxrl_llm loads its folder)."""
+    from tiny_models import build_hf_model
+
+    from jaxrl_llm.hf import load_any
+
+    folder = tmp_path_factory.mktemp("llama")
+    torch_model = build_hf_model("llama", folder)
+    cfg, params = load_any(str(folder))
+    return torch_model, cfg, params
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Free each module's compiled programs and engine KV pools once it is done.

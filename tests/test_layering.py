@@ -25,10 +25,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("rollout",),      # sampled, scored batches: sources, pipeline, partial, multi-turn
     ("roles",),        # actor, critic, reference, teacher, draft, judge, reward model
     ("planning",),     # memory plan, roofline: compiles the roles' programs
+    ("entry",),        # what the entry points share: bad-input lines, --config.a.b=v flags
     ("sft",),          # supervised fine-tuning: the policy role with a cross-entropy update (and RL's SFT warm-up)
     ("dpo", "evaluation"),  # preference optimisation on the SFT run | offline generation and scoring
     ("trainer",),      # the Trainer: build a run, the RL step, the loop
-    ("api", "user_errors"),  # the notebook API (`import jaxrl_llm as jrl`) | what entry points report as bad input
+    ("api",),          # the notebook API (`import jaxrl_llm as jrl`)
     ("(package)",),    # jaxrl_llm/__init__.py
 ]
 

@@ -20,10 +20,10 @@ GUESS_YAML = """interaction:
 """
 
 
-def tiny_config(run_dir: Any, **overrides: Any) -> Any:
-    """configs/tiny.py (a random 2-layer Llama, synthetic task) writing to `run_dir`, with
-    `{"a.b.c": value}` overrides applied."""
-    spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
+def tiny_config(run_dir: Any, config: str = "tiny.py", **overrides: Any) -> Any:
+    """configs/tiny.py (a random 2-layer Llama, synthetic task; or another configs/ file) writing to
+    `run_dir`, with `{"a.b.c": value}` overrides applied."""
+    spec = importlib.util.spec_from_file_location(f"tiny_config_{pathlib.Path(config).stem}", ROOT / "configs" / config)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = module.get_config()

@@ -96,23 +96,22 @@ class ChatRenderer:
             return text[: -len(self.eos_text)], self.eos_text
         return text, ""
 
-    def opening(self, messages: list[dict]) -> str:
-        """The text the template renders before the last (assistant) message's content."""
+    def _around_content(self, messages: list[dict]) -> tuple[str, str]:
+        """(the text before, the text after) the last (assistant) message's content, as the template renders it."""
         marked = messages[:-1] + [{**messages[-1], "content": _SENTINEL}]
         text = self.render(marked, add_generation_prompt=False)
         at = text.rfind(_SENTINEL)
         if at < 0:
             raise TemplateError("the chat template does not render the assistant message content")
-        return text[:at]
+        return text[:at], text[at + len(_SENTINEL):]
+
+    def opening(self, messages: list[dict]) -> str:
+        """The text the template renders before the last (assistant) message's content."""
+        return self._around_content(messages)[0]
 
     def closure(self, messages: list[dict]) -> str:
         """The text the template renders after the last (assistant) message's content."""
-        marked = messages[:-1] + [{**messages[-1], "content": _SENTINEL}]
-        text = self.render(marked, add_generation_prompt=False)
-        at = text.rfind(_SENTINEL)
-        if at < 0:
-            raise TemplateError("the chat template does not render the assistant message content")
-        return text[at + len(_SENTINEL):]
+        return self._around_content(messages)[1]
 
     def _suffix(self, messages: list[dict], new: list[dict]) -> str | None:
         before = self.render(messages, add_generation_prompt=False)

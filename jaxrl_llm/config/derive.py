@@ -49,7 +49,7 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
         _fill(data, "train_files", train)
         _fill(data, "val_files", val)
     if data.tokenizer is None and arr.model.path is not None and not arr.model.path.startswith("tiny:"):
-        data.tokenizer = arr.model.path
+        data.tokenizer = checkpoint_tokenizer(arr.model.path) or arr.model.path
 
     if rollout.response_length is None:
         rollout.response_length = data.max_response_length
@@ -145,3 +145,16 @@ def without_rl_step(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     cfg.algorithm.filter_groups.enable = False
     arr.actor.use_kl_loss = False
     return cfg
+
+
+def checkpoint_tokenizer(path: str) -> str | None:
+    """The tokenizer a checkpoint's run used (its meta's `tokenizer`) when `path` is one of our checkpoints
+    (an SFT / RL run's `checkpoints` folder or a step of it), else None: a policy started from a
+    checkpoint tokenizes as the run that wrote it did."""
+    from jaxrl_llm.checkpoint import is_checkpoint, read_checkpoint_meta
+
+    local = os.path.expanduser(path)
+    if storage.is_url(local) or not is_checkpoint(local) or os.path.isfile(os.path.join(local, "config.json")):
+        return None
+    named = read_checkpoint_meta(local).get("tokenizer")
+    return None if not named or named == "None" else str(named)

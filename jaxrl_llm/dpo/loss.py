@@ -28,9 +28,8 @@ from jax.sharding import Mesh
 from jaxrl_llm.arrays import ArrayTree
 from jaxrl_llm.batching import PackedLayout, UpdateLayout
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.roles.forward import response_scores
-from jaxrl_llm.roles.update import Denominators, run_update_epochs
+from jaxrl_llm.roles.update import Denominators, run_update_epochs, with_lora_loss
 
 sg = jax.lax.stop_gradient
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -108,11 +107,7 @@ def update_dpo(params: dict, opt_state: ArrayTree, batch: DpoBatch, rng: jax.Arr
     loss_fn = functools.partial(dpo_loss, model_cfg=model_cfg, loss_type=loss_type, beta=beta,
                                 label_smoothing=label_smoothing, compute_dtype=compute_dtype, remat=remat,
                                 logprob_impl=logprob_impl, mesh=None if rows_sharding is None else rows_sharding.mesh)
-    dropout = frozen is not None and lora_dropout > 0.0
-    if frozen is not None:
-        base_loss = loss_fn
-        loss_fn = lambda p, mb, d, key=None: base_loss(  # noqa: E731
-            with_lora(frozen, p["lora"], lora_scale, lora_dropout, key), mb, d)
+    loss_fn, dropout = with_lora_loss(loss_fn, frozen, lora_scale, lora_dropout)
     return run_update_epochs(params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="train",
                              ppo_epochs=1, num_mini_batches=num_mini_batches, num_micro_batches=num_micro_batches,
                              shuffle=False, rows_sharding=rows_sharding, packing=packing, loss_takes_rng=dropout)

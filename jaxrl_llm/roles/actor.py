@@ -29,11 +29,10 @@ from jaxrl_llm.losses.kl import kl_penalty
 from jaxrl_llm.losses.policy import compute_policy_loss
 from jaxrl_llm.losses.rollout_correction import rollout_is_weights
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.models.moe import MoeOut, expert_load_max, load_balancing_loss, router_z_loss
 from jaxrl_llm.roles.experience import Experience, required
 from jaxrl_llm.roles.forward import response_scores
-from jaxrl_llm.roles.update import TOKEN_OUTPUT, Denominators, run_update_epochs
+from jaxrl_llm.roles.update import TOKEN_OUTPUT, Denominators, run_update_epochs, with_lora_loss
 
 sg = jax.lax.stop_gradient
 OLD_LOG_PROBS = TOKEN_OUTPUT + "old_log_probs"  # the update's own log-probs, [N, R] (update.py TOKEN_OUTPUT)
@@ -128,11 +127,7 @@ def update_actor(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax
     PEFT's dropout on the adapters' input in this forward (a key per micro-batch)."""
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s,
                                 mesh=None if rows_sharding is None else rows_sharding.mesh)
-    dropout = frozen is not None and lora_dropout > 0.0
-    if frozen is not None:
-        lora_loss = loss_fn
-        loss_fn = lambda p, mb, d, key=None: lora_loss(  # noqa: E731
-            with_lora(frozen, p["lora"], lora_scale, lora_dropout, key), mb, d)
+    loss_fn, dropout = with_lora_loss(loss_fn, frozen, lora_scale, lora_dropout)
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,

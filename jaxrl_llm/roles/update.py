@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_llm.arrays import ArrayTree, Params
 from jaxrl_llm.batching import UpdateLayout, response_coverage, unless_empty
 from jaxrl_llm.bookkeeping.nonfinite import UpdateFlags, update_flags_metrics
+from jaxrl_llm.models.lora import with_lora
 
 Batch = Any  # a pytree of [N, ...] arrays with `.response_mask` (trainer.experience.Experience)
 # the prefix of per-token loss outputs (`run_update_epochs`' token_outputs), which callers pop from
@@ -208,3 +209,16 @@ def run_update_epochs(
     if lr is not None:
         metrics[f"{metric_prefix}/lr"] = jnp.asarray(lr, jnp.float32)
     return params, opt_state, metrics
+
+
+def with_lora_loss(loss_fn: LossFn, frozen: dict | None, lora_scale: float, lora_dropout: float
+                   ) -> tuple[LossFn, bool]:
+    """`loss_fn` of the params for `run_update_epochs`: with LoRA (`frozen` the base) a loss of
+    {"lora": adapters} attached to the base, PEFT's dropout on their input from a key of its own per
+    micro-batch; and whether it takes that key (`loss_takes_rng`)."""
+    if frozen is None:
+        return loss_fn, False
+    def lora_loss(p: Any, mb: Any, d: Any, key: jax.Array | None = None) -> Any:
+        return loss_fn(with_lora(frozen, p["lora"], lora_scale, lora_dropout, key), mb, d)
+
+    return lora_loss, lora_dropout > 0.0

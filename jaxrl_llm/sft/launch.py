@@ -9,8 +9,8 @@ from collections.abc import Callable
 import ml_collections
 import yaml
 
+from jaxrl_llm.entry import user_error_line, user_errors
 from jaxrl_llm.sft.trainer import SftTrainer
-from jaxrl_llm.user_errors import user_error_line, user_errors
 
 
 def run_entry_point(make_trainer: Callable[..., SftTrainer], cfg: ml_collections.ConfigDict, *,
@@ -33,3 +33,22 @@ def run_entry_point(make_trainer: Callable[..., SftTrainer], cfg: ml_collections
     except CheckpointSaveError as err:
         print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
         sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
+
+
+def launch_trainer(argv: list[str], *, base: ml_collections.ConfigDict, import_path: str | None,
+                   flag_overrides: list[str], to_config: Callable[..., ml_collections.ConfigDict],
+                   make_trainer: Callable[..., SftTrainer], dry_run: bool) -> None:
+    """The main of launch/sft.py and launch/dpo.py: the config (`to_config(base, items, import_path)`; a bad
+    one is one `config error:` line), then `run_entry_point`."""
+    from absl import logging as absl_logging
+
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.sharding import initialize
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint call at INFO
+    initialize()
+    try:
+        cfg = to_config(base, list(flag_overrides) + argv[1:], import_path)
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+    run_entry_point(make_trainer, cfg, dry_run=dry_run)

@@ -26,6 +26,7 @@ from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
 from jaxrl_llm.batching import StepBatching
 from jaxrl_llm.batching.batch_plan import BatchPlan
+from jaxrl_llm.bookkeeping.closing import close_all
 from jaxrl_llm.bookkeeping.metrics import Timer
 from jaxrl_llm.bookkeeping.nonfinite import NonFiniteGuard, assert_finite_state
 from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
@@ -276,10 +277,4 @@ class SftTrainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        for close in (self.store.close, self.tracker.close):
-            try:
-                close()
-            except Exception as err:  # (the other must still close)
-                if not quiet:
-                    raise
-                log.warning("while closing: %s: %s", type(err).__name__, err)
+        close_all((self.store.close, self.tracker.close), quiet=quiet)

@@ -31,6 +31,7 @@ from jaxrl_llm import storage
 from jaxrl_llm.batching import NO_PADS, StepRows, update_metrics
 from jaxrl_llm.batching.batch_plan import MicroBatching
 from jaxrl_llm.batching.ops import run_no_grad_pass
+from jaxrl_llm.bookkeeping.closing import close_all
 from jaxrl_llm.bookkeeping.metrics import Timer, data_metrics, device_peak_flops
 from jaxrl_llm.bookkeeping.nonfinite import assert_finite_state, first_nonfinite
 from jaxrl_llm.bookkeeping.preemption import Preempted, PreemptionGuard
@@ -480,19 +481,7 @@ class Trainer(Run):
             watchdog.stop()
         source = getattr(self, "rollout_source", None)
         closers = (source.close,) if source is not None else ()
-        _close_all(closers + (self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)
-
-
-def _close_all(closers: Any, *, quiet: bool) -> None:
-    first: BaseException | None = None
-    for close in closers:
-        try:
-            close()
-        except Exception as err:  # (the others must still close)
-            log.warning("while closing: %s: %s", type(err).__name__, err)
-            first = first or err
-    if first is not None and not quiet:
-        raise first
+        close_all(closers + (self.store.close, self.tracker.close, self.reward_manager.close), quiet=quiet)
 
 
 @jax.jit

@@ -7,10 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import build_hf_model
 
 from jaxrl_llm.dpo.loss import DpoBatch, dpo_loss, pair_losses, pair_metrics
-from jaxrl_llm.hf import load_any
 from jaxrl_llm.roles.update import denominators
 from jaxrl_llm.sft.batch import collate
 from jaxrl_llm.sft.data import SftExample
@@ -68,19 +66,11 @@ def _pairs(rng: np.random.Generator, vocab: int) -> list[SftExample]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    torch_model = build_hf_model("llama", folder)
-    cfg, params = load_any(str(folder))
-    return torch_model, cfg, params
-
-
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_the_batch_loss_equals_trl_on_transformers_log_probs(llama, loss_type):
+def test_the_batch_loss_equals_trl_on_transformers_log_probs(hf_llama, loss_type):
     import torch
 
-    torch_model, cfg, params = llama
+    torch_model, cfg, params = hf_llama
     host = collate(_pairs(np.random.default_rng(1), cfg.vocab_size), pad_id=0, group_size=2)
     ref = np.asarray([-30.0, -28.0, -25.0, -31.0, -27.0, -26.0], np.float32)
     batch = DpoBatch(host.input_ids, host.attention_mask, host.response_mask, jnp.asarray(ref))
@@ -102,8 +92,8 @@ def test_the_batch_loss_equals_trl_on_transformers_log_probs(llama, loss_type):
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
 
 
-def test_micro_batches_of_whole_pairs_accumulate_to_the_whole_batch_gradient(llama):
-    _, cfg, params = llama
+def test_micro_batches_of_whole_pairs_accumulate_to_the_whole_batch_gradient(hf_llama):
+    _, cfg, params = hf_llama
     host = collate(_pairs(np.random.default_rng(2), cfg.vocab_size), pad_id=0, group_size=2)
     ref = jnp.asarray(np.random.default_rng(3).normal(-25, 3, 6).astype(np.float32))
     denoms = denominators(host.response_mask)

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import yaml
 from tiny_models import make_char_tokenizer
+from tiny_runs import tiny_config
 
-from jaxrl_llm.config import ConfigError, config_from_file, default_config
+from jaxrl_llm.config import ConfigError, default_config
 from jaxrl_llm.config.importers.dpo import dpo_config
 from jaxrl_llm.data import DataError
 from jaxrl_llm.data.sources import RowRef
@@ -25,15 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def dpo_config_file(run_dir, **overrides):
-    cfg = config_from_file(ROOT / "configs" / "dpo_tiny.py")
-    cfg.trainer.default_local_dir = str(run_dir)
-    for key, value in overrides.items():
-        section = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            section = section[p]
-        section[leaf] = value
-    return cfg
+    return tiny_config(run_dir, "dpo_tiny.py", **overrides)
 
 
 def test_training_raises_the_reward_accuracy_and_reports_held_out_pairs(tmp_path):

@@ -5,9 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from tiny_models import build_hf_model
 
-from jaxrl_llm.hf import load_any
 from jaxrl_llm.roles.update import denominators
 from jaxrl_llm.sft.batch import SftBatch, collate
 from jaxrl_llm.sft.data import SftExample
@@ -24,18 +22,10 @@ def _examples(rng: np.random.Generator, vocab: int) -> list[SftExample]:
     return out
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    torch_model = build_hf_model("llama", folder)
-    cfg, params = load_any(str(folder))
-    return torch_model, cfg, params
-
-
-def test_loss_equals_transformers_token_mean_cross_entropy(llama):
+def test_loss_equals_transformers_token_mean_cross_entropy(hf_llama):
     import torch
 
-    torch_model, cfg, params = llama
+    torch_model, cfg, params = hf_llama
     batch = collate(_examples(np.random.default_rng(0), cfg.vocab_size), pad_id=0)
     mb = SftBatch(batch.input_ids, batch.attention_mask, batch.response_mask)
     loss, metrics = sft_loss(params, mb, denominators(batch.response_mask), model_cfg=cfg, compute_dtype="float32",
@@ -53,8 +43,8 @@ def test_loss_equals_transformers_token_mean_cross_entropy(llama):
     assert float(metrics["train/loss"]) == pytest.approx(float(loss))
 
 
-def test_micro_batches_accumulate_to_the_whole_batch_gradient(llama):
-    _, cfg, params = llama
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(hf_llama):
+    _, cfg, params = hf_llama
     batch = collate(_examples(np.random.default_rng(1), cfg.vocab_size), pad_id=0)
     denoms = denominators(batch.response_mask)
 

@@ -8,24 +8,15 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from tiny_runs import tiny_config
 
-from jaxrl_llm.config import config_from_file
 from jaxrl_llm.sft import SftTrainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def sft_config(run_dir, **overrides):
-    cfg = config_from_file(ROOT / "configs" / "sft_tiny.py")
-    cfg.trainer.default_local_dir = str(run_dir)
-    cfg.trainer.total_training_steps = 4
-    for key, value in overrides.items():
-        section = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            section = section[p]
-        section[leaf] = value
-    return cfg
+    return tiny_config(run_dir, "sft_tiny.py", **{"trainer.total_training_steps": 4, **overrides})
 
 
 def _params(trainer) -> list[np.ndarray]:
@@ -80,13 +71,17 @@ def test_lora_trains_the_adapters_and_the_checkpoint_is_a_policy(tmp_path):
     for a, b in zip(jax.tree.leaves(merge_lora(merged)), jax.tree.leaves(params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert model_cfg.architecture == trainer.policy.model_cfg.architecture
+    # an RL run starts from it: the tokenizer is the one the SFT run used (the checkpoint's meta)
+    from jaxrl_llm.config import validate_config
+
+    rl = tiny_config(tmp_path / "rl", **{"actor_rollout_ref.model.path": str(tmp_path / "lora" / "checkpoints"),
+                                         "data.tokenizer": None})
+    assert validate_config(rl, dp_size=1).data.tokenizer == str(cfg.data.tokenizer)
 
 
 def test_rl_sft_warmup_trains_the_policy_as_sft_does_before_the_first_rl_step(tmp_path):
     """Trinity's sft_warmup_steps: the RL run's policy after its warm-up equals an SFT run's after the same
     steps on the same rows at the same (constant) learning rate; then RL steps follow."""
-    from tiny_runs import tiny_config
-
     from jaxrl_llm.data.synthetic import write_synthetic_files
     from jaxrl_llm.trainer import Trainer
 
