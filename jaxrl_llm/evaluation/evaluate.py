@@ -47,7 +47,7 @@ def _ground_truth(row: Mapping[str, Any], key: str, where: object) -> Any:
 
 def score_value(result: Any, where: object) -> float:
     """A scorer's result as a number (a dict's `score`)."""
-    value = result.get("score") if isinstance(result, Mapping) else result
+    value: Any = result.get("score") if isinstance(result, Mapping) else result
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -173,6 +173,7 @@ class SftTrainer:
             if (t.val_before_train or t.val_only) and self.val_examples:
                 last = self.validate()
                 self.tracker.log(last, self.global_step)
+                self.history.append({"training/global_step": float(self.global_step), **last})
                 if t.val_only:
                     return last
             bar = tqdm(total=self.total_steps, initial=self.global_step, desc=f"{self.kind} steps",

@@ -138,3 +138,35 @@ def test_launch_evaluate_reports_a_bad_row_in_one_line(tmp_path):
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("data error: ") and "gen.jsonl line 1" in last
+
+
+KILLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from tiny_runs import tiny_config
+from jaxrl_llm.evaluation import BatchGenerator
+
+original = BatchGenerator._generate_batch
+def dies_after_one(self, index, start):
+    original(self, index, start)
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 right after the first part is written
+BatchGenerator._generate_batch = dies_after_one
+cfg = tiny_config({run!r}, **{{"generation.input_path": {prompts!r}, "generation.output_path": {out!r},
+                              "generation.n_samples": 2, "generation.batch_size": 2, "data.max_response_length": 5}})
+BatchGenerator(cfg).run()
+"""
+
+
+def test_a_generation_killed_with_sigkill_resumes_and_writes_each_row_once(tmp_path):
+    prompts, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "out.parquet")
+    write_synthetic_files(prompts, str(tmp_path / "unused.parquet"), "add", 4, 2, seed=2)
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    code = KILLED_RUN.format(tests=str(ROOT / "tests"), run=str(tmp_path / "run"), prompts=prompts, out=out)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert os.listdir(out + ".parts") == ["000000.parquet"] and not os.path.exists(out)
+    first = pq.read_table(out + ".parts/000000.parquet").to_pylist()
+    resumed = BatchGenerator(_config(tmp_path, input_path=prompts, output_path=out, n_samples=2, batch_size=2))
+    resumed.run()
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 4 and rows[:2] == first  # the killed run's part kept, the rest generated once
