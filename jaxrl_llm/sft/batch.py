@@ -107,9 +107,10 @@ class SftLoader:
         order = self._order(self.epoch)[self.index * self.batch_size:(self.index + 1) * self.batch_size]
         self.index += 1
         self.last_items = [self.examples[i] for i in order]  # what the batch holds (DPO reads its pairs' extras)
-        return collate(self._rows(self.last_items), self.pad_id, group_size=self.group_size)
+        return collate(self.rows(self.last_items), self.pad_id, group_size=self.group_size)
 
-    def _rows(self, items: list[Any]) -> list[SftExample]:
+    def rows(self, items: list[Any]) -> list[SftExample]:
+        """The examples (rows) of `items`: the items themselves, or each group's examples in turn."""
         return items if self.group_size == 1 else [e for item in items for e in item]
 
     def state(self) -> dict[str, Any]:
@@ -120,7 +121,7 @@ class SftLoader:
 
     def longest(self) -> tuple[int, int]:
         """(longest prompt, longest response) in tokens: the token-budget passes pad to these."""
-        rows = self._rows(self.examples)
+        rows = self.rows(self.examples)
         return max(len(e.prompt) for e in rows), max(len(e.response) for e in rows)
 
 

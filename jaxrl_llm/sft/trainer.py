@@ -14,7 +14,6 @@ the `sft` section first (`sft_view`).
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,8 +44,6 @@ from jaxrl_llm.sft.loss import METRIC_PREFIX, batch_nll
 from jaxrl_llm.sft.steps import sft_batch_plan, sft_step, sft_update_fn, sft_view
 from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize, on_own_mesh, to_device
 from jaxrl_llm.sharding.split import make_split_meshes
-
-log = logging.getLogger("jaxrl_llm")
 
 
 class SftTrainer:
@@ -136,7 +133,7 @@ class SftTrainer:
 
     def rows_summary(self) -> str:
         """What --dry_run prints after the resolved tree: the rows read and the step arithmetic."""
-        tokens = sum(int(e.loss_mask.sum()) for item in self.train_examples for e in self.loader._rows([item]))
+        tokens = sum(int(e.loss_mask.sum()) for e in self.loader.rows(self.train_examples))
         return (f"{self.kind}: {len(self.train_examples)} train / {len(self.val_examples)} val items, {tokens} "
                 f"trained tokens; {self.loader.batch_size} per step -> {self.loader.batches_per_epoch} steps per "
                 f"epoch; {self.total_steps} steps")
