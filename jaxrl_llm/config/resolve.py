@@ -215,7 +215,8 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
         router_aux_loss_coef=None if a.router_aux_loss_coef is None else float(a.router_aux_loss_coef),
         router_z_loss_coef=float(a.router_z_loss_coef), router_replay=a.router_replay,
-        distill_topk_coef=_distill_topk_coef(cfg.algorithm.distillation))
+        distill_topk_coef=_distill_topk_coef(cfg.algorithm.distillation),
+        policy_loss_agg_mode=a.policy_loss.loss_agg_mode, dual_clip=a.policy_loss.dual_clip)
 
 
 def _distill_topk_coef(distill: ConfigDict) -> float:
@@ -418,7 +419,7 @@ def resolve(cfg: ConfigDict, *, dp_size: int, num_train_samples: int | None = No
         rollout_is_in_loss=spec.rollout_correction.rollout_is if in_loss else None,
         rollout_is_threshold=spec.rollout_correction.rollout_is_threshold)
     if spec.rollout_correction.bypass_reinforce:  # veRL's bypass dispatch: the IS-weighted policy gradient
-        actor = dataclasses.replace(actor, loss_mode="reinforce",
+        actor = dataclasses.replace(actor, loss_mode="reinforce", dual_clip=None,
                                     rollout_is_batch_normalize=spec.rollout_correction.rollout_is_batch_normalize)
     return dataclasses.replace(spec, actor=actor)
 

@@ -95,6 +95,8 @@ class ActorSpec:
     router_z_loss_coef: float = 0.0
     router_replay: str = "none"  # none | rollout: the update replays the sampler's recorded routing
     distill_topk_coef: float = 0.0  # algorithm.distillation with signal topk_forward_kl: its loss weight
+    policy_loss_agg_mode: str | None = None  # policy_loss.loss_agg_mode: the policy loss's own aggregation
+    dual_clip: bool | None = None  # policy_loss.dual_clip: None = the loss's own (vanilla on, gspo off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,9 +336,9 @@ class RunSpec:
         recomputed when they may differ (bf16 compute) or when rollout correction compares the two,
         unless the update's own forward supplies them (`old_log_probs_from_update`)."""
         rc = self.rollout_correction
-        if self.actor.old_log_probs_from_update:
+        if self.actor.old_log_probs_from_update or rc.bypass_mode:  # bypass: the sampler's are the old ones
             return False
-        return (rc.enabled and not rc.bypass_mode) or self.actor.compute_dtype != "float32"
+        return rc.enabled or self.actor.compute_dtype != "float32"
 
     @property
     def old_log_probs_from_update(self) -> bool:
@@ -347,8 +349,8 @@ class RunSpec:
         in the reward, TRL-RLOO's KL). Where a pass would run: in bf16 (the
         sampler's log-probs are not the trainer's), and for rollout correction whose weights the
         loss can take itself (`rollout_is_in_update`). Saves a forward pass over the batch per step."""
-        if not self._update_is_first_use_of_old_log_probs:
-            return False
+        if not self._update_is_first_use_of_old_log_probs or self.rollout_correction.bypass_mode:
+            return False  # bypass: the sampler's log-probs are the old ones, in bf16 too
         bf16_only = self.actor.compute_dtype != "float32" and not self.rollout_correction.enabled
         return bf16_only or self.rollout_is_in_update
 

@@ -181,10 +181,23 @@ ACTOR = {
                                      "response length. veRL.", types=float),
     "policy_loss": {
         "loss_mode": field("vanilla", "Policy loss from the losses registry: vanilla (PPO), gspo, sapo, gpg, "
-                                      "reinforce, cispo, geo_mean. veRL.", choices=names.policy_losses),
+                                      "reinforce, cispo, geo_mean, m2po. veRL (m2po: Trinity-RFT).",
+                           choices=names.policy_losses),
+        "loss_agg_mode": field(None, "The policy loss's own aggregation, for every loss: None = veRL's rule "
+                                     "(gspo and sapo always seq-mean-token-mean, the others actor.loss_agg_mode, "
+                                     "which also aggregates the KL and entropy terms). Trinity-RFT's "
+                                     "policy_loss_fn_args.loss_agg_mode (its sapo: token-mean). geo_mean takes none "
+                                     "(one number per sequence).", types=str, choices=names.loss_agg_modes),
+        "dual_clip": field(None, "PPO's dual clip where A < 0 (min(L, -A * clip_ratio_c)): None = the loss's own "
+                                 "(vanilla on, gspo off, as veRL); true / false switch it for vanilla and gspo "
+                                 "(ROLL's importance_sampling: seq with dual_clip_loss is gspo with it on). The "
+                                 "other losses have none.", types=bool),
     },
     "tau_pos": field(1.0, "SAPO temperature for positive advantages (docs/algorithms.md, sapo). veRL.", gt=0),
     "tau_neg": field(1.05, "SAPO temperature for negative advantages (docs/algorithms.md, sapo). veRL.", gt=0),
+    "m2_threshold": field(0.04, "M2PO: bound on the mean squared log-ratio of the tokens PPO's clip would act on; "
+                                "the largest are dropped from the loss until it holds, over each whole mini-batch "
+                                "(docs/algorithms.md, m2po). Trinity-RFT.", ge=0),
     "entropy_coeff": field(0.0, "Entropy bonus coefficient (subtracted from the loss). veRL.", ge=0),
     "router_aux_loss_coef": field(None, "Mixture-of-experts models: coefficient of the load-balancing loss "
                                         "(transformers' load_balancing_loss_func; docs/moe.md); None = the "

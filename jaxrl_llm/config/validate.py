@@ -171,6 +171,23 @@ def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} with {key}.loss_type="
                               "'reinforce': bypass mode's loss replaces the policy loss (as in veRL); leave it "
                               "at vanilla")
+    actor = cfg.actor_rollout_ref.actor
+    if actor.policy_loss.loss_mode == "m2po":
+        if not rc.bypass_mode:
+            raise ConfigError(f"{ACTOR}.policy_loss.loss_mode='m2po' bounds the ratio to the sampler's policy: set "
+                              f"{key}.bypass_mode=true (the sampler's log-probs as the old ones; Trinity-RFT's "
+                              "bypass_old_logprobs)")
+        if cfg.actor_rollout_ref.model.get("lora_dropout", 0.0):
+            raise ConfigError(f"actor_rollout_ref.model.lora_dropout={cfg.actor_rollout_ref.model.lora_dropout}: "
+                              "m2po selects its tokens in a pre-pass over the mini-batch, which dropout would make "
+                              "differ from the update's forward (Trinity-RFT refuses it too); set it to 0")
+    if actor.policy_loss.dual_clip is not None and actor.policy_loss.loss_mode not in ("vanilla", "gspo"):
+        raise ConfigError(f"{ACTOR}.policy_loss.dual_clip={actor.policy_loss.dual_clip}: policy loss "
+                          f"{actor.policy_loss.loss_mode!r} has no dual clip (vanilla and gspo have one); leave it "
+                          "None")
+    if actor.policy_loss.loss_agg_mode is not None and actor.policy_loss.loss_mode == "geo_mean":
+        raise ConfigError(f"{ACTOR}.policy_loss.loss_agg_mode={actor.policy_loss.loss_agg_mode!r}: geo_mean's loss is "
+                          "one number per sequence (their mean over rows); leave it None")
     if rc.rollout_rs is None:
         return
     modes = [m.strip() for m in rc.rollout_rs.split(",")]

@@ -12,6 +12,7 @@ share of the mini-batch's response tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,13 +27,14 @@ from jaxrl_llm.config.spec import ActorSpec
 from jaxrl_llm.losses.agg import agg_loss
 from jaxrl_llm.losses.distill import topk_forward_kl
 from jaxrl_llm.losses.kl import kl_penalty
-from jaxrl_llm.losses.policy import compute_policy_loss
+from jaxrl_llm.losses.policy import POLICY_LOSSES, compute_policy_loss, m2po_keep_mask
 from jaxrl_llm.losses.rollout_correction import rollout_is_weights
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.models.moe import MoeOut, expert_load_max, load_balancing_loss, router_z_loss
 from jaxrl_llm.roles.experience import Experience, required
 from jaxrl_llm.roles.forward import response_scores
-from jaxrl_llm.roles.update import TOKEN_OUTPUT, Denominators, run_update_epochs, with_lora_loss
+from jaxrl_llm.roles.update import TOKEN_OUTPUT, Denominators, TokenPrepass, run_update_epochs, with_lora_loss
 
 sg = jax.lax.stop_gradient
 OLD_LOG_PROBS = TOKEN_OUTPUT + "old_log_probs"  # the update's own log-probs, [N, R] (update.py TOKEN_OUTPUT)
@@ -64,13 +66,15 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
         s.loss_mode, old_log_prob, log_prob, mb.advantages, mask,
         loss_agg_mode=s.loss_agg_mode, clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-        rollout_is_weights=is_weights, **counts, **dict(s.loss_kwargs))
+        rollout_is_weights=is_weights, policy_agg_mode=s.policy_loss_agg_mode, token_mask=mb.loss_token_mask,
+        dual_clip=s.dual_clip,
+        **counts, **dict(s.loss_kwargs))
     # The entropy is always reported; it carries gradient only when it is part of the loss.
     entropy_agg = agg_loss(entropy if s.entropy_coeff else sg(entropy), mask, s.loss_agg_mode, **counts)
     loss = pg_loss - s.entropy_coeff * entropy_agg
     metrics = dict(metrics)
     if s.rollout_is_in_loss is not None:
-        metrics[OLD_LOG_PROBS] = jnp.where(mask > 0, old_log_prob, 0.0)
+        metrics[OLD_LOG_PROBS] = jnp.where(mask > 0, sg(log_prob), 0.0)
     metrics["actor/pg_loss"] = sg(pg_loss)
     metrics["actor/entropy"] = sg(entropy_agg)
     if s.use_kl_loss:
@@ -87,6 +91,36 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     if router is not None:
         loss, metrics = _with_router_losses(loss, metrics, router, mask, denoms, model_cfg, s, mb.routing is not None)
     return loss, metrics
+
+
+def current_log_probs(params: dict, mb: Experience, *, model_cfg: ModelConfig, s: ActorSpec,
+                      mesh: Mesh | None = None) -> jax.Array:
+    """The policy's log-probs of the micro-batch's response tokens (0 off its mask), no gradient: the
+    update's pre-pass for a loss that reads the whole mini-batch first."""
+    log_prob = response_scores(
+        params, model_cfg, mb.input_ids, mb.attention_mask, mb.response_mask.shape[1],
+        temperature=s.temperature, compute_dtype=s.compute_dtype, remat="none", with_entropy=False,
+        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing)[0]
+    return jnp.where(mb.response_mask > 0, sg(log_prob), 0.0)
+
+
+def token_mask_prepass(s: ActorSpec, model_cfg: ModelConfig, mesh: Mesh | None, frozen: dict | None,
+                       lora_scale: float) -> TokenPrepass | None:
+    """The pre-pass of a `needs_token_mask` policy loss (M2PO): the mini-batch's current log-probs against
+    its old ones (the sampler's: bypass mode) -> `Experience.loss_token_mask`."""
+    if not POLICY_LOSSES.capability(s.loss_mode, "needs_token_mask"):
+        return None
+    threshold = dict(s.loss_kwargs)["m2_threshold"]
+
+    def forward(params: dict, mb: Experience) -> jax.Array:
+        full = params if frozen is None else with_lora(frozen, params["lora"], lora_scale)
+        return current_log_probs(full, mb, model_cfg=model_cfg, s=s, mesh=mesh)
+
+    def finish(mini: Experience, log_probs: jax.Array) -> Experience:
+        keep = m2po_keep_mask(log_probs - mini.old_log_probs, mini.response_mask, mini.advantages, threshold)
+        return dataclasses.replace(mini, loss_token_mask=keep)
+
+    return TokenPrepass(forward, finish)
 
 
 def router_aux_loss_coef(s: ActorSpec, model_cfg: ModelConfig) -> float:
@@ -125,11 +159,12 @@ def update_actor(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax
     program once jitted, which `TrainedRole.update` does). LoRA: `params` is {"lora": adapters}, the
     only leaves differentiated and updated, and `frozen` the base they are attached to; `lora_dropout`:
     PEFT's dropout on the adapters' input in this forward (a key per micro-batch)."""
-    loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s,
-                                mesh=None if rows_sharding is None else rows_sharding.mesh)
+    mesh = None if rows_sharding is None else rows_sharding.mesh
+    loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s, mesh=mesh)
     loss_fn, dropout = with_lora_loss(loss_fn, frozen, lora_scale, lora_dropout)
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding,
-        packing=packing, token_outputs=(OLD_LOG_PROBS,) if s.rollout_is_in_loss else (), loss_takes_rng=dropout)
+        packing=packing, token_outputs=(OLD_LOG_PROBS,) if s.rollout_is_in_loss else (), loss_takes_rng=dropout,
+        prepass=token_mask_prepass(s, model_cfg, mesh, frozen, lora_scale))

@@ -59,6 +59,8 @@ class Experience:
     teacher_topk_log_probs: Array | None = None
     # set per micro-batch by the update when sequences are packed (model.use_remove_padding)
     packing: PackedLayout | None = None
+    # set per mini-batch by the update's pre-pass: a policy loss's keep-mask over the whole mini-batch (M2PO)
+    loss_token_mask: Array | None = None
 
 
 def required(value: Array | None, field: str, needed_by: str) -> Array:

@@ -37,6 +37,17 @@ TOKEN_OUTPUT = "tokens/"
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
+class TokenPrepass(NamedTuple):
+    """A per-token quantity a loss needs over its whole mini-batch before any gradient (M2PO's mask,
+    whose selection does not split over micro-batches): `forward(params, micro)` gives [n, R] values
+    (0 off the micro-batch's response mask) with the params of the mini-batch's optimizer step, no
+    gradient; `finish(mini, values)` returns the mini-batch with what the loss reads set from the
+    [N, R] values. One forward per mini-batch more."""
+
+    forward: Callable[[Any, Any], jax.Array]
+    finish: Callable[[Any, jax.Array], Any]
+
+
 class Denominators(NamedTuple):
     """Global counts over one mini-batch, passed to every micro-batch's loss."""
 
@@ -91,6 +102,7 @@ def run_update_epochs(
     packing: UpdateLayout | None = None,
     token_outputs: tuple[str, ...] = (),
     loss_takes_rng: bool = False,
+    prepass: TokenPrepass | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """Returns updated (params, opt_state) and metrics: `loss_fn` metrics must be normalised by the
     global `Denominators` (so they are summed over micro-batches), then averaged over mini-batches
@@ -109,7 +121,10 @@ def run_update_epochs(
     the response mask cut to its own sequences, and empty ones are skipped by a `lax.cond`.
 
     loss_takes_rng: `loss_fn(params, micro, denominators, key)` with a key of its own per micro-batch,
-    epoch and mini-batch (LoRA dropout), drawn from `rng` apart from the shuffle's."""
+    epoch and mini-batch (LoRA dropout), drawn from `rng` apart from the shuffle's.
+
+    prepass: a `TokenPrepass` run on each mini-batch before its gradients (micro-batch by micro-batch,
+    packed as they are)."""
     num_rows = jax.tree.leaves(batch)[0].shape[0]
     if num_rows % (num_mini_batches * num_micro_batches):
         raise ValueError(
@@ -140,16 +155,32 @@ def run_update_epochs(
             (loss, metrics), grads = grad_fn(params, micro, denoms, key)
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
-        def budget_micro(layout):
+        def budget_micro(layout, mini):
             # every micro-batch reads the whole mini-batch and scores the sequences its rows hold:
             # the other rows' tokens are masked out (their log-probs come back as 0)
             covered = response_coverage(layout, mini.response_mask.shape[0], mini.response_mask.shape[1])
             return mini.replace(packing=layout, response_mask=mini.response_mask * covered)
 
+        def prepass_values(prepass: TokenPrepass, params, mini, micros, layouts):
+            if by_budget:  # each micro-batch's values hold the mini-batch's rows, 0 off its own sequences
+                def one_budget(total, layout):
+                    micro = budget_micro(layout, mini)
+                    return total + unless_empty(layout, lambda: prepass.forward(params, micro)), None
+                return jax.lax.scan(one_budget, jnp.zeros(mini.response_mask.shape, jnp.float32), layouts)[0]
+
+            def one(xs):
+                micro, layout = xs
+                return prepass.forward(params, micro if layout is None else micro.replace(packing=layout))
+            return _merge_leading(jax.lax.map(one, (micros, layouts)))
+
+        if prepass is not None:
+            mini = prepass.finish(mini, jax.lax.stop_gradient(prepass_values(prepass, params, mini, micros, layouts)))
+            micros = _split(mini, num_micro_batches, rows_sharding)
+
         def budget_micro_step(acc, xs):
             layout, key = xs
             grads_acc, tokens_acc = acc
-            micro = budget_micro(layout)
+            micro = budget_micro(layout, mini)
             (loss, metrics), grads = unless_empty(layout, lambda: grad_fn(params, micro, denoms, key))
             # each micro-batch's token outputs hold the mini-batch's rows, 0 off its own sequences:
             # added up in the carry (stacking them would keep [micro-batches, N, R])

@@ -286,6 +286,33 @@ def test_trinity_defaults_of_the_algorithm_type(home, tmp_path):
     assert s["trainer.total_training_steps"] == 30 and s["trainer.test_freq"] == 20
 
 
+def test_trinity_m2po_and_token_mean_sapo(home, tmp_path):
+    """Trinity's m2po preset (its defaults: 8 samples, no KL, no entropy, threshold 0.04, the sampler's
+    log-probs as the old ones) and its sapo with token-mean aggregation (Trinity's default for it)."""
+    base = {"trainer.trainer_config": None, "synchronizer.sync_interval": 1, "buffer.train_batch_size": None}
+    s = import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {"algorithm_type": "m2po"}}), dp_size=4).settings
+    assert (s[f"{A}.policy_loss.loss_mode"], s[f"{R}.n"], s[f"{A}.use_kl_loss"], s[f"{A}.entropy_coeff"]) == (
+        "m2po", 8, False, 0.0)
+    assert s[f"{A}.m2_threshold"] == 0.04 and s["algorithm.rollout_correction.bypass_mode"] is True
+    spec = import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {
+        "algorithm_type": "m2po", "policy_loss_fn_args": {"m2_threshold": 0.1}}}), dp_size=4)
+    assert spec.settings[f"{A}.m2_threshold"] == 0.1
+    assert validate_config(spec.config(), dp_size=4, check_paths=False).actor_rollout_ref.actor.m2_threshold == 0.1
+    for args, key, why in [({"bypass_old_logprobs": False}, "algorithm.bypass_old_logprobs", "sampler's log-probs"),
+                           ({"policy_loss_fn_args": {"log_ratio_clip": 5.0}}, "algorithm.policy_loss_fn_args."
+                            "log_ratio_clip", "clamps the log-ratio at 20")]:
+        with pytest.raises(ConfigError, match=key) as err:
+            import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {"algorithm_type": "m2po", **args}}),
+                          dp_size=4)
+        assert why in str(err.value)
+    s = import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {"algorithm_type": "sapo"}}), dp_size=4).settings
+    assert (s[f"{A}.policy_loss.loss_mode"], s[f"{A}.policy_loss.loss_agg_mode"]) == ("sapo", "token-mean")
+    s = import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {"algorithm_type": "grpo",
+                                                                        "bypass_old_logprobs": True}}),
+                      dp_size=4).settings
+    assert s["algorithm.rollout_correction.bypass_mode"] is True
+
+
 def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     # Trinity: sync_offset explorer steps ahead, sync_interval explorer steps per jaxrl_llm step (= one version)
     path = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1, "synchronizer.sync_interval": 4,
@@ -378,7 +405,22 @@ def test_roll_defaults_and_gspo(home, tmp_path):
     path = variant(ROLL, tmp_path, {"dual_clip_loss": None, "use_pg_clip_range": None, "importance_sampling": "seq"})
     s = import_config(path, dp_size=8).settings
     assert s[f"{A}.clip_ratio_c"] == NO_DUAL_CLIP and s[f"{A}.policy_loss.loss_mode"] == "gspo"
+    assert (s[f"{A}.policy_loss.loss_agg_mode"], s[f"{A}.policy_loss.dual_clip"]) == ("seq-mean-token-mean", False)
     assert f"{A}.clip_ratio_high" not in s
+    # ROLL's sequence ratio with its dual clip and any aggregation: gspo with both switched (tests/losses: values
+    # and gradients equal ROLL's)
+    path = variant(ROLL, tmp_path, {"dual_clip_loss": True, "importance_sampling": "seq",
+                                    "loss_agg_mode": "token-mean"})
+    a = validate_config(import_config(path, dp_size=8).config(), dp_size=8, check_paths=False).actor_rollout_ref.actor
+    assert (a.policy_loss.loss_mode, a.policy_loss.loss_agg_mode, a.policy_loss.dual_clip, a.clip_ratio_c) == (
+        "gspo", "token-mean", True, 1.4)
+
+
+def test_roll_dataset_dir_joins_the_file_names(home, tmp_path):
+    s = import_config(variant(ROLL, tmp_path, {"actor_train.data_args.dataset_dir": "/data",
+                                               "actor_train.data_args.file_name": ["a.jsonl", "b/c.jsonl"]}),
+                      dp_size=8).settings
+    assert s["data.train_files"] == ["/data/a.jsonl", "/data/b/c.jsonl"]
 
 
 def test_roll_shaping_and_sample_masks_import(home, tmp_path):
@@ -415,15 +457,12 @@ def test_roll_shaping_and_sample_masks_import(home, tmp_path):
     ("adv_estimator", "gigpo", "jaxrl_llm has gae, grpo"),
     ("error_max_len_clip", True, "wrong answers"),
     ("actor_infer.generating_args.repetition_penalty", 1.1, "repetition"),
-    ("loss_agg_mode", "token-mean", "not available"),  # with importance_sampling: seq below
+    ("critic.model_args.model_type", "trl", "dropout 0.1"),
     ("actor_train.training_args.gradient_accumulation_steps", 3, "whole number of groups"),
     ("actor_train.training_args.lr_scheduler_type", "polynomial", "constant, cosine and linear"),
 ])
 def test_roll_meaning_changing_keys_are_errors(home, tmp_path, key, value, why):
     changes = {key: value}
-    if key == "loss_agg_mode":
-        changes["importance_sampling"] = "seq"
-        key, why = "importance_sampling", "seq-mean-token-mean"
     with pytest.raises(ConfigError) as err:
         import_config(variant(ROLL, tmp_path, changes), dp_size=8)
     assert str(err.value).startswith(f"{tmp_path}/variant.yaml: {key}") and why in str(err.value)

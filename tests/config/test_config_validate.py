@@ -70,6 +70,30 @@ def test_the_peer_feature_keys_reach_the_run_spec():
     assert resolve_reward(plain).named is None and resolve_advantage(plain).pf_ppo is None
 
 
+def test_policy_loss_keys_reach_the_actor_spec_and_misuse_is_refused():
+    """m2po with its threshold (bypass mode: the sampler's log-probs are the old ones), the policy loss's own
+    aggregation and its dual clip reach ActorSpec; each key where it cannot act is an error naming it."""
+    from jaxrl_llm.config import resolve as resolve_spec
+
+    a = "actor_rollout_ref.actor."
+    spec = resolve_spec(_validate(_cfg(f"{a}policy_loss.loss_mode=m2po", f"{a}m2_threshold=0.1",
+                                       "algorithm.rollout_correction.bypass_mode=true")), dp_size=2)
+    assert (spec.actor.loss_mode, spec.actor.loss_kwargs) == ("m2po", (("m2_threshold", 0.1),))
+    assert not spec.recompute_old_log_probs and not spec.actor.old_log_probs_from_update
+    spec = resolve_spec(_validate(_cfg(f"{a}policy_loss.loss_mode=gspo", f"{a}policy_loss.loss_agg_mode=token-mean",
+                                       f"{a}policy_loss.dual_clip=true")), dp_size=2)
+    assert (spec.actor.policy_loss_agg_mode, spec.actor.dual_clip) == ("token-mean", True)
+    for overrides, match in [
+        ([f"{a}policy_loss.loss_mode=m2po"], "set algorithm.rollout_correction.bypass_mode=true"),
+        ([f"{a}policy_loss.loss_mode=m2po", "algorithm.rollout_correction.bypass_mode=true",
+          "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_dropout=0.05"], "lora_dropout=0.05"),
+        ([f"{a}policy_loss.loss_mode=geo_mean", f"{a}policy_loss.loss_agg_mode=token-mean"], "one number per sequence"),
+        ([f"{a}policy_loss.loss_mode=sapo", f"{a}policy_loss.dual_clip=true"], "'sapo' has no dual clip"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            _validate(_cfg(*overrides))
+
+
 def test_validate_returns_a_copy_and_is_idempotent():
     cfg = _cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1")
     before = cfg.to_dict()

@@ -159,3 +159,41 @@ def test_critic_update_reduces_value_loss():
         params, opt, m = update(params, opt, b, jax.random.PRNGKey(i))
         losses.append(float(m["critic/vf_loss"]))
     assert losses[-1] < losses[0]
+
+
+def test_m2po_update_masks_over_the_whole_mini_batch():
+    """M2PO's token selection is not separable: the update's pre-pass computes it over the whole mini-batch
+    with the step's params, so 1 or 4 micro-batches give the plain full-batch gradient step, and a mask
+    taken per micro-batch would not."""
+    from jaxrl_llm.losses.policy import m2po_keep_mask
+
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    b = _batch()
+    lp0 = response_log_probs(params, CFG, b.input_ids, b.attention_mask, R, temperature=0.7)
+    rng = np.random.default_rng(5)  # the sampler's log-probs (bypass mode): the policy's, moved a little
+    b = dataclasses.replace(b, old_log_probs=lp0 + jnp.asarray(rng.normal(0, 0.2, lp0.shape), jnp.float32))
+    s = dataclasses.replace(SETTINGS, loss_mode="m2po", loss_kwargs=(("m2_threshold", 0.01),), entropy_coeff=0.0,
+                            use_kl_loss=False)
+    tx = optax.sgd(0.5)
+
+    def run(num_micro):
+        update = jax.jit(functools.partial(update_actor, model_cfg=CFG, s=s, tx=tx, num_mini_batches=1,
+                                           num_micro_batches=num_micro))
+        return jax.device_get(update(params, tx.init(params), b, jax.random.PRNGKey(1)))
+
+    def full_batch_loss(p):
+        lp = response_log_probs(p, CFG, b.input_ids, b.attention_mask, R, temperature=0.7)
+        return compute_policy_loss("m2po", b.old_log_probs, lp, b.advantages, b.response_mask, m2_threshold=0.01)[0]
+
+    want = jax.tree.map(lambda p, g: p - 0.5 * g, params, jax.grad(full_batch_loss)(params))
+    (p1, _, m1), (p4, _, m4) = run(1), run(4)
+    for got in (p1, p4):
+        jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, atol=2e-6, rtol=1e-5), got, want)
+    keep = m2po_keep_mask(lp0 - b.old_log_probs, b.response_mask, b.advantages, 0.01)
+    dropped = float(jnp.sum(b.response_mask * (1 - keep)) / jnp.sum(b.response_mask))
+    assert 0 < dropped < 0.5
+    np.testing.assert_allclose(m1["actor/pg_clipfrac"], dropped, rtol=1e-5)
+    np.testing.assert_allclose(m4["actor/pg_clipfrac"], dropped, rtol=1e-5)
+    per_half = jnp.concatenate([m2po_keep_mask(x, m, a, 0.01) for x, m, a in zip(
+        jnp.split(lp0 - b.old_log_probs, 2), jnp.split(b.response_mask, 2), jnp.split(b.advantages, 2))])
+    assert not np.array_equal(np.asarray(per_half), np.asarray(keep))  # a per-micro-batch mask would differ

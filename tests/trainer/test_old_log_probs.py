@@ -32,6 +32,9 @@ RC = "algorithm.rollout_correction."
     ({RC + "rollout_is": "token", RC + "rollout_is_batch_normalize": True}, False, False),
     ({RC + "rollout_is": "token", RC + "rollout_rs": "token_k1", RC + "rollout_rs_threshold": "0.5_2.0"}, False, False),
     ({RC + "rollout_rs": "token_k1", RC + "rollout_rs_threshold": "0.5_2.0"}, False, False),
+    # bypass mode: the sampler's log-probs are the old ones, in bf16 too (no pass, not the update's own)
+    ({**BF16, RC + "bypass_mode": True}, False, False),
+    ({**BF16, RC + "bypass_mode": True, RC + "rollout_is": "token"}, False, False),
 ])
 def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from_update, in_loss):
     spec = resolve(validate_config(tiny_runs.tiny_config(tmp_path, **overrides), dp_size=1), dp_size=1)
@@ -40,7 +43,8 @@ def test_which_runs_take_old_log_probs_from_the_update(tmp_path, overrides, from
     assert spec.actor.rollout_is_in_loss == (overrides.get(RC + "rollout_is") if in_loss else None)
     bf16 = overrides.get("actor_rollout_ref.model.dtype") == "bfloat16"
     corrected = any(overrides.get(RC + k) for k in ("rollout_is", "rollout_rs"))
-    assert spec.recompute_old_log_probs is ((bf16 or corrected) and not from_update)
+    bypass = bool(overrides.get(RC + "bypass_mode"))
+    assert spec.recompute_old_log_probs is ((bf16 or corrected) and not from_update and not bypass)
 
 
 def test_bypass_reinforce_takes_its_weights_in_the_loss(tmp_path):

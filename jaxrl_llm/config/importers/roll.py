@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
 import re
 from typing import Any
 
@@ -188,11 +189,11 @@ def _algorithm(m: Mapper, src: Source) -> None:
         value_clip = src.take("value_clip")
         m.set("critic.cliprange_value", NO_DUAL_CLIP if value_clip is None else value_clip, "value_clip")
     sampling = src.take("importance_sampling", "token")
-    if sampling == "seq":  # sequence-mean log-ratio, PPO clip, no dual clip: our gspo when seq-mean-token-mean
-        if m.get(f"{A}.loss_agg_mode") != "seq-mean-token-mean" or dual:
-            m.error("importance_sampling", "'seq' matches jaxrl_llm's gspo loss only with loss_agg_mode "
-                                           "seq-mean-token-mean and dual_clip_loss false")
+    if sampling == "seq":  # the sequence-mean log-ratio in ROLL's PPO loss: our gspo (same values and gradients),
+        # aggregated as ROLL's loss_agg_mode says, with the dual clip when dual_clip_loss
         m.set(f"{A}.policy_loss.loss_mode", "gspo", "importance_sampling")
+        m.set(f"{A}.policy_loss.loss_agg_mode", m.get(f"{A}.loss_agg_mode"), "loss_agg_mode")
+        m.set(f"{A}.policy_loss.dual_clip", bool(dual), "dual_clip_loss")
     policy = src.take("use_policy_loss_type", "PPO")
     if policy != "PPO":
         m.error("use_policy_loss_type", f"{policy!r}: only the PPO loss is available")
@@ -234,6 +235,14 @@ def _roles(m: Mapper, src: Source) -> None:
         key = f"{role}.model_args.disable_gradient_checkpointing"
         if src.has(key):
             m.set(f"{model}.enable_gradient_checkpointing", not src.take(key), key)
+    head = src.take("critic.model_args.model_type")
+    if head == "trl":  # roll/models/model_providers.py: trl's AutoModelForCausalLMWithValueHead
+        m.error("critic.model_args.model_type", "'trl': TRL's value head drops its input (dropout 0.1) before the "
+                                                "linear head while training; jaxrl_llm's critic is veRL's token "
+                                                "classifier without dropout: use auto_token_classification")
+    elif head not in (None, "auto_token_classification"):
+        m.error("critic.model_args.model_type", f"{head!r}: the critic is a value per token "
+                                                "(auto_token_classification)")
     ref = src.take("reference.model_args.model_name_or_path")
     if ref not in (None, m.get("actor_rollout_ref.model.path")):
         m.error("reference.model_args.model_name_or_path", f"{ref!r}: the reference model is the initial policy "
@@ -254,6 +263,10 @@ def _roles(m: Mapper, src: Source) -> None:
 def _data(m: Mapper, src: Source) -> None:
     for role, ours in (("actor_train", "data.train_files"), ("validation", "data.val_files")):
         files = src.take(f"{role}.data_args.file_name")
+        folder = src.take(f"{role}.data_args.dataset_dir")
+        if files is not None and folder not in (None, "", "."):  # ROLL joins each file name to it (get_dataset)
+            files = ([os.path.join(str(folder), str(f)) for f in files] if isinstance(files, list)
+                     else os.path.join(str(folder), str(files)))
         if files is not None:
             m.set(ours, files, f"{role}.data_args.file_name")
         template = src.take(f"{role}.data_args.template")

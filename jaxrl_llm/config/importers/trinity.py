@@ -51,21 +51,25 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "gspo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "gspo"},
     "cispo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "cispo"},
     "sapo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "sapo"},
+    "m2po": {**_BASE, "repeat_times": 8, "advantage_fn": "grpo", "policy_loss_fn": "m2po", "kl_loss_fn": "none",
+             "entropy_loss_fn": "none"},
 }
 ADVANTAGE_FNS = {"ppo": "gae", "grpo": "grpo", "reinforceplusplus": "reinforce_plus_plus", "rloo": "rloo",
                  "remax": "remax"}
-POLICY_LOSS_FNS = {"ppo": "vanilla", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo"}
+POLICY_LOSS_FNS = {"ppo": "vanilla", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo", "m2po": "m2po"}
 # Trinity's default_args of the policy losses whose defaults differ from ours
 POLICY_LOSS_DEFAULT_ARGS = {"gspo": {"clip_range_low": 0.0003, "clip_range_high": 0.0004,
                                      "loss_agg_mode": "seq-mean-token-mean"},
                             "cispo": {"clip_range_low": 1.0, "clip_range_high": 0.28, "loss_agg_mode": "token-mean"},
-                            "sapo": {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "token-mean"}}
-# losses whose aggregation is fixed in jaxrl_llm (veRL's): Trinity's must be the same
-FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
+                            "sapo": {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "token-mean"},
+                            "m2po": {"m2_threshold": 0.04, "loss_agg_mode": "token-mean", "log_ratio_clip": 20.0}}
+# losses whose aggregation veRL fixes: Trinity's own goes to policy_loss.loss_agg_mode (every loss takes one)
+OWN_AGG = ("gspo", "sapo")
 KL_FNS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl", "abs": "abs"}
 POLICY_ARGS = {"clip_range": f"{A}.clip_ratio", "clip_range_low": f"{A}.clip_ratio_low",
                "clip_range_high": f"{A}.clip_ratio_high", "clip_ratio_c": f"{A}.clip_ratio_c",
-               "loss_agg_mode": f"{A}.loss_agg_mode", "tau_pos": f"{A}.tau_pos", "tau_neg": f"{A}.tau_neg"}
+               "loss_agg_mode": f"{A}.loss_agg_mode", "tau_pos": f"{A}.tau_pos", "tau_neg": f"{A}.tau_neg",
+               "m2_threshold": f"{A}.m2_threshold"}
 OPTIM_ARGS = {"lr": "lr", "lr_warmup_steps": "lr_warmup_steps", "lr_warmup_steps_ratio": "lr_warmup_steps_ratio",
               "min_lr_ratio": "min_lr_ratio", "warmup_style": "lr_scheduler_type",
               "lr_scheduler_type": "lr_scheduler_type", "weight_decay": "weight_decay", "betas": "betas",
@@ -120,10 +124,11 @@ def _algorithm(m: Mapper, src: Source) -> None:
         m.error("algorithm.policy_loss_fn", f"{loss!r}: jaxrl_llm has {', '.join(POLICY_LOSS_FNS)}")
     m.set(f"{A}.policy_loss.loss_mode", POLICY_LOSS_FNS[loss], "algorithm.policy_loss_fn")
     args = {**POLICY_LOSS_DEFAULT_ARGS.get(loss, {}), **_fn_args(m, src, "policy_loss_fn")}  # Trinity's defaults
-    if loss in FIXED_AGG and args.get("loss_agg_mode", FIXED_AGG[loss]) != FIXED_AGG[loss]:
-        m.error("algorithm.policy_loss_fn_args.loss_agg_mode",
-                f"{args['loss_agg_mode']!r} (Trinity's default for {loss}): jaxrl_llm's {loss} (veRL's) aggregates "
-                f"{FIXED_AGG[loss]}; set loss_agg_mode: {FIXED_AGG[loss]} to import it")
+    if loss in OWN_AGG and "loss_agg_mode" in args:  # Trinity's gspo / sapo aggregate as their args say
+        m.set(f"{A}.policy_loss.loss_agg_mode", args.pop("loss_agg_mode"),
+              "algorithm.policy_loss_fn_args.loss_agg_mode")
+    if loss == "m2po":
+        _m2po(m, src, args)
     if args.pop("enable_sequence_masking", False):
         m.error("algorithm.policy_loss_fn_args.enable_sequence_masking", "True: sequence masking is not available")
     if "delta" in args:
@@ -143,11 +148,28 @@ def _algorithm(m: Mapper, src: Source) -> None:
           "algorithm.entropy_loss_fn")
     _unknown_args(m, "entropy_loss_fn_args", args, set())
     _optimizer(m, src)
+    bypass = src.take("algorithm.bypass_old_logprobs")  # m2po took its own
+    if bypass is not None:
+        m.set("algorithm.rollout_correction.bypass_mode", bool(bypass), "algorithm.bypass_old_logprobs")
     strategy = src.take("algorithm.sample_strategy")
     if strategy not in (None, "default", "warmup"):
         m.error("algorithm.sample_strategy", f"{strategy!r}: only on-policy sampling of the taskset is available")
     for key in src.keys_under("algorithm"):
         leftover(m, key, src.drop(key))
+
+
+def _m2po(m: Mapper, src: Source, args: dict[str, Any]) -> None:
+    """Trinity's m2po bounds the ratio to the sampler's policy: it needs `bypass_old_logprobs` (its default),
+    our rollout correction's bypass mode; the log-ratio clamp is fixed at 20 here."""
+    bypass = src.take("algorithm.bypass_old_logprobs", True)
+    if not bypass:
+        m.error("algorithm.bypass_old_logprobs", "False: m2po needs the sampler's log-probs as the old ones (Trinity "
+                                                 "refuses it too)")
+    m.set("algorithm.rollout_correction.bypass_mode", True, "algorithm.bypass_old_logprobs")
+    clip = args.pop("log_ratio_clip", 20.0)
+    if float(clip) != 20.0:
+        m.error("algorithm.policy_loss_fn_args.log_ratio_clip", f"{clip!r}: jaxrl_llm's m2po clamps the log-ratio at "
+                                                                "20 (Trinity's default)")
 
 
 def _kl(m: Mapper, src: Source, name: str, role: str) -> None:
