@@ -275,6 +275,7 @@ def resolve_advantage(cfg: ConfigDict) -> AdvantageSpec:
                                 normalize_reward=bool(trl.normalize_reward),
                                 reward_clip_range=float(trl.reward_clip_range),
                                 normalize_advantage=bool(trl.normalize_advantage)),
+        norm_mean_type=alg.norm_mean_type, norm_std_type=alg.norm_std_type,
         reward_clip=None if alg.reward_clip is None else float(alg.reward_clip),
         whiten_rewards=bool(alg.whiten_rewards), whiten_advantages=bool(alg.whiten_advantages),
         advantage_clip=None if alg.advantage_clip is None else float(alg.advantage_clip),

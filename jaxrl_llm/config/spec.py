@@ -152,6 +152,8 @@ class AdvantageSpec:
     kl_penalty: str
     trl_rloo: TrlRlooOptions  # adv_estimator=trl_rloo only (algorithm.trl_rloo.*)
     # ROLL's shaping around the estimator (losses/shaping.py; None / False: off)
+    norm_mean_type: str | None = None  # batch | group: each score minus that mean (ROLL's reward_norm)
+    norm_std_type: str | None = None  # batch | group: ... divided by that std + 1e-6
     reward_clip: float | None = None
     whiten_rewards: bool = False
     whiten_advantages: bool = False

@@ -181,7 +181,8 @@ ACTOR = {
                                      "response length. veRL.", types=float),
     "policy_loss": {
         "loss_mode": field("vanilla", "Policy loss from the losses registry: vanilla (PPO), gspo, sapo, gpg, "
-                                      "reinforce, cispo, geo_mean, m2po. veRL (m2po: Trinity-RFT).",
+                                      "reinforce, cispo, geo_mean, m2po, topr. veRL (m2po: Trinity-RFT; topr: ROLL's "
+                                      "pg_variant).",
                            choices=names.policy_losses),
         "loss_agg_mode": field(None, "The policy loss's own aggregation, for every loss: None = veRL's rule "
                                      "(gspo and sapo always seq-mean-token-mean, the others actor.loss_agg_mode, "
@@ -195,6 +196,10 @@ ACTOR = {
     },
     "tau_pos": field(1.0, "SAPO temperature for positive advantages (docs/algorithms.md, sapo). veRL.", gt=0),
     "tau_neg": field(1.05, "SAPO temperature for negative advantages (docs/algorithms.md, sapo). veRL.", gt=0),
+    "topr_positive_weight": field(1.0, "TOPR: weight of the rows whose sequence score is > 0 (their plain -A log pi; "
+                                       "docs/algorithms.md, topr). ROLL.", ge=0),
+    "topr_negative_weight": field(1.0, "TOPR: weight of the other rows (-sg(clip(ratio, 0, 1)) A log pi). ROLL.",
+                                  ge=0),
     "m2_threshold": field(0.04, "M2PO: bound on the mean squared log-ratio of the tokens PPO's clip would act on; "
                                 "the largest are dropped from the loss until it holds, over each whole mini-batch "
                                 "(docs/algorithms.md, m2po). Trinity-RFT.", ge=0),
@@ -607,6 +612,13 @@ ALGORITHM = {
                                         "others (each + 1e-8). veRL.", choices=("pow", "max_min", "max_random")),
         "weight_pow": field(2.0, "The power of the pow method. veRL.", ge=0),
     },
+    "norm_mean_type": field(None, "Subtract from each response's score the mean over the step's responses "
+                                  "('batch') or over its prompt's ('group'), before reward_clip (ROLL's reward "
+                                  "normalisation, for any estimator; grpo normalises by itself). None = off. ROLL.",
+                            types=str, choices=("batch", "group")),
+    "norm_std_type": field(None, "Then divide it by the standard deviation (unbiased) over the step's responses "
+                                 "('batch') or its prompt's ('group'), + 1e-6. None = off. ROLL.",
+                           types=str, choices=("batch", "group")),
     "reward_clip": field(None, "Clamp each response's reward to [-reward_clip, reward_clip]: for grpo its "
                                "group-normalised score, for the other estimators the raw score (before the "
                                "KL in the reward); logs critic/reward_clip_frac. None = off. ROLL.",

@@ -27,8 +27,10 @@ Array = jax.Array
 # (M2PO's; roles/actor.py computes it in the update's pre-pass and passes it as `token_mask`).
 # `dual_clip`: whether the loss applies PPO's dual clip by default (`policy_loss.dual_clip` None); None: the
 # loss has no dual clip to switch.
+# `needs_scores`: the loss reads each row's sequence score (`scores`, TOPR's split of the rows by sign).
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss", {"fixed_agg_mode": None, "extra_params": (),
-                                                           "needs_token_mask": False, "dual_clip": None})
+                                                           "needs_token_mask": False, "dual_clip": None,
+                                                           "needs_scores": False})
 register_policy_loss = POLICY_LOSSES.register
 sg = jax.lax.stop_gradient
 
@@ -52,6 +54,7 @@ class PolicyLossInputs:
     agg_chosen: bool = False  # loss_agg_mode is the policy loss's own (policy_agg_mode): no fixed mode applies
     token_mask: Array | None = None  # a loss's mini-batch-wide keep-mask (needs_token_mask), 1 = kept
     dual_clip: bool = False  # PPO's dual clip where A < 0 (vanilla and gspo)
+    scores: Array | None = None  # [B] the rows' sequence scores (needs_scores)
 
     def agg(self, loss_mat: Array, fixed: str | None = None) -> Array:
         """Aggregated with `loss_agg_mode`; with `fixed` (veRL's mode for this loss) unless one was chosen."""
@@ -87,6 +90,7 @@ def compute_policy_loss(
     policy_agg_mode: str | None = None,
     token_mask: Array | None = None,
     dual_clip: bool | None = None,
+    scores: Array | None = None,
     **kw,
 ) -> tuple[Array, dict[str, Array]]:
     """Dispatch to the policy loss registered as `name`; extra `kw` (its `extra_params`) go to it.
@@ -95,7 +99,8 @@ def compute_policy_loss(
     including those veRL fixes (gspo, sapo); None: `loss_agg_mode`, or the loss's fixed mode.
     token_mask: the keep-mask a `needs_token_mask` loss computed over the whole mini-batch (the update's
     pre-pass); None: the loss computes it over the rows it is given.
-    dual_clip: PPO's dual clip on or off for the losses that have one (vanilla: on, gspo: off by default)."""
+    dual_clip: PPO's dual clip on or off for the losses that have one (vanilla: on, gspo: off by default).
+    scores: [B] the rows' sequence scores, for a `needs_scores` loss (topr)."""
     fn = POLICY_LOSSES.get(name)
     unknown = set(kw) - set(POLICY_LOSSES.capability(name, "extra_params"))
     if unknown:
@@ -120,7 +125,8 @@ def compute_policy_loss(
         is_weights=None if rollout_is_weights is None else sg(jnp.asarray(rollout_is_weights, jnp.float32)),
         num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor,
         token_mask=None if token_mask is None else sg(jnp.asarray(token_mask, jnp.float32)),
-        dual_clip=bool(default_dual if dual_clip is None else dual_clip))
+        dual_clip=bool(default_dual if dual_clip is None else dual_clip),
+        scores=None if scores is None else sg(jnp.asarray(scores, jnp.float32)))
     return fn(inputs, **kw)
 
 
@@ -227,6 +233,20 @@ def geo_mean(p: PolicyLossInputs):
     clipped = log_ratio != log_ratio_clip
     return jnp.sum(losses) / rows, _metrics(
         p.mmean(clipped & (p.advantages > 0)), p.mmean(-log_ratio), p.mmean(clipped & (p.advantages < 0)))
+
+
+@register_policy_loss("topr", extra_params=("topr_positive_weight", "topr_negative_weight"), needs_scores=True)
+def topr(p: PolicyLossInputs, topr_positive_weight: float = 1.0, topr_negative_weight: float = 1.0):
+    """TOPR (tapered off-policy REINFORCE, Le Roux et al. 2025, as ROLL's pg_variant topr): rows whose sequence
+    score is > 0 take -A log pi (no ratio), the others -sg(clip(r, 0, 1)) A log pi, each side times its weight;
+    pg_clipfrac is the fraction of the other rows' tokens whose ratio is above 1."""
+    if p.scores is None:
+        raise ValueError("policy loss 'topr' needs the rows' sequence scores (scores=)")
+    ratio = jnp.exp(_log_ratio(p))
+    positive = (p.scores > 0)[:, None]
+    tapered = sg(jnp.clip(ratio, 0.0, 1.0))
+    losses = jnp.where(positive, topr_positive_weight, topr_negative_weight * tapered) * -p.advantages * p.log_prob
+    return p.agg(p.weighted(losses)), _metrics(p.mmean(~positive & (ratio > 1.0)), p.mmean(-_log_ratio(p)), 0.0)
 
 
 def m2po_keep_mask(log_ratio: Array, mask: Array, advantages: Array, m2_threshold: float) -> Array:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.losses.masked import masked_whiten
+from jaxrl_llm.losses.masked import dense_group_index, group_count, group_sum, masked_whiten
 
 Array = jax.Array
 
@@ -30,17 +30,46 @@ def clip_symmetric(x: Array, limit: float, counted: Array) -> tuple[Array, Array
     return jnp.clip(x, -limit, limit), jnp.sum(outside) / jnp.maximum(jnp.sum(counted), 1.0)
 
 
+def _with_sequence_scores(token_level_scores: Array, mask: Array, score: Array, new: Array) -> Array:
+    """The token scores with each row's sum moved from `score` to `new`: the difference goes to its last
+    response token (where the reward manager places a score), the row's other token scores stay."""
+    width = mask.shape[1]
+    last = width - 1 - jnp.argmax(mask[:, ::-1] > 0, axis=-1)  # a multi-turn row's mask has holes
+    moved = jnp.where(jnp.arange(width) == last[:, None], (new - score)[:, None], 0.0)
+    return token_level_scores + moved * mask
+
+
 def clip_sequence_scores(token_level_scores: Array, response_mask: Array, limit: float) -> tuple[Array, Array]:
     """Each response's score (its token scores' sum, placed on its last response token as the reward
     manager places it) clamped to [-limit, limit]; the fraction of responses clipped."""
     mask = jnp.asarray(response_mask, jnp.float32)
     score = jnp.sum(token_level_scores * mask, axis=-1)
     clipped, frac = clip_symmetric(score, limit, jnp.any(mask > 0, axis=-1))
-    width = mask.shape[1]
-    last = width - 1 - jnp.argmax(mask[:, ::-1] > 0, axis=-1)  # a multi-turn row's mask has holes
-    # the clipped amount comes off the last response token; the row's other token scores stay
-    moved = jnp.where(jnp.arange(width) == last[:, None], (clipped - score)[:, None], 0.0)
-    return token_level_scores + moved * mask, frac
+    return _with_sequence_scores(token_level_scores, mask, score, clipped), frac
+
+
+def normalize_scores(token_level_scores: Array, response_mask: Array, group_ids: Array, *,
+                     mean_type: str | None, std_type: str | None) -> Array:
+    """ROLL's `reward_norm` of each response's score: minus the mean over the step's responses ('batch') or
+    over its prompt's ('group'), then divided by the standard deviation (unbiased, about its own mean, as
+    torch.std) over the batch or the group, + 1e-6; None: that step is skipped."""
+    mask = jnp.asarray(response_mask, jnp.float32)
+    score = jnp.sum(token_level_scores * mask, axis=-1)
+    seg = dense_group_index(group_ids)
+    n = score.shape[0]
+
+    def mean_std(kind: str) -> tuple[Array, Array]:
+        if kind == "group":
+            count = group_count(seg)
+            mean = group_sum(score, seg) / count
+            return mean, jnp.sqrt(group_sum((score - mean) ** 2, seg) / jnp.maximum(count - 1, 1))
+        mean = jnp.mean(score)
+        return mean, jnp.sqrt(jnp.sum((score - mean) ** 2) / max(n - 1, 1))
+
+    new = score - mean_std(mean_type)[0] if mean_type else score
+    if std_type:
+        new = new / (mean_std(std_type)[1] + 1e-6)
+    return _with_sequence_scores(token_level_scores, mask, score, new)
 
 
 def sample_mask(scores: np.ndarray, response_lengths: np.ndarray, group_ids: np.ndarray, *,

@@ -30,6 +30,7 @@ from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops, rollout_context
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.dtypes import is_uncast_matmul_weight
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
@@ -133,6 +134,9 @@ class Context:
 
     def rows(self, n: int, width: int, dtype: DType) -> Any:  # a ShapeDtypeStruct where programs take an Array
         return jax.ShapeDtypeStruct((n, width), dtype, sharding=batch_sharding(self.mesh, 2))
+
+    def row_values(self, n: int, dtype: DType) -> Any:  # [n]: one value per row
+        return jax.ShapeDtypeStruct((n,), dtype, sharding=batch_sharding(self.mesh, 1))
 
 
 def bytes_per_device(tree: ArrayTree) -> int:
@@ -488,6 +492,8 @@ def _experience(ctx: Context) -> Experience:
                       ref_log_probs=f32() if spec.need_ref else None,
                       values=f32() if spec.critic is not None else None,
                       rollout_is_weights=f32() if weighed else None,
+                      sequence_scores=ctx.row_values(n, jnp.float32) if POLICY_LOSSES.capability(
+                          spec.actor.loss_mode, "needs_scores") else None,
                       **_teacher_topk(ctx))
 
 

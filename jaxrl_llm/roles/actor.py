@@ -67,7 +67,7 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
         loss_agg_mode=s.loss_agg_mode, clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
         rollout_is_weights=is_weights, policy_agg_mode=s.policy_loss_agg_mode, token_mask=mb.loss_token_mask,
-        dual_clip=s.dual_clip,
+        dual_clip=s.dual_clip, scores=mb.sequence_scores,
         **counts, **dict(s.loss_kwargs))
     # The entropy is always reported; it carries gradient only when it is part of the loss.
     entropy_agg = agg_loss(entropy if s.entropy_coeff else sg(entropy), mask, s.loss_agg_mode, **counts)

@@ -24,7 +24,7 @@ from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
 from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
-from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, pf_ppo_rows, whiten_tokens
+from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, normalize_scores, pf_ppo_rows, whiten_tokens
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.roles.forward import (
@@ -61,6 +61,8 @@ class Experience:
     packing: PackedLayout | None = None
     # set per mini-batch by the update's pre-pass: a policy loss's keep-mask over the whole mini-batch (M2PO)
     loss_token_mask: Array | None = None
+    # [N] the rows' sequence scores, for a policy loss that splits rows by them (TOPR)
+    sequence_scores: Array | None = None
 
 
 def required(value: Array | None, field: str, needed_by: str) -> Array:
@@ -181,10 +183,14 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
                            reward_baselines: Array | None, kl_coef: Array, *, s: AdvantageSpec
                            ) -> dict[str, Array]:
     """token_level_rewards (scores - beta * KL when KL is in the reward), advantages, returns; ROLL's
-    shaping around the estimator where set (losses/shaping.py, in ROLL's order: reward clip, KL,
+    shaping around the estimator where set (losses/shaping.py, in ROLL's order: batch reward normalisation,
+    reward clip, KL,
     reward whitening, the estimator, the grpo score's clip, advantage whitening, advantage clip)."""
     out: dict[str, Array] = {}
     rewards = token_level_scores
+    if s.norm_mean_type or s.norm_std_type:  # ROLL's reward_norm, before its reward clip
+        rewards = normalize_scores(rewards, response_mask, group_ids, mean_type=s.norm_mean_type,
+                                   std_type=s.norm_std_type)
     clip_score_first = s.adv_estimator != "grpo"  # grpo clips its normalised score, after the estimator
     if s.reward_clip is not None and clip_score_first:
         rewards, out["critic/reward_clip_frac"] = clip_sequence_scores(rewards, response_mask, s.reward_clip)

@@ -39,6 +39,7 @@ from jaxrl_llm.bookkeeping.tracking import dump_jsonl
 from jaxrl_llm.bookkeeping.watchdog import WorkerWatchdog
 from jaxrl_llm.config.spec import ModelSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import ADV_ESTIMATORS
+from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.losses.shaping import sample_mask, truncated_rows
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.roles.actor import OLD_LOG_PROBS
@@ -259,6 +260,9 @@ class Trainer(Run):
                 extra.update({k: float(v) for k, v in jax.device_get(distill_metrics).items()})
             if spec.advantage.mask_truncated:  # TRL: the advantages keep every row, the loss only the finished
                 exp, extra["actor/truncated_frac"] = self._mask_truncated(exp, rollout)
+            if POLICY_LOSSES.capability(spec.actor.loss_mode, "needs_scores"):  # TOPR splits the rows by score
+                exp = dataclasses.replace(exp, sequence_scores=to_device(np.asarray(rollout.scores, np.float32),
+                                                                         self.mesh))
             # pf-PPO: both updates train on the rows resampled by score (the metrics describe the batch as sampled)
             train_exp, train_rows = exp, rows
             if spec.advantage.pf_ppo is not None:

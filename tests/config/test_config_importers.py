@@ -416,6 +416,30 @@ def test_roll_defaults_and_gspo(home, tmp_path):
         "gspo", "token-mean", True, 1.4)
 
 
+def test_roll_pg_worker_variants(home, tmp_path):
+    """ROLL's ActorPGWorker reads actor_train.pg_variant (topr with its weights, vanilla = -A log pi, ppo); the PPO
+    ActorWorker does not, so there the key is warned and the PPO loss kept."""
+    pg = "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker"
+    s = import_config(variant(ROLL, tmp_path, {"actor_train.worker_cls": pg, "actor_train.pg_variant": "topr",
+                                               "actor_train.topr_negative_weight": 0.5}), dp_size=8).settings
+    assert (s[f"{A}.policy_loss.loss_mode"], s[f"{A}.topr_negative_weight"]) == ("topr", 0.5)
+    for variant_name, ours in (("vanilla", "gpg"), ("ppo", "vanilla"), (None, "gpg")):
+        path = variant(ROLL, tmp_path, {"actor_train.worker_cls": pg, "actor_train.pg_variant": variant_name})
+        s = import_config(path, dp_size=8).settings
+        assert s[f"{A}.policy_loss.loss_mode"] == ours
+    r = import_config(variant(ROLL, tmp_path, {"actor_train.pg_variant": "topr"}), dp_size=8)
+    assert f"{A}.policy_loss.loss_mode" not in r.settings and "actor_train.pg_variant" in r.ignored
+    with pytest.raises(ConfigError, match="actor_train.pg_variant: 'tis'"):
+        import_config(variant(ROLL, tmp_path, {"actor_train.worker_cls": pg, "actor_train.pg_variant": "tis"}),
+                      dp_size=8)
+    # ROLL's reward normalisation over the batch, for a non-grpo estimator; 'running' is refused
+    s = import_config(variant(ROLL, tmp_path, {"adv_estimator": "reinforce", "norm_mean_type": "batch",
+                                               "norm_std_type": "batch"}), dp_size=8).settings
+    assert (s["algorithm.norm_mean_type"], s["algorithm.norm_std_type"]) == ("batch", "batch")
+    with pytest.raises(ConfigError, match="norm_std_type: 'running'"):
+        import_config(variant(ROLL, tmp_path, {"adv_estimator": "reinforce", "norm_std_type": "running"}), dp_size=8)
+
+
 def test_roll_dataset_dir_joins_the_file_names(home, tmp_path):
     s = import_config(variant(ROLL, tmp_path, {"actor_train.data_args.dataset_dir": "/data",
                                                "actor_train.data_args.file_name": ["a.jsonl", "b/c.jsonl"]}),

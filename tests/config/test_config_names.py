@@ -45,7 +45,7 @@ def test_capability_filters_reach_the_config():
         "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo", "reinforce_plus_plus_baseline", "rloo",
         "rloo_vectorized", "trl_rloo")
     assert names.adv_estimators(needs_values=True) == ("gae",)
-    assert names.policy_losses(fixed_agg_mode=None) == ("cispo", "gpg", "m2po", "reinforce", "vanilla")
+    assert names.policy_losses(fixed_agg_mode=None) == ("cispo", "gpg", "m2po", "reinforce", "topr", "vanilla")
 
 
 def test_dtypes_come_from_the_dtype_table():

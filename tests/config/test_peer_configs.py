@@ -167,6 +167,13 @@ CASES = {
         data__train_files=["data/data/math_deepmath_deal.jsonl"], data__max_response_length=4096,
         actor_rollout_ref__actor__clip_ratio_c=1.4, algorithm__advantage_clip=2.0, algorithm__reward_clip=10,
         algorithm__difficulty_mask__enable=True, mesh__context=4)),
+    # ROLL's ActorPGWorker with pg_variant topr, rewards normalised over the batch, then whitened (REINFORCE++)
+    "roll/examples/qwen2.5-7B-rlvr-offpolicy/rlvr_config.yaml": (".", 8, (), imports(
+        actor_rollout_ref__actor__policy_loss__loss_mode="topr", actor_rollout_ref__actor__topr_positive_weight=1.0,
+        algorithm__adv_estimator="reinforce_plus_plus", algorithm__norm_mean_type="batch",
+        algorithm__norm_std_type="batch", algorithm__reward_clip=10.0, algorithm__advantage_clip=2.0,
+        actor_rollout_ref__rollout__n=8, data__train_batch_size=128, data__max_response_length=8192,
+        data__train_files=["data/data/math_deepmath_deal.jsonl"], trainer__test_freq=10)),
     "roll/examples/qwen2.5-0.5B-agentic/agent_val_frozen_lake.yaml": (".", 8, (), refused(
         "train_env_manager", "a ROLL agentic pipeline")),
 }

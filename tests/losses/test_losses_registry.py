@@ -63,8 +63,11 @@ def test_adv_estimator_needs_exactly_its_declared_inputs(batch, name):
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_fixed_agg_mode_is_what_the_loss_does(batch, name):
     """A loss with `fixed_agg_mode` ignores `loss_agg_mode`; one without it follows it."""
-    losses = [compute_policy_loss(name, batch["old"], batch["lp"], batch["adv"], batch["mask"], loss_agg_mode=mode)[0]
-              for mode in LOSS_AGG_MODES]
+    # a loss that reads the rows' sequence scores (topr) gets some of each sign
+    scores = ({"scores": np.linspace(-1.0, 1.0, batch["mask"].shape[0])}
+              if POLICY_LOSSES.capability(name, "needs_scores") else {})
+    losses = [compute_policy_loss(name, batch["old"], batch["lp"], batch["adv"], batch["mask"], loss_agg_mode=mode,
+                                  **scores)[0] for mode in LOSS_AGG_MODES]
     fixed = POLICY_LOSSES.capability(name, "fixed_agg_mode")
     if fixed is not None:
         for loss in losses[1:]:

@@ -137,6 +137,37 @@ def test_rolls_reinforce_with_whitening_is_reinforce_plus_plus():
     assert float(out["critic/reward_clip_frac"]) == pytest.approx(2 / 6)
 
 
+def roll_reward_norm(scores, mean_type, std_type, n=2):
+    """ROLL's reward_norm (functionals.py): batch or group (consecutive groups of n) statistics; torch's std is
+    unbiased about its own mean."""
+    grouped = scores.reshape(-1, n)
+    means = {"batch": scores.mean(), "group": np.repeat(grouped.mean(-1), n), None: 0.0}
+    stds = {"batch": scores.std(ddof=1), "group": np.repeat(grouped.std(-1, ddof=1), n)}
+    out = scores - means[mean_type]
+    return out / (stds[std_type] + 1e-6) if std_type else out
+
+
+@pytest.mark.parametrize("mean_type,std_type", [("batch", "batch"), ("batch", None), (None, "batch"),
+                                                ("group", "batch"), ("group", None)])
+def test_rolls_batch_reward_norm_then_clip_then_reinforce(mean_type, std_type):
+    """ROLL's reward_postprocess for a non-grpo estimator: the scores normalised over the batch, then
+    clipped (its off-policy recipe: reinforce, batch / batch, reward_clip, whitened: REINFORCE++)."""
+    mask = np.ones_like(MASK)
+    scores = np.array([3.0, -0.5, 1.0, 0.0, 40.0, -20.0])
+    out = run(spec("reinforce_plus_plus", reward_clip=1.5, advantage_clip=3.0, norm_mean_type=mean_type,
+                   norm_std_type=std_type), scores=scores, mask=mask)
+    normalised = np.clip(roll_reward_norm(scores, mean_type, std_type), -1.5, 1.5)
+    returns = roll_reinforce_return(token_scores(normalised, mask) * mask, 1.0)
+    np.testing.assert_allclose(out["advantages"], roll_compute_advantage(returns, mask, whiten=True, clip=3.0),
+                               rtol=1e-5, atol=1e-5)
+    assert float(out["critic/reward_clip_frac"]) == pytest.approx(
+        np.mean(np.abs(roll_reward_norm(scores, mean_type, std_type)) > 1.5))
+    assert 0 < float(out["critic/reward_clip_frac"]) < 1  # the clip binds on the normalised scores
+    # a multi-turn row's change lands on its last response token; its other token scores stay
+    moved = run(spec("reinforce", norm_mean_type="batch"), scores=SCORES)["token_level_rewards"]
+    np.testing.assert_allclose(moved * MASK, token_scores(SCORES - SCORES.mean(), MASK) * MASK, atol=1e-5)
+
+
 def test_rolls_gae_chain_whiten_rewards_then_advantages():
     """ROLL's gae with whitened token rewards and whitened advantages (ours: gae whitens, as veRL's does)."""
     mask = np.ones_like(MASK)

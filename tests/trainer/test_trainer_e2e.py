@@ -226,3 +226,23 @@ def test_speculative_rollouts_log_their_rates_and_the_trainers_log_probs(tmp_pat
                                f"{key}.draft_model.path": "tiny:llama" if method == "draft" else None})
     assert 0 <= m["rollout/spec_accept_rate"] <= 1 and m["rollout/tokens_per_step"] >= 1
     assert abs(m["rollout_corr/kl"]) < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [
+    {"actor_rollout_ref.actor.policy_loss.loss_mode": "topr", "algorithm.norm_mean_type": "batch",
+     "algorithm.adv_estimator": "reinforce_plus_plus"},
+    {"actor_rollout_ref.actor.policy_loss.loss_mode": "m2po", "algorithm.rollout_correction.bypass_mode": True,
+     "actor_rollout_ref.actor.m2_threshold": 0.01},
+], ids=["topr", "m2po"])
+def test_peer_losses_train_through_the_planned_step(tmp_path, overrides):
+    """ROLL's TOPR (the rows' sequence scores reach the update) and Trinity's M2PO (the update's pre-pass)
+    through a training step whose memory plan lowers the same update program."""
+    cfg = with_reward_file(tiny_config(tmp_path / "run", **{
+        "trainer.total_training_steps": 1, "trainer.test_freq": -1, "trainer.memory_plan": True,
+        "actor_rollout_ref.rollout.n": 4, **overrides}), tmp_path)
+    trainer = Trainer(cfg)
+    try:
+        m = trainer.step()
+    finally:
+        trainer.close()
+    assert np.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0

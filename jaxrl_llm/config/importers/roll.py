@@ -66,7 +66,6 @@ ERRORS = {  # key -> why (an error when set to anything but its off value)
     "error_max_len_clip": "length-based masks of wrong answers are not available",
     "difficulty_loss_weight": "sample weights are not available", "length_loss_weight": "sample weights are not "
     "available", "postive_loss_coef": "an SFT loss on positive samples is not available",
-    "use_topr_loss": "TOPR is not available", "use_topr_neg_loss_coef": "TOPR is not available",
     "use_rollout_importance_sampling_ratio": "set algorithm.rollout_correction instead",
     "train_infer_correction.is_weight.enabled": "set algorithm.rollout_correction instead",
     "train_infer_correction.filters": "set algorithm.rollout_correction instead",
@@ -113,6 +112,31 @@ def _roll_dp(src: Source, role: str) -> int | None:
     return max(devices // div, 1)
 
 
+# ROLL's ActorPGWorker (roll/pipeline/rlvr/actor_pg_worker.py): actor_train.pg_variant -> our policy loss
+PG_VARIANTS = {"ppo": "vanilla", "vanilla": "gpg", "topr": "topr"}
+
+
+def _pg_worker(m: Mapper, src: Source) -> bool:
+    """`actor_train.pg_variant` (and TOPR's weights) when `actor_train.worker_cls` is ROLL's ActorPGWorker,
+    the only worker that reads them; whether it is."""
+    variant = src.take("actor_train.pg_variant")
+    weights = {k: src.take(f"actor_train.{k}") for k in ("topr_positive_weight", "topr_negative_weight")}
+    if not str(src.peek("actor_train.worker_cls") or "").endswith(".ActorPGWorker"):
+        if variant is not None:
+            m.ignore("actor_train.pg_variant", "read by ROLL's ActorPGWorker only, and actor_train.worker_cls is "
+                                               "the PPO ActorWorker", variant)
+        return False
+    variant = variant or "vanilla"  # the worker's default
+    if variant not in PG_VARIANTS:
+        m.error("actor_train.pg_variant", f"{variant!r}: jaxrl_llm has {', '.join(PG_VARIANTS)} (ROLL's tis, cispo "
+                                          "and kimi15 variants are not available)")
+    m.set(f"{A}.policy_loss.loss_mode", PG_VARIANTS[variant], "actor_train.pg_variant")
+    for key, value in weights.items():
+        if value is not None:
+            m.set(f"{A}.{key}", value, f"actor_train.{key}")
+    return True
+
+
 def _batch(m: Mapper, src: Source) -> None:
     ta = "actor_train.training_args."
     if not (src.has(ta + "per_device_train_batch_size") or src.has(ta + "gradient_accumulation_steps")):
@@ -148,18 +172,23 @@ def _algorithm(m: Mapper, src: Source) -> None:
     elif estimator == "reinforce" and mean == "group" and std in ("group", None):
         m.set("algorithm.adv_estimator", "grpo", "adv_estimator")
         m.set("algorithm.norm_adv_by_std_in_grpo", std == "group", "norm_std_type")
-    elif estimator == "reinforce" and mean is None and std is None and src.peek("whiten_advantages"):
+    elif estimator == "reinforce" and src.peek("whiten_advantages"):
         # discounted returns whitened over the batch's response tokens: REINFORCE++ (the estimator whitens)
         m.set("algorithm.adv_estimator", "reinforce_plus_plus", "adv_estimator")
         src.take("whiten_advantages")
-    elif estimator == "reinforce" and mean is None and std is None:
+    elif estimator == "reinforce":
         # the discounted returns themselves (clipped by reward_clip / advantage_clip where set): our `reinforce`
         m.set("algorithm.adv_estimator", "reinforce", "adv_estimator")
         src.take("whiten_advantages")
     else:
-        m.error("adv_estimator", f"{estimator!r} with norm_mean_type={mean!r}, norm_std_type={std!r}: jaxrl_llm "
-                                 "has gae, grpo, reinforce with group mean (and optionally group std) "
-                                 "normalisation (= grpo) and reinforce without normalisation")
+        m.error("adv_estimator", f"{estimator!r}: jaxrl_llm has gae, grpo and reinforce")
+    if m.get("algorithm.adv_estimator") != "grpo":  # ROLL's reward_norm before the estimator (grpo: its own)
+        for key, value in (("norm_mean_type", mean), ("norm_std_type", std)):
+            if value not in (None, "batch", "group"):
+                m.error(key, f"{value!r}: jaxrl_llm normalises the scores over the batch or the group (a running "
+                             "normalisation across steps is not available)")
+            if value is not None:
+                m.set(f"algorithm.{key}", value, key)
     for key in SHAPING:  # ROLL's shaping around the estimator: our keys of its names (losses/shaping.py)
         value = src.take(key)
         if value is not None:
@@ -189,7 +218,10 @@ def _algorithm(m: Mapper, src: Source) -> None:
         value_clip = src.take("value_clip")
         m.set("critic.cliprange_value", NO_DUAL_CLIP if value_clip is None else value_clip, "value_clip")
     sampling = src.take("importance_sampling", "token")
-    if sampling == "seq":  # the sequence-mean log-ratio in ROLL's PPO loss: our gspo (same values and gradients),
+    if _pg_worker(m, src):
+        if sampling == "seq":  # ROLL's ActorPGWorker computes the token ratio whatever this says
+            m.ignore("importance_sampling", "ROLL's ActorPGWorker (actor_train.worker_cls) does not read it", sampling)
+    elif sampling == "seq":  # the sequence-mean log-ratio in ROLL's PPO loss: our gspo (same values and gradients),
         # aggregated as ROLL's loss_agg_mode says, with the dual clip when dual_clip_loss
         m.set(f"{A}.policy_loss.loss_mode", "gspo", "importance_sampling")
         m.set(f"{A}.policy_loss.loss_agg_mode", m.get(f"{A}.loss_agg_mode"), "loss_agg_mode")
@@ -309,8 +341,15 @@ HARMLESS = {  # ROLL keys with no counterpart that change nothing computed -> wh
     "ROLL recomputes it from the pipeline's own keys": (
         "*.generating_args.max_new_tokens", "*.generating_args.num_return_sequences",
         "actor_train.training_args.num_train_epochs"),
+    "declared by ROLL's RLVR config and read by no worker (TOPR is actor_train.pg_variant: topr)": (
+        "use_topr_loss", "use_topr_neg_loss_coef"),
+    "not a field of ROLL's RLVR config (the file's own variable for ${...}; the worker reads actor_train.pg_variant)": (
+        "pg_variant",),
+    "not a field of ROLL's worker config, so ROLL reads it nowhere (the pipeline's eval_steps is read)": (
+        "validation.eval_steps",),
     "data loading / logging / naming": ("*.preprocessing_num_workers", "*.data_args.template", "logging_steps",
-                                        "render_save_dir", "*.model_args.attn_implementation", "*.name"),
+                                        "render_save_dir", "*.model_args.attn_implementation",
+                                        "*.model_args.flash_attn", "*.name"),
 }
 AGENTIC_KEYS = ("train_env_manager", "val_env_manager", "custom_envs", "env_manager")
 # ROLL's GeneratingArguments defaults (roll/configs/generating_args.py): ROLL samples unless told not to

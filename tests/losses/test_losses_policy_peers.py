@@ -1,5 +1,7 @@
-"""M2PO (Trinity-RFT's m2po policy loss) and the policy loss's own aggregation (`policy_loss.loss_agg_mode`),
-against Trinity-RFT's formulas: its Algorithm-1 loop for the mask, its unit tests' numbers for the loss."""
+"""The peers' policy losses against their own formulas: M2PO (Trinity-RFT's m2po: its Algorithm-1 loop for the
+mask, its unit tests' numbers for the loss), the policy loss's own aggregation (`policy_loss.loss_agg_mode`,
+Trinity's sapo), ROLL's sequence-ratio loss with its dual clip (gspo with `policy_loss.dual_clip`) and ROLL's
+TOPR (`topr`)."""
 import jax
 import jax.numpy as jnp
 import losses_np_refs as ref
@@ -149,3 +151,35 @@ def test_dual_clip_only_where_a_loss_has_one(batch):
                                rtol=1e-6)
     with pytest.raises(ValueError, match="no dual clip"):
         compute_policy_loss("sapo", *args, dual_clip=True)
+
+
+def roll_topr_loss(old, lp, adv, m, scores, pos_w, neg_w):
+    """ROLL's _compute_topr_loss (roll/pipeline/rlvr/actor_pg_worker.py), then agg_loss token-mean."""
+    from jaxrl_llm.losses.agg import agg_loss
+    ratio = jnp.exp(lp - old)
+    positive = (scores > 0).astype(jnp.float32)[:, None]
+    positive_loss = -adv * lp * positive
+    negative_loss = -jax.lax.stop_gradient(jnp.clip(ratio, 0.0, 1.0)) * adv * lp * (1.0 - positive)
+    return agg_loss(pos_w * positive_loss + neg_w * negative_loss, m, "token-mean")
+
+
+def test_topr_is_rolls_tapered_off_policy_reinforce(batch):
+    """Rows with a positive score: plain -A log pi; the others: the ratio clipped to [0, 1] (no gradient through
+    it) times -A log pi; each side weighted. Values and gradients."""
+    old, adv, m = batch["old"], batch["adv"], batch["mask"]
+    lp = old + jnp.asarray(0.4 * np.random.default_rng(2).normal(size=old.shape), jnp.float32)
+    scores = jnp.asarray([1.0, 0.0, -1.0, 2.0, 0.5, -0.2, 0.0, 1.0], jnp.float32)
+
+    def ours(x):
+        return compute_policy_loss("topr", old, x, adv, m, scores=scores, topr_positive_weight=1.5,
+                                   topr_negative_weight=0.7)[0]
+
+    want, want_grad = jax.value_and_grad(roll_topr_loss, argnums=1)(old, lp, adv, m, scores, 1.5, 0.7)
+    got, got_grad = jax.value_and_grad(ours)(lp)
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got_grad, want_grad, atol=1e-6, rtol=1e-4)
+    _, metrics = compute_policy_loss("topr", old, lp, adv, m, scores=scores)
+    negative = np.asarray(scores <= 0)[:, None] & (np.asarray(lp - old) > 0)
+    np.testing.assert_allclose(metrics["actor/pg_clipfrac"], ref.mmean(negative.astype(float), m), **TOL)
+    with pytest.raises(ValueError, match="sequence scores"):
+        compute_policy_loss("topr", old, lp, adv, m)
