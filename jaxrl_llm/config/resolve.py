@@ -252,7 +252,7 @@ def resolve_reward_model(cfg: ConfigDict) -> RewardModelSpec | None:
             max_score=float(j.max_score), default_score=float(j.default_score), max_new_tokens=int(j.max_new_tokens),
             temperature=float(j.temperature), max_prompt_length=int(j.max_prompt_length), combine=j.combine,
             rule_weight=float(j.rule_weight), judge_weight=float(j.judge_weight),
-            on_rollout_devices=bool(j.on_rollout_devices))
+            on_rollout_devices=bool(j.on_rollout_devices), top_p=float(j.top_p), top_k=int(j.top_k))
     return RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length, rm.micro_batch_size_per_device,
                            style=rm.style, judge=judge, dtype=cfg.actor_rollout_ref.model.dtype)
 

@@ -527,7 +527,8 @@ REWARD_MODEL = {
         "system_prompt": field(None, "System message of the judge's chat.", types=str),
         "parser": field("yes_no", "Verdict -> score: number (the last number, clipped to [min_score, "
                                   "max_score] and scaled to [0, 1]), boxed (\\boxed{x}, as number), yes_no "
-                                  "(1 / 0 by the first yes or no), score_tag ('Score: 7/10' -> 0.7), or "
+                                  "(1 / 0 by the first yes or no), contains_yes (1 if 'yes' appears anywhere, else "
+                                  "0 if 'no' does: ROLL's LLM judge), score_tag ('Score: 7/10' -> 0.7), or "
                                   "'file.py:fn' (fn(verdict, **row) -> float or None)."),
         "min_score": field(0.0, "number / boxed: the lowest score the template asks for."),
         "max_score": field(10.0, "number / boxed: the highest score the template asks for."),
@@ -535,6 +536,8 @@ REWARD_MODEL = {
                                     "reward/judge_parse_failures)."),
         "max_new_tokens": field(16, "Longest verdict.", gt=0),
         "temperature": field(0.0, "Judge sampling temperature; 0 = greedy.", ge=0),
+        "top_p": field(1.0, "Judge nucleus sampling (with temperature > 0); 1 = off.", gt=0, le=1),
+        "top_k": field(-1, "Judge top-k sampling (with temperature > 0); -1 = off."),
         "max_prompt_length": field(512, "Longest rendered judge prompt, in tokens (a longer one keeps its last "
                                         "tokens: the response and the question after it).", gt=0),
         "combine": field("judge", "With the rule scorer: judge (the judge's score alone), sum (rule_weight * "

@@ -4,6 +4,8 @@ score, or None when the verdict cannot be read (the caller counts it and uses `d
     number     the last number in the verdict, clipped to [min_score, max_score], scaled to [0, 1]
     boxed      the last \\boxed{...} holding a number, as `number`
     yes_no     1.0 / 0.0 by the first standalone "yes" or "no" (case-insensitive)
+    contains_yes  1.0 if "yes" appears anywhere (case-insensitive, inside words too), else 0.0 if "no"
+               does: ROLL's LLMJudgeRewardWorker (`_extract_score_v2`)
     score_tag  "Score: 7/10" -> 0.7; "Score: 7" -> as `number`
     file.py:fn a user function fn(verdict, prompt=..., response=..., ground_truth=...) -> float | None
 """
@@ -16,7 +18,7 @@ import os
 import re
 from typing import Any, Callable, cast
 
-JUDGE_PARSERS = ("number", "boxed", "yes_no", "score_tag")
+JUDGE_PARSERS = ("number", "boxed", "yes_no", "contains_yes", "score_tag")
 JUDGE_FIELDS = frozenset({"prompt", "response", "ground_truth"})  # what reward_model.judge.template may name
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -55,6 +57,12 @@ def parse_yes_no(verdict: str, scale: ScoreRange) -> float | None:
     return None if found is None else float(found.group(1).lower() == "yes")
 
 
+def parse_contains_yes(verdict: str, scale: ScoreRange) -> float | None:
+    del scale
+    text = verdict.lower()
+    return 1.0 if "yes" in text else 0.0 if "no" in text else None
+
+
 def parse_score_tag(verdict: str, scale: ScoreRange) -> float | None:
     found = _SCORE_TAG.findall(verdict)
     if not found:
@@ -66,7 +74,8 @@ def parse_score_tag(verdict: str, scale: ScoreRange) -> float | None:
     return scale.scaled(float(value))
 
 
-_BUILTIN = {"number": parse_number, "boxed": parse_boxed, "yes_no": parse_yes_no, "score_tag": parse_score_tag}
+_BUILTIN = {"number": parse_number, "boxed": parse_boxed, "yes_no": parse_yes_no, "contains_yes": parse_contains_yes,
+            "score_tag": parse_score_tag}
 
 
 def parser_file(name: str) -> tuple[str, str] | None:

@@ -49,6 +49,8 @@ class JudgeSpec:
     rule_weight: float
     judge_weight: float
     on_rollout_devices: bool
+    top_p: float = 1.0  # nucleus sampling of the verdict (1 = off)
+    top_k: int = -1  # top-k sampling of the verdict (-1 = off)
 
 
 @dataclasses.dataclass(frozen=True)

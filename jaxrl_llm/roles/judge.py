@@ -103,7 +103,8 @@ class Judge:
     def generate(self, prompts: list[Any], rng: jax.Array) -> tuple[list[str], np.ndarray]:
         """The judge's verdict text for each prompt (paged engine, one sample each), and its length in tokens."""
         sampling = SamplingParams(max_new_tokens=self.spec.max_new_tokens, temperature=self.spec.temperature,
-                                  do_sample=self.spec.temperature > 0, n=1)
+                                  do_sample=self.spec.temperature > 0, n=1, top_p=self.spec.top_p,
+                                  top_k=self.spec.top_k)
         settings, knobs = sampling.compile_args(list(self.eos_ids), self.pad_id, vocab_size=self.model_cfg.vocab_size,
                                                 compute_dtype=self.compute_dtype)
         count = len(prompts)

@@ -440,6 +440,32 @@ def test_roll_pg_worker_variants(home, tmp_path):
         import_config(variant(ROLL, tmp_path, {"adv_estimator": "reinforce", "norm_std_type": "running"}), dp_size=8)
 
 
+def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
+    """One LLMJudgeRewardWorker domain: our judge with ROLL's prompt, its yes-anywhere reading and its sampling;
+    an API judge, an unknown prompt name and a judge beside rule domains are refused by key."""
+    judge = {"worker_cls": "roll.pipeline.rlvr.rewards.llm_judge_reward_worker.LLMJudgeRewardWorker",
+             "judge_prompt": "Qwen2.5-7B-Instruct-RLVR-prompt", "judge_model_type": "inference",
+             "model_args": {"model_name_or_path": "/models/judge"},
+             "generating_args": {"max_new_tokens": 32, "temperature": 0.0, "top_p": 0.9, "top_k": 20},
+             "data_args": {"template": "qwen2_5"}}
+    cfg = validate_config(import_config(variant(ROLL, tmp_path, {"rewards": {"llm_judge": judge}}), dp_size=8).config(),
+                          dp_size=8, check_paths=False)
+    rm = cfg.reward_model
+    assert (rm.style, rm.model.path, rm.judge.parser, rm.judge.temperature, rm.judge.max_new_tokens) == (
+        "generative", "/models/judge", "contains_yes", 0.0, 32)
+    assert "{prompt}" in rm.judge.template and "{ground_truth}" in rm.judge.template
+    assert rm.judge.max_prompt_length == 2048 + 4096 + 512  # no vLLM max_model_len: the policy's lengths
+    rule = {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker"}
+    for rewards, key, why in [
+        ({"llm_judge": {**judge, "judge_model_type": "api"}}, "rewards.llm_judge.judge_model_type", "API judge"),
+        ({"llm_judge": {**judge, "judge_prompt": None}}, "rewards.llm_judge.judge_prompt", "prompt maps"),
+        ({"math_rule": rule, "llm_judge": judge}, "rewards.llm_judge", "beside the rule rewards ['math_rule']"),
+    ]:
+        with pytest.raises(ConfigError, match=key) as err:
+            import_config(variant(ROLL, tmp_path, {"rewards": rewards}), dp_size=8)
+        assert why in str(err.value)
+
+
 def test_roll_dataset_dir_joins_the_file_names(home, tmp_path):
     s = import_config(variant(ROLL, tmp_path, {"actor_train.data_args.dataset_dir": "/data",
                                                "actor_train.data_args.file_name": ["a.jsonl", "b/c.jsonl"]}),

@@ -145,22 +145,28 @@ CASES = {
     # ROLL examples: whitening, reward / advantage clipping and sample masks import (losses/shaping.py); what
     # stops them now is ROLL's LLM-judge reward workers, its gspo variant, a data folder key and split LoRA targets
     "roll/examples/docs_examples/example_grpo.yaml": (".", 8, (), refused(
-        "rewards", "LLM-judge rewards are not available")),
+        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     "roll/examples/docs_examples/example_ppo.yaml": (".", 8, (), refused(
         "critic.model_args.model_type", "TRL's value head drops its input (dropout 0.1)")),
     # its sequence-ratio loss with the dual clip imports (gspo with policy_loss.dual_clip); the judge stops it
     "roll/examples/docs_examples/example_gspo.yaml": (".", 8, (), refused(
-        "rewards", "LLM-judge rewards are not available")),
+        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     "roll/examples/docs_examples/example_reinforce_pp.yaml": (".", 8, (), refused(
-        "rewards", "LLM-judge rewards are not available")),
+        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": (".", 8, (), refused(
-        "rewards", "LLM-judge rewards are not available")),
+        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml": (".", 8, (), refused(
         "actor_infer.model_args.lora_target", "differs from actor_train's")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": (".", 8, (), refused(
-        "rewards", "LLM-judge rewards are not available")),
-    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_8gpus_llm_as_judge.yaml": (".", 8, (), refused(
-        "rewards", "LLM-judge rewards are not available")),
+        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+    # one domain judged by an LLM (the policy's own initial weights): our generative reward model with ROLL's prompt
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_8gpus_llm_as_judge.yaml": (".", 8, (), imports(
+        reward_model__style="generative", reward_model__model__path="Qwen/Qwen2.5-7B",
+        reward_model__judge__parser="contains_yes", reward_model__judge__temperature=0.3,
+        reward_model__judge__top_p=0.7, reward_model__judge__top_k=50, reward_model__judge__max_new_tokens=512,
+        reward_model__judge__max_prompt_length=7680, reward_model__judge__combine="judge",
+        algorithm__adv_estimator="reinforce_plus_plus", actor_rollout_ref__rollout__n=8,
+        data__train_files=["data/data/llm_judge_Multi-subject-RLVR_deal_new.jsonl"])),
     # data_args.dataset_dir joins each file name, as ROLL's get_dataset does
     "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml": (".", 8, (), imports(
         algorithm__adv_estimator="reinforce_plus_plus", actor_rollout_ref__rollout__n=8, data__train_batch_size=16,
@@ -315,3 +321,15 @@ def test_megatron_expert_parallelism_becomes_the_expert_axis():
     reduced, _ = resolve_command_line(default_config(), [*base, f"{A}.megatron.expert_model_parallel_size=6"],
                                       num_devices=8, check_paths=False)
     assert reduced.mesh.expert == 2
+
+
+def test_rolls_judge_prompt_is_rolls_own():
+    """The judge template the ROLL importer writes is ROLL's prompt (roll/utils/prompt.py, copied beside the
+    examples) with its fields renamed to ours."""
+    from jaxrl_llm.config.importers.roll import ROLL_JUDGE_PROMPTS
+
+    names: dict = {}
+    exec((PEERS / "roll/roll/utils/prompt.py").read_text(), names)  # the peer's module: string constants only
+    for name, theirs in names["prompt_maps"].items():
+        assert ROLL_JUDGE_PROMPTS[name] == theirs.replace("{question}", "{prompt}").replace(
+            "{reference}", "{ground_truth}")

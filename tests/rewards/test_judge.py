@@ -27,6 +27,9 @@ SCALE = ScoreRange(0.0, 10.0)
     ("boxed", "so \\boxed{8} overall", 0.8), ("boxed", "8", None),
     ("yes_no", "Yes, it is.", 1.0), ("yes_no", "no.", 0.0), ("yes_no", "Nope, yesterday", None),
     ("yes_no", "It is not. No.", 0.0),
+    # ROLL's _extract_score_v2: "yes" anywhere first (inside words too), then "no"; else no verdict
+    ("contains_yes", "NO. Well, yes", 1.0), ("contains_yes", "Nope, yesterday", 1.0), ("contains_yes", "**NO**", 0.0),
+    ("contains_yes", "It is not.", 0.0), ("contains_yes", "maybe", None),
     ("score_tag", "Score: 7/10", 0.7), ("score_tag", "score = 3", 0.3), ("score_tag", "Score: 9/0", None),
     ("score_tag", "seven", None),
 ])
@@ -80,6 +83,7 @@ class ScriptedJudge(Judge):
     ("number", ["7", "score 11", "?"], [0.7, 1.0, -1.0]),
     ("boxed", ["\\boxed{5}", "\\boxed{x}", "\\boxed{10}"], [0.5, -1.0, 1.0]),
     ("score_tag", ["Score: 1/4", "Score: 6", "great"], [0.25, 0.6, -1.0]),
+    ("contains_yes", ["**YES**", "**NO**", "unsure"], [1.0, 0.0, -1.0]),
 ])
 def test_scripted_judge_scores_through_every_parser(parser, verdicts, want):
     judge = ScriptedJudge(_spec(parser=parser), verdicts)
@@ -125,7 +129,7 @@ def test_rule_scorer_no_verdict_is_nan_only_when_allowed():
 @pytest.mark.parametrize("key,value,match", [
     ("reward_model.judge.template", "no response here {prompt}", "has no '{response}'"),
     ("reward_model.judge.template", "{response} {answer}", r"unknown field\(s\) \['answer'\]"),
-    ("reward_model.judge.parser", "regex", "one of number, boxed, yes_no, score_tag"),
+    ("reward_model.judge.parser", "regex", "one of number, boxed, yes_no, contains_yes, score_tag"),
     ("reward_model.judge.max_score", 0.0, "must exceed min_score"),
 ])
 def test_judge_config_errors(tmp_path, key, value, match):
