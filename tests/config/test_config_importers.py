@@ -313,6 +313,17 @@ def test_trinity_m2po_and_token_mean_sapo(home, tmp_path):
     assert s["algorithm.rollout_correction.bypass_mode"] is True
 
 
+def test_trinity_multi_step_grpo_with_a_single_turn_workflow_is_grpo(home, tmp_path):
+    """Step-wise GRPO broadcasts a run's final-step advantage to its steps; a single-turn run is one step."""
+    base = {"trainer.trainer_config": None, "synchronizer.sync_interval": 1, "buffer.train_batch_size": None}
+    s = import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {
+        "algorithm_type": "multi_step_grpo", "advantage_fn_args": {"enable_step_norm": True}}}), dp_size=4).settings
+    assert (s["algorithm.adv_estimator"], s[f"{R}.n"], s[f"{A}.kl_loss_type"]) == ("grpo", 8, "k2")
+    with pytest.raises(ConfigError, match="std_cal_level"):
+        import_config(variant(TRINITY, tmp_path, {**base, "algorithm": {
+            "algorithm_type": "multi_step_grpo", "advantage_fn_args": {"std_cal_level": "batch"}}}), dp_size=4)
+
+
 def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     # Trinity: sync_offset explorer steps ahead, sync_interval explorer steps per jaxrl_llm step (= one version)
     path = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1, "synchronizer.sync_interval": 4,

@@ -53,9 +53,12 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "sapo": {**_BASE, "repeat_times": 2, "advantage_fn": "grpo", "policy_loss_fn": "sapo"},
     "m2po": {**_BASE, "repeat_times": 8, "advantage_fn": "grpo", "policy_loss_fn": "m2po", "kl_loss_fn": "none",
              "entropy_loss_fn": "none"},
+    "multi_step_grpo": {**_BASE, "repeat_times": 8, "advantage_fn": "step_wise_grpo"},
 }
+# step_wise_grpo broadcasts each run's final-step GRPO advantage to its steps: with the single-turn workflows
+# we import, a run is one step, so it is GRPO
 ADVANTAGE_FNS = {"ppo": "gae", "grpo": "grpo", "reinforceplusplus": "reinforce_plus_plus", "rloo": "rloo",
-                 "remax": "remax"}
+                 "remax": "remax", "step_wise_grpo": "grpo"}
 POLICY_LOSS_FNS = {"ppo": "vanilla", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo", "m2po": "m2po"}
 # Trinity's default_args of the policy losses whose defaults differ from ours
 POLICY_LOSS_DEFAULT_ARGS = {"gspo": {"clip_range_low": 0.0003, "clip_range_high": 0.0004,
@@ -117,6 +120,12 @@ def _algorithm(m: Mapper, src: Source) -> None:
     if "epsilon" in args:
         m.ignore("algorithm.advantage_fn_args.epsilon", "GRPO's std epsilon is fixed at 1e-6 (veRL's)")
         args.pop("epsilon")
+    if adv == "step_wise_grpo":
+        if args.pop("std_cal_level", "group") != "group":
+            m.error("algorithm.advantage_fn_args.std_cal_level", "only 'group': GRPO's std is its group's")
+        if args.pop("enable_step_norm", False):
+            m.ignore("algorithm.advantage_fn_args.enable_step_norm", "a single-turn run is one step: dividing by "
+                                                                     "its step count (1) changes nothing")
     _unknown_args(m, "advantage_fn_args", args, set())
 
     loss = fn["policy_loss_fn"]
