@@ -477,6 +477,17 @@ def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
         assert why in str(err.value)
 
 
+def test_roll_lora_targets_compare_by_the_projections_they_name(home, tmp_path):
+    lora = {"actor_train.model_args.lora_rank": 8, "actor_train.model_args.lora_alpha": 16,
+            "actor_train.model_args.lora_target": "all-linear", "actor_infer.model_args.lora_rank": 8,
+            "actor_infer.model_args.lora_target": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}
+    s = import_config(variant(ROLL, tmp_path, lora), dp_size=8).settings
+    assert (s["actor_rollout_ref.model.lora_rank"], s["actor_rollout_ref.model.target_modules"]) == (8, "all-linear")
+    with pytest.raises(ConfigError, match="actor_infer.model_args.lora_target: 'q_proj,v_proj' differs"):
+        import_config(variant(ROLL, tmp_path, {**lora, "actor_infer.model_args.lora_target": "q_proj,v_proj"}),
+                      dp_size=8)
+
+
 def test_roll_dataset_dir_joins_the_file_names(home, tmp_path):
     s = import_config(variant(ROLL, tmp_path, {"actor_train.data_args.dataset_dir": "/data",
                                                "actor_train.data_args.file_name": ["a.jsonl", "b/c.jsonl"]}),

@@ -155,8 +155,9 @@ CASES = {
         "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": (".", 8, (), refused(
         "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+    # its LoRA imports (all-linear for training = the seven projections listed for inference); its rewards stop it
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml": (".", 8, (), refused(
-        "actor_infer.model_args.lora_target", "differs from actor_train's")),
+        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": (".", 8, (), refused(
         "rewards.llm_judge", "an LLM judge beside the rule rewards")),
     # one domain judged by an LLM (the policy's own initial weights): our generative reward model with ROLL's prompt

@@ -13,7 +13,7 @@ import ast
 import fnmatch
 import os
 import re
-from typing import Any
+from typing import Any, cast
 
 from jaxrl_llm.config.importers.common import (
     NO_DUAL_CLIP,
@@ -28,6 +28,7 @@ from jaxrl_llm.config.importers.common import (
     ratio_steps,
 )
 from jaxrl_llm.config.importers.verl import context_parallel, training_expert_parallel, training_tensor_parallel
+from jaxrl_llm.models.lora import parse_target_modules
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -372,6 +373,14 @@ def _validation_sampling(m: Mapper, src: Source) -> None:
         m.set(f"{R}.val_kwargs.n", n, f"{where}.num_return_sequences")
 
 
+def _same_targets(a: SourceValue, b: SourceValue) -> bool:
+    """Two LoRA target settings naming the same projections (our `parse_target_modules`)."""
+    try:
+        return parse_target_modules(cast(Any, a)) == parse_target_modules(cast(Any, b))
+    except ValueError:
+        return False
+
+
 def _lora(m: Mapper, src: Source) -> None:
     """`actor_train.model_args.lora_rank / lora_alpha / lora_target` -> our LoRA (the inference
     and reference roles' copies must agree: one model)."""
@@ -380,6 +389,8 @@ def _lora(m: Mapper, src: Source) -> None:
         for name in ("lora_rank", "lora_alpha", "lora_target"):
             other = src.take(f"{role}.model_args.{name}")
             mine = rank if name == "lora_rank" else src.peek(f"actor_train.model_args.{name}")
+            if name == "lora_target" and other is not None and mine is not None and _same_targets(other, mine):
+                continue  # e.g. all-linear and the seven projections it names
             if other is not None and other != mine:
                 m.error(f"{role}.model_args.{name}", f"{other!r} differs from actor_train's {mine!r}: jaxrl_llm "
                                                      "samples with the model it trains")
