@@ -114,8 +114,13 @@ CASES = {
             custom_reward_function__reward_funcs=["accuracy", "format", "tag_count"],
             custom_reward_function__reward_weights=[1.0, 1.0, 1.0])),
     # 16 x 8 x 4 = 512 completions per optimizer step are not whole groups of 14 generations
-    "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo_code.yaml": (".", 8, (), refused(
-        "per_device_train_batch_size", "must both be whole groups of num_generations=14")),
+    # launched as open-r1's README launches its GRPO recipes with use_vllm: 7 training processes, the 8th GPU
+    # serving vLLM (on 8 its 16 x 8 x 4 = 512 completions a step are not whole groups of 14: TRL refuses it too)
+    "open-r1/recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo_code.yaml": (".", 7, ("data.train_files=/d/train.parquet",),
+                                                                         imports(
+        algorithm__adv_estimator="grpo", actor_rollout_ref__rollout__n=14, data__train_batch_size=32,
+        actor_rollout_ref__actor__ppo_mini_batch_size=32, custom_reward_function__reward_funcs=["code", "format"],
+        custom_reward_function__reward_weights=[1.0, 0.1], data__max_response_length=2048)),
     "open-r1/recipes/Qwen2.5-Coder-7B-Instruct/grpo/config_codeforces.yaml": (".", 8, (), refused(
         "reward_funcs", "['cf_code']: these run competition checkers on open-r1's Piston / Morph servers")),
     # Trinity-RFT examples (run from Trinity's repository root, as Trinity reads them)
