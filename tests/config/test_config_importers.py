@@ -452,14 +452,19 @@ def test_roll_pg_worker_variants(home, tmp_path):
 
 
 def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
-    """One LLMJudgeRewardWorker domain: our judge with ROLL's prompt, its yes-anywhere reading and its sampling;
-    an API judge, an unknown prompt name and a judge beside rule domains are refused by key."""
+    """One LLMJudgeRewardWorker domain: our judge with ROLL's prompt (read from the ROLL checkout the file sits
+    in), its yes-anywhere reading and its sampling; an API judge, an unknown or missing prompt and a judge beside
+    rule domains are refused by key."""
+    root = tmp_path / "roll_checkout"  # ROLL's root: the config beside its roll/ package
+    checkout = root / "roll" / "utils"
+    checkout.mkdir(parents=True)
+    (checkout / "prompt.py").write_text((pathlib.Path(__file__).parent / "peers/roll/roll/utils/prompt.py").read_text())
     judge = {"worker_cls": "roll.pipeline.rlvr.rewards.llm_judge_reward_worker.LLMJudgeRewardWorker",
              "judge_prompt": "Qwen2.5-7B-Instruct-RLVR-prompt", "judge_model_type": "inference",
              "model_args": {"model_name_or_path": "/models/judge"},
              "generating_args": {"max_new_tokens": 32, "temperature": 0.0, "top_p": 0.9, "top_k": 20},
              "data_args": {"template": "qwen2_5"}}
-    cfg = validate_config(import_config(variant(ROLL, tmp_path, {"rewards": {"llm_judge": judge}}), dp_size=8).config(),
+    cfg = validate_config(import_config(variant(ROLL, root, {"rewards": {"llm_judge": judge}}), dp_size=8).config(),
                           dp_size=8, check_paths=False)
     rm = cfg.reward_model
     assert (rm.style, rm.model.path, rm.judge.parser, rm.judge.temperature, rm.judge.max_new_tokens) == (
@@ -469,12 +474,18 @@ def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
     rule = {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker"}
     for rewards, key, why in [
         ({"llm_judge": {**judge, "judge_model_type": "api"}}, "rewards.llm_judge.judge_model_type", "API judge"),
-        ({"llm_judge": {**judge, "judge_prompt": None}}, "rewards.llm_judge.judge_prompt", "prompt maps"),
+        ({"llm_judge": {**judge, "judge_prompt": None}}, "rewards.llm_judge.judge_prompt", "not given"),
+        ({"llm_judge": {**judge, "judge_prompt": "mine"}}, "rewards.llm_judge.judge_prompt", "maps Qwen2.5-7B"),
         ({"math_rule": rule, "llm_judge": judge}, "rewards.llm_judge", "beside the rule rewards ['math_rule']"),
     ]:
         with pytest.raises(ConfigError, match=key) as err:
-            import_config(variant(ROLL, tmp_path, {"rewards": rewards}), dp_size=8)
+            import_config(variant(ROLL, root, {"rewards": rewards}), dp_size=8)
         assert why in str(err.value)
+    elsewhere = tmp_path / "elsewhere"  # no ROLL checkout above the file (nor in the working directory)
+    elsewhere.mkdir()
+    with pytest.raises(ConfigError, match="rewards.llm_judge.judge_prompt: 'Qwen2.5-7B-Instruct-RLVR-prompt': ROLL's "
+                                          "prompt text is read from roll/utils/prompt.py"):
+        import_config(variant(ROLL, elsewhere, {"rewards": {"llm_judge": judge}}), dp_size=8)
 
 
 def test_roll_lora_targets_compare_by_the_projections_they_name(home, tmp_path):

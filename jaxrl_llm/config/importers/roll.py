@@ -27,6 +27,7 @@ from jaxrl_llm.config.importers.common import (
     logger_sinks,
     ratio_steps,
 )
+from jaxrl_llm.config.importers.roll_rewards import ROLL_SAMPLING, import_rewards
 from jaxrl_llm.config.importers.verl import context_parallel, training_expert_parallel, training_tensor_parallel
 from jaxrl_llm.models.lora import parse_target_modules
 
@@ -319,7 +320,7 @@ def _data(m: Mapper, src: Source) -> None:
     penalty = src.take("actor_infer.generating_args.repetition_penalty", 1.0)
     if penalty != 1.0:
         m.error("actor_infer.generating_args.repetition_penalty", f"{penalty!r}: not available (1.0 only)")
-    _rewards(m, src)
+    import_rewards(m, src)
     track = src.take("track_with")
     if track is not None:
         m.set("trainer.logger", logger_sinks(m, "track_with", [track]), "track_with")
@@ -352,8 +353,6 @@ HARMLESS = {  # ROLL keys with no counterpart that change nothing computed -> wh
                                         "*.model_args.flash_attn", "*.name"),
 }
 AGENTIC_KEYS = ("train_env_manager", "val_env_manager", "custom_envs", "env_manager")
-# ROLL's GeneratingArguments defaults (roll/configs/generating_args.py): ROLL samples unless told not to
-ROLL_SAMPLING = {"do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50}
 
 
 def _validation_sampling(m: Mapper, src: Source) -> None:
@@ -404,80 +403,6 @@ def _lora(m: Mapper, src: Source) -> None:
     m.set_lora(rank, alpha, src.take("actor_train.model_args.lora_target", "all-linear"),
                ("actor_train.model_args.lora_rank", "actor_train.model_args.lora_alpha",
                 "actor_train.model_args.lora_target"))
-
-
-# roll/utils/prompt.py prompt_maps: ROLL's judge templates by name, in our fields ({question} -> {prompt},
-# {reference} -> {ground_truth})
-ROLL_JUDGE_PROMPTS = {"Qwen2.5-7B-Instruct-RLVR-prompt": (
-    "\nGiven a problem, determine whether the final answer in the provided (incomplete) solution process matches the "
-    "reference answer.  \nThe reference answer may be one single option character (e.g., A, B, C, D), a numerical "
-    "value, an expression, or a list of answers if multiple questions are involved.  \n**The reference answer may "
-    "be in Chinese or another language, but your evaluation should be language-agnostic.**  \n\nYour task:  \n- "
-    "Compare the final output of the solution process with the reference answer.  \n- If they **match exactly**, "
-    "output **YES**.  \n- If they **do not match**, output **NO**.  \n- If the solution process is unclear, "
-    "incomplete, or ambiguous, assume it is incorrect and output **NO**.  \n\nYour output must be strictly "
-    "**'YES'** or **'NO'**, with no additional words, punctuation, or explanation.  \n\n---\n\n**Question:**  "
-    "\n{prompt}  \n\n**Solution Process (Final Step Only):**  \n{response}  \n\n**Reference Answer:**  "
-    "\n{ground_truth}  \n\n**Output:**  \n")}
-JUDGE = "reward_model.judge"
-
-
-def _rewards(m: Mapper, src: Source) -> None:
-    """ROLL's reward workers, one per domain: rule workers score with jaxrl_llm's scorer for each row's
-    data_source; one LLMJudgeRewardWorker (its only domain) becomes our generative reward model."""
-    workers = src.take("rewards") or {}
-    judges = [name for name, worker in workers.items()
-              if str((worker or {}).get("worker_cls", "")).endswith(".LLMJudgeRewardWorker")]
-    if not judges:
-        if workers:
-            m.ignore("rewards", "scoring uses jaxrl_llm's scorer for each row's data_source (or "
-                                "custom_reward_function.path)")
-        return
-    if len(workers) > 1:
-        m.error(f"rewards.{judges[0]}", f"an LLM judge beside the rule rewards {sorted(set(workers) - set(judges))}, "
-                                        "each for its own domain of rows: jaxrl_llm scores every row with one reward "
-                                        "setup (a judge, rules, or the two combined: reward_model.judge.combine)")
-    _llm_judge(m, f"rewards.{judges[0]}", workers[judges[0]])
-
-
-def _llm_judge(m: Mapper, where: str, worker: dict[str, Any]) -> None:
-    """ROLL's LLMJudgeRewardWorker (roll/pipeline/rlvr/rewards/llm_judge_reward_worker.py) as our judge: its
-    prompt, 'yes' anywhere in the verdict scores 1 (else 0), its generating args."""
-    kind = worker.get("judge_model_type", "api")
-    if kind != "inference":
-        m.error(f"{where}.judge_model_type", f"{kind!r}: an API judge (an OpenAI-style server) is not available; "
-                                             "'inference' runs the judge model in the run")
-    name = worker.get("judge_prompt")
-    if name not in ROLL_JUDGE_PROMPTS:
-        m.error(f"{where}.judge_prompt", f"{name!r}: ROLL's prompt maps hold {', '.join(ROLL_JUDGE_PROMPTS)}; its "
-                                         "built-in fallback prompt asks for 'Score: n' but ROLL then reads yes / no")
-    path = (worker.get("model_args") or {}).get("model_name_or_path")
-    if not path:
-        m.error(f"{where}.model_args.model_name_or_path", "not given: the judge model's weights")
-    gen = worker.get("generating_args") or {}
-    sampled = gen.get("do_sample", True) and float(gen.get("temperature", ROLL_SAMPLING["temperature"])) > 0
-    m.set("reward_model.style", "generative", f"{where}.worker_cls")
-    m.set("reward_model.model.path", path, f"{where}.model_args.model_name_or_path")
-    m.set(f"{JUDGE}.template", ROLL_JUDGE_PROMPTS[name], f"{where}.judge_prompt")
-    m.set(f"{JUDGE}.parser", "contains_yes", f"{where}.worker_cls")
-    m.set(f"{JUDGE}.default_score", 0.0, f"{where}.worker_cls")
-    m.set(f"{JUDGE}.combine", "judge", f"{where}.worker_cls")
-    m.set(f"{JUDGE}.temperature", float(gen.get("temperature", ROLL_SAMPLING["temperature"])) if sampled else 0.0,
-          f"{where}.generating_args.temperature")
-    m.set(f"{JUDGE}.top_p", float(gen.get("top_p", ROLL_SAMPLING["top_p"])), f"{where}.generating_args.top_p")
-    m.set(f"{JUDGE}.top_k", int(gen.get("top_k", ROLL_SAMPLING["top_k"]) or -1), f"{where}.generating_args.top_k")
-    new_tokens = int(gen.get("max_new_tokens", 100))
-    m.set(f"{JUDGE}.max_new_tokens", new_tokens, f"{where}.generating_args.max_new_tokens")
-    for key in ("num_beams", "num_return_sequences"):
-        if int(gen.get(key, 1)) != 1:
-            m.error(f"{where}.generating_args.{key}", f"{gen[key]!r}: the judge writes one verdict, sampled")
-    # vLLM's max_model_len bounds the judge's prompt and verdict; without it, the policy's prompt and response
-    # with room for the template
-    max_len = ((worker.get("strategy_args") or {}).get("strategy_config") or {}).get("max_model_len")
-    room = int(max_len) - new_tokens if max_len else (
-        int(m.get("data.max_prompt_length")) + int(m.get("data.max_response_length")) + 512)
-    m.set(f"{JUDGE}.max_prompt_length", room, f"{where}.strategy_args.strategy_config.max_model_len")
-    m.ignore(f"{where}.data_args.template", "the judge's prompt is rendered with the judge model's own chat template")
 
 
 def _domains(m: Mapper, src: Source) -> None:
