@@ -231,9 +231,11 @@ def test_speculative_rollouts_log_their_rates_and_the_trainers_log_probs(tmp_pat
 @pytest.mark.parametrize("overrides", [
     {"actor_rollout_ref.actor.policy_loss.loss_mode": "topr", "algorithm.norm_mean_type": "batch",
      "algorithm.adv_estimator": "reinforce_plus_plus"},
+    # packed rows in token-budget micro-batches: the pre-pass reads them as the update does
     {"actor_rollout_ref.actor.policy_loss.loss_mode": "m2po", "algorithm.rollout_correction.bypass_mode": True,
-     "actor_rollout_ref.actor.m2_threshold": 0.01},
-], ids=["topr", "m2po"])
+     "actor_rollout_ref.actor.m2_threshold": 0.01, "actor_rollout_ref.model.use_remove_padding": True,
+     "actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_device": 80},
+], ids=["topr", "m2po_packed_budget"])
 def test_peer_losses_train_through_the_planned_step(tmp_path, overrides):
     """ROLL's TOPR (the rows' sequence scores reach the update) and Trinity's M2PO (the update's pre-pass)
     through a training step whose memory plan lowers the same update program."""
