@@ -324,6 +324,33 @@ def test_trinity_multi_step_grpo_with_a_single_turn_workflow_is_grpo(home, tmp_p
             "algorithm_type": "multi_step_grpo", "advantage_fn_args": {"std_cal_level": "batch"}}}), dp_size=4)
 
 
+def test_trinity_use_base_renders_mathboxedworkflows_plain_prompt(home, tmp_path):
+    """workflow_args.use_base: the prompt as MathBoxedWorkflow.format_prompt writes it, no chat template, for
+    every taskset alike (an eval taskset rendered the other way is refused)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from jaxrl_llm.config.importers.trinity_data import BASE_PROMPT_TEMPLATE
+
+    def trinity_format_prompt(system_prompt, task_desc):  # trinity/common/workflows/customized_math_workflows.py
+        if system_prompt:
+            return "System:" + system_prompt + "\nUser:\n" + task_desc + "\nAssistant:\n"
+        return "User:\n" + task_desc + "\nAssistant:\n"
+
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        BASE_PROMPT_TEMPLATE)  # as transformers compiles a chat template
+    for system in ("Solve it.", None):
+        chat = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "1+1?"}]
+        assert template.render(messages=chat, add_generation_prompt=True) == trinity_format_prompt(system, "1+1?")
+    ts = "buffer.explorer_input.taskset"
+    changes = {f"{ts}.workflow_args": {"use_base": True}, "buffer.explorer_input.default_workflow_type":
+               "math_boxed_workflow", "buffer.explorer_input.eval_tasksets": None}
+    s = import_config(variant(TRINITY, tmp_path, changes), dp_size=4).settings
+    assert s["data.chat_template"] == BASE_PROMPT_TEMPLATE
+    with pytest.raises(ConfigError, match="use_base.*the plain-text prompt is math_boxed_workflow"):
+        import_config(variant(TRINITY, tmp_path, {**changes, "buffer.explorer_input.default_workflow_type":
+                                                  "math_workflow"}), dp_size=4)
+
+
 def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     # Trinity: sync_offset explorer steps ahead, sync_interval explorer steps per jaxrl_llm step (= one version)
     path = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1, "synchronizer.sync_interval": 4,
@@ -346,7 +373,7 @@ def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     ("algorithm.kl_loss_fn_args.adaptive", True, "adaptive"),
     ("buffer.explorer_input.default_workflow_type", "alfworld_workflow", "single-turn"),
     ("buffer.explorer_input.taskset.format.system_prompt_key", "sys", "per-row system prompt"),
-    ("buffer.explorer_input.taskset.workflow_args", {"use_base": True}, "plain-text prompt"),
+    ("buffer.explorer_input.taskset.workflow_args", {"with_think": True}, "not available (use_base is)"),
     ("buffer.total_steps", 30, "multiple of sync_interval"),
     ("explorer.auxiliary_models", [{"model_path": "judge"}], "auxiliary models"),
     ("mode", "train", "both"),

@@ -136,8 +136,9 @@ CASES = {
         algorithm__adv_estimator="gae", critic__enable=True, actor_rollout_ref__rollout__n=5,
         data__train_batch_size=960, actor_rollout_ref__actor__ppo_mini_batch_size=96, critic__optim__lr=1e-5,
         critic__cliprange_value=0.5, data__max_prompt_length=256, trainer__total_epochs=20)),
+    # its training taskset's use_base (plain-text prompts) imports; its eval taskset uses the chat template
     "trinity/examples/dapo_math/dapo.yaml": ("trinity", 8, (), refused(
-        "buffer.explorer_input.taskset.workflow_args", "use_base renders Trinity's own plain-text prompt")),
+        "buffer.explorer_input.eval_tasksets", "workflow_args.use_base=False in the eval tasksets but True")),
     "trinity/examples/grpo_rubric/rubric.yaml": ("trinity", 8, (), refused(
         "explorer.auxiliary_models", "LLM judges / generative reward models) are not available")),
     "trinity/examples/dpo_humanlike/dpo.yaml": ("trinity", 8, (), refused(

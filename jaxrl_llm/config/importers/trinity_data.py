@@ -78,7 +78,19 @@ def _workflow(m: Mapper, key: str, value: SourceValue) -> None:
     m.ignore(f"{key}={value}", SCORING_NOTE)
 
 
-def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[str, Any]:
+# Trinity's MathBoxedWorkflow with workflow_args.use_base: no chat template, the prompt as plain text
+# "System:<system prompt>\nUser:\n<question>\nAssistant:\n" (without a system prompt: from "User:"), as a
+# chat template
+BASE_PROMPT_WORKFLOWS = ("math_boxed_workflow", "async_math_boxed_workflow")
+BASE_PROMPT_TEMPLATE = ("{%- for message in messages -%}"
+                        "{%- if message['role'] == 'system' -%}{{ 'System:' + message['content'] + '\\n' }}"
+                        "{%- elif message['role'] == 'user' -%}"
+                        "{{ 'User:\\n' + message['content'] + '\\nAssistant:\\n' }}"
+                        "{%- endif -%}{%- endfor -%}")
+
+
+def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool, default_workflow: Any = None
+             ) -> dict[str, Any]:
     """One taskset's files, prompt keys and sampling arguments; errors for what we cannot honour."""
     if ts.get("storage_type", "file") not in ("file", None):
         m.error(f"{where}.storage_type", f"{ts['storage_type']!r}: only file tasksets are available")
@@ -98,9 +110,18 @@ def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[s
     _workflow(m, f"{where}.default_eval_workflow_type", ts.get("default_eval_workflow_type"))
     if ts.get("default_reward_fn_type"):
         m.ignore(f"{where}.default_reward_fn_type={ts['default_reward_fn_type']}", SCORING_NOTE)
-    if ts.get("workflow_args"):
-        m.error(f"{where}.workflow_args", f"{ts['workflow_args']!r}: workflow arguments are not available (use_base "
-                                          "renders Trinity's own plain-text prompt instead of the chat template)")
+    workflow_args = dict(ts.get("workflow_args") or {})
+    use_base = bool(workflow_args.pop("use_base", False))
+    for name, value in workflow_args.items():
+        m.error(f"{where}.workflow_args.{name}", f"{value!r}: this workflow argument is not available (use_base is)")
+    if use_base:
+        workflow = ts.get("default_workflow_type") or default_workflow
+        if workflow not in BASE_PROMPT_WORKFLOWS:
+            m.error(f"{where}.workflow_args.use_base", f"True with workflow {workflow!r}: the plain-text prompt is "
+                                                       f"{', '.join(BASE_PROMPT_WORKFLOWS)}'s")
+        if fmt.get("chat_template"):
+            m.ignore(f"{where}.format.chat_template", "use_base renders the plain-text prompt instead")
+        fmt["chat_template"] = BASE_PROMPT_TEMPLATE
     _reward_fn_args(m, dict(ts.get("reward_fn_args") or {}), f"{where}.reward_fn_args")
     args = dict(ts.get("rollout_args") or {})
     if not is_eval and args.get("n") not in (None, 1):
@@ -118,7 +139,7 @@ def _taskset(m: Mapper, ts: dict[str, Any], where: str, is_eval: bool) -> dict[s
         ts.pop(name, None)
     for name in ts:
         m.ignore(f"{where}.{name}")
-    return {"fmt": fmt, "args": args}
+    return {"fmt": fmt, "args": args, "use_base": use_base}
 
 
 FORMAT_KEYS = {"prompt_key": "data.prompt_key", "messages_key": "data.messages_key",
@@ -149,7 +170,8 @@ def _reward_fn_args(m: Mapper, args: dict[str, Any], where: str) -> None:
         m.set("reward_model.reward_kwargs.max_resp_len", max_len, f"{where}.max_response_length")
 
 
-def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: bool) -> dict[str, Any] | None:
+def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: bool, default_workflow: Any = None
+             ) -> dict[str, Any] | None:
     if not tasksets:
         return None
     files: list[str] = []
@@ -157,10 +179,11 @@ def _collect(m: Mapper, tasksets: list[tuple[str, dict[str, Any]]], is_eval: boo
     for where, ts in tasksets:
         path, split = ts.get("path"), ts.get("split", "train")
         repeat = ts.get("repeat_times")
-        info = _taskset(m, dict(ts), where, is_eval)
+        info = _taskset(m, dict(ts), where, is_eval, default_workflow)
         files += taskset_files(str(path), str(split), ts.get("subset_name") or None)
         values = {**{f"format.{k}": v for k, v in info["fmt"].items() if k in FORMAT_KEYS},
-                  **{f"rollout_args.{k}": v for k, v in info["args"].items()}}
+                  **{f"rollout_args.{k}": v for k, v in info["args"].items()},
+                  "workflow_args.use_base": info["use_base"]}
         if is_eval:
             values["repeat_times"] = repeat if repeat is not None else 1
         elif repeat is not None:
@@ -181,8 +204,10 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
         m.error(f"{EI}.reply_prefix", f"{src.peek(f'{EI}.reply_prefix')!r}: {FORMAT_ERRORS['reply_prefix']}")
     if src.peek(f"{EI}.system_prompt"):
         m.set("data.system_prompt", src.take(f"{EI}.system_prompt"), f"{EI}.system_prompt")
+    workflows = {}
     for name in ("default_workflow_type", "default_eval_workflow_type"):  # defaults of every taskset
-        _workflow(m, f"{EI}.{name}", src.take(f"{EI}.{name}"))
+        workflows[name] = src.take(f"{EI}.{name}")
+        _workflow(m, f"{EI}.{name}", workflows[name])
     reward = src.take(f"{EI}.default_reward_fn_type")
     if reward:
         m.ignore(f"{EI}.default_reward_fn_type={reward}", SCORING_NOTE)
@@ -195,14 +220,20 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
     evals = [(f"{EI}.eval_tasksets[{i}]", dict(t)) for i, t in enumerate(src.take(f"{EI}.eval_tasksets") or [])]
     for name in ("system_prompt", "reply_prefix"):
         src.take(f"{EI}.{name}")
-    got = _collect(m, train, is_eval=False)
+    got = _collect(m, train, is_eval=False, default_workflow=workflows["default_workflow_type"])
+    train_base = None if got is None else got.pop("workflow_args.use_base", False)
     if got is not None:
         m.set("data.train_files", got.pop("files"), f"{EI}.taskset.path")
         paths = {str(ts.get("path")) for _, ts in train}
         if "data.default_data_source" not in m.settings and len(paths) == 1 and has_builtin_scorer(next(iter(paths))):
             m.set("data.default_data_source", next(iter(paths)), f"{EI}.taskset.path")
         _sampling(m, got, "actor_rollout_ref.rollout", f"{EI}.taskset")
-    got = _collect(m, evals, is_eval=True)
+    got = _collect(m, evals, is_eval=True,
+                   default_workflow=workflows["default_eval_workflow_type"] or workflows["default_workflow_type"])
+    if got is not None and got.pop("workflow_args.use_base", False) != bool(train_base) and train_base is not None:
+        m.error(f"{EI}.eval_tasksets", f"workflow_args.use_base={not train_base} in the eval tasksets but {train_base} "
+                                       "in the training taskset: jaxrl_llm renders every prompt one way (plain text, "
+                                       "or the chat template)")
     if got is not None:
         m.set("data.val_files", got.pop("files"), f"{EI}.eval_tasksets")
         # Trinity evaluates with the eval tasksets' rollout_args (sampling at temperature 1.0 by default)
