@@ -242,11 +242,12 @@ def topr(p: PolicyLossInputs, topr_positive_weight: float = 1.0, topr_negative_w
     pg_clipfrac is the fraction of the other rows' tokens whose ratio is above 1."""
     if p.scores is None:
         raise ValueError("policy loss 'topr' needs the rows' sequence scores (scores=)")
-    ratio = jnp.exp(_log_ratio(p))
+    log_ratio = _log_ratio(p)
+    ratio = jnp.exp(log_ratio)
     positive = (p.scores > 0)[:, None]
     tapered = sg(jnp.clip(ratio, 0.0, 1.0))
     losses = jnp.where(positive, topr_positive_weight, topr_negative_weight * tapered) * -p.advantages * p.log_prob
-    return p.agg(p.weighted(losses)), _metrics(p.mmean(~positive & (ratio > 1.0)), p.mmean(-_log_ratio(p)), 0.0)
+    return p.agg(p.weighted(losses)), _metrics(p.mmean(~positive & (ratio > 1.0)), p.mmean(-log_ratio), 0.0)
 
 
 def m2po_keep_mask(log_ratio: Array, mask: Array, advantages: Array, m2_threshold: float) -> Array:

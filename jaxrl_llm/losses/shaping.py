@@ -66,9 +66,10 @@ def normalize_scores(token_level_scores: Array, response_mask: Array, group_ids:
         mean = jnp.mean(score)
         return mean, jnp.sqrt(jnp.sum((score - mean) ** 2) / max(n - 1, 1))
 
-    new = score - mean_std(mean_type)[0] if mean_type else score
+    stats = {kind: mean_std(kind) for kind in {mean_type, std_type} if kind}  # once per kind
+    new = score - stats[mean_type][0] if mean_type else score
     if std_type:
-        new = new / (mean_std(std_type)[1] + 1e-6)
+        new = new / (stats[std_type][1] + 1e-6)
     return _with_sequence_scores(token_level_scores, mask, score, new)
 
 

@@ -33,7 +33,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.models.moe import MoeOut, expert_load_max, load_balancing_loss, router_z_loss
 from jaxrl_llm.roles.experience import Experience, required
-from jaxrl_llm.roles.forward import response_scores
+from jaxrl_llm.roles.forward import response_log_probs, response_scores
 from jaxrl_llm.roles.update import TOKEN_OUTPUT, Denominators, TokenPrepass, run_update_epochs, with_lora_loss
 
 sg = jax.lax.stop_gradient
@@ -97,10 +97,9 @@ def current_log_probs(params: dict, mb: Experience, *, model_cfg: ModelConfig, s
                       mesh: Mesh | None = None) -> jax.Array:
     """The policy's log-probs of the micro-batch's response tokens (0 off its mask), no gradient: the
     update's pre-pass for a loss that reads the whole mini-batch first."""
-    log_prob = response_scores(
-        params, model_cfg, mb.input_ids, mb.attention_mask, mb.response_mask.shape[1],
-        temperature=s.temperature, compute_dtype=s.compute_dtype, remat="none", with_entropy=False,
-        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing)[0]
+    log_prob = response_log_probs(params, model_cfg, mb.input_ids, mb.attention_mask, mb.response_mask.shape[1],
+                                  temperature=s.temperature, compute_dtype=s.compute_dtype, packing=mb.packing,
+                                  logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing)
     return jnp.where(mb.response_mask > 0, sg(log_prob), 0.0)
 
 

@@ -48,15 +48,15 @@ def _llm_judge(m: Mapper, where: str, worker: dict[str, Any]) -> None:
     if not path:
         m.error(f"{where}.model_args.model_name_or_path", "not given: the judge model's weights")
     gen = worker.get("generating_args") or {}
-    sampled = gen.get("do_sample", True) and float(gen.get("temperature", ROLL_SAMPLING["temperature"])) > 0
+    temperature = float(gen.get("temperature", ROLL_SAMPLING["temperature"]))
+    sampled = gen.get("do_sample", True) and temperature > 0
     m.set("reward_model.style", "generative", f"{where}.worker_cls")
     m.set("reward_model.model.path", path, f"{where}.model_args.model_name_or_path")
     m.set(f"{JUDGE}.template", template, f"{where}.judge_prompt")
     m.set(f"{JUDGE}.parser", "contains_yes", f"{where}.worker_cls")
     m.set(f"{JUDGE}.default_score", 0.0, f"{where}.worker_cls")
     m.set(f"{JUDGE}.combine", "judge", f"{where}.worker_cls")
-    m.set(f"{JUDGE}.temperature", float(gen.get("temperature", ROLL_SAMPLING["temperature"])) if sampled else 0.0,
-          f"{where}.generating_args.temperature")
+    m.set(f"{JUDGE}.temperature", temperature if sampled else 0.0, f"{where}.generating_args.temperature")
     m.set(f"{JUDGE}.top_p", float(gen.get("top_p", ROLL_SAMPLING["top_p"])), f"{where}.generating_args.top_p")
     m.set(f"{JUDGE}.top_k", int(gen.get("top_k", ROLL_SAMPLING["top_k"]) or -1), f"{where}.generating_args.top_k")
     new_tokens = int(gen.get("max_new_tokens", 100))

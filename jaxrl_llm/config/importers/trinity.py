@@ -157,7 +157,11 @@ def _algorithm(m: Mapper, src: Source) -> None:
           "algorithm.entropy_loss_fn")
     _unknown_args(m, "entropy_loss_fn_args", args, set())
     _optimizer(m, src)
-    bypass = src.take("algorithm.bypass_old_logprobs")  # m2po took its own
+    # the sampler's log-probs as the old ones: our bypass mode; m2po needs it (Trinity's default for it)
+    bypass = src.take("algorithm.bypass_old_logprobs", True if loss == "m2po" else None)
+    if loss == "m2po" and not bypass:
+        m.error("algorithm.bypass_old_logprobs", "False: m2po needs the sampler's log-probs as the old ones (Trinity "
+                                                 "refuses it too)")
     if bypass is not None:
         m.set("algorithm.rollout_correction.bypass_mode", bool(bypass), "algorithm.bypass_old_logprobs")
     strategy = src.take("algorithm.sample_strategy")
@@ -168,13 +172,7 @@ def _algorithm(m: Mapper, src: Source) -> None:
 
 
 def _m2po(m: Mapper, src: Source, args: dict[str, Any]) -> None:
-    """Trinity's m2po bounds the ratio to the sampler's policy: it needs `bypass_old_logprobs` (its default),
-    our rollout correction's bypass mode; the log-ratio clamp is fixed at 20 here."""
-    bypass = src.take("algorithm.bypass_old_logprobs", True)
-    if not bypass:
-        m.error("algorithm.bypass_old_logprobs", "False: m2po needs the sampler's log-probs as the old ones (Trinity "
-                                                 "refuses it too)")
-    m.set("algorithm.rollout_correction.bypass_mode", True, "algorithm.bypass_old_logprobs")
+    """Trinity's m2po: the log-ratio clamp is fixed at 20 here (its `bypass_old_logprobs`: `_algorithm`)."""
     clip = args.pop("log_ratio_clip", 20.0)
     if float(clip) != 20.0:
         m.error("algorithm.policy_loss_fn_args.log_ratio_clip", f"{clip!r}: jaxrl_llm's m2po clamps the log-ratio at "
