@@ -99,6 +99,27 @@ def test_scripted_judge_scores_through_every_parser(parser, verdicts, want):
     assert judge.seen[1] == "Q: plain\nA: b\nGT: "
 
 
+def test_judge_samples_its_verdicts_with_its_top_p_and_top_k(monkeypatch):
+    """reward_model.judge.top_p / top_k (ROLL's judge generating_args) reach the judge's sampling parameters."""
+    import jaxrl_llm.roles.judge as judge_module
+
+    seen = {}
+
+    class Sampled(Exception):
+        pass
+
+    def sampling(**kw):
+        seen.update(kw)
+        raise Sampled
+
+    monkeypatch.setattr(judge_module, "SamplingParams", sampling)
+    judge = object.__new__(Judge)  # only its spec and mesh are read before sampling
+    judge.spec, judge.mesh = _spec(temperature=0.7, top_p=0.8, top_k=5), jax.make_mesh((1,), ("data",))
+    with pytest.raises(Sampled):
+        judge.generate([np.zeros(1, np.int32)], jax.random.PRNGKey(0))
+    assert (seen["temperature"], seen["do_sample"], seen["top_p"], seen["top_k"]) == (0.7, True, 0.8, 5)
+
+
 def test_combine_modes_and_agreement():
     verdicts = JudgeVerdicts(["yes", "no", "yes", "??"], np.asarray([1.0, 0.0, 1.0, np.nan], np.float32))
     rule = np.asarray([1.0, 1.0, np.nan, 0.0], np.float32)
