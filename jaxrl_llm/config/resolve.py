@@ -35,7 +35,9 @@ from jaxrl_llm.config.spec import (
     TrainerSpec,
 )
 from jaxrl_llm.config.validate import validate_config
+from jaxrl_llm.data.domains import DomainSpec
 from jaxrl_llm.data.spec import DataSpec, SftSpec
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
 from jaxrl_llm.models.lora import LoraConfig, parse_target_modules
@@ -91,7 +93,27 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         custom_cls_path=d.custom_cls.path or None, custom_cls_name=d.custom_cls.name or None,
         system_prompt=d.system_prompt, chat_template=_template_text(d.chat_template),
         ground_truth_key=d.ground_truth_key,
-        default_data_source=d.default_data_source, builtin_scorers=bool(builtin))
+        default_data_source=d.default_data_source, builtin_scorers=bool(builtin), domains=_domains(d.domains))
+
+
+def _domains(section: ConfigDict) -> DomainSpec:
+    """data.domains.*, each value checked (the errors name the key)."""
+    probs = _plain(section.probs)
+    for domain, share in probs.items():
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0:
+            raise ConfigError(f"data.domains.probs.{domain}={share!r}: a positive share of the batch")
+    members = {}
+    for domain, values in _plain(section.members).items():
+        values = [values] if isinstance(values, str) else values
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, (str, int)) for v in values):
+            raise ConfigError(f"data.domains.members.{domain}={values!r}: a list of the key column's values")
+        members[str(domain)] = tuple(str(v) for v in values)
+    sources = _plain(section.data_sources)
+    for domain, source in sources.items():
+        if not isinstance(source, str) or not source:
+            raise ConfigError(f"data.domains.data_sources.{domain}={source!r}: a data_source name")
+    return DomainSpec(key=str(section.key), probs=tuple((str(k), float(v)) for k, v in probs.items()),
+                      members=tuple(members.items()), data_sources=tuple((str(k), v) for k, v in sources.items()))
 
 
 def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> SamplingParams:
@@ -252,7 +274,8 @@ def resolve_reward_model(cfg: ConfigDict) -> RewardModelSpec | None:
             max_score=float(j.max_score), default_score=float(j.default_score), max_new_tokens=int(j.max_new_tokens),
             temperature=float(j.temperature), max_prompt_length=int(j.max_prompt_length), combine=j.combine,
             rule_weight=float(j.rule_weight), judge_weight=float(j.judge_weight),
-            on_rollout_devices=bool(j.on_rollout_devices), top_p=float(j.top_p), top_k=int(j.top_k))
+            on_rollout_devices=bool(j.on_rollout_devices), top_p=float(j.top_p), top_k=int(j.top_k),
+            data_sources=tuple(str(s) for s in j.data_sources))
     return RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length, rm.micro_batch_size_per_device,
                            style=rm.style, judge=judge, dtype=cfg.actor_rollout_ref.model.dtype)
 

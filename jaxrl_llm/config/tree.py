@@ -128,6 +128,18 @@ DATA = {
     "train_max_samples": field(-1, "Use at most this many training rows; -1 = all. veRL.", gt=0, also=(-1,)),
     "val_max_samples": field(-1, "Use at most this many validation rows; -1 = all. veRL.", gt=0, also=(-1,)),
     "dataloader_num_workers": field(0, "grain worker processes; 0 = in-process (veRL default 8 is for torch).", ge=0),
+    "domains": {
+        "key": field("domain", "Column naming each row's domain (ROLL: tag, mapped to domains by members)."),
+        "probs": field({}, "Domain -> its share of every training batch: int(share x train_batch_size) prompts "
+                           "each, the rest to the largest share; each domain walks its own "
+                           "rows in its own shuffled order (data/domains.py); rows of other domains are not "
+                           "sampled; {} = one stream over all rows. ROLL domain_interleave_probs.", open=True),
+        "members": field({}, "Domain -> the key column's values it holds (a domain not listed holds the rows whose "
+                             "value is its name). ROLL: each reward worker's tag_included.", open=True),
+        "data_sources": field({}, "Domain -> the data_source of its rows that have none (it picks their built-in "
+                                  "scorer; reward_model.judge.data_sources picks the rows a judge grades). ROLL: "
+                                  "each domain's reward worker.", open=True),
+    },
     "custom_cls": {
         "path": field(None, "Python file defining a custom dataset class. veRL.", types=str),
         "name": field(None, "Class name in custom_cls.path. veRL.", types=str),
@@ -544,6 +556,9 @@ REWARD_MODEL = {
                                   "rule + judge_weight * judge), or fallback (the judge only where the rule "
                                   "scorer has no verdict: it returned None, or the data source has none).",
                          choices=("judge", "sum", "fallback")),
+        "data_sources": field([], "The data sources whose rows the judge grades; the other rows take the rule "
+                                  "scorer's score alone (a ROLL run's judge domain beside its rule domains: "
+                                  "data.domains.data_sources); [] = every row.", types=list),
         "rule_weight": field(1.0, "combine=sum: weight of the rule score."),
         "judge_weight": field(1.0, "combine=sum: weight of the judge score."),
         "on_rollout_devices": field(True, "With a split mesh (mesh.rollout_devices), the judge generates on "

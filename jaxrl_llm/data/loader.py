@@ -29,14 +29,15 @@ from typing import Any
 import grain
 import numpy as np
 
+from jaxrl_llm.data.domains import DomainSpec, mixture_batches
 from jaxrl_llm.data.prompts import PromptDataset, build_dataset
 from jaxrl_llm.data.sources import DataError
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 
 # "source": the file and row a prompt came from (str of data.sources.RowRef; None for generated rows), what a
-# failed scorer call names
-METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability", "source")
+# failed scorer call names; "domain": the row's data.domains domain (None without data.domains)
+METADATA_KEYS = ("data_source", "ground_truth", "extra_info", "ability", "source", "domain")
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
@@ -91,6 +92,7 @@ class PromptLoader:
         process_count: int = 1,
         return_raw_chat: bool = False,
         num_workers: int = 0,
+        domains: DomainSpec | None = None,
     ):
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index={process_index} is outside [0, process_count={process_count})")
@@ -108,13 +110,22 @@ class PromptLoader:
         self.process_count = process_count
         self.num_epochs = num_epochs
 
-        rows = grain.MapDataset.range(n)
-        if shuffle:
-            rows = rows.shuffle(seed=0 if seed is None else int(seed))
-        batches = rows.batch(batch_size, drop_remainder=drop_last, batch_fn=np.asarray)
-        self._batches_per_epoch = len(batches)
-        # repeat after shuffle + batch: each epoch is reshuffled and batches never cross epochs
-        pipeline = batches.repeat(num_epochs).map(_Collate(dataset, process_index, process_count, return_raw_chat))
+        seed = 0 if seed is None else int(seed)
+        if drop_last and domains is not None and domains.probs:
+            # a fixed share of each batch per domain, each domain its own endless stream (data/domains.py)
+            endless, self._batches_per_epoch = mixture_batches(
+                [r.get("domain") for r in dataset.records], domains, batch_size, shuffle=shuffle, seed=seed,
+                name=dataset.name)
+            batches = endless if num_epochs is None else endless[:self._batches_per_epoch * num_epochs]
+        else:
+            rows = grain.MapDataset.range(n)
+            if shuffle:
+                rows = rows.shuffle(seed=seed)
+            batches = rows.batch(batch_size, drop_remainder=drop_last, batch_fn=np.asarray)
+            self._batches_per_epoch = len(batches)
+            # repeat after shuffle + batch: each epoch is reshuffled and batches never cross epochs
+            batches = batches.repeat(num_epochs)
+        pipeline = batches.map(_Collate(dataset, process_index, process_count, return_raw_chat))
         # num_workers=0: collate on demand; k > 0: k grain threads collate up to 2k batches ahead
         # (the iterator state still counts only the batches handed out)
         read_options = grain.ReadOptions(num_threads=num_workers, prefetch_buffer_size=2 * num_workers)
@@ -157,7 +168,8 @@ def make_dataloader(
 
     `batch_size` is the global batch (default data.train_batch_size / data.val_batch_size, where a
     None val batch means the whole set). Train: shuffled (data.shuffle, data.seed), full batches,
-    `num_epochs` (None = endless). Val: in order, one pass. Pass `dataset` to reuse a built one.
+    `num_epochs` (None = endless), with data.domains.probs a fixed share per domain (data/domains.py).
+    Val: in order, one pass. Pass `dataset` to reuse a built one.
     """
     if dataset is None:
         dataset = build_dataset(data, tokenizer, split)
@@ -175,4 +187,5 @@ def make_dataloader(
         process_count=process_count,
         return_raw_chat=data.return_raw_chat,
         num_workers=data.dataloader_num_workers,
+        domains=data.domains if train else None,
     )

@@ -7,7 +7,7 @@ of records
 
     {"input_ids": int32[L] (unpadded, L <= max_prompt_length), "data_source": str,
      "ground_truth": Any, "extra_info": dict, "ability": str | None, "raw_prompt": list | str,
-     "index": int (position in this dataset)}
+     "domain": str | None (data.domains: data/domains.py), "index": int (position in this dataset)}
 
 Prompt column: `data.prompt_key` (veRL: a list of chat messages; ROLL: a plain string); when that
 column is absent, `data.messages_key` (a messages column). Message lists go through
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.data.domains import unmixed_rows
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
@@ -192,7 +193,8 @@ def normalise_ground_truth(value: Any) -> Any:
 
 
 def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool = False,
-              ground_truth_key: str | None = None, default_data_source: str | None = None) -> dict[str, Any]:
+              ground_truth_key: str | None = None, default_data_source: str | None = None,
+              domain: str | None = None) -> dict[str, Any]:
     reward_model = row.get("reward_model")
     if ground_truth_key is not None:
         if ground_truth_key not in row:
@@ -229,6 +231,7 @@ def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool
         "extra_info": dict(extra_info),
         "ability": row.get("ability"),
         "source": str(where),
+        "domain": domain,
     }
 
 
@@ -289,7 +292,10 @@ def records_from_rows(
             num_dropped += 1
             continue
         record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
-        record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, data.default_data_source))
+        domain = data.domains.domain_of(row) if data.domains.enabled else None
+        # a domain's data_source (data.domains.data_sources) before the run-wide default
+        source = data.domains.data_source_of(domain) or data.default_data_source
+        record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, source, domain))
         records.append(record)
     if num_dropped:
         logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",
@@ -347,6 +353,11 @@ def build_dataset(data: DataSpec, tokenizer: Tokenizer, split: str = "train") ->
         name = ", ".join(paths)
     if not records:
         raise DataError(f"{name}: empty dataset after filtering (no prompt fits data.max_prompt_length)")
+    if split == "train" and data.domains.probs:
+        left = unmixed_rows([r.get("domain") for r in records], data.domains)
+        if left:
+            logger.warning("data.domains: rows in no domain of data.domains.probs are not sampled (column %r: %s)",
+                           data.domains.key, ", ".join(f"{k}: {v}" for k, v in sorted(left.items())))
     for i, record in enumerate(records):
         record["index"] = i
     return PromptDataset(records, name)

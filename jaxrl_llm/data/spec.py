@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxrl_llm.data.domains import DomainSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
@@ -37,6 +39,7 @@ class DataSpec:
     # rows are scored by the built-in rule scorers (no custom_reward_function, no reward model):
     # every row needs a ground truth and a data_source they know, checked when the data is loaded
     builtin_scorers: bool = False
+    domains: DomainSpec = DomainSpec()  # data.domains.*: each row's domain, the batch's share of each
 
     def files(self, split: str) -> tuple[str, ...] | None:
         if split not in ("train", "val"):

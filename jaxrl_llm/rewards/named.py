@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.rewards.scorers.text import repetition_penalty_reward
+
 # the functions that read the row's scorer (accuracy itself, and correctness for two others)
 NEEDS_SCORER = ("accuracy", "cosine", "length")
 NAMES = ("accuracy", "format", "tag_count", "reasoning_steps", "cosine", "repetition_penalty", "length", "code",
@@ -92,14 +94,6 @@ def cosine_reward(text: str, correct: bool, p: NamedRewards) -> float:
     lo, hi = ((p.cosine_min_value_correct, p.cosine_max_value_correct) if correct
               else (p.cosine_max_value_wrong, p.cosine_min_value_wrong))
     return lo + 0.5 * (hi - lo) * (1.0 + cosine)
-
-
-def repetition_penalty_reward(text: str, ngram_size: int, max_penalty: float) -> float:
-    words = text.lower().split()
-    if len(words) < ngram_size:  # the empty response included
-        return 0.0
-    ngrams = list(zip(*[words[i:] for i in range(ngram_size)]))
-    return (1.0 - len(set(ngrams)) / len(ngrams)) * max_penalty
 
 
 def length_rewards(texts: Sequence[str], correct: np.ndarray) -> np.ndarray:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import numpy as np
 
 from jaxrl_llm.rewards.custom import ScorerSpec
 from jaxrl_llm.rewards.named import NamedRewards
@@ -51,6 +54,14 @@ class JudgeSpec:
     on_rollout_devices: bool
     top_p: float = 1.0  # nucleus sampling of the verdict (1 = off)
     top_k: int = -1  # top-k sampling of the verdict (-1 = off)
+    data_sources: tuple[str, ...] = ()  # the rows the judge grades (by data_source); () = every row
+
+    def grades(self, data_sources: Any) -> np.ndarray:
+        """bool [N]: the rows (by their data_source) this judge grades."""
+        sources = [str(s) for s in data_sources]
+        if not self.data_sources:
+            return np.ones(len(sources), bool)
+        return np.asarray([s in self.data_sources for s in sources], bool)
 
 
 @dataclasses.dataclass(frozen=True)

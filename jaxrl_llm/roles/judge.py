@@ -3,6 +3,8 @@
     judge = load_judge(path, spec.reward_model.judge, policy_model=..., ...)  # roles/trained.py
     verdicts = judge.judge(chats, responses, ground_truths, rng)    # JudgeVerdicts
     scores, info, metrics = judge.combine(rule_scores, verdicts)    # with the rule scorer's, if any
+    scores, info, metrics = judge.grade(chats, responses, meta, rule_scores, rng)  # the two, on the rows
+                                                                    # of reward_model.judge.data_sources
 
 For each response the judge's user message is `reward_model.judge.template` with {prompt} (the row's
 last user message), {response} and {ground_truth} filled in, after the judge's system prompt; it is
@@ -125,6 +127,24 @@ class Judge:
         parsed = [read_verdict(self.parser, text, row) for text, row in zip(texts, rows)]
         return JudgeVerdicts(texts, np.asarray([np.nan if v is None else v for v in parsed], np.float32),
                              prompt_tokens=sum(len(p) for p in prompts), response_tokens=int(np.sum(lengths)))
+
+    def grade(self, chats: Sequence[Any], responses: Sequence[str], meta: dict[str, np.ndarray],
+              rule_scores: np.ndarray, rng: jax.Array) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+        """`combine` over the rows this judge grades (`data_sources`: by each row's data_source in `meta`);
+        the other rows keep their rule score, and have no verdict in the per-row info."""
+        graded = self.spec.grades(meta["data_source"])
+        rows = np.flatnonzero(graded)
+        scores = np.asarray(rule_scores, np.float32).copy()
+        info = {"judge_verdict": np.full(len(scores), "", dtype=object),
+                "judge_score": np.full(len(scores), np.nan, np.float32)}
+        if not len(rows):
+            return scores, info, {"reward/num_judge_rows": 0.0}
+        verdicts = self.judge([chats[i] for i in rows], [responses[i] for i in rows],
+                              [meta["ground_truth"][i] for i in rows], rng)
+        scores[rows], part, metrics = self.combine(scores[rows], verdicts)
+        for key, values in part.items():
+            info[key][rows] = values
+        return scores, info, metrics
 
     def combine(self, rule_scores: np.ndarray | None, verdicts: JudgeVerdicts
                 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:

@@ -175,9 +175,8 @@ class RolloutGenerator:
                 if chats is None:
                     chats = [tokenizer.decode(raw_prompts[i], skip_special_tokens=True) for i in rows]
                 start = time.perf_counter()
-                verdicts = self.judge.judge(list(chats), texts, list(meta["ground_truth"]),
-                                            jax.random.fold_in(rng, _JUDGE_STREAM))
-                scores, judge_info, judge_metrics = self.judge.combine(scores, verdicts)
+                scores, judge_info, judge_metrics = self.judge.grade(
+                    list(chats), texts, meta, scores, jax.random.fold_in(rng, _JUDGE_STREAM))
                 extra = {**extra, **judge_info, "score": scores.copy()}
                 reward_metrics = {**reward_metrics, **judge_metrics, "timing_s/judge": time.perf_counter() - start}
         # a NaN / inf reward from any source is counted and scored 0 (bookkeeping/nonfinite.py)

@@ -135,6 +135,26 @@ def test_combine_modes_and_agreement():
     assert metrics["reward/judge_fallback_frac"] == pytest.approx(0.25)
 
 
+def test_judge_grades_only_the_rows_of_its_data_sources():
+    """reward_model.judge.data_sources: the judge reads only those rows (ROLL's judge domain); the others keep
+    the rule score and have no verdict; [] = every row."""
+    meta = {"data_source": np.asarray(["math", "llm_judge", "math", "llm_judge"], dtype=object),
+            "ground_truth": np.asarray(["1", "a", "2", "b"], dtype=object)}
+    rule = np.asarray([1.0, np.nan, 0.0, np.nan], np.float32)
+    judge = ScriptedJudge(_spec(data_sources=("llm_judge",), parser="contains_yes", default_score=0.0),
+                          ["YES", "no"])
+    scores, info, metrics = judge.grade(["q0", "q1", "q2", "q3"], ["r0", "r1", "r2", "r3"], meta, rule, None)
+    np.testing.assert_allclose(scores, [1.0, 1.0, 0.0, 0.0])
+    assert [s.split("\n")[0] for s in judge.seen] == ["Q: q1", "Q: q3"]  # only the judged rows were prompted
+    assert list(info["judge_verdict"]) == ["", "YES", "", "no"]
+    np.testing.assert_allclose(info["judge_score"], [np.nan, 1.0, np.nan, 0.0])
+    assert metrics["reward/num_judge_rows"] == 2.0
+    everyone = ScriptedJudge(_spec(parser="contains_yes", default_score=0.0), ["yes", "no", "no", "yes"])
+    np.testing.assert_allclose(everyone.grade(["q"] * 4, ["r"] * 4, meta, rule, None)[0], [1, 0, 0, 1])
+    nobody = ScriptedJudge(_spec(data_sources=("other",)), [])
+    np.testing.assert_allclose(nobody.grade(["q"] * 4, ["r"] * 4, meta, rule, None)[0], rule)
+
+
 def test_rule_scorer_no_verdict_is_nan_only_when_allowed():
     def score(data_source, solution_str, ground_truth, extra_info=None):
         return None if solution_str == "skip" else 1.0

@@ -10,6 +10,9 @@
   synthetic/<task>                               synthetic.compute_score (1 / 0)
   code, codecontests, apps, codeforces, taco     code.compute_score (the row's test cases run in the
                                                  sandbox; fraction passed)
+  crossthinkqa                                   crossthinkqa.compute_score (a choice letter; ROLL's rewards,
+                                                 kwarg reward_type loose / soft / strict)
+  ifeval                                         ifeval.compute_score (the JSON ground truth's IF check; 1 / 0)
 
 Another data source raises `UnknownDataSourceError` (a config problem, not a bad sample: the
 reward managers let it through instead of scoring 0).
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxrl_llm.rewards.scorers import code, gsm8k, math_boxed, math_dapo, synthetic
+from jaxrl_llm.rewards.scorers import code, crossthinkqa, gsm8k, ifeval, math_boxed, math_dapo, synthetic
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
@@ -31,19 +34,23 @@ class UnknownDataSourceError(NotImplementedError):
 def has_builtin_scorer(data_source: str) -> bool:
     """Whether `default_compute_score` scores `data_source` (the dispatch below)."""
     return (data_source == "openai/gsm8k" or data_source in MATH_SOURCES or data_source in DAPO_SOURCES
-            or data_source in code.SOURCES or data_source.startswith(("aime", "synthetic/")))
+            or data_source in code.SOURCES or data_source in crossthinkqa.SOURCES or data_source in ifeval.SOURCES
+            or data_source.startswith(("aime", "synthetic/")))
 
 
-BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>", *code.SOURCES)
+BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>", *code.SOURCES,
+                   *crossthinkqa.SOURCES, *ifeval.SOURCES)
 
 
 def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
     """Why `default_compute_score` could not read this row's ground truth (None: it can): the math and
     synthetic scorers compare against a string (numbers read from a file are strings by then), the code
     scorer parses its test cases. Checked when the rows are loaded, as the prompts are."""
-    if data_source in code.SOURCES:
+    parse = {**dict.fromkeys(code.SOURCES, code.parse_tests), **dict.fromkeys(ifeval.SOURCES,
+                                                                              ifeval.parse_constraint)}
+    if data_source in parse:
         try:
-            code.parse_tests(ground_truth)
+            parse[data_source](ground_truth)
         except (ValueError, TypeError) as err:
             return str(err)
         return None
@@ -69,6 +76,10 @@ def default_compute_score(
         result = synthetic.compute_score(solution_str, ground_truth, extra_info)
     elif data_source in code.SOURCES:
         result = code.compute_score(solution_str, ground_truth)
+    elif data_source in crossthinkqa.SOURCES:
+        result = crossthinkqa.compute_score(solution_str, ground_truth, str(kwargs.get("reward_type", "soft")))
+    elif data_source in ifeval.SOURCES:
+        result = ifeval.compute_score(solution_str, ground_truth)
     else:
         raise UnknownDataSourceError(
             f"no built-in scorer for data_source={data_source!r}; set custom_reward_function.path"
