@@ -28,6 +28,8 @@ from jaxrl_llm.config.importers import (
 )
 from jaxrl_llm.config.importers.roll import device_count
 from jaxrl_llm.config.importers.trinity_data import taskset_files
+from jaxrl_llm.config.resolve import resolve_data
+from jaxrl_llm.data.domains import domain_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "config" / "fixtures"
@@ -434,8 +436,12 @@ def test_roll_rlvr(home):
     assert values(r, "trainer.resume_mode", "trainer.default_local_dir", "trainer.logger") == (
         "disable", "./output/rlvr", ["console", "jsonl", "tensorboard"])
     for key in ("reference.strategy_args.strategy_config", "actor_infer.strategy_args.strategy_config.block_size",
-                "rewards", "logging_steps"):
+                "logging_steps"):
         assert key in r.ignored  # reference.strategy_config is ${deepspeed_zero3}: unresolved but unused
+    # its math_rule worker's rows (tags gsm8k, math) score with our MATH scorer, as do rows of other tags (ROLL)
+    assert (s["data.domains.key"], s["data.domains.members"], s["data.domains.data_sources"]) == (
+        "tag", {"math_rule": ["gsm8k", "math"]}, {"math_rule": "lighteval/MATH"})
+    assert s["data.default_data_source"] == "lighteval/MATH" and "data.domains.probs" not in s
     assert validate_config(r.config(), dp_size=8, check_paths=False).actor_rollout_ref.actor.clip_ratio_c == 1.4
 
 
@@ -503,7 +509,10 @@ def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
         ({"llm_judge": {**judge, "judge_model_type": "api"}}, "rewards.llm_judge.judge_model_type", "API judge"),
         ({"llm_judge": {**judge, "judge_prompt": None}}, "rewards.llm_judge.judge_prompt", "not given"),
         ({"llm_judge": {**judge, "judge_prompt": "mine"}}, "rewards.llm_judge.judge_prompt", "maps Qwen2.5-7B"),
-        ({"math_rule": rule, "llm_judge": judge}, "rewards.llm_judge", "beside the rule rewards ['math_rule']"),
+        ({"llm_judge": judge, "second": judge}, "rewards.second", "a second LLM judge"),
+        ({"math_rule": rule, "code_sandbox": {"worker_cls": "x.CodeSandboxRewardWorker"}},
+         "rewards.code_sandbox.worker_cls", "ROLL's code rows"),
+        ({"mine": {"worker_cls": "my.Worker"}}, "rewards.mine.worker_cls", "no built-in counterpart"),
     ]:
         with pytest.raises(ConfigError, match=key) as err:
             import_config(variant(ROLL, root, {"rewards": rewards}), dp_size=8)
@@ -513,6 +522,47 @@ def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
     with pytest.raises(ConfigError, match="rewards.llm_judge.judge_prompt: 'Qwen2.5-7B-Instruct-RLVR-prompt': ROLL's "
                                           "prompt text is read from roll/utils/prompt.py"):
         import_config(variant(ROLL, elsewhere, {"rewards": {"llm_judge": judge}}), dp_size=8)
+
+
+def test_roll_domain_mixture_with_a_judge_domain_imports(home, tmp_path):
+    """ROLL's domain_interleave_probs with a rule worker per domain and a judge on its own: the mixture's counts
+    are ROLL's (int(p * B) each but the last, which takes the rest), each domain's rows get its scorer's
+    data_source by their tag, and the judge grades only its domain's rows."""
+    root = tmp_path / "roll_checkout"
+    (root / "roll" / "utils").mkdir(parents=True)
+    (root / "roll" / "utils" / "prompt.py").write_text(
+        (pathlib.Path(__file__).parent / "peers/roll/roll/utils/prompt.py").read_text())
+    rewards = {
+        "math_rule": {"worker_cls": "r.MathRuleRewardWorker", "tag_included": ["deepmath_103k", "aime"]},
+        "crossthinkqa": {"worker_cls": "r.CrossThinkQARuleRewardWorker", "reward_type": "strict",
+                         "response_length_penalty_coef": 0.0, "tag_included": ["crossthinkqa"]},
+        "ifeval": {"worker_cls": "r.GeneralRuleRewardWorker", "reward_type": "soft", "tag_included": ["ifeval"]},
+        "llm_judge": {"worker_cls": "r.LLMJudgeRewardWorker", "judge_prompt": "Qwen2.5-7B-Instruct-RLVR-prompt",
+                      "judge_model_type": "inference", "model_args": {"model_name_or_path": "/models/judge"},
+                      "tag_included": ["RLVR"]},
+    }
+    # 64 prompts: int(0.45 * 64) = 28, int(0.25 * 64) = 16, int(0.15 * 64) = 9, the last 64 - 53 = 11
+    probs = {"math_rule": 0.45, "crossthinkqa": 0.25, "llm_judge": 0.15, "ifeval": 0.15}
+    path = variant(ROLL, root, {"rewards": rewards, "actor_train.data_args.domain_interleave_probs": probs})
+    cfg = validate_config(import_config(path, dp_size=8).config(), dp_size=8, check_paths=False)
+    domains = resolve_data(cfg).domains
+    assert domain_counts(domains.probs, cfg.data.train_batch_size) == [
+        ("crossthinkqa", 16), ("ifeval", 11), ("llm_judge", 9), ("math_rule", 28)]
+    assert domains.key == "tag" and dict(domains.data_sources) == {
+        "math_rule": "lighteval/MATH", "crossthinkqa": "crossthinkqa", "ifeval": "ifeval", "llm_judge": "llm_judge"}
+    assert domains.domain_of({"tag": "aime"}) == "math_rule" and domains.domain_of({"tag": "RLVR"}) == "llm_judge"
+    assert list(cfg.reward_model.judge.data_sources) == ["llm_judge"] and cfg.reward_model.style == "generative"
+    assert cfg.custom_reward_function.reward_kwargs.reward_type == "strict"
+    for change, key, why in [
+        ({"actor_train.data_args.domain_interleave_probs": {**probs, "code": 0.0}},
+         "domain_interleave_probs.code", "no reward worker scores this domain"),
+        ({"rewards": {**rewards, "crossthinkqa": {**rewards["crossthinkqa"], "response_length_penalty_coef": 0.1}}},
+         "rewards.crossthinkqa.response_length_penalty_coef", "length reward"),
+    ]:
+        with pytest.raises(ConfigError, match=key) as err:
+            import_config(variant(ROLL, root, {"rewards": rewards, "actor_train.data_args.domain_interleave_probs":
+                                               probs, **change}), dp_size=8)
+        assert why in str(err.value)
 
 
 def test_roll_lora_targets_compare_by_the_projections_they_name(home, tmp_path):

@@ -148,24 +148,25 @@ CASES = {
     # its trainer_config_path file is not in Trinity's published tree we copied: the error names key and file
     "trinity/examples/cispo_gsm8k/gsm8k.yaml": ("trinity", 8, (), refused(
         "trainer.trainer_config_path", "the included file is not there")),
-    # ROLL examples: whitening, reward / advantage clipping and sample masks import (losses/shaping.py); what
-    # stops them now is ROLL's LLM-judge reward workers, its gspo variant, a data folder key and split LoRA targets
+    # ROLL examples: whitening, reward / advantage clipping, sample masks (losses/shaping.py), the per-domain
+    # mixture (data.domains) with a scorer per domain and the judge on its own domain import; what stops the
+    # five-domain files now is the code domain's rows (their test-case columns)
     "roll/examples/docs_examples/example_grpo.yaml": (".", 8, (), refused(
-        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
     "roll/examples/docs_examples/example_ppo.yaml": (".", 8, (), refused(
         "critic.model_args.model_type", "TRL's value head drops its input (dropout 0.1)")),
     # its sequence-ratio loss with the dual clip imports (gspo with policy_loss.dual_clip); the judge stops it
     "roll/examples/docs_examples/example_gspo.yaml": (".", 8, (), refused(
-        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
     "roll/examples/docs_examples/example_reinforce_pp.yaml": (".", 8, (), refused(
-        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": (".", 8, (), refused(
-        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
     # its LoRA imports (all-linear for training = the seven projections listed for inference); its rewards stop it
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml": (".", 8, (), refused(
-        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": (".", 8, (), refused(
-        "rewards.llm_judge", "an LLM judge beside the rule rewards")),
+        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
     # one domain judged by an LLM (the policy's own initial weights): our generative reward model with ROLL's prompt
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_8gpus_llm_as_judge.yaml": (".", 8, (), imports(
         reward_model__style="generative", reward_model__model__path="Qwen/Qwen2.5-7B",
@@ -178,6 +179,8 @@ CASES = {
     "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml": (".", 8, (), imports(
         algorithm__adv_estimator="reinforce_plus_plus", actor_rollout_ref__rollout__n=8, data__train_batch_size=16,
         data__train_files=["data/data/math_deepmath_deal.jsonl"], data__max_response_length=4096,
+        data__domains__key="tag", data__domains__data_sources={"math_rule": "lighteval/MATH"},
+        data__domains__members={"math_rule": ["deepmath_103k", "aime"]}, data__default_data_source="lighteval/MATH",
         actor_rollout_ref__actor__clip_ratio_c=1.4, algorithm__advantage_clip=2.0, algorithm__reward_clip=10,
         algorithm__difficulty_mask__enable=True, mesh__context=4)),
     # ROLL's ActorPGWorker with pg_variant topr, rewards normalised over the batch, then whitened (REINFORCE++)
@@ -209,6 +212,7 @@ def test_peer_file(name, monkeypatch):
     if kind == "imports":
         cfg, _ = resolve_peer(name, monkeypatch)
         got = {key: get_path(cfg, key) for key in expected}
+        got = {key: value.to_dict() if hasattr(value, "to_dict") else value for key, value in got.items()}
         assert got == expected
     else:
         key, reason = expected

@@ -406,17 +406,29 @@ def _lora(m: Mapper, src: Source) -> None:
 
 
 def _domains(m: Mapper, src: Source) -> None:
-    """ROLL's per-domain mixture: one domain (probability 1) is plain sampling; more is refused."""
+    """ROLL's per-domain mixture -> data.domains.probs, as shares that give ROLL's own counts (int(p * B) for
+    each domain but the last listed, which takes the rest): one domain is plain sampling."""
+    key = "actor_train.data_args.domain_interleave_probs"
+    probs = {k[len(key) + 1:]: src.take(k) for k in src.keys_under(key) if k != key}
+    if len(probs) > 1:
+        batch = int(m.get("data.train_batch_size"))
+        counts = {d: int(float(p) * batch) for d, p in list(probs.items())[:-1]}
+        last = list(probs)[-1]
+        counts[last] = batch - sum(counts.values())
+        m.set("data.domains.probs", {d: c / batch for d, c in counts.items()}, key)
+        sources = m.settings.get("data.domains.data_sources") or {}
+        missing = [d for d in probs if d not in sources]
+        if missing:
+            m.error(f"{key}.{missing[0]}", f"no reward worker scores this domain (rewards: {', '.join(sources)})")
+    val = "validation.data_args.domain_interleave_probs"
+    for sub in src.keys_under(val):
+        m.ignore(sub, "validation reads every row of its files, each scored by its domain's scorer")
+        src.take(sub)
     for role in ("actor_train", "validation"):
-        key = f"{role}.data_args.domain_interleave_probs"
-        probs = {k[len(key) + 1:]: src.take(k) for k in src.keys_under(key) if k != key}
-        if len(probs) > 1:
-            m.error(key, f"{probs!r}: a per-domain sampling mixture is not available (jaxrl_llm draws the files' "
-                         "rows uniformly); give one domain, or mix the rows into the files in these proportions")
-        for name in ("interleave_probs",):
-            value = src.take(f"{role}.data_args.{name}")
-            if value is not None and str(value).strip() not in ("1", "1.0"):
-                m.error(f"{role}.data_args.{name}", f"{value!r}: a per-file sampling mixture is not available")
+        value = src.take(f"{role}.data_args.interleave_probs")
+        if value is not None and str(value).strip() not in ("1", "1.0"):
+            m.error(f"{role}.data_args.interleave_probs", f"{value!r}: a per-file sampling mixture is not "
+                                                          "available (data.domains mixes by a column)")
 
 
 def import_roll(data: dict[str, Any], m: Mapper) -> None:

@@ -1,6 +1,6 @@
-"""ROLL's reward workers (`rewards.<domain>` of an RLVR config) -> our scoring: rule workers score with
-jaxrl_llm's scorer for each row's data_source; one LLMJudgeRewardWorker (its only domain) becomes our
-generative reward model (docs/importing.md, ROLL)."""
+"""ROLL's reward workers (`rewards.<domain>` of an RLVR config) -> our scoring: each rule worker's domain
+scores with the built-in scorer of its formula (data.domains.data_sources); one LLMJudgeRewardWorker
+becomes our generative reward model, on its own domain's rows (docs/importing.md, ROLL)."""
 from __future__ import annotations
 
 import ast
@@ -17,22 +17,82 @@ PROMPTS_FILE = "roll/utils/prompt.py"  # ROLL's judge prompts by name (its promp
 JUDGE = "reward_model.judge"
 
 
-def import_rewards(m: Mapper, src: Source) -> None:
-    """ROLL's reward workers, one per domain: rule workers score with jaxrl_llm's scorer for each row's
-    data_source; one LLMJudgeRewardWorker (its only domain) becomes our generative reward model."""
+# ROLL's rule reward workers (class name) -> the built-in scorer (data_source) their domain's rows get
+RULE_SOURCES = {
+    "MathRuleRewardWorker": "lighteval/MATH",
+    "CrossThinkQARuleRewardWorker": "crossthinkqa",
+    "GeneralRuleRewardWorker": "ifeval",
+}
+JUDGE_SOURCE = "llm_judge"  # the data_source of a judge domain's rows (reward_model.judge.data_sources)
+# a worker's keys that do nothing here: where it runs, and the tokenizer it decodes with (ours: the policy's)
+WORKER_PLACEMENT = ("world_size", "infer_batch_size", "device_mapping", "num_gpus_per_worker", "system_envs",
+                    "model_args", "data_args", "strategy_args", "use_local", "tag_included", "worker_cls")
+
+
+def import_rewards(m: Mapper, src: Source) -> dict[str, list[str]]:
+    """ROLL's reward workers, one per domain (`rewards.<domain>`): each rule worker's rows get the data_source
+    of our built-in scorer with its formula (data.domains.data_sources, by the rows' tag through each worker's
+    tag_included: data.domains.members); one LLMJudgeRewardWorker becomes our generative reward model, grading
+    its domain's rows only when there are others. Returns each domain's tags."""
     workers = src.take("rewards") or {}
-    judges = [name for name, worker in workers.items()
-              if str((worker or {}).get("worker_cls", "")).endswith(".LLMJudgeRewardWorker")]
-    if not judges:
-        if workers:
-            m.ignore("rewards", "scoring uses jaxrl_llm's scorer for each row's data_source (or "
-                                "custom_reward_function.path)")
-        return
-    if len(workers) > 1:
-        m.error(f"rewards.{judges[0]}", f"an LLM judge beside the rule rewards {sorted(set(workers) - set(judges))}, "
-                                        "each for its own domain of rows: jaxrl_llm scores every row with one reward "
-                                        "setup (a judge, rules, or the two combined: reward_model.judge.combine)")
-    _llm_judge(m, f"rewards.{judges[0]}", workers[judges[0]])
+    judges = [name for name, worker in workers.items() if _class(worker) == "LLMJudgeRewardWorker"]
+    if len(judges) > 1:
+        m.error(f"rewards.{judges[1]}", f"a second LLM judge (beside {judges[0]!r}): jaxrl_llm runs one judge model")
+    members: dict[str, list[str]] = {}
+    sources: dict[str, str] = {}
+    for name, worker in workers.items():
+        where, worker = f"rewards.{name}", worker or {}
+        kind = _class(worker)
+        if kind == "LLMJudgeRewardWorker":
+            _llm_judge(m, where, worker)
+            if len(workers) > 1:
+                sources[name] = JUDGE_SOURCE
+                m.set(f"{JUDGE}.data_sources", [JUDGE_SOURCE], f"{where}.tag_included")
+        elif kind in RULE_SOURCES:
+            sources[name] = RULE_SOURCES[kind]
+            _rule_worker(m, where, worker, kind)
+        elif kind == "CodeSandboxRewardWorker":
+            m.error(f"{where}.worker_cls", "ROLL's code rows (their case_type / test_cases / test_case_function "
+                                           "columns) are not read by jaxrl_llm's code scorer, which takes a "
+                                           "ground_truth of stdin / stdout pairs or asserts (docs/rewards.md); "
+                                           "convert the rows, or leave this domain out")
+        else:
+            m.error(f"{where}.worker_cls", f"{worker.get('worker_cls')!r}: no built-in counterpart (jaxrl_llm's: "
+                                           f"{', '.join(RULE_SOURCES)}, CodeSandboxRewardWorker, LLMJudgeRewardWorker)")
+        members[name] = [str(tag) for tag in worker.get("tag_included") or []]
+        m.ignore(f"{where}.{{{','.join(k for k in WORKER_PLACEMENT if k in worker)}}}",
+                 "where ROLL runs the worker and the tokenizer it decodes with (jaxrl_llm scores the decoded "
+                 "responses in the trainer)")
+    if sources:
+        m.set("data.domains.key", "tag", "rewards.*.tag_included")
+        m.set("data.domains.members", {k: v for k, v in members.items() if v}, "rewards.*.tag_included")
+        m.set("data.domains.data_sources", sources, "rewards.*.worker_cls")
+        math = [name for name, source in sources.items() if source == RULE_SOURCES["MathRuleRewardWorker"]]
+        if math:  # ROLL puts a row whose tag no worker lists in math_rule
+            m.set("data.default_data_source", sources[math[0]], f"rewards.{math[0]}.worker_cls")
+    return members
+
+
+def _class(worker: Any) -> str:
+    return str((worker or {}).get("worker_cls", "")).rsplit(".", 1)[-1]
+
+
+def _rule_worker(m: Mapper, where: str, worker: dict[str, Any], kind: str) -> None:
+    """A rule worker's own keys."""
+    if kind == "MathRuleRewardWorker":
+        m.ignore(f"{where}.worker_cls=MathRuleRewardWorker", "ROLL checks the answer with math_verify; "
+                 "jaxrl_llm's MATH scorer compares the last \\boxed{} with the ground truth as normalised strings "
+                 "(1 / 0, as ROLL's)")
+    if kind == "CrossThinkQARuleRewardWorker":
+        m.set("custom_reward_function.reward_kwargs.reward_type", str(worker.get("reward_type", "soft")),
+              f"{where}.reward_type")
+        coef = float(worker.get("response_length_penalty_coef", 0.0) or 0.0)
+        if coef:
+            m.error(f"{where}.response_length_penalty_coef", f"{coef!r}: ROLL's length reward (read from the "
+                                                              "padded token tensor) is not built in; 0 turns it off")
+    for key in ("format_pattern", "query_filter_config"):
+        if worker.get(key) is not None:
+            m.error(f"{where}.{key}", f"{worker[key]!r}: not built in for ROLL's reward workers")
 
 
 def _llm_judge(m: Mapper, where: str, worker: dict[str, Any]) -> None:
