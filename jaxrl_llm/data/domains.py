@@ -92,7 +92,7 @@ class MixtureBatches(grain.transforms.Map):
     def __init__(self, rows_by_domain: Sequence[np.ndarray], counts: Sequence[int], *, shuffle: bool, seed: int):
         self.streams = []
         for i, (rows, count) in enumerate(zip(rows_by_domain, counts)):
-            stream = grain.MapDataset.source(np.asarray(rows, np.int64))
+            stream = grain.MapDataset.source(np.asarray(rows, np.int64).tolist())
             if shuffle:
                 stream = stream.shuffle(seed=seed + 7919 * i)  # each domain its own order
             self.streams.append(stream.batch(int(count), drop_remainder=True, batch_fn=np.asarray).repeat(None))

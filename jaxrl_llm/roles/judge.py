@@ -133,11 +133,11 @@ class Judge:
         """`combine` over the rows this judge grades (`data_sources`: by each row's data_source in `meta`);
         the other rows keep their rule score, and have no verdict in the per-row info."""
         graded = self.spec.grades(meta["data_source"])
-        rows = np.flatnonzero(graded)
+        rows = np.flatnonzero(graded).tolist()
         scores = np.asarray(rule_scores, np.float32).copy()
         info = {"judge_verdict": np.full(len(scores), "", dtype=object),
                 "judge_score": np.full(len(scores), np.nan, np.float32)}
-        if not len(rows):
+        if not rows:
             return scores, info, {"reward/num_judge_rows": 0.0}
         verdicts = self.judge([chats[i] for i in rows], [responses[i] for i in rows],
                               [meta["ground_truth"][i] for i in rows], rng)

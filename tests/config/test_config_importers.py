@@ -411,7 +411,7 @@ def test_taskset_files(tmp_path):
 # ---------------------------------------------------------------- ROLL
 
 
-def test_roll_rlvr(home):
+def test_roll_rlvr(home, tmp_path):
     r = import_config(ROLL, dp_size=8)
     s = r.settings
     assert r.format == "roll"
@@ -442,6 +442,8 @@ def test_roll_rlvr(home):
     assert (s["data.domains.key"], s["data.domains.members"], s["data.domains.data_sources"]) == (
         "tag", {"math_rule": ["gsm8k", "math"]}, {"math_rule": "lighteval/MATH"})
     assert s["data.default_data_source"] == "lighteval/MATH" and "data.domains.probs" not in s
+    expand = import_config(variant(ROLL, tmp_path, {"is_num_return_sequences_expand": True}), dp_size=8)
+    assert "is_num_return_sequences_expand" in expand.ignored  # how ROLL dispatches requests: the same samples
     assert validate_config(r.config(), dp_size=8, check_paths=False).actor_rollout_ref.actor.clip_ratio_c == 1.4
 
 

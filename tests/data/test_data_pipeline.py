@@ -136,7 +136,8 @@ def test_batch_layout(tmp_path, char_tok):
     assert len(loader) == 1
     # prompts stay unpadded: the sampler left-pads them to its own length bucket
     assert set(batch) == {"raw_prompt_ids", "prompt_lengths", "index", "data_source", "ground_truth", "extra_info",
-                          "ability", "source", "raw_prompt"}
+                          "ability", "source", "domain", "raw_prompt"}
+    assert batch["domain"].tolist() == [None] * 4  # no data.domains
     assert batch["source"].tolist() == [f"{tmp_path / 'd.parquet'} row {i}" for i in range(4)]  # what scorers name
     for i, row in enumerate(rows):
         ids = expected_ids(char_tok, row["prompt"])

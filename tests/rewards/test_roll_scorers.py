@@ -84,3 +84,12 @@ def test_ifeval_covers_rolls_functions_and_checks_ground_truths_when_loading():
     assert "not JSON" in ground_truth_problem("ifeval", "validate_title")
     assert "is not an IF check" in ground_truth_problem("ifeval", _gt("validate_poem"))
     assert "needs quantifier" in ground_truth_problem("ifeval", _gt("validate_word_constraint", N=3))
+
+
+def test_ifeval_language_check_names_its_package_when_absent(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "langdetect" else real(name, *a))
+    assert "needs the langdetect package" in ground_truth_problem(
+        "ifeval", _gt("validate_response_language", language="en"))

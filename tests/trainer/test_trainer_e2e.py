@@ -156,9 +156,15 @@ def _run(run_dir, tmp_path, steps, **extra):
     return Trainer(cfg)
 
 
+# the loader's state in the checkpoint: a data.domains mixture (one domain here: the synthetic task has one
+# data_source), whose batches come from per-domain streams (tests/data/test_data_domains.py: several domains)
+MIXTURE = {"data.domains.key": "data_source", "data.domains.members": {"sums": ["synthetic/add"]},
+           "data.domains.probs": {"sums": 1.0}}
+
+
 def test_resume_equals_uninterrupted(tmp_path):
     full = tmp_path / "full"
-    trainer = _run(full, tmp_path, 3, **{"trainer.save_freq": 1})
+    trainer = _run(full, tmp_path, 3, **{"trainer.save_freq": 1, **MIXTURE})
     trainer.fit()
 
     # a training checkpoint converts to an HF folder holding exactly the trained policy
@@ -167,7 +173,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert cfg == trainer.actor.model_cfg
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params, jax.device_get(trainer.actor.params))
-    tiny_runs.assert_resume_equals_uninterrupted(lambda d, n, **kw: _run(d, tmp_path, n, **kw), full,
+    tiny_runs.assert_resume_equals_uninterrupted(lambda d, n, **kw: _run(d, tmp_path, n, **kw, **MIXTURE), full,
                                                  tmp_path / "resumed")
 
 

@@ -10,6 +10,8 @@ each word with itself, so counts every word).
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import json
 import re
@@ -50,9 +52,8 @@ def verify_letter_frequency(text: str, letter: str, N: int) -> bool:
 
 
 def validate_response_language(text: str, language: str) -> bool:
-    from langdetect import detect  # checked when the rows are loaded (ground_truth_problem)
-
-    return detect(text) == language
+    # an optional package, found when the rows are loaded (parse_constraint)
+    return importlib.import_module("langdetect").detect(text) == language
 
 
 def verify_paragraph_count(text: str, N: int) -> bool:
@@ -179,11 +180,8 @@ def parse_constraint(ground_truth: Any) -> tuple[Callable[..., bool], dict[str, 
     if missing:
         raise ValueError(f"func_name={name!r} needs {', '.join(missing)}, which the ground truth does not give")
     if name == "validate_response_language":
-        try:
-            import langdetect  # noqa: F401
-        except ImportError:
-            raise ValueError("validate_response_language needs the langdetect package (pip install langdetect)"
-                             ) from None
+        if importlib.util.find_spec("langdetect") is None:
+            raise ValueError("validate_response_language needs the langdetect package (pip install langdetect)")
     return check, args
 
 
