@@ -112,8 +112,13 @@ def _domains(section: ConfigDict) -> DomainSpec:
     for domain, source in sources.items():
         if not isinstance(source, str) or not source:
             raise ConfigError(f"data.domains.data_sources.{domain}={source!r}: a data_source name")
+    columns = _plain(section.ground_truth_columns)
+    for domain, names in columns.items():
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"data.domains.ground_truth_columns.{domain}={names!r}: a list of column names")
     return DomainSpec(key=str(section.key), probs=tuple((str(k), float(v)) for k, v in probs.items()),
-                      members=tuple(members.items()), data_sources=tuple((str(k), v) for k, v in sources.items()))
+                      members=tuple(members.items()), data_sources=tuple((str(k), v) for k, v in sources.items()),
+                      ground_truth_columns=tuple((str(k), tuple(v)) for k, v in columns.items()))
 
 
 def resolve_sampling(rollout: ConfigDict, *, validation: bool = False) -> SamplingParams:

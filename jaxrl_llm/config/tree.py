@@ -139,6 +139,8 @@ DATA = {
         "data_sources": field({}, "Domain -> the data_source of its rows that have none (it picks their built-in "
                                   "scorer; reward_model.judge.data_sources picks the rows a judge grades). ROLL: "
                                   "each domain's reward worker.", open=True),
+        "ground_truth_columns": field({}, "Domain -> the columns whose dict is its rows' ground truth (ROLL's code "
+                                          "rows: case_type, test_cases, test_case_function).", open=True),
     },
     "custom_cls": {
         "path": field(None, "Python file defining a custom dataset class. veRL.", types=str),

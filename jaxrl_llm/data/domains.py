@@ -11,7 +11,9 @@ batches the slowest domain takes to go through its rows once. Within a batch the
 interleaved in a seeded order, so no device's share of the batch is one domain.
 
 `data.domains.data_sources` gives the rows of a domain that have no data_source column one (it picks
-their scorer; `reward_model.judge.data_sources` picks the rows a judge grades).
+their scorer; `reward_model.judge.data_sources` picks the rows a judge grades);
+`data.domains.ground_truth_columns` makes a domain's ground truth the dict of some of its columns
+(ROLL's code rows: case_type, test_cases, test_case_function).
 """
 from __future__ import annotations
 
@@ -34,11 +36,12 @@ class DomainSpec:
     probs: tuple[tuple[str, float], ...] = ()  # in the config's order (the last takes the batch's rest)
     members: tuple[tuple[str, tuple[str, ...]], ...] = ()
     data_sources: tuple[tuple[str, str], ...] = ()
+    ground_truth_columns: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def enabled(self) -> bool:
         """Whether rows carry a domain at all (a mixture, or a data_source per domain)."""
-        return bool(self.probs or self.members or self.data_sources)
+        return bool(self.probs or self.members or self.data_sources or self.ground_truth_columns)
 
     @functools.cached_property
     def value_to_domain(self) -> dict[str, str]:
@@ -62,6 +65,11 @@ class DomainSpec:
 
     def data_source_of(self, domain: str | None) -> str | None:
         return dict(self.data_sources).get(domain) if domain is not None else None
+
+    def ground_truth_of(self, domain: str | None, row: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The row's ground truth made of its domain's columns (None: the domain names none)."""
+        columns = dict(self.ground_truth_columns).get(domain) if domain is not None else None
+        return None if columns is None else {column: row.get(column) for column in columns}
 
 
 def domain_counts(probs: Sequence[tuple[str, float]], batch_size: int) -> list[tuple[str, int]]:

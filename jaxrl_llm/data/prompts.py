@@ -194,9 +194,11 @@ def normalise_ground_truth(value: Any) -> Any:
 
 def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool = False,
               ground_truth_key: str | None = None, default_data_source: str | None = None,
-              domain: str | None = None) -> dict[str, Any]:
+              domain: str | None = None, columns_truth: dict[str, Any] | None = None) -> dict[str, Any]:
     reward_model = row.get("reward_model")
-    if ground_truth_key is not None:
+    if columns_truth is not None:  # data.domains.ground_truth_columns
+        ground_truth = columns_truth
+    elif ground_truth_key is not None:
         if ground_truth_key not in row:
             raise DataError(f"{where}: missing column {ground_truth_key!r} (data.ground_truth_key); columns are "
                             f"{sorted(row)}")
@@ -295,7 +297,8 @@ def records_from_rows(
         domain = data.domains.domain_of(row) if data.domains.enabled else None
         # a domain's data_source (data.domains.data_sources) before the run-wide default
         source = data.domains.data_source_of(domain) or data.default_data_source
-        record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, source, domain))
+        record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, source, domain,
+                                data.domains.ground_truth_of(domain, row)))
         records.append(record)
     if num_dropped:
         logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",

@@ -506,14 +506,11 @@ def test_roll_llm_judge_becomes_the_generative_reward_model(home, tmp_path):
         "generative", "/models/judge", "contains_yes", 0.0, 32)
     assert "{prompt}" in rm.judge.template and "{ground_truth}" in rm.judge.template
     assert rm.judge.max_prompt_length == 2048 + 4096 + 512  # no vLLM max_model_len: the policy's lengths
-    rule = {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker"}
     for rewards, key, why in [
         ({"llm_judge": {**judge, "judge_model_type": "api"}}, "rewards.llm_judge.judge_model_type", "API judge"),
         ({"llm_judge": {**judge, "judge_prompt": None}}, "rewards.llm_judge.judge_prompt", "not given"),
         ({"llm_judge": {**judge, "judge_prompt": "mine"}}, "rewards.llm_judge.judge_prompt", "maps Qwen2.5-7B"),
         ({"llm_judge": judge, "second": judge}, "rewards.second", "a second LLM judge"),
-        ({"math_rule": rule, "code_sandbox": {"worker_cls": "x.CodeSandboxRewardWorker"}},
-         "rewards.code_sandbox.worker_cls", "ROLL's code rows"),
         ({"mine": {"worker_cls": "my.Worker"}}, "rewards.mine.worker_cls", "no built-in counterpart"),
     ]:
         with pytest.raises(ConfigError, match=key) as err:
@@ -539,19 +536,24 @@ def test_roll_domain_mixture_with_a_judge_domain_imports(home, tmp_path):
         "crossthinkqa": {"worker_cls": "r.CrossThinkQARuleRewardWorker", "reward_type": "strict",
                          "response_length_penalty_coef": 0.0, "tag_included": ["crossthinkqa"]},
         "ifeval": {"worker_cls": "r.GeneralRuleRewardWorker", "reward_type": "soft", "tag_included": ["ifeval"]},
+        "code_sandbox": {"worker_cls": "r.CodeSandboxRewardWorker", "use_local": True, "tag_included": ["KodCode"]},
         "llm_judge": {"worker_cls": "r.LLMJudgeRewardWorker", "judge_prompt": "Qwen2.5-7B-Instruct-RLVR-prompt",
                       "judge_model_type": "inference", "model_args": {"model_name_or_path": "/models/judge"},
                       "tag_included": ["RLVR"]},
     }
-    # 64 prompts: int(0.45 * 64) = 28, int(0.25 * 64) = 16, int(0.15 * 64) = 9, the last 64 - 53 = 11
-    probs = {"math_rule": 0.45, "crossthinkqa": 0.25, "llm_judge": 0.15, "ifeval": 0.15}
+    # 64 prompts: int(0.35 * 64) = 22, int(0.25 * 64) = 16, int(0.15 * 64) = 9, int(0.1 * 64) = 6, the last 11
+    probs = {"math_rule": 0.35, "crossthinkqa": 0.25, "llm_judge": 0.15, "code_sandbox": 0.1, "ifeval": 0.15}
     path = variant(ROLL, root, {"rewards": rewards, "actor_train.data_args.domain_interleave_probs": probs})
     cfg = validate_config(import_config(path, dp_size=8).config(), dp_size=8, check_paths=False)
     domains = resolve_data(cfg).domains
     assert domain_counts(domains.probs, cfg.data.train_batch_size) == [
-        ("crossthinkqa", 16), ("ifeval", 11), ("llm_judge", 9), ("math_rule", 28)]
+        ("code_sandbox", 6), ("crossthinkqa", 16), ("ifeval", 11), ("llm_judge", 9), ("math_rule", 22)]
     assert domains.key == "tag" and dict(domains.data_sources) == {
-        "math_rule": "lighteval/MATH", "crossthinkqa": "crossthinkqa", "ifeval": "ifeval", "llm_judge": "llm_judge"}
+        "math_rule": "lighteval/MATH", "crossthinkqa": "crossthinkqa", "ifeval": "ifeval", "llm_judge": "llm_judge",
+        "code_sandbox": "code"}
+    # the code rows' test-case columns are their ground truth (rewards/scorers/roll_code.py)
+    assert domains.ground_truth_of("code_sandbox", {"case_type": "assert", "test_cases": "[]", "x": 1}) == {
+        "case_type": "assert", "test_cases": "[]", "test_case_function": None}
     assert domains.domain_of({"tag": "aime"}) == "math_rule" and domains.domain_of({"tag": "RLVR"}) == "llm_judge"
     assert list(cfg.reward_model.judge.data_sources) == ["llm_judge"] and cfg.reward_model.style == "generative"
     assert cfg.custom_reward_function.reward_kwargs.reward_type == "strict"

@@ -31,6 +31,17 @@ def refused(key, reason):
 GRPO_KL = dict(actor_rollout_ref__actor__use_kl_loss=True, actor_rollout_ref__actor__kl_loss_type="low_var_kl",
                actor_rollout_ref__actor__kl_loss_coef=0.001, algorithm__use_kl_in_reward=False)
 # (file below peers/, working directory below peers/, devices the file is written for, extra items, outcome)
+# ROLL's RLVR recipes: 64 prompts of math 0.4, code 0.3, judge 0.1, CrossThinkQA 0.1 and IFEval (the last: the rest)
+FIVE_DOMAINS_64 = {"math_rule": 25 / 64, "code_sandbox": 19 / 64, "llm_judge": 6 / 64, "crossthinkqa": 6 / 64,
+                   "ifeval": 8 / 64}
+ROLL_DOMAINS = dict(
+    data__domains__key="tag", reward_model__judge__data_sources=["llm_judge"], reward_model__style="generative",
+    data__domains__data_sources={"math_rule": "lighteval/MATH", "code_sandbox": "code", "llm_judge": "llm_judge",
+                                 "crossthinkqa": "crossthinkqa", "ifeval": "ifeval"},
+    data__domains__ground_truth_columns={"code_sandbox": ["case_type", "test_cases", "test_case_function"]},
+    custom_reward_function__reward_kwargs={"reward_type": "soft"})
+
+
 CASES = {
     "verl/examples/grpo_trainer/run_qwen2-7b_math.sh": ("verl", 8, (), imports(
         algorithm__adv_estimator="grpo", actor_rollout_ref__rollout__n=5, data__train_batch_size=1024,
@@ -148,25 +159,29 @@ CASES = {
     # its trainer_config_path file is not in Trinity's published tree we copied: the error names key and file
     "trinity/examples/cispo_gsm8k/gsm8k.yaml": ("trinity", 8, (), refused(
         "trainer.trainer_config_path", "the included file is not there")),
-    # ROLL examples: whitening, reward / advantage clipping, sample masks (losses/shaping.py), the per-domain
-    # mixture (data.domains) with a scorer per domain and the judge on its own domain import; what stops the
-    # five-domain files now is the code domain's rows (their test-case columns)
-    "roll/examples/docs_examples/example_grpo.yaml": (".", 8, (), refused(
-        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
+    # ROLL examples: whitening, reward / advantage clipping, sample masks (losses/shaping.py) and the RLVR recipes'
+    # five-domain mixture (data.domains: ROLL's counts of each batch, a scorer per domain by the rows' tags, the code
+    # domain's test-case columns as its ground truth, the judge on its own domain) import
+    "roll/examples/docs_examples/example_grpo.yaml": (".", 8, (), imports(
+        algorithm__adv_estimator="grpo", data__domains__probs=FIVE_DOMAINS_64, **ROLL_DOMAINS)),
     "roll/examples/docs_examples/example_ppo.yaml": (".", 8, (), refused(
         "critic.model_args.model_type", "TRL's value head drops its input (dropout 0.1)")),
-    # its sequence-ratio loss with the dual clip imports (gspo with policy_loss.dual_clip); the judge stops it
-    "roll/examples/docs_examples/example_gspo.yaml": (".", 8, (), refused(
-        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
-    "roll/examples/docs_examples/example_reinforce_pp.yaml": (".", 8, (), refused(
-        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
-    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": (".", 8, (), refused(
-        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
-    # its LoRA imports (all-linear for training = the seven projections listed for inference); its rewards stop it
-    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml": (".", 8, (), refused(
-        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
-    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": (".", 8, (), refused(
-        "rewards.code_sandbox.worker_cls", "ROLL's code rows")),
+    # its sequence-ratio loss with the dual clip: gspo with policy_loss.dual_clip
+    "roll/examples/docs_examples/example_gspo.yaml": (".", 8, (), imports(
+        actor_rollout_ref__actor__policy_loss__loss_mode="gspo", actor_rollout_ref__actor__policy_loss__dual_clip=True,
+        data__domains__probs=FIVE_DOMAINS_64, **ROLL_DOMAINS)),
+    # reward_norm / reward_shift / reward_scale: not fields of ROLL's config (dacite drops them)
+    "roll/examples/docs_examples/example_reinforce_pp.yaml": (".", 8, (), imports(
+        algorithm__adv_estimator="reinforce", data__domains__probs=FIVE_DOMAINS_64, **ROLL_DOMAINS)),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": (".", 8, (), imports(
+        algorithm__adv_estimator="reinforce_plus_plus", data__domains__probs=FIVE_DOMAINS_64, **ROLL_DOMAINS)),
+    # its LoRA (all-linear for training = the seven projections listed for inference); 128 prompts a step
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml": (".", 8, (), imports(
+        actor_rollout_ref__model__lora_rank=64, data__train_batch_size=128,
+        data__domains__probs={"math_rule": 51 / 128, "code_sandbox": 38 / 128, "llm_judge": 12 / 128,
+                              "crossthinkqa": 12 / 128, "ifeval": 15 / 128}, **ROLL_DOMAINS)),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": (".", 8, (), imports(
+        data__domains__probs=FIVE_DOMAINS_64, **ROLL_DOMAINS)),
     # one domain judged by an LLM (the policy's own initial weights): our generative reward model with ROLL's prompt
     "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_config_8gpus_llm_as_judge.yaml": (".", 8, (), imports(
         reward_model__style="generative", reward_model__model__path="Qwen/Qwen2.5-7B",

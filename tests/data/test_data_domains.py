@@ -24,9 +24,9 @@ def roll_rows():
             for i, tag in enumerate(TAGS)]
 
 
-def mixed(path, **kw):
+def mixed(path, builtin_scorers=False, **kw):
     domains = {"key": "tag", "probs": MIX, "members": MEMBERS, **kw.pop("domains", {})}
-    return data_spec(**{"train_files": str(path), "max_prompt_length": 64, "train_batch_size": 10,
+    return data_spec(builtin_scorers, **{"train_files": str(path), "max_prompt_length": 64, "train_batch_size": 10,
                         "domains": domains, **kw})
 
 
@@ -129,3 +129,27 @@ def test_validation_is_not_mixed(tmp_path, char_tok):
     assert next(make_dataloader(spec, char_tok, "val"))["index"].tolist() == list(range(len(TAGS)))
     assert np.array_equal(build_dataset(spec, char_tok, "val").prompt_lengths,
                           build_dataset(spec, char_tok, "train").prompt_lengths)
+
+
+def test_a_domains_ground_truth_is_the_dict_of_its_columns(tmp_path, char_tok):
+    """ROLL's code rows: case_type / test_cases columns make the code scorer's ground truth, checked when the rows
+    load (builtin scorers on), while the other domains keep their ground_truth column."""
+    rows = roll_rows()[:15]  # math and code rows
+    for row in rows[10:15]:  # the KodCode rows
+        row.update(case_type="assert", test_cases=json.dumps(["assert f() == 1"]), test_case_function=None)
+    path = write(rows, tmp_path / "roll.jsonl")
+    spec = mixed(path, builtin_scorers=True, domains={
+        "probs": {"math_rule": 0.5, "code_sandbox": 0.5}, "members": MEMBERS,
+        "data_sources": {"math_rule": "lighteval/MATH", "code_sandbox": "code"},
+        "ground_truth_columns": {"code_sandbox": ["case_type", "test_cases", "test_case_function"]}})
+    dataset = build_dataset(spec, char_tok, "train")
+    assert dataset[10]["ground_truth"] == {"case_type": "assert", "test_cases": '["assert f() == 1"]',
+                                           "test_case_function": None}
+    assert dataset[10]["data_source"] == "code" and dataset[0]["ground_truth"] == "0"
+    rows[12]["case_type"] = "text"
+    with pytest.raises(DataError, match=r"bad.jsonl line 13: reward_model.ground_truth: ROLL code row: case_type "
+                                        r"'text'"):
+        build_dataset(mixed(write(rows, tmp_path / "bad.jsonl"), builtin_scorers=True, domains={
+            "probs": {"math_rule": 0.5, "code_sandbox": 0.5}, "members": MEMBERS,
+            "data_sources": {"math_rule": "lighteval/MATH", "code_sandbox": "code"},
+            "ground_truth_columns": {"code_sandbox": ["case_type", "test_cases"]}}), char_tok, "train")

@@ -93,3 +93,40 @@ def test_ifeval_language_check_names_its_package_when_absent(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "langdetect" else real(name, *a))
     assert "needs the langdetect package" in ground_truth_problem(
         "ifeval", _gt("validate_response_language", language="en"))
+
+
+ADD = "```python\ndef add(a, b):\n    return a + b\n```"
+WRONG = "```python\ndef add(a, b):\n    return a - b\n```"
+ECHO = "```python\nprint(sum(map(int, input().split())))\n```"
+
+
+@pytest.mark.parametrize("row,response,want", [
+    # KodCode's pytest rows: each test_* function is called after the program (ROLL's runner)
+    ({"case_type": "pytest", "test_cases": [{"assert_code": "def test_add():\n    assert add(1, 2) == 3\n\n"
+                                                            "def test_neg():\n    assert add(-1, 1) == 0\n"}]},
+     ADD, 1.0),
+    ({"case_type": "pytest", "test_cases": json.dumps([{"assert_code": "def test_add():\n    assert add(1, 2) == 3"}])},
+     WRONG, 0.0),
+    ({"case_type": "assert", "test_cases": ["assert add(2, 2) == 4", {"assert_code": "assert add(0, 5) == 5"}]},
+     ADD, 1.0),
+    # all or nothing (ROLL's reward): one failing case of two scores 0, not 0.5
+    ({"case_type": "assert", "test_cases": ["assert add(2, 2) == 4", "assert add(2, 2) == 5"]}, ADD, 0.0),
+    # HumanEval's check(candidate), its import prefix before the program, one run per line after the first
+    ({"case_type": "check_based", "test_cases": [{"assert_code": "def check(candidate):\n"
+                                                                 "    assert candidate(1, 2) == 3\n"
+                                                                 "    assert candidate(5, 5) == 10",
+                                                  "entry_point": "add", "import_prefix": "import math\n"}]},
+     ADD, 1.0),
+    ({"case_type": "input", "test_cases": [{"stdin": "1 2\n", "expected_stdout": "3\n"},
+                                           {"stdin": "4 5\n", "expected_stdout": "9"}]}, ECHO, 1.0),
+])
+def test_roll_code_rows_score_as_rolls_local_sandbox(row, response, want):
+    assert ground_truth_problem("code", {**row, "test_case_function": None}) is None
+    assert default_compute_score("code", "<think>let me write it</think>\n" + response,
+                                 {**row, "test_case_function": None}) == want
+
+
+def test_roll_code_rows_that_cannot_run_are_named_when_loading():
+    assert "case_type 'text'" in ground_truth_problem("code", {"case_type": "text", "test_cases": ["x"]})
+    assert "non-empty list" in ground_truth_problem("code", {"case_type": "assert", "test_cases": []})
+    assert "stdin / expected_stdout" in ground_truth_problem("code", {"case_type": "input", "test_cases": [{"in": 1}]})

@@ -348,6 +348,8 @@ HARMLESS = {  # ROLL keys with no counterpart that change nothing computed -> wh
         "pg_variant",),
     "not a field of ROLL's worker config, so ROLL reads it nowhere (the pipeline's eval_steps is read)": (
         "validation.eval_steps",),
+    "not a field of ROLL's RLVR config (dacite drops unknown keys), so ROLL reads it nowhere": (
+        "reward_norm", "reward_shift", "reward_scale"),
     "how ROLL hands a prompt's n samples to vLLM (n requests of one, or one request of n): the same samples": (
         "is_num_return_sequences_expand",),
     "data loading / logging / naming": ("*.preprocessing_num_workers", "*.data_args.template", "logging_steps",

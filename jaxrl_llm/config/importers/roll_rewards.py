@@ -1,6 +1,7 @@
 """ROLL's reward workers (`rewards.<domain>` of an RLVR config) -> our scoring: each rule worker's domain
-scores with the built-in scorer of its formula (data.domains.data_sources); one LLMJudgeRewardWorker
-becomes our generative reward model, on its own domain's rows (docs/importing.md, ROLL)."""
+scores with the built-in scorer of its formula (data.domains.data_sources; the code domain's rows with
+their test-case columns as ground truth); one LLMJudgeRewardWorker becomes our generative reward model, on
+its own domain's rows (docs/importing.md, ROLL)."""
 from __future__ import annotations
 
 import ast
@@ -23,10 +24,12 @@ RULE_SOURCES = {
     "CrossThinkQARuleRewardWorker": "crossthinkqa",
     "GeneralRuleRewardWorker": "ifeval",
 }
+CODE_COLUMNS = ("case_type", "test_cases", "test_case_function")  # what ROLL's code worker reads of a row
 JUDGE_SOURCE = "llm_judge"  # the data_source of a judge domain's rows (reward_model.judge.data_sources)
 # a worker's keys that do nothing here: where it runs, and the tokenizer it decodes with (ours: the policy's)
 WORKER_PLACEMENT = ("world_size", "infer_batch_size", "device_mapping", "num_gpus_per_worker", "system_envs",
-                    "model_args", "data_args", "strategy_args", "use_local", "tag_included", "worker_cls")
+                    "model_args", "data_args", "strategy_args", "use_local", "code_url", "tag_included",
+                    "worker_cls")
 
 
 def import_rewards(m: Mapper, src: Source) -> dict[str, list[str]]:
@@ -40,6 +43,7 @@ def import_rewards(m: Mapper, src: Source) -> dict[str, list[str]]:
         m.error(f"rewards.{judges[1]}", f"a second LLM judge (beside {judges[0]!r}): jaxrl_llm runs one judge model")
     members: dict[str, list[str]] = {}
     sources: dict[str, str] = {}
+    code_columns: dict[str, list[str]] = {}
     for name, worker in workers.items():
         where, worker = f"rewards.{name}", worker or {}
         kind = _class(worker)
@@ -51,22 +55,22 @@ def import_rewards(m: Mapper, src: Source) -> dict[str, list[str]]:
         elif kind in RULE_SOURCES:
             sources[name] = RULE_SOURCES[kind]
             _rule_worker(m, where, worker, kind)
-        elif kind == "CodeSandboxRewardWorker":
-            m.error(f"{where}.worker_cls", "ROLL's code rows (their case_type / test_cases / test_case_function "
-                                           "columns) are not read by jaxrl_llm's code scorer, which takes a "
-                                           "ground_truth of stdin / stdout pairs or asserts (docs/rewards.md); "
-                                           "convert the rows, or leave this domain out")
+        elif kind == "CodeSandboxRewardWorker":  # its rows' test-case columns as the code scorer's ground truth
+            sources[name] = "code"
+            code_columns[name] = list(CODE_COLUMNS)  # use_local or code_url: the same tests, in our sandbox
         else:
             m.error(f"{where}.worker_cls", f"{worker.get('worker_cls')!r}: no built-in counterpart (jaxrl_llm's: "
                                            f"{', '.join(RULE_SOURCES)}, CodeSandboxRewardWorker, LLMJudgeRewardWorker)")
         members[name] = [str(tag) for tag in worker.get("tag_included") or []]
         m.ignore(f"{where}.{{{','.join(k for k in WORKER_PLACEMENT if k in worker)}}}",
-                 "where ROLL runs the worker and the tokenizer it decodes with (jaxrl_llm scores the decoded "
-                 "responses in the trainer)")
+                 "where ROLL runs the worker (or its code sandbox) and the tokenizer it decodes with (jaxrl_llm "
+                 "scores the decoded responses in the trainer)")
     if sources:
         m.set("data.domains.key", "tag", "rewards.*.tag_included")
         m.set("data.domains.members", {k: v for k, v in members.items() if v}, "rewards.*.tag_included")
         m.set("data.domains.data_sources", sources, "rewards.*.worker_cls")
+        if code_columns:
+            m.set("data.domains.ground_truth_columns", code_columns, "rewards.*.worker_cls")
         math = [name for name, source in sources.items() if source == RULE_SOURCES["MathRuleRewardWorker"]]
         if math:  # ROLL puts a row whose tag no worker lists in math_rule
             m.set("data.default_data_source", sources[math[0]], f"rewards.{math[0]}.worker_cls")

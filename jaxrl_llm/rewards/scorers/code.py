@@ -13,6 +13,8 @@ whole response). `ground_truth` (a mapping, or a JSON string of one, as veRL sto
 - assert-style tests: `{"asserts": ["assert add(1, 2) == 3", ...]}`. Each assert runs after the
   program (in the same process, its own process per assert); it passes when the run exits normally.
 
+- ROLL's code rows: `{"case_type": ..., "test_cases": [...], ...}` (rewards/scorers/roll_code.py).
+
 Call-based APPS rows (`fn_name`) are not supported (ValueError). Limits per test case: 4 s of CPU,
 8 s of wall clock, 512 MB of address space (`SandboxLimits` via the `limits` argument).
 """
@@ -23,6 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from jaxrl_llm.rewards.scorers.roll_code import is_roll_tests, parse_roll_tests
 from jaxrl_llm.sandbox import SandboxLimits, run_python
 
 SOURCES = ("code", "codecontests", "apps", "codeforces", "taco")
@@ -50,6 +53,8 @@ def parse_tests(ground_truth: Any) -> dict:
     tests = json.loads(ground_truth) if isinstance(ground_truth, (str, bytes)) else ground_truth
     if not isinstance(tests, Mapping):
         raise ValueError("code scorer: ground_truth must be a mapping (or its JSON) with inputs/outputs or asserts")
+    if is_roll_tests(tests):  # a ROLL code row: its case_type / test_cases columns
+        return parse_roll_tests(tests)
     if tests.get("fn_name"):
         raise ValueError("code scorer: call-based tests (fn_name) are not supported; use inputs/outputs or asserts")
     if isinstance(tests.get("test_cases"), list):  # open-r1's verification_info
@@ -70,8 +75,9 @@ def parse_tests(ground_truth: Any) -> dict:
     return {"inputs": [_text(i) for i in inputs], "outputs": [_text(o) for o in outputs]}
 
 
-def run_tests(program: str, tests: Mapping[str, list], limits: SandboxLimits = DEFAULT_LIMITS) -> list[bool]:
+def run_tests(program: str, tests: Mapping[str, Any], limits: SandboxLimits = DEFAULT_LIMITS) -> list[bool]:
     """Pass / fail per test case (`tests` as `parse_tests` returns them)."""
+    program = str(tests.get("prefix", "")) + program
     if "asserts" in tests:
         return [run_python(program + "\n\n" + a + "\n", limits=limits).ok for a in tests["asserts"]]
     results = []
@@ -82,8 +88,12 @@ def run_tests(program: str, tests: Mapping[str, list], limits: SandboxLimits = D
 
 
 def compute_score(solution_str: str, ground_truth: Any, limits: SandboxLimits = DEFAULT_LIMITS) -> float:
-    """Fraction of the row's test cases the response's program passes (0.0 when it has none)."""
-    results = run_tests(extract_program(solution_str), parse_tests(ground_truth), limits)
+    """Fraction of the row's test cases the response's program passes (0.0 when it has none); for a ROLL row,
+    1.0 when it passes them all, else 0.0."""
+    tests = parse_tests(ground_truth)
+    results = run_tests(extract_program(solution_str), tests, limits)
+    if tests.get("all_or_nothing"):
+        return float(bool(results) and all(results))
     return sum(results) / len(results) if results else 0.0
 
 
