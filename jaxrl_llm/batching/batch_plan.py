@@ -51,7 +51,7 @@ class MicroBatching:
 class RoleBatch:
     """Batch arithmetic of one trained role (actor or critic), per training step."""
 
-    mini_batch_prompts: int
+    mini_batch_prompts: int | float  # a fraction when actor.num_mini_batches splits groups
     mini_batch_sequences: int
     mini_batches: int  # per ppo_epoch
     epochs: int
@@ -157,6 +157,8 @@ def _role_line(name: str, rb: RoleBatch) -> str:
              if accumulation is None else
              f"micro-batch {rb.micro.sequences_per_device(rb.per_device, 1)}/device -> "
              f"{accumulation} accumulation step(s)")
-    return (f"{name}: {rb.mini_batches} mini-batch(es) of {rb.mini_batch_prompts} prompts = "
+    prompts = (f"{rb.mini_batch_prompts} prompts = " if float(rb.mini_batch_prompts).is_integer() else
+               "whole groups or not (actor.num_mini_batches): ")
+    return (f"{name}: {rb.mini_batches} mini-batch(es) of {prompts}"
             f"{rb.mini_batch_sequences} sequences ({rb.per_device}/device) x {rb.epochs} epoch(s) = "
             f"{rb.optimizer_steps} optimizer step(s); {micro}")

@@ -60,7 +60,8 @@ def resolve_defaults(cfg: ml_collections.ConfigDict, dp_size: int) -> None:
 
     _fill(actor, "clip_ratio_low", actor.clip_ratio)
     _fill(actor, "clip_ratio_high", actor.clip_ratio)
-    sequences_per_mini = actor.ppo_mini_batch_size * rollout.n
+    sequences_per_mini = (actor.ppo_mini_batch_size * rollout.n if actor.num_mini_batches is None
+                          else data.train_batch_size * rollout.n // actor.num_mini_batches)
     if actor.ppo_micro_batch_size_per_device is None and sequences_per_mini % dp_size == 0:
         actor.ppo_micro_batch_size_per_device = sequences_per_mini // dp_size
     for section in (ref, rollout):

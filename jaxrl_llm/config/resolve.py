@@ -328,9 +328,13 @@ def _micro(key: str, fixed: int | str | None, dynamic: bool, budget: int | None)
 
 def _role(cfg: ConfigDict, section: ConfigDict, name: str, dp_size: int) -> RoleBatch:
     prompts, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
-    mini = section.ppo_mini_batch_size
     micro = _micro(f"{name}.ppo_micro_batch_size_per_device", section.ppo_micro_batch_size_per_device,
                    section.use_dynamic_bsz, section.ppo_max_token_len_per_device)
+    split = section.get("num_mini_batches")
+    if split is not None:  # equal mini-batches of sequences, which may split a prompt's group
+        sequences = prompts * n // split
+        return RoleBatch(sequences / n, sequences, split, int(section.ppo_epochs), sequences // dp_size, micro)
+    mini = section.ppo_mini_batch_size
     return RoleBatch(mini, mini * n, prompts // mini, int(section.ppo_epochs), mini * n // dp_size, micro)
 
 

@@ -180,6 +180,11 @@ ACTOR = {
                                                  "use_dynamic_bsz. veRL: ppo_max_token_len_per_gpu.", gt=0),
     "ppo_epochs": field(1, "Passes over each rollout batch. veRL.", gt=0),
     "shuffle": field(False, "Reshuffle sequences into new mini-batches at each ppo_epoch. veRL."),
+    "num_mini_batches": field(None, "Optimizer steps per ppo_epoch, the step's sequences split into this many equal "
+                                    "mini-batches, which may split a prompt's group (with shuffle: random sequences, "
+                                    "as TRL's steps_per_generation takes them); ppo_mini_batch_size is then not "
+                                    "read; None = train_batch_size / ppo_mini_batch_size. TRL (RLOO: "
+                                    "num_mini_batches).", types=int, gt=0),
     "clip_ratio": field(0.2, "PPO clip epsilon (Schulman et al. 2017; docs/algorithms.md). veRL (TRL: cliprange).",
                         gt=0),
     "clip_ratio_low": field(None, "Lower clip epsilon: ratio >= 1 - clip_ratio_low; derived: clip_ratio. "

@@ -259,18 +259,25 @@ def _check_batches(cfg: ml_collections.ConfigDict, dp: int, before_derive: bool)
     sequences = prompts * n
     roles = [(ACTOR, actor)] + ([("critic", critic)] if critic.enable and not before_derive else [])
     for role, sec in roles:
-        mini = sec.ppo_mini_batch_size
-        if prompts % mini:
-            raise ConfigError(f"{role}.ppo_mini_batch_size={mini}: must divide data.train_batch_size={prompts}")
-        if (mini * n) % dp:
-            raise ConfigError(f"{role}.ppo_mini_batch_size={mini}: {mini} prompts x rollout.n={n} = {mini * n} "
-                              f"sequences do not split over the data-parallel size {dp}")
+        split = sec.get("num_mini_batches")
+        if split is not None:  # the sequences in equal mini-batches, groups split or not
+            if sequences % split:
+                raise ConfigError(f"{role}.num_mini_batches={split}: must divide the step's {prompts} x rollout.n={n} "
+                                  f"= {sequences} sequences")
+            mini_sequences, what = sequences // split, f"{role}.num_mini_batches={split}: {sequences} / {split}"
+        else:
+            mini = sec.ppo_mini_batch_size
+            if prompts % mini:
+                raise ConfigError(f"{role}.ppo_mini_batch_size={mini}: must divide data.train_batch_size={prompts}")
+            mini_sequences, what = mini * n, f"{role}.ppo_mini_batch_size={mini}: {mini} prompts x rollout.n={n}"
+        if mini_sequences % dp:
+            raise ConfigError(f"{what} = {mini_sequences} sequences do not split over the data-parallel size {dp}")
         if before_derive or sec.use_dynamic_bsz:
             continue
         micro = sec.ppo_micro_batch_size_per_device
-        if micro != AUTO and (mini * n // dp) % micro:
+        if micro != AUTO and (mini_sequences // dp) % micro:
             raise ConfigError(f"{role}.ppo_micro_batch_size_per_device={micro}: must divide the per-device "
-                              f"mini-batch {mini} x {n} / {dp} = {mini * n // dp} sequences")
+                              f"mini-batch {mini_sequences} / {dp} = {mini_sequences // dp} sequences")
     if before_derive:
         return
     per_device = sequences // dp

@@ -28,7 +28,7 @@ from jaxrl_llm.config.importers import (
 )
 from jaxrl_llm.config.importers.roll import device_count
 from jaxrl_llm.config.importers.trinity_data import taskset_files
-from jaxrl_llm.config.resolve import resolve_data
+from jaxrl_llm.config.resolve import resolve_batch_plan, resolve_data
 from jaxrl_llm.data.domains import domain_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -646,6 +646,8 @@ def test_trl_yaml(home):
     # 16 x 8 x steps_per_generation 8 = 1024 completions (128 prompts) per generation
     assert values(r, "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_device",
                   f"{R}.n", f"{A}.ppo_epochs") == (128, 64, 16, 8, 2)
+    assert r.settings[f"{A}.shuffle"] is True  # TRL shuffles a generation batch before splitting it into steps
+    assert f"{A}.num_mini_batches" not in r.settings  # its optimizer steps are whole groups
     # the reference / old log-probs in TRL's training batches, not the base tree's sizes
     assert values(r, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
                   f"{R}.log_prob_micro_batch_size_per_device") == (16, 16)
@@ -668,6 +670,26 @@ def test_trl_yaml(home):
     cfg = r.config()
     cfg.data.train_files = "train.parquet"  # TRL names a hub dataset (dataset_name): ignored
     assert validate_config(cfg, dp_size=8, check_paths=False).data.train_batch_size == 128
+
+
+def test_trl_optimizer_steps_that_split_groups(home, tmp_path):
+    """A TRL optimizer step that is not whole groups (4 per device x 8 devices = 32 completions, groups of 6):
+    mini-batches counted in sequences (actor.num_mini_batches = 96 / 32), the generation batch shuffled first."""
+    r = import_config(variant(TRL, tmp_path, {"num_generations": 6, "per_device_train_batch_size": 4,
+                                              "gradient_accumulation_steps": 1, "steps_per_generation": 3,
+                                              "max_steps": 30}), "trl", dp_size=8)
+    assert values(r, "data.train_batch_size", f"{A}.num_mini_batches", f"{A}.shuffle", f"{R}.n") == (16, 3, True, 6)
+    assert f"{A}.ppo_mini_batch_size" not in r.settings
+    # 3 mini-batches x 2 iterations = 6 optimizer steps a training step: max_steps 30 -> 5
+    assert r.settings["trainer.total_training_steps"] == 5
+    cfg = r.config()
+    cfg.data.train_files = "train.parquet"  # TRL names a hub dataset (dataset_name): ignored
+    plan = resolve_batch_plan(validate_config(cfg, dp_size=8, check_paths=False), 8)
+    assert (plan.actor.mini_batches, plan.actor.mini_batch_sequences, plan.actor.per_device) == (3, 32, 4)
+    with pytest.raises(ConfigError, match="whole number of optimizer steps"):
+        import_config(variant(TRL, tmp_path, {"num_generations": 6, "per_device_train_batch_size": 4,
+                                              "gradient_accumulation_steps": 1, "generation_batch_size": 48}),
+                      "trl", dp_size=8)
 
 
 def test_trl_yaml_left_out_arguments_take_trl_defaults(home, tmp_path):

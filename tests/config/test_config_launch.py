@@ -48,8 +48,8 @@ def test_dry_run_reports_a_config_error_in_one_line():
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         "config error: actor_rollout_ref.actor.ppo_mini_batch: unknown config key; did you mean "
-        "actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.actor.ppo_epochs, "
-        "actor_rollout_ref.actor.clip_ratio_c?")
+        "actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.actor.num_mini_batches, "
+        "actor_rollout_ref.actor.ppo_epochs?")
     proc = run("--config=configs/tiny.py", "--dry_run", "--config.actor_rollout_ref.rollout.n=3")
     assert proc.returncode != 0
     assert "config error: actor_rollout_ref.actor.ppo_mini_batch_size=4: 4 prompts x rollout.n=3" in proc.stderr

@@ -241,7 +241,11 @@ def test_speculative_rollouts_log_their_rates_and_the_trainers_log_probs(tmp_pat
     {"actor_rollout_ref.actor.policy_loss.loss_mode": "m2po", "algorithm.rollout_correction.bypass_mode": True,
      "actor_rollout_ref.actor.m2_threshold": 0.01, "actor_rollout_ref.model.use_remove_padding": True,
      "actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_device": 80},
-], ids=["topr", "m2po_packed_budget"])
+    # TRL's optimizer steps that split groups: 3 prompts x 4 = 12 sequences in 2 shuffled mini-batches of 6
+    {"actor_rollout_ref.actor.num_mini_batches": 2, "actor_rollout_ref.actor.shuffle": True,
+     "data.train_batch_size": 3, "mesh.data": 2, "mesh.fsdp": 1, "mesh.tensor": 1,
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_device": 3},
+], ids=["topr", "m2po_packed_budget", "split_groups"])
 def test_peer_losses_train_through_the_planned_step(tmp_path, overrides):
     """ROLL's TOPR (the rows' sequence scores reach the update) and Trinity's M2PO (the update's pre-pass)
     through a training step whose memory plan lowers the same update program."""
@@ -254,3 +258,5 @@ def test_peer_losses_train_through_the_planned_step(tmp_path, overrides):
     finally:
         trainer.close()
     assert np.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+    if "actor_rollout_ref.actor.num_mini_batches" in overrides:
+        assert (trainer.spec.plan.actor.mini_batches, trainer.spec.plan.actor.mini_batch_sequences) == (2, 6)

@@ -5,12 +5,17 @@ GRPO: TRL counts completions per device. One optimizer step takes
 produces `generation_batch_size` completions (default `per_device_train_batch_size x devices x
 steps_per_generation`, `steps_per_generation` defaulting to `gradient_accumulation_steps`), reused
 `num_iterations` times. So data.train_batch_size = generation_batch_size / num_generations prompts
-and ppo_mini_batch_size = completions per optimizer step / num_generations. The devices are this
-run's data-parallel devices (as TRL's are its processes).
+and ppo_mini_batch_size = completions per optimizer step / num_generations. When a generation batch
+feeds several optimizer steps TRL shuffles its completions before splitting it: actor.shuffle; when an
+optimizer step is not whole groups, actor.num_mini_batches = generation / step counts the mini-batches
+in sequences instead (groups split, as TRL splits them). TRL shuffles once per generation and reuses
+the split for its num_iterations; ours reshuffles at each ppo_epoch. The devices are this run's
+data-parallel devices (as TRL's are its processes).
 
 RLOO (TRL's older RLOOTrainer): one batch = `per_device_train_batch_size x
-gradient_accumulation_steps x num_mini_batches x devices` completions, split into
-`num_mini_batches` mini-batches, for `total_episodes` completions in all.
+gradient_accumulation_steps x num_mini_batches x devices` completions, permuted at each ppo epoch and
+split into `num_mini_batches` mini-batches (actor.shuffle; actor.num_mini_batches where they split
+groups), for `total_episodes` completions in all.
 
 TRL's `max_steps`, `save_steps`, `eval_steps`, `warmup_steps` count optimizer steps (GRPO); ours count training
 steps, each `train_batch_size / ppo_mini_batch_size x ppo_epochs` optimizer steps: they are divided
@@ -43,25 +48,34 @@ def map_batch(m: Mapper, args: dict[str, Any], rloo: bool) -> None:
     if rloo:
         mini_batches = _int(m, args, "num_mini_batches", 1)
         completions = per_device * accumulation * mini_batches * dp
-        if completions % (n * mini_batches):
+        if completions % n:
             m.error(where, f"{per_device} x {accumulation} x num_mini_batches {mini_batches} x {dp} device(s) = "
-                           f"{completions} completions is not {mini_batches} mini-batch(es) of whole groups of "
-                           f"rloo_k={n}")
-        prompts, mini = completions // n, completions // n // mini_batches
+                           f"{completions} completions is not whole groups of rloo_k={n}")
+        prompts = completions // n
+        mini = prompts // mini_batches if prompts % mini_batches == 0 else None
+        if mini_batches > 1:  # RLOOTrainer draws a new permutation of the batch at each ppo epoch
+            m.set(f"{A}.shuffle", True, "num_mini_batches")
+        if mini is None:  # its mini-batches split groups: counted in sequences
+            m.set(f"{A}.num_mini_batches", mini_batches, "num_mini_batches")
     else:
         step = per_device * dp * accumulation
         generation = args.get("generation_batch_size")
         if generation is None:
             generation = per_device * dp * _int(m, args, "steps_per_generation", accumulation)
         generation = int_or_error(m, "generation_batch_size", generation)
-        if step % n or generation % n or generation % step:
-            m.error(where, f"{per_device} x {dp} device(s) x gradient_accumulation_steps {accumulation} = {step} "
-                           f"completions per optimizer step and a generation batch of {generation} must both be "
-                           f"whole groups of num_generations={n}, the first dividing the second (jaxrl_llm's "
-                           "mini-batches hold whole prompts)")
-        prompts, mini = generation // n, step // n
+        if generation % n or generation % step:
+            m.error(where, f"a generation batch of {generation} completions must be whole groups of "
+                           f"num_generations={n} and a whole number of optimizer steps of {per_device} x {dp} "
+                           f"device(s) x gradient_accumulation_steps {accumulation} = {step} completions (as TRL "
+                           "requires)")
+        prompts, mini = generation // n, (step // n if step % n == 0 else None)
+        if generation > step:  # TRL shuffles the generation batch, then splits it into optimizer steps
+            m.set(f"{A}.shuffle", True, where)
+        if step % n:  # an optimizer step splits a prompt's group: mini-batches counted in sequences
+            m.set(f"{A}.num_mini_batches", generation // step, where)
     m.set("data.train_batch_size", prompts, where)
-    m.set(f"{A}.ppo_mini_batch_size", mini, where)
+    if mini is not None:
+        m.set(f"{A}.ppo_mini_batch_size", mini, where)
     m.set(f"{A}.ppo_micro_batch_size_per_device", per_device, "per_device_train_batch_size")
     # TRL scores the reference and old log-probs in the same per-device batches it trains on
     for role in ("ref", "rollout"):
@@ -70,7 +84,9 @@ def map_batch(m: Mapper, args: dict[str, Any], rloo: bool) -> None:
 
 
 def optimizer_steps_per_step(m: Mapper) -> int:
-    return m.get("data.train_batch_size") // m.get(f"{A}.ppo_mini_batch_size") * m.get(f"{A}.ppo_epochs")
+    split = m.settings.get(f"{A}.num_mini_batches")
+    mini_batches = split if split is not None else m.get("data.train_batch_size") // m.get(f"{A}.ppo_mini_batch_size")
+    return mini_batches * m.get(f"{A}.ppo_epochs")
 
 
 def map_steps(m: Mapper, args: dict[str, Any], rloo: bool) -> None:
