@@ -36,7 +36,8 @@ from jaxrl_llm.config.spec import (
 )
 from jaxrl_llm.config.validate import validate_config
 from jaxrl_llm.data.domains import DomainSpec
-from jaxrl_llm.data.spec import DataSpec, SftSpec
+from jaxrl_llm.data.prompts import NATIVE_TEMPLATE
+from jaxrl_llm.data.spec import VAL_OVERRIDABLE, DataSpec, SftSpec
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.losses.trl_rloo import TrlRlooOptions
@@ -92,8 +93,26 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         dataloader_num_workers=int(d.dataloader_num_workers),
         custom_cls_path=d.custom_cls.path or None, custom_cls_name=d.custom_cls.name or None,
         system_prompt=d.system_prompt, chat_template=_template_text(d.chat_template),
+        val_overrides=_val_overrides(d.val_overrides),
         ground_truth_key=d.ground_truth_key,
         default_data_source=d.default_data_source, builtin_scorers=bool(builtin), domains=_domains(d.domains))
+
+
+def _val_overrides(section: ConfigDict) -> tuple[tuple[str, Any], ...]:
+    """data.val_overrides, each key one validation may set, each value of its key's type."""
+    out = []
+    for key, value in _plain(section).items():
+        if key not in VAL_OVERRIDABLE:
+            raise ConfigError(f"data.val_overrides.{key}: not a key validation reads otherwise (one of "
+                              f"{', '.join(VAL_OVERRIDABLE)})")
+        want = bool if key == "apply_chat_template" else str
+        if not isinstance(value, want) and not (value is None and key in ("ground_truth_key", "system_prompt",
+                                                                          "default_data_source", "chat_template")):
+            raise ConfigError(f"data.val_overrides.{key}={value!r}: a {want.__name__}")
+        if key == "chat_template" and isinstance(value, str) and value != NATIVE_TEMPLATE:
+            value = _template_text(value)
+        out.append((str(key), value))
+    return tuple(out)
 
 
 def _domains(section: ConfigDict) -> DomainSpec:

@@ -106,6 +106,11 @@ DATA = {
                                  "tokenizer's for prompts and multi-turn rollouts; None = the tokenizer's own. TRL "
                                  "chat_template, veRL custom_chat_template.",
                            types=str),
+    "val_overrides": field({}, "data keys that differ for the validation files: prompt_key, messages_key, "
+                               "ground_truth_key, system_prompt, default_data_source, apply_chat_template, "
+                               "chat_template (a Jinja text or file, or 'native': the tokenizer's own where "
+                               "data.chat_template replaces it for training); {} = validation reads as training "
+                               "does. Trinity: eval tasksets' own format keys and use_base.", open=True),
     "ground_truth_key": field(None, "Column holding each row's reference answer; None = reward_model.ground_truth "
                                     "or a ground_truth column (veRL's row format). Trinity format.response_key.",
                               types=str),

@@ -120,6 +120,8 @@ def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
              "tools' calc_reward and interaction rewards are)")
     _require(bool(cfg.data.apply_chat_template), f"{key}.enable", cfg,
              "multi-turn rollouts render turns through the chat template: data.apply_chat_template must be True")
+    _require("chat_template" not in cfg.data.val_overrides, "data.val_overrides", cfg,
+             "multi-turn rollouts render every turn with the run's one chat template (data.chat_template)")
 
 
 def _check_partial(cfg: ml_collections.ConfigDict) -> None:

@@ -27,6 +27,7 @@ metadata keys above.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import logging
 import math
@@ -39,11 +40,12 @@ import numpy as np
 from jaxrl_llm.data.domains import unmixed_rows
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
-from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
+from jaxrl_llm.hf.tokenizer import Tokenizer, load_tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+NATIVE_TEMPLATE = "native"  # data.val_chat_template: the tokenizer's own template (ROLL's name for it)
 
 def truncate_ids(ids: np.ndarray, max_length: int, mode: str, where: object = "prompt") -> np.ndarray:
     """Cut `ids` to `max_length` tokens: `left` keeps the end, `right` the start, `middle` the head
@@ -334,8 +336,29 @@ def _records_from_custom(dataset: Any, tokenizer: Tokenizer, data: DataSpec, nam
     return records
 
 
+def split_tokenizer(data: DataSpec, train: DataSpec, tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` (set up for training's settings `train`) with the chat template of `data`, a split's settings
+    (data.val_overrides.chat_template: a text, or 'native' for the tokenizer's own, which data.chat_template
+    replaced for training); itself when the split renders as training does."""
+    if data.chat_template == train.chat_template:
+        return tokenizer
+    template = data.chat_template
+    if template in (None, NATIVE_TEMPLATE):
+        if train.chat_template is None:
+            return tokenizer
+        if data.tokenizer is None:
+            raise DataError("data.val_overrides.chat_template='native': data.tokenizer names no tokenizer")
+        template = load_tokenizer(data.tokenizer).chat_template
+    out = copy.copy(tokenizer)  # tokenizers are shared (cached): never changed in place
+    out.chat_template = template
+    return out
+
+
 def build_dataset(data: DataSpec, tokenizer: Tokenizer, split: str = "train") -> PromptDataset:
-    """The `PromptDataset` of `split` ("train" reads data.train_files, "val" data.val_files)."""
+    """The `PromptDataset` of `split` ("train" reads data.train_files, "val" data.val_files, with the keys of
+    data.val_overrides)."""
+    train, data = data, data.for_split(split)
+    tokenizer = split_tokenizer(data, train, tokenizer)
     paths = as_path_list(data.files(split), f"data.{split}_files")
     max_samples = data.max_samples(split)
     if data.custom_cls_path:

@@ -7,6 +7,10 @@ from typing import Any
 
 from jaxrl_llm.data.domains import DomainSpec
 
+# the data keys data.val_overrides may set for the validation files
+VAL_OVERRIDABLE = ("prompt_key", "messages_key", "ground_truth_key", "system_prompt", "default_data_source",
+                   "apply_chat_template", "chat_template")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
@@ -34,12 +38,21 @@ class DataSpec:
     custom_cls_name: str | None
     system_prompt: str | None = None  # put first in prompts without a system message
     chat_template: str | None = None  # the Jinja text (read from its file by resolve) replacing the tokenizer's
+    # data.val_overrides: (key, value) of the keys validation reads otherwise (VAL_OVERRIDABLE; chat_template
+    # as its text, or "native")
+    val_overrides: tuple[tuple[str, Any], ...] = ()
     ground_truth_key: str | None = None  # None: reward_model.ground_truth or a ground_truth column
     default_data_source: str | None = None  # rows without a data_source column
     # rows are scored by the built-in rule scorers (no custom_reward_function, no reward model):
     # every row needs a ground truth and a data_source they know, checked when the data is loaded
     builtin_scorers: bool = False
     domains: DomainSpec = DomainSpec()  # data.domains.*: each row's domain, the batch's share of each
+
+    def for_split(self, split: str) -> DataSpec:
+        """These settings as `split`'s rows are read (validation: with data.val_overrides)."""
+        if split != "val" or not self.val_overrides:
+            return self
+        return dataclasses.replace(self, **dict(self.val_overrides), val_overrides=())
 
     def files(self, split: str) -> tuple[str, ...] | None:
         if split not in ("train", "val"):

@@ -39,7 +39,7 @@ def check_data_rows(data: DataSpec, tokenizer: Tokenizer, rows: int = 64) -> Non
     """The first `rows` rows of the train and validation files, read and tokenised as a start reads
     every row (a bad row raises the DataError the start would, naming file and row). Synthetic
     tasks (written at start) and custom dataset classes are left to the start."""
-    from jaxrl_llm.data.prompts import records_from_rows
+    from jaxrl_llm.data.prompts import records_from_rows, split_tokenizer
     from jaxrl_llm.data.sources import as_path_list, read_files
 
     if data.custom_cls_path:
@@ -49,7 +49,8 @@ def check_data_rows(data: DataSpec, tokenizer: Tokenizer, rows: int = 64) -> Non
         if not files:
             continue
         found, refs = read_files(as_path_list(files, f"data.{split}_files"))
-        records_from_rows(found[:rows], refs[:rows], tokenizer, data)
+        settings = data.for_split(split)  # validation with data.val_overrides
+        records_from_rows(found[:rows], refs[:rows], split_tokenizer(settings, data, tokenizer), settings)
 
 
 def preflight(cfg: ml_collections.ConfigDict, *, dp_size: int) -> None:

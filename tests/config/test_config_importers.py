@@ -327,8 +327,8 @@ def test_trinity_multi_step_grpo_with_a_single_turn_workflow_is_grpo(home, tmp_p
 
 
 def test_trinity_use_base_renders_mathboxedworkflows_plain_prompt(home, tmp_path):
-    """workflow_args.use_base: the prompt as MathBoxedWorkflow.format_prompt writes it, no chat template, for
-    every taskset alike (an eval taskset rendered the other way is refused)."""
+    """workflow_args.use_base: the prompt as MathBoxedWorkflow.format_prompt writes it, no chat template; an eval
+    taskset without it renders with the tokenizer's template (data.val_overrides)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from jaxrl_llm.config.importers.trinity_data import BASE_PROMPT_TEMPLATE
@@ -348,6 +348,18 @@ def test_trinity_use_base_renders_mathboxedworkflows_plain_prompt(home, tmp_path
                "math_boxed_workflow", "buffer.explorer_input.eval_tasksets": None}
     s = import_config(variant(TRINITY, tmp_path, changes), dp_size=4).settings
     assert s["data.chat_template"] == BASE_PROMPT_TEMPLATE
+    # an eval taskset rendered with the tokenizer's template, its own prompt and answer columns (Trinity's DAPO
+    # example): validation reads them through data.val_overrides
+    evals = [{"name": "aime", "storage_type": "file", "path": str(tmp_path / "aime.jsonl"), "split": "test",
+              "format": {"prompt_key": "question", "response_key": "answer"}}]
+    s = import_config(variant(TRINITY, tmp_path, {**changes, "buffer.explorer_input.eval_tasksets": evals}),
+                      dp_size=4).settings
+    assert s["data.chat_template"] == BASE_PROMPT_TEMPLATE
+    assert (s["data.val_overrides.chat_template"], s["data.val_overrides.prompt_key"],
+            s["data.val_overrides.ground_truth_key"]) == ("native", "question", "answer")
+    r = import_config(variant(TRINITY, tmp_path, {**changes, "buffer.explorer_input.eval_tasksets": evals}), dp_size=4)
+    val = resolve_data(validate_config(r.config(), dp_size=4, check_paths=False)).for_split("val")
+    assert (val.chat_template, val.prompt_key, val.ground_truth_key) == ("native", "question", "answer")
     with pytest.raises(ConfigError, match="use_base.*the plain-text prompt is math_boxed_workflow"):
         import_config(variant(TRINITY, tmp_path, {**changes, "buffer.explorer_input.default_workflow_type":
                                                   "math_workflow"}), dp_size=4)

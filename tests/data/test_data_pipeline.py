@@ -329,3 +329,26 @@ def test_chat_template_replaces_the_tokenizers(tmp_path, smollm2_gguf):
     assert base is not tok and base.chat_template != tok.chat_template
     with pytest.raises(ConfigError, match="data.chat_template: the template does not render"):
         run_tokenizer(data_spec(tokenizer=str(smollm2_gguf), chat_template="{{ messages[0].nope.deeper }}"))
+
+
+def test_validation_reads_its_own_keys_and_chat_template(tmp_path, smollm2_gguf):
+    """data.val_overrides (Trinity's eval tasksets with their own format and use_base): the training rows render
+    with data.chat_template, the validation rows with their own columns and the tokenizer's own template."""
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.planning.preflight import run_tokenizer
+
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %} A:{% endif %}"
+    train = write([{"prompt": "1 + 1?", "solution": "2"}], tmp_path / "train.jsonl")
+    val = write([{"question": "2 + 2?", "answer": "4"}], tmp_path / "val.jsonl")
+    spec = data_spec(tokenizer=str(smollm2_gguf), chat_template=plain, train_files=str(train), val_files=str(val),
+                     ground_truth_key="solution", train_batch_size=1,
+                     val_overrides={"prompt_key": "question", "ground_truth_key": "answer", "chat_template": "native"})
+    tok = run_tokenizer(spec)
+    train_row = build_dataset(spec, tok, "train")[0]
+    assert tok.decode(train_row["input_ids"]) == "1 + 1? A:" and train_row["ground_truth"] == "2"
+    val_row = build_dataset(spec, tok, "val")[0]
+    assert val_row["input_ids"].tolist() == expected_ids(run_tokenizer(data_spec(tokenizer=str(smollm2_gguf))),
+                                                         "2 + 2?")
+    assert val_row["ground_truth"] == "4" and tok.chat_template == plain  # the run's tokenizer is untouched
+    with pytest.raises(ConfigError, match="data.val_overrides.max_prompt_length: not a key validation reads"):
+        data_spec(val_overrides={"max_prompt_length": 8})

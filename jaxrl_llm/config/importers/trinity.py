@@ -320,8 +320,11 @@ ERRORS = {  # key -> (is it set?, why)
     "explorer.rollout_model.enable_thinking": (lambda v: v is False, "chat-template kwargs are not available, and "
                                                "enable_thinking: false changes what a Qwen3 template renders (true, "
                                                "its own default, is accepted)"),
-    "explorer.auxiliary_models": (bool, "auxiliary models (LLM judges / generative reward models) are not "
-                                        "available; reward_model.* takes a sequence-classification model"),
+    "explorer.auxiliary_models": (bool, "auxiliary models serve Trinity's judging workflows (rubric judges, "
+                                        "RULER), which are not built in; a judge of ours is reward_model.style: "
+                                        "generative with reward_model.judge.*"),
+    "model.max_token_len": (lambda v: v is not None, "not a field of Trinity's ModelConfig (Trinity's loader "
+                                                     "refuses it too); set model.max_model_len"),
     "data_processor.task_pipeline": (bool, "task pipelines (Data-Juicer) are not available"),
     "stages": (bool, "multi-stage runs are not available"),
 }

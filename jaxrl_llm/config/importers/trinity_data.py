@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from jaxrl_llm.config.importers.common import Mapper, Source, SourceValue
+from jaxrl_llm.data.prompts import NATIVE_TEMPLATE
 from jaxrl_llm.data.sources import SUPPORTED_SUFFIXES
 from jaxrl_llm.rewards.scorers import has_builtin_scorer
 
@@ -221,8 +222,8 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
     for name in ("system_prompt", "reply_prefix"):
         src.take(f"{EI}.{name}")
     got = _collect(m, train, is_eval=False, default_workflow=workflows["default_workflow_type"])
-    train_base = None if got is None else got.pop("workflow_args.use_base", False)
     if got is not None:
+        got.pop("workflow_args.use_base", None)  # its template is in format.chat_template
         m.set("data.train_files", got.pop("files"), f"{EI}.taskset.path")
         paths = {str(ts.get("path")) for _, ts in train}
         if "data.default_data_source" not in m.settings and len(paths) == 1 and has_builtin_scorer(next(iter(paths))):
@@ -230,10 +231,13 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
         _sampling(m, got, "actor_rollout_ref.rollout", f"{EI}.taskset")
     got = _collect(m, evals, is_eval=True,
                    default_workflow=workflows["default_eval_workflow_type"] or workflows["default_workflow_type"])
-    if got is not None and got.pop("workflow_args.use_base", False) != bool(train_base) and train_base is not None:
-        m.error(f"{EI}.eval_tasksets", f"workflow_args.use_base={not train_base} in the eval tasksets but {train_base} "
-                                       "in the training taskset: jaxrl_llm renders every prompt one way (plain text, "
-                                       "or the chat template)")
+    if got is not None:
+        got.pop("workflow_args.use_base", None)
+        # the eval tasksets' template (use_base's plain text, their format.chat_template, or the tokenizer's)
+        # where it is not training's: data.val_chat_template
+        eval_template = got.pop("format.chat_template", None)
+        if eval_template != m.settings.get("data.chat_template"):
+            m.set("data.val_overrides.chat_template", eval_template or NATIVE_TEMPLATE, f"{EI}.eval_tasksets")
     if got is not None:
         m.set("data.val_files", got.pop("files"), f"{EI}.eval_tasksets")
         # Trinity evaluates with the eval tasksets' rollout_args (sampling at temperature 1.0 by default)
@@ -251,9 +255,11 @@ def _sampling(m: Mapper, got: dict[str, Any], section: str | None, where: str) -
     for key, value in got.items():
         if key.startswith("format."):
             ours = FORMAT_KEYS[key.split(".", 1)[1]]
-            if ours in m.settings and m.settings[ours] != value:
-                m.error(f"{where}.{key}", f"{value!r} differs from {m.origin[ours]}={m.settings[ours]!r}; "
-                                          "jaxrl_llm reads training and validation files with one key")
-            m.set(ours, value, f"{where}.{key}")
+            if section is None and ours in m.settings and m.settings[ours] != value:  # the eval tasksets' own key
+                m.set(f"data.val_overrides.{ours.split('.', 1)[1]}", value, f"{where}.{key}")
+            elif section is None and ours not in m.settings:  # training reads the default: the eval sets read this
+                m.set(f"data.val_overrides.{ours.split('.', 1)[1]}", value, f"{where}.{key}")
+            elif section is not None or m.settings[ours] != value:
+                m.set(ours, value, f"{where}.{key}")
         elif section is not None and key.startswith("rollout_args."):
             m.set(f"{section}.{key.split('.', 1)[1]}", value, f"{where}.{key}")
