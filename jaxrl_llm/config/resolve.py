@@ -95,7 +95,8 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         system_prompt=d.system_prompt, chat_template=_template_text(d.chat_template),
         val_overrides=_val_overrides(d.val_overrides),
         ground_truth_key=d.ground_truth_key,
-        default_data_source=d.default_data_source, builtin_scorers=bool(builtin), domains=_domains(d.domains))
+        default_data_source=d.default_data_source, builtin_scorers=bool(builtin), domains=_domains(d.domains),
+        extra_info_keys=tuple(str(k) for k in d.extra_info_keys))
 
 
 def _val_overrides(section: ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -299,7 +300,8 @@ def resolve_reward_model(cfg: ConfigDict) -> RewardModelSpec | None:
             temperature=float(j.temperature), max_prompt_length=int(j.max_prompt_length), combine=j.combine,
             rule_weight=float(j.rule_weight), judge_weight=float(j.judge_weight),
             on_rollout_devices=bool(j.on_rollout_devices), top_p=float(j.top_p), top_k=int(j.top_k),
-            data_sources=tuple(str(s) for s in j.data_sources))
+            data_sources=tuple(str(s) for s in j.data_sources), rubric_key=j.rubric_key,
+            chat_template_kwargs=tuple(sorted(_plain(j.chat_template_kwargs).items())))
     return RewardModelSpec(rm.model.path, rm.model.input_tokenizer, rm.max_length, rm.micro_batch_size_per_device,
                            style=rm.style, judge=judge, dtype=cfg.actor_rollout_ref.model.dtype)
 

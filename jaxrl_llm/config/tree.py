@@ -114,6 +114,8 @@ DATA = {
     "ground_truth_key": field(None, "Column holding each row's reference answer; None = reward_model.ground_truth "
                                     "or a ground_truth column (veRL's row format). Trinity format.response_key.",
                               types=str),
+    "extra_info_keys": field([], "Columns copied into each row's extra_info (what reward functions and "
+                                 "reward_model.judge.rubric_key read), where a row has them.", types=list),
     "default_data_source": field(None, "data_source of rows without a data_source column (it picks the built-in "
                                        "scorer, e.g. openai/gsm8k); None = such rows have none.", types=str),
     "max_prompt_length": field(512, "Prompt token budget; prompts are left-padded to it. veRL.", gt=0),
@@ -546,14 +548,16 @@ REWARD_MODEL = {
                    choices=("discriminative", "generative")),
     "judge": {  # reward_model.style=generative (roles/judge.py)
         "template": field("Question:\n{prompt}\n\nAnswer:\n{response}\n\nIs the answer correct? Reply yes or no.",
-                          "The judge's user message: {prompt} (the row's last user message), {response} and "
-                          "{ground_truth} are filled in; rendered with the judge's chat template."),
+                          "The judge's user message: {prompt} (the row's last user message), {response}, "
+                          "{ground_truth} and {rubric} (rubric_key) are filled in; rendered with the judge's "
+                          "chat template."),
         "system_prompt": field(None, "System message of the judge's chat.", types=str),
         "parser": field("yes_no", "Verdict -> score: number (the last number, clipped to [min_score, "
                                   "max_score] and scaled to [0, 1]), boxed (\\boxed{x}, as number), yes_no "
                                   "(1 / 0 by the first yes or no), contains_yes (1 if 'yes' appears anywhere, else "
-                                  "0 if 'no' does: ROLL's LLM judge), score_tag ('Score: 7/10' -> 0.7), or "
-                                  "'file.py:fn' (fn(verdict, **row) -> float or None)."),
+                                  "0 if 'no' does: ROLL's LLM judge), score_tag ('Score: 7/10' -> 0.7), json_rating "
+                                  "(a ```json block's \"rating\" within [min_score, max_score], scaled: Trinity's "
+                                  "rubric judge), or 'file.py:fn' (fn(verdict, **row) -> float or None)."),
         "min_score": field(0.0, "number / boxed: the lowest score the template asks for."),
         "max_score": field(10.0, "number / boxed: the highest score the template asks for."),
         "default_score": field(0.0, "Score of a verdict the parser cannot read (counted in "
@@ -571,6 +575,11 @@ REWARD_MODEL = {
         "data_sources": field([], "The data sources whose rows the judge grades; the other rows take the rule "
                                   "scorer's score alone (a ROLL run's judge domain beside its rule domains: "
                                   "data.domains.data_sources); [] = every row.", types=list),
+        "rubric_key": field(None, "The extra_info key holding each row's rubric (a list of {description, weight}, "
+                                  "or its JSON), rendered into the template's {rubric} as 'Rubric i (weight: w): "
+                                  "description' lines (Trinity's rubric judge); None = no rubric.", types=str),
+        "chat_template_kwargs": field({}, "Keyword arguments of the judge's chat template (e.g. {enable_thinking: "
+                                          "false}). veRL: apply_chat_template_kwargs.", open=True),
         "rule_weight": field(1.0, "combine=sum: weight of the rule score."),
         "judge_weight": field(1.0, "combine=sum: weight of the judge score."),
         "on_rollout_devices": field(True, "With a split mesh (mesh.rollout_devices), the judge generates on "

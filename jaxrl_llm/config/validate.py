@@ -372,6 +372,9 @@ def _check_judge(cfg: ml_collections.ConfigDict) -> None:
     unknown = {name for _, name, _, _ in string.Formatter().parse(judge.template) if name} - JUDGE_FIELDS
     if unknown:
         raise ConfigError(f"{key}.template: unknown field(s) {sorted(unknown)}; valid: {sorted(JUDGE_FIELDS)}")
+    if "{rubric}" in judge.template and judge.rubric_key is None:
+        raise ConfigError(f"{key}.template: names {{rubric}} but {key}.rubric_key (the extra_info key holding each "
+                          "row's rubric) is not set")
     if judge.max_score <= judge.min_score:
         raise ConfigError(f"{key}.max_score={judge.max_score}: must exceed min_score={judge.min_score}")
     parser = judge.parser

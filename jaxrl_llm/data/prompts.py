@@ -196,7 +196,8 @@ def normalise_ground_truth(value: Any) -> Any:
 
 def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool = False,
               ground_truth_key: str | None = None, default_data_source: str | None = None,
-              domain: str | None = None, columns_truth: dict[str, Any] | None = None) -> dict[str, Any]:
+              domain: str | None = None, columns_truth: dict[str, Any] | None = None,
+              extra_info_keys: Sequence[str] = ()) -> dict[str, Any]:
     reward_model = row.get("reward_model")
     if columns_truth is not None:  # data.domains.ground_truth_columns
         ground_truth = columns_truth
@@ -215,6 +216,7 @@ def _metadata(row: Mapping[str, Any], where: RowRef | str, builtin_scorers: bool
         extra_info = {}
     if not isinstance(extra_info, Mapping):
         raise DataError(f"{where}: extra_info must be a dict, got {type(extra_info).__name__}")
+    extra_info = {**extra_info, **{k: row[k] for k in extra_info_keys if k in row}}  # data.extra_info_keys
     data_source = row.get("data_source") or default_data_source or "unknown"
     if builtin_scorers:  # what the built-in scorers need, checked now rather than at the first step
         from jaxrl_llm.rewards.scorers import BUILTIN_SOURCES, ground_truth_problem, has_builtin_scorer
@@ -300,7 +302,7 @@ def records_from_rows(
         # a domain's data_source (data.domains.data_sources) before the run-wide default
         source = data.domains.data_source_of(domain) or data.default_data_source
         record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, source, domain,
-                                data.domains.ground_truth_of(domain, row)))
+                                data.domains.ground_truth_of(domain, row), data.extra_info_keys))
         records.append(record)
     if num_dropped:
         logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",

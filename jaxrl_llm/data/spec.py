@@ -46,6 +46,7 @@ class DataSpec:
     # rows are scored by the built-in rule scorers (no custom_reward_function, no reward model):
     # every row needs a ground truth and a data_source they know, checked when the data is loaded
     builtin_scorers: bool = False
+    extra_info_keys: tuple[str, ...] = ()  # columns copied into each row's extra_info
     domains: DomainSpec = DomainSpec()  # data.domains.*: each row's domain, the batch's share of each
 
     def for_split(self, split: str) -> DataSpec:

@@ -7,19 +7,23 @@ score, or None when the verdict cannot be read (the caller counts it and uses `d
     contains_yes  1.0 if "yes" appears anywhere (case-insensitive, inside words too), else 0.0 if "no"
                does: ROLL's LLMJudgeRewardWorker (`_extract_score_v2`)
     score_tag  "Score: 7/10" -> 0.7; "Score: 7" -> as `number`
+    json_rating  the first ```json (else ```) block's JSON object, its "rating" within [min_score, max_score],
+               scaled to [0, 1]; out of range or unreadable: no score (Trinity's rubric judge)
     file.py:fn a user function fn(verdict, prompt=..., response=..., ground_truth=...) -> float | None
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
 from typing import Any, Callable, cast
 
-JUDGE_PARSERS = ("number", "boxed", "yes_no", "contains_yes", "score_tag")
-JUDGE_FIELDS = frozenset({"prompt", "response", "ground_truth"})  # what reward_model.judge.template may name
+JUDGE_PARSERS = ("number", "boxed", "yes_no", "contains_yes", "score_tag", "json_rating")
+# what reward_model.judge.template may name ({rubric}: the row's rubric, with reward_model.judge.rubric_key)
+JUDGE_FIELDS = frozenset({"prompt", "response", "ground_truth", "rubric"})
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}")
@@ -74,8 +78,29 @@ def parse_score_tag(verdict: str, scale: ScoreRange) -> float | None:
     return scale.scaled(float(value))
 
 
+def parse_json_rating(verdict: str, scale: ScoreRange) -> float | None:
+    """Trinity's RubricJudgeWorkflow reading: the text between the first ```json (else ```) and the next ```,
+    as JSON; its "rating", a number within the scale, scaled."""
+    start = verdict.find("```json")
+    if start < 0:
+        start = verdict.find("```")
+    end = verdict.find("```", start + 3) if start >= 0 else -1
+    if end < 0:
+        return None
+    block = verdict[start:end].strip()
+    block = block.replace("```json", "", 1) if "```json" in block else block.replace("```", "", 1)
+    try:
+        parsed = json.loads(block.strip())
+    except ValueError:
+        return None
+    rating = parsed.get("rating") if isinstance(parsed, dict) else None
+    if isinstance(rating, bool) or not isinstance(rating, (int, float)) or not scale.low <= rating <= scale.high:
+        return None
+    return scale.scaled(float(rating))
+
+
 _BUILTIN = {"number": parse_number, "boxed": parse_boxed, "yes_no": parse_yes_no, "contains_yes": parse_contains_yes,
-            "score_tag": parse_score_tag}
+            "score_tag": parse_score_tag, "json_rating": parse_json_rating}
 
 
 def parser_file(name: str) -> tuple[str, str] | None:

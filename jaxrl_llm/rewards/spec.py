@@ -55,6 +55,8 @@ class JudgeSpec:
     top_p: float = 1.0  # nucleus sampling of the verdict (1 = off)
     top_k: int = -1  # top-k sampling of the verdict (-1 = off)
     data_sources: tuple[str, ...] = ()  # the rows the judge grades (by data_source); () = every row
+    rubric_key: str | None = None  # the extra_info key holding a row's rubric ({rubric} in the template)
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # passed to the judge's chat template
 
     def grades(self, data_sources: Any) -> np.ndarray:
         """bool [N]: the rows (by their data_source) this judge grades."""

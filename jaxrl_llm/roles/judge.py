@@ -7,8 +7,9 @@
                                                                     # of reward_model.judge.data_sources
 
 For each response the judge's user message is `reward_model.judge.template` with {prompt} (the row's
-last user message), {response} and {ground_truth} filled in, after the judge's system prompt; it is
-rendered with the judge's own chat template (its vocabulary may differ from the policy's: the
+last user message), {response}, {ground_truth} and {rubric} (the row's extra_info[rubric_key], as
+`render_rubric` lists it) filled in, after the judge's system prompt; it is rendered with the judge's
+own chat template (with `chat_template_kwargs`) (its vocabulary may differ from the policy's: the
 response is passed as text), cut to its last `max_prompt_length` tokens, and generated with the
 paged engine (greedy at temperature 0) on the judge's mesh. A parser (rewards/judge_parsers.py)
 turns each verdict into a score; a verdict it cannot read scores `default_score` and is counted in
@@ -22,6 +23,7 @@ no verdict, not an error), so `reward/judge_rule_agreement` is reported wherever
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_llm.data.prompts import encode_prompts
-from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.spec import JudgeSpec
@@ -61,9 +62,26 @@ def last_user_message(chat: Any) -> str:
     return str(users[-1]["content"]) if users else ""
 
 
-def render_user_message(template: str, *, prompt: str, response: str, ground_truth: Any) -> str:
+def render_rubric(rubric: Any) -> str:
+    """A row's rubric (a list of {description, weight}, or its JSON) as Trinity's rubric judge lists it:
+    'Rubric i (weight: w): description' per line, from 0; none: 'Rubrics are not provided.'."""
+    if isinstance(rubric, str):
+        try:
+            rubric = json.loads(rubric)
+        except ValueError:
+            return rubric  # free text: as it is
+    if hasattr(rubric, "tolist"):  # a parquet list column
+        rubric = rubric.tolist()
+    if not rubric:
+        return "Rubrics are not provided."
+    return "\n".join(f"Rubric {i} (weight: {item['weight']}): {item['description']}" if isinstance(item, dict)
+                     else f"Rubric {i}: {item}" for i, item in enumerate(rubric))
+
+
+def render_user_message(template: str, *, prompt: str, response: str, ground_truth: Any, rubric: Any = None) -> str:
     """`template` with its fields filled by replacement (the texts may hold braces of their own)."""
-    values = {"prompt": prompt, "response": response, "ground_truth": "" if ground_truth is None else str(ground_truth)}
+    values = {"prompt": prompt, "response": response, "ground_truth": "" if ground_truth is None else str(ground_truth),
+              "rubric": render_rubric(rubric)}
     out = template
     for name, value in values.items():
         out = out.replace("{" + name + "}", value)
@@ -90,16 +108,19 @@ class Judge:
         return (f"judge {self.path} ({self.model_cfg.architecture}), parser {self.spec.parser}, "
                 f"combine {self.spec.combine}, up to {self.spec.max_new_tokens} verdict tokens")
 
-    def prompts(self, chats: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any]
-                ) -> list[Any]:
-        """The judge's prompt token ids for each (chat, response, ground truth), at most
+    def prompts(self, chats: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any],
+                rubrics: Sequence[Any] | None = None) -> list[Any]:
+        """The judge's prompt token ids for each (chat, response, ground truth, rubric), at most
         `max_prompt_length` tokens (the last ones)."""
         system = [] if self.spec.system_prompt is None else [{"role": "system", "content": self.spec.system_prompt}]
+        rubrics = [None] * len(chats) if rubrics is None else rubrics
         chats_out = [[*system, {"role": "user", "content": render_user_message(
-            self.spec.template, prompt=last_user_message(c), response=r, ground_truth=g)}]
-            for c, r, g in zip(chats, responses, ground_truths)]
-        encoded = encode_prompts(chats_out, self.tokenizer, apply_chat_template=True)
-        return [ids[-self.spec.max_prompt_length:] for ids in encoded]
+            self.spec.template, prompt=last_user_message(c), response=r, ground_truth=g, rubric=b)}]
+            for c, r, g, b in zip(chats, responses, ground_truths, rubrics)]
+        kwargs = dict(self.spec.chat_template_kwargs)
+        texts = [render_chat(self.tokenizer, chat, add_generation_prompt=True, **kwargs) for chat in chats_out]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has them
+        return [np.asarray(ids[-self.spec.max_prompt_length:], np.int32) for ids in encoded]
 
     @on_own_mesh
     def generate(self, prompts: list[Any], rng: jax.Array) -> tuple[list[str], np.ndarray]:
@@ -117,10 +138,10 @@ class Judge:
         return decode_texts(self.tokenizer, tokens, lengths), lengths
 
     def judge(self, chats: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any],
-              rng: jax.Array) -> JudgeVerdicts:
+              rng: jax.Array, rubrics: Sequence[Any] | None = None) -> JudgeVerdicts:
         """Verdicts and parsed scores of the responses (a user parser receives prompt, response and
         ground_truth beside the verdict)."""
-        prompts = self.prompts(chats, responses, ground_truths)
+        prompts = self.prompts(chats, responses, ground_truths, rubrics)
         texts, lengths = self.generate(prompts, rng)
         rows = [{"prompt": last_user_message(c), "response": r, "ground_truth": g}
                 for c, r, g in zip(chats, responses, ground_truths)]
@@ -139,8 +160,10 @@ class Judge:
                 "judge_score": np.full(len(scores), np.nan, np.float32)}
         if not rows:
             return scores, info, {"reward/num_judge_rows": 0.0}
+        key = self.spec.rubric_key
+        rubrics = None if key is None else [(meta["extra_info"][i] or {}).get(key) for i in rows]
         verdicts = self.judge([chats[i] for i in rows], [responses[i] for i in rows],
-                              [meta["ground_truth"][i] for i in rows], rng)
+                              [meta["ground_truth"][i] for i in rows], rng, rubrics)
         scores[rows], part, metrics = self.combine(scores[rows], verdicts)
         for key, values in part.items():
             info[key][rows] = values

@@ -16,7 +16,7 @@ from jaxrl_llm.config import ConfigError, validate_config
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.managers import RewardManager
 from jaxrl_llm.rewards.spec import JudgeSpec
-from jaxrl_llm.roles.judge import Judge, JudgeVerdicts, last_user_message, render_user_message
+from jaxrl_llm.roles.judge import Judge, JudgeVerdicts, last_user_message, render_rubric, render_user_message
 from jaxrl_llm.trainer.perf import step_perf_metrics
 
 SCALE = ScoreRange(0.0, 10.0)
@@ -68,9 +68,11 @@ class ScriptedJudge(Judge):
         self.parser = load_parser(spec.parser, ScoreRange(spec.min_score, spec.max_score))
         self.seen: list = []
 
-    def prompts(self, chats, responses, ground_truths):
+    def prompts(self, chats, responses, ground_truths, rubrics=None):
+        rubrics = [None] * len(chats) if rubrics is None else rubrics
         self.seen = [render_user_message(self.spec.template, prompt=last_user_message(c), response=r,
-                                         ground_truth=g) for c, r, g in zip(chats, responses, ground_truths)]
+                                         ground_truth=g, rubric=b)
+                     for c, r, g, b in zip(chats, responses, ground_truths, rubrics)]
         return [np.zeros(1, np.int32)] * len(chats)
 
     def generate(self, prompts, rng):
@@ -153,6 +155,62 @@ def test_judge_grades_only_the_rows_of_its_data_sources():
     np.testing.assert_allclose(everyone.grade(["q"] * 4, ["r"] * 4, meta, rule, None)[0], [1, 0, 0, 1])
     nobody = ScriptedJudge(_spec(data_sources=("other",)), [])
     np.testing.assert_allclose(nobody.grade(["q"] * 4, ["r"] * 4, meta, rule, None)[0], rule)
+
+
+def trinity_rubric_rating(judger_response):
+    """Trinity's RubricJudgeWorkflow.get_judge_reward, step 3 (trinity/common/workflows/rubric_judge_workflow.py),
+    written out: (judge_success, reward)."""
+    import json
+
+    json_start = judger_response.find("```json")
+    if json_start == -1:
+        json_start = judger_response.find("```")
+    json_end = judger_response.find("```", json_start + 3)
+    if json_start == -1 or json_end == -1:
+        return False, 0.0
+    json_str = judger_response[json_start:json_end].strip()
+    if "```json" in json_str:
+        json_str = json_str.replace("```json", "", 1)
+    elif "```" in json_str:
+        json_str = json_str.replace("```", "", 1)
+    try:
+        rating = json.loads(json_str.strip()).get("rating")
+    except Exception:
+        return False, 0.0
+    if not isinstance(rating, (int, float)) or not (1 <= rating <= 10):
+        return False, 0.0
+    return True, (rating - 1) / 9
+
+
+@pytest.mark.parametrize("verdict", [
+    '```json\n{\n"rating": 7\n}```', 'Thinking... ```json {"rating": 10} ``` done', '```\n{"rating": 1}\n```',
+    '```json {"rating": 11} ```', '```json {"score": 5} ```', "rating: 7", '```json [7] ```',
+    '```json {"rating": 4.5}```', 'no block ```json {"rating": 3}',
+])
+def test_json_rating_reads_as_trinitys_rubric_judge(verdict):
+    judge = ScriptedJudge(_spec(parser="json_rating", min_score=1.0, max_score=10.0, default_score=0.0), [verdict])
+    scores, _, metrics = judge.combine(None, judge.judge(["q"], ["r"], [None], rng=None))
+    success, reward = trinity_rubric_rating(verdict)
+    assert scores[0] == pytest.approx(reward) and metrics["reward/judge_parse_failures"] == float(not success)
+
+
+def test_rubrics_fill_the_template_as_trinity_lists_them():
+    """reward_model.judge.rubric_key: each judged row's rubric from its extra_info, in Trinity's words."""
+    rubric = [{"description": "Names the drug", "weight": 5}, {"description": "Warns of side effects", "weight": 2}]
+    assert render_rubric(rubric) == ("Rubric 0 (weight: 5): Names the drug\n"
+                                     "Rubric 1 (weight: 2): Warns of side effects")
+    assert render_rubric(json.dumps(rubric)) == render_rubric(rubric) and render_rubric(np.asarray(rubric)) == \
+        render_rubric(rubric)
+    assert render_rubric([]) == render_rubric(None) == "Rubrics are not provided."
+    judge = ScriptedJudge(_spec(template="<p>{prompt}</p><r>{response}</r><rubrics>\n{rubric}\n</rubrics>",
+                                rubric_key="rubric", parser="json_rating", min_score=1.0, max_score=10.0),
+                          ['```json {"rating": 10}```', '```json {"rating": 1}```'])
+    meta = {"data_source": np.asarray(["med", "med"], dtype=object), "ground_truth": np.asarray([None, None]),
+            "extra_info": np.asarray([{"rubric": rubric}, {}], dtype=object)}
+    scores, _, _ = judge.grade(["q0", "q1"], ["r0", "r1"], meta, np.full(2, np.nan, np.float32), None)
+    np.testing.assert_allclose(scores, [1.0, 0.0])
+    assert judge.seen[0] == "<p>q0</p><r>r0</r><rubrics>\n" + render_rubric(rubric) + "\n</rubrics>"
+    assert judge.seen[1].endswith("<rubrics>\nRubrics are not provided.\n</rubrics>")
 
 
 def test_rule_scorer_no_verdict_is_nan_only_when_allowed():
