@@ -365,6 +365,51 @@ def test_trinity_use_base_renders_mathboxedworkflows_plain_prompt(home, tmp_path
                                                   "math_workflow"}), dp_size=4)
 
 
+def test_trinity_rubric_judge_becomes_our_judge(tmp_path, monkeypatch):
+    """Trinity's grpo_rubric example with a fixed sync schedule: the auxiliary model judges with the prompts of
+    the rubric workflow in the Trinity checkout (read, never run), the rows' rubric column, ```json ratings over
+    1-10, greedy; its std_threshold is the zero-variance group filter."""
+    from jaxrl_llm.config.importers.trinity_judge import read_prompts
+
+    peers = pathlib.Path(__file__).parent / "peers" / "trinity"
+    checkout = tmp_path / "trinity_checkout"
+    (checkout / "examples").mkdir(parents=True)
+    workflow = peers / "trinity/common/workflows/rubric_judge_workflow.py"
+    (checkout / "trinity/common/workflows").mkdir(parents=True)
+    (checkout / "trinity/common/workflows/rubric_judge_workflow.py").write_text(workflow.read_text())
+    data = yaml.safe_load((peers / "examples/grpo_rubric/rubric.yaml").read_text())
+    data["synchronizer"].pop("sync_style")
+    path = checkout / "examples" / "rubric.yaml"
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("TRINITY_MODEL_PATH", "/models/policy")
+    cfg = validate_config(import_config(str(path), dp_size=8).config(), dp_size=8, check_paths=False)
+    rm, judge = cfg.reward_model, cfg.reward_model.judge
+    assert (rm.enable, rm.style, rm.model.path) == (True, "generative", "Qwen/Qwen3-30B-A3B-Instruct-2507")
+    assert (judge.parser, judge.min_score, judge.max_score, judge.default_score, judge.temperature) == (
+        "json_rating", 1.0, 10.0, 0.0, 0.0)
+    assert (judge.rubric_key, list(cfg.data.extra_info_keys), judge.max_new_tokens, judge.max_prompt_length) == (
+        "rubric", ["rubric"], 1024, 19456)
+    assert judge.chat_template_kwargs.to_dict() == {"enable_thinking": False}
+    assert (cfg.algorithm.filter_groups.enable, cfg.data.prompt_key) == (True, "question")
+    # the workflow's own prompts, its f-string fields as ours
+    prompts = read_prompts(workflow.read_text())
+    assert judge.template == prompts["judge_user"] and judge.system_prompt == prompts["judge_system"]
+    assert judge.template.startswith("Given the following prompt, response, and rubrics") and \
+        "<prompt>\n{prompt}\n</prompt>\n<response>\n{response}\n</response>\n<rubrics>\n{rubric}\n</rubrics>" in \
+        judge.template and judge.template.endswith("Your JSON Evaluation:")
+    assert cfg.data.system_prompt.startswith("A conversation between User and Assistant.")
+    assert "Example response:\n```json\n{\n\"rating\": 7\n}```" in judge.system_prompt
+    data["algorithm"]["advantage_fn_args"]["std_threshold"] = 0.05
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="std_threshold: 0.05: the group filter drops zero-variance groups only"):
+        import_config(str(path), dp_size=8)
+    data["algorithm"]["advantage_fn_args"]["std_threshold"] = 0.0
+    (checkout / "trinity/common/workflows/rubric_judge_workflow.py").unlink()
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="rubric_judge_workflow: its prompts are read from trinity/common/workflows"):
+        import_config(str(path), dp_size=8)
+
+
 def test_trinity_and_roll_off_policy_schedules(home, tmp_path):
     # Trinity: sync_offset explorer steps ahead, sync_interval explorer steps per jaxrl_llm step (= one version)
     path = variant(TRINITY, tmp_path, {"synchronizer.sync_offset": 1, "synchronizer.sync_interval": 4,

@@ -34,6 +34,7 @@ from jaxrl_llm.config.importers.common import (
     ratio_steps,
 )
 from jaxrl_llm.config.importers.trinity_data import import_tasksets, taskset_files
+from jaxrl_llm.config.importers.trinity_judge import RUBRIC_WORKFLOWS, import_rubric_judge
 from jaxrl_llm.config.importers.verl import context_parallel, import_verl_source, placement_only
 from jaxrl_llm.config.overrides import OPEN_SECTIONS
 
@@ -120,6 +121,20 @@ def _algorithm(m: Mapper, src: Source) -> None:
     if "epsilon" in args:
         m.ignore("algorithm.advantage_fn_args.epsilon", "GRPO's std epsilon is fixed at 1e-6 (veRL's)")
         args.pop("epsilon")
+    threshold = args.pop("std_threshold", args.pop("reward_std_threshold", None))
+    if threshold is not None:  # Trinity skips a group whose scores' std is <= the threshold; its queue refills
+        key = "algorithm.advantage_fn_args.std_threshold"
+        if not 0 <= float(threshold) < ZERO_STD:
+            m.error(key, f"{threshold!r}: the group filter drops zero-variance groups only (a threshold below "
+                         f"{ZERO_STD:g} keeps the same groups but those whose std falls under it)")
+        if args.pop("duplicate_experiences", False):
+            m.error("algorithm.advantage_fn_args.duplicate_experiences", "True: duplicating the kept groups' "
+                                                                          "experiences is not available")
+        m.set("algorithm.filter_groups.enable", True, key)
+        m.set("algorithm.filter_groups.metric", GROUP_FILTERS["reward_std_filter"], key)
+        if threshold:
+            m.ignore(f"{key}={threshold}", f"groups of std 0 are dropped; a group whose std is in (0, {threshold}] "
+                                           "is kept here and skipped by Trinity")
     if adv == "step_wise_grpo":
         if args.pop("std_cal_level", "group") != "group":
             m.error("algorithm.advantage_fn_args.std_cal_level", "only 'group': GRPO's std is its group's")
@@ -313,6 +328,7 @@ def _model(m: Mapper, src: Source) -> None:
         m.set("trainer.logger", logger_sinks(m, "monitor.monitor_type", [monitor]), "monitor.monitor_type")
 
 
+ZERO_STD = 1e-3  # the largest std_threshold read as "zero-variance groups" (see _algorithm)
 ERRORS = {  # key -> (is it set?, why)
     "mode": (lambda v: v not in (None, "both"), "only mode 'both' (explore and train together) is available"),
     "model.min_response_tokens": (lambda v: v not in (None, 0, 1), "a minimum response length is not available"),
@@ -320,9 +336,6 @@ ERRORS = {  # key -> (is it set?, why)
     "explorer.rollout_model.enable_thinking": (lambda v: v is False, "chat-template kwargs are not available, and "
                                                "enable_thinking: false changes what a Qwen3 template renders (true, "
                                                "its own default, is accepted)"),
-    "explorer.auxiliary_models": (bool, "auxiliary models serve Trinity's judging workflows (rubric judges, "
-                                        "RULER), which are not built in; a judge of ours is reward_model.style: "
-                                        "generative with reward_model.judge.*"),
     "model.max_token_len": (lambda v: v is not None, "not a field of Trinity's ModelConfig (Trinity's loader "
                                                      "refuses it too); set model.max_model_len"),
     "data_processor.task_pipeline": (bool, "task pipelines (Data-Juicer) are not available"),
@@ -446,6 +459,14 @@ def import_trinity(data: dict[str, Any], m: Mapper, path: str) -> None:
     _lora(m, src)
     _operators(m, src)
     _schedule(m, src)
+    workflow = src.peek("buffer.explorer_input.default_workflow_type")
+    auxiliary = src.take("explorer.auxiliary_models") or []
+    if workflow in RUBRIC_WORKFLOWS:
+        import_rubric_judge(m, auxiliary, str(workflow))
+    elif auxiliary:
+        m.error("explorer.auxiliary_models", f"{auxiliary!r}: auxiliary models serve Trinity's judging workflows; "
+                                             f"of those, {', '.join(RUBRIC_WORKFLOWS)} is built in (RULER and custom "
+                                             f"workflows are not), and this file's workflow is {workflow!r}")
     import_tasksets(m, src, os.path.dirname(path))
     _sft_warmup(m, src)
     for key in src.remaining():

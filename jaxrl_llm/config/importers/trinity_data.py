@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from jaxrl_llm.config.importers.common import Mapper, Source, SourceValue
+from jaxrl_llm.config.importers.trinity_judge import RUBRIC_WORKFLOWS
 from jaxrl_llm.data.prompts import NATIVE_TEMPLATE
 from jaxrl_llm.data.sources import SUPPORTED_SUFFIXES
 from jaxrl_llm.rewards.scorers import has_builtin_scorer
@@ -73,7 +74,7 @@ REWARD_SOURCES = {"math_dapo_reward": "math_dapo"}
 def _workflow(m: Mapper, key: str, value: SourceValue) -> None:
     if value in (None, ""):
         return
-    if value not in SINGLE_TURN_WORKFLOWS:
+    if value not in SINGLE_TURN_WORKFLOWS + RUBRIC_WORKFLOWS:  # the rubric judge: importers/trinity_judge.py
         m.error(key, f"{value!r}: only single-turn generation is available ({', '.join(SINGLE_TURN_WORKFLOWS)}); "
                      "multi-turn, agentic and model-judged workflows are not")
     m.ignore(f"{key}={value}", SCORING_NOTE)
