@@ -157,40 +157,25 @@ def test_judge_grades_only_the_rows_of_its_data_sources():
     np.testing.assert_allclose(nobody.grade(["q"] * 4, ["r"] * 4, meta, rule, None)[0], rule)
 
 
-def trinity_rubric_rating(judger_response):
-    """Trinity's RubricJudgeWorkflow.get_judge_reward, step 3 (trinity/common/workflows/rubric_judge_workflow.py),
-    written out: (judge_success, reward)."""
-    import json
-
-    json_start = judger_response.find("```json")
-    if json_start == -1:
-        json_start = judger_response.find("```")
-    json_end = judger_response.find("```", json_start + 3)
-    if json_start == -1 or json_end == -1:
-        return False, 0.0
-    json_str = judger_response[json_start:json_end].strip()
-    if "```json" in json_str:
-        json_str = json_str.replace("```json", "", 1)
-    elif "```" in json_str:
-        json_str = json_str.replace("```", "", 1)
-    try:
-        rating = json.loads(json_str.strip()).get("rating")
-    except Exception:
-        return False, 0.0
-    if not isinstance(rating, (int, float)) or not (1 <= rating <= 10):
-        return False, 0.0
-    return True, (rating - 1) / 9
+# Trinity's RubricJudgeWorkflow.get_judge_reward, step 3 (its file: tests/config/peers/trinity/trinity/common/
+# workflows/rubric_judge_workflow.py): (verdict, judge_success, reward = (rating - 1) / 9 or 0)
+TRINITY_RATINGS = [
+    ('```json\n{\n"rating": 7\n}```', True, 6 / 9),
+    ('Thinking... ```json {"rating": 10} ``` done', True, 1.0),
+    ('```\n{"rating": 1}\n```', True, 0.0),  # a plain ``` block is read too
+    ('```json {"rating": 4.5}```', True, 3.5 / 9),
+    ('```json {"rating": 11} ```', False, 0.0),  # out of 1-10
+    ('```json {"score": 5} ```', False, 0.0),
+    ("rating: 7", False, 0.0),  # no block
+    ('```json [7] ```', False, 0.0),  # not an object
+    ('no block ```json {"rating": 3}', False, 0.0),  # not closed
+]
 
 
-@pytest.mark.parametrize("verdict", [
-    '```json\n{\n"rating": 7\n}```', 'Thinking... ```json {"rating": 10} ``` done', '```\n{"rating": 1}\n```',
-    '```json {"rating": 11} ```', '```json {"score": 5} ```', "rating: 7", '```json [7] ```',
-    '```json {"rating": 4.5}```', 'no block ```json {"rating": 3}',
-])
-def test_json_rating_reads_as_trinitys_rubric_judge(verdict):
+@pytest.mark.parametrize("verdict,success,reward", TRINITY_RATINGS)
+def test_json_rating_reads_as_trinitys_rubric_judge(verdict, success, reward):
     judge = ScriptedJudge(_spec(parser="json_rating", min_score=1.0, max_score=10.0, default_score=0.0), [verdict])
     scores, _, metrics = judge.combine(None, judge.judge(["q"], ["r"], [None], rng=None))
-    success, reward = trinity_rubric_rating(verdict)
     assert scores[0] == pytest.approx(reward) and metrics["reward/judge_parse_failures"] == float(not success)
 
 
