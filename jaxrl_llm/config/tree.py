@@ -129,6 +129,10 @@ DATA = {
     "truncation": field("error", "Over-long prompts: 'error', 'left', 'right' or 'middle'. veRL.",
                         choices=names.TRUNCATION),
     "filter_overlong_prompts": field(False, "Drop prompts longer than max_prompt_length when loading. veRL."),
+    "skip_bad_rows": field(False, "Leave out the rows that cannot be read (an empty or mistyped prompt, a ground "
+                                  "truth the row's scorer cannot read, a missing column, an over-long prompt with "
+                                  "truncation=error) and report their count and the first one's file, row and "
+                                  "reason in one warning; False = the first is a data error that stops the run."),
     "filter_overlong_prompts_workers": field(1, "Processes used to tokenize for filter_overlong_prompts. veRL.", gt=0),
     "shuffle": field(True, "Shuffle training prompts each epoch. veRL."),
     "seed": field(1, "Seed of the training-data shuffle. veRL."),

@@ -27,12 +27,13 @@ metadata keys above.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
 import multiprocessing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -259,10 +260,7 @@ def _prompt_column(
                     f"{source}: missing column {prompt_key!r} (data.prompt_key) and no "
                     f"{messages_key!r} column (data.messages_key); columns are {sorted(row)}"
                 )
-        column = checked[source]
-        if column not in row:
-            raise DataError(f"{ref}: missing column {column!r}")
-        columns.append(column)
+        columns.append(checked[source])  # a row without it is an error of that row (records_from_rows)
     return columns
 
 
@@ -281,33 +279,62 @@ def records_from_rows(
     filter_overlong = data.filter_overlong_prompts
     workers = data.filter_overlong_prompts_workers if filter_overlong else 1
 
-    columns = _prompt_column(rows, refs, prompt_key, messages_key)
-    prompts = [with_system_prompt(_normalise_prompt(row[col], ref, col), data.system_prompt)
-               for row, ref, col in zip(rows, refs, columns)]
-    for prompt, ref in zip(prompts, refs):
-        if not isinstance(prompt, str) and not apply_template:
-            raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
     if apply_template and getattr(tokenizer, "chat_template", None) is None:
         raise DataError("the tokenizer has no chat template; set data.apply_chat_template=False for string prompts")
-    ids_list = encode_prompts_parallel(prompts, tokenizer, apply_template, workers)
+    bad = BadRows(data.skip_bad_rows, len(rows))
+    columns = _prompt_column(rows, refs, prompt_key, messages_key)
+    kept: list[tuple[Mapping[str, Any], RowRef | str, list[dict[str, Any]] | str]] = []
+    for row, ref, col in zip(rows, refs, columns):
+        with bad.row():
+            if col not in row:
+                raise DataError(f"{ref}: missing column {col!r}")
+            prompt = with_system_prompt(_normalise_prompt(row[col], ref, col), data.system_prompt)
+            if not isinstance(prompt, str) and not apply_template:
+                raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
+            kept.append((row, ref, prompt))
+    ids_list = encode_prompts_parallel([p for _, _, p in kept], tokenizer, apply_template, workers)
 
     records = []
     num_dropped = 0
-    for row, ref, prompt, ids in zip(rows, refs, prompts, ids_list):
+    for (row, ref, prompt), ids in zip(kept, ids_list):
         if filter_overlong and len(ids) > max_len:
             num_dropped += 1
             continue
-        record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
-        domain = data.domains.domain_of(row) if data.domains.enabled else None
-        # a domain's data_source (data.domains.data_sources) before the run-wide default
-        source = data.domains.data_source_of(domain) or data.default_data_source
-        record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, source, domain,
-                                data.domains.ground_truth_of(domain, row), data.extra_info_keys))
-        records.append(record)
+        with bad.row():
+            record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
+            domain = data.domains.domain_of(row) if data.domains.enabled else None
+            # a domain's data_source (data.domains.data_sources) before the run-wide default
+            source = data.domains.data_source_of(domain) or data.default_data_source
+            record.update(_metadata(row, ref, data.builtin_scorers, data.ground_truth_key, source, domain,
+                                    data.domains.ground_truth_of(domain, row), data.extra_info_keys))
+            records.append(record)
     if num_dropped:
         logger.info("filter_overlong_prompts dropped %d of %d prompts longer than %d tokens",
                     num_dropped, len(rows), max_len)
+    bad.report()
     return records
+
+
+class BadRows:
+    """data.skip_bad_rows: a row's DataError is raised (off), or the row is left out, counted and the first
+    one named in one warning (on, as veRL skips rows it cannot read)."""
+
+    def __init__(self, skip: bool, total: int):
+        self.skip, self.total, self.errors = skip, total, []
+
+    @contextlib.contextmanager
+    def row(self) -> Iterator[None]:
+        try:
+            yield
+        except DataError as err:
+            if not self.skip:
+                raise
+            self.errors.append(str(err))
+
+    def report(self) -> None:
+        if self.errors:
+            logger.warning("data.skip_bad_rows: left out %d of %d rows; the first: %s", len(self.errors), self.total,
+                           self.errors[0])
 
 
 def _records_from_custom(dataset: Any, tokenizer: Tokenizer, data: DataSpec, name: str) -> list[dict[str, Any]]:

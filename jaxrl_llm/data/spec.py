@@ -47,6 +47,7 @@ class DataSpec:
     # every row needs a ground truth and a data_source they know, checked when the data is loaded
     builtin_scorers: bool = False
     extra_info_keys: tuple[str, ...] = ()  # columns copied into each row's extra_info
+    skip_bad_rows: bool = False  # a row that cannot be read is left out and counted, not an error
     domains: DomainSpec = DomainSpec()  # data.domains.*: each row's domain, the batch's share of each
 
     def for_split(self, split: str) -> DataSpec:

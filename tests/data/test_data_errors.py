@@ -141,3 +141,27 @@ def test_numeric_ground_truth_normalised(value, want):
     from jaxrl_llm.data.prompts import normalise_ground_truth
 
     assert normalise_ground_truth(value) == want
+
+
+def test_skip_bad_rows_leaves_them_out_and_names_the_first(tmp_path, char_tok, caplog):
+    """data.skip_bad_rows (veRL skips rows it cannot read): an empty prompt, a row without the prompt column and a
+    ground truth the row's scorer cannot read are left out, counted, the first named; off, the first stops the
+    run naming file and row."""
+    import json
+
+    rows = [{"prompt": f"q{i}", "data_source": "openai/gsm8k", "ground_truth": str(i)} for i in range(8)]
+    rows[2]["prompt"] = "  "
+    del rows[4]["prompt"]
+    rows[6]["ground_truth"] = {"answer": 6}  # the gsm8k scorer compares strings
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = data_spec(True, train_files=str(path), max_prompt_length=64, apply_chat_template=False)
+    with pytest.raises(DataError, match=r"rows.jsonl line 3: empty prompt"):
+        build_dataset(spec, char_tok, "train")
+    with caplog.at_level("WARNING"):
+        dataset = build_dataset(data_spec(True, train_files=str(path), max_prompt_length=64,
+                                          apply_chat_template=False, skip_bad_rows=True), char_tok, "train")
+    assert [r["ground_truth"] for r in dataset] == ["0", "1", "3", "5", "7"]
+    assert [r["index"] for r in dataset] == list(range(5))
+    assert "data.skip_bad_rows: left out 3 of 8 rows; the first: " in caplog.text
+    assert "rows.jsonl line 3: empty prompt" in caplog.text
