@@ -33,7 +33,7 @@ class DomainSpec:
     """`data.domains.*`, resolved: which column names a row's domain and what each domain is."""
 
     key: str = "domain"
-    probs: tuple[tuple[str, float], ...] = ()  # in the config's order (the last takes the batch's rest)
+    probs: tuple[tuple[str, float], ...] = ()  # domain -> share (the rest of a batch: the largest share)
     members: tuple[tuple[str, tuple[str, ...]], ...] = ()
     data_sources: tuple[tuple[str, str], ...] = ()
     ground_truth_columns: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -63,12 +63,20 @@ class DomainSpec:
         value = str(value)
         return self.value_to_domain.get(value, value)
 
+    @functools.cached_property
+    def _source_of(self) -> dict[str, str]:
+        return dict(self.data_sources)
+
+    @functools.cached_property
+    def _columns_of(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.ground_truth_columns)
+
     def data_source_of(self, domain: str | None) -> str | None:
-        return dict(self.data_sources).get(domain) if domain is not None else None
+        return self._source_of.get(domain) if domain is not None else None
 
     def ground_truth_of(self, domain: str | None, row: Mapping[str, Any]) -> dict[str, Any] | None:
         """The row's ground truth made of its domain's columns (None: the domain names none)."""
-        columns = dict(self.ground_truth_columns).get(domain) if domain is not None else None
+        columns = self._columns_of.get(domain) if domain is not None else None
         return None if columns is None else {column: row.get(column) for column in columns}
 
 

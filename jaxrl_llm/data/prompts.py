@@ -46,7 +46,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer, load_tokenizer, render_chat
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-NATIVE_TEMPLATE = "native"  # data.val_chat_template: the tokenizer's own template (ROLL's name for it)
+NATIVE_TEMPLATE = "native"  # data.val_overrides.chat_template: the tokenizer's own (ROLL's name for it)
 
 def truncate_ids(ids: np.ndarray, max_length: int, mode: str, where: object = "prompt") -> np.ndarray:
     """Cut `ids` to `max_length` tokens: `left` keeps the end, `right` the start, `middle` the head
@@ -109,20 +109,22 @@ def with_system_prompt(prompt: list[dict[str, Any]] | str, system_prompt: str | 
     return [{"role": "system", "content": system_prompt}, *messages]
 
 
-def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Tokenizer, apply_chat_template: bool) -> str:
-    """The exact text fed to the tokenizer for one prompt."""
+def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Tokenizer, apply_chat_template: bool,
+                  template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The exact text fed to the tokenizer for one prompt (`template_kwargs`: the chat template's own)."""
     if isinstance(prompt, str) and not apply_chat_template:
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return render_chat(tokenizer, messages, add_generation_prompt=True)
+    return render_chat(tokenizer, messages, add_generation_prompt=True, **dict(template_kwargs or {}))
 
 
 def encode_prompts(
-    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool
+    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[np.ndarray]:
     """Token ids (int32, unpadded) of each prompt."""
     templated = [not (isinstance(p, str) and not apply_chat_template) for p in prompts]
-    texts = [render_prompt(p, tokenizer, apply_chat_template) for p in prompts]
+    texts = [render_prompt(p, tokenizer, apply_chat_template, template_kwargs) for p in prompts]
     out: list[np.ndarray | None] = [None] * len(texts)
     for with_template in (True, False):
         pos = [i for i, t in enumerate(templated) if t == with_template]

@@ -31,7 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
+from jaxrl_llm.data.prompts import encode_prompts
+from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rewards.judge_parsers import ScoreRange, load_parser, read_verdict
 from jaxrl_llm.rewards.spec import JudgeSpec
@@ -117,10 +118,9 @@ class Judge:
         chats_out = [[*system, {"role": "user", "content": render_user_message(
             self.spec.template, prompt=last_user_message(c), response=r, ground_truth=g, rubric=b)}]
             for c, r, g, b in zip(chats, responses, ground_truths, rubrics)]
-        kwargs = dict(self.spec.chat_template_kwargs)
-        texts = [render_chat(self.tokenizer, chat, add_generation_prompt=True, **kwargs) for chat in chats_out]
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template has them
-        return [np.asarray(ids[-self.spec.max_prompt_length:], np.int32) for ids in encoded]
+        encoded = encode_prompts(chats_out, self.tokenizer, apply_chat_template=True,
+                                 template_kwargs=dict(self.spec.chat_template_kwargs))
+        return [ids[-self.spec.max_prompt_length:] for ids in encoded]
 
     @on_own_mesh
     def generate(self, prompts: list[Any], rng: jax.Array) -> tuple[list[str], np.ndarray]:
@@ -165,8 +165,8 @@ class Judge:
         verdicts = self.judge([chats[i] for i in rows], [responses[i] for i in rows],
                               [meta["ground_truth"][i] for i in rows], rng, rubrics)
         scores[rows], part, metrics = self.combine(scores[rows], verdicts)
-        for key, values in part.items():
-            info[key][rows] = values
+        for name, values in part.items():
+            info[name][rows] = values
         return scores, info, metrics
 
     def combine(self, rule_scores: np.ndarray | None, verdicts: JudgeVerdicts

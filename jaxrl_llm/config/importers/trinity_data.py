@@ -74,7 +74,9 @@ REWARD_SOURCES = {"math_dapo_reward": "math_dapo"}
 def _workflow(m: Mapper, key: str, value: SourceValue) -> None:
     if value in (None, ""):
         return
-    if value not in SINGLE_TURN_WORKFLOWS + RUBRIC_WORKFLOWS:  # the rubric judge: importers/trinity_judge.py
+    # the rubric workflow where its judge was imported (explorer_input's workflow: importers/trinity_judge.py)
+    rubric = value in RUBRIC_WORKFLOWS and "reward_model.judge.rubric_key" in m.settings
+    if value not in SINGLE_TURN_WORKFLOWS and not rubric:
         m.error(key, f"{value!r}: only single-turn generation is available ({', '.join(SINGLE_TURN_WORKFLOWS)}); "
                      "multi-turn, agentic and model-judged workflows are not")
     m.ignore(f"{key}={value}", SCORING_NOTE)
@@ -235,11 +237,10 @@ def import_tasksets(m: Mapper, src: Source, base_dir: str) -> None:
     if got is not None:
         got.pop("workflow_args.use_base", None)
         # the eval tasksets' template (use_base's plain text, their format.chat_template, or the tokenizer's)
-        # where it is not training's: data.val_chat_template
+        # where it is not training's: data.val_overrides.chat_template
         eval_template = got.pop("format.chat_template", None)
         if eval_template != m.settings.get("data.chat_template"):
             m.set("data.val_overrides.chat_template", eval_template or NATIVE_TEMPLATE, f"{EI}.eval_tasksets")
-    if got is not None:
         m.set("data.val_files", got.pop("files"), f"{EI}.eval_tasksets")
         # Trinity evaluates with the eval tasksets' rollout_args (sampling at temperature 1.0 by default)
         temperature = got.pop("rollout_args.temperature", 1.0)
@@ -256,11 +257,9 @@ def _sampling(m: Mapper, got: dict[str, Any], section: str | None, where: str) -
     for key, value in got.items():
         if key.startswith("format."):
             ours = FORMAT_KEYS[key.split(".", 1)[1]]
-            if section is None and ours in m.settings and m.settings[ours] != value:  # the eval tasksets' own key
-                m.set(f"data.val_overrides.{ours.split('.', 1)[1]}", value, f"{where}.{key}")
-            elif section is None and ours not in m.settings:  # training reads the default: the eval sets read this
-                m.set(f"data.val_overrides.{ours.split('.', 1)[1]}", value, f"{where}.{key}")
-            elif section is not None or m.settings[ours] != value:
+            if section is not None:
                 m.set(ours, value, f"{where}.{key}")
+            elif ours not in m.settings or m.settings[ours] != value:  # the eval tasksets' own: validation's
+                m.set(f"data.val_overrides.{ours.split('.', 1)[1]}", value, f"{where}.{key}")
         elif section is not None and key.startswith("rollout_args."):
             m.set(f"{section}.{key.split('.', 1)[1]}", value, f"{where}.{key}")

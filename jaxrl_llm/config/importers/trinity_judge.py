@@ -107,8 +107,10 @@ def read_prompts(text: str) -> dict[str, str]:
         elif target == "ruler_system_prompt" and isinstance(value, ast.Constant) and isinstance(value.value, str):
             out["judge_system"] = value.value
         elif target == "ruler_user_prompt":
-            strip = isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "strip"
-            body = value.func.value if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) else value
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "strip":
+                body, strip = value.func.value, True  # f"""...""".strip()
+            else:
+                body, strip = value, False
             if not isinstance(body, ast.JoinedStr):
                 raise ValueError("ruler_user_prompt is not an f-string")
             out["judge_user"] = _template(body).strip() if strip else _template(body)

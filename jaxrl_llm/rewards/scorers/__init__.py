@@ -42,15 +42,18 @@ BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synth
                    *crossthinkqa.SOURCES, *ifeval.SOURCES)
 
 
+# the data sources whose scorer parses a structured ground truth (a ValueError / TypeError names the problem)
+GROUND_TRUTH_PARSERS = {**dict.fromkeys(code.SOURCES, code.parse_tests), **dict.fromkeys(ifeval.SOURCES,
+                                                                                        ifeval.parse_constraint)}
+
+
 def ground_truth_problem(data_source: str, ground_truth: Any) -> str | None:
     """Why `default_compute_score` could not read this row's ground truth (None: it can): the math and
     synthetic scorers compare against a string (numbers read from a file are strings by then), the code
     scorer parses its test cases. Checked when the rows are loaded, as the prompts are."""
-    parse = {**dict.fromkeys(code.SOURCES, code.parse_tests), **dict.fromkeys(ifeval.SOURCES,
-                                                                              ifeval.parse_constraint)}
-    if data_source in parse:
+    if data_source in GROUND_TRUTH_PARSERS:
         try:
-            parse[data_source](ground_truth)
+            GROUND_TRUTH_PARSERS[data_source](ground_truth)
         except (ValueError, TypeError) as err:
             return str(err)
         return None
