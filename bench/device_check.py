@@ -31,6 +31,12 @@ writes <out>/<section>.json and prints one summary line:
             section's GRPO run, its second actor update under `jax.profiler`, op families in ms per
             update beside the memory plan's roofline estimate of it (row `update`).
 
+8. exact    (on request: `--sections exact`) exact rollouts (model.batch_invariant) off and on: the rollout,
+            scoring and update-shaped passes of bench/exact_rollouts.py on the Qwen2-0.5B-shaped bf16 model
+            (16 prompts x 128 new tokens, static and paged engines), exactness (max |trainer - rollout|
+            log-prob, equal-token fraction) and seconds; then a small GRPO step off and on, its
+            rollout_corr/ metrics and timings.
+
 A section a deadline stops keeps the rows it wrote (decode and cascade write their JSON after every row).
 """
 from __future__ import annotations
@@ -47,7 +53,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = ("env", "kernels", "step", "tests")  # the default run; "decode" on request
 # seconds each section may take, as shares of --budget_s (normalised over the sections run)
-SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0, "cascade": 1.0, "profile": 1.0}
+SHARES = {"env": 0.1, "kernels": 0.3, "step": 0.4, "tests": 0.2, "decode": 1.0, "cascade": 1.0, "profile": 1.0,
+          "exact": 1.0}
 
 
 def _write_json(path: pathlib.Path, result: dict) -> None:
@@ -445,10 +452,64 @@ def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
                                                        "link_s": estimate.link_s}}
 
 
+def _exact_step(tiny: bool, on: bool) -> dict:
+    """The step section's GRPO run (bf16, paged engine, unpacked rows) with model.batch_invariant `on`: the
+    second step's timings and its rollout_corr/ exactness metrics."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_runs import read_metrics, tiny_config
+
+    from jaxrl_llm.trainer import Trainer
+
+    overrides = {**_step_overrides(tiny), "trainer.memory_plan": False,
+                 "actor_rollout_ref.model.use_remove_padding": False, "actor_rollout_ref.model.batch_invariant": on}
+    if not tiny:  # smaller than the step section's: two runs share this section's minutes
+        overrides.update({"data.max_response_length": 256, "data.train_batch_size": 8,
+                          "actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.rollout.n": 4})
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_exact_"))
+    Trainer(tiny_config(run_dir, **overrides)).fit()
+    last = read_metrics(run_dir)[-1]
+    keys = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor",
+            "rollout_corr/max_abs_log_ratio", "rollout_corr/exact_token_frac", "rollout_corr/kl")
+    return {"batch_invariant": on, **{k: last.get(k) for k in keys}}
+
+
+def section_exact(tiny: bool, out: pathlib.Path) -> dict:
+    """Exact rollouts (model.batch_invariant) off and on: bench/exact_rollouts.py's rows (static and paged
+    engines; Qwen2-0.5B's shape in bf16, 16 prompts x 128 new tokens; tiny: its tiny model), then the GRPO
+    step off and on (`_exact_step`). Each row is written to <out>/exact.json as it ends."""
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import exact_rollouts
+
+    cfg, params, prompts, pad = (exact_rollouts.tiny_model() if tiny else exact_rollouts.qwen2_random(16))
+    new_tokens = 16 if tiny else 128
+    result: dict = {"model": "tiny" if tiny else _model_line(cfg), "new_tokens": new_tokens, "rows": [], "steps": []}
+
+    def write() -> None:
+        parts = [f"{r['engine']}{'+inv' if r['batch_invariant'] else ''} max|dlogp| {r['max_abs_log_ratio']:.2g} "
+                 f"rollout {r['rollout_s']:.2f}s" for r in result["rows"]]
+        parts += [f"step{'+inv' if r['batch_invariant'] else ''} {r['timing_s/step'] or 0:.2f}s max|dlogp| "
+                  f"{r['rollout_corr/max_abs_log_ratio']}" for r in result["steps"]]
+        result["summary"] = ", ".join(parts)
+        _write_json(out / "exact.json", {**result, "status": "partial"})
+
+    for engine in ("static", "paged"):
+        for on in (False, True):
+            result["rows"].append(exact_rollouts.run_row(dataclasses.replace(cfg, batch_invariant=on), params, prompts,
+                                                         pad, engine=engine, new_tokens=new_tokens))
+            write()
+    for on in (False, True):
+        result["steps"].append(_exact_step(tiny, on))
+        write()
+    return result
+
+
 def run_section(name: str, tiny: bool, out: pathlib.Path) -> dict:
     fns = {"env": section_env, "kernels": section_kernels, "tests": lambda tiny: section_tests(tiny, out),
            "step": lambda tiny: section_step(tiny, out), "decode": lambda tiny: section_decode(tiny, out),
-           "cascade": lambda tiny: section_cascade(tiny, out), "profile": lambda tiny: section_profile(tiny, out)}
+           "cascade": lambda tiny: section_cascade(tiny, out), "profile": lambda tiny: section_profile(tiny, out),
+           "exact": lambda tiny: section_exact(tiny, out)}
     result = fns[name](tiny)
     result.setdefault("status", "ok")
     return result

@@ -244,7 +244,8 @@ def _model(section: ConfigDict, tiny: ConfigDict, mesh: ConfigDict) -> ModelSpec
                      override_config=tuple(sorted(_plain(section.override_config).items())),
                      use_remove_padding=bool(section.use_remove_padding),
                      share_packed_prompts=bool(section.share_packed_prompts), lora=lora,
-                     context_attention=mesh.context_attention)
+                     context_attention=mesh.context_attention,
+                     batch_invariant=bool(section.get("batch_invariant", False)))
 
 
 def resolve_actor(cfg: ConfigDict) -> ActorSpec:

@@ -35,6 +35,7 @@ class ModelSpec:
     share_packed_prompts: bool = True  # packed rows hold a prompt once for the responses that share it
     lora: LoraConfig | None = None  # model.lora_rank > 0: train adapters on the frozen base (models/lora.py)
     context_attention: str = "ring"  # mesh.context_attention: how a context group attends (models/context_parallel.py)
+    batch_invariant: bool = False  # model.batch_invariant: exact rollout log-probs (models/invariant.py)
 
     @property
     def is_tiny(self) -> bool:

@@ -457,6 +457,14 @@ MODEL = dict(
                                "than the Triton kernel, measured on an H200) and otherwise), 'pallas' (the device's "
                                "kernel, forced: Triton on GPU), 'pallas_triton' / 'pallas_mosaic' (one kernel by name) "
                                "or 'xla' (any backend). Same values and gradients. jaxrl_llm.", choices=LOGPROB_IMPLS),
+    batch_invariant=field(False, "Batch-invariant numerics (jaxrl_llm/models/invariant.py): every matmul, norm, "
+                                 "attention and log-sum-exp of the policy sums a token's row in an order that does not "
+                                 "depend on the batch, the sequence length or the engine's step, so in bf16 the "
+                                 "rollout's log-probs equal the trainer's recomputation bit for bit "
+                                 "(rollout_corr/max_abs_log_ratio 0). Costs time (docs/performance.md, 'Exact "
+                                 "rollouts'); the paged engine then runs its XLA attention path, without cascade "
+                                 "attention, chunked prefill or speculative decoding. veRL's vexact / vLLM's "
+                                 "batch-invariant mode."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),
     tiny={

@@ -83,6 +83,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
     _check_multi_turn(cfg)
     _check_speculative(cfg)
     _check_partial(cfg)
+    _check_batch_invariant(cfg)
 
 
 def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
@@ -156,6 +157,25 @@ def _check_speculative(cfg: ml_collections.ConfigDict) -> None:
              f"must be <= {key}.prompt_lookup_max={spec.prompt_lookup_max}")
     _require(spec.method != "draft" or spec.draft_model.path is not None, f"{key}.draft_model.path", cfg,
              f"required when {key}.method='draft' (HF folder, .gguf, checkpoint or tiny:<arch>)")
+
+
+def _check_batch_invariant(cfg: ml_collections.ConfigDict) -> None:
+    """What model.batch_invariant (models/invariant.py) does not cover yet, refused by name."""
+    if not cfg.actor_rollout_ref.model.get("batch_invariant", False):
+        return
+    why = f"{ARR}.model.batch_invariant=True "
+    _require(not cfg.actor_rollout_ref.model.use_remove_padding, f"{ARR}.model.use_remove_padding", cfg,
+             why + "needs unpacked rows (a packed row's later sequences would not start a key block, as they do "
+                   "in the sampler): set it to False")
+    _require(cfg.actor_rollout_ref.rollout.speculative.method == "none", f"{ROLLOUT}.speculative.method", cfg,
+             why + "has no invariant verification step yet: set it to 'none'")
+    _require(cfg.actor_rollout_ref.rollout.kv_cache_dtype == "auto", f"{ROLLOUT}.kv_cache_dtype", cfg,
+             why + "reads compute-dtype pages (int8 pages are dequantised in another order): set it to 'auto'")
+    for axis in ("tensor", "context", "expert"):
+        _require(cfg.mesh[axis] == 1, f"mesh.{axis}", cfg,
+                 why + "fixes the summation order on one device's rows; a split over mesh." + axis
+                 + " would add a cross-device reduction whose order is not fixed yet: set it to 1 (fsdp and data "
+                   "splits are fine)")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:

@@ -26,12 +26,14 @@ from jaxrl_llm.losses.logprob_xla import (
     KLLayout,
     Layout,
     Stats,
+    invariant_stats,
     kl_backward,
     kl_stats,
     vocab_size,
     xla_backward,
     xla_stats,
 )
+from jaxrl_llm.models import invariant
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import BATCH_AXES, context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
@@ -103,6 +105,8 @@ def _row_axes(mesh: Mesh, rows: int) -> tuple[str, ...] | None:
 def _stats(h, w, targets, lay: Layout, be: Backend) -> Stats:
     # a program for this CPU host has no kernel to choose: the XLA path alone (no platform switch, no
     # per-shard wrapper in every CPU program)
+    if invariant.enabled():  # batch-invariant numerics: the same chunks and sums as the sampler's log-probs
+        return invariant_stats(h, w, targets, lay)
     if be.impl == "xla" or (be.impl == "auto" and target_platform() == "cpu"):
         return xla_stats(h, w, targets, lay)
     if be.mesh is None or be.mesh.size == 1:

@@ -194,6 +194,15 @@ def _is_weights(log_ratio, mask, level, threshold, batch_normalize):
     return w, metrics
 
 
+def mismatch_metrics(train_lp: Array, rollout_lp: Array, mask: Array) -> dict[str, Array]:
+    """The exactness of the rollout's log-probs against the trainer's (model.batch_invariant makes them
+    equal bit for bit): max |train - rollout| over the response tokens, and the fraction of tokens equal."""
+    tokens = mask > 0
+    diff = jnp.where(tokens, jnp.abs(train_lp - rollout_lp), 0.0)
+    return {"max_abs_log_ratio": jnp.max(diff),
+            "exact_token_frac": masked_mean((train_lp == rollout_lp).astype(jnp.float32), mask)}
+
+
 def _offpolicy_metrics(train_lp: Array, rollout_lp: Array, mask: Array) -> dict[str, Array]:
     """Training vs rollout perplexity, KL(rollout||train) (k1 and k3), chi^2 (token and sequence)."""
     mean_train = masked_mean(train_lp, mask, axis=-1)
@@ -214,4 +223,5 @@ def _offpolicy_metrics(train_lp: Array, rollout_lp: Array, mask: Array) -> dict[
         "ppl_ratio": jnp.mean(jnp.exp(log_ppl_diff)),
         "chi2_token": masked_mean(jnp.square(rho), mask) - 1.0,
         "chi2_seq": jnp.mean(jnp.exp(2.0 * seq_lr)) - 1.0,
+        **mismatch_metrics(train_lp, rollout_lp, mask),
     }

@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.numerics import MASKED_SCORE, einsum_f32, probs_times_values, softmax_terms
 
 Array = jax.Array
@@ -174,3 +175,50 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, *, causal: bo
     else:
         chunks = ((0, t, keys),)
     return _attend_chunks(q, k, v, allowed, sinks, nkv, chunks, softcap).reshape(b * t, nh, hd)
+
+
+# ---- batch-invariant (models/invariant.py) ----
+
+def _invariant_chunks_fwd(q, k, v, allowed, key_start, sinks, nkv, chunks, softcap):
+    """`_attend_chunks_fwd` with each chunk's forward by `invariant.attend_blocks` over keys anchored at
+    each row's first token; the residuals are `_attend_chunks_bwd`'s (the backward needs no invariance)."""
+    b, t, nh, hd = q.shape
+    g = nh // nkv
+    k_anchored, v_anchored = invariant.anchor_keys(k, key_start, 2), invariant.anchor_keys(v, key_start, 2)
+    allowed_anchored = invariant.anchor_keys(allowed, key_start, 2)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, nkv, g, 1)
+    outs, lses = [], []
+    for s, e, n in chunks:
+        rows = e - s
+        valid = jnp.tile(allowed_anchored[:, None, s:e, :n], (1, 1, g, 1))  # [B, 1, g * t, n] (g-major rows)
+        row_sink = None if sink is None else jnp.broadcast_to(sink, (1, nkv, g, rows)).reshape(1, nkv, g * rows)
+        out, lse = invariant.attend_blocks(_group_queries(q[:, s:e], nkv), k_anchored[:, :, :n], v_anchored[:, :, :n],
+                                           valid, row_sink, softcap)
+        outs.append(out)
+        lses.append(lse.reshape(b, nkv, g, rows))
+    out = jnp.concatenate([_ungroup(o, e - s) for o, (s, e, _) in zip(outs, chunks)], axis=1)
+    return out, (q, k, v, allowed, sinks, outs, lses)
+
+
+def _invariant_chunks_primal(q, k, v, allowed, key_start, sinks, nkv, chunks, softcap):
+    return _invariant_chunks_fwd(q, k, v, allowed, key_start, sinks, nkv, chunks, softcap)[0]
+
+
+def _invariant_chunks_bwd(nkv, chunks, softcap, residuals, d_out):
+    d_q, d_k, d_v, _, d_sinks = _attend_chunks_bwd(nkv, chunks, softcap, residuals, d_out)
+    return d_q, d_k, d_v, None, None, d_sinks
+
+
+_invariant_chunks = jax.custom_vjp(_invariant_chunks_primal, nondiff_argnums=(6, 7, 8))
+_invariant_chunks.defvjp(_invariant_chunks_fwd, _invariant_chunks_bwd)
+
+
+def attend_invariant(q: Array, k: Array, v: Array, allowed: Array, key_start: Array, nkv: int, *, causal: bool,
+                     softcap: float | None = None, sinks: Array | None = None) -> Array:
+    """`attend` with the batch-invariant numerics (models/invariant.py): key blocks anchored at each row's
+    first valid key slot `key_start` [B], so a token's output is the same bits whether it is computed in a
+    training forward, a prefill or a decode step. fp32 [B * T, heads, D]; gradients as `attend`'s."""
+    b, t, nh, hd = q.shape
+    keys = k.shape[2]
+    chunks = tuple((s, e, e) for s, e in chunk_bounds(t)) if causal and t == keys else ((0, t, keys),)
+    return _invariant_chunks(q, k, v, allowed, key_start, sinks, nkv, chunks, softcap).reshape(b * t, nh, hd)

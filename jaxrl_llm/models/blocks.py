@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.arrays import ArrayTree, DType
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from jaxrl_llm.models.lora import lora_delta
@@ -33,9 +34,14 @@ class LayerAttention(Protocol):
 
 
 def rms_norm(x: Array, scale: Array, eps: float, dtype: DType, offset: float = 0.0) -> Array:
-    """RMSNorm over the last axis in fp32, times (offset + scale) (Gemma: 1 + w), the result in `dtype`."""
+    """RMSNorm over the last axis in fp32, times (offset + scale) (Gemma: 1 + w), the result in `dtype`.
+    Batch-invariant mode (models/invariant.py): the mean of squares by `tree_sum`."""
     x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if invariant.enabled():
+        mean_square = (invariant.tree_sum(x32 * x32) / x32.shape[-1])[..., None]
+    else:
+        mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * lax.rsqrt(mean_square + eps)
     weight = scale.astype(jnp.float32)
     return (y * (weight + offset if offset else weight)).astype(dtype)
 

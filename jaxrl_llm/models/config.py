@@ -176,6 +176,9 @@ class ModelConfig:
     # either way. The memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
     # loop body (planning/memory.py); runs keep 1.
     scan_unroll: int = 1
+    # every sum of a token's row in an order independent of the other rows (models/invariant.py): the
+    # sampler's log-probs equal the trainer's bit for bit (actor_rollout_ref.model.batch_invariant)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

@@ -54,8 +54,8 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.arrays import ArrayTree, DType
-from jaxrl_llm.models import blockwise
-from jaxrl_llm.models.attention import attend
+from jaxrl_llm.models import blockwise, invariant
+from jaxrl_llm.models.attention import attend, attend_invariant
 from jaxrl_llm.models.blocks import (
     LayerAttention,
     apply_rope,
@@ -234,6 +234,15 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     a sampler's prefill replays a multi-turn conversation's earlier turns). A mixed-layer model's dense layers
     have stats of no tokens and ids 0, and ignore their `replay` rows. A Gemma 4 model (`cfg.typed_layers`)
     takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py)."""
+    with invariant.mode(cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
+        return _decoder_hidden(params, cfg, input_ids, positions, attention, state, compute_dtype=compute_dtype,
+                               remat=remat, valid=valid, replay=replay, record_routing=record_routing)
+
+
+def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
+                    attention: LayerAttention | dict[str, LayerAttention], state: ArrayTree, *, compute_dtype: DType,
+                    remat: bool | str, valid: Array | None, replay: Array | None,
+                    record_routing: bool) -> tuple[Array, Any, MoeOut | None]:
     dtype = jnp.dtype(compute_dtype)
     if cfg.typed_layers:  # Gemma 4: per-kind weight stacks, a state per attention type (models/gemma4.py)
         assert isinstance(attention, dict)
@@ -292,7 +301,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
 
 
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,
-                    local_allowed: Array | None = None, kv_heads: int | None = None) -> LayerAttention:
+                    local_allowed: Array | None = None, kv_heads: int | None = None,
+                    key_start: Array | None = None) -> LayerAttention:
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
     `jaxrl_llm.models.cache.attention_context`. State: None (attention over the sequence itself,
     causal query chunks) or a dense cache (k, v) [L, B, kv_heads, S, D], written at slots
@@ -302,7 +312,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     Context parallelism (no cache, a mesh whose 'context' axis is > 1): the queries, keys, values and
     mask rows stay split over the tokens and the devices attend as `cfg.context_attention` says
     (models/context_parallel.py: ring, all-to-all over heads, or gathered keys / values). `kv_heads`: the
-    keys' heads where they are not the config's (Gemma 4's full layers)."""
+    keys' heads where they are not the config's (Gemma 4's full layers). `key_start` [B]: each row's first
+    valid key slot, where the batch-invariant attention anchors its key blocks (models/invariant.py)."""
     nkv = kv_heads or cfg.num_key_value_heads
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array,
@@ -322,6 +333,10 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             mask = jnp.where(jnp.asarray(cfg.local_layer_flags)[layer], local_allowed, allowed)
         else:
             mask = allowed
+        if key_start is not None:  # batch-invariant (model.batch_invariant): one blocked order for every path
+            out = attend_invariant(q, k, v, mask, key_start, nkv, causal=cache is None,
+                                   softcap=cfg.attn_logit_softcapping, sinks=sinks)
+            return out.reshape(q.shape), cache
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
             return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention,
                                             sinks=sinks), cache)

@@ -44,15 +44,29 @@ def as_jnp_dtype(name_or_dtype: DType, *, allowed: Sequence[str] | None = None, 
 
 
 def matmul_weights_in(params: Params, dtype: DType) -> Params:
-    """`params` with every floating leaf of 2 or more dims (projections, embeddings, lm head) in
-    `dtype`; 1-D leaves (norm scales) as they are. Decoding reads every weight once per token: a
-    copy in the compute dtype made once per rollout replaces a cast of the fp32 master weights at
-    every step (the forward casts each weight to the compute dtype anyway, so the values are the
-    same bits)."""
+    """`params` with their matmul weights (projections, embeddings, lm head, stacked over layers or not) in
+    `dtype`; norm scales and attention sinks as they are (the forward reads those in fp32: a stacked
+    [layers, hidden] norm scale is 2-D, and rounding it to bf16 put the paged engine's bf16 log-probs off
+    the trainer's once an update had moved the scales off bf16 values). Decoding reads every weight once
+    per token: a copy in the compute dtype made once per rollout replaces a cast of the fp32 master
+    weights at every step (the forward casts each of these weights to the compute dtype anyway, so the
+    values are the same bits)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if is_uncast_matmul_weight(path, x, dtype) else x, params)
 
-    return jax.tree.map(lambda x: x.astype(dtype) if is_uncast_matmul_weight(x, dtype) else x, params)
+
+def uncast_matmul_weights(params: Params, dtype: DType) -> list:
+    """The leaves `matmul_weights_in` casts (none: `params` are already the decode weights)."""
+    return [x for path, x in jax.tree_util.tree_leaves_with_path(params) if is_uncast_matmul_weight(path, x, dtype)]
 
 
-def is_uncast_matmul_weight(x: Any, dtype: DType) -> bool:
-    """A floating leaf of 2 or more dims not yet in `dtype` (what `matmul_weights_in` casts)."""
-    return getattr(x, "ndim", 0) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
+_KEPT_AS_THEY_ARE = ("norm", "sinks")  # parts of a param's path the forward reads in fp32
+
+
+def is_uncast_matmul_weight(path: tuple, x: Any, dtype: DType) -> bool:
+    """A matmul weight at `path` (a floating leaf of 2 or more dims, no norm scale or sink) not yet in `dtype`:
+    what `matmul_weights_in` casts."""
+    if getattr(x, "ndim", 0) < 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.dtype(dtype):
+        return False
+    names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
+    return not any(part in name for name in names for part in _KEPT_AS_THEY_ARE)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
@@ -83,6 +84,10 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
              ) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids, branch_ids)
+    # batch-invariant attention anchors its key blocks at each row's first token (models/invariant.py)
+    key_start = None
+    if cfg.batch_invariant:
+        key_start = jnp.argmax((attention_mask if cache is None else new_mask) > 0, axis=1).astype(jnp.int32)
     local = None
     if cfg.mixed_windows:  # the local layers' mask: `allowed` within the sliding window
         local = allowed & window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2])[None]
@@ -91,7 +96,7 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
                           "full": dense_attention(cfg, allowed, write_index, kv_heads=cfg.full_kv_heads)}
         kv: Any = typed_state(cache)
     else:
-        attention = dense_attention(cfg, allowed, write_index, local_allowed=local)
+        attention = dense_attention(cfg, allowed, write_index, local_allowed=local, key_start=key_start)
         kv = None if cache is None else (cache["k"], cache["v"])
     hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
                                      remat=remat, valid=attention_mask > 0, replay=replay,
@@ -114,6 +119,9 @@ def logits_from_hidden(params: dict, cfg: ModelConfig, hidden: Array) -> Array:
     """[..., V] float32 logits (matmul in the hidden's dtype, fp32 accumulation; soft-capped where the
     model caps them, as the fused log-prob head does: losses/logprob_xla.cap_logits)."""
     w = lm_head_weight(params, cfg).astype(hidden.dtype)
+    if cfg.batch_invariant:  # the trainer's fused log-prob's vocabulary chunks (models/invariant.py)
+        rows = invariant.chunked_logits(hidden.reshape(-1, hidden.shape[-1]), w)
+        return cap_logits(rows.reshape(*hidden.shape[:-1], -1), cfg.final_logit_softcapping, 1.0)
     logits = jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
     return cap_logits(logits, cfg.final_logit_softcapping, 1.0)
 

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_llm.models import invariant
+
 Array = jax.Array
 
 # the fp32 score of a masked key in the trainer's and the XLA decode path's attention: finite, so a
@@ -38,7 +40,10 @@ def matmul_f32(x: Array, w: Array) -> Array:
     projection of models/decoder.py). The leading axes stay apart: merging a row axis and a token axis
     split over the mesh's 'context' axis into one would lose the token split (each device would run
     every row's tokens). bf16 operands also run the backward as bf16 matmuls
-    (`matmul_low_precision_grads`); fp32 operands keep JAX's own gradient."""
+    (`matmul_low_precision_grads`); fp32 operands keep JAX's own gradient. Traced in the batch-invariant
+    mode (models/invariant.py), a row's sums do not depend on the other rows."""
+    if invariant.enabled():
+        return invariant.matmul(x, w.astype(x.dtype))
     if x.dtype != w.dtype or x.dtype == jnp.float32:
         return _matmul_f32(x, w, _last_by_first(x.ndim))
     return matmul_low_precision_grads(x, w)

@@ -32,7 +32,7 @@ from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, R
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.models import ModelConfig, init_cache
-from jaxrl_llm.models.dtypes import is_uncast_matmul_weight
+from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.planning.roofline import Cost
@@ -297,8 +297,9 @@ def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_
     as the stack (the same bytes per device)."""
     target = jnp.dtype(compute_dtype_of(compute_dtype))
     in_target = lambda x: jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)  # noqa: E731
-    cast = [x for x in jax.tree.leaves(params) if is_uncast_matmul_weight(x, target)]
-    step = jax.tree.map(lambda x: in_target(x) if is_uncast_matmul_weight(x, target) else x, params)
+    cast = uncast_matmul_weights(params, target)
+    step = jax.tree_util.tree_map_with_path(
+        lambda path, x: in_target(x) if is_uncast_matmul_weight(path, x, target) else x, params)
     per_layer = bytes_per_device(step["layers"]) if unroll_layers and not cfg.mixed_layers else 0
     return DecodeWeights(step, bytes_per_device(cast) + per_layer,
                          bytes_per_device([in_target(x) for x in cast]) + per_layer)

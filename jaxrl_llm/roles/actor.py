@@ -73,7 +73,7 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     entropy_agg = agg_loss(entropy if s.entropy_coeff else sg(entropy), mask, s.loss_agg_mode, **counts)
     loss = pg_loss - s.entropy_coeff * entropy_agg
     metrics = dict(metrics)
-    if s.rollout_is_in_loss is not None:
+    if s.rollout_is_in_loss is not None or s.old_log_probs_from_update:  # the trainer's rollout_corr/ diagnostics
         metrics[OLD_LOG_PROBS] = jnp.where(mask > 0, sg(log_prob), 0.0)
     metrics["actor/pg_loss"] = sg(pg_loss)
     metrics["actor/entropy"] = sg(entropy_agg)
@@ -161,9 +161,10 @@ def update_actor(params: dict, opt_state: ArrayTree, batch: Experience, rng: jax
     mesh = None if rows_sharding is None else rows_sharding.mesh
     loss_fn = functools.partial(actor_loss, model_cfg=model_cfg, s=s, mesh=mesh)
     loss_fn, dropout = with_lora_loss(loss_fn, frozen, lora_scale, lora_dropout)
+    own_log_probs = s.rollout_is_in_loss is not None or s.old_log_probs_from_update  # see actor_loss
     return run_update_epochs(
         params, opt_state, batch, rng, lr, tx=tx, loss_fn=loss_fn, metric_prefix="actor",
         ppo_epochs=s.ppo_epochs, num_mini_batches=num_mini_batches,
         num_micro_batches=num_micro_batches, shuffle=s.shuffle, rows_sharding=rows_sharding,
-        packing=packing, token_outputs=(OLD_LOG_PROBS,) if s.rollout_is_in_loss else (), loss_takes_rng=dropout,
+        packing=packing, token_outputs=(OLD_LOG_PROBS,) if own_log_probs else (), loss_takes_rng=dropout,
         prepass=token_mask_prepass(s, model_cfg, mesh, frozen, lora_scale))

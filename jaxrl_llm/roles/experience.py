@@ -23,7 +23,7 @@ from jaxrl_llm.batching.ops import pad_columns, pad_routing
 from jaxrl_llm.config.spec import AdvantageSpec, RolloutCorrectionSpec
 from jaxrl_llm.losses.advantages import compute_advantage
 from jaxrl_llm.losses.kl import kl_in_reward
-from jaxrl_llm.losses.rollout_correction import compute_rollout_correction
+from jaxrl_llm.losses.rollout_correction import compute_rollout_correction, mismatch_metrics
 from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, normalize_scores, pf_ppo_rows, whiten_tokens
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
@@ -221,6 +221,12 @@ def advantages_and_returns(token_level_scores: Array, response_mask: Array, grou
         out.update({f"critic/{k}/mean": v.mean() for k, v in trl_rewards.items()})
     out.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
     return out
+
+
+@jax.jit
+def rollout_mismatch(trainer_log_probs: Array, rollout_log_probs: Array, response_mask: Array) -> dict[str, Array]:
+    """max |trainer - rollout| log-prob and the fraction of equal tokens (losses/rollout_correction.py)."""
+    return mismatch_metrics(trainer_log_probs, rollout_log_probs.astype(jnp.float32), response_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("s",))

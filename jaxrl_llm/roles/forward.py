@@ -23,7 +23,7 @@ from jaxrl_llm.batching import (
 )
 from jaxrl_llm.losses.distill import TopK, teacher_topk, topk_log_probs
 from jaxrl_llm.losses.logprob import token_logprobs
-from jaxrl_llm.models import ModelConfig, forward_hidden_moe, lm_head_weight, value_from_hidden
+from jaxrl_llm.models import ModelConfig, forward_hidden_moe, invariant, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.moe import MoeOut
 
@@ -81,6 +81,16 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
     [N, P + R, L, k]: recorded expert ids the MoE layers run (routing replay). `topk`: also the
     model's k most likely tokens at each response position (a teacher's pass); `topk_ids` [N, R, k]:
     also the log-probs of these ids (the student's side of the top-k distillation loss)."""
+    with invariant.mode(model_cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
+        return _response_scores(params, model_cfg, input_ids, attention_mask, response_len, temperature=temperature,
+                                compute_dtype=compute_dtype, remat=remat, with_entropy=with_entropy, packing=packing,
+                                logprob_impl=logprob_impl, mesh=mesh, replay=replay, topk=topk, topk_ids=topk_ids)
+
+
+def _response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
+                     response_len: int, *, temperature: float, compute_dtype: str, remat: bool | str,
+                     with_entropy: bool, packing: PackedLayout | None, logprob_impl: str, mesh: Mesh | None,
+                     replay: Array | None, topk: int, topk_ids: Array | None) -> ResponseScores:
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
     unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
                             else (lm_head_weight(params, model_cfg), False))

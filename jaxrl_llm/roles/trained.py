@@ -162,11 +162,17 @@ def load_model(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer,
 
 
 def _as_configured(model_cfg: ModelConfig, model: ModelSpec) -> ModelConfig:
-    """`model_cfg` with `model.override_config`'s HF fields and the run's compute choices (mesh.context_attention)."""
+    """`model_cfg` with `model.override_config`'s HF fields and the run's compute choices
+    (mesh.context_attention, model.batch_invariant)."""
     cfg = with_hf_overrides(model_cfg, dict(model.override_config))
-    if cfg.context_attention == model.context_attention:
+    if model.batch_invariant and (cfg.is_moe or cfg.typed_layers):
+        raise ConfigError(f"actor_rollout_ref.model.batch_invariant=True: {model.path} is a "
+                          f"{'mixture-of-experts' if cfg.is_moe else 'Gemma 4'} model ({cfg.model_type}), whose "
+                          f"{'routed experts' if cfg.is_moe else 'per-type attention'} have no batch-invariant "
+                          "kernels yet; dense decoders (Llama, Qwen2/3, Mistral, Gemma 2/3) have them")
+    if (cfg.context_attention, cfg.batch_invariant) == (model.context_attention, model.batch_invariant):
         return cfg
-    return dataclasses.replace(cfg, context_attention=model.context_attention)
+    return dataclasses.replace(cfg, context_attention=model.context_attention, batch_invariant=model.batch_invariant)
 
 
 def _load(model: ModelSpec, *, head: str, mesh: Mesh, tokenizer: Tokenizer, seed: int) -> tuple[ModelConfig, dict]:

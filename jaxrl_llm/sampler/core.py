@@ -17,6 +17,7 @@ prompts and the cache is constrained to ('data', 'fsdp') and the cache's kv-head
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -202,6 +203,8 @@ def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask
     the router's choice), recorded as they ran. Jitted (static: cfg, settings, mesh); callable
     inside another jit.
     """
+    if settings.batch_invariant != cfg.batch_invariant:  # the log-probs follow the model's numerics
+        settings = dataclasses.replace(settings, batch_invariant=cfg.batch_invariant)
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be "
                          "equal 2-D [batch, prompt_len] shapes")

@@ -41,6 +41,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.numerics import MASKED_SCORE, probs_times_values
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler import cascade_attention, native
@@ -113,6 +114,32 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
     return out.reshape(q.shape).astype(q.dtype)
 
 
+def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, lengths: Array,
+                                     page_indices: Array, *, sliding_window: int | None = None,
+                                     layer: Array | None = None, softcap: float | None = None,
+                                     sinks: Array | None = None) -> Array:
+    """The contract's attention with the batch-invariant numerics: each slot's pages gathered in order
+    (position 0 first) and attended by `invariant.attend_blocks`, the function the trainer's and the static
+    sampler's attention run over keys anchored at a row's first token, so a token's output has the same
+    bits in all three (models/invariant.py). Compute-dtype pages only (int8 pages are refused by the config)."""
+    q = jnp.asarray(q)
+    pool = flat_pool(k_pages, v_pages, None, None, layer, q.shape[-1])
+    qg = query_rows(q, pool)  # [slots, kv, g, D]
+    slots, nkv, g, _ = qg.shape
+    table = jnp.asarray(page_indices, jnp.int32)
+    k, v = gather_block(pool, "k", table, q.dtype), gather_block(pool, "v", table, q.dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
+    valid = pos < lengths[:, None]
+    if sliding_window is not None:
+        valid &= pos >= (lengths - sliding_window)[:, None]
+    valid = jnp.broadcast_to(valid[:, None, None, :], (slots, 1, g, k.shape[2]))
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, nkv, g)
+    out, _ = invariant.attend_blocks(qg, k, v, valid, sink, softcap)
+    out = out * (lengths > 0)[:, None, None, None]
+    return out.reshape(q.shape).astype(q.dtype)
+
+
 def takes_xla_path(impl: str, int8_pages: bool) -> bool:
     """Whether `paged_decode_attention` runs the XLA path or the CPU kernel (not a Pallas kernel) for
     programs built for `target_platform()`: impl 'xla' or 'cpu', int8 pages, or 'auto' on CPU. (On
@@ -160,6 +187,10 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     sinks (GPT-OSS): in the XLA paths' softmax, joined to the Pallas kernels' results by their
     log-sum-exp (`with_sinks`); the CPU kernel does not take them (the XLA path runs)."""
     _check_impl(impl)
+    if invariant.enabled():  # model.batch_invariant: the dense path's blocked order (models/invariant.py)
+        return paged_decode_attention_invariant(q, k_pages, v_pages, lengths, page_indices,
+                                                sliding_window=sliding_window, layer=layer, softcap=softcap,
+                                                sinks=sinks)
     if impl == "cpu" and sinks is not None:
         raise ValueError("rollout.paged_attention='cpu' does not take attention sinks (GPT-OSS); use 'auto' or 'xla'")
     if sinks is None and takes_cpu_kernel(impl, q.dtype, k_pages.dtype, k_scales is not None, cascade is not None):

@@ -110,6 +110,9 @@ class SampleSettings:
     compute_dtype: str = "float32"
     # a mixture-of-experts policy's routing recorded per token (SampleOutput.routing) for routing replay
     record_routing: bool = False
+    # the model's batch-invariant numerics (ModelConfig.batch_invariant): log-probs by the trainer's
+    # chunked log-sum-exp (models/invariant.py); the samplers set it from the model config
+    batch_invariant: bool = False
 
 
 class SampleKnobs(NamedTuple):

@@ -50,6 +50,7 @@ from jaxrl_llm.roles.experience import (
     pad_experience,
     pf_ppo_resample,
     rollout_correction,
+    rollout_mismatch,
     values_no_grad,
 )
 from jaxrl_llm.roles.export import export_policy
@@ -228,6 +229,8 @@ class Trainer(Run):
                 old_lp = rollout.rollout_log_probs
                 if spec.recompute_old_log_probs:
                     old_lp = span.wait(self.log_probs(self.actor.model_params, rollout, plan.old_log_prob, rows))
+                    if not spec.rollout_correction.enabled:  # (with it, rollout_corr/* come with the correction)
+                        mask_metrics.update(self._mismatch_metrics(old_lp, rollout))
             distill, distill_metrics, teacher_rollout = None, {}, None
             if self.teacher is not None:  # the teacher scores the student's tokens (roles/teacher.py)
                 with timer("teacher") as span:
@@ -278,6 +281,8 @@ class Trainer(Run):
                     extra.update(actor_metrics)
                 if spec.actor.rollout_is_in_loss:  # the loss took the IS weights; the diagnostics from its log-probs
                     extra.update(self._correction_metrics(tokens[OLD_LOG_PROBS], rollout))
+                elif spec.old_log_probs_from_update:  # the update's forward was the trainer's recomputation
+                    extra.update(self._mismatch_metrics(tokens[OLD_LOG_PROBS], rollout))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),
             response_lengths=rollout.response_lengths, prompt_lengths=rollout.prompt_lengths,
@@ -354,6 +359,13 @@ class Trainer(Run):
         """The rollout correction `make_experience` applies: none where the actor's loss takes it."""
         rc = self.spec.rollout_correction
         return dataclasses.replace(rc, rollout_is=None) if self.spec.actor.rollout_is_in_loss else rc
+
+    def _mismatch_metrics(self, trainer_log_probs: jax.Array, rollout: Rollout) -> dict[str, float]:
+        """rollout_corr/max_abs_log_ratio and exact_token_frac of the trainer's log-probs of the rollout's
+        tokens ([N, R'] with R' >= R) against the sampler's, on every step that recomputes them."""
+        r = rollout.response_mask.shape[1]
+        metrics = rollout_mismatch(trainer_log_probs[:, :r], rollout.rollout_log_probs, rollout.response_mask)
+        return {f"rollout_corr/{k}": float(v) for k, v in jax.device_get(metrics).items()}
 
     def _correction_metrics(self, update_log_probs: jax.Array, rollout: Rollout) -> dict[str, float]:
         """rollout_corr/* of the step from the update's own log-probs ([N, R'] with R' >= R: the token

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import invariant
 from jaxrl_llm.sampler.core import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens, draw_with_total, filtered_logits, row_uniforms
@@ -37,7 +38,10 @@ def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: Sam
     peak = jnp.max(cand, axis=-1)
     weights = jnp.exp(cand - peak[:, None])
     pick, total = draw_with_total(weights, row_uniforms(keys))
-    if cand_ids is None:  # the candidates are the vocabulary: the draw's total gives the log-partition too
+    if settings.batch_invariant:  # the trainer's batch-invariant log-sum-exp (models/invariant.py)
+        tok = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
+        log_total = invariant.chunked_lse(scaled)
+    elif cand_ids is None:  # the candidates are the vocabulary: the draw's total gives the log-partition too
         tok, log_total = pick, peak + jnp.log(total)
     else:
         tok, log_total = jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0], jax.nn.logsumexp(scaled, axis=-1)

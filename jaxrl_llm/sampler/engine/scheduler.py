@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.decoder import unstack_layers
-from jaxrl_llm.models.dtypes import as_jnp_dtype, is_uncast_matmul_weight, matmul_weights_in
+from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
@@ -225,8 +225,7 @@ def _weights_in(params: dict, dtype: str) -> dict:
 
 def _decode_weights(params: dict, compute_dtype: str) -> dict:
     """`params` with their matmul weights in the compute dtype (no copy when they already are)."""
-    target = as_jnp_dtype(compute_dtype)
-    if not any(is_uncast_matmul_weight(x, target) for x in jax.tree.leaves(params)):
+    if not uncast_matmul_weights(params, as_jnp_dtype(compute_dtype)):
         return params
     return _weights_in(params, compute_dtype)
 
@@ -442,6 +441,8 @@ class PagedEngine:
         """Runs `source`'s requests until it has no more (see the module doc); returns the counters.
         `draft_params`: the draft model's (speculative method 'draft', and only then)."""
         spec, cfg, r = self.spec, self.cfg, settings.max_new_tokens
+        if settings.batch_invariant != cfg.batch_invariant:  # the log-probs follow the model's numerics
+            settings = dataclasses.replace(settings, batch_invariant=cfg.batch_invariant)
         ps = spec.page_size
         if settings.compute_dtype != self.compute_dtype:
             raise ValueError(f"settings.compute_dtype={settings.compute_dtype} differs from the engine's "

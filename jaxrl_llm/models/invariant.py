@@ -1,0 +1,347 @@
+"""Batch-invariant numerics (`actor_rollout_ref.model.batch_invariant`; docs/performance.md, "Exact rollouts").
+
+With the mode on, every reduction of the decoder computes a token's row in an order that does not depend
+on the other rows of the call: how many there are (a one-token decode step of 8 slots, a prefill, a
+training forward of 8 x 1024 tokens), where the row sits among them, or how many keys the cache holds.
+The sampler's log-probs are then bit-identical to the trainer's recomputation in bf16, because both run
+the one decoder (models/decoder.py) through these functions.
+
+Why each order is fixed:
+- Matmuls (`matmul`): XLA picks a kernel per shape (GPU: split-K for few rows or a long contraction;
+  CPU: a GEMV path for one row, other blockings by row count; bench/row_invariance.py measures it), so a
+  row's sum over K changes with the row count. Here the rows run in tiles of a fixed shape, so every call
+  runs one kernel: on GPU a Pallas (Triton) GEMM with fixed blocks and a sequential K loop (no split-K),
+  on TPU a Pallas (Mosaic) GEMM whose K axis is the grid's sequential axis, on CPU (and any other
+  backend) `lax.map` over tiles of `CPU_ROW_TILE` rows, each one XLA dot of the same shape. The backward
+  needs no invariance and runs the plain matmuls.
+- Row sums (RMSNorm's mean of squares, the softmax denominators): `tree_sum`, a pairwise tree of
+  elementwise adds written out, whose order no backend may change (XLA's own reduce vectorizes by the
+  number of rows: bench/row_invariance.py).
+- Attention (`attend_blocks`): keys in blocks of `KEY_BLOCK`, anchored at the row's first token (a
+  left-padded trainer row, the static sampler's cache and the paged engine's pages then cut the same
+  blocks); a two-pass softmax (the peak over all keys is exact in any order), each block's exp-sum by
+  `tree_sum` and its probabilities x V as fixed-shape contractions (query rows padded to `MIN_ROWS`),
+  blocks added one after another from the first. Keys past a row's length (the cache's empty slots, the
+  trainer's later tokens) add exact zeros, so the number of blocks does not matter either.
+- Log-probs (`chunked_lse`): the vocabulary in chunks of `VOCAB_CHUNK`, each chunk's logits by `matmul`,
+  the chunks merged by the online logsumexp in vocabulary order, within a chunk `tree_sum`: the sampler
+  and the trainer's fused log-prob run this same recurrence.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+KEY_BLOCK = 128  # keys per attention block (the paged engine's XLA blocks: sampler/paged_blocks.py)
+VOCAB_CHUNK = 4096  # vocabulary ids per log-prob chunk
+MIN_ROWS = 8  # query rows per (row, kv head) in an attention contraction, padded up to
+CPU_ROW_TILE = 8  # rows per XLA dot on CPU (bench/row_invariance.py: every tile shape measured row-invariant)
+GPU_BLOCKS = (64, 64)  # the Triton GEMM's (rows, columns) per program; K in pieces of at most 64
+TPU_BLOCKS = (128, 128)  # the Mosaic GEMM's (rows, columns) per program; K in pieces of 512 (or whole)
+MASKED = float(jnp.finfo(jnp.float32).min)
+
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
+
+
+@contextlib.contextmanager
+def mode(enabled: bool) -> Iterator[None]:
+    """Trace the code inside with the batch-invariant numerics on (`enabled`) or as they were. A trace-time
+    switch: callers pass `cfg.batch_invariant` (a static field of ModelConfig), so jit caches differ by it."""
+    if not enabled:
+        yield
+        return
+    token = _ENABLED.set(True)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def enabled() -> bool:
+    """Whether the code being traced runs the batch-invariant numerics."""
+    return _ENABLED.get()
+
+
+# ---- sums ----
+
+def tree_sum(x: Array, axis: int = -1) -> Array:
+    """The sum over `axis` as a pairwise tree of elementwise adds (zeros padded to a power of two): the same
+    order on every backend, whatever the other axes hold."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    size = 1 << max(0, (n - 1).bit_length())
+    if size != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, size - n)
+        x = jnp.pad(x, pad)
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = lax.slice_in_dim(x, 0, half, axis=axis) + lax.slice_in_dim(x, half, 2 * half, axis=axis)
+    return lax.squeeze(x, (axis,))
+
+
+# ---- matmuls ----
+
+def _dot(x: Array, w: Array) -> Array:
+    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _pad_rows(x: Array, multiple: int, least: int = 0) -> Array:
+    rows = max(-(-x.shape[0] // multiple) * multiple, least)
+    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _xla_tiles(x: Array, w: Array) -> Array:
+    """Fixed-shape tiles of CPU_ROW_TILE rows, one XLA dot each (at least two tiles: a loop of one trip is
+    inlined, and its dot may then fuse into another kernel)."""
+    n = x.shape[0]
+    tiles = _pad_rows(x, CPU_ROW_TILE, 2 * CPU_ROW_TILE).reshape(-1, CPU_ROW_TILE, x.shape[1])
+    return lax.map(lambda tile: _dot(tile, w), tiles).reshape(-1, w.shape[1])[:n]
+
+
+def _largest_block(size: int, most: int, least: int = 16) -> int:
+    """The largest power of two in [least, most] dividing `size`, or 0."""
+    block = most
+    while block >= least:
+        if size % block == 0:
+            return block
+        block //= 2
+    return 0
+
+
+def _triton_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
+    """GPU: a Pallas (Triton) GEMM with fixed blocks, each program summing K in one sequential loop."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    bm, most_n = GPU_BLOCKS
+    n, k = x.shape
+    cols = w.shape[1]
+    bk = _largest_block(k, 64)
+    bn = _largest_block(cols, most_n)
+    if bk == 0 or bn == 0:  # no power-of-two piece: pad K / the columns with zeros (exact)
+        k_pad, c_pad = (-k % 64) if bk == 0 else 0, (-cols % most_n) if bn == 0 else 0
+        x, w = jnp.pad(x, ((0, 0), (0, k_pad))), jnp.pad(w, ((0, k_pad), (0, c_pad)))
+        return _triton_gemm(x, w, interpret)[:, :cols]
+    xp = _pad_rows(x, bm)
+
+    def kernel(x_ref, w_ref, o_ref):
+        def piece(i, acc):
+            off = pl.multiple_of(i * bk, bk)
+            return acc + _dot(x_ref[:, pl.ds(off, bk)], w_ref[pl.ds(off, bk), :])
+        o_ref[...] = lax.fori_loop(0, k // bk, piece, jnp.zeros((bm, bn), jnp.float32))
+
+    out = pl.pallas_call(
+        kernel, grid=(xp.shape[0] // bm, cols // bn),
+        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((xp.shape[0], cols), jnp.float32), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3))(xp, w)
+    return out[:n]
+
+
+def _mosaic_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
+    """TPU: a Pallas (Mosaic) GEMM with fixed blocks; K is the grid's last, sequential axis, summed into the
+    resident fp32 output block in order."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    bm, most_n = TPU_BLOCKS
+    n, k = x.shape
+    cols = w.shape[1]
+    bn = most_n if cols % most_n == 0 else cols
+    bk = 512 if k % 512 == 0 else k
+    xp = _pad_rows(x, bm)
+
+    def kernel(x_ref, w_ref, o_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _init():
+            o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+        o_ref[...] += _dot(x_ref[...], w_ref[...])
+
+    out = pl.pallas_call(
+        kernel, grid=(xp.shape[0] // bm, cols // bn, k // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, s: (i, s)), pl.BlockSpec((bk, bn), lambda i, j, s: (s, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, s: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((xp.shape[0], cols), jnp.float32), interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))(xp, w)
+    return out[:n]
+
+
+def _forward_2d(x: Array, w: Array) -> Array:
+    return lax.platform_dependent(x, w, cuda=_triton_gemm, tpu=_mosaic_gemm, default=_xla_tiles)
+
+
+@jax.custom_vjp
+def _matmul_2d(x: Array, w: Array) -> Array:
+    return _forward_2d(x, w)
+
+
+def _matmul_fwd(x, w):
+    return _forward_2d(x, w), (x, w)
+
+
+def _matmul_bwd(residuals, g):
+    x, w = residuals  # the backward needs no invariance: plain matmuls, fp32-accumulated
+    g = g.astype(x.dtype)
+    dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_matmul_2d.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul(x: Array, w: Array) -> Array:
+    """fp32 [..., F] = x [..., K] @ w [K, F] (operands in their dtype, fp32 accumulation), each row summed in
+    an order that does not depend on the other rows (module doc)."""
+    lead = x.shape[:-1]
+    out = _matmul_2d(x.reshape(math.prod(lead), x.shape[-1]), w)
+    return out.reshape(*lead, w.shape[1])
+
+
+# ---- attention ----
+
+def _pad_axis(x: Array, axis: int, size: int, value: float | bool = 0) -> Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def anchor_keys(x: Array, start: Array, axis: int) -> Array:
+    """x with each row's keys (along `axis`; rows on axis 0) shifted left by `start` [rows]: key `start`
+    becomes key 0 (what falls off the front wraps to the end; callers mask it)."""
+    size = x.shape[axis]
+    idx = (jnp.arange(size, dtype=jnp.int32)[None, :] + start[:, None]) % size  # [rows, S]
+    shape = [1] * x.ndim
+    shape[0], shape[axis] = x.shape[0], size
+    return jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
+
+
+def _block_scores(qg: Array, k_block: Array, softcap: float | None) -> Array:
+    """fp32 scaled (soft-capped) scores [B, kv, rows, KB] of queries [B, kv, rows, D] (rows >= MIN_ROWS)."""
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k_block, preferred_element_type=jnp.float32) * (qg.shape[-1] ** -0.5)
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _block_values(p: Array, v_block: Array) -> Array:
+    """fp32 p [B, kv, rows, KB] x v [B, kv, KB, D]: two bf16 terms for bf16 V (models/numerics.py)."""
+    spec = "bkqs,bksd->bkqd"
+    if v_block.dtype == jnp.float32:
+        return jnp.einsum(spec, p, v_block, preferred_element_type=jnp.float32)
+    hi = p.astype(v_block.dtype)
+    lo = (p - hi.astype(jnp.float32)).astype(v_block.dtype)
+    return (jnp.einsum(spec, hi, v_block, preferred_element_type=jnp.float32)
+            + jnp.einsum(spec, lo, v_block, preferred_element_type=jnp.float32))
+
+
+def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None
+                  ) -> tuple[Array, Array]:
+    """(fp32 out [B, kv, rows, D], lse [B, kv, rows]) of grouped queries qg [B, kv, rows, D] over keys
+    k / v [B, kv, S, D] anchored at key 0 (`anchor_keys`), where `valid` [B, kv or 1, rows, S]; `sink`
+    (broadcastable to [B, kv, rows]) fp32 attention sinks or None. S is padded to whole KEY_BLOCKs and the
+    rows to at least MIN_ROWS (module doc). A row without a valid key gets zeros (lse MASKED)."""
+    b, nkv, rows, hd = qg.shape
+    # at least two blocks: XLA inlines a loop of one trip, and the body then fuses with its surroundings
+    # into other kernels (measured: another p.v sum order on CPU)
+    blocks = max(2, -(-k.shape[2] // KEY_BLOCK))
+    keys = blocks * KEY_BLOCK
+    k, v = _pad_axis(k, 2, keys), _pad_axis(v, 2, keys)
+    valid = _pad_axis(valid, 3, keys, False)
+    padded_rows = max(rows, MIN_ROWS)
+    qg = _pad_axis(qg, 2, padded_rows)
+    valid = _pad_axis(valid, 2, padded_rows, False)
+
+    k_blocks = jnp.moveaxis(k.reshape(b, nkv, blocks, KEY_BLOCK, hd), 2, 0)  # [blocks, B, kv, KB, D]
+    v_blocks = jnp.moveaxis(v.reshape(b, nkv, blocks, KEY_BLOCK, hd), 2, 0)
+    valid_blocks = jnp.moveaxis(valid.reshape(*valid.shape[:3], blocks, KEY_BLOCK), 3, 0)
+    scores = lax.map(lambda kb: _block_scores(qg, kb, softcap), k_blocks)  # [blocks, B, kv, R, KB]
+    scores = jnp.where(valid_blocks, scores, MASKED)
+    peak = jnp.max(scores, axis=(0, 4))  # exact in any order
+    if sink is not None:
+        peak = jnp.maximum(peak, _pad_axis(jnp.broadcast_to(sink, (b, nkv, rows)), 2, padded_rows))
+
+    def add_block(carry, xs):
+        total, acc = carry
+        block_scores, block_valid, v_block = xs
+        p = jnp.where(block_valid, jnp.exp(block_scores - peak[..., None]), 0.0)
+        return (total + tree_sum(p), acc + _block_values(p, v_block)), None
+
+    init = (jnp.zeros(peak.shape, jnp.float32), jnp.zeros((b, nkv, padded_rows, hd), jnp.float32))
+    (total, acc), _ = lax.scan(add_block, init, (scores, valid_blocks, v_blocks))
+    if sink is not None:
+        total = total + jnp.exp(_pad_axis(jnp.broadcast_to(sink, (b, nkv, rows)), 2, padded_rows) - peak)
+    seen = total > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), MASKED)
+    return out[:, :, :rows], lse[:, :, :rows]
+
+
+# ---- log-probs ----
+
+def vocab_chunks(w: Array, vocab_major: bool) -> tuple[Array, int]:
+    """([chunks, H, VOCAB_CHUNK] the unembedding in the chunks both sides multiply by (zero columns past V),
+    V). `w` is [H, V] or, `vocab_major`, [V, H]."""
+    w = w.T if vocab_major else w
+    hidden, vocab = w.shape
+    chunks = _vocab_chunk_count(vocab)
+    w = _pad_axis(w, 1, chunks * VOCAB_CHUNK)
+    return jnp.moveaxis(w.reshape(hidden, chunks, VOCAB_CHUNK), 1, 0), vocab
+
+
+def _vocab_chunk_count(vocab: int) -> int:
+    return max(2, -(-vocab // VOCAB_CHUNK))  # at least two: a scan of one trip is inlined (`attend_blocks`)
+
+
+def masked_chunk(z: Array, index: Array | int, vocab: int) -> Array:
+    ids = index * VOCAB_CHUNK + jnp.arange(VOCAB_CHUNK, dtype=jnp.int32)
+    return jnp.where(ids[None, :] < vocab, z, -jnp.inf)
+
+
+def lse_update(m: Array, s: Array, z: Array) -> tuple[Array, Array, Array]:
+    """The running (max, sum of exp(z - max)) of rows merged with one chunk of logits z [N, C], and the
+    chunk's exp(z - new max)."""
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    e = jnp.exp(z - m_new[:, None])
+    return m_new, s * jnp.exp(m - m_new) + tree_sum(e), e
+
+
+def chunked_logits(h: Array, w: Array) -> Array:
+    """fp32 [N, V] logits h [N, H] @ w [H, V], one `matmul` per VOCAB_CHUNK columns (the trainer's chunks)."""
+    w_chunks, vocab = vocab_chunks(w, vocab_major=False)
+    parts = [matmul(h, w_chunks[i]) for i in range(w_chunks.shape[0])]
+    return jnp.concatenate(parts, axis=-1)[:, :vocab]
+
+
+def chunked_lse(logits: Array) -> Array:
+    """logsumexp over the last axis of fp32 [..., V] logits, VOCAB_CHUNK at a time in vocabulary order: the
+    recurrence of losses/logprob_xla.invariant_stats, so a sampler's log-prob equals the trainer's."""
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    chunks = _vocab_chunk_count(vocab)
+    z = _pad_axis(logits.reshape(-1, vocab), 1, chunks * VOCAB_CHUNK, -jnp.inf)
+    z = jnp.moveaxis(z.reshape(z.shape[0], chunks, VOCAB_CHUNK), 1, 0)  # [chunks, N, C]
+
+    def step(state, chunk):
+        m, s, _ = lse_update(*state, chunk)
+        return (m, s), None
+
+    init = (jnp.full((z.shape[1],), -jnp.inf, jnp.float32), jnp.zeros((z.shape[1],), jnp.float32))
+    (m, s), _ = lax.scan(step, init, z)
+    return (m + jnp.log(s)).reshape(lead)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def gemm_for_tests(x: Array, w: Array, interpret: bool = True) -> tuple[Array, Array]:
+    """(the Triton GEMM, the Mosaic GEMM) in Pallas's interpreter: their values on any backend."""
+    return _triton_gemm(x, w, interpret), _mosaic_gemm(x, w, interpret)
