@@ -20,8 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from bf16_mismatch import smollm2, tiny_model
+
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.param_init import init_params
 from jaxrl_llm.roles.forward import response_log_probs
@@ -91,7 +91,8 @@ def main(argv=None) -> None:
             rows.append(run_row(dataclasses.replace(cfg, batch_invariant=on), params, prompts, pad, engine=engine,
                                 new_tokens=args.new_tokens))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{args.model}, bf16, {len(prompts)} prompts x {args.new_tokens} new tokens, {jax.devices()[0].device_kind}")
+    device = jax.devices()[0].device_kind
+    print(f"\n{args.model}, bf16, {len(prompts)} prompts x {args.new_tokens} new tokens, {device}")
     print("| engine | batch_invariant | max_abs_log_ratio | exact_token_frac | rollout s | score s | update s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

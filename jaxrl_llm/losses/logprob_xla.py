@@ -207,24 +207,14 @@ def kl_backward(hp, wp, hr, wr, lse_p, lse_q, mean_diff, g, lay: KLLayout):
 
 def invariant_stats(h: Array, w: Array, targets: Array, lay: Layout) -> Stats:
     """`xla_stats` with the batch-invariant numerics (models/invariant.py): the vocabulary in the fixed
-    chunks the sampler's `chunked_lse` walks, each chunk's logits by the invariant matmul, sums by
-    `tree_sum`; a token's statistics do not depend on the other rows. `lay.chunk` is not used."""
+    chunks the sampler walks too (`invariant.vocab_scan`), each chunk's logits by the invariant matmul; a
+    token's statistics do not depend on the other rows. `lay.chunk` is not used."""
     w_chunks, vocab = invariant.vocab_chunks(w, lay.vocab_major)
-    n, size = h.shape[0], invariant.VOCAB_CHUNK
 
-    def step(state, xs):
-        m, s, a, tgt = state
-        index, w_chunk = xs
-        z = cap_logits(invariant.matmul(h, w_chunk), lay.softcap, lay.temperature)
-        z = invariant.masked_chunk(z, index, vocab)
-        m_new, s_new, e = invariant.lse_update(m, s, z)
-        if lay.with_entropy:
-            a = a * jnp.exp(m - m_new) + invariant.tree_sum(e * jnp.where(jnp.isfinite(z), z, 0.0))
-        hit = (index * size + jnp.arange(size, dtype=jnp.int32))[None, :] == targets[:, None]
-        tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=-1)  # one nonzero term: exact in any order
-        return (m_new, s_new, a, tgt), None
+    def chunk_at(index: Array) -> Array:
+        w_chunk = jax.lax.dynamic_index_in_dim(w_chunks, index, 0, keepdims=False)
+        return cap_logits(invariant.matmul(h, w_chunk), lay.softcap, 1.0)
 
-    zeros = jnp.zeros((n,), jnp.float32)
-    init = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-    (m, s, a, tgt), _ = jax.lax.scan(step, init, (jnp.arange(w_chunks.shape[0], dtype=jnp.int32), w_chunks))
-    return Stats(m + jnp.log(s), tgt, a / s if lay.with_entropy else zeros)
+    # the sampler divides by its temperature knob, a traced value: so does this (vocab_scan's docstring)
+    temperature = jax.lax.optimization_barrier(jnp.float32(lay.temperature))
+    return Stats(*invariant.vocab_scan(chunk_at, h.shape[0], vocab, targets, temperature, lay.with_entropy))

@@ -23,9 +23,12 @@ Why each order is fixed:
   `tree_sum` and its probabilities x V as fixed-shape contractions (query rows padded to `MIN_ROWS`),
   blocks added one after another from the first. Keys past a row's length (the cache's empty slots, the
   trainer's later tokens) add exact zeros, so the number of blocks does not matter either.
-- Log-probs (`chunked_lse`): the vocabulary in chunks of `VOCAB_CHUNK`, each chunk's logits by `matmul`,
-  the chunks merged by the online logsumexp in vocabulary order, within a chunk `tree_sum`: the sampler
-  and the trainer's fused log-prob run this same recurrence.
+- Log-probs (`vocab_scan`): the vocabulary in chunks of `VOCAB_CHUNK`, each chunk's logits by `matmul`,
+  merged by the online logsumexp in vocabulary order, within a chunk by `tree_sum`: the sampler and the
+  trainer's fused log-prob run this one loop. Divisions by the temperature stay divisions on both sides
+  (`vocab_scan`), so XLA cannot contract a product into an FMA in one program and not the other.
+- Loops of one trip: XLA inlines them, and their bodies then fuse with their surroundings into other
+  kernels; every loop here runs at least two trips (`attend_blocks`, `_xla_tiles`, `vocab_chunks`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -324,21 +327,42 @@ def chunked_logits(h: Array, w: Array) -> Array:
     return jnp.concatenate(parts, axis=-1)[:, :vocab]
 
 
-def chunked_lse(logits: Array) -> Array:
-    """logsumexp over the last axis of fp32 [..., V] logits, VOCAB_CHUNK at a time in vocabulary order: the
-    recurrence of losses/logprob_xla.invariant_stats, so a sampler's log-prob equals the trainer's."""
-    lead, vocab = logits.shape[:-1], logits.shape[-1]
-    chunks = _vocab_chunk_count(vocab)
-    z = _pad_axis(logits.reshape(-1, vocab), 1, chunks * VOCAB_CHUNK, -jnp.inf)
-    z = jnp.moveaxis(z.reshape(z.shape[0], chunks, VOCAB_CHUNK), 1, 0)  # [chunks, N, C]
+def vocab_scan(chunk_at: Callable[[Array], Array], rows: int, vocab: int, targets: Array, temperature: Array,
+               with_entropy: bool = False) -> tuple[Array, Array, Array]:
+    """(lse, target logit, E_p[z] or zeros) [rows] of logits at `temperature`, VOCAB_CHUNK ids at a time in
+    vocabulary order: the one loop both the trainer's fused log-prob (losses/logprob_xla.invariant_stats)
+    and the sampler (`token_log_prob`) run. `chunk_at(i)`: chunk i's fp32 logits [rows, VOCAB_CHUNK]
+    (soft-capped, temperature 1; ids past `vocab` are masked here). `temperature` is divided, not multiplied
+    by its reciprocal, and must be a traced value on both sides: XLA may turn a division by a constant into a
+    product, and a product can be contracted with a neighbouring add into an FMA in one program and not in
+    another (seen on CPU: 1 ulp)."""
+    def step(state, index):
+        m, s, a, tgt = state
+        z = masked_chunk(chunk_at(index) / temperature, index, vocab)
+        m_new, s_new, e = lse_update(m, s, z)
+        if with_entropy:
+            a = a * jnp.exp(m - m_new) + tree_sum(e * jnp.where(jnp.isfinite(z), z, 0.0))
+        hit = (index * VOCAB_CHUNK + jnp.arange(VOCAB_CHUNK, dtype=jnp.int32))[None, :] == targets[:, None]
+        tgt = tgt + jnp.sum(jnp.where(hit, z, 0.0), axis=-1)  # one nonzero term: exact in any order
+        return (m_new, s_new, a, tgt), None
 
-    def step(state, chunk):
-        m, s, _ = lse_update(*state, chunk)
-        return (m, s), None
+    zeros = jnp.zeros((rows,), jnp.float32)
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    (m, s, a, tgt), _ = lax.scan(step, init, jnp.arange(_vocab_chunk_count(vocab), dtype=jnp.int32))
+    return m + jnp.log(s), tgt, (a / s if with_entropy else zeros)
 
-    init = (jnp.full((z.shape[1],), -jnp.inf, jnp.float32), jnp.zeros((z.shape[1],), jnp.float32))
-    (m, s), _ = lax.scan(step, init, z)
-    return (m + jnp.log(s)).reshape(lead)
+
+def token_log_prob(logits: Array, tokens: Array, temperature: Array) -> Array:
+    """The sampler's log-prob of `tokens` [N] under `logits` [N, V] (fp32, soft-capped, temperature 1) at the
+    traced `temperature`, with the trainer's batch-invariant numbers (`vocab_scan`)."""
+    rows, vocab = logits.shape
+    padded = _pad_axis(logits.astype(jnp.float32), 1, _vocab_chunk_count(vocab) * VOCAB_CHUNK)
+
+    def chunk_at(index: Array) -> Array:
+        return lax.dynamic_slice_in_dim(padded, index * VOCAB_CHUNK, VOCAB_CHUNK, axis=1)
+
+    lse, target, _ = vocab_scan(chunk_at, rows, vocab, tokens, temperature)
+    return target - lse
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))

@@ -98,6 +98,6 @@ def choose_tokens(logits: Array, key: Array, knobs: SampleKnobs, settings: Sampl
         tokens = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
     tokens = tokens.astype(jnp.int32)
     chosen = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-    if settings.batch_invariant:  # the trainer's batch-invariant log-sum-exp, chunk for chunk (models/invariant.py)
-        return tokens, chosen - invariant.chunked_lse(scaled)
+    if settings.batch_invariant:  # the trainer's batch-invariant log-prob, chunk for chunk (models/invariant.py)
+        return tokens, invariant.token_log_prob(logits, tokens, knobs.temperature)
     return tokens, chosen - jax.nn.logsumexp(scaled, axis=-1)

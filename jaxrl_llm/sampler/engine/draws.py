@@ -38,10 +38,11 @@ def choose_per_row(logits: Array, keys: Array, knobs: SampleKnobs, settings: Sam
     peak = jnp.max(cand, axis=-1)
     weights = jnp.exp(cand - peak[:, None])
     pick, total = draw_with_total(weights, row_uniforms(keys))
-    if settings.batch_invariant:  # the trainer's batch-invariant log-sum-exp (models/invariant.py)
+    if settings.batch_invariant:  # the trainer's batch-invariant log-prob (models/invariant.py)
         tok = pick if cand_ids is None else jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
-        log_total = invariant.chunked_lse(scaled)
-    elif cand_ids is None:  # the candidates are the vocabulary: the draw's total gives the log-partition too
+        tok = tok.astype(jnp.int32)
+        return tok, invariant.token_log_prob(logits, tok, knobs.temperature)
+    if cand_ids is None:  # the candidates are the vocabulary: the draw's total gives the log-partition too
         tok, log_total = pick, peak + jnp.log(total)
     else:
         tok, log_total = jnp.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0], jax.nn.logsumexp(scaled, axis=-1)
