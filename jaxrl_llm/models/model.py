@@ -87,7 +87,8 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
     # batch-invariant attention anchors its key blocks at each row's first token (models/invariant.py)
     key_start = None
     if cfg.batch_invariant:
-        key_start = jnp.argmax((attention_mask if cache is None else new_mask) > 0, axis=1).astype(jnp.int32)
+        slots = attention_mask if new_mask is None else new_mask  # the cache's slots, or the row's own tokens
+        key_start = jnp.argmax(slots > 0, axis=1).astype(jnp.int32)
     local = None
     if cfg.mixed_windows:  # the local layers' mask: `allowed` within the sliding window
         local = allowed & window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2])[None]

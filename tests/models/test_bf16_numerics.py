@@ -78,6 +78,8 @@ def test_bf16_sampler_and_paged_engine_follow_the_trainer_and_rollout_kl_vanishe
         assert engine["frac_exact"] >= 0.8, (pair, paged)
     step = result["step"]
     assert abs(step["rollout_corr/kl"]) <= 1e-5, step
+    # logged with every rollout correction (and on every step that recomputes the log-probs)
+    assert 0 <= step["rollout_corr/max_abs_log_ratio"] <= 1e-3 and 0 <= step["rollout_corr/exact_token_frac"] <= 1
     assert step["rollout_corr/log_ppl_abs_diff"] <= 1e-5, step
     # The step scores packed rows (model.use_remove_padding, the default), whose matmuls see other
     # row counts than the sampler's: a rare single bf16 flip remains (measured IS min 0.9998).

@@ -30,3 +30,19 @@ def test_allowed_narrows_and_what_names_the_setting():
     with pytest.raises(ValueError, match=r"unknown dtype 'float16' for model\.dtype; accepted names: float32, "
                                          r"bfloat16$"):
         as_jnp_dtype("float16", allowed=COMPUTE_DTYPES, what="model.dtype")
+
+
+def test_decode_weights_cast_matmul_weights_and_keep_norm_scales_and_sinks():
+    """The paged engine's weight copy (models/dtypes.py): projections and embeddings in the compute dtype, the
+    stacked [layers, hidden] norm scales and the sinks as the forward reads them (fp32)."""
+    from jaxrl_llm.models.dtypes import matmul_weights_in, uncast_matmul_weights
+
+    params = {"embedding": jnp.ones((8, 4)), "final_norm": {"scale": jnp.ones(4)},
+              "layers": {"attn_norm": {"scale": jnp.full((2, 4), 1.01)}, "attn": {
+                  "q_proj": {"kernel": jnp.ones((2, 4, 4)), "bias": jnp.ones((2, 4))}, "sinks": jnp.ones((2, 3))}}}
+    cast = matmul_weights_in(params, "bfloat16")
+    assert cast["embedding"].dtype == jnp.bfloat16 and cast["layers"]["attn"]["q_proj"]["kernel"].dtype == jnp.bfloat16
+    assert cast["layers"]["attn"]["q_proj"]["bias"].dtype == jnp.bfloat16  # the forward casts a bias too
+    for kept in (cast["layers"]["attn_norm"]["scale"], cast["layers"]["attn"]["sinks"], cast["final_norm"]["scale"]):
+        assert kept.dtype == jnp.float32
+    assert len(uncast_matmul_weights(params, "bfloat16")) == 3 and not uncast_matmul_weights(cast, "bfloat16")
