@@ -41,6 +41,9 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm.sharding.mesh import BATCH_AXES
 
 Array = jax.Array
 
@@ -206,9 +209,22 @@ _matmul_2d.defvjp(_matmul_fwd, _matmul_bwd)
 
 def matmul(x: Array, w: Array) -> Array:
     """fp32 [..., F] = x [..., K] @ w [K, F] (operands in their dtype, fp32 accumulation), each row summed in
-    an order that does not depend on the other rows (module doc)."""
+    an order that does not depend on the other rows (module doc). On a mesh (the abstract mesh in context)
+    each device runs its share of the rows against the whole weight, under shard_map: XLA cannot partition
+    a Pallas kernel, and a device's rows then meet the same kernel as one device's would."""
     lead = x.shape[:-1]
-    out = _matmul_2d(x.reshape(math.prod(lead), x.shape[-1]), w)
+    rows = x.reshape(math.prod(lead), x.shape[-1])
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if not axes:
+        out = _matmul_2d(rows, w)
+    else:
+        ways = math.prod(sizes[a] for a in axes)
+        split = P(axes, None)
+        per_device = jax.shard_map(_matmul_2d, mesh=mesh, in_specs=(split, P(None, None)), out_specs=split,
+                                   check_vma=False)
+        out = per_device(_pad_rows(rows, ways), w)[:rows.shape[0]]
     return out.reshape(*lead, w.shape[1])
 
 

@@ -190,7 +190,9 @@ def test_backends_import_public_names_only():
                             for alias in node.names]
     for module, names in imported.items():
         assert all(not name.startswith("_") for _, name in names), (module, names)
-    assert imported["logprob_xla"] == [("jaxrl_llm.models.numerics", "cap_logits")]
+    # and the batch-invariant numerics the sampler shares (models/invariant.py)
+    assert sorted(imported["logprob_xla"]) == [("jaxrl_llm.models", "invariant"),
+                                               ("jaxrl_llm.models.numerics", "cap_logits")]
     assert {m for m, _ in imported["logprob_pallas"]} == {"jaxrl_llm.losses.logprob_xla"}
 
 

@@ -281,6 +281,8 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     import jax
     import jax.numpy as jnp
 
+    from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
+
     def sample_and_planner(**overrides):
         spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged", **overrides})
         planner = Planner(spec, mesh, tok)
@@ -291,7 +293,7 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
 
     sample, planner = sample_and_planner()
     params = planner.ctx.states["actor_params"]
-    matmul = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
+    matmul = uncast_matmul_weights(params, jnp.bfloat16)  # not the stacked norm scales: they stay fp32
     assert sample.resident_bytes == states_beside(planner)  # fp32: decode reads the masters themselves
 
     bf16 = {"actor_rollout_ref.model.dtype": "bfloat16"}
@@ -305,7 +307,8 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     assert any("unroll_layers" in k for k in sample.keys)
 
     sample, planner = sample_and_planner(**bf16, **unroll)
-    bf16_layers = sum(bytes_per_device(x) // (2 if x.ndim >= 2 else 1) for x in jax.tree.leaves(params["layers"]))
+    bf16_layers = sum(bytes_per_device(x) // (2 if is_uncast_matmul_weight(path, x, jnp.bfloat16) else 1)
+                      for path, x in jax.tree_util.tree_leaves_with_path(params["layers"]))
     assert all(x.dtype == jnp.float32 for x in matmul) and 0 < bf16_layers < bytes_per_device(params["layers"])
     assert sample.resident_bytes == states_beside(planner) + masters + bf16_layers
 

@@ -348,6 +348,7 @@ def test_decode_reads_compute_dtype_weights_and_frees_its_pool(llama_tiny, monke
     # fp32 master weights, bf16 compute: every generate call gets the bf16 copy made once per run
     # (not the fp32 weights, cast at every step), and no KV pool outlives the run (the update that
     # follows has the memory; the memory plan counts a pool only beside a pipelined rollout)
+    from jaxrl_llm.models.dtypes import matmul_weights_in
     from jaxrl_llm.sampler.engine import programs
 
     cfg, params = llama_tiny
@@ -355,8 +356,9 @@ def test_decode_reads_compute_dtype_weights_and_frees_its_pool(llama_tiny, monke
         cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
     seen, real_generate = [], programs.generate
 
-    def spy(params, *args, **kwargs):
-        seen.append({x.dtype for x in jax.tree.leaves(params) if x.ndim >= 2})
+    def spy(params, *args, **kwargs):  # the matmul weights' dtypes (norm scales stay fp32: models/dtypes.py)
+        seen.append({x.dtype for path, x in jax.tree_util.tree_leaves_with_path(params)
+                     if x.ndim >= 2 and "norm" not in jax.tree_util.keystr(path)})
         return real_generate(params, *args, **kwargs)
 
     monkeypatch.setattr(programs, "generate", spy)
@@ -369,7 +371,7 @@ def test_decode_reads_compute_dtype_weights_and_frees_its_pool(llama_tiny, monke
     assert seen and all(dtypes == {jnp.dtype(jnp.bfloat16)} for dtypes in seen)
     assert live_pools() == before
     # the same tokens as from weights stored in bf16 (the copy holds the values decode read anyway)
-    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, params)
+    bf16 = matmul_weights_in(params, jnp.bfloat16)
     again, _ = engine.run(bf16, PROMPTS, jax.random.key(0), knobs, settings)
     np.testing.assert_array_equal(out.tokens, again.tokens)
     np.testing.assert_array_equal(out.log_probs, again.log_probs)
