@@ -281,7 +281,7 @@ class Trainer(Run):
                     extra.update(actor_metrics)
                 if spec.actor.rollout_is_in_loss:  # the loss took the IS weights; the diagnostics from its log-probs
                     extra.update(self._correction_metrics(tokens[OLD_LOG_PROBS], rollout))
-                elif spec.old_log_probs_from_update:  # the update's forward was the trainer's recomputation
+                elif OLD_LOG_PROBS in tokens:  # old log-probs from the update: its forward was the recomputation
                     extra.update(self._mismatch_metrics(tokens[OLD_LOG_PROBS], rollout))
         metrics = data_metrics(
             sequence_scores=rollout.scores, sequence_rewards=np.asarray(to_host(token_rewards.sum(-1))),

@@ -99,5 +99,7 @@ def test_rollout_correction_in_the_loss_equals_the_separate_pass(tmp_path, monke
     for got, want in zip(*rows):
         assert got.keys() == want.keys()
         for k in want:
-            if k.startswith(("actor/", "rollout_corr/", "critic/", "response_length/")):
+            # exact_token_frac counts bit-equal tokens: without model.batch_invariant the two passes' batch
+            # shapes round a few log-probs apart (their values agree to the tolerance)
+            if k.startswith(("actor/", "rollout_corr/", "critic/", "response_length/")) and "exact_token" not in k:
                 np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
