@@ -13,7 +13,7 @@ Why each order is fixed:
   runs one kernel: on GPU a Pallas (Triton) GEMM with fixed blocks and a sequential K loop (no split-K),
   on TPU a Pallas (Mosaic) GEMM whose K axis is the grid's sequential axis, on CPU (and any other
   backend) `lax.map` over tiles of `CPU_ROW_TILE` rows, each one XLA dot of the same shape. The backward
-  needs no invariance and runs the plain matmuls.
+  needs no invariance and runs the plain matmuls (numerics.matmul_f32's).
 - Row sums (RMSNorm's mean of squares, the softmax denominators): `tree_sum`, a pairwise tree of
   elementwise adds written out, whose order no backend may change (XLA's own reduce vectorizes by the
   number of rows: bench/row_invariance.py).
@@ -183,35 +183,17 @@ def _mosaic_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
     return out[:n]
 
 
-def _forward_2d(x: Array, w: Array) -> Array:
-    return lax.platform_dependent(x, w, cuda=_triton_gemm, tpu=_mosaic_gemm, default=_xla_tiles)
-
-
-@jax.custom_vjp
 def _matmul_2d(x: Array, w: Array) -> Array:
-    return _forward_2d(x, w)
-
-
-def _matmul_fwd(x, w):
-    return _forward_2d(x, w), (x, w)
-
-
-def _matmul_bwd(residuals, g):
-    x, w = residuals  # the backward needs no invariance: plain matmuls, fp32-accumulated
-    g = g.astype(x.dtype)
-    dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dw = lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_matmul_2d.defvjp(_matmul_fwd, _matmul_bwd)
+    return lax.platform_dependent(x, w, cuda=_triton_gemm, tpu=_mosaic_gemm, default=_xla_tiles)
 
 
 def matmul(x: Array, w: Array) -> Array:
     """fp32 [..., F] = x [..., K] @ w [K, F] (operands in their dtype, fp32 accumulation), each row summed in
     an order that does not depend on the other rows (module doc). On a mesh (the abstract mesh in context)
     each device runs its share of the rows against the whole weight, under shard_map: XLA cannot partition
-    a Pallas kernel, and a device's rows then meet the same kernel as one device's would."""
+    a Pallas kernel, and a device's rows then meet the same kernel as one device's would. Forward only: the
+    decoder differentiates it through models/numerics.py `matmul_f32` (its bf16 backward; the backward needs
+    no invariance)."""
     lead = x.shape[:-1]
     rows = x.reshape(math.prod(lead), x.shape[-1])
     mesh = jax.sharding.get_abstract_mesh()

@@ -43,7 +43,7 @@ def matmul_f32(x: Array, w: Array) -> Array:
     (`matmul_low_precision_grads`); fp32 operands keep JAX's own gradient. Traced in the batch-invariant
     mode (models/invariant.py), a row's sums do not depend on the other rows."""
     if invariant.enabled():
-        return invariant.matmul(x, w.astype(x.dtype))
+        return invariant_matmul(x, w.astype(x.dtype))
     if x.dtype != w.dtype or x.dtype == jnp.float32:
         return _matmul_f32(x, w, _last_by_first(x.ndim))
     return matmul_low_precision_grads(x, w)
@@ -63,9 +63,13 @@ def matmul_low_precision_grads(x: Array, w: Array) -> Array:
     return _matmul_f32(x, w, _last_by_first(x.ndim))
 
 
-def _low_fwd(x, w):
+def _low_residuals(x, w):
     # 2-D: keep x^T, so dw is a plain [K, N] x [N, F] matmul (XLA:CPU, models/decoder.py's docstring)
-    return _matmul_f32(x, w, _last_by_first(x.ndim)), (x.T if x.ndim == 2 else x, w)
+    return x.T if x.ndim == 2 else x, w
+
+
+def _low_fwd(x, w):
+    return _matmul_f32(x, w, _last_by_first(x.ndim)), _low_residuals(x, w)
 
 
 def _low_bwd(residuals, g):
@@ -81,6 +85,15 @@ def _low_bwd(residuals, g):
 
 
 matmul_low_precision_grads.defvjp(_low_fwd, _low_bwd)
+
+
+@jax.custom_vjp
+def invariant_matmul(x: Array, w: Array) -> Array:
+    """`invariant.matmul` (the batch-invariant forward) with `matmul_low_precision_grads`'s backward."""
+    return invariant.matmul(x, w)
+
+
+invariant_matmul.defvjp(lambda x, w: (invariant.matmul(x, w), _low_residuals(x, w)), _low_bwd)
 
 
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:

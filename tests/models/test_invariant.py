@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.losses.logprob_xla import Layout, invariant_stats, xla_stats
-from jaxrl_llm.models import invariant
+from jaxrl_llm.models import invariant, numerics
 from jaxrl_llm.models.attention import attend, attend_invariant
 
 
@@ -41,7 +41,7 @@ def test_matmul_rows_do_not_depend_on_the_row_count_and_gradients_are_the_plain_
         return jnp.sum(jnp.sin(fn(x, w)))
 
     x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)  # fp32: the backward's own rounding out of the way
-    got = jax.grad(lambda x, w: loss(invariant.matmul, x, w), argnums=(0, 1))(x32, w32)
+    got = jax.grad(lambda x, w: loss(numerics.invariant_matmul, x, w), argnums=(0, 1))(x32, w32)
     want = jax.grad(lambda x, w: loss(lambda a, b: jnp.dot(a, b, precision="highest"), x, w), argnums=(0, 1))(x32, w32)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
