@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -197,10 +197,12 @@ class Timer:
             ref = span.wait(log_probs_no_grad(...))   # blocks on `ref` before the clock stops
 
     A span blocks on every value passed to `wait` before it stops, so `timing_s/*` measure the
-    device work, not its dispatch."""
+    device work, not its dispatch. `on_enter(name)` runs as each span starts (the trainer tells its
+    worker watchdog which phase the main thread is in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_enter: Callable[[str], None] | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.on_enter = on_enter
 
     def __call__(self, name: str) -> "_Span":
         return _Span(self, name)
@@ -220,6 +222,8 @@ class _Span:
         return value
 
     def __enter__(self) -> "_Span":
+        if self.timer.on_enter is not None:
+            self.timer.on_enter(self.name)
         self.start = time.perf_counter()
         return self
 

@@ -228,14 +228,13 @@ def abstract_like(tree: ArrayTree) -> ArrayTree:
 
 
 def list_steps(directory: str) -> list[int]:
-    """Complete checkpoint steps in a checkpoints folder (ascending); [] when there is none."""
+    """Complete checkpoint steps in a checkpoints folder (ascending); [] when there is none. A listing of
+    the folder (orbax's test of a committed step), not a `CheckpointManager`: a manager's constructor
+    synchronises every process, and with several processes one may see the folder (another process just
+    created it for this run) where one that came earlier did not; their barriers then no longer pair up."""
     if not storage.is_dir(directory):
         return []
-    store = CheckpointStore(directory, async_save=False, read_only=True)
-    try:
-        return store.all_steps()
-    finally:
-        store.close()
+    return sorted(ocp.utils.checkpoint_steps(storage.as_path(directory)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -402,6 +402,7 @@ def resolve_trainer(cfg: ConfigDict) -> TrainerSpec:
         resume_mode=t.resume_mode, resume_from_path=_location(t.resume_from_path),
         max_ckpt_to_keep=t.max_actor_ckpt_to_keep, critic_warmup=int(t.critic_warmup),
         max_consecutive_nonfinite=int(t.max_consecutive_nonfinite), worker_timeout_s=float(t.worker_timeout_s),
+        worker_hang_timeout_s=float(t.worker_hang_timeout_s),
         rollout_data_dir=_location(t.rollout_data_dir), validation_data_dir=_location(t.validation_data_dir),
         seed=int(t.seed), export_hf=bool(t.export_hf), memory_plan=bool(t.memory_plan),
         device_memory_gb=None if t.device_memory_gb is None else float(t.device_memory_gb),

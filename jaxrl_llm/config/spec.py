@@ -286,6 +286,7 @@ class TrainerSpec:
     critic_warmup: int
     max_consecutive_nonfinite: int  # skipped non-finite updates in a row that stop the run
     worker_timeout_s: float  # several processes: a peer silent this long is lost (bookkeeping/watchdog.py)
+    worker_hang_timeout_s: float  # ... a peer stuck this long at a point the others passed is hung (0: off)
     rollout_data_dir: str | None
     validation_data_dir: str | None
     seed: int

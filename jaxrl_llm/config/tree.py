@@ -792,6 +792,13 @@ TRAINER = {
                                     "exit 75 at once naming it and the last committed checkpoint (jax's own "
                                     "coordination service would abort them after about a minute). jaxrl_llm.",
                              gt=0),
+    "worker_hang_timeout_s": field(600.0, "Several JAX processes: a process whose main thread has stayed this "
+                                          "long at a point of the step (the phase it entered) while another "
+                                          "process went past it is hung (alive, but stuck: a deadlock in user "
+                                          "code, a stuck device call); every process exits 75 naming it and the "
+                                          "last committed checkpoint. 0 = not watched. Keep it above the longest "
+                                          "host-side work one process does alone (process 0's logging, exports). "
+                                          "jaxrl_llm.", ge=0),
     "max_consecutive_nonfinite": field(5, "Stop the run (one error naming the step and the first NaN/inf "
                                           "quantity) after this many optimizer updates in a row were skipped "
                                           "for a non-finite loss or gradient (counted in "

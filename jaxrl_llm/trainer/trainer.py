@@ -77,6 +77,10 @@ class Trainer(Run):
         self._peak_flops: float | None = None
         self._started = False
         self.history: list[dict[str, float]] = []  # every logged step's metrics, for notebooks and plots
+        # several processes (started by fit): a lost or hung peer ends this one (exit 75, naming it and the last
+        # checkpoint); `_mark` tells it which phase this process's main thread is in
+        self._watchdog = WorkerWatchdog(self.spec.trainer.worker_timeout_s, lambda: str(self.store.latest_step()),
+                                        hang_timeout_s=self.spec.trainer.worker_hang_timeout_s)
         if self.is_main:
             print(self.summary(), flush=True)
 
@@ -98,15 +102,15 @@ class Trainer(Run):
         """Trains for `trainer.total_training_steps`; returns the last step's metrics. Whatever
         happens, async saves are waited for and the sinks and reward workers closed."""
         finished = False
-        # several processes: a lost peer ends this one at once (exit 75, naming it and the last checkpoint)
-        self._watchdog = WorkerWatchdog(self.spec.trainer.worker_timeout_s,
-                                        lambda: str(self.store.latest_step())).start()
+        self._watchdog.start()
         try:
             last = self._fit_loop()
             finished = True
             return last
-        except jax.errors.JaxRuntimeError:
-            self._watchdog.wait_for_verdict()  # a collective that failed for a lost peer: exit 75 naming it
+        except (jax.errors.JaxRuntimeError, ckpt.CheckpointSaveError):
+            # a collective (one of the step's, or orbax's in an async save) that failed for a lost peer: the
+            # watchdog's verdict (exit 75 naming it) comes first; with one process this returns at once
+            self._watchdog.wait_for_verdict()
             raise
         finally:
             self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
@@ -143,11 +147,13 @@ class Trainer(Run):
         if self._started:
             return {}
         self._started = True
+        self._watchdog.mark("resume")
         self._maybe_resume()
         t = self.spec.trainer
         if self.resume_point is None and self.spec.sft_warmup is not None and not t.val_only:
             self._sft_warmup()
         if (t.val_before_train or t.val_only) and self.val_loader is not None:
+            self._watchdog.mark("the first validation")
             val = self.validate()
             self.tracker.log(val, self.global_step)
             self.history.append({"training/global_step": float(self.global_step), **val})
@@ -177,12 +183,21 @@ class Trainer(Run):
         self.global_step += 1
         is_last = self.global_step >= self.total_steps
         if t.test_freq > 0 and self.val_loader is not None and (self.global_step % t.test_freq == 0 or is_last):
+            self._mark("validation")
             metrics.update(self.validate())
+        self._mark("logging")
         self.tracker.log(metrics, self.global_step)
         self.history.append(metrics)
         if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+            self._mark("save")
             self.save_checkpoint()
         return metrics
+
+    def _mark(self, phase: str) -> None:
+        """This process's main thread enters `phase` of the step under way (the watchdog compares processes'
+        places to find a hung one; bookkeeping/watchdog.py)."""
+        step = self.global_step + 1
+        self._watchdog.mark(f"step {step}" if phase == "step" else f"{phase} of step {step}")
 
     def finish(self) -> None:
         """End of a run: HF export (when `trainer.export_hf`), closes the loggers and stores, plots."""
@@ -199,7 +214,7 @@ class Trainer(Run):
         """One RL step on `batch`, sampled now on the actor's params; batch None: the next batch and
         its rollout from the run's rollout source (rollout/sources.py; `timing_s/gen` is then the
         time this step waited for it)."""
-        spec, plan, timer = self.spec, self.spec.plan, Timer()
+        spec, plan, timer = self.spec, self.spec.plan, Timer(on_enter=self._mark)
         rng = jax.random.fold_in(self.base_rng, self.global_step)
         with timer("step"):
             with timer("gen"):

@@ -4,7 +4,9 @@ while orbax is still writing `S.orbax-checkpoint-tmp` (the moment a kill -9 from
 hit by luck: a tiny model's save takes milliseconds). Before dying it prints what the checkpoints
 folder holds, so the test can check that the save was really in flight. With
 JAXRL_TEST_FULL_DISK_AT_SAVE=S the save of step S fails with ENOSPC in orbax's background thread; with
-JAXRL_TEST_SIGTERM_AT=setup|validation the process gets SIGTERM while it sets up or first validates."""
+JAXRL_TEST_SIGTERM_AT=setup|validation the process gets SIGTERM while it sets up or first validates; with
+JAXRL_TEST_HANG_AT="PHASE of step N" process 1 of a multi-process run hangs, alive, as its main thread is about
+to enter that phase (a deadlock in user code: the thread waits on an event no one sets)."""
 import os
 import pathlib
 import runpy
@@ -73,7 +75,27 @@ def _install_sigterm_at(moment: str) -> None:
         trainer_module.Trainer.validate = signal_then_validate
 
 
+def _install_hang_at(label: str) -> None:
+    import threading
+
+    import jax
+
+    from jaxrl_llm.trainer import trainer as trainer_module
+
+    mark = trainer_module.Trainer._mark
+
+    def hang_or_mark(self, phase):
+        if jax.process_index() == 1 and f"{phase} of step {self.global_step + 1}" == label:
+            print(f"hanging before {label}", flush=True)
+            threading.Event().wait()
+        return mark(self, phase)
+
+    trainer_module.Trainer._mark = hang_or_mark
+
+
 if __name__ == "__main__":
+    if os.environ.get("JAXRL_TEST_HANG_AT"):
+        _install_hang_at(os.environ["JAXRL_TEST_HANG_AT"])
     if os.environ.get("JAXRL_TEST_SIGTERM_AT"):
         _install_sigterm_at(os.environ["JAXRL_TEST_SIGTERM_AT"])
     if os.environ.get("JAXRL_TEST_KILL_IN_SAVE"):

@@ -102,12 +102,14 @@ class Launch:
 
 
 def launch_processes(args: Sequence[str], session: pathlib.Path, log_dir: pathlib.Path, name: str,
-                     num_processes: int) -> list[Launch]:
+                     num_processes: int, script: pathlib.Path = TRAIN,
+                     extra_env: Mapping[str, str] | None = None) -> list[Launch]:
     """`num_processes` cooperating JAX processes (1 CPU device each, gloo) running the same command."""
     env = base_env(session)
     env.update({"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{portpicker.pick_unused_port()}",
                 "JAX_NUM_PROCESSES": str(num_processes)})
-    return [Launch(args, {**env, "JAX_PROCESS_ID": str(pid)}, log_dir, f"{name}.p{pid}")
+    env.update(extra_env or {})
+    return [Launch(args, {**env, "JAX_PROCESS_ID": str(pid)}, log_dir, f"{name}.p{pid}", script)
             for pid in range(num_processes)]
 
 

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import shutil
-import types
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import checkpoint as ckpt
+from jaxrl_llm.bookkeeping.watchdog import WorkerWatchdog
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.trainer import Trainer
 
@@ -181,7 +181,7 @@ class _Closer:
 
 def _closing_trainer(calls: list) -> Trainer:
     trainer = Trainer.__new__(Trainer)  # only what fit() and close() touch
-    trainer.spec = types.SimpleNamespace(trainer=types.SimpleNamespace(worker_timeout_s=30.0))  # the watchdog's
+    trainer._watchdog = WorkerWatchdog(30.0, lambda: "none")  # fit() starts it (a no-op with one process)
     trainer.store = _Closer(calls, "store")
     trainer.tracker = _Closer(calls, "tracker", OSError("disk full"))
     trainer.reward_manager = _Closer(calls, "reward workers")

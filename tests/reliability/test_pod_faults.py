@@ -105,3 +105,55 @@ def test_a_lost_worker_stops_the_others_within_the_timeout_naming_it(tmp_path, t
                               "exiting 75 so that the relaunch resumes from it"), lines[-1]
     assert_same_checkpoint(run, reference, last)
     print(f"lost worker detected {elapsed:.1f} s after the kill (worker_timeout_s={timeout_s:g})")
+
+
+def test_a_hung_worker_stops_every_process_within_the_timeout_naming_it(tmp_path, tmp_path_factory):
+    """Process 1 of 2 hangs alive (its watchdog thread keeps beating) before the update of step 3: it never
+    joins the collective process 0 waits in. Both exit 75 within trainer.worker_hang_timeout_s (+ a beat)
+    naming process 1 and the phase it stays in; the last committed checkpoint is the uninterrupted run's."""
+    import time
+
+    from preempt_runs import launch_processes, wait_for
+
+    steps, hang_timeout_s = 8, 6.0
+    session = session_dir(tmp_path_factory)
+    reference = reference_run(tmp_path_factory, devices=2, steps=steps)  # shared with test_preemption
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    args = train_args(session, run, f"trainer.worker_hang_timeout_s={hang_timeout_s}", steps=steps)
+    procs = launch_processes(args, session, logs, "hung", num_processes=2, script=FAULT_TRAIN,
+                             extra_env={"JAXRL_TEST_HANG_AT": "update_actor of step 3"})
+    wait_for(lambda: "hanging before" in procs[1].stdout, timeout=300, proc=procs[1])
+    hung_at = time.monotonic()
+    codes = [p.wait(timeout=60) for p in procs]
+    elapsed = time.monotonic() - hung_at
+    assert codes == [PREEMPTED_EXIT_CODE] * 2, "\n".join(p.tail() for p in procs)
+    assert elapsed < hang_timeout_s + 8, elapsed  # the timeout, a beat (2 s at most) and the exits
+    assert committed_steps(run) == [1, 2]
+    for pid, proc in enumerate(procs):
+        last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+        who = "process 1 of 2" + (" (this process)" if pid == 1 else "")
+        assert last.startswith(f"hung worker: {who} has stayed in 'adv of step 3' for "), proc.tail()
+        assert last.endswith("since process 0 went on to 'update_actor of step 3' (trainer.worker_hang_timeout_s=6); "
+                             "the last committed checkpoint is step 2; exiting 75 so that the relaunch resumes "
+                             "from it"), last
+        assert "Traceback" not in proc.err_path.read_text()
+    assert_same_checkpoint(run, reference, 2)
+    print(f"hung worker detected {elapsed:.1f} s after it hung (worker_hang_timeout_s={hang_timeout_s:g})")
+
+
+def test_the_hang_clock_starts_when_a_peer_goes_past():
+    """A long phase every process is in together (a compile, a validation) is not a hang; a process passed by
+    another is hung once it has stayed put for the timeout counted from the moment it was passed."""
+    from jaxrl_llm.bookkeeping.watchdog import _place, _Places
+
+    places = _Places()
+    places.update({0: (5, "gen of step 2"), 1: (5, "gen of step 2")}, now=0.0)
+    assert places.hung(now=1000.0, timeout_s=60) is None  # both in it for 1000 s
+    places.update({0: (6, "adv of step 2"), 1: _place("812 5 gen of step 2")}, now=1000.0)
+    assert places.hung(now=1060.0, timeout_s=60) is None  # passed 60 s ago: not yet over
+    assert places.hung(now=1061.0, timeout_s=60) == (1, "gen of step 2", 61.0, 0, "adv of step 2")
+    places.update({0: (6, "adv of step 2"), 1: (6, "adv of step 2")}, now=1070.0)  # it caught up
+    assert places.hung(now=5000.0, timeout_s=60) is None
+    places.update({0: (7, "update_actor of step 2"), 1: None}, now=5000.0)  # 1 published nothing new
+    assert places.hung(now=5061.0, timeout_s=60) == (1, "adv of step 2", 61.0, 0, "update_actor of step 2")
+    assert _place("3") is None  # a process not yet marking (an older beat format) is not judged
