@@ -49,3 +49,21 @@ def run_app(main: Callable[[list[str]], None], flag_overrides: list[str]) -> Non
     flag_overrides[:] = overrides
     sys.argv = argv  # config_flags reads sys.argv itself when the --config flag is parsed
     app.run(main, argv=argv)
+
+
+@contextlib.contextmanager
+def storage_failures_exit() -> Iterator[None]:
+    """A run's storage that fails for good ends the process with one line and exit 74 (sysexits' I/O error;
+    a crash is 1, a preemption 75): `checkpoint error: ...` for an async save that failed (a full disk, a
+    bucket refusing writes), `storage error: ...` for any other write or read of the run dir."""
+    from jaxrl_llm.checkpoint import CHECKPOINT_ERROR_EXIT_CODE, CheckpointSaveError
+    from jaxrl_llm.storage import STORAGE_ERROR_EXIT_CODE, StorageError
+
+    try:
+        yield
+    except CheckpointSaveError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
+        sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
+    except StorageError as err:
+        print(f"storage error: {err}", file=sys.stderr, flush=True)
+        sys.exit(STORAGE_ERROR_EXIT_CODE)

@@ -13,13 +13,23 @@ are built in a local temporary folder first and then uploaded.
 Back-ends: `gs://` needs an epath back-end (gcsfs, or TensorFlow) and `google-cloud-storage`
 (orbax lists checkpoint steps with it); see docs/multihost.md. `unavailable_reason` says what is
 missing, so a config can fail at start with one clear message.
+
+Faults: gcsfs retries 5xx / 408 / 429 answers and dropped connections itself (6 tries, backoff 1 s, 2 s,
+4 s, ... ), as tensorstore does for the arrays. A stalled connection is only retried when the read times
+out, and aiohttp's default is one 5-minute limit on the whole request, which gcsfs does not retry: so a
+`gs://` run sets gcsfs's `requests_timeout` to `GCS_READ_TIMEOUT_S` without bytes (unless fsspec's own
+config for `gs` sets one). What is left after the retries, or refused for good (403), leaves the helpers
+here as one `StorageError` naming the operation, the URL and the bucket's words; `launch/train.py` prints
+it as one line and exits `STORAGE_ERROR_EXIT_CODE`.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -32,6 +42,65 @@ CHECKPOINT_SCHEMES = ("gs",)
 
 # A local path or a bucket URL, as text or a path object (`pathlib.Path`, `epath.Path`).
 PathLike = str | os.PathLike[str]
+
+
+# sysexits.h EX_IOERR: the exit status of a run stopped by storage it cannot write (a crash is 1, preemption 75)
+STORAGE_ERROR_EXIT_CODE = 74
+# a gs:// request that receives no byte for this long is abandoned and retried by gcsfs (the environment
+# variable sets it for a whole job, before its first gs:// path)
+GCS_READ_TIMEOUT_S = float(os.environ.get("JAXRL_LLM_GCS_READ_TIMEOUT_S", "60"))
+
+
+class StorageError(OSError):
+    """A read or write of the run's storage failed for good (after the back-end's retries): the message is
+    one line naming the operation, the path and the storage's own words."""
+
+
+def reason(err: BaseException) -> str:
+    """The storage's own words from an error of orbax, tensorstore, gcsfs or the OS, one line: "No space left
+    on device (errno 28)", "the bucket answered HTTP 403: <its message>", "no answer from the bucket within
+    60 s", else the error's first line."""
+    text = str(err)
+    os_error = re.search(r":\s*([^:\[]+?)\s*\[os_error_code='?(\d+)'?\]", text)  # tensorstore's file driver
+    if os_error:
+        return f"{os_error.group(1)} (errno {os_error.group(2)})"
+    if isinstance(err, OSError) and err.errno is not None and err.strerror:
+        return f"{err.strerror} (errno {err.errno})"
+    python_os_error = re.search(r"\[Errno (\d+)\] ([^:'\"]+)", text)  # an OSError raised in orbax's own Python
+    if python_os_error:
+        return f"{python_os_error.group(2).strip()} (errno {python_os_error.group(1)})"
+    http = re.search(r"\[http_response_code='?(\d+)'?\]", text) or re.search(r"HTTP response code: (\d+)", text)
+    if http:  # tensorstore: '<STATUS>: Error writing <path>: <message> [http_response_code=...] [..._body=...]'
+        body = re.search(r'message\\?"\s*:\s*\\?"([^"\\]+)', text)  # the JSON body's message, when it has one
+        said = body.group(1) if body else text[:http.start()].strip().rsplit(": ", 1)[-1]
+        return f"the bucket answered HTTP {http.group(1)}: {said[:200]}"
+    forbidden = re.match(r"Forbidden: \S+\n(.*)", text, re.S)  # gcsfs: a 403, its URL, then the bucket's message
+    if forbidden:
+        return f"the bucket answered HTTP 403: {forbidden.group(1).strip().splitlines()[0][:200]}"
+    code = getattr(err, "code", None)
+    if type(err).__name__ == "HttpError" and code is not None:  # gcsfs: any other status, after its retries
+        said = re.sub(rf",\s*{code}$", "", str(getattr(err, "message", text)))  # gcsfs appends the code
+        return f"the bucket answered HTTP {code}: {said[:200]} (after retries)"
+    if isinstance(err, TimeoutError) or type(err).__name__ in ("ServerTimeoutError", "ConnectionTimeoutError"):
+        return f"no answer from the bucket within {GCS_READ_TIMEOUT_S:g} s (after retries)"
+    if err.__cause__ is not None and err.__cause__ is not err:
+        return reason(err.__cause__)
+    first = text.splitlines()[0] if text else type(err).__name__
+    return first[:300]
+
+
+@contextlib.contextmanager
+def _failing_as(action: str, path: PathLike) -> Iterator[None]:
+    """Turns a failure of the storage into one `StorageError` line; a missing file stays a FileNotFoundError
+    (callers test for it)."""
+    try:
+        yield
+    except (StorageError, FileNotFoundError):
+        raise
+    except Exception as err:  # gcsfs raises OSError, its HttpError, aiohttp's errors; the OS raises OSError
+        if not is_url(path) and not isinstance(err, OSError):
+            raise  # a local path's non-OS error is a bug, not storage
+        raise StorageError(f"{action} {path} failed: {reason(err)}") from err
 
 
 def is_url(path: PathLike) -> bool:
@@ -55,7 +124,25 @@ def normalize(path: PathLike) -> str:
 
 def as_path(path: PathLike) -> epath.Path:
     """An `epath.Path` of the normalized path (what orbax takes as well)."""
+    if scheme(path) in ("gs", "gcs"):
+        _configure_gcsfs()
     return epath.Path(normalize(path))
+
+
+@functools.cache
+def _configure_gcsfs() -> None:
+    """gcsfs retries a read that times out, not a request that exceeds aiohttp's total limit: give it a read
+    timeout (no bytes for GCS_READ_TIMEOUT_S) unless fsspec's config for `gs` already sets one. Runs once,
+    before the first gs:// filesystem is made (fsspec applies its config when one is created)."""
+    try:
+        import aiohttp
+        from fsspec.config import conf as fsspec_conf
+    except ImportError:  # no gcsfs: unavailable_reason has said so at config time
+        return
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=GCS_READ_TIMEOUT_S, sock_read=GCS_READ_TIMEOUT_S)
+    for protocol in ("gs", "gcs"):
+        conf = fsspec_conf.setdefault(protocol, {})
+        conf.setdefault("requests_timeout", timeout)
 
 
 def join(base: PathLike, *parts: str) -> str:
@@ -121,11 +208,13 @@ def _epath_backend_installed(name: str) -> bool:
 
 
 def exists(path: PathLike) -> bool:
-    return as_path(path).exists()
+    with _failing_as("looking up", path):
+        return as_path(path).exists()
 
 
 def is_dir(path: PathLike) -> bool:
-    return as_path(path).is_dir()
+    with _failing_as("looking up", path):
+        return as_path(path).is_dir()
 
 
 def makedirs(path: PathLike) -> None:
@@ -136,13 +225,19 @@ def makedirs(path: PathLike) -> None:
 
 
 def read_text(path: PathLike) -> str:
-    return as_path(path).read_text(encoding="utf-8")
+    with _failing_as("reading", path):
+        return as_path(path).read_text(encoding="utf-8")
 
 
 def write_bytes(path: PathLike, data: bytes) -> None:
     """Writes a whole file at once: a temporary sibling renamed into place locally (a kill leaves
     the old file or the new one, never half of it); one object write on a bucket (atomic there)."""
     target = normalize(path)
+    with _failing_as("writing", target):
+        _write_bytes(target, data)
+
+
+def _write_bytes(target: str, data: bytes) -> None:
     if is_url(target):
         with as_path(target).open("wb") as handle:
             handle.write(data)
@@ -167,10 +262,11 @@ def write_text(path: PathLike, text: str) -> None:
 def remove_tree(path: PathLike) -> None:
     """Deletes a folder (or a bucket prefix) and everything under it; missing is fine."""
     p = as_path(path)
-    if p.is_dir():
-        p.rmtree(missing_ok=True)
-    elif p.exists():
-        p.unlink(missing_ok=True)
+    with _failing_as("deleting", path):
+        if p.is_dir():
+            p.rmtree(missing_ok=True)
+        elif p.exists():
+            p.unlink(missing_ok=True)
 
 
 def upload_dir(local_dir: str, url: str, *, last: tuple[str, ...] = ()) -> None:
@@ -195,7 +291,7 @@ def local_copy(path: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix="jaxrl_llm-")
     try:
         local = os.path.join(tmp, posixpath.basename(str(path).rstrip("/")))
-        with as_path(path).open("rb") as src, open(local, "wb") as dst:
+        with _failing_as("reading", path), as_path(path).open("rb") as src, open(local, "wb") as dst:
             shutil.copyfileobj(src, dst)
         yield local
     finally:

@@ -127,18 +127,16 @@ def main(argv: list[str]) -> None:
             sys.exit(user_error_line(err))
         return
     from jaxrl_llm.bookkeeping.preemption import stop_during_setup
-    from jaxrl_llm.checkpoint import CHECKPOINT_ERROR_EXIT_CODE, CheckpointSaveError
+    from jaxrl_llm.entry import storage_failures_exit
     from jaxrl_llm.trainer import Trainer  # imported only for a real run: parsing needs none of it
 
     try:
-        with stop_during_setup():  # SIGTERM while loading / compiling: exit 75 at once (nothing to save)
-            trainer = Trainer(cfg)
-        trainer.fit()  # its own guard from here: the resume, the first validation, the steps
+        with storage_failures_exit():  # a full disk, a bucket refusing writes: one line, exit 74
+            with stop_during_setup():  # SIGTERM while loading / compiling: exit 75 at once (nothing to save)
+                trainer = Trainer(cfg)
+            trainer.fit()  # its own guard from here: the resume, the first validation, the steps
     except user_errors() as err:  # a bad input: one line naming it, no traceback
         sys.exit(user_error_line(err))
-    except CheckpointSaveError as err:  # a full disk, a bucket refusing writes: one line, its own status
-        print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-        sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
 
 
 def base_config(import_path: str | None, overrides: list[str], trl_flags: list[str]):

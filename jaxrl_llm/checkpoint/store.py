@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -45,28 +44,8 @@ class CheckpointSaveError(CheckpointError):
     the run cannot commit checkpoints. The message names the step, the folder and the storage's error."""
 
 
-# sysexits.h EX_IOERR: launch/train.py's exit status for a save that failed (a crash is 1, preemption 75)
-CHECKPOINT_ERROR_EXIT_CODE = 74
-
-
-def storage_reason(err: BaseException) -> str:
-    """The storage's own words from an orbax / tensorstore error: "No space left on device (errno 28)" from
-    tensorstore's '...: Failed to write N bytes to file F: No space left on device [os_error_code='28']', an
-    HTTP status from a bucket, else the error's first line."""
-    text = str(err)
-    os_error = re.search(r":\s*([^:\[]+?)\s*\[os_error_code='?(\d+)'?\]", text)
-    if os_error:
-        return f"{os_error.group(1)} (errno {os_error.group(2)})"
-    python_os_error = re.search(r"\[Errno (\d+)\] ([^:'\"]+)", text)  # an OSError raised in orbax's own Python
-    if python_os_error:
-        return f"{python_os_error.group(2).strip()} (errno {python_os_error.group(1)})"
-    http = re.search(r"\[http_response_code='?(\d+)'?\]", text) or re.search(r"HTTP response code: (\d+)", text)
-    if http:  # tensorstore: '<STATUS>: Error writing <path>: <message> [http_response_code=...] [..._body=...]'
-        body = re.search(r'message\\?"\s*:\s*\\?"([^"\\]+)', text)  # the JSON body's message, when it has one
-        said = body.group(1) if body else text[:http.start()].strip().rsplit(": ", 1)[-1]
-        return f"the bucket answered HTTP {http.group(1)}: {said[:200]}"
-    first = text.splitlines()[0] if text else type(err).__name__
-    return first[:300]
+# launch/train.py's exit status for a save that failed: storage's (sysexits.h EX_IOERR; a crash is 1, preemption 75)
+CHECKPOINT_ERROR_EXIT_CODE = storage.STORAGE_ERROR_EXIT_CODE
 
 
 class _SaveThreadErrors(logging.Filter):
@@ -211,7 +190,7 @@ class CheckpointStore:
             raise
         except Exception as err:  # orbax re-raises the writer thread's error: tensorstore's ValueError, OSError...
             step = "" if self._pending is None else f" of step {self._pending}"
-            self._failed = CheckpointSaveError(f"the save{step} to {self.directory} failed: {storage_reason(err)}; "
+            self._failed = CheckpointSaveError(f"the save{step} to {self.directory} failed: {storage.reason(err)}; "
                                                f"the last committed checkpoint is step {self._committed()}")
             raise self._failed from None
 

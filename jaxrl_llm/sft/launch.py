@@ -17,7 +17,7 @@ def run_entry_point(make_trainer: Callable[..., SftTrainer], cfg: ml_collections
                     dry_run: bool) -> None:
     """Runs (or with `dry_run` checks) the trainer `make_trainer(cfg)` builds."""
     from jaxrl_llm.bookkeeping.preemption import stop_during_setup
-    from jaxrl_llm.checkpoint import CHECKPOINT_ERROR_EXIT_CODE, CheckpointSaveError
+    from jaxrl_llm.entry import storage_failures_exit
 
     try:
         if dry_run:  # the resolved tree, then every row read: a bad row is the last line
@@ -25,14 +25,12 @@ def run_entry_point(make_trainer: Callable[..., SftTrainer], cfg: ml_collections
             print(yaml.safe_dump(trainer.checked.to_dict(), sort_keys=False, default_flow_style=None), end="")
             print(trainer.rows_summary())
             return
-        with stop_during_setup():
-            trainer = make_trainer(cfg)
-        trainer.fit()
+        with storage_failures_exit():  # a full disk, a bucket refusing writes: one line, exit 74
+            with stop_during_setup():
+                trainer = make_trainer(cfg)
+            trainer.fit()
     except user_errors() as err:
         sys.exit(user_error_line(err))
-    except CheckpointSaveError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-        sys.exit(CHECKPOINT_ERROR_EXIT_CODE)
 
 
 def launch_trainer(argv: list[str], *, base: ml_collections.ConfigDict, import_path: str | None,

@@ -112,8 +112,22 @@ class Trainer(Run):
             # watchdog's verdict (exit 75 naming it) comes first; with one process this returns at once
             self._watchdog.wait_for_verdict()
             raise
+        except storage.StorageError as err:  # the run dir refuses a write (launch/train.py: one line, exit 74)
+            raise storage.StorageError(f"{err}; the last committed checkpoint is step {self._last_committed()}") \
+                from err
         finally:
             self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
+
+    def _last_committed(self) -> str:
+        """The last committed step once the saves under way have ended (for an error's line)."""
+        try:
+            self.store.wait()
+        except Exception:  # a save that failed too: what was committed before it still stands
+            pass
+        try:
+            return str(self.store.latest_step())
+        except Exception as err:  # the storage may be what failed
+            return f"unknown ({storage.reason(err)})"
 
     def _fit_loop(self) -> dict[str, float]:
         with PreemptionGuard() as guard:  # SIGTERM / SIGINT: finish the step, checkpoint, exit 75

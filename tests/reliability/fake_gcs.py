@@ -1,39 +1,54 @@
 """A Google Cloud Storage stand-in on 127.0.0.1, so that `gs://` run dirs are tested without network
-through the very code a real bucket runs.
+through the very code a real bucket runs: every client below speaks HTTP to it.
 
-What a `gs://` run touches, and what stands in for it here:
+- orbax writes and reads arrays through tensorstore's `gcs` kvstore driver (GCS JSON API), pointed here by
+  its own test hooks `TENSORSTORE_GCS_HTTP_URL` and `GOOGLE_AUTH_TOKEN_FOR_TESTING`.
+- `etils.epath` (orbax's step listing and commit markers, our metrics, dumps, exports) opens `gs://` with
+  fsspec's `gs` protocol: gcsfs itself, pointed here by `STORAGE_EMULATOR_HOST` with anonymous
+  credentials. The fake serves what gcsfs sends: object metadata, listings (prefix, delimiter),
+  media downloads with ranges, multipart and resumable uploads, deletes, `rewriteTo` / `moveTo`.
+  (gcsfs's default class probes a bucket's layout over gRPC to Google's control plane, which nothing here
+  serves; the fake registers gcsfs's plain JSON-API class, the one it falls back to.)
+- orbax asks `google.cloud.storage` whether a bucket has a hierarchical namespace: the real client,
+  which `STORAGE_EMULATOR_HOST` also points here (anonymous there too).
 
-- orbax writes and reads arrays through tensorstore's `gcs` kvstore driver (HTTP, GCS JSON API).
-  `FakeGCS` serves that API (object media reads with ranges and generation preconditions, media
-  uploads, listing, deletes) from an in-memory object store; tensorstore is pointed at it with its
-  own test hooks `TENSORSTORE_GCS_HTTP_URL` and `GOOGLE_AUTH_TOKEN_FOR_TESTING`.
-- `etils.epath` (orbax's step listing, commit markers, our metrics, dumps, exports) opens `gs://`
-  through fsspec's `gcs` protocol (gcsfs in production). `FakeGCSFileSystem` is registered under
-  that protocol and reads the same object store with GCS semantics: no real directories (a
-  "folder" exists only while an object lies under it), `mkdir` is a no-op, rename = copy + delete,
-  no append.
-- orbax asks `google.cloud.storage` whether a bucket has a hierarchical namespace; a stub module
-  answers "no" for the fake's buckets.
+Faults (`ObjectStore.faults`, for every client alike): every Nth request answered 503, requests held
+without an answer for some seconds (a stalled connection), writes refused with 403 (lost write access).
 
 Only objects in the fake's buckets exist; anything else is 404, like a missing bucket.
 """
 from __future__ import annotations
 
-import importlib.machinery
-import io
+import itertools
 import json
 import os
-import sys
+import re
 import threading
-import types
+import time
 import urllib.parse
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
-from fsspec.spec import AbstractFileSystem
 
-_FSSPEC_REGISTRY = sys.modules["fsspec.registry"]._registry  # the package attribute is a read-only view
+
+@dataclass
+class Faults:
+    """What the fake does wrong. `every`: every Nth request (counted over all clients) is answered 503, up
+    to `limit` times;
+    `stall_s` / `stalls`: that many requests are held `stall_s` seconds before any answer (a client with a
+    shorter read timeout gives up and retries); `refuse`: object names whose writes get 403."""
+
+    every: int = 0
+    limit: int = 0  # at most this many 503s in all (0: no limit): backoffs add up to minutes otherwise
+    stall_s: float = 0.0
+    stalls: int = 0
+    stall_agent: str = "gcsfs"  # only this client's requests are held (tensorstore has no read timeout to set)
+    refuse: Callable[[str], bool] | None = None
+    served_503: list[str] = field(default_factory=list)  # the User-Agent of each request answered 503
+    stalled: int = 0
+    _count: itertools.count = field(default_factory=itertools.count)
 
 
 class ObjectStore:
@@ -44,7 +59,16 @@ class ObjectStore:
         self.lock = threading.Lock()
         self._generation = 1000
         self.requests: list[tuple[str, str]] = []  # (method, path) seen by the HTTP server
-        self.refuse_uploads = False  # a fault: media uploads answered 403 (a bucket that refuses writes)
+        self.faults = Faults()
+        self.uploads: dict[str, tuple[str, str, bytearray]] = {}  # resumable sessions: id -> (bucket, name, data)
+
+    @property
+    def refuse_uploads(self) -> bool:
+        return self.faults.refuse is not None
+
+    @refuse_uploads.setter
+    def refuse_uploads(self, value: bool) -> None:  # every write refused (a bucket that lost write access)
+        self.faults.refuse = (lambda name: True) if value else None
 
     def put(self, bucket: str, name: str, data: bytes, if_generation_match: int | None = None) -> int | None:
         """Writes an object; None when the precondition fails."""
@@ -76,8 +100,13 @@ def _metadata(bucket: str, name: str, data: bytes, generation: int) -> dict[str,
             "timeCreated": "2024-01-01T00:00:00.000Z", "updated": "2024-01-01T00:00:00.000Z"}
 
 
+# /storage/v1/b/<bucket>[/o[/<object>[/rewriteTo/b/<bucket>/o/<object> | /moveTo/o/<object>]]]
+_OBJECT = re.compile(r"^(?:/upload|/download)?/storage/v1/b/([^/]+)"
+                     r"(?:/o(?:/([^/]+)(?:/(rewriteTo|moveTo)(?:/b/([^/]+))?/o/([^/]+))?)?)?/?$")
+
+
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as tensorstore's curl client expects
+    protocol_version = "HTTP/1.1"  # keep-alive, as tensorstore's curl client and aiohttp expect
     store: ObjectStore
 
     def log_message(self, *args: Any) -> None:  # quiet
@@ -95,45 +124,60 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, payload: dict[str, Any]) -> None:
         self._reply(status, json.dumps(payload).encode(), {"Content-Type": "application/json"})
 
-    def _route(self) -> tuple[str, str | None, dict[str, str]] | None:
-        """(bucket, object name or None for the bucket's object list, query) of a JSON API path."""
-        url = urllib.parse.urlsplit(self.path)
-        query = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
-        parts = url.path.split("/")
-        # /storage/v1/b/<bucket>/o[/<object>]  or  /upload/storage/v1/b/<bucket>/o
-        try:
-            at = parts.index("b")
-        except ValueError:
-            return None
-        bucket = urllib.parse.unquote(parts[at + 1])
-        if bucket not in self.store.buckets:
-            return None
-        if len(parts) > at + 3 and parts[at + 3]:
-            return bucket, urllib.parse.unquote(parts[at + 3]), query
-        if len(parts) == at + 2:  # bucket metadata
-            return bucket, "", query
-        return bucket, None, query
+    def _error(self, status: int, message: str) -> None:
+        self._json(status, {"error": {"code": status, "message": message}})
 
     def _body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
+    def _start(self) -> tuple[urllib.parse.SplitResult, dict[str, str]] | None:
+        """Logs the request and plays the faults; None when a fault answered it (its body already read)."""
+        self.store.requests.append((self.command, self.path))
+        faults = self.store.faults
+        number = next(faults._count) + 1
+        agent = self.headers.get("User-Agent", "")
+        if faults.stalls > 0 and faults.stall_s > 0 and faults.stall_agent in agent:
+            faults.stalls -= 1
+            faults.stalled += 1
+            time.sleep(faults.stall_s)  # the client has given up by now; it reads nothing from this one
+        spent = faults.limit and len(faults.served_503) >= faults.limit
+        if faults.every and number % faults.every == 0 and not spent:
+            self._body()
+            faults.served_503.append(agent)
+            self._error(503, "fake: service unavailable, try again")
+            return None
+        url = urllib.parse.urlsplit(self.path)
+        return url, {k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
+
+    def _refused(self, name: str) -> bool:
+        refuse = self.store.faults.refuse
+        if refuse is not None and refuse(name):
+            self._error(403, "fake@test.iam does not have storage.objects.create access to the Google Cloud "
+                             "Storage object")
+            return True
+        return False
+
     def do_GET(self) -> None:  # (http.server's naming)
-        self.store.requests.append(("GET", self.path))
-        route = self._route()
-        if route is None:
-            return self._json(404, {"error": {"code": 404, "message": "no such bucket"}})
-        bucket, name, query = route
-        if name == "":
-            return self._json(200, {"kind": "storage#bucket", "name": bucket})
-        if name is None:
-            return self._list(bucket, query)
+        started = self._start()
+        if started is None:
+            return
+        url, query = started
+        match = _OBJECT.match(url.path)
+        if match is None or urllib.parse.unquote(match.group(1)) not in self.store.buckets:
+            return self._error(404, "no such bucket")
+        bucket = urllib.parse.unquote(match.group(1))
+        if match.group(2) is None:
+            if url.path.rstrip("/").endswith("/o"):
+                return self._list(bucket, query)
+            return self._json(200, {"kind": "storage#bucket", "name": bucket, "id": bucket})
+        name = urllib.parse.unquote(match.group(2))
         found = self.store.get(bucket, name)
         if found is None:
-            return self._json(404, {"error": {"code": 404, "message": "no such object"}})
+            return self._error(404, "no such object")
         data, generation = found
         if "ifGenerationMatch" in query and int(query["ifGenerationMatch"]) != generation:
-            return self._json(412, {"error": {"code": 412, "message": "precondition failed"}})
+            return self._error(412, "precondition failed")
         if "ifGenerationNotMatch" in query and int(query["ifGenerationNotMatch"]) == generation:
             return self._reply(304, headers={"x-goog-generation": str(generation)})
         if query.get("alt") != "media":
@@ -173,160 +217,113 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, payload)
 
     def do_POST(self) -> None:
-        self.store.requests.append(("POST", self.path))
-        route = self._route()
+        started = self._start()
+        if started is None:  # (the fault read the body)
+            return
         body = self._body()
-        if route is None:
-            return self._json(404, {"error": {"code": 404, "message": "no such bucket"}})
-        bucket, _, query = route
-        if self.store.refuse_uploads:
-            return self._json(403, {"error": {"code": 403, "message": "fake@test.iam does not have "
-                                              "storage.objects.create access to the Google Cloud Storage object"}})
-        if query.get("uploadType") != "media" or "name" not in query:
-            return self._json(400, {"error": {"code": 400, "message": "only media uploads are served"}})
-        match = int(query["ifGenerationMatch"]) if "ifGenerationMatch" in query else None
-        generation = self.store.put(bucket, query["name"], body, match)
+        url, query = started
+        if url.path.startswith("/upload/resumable/"):
+            return self._upload_chunk(url.path.rsplit("/", 1)[1], body)
+        match = _OBJECT.match(url.path)
+        if match is None or urllib.parse.unquote(match.group(1)) not in self.store.buckets:
+            return self._error(404, "no such bucket")
+        bucket = urllib.parse.unquote(match.group(1))
+        if match.group(3) is not None:  # rewriteTo / moveTo: a copy within the fake (and a delete for moveTo)
+            source = urllib.parse.unquote(match.group(2))
+            target_bucket = urllib.parse.unquote(match.group(4) or match.group(1))
+            target = urllib.parse.unquote(match.group(5))
+            found = self.store.get(bucket, source)
+            if found is None:
+                return self._error(404, "no such object")
+            if self._refused(target):
+                return
+            generation = self.store.put(target_bucket, target, found[0])
+            if match.group(3) == "moveTo":
+                self.store.delete(bucket, source)
+                return self._json(200, _metadata(target_bucket, target, found[0], generation or 0))
+            return self._json(200, {"kind": "storage#rewriteResponse", "done": True, "totalBytesRewritten":
+                                    str(len(found[0])), "objectSize": str(len(found[0])),
+                                    "resource": _metadata(target_bucket, target, found[0], generation or 0)})
+        kind = query.get("uploadType")
+        if kind == "multipart":
+            metadata, data = _multipart(self.headers.get("Content-Type", ""), body)
+            name = metadata["name"]
+        elif kind == "resumable":
+            name = query.get("name") or json.loads(body or b"{}").get("name")
+            if self._refused(name):
+                return
+            session = os.urandom(8).hex()
+            self.store.uploads[session] = (bucket, name, bytearray())
+            host = self.headers.get("Host", "127.0.0.1")
+            return self._reply(200, headers={"Location": f"http://{host}/upload/resumable/{session}"})
+        elif kind == "media" and "name" in query:
+            name, data = query["name"], body
+        else:
+            return self._error(400, f"upload type {kind!r} is not served")
+        if self._refused(name):
+            return
+        match_generation = int(query["ifGenerationMatch"]) if "ifGenerationMatch" in query else None
+        generation = self.store.put(bucket, name, data, match_generation)
         if generation is None:
-            return self._json(412, {"error": {"code": 412, "message": "precondition failed"}})
-        self._json(200, _metadata(bucket, query["name"], body, generation))
+            return self._error(412, "precondition failed")
+        self._json(200, _metadata(bucket, name, data, generation))
+
+    do_PUT = do_POST  # resumable chunks come as PUT from other clients
+
+    def _upload_chunk(self, session: str, body: bytes) -> None:
+        if session not in self.store.uploads:
+            return self._error(404, "no such upload")
+        bucket, name, data = self.store.uploads[session]
+        span = self.headers.get("Content-Range", "")  # "bytes a-b/total", "bytes a-b/*" or "bytes */total"
+        where, _, total = span.removeprefix("bytes ").partition("/")
+        if where != "*":
+            first = int(where.split("-")[0])
+            del data[first:]
+            data += body
+        if total == "*":  # more to come
+            return self._reply(308, headers={"Range": f"bytes=0-{len(data) - 1}"})
+        del self.store.uploads[session]
+        generation = self.store.put(bucket, name, bytes(data))
+        self._json(200, _metadata(bucket, name, bytes(data), generation or 0))
 
     def do_DELETE(self) -> None:
-        self.store.requests.append(("DELETE", self.path))
-        route = self._route()
-        if route is None or not route[1]:
-            return self._json(404, {"error": {"code": 404, "message": "no such object"}})
-        bucket, name, query = route
+        started = self._start()
+        if started is None:
+            return
+        url, query = started
+        if url.path.startswith("/upload/resumable/"):
+            self.store.uploads.pop(url.path.rsplit("/", 1)[1], None)
+            return self._reply(499)
+        match = _OBJECT.match(url.path)
+        if match is None or match.group(2) is None or urllib.parse.unquote(match.group(1)) not in self.store.buckets:
+            return self._error(404, "no such object")
+        bucket, name = urllib.parse.unquote(match.group(1)), urllib.parse.unquote(match.group(2))
         found = self.store.get(bucket, name)
         if found is None:
-            return self._json(404, {"error": {"code": 404, "message": "no such object"}})
+            return self._error(404, "no such object")
         if "ifGenerationMatch" in query and int(query["ifGenerationMatch"]) != found[1]:
-            return self._json(412, {"error": {"code": 412, "message": "precondition failed"}})
+            return self._error(412, "precondition failed")
+        if self._refused(name):
+            return
         self.store.delete(bucket, name)
         self._reply(204)
 
 
-class _Upload(io.BytesIO):
-    """A file opened for writing: the object is written in one piece on close, as GCS does."""
-
-    def __init__(self, fs: FakeGCSFileSystem, bucket: str, name: str):
-        super().__init__()
-        self._target = (fs, bucket, name)
-
-    def close(self) -> None:
-        if not self.closed:
-            fs, bucket, name = self._target
-            fs.store.put(bucket, name, self.getvalue())
-        super().close()
-
-
-class FakeGCSFileSystem(AbstractFileSystem):
-    """fsspec `gcs` protocol over the fake's object store (what gcsfs does against a real bucket)."""
-
-    protocol = ("gs", "gcs")
-    root_marker = ""
-    store: ObjectStore  # set by FakeGCS.start
-    cachable = False
-
-    @classmethod
-    def _strip_protocol(cls, path: Any) -> str:
-        path = str(path)
-        for prefix in ("gs://", "gcs://"):
-            if path.startswith(prefix):
-                path = path[len(prefix):]
-        return path.rstrip("/")
-
-    def _split(self, path: str) -> tuple[str, str]:
-        bucket, _, name = self._strip_protocol(path).partition("/")
-        if bucket not in self.store.buckets:
-            raise FileNotFoundError(f"gs://{bucket}: no such bucket")
-        return bucket, name
-
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        bucket, name = self._split(path)
-        found = self.store.get(bucket, name) if name else None
-        if found is not None:
-            entries = [self._file(bucket, name, found[0])]
-        else:
-            prefix = f"{name}/" if name else ""
-            files, dirs = {}, set()
-            for key in self.store.names(bucket):
-                if not key.startswith(prefix):
-                    continue
-                head, sep, _ = key[len(prefix):].partition("/")
-                if sep:
-                    dirs.add(f"{bucket}/{prefix}{head}")
-                else:
-                    files[key] = self.store.get(bucket, key)
-            if not files and not dirs and name:
-                raise FileNotFoundError(path)
-            entries = [self._file(bucket, k, v[0]) for k, v in files.items() if v is not None]
-            entries += [{"name": d, "size": 0, "type": "directory"} for d in sorted(dirs)]
-        return entries if detail else [e["name"] for e in entries]
-
-    @staticmethod
-    def _file(bucket: str, name: str, data: bytes) -> dict[str, Any]:
-        return {"name": f"{bucket}/{name}", "size": len(data), "type": "file"}
-
-    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        bucket, name = self._split(path)
-        if not name:
-            return {"name": bucket, "size": 0, "type": "directory"}
-        found = self.store.get(bucket, name)
-        if found is not None:
-            return self._file(bucket, name, found[0])
-        if any(k.startswith(name + "/") for k in self.store.names(bucket)):
-            return {"name": f"{bucket}/{name}", "size": 0, "type": "directory"}
-        raise FileNotFoundError(path)
-
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        bucket, name = self._split(path)
-        if "a" in mode or "+" in mode:
-            raise NotImplementedError("GCS objects cannot be appended to or updated in place")
-        if "w" in mode or "x" in mode:
-            return _Upload(self, bucket, name)
-        found = self.store.get(bucket, name)
-        if found is None:
-            raise FileNotFoundError(path)
-        return io.BytesIO(found[0])
-
-    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
-        self._split(path)  # folders do not exist on GCS; only the bucket must
-
-    def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        self._split(path)
-
-    def rmdir(self, path: str) -> None:
-        pass
-
-    def rm_file(self, path: str) -> None:
-        bucket, name = self._split(path)
-        if not self.store.delete(bucket, name):
-            raise FileNotFoundError(path)
-
-    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
-        for one in [path] if isinstance(path, str) else path:
-            bucket, name = self._split(one)
-            removed = self.store.delete(bucket, name) if name else False
-            if recursive:
-                for key in self.store.names(bucket):
-                    if not name or key.startswith(name + "/"):
-                        removed = self.store.delete(bucket, key) or removed
-            if not removed:
-                raise FileNotFoundError(one)
-
-    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
-        bucket, name = self._split(path1)
-        found = self.store.get(bucket, name)
-        if found is None:
-            if self.isdir(path1):
-                return  # fsspec's recursive copy visits folders too; they hold nothing themselves
-            raise FileNotFoundError(path1)
-        dst_bucket, dst_name = self._split(path2)
-        self.store.put(dst_bucket, dst_name, found[0])
+def _multipart(content_type: str, body: bytes) -> tuple[dict[str, Any], bytes]:
+    """(metadata, data) of a `multipart/related` upload: a JSON part, then the object's bytes (gcsfs ends its
+    lines with \\n, other clients with \\r\\n)."""
+    boundary = re.search(r'boundary="?([^";]+)"?', content_type)
+    assert boundary is not None, content_type
+    parts = body.split(b"--" + boundary.group(1).encode())[1:3]
+    metadata, data = (re.split(rb"\r?\n\r?\n", part, maxsplit=1)[1] for part in parts)
+    return json.loads(metadata), re.sub(rb"\r?\n\Z", b"", data, count=1)
 
 
 class FakeGCS:
-    """Starts the server and installs the hooks; `stop()` removes them. Use as a context manager."""
+    """Starts the server and points tensorstore, gcsfs (under fsspec's `gs` / `gcs`) and google-cloud-storage
+    at it; `stop()` undoes it. Use as a context manager."""
+
+    _ENV = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "STORAGE_EMULATOR_HOST")
 
     def __init__(self, buckets: tuple[str, ...] = ("test-bucket",)):
         self.store = ObjectStore(buckets)
@@ -338,21 +335,30 @@ class FakeGCS:
         assert self._server is not None
         return f"http://127.0.0.1:{self._server.server_port}"
 
+    def env(self) -> dict[str, str]:
+        """What a subprocess needs to use the fake (its own fsspec reads FSSPEC_GS_TOKEN at import)."""
+        return {"TENSORSTORE_GCS_HTTP_URL": self.url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token",
+                "STORAGE_EMULATOR_HOST": self.url, "FSSPEC_GS_TOKEN": "anon", "FSSPEC_GCS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
     def start(self) -> FakeGCS:
+        from gcsfs.core import GCSFileSystem
+
         handler = type("Handler", (_Handler,), {"store": self.store})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        for key, value in (("TENSORSTORE_GCS_HTTP_URL", self.url), ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "fake-token")):
-            self._saved[key] = os.environ.get(key)
-            os.environ[key] = value
-        FakeGCSFileSystem.store = self.store
-        self._saved["fsspec"] = {p: _FSSPEC_REGISTRY.get(p) for p in ("gs", "gcs")}
+        for key, value in self.env().items():
+            if key in self._ENV:
+                self._saved[key] = os.environ.get(key)
+                os.environ[key] = value
+        self._saved["conf"] = {p: fsspec.config.conf.get(p) for p in ("gs", "gcs")}
         for protocol in ("gs", "gcs"):
-            fsspec.register_implementation(protocol, FakeGCSFileSystem, clobber=True)
-        self._clear_epath_cache()
-        self._saved["modules"] = {m: sys.modules.get(m) for m in ("google.cloud", "google.cloud.storage")}
-        sys.modules.update(_storage_stub(tuple(self.store.buckets)))
+            fsspec.config.conf[protocol] = {**(fsspec.config.conf.get(protocol) or {}), "token": "anon"}
+        self._saved["fsspec"] = {p: fsspec.registry.get(p) for p in ("gs", "gcs")}
+        for protocol in ("gs", "gcs"):
+            fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
+        self._forget_clients()
         return self
 
     def stop(self) -> None:
@@ -360,27 +366,28 @@ class FakeGCS:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        for key in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+        for key in self._ENV:
             if self._saved.get(key) is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = self._saved[key]
+        for protocol, conf in self._saved.get("conf", {}).items():
+            if conf is None:
+                fsspec.config.conf.pop(protocol, None)
+            else:
+                fsspec.config.conf[protocol] = conf
         for protocol, cls in self._saved.get("fsspec", {}).items():
-            if cls is None:
-                _FSSPEC_REGISTRY.pop(protocol, None)
-            else:
+            if cls is not None:
                 fsspec.register_implementation(protocol, cls, clobber=True)
-        for name, module in self._saved.get("modules", {}).items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-        self._clear_epath_cache()
+        self._forget_clients()
 
     @staticmethod
-    def _clear_epath_cache() -> None:
+    def _forget_clients() -> None:
+        """gcsfs and epath keep their clients (each bound to the endpoint it was made for)."""
         from etils.epath import backend
+        from gcsfs.core import GCSFileSystem
 
+        GCSFileSystem.clear_instance_cache()
         backend.fsspec_backend._get_filesystem.cache_clear()
 
     def __enter__(self) -> FakeGCS:
@@ -388,22 +395,3 @@ class FakeGCS:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def _storage_stub(buckets: tuple[str, ...]) -> dict[str, types.ModuleType]:
-    """`google.cloud.storage` as far as orbax uses it: a bucket without hierarchical namespace."""
-    cloud = types.ModuleType("google.cloud")
-    cloud.__spec__ = importlib.machinery.ModuleSpec("google.cloud", None, is_package=True)
-    cloud.__path__ = []
-    storage = types.ModuleType("google.cloud.storage")
-    storage.__spec__ = importlib.machinery.ModuleSpec("google.cloud.storage", None)
-
-    class Client:
-        def get_bucket(self, name: str) -> Any:
-            if name not in buckets:
-                raise FileNotFoundError(f"gs://{name}: no such bucket")
-            return types.SimpleNamespace(name=name, hierarchical_namespace_enabled=False)
-
-    storage.Client = Client
-    cloud.storage = storage
-    return {"google.cloud": cloud, "google.cloud.storage": storage}

@@ -49,7 +49,7 @@ def session_dir(tmp_path_factory: Any) -> pathlib.Path:
     return _SESSION["dir"]
 
 
-def train_args(session: pathlib.Path, run_dir: pathlib.Path, *extra: str, steps: int = TOTAL_STEPS) -> list[str]:
+def train_args(session: pathlib.Path, run_dir: pathlib.Path | str, *extra: str, steps: int = TOTAL_STEPS) -> list[str]:
     """launch/train.py arguments of the tiny run every test here uses."""
     return [f"--config={ROOT / 'configs' / 'tiny.py'}", "--",
             f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",

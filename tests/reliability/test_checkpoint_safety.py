@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import checkpoint as ckpt
+from jaxrl_llm import storage
 from jaxrl_llm.bookkeeping.watchdog import WorkerWatchdog
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.trainer import Trainer
@@ -224,4 +225,22 @@ def test_fit_closes_everything_when_a_step_fails(caplog):
     ("something else\nwith a second line", "something else"),
 ])
 def test_a_failed_save_is_reported_in_the_storages_own_words(error, reason):
-    assert ckpt.storage_reason(ValueError(error)) == reason
+    assert storage.reason(ValueError(error)) == reason
+
+
+def test_gcsfs_errors_are_reported_in_the_buckets_words():
+    """What gcsfs raises once its retries are spent (epath's paths: commit markers, metrics, listings)."""
+    pytest.importorskip("gcsfs")
+    import aiohttp
+    from gcsfs.retry import HttpError
+
+    forbidden = OSError("Forbidden: http://127.0.0.1:1/upload/storage/v1/b/b/o?name=run%2Fx\nme@x.iam does not have "
+                        "storage.objects.create access to the Google Cloud Storage object.")
+    assert storage.reason(forbidden) == ("the bucket answered HTTP 403: me@x.iam does not have storage.objects.create "
+                                         "access to the Google Cloud Storage object.")
+    unavailable = HttpError({"code": 503, "message": "Service Unavailable"})
+    assert storage.reason(unavailable) == "the bucket answered HTTP 503: Service Unavailable (after retries)"
+    stalled = aiohttp.ServerTimeoutError("Timeout on reading data from socket")
+    within = f"within {storage.GCS_READ_TIMEOUT_S:g} s"
+    assert storage.reason(stalled) == f"no answer from the bucket {within} (after retries)"
+    assert storage.reason(OSError(28, "No space left on device")) == "No space left on device (errno 28)"

@@ -157,3 +157,59 @@ def test_the_hang_clock_starts_when_a_peer_goes_past():
     places.update({0: (7, "update_actor of step 2"), 1: None}, now=5000.0)  # 1 published nothing new
     assert places.hung(now=5061.0, timeout_s=60) == (1, "adv of step 2", 61.0, 0, "update_actor of step 2")
     assert _place("3") is None  # a process not yet marking (an older beat format) is not judged
+
+
+def _download(gcs, bucket: str, prefix: str, into):
+    """The fake bucket's objects under `prefix` as a local folder (orbax reads a checkpoint the same from both)."""
+    for name in gcs.store.names(bucket):
+        if name.startswith(prefix):
+            target = into / name[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(gcs.store.get(bucket, name)[0])
+    return into
+
+
+def test_a_bucket_that_refuses_a_write_stops_the_run_and_retries_carry_the_relaunch(tmp_path, tmp_path_factory,
+                                                                                    reference):
+    """The whole run dir in the fake bucket (arrays through tensorstore, the record, dumps, commit markers and
+    listings through epath / gcsfs). The bucket refuses step 3's rollout dump (HTTP 403, lost write access):
+    the run stops with one `storage error:` line naming the object, the bucket's words and the last committed
+    checkpoint, exit 74. The relaunch, with one request in five answered 503 and two of gcsfs's requests
+    stalled past its read timeout, is carried by the retries to the uninterrupted run's numbers, bit for bit."""
+    from fake_gcs import FakeGCS
+
+    from jaxrl_llm.storage import STORAGE_ERROR_EXIT_CODE
+
+    session = session_dir(tmp_path_factory)
+    logs = tmp_path / "logs"
+    with FakeGCS(("pod-bucket",)) as gcs:
+        url = "gs://pod-bucket/run"
+        args = train_args(session, url, f"trainer.rollout_data_dir={url}/rollouts")
+        env = {**base_env(session), **gcs.env(), "JAXRL_LLM_GCS_READ_TIMEOUT_S": "1"}
+        gcs.store.faults.refuse = lambda name: name == "run/rollouts/3.jsonl"
+        refused = Launch(args, env, logs, "refused")
+        assert refused.wait() == STORAGE_ERROR_EXIT_CODE, refused.tail()
+        stderr = refused.err_path.read_text()
+        assert _last_line(refused) == (
+            f"storage error: writing {url}/rollouts/3.jsonl failed: the bucket answered HTTP 403: fake@test.iam does "
+            "not have storage.objects.create access to the Google Cloud Storage object; the last committed "
+            "checkpoint is step 3"), stderr[-2000:]
+        assert "Traceback" not in stderr
+        committed = sorted(int(n.split("/")[2]) for n in gcs.store.names("pod-bucket")
+                           if n.startswith("run/checkpoints/") and n.endswith("/commit_success.txt")
+                           and n.count("/") == 3)  # the step's own marker, not its items'
+        assert committed == [1, 2, 3]  # (the dump named 3 is written after step 3's save started; it waited)
+
+        gcs.store.faults.refuse = None
+        gcs.store.faults.every, gcs.store.faults.limit = 4, 16
+        gcs.store.faults.stalls, gcs.store.faults.stall_s = 2, 3.0
+        relaunch = Launch(args, env, logs, "relaunch")
+        assert relaunch.wait(timeout=600) == 0, relaunch.tail()
+        assert "resumed from" in relaunch.stdout and "step 3" in relaunch.stdout
+        faults = gcs.store.faults
+        assert faults.stalled == 2 and any("gcsfs" in a for a in faults.served_503), faults
+        assert any("gcsfs" not in a for a in faults.served_503), faults  # tensorstore's (or orbax's client's) too
+        local = _download(gcs, "pod-bucket", "run/", tmp_path / "local")
+    assert_same_checkpoint(local, reference, TOTAL_STEPS)
+    assert_same_metrics(local, reference)
+    print(f"relaunch through the faults: {len(faults.served_503)} answers 503, {faults.stalled} stalls, all retried")
