@@ -35,8 +35,8 @@ import fsspec
 
 @dataclass
 class Faults:
-    """What the fake does wrong. `every`: every Nth request (counted over all clients) is answered 503, up
-    to `limit` times;
+    """What the fake does wrong. `every`: every Nth request of each client (told apart by its User-Agent:
+    tensorstore, gcsfs, google-cloud-storage) is answered 503, up to `limit` times per client;
     `stall_s` / `stalls`: that many requests are held `stall_s` seconds before any answer (a client with a
     shorter read timeout gives up and retries); `refuse`: object names whose writes get 403."""
 
@@ -48,7 +48,7 @@ class Faults:
     refuse: Callable[[str], bool] | None = None
     served_503: list[str] = field(default_factory=list)  # the User-Agent of each request answered 503
     stalled: int = 0
-    _count: itertools.count = field(default_factory=itertools.count)
+    _counts: dict[str, itertools.count] = field(default_factory=dict)
 
 
 class ObjectStore:
@@ -135,13 +135,14 @@ class _Handler(BaseHTTPRequestHandler):
         """Logs the request and plays the faults; None when a fault answered it (its body already read)."""
         self.store.requests.append((self.command, self.path))
         faults = self.store.faults
-        number = next(faults._count) + 1
         agent = self.headers.get("User-Agent", "")
+        client = agent.split("/")[0]
+        number = next(faults._counts.setdefault(client, itertools.count(1)))
         if faults.stalls > 0 and faults.stall_s > 0 and faults.stall_agent in agent:
             faults.stalls -= 1
             faults.stalled += 1
             time.sleep(faults.stall_s)  # the client has given up by now; it reads nothing from this one
-        spent = faults.limit and len(faults.served_503) >= faults.limit
+        spent = faults.limit and sum(a.split("/")[0] == client for a in faults.served_503) >= faults.limit
         if faults.every and number % faults.every == 0 and not spent:
             self._body()
             faults.served_503.append(agent)

@@ -127,7 +127,9 @@ def test_a_hung_worker_stops_every_process_within_the_timeout_naming_it(tmp_path
     codes = [p.wait(timeout=60) for p in procs]
     elapsed = time.monotonic() - hung_at
     assert codes == [PREEMPTED_EXIT_CODE] * 2, "\n".join(p.tail() for p in procs)
-    assert elapsed < hang_timeout_s + 8, elapsed  # the timeout, a beat (2 s at most) and the exits
+    # the timeout, a beat (2 s at most), process 0's grace for the others (2 beats + 0.5 s) and the exits (slow
+    # on a loaded machine: 14.3 s in all was seen in CI with 2 test workers)
+    assert elapsed < hang_timeout_s + 20, elapsed
     assert committed_steps(run) == [1, 2]
     for pid, proc in enumerate(procs):
         last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
@@ -169,23 +171,25 @@ def _download(gcs, bucket: str, prefix: str, into):
     return into
 
 
-def test_a_bucket_that_refuses_a_write_stops_the_run_and_retries_carry_the_relaunch(tmp_path, tmp_path_factory,
-                                                                                    reference):
+def test_a_bucket_that_refuses_a_write_stops_the_run_and_retries_carry_the_relaunch(tmp_path, tmp_path_factory):
     """The whole run dir in the fake bucket (arrays through tensorstore, the record, dumps, commit markers and
     listings through epath / gcsfs). The bucket refuses step 3's rollout dump (HTTP 403, lost write access):
     the run stops with one `storage error:` line naming the object, the bucket's words and the last committed
-    checkpoint, exit 74. The relaunch, with one request in five answered 503 and two of gcsfs's requests
-    stalled past its read timeout, is carried by the retries to the uninterrupted run's numbers, bit for bit."""
+    checkpoint, exit 74. The relaunch, with every fourth request of each client answered 503 (8 times each) and
+    two of gcsfs's requests stalled past its read timeout, is carried by the retries to the uninterrupted run's
+    numbers, bit for bit."""
     from fake_gcs import FakeGCS
 
     from jaxrl_llm.storage import STORAGE_ERROR_EXIT_CODE
 
+    steps = 8
     session = session_dir(tmp_path_factory)
+    reference = reference_run(tmp_path_factory, devices=2, steps=steps)  # shared with the lost / hung worker tests
     logs = tmp_path / "logs"
     with FakeGCS(("pod-bucket",)) as gcs:
         url = "gs://pod-bucket/run"
-        args = train_args(session, url, f"trainer.rollout_data_dir={url}/rollouts")
-        env = {**base_env(session), **gcs.env(), "JAXRL_LLM_GCS_READ_TIMEOUT_S": "1"}
+        args = train_args(session, url, f"trainer.rollout_data_dir={url}/rollouts", steps=steps)
+        env = {**base_env(session, devices=2), **gcs.env(), "JAXRL_LLM_GCS_READ_TIMEOUT_S": "1"}
         gcs.store.faults.refuse = lambda name: name == "run/rollouts/3.jsonl"
         refused = Launch(args, env, logs, "refused")
         assert refused.wait() == STORAGE_ERROR_EXIT_CODE, refused.tail()
@@ -201,15 +205,16 @@ def test_a_bucket_that_refuses_a_write_stops_the_run_and_retries_carry_the_relau
         assert committed == [1, 2, 3]  # (the dump named 3 is written after step 3's save started; it waited)
 
         gcs.store.faults.refuse = None
-        gcs.store.faults.every, gcs.store.faults.limit = 4, 16
+        gcs.store.faults.every, gcs.store.faults.limit = 4, 8
         gcs.store.faults.stalls, gcs.store.faults.stall_s = 2, 3.0
         relaunch = Launch(args, env, logs, "relaunch")
         assert relaunch.wait(timeout=600) == 0, relaunch.tail()
         assert "resumed from" in relaunch.stdout and "step 3" in relaunch.stdout
         faults = gcs.store.faults
-        assert faults.stalled == 2 and any("gcsfs" in a for a in faults.served_503), faults
-        assert any("gcsfs" not in a for a in faults.served_503), faults  # tensorstore's (or orbax's client's) too
+        clients = sorted({a.split("/")[0] for a in faults.served_503})
+        assert faults.stalled == 2 and {"python-gcsfs", "tensorstore"} <= set(clients), faults
         local = _download(gcs, "pod-bucket", "run/", tmp_path / "local")
-    assert_same_checkpoint(local, reference, TOTAL_STEPS)
-    assert_same_metrics(local, reference)
-    print(f"relaunch through the faults: {len(faults.served_503)} answers 503, {faults.stalled} stalls, all retried")
+    assert_same_checkpoint(local, reference, steps)
+    assert_same_metrics(local, reference, steps)
+    print(f"relaunch through the faults: {len(faults.served_503)} answers 503 ({', '.join(clients)}), "
+          f"{faults.stalled} stalls, all retried")
