@@ -462,9 +462,11 @@ MODEL = dict(
                                  "depend on the batch, the sequence length or the engine's step, so in bf16 the "
                                  "rollout's log-probs equal the trainer's recomputation bit for bit "
                                  "(rollout_corr/max_abs_log_ratio 0). Costs time (docs/performance.md, 'Exact "
-                                 "rollouts'); the paged engine then runs its XLA attention path, without cascade "
-                                 "attention, chunked prefill or speculative decoding. veRL's vexact / vLLM's "
-                                 "batch-invariant mode."),
+                                 "rollouts'); the paged engine then runs its XLA attention path (each slot reads "
+                                 "its own pages: no cascade attention; chunked prefill stays); speculative decoding, "
+                                 "packed rows, int8 KV and mesh.context / expert splits are refused. On a tensor "
+                                 "split each GEMM gathers its weight (the reduction is done on one device). veRL's "
+                                 "vexact / vLLM's batch-invariant mode."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),
     tiny={

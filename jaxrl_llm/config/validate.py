@@ -171,11 +171,11 @@ def _check_batch_invariant(cfg: ml_collections.ConfigDict) -> None:
              why + "has no invariant verification step yet: set it to 'none'")
     _require(cfg.actor_rollout_ref.rollout.kv_cache_dtype == "auto", f"{ROLLOUT}.kv_cache_dtype", cfg,
              why + "reads compute-dtype pages (int8 pages are dequantised in another order): set it to 'auto'")
-    for axis in ("tensor", "context", "expert"):
+    for axis in ("context", "expert"):
         _require(cfg.mesh[axis] == 1, f"mesh.{axis}", cfg,
                  why + "fixes the summation order on one device's rows; a split over mesh." + axis
-                 + " would add a cross-device reduction whose order is not fixed yet: set it to 1 (fsdp and data "
-                   "splits are fine)")
+                 + " would add a cross-device reduction whose order is not fixed yet: set it to 1 (data, fsdp and "
+                   "tensor splits are fine)")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:

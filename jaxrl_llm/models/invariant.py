@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.models.precision import MASKED_SCORE, probs_times_values
 from jaxrl_llm.sharding.mesh import BATCH_AXES
 
 Array = jax.Array
@@ -53,7 +54,6 @@ MIN_ROWS = 8  # query rows per (row, kv head) in an attention contraction, padde
 CPU_ROW_TILE = 8  # rows per XLA dot on CPU (bench/row_invariance.py: every tile shape measured row-invariant)
 GPU_BLOCKS = (64, 64)  # the Triton GEMM's (rows, columns) per program; K in pieces of at most 64
 TPU_BLOCKS = (128, 128)  # the Mosaic GEMM's (rows, columns) per program; K in pieces of 512 (or whole)
-MASKED = float(jnp.finfo(jnp.float32).min)
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
 
@@ -236,23 +236,12 @@ def _block_scores(qg: Array, k_block: Array, softcap: float | None) -> Array:
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
-def _block_values(p: Array, v_block: Array) -> Array:
-    """fp32 p [B, kv, rows, KB] x v [B, kv, KB, D]: two bf16 terms for bf16 V (models/numerics.py)."""
-    spec = "bkqs,bksd->bkqd"
-    if v_block.dtype == jnp.float32:
-        return jnp.einsum(spec, p, v_block, preferred_element_type=jnp.float32)
-    hi = p.astype(v_block.dtype)
-    lo = (p - hi.astype(jnp.float32)).astype(v_block.dtype)
-    return (jnp.einsum(spec, hi, v_block, preferred_element_type=jnp.float32)
-            + jnp.einsum(spec, lo, v_block, preferred_element_type=jnp.float32))
-
-
 def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None
                   ) -> tuple[Array, Array]:
     """(fp32 out [B, kv, rows, D], lse [B, kv, rows]) of grouped queries qg [B, kv, rows, D] over keys
     k / v [B, kv, S, D] anchored at key 0 (`anchor_keys`), where `valid` [B, kv or 1, rows, S]; `sink`
     (broadcastable to [B, kv, rows]) fp32 attention sinks or None. S is padded to whole KEY_BLOCKs and the
-    rows to at least MIN_ROWS (module doc). A row without a valid key gets zeros (lse MASKED)."""
+    rows to at least MIN_ROWS (module doc). A row without a valid key gets zeros (lse MASKED_SCORE)."""
     b, nkv, rows, hd = qg.shape
     # at least two blocks: XLA inlines a loop of one trip, and the body then fuses with its surroundings
     # into other kernels (measured: another p.v sum order on CPU)
@@ -268,7 +257,7 @@ def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | Non
     v_blocks = jnp.moveaxis(v.reshape(b, nkv, blocks, KEY_BLOCK, hd), 2, 0)
     valid_blocks = jnp.moveaxis(valid.reshape(*valid.shape[:3], blocks, KEY_BLOCK), 3, 0)
     scores = lax.map(lambda kb: _block_scores(qg, kb, softcap), k_blocks)  # [blocks, B, kv, R, KB]
-    scores = jnp.where(valid_blocks, scores, MASKED)
+    scores = jnp.where(valid_blocks, scores, MASKED_SCORE)
     peak = jnp.max(scores, axis=(0, 4))  # exact in any order
     if sink is not None:
         peak = jnp.maximum(peak, _pad_axis(jnp.broadcast_to(sink, (b, nkv, rows)), 2, padded_rows))
@@ -277,7 +266,7 @@ def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | Non
         total, acc = carry
         block_scores, block_valid, v_block = xs
         p = jnp.where(block_valid, jnp.exp(block_scores - peak[..., None]), 0.0)
-        return (total + tree_sum(p), acc + _block_values(p, v_block)), None
+        return (total + tree_sum(p), acc + probs_times_values("bkqs,bksd->bkqd", p, v_block)), None
 
     init = (jnp.zeros(peak.shape, jnp.float32), jnp.zeros((b, nkv, padded_rows, hd), jnp.float32))
     (total, acc), _ = lax.scan(add_block, init, (scores, valid_blocks, v_blocks))
@@ -285,7 +274,7 @@ def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | Non
         total = total + jnp.exp(_pad_axis(jnp.broadcast_to(sink, (b, nkv, rows)), 2, padded_rows) - peak)
     seen = total > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), MASKED)
+    lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), MASKED_SCORE)
     return out[:, :, :rows], lse[:, :, :rows]
 
 

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.models import invariant
+from jaxrl_llm.models.precision import MASKED_SCORE as MASKED_SCORE
+from jaxrl_llm.models.precision import einsum_f32 as einsum_f32
+from jaxrl_llm.models.precision import probs_times_values as probs_times_values
 
 Array = jax.Array
 
-# the fp32 score of a masked key in the trainer's and the XLA decode path's attention: finite, so a
-# fully masked (padding) query row stays NaN-free
-MASKED_SCORE = float(jnp.finfo(jnp.float32).min)
 
 MATMUL_2D = (((1,), (0,)), ((), ()))  # [N, K] x [K, F]
 
@@ -94,25 +94,6 @@ def invariant_matmul(x: Array, w: Array) -> Array:
 
 
 invariant_matmul.defvjp(lambda x, w: (invariant.matmul(x, w), _low_residuals(x, w)), _low_bwd)
-
-
-def einsum_f32(spec: str, a: Array, b: Array) -> Array:
-    """`jnp.einsum` with fp32 accumulation and an fp32 result (operands keep their dtype)."""
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
-def probs_times_values(spec: str, probs: Array, v: Array) -> Array:
-    """fp32 `einsum(spec, probs, v)` of fp32 attention probabilities and V in the compute dtype.
-
-    fp32 V: one fp32 matmul (fp32 results are unchanged by this policy). bf16 V: probs = hi + lo
-    with hi = bf16(probs), lo = bf16(probs - hi); two bf16 x bf16 -> fp32 matmuls, added in fp32.
-    """
-    probs = probs.astype(jnp.float32)
-    if v.dtype == jnp.float32:
-        return einsum_f32(spec, probs, v)
-    hi = probs.astype(v.dtype)
-    lo = (probs - hi.astype(jnp.float32)).astype(v.dtype)
-    return einsum_f32(spec, hi, v) + einsum_f32(spec, lo, v)
 
 
 def softmax_terms(scores: Array, sink: Array | None = None) -> tuple[Array, Array, Array]:

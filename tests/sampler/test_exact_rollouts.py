@@ -31,13 +31,14 @@ def _model(arch: str, **dims):
 _score = jax.jit(response_log_probs, static_argnums=(1, 4), static_argnames=("temperature", "compute_dtype"))
 
 
-def _rollout_vs_trainer(cfg, params, prompts, engine: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(the sampler's, the trainer's) bf16 log-probs of the response tokens (flattened)."""
-    sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, ignore_eos=True)
+def _rollout_vs_trainer(cfg, params, prompts, engine: str, seed: int = 0, n: int = 1,
+                        opts: EngineOptions | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(the sampler's, the trainer's) bf16 log-probs of the response tokens (flattened); `n` samples a prompt."""
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, ignore_eos=True, n=n)
     settings, knobs = sp.compile_args(cfg.eos_token_ids, 0, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
     if engine == "paged":
         out, _ = sample_paged(params, cfg, prompts, jax.random.key(seed), knobs, settings=settings,
-                              opts=EngineOptions(engine="paged"))
+                              opts=opts or EngineOptions(engine="paged"))
     else:
         ids, mask = left_pad(prompts, 0)
         out = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), knobs, settings=settings)
@@ -59,6 +60,20 @@ def test_bf16_rollout_log_probs_equal_the_trainers_bit_for_bit(engine):
     assert np.abs(rollout - trainer).max() > 0 and np.mean(rollout == trainer) < 0.99
 
 
+@pytest.mark.parametrize("variant", ["chunked_prefill", "cascade_and_batch_prefill"])
+def test_the_paged_engines_prefill_and_decode_variants_stay_exact(variant):
+    """Prompts of 3..19 ids prefilled in chunks of 4 over their growing cache; or a prompt's 2 samples sharing its
+    pages (cascade attention on) with a round's prompts prefilled in one call: the same bits as the trainer."""
+    cfg, params, prompts = _model("llama")
+    opts = {"chunked_prefill": EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True),
+            "cascade_and_batch_prefill": EngineOptions(engine="paged", cascade_attention=True,
+                                                       batch_prefill=True)}[variant]
+    rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts, "paged",
+                                           n=2, opts=opts)
+    assert rollout.size == 2 * 8 * NEW_TOKENS
+    np.testing.assert_array_equal(rollout, trainer)
+
+
 def test_exact_after_the_weights_move_and_with_a_sliding_window():
     """The paged engine's weight copy keeps the stacked norm scales in fp32 (models/dtypes.py): once an update
     moves them off bf16 values the rollout still equals the trainer; a Mistral-style sliding window (shorter
@@ -71,9 +86,11 @@ def test_exact_after_the_weights_move_and_with_a_sliding_window():
         np.testing.assert_array_equal(rollout, trainer)
 
 
-def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf):
-    """A bf16 GRPO run of the tiny config with the mode on (paged engine): at every step the trainer's
-    log-probs of the rollout's tokens are the sampler's (max_abs_log_ratio 0, every token exact)."""
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor):
+    """A bf16 GRPO run of the tiny config with the mode on (paged engine) on 8 devices, fsdp 8 or fsdp 4 x
+    tensor 2: at every step the trainer's log-probs of the rollout's tokens are the sampler's (max_abs_log_ratio
+    0, every token exact). On the tensor split each GEMM gathers its weight and sums its rows on one device."""
     from tiny_runs import read_metrics, tiny_config
 
     from jaxrl_llm.trainer import Trainer
@@ -81,7 +98,7 @@ def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf):
     Trainer(tiny_config(tmp_path, **{
         "actor_rollout_ref.model.dtype": "bfloat16", "actor_rollout_ref.model.batch_invariant": True,
         "actor_rollout_ref.model.use_remove_padding": False, "actor_rollout_ref.rollout.engine": "paged",
-        "actor_rollout_ref.rollout.temperature": TEMPERATURE})).fit()
+        "actor_rollout_ref.rollout.temperature": TEMPERATURE, "mesh.tensor": tensor})).fit()
     rows = [r for r in read_metrics(tmp_path) if "rollout_corr/max_abs_log_ratio" in r]
     assert len(rows) == 2
     for row in rows:
@@ -92,7 +109,7 @@ def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf):
     ("actor_rollout_ref.model.use_remove_padding", True, "unpacked rows"),
     ("actor_rollout_ref.rollout.speculative.method", "ngram", "verification"),
     ("actor_rollout_ref.rollout.kv_cache_dtype", "int8", "int8 pages"),
-    ("mesh.tensor", 2, "mesh.tensor"),
+    ("mesh.context", 2, "mesh.context"),
 ])
 def test_what_the_mode_does_not_cover_is_refused_by_name(key, value, named):
     from tiny_runs import tiny_config
