@@ -39,6 +39,5 @@ __all__ = [
     "ResumePoint", "abstract_like", "changed_run_keys",
     "find_resume", "is_checkpoint", "list_steps", "load_lora_checkpoint", "load_policy_checkpoint", "locate_checkpoint",
     "lora_base_params", "read_checkpoint_meta", "register_checkpoint_loader", "resolve_resume",
-    "restore_first_readable", "restore_resume_point", "restore_rollout_weights", 
-    "warn_config_changes",
+    "restore_first_readable", "restore_resume_point", "restore_rollout_weights", "warn_config_changes",
 ]

@@ -62,14 +62,6 @@ class ObjectStore:
         self.faults = Faults()
         self.uploads: dict[str, tuple[str, str, bytearray]] = {}  # resumable sessions: id -> (bucket, name, data)
 
-    @property
-    def refuse_uploads(self) -> bool:
-        return self.faults.refuse is not None
-
-    @refuse_uploads.setter
-    def refuse_uploads(self, value: bool) -> None:  # every write refused (a bucket that lost write access)
-        self.faults.refuse = (lambda name: True) if value else None
-
     def put(self, bucket: str, name: str, data: bytes, if_generation_match: int | None = None) -> int | None:
         """Writes an object; None when the precondition fails."""
         with self.lock:

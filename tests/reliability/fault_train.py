@@ -80,17 +80,17 @@ def _install_hang_at(label: str) -> None:
 
     import jax
 
-    from jaxrl_llm.trainer import trainer as trainer_module
+    from jaxrl_llm.bookkeeping.watchdog import WorkerWatchdog
 
-    mark = trainer_module.Trainer._mark
+    mark = WorkerWatchdog.mark
 
-    def hang_or_mark(self, phase):
-        if jax.process_index() == 1 and f"{phase} of step {self.global_step + 1}" == label:
+    def hang_or_mark(self, phase_label):
+        if jax.process_index() == 1 and phase_label == label:
             print(f"hanging before {label}", flush=True)
             threading.Event().wait()
-        return mark(self, phase)
+        return mark(self, phase_label)
 
-    trainer_module.Trainer._mark = hang_or_mark
+    WorkerWatchdog.mark = hang_or_mark
 
 
 if __name__ == "__main__":

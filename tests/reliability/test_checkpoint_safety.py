@@ -230,7 +230,6 @@ def test_a_failed_save_is_reported_in_the_storages_own_words(error, reason):
 
 def test_gcsfs_errors_are_reported_in_the_buckets_words():
     """What gcsfs raises once its retries are spent (epath's paths: commit markers, metrics, listings)."""
-    pytest.importorskip("gcsfs")
     import aiohttp
     from gcsfs.retry import HttpError
 

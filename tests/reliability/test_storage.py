@@ -133,13 +133,13 @@ def test_a_bucket_that_refuses_writes_fails_the_save_with_one_error(gcs):
     store = ckpt.CheckpointStore(directory)
     store.save(1, {"w": jnp.arange(4.0)}, {"pos": 1}, {"global_step": 1})
     store.wait()
-    gcs.store.refuse_uploads = True
+    gcs.store.faults.refuse = lambda name: True  # every write refused: the bucket lost write access
     try:
         with pytest.raises(ckpt.CheckpointSaveError) as caught:
             store.save(2, {"w": jnp.arange(4.0) * 2}, {"pos": 2}, {"global_step": 2})
             store.wait()
     finally:
-        gcs.store.refuse_uploads = False
+        gcs.store.faults.refuse = None
         store.close()
     message = str(caught.value)
     assert message.startswith(f"the save of step 2 to {directory} failed: the bucket answered HTTP 403: fake@test.iam "
