@@ -18,6 +18,10 @@ MIXED_CFG = ModelConfig.tiny("qwen2_moe", vocab_size=64, hidden_size=32, head_di
 # SwiGLU clamp these scales reach
 GPT_OSS_CFG = ModelConfig.tiny("gpt_oss", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
                                intermediate_size=16, moe_block_rows=8, swiglu_limit=0.3)
+# DeepSeek-V3: latent attention (a q bottleneck), a dense first layer, 8 experts in 4 groups of which 2 open, a
+# shared expert, sigmoid routing with a correction bias (drawn by `with_random_biases`)
+DEEPSEEK_CFG = ModelConfig.tiny("deepseek_v3", vocab_size=64, hidden_size=32, head_dim=8, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=16, moe_block_rows=8, num_hidden_layers=3)
 N, P, R = 8, 5, 6
 SETTINGS = ActorSpec(loss_mode="vanilla", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
                      clip_ratio_c=3.0, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
@@ -42,7 +46,7 @@ def with_random_biases(params: dict, seed: int = 0, scale: float = 0.3) -> dict:
 
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    drawn = [jax.random.normal(k, x.shape, x.dtype) * scale if p[-1].key in ("bias", "sinks") else x
+    drawn = [jax.random.normal(k, x.shape, x.dtype) * scale if p[-1].key in ("bias", "sinks", "score_bias") else x
              for (p, x), k in zip(leaves, keys)]
     return jax.tree_util.tree_unflatten(tree, drawn)
 

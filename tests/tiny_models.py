@@ -96,9 +96,29 @@ GEMMA4 = {
 }
 
 
+# DeepSeek-V3: 3 layers (layer 0 dense, 1 and 2 routed: 8 experts in 4 groups, the best 2 open, top-2, a shared
+# expert); multi-head latent attention with a q bottleneck, interleaved rope dims and YaRN with both mscales
+# ("deepseek_v3"), or one q_proj, rotate-half rope dims, values wider than the keys and no groups, every layer
+# routed ("deepseek_v3_plain")
+_DEEPSEEK_BASE = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=32, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      n_shared_experts=1, routed_scaling_factor=2.5, num_mtp_layers=0)
+DEEPSEEK = {
+    "deepseek_v3": ("deepseek_v3", dict(_DEEPSEEK_BASE, q_lora_rank=24, v_head_dim=16, n_group=4, topk_group=2,
+                                        first_k_dense_replace=1, rope_interleave=True,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                         "original_max_position_embeddings": 64, "mscale": 0.8,
+                                                         "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0})),
+    "deepseek_v3_plain": ("deepseek_v3", dict(_DEEPSEEK_BASE, q_lora_rank=None, v_head_dim=24, n_group=1,
+                                              topk_group=1, first_k_dense_replace=0, rope_interleave=False)),
+}
+
+
 def family_case(case: str) -> tuple[str, dict]:
-    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA / GEMMA4 / GPT_OSS case name."""
-    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GEMMA4, **GPT_OSS}.get(case, (case, {}))
+    """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA / GEMMA4 / GPT_OSS / DEEPSEEK
+    case name."""
+    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GEMMA4, **GPT_OSS, **DEEPSEEK}.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):
@@ -109,7 +129,7 @@ def hf_config(family: str, **overrides):
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
-           "gpt_oss": transformers.GptOssConfig}[family]
+           "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 
@@ -129,6 +149,8 @@ def build_hf_model(family: str, folder, *, head: str = "lm", seed: int = 0, **ov
         for name, b in model.named_buffers():  # Gemma 4's per-layer scalar is a (saved) buffer
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: moves the experts chosen
+                b.normal_(0.0, 0.3)
     model.eval()
     model.save_pretrained(folder)
     return model

@@ -468,7 +468,8 @@ MODEL = dict(
                                  "split each GEMM gathers its weight (the reduction is done on one device). veRL's "
                                  "vexact / vLLM's batch-invariant mode."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
-                                       "down_proj) or a list of those names. veRL.", types=STR_OR_LIST),
+                                       "down_proj; DeepSeek's latent attention: q_a/q_b_proj, kv_a_proj_with_mqa, "
+                                       "kv_b_proj) or a list of those names. veRL.", types=STR_OR_LIST),
     tiny={
         "num_hidden_layers": field(2, "Decoder blocks of a tiny:<arch> model (tests); names as "
                                       "jaxrl_llm.models.ModelConfig.tiny's overrides."),

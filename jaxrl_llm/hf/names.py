@@ -129,13 +129,15 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
         layer(("mlp_norm", "scale"), "post_attention_layernorm.weight", (h,))
     if cfg.typed_layers:
         specs += _gemma4_specs(cfg)
-    for proj, heads in () if cfg.typed_layers else (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
+    if cfg.is_mla:
+        specs += _mla_specs(cfg)
+    for proj, heads in () if cfg.typed_layers or cfg.is_mla else (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
         layer(("attn", proj, "kernel"), f"self_attn.{proj}.weight", (heads * d, h),
               _linear(h, (heads, d)))
         if cfg.attention_bias:
             layer(("attn", proj, "bias"), f"self_attn.{proj}.bias", (heads * d,),
                   (lambda b, n=heads: b.reshape(n, d), lambda b: b.reshape(-1)))
-    if not cfg.typed_layers:
+    if not cfg.typed_layers and not cfg.is_mla:
         layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d), _linear_in_heads((nh, d), h))
     if cfg.o_proj_bias:
         layer(("attn", "o_proj", "bias"), "self_attn.o_proj.bias", (h,))
@@ -160,6 +162,38 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
                                 optional=True))
         specs.append(TensorSpec(("value_head", "bias"), "score.bias", (1,), _identity, _identity,
                                 optional=True))
+    return specs
+
+
+def _mla_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """DeepSeek-V3's multi-head latent attention (models/mla.py): the q bottleneck (or one q_proj), the
+    latent's down projection with the rope key (`kv_a_proj_with_mqa`), its norm, the per-head expansion and
+    o_proj (biases on the down projections and o_proj with attention_bias)."""
+    h, nh, lay = cfg.hidden_size, cfg.num_attention_heads, "model.layers.{i}.self_attn."
+    qk, vd, r = cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    specs: list[TensorSpec] = []
+
+    def spec(ours: str, theirs: str, shape: tuple[int, ...], conv=None, leaf: str = "kernel") -> None:
+        to_ours, to_hf = conv or (_identity, _identity)
+        specs.append(TensorSpec(("layers", "attn", ours, leaf), lay + theirs, shape, to_ours, to_hf))
+
+    down = [("kv_a_proj_with_mqa", "kv_a_proj_with_mqa", r + cfg.head_dim)]
+    if cfg.q_lora_rank:
+        down.append(("q_a_proj", "q_a_proj", cfg.q_lora_rank))
+        spec("q_a_norm", "q_a_layernorm.weight", (cfg.q_lora_rank,), leaf="scale")
+        spec("q_b_proj", "q_b_proj.weight", (nh * qk, cfg.q_lora_rank), _linear(cfg.q_lora_rank, (nh, qk)))
+    else:
+        spec("q_proj", "q_proj.weight", (nh * qk, h), _linear(h, (nh, qk)))
+    for ours, theirs, width in down:
+        spec(ours, f"{theirs}.weight", (width, h), _linear(h, (width,)))
+        if cfg.attention_bias:
+            spec(ours, f"{theirs}.bias", (width,), leaf="bias")
+    spec("kv_a_norm", "kv_a_layernorm.weight", (r,), leaf="scale")
+    spec("kv_b_proj", "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + vd), r),
+         _linear(r, (nh, cfg.qk_nope_head_dim + vd)))
+    spec("o_proj", "o_proj.weight", (h, nh * vd), _linear_in_heads((nh, vd), h))
+    if cfg.attention_bias:
+        spec("o_proj", "o_proj.bias", (h,), leaf="bias")
     return specs
 
 
@@ -255,12 +289,17 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
         shape, conv = _mlp_tensor(ours, h, f)
         specs.append(TensorSpec(("layers", "moe", "experts", ours, "kernel"), block + f"experts.{{e}}.{theirs}.weight",
                                 shape, *conv, experts=e, layer_ids=ids))
+    if cfg.router_sigmoid:  # DeepSeek's correction bias, a buffer of the router (`gate`)
+        specs.append(TensorSpec(("layers", "moe", "score_bias"), block + "gate.e_score_correction_bias", (e,),
+                                _identity, _identity, layer_ids=ids))
     fs = cfg.shared_expert_intermediate_size
+    shared = "shared_expert" if cfg.shared_expert_gated else "shared_experts"  # Qwen2-MoE's name, DeepSeek's
     if fs:
         for ours in MLP_MODULES:
             shape, conv = _mlp_tensor(ours, h, fs)
             specs.append(TensorSpec(("layers", "moe", "shared_expert", ours, "kernel"),
-                                    block + f"shared_expert.{ours}.weight", shape, *conv, layer_ids=ids))
+                                    block + f"{shared}.{ours}.weight", shape, *conv, layer_ids=ids))
+    if fs and cfg.shared_expert_gated:
         specs.append(TensorSpec(("layers", "moe", "shared_expert_gate", "kernel"), block + "shared_expert_gate.weight",
                                 (1, h), *_linear(h, (1,)), layer_ids=ids))
     return specs

@@ -39,7 +39,9 @@ def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
             a, b = np.asarray(ad["A"], np.float32), np.asarray(ad["B"], np.float32)
             rank = a.shape[-1]
             for row, i in enumerate(group_layer_ids(cfg, group)):
-                name = PREFIX.format(i=i) + f"{_HF_GROUP[group]}.{module}."
+                hf_group = "mlp.shared_experts" if group == "shared_expert" and not cfg.shared_expert_gated else \
+                    _HF_GROUP[group]  # DeepSeek's shared experts
+                name = PREFIX.format(i=i) + f"{hf_group}.{module}."
                 out[name + "lora_A.weight"] = np.ascontiguousarray(a[row].reshape(-1, rank).T)
                 out[name + "lora_B.weight"] = np.ascontiguousarray(b[row].reshape(rank, -1).T)
     return out

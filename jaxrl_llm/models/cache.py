@@ -5,7 +5,7 @@ Layout (a plain dict pytree, so it can be donated to `jit` and carried through `
     cache = {
       "k":     [L, B, kv_heads, S, head_dim]   keys, S = max_len slots (cache dtype, e.g. bf16/fp32);
                                              head-major, the layout attention reads with no copy
-      "v":     [L, B, kv_heads, S, head_dim]   values
+      "v":     [L, B, kv_heads, S, head_dim]   values (none for MLA: its values are its keys, models/mla.py)
       ("k_full", "v_full": a Gemma 4 model's full-attention layers, `kv_shapes`)
       "mask":  [B, S] int32                    1 where a slot holds a real (non-pad) token
       "index": int32 scalar                    next slot to write; the same for every row
@@ -53,7 +53,9 @@ def kv_shapes(cfg: ModelConfig, batch: int, slots: int) -> dict[str, tuple[int, 
     (`cfg.typed_layers`) has them for its sliding layers and "k_full" / "v_full" for its full layers, each over
     the layers of that type that compute keys / values (`cfg.kv_layer_ids`: the KV-sharing layers hold none)."""
     if not cfg.typed_layers:
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, slots, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch, cfg.cache_kv_heads, slots, cfg.cache_head_dim)
+        if cfg.is_mla:  # the latent and rope key; the values are the keys' first kv_lora_rank (models/mla.py)
+            return {"k": shape}
         return {"k": shape, "v": shape}
     local = (len(cfg.kv_layer_ids(True)), batch, cfg.num_key_value_heads, slots, cfg.head_dim)
     full = (len(cfg.kv_layer_ids(False)), batch, cfg.full_kv_heads, slots, cfg.full_head_dim)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_llm.models.config_deepseek import check_deepseek, deepseek_fields, deepseek_hf_fields
 from jaxrl_llm.models.config_gemma4 import gemma4_fields, gemma4_hf_fields
 
 # HF `architectures[0]` -> (model_type, family traits)
@@ -38,6 +39,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # routed experts with biases, a biased router whose softmax runs over the chosen experts' logits, and
     # the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)
     "gpt_oss": {"prefix": "GptOss", "attention_bias": True, "qk_norm": False, "moe": True},
+    # DeepSeek-V3 (models/config_deepseek.py): multi-head latent attention (models/mla.py), a sigmoid router with a
+    # correction bias choosing within the best groups of experts, shared experts, dense first layers
+    "deepseek_v3": {"prefix": "DeepseekV3", "attention_bias": False, "qk_norm": False, "moe": True},
 }
 GEMMA_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("gemma"))
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -163,6 +167,23 @@ class ModelConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
     rope_partial_factor: float = 1.0
+    # DeepSeek-V3's multi-head latent attention (kv_lora_rank > 0; models/mla.py): queries through a rank
+    # q_lora_rank bottleneck (0: one q_proj), keys and values expanded per head from a normed latent of
+    # kv_lora_rank, plus one RoPE'd key of head_dim (the rope part) shared by the heads; a query / key head is
+    # qk_nope_head_dim + head_dim wide, a value head v_head_dim; rope_interleave: the rope dims come in
+    # (even, odd) pairs. The KV caches hold the latent and the rope key (`cache_head_dim`), not K / V.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek-V3's router (models/moe.py `route`): sigmoid scores; the experts are chosen by score + a correction
+    # bias (`router/score_bias`, not trained by the gradient) among the topk_group best of n_group groups (a group
+    # scored by its best two), and mixed by their scores times routed_scaling_factor
+    router_sigmoid: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
@@ -229,6 +250,7 @@ class ModelConfig:
         if self.moe_chunk_rows < self.moe_block_rows:
             raise ValueError(f"moe_chunk_rows={self.moe_chunk_rows} must be at least moe_block_rows="
                              f"{self.moe_block_rows}")
+        check_deepseek(self)
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -300,9 +322,33 @@ class ModelConfig:
         return self.global_kv_heads or self.num_key_value_heads
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3; models/mla.py)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """The kv heads of a KV cache / pool: one for MLA (the latent and rope key every head reads)."""
+        return 1 if self.is_mla else self.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """A cached key's width: MLA's latent + rope key (kv_lora_rank + head_dim numbers a token a layer, the
+        value being the key's first kv_lora_rank), else head_dim."""
+        return self.kv_lora_rank + self.head_dim if self.is_mla else self.head_dim
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Qwen2-MoE's shared expert is gated by sigmoid(x @ w); DeepSeek's shared experts are added as they are."""
+        return self.model_type == "qwen2_moe"
+
+    @property
     def attention_width(self) -> int:
         """heads x head_dim of a query, averaged over the layers (Gemma 4's full layers are wider): what the
-        attention's FLOPs per (query, key) pair scale with, per layer (planning / MFU)."""
+        attention's FLOPs per (query, key) pair scale with, per layer (planning / MFU). MLA: the mean of a
+        query / key head's width and a value head's (the trainer's expanded attention)."""
+        if self.is_mla:
+            return round(self.num_attention_heads * (self.qk_nope_head_dim + self.head_dim + self.v_head_dim) / 2)
         full = self.num_hidden_layers - len(self.local_layer_ids) if self.typed_layers else 0
         widths = (self.num_hidden_layers - full) * self.head_dim + full * self.full_head_dim
         return round(self.num_attention_heads * widths / self.num_hidden_layers)
@@ -415,7 +461,10 @@ class ModelConfig:
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "gemma4_text":
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
-        moe = _moe_fields(d, model_type) if fam.get("moe") else {}
+        if model_type == "deepseek_v3":
+            moe = deepseek_fields(d)
+        else:
+            moe = _moe_fields(d, model_type) if fam.get("moe") else {}
         if model_type == "gpt_oss":
             moe.update(_gpt_oss_fields(d))
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
@@ -424,6 +473,9 @@ class ModelConfig:
             gemma = gemma4_fields(d, sliding_layers or ())
             rope_theta, scaling = gemma.pop("rope_theta"), dict(gemma.pop("rope_scaling") or ())
         heads = int(d["num_attention_heads"])
+        shape = dict(num_key_value_heads=int(moe.pop("num_key_value_heads", None) or d.get("num_key_value_heads")
+                                             or heads),
+                     head_dim=int(moe.pop("head_dim", None) or d.get("head_dim") or d["hidden_size"] // heads))
         return cls(
             architecture=arch,
             model_type=model_type,
@@ -432,8 +484,7 @@ class ModelConfig:
             intermediate_size=int(d["intermediate_size"]),
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            **shape,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=tuple(sorted(scaling.items())) or None,
@@ -507,7 +558,9 @@ class ModelConfig:
             d.update(gemma4_hf_fields(self))
         elif self.model_type in GEMMA_FAMILIES:
             d.update(self._hf_gemma_fields(rope_params))
-        if self.is_moe and not self.typed_layers:  # Gemma 4's: models/config_gemma4.py
+        if self.model_type == "deepseek_v3":
+            d.update(deepseek_hf_fields(self))
+        elif self.is_moe and not self.typed_layers:  # Gemma 4's: models/config_gemma4.py
             d.update(self._hf_moe_fields())
         if num_labels is not None:
             d["num_labels"] = num_labels
@@ -574,6 +627,12 @@ class ModelConfig:
                 base.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
             else:
                 base.update(rope_theta=1e6, rope_local_theta=1e4)
+        if family == "deepseek_v3":  # layer 0 dense, layer 1 sparse; 8 experts in 4 groups (the best 2 open);
+            # a q bottleneck; heads of 8 nope + 8 rope dims, values of 16
+            base.update(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=8,
+                        v_head_dim=16, rope_interleave=True, router_sigmoid=True, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, shared_expert_intermediate_size=32,
+                        mlp_only_layers=(0,), router_aux_loss_coef=0.0)
         if family == "gemma4_text":  # sliding / full alternating (the last full), full heads twice as wide with one
             # kv head and k = v, per-layer inputs; from 4 layers on the last 2 read the K / V of the 2 before them
             layers = int(overrides.get("num_hidden_layers", 4))
@@ -585,6 +644,8 @@ class ModelConfig:
                         per_layer_vocab_size=int(overrides.get("vocab_size", base["vocab_size"])),
                         rope_partial_factor=0.25)
         base.update(overrides)
+        if family == "deepseek_v3":  # MLA: every head expands the latent its own way (kv heads = heads)
+            base["num_key_value_heads"] = base["num_attention_heads"]
         return cls(**base)
 
 
@@ -598,7 +659,9 @@ FIXED_HF_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "in
                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
                  "attention_bias", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types",
                  "num_experts", "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-                 "decoder_sparse_step", "mlp_only_layers", "qkv_bias")
+                 "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "kv_lora_rank", "q_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                 "first_k_dense_replace", "n_group")
 
 
 def classify_hf_overrides(keys: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:

@@ -72,6 +72,7 @@ from jaxrl_llm.models.context_parallel import context_parallel_attend
 from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.gemma4 import typed_decoder_hidden
 from jaxrl_llm.models.lora import LoraAdapters
+from jaxrl_llm.models.mla import mla_attention_block
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 from jaxrl_llm.sharding.mesh import context_parallel_size
@@ -120,13 +121,14 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
         tokens = with_activation_constraint(tokens, ("tokens", None))
     k = cfg.num_experts_per_tok
     routing = route(cfg, weights["router"]["kernel"], tokens, None if replay is None else replay.reshape(b * t, k),
-                    weights["router"].get("bias"))
+                    weights["router"].get("bias"), weights.get("score_bias"))
     out = routed_experts(weights["experts"], tokens, routing, cfg, dtype=dtype)  # expert parallel on a mesh
-    if "shared_expert" in weights:  # Qwen2-MoE: a dense expert every token runs, gated by sigmoid(x @ w)
+    if "shared_expert" in weights:  # a dense expert every token runs (Qwen2-MoE: gated by sigmoid(x @ w))
         shared = mlp_block(weights["shared_expert"], adapters.get("shared_expert", {}), tokens, dtype=dtype,
                            lora_scale=lora_scale)
-        gate = project(tokens, weights["shared_expert_gate"], None, 0.0, dtype)
-        out = out + jax.nn.sigmoid(gate) * shared
+        if "shared_expert_gate" in weights:
+            shared = jax.nn.sigmoid(project(tokens, weights["shared_expert_gate"], None, 0.0, dtype)) * shared
+        out = out + shared
     stats = router_stats(routing, valid.reshape(b * t))
     return out.reshape(b, t, h), stats, routing.ids.reshape(b, t, k)
 
@@ -144,7 +146,8 @@ def decoder_layer(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos
     the activations kept split over the batch axes (`batch_rows`: the training and scoring forward)."""
     eps = cfg.rms_norm_eps
     normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, cfg.norm_offset)
-    h, state = attention_block(cfg, weights["attn"], adapters.get("attn", {}), normed, cos, sin, attention,
+    block = mla_attention_block if cfg.is_mla else attention_block  # DeepSeek's latent attention: models/mla.py
+    h, state = block(cfg, weights["attn"], adapters.get("attn", {}), normed, cos, sin, attention,
                                state, layer, dtype=dtype, lora_scale=lora_scale, split_rows=split_rows)
     if cfg.sandwich_norms:  # Gemma: the sublayer's output is normed before the residual add (kept fp32)
         h = rms_norm(h, weights["attn_post_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
@@ -306,7 +309,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
     `jaxrl_llm.models.cache.attention_context`. State: None (attention over the sequence itself,
     causal query chunks) or a dense cache (k, v) [L, B, kv_heads, S, D], written at slots
-    [write_index, write_index + T) of the layer before attending over all its slots.
+    [write_index, write_index + T) of the layer before attending over all its slots (v None: the values
+    are the keys, MLA's cache: models/mla.py).
     `local_allowed` [B, T, S]: the mask of a mixed-window model's sliding layers (`cfg.local_layer_ids`).
 
     Context parallelism (no cache, a mesh whose 'context' axis is > 1): the queries, keys, values and
@@ -325,9 +329,12 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             k_cache, v_cache = cache
             start = (layer, 0, 0, write_index, 0)
             k_cache = lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
-            v_cache = lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
             k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False).astype(dtype)
-            v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
+            if v_cache is None:  # the caller's values are its keys (MLA)
+                v = k
+            else:
+                v_cache = lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
+                v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False).astype(dtype)
             cache = (k_cache, v_cache)
         if local_allowed is not None:
             mask = jnp.where(jnp.asarray(cfg.local_layer_flags)[layer], local_allowed, allowed)

@@ -7,6 +7,7 @@ are a plain nested dict stacked on the layer axis like the base params (models/m
 
     layers/attn/{q,k,v}_proj/{A [L, H, r], B [L, r, heads|kv_heads, D]}
     layers/attn/o_proj/{A [L, heads, D, r], B [L, r, H]}
+    (multi-head latent attention: q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)
     layers/mlp/{gate,up}_proj/{A [L, H, r], B [L, r, F]}   layers/mlp/down_proj/{A [L, F, r], B [L, r, H]}
 
 Mixture-of-experts models: the attention projections, and Qwen2-MoE's shared expert under
@@ -37,8 +38,10 @@ from jaxrl_llm.models.param_init import init_backbone, param_logical_axes, typed
 
 Array = jax.Array
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# multi-head latent attention's projections beyond q_proj / o_proj (DeepSeek-V3; models/mla.py), as HF names them
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = ATTN_MODULES + MLP_MODULES
+ALL_LINEAR = ATTN_MODULES + MLA_MODULES + MLP_MODULES
 # kernel dims (after the layer axis) that are the projection's input: o_proj reads (heads, head_dim)
 _IN_DIMS = {"o_proj": 2}
 
@@ -59,7 +62,12 @@ def module_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
                    **{m: ("mlp", "mlp_wide") for m in MLP_MODULES}}
         return {m: tuple(g for g in groups if g in kinds) for m, groups in holders.items()
                 if any(g in kinds for g in groups)}
-    groups: dict[str, tuple[str, ...]] = {m: ("attn",) for m in ATTN_MODULES}
+    if cfg.is_mla:  # the latent attention's own projections (q_proj only without a q bottleneck)
+        attn = ("q_a_proj", "q_b_proj") if cfg.q_lora_rank else ("q_proj",)
+        groups: dict[str, tuple[str, ...]] = {m: ("attn",) for m in (*attn, "kv_a_proj_with_mqa", "kv_b_proj",
+                                                                     "o_proj")}
+    else:
+        groups = {m: ("attn",) for m in ATTN_MODULES}
     mlp = (("mlp",) if cfg.dense_layer_ids else ()) + (
         ("shared_expert",) if cfg.is_moe and cfg.shared_expert_intermediate_size else ())
     if mlp:
@@ -112,8 +120,8 @@ class LoraConfig:
 
 
 def parse_target_modules(value: str | Sequence[str], key: str = "target_modules") -> tuple[str, ...]:
-    """'all-linear' (q, k, v, o, gate, up, down projections) or a list / comma-separated string of
-    those names; raises ValueError naming `key` on an unknown one."""
+    """'all-linear' (q, k, v, o, gate, up, down projections, and MLA's q_a / q_b / kv_a_proj_with_mqa / kv_b)
+    or a list / comma-separated string of those names; raises ValueError naming `key` on an unknown one."""
     names = [value] if isinstance(value, str) else list(value)
     names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
     if "all-linear" in names:
@@ -169,9 +177,9 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[tuple[str, str], 
     """{(group, module): (A shape, B shape)} for the targeted modules ('all-linear': those this model has)."""
     missing = [m for m in lora.targets if m not in module_groups(cfg)]
     if missing and lora.targets != ALL_LINEAR:
-        raise ValueError(f"target_modules: {', '.join(missing)} not in {cfg.architecture}: a mixture-of-experts "
-                         "model's routed experts get no LoRA adapters (only the attention and a shared expert's "
-                         "projections do; docs/moe.md)")
+        raise ValueError(f"target_modules: {', '.join(missing)} not in {cfg.architecture} (it has "
+                         f"{', '.join(module_groups(cfg))}): a mixture-of-experts model's routed experts get no LoRA "
+                         "adapters (only the attention and a shared expert's projections do; docs/moe.md)")
     shapes = jax.eval_shape(lambda: init_backbone(cfg, jax.random.key(0)))["layers"]
     out = {}
     for g, m in _slots(cfg, lora.targets):

@@ -97,14 +97,20 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
                           "full": dense_attention(cfg, allowed, write_index, kv_heads=cfg.full_kv_heads)}
         kv: Any = typed_state(cache)
     else:
-        attention = dense_attention(cfg, allowed, write_index, local_allowed=local, key_start=key_start)
-        kv = None if cache is None else (cache["k"], cache["v"])
+        # MLA's cache paths (and batch-invariant mode) attend with one kv head over the latent (models/mla.py)
+        kv_heads = cfg.cache_kv_heads if cache is not None or cfg.batch_invariant else None
+        attention = dense_attention(cfg, allowed, write_index, local_allowed=local, key_start=key_start,
+                                    kv_heads=kv_heads)
+        kv = None if cache is None else (cache["k"], cache.get("v"))  # no "v": the values are the keys (MLA)
     hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
                                      remat=remat, valid=attention_mask > 0, replay=replay,
                                      record_routing=record_routing)
     if cache is None:
         return hidden, None, moe
-    arrays = untyped_state(kv) if cfg.typed_layers else {"k": kv[0], "v": kv[1]}
+    if cfg.typed_layers:
+        arrays = untyped_state(kv)
+    else:
+        arrays = {"k": kv[0]} if kv[1] is None else {"k": kv[0], "v": kv[1]}
     new_cache = {**arrays, "mask": new_mask, "index": cache["index"] + input_ids.shape[1]}
     return hidden, new_cache, moe
 

@@ -1,8 +1,11 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router, dropless routed experts and
-Qwen2-MoE's gated shared expert, as pure functions over one layer's `moe` params (models/param_init.py).
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS, DeepSeek-V3): a router, dropless routed
+experts and the shared experts (Qwen2-MoE's gated, DeepSeek's not), as pure functions over one layer's `moe`
+params (models/param_init.py).
 
 Routing: router logits = x @ W_router (compute-dtype operands, fp32 result); softmax and top-k in fp32;
-the top-k probabilities renormalised when `norm_topk_prob` (Mixtral always). A replayed routing (the
+the top-k probabilities renormalised when `norm_topk_prob` (Mixtral always). DeepSeek-V3 (`router_sigmoid`):
+sigmoid scores, the choice group-limited and moved by a correction bias, the weights the chosen scores
+(renormalised) times `routed_scaling_factor` (`deepseek_choice`). A replayed routing (the
 sampler's recorded expert ids, `replay`) replaces the top-k choice; the weights are still the
 router's probabilities of those experts, so the router gets gradients either way.
 
@@ -77,27 +80,54 @@ def routing_dtype(num_experts: int) -> jnp.dtype:
 
 
 def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array | None = None,
-          router_bias: Array | None = None) -> Routing:
+          router_bias: Array | None = None, score_bias: Array | None = None) -> Routing:
     """Routing of tokens [N, H] (compute dtype) through router_kernel [H, E] (+ router_bias [E], GPT-OSS);
     `replay` [N, k] ids (a token whose ids are NOT_RECORDED keeps the router's own top-k). With
     `router_topk_softmax` (GPT-OSS) the mixing weights are the softmax of the chosen experts' logits
-    (the same numbers as renormalised top-k probabilities, computed as transformers does)."""
+    (the same numbers as renormalised top-k probabilities, computed as transformers does). With
+    `router_sigmoid` (DeepSeek-V3: `deepseek_choice`) the weights are the chosen experts' sigmoid scores."""
     logits = matmul_f32(tokens, router_kernel.astype(tokens.dtype))
     if router_bias is not None:
         logits = logits + router_bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.router_sigmoid:
+        scores = jax.nn.sigmoid(logits)
+        natural = deepseek_choice(cfg, scores, score_bias)
+        top_probs = jnp.take_along_axis(scores, natural, axis=-1)
+    else:
+        scores = probs
+        top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
     if replay is None:
         ids, weights = natural, top_probs
     else:
         recorded = jnp.all(replay >= 0, axis=-1, keepdims=True)
         ids = jnp.where(recorded, replay.astype(jnp.int32), natural)
-        weights = jnp.take_along_axis(probs, ids, axis=-1)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.router_topk_softmax:
         weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+    elif cfg.router_sigmoid:
+        if cfg.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights * cfg.routed_scaling_factor
     elif cfg.norm_topk_prob or cfg.model_type == "mixtral":
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)
+
+
+def deepseek_choice(cfg: ModelConfig, scores: Array, score_bias: Array | None) -> Array:
+    """DeepSeek-V3's expert choice [N, k] from sigmoid scores [N, E]: score + the correction bias (aux-loss-free
+    balancing: it moves choices, never weights, and gets no gradient), only within the `topk_group` groups (of
+    `n_group` contiguous experts) whose two best biased scores sum highest."""
+    choice = scores if score_bias is None else scores + lax.stop_gradient(score_bias.astype(jnp.float32))
+    choice = lax.stop_gradient(choice)
+    n, e = choice.shape
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
+        group_score = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+        _, open_groups = lax.top_k(group_score, cfg.topk_group)
+        is_open = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], open_groups].set(True)
+        choice = jnp.where(jnp.repeat(is_open, e // cfg.n_group, axis=1), choice, -jnp.inf)
+    return lax.top_k(choice, cfg.num_experts_per_tok)[1]
 
 
 def router_stats(routing: Routing, valid: Array) -> RouterStats:

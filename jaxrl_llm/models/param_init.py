@@ -14,6 +14,11 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
     layers/attn/{q,k}_norm/scale [L, D]    (qk_norm)
     layers/attn/o_proj/kernel [L, heads, D, H]    (+ bias [L, H] with o_proj_bias: GPT-OSS)
     layers/attn/sinks [L, heads]           (attention_sinks: GPT-OSS's per-head softmax logit)
+    multi-head latent attention (cfg.is_mla: DeepSeek-V3, models/mla.py) has in place of q / k / v_proj:
+      layers/attn/q_proj/kernel [L, H, heads, nope + rope]   or, with q_lora_rank, layers/attn/q_a_proj/kernel
+      [L, H, q_lora], q_a_norm/scale [L, q_lora], q_b_proj/kernel [L, q_lora, heads, nope + rope];
+      layers/attn/kv_a_proj_with_mqa/kernel [L, H, kv_lora + rope], kv_a_norm/scale [L, kv_lora],
+      kv_b_proj/kernel [L, kv_lora, heads, nope + v]; o_proj/kernel [L, heads, v, H]
     layers/mlp/{gate,up}_proj/kernel [L, H, F]   layers/mlp/down_proj/kernel [L, F, H]
     mixture-of-experts families (cfg.is_moe) have layers/moe in place of layers/mlp (models/moe.py):
       layers/moe/router/kernel [L, H, E]
@@ -22,6 +27,7 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
       layers/moe/experts/down_proj/bias [L, E, H]                                   (expert_bias: GPT-OSS)
       layers/moe/shared_expert/{gate,up,down}_proj/kernel [L, H, Fs] / [L, Fs, H]   (Qwen2-MoE)
       layers/moe/shared_expert_gate/kernel [L, H, 1]                               (Qwen2-MoE)
+      layers/moe/shared_expert/... [L, H, n_shared x Fe] without a gate, layers/moe/score_bias [L, E] fp32 (DeepSeek)
     a MoE model with dense MLP layers between the sparse ones (cfg.mixed_layers: Qwen2-MoE / Qwen3-MoE
     `decoder_sparse_step` > 1 or `mlp_only_layers`) has both, each stacked over its own layers only:
       layers/mlp/... [L_dense, ...] (cfg.dense_layer_ids, in order)   layers/moe/... [L_moe, ...] (cfg.moe_layer_ids)
@@ -105,7 +111,7 @@ def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
     if leaf == "layer_scalar":
         return ("layers",)
-    if leaf in ("router_scale", "expert_scale"):  # Gemma 4's router scales
+    if leaf in ("router_scale", "expert_scale", "score_bias"):  # Gemma 4's router scales, DeepSeek's bias
         return ("layers", None)
     mod = mods[-1]
     if mod in ("ple_gate", "ple_proj"):
@@ -118,8 +124,15 @@ def _layer_axes(path: tuple[str, ...]) -> tuple:
         return ("layers", None) if leaf == "bias" else ("layers", "embed", None)
     if mod.endswith("norm"):
         return ("layers", None)
-    heads = "heads" if mod in ("q_proj", "o_proj") else "kv_heads"
+    heads = "heads" if mod in ("q_proj", "o_proj", "q_b_proj", "kv_b_proj") else "kv_heads"
     table = {
+        # MLA (models/mla.py): the bottlenecks' ranks are not split; the per-head expansions split by head
+        ("q_a_proj", "kernel"): ("layers", "embed", None),
+        ("q_a_proj", "bias"): ("layers", None),
+        ("q_b_proj", "kernel"): ("layers", None, heads, "head_dim"),
+        ("kv_a_proj_with_mqa", "kernel"): ("layers", "embed", None),
+        ("kv_a_proj_with_mqa", "bias"): ("layers", None),
+        ("kv_b_proj", "kernel"): ("layers", None, heads, "head_dim"),
         ("q_proj", "kernel"): ("layers", "embed", heads, "head_dim"),
         ("k_proj", "kernel"): ("layers", "embed", heads, "head_dim"),
         ("v_proj", "kernel"): ("layers", "embed", heads, "head_dim"),
@@ -286,6 +299,9 @@ class _AttentionParams(nn.Module):
     def __call__(self) -> None:
         cfg, dt = self.cfg, self.dtype
         h, hd = cfg.hidden_size, cfg.head_dim
+        if cfg.is_mla:
+            _mla_params(cfg, dt, self.initializer)
+            return
         for name, heads in (("q_proj", cfg.num_attention_heads), ("k_proj", cfg.num_key_value_heads),
                             ("v_proj", cfg.num_key_value_heads)):
             _Projection((h,), (heads, hd), cfg.attention_bias, self.initializer, dt, name=name)()
@@ -295,6 +311,23 @@ class _AttentionParams(nn.Module):
         _Projection((cfg.num_attention_heads, hd), (h,), cfg.o_proj_bias, self.initializer, dt, name="o_proj")()
         if cfg.attention_sinks:  # transformers draws them normal(initializer_range)
             self.param("sinks", self.initializer, (cfg.num_attention_heads,), dt)
+
+
+def _mla_params(cfg: ModelConfig, dt: DType, init: Initializer) -> None:
+    """DeepSeek-V3's multi-head latent attention (models/mla.py) in the calling module's (the layer's `attn`)."""
+    h, nh, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+    qk = cfg.qk_nope_head_dim + cfg.head_dim
+    if cfg.q_lora_rank:
+        _Projection((h,), (cfg.q_lora_rank,), bias, init, dt, name="q_a_proj")()
+        _Norm(cfg.q_lora_rank, dt, name="q_a_norm")()
+        _Projection((cfg.q_lora_rank,), (nh, qk), False, init, dt, name="q_b_proj")()
+    else:
+        _Projection((h,), (nh, qk), False, init, dt, name="q_proj")()
+    _Projection((h,), (cfg.kv_lora_rank + cfg.head_dim,), bias, init, dt, name="kv_a_proj_with_mqa")()
+    _Norm(cfg.kv_lora_rank, dt, name="kv_a_norm")()
+    _Projection((cfg.kv_lora_rank,), (nh, cfg.qk_nope_head_dim + cfg.v_head_dim), False, init, dt,
+                name="kv_b_proj")()
+    _Projection((nh, cfg.v_head_dim), (h,), bias, init, dt, name="o_proj")()
 
 
 class _MlpParams(nn.Module):
@@ -324,9 +357,12 @@ class _MoeParams(nn.Module):
         if cfg.typed_layers:  # Gemma 4's router: a scale on its (RMS-normed) input, one on each expert's weight
             self.param("router_scale", nn.initializers.ones, (h,), dt)
             self.param("expert_scale", nn.initializers.ones, (e,), dt)
+        if cfg.router_sigmoid:  # DeepSeek's e_score_correction_bias: chooses experts, weighs none (zeros, as HF)
+            self.param("score_bias", nn.initializers.zeros, (e,), dt)
         if cfg.shared_expert_intermediate_size:
             _MlpParams(h, cfg.shared_expert_intermediate_size, dt, init, name="shared_expert")()
-            _Projection((h,), (1,), False, init, dt, name="shared_expert_gate")()
+            if cfg.shared_expert_gated:
+                _Projection((h,), (1,), False, init, dt, name="shared_expert_gate")()
 
 
 class _ExpertParams(nn.Module):

@@ -270,7 +270,7 @@ def sample_program(ctx: Context) -> Program:
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
     tensor = dict(mesh.shape).get("tensor", 1)
-    kv_split = ways * (tensor if cfg.num_key_value_heads % tensor == 0 else 1)
+    kv_split = ways * (tensor if cfg.cache_kv_heads % tensor == 0 else 1)
     kv_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for name, x in kv.items()
                    if name not in ("mask", "index")) // kv_split
     keys = (f"data.train_batch_size={spec.plan.prompts} x {ARR}.rollout.n={sampling.n} (rows sampled at once)",
@@ -377,7 +377,7 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     concurrent = max(1, min(engine.max_num_seqs, n * (engine.num_pages - 1) // group_pages))
     steps = -(-rows // concurrent) * r
     tensor = dict(mesh.shape).get("tensor", 1)
-    kv_shards = tensor if cfg.num_key_value_heads % tensor == 0 else 1
+    kv_shards = tensor if cfg.cache_kv_heads % tensor == 0 else 1
     key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
     keys_read = rows * r * ((prompt / n if cascade else prompt) + (r + 1) / 2)
     attention_flops = 4.0 * cfg.num_hidden_layers * cfg.attention_width * keys_read / kv_shards

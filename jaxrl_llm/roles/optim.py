@@ -122,5 +122,16 @@ def make_optimizer(optim: OptimSpec) -> tuple[optax.GradientTransformationExtraA
         parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     else:
         parts.append(scale_by_adam_stored_as(jnp.dtype(optim.moment_dtype), b1=b1, b2=b2, eps=eps))
-    parts += [optax.add_decayed_weights(optim.weight_decay), scale_by_learning_rate_arg()]
+    parts += [optax.add_decayed_weights(optim.weight_decay, mask=decayed_leaves), scale_by_learning_rate_arg()]
     return optax.chain(*parts), schedule
+
+
+# leaves no update may move: DeepSeek's router correction bias (models/moe.py `deepseek_choice`) gets no gradient,
+# and weight decay would otherwise shrink it a little every step
+_FIXED_LEAVES = ("score_bias",)
+
+
+def decayed_leaves(params: Params) -> ArrayTree:
+    """The weight-decay mask: every leaf but `_FIXED_LEAVES`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(getattr(k, "key", None) in _FIXED_LEAVES for k in path), params)

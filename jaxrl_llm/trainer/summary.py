@@ -5,6 +5,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxrl_llm.config.spec import RunSpec
+from jaxrl_llm.models.lora import module_groups
 from jaxrl_llm.roles.reference import ReferenceRole
 from jaxrl_llm.roles.trained import TrainedRole
 
@@ -42,5 +43,6 @@ def _lora(spec: RunSpec, actor: TrainedRole) -> str:
     lora = spec.model.lora
     if lora is None:
         return ""
-    return (f"; LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: "
+    present = [m for m in lora.targets if m in module_groups(actor.model_cfg)]  # 'all-linear': this model's
+    return (f"; LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(present)}: "
             f"{actor.num_trainable_params / 1e6:.2f}M trainable")

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_models import (
+    DEEPSEEK,
     GEMMA,
     GEMMA4,
     GPT_OSS,
@@ -43,6 +44,7 @@ CASES = {
     **MIXED_MOE,  # dense MLP layers between the sparse ones
     **GPT_OSS,  # attention sinks, biases, alternating windows, top-k softmax router, clamped SwiGLU, YaRN
     **GEMMA4,  # per-type head shapes, k = v, shared KV, per-layer inputs, layer scalars, proportional RoPE
+    **DEEPSEEK,  # multi-head latent attention, YaRN with mscales, sigmoid group-limited router, shared experts
 }
 
 

@@ -293,6 +293,26 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
 
 
 @needs_libtpu
+def test_deepseek_latent_pool_decodes_with_the_mosaic_kernel_on_tpu(tmp_path):
+    """DeepSeek-V3's paged decode compiled for v5e:2x2 in bf16: one pool array (the latent + rope key, no
+    values) of one kv head, lane-padded to 128, read by the Mosaic kernel as keys and values, with no copy of it;
+    its bytes are the plan's."""
+    import re
+
+    overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
+                 "trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.path": "tiny:deepseek_v3",
+                 "actor_rollout_ref.model.tiny.num_key_value_heads": 4}
+    program, compiled = _compiled_program(tmp_path, overrides, "sample")
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text  # the Mosaic kernel, not the XLA fallback
+    pool_shapes = set(re.findall(r"bf16\[2,1,\d+,\d+,128\]", text))  # [layers, 1 kv head, pages, page, 40 -> 128]
+    assert pool_shapes
+    for shape in pool_shapes:
+        assert not re.findall(re.escape(shape) + r"\{[^}]*\} copy(?:-start)?\(", text), shape
+    assert program.kv_bytes > 0
+
+
+@needs_libtpu
 def test_inserting_a_prompt_does_not_copy_the_pool_on_tpu():
     """The engine's `insert` (a prompt's KV into its slot's pages) compiled for a v5e chip: no copy of the
     pool, temporaries under 1% of it. With the prefix written as [L, kv, D] windows (before

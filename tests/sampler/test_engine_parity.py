@@ -3,7 +3,16 @@ import jax
 import numpy as np
 import pytest
 from sampler_fixtures import EOS_ID, MESHES, PAD_ID, PROMPTS, PROMPTS8, hf_greedy
-from tiny_models import GEMMA, GEMMA4, GPT_OSS, MIXED_MOE, MOE_FAMILIES, WINDOW_LAYERS, build_hf_model, family_case
+from tiny_models import (
+    DEEPSEEK,
+    GEMMA,
+    GEMMA4,
+    MIXED_MOE,
+    MOE_FAMILIES,
+    WINDOW_LAYERS,
+    build_hf_model,
+    family_case,
+)
 
 from jaxrl_llm import sharding
 from jaxrl_llm.hf import load_hf_folder
@@ -16,7 +25,7 @@ NEW = 12
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *MIXED_MOE,
-                                  *WINDOW_LAYERS, *GEMMA, *GEMMA4])
+                                  *WINDOW_LAYERS, *GEMMA, *GEMMA4, *DEEPSEEK])
 def test_engine_greedy_matches_transformers(case, tmp_path):
     family, overrides = family_case(case)
     torch_model = build_hf_model(family, tmp_path, **overrides)
@@ -79,18 +88,21 @@ def test_engine_sharded_matches_one_device(llama_tiny, engine_single_device, mes
     np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
 
 
-def test_gpt_oss_engine_paths_follow_transformers_and_the_trainers_scoring(tmp_path):
-    """GPT-OSS's attention sinks in every path of the paged engine: 2 samples a prompt reading their shared
-    pages once (cascade), prompts prefilled 4 tokens at a time (chunked prefill), n-gram drafts verified 2 at a
-    time (speculative), through the interpreted Triton kernels (the XLA paths with sinks: the plain engine
-    parity above and tests/models/test_gpt_oss.py): greedy tokens are transformers', and sampled tokens'
-    log-probs are the trainer's scoring of them."""
-    impl = "pallas"
+@pytest.mark.parametrize("case", ["gpt_oss", "deepseek_v3"])
+def test_engine_paths_follow_transformers_and_the_trainers_scoring(case, tmp_path):
+    """GPT-OSS's attention sinks and DeepSeek-V3's latent pool (one kv head of latent + rope key, read as keys
+    and values; the trainer scores with per-head keys and values) in every path of the paged engine: 2 samples
+    a prompt reading their shared pages once (cascade), prompts prefilled 4 tokens at a time (chunked prefill),
+    n-gram drafts verified 2 at a time (speculative), through the interpreted Triton kernels (GPT-OSS; the XLA
+    paths: the plain engine parity above) or the default paths (DeepSeek: its latent's 40 dims are not the power
+    of two the Triton kernel tiles, so 'auto' takes the XLA path on a GPU): greedy tokens are transformers', and
+    sampled tokens' log-probs are the trainer's scoring of them."""
+    impl = "pallas" if case == "gpt_oss" else "auto"
     from test_sampler_logprobs import rescore
 
     from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
-    family, overrides = GPT_OSS["gpt_oss"]
+    family, overrides = family_case(case)
     torch_model = build_hf_model(family, tmp_path, **overrides)
     cfg, params = load_hf_folder(tmp_path)
     hf_ids, hf_mask = left_pad(PROMPTS, PAD_ID, length=max(map(len, PROMPTS)))

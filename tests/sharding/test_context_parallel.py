@@ -194,18 +194,21 @@ def test_a_run_on_a_context_mesh_logs_the_numbers_of_one_without(tmp_path):
             np.testing.assert_allclose(logged[4][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
 
 
-@pytest.mark.parametrize("mesh_sizes", [{"data": 2, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1},
-                                        {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1}])
-def test_moe_model_under_context_parallelism_equals_one_device(mesh_sizes):
-    """A Qwen3-MoE model's log-probs and their gradients on a context mesh (with data, or with expert
-    parallelism) equal one device's; each device routes and runs only its own tokens' experts, so the
-    forward's per-device FLOPs are a quarter of context 1's or less."""
+@pytest.mark.parametrize("family,mesh_sizes", [
+    ("qwen3_moe", {"data": 2, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1}),
+    ("qwen3_moe", {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1}),
+    ("deepseek_v3", {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1})])
+def test_moe_model_under_context_parallelism_equals_one_device(family, mesh_sizes):
+    """A Qwen3-MoE model's (and DeepSeek-V3's: its latent attention's per-head keys and values, values
+    zero-padded to the keys' width, through the ring) log-probs and their gradients on a context mesh (with
+    data, or with expert parallelism) equal one device's; each device routes and runs only its own tokens'
+    experts, so the forward's per-device FLOPs are a quarter of context 1's or less."""
     import jax.numpy as jnp
 
     from jaxrl_llm.models import ModelConfig
     from jaxrl_llm.roles.forward import response_log_probs
 
-    cfg = ModelConfig.tiny("qwen3_moe", vocab_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    cfg = ModelConfig.tiny(family, vocab_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            norm_topk_prob=True)
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 128, size=(4, 128)), jnp.int32)
     mask = jnp.ones(ids.shape, jnp.int32)

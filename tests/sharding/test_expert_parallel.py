@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from moe_cases import CFG, GPT_OSS_CFG, MIXED_CFG, SETTINGS, moe_batch, with_random_biases
+from moe_cases import CFG, DEEPSEEK_CFG, GPT_OSS_CFG, MIXED_CFG, SETTINGS, moe_batch, with_random_biases
 from tiny_runs import tiny_config
 
 from jaxrl_llm import sharding
@@ -32,7 +32,7 @@ NEW = 6
 def _update(mesh: jax.sharding.Mesh | None, cfg=CFG):
     """One actor update (loss, router losses, SGD step) and the compiled program's text."""
     params, batch = init_params(cfg, jax.random.key(0)), moe_batch()
-    if cfg.expert_bias:
+    if cfg.expert_bias or cfg.router_sigmoid:
         params = with_random_biases(params)
     rows = None
     if mesh is not None:
@@ -98,6 +98,24 @@ def test_gpt_oss_update_same_on_expert_and_tensor_meshes():
         p8, m8, hlo, placed = _update(sharding.make_mesh(shape), GPT_OSS_CFG)
         bias = placed["layers"]["moe"]["experts"]["up_proj"]["bias"]  # [L, E, F]
         assert bias.addressable_shards[0].data.shape[1] == GPT_OSS_CFG.num_experts // shape["expert"]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
+        for key in ("actor/pg_loss", "moe/aux_loss", "actor/grad_norm"):
+            np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=f"{key} on {shape}")
+
+
+def test_deepseek_update_same_on_expert_and_tensor_meshes():
+    """DeepSeek-V3 under expert parallelism and a tensor split of its heads: the latent attention's per-head
+    expansion (kv_b_proj), q_b_proj and o_proj split with the heads (the bottlenecks' ranks whole), the grouped
+    sigmoid routing and its correction bias (which the update leaves alone), a dense first layer and the
+    shared expert: the 1-device update."""
+    p1, m1, _, params = _update(None, DEEPSEEK_CFG)
+    bias = np.asarray(params["layers"]["moe"]["score_bias"])
+    assert np.abs(bias).min() > 0
+    np.testing.assert_array_equal(p1["layers"]["moe"]["score_bias"], bias)  # no gradient reaches it
+    for shape in (MESHES["fsdp2_expert4"], {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}):
+        p8, m8, hlo, placed = _update(sharding.make_mesh(shape), DEEPSEEK_CFG)
+        kv_b = placed["layers"]["attn"]["kv_b_proj"]["kernel"]  # [L, kv_lora, heads, nope + v]
+        assert kv_b.addressable_shards[0].data.shape[2] == DEEPSEEK_CFG.num_attention_heads // shape["tensor"]
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5), p1, p8)
         for key in ("actor/pg_loss", "moe/aux_loss", "actor/grad_norm"):
             np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, err_msg=f"{key} on {shape}")

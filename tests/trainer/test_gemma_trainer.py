@@ -1,6 +1,7 @@
 """A LoRA run of a tiny Gemma 2 / Gemma 3 (both engines' sampler, the soft-capped head in the update),
-GPT-OSS (attention sinks, biases and the clamped experts in the paged engine and the update) or Gemma 4 (its
-typed layers, shared KV and per-layer inputs, adapters on each layer kind's stack) learns, and its
+GPT-OSS (attention sinks, biases and the clamped experts in the paged engine and the update), Gemma 4 (its
+typed layers, shared KV and per-layer inputs, adapters on each layer kind's stack) or DeepSeek-V3 (the latent
+pool and absorbed decode in the engine, adapters on the latent attention's projections) learns, and its
 merged export reloads in transformers with equal logits and in our loader with equal params."""
 import json
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
 
 
 @pytest.mark.parametrize("family,engine", [("gemma2", "paged"), ("gemma3_text", "static"), ("gpt_oss", "paged"),
-                                           ("gemma4_text", "paged")])
+                                           ("gemma4_text", "paged"), ("deepseek_v3", "paged")])
 def test_gemma_lora_run_learns_and_its_merged_export_reloads_in_transformers(family, engine, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -33,8 +34,11 @@ def test_gemma_lora_run_learns_and_its_merged_export_reloads_in_transformers(fam
     trainer = Trainer(with_reward_file(tiny_config(tmp_path / "run", **overrides), tmp_path))
     cfg = trainer.actor.model_cfg
     assert cfg.model_type == family
-    assert cfg.local_layer_ids == ((0, 2) if family == "gemma4_text" else (0,))  # Gemma 4: layers 2, 3 share KV
-    assert cfg.attention_sinks if family == "gpt_oss" else cfg.sandwich_norms
+    if family == "deepseek_v3":  # latent attention, a dense first layer, grouped sigmoid routing
+        assert cfg.is_mla and cfg.mlp_only_layers == (0,) and cfg.router_sigmoid
+    else:
+        assert cfg.local_layer_ids == ((0, 2) if family == "gemma4_text" else (0,))  # Gemma 4: layers 2, 3 share KV
+        assert cfg.attention_sinks if family == "gpt_oss" else cfg.sandwich_norms
     trainer.fit()
     rows = [r for r in read_metrics(tmp_path / "run") if "actor/kl_loss" in r]
     assert rows[0]["actor/kl_loss"] == 0.0 and rows[-1]["actor/kl_loss"] > 0  # the adapters moved the policy

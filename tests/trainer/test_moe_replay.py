@@ -27,12 +27,14 @@ MIXED_CFG = ModelConfig.tiny("qwen3_moe", num_hidden_layers=3, mlp_only_layers=(
 # Gemma 4's MoE block beside every layer's dense MLP (its router: scaled input, per-expert weight scales)
 GEMMA4_CFG = ModelConfig.tiny("gemma4_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               norm_topk_prob=True)
+# DeepSeek-V3's grouped sigmoid routing (a dense first layer, the latent attention absorbed in the sampler)
+DEEPSEEK_CFG = ModelConfig.tiny("deepseek_v3")
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=["sparse", "mixed", "gemma4"])
+@pytest.fixture(scope="module", params=["sparse", "mixed", "gemma4", "deepseek"])
 def rollout(request):
-    cfg = {"sparse": CFG, "mixed": MIXED_CFG, "gemma4": GEMMA4_CFG}[request.param]
+    cfg = {"sparse": CFG, "mixed": MIXED_CFG, "gemma4": GEMMA4_CFG, "deepseek": DEEPSEEK_CFG}[request.param]
     params = near_tied(init_params(cfg, jax.random.key(0)))
     ids, mask = left_pad(_prompts(), 0)
     settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(

@@ -9,7 +9,9 @@ Tests check that its logits equal the dense model's (tests/sampler/test_engine_c
 KV pool layout (a dict pytree, carried through the decode loop and updated in place):
 
     k, v        [L, kv_heads, num_pages, page_size, head_dim']  compute dtype, or int8 (head_dim' = the
-                                                                 head dim, lane-padded on TPU: kv_bits.py)
+                                                                 head dim, lane-padded on TPU: kv_bits.py);
+                                                                 MLA: k only, one kv head of the latent and
+                                                                 rope key, read as the values too (models/mla.py)
     k_scale, v_scale [L, kv_heads, num_pages, page_size] fp32    (int8 only: value = int8 * scale)
 
 A Gemma 4 model's pool is one such dict per attention type, {"sliding": ..., "full": ...}, each over the
@@ -57,7 +59,7 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
     out = dict(pool)
     heads = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
     index = (layer, heads, pages[:, None], offsets[:, None])  # -> [N, kv]
-    for name, x in (("k", k), ("v", v)):
+    for name, x in (("k", k), ("v", v)) if "v" in pool else (("k", k),):  # no "v": MLA's values are its keys
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
             out[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)
@@ -82,10 +84,11 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
         pool = write_tokens(pool, layer, k[:, 0], v[:, 0], page, offset)
 
         def attend(window: int | None) -> Array:  # a local layer reads only its window's pages
-            return paged_decode_attention(q[:, 0], pool["k"], pool["v"], lengths, page_table, layer=layer,
+            values = "v" if "v" in pool else "k"  # MLA: the values are the keys (models/mla.py)
+            return paged_decode_attention(q[:, 0], pool["k"], pool[values], lengths, page_table, layer=layer,
                                           sliding_window=window, impl=attn_impl, mesh=mesh,
                                           softcap=cfg.attn_logit_softcapping, cascade=cascade, sinks=sinks,
-                                          k_scales=pool.get("k_scale"), v_scales=pool.get("v_scale"))
+                                          k_scales=pool.get("k_scale"), v_scales=pool.get(f"{values}_scale"))
 
         if window != "per_layer":
             out = attend(window if isinstance(window, int) else None)

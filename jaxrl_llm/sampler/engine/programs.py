@@ -86,10 +86,10 @@ class EngineSpec:
             raise ValueError(f"EngineSpec.num_pages={self.num_pages}: need the scratch page and at least one more")
 
     def page_bytes(self, cfg: ModelConfig, compute_dtype: str) -> int:
-        """Bytes of one page over all layers, K and V (with int8 scales)."""
+        """Bytes of one page over all layers, K and V (with int8 scales; MLA: the latent keys only)."""
         total = 0
         for layers, kv_heads, head_dim in pool_dims(cfg).values():
-            per_token = layers * kv_heads * 2
+            per_token = layers * kv_heads * len(pool_arrays(cfg))
             if self.kv_cache_dtype == "int8":
                 total += per_token * self.page_size * (storage_head_dim(head_dim) + 4)
             else:
@@ -102,7 +102,7 @@ def pool_dims(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
     per attention type ("sliding", "full") over the layers of that type that compute keys / values (the
     KV-sharing layers read their producer's rows; engine/forward.py)."""
     if not cfg.typed_layers:
-        return {"": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)}
+        return {"": (cfg.num_hidden_layers, cfg.cache_kv_heads, cfg.cache_head_dim)}  # MLA: the latent (models/mla.py)
     return {"sliding": (len(cfg.kv_layer_ids(True)), cfg.num_key_value_heads, cfg.head_dim),
             "full": (len(cfg.kv_layer_ids(False)), cfg.full_kv_heads, cfg.full_head_dim)}
 
@@ -150,16 +150,23 @@ def empty_pool(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str) -> dict:
     """A zero KV pool of `cfg`'s dims over the spec's pages (see engine/forward.py for the layout); a Gemma
     4 model's holds one per attention type (`pool_dims`)."""
     pools = {kind: _zero_pool((layers, kv_heads, spec.num_pages, spec.page_size, storage_head_dim(head_dim)), spec,
-                              compute_dtype) for kind, (layers, kv_heads, head_dim) in pool_dims(cfg).items()}
+                              compute_dtype, pool_arrays(cfg))
+             for kind, (layers, kv_heads, head_dim) in pool_dims(cfg).items()}
     return pools[""] if "" in pools else pools
 
 
-def _zero_pool(shape: tuple[int, ...], spec: EngineSpec, compute_dtype: str) -> dict:
+def pool_arrays(cfg: ModelConfig) -> tuple[str, ...]:
+    """The arrays a pool holds per token: keys and values, or for MLA keys only (the latent and rope key; its
+    values are the keys' first kv_lora_rank numbers, models/mla.py)."""
+    return ("k",) if cfg.is_mla else ("k", "v")
+
+
+def _zero_pool(shape: tuple[int, ...], spec: EngineSpec, compute_dtype: str, names: tuple[str, ...]) -> dict:
     if spec.kv_cache_dtype == "int8":
-        return {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
-                "k_scale": jnp.zeros(shape[:-1], jnp.float32), "v_scale": jnp.zeros(shape[:-1], jnp.float32)}
+        return {**{n: jnp.zeros(shape, jnp.int8) for n in names},
+                **{f"{n}_scale": jnp.zeros(shape[:-1], jnp.float32) for n in names}}
     dt = storage_dtype(as_jnp_dtype(compute_dtype))  # bf16 on CPU: uint16 bits (sampler/kv_bits.py)
-    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+    return {n: jnp.zeros(shape, dt) for n in names}
 
 
 def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_dtype: str,
@@ -315,8 +322,8 @@ def _prefix(params: dict, cfg: ModelConfig, hidden: Array, cache: dict, length: 
 
 def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> tuple[Any, Any]:
     """A dense cache's (k, v) through `take`: arrays, or for a Gemma 4 model one per attention type."""
-    if not cfg.typed_layers:
-        return take(cache["k"]), take(cache["v"])
+    if not cfg.typed_layers:  # no "v": the values are the keys (MLA)
+        return take(cache["k"]), take(cache["v"]) if "v" in cache else None
     typed = typed_state(cache)  # models/gemma4.py: the one place that names the per-type cache entries
     assert typed is not None
     return {kind: take(k) for kind, (k, _) in typed.items()}, {kind: take(v) for kind, (_, v) in typed.items()}
@@ -405,7 +412,7 @@ def _write_prefix(pool: dict, prefix: Prefix, page_row: Array) -> dict:
     return _write_kv(pool, prefix.k, prefix.v, prefix.length, page_row)
 
 
-def _write_kv(pool: dict, k: Array, v: Array, length: Array, page_row: Array) -> dict:
+def _write_kv(pool: dict, k: Array, v: Array | None, length: Array, page_row: Array) -> dict:
     ps = pool["k"].shape[3]
     t = jnp.arange(k.shape[2], dtype=jnp.int32)
     real = t < length
@@ -416,6 +423,8 @@ def _write_kv(pool: dict, k: Array, v: Array, length: Array, page_row: Array) ->
              pages[None, None], offsets[None, None])  # -> [L, kv, Pb], the prefix's rows
     new_pool = dict(pool)
     for name, x in (("k", k), ("v", v)):
+        if x is None:  # MLA: a pool of keys only
+            continue
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
             new_pool[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)

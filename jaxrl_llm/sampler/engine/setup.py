@@ -110,7 +110,7 @@ _MODEL_LEN_STEP = 256  # max_model_len rounds up to a multiple of this (a few pa
 
 def _kv_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
     tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
-    return tensor if cfg.num_key_value_heads % tensor == 0 else 1
+    return tensor if cfg.cache_kv_heads % tensor == 0 else 1
 
 
 # gpu_memory_utilization 'auto' leaves room for this many [slots, vocab] fp32 buffers: the sampling step's
