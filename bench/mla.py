@@ -1,15 +1,15 @@
 """Multi-head latent attention (DeepSeek-V3's shape) against a dense grouped-query model of the same active size,
 through the paged engine, on this machine.
 
-    python bench/mla.py [--layers 4] [--hidden 512] [--heads 8] [--prompt 512] [--new 64] [--slots 8]
+    python bench/mla.py [--layers 4] [--hidden 512] [--heads 8] [--prompt 512] [--new 64] [--slots 8] [--kv-heads 0]
 
 Both models have `--layers` layers of hidden `--hidden` with MoE MLPs of the same active width (top-2 of 8 experts
 plus a shared expert; the dense twin: a Qwen3-MoE-shaped model with no shared expert whose experts are wide enough
-to match). The MLA model's heads are DeepSeek's proportions scaled down: nope 2 x rope = 2/3 of a head, values a
-head, a latent of 4 x head dims; the GQA twin keeps 2 kv heads of the same head dim (a Llama-style cache). Prints
-for each: the KV bytes a token takes over all layers (the pool's), decode tokens/s of greedy generation of
-`--new` tokens after `--prompt`-token prompts in `--slots` slots (the paged engine, XLA attention), and the
-MLA / GQA ratios. On a CPU the decode is bound by the weights as much as by the KV, so the ratio says more about
+to match). The MLA model's heads are DeepSeek-V3's proportions (nope = a head, rope = half a head, values a head,
+a latent of 4 heads' dims); the twin has a kv head per query head (`--kv-heads`: fewer), as the multi-head
+attention MLA replaces. Prints for each: the KV bytes a token takes over all layers (the pool's), new tokens/s of
+greedy generation of `--new` tokens after `--prompt`-token prompts in `--slots` slots (the paged engine, XLA
+attention; the prefill included), and the MLA / GQA ratios. On a CPU the decode is bound by the weights as much as by the KV, so the ratio says more about
 the extra absorbed matmuls than about memory; the pool's bytes are what matter on a device.
 """
 from __future__ import annotations
@@ -31,11 +31,12 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, ModelConfig]:
     common = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                   vocab_size=4096, max_position_embeddings=4 * (args.prompt + args.new), num_experts=8,
                   num_experts_per_tok=2, eos_token_id=None)
-    mla = ModelConfig.tiny("deepseek_v3", head_dim=hd // 3, qk_nope_head_dim=2 * (hd // 3), v_head_dim=hd,
+    mla = ModelConfig.tiny("deepseek_v3", head_dim=hd // 2, qk_nope_head_dim=hd, v_head_dim=hd,
                            kv_lora_rank=4 * hd, q_lora_rank=args.hidden // 2, moe_intermediate_size=args.hidden,
                            shared_expert_intermediate_size=args.hidden, mlp_only_layers=(), n_group=4, topk_group=2,
                            **common)
-    gqa = ModelConfig.tiny("qwen3_moe", num_key_value_heads=2, head_dim=hd, moe_intermediate_size=3 * args.hidden // 2,
+    gqa = ModelConfig.tiny("qwen3_moe", num_key_value_heads=args.kv_heads or args.heads, head_dim=hd,
+                           moe_intermediate_size=3 * args.hidden // 2,
                            **common)
     return mla, gqa
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=0, help="the twin's kv heads (0: one per head, MHA)")
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args(argv)
     mla, gqa = configs(args)
@@ -73,9 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, cfg in (("mla (deepseek_v3)", mla), ("gqa (qwen3_moe)", gqa)):
         rows[name] = decode_tokens_per_s(cfg, args)
         speed, kv = rows[name]
-        print(f"{name:20s} KV {kv:7d} B/token (fp32, all layers)   decode {speed:8.1f} tokens/s")
+        print(f"{name:20s} KV {kv:7d} B/token (fp32, all layers)   generate {speed:8.1f} new tokens/s (prefill included)")
     (s_mla, kv_mla), (s_gqa, kv_gqa) = rows.values()
-    print(f"mla / gqa: KV bytes {kv_mla / kv_gqa:.2f}x, decode tokens/s {s_mla / s_gqa:.2f}x "
+    print(f"mla / gqa: KV bytes {kv_mla / kv_gqa:.2f}x, new tokens/s {s_mla / s_gqa:.2f}x "
           f"({args.slots} slots, {args.prompt}-token prompts, {args.new} new tokens, {jax.devices()[0].platform})")
 
 
