@@ -1,0 +1,125 @@
+"""The gated delta rule (Qwen3.5 / Qwen3-Next's linear-attention layers, Gated DeltaNet, arXiv 2412.06464): a
+fixed-size state per head S [Dk, Dv] that every token decays, corrects and reads,
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T (q_t / sqrt(Dk)),
+
+with q / k L2-normalised per head, g_t <= 0 a log-decay and beta_t in (0, 1) a write strength. Two ways to
+compute it, the same numbers up to fp32 rounding:
+
+- `recurrent_delta_rule`: token by token (`lax.scan` over T): the definition, a one-token decode step, and the
+  reference the tests hold the other to.
+- `chunked_delta_rule`: the training form. The tokens are cut into chunks of C; inside a chunk the
+  recurrence is solved at once (the WY / UT representation: with A = strictly-lower((beta k) k^T * decay),
+  (I + A)^-1 turns the chunk's corrections into matmuls: one unit-lower-triangular solve per chunk), and only the
+  state crosses from chunk to chunk (`lax.scan` over T / C chunks). FLOPs grow with T x C, memory with one
+  chunk's C x C blocks, the state carried between chunks: what transformers' `torch_chunk_gated_delta_rule` and
+  the fla kernels compute. Its gradient is JAX's of these operations (the scan, the solve, the matmuls),
+  checked against the recurrence's gradient in tests/models/test_delta_rule.py.
+
+Packed rows (several sequences in one row): `starts` [B, T] marks each sequence's first token, where the state
+restarts at zero. In the chunked form a token reads the incoming state only if no sequence starts in its chunk
+at or before it, pairs of tokens interact only within one sequence, and only the chunk's last sequence writes
+the outgoing state (and the incoming one survives only a chunk without a start).
+
+Everything runs in fp32 (as transformers' reference does): the state is a sum over the whole sequence.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+Array = jax.Array
+
+
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
+    """x / sqrt(sum x^2 + eps) over the last axis (fla's and transformers' l2norm)."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _as_f32(*xs: Array) -> list[Array]:
+    return [x.astype(jnp.float32) for x in xs]
+
+
+def recurrent_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array | None = None,
+                         starts: Array | None = None) -> tuple[Array, Array]:
+    """(fp32 outputs [B, T, H, Dv], the final state [B, H, Dk, Dv]) of q / k [B, T, H, Dk] (L2-normalised, one per
+    value head), v [B, T, H, Dv], log-decay g and beta [B, T, H], from `state` (None: zeros); `starts` [B, T]
+    bool: the state restarts at zero at these tokens."""
+    q, k, v, g, beta = _as_f32(q, k, v, g, beta)
+    b, t, h, dk = k.shape
+    s0 = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
+    q = q * dk ** -0.5
+    restart = jnp.zeros((b, t), bool) if starts is None else starts
+
+    def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
+        q_t, k_t, v_t, g_t, beta_t, r_t = xs
+        s = jnp.where(r_t[:, None, None, None], 0.0, s * jnp.exp(g_t)[..., None, None])
+        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, restart))
+    final, out = lax.scan(step, s0, xs)
+    return jnp.moveaxis(out, 0, 1), final
+
+
+def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array | None = None,
+                       starts: Array | None = None, chunk: int = 64) -> tuple[Array, Array]:
+    """`recurrent_delta_rule`'s numbers in chunks of `chunk` tokens (module doc); T need not be a multiple of
+    it (the tail is padded with tokens that neither decay nor write)."""
+    q, k, v, g, beta = _as_f32(q, k, v, g, beta)
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = -t % chunk
+    restart = jnp.zeros((b, t), bool) if starts is None else starts.astype(bool)
+    if pad:  # beta = 0: no write; g = 0: no decay; the final state is the last real token's
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
+        restart = jnp.pad(restart, [(0, 0), (0, pad)])
+    n = (t + pad) // chunk
+
+    def chunks(x: Array) -> Array:  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = x.reshape(b, n, chunk, h, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+    q, k, v = chunks(q * dk ** -0.5), chunks(k), chunks(v)
+    g, beta = chunks(g[..., None])[..., 0], chunks(beta[..., None])[..., 0]  # [N, B, H, C]
+    r = jnp.moveaxis(restart.reshape(b, n, chunk), 1, 0)[:, :, None, :]  # [N, B, 1, C]
+    began = jnp.cumsum(r, axis=-1)  # sequence starts in the chunk at or before each token
+    seen = (began == 0).astype(jnp.float32)  # reads the incoming state
+    last = (began == began[..., -1:]).astype(jnp.float32)  # in the chunk's last sequence: writes the outgoing one
+    same = began[..., :, None] == began[..., None, :]  # [N, B, 1, C, C] one sequence
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+    pair = jnp.where(causal & same, cum[..., :, None] - cum[..., None, :], -jnp.inf)
+    decay = jnp.exp(pair)  # exp(sum of g over (j, i]) for j <= i of one sequence, else 0
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = jnp.einsum("nbhik,nbhjk->nbhij", k_beta, k) * decay
+    system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), system, 0.0)  # I + strictly lower
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+
+    def solve(rhs: Array) -> Array:
+        return solve_triangular(system + eye, rhs, lower=True, unit_diagonal=True)
+
+    new_values = solve(v_beta)  # the chunk's corrected values before the incoming state's share
+    k_cumdecay = solve(k_beta * (jnp.exp(cum) * seen)[..., None])
+    intra = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * decay
+    q_state = q * (jnp.exp(cum) * seen)[..., None]
+    k_state = k * (jnp.exp(cum[..., -1:] - cum) * last)[..., None]
+    keep = jnp.exp(cum[..., -1]) * (began[..., -1] == 0)  # [N, B, H]: the incoming state survives the chunk
+
+    s0 = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+
+    def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
+        new_v, kcd, intra_c, q_c, k_c, keep_c = xs
+        v_c = new_v - jnp.einsum("bhck,bhkv->bhcv", kcd, s)
+        out = jnp.einsum("bhck,bhkv->bhcv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_c)
+        s = s * keep_c[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_c, v_c)
+        return s, out
+
+    final, out = lax.scan(step, s0, (new_values, k_cumdecay, intra, q_state, k_state, keep))
+    out = jnp.moveaxis(out, 0, 1)  # [B, N, H, C, Dv]
+    out = jnp.moveaxis(out, 2, 3).reshape(b, n * chunk, h, dv)
+    return out[:, :t], final

@@ -1,0 +1,94 @@
+"""The gated delta rule (models/delta_rule.py): the chunked form against the token-by-token recurrence (values,
+final state and gradients; chunk sizes that do and do not divide the length; an initial state; packed
+sequences restarting the state) and both against transformers' reference implementations."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+
+B, T, H, DK, DV = 2, 45, 3, 8, 6
+
+
+def _inputs(seed: int = 0, t: int = T):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = l2_normalize(jax.random.normal(keys[0], (B, t, H, DK)))
+    k = l2_normalize(jax.random.normal(keys[1], (B, t, H, DK)))
+    v = jax.random.normal(keys[2], (B, t, H, DV))
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (B, t, H)))  # log-decays <= 0
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, t, H)))
+    state = 0.3 * jax.random.normal(keys[5], (B, H, DK, DV))
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("chunk", [8, 9, 64])  # divides T + padding, does not, longer than T
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_equals_the_recurrence_in_values_state_and_gradients(chunk, with_state):
+    q, k, v, g, beta, state = _inputs()
+    state = state if with_state else None
+    want, want_state = recurrent_delta_rule(q, k, v, g, beta, state)
+    got, got_state = chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_state, want_state, atol=2e-5, rtol=1e-5)
+    w_out, w_state = jax.random.normal(jax.random.key(9), want.shape), jax.random.normal(jax.random.key(8),
+                                                                                       want_state.shape)
+
+    def loss(fn, *args):
+        out, s = fn(*args)
+        return jnp.sum(out * w_out) + jnp.sum(s * w_state)
+
+    args = (q, k, v, g, beta) + (() if state is None else (state,))
+    argnums = tuple(range(len(args)))
+    want_grads = jax.grad(lambda *a: loss(recurrent_delta_rule, *a), argnums)(*args)
+    got_grads = jax.grad(lambda *a: loss(lambda *b: chunked_delta_rule(*b, chunk=chunk), *a), argnums)(*args)
+    for name, gw, gg in zip("q k v g beta state".split(), want_grads, got_grads):
+        np.testing.assert_allclose(gg, gw, atol=5e-5, rtol=1e-4, err_msg=name)
+        assert float(jnp.abs(gw).max()) > 1e-3, name  # every input matters
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_packed_sequences_restart_the_state(chunk):
+    """Three sequences in each row (starts inside a chunk and on a chunk's first token): every token's output
+    equals its sequence's alone, from a zero state, in both forms; the final state is the last sequence's."""
+    q, k, v, g, beta, state = _inputs(1)
+    bounds = [(0, 13), (13, 32), (32, T)]  # 32 = a chunk boundary for both chunk sizes
+    starts = np.zeros((B, T), bool)
+    for s, _ in bounds:
+        starts[:, s] = True
+    for fn in (recurrent_delta_rule, lambda *a, **kw: chunked_delta_rule(*a, **kw, chunk=chunk)):
+        out, final = fn(q, k, v, g, beta, state, starts=jnp.asarray(starts))
+        for s, e in bounds:
+            alone, alone_final = recurrent_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e])
+            np.testing.assert_allclose(out[:, s:e], alone, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(final, alone_final, atol=2e-5, rtol=1e-5)
+
+
+def test_both_forms_match_transformers_reference():
+    """transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule (the Qwen3.5 / Qwen3-Next
+    fallbacks), with fewer key heads than value heads as the released models have (repeated per value head)."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    rng = np.random.default_rng(0)
+    t, hk, hv = 70, 2, 4
+    q, k = rng.normal(size=(B, t, hk, DK)).astype(np.float32), rng.normal(size=(B, t, hk, DK)).astype(np.float32)
+    v = rng.normal(size=(B, t, hv, DV)).astype(np.float32)
+    g = -np.log1p(np.exp(rng.normal(size=(B, t, hv)))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(B, t, hv))))).astype(np.float32)
+    state = rng.normal(size=(B, hv, DK, DV)).astype(np.float32) * 0.3
+    tq, tk, tv, tg, tb, ts = (torch.from_numpy(x) for x in (q, k, v, g, beta, state))
+    want_chunk, want_chunk_state = torch_chunk_gated_delta_rule(tq, tk, tv, tg, tb, chunk_size=64, initial_state=ts,
+                                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_rec, want_rec_state = torch_recurrent_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts,
+                                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qh = l2_normalize(jnp.repeat(jnp.asarray(q), hv // hk, axis=2))
+    kh = l2_normalize(jnp.repeat(jnp.asarray(k), hv // hk, axis=2))
+    got_chunk, got_chunk_state = chunked_delta_rule(qh, kh, v, g, beta, jnp.asarray(state), chunk=64)
+    got_rec, got_rec_state = recurrent_delta_rule(qh, kh, v, g, beta, jnp.asarray(state))
+    for got, want in ((got_chunk, want_chunk), (got_chunk_state, want_chunk_state), (got_rec, want_rec),
+                      (got_rec_state, want_rec_state)):
+        np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=2e-5, rtol=1e-5)
