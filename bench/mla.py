@@ -9,8 +9,9 @@ to match). The MLA model's heads are DeepSeek-V3's proportions (nope = a head, r
 a latent of 4 heads' dims); the twin has a kv head per query head (`--kv-heads`: fewer), as the multi-head
 attention MLA replaces. Prints for each: the KV bytes a token takes over all layers (the pool's), new tokens/s of
 greedy generation of `--new` tokens after `--prompt`-token prompts in `--slots` slots (the paged engine, XLA
-attention; the prefill included), and the MLA / GQA ratios. On a CPU the decode is bound by the weights as much as by the KV, so the ratio says more about
-the extra absorbed matmuls than about memory; the pool's bytes are what matter on a device.
+attention; the prefill included), and the MLA / GQA ratios. On a CPU the decode is bound by the weights as much
+as by the KV, so the ratio says more about the extra absorbed matmuls than about memory; the pool's bytes are
+what matter on a device.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, cfg in (("mla (deepseek_v3)", mla), ("gqa (qwen3_moe)", gqa)):
         rows[name] = decode_tokens_per_s(cfg, args)
         speed, kv = rows[name]
-        print(f"{name:20s} KV {kv:7d} B/token (fp32, all layers)   generate {speed:8.1f} new tokens/s (prefill included)")
+        print(f"{name:20s} KV {kv:7d} B/token (fp32, all layers)   generate {speed:8.1f} new tokens/s "
+              "(prefill included)")
     (s_mla, kv_mla), (s_gqa, kv_gqa) = rows.values()
     print(f"mla / gqa: KV bytes {kv_mla / kv_gqa:.2f}x, new tokens/s {s_mla / s_gqa:.2f}x "
           f"({args.slots} slots, {args.prompt}-token prompts, {args.new} new tokens, {jax.devices()[0].platform})")

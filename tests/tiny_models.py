@@ -115,10 +115,17 @@ DEEPSEEK = {
 }
 
 
+# Qwen3.5 (text): 4 layers, gated delta net / gated attention alternating (2 key and 4 value heads of 8 dims, a conv
+# of 4 taps; attention heads of 16 with RoPE on their first 4 dims and an output gate)
+QWEN35 = {"qwen3_5": ("qwen3_5_text", dict(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                                           linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                           layer_types=["linear_attention", "full_attention"] * 2))}
+
+
 def family_case(case: str) -> tuple[str, dict]:
     """(family, overrides) of a family name or a MIXED_MOE / WINDOW_LAYERS / GEMMA / GEMMA4 / GPT_OSS / DEEPSEEK
     case name."""
-    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GEMMA4, **GPT_OSS, **DEEPSEEK}.get(case, (case, {}))
+    return {**MIXED_MOE, **WINDOW_LAYERS, **GEMMA, **GEMMA4, **GPT_OSS, **DEEPSEEK, **QWEN35}.get(case, (case, {}))
 
 
 def hf_config(family: str, **overrides):
@@ -129,7 +136,8 @@ def hf_config(family: str, **overrides):
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
-           "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config}[family]
+           "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config,
+           "qwen3_5_text": transformers.Qwen3_5TextConfig}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 

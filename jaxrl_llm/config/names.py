@@ -26,7 +26,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 MEMORY_LEVERS = ("ref_offload", "teacher_offload", "optimizer_offload", "remat", "bf16_moments")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes
 TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3")
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma4_text", *TINY_MOE_ARCHS)
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma4_text", "qwen3_5_text",
+              *TINY_MOE_ARCHS)
 REMAT = REMAT_POLICIES  # `actor.remat_policy` / `critic.remat_policy`: jaxrl_llm.models.remat
 
 

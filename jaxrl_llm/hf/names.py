@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import MLP_MODULES
-from jaxrl_llm.models.param_init import HEADS, typed_layer_ids
+from jaxrl_llm.models.param_init import HEADS, hybrid_layer_ids, typed_layer_ids
 
 
 class MissingTensorError(KeyError):
@@ -131,19 +131,22 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
         specs += _gemma4_specs(cfg)
     if cfg.is_mla:
         specs += _mla_specs(cfg)
-    for proj, heads in () if cfg.typed_layers or cfg.is_mla else (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
+    if cfg.hybrid:
+        specs += _hybrid_specs(cfg)
+    stacked_attention = cfg.typed_layers or cfg.is_mla or cfg.hybrid  # their attention tensors: the specs above
+    for proj, heads in () if stacked_attention else (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
         layer(("attn", proj, "kernel"), f"self_attn.{proj}.weight", (heads * d, h),
               _linear(h, (heads, d)))
         if cfg.attention_bias:
             layer(("attn", proj, "bias"), f"self_attn.{proj}.bias", (heads * d,),
                   (lambda b, n=heads: b.reshape(n, d), lambda b: b.reshape(-1)))
-    if not cfg.typed_layers and not cfg.is_mla:
+    if not stacked_attention:
         layer(("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d), _linear_in_heads((nh, d), h))
     if cfg.o_proj_bias:
         layer(("attn", "o_proj", "bias"), "self_attn.o_proj.bias", (h,))
     if cfg.attention_sinks:
         layer(("attn", "sinks"), "self_attn.sinks", (nh,))
-    if cfg.qk_norm and not cfg.typed_layers:
+    if cfg.qk_norm and not stacked_attention:
         layer(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", (d,))
         layer(("attn", "k_norm", "scale"), "self_attn.k_norm.weight", (d,))
     if cfg.is_moe and not cfg.typed_layers:
@@ -162,6 +165,43 @@ def tensor_specs(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> 
                                 optional=True))
         specs.append(TensorSpec(("value_head", "bias"), "score.bias", (1,), _identity, _identity,
                                 optional=True))
+    return specs
+
+
+def _hybrid_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Qwen3.5's mixers, each kind stacked over its own layers (models/param_init.py `hybrid_layer_ids`): the
+    gated attention (`self_attn.*`, q_proj holding query and gate per head) and the gated delta net
+    (`linear_attn.*`: the conv's [C, 1, K] weight as our [K, C] taps)."""
+    h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hv, dk, dv = cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv, taps = 2 * cfg.linear_key_heads * dk + hv * dv, cfg.linear_conv_kernel
+    lay = "model.layers.{i}."
+    specs: list[TensorSpec] = []
+    kinds = hybrid_layer_ids(cfg)
+
+    def spec(kind: str, path: tuple[str, ...], name: str, shape: tuple[int, ...], conv_=None) -> None:
+        to_ours, to_hf = conv_ or (_identity, _identity)
+        specs.append(TensorSpec(("layers", kind) + path, lay + name, shape, to_ours, to_hf, layer_ids=kinds[kind]))
+
+    if "attn" in kinds:
+        qw = 2 * d if cfg.attention_output_gate else d
+        spec("attn", ("q_proj", "kernel"), "self_attn.q_proj.weight", (nh * qw, h), _linear(h, (nh, qw)))
+        for proj in ("k_proj", "v_proj"):
+            spec("attn", (proj, "kernel"), f"self_attn.{proj}.weight", (nkv * d, h), _linear(h, (nkv, d)))
+        spec("attn", ("o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d), _linear_in_heads((nh, d), h))
+        spec("attn", ("q_norm", "scale"), "self_attn.q_norm.weight", (d,))
+        spec("attn", ("k_norm", "scale"), "self_attn.k_norm.weight", (d,))
+    if "linear" in kinds:
+        for name, out in (("in_proj_qkv", (conv,)), ("in_proj_z", (hv, dv)), ("in_proj_b", (hv,)),
+                          ("in_proj_a", (hv,))):
+            spec("linear", (name, "kernel"), f"linear_attn.{name}.weight", (int(np.prod(out)), h), _linear(h, out))
+        spec("linear", ("conv1d", "kernel"), "linear_attn.conv1d.weight", (conv, 1, taps),
+             (lambda w: w[:, 0].T, lambda k: k.T[:, None]))
+        spec("linear", ("dt_bias",), "linear_attn.dt_bias", (hv,))
+        spec("linear", ("A_log",), "linear_attn.A_log", (hv,))
+        spec("linear", ("norm", "scale"), "linear_attn.norm.weight", (dv,))
+        spec("linear", ("out_proj", "kernel"), "linear_attn.out_proj.weight", (h, hv * dv),
+             _linear_in_heads((hv, dv), h))
     return specs
 
 

@@ -74,7 +74,7 @@ def dynamic_ntk_inv_freq(cfg: ModelConfig, positions: Array) -> Array:
     of this forward (transformers' dynamic_rope_update within one generate call: a decode step uses the
     current length, the cached keys keep theirs). A full-sequence pass thus scores early tokens under
     the final length's base, which is why the trainer refuses it past the context (trainer.py)."""
-    dim, limit = cfg.head_dim, cfg.max_position_embeddings
+    dim, limit = cfg.rotary_dim, cfg.max_position_embeddings
     factor = float(cfg.rope_scaling_dict["factor"])
     seq = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1, float(limit))
     base = cfg.rope_theta * ((factor * seq / limit) - (factor - 1)) ** (dim / (dim - 2))

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxrl_llm.models.config_deepseek import check_deepseek, deepseek_fields, deepseek_hf_fields
 from jaxrl_llm.models.config_gemma4 import gemma4_fields, gemma4_hf_fields
+from jaxrl_llm.models.config_qwen35 import check_qwen35, qwen35_fields, qwen35_hf_fields
 
 # HF `architectures[0]` -> (model_type, family traits)
 _FAMILIES: dict[str, dict[str, Any]] = {
@@ -42,6 +43,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 (models/config_deepseek.py): multi-head latent attention (models/mla.py), a sigmoid router with a
     # correction bias choosing within the best groups of experts, shared experts, dense first layers
     "deepseek_v3": {"prefix": "DeepseekV3", "attention_bias": False, "qk_norm": False, "moe": True},
+    # Qwen3.5 (models/config_qwen35.py, models/hybrid.py): gated delta-net linear-attention layers between gated
+    # full-attention layers (an output gate, QK-norm, RoPE on a quarter of each head), (1 + w) norms
+    "qwen3_5_text": {"prefix": "Qwen3_5", "attention_bias": False, "qk_norm": True},
 }
 GEMMA_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("gemma"))
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -184,6 +188,18 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Qwen3.5's hybrid layers (models/hybrid.py): the layers that are gated delta-net linear attention (the rest
+    # are full attention), their key / value heads and head dims and the width of their causal depthwise conv;
+    # the full layers' output gate (q_proj twice as wide: query and gate per head) and RoPE on the first
+    # partial_rotary_factor of each head's dims (rotate-half within them, frequencies over them)
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
     # compute choices (not model shape): the grouped matmul and its row-block size (MOE_KERNELS)
     moe_kernel: str = "auto"
     moe_block_rows: int = 32
@@ -251,6 +267,7 @@ class ModelConfig:
             raise ValueError(f"moe_chunk_rows={self.moe_chunk_rows} must be at least moe_block_rows="
                              f"{self.moe_block_rows}")
         check_deepseek(self)
+        check_qwen35(self)
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -320,6 +337,21 @@ class ModelConfig:
     @property
     def full_kv_heads(self) -> int:
         return self.global_kv_heads or self.num_key_value_heads
+
+    @property
+    def hybrid(self) -> bool:
+        """Gated delta-net layers between the attention layers (Qwen3.5; models/hybrid.py)."""
+        return bool(self.linear_layers)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """The layers with (softmax) attention: all but a hybrid model's linear layers."""
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.linear_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dims RoPE turns (Qwen3.5: the first partial_rotary_factor of them)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_mla(self) -> bool:
@@ -458,6 +490,11 @@ class ModelConfig:
                                d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048))
         if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:  # DeepSeek's convention, as HF
             scaling["factor"] = d.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
+        if model_type == "qwen3_5_text":  # text positions: M-RoPE's three axes agree, so it is plain RoPE
+            for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+                scaling.pop(key, None)
+            if scaling.get("rope_type", "default") == "default":
+                scaling = {}
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "gemma4_text":
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
@@ -469,6 +506,8 @@ class ModelConfig:
             moe.update(_gpt_oss_fields(d))
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
         gemma = _gemma_fields(d, act, local_theta) if fam.get("gemma") else {}
+        if model_type == "qwen3_5_text":
+            gemma = qwen35_fields(d)
         if model_type == "gemma4_text":
             gemma = gemma4_fields(d, sliding_layers or ())
             rope_theta, scaling = gemma.pop("rope_theta"), dict(gemma.pop("rope_scaling") or ())
@@ -558,6 +597,9 @@ class ModelConfig:
             d.update(gemma4_hf_fields(self))
         elif self.model_type in GEMMA_FAMILIES:
             d.update(self._hf_gemma_fields(rope_params))
+        if self.model_type == "qwen3_5_text":
+            d.update(qwen35_hf_fields(self))
+            d["rope_parameters"] = {**rope_params, "partial_rotary_factor": self.partial_rotary_factor}
         if self.model_type == "deepseek_v3":
             d.update(deepseek_hf_fields(self))
         elif self.is_moe and not self.typed_layers:  # Gemma 4's: models/config_gemma4.py
@@ -633,6 +675,11 @@ class ModelConfig:
                         v_head_dim=16, rope_interleave=True, router_sigmoid=True, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5, norm_topk_prob=True, shared_expert_intermediate_size=32,
                         mlp_only_layers=(0,), router_aux_loss_coef=0.0)
+        if family == "qwen3_5_text":  # linear, full, linear, full: key / value heads 2 / 4 of 8 dims, a conv of 4
+            layers = int(overrides.get("num_hidden_layers", 4))
+            base.update(num_hidden_layers=layers, linear_layers=tuple(range(0, layers, 2)), linear_key_heads=2,
+                        linear_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4,
+                        attention_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)
         if family == "gemma4_text":  # sliding / full alternating (the last full), full heads twice as wide with one
             # kv head and k = v, per-layer inputs; from 4 layers on the last 2 read the K / V of the 2 before them
             layers = int(overrides.get("num_hidden_layers", 4))
@@ -838,7 +885,7 @@ def _yarn_inv_freq(inv: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """YaRN (arXiv 2309.00071) as transformers computes it: each frequency blends the interpolated
     (inv / factor) and the original one by a linear ramp over the dims between the rotation counts
     beta_slow and beta_fast of the original context."""
-    s, dim = cfg.rope_scaling_dict, cfg.head_dim
+    s, dim = cfg.rope_scaling_dict, cfg.rotary_dim
     factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
     beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
 
@@ -859,8 +906,8 @@ def _yarn_inv_freq(inv: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [head_dim/2] (float32), with linear / llama3 / yarn scaling as transformers does
     (`dynamic` depends on the positions of each forward: models/decoder.py `rope_cos_sin`; these are its
-    frequencies within max_position_embeddings)."""
-    dim = cfg.head_dim
+    frequencies within max_position_embeddings). Over `cfg.rotary_dim` (Qwen3.5's partial rotary)."""
+    dim = cfg.rotary_dim
     inv = (1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)))
     inv = inv.astype(np.float32)
     s = cfg.rope_scaling_dict

@@ -71,6 +71,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.context_parallel import context_parallel_attend
 from jaxrl_llm.models.expert_parallel import routed_experts
 from jaxrl_llm.models.gemma4 import typed_decoder_hidden
+from jaxrl_llm.models.hybrid import hybrid_decoder_hidden
 from jaxrl_llm.models.lora import LoraAdapters
 from jaxrl_llm.models.mla import mla_attention_block
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
@@ -252,6 +253,9 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
         return typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
                                     valid=valid, replay=replay, record_routing=record_routing)
     assert not isinstance(attention, dict)
+    if cfg.hybrid:  # Qwen3.5: gated delta-net and gated attention layers (models/hybrid.py)
+        return hybrid_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
+                                     valid=valid)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'

@@ -10,7 +10,7 @@ compute it, the same numbers up to fp32 rounding:
   reference the tests hold the other to.
 - `chunked_delta_rule`: the training form. The tokens are cut into chunks of C; inside a chunk the
   recurrence is solved at once (the WY / UT representation: with A = strictly-lower((beta k) k^T * decay),
-  (I + A)^-1 turns the chunk's corrections into matmuls: one unit-lower-triangular solve per chunk), and only the
+  (I + A)^-1 turns the chunk's corrections into matmuls; the inverse itself by `unit_lower_inverse`), and only the
   state crosses from chunk to chunk (`lax.scan` over T / C chunks). FLOPs grow with T x C, memory with one
   chunk's C x C blocks, the state carried between chunks: what transformers' `torch_chunk_gated_delta_rule` and
   the fla kernels compute. Its gradient is JAX's of these operations (the scan, the solve, the matmuls),
@@ -28,7 +28,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 Array = jax.Array
 
@@ -41,6 +40,21 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
 
 def _as_f32(*xs: Array) -> list[Array]:
     return [x.astype(jnp.float32) for x in xs]
+
+
+def unit_lower_inverse(a: Array) -> Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent (A^C = 0), so the inverse is the
+    finite series sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)..., 2 log2(C) matmuls of C x C (what the MXU / tensor
+    cores run well; a triangular solve is a sequential custom call on every backend, and XLA:CPU's deadlocked
+    8-device programs that ran one inside a scan)."""
+    eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+    inverse, power = eye - a, a
+    span = 2
+    while span < a.shape[-1]:
+        power = power @ power
+        inverse = inverse @ (eye + power)
+        span *= 2
+    return inverse
 
 
 def recurrent_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array | None = None,
@@ -98,10 +112,10 @@ def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     system = jnp.einsum("nbhik,nbhjk->nbhij", k_beta, k) * decay
     system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), system, 0.0)  # I + strictly lower
-    eye = jnp.eye(chunk, dtype=jnp.float32)
+    inverse = unit_lower_inverse(system)
 
     def solve(rhs: Array) -> Array:
-        return solve_triangular(system + eye, rhs, lower=True, unit_diagonal=True)
+        return jnp.einsum("...ij,...jd->...id", inverse, rhs)
 
     new_values = solve(v_beta)  # the chunk's corrected values before the incoming state's share
     k_cumdecay = solve(k_beta * (jnp.exp(cum) * seen)[..., None])

@@ -175,6 +175,9 @@ Shape = tuple[int, ...]
 
 def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[tuple[str, str], tuple[Shape, Shape]]:
     """{(group, module): (A shape, B shape)} for the targeted modules ('all-linear': those this model has)."""
+    if cfg.hybrid:
+        raise ValueError(f"{cfg.architecture}: LoRA adapters on the gated delta-net / gated attention stacks are not "
+                         "supported yet; train the full model")
     missing = [m for m in lora.targets if m not in module_groups(cfg)]
     if missing and lora.targets != ALL_LINEAR:
         raise ValueError(f"target_modules: {', '.join(missing)} not in {cfg.architecture} (it has "

@@ -111,8 +111,8 @@ def _layer_axes(path: tuple[str, ...]) -> tuple:
     *mods, leaf = path
     if leaf == "layer_scalar":
         return ("layers",)
-    if leaf in ("router_scale", "expert_scale", "score_bias"):  # Gemma 4's router scales, DeepSeek's bias
-        return ("layers", None)
+    if leaf in ("router_scale", "expert_scale", "score_bias", "dt_bias", "A_log"):  # Gemma 4's router scales,
+        return ("layers", None)  # DeepSeek's bias, the delta net's per-head decay parameters
     mod = mods[-1]
     if mod in ("ple_gate", "ple_proj"):
         return ("layers", "embed", None) if mod == "ple_gate" else ("layers", None, "embed")
@@ -126,6 +126,13 @@ def _layer_axes(path: tuple[str, ...]) -> tuple:
         return ("layers", None)
     heads = "heads" if mod in ("q_proj", "o_proj", "q_b_proj", "kv_b_proj") else "kv_heads"
     table = {
+        # Qwen3.5's gated delta net (models/hybrid.py): fused and per-head projections, not split but by embed
+        ("in_proj_qkv", "kernel"): ("layers", "embed", None),
+        ("in_proj_z", "kernel"): ("layers", "embed", None, None),
+        ("in_proj_b", "kernel"): ("layers", "embed", None),
+        ("in_proj_a", "kernel"): ("layers", "embed", None),
+        ("conv1d", "kernel"): ("layers", None, None),
+        ("out_proj", "kernel"): ("layers", None, None, "embed"),
         # MLA (models/mla.py): the bottlenecks' ranks are not split; the per-head expansions split by head
         ("q_a_proj", "kernel"): ("layers", "embed", None),
         ("q_a_proj", "bias"): ("layers", None),
@@ -230,7 +237,7 @@ class _LayerParams(nn.Module):
                 _MoeParams(cfg, dt, init, name="moe")()
                 for name in ("mlp_out_norm", "moe_norm", "moe_out_norm"):
                     _Norm(cfg.hidden_size, dt, cfg.norm_offset, name=name)()
-        else:
+        elif not cfg.hybrid:  # a hybrid model stacks its attention per layer kind (`_HybridStack`)
             _AttentionParams(cfg, dt, init, name="attn")()
         if cfg.sandwich_norms:
             _Norm(cfg.hidden_size, dt, cfg.norm_offset, name="attn_post_norm")()
@@ -240,6 +247,42 @@ class _LayerParams(nn.Module):
             _MoeParams(cfg, dt, init, name="moe")()
         elif self.mlp == "dense":
             _MlpParams(cfg.hidden_size, cfg.intermediate_size, dt, init, name="mlp")()
+        return carry, None
+
+
+class _HybridStack(nn.Module):
+    """One kind of a Qwen3.5 layer's mixer (`kind`: "attn", the gated full attention; "linear", the gated delta
+    net; models/hybrid.py), one scan step per layer of that kind."""
+
+    cfg: ModelConfig
+    dtype: DType
+    kind: str
+
+    @nn.compact
+    def __call__(self, carry: None, _: None = None) -> tuple[None, None]:
+        cfg, dt = self.cfg, self.dtype
+        init = nn.initializers.normal(cfg.initializer_range)
+        h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        if self.kind == "attn":  # q_proj: query and output gate per head ([H, heads, 2 x head_dim])
+            _Projection((h,), (nh, 2 * hd if cfg.attention_output_gate else hd), cfg.attention_bias, init, dt,
+                        name="q_proj")()
+            for name in ("k_proj", "v_proj"):
+                _Projection((h,), (nkv, hd), cfg.attention_bias, init, dt, name=name)()
+            _Norm(hd, dt, cfg.norm_offset, name="q_norm")()
+            _Norm(hd, dt, cfg.norm_offset, name="k_norm")()
+            _Projection((nh, hd), (h,), cfg.attention_bias, init, dt, name="o_proj")()
+            return carry, None
+        hv, dk, dv = cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv = 2 * cfg.linear_key_heads * dk + hv * dv
+        _Projection((h,), (conv,), False, init, dt, name="in_proj_qkv")()
+        _Projection((h,), (hv, dv), False, init, dt, name="in_proj_z")()
+        _Projection((h,), (hv,), False, init, dt, name="in_proj_b")()
+        _Projection((h,), (hv,), False, init, dt, name="in_proj_a")()
+        _Projection((cfg.linear_conv_kernel,), (conv,), False, init, dt, name="conv1d")()
+        self.param("dt_bias", nn.initializers.ones, (hv,), dt)
+        self.param("A_log", nn.initializers.zeros, (hv,), dt)
+        _Norm(dv, dt, name="norm")()  # the gated RMSNorm's plain w
+        _Projection((hv, dv), (h,), False, init, dt, name="out_proj")()
         return carry, None
 
 
@@ -420,6 +463,9 @@ class _BackboneParams(nn.Module):
                 _Projection((cfg.hidden_size,), (width,), False, nn.initializers.normal(cfg.initializer_range),
                             self.dtype, name="ple_model_proj")()
                 _Norm(cfg.per_layer_input_size, self.dtype, cfg.norm_offset, name="ple_proj_norm")()
+        if cfg.hybrid:
+            for kind, layers in hybrid_layer_ids(cfg).items():
+                scan(_HybridStack, length=len(layers))(cfg, self.dtype, kind, name=f"hybrid_{kind}")(None)
         if cfg.mixed_layers:
             scan(_MlpStack, length=len(cfg.dense_layer_ids))(cfg, self.dtype, "dense", name="dense_mlps")(None)
             scan(_MlpStack, length=len(cfg.moe_layer_ids))(cfg, self.dtype, "moe", name="moe_mlps")(None)
@@ -434,7 +480,16 @@ def init_backbone(cfg: ModelConfig, rng: Array, dtype: DType = jnp.float32) -> d
     for kind in typed_layer_ids(cfg) if cfg.typed_layers else ():
         stack = params.pop(f"typed_{kind}")
         params["layers"][kind] = stack["mlp"] if kind.startswith("mlp") else stack
+    for kind in hybrid_layer_ids(cfg) if cfg.hybrid else ():
+        params["layers"][kind] = params.pop(f"hybrid_{kind}")
     return params
+
+
+def hybrid_layer_ids(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Qwen3.5 model's mixer stacks -> the layers each is stacked over: "attn" (full attention), "linear"
+    (gated delta net); the kinds no layer has are left out."""
+    kinds = {"attn": cfg.full_attention_layers, "linear": tuple(cfg.linear_layers)}
+    return {kind: ids for kind, ids in kinds.items() if ids}
 
 
 def typed_layer_ids(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -184,6 +184,11 @@ def _load_roles(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer
         from jaxrl_llm.roles.teacher import check_teacher
 
         teacher_tokenizer = check_teacher(spec.distillation, model_config_of(spec.model, tokenizer), tokenizer)
+    policy_cfg = model_config_of(spec.model, tokenizer)
+    if policy_cfg.hybrid:  # refused before any weight loads (models/hybrid.py)
+        raise ConfigError(f"actor_rollout_ref.model.path={spec.model.path!r}: {policy_cfg.architecture}'s gated "
+                          "delta-net layers cannot generate rollouts yet (the samplers do not hold their per-slot "
+                          "state); it trains with launch/sft.py (SFT, DPO) and scores")
     model_cfg, params = load_model(spec.model, head="lm", mesh=mesh, tokenizer=tokenizer, seed=seed)
     if spec.actor.router_replay != "none" and not model_cfg.is_moe:
         raise ConfigError(f"actor_rollout_ref.actor.router_replay={spec.actor.router_replay!r}: the policy "

@@ -11,6 +11,7 @@ from tiny_models import (
     GEMMA4,
     GPT_OSS,
     MIXED_MOE,
+    QWEN35,
     TINY_HF,
     WINDOW_LAYERS,
     build_hf_model,
@@ -45,6 +46,7 @@ CASES = {
     **GPT_OSS,  # attention sinks, biases, alternating windows, top-k softmax router, clamped SwiGLU, YaRN
     **GEMMA4,  # per-type head shapes, k = v, shared KV, per-layer inputs, layer scalars, proportional RoPE
     **DEEPSEEK,  # multi-head latent attention, YaRN with mscales, sigmoid group-limited router, shared experts
+    **QWEN35,  # gated delta-net layers between gated attention layers, partial RoPE, (1 + w) norms
 }
 
 

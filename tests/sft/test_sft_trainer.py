@@ -104,3 +104,20 @@ def test_rl_sft_warmup_trains_the_policy_as_sft_does_before_the_first_rl_step(tm
     for a, b in zip(jax.tree.leaves(rl.actor.params), _params(sft)):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
     rl.close()  # (the RL steps that follow read actor.params: tests/trainer cover them)
+
+
+def test_qwen35_sft_loss_falls_packed_as_padded(tmp_path):
+    """A tiny Qwen3.5 (gated delta-net and gated attention layers, models/hybrid.py) trains with SFT: the loss
+    falls, and packed rows (the delta net restarting its state and conv window per sequence) give the padded
+    rows' loss and gradient norm. (An RL run is refused before loading: the samplers cannot decode it yet.)"""
+    arch = {"actor_rollout_ref.model.path": "tiny:qwen3_5_text", "actor_rollout_ref.model.tiny.num_hidden_layers": 4}
+    padded = SftTrainer(sft_config(tmp_path / "a", **arch, **{"actor_rollout_ref.model.use_remove_padding": False}))
+    padded.fit()
+    losses = [h["train/loss"] for h in padded.history]
+    assert losses[-1] < losses[0]
+    packed = SftTrainer(sft_config(tmp_path / "b", **arch, **{"sft.use_dynamic_bsz": True,
+                                                               "sft.max_token_len_per_device": 96}))
+    packed.fit()
+    for h, g in zip(padded.history, packed.history):
+        assert h["train/loss"] == pytest.approx(g["train/loss"], rel=1e-5)
+        assert h["train/grad_norm"] == pytest.approx(g["train/grad_norm"], rel=1e-4)
