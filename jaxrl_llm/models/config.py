@@ -381,6 +381,9 @@ class ModelConfig:
         query / key head's width and a value head's (the trainer's expanded attention)."""
         if self.is_mla:
             return round(self.num_attention_heads * (self.qk_nope_head_dim + self.head_dim + self.v_head_dim) / 2)
+        if self.hybrid:  # only the full-attention layers attend over the context (the delta net: a fixed state)
+            return round(self.num_attention_heads * self.head_dim * len(self.full_attention_layers)
+                         / self.num_hidden_layers)
         full = self.num_hidden_layers - len(self.local_layer_ids) if self.typed_layers else 0
         widths = (self.num_hidden_layers - full) * self.head_dim + full * self.full_head_dim
         return round(self.num_attention_heads * widths / self.num_hidden_layers)
