@@ -112,6 +112,14 @@ DEEPSEEK = {
                                                          "beta_slow": 1.0})),
     "deepseek_v3_plain": ("deepseek_v3", dict(_DEEPSEEK_BASE, q_lora_rank=None, v_head_dim=24, n_group=1,
                                               topk_group=1, first_k_dense_replace=0, rope_interleave=False)),
+    # DeepSeek-V2: softmax routing limited to the 2 of 4 groups with the best single expert, weights not renormalised
+    # but scaled; complex-pair RoPE with YaRN; a dense first layer (num_mtp_layers is V3's: left out)
+    "deepseek_v2": ("deepseek_v2", dict({k: v for k, v in _DEEPSEEK_BASE.items() if k != "num_mtp_layers"},
+                                        q_lora_rank=None, v_head_dim=16, topk_method="group_limited_greedy",
+                                        n_group=4, topk_group=2, first_k_dense_replace=1,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                         "original_max_position_embeddings": 64,
+                                                         "mscale": 0.8, "mscale_all_dim": 1.0})),
 }
 
 
@@ -137,6 +145,7 @@ def hf_config(family: str, **overrides):
            "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
            "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config,
+           "deepseek_v2": transformers.DeepseekV2Config,
            "qwen3_5_text": transformers.Qwen3_5TextConfig}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 

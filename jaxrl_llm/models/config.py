@@ -43,6 +43,8 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 (models/config_deepseek.py): multi-head latent attention (models/mla.py), a sigmoid router with a
     # correction bias choosing within the best groups of experts, shared experts, dense first layers
     "deepseek_v3": {"prefix": "DeepseekV3", "attention_bias": False, "qk_norm": False, "moe": True},
+    # DeepSeek-V2 / V2-Lite: the same attention; softmax routing, greedy or limited to the groups of the best experts
+    "deepseek_v2": {"prefix": "DeepseekV2", "attention_bias": False, "qk_norm": False, "moe": True},
     # Qwen3.5 (models/config_qwen35.py, models/hybrid.py): gated delta-net linear-attention layers between gated
     # full-attention layers (an output gate, QK-norm, RoPE on a quarter of each head), (1 + w) norms
     "qwen3_5_text": {"prefix": "Qwen3_5", "attention_bias": False, "qk_norm": True},
@@ -185,6 +187,9 @@ class ModelConfig:
     # bias (`router/score_bias`, not trained by the gradient) among the topk_group best of n_group groups (a group
     # scored by its best two), and mixed by their scores times routed_scaling_factor
     router_sigmoid: bool = False
+    # DeepSeek-V2's router: softmax scores chosen within the topk_group groups whose best expert scores highest
+    # (`group_limited_greedy`; plain top-k when off), the chosen scores times routed_scaling_factor, not renormalised
+    router_group_max: bool = False
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -501,8 +506,8 @@ class ModelConfig:
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "gemma4_text":
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
-        if model_type == "deepseek_v3":
-            moe = deepseek_fields(d)
+        if model_type in ("deepseek_v3", "deepseek_v2"):
+            moe = deepseek_fields(d, model_type)
         else:
             moe = _moe_fields(d, model_type) if fam.get("moe") else {}
         if model_type == "gpt_oss":
@@ -603,7 +608,7 @@ class ModelConfig:
         if self.model_type == "qwen3_5_text":
             d.update(qwen35_hf_fields(self))
             d["rope_parameters"] = {**rope_params, "partial_rotary_factor": self.partial_rotary_factor}
-        if self.model_type == "deepseek_v3":
+        if self.model_type in ("deepseek_v3", "deepseek_v2"):
             d.update(deepseek_hf_fields(self))
         elif self.is_moe and not self.typed_layers:  # Gemma 4's: models/config_gemma4.py
             d.update(self._hf_moe_fields())
@@ -672,6 +677,11 @@ class ModelConfig:
                 base.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
             else:
                 base.update(rope_theta=1e6, rope_local_theta=1e4)
+        if family == "deepseek_v2":  # as deepseek_v3's below, with V2's softmax group-limited router
+            base.update(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=0, qk_nope_head_dim=8,
+                        v_head_dim=16, rope_interleave=True, router_group_max=True, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.0, norm_topk_prob=False, shared_expert_intermediate_size=32,
+                        mlp_only_layers=(0,), router_aux_loss_coef=0.0)
         if family == "deepseek_v3":  # layer 0 dense, layer 1 sparse; 8 experts in 4 groups (the best 2 open);
             # a q bottleneck; heads of 8 nope + 8 rope dims, values of 16
             base.update(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=8,
@@ -694,7 +704,7 @@ class ModelConfig:
                         per_layer_vocab_size=int(overrides.get("vocab_size", base["vocab_size"])),
                         rope_partial_factor=0.25)
         base.update(overrides)
-        if family == "deepseek_v3":  # MLA: every head expands the latent its own way (kv heads = heads)
+        if family in ("deepseek_v3", "deepseek_v2"):  # MLA: each head expands the latent its own way (kv = heads)
             base["num_key_value_heads"] = base["num_attention_heads"]
         return cls(**base)
 

@@ -11,21 +11,26 @@ import math
 from typing import Any
 
 
-def deepseek_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields of a DeepSeek-V3 config.json beyond the shared ones (the head_dim is the rope part
-    of a head, as transformers sets it; the attention's own shapes are the MLA fields)."""
+def deepseek_fields(d: dict[str, Any], model_type: str = "deepseek_v3") -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek-V3 (or V2: `model_type`) config.json beyond the shared ones (the head_dim
+    is the rope part of a head, as transformers sets it; the attention's own shapes are the MLA fields)."""
+    v2 = model_type == "deepseek_v2"
+    method = d.get("topk_method") or ("greedy" if v2 else "noaux_tc")
+    if method not in (("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)):
+        raise ValueError(f"config.json: topk_method={method!r} is unsupported for {model_type}")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if not d.get(key):
             raise ValueError(f"config.json: deepseek_v3 needs a positive {key}")
     experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or 0)
     if experts == 0:
         raise ValueError("config.json: n_routed_experts=0 leaves deepseek_v3 without routed experts")
-    groups = int(d.get("n_group") or 1)
-    topk_group = int(d.get("topk_group") or groups)
+    limited = method != "greedy"
+    groups = int(d.get("n_group") or 1) if limited else 1
+    topk_group = int(d.get("topk_group") or groups) if limited else 1
     if experts % groups or not 0 < topk_group <= groups:
         raise ValueError(f"config.json: n_group={groups} must divide n_routed_experts={experts} and "
                          f"topk_group={topk_group} be in 1..n_group")
-    if experts // groups < 2:
+    if not v2 and experts // groups < 2:
         raise ValueError(f"config.json: n_group={groups} leaves fewer than 2 experts a group (a group is scored "
                          "by its best two)")
     layers = int(d["num_hidden_layers"])
@@ -39,11 +44,12 @@ def deepseek_fields(d: dict[str, Any]) -> dict[str, Any]:
         num_key_value_heads=int(d["num_attention_heads"]),
         kv_lora_rank=int(d["kv_lora_rank"]), q_lora_rank=int(q_lora or 0),
         qk_nope_head_dim=int(d["qk_nope_head_dim"]), v_head_dim=int(d["v_head_dim"]),
-        rope_interleave=bool(d.get("rope_interleave", True)),
+        rope_interleave=True if v2 else bool(d.get("rope_interleave", True)),  # V2 turns (even, odd) pairs
         num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok") or 8),
         moe_intermediate_size=width, shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * width,
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_only_layers=tuple(range(dense)),
-        router_sigmoid=True, n_group=groups, topk_group=topk_group,
+        # V2's router never renormalises (transformers ignores its norm_topk_prob)
+        norm_topk_prob=False if v2 else bool(d.get("norm_topk_prob", True)), mlp_only_layers=tuple(range(dense)),
+        router_sigmoid=not v2, router_group_max=v2 and limited, n_group=groups, topk_group=topk_group,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         router_aux_loss_coef=float(d.get("router_aux_loss_coef") or 0.0),
         output_router_logits=bool(d.get("output_router_logits", False)))
@@ -55,7 +61,7 @@ def deepseek_hf_fields(cfg: Any) -> dict[str, Any]:
     return {
         "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank or None,
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.head_dim, "v_head_dim": cfg.v_head_dim,
-        "rope_interleave": cfg.rope_interleave, "attention_bias": cfg.attention_bias,
+        "attention_bias": cfg.attention_bias,
         "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "n_shared_experts": cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
@@ -63,14 +69,16 @@ def deepseek_hf_fields(cfg: Any) -> dict[str, Any]:
         "n_group": cfg.n_group, "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
         "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": cfg.output_router_logits,
         "num_nextn_predict_layers": 0,
+        **({"topk_method": "group_limited_greedy" if cfg.router_group_max else "greedy"}
+           if cfg.model_type == "deepseek_v2" else {"rope_interleave": cfg.rope_interleave, "topk_method": "noaux_tc"}),
     }
 
 
 def check_deepseek(cfg: Any) -> None:
     """The MLA and router fields' consistency (ModelConfig.__post_init__)."""
     if cfg.kv_lora_rank:
-        if cfg.model_type != "deepseek_v3":
-            raise ValueError(f"{cfg.model_type}: multi-head latent attention (kv_lora_rank) is DeepSeek-V3's")
+        if cfg.model_type not in ("deepseek_v3", "deepseek_v2"):
+            raise ValueError(f"{cfg.model_type}: multi-head latent attention (kv_lora_rank) is DeepSeek's")
         if cfg.qk_nope_head_dim < 1 or cfg.v_head_dim < 1:
             raise ValueError("multi-head latent attention needs positive qk_nope_head_dim and v_head_dim")
         if cfg.num_key_value_heads != cfg.num_attention_heads:
@@ -79,7 +87,8 @@ def check_deepseek(cfg: Any) -> None:
                              "way)")
         if cfg.qk_norm or cfg.sliding_window is not None or cfg.attention_sinks:
             raise ValueError("multi-head latent attention has no QK-norm, sliding window or sinks")
-    if cfg.router_sigmoid and (cfg.num_experts % cfg.n_group or not 0 < cfg.topk_group <= cfg.n_group):
+    if (cfg.router_sigmoid or cfg.router_group_max) and (cfg.num_experts % cfg.n_group
+                                                         or not 0 < cfg.topk_group <= cfg.n_group):
         raise ValueError(f"n_group={cfg.n_group} must divide num_experts={cfg.num_experts} and topk_group="
                          f"{cfg.topk_group} be in 1..n_group")
 

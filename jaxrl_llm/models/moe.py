@@ -94,6 +94,10 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
         scores = jax.nn.sigmoid(logits)
         natural = deepseek_choice(cfg, scores, score_bias)
         top_probs = jnp.take_along_axis(scores, natural, axis=-1)
+    elif cfg.router_group_max:  # DeepSeek-V2's group_limited_greedy over the softmax
+        scores = probs
+        natural = deepseek_choice(cfg, probs, None)
+        top_probs = jnp.take_along_axis(probs, natural, axis=-1)
     else:
         scores = probs
         top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
@@ -111,19 +115,25 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
         weights = weights * cfg.routed_scaling_factor
     elif cfg.norm_topk_prob or cfg.model_type == "mixtral":
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if cfg.model_type == "deepseek_v2":
+        weights = weights * cfg.routed_scaling_factor
     return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)
 
 
 def deepseek_choice(cfg: ModelConfig, scores: Array, score_bias: Array | None) -> Array:
     """DeepSeek-V3's expert choice [N, k] from sigmoid scores [N, E]: score + the correction bias (aux-loss-free
     balancing: it moves choices, never weights, and gets no gradient), only within the `topk_group` groups (of
-    `n_group` contiguous experts) whose two best biased scores sum highest."""
+    `n_group` contiguous experts) whose two best biased scores sum highest. DeepSeek-V2 (`router_group_max`, softmax
+    scores, no bias): the groups whose best expert scores highest."""
     choice = scores if score_bias is None else scores + lax.stop_gradient(score_bias.astype(jnp.float32))
     choice = lax.stop_gradient(choice)
     n, e = choice.shape
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
-        group_score = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+        if cfg.router_group_max:
+            group_score = jnp.max(grouped, axis=-1)  # [N, G]
+        else:
+            group_score = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)
         _, open_groups = lax.top_k(group_score, cfg.topk_group)
         is_open = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], open_groups].set(True)
         choice = jnp.where(jnp.repeat(is_open, e // cfg.n_group, axis=1), choice, -jnp.inf)
