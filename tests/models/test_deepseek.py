@@ -237,9 +237,9 @@ def test_config_json_round_trip_and_refusals():
 def test_deepseek_v2_export_reloads_in_transformers_and_ours(tmp_path):
     """DeepSeek-V2 (softmax routing limited to the best groups, unnormalised scaled weights, complex-pair RoPE):
     our export reloads in transformers with our logits and in our loader with our params. (Greedy parity runs
-    through the paged engine in tests/sampler; transformers' `generate` for DeepseekV2 does not follow the
-    attention mask it is given for a row whose first real token is the pad id, so the export test's rows are not
-    used for it.)"""
+    through the paged engine in tests/sampler. tests/hf/test_hf_export.py's greedy check runs transformers with
+    min_new_tokens, EOS suppressed, against `greedy_generate`, which does not suppress it: on this tiny V2 one row's
+    first argmax is EOS, so that check cannot serve it.)"""
     from transformers import AutoModelForCausalLM
 
     from jaxrl_llm.hf import export_hf
