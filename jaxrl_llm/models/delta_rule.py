@@ -45,7 +45,7 @@ def _as_f32(*xs: Array) -> list[Array]:
 def unit_lower_inverse(a: Array) -> Array:
     """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent (A^C = 0), so the inverse is the
     finite series sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)..., 2 (log2(C) - 1) matmuls of C x C (what the MXU / tensor
-    cores run well; a triangular solve is a sequential custom call on every backend, and XLA:CPU's deadlocked
+    cores run well; a triangular solve is a sequential custom call on every backend, and XLA:CPU deadlocked
     8-device programs that ran one inside a scan)."""
     eye = jnp.eye(a.shape[-1], dtype=a.dtype)
     inverse, power = eye - a, a
