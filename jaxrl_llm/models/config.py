@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.models.config_deepseek import check_deepseek, deepseek_fields, deepseek_hf_fields
+from jaxrl_llm.models.config_deepseek import DEEPSEEK_FAMILIES, check_deepseek, deepseek_fields, deepseek_hf_fields
 from jaxrl_llm.models.config_gemma4 import gemma4_fields, gemma4_hf_fields
 from jaxrl_llm.models.config_qwen35 import check_qwen35, qwen35_fields, qwen35_hf_fields
 
@@ -506,7 +506,7 @@ class ModelConfig:
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "gemma4_text":
             raise ValueError(f"config.json: partial_rotary_factor={scaling['partial_rotary_factor']} is unsupported "
                              "(RoPE on every head dimension only)")
-        if model_type in ("deepseek_v3", "deepseek_v2"):
+        if model_type in DEEPSEEK_FAMILIES:
             moe = deepseek_fields(d, model_type)
         else:
             moe = _moe_fields(d, model_type) if fam.get("moe") else {}
@@ -608,7 +608,7 @@ class ModelConfig:
         if self.model_type == "qwen3_5_text":
             d.update(qwen35_hf_fields(self))
             d["rope_parameters"] = {**rope_params, "partial_rotary_factor": self.partial_rotary_factor}
-        if self.model_type in ("deepseek_v3", "deepseek_v2"):
+        if self.model_type in DEEPSEEK_FAMILIES:
             d.update(deepseek_hf_fields(self))
         elif self.is_moe and not self.typed_layers:  # Gemma 4's: models/config_gemma4.py
             d.update(self._hf_moe_fields())
@@ -704,7 +704,7 @@ class ModelConfig:
                         per_layer_vocab_size=int(overrides.get("vocab_size", base["vocab_size"])),
                         rope_partial_factor=0.25)
         base.update(overrides)
-        if family in ("deepseek_v3", "deepseek_v2"):  # MLA: each head expands the latent its own way (kv = heads)
+        if family in DEEPSEEK_FAMILIES:  # MLA: each head expands the latent its own way (kv heads = heads)
             base["num_key_value_heads"] = base["num_attention_heads"]
         return cls(**base)
 

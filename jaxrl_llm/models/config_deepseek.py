@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# the model types whose attention is multi-head latent attention and whose router is DeepSeek's
+DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2")
+
 
 def deepseek_fields(d: dict[str, Any], model_type: str = "deepseek_v3") -> dict[str, Any]:
     """ModelConfig fields of a DeepSeek-V3 (or V2: `model_type`) config.json beyond the shared ones (the head_dim
@@ -20,10 +23,10 @@ def deepseek_fields(d: dict[str, Any], model_type: str = "deepseek_v3") -> dict[
         raise ValueError(f"config.json: topk_method={method!r} is unsupported for {model_type}")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if not d.get(key):
-            raise ValueError(f"config.json: deepseek_v3 needs a positive {key}")
+            raise ValueError(f"config.json: {model_type} needs a positive {key}")
     experts = int(d.get("n_routed_experts") or d.get("num_local_experts") or 0)
     if experts == 0:
-        raise ValueError("config.json: n_routed_experts=0 leaves deepseek_v3 without routed experts")
+        raise ValueError(f"config.json: n_routed_experts=0 leaves {model_type} without routed experts")
     limited = method != "greedy"
     groups = int(d.get("n_group") or 1) if limited else 1
     topk_group = int(d.get("topk_group") or groups) if limited else 1
@@ -77,7 +80,7 @@ def deepseek_hf_fields(cfg: Any) -> dict[str, Any]:
 def check_deepseek(cfg: Any) -> None:
     """The MLA and router fields' consistency (ModelConfig.__post_init__)."""
     if cfg.kv_lora_rank:
-        if cfg.model_type not in ("deepseek_v3", "deepseek_v2"):
+        if cfg.model_type not in DEEPSEEK_FAMILIES:
             raise ValueError(f"{cfg.model_type}: multi-head latent attention (kv_lora_rank) is DeepSeek's")
         if cfg.qk_nope_head_dim < 1 or cfg.v_head_dim < 1:
             raise ValueError("multi-head latent attention needs positive qk_nope_head_dim and v_head_dim")

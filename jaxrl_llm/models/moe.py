@@ -90,16 +90,11 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
     if router_bias is not None:
         logits = logits + router_bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    if cfg.router_sigmoid:
-        scores = jax.nn.sigmoid(logits)
+    scores = jax.nn.sigmoid(logits) if cfg.router_sigmoid else probs  # what the mixing weights are taken from
+    if cfg.router_sigmoid or cfg.router_group_max:  # DeepSeek-V3's / V2's group-limited choice
         natural = deepseek_choice(cfg, scores, score_bias)
         top_probs = jnp.take_along_axis(scores, natural, axis=-1)
-    elif cfg.router_group_max:  # DeepSeek-V2's group_limited_greedy over the softmax
-        scores = probs
-        natural = deepseek_choice(cfg, probs, None)
-        top_probs = jnp.take_along_axis(probs, natural, axis=-1)
     else:
-        scores = probs
         top_probs, natural = lax.top_k(probs, cfg.num_experts_per_tok)
     if replay is None:
         ids, weights = natural, top_probs
@@ -112,10 +107,9 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
     elif cfg.router_sigmoid:
         if cfg.norm_topk_prob:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        weights = weights * cfg.routed_scaling_factor
     elif cfg.norm_topk_prob or cfg.model_type == "mixtral":
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    if cfg.model_type == "deepseek_v2":
+    if cfg.routed_scaling_factor != 1.0:  # DeepSeek's (V3: after renormalising; V2: not renormalised)
         weights = weights * cfg.routed_scaling_factor
     return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)
 
@@ -125,8 +119,7 @@ def deepseek_choice(cfg: ModelConfig, scores: Array, score_bias: Array | None) -
     balancing: it moves choices, never weights, and gets no gradient), only within the `topk_group` groups (of
     `n_group` contiguous experts) whose two best biased scores sum highest. DeepSeek-V2 (`router_group_max`, softmax
     scores, no bias): the groups whose best expert scores highest."""
-    choice = scores if score_bias is None else scores + lax.stop_gradient(score_bias.astype(jnp.float32))
-    choice = lax.stop_gradient(choice)
+    choice = lax.stop_gradient(scores if score_bias is None else scores + score_bias.astype(jnp.float32))
     n, e = choice.shape
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
