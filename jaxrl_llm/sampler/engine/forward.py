@@ -56,10 +56,18 @@ def write_tokens(pool: dict, layer: Array, k: Array, v: Array, pages: Array, off
         # the same values to the scratch page 0 keeps it a scatter, done in place.
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
         pages, offsets = jnp.concatenate([pages, jnp.zeros_like(pages)]), jnp.concatenate([offsets, offsets])
-    out = dict(pool)
     heads = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
-    index = (layer, heads, pages[:, None], offsets[:, None])  # -> [N, kv]
-    for name, x in (("k", k), ("v", v)) if "v" in pool else (("k", k),):  # no "v": MLA's values are its keys
+    return write_pool_rows(pool, (layer, heads, pages[:, None], offsets[:, None]), k, v)  # index -> [N, kv]
+
+
+def write_pool_rows(pool: dict, index: tuple[Array, ...], k: Array, v: Array | None) -> dict:
+    """`pool` with k and v written at `index` (`kv_bits.write_rows`), as int8 with their scales where the pool
+    stores int8; a pool without "v" (MLA's: its values are its keys) takes the keys only."""
+    out = dict(pool)
+    for name, x in (("k", k), ("v", v)):
+        if name not in pool:
+            continue
+        assert x is not None, f"the pool holds {name!r}: its rows are needed"
         if f"{name}_scale" in pool:
             x, scale = quantize_int8(x)
             out[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)

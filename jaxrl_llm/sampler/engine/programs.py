@@ -39,9 +39,9 @@ from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request_keys
-from jaxrl_llm.sampler.engine.forward import decode_logits, quantize_int8
+from jaxrl_llm.sampler.engine.forward import decode_logits, write_pool_rows
 from jaxrl_llm.sampler.engine.verify import verify_step
-from jaxrl_llm.sampler.kv_bits import storage_dtype, storage_head_dim, write_rows
+from jaxrl_llm.sampler.kv_bits import storage_dtype, storage_head_dim
 from jaxrl_llm.sampler.kv_shards import kv_head_axis
 from jaxrl_llm.sampler.paged_attention import takes_xla_path
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
@@ -421,15 +421,7 @@ def _write_kv(pool: dict, k: Array, v: Array | None, length: Array, page_row: Ar
     num_layers, kv = k.shape[:2]
     index = (jnp.arange(num_layers, dtype=jnp.int32)[:, None, None], jnp.arange(kv, dtype=jnp.int32)[None, :, None],
              pages[None, None], offsets[None, None])  # -> [L, kv, Pb], the prefix's rows
-    new_pool = dict(pool)
-    for name, x in (("k", k), ("v", v)):
-        if x is None:  # MLA: a pool of keys only
-            continue
-        if f"{name}_scale" in pool:
-            x, scale = quantize_int8(x)
-            new_pool[f"{name}_scale"] = write_rows(pool[f"{name}_scale"], index, scale)
-        new_pool[name] = write_rows(pool[name], index, x)
-    return new_pool
+    return write_pool_rows(pool, index, k, v)
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
