@@ -180,11 +180,11 @@ def _load_roles(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer
     """The actor (policy), the reference, the distillation teacher and the critic, as the spec asks."""
     seed = spec.trainer.seed
     teacher_tokenizer = None
-    if spec.distillation is not None:  # the teacher's vocabulary is checked before any weight loads
+    policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
+    if spec.distillation is not None:  # the teacher's vocabulary
         from jaxrl_llm.roles.teacher import check_teacher
 
-        teacher_tokenizer = check_teacher(spec.distillation, model_config_of(spec.model, tokenizer), tokenizer)
-    policy_cfg = model_config_of(spec.model, tokenizer)
+        teacher_tokenizer = check_teacher(spec.distillation, policy_cfg, tokenizer)
     if policy_cfg.hybrid:  # refused before any weight loads (models/hybrid.py)
         raise ConfigError(f"actor_rollout_ref.model.path={spec.model.path!r}: {policy_cfg.architecture}'s gated "
                           "delta-net layers cannot generate rollouts yet (the samplers do not hold their per-slot "
