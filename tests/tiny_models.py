@@ -125,9 +125,12 @@ DEEPSEEK = {
 
 # Qwen3.5 (text): 4 layers, gated delta net / gated attention alternating (2 key and 4 value heads of 8 dims, a conv
 # of 4 taps; attention heads of 16 with RoPE on their first 4 dims and an output gate)
-QWEN35 = {"qwen3_5": ("qwen3_5_text", dict(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-                                           linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                                           layer_types=["linear_attention", "full_attention"] * 2))}
+_QWEN35_BASE = dict(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    layer_types=["linear_attention", "full_attention"] * 2)
+QWEN35 = {"qwen3_5": ("qwen3_5_text", _QWEN35_BASE),
+          # biases on the gated attention's q (query and gate) / k / v / o
+          "qwen3_5_bias": ("qwen3_5_text", dict(_QWEN35_BASE, attention_bias=True))}
 
 
 def family_case(case: str) -> tuple[str, dict]:

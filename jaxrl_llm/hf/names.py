@@ -185,10 +185,14 @@ def _hybrid_specs(cfg: ModelConfig) -> list[TensorSpec]:
 
     if "attn" in kinds:
         qw = 2 * d if cfg.attention_output_gate else d
-        spec("attn", ("q_proj", "kernel"), "self_attn.q_proj.weight", (nh * qw, h), _linear(h, (nh, qw)))
-        for proj in ("k_proj", "v_proj"):
-            spec("attn", (proj, "kernel"), f"self_attn.{proj}.weight", (nkv * d, h), _linear(h, (nkv, d)))
+        for proj, heads, width in (("q_proj", nh, qw), ("k_proj", nkv, d), ("v_proj", nkv, d)):
+            spec("attn", (proj, "kernel"), f"self_attn.{proj}.weight", (heads * width, h), _linear(h, (heads, width)))
+            if cfg.attention_bias:
+                spec("attn", (proj, "bias"), f"self_attn.{proj}.bias", (heads * width,),
+                     (lambda b, n=heads, w=width: b.reshape(n, w), lambda b: b.reshape(-1)))
         spec("attn", ("o_proj", "kernel"), "self_attn.o_proj.weight", (h, nh * d), _linear_in_heads((nh, d), h))
+        if cfg.attention_bias:
+            spec("attn", ("o_proj", "bias"), "self_attn.o_proj.bias", (h,))
         spec("attn", ("q_norm", "scale"), "self_attn.q_norm.weight", (d,))
         spec("attn", ("k_norm", "scale"), "self_attn.k_norm.weight", (d,))
     if "linear" in kinds:

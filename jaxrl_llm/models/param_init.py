@@ -27,7 +27,7 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
       layers/moe/experts/down_proj/bias [L, E, H]                                   (expert_bias: GPT-OSS)
       layers/moe/shared_expert/{gate,up,down}_proj/kernel [L, H, Fs] / [L, Fs, H]   (Qwen2-MoE)
       layers/moe/shared_expert_gate/kernel [L, H, 1]                               (Qwen2-MoE)
-      layers/moe/shared_expert/... [L, H, n_shared x Fe] without a gate, layers/moe/score_bias [L, E] fp32 (DeepSeek)
+      layers/moe/shared_expert/... [L, H, n_shared x Fe] without a gate, layers/moe/score_bias [L, E] (DeepSeek-V3)
     a MoE model with dense MLP layers between the sparse ones (cfg.mixed_layers: Qwen2-MoE / Qwen3-MoE
     `decoder_sparse_step` > 1 or `mlp_only_layers`) has both, each stacked over its own layers only:
       layers/mlp/... [L_dense, ...] (cfg.dense_layer_ids, in order)   layers/moe/... [L_moe, ...] (cfg.moe_layer_ids)
@@ -41,6 +41,11 @@ Layout (a plain nested dict of arrays; layer params stacked on a leading axis of
     ple_embedding [V_ple, L * P], ple_model_proj/kernel [H, L * P], ple_proj_norm/scale [P] at the top; with
     the MoE block (cfg.is_moe) layers/moe/... as above plus moe/router_scale [L, H], moe/expert_scale [L, E]
     and the norms layers/{mlp_out_norm, moe_norm, moe_out_norm}/scale [L, H]
+    Qwen3.5 (cfg.hybrid; models/hybrid.py) stacks its mixers per kind (`hybrid_layer_ids`): layers/attn/{q_proj
+    [L_full, H, heads, 2 x D] (query and output gate per head), k_proj, v_proj, q_norm, k_norm, o_proj} over the
+    full-attention layers and layers/linear/{in_proj_qkv [L_lin, H, 2 Hk Dk + Hv Dv], in_proj_z [L_lin, H, Hv, Dv],
+    in_proj_b / in_proj_a [L_lin, H, Hv], conv1d/kernel [L_lin, K, 2 Hk Dk + Hv Dv], dt_bias, A_log [L_lin, Hv],
+    norm/scale [L_lin, Dv], out_proj [L_lin, Hv, Dv, H]} over the gated delta-net layers
     final_norm/scale [H]
     lm_head/kernel [H, V]                  (head="lm", untied only)
     value_head/kernel [H, 1], bias [1]     (head="value")

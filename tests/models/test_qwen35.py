@@ -83,10 +83,14 @@ def test_packed_sequences_equal_each_alone_and_gradients_flow():
             assert float(jnp.abs(g).max()) > 0, (kind, name)
 
 
-def test_export_reloads_in_transformers_and_ours(qwen35_hf, tmp_path):
+@pytest.mark.parametrize("case", sorted(QWEN35))
+def test_export_reloads_in_transformers_and_ours(case, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    _, cfg, params, _ = qwen35_hf
+    family, overrides = QWEN35[case]
+    build_hf_model(family, tmp_path / "src", **overrides)
+    cfg, params = load_hf_folder(tmp_path / "src")
+    assert cfg.attention_bias == (case == "qwen3_5_bias")
     export_hf(cfg, params, tmp_path / "out")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf).__name__ == "Qwen3_5ForCausalLM"
