@@ -184,6 +184,28 @@ def torch_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.logits.float().numpy()
 
 
+def assert_export_reloads(cfg, params, folder, architecture: str, seed: int = 0) -> None:
+    """`export_hf` of (cfg, params) into `folder` reloads in transformers as `architecture` with our logits
+    (1e-4, fp32, a left-padded batch) and in our loader with our config and bit-equal params."""
+    import jax
+    import jax.numpy as jnp
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl_llm.hf import export_hf, load_hf_folder
+    from jaxrl_llm.models import compute_logits
+
+    export_hf(cfg, params, folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(hf).__name__ == architecture
+    ids, mask = left_padded_batch(np.random.default_rng(seed), cfg.vocab_size)
+    valid = mask.astype(bool)
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(ours[valid] - torch_logits(hf, ids, mask)[valid]).max() <= 1e-4
+    cfg2, params2 = load_hf_folder(folder)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
 def left_padded_batch(rng: np.random.Generator, vocab: int, lengths=(8, 5, 3), pad_id: int = 0):
     """Left-padded ids/mask; pad id also appears as a real token (padding is the mask, not the id)."""
     t = max(lengths)

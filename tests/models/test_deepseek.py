@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tiny_models import DEEPSEEK, build_hf_model, family_case, left_padded_batch, torch_logits
+from tiny_models import (
+    DEEPSEEK,
+    assert_export_reloads,
+    build_hf_model,
+    family_case,
+    left_padded_batch,
+    torch_logits,
+)
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
@@ -240,21 +247,8 @@ def test_deepseek_v2_export_reloads_in_transformers_and_ours(tmp_path):
     through the paged engine in tests/sampler. tests/hf/test_hf_export.py's greedy check runs transformers with
     min_new_tokens, EOS suppressed, against `greedy_generate`, which does not suppress it: on this tiny V2 one row's
     first argmax is EOS, so that check cannot serve it.)"""
-    from transformers import AutoModelForCausalLM
-
-    from jaxrl_llm.hf import export_hf
-
     family, overrides = DEEPSEEK["deepseek_v2"]
     build_hf_model(family, tmp_path / "src", **overrides)
     cfg, params = load_hf_folder(tmp_path / "src")
     assert cfg.router_group_max and not cfg.router_sigmoid and not cfg.norm_topk_prob
-    export_hf(cfg, params, tmp_path / "out")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(hf).__name__ == "DeepseekV2ForCausalLM"
-    ids, mask = left_padded_batch(np.random.default_rng(0), cfg.vocab_size)
-    valid = mask.astype(bool)
-    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
-    assert np.abs(ours[valid] - torch_logits(hf, ids, mask)[valid]).max() <= 1e-4
-    cfg2, params2 = load_hf_folder(tmp_path / "out")
-    assert cfg2 == cfg
-    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    assert_export_reloads(cfg, params, tmp_path / "out", "DeepseekV2ForCausalLM")

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import QWEN35, build_hf_model, left_padded_batch, torch_logits
+from tiny_models import QWEN35, assert_export_reloads, build_hf_model, left_padded_batch, torch_logits
 
-from jaxrl_llm.hf import export_hf, load_hf_folder
+from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
 from jaxrl_llm.models.hybrid import HybridSamplingError
 
@@ -85,22 +85,11 @@ def test_packed_sequences_equal_each_alone_and_gradients_flow():
 
 @pytest.mark.parametrize("case", sorted(QWEN35))
 def test_export_reloads_in_transformers_and_ours(case, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     family, overrides = QWEN35[case]
     build_hf_model(family, tmp_path / "src", **overrides)
     cfg, params = load_hf_folder(tmp_path / "src")
     assert cfg.attention_bias == (case == "qwen3_5_bias")
-    export_hf(cfg, params, tmp_path / "out")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(hf).__name__ == "Qwen3_5ForCausalLM"
-    ids, mask = left_padded_batch(np.random.default_rng(2), cfg.vocab_size)
-    valid = mask.astype(bool)
-    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
-    assert np.abs(ours[valid] - torch_logits(hf, ids, mask)[valid]).max() <= 1e-4
-    cfg2, params2 = load_hf_folder(tmp_path / "out")
-    assert cfg2 == cfg
-    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    assert_export_reloads(cfg, params, tmp_path / "out", "Qwen3_5ForCausalLM", seed=2)
 
 
 def test_config_round_trip_and_the_samplers_refusal():
