@@ -10,7 +10,8 @@ compute it, the same numbers up to fp32 rounding:
   reference the tests hold the other to.
 - `chunked_delta_rule`: the training form. The tokens are cut into chunks of C; inside a chunk the
   recurrence is solved at once (the WY / UT representation: with A = strictly-lower((beta k) k^T * decay),
-  (I + A)^-1 turns the chunk's corrections into matmuls; the inverse itself by `unit_lower_inverse`), and only the
+  (I + A)^-1 turns the chunk's corrections into matmuls; the inverse itself by `unit_lower_inverse`, block
+  doubling), and only the
   state crosses from chunk to chunk (`lax.scan` over T / C chunks). FLOPs grow with T x C, memory with one
   chunk's C x C blocks, the state carried between chunks: what transformers' `torch_chunk_gated_delta_rule` and
   the fla kernels compute. Its gradient is JAX's of these operations (the scan, the solve, the matmuls),
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -43,18 +45,28 @@ def _as_f32(*xs: Array) -> list[Array]:
 
 
 def unit_lower_inverse(a: Array) -> Array:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent (A^C = 0), so the inverse is the
-    finite series sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)..., 2 (log2(C) - 1) matmuls of C x C (what the MXU / tensor
-    cores run well; a triangular solve is a sequential custom call on every backend, and XLA:CPU deadlocked
-    8-device programs that ran one inside a scan)."""
-    eye = jnp.eye(a.shape[-1], dtype=a.dtype)
-    inverse, power = eye - a, a
-    span = 2
-    while span < a.shape[-1]:
-        power = power @ power
-        inverse = inverse @ (eye + power)
-        span *= 2
-    return inverse
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by recursive block doubling: with X the inverse of
+    the diagonal blocks of size m and E the lower-left m x m block inside each 2m block, the 2m blocks' inverse
+    is X - X E X ((I + X E)^-1 = I - X E, as (X E)^2 = 0). log2(C) levels of two C x C matmuls each: what the MXU /
+    tensor cores run well, where a triangular solve is a sequential custom call on every backend (and XLA:CPU
+    deadlocked 8-device programs that ran one inside a scan). Only true inverses of smaller blocks are
+    multiplied, so it is as accurate as the substitution; the power series (I - A)(I + A^2)(I + A^4)..., the same
+    matrix in exact arithmetic, loses everything to cancellation once keys are alike (A^n's entries grow
+    binomially: 1e8 off with correlated keys in fp32)."""
+    c = a.shape[-1]
+    size = 1 << max(0, (c - 1).bit_length())  # a power of two: pad with an identity block
+    if size != c:
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, size - c), (0, size - c)])
+    inverse = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), a.shape)
+    rows = np.arange(size)
+    m = 1
+    while m < size:
+        block = rows // m
+        lower_left = (block[:, None] == block[None, :] + 1) & (block[None, :] % 2 == 0)
+        e = jnp.where(lower_left, a, 0.0)
+        inverse = inverse - inverse @ e @ inverse
+        m *= 2
+    return inverse[..., :c, :c]
 
 
 def recurrent_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array | None = None,
