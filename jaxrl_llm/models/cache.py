@@ -7,6 +7,8 @@ Layout (a plain dict pytree, so it can be donated to `jit` and carried through `
                                              head-major, the layout attention reads with no copy
       "v":     [L, B, kv_heads, S, head_dim]   values (none for MLA: its values are its keys, models/mla.py)
       ("k_full", "v_full": a Gemma 4 model's full-attention layers, `kv_shapes`)
+      ("conv", "delta": a hybrid (Qwen3.5) model's per-row recurrent state, fp32, models/hybrid.py; its "k" / "v"
+       then cover the full-attention layers only)
       "mask":  [B, S] int32                    1 where a slot holds a real (non-pad) token
       "index": int32 scalar                    next slot to write; the same for every row
     }
@@ -37,6 +39,7 @@ from jax import lax
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.hybrid import recurrent_shapes
 
 Array = jax.Array
 
@@ -45,15 +48,18 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DType = jnp.fl
     """An empty cache of `max_len` slots per row (see the module docstring for the convention). A Gemma 4
     model's holds one pair per attention type, over the layers that compute keys / values (`kv_shapes`)."""
     kv = {name: jnp.zeros(shape, dtype) for name, shape in kv_shapes(cfg, batch, max_len).items()}
+    if cfg.hybrid:  # the delta-net layers' state (models/hybrid.py)
+        kv.update({name: jnp.zeros(shape, jnp.float32) for name, shape in recurrent_shapes(cfg, batch).items()})
     return {**kv, "mask": jnp.zeros((batch, max_len), jnp.int32), "index": jnp.zeros((), jnp.int32)}
 
 
 def kv_shapes(cfg: ModelConfig, batch: int, slots: int) -> dict[str, tuple[int, ...]]:
-    """The cache's key / value arrays: "k" / "v" [L, B, kv_heads, S, head_dim]; a Gemma 4 model
+    """The cache's key / value arrays: "k" / "v" [L, B, kv_heads, S, head_dim] (L: the layers with attention,
+    a hybrid model's full-attention layers only); a Gemma 4 model
     (`cfg.typed_layers`) has them for its sliding layers and "k_full" / "v_full" for its full layers, each over
     the layers of that type that compute keys / values (`cfg.kv_layer_ids`: the KV-sharing layers hold none)."""
     if not cfg.typed_layers:
-        shape = (cfg.num_hidden_layers, batch, cfg.cache_kv_heads, slots, cfg.cache_head_dim)
+        shape = (len(cfg.full_attention_layers), batch, cfg.cache_kv_heads, slots, cfg.cache_head_dim)
         if cfg.is_mla:  # the latent and rope key; the values are the keys' first kv_lora_rank (models/mla.py)
             return {"k": shape}
         return {"k": shape, "v": shape}

@@ -212,10 +212,10 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     `decoder_hidden` then runs the layers one after another instead of scanning them. On CPU a scan
     copies each layer's weights out of the stack before its matmuls (XLA:CPU's dot fusions read whole
     buffers, not a dynamic slice of one): 14% of a 16-slot SmolLM2 decode step (docs/performance-history.md).
-    Mixed-layer MoE models (whose MLPs are stacked apart) stay stacked; LoRA adapters stay stacked
-    and are sliced per layer."""
+    Mixed-layer MoE models (whose MLPs are stacked apart), Gemma 4's and Qwen3.5's per-kind stacks stay stacked;
+    LoRA adapters stay stacked and are sliced per layer."""
     layers = params["layers"]
-    if isinstance(layers, tuple) or cfg.mixed_layers or cfg.typed_layers:
+    if isinstance(layers, tuple) or cfg.mixed_layers or cfg.typed_layers or cfg.hybrid:
         return params
     return dict(params, layers=_layer_slices(layers, cfg.num_hidden_layers))
 

@@ -23,14 +23,19 @@ prompt followed by ONE response (branch 1 of `branch_ids`, what SFT / DPO packin
 delta net; a prompt shared by several responses (the RL update's prompt sharing) is not supported: the second
 response would read the first one's state (RL is refused for these models anyway, below).
 
-Sampling is not built yet: a cache (the static sampler's, the paged engine's) would have to hold each slot's
-conv window and delta-rule state beside the attention layers' KV, and the engines do not (issue #64);
-`hybrid_decoder_hidden` refuses a state, so a Qwen3.5 model trains and scores (SFT, DPO, the trainer's forward
-passes) but does not generate.
+Sampling (`HybridState`): a decoding model carries, beside the full-attention layers' KV (a dense cache's or the
+paged pool's, over those layers only), each row's recurrent state of every delta-net layer: the conv window (the
+last K - 1 projected inputs, fp32) and the delta rule's state S [Hv, Dk, Dv] (fp32), row-major so a sampler
+repeats, gathers and clears it with the rest of a row / slot. A call with it (a prefill, a chunk of one, a decode
+step, several tokens) reads its tokens after the state and leaves the state after its last VALID token: padding
+(left or right) neither decays nor writes the state (g = 0, beta = 0) and is not shifted into the window, so a
+right-padded prefill bucket or a finished row's ignored slot leaves the state as the real tokens left it. One
+token runs the recurrence (`recurrent_delta_rule`), several the chunked form from the given state.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +54,7 @@ from jaxrl_llm.models.blocks import (
     take_row,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize
+from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from jaxrl_llm.models.param_init import hybrid_layer_ids
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
@@ -57,13 +62,38 @@ Array = jax.Array
 DELTA_CHUNK = 64  # tokens per chunk of the gated delta rule (transformers' and fla's default)
 
 
-class HybridSamplingError(NotImplementedError):
-    """A hybrid (Qwen3.5) model was asked to decode with a cache."""
+class HybridState(NamedTuple):
+    """A decoding hybrid model's state (module doc): rows first, so a sampler handles it as per-row data."""
+
+    attention: Any  # the full-attention layers' KV: a dense cache's (k, v) or a page pool, over those layers only
+    conv: Array  # fp32 [B, linear layers, K - 1, conv channels]: the last K - 1 projected inputs (zeros: none)
+    delta: Array  # fp32 [B, linear layers, value heads, key head dim, value head dim]
+
+
+def recurrent_shapes(cfg: ModelConfig, batch: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of a hybrid model's per-row recurrent state (`HybridState` conv and delta), fp32."""
+    layers = len(cfg.linear_layers)
+    channels = 2 * cfg.linear_key_heads * cfg.linear_key_head_dim + cfg.linear_value_heads * cfg.linear_value_head_dim
+    return {"conv": (batch, layers, cfg.linear_conv_kernel - 1, channels),
+            "delta": (batch, layers, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)}
+
+
+def recurrent_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one row's (one slot's) recurrent state over all delta-net layers (0 for other models)."""
+    if not cfg.hybrid:
+        return 0
+    return 4 * sum(int(np.prod(shape)) for shape in recurrent_shapes(cfg, 1).values())
+
+
+def zero_recurrent(cfg: ModelConfig, batch: int) -> dict[str, Array]:
+    """An empty recurrent state (no token read yet) for `batch` rows."""
+    return {name: jnp.zeros(shape, jnp.float32) for name, shape in recurrent_shapes(cfg, batch).items()}
 
 
 def gated_attention(cfg: ModelConfig, weights: dict, x: Array, cos: Array, sin: Array, attention: LayerAttention,
-                    layer: Array, *, dtype: DType) -> Array:
-    """fp32 [B, T, H] output of a full-attention layer for normed x [B, T, H] (compute dtype)."""
+                    kv: ArrayTree, layer: Array, *, dtype: DType) -> tuple[Array, ArrayTree]:
+    """(fp32 [B, T, H] output of a full-attention layer for normed x [B, T, H] (compute dtype), the attention's
+    new state); `layer`: the layer's row among the full-attention layers (its KV's index)."""
     b, t, _ = x.shape
     hd, rd, eps = cfg.head_dim, cfg.rotary_dim, cfg.rms_norm_eps
     q = project(x, weights["q_proj"], None, 0.0, dtype)  # [B, T, heads, 2 x head_dim]: query, gate
@@ -76,34 +106,54 @@ def gated_attention(cfg: ModelConfig, weights: dict, x: Array, cos: Array, sin: 
     def rope(a: Array) -> Array:
         return jnp.concatenate([apply_rope(a[..., :rd], cos, sin), a[..., rd:]], axis=-1)
 
-    out, _ = attention(rope(q).astype(dtype), rope(k).astype(dtype), v.astype(dtype), None, layer, None)
+    out, kv = attention(rope(q).astype(dtype), rope(k).astype(dtype), v.astype(dtype), kv, layer, None)
     out = out.reshape(b, t, -1, hd).astype(jnp.float32)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
-    return project(out.astype(dtype), weights["o_proj"], None, 0.0, dtype, in_axes=2)
+    return project(out.astype(dtype), weights["o_proj"], None, 0.0, dtype, in_axes=2), kv
 
 
-def causal_conv(x: Array, kernel: Array, positions: Array) -> Array:
-    """Causal depthwise conv of x [B, T, C] with taps kernel [K, C] (the last tap on the token itself), reading a
-    tap d tokens back only where the token's position is >= d (a packed row's sequences do not see each other)."""
-    taps = kernel.shape[0]
+def causal_conv(x: Array, kernel: Array, positions: Array, window: Array | None = None) -> Array:
+    """Causal depthwise conv of x [B, T, C] with taps kernel [K, C] (the last tap on the token itself). Without
+    a window a tap d tokens back is read only where the token's position is >= d (a packed row's sequences do
+    not see each other); with `window` [B, K - 1, C] (a decoding row's previous inputs) the taps before x read
+    it."""
+    taps, t = kernel.shape[0], x.shape[1]
+    if window is None:
+        padded = jnp.pad(x, [(0, 0), (taps - 1, 0), (0, 0)])
+    else:
+        padded = jnp.concatenate([window.astype(x.dtype), x], axis=1)
     out = jnp.zeros(x.shape, jnp.float32)
     for d in range(taps):
-        back = jnp.pad(x, [(0, 0), (d, 0), (0, 0)])[:, :x.shape[1]] if d else x
-        seen = (positions >= d)[..., None]
-        out = out + jnp.where(seen, back, 0.0) * kernel[taps - 1 - d].astype(jnp.float32)
+        back = padded[:, taps - 1 - d:taps - 1 - d + t]
+        if window is None:
+            back = jnp.where((positions >= d)[..., None], back, 0.0)
+        out = out + back * kernel[taps - 1 - d].astype(jnp.float32)
     return out
 
 
-def delta_net(cfg: ModelConfig, weights: dict, x: Array, valid: Array, positions: Array, *, dtype: DType) -> Array:
-    """fp32 [B, T, H] output of a gated delta-net layer for normed x [B, T, H] (compute dtype); valid [B, T]: the
-    real tokens, positions [B, T]: where each sequence starts (module doc)."""
+def next_window(window: Array, x: Array, valid: Array) -> Array:
+    """The conv window [B, K - 1, C] after reading x [B, T, C]: the K - 1 inputs up to each row's last valid
+    token (the old window where a row has none)."""
+    taps_back = window.shape[1]
+    padded = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    last = jnp.max(jnp.where(valid, jnp.arange(x.shape[1]), -1), axis=1)  # -1: no valid token
+    index = (last + 1)[:, None] + jnp.arange(taps_back)[None]  # padded's rows last - K + 2 .. last
+    return jnp.take_along_axis(padded, index[..., None], axis=1)
+
+
+def delta_net(cfg: ModelConfig, weights: dict, x: Array, valid: Array, positions: Array, *, dtype: DType,
+              recurrent: tuple[Array, Array] | None = None) -> tuple[Array, tuple[Array, Array] | None]:
+    """(fp32 [B, T, H] output of a gated delta-net layer for normed x [B, T, H] (compute dtype), the new
+    recurrent state or None); valid [B, T]: the real tokens, positions [B, T]: where each sequence starts (module
+    doc). `recurrent`: this layer's (conv window [B, K - 1, C], delta state [B, Hv, Dk, Dv]) of a decoding row."""
     b, t, _ = x.shape
     hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))  # padding reads as nothing
-    mixed = causal_conv(project(x, weights["in_proj_qkv"], None, 0.0, dtype), weights["conv1d"]["kernel"], positions)
-    mixed = jax.nn.silu(mixed)
+    inputs = jnp.where(valid[..., None], project(x, weights["in_proj_qkv"], None, 0.0, dtype), 0.0)
+    window = None if recurrent is None else recurrent[0]
+    mixed = jax.nn.silu(causal_conv(inputs, weights["conv1d"]["kernel"], positions, window))
     q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
     k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
     v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
@@ -111,21 +161,25 @@ def delta_net(cfg: ModelConfig, weights: dict, x: Array, valid: Array, positions
     beta = jax.nn.sigmoid(project(x, weights["in_proj_b"], None, 0.0, dtype))
     a = project(x, weights["in_proj_a"], None, 0.0, dtype) + weights["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(weights["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)
-    out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK)
+    if recurrent is None:
+        out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK)
+        new_state = None
+    else:  # padding neither decays nor writes: the state is the last valid token's
+        g, beta = (jnp.where(valid[..., None], w, 0.0) for w in (g, beta))
+        rule = recurrent_delta_rule if t == 1 else functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK)
+        out, delta = rule(q, k, v, g, beta, state=recurrent[1])
+        new_state = (next_window(recurrent[0], inputs, valid), delta)
     z = project(x, weights["in_proj_z"], None, 0.0, dtype)  # [B, T, value heads, Dv]
     normed = rms_norm(out, weights["norm"]["scale"], cfg.rms_norm_eps, jnp.float32) * jax.nn.silu(z)
-    return project(normed.astype(dtype), weights["out_proj"], None, 0.0, dtype, in_axes=2)
+    return project(normed.astype(dtype), weights["out_proj"], None, 0.0, dtype, in_axes=2), new_state
 
 
 def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
-                          attention: LayerAttention, state: ArrayTree, *, dtype: DType, remat: bool | str,
-                          valid: Array | None) -> tuple[Array, Any, None]:
-    """`decoder_hidden` of a Qwen3.5 model: hidden states after the final norm [B, T, H] (compute dtype)."""
-    if state is not None:
-        raise HybridSamplingError(
-            f"{cfg.architecture}: decoding with a cache needs each slot's gated delta-net state (conv window and "
-            "delta-rule state) beside the attention layers' KV, which the samplers do not hold yet; this model "
-            "trains and scores (SFT, DPO, log-prob passes) but cannot generate rollouts")
+                          attention: LayerAttention, state: HybridState | None, *, dtype: DType, remat: bool | str,
+                          valid: Array | None) -> tuple[Array, HybridState | None, None]:
+    """`decoder_hidden` of a Qwen3.5 model: hidden states after the final norm [B, T, H] (compute dtype) and the
+    new `HybridState` (None without one: the training / scoring forward). The attention is called with a layer's
+    row among the full-attention layers (its KV's layer index)."""
     if params.get("lora") is not None:
         raise ValueError(f"{cfg.architecture}: LoRA adapters on the hybrid layers are not supported yet")
     valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
@@ -136,33 +190,42 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     stacks = {kind: params["layers"][kind] for kind in kinds}
     layers = {k: v for k, v in params["layers"].items() if k not in kinds}
     is_linear = np.isin(np.arange(cfg.num_hidden_layers), cfg.linear_layers)
-    row = np.zeros(cfg.num_hidden_layers, np.int32)  # each layer's row in its kind's stack
+    row = np.zeros(cfg.num_hidden_layers, np.int32)  # each layer's row in its kind's stack (and its state's)
     for ids in kinds.values():
         row[list(ids)] = np.arange(len(ids))
 
-    def layer(carry: tuple[Array, Array], weights: dict) -> tuple[tuple[Array, Array], None]:
-        x, index = carry
+    def layer(carry: tuple[Array, Array, HybridState | None], weights: dict
+              ) -> tuple[tuple[Array, Array, HybridState | None], None]:
+        x, index, state = carry
         normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, offset)
+        kind_row = jnp.asarray(row)[index]
 
-        def full(n: Array) -> Array:
-            return gated_attention(cfg, take_row(stacks["attn"], jnp.asarray(row)[index]), n, cos, sin, attention,
-                                   index, dtype=dtype)
+        def full(n: Array, state: HybridState | None) -> tuple[Array, HybridState | None]:
+            h, kv = gated_attention(cfg, take_row(stacks["attn"], kind_row), n, cos, sin, attention,
+                                    None if state is None else state.attention, kind_row, dtype=dtype)
+            return h, None if state is None else state._replace(attention=kv)
 
-        def linear(n: Array) -> Array:
-            return delta_net(cfg, take_row(stacks["linear"], jnp.asarray(row)[index]), n, valid, positions,
-                             dtype=dtype)
+        def linear(n: Array, state: HybridState | None) -> tuple[Array, HybridState | None]:
+            weights = take_row(stacks["linear"], kind_row)
+            if state is None:
+                return delta_net(cfg, weights, n, valid, positions, dtype=dtype)[0], None
+            mine = (lax.dynamic_index_in_dim(state.conv, kind_row, 1, keepdims=False),
+                    lax.dynamic_index_in_dim(state.delta, kind_row, 1, keepdims=False))
+            h, (conv, delta) = delta_net(cfg, weights, n, valid, positions, dtype=dtype, recurrent=mine)
+            return h, state._replace(conv=lax.dynamic_update_index_in_dim(state.conv, conv, kind_row, 1),
+                                     delta=lax.dynamic_update_index_in_dim(state.delta, delta, kind_row, 1))
 
         if len(kinds) == 2:
-            h = lax.cond(jnp.asarray(is_linear)[index], linear, full, normed)
+            h, state = lax.cond(jnp.asarray(is_linear)[index], linear, full, normed, state)
         else:
-            h = (linear if "linear" in kinds else full)(normed)
+            h, state = (linear if "linear" in kinds else full)(normed, state)
         x = x + h
         normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, offset)
         x = x + mlp_block(weights["mlp"], {}, normed, dtype=dtype, lora_scale=0.0, activation=cfg.hidden_act)
-        return (x, index + 1), None
+        return (x, index + 1, state), None
 
     step: Callable = layer
     if remat_name(remat) != "none":
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, _), _ = lax.scan(step, (x, jnp.int32(0)), layers, unroll=cfg.scan_unroll)
-    return rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), None, None
+    (x, _, state), _ = lax.scan(step, (x, jnp.int32(0), state), layers, unroll=cfg.scan_unroll)
+    return rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), state, None

@@ -14,6 +14,7 @@ from jaxrl_llm.models.cache import attention_context, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
 from jaxrl_llm.models.gemma4 import typed_state, untyped_state
+from jaxrl_llm.models.hybrid import HybridState
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.numerics import cap_logits
 
@@ -102,6 +103,8 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
         attention = dense_attention(cfg, allowed, write_index, local_allowed=local, key_start=key_start,
                                     kv_heads=kv_heads)
         kv = None if cache is None else (cache["k"], cache.get("v"))  # no "v": the values are the keys (MLA)
+        if cfg.hybrid and cache is not None:  # and the delta-net layers' recurrent state (models/hybrid.py)
+            kv = HybridState(kv, cache["conv"], cache["delta"])
     hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
                                      remat=remat, valid=attention_mask > 0, replay=replay,
                                      record_routing=record_routing)
@@ -109,6 +112,8 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
         return hidden, None, moe
     if cfg.typed_layers:
         arrays = untyped_state(kv)
+    elif isinstance(kv, HybridState):
+        arrays = {"k": kv.attention[0], "v": kv.attention[1], "conv": kv.conv, "delta": kv.delta}
     else:
         arrays = {"k": kv[0]} if kv[1] is None else {"k": kv[0], "v": kv[1]}
     new_cache = {**arrays, "mask": new_mask, "index": cache["index"] + input_ids.shape[1]}

@@ -221,12 +221,25 @@ def model_config_of(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     return _as_configured(cfg, model)
 
 
+def packing_for(model: ModelSpec, cfg: ModelConfig) -> ModelSpec:
+    """`model` as `cfg` can be packed: a hybrid model's delta-net layers read a packed segment's tokens in order
+    (models/hybrid.py), so a prompt shared by several responses (`share_packed_prompts`) would hand the second
+    response the first one's state; its packed rows hold the prompt once per response instead."""
+    if not (cfg.hybrid and model.use_remove_padding and model.share_packed_prompts):
+        return model
+    warn_once("hybrid_shared_prompts", "%s: model.share_packed_prompts off (its gated delta-net layers read a "
+              "packed prompt's responses one after another, not each from the prompt): packed rows hold each "
+              "response's prompt", cfg.architecture)
+    return dataclasses.replace(model, share_packed_prompts=False)
+
+
 def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: OptimSpec,
                       update_fn: UpdateFn, *, model: ModelSpec, settings: ActorSpec | CriticSpec, batch: RoleBatch,
                       lora: LoraConfig | None = None, seed: int = 0, lr_offset: int = 0) -> TrainedRole:
     """A role training `params`, or with `lora` fresh adapters (from `seed`) on `params` kept frozen;
     `model`, `settings`, `batch` and `lr_offset` are what its updates in a run read (TrainedRole)."""
     frozen = None
+    model = packing_for(model, model_cfg)
     if lora is not None:
         frozen, params = params, {"lora": init_adapters(model_cfg, lora, _mesh_of(params), seed)}
     tx, schedule = make_optimizer(optim)

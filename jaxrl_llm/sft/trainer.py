@@ -13,6 +13,7 @@ the `sft` section first (`sft_view`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from jaxrl_llm.data.synthetic import write_synthetic_data
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.planning.preflight import run_tokenizer
 from jaxrl_llm.roles.export import export_policy
-from jaxrl_llm.roles.trained import load_model, make_trained_role
+from jaxrl_llm.roles.trained import load_model, make_trained_role, packing_for
 from jaxrl_llm.sft.batch import HostBatch, SftLoader, eval_batches
 from jaxrl_llm.sft.data import read_sft_examples
 from jaxrl_llm.sft.loss import METRIC_PREFIX, batch_nll
@@ -81,6 +82,7 @@ class SftTrainer:
         model_cfg, params = load_model(self.spec.model, head="lm", mesh=self.mesh, tokenizer=self.tokenizer,
                                        seed=t.seed)
         check_context(model_cfg, self.max_length)
+        self.spec = dataclasses.replace(self.spec, model=packing_for(self.spec.model, model_cfg))
         plan = self.batch_plan(dp)
         self.batching = StepBatching(plan, dp)
         self.policy = make_trained_role("actor", model_cfg, params, self.spec.actor_optim,

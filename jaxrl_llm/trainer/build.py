@@ -37,7 +37,7 @@ from jaxrl_llm.roles.actor import update_actor
 from jaxrl_llm.roles.critic import update_critic
 from jaxrl_llm.roles.draft import load_draft, with_draft_config
 from jaxrl_llm.roles.reference import ReferenceRole, make_reference_role
-from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role, model_config_of
+from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role, model_config_of, packing_for
 from jaxrl_llm.rollout.generator import RolloutGenerator
 from jaxrl_llm.rollout.sources import RolloutSource, make_rollouts
 from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize
@@ -107,6 +107,8 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.rollout.multi_turn import MultiTurn
 
         multi_turn = MultiTurn(spec.multi_turn, tokenizer)
+    # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
+    spec = dataclasses.replace(spec, model=packing_for(spec.model, model_config_of(spec.model, tokenizer)))
     actor, reference, teacher, critic = _load_roles(spec, mesh, tokenizer)
     reward_manager = build_reward_manager(spec.reward)
     reward_model, judge = None, None
@@ -185,10 +187,10 @@ def _load_roles(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer
         from jaxrl_llm.roles.teacher import check_teacher
 
         teacher_tokenizer = check_teacher(spec.distillation, policy_cfg, tokenizer)
-    if policy_cfg.hybrid:  # refused before any weight loads (models/hybrid.py)
-        raise ConfigError(f"actor_rollout_ref.model.path={spec.model.path!r}: {policy_cfg.architecture}'s gated "
-                          "delta-net layers cannot generate rollouts yet (the samplers do not hold their per-slot "
-                          "state); it trains with launch/sft.py (SFT, DPO) and scores")
+    if policy_cfg.hybrid and spec.rollout_engine.speculative is not None:  # refused before any weight loads
+        raise ConfigError(f"actor_rollout_ref.rollout.speculative.method={spec.rollout_engine.speculative.method!r}: "
+                          f"{policy_cfg.architecture}'s gated delta-net state cannot be rolled back to the kept "
+                          "draft tokens yet (sampler/engine/scheduler.py); set it to 'none'")
     model_cfg, params = load_model(spec.model, head="lm", mesh=mesh, tokenizer=tokenizer, seed=seed)
     if spec.actor.router_replay != "none" and not model_cfg.is_moe:
         raise ConfigError(f"actor_rollout_ref.actor.router_replay={spec.actor.router_replay!r}: the policy "

@@ -1,7 +1,8 @@
 """Qwen3.5 (gated delta-net layers between gated attention layers, models/hybrid.py) beyond the logits parity of
 tests/hf/test_hf_parity.py (case `qwen3_5`): each trait tested by removing it, packed sequences equal to each
 sequence alone (the conv window and the delta-rule state restart), gradients, export reloaded by transformers and
-by our loader, the config round trip, and the samplers' clear refusal (the per-slot state is not built yet)."""
+by our loader, the config round trip, and decoding with a cache (the delta-net layers' per-row state beside the
+attention layers' KV) equal to the full forward."""
 import dataclasses
 
 import jax
@@ -12,7 +13,6 @@ from tiny_models import QWEN35, assert_export_reloads, build_hf_model, left_padd
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import ModelConfig, compute_logits, init_params
-from jaxrl_llm.models.hybrid import HybridSamplingError
 
 compute_logits = jax.jit(compute_logits, static_argnums=1)
 
@@ -92,10 +92,8 @@ def test_export_reloads_in_transformers_and_ours(case, tmp_path):
     assert_export_reloads(cfg, params, tmp_path / "out", "Qwen3_5ForCausalLM", seed=2)
 
 
-def test_config_round_trip_and_the_samplers_refusal():
+def test_config_round_trip():
     from transformers import Qwen3_5TextConfig
-
-    from jaxrl_llm.models.cache import init_cache
 
     cfg = ModelConfig.tiny("qwen3_5_text")
     d = cfg.to_hf_config()
@@ -104,10 +102,43 @@ def test_config_round_trip_and_the_samplers_refusal():
     assert ModelConfig.from_hf_config({**again.to_dict(), "architectures": d["architectures"]}) == cfg
     with pytest.raises(ValueError, match="linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"):
         ModelConfig.from_hf_config({**d, "linear_num_value_heads": 3})
-    params = init_params(cfg, jax.random.key(0))
-    ids = jnp.ones((1, 4), jnp.int32)
-    with pytest.raises(HybridSamplingError, match="cannot generate rollouts"):
-        compute_logits(params, cfg, ids, ids, cache=init_cache(cfg, 1, 8))
+
+
+def test_cached_decoding_equals_the_full_forward():
+    """A dense cache holds the attention layers' KV (2 of 4 layers) and each row's conv window and delta state:
+    left-padded prompts prefilled in two calls (5 tokens, then the rest with 66 more: the chunked rule from a
+    state, over a chunk boundary), then one token a step, with 4 steps of mask 0 between (a finished row's steps:
+    the state, the window and the attention must not see them), give the full forward's logits."""
+    from jaxrl_llm.models.cache import init_cache
+
+    cfg = ModelConfig.tiny("qwen3_5_text")
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 2 else x, init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    b, p, r = 3, 9, 80
+    ids = np.zeros((b, p + r), np.int32)
+    mask = np.zeros((b, p + r), np.int32)
+    for row, n in enumerate((9, 4, 6)):  # left-padded prompts
+        ids[row, p - n:] = rng.integers(3, cfg.vocab_size, n + r)
+        mask[row, p - n:] = 1
+    want = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    cache = init_cache(cfg, b, p + r + 4)
+    assert cache["k"].shape[0] == 2 and cache["conv"].shape == (b, 2, 3, 64)  # attention layers; K - 1 inputs
+    got = []
+    for lo, hi in ((0, 5), (5, p + 66)):
+        logits, cache = compute_logits(params, cfg, jnp.asarray(ids[:, lo:hi]), jnp.asarray(mask[:, lo:hi]),
+                                       cache=cache)
+        got.append(np.asarray(logits))
+    for t in range(p + 66, p + r):
+        if t == p + 70:  # 4 ignored steps (a token fed with mask 0), then on
+            for _ in range(4):
+                _, cache = compute_logits(params, cfg, jnp.asarray(ids[:, t:t + 1]), jnp.zeros((b, 1), jnp.int32),
+                                          cache=cache)
+        logits, cache = compute_logits(params, cfg, jnp.asarray(ids[:, t:t + 1]), jnp.asarray(mask[:, t:t + 1]),
+                                       cache=cache)
+        got.append(np.asarray(logits))
+    got = np.concatenate(got, axis=1)
+    real = mask > 0
+    np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=1e-5)
 
 
 def test_sharded_forward_equals_one_device():
@@ -126,15 +157,3 @@ def test_sharded_forward_equals_one_device():
     with sharding.mesh_context(mesh):
         got = np.asarray(compute_logits(placed, cfg, *batch))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.usefixtures("smollm2_gguf")
-def test_an_rl_run_is_refused_before_loading(tmp_path):
-    from tiny_runs import tiny_config
-
-    from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.trainer import Trainer
-
-    cfg = tiny_config(tmp_path, **{"actor_rollout_ref.model.path": "tiny:qwen3_5_text"})
-    with pytest.raises(ConfigError, match="cannot generate rollouts yet"):
-        Trainer(cfg)

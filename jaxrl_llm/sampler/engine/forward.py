@@ -14,6 +14,10 @@ KV pool layout (a dict pytree, carried through the decode loop and updated in pl
                                                                  rope key, read as the values too (models/mla.py)
     k_scale, v_scale [L, kv_heads, num_pages, page_size] fp32    (int8 only: value = int8 * scale)
 
+A hybrid (Qwen3.5) model's pool covers its full-attention layers only; the decode step takes and returns a
+`HybridState(pool, conv, delta)` (models/hybrid.py): the pool and each slot's delta-net state, which inactive
+slots leave as it is.
+
 A Gemma 4 model's pool is one such dict per attention type, {"sliding": ..., "full": ...}, each over the
 layers of its type that compute keys / values (engine/programs.py `pool_dims`); the KV-sharing layers
 rewrite and read their producer's rows (models/gemma4.py).
@@ -32,6 +36,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
+from jaxrl_llm.models.hybrid import HybridState
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.kv_bits import write_rows
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
@@ -110,24 +115,26 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
     return attention
 
 
-def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
+def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
                   mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
-                  ) -> tuple[Array, dict, Array | None]:
+                  ) -> tuple[Array, Any, Array | None]:
     """Final-norm hidden [S, H] for one token per slot, the pool with their K/V written, and with
     `record_routing` a MoE model's router top-k ids of each fed token [S, L, k] (else None).
 
     tokens / positions [S]: the token fed to each slot and its position (= tokens already in the
     slot's KV). page_table [S, pages_per_slot]. active [S] bool: inactive slots write to the
-    scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1.
+    scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1. `pool`: the KV
+    pool, or a hybrid model's `HybridState` (module doc), returned in the same form.
     """
+    kv = pool.attention if isinstance(pool, HybridState) else pool  # a hybrid model's: with the slots' state
     if cfg.typed_layers:  # Gemma 4: a pool and an attention per type (models/gemma4.py)
         attention: Any = {kind: paged_attention(cfg, pool[kind]["k"].shape[3], page_table, positions, active,
                                                 attn_impl=attn_impl, mesh=mesh, cascade=cascade,
                                                 window=cfg.sliding_window if kind == "sliding" else None)
                           for kind in ("sliding", "full")}
     else:
-        attention = paged_attention(cfg, pool["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
+        attention = paged_attention(cfg, kv["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
                                     mesh=mesh, cascade=cascade)
     hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
                                        compute_dtype=compute_dtype, valid=active[:, None],
@@ -136,10 +143,10 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, pos
     return hidden[:, 0], pool, routing
 
 
-def decode_logits(params: dict, cfg: ModelConfig, pool: dict, tokens: Array, positions: Array,
+def decode_logits(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
                   mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
-                  ) -> tuple[Array, dict, Array | None]:
+                  ) -> tuple[Array, Any, Array | None]:
     """fp32 next-token logits [S, V], the updated pool and the recorded routing (see `decode_hidden`)."""
     hidden, pool, routing = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
                                           compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,

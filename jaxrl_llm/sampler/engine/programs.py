@@ -35,6 +35,7 @@ from jaxrl_llm.models import (
     logits_from_hidden,
 )
 from jaxrl_llm.models.gemma4 import typed_state
+from jaxrl_llm.models.hybrid import HybridState, zero_recurrent
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -101,8 +102,8 @@ def pool_dims(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
     """(layers, kv heads, head dim) of each KV pool a model's engine holds: one, or for a Gemma 4 model one
     per attention type ("sliding", "full") over the layers of that type that compute keys / values (the
     KV-sharing layers read their producer's rows; engine/forward.py)."""
-    if not cfg.typed_layers:
-        return {"": (cfg.num_hidden_layers, cfg.cache_kv_heads, cfg.cache_head_dim)}  # MLA: the latent (models/mla.py)
+    if not cfg.typed_layers:  # MLA: the latent (models/mla.py); a hybrid model: its full-attention layers'
+        return {"": (len(cfg.full_attention_layers), cfg.cache_kv_heads, cfg.cache_head_dim)}
     return {"sliding": (len(cfg.kv_layer_ids(True)), cfg.num_key_value_heads, cfg.head_dim),
             "full": (len(cfg.kv_layer_ids(False)), cfg.full_kv_heads, cfg.full_head_dim)}
 
@@ -116,6 +117,8 @@ class Prefix(NamedTuple):
     length: Array  # int32 scalar
     routing: Array | None = None  # [Pb, L, k] the prompt tokens' experts (a MoE model, recording)
     ids: Array | None = None  # int32 [Pb] the prompt (a speculative engine's n-gram history)
+    # a hybrid model's delta-net state after the prompt ({"conv", "delta"}, models/hybrid.py), one row's
+    recurrent: dict | None = None
 
 
 class DecodeState(NamedTuple):
@@ -144,6 +147,9 @@ class DecodeState(NamedTuple):
     spec_counts: Array | None = None
     # a draft model's KV pool (speculative method 'draft'): its own dims, the same pages and tables
     draft_pool: dict | None = None
+    # a hybrid model's per-slot delta-net state {"conv": [S, ...], "delta": [S, ...]} (models/hybrid.py): beside
+    # the pool (which holds its full-attention layers), set by `insert`, advanced by decode, cleared with the slot
+    recurrent: dict | None = None
 
 
 def empty_pool(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str) -> dict:
@@ -177,6 +183,8 @@ def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_
         routing = jax.ShapeDtypeStruct((max_new_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok),
                                        routing_dtype(cfg.num_experts))
     state = empty_slots(pool, spec, max_new_tokens, routing)
+    if cfg.hybrid:
+        state = state._replace(recurrent=zero_recurrent(cfg, spec.max_num_seqs))
     if spec.speculative is not None and spec.speculative.uses_draft_model:
         assert spec.speculative.draft_cfg is not None, "the draft model's config is filled in before the engine"
         state = state._replace(draft_pool=empty_pool(spec.speculative.draft_cfg, spec, compute_dtype))
@@ -204,7 +212,9 @@ def empty_slots(pool: dict, spec: EngineSpec, max_new_tokens: int, routing: Any 
 def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> DecodeState:
     """Empty slots around the same pool."""
     row = None if state.routing is None else jax.ShapeDtypeStruct(state.routing.shape[1:], state.routing.dtype)
-    return empty_slots(state.pool, spec, max_new_tokens, row)._replace(draft_pool=state.draft_pool)
+    recurrent = None if state.recurrent is None else jax.tree.map(jnp.zeros_like, state.recurrent)
+    return empty_slots(state.pool, spec, max_new_tokens, row)._replace(draft_pool=state.draft_pool,
+                                                                       recurrent=recurrent)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -216,10 +226,10 @@ def clear_slots(state: DecodeState) -> DecodeState:
 
 
 SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
-               "log_probs", "routing", "history")
+               "log_probs", "routing", "history", "recurrent")
 
 
-def slot_fields(state: DecodeState) -> dict[str, Array]:
+def slot_fields(state: DecodeState) -> dict[str, Any]:
     """The per-slot arrays of `state` (routing only when recording)."""
     return {f: getattr(state, f) for f in SLOT_FIELDS if getattr(state, f) is not None}
 
@@ -242,12 +252,13 @@ def _gather_slots(fields: dict, keep: Array, num_keep: Array, *, slots: int) -> 
         rows = x[idx]
         return jnp.where(valid.reshape((slots,) + (1,) * (x.ndim - 1)), rows, jnp.zeros_like(rows))
 
-    return {f: take(x) for f, x in fields.items()}
+    return jax.tree.map(take, fields)
 
 
 def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
-    """Shardings of a state: the pools' kv-heads dim over 'tensor' when it divides, the rest
-    replicated (every process reads the same small slot arrays: identical scheduling)."""
+    """Shardings of a state: the pools' kv-heads dim over 'tensor' when it divides, the rest (a hybrid model's
+    per-slot delta-net state too) replicated (every process reads the same small slot arrays: identical
+    scheduling)."""
     rep = NamedSharding(mesh, PartitionSpec())
 
     def pool_sharding(pool: dict) -> dict:
@@ -259,7 +270,8 @@ def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeSt
     pools = {"pool": pool_sharding(state.pool)}
     if state.draft_pool is not None:
         pools["draft_pool"] = pool_sharding(state.draft_pool)
-    rest = {f: rep for f in state._fields if f not in pools and getattr(state, f) is not None}
+    rest = {f: jax.tree.map(lambda _: rep, getattr(state, f))  # a hybrid model's state: a dict of arrays
+            for f in state._fields if f not in pools and getattr(state, f) is not None}
     return state._replace(**pools, **rest)
 
 
@@ -317,7 +329,14 @@ def _prefix(params: dict, cfg: ModelConfig, hidden: Array, cache: dict, length: 
     last = lax.dynamic_index_in_dim(hidden, length - 1, 0, keepdims=False)
     k, v = _cache_kv(cfg, cache, lambda x: x[:, 0])
     return Prefix(k=k, v=v, logits=logits_from_hidden(params, cfg, last), length=length.astype(jnp.int32),
-                  routing=routing, ids=ids.astype(jnp.int32))
+                  routing=routing, ids=ids.astype(jnp.int32), recurrent=_cache_recurrent(cfg, cache, 0))
+
+
+def _cache_recurrent(cfg: ModelConfig, cache: dict, row: int | None) -> dict | None:
+    """A hybrid model's delta-net state from a dense cache (models/hybrid.py): one row's, or every row's (None)."""
+    if not cfg.hybrid:
+        return None
+    return {name: cache[name] if row is None else cache[name][row] for name in ("conv", "delta")}
 
 
 def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> tuple[Any, Any]:
@@ -380,7 +399,7 @@ def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Ar
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         k, v = _cache_kv(cfg, cache, lambda x: jnp.moveaxis(x, 1, 0))
         return Prefix(k=k, v=v, logits=logits_from_hidden(params, cfg, last), length=lengths.astype(jnp.int32),
-                      ids=prompt_ids.astype(jnp.int32))
+                      ids=prompt_ids.astype(jnp.int32), recurrent=_cache_recurrent(cfg, cache, None))
 
 
 @functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
@@ -446,8 +465,12 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
         row = jnp.zeros(history.shape[1:], jnp.int32).at[jnp.where(real, t, history.shape[1])].set(
             prefix.ids, mode="drop")
         history = history.at[slot].set(row.at[prefix.length].set(tok[0], mode="drop"))
+    recurrent = state.recurrent
+    if recurrent is not None:  # a hybrid model: the slot starts from the prompt's delta-net state
+        assert prefix.recurrent is not None
+        recurrent = jax.tree.map(lambda all_, one: all_.at[slot].set(one), recurrent, prefix.recurrent)
     return state._replace(
-        routing=routing, history=history, pool=new_pool, draft_pool=draft_pool,
+        routing=routing, history=history, pool=new_pool, draft_pool=draft_pool, recurrent=recurrent,
         page_table=state.page_table.at[slot].set(page_row),
         positions=state.positions.at[slot].set(prefix.length), last=state.last.at[slot].set(tok[0]),
         num_gen=state.num_gen.at[slot].set(1), active=state.active.at[slot].set(~ends[0]),
@@ -496,9 +519,12 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
             changes, finished = verify_step(params, cfg, s, rng, knobs, cascade, draft_params, settings=settings,
                                             speculative=speculative, compute_dtype=dt, attn_impl=attn_impl, mesh=mesh)
             return i + 1, finished, s._replace(**changes)
-        logits, pool, fed = decode_logits(params, cfg, s.pool, s.last, s.positions, s.page_table, s.active,
-                                          compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
-                                          record_routing=s.routing is not None, cascade=cascade)
+        kv = s.pool if s.recurrent is None else HybridState(s.pool, **s.recurrent)  # with the slots' delta-net state
+        logits, kv, fed = decode_logits(params, cfg, kv, s.last, s.positions, s.page_table, s.active,
+                                        compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
+                                        record_routing=s.routing is not None, cascade=cascade)
+        pool, recurrent = (kv.attention, {"conv": kv.conv, "delta": kv.delta}) if isinstance(kv, HybridState) \
+            else (kv, None)
         routing = s.routing
         if routing is not None and fed is not None:  # the fed token is response token num_gen - 1
             fed_col = jnp.clip(s.num_gen - 1, 0, r - 1)
@@ -514,7 +540,7 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
         ends, reason = finish_codes(tok, num_gen, knobs, s.budget)
         ends &= act
         s = s._replace(
-            pool=pool, positions=s.positions + act.astype(jnp.int32), last=tok, num_gen=num_gen,
+            pool=pool, recurrent=recurrent, positions=s.positions + act.astype(jnp.int32), last=tok, num_gen=num_gen,
             active=act & ~ends, finish=jnp.where(ends, reason, s.finish),
             tokens=s.tokens.at[rows, col].set(jnp.where(act, tok, s.tokens[rows, col])),
             log_probs=s.log_probs.at[rows, col].set(jnp.where(act, lp, s.log_probs[rows, col])),

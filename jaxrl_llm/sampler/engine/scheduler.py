@@ -238,6 +238,11 @@ class PagedEngine:
                  prefill_chunk: int | None = None, batch_prefill: bool = False, unroll_layers: bool = False):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+        if cfg.hybrid and spec.speculative is not None:
+            # a rejected draft would have to take back the slot's delta-net state (it does not hold one per token)
+            raise ValueError(f"rollout.speculative.method={spec.speculative.method!r}: {cfg.architecture}'s gated "
+                             "delta-net layers keep a recurrent state that verification cannot roll back to the "
+                             "kept draft tokens yet; set rollout.speculative.method='none'")
         self.cfg, self.spec, self.compute_dtype = cfg, spec, compute_dtype
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens

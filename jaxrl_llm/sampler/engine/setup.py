@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.hybrid import recurrent_bytes
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
@@ -130,7 +131,8 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
                        kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl,
                        cascade=opts.cascade_attention, speculative=opts.speculative)
-    temporaries = LOGITS_BUFFERS * slots * cfg.vocab_size * 4
+    # beside the pool: the sampling step's buffers and a hybrid model's per-slot delta-net state (models/hybrid.py)
+    temporaries = LOGITS_BUFFERS * slots * cfg.vocab_size * 4 + slots * recurrent_bytes(cfg)
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
                                budget_bytes=device_kv_budget(opts.gpu_memory_utilization, temporaries))
@@ -146,9 +148,11 @@ def describe(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str, mesh: Mesh 
     """One summary line: slots, page size, pool pages and KV bytes per device."""
     per_device = spec.num_pages * spec.page_bytes(cfg, compute_dtype) // _kv_shards(cfg, mesh)
     kv = "int8" if spec.kv_cache_dtype == "int8" else compute_dtype
+    state = spec.max_num_seqs * recurrent_bytes(cfg)
+    recurrent = f", delta-net state {state / 2**20:.1f} MiB ({spec.max_num_seqs} slots, fp32)" if state else ""
     return (f"rollout engine: paged, {spec.max_num_seqs} slots, page size {spec.page_size}, "
             f"{spec.num_pages} pages ({kv}), max_model_len {spec.pages_per_slot * spec.page_size}, "
-            f"KV {per_device / 2**20:.1f} MiB per device")
+            f"KV {per_device / 2**20:.1f} MiB per device{recurrent}")
 
 
 _ENGINES: dict[tuple, PagedEngine] = {}
