@@ -130,7 +130,10 @@ _QWEN35_BASE = dict(num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_he
                     layer_types=["linear_attention", "full_attention"] * 2)
 QWEN35 = {"qwen3_5": ("qwen3_5_text", _QWEN35_BASE),
           # biases on the gated attention's q (query and gate) / k / v / o
-          "qwen3_5_bias": ("qwen3_5_text", dict(_QWEN35_BASE, attention_bias=True))}
+          "qwen3_5_bias": ("qwen3_5_text", dict(_QWEN35_BASE, attention_bias=True)),
+          # Qwen3.5-MoE: every layer's MLP 8 experts (2 a token, renormalised) and a sigmoid-gated shared expert
+          "qwen3_5_moe": ("qwen3_5_moe_text", dict(_QWEN35_BASE, num_experts=8, num_experts_per_tok=2,
+                                                   moe_intermediate_size=32, shared_expert_intermediate_size=48))}
 
 
 def family_case(case: str) -> tuple[str, dict]:
@@ -149,7 +152,8 @@ def hf_config(family: str, **overrides):
            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
            "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config,
            "deepseek_v2": transformers.DeepseekV2Config,
-           "qwen3_5_text": transformers.Qwen3_5TextConfig}[family]
+           "qwen3_5_text": transformers.Qwen3_5TextConfig,
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}[family]
     return cls(**{**TINY_HF, **TINY_MOE.get(family, {}), **overrides})
 
 

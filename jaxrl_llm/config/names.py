@@ -25,7 +25,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # `trainer.memory_levers`, cheapest first: jaxrl_llm.planning.levers (which implements each)
 MEMORY_LEVERS = ("ref_offload", "teacher_offload", "optimizer_offload", "remat", "bf16_moments")
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes
-TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2")
+TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_5_moe_text")
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma4_text", "qwen3_5_text",
               *TINY_MOE_ARCHS)
 REMAT = REMAT_POLICIES  # `actor.remat_policy` / `critic.remat_policy`: jaxrl_llm.models.remat

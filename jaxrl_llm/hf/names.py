@@ -292,21 +292,33 @@ def _gemma4_moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
     """Gemma 4's MoE block (beside each layer's MLP): `router.{proj.weight, scale, per_expert_scale}`, the
     experts as one [E, out, in] tensor per layer with gate and up stacked in `gate_up_proj` (gate the first
     half of its rows), and the block's three norms."""
-    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    h, e = cfg.hidden_size, cfg.num_experts
     lay, root = "model.layers.{i}.", ("layers", "moe")
-    swap = (lambda w: w.transpose(0, 2, 1), lambda k: k.transpose(0, 2, 1))  # [E, out, in] <-> [E, in, out]
-    gate_up = (("experts", "gate_proj", "kernel"), ("experts", "up_proj", "kernel"))
     specs = [TensorSpec(root + ("router", "kernel"), lay + "router.proj.weight", (e, h), *_linear(h, (e,))),
              TensorSpec(root + ("router_scale",), lay + "router.scale", (h,), _identity, _identity),
              TensorSpec(root + ("expert_scale",), lay + "router.per_expert_scale", (e,), _identity, _identity),
-             TensorSpec(root + ("experts", "down_proj", "kernel"), lay + "experts.down_proj", (e, h, f), *swap)]
-    for k, part in enumerate(gate_up):
-        specs.append(TensorSpec(root + part, lay + "experts.gate_up_proj", (e, 2 * f, h),
-                                lambda w, k=k: w[:, k * f:(k + 1) * f].transpose(0, 2, 1), swap[1],
-                                parts=tuple(root + p for p in gate_up), part=k, join=_stacked_rows))
+             *_fused_expert_specs(cfg, lay + "experts.")]
     for ours, theirs in (("mlp_out_norm", "post_feedforward_layernorm_1"), ("moe_norm", "pre_feedforward_layernorm_2"),
                          ("moe_out_norm", "post_feedforward_layernorm_2")):
         specs.append(TensorSpec(("layers", ours, "scale"), lay + theirs + ".weight", (h,), _identity, _identity))
+    return specs
+
+
+def _fused_expert_specs(cfg: ModelConfig, prefix: str, layer_ids: tuple[int, ...] | None = None
+                        ) -> list[TensorSpec]:
+    """Experts as Gemma 4's checkpoints store them: one [E, out, in] tensor per layer for all experts, gate and up
+    stacked in `gate_up_proj` (gate the first half of its rows)."""
+    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    root = ("layers", "moe")
+    swap = (lambda w: w.transpose(0, 2, 1), lambda k: k.transpose(0, 2, 1))  # [E, out, in] <-> [E, in, out]
+    gate_up = (("experts", "gate_proj", "kernel"), ("experts", "up_proj", "kernel"))
+    specs = [TensorSpec(root + ("experts", "down_proj", "kernel"), prefix + "down_proj", (e, h, f), *swap,
+                        layer_ids=layer_ids)]
+    for k, part in enumerate(gate_up):
+        specs.append(TensorSpec(root + part, prefix + "gate_up_proj", (e, 2 * f, h),
+                                lambda w, k=k: w[:, k * f:(k + 1) * f].transpose(0, 2, 1), swap[1],
+                                parts=tuple(root + p for p in gate_up), part=k, join=_stacked_rows,
+                                layer_ids=layer_ids))
     return specs
 
 

@@ -48,8 +48,11 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen3.5 (models/config_qwen35.py, models/hybrid.py): gated delta-net linear-attention layers between gated
     # full-attention layers (an output gate, QK-norm, RoPE on a quarter of each head), (1 + w) norms
     "qwen3_5_text": {"prefix": "Qwen3_5", "attention_bias": False, "qk_norm": True},
+    # Qwen3.5-MoE: the same layers with Qwen2-MoE's MLP (softmax top-k renormalised, a sigmoid-gated shared expert)
+    "qwen3_5_moe_text": {"prefix": "Qwen3_5Moe", "attention_bias": False, "qk_norm": True, "moe": True},
 }
 GEMMA_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("gemma"))
+QWEN35_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text")  # the hybrid decoder (models/hybrid.py)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 MOE_FAMILIES: tuple[str, ...] = tuple(k for k, f in _FAMILIES.items() if f.get("moe"))
 # the grouped matmul of models/moe.py: "blocked" (ours, any backend), "ragged_dot" (jax.lax.ragged_dot:
@@ -377,7 +380,7 @@ class ModelConfig:
     @property
     def shared_expert_gated(self) -> bool:
         """Qwen2-MoE's shared expert is gated by sigmoid(x @ w); DeepSeek's shared experts are added as they are."""
-        return self.model_type == "qwen2_moe"
+        return self.model_type in ("qwen2_moe", "qwen3_5_moe_text")
 
     @property
     def attention_width(self) -> int:
@@ -456,6 +459,8 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} (no 'architectures' in config.json); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if model_type == "qwen3_5_moe_text":  # no dense MLP: every layer's is the experts'
+            d = {**d, "intermediate_size": d.get("intermediate_size") or d.get("moe_intermediate_size")}
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if key not in d:
@@ -498,7 +503,7 @@ class ModelConfig:
                                d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048))
         if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:  # DeepSeek's convention, as HF
             scaling["factor"] = d.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
-        if model_type == "qwen3_5_text":  # text positions: M-RoPE's three axes agree, so it is plain RoPE
+        if model_type in QWEN35_FAMILIES:  # text positions: M-RoPE's three axes agree, so it is plain RoPE
             for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
                 scaling.pop(key, None)
             if scaling.get("rope_type", "default") == "default":
@@ -514,8 +519,8 @@ class ModelConfig:
             moe.update(_gpt_oss_fields(d))
         sliding_window, sliding_layers = _sliding_windows(d, model_type)
         gemma = _gemma_fields(d, act, local_theta) if fam.get("gemma") else {}
-        if model_type == "qwen3_5_text":
-            gemma = qwen35_fields(d)
+        if model_type in QWEN35_FAMILIES:
+            gemma = qwen35_fields(d, model_type)
         if model_type == "gemma4_text":
             gemma = gemma4_fields(d, sliding_layers or ())
             rope_theta, scaling = gemma.pop("rope_theta"), dict(gemma.pop("rope_scaling") or ())
@@ -605,7 +610,7 @@ class ModelConfig:
             d.update(gemma4_hf_fields(self))
         elif self.model_type in GEMMA_FAMILIES:
             d.update(self._hf_gemma_fields(rope_params))
-        if self.model_type == "qwen3_5_text":
+        if self.model_type in QWEN35_FAMILIES:
             d.update(qwen35_hf_fields(self))
             d["rope_parameters"] = {**rope_params, "partial_rotary_factor": self.partial_rotary_factor}
         if self.model_type in DEEPSEEK_FAMILIES:
@@ -644,8 +649,11 @@ class ModelConfig:
         d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
                  norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
                  mlp_only_layers=list(self.mlp_only_layers))
-        if self.model_type == "qwen2_moe":
+        if self.model_type in ("qwen2_moe", "qwen3_5_moe_text"):
             d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        if self.model_type == "qwen3_5_moe_text":  # its router always renormalises; no dense layers
+            for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+                d.pop(key, None)
         return d
 
     # ------------------------------------------------------------------ tests
@@ -666,7 +674,7 @@ class ModelConfig:
         if fam.get("moe"):
             base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         norm_topk_prob=family not in ("qwen2_moe", "gpt_oss"), router_aux_loss_coef=0.001,
-                        shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
+                        shared_expert_intermediate_size=48 if family in ("qwen2_moe", "qwen3_5_moe_text") else 0)
         if family == "gpt_oss":  # layer 0 local (window 4), layer 1 global; a low clamp so that tests reach it
             base.update(attention_sinks=True, o_proj_bias=True, expert_bias=True, router_topk_softmax=True,
                         swiglu_limit=0.05, sliding_window=4, sliding_layers=(0,), intermediate_size=32)
@@ -688,7 +696,7 @@ class ModelConfig:
                         v_head_dim=16, rope_interleave=True, router_sigmoid=True, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5, norm_topk_prob=True, shared_expert_intermediate_size=32,
                         mlp_only_layers=(0,), router_aux_loss_coef=0.0)
-        if family == "qwen3_5_text":  # linear, full, linear, full: key / value heads 2 / 4 of 8 dims, a conv of 4
+        if family in QWEN35_FAMILIES:  # linear, full, linear, full: key / value heads 2 / 4 of 8 dims, a conv of 4
             layers = int(overrides.get("num_hidden_layers", 4))
             base.update(num_hidden_layers=layers, linear_layers=tuple(range(0, layers, 2)), linear_key_heads=2,
                         linear_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4,
@@ -762,7 +770,8 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         # the top-k logits, `router_topk_softmax`)
     else:
         width = int(d.get("moe_intermediate_size") or 0)
-        norm_topk = bool(d.get("norm_topk_prob", False))
+        # Qwen3.5-MoE's router renormalises its top-k always (its config has no norm_topk_prob)
+        norm_topk = model_type == "qwen3_5_moe_text" or bool(d.get("norm_topk_prob", False))
         if experts == 0:
             raise ValueError(f"config.json: num_experts=0 makes every layer a dense MLP in a {model_type} model; "
                              f"load it as its dense family")
@@ -774,7 +783,7 @@ def _moe_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
                 moe_intermediate_size=width,
                 shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
-                if model_type == "qwen2_moe" else 0,
+                if model_type in ("qwen2_moe", "qwen3_5_moe_text") else 0,
                 norm_topk_prob=norm_topk, router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
                 output_router_logits=bool(d.get("output_router_logits", False)), **layout)
 

@@ -134,6 +134,16 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     return out.reshape(b, t, h), stats, routing.ids.reshape(b, t, k)
 
 
+def layer_mlp(cfg: ModelConfig, weights: dict, x: Array, valid: Array, replay: Array | None, *, dtype: DType
+              ) -> tuple[Array, tuple[RouterStats, Array] | None]:
+    """A layer's MLP of normed x [B, T, H] (no adapters; the hybrid decoder's, models/hybrid.py): the dense SwiGLU,
+    or the experts (`moe_block`) with their router stats and the experts each token ran."""
+    if not cfg.is_moe:
+        return mlp_block(weights["mlp"], {}, x, dtype=dtype, lora_scale=0.0, activation=cfg.hidden_act), None
+    out, stats, ids = moe_block(cfg, weights["moe"], {}, x, valid, replay, dtype=dtype, lora_scale=0.0)
+    return out, (stats, ids)
+
+
 MlpStacks = tuple[dict, dict, Array, Array]  # a mixed-layer model's (params, adapters, is_moe [L], row [L])
 
 
@@ -255,7 +265,8 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
     assert not isinstance(attention, dict)
     if cfg.hybrid:  # Qwen3.5: gated delta-net and gated attention layers (models/hybrid.py)
         return hybrid_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
-                                     valid=valid)
+                                     valid=valid, mlp=functools.partial(layer_mlp, cfg, dtype=dtype), replay=replay,
+                                     record_routing=record_routing)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'

@@ -47,7 +47,6 @@ from jaxrl_llm.models.blocks import (
     LayerAttention,
     apply_rope,
     embed_tokens,
-    mlp_block,
     project,
     rms_norm,
     rope_cos_sin,
@@ -55,6 +54,7 @@ from jaxrl_llm.models.blocks import (
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.param_init import hybrid_layer_ids
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
 
@@ -174,12 +174,18 @@ def delta_net(cfg: ModelConfig, weights: dict, x: Array, valid: Array, positions
     return project(normed.astype(dtype), weights["out_proj"], None, 0.0, dtype, in_axes=2), new_state
 
 
+LayerMlp = Callable[[dict, Array, Array, Any], tuple[Array, Any]]  # (layer weights, normed x, valid, replay) -> out
+
+
 def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                           attention: LayerAttention, state: HybridState | None, *, dtype: DType, remat: bool | str,
-                          valid: Array | None) -> tuple[Array, HybridState | None, None]:
-    """`decoder_hidden` of a Qwen3.5 model: hidden states after the final norm [B, T, H] (compute dtype) and the
-    new `HybridState` (None without one: the training / scoring forward). The attention is called with a layer's
-    row among the full-attention layers (its KV's layer index)."""
+                          valid: Array | None, mlp: LayerMlp, replay: Array | None = None,
+                          record_routing: bool = False) -> tuple[Array, HybridState | None, MoeOut | None]:
+    """`decoder_hidden` of a Qwen3.5 model: hidden states after the final norm [B, T, H] (compute dtype), the
+    new `HybridState` (None without one: the training / scoring forward) and a Qwen3.5-MoE model's `MoeOut`. The
+    attention is called with a layer's row among the full-attention layers (its KV's layer index); `mlp` is the
+    decoder's MLP of a layer (models/decoder.py `layer_mlp`: the dense SwiGLU, or the experts with their router
+    stats and ids, `replay` [L, B, T, k] choosing them as in the other MoE families)."""
     if params.get("lora") is not None:
         raise ValueError(f"{cfg.architecture}: LoRA adapters on the hybrid layers are not supported yet")
     valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
@@ -194,9 +200,10 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     for ids in kinds.values():
         row[list(ids)] = np.arange(len(ids))
 
-    def layer(carry: tuple[Array, Array, HybridState | None], weights: dict
-              ) -> tuple[tuple[Array, Array, HybridState | None], None]:
+    def layer(carry: tuple[Array, Array, HybridState | None], xs: tuple[dict, Array | None]
+              ) -> tuple[tuple[Array, Array, HybridState | None], Any]:
         x, index, state = carry
+        weights, layer_replay = xs
         normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, offset)
         kind_row = jnp.asarray(row)[index]
 
@@ -211,7 +218,9 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
                 return delta_net(cfg, weights, n, valid, positions, dtype=dtype)[0], None
             mine = (lax.dynamic_index_in_dim(state.conv, kind_row, 1, keepdims=False),
                     lax.dynamic_index_in_dim(state.delta, kind_row, 1, keepdims=False))
-            h, (conv, delta) = delta_net(cfg, weights, n, valid, positions, dtype=dtype, recurrent=mine)
+            h, new = delta_net(cfg, weights, n, valid, positions, dtype=dtype, recurrent=mine)
+            assert new is not None
+            conv, delta = new
             return h, state._replace(conv=lax.dynamic_update_index_in_dim(state.conv, conv, kind_row, 1),
                                      delta=lax.dynamic_update_index_in_dim(state.delta, delta, kind_row, 1))
 
@@ -221,11 +230,14 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
             h, state = (linear if "linear" in kinds else full)(normed, state)
         x = x + h
         normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, offset)
-        x = x + mlp_block(weights["mlp"], {}, normed, dtype=dtype, lora_scale=0.0, activation=cfg.hidden_act)
-        return (x, index + 1, state), None
+        h, moe = mlp(weights, normed, valid, layer_replay)
+        if moe is not None and not record_routing:
+            moe = (moe[0], None)
+        return (x + h, index + 1, state), moe
 
     step: Callable = layer
     if remat_name(remat) != "none":
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, _, state), _ = lax.scan(step, (x, jnp.int32(0), state), layers, unroll=cfg.scan_unroll)
-    return rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), state, None
+    (x, _, state), moe = lax.scan(step, (x, jnp.int32(0), state), (layers, replay), unroll=cfg.scan_unroll)
+    return (rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), state,
+            None if moe is None else MoeOut(*moe))

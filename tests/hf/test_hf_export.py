@@ -40,7 +40,7 @@ def _hf_greedy(model, ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
                                         ("qwen2_moe_mixed", 40_000), ("qwen3_layer_types", None),
                                         ("gemma2", None), ("gemma3", 40_000), ("gpt_oss", 40_000),
                                         ("gemma4", 40_000), ("gemma4_plain", None), ("gemma4_moe", 40_000),
-                                        ("deepseek_v3", 40_000), ("deepseek_v3_plain", None)])
+                                        ("deepseek_v3", 40_000), ("deepseek_v3_plain", None), ("qwen3_5", 40_000)])
 def test_export_roundtrip_logits_and_greedy(case, shard, tmp_path, np_rng):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

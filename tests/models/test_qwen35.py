@@ -53,6 +53,28 @@ def test_each_trait_is_needed_for_parity(qwen35_hf, trait):
     assert np.abs(ours - want).max() > 1e-3
 
 
+@pytest.mark.parametrize("trait", ["renormalised_top_k", "shared_expert_gate"])
+def test_each_moe_trait_is_needed_for_parity(trait, tmp_path):
+    """Qwen3.5-MoE's MLP: its router renormalises the chosen experts' softmax weights (its config has no
+    norm_topk_prob), and sigmoid(x w) gates the shared expert; without either the logits leave transformers'."""
+    family, overrides = QWEN35["qwen3_5_moe"]
+    model = build_hf_model(family, tmp_path, **overrides)
+    cfg, params = load_hf_folder(tmp_path)
+    assert cfg.norm_topk_prob and cfg.shared_expert_gated and cfg.shared_expert_intermediate_size == 48
+    ids, mask = left_padded_batch(np.random.default_rng(0), cfg.vocab_size)
+    valid = mask.astype(bool)
+    want = torch_logits(model, ids, mask)[valid]
+    got = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))[valid]
+    assert np.abs(got - want).max() <= 1e-4
+    if trait == "renormalised_top_k":
+        cfg = dataclasses.replace(cfg, norm_topk_prob=False)
+    else:
+        moe = {k: v for k, v in params["layers"]["moe"].items() if k != "shared_expert_gate"}
+        params = {**params, "layers": {**params["layers"], "moe": moe}}
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))[valid]
+    assert np.abs(ours - want).max() > 1e-3
+
+
 def test_packed_sequences_equal_each_alone_and_gradients_flow():
     """Three sequences packed in a row (segment ids; positions restart per sequence): each one's logits equal the
     sequence run alone, through both gated-delta-net layers and both attention layers; the loss's gradient
@@ -88,8 +110,8 @@ def test_export_reloads_in_transformers_and_ours(case, tmp_path):
     family, overrides = QWEN35[case]
     build_hf_model(family, tmp_path / "src", **overrides)
     cfg, params = load_hf_folder(tmp_path / "src")
-    assert cfg.attention_bias == (case == "qwen3_5_bias")
-    assert_export_reloads(cfg, params, tmp_path / "out", "Qwen3_5ForCausalLM", seed=2)
+    assert cfg.attention_bias == (case == "qwen3_5_bias") and cfg.is_moe == (case == "qwen3_5_moe")
+    assert_export_reloads(cfg, params, tmp_path / "out", cfg.architecture, seed=2)
 
 
 def test_config_round_trip():

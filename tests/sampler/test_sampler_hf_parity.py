@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 from sampler_fixtures import EOS_ID, PAD_ID, PROMPTS, hf_greedy
-from tiny_models import GEMMA, MIXED_MOE, MOE_FAMILIES, WINDOW_LAYERS, build_hf_model, family_case
+from tiny_models import GEMMA, MIXED_MOE, MOE_FAMILIES, QWEN35, WINDOW_LAYERS, build_hf_model, family_case
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
@@ -12,7 +12,7 @@ NEW_TOKENS = 12
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES, *MIXED_MOE,
-                                  *WINDOW_LAYERS, *GEMMA])
+                                  *WINDOW_LAYERS, *GEMMA, *QWEN35])
 def test_greedy_matches_transformers(case, tmp_path):
     family, overrides = family_case(case)
     torch_model = build_hf_model(family, tmp_path, **overrides)

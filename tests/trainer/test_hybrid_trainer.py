@@ -1,7 +1,8 @@
-"""GRPO on a tiny Qwen3.5 (gated delta-net layers between gated attention layers, models/hybrid.py): both rollout
-engines carry each row's / slot's delta-net state beside the attention layers' KV, the sampled log-probs are the
-trainer's (rollout_corr), packed rows give each response its own copy of the prompt (a delta net cannot read two
-responses from one prompt), the update moves both kinds of layers, and the export reloads in transformers."""
+"""GRPO on a tiny Qwen3.5 and Qwen3.5-MoE (gated delta-net layers between gated attention layers,
+models/hybrid.py): both rollout engines carry each row's / slot's delta-net state beside the attention layers' KV,
+the sampled log-probs are the trainer's (rollout_corr), packed rows give each response its own copy of the prompt
+(a delta net cannot read two responses from one prompt), the update moves both kinds of layers, the MoE run
+replays the sampler's routing, and the export reloads in transformers."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,20 +15,22 @@ from jaxrl_llm.trainer import Trainer
 pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
 
 
-@pytest.mark.parametrize("engine", ["paged", "static"])
-def test_qwen35_grpo_run_samples_with_its_state_and_exports(engine, tmp_path):
+@pytest.mark.parametrize("family,engine", [("qwen3_5_text", "paged"), ("qwen3_5_moe_text", "static")])
+def test_qwen35_grpo_run_samples_with_its_state_and_exports(family, engine, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
     arr = "actor_rollout_ref"
-    overrides = {f"{arr}.model.path": "tiny:qwen3_5_text", f"{arr}.model.tiny.num_hidden_layers": 4,
+    overrides = {f"{arr}.model.path": f"tiny:{family}", f"{arr}.model.tiny.num_hidden_layers": 4,
                  f"{arr}.rollout.engine": engine, f"{arr}.rollout.n": 4, f"{arr}.model.use_remove_padding": True,
                  f"{arr}.actor.optim.lr": 1e-2, "trainer.total_training_steps": 2,
                  "algorithm.rollout_correction.rollout_is": "token",  # the trainer recomputes and compares
-                 "trainer.export_hf": engine == "paged"}
+                 "trainer.export_hf": True}
+    if family == "qwen3_5_moe_text":
+        overrides[f"{arr}.actor.router_replay"] = "rollout"
     trainer = Trainer(with_reward_file(tiny_config(tmp_path / "run", **overrides), tmp_path))
     cfg = trainer.actor.model_cfg
-    assert cfg.hybrid and cfg.linear_layers == (0, 2)
+    assert cfg.hybrid and cfg.linear_layers == (0, 2) and cfg.is_moe == (family == "qwen3_5_moe_text")
     assert not trainer.spec.model.share_packed_prompts and not trainer.actor.model.share_packed_prompts
     before = jax.device_get(trainer.actor.params["layers"])
     trainer.fit()
@@ -39,8 +42,8 @@ def test_qwen35_grpo_run_samples_with_its_state_and_exports(engine, tmp_path):
     for kind in ("linear", "attn"):
         moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), before[kind], after[kind])
         assert max(jax.tree.leaves(moved)) > 0, kind
-    if engine != "paged":
-        return
+    if cfg.is_moe:  # the sampler recorded its routing and the update replayed it
+        assert all(0.0 < r["moe/routing_agreement"] <= 1.0 for r in rows)
     folder = tmp_path / "run" / "hf"
     torch_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 11))

@@ -29,12 +29,15 @@ GEMMA4_CFG = ModelConfig.tiny("gemma4_text", num_experts=8, num_experts_per_tok=
                               norm_topk_prob=True)
 # DeepSeek-V3's grouped sigmoid routing (a dense first layer, the latent attention absorbed in the sampler)
 DEEPSEEK_CFG = ModelConfig.tiny("deepseek_v3")
+# Qwen3.5-MoE: experts after gated delta-net and gated attention layers (the sampler carries the delta-net state)
+QWEN35_MOE_CFG = ModelConfig.tiny("qwen3_5_moe_text")
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=["sparse", "mixed", "gemma4", "deepseek"])
+@pytest.fixture(scope="module", params=["sparse", "mixed", "gemma4", "deepseek", "qwen35_moe"])
 def rollout(request):
-    cfg = {"sparse": CFG, "mixed": MIXED_CFG, "gemma4": GEMMA4_CFG, "deepseek": DEEPSEEK_CFG}[request.param]
+    cfg = {"sparse": CFG, "mixed": MIXED_CFG, "gemma4": GEMMA4_CFG, "deepseek": DEEPSEEK_CFG,
+           "qwen35_moe": QWEN35_MOE_CFG}[request.param]
     params = near_tied(init_params(cfg, jax.random.key(0)))
     ids, mask = left_pad(_prompts(), 0)
     settings, knobs = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0).compile_args(

@@ -129,7 +129,7 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
     """
     kv = pool.attention if isinstance(pool, HybridState) else pool  # a hybrid model's: with the slots' state
     if cfg.typed_layers:  # Gemma 4: a pool and an attention per type (models/gemma4.py)
-        attention: Any = {kind: paged_attention(cfg, pool[kind]["k"].shape[3], page_table, positions, active,
+        attention: Any = {kind: paged_attention(cfg, kv[kind]["k"].shape[3], page_table, positions, active,
                                                 attn_impl=attn_impl, mesh=mesh, cascade=cascade,
                                                 window=cfg.sliding_window if kind == "sliding" else None)
                           for kind in ("sliding", "full")}
