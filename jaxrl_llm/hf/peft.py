@@ -28,7 +28,8 @@ from jaxrl_llm.models.lora import LoraConfig, group_layer_ids
 
 PREFIX = "base_model.model.model.layers.{i}."
 _HF_GROUP = {"attn": "self_attn", "mlp": "mlp", "shared_expert": "mlp.shared_expert",  # models/lora.py groups
-             "attn_full": "self_attn", "kv": "self_attn", "kv_full": "self_attn", "mlp_wide": "mlp"}
+             "attn_full": "self_attn", "kv": "self_attn", "kv_full": "self_attn", "mlp_wide": "mlp",
+             "linear": "linear_attn"}
 
 
 def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:

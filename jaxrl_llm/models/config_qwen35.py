@@ -57,5 +57,8 @@ def check_qwen35(cfg: Any) -> None:
     if cfg.linear_value_heads % cfg.linear_key_heads:
         raise ValueError(f"linear_value_heads={cfg.linear_value_heads} must be a multiple of linear_key_heads="
                          f"{cfg.linear_key_heads}")
+    if cfg.is_moe and cfg.mixed_layers:  # every Qwen3.5-MoE layer is sparse; the hybrid scan assumes it
+        raise ValueError(f"{cfg.model_type}: dense MLP layers between the sparse ones (mlp_only_layers="
+                         f"{list(cfg.mlp_only_layers)}, decoder_sparse_step={cfg.decoder_sparse_step}) are unsupported")
     if cfg.sliding_window is not None:
         raise ValueError(f"{cfg.model_type} has no sliding window")

@@ -134,13 +134,15 @@ def moe_block(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     return out.reshape(b, t, h), stats, routing.ids.reshape(b, t, k)
 
 
-def layer_mlp(cfg: ModelConfig, weights: dict, x: Array, valid: Array, replay: Array | None, *, dtype: DType
-              ) -> tuple[Array, tuple[RouterStats, Array] | None]:
-    """A layer's MLP of normed x [B, T, H] (no adapters; the hybrid decoder's, models/hybrid.py): the dense SwiGLU,
-    or the experts (`moe_block`) with their router stats and the experts each token ran."""
+def layer_mlp(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, replay: Array | None,
+              lora_scale: float, *, dtype: DType) -> tuple[Array, tuple[RouterStats, Array] | None]:
+    """A layer's MLP of normed x [B, T, H] (the hybrid decoder's, models/hybrid.py) with its LoRA adapters
+    ({"mlp": ...} or a shared expert's): the dense SwiGLU, or the experts (`moe_block`) with their router stats and
+    the experts each token ran."""
     if not cfg.is_moe:
-        return mlp_block(weights["mlp"], {}, x, dtype=dtype, lora_scale=0.0, activation=cfg.hidden_act), None
-    out, stats, ids = moe_block(cfg, weights["moe"], {}, x, valid, replay, dtype=dtype, lora_scale=0.0)
+        return mlp_block(weights["mlp"], adapters.get("mlp", {}), x, dtype=dtype, lora_scale=lora_scale,
+                         activation=cfg.hidden_act), None
+    out, stats, ids = moe_block(cfg, weights["moe"], adapters, x, valid, replay, dtype=dtype, lora_scale=lora_scale)
     return out, (stats, ids)
 
 

@@ -90,18 +90,23 @@ def zero_recurrent(cfg: ModelConfig, batch: int) -> dict[str, Array]:
     return {name: jnp.zeros(shape, jnp.float32) for name, shape in recurrent_shapes(cfg, batch).items()}
 
 
-def gated_attention(cfg: ModelConfig, weights: dict, x: Array, cos: Array, sin: Array, attention: LayerAttention,
-                    kv: ArrayTree, layer: Array, *, dtype: DType) -> tuple[Array, ArrayTree]:
+def gated_attention(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, cos: Array, sin: Array,
+                    attention: LayerAttention, kv: ArrayTree, layer: Array, *, dtype: DType, lora_scale: float = 0.0
+                    ) -> tuple[Array, ArrayTree]:
     """(fp32 [B, T, H] output of a full-attention layer for normed x [B, T, H] (compute dtype), the attention's
-    new state); `layer`: the layer's row among the full-attention layers (its KV's index)."""
+    new state); `layer`: the layer's row among the full-attention layers (its KV's index); `adapters`: its LoRA
+    adapters by projection ({} for none)."""
     b, t, _ = x.shape
     hd, rd, eps = cfg.head_dim, cfg.rotary_dim, cfg.rms_norm_eps
-    q = project(x, weights["q_proj"], None, 0.0, dtype)  # [B, T, heads, 2 x head_dim]: query, gate
+
+    def proj(name: str, a: Array, in_axes: int = 1) -> Array:
+        return project(a, weights[name], adapters.get(name), lora_scale, dtype, in_axes=in_axes)
+
+    q = proj("q_proj", x)  # [B, T, heads, 2 x head_dim]: query, gate
     gate = q[..., hd:] if cfg.attention_output_gate else None
     q = rms_norm(q[..., :hd], weights["q_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
-    k = rms_norm(project(x, weights["k_proj"], None, 0.0, dtype), weights["k_norm"]["scale"], eps, jnp.float32,
-                 cfg.norm_offset)
-    v = project(x, weights["v_proj"], None, 0.0, dtype)
+    k = rms_norm(proj("k_proj", x), weights["k_norm"]["scale"], eps, jnp.float32, cfg.norm_offset)
+    v = proj("v_proj", x)
 
     def rope(a: Array) -> Array:
         return jnp.concatenate([apply_rope(a[..., :rd], cos, sin), a[..., rd:]], axis=-1)
@@ -110,7 +115,7 @@ def gated_attention(cfg: ModelConfig, weights: dict, x: Array, cos: Array, sin: 
     out = out.reshape(b, t, -1, hd).astype(jnp.float32)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
-    return project(out.astype(dtype), weights["o_proj"], None, 0.0, dtype, in_axes=2), kv
+    return proj("o_proj", out.astype(dtype), in_axes=2), kv
 
 
 def causal_conv(x: Array, kernel: Array, positions: Array, window: Array | None = None) -> Array:
@@ -142,24 +147,30 @@ def next_window(window: Array, x: Array, valid: Array) -> Array:
     return jnp.take_along_axis(padded, index[..., None], axis=1)
 
 
-def delta_net(cfg: ModelConfig, weights: dict, x: Array, valid: Array, positions: Array, *, dtype: DType,
-              recurrent: tuple[Array, Array] | None = None) -> tuple[Array, tuple[Array, Array] | None]:
+def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: Array, positions: Array, *,
+              dtype: DType, lora_scale: float = 0.0, recurrent: tuple[Array, Array] | None = None
+              ) -> tuple[Array, tuple[Array, Array] | None]:
     """(fp32 [B, T, H] output of a gated delta-net layer for normed x [B, T, H] (compute dtype), the new
     recurrent state or None); valid [B, T]: the real tokens, positions [B, T]: where each sequence starts (module
-    doc). `recurrent`: this layer's (conv window [B, K - 1, C], delta state [B, Hv, Dk, Dv]) of a decoding row."""
+    doc); `adapters`: its LoRA adapters by projection. `recurrent`: this layer's (conv window [B, K - 1, C],
+    delta state [B, Hv, Dk, Dv]) of a decoding row."""
     b, t, _ = x.shape
+
+    def proj(name: str, a: Array, in_axes: int = 1) -> Array:
+        return project(a, weights[name], adapters.get(name), lora_scale, dtype, in_axes=in_axes)
+
     hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))  # padding reads as nothing
-    inputs = jnp.where(valid[..., None], project(x, weights["in_proj_qkv"], None, 0.0, dtype), 0.0)
+    inputs = jnp.where(valid[..., None], proj("in_proj_qkv", x), 0.0)
     window = None if recurrent is None else recurrent[0]
     mixed = jax.nn.silu(causal_conv(inputs, weights["conv1d"]["kernel"], positions, window))
     q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
     k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
     v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
     q, k = (l2_normalize(jnp.repeat(a, hv // hk, axis=2)) for a in (q, k))  # key head i // (hv / hk) per value head
-    beta = jax.nn.sigmoid(project(x, weights["in_proj_b"], None, 0.0, dtype))
-    a = project(x, weights["in_proj_a"], None, 0.0, dtype) + weights["dt_bias"].astype(jnp.float32)
+    beta = jax.nn.sigmoid(proj("in_proj_b", x))
+    a = proj("in_proj_a", x) + weights["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(weights["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)
     if recurrent is None:
         out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK)
@@ -169,12 +180,13 @@ def delta_net(cfg: ModelConfig, weights: dict, x: Array, valid: Array, positions
         rule = recurrent_delta_rule if t == 1 else functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK)
         out, delta = rule(q, k, v, g, beta, state=recurrent[1])
         new_state = (next_window(recurrent[0], inputs, valid), delta)
-    z = project(x, weights["in_proj_z"], None, 0.0, dtype)  # [B, T, value heads, Dv]
+    z = proj("in_proj_z", x)  # [B, T, value heads, Dv]
     normed = rms_norm(out, weights["norm"]["scale"], cfg.rms_norm_eps, jnp.float32) * jax.nn.silu(z)
-    return project(normed.astype(dtype), weights["out_proj"], None, 0.0, dtype, in_axes=2), new_state
+    return proj("out_proj", normed.astype(dtype), in_axes=2), new_state
 
 
-LayerMlp = Callable[[dict, Array, Array, Any], tuple[Array, Any]]  # (layer weights, normed x, valid, replay) -> out
+# (layer weights, its MLP adapters, normed x, valid, replay, LoRA scale) -> (out, MoE stats and ids or None)
+LayerMlp = Callable[[dict, dict, Array, Array, Any, float], tuple[Array, Any]]
 
 
 def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
@@ -186,8 +198,11 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     attention is called with a layer's row among the full-attention layers (its KV's layer index); `mlp` is the
     decoder's MLP of a layer (models/decoder.py `layer_mlp`: the dense SwiGLU, or the experts with their router
     stats and ids, `replay` [L, B, T, k] choosing them as in the other MoE families)."""
-    if params.get("lora") is not None:
-        raise ValueError(f"{cfg.architecture}: LoRA adapters on the hybrid layers are not supported yet")
+    adapters = params.get("lora")  # LoRA (models/lora.py): the mixers' per kind, the MLPs' per layer
+    lora_layers = {} if adapters is None else adapters.weights["layers"]
+    lora_scale = 0.0 if adapters is None else adapters.scale
+    kind_adapters = {kind: lora_layers.get(kind, {}) for kind in ("attn", "linear")}
+    mlp_adapters = {k: v for k, v in lora_layers.items() if k in ("mlp", "shared_expert")}
     valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
@@ -200,25 +215,28 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     for ids in kinds.values():
         row[list(ids)] = np.arange(len(ids))
 
-    def layer(carry: tuple[Array, Array, HybridState | None], xs: tuple[dict, Array | None]
+    def layer(carry: tuple[Array, Array, HybridState | None], xs: tuple[dict, dict, Array | None]
               ) -> tuple[tuple[Array, Array, HybridState | None], Any]:
         x, index, state = carry
-        weights, layer_replay = xs
+        weights, layer_adapters, layer_replay = xs
         normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, offset)
         kind_row = jnp.asarray(row)[index]
 
         def full(n: Array, state: HybridState | None) -> tuple[Array, HybridState | None]:
-            h, kv = gated_attention(cfg, take_row(stacks["attn"], kind_row), n, cos, sin, attention,
-                                    None if state is None else state.attention, kind_row, dtype=dtype)
+            h, kv = gated_attention(cfg, take_row(stacks["attn"], kind_row), take_row(kind_adapters["attn"], kind_row),
+                                    n, cos, sin, attention, None if state is None else state.attention, kind_row,
+                                    dtype=dtype, lora_scale=lora_scale)
             return h, None if state is None else state._replace(attention=kv)
 
         def linear(n: Array, state: HybridState | None) -> tuple[Array, HybridState | None]:
             weights = take_row(stacks["linear"], kind_row)
+            own = take_row(kind_adapters["linear"], kind_row)
             if state is None:
-                return delta_net(cfg, weights, n, valid, positions, dtype=dtype)[0], None
+                return delta_net(cfg, weights, own, n, valid, positions, dtype=dtype, lora_scale=lora_scale)[0], None
             mine = (lax.dynamic_index_in_dim(state.conv, kind_row, 1, keepdims=False),
                     lax.dynamic_index_in_dim(state.delta, kind_row, 1, keepdims=False))
-            h, new = delta_net(cfg, weights, n, valid, positions, dtype=dtype, recurrent=mine)
+            h, new = delta_net(cfg, weights, own, n, valid, positions, dtype=dtype, lora_scale=lora_scale,
+                               recurrent=mine)
             assert new is not None
             conv, delta = new
             return h, state._replace(conv=lax.dynamic_update_index_in_dim(state.conv, conv, kind_row, 1),
@@ -230,7 +248,7 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
             h, state = (linear if "linear" in kinds else full)(normed, state)
         x = x + h
         normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, offset)
-        h, moe = mlp(weights, normed, valid, layer_replay)
+        h, moe = mlp(weights, layer_adapters, normed, valid, layer_replay, lora_scale)
         if moe is not None and not record_routing:
             moe = (moe[0], None)
         return (x + h, index + 1, state), moe
@@ -238,6 +256,7 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     step: Callable = layer
     if remat_name(remat) != "none":
         step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, _, state), moe = lax.scan(step, (x, jnp.int32(0), state), (layers, replay), unroll=cfg.scan_unroll)
+    (x, _, state), moe = lax.scan(step, (x, jnp.int32(0), state), (layers, mlp_adapters, replay),
+                                  unroll=cfg.scan_unroll)
     return (rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), state,
             None if moe is None else MoeOut(*moe))

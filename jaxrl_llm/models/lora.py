@@ -17,6 +17,11 @@ naming gate/up/down_proj for a model without a shared expert is an error. A mode
 between the sparse ones (`decoder_sparse_step`, `mlp_only_layers`) also has `layers/mlp` adapters on its
 dense layers; each group is stacked over the layers its params are (`group_layer_ids`).
 
+Qwen3.5 (models/hybrid.py): the gated attention's q / k / v / o_proj under `layers/attn` (stacked over the
+full-attention layers; q_proj's adapter covers query and gate), the gated delta net's in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a / out_proj under `layers/linear` (over the delta-net layers), the MLPs (or Qwen3.5-MoE's
+shared expert) over every layer. 'all-linear' names them all, as PEFT's does (every nn.Linear but the head).
+
 `A` is initialised as PEFT's default (kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in))) and `B` at
 zero, so step 0 is exactly the base model. A forward pass sees the adapters when the params dict
 carries them under "lora" (`with_lora`); the base dict without that entry is the model with the
@@ -34,22 +39,27 @@ import jax.numpy as jnp
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.param_init import init_backbone, param_logical_axes, typed_layer_ids
+from jaxrl_llm.models.param_init import hybrid_layer_ids, init_backbone, param_logical_axes, typed_layer_ids
 
 Array = jax.Array
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # multi-head latent attention's projections beyond q_proj / o_proj (DeepSeek-V3; models/mla.py), as HF names them
 MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# the gated delta net's projections (Qwen3.5; models/hybrid.py), as HF names them
+DELTA_NET_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = ATTN_MODULES + MLA_MODULES + MLP_MODULES
-# kernel dims (after the layer axis) that are the projection's input: o_proj reads (heads, head_dim)
-_IN_DIMS = {"o_proj": 2}
+ALL_LINEAR = ATTN_MODULES + MLA_MODULES + DELTA_NET_MODULES + MLP_MODULES
+# the projections only some architectures have (a config naming them targets nothing in the others)
+ARCH_MODULES = MLA_MODULES + DELTA_NET_MODULES
+# kernel dims (after the layer axis) that are the projection's input: o_proj / out_proj read (heads, head_dim)
+_IN_DIMS = {"o_proj": 2, "out_proj": 2}
 
 
 # adapter group -> the path of its projections under params["layers"]
 GROUP_PATHS = {"attn": ("attn",), "mlp": ("mlp",), "shared_expert": ("moe", "shared_expert"),
                # Gemma 4's per-kind stacks (models/param_init.py `typed_layer_ids`)
-               "attn_full": ("attn_full",), "kv": ("kv",), "kv_full": ("kv_full",), "mlp_wide": ("mlp_wide",)}
+               "attn_full": ("attn_full",), "kv": ("kv",), "kv_full": ("kv_full",), "mlp_wide": ("mlp_wide",),
+               "linear": ("linear",)}  # Qwen3.5's delta-net stack (its attention: the "attn" stack of its layers)
 
 
 def module_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -62,10 +72,14 @@ def module_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
                    **{m: ("mlp", "mlp_wide") for m in MLP_MODULES}}
         return {m: tuple(g for g in groups if g in kinds) for m, groups in holders.items()
                 if any(g in kinds for g in groups)}
-    if cfg.is_mla:  # the latent attention's own projections (q_proj only without a q bottleneck)
+    if cfg.hybrid:  # Qwen3.5: each mixer's projections in the stack of its layer kind
+        kinds = hybrid_layer_ids(cfg)
+        groups: dict[str, tuple[str, ...]] = {
+            **{m: ("attn",) for m in ATTN_MODULES if "attn" in kinds},
+            **{m: ("linear",) for m in DELTA_NET_MODULES if "linear" in kinds}}
+    elif cfg.is_mla:  # the latent attention's own projections (q_proj only without a q bottleneck)
         attn = ("q_a_proj", "q_b_proj") if cfg.q_lora_rank else ("q_proj",)
-        groups: dict[str, tuple[str, ...]] = {m: ("attn",) for m in (*attn, "kv_a_proj_with_mqa", "kv_b_proj",
-                                                                     "o_proj")}
+        groups = {m: ("attn",) for m in (*attn, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
     else:
         groups = {m: ("attn",) for m in ATTN_MODULES}
     mlp = (("mlp",) if cfg.dense_layer_ids else ()) + (
@@ -80,6 +94,8 @@ def group_layer_ids(cfg: ModelConfig, group: str) -> tuple[int, ...]:
     experts are stacked over their own layers, models/param_init.py)."""
     if cfg.typed_layers:
         return typed_layer_ids(cfg)[group]
+    if cfg.hybrid and group in ("attn", "linear"):
+        return hybrid_layer_ids(cfg)[group]
     if group == "mlp":
         return cfg.dense_layer_ids
     if group == "shared_expert":
@@ -120,7 +136,8 @@ class LoraConfig:
 
 
 def parse_target_modules(value: str | Sequence[str], key: str = "target_modules") -> tuple[str, ...]:
-    """'all-linear' (q, k, v, o, gate, up, down projections, and MLA's q_a / q_b / kv_a_proj_with_mqa / kv_b)
+    """'all-linear' (q, k, v, o, gate, up, down projections, MLA's q_a / q_b / kv_a_proj_with_mqa / kv_b and the
+    delta net's in_proj_qkv / z / b / a and out_proj)
     or a list / comma-separated string of those names; raises ValueError naming `key` on an unknown one."""
     names = [value] if isinstance(value, str) else list(value)
     names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
@@ -175,9 +192,6 @@ Shape = tuple[int, ...]
 
 def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[tuple[str, str], tuple[Shape, Shape]]:
     """{(group, module): (A shape, B shape)} for the targeted modules ('all-linear': those this model has)."""
-    if cfg.hybrid:
-        raise ValueError(f"{cfg.architecture}: LoRA adapters on the gated delta-net / gated attention stacks are not "
-                         "supported yet; train the full model")
     missing = [m for m in lora.targets if m not in module_groups(cfg)]
     if missing and lora.targets != ALL_LINEAR:
         raise ValueError(f"target_modules: {', '.join(missing)} not in {cfg.architecture} (it has "

@@ -75,6 +75,47 @@ def test_each_moe_trait_is_needed_for_parity(trait, tmp_path):
     assert np.abs(ours - want).max() > 1e-3
 
 
+def test_peft_adapters_on_both_mixers_load_in_transformers(qwen35_hf, tmp_path):
+    """'all-linear' LoRA on Qwen3.5: the gated attention's q / k / v / o_proj (stacked over the attention layers),
+    the delta net's in_proj_qkv / z / b / a and out_proj (over the delta-net layers) and every layer's MLP. The PEFT
+    folder loads onto the HF base with our logits (with the adapters, in the trainer's forward and through the
+    paged engine's cached decode), and the merged export loads as a plain folder with them too."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl_llm.hf import export_hf
+    from jaxrl_llm.hf.peft import export_peft
+    from jaxrl_llm.models.cache import init_cache
+    from jaxrl_llm.models.lora import LoraConfig, init_lora, merge_lora, with_lora
+
+    _, cfg, params, folder = qwen35_hf
+    ids, mask = left_padded_batch(np.random.default_rng(0), cfg.vocab_size)
+    valid = mask.astype(bool)
+    lora = LoraConfig(rank=4, alpha=8.0, targets="all-linear")
+    ad = init_lora(cfg, lora, jax.random.key(1))
+    assert set(ad["layers"]) == {"attn", "linear", "mlp"} and len(ad["layers"]["linear"]) == 5
+    assert ad["layers"]["linear"]["out_proj"]["A"].shape == (2, 4, 8, 4)  # 2 delta-net layers, (heads, dim) in
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), ad)
+    full = with_lora(params, ad, lora.scale)
+    ours = np.asarray(compute_logits(full, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    base = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(ours - base)[valid].max() > 1e-2  # the adapters change the logits
+    cached, _ = compute_logits(full, cfg, jnp.asarray(ids), jnp.asarray(mask), cache=init_cache(cfg, 3, 8))
+    np.testing.assert_allclose(np.asarray(cached)[valid], ours[valid], atol=1e-5)
+    export_peft(cfg, ad, lora, tmp_path / "adapter", base_model_name_or_path=str(folder))
+    names = set(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" in names
+    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight" in names
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder).eval(), tmp_path / "adapter").eval()
+    np.testing.assert_allclose(ours[valid], torch_logits(model, ids, mask)[valid], atol=1e-4, rtol=1e-4)
+    export_hf(cfg, jax.device_get(merge_lora(full)), tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(ours[valid], torch_logits(merged, ids, mask)[valid], atol=1e-4, rtol=1e-4)
+
+
 def test_packed_sequences_equal_each_alone_and_gradients_flow():
     """Three sequences packed in a row (segment ids; positions restart per sequence): each one's logits equal the
     sequence run alone, through both gated-delta-net layers and both attention layers; the loss's gradient

@@ -1,8 +1,9 @@
 """GRPO on a tiny Qwen3.5 and Qwen3.5-MoE (gated delta-net layers between gated attention layers,
 models/hybrid.py): both rollout engines carry each row's / slot's delta-net state beside the attention layers' KV,
 the sampled log-probs are the trainer's (rollout_corr), packed rows give each response its own copy of the prompt
-(a delta net cannot read two responses from one prompt), the update moves both kinds of layers, the MoE run
-replays the sampler's routing, and the export reloads in transformers."""
+(a delta net cannot read two responses from one prompt), the update moves both kinds of layers (the dense run
+every weight, the MoE run its 'all-linear' LoRA adapters on both mixers and the shared expert), the MoE run replays
+the sampler's routing, and the (merged) export reloads in transformers."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,19 +28,23 @@ def test_qwen35_grpo_run_samples_with_its_state_and_exports(family, engine, tmp_
                  "algorithm.rollout_correction.rollout_is": "token",  # the trainer recomputes and compares
                  "trainer.export_hf": True}
     if family == "qwen3_5_moe_text":
-        overrides[f"{arr}.actor.router_replay"] = "rollout"
+        overrides.update({f"{arr}.actor.router_replay": "rollout", f"{arr}.model.lora_rank": 8,
+                          f"{arr}.model.lora_alpha": 16})
     trainer = Trainer(with_reward_file(tiny_config(tmp_path / "run", **overrides), tmp_path))
     cfg = trainer.actor.model_cfg
     assert cfg.hybrid and cfg.linear_layers == (0, 2) and cfg.is_moe == (family == "qwen3_5_moe_text")
     assert not trainer.spec.model.share_packed_prompts and not trainer.actor.model.share_packed_prompts
-    before = jax.device_get(trainer.actor.params["layers"])
+    lora = trainer.actor.lora is not None
+    assert lora == cfg.is_moe
+    trained = lambda: jax.device_get(trainer.actor.params["lora"] if lora else trainer.actor.params)  # noqa: E731
+    before = trained()["layers"]
     trainer.fit()
     rows = [r for r in read_metrics(tmp_path / "run") if "actor/pg_loss" in r]
     assert len(rows) == 2 and all(np.isfinite(r["actor/pg_loss"]) for r in rows)
     for row in rows:  # the rollout's log-probs are the trainer's recomputation, to fp32 rounding
         assert row["rollout_corr/max_abs_log_ratio"] < 2e-4, row
-    after = jax.device_get(trainer.actor.params["layers"])
-    for kind in ("linear", "attn"):
+    after = trained()["layers"]
+    for kind in ("linear", "attn") + (("shared_expert",) if lora else ("mlp",)):
         moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), before[kind], after[kind])
         assert max(jax.tree.leaves(moved)) > 0, kind
     if cfg.is_moe:  # the sampler recorded its routing and the update replayed it
@@ -49,6 +54,6 @@ def test_qwen35_grpo_run_samples_with_its_state_and_exports(family, engine, tmp_
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 11))
     with torch.no_grad():
         expected = torch_model(input_ids=torch.tensor(ids)).logits.numpy()
-    ours = np.asarray(compute_logits(jax.device_get(trainer.actor.params), cfg, jnp.asarray(ids),
+    ours = np.asarray(compute_logits(jax.device_get(trainer.actor.model_params), cfg, jnp.asarray(ids),
                                      jnp.ones(ids.shape, jnp.int32)))
     assert np.abs(ours - expected).max() <= 1e-4

@@ -29,7 +29,7 @@ from jaxrl_llm.config.importers.common import (
 )
 from jaxrl_llm.config.importers.roll_rewards import ROLL_SAMPLING, import_rewards
 from jaxrl_llm.config.importers.verl import context_parallel, training_expert_parallel, training_tensor_parallel
-from jaxrl_llm.models.lora import MLA_MODULES, parse_target_modules
+from jaxrl_llm.models.lora import ARCH_MODULES, parse_target_modules
 
 TOP_LEVEL = ("rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain")
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -378,9 +378,10 @@ def _validation_sampling(m: Mapper, src: Source) -> None:
 
 def _same_targets(a: SourceValue, b: SourceValue) -> bool:
     """Two LoRA target settings naming the same projections (our `parse_target_modules`) of a standard decoder:
-    'all-linear' also names DeepSeek's latent-attention projections, which a Qwen / Llama model (ROLL's) lacks."""
+    'all-linear' also names DeepSeek's latent-attention and Qwen3.5's delta-net projections, which a Qwen / Llama
+    model (ROLL's) lacks."""
     def standard(x: object) -> set[str]:
-        return set(parse_target_modules(cast(Any, x))) - set(MLA_MODULES)
+        return set(parse_target_modules(cast(Any, x))) - set(ARCH_MODULES)
 
     try:
         return standard(a) == standard(b)
