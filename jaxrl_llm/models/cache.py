@@ -7,8 +7,8 @@ Layout (a plain dict pytree, so it can be donated to `jit` and carried through `
                                              head-major, the layout attention reads with no copy
       "v":     [L, B, kv_heads, S, head_dim]   values (none for MLA: its values are its keys, models/mla.py)
       ("k_full", "v_full": a Gemma 4 model's full-attention layers, `kv_shapes`)
-      ("conv", "delta": a hybrid (Qwen3.5) model's per-row recurrent state, fp32, models/hybrid.py; its "k" / "v"
-       then cover the full-attention layers only)
+      ("conv", "delta": a hybrid (Qwen3.5) model's per-row recurrent state [linear layers, B, ...], fp32,
+       models/hybrid.py; its "k" / "v" then cover the full-attention layers only)
       "mask":  [B, S] int32                    1 where a slot holds a real (non-pad) token
       "index": int32 scalar                    next slot to write; the same for every row
     }

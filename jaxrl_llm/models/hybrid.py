@@ -12,8 +12,8 @@ Each layer is pre-norm with (1 + w) RMSNorms and a SwiGLU MLP, like Qwen3; its m
   heads, the gated delta rule (models/delta_rule.py, chunked) with beta = sigmoid(b) and
   g = -exp(A_log) softplus(a + dt_bias), then an RMSNorm of each head's output times SiLU(z) and out_proj.
 
-The two kinds' weights are stacked over their own layers; the layer scan stays one loop and each layer runs its
-kind with `lax.cond`, reading its row of that kind's stack.
+The two kinds' weights are stacked over their own layers; the layer scan steps over periods of the layer pattern
+(`layer_period`), each layer reading its row of its kind's stack.
 
 Rows: padding tokens are zeroed before the delta net reads them (as transformers does), so a left-padded row
 equals the same row alone. Packed rows (several sequences in one row) restart the state and the conv window at
@@ -25,8 +25,9 @@ response would read the first one's state (RL is refused for these models anyway
 
 Sampling (`HybridState`): a decoding model carries, beside the full-attention layers' KV (a dense cache's or the
 paged pool's, over those layers only), each row's recurrent state of every delta-net layer: the conv window (the
-last K - 1 projected inputs, fp32) and the delta rule's state S [Hv, Dk, Dv] (fp32), row-major so a sampler
-repeats, gathers and clears it with the rest of a row / slot. A call with it (a prefill, a chunk of one, a decode
+last K - 1 projected inputs, fp32) and the delta rule's state S [Hv, Dk, Dv] (fp32), layer-major as the KV cache
+([layers, rows, ...]: a layer reads and rewrites one contiguous block in place; with the rows first, every layer's
+update of a strided slice was a copy of the whole state). A call with it (a prefill, a chunk of one, a decode
 step, several tokens) reads its tokens after the state and leaves the state after its last VALID token: padding
 (left or right) neither decays nor writes the state (g = 0, beta = 0) and is not shifted into the window, so a
 right-padded prefill bucket or a finished row's ignored slot leaves the state as the real tokens left it. One
@@ -63,19 +64,19 @@ DELTA_CHUNK = 64  # tokens per chunk of the gated delta rule (transformers' and 
 
 
 class HybridState(NamedTuple):
-    """A decoding hybrid model's state (module doc): rows first, so a sampler handles it as per-row data."""
+    """A decoding hybrid model's state (module doc): the attention's, and the delta-net layers' per row."""
 
     attention: Any  # the full-attention layers' KV: a dense cache's (k, v) or a page pool, over those layers only
-    conv: Array  # fp32 [B, linear layers, K - 1, conv channels]: the last K - 1 projected inputs (zeros: none)
-    delta: Array  # fp32 [B, linear layers, value heads, key head dim, value head dim]
+    conv: Array  # fp32 [linear layers, B, K - 1, conv channels]: the last K - 1 projected inputs (zeros: none)
+    delta: Array  # fp32 [linear layers, B, value heads, key head dim, value head dim]
 
 
 def recurrent_shapes(cfg: ModelConfig, batch: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of a hybrid model's per-row recurrent state (`HybridState` conv and delta), fp32."""
+    """Shapes of a hybrid model's per-row recurrent state (`HybridState` conv and delta, rows on axis 1), fp32."""
     layers = len(cfg.linear_layers)
     channels = 2 * cfg.linear_key_heads * cfg.linear_key_head_dim + cfg.linear_value_heads * cfg.linear_value_head_dim
-    return {"conv": (batch, layers, cfg.linear_conv_kernel - 1, channels),
-            "delta": (batch, layers, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)}
+    return {"conv": (layers, batch, cfg.linear_conv_kernel - 1, channels),
+            "delta": (layers, batch, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)}
 
 
 def recurrent_bytes(cfg: ModelConfig) -> int:
@@ -189,6 +190,16 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
 LayerMlp = Callable[[dict, dict, Array, Array, Any, float], tuple[Array, Any]]
 
 
+def layer_period(cfg: ModelConfig) -> int:
+    """The shortest p dividing the layer count whose pattern of layer kinds repeats every p layers (Qwen3.5's
+    three delta-net layers then an attention layer: 4; an irregular pattern: the layer count)."""
+    is_linear = np.isin(np.arange(cfg.num_hidden_layers), cfg.linear_layers)
+    for p in range(1, cfg.num_hidden_layers + 1):
+        if cfg.num_hidden_layers % p == 0 and (is_linear.reshape(-1, p) == is_linear[:p]).all():
+            return p
+    return cfg.num_hidden_layers
+
+
 def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                           attention: LayerAttention, state: HybridState | None, *, dtype: DType, remat: bool | str,
                           valid: Array | None, mlp: LayerMlp, replay: Array | None = None,
@@ -197,66 +208,99 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     new `HybridState` (None without one: the training / scoring forward) and a Qwen3.5-MoE model's `MoeOut`. The
     attention is called with a layer's row among the full-attention layers (its KV's layer index); `mlp` is the
     decoder's MLP of a layer (models/decoder.py `layer_mlp`: the dense SwiGLU, or the experts with their router
-    stats and ids, `replay` [L, B, T, k] choosing them as in the other MoE families)."""
+    stats and ids, `replay` [L, B, T, k] choosing them as in the other MoE families).
+
+    The scan steps over periods of the layer pattern (`layer_period`: 4 layers for Qwen3.5), each period's runs of
+    one kind (three delta-net layers, one attention layer) an inner scan with the kind known when traced. A scan
+    over single layers would have to choose the kind with `lax.cond`, and XLA copies the operands a conditional
+    updates: the whole KV pool and state, at every layer of every decode step (25M numbers a step for a 4-layer
+    model with a 16 MiB pool); and a loop body writing one buffer several times (a period unrolled) copied the
+    buffer per write on XLA:CPU. One write per buffer per body is what the other decoders' layer scans do."""
     adapters = params.get("lora")  # LoRA (models/lora.py): the mixers' per kind, the MLPs' per layer
     lora_layers = {} if adapters is None else adapters.weights["layers"]
     lora_scale = 0.0 if adapters is None else adapters.scale
-    kind_adapters = {kind: lora_layers.get(kind, {}) for kind in ("attn", "linear")}
-    mlp_adapters = {k: v for k, v in lora_layers.items() if k in ("mlp", "shared_expert")}
     valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
     cos, sin = rope_cos_sin(cfg, positions)
     kinds = hybrid_layer_ids(cfg)
+    period = layer_period(cfg)
+    periods = cfg.num_hidden_layers // period
+    pattern = ["linear" if i in cfg.linear_layers else "attn" for i in range(period)]
+    per_period = {kind: pattern.count(kind) for kind in kinds}  # each kind's layers in a period
+    row_in_period = [pattern[:j].count(pattern[j]) for j in range(period)]
+
     stacks = {kind: params["layers"][kind] for kind in kinds}
-    layers = {k: v for k, v in params["layers"].items() if k not in kinds}
-    is_linear = np.isin(np.arange(cfg.num_hidden_layers), cfg.linear_layers)
-    row = np.zeros(cfg.num_hidden_layers, np.int32)  # each layer's row in its kind's stack (and its state's)
-    for ids in kinds.values():
-        row[list(ids)] = np.arange(len(ids))
+    kind_adapters = {kind: lora_layers.get(kind, {}) for kind in kinds}
+    layers = {k: v for k, v in params["layers"].items() if k not in kinds}  # per layer: norms and MLP
+    mlp_adapters = {k: v for k, v in lora_layers.items() if k in ("mlp", "shared_expert")}
 
-    def layer(carry: tuple[Array, Array, HybridState | None], xs: tuple[dict, dict, Array | None]
-              ) -> tuple[tuple[Array, Array, HybridState | None], Any]:
-        x, index, state = carry
-        weights, layer_adapters, layer_replay = xs
+    def one_layer(kind: str, x: Array, index: Array, kind_row: Array, state: HybridState | None
+                  ) -> tuple[Array, Any, Any]:
+        """Layer `index` (`kind_row` in its kind's stack, KV and state): (x, state, its MoE stats and ids or None).
+        Its weights are read by index from the stacks as they are (reshaping a stack into periods made XLA copy
+        every weight per call)."""
+        weights, layer_adapters = take_row(layers, index), take_row(mlp_adapters, index)
+        mixer, own = take_row(stacks[kind], kind_row), take_row(kind_adapters[kind], kind_row)
         normed = rms_norm(x, weights["attn_norm"]["scale"], eps, dtype, offset)
-        kind_row = jnp.asarray(row)[index]
-
-        def full(n: Array, state: HybridState | None) -> tuple[Array, HybridState | None]:
-            h, kv = gated_attention(cfg, take_row(stacks["attn"], kind_row), take_row(kind_adapters["attn"], kind_row),
-                                    n, cos, sin, attention, None if state is None else state.attention, kind_row,
-                                    dtype=dtype, lora_scale=lora_scale)
-            return h, None if state is None else state._replace(attention=kv)
-
-        def linear(n: Array, state: HybridState | None) -> tuple[Array, HybridState | None]:
-            weights = take_row(stacks["linear"], kind_row)
-            own = take_row(kind_adapters["linear"], kind_row)
-            if state is None:
-                return delta_net(cfg, weights, own, n, valid, positions, dtype=dtype, lora_scale=lora_scale)[0], None
-            mine = (lax.dynamic_index_in_dim(state.conv, kind_row, 1, keepdims=False),
-                    lax.dynamic_index_in_dim(state.delta, kind_row, 1, keepdims=False))
-            h, new = delta_net(cfg, weights, own, n, valid, positions, dtype=dtype, lora_scale=lora_scale,
+        if kind == "attn":
+            h, kv = gated_attention(cfg, mixer, own, normed, cos, sin, attention,
+                                    None if state is None else state.attention, kind_row, dtype=dtype,
+                                    lora_scale=lora_scale)
+            state = None if state is None else state._replace(attention=kv)
+        elif state is None:
+            h, _ = delta_net(cfg, mixer, own, normed, valid, positions, dtype=dtype, lora_scale=lora_scale)
+        else:  # the layer's block of the layer-major state, rewritten in place
+            mine = (lax.dynamic_index_in_dim(state.conv, kind_row, 0, keepdims=False),
+                    lax.dynamic_index_in_dim(state.delta, kind_row, 0, keepdims=False))
+            h, new = delta_net(cfg, mixer, own, normed, valid, positions, dtype=dtype, lora_scale=lora_scale,
                                recurrent=mine)
             assert new is not None
-            conv, delta = new
-            return h, state._replace(conv=lax.dynamic_update_index_in_dim(state.conv, conv, kind_row, 1),
-                                     delta=lax.dynamic_update_index_in_dim(state.delta, delta, kind_row, 1))
-
-        if len(kinds) == 2:
-            h, state = lax.cond(jnp.asarray(is_linear)[index], linear, full, normed, state)
-        else:
-            h, state = (linear if "linear" in kinds else full)(normed, state)
+            state = state._replace(conv=lax.dynamic_update_index_in_dim(state.conv, new[0], kind_row, 0),
+                                   delta=lax.dynamic_update_index_in_dim(state.delta, new[1], kind_row, 0))
         x = x + h
         normed = rms_norm(x, weights["mlp_norm"]["scale"], eps, dtype, offset)
+        layer_replay = None if replay is None else lax.dynamic_index_in_dim(replay, index, 0, keepdims=False)
         h, moe = mlp(weights, layer_adapters, normed, valid, layer_replay, lora_scale)
         if moe is not None and not record_routing:
             moe = (moe[0], None)
-        return (x + h, index + 1, state), moe
+        return x + h, state, moe
 
-    step: Callable = layer
-    if remat_name(remat) != "none":
-        step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
-    (x, _, state), moe = lax.scan(step, (x, jnp.int32(0), state), (layers, mlp_adapters, replay),
+    # the period as runs of one kind (Qwen3.5: three delta-net layers, one attention layer), each run a scan over
+    # its layers: every loop body then rewrites one block of the KV or of the state, which XLA does in place (a
+    # body with several writes into one buffer copied the whole buffer per write on XLA:CPU)
+    runs, j = [], 0
+    while j < period:
+        n = 1
+        while j + n < period and pattern[j + n] == pattern[j]:
+            n += 1
+        runs.append((pattern[j], j, n))
+        j += n
+
+    def run_period(carry: tuple[Array, Array, HybridState | None], _: None
+                   ) -> tuple[tuple[Array, Array, HybridState | None], Any]:
+        x, step, state = carry
+        outs = []
+        for kind, start, length in runs:
+            layer = functools.partial(one_layer, kind)
+            if remat_name(remat) != "none":  # each layer recomputed on its own, as the other decoders' scans
+                layer = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
+            first_row = step * per_period[kind] + row_in_period[start]
+
+            def body(c: tuple[Array, HybridState | None], i: Array, layer: Callable = layer, start: int = start,
+                     first_row: Array = first_row) -> tuple[tuple[Array, HybridState | None], Any]:
+                x, state = c
+                x, state, moe = layer(x, step * period + start + i, first_row + i, state)
+                return (x, state), moe
+
+            (x, state), moe = lax.scan(body, (x, state), jnp.arange(length, dtype=jnp.int32))
+            outs.append(moe)
+        moe = None if outs[0] is None else jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
+        return (x, step + 1, state), moe
+
+    (x, _, state), moe = lax.scan(run_period, (x, jnp.int32(0), state), None, length=periods,
                                   unroll=cfg.scan_unroll)
+    if moe is not None:  # [periods, period, ...] -> [L, ...]
+        moe = jax.tree.map(lambda a: a.reshape(cfg.num_hidden_layers, *a.shape[2:]), moe)
     return (rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), state,
             None if moe is None else MoeOut(*moe))

@@ -185,7 +185,7 @@ def test_cached_decoding_equals_the_full_forward():
         mask[row, p - n:] = 1
     want = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
     cache = init_cache(cfg, b, p + r + 4)
-    assert cache["k"].shape[0] == 2 and cache["conv"].shape == (b, 2, 3, 64)  # attention layers; K - 1 inputs
+    assert cache["k"].shape[0] == 2 and cache["conv"].shape == (2, b, 3, 64)  # attention layers; K - 1 inputs
     got = []
     for lo, hi in ((0, 5), (5, p + 66)):
         logits, cache = compute_logits(params, cfg, jnp.asarray(ids[:, lo:hi]), jnp.asarray(mask[:, lo:hi]),
@@ -220,3 +220,27 @@ def test_sharded_forward_equals_one_device():
     with sharding.mesh_context(mesh):
         got = np.asarray(compute_logits(placed, cfg, *batch))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_step_updates_the_pool_and_state_in_place():
+    """The paged engine's decode program of a hybrid model has no conditional and copies neither the KV pool nor
+    the delta-net state: choosing each layer's kind with `lax.cond` copied the whole pool and state at every layer
+    of every step (25M numbers a step here), as did a loop body writing one buffer several times."""
+    import re
+
+    from jaxrl_llm.sampler import SamplingParams
+    from jaxrl_llm.sampler.engine import EngineSpec, programs
+
+    cfg = ModelConfig.tiny("qwen3_5_text", num_hidden_layers=8, linear_layers=(0, 1, 2, 4, 5, 6))
+    params = init_params(cfg, jax.random.key(0))
+    spec = EngineSpec(max_num_seqs=4, page_size=16, num_pages=256, pages_per_slot=8)
+    settings, knobs = SamplingParams(max_new_tokens=8, do_sample=False).compile_args((2,), 0, vocab_size=256)
+    state = programs.init_state(cfg, spec, 8, "float32")
+    hlo = programs.generate.lower(params, cfg, state, jax.random.key(0), knobs, np.int32(4), np.bool_(False),
+                                  settings=settings).compile().as_text()
+    assert " conditional(" not in hlo
+    big = min(state.pool["k"].size, state.recurrent["delta"].size)
+    copied = [int(np.prod([int(d) for d in m.group(1).split(",")])) for line in hlo.splitlines()
+              if " copy(" in line or "wrapped_copy" in line or "wrapped_scatter" in line
+              for m in [re.search(r"= f32\[([0-9,]+)\]", line)] if m]
+    assert max(copied, default=0) < big, sorted(copied)[-4:]

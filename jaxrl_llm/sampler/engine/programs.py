@@ -117,7 +117,8 @@ class Prefix(NamedTuple):
     length: Array  # int32 scalar
     routing: Array | None = None  # [Pb, L, k] the prompt tokens' experts (a MoE model, recording)
     ids: Array | None = None  # int32 [Pb] the prompt (a speculative engine's n-gram history)
-    # a hybrid model's delta-net state after the prompt ({"conv", "delta"}, models/hybrid.py), one row's
+    # a hybrid model's delta-net state after the prompt ({"conv", "delta"}, models/hybrid.py): [layers, ...] (one
+    # prompt's; `prefill_batch`'s: [B, layers, ...])
     recurrent: dict | None = None
 
 
@@ -147,8 +148,9 @@ class DecodeState(NamedTuple):
     spec_counts: Array | None = None
     # a draft model's KV pool (speculative method 'draft'): its own dims, the same pages and tables
     draft_pool: dict | None = None
-    # a hybrid model's per-slot delta-net state {"conv": [S, ...], "delta": [S, ...]} (models/hybrid.py): beside
-    # the pool (which holds its full-attention layers), set by `insert`, advanced by decode, cleared with the slot
+    # a hybrid model's per-slot delta-net state {"conv": [layers, S, ...], "delta": [layers, S, ...]}
+    # (models/hybrid.py; slots on axis 1, `SLOT_AXIS`): beside the pool (which holds its full-attention layers),
+    # set by `insert`, advanced by decode, cleared with the slot
     recurrent: dict | None = None
 
 
@@ -227,6 +229,7 @@ def clear_slots(state: DecodeState) -> DecodeState:
 
 SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
                "log_probs", "routing", "history", "recurrent")
+SLOT_AXIS = {"recurrent": 1}  # the fields whose slots are not on axis 0 (layer-major, as the pool)
 
 
 def slot_fields(state: DecodeState) -> dict[str, Any]:
@@ -248,11 +251,13 @@ def _gather_slots(fields: dict, keep: Array, num_keep: Array, *, slots: int) -> 
     valid = jnp.arange(slots) < num_keep
     idx = jnp.where(valid, keep[:slots], 0)  # keep: [max_num_seqs] >= slots
 
-    def take(x: Array) -> Array:
-        rows = x[idx]
-        return jnp.where(valid.reshape((slots,) + (1,) * (x.ndim - 1)), rows, jnp.zeros_like(rows))
+    def take(x: Array, axis: int) -> Array:
+        rows = jnp.take(x, idx, axis=axis)
+        shape = [1] * x.ndim
+        shape[axis] = slots
+        return jnp.where(valid.reshape(shape), rows, jnp.zeros_like(rows))
 
-    return jax.tree.map(take, fields)
+    return {f: jax.tree.map(functools.partial(take, axis=SLOT_AXIS.get(f, 0)), x) for f, x in fields.items()}
 
 
 def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
@@ -336,7 +341,7 @@ def _cache_recurrent(cfg: ModelConfig, cache: dict, row: int | None) -> dict | N
     """A hybrid model's delta-net state from a dense cache (models/hybrid.py): one row's, or every row's (None)."""
     if not cfg.hybrid:
         return None
-    return {name: cache[name] if row is None else cache[name][row] for name in ("conv", "delta")}
+    return {name: jnp.moveaxis(cache[name], 1, 0) if row is None else cache[name][:, row] for name in ("conv", "delta")}
 
 
 def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> tuple[Any, Any]:
@@ -468,7 +473,7 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
     recurrent = state.recurrent
     if recurrent is not None:  # a hybrid model: the slot starts from the prompt's delta-net state
         assert prefix.recurrent is not None
-        recurrent = jax.tree.map(lambda all_, one: all_.at[slot].set(one), recurrent, prefix.recurrent)
+        recurrent = jax.tree.map(lambda all_, one: all_.at[:, slot].set(one), recurrent, prefix.recurrent)
     return state._replace(
         routing=routing, history=history, pool=new_pool, draft_pool=draft_pool, recurrent=recurrent,
         page_table=state.page_table.at[slot].set(page_row),
