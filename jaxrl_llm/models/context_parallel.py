@@ -1,4 +1,5 @@
-"""Attention with each row's tokens split over the mesh's 'context' axis (context parallelism): the
+"""Attention (and Qwen3.5's gated delta rule, `context_parallel_delta_rule`) with each row's tokens split over the
+mesh's 'context' axis (context parallelism): the
 training forward / backward and the no-grad scoring passes of `dense_attention` (models/decoder.py)
 when the traced program's mesh has context > 1. Three ways to attend, `ModelConfig.context_attention`:
 
@@ -43,6 +44,7 @@ from jaxrl_llm.models.blockwise import (
     unchunked,
 )
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
+from jaxrl_llm.models.delta_rule import chunked_delta_rule
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 
 Array = jax.Array
@@ -190,3 +192,45 @@ def _ring_bwd(nkv, softcap, context, residuals, d_out):
 
 _ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(5, 6, 7))
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---- the gated delta rule (Qwen3.5's linear layers) with the tokens split: the state passed between devices ----
+
+def context_parallel_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array, *,
+                                chunk: int) -> Array:
+    """`chunked_delta_rule`'s outputs [B, T, H, Dv] (fp32) with T split over the mesh's 'context' axis. The rule is
+    affine in the incoming state: a device's block maps S_in to A S_in + B, with B its final state from zero and A
+    its final state from the identity with no values (A [Dk, Dk] per head, 0 where a packed sequence restarts in
+    the block). Each device computes its (A, B), gathers every device's ([B, H, Dk, Dk + Dv] each: a state's worth,
+    not the tokens), folds those of the devices before it into its incoming state, and runs its block again from
+    it. Per device: its T / context tokens three times (A's pass with Dk values), no token moved."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape)
+    context = sizes[CONTEXT_AXIS]
+    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
+        rows = ()
+    row_spec = rows or None
+
+    def local(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array) -> Array:
+        b, _, h, dk = k.shape
+        _, carried = chunked_delta_rule(q, k, v, g, beta, starts=starts, chunk=chunk)
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, h, dk, dk))
+        _, kept = chunked_delta_rule(q, k, jnp.zeros((*k.shape[:3], dk), jnp.float32), g, beta, state=eye,
+                                     starts=starts, chunk=chunk)
+        maps, adds = lax.all_gather(kept, CONTEXT_AXIS), lax.all_gather(carried, CONTEXT_AXIS)  # [context, ...]
+        me = lax.axis_index(CONTEXT_AXIS)
+
+        def fold(state: Array, j: Array) -> tuple[Array, None]:  # the blocks before this device's, in order
+            after = jnp.einsum("bhij,bhjv->bhiv", maps[j], state) + adds[j]
+            return jnp.where(j < me, after, state), None
+
+        incoming, _ = lax.scan(fold, jnp.zeros_like(carried), jnp.arange(context))
+        out, _ = chunked_delta_rule(q, k, v, g, beta, state=incoming, starts=starts, chunk=chunk)
+        return out
+
+    split4, split3 = PartitionSpec(row_spec, CONTEXT_AXIS, None, None), PartitionSpec(row_spec, CONTEXT_AXIS, None)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(split4, split4, split4, split3, split3,
+                                                    PartitionSpec(row_spec, CONTEXT_AXIS)),
+                        out_specs=split4, check_vma=False)
+    return run(q, k, v, g, beta, starts)

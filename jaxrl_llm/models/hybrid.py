@@ -54,10 +54,12 @@ from jaxrl_llm.models.blocks import (
     take_row,
 )
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.context_parallel import context_parallel_delta_rule
 from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.param_init import hybrid_layer_ids
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
+from jaxrl_llm.sharding.mesh import context_parallel_size
 
 Array = jax.Array
 DELTA_CHUNK = 64  # tokens per chunk of the gated delta rule (transformers' and fla's default)
@@ -173,7 +175,9 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     beta = jax.nn.sigmoid(proj("in_proj_b", x))
     a = proj("in_proj_a", x) + weights["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(weights["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)
-    if recurrent is None:
+    if recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
+        out, new_state = context_parallel_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK), None
+    elif recurrent is None:
         out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK)
         new_state = None
     else:  # padding neither decays nor writes: the state is the last valid token's

@@ -119,3 +119,41 @@ def test_chunked_form_stays_accurate_with_alike_keys_and_slow_decay(alike):
     lower = np.tril(rng.normal(size=(3, 9, 9)), -1)  # and the inverse itself, at a size that is not a power of two
     np.testing.assert_allclose(np.asarray(unit_lower_inverse(jnp.asarray(lower))), np.linalg.inv(np.eye(9) + lower),
                                atol=1e-4, rtol=1e-5)
+
+
+def test_context_parallel_rule_passes_the_state_between_devices():
+    """With the tokens split over 4 devices of the 'context' axis, each device's block folds the earlier blocks'
+    affine maps into its incoming state: outputs and gradients equal the unsplit chunked rule, with packed
+    sequences starting inside a block, on a block's first token and running across block boundaries."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl_llm import sharding
+    from jaxrl_llm.models.context_parallel import context_parallel_delta_rule
+
+    t = 96  # 24 tokens a device, chunks of 8: several chunks per block
+    q, k, v, g, beta, _ = _inputs(3, t)
+    starts = np.zeros((B, t), bool)
+    starts[:, 0] = True
+    starts[0, [30, 48, 50]] = True  # inside the second block, on the third block's first token, inside it
+    starts = jnp.asarray(starts)
+    w = jax.random.normal(jax.random.key(4), (B, t, H, DV))
+
+    def loss(fn, q, k, v, g, beta):
+        return jnp.sum(fn(q, k, v, g, beta) * w)
+
+    def unsplit(*a):
+        return chunked_delta_rule(*a, starts=starts, chunk=8)[0]
+
+    def split(*a):
+        return context_parallel_delta_rule(*a, starts, chunk=8)
+
+    want, want_grads = jax.value_and_grad(lambda *a: loss(unsplit, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1})
+    args = jax.device_put((q, k, v, g, beta), NamedSharding(mesh, PartitionSpec()))
+    with sharding.mesh_context(mesh):
+        got, grads = jax.jit(jax.value_and_grad(lambda *a: loss(split, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+        out = jax.jit(split)(*args)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(unsplit(q, k, v, g, beta)), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-4)

@@ -197,10 +197,12 @@ def test_a_run_on_a_context_mesh_logs_the_numbers_of_one_without(tmp_path):
 @pytest.mark.parametrize("family,mesh_sizes", [
     ("qwen3_moe", {"data": 2, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1}),
     ("qwen3_moe", {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1}),
-    ("deepseek_v3", {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1})])
+    ("deepseek_v3", {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1}),
+    ("qwen3_5_moe_text", {"data": 1, "fsdp": 1, "context": 4, "expert": 2, "tensor": 1})])
 def test_moe_model_under_context_parallelism_equals_one_device(family, mesh_sizes):
     """A Qwen3-MoE model's (and DeepSeek-V3's: its latent attention's per-head keys and values, values
-    zero-padded to the keys' width, through the ring) log-probs and their gradients on a context mesh (with
+    zero-padded to the keys' width, through the ring; Qwen3.5-MoE's: its delta-net state passed between the
+    devices, models/context_parallel.py) log-probs and their gradients on a context mesh (with
     data, or with expert parallelism) equal one device's; each device routes and runs only its own tokens'
     experts, so the forward's per-device FLOPs are a quarter of context 1's or less."""
     import jax.numpy as jnp
@@ -232,4 +234,6 @@ def test_moe_model_under_context_parallelism_equals_one_device(family, mesh_size
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), jax.device_get(grads),
                  jax.device_get(want_grads))
-    assert flops[mesh_sizes["context"]] < 0.3 * flops[1], flops
+    # the delta rule runs a device's block three times (its map, its state, its outputs), each padded to a chunk
+    # of 64 from 32 tokens here: 0.43 measured, where all-attention models are under 0.3
+    assert flops[mesh_sizes["context"]] < (0.5 if family.startswith("qwen3_5") else 0.3) * flops[1], flops
