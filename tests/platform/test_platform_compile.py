@@ -392,3 +392,27 @@ def test_gemma4_decode_and_update_compile_for_tpu(tmp_path):
     assert re.findall(r"bf16\[2,2,\d+,\d+,128\]", text) and re.findall(r"bf16\[2,1,\d+,\d+,128\]", text)
     _, update = _compiled_program(tmp_path, overrides, "update_actor")
     assert update.memory_analysis().temp_size_in_bytes > 0
+
+
+@needs_libtpu
+def test_qwen35_decode_and_update_compile_for_tpu(tmp_path):
+    """A tiny Qwen3.5 (8 layers, delta-net and attention alternating) on v5e:2x2 in bf16: the paged decode runs the
+    Mosaic kernel on the attention layers' pool ([4 layers, 2 kv heads, ...], lane-padded) and carries the slots'
+    delta-net state ([4 layers, slots, 4 heads, 8, 8] fp32) with no copy of either and no conditional; the actor
+    update (the chunked delta rule and its gradient) compiles."""
+    import re
+
+    overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.path": "tiny:qwen3_5_text",
+                 "actor_rollout_ref.model.tiny.num_hidden_layers": 8, "actor_rollout_ref.model.dtype": "bfloat16",
+                 "trainer.plan_topology": "v5e:2x2"}
+    program, compiled = _compiled_program(tmp_path, overrides, "sample")
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and " conditional(" not in text
+    pools = set(re.findall(r"bf16\[4,2,\d+,\d+,128\]", text))
+    states = set(re.findall(r"f32\[4,\d+,4,8,8\]", text))
+    assert pools and states
+    for shape in pools | states:
+        assert not re.findall(re.escape(shape) + r"\{[^}]*\} copy(?:-start)?\(", text), shape
+    _, update = _compiled_program(tmp_path, overrides, "update_actor")
+    cost = update.cost_analysis()
+    assert (cost[0] if isinstance(cost, list) else cost)["flops"] > 0 and " while(" in update.as_text()
