@@ -64,7 +64,8 @@ CONTEXT_ATTENTION: tuple[str, ...] = ("ring", "all_to_all", "gather")
 _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
-) + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")  # their text towers (`_text_tower`)
+) + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+     "Qwen3_5MoeForConditionalGeneration")  # their text towers (`_text_tower`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
 _ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
@@ -798,19 +799,24 @@ def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
                 swiglu_limit=None if limit is None else float(limit), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
 
 
+# multimodal model types -> their text model's class prefix in transformers (`_text_tower`)
+_MULTIMODAL = {"gemma3": "Gemma3", "gemma4": "Gemma4", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
+
+
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal Gemma 3 / Gemma 4 checkpoint's config.json (`Gemma3ForConditionalGeneration`) read as its
-    text model's, `Gemma3ForCausalLM` (the language model is what RL trains; the vision tower is not loaded,
-    hf/hf_folder.py maps its tensor names). Its `text_config` lists only what differs from transformers'
-    defaults, so transformers fills in the rest; token ids come from the top level where it has them."""
-    if d.get("model_type") not in ("gemma3", "gemma4") or not isinstance(d.get("text_config"), dict):
+    """A multimodal Gemma 3 / Gemma 4 / Qwen3.5 checkpoint's config.json (`Gemma3ForConditionalGeneration`,
+    `Qwen3_5ForConditionalGeneration`, ...) read as its text model's, `Gemma3ForCausalLM` / `Qwen3_5ForCausalLM`
+    (the language model is what RL trains; the vision tower is not loaded, hf/hf_folder.py maps its tensor names).
+    Its `text_config` may list only what differs from transformers' defaults, so transformers fills in the rest;
+    token ids come from the top level where it has them."""
+    if d.get("model_type") not in _MULTIMODAL or not isinstance(d.get("text_config"), dict):
         return d
     import transformers
 
-    family = "Gemma3" if d["model_type"] == "gemma3" else "Gemma4"
+    family = _MULTIMODAL[d["model_type"]]
     text = {k: v for k, v in d["text_config"].items() if k not in ("model_type", "architectures")}
     out = getattr(transformers, f"{family}TextConfig")(**text).to_dict()
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
         if d.get(key) is not None:
             out[key] = d[key]
     out.update(model_type=f"{d['model_type']}_text", architectures=[f"{family}ForCausalLM"])

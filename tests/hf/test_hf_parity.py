@@ -157,3 +157,36 @@ def test_gemma_multimodal_checkpoint_loads_its_text_tower(version, tmp_path, np_
     ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
     valid = mask.astype(bool)
     assert np.abs(ours[valid] - expected[valid]).max() <= 1e-4
+
+
+def test_qwen35_multimodal_checkpoint_loads_its_text_tower(tmp_path, np_rng):
+    """A Qwen3_5ForConditionalGeneration folder (the released Qwen3.5 models: a vision tower, `model.visual.*`,
+    beside `model.language_model.*`, the text model's config under `text_config`) is read as its language model,
+    `Qwen3_5ForCausalLM`: logits equal the multimodal model's on text."""
+    import json
+
+    import torch
+    import transformers
+
+    family, overrides = QWEN35["qwen3_5"]
+    text = transformers.Qwen3_5TextConfig(**{**TINY_HF, **overrides})
+    vision = transformers.models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                        image_token_id=250, video_token_id=251, vision_start_token_id=252,
+                                        vision_end_token_id=253)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
+    cfg, params = load_hf_folder(tmp_path)
+    assert (cfg.architecture, cfg.model_type, cfg.linear_layers) == ("Qwen3_5ForCausalLM", family, (0, 2))
+    ids, mask = left_padded_batch(np_rng, cfg.vocab_size)
+    ids[ids >= 250] = 5  # text only: no vision tokens
+    expected = torch_logits(model, ids, mask)
+    ours = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours[valid] - expected[valid]).max() <= 1e-4
