@@ -22,9 +22,12 @@ restarts at zero. In the chunked form a token reads the incoming state only if n
 at or before it, pairs of tokens interact only within one sequence, and only the chunk's last sequence writes
 the outgoing state (and the incoming one survives only a chunk without a start).
 
-Everything runs in fp32 (as transformers' reference does): the state is a sum over the whole sequence.
+Everything runs in fp32 (as transformers' reference does), matmuls at full precision (`_einsum`): the state is a sum
+over the whole sequence.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,12 @@ import numpy as np
 from jax import lax
 
 Array = jax.Array
+
+
+# fp32 products at full precision: on a TPU an fp32 matmul rounds its operands to bf16 by default (and a GPU's may run
+# TF32), which the chunk's inverse and the state's long sum cannot afford; these are small next to the projections
+_einsum = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
+_dot = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
@@ -64,7 +73,7 @@ def unit_lower_inverse(a: Array) -> Array:
         block = rows // m
         lower_left = (block[:, None] == block[None, :] + 1) & (block[None, :] % 2 == 0)
         e = jnp.where(lower_left, a, 0.0)
-        inverse = inverse - inverse @ e @ inverse
+        inverse = inverse - _dot(_dot(inverse, e), inverse)
         m *= 2
     return inverse[..., :c, :c]
 
@@ -83,9 +92,9 @@ def recurrent_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, st
     def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
         q_t, k_t, v_t, g_t, beta_t, r_t = xs
         s = jnp.where(r_t[:, None, None, None], 0.0, s * jnp.exp(g_t)[..., None, None])
-        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
+        delta = (v_t - _einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return s, _einsum("bhkv,bhk->bhv", s, q_t)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, restart))
     final, out = lax.scan(step, s0, xs)
@@ -122,16 +131,16 @@ def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     pair = jnp.where(causal & same, cum[..., :, None] - cum[..., None, :], -jnp.inf)
     decay = jnp.exp(pair)  # exp(sum of g over (j, i]) for j <= i of one sequence, else 0
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    system = jnp.einsum("nbhik,nbhjk->nbhij", k_beta, k) * decay
+    system = _einsum("nbhik,nbhjk->nbhij", k_beta, k) * decay
     system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), system, 0.0)  # I + strictly lower
     inverse = unit_lower_inverse(system)
 
     def solve(rhs: Array) -> Array:
-        return jnp.einsum("...ij,...jd->...id", inverse, rhs)
+        return _einsum("...ij,...jd->...id", inverse, rhs)
 
     new_values = solve(v_beta)  # the chunk's corrected values before the incoming state's share
     k_cumdecay = solve(k_beta * (jnp.exp(cum) * seen)[..., None])
-    intra = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * decay
+    intra = _einsum("nbhik,nbhjk->nbhij", q, k) * decay
     q_state = q * (jnp.exp(cum) * seen)[..., None]
     k_state = k * (jnp.exp(cum[..., -1:] - cum) * last)[..., None]
     keep = jnp.exp(cum[..., -1]) * (began[..., -1] == 0)  # [N, B, H]: the incoming state survives the chunk
@@ -140,9 +149,9 @@ def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
 
     def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
         new_v, kcd, intra_c, q_c, k_c, keep_c = xs
-        v_c = new_v - jnp.einsum("bhck,bhkv->bhcv", kcd, s)
-        out = jnp.einsum("bhck,bhkv->bhcv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_c)
-        s = s * keep_c[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_c, v_c)
+        v_c = new_v - _einsum("bhck,bhkv->bhcv", kcd, s)
+        out = _einsum("bhck,bhkv->bhcv", q_c, s) + _einsum("bhij,bhjv->bhiv", intra_c, v_c)
+        s = s * keep_c[..., None, None] + _einsum("bhck,bhcv->bhkv", k_c, v_c)
         return s, out
 
     final, out = lax.scan(step, s0, (new_values, k_cumdecay, intra, q_state, k_state, keep))
