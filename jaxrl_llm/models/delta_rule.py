@@ -28,6 +28,7 @@ over the whole sequence.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,10 +102,34 @@ def recurrent_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, st
     return jnp.moveaxis(out, 0, 1), final
 
 
+def chunk_terms(q: Array, k: Array, v: Array, beta: Array, cum: Array, began: Array) -> tuple[Array, Array, Array]:
+    """The chunks' parallel part: q / k [..., C, Dk] (q scaled), v [..., C, Dv], beta, the cumulative log-decay
+    and the sequence starts so far (float) [..., C] -> (the corrected values before the incoming state's share
+    [..., C, Dv], the keys that read the incoming state [..., C, Dk], the causal decayed q k^T [..., C, C])."""
+    c = q.shape[-2]
+    same = began[..., :, None] == began[..., None, :]  # one sequence
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    pair = jnp.where(causal & same, cum[..., :, None] - cum[..., None, :], -jnp.inf)
+    decay = jnp.exp(pair)  # exp(sum of g over (j, i]) for j <= i of one sequence, else 0
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = _einsum("...ik,...jk->...ij", k_beta, k) * decay
+    system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), system, 0.0)  # I + strictly lower
+    inverse = unit_lower_inverse(system)
+    seen = (began == 0).astype(jnp.float32)
+    new_values = _einsum("...ij,...jd->...id", inverse, v_beta)
+    k_cumdecay = _einsum("...ij,...jd->...id", inverse, k_beta * (jnp.exp(cum) * seen)[..., None])
+    return new_values, k_cumdecay, _einsum("...ik,...jk->...ij", q, k) * decay
+
+
+ChunkTerms = Callable[[Array, Array, Array, Array, Array, Array], tuple[Array, Array, Array]]
+
+
 def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array | None = None,
-                       starts: Array | None = None, chunk: int = 64) -> tuple[Array, Array]:
+                       starts: Array | None = None, chunk: int = 64, terms: ChunkTerms = chunk_terms
+                       ) -> tuple[Array, Array]:
     """`recurrent_delta_rule`'s numbers in chunks of `chunk` tokens (module doc); T need not be a multiple of
-    it (the tail is padded with tokens that neither decay nor write)."""
+    it (the tail is padded with tokens that neither decay nor write). `terms`: the chunks' parallel part,
+    `chunk_terms` (XLA) or a kernel of the same numbers (models/delta_rule_pallas.py)."""
     q, k, v, g, beta = _as_f32(q, k, v, g, beta)
     b, t, h, dk = k.shape
     dv = v.shape[-1]
@@ -122,25 +147,11 @@ def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     q, k, v = chunks(q * dk ** -0.5), chunks(k), chunks(v)
     g, beta = chunks(g[..., None])[..., 0], chunks(beta[..., None])[..., 0]  # [N, B, H, C]
     r = jnp.moveaxis(restart.reshape(b, n, chunk), 1, 0)[:, :, None, :]  # [N, B, 1, C]
-    began = jnp.cumsum(r, axis=-1)  # sequence starts in the chunk at or before each token
+    began = jnp.broadcast_to(jnp.cumsum(r, axis=-1), g.shape)  # sequence starts in the chunk at or before each token
     seen = (began == 0).astype(jnp.float32)  # reads the incoming state
     last = (began == began[..., -1:]).astype(jnp.float32)  # in the chunk's last sequence: writes the outgoing one
-    same = began[..., :, None] == began[..., None, :]  # [N, B, 1, C, C] one sequence
-    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
     cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
-    pair = jnp.where(causal & same, cum[..., :, None] - cum[..., None, :], -jnp.inf)
-    decay = jnp.exp(pair)  # exp(sum of g over (j, i]) for j <= i of one sequence, else 0
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    system = _einsum("nbhik,nbhjk->nbhij", k_beta, k) * decay
-    system = jnp.where(jnp.tril(jnp.ones((chunk, chunk), bool), -1), system, 0.0)  # I + strictly lower
-    inverse = unit_lower_inverse(system)
-
-    def solve(rhs: Array) -> Array:
-        return _einsum("...ij,...jd->...id", inverse, rhs)
-
-    new_values = solve(v_beta)  # the chunk's corrected values before the incoming state's share
-    k_cumdecay = solve(k_beta * (jnp.exp(cum) * seen)[..., None])
-    intra = _einsum("nbhik,nbhjk->nbhij", q, k) * decay
+    new_values, k_cumdecay, intra = terms(q, k, v, beta, cum, began.astype(jnp.float32))
     q_state = q * (jnp.exp(cum) * seen)[..., None]
     k_state = k * (jnp.exp(cum[..., -1:] - cum) * last)[..., None]
     keep = jnp.exp(cum[..., -1]) * (began[..., -1] == 0)  # [N, B, H]: the incoming state survives the chunk

@@ -9,8 +9,9 @@ Each layer is pre-norm with (1 + w) RMSNorms and a SwiGLU MLP, like Qwen3; its m
   sigmoid(gate) before o_proj. The attention itself is the path's `LayerAttention` (models/blocks.py).
 - the gated delta net (`delta_net`): one fused projection to q / k / v, a causal depthwise conv of
   `linear_conv_kernel` taps over them (SiLU), q / k L2-normalised and repeated from the key heads to the value
-  heads, the gated delta rule (models/delta_rule.py, chunked) with beta = sigmoid(b) and
-  g = -exp(A_log) softplus(a + dt_bias), then an RMSNorm of each head's output times SiLU(z) and out_proj.
+  heads, the gated delta rule (models/delta_rule.py, chunked; its chunks a Pallas kernel on a TPU) with
+  beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), then an RMSNorm of each head's output times SiLU(z)
+  and out_proj.
 
 The two kinds' weights are stacked over their own layers; the layer scan steps over periods of the layer pattern
 (`layer_period`), each layer reading its row of its kind's stack.
@@ -55,10 +56,12 @@ from jaxrl_llm.models.blocks import (
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.context_parallel import context_parallel_delta_rule
-from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from jaxrl_llm.models.delta_rule import ChunkTerms, chunk_terms, chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from jaxrl_llm.models.delta_rule_pallas import chunk_terms_pallas, delta_rule_impl
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.param_init import hybrid_layer_ids
 from jaxrl_llm.models.remat import checkpoint_policy, remat_name
+from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import context_parallel_size
 
 Array = jax.Array
@@ -121,6 +124,12 @@ def gated_attention(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
     return proj("o_proj", out.astype(dtype), in_axes=2), kv
 
 
+def _chunk_terms() -> ChunkTerms:
+    """The chunks' parallel part for the platform the program compiles for: the Pallas kernel on a TPU
+    (models/delta_rule_pallas.py), XLA's fusions elsewhere."""
+    return chunk_terms_pallas if delta_rule_impl(target_platform(), DELTA_CHUNK) == "pallas" else chunk_terms
+
+
 def causal_conv(x: Array, kernel: Array, positions: Array, window: Array | None = None) -> Array:
     """Causal depthwise conv of x [B, T, C] with taps kernel [K, C] (the last tap on the token itself). Without
     a window a tap d tokens back is read only where the token's position is >= d (a packed row's sequences do
@@ -178,11 +187,12 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     if recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
         out, new_state = context_parallel_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK), None
     elif recurrent is None:
-        out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK)
+        out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK, terms=_chunk_terms())
         new_state = None
     else:  # padding neither decays nor writes: the state is the last valid token's
         g, beta = (jnp.where(valid[..., None], w, 0.0) for w in (g, beta))
-        rule = recurrent_delta_rule if t == 1 else functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK)
+        rule = recurrent_delta_rule if t == 1 else functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK,
+                                                                      terms=_chunk_terms())
         out, delta = rule(q, k, v, g, beta, state=recurrent[1])
         new_state = (next_window(recurrent[0], inputs, valid), delta)
     z = proj("in_proj_z", x)  # [B, T, value heads, Dv]

@@ -157,3 +157,39 @@ def test_context_parallel_rule_passes_the_state_between_devices():
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     for a, b in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_pallas_chunk_kernel_equals_xla_in_values_and_gradients(chunk):
+    """The chunks' parallel part as one Pallas kernel per chunk (models/delta_rule_pallas.py, run interpreted on
+    the CPU; compiled for v5e in tests/platform/test_platform_compile.py) gives `chunk_terms`' numbers inside the
+    chunked rule, with packed sequences restarting inside chunks; its custom backward (XLA's recompute of the
+    chunk) gives the same gradients."""
+    import functools
+
+    from jaxrl_llm.models.delta_rule import chunk_terms
+    from jaxrl_llm.models.delta_rule_pallas import chunk_terms_pallas, delta_rule_impl
+
+    q, k, v, g, beta, state = _inputs(5)
+    starts = np.zeros((B, T), bool)
+    starts[:, 0] = True
+    starts[0, [10, 16, 30]] = True
+    starts = jnp.asarray(starts)
+    kernel = functools.partial(chunk_terms_pallas, interpret=True)
+
+    def run(terms, q, v, beta):
+        return chunked_delta_rule(q, k, v, g, beta, state, starts=starts, chunk=chunk, terms=terms)
+
+    want, got = run(chunk_terms, q, v, beta), run(kernel, q, v, beta)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+    def loss(terms, *a):
+        out, s = run(terms, *a)
+        return jnp.sum(out ** 2) + jnp.sum(s)
+
+    want_grads = jax.grad(functools.partial(loss, chunk_terms), argnums=(0, 1, 2))(q, v, beta)
+    grads = jax.grad(functools.partial(loss, kernel), argnums=(0, 1, 2))(q, v, beta)
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    assert delta_rule_impl("tpu", 64) == "pallas" and delta_rule_impl("gpu", 64) == delta_rule_impl("tpu", 9) == "xla"
