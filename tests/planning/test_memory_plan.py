@@ -275,6 +275,36 @@ def test_paged_engine_plan_holds_its_kv_pool(tmp_path):
     assert sample.flops > 0 and any("max_num_seqs" in k for k in sample.keys)
 
 
+def test_paged_engine_plan_holds_a_hybrid_models_state(tmp_path, monkeypatch):
+    """A Qwen3.5 model's engine: the decode program's arguments hold the pool (its attention layers only) and
+    every slot's delta-net state, and under a device budget the state comes out of the pool's share."""
+    from jaxrl_llm.models.hybrid import recurrent_bytes
+    from jaxrl_llm.sampler.engine import setup
+
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged",
+                                         "actor_rollout_ref.model.path": "tiny:qwen3_5_text",
+                                         "actor_rollout_ref.model.tiny.num_hidden_layers": 2})
+    sample = plan_memory(spec, mesh, tok, peak_flops=PEAK).program("sample")
+    cfg = Planner(spec, mesh, tok).ctx.actor.cfg
+    ways = batch_axis_size(mesh)
+    rows = -(-spec.plan.prompts // ways) * ways * spec.train_sampling.n
+
+    def engine():
+        return setup.engine_spec(cfg, spec.rollout_engine, num_requests=rows,
+                                 max_prompt_len=spec.plan.max_prompt_length, max_new_tokens=spec.plan.response_length,
+                                 compute_dtype=spec.actor.compute_dtype, mesh=mesh)
+
+    unbounded = engine()
+    page = unbounded.page_bytes(cfg, spec.actor.compute_dtype)
+    state = unbounded.max_num_seqs * recurrent_bytes(cfg)
+    assert state == unbounded.max_num_seqs * 4 * (3 * 64 + 4 * 8 * 8)  # 1 delta-net layer: window, state (fp32)
+    assert page == 1 * 2 * 2 * 16 * 16 * 4  # 1 attention layer x (k, v) x 2 kv heads x 16 tokens x 16 dims
+    assert sample.argument_bytes >= unbounded.num_pages * page + sample.params_bytes + state
+    budget = 40 * page + state  # room for 40 pages once the state is held
+    monkeypatch.setattr(setup, "device_kv_budget", lambda *a, **k: budget)
+    assert engine().num_pages == 40
+
+
 def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     """The engine decodes from a compute-dtype copy of the matmul weights (the fp32 masters stay alive)
     and, with rollout.unroll_layers, from per-layer copies of the layers: the sampler's row holds them."""

@@ -131,11 +131,13 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
                        kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl,
                        cascade=opts.cascade_attention, speculative=opts.speculative)
-    # beside the pool: the sampling step's buffers and a hybrid model's per-slot delta-net state (models/hybrid.py)
-    temporaries = LOGITS_BUFFERS * slots * cfg.vocab_size * 4 + slots * recurrent_bytes(cfg)
+    temporaries = LOGITS_BUFFERS * slots * cfg.vocab_size * 4
+    budget = device_kv_budget(opts.gpu_memory_utilization, temporaries)
+    if budget is not None:  # a hybrid model's per-slot delta-net state comes out of the cache's share, as vLLM's
+        budget = max(0, budget - slots * recurrent_bytes(cfg))  # state cache does (replicated: whole per device)
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
-                               budget_bytes=device_kv_budget(opts.gpu_memory_utilization, temporaries))
+                               budget_bytes=budget)
     # full-length sequences the pool holds: a prompt's full pages once for its samples, each sample's own rest
     shared, n = prompt_len // PAGE_SIZE, max(1, samples_per_prompt)
     held = n * (num_pages - 1) // (shared + n * (pps - shared))
