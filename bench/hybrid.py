@@ -15,16 +15,12 @@ attention model's) are what lets a device hold longer contexts or more slots.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
-import numpy as np
+from mla import decode_tokens_per_s  # bench/mla.py, beside this script: the same measurement
 
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models.hybrid import recurrent_bytes
-from jaxrl_llm.sampler import SamplingParams
-from jaxrl_llm.sampler.engine import EngineSpec
-from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 
 
 def configs(args: argparse.Namespace) -> tuple[ModelConfig, ModelConfig]:
@@ -37,25 +33,6 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, ModelConfig]:
                               linear_key_heads=args.heads // 2, linear_value_heads=args.heads,
                               linear_key_head_dim=hd, linear_value_head_dim=hd)
     return hybrid, ModelConfig.tiny("qwen3", **common)
-
-
-def decode_tokens_per_s(cfg: ModelConfig, args: argparse.Namespace) -> tuple[float, int, int]:
-    params = init_params(cfg, jax.random.key(0))
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt)) for _ in range(args.slots)]
-    settings, knobs = SamplingParams(max_new_tokens=args.new, do_sample=False, ignore_eos=True).compile_args(
-        (), 0, vocab_size=cfg.vocab_size)
-    opts = EngineOptions(engine="paged", max_num_seqs=args.slots, attention_impl="xla", cascade_attention=False,
-                         unroll_layers=args.unroll)
-    sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings, opts=opts)  # compile
-    best = float("inf")
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        out, _ = sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings, opts=opts)
-        best = min(best, time.perf_counter() - t0)
-    tokens = int(np.asarray(out.response_mask).sum())
-    page = EngineSpec(max_num_seqs=1, page_size=16, num_pages=2, pages_per_slot=1).page_bytes(cfg, "float32") // 16
-    return tokens / best, page, sum(x.size for x in jax.tree.leaves(params))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,11 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = {}
     for name, cfg in zip(("hybrid (qwen3_5_text)", "attention (qwen3)"), configs(args)):
         rows[name] = decode_tokens_per_s(cfg, args)
-        speed, kv, size = rows[name]
+        speed, kv = rows[name]
+        size = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda cfg=cfg: init_params(cfg, jax.random.key(0)))))
         print(f"{name:22s} {size / 1e6:6.1f}M params  KV {kv:6d} B/token (fp32, all layers)  state "
               f"{recurrent_bytes(cfg) / 2**10:6.1f} KiB/sequence  generate {speed:8.1f} new tokens/s "
               "(prefill included)")
-    (s_h, kv_h, _), (s_a, kv_a, _) = rows.values()
+    (s_h, kv_h), (s_a, kv_a) = rows.values()
     print(f"hybrid / attention: KV bytes {kv_h / kv_a:.2f}x, new tokens/s {s_h / s_a:.2f}x "
           f"({args.slots} slots, {args.prompt}-token prompts, {args.new} new tokens, {jax.devices()[0].platform})")
 

@@ -43,12 +43,15 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, ModelConfig]:
 
 
 def decode_tokens_per_s(cfg: ModelConfig, args: argparse.Namespace) -> tuple[float, int]:
+    """(new tokens/s of greedy generation through the paged engine, prefill included; KV bytes a token over all
+    layers) for `args`' prompts, new tokens, slots and reps (bench/hybrid.py measures with it too)."""
     params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt)) for _ in range(args.slots)]
     settings, knobs = SamplingParams(max_new_tokens=args.new, do_sample=False, ignore_eos=True).compile_args(
         (), 0, vocab_size=cfg.vocab_size)
-    opts = EngineOptions(engine="paged", max_num_seqs=args.slots, attention_impl="xla", cascade_attention=False)
+    opts = EngineOptions(engine="paged", max_num_seqs=args.slots, attention_impl="xla", cascade_attention=False,
+                         unroll_layers=getattr(args, "unroll", "auto"))
     sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings, opts=opts)  # compile
     best = float("inf")
     for _ in range(args.reps):

@@ -236,3 +236,22 @@ def random_rollout(rng: np.random.Generator, rows: int, prompt_width: int, respo
     resp_mask = (np.arange(response_width)[None] < resp_len[:, None]).astype(np.int32)
     ids = rng.integers(low_id, vocab, size=(rows, prompt_width + response_width)).astype(np.int32)
     return ids, np.concatenate([prompt_mask, resp_mask], 1), resp_mask, prompt_len, resp_len
+
+
+def with_trained_adapters(cfg, params, lora, ids: np.ndarray, mask: np.ndarray):
+    """(adapters as if trained: fresh LoRA adapters with every A and B moved by noise of 0.05, the params with
+    them, our logits of ids / mask with them), asserting the adapters move those logits by more than 1e-2."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models import compute_logits
+    from jaxrl_llm.models.lora import init_lora, with_lora
+
+    ad = init_lora(cfg, lora, jax.random.key(1))
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    ad = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), ad)
+    full = with_lora(params, ad, lora.scale)
+    ours = np.asarray(compute_logits(full, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    base = np.asarray(compute_logits(params, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(ours - base)[mask.astype(bool)].max() > 1e-2  # the adapters change the logits
+    return ad, full, ours
