@@ -420,14 +420,14 @@ def test_qwen35_decode_and_update_compile_for_tpu(tmp_path):
 
 @needs_libtpu
 def test_delta_rule_chunk_kernel_compiles_for_tpu_at_real_shapes(topology="v6e:2x2"):
-    """The gated delta rule's chunk kernel at Qwen3.5's shapes (chunks of 64, key / value heads of 128, 512 tokens
-    of 16 heads) compiled by Mosaic for v6e (the Qwen3.5 step above: v5e), forward and backward (the backward is
-    XLA's recompute of the chunk)."""
+    """The gated delta rule's chunk kernel at Qwen3.5's per-chunk shapes (chunks of 64, key / value heads of 128;
+    two chunks of two heads) compiled by Mosaic for v6e (the Qwen3.5 update above: v5e, with its backward, XLA's
+    recompute of the chunk)."""
     from jaxrl_llm.models.delta_rule import chunked_delta_rule
     from jaxrl_llm.models.delta_rule_pallas import chunk_terms_pallas
 
     spec = functools.partial(jax.ShapeDtypeStruct, sharding=SingleDeviceSharding(tpu_target(topology).devices[0]))
-    b, t, h, d = 2, 512, 16, 128
+    b, t, h, d = 1, 128, 2, 128
     args = (spec((b, t, h, d), jnp.float32), spec((b, t, h, d), jnp.float32), spec((b, t, h, d), jnp.float32),
             spec((b, t, h), jnp.float32), spec((b, t, h), jnp.float32), spec((b, t), jnp.bool_))
 
@@ -436,5 +436,3 @@ def test_delta_rule_chunk_kernel_compiles_for_tpu_at_real_shapes(topology="v6e:2
 
     forward = jax.jit(out).lower(*args).compile()
     assert dict(kernel_calls(forward.as_text(), "tpu")).get("tpu_custom_call") == 1
-    backward = jax.jit(jax.grad(out, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
-    assert backward.memory_analysis() is not None
