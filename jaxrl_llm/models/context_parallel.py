@@ -45,7 +45,7 @@ from jaxrl_llm.models.blockwise import (
 )
 from jaxrl_llm.models.config import CONTEXT_ATTENTION
 from jaxrl_llm.models.delta_rule import chunked_delta_rule
-from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
+from jaxrl_llm.sharding.mesh import CONTEXT_AXIS, TENSOR_AXIS, row_split_axes
 
 Array = jax.Array
 
@@ -69,10 +69,8 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
     sizes = dict(mesh.shape)
     context = sizes[CONTEXT_AXIS]
     nh = q.shape[2]
-    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
-        rows = ()
-    row_spec = rows or None
+    row_spec = row_split_axes(sizes, q.shape[0])
+    rows = row_spec or ()
     local_heads, local_kv = heads_per_device(nh, nkv, sizes.get(TENSOR_AXIS, 1))
     heads = TENSOR_AXIS if local_heads < nh else None
     if kind == "all_to_all" and local_heads % context:
@@ -207,10 +205,7 @@ def context_parallel_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Ar
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(mesh.shape)
     context = sizes[CONTEXT_AXIS]
-    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    if rows and q.shape[0] % math.prod(sizes[a] for a in rows):
-        rows = ()
-    row_spec = rows or None
+    row_spec = row_split_axes(sizes, q.shape[0])
 
     def local(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array) -> Array:
         b, _, h, dk = k.shape

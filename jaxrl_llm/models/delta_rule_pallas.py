@@ -14,7 +14,6 @@ of a power of two from 8 on); elsewhere XLA's fusions serve as well. Tests run i
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.models.delta_rule import chunk_terms
-from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.mesh import row_split_axes
 
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
@@ -89,12 +88,10 @@ def _per_device_terms(q: Array, k: Array, v: Array, beta: Array, cum: Array, beg
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return _pallas_terms(q, k, v, beta, cum, began, interpret)
-    sizes = dict(mesh.shape)
-    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    if rows and q.shape[1] % math.prod(sizes[a] for a in rows):
-        rows = ()
+    rows = row_split_axes(dict(mesh.shape), q.shape[1])
+
     def spec(ndim: int) -> PartitionSpec:
-        return PartitionSpec(None, rows or None, *([None] * (ndim - 2)))
+        return PartitionSpec(None, rows, *([None] * (ndim - 2)))
 
     args = (q, k, v, beta, cum, began)
     run = jax.shard_map(functools.partial(_pallas_terms, interpret=interpret), mesh=mesh,

@@ -20,9 +20,9 @@ Rows: padding tokens are zeroed before the delta net reads them (as transformers
 equals the same row alone. Packed rows (several sequences in one row) restart the state and the conv window at
 each sequence's first token: a token's conv tap d tokens back is read only when the token's position is >= d,
 and the delta rule restarts where the position is 0 (positions restart per sequence, `attention_context`). A
-prompt followed by ONE response (branch 1 of `branch_ids`, what SFT / DPO packing lays out) is one sequence to the
-delta net; a prompt shared by several responses (the RL update's prompt sharing) is not supported: the second
-response would read the first one's state (RL is refused for these models anyway, below).
+prompt followed by ONE response (branch 1 of `branch_ids`) is one sequence to the delta net; a prompt shared by
+several responses (`model.share_packed_prompts`) would hand the second response the first one's state, so packing
+gives these models each response with its own copy of the prompt (roles/trained.py `packing_for`).
 
 Sampling (`HybridState`): a decoding model carries, beside the full-attention layers' KV (a dense cache's or the
 paged pool's, over those layers only), each row's recurrent state of every delta-net layer: the conv window (the
@@ -37,6 +37,8 @@ token runs the recurrence (`recurrent_delta_rule`), several the chunked form fro
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -68,6 +70,9 @@ Array = jax.Array
 DELTA_CHUNK = 64  # tokens per chunk of the gated delta rule (transformers' and fla's default)
 
 
+RECURRENT_KEYS = ("conv", "delta")  # the per-row state's arrays, as caches and the engine hold them (by name)
+
+
 class HybridState(NamedTuple):
     """A decoding hybrid model's state (module doc): the attention's, and the delta-net layers' per row."""
 
@@ -75,13 +80,24 @@ class HybridState(NamedTuple):
     conv: Array  # fp32 [linear layers, B, K - 1, conv channels]: the last K - 1 projected inputs (zeros: none)
     delta: Array  # fp32 [linear layers, B, value heads, key head dim, value head dim]
 
+    @classmethod
+    def of(cls, attention: Any, arrays: Mapping[str, Array]) -> "HybridState":
+        """The state of `attention`'s and the `RECURRENT_KEYS` arrays of `arrays` (a cache, the engine's dict)."""
+        return cls(attention, *(arrays[name] for name in RECURRENT_KEYS))
+
+    @property
+    def recurrent(self) -> dict[str, Array]:
+        """The per-row arrays by name (`RECURRENT_KEYS`), as caches and the engine hold them."""
+        return dict(zip(RECURRENT_KEYS, (self.conv, self.delta)))
+
 
 def recurrent_shapes(cfg: ModelConfig, batch: int) -> dict[str, tuple[int, ...]]:
     """Shapes of a hybrid model's per-row recurrent state (`HybridState` conv and delta, rows on axis 1), fp32."""
     layers = len(cfg.linear_layers)
     channels = 2 * cfg.linear_key_heads * cfg.linear_key_head_dim + cfg.linear_value_heads * cfg.linear_value_head_dim
-    return {"conv": (layers, batch, cfg.linear_conv_kernel - 1, channels),
-            "delta": (layers, batch, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)}
+    return dict(zip(RECURRENT_KEYS, ((layers, batch, cfg.linear_conv_kernel - 1, channels),
+                                     (layers, batch, cfg.linear_value_heads, cfg.linear_key_head_dim,
+                                      cfg.linear_value_head_dim))))
 
 
 def recurrent_bytes(cfg: ModelConfig) -> int:
@@ -173,8 +189,8 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
 
     hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))  # padding reads as nothing
-    inputs = jnp.where(valid[..., None], proj("in_proj_qkv", x), 0.0)
+    x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))  # padding reads as nothing (its projections: 0)
+    inputs = proj("in_proj_qkv", x)
     window = None if recurrent is None else recurrent[0]
     mixed = jax.nn.silu(causal_conv(inputs, weights["conv1d"]["kernel"], positions, window))
     q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
@@ -283,13 +299,11 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
     # the period as runs of one kind (Qwen3.5: three delta-net layers, one attention layer), each run a scan over
     # its layers: every loop body then rewrites one block of the KV or of the state, which XLA does in place (a
     # body with several writes into one buffer copied the whole buffer per write on XLA:CPU)
-    runs, j = [], 0
-    while j < period:
-        n = 1
-        while j + n < period and pattern[j + n] == pattern[j]:
-            n += 1
-        runs.append((pattern[j], j, n))
-        j += n
+    runs, start = [], 0  # (kind, the run's first layer in the period, its layers)
+    for kind, group in itertools.groupby(pattern):
+        length = len(list(group))
+        runs.append((kind, start, length))
+        start += length
 
     def run_period(carry: tuple[Array, Array, HybridState | None], _: None
                    ) -> tuple[tuple[Array, Array, HybridState | None], Any]:

@@ -104,7 +104,7 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
                                     kv_heads=kv_heads)
         kv = None if cache is None else (cache["k"], cache.get("v"))  # no "v": the values are the keys (MLA)
         if cfg.hybrid and cache is not None:  # and the delta-net layers' recurrent state (models/hybrid.py)
-            kv = HybridState(kv, cache["conv"], cache["delta"])
+            kv = HybridState.of(kv, cache)
     hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
                                      remat=remat, valid=attention_mask > 0, replay=replay,
                                      record_routing=record_routing)
@@ -113,7 +113,7 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
     if cfg.typed_layers:
         arrays = untyped_state(kv)
     elif isinstance(kv, HybridState):
-        arrays = {"k": kv.attention[0], "v": kv.attention[1], "conv": kv.conv, "delta": kv.delta}
+        arrays = {"k": kv.attention[0], "v": kv.attention[1], **kv.recurrent}
     else:
         arrays = {"k": kv[0]} if kv[1] is None else {"k": kv[0], "v": kv[1]}
     new_cache = {**arrays, "mask": new_mask, "index": cache["index"] + input_ids.shape[1]}

@@ -35,6 +35,7 @@ from jaxrl_llm.models import (
     init_cache,
     logits_from_hidden,
 )
+from jaxrl_llm.models.hybrid import RECURRENT_KEYS
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens
@@ -80,13 +81,10 @@ class _LoopState(NamedTuple):
 _KV_KEYS = ("k", "v", "k_full", "v_full")  # models/cache.py `kv_shapes` (the *_full: Gemma 4's full layers)
 
 
-_RECURRENT_KEYS = ("conv", "delta")  # a hybrid model's per-row state [layers, B, ...] (models/hybrid.py)
-
-
 def _constrain_cache(cache: dict, mesh: Mesh | None) -> dict:
     kv = {name: with_activation_constraint(cache[name], _CACHE_AXES, mesh) for name in _KV_KEYS if name in cache}
     kv.update({name: with_activation_constraint(cache[name], ("layers", "batch") + (None,) * (cache[name].ndim - 2),
-                                                mesh) for name in _RECURRENT_KEYS if name in cache})
+                                                mesh) for name in RECURRENT_KEYS if name in cache})
     return {**kv, "mask": with_activation_constraint(cache["mask"], ("batch", "length"), mesh),
             "index": cache["index"]}
 
@@ -143,7 +141,7 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
     if n > 1:
         prompt_ids, prompt_mask, logits = (jnp.repeat(x, n, axis=0) for x in (prompt_ids, prompt_mask, logits))
         routing = None if routing is None else jnp.repeat(routing, n, axis=0)
-        per_row = (*_KV_KEYS, *_RECURRENT_KEYS)  # rows on axis 1
+        per_row = (*_KV_KEYS, *RECURRENT_KEYS)  # rows on axis 1 (a hybrid model's state: [layers, B, ...])
         cache = {**{name: jnp.repeat(cache[name], n, axis=1) for name in per_row if name in cache},
                  "mask": jnp.repeat(cache["mask"], n, axis=0), "index": cache["index"]}
         prompt_ids = with_activation_constraint(prompt_ids, ("batch", "length"), mesh)

@@ -159,6 +159,13 @@ def batch_axes(mesh: Mesh | Any) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if a in sizes)
 
 
+def row_split_axes(sizes: Mapping[str, int], rows: int) -> tuple[str, ...] | None:
+    """The batch axes (those > 1) a dimension of `rows` rows splits over in a `shard_map`'s PartitionSpec, or
+    None (whole on every device) where there are none or their product does not divide `rows`."""
+    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    return axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else None
+
+
 def batch_axis_size(mesh: Mesh | Any) -> int:
     """How many ways the batch dimension is split (data x fsdp x expert)."""
     sizes = mesh_axis_sizes(mesh)

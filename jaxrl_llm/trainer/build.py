@@ -31,6 +31,7 @@ from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.data.synthetic import write_synthetic_data
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.kl import AdaptiveKLController, FixedKLController, make_kl_controller
+from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.planning.preflight import run_tokenizer
 from jaxrl_llm.rewards import RewardManager, build_reward_manager
 from jaxrl_llm.roles.actor import update_actor
@@ -40,6 +41,7 @@ from jaxrl_llm.roles.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role, model_config_of, packing_for
 from jaxrl_llm.rollout.generator import RolloutGenerator
 from jaxrl_llm.rollout.sources import RolloutSource, make_rollouts
+from jaxrl_llm.sampler.engine.scheduler import speculative_refusal
 from jaxrl_llm.sharding import batch_axes, batch_axis_size, initialize
 from jaxrl_llm.sharding.split import make_split_meshes
 
@@ -107,9 +109,10 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.rollout.multi_turn import MultiTurn
 
         multi_turn = MultiTurn(spec.multi_turn, tokenizer)
+    policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
-    spec = dataclasses.replace(spec, model=packing_for(spec.model, model_config_of(spec.model, tokenizer)))
-    actor, reference, teacher, critic = _load_roles(spec, mesh, tokenizer)
+    spec = dataclasses.replace(spec, model=packing_for(spec.model, policy_cfg))
+    actor, reference, teacher, critic = _load_roles(spec, policy_cfg, mesh, tokenizer)
     reward_manager = build_reward_manager(spec.reward)
     reward_model, judge = None, None
     if spec.reward_model is not None and spec.reward_model.style == "generative":
@@ -177,20 +180,19 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     return spec, plan, tokenizer, (train, val)
 
 
-def _load_roles(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer
+def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer
                 ) -> tuple[TrainedRole, ReferenceRole | None, TeacherRole | None, TrainedRole | None]:
-    """The actor (policy), the reference, the distillation teacher and the critic, as the spec asks."""
+    """The actor (policy), the reference, the distillation teacher and the critic, as the spec asks; `policy_cfg`:
+    the policy's config (`model_config_of`), checked here before any weight loads."""
     seed = spec.trainer.seed
     teacher_tokenizer = None
-    policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     if spec.distillation is not None:  # the teacher's vocabulary
         from jaxrl_llm.roles.teacher import check_teacher
 
         teacher_tokenizer = check_teacher(spec.distillation, policy_cfg, tokenizer)
-    if policy_cfg.hybrid and spec.rollout_engine.speculative is not None:  # refused before any weight loads
-        raise ConfigError(f"actor_rollout_ref.rollout.speculative.method={spec.rollout_engine.speculative.method!r}: "
-                          f"{policy_cfg.architecture}'s gated delta-net state cannot be rolled back to the kept "
-                          "draft tokens yet (sampler/engine/scheduler.py); set it to 'none'")
+    refusal = speculative_refusal(policy_cfg, spec.rollout_engine.speculative)
+    if refusal is not None:  # refused before any weight loads
+        raise ConfigError(refusal)
     model_cfg, params = load_model(spec.model, head="lm", mesh=mesh, tokenizer=tokenizer, seed=seed)
     if spec.actor.router_replay != "none" and not model_cfg.is_moe:
         raise ConfigError(f"actor_rollout_ref.actor.router_replay={spec.actor.router_replay!r}: the policy "

@@ -57,3 +57,16 @@ def test_qwen35_grpo_run_samples_with_its_state_and_exports(family, engine, tmp_
     ours = np.asarray(compute_logits(jax.device_get(trainer.actor.model_params), cfg, jnp.asarray(ids),
                                      jnp.ones(ids.shape, jnp.int32)))
     assert np.abs(ours - expected).max() <= 1e-4
+
+
+def test_speculative_decoding_is_refused_before_loading(tmp_path):
+    """Drafts a verification rejects would have to take back a slot's delta-net state: a Qwen3.5 run with
+    speculative decoding stops before any weight loads, naming the key (the engine refuses it too,
+    tests/sampler/test_engine_parity.py)."""
+    from jaxrl_llm.config import ConfigError
+
+    cfg = tiny_config(tmp_path / "run", **{"actor_rollout_ref.model.path": "tiny:qwen3_5_text",
+                                          "actor_rollout_ref.rollout.engine": "paged",
+                                          "actor_rollout_ref.rollout.speculative.method": "ngram"})
+    with pytest.raises(ConfigError, match="rollout.speculative.method='ngram'.*cannot roll back"):
+        Trainer(cfg)

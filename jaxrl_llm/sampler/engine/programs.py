@@ -35,7 +35,7 @@ from jaxrl_llm.models import (
     logits_from_hidden,
 )
 from jaxrl_llm.models.gemma4 import typed_state
-from jaxrl_llm.models.hybrid import HybridState, zero_recurrent
+from jaxrl_llm.models.hybrid import RECURRENT_KEYS, HybridState, zero_recurrent
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -341,7 +341,7 @@ def _cache_recurrent(cfg: ModelConfig, cache: dict, row: int | None) -> dict | N
     """A hybrid model's delta-net state from a dense cache (models/hybrid.py): one row's, or every row's (None)."""
     if not cfg.hybrid:
         return None
-    return {name: jnp.moveaxis(cache[name], 1, 0) if row is None else cache[name][:, row] for name in ("conv", "delta")}
+    return {name: jnp.moveaxis(cache[name], 1, 0) if row is None else cache[name][:, row] for name in RECURRENT_KEYS}
 
 
 def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> tuple[Any, Any]:
@@ -524,12 +524,11 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
             changes, finished = verify_step(params, cfg, s, rng, knobs, cascade, draft_params, settings=settings,
                                             speculative=speculative, compute_dtype=dt, attn_impl=attn_impl, mesh=mesh)
             return i + 1, finished, s._replace(**changes)
-        kv = s.pool if s.recurrent is None else HybridState(s.pool, **s.recurrent)  # with the slots' delta-net state
+        kv = s.pool if s.recurrent is None else HybridState.of(s.pool, s.recurrent)  # with the slots' delta-net state
         logits, kv, fed = decode_logits(params, cfg, kv, s.last, s.positions, s.page_table, s.active,
                                         compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
                                         record_routing=s.routing is not None, cascade=cascade)
-        pool, recurrent = (kv.attention, {"conv": kv.conv, "delta": kv.delta}) if isinstance(kv, HybridState) \
-            else (kv, None)
+        pool, recurrent = (kv.attention, kv.recurrent) if isinstance(kv, HybridState) else (kv, None)
         routing = s.routing
         if routing is not None and fed is not None:  # the fed token is response token num_gen - 1
             fed_col = jnp.clip(s.num_gen - 1, 0, r - 1)

@@ -45,6 +45,7 @@ from jaxrl_llm.sampler.engine import programs
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
 from jaxrl_llm.sampler.host import bucket_length, left_pad
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import to_host
 
 
@@ -230,6 +231,16 @@ def _decode_weights(params: dict, compute_dtype: str) -> dict:
     return _weights_in(params, compute_dtype)
 
 
+def speculative_refusal(cfg: ModelConfig, speculative: SpeculativeSpec | None) -> str | None:
+    """Why the engine cannot verify drafts for `cfg`, or None: a hybrid model's rejected draft would have to take
+    back the slot's delta-net state, which it does not hold per token."""
+    if not (cfg.hybrid and speculative is not None):
+        return None
+    return (f"actor_rollout_ref.rollout.speculative.method={speculative.method!r}: {cfg.architecture}'s gated "
+            "delta-net layers keep a recurrent state that verification cannot roll back to the kept draft tokens "
+            "yet; set it to 'none'")
+
+
 class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
@@ -238,11 +249,9 @@ class PagedEngine:
                  prefill_chunk: int | None = None, batch_prefill: bool = False, unroll_layers: bool = False):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
-        if cfg.hybrid and spec.speculative is not None:
-            # a rejected draft would have to take back the slot's delta-net state (it does not hold one per token)
-            raise ValueError(f"rollout.speculative.method={spec.speculative.method!r}: {cfg.architecture}'s gated "
-                             "delta-net layers keep a recurrent state that verification cannot roll back to the "
-                             "kept draft tokens yet; set rollout.speculative.method='none'")
+        refusal = speculative_refusal(cfg, spec.speculative)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.cfg, self.spec, self.compute_dtype = cfg, spec, compute_dtype
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens
