@@ -11,7 +11,8 @@ writes <out>/<section>.json and prints one summary line:
             device-to-device copy's GB/s (the bandwidth ceiling for decode);
 2. kernels  the fused log-prob kernel vs the XLA path (values and gradients, fp32 and bf16, times)
             at (H, V) = (896, 151936) and (4096, 151936), with the naive head's temporaries; paged
-            decode attention kernel vs XLA at 64 and 256 slots, KV GB/s against the copy ceiling;
+            decode attention kernel vs XLA at 64 and 256 slots, KV GB/s against the copy ceiling, with
+            Qwen2-0.5B's heads and with DeepSeek-V3's latent pool (128 heads over one 576-wide kv head);
 3. step     a GRPO step of a Qwen2-0.5B-shaped bf16 model (random weights): update MFU, reference
             pass, paged decode tokens/s, the memory plan's peak against the measured one;
 4. tests    a pytest subset on the device with jax_default_matmul_precision=highest;
@@ -138,7 +139,9 @@ def _head_case(hidden: int, vocab: int, dtype, tiny: bool) -> dict:
             "fused_temp_bytes": int(loss(kernel_impl).lower(h, w).compile().memory_analysis().temp_size_in_bytes)}
 
 
-def _paged_case(slots: int, tiny: bool) -> dict:
+def _paged_case(slots: int, tiny: bool, latent: bool = False) -> dict:
+    """Paged decode attention, kernel vs XLA, at Qwen2-0.5B's heads, or with `latent` DeepSeek-V3's latent pool
+    (128 query heads over one kv head of 512 + 64, read as keys and values, Triton in two pieces)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -147,21 +150,24 @@ def _paged_case(slots: int, tiny: bool) -> dict:
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
 
     kv, heads, hd, page_size = (2, 4, 16, 8) if tiny else (2, 14, 64, 16)  # Qwen2-0.5B: 14 q / 2 kv heads
+    if latent:
+        kv, heads, hd = (1, 16, 48) if tiny else (1, 128, 576)
     context = 64 if tiny else 2048
     per_slot = context // page_size
     pages = slots * per_slot + 1
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((kv, pages, page_size, hd)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((kv, pages, page_size, hd)), jnp.bfloat16)
+    v = k if latent else jnp.asarray(rng.standard_normal((kv, pages, page_size, hd)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((slots, heads, hd)), jnp.bfloat16)
     lengths = jnp.full((slots,), context, jnp.int32)
     table = jnp.asarray(rng.permutation(pages - 1)[: slots * per_slot].reshape(slots, per_slot) + 1, jnp.int32)
-    kernel = jax.jit(lambda *a: paged_decode_attention_pallas(*a, interpret=tiny, variant="triton" if tiny else None))
+    kernel = jax.jit(lambda *a: paged_decode_attention_pallas(*a, interpret=tiny, variant="triton" if tiny else None,
+                                                              values_are_keys=latent))
     xla = jax.jit(paged_decode_attention_xla)
     out_k, out_x = kernel(q, k, v, lengths, table), xla(q, k, v, lengths, table)
-    kv_bytes = 2 * slots * context * kv * hd * 2
+    kv_bytes = (1 if latent else 2) * slots * context * kv * hd * 2
     t_k, t_x = _timed(kernel, q, k, v, lengths, table), _timed(xla, q, k, v, lengths, table)
-    return {"slots": slots, "context": context, "max_abs_err": float(jnp.max(jnp.abs(
+    return {"slots": slots, "context": context, "latent": latent, "max_abs_err": float(jnp.max(jnp.abs(
         out_k.astype(jnp.float32) - out_x.astype(jnp.float32)))), "kernel_s": t_k, "xla_s": t_x,
         "kernel_kv_gbps": kv_bytes / t_k / 1e9, "xla_kv_gbps": kv_bytes / t_x / 1e9}
 
@@ -172,12 +178,15 @@ def section_kernels(tiny: bool) -> dict:
     shapes = [(48, 640)] if tiny else [(896, 151936), (4096, 151936)]
     heads = [_head_case(h, v, dt, tiny) for h, v in shapes for dt in (jnp.float32, jnp.bfloat16)]
     paged = [_paged_case(s, tiny) for s in ((4, 8) if tiny else (64, 256))]
+    paged += [_paged_case(s, tiny, latent=True) for s in ((4,) if tiny else (64, 256))]
     worst = max(c["max_abs_err_logprob"] for c in heads if c["dtype"] == "float32")
     return {"logprob": heads, "paged_attention": paged,
             "summary": f"log-prob kernel fp32 max err {worst:.1e}, "
                        + ", ".join(f"{c['hidden']}x{c['vocab']} {c['dtype']} {c['xla_s'] / c['kernel_s']:.2f}x XLA"
                                    for c in heads)
-                       + "; paged " + ", ".join(f"{c['slots']} slots {c['kernel_kv_gbps']:.0f} GB/s" for c in paged)}
+                       + "; paged " + ", ".join(f"{c['slots']} slots{' MLA' if c['latent'] else ''} "
+                                                f"{c['kernel_kv_gbps']:.0f} GB/s "
+                                                f"({c['xla_s'] / c['kernel_s']:.2f}x XLA)" for c in paged)}
 
 
 def _step_overrides(tiny: bool) -> dict:

@@ -144,7 +144,7 @@ def main() -> None:
     variant = args.variant or default_variant()
     dtype = jnp.dtype(args.dtype)
     ppb = args.pages_per_block or default_pages_per_block(args.page_size, args.max_len // args.page_size,
-                                                          variant)
+                                                          variant, args.head_dim)
     bw = copy_bandwidth(1 << (22 if interpret else 30), args.repeats)
     read_bw = read_bandwidth(1 << (22 if args.tiny else 30), args.repeats)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} variant={variant} "

@@ -98,14 +98,16 @@ GEMMA4 = {
 
 # DeepSeek-V3: 3 layers (layer 0 dense, 1 and 2 routed: 8 experts in 4 groups, the best 2 open, top-2, a shared
 # expert); multi-head latent attention with a q bottleneck, interleaved rope dims and YaRN with both mscales
-# ("deepseek_v3"), or one q_proj, rotate-half rope dims, values wider than the keys and no groups, every layer
-# routed ("deepseek_v3_plain")
+# ("deepseek_v3"; rope dims 16: a latent pool of 32 + 16 = 48, which the Triton kernel reads in two pieces), or
+# one q_proj, rotate-half rope dims, values wider than the keys and no groups, every layer routed
+# ("deepseek_v3_plain")
 _DEEPSEEK_BASE = dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=32, qk_nope_head_dim=8,
                       qk_rope_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       n_shared_experts=1, routed_scaling_factor=2.5, num_mtp_layers=0)
 DEEPSEEK = {
-    "deepseek_v3": ("deepseek_v3", dict(_DEEPSEEK_BASE, q_lora_rank=24, v_head_dim=16, n_group=4, topk_group=2,
-                                        first_k_dense_replace=1, rope_interleave=True,
+    "deepseek_v3": ("deepseek_v3", dict(_DEEPSEEK_BASE, head_dim=16, qk_rope_head_dim=16, q_lora_rank=24,
+                                        v_head_dim=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                        rope_interleave=True,
                                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                          "original_max_position_embeddings": 64, "mscale": 0.8,
                                                          "mscale_all_dim": 1.0, "beta_fast": 32.0,

@@ -75,12 +75,24 @@ class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture / model_type is not one this package implements."""
 
 
+# Relatives of a supported family that need more than it has: said by name, with what is missing
+_NOT_YET = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (the lightning indexer, its own key cache and the "
+                              "top-k token selection per query) is not implemented; DeepSeek-V3's dense latent "
+                              "attention is (docs/deepseek.md)",
+    "GlmMoeDsaForCausalLM": "GLM-MoE-DSA's DeepSeek sparse attention (indexer and top-k selection) is not implemented",
+    "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed sparse attention, hyper-connections and hash routing are not "
+                             "implemented",
+}
+
+
 def _arch_to_model_type(arch: str) -> str:
     for model_type, fam in _FAMILIES.items():
         if arch in (fam["prefix"] + s for s in _HEAD_SUFFIXES):
             return model_type
+    why = f" ({_NOT_YET[arch]})" if arch in _NOT_YET else ""
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported architecture {arch!r}{why}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 

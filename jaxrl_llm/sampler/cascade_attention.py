@@ -201,10 +201,12 @@ def merge_partials(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> Ar
 
 def cascade_decode_attention_pallas(q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_indices: Array,
                                     cascade: Cascade, *, layer: Array | None = None, softcap: float | None = None,
-                                    variant: Any = None, interpret: bool = False, sinks: Array | None = None) -> Array:
+                                    variant: Any = None, interpret: bool = False, sinks: Array | None = None,
+                                    values_are_keys: bool = False) -> Array:
     """The Pallas kernel twice (shared rows as one slot each with the members' query heads, then
     every slot's own pages) merged by log-sum-exp; see the module doc. No sliding window. `sinks`:
-    attention sinks joined to the merged result by its log-sum-exp."""
+    attention sinks joined to the merged result by its log-sum-exp. `values_are_keys`: MLA's latent pool,
+    read once a block (paged_attention_pallas.py)."""
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas
     slots, nh, hd = q.shape
     nkv = k_pages.shape[-4]
@@ -212,7 +214,8 @@ def cascade_decode_attention_pallas(q: Array, k_pages: Array, v_pages: Array, le
     g = nh // nkv
     lengths = jnp.asarray(lengths, jnp.int32)
     idx, safe, _, pre, rows = members(cascade, lengths)
-    kw = dict(layer=layer, softcap=softcap, variant=variant, interpret=interpret, return_lse=True)
+    kw = dict(layer=layer, softcap=softcap, variant=variant, interpret=interpret, return_lse=True,
+              values_are_keys=values_are_keys)
     # shared: row r is one kernel slot whose kv head h has the members' M x g query rows
     m = idx.shape[1]
     qv = q.reshape(slots, nkv, g, hd)[safe]  # [G, M, kv, g, hd]

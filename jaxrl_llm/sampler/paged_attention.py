@@ -210,6 +210,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
         return xla(q, k_pages, v_pages, lengths, page_indices)
     from jaxrl_llm.sampler.paged_attention_pallas import paged_decode_attention_pallas, triton_supports
     use_cascade = cascade is not None and sliding_window is None
+    values_are_keys = v_pages is k_pages  # MLA's latent pool (models/mla.py): the kernels read each block once
 
     def kernel(variant: str, interpret: bool = False):
         def run(q, k_pages, v_pages, lengths, page_indices, sinks, groups, layer=None):
@@ -217,14 +218,14 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
             if use_cascade:
                 return cascade_attention.cascade_decode_attention_pallas(
                     q, k_pages, v_pages, lengths, page_indices, cascade_attention.Cascade(*groups), layer=layer,
-                    softcap=softcap, variant=variant, interpret=interpret, sinks=sinks)
+                    softcap=softcap, variant=variant, interpret=interpret, sinks=sinks,
+                    values_are_keys=values_are_keys)
+            kw = dict(sliding_window=sliding_window, layer=layer, softcap=softcap, variant=variant,
+                      interpret=interpret, values_are_keys=values_are_keys)
             if sinks is None:
-                return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
-                                                     sliding_window=sliding_window, layer=layer, softcap=softcap,
-                                                     variant=variant, interpret=interpret)
-            out, lse = paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices,
-                                                     sliding_window=sliding_window, layer=layer, softcap=softcap,
-                                                     variant=variant, interpret=interpret, return_lse=True)
+                return paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices, **kw)
+            out, lse = paged_decode_attention_pallas(q, k_pages, v_pages, lengths, page_indices, return_lse=True,
+                                                     **kw)
             return with_sinks(out, lse, sinks).astype(q.dtype)
         groups = (cascade.group_slots, cascade.prefix_pages) if use_cascade and cascade is not None else ()
         rest = (sinks, groups) if layer is None else (sinks, groups, layer)

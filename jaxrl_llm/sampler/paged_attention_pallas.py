@@ -29,13 +29,16 @@ HBM traffic stays int8: K = k_int8 * k_scale in fp32 rounded to the compute dtyp
 caller-side dequantisation would store it; the engine's XLA path does the same), then q.k as
 above; V = v_int8 * v_scale stays fp32.
 
-Two lowerings of the same step (`_attend_block`), chosen by `variant` (default: the backend):
+Two lowerings of the same step (`attend_block`), chosen by `variant` (default: the backend):
 - "triton" (GPU): grid (slot, kv_head, split); the page table row is a block, K/V pages are
   gathered from the kv head's page pool with a vector of page ids per block (`k_ref[page_ids]`).
   With num_splits > 1 each split walks its share of the slot's visible blocks and writes its
   (max, sum, unnormalised output); a small XLA merge rescales and sums them (flash decoding, for
-  few slots * kv_heads). Block shapes must be powers of 2: the GQA group is padded to >= 16 rows,
-  page_size / pages_per_block / head_dim must be powers of 2.
+  few slots * kv_heads). Block shapes must be powers of 2: the GQA group is padded to >= 16 rows
+  (at most TRITON_MAX_ROWS a program: a larger group, MLA's every head, takes several programs on
+  grid axis 1), page_size / pages_per_block must be powers of 2, and a head_dim that is not one is
+  read as power-of-2 pieces (`head_pieces`: MLA's 576 = the latent's 512 + the rope key's 64), each
+  its own block of q, pool and output, the scores summed over the pieces' dots.
 - "mosaic" (TPU): lengths and the flattened page table are scalar-prefetched into SMEM
   (`PrefetchScalarGridSpec`); K/V stay in HBM and each block's pages are DMA'd into a
   double-buffered VMEM scratch (block i+1 is in flight while block i is computed).
@@ -48,122 +51,89 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.kv_bits import scale_pair
+from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp, visible_blocks
+from jaxrl_llm.sampler.paged_attention_mosaic import mosaic_call
 from jaxrl_llm.shapes import next_power_of_two
 
-# Finite (not -inf) so that exp(mask - max) is an exact 0 and no inf - inf NaN can appear.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 Variant = Literal["triton", "mosaic"]
-# Page-table entries per Mosaic call (int32 in SMEM): 64Ki entries = 256 KiB, a quarter of the
-# 1 MiB SMEM of TPUs up to v6e (vLLM keeps its block tables under half).
-MOSAIC_MAX_TABLE_ENTRIES = 1 << 16
-_LANES = 128  # the Mosaic kernel's softmax statistics are written as one (rows, 128) tile
 
 
-def default_pages_per_block(page_size: int, pages_per_slot: int, variant: Variant) -> int:
-    """Pages per loop step: ~128 tokens (Triton: registers) / ~512 tokens (TPU: DMA size) a block,
-    never more than the page table holds (rounded up to a power of 2 for Triton)."""
-    target_tokens = 128 if variant == "triton" else 512
+def default_pages_per_block(page_size: int, pages_per_slot: int, variant: Variant, head_dim: int = 128) -> int:
+    """Pages per loop step: ~128 tokens (Triton: registers; 64 past 256-wide heads, MLA's 576) / ~512 tokens
+    (TPU: DMA size) a block, never more than the page table holds (rounded up to a power of 2 for Triton)."""
+    target_tokens = (128 if head_dim <= 256 else 64) if variant == "triton" else 512
     ppb = max(1, target_tokens // page_size)
     return min(ppb, next_power_of_two(pages_per_slot))
 
 
-def _visible_blocks(length, block_tokens: int, sliding_window: int | None):
-    """[lo, hi) block range holding every key p with max(0, length - W) <= p < length."""
-    hi = lax.div(length + block_tokens - 1, block_tokens)
-    if sliding_window is None:
-        return jnp.int32(0), hi
-    return lax.div(jnp.maximum(length - sliding_window, 0), block_tokens), hi
-
-
-def _attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: float, softcap: float | None,
-                  sliding_window: int | None, compute_dtype):
-    """One online-softmax step over `block_tokens` keys starting at token position `start`.
-
-    q [G, D]; k, v [T, D]; k_scale, v_scale [T, 1] fp32 or None (int8 pages, dequantised K is
-    rounded to `compute_dtype`, the caller's q dtype, before the q.k product); carry (m [G, 1],
-    l [G, 1], acc [G, D]) in fp32. Works unchanged under the Triton and Mosaic lowerings: 2-D ops
-    only, and the scales broadcast along lanes (no lane<->sublane relayout on TPU).
-    """
-    m_prev, l_prev, acc_prev = carry
-    hp = lax.Precision.HIGHEST
-    v = v.astype(jnp.float32)
-    if k_scale is not None:
-        k = (k.astype(jnp.float32) * k_scale).astype(compute_dtype)
-        v = v * v_scale
-    s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=hp,
-                        preferred_element_type=jnp.float32) * scale
-    if softcap is not None:  # Gemma 2's attn_logit_softcapping, as the trainer's attention
-        s = softcap * jnp.tanh(s / softcap)
-    pos = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    valid = pos < length
-    if sliding_window is not None:
-        valid = jnp.logical_and(valid, pos >= length - sliding_window)
-    s = jnp.where(valid, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    # where(): a block with no visible key (m_new still MASK_VALUE) must add nothing.
-    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    acc_new = alpha * acc_prev + lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=hp,
-                                                 preferred_element_type=jnp.float32)
-    return m_new, l_new, acc_new
-
-
-def _init_carry(rows: int, head_dim: int):
-    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
-
-
-def _finish(carry):
-    _, denom, acc = carry
-    # Empty slot (length 0): nothing was attended, denom == 0 -> zeros (the contract's output).
-    return jnp.where(denom > 0.0, acc / jnp.where(denom > 0.0, denom, 1.0), 0.0)
+def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """head_dim as (offset, width) pieces of power-of-2 widths >= 16, largest first (Triton's blocks are
+    powers of 2 and tl.dot needs 16): 128 -> one piece; MLA's latent + rope key, 576 -> (0, 512), (512, 64);
+    192 -> (0, 128), (128, 64). Each offset is a multiple of its width (it sums larger powers of 2), so a
+    piece is one block of a BlockSpec over the full head_dim. Empty when head_dim is not a multiple of 16."""
+    if head_dim <= 0 or head_dim % 16:
+        return ()
+    pieces, offset = [], 0
+    for bit in reversed(range(head_dim.bit_length())):
+        if head_dim & (1 << bit):
+            pieces.append((offset, 1 << bit))
+            offset += 1 << bit
+    return tuple(pieces)
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton (GPU)
 
 
-def _triton_kernel(lengths_ref, page_ids_ref, q_ref, k_ref, v_ref, *rest, pages_per_block: int,
-                   pages_per_head: int, scale: float, softcap: float | None, sliding_window: int | None,
-                   quantized: bool, compute_dtype, num_splits: int, stats: bool):
-    ks_ref, vs_ref = rest[:2] if quantized else (None, None)
-    out_refs = rest[2:] if quantized else rest
-    page_size, head_dim = k_ref.shape[-2:]
+def _triton_kernel(lengths_ref, page_ids_ref, *refs, pieces: int, pages_per_block: int, pages_per_head: int,
+                   row_blocks: int, scale: float, softcap: float | None, sliding_window: int | None, quantized: bool,
+                   values_are_keys: bool, compute_dtype, num_splits: int, stats: bool):
+    pools = 1 if values_are_keys else 2
+    q_refs, k_refs = refs[:pieces], refs[pieces:2 * pieces]
+    v_refs = k_refs if values_are_keys else refs[2 * pieces:3 * pieces]
+    rest = refs[(1 + pools) * pieces:]
+    ks_ref, vs_ref = (rest[0], rest[pools - 1]) if quantized else (None, None)
+    out_refs = rest[pools:] if quantized else rest
+    page_size = k_refs[0].shape[-2]
+    widths = tuple(ref.shape[-1] for ref in k_refs)
     block_tokens = pages_per_block * page_size
     length = lengths_ref[0]
-    q = q_ref[...]
-    lo, hi = _visible_blocks(length, block_tokens, sliding_window)
+    q = tuple(ref[...] for ref in q_refs)
+    lo, hi = visible_blocks(length, block_tokens, sliding_window)
     if num_splits > 1:  # this program's share of the visible blocks (flash-decoding partition)
         per_split = lax.div(hi - lo + num_splits - 1, num_splits)
         lo = lo + pl.program_id(2) * per_split
         hi = jnp.minimum(hi, lo + per_split)
 
-    head_offset = pl.program_id(1) * pages_per_head  # this kv head's pages in the flattened pool
+    # this kv head's pages in the flattened pool (axis 1 of the grid: kv head x row block of its group)
+    head_offset = lax.div(pl.program_id(1), row_blocks) * pages_per_head
 
     def body(i, carry):
         pages = page_ids_ref[pl.ds(i * pages_per_block, pages_per_block)] + head_offset
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
+        k = tuple(ref[pages].reshape(block_tokens, w) for ref, w in zip(k_refs, widths, strict=True))
         k_scale = ks_ref[pages].reshape(block_tokens, 1) if ks_ref is not None else None
-        v_scale = vs_ref[pages].reshape(block_tokens, 1) if vs_ref is not None else None
-        return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
+        if values_are_keys:  # MLA: the block just loaded is the values too (one read of the pool)
+            v, v_scale = k, k_scale
+        else:
+            v = tuple(ref[pages].reshape(block_tokens, w) for ref, w in zip(v_refs, widths, strict=True))
+            v_scale = vs_ref[pages].reshape(block_tokens, 1) if vs_ref is not None else None
+        return attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
                              softcap=softcap, sliding_window=sliding_window, compute_dtype=compute_dtype)
 
-    carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
+    m, denom, acc = lax.fori_loop(lo, hi, body, init_carry(q[0].shape[0], widths))
     if not stats:
-        (o_ref,) = out_refs
-        o_ref[...] = _finish(carry).astype(o_ref.dtype)
+        for o_ref, piece in zip(out_refs, acc, strict=True):
+            o_ref[...] = finish(denom, piece).astype(o_ref.dtype)
     else:  # unnormalised partial results, merged by _merge_splits
-        m_ref, l_ref, acc_ref = out_refs
-        m, denom, acc = carry
-        m_ref[...], l_ref[...], acc_ref[...] = m.reshape(m_ref.shape), denom.reshape(l_ref.shape), acc
+        m_ref, l_ref, *acc_refs = out_refs
+        m_ref[...], l_ref[...] = m.reshape(m_ref.shape), denom.reshape(l_ref.shape)
+        for acc_ref, piece in zip(acc_refs, acc, strict=True):
+            acc_ref[...] = piece
 
 
 def _merge_splits(m, denom, acc):
@@ -175,12 +145,7 @@ def _merge_splits(m, denom, acc):
     l_total = jnp.sum(w * denom, axis=2)
     acc_total = jnp.sum(w[..., None] * acc, axis=2)
     out = jnp.where(l_total[..., None] > 0.0, acc_total / jnp.where(l_total > 0.0, l_total, 1.0)[..., None], 0.0)
-    return out, _log_sum_exp(m_total[:, :, 0], l_total)
-
-
-def _log_sum_exp(m, denom):
-    """log(sum exp(scores)) from the online-softmax max and sum; -inf for an empty row."""
-    return jnp.where(denom > 0.0, m + jnp.log(jnp.where(denom > 0.0, denom, 1.0)), -jnp.inf)
+    return out, log_sum_exp(m_total[:, :, 0], l_total)
 
 
 def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
@@ -188,189 +153,92 @@ def default_num_splits(slots: int, kv_heads: int, num_blocks: int) -> int:
     return max(1, min(num_blocks, -(-256 // (slots * kv_heads)), 16))
 
 
+TRITON_MAX_ROWS = 64  # query rows a program holds (an MLA group is every head: DeepSeek-V3's 128 take 2 programs)
+
+
 def _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
                  pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype, num_splits,
-                 return_lse):
+                 return_lse, values_are_keys):
     slots, kv_heads, group, head_dim = q4.shape
     flat_pages, page_size, _ = k_pages.shape
-    for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block),
-                    ("head_dim", head_dim)):
+    for name, n in (("page_size", page_size), ("pages_per_block", pages_per_block)):
         if n & (n - 1):
             raise ValueError(f"paged attention (triton): {name}={n} must be a power of 2")
+    pieces = head_pieces(head_dim)
+    if not pieces:
+        raise ValueError(f"paged attention (triton): head_dim={head_dim} must be a multiple of 16")
     if num_splits is None:
         num_splits = default_num_splits(slots, kv_heads, page_indices.shape[1] // pages_per_block)
     rows = max(16, next_power_of_two(group))  # tl.dot needs >= 16 rows; Triton blocks are powers of 2
+    tile = min(rows, TRITON_MAX_ROWS)
+    row_blocks = rows // tile
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     quantized = k_scales is not None
-    # the whole flattened pool: each program gathers its kv head's pages by id (no per-head block copy)
-    pool = pl.BlockSpec((flat_pages, page_size, head_dim), lambda s, h, j: (0, 0, 0))
+
+    def head(h):  # grid axis 1 -> (kv head, row block of its query rows)
+        return lax.div(h, row_blocks), lax.rem(h, row_blocks)
+
+    # Each piece of head_dim is its own block of q, of the pool and of the output (a BlockSpec over the full
+    # head_dim); every program gathers its kv head's pages from the whole flattened pool by id (no copy).
+    def q_spec(offset, width):
+        return pl.BlockSpec((None, None, tile, width), lambda s, h, j: (s, *head(h), offset // width))
+
+    def pool_spec(offset, width):
+        return pl.BlockSpec((flat_pages, page_size, width), lambda s, h, j: (0, 0, offset // width))
+
     scale_pool = pl.BlockSpec((flat_pages, page_size), lambda s, h, j: (0, 0))
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0))
     in_specs = [pl.BlockSpec((1,), lambda s, h, j: (s,)),
-                pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, j: (s, 0)), q_spec, pool,
-                pool]
-    args = [lengths, page_indices, q4, k_pages, v_pages]
+                pl.BlockSpec((None, page_indices.shape[1]), lambda s, h, j: (s, 0))]
+    pools = [k_pages] if values_are_keys else [k_pages, v_pages]
+    in_specs += [q_spec(*p) for p in pieces] + [pool_spec(*p) for p in pieces] * len(pools)
+    args = [lengths, page_indices] + [q4] * len(pieces) + [pool for pool in pools for _ in pieces]
     if quantized:
-        in_specs += [scale_pool, scale_pool]
-        args += [k_scales, v_scales]
+        in_specs += [scale_pool] * len(pools)
+        args += [k_scales] if values_are_keys else [k_scales, v_scales]
     stats = num_splits > 1 or return_lse  # per-split (max, sum, unnormalised output), merged below
     if not stats:
-        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
+        out_specs = [pl.BlockSpec((None, None, tile, w), lambda s, h, j: (s, *head(h), 0)) for _, w in pieces]
+        out_shape = [jax.ShapeDtypeStruct((slots, kv_heads, rows, w), q4.dtype) for _, w in pieces]
     else:
-        stat = pl.BlockSpec((None, None, None, rows), lambda s, h, j: (s, h, j, 0))
-        part = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, j: (s, h, j, 0, 0))
-        out_specs = [stat, stat, part]
+        def stat_index(s, h, j):
+            kv, block = head(h)
+            return s, kv, j, block
+
+        def part_index(s, h, j):
+            return (*stat_index(s, h, j), 0)
+
+        stat = pl.BlockSpec((None, None, None, tile), stat_index)
+        out_specs = [stat, stat] + [pl.BlockSpec((None, None, None, tile, w), part_index) for _, w in pieces]
         stat_shape = jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows), jnp.float32)
-        out_shape = [stat_shape, stat_shape,
-                     jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, head_dim), jnp.float32)]
-    kernel = functools.partial(_triton_kernel, pages_per_block=pages_per_block, pages_per_head=pages_per_head,
-                               scale=scale, softcap=softcap, sliding_window=sliding_window, quantized=quantized,
+        out_shape = [stat_shape, stat_shape] + [
+            jax.ShapeDtypeStruct((slots, kv_heads, num_splits, rows, w), jnp.float32) for _, w in pieces]
+    kernel = functools.partial(_triton_kernel, pieces=len(pieces), pages_per_block=pages_per_block,
+                               pages_per_head=pages_per_head, row_blocks=row_blocks, scale=scale, softcap=softcap,
+                               sliding_window=sliding_window, quantized=quantized, values_are_keys=values_are_keys,
                                compute_dtype=compute_dtype, num_splits=num_splits, stats=stats)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
-        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        compiler_params = plgpu.CompilerParams(num_warps=4 if head_dim <= 256 else 8, num_stages=2)
     out = pl.pallas_call(
-        kernel, grid=(slots, kv_heads, num_splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(slots, kv_heads * row_blocks, num_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
         name="paged_decode_attention_triton",
     )(*args)
     if not stats:
-        return out[:, :, :group], None
-    out, lse = _merge_splits(*out)
+        return jnp.concatenate(out, axis=-1)[:, :, :group], None
+    m, denom, *parts = out
+    out, lse = _merge_splits(m, denom, jnp.concatenate(parts, axis=-1))
     return out[:, :, :group], lse[:, :, :group] if return_lse else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Mosaic (TPU)
-
-
-def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, k_hbm, v_hbm, *rest, pages_per_block: int,
-                   pages_per_slot: int, pages_per_head: int, scale: float, softcap: float | None,
-                   sliding_window: int | None, quantized: bool, compute_dtype, stats: bool):
-    if quantized:
-        ks_hbm, vs_hbm, *rest = rest
-    else:
-        ks_hbm = vs_hbm = None
-    if stats:
-        o_ref, m_ref, l_ref, *rest = rest
-    else:
-        (o_ref, *rest), m_ref, l_ref = rest, None, None
-    if quantized:
-        k_buf, v_buf, ks_buf, vs_buf, sems = rest
-    else:
-        (k_buf, v_buf, sems), ks_buf, vs_buf = rest, None, None
-    slot, head = pl.program_id(0), pl.program_id(1)
-    page_size, head_dim = k_buf.shape[-2:]
-    block_tokens = pages_per_block * page_size
-    length = lengths_ref[slot]
-    lo, hi = _visible_blocks(length, block_tokens, sliding_window)
-    from jax.experimental.pallas import tpu as pltpu
-
-    def copies(block, buf):
-        """The DMAs bringing block `block`'s pages (and scales) into buffer `buf` (one semaphore
-        per buffer: waiting on every descriptor consumes exactly what they signalled)."""
-        out = []
-        for j in range(pages_per_block):
-            page = page_table_ref[slot * pages_per_slot + block * pages_per_block + j] + head * pages_per_head
-            pairs = [(k_hbm, k_buf), (v_hbm, v_buf)]
-            if quantized:
-                pairs += [(ks_hbm, ks_buf), (vs_hbm, vs_buf)]
-            out += [pltpu.make_async_copy(src.at[page], dst.at[buf, j], sems.at[buf])
-                    for src, dst in pairs]
-        return out
-
-    @pl.when(hi > lo)
-    def _():
-        for c in copies(lo, 0):
-            c.start()
-
-    q = q_ref[...]
-
-    def body(i, carry):
-        buf = lax.rem(i - lo, 2)
-
-        @pl.when(i + 1 < hi)
-        def _():
-            for c in copies(i + 1, 1 - buf):
-                c.start()
-
-        for c in copies(i, buf):
-            c.wait()
-        # fp32 before the reshape: merging (pages, page_size) rows is then a plain (8, 128)-tile
-        # concatenation whatever the page dtype's packing (bf16 16 rows, int8 32 rows a tile).
-        k = k_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
-        v = v_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
-        k_scale = ks_buf[buf].reshape(block_tokens, 1) if ks_buf is not None else None
-        v_scale = vs_buf[buf].reshape(block_tokens, 1) if vs_buf is not None else None
-        return _attend_block(q, k, v, k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
-                             softcap=softcap, sliding_window=sliding_window, compute_dtype=compute_dtype)
-
-    carry = lax.fori_loop(lo, hi, body, _init_carry(q.shape[0], head_dim))
-    o_ref[...] = _finish(carry).astype(o_ref.dtype)
-    if m_ref is not None and l_ref is not None:  # softmax statistics over a lane tile (TPU blocks: (8, 128))
-        m_ref[...] = jnp.broadcast_to(carry[0], m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(carry[1], l_ref.shape)
-
-
-def _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, *,
-                 pages_per_block, pages_per_head, scale, softcap, sliding_window, interpret, compute_dtype, return_lse):
-    from jax.experimental.pallas import tpu as pltpu
-    slots, kv_heads, group, head_dim = q4.shape
-    _, page_size, _ = k_pages.shape
-    pages_per_slot = page_indices.shape[1]
-    # q in fp32 (exact for bf16 inputs: products of bf16 values are exact in fp32, so the scores
-    # are the policy's fp32-accumulated q.k) padded to the 8-row fp32 sublane tile.
-    rows = -(-group // 8) * 8
-    q4 = jnp.pad(q4.astype(jnp.float32), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    quantized = k_scales is not None
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, *_: (s, h, 0, 0))
-    in_specs = [q_spec, any_spec, any_spec] + ([any_spec, any_spec] if quantized else [])
-    buf_shape = (2, pages_per_block, page_size, head_dim)
-    scratch = [pltpu.VMEM(buf_shape, k_pages.dtype), pltpu.VMEM(buf_shape, v_pages.dtype)]
-    if quantized:
-        # Scales as [.., page_size, 1] columns: they multiply K/V rows (sublanes) on TPU.
-        k_scales, v_scales = k_scales[..., None], v_scales[..., None]
-        scratch += [pltpu.VMEM((2, pages_per_block, page_size, 1), jnp.float32)] * 2
-    scratch.append(pltpu.SemaphoreType.DMA((2,)))
-    kernel = functools.partial(_mosaic_kernel, pages_per_block=pages_per_block,
-                               pages_per_slot=pages_per_slot, pages_per_head=pages_per_head, scale=scale,
-                               softcap=softcap, sliding_window=sliding_window, quantized=quantized,
-                               compute_dtype=compute_dtype, stats=return_lse)
-    stat_spec = pl.BlockSpec((None, None, rows, _LANES), lambda s, h, *_: (s, h, 0, 0))
-    out_specs = [q_spec] + ([stat_spec, stat_spec] if return_lse else [])
-    pages = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
-    # The page table is scalar-prefetched whole into SMEM (1 MiB up to v6e): slots go in chunks
-    # whose table stays under MOSAIC_MAX_TABLE_ENTRIES, one kernel call each.
-    chunk = max(1, min(slots, MOSAIC_MAX_TABLE_ENTRIES // pages_per_slot))
-    outs = []
-    for start in range(0, slots, chunk):
-        n = min(chunk, slots - start)
-        stat_shape = jax.ShapeDtypeStruct((n, kv_heads, rows, _LANES), jnp.float32)
-        outs.append(pl.pallas_call(
-            kernel,
-            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(n, kv_heads),
-                                                   in_specs=in_specs, out_specs=out_specs,
-                                                   scratch_shapes=scratch),
-            out_shape=[jax.ShapeDtypeStruct((n, *q4.shape[1:]), jnp.float32)] + [stat_shape] * (2 * return_lse),
-            # Each program issues and waits its own DMAs: programs are independent (megacore).
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-            interpret=pltpu.InterpretParams() if interpret else False,
-            name="paged_decode_attention_mosaic",
-        )(lengths[start:start + n], page_indices[start:start + n].reshape(-1),
-          q4[start:start + n], *pages))
-    out, *stats = (jnp.concatenate(parts) for parts in zip(*outs, strict=True))
-    lse = _log_sum_exp(stats[0][..., 0], stats[1][..., 0])[:, :, :group] if return_lse else None
-    return out[:, :, :group], lse
 
 
 # ----------------------------------------------------------------------------------------------
 
 
 def triton_supports(head_dim: int, page_size: int) -> bool:
-    """Whether the Triton variant takes these shapes (its blocks must be powers of 2)."""
-    return all(n > 0 and not n & (n - 1) for n in (head_dim, page_size))
+    """Whether the Triton variant takes these shapes (its blocks are powers of 2: page_size one, head_dim a
+    multiple of 16, split into power-of-2 pieces by `head_pieces`)."""
+    return bool(head_pieces(head_dim)) and page_size > 0 and not page_size & (page_size - 1)
 
 
 def default_variant() -> Variant:
@@ -378,7 +246,7 @@ def default_variant() -> Variant:
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "softcap", "interpret", "pages_per_block",
-                                             "variant", "num_splits", "return_lse"))
+                                             "variant", "num_splits", "return_lse", "values_are_keys"))
 def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   lengths: jax.Array, page_indices: jax.Array, *,
                                   k_scales: jax.Array | None = None,
@@ -389,7 +257,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
                                   variant: Variant | None = None,
                                   num_splits: int | None = None,
                                   layer: jax.Array | None = None,
-                                  return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                                  return_lse: bool = False,
+                                  values_are_keys: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of one query per slot over paged K/V; see the module docstring.
 
     `pages_per_block`: pages per inner-loop step (default `default_pages_per_block`).
@@ -400,6 +269,8 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     `softcap`: scores become cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping).
     `return_lse`: also the log-sum-exp of each row's scores [slots, heads] fp32 (-inf: no key), and
     the output in fp32: a partial attention another part merges with (cascade_attention.py).
+    `values_are_keys`: v_pages (and v_scales) are k_pages (and k_scales), as MLA's latent pool reads them
+    (models/mla.py): each block is read from HBM once and serves as both.
     """
     variant = variant or default_variant()
     scales = scale_pair(k_scales, v_scales)
@@ -430,7 +301,7 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged attention: sliding_window={sliding_window} must be >= 1 or None")
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size, page_indices.shape[1], variant)
+        pages_per_block = default_pages_per_block(page_size, page_indices.shape[1], variant, kv_dim)
     if num_splits is not None and (num_splits < 1 or variant != "triton"):
         raise ValueError(f"paged attention: num_splits={num_splits} needs variant='triton' and >= 1")
     if pages_per_block < 1:
@@ -450,12 +321,12 @@ def paged_decode_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax
     q4 = jnp.pad(q, ((0, 0), (0, 0), (0, kv_dim - head_dim))).reshape(slots, kv_heads, num_heads // kv_heads, kv_dim)
     kw = dict(pages_per_block=pages_per_block, pages_per_head=num_pages, scale=head_dim ** -0.5,
               softcap=softcap, sliding_window=sliding_window,
-              interpret=interpret, compute_dtype=q.dtype, return_lse=return_lse)
+              interpret=interpret, compute_dtype=q.dtype, return_lse=return_lse, values_are_keys=values_are_keys)
     if variant == "triton":
         out, lse = _triton_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices,
                                 num_splits=num_splits, **kw)
     else:
-        out, lse = _mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
+        out, lse = mosaic_call(q4, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, **kw)
     out = out.reshape(slots, num_heads, kv_dim)[..., :head_dim]
     if lse is not None:  # return_lse
         return out.astype(jnp.float32), lse.reshape(slots, num_heads)

@@ -131,8 +131,11 @@ def test_sources_checked_before_loading(tmp_path):
     check(*ok, paths=True)
     gpt2 = {**ModelConfig.tiny(max_position_embeddings=4096).to_hf_config(), "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2"}
+    v32 = {**gpt2, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}
     cases = {
         "unsupported architecture 'GPT2LMHeadModel'": _hf_folder(tmp_path / "gpt2", gpt2),
+        "unsupported architecture 'DeepseekV32ForCausalLM' (DeepSeek-V3.2's sparse attention":
+            _hf_folder(tmp_path / "v32", v32),
         "no model.safetensors": _hf_folder(tmp_path / "noweights", weights=False),
         "not a model folder (no config.json)": tmp_path / "empty",
     }

@@ -45,6 +45,7 @@ def test_device_check_tiny_runs_every_section(kit):
         assert case["max_abs_err_logprob"] < tol and case["max_abs_err_grad_w"] < tol, case
     for case in results["kernels"]["paged_attention"]:
         assert case["max_abs_err"] < 3e-2, case  # bf16 outputs
+    assert [c["latent"] for c in results["kernels"]["paged_attention"]] == [False, False, True]  # + MLA's pool
     assert 0 < results["step"]["perf/mfu"] < 1 and results["step"]["planned_peak_bytes"] > 0
     assert [line for line in kit[1].splitlines() if line.startswith("[")]
     assert "passed" in results["tests"]["summary"]

@@ -4,6 +4,7 @@ v5e:2x2 and v6e:2x2 (libtpu on this CPU host) and lowered for CUDA (Pallas -> Tr
 Asserted: the program compiled; its bytes per chip are under the chip's HBM; the lowered /
 compiled module holds the kernel's custom call (no silent XLA fallback where a kernel serves)."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ def _compiled_program(tmp_path, overrides: dict, name: str):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("topology,model", zip(TOPOLOGIES, ("tiny:llama", "tiny:gpt_oss")))
+@pytest.mark.parametrize("topology,model", list(zip(TOPOLOGIES, ("tiny:llama", "tiny:gpt_oss"), strict=True)))
 def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology, model, caplog):
     """On v6e with GPT-OSS: attention sinks in the Mosaic kernels (plain and cascade) and the trainer's
     attention, expert biases in the grouped matmul, sliding and full layers."""
@@ -272,7 +273,6 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
     sampler/kv_bits.py's layout (rows written one scatter index each, head dims lane-padded) the TPU
     compiler kept the pool in a layout of its own and copied it into the kernel's: temporaries of
     5.0x the pool here (Mosaic; 2.0x on the XLA path), 4-6x at Qwen2-0.5B's shape (bench/tpu_plan.py)."""
-    import re
 
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
                  "actor_rollout_ref.rollout.paged_attention": attention, "trainer.plan_topology": "v5e:2x2",
@@ -292,12 +292,25 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
         assert not re.findall(re.escape(shape) + r"\{[^}]*\} copy(?:-start)?\(", text), shape
 
 
+def test_deepseek_latent_pool_decodes_with_the_triton_kernel_on_gpu(tmp_path):
+    """DeepSeek-V3's paged decode lowered for CUDA: the latent pool (32 + 16 = 48 numbers a token, read in
+    power-of-2 pieces) goes through the Triton kernel; before, any width but a power of 2 took the XLA path."""
+    overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
+                 "actor_rollout_ref.model.path": "tiny:deepseek_v3", "actor_rollout_ref.model.tiny.head_dim": 16}
+    cfg = validate_config(tiny_config(tmp_path, **overrides), num_devices=8)
+    with compiling_for(CompileTarget("gpu", None)):
+        spec, programs = _programs(cfg, jax.devices())
+        sample = next(p for p in programs if p.name == "sample")
+        text = sample.lower(spec.plan, platforms=("cuda",)).as_text()
+    assert re.search(r"tensor<\d+x1x\d+x\d+x48xbf16>", text)  # [layers, 1 kv head, pages, page size, 48]
+    assert kernel_calls(text, "cuda")
+
+
 @needs_libtpu
 def test_deepseek_latent_pool_decodes_with_the_mosaic_kernel_on_tpu(tmp_path):
     """DeepSeek-V3's paged decode compiled for v5e:2x2 in bf16: one pool array (the latent + rope key, no
-    values) of one kv head, lane-padded to 128, read by the Mosaic kernel as keys and values, with no copy of it;
-    its bytes are the plan's."""
-    import re
+    values) of one kv head, lane-padded to 128, read once by the Mosaic kernel as keys and values, with no copy
+    of it; its bytes are the plan's."""
 
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
                  "trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.path": "tiny:deepseek_v3",
@@ -305,6 +318,11 @@ def test_deepseek_latent_pool_decodes_with_the_mosaic_kernel_on_tpu(tmp_path):
     program, compiled = _compiled_program(tmp_path, overrides, "sample")
     text = compiled.as_text()
     assert "tpu_custom_call" in text  # the Mosaic kernel, not the XLA fallback
+    # each call's operands: lengths, page table, queries and the pool ONCE (values_are_keys: each block is
+    # DMA'd once and read as keys and values; 5 operands before)
+    calls = [line.split("custom-call(")[1].split(")")[0] for line in text.splitlines()
+             if "tpu_custom_call" in line and "custom-call(" in line]
+    assert calls and all(len(args.split(", ")) == 4 for args in calls), calls
     pool_shapes = set(re.findall(r"bf16\[2,1,\d+,\d+,128\]", text))  # [layers, 1 kv head, pages, page, 40 -> 128]
     assert pool_shapes
     for shape in pool_shapes:
@@ -318,7 +336,6 @@ def test_inserting_a_prompt_does_not_copy_the_pool_on_tpu():
     pool, temporaries under 1% of it. With the prefix written as [L, kv, D] windows (before
     sampler/kv_bits.py's `write_rows`) the compiler copied the pool 4 times per inserted prompt
     (256 MiB of temporaries beside a 128 MiB pool here)."""
-    import re
 
     from jaxrl_llm.models import ModelConfig
     from jaxrl_llm.sampler.engine import programs
@@ -358,7 +375,6 @@ def test_the_update_keeps_its_rows_split_over_fsdp_on_tpu(tmp_path):
     compiler carried the kernels' split of their contracting (embed) dim over to the activations and
     computed every row on every chip: f32[4, 1024, 4096] buffers and 7x the temporaries here (a Qwen2-7B
     update on v5e-32 asked for 43 GiB; 10.8 GiB with it)."""
-    import re
 
     overrides = {"trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.dtype": "bfloat16",
                  "data.max_prompt_length": 64, "data.max_response_length": 960, "data.train_batch_size": 2,
@@ -380,7 +396,6 @@ def test_gemma4_decode_and_update_compile_for_tpu(tmp_path):
     """A Gemma 4 model (sliding / full layers of different head shapes, shared KV, per-layer inputs) on v6e:2x2:
     the paged engine's decode runs the Mosaic kernel on each attention type's pool (each its own shape,
     lane-padded), and the actor update compiles with the per-kind weight stacks split over the mesh."""
-    import re
 
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.path": "tiny:gemma4_text",
                  "actor_rollout_ref.model.tiny.num_hidden_layers": 6, "actor_rollout_ref.model.dtype": "bfloat16",
@@ -400,7 +415,6 @@ def test_qwen35_decode_and_update_compile_for_tpu(tmp_path):
     Mosaic kernel on the attention layers' pool ([4 layers, 2 kv heads, ...], lane-padded) and carries the slots'
     delta-net state ([4 layers, slots, 4 heads, 8, 8] fp32) with no copy of either and no conditional; the actor
     update (the chunked delta rule and its gradient) compiles."""
-    import re
 
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.path": "tiny:qwen3_5_text",
                  "actor_rollout_ref.model.tiny.num_hidden_layers": 8, "actor_rollout_ref.model.dtype": "bfloat16",

@@ -96,13 +96,13 @@ def test_engine_paths_follow_transformers_and_the_trainers_scoring(case, tmp_pat
     """GPT-OSS's attention sinks and DeepSeek-V3's latent pool (one kv head of latent + rope key, read as keys
     and values; the trainer scores with per-head keys and values) in every path of the paged engine: 2 samples
     a prompt reading their shared pages once (cascade), prompts prefilled 4 tokens at a time (chunked prefill),
-    n-gram drafts verified 2 at a time (speculative), through the interpreted Triton kernels (GPT-OSS; the XLA
-    paths: the plain engine parity above) or the default paths (DeepSeek: its latent's 40 dims are not the power
-    of two the Triton kernel tiles, so 'auto' takes the XLA path on a GPU): greedy tokens are transformers', and
+    n-gram drafts verified 2 at a time (speculative), through the interpreted Triton kernels (GPT-OSS, and
+    DeepSeek's latent of 32 + 16 dims, read in two power-of-2 pieces; the XLA paths: the plain engine parity
+    above): greedy tokens are transformers', and
     sampled tokens' log-probs are the trainer's scoring of them. Qwen3.5: each slot's delta-net state set from its
     prompt's (chunked) prefill and carried by decode beside the full-attention layers' pages, no drafts (refused:
     the state cannot roll back a rejected draft yet), prompts of one bucket prefilled in one call."""
-    impl = "pallas" if case == "gpt_oss" else "auto"
+    impl = "auto" if case == "qwen3_5" else "pallas"
     from test_sampler_logprobs import rescore
 
     from jaxrl_llm.sampler.speculative import SpeculativeSpec

@@ -205,10 +205,10 @@ def test_lowers_for_device_backends(platform, variant, custom_call):
 
 
 def test_mosaic_splits_large_page_tables_into_slot_chunks(monkeypatch):
-    import jaxrl_llm.sampler.paged_attention_pallas as pa
+    import jaxrl_llm.sampler.paged_attention_mosaic as mosaic
     # The limit is read at trace time: these shapes (1 kv head, fp32, 5 pages, 1 page per block)
     # are traced by no other test, so the patched value is the one traced.
-    monkeypatch.setattr(pa, "MOSAIC_MAX_TABLE_ENTRIES", 15)  # 3 slots of 5 pages per call
+    monkeypatch.setattr(mosaic, "MOSAIC_MAX_TABLE_ENTRIES", 15)  # 3 slots of 5 pages per call
     case = make_case(5, group=2, head_dim=64, page_size=16, kv_heads=1)  # 7 slots: calls of 3, 3, 1
     args = [case[n] for n in ("q", "k_pages", "v_pages", "lengths", "page_indices")]
     kw = dict(interpret=True, variant="mosaic", pages_per_block=1)
@@ -317,3 +317,83 @@ def test_dispatcher_runs_the_kernel_per_kv_head_shard(stacked):
     one = paged_decode_attention(*args, impl="pallas", layer=layer)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(one), atol=1e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(one), np.asarray(reference(case)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim,group,splits", [(80, 3, 1), (576, 72, None)])
+def test_triton_reads_a_head_dim_that_is_not_a_power_of_two_in_pieces(head_dim, group, splits):
+    # 576: DeepSeek's latent + rope key (one kv head, every query head in its group: 72 heads are 128 padded
+    # rows, two programs of 64), read as the keys and the values (the engine passes the pool twice);
+    # 80 = 64 + 16 with one program per slot. The kernel refused both before (Triton blocks are powers of 2).
+    from jaxrl_llm.sampler.paged_attention_pallas import head_pieces, triton_supports
+    assert head_pieces(576) == ((0, 512), (512, 64)) and head_pieces(80) == ((0, 64), (64, 16))
+    assert triton_supports(576, 16) and not triton_supports(40, 16) and not triton_supports(64, 12)
+    case = make_case(head_dim + group, group=group, head_dim=head_dim, page_size=16, pages_per_slot=3, kv_heads=1)
+    case["v_pages"] = case["k_pages"]
+    out, lse = run_kernel(case, variant="triton", num_splits=splits, return_lse=True)
+    ref = reference(case)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+    plain = run_kernel(case, variant="triton", num_splits=splits)
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(ref), atol=1e-5, rtol=0)
+    k = np.asarray(case["k_pages"], np.float64)[0][np.asarray(case["page_indices"])].reshape(len(ref), -1, head_dim)
+    scores = np.einsum("shd,std->sht", np.asarray(case["q"], np.float64), k) * head_dim ** -0.5
+    visible = np.arange(k.shape[1])[None, None, :] < np.asarray(case["lengths"])[:, None, None]
+    with np.errstate(divide="ignore"):
+        expected = np.log(np.sum(np.where(visible, np.exp(scores), 0.0), axis=-1))
+    np.testing.assert_allclose(np.asarray(lse), expected, atol=1e-4, rtol=0)
+
+
+def test_triton_latent_pool_lowers_for_cuda():
+    # DeepSeek-V3's decode shapes: 128 query heads over one kv head of 576, bf16, with and without splits
+    from jax import export
+    spec = jax.ShapeDtypeStruct
+    slots, num_pages, page_size, pages_per_slot = 4, 40, 16, 9
+    q = spec((slots, 128, 576), jnp.bfloat16)
+    pool = spec((1, num_pages, page_size, 576), jnp.bfloat16)
+    for splits in (1, 2):
+        exported = export.export(
+            jax.jit(lambda q, k, lengths, table, splits=splits: paged_decode_attention_pallas(
+                q, k, k, lengths, table, variant="triton", num_splits=splits)),
+            platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(q, pool, spec((slots,), jnp.int32), spec((slots, pages_per_slot), jnp.int32))
+        assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+        assert exported.out_avals[0].shape == q.shape
+
+
+def _pool_operands(fn, case):
+    """How many operands of each kernel call in fn's program are pool-shaped (one per head_dim piece and pool
+    read)."""
+    def calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            else:
+                params = [x for v in eqn.params.values() for x in (v if isinstance(v, (tuple, list)) else (v,))]
+                inner = [getattr(v, "jaxpr", v) for v in params]  # jit's jaxpr, cond's branches
+                yield from (c for j in inner if hasattr(j, "eqns") for c in calls(j))
+
+    return [sum(v.aval.ndim == 3 and v.aval.shape[1:] == case["k_pages"].shape[-2:] for v in c.invars)
+            for c in calls(jax.make_jaxpr(fn)(case).jaxpr)]
+
+
+@pytest.mark.parametrize("variant,head_dim,int8", [("triton", 48, False), ("triton", 64, True), ("mosaic", 64, False),
+                                                   ("mosaic", 64, True)])
+def test_a_latent_pool_is_read_once_as_keys_and_values(variant, head_dim, int8):
+    # MLA passes its one pool as keys and values: with values_are_keys each block is loaded (Triton) or
+    # DMA'd (Mosaic) once and serves as both, with the same numbers as reading it twice
+    case = make_case(5, group=4, head_dim=head_dim, page_size=16, kv_heads=1, int8=int8)
+    case["v_pages"], case["v_scales"] = case["k_pages"], case.get("k_scales")
+
+    def run(case, shared):
+        return run_kernel(case, variant=variant, sliding_window=40, values_are_keys=shared)
+
+    once, twice = run(case, True), run(case, False)
+    np.testing.assert_array_equal(np.asarray(once), np.asarray(twice))
+    np.testing.assert_allclose(np.asarray(once), np.asarray(reference(case, 40)), atol=1e-5, rtol=0)
+    pieces = 2 if head_dim == 48 and variant == "triton" else 1
+    assert _pool_operands(lambda c: run(c, True), case) == [pieces]
+    assert _pool_operands(lambda c: run(c, False), case) == [2 * pieces]
+    if variant == "triton" and not int8:  # the engine's dispatcher passes the pool twice: read once by each kernel
+        def dispatched(c):
+            return paged_decode_attention(c["q"], c["k_pages"], c["k_pages"], c["lengths"], c["page_indices"],
+                                          impl="pallas")
+        assert _pool_operands(dispatched, case) == [2, 1, 2]  # the cuda (Triton), tpu (Mosaic), cpu branches
