@@ -96,7 +96,8 @@ def resolve_data(cfg: ConfigDict) -> DataSpec:
         val_overrides=_val_overrides(d.val_overrides),
         ground_truth_key=d.ground_truth_key,
         default_data_source=d.default_data_source, builtin_scorers=bool(builtin), domains=_domains(d.domains),
-        extra_info_keys=tuple(str(k) for k in d.extra_info_keys), skip_bad_rows=bool(d.skip_bad_rows))
+        extra_info_keys=tuple(str(k) for k in d.extra_info_keys), skip_bad_rows=bool(d.skip_bad_rows),
+        image_key=d.image_key or "", video_key=d.video_key or "")
 
 
 def _val_overrides(section: ConfigDict) -> tuple[tuple[str, Any], ...]:

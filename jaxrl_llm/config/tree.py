@@ -97,6 +97,12 @@ DATA = {
     "prompt_key": field("prompt", "Column holding the prompt (a chat message list or a string). veRL."),
     "messages_key": field("messages", "Column holding a chat message list for json/jsonl/csv rows that have "
                                       "no prompt_key column (ROLL-style files)."),
+    "image_key": field("images", "Column holding each row's images (a list of {'bytes': ...} / {'path': ...}, PIL "
+                                 "images, bytes or paths; one '<image>' placeholder in the prompt per image, checked "
+                                 "when the data is read: jaxrl_llm/data/images.py). A row with images needs a "
+                                 "vision-language policy. veRL.", types=str),
+    "video_key": field("videos", "Column holding each row's videos: a row with any is refused (not supported). "
+                                 "veRL.", types=str),
     "apply_chat_template": field(True, "Render prompts with the tokenizer's chat template "
                                        "(add_generation_prompt=True); False tokenizes the raw text."),
     "system_prompt": field(None, "A system message put first in every prompt that has none (a string prompt "

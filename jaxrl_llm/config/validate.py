@@ -450,6 +450,9 @@ def _check_required(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("data.train_files=None: set training files or data.synthetic.task")
     if model.path.startswith("tiny:") and data.tokenizer is None:
         raise ConfigError(f"data.tokenizer=None: a {model.path} model needs a tokenizer path")
+    if data.synthetic.task == "shapes":  # its rows hold pictures (data/images.py refuses them row by row later)
+        raise ConfigError("data.synthetic.task='shapes': its prompts are pictures, and the policy reads text only "
+                          "(vision-language policies are not supported yet)")
     sft = cfg.sft
     if sft.warmup_steps and not sft.warmup_files:
         raise ConfigError(f"sft.warmup_steps={sft.warmup_steps}: set sft.warmup_files, the SFT rows of the warm-up")

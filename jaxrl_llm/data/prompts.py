@@ -14,6 +14,9 @@ column is absent, `data.messages_key` (a messages column). Message lists go thro
 `tokenizer.apply_chat_template(..., add_generation_prompt=True)` and are tokenised without extra
 special tokens (the template has them). String prompts are wrapped as one user message, or, with
 `data.apply_chat_template=False`, tokenised as raw text with the tokenizer's own special tokens.
+Images (`data.image_key`, veRL's multimodal rows: data/images.py) are read and checked against the prompt's
+`<image>` placeholders, then refused: no policy here reads images yet (a multimodal folder trains its text
+tower, so its images would be dropped); `data.video_key` rows are refused.
 Ground truth: `reward_model.ground_truth` (veRL) or a top-level `ground_truth` column; a number
 is turned into its string (`normalise_ground_truth`). An empty prompt is an error naming the row;
 with `data.builtin_scorers` (no custom reward function, no reward model) so is a row without a
@@ -39,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.data.domains import unmixed_rows
+from jaxrl_llm.data.images import row_images
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer, load_tokenizer, render_chat
@@ -290,7 +294,13 @@ def records_from_rows(
         with bad.row():
             if col not in row:
                 raise DataError(f"{ref}: missing column {col!r}")
-            prompt = with_system_prompt(_normalise_prompt(row[col], ref, col), data.system_prompt)
+            prompt = _normalise_prompt(row[col], ref, col)
+            images = row_images(row, prompt, ref, data.image_key, data.video_key)
+            if images:
+                raise DataError(f"{ref}: the row has {len(images)} image(s) (data.image_key={data.image_key!r}), "
+                                "but the policy reads text only: vision-language policies are not supported yet "
+                                "(a Gemma 3 / Gemma 4 / Qwen3.5 multimodal folder loads its text tower)")
+            prompt = with_system_prompt(prompt, data.system_prompt)
             if not isinstance(prompt, str) and not apply_template:
                 raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
             kept.append((row, ref, prompt))

@@ -49,6 +49,8 @@ class DataSpec:
     extra_info_keys: tuple[str, ...] = ()  # columns copied into each row's extra_info
     skip_bad_rows: bool = False  # a row that cannot be read is left out and counted, not an error
     domains: DomainSpec = DomainSpec()  # data.domains.*: each row's domain, the batch's share of each
+    image_key: str = "images"  # data.image_key: each row's images (data/images.py); "" = none read
+    video_key: str = "videos"  # data.video_key: a row with videos is refused
 
     def for_split(self, split: str) -> DataSpec:
         """These settings as `split`'s rows are read (validation: with data.val_overrides)."""

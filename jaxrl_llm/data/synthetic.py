@@ -11,6 +11,9 @@ Tasks (data_source `synthetic/<task>`, scored by `jaxrl_llm.rewards.scorers.synt
   guess    guess-the-number with GuessNumberEnv (configs/multiturn_guess.py): target in
            1..10**difficulty (extra_info.interaction_kwargs {name: guess_number, target}); scored
            by the interaction alone (the scorer gives 0)
+  shapes   "<image>How many red shapes are in the picture?"  a 112 x 112 PNG of up to 2 + 2 * difficulty
+           coloured shapes (data/synthetic_images.py) in the row's `images` column, veRL's multimodal row
+           format ({"bytes": ...}); written as .parquet only
 
 Every prompt asks for the bare answer. `answer_format` (stored in extra_info) picks how strictly
 it is scored: `strict` = the whole response is the answer; `lenient` = the last number (or the
@@ -41,7 +44,7 @@ import numpy as np
 from jaxrl_llm import storage
 from jaxrl_llm.data.spec import SyntheticSpec
 
-TASKS = ("add", "larger", "repeat", "multiply", "guess")
+TASKS = ("add", "larger", "repeat", "multiply", "guess", "shapes")
 ANSWER_FORMATS = ("strict", "lenient", "first")
 
 _WORDS = (
@@ -58,9 +61,10 @@ _PROMPTS = {
     "larger": "Which number is larger: {a} or {b}? Answer with only the number.",
     "repeat": "Repeat exactly: {text}. Answer with only those words.",
     "multiply": "What is {a} * {b}? Use the calculator tool, then answer with only the number.",
+    "shapes": "<image>How many {colour} shapes are in the picture? Answer with only the number.",
 }
 _ABILITY = {"add": "arithmetic", "larger": "comparison", "repeat": "copying", "multiply": "tool use",
-            "guess": "interaction"}
+            "guess": "interaction", "shapes": "vision"}
 # the worked example before a multiply question: one hermes call, the tool's reply, the bare answer
 _MULTIPLY_EXAMPLE = [
     {"role": "user", "content": _PROMPTS["multiply"].format(a=12, b=34)},
@@ -110,6 +114,10 @@ def _questions(task: str, difficulty: int) -> tuple[int, Callable[[int], dict[st
             return {"text": " ".join(chosen), "answer": " ".join(chosen)}
 
         return n**difficulty, words
+    if task == "shapes":  # question k's own seed draws its picture: as many questions as seeds
+        from jaxrl_llm.data.synthetic_images import shapes_question
+
+        return 2**31, lambda k: shapes_question(k, difficulty)
     raise ValueError(f"unknown synthetic task {task!r}; expected one of {TASKS}")
 
 
@@ -149,7 +157,7 @@ def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, ans
                      "answer_format": answer_format}
             if task == "guess":
                 extra["interaction_kwargs"] = {"name": "guess_number", "target": int(fields["answer"])}
-            out.append({
+            row = {
                 "data_source": f"synthetic/{task}",
                 "prompt": _messages(task, fields),
                 "ability": _ABILITY[task],
@@ -158,7 +166,10 @@ def make_splits(task: str, n_train: int, n_val: int, *, difficulty: int = 1, ans
                 # a preference pair (DPO: configs/dpo_tiny.py): the right answer and a wrong one
                 "chosen": fields["answer"],
                 "rejected": _wrong_answer(task, fields["answer"], int(k)),
-            })
+            }
+            if "image" in fields:  # veRL's multimodal rows: a list of {"bytes": ...} per row
+                row["images"] = [{"bytes": fields["image"]}]
+            out.append(row)
         return out
 
     return rows(train_ids, "train"), rows(val_ids, "test")
@@ -170,6 +181,8 @@ def write_rows(rows: list[dict[str, Any]], path: str) -> None:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".parquet", ".jsonl"):
         raise ValueError(f"{path}: synthetic data is written as .parquet or .jsonl, not {suffix!r}")
+    if suffix == ".jsonl" and any("images" in row for row in rows):
+        raise ValueError(f"{path}: rows with images (PNG bytes) are written as .parquet, not .jsonl")
     if storage.is_url(path):
         with tempfile.TemporaryDirectory() as local:
             write_rows(rows, os.path.join(local, "rows" + suffix))

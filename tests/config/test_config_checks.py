@@ -220,3 +220,9 @@ def test_gguf_header_is_read_without_parsing_the_vocabulary(tmp_path, smollm2_gg
     with pytest.raises(GGUFHeaderError, match="truncated"):
         read_gguf_metadata(str(path), ("general.architecture",))
     assert check_model_source("k", str(smollm2_gguf)) == 8192  # the real file: llama, 8k context
+
+
+def test_the_picture_task_is_refused_for_a_text_policy():
+    # its rows hold images (tests/data/test_data_images.py); no vision-language policy reads them yet
+    with pytest.raises(ConfigError, match=r"^data.synthetic.task='shapes': its prompts are pictures"):
+        check("data.synthetic.task=shapes", "data.tokenizer=x", "actor_rollout_ref.model.path=tiny:llama")

@@ -16,7 +16,8 @@ from jaxrl_llm.rewards import default_compute_score
 def test_tasks_have_correct_ground_truth(task):
     train, val = make_splits(task, 50, 10, difficulty=2, seed=1)
     assert len(train) == 50 and len(val) == 10
-    question = lambda r: r["prompt"][-1]["content"] + str(r["extra_info"].get("interaction_kwargs"))  # noqa: E731
+    question = lambda r: (r["prompt"][-1]["content"] + str(r["extra_info"].get("interaction_kwargs"))  # noqa: E731
+                          + str(r.get("images")))  # shapes: the picture is the question
     assert not {question(r) for r in val} & {question(r) for r in train}
     for row in train + val:
         gt = row["reward_model"]["ground_truth"]
@@ -37,6 +38,8 @@ def test_tasks_have_correct_ground_truth(task):
             assert 1 <= int(gt) <= 100
             assert default_compute_score(row["data_source"], gt, gt, row["extra_info"]) == 0.0
             continue
+        elif task == "shapes":  # the pictures against the answers: tests/data/test_data_images.py
+            assert text.startswith("<image>How many ") and 0 <= int(gt) <= 6 and len(row["images"]) == 1
         else:
             assert len(gt.split()) == 2 and f"exactly: {gt}." in text
         assert default_compute_score(row["data_source"], gt, gt, row["extra_info"]) == 1.0

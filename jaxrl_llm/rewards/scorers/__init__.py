@@ -13,6 +13,8 @@
   crossthinkqa                                   crossthinkqa.compute_score (a choice letter; ROLL's rewards,
                                                  kwarg reward_type loose / soft / strict)
   ifeval                                         ifeval.compute_score (the JSON ground truth's IF check; 1 / 0)
+  hiyouga/geometry3k                             geo3k.compute_score (dict: 0.9 x the boxed answer + 0.1 x
+                                                 the <think> / \boxed format, veRL's weights)
 
 Another data source raises `UnknownDataSourceError` (a config problem, not a bad sample: the
 reward managers let it through instead of scoring 0).
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxrl_llm.rewards.scorers import code, crossthinkqa, gsm8k, ifeval, math_boxed, math_dapo, synthetic
+from jaxrl_llm.rewards.scorers import code, crossthinkqa, geo3k, gsm8k, ifeval, math_boxed, math_dapo, synthetic
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
@@ -35,11 +37,11 @@ def has_builtin_scorer(data_source: str) -> bool:
     """Whether `default_compute_score` scores `data_source` (the dispatch below)."""
     return (data_source == "openai/gsm8k" or data_source in MATH_SOURCES or data_source in DAPO_SOURCES
             or data_source in code.SOURCES or data_source in crossthinkqa.SOURCES or data_source in ifeval.SOURCES
-            or data_source.startswith(("aime", "synthetic/")))
+            or data_source in geo3k.SOURCES or data_source.startswith(("aime", "synthetic/")))
 
 
 BUILTIN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/<task>", *code.SOURCES,
-                   *crossthinkqa.SOURCES, *ifeval.SOURCES)
+                   *crossthinkqa.SOURCES, *ifeval.SOURCES, *geo3k.SOURCES)
 
 
 # the data sources whose scorer parses a structured ground truth (a ValueError / TypeError names the problem)
@@ -83,6 +85,8 @@ def default_compute_score(
         result = crossthinkqa.compute_score(solution_str, ground_truth, str(kwargs.get("reward_type", "soft")))
     elif data_source in ifeval.SOURCES:
         result = ifeval.compute_score(solution_str, ground_truth)
+    elif data_source in geo3k.SOURCES:
+        result = geo3k.compute_score(solution_str, ground_truth)
     else:
         raise UnknownDataSourceError(
             f"no built-in scorer for data_source={data_source!r}; set custom_reward_function.path"
