@@ -299,7 +299,7 @@ def records_from_rows(
             if images:
                 raise DataError(f"{ref}: the row has {len(images)} image(s) (data.image_key={data.image_key!r}), "
                                 "but the policy reads text only: vision-language policies are not supported yet "
-                                "(a Gemma 3 / Gemma 4 / Qwen3.5 multimodal folder loads its text tower)")
+                                "(a Gemma 3 / Gemma 4 / Qwen3.5 / Qwen2.5-VL folder trains its text model)")
             prompt = with_system_prompt(prompt, data.system_prompt)
             if not isinstance(prompt, str) and not apply_template:
                 raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")

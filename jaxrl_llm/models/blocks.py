@@ -49,7 +49,11 @@ def rms_norm(x: Array, scale: Array, eps: float, dtype: DType, offset: float = 0
 def rope_cos_sin(cfg: ModelConfig, positions: Array, *, local: bool = False) -> tuple[Array, Array]:
     """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout),
     times YaRN's attention factor where the model has one (as transformers scales them). `local`: the
-    sliding layers' table of a model with a RoPE base of their own (Gemma 3: unscaled, `rope_local_theta`)."""
+    sliding layers' table of a model with a RoPE base of their own (Gemma 3: unscaled, `rope_local_theta`).
+    M-RoPE (`cfg.mrope_section`, Qwen2.5-VL): positions [3, B, T] (temporal, height, width streams), the
+    frequencies of section i turned by stream i."""
+    if positions.ndim == 3:
+        return _mrope_cos_sin(cfg, positions)
     if local:
         assert cfg.rope_local_theta is not None
         dim = cfg.head_dim
@@ -67,6 +71,21 @@ def rope_cos_sin(cfg: ModelConfig, positions: Array, *, local: bool = False) -> 
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def _mrope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
+    sections = cfg.mrope_section
+    if not sections or len(positions) != 3:
+        raise ValueError(f"positions {positions.shape}: [3, B, T] positions need a model with mrope_section")
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    if sum(sections) != inv.shape[0]:
+        raise ValueError(f"mrope_section {sections} must sum to head_dim / 2 = {inv.shape[0]}")
+    stream = np.repeat(np.arange(len(sections)) % 3, sections)  # the position stream of each frequency
+    angles = positions.astype(jnp.float32)[..., None] * inv  # [3, B, T, D/2]
+    angles = jnp.einsum("sbtd,sd->btd", angles, jnp.asarray(np.eye(3, dtype=np.float32)[:, stream]),
+                        precision=lax.Precision.HIGHEST)  # one stream per frequency (exact: the others times 0)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def dynamic_ntk_inv_freq(cfg: ModelConfig, positions: Array) -> Array:

@@ -65,7 +65,7 @@ _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
 ) + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-     "Qwen3_5MoeForConditionalGeneration")  # their text towers (`_text_tower`)
+     "Qwen3_5MoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")  # their text towers (`_text_tower`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
 _ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
@@ -127,6 +127,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # rope scaling as sorted (key, value) pairs (hashable); None = plain RoPE. See `rope_scaling_dict`.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    # M-RoPE (Qwen2.5-VL): head_dim / 2 rotary frequencies split into (temporal, height, width) sections, each
+    # turned by its own position stream when positions are [3, B, T] (models/vision/qwen_vl.py); text positions
+    # [B, T] (the three streams equal) give plain RoPE. None: plain RoPE only.
+    mrope_section: tuple[int, ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -509,6 +513,7 @@ class ModelConfig:
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         scaling.pop("type", None)
+        mrope = scaling.pop("mrope_section", None) if model_type == "qwen2" else None  # Qwen2.5-VL's text model
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
         elif scaling["rope_type"] in _ORIGINAL_CONTEXT_ROPE_TYPES:  # HF's default: the config's own context
@@ -553,6 +558,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=tuple(sorted(scaling.items())) or None,
+            mrope_section=tuple(int(x) for x in mrope) if mrope else None,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(fam.get("gemma")))),  # Gemma ties by default
             attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
@@ -812,7 +818,8 @@ def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 # multimodal model types -> their text model's class prefix in transformers (`_text_tower`)
-_MULTIMODAL = {"gemma3": "Gemma3", "gemma4": "Gemma4", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
+_MULTIMODAL = {"gemma3": "Gemma3", "gemma4": "Gemma4", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe",
+               "qwen2_5_vl": "Qwen2_5_VL"}
 
 
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
@@ -821,6 +828,18 @@ def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
     (the language model is what RL trains; the vision tower is not loaded, hf/hf_folder.py maps its tensor names).
     Its `text_config` may list only what differs from transformers' defaults, so transformers fills in the rest;
     token ids come from the top level where it has them."""
+    if d.get("model_type") == "qwen2_5_vl":  # its text model is Qwen2's with M-RoPE (the releases: text keys on top)
+        import transformers
+
+        vl = transformers.Qwen2_5_VLConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+        text_config = vl.text_config
+        assert text_config is not None
+        out = dict(text_config) if isinstance(text_config, dict) else text_config.to_dict()
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if d.get(key) is not None:
+                out[key] = d[key]
+        out.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+        return out
     if d.get("model_type") not in _MULTIMODAL or not isinstance(d.get("text_config"), dict):
         return d
     import transformers

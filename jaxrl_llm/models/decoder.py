@@ -241,7 +241,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
                    attention: LayerAttention | dict[str, LayerAttention], state: ArrayTree, *,
                    compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
-                   record_routing: bool = False) -> tuple[Array, Any, MoeOut | None]:
+                   record_routing: bool = False, embeds: tuple[Array, Array] | None = None
+                   ) -> tuple[Array, Any, MoeOut | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) of input_ids [B, T] at integer
     positions [B, T], the attention's final state (see `LayerAttention`) and, for a mixture-of-experts
     model, its `MoeOut`: router stats over valid [B, T] tokens (default all) and, with
@@ -249,17 +250,23 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     `replay` [L, B, T, k]: the experts each layer runs instead of its router's top-k (routing replay;
     a sampler's prefill replays a multi-turn conversation's earlier turns). A mixed-layer model's dense layers
     have stats of no tokens and ids 0, and ignore their `replay` rows. A Gemma 4 model (`cfg.typed_layers`)
-    takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py)."""
+    takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py).
+    `embeds` (slots [B, T] int32, features [M, H]): a vision-language model's image features, feature
+    slots[b, t] in place of token (b, t)'s embedding where slots >= 0 (models/vision/qwen_vl.py); positions may
+    then be M-RoPE's [3, B, T]."""
     with invariant.mode(cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
         return _decoder_hidden(params, cfg, input_ids, positions, attention, state, compute_dtype=compute_dtype,
-                               remat=remat, valid=valid, replay=replay, record_routing=record_routing)
+                               remat=remat, valid=valid, replay=replay, record_routing=record_routing,
+                               embeds=embeds)
 
 
 def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                     attention: LayerAttention | dict[str, LayerAttention], state: ArrayTree, *, compute_dtype: DType,
                     remat: bool | str, valid: Array | None, replay: Array | None,
-                    record_routing: bool) -> tuple[Array, Any, MoeOut | None]:
+                    record_routing: bool, embeds: tuple[Array, Array] | None) -> tuple[Array, Any, MoeOut | None]:
     dtype = jnp.dtype(compute_dtype)
+    if embeds is not None and (cfg.typed_layers or cfg.hybrid):
+        raise ValueError(f"image features: {cfg.model_type} has no vision-language model here")
     if cfg.typed_layers:  # Gemma 4: per-kind weight stacks, a state per attention type (models/gemma4.py)
         assert isinstance(attention, dict)
         return typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
@@ -271,6 +278,10 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
                                      record_routing=record_routing)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
+    if embeds is not None:  # image tokens take their features (in the compute dtype, as transformers scatters)
+        slots, features = embeds
+        picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0).astype(jnp.float32)
+        x = jnp.where((slots >= 0)[..., None], picked, x)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
     split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1

@@ -24,18 +24,18 @@ Array = jax.Array
 @overload
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: None = None, compute_dtype: DType = jnp.float32,
-                   remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None
-                   ) -> tuple[Array, None]: ...
+                   remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None,
+                   embeds: tuple[Array, Array] | None = None) -> tuple[Array, None]: ...
 @overload
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict, compute_dtype: DType = jnp.float32,
-                   remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None
-                   ) -> tuple[Array, dict]: ...
+                   remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None,
+                   embeds: tuple[Array, Array] | None = None) -> tuple[Array, dict]: ...
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
                    compute_dtype: DType = jnp.float32, remat: bool | str = False,
-                   segment_ids: Array | None = None, branch_ids: Array | None = None
-                   ) -> tuple[Array, dict | None]:
+                   segment_ids: Array | None = None, branch_ids: Array | None = None,
+                   embeds: tuple[Array, Array] | None = None) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 
     Positions default to cumsum(attention_mask) - 1 clipped at 0 (over the cache slots too when a
@@ -45,11 +45,12 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     sequence's hidden states equal those of the sequence alone (jaxrl_llm/batching). branch_ids [B, T]
     (with segment_ids and positions): a segment holding one prompt and several continuations of it,
     each seeing the prompt and itself only (`attention_context`). LoRA adapters in
-    `params["lora"]` (models/lora.py) are applied inside the layers.
+    `params["lora"]` (models/lora.py) are applied inside the layers. `embeds`: image features in place of
+    image tokens' embeddings, with M-RoPE positions [3, B, T] (`decoder_hidden`; models/vision/qwen_vl.py).
     """
     hidden, new_cache, _ = _forward(params, cfg, input_ids, attention_mask, positions=positions, cache=cache,
                                     compute_dtype=compute_dtype, remat=remat, segment_ids=segment_ids,
-                                    branch_ids=branch_ids)
+                                    branch_ids=branch_ids, embeds=embeds)
     return hidden, new_cache
 
 
@@ -81,8 +82,8 @@ def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, atte
 
 def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *, positions: Array | None,
              cache: dict | None, compute_dtype: DType, remat: bool | str, segment_ids: Array | None,
-             branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False
-             ) -> tuple[Array, dict | None, MoeOut | None]:
+             branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False,
+             embeds: tuple[Array, Array] | None = None) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids, branch_ids)
     # batch-invariant attention anchors its key blocks at each row's first token (models/invariant.py)
@@ -107,7 +108,7 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
             kv = HybridState.of(kv, cache)
     hidden, kv, moe = decoder_hidden(params, cfg, input_ids, positions, attention, kv, compute_dtype=compute_dtype,
                                      remat=remat, valid=attention_mask > 0, replay=replay,
-                                     record_routing=record_routing)
+                                     record_routing=record_routing, embeds=embeds)
     if cache is None:
         return hidden, None, moe
     if cfg.typed_layers:

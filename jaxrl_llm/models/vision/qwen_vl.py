@@ -1,0 +1,160 @@
+"""Qwen2.5-VL as one forward: the vision tower's features (models/vision/qwen_vit.py) in place of the image tokens'
+embeddings, and the text model (Qwen2's decoder, `ModelConfig` with `mrope_section`) over M-RoPE positions.
+
+A prompt holds, per image, `<|vision_start|>` then as many `<|image_pad|>` tokens as the image has merged
+blocks (grid t x h x w / S^2) then `<|vision_end|>`. `image_slots` numbers the image tokens of a batch in row-major
+order: token (b, t) takes feature slots[b, t] of the batch's images, in the order the processor packed them.
+
+M-RoPE positions (`mrope_positions`, transformers' `get_rope_index` for images): text tokens count on in all three
+streams; an image's tokens take (start, start + row, start + column) for (temporal, height, width), start being
+the position the image begins at, and the text after it continues from start + max(h, w) / S. Padding takes 0.
+A row's positions thus run shorter than its length; `deltas` [B] = (last position + 1) - valid tokens is what a
+decode step adds to its 1-D position (all three streams equal from there on).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrl_llm.arrays import DType
+from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
+from jaxrl_llm.models.vision.qwen_vit import VisionConfig, vision_features, vision_layout
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLanguage:
+    """What a Qwen2.5-VL policy adds to its text model: the tower's config and the image token ids."""
+
+    vision: VisionConfig
+    image_token_id: int
+    vision_start_token_id: int
+
+    @classmethod
+    def from_hf_config(cls, d: Mapping[str, Any]) -> VisionLanguage | None:
+        """From a config.json; None when it is not a Qwen2.5-VL model's."""
+        if d.get("model_type") != "qwen2_5_vl":
+            return None
+        return cls(vision=VisionConfig.from_hf(d.get("vision_config") or {}),
+                   image_token_id=int(d.get("image_token_id", 151655)),
+                   vision_start_token_id=int(d.get("vision_start_token_id", 151652)))
+
+
+def _image_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of image tokens in one row's valid ids."""
+    is_image = np.concatenate([[False], ids == image_token_id, [False]])
+    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def mrope_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_grid_thw: np.ndarray,
+                    vl: VisionLanguage) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [3, B, T] int32, deltas [B] int32) of a left- or right-padded batch (module doc)."""
+    merge = vl.vision.spatial_merge_size
+    b, t = input_ids.shape
+    positions = np.zeros((3, b, t), np.int32)
+    deltas = np.zeros((b,), np.int32)
+    grids = iter(np.asarray(image_grid_thw, np.int64).reshape(-1, 3).tolist())
+    for row in range(b):
+        valid = np.asarray(attention_mask[row]) > 0
+        ids = np.asarray(input_ids[row])[valid]
+        streams, pos, cursor = [], 0, 0
+        for start, end in _image_runs(ids, vl.image_token_id):
+            text = start - cursor
+            streams.append(np.broadcast_to(pos + np.arange(text), (3, text)))
+            pos += text
+            try:
+                gt, gh, gw = next(grids)
+            except StopIteration:
+                raise ValueError(f"row {row}: more runs of image tokens than images ({len(image_grid_thw)})") from None
+            gh, gw = gh // merge, gw // merge
+            if gt * gh * gw != end - start:
+                raise ValueError(f"row {row}: a run of {end - start} image tokens for an image of {gt * gh * gw} "
+                                 f"merged blocks (grid {gt} x {gh * merge} x {gw * merge})")
+            tt, hh, ww = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
+            streams.append(np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + pos)
+            pos += max(gh, gw)
+            cursor = end
+        text = len(ids) - cursor
+        streams.append(np.broadcast_to(pos + np.arange(text), (3, text)))
+        row_positions = np.concatenate(streams, axis=1) if streams else np.zeros((3, 0), np.int64)
+        positions[:, row, valid] = row_positions
+        deltas[row] = (int(row_positions.max()) + 1 if row_positions.size else 0) - len(ids)
+    if next(grids, None) is not None:
+        raise ValueError(f"{len(image_grid_thw)} images but fewer runs of image tokens in the batch")
+    return positions, deltas
+
+
+def image_slots(input_ids: np.ndarray, attention_mask: np.ndarray, vl: VisionLanguage, num_features: int
+                ) -> np.ndarray:
+    """[B, T] int32: the feature each valid image token takes (row-major over the batch), -1 elsewhere."""
+    is_image = (np.asarray(input_ids) == vl.image_token_id) & (np.asarray(attention_mask) > 0)
+    if int(is_image.sum()) != num_features:
+        raise ValueError(f"{int(is_image.sum())} image tokens in the batch but the images give {num_features} "
+                         "features")
+    slots = np.cumsum(is_image.reshape(-1)).reshape(is_image.shape) - 1
+    return np.where(is_image, slots, -1).astype(np.int32)
+
+
+def image_text_logits(params: dict, cfg: ModelConfig, vision_params: Mapping[str, Any], vl: VisionLanguage,
+                      input_ids: np.ndarray, attention_mask: np.ndarray, pixel_values: np.ndarray,
+                      image_grid_thw: np.ndarray, *, compute_dtype: DType = jnp.float32) -> Array:
+    """[B, T, V] fp32 logits of prompts with images (the processor's pixel_values and grids)."""
+    if not cfg.mrope_section:
+        raise ValueError(f"{cfg.architecture}: the text model has no mrope_section (not a Qwen2.5-VL text model)")
+    features = vision_features(vision_params, vl.vision, jnp.asarray(pixel_values), vision_layout(vl.vision,
+                                                                                                 image_grid_thw),
+                               dtype=compute_dtype)
+    positions, _ = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
+    slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
+    hidden, _ = forward_hidden(params, cfg, jnp.asarray(input_ids), jnp.asarray(attention_mask),
+                               positions=jnp.asarray(positions), compute_dtype=compute_dtype,
+                               embeds=(jnp.asarray(slots), features))
+    return logits_from_hidden(params, cfg, hidden)
+
+
+def image_text_greedy(params: dict, cfg: ModelConfig, vision_params: Mapping[str, Any], vl: VisionLanguage,
+                      input_ids: np.ndarray, attention_mask: np.ndarray, pixel_values: np.ndarray,
+                      image_grid_thw: np.ndarray, max_new_tokens: int, *,
+                      compute_dtype: DType = jnp.float32) -> Array:
+    """[B, max_new_tokens] argmax continuations of left-padded prompts with images (the reference decoding the
+    engines are tested against): the prefill over M-RoPE positions with the image features, then each new token
+    at its row's 1-D position plus the row's M-RoPE delta (the three streams equal)."""
+    features = vision_features(vision_params, vl.vision, jnp.asarray(pixel_values),
+                               vision_layout(vl.vision, image_grid_thw), dtype=compute_dtype)
+    positions, deltas = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
+    slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
+    lengths = np.asarray(attention_mask).sum(axis=1).astype(np.int32)
+    return _greedy(params, cfg, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
+                   jnp.asarray(positions), jnp.asarray(slots), features, jnp.asarray(lengths + deltas),
+                   max_new_tokens, compute_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 8, 9))
+def _greedy(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, positions: Array, slots: Array,
+            features: Array, next_position: Array, max_new_tokens: int, compute_dtype: DType) -> Array:
+    b, p = input_ids.shape
+    cache = init_cache(cfg, b, p + max_new_tokens, compute_dtype)
+    hidden, cache = forward_hidden(params, cfg, input_ids, attention_mask, positions=positions, cache=cache,
+                                   compute_dtype=compute_dtype, embeds=(slots, features))
+    first = jnp.argmax(logits_from_hidden(params, cfg, hidden[:, -1]), axis=-1).astype(jnp.int32)
+
+    def step(carry: tuple[Array, dict, Array], _: None) -> tuple[tuple[Array, dict, Array], Array]:
+        token, cache, position = carry
+        hidden, cache = forward_hidden(params, cfg, token[:, None], jnp.ones((b, 1), jnp.int32),
+                                       positions=position[:, None], cache=cache, compute_dtype=compute_dtype)
+        nxt = jnp.argmax(logits_from_hidden(params, cfg, hidden[:, -1]), axis=-1).astype(jnp.int32)
+        return (nxt, cache, position + 1), token
+
+    _, tokens = lax.scan(step, (first, cache, next_position), None, length=max_new_tokens)
+    return tokens.T
