@@ -79,8 +79,8 @@ def segment_positions(segment_ids: Array) -> Array:
 
 
 def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array | None,
-                      cache: dict | None, segment_ids: Array | None = None, branch_ids: Array | None = None
-                      ) -> tuple[Array, Array, Array, Array | None]:
+                      cache: dict | None, segment_ids: Array | None = None, branch_ids: Array | None = None,
+                      position_offset: Array | None = None) -> tuple[Array, Array, Array, Array | None]:
     """(positions [B,T], allowed [B,T,S] bool, write_index, new cache mask or None).
 
     segment_ids [B, T] (packed rows, no cache): several sequences share a row; a query sees only
@@ -88,7 +88,8 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     branch_ids [B, T] (with segment_ids): a segment that is one prompt followed by several
     continuations of it (branch 0 = the prompt, 1, 2, ... = the continuations back to back); a
     query sees the prompt and its own branch only, as if each continuation followed the prompt
-    alone (pass the positions such a sequence would have)."""
+    alone (pass the positions such a sequence would have). position_offset [B]: added to the positions it
+    computes (not to given ones): a vision-language row's M-RoPE delta when it decodes (models/vision/qwen_vl.py)."""
     b, t = attention_mask.shape
     if branch_ids is not None and (segment_ids is None or positions is None):
         raise ValueError("branch_ids (shared-prompt packing) need segment_ids and explicit positions")
@@ -107,6 +108,8 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     if positions is None:
         valid_upto = lax.dynamic_slice(jnp.cumsum(slot_mask, axis=1), (0, write_index), (b, t))
         positions = jnp.maximum(valid_upto - 1, 0)
+        if position_offset is not None:
+            positions = positions + position_offset[:, None].astype(positions.dtype)
     q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
     k_slot = jnp.arange(slot_mask.shape[1], dtype=jnp.int32)
     visible = k_slot[None, :] <= q_slot[:, None]

@@ -25,17 +25,20 @@ Array = jax.Array
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: None = None, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None,
-                   embeds: tuple[Array, Array] | None = None) -> tuple[Array, None]: ...
+                   embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+                   ) -> tuple[Array, None]: ...
 @overload
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None,
-                   embeds: tuple[Array, Array] | None = None) -> tuple[Array, dict]: ...
+                   embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+                   ) -> tuple[Array, dict]: ...
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
                    compute_dtype: DType = jnp.float32, remat: bool | str = False,
                    segment_ids: Array | None = None, branch_ids: Array | None = None,
-                   embeds: tuple[Array, Array] | None = None) -> tuple[Array, dict | None]:
+                   embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+                   ) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 
     Positions default to cumsum(attention_mask) - 1 clipped at 0 (over the cache slots too when a
@@ -46,11 +49,12 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
     (with segment_ids and positions): a segment holding one prompt and several continuations of it,
     each seeing the prompt and itself only (`attention_context`). LoRA adapters in
     `params["lora"]` (models/lora.py) are applied inside the layers. `embeds`: image features in place of
-    image tokens' embeddings, with M-RoPE positions [3, B, T] (`decoder_hidden`; models/vision/qwen_vl.py).
+    image tokens' embeddings, with M-RoPE positions [3, B, T] (`decoder_hidden`; models/vision/qwen_vl.py);
+    `position_offset` [B]: added to the default positions (a vision-language row's decode delta).
     """
     hidden, new_cache, _ = _forward(params, cfg, input_ids, attention_mask, positions=positions, cache=cache,
                                     compute_dtype=compute_dtype, remat=remat, segment_ids=segment_ids,
-                                    branch_ids=branch_ids, embeds=embeds)
+                                    branch_ids=branch_ids, embeds=embeds, position_offset=position_offset)
     return hidden, new_cache
 
 
@@ -83,9 +87,10 @@ def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, atte
 def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *, positions: Array | None,
              cache: dict | None, compute_dtype: DType, remat: bool | str, segment_ids: Array | None,
              branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False,
-             embeds: tuple[Array, Array] | None = None) -> tuple[Array, dict | None, MoeOut | None]:
+             embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+             ) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
-                                                                  cache, segment_ids, branch_ids)
+                                                                  cache, segment_ids, branch_ids, position_offset)
     # batch-invariant attention anchors its key blocks at each row's first token (models/invariant.py)
     key_start = None
     if cfg.batch_invariant:

@@ -37,6 +37,7 @@ from jaxrl_llm.models import (
 )
 from jaxrl_llm.models.hybrid import RECURRENT_KEYS
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import choose_tokens
 from jaxrl_llm.sharding import mesh_context, with_activation_constraint
@@ -107,17 +108,17 @@ def _record(state: _LoopState, step: Array, tok: Array, lp: Array, knobs: Sample
 @functools.partial(jax.jit, static_argnames=("cfg", "settings", "mesh"))
 def sample_program(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
                    knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None,
-                   prompt_routing: Array | None = None) -> SampleOutput:
+                   prompt_routing: Array | None = None, images: ImagePrompt | None = None) -> SampleOutput:
     """The jitted program behind `sample` (no input checks): what the memory plan lowers and what
     tests count compiled programs of. Traced on `mesh` (expert parallelism reads it)."""
     with mesh_context(mesh):
         return _sample(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh,
-                       prompt_routing=prompt_routing)
+                       prompt_routing=prompt_routing, images=images)
 
 
 def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Array, rng: Array,
             knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None,
-            prompt_routing: Array | None) -> SampleOutput:
+            prompt_routing: Array | None, images: ImagePrompt | None) -> SampleOutput:
     prompt_ids = with_activation_constraint(prompt_ids.astype(jnp.int32), ("batch", "length"), mesh)
     prompt_mask = with_activation_constraint(prompt_mask.astype(jnp.int32), ("batch", "length"), mesh)
     n = settings.n
@@ -134,12 +135,18 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
         hidden, cache, prefill_routing = forward_hidden_routed(params, cfg, prompt_ids, prompt_mask, cache=cache,
                                                                compute_dtype=dtype, replay=replay)
         routing = _routing_buffer(prefill_routing, prompt_mask, cfg, r)
+    elif images is not None:  # a vision-language prompt: image features, M-RoPE positions (models/vision/qwen_vl.py)
+        hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype,
+                                       positions=images.positions, embeds=(images.slots, images.features))
     else:
         hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
+    # each row's decode positions: its token count, plus its M-RoPE delta after images
+    offset = None if images is None else images.deltas.astype(jnp.int32)
     # left padding: the last slot of every row is its last real prompt token
     logits = logits_from_hidden(params, cfg, hidden[:, -1])
     if n > 1:
         prompt_ids, prompt_mask, logits = (jnp.repeat(x, n, axis=0) for x in (prompt_ids, prompt_mask, logits))
+        offset = None if offset is None else jnp.repeat(offset, n, axis=0)
         routing = None if routing is None else jnp.repeat(routing, n, axis=0)
         per_row = (*_KV_KEYS, *RECURRENT_KEYS)  # rows on axis 1 (a hybrid model's state: [layers, B, ...])
         cache = {**{name: jnp.repeat(cache[name], n, axis=1) for name in per_row if name in cache},
@@ -171,7 +178,7 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
                 s.routing, column, (0, prompt_ids.shape[1] + s.step - 1, 0, 0)))
         else:
             hidden, cache = forward_hidden(params, cfg, s.last[:, None], feed_mask, cache=s.cache,
-                                           compute_dtype=dtype)
+                                           compute_dtype=dtype, position_offset=offset)
         tok, lp = choose_tokens(logits_from_hidden(params, cfg, hidden[:, 0]),
                                 jax.random.fold_in(rng, s.step), knobs, settings)
         s = _record(s._replace(cache=_constrain_cache(cache, mesh)), s.step, tok, lp, knobs)
@@ -196,7 +203,7 @@ def _routing_buffer(prefill: Array | None, prompt_mask: Array, cfg: ModelConfig,
 
 def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask: HostOrDevice, rng: Array,
            knobs: SampleKnobs, *, settings: SampleSettings, mesh: Mesh | None = None,
-           prompt_routing: HostOrDevice | None = None) -> SampleOutput:
+           prompt_routing: HostOrDevice | None = None, images: ImagePrompt | None = None) -> SampleOutput:
     """Generates up to `settings.max_new_tokens` tokens for every row of a LEFT-padded prompt batch.
 
     prompt_ids / prompt_mask: int [B, P], every row with at least one real token and its last
@@ -204,8 +211,9 @@ def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask
     `SamplingParams.compile_args`. mesh: the mesh the params live on (None: the mesh in context,
     or a single device). prompt_routing: with settings.record_routing on a MoE model, int
     [B, P, L, k] experts the prefill runs (a multi-turn conversation's earlier turns; NOT_RECORDED:
-    the router's choice), recorded as they ran. Jitted (static: cfg, settings, mesh); callable
-    inside another jit.
+    the router's choice), recorded as they ran. images: a vision-language model's prompt images
+    (`models.vision.qwen_vl.image_prompt`: features, M-RoPE positions, decode deltas). Jitted (static: cfg,
+    settings, mesh); callable inside another jit.
     """
     if settings.batch_invariant != cfg.batch_invariant:  # the log-probs follow the model's numerics
         settings = dataclasses.replace(settings, batch_invariant=cfg.batch_invariant)
@@ -216,5 +224,8 @@ def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask
         raise ValueError("prompt_ids: prompt length must be >= 1")
     if prompt_routing is not None and prompt_routing.shape[:2] != prompt_ids.shape:
         raise ValueError(f"prompt_routing {prompt_routing.shape} does not start with prompt_ids' {prompt_ids.shape}")
+    if images is not None and (settings.record_routing and cfg.is_moe or images.slots.shape != prompt_ids.shape):
+        raise ValueError(f"images: slots {images.slots.shape} must be prompt_ids' {prompt_ids.shape} (and no routing "
+                         "recording: no vision-language MoE model here)")
     return sample_program(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh,
-                          prompt_routing=prompt_routing)
+                          prompt_routing=prompt_routing, images=images)

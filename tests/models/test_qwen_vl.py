@@ -136,3 +136,40 @@ def test_greedy_with_images_matches_transformers_generate(checkpoint, monkeypatc
     positions_of = qwen_vl.mrope_positions
     monkeypatch.setattr(qwen_vl, "mrope_positions", lambda *a: (positions_of(*a)[0], np.zeros(2, np.int32)))
     assert (np.asarray(image_text_greedy(params, cfg, vision, vl, ids, mask, pixels, grid, 8)) != expected).any()
+
+
+def test_static_sampler_with_images_follows_transformers_and_the_rescoring(checkpoint):
+    # the sampler's prefill with the image features and M-RoPE positions, decode at each row's delta: greedy
+    # tokens (n = 2 samples a prompt) are transformers', sampled tokens' log-probs the full forward's
+    import jax
+
+    from jaxrl_llm.models.vision.qwen_vl import image_prompt
+    from jaxrl_llm.sampler import SamplingParams, sample
+
+    model, folder = checkpoint
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
+                             mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)),
+                             max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    cfg, params = load_hf_folder(folder)
+    vl, vision = load_vision_tower(folder)
+    images = image_prompt(vision, vl, ids, mask, pixels, grid)
+    for sp in (SamplingParams(max_new_tokens=6, do_sample=False, n=2), SamplingParams(max_new_tokens=6, n=2)):
+        settings, knobs = sp.compile_args((), PAD, vocab_size=cfg.vocab_size)
+        got = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
+                     images=images)
+        if not sp.do_sample:
+            np.testing.assert_array_equal(np.asarray(got.tokens), np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
+            continue
+        full = np.concatenate([np.repeat(ids, 2, 0), np.asarray(got.tokens)], axis=1)
+        full_mask = np.concatenate([np.repeat(mask, 2, 0), np.asarray(got.response_mask)], axis=1)
+        # each prompt's images once per sample: the grids repeated in row order
+        rows_grid = np.concatenate([grid[:1], grid[:1], grid[1:], grid[1:]])
+        rows_pixels = np.concatenate([pixels[:24], pixels[:24], pixels[24:], pixels[24:]])
+        logits = image_text_logits(params, cfg, vision, vl, full, full_mask, rows_pixels, rows_grid)
+        logp = np.asarray(jax.nn.log_softmax(logits[:, ids.shape[1] - 1:-1], axis=-1))
+        picked = np.take_along_axis(logp, np.asarray(got.tokens)[..., None], axis=-1)[..., 0]
+        m = np.asarray(got.response_mask).astype(bool)
+        np.testing.assert_allclose(np.asarray(got.log_probs)[m], picked[m], atol=1e-5)

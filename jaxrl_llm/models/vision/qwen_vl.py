@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,20 +106,41 @@ def image_slots(input_ids: np.ndarray, attention_mask: np.ndarray, vl: VisionLan
     return np.where(is_image, slots, -1).astype(np.int32)
 
 
+class ImagePrompt(NamedTuple):
+    """What a batch of prompts with images adds to their token ids for a sampler's prefill and decode."""
+
+    positions: Array  # [3, B, P] int32 M-RoPE positions of the prompt tokens
+    slots: Array  # [B, P] int32: the feature each image token takes, -1 elsewhere
+    features: Array  # [M, H] fp32 image features
+    deltas: Array  # [B] int32: added to each row's 1-D position when it decodes
+
+
+_vision_features = jax.jit(vision_features, static_argnums=(1,), static_argnames=("dtype",))
+
+
+def image_prompt(vision_params: Mapping[str, Any], vl: VisionLanguage, input_ids: np.ndarray,
+                 attention_mask: np.ndarray, pixel_values: np.ndarray, image_grid_thw: np.ndarray, *,
+                 compute_dtype: DType = jnp.float32) -> ImagePrompt:
+    """The tower run once over the batch's images (processor order) and the positions / slots of its tokens."""
+    layout = vision_layout(vl.vision, image_grid_thw)
+    features = _vision_features(vision_params, vl.vision, jnp.asarray(pixel_values),
+                                jax.tree.map(jnp.asarray, layout), dtype=compute_dtype)
+    positions, deltas = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
+    slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
+    return ImagePrompt(jnp.asarray(positions), jnp.asarray(slots), features, jnp.asarray(deltas))
+
+
 def image_text_logits(params: dict, cfg: ModelConfig, vision_params: Mapping[str, Any], vl: VisionLanguage,
                       input_ids: np.ndarray, attention_mask: np.ndarray, pixel_values: np.ndarray,
                       image_grid_thw: np.ndarray, *, compute_dtype: DType = jnp.float32) -> Array:
     """[B, T, V] fp32 logits of prompts with images (the processor's pixel_values and grids)."""
     if not cfg.mrope_section:
         raise ValueError(f"{cfg.architecture}: the text model has no mrope_section (not a Qwen2.5-VL text model)")
-    features = vision_features(vision_params, vl.vision, jnp.asarray(pixel_values), vision_layout(vl.vision,
-                                                                                                 image_grid_thw),
-                               dtype=compute_dtype)
-    positions, _ = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
-    slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
+    prompt = image_prompt(vision_params, vl, input_ids, attention_mask, pixel_values, image_grid_thw,
+                          compute_dtype=compute_dtype)
     hidden, _ = forward_hidden(params, cfg, jnp.asarray(input_ids), jnp.asarray(attention_mask),
-                               positions=jnp.asarray(positions), compute_dtype=compute_dtype,
-                               embeds=(jnp.asarray(slots), features))
+                               positions=prompt.positions, compute_dtype=compute_dtype,
+                               embeds=(prompt.slots, prompt.features))
     return logits_from_hidden(params, cfg, hidden)
 
 
@@ -130,14 +151,12 @@ def image_text_greedy(params: dict, cfg: ModelConfig, vision_params: Mapping[str
     """[B, max_new_tokens] argmax continuations of left-padded prompts with images (the reference decoding the
     engines are tested against): the prefill over M-RoPE positions with the image features, then each new token
     at its row's 1-D position plus the row's M-RoPE delta (the three streams equal)."""
-    features = vision_features(vision_params, vl.vision, jnp.asarray(pixel_values),
-                               vision_layout(vl.vision, image_grid_thw), dtype=compute_dtype)
-    positions, deltas = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
-    slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
-    lengths = np.asarray(attention_mask).sum(axis=1).astype(np.int32)
+    prompt = image_prompt(vision_params, vl, input_ids, attention_mask, pixel_values, image_grid_thw,
+                          compute_dtype=compute_dtype)
+    lengths = jnp.asarray(np.asarray(attention_mask).sum(axis=1), jnp.int32)
     return _greedy(params, cfg, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
-                   jnp.asarray(positions), jnp.asarray(slots), features, jnp.asarray(lengths + deltas),
-                   max_new_tokens, compute_dtype)
+                   prompt.positions, prompt.slots, prompt.features, lengths + prompt.deltas, max_new_tokens,
+                   compute_dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 8, 9))
