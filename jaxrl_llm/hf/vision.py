@@ -1,12 +1,24 @@
 """A Qwen2.5-VL folder's vision tower: its config and weights (`visual.*` as the releases save them, or
-`model.visual.*` as transformers 5 does), beside the text model `load_hf_folder` loads (docs/vision.md)."""
+`model.visual.*` as transformers 5 does), beside the text model `load_hf_folder` loads (docs/vision.md); and the
+export of both back to a folder transformers loads."""
 from __future__ import annotations
 
+import json
 import pathlib
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_llm.arrays import DType
+from jaxrl_llm.hf.export import export_hf, staged_folder
 from jaxrl_llm.hf.hf_folder import SafetensorsSource, read_hf_config
-from jaxrl_llm.models.vision.qwen_vit import VISION_PREFIXES, vision_params_from_hf
+from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.dtypes import as_jnp_dtype
+from jaxrl_llm.models.vision.qwen_vit import VISION_PREFIXES, vision_params_from_hf, vision_params_to_hf
 from jaxrl_llm.models.vision.qwen_vl import VisionLanguage
 
 
@@ -33,3 +45,43 @@ def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[st
     if not any(f"{p}patch_embed.proj.weight" in tensors for p in VISION_PREFIXES):
         raise ValueError(f"{path}: no vision tower weights ({' or '.join(p + '*' for p in VISION_PREFIXES)})")
     return vl, vision_params_from_hf(tensors, vl.vision)  # type: ignore[arg-type]
+
+
+def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[str, Any],
+                           vision_params: Mapping[str, Any], out_dir: str | pathlib.Path, *,
+                           tokenizer: Tokenizer | None = None, dtype: DType | None = None) -> pathlib.Path:
+    """A Qwen2.5-VL folder transformers loads: the text model as `export_hf` writes it (`model.*`, `lm_head.*`,
+    the released checkpoints' names), the tower under `model.visual.*` (transformers 5's) in a file of its own, one
+    index over both, and `vl_config` (the source folder's config.json) as config.json. Local folders only."""
+    out_dir = pathlib.Path(out_dir)
+    vl = VisionLanguage.from_hf_config(vl_config)
+    if vl is None:
+        raise ValueError("vl_config: not a Qwen2.5-VL config.json (model_type is not 'qwen2_5_vl')")
+    np_dtype = np.dtype(as_jnp_dtype(dtype if dtype is not None else params["embedding"].dtype, what="export"))
+    # transformers 5 maps the released text names (model.layers.*) to its own but not the tower's visual.*
+    tower = {k: v.astype(np_dtype) for k, v in vision_params_to_hf(vision_params, vl.vision, "model.visual.").items()}
+    with staged_folder(out_dir) as tmp:  # all of it or nothing at out_dir
+        folder = export_hf(cfg, params, tmp / "hf", tokenizer=tokenizer, dtype=dtype)
+        index_path = folder / "model.safetensors.index.json"
+        if index_path.is_file():
+            index = json.loads(index_path.read_text())
+        else:  # one text file: renamed into a sharded layout (a reader takes a lone model.safetensors over an index)
+            text_file = "model-text.safetensors"
+            (folder / "model.safetensors").rename(folder / text_file)
+            with safe_open(str(folder / text_file), framework="numpy") as handle:
+                names = list(handle.keys())
+            index = {"metadata": {"total_size": (folder / text_file).stat().st_size},
+                     "weight_map": dict.fromkeys(names, text_file)}
+        save_file(tower, str(folder / "model-vision.safetensors"), metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(tower, "model-vision.safetensors"))
+        index["metadata"]["total_size"] = int(index["metadata"].get("total_size", 0)) + sum(
+            t.nbytes for t in tower.values())
+        index_path.write_text(json.dumps({"metadata": index["metadata"],
+                                          "weight_map": dict(sorted(index["weight_map"].items()))}, indent=2))
+        config = {**dict(vl_config), "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                  "dtype": np_dtype.name, "torch_dtype": np_dtype.name}
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for item in folder.iterdir():  # the folder's files to the staged root
+            item.rename(tmp / item.name)
+        folder.rmdir()
+    return out_dir

@@ -173,3 +173,28 @@ def test_static_sampler_with_images_follows_transformers_and_the_rescoring(check
         picked = np.take_along_axis(logp, np.asarray(got.tokens)[..., None], axis=-1)[..., 0]
         m = np.asarray(got.response_mask).astype(bool)
         np.testing.assert_allclose(np.asarray(got.log_probs)[m], picked[m], atol=1e-5)
+
+
+def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
+    # the text model under the released names, the tower under visual.*, the source config.json: transformers'
+    # Qwen2_5_VLForConditionalGeneration loads it with the same logits on rows with images
+    from jaxrl_llm.hf.hf_folder import read_hf_config
+    from jaxrl_llm.hf.vision import export_vision_language
+
+    model, folder = checkpoint
+    cfg, params = load_hf_folder(folder)
+    vl, vision = load_vision_tower(folder)
+    out = export_vision_language(cfg, params, read_hf_config(folder), vision, tmp_path / "export")
+    reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
+    ids, mask, pixels, grid = batch()
+    kw = dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+              pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
+              mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)))
+    with torch.no_grad():
+        expected, got = model(**kw).logits.numpy(), reloaded(**kw).logits.numpy()
+    np.testing.assert_allclose(got[mask > 0], expected[mask > 0], atol=1e-6, rtol=0)
+    # and ours reads the export back
+    cfg2, params2 = load_hf_folder(out)
+    vl2, vision2 = load_vision_tower(out)
+    ours = np.asarray(image_text_logits(params2, cfg2, vision2, vl2, ids, mask, pixels, grid))
+    np.testing.assert_allclose(ours[mask > 0], expected[mask > 0], atol=1e-4, rtol=0)

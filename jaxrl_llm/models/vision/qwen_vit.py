@@ -216,3 +216,17 @@ def vision_params_from_hf(tensors: Mapping[str, np.ndarray], cfg: VisionConfig) 
               for ours, (name, t) in _BLOCK_WEIGHTS.items()}
     merger = {ours: get(f"merger.{name}", t) for ours, (name, t) in _MERGER_WEIGHTS.items()}
     return {"patch_embed": patch.reshape(patch.shape[0], -1).T, "blocks": blocks, "merger": merger}
+
+
+def vision_params_to_hf(params: Mapping[str, Any], cfg: VisionConfig, prefix: str = "visual.") -> dict[str, np.ndarray]:
+    """The tower's tensors under transformers' names (the inverse of `vision_params_from_hf`), fp32."""
+    out = {f"{prefix}patch_embed.proj.weight": np.asarray(params["patch_embed"], np.float32).T.reshape(
+        cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)}
+    for ours, (name, transpose) in _BLOCK_WEIGHTS.items():
+        stacked = np.asarray(params["blocks"][ours], np.float32)
+        for i in range(cfg.depth):
+            out[f"{prefix}blocks.{i}.{name}"] = stacked[i].T if transpose else stacked[i]
+    for ours, (name, transpose) in _MERGER_WEIGHTS.items():
+        value = np.asarray(params["merger"][ours], np.float32)
+        out[f"{prefix}merger.{name}"] = value.T if transpose else value
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
