@@ -94,6 +94,12 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...] | None:
         return self._shapes.get(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._shapes
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.read(name)
+
     def read(self, name: str) -> np.ndarray:
         if name in self._mxfp4:
             blocks, scales = self._mxfp4[name]

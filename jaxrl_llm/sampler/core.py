@@ -135,11 +135,10 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
         hidden, cache, prefill_routing = forward_hidden_routed(params, cfg, prompt_ids, prompt_mask, cache=cache,
                                                                compute_dtype=dtype, replay=replay)
         routing = _routing_buffer(prefill_routing, prompt_mask, cfg, r)
-    elif images is not None:  # a vision-language prompt: image features, M-RoPE positions (models/vision/qwen_vl.py)
+    else:  # a vision-language prompt adds its image features and M-RoPE positions (models/vision/qwen_vl.py)
+        positions, embeds = (None, None) if images is None else (images.positions, (images.slots, images.features))
         hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype,
-                                       positions=images.positions, embeds=(images.slots, images.features))
-    else:
-        hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype)
+                                       positions=positions, embeds=embeds)
     # each row's decode positions: its token count, plus its M-RoPE delta after images
     offset = None if images is None else images.deltas.astype(jnp.int32)
     # left padding: the last slot of every row is its last real prompt token

@@ -65,13 +65,18 @@ def batch():
     return ids, mask, out["pixel_values"], out["image_grid_thw"]
 
 
+def hf_inputs(ids, mask, pixels, grid):
+    """transformers' keyword inputs of a batch with images (image tokens marked in mm_token_type_ids)."""
+    return dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
+                mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)))
+
+
 def test_logits_with_images_match_transformers(checkpoint):
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
     with torch.no_grad():
-        expected = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                         pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
-                         mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64))).logits.numpy()
+        expected = model(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
         hf_positions, hf_deltas = model.model.get_rope_index(
             torch.from_numpy(ids), mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)),
             image_grid_thw=torch.from_numpy(grid), attention_mask=torch.from_numpy(mask))
@@ -123,10 +128,8 @@ def test_greedy_with_images_matches_transformers_generate(checkpoint, monkeypatc
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
     with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                             pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
-                             mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)),
-                             max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+        out = model.generate(**hf_inputs(ids, mask, pixels, grid), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=PAD)
     expected = out[:, ids.shape[1]:].numpy()
     cfg, params = load_hf_folder(folder)
     vl, vision = load_vision_tower(folder)
@@ -149,10 +152,8 @@ def test_static_sampler_with_images_follows_transformers_and_the_rescoring(check
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
     with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                             pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
-                             mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)),
-                             max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+        out = model.generate(**hf_inputs(ids, mask, pixels, grid), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=PAD)
     cfg, params = load_hf_folder(folder)
     vl, vision = load_vision_tower(folder)
     images = image_prompt(vision, vl, ids, mask, pixels, grid)
@@ -187,9 +188,7 @@ def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
     out = export_vision_language(cfg, params, read_hf_config(folder), vision, tmp_path / "export")
     reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
     ids, mask, pixels, grid = batch()
-    kw = dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-              pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
-              mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)))
+    kw = hf_inputs(ids, mask, pixels, grid)
     with torch.no_grad():
         expected, got = model(**kw).logits.numpy(), reloaded(**kw).logits.numpy()
     np.testing.assert_allclose(got[mask > 0], expected[mask > 0], atol=1e-6, rtol=0)

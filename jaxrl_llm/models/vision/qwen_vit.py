@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.models.blocks import apply_rope, rms_norm
 
 Array = jax.Array
 
@@ -123,19 +124,9 @@ def vision_layout(cfg: VisionConfig, grid_thw: np.ndarray) -> VisionLayout:
                         frame=all_frames[order], window=np.concatenate(windows))
 
 
-def _rms_norm(x: Array, scale: Array, eps: float) -> Array:
-    x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
-
-
 def _linear(x: Array, kernel: Array, bias: Array | None, dtype: DType) -> Array:
     out = jnp.dot(x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
     return out if bias is None else out + bias.astype(jnp.float32)
-
-
-def _rotate_half(x: Array) -> Array:
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
 def rotary_tables(cfg: VisionConfig, positions: Array) -> tuple[Array, Array]:
@@ -162,25 +153,25 @@ def vision_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: 
 
     def block(x: Array, layer: tuple[Mapping[str, Any], Array]) -> tuple[Array, None]:
         p, full = layer
-        h = _rms_norm(x, p["norm1"], eps)
+        h = rms_norm(x, p["norm1"], eps, jnp.float32)
         qkv = _linear(h, p["qkv"], p["qkv_bias"], dtype).reshape(n, 3, heads, hd)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-        k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+        # the decoder's rotate-half RoPE over the packed patches as one row: [1, N, heads, hd]
+        q, k = (apply_rope(a[None], cos[None], sin[None])[0] for a in (qkv[:, 0], qkv[:, 1]))
+        v = qkv[:, 2]
         scores = jnp.einsum("qhd,khd->hqk", q.astype(dtype), k.astype(dtype),
                             preferred_element_type=jnp.float32) * hd ** -0.5
         mask = jnp.where(full, full_mask, window_mask)
         probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
         attn = jnp.einsum("hqk,khd->qhd", probs.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)
         x = x + _linear(attn.reshape(n, heads * hd), p["proj"], p["proj_bias"], dtype)
-        h = _rms_norm(x, p["norm2"], eps)
+        h = rms_norm(x, p["norm2"], eps, jnp.float32)
         gate = jax.nn.silu(_linear(h, p["gate_proj"], p["gate_proj_bias"], dtype))
         up = _linear(h, p["up_proj"], p["up_proj_bias"], dtype)
         return x + _linear(gate * up, p["down_proj"], p["down_proj_bias"], dtype), None
 
     x, _ = lax.scan(block, x, (params["blocks"], full_layers))
     m = params["merger"]
-    merged = _rms_norm(x, m["norm"], eps).reshape(n // cfg.merge_unit, cfg.merge_unit * cfg.hidden_size)
+    merged = rms_norm(x, m["norm"], eps, jnp.float32).reshape(n // cfg.merge_unit, cfg.merge_unit * cfg.hidden_size)
     merged = jax.nn.gelu(_linear(merged, m["fc1"], m["fc1_bias"], dtype), approximate=False)
     merged = _linear(merged, m["fc2"], m["fc2_bias"], dtype)
     return merged[jnp.asarray(layout.restore)]
@@ -199,7 +190,14 @@ _MERGER_WEIGHTS = {"norm": ("ln_q.weight", False), "fc1": ("mlp.0.weight", True)
 VISION_PREFIXES = ("model.visual.", "visual.")  # transformers' module path, and the released checkpoints'
 
 
-def vision_params_from_hf(tensors: Mapping[str, np.ndarray], cfg: VisionConfig) -> dict[str, Any]:
+class TensorLookup(Protocol):
+    """Tensors by name: a dict, or an HF folder's `SafetensorsSource` (read on demand)."""
+
+    def __contains__(self, name: object, /) -> bool: ...
+    def __getitem__(self, name: str, /) -> Any: ...
+
+
+def vision_params_from_hf(tensors: TensorLookup, cfg: VisionConfig) -> dict[str, Any]:
     """Our params from a state dict (name -> array) holding the tower under `visual.` or `model.visual.` (or at
     its root: the tower alone). A missing tensor is a KeyError naming it."""
     prefix = next((p for p in VISION_PREFIXES if f"{p}patch_embed.proj.weight" in tensors), "")

@@ -14,18 +14,16 @@ decode step adds to its 1-D position (all three streams equal from there on).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxrl_llm.arrays import DType
-from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, vision_features, vision_layout
 
@@ -153,27 +151,6 @@ def image_text_greedy(params: dict, cfg: ModelConfig, vision_params: Mapping[str
     at its row's 1-D position plus the row's M-RoPE delta (the three streams equal)."""
     prompt = image_prompt(vision_params, vl, input_ids, attention_mask, pixel_values, image_grid_thw,
                           compute_dtype=compute_dtype)
-    lengths = jnp.asarray(np.asarray(attention_mask).sum(axis=1), jnp.int32)
-    return _greedy(params, cfg, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
-                   prompt.positions, prompt.slots, prompt.features, lengths + prompt.deltas, max_new_tokens,
-                   compute_dtype)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 8, 9))
-def _greedy(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, positions: Array, slots: Array,
-            features: Array, next_position: Array, max_new_tokens: int, compute_dtype: DType) -> Array:
-    b, p = input_ids.shape
-    cache = init_cache(cfg, b, p + max_new_tokens, compute_dtype)
-    hidden, cache = forward_hidden(params, cfg, input_ids, attention_mask, positions=positions, cache=cache,
-                                   compute_dtype=compute_dtype, embeds=(slots, features))
-    first = jnp.argmax(logits_from_hidden(params, cfg, hidden[:, -1]), axis=-1).astype(jnp.int32)
-
-    def step(carry: tuple[Array, dict, Array], _: None) -> tuple[tuple[Array, dict, Array], Array]:
-        token, cache, position = carry
-        hidden, cache = forward_hidden(params, cfg, token[:, None], jnp.ones((b, 1), jnp.int32),
-                                       positions=position[:, None], cache=cache, compute_dtype=compute_dtype)
-        nxt = jnp.argmax(logits_from_hidden(params, cfg, hidden[:, -1]), axis=-1).astype(jnp.int32)
-        return (nxt, cache, position + 1), token
-
-    _, tokens = lax.scan(step, (first, cache, next_position), None, length=max_new_tokens)
-    return tokens.T
+    return greedy_generate(params, cfg, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
+                           max_new_tokens, compute_dtype=compute_dtype, positions=prompt.positions,
+                           embeds=(prompt.slots, prompt.features), position_offset=prompt.deltas)
