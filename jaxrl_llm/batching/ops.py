@@ -17,6 +17,7 @@ from jaxrl_llm.batching.layout import PackedLayout
 from jaxrl_llm.batching.step import NO_PADS, PassLayout
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe
 from jaxrl_llm.models.moe import NOT_RECORDED, MoeOut
+from jaxrl_llm.models.vision.qwen_vl import RowImages
 
 Array = jax.Array
 
@@ -96,19 +97,25 @@ def pad_columns(sequences: dict[str, Array], responses: dict[str, Array], prompt
 
 
 def run_no_grad_pass(fn: Callable[..., Any], params: Params, input_ids: Array, attention_mask: Array,
-                     response_mask: Array, how: PassLayout, routing: Array | None = None, **settings: Any) -> Any:
+                     response_mask: Array, how: PassLayout, routing: Array | None = None,
+                     images: RowImages | None = None, **settings: Any) -> Any:
     """`fn` (roles/experience.py `log_probs_no_grad` / `values_no_grad` / `teacher_no_grad`; an
     array [N, R, ...] or a dict of them) over the rows as `how`
     says: the rows padded by `how.pads` first, the result cut back to the step's [N, R]. `routing`:
-    a MoE policy's recorded routing [N, P + R, L, k] for `fn` to replay (padded with the rows)."""
+    a MoE policy's recorded routing [N, P + R, L, k] for `fn` to replay (padded with the rows); `images`: a
+    vision-language policy's rows' images (padded alike)."""
     if routing is not None:
         settings["routing"] = routing
+    if images is not None:
+        settings["images"] = images
     if how.pads == NO_PADS:
         return fn(params, input_ids, attention_mask, response_mask, how.layout, micro_rows=how.micro_rows, **settings)
     response_len = response_mask.shape[1]
     sequences, responses = pad_columns({"ids": input_ids, "attn": attention_mask}, {"resp": response_mask}, *how.pads)
     if routing is not None:
         settings["routing"] = pad_routing(routing, *how.pads)
+    if images is not None:
+        settings["images"] = images.pad_columns(*how.pads)
     out = fn(params, sequences["ids"], sequences["attn"], responses["resp"], how.layout, micro_rows=how.micro_rows,
              **settings)
     return jax.tree.map(lambda x: x[:, :response_len], out)

@@ -110,6 +110,25 @@ def _check_hf_folder(key: str, folder: pathlib.Path) -> Any:
     return model_cfg
 
 
+TINY_VISION_LANGUAGE = "tiny:qwen2_5_vl"
+
+
+def reads_images(path: str | None) -> bool:
+    """Whether the policy at `path` is a vision-language model here: a local Qwen2.5-VL folder (config.json
+    model_type 'qwen2_5_vl') or tiny:qwen2_5_vl (roles/vision.py loads its tower)."""
+    if not path:
+        return False
+    if path == TINY_VISION_LANGUAGE:
+        return True
+    config = pathlib.Path(path).expanduser() / "config.json"
+    if path.startswith("tiny:") or not _is_local(path) or not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == "qwen2_5_vl"
+    except (OSError, ValueError):  # an unreadable config.json: the loaders say what is wrong with it
+        return False
+
+
 def check_model_source(key: str, path: str) -> Any:
     """`path` (a local model location) is an HF folder or .gguf of a supported architecture with its
     weights, or a jaxrl_llm checkpoint; other locations are left to the loaders. Returns what is known

@@ -27,7 +27,7 @@ MEMORY_LEVERS = ("ref_offload", "teacher_offload", "optimizer_offload", "remat",
 DTYPES = COMPUTE_DTYPES  # `model.dtype` / `model.param_dtype`: jaxrl_llm.models.dtypes
 TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_5_moe_text")
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma4_text", "qwen3_5_text",
-              *TINY_MOE_ARCHS)
+              "qwen2_5_vl", *TINY_MOE_ARCHS)
 REMAT = REMAT_POLICIES  # `actor.remat_policy` / `critic.remat_policy`: jaxrl_llm.models.remat
 
 

@@ -17,7 +17,7 @@ import ml_collections
 
 from jaxrl_llm import storage
 from jaxrl_llm.config import names
-from jaxrl_llm.config.checks import check_inputs, check_sources
+from jaxrl_llm.config.checks import check_inputs, check_sources, reads_images
 from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
 from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
@@ -450,9 +450,9 @@ def _check_required(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("data.train_files=None: set training files or data.synthetic.task")
     if model.path.startswith("tiny:") and data.tokenizer is None:
         raise ConfigError(f"data.tokenizer=None: a {model.path} model needs a tokenizer path")
-    if data.synthetic.task == "shapes":  # its rows hold pictures (data/images.py refuses them row by row later)
-        raise ConfigError("data.synthetic.task='shapes': its prompts are pictures, and the policy reads text only "
-                          "(vision-language policies are not supported yet)")
+    if data.synthetic.task == "shapes" and not reads_images(model.path):  # its rows hold pictures
+        raise ConfigError(f"data.synthetic.task='shapes': its prompts are pictures, and the policy ({model.path}) "
+                          "reads text only (vision-language policies: a Qwen2.5-VL folder, tiny:qwen2_5_vl)")
     sft = cfg.sft
     if sft.warmup_steps and not sft.warmup_files:
         raise ConfigError(f"sft.warmup_steps={sft.warmup_steps}: set sft.warmup_files, the SFT rows of the warm-up")

@@ -79,7 +79,7 @@ def decode_image(value: Any, where: str, folder: str = "") -> Any:
                     f"an [H, W, 3] uint8 array; got {type(value).__name__}")
 
 
-def _content_parts(message: Mapping[str, Any]) -> list[Any]:
+def content_parts(message: Mapping[str, Any]) -> list[Any]:
     content = message.get("content")
     if isinstance(content, np.ndarray):
         content = content.tolist()
@@ -92,7 +92,7 @@ def count_placeholders(prompt: Sequence[Mapping[str, Any]] | str) -> int:
         return prompt.count(IMAGE_PLACEHOLDER)
     count = 0
     for message in prompt:
-        for part in _content_parts(message):
+        for part in content_parts(message):
             if isinstance(part, str):
                 count += part.count(IMAGE_PLACEHOLDER)
             elif isinstance(part, Mapping) and part.get("type") == "image":
@@ -106,7 +106,7 @@ def inline_images(prompt: Sequence[Mapping[str, Any]] | str) -> list[Any]:
     """The images HF content entries carry themselves ({"type": "image", "image": ...}), in order."""
     if isinstance(prompt, str):
         return []
-    return [part for message in prompt for part in _content_parts(message)
+    return [part for message in prompt for part in content_parts(message)
             if isinstance(part, Mapping) and part.get("type") == "image" and part.get("image") is not None]
 
 

@@ -14,6 +14,7 @@ A batch is a dict of numpy arrays for this process's share of one global batch
     index           int64[B]     row position in the dataset
     data_source, ground_truth, extra_info, ability, source   object[B]  per-row metadata for the rewards
     raw_prompt      object[B]    chat messages / text, only with data.return_raw_chat=True
+    images          object[B]    each row's images (a list, encoded), only for a vision-language policy's data
 
 Rows are not repeated here for `n` samples; the trainer repeats them by index (object arrays take
 fancy indexing). Train order: shuffled with `data.seed` (reshuffled each epoch, the same on every
@@ -33,6 +34,7 @@ from jaxrl_llm.data.domains import DomainSpec, mixture_batches
 from jaxrl_llm.data.prompts import PromptDataset, build_dataset
 from jaxrl_llm.data.sources import DataError
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.data.vision_prompts import ImageTokens
 from jaxrl_llm.hf.tokenizer import Tokenizer
 
 # "source": the file and row a prompt came from (str of data.sources.RowRef; None for generated rows), what a
@@ -56,6 +58,8 @@ def collate(records: list[dict[str, Any]], return_raw_chat: bool = False) -> dic
     }
     for key in METADATA_KEYS:
         batch[key] = _object_array([r.get(key) for r in records])
+    if any("images" in r for r in records):  # a vision-language policy's rows: each row's images (encoded)
+        batch["images"] = _object_array([list(r.get("images", [])) for r in records])
     if return_raw_chat:
         batch["raw_prompt"] = _object_array([r["raw_prompt"] for r in records])
     return batch
@@ -163,16 +167,18 @@ def make_dataloader(
     process_index: int = 0,
     process_count: int = 1,
     dataset: PromptDataset | None = None,
+    image_tokens: ImageTokens | None = None,
 ) -> PromptLoader:
     """The `PromptLoader` of `split`.
 
     `batch_size` is the global batch (default data.train_batch_size / data.val_batch_size, where a
     None val batch means the whole set). Train: shuffled (data.shuffle, data.seed), full batches,
     `num_epochs` (None = endless), with data.domains.probs a fixed share per domain (data/domains.py).
-    Val: in order, one pass. Pass `dataset` to reuse a built one.
+    Val: in order, one pass. Pass `dataset` to reuse a built one; `image_tokens`: a vision-language policy's
+    (data/vision_prompts.py).
     """
     if dataset is None:
-        dataset = build_dataset(data, tokenizer, split)
+        dataset = build_dataset(data, tokenizer, split, image_tokens)
     train = split == "train"
     if batch_size is None:
         batch_size = data.train_batch_size if train else data.val_batch_size

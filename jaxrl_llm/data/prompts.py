@@ -15,8 +15,10 @@ column is absent, `data.messages_key` (a messages column). Message lists go thro
 special tokens (the template has them). String prompts are wrapped as one user message, or, with
 `data.apply_chat_template=False`, tokenised as raw text with the tokenizer's own special tokens.
 Images (`data.image_key`, veRL's multimodal rows: data/images.py) are read and checked against the prompt's
-`<image>` placeholders, then refused: no policy here reads images yet (a multimodal folder trains its text
-tower, so its images would be dropped); `data.video_key` rows are refused.
+`<image>` placeholders; for a vision-language policy each becomes its image tokens (data/vision_prompts.py:
+counted in max_prompt_length, never truncated) and the record keeps the images ("images"); for a text policy
+such a row is refused (a multimodal folder that loads its text tower would drop them); `data.video_key` rows
+are refused.
 Ground truth: `reward_model.ground_truth` (veRL) or a top-level `ground_truth` column; a number
 is turned into its string (`normalise_ground_truth`). An empty prompt is an error naming the row;
 with `data.builtin_scorers` (no custom reward function, no reward model) so is a row without a
@@ -42,9 +44,10 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.data.domains import unmixed_rows
-from jaxrl_llm.data.images import row_images
+from jaxrl_llm.data.images import load_image, row_images
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
+from jaxrl_llm.data.vision_prompts import ImageTokens, expand_image_tokens, with_image_tokens
 from jaxrl_llm.hf.tokenizer import Tokenizer, load_tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
@@ -275,8 +278,11 @@ def records_from_rows(
     refs: Sequence[RowRef | str],
     tokenizer: Tokenizer,
     data: DataSpec,
+    image_tokens: ImageTokens | None = None,
 ) -> list[dict[str, Any]]:
-    """Tokenised, filtered / truncated records of raw rows (errors name the row)."""
+    """Tokenised, filtered / truncated records of raw rows (errors name the row). `image_tokens`: a
+    vision-language policy's (data/vision_prompts.py): a row's images then become its image tokens (counted in
+    data.max_prompt_length) and its record keeps them; without it a row with images is refused."""
     prompt_key, messages_key = data.prompt_key, data.messages_key
     apply_template = data.apply_chat_template
     max_len, truncation = data.max_prompt_length, data.truncation
@@ -289,31 +295,46 @@ def records_from_rows(
         raise DataError("the tokenizer has no chat template; set data.apply_chat_template=False for string prompts")
     bad = BadRows(data.skip_bad_rows, len(rows))
     columns = _prompt_column(rows, refs, prompt_key, messages_key)
-    kept: list[tuple[Mapping[str, Any], RowRef | str, list[dict[str, Any]] | str]] = []
+    kept: list[tuple[Mapping[str, Any], RowRef | str, list[dict[str, Any]] | str, list[Any], list[int]]] = []
     for row, ref, col in zip(rows, refs, columns):
         with bad.row():
             if col not in row:
                 raise DataError(f"{ref}: missing column {col!r}")
             prompt = _normalise_prompt(row[col], ref, col)
             images = row_images(row, prompt, ref, data.image_key, data.video_key)
-            if images:
+            counts: list[int] = []
+            if images and image_tokens is None:
                 raise DataError(f"{ref}: the row has {len(images)} image(s) (data.image_key={data.image_key!r}), "
-                                "but the policy reads text only: vision-language policies are not supported yet "
-                                "(a Gemma 3 / Gemma 4 / Qwen3.5 / Qwen2.5-VL folder trains its text model)")
+                                "but the policy reads text only (vision-language policies: Qwen2.5-VL folders and "
+                                "tiny:qwen2_5_vl; a Gemma 3 / Gemma 4 / Qwen3.5 folder trains its text model)")
+            if images:
+                assert image_tokens is not None
+                prompt = with_image_tokens(prompt, image_tokens.placeholder)
+                counts = [image_tokens.tokens_for(*load_image(image).size) for image in images]
             prompt = with_system_prompt(prompt, data.system_prompt)
             if not isinstance(prompt, str) and not apply_template:
                 raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
-            kept.append((row, ref, prompt))
-    ids_list = encode_prompts_parallel([p for _, _, p in kept], tokenizer, apply_template, workers)
+            kept.append((row, ref, prompt, images, counts))
+    ids_list = encode_prompts_parallel([p for _, _, p, _, _ in kept], tokenizer, apply_template, workers)
 
     records = []
     num_dropped = 0
-    for (row, ref, prompt), ids in zip(kept, ids_list):
+    for (row, ref, prompt, images, counts), ids in zip(kept, ids_list):
+        with bad.row():
+            if images:
+                assert image_tokens is not None
+                ids = expand_image_tokens(ids, counts, image_tokens.image_token_id, ref)
         if filter_overlong and len(ids) > max_len:
             num_dropped += 1
             continue
         with bad.row():
+            if images and len(ids) > max_len:  # truncation would cut image tokens off their image
+                raise DataError(f"{ref}: the prompt is {len(ids)} tokens with its {sum(counts)} image tokens, more "
+                                f"than data.max_prompt_length={max_len}, and image tokens are never truncated (set "
+                                "data.filter_overlong_prompts=True or a larger max_prompt_length)")
             record = {"input_ids": truncate_ids(ids, max_len, truncation, ref), "raw_prompt": prompt}
+            if images:
+                record["images"] = images
             domain = data.domains.domain_of(row) if data.domains.enabled else None
             # a domain's data_source (data.domains.data_sources) before the run-wide default
             source = data.domains.data_source_of(domain) or data.default_data_source
@@ -395,9 +416,10 @@ def split_tokenizer(data: DataSpec, train: DataSpec, tokenizer: Tokenizer) -> To
     return out
 
 
-def build_dataset(data: DataSpec, tokenizer: Tokenizer, split: str = "train") -> PromptDataset:
+def build_dataset(data: DataSpec, tokenizer: Tokenizer, split: str = "train",
+                  image_tokens: ImageTokens | None = None) -> PromptDataset:
     """The `PromptDataset` of `split` ("train" reads data.train_files, "val" data.val_files, with the keys of
-    data.val_overrides)."""
+    data.val_overrides); `image_tokens`: a vision-language policy's (`records_from_rows`)."""
     train, data = data, data.for_split(split)
     tokenizer = split_tokenizer(data, train, tokenizer)
     paths = as_path_list(data.files(split), f"data.{split}_files")
@@ -416,7 +438,7 @@ def build_dataset(data: DataSpec, tokenizer: Tokenizer, split: str = "train") ->
         keep = _select_max_samples(len(rows), max_samples, data.shuffle, data.seed)
         rows = [rows[i] for i in keep]
         refs = [refs[i] for i in keep]
-        records = records_from_rows(rows, refs, tokenizer, data)
+        records = records_from_rows(rows, refs, tokenizer, data, image_tokens)
         name = ", ".join(paths)
     if not records:
         raise DataError(f"{name}: empty dataset after filtering (no prompt fits data.max_prompt_length)")

@@ -252,8 +252,8 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     have stats of no tokens and ids 0, and ignore their `replay` rows. A Gemma 4 model (`cfg.typed_layers`)
     takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py).
     `embeds` (slots [B, T] int32, features [M, H]): a vision-language model's image features, feature
-    slots[b, t] in place of token (b, t)'s embedding where slots >= 0 (models/vision/qwen_vl.py); positions may
-    then be M-RoPE's [3, B, T]."""
+    slots[b, t] in place of token (b, t)'s embedding where slots >= 0 (models/vision/qwen_vl.py); or features
+    [B, K, H], each row's own (slots index them per row); positions may then be M-RoPE's [3, B, T]."""
     with invariant.mode(cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
         return _decoder_hidden(params, cfg, input_ids, positions, attention, state, compute_dtype=compute_dtype,
                                remat=remat, valid=valid, replay=replay, record_routing=record_routing,
@@ -280,7 +280,11 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
     if embeds is not None:  # image tokens take their features (in the compute dtype, as transformers scatters)
         slots, features = embeds
-        picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0).astype(jnp.float32)
+        if features.ndim == 3:  # each row's own features [B, K, H] (a training batch: rows split, sharded alike)
+            picked = jnp.take_along_axis(features.astype(dtype), jnp.maximum(slots, 0)[..., None], axis=1)
+        else:  # the batch's packed features [M, H] (a sampler's prefill)
+            picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0)
+        picked = picked.astype(jnp.float32)
         x = jnp.where((slots >= 0)[..., None], picked, x)
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
     split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)

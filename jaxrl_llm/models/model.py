@@ -61,13 +61,15 @@ def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_m
 def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                        positions: Array | None = None, compute_dtype: DType = jnp.float32, remat: bool | str = False,
                        segment_ids: Array | None = None, branch_ids: Array | None = None,
-                       replay: Array | None = None, record_routing: bool = False) -> tuple[Array, MoeOut | None]:
+                       replay: Array | None = None, record_routing: bool = False,
+                       embeds: tuple[Array, Array] | None = None) -> tuple[Array, MoeOut | None]:
     """`forward_hidden` (no cache) with the mixture-of-experts layers' `MoeOut` (None for a dense
     model): router stats over the attention mask's tokens, the router's top-k ids per layer with
-    `record_routing`, and `replay` [L, B, T, k] expert ids used in place of the router's choice."""
+    `record_routing`, and `replay` [L, B, T, k] expert ids used in place of the router's choice.
+    `embeds`: image features in place of image tokens (`decoder_hidden`)."""
     hidden, _, moe = _forward(params, cfg, input_ids, attention_mask, positions=positions, cache=None,
                               compute_dtype=compute_dtype, remat=remat, segment_ids=segment_ids,
-                              branch_ids=branch_ids, replay=replay, record_routing=record_routing)
+                              branch_ids=branch_ids, replay=replay, record_routing=record_routing, embeds=embeds)
     return hidden, moe
 
 

@@ -49,7 +49,8 @@ def actor_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg:
     log_prob, entropy, router, topk = response_scores(
         params, model_cfg, mb.input_ids, mb.attention_mask, response_len,
         temperature=s.temperature, compute_dtype=s.compute_dtype, remat=s.remat, with_entropy=True,
-        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing, topk_ids=topk_ids)
+        packing=mb.packing, logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing, topk_ids=topk_ids,
+        images=mb.images)
     assert entropy is not None
     counts: dict[str, Any] = dict(num_tokens=denoms.num_tokens, num_seqs=denoms.num_seqs,
                                   loss_scale_factor=s.loss_scale_factor)
@@ -99,7 +100,8 @@ def current_log_probs(params: dict, mb: Experience, *, model_cfg: ModelConfig, s
     update's pre-pass for a loss that reads the whole mini-batch first."""
     log_prob = response_log_probs(params, model_cfg, mb.input_ids, mb.attention_mask, mb.response_mask.shape[1],
                                   temperature=s.temperature, compute_dtype=s.compute_dtype, packing=mb.packing,
-                                  logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing)
+                                  logprob_impl=s.logprob_impl, mesh=mesh, replay=mb.routing,
+                                  images=mb.images)
     return jnp.where(mb.response_mask > 0, sg(log_prob), 0.0)
 
 

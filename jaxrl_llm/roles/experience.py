@@ -27,6 +27,7 @@ from jaxrl_llm.losses.rollout_correction import compute_rollout_correction, mism
 from jaxrl_llm.losses.shaping import clip_sequence_scores, clip_symmetric, normalize_scores, pf_ppo_rows, whiten_tokens
 from jaxrl_llm.losses.trl_rloo import trl_rloo_with
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.roles.forward import (
     budget_chunked,
     micro_batched,
@@ -54,6 +55,8 @@ class Experience:
     rollout_is_weights: Array | None = None  # rollout-correction importance weights
     # routing replay (actor.router_replay = rollout): the sampler's expert ids [N, P + R, L, k]
     routing: Array | None = None
+    # a vision-language policy's rows' image features and M-RoPE positions (models/vision/qwen_vl.py)
+    images: RowImages | None = None
     # top-k distillation (algorithm.distillation.signal = topk_forward_kl): the teacher's [N, R, k]
     teacher_topk_ids: Array | None = None
     teacher_topk_log_probs: Array | None = None
@@ -84,6 +87,8 @@ def pad_experience(exp: Experience, prompt_pad: int, response_pad: int) -> Exper
         {f: getattr(exp, f) for f in _RESPONSE_FIELDS if getattr(exp, f) is not None}, prompt_pad, response_pad)
     if exp.routing is not None:
         sequences["routing"] = pad_routing(exp.routing, prompt_pad, response_pad)
+    if exp.images is not None:
+        sequences["images"] = exp.images.pad_columns(prompt_pad, response_pad)
     for f in ("teacher_topk_ids", "teacher_topk_log_probs"):  # [N, R, k]: response columns padded with 0s
         if getattr(exp, f) is not None:
             responses[f] = jnp.pad(getattr(exp, f), ((0, 0), (0, response_pad), (0, 0)))
@@ -111,22 +116,25 @@ def pf_ppo_resample(exp: Experience, rows: StepRows, scores: np.ndarray, pf_ppo:
 def log_probs_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
                       packing: PackedLayout | None = None, routing: Array | None = None, *, model_cfg: ModelConfig,
                       temperature: float, compute_dtype: str, micro_rows: int, logprob_impl: str = "auto",
-                      mesh: Mesh | None = None) -> Array:
+                      mesh: Mesh | None = None, images: RowImages | None = None) -> Array:
     """Response log-probs [N, R] computed `micro_rows` rows at a time (reference / old policy);
     `packing`: one layout per chunk (batching/plan.py `plan_chunks`) to run packed, or with
     micro_rows 0 token-budget chunks over all rows (`plan_capacity_chunks`); `routing`: a MoE
-    policy's recorded routing [N, P + R, L, k] replayed (actor.router_replay)."""
+    policy's recorded routing [N, P + R, L, k] replayed (actor.router_replay); `images`: a vision-language
+    policy's rows' images."""
     response_len = response_mask.shape[1]
 
     def one(chunk: dict) -> Array:
         return response_log_probs(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
                                   temperature=temperature, compute_dtype=compute_dtype,
                                   packing=chunk.get("per_chunk"), logprob_impl=logprob_impl, mesh=mesh,
-                                  replay=chunk.get("routing"))
+                                  replay=chunk.get("routing"), images=chunk.get("images"))
 
-    batch = {"ids": input_ids, "mask": attention_mask}
+    batch: dict = {"ids": input_ids, "mask": attention_mask}
     if routing is not None:
         batch["routing"] = routing
+    if images is not None:
+        batch["images"] = images
     return _chunked(one, batch, micro_rows, packing)
 
 
@@ -274,6 +282,7 @@ def make_experience(
     correction: RolloutCorrectionSpec,
     routing: Array | None = None,
     distill: DistillSignal | None = None,
+    images: RowImages | None = None,
 ) -> tuple[Experience, Array, dict[str, Any]]:
     """The step's `Experience`, its token-level rewards [N, R] and device-side metrics: advantages
     and returns (KL in the reward first when configured), mixed with a teacher's signal
@@ -291,6 +300,7 @@ def make_experience(
     exp = Experience(input_ids=input_ids, attention_mask=attention_mask, response_mask=mask,
                      old_log_probs=old_log_probs, advantages=adv["advantages"], returns=adv["returns"],
                      ref_log_probs=ref_log_probs, values=values, rollout_is_weights=weights, routing=routing,
+                     images=images,
                      teacher_topk_ids=None if distill is None else distill.topk_ids,
                      teacher_topk_log_probs=None if distill is None else distill.topk_log_probs)
     return exp, adv["token_level_rewards"], metrics

@@ -26,6 +26,7 @@ from jaxrl_llm.losses.logprob import token_logprobs
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe, invariant, lm_head_weight, value_from_hidden
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.moe import MoeOut
+from jaxrl_llm.models.vision.qwen_vl import RowImages
 
 Array = jax.Array
 ChunkOut = TypeVar("ChunkOut")  # what a chunk function returns: an array or a pytree of them
@@ -37,13 +38,15 @@ def compute_dtype_of(name: str):
 
 def response_hidden(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                     response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False,
-                    replay: Array | None = None) -> tuple[Array, MoeOut | None]:
+                    replay: Array | None = None, images: RowImages | None = None) -> tuple[Array, MoeOut | None]:
     """Hidden states [N, R, H] at the positions that predict the response tokens (and a MoE model's
     router stats over every valid token). `replay` [N, P + R, L, k]: the experts each token's layers
-    run (routing replay; models/moe.py)."""
-    hidden, moe = forward_hidden_moe(params, model_cfg, input_ids, attention_mask,
+    run (routing replay; models/moe.py). `images`: a vision-language policy's rows' image features and M-RoPE
+    positions (models/vision/qwen_vl.py)."""
+    positions, embeds = (None, None) if images is None else images.decoder_inputs()
+    hidden, moe = forward_hidden_moe(params, model_cfg, input_ids, attention_mask, positions=positions,
                                      compute_dtype=compute_dtype_of(compute_dtype), remat=remat,
-                                     replay=None if replay is None else jnp.moveaxis(replay, 2, 0))
+                                     replay=None if replay is None else jnp.moveaxis(replay, 2, 0), embeds=embeds)
     start = input_ids.shape[1] - response_len - 1
     return jax.lax.dynamic_slice_in_dim(hidden, start, response_len, axis=1), moe
 
@@ -76,27 +79,33 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
                     response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
                     remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
                     logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None,
-                    topk: int = 0, topk_ids: Array | None = None) -> ResponseScores:
+                    topk: int = 0, topk_ids: Array | None = None, images: RowImages | None = None
+                    ) -> ResponseScores:
     """`response_log_probs` with its forward's router stats (the actor loss's MoE terms); `replay`
     [N, P + R, L, k]: recorded expert ids the MoE layers run (routing replay). `topk`: also the
     model's k most likely tokens at each response position (a teacher's pass); `topk_ids` [N, R, k]:
-    also the log-probs of these ids (the student's side of the top-k distillation loss)."""
+    also the log-probs of these ids (the student's side of the top-k distillation loss); `images`: the rows'
+    images (`response_hidden`)."""
+    if images is not None and packing is not None:
+        raise ValueError("rows with images run unpacked: actor_rollout_ref.model.use_remove_padding=False")
     with invariant.mode(model_cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
         return _response_scores(params, model_cfg, input_ids, attention_mask, response_len, temperature=temperature,
                                 compute_dtype=compute_dtype, remat=remat, with_entropy=with_entropy, packing=packing,
-                                logprob_impl=logprob_impl, mesh=mesh, replay=replay, topk=topk, topk_ids=topk_ids)
+                                logprob_impl=logprob_impl, mesh=mesh, replay=replay, topk=topk, topk_ids=topk_ids,
+                                images=images)
 
 
 def _response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                      response_len: int, *, temperature: float, compute_dtype: str, remat: bool | str,
                      with_entropy: bool, packing: PackedLayout | None, logprob_impl: str, mesh: Mesh | None,
-                     replay: Array | None, topk: int, topk_ids: Array | None) -> ResponseScores:
+                     replay: Array | None, topk: int, topk_ids: Array | None, images: RowImages | None
+                     ) -> ResponseScores:
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
     unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
                             else (lm_head_weight(params, model_cfg), False))
     if packing is None:
         hidden, moe = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
-                                      compute_dtype=compute_dtype, remat=remat, replay=replay)
+                                      compute_dtype=compute_dtype, remat=remat, replay=replay, images=images)
         targets = input_ids[:, input_ids.shape[1] - response_len:]
         out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
                              return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,
@@ -127,26 +136,28 @@ def _response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, att
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = ..., compute_dtype: str = ...,
                        remat: bool | str = ..., with_entropy: Literal[False] = ..., packing: PackedLayout | None = ...,
-                       logprob_impl: str = ..., mesh: Mesh | None = ..., replay: Array | None = ...) -> Array: ...
+                       logprob_impl: str = ..., mesh: Mesh | None = ..., replay: Array | None = ...,
+                       images: RowImages | None = ...) -> Array: ...
 @overload
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = ..., compute_dtype: str = ...,
                        remat: bool | str = ..., with_entropy: Literal[True], packing: PackedLayout | None = ...,
-                       logprob_impl: str = ..., mesh: Mesh | None = ..., replay: Array | None = ...
-                       ) -> tuple[Array, Array]: ...
+                       logprob_impl: str = ..., mesh: Mesh | None = ..., replay: Array | None = ...,
+                       images: RowImages | None = ...) -> tuple[Array, Array]: ...
 def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                        response_len: int, *, temperature: float = 1.0, compute_dtype: str = "float32",
                        remat: bool | str = False, with_entropy: bool = False, packing: PackedLayout | None = None,
-                       logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None
-                       ) -> Array | tuple[Array, Array]:
+                       logprob_impl: str = "auto", mesh: Mesh | None = None, replay: Array | None = None,
+                       images: RowImages | None = None) -> Array | tuple[Array, Array]:
     """log p(response token) [N, R] fp32 under softmax(logits / temperature) (and entropy [N, R]).
     With `packing` the model runs on packed rows (jaxrl_llm/batching) and only real response
     tokens are scored (0 elsewhere). `logprob_impl`: the fused head's backend (losses/logprob.py);
     `mesh`: the program's mesh (a kernel then runs per shard of the rows); `replay`: a MoE model's
-    recorded routing [N, P + R, L, k] to run (routing replay)."""
+    recorded routing [N, P + R, L, k] to run (routing replay); `images`: the rows' images (a vision-language
+    policy's; models/vision/qwen_vl.py `RowImages`)."""
     scores = response_scores(params, model_cfg, input_ids, attention_mask, response_len, temperature=temperature,
                              compute_dtype=compute_dtype, remat=remat, with_entropy=with_entropy, packing=packing,
-                             logprob_impl=logprob_impl, mesh=mesh, replay=replay)
+                             logprob_impl=logprob_impl, mesh=mesh, replay=replay, images=images)
     if with_entropy:
         assert scores.entropy is not None
         return scores.log_prob, scores.entropy

@@ -193,6 +193,12 @@ def _tiny_config(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     tiny = dict(model.tiny)
     tiny.pop("seed")
     family = model.path[len(TINY_PREFIX):]
+    mrope = None
+    if family == "qwen2_5_vl":  # the text model of a tiny Qwen2.5-VL: Qwen2 with M-RoPE (roles/vision.py)
+        from jaxrl_llm.roles.vision import tiny_mrope_section
+
+        family = "qwen2"
+        mrope = tiny_mrope_section(tiny["head_dim"] or tiny["hidden_size"] // tiny["num_attention_heads"])
     # unset: the family's tiny default (validate.py refuses the MoE keys on dense models)
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "tie_word_embeddings"):
         if tiny.get(key) is None:
@@ -201,9 +207,11 @@ def _tiny_config(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
         tiny["vocab_size"] = len(tokenizer)
     if tiny.get("head_dim") is None:
         tiny["head_dim"] = tiny["hidden_size"] // tiny["num_attention_heads"]
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                   else tokenizer.eos_token_id)
+    special: dict[str, Any] = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                   pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                   else tokenizer.eos_token_id)
+    if mrope is not None:
+        special["mrope_section"] = mrope
     return ModelConfig.tiny(family, **{**tiny, **special})
 
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.data.loader import METADATA_KEYS
 from jaxrl_llm.models.moe import NOT_RECORDED
+from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.shapes import next_power_of_two
 from jaxrl_llm.sharding import batch_axes
@@ -63,6 +64,8 @@ class Rollout:
     # routing replay (actor.router_replay = rollout): int [N, P + R, L, k] the experts the sampler's MoE
     # layers ran for each token (models/moe.py NOT_RECORDED where it recorded none)
     routing: Array | None = None
+    # a vision-language policy's rows' image features and M-RoPE positions (models/vision/qwen_vl.py)
+    images: RowImages | None = None
 
     @property
     def num_rows(self) -> int:
@@ -165,7 +168,8 @@ def select_rows(r: Rollout, rows: np.ndarray) -> Rollout:
         texts=[r.texts[i] for i in rows], prompt_texts=[r.prompt_texts[i] for i in rows] if r.prompt_texts else [],
         meta={k: v[rows] for k, v in r.meta.items()},
         reward_extra_info={k: np.asarray(v)[rows] for k, v in r.reward_extra_info.items()},
-        routing=None if r.routing is None else take(r.routing))
+        routing=None if r.routing is None else take(r.routing),
+        images=None if r.images is None else jax.tree.map(take, r.images))
 
 
 def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
@@ -176,23 +180,26 @@ def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
     width = max(p.response_mask.shape[1] for p in parts)
     prompt_width = max(p.input_ids.shape[1] - p.response_mask.shape[1] for p in parts)
 
-    def pad(p: Rollout) -> dict[str, Array]:
+    def pad(p: Rollout) -> dict[str, Any]:
         r = p.response_mask.shape[1]
         left = prompt_width - (p.input_ids.shape[1] - r)
         right = width - r
         seq = lambda x: jnp.pad(x, ((0, 0), (left, right)))  # noqa: E731  (pad id 0 under mask 0)
         resp = lambda x: jnp.pad(x, ((0, 0), (0, right)))  # noqa: E731
-        out = {"input_ids": seq(p.input_ids), "attention_mask": seq(p.attention_mask),
-               "response_mask": resp(p.response_mask), "rollout_log_probs": resp(p.rollout_log_probs),
-               "token_level_scores": resp(p.token_level_scores)}
+        out: dict[str, Any] = {"input_ids": seq(p.input_ids), "attention_mask": seq(p.attention_mask),
+                               "response_mask": resp(p.response_mask), "rollout_log_probs": resp(p.rollout_log_probs),
+                               "token_level_scores": resp(p.token_level_scores)}
         if p.routing is not None:  # not recorded on the padding columns
             out["routing"] = jnp.pad(p.routing, ((0, 0), (left, right), (0, 0), (0, 0)), constant_values=NOT_RECORDED)
+        if p.images is not None:
+            out["images"] = p.images.pad_columns(left, right).pad_features(room)
         return out
 
+    room = max((p.images.features.shape[1] for p in parts if p.images is not None), default=0)
     padded = [pad(p) for p in parts]
-    joined = {k: jnp.concatenate([d[k] for d in padded]) for k in padded[0]}
+    joined = {k: jax.tree.map(lambda *xs: jnp.concatenate(xs), *[d[k] for d in padded]) for k in padded[0]}
     spec = lambda x: jax.sharding.NamedSharding(mesh, PartitionSpec(batch_axes(mesh), *([None] * (x.ndim - 1))))  # noqa: E731
-    joined = {k: jax.device_put(v, spec(v)) for k, v in joined.items()}
+    joined = {k: jax.tree.map(lambda x: jax.device_put(x, spec(x)), v) for k, v in joined.items()}
     joined_routing = joined.pop("routing", None)
     offsets = np.cumsum([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]])
     cat = lambda xs: np.concatenate(xs)  # noqa: E731

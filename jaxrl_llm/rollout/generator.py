@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.bookkeeping.nonfinite import sanitize_scores
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt, RowImages, row_images
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.rollout.batch import Rollout, response_bucket, rows_meta, score_responses
 from jaxrl_llm.rollout.multi_turn import generate_multi_turn
@@ -62,18 +63,21 @@ class RolloutGenerator:
                  reward_manager: RewardManager | None,
                  reward_model: Any = None, compute_dtype: str = "float32", engine: EngineOptions | None = None,
                  multi_turn: Any = None, max_prompt_length: int | None = None, record_routing: bool = False,
-                 judge: Any = None, draft_params: dict | None = None):
+                 judge: Any = None, draft_params: dict | None = None, vision: Any = None):
         """multi_turn: a `trainer.multi_turn.MultiTurn` (every generation is then multi-turn);
         max_prompt_length: the bound its rendered prompts must fit (data.max_prompt_length);
         record_routing: a MoE policy's rollouts carry the sampler's routing (actor.router_replay);
         judge: a generative reward model (roles/judge.py) scoring beside the rule scorer;
-        draft_params: the draft model of rollout.speculative.method='draft' (roles/draft.py)."""
+        draft_params: the draft model of rollout.speculative.method='draft' (roles/draft.py);
+        vision: a vision-language policy's frozen tower (roles/vision.py `VisionTower`): a batch's images go
+        through it into the prefill, and the rollout carries them row by row (`Rollout.images`)."""
         self.model_cfg, self.mesh, self.tokenizer = model_cfg, mesh, tokenizer
         self.record_routing = record_routing and model_cfg.is_moe
         self.multi_turn, self.max_prompt_length = multi_turn, max_prompt_length
         self.reward_manager, self.reward_model, self.compute_dtype = reward_manager, reward_model, compute_dtype
         self.judge = judge
         self.draft_params = draft_params
+        self.vision = vision
         self.engine = engine if engine is not None else EngineOptions()
         self.last_engine_stats = None  # EngineStats of the last paged generation (None: static)
         # what every rollout (single- or multi-turn) pads with and stops at: the model's EOS ids and
@@ -88,7 +92,9 @@ class RolloutGenerator:
                                 compute_dtype=self.compute_dtype, engine=self.engine, multi_turn=self.multi_turn,
                                 max_prompt_length=self.max_prompt_length, record_routing=self.record_routing,
                                 judge=self.judge,
-                                draft_params=None if self.draft_params is None else transfer(self.draft_params, mesh))
+                                draft_params=None if self.draft_params is None else transfer(self.draft_params, mesh),
+                                vision=None if self.vision is None else dataclasses.replace(
+                                    self.vision, params=transfer(self.vision.params, mesh)))
 
     def compile_args(self, sampling: SamplingParams) -> tuple[SampleSettings, SampleKnobs]:
         """`sampling`'s static settings and traced knobs for this generator's model: its EOS ids and
@@ -129,6 +135,10 @@ class RolloutGenerator:
         settings, knobs = self.compile_args(sampling)
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
+        images = self._image_prompt(batch, prompt_ids, prompt_mask, len(raw_prompts) - num_prompts)
+        if images is not None and opts.engine == "paged":
+            raise ValueError("a batch with images: the paged engine does not take images yet; set "
+                             "actor_rollout_ref.rollout.engine=static")
         if opts.engine == "paged":
             host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
                                                             settings=settings, opts=opts, mesh=mesh,
@@ -136,18 +146,34 @@ class RolloutGenerator:
                                                             max_prompt_len=self.max_prompt_length)
             out = rows_on_mesh(host_out, mesh)
         else:
-            out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh)
+            out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh,
+                         images=images)
 
         n = sampling.n
         if len(raw_prompts) > num_prompts:  # drop the padding rows again
             keep = num_prompts * n
             out = out._replace(**_first_rows({f: getattr(out, f) for f in ROW_FIELDS if getattr(out, f) is not None},
                                              keep))
-        return self.scored(batch, out, n, sampling.max_new_tokens, rng)
+        if images is not None:  # the rows' own: padding rows dropped, on the host for `row_images`
+            host = jax.tree.map(np.asarray, to_host(images))
+            images = host._replace(positions=host.positions[:, :num_prompts], slots=host.slots[:num_prompts],
+                                   deltas=host.deltas[:num_prompts])
+        return self.scored(batch, out, n, sampling.max_new_tokens, rng, images=images)
 
-    def scored(self, batch: dict[str, np.ndarray], out: Any, n: int, max_new_tokens: int, rng: Array) -> Rollout:
+    def _image_prompt(self, batch: dict[str, np.ndarray], prompt_ids: np.ndarray, prompt_mask: np.ndarray,
+                      padding_rows: int) -> ImagePrompt | None:
+        """The batch's images through the policy's tower (None: no tower, or no image in the batch); the padding
+        rows repeat row 0 (its images too)."""
+        if self.vision is None or "images" not in batch or not any(len(row) for row in batch["images"]):
+            return None
+        rows = list(batch["images"])
+        return self.vision.prompt(prompt_ids, prompt_mask, rows + [rows[0]] * padding_rows)
+
+    def scored(self, batch: dict[str, np.ndarray], out: Any, n: int, max_new_tokens: int, rng: Array, *,
+               images: ImagePrompt | None = None) -> Rollout:
         """The scored `Rollout` of `out` (a SampleOutput: n rows per prompt of `batch`, prompt-major,
-        its row fields on the mesh), with the last paged generation's engine counters."""
+        its row fields on the mesh), with the last paged generation's engine counters; `images`: the prompts'
+        (host arrays), carried row by row (`Rollout.images`)."""
         mesh, tokenizer, reward_model = self.mesh, self.tokenizer, self.reward_model
         raw_prompts = list(batch["raw_prompt_ids"])
         num_prompts = len(raw_prompts)
@@ -193,6 +219,10 @@ class RolloutGenerator:
         input_ids = jnp.concatenate([out.prompt_ids, out.tokens[:, :width]], axis=1)
         attention_mask = jnp.concatenate([out.prompt_mask, response_mask], axis=1)
         prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in raw_prompts] if tokenizer else []
+        row_imgs = None
+        if images is not None:
+            prompt_mask = np.asarray(to_host(out.prompt_mask))[::n]
+            row_imgs = RowImages(**to_device_if_rows_split(row_images(images, prompt_mask, n, width), mesh))
         return Rollout(
             input_ids=input_ids, attention_mask=attention_mask,
             response_mask=jnp.asarray(response_mask, jnp.float32),
@@ -201,4 +231,5 @@ class RolloutGenerator:
             prompt_lengths=np.repeat(np.asarray([len(p) for p in raw_prompts], np.int32), n),
             texts=texts, prompt_texts=[prompt_texts[i] for i in rows] if prompt_texts else [],
             meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics,
-            routing=None if out.routing is None else jnp.asarray(out.routing[:, :input_ids.shape[1]]))
+            routing=None if out.routing is None else jnp.asarray(out.routing[:, :input_ids.shape[1]]),
+            images=row_imgs)

@@ -39,6 +39,7 @@ from jaxrl_llm.roles.critic import update_critic
 from jaxrl_llm.roles.draft import load_draft, with_draft_config
 from jaxrl_llm.roles.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role, model_config_of, packing_for
+from jaxrl_llm.roles.vision import image_tokens_of, load_vision_tower, vision_run_spec, with_vision_tokens
 from jaxrl_llm.rollout.generator import RolloutGenerator
 from jaxrl_llm.rollout.sources import RolloutSource, make_rollouts
 from jaxrl_llm.sampler.engine.scheduler import speculative_refusal
@@ -109,6 +110,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.rollout.multi_turn import MultiTurn
 
         multi_turn = MultiTurn(spec.multi_turn, tokenizer)
+    image_tokens = image_tokens_of(spec.model.path, tokenizer)  # a vision-language policy's (roles/vision.py)
     policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
     spec = dataclasses.replace(spec, model=packing_for(spec.model, policy_cfg))
@@ -121,12 +123,15 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.roles.reward_model import RewardModel
 
         reward_model = RewardModel.load(spec.reward_model, tokenizer)
+    vision = None if image_tokens is None else load_vision_tower(
+        spec.model, actor.model_cfg, image_tokens, tokenizer, mesh=mesh, compute_dtype=spec.actor.compute_dtype,
+        seed=t.seed)
     generator = RolloutGenerator(model_cfg=actor.model_cfg, mesh=mesh, tokenizer=tokenizer,
                                  reward_manager=reward_manager, reward_model=reward_model,
                                  compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
                                  multi_turn=multi_turn, max_prompt_length=spec.plan.max_prompt_length,
                                  record_routing=spec.actor.router_replay == "rollout", judge=judge,
-                                 draft_params=load_draft(spec, tokenizer, mesh=mesh, seed=t.seed + 2))
+                                 draft_params=load_draft(spec, tokenizer, mesh=mesh, seed=t.seed + 2), vision=vision)
     base_rng = jax.random.PRNGKey(t.seed)
     # each step's rollout: synchronous or the synchronizer's off-policy pipeline, with DAPO's group
     # filter or partial rollouts; with a split mesh a second generator samples on the rollout devices
@@ -161,22 +166,27 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     is_main = jax.process_index() == 0
     checked = validate_config(config, dp_size=dp_size)
     data = resolve_data(checked)
-    tokenizer = run_tokenizer(data)
+    policy_path = checked.actor_rollout_ref.model.path
+    # a tiny vision-language policy's tokenizer gains the vision tokens; its rows' images become image tokens
+    tokenizer = with_vision_tokens(policy_path, run_tokenizer(data))
+    image_tokens = image_tokens_of(policy_path, tokenizer)
     # A dataset of files is read first: its size gives the total steps. A synthetic task's size is in
     # its config (validation derived the steps from it), and its files are written only after the plan.
     synthetic = resolve_synthetic(checked)
-    train_set = build_dataset(data, tokenizer, "train") if synthetic is None else None
+    train_set = build_dataset(data, tokenizer, "train", image_tokens) if synthetic is None else None
     # a draft model (rollout.speculative.method='draft'): its vocabulary checked, its config read (roles/draft.py)
-    spec, plan = plan_run_memory(with_draft_config(resolve(
-        checked, dp_size=dp_size, num_train_samples=None if train_set is None else len(train_set)), tokenizer),
-        mesh, tokenizer, is_main=is_main)
+    spec = with_draft_config(resolve(
+        checked, dp_size=dp_size, num_train_samples=None if train_set is None else len(train_set)), tokenizer)
+    if image_tokens is not None:  # what a vision-language policy's run takes (roles/vision.py)
+        spec = vision_run_spec(spec, checked.actor_rollout_ref.rollout.engine)
+    spec, plan = plan_run_memory(spec, mesh, tokenizer, is_main=is_main)
     if train_set is None:
         write_synthetic_data(synthetic, is_main=is_main)
-        train_set = build_dataset(data, tokenizer, "train")
+        train_set = build_dataset(data, tokenizer, "train", image_tokens)
     # Every process reads the whole global batch (prompts are small): host-side rewards and metrics are
     # then identical everywhere; device arrays take each process's own rows.
     train = make_dataloader(data, tokenizer, "train", dataset=train_set)
-    val = make_dataloader(data, tokenizer, "val") if data.val_files else None
+    val = make_dataloader(data, tokenizer, "val", image_tokens=image_tokens) if data.val_files else None
     return spec, plan, tokenizer, (train, val)
 
 

@@ -285,7 +285,7 @@ class Trainer(Run):
                     rollout_log_probs=rollout.rollout_log_probs, group_ids=to_device(rollout.group_ids, self.mesh),
                     old_log_probs=old_lp, ref_log_probs=ref_lp, values=values, reward_baselines=baselines,
                     kl_coef=kl_coef, advantage=spec.advantage, correction=self._experience_correction,
-                    routing=rollout.routing, distill=distill)
+                    routing=rollout.routing, distill=distill, images=rollout.images)
                 span.wait(exp)
                 extra = self._experience_metrics(jax.device_get(exp_metrics), kl_coef, rows.num_rows)
                 extra.update(mask_metrics)
@@ -348,7 +348,7 @@ class Trainer(Run):
         # the policy's own passes replay the sampler's routing; the reference routes by itself
         replay = rollout.routing if model_cfg is None else None
         return run_no_grad_pass(log_probs_no_grad, params, rollout.input_ids, rollout.attention_mask,
-                                rollout.response_mask, how, replay,
+                                rollout.response_mask, how, replay, images=rollout.images,
                                 model_cfg=self.actor.model_cfg if model_cfg is None else model_cfg,
                                 temperature=self.spec.actor.temperature, compute_dtype=self.spec.actor.compute_dtype,
                                 logprob_impl=self.spec.actor.logprob_impl, mesh=self.mesh)

@@ -77,6 +77,32 @@ class VisionConfig:
         return cls(**kw, fullatt_block_indexes=tuple(int(i) for i in d.get("fullatt_block_indexes", ())),
                    rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))))
 
+    @classmethod
+    def tiny(cls, out_hidden_size: int) -> VisionConfig:
+        """A 2-block tower for tests and tiny:qwen2_5_vl: block 0 windowed (windows of 2 x 2 merged blocks), block 1
+        full; 28-pixel merge blocks as the releases'."""
+        return cls(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=out_hidden_size,
+                   window_size=56, fullatt_block_indexes=(1,))
+
+
+def init_vision_params(cfg: VisionConfig, rng: Array, std: float = 0.02) -> dict[str, Any]:
+    """Random fp32 tower params (normal(std) matrices, zero biases, unit norms) in `vision_features`' layout."""
+    keys = iter(jax.random.split(rng, 8))
+    d, h, i, m = cfg.depth, cfg.hidden_size, cfg.intermediate_size, cfg.merge_unit * cfg.hidden_size
+
+    def normal(*shape: int) -> Array:
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    blocks = {"norm1": jnp.ones((d, h)), "norm2": jnp.ones((d, h)),
+              "qkv": normal(d, h, 3 * h), "qkv_bias": jnp.zeros((d, 3 * h)),
+              "proj": normal(d, h, h), "proj_bias": jnp.zeros((d, h)),
+              "gate_proj": normal(d, h, i), "gate_proj_bias": jnp.zeros((d, i)),
+              "up_proj": normal(d, h, i), "up_proj_bias": jnp.zeros((d, i)),
+              "down_proj": normal(d, i, h), "down_proj_bias": jnp.zeros((d, h))}
+    merger = {"norm": jnp.ones((h,)), "fc1": normal(m, m), "fc1_bias": jnp.zeros((m,)),
+              "fc2": normal(m, cfg.out_hidden_size), "fc2_bias": jnp.zeros((cfg.out_hidden_size,))}
+    return {"patch_embed": normal(cfg.patch_dim, h), "blocks": blocks, "merger": merger}
+
 
 class VisionLayout(NamedTuple):
     """Host-computed index arrays of one batch of images (their grids): the packed sequence in window order."""

@@ -28,6 +28,7 @@ from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, vision_features, vision_layout
 
 Array = jax.Array
+QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' vocabulary (config.json's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class VisionLanguage:
         if d.get("model_type") != "qwen2_5_vl":
             return None
         return cls(vision=VisionConfig.from_hf(d.get("vision_config") or {}),
-                   image_token_id=int(d.get("image_token_id", 151655)),
+                   image_token_id=int(d.get("image_token_id", QWEN_IMAGE_TOKEN_ID)),
                    vision_start_token_id=int(d.get("vision_start_token_id", 151652)))
 
 
@@ -111,6 +112,63 @@ class ImagePrompt(NamedTuple):
     slots: Array  # [B, P] int32: the feature each image token takes, -1 elsewhere
     features: Array  # [M, H] fp32 image features
     deltas: Array  # [B] int32: added to each row's 1-D position when it decodes
+
+
+class RowImages(NamedTuple):
+    """A scored batch's images, row by row (prompt + response columns): every leaf leads with the rows, so splitting
+    rows into micro-batches, taking them and sharding them treats the images as the batch's other arrays."""
+
+    positions: Array  # int32 [N, 3, T] M-RoPE positions (0 on padding)
+    slots: Array  # int32 [N, T]: the row's own feature each image token takes, -1 elsewhere
+    features: Array  # [N, K, H] each row's image features (K: the most any row holds, bucketed; zeros past a row's)
+
+    def decoder_inputs(self) -> tuple[Array, tuple[Array, Array]]:
+        """(positions [3, N, T], embeds) as `forward_hidden` takes them."""
+        return jnp.moveaxis(self.positions, 1, 0), (self.slots, self.features)
+
+    def pad_columns(self, before: int, after: int) -> RowImages:
+        """Columns added as `batching.ops.pad_columns` adds them: `before` prompt columns on the left, `after`
+        response columns on the right (padding: position 0, no feature)."""
+        if not (before or after):
+            return self
+        return self._replace(positions=jnp.pad(self.positions, ((0, 0), (0, 0), (before, after))),
+                             slots=jnp.pad(self.slots, ((0, 0), (before, after)), constant_values=-1))
+
+    def pad_features(self, count: int) -> RowImages:
+        """Room for `count` features per row (another batch's K, to join the two)."""
+        extra = count - self.features.shape[1]
+        return self if extra <= 0 else self._replace(features=jnp.pad(self.features, ((0, 0), (0, extra), (0, 0))))
+
+
+def _feature_bucket(count: int) -> int:
+    """Per-row feature room: a power of two >= count (min 8), so image sizes compile a few update programs."""
+    return max(8, 1 << max(count - 1, 0).bit_length())
+
+
+def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_len: int) -> dict[str, np.ndarray]:
+    """The `RowImages` fields (host arrays, for `RowImages(**placed)` once on the mesh) of a sampled batch:
+    `prompt` (its [B, P] prompts' images), `n` samples per prompt (prompt-major rows) and `response_len` response
+    columns. A response token j of a row is at 1-D position (the row's prompt tokens + j) + its delta in every
+    stream, as the sampler decoded it."""
+    slots = np.asarray(prompt.slots)
+    prompt_mask = np.asarray(prompt_mask) > 0
+    counts = (slots >= 0).sum(axis=1)
+    first = np.where(counts > 0, np.where(slots >= 0, slots, np.iinfo(np.int32).max).min(axis=1), 0)
+    room = _feature_bucket(int(counts.max()) if counts.size else 0)
+    local = np.where(slots >= 0, slots - first[:, None], -1).astype(np.int32)
+    # each row's features: its slice of the batch's packed features (processor order), zeros past it
+    index = first[:, None] + np.arange(room)[None]
+    valid = np.arange(room)[None] < counts[:, None]
+    features = np.asarray(prompt.features)[np.where(valid, index, 0)]
+    features = np.where(valid[..., None], features, 0).astype(features.dtype)
+    lengths = prompt_mask.sum(axis=1)
+    response = lengths[:, None] + np.arange(response_len)[None] + np.asarray(prompt.deltas)[:, None]
+    positions = np.concatenate([np.asarray(prompt.positions),
+                                np.broadcast_to(response[None], (3, *response.shape))], axis=2)
+    positions = np.moveaxis(positions, 0, 1).astype(np.int32)  # [B, 3, P + R]
+    slots_rows = np.concatenate([local, np.full((len(local), response_len), -1, np.int32)], axis=1)
+    repeat = lambda x: np.repeat(x, n, axis=0)  # noqa: E731  (row b * n + j: sample j of prompt b)
+    return {"positions": repeat(positions), "slots": repeat(slots_rows), "features": repeat(features)}
 
 
 _vision_features = jax.jit(vision_features, static_argnums=(1,), static_argnames=("dtype",))

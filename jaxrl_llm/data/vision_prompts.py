@@ -1,0 +1,126 @@
+"""A vision-language policy's prompts: each image's placeholder as the model's own tokens, as many image tokens as
+the HF image processor's resize gives the image, and a batch's pixels for the vision tower.
+
+veRL renders a row's `<image>` placeholders through the processor's chat template (an image entry becomes
+`<|vision_start|><|image_pad|><|vision_end|>`) and the processor then repeats `<|image_pad|>` once per merged
+S x S block of the resized image. Here the placeholder text replaces each image in the messages before the
+tokenizer's chat template renders them (the same tokens for Qwen2.5-VL's template, and any tokenizer that knows
+the three tokens works), and `expand_image_tokens` repeats each `<|image_pad|>` id. The resize is the processor's
+`smart_resize` (sides multiples of patch x merge, pixels within [min_pixels, max_pixels]), so the count is known
+from the image's size alone and `data.max_prompt_length` counts the image tokens.
+
+The pixels are transformers' `Qwen2VLImageProcessorPil` (PIL and numpy: no torch, no torchvision).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.data.images import IMAGE_PLACEHOLDER, content_parts, load_image
+from jaxrl_llm.data.sources import DataError, RowRef
+
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the Qwen VL processors' defaults (OpenAI CLIP's)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTokens:
+    """How a policy's prompt holds an image (its tokens) and how its processor sizes and normalises it."""
+
+    image_token_id: int
+    start_text: str = "<|vision_start|>"
+    pad_text: str = "<|image_pad|>"
+    end_text: str = "<|vision_end|>"
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, ...] = _CLIP_MEAN
+    image_std: tuple[float, ...] = _CLIP_STD
+
+    @property
+    def placeholder(self) -> str:
+        """What one image becomes in the rendered text."""
+        return self.start_text + self.pad_text + self.end_text
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) the processor resizes a width x height image to."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        return smart_resize(height, width, factor=self.patch_size * self.merge_size, min_pixels=self.min_pixels,
+                            max_pixels=self.max_pixels)
+
+    def tokens_for(self, width: int, height: int) -> int:
+        """Image tokens of a width x height image: its merged blocks after the resize."""
+        h, w = self.resized(width, height)
+        return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
+
+    def processor(self) -> Any:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(patch_size=self.patch_size, merge_size=self.merge_size,
+                                        temporal_patch_size=self.temporal_patch_size, min_pixels=self.min_pixels,
+                                        max_pixels=self.max_pixels, image_mean=list(self.image_mean),
+                                        image_std=list(self.image_std))
+
+    def pixels(self, images: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(pixel_values [patches, C x T x P x P] fp32, image_grid_thw [images, 3] int64) of `images` (what
+        `data.images.row_images` kept: bytes, paths, PIL images), in order."""
+        out = self.processor()(images=[load_image(image) for image in images], return_tensors="np")
+        return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
+
+    def with_preprocessor(self, folder: str | pathlib.Path) -> ImageTokens:
+        """These tokens with a model folder's `preprocessor_config.json` sizes and normalisation (unchanged without
+        one)."""
+        path = pathlib.Path(folder) / "preprocessor_config.json"
+        if not path.is_file():
+            return self
+        d = json.loads(path.read_text())
+        size = d.get("size") or {}
+        return dataclasses.replace(
+            self, patch_size=int(d.get("patch_size", self.patch_size)),
+            merge_size=int(d.get("merge_size", self.merge_size)),
+            temporal_patch_size=int(d.get("temporal_patch_size", self.temporal_patch_size)),
+            min_pixels=int(d.get("min_pixels", size.get("shortest_edge", self.min_pixels))),
+            max_pixels=int(d.get("max_pixels", size.get("longest_edge", self.max_pixels))),
+            image_mean=tuple(float(x) for x in d.get("image_mean", self.image_mean)),
+            image_std=tuple(float(x) for x in d.get("image_std", self.image_std)))
+
+
+def with_image_tokens(prompt: Sequence[Mapping[str, Any]] | str, placeholder: str) -> list[dict[str, Any]] | str:
+    """`prompt` with each image (`<image>` in its text, an HF content entry of type 'image') as `placeholder`, the
+    messages' content joined into text (what a chat template renders)."""
+    if isinstance(prompt, str):
+        return prompt.replace(IMAGE_PLACEHOLDER, placeholder)
+    out = []
+    for message in prompt:
+        text = []
+        for part in content_parts(message):
+            if isinstance(part, str):
+                text.append(part.replace(IMAGE_PLACEHOLDER, placeholder))
+            elif isinstance(part, Mapping) and part.get("type") == "image":
+                text.append(placeholder)
+            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                text.append(part["text"].replace(IMAGE_PLACEHOLDER, placeholder))
+        out.append({**message, "content": "".join(text)})
+    return out
+
+
+def expand_image_tokens(ids: np.ndarray, counts: Sequence[int], image_token_id: int, where: RowRef | str
+                        ) -> np.ndarray:
+    """`ids` with its k-th image token repeated counts[k] times; a DataError naming the row when the rendered
+    prompt holds another number of image tokens than images (a template that drops or repeats them)."""
+    ids = np.asarray(ids, np.int32)
+    at = np.flatnonzero(ids == image_token_id)
+    if len(at) != len(counts):
+        raise DataError(f"{where}: the rendered prompt holds {len(at)} image token(s) (id {image_token_id}) for "
+                        f"{len(counts)} image(s): the chat template or the text changed the placeholders")
+    repeats = np.ones(len(ids), np.int64)
+    repeats[at] = np.asarray(counts, np.int64)
+    return np.repeat(ids, repeats)

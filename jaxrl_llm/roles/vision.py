@@ -1,0 +1,137 @@
+"""A vision-language policy's vision tower (docs/vision.md): frozen, run once per rollout batch over its prompts'
+images; the features go into the sampler's prefill and, row by row, into every pass of the step that reads the
+policy (`RowImages`), so the sampler and the trainer see the same embeddings.
+
+What makes a policy vision-language here: a Qwen2.5-VL folder (`Qwen2_5_VLForConditionalGeneration`; its text
+model is what `load_model` loads) or `tiny:qwen2_5_vl` (a random tiny Qwen2.5-VL for tests and CI: the tiny text
+dims with M-RoPE, a 2-block tower, and the tokenizer given the three vision tokens it lacks).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.config.checks import TINY_VISION_LANGUAGE, reads_images
+from jaxrl_llm.config.spec import ModelSpec, RunSpec
+from jaxrl_llm.data.vision_prompts import ImageTokens
+from jaxrl_llm.hf.hf_folder import read_hf_config
+from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
+from jaxrl_llm.models.vision.qwen_vit import VisionConfig, init_vision_params
+from jaxrl_llm.models.vision.qwen_vl import QWEN_IMAGE_TOKEN_ID, ImagePrompt, VisionLanguage, image_prompt
+
+TINY_VL = TINY_VISION_LANGUAGE
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+
+
+def with_vision_tokens(path: str | None, tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` for the policy at `path`: tiny:qwen2_5_vl's gains the vision tokens it lacks (a copy: loaded
+    tokenizers are shared); any other policy's as it is."""
+    missing = [t for t in _VISION_TOKENS if t not in tokenizer.get_vocab()]
+    if path != TINY_VL or not missing:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    return tokenizer
+
+
+def image_tokens_of(path: str | None, tokenizer: Tokenizer) -> ImageTokens | None:
+    """How the policy at `path` reads images (None: a text policy), checked against `tokenizer`: its image token
+    must be the model's image token id."""
+    if not reads_images(path):
+        return None
+    assert path is not None
+    pad_text = ImageTokens.pad_text
+    token_id = tokenizer.convert_tokens_to_ids(pad_text)
+    if path == TINY_VL:
+        return ImageTokens(image_token_id=int(token_id))
+    model_token = int(read_hf_config(path).get("image_token_id", QWEN_IMAGE_TOKEN_ID))
+    if token_id != model_token:
+        raise ConfigError(f"actor_rollout_ref.model.path={path!r}: the tokenizer's {pad_text!r} is id {token_id}, the "
+                          f"model's image token is {model_token} (config.json image_token_id): data.tokenizer "
+                          "must be the model's own")
+    return ImageTokens(image_token_id=model_token).with_preprocessor(path)
+
+
+def tiny_mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """M-RoPE's (temporal, height, width) frequency split of a tiny text model, Qwen2.5-VL's 1/4, 3/8, 3/8 shares
+    of head_dim / 2 (its 128-wide heads: 16, 24, 24)."""
+    half = head_dim // 2
+    side = (half - half // 4) // 2
+    return half - 2 * side, side, side
+
+
+@dataclasses.dataclass(eq=False)
+class VisionTower:
+    """The policy's frozen tower: what its prompts' images become (`prompt`)."""
+
+    vl: VisionLanguage
+    params: dict[str, Any]  # fp32, replicated on the mesh
+    tokens: ImageTokens
+    compute_dtype: str = "float32"
+
+    def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]]
+               ) -> ImagePrompt:
+        """The `ImagePrompt` of a left-padded prompt batch whose row b holds images[b] (encoded, as the data keeps
+        them): the tower run once over all of them."""
+        flat = [image for row in images for image in row]
+        if not flat:
+            raise ValueError("a vision-language prompt batch without images")
+        pixels, grids = self.tokens.pixels(flat)
+        return image_prompt(self.params, self.vl, prompt_ids, prompt_mask, pixels, grids,
+                            compute_dtype=as_jnp_dtype(self.compute_dtype, allowed=COMPUTE_DTYPES,
+                                                       what="actor.compute_dtype"))
+
+
+def load_vision_tower(model: ModelSpec, model_cfg: ModelConfig, tokens: ImageTokens, tokenizer: Tokenizer, *,
+                      mesh: Mesh, compute_dtype: str, seed: int) -> VisionTower:
+    """The tower of the policy `model` (whose text model is `model_cfg`), replicated on `mesh`."""
+    if model.path == TINY_VL:
+        if not model_cfg.mrope_section:
+            raise ConfigError(f"{TINY_VL}: the text model has no mrope_section")
+        vl = VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=tokens.image_token_id,
+                            vision_start_token_id=int(tokenizer.convert_tokens_to_ids(tokens.start_text)))
+        params = init_vision_params(vl.vision, jax.random.fold_in(jax.random.PRNGKey(seed), 0x7157))
+    else:
+        from jaxrl_llm.hf.vision import load_vision_tower as load_folder_tower
+
+        vl, params = load_folder_tower(model.path)
+        if vl.vision.out_hidden_size != model_cfg.hidden_size:
+            raise ConfigError(f"actor_rollout_ref.model.path={model.path!r}: the tower's out_hidden_size "
+                              f"{vl.vision.out_hidden_size} is not the text model's hidden_size "
+                              f"{model_cfg.hidden_size}")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), replicated)
+    return VisionTower(vl=vl, params=params, tokens=tokens, compute_dtype=compute_dtype)
+
+
+def vision_run_spec(spec: RunSpec, engine_setting: str) -> RunSpec:
+    """`spec` as a vision-language policy's run takes it: the static engine where the engine was 'auto' (the paged
+    engine does not take images yet); a ConfigError naming the key for each part that does not read images yet."""
+    arr = "actor_rollout_ref"
+    refused = {
+        f"{arr}.model.use_remove_padding=True": spec.model.use_remove_padding,
+        "critic.enable=True (a critic reading images)": spec.critic is not None,
+        f"{arr}.rollout.multi_turn.enable=True": spec.multi_turn is not None,
+        f"{arr}.rollout.partial.enable=True": spec.partial.active,
+        "algorithm.distillation.enable=True": spec.distillation is not None,
+        f"{arr}.rollout.speculative.method": spec.rollout_engine.speculative is not None,
+        f"{arr}.rollout.engine='paged'": engine_setting == "paged",
+    }
+    for key, on in refused.items():
+        if on:
+            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs unpacked rows, single-turn, "
+                              "on the static engine, without a critic, a teacher or a draft model for now "
+                              "(docs/vision.md)")
+    if spec.rollout_engine.engine == "static":
+        return spec
+    return dataclasses.replace(spec, rollout_engine=dataclasses.replace(spec.rollout_engine, engine="static"))

@@ -1,0 +1,74 @@
+"""GRPO with a vision-language policy (tiny:qwen2_5_vl, configs/grpo_vl_tiny.py) on 8 devices: the frozen tower's
+features reach the sampler's prefill and, row by row, every trainer pass (old log-probs, the update), so the
+sampled log-probs are the trainer's; without the images the trainer reads other log-probs; the update trains with
+LoRA on the text model too; a vision-language run refuses what does not read images yet, by key."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import tiny_runs
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
+ARR = "actor_rollout_ref"
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    cfg = tiny_runs.tiny_config(tmp_path_factory.mktemp("vl") / "run", "grpo_vl_tiny.py",
+                                **{"trainer.total_training_steps": 2, f"{ARR}.actor.optim.lr": 1e-2})
+    return Trainer(cfg)
+
+
+def test_sampler_and_trainer_read_the_same_images(trainer):
+    assert len(jax.devices()) == 8 and trainer.generator.vision is not None
+    params = trainer.actor.model_params
+    rollout = trainer.generator.generate(next(trainer.train_loader), params, trainer.spec.train_sampling,
+                                         jax.random.key(0))
+    images = rollout.images
+    assert images is not None
+    rows, columns = rollout.input_ids.shape
+    assert images.positions.shape == (rows, 3, columns) and images.slots.shape == (rows, columns)
+    assert images.features.shape == (rows, 16, trainer.actor.model_cfg.hidden_size)  # 112 x 112: 16 features
+    assert ((np.asarray(images.slots) >= 0).sum(axis=1) == 16).all()
+    assert images.features.sharding.spec[0] is not None  # rows sharded as the batch's other arrays
+    on = np.asarray(rollout.response_mask) > 0
+    sampled = np.asarray(rollout.rollout_log_probs)
+    recomputed = np.asarray(trainer.log_probs(params, rollout))
+    assert np.abs(recomputed - sampled)[on].max() < 1e-5
+    # the image tokens' embeddings, not the features: another distribution
+    blind = np.asarray(trainer.log_probs(params, dataclasses.replace(rollout, images=None)))
+    assert np.abs(blind - sampled)[on].max() > 1e-3
+
+
+def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
+    before = jax.device_get(trainer.actor.params["layers"])
+    metrics = trainer.step()
+    assert metrics["rollout_corr/max_abs_log_ratio"] < 1e-5
+    assert metrics["prompt_length/mean"] > 16  # the 16 image tokens count as prompt tokens
+    after = jax.device_get(trainer.actor.params["layers"])
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+@pytest.mark.parametrize("key,value,named", [
+    (f"{ARR}.model.use_remove_padding", True, "use_remove_padding=True"),
+    (f"{ARR}.rollout.engine", "paged", "engine='paged'"),
+    ("critic.enable", True, "critic.enable=True"),
+])
+def test_what_does_not_read_images_yet_is_refused_by_key(tmp_path, key, value, named):
+    overrides = {key: value}
+    if key == "critic.enable":
+        overrides.update({"algorithm.adv_estimator": "gae", "critic.model.path": "tiny:qwen2"})
+    cfg = tiny_runs.tiny_config(tmp_path / "run", "grpo_vl_tiny.py", **overrides)
+    with pytest.raises(ConfigError, match=rf"{named}.*: a vision-language policy \(tiny:qwen2_5_vl\)"):
+        Trainer(cfg)
+
+
+def test_a_text_policy_refuses_the_picture_task(tmp_path):
+    cfg = tiny_runs.tiny_config(tmp_path / "run", "grpo_vl_tiny.py", **{f"{ARR}.model.path": "tiny:qwen2"})
+    with pytest.raises(ConfigError, match=r"data.synthetic.task='shapes': its prompts are pictures, and the policy "
+                                          r"\(tiny:qwen2\) reads text only"):
+        Trainer(cfg)
