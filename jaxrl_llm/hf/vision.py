@@ -3,6 +3,7 @@
 export of both back to a folder transformers loads."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Mapping
@@ -72,3 +73,22 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
             item.rename(tmp / item.name)
         folder.rmdir()
     return out_dir
+
+
+def vision_language_config(cfg: ModelConfig, vl: VisionLanguage, *, vision_end_token_id: int,
+                           video_token_id: int) -> dict[str, Any]:
+    """A Qwen2.5-VL config.json (transformers 5's layout: `text_config`, `vision_config`) for a text model `cfg`
+    with M-RoPE and the tower of `vl`: what a policy without a source folder (tiny:qwen2_5_vl) exports with."""
+    if not cfg.mrope_section:
+        raise ValueError(f"{cfg.architecture}: a vision-language text model needs an mrope_section")
+    text = cfg.to_hf_config()
+    text.pop("architectures", None)
+    text.update(model_type="qwen2_5_vl_text",
+                rope_parameters={**text.get("rope_parameters", {}), "mrope_section": list(cfg.mrope_section)})
+    vision = {f.name: getattr(vl.vision, f.name) for f in dataclasses.fields(vl.vision)}
+    vision["fullatt_block_indexes"] = list(vl.vision.fullatt_block_indexes)
+    return {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "text_config": text, "vision_config": vision, "image_token_id": vl.image_token_id,
+            "vision_start_token_id": vl.vision_start_token_id, "vision_end_token_id": vision_end_token_id,
+            "video_token_id": video_token_id, "tie_word_embeddings": cfg.tie_word_embeddings,
+            **{k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in text}}

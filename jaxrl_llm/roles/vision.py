@@ -24,13 +24,15 @@ from jaxrl_llm.config.spec import ModelSpec, RunSpec
 from jaxrl_llm.data.vision_prompts import ImageTokens
 from jaxrl_llm.hf.hf_folder import read_hf_config
 from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.hf.vision import load_vision_tower as load_folder_tower
+from jaxrl_llm.hf.vision import vision_language_config
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, init_vision_params
 from jaxrl_llm.models.vision.qwen_vl import QWEN_IMAGE_TOKEN_ID, ImagePrompt, VisionLanguage, image_prompt
 
 TINY_VL = TINY_VISION_LANGUAGE
-_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def with_vision_tokens(path: str | None, tokenizer: Tokenizer) -> Tokenizer:
@@ -77,6 +79,7 @@ class VisionTower:
     vl: VisionLanguage
     params: dict[str, Any]  # fp32, replicated on the mesh
     tokens: ImageTokens
+    hf_config: dict[str, Any]  # the Qwen2.5-VL config.json an export writes (the source folder's)
     compute_dtype: str = "float32"
 
     def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]]
@@ -101,17 +104,19 @@ def load_vision_tower(model: ModelSpec, model_cfg: ModelConfig, tokens: ImageTok
         vl = VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=tokens.image_token_id,
                             vision_start_token_id=int(tokenizer.convert_tokens_to_ids(tokens.start_text)))
         params = init_vision_params(vl.vision, jax.random.fold_in(jax.random.PRNGKey(seed), 0x7157))
+        hf_config = vision_language_config(
+            model_cfg, vl, vision_end_token_id=int(tokenizer.convert_tokens_to_ids("<|vision_end|>")),
+            video_token_id=int(tokenizer.convert_tokens_to_ids("<|video_pad|>")))
     else:
-        from jaxrl_llm.hf.vision import load_vision_tower as load_folder_tower
-
         vl, params = load_folder_tower(model.path)
+        hf_config = read_hf_config(model.path)
         if vl.vision.out_hidden_size != model_cfg.hidden_size:
             raise ConfigError(f"actor_rollout_ref.model.path={model.path!r}: the tower's out_hidden_size "
                               f"{vl.vision.out_hidden_size} is not the text model's hidden_size "
                               f"{model_cfg.hidden_size}")
     replicated = NamedSharding(mesh, PartitionSpec())
     params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), replicated)
-    return VisionTower(vl=vl, params=params, tokens=tokens, compute_dtype=compute_dtype)
+    return VisionTower(vl=vl, params=params, tokens=tokens, hf_config=hf_config, compute_dtype=compute_dtype)
 
 
 def vision_run_spec(spec: RunSpec, engine_setting: str) -> RunSpec:

@@ -513,7 +513,8 @@ class Trainer(Run):
 
     def export_hf(self, out_dir: str) -> str:
         """The policy as an HF folder at `out_dir` (roles/export.py; every process calls it)."""
-        return export_policy(self.actor, self.spec.model, self.tokenizer, out_dir, is_main=self.is_main)
+        return export_policy(self.actor, self.spec.model, self.tokenizer, out_dir, is_main=self.is_main,
+                             vision=self.generator.vision)
 
     def close(self, *, quiet: bool = False) -> None:
         """Waits for async saves, then closes the store, the sinks and the reward workers; each is

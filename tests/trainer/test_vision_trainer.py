@@ -72,3 +72,26 @@ def test_a_text_policy_refuses_the_picture_task(tmp_path):
     with pytest.raises(ConfigError, match=r"data.synthetic.task='shapes': its prompts are pictures, and the policy "
                                           r"\(tiny:qwen2\) reads text only"):
         Trainer(cfg)
+
+
+def test_the_trained_policy_exports_with_its_tower_and_transformers_reads_it(trainer, tmp_path):
+    import torch
+    import transformers
+
+    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
+
+    out = trainer.export_hf(str(tmp_path / "hf"))
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    batch = next(trainer.train_loader)
+    ids = np.asarray(batch["raw_prompt_ids"][0], np.int64)[None]
+    mask = np.ones_like(ids)
+    vision = trainer.generator.vision
+    pixels, grid = vision.tokens.pixels(batch["images"][0])
+    ours = np.asarray(image_text_logits(jax.device_get(trainer.actor.model_params), trainer.actor.model_cfg,
+                                        jax.device_get(vision.params), vision.vl, ids, mask, pixels, grid))
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                       pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                       mm_token_type_ids=torch.tensor((ids == vision.vl.image_token_id).astype(np.int64))
+                       ).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4
