@@ -7,6 +7,8 @@ PATH is an HF folder, a .gguf file, or a training checkpoint (a step folder such
 comes from PATH, or for a checkpoint from the tokenizer the run used (override: --tokenizer).
 A LoRA checkpoint holds only adapters: DIR gets them merged into the base (re-read from the base
 path the checkpoint records), and `--peft DIR2` also writes them as a PEFT adapter folder.
+A vision-language model (a Qwen2.5-VL folder, or a checkpoint of a run whose policy is one) is written with its
+vision tower, as `Qwen2_5_VLForConditionalGeneration` loads it.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import sys
 
 from jaxrl_llm.checkpoint import is_checkpoint, load_lora_checkpoint, read_checkpoint_meta, register_checkpoint_loader
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
+from jaxrl_llm.hf.vision import export_vision_language
 from jaxrl_llm.models.dtypes import DTYPES, as_jnp_dtype
+from jaxrl_llm.roles.vision import tower_for_export, with_vision_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_path = args.tokenizer or (read_checkpoint_meta(args.input)["tokenizer"]
                                         if is_checkpoint(args.input) else args.input)
     tokenizer = None if args.no_tokenizer else load_tokenizer(tokenizer_path)
+    vision = tower_for_export(args.input, cfg)  # a vision-language model's tower goes with it
+    if vision is not None:
+        if tokenizer is not None:  # tiny:qwen2_5_vl's tokenizer: the run's, with the vision tokens it added
+            tokenizer = with_vision_tokens(vision.path, tokenizer)
+        out = export_vision_language(cfg, params, vision.hf_config, vision.params, args.output, tokenizer=tokenizer,
+                                     dtype=as_jnp_dtype(args.dtype))
+        print(f"wrote Qwen2_5_VLForConditionalGeneration ({cfg.num_hidden_layers} layers and the vision tower, "
+              f"{args.dtype}) to {out}")
+        return 0
     out = export_hf(cfg, params, args.output, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
                     experts=args.experts)
     print(f"wrote {cfg.architecture} ({cfg.num_hidden_layers} layers, {args.dtype}) to {out}")

@@ -581,6 +581,8 @@ class ModelConfig:
         if _arch_to_model_type(arch) != self.model_type:
             raise ValueError(f"architecture {arch!r} does not match model_type {self.model_type!r}")
         rope_params = {"rope_type": "default", **self.rope_scaling_dict, "rope_theta": self.rope_theta}
+        if self.mrope_section:  # a Qwen2.5-VL text model's (read back by `from_hf_config`)
+            rope_params["mrope_section"] = list(self.mrope_section)
         d: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.model_type,

@@ -284,8 +284,10 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
             picked = jnp.take_along_axis(features.astype(dtype), jnp.maximum(slots, 0)[..., None], axis=1)
         else:  # the batch's packed features [M, H] (a sampler's prefill)
             picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0)
-        picked = picked.astype(jnp.float32)
-        x = jnp.where((slots >= 0)[..., None], picked, x)
+        # rows over the batch axes, the hidden width whole: the embedding gather's own layout (split by the
+        # table's) met the row-split features in the backward, and XLA rematerialised them whole
+        picked = with_activation_constraint(picked.astype(jnp.float32), ("batch", "length", "act_embed"))
+        x = jnp.where((slots >= 0)[..., None], picked, with_activation_constraint(x, ("batch", "length", "act_embed")))
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
     split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1

@@ -19,9 +19,10 @@ def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Tokenizer, ou
     from jaxrl_llm.models.lora import merge_lora
 
     params = to_host(merge_lora(actor.model_params))
-    tower = None if vision is None else to_host(vision.params)
-    if is_main and vision is not None:
-        export_vision_language(actor.model_cfg, params, vision.hf_config, tower, out_dir, tokenizer=tokenizer)
+    if vision is not None:
+        tower = to_host(vision.params)
+        if is_main:
+            export_vision_language(actor.model_cfg, params, vision.hf_config, tower, out_dir, tokenizer=tokenizer)
     elif is_main:
         export_hf(actor.model_cfg, params, out_dir, tokenizer=tokenizer)
     if model.lora is not None:

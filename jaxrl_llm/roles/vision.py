@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.config.checks import TINY_VISION_LANGUAGE, reads_images
-from jaxrl_llm.config.spec import ModelSpec, RunSpec
+from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.data.vision_prompts import ImageTokens
 from jaxrl_llm.hf.hf_folder import read_hf_config
 from jaxrl_llm.hf.tokenizer import Tokenizer
@@ -76,6 +76,7 @@ def tiny_mrope_section(head_dim: int) -> tuple[int, int, int]:
 class VisionTower:
     """The policy's frozen tower: what its prompts' images become (`prompt`)."""
 
+    path: str  # the policy's (actor_rollout_ref.model.path)
     vl: VisionLanguage
     params: dict[str, Any]  # fp32, replicated on the mesh
     tokens: ImageTokens
@@ -95,10 +96,11 @@ class VisionTower:
                                                        what="actor.compute_dtype"))
 
 
-def load_vision_tower(model: ModelSpec, model_cfg: ModelConfig, tokens: ImageTokens, tokenizer: Tokenizer, *,
-                      mesh: Mesh, compute_dtype: str, seed: int) -> VisionTower:
-    """The tower of the policy `model` (whose text model is `model_cfg`), replicated on `mesh`."""
-    if model.path == TINY_VL:
+def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, tokenizer: Tokenizer, *,
+                      mesh: Mesh | None, compute_dtype: str, seed: int) -> VisionTower:
+    """The tower of the policy at `path` (whose text model is `model_cfg`), replicated on `mesh` (None: the default
+    device). tiny:qwen2_5_vl's is random from `seed` (the run's: a checkpoint's tower is the run's own)."""
+    if path == TINY_VL:
         if not model_cfg.mrope_section:
             raise ConfigError(f"{TINY_VL}: the text model has no mrope_section")
         vl = VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=tokens.image_token_id,
@@ -108,15 +110,17 @@ def load_vision_tower(model: ModelSpec, model_cfg: ModelConfig, tokens: ImageTok
             model_cfg, vl, vision_end_token_id=int(tokenizer.convert_tokens_to_ids("<|vision_end|>")),
             video_token_id=int(tokenizer.convert_tokens_to_ids("<|video_pad|>")))
     else:
-        vl, params = load_folder_tower(model.path)
-        hf_config = read_hf_config(model.path)
+        vl, params = load_folder_tower(path)
+        hf_config = read_hf_config(path)
         if vl.vision.out_hidden_size != model_cfg.hidden_size:
-            raise ConfigError(f"actor_rollout_ref.model.path={model.path!r}: the tower's out_hidden_size "
+            raise ConfigError(f"actor_rollout_ref.model.path={path!r}: the tower's out_hidden_size "
                               f"{vl.vision.out_hidden_size} is not the text model's hidden_size "
                               f"{model_cfg.hidden_size}")
-    replicated = NamedSharding(mesh, PartitionSpec())
-    params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), replicated)
-    return VisionTower(vl=vl, params=params, tokens=tokens, hf_config=hf_config, compute_dtype=compute_dtype)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    if mesh is not None:
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    return VisionTower(path=path, vl=vl, params=params, tokens=tokens, hf_config=hf_config,
+                       compute_dtype=compute_dtype)
 
 
 def vision_run_spec(spec: RunSpec, engine_setting: str) -> RunSpec:
@@ -140,3 +144,24 @@ def vision_run_spec(spec: RunSpec, engine_setting: str) -> RunSpec:
     if spec.rollout_engine.engine == "static":
         return spec
     return dataclasses.replace(spec, rollout_engine=dataclasses.replace(spec.rollout_engine, engine="static"))
+
+
+def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
+    """The tower an export of `source` writes beside its text model `model_cfg` (launch/convert_to_hf.py): a
+    Qwen2.5-VL folder's own, or for a training checkpoint its run's policy's (the tower is frozen: a folder's as
+    loaded, tiny:qwen2_5_vl's drawn again from the run's seed); None for a text model."""
+    from jaxrl_llm import checkpoint as ckpt
+    from jaxrl_llm.hf import load_tokenizer
+
+    seed, tokenizer_path = 0, source
+    if ckpt.is_checkpoint(source):
+        meta = ckpt.read_checkpoint_meta(source)
+        run = meta["config"]
+        source, seed = run["actor_rollout_ref"]["model"]["path"], run["trainer"]["seed"]
+        tokenizer_path = meta["tokenizer"]
+    if not reads_images(source):
+        return None
+    tokenizer = with_vision_tokens(source, load_tokenizer(tokenizer_path))
+    tokens = image_tokens_of(source, tokenizer)
+    assert tokens is not None
+    return load_vision_tower(source, model_cfg, tokens, tokenizer, mesh=None, compute_dtype="float32", seed=seed)

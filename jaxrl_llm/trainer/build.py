@@ -124,7 +124,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
 
         reward_model = RewardModel.load(spec.reward_model, tokenizer)
     vision = None if image_tokens is None else load_vision_tower(
-        spec.model, actor.model_cfg, image_tokens, tokenizer, mesh=mesh, compute_dtype=spec.actor.compute_dtype,
+        spec.model.path, actor.model_cfg, image_tokens, tokenizer, mesh=mesh, compute_dtype=spec.actor.compute_dtype,
         seed=t.seed)
     generator = RolloutGenerator(model_cfg=actor.model_cfg, mesh=mesh, tokenizer=tokenizer,
                                  reward_manager=reward_manager, reward_model=reward_model,

@@ -16,11 +16,17 @@ pytestmark = pytest.mark.usefixtures("smollm2_gguf")  # the tiny run's tokenizer
 ARR = "actor_rollout_ref"
 
 
+def vl_config(run_dir, tmp_path, **overrides):
+    """configs/grpo_vl_tiny.py with a reward a random model earns sometimes (tests/tiny_runs.py REWARD_FILE)."""
+    cfg = tiny_runs.tiny_config(run_dir, "grpo_vl_tiny.py", **{"trainer.total_training_steps": 2,
+                                                               f"{ARR}.actor.optim.lr": 1e-2, **overrides})
+    return tiny_runs.with_reward_file(cfg, tmp_path)
+
+
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    cfg = tiny_runs.tiny_config(tmp_path_factory.mktemp("vl") / "run", "grpo_vl_tiny.py",
-                                **{"trainer.total_training_steps": 2, f"{ARR}.actor.optim.lr": 1e-2})
-    return Trainer(cfg)
+    tmp = tmp_path_factory.mktemp("vl")
+    return Trainer(vl_config(tmp / "run", tmp))
 
 
 def test_sampler_and_trainer_read_the_same_images(trainer):
@@ -48,6 +54,7 @@ def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
     before = jax.device_get(trainer.actor.params["layers"])
     metrics = trainer.step()
     assert metrics["rollout_corr/max_abs_log_ratio"] < 1e-5
+    assert metrics["actor/grad_norm"] > 0 and 0 < metrics["critic/score/mean"] < 1  # a learning signal
     assert metrics["prompt_length/mean"] > 16  # the 16 image tokens count as prompt tokens
     after = jax.device_get(trainer.actor.params["layers"])
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
@@ -95,3 +102,29 @@ def test_the_trained_policy_exports_with_its_tower_and_transformers_reads_it(tra
                        mm_token_type_ids=torch.tensor((ids == vision.vl.image_token_id).astype(np.int64))
                        ).logits.numpy()
     assert np.abs(ours - theirs).max() < 1e-4
+
+
+def test_eight_devices_equal_one_resume_equals_uninterrupted_and_the_checkpoint_converts(tmp_path):
+    import transformers
+
+    from jaxrl_llm.hf.vision import load_vision_tower
+
+    one = tmp_path / "one"
+    Trainer(vl_config(one, tmp_path, **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1})).fit()
+    full = tmp_path / "full"
+    trainer = Trainer(vl_config(full, tmp_path, **{"trainer.save_freq": 1, "mesh.data": 2, "mesh.fsdp": 4}))
+    trainer.fit()
+    a, b = tiny_runs.read_metrics(one), tiny_runs.read_metrics(full)
+    for step in (1, 2):
+        want, got = tiny_runs.step_numbers(a, step), tiny_runs.step_numbers(b, step)
+        for k in want.keys() - {"rollout_corr/exact_token_frac"}:  # which tokens round alike: not a number to match
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-4, atol=2e-5, err_msg=f"step {step} {k}")
+    tiny_runs.assert_resume_equals_uninterrupted(
+        lambda d, n, **kw: Trainer(vl_config(d, tmp_path, **{"trainer.total_training_steps": n, "mesh.data": 2,
+                                                             "mesh.fsdp": 4, **kw})), full, tmp_path / "resumed",
+        steps=2)
+    # the checkpoint converts with the run's tower: what transformers loads as Qwen2.5-VL
+    assert tiny_runs.load_convert_to_hf().main(["--input", str(full), "--output", str(tmp_path / "hf")]) == 0
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").model_type == "qwen2_5_vl"
+    _, tower = load_vision_tower(tmp_path / "hf")
+    jax.tree.map(np.testing.assert_array_equal, tower, jax.device_get(trainer.generator.vision.params))
