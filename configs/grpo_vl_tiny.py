@@ -5,11 +5,11 @@
 
 Each step's prompts are 112 x 112 pictures of coloured shapes ("How many red shapes are in the picture?", veRL's
 multimodal rows: `<image>` in the prompt, PNG bytes in `images`). The frozen tower runs once per batch over the
-prompts' images; the static sampler prefills each prompt once with its image features and M-RoPE positions and
-decodes at each row's position plus its M-RoPE delta; the trainer's passes (old log-probs, the update) read the
-same features row by row (docs/vision.md). `rollout_corr/max_abs_log_ratio` compares the sampler's log-probs with
-the trainer's. The weights are random, so the reward does not rise: point `model.path` at a Qwen2.5-VL folder for a
-run that learns. The tokenizer is SmolLM2's with the three vision tokens added.
+prompts' images; the paged engine prefills each prompt once with its image features and M-RoPE positions (its n
+samples share the prompt's pages) and each slot decodes at its position plus its M-RoPE delta; the trainer's passes
+(old log-probs, the update) read the same features row by row (docs/vision.md). `rollout_corr/max_abs_log_ratio`
+compares the sampler's log-probs with the trainer's. The weights are random, so the reward does not rise: point
+`model.path` at a Qwen2.5-VL folder for a run that learns. The tokenizer is SmolLM2's with the vision tokens added.
 """
 import pathlib
 
@@ -23,7 +23,7 @@ def get_config():
     cfg.data.synthetic.task = "shapes"
     cfg.data.max_prompt_length = 96  # ~47 text tokens (SmolLM2's template) + 16 image tokens (112 x 112 pixels)
     cfg.actor_rollout_ref.rollout.n = 4
-    cfg.actor_rollout_ref.rollout.engine = "static"
+    cfg.actor_rollout_ref.rollout.engine = "paged"  # "static" works too
     cfg.algorithm.rollout_correction.rollout_is = "token"  # the rollout_corr/* metrics: sampler vs trainer
     cfg.trainer.total_training_steps = 3
     cfg.trainer.experiment_name = "grpo_vl_tiny"

@@ -123,9 +123,9 @@ def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, to
                        compute_dtype=compute_dtype)
 
 
-def vision_run_spec(spec: RunSpec, engine_setting: str) -> RunSpec:
-    """`spec` as a vision-language policy's run takes it: the static engine where the engine was 'auto' (the paged
-    engine does not take images yet); a ConfigError naming the key for each part that does not read images yet."""
+def check_vision_run(spec: RunSpec) -> None:
+    """A ConfigError naming the key for each part of a vision-language policy's run that does not read images
+    yet (docs/vision.md)."""
     arr = "actor_rollout_ref"
     refused = {
         f"{arr}.model.use_remove_padding=True": spec.model.use_remove_padding,
@@ -134,16 +134,12 @@ def vision_run_spec(spec: RunSpec, engine_setting: str) -> RunSpec:
         f"{arr}.rollout.partial.enable=True": spec.partial.active,
         "algorithm.distillation.enable=True": spec.distillation is not None,
         f"{arr}.rollout.speculative.method": spec.rollout_engine.speculative is not None,
-        f"{arr}.rollout.engine='paged'": engine_setting == "paged",
     }
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs unpacked rows, single-turn, "
-                              "on the static engine, without a critic, a teacher or a draft model for now "
+                              "without a critic, a teacher, speculative decoding or partial rollouts for now "
                               "(docs/vision.md)")
-    if spec.rollout_engine.engine == "static":
-        return spec
-    return dataclasses.replace(spec, rollout_engine=dataclasses.replace(spec.rollout_engine, engine="static"))
 
 
 def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:

@@ -32,6 +32,7 @@ from jaxrl_llm.rollout.batch import Rollout, response_bucket, rows_meta, score_r
 from jaxrl_llm.rollout.multi_turn import generate_multi_turn
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, eos_ids_of, left_pad, sample
 from jaxrl_llm.sampler.core import SampleOutput
+from jaxrl_llm.sampler.engine.scheduler import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sharding import batch_axis_size, on_own_mesh, to_device, to_device_if_rows_split, to_host
@@ -136,14 +137,12 @@ class RolloutGenerator:
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
         images = self._image_prompt(batch, prompt_ids, prompt_mask, len(raw_prompts) - num_prompts)
-        if images is not None and opts.engine == "paged":
-            raise ValueError("a batch with images: the paged engine does not take images yet; set "
-                             "actor_rollout_ref.rollout.engine=static")
+        host_images = None if images is None else jax.tree.map(np.asarray, to_host(images))
         if opts.engine == "paged":
-            host_out, self.last_engine_stats = sample_paged(params, model_cfg, raw_prompts, rng, knobs,
-                                                            settings=settings, opts=opts, mesh=mesh,
-                                                            draft_params=self.draft_params,
-                                                            max_prompt_len=self.max_prompt_length)
+            host_out, self.last_engine_stats = sample_paged(
+                params, model_cfg, raw_prompts, rng, knobs, settings=settings, opts=opts, mesh=mesh,
+                draft_params=self.draft_params, max_prompt_len=self.max_prompt_length,
+                images=None if host_images is None else RequestImages.of_batch(host_images, prompt_mask))
             out = rows_on_mesh(host_out, mesh)
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh,
@@ -154,11 +153,11 @@ class RolloutGenerator:
             keep = num_prompts * n
             out = out._replace(**_first_rows({f: getattr(out, f) for f in ROW_FIELDS if getattr(out, f) is not None},
                                              keep))
-        if images is not None:  # the rows' own: padding rows dropped, on the host for `row_images`
-            host = jax.tree.map(np.asarray, to_host(images))
-            images = host._replace(positions=host.positions[:, :num_prompts], slots=host.slots[:num_prompts],
-                                   deltas=host.deltas[:num_prompts])
-        return self.scored(batch, out, n, sampling.max_new_tokens, rng, images=images)
+        if host_images is not None:  # the rows' own: padding rows dropped, on the host for `row_images`
+            host_images = host_images._replace(positions=host_images.positions[:, :num_prompts],
+                                               slots=host_images.slots[:num_prompts],
+                                               deltas=host_images.deltas[:num_prompts])
+        return self.scored(batch, out, n, sampling.max_new_tokens, rng, images=host_images)
 
     def _image_prompt(self, batch: dict[str, np.ndarray], prompt_ids: np.ndarray, prompt_mask: np.ndarray,
                       padding_rows: int) -> ImagePrompt | None:
@@ -233,3 +232,4 @@ class RolloutGenerator:
             meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics,
             routing=None if out.routing is None else jnp.asarray(out.routing[:, :input_ids.shape[1]]),
             images=row_imgs)
+

@@ -39,7 +39,7 @@ from jaxrl_llm.roles.critic import update_critic
 from jaxrl_llm.roles.draft import load_draft, with_draft_config
 from jaxrl_llm.roles.reference import ReferenceRole, make_reference_role
 from jaxrl_llm.roles.trained import TrainedRole, load_model, make_trained_role, model_config_of, packing_for
-from jaxrl_llm.roles.vision import image_tokens_of, load_vision_tower, vision_run_spec, with_vision_tokens
+from jaxrl_llm.roles.vision import check_vision_run, image_tokens_of, load_vision_tower, with_vision_tokens
 from jaxrl_llm.rollout.generator import RolloutGenerator
 from jaxrl_llm.rollout.sources import RolloutSource, make_rollouts
 from jaxrl_llm.sampler.engine.scheduler import speculative_refusal
@@ -178,7 +178,7 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     spec = with_draft_config(resolve(
         checked, dp_size=dp_size, num_train_samples=None if train_set is None else len(train_set)), tokenizer)
     if image_tokens is not None:  # what a vision-language policy's run takes (roles/vision.py)
-        spec = vision_run_spec(spec, checked.actor_rollout_ref.rollout.engine)
+        check_vision_run(spec)
     spec, plan = plan_run_memory(spec, mesh, tokenizer, is_main=is_main)
     if train_set is None:
         write_synthetic_data(synthetic, is_main=is_main)

@@ -176,6 +176,55 @@ def test_static_sampler_with_images_follows_transformers_and_the_rescoring(check
         np.testing.assert_allclose(np.asarray(got.log_probs)[m], picked[m], atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpoint, chunk):
+    # each prompt prefilled once with its features and M-RoPE positions (whole, or 8 tokens at a time), its two
+    # samples sharing its pages (cascade attention), each slot decoding at its position plus its delta: greedy
+    # tokens are transformers', sampled tokens' log-probs the full forward's
+    import jax
+
+    from jaxrl_llm.models.vision.qwen_vl import image_prompt
+    from jaxrl_llm.sampler import SamplingParams
+    from jaxrl_llm.sampler.engine import PagedEngine
+    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
+
+    model, folder = checkpoint
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        out = model.generate(**hf_inputs(ids, mask, pixels, grid), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=PAD)
+    cfg, params = load_hf_folder(folder)
+    vl, vision = load_vision_tower(folder)
+    requests = RequestImages.of_batch(jax.tree.map(np.asarray, image_prompt(vision, vl, ids, mask, pixels, grid)),
+                                      mask)
+    prompts = [row[m > 0].tolist() for row, m in zip(ids, mask)]
+    spec = dataclasses.replace(engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4,
+                                           max_prompt_len=ids.shape[1], max_new_tokens=6, compute_dtype="float32"),
+                               cascade=True)
+    engine = PagedEngine(cfg, spec, steps_per_call=2, prefill_chunk=chunk, batch_prefill=True)
+    for sp in (SamplingParams(max_new_tokens=6, do_sample=False, n=2), SamplingParams(max_new_tokens=6, n=2)):
+        settings, knobs = sp.compile_args((), PAD, vocab_size=cfg.vocab_size)
+        got, _ = engine.run(params, prompts, jax.random.key(3), knobs, settings, images=requests)
+        if not sp.do_sample:
+            np.testing.assert_array_equal(got.tokens, np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
+            continue
+        full = np.concatenate([np.repeat(ids, 2, 0), got.tokens], axis=1)
+        full_mask = np.concatenate([np.repeat(mask, 2, 0), got.response_mask], axis=1)
+        rows_grid = np.concatenate([grid[:1], grid[:1], grid[1:], grid[1:]])
+        rows_pixels = np.concatenate([pixels[:24], pixels[:24], pixels[24:], pixels[24:]])
+        logits = image_text_logits(params, cfg, vision, vl, full, full_mask, rows_pixels, rows_grid)
+        logp = np.asarray(jax.nn.log_softmax(logits[:, ids.shape[1] - 1:-1], axis=-1))
+        picked = np.take_along_axis(logp, got.tokens[..., None], axis=-1)[..., 0]
+        m = got.response_mask.astype(bool)
+        np.testing.assert_allclose(got.log_probs[m], picked[m], atol=1e-5)
+    # without the deltas, the decode steps read other positions
+    blind = [dataclasses.replace(r, delta=0) for r in requests]
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD, vocab_size=cfg.vocab_size)
+    got, _ = engine.run(params, prompts, jax.random.key(3), greedy[1], greedy[0], images=blind)
+    assert (got.tokens != np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0)).any()
+
+
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
     # the text model under the released names, the tower under visual.*, the source config.json: transformers'
     # Qwen2_5_VLForConditionalGeneration loads it with the same logits on rows with images

@@ -23,14 +23,15 @@ def vl_config(run_dir, tmp_path, **overrides):
     return tiny_runs.with_reward_file(cfg, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vl")
-    return Trainer(vl_config(tmp / "run", tmp))
+@pytest.fixture(scope="module", params=["static", "paged"])
+def trainer(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"vl_{request.param}")
+    return Trainer(vl_config(tmp / "run", tmp, **{f"{ARR}.rollout.engine": request.param}))
 
 
 def test_sampler_and_trainer_read_the_same_images(trainer):
     assert len(jax.devices()) == 8 and trainer.generator.vision is not None
+    assert trainer.generator.engine_for(8).engine == trainer.spec.rollout_engine.engine
     params = trainer.actor.model_params
     rollout = trainer.generator.generate(next(trainer.train_loader), params, trainer.spec.train_sampling,
                                          jax.random.key(0))
@@ -62,7 +63,7 @@ def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
 
 @pytest.mark.parametrize("key,value,named", [
     (f"{ARR}.model.use_remove_padding", True, "use_remove_padding=True"),
-    (f"{ARR}.rollout.engine", "paged", "engine='paged'"),
+    (f"{ARR}.rollout.partial.enable", True, "partial.enable=True"),
     ("critic.enable", True, "critic.enable=True"),
 ])
 def test_what_does_not_read_images_yet_is_refused_by_key(tmp_path, key, value, named):
@@ -117,7 +118,10 @@ def test_eight_devices_equal_one_resume_equals_uninterrupted_and_the_checkpoint_
     a, b = tiny_runs.read_metrics(one), tiny_runs.read_metrics(full)
     for step in (1, 2):
         want, got = tiny_runs.step_numbers(a, step), tiny_runs.step_numbers(b, step)
-        for k in want.keys() - {"rollout_corr/exact_token_frac"}:  # which tokens round alike: not a number to match
+        # the sampler / trainer mismatch is rounding (asserted small), and the engine's page counts follow its pool,
+        # sized per mesh: no numbers to match
+        assert got["rollout_corr/max_abs_log_ratio"] < 1e-5 and want["rollout_corr/max_abs_log_ratio"] < 1e-5
+        for k in {k for k in want if not k.startswith(("rollout_corr/", "rollout/engine/"))}:
             np.testing.assert_allclose(got[k], want[k], rtol=2e-4, atol=2e-5, err_msg=f"step {step} {k}")
     tiny_runs.assert_resume_equals_uninterrupted(
         lambda d, n, **kw: Trainer(vl_config(d, tmp_path, **{"trainer.total_training_steps": n, "mesh.data": 2,

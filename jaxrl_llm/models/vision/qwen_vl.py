@@ -140,7 +140,7 @@ class RowImages(NamedTuple):
         return self if extra <= 0 else self._replace(features=jnp.pad(self.features, ((0, 0), (0, extra), (0, 0))))
 
 
-def _feature_bucket(count: int) -> int:
+def feature_bucket(count: int) -> int:
     """Per-row feature room: a power of two >= count (min 8), so image sizes compile a few update programs."""
     return max(8, 1 << max(count - 1, 0).bit_length())
 
@@ -154,7 +154,7 @@ def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_le
     prompt_mask = np.asarray(prompt_mask) > 0
     counts = (slots >= 0).sum(axis=1)
     first = np.where(counts > 0, np.where(slots >= 0, slots, np.iinfo(np.int32).max).min(axis=1), 0)
-    room = _feature_bucket(int(counts.max()) if counts.size else 0)
+    room = feature_bucket(int(counts.max()) if counts.size else 0)
     local = np.where(slots >= 0, slots - first[:, None], -1).astype(np.int32)
     # each row's features: its slice of the batch's packed features (processor order), zeros past it
     index = first[:, None] + np.arange(room)[None]

@@ -117,15 +117,16 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
-                  mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
-                  ) -> tuple[Array, Any, Array | None]:
+                  mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None,
+                  rope_offset: Array | None = None) -> tuple[Array, Any, Array | None]:
     """Final-norm hidden [S, H] for one token per slot, the pool with their K/V written, and with
     `record_routing` a MoE model's router top-k ids of each fed token [S, L, k] (else None).
 
     tokens / positions [S]: the token fed to each slot and its position (= tokens already in the
     slot's KV). page_table [S, pages_per_slot]. active [S] bool: inactive slots write to the
     scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1. `pool`: the KV
-    pool, or a hybrid model's `HybridState` (module doc), returned in the same form.
+    pool, or a hybrid model's `HybridState` (module doc), returned in the same form. `rope_offset` [S]: added to
+    the rotary positions only (a vision-language prompt's M-RoPE delta: its KV rows stay at their token index).
     """
     kv = pool.attention if isinstance(pool, HybridState) else pool  # a hybrid model's: with the slots' state
     if cfg.typed_layers:  # Gemma 4: a pool and an attention per type (models/gemma4.py)
@@ -136,7 +137,8 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
     else:
         attention = paged_attention(cfg, kv["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
                                     mesh=mesh, cascade=cascade)
-    hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], positions[:, None], attention, pool,
+    rotary = positions if rope_offset is None else positions + rope_offset
+    hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], rotary[:, None], attention, pool,
                                        compute_dtype=compute_dtype, valid=active[:, None],
                                        record_routing=record_routing)
     routing = None if moe is None or moe.routing is None else jnp.moveaxis(moe.routing[:, :, 0], 0, 1)
@@ -145,10 +147,10 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
 
 def decode_logits(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
-                  mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None
-                  ) -> tuple[Array, Any, Array | None]:
+                  mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None,
+                  rope_offset: Array | None = None) -> tuple[Array, Any, Array | None]:
     """fp32 next-token logits [S, V], the updated pool and the recorded routing (see `decode_hidden`)."""
     hidden, pool, routing = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
                                           compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
-                                          record_routing=record_routing, cascade=cascade)
+                                          record_routing=record_routing, cascade=cascade, rope_offset=rope_offset)
     return logits_from_hidden(params, cfg, hidden), pool, routing

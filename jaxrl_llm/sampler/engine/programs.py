@@ -120,6 +120,20 @@ class Prefix(NamedTuple):
     # a hybrid model's delta-net state after the prompt ({"conv", "delta"}, models/hybrid.py): [layers, ...] (one
     # prompt's; `prefill_batch`'s: [B, layers, ...])
     recurrent: dict | None = None
+    # a vision-language prompt's M-RoPE delta (int32 scalar; models/vision/qwen_vl.py): what its decode steps add
+    # to their rotary positions
+    rope_delta: Array | None = None
+
+
+class PromptImages(NamedTuple):
+    """A vision-language prompt's images for its prefill, padded to the prompt's bucket Pb: M-RoPE positions
+    [3, Pb] (0 on padding), the feature each image token takes [Pb] (-1 elsewhere), the features [K, H] (zeros past
+    the prompt's own), and the decode delta (int32 scalar)."""
+
+    positions: Array
+    slots: Array
+    features: Array
+    delta: Array
 
 
 class DecodeState(NamedTuple):
@@ -152,6 +166,9 @@ class DecodeState(NamedTuple):
     # (models/hybrid.py; slots on axis 1, `SLOT_AXIS`): beside the pool (which holds its full-attention layers),
     # set by `insert`, advanced by decode, cleared with the slot
     recurrent: dict | None = None
+    # a vision-language model's (cfg.mrope_section) int32 [S]: each slot's M-RoPE delta, added to its rotary
+    # positions (not to its KV positions) at every decode step; 0 for a text prompt
+    rope_offset: Array | None = None
 
 
 def empty_pool(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str) -> dict:
@@ -187,6 +204,8 @@ def init_state(cfg: ModelConfig, spec: EngineSpec, max_new_tokens: int, compute_
     state = empty_slots(pool, spec, max_new_tokens, routing)
     if cfg.hybrid:
         state = state._replace(recurrent=zero_recurrent(cfg, spec.max_num_seqs))
+    if cfg.mrope_section:
+        state = state._replace(rope_offset=jnp.zeros((spec.max_num_seqs,), jnp.int32))
     if spec.speculative is not None and spec.speculative.uses_draft_model:
         assert spec.speculative.draft_cfg is not None, "the draft model's config is filled in before the engine"
         state = state._replace(draft_pool=empty_pool(spec.speculative.draft_cfg, spec, compute_dtype))
@@ -215,8 +234,9 @@ def reset_slots(state: DecodeState, spec: EngineSpec, max_new_tokens: int) -> De
     """Empty slots around the same pool."""
     row = None if state.routing is None else jax.ShapeDtypeStruct(state.routing.shape[1:], state.routing.dtype)
     recurrent = None if state.recurrent is None else jax.tree.map(jnp.zeros_like, state.recurrent)
+    offset = None if state.rope_offset is None else jnp.zeros_like(state.rope_offset)
     return empty_slots(state.pool, spec, max_new_tokens, row)._replace(draft_pool=state.draft_pool,
-                                                                       recurrent=recurrent)
+                                                                       recurrent=recurrent, rope_offset=offset)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -228,7 +248,7 @@ def clear_slots(state: DecodeState) -> DecodeState:
 
 
 SLOT_FIELDS = ("page_table", "positions", "last", "num_gen", "active", "finish", "request", "budget", "tokens",
-               "log_probs", "routing", "history", "recurrent")
+               "log_probs", "routing", "history", "recurrent", "rope_offset")
 SLOT_AXIS = {"recurrent": 1}  # the fields whose slots are not on axis 0 (layer-major, as the pool)
 
 
@@ -301,24 +321,36 @@ def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | Non
 @functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh", "chunk"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
             record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None,
-            chunk: int | None = None) -> Prefix:
+            chunk: int | None = None, images: PromptImages | None = None) -> Prefix:
     """KV of one right-padded prompt [Pb] (its first `length` ids real) and its next-token logits
     (and with `record_routing`, a MoE model's experts per prompt token). `replay` [Pb, L, k]: experts
     to run (a multi-turn conversation's earlier turns; NOT_RECORDED: the router's choice); they are
     what is recorded for those tokens. `chunk` (chunked prefill, dividing Pb): the prompt runs `chunk`
     tokens at a time over the growing cache (a `lax.scan`), so the program's activations and attention
-    scores are [chunk, Pb] rather than [Pb, Pb]. Traced on `mesh`."""
+    scores are [chunk, Pb] rather than [Pb, Pb]. `images`: a vision-language prompt's (`PromptImages`): its image
+    tokens take the features, every token its M-RoPE position, and the prefix carries the decode delta. Traced on
+    `mesh`."""
     with mesh_context(mesh):
         if chunk is not None and chunk < prompt_ids.shape[0]:
-            return _chunked_prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype,
-                                    record_routing=record_routing, replay=replay, chunk=chunk)
-        return _prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype, record_routing=record_routing,
-                        replay=replay)
+            prefix = _chunked_prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype,
+                                      record_routing=record_routing, replay=replay, chunk=chunk, images=images)
+        else:
+            prefix = _prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype,
+                              record_routing=record_routing, replay=replay, images=images)
+        return prefix if images is None else prefix._replace(rope_delta=images.delta.astype(jnp.int32))
 
 
 def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache: dict, replay: Array | None, *,
-                  dt: Any, record: bool) -> tuple[Array, dict, Array | None]:
-    """One forward of ids / mask [1, T] over the dense cache: (hidden [T, H], cache, routing [T, L, k] or None)."""
+                  dt: Any, record: bool, images: PromptImages | None = None) -> tuple[Array, dict, Array | None]:
+    """One forward of ids / mask [1, T] over the dense cache: (hidden [T, H], cache, routing [T, L, k] or None);
+    `images`: these T tokens' M-RoPE positions [3, T] and feature slots [T] over the prompt's features."""
+    if images is not None:
+        if record:
+            raise ValueError("routing recording with images: no vision-language mixture-of-experts model here")
+        hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
+                                       positions=images.positions[:, None],
+                                       embeds=(images.slots[None], images.features[None]))
+        return hidden[0], cache, None
     if not record:
         hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt)
         return hidden[0], cache, None
@@ -354,18 +386,18 @@ def _cache_kv(cfg: ModelConfig, cache: dict, take: Callable[[Array], Array]) -> 
 
 
 def _prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
-             record_routing: bool, replay: Array | None) -> Prefix:
+             record_routing: bool, replay: Array | None, images: PromptImages | None) -> Prefix:
     dt = as_jnp_dtype(compute_dtype)
     pb = prompt_ids.shape[0]
     mask = (jnp.arange(pb) < length).astype(jnp.int32)[None]
     cache = init_cache(cfg, 1, pb, dt)
     hidden, cache, routing = _prefill_step(params, cfg, prompt_ids[None].astype(jnp.int32), mask, cache, replay,
-                                           dt=dt, record=record_routing and cfg.is_moe)
+                                           dt=dt, record=record_routing and cfg.is_moe, images=images)
     return _prefix(params, cfg, hidden, cache, length, routing, prompt_ids)
 
 
 def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
-                     record_routing: bool, replay: Array | None, chunk: int) -> Prefix:
+                     record_routing: bool, replay: Array | None, chunk: int, images: PromptImages | None) -> Prefix:
     dt = as_jnp_dtype(compute_dtype)
     pb = prompt_ids.shape[0]
     if pb % chunk:
@@ -374,12 +406,17 @@ def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: 
     record = record_routing and cfg.is_moe
     mask = (jnp.arange(pb) < length).astype(jnp.int32)
     xs = (prompt_ids.astype(jnp.int32).reshape(n, 1, chunk), mask.reshape(n, 1, chunk),
-          None if replay is None or not record else replay.reshape(n, chunk, *replay.shape[1:]))
+          None if replay is None or not record else replay.reshape(n, chunk, *replay.shape[1:]),
+          None if images is None else (jnp.moveaxis(images.positions.reshape(3, n, chunk), 1, 0),
+                                       images.slots.reshape(n, chunk)))
 
     def step(cache: dict, x: tuple) -> tuple[dict, tuple[Array, Array | None]]:
-        ids, chunk_mask, chunk_replay = x
+        ids, chunk_mask, chunk_replay, chunk_images = x
+        part = None
+        if images is not None:  # this chunk's positions and slots, over the prompt's features
+            part = images._replace(positions=chunk_images[0], slots=chunk_images[1])
         hidden, cache, routing = _prefill_step(params, cfg, ids, chunk_mask, cache, chunk_replay, dt=dt,
-                                               record=record)
+                                               record=record, images=part)
         return cache, (hidden, routing)
 
     cache, (hidden, routing) = lax.scan(step, init_cache(cfg, 1, pb, dt), xs)
@@ -474,8 +511,13 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
     if recurrent is not None:  # a hybrid model: the slot starts from the prompt's delta-net state
         assert prefix.recurrent is not None
         recurrent = jax.tree.map(lambda all_, one: all_.at[:, slot].set(one), recurrent, prefix.recurrent)
+    rope_offset = state.rope_offset
+    if rope_offset is not None:  # a vision-language prompt's M-RoPE delta (0: a text prompt)
+        delta = jnp.int32(0) if prefix.rope_delta is None else prefix.rope_delta
+        rope_offset = rope_offset.at[slot].set(delta)
     return state._replace(
         routing=routing, history=history, pool=new_pool, draft_pool=draft_pool, recurrent=recurrent,
+        rope_offset=rope_offset,
         page_table=state.page_table.at[slot].set(page_row),
         positions=state.positions.at[slot].set(prefix.length), last=state.last.at[slot].set(tok[0]),
         num_gen=state.num_gen.at[slot].set(1), active=state.active.at[slot].set(~ends[0]),
@@ -527,7 +569,8 @@ def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kn
         kv = s.pool if s.recurrent is None else HybridState.of(s.pool, s.recurrent)  # with the slots' delta-net state
         logits, kv, fed = decode_logits(params, cfg, kv, s.last, s.positions, s.page_table, s.active,
                                         compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
-                                        record_routing=s.routing is not None, cascade=cascade)
+                                        record_routing=s.routing is not None, cascade=cascade,
+                                        rope_offset=s.rope_offset)
         pool, recurrent = (kv.attention, kv.recurrent) if isinstance(kv, HybridState) else (kv, None)
         routing = s.routing
         if routing is not None and fed is not None:  # the fed token is response token num_gen - 1

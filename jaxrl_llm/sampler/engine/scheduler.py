@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -39,6 +40,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.decoder import unstack_layers
 from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
 from jaxrl_llm.models.moe import NOT_RECORDED
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt, feature_bucket, row_images
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import programs
@@ -103,7 +105,7 @@ class EngineRequest:
     one `poll`. max_new_tokens: its own budget, at most the settings' max_new_tokens. routing: when
     recording a MoE model's routing, the experts to replay for `ids` [len(ids), L, k] in the prefill
     (a multi-turn conversation's earlier turns; NOT_RECORDED where the router chooses); a group's
-    requests have the same.
+    requests have the same. images: a vision-language prompt's (`RequestImages`); a group's requests have the same.
     """
 
     ids: Sequence[int]
@@ -111,6 +113,45 @@ class EngineRequest:
     group: int
     max_new_tokens: int
     routing: np.ndarray | None = None
+    images: RequestImages | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestImages:
+    """A vision-language prompt's images as its prefill reads them (host arrays, the prompt's own tokens, no
+    padding): M-RoPE positions [3, L], the feature each image token takes [L] (-1 elsewhere), the features [K, H]
+    and the M-RoPE delta its decode steps add to their rotary positions."""
+
+    positions: np.ndarray
+    slots: np.ndarray
+    features: np.ndarray
+    delta: int
+
+    @staticmethod
+    def of_batch(images: ImagePrompt, prompt_mask: np.ndarray) -> list[RequestImages]:
+        """Each prompt's, from a left-padded batch's `ImagePrompt` (host arrays; models/vision/qwen_vl.py)."""
+        rows = row_images(images, prompt_mask, 1, 0)  # each prompt's own features, its slots into them
+        out = []
+        for b, valid in enumerate(np.asarray(prompt_mask) > 0):
+            slots = rows["slots"][b][valid]
+            out.append(RequestImages(positions=rows["positions"][b][:, valid], slots=slots,
+                                     features=rows["features"][b][:int((slots >= 0).sum())],
+                                     delta=int(images.deltas[b])))
+        return out
+
+    def padded(self, width: int) -> programs.PromptImages:
+        """As `prefill` takes them for a prompt bucket of `width` tokens; the features padded to a power of two
+        (a handful of compiled prefill shapes)."""
+        length = self.positions.shape[1]
+        positions = np.zeros((3, width), np.int32)
+        positions[:, :length] = self.positions
+        slots = np.full((width,), -1, np.int32)
+        slots[:length] = self.slots
+        room = feature_bucket(len(self.features))
+        features = np.zeros((room, self.features.shape[1]), self.features.dtype)
+        features[:len(self.features)] = self.features
+        return programs.PromptImages(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(features),
+                                     jnp.asarray(self.delta, jnp.int32))
 
 
 class RequestSource(Protocol):
@@ -156,9 +197,10 @@ class _BatchSource:
 
     def __init__(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int,
                  order: Sequence[tuple[int, int]], prompt_routing: Sequence[np.ndarray | None] | None = None,
-                 budgets: Sequence[int] | None = None) -> None:
+                 budgets: Sequence[int] | None = None, images: Sequence[RequestImages | None] | None = None) -> None:
         self.requests = [EngineRequest(prompts[i], (i, j), i, max_new_tokens if budgets is None else int(budgets[i]),
-                                       None if prompt_routing is None else prompt_routing[i]) for i, j in order]
+                                       None if prompt_routing is None else prompt_routing[i],
+                                       None if images is None else images[i]) for i, j in order]
         self.n, self.r = n, max_new_tokens
         rows = len(prompts) * n
         self.tokens = np.zeros((rows, max_new_tokens), np.int32)
@@ -315,7 +357,8 @@ class PagedEngine:
     def run(self, params: dict, prompts: Sequence[Sequence[int]], rng: jax.Array, knobs: SampleKnobs,
             settings: SampleSettings, *, order: Sequence[tuple[int, int]] | None = None,
             prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None,
-            max_new_tokens: Sequence[int] | None = None) -> tuple[SampleOutput, EngineStats]:
+            max_new_tokens: Sequence[int] | None = None, images: Sequence[RequestImages | None] | None = None
+            ) -> tuple[SampleOutput, EngineStats]:
         """`settings.n` samples of every prompt; rows prompt-major (row i*n + j = sample j of prompt i).
 
         order: the queue as (prompt, sample) pairs (default prompt-major); results do not depend on it.
@@ -325,6 +368,7 @@ class PagedEngine:
         programs' and the output's width; a request stops at its budget with finish 'length'); None:
         settings.max_new_tokens for all. Multi-turn rounds pass each conversation's remaining budget,
         so a long prefix does not need room for the longest budget of the round.
+        images: per prompt, a vision-language prompt's images (`RequestImages`) or None.
         """
         n, r = settings.n, settings.max_new_tokens
         for i, p in enumerate(prompts):
@@ -335,7 +379,10 @@ class PagedEngine:
         every = [(i, j) for i in range(len(prompts)) for j in range(n)]
         if order is not None and sorted(order) != every:
             raise ValueError("order must list every (prompt, sample) pair exactly once")
-        source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing, max_new_tokens)
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} entries for {len(prompts)} prompts")
+        source = _BatchSource(prompts, n, r, every if order is None else order, prompt_routing, max_new_tokens,
+                              images)
         stats = self.serve(params, source, rng, knobs, settings, draft_params)
         out = sample_output(prompts, n, source.tokens, source.log_probs, source.lengths, source.finish,
                             int(knobs.pad_id))
@@ -356,7 +403,7 @@ class PagedEngine:
             length = len(req.ids)
             width = bucket_length(length)
             chunked = self.prefill_chunk is not None and self.prefill_chunk < width
-            if self.batch_prefill and not record and not chunked:
+            if self.batch_prefill and not record and not chunked and req.images is None:
                 batchable[width].append((entry, req))
                 continue
             ids = np.full((width,), 0, np.int32)
@@ -365,8 +412,10 @@ class PagedEngine:
             if record and req.routing is not None:  # the conversation's earlier turns keep their experts
                 replay = np.full((len(ids), *req.routing.shape[1:]), NOT_RECORDED, req.routing.dtype)
                 replay[:length] = req.routing
+            images = None if req.images is None else req.images.padded(width)
             prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
-                                      record_routing=record, mesh=self.mesh, replay=replay, chunk=self.prefill_chunk)
+                                      record_routing=record, mesh=self.mesh, replay=replay, chunk=self.prefill_chunk,
+                                      images=images)
             draft = None
             if draft_params is not None:
                 draft = programs.prefill(draft_params, draft_cfg, ids, np.int32(length),

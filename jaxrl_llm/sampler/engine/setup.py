@@ -26,7 +26,7 @@ from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES, EngineSpec
-from jaxrl_llm.sampler.engine.scheduler import EngineStats, PagedEngine
+from jaxrl_llm.sampler.engine.scheduler import EngineStats, PagedEngine, RequestImages
 from jaxrl_llm.sampler.host import bucket_batch, bucket_length
 from jaxrl_llm.sampler.paged_attention import IMPLS as ATTENTION_IMPLS
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
@@ -186,17 +186,20 @@ def release_engines() -> None:
 def sample_paged(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], rng: jax.Array,
                  knobs: SampleKnobs, *, settings: SampleSettings, opts: EngineOptions, mesh: Mesh | None = None,
                  prompt_routing: Sequence[np.ndarray | None] | None = None, draft_params: dict | None = None,
-                 max_prompt_len: int | None = None) -> tuple[SampleOutput, EngineStats]:
+                 max_prompt_len: int | None = None, images: Sequence[RequestImages | None] | None = None
+                 ) -> tuple[SampleOutput, EngineStats]:
     """`settings.n` samples of each prompt (id lists, unpadded) through the paged engine; numpy
     `SampleOutput` (prompts left-padded to their bucket, rows prompt-major) and the run's stats.
     prompt_routing: per prompt, the experts its prefill replays (`EngineRequest.routing`);
     draft_params: the draft model's (opts.speculative.method 'draft'); max_prompt_len: the run's bound
     on prompt length (data.max_prompt_length), which sizes the engine instead of this batch's longest
-    prompt, so every batch of a run reuses one engine and its compiled programs."""
+    prompt, so every batch of a run reuses one engine and its compiled programs; images: per prompt, a
+    vision-language prompt's (`RequestImages`)."""
     longest = prompt_room(max(map(len, prompts)), max_prompt_len)
     engine = sized_engine(cfg, opts, num_requests=len(prompts) * settings.n, max_prompt_len=longest,
                           settings=settings, mesh=mesh, samples_per_prompt=settings.n)
-    return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing, draft_params=draft_params)
+    return engine.run(params, prompts, rng, knobs, settings, prompt_routing=prompt_routing, draft_params=draft_params,
+                      images=images)
 
 
 def prompt_room(longest: int, run_bound: int | None) -> int:
