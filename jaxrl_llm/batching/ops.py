@@ -24,10 +24,12 @@ Array = jax.Array
 
 def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, layout: PackedLayout,
                            response_len: int, *, compute_dtype: DType, remat: bool | str = False,
-                           replay: Array | None = None) -> tuple[Array, Array, MoeOut | None]:
+                           replay: Array | None = None, images: RowImages | None = None
+                           ) -> tuple[Array, Array, MoeOut | None]:
     """(hidden [shards, M, H] predicting the response tokens, those tokens [shards, M], a MoE model's
     router stats over the packed tokens) of the micro-batch `input_ids` [n, P + R] run packed as
-    `layout` says. `replay` [n, P + R, L, k]: recorded expert ids, packed like the tokens."""
+    `layout` says. `replay` [n, P + R, L, k]: recorded expert ids, packed like the tokens. `images`: a
+    vision-language policy's rows' images, packed like the tokens (`packed_images`)."""
     shards, rows, width = layout.segment_ids.shape
     n, seq_len = input_ids.shape
     token_index, seg, branch_ids, positions = (jnp.asarray(x) for x in (
@@ -38,15 +40,39 @@ def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, lay
         flat = replay.reshape(shards, -1, *replay.shape[2:])
         packed = jnp.take_along_axis(flat, token_index.reshape(shards, -1)[..., None, None], axis=1)
         replay = jnp.moveaxis(packed.reshape(shards * rows, width, *replay.shape[2:]), 2, 0)
+    positions = positions.reshape(shards * rows, width)
+    embeds = None
+    if images is not None:
+        positions, embeds = packed_images(images, token_index)
     hidden, moe = forward_hidden_moe(params, cfg, tokens.reshape(shards * rows, width), (seg > 0).astype(jnp.int32),
                                      segment_ids=seg, branch_ids=branch_ids.reshape(shards * rows, width),
-                                     positions=positions.reshape(shards * rows, width),
-                                     compute_dtype=compute_dtype, remat=remat, replay=replay)
+                                     positions=positions, compute_dtype=compute_dtype, remat=remat, replay=replay,
+                                     embeds=embeds)
     hidden = hidden.reshape(shards, rows * width, hidden.shape[-1])
     picked = jnp.take_along_axis(hidden, layout.response_src[..., None], axis=1)
     response = input_ids[:, seq_len - response_len:].reshape(shards, -1)
     targets = jnp.take_along_axis(response, jnp.minimum(layout.response_dst, response.shape[1] - 1), axis=1)
     return picked, targets, moe
+
+
+def packed_images(images: RowImages, token_index: Array) -> tuple[Array, tuple[Array, Array]]:
+    """A micro-batch's images in its packed rows: (M-RoPE positions [3, shards * rows, width], embeds) for
+    `forward_hidden`. `token_index` [shards, rows, width]: each packed token's index in its shard's flattened
+    [n_d * T] tokens. Each packed token's feature is taken within its shard (rows stay on their devices) into
+    one feature per packed token [shards * rows, width, H], which the image tokens read at their own column."""
+    shards, rows, width = token_index.shape
+    flat_index = token_index.reshape(shards, -1)
+    n, _, t = images.positions.shape
+    positions = jnp.moveaxis(images.positions.reshape(shards, n // shards, 3, t), 2, 1).reshape(shards, 3, -1)
+    positions = jnp.take_along_axis(positions, flat_index[:, None], axis=2)  # [shards, 3, rows * width]
+    positions = jnp.moveaxis(positions, 1, 0).reshape(3, shards * rows, width)
+    slots = jnp.take_along_axis(images.slots.reshape(shards, -1), flat_index, axis=1)  # the row's own feature
+    room, hidden = images.features.shape[1:]
+    features = images.features.reshape(shards, -1, hidden)  # [shards, n_d * K, H]
+    in_shard = (flat_index // t) * room + jnp.maximum(slots, 0)  # the feature's index in its shard's
+    picked = jnp.take_along_axis(features, in_shard[..., None], axis=1).reshape(shards * rows, width, hidden)
+    columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (shards * rows, width))
+    return positions, (jnp.where(slots.reshape(shards * rows, width) >= 0, columns, -1), picked)
 
 
 def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:

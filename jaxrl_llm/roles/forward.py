@@ -86,8 +86,6 @@ def response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, atte
     model's k most likely tokens at each response position (a teacher's pass); `topk_ids` [N, R, k]:
     also the log-probs of these ids (the student's side of the top-k distillation loss); `images`: the rows'
     images (`response_hidden`)."""
-    if images is not None and packing is not None:
-        raise ValueError("rows with images run unpacked: actor_rollout_ref.model.use_remove_padding=False")
     with invariant.mode(model_cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
         return _response_scores(params, model_cfg, input_ids, attention_mask, response_len, temperature=temperature,
                                 compute_dtype=compute_dtype, remat=remat, with_entropy=with_entropy, packing=packing,
@@ -116,7 +114,7 @@ def _response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, att
         return ResponseScores(out, None, moe, top)
     hidden, targets, moe = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
                                                   compute_dtype=compute_dtype_of(compute_dtype), remat=remat,
-                                                  replay=replay)
+                                                  replay=replay, images=images)
     # the LM head skips the slot blocks past the filled ones
     out = token_logprobs(hidden, unembed.astype(hidden.dtype), targets, temperature=temperature,
                          return_entropy=with_entropy, vocab_major=vocab_major, impl=logprob_impl, mesh=mesh,

@@ -128,7 +128,6 @@ def check_vision_run(spec: RunSpec) -> None:
     yet (docs/vision.md)."""
     arr = "actor_rollout_ref"
     refused = {
-        f"{arr}.model.use_remove_padding=True": spec.model.use_remove_padding,
         "critic.enable=True (a critic reading images)": spec.critic is not None,
         f"{arr}.rollout.multi_turn.enable=True": spec.multi_turn is not None,
         f"{arr}.rollout.partial.enable=True": spec.partial.active,
@@ -137,9 +136,8 @@ def check_vision_run(spec: RunSpec) -> None:
     }
     for key, on in refused.items():
         if on:
-            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs unpacked rows, single-turn, "
-                              "without a critic, a teacher, speculative decoding or partial rollouts for now "
-                              "(docs/vision.md)")
+            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs single-turn, without a "
+                              "critic, a teacher, speculative decoding or partial rollouts for now (docs/vision.md)")
 
 
 def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:

@@ -1,7 +1,9 @@
 """GRPO with a vision-language policy (tiny:qwen2_5_vl, configs/grpo_vl_tiny.py) on 8 devices: the frozen tower's
-features reach the sampler's prefill and, row by row, every trainer pass (old log-probs, the update), so the
-sampled log-probs are the trainer's; without the images the trainer reads other log-probs; the update trains with
-LoRA on the text model too; a vision-language run refuses what does not read images yet, by key."""
+features reach the sampler's prefill (static sampler; paged engine) and, row by row, every trainer pass (old
+log-probs, the update; unpacked, and packed with shared prompts), so the sampled log-probs are the trainer's; without
+the images the trainer reads other log-probs; the update trains the text model (all of it; LoRA adapters); the
+trained policy exports with its tower, a checkpoint converts with it; 8 devices equal 1, resume equals
+uninterrupted; a vision-language run refuses what does not read images yet, by key."""
 import dataclasses
 
 import jax
@@ -23,10 +25,13 @@ def vl_config(run_dir, tmp_path, **overrides):
     return tiny_runs.with_reward_file(cfg, tmp_path)
 
 
-@pytest.fixture(scope="module", params=["static", "paged"])
+@pytest.fixture(scope="module", params=[("static", False), ("paged", True)], ids=["static", "paged_packed"])
 def trainer(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"vl_{request.param}")
-    return Trainer(vl_config(tmp / "run", tmp, **{f"{ARR}.rollout.engine": request.param}))
+    engine, packed = request.param
+    tmp = tmp_path_factory.mktemp(f"vl_{engine}")
+    lora = {f"{ARR}.model.lora_rank": 8, f"{ARR}.model.lora_alpha": 16} if packed else {}
+    return Trainer(vl_config(tmp / "run", tmp, **{f"{ARR}.rollout.engine": engine,
+                                                  f"{ARR}.model.use_remove_padding": packed, **lora}))
 
 
 def test_sampler_and_trainer_read_the_same_images(trainer):
@@ -52,17 +57,16 @@ def test_sampler_and_trainer_read_the_same_images(trainer):
 
 
 def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
-    before = jax.device_get(trainer.actor.params["layers"])
+    before = jax.device_get(trainer.actor.params)  # the text model, or its LoRA adapters
     metrics = trainer.step()
     assert metrics["rollout_corr/max_abs_log_ratio"] < 1e-5
     assert metrics["actor/grad_norm"] > 0 and 0 < metrics["critic/score/mean"] < 1  # a learning signal
     assert metrics["prompt_length/mean"] > 16  # the 16 image tokens count as prompt tokens
-    after = jax.device_get(trainer.actor.params["layers"])
+    after = jax.device_get(trainer.actor.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
 
 
 @pytest.mark.parametrize("key,value,named", [
-    (f"{ARR}.model.use_remove_padding", True, "use_remove_padding=True"),
     (f"{ARR}.rollout.partial.enable", True, "partial.enable=True"),
     ("critic.enable", True, "critic.enable=True"),
 ])
