@@ -6,6 +6,8 @@
     logits = model.logits(input_ids, attention_mask)   # [B, T, V] float32
     out = jrl.generate(model, "What is 2 + 2?")  # a user message, chat template, SamplingParams()
     out = jrl.generate(model, ["Hi", "Hello"], jrl.SamplingParams(temperature=0.0, max_new_tokens=32))
+    out = jrl.generate(vl_model, [{"role": "user", "content": [{"type": "image", "image": pil_or_path},
+                                                               {"type": "text", "text": "What is it?"}]}])
     jrl.export_hf(model, out_dir)                # writes the attached tokenizer too
     jrl.Trainer(config).fit()                    # the loop launch/train.py runs
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -25,12 +28,16 @@ from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as _checkpoint
 from jaxrl_llm.arrays import DType, ShardingTree
+from jaxrl_llm.config.checks import reads_images
+from jaxrl_llm.data.images import count_placeholders
+from jaxrl_llm.data.vision_prompts import chat_with_images
 from jaxrl_llm.hf import export_hf as _export_hf
 from jaxrl_llm.hf import load_any
 from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.models.dtypes import as_jnp_dtype
+from jaxrl_llm.roles.vision import VisionTower, image_tokens_of, load_vision_tower
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
 from jaxrl_llm.sharding import mesh_context
@@ -47,6 +54,8 @@ class Model:
     params: dict
     mesh: Mesh | None = None
     tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)  # a transformers tokenizer or None
+    # a vision-language model's tower (a Qwen2.5-VL folder's; roles/vision.py): `generate` then takes images
+    vision: VisionTower | None = dataclasses.field(default=None, repr=False)
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
         """[B, T, V] float32 logits (jitted; left padding allowed, defined by the mask)."""
@@ -110,7 +119,12 @@ def load_model(path: str | pathlib.Path, dtype: DType = "float32", mesh: Mesh | 
 
         head = "score" if "score" in params else "value" if "value_head" in params else "lm"
         params = shard_params(params, param_logical_axes(cfg, head=head), mesh)
-    return Model(cfg, params, mesh, tok)
+    vision = None
+    if tok is not None and reads_images(str(path)):  # a Qwen2.5-VL folder: its tower too
+        tokens = image_tokens_of(str(path), tok)
+        assert tokens is not None
+        vision = load_vision_tower(str(path), cfg, tokens, tok, mesh=mesh, compute_dtype="float32", seed=0)
+    return Model(cfg, params, mesh, tok, vision)
 
 
 def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
@@ -138,15 +152,30 @@ def _is_text_prompts(prompts: Any) -> tuple[bool, bool]:
 
 
 def generate(model: Model, prompts: Any, sampling_params: SamplingParams | None = None, *,
-             tokenizer: Tokenizer | None = None, chat: bool | None = None) -> GenerationResult:
+             tokenizer: Tokenizer | None = None, chat: bool | None = None,
+             images: Sequence[Sequence[Any]] | None = None, engine: str | None = None) -> GenerationResult:
     """Sample from `model` (default `SamplingParams()`); see `jaxrl_llm.sampler.facade`.
 
     Prompts: a string or a list of strings, chat message lists (`[{"role": "user", "content":
     ...}]`) or token-id lists. A string is one user message rendered with the chat template when
     the tokenizer has one (`chat=None`, the default, or `chat=True`), else (`chat=False`, or no
     template) raw text. The tokenizer is `tokenizer=` or else the model's own (`model.tokenizer`).
+    A vision-language model (`model.vision`) also takes HF content lists (`{"type": "image", "image":
+    PIL-or-path-or-bytes}`, `{"type": "text", "text": ...}`) and `<image>` placeholders, whose images are
+    `images` (per prompt, in order). engine: 'auto' (default), 'static' or 'paged' (`jaxrl_llm.sampler.facade`).
     """
     tok = tokenizer if tokenizer is not None else model.tokenizer
+    if model.vision is not None and tok is not None:
+        chats = _chat_prompts(prompts)
+        if chats is not None and (images is not None or any(count_placeholders(c) for c in chats)):
+            rows = [chat_with_images(c, model.vision.tokens, tok, () if images is None else images[i],
+                                     where=f"prompt {i}") for i, c in enumerate(chats)]
+            return _generate(model, [ids.tolist() for ids, _ in rows], sampling_params or SamplingParams(),
+                             tokenizer=tok, mesh=model.mesh, images=[pictures for _, pictures in rows],
+                             vision=model.vision, engine=engine)
+    if images is not None:
+        raise ValueError("jrl.generate(images=...): the model reads text only (model.vision is None: not a "
+                         "vision-language model, or loaded without a tokenizer)")
     has_text, single = _is_text_prompts(prompts)
     if has_text and tok is None:
         raise ValueError("jrl.generate: text prompts need a tokenizer and this model has none (jrl.load_model "
@@ -157,7 +186,27 @@ def generate(model: Model, prompts: Any, sampling_params: SamplingParams | None 
             raise ValueError("jrl.generate(chat=True): the tokenizer has no chat template")
         as_chat = lambda p: [{"role": "user", "content": p}] if isinstance(p, str) else p  # noqa: E731
         prompts = [as_chat(prompts)] if single else [as_chat(p) for p in prompts]
-    return _generate(model, prompts, sampling_params or SamplingParams(), tokenizer=tok, mesh=model.mesh)
+    return _generate(model, prompts, sampling_params or SamplingParams(), tokenizer=tok, mesh=model.mesh,
+                     engine=engine)
+
+
+def _chat_prompts(prompts: Any) -> list[list[dict[str, Any]]] | None:
+    """`prompts` as chat message lists (a string: one user message; content lists kept), or None when they are
+    token ids."""
+    def as_chat(p: Any) -> list[dict[str, Any]] | None:
+        if isinstance(p, str):
+            return [{"role": "user", "content": p}]
+        if isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
+            return list(p)
+        return None
+
+    one = as_chat(prompts)
+    if one is not None:
+        return [one]
+    if not isinstance(prompts, (list, tuple)):
+        return None
+    chats = [as_chat(p) for p in prompts]
+    return None if any(c is None for c in chats) else [c for c in chats if c is not None]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,8 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.data.images import IMAGE_PLACEHOLDER, content_parts, load_image
+from jaxrl_llm.data.images import (
+    IMAGE_PLACEHOLDER,
+    content_parts,
+    count_placeholders,
+    decode_image,
+    inline_images,
+    load_image,
+)
 from jaxrl_llm.data.sources import DataError, RowRef
+from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the Qwen VL processors' defaults (OpenAI CLIP's)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -124,3 +132,23 @@ def expand_image_tokens(ids: np.ndarray, counts: Sequence[int], image_token_id: 
     repeats = np.ones(len(ids), np.int64)
     repeats[at] = np.asarray(counts, np.int64)
     return np.repeat(ids, repeats)
+
+
+def chat_with_images(messages: Sequence[Mapping[str, Any]], tokens: ImageTokens, tokenizer: Tokenizer,
+                     images: Sequence[Any] = (), where: str = "prompt") -> tuple[np.ndarray, list[Any]]:
+    """(token ids with each image's tokens, the RGB images in order) of one chat whose messages hold HF content
+    lists ({"type": "image", "image": PIL-or-path-or-bytes}, {"type": "text", "text": ...}) and / or `<image>`
+    placeholders taking `images` in order (the images a content entry carries come first, as the row readers
+    take them); a DataError naming `where` when images and placeholders disagree or an image does not decode."""
+    listed = [*inline_images(messages), *images]
+    wanted = count_placeholders(messages)
+    if wanted != len(listed):
+        raise DataError(f"{where}: {wanted} image placeholder(s) ({IMAGE_PLACEHOLDER!r} or {{'type': 'image'}}) but "
+                        f"{len(listed)} image(s)")
+    decoded = [decode_image(image, f"{where}: image {i}") for i, image in enumerate(listed)]
+    rendered = with_image_tokens(messages, tokens.placeholder)
+    assert not isinstance(rendered, str)
+    text = render_chat(tokenizer, rendered, add_generation_prompt=True)
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+    counts = [tokens.tokens_for(*image.size) for image in decoded]
+    return expand_image_tokens(ids, counts, tokens.image_token_id, where), decoded

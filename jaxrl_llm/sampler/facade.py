@@ -6,12 +6,14 @@ message lists (the tokenizer's chat template with add_generation_prompt=True), o
 ids; a single prompt may be passed unwrapped. Prompts are left-padded to a length bucket and the
 batch to a batch bucket (extra rows repeat prompt 0 and are dropped), so repeated calls reuse a
 few compiled programs. With several processes, every process passes the same prompts and gets
-the whole result.
+the whole result. A vision-language model's prompts (already holding their image tokens) take `images` per
+prompt, read by its tower (`vision`): the static sampler prefills them with the batch's features, the paged engine
+each prompt with its own (`RequestImages`).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -20,11 +22,20 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
 from jaxrl_llm.sampler.core import sample
+from jaxrl_llm.sampler.engine.scheduler import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, eos_ids_of, left_pad
 from jaxrl_llm.sampler.params import SamplingParams
 from jaxrl_llm.sharding import batch_axis_size, host_local_to_global, process_slice, shard_batch
+
+
+class ImageEncoder(Protocol):
+    """A vision-language model's tower as the sampler reads it (roles/vision.py `VisionTower`)."""
+
+    def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]]
+               ) -> ImagePrompt: ...
 
 
 def _is_ids(p: Any) -> bool:
@@ -77,12 +88,13 @@ def _special_ids(cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[list[in
 
 
 def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, tokenizer: Tokenizer | None = None,
-             mesh: Mesh | None = None, compute_dtype: str = "float32", engine: EngineOptions | str | None = None
-             ) -> GenerationResult:
+             mesh: Mesh | None = None, compute_dtype: str = "float32", engine: EngineOptions | str | None = None,
+             images: Sequence[Sequence[Any]] | None = None, vision: ImageEncoder | None = None) -> GenerationResult:
     """Samples `sampling_params.n` responses per prompt with `model`'s current params.
 
     engine: `EngineOptions`, or 'auto' (the default: 'paged' from 64 new tokens on, else 'static') /
-    'paged' (the continuous-batching engine) / 'static' (one padded batch).
+    'paged' (the continuous-batching engine) / 'static' (one padded batch). images: per prompt, its images (a
+    vision-language model's prompts, already holding their image tokens), read by `vision`, the model's tower.
     """
     opts = EngineOptions(engine=engine) if isinstance(engine, str) else (engine or EngineOptions())
     opts = opts.resolved(sampling_params.max_new_tokens)
@@ -93,15 +105,25 @@ def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, token
     eos, pad = _special_ids(cfg, tokenizer)
     settings, knobs = sampling_params.compile_args(eos, pad, vocab_size=cfg.vocab_size,
                                                    compute_dtype=compute_dtype)
+    if images is not None and (vision is None or len(images) != len(ids_list)):
+        raise ValueError(f"images: {len(images)} rows for {len(ids_list)} prompts, read by a vision tower "
+                         f"({'none given' if vision is None else 'given'})")
     if opts.engine == "paged":  # every process runs the same schedule and holds the whole result
+        requests = None
+        if images is not None and vision is not None:  # each prompt's own images, features and positions
+            ids, mask = left_pad(ids_list, pad)
+            requests = RequestImages.of_batch(jax.tree.map(np.asarray, vision.prompt(ids, mask, images)), mask)
         out, _ = sample_paged(params, cfg, ids_list, jax.random.key(sampling_params.seed), knobs,
-                              settings=settings, opts=opts, mesh=mesh)
+                              settings=settings, opts=opts, mesh=mesh, images=requests)
         return GenerationResult.from_arrays(out.tokens, out.response_mask, out.log_probs, out.lengths,
                                             out.finish_reason, num_steps=int(out.num_steps), n=sampling_params.n,
                                             tokenizer=tokenizer)
     ways = 1 if mesh is None else batch_axis_size(mesh)
     rows = bucket_batch(len(ids_list), ways)
     ids, mask = left_pad(ids_list + [ids_list[0]] * (rows - len(ids_list)), pad)
+    image_prompt = None
+    if images is not None and vision is not None:  # the padding rows repeat prompt 0's images
+        image_prompt = vision.prompt(ids, mask, [*images, *[images[0]] * (rows - len(ids_list))])
     if mesh is None:
         prompt_ids, prompt_mask = ids, mask
     elif jax.process_count() > 1:
@@ -110,7 +132,7 @@ def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, token
     else:
         prompt_ids, prompt_mask = shard_batch((ids, mask), mesh)
     out = sample(params, cfg, prompt_ids, prompt_mask, jax.random.key(sampling_params.seed), knobs,
-                 settings=settings, mesh=mesh)
+                 settings=settings, mesh=mesh, images=image_prompt)
     fields = (out.tokens, out.response_mask, out.log_probs, out.lengths, out.finish_reason)
     if jax.process_count() > 1:
         fields = multihost_utils.process_allgather(fields, tiled=True)

@@ -108,6 +108,34 @@ def test_the_trained_policy_exports_with_its_tower_and_transformers_reads_it(tra
                        ).logits.numpy()
     assert np.abs(ours - theirs).max() < 1e-4
 
+    # the export reloads through the front door with its tower: a content list's picture and question, greedy
+    # through both engines, are transformers.generate's tokens
+    import jaxrl_llm as jrl
+    from jaxrl_llm.data.images import load_image
+
+    reloaded = jrl.load_model(out)
+    assert reloaded.vision is not None
+    picture = load_image(batch["images"][0][0])
+    chat = [{"role": "user", "content": [{"type": "image", "image": picture},
+                                         {"type": "text", "text": "How many red shapes are there?"}]}]
+    results = [jrl.generate(reloaded, chat, jrl.SamplingParams(max_new_tokens=6, temperature=0.0), engine=engine)
+               for engine in ("static", "paged")]
+    from jaxrl_llm.data.vision_prompts import chat_with_images
+
+    ids, _ = chat_with_images(chat, reloaded.vision.tokens, reloaded.tokenizer)
+    pixels, grid = reloaded.vision.tokens.pixels([picture])
+    with torch.no_grad():
+        expected = model.generate(input_ids=torch.tensor(ids[None].astype(np.int64)),
+                                  attention_mask=torch.ones((1, len(ids)), dtype=torch.int64),
+                                  pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                                  mm_token_type_ids=torch.tensor((ids[None] == vision.vl.image_token_id).astype(
+                                      np.int64)), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(ids):].numpy()
+    for result in results:  # up to an EOS of the random model's
+        got = result.token_ids[0]
+        np.testing.assert_array_equal(got, expected[:len(got)])
+        assert len(got) == 6 or got[-1] in (reloaded.config.eos_token_ids or ())
+
 
 def test_eight_devices_equal_one_resume_equals_uninterrupted_and_the_checkpoint_converts(tmp_path):
     import transformers
