@@ -83,6 +83,14 @@ class VisionTower:
     hf_config: dict[str, Any]  # the Qwen2.5-VL config.json an export writes (the source folder's)
     compute_dtype: str = "float32"
 
+    def describe(self) -> str:
+        """The run summary's line: the tower, frozen, and how images become tokens."""
+        v, t = self.vl.vision, self.tokens
+        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        return (f"vision tower: {v.depth} blocks, hidden {v.hidden_size}, {size / 1e6:.1f}M parameters, frozen (veRL "
+                f"trains it unless actor.freeze_vision_tower=True); images resized to {t.min_pixels}..{t.max_pixels} "
+                f"pixels, one image token per {t.patch_size * t.merge_size}-pixel square")
+
     def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]]
                ) -> ImagePrompt:
         """The `ImagePrompt` of a left-padded prompt batch whose row b holds images[b] (encoded, as the data keeps

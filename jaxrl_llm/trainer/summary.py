@@ -12,10 +12,10 @@ from jaxrl_llm.roles.trained import TrainedRole
 
 def run_summary(spec: RunSpec, *, actor: TrainedRole, critic: TrainedRole | None, reference: ReferenceRole | None,
                 mesh: Mesh, engine: str, total_steps: int, schedule: str | None = None,
-                teacher: str | None = None, reward: str | None = None) -> str:
+                teacher: str | None = None, reward: str | None = None, vision: str | None = None) -> str:
     """Model (and LoRA), mesh, batch plan, algorithm and reference, rollout engine (`engine`: the
     generator's own line), run dir, the teacher and a judge reward when there are, and the
-    synchronizer `schedule` when it is not the synchronous one."""
+    synchronizer `schedule` when it is not the synchronous one, and a vision-language policy's tower (`vision`)."""
     m = actor.model_cfg
     lines = [
         f"model: {m.architecture} ({spec.model.path}), "
@@ -30,6 +30,8 @@ def run_summary(spec: RunSpec, *, actor: TrainedRole, critic: TrainedRole | None
         engine,
         f"run dir: {spec.trainer.run_dir}; {total_steps} steps",
     ]
+    if vision is not None:
+        lines.insert(1, vision)
     if teacher is not None:
         lines.append(f"distillation: {teacher}")
     if reward is not None:

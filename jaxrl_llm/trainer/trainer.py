@@ -95,7 +95,8 @@ class Trainer(Run):
                            engine=engine, total_steps=self.total_steps,
                            schedule=None if self.rollout_source.synchronous else self.rollout_source.describe(),
                            teacher=None if self.teacher is None else self.teacher.describe(),
-                           reward=None if self.judge is None else self.judge.describe())
+                           reward=None if self.judge is None else self.judge.describe(),
+                           vision=None if self.generator.vision is None else self.generator.vision.describe())
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:

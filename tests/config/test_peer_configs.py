@@ -361,3 +361,28 @@ def test_rolls_judge_prompt_is_read_from_rolls_checkout():
     names: dict = {}
     exec(text, names)  # the peer's module holds string constants only
     assert prompt_maps(text) == names["prompt_maps"] and names["prompt_maps"]
+
+
+def test_verl_vision_language_recipe_imports(tmp_path, monkeypatch):
+    """veRL's Qwen2.5-VL geometry recipe as its script spells it (data.image_key, a VL model path, vLLM's
+    multimodal-cache switch): it imports with the image column, the model and the packing it names, and the
+    vLLM-only keys listed as changing nothing here; veRL's freeze_vision_tower either way is accepted (the tower
+    stays frozen here, docs/vision.md)."""
+    script = tmp_path / "run_qwen2_5_vl.sh"
+    script.write_text("python3 -m verl.trainer.main_ppo \\\n" + " \\\n".join(f"    {item}" for item in [
+        "algorithm.adv_estimator=grpo", "data.train_files=/data/geo3k/train.parquet",
+        "data.val_files=/data/geo3k/test.parquet", "data.train_batch_size=512", "data.max_prompt_length=1024",
+        "data.max_response_length=2048", "data.filter_overlong_prompts=True", "data.truncation='error'",
+        "data.image_key=images", f"{M}.path=/models/Qwen2.5-VL-7B-Instruct", f"{M}.use_remove_padding=True",
+        f"{A}.ppo_mini_batch_size=128", f"{A}.ppo_micro_batch_size_per_gpu=10", f"{A}.use_kl_loss=True",
+        f"{A}.kl_loss_coef=0.01", f"{A}.kl_loss_type=low_var_kl", f"{A}.freeze_vision_tower=True",
+        f"{R}.name=vllm", f"{R}.engine_kwargs.vllm.disable_mm_preprocessor_cache=True", f"{R}.n=5",
+        "trainer.n_gpus_per_node=8", "trainer.nnodes=1"]) + " $@\n")
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = resolve_command_line(default_config(), [], import_path=str(script), num_devices=8, check_paths=False)
+    assert (cfg.data.image_key, cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.rollout.n) == (
+        "images", "/models/Qwen2.5-VL-7B-Instruct", 5)
+    assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.data.max_prompt_length == 1024
+    cfg, _ = resolve_command_line(default_config(), [f"{A}.freeze_vision_tower=False"], import_path=str(script),
+                                  num_devices=8, check_paths=False)
+    assert cfg.actor_rollout_ref.actor.use_kl_loss
