@@ -64,6 +64,7 @@ from jaxrl_llm.platform.chips import Chip, chip_for
 from jaxrl_llm.platform.lowering import kernel_calls
 from jaxrl_llm.platform.target import CompileTarget, compiling_for, planning_in_use, target_memory_bytes
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
+from jaxrl_llm.roles.vision import with_vision_tokens
 from jaxrl_llm.sharding.mesh import mesh_context, slice_of
 
 GiB = 1 << 30
@@ -494,7 +495,8 @@ def planning_setup(cfg: ConfigDict, topology: str | None = None, num_slices: int
     tokenizer = resolve_data(cfg).tokenizer  # validation sets it (model.path by default)
     if tokenizer is None:
         raise ValueError("data.tokenizer=None: the memory plan needs a validated config")
-    return target, mesh, load_tokenizer(tokenizer)
+    # a tiny vision-language policy's tokenizer gains its vision tokens, as the run's does (roles/vision.py)
+    return target, mesh, with_vision_tokens(cfg.actor_rollout_ref.model.path, load_tokenizer(tokenizer))
 
 
 def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flops: float | None,

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.arrays import ArrayTree, DType, Params, ShardingTree
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops, rollout_context
+from jaxrl_llm.config.checks import reads_images
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec, RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.policy import POLICY_LOSSES
@@ -43,6 +44,7 @@ from jaxrl_llm.roles.forward import compute_dtype_of
 from jaxrl_llm.roles.optim import make_optimizer
 from jaxrl_llm.roles.reference import offload_supported
 from jaxrl_llm.roles.trained import jit_update, model_config_of, param_shardings_of
+from jaxrl_llm.roles.vision import vision_step_state
 from jaxrl_llm.sampler import bucket_length, eos_ids_of
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -221,6 +223,10 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
     if spec.distillation is not None:  # the teacher's params, stored in its own dtype (roles/teacher.py)
         teacher = _model(spec.distillation.teacher, "lm", mesh, tokenizer)
         states["teacher_params"] = teacher.params
+    if reads_images(spec.model.path):  # a vision-language policy: its tower and the step's image rows
+        bp = spec.plan
+        states.update(vision_step_state(spec.model.path, actor.cfg, mesh, rows=bp.sequences,
+                                        prompt_length=bp.max_prompt_length, response_length=bp.response_length))
     critic = None
     if spec.critic is not None:
         if spec.critic_model is None or spec.critic_optim is None:

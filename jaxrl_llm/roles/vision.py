@@ -167,3 +167,32 @@ def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
     tokens = image_tokens_of(source, tokenizer)
     assert tokens is not None
     return load_vision_tower(source, model_cfg, tokens, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
+
+
+def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig:
+    """The tower's config of the policy at `path` (no weight read): tiny:qwen2_5_vl's, or a folder's config.json."""
+    if path == TINY_VL:
+        return VisionConfig.tiny(model_cfg.hidden_size)
+    vl = VisionLanguage.from_hf_config(read_hf_config(path))
+    if vl is None:
+        raise ValueError(f"{path}: not a Qwen2.5-VL folder")
+    return vl.vision
+
+
+def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: int, prompt_length: int,
+                      response_length: int) -> dict[str, Any]:
+    """The abstract arrays (sharded `ShapeDtypeStruct`s) a vision-language policy's step holds beside its programs
+    (the memory plan's state): the frozen tower, replicated, and the step's `RowImages`, worst case (every prompt
+    token an image token: K = its feature room for `prompt_length` tokens)."""
+    from jaxrl_llm.models.vision.qwen_vl import feature_bucket
+    from jaxrl_llm.sharding import batch_sharding
+
+    tower = jax.eval_shape(lambda: init_vision_params(vision_config_of(path, model_cfg), jax.random.PRNGKey(0)))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    columns = prompt_length + response_length
+    room = feature_bucket(prompt_length)
+    rows_of = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
+    return {"vision_tower": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tower),
+            "image_rows": {"positions": rows_of((rows, 3, columns), jnp.int32),  # `RowImages`' fields
+                           "slots": rows_of((rows, columns), jnp.int32),
+                           "features": rows_of((rows, room, model_cfg.hidden_size), jnp.float32)}}

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxrl_llm.models.vision.qwen_vit import (  # noqa: E402
     VisionConfig,
+    image_features,
     vision_features,
     vision_layout,
     vision_params_from_hf,
@@ -65,6 +66,8 @@ def test_features_match_transformers(tower):
     assert np.abs(np.asarray(vision_features(params, cfg, pixels, plain)) - expected).max() > 1e-3
     unordered = layout._replace(restore=np.arange(len(layout.restore)))
     assert np.abs(np.asarray(vision_features(params, cfg, pixels, unordered)) - expected).max() > 1e-3
+    # image by image (24, 32 and 100 patches padded to 32, 32 and 128; the two 32s in one call): the same features
+    np.testing.assert_allclose(np.asarray(image_features(params, cfg, pixels, grid)), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_layout_windows_follow_the_window_size(tower):

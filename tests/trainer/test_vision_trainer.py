@@ -164,3 +164,17 @@ def test_eight_devices_equal_one_resume_equals_uninterrupted_and_the_checkpoint_
     assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").model_type == "qwen2_5_vl"
     _, tower = load_vision_tower(tmp_path / "hf")
     jax.tree.map(np.testing.assert_array_equal, tower, jax.device_get(trainer.generator.vision.params))
+
+
+def test_the_memory_plan_holds_the_tower_and_the_image_rows(trainer):
+    from jaxrl_llm.models.vision.qwen_vl import feature_bucket
+    from jaxrl_llm.planning.programs import device_state_bytes, make_context
+
+    state = device_state_bytes(make_context(trainer.spec, trainer.mesh, trainer.tokenizer))
+    tower = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(trainer.generator.vision.params))
+    assert state["vision_tower"] == tower  # replicated: all of it on every device
+    bp = trainer.spec.plan
+    rows, columns = bp.sequences // 8, bp.max_prompt_length + bp.response_length
+    room = feature_bucket(bp.max_prompt_length)  # worst case: every prompt token an image token
+    # int32 positions [3, T] and slots [T], fp32 features [K, H] per row
+    assert state["image_rows"] == rows * (4 * 4 * columns + 4 * room * trainer.actor.model_cfg.hidden_size)

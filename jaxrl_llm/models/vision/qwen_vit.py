@@ -22,6 +22,7 @@ Numerics: fp32 throughout unless `dtype` says otherwise for the matmul inputs (f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -201,6 +202,59 @@ def vision_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: 
     merged = jax.nn.gelu(_linear(merged, m["fc1"], m["fc1_bias"], dtype), approximate=False)
     merged = _linear(merged, m["fc2"], m["fc2_bias"], dtype)
     return merged[jnp.asarray(layout.restore)]
+
+
+def padded_layout(layout: VisionLayout, patches: int, unit: int) -> VisionLayout:
+    """`layout` over `patches` (>= its own, a multiple of the merge unit): the padding patches (zeros appended to
+    the pixels) form a frame and a window of their own, so no real patch sees them, and merge into blocks the
+    restore order keeps after the real ones."""
+    n, blocks = len(layout.order), len(layout.restore)
+    extra = patches - n
+    if extra < 0 or extra % unit:
+        raise ValueError(f"{patches} patches cannot pad a layout of {n} (merge unit {unit})")
+    pad = lambda x, fill: np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])  # noqa: E731
+    return VisionLayout(order=np.concatenate([layout.order, np.arange(n, patches)]),
+                        restore=np.concatenate([layout.restore, np.arange(blocks, patches // unit)]),
+                        positions=pad(layout.positions, 0), frame=pad(layout.frame, -1), window=pad(layout.window, -1))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("dtype",))
+def _many_features(params: Mapping[str, Any], cfg: VisionConfig, pixels: Array, layout: VisionLayout, *,
+                   dtype: DType) -> Array:
+    """`vision_features` of images stacked on a leading axis, each with its own layout."""
+    return jax.vmap(lambda one, own: vision_features(params, cfg, one, own, dtype=dtype))(pixels, layout)
+
+
+def _patch_bucket(patches: int, unit: int) -> int:
+    """A power of two >= patches (at least the merge unit): a handful of compiled tower shapes."""
+    return max(unit, 1 << max(patches - 1, 0).bit_length())
+
+
+def image_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: np.ndarray, grid_thw: np.ndarray, *,
+                   dtype: DType = jnp.float32) -> Array:
+    """[N / S^2, out_hidden_size] features of a batch's images (the processor's packed `pixel_values` and grids),
+    as `vision_features` over all of them, computed image by image: attention never crosses an image, so each
+    image's patches (padded to a power of two, `padded_layout`) go through the tower on their own, the images of a
+    size in one batched call. The cost is each image's patches squared, not the batch's."""
+    grids = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    counts = grids.prod(axis=1)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    by_bucket: dict[int, list[int]] = {}
+    for i, count in enumerate(counts.tolist()):
+        by_bucket.setdefault(_patch_bucket(count, cfg.merge_unit), []).append(i)
+    out: list[Array | None] = [None] * len(grids)
+    pixels = np.asarray(pixel_values)
+    for bucket, members in by_bucket.items():
+        stacked = np.zeros((len(members), bucket, pixels.shape[1]), pixels.dtype)
+        layouts = []
+        for row, i in enumerate(members):
+            stacked[row, :counts[i]] = pixels[starts[i]:starts[i + 1]]
+            layouts.append(padded_layout(vision_layout(cfg, grids[i:i + 1]), bucket, cfg.merge_unit))
+        layout = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *layouts)
+        features = _many_features(params, cfg, jnp.asarray(stacked), layout, dtype=dtype)
+        for row, i in enumerate(members):
+            out[i] = features[row, :counts[i] // cfg.merge_unit]
+    return jnp.concatenate([f for f in out if f is not None])
 
 
 _BLOCK_WEIGHTS = {  # ours: (HF name under blocks.{i}., transposed: a Linear's [out, in] -> [in, out])

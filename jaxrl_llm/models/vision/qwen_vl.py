@@ -25,7 +25,7 @@ from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
-from jaxrl_llm.models.vision.qwen_vit import VisionConfig, vision_features, vision_layout
+from jaxrl_llm.models.vision.qwen_vit import VisionConfig, image_features
 
 Array = jax.Array
 QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' vocabulary (config.json's default)
@@ -171,16 +171,13 @@ def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_le
     return {"positions": repeat(positions), "slots": repeat(slots_rows), "features": repeat(features)}
 
 
-_vision_features = jax.jit(vision_features, static_argnums=(1,), static_argnames=("dtype",))
-
 
 def image_prompt(vision_params: Mapping[str, Any], vl: VisionLanguage, input_ids: np.ndarray,
                  attention_mask: np.ndarray, pixel_values: np.ndarray, image_grid_thw: np.ndarray, *,
                  compute_dtype: DType = jnp.float32) -> ImagePrompt:
-    """The tower run once over the batch's images (processor order) and the positions / slots of its tokens."""
-    layout = vision_layout(vl.vision, image_grid_thw)
-    features = _vision_features(vision_params, vl.vision, jnp.asarray(pixel_values),
-                                jax.tree.map(jnp.asarray, layout), dtype=compute_dtype)
+    """The tower run once over the batch's images (processor order; image by image, `image_features`) and the
+    positions / slots of its tokens."""
+    features = image_features(vision_params, vl.vision, pixel_values, image_grid_thw, dtype=compute_dtype)
     positions, deltas = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
     slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
     return ImagePrompt(jnp.asarray(positions), jnp.asarray(slots), features, jnp.asarray(deltas))
