@@ -83,6 +83,12 @@ _NOT_YET = {
     "GlmMoeDsaForCausalLM": "GLM-MoE-DSA's DeepSeek sparse attention (indexer and top-k selection) is not implemented",
     "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed sparse attention, hyper-connections and hash routing are not "
                              "implemented",
+    "Qwen3VLForConditionalGeneration": "Qwen3-VL's tower (learned position embeddings, LayerNorm blocks, the "
+                                       "deepstack mergers), its deepstack (visual features added to the first decoder "
+                                       "layers' hidden states) and its interleaved M-RoPE are not implemented; "
+                                       "Qwen2.5-VL is (docs/vision.md)",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE: as Qwen3-VL (its tower, deepstack and interleaved M-RoPE are "
+                                          "not implemented; docs/vision.md)",
 }
 
 
