@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -156,10 +156,10 @@ def _linear(x: Array, kernel: Array, bias: Array | None, dtype: DType) -> Array:
     return out if bias is None else out + bias.astype(jnp.float32)
 
 
-def rotary_tables(cfg: VisionConfig, positions: Array) -> tuple[Array, Array]:
+def rotary_tables(head_dim: int, theta: float, positions: Array) -> tuple[Array, Array]:
     """cos / sin [N, head_dim] of 2-D positions [N, 2] (row frequencies | column frequencies, twice)."""
-    quarter = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, quarter, 2, dtype=jnp.float32) / quarter))
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, quarter, 2, dtype=jnp.float32) / quarter))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, 2, head_dim / 4]
     freqs = jnp.concatenate([freqs[:, 0], freqs[:, 1]], axis=-1)
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
@@ -172,7 +172,7 @@ def vision_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: 
     n = pixel_values.shape[0]
     heads, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     x = _linear(pixel_values[jnp.asarray(layout.order)], params["patch_embed"], None, dtype)  # window order
-    cos, sin = rotary_tables(cfg, jnp.asarray(layout.positions))
+    cos, sin = rotary_tables(cfg.head_dim, cfg.rope_theta, jnp.asarray(layout.positions))
     frame, window = jnp.asarray(layout.frame), jnp.asarray(layout.window)
     full_mask = frame[:, None] == frame[None, :]
     window_mask = window[:, None] == window[None, :]
@@ -218,11 +218,11 @@ def padded_layout(layout: VisionLayout, patches: int, unit: int) -> VisionLayout
                         positions=pad(layout.positions, 0), frame=pad(layout.frame, -1), window=pad(layout.window, -1))
 
 
-@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("dtype",))
-def _many_features(params: Mapping[str, Any], cfg: VisionConfig, pixels: Array, layout: VisionLayout, *,
-                   dtype: DType) -> Array:
-    """`vision_features` of images stacked on a leading axis, each with its own layout."""
-    return jax.vmap(lambda one, own: vision_features(params, cfg, one, own, dtype=dtype))(pixels, layout)
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("dtype",))
+def _many_features(forward: Callable[..., Array], params: Mapping[str, Any], cfg: Any, pixels: Array, layout: Any,
+                   *, dtype: DType) -> Array:
+    """`forward` (a tower's features) of images stacked on a leading axis, each with its own layout."""
+    return jax.vmap(lambda one, own: forward(params, cfg, one, own, dtype=dtype))(pixels, layout)
 
 
 def _patch_bucket(patches: int, unit: int) -> int:
@@ -233,9 +233,19 @@ def _patch_bucket(patches: int, unit: int) -> int:
 def image_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: np.ndarray, grid_thw: np.ndarray, *,
                    dtype: DType = jnp.float32) -> Array:
     """[N / S^2, out_hidden_size] features of a batch's images (the processor's packed `pixel_values` and grids),
-    as `vision_features` over all of them, computed image by image: attention never crosses an image, so each
-    image's patches (padded to a power of two, `padded_layout`) go through the tower on their own, the images of a
-    size in one batched call. The cost is each image's patches squared, not the batch's."""
+    as `vision_features` over all of them, computed image by image (`by_image`)."""
+    return by_image(vision_features, params, cfg, pixel_values, grid_thw, layout_of=vision_layout,
+                    pad_layout=padded_layout, dtype=dtype)
+
+
+def by_image(forward: Callable[..., Array], params: Mapping[str, Any], cfg: Any, pixel_values: np.ndarray,
+             grid_thw: np.ndarray, *, layout_of: Callable[[Any, np.ndarray], Any],
+             pad_layout: Callable[[Any, int, int], Any], dtype: DType = jnp.float32) -> Array:
+    """A tower's `forward(params, cfg, pixels, layout)` (features [..., N / S^2, out]) over a batch's images, image
+    by image: attention never crosses an image, so each image's patches (padded to a power of two with
+    `pad_layout`: a frame of their own) go through the tower on their own, the images of a size in one batched
+    call; the features concatenated in the processor's order. The cost is each image's patches squared, not the
+    batch's. `layout_of(cfg, grid [1, 3])`: one image's layout."""
     grids = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     counts = grids.prod(axis=1)
     starts = np.concatenate([[0], np.cumsum(counts)])
@@ -249,12 +259,12 @@ def image_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: n
         layouts = []
         for row, i in enumerate(members):
             stacked[row, :counts[i]] = pixels[starts[i]:starts[i + 1]]
-            layouts.append(padded_layout(vision_layout(cfg, grids[i:i + 1]), bucket, cfg.merge_unit))
+            layouts.append(pad_layout(layout_of(cfg, grids[i:i + 1]), bucket, cfg.merge_unit))
         layout = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *layouts)
-        features = _many_features(params, cfg, jnp.asarray(stacked), layout, dtype=dtype)
+        features = _many_features(forward, params, cfg, jnp.asarray(stacked), layout, dtype=dtype)
         for row, i in enumerate(members):
-            out[i] = features[row, :counts[i] // cfg.merge_unit]
-    return jnp.concatenate([f for f in out if f is not None])
+            out[i] = features[row, ..., :counts[i] // cfg.merge_unit, :]
+    return jnp.concatenate([f for f in out if f is not None], axis=-2)
 
 
 _BLOCK_WEIGHTS = {  # ours: (HF name under blocks.{i}., transposed: a Linear's [out, in] -> [in, out])
