@@ -55,11 +55,12 @@ def packed_response_hidden(params: dict, cfg: ModelConfig, input_ids: Array, lay
     return picked, targets, moe
 
 
-def packed_images(images: RowImages, token_index: Array) -> tuple[Array, tuple[Array, Array]]:
+def packed_images(images: RowImages, token_index: Array) -> tuple[Array, tuple[Array, ...]]:
     """A micro-batch's images in its packed rows: (M-RoPE positions [3, shards * rows, width], embeds) for
     `forward_hidden`. `token_index` [shards, rows, width]: each packed token's index in its shard's flattened
     [n_d * T] tokens. Each packed token's feature is taken within its shard (rows stay on their devices) into
-    one feature per packed token [shards * rows, width, H], which the image tokens read at their own column."""
+    one feature per packed token [shards * rows, width, H], which the image tokens read at their own column
+    (Qwen3-VL's deepstack features alike: [D, shards * rows, width, H])."""
     shards, rows, width = token_index.shape
     flat_index = token_index.reshape(shards, -1)
     n, _, t = images.positions.shape
@@ -72,7 +73,14 @@ def packed_images(images: RowImages, token_index: Array) -> tuple[Array, tuple[A
     in_shard = (flat_index // t) * room + jnp.maximum(slots, 0)  # the feature's index in its shard's
     picked = jnp.take_along_axis(features, in_shard[..., None], axis=1).reshape(shards * rows, width, hidden)
     columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (shards * rows, width))
-    return positions, (jnp.where(slots.reshape(shards * rows, width) >= 0, columns, -1), picked)
+    own = jnp.where(slots.reshape(shards * rows, width) >= 0, columns, -1)
+    if images.deepstack is None:
+        return positions, (own, picked)
+    depth = images.deepstack.shape[1]  # [n, D, K, H] -> per shard [D, shards, n_d * K, H]
+    deep = jnp.moveaxis(images.deepstack.reshape(shards, n // shards, depth, room, hidden), 2, 0).reshape(
+        depth, shards, -1, hidden)
+    deep = jax.vmap(lambda table: jnp.take_along_axis(table, in_shard[..., None], axis=1))(deep)
+    return positions, (own, picked, deep.reshape(depth, shards * rows, width, hidden))
 
 
 def unpack_response(x: Array, layout: PackedLayout, num_rows: int, response_len: int) -> Array:

@@ -19,7 +19,12 @@ from jaxrl_llm.hf.hf_folder import SafetensorsSource, read_hf_config
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
-from jaxrl_llm.models.vision.qwen_vit import VISION_PREFIXES, vision_params_from_hf, vision_params_to_hf
+from jaxrl_llm.models.vision.qwen3_vit import (
+    Qwen3VisionConfig,
+    qwen3_vision_params_from_hf,
+    qwen3_vision_params_to_hf,
+)
+from jaxrl_llm.models.vision.qwen_vit import VISION_PREFIXES, VisionConfig, vision_params_from_hf, vision_params_to_hf
 from jaxrl_llm.models.vision.qwen_vl import VisionLanguage
 
 
@@ -28,26 +33,37 @@ def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[st
     of another model."""
     vl = VisionLanguage.from_hf_config(read_hf_config(path))
     if vl is None:
-        raise ValueError(f"{path}: not a Qwen2.5-VL folder (config.json model_type is not 'qwen2_5_vl')")
+        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL folder (config.json model_type is neither "
+                         "'qwen2_5_vl' nor 'qwen3_vl')")
     tensors = SafetensorsSource(path)  # read by name on demand
     if not any(f"{p}patch_embed.proj.weight" in tensors for p in VISION_PREFIXES):
         raise ValueError(f"{path}: no vision tower weights ({' or '.join(p + '*' for p in VISION_PREFIXES)})")
+    if isinstance(vl.vision, Qwen3VisionConfig):
+        return vl, qwen3_vision_params_from_hf(tensors, vl.vision)
     return vl, vision_params_from_hf(tensors, vl.vision)
 
 
 def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[str, Any],
                            vision_params: Mapping[str, Any], out_dir: str | pathlib.Path, *,
                            tokenizer: Tokenizer | None = None, dtype: DType | None = None) -> pathlib.Path:
-    """A Qwen2.5-VL folder transformers loads: the text model as `export_hf` writes it (`model.*`, `lm_head.*`,
-    the released checkpoints' names), the tower under `model.visual.*` (transformers 5's) in a file of its own, one
-    index over both, and `vl_config` (the source folder's config.json) as config.json. Local folders only."""
+    """A Qwen2.5-VL / Qwen3-VL folder transformers loads: the text model as `export_hf` writes it (`model.*`,
+    `lm_head.*`, the released checkpoints' names), the tower under `model.visual.*` (transformers 5's) in a file of
+    its own, one index over both, and `vl_config` (the source folder's config.json) as config.json. Local folders
+    only."""
     out_dir = pathlib.Path(out_dir)
     vl = VisionLanguage.from_hf_config(vl_config)
     if vl is None:
-        raise ValueError("vl_config: not a Qwen2.5-VL config.json (model_type is not 'qwen2_5_vl')")
+        raise ValueError("vl_config: not a Qwen2.5-VL / Qwen3-VL config.json (model_type is neither 'qwen2_5_vl' "
+                         "nor 'qwen3_vl')")
     np_dtype = np.dtype(as_jnp_dtype(dtype if dtype is not None else params["embedding"].dtype, what="export"))
     # transformers 5 maps the released text names (model.layers.*) to its own but not the tower's visual.*
-    tower = {k: v.astype(np_dtype) for k, v in vision_params_to_hf(vision_params, vl.vision, "model.visual.").items()}
+    if isinstance(vl.vision, Qwen3VisionConfig):
+        named = qwen3_vision_params_to_hf(vision_params, vl.vision, "model.visual.")
+        architecture = "Qwen3VLForConditionalGeneration"
+    else:
+        named = vision_params_to_hf(vision_params, vl.vision, "model.visual.")
+        architecture = "Qwen2_5_VLForConditionalGeneration"
+    tower = {k: v.astype(np_dtype) for k, v in named.items()}
     with staged_folder(out_dir) as tmp:  # all of it or nothing at out_dir
         folder = export_hf(cfg, params, tmp / "hf", tokenizer=tokenizer, dtype=dtype)
         index_path = folder / "model.safetensors.index.json"
@@ -60,13 +76,15 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
                 names = list(handle.keys())
             index = {"metadata": {"total_size": (folder / text_file).stat().st_size},
                      "weight_map": dict.fromkeys(names, text_file)}
+        if isinstance(vl.vision, Qwen3VisionConfig):  # its releases' text names: model.language_model.*
+            index["weight_map"] = _language_model_names(folder, index["weight_map"])
         save_file(tower, str(folder / "model-vision.safetensors"), metadata={"format": "pt"})
         index["weight_map"].update(dict.fromkeys(tower, "model-vision.safetensors"))
         index["metadata"]["total_size"] = int(index["metadata"].get("total_size", 0)) + sum(
             t.nbytes for t in tower.values())
         index_path.write_text(json.dumps({"metadata": index["metadata"],
                                           "weight_map": dict(sorted(index["weight_map"].items()))}, indent=2))
-        config = {**dict(vl_config), "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        config = {**dict(vl_config), "architectures": [architecture],
                   "dtype": np_dtype.name, "torch_dtype": np_dtype.name}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for item in folder.iterdir():  # the folder's files to the staged root
@@ -75,12 +93,24 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
     return out_dir
 
 
+def _language_model_names(folder: pathlib.Path, weight_map: dict[str, str]) -> dict[str, str]:
+    """The text files of `folder` rewritten with `model.*` named `model.language_model.*` (Qwen3-VL's layout,
+    which transformers reads without renaming); the new weight map."""
+    rename = lambda name: "model.language_model." + name[len("model."):] if name.startswith("model.") else name  # noqa: E731
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(folder / file), framework="numpy") as handle:
+            tensors = {rename(name): handle.get_tensor(name) for name in handle.keys()}
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    return {rename(name): file for name, file in weight_map.items()}
+
+
 def vision_language_config(cfg: ModelConfig, vl: VisionLanguage, *, vision_end_token_id: int,
                            video_token_id: int) -> dict[str, Any]:
     """A Qwen2.5-VL config.json (transformers 5's layout: `text_config`, `vision_config`) for a text model `cfg`
     with M-RoPE and the tower of `vl`: what a policy without a source folder (tiny:qwen2_5_vl) exports with."""
-    if not cfg.mrope_section:
-        raise ValueError(f"{cfg.architecture}: a vision-language text model needs an mrope_section")
+    if not cfg.mrope_section or not isinstance(vl.vision, VisionConfig):
+        raise ValueError(f"{cfg.architecture}: a Qwen2.5-VL config needs a text model with an mrope_section and "
+                         "Qwen2.5-VL's tower")
     text = cfg.to_hf_config()
     text.pop("architectures", None)
     text.update(model_type="qwen2_5_vl_text",

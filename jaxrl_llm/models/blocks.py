@@ -50,8 +50,8 @@ def rope_cos_sin(cfg: ModelConfig, positions: Array, *, local: bool = False) -> 
     """cos/sin tables [B, T, head_dim] (fp32) for integer positions [B, T] (HF rotate-half layout),
     times YaRN's attention factor where the model has one (as transformers scales them). `local`: the
     sliding layers' table of a model with a RoPE base of their own (Gemma 3: unscaled, `rope_local_theta`).
-    M-RoPE (`cfg.mrope_section`, Qwen2.5-VL): positions [3, B, T] (temporal, height, width streams), the
-    frequencies of section i turned by stream i."""
+    M-RoPE (`cfg.mrope_section`, Qwen2.5-VL / Qwen3-VL): positions [3, B, T] (temporal, height, width streams),
+    the frequencies of section i turned by stream i (contiguous sections, or interleaved: `cfg.mrope_interleaved`)."""
     if positions.ndim == 3:
         return _mrope_cos_sin(cfg, positions)
     if local:
@@ -80,7 +80,12 @@ def _mrope_cos_sin(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
     inv = jnp.asarray(rope_inv_freq(cfg))
     if sum(sections) != inv.shape[0]:
         raise ValueError(f"mrope_section {sections} must sum to head_dim / 2 = {inv.shape[0]}")
-    stream = np.repeat(np.arange(len(sections)) % 3, sections)  # the position stream of each frequency
+    if cfg.mrope_interleaved:  # Qwen3-VL: T H W T H W ... over 3 x the height / width sections, then T
+        stream = np.zeros(inv.shape[0], np.int64)
+        for axis in (1, 2):
+            stream[axis:3 * sections[axis]:3] = axis
+    else:  # Qwen2.5-VL: contiguous sections
+        stream = np.repeat(np.arange(len(sections)) % 3, sections)  # the position stream of each frequency
     angles = positions.astype(jnp.float32)[..., None] * inv  # [3, B, T, D/2]
     angles = jnp.einsum("sbtd,sd->btd", angles, jnp.asarray(np.eye(3, dtype=np.float32)[:, stream]),
                         precision=lax.Precision.HIGHEST)  # one stream per frequency (exact: the others times 0)

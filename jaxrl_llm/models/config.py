@@ -65,7 +65,8 @@ _HEAD_SUFFIXES = ("ForCausalLM", "ForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in _FAMILIES.values() for s in _HEAD_SUFFIXES
 ) + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-     "Qwen3_5MoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")  # their text towers (`_text_tower`)
+     "Qwen3_5MoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+     "Qwen3VLForConditionalGeneration")  # their text towers (`_text_tower`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
 _ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
@@ -83,12 +84,9 @@ _NOT_YET = {
     "GlmMoeDsaForCausalLM": "GLM-MoE-DSA's DeepSeek sparse attention (indexer and top-k selection) is not implemented",
     "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed sparse attention, hyper-connections and hash routing are not "
                              "implemented",
-    "Qwen3VLForConditionalGeneration": "Qwen3-VL's tower (learned position embeddings, LayerNorm blocks, the "
-                                       "deepstack mergers), its deepstack (visual features added to the first decoder "
-                                       "layers' hidden states) and its interleaved M-RoPE are not implemented; "
-                                       "Qwen2.5-VL is (docs/vision.md)",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE: as Qwen3-VL (its tower, deepstack and interleaved M-RoPE are "
-                                          "not implemented; docs/vision.md)",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's text model (Qwen3-MoE with deepstack and interleaved "
+                                          "M-RoPE) is not wired to its MoE layers yet; dense Qwen3-VL and Qwen2.5-VL "
+                                          "are (docs/vision.md)",
 }
 
 
@@ -137,6 +135,9 @@ class ModelConfig:
     # turned by its own position stream when positions are [3, B, T] (models/vision/qwen_vl.py); text positions
     # [B, T] (the three streams equal) give plain RoPE. None: plain RoPE only.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL's layout of the sections: frequency j turned by stream j % 3 within 3 x each section (height /
+    # width), the rest temporal; False: contiguous sections (Qwen2.5-VL)
+    mrope_interleaved: bool = False
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -519,7 +520,9 @@ class ModelConfig:
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         scaling.pop("type", None)
-        mrope = scaling.pop("mrope_section", None) if model_type == "qwen2" else None  # Qwen2.5-VL's text model
+        # Qwen2.5-VL's / Qwen3-VL's text model: Qwen2 / Qwen3 with M-RoPE (contiguous / interleaved sections)
+        mrope = scaling.pop("mrope_section", None) if model_type in ("qwen2", "qwen3") else None
+        interleaved = bool(scaling.pop("mrope_interleaved", False)) if mrope else False
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
         elif scaling["rope_type"] in _ORIGINAL_CONTEXT_ROPE_TYPES:  # HF's default: the config's own context
@@ -564,7 +567,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=tuple(sorted(scaling.items())) or None,
-            mrope_section=tuple(int(x) for x in mrope) if mrope else None,
+            mrope_section=tuple(int(x) for x in mrope) if mrope else None, mrope_interleaved=interleaved,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(fam.get("gemma")))),  # Gemma ties by default
             attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
@@ -587,8 +590,10 @@ class ModelConfig:
         if _arch_to_model_type(arch) != self.model_type:
             raise ValueError(f"architecture {arch!r} does not match model_type {self.model_type!r}")
         rope_params = {"rope_type": "default", **self.rope_scaling_dict, "rope_theta": self.rope_theta}
-        if self.mrope_section:  # a Qwen2.5-VL text model's (read back by `from_hf_config`)
+        if self.mrope_section:  # a Qwen2.5-VL / Qwen3-VL text model's (read back by `from_hf_config`)
             rope_params["mrope_section"] = list(self.mrope_section)
+            if self.mrope_interleaved:
+                rope_params["mrope_interleaved"] = True
         d: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.model_type,
@@ -827,7 +832,7 @@ def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 # multimodal model types -> their text model's class prefix in transformers (`_text_tower`)
 _MULTIMODAL = {"gemma3": "Gemma3", "gemma4": "Gemma4", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe",
-               "qwen2_5_vl": "Qwen2_5_VL"}
+               "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 
 
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
@@ -847,6 +852,19 @@ def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
             if d.get(key) is not None:
                 out[key] = d[key]
         out.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+        return out
+    if d.get("model_type") == "qwen3_vl":  # its text model is Qwen3's with interleaved M-RoPE (and deepstack)
+        import transformers
+
+        vl = transformers.Qwen3VLConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+        text_config = vl.text_config
+        assert text_config is not None
+        out = dict(text_config) if isinstance(text_config, dict) else text_config.to_dict()
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if d.get(key) is not None:
+                out[key] = d[key]
+        out.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+        out["rope_parameters"] = {**(out.get("rope_parameters") or {}), "mrope_interleaved": True}  # its layout
         return out
     if d.get("model_type") not in _MULTIMODAL or not isinstance(d.get("text_config"), dict):
         return d

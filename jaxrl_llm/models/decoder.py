@@ -241,7 +241,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
                    attention: LayerAttention | dict[str, LayerAttention], state: ArrayTree, *,
                    compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
-                   record_routing: bool = False, embeds: tuple[Array, Array] | None = None
+                   record_routing: bool = False, embeds: tuple[Array, ...] | None = None
                    ) -> tuple[Array, Any, MoeOut | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) of input_ids [B, T] at integer
     positions [B, T], the attention's final state (see `LayerAttention`) and, for a mixture-of-experts
@@ -253,7 +253,9 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
     takes one attention per type and a state per type ({"sliding": ..., "full": ...}: models/gemma4.py).
     `embeds` (slots [B, T] int32, features [M, H]): a vision-language model's image features, feature
     slots[b, t] in place of token (b, t)'s embedding where slots >= 0 (models/vision/qwen_vl.py); or features
-    [B, K, H], each row's own (slots index them per row); positions may then be M-RoPE's [3, B, T]."""
+    [B, K, H], each row's own (slots index them per row); positions may then be M-RoPE's [3, B, T]. A third
+    member, deepstack features [D, M, H] / [D, B, K, H] (Qwen3-VL): layer i < D adds feature i to the image
+    tokens' hidden states after it."""
     with invariant.mode(cfg.batch_invariant):  # traced with the model's numerics (models/invariant.py)
         return _decoder_hidden(params, cfg, input_ids, positions, attention, state, compute_dtype=compute_dtype,
                                remat=remat, valid=valid, replay=replay, record_routing=record_routing,
@@ -263,7 +265,7 @@ def decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: 
 def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                     attention: LayerAttention | dict[str, LayerAttention], state: ArrayTree, *, compute_dtype: DType,
                     remat: bool | str, valid: Array | None, replay: Array | None,
-                    record_routing: bool, embeds: tuple[Array, Array] | None) -> tuple[Array, Any, MoeOut | None]:
+                    record_routing: bool, embeds: tuple[Array, ...] | None) -> tuple[Array, Any, MoeOut | None]:
     dtype = jnp.dtype(compute_dtype)
     if embeds is not None and (cfg.typed_layers or cfg.hybrid):
         raise ValueError(f"image features: {cfg.model_type} has no vision-language model here")
@@ -278,16 +280,12 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
                                      record_routing=record_routing)
     # the embedding rows in the compute dtype, carried as an fp32 residual stream
     x, _ = embed_tokens(params, cfg, input_ids, dtype)
+    deepstack: tuple[Array, Array] | None = None  # (slots, features [D, ...]): Qwen3-VL's, after the first layers
     if embeds is not None:  # image tokens take their features (in the compute dtype, as transformers scatters)
-        slots, features = embeds
-        if features.ndim == 3:  # each row's own features [B, K, H] (a training batch: rows split, sharded alike)
-            picked = jnp.take_along_axis(features.astype(dtype), jnp.maximum(slots, 0)[..., None], axis=1)
-        else:  # the batch's packed features [M, H] (a sampler's prefill)
-            picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0)
-        # rows over the batch axes, the hidden width whole: the embedding gather's own layout (split by the
-        # table's) met the row-split features in the backward, and XLA rematerialised them whole
-        picked = with_activation_constraint(picked.astype(jnp.float32), ("batch", "length", "act_embed"))
-        x = jnp.where((slots >= 0)[..., None], picked, with_activation_constraint(x, ("batch", "length", "act_embed")))
+        slots, features = embeds[:2]
+        deepstack = (slots, embeds[2]) if len(embeds) > 2 else None
+        x = jnp.where((slots >= 0)[..., None], _image_rows(slots, features, dtype),
+                      with_activation_constraint(x, ("batch", "length", "act_embed")))
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
     split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1
@@ -314,6 +312,12 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
         x, state, moe = decoder_layer(cfg, weights, adapters, x, c, s, attention, state, index, dtype=dtype,
                                       lora_scale=lora_scale, valid=valid, replay=layer_replay, stacks=stacks,
                                       split_rows=split_rows)
+        if deepstack is not None:  # Qwen3-VL: layer i < D adds deepstack feature i to the image tokens
+            image_slots, stacked = deepstack
+            depth = stacked.shape[0]
+            table = lax.dynamic_index_in_dim(stacked, jnp.minimum(index, depth - 1), 0, keepdims=False)
+            x = x + jnp.where((index < depth) & (image_slots >= 0)[..., None], _image_rows(image_slots, table, dtype),
+                              0.0)
         if split_tokens:
             x = with_activation_constraint(x, ("batch", "length", "act_embed"))
         if moe is not None and not record_routing:
@@ -335,6 +339,19 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
                                       unroll=cfg.scan_unroll)
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
+
+
+def _image_rows(slots: Array, features: Array, dtype: Any) -> Array:
+    """[B, T, H] fp32: the feature each image token takes (slots [B, T], -1 elsewhere) from the batch's packed
+    features [M, H] (a sampler's prefill) or each row's own [B, K, H] (a training batch: rows split, sharded
+    alike), rounded to the compute dtype as transformers scatters them."""
+    if features.ndim == 3:
+        picked = jnp.take_along_axis(features.astype(dtype), jnp.maximum(slots, 0)[..., None], axis=1)
+    else:
+        picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0)
+    # rows over the batch axes, the hidden width whole: the embedding gather's own layout (split by the table's)
+    # met the row-split features in the backward, and XLA rematerialised them whole
+    return with_activation_constraint(picked.astype(jnp.float32), ("batch", "length", "act_embed"))
 
 
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,

@@ -21,7 +21,7 @@ from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
 def greedy_generate(params: dict, cfg: ModelConfig, input_ids: jax.Array,
                     attention_mask: jax.Array, max_new_tokens: int, *,
                     compute_dtype: DType = jnp.float32, positions: jax.Array | None = None,
-                    embeds: tuple[jax.Array, jax.Array] | None = None,
+                    embeds: tuple[jax.Array, ...] | None = None,
                     position_offset: jax.Array | None = None) -> jax.Array:
     """[B, max_new_tokens] argmax continuations of left-padded prompts [B, P]. A vision-language prompt
     (models/vision/qwen_vl.py) passes its image features `embeds` and M-RoPE `positions` for the prefill and

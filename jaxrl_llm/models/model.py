@@ -25,19 +25,19 @@ Array = jax.Array
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: None = None, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None,
-                   embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+                   embeds: tuple[Array, ...] | None = None, position_offset: Array | None = None
                    ) -> tuple[Array, None]: ...
 @overload
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict, compute_dtype: DType = jnp.float32,
                    remat: bool | str = False, segment_ids: Array | None = None, branch_ids: Array | None = None,
-                   embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+                   embeds: tuple[Array, ...] | None = None, position_offset: Array | None = None
                    ) -> tuple[Array, dict]: ...
 def forward_hidden(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
                    positions: Array | None = None, cache: dict | None = None,
                    compute_dtype: DType = jnp.float32, remat: bool | str = False,
                    segment_ids: Array | None = None, branch_ids: Array | None = None,
-                   embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+                   embeds: tuple[Array, ...] | None = None, position_offset: Array | None = None
                    ) -> tuple[Array, dict | None]:
     """Hidden states after the final norm [B, T, H] (compute dtype) and the updated cache or None.
 
@@ -62,7 +62,7 @@ def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attenti
                        positions: Array | None = None, compute_dtype: DType = jnp.float32, remat: bool | str = False,
                        segment_ids: Array | None = None, branch_ids: Array | None = None,
                        replay: Array | None = None, record_routing: bool = False,
-                       embeds: tuple[Array, Array] | None = None) -> tuple[Array, MoeOut | None]:
+                       embeds: tuple[Array, ...] | None = None) -> tuple[Array, MoeOut | None]:
     """`forward_hidden` (no cache) with the mixture-of-experts layers' `MoeOut` (None for a dense
     model): router stats over the attention mask's tokens, the router's top-k ids per layer with
     `record_routing`, and `replay` [L, B, T, k] expert ids used in place of the router's choice.
@@ -89,7 +89,7 @@ def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, atte
 def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *, positions: Array | None,
              cache: dict | None, compute_dtype: DType, remat: bool | str, segment_ids: Array | None,
              branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False,
-             embeds: tuple[Array, Array] | None = None, position_offset: Array | None = None
+             embeds: tuple[Array, ...] | None = None, position_offset: Array | None = None
              ) -> tuple[Array, dict | None, MoeOut | None]:
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
                                                                   cache, segment_ids, branch_ids, position_offset)

@@ -28,6 +28,7 @@ from jaxrl_llm.hf.vision import load_vision_tower as load_folder_tower
 from jaxrl_llm.hf.vision import vision_language_config
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
+from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, init_qwen3_vision_params
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, init_vision_params
 from jaxrl_llm.models.vision.qwen_vl import QWEN_IMAGE_TOKEN_ID, ImagePrompt, VisionLanguage, image_prompt
 
@@ -56,12 +57,19 @@ def image_tokens_of(path: str | None, tokenizer: Tokenizer) -> ImageTokens | Non
     token_id = tokenizer.convert_tokens_to_ids(pad_text)
     if path == TINY_VL:
         return ImageTokens(image_token_id=int(token_id))
-    model_token = int(read_hf_config(path).get("image_token_id", QWEN_IMAGE_TOKEN_ID))
+    config = read_hf_config(path)
+    model_token = int(config.get("image_token_id", QWEN_IMAGE_TOKEN_ID))
     if token_id != model_token:
         raise ConfigError(f"actor_rollout_ref.model.path={path!r}: the tokenizer's {pad_text!r} is id {token_id}, the "
                           f"model's image token is {model_token} (config.json image_token_id): data.tokenizer "
                           "must be the model's own")
-    return ImageTokens(image_token_id=model_token).with_preprocessor(path)
+    # the tower's own patch sizes (Qwen3-VL's 16 pixels, Qwen2.5-VL's 14), then the folder's preprocessor_config.json
+    vision = config.get("vision_config") or {}
+    tokens = ImageTokens(image_token_id=model_token)
+    tokens = dataclasses.replace(tokens, patch_size=int(vision.get("patch_size", tokens.patch_size)),
+                                 temporal_patch_size=int(vision.get("temporal_patch_size", tokens.temporal_patch_size)),
+                                 merge_size=int(vision.get("spatial_merge_size", tokens.merge_size)))
+    return tokens.with_preprocessor(path)
 
 
 def tiny_mrope_section(head_dim: int) -> tuple[int, int, int]:
@@ -113,7 +121,7 @@ def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, to
             raise ConfigError(f"{TINY_VL}: the text model has no mrope_section")
         vl = VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=tokens.image_token_id,
                             vision_start_token_id=int(tokenizer.convert_tokens_to_ids(tokens.start_text)))
-        params = init_vision_params(vl.vision, jax.random.fold_in(jax.random.PRNGKey(seed), 0x7157))
+        params = init_tower(vl.vision, jax.random.fold_in(jax.random.PRNGKey(seed), 0x7157))
         hf_config = vision_language_config(
             model_cfg, vl, vision_end_token_id=int(tokenizer.convert_tokens_to_ids("<|vision_end|>")),
             video_token_id=int(tokenizer.convert_tokens_to_ids("<|video_pad|>")))
@@ -169,14 +177,19 @@ def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
     return load_vision_tower(source, model_cfg, tokens, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
 
 
-def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig:
+def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3VisionConfig:
     """The tower's config of the policy at `path` (no weight read): tiny:qwen2_5_vl's, or a folder's config.json."""
     if path == TINY_VL:
         return VisionConfig.tiny(model_cfg.hidden_size)
     vl = VisionLanguage.from_hf_config(read_hf_config(path))
     if vl is None:
-        raise ValueError(f"{path}: not a Qwen2.5-VL folder")
+        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL folder")
     return vl.vision
+
+
+def init_tower(cfg: VisionConfig | Qwen3VisionConfig, rng: jax.Array) -> dict[str, Any]:
+    """Random tower params of either kind."""
+    return init_qwen3_vision_params(cfg, rng) if isinstance(cfg, Qwen3VisionConfig) else init_vision_params(cfg, rng)
 
 
 def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: int, prompt_length: int,
@@ -187,7 +200,7 @@ def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: in
     from jaxrl_llm.models.vision.qwen_vl import feature_bucket
     from jaxrl_llm.sharding import batch_sharding
 
-    tower = jax.eval_shape(lambda: init_vision_params(vision_config_of(path, model_cfg), jax.random.PRNGKey(0)))
+    tower = jax.eval_shape(lambda: init_tower(vision_config_of(path, model_cfg), jax.random.PRNGKey(0)))
     replicated = NamedSharding(mesh, PartitionSpec())
     columns = prompt_length + response_length
     room = feature_bucket(prompt_length)

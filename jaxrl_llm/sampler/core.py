@@ -136,7 +136,7 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
                                                                compute_dtype=dtype, replay=replay)
         routing = _routing_buffer(prefill_routing, prompt_mask, cfg, r)
     else:  # a vision-language prompt adds its image features and M-RoPE positions (models/vision/qwen_vl.py)
-        positions, embeds = (None, None) if images is None else (images.positions, (images.slots, images.features))
+        positions, embeds = (None, None) if images is None else (images.positions, images.embeds)
         hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype,
                                        positions=positions, embeds=embeds)
     # each row's decode positions: its token count, plus its M-RoPE delta after images

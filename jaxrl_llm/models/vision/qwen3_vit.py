@@ -239,3 +239,52 @@ def qwen3_vision_params_from_hf(tensors: TensorLookup, cfg: Qwen3VisionConfig) -
         out["deepstack"] = stacked([merger(f"deepstack_merger_list.{j}")
                                     for j in range(len(cfg.deepstack_visual_indexes))])
     return out
+
+
+def qwen3_vision_params_to_hf(params: Mapping[str, Any], cfg: Qwen3VisionConfig, prefix: str = "model.visual."
+                              ) -> dict[str, np.ndarray]:
+    """The tower's tensors under transformers' names (the inverse of `qwen3_vision_params_from_hf`), fp32."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float32), dict(params))
+    out = {f"{prefix}patch_embed.proj.weight": p["patch_embed"].T.reshape(
+               cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+           f"{prefix}patch_embed.proj.bias": p["patch_embed_bias"], f"{prefix}pos_embed.weight": p["pos_embed"]}
+
+    def put(name: str, tree: Mapping[str, Any], table: Mapping[str, tuple[str, bool]]) -> None:
+        for norm in ("norm", "norm1", "norm2"):
+            if norm in tree:
+                out[f"{name}.{norm}.weight"], out[f"{name}.{norm}.bias"] = tree[norm]["scale"], tree[norm]["bias"]
+        for ours, (hf, transpose) in table.items():
+            out[f"{name}.{hf}"] = tree[ours].T if transpose else tree[ours]
+
+    for i in range(cfg.depth):
+        put(f"{prefix}blocks.{i}", jax.tree.map(lambda a, i=i: a[i], p["blocks"]), _BLOCK)
+    put(f"{prefix}merger", p["merger"], _MERGER)
+    for j in range(len(cfg.deepstack_visual_indexes)):
+        put(f"{prefix}deepstack_merger_list.{j}", jax.tree.map(lambda a, j=j: a[j], p["deepstack"]), _MERGER)
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def init_qwen3_vision_params(cfg: Qwen3VisionConfig, rng: Array, std: float = 0.02) -> dict[str, Any]:
+    """Random fp32 tower params (normal(std) matrices and position table, zero biases, unit norms)."""
+    keys = iter(jax.random.split(rng, 16))
+    d, h, i, m, out = cfg.depth, cfg.hidden_size, cfg.intermediate_size, cfg.merge_unit * cfg.hidden_size, \
+        cfg.out_hidden_size
+
+    def normal(*shape: int) -> Array:
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    def norm(*shape: int) -> dict[str, Array]:
+        return {"scale": jnp.ones(shape), "bias": jnp.zeros(shape)}
+
+    def merger(width: int, *lead: int) -> dict[str, Any]:
+        return {"norm": norm(*lead, width), "fc1": normal(*lead, m, m), "fc1_bias": jnp.zeros((*lead, m)),
+                "fc2": normal(*lead, m, out), "fc2_bias": jnp.zeros((*lead, out))}
+
+    blocks = {"norm1": norm(d, h), "norm2": norm(d, h), "qkv": normal(d, h, 3 * h), "qkv_bias": jnp.zeros((d, 3 * h)),
+              "proj": normal(d, h, h), "proj_bias": jnp.zeros((d, h)), "fc1": normal(d, h, i),
+              "fc1_bias": jnp.zeros((d, i)), "fc2": normal(d, i, h), "fc2_bias": jnp.zeros((d, h))}
+    params = {"patch_embed": normal(cfg.patch_dim, h), "patch_embed_bias": jnp.zeros((h,)),
+              "pos_embed": normal(cfg.num_position_embeddings, h), "blocks": blocks, "merger": merger(h)}
+    if cfg.deepstack_visual_indexes:
+        params["deepstack"] = merger(m, len(cfg.deepstack_visual_indexes))
+    return params

@@ -25,6 +25,7 @@ from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
+from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, qwen3_image_features
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, image_features
 
 Array = jax.Array
@@ -33,20 +34,34 @@ QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' voca
 
 @dataclasses.dataclass(frozen=True)
 class VisionLanguage:
-    """What a Qwen2.5-VL policy adds to its text model: the tower's config and the image token ids."""
+    """What a Qwen2.5-VL / Qwen3-VL policy adds to its text model: the tower's config and the image token ids."""
 
-    vision: VisionConfig
+    vision: VisionConfig | Qwen3VisionConfig
     image_token_id: int
     vision_start_token_id: int
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> VisionLanguage | None:
-        """From a config.json; None when it is not a Qwen2.5-VL model's."""
-        if d.get("model_type") != "qwen2_5_vl":
+        """From a config.json; None when it is not a Qwen2.5-VL or Qwen3-VL model's."""
+        towers = {"qwen2_5_vl": VisionConfig, "qwen3_vl": Qwen3VisionConfig}
+        if d.get("model_type") not in towers:
             return None
-        return cls(vision=VisionConfig.from_hf(d.get("vision_config") or {}),
+        return cls(vision=towers[d["model_type"]].from_hf(d.get("vision_config") or {}),
                    image_token_id=int(d.get("image_token_id", QWEN_IMAGE_TOKEN_ID)),
                    vision_start_token_id=int(d.get("vision_start_token_id", 151652)))
+
+    @property
+    def deepstack_layers(self) -> int:
+        """Decoder layers that add deepstack features (Qwen3-VL's; 0 for Qwen2.5-VL)."""
+        return len(self.vision.deepstack_visual_indexes) if isinstance(self.vision, Qwen3VisionConfig) else 0
+
+    def features(self, params: Mapping[str, Any], pixel_values: np.ndarray, image_grid_thw: np.ndarray, *,
+                 dtype: DType = jnp.float32) -> tuple[Array, Array | None]:
+        """(features [M, H], deepstack features [D, M, H] or None) of a batch's images through the tower."""
+        if isinstance(self.vision, Qwen3VisionConfig):
+            stacked = qwen3_image_features(params, self.vision, pixel_values, image_grid_thw, dtype=dtype)
+            return stacked[0], stacked[1:]
+        return image_features(params, self.vision, pixel_values, image_grid_thw, dtype=dtype), None
 
 
 def _image_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
@@ -112,6 +127,12 @@ class ImagePrompt(NamedTuple):
     slots: Array  # [B, P] int32: the feature each image token takes, -1 elsewhere
     features: Array  # [M, H] fp32 image features
     deltas: Array  # [B] int32: added to each row's 1-D position when it decodes
+    deepstack: Array | None = None  # [D, M, H] Qwen3-VL's deepstack features (None: Qwen2.5-VL)
+
+    @property
+    def embeds(self) -> tuple[Array, ...]:
+        """`forward_hidden`'s embeds: (slots, features[, deepstack])."""
+        return (self.slots, self.features) if self.deepstack is None else (self.slots, self.features, self.deepstack)
 
 
 class RowImages(NamedTuple):
@@ -121,10 +142,13 @@ class RowImages(NamedTuple):
     positions: Array  # int32 [N, 3, T] M-RoPE positions (0 on padding)
     slots: Array  # int32 [N, T]: the row's own feature each image token takes, -1 elsewhere
     features: Array  # [N, K, H] each row's image features (K: the most any row holds, bucketed; zeros past a row's)
+    deepstack: Array | None = None  # [N, D, K, H] Qwen3-VL's deepstack features (None: Qwen2.5-VL)
 
-    def decoder_inputs(self) -> tuple[Array, tuple[Array, Array]]:
+    def decoder_inputs(self) -> tuple[Array, tuple[Array, ...]]:
         """(positions [3, N, T], embeds) as `forward_hidden` takes them."""
-        return jnp.moveaxis(self.positions, 1, 0), (self.slots, self.features)
+        if self.deepstack is None:
+            return jnp.moveaxis(self.positions, 1, 0), (self.slots, self.features)
+        return jnp.moveaxis(self.positions, 1, 0), (self.slots, self.features, jnp.moveaxis(self.deepstack, 1, 0))
 
     def pad_columns(self, before: int, after: int) -> RowImages:
         """Columns added as `batching.ops.pad_columns` adds them: `before` prompt columns on the left, `after`
@@ -137,7 +161,10 @@ class RowImages(NamedTuple):
     def pad_features(self, count: int) -> RowImages:
         """Room for `count` features per row (another batch's K, to join the two)."""
         extra = count - self.features.shape[1]
-        return self if extra <= 0 else self._replace(features=jnp.pad(self.features, ((0, 0), (0, extra), (0, 0))))
+        if extra <= 0:
+            return self
+        deepstack = None if self.deepstack is None else jnp.pad(self.deepstack, ((0, 0), (0, 0), (0, extra), (0, 0)))
+        return self._replace(features=jnp.pad(self.features, ((0, 0), (0, extra), (0, 0))), deepstack=deepstack)
 
 
 def feature_bucket(count: int) -> int:
@@ -159,7 +186,8 @@ def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_le
     # each row's features: its slice of the batch's packed features (processor order), zeros past it
     index = first[:, None] + np.arange(room)[None]
     valid = np.arange(room)[None] < counts[:, None]
-    features = np.asarray(prompt.features)[np.where(valid, index, 0)]
+    take = np.where(valid, index, 0)
+    features = np.asarray(prompt.features)[take]
     features = np.where(valid[..., None], features, 0).astype(features.dtype)
     lengths = prompt_mask.sum(axis=1)
     response = lengths[:, None] + np.arange(response_len)[None] + np.asarray(prompt.deltas)[:, None]
@@ -168,7 +196,11 @@ def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_le
     positions = np.moveaxis(positions, 0, 1).astype(np.int32)  # [B, 3, P + R]
     slots_rows = np.concatenate([local, np.full((len(local), response_len), -1, np.int32)], axis=1)
     repeat = lambda x: np.repeat(x, n, axis=0)  # noqa: E731  (row b * n + j: sample j of prompt b)
-    return {"positions": repeat(positions), "slots": repeat(slots_rows), "features": repeat(features)}
+    out = {"positions": repeat(positions), "slots": repeat(slots_rows), "features": repeat(features)}
+    if prompt.deepstack is not None:  # [D, M, H] -> each row's [D, K, H], as its features
+        deep = np.moveaxis(np.asarray(prompt.deepstack)[:, take], 0, 1)  # [B, D, K, H]
+        out["deepstack"] = repeat(np.where(valid[:, None, :, None], deep, 0).astype(deep.dtype))
+    return out
 
 
 
@@ -177,10 +209,10 @@ def image_prompt(vision_params: Mapping[str, Any], vl: VisionLanguage, input_ids
                  compute_dtype: DType = jnp.float32) -> ImagePrompt:
     """The tower run once over the batch's images (processor order; image by image, `image_features`) and the
     positions / slots of its tokens."""
-    features = image_features(vision_params, vl.vision, pixel_values, image_grid_thw, dtype=compute_dtype)
+    features, deepstack = vl.features(vision_params, pixel_values, image_grid_thw, dtype=compute_dtype)
     positions, deltas = mrope_positions(input_ids, attention_mask, image_grid_thw, vl)
     slots = image_slots(input_ids, attention_mask, vl, features.shape[0])
-    return ImagePrompt(jnp.asarray(positions), jnp.asarray(slots), features, jnp.asarray(deltas))
+    return ImagePrompt(jnp.asarray(positions), jnp.asarray(slots), features, jnp.asarray(deltas), deepstack)
 
 
 def image_text_logits(params: dict, cfg: ModelConfig, vision_params: Mapping[str, Any], vl: VisionLanguage,
@@ -193,7 +225,7 @@ def image_text_logits(params: dict, cfg: ModelConfig, vision_params: Mapping[str
                           compute_dtype=compute_dtype)
     hidden, _ = forward_hidden(params, cfg, jnp.asarray(input_ids), jnp.asarray(attention_mask),
                                positions=prompt.positions, compute_dtype=compute_dtype,
-                               embeds=(prompt.slots, prompt.features))
+                               embeds=prompt.embeds)
     return logits_from_hidden(params, cfg, hidden)
 
 
@@ -208,4 +240,4 @@ def image_text_greedy(params: dict, cfg: ModelConfig, vision_params: Mapping[str
                           compute_dtype=compute_dtype)
     return greedy_generate(params, cfg, jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32),
                            max_new_tokens, compute_dtype=compute_dtype, positions=prompt.positions,
-                           embeds=(prompt.slots, prompt.features), position_offset=prompt.deltas)
+                           embeds=prompt.embeds, position_offset=prompt.deltas)

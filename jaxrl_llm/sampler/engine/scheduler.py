@@ -126,6 +126,7 @@ class RequestImages:
     slots: np.ndarray
     features: np.ndarray
     delta: int
+    deepstack: np.ndarray | None = None  # [D, K, H] Qwen3-VL's deepstack features
 
     @staticmethod
     def of_batch(images: ImagePrompt, prompt_mask: np.ndarray) -> list[RequestImages]:
@@ -134,9 +135,10 @@ class RequestImages:
         out = []
         for b, valid in enumerate(np.asarray(prompt_mask) > 0):
             slots = rows["slots"][b][valid]
+            count = int((slots >= 0).sum())
             out.append(RequestImages(positions=rows["positions"][b][:, valid], slots=slots,
-                                     features=rows["features"][b][:int((slots >= 0).sum())],
-                                     delta=int(images.deltas[b])))
+                                     features=rows["features"][b][:count], delta=int(images.deltas[b]),
+                                     deepstack=rows["deepstack"][b][:, :count] if "deepstack" in rows else None))
         return out
 
     def padded(self, width: int) -> programs.PromptImages:
@@ -150,8 +152,13 @@ class RequestImages:
         room = feature_bucket(len(self.features))
         features = np.zeros((room, self.features.shape[1]), self.features.dtype)
         features[:len(self.features)] = self.features
+        deepstack = None
+        if self.deepstack is not None:
+            deepstack = np.zeros((len(self.deepstack), room, self.deepstack.shape[2]), self.deepstack.dtype)
+            deepstack[:, :self.deepstack.shape[1]] = self.deepstack
         return programs.PromptImages(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(features),
-                                     jnp.asarray(self.delta, jnp.int32))
+                                     jnp.asarray(self.delta, jnp.int32),
+                                     None if deepstack is None else jnp.asarray(deepstack))
 
 
 class RequestSource(Protocol):
