@@ -2,9 +2,10 @@
 images; the features go into the sampler's prefill and, row by row, into every pass of the step that reads the
 policy (`RowImages`), so the sampler and the trainer see the same embeddings.
 
-What makes a policy vision-language here: a Qwen2.5-VL folder (`Qwen2_5_VLForConditionalGeneration`; its text
-model is what `load_model` loads) or `tiny:qwen2_5_vl` (a random tiny Qwen2.5-VL for tests and CI: the tiny text
-dims with M-RoPE, a 2-block tower, and the tokenizer given the three vision tokens it lacks).
+What makes a policy vision-language here: a Qwen2.5-VL or Qwen3-VL folder (`Qwen2_5_VLForConditionalGeneration`,
+`Qwen3VLForConditionalGeneration`; its text model is what `load_model` loads) or `tiny:qwen2_5_vl` (a random tiny
+Qwen2.5-VL for tests and CI: the tiny text dims with M-RoPE, a 2-block tower, and the tokenizer given the vision
+tokens it lacks).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ class VisionTower:
     vl: VisionLanguage
     params: dict[str, Any]  # fp32, replicated on the mesh
     tokens: ImageTokens
-    hf_config: dict[str, Any]  # the Qwen2.5-VL config.json an export writes (the source folder's)
+    hf_config: dict[str, Any]  # the config.json an export writes (the source folder's; tiny:qwen2_5_vl's built)
     compute_dtype: str = "float32"
 
     def describe(self) -> str:

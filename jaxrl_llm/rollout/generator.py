@@ -35,7 +35,14 @@ from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine.scheduler import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
-from jaxrl_llm.sharding import batch_axis_size, on_own_mesh, to_device, to_device_if_rows_split, to_host
+from jaxrl_llm.sharding import (
+    batch_axis_size,
+    batch_sharding,
+    on_own_mesh,
+    to_device,
+    to_device_if_rows_split,
+    to_host,
+)
 from jaxrl_llm.sharding.split import transfer
 
 Array = jax.Array
@@ -137,12 +144,13 @@ class RolloutGenerator:
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
         images = self._image_prompt(batch, prompt_ids, prompt_mask, len(raw_prompts) - num_prompts)
-        host_images = None if images is None else jax.tree.map(np.asarray, to_host(images))
         if opts.engine == "paged":
+            requests = None  # each prompt's images on the host: the scheduler prefills them prompt by prompt
+            if images is not None:
+                requests = RequestImages.of_batch(jax.tree.map(np.asarray, to_host(images)), prompt_mask)
             host_out, self.last_engine_stats = sample_paged(
                 params, model_cfg, raw_prompts, rng, knobs, settings=settings, opts=opts, mesh=mesh,
-                draft_params=self.draft_params, max_prompt_len=self.max_prompt_length,
-                images=None if host_images is None else RequestImages.of_batch(host_images, prompt_mask))
+                draft_params=self.draft_params, max_prompt_len=self.max_prompt_length, images=requests)
             out = rows_on_mesh(host_out, mesh)
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh,
@@ -153,11 +161,13 @@ class RolloutGenerator:
             keep = num_prompts * n
             out = out._replace(**_first_rows({f: getattr(out, f) for f in ROW_FIELDS if getattr(out, f) is not None},
                                              keep))
-        if host_images is not None:  # the rows' own: padding rows dropped, on the host for `row_images`
-            host_images = host_images._replace(positions=host_images.positions[:, :num_prompts],
-                                               slots=host_images.slots[:num_prompts],
-                                               deltas=host_images.deltas[:num_prompts])
-        return self.scored(batch, out, n, sampling.max_new_tokens, rng, images=host_images)
+        if images is not None:  # the rows' own (padding rows dropped): the small arrays on the host for `row_images`,
+            # the features where the tower left them (gathered row by row on the devices)
+            positions, slots, deltas = (np.asarray(x) for x in to_host((images.positions, images.slots,
+                                                                        images.deltas)))
+            images = images._replace(positions=positions[:, :num_prompts], slots=slots[:num_prompts],
+                                     deltas=deltas[:num_prompts])
+        return self.scored(batch, out, n, sampling.max_new_tokens, rng, images=images)
 
     def _image_prompt(self, batch: dict[str, np.ndarray], prompt_ids: np.ndarray, prompt_mask: np.ndarray,
                       padding_rows: int) -> ImagePrompt | None:
@@ -172,7 +182,7 @@ class RolloutGenerator:
                images: ImagePrompt | None = None) -> Rollout:
         """The scored `Rollout` of `out` (a SampleOutput: n rows per prompt of `batch`, prompt-major,
         its row fields on the mesh), with the last paged generation's engine counters; `images`: the prompts'
-        (host arrays), carried row by row (`Rollout.images`)."""
+        (positions, slots and deltas on the host), carried row by row (`Rollout.images`)."""
         mesh, tokenizer, reward_model = self.mesh, self.tokenizer, self.reward_model
         raw_prompts = list(batch["raw_prompt_ids"])
         num_prompts = len(raw_prompts)
@@ -221,7 +231,9 @@ class RolloutGenerator:
         row_imgs = None
         if images is not None:
             prompt_mask = np.asarray(to_host(out.prompt_mask))[::n]
-            row_imgs = RowImages(**to_device_if_rows_split(row_images(images, prompt_mask, n, width), mesh))
+            fields = row_images(images, prompt_mask, n, width)
+            placed = to_device_if_rows_split({k: fields.pop(k) for k in ("positions", "slots")}, mesh)
+            row_imgs = RowImages(**placed, **{k: rows_sharded(v, mesh) for k, v in fields.items()})
         return Rollout(
             input_ids=input_ids, attention_mask=attention_mask,
             response_mask=jnp.asarray(response_mask, jnp.float32),
@@ -233,3 +245,16 @@ class RolloutGenerator:
             routing=None if out.routing is None else jnp.asarray(out.routing[:, :input_ids.shape[1]]),
             images=row_imgs)
 
+
+
+def rows_sharded(x: Array, mesh: Mesh) -> Array:
+    """A device array (the tower's features, per row) with its rows over the mesh's batch axes, as `to_device`
+    places host rows, resharded on the devices (a short batch the axes do not divide stays as it is)."""
+    if x.shape[0] % batch_axis_size(mesh):
+        return x
+    return _resharded(x, batch_sharding(mesh, x.ndim))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _resharded(x: Array, sharding: Any) -> Array:
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -172,11 +172,13 @@ def feature_bucket(count: int) -> int:
     return max(8, 1 << max(count - 1, 0).bit_length())
 
 
-def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_len: int) -> dict[str, np.ndarray]:
-    """The `RowImages` fields (host arrays, for `RowImages(**placed)` once on the mesh) of a sampled batch:
-    `prompt` (its [B, P] prompts' images), `n` samples per prompt (prompt-major rows) and `response_len` response
-    columns. A response token j of a row is at 1-D position (the row's prompt tokens + j) + its delta in every
-    stream, as the sampler decoded it."""
+def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_len: int) -> dict[str, Any]:
+    """The `RowImages` fields of a sampled batch (for `RowImages(**placed)` once on the mesh): `prompt` (its [B, P]
+    prompts' images: positions, slots and deltas as host arrays, the features where they are: the tower's device
+    arrays are gathered on the devices, not fetched), `n` samples per prompt (prompt-major rows) and `response_len`
+    response columns. Positions and slots come back as host arrays, the features as device arrays. A response token
+    j of a row is at 1-D position (the row's prompt tokens + j) + its delta in every stream, as the sampler decoded
+    it."""
     slots = np.asarray(prompt.slots)
     prompt_mask = np.asarray(prompt_mask) > 0
     counts = (slots >= 0).sum(axis=1)
@@ -186,20 +188,21 @@ def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_le
     # each row's features: its slice of the batch's packed features (processor order), zeros past it
     index = first[:, None] + np.arange(room)[None]
     valid = np.arange(room)[None] < counts[:, None]
-    take = np.where(valid, index, 0)
-    features = np.asarray(prompt.features)[take]
-    features = np.where(valid[..., None], features, 0).astype(features.dtype)
+    take = jnp.asarray(np.where(valid, index, 0))
+    keep = jnp.asarray(valid)
+    features = jnp.where(keep[..., None], jnp.take(jnp.asarray(prompt.features), take, axis=0), 0)
     lengths = prompt_mask.sum(axis=1)
     response = lengths[:, None] + np.arange(response_len)[None] + np.asarray(prompt.deltas)[:, None]
     positions = np.concatenate([np.asarray(prompt.positions),
                                 np.broadcast_to(response[None], (3, *response.shape))], axis=2)
     positions = np.moveaxis(positions, 0, 1).astype(np.int32)  # [B, 3, P + R]
     slots_rows = np.concatenate([local, np.full((len(local), response_len), -1, np.int32)], axis=1)
-    repeat = lambda x: np.repeat(x, n, axis=0)  # noqa: E731  (row b * n + j: sample j of prompt b)
-    out = {"positions": repeat(positions), "slots": repeat(slots_rows), "features": repeat(features)}
+    # row b * n + j: sample j of prompt b
+    out: dict[str, Any] = {"positions": np.repeat(positions, n, axis=0), "slots": np.repeat(slots_rows, n, axis=0),
+                           "features": jnp.repeat(features, n, axis=0)}
     if prompt.deepstack is not None:  # [D, M, H] -> each row's [D, K, H], as its features
-        deep = np.moveaxis(np.asarray(prompt.deepstack)[:, take], 0, 1)  # [B, D, K, H]
-        out["deepstack"] = repeat(np.where(valid[:, None, :, None], deep, 0).astype(deep.dtype))
+        deep = jnp.moveaxis(jnp.take(jnp.asarray(prompt.deepstack), take, axis=1), 0, 1)  # [B, D, K, H]
+        out["deepstack"] = jnp.repeat(jnp.where(keep[:, None, :, None], deep, 0), n, axis=0)
     return out
 
 

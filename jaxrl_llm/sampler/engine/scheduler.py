@@ -137,8 +137,9 @@ class RequestImages:
             slots = rows["slots"][b][valid]
             count = int((slots >= 0).sum())
             out.append(RequestImages(positions=rows["positions"][b][:, valid], slots=slots,
-                                     features=rows["features"][b][:count], delta=int(images.deltas[b]),
-                                     deepstack=rows["deepstack"][b][:, :count] if "deepstack" in rows else None))
+                                     features=np.asarray(rows["features"][b][:count]), delta=int(images.deltas[b]),
+                                     deepstack=np.asarray(rows["deepstack"][b][:, :count]) if "deepstack" in rows
+                                     else None))
         return out
 
     def padded(self, width: int) -> programs.PromptImages:
