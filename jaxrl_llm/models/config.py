@@ -835,36 +835,31 @@ _MULTIMODAL = {"gemma3": "Gemma3", "gemma4": "Gemma4", "qwen3_5": "Qwen3_5", "qw
                "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 
 
+# Qwen vision-language model types -> (transformers' config class, their text model's family, interleaved M-RoPE)
+_QWEN_VL = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "qwen2", False), "qwen3_vl": ("Qwen3VLConfig", "qwen3", True)}
+
+
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
     """A multimodal Gemma 3 / Gemma 4 / Qwen3.5 checkpoint's config.json (`Gemma3ForConditionalGeneration`,
     `Qwen3_5ForConditionalGeneration`, ...) read as its text model's, `Gemma3ForCausalLM` / `Qwen3_5ForCausalLM`
     (the language model is what RL trains; the vision tower is not loaded, hf/hf_folder.py maps its tensor names).
     Its `text_config` may list only what differs from transformers' defaults, so transformers fills in the rest;
     token ids come from the top level where it has them."""
-    if d.get("model_type") == "qwen2_5_vl":  # its text model is Qwen2's with M-RoPE (the releases: text keys on top)
+    if d.get("model_type") in _QWEN_VL:  # Qwen2 / Qwen3 with M-RoPE (Qwen2.5-VL's releases: text keys on top)
         import transformers
 
-        vl = transformers.Qwen2_5_VLConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+        config_class, family, interleaved = _QWEN_VL[d["model_type"]]
+        vl = getattr(transformers, config_class)(**{k: v for k, v in d.items()
+                                                    if k not in ("model_type", "architectures")})
         text_config = vl.text_config
         assert text_config is not None
         out = dict(text_config) if isinstance(text_config, dict) else text_config.to_dict()
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
             if d.get(key) is not None:
                 out[key] = d[key]
-        out.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
-        return out
-    if d.get("model_type") == "qwen3_vl":  # its text model is Qwen3's with interleaved M-RoPE (and deepstack)
-        import transformers
-
-        vl = transformers.Qwen3VLConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
-        text_config = vl.text_config
-        assert text_config is not None
-        out = dict(text_config) if isinstance(text_config, dict) else text_config.to_dict()
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
-            if d.get(key) is not None:
-                out[key] = d[key]
-        out.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
-        out["rope_parameters"] = {**(out.get("rope_parameters") or {}), "mrope_interleaved": True}  # its layout
+        out.update(model_type=family, architectures=[_FAMILIES[family]["prefix"] + "ForCausalLM"])
+        if interleaved:  # Qwen3-VL's layout of the M-RoPE sections (its config does not say it: its code does)
+            out["rope_parameters"] = {**(out.get("rope_parameters") or {}), "mrope_interleaved": True}
         return out
     if d.get("model_type") not in _MULTIMODAL or not isinstance(d.get("text_config"), dict):
         return d

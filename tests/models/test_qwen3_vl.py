@@ -11,11 +11,11 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from vl_cases import END, IMAGE, PAD, START, hf_inputs, image_rows  # noqa: E402
+
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
 from jaxrl_llm.models.vision.qwen_vl import image_prompt, image_text_greedy, image_text_logits  # noqa: E402
-
-PAD, START, END, IMAGE = 0, 288, 289, 290
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +50,8 @@ def batch():
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
     out = Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32, max_pixels=32 * 32 * 64)(
         images=images, return_tensors="np")
-    counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
-
-    def image(n):
-        return [START] + [IMAGE] * n + [END]
-
-    rows = [[10, 11, *image(counts[0]), 12, 13],
-            [20, *image(counts[1]), 21, 22, *image(counts[2]), 23, 24, 25]]
-    width = max(map(len, rows))
-    ids = np.array([[PAD] * (width - len(r)) + r for r in rows], np.int64)
-    mask = (np.arange(width)[None] >= (width - np.array([len(r) for r in rows]))[:, None]).astype(np.int64)
+    ids, mask = image_rows((out["image_grid_thw"].prod(-1) // 4).tolist())
     return ids, mask, out["pixel_values"], out["image_grid_thw"]
-
-
-def hf_inputs(ids, mask, pixels, grid):
-    return dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
-                mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)))
 
 
 def test_logits_with_images_match_transformers(checkpoint):

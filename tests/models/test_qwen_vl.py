@@ -12,13 +12,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
+from vl_cases import END, IMAGE, PAD, START, assert_rescored, hf_inputs, image_rows  # noqa: E402
 
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
 from jaxrl_llm.models import compute_logits  # noqa: E402
 from jaxrl_llm.models.vision.qwen_vl import image_text_logits, mrope_positions  # noqa: E402
-
-PAD, START, END, IMAGE = 0, 288, 289, 290
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +51,8 @@ def batch():
     sizes = [(84, 56), (56, 56), (56, 112)]  # 6, 4 and 8 image tokens
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
     out = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64)(images=images, return_tensors="np")
-    counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
-
-    def image(n):
-        return [START] + [IMAGE] * n + [END]
-
-    rows = [[10, 11, *image(counts[0]), 12, 13],  # left-padded below
-            [20, *image(counts[1]), 21, 22, *image(counts[2]), 23, 24, 25]]
-    width = max(map(len, rows))
-    ids = np.array([[PAD] * (width - len(r)) + r for r in rows], np.int64)
-    mask = (np.arange(width)[None] >= (width - np.array([len(r) for r in rows]))[:, None]).astype(np.int64)
+    ids, mask = image_rows((out["image_grid_thw"].prod(-1) // 4).tolist())
     return ids, mask, out["pixel_values"], out["image_grid_thw"]
-
-
-def hf_inputs(ids, mask, pixels, grid):
-    """transformers' keyword inputs of a batch with images (image tokens marked in mm_token_type_ids)."""
-    return dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
-                mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)))
 
 
 def test_logits_with_images_match_transformers(checkpoint):
@@ -164,16 +147,8 @@ def test_static_sampler_with_images_follows_transformers_and_the_rescoring(check
         if not sp.do_sample:
             np.testing.assert_array_equal(np.asarray(got.tokens), np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
             continue
-        full = np.concatenate([np.repeat(ids, 2, 0), np.asarray(got.tokens)], axis=1)
-        full_mask = np.concatenate([np.repeat(mask, 2, 0), np.asarray(got.response_mask)], axis=1)
-        # each prompt's images once per sample: the grids repeated in row order
-        rows_grid = np.concatenate([grid[:1], grid[:1], grid[1:], grid[1:]])
-        rows_pixels = np.concatenate([pixels[:24], pixels[:24], pixels[24:], pixels[24:]])
-        logits = image_text_logits(params, cfg, vision, vl, full, full_mask, rows_pixels, rows_grid)
-        logp = np.asarray(jax.nn.log_softmax(logits[:, ids.shape[1] - 1:-1], axis=-1))
-        picked = np.take_along_axis(logp, np.asarray(got.tokens)[..., None], axis=-1)[..., 0]
-        m = np.asarray(got.response_mask).astype(bool)
-        np.testing.assert_allclose(np.asarray(got.log_probs)[m], picked[m], atol=1e-5)
+        assert_rescored(got.tokens, got.response_mask, got.log_probs, ids, mask, pixels, grid,
+                        (params, cfg, vision, vl))
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
@@ -209,15 +184,8 @@ def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpo
         if not sp.do_sample:
             np.testing.assert_array_equal(got.tokens, np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
             continue
-        full = np.concatenate([np.repeat(ids, 2, 0), got.tokens], axis=1)
-        full_mask = np.concatenate([np.repeat(mask, 2, 0), got.response_mask], axis=1)
-        rows_grid = np.concatenate([grid[:1], grid[:1], grid[1:], grid[1:]])
-        rows_pixels = np.concatenate([pixels[:24], pixels[:24], pixels[24:], pixels[24:]])
-        logits = image_text_logits(params, cfg, vision, vl, full, full_mask, rows_pixels, rows_grid)
-        logp = np.asarray(jax.nn.log_softmax(logits[:, ids.shape[1] - 1:-1], axis=-1))
-        picked = np.take_along_axis(logp, got.tokens[..., None], axis=-1)[..., 0]
-        m = got.response_mask.astype(bool)
-        np.testing.assert_allclose(got.log_probs[m], picked[m], atol=1e-5)
+        assert_rescored(got.tokens, got.response_mask, got.log_probs, ids, mask, pixels, grid,
+                        (params, cfg, vision, vl))
     # without the deltas, the decode steps read other positions
     blind = [dataclasses.replace(r, delta=0) for r in requests]
     greedy = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD, vocab_size=cfg.vocab_size)

@@ -27,14 +27,21 @@ import numpy as np
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.blocks import apply_rope
-from jaxrl_llm.models.vision.qwen_vit import TensorLookup, VisionLayout, by_image, padded_layout, rotary_tables
+from jaxrl_llm.models.vision.qwen_vit import (
+    TensorLookup,
+    TowerGeometry,
+    VisionLayout,
+    by_image,
+    padded_layout,
+    rotary_tables,
+)
 
 Array = jax.Array
 LAYER_NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(TowerGeometry):
     """A Qwen3-VL `vision_config` (the keys this tower reads)."""
 
     depth: int
@@ -50,18 +57,6 @@ class Qwen3VisionConfig:
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
 
     @property
     def grid_side(self) -> int:

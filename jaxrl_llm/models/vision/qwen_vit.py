@@ -37,8 +37,31 @@ from jaxrl_llm.models.blocks import apply_rope, rms_norm
 Array = jax.Array
 
 
+class TowerGeometry:
+    """What a Qwen tower's config derives from its sizes (Qwen2.5-VL's and Qwen3-VL's alike)."""
+
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    temporal_patch_size: int
+    patch_size: int
+    spatial_merge_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
+
+
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(TowerGeometry):
     """A Qwen2.5-VL `vision_config` (the keys this tower reads)."""
 
     depth: int
@@ -55,18 +78,6 @@ class VisionConfig:
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> VisionConfig:

@@ -1,0 +1,56 @@
+"""What the Qwen2.5-VL and Qwen3-VL parity tests share: the tiny checkpoints' special token ids, left-padded prompt
+rows with image runs, transformers' keyword inputs, and the check that sampled tokens' log-probs are the full
+forward's with images."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+PAD, START, END, IMAGE = 0, 288, 289, 290
+
+
+def image_rows(counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) int64 of two left-padded prompts: text, one image of counts[0] tokens, text; and text, two images
+    of counts[1] and counts[2] tokens between texts."""
+    def image(n: int) -> list[int]:
+        return [START] + [IMAGE] * n + [END]
+
+    rows = [[10, 11, *image(counts[0]), 12, 13],
+            [20, *image(counts[1]), 21, 22, *image(counts[2]), 23, 24, 25]]
+    width = max(map(len, rows))
+    ids = np.array([[PAD] * (width - len(r)) + r for r in rows], np.int64)
+    mask = (np.arange(width)[None] >= (width - np.array([len(r) for r in rows]))[:, None]).astype(np.int64)
+    return ids, mask
+
+
+def hf_inputs(ids: np.ndarray, mask: np.ndarray, pixels: np.ndarray, grid: np.ndarray) -> dict[str, Any]:
+    """transformers' keyword inputs of a batch with images (image tokens marked in mm_token_type_ids)."""
+    import torch
+
+    return dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grid),
+                mm_token_type_ids=torch.from_numpy((ids == IMAGE).astype(np.int64)))
+
+
+def assert_rescored(tokens: Any, response_mask: Any, log_probs: Any, ids: np.ndarray, mask: np.ndarray,
+                    pixels: np.ndarray, grid: np.ndarray, model: tuple[Any, Any, Any, Any]) -> None:
+    """Two samples per prompt of `image_rows`' batch: each sampled token's log-prob equals the full forward's on
+    the prompt with its images (the first prompt holds image 0, the second images 1 and 2); `model` is (params,
+    cfg, tower params, VisionLanguage)."""
+    import jax
+
+    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
+
+    params, cfg, vision, vl = model
+    tokens, response_mask, log_probs = (np.asarray(x) for x in (tokens, response_mask, log_probs))
+    full = np.concatenate([np.repeat(ids, 2, 0), tokens], axis=1)
+    full_mask = np.concatenate([np.repeat(mask, 2, 0), response_mask], axis=1)
+    first = int(grid[0].prod())  # each prompt's images once per sample: the grids repeated in row order
+    rows_grid = np.concatenate([grid[:1], grid[:1], grid[1:], grid[1:]])
+    rows_pixels = np.concatenate([pixels[:first], pixels[:first], pixels[first:], pixels[first:]])
+    logits = image_text_logits(params, cfg, vision, vl, full, full_mask, rows_pixels, rows_grid)
+    logp = np.asarray(jax.nn.log_softmax(logits[:, ids.shape[1] - 1:-1], axis=-1))
+    picked = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    on = response_mask.astype(bool)
+    np.testing.assert_allclose(log_probs[on], picked[on], atol=1e-5)
