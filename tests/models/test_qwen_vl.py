@@ -191,6 +191,13 @@ def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpo
     greedy = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD, vocab_size=cfg.vocab_size)
     got, _ = engine.run(params, prompts, jax.random.key(3), greedy[1], greedy[0], images=blind)
     assert (got.tokens != np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0)).any()
+    # speculative verification (n-gram drafts) turns its k + 1 tokens by the slot's delta too: greedy unchanged
+    from jaxrl_llm.sampler.speculative import SpeculativeSpec
+
+    verifying = PagedEngine(cfg, dataclasses.replace(spec, speculative=SpeculativeSpec(num_tokens=2)),
+                            steps_per_call=2, prefill_chunk=chunk)
+    got, _ = verifying.run(params, prompts, jax.random.key(3), greedy[1], greedy[0], images=requests)
+    np.testing.assert_array_equal(got.tokens, np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
 
 
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):

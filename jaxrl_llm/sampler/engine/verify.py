@@ -100,10 +100,12 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
     positions = s.positions[:, None] + offsets
     # row i's logits choose response token num_gen + i: only worth computing inside the budget
     live = s.active[:, None] & (s.num_gen[:, None] + offsets < s.budget[:, None])
+    # a vision-language slot's M-RoPE delta turns each of its k + 1 tokens' rotary positions, as in plain decode
+    rope_offset = None if s.rope_offset is None else jnp.repeat(s.rope_offset, k1)
     logits, pool, _ = decode_logits(params, cfg, s.pool, fed.reshape(-1), positions.reshape(-1),
                                     jnp.repeat(s.page_table, k1, axis=0), live.reshape(-1),
                                     compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
-                                    cascade=virtual_cascade(cascade, k1))
+                                    cascade=virtual_cascade(cascade, k1), rope_offset=rope_offset)
     keys = jax.vmap(lambda i: request_keys(rng, s.request, s.num_gen + i), out_axes=1)(jnp.arange(k1))
     tokens, log_probs, accepted = accept_drafts(logits.reshape(slots, k1, -1), drafts, draft_probs, keys, knobs,
                                                 settings)
