@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 
 from jaxrl_llm import checkpoint as _checkpoint
 from jaxrl_llm.arrays import DType, ShardingTree
-from jaxrl_llm.config.checks import reads_images
 from jaxrl_llm.data.images import count_placeholders
 from jaxrl_llm.data.vision_prompts import chat_with_images
 from jaxrl_llm.hf import export_hf as _export_hf
@@ -37,7 +36,7 @@ from jaxrl_llm.hf import load_tokenizer as _load_tokenizer
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, compute_logits
 from jaxrl_llm.models.dtypes import as_jnp_dtype
-from jaxrl_llm.roles.vision import VisionTower, image_tokens_of, load_vision_tower
+from jaxrl_llm.roles.vision import VisionTower, vision_tower_of
 from jaxrl_llm.sampler import GenerationResult, SamplingParams
 from jaxrl_llm.sampler import generate as _generate
 from jaxrl_llm.sharding import mesh_context
@@ -54,7 +53,7 @@ class Model:
     params: dict
     mesh: Mesh | None = None
     tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)  # a transformers tokenizer or None
-    # a vision-language model's tower (a Qwen2.5-VL folder's; roles/vision.py): `generate` then takes images
+    # a vision-language model's tower (a Qwen2.5-VL / Qwen3-VL folder's; roles/vision.py): `generate` takes images
     vision: VisionTower | None = dataclasses.field(default=None, repr=False)
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> jax.Array:
@@ -119,11 +118,8 @@ def load_model(path: str | pathlib.Path, dtype: DType = "float32", mesh: Mesh | 
 
         head = "score" if "score" in params else "value" if "value_head" in params else "lm"
         params = shard_params(params, param_logical_axes(cfg, head=head), mesh)
-    vision = None
-    if tok is not None and reads_images(str(path)):  # a Qwen2.5-VL folder: its tower too
-        tokens = image_tokens_of(str(path), tok)
-        assert tokens is not None
-        vision = load_vision_tower(str(path), cfg, tokens, tok, mesh=mesh, compute_dtype="float32", seed=0)
+    # a Qwen2.5-VL / Qwen3-VL folder: its tower too
+    vision = None if tok is None else vision_tower_of(str(path), cfg, tok, mesh=mesh, compute_dtype="float32", seed=0)
     return Model(cfg, params, mesh, tok, vision)
 
 

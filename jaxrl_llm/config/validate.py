@@ -452,7 +452,8 @@ def _check_required(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"data.tokenizer=None: a {model.path} model needs a tokenizer path")
     if data.synthetic.task == "shapes" and not reads_images(model.path):  # its rows hold pictures
         raise ConfigError(f"data.synthetic.task='shapes': its prompts are pictures, and the policy ({model.path}) "
-                          "reads text only (vision-language policies: a Qwen2.5-VL folder, tiny:qwen2_5_vl)")
+                          "reads text only (vision-language policies: a Qwen2.5-VL / Qwen3-VL folder, "
+                          "tiny:qwen2_5_vl)")
     sft = cfg.sft
     if sft.warmup_steps and not sft.warmup_files:
         raise ConfigError(f"sft.warmup_steps={sft.warmup_steps}: set sft.warmup_files, the SFT rows of the warm-up")

@@ -115,6 +115,13 @@ def row_images(row: Mapping[str, Any], prompt: Sequence[Mapping[str, Any]] | str
     """The images of one row (empty for a text row), each checked to decode and counted against the prompt's
     placeholders; returned as given, a relative path made absolute (a dataset keeps its encoded images, not
     decoded pixels: `load_image` decodes one when a batch needs it)."""
+    return [value for value, _ in sized_row_images(row, prompt, ref, image_key, video_key)]
+
+
+def sized_row_images(row: Mapping[str, Any], prompt: Sequence[Mapping[str, Any]] | str, ref: RowRef | str,
+                     image_key: str, video_key: str) -> list[tuple[Any, tuple[int, int]]]:
+    """`row_images` with each image's (width, height), read by the one decode that checks it (a
+    vision-language policy's image token counts follow from the sizes)."""
     videos = _as_list(row.get(video_key)) if video_key else []
     if videos:
         raise DataError(f"{ref}: column {video_key!r} (data.video_key) holds {len(videos)} video(s); videos are "
@@ -130,8 +137,8 @@ def row_images(row: Mapping[str, Any], prompt: Sequence[Mapping[str, Any]] | str
     folder = _folder(ref)
     out = []
     for i, value in enumerate(listed):
-        decode_image(value, f"{ref}: image {i} of {column}", folder)
-        out.append(_absolute(value, folder))
+        size = decode_image(value, f"{ref}: image {i} of {column}", folder).size
+        out.append((_absolute(value, folder), size))
     return out
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.data.domains import unmixed_rows
-from jaxrl_llm.data.images import load_image, row_images
+from jaxrl_llm.data.images import sized_row_images
 from jaxrl_llm.data.sources import DataError, RowRef, as_path_list, read_files
 from jaxrl_llm.data.spec import DataSpec
 from jaxrl_llm.data.vision_prompts import ImageTokens, expand_image_tokens, with_image_tokens
@@ -301,16 +301,18 @@ def records_from_rows(
             if col not in row:
                 raise DataError(f"{ref}: missing column {col!r}")
             prompt = _normalise_prompt(row[col], ref, col)
-            images = row_images(row, prompt, ref, data.image_key, data.video_key)
+            sized = sized_row_images(row, prompt, ref, data.image_key, data.video_key)
+            images = [value for value, _ in sized]
             counts: list[int] = []
             if images and image_tokens is None:
                 raise DataError(f"{ref}: the row has {len(images)} image(s) (data.image_key={data.image_key!r}), "
-                                "but the policy reads text only (vision-language policies: Qwen2.5-VL folders and "
-                                "tiny:qwen2_5_vl; a Gemma 3 / Gemma 4 / Qwen3.5 folder trains its text model)")
+                                "but the policy reads text only (vision-language policies: Qwen2.5-VL / Qwen3-VL "
+                                "folders and tiny:qwen2_5_vl; a Gemma 3 / Gemma 4 / Qwen3.5 folder trains its text "
+                                "model)")
             if images:
                 assert image_tokens is not None
                 prompt = with_image_tokens(prompt, image_tokens.placeholder)
-                counts = [image_tokens.tokens_for(*load_image(image).size) for image in images]
+                counts = [image_tokens.tokens_for(*size) for _, size in sized]
             prompt = with_system_prompt(prompt, data.system_prompt)
             if not isinstance(prompt, str) and not apply_template:
                 raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")

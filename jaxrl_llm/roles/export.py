@@ -12,8 +12,8 @@ def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Tokenizer, ou
                   vision: VisionTower | None = None) -> str:
     """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a PEFT
     folder at `<out_dir>_peft`); a vision-language policy's with its tower (`vision`), as
-    `Qwen2_5_VLForConditionalGeneration` loads it. Every process must call it (gathering the weights is a
-    collective); the main process writes."""
+    `Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration` loads it. Every process must call
+    it (gathering the weights is a collective); the main process writes."""
     from jaxrl_llm.hf import export_hf
     from jaxrl_llm.hf.vision import export_vision_language
     from jaxrl_llm.models.lora import merge_lora

@@ -140,6 +140,16 @@ def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, to
                        compute_dtype=compute_dtype)
 
 
+def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, mesh: Mesh | None,
+                    compute_dtype: str, seed: int) -> VisionTower | None:
+    """The tower of the policy at `path` read with `tokenizer` (`image_tokens_of`, `load_vision_tower`), or None
+    for a text policy."""
+    tokens = image_tokens_of(path, tokenizer)
+    if tokens is None:
+        return None
+    return load_vision_tower(path, model_cfg, tokens, tokenizer, mesh=mesh, compute_dtype=compute_dtype, seed=seed)
+
+
 def check_vision_run(spec: RunSpec) -> None:
     """A ConfigError naming the key for each part of a vision-language policy's run that does not read images
     yet (docs/vision.md)."""
@@ -173,9 +183,7 @@ def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
     if not reads_images(source):
         return None
     tokenizer = with_vision_tokens(source, load_tokenizer(tokenizer_path))
-    tokens = image_tokens_of(source, tokenizer)
-    assert tokens is not None
-    return load_vision_tower(source, model_cfg, tokens, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
+    return vision_tower_of(source, model_cfg, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
 
 
 def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3VisionConfig:

@@ -48,6 +48,7 @@ from jaxrl_llm.sharding.split import make_split_meshes
 
 if TYPE_CHECKING:
     from jaxrl_llm.data.loader import PromptLoader
+    from jaxrl_llm.data.vision_prompts import ImageTokens
     from jaxrl_llm.planning.memory import MemoryPlan
     from jaxrl_llm.roles.judge import Judge
     from jaxrl_llm.roles.reward_model import RewardModel
@@ -97,7 +98,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     """Validates and resolves `config`, plans the step's memory and builds the run (module doc)."""
     initialize()  # jax.distributed when several processes are configured; a no-op otherwise
     mesh, rollout_mesh = make_split_meshes(config.mesh)
-    spec, memory_plan, tokenizer, loaders = _plan_and_data(config, mesh)
+    spec, memory_plan, tokenizer, loaders, image_tokens = _plan_and_data(config, mesh)
     is_main = jax.process_index() == 0
     t = spec.trainer
     total_steps = t.total_steps
@@ -110,7 +111,6 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.rollout.multi_turn import MultiTurn
 
         multi_turn = MultiTurn(spec.multi_turn, tokenizer)
-    image_tokens = image_tokens_of(spec.model.path, tokenizer)  # a vision-language policy's (roles/vision.py)
     policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
     spec = dataclasses.replace(spec, model=packing_for(spec.model, policy_cfg))
@@ -157,9 +157,11 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
 
 
 def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
-                   ) -> tuple[RunSpec, MemoryPlan | None, Tokenizer, tuple[PromptLoader, PromptLoader | None]]:
-    """The validated, resolved and memory-planned spec, the tokenizer and the (train, val) loaders.
-    Nothing of the run is written and no weight loads before the plan has passed."""
+                   ) -> tuple[RunSpec, MemoryPlan | None, Tokenizer, tuple[PromptLoader, PromptLoader | None],
+                              ImageTokens | None]:
+    """The validated, resolved and memory-planned spec, the tokenizer, the (train, val) loaders and how the
+    policy reads images (None: a text policy). Nothing of the run is written and no weight loads before the plan
+    has passed."""
     from jaxrl_llm.data import build_dataset, make_dataloader
 
     dp_size = batch_axis_size(mesh)
@@ -187,7 +189,7 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     # then identical everywhere; device arrays take each process's own rows.
     train = make_dataloader(data, tokenizer, "train", dataset=train_set)
     val = make_dataloader(data, tokenizer, "val", image_tokens=image_tokens) if data.val_files else None
-    return spec, plan, tokenizer, (train, val)
+    return spec, plan, tokenizer, (train, val), image_tokens
 
 
 def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer

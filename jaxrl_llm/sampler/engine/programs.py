@@ -136,6 +136,7 @@ class PromptImages(NamedTuple):
     delta: Array
     deepstack: Array | None = None  # [D, K, H] Qwen3-VL's deepstack features
 
+    @property
     def embeds(self) -> tuple[Array, ...]:
         """`forward_hidden`'s embeds for this one prompt (a row of its own features)."""
         if self.deepstack is None:
@@ -355,7 +356,7 @@ def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache
         if record:
             raise ValueError("routing recording with images: no vision-language mixture-of-experts model here")
         hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
-                                       positions=images.positions[:, None], embeds=images.embeds())
+                                       positions=images.positions[:, None], embeds=images.embeds)
         return hidden[0], cache, None
     if not record:
         hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt)
