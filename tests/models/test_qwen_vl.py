@@ -55,6 +55,20 @@ def batch():
     return ids, mask, out["pixel_values"], out["image_grid_thw"]
 
 
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    """(transformers.generate's 6 greedy tokens per prompt, repeated for n = 2 samples; (params, cfg, tower
+    params, VisionLanguage) as ours loads the folder): what both samplers' tests check against."""
+    model, folder = checkpoint
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        out = model.generate(**hf_inputs(ids, mask, pixels, grid), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=PAD)
+    cfg, params = load_hf_folder(folder)
+    vl, vision = load_vision_tower(folder)
+    return np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0), (params, cfg, vision, vl)
+
+
 def test_logits_with_images_match_transformers(checkpoint):
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
@@ -124,7 +138,7 @@ def test_greedy_with_images_matches_transformers_generate(checkpoint, monkeypatc
     assert (np.asarray(image_text_greedy(params, cfg, vision, vl, ids, mask, pixels, grid, 8)) != expected).any()
 
 
-def test_static_sampler_with_images_follows_transformers_and_the_rescoring(checkpoint):
+def test_static_sampler_with_images_follows_transformers_and_the_rescoring(loaded):
     # the sampler's prefill with the image features and M-RoPE positions, decode at each row's delta: greedy
     # tokens (n = 2 samples a prompt) are transformers', sampled tokens' log-probs the full forward's
     import jax
@@ -132,27 +146,22 @@ def test_static_sampler_with_images_follows_transformers_and_the_rescoring(check
     from jaxrl_llm.models.vision.qwen_vl import image_prompt
     from jaxrl_llm.sampler import SamplingParams, sample
 
-    model, folder = checkpoint
+    expected, (params, cfg, vision, vl) = loaded
     ids, mask, pixels, grid = batch()
-    with torch.no_grad():
-        out = model.generate(**hf_inputs(ids, mask, pixels, grid), max_new_tokens=6, do_sample=False,
-                             eos_token_id=None, pad_token_id=PAD)
-    cfg, params = load_hf_folder(folder)
-    vl, vision = load_vision_tower(folder)
     images = image_prompt(vision, vl, ids, mask, pixels, grid)
     for sp in (SamplingParams(max_new_tokens=6, do_sample=False, n=2), SamplingParams(max_new_tokens=6, n=2)):
         settings, knobs = sp.compile_args((), PAD, vocab_size=cfg.vocab_size)
         got = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
                      images=images)
         if not sp.do_sample:
-            np.testing.assert_array_equal(np.asarray(got.tokens), np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
+            np.testing.assert_array_equal(np.asarray(got.tokens), expected)
             continue
         assert_rescored(got.tokens, got.response_mask, got.log_probs, ids, mask, pixels, grid,
                         (params, cfg, vision, vl))
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
-def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpoint, chunk):
+def test_paged_engine_with_images_follows_transformers_and_the_rescoring(loaded, chunk):
     # each prompt prefilled once with its features and M-RoPE positions (whole, or 8 tokens at a time), its two
     # samples sharing its pages (cascade attention), each slot decoding at its position plus its delta: greedy
     # tokens are transformers', sampled tokens' log-probs the full forward's
@@ -164,13 +173,8 @@ def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpo
     from jaxrl_llm.sampler.engine.scheduler import RequestImages
     from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
-    model, folder = checkpoint
+    expected, (params, cfg, vision, vl) = loaded
     ids, mask, pixels, grid = batch()
-    with torch.no_grad():
-        out = model.generate(**hf_inputs(ids, mask, pixels, grid), max_new_tokens=6, do_sample=False,
-                             eos_token_id=None, pad_token_id=PAD)
-    cfg, params = load_hf_folder(folder)
-    vl, vision = load_vision_tower(folder)
     requests = RequestImages.of_batch(jax.tree.map(np.asarray, image_prompt(vision, vl, ids, mask, pixels, grid)),
                                       mask)
     prompts = [row[m > 0].tolist() for row, m in zip(ids, mask)]
@@ -182,7 +186,7 @@ def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpo
         settings, knobs = sp.compile_args((), PAD, vocab_size=cfg.vocab_size)
         got, _ = engine.run(params, prompts, jax.random.key(3), knobs, settings, images=requests)
         if not sp.do_sample:
-            np.testing.assert_array_equal(got.tokens, np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
+            np.testing.assert_array_equal(got.tokens, expected)
             continue
         assert_rescored(got.tokens, got.response_mask, got.log_probs, ids, mask, pixels, grid,
                         (params, cfg, vision, vl))
@@ -190,14 +194,14 @@ def test_paged_engine_with_images_follows_transformers_and_the_rescoring(checkpo
     blind = [dataclasses.replace(r, delta=0) for r in requests]
     greedy = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD, vocab_size=cfg.vocab_size)
     got, _ = engine.run(params, prompts, jax.random.key(3), greedy[1], greedy[0], images=blind)
-    assert (got.tokens != np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0)).any()
+    assert (got.tokens != expected).any()
     # speculative verification (n-gram drafts) turns its k + 1 tokens by the slot's delta too: greedy unchanged
     from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
     verifying = PagedEngine(cfg, dataclasses.replace(spec, speculative=SpeculativeSpec(num_tokens=2)),
                             steps_per_call=2, prefill_chunk=chunk)
     got, _ = verifying.run(params, prompts, jax.random.key(3), greedy[1], greedy[0], images=requests)
-    np.testing.assert_array_equal(got.tokens, np.repeat(out[:, ids.shape[1]:].numpy(), 2, 0))
+    np.testing.assert_array_equal(got.tokens, expected)
 
 
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
