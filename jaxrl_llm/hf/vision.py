@@ -1,6 +1,7 @@
-"""A Qwen2.5-VL folder's vision tower: its config and weights (`visual.*` as the releases save them, or
-`model.visual.*` as transformers 5 does), beside the text model `load_hf_folder` loads (docs/vision.md); and the
-export of both back to a folder transformers loads."""
+"""A Qwen2.5-VL / Qwen3-VL / Gemma 3 folder's vision tower: its config and weights (`visual.*` as the Qwen releases
+save them, or `model.visual.*` as transformers 5 does; Gemma 3's `vision_tower.*` and `multi_modal_projector.*`),
+beside the text model `load_hf_folder` loads (docs/vision.md); and the export of both back to a folder transformers
+loads."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,10 @@ from jaxrl_llm.models.vision.qwen3_vit import (
 )
 from jaxrl_llm.models.vision.qwen_vit import VISION_PREFIXES, VisionConfig, vision_params_from_hf, vision_params_to_hf
 from jaxrl_llm.models.vision.qwen_vl import VisionLanguage
+from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, siglip_params_from_hf, siglip_params_to_hf
+
+_NOT_VL = ("not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder (config.json model_type is not 'qwen2_5_vl', 'qwen3_vl' or "
+           "'gemma3')")
 
 
 def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[str, Any]]:
@@ -33,9 +38,10 @@ def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[st
     of another model."""
     vl = VisionLanguage.from_hf_config(read_hf_config(path))
     if vl is None:
-        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL folder (config.json model_type is neither "
-                         "'qwen2_5_vl' nor 'qwen3_vl')")
+        raise ValueError(f"{path}: {_NOT_VL}")
     tensors = SafetensorsSource(path)  # read by name on demand
+    if isinstance(vl.vision, SiglipVisionConfig):
+        return vl, siglip_params_from_hf(tensors, vl.vision)
     if not any(f"{p}patch_embed.proj.weight" in tensors for p in VISION_PREFIXES):
         raise ValueError(f"{path}: no vision tower weights ({' or '.join(p + '*' for p in VISION_PREFIXES)})")
     if isinstance(vl.vision, Qwen3VisionConfig):
@@ -46,18 +52,21 @@ def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[st
 def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[str, Any],
                            vision_params: Mapping[str, Any], out_dir: str | pathlib.Path, *,
                            tokenizer: Tokenizer | None = None, dtype: DType | None = None) -> pathlib.Path:
-    """A Qwen2.5-VL / Qwen3-VL folder transformers loads: the text model as `export_hf` writes it (`model.*`,
-    `lm_head.*`, the released checkpoints' names), the tower under `model.visual.*` (transformers 5's) in a file of
+    """A Qwen2.5-VL / Qwen3-VL / Gemma 3 folder transformers loads: the text model as `export_hf` writes it
+    (`model.*`, `lm_head.*`, the released checkpoints' names; Qwen3-VL's and Gemma 3's under `model.language_model.*`),
+    the tower under transformers 5's names (`model.visual.*`; `model.vision_tower.*` and the projector) in a file of
     its own, one index over both, and `vl_config` (the source folder's config.json) as config.json. Local folders
     only."""
     out_dir = pathlib.Path(out_dir)
     vl = VisionLanguage.from_hf_config(vl_config)
     if vl is None:
-        raise ValueError("vl_config: not a Qwen2.5-VL / Qwen3-VL config.json (model_type is neither 'qwen2_5_vl' "
-                         "nor 'qwen3_vl')")
+        raise ValueError(f"vl_config: {_NOT_VL}")
     np_dtype = np.dtype(as_jnp_dtype(dtype if dtype is not None else params["embedding"].dtype, what="export"))
     # transformers 5 maps the released text names (model.layers.*) to its own but not the tower's visual.*
-    if isinstance(vl.vision, Qwen3VisionConfig):
+    if isinstance(vl.vision, SiglipVisionConfig):
+        named = siglip_params_to_hf(vision_params, vl.vision, "model.")
+        architecture = "Gemma3ForConditionalGeneration"
+    elif isinstance(vl.vision, Qwen3VisionConfig):
         named = qwen3_vision_params_to_hf(vision_params, vl.vision, "model.visual.")
         architecture = "Qwen3VLForConditionalGeneration"
     else:
@@ -76,7 +85,7 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
                 names = list(handle.keys())
             index = {"metadata": {"total_size": (folder / text_file).stat().st_size},
                      "weight_map": dict.fromkeys(names, text_file)}
-        if isinstance(vl.vision, Qwen3VisionConfig):  # its releases' text names: model.language_model.*
+        if not isinstance(vl.vision, VisionConfig):  # Qwen3-VL's / Gemma 3's text names: model.language_model.*
             index["weight_map"] = _language_model_names(folder, index["weight_map"])
         save_file(tower, str(folder / "model-vision.safetensors"), metadata={"format": "pt"})
         index["weight_map"].update(dict.fromkeys(tower, "model-vision.safetensors"))

@@ -162,18 +162,22 @@ def chunk_bounds(t: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, t)) for s in range(0, t, size)]
 
 
+def causal_chunks(t: int, keys: int, causal: bool, lookahead: int = 0) -> tuple[tuple[int, int, int], ...]:
+    """Static (start, end, keys seen) query chunks: causal (S == T), each over the keys up to its last row plus
+    `lookahead` (an image's tokens see its later ones: Gemma 3); else one chunk over every key."""
+    if causal and t == keys:
+        return tuple((s, e, min(keys, e + lookahead)) for s, e in chunk_bounds(t))
+    return ((0, t, keys),)
+
+
 def attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, *, causal: bool,
-           softcap: float | None = None, sinks: Array | None = None) -> Array:
+           softcap: float | None = None, sinks: Array | None = None, lookahead: int = 0) -> Array:
     """Attention of q [B, T, heads, D] over head-major k / v [B, kv, S, D] where `allowed` [B, T, S];
-    fp32 [B * T, heads, D]. `causal` (S == T, `allowed` implies key <= query): run the queries in
-    chunks, each over the keys up to its last row only. `softcap`: scores become cap * tanh(s / cap)
+    fp32 [B * T, heads, D]. `causal` (S == T, `allowed` implies key <= query + `lookahead`): run the queries in
+    chunks, each over the keys up to its last row (+ lookahead) only. `softcap`: scores become cap * tanh(s / cap)
     (Gemma 2's attn_logit_softcapping). `sinks` fp32 [heads]: GPT-OSS's attention sinks (module doc)."""
     b, t, nh, hd = q.shape
-    keys = k.shape[2]
-    if causal and t == keys:
-        chunks = tuple((s, e, e) for s, e in chunk_bounds(t))
-    else:
-        chunks = ((0, t, keys),)
+    chunks = causal_chunks(t, k.shape[2], causal, lookahead)
     return _attend_chunks(q, k, v, allowed, sinks, nkv, chunks, softcap).reshape(b * t, nh, hd)
 
 
@@ -214,11 +218,10 @@ _invariant_chunks.defvjp(_invariant_chunks_fwd, _invariant_chunks_bwd)
 
 
 def attend_invariant(q: Array, k: Array, v: Array, allowed: Array, key_start: Array, nkv: int, *, causal: bool,
-                     softcap: float | None = None, sinks: Array | None = None) -> Array:
+                     softcap: float | None = None, sinks: Array | None = None, lookahead: int = 0) -> Array:
     """`attend` with the batch-invariant numerics (models/invariant.py): key blocks anchored at each row's
     first valid key slot `key_start` [B], so a token's output is the same bits whether it is computed in a
     training forward, a prefill or a decode step. fp32 [B * T, heads, D]; gradients as `attend`'s."""
     b, t, nh, hd = q.shape
-    keys = k.shape[2]
-    chunks = tuple((s, e, e) for s, e in chunk_bounds(t)) if causal and t == keys else ((0, t, keys),)
+    chunks = causal_chunks(t, k.shape[2], causal, lookahead)
     return _invariant_chunks(q, k, v, allowed, key_start, sinks, nkv, chunks, softcap).reshape(b * t, nh, hd)

@@ -148,14 +148,16 @@ def empty_results(q_chunks: Array, sinks: Array | None = None) -> tuple[Array, A
 # ---- the unsplit causal pass ----
 
 def causal_attention(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
-                     sinks: Array | None = None) -> Array:
+                     sinks: Array | None = None, lookahead: int = 0) -> Array:
     """fp32 [B, T, heads, D] causal attention of a whole row (no cache, no split): blockwise from
-    BLOCKWISE_MIN_TOKENS tokens (where the chunks split the row), else the chunked attention.
+    BLOCKWISE_MIN_TOKENS tokens (where the chunks split the row; its key blocks follow the mask), else the chunked
+    attention, whose chunks reach `lookahead` keys past their last row (Gemma 3's images).
     `sinks`: fp32 [heads] attention sinks (GPT-OSS) or None."""
     t = q.shape[1]
     if t >= BLOCKWISE_MIN_TOKENS and chunk_rows(t) < t:
         return causal_blockwise_attend(q, k, v, allowed, sinks, nkv, softcap)
-    return attend(q, k, v, allowed, nkv, causal=True, softcap=softcap, sinks=sinks).reshape(q.shape)
+    return attend(q, k, v, allowed, nkv, causal=True, softcap=softcap, sinks=sinks,
+                  lookahead=lookahead).reshape(q.shape)
 
 
 def _causal_primal(q, k, v, allowed, sinks, nkv, softcap):

@@ -80,7 +80,8 @@ def segment_positions(segment_ids: Array) -> Array:
 
 def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array | None,
                       cache: dict | None, segment_ids: Array | None = None, branch_ids: Array | None = None,
-                      position_offset: Array | None = None) -> tuple[Array, Array, Array, Array | None]:
+                      position_offset: Array | None = None, image_blocks: Array | None = None
+                      ) -> tuple[Array, Array, Array, Array | None]:
     """(positions [B,T], allowed [B,T,S] bool, write_index, new cache mask or None).
 
     segment_ids [B, T] (packed rows, no cache): several sequences share a row; a query sees only
@@ -89,7 +90,10 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     continuations of it (branch 0 = the prompt, 1, 2, ... = the continuations back to back); a
     query sees the prompt and its own branch only, as if each continuation followed the prompt
     alone (pass the positions such a sequence would have). position_offset [B]: added to the positions it
-    computes (not to given ones): a vision-language row's M-RoPE delta when it decodes (models/vision/qwen_vl.py)."""
+    computes (not to given ones): a vision-language row's M-RoPE delta when it decodes (models/vision/qwen_vl.py).
+    image_blocks [B, T] (Gemma 3 multimodal, `image_blocks_of`): each token's image (-1: not an image token); a query
+    also sees every later key of its own image (transformers' OR(causal, same image), then the window and padding).
+    With a cache they are the T tokens written now: an image is never split between two calls (models/vision)."""
     b, t = attention_mask.shape
     if branch_ids is not None and (segment_ids is None or positions is None):
         raise ValueError("branch_ids (shared-prompt packing) need segment_ids and explicit positions")
@@ -113,14 +117,27 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
     q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
     k_slot = jnp.arange(slot_mask.shape[1], dtype=jnp.int32)
     visible = k_slot[None, :] <= q_slot[:, None]
+    if image_blocks is not None:  # [B, T, S]: and the keys of the query's own image
+        key_blocks = lax.dynamic_update_slice(jnp.full(slot_mask.shape, -1, jnp.int32),
+                                              image_blocks.astype(jnp.int32), (0, write_index))
+        visible = visible[None] | ((image_blocks[:, :, None] >= 0) & (image_blocks[:, :, None] == key_blocks[:, None]))
     if cfg.sliding_window is not None and not cfg.mixed_windows:  # mixed: `window_mask` per local layer
         visible &= window_mask(cfg, write_index, t, slot_mask.shape[1])
-    allowed = visible[None] & (slot_mask[:, None, :] > 0)
+    allowed = (visible if visible.ndim == 3 else visible[None]) & (slot_mask[:, None, :] > 0)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
     if branch_ids is not None:
         allowed &= (branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
     return positions, allowed, write_index, new_mask
+
+
+def image_blocks_of(slots: Array) -> Array:
+    """[B, T] int32: which image each image token (slots >= 0, `decoder_hidden`'s embeds) belongs to, numbered by
+    runs of consecutive image tokens in a row; -1 elsewhere (transformers' block ids of Gemma 3's mask)."""
+    is_image = slots >= 0
+    before = jnp.concatenate([jnp.zeros_like(is_image[:, :1]), is_image[:, :-1]], axis=1)
+    runs = jnp.cumsum((is_image & ~before).astype(jnp.int32), axis=1) - 1
+    return jnp.where(is_image, runs, -1)
 
 
 def window_mask(cfg: ModelConfig, write_index: Array, t: int, slots: int) -> Array:

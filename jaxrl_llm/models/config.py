@@ -138,6 +138,10 @@ class ModelConfig:
     # Qwen3-VL's layout of the sections: frequency j turned by stream j % 3 within 3 x each section (height /
     # width), the rest temporal; False: contiguous sections (Qwen2.5-VL)
     mrope_interleaved: bool = False
+    # Gemma 3 multimodal: the tokens of one image attend to each other both ways (the rest stays causal); the value
+    # is the most tokens one image holds (mm_tokens_per_image), how far past a query its attention may reach.
+    # 0: causal everywhere
+    bidirectional_image_tokens: int = 0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -568,6 +572,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=tuple(sorted(scaling.items())) or None,
             mrope_section=tuple(int(x) for x in mrope) if mrope else None, mrope_interleaved=interleaved,
+            bidirectional_image_tokens=int(d.get("bidirectional_image_tokens", 0)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(fam.get("gemma")))),  # Gemma ties by default
             attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
@@ -594,7 +599,10 @@ class ModelConfig:
             rope_params["mrope_section"] = list(self.mrope_section)
             if self.mrope_interleaved:
                 rope_params["mrope_interleaved"] = True
+        extra = {"bidirectional_image_tokens": self.bidirectional_image_tokens} if self.bidirectional_image_tokens \
+            else {}
         d: dict[str, Any] = {
+            **extra,
             "architectures": [arch],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -872,6 +880,8 @@ def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
         if d.get(key) is not None:
             out[key] = d[key]
     out.update(model_type=f"{d['model_type']}_text", architectures=[f"{family}ForCausalLM"])
+    if d["model_type"] == "gemma3":  # an image's tokens see each other (models/vision/siglip.py)
+        out["bidirectional_image_tokens"] = int(d.get("mm_tokens_per_image", 256))
     return out
 
 

@@ -291,6 +291,8 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
     split_tokens = split_rows and context_parallel_size() > 1
     if split_tokens:
         x = with_activation_constraint(x, ("batch", "length", "act_embed"))
+    if positions.ndim == 3 and not cfg.mrope_section:  # a vision-language row's streams, all equal (Gemma 3)
+        positions = positions[0]
     cos, sin = rope_cos_sin(cfg, positions)
     local_rope = None
     if cfg.rope_local_theta is not None and cfg.local_layer_ids:  # Gemma 3: the sliding layers' own base
@@ -356,7 +358,7 @@ def _image_rows(slots: Array, features: Array, dtype: Any) -> Array:
 
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,
                     local_allowed: Array | None = None, kv_heads: int | None = None,
-                    key_start: Array | None = None) -> LayerAttention:
+                    key_start: Array | None = None, lookahead: int = 0) -> LayerAttention:
     """The trainer's and the static sampler's attention: `allowed` [B, T, S] from
     `jaxrl_llm.models.cache.attention_context`. State: None (attention over the sequence itself,
     causal query chunks) or a dense cache (k, v) [L, B, kv_heads, S, D], written at slots
@@ -368,7 +370,8 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
     mask rows stay split over the tokens and the devices attend as `cfg.context_attention` says
     (models/context_parallel.py: ring, all-to-all over heads, or gathered keys / values). `kv_heads`: the
     keys' heads where they are not the config's (Gemma 4's full layers). `key_start` [B]: each row's first
-    valid key slot, where the batch-invariant attention anchors its key blocks (models/invariant.py)."""
+    valid key slot, where the batch-invariant attention anchors its key blocks (models/invariant.py). `lookahead`:
+    how far past itself a query's `allowed` reaches without a cache (Gemma 3's images: `attention_context`)."""
     nkv = kv_heads or cfg.num_key_value_heads
 
     def attention(q: Array, k: Array, v: Array, cache: tuple[Array, Array] | None, layer: Array,
@@ -393,13 +396,16 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             mask = allowed
         if key_start is not None:  # batch-invariant (model.batch_invariant): one blocked order for every path
             out = attend_invariant(q, k, v, mask, key_start, nkv, causal=cache is None,
-                                   softcap=cfg.attn_logit_softcapping, sinks=sinks)
+                                   softcap=cfg.attn_logit_softcapping, sinks=sinks, lookahead=lookahead)
             return out.reshape(q.shape), cache
         if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
+            if lookahead:  # the ring's blocks skip every later key
+                raise ValueError("context parallelism with Gemma 3's bidirectional image tokens is not supported")
             return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention,
                                             sinks=sinks), cache)
         if cache is None:  # long rows blockwise (one chunk x block of scores at a time)
-            return blockwise.causal_attention(q, k, v, mask, nkv, cfg.attn_logit_softcapping, sinks), cache
+            return (blockwise.causal_attention(q, k, v, mask, nkv, cfg.attn_logit_softcapping, sinks, lookahead),
+                    cache)
         out = attend(q, k, v, mask, nkv, causal=False, softcap=cfg.attn_logit_softcapping,
                      sinks=sinks)  # fp32 [B * T, heads, D]
         return out.reshape(q.shape), cache

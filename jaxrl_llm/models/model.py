@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import invariant
-from jaxrl_llm.models.cache import attention_context, window_mask
+from jaxrl_llm.models.cache import attention_context, image_blocks_of, window_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.decoder import decoder_hidden, dense_attention
 from jaxrl_llm.models.gemma4 import typed_state, untyped_state
@@ -91,8 +91,12 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
              branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False,
              embeds: tuple[Array, ...] | None = None, position_offset: Array | None = None
              ) -> tuple[Array, dict | None, MoeOut | None]:
-    positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions,
-                                                                  cache, segment_ids, branch_ids, position_offset)
+    image_blocks = None  # Gemma 3: an image's tokens see each other (`attention_context`)
+    if cfg.bidirectional_image_tokens and embeds is not None:
+        image_blocks = image_blocks_of(embeds[0])
+    positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions, cache, segment_ids,
+                                                                  branch_ids, position_offset, image_blocks)
+    lookahead = 0 if image_blocks is None else cfg.bidirectional_image_tokens
     # batch-invariant attention anchors its key blocks at each row's first token (models/invariant.py)
     key_start = None
     if cfg.batch_invariant:
@@ -109,7 +113,7 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
         # MLA's cache paths (and batch-invariant mode) attend with one kv head over the latent (models/mla.py)
         kv_heads = cfg.cache_kv_heads if cache is not None or cfg.batch_invariant else None
         attention = dense_attention(cfg, allowed, write_index, local_allowed=local, key_start=key_start,
-                                    kv_heads=kv_heads)
+                                    kv_heads=kv_heads, lookahead=lookahead)
         kv = None if cache is None else (cache["k"], cache.get("v"))  # no "v": the values are the keys (MLA)
         if cfg.hybrid and cache is not None:  # and the delta-net layers' recurrent state (models/hybrid.py)
             kv = HybridState.of(kv, cache)

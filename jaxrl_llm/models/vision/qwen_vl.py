@@ -10,6 +10,11 @@ streams; an image's tokens take (start, start + row, start + column) for (tempor
 the position the image begins at, and the text after it continues from start + max(h, w) / S. Padding takes 0.
 A row's positions thus run shorter than its length; `deltas` [B] = (last position + 1) - valid tokens is what a
 decode step adds to its 1-D position (all three streams equal from there on).
+
+Gemma 3 (a SigLIP tower: models/vision/siglip.py) shares this module's plumbing: each image is
+`<start_of_image>`, mm_tokens_per_image image tokens, `<end_of_image>`; its positions are the plain 1-D ones (given as
+three equal streams, which the decoder reads as one), its deltas 0, and its text model lets an image's tokens see
+each other (`ModelConfig.bidirectional_image_tokens`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, qwen3_image_features
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, image_features
+from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, siglip_features
 
 Array = jax.Array
 QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' vocabulary (config.json's default)
@@ -34,15 +40,22 @@ QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' voca
 
 @dataclasses.dataclass(frozen=True)
 class VisionLanguage:
-    """What a Qwen2.5-VL / Qwen3-VL policy adds to its text model: the tower's config and the image token ids."""
+    """What a Qwen2.5-VL / Qwen3-VL / Gemma 3 policy adds to its text model: the tower's config and the image token
+    ids (`vision_start_token_id`: Gemma 3's `<start_of_image>`)."""
 
-    vision: VisionConfig | Qwen3VisionConfig
+    vision: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig
     image_token_id: int
     vision_start_token_id: int
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> VisionLanguage | None:
-        """From a config.json; None when it is not a Qwen2.5-VL or Qwen3-VL model's."""
+        """From a config.json; None when it is not a Qwen2.5-VL, Qwen3-VL or Gemma 3 multimodal model's."""
+        if d.get("model_type") == "gemma3":
+            text_hidden = ModelConfig.from_hf_config(dict(d)).hidden_size  # a sparse text_config: transformers' fills
+            tower = SiglipVisionConfig.from_hf(d.get("vision_config") or {}, text_hidden_size=text_hidden,
+                                               mm_tokens_per_image=int(d.get("mm_tokens_per_image", 256)))
+            return cls(vision=tower, image_token_id=int(d.get("image_token_id", d.get("image_token_index", 262144))),
+                       vision_start_token_id=int(d.get("boi_token_id", d.get("boi_token_index", 255999))))
         towers = {"qwen2_5_vl": VisionConfig, "qwen3_vl": Qwen3VisionConfig}
         if d.get("model_type") not in towers:
             return None
@@ -55,9 +68,18 @@ class VisionLanguage:
         """Decoder layers that add deepstack features (Qwen3-VL's; 0 for Qwen2.5-VL)."""
         return len(self.vision.deepstack_visual_indexes) if isinstance(self.vision, Qwen3VisionConfig) else 0
 
+    @property
+    def mrope(self) -> bool:
+        """Whether the text model takes M-RoPE positions (Qwen) or plain ones (Gemma 3)."""
+        return not isinstance(self.vision, SiglipVisionConfig)
+
     def features(self, params: Mapping[str, Any], pixel_values: np.ndarray, image_grid_thw: np.ndarray, *,
                  dtype: DType = jnp.float32) -> tuple[Array, Array | None]:
-        """(features [M, H], deepstack features [D, M, H] or None) of a batch's images through the tower."""
+        """(features [M, H], deepstack features [D, M, H] or None) of a batch's images through the tower
+        (Gemma 3's pixel_values: [images, C, S, S]; its grids are not read)."""
+        if isinstance(self.vision, SiglipVisionConfig):
+            out = siglip_features(params, self.vision, jnp.asarray(pixel_values), dtype=dtype)
+            return out.reshape(-1, out.shape[-1]), None
         if isinstance(self.vision, Qwen3VisionConfig):
             stacked = qwen3_image_features(params, self.vision, pixel_values, image_grid_thw, dtype=dtype)
             return stacked[0], stacked[1:]
@@ -74,6 +96,8 @@ def _image_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
 def mrope_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_grid_thw: np.ndarray,
                     vl: VisionLanguage) -> tuple[np.ndarray, np.ndarray]:
     """(positions [3, B, T] int32, deltas [B] int32) of a left- or right-padded batch (module doc)."""
+    if not vl.mrope:  # Gemma 3: the plain positions in every stream, each image mm_tokens_per_image tokens
+        return _plain_positions(input_ids, attention_mask, image_grid_thw, vl)
     merge = vl.vision.spatial_merge_size
     b, t = input_ids.shape
     positions = np.zeros((3, b, t), np.int32)
@@ -107,6 +131,25 @@ def mrope_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_gri
     if next(grids, None) is not None:
         raise ValueError(f"{len(image_grid_thw)} images but fewer runs of image tokens in the batch")
     return positions, deltas
+
+
+def _plain_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_grid_thw: np.ndarray,
+                     vl: VisionLanguage) -> tuple[np.ndarray, np.ndarray]:
+    """`mrope_positions` of a model without M-RoPE: each valid token's index among its row's valid tokens, in all
+    three streams; deltas 0. Each run of image tokens must be one image's."""
+    assert isinstance(vl.vision, SiglipVisionConfig)
+    per_image, mask = vl.vision.mm_tokens_per_image, np.asarray(attention_mask) > 0
+    runs = 0
+    for row in range(len(input_ids)):
+        for start, end in _image_runs(np.asarray(input_ids[row])[mask[row]], vl.image_token_id):
+            if end - start != per_image:
+                raise ValueError(f"row {row}: a run of {end - start} image tokens; each image is {per_image} "
+                                 "(mm_tokens_per_image)")
+            runs += 1
+    if runs != len(image_grid_thw):
+        raise ValueError(f"{len(image_grid_thw)} images but {runs} runs of image tokens in the batch")
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0) * mask
+    return np.broadcast_to(positions[None], (3, *positions.shape)).astype(np.int32), np.zeros(len(mask), np.int32)
 
 
 def image_slots(input_ids: np.ndarray, attention_mask: np.ndarray, vl: VisionLanguage, num_features: int
@@ -222,7 +265,7 @@ def image_text_logits(params: dict, cfg: ModelConfig, vision_params: Mapping[str
                       input_ids: np.ndarray, attention_mask: np.ndarray, pixel_values: np.ndarray,
                       image_grid_thw: np.ndarray, *, compute_dtype: DType = jnp.float32) -> Array:
     """[B, T, V] fp32 logits of prompts with images (the processor's pixel_values and grids)."""
-    if not cfg.mrope_section:
+    if vl.mrope and not cfg.mrope_section:
         raise ValueError(f"{cfg.architecture}: the text model has no mrope_section (not a Qwen2.5-VL text model)")
     prompt = image_prompt(vision_params, vl, input_ids, attention_mask, pixel_values, image_grid_thw,
                           compute_dtype=compute_dtype)

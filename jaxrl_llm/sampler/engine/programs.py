@@ -337,7 +337,10 @@ def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *,
     tokens at a time over the growing cache (a `lax.scan`), so the program's activations and attention
     scores are [chunk, Pb] rather than [Pb, Pb]. `images`: a vision-language prompt's (`PromptImages`): its image
     tokens take the features, every token its M-RoPE position, and the prefix carries the decode delta. Traced on
-    `mesh`."""
+    `mesh`. A Gemma 3 prompt with images prefills whole: an image's tokens see each other, so no chunk boundary may
+    split one (vLLM's answer is the same: an image is scheduled in one piece)."""
+    if images is not None and cfg.bidirectional_image_tokens:
+        chunk = None
     with mesh_context(mesh):
         if chunk is not None and chunk < prompt_ids.shape[0]:
             prefix = _chunked_prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype,
