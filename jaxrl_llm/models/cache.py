@@ -122,7 +122,7 @@ def attention_context(cfg: ModelConfig, attention_mask: Array, positions: Array 
                                               image_blocks.astype(jnp.int32), (0, write_index))
         visible = visible[None] | ((image_blocks[:, :, None] >= 0) & (image_blocks[:, :, None] == key_blocks[:, None]))
     if cfg.sliding_window is not None and not cfg.mixed_windows:  # mixed: `window_mask` per local layer
-        visible &= window_mask(cfg, write_index, t, slot_mask.shape[1])
+        visible &= window_mask(cfg, write_index, t, slot_mask.shape[1], segment_ids, branch_ids)
     allowed = (visible if visible.ndim == 3 else visible[None]) & (slot_mask[:, None, :] > 0)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -140,10 +140,27 @@ def image_blocks_of(slots: Array) -> Array:
     return jnp.where(is_image, runs, -1)
 
 
-def window_mask(cfg: ModelConfig, write_index: Array, t: int, slots: int) -> Array:
+def sequence_index(segment_ids: Array, branch_ids: Array) -> Array:
+    """[B, T] int32: each token's index in the sequence it belongs to, unpacked (the tokens of its segment it sees
+    before it: the prompt's, then its own branch's), for shared-prompt packing (`attention_context`)."""
+    t = segment_ids.shape[1]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (
+        (branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :]))
+    earlier = jnp.arange(t)[None, :] < jnp.arange(t)[:, None]
+    return jnp.sum(same & earlier[None], axis=2, dtype=jnp.int32)
+
+
+def window_mask(cfg: ModelConfig, write_index: Array, t: int, slots: int, segment_ids: Array | None = None,
+                branch_ids: Array | None = None) -> Array:
     """[T, S] bool: key slot s is within the sliding window of query slot q (q - s < W). A model whose
-    layers differ (`cfg.mixed_windows`) ANDs it into `allowed` on its local layers only."""
+    layers differ (`cfg.mixed_windows`) ANDs it into `allowed` on its local layers only. With shared-prompt packing
+    (`branch_ids`, no cache) [B, T, T]: the distance is the unpacked sequence's (`sequence_index`), since a later
+    response sits further from its prompt in the packed row than in its sequence."""
     assert cfg.sliding_window is not None
+    if branch_ids is not None:
+        assert segment_ids is not None
+        index = sequence_index(segment_ids, branch_ids)
+        return (index[:, :, None] - index[:, None, :]) < cfg.sliding_window
     q_slot = write_index + jnp.arange(t, dtype=jnp.int32)
     k_slot = jnp.arange(slots, dtype=jnp.int32)
     return (q_slot[:, None] - k_slot[None, :]) < cfg.sliding_window

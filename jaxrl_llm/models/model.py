@@ -104,7 +104,8 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
         key_start = jnp.argmax(slots > 0, axis=1).astype(jnp.int32)
     local = None
     if cfg.mixed_windows:  # the local layers' mask: `allowed` within the sliding window
-        local = allowed & window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2])[None]
+        window = window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2], segment_ids, branch_ids)
+        local = allowed & (window if window.ndim == 3 else window[None])
     if cfg.typed_layers:  # Gemma 4: an attention and a cache per attention type (models/gemma4.py)
         attention: Any = {"sliding": dense_attention(cfg, allowed if local is None else local, write_index),
                           "full": dense_attention(cfg, allowed, write_index, kv_heads=cfg.full_kv_heads)}

@@ -12,7 +12,7 @@ from test_packing import CFG, SETTINGS, N, P, R, _assert_same, _batch, _budget_u
 from jaxrl_llm import batching as pk
 from jaxrl_llm.batching.batch_plan import MicroBatching
 from jaxrl_llm.config import CriticSpec
-from jaxrl_llm.models import init_params
+from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.roles.actor import update_actor
 from jaxrl_llm.roles.critic import update_critic
 from jaxrl_llm.roles.experience import log_probs_no_grad, values_no_grad
@@ -85,6 +85,22 @@ def test_shared_no_grad_passes_equal_padded():
         want = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
         got = values_no_grad(vparams, b.input_ids, b.attention_mask, b.response_mask, layout,
                              micro_rows=micro_rows, **kw)
+        np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
+
+
+def test_shared_log_probs_equal_padded_under_a_sliding_window():
+    # a later response sits further from its prompt in the packed row than in its own sequence: the window counts
+    # the sequence's distance (Gemma 3: its sliding layers only; Mistral: every layer)
+    b = _grouped(2)
+    rows = pk.StepRows.of_mask(np.asarray(b.attention_mask), R, _shared(b))
+    layout = pk.plan_chunks(rows, 8, 2)
+    assert (np.asarray(layout.branch_ids) >= 2).any()
+    for family in ("gemma3_text", "mistral"):
+        cfg = dataclasses.replace(ModelConfig.tiny(family, vocab_size=64), sliding_window=3)
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        kw = dict(model_cfg=cfg, temperature=1.0, compute_dtype="float32")
+        want = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, micro_rows=8, **kw)
+        got = log_probs_no_grad(params, b.input_ids, b.attention_mask, b.response_mask, layout, micro_rows=8, **kw)
         np.testing.assert_allclose(_masked(got, b.response_mask), _masked(want, b.response_mask), atol=1e-5)
 
 
