@@ -10,6 +10,10 @@ the three tokens works), and `expand_image_tokens` repeats each `<|image_pad|>` 
 from the image's size alone and `data.max_prompt_length` counts the image tokens.
 
 The pixels are transformers' `Qwen2VLImageProcessorPil` (PIL and numpy: no torch, no torchvision).
+
+Gemma 3 (`ImageTokens.gemma3`): an image is `\n\n<start_of_image>`, mm_tokens_per_image `<image_soft_token>`,
+`<end_of_image>\n\n` whatever its size (its processor resizes every image to the tower's square), pixels from
+`Gemma3ImageProcessorPil` (no pan-and-scan crops).
 """
 from __future__ import annotations
 
@@ -51,11 +55,31 @@ class ImageTokens:
     max_pixels: int = 28 * 28 * 1280
     image_mean: tuple[float, ...] = _CLIP_MEAN
     image_std: tuple[float, ...] = _CLIP_STD
+    # Gemma 3: every image resized to image_size x image_size and `fixed_tokens` image tokens (0: Qwen's sizing)
+    fixed_tokens: int = 0
+    image_size: int = 0
+
+    @classmethod
+    def gemma3(cls, image_token_id: int, mm_tokens_per_image: int, image_size: int) -> ImageTokens:
+        """Gemma 3's: `<start_of_image>`, its soft tokens, `<end_of_image>` between blank lines (its processor's
+        full image sequence), pixels normalised to [-1, 1]."""
+        return cls(image_token_id=image_token_id, start_text="<start_of_image>", pad_text="<image_soft_token>",
+                   end_text="<end_of_image>", fixed_tokens=mm_tokens_per_image, image_size=image_size,
+                   image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
 
     @property
     def placeholder(self) -> str:
         """What one image becomes in the rendered text."""
+        if self.fixed_tokens:
+            return f"\n\n{self.start_text}{self.pad_text}{self.end_text}\n\n"
         return self.start_text + self.pad_text + self.end_text
+
+    def describe(self) -> str:
+        """How images become tokens (the run summary)."""
+        if self.fixed_tokens:
+            return f"images resized to {self.image_size} x {self.image_size}, {self.fixed_tokens} image tokens each"
+        return (f"images resized to {self.min_pixels}..{self.max_pixels} pixels, one image token per "
+                f"{self.patch_size * self.merge_size}-pixel square")
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) the processor resizes a width x height image to."""
@@ -65,11 +89,18 @@ class ImageTokens:
                             max_pixels=self.max_pixels)
 
     def tokens_for(self, width: int, height: int) -> int:
-        """Image tokens of a width x height image: its merged blocks after the resize."""
+        """Image tokens of a width x height image: its merged blocks after the resize (Gemma 3: a fixed count)."""
+        if self.fixed_tokens:
+            return self.fixed_tokens
         h, w = self.resized(width, height)
         return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
 
     def processor(self) -> Any:
+        if self.fixed_tokens:
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+            return Gemma3ImageProcessorPil(size={"height": self.image_size, "width": self.image_size},
+                                           image_mean=list(self.image_mean), image_std=list(self.image_std))
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         return Qwen2VLImageProcessorPil(patch_size=self.patch_size, merge_size=self.merge_size,
@@ -79,8 +110,11 @@ class ImageTokens:
 
     def pixels(self, images: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """(pixel_values [patches, C x T x P x P] fp32, image_grid_thw [images, 3] int64) of `images` (what
-        `data.images.row_images` kept: bytes, paths, PIL images), in order."""
+        `data.images.row_images` kept: bytes, paths, PIL images), in order. Gemma 3: pixel_values [images, C, S, S]
+        and grids of ones (one per image; the tower does not read them)."""
         out = self.processor()(images=[load_image(image) for image in images], return_tensors="np")
+        if self.fixed_tokens:
+            return np.asarray(out["pixel_values"], np.float32), np.ones((len(images), 3), np.int64)
         return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
 
     def with_preprocessor(self, folder: str | pathlib.Path) -> ImageTokens:
@@ -91,6 +125,11 @@ class ImageTokens:
             return self
         d = json.loads(path.read_text())
         size = d.get("size") or {}
+        if self.fixed_tokens:  # Gemma 3's: {"height": 896, "width": 896}
+            return dataclasses.replace(
+                self, image_size=int(size.get("height", self.image_size)),
+                image_mean=tuple(float(x) for x in d.get("image_mean", self.image_mean)),
+                image_std=tuple(float(x) for x in d.get("image_std", self.image_std)))
         return dataclasses.replace(
             self, patch_size=int(d.get("patch_size", self.patch_size)),
             merge_size=int(d.get("merge_size", self.merge_size)),

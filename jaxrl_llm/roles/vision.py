@@ -2,8 +2,9 @@
 images; the features go into the sampler's prefill and, row by row, into every pass of the step that reads the
 policy (`RowImages`), so the sampler and the trainer see the same embeddings.
 
-What makes a policy vision-language here: a Qwen2.5-VL or Qwen3-VL folder (`Qwen2_5_VLForConditionalGeneration`,
-`Qwen3VLForConditionalGeneration`; its text model is what `load_model` loads) or `tiny:qwen2_5_vl` (a random tiny
+What makes a policy vision-language here: a Qwen2.5-VL, Qwen3-VL or Gemma 3 folder
+(`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`, `Gemma3ForConditionalGeneration`; its text
+model is what `load_model` loads) or `tiny:qwen2_5_vl` (a random tiny
 Qwen2.5-VL for tests and CI: the tiny text dims with M-RoPE, a 2-block tower, and the tokenizer given the vision
 tokens it lacks).
 """
@@ -32,6 +33,7 @@ from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, init_qwen3_vision_params
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, init_vision_params
 from jaxrl_llm.models.vision.qwen_vl import QWEN_IMAGE_TOKEN_ID, ImagePrompt, VisionLanguage, image_prompt
+from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, init_siglip_params
 
 TINY_VL = TINY_VISION_LANGUAGE
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -54,18 +56,23 @@ def image_tokens_of(path: str | None, tokenizer: Tokenizer) -> ImageTokens | Non
     if not reads_images(path):
         return None
     assert path is not None
-    pad_text = ImageTokens.pad_text
-    token_id = tokenizer.convert_tokens_to_ids(pad_text)
     if path == TINY_VL:
-        return ImageTokens(image_token_id=int(token_id))
+        return ImageTokens(image_token_id=int(tokenizer.convert_tokens_to_ids(ImageTokens.pad_text)))
     config = read_hf_config(path)
-    model_token = int(config.get("image_token_id", QWEN_IMAGE_TOKEN_ID))
+    gemma = config.get("model_type") == "gemma3"
+    pad_text = "<image_soft_token>" if gemma else ImageTokens.pad_text
+    token_id = tokenizer.convert_tokens_to_ids(pad_text)
+    model_token = int(config.get("image_token_id", config.get("image_token_index", 262144 if gemma
+                                                                  else QWEN_IMAGE_TOKEN_ID)))
     if token_id != model_token:
         raise ConfigError(f"actor_rollout_ref.model.path={path!r}: the tokenizer's {pad_text!r} is id {token_id}, the "
                           f"model's image token is {model_token} (config.json image_token_id): data.tokenizer "
                           "must be the model's own")
-    # the tower's own patch sizes (Qwen3-VL's 16 pixels, Qwen2.5-VL's 14), then the folder's preprocessor_config.json
     vision = config.get("vision_config") or {}
+    if gemma:  # every image one square: the tower's image_size, then the folder's preprocessor_config.json
+        return ImageTokens.gemma3(model_token, int(config.get("mm_tokens_per_image", 256)),
+                                  int(vision.get("image_size", 896))).with_preprocessor(path)
+    # the tower's own patch sizes (Qwen3-VL's 16 pixels, Qwen2.5-VL's 14), then the folder's preprocessor_config.json
     tokens = ImageTokens(image_token_id=model_token)
     tokens = dataclasses.replace(tokens, patch_size=int(vision.get("patch_size", tokens.patch_size)),
                                  temporal_patch_size=int(vision.get("temporal_patch_size", tokens.temporal_patch_size)),
@@ -94,11 +101,10 @@ class VisionTower:
 
     def describe(self) -> str:
         """The run summary's line: the tower, frozen, and how images become tokens."""
-        v, t = self.vl.vision, self.tokens
+        v = self.vl.vision
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
         return (f"vision tower: {v.depth} blocks, hidden {v.hidden_size}, {size / 1e6:.1f}M parameters, frozen (veRL "
-                f"trains it unless actor.freeze_vision_tower=True); images resized to {t.min_pixels}..{t.max_pixels} "
-                f"pixels, one image token per {t.patch_size * t.merge_size}-pixel square")
+                f"trains it unless actor.freeze_vision_tower=True); {self.tokens.describe()}")
 
     def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]]
                ) -> ImagePrompt:
@@ -186,18 +192,20 @@ def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
     return vision_tower_of(source, model_cfg, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
 
 
-def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3VisionConfig:
+def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3VisionConfig | SiglipVisionConfig:
     """The tower's config of the policy at `path` (no weight read): tiny:qwen2_5_vl's, or a folder's config.json."""
     if path == TINY_VL:
         return VisionConfig.tiny(model_cfg.hidden_size)
     vl = VisionLanguage.from_hf_config(read_hf_config(path))
     if vl is None:
-        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL folder")
+        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder")
     return vl.vision
 
 
-def init_tower(cfg: VisionConfig | Qwen3VisionConfig, rng: jax.Array) -> dict[str, Any]:
-    """Random tower params of either kind."""
+def init_tower(cfg: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig, rng: jax.Array) -> dict[str, Any]:
+    """Random tower params of any kind."""
+    if isinstance(cfg, SiglipVisionConfig):
+        return init_siglip_params(cfg, rng)
     return init_qwen3_vision_params(cfg, rng) if isinstance(cfg, Qwen3VisionConfig) else init_vision_params(cfg, rng)
 
 

@@ -179,7 +179,8 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     # a draft model (rollout.speculative.method='draft'): its vocabulary checked, its config read (roles/draft.py)
     spec = with_draft_config(resolve(
         checked, dp_size=dp_size, num_train_samples=None if train_set is None else len(train_set)), tokenizer)
-    if image_tokens is not None:  # what a vision-language policy's run takes (roles/vision.py)
+    # what a vision-language policy's run with images takes (roles/vision.py); a text dataset runs as a text model's
+    if image_tokens is not None and (train_set is None or any(r.get("images") for r in train_set.records)):
         check_vision_run(spec)
     spec, plan = plan_run_memory(spec, mesh, tokenizer, is_main=is_main)
     if train_set is None:
