@@ -2,7 +2,8 @@
 projector, sliding and full layers; SmolLM2's tokenizer with Gemma's three image tokens) on the synthetic picture
 task, 8 devices, the paged engine, packed rows sharing their prompts: every image is `<start_of_image>`, four soft
 tokens, `<end_of_image>` whatever its size; the frozen tower's features reach the prefill and every trainer pass, an
-image's tokens see each other in both, so the sampled log-probs are the trainer's; a step trains the text model."""
+image's tokens see each other in both, so the sampled log-probs are the trainer's; a step trains the text model; the
+export (text model, tower, projector) reloads in transformers and through `jrl.load_model` / `jrl.generate`."""
 import jax
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def gemma3_folder(tmp_path_factory, smollm2_gguf):
     return folder
 
 
-def test_grpo_on_pictures_reads_the_same_images_in_the_sampler_and_the_trainer(gemma3_folder, tmp_path):
+def test_grpo_on_pictures_reads_the_same_images_in_the_sampler_and_the_trainer_and_exports(gemma3_folder, tmp_path):
     cfg = tiny_runs.tiny_config(tmp_path / "run", "grpo_vl_tiny.py", **{
         f"{ARR}.model.path": str(gemma3_folder), "data.tokenizer": str(gemma3_folder),
         f"{ARR}.model.use_remove_padding": True, "trainer.total_training_steps": 1, f"{ARR}.actor.optim.lr": 1e-2})
@@ -65,3 +66,45 @@ def test_grpo_on_pictures_reads_the_same_images_in_the_sampler_and_the_trainer(g
     assert metrics["rollout_corr/max_abs_log_ratio"] < 1e-5 and metrics["actor/grad_norm"] > 0
     after = jax.device_get(trainer.actor.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+    # the trained policy exports with its tower: transformers reads the same logits on a prompt with its picture,
+    # and the export reloads through the front door: a content list's picture and question, greedy through both
+    # engines, are transformers.generate's tokens
+    import torch
+
+    import jaxrl_llm as jrl
+    from jaxrl_llm.data.images import load_image
+    from jaxrl_llm.data.vision_prompts import chat_with_images
+    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
+
+    out = trainer.export_hf(str(tmp_path / "hf"))
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    batch = next(trainer.train_loader)
+    ids = np.asarray(batch["raw_prompt_ids"][0], np.int64)[None]
+    pixels, grid = vision.tokens.pixels(batch["images"][0])
+    ours = np.asarray(image_text_logits(jax.device_get(trainer.actor.model_params), trainer.actor.model_cfg,
+                                        jax.device_get(vision.params), vision.vl, ids, np.ones_like(ids), pixels, grid))
+
+    def hf_inputs(ids: np.ndarray) -> dict:
+        return dict(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
+                    pixel_values=torch.tensor(pixels),
+                    token_type_ids=torch.tensor((ids == vision.vl.image_token_id).astype(np.int64)))
+
+    with torch.no_grad():
+        theirs = model(**hf_inputs(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4
+    reloaded = jrl.load_model(out)
+    assert reloaded.vision is not None and reloaded.vision.tokens.fixed_tokens == 4
+    picture = load_image(batch["images"][0][0])
+    chat = [{"role": "user", "content": [{"type": "image", "image": picture},
+                                         {"type": "text", "text": "How many red shapes are there?"}]}]
+    ids, _ = chat_with_images(chat, reloaded.vision.tokens, reloaded.tokenizer)
+    pixels, grid = reloaded.vision.tokens.pixels([picture])
+    with torch.no_grad():
+        expected = model.generate(**hf_inputs(ids[None].astype(np.int64)), max_new_tokens=6, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].numpy()
+    for engine in ("static", "paged"):  # up to an EOS of the random model's
+        got = jrl.generate(reloaded, chat, jrl.SamplingParams(max_new_tokens=6, temperature=0.0),
+                           engine=engine).token_ids[0]
+        np.testing.assert_array_equal(got, expected[:len(got)])
+        assert len(got) == 6 or got[-1] in (reloaded.config.eos_token_ids or ())
