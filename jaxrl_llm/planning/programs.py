@@ -36,6 +36,7 @@ from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
 from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
+from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.planning.roofline import Cost
 from jaxrl_llm.roles.actor import update_actor
 from jaxrl_llm.roles.critic import update_critic
@@ -436,6 +437,21 @@ def _log_prob_settings(ctx: Context, compute_dtype: str) -> dict[str, Any]:
                 logprob_impl=ctx.spec.actor.logprob_impl, mesh=ctx.mesh)
 
 
+def _row_images(ctx: Context) -> RowImages | None:
+    """A vision-language policy's step rows' images as its passes take them (`RowImages`, abstract, the rows of the
+    compiled [N, prompt width + R] batch; the features' room as the resident `image_rows`), else None: the policy's
+    passes are then compiled with their feature gathers (and Qwen3-VL's deepstack adds)."""
+    held = ctx.states.get("image_rows")
+    if held is None:
+        return None
+    n, t = ctx.spec.plan.sequences, ctx.seq_len
+    rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(ctx.mesh, len(shape)))  # noqa: E731
+    deepstack = held.get("deepstack")
+    return RowImages(positions=rows((n, 3, t), jnp.int32), slots=rows((n, t), jnp.int32),
+                     features=rows((n, *held["features"].shape[1:]), jnp.float32),
+                     deepstack=None if deepstack is None else rows((n, *deepstack.shape[1:]), jnp.float32))
+
+
 def ref_program(ctx: Context) -> Program | None:
     spec = ctx.spec
     if not spec.need_ref:
@@ -444,7 +460,7 @@ def ref_program(ctx: Context) -> Program | None:
     state = "actor_base_params" if spec.model.lora else "ref_params"
     return _forward_program(ctx, "ref_log_prob", "ref_log_prob", state, ctx.actor, log_probs_no_grad,
                             extra_keys=(f"{ARR}.ref.param_dtype={spec.ref.param_dtype}", f"{ARR}.ref.param_offload"),
-                            **_log_prob_settings(ctx, spec.actor.compute_dtype))
+                            images=_row_images(ctx), **_log_prob_settings(ctx, spec.actor.compute_dtype))
 
 
 def teacher_program(ctx: Context) -> Program | None:
@@ -479,7 +495,7 @@ def old_log_prob_program(ctx: Context) -> Program | None:
     if not ctx.spec.recompute_old_log_probs:
         return None
     return _forward_program(ctx, "old_log_prob", "old_log_prob", "actor_params", ctx.actor, log_probs_no_grad,
-                            **_log_prob_settings(ctx, ctx.spec.actor.compute_dtype))
+                            images=_row_images(ctx), **_log_prob_settings(ctx, ctx.spec.actor.compute_dtype))
 
 
 def values_program(ctx: Context) -> Program | None:
@@ -501,7 +517,7 @@ def _experience(ctx: Context) -> Experience:
                       rollout_is_weights=f32() if weighed else None,
                       sequence_scores=ctx.row_values(n, jnp.float32) if POLICY_LOSSES.capability(
                           spec.actor.loss_mode, "needs_scores") else None,
-                      **_teacher_topk(ctx))
+                      images=_row_images(ctx), **_teacher_topk(ctx))
 
 
 def _teacher_topk(ctx: Context) -> dict[str, Any]:

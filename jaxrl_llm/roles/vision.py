@@ -217,12 +217,17 @@ def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: in
     from jaxrl_llm.models.vision.qwen_vl import feature_bucket
     from jaxrl_llm.sharding import batch_sharding
 
-    tower = jax.eval_shape(lambda: init_tower(vision_config_of(path, model_cfg), jax.random.PRNGKey(0)))
+    vision = vision_config_of(path, model_cfg)
+    tower = jax.eval_shape(lambda: init_tower(vision, jax.random.PRNGKey(0)))
     replicated = NamedSharding(mesh, PartitionSpec())
     columns = prompt_length + response_length
     room = feature_bucket(prompt_length)
     rows_of = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
+    image_rows = {"positions": rows_of((rows, 3, columns), jnp.int32),  # `RowImages`' fields
+                  "slots": rows_of((rows, columns), jnp.int32),
+                  "features": rows_of((rows, room, model_cfg.hidden_size), jnp.float32)}
+    if isinstance(vision, Qwen3VisionConfig) and vision.deepstack_visual_indexes:  # a feature per deepstack layer
+        image_rows["deepstack"] = rows_of((rows, len(vision.deepstack_visual_indexes), room, model_cfg.hidden_size),
+                                          jnp.float32)
     return {"vision_tower": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tower),
-            "image_rows": {"positions": rows_of((rows, 3, columns), jnp.int32),  # `RowImages`' fields
-                           "slots": rows_of((rows, columns), jnp.int32),
-                           "features": rows_of((rows, room, model_cfg.hidden_size), jnp.float32)}}
+            "image_rows": image_rows}

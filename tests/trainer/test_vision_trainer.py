@@ -178,3 +178,12 @@ def test_the_memory_plan_holds_the_tower_and_the_image_rows(trainer):
     room = feature_bucket(bp.max_prompt_length)  # worst case: every prompt token an image token
     # int32 positions [3, T] and slots [T], fp32 features [K, H] per row
     assert state["image_rows"] == rows * (4 * 4 * columns + 4 * room * trainer.actor.model_cfg.hidden_size)
+    # the policy's passes are compiled with the rows' images as inputs (their gathers in the plan's temporaries)
+    from jaxrl_llm.planning.programs import actor_update_program, old_log_prob_program, ref_program
+
+    ctx = make_context(trainer.spec, trainer.mesh, trainer.tokenizer)
+    features = (bp.sequences, room, trainer.actor.model_cfg.hidden_size)
+    programs = [p for p in (old_log_prob_program(ctx), ref_program(ctx)) if p is not None]
+    for program in [*programs, actor_update_program(ctx)]:
+        shapes = [tuple(a.shape) for a in jax.tree.leaves(program.lower(bp).args_info) if hasattr(a, "shape")]
+        assert features in shapes, program.name
