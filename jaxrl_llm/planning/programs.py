@@ -227,7 +227,8 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
     if reads_images(spec.model.path):  # a vision-language policy: its tower and the step's image rows
         bp = spec.plan
         states.update(vision_step_state(spec.model.path, actor.cfg, mesh, rows=bp.sequences,
-                                        prompt_length=bp.max_prompt_length, response_length=bp.response_length))
+                                        prompt_length=bp.max_prompt_length, response_length=bp.response_length,
+                                        compute_dtype=spec.actor.compute_dtype))
     critic = None
     if spec.critic is not None:
         if spec.critic_model is None or spec.critic_optim is None:
@@ -448,8 +449,8 @@ def _row_images(ctx: Context) -> RowImages | None:
     rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(ctx.mesh, len(shape)))  # noqa: E731
     deepstack = held.get("deepstack")
     return RowImages(positions=rows((n, 3, t), jnp.int32), slots=rows((n, t), jnp.int32),
-                     features=rows((n, *held["features"].shape[1:]), jnp.float32),
-                     deepstack=None if deepstack is None else rows((n, *deepstack.shape[1:]), jnp.float32))
+                     features=rows((n, *held["features"].shape[1:]), held["features"].dtype),
+                     deepstack=None if deepstack is None else rows((n, *deepstack.shape[1:]), deepstack.dtype))
 
 
 def ref_program(ctx: Context) -> Program | None:

@@ -210,14 +210,16 @@ def init_tower(cfg: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig, rng: 
 
 
 def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: int, prompt_length: int,
-                      response_length: int) -> dict[str, Any]:
+                      response_length: int, compute_dtype: str = "float32") -> dict[str, Any]:
     """The abstract arrays (sharded `ShapeDtypeStruct`s) a vision-language policy's step holds beside its programs
     (the memory plan's state): the frozen tower, replicated, and the step's `RowImages`, worst case (every prompt
-    token an image token: K = its feature room for `prompt_length` tokens)."""
+    token an image token: K = its feature room for `prompt_length` tokens; the features in the policy's
+    `compute_dtype`, as the rollout keeps them)."""
     from jaxrl_llm.models.vision.qwen_vl import feature_bucket
     from jaxrl_llm.sharding import batch_sharding
 
     vision = vision_config_of(path, model_cfg)
+    dtype = as_jnp_dtype(compute_dtype, allowed=COMPUTE_DTYPES, what="actor.compute_dtype")
     tower = jax.eval_shape(lambda: init_tower(vision, jax.random.PRNGKey(0)))
     replicated = NamedSharding(mesh, PartitionSpec())
     columns = prompt_length + response_length
@@ -225,9 +227,9 @@ def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: in
     rows_of = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
     image_rows = {"positions": rows_of((rows, 3, columns), jnp.int32),  # `RowImages`' fields
                   "slots": rows_of((rows, columns), jnp.int32),
-                  "features": rows_of((rows, room, model_cfg.hidden_size), jnp.float32)}
+                  "features": rows_of((rows, room, model_cfg.hidden_size), dtype)}
     if isinstance(vision, Qwen3VisionConfig) and vision.deepstack_visual_indexes:  # a feature per deepstack layer
         image_rows["deepstack"] = rows_of((rows, len(vision.deepstack_visual_indexes), room, model_cfg.hidden_size),
-                                          jnp.float32)
+                                          dtype)
     return {"vision_tower": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tower),
             "image_rows": image_rows}

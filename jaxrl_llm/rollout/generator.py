@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jaxrl_llm.bookkeeping.nonfinite import sanitize_scores
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.vision.qwen_vl import ImagePrompt, RowImages, row_images
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.rollout.batch import Rollout, response_bucket, rows_meta, score_responses
@@ -232,6 +233,9 @@ class RolloutGenerator:
         if images is not None:
             prompt_mask = np.asarray(to_host(out.prompt_mask))[::n]
             fields = row_images(images, prompt_mask, n, width)
+            if self.vision is not None:  # in the compute dtype every pass rounds them to first: the same bits
+                dtype = as_jnp_dtype(self.vision.compute_dtype, allowed=COMPUTE_DTYPES, what="actor.compute_dtype")
+                fields.update({k: v.astype(dtype) for k, v in fields.items() if k in ("features", "deepstack")})
             placed = to_device_if_rows_split({k: fields.pop(k) for k in ("positions", "slots")}, mesh)
             row_imgs = RowImages(**placed, **{k: rows_sharded(v, mesh) for k, v in fields.items()})
         return Rollout(
