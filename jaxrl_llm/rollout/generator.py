@@ -146,9 +146,9 @@ class RolloutGenerator:
         self.last_engine_stats = None
         images = self._image_prompt(batch, prompt_ids, prompt_mask, len(raw_prompts) - num_prompts)
         if opts.engine == "paged":
-            requests = None  # each prompt's images on the host: the scheduler prefills them prompt by prompt
+            requests = None  # each prompt's images: the scheduler prefills them prompt by prompt
             if images is not None:
-                requests = RequestImages.of_batch(jax.tree.map(np.asarray, to_host(images)), prompt_mask)
+                requests = RequestImages.of_batch(images, prompt_mask)
             host_out, self.last_engine_stats = sample_paged(
                 params, model_cfg, raw_prompts, rng, knobs, settings=settings, opts=opts, mesh=mesh,
                 draft_params=self.draft_params, max_prompt_len=self.max_prompt_length, images=requests)

@@ -112,7 +112,7 @@ def generate(model: Any, prompts: Any, sampling_params: SamplingParams, *, token
         requests = None
         if images is not None and vision is not None:  # each prompt's own images, features and positions
             ids, mask = left_pad(ids_list, pad)
-            requests = RequestImages.of_batch(jax.tree.map(np.asarray, vision.prompt(ids, mask, images)), mask)
+            requests = RequestImages.of_batch(vision.prompt(ids, mask, images), mask)
         out, _ = sample_paged(params, cfg, ids_list, jax.random.key(sampling_params.seed), knobs,
                               settings=settings, opts=opts, mesh=mesh, images=requests)
         return GenerationResult.from_arrays(out.tokens, out.response_mask, out.log_probs, out.lengths,

@@ -122,7 +122,8 @@ def test_greedy_with_images_matches_transformers_generate_through_both_samplers(
     static = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
                     images=images)
     np.testing.assert_array_equal(np.asarray(static.tokens), np.repeat(expected, 2, 0))
-    requests = RequestImages.of_batch(jax.tree.map(np.asarray, images), mask)
+    requests = RequestImages.of_batch(images, mask)  # each prompt's features stay on the devices
+    assert all(isinstance(r.features, jax.Array) and r.features.shape == (8, 64) for r in requests)
     spec = engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4, max_prompt_len=ids.shape[1],
                        max_new_tokens=6, compute_dtype="float32")
     for chunk in (None, 8):  # 8: an image would straddle two chunks; its prompt prefills whole

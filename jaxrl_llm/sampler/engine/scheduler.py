@@ -118,48 +118,46 @@ class EngineRequest:
 
 @dataclasses.dataclass(frozen=True)
 class RequestImages:
-    """A vision-language prompt's images as its prefill reads them (host arrays, the prompt's own tokens, no
-    padding): M-RoPE positions [3, L], the feature each image token takes [L] (-1 elsewhere), the features [K, H]
+    """A vision-language prompt's images as its prefill reads them: M-RoPE positions [3, L] and the feature each
+    image token takes [L] (-1 elsewhere; host arrays, the prompt's own tokens, no padding), its features [K, H]
+    (where the tower left them: `of_batch` keeps them on the devices, K its power-of-two room, zeros past its own)
     and the M-RoPE delta its decode steps add to their rotary positions."""
 
     positions: np.ndarray
     slots: np.ndarray
-    features: np.ndarray
+    features: Any
     delta: int
-    deepstack: np.ndarray | None = None  # [D, K, H] Qwen3-VL's deepstack features
+    deepstack: Any = None  # [D, K, H] Qwen3-VL's deepstack features
 
     @staticmethod
     def of_batch(images: ImagePrompt, prompt_mask: np.ndarray) -> list[RequestImages]:
-        """Each prompt's, from a left-padded batch's `ImagePrompt` (host arrays; models/vision/qwen_vl.py)."""
-        rows = row_images(images, prompt_mask, 1, 0)  # each prompt's own features, its slots into them
+        """Each prompt's, from a left-padded batch's `ImagePrompt` (models/vision/qwen_vl.py): positions, slots and
+        deltas to the host, each prompt's features sliced on the devices (a batch's features never visit the host:
+        a Geometry3K batch's are gigabytes)."""
+        rows = row_images(images, prompt_mask, 1, 0)  # each prompt's own features [room, H], its slots into them
         out = []
         for b, valid in enumerate(np.asarray(prompt_mask) > 0):
-            slots = rows["slots"][b][valid]
-            count = int((slots >= 0).sum())
-            out.append(RequestImages(positions=rows["positions"][b][:, valid], slots=slots,
-                                     features=np.asarray(rows["features"][b][:count]), delta=int(images.deltas[b]),
-                                     deepstack=np.asarray(rows["deepstack"][b][:, :count]) if "deepstack" in rows
-                                     else None))
+            out.append(RequestImages(positions=rows["positions"][b][:, valid], slots=rows["slots"][b][valid],
+                                     features=rows["features"][b], delta=int(np.asarray(images.deltas)[b]),
+                                     deepstack=rows["deepstack"][b] if "deepstack" in rows else None))
         return out
 
     def padded(self, width: int) -> programs.PromptImages:
         """As `prefill` takes them for a prompt bucket of `width` tokens; the features padded to a power of two
-        (a handful of compiled prefill shapes)."""
+        (a handful of compiled prefill shapes; on their devices)."""
         length = self.positions.shape[1]
         positions = np.zeros((3, width), np.int32)
         positions[:, :length] = self.positions
         slots = np.full((width,), -1, np.int32)
         slots[:length] = self.slots
-        room = feature_bucket(len(self.features))
-        features = np.zeros((room, self.features.shape[1]), self.features.dtype)
-        features[:len(self.features)] = self.features
+        extra = feature_bucket(self.features.shape[0]) - self.features.shape[0]
+        features = jnp.pad(jnp.asarray(self.features), ((0, extra), (0, 0))) if extra else jnp.asarray(self.features)
         deepstack = None
         if self.deepstack is not None:
-            deepstack = np.zeros((len(self.deepstack), room, self.deepstack.shape[2]), self.deepstack.dtype)
-            deepstack[:, :self.deepstack.shape[1]] = self.deepstack
-        return programs.PromptImages(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(features),
-                                     jnp.asarray(self.delta, jnp.int32),
-                                     None if deepstack is None else jnp.asarray(deepstack))
+            deepstack = jnp.asarray(self.deepstack)
+            deepstack = jnp.pad(deepstack, ((0, 0), (0, extra), (0, 0))) if extra else deepstack
+        return programs.PromptImages(jnp.asarray(positions), jnp.asarray(slots), features,
+                                     jnp.asarray(self.delta, jnp.int32), deepstack)
 
 
 class RequestSource(Protocol):
