@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import math
 import multiprocessing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,11 +127,14 @@ def render_prompt(prompt: list[dict[str, Any]] | str, tokenizer: Tokenizer, appl
 
 def encode_prompts(
     prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool,
-    template_kwargs: Mapping[str, Any] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None, after_render: Callable[[str], str] | None = None,
 ) -> list[np.ndarray]:
-    """Token ids (int32, unpadded) of each prompt."""
+    """Token ids (int32, unpadded) of each prompt; `after_render`: applied to each rendered text before it is
+    tokenized (a processor's own edits: Gemma 3's blank lines around each image, `ImageTokens.after_render`)."""
     templated = [not (isinstance(p, str) and not apply_chat_template) for p in prompts]
     texts = [render_prompt(p, tokenizer, apply_chat_template, template_kwargs) for p in prompts]
+    if after_render is not None:
+        texts = [after_render(t) for t in texts]
     out: list[np.ndarray | None] = [None] * len(texts)
     for with_template in (True, False):
         pos = [i for i, t in enumerate(templated) if t == with_template]
@@ -144,18 +147,22 @@ def encode_prompts(
     return out  # type: ignore[return-value]
 
 
-def _encode_chunk(args: tuple[Sequence[Any], Any, bool]) -> list[np.ndarray]:
-    return encode_prompts(*args)
+def _encode_chunk(args: tuple[Sequence[Any], Any, bool, Any]) -> list[np.ndarray]:
+    prompts, tokenizer, apply_chat_template, after_render = args
+    return encode_prompts(prompts, tokenizer, apply_chat_template, after_render=after_render)
 
 
 def encode_prompts_parallel(
-    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool, workers: int
+    prompts: Sequence[list[dict[str, Any]] | str], tokenizer: Tokenizer, apply_chat_template: bool, workers: int,
+    after_render: Callable[[str], str] | None = None,
 ) -> list[np.ndarray]:
-    """`encode_prompts` split over `workers` processes (spawned, so safe next to jax threads)."""
+    """`encode_prompts` split over `workers` processes (spawned, so safe next to jax threads); `after_render` must
+    pickle (a module's function, a frozen dataclass's method)."""
     if workers <= 1 or len(prompts) < 2 * workers:
-        return encode_prompts(prompts, tokenizer, apply_chat_template)
+        return encode_prompts(prompts, tokenizer, apply_chat_template, after_render=after_render)
     chunk = -(-len(prompts) // workers)
-    parts = [(prompts[i:i + chunk], tokenizer, apply_chat_template) for i in range(0, len(prompts), chunk)]
+    parts = [(prompts[i:i + chunk], tokenizer, apply_chat_template, after_render)
+             for i in range(0, len(prompts), chunk)]
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         results = list(pool.map(_encode_chunk, parts))
@@ -317,7 +324,8 @@ def records_from_rows(
             if not isinstance(prompt, str) and not apply_template:
                 raise DataError(f"{ref}: prompt is a message list but data.apply_chat_template=False")
             kept.append((row, ref, prompt, images, counts))
-    ids_list = encode_prompts_parallel([p for _, _, p, _, _ in kept], tokenizer, apply_template, workers)
+    after = None if image_tokens is None or not image_tokens.around_text else image_tokens.after_render
+    ids_list = encode_prompts_parallel([p for _, _, p, _, _ in kept], tokenizer, apply_template, workers, after)
 
     records = []
     num_dropped = 0

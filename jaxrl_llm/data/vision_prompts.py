@@ -58,6 +58,8 @@ class ImageTokens:
     # Gemma 3: every image resized to image_size x image_size and `fixed_tokens` image tokens (0: Qwen's sizing)
     fixed_tokens: int = 0
     image_size: int = 0
+    # Gemma 3: text its processor puts around each image's sequence once the chat template has rendered ("\n\n")
+    around_text: str = ""
 
     @classmethod
     def gemma3(cls, image_token_id: int, mm_tokens_per_image: int, image_size: int) -> ImageTokens:
@@ -65,14 +67,19 @@ class ImageTokens:
         full image sequence), pixels normalised to [-1, 1]."""
         return cls(image_token_id=image_token_id, start_text="<start_of_image>", pad_text="<image_soft_token>",
                    end_text="<end_of_image>", fixed_tokens=mm_tokens_per_image, image_size=image_size,
-                   image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+                   image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), around_text="\n\n")
 
     @property
     def placeholder(self) -> str:
-        """What one image becomes in the rendered text."""
-        if self.fixed_tokens:
-            return f"\n\n{self.start_text}{self.pad_text}{self.end_text}\n\n"
+        """What one image becomes in the messages the chat template renders."""
         return self.start_text + self.pad_text + self.end_text
+
+    def after_render(self, text: str) -> str:
+        """A rendered prompt as the model's processor leaves it: Gemma 3's processor puts a blank line before and
+        after each image once the template has rendered (so a template that trims messages keeps them)."""
+        if not self.around_text:
+            return text
+        return text.replace(self.placeholder, self.around_text + self.placeholder + self.around_text)
 
     def describe(self) -> str:
         """How images become tokens (the run summary)."""
@@ -187,7 +194,7 @@ def chat_with_images(messages: Sequence[Mapping[str, Any]], tokens: ImageTokens,
     decoded = [decode_image(image, f"{where}: image {i}") for i, image in enumerate(listed)]
     rendered = with_image_tokens(messages, tokens.placeholder)
     assert not isinstance(rendered, str)
-    text = render_chat(tokenizer, rendered, add_generation_prompt=True)
+    text = tokens.after_render(render_chat(tokenizer, rendered, add_generation_prompt=True))
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
     counts = [tokens.tokens_for(*image.size) for image in decoded]
     return expand_image_tokens(ids, counts, tokens.image_token_id, where), decoded

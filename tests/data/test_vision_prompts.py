@@ -90,3 +90,45 @@ def test_a_model_folder_and_its_tokenizer_must_agree_on_the_image_token(tmp_path
     tokens = image_tokens_of(str(tmp_path), vl_tok)
     assert tokens is not None and tokens.max_pixels == 200704 and tokens.image_token_id == pad
     assert image_tokens_of("tiny:qwen2", vl_tok) is None
+
+
+GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+
+
+def test_gemma3_prompts_and_pixels_are_its_processors(tmp_path, smollm2_tok):
+    # a Gemma 3 folder's image: the blank lines, <start_of_image>, mm_tokens_per_image soft tokens, <end_of_image>
+    # whatever its size, placed as transformers' Gemma3Processor places them after the chat template (so a template
+    # that trims messages keeps them), pixels from its image processor; the folder's sizes read
+    import copy
+    import json
+
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    from jaxrl_llm.data.vision_prompts import chat_with_images
+    from jaxrl_llm.hf.tokenizer import render_chat
+
+    tok = copy.deepcopy(smollm2_tok)
+    tok.add_special_tokens({"additional_special_tokens": list(GEMMA_IMAGE_TOKENS)}, replace_extra_special_tokens=False)
+    start, soft, end = (int(tok.convert_tokens_to_ids(t)) for t in GEMMA_IMAGE_TOKENS)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "image_token_index": soft,
+                                                      "mm_tokens_per_image": 4, "vision_config": {"image_size": 56}}))
+    tokens = image_tokens_of(str(tmp_path), tok)
+    assert tokens is not None and (tokens.image_token_id, tokens.fixed_tokens, tokens.image_size) == (soft, 4, 56)
+    assert tokens.tokens_for(640, 480) == tokens.tokens_for(20, 20) == 4
+    picture = Image.open(io.BytesIO(png((60, 40), (200, 30, 30))))
+    ours, _ = chat_with_images([{"role": "user", "content": "<image>How many?"}], tokens, tok, [picture])
+    tok.boi_token, tok.image_token, tok.eoi_token = GEMMA_IMAGE_TOKENS  # what Gemma3Processor reads of Gemma's
+    tok.boi_token_id, tok.image_token_id, tok.eoi_token_id = start, soft, end
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
+                                tokenizer=tok, image_seq_length=4)
+    text = render_chat(tok, [{"role": "user", "content": "<start_of_image>How many?"}], add_generation_prompt=True)
+    theirs = processor(text=[text], images=[[picture]], return_tensors="np")
+    np.testing.assert_array_equal(ours, theirs["input_ids"][0])
+    np.testing.assert_array_equal(tokens.pixels([picture])[0], theirs["pixel_values"])
+    # the records: the same ids from a veRL row
+    path = tmp_path / "train.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "<image>How many?"}]],
+                  "images": [[{"bytes": png((60, 40), (200, 30, 30))}]]}).to_parquet(path)
+    data = build_dataset(data_spec(train_files=str(path), max_prompt_length=64), tok, "train", tokens)
+    np.testing.assert_array_equal(data[0]["input_ids"], ours)
