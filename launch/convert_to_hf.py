@@ -48,14 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_path = args.tokenizer or (read_checkpoint_meta(args.input)["tokenizer"]
                                         if is_checkpoint(args.input) else args.input)
     tokenizer = None if args.no_tokenizer else load_tokenizer(tokenizer_path)
+    trained_tower = params.pop("vision", None)  # a checkpoint whose run trained its tower (freeze_vision_tower=False)
     vision = tower_for_export(args.input, cfg)  # a vision-language model's tower goes with it
     if vision is not None:
         if tokenizer is not None:  # tiny:qwen2_5_vl's tokenizer: the run's, with the vision tokens it added
             tokenizer = with_vision_tokens(vision.path, tokenizer)
-        out = export_vision_language(cfg, params, vision.hf_config, vision.params, args.output, tokenizer=tokenizer,
+        tower = vision.params if trained_tower is None else trained_tower
+        out = export_vision_language(cfg, params, vision.hf_config, tower, args.output, tokenizer=tokenizer,
                                      dtype=as_jnp_dtype(args.dtype))
-        print(f"wrote Qwen2_5_VLForConditionalGeneration ({cfg.num_hidden_layers} layers and the vision tower, "
-              f"{args.dtype}) to {out}")
+        print(f"wrote {vision.hf_config.get('architectures', ['a vision-language model'])[0]} "
+              f"({cfg.num_hidden_layers} layers and the vision tower, {args.dtype}) to {out}")
         return 0
     out = export_hf(cfg, params, args.output, tokenizer=tokenizer, max_shard_size=args.max_shard_size,
                     experts=args.experts)

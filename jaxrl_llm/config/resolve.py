@@ -264,6 +264,7 @@ def resolve_actor(cfg: ConfigDict) -> ActorSpec:
         ppo_epochs=int(a.ppo_epochs), shuffle=bool(a.shuffle),
         router_aux_loss_coef=None if a.router_aux_loss_coef is None else float(a.router_aux_loss_coef),
         router_z_loss_coef=float(a.router_z_loss_coef), router_replay=a.router_replay,
+        freeze_vision_tower=bool(a.freeze_vision_tower),
         distill_topk_coef=_distill_topk_coef(cfg.algorithm.distillation),
         policy_loss_agg_mode=a.policy_loss.loss_agg_mode, dual_clip=a.policy_loss.dual_clip)
 

@@ -94,6 +94,7 @@ class ActorSpec:
     # mixture-of-experts models: None = the model's own (roles/actor.py router_aux_loss_coef)
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
+    freeze_vision_tower: bool = True  # False: a vision-language policy's tower trains with it (params["vision"])
     router_replay: str = "none"  # none | rollout: the update replays the sampler's recorded routing
     distill_topk_coef: float = 0.0  # algorithm.distillation with signal topk_forward_kl: its loss weight
     policy_loss_agg_mode: str | None = None  # policy_loss.loss_agg_mode: the policy loss's own aggregation

@@ -252,6 +252,10 @@ ACTOR = {
                                    "prefill also replays the earlier turns' experts. 'none' lets every pass route "
                                    "by itself. Logs moe/routing_agreement (docs/moe.md). veRL: router_replay.mode R3.",
                            choices=("none", "rollout")),
+    "freeze_vision_tower": field(True, "A vision-language policy's vision tower: frozen (its features computed once "
+                                       "per rollout batch) or, False, trained with the text model (each row carries "
+                                       "its pixels and every pass runs the tower; docs/vision.md). veRL (whose "
+                                       "default is False)."),
     "router_z_loss_coef": field(0.0, "Mixture-of-experts models: coefficient of the router z-loss (ST-MoE: mean "
                                      "logsumexp(router logits)^2; docs/moe.md). Logged as moe/z_loss.", ge=0),
     "use_kl_loss": field(False, "Add a KL(policy || reference) loss term (GRPO, Shao et al. 2024; "

@@ -207,6 +207,16 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
     """Model configs from config.json / GGUF header / tiny dims; params via `jax.eval_shape`."""
     actor = _model(spec.model, "lm", mesh, tokenizer)
     txs = {"actor": _tx(spec.actor_optim)}
+    vision: dict[str, Any] = {}  # a vision-language policy: its tower and the step's image rows
+    if reads_images(spec.model.path):
+        bp, trained = spec.plan, not spec.actor.freeze_vision_tower
+        vision = vision_step_state(spec.model.path, actor.cfg, mesh, rows=bp.sequences,
+                                   prompt_length=bp.max_prompt_length, response_length=bp.response_length,
+                                   compute_dtype=spec.actor.compute_dtype, trained=trained)
+        if trained:  # the actor's params["vision"] (optimizer moments, the reference's copy with the rest)
+            tower = vision.pop("vision_tower")
+            actor = Model(actor.cfg, {**actor.params, "vision": tower},
+                          {**actor.shardings, "vision": jax.tree.map(lambda x: x.sharding, tower)})
     if spec.model.lora is not None:  # trained: the adapters only; the base is frozen and is the reference
         lora = spec.model.lora
         abstract = jax.eval_shape(lambda: init_lora(actor.cfg, lora, jax.random.PRNGKey(0)))
@@ -224,11 +234,7 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
     if spec.distillation is not None:  # the teacher's params, stored in its own dtype (roles/teacher.py)
         teacher = _model(spec.distillation.teacher, "lm", mesh, tokenizer)
         states["teacher_params"] = teacher.params
-    if reads_images(spec.model.path):  # a vision-language policy: its tower and the step's image rows
-        bp = spec.plan
-        states.update(vision_step_state(spec.model.path, actor.cfg, mesh, rows=bp.sequences,
-                                        prompt_length=bp.max_prompt_length, response_length=bp.response_length,
-                                        compute_dtype=spec.actor.compute_dtype))
+    states.update(vision)
     critic = None
     if spec.critic is not None:
         if spec.critic_model is None or spec.critic_optim is None:
@@ -446,11 +452,15 @@ def _row_images(ctx: Context) -> RowImages | None:
     if held is None:
         return None
     n, t = ctx.spec.plan.sequences, ctx.seq_len
-    rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(ctx.mesh, len(shape)))  # noqa: E731
-    deepstack = held.get("deepstack")
+    def rows(shape: tuple[int, ...], dtype: Any) -> Any:  # a ShapeDtypeStruct where the passes take an Array
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(ctx.mesh, len(shape)))
+
+    deepstack, tower = held.get("deepstack"), held.get("tower")
     return RowImages(positions=rows((n, 3, t), jnp.int32), slots=rows((n, t), jnp.int32),
                      features=rows((n, *held["features"].shape[1:]), held["features"].dtype),
-                     deepstack=None if deepstack is None else rows((n, *deepstack.shape[1:]), deepstack.dtype))
+                     deepstack=None if deepstack is None else rows((n, *deepstack.shape[1:]), deepstack.dtype),
+                     tower=None if tower is None else jax.tree.map(lambda x: rows(x.shape, x.dtype), tower),
+                     vision=held.get("vision"))
 
 
 def ref_program(ctx: Context) -> Program | None:

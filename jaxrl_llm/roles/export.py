@@ -12,15 +12,17 @@ def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Tokenizer, ou
                   vision: VisionTower | None = None) -> str:
     """The policy as an HF folder at `out_dir` (LoRA: the merged weights, and the adapters as a PEFT
     folder at `<out_dir>_peft`); a vision-language policy's with its tower (`vision`), as
-    `Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration` loads it. Every process must call
+    `Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration` / `Gemma3ForConditionalGeneration` loads
+    it (a trained tower as trained). Every process must call
     it (gathering the weights is a collective); the main process writes."""
     from jaxrl_llm.hf import export_hf
     from jaxrl_llm.hf.vision import export_vision_language
     from jaxrl_llm.models.lora import merge_lora
 
     params = to_host(merge_lora(actor.model_params))
+    trained_tower = params.pop("vision", None)  # a trained tower (actor.freeze_vision_tower=False): the actor's own
     if vision is not None:
-        tower = to_host(vision.params)
+        tower = trained_tower if trained_tower is not None else to_host(vision.params)
         if is_main:
             export_vision_language(actor.model_cfg, params, vision.hf_config, tower, out_dir, tokenizer=tokenizer)
     elif is_main:

@@ -98,6 +98,8 @@ def _response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, att
                      with_entropy: bool, packing: PackedLayout | None, logprob_impl: str, mesh: Mesh | None,
                      replay: Array | None, topk: int, topk_ids: Array | None, images: RowImages | None
                      ) -> ResponseScores:
+    if images is not None and images.tower is not None:  # a trained tower: the features from these params' tower
+        images = images.with_tower_features(params["vision"], compute_dtype_of(compute_dtype))
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
     unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
                             else (lm_head_weight(params, model_cfg), False))

@@ -32,8 +32,15 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, init_qwen3_vision_params
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, init_vision_params
-from jaxrl_llm.models.vision.qwen_vl import QWEN_IMAGE_TOKEN_ID, ImagePrompt, VisionLanguage, image_prompt
+from jaxrl_llm.models.vision.qwen_vl import (
+    QWEN_IMAGE_TOKEN_ID,
+    ImagePrompt,
+    VisionLanguage,
+    feature_bucket,
+    image_prompt,
+)
 from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, init_siglip_params
+from jaxrl_llm.models.vision.tower_rows import prompt_tower_rows
 
 TINY_VL = TINY_VISION_LANGUAGE
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -98,29 +105,41 @@ class VisionTower:
     tokens: ImageTokens
     hf_config: dict[str, Any]  # the config.json an export writes (the source folder's; tiny:qwen2_5_vl's built)
     compute_dtype: str = "float32"
+    # actor.freeze_vision_tower=False: the tower is the actor's params["vision"], trained with the text model; each
+    # row then carries its pixels (models/vision/tower_rows.py) and `params` here are only the initial ones
+    trained: bool = False
 
     def describe(self) -> str:
         """The run summary's line: the tower, frozen, and how images become tokens."""
         v = self.vl.vision
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
-        return (f"vision tower: {v.depth} blocks, hidden {v.hidden_size}, {size / 1e6:.1f}M parameters, frozen (veRL "
-                f"trains it unless actor.freeze_vision_tower=True); {self.tokens.describe()}")
+        state = ("trained with the text model (actor.freeze_vision_tower=False: each row carries its pixels)"
+                 if self.trained else "frozen (actor.freeze_vision_tower=True; veRL trains it by default)")
+        return (f"vision tower: {v.depth} blocks, hidden {v.hidden_size}, {size / 1e6:.1f}M parameters, {state}; "
+                f"{self.tokens.describe()}")
 
-    def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]]
-               ) -> ImagePrompt:
+    def prompt(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, images: Sequence[Sequence[Any]],
+               params: dict[str, Any] | None = None) -> ImagePrompt:
         """The `ImagePrompt` of a left-padded prompt batch whose row b holds images[b] (encoded, as the data keeps
-        them): the tower run once over all of them."""
+        them): the tower run once over all of them, with `params` (a trained tower's current ones; default the
+        loaded ones). A trained tower's prompt also carries each prompt's pixels (`tower_rows`)."""
         flat = [image for row in images for image in row]
         if not flat:
             raise ValueError("a vision-language prompt batch without images")
         pixels, grids = self.tokens.pixels(flat)
-        return image_prompt(self.params, self.vl, prompt_ids, prompt_mask, pixels, grids,
-                            compute_dtype=as_jnp_dtype(self.compute_dtype, allowed=COMPUTE_DTYPES,
-                                                       what="actor.compute_dtype"))
+        prompt = image_prompt(self.params if params is None else params, self.vl, prompt_ids, prompt_mask, pixels,
+                              grids, compute_dtype=as_jnp_dtype(self.compute_dtype, allowed=COMPUTE_DTYPES,
+                                                                what="actor.compute_dtype"))
+        if not self.trained:
+            return prompt
+        counts = [len(row) for row in images]
+        room = feature_bucket(int((np.asarray(prompt.slots) >= 0).sum(axis=1).max()))
+        return prompt._replace(tower_rows=prompt_tower_rows(self.vl.vision, pixels, grids, counts, room),
+                               vision=self.vl)
 
 
 def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, tokenizer: Tokenizer, *,
-                      mesh: Mesh | None, compute_dtype: str, seed: int) -> VisionTower:
+                      mesh: Mesh | None, compute_dtype: str, seed: int, trained: bool = False) -> VisionTower:
     """The tower of the policy at `path` (whose text model is `model_cfg`), replicated on `mesh` (None: the default
     device). tiny:qwen2_5_vl's is random from `seed` (the run's: a checkpoint's tower is the run's own)."""
     if path == TINY_VL:
@@ -143,7 +162,7 @@ def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, to
     if mesh is not None:
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     return VisionTower(path=path, vl=vl, params=params, tokens=tokens, hf_config=hf_config,
-                       compute_dtype=compute_dtype)
+                       compute_dtype=compute_dtype, trained=trained)
 
 
 def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, mesh: Mesh | None,
@@ -171,6 +190,17 @@ def check_vision_run(spec: RunSpec) -> None:
         if on:
             raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs single-turn, without a "
                               "critic, a teacher, speculative decoding or partial rollouts for now (docs/vision.md)")
+    if spec.actor.freeze_vision_tower:
+        return
+    trained = {  # what a trained tower does not go with yet
+        f"{arr}.model.lora_rank > 0 (LoRA trains adapters on the text model; not on the tower)":
+            spec.model.lora is not None,
+        "algorithm.filter_groups.enable=True (joined rollouts' pixels)": spec.filter_groups.enable,
+    }
+    for key, on in trained.items():
+        if on:
+            raise ConfigError(f"{arr}.actor.freeze_vision_tower=False with {key}: not supported yet; keep the tower "
+                              "frozen (docs/vision.md)")
 
 
 def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
@@ -202,6 +232,30 @@ def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3V
     return vl.vision
 
 
+def vision_language_of(path: str, model_cfg: ModelConfig) -> VisionLanguage:
+    """The `VisionLanguage` of the policy at `path` (no weight read)."""
+    if path == TINY_VL:
+        return VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=0,
+                              vision_start_token_id=0)
+    vl = VisionLanguage.from_hf_config(read_hf_config(path))
+    assert vl is not None
+    return vl
+
+
+def _largest_image_rows(cfg: Any, prompt_length: int, room: int) -> Any:
+    """A `TowerRows` of one prompt with one image as large as `prompt_length` image tokens allow (the plan's
+    worst case): host arrays whose shapes the plan's rows take."""
+    if isinstance(cfg, SiglipVisionConfig):
+        pixels, grid = np.zeros((1, cfg.in_channels, cfg.image_size, cfg.image_size), np.float32), np.ones((1, 3))
+    else:
+        side = cfg.spatial_merge_size
+        blocks = max(1, prompt_length)
+        grid = np.array([[1, side, side * blocks]], np.int64)
+        pixels = np.zeros((side * side * blocks, cfg.patch_dim), np.float32)
+    rows = prompt_tower_rows(cfg, pixels, grid, [1], room)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), rows)
+
+
 def init_tower(cfg: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig, rng: jax.Array) -> dict[str, Any]:
     """Random tower params of any kind."""
     if isinstance(cfg, SiglipVisionConfig):
@@ -210,12 +264,13 @@ def init_tower(cfg: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig, rng: 
 
 
 def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: int, prompt_length: int,
-                      response_length: int, compute_dtype: str = "float32") -> dict[str, Any]:
+                      response_length: int, compute_dtype: str = "float32", trained: bool = False) -> dict[str, Any]:
     """The abstract arrays (sharded `ShapeDtypeStruct`s) a vision-language policy's step holds beside its programs
     (the memory plan's state): the frozen tower, replicated, and the step's `RowImages`, worst case (every prompt
     token an image token: K = its feature room for `prompt_length` tokens; the features in the policy's
-    `compute_dtype`, as the rollout keeps them)."""
-    from jaxrl_llm.models.vision.qwen_vl import feature_bucket
+    `compute_dtype`, as the rollout keeps them). `trained` (actor.freeze_vision_tower=False): the rows also carry
+    their pixels (`TowerRows`; planned as one image per row, the largest the prompt length allows), and "vision" is
+    the tower's config their passes read."""
     from jaxrl_llm.sharding import batch_sharding
 
     vision = vision_config_of(path, model_cfg)
@@ -225,11 +280,15 @@ def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: in
     columns = prompt_length + response_length
     room = feature_bucket(prompt_length)
     rows_of = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
-    image_rows = {"positions": rows_of((rows, 3, columns), jnp.int32),  # `RowImages`' fields
+    image_rows: dict[str, Any] = {"positions": rows_of((rows, 3, columns), jnp.int32),  # `RowImages`' fields
                   "slots": rows_of((rows, columns), jnp.int32),
                   "features": rows_of((rows, room, model_cfg.hidden_size), dtype)}
     if isinstance(vision, Qwen3VisionConfig) and vision.deepstack_visual_indexes:  # a feature per deepstack layer
         image_rows["deepstack"] = rows_of((rows, len(vision.deepstack_visual_indexes), room, model_cfg.hidden_size),
                                           dtype)
+    if trained:
+        image_rows["tower"] = jax.tree.map(lambda x: rows_of((rows, *x.shape[1:]), x.dtype),
+                                           _largest_image_rows(vision, prompt_length, room))
+        image_rows["vision"] = vision_language_of(path, model_cfg)
     return {"vision_tower": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tower),
             "image_rows": image_rows}

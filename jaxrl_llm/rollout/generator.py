@@ -144,7 +144,7 @@ class RolloutGenerator:
         settings, knobs = self.compile_args(sampling)
         opts = self.engine_for(sampling.max_new_tokens)
         self.last_engine_stats = None
-        images = self._image_prompt(batch, prompt_ids, prompt_mask, len(raw_prompts) - num_prompts)
+        images = self._image_prompt(batch, prompt_ids, prompt_mask, len(raw_prompts) - num_prompts, params)
         if opts.engine == "paged":
             requests = None  # each prompt's images: the scheduler prefills them prompt by prompt
             if images is not None:
@@ -155,7 +155,7 @@ class RolloutGenerator:
             out = rows_on_mesh(host_out, mesh)
         else:
             out = sample(params, model_cfg, device["ids"], device["mask"], rng, knobs, settings=settings, mesh=mesh,
-                         images=images)
+                         images=None if images is None else images.for_sampler())
 
         n = sampling.n
         if len(raw_prompts) > num_prompts:  # drop the padding rows again
@@ -166,18 +166,20 @@ class RolloutGenerator:
             # the features where the tower left them (gathered row by row on the devices)
             positions, slots, deltas = (np.asarray(x) for x in to_host((images.positions, images.slots,
                                                                         images.deltas)))
+            tower = None if images.tower_rows is None else jax.tree.map(lambda x: x[:num_prompts], images.tower_rows)
             images = images._replace(positions=positions[:, :num_prompts], slots=slots[:num_prompts],
-                                     deltas=deltas[:num_prompts])
+                                     deltas=deltas[:num_prompts], tower_rows=tower)
         return self.scored(batch, out, n, sampling.max_new_tokens, rng, images=images)
 
     def _image_prompt(self, batch: dict[str, np.ndarray], prompt_ids: np.ndarray, prompt_mask: np.ndarray,
-                      padding_rows: int) -> ImagePrompt | None:
+                      padding_rows: int, params: dict) -> ImagePrompt | None:
         """The batch's images through the policy's tower (None: no tower, or no image in the batch); the padding
-        rows repeat row 0 (its images too)."""
+        rows repeat row 0 (its images too). A trained tower is the policy's own `params["vision"]`."""
         if self.vision is None or "images" not in batch or not any(len(row) for row in batch["images"]):
             return None
         rows = list(batch["images"])
-        return self.vision.prompt(prompt_ids, prompt_mask, rows + [rows[0]] * padding_rows)
+        return self.vision.prompt(prompt_ids, prompt_mask, rows + [rows[0]] * padding_rows,
+                                  params=params.get("vision") if self.vision.trained else None)
 
     def scored(self, batch: dict[str, np.ndarray], out: Any, n: int, max_new_tokens: int, rng: Array, *,
                images: ImagePrompt | None = None) -> Rollout:
@@ -236,8 +238,10 @@ class RolloutGenerator:
             if self.vision is not None:  # in the compute dtype every pass rounds them to first: the same bits
                 dtype = as_jnp_dtype(self.vision.compute_dtype, allowed=COMPUTE_DTYPES, what="actor.compute_dtype")
                 fields.update({k: v.astype(dtype) for k, v in fields.items() if k in ("features", "deepstack")})
-            placed = to_device_if_rows_split({k: fields.pop(k) for k in ("positions", "slots")}, mesh)
-            row_imgs = RowImages(**placed, **{k: rows_sharded(v, mesh) for k, v in fields.items()})
+            host = ("positions", "slots", "tower")  # host arrays (a trained tower's pixels too): placed by rows
+            placed: dict[str, Any] = to_device_if_rows_split({k: fields.pop(k) for k in host if k in fields}, mesh)
+            placed.update({k: rows_sharded(v, mesh) for k, v in fields.items() if k != "vision"})
+            row_imgs = RowImages(**placed, vision=fields.get("vision"))
         return Rollout(
             input_ids=input_ids, attention_mask=attention_mask,
             response_mask=jnp.asarray(response_mask, jnp.float32),

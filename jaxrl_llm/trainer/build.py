@@ -114,7 +114,12 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
     spec = dataclasses.replace(spec, model=packing_for(spec.model, policy_cfg))
-    actor, reference, teacher, critic = _load_roles(spec, policy_cfg, mesh, tokenizer)
+    vision = None if image_tokens is None else load_vision_tower(
+        spec.model.path, policy_cfg, image_tokens, tokenizer, mesh=mesh, compute_dtype=spec.actor.compute_dtype,
+        seed=t.seed, trained=not spec.actor.freeze_vision_tower)
+    # a trained tower is the actor's params["vision"]: updated, checkpointed and read by the sampler with the rest
+    actor, reference, teacher, critic = _load_roles(spec, policy_cfg, mesh, tokenizer,
+                                                    vision_params=vision.params if vision and vision.trained else None)
     reward_manager = build_reward_manager(spec.reward)
     reward_model, judge = None, None
     if spec.reward_model is not None and spec.reward_model.style == "generative":
@@ -123,9 +128,6 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.roles.reward_model import RewardModel
 
         reward_model = RewardModel.load(spec.reward_model, tokenizer)
-    vision = None if image_tokens is None else load_vision_tower(
-        spec.model.path, actor.model_cfg, image_tokens, tokenizer, mesh=mesh, compute_dtype=spec.actor.compute_dtype,
-        seed=t.seed)
     generator = RolloutGenerator(model_cfg=actor.model_cfg, mesh=mesh, tokenizer=tokenizer,
                                  reward_manager=reward_manager, reward_model=reward_model,
                                  compute_dtype=spec.actor.compute_dtype, engine=spec.rollout_engine,
@@ -193,10 +195,12 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     return spec, plan, tokenizer, (train, val), image_tokens
 
 
-def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer
+def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer,
+                vision_params: dict | None = None
                 ) -> tuple[TrainedRole, ReferenceRole | None, TeacherRole | None, TrainedRole | None]:
     """The actor (policy), the reference, the distillation teacher and the critic, as the spec asks; `policy_cfg`:
-    the policy's config (`model_config_of`), checked here before any weight loads."""
+    the policy's config (`model_config_of`), checked here before any weight loads. `vision_params`: a trained
+    vision tower's, the actor's (and the reference's) params["vision"]."""
     seed = spec.trainer.seed
     teacher_tokenizer = None
     if spec.distillation is not None:  # the teacher's vocabulary
@@ -215,6 +219,8 @@ def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: T
         raise ConfigError(f"mesh.expert={experts_split} does not divide the policy's {model_cfg.num_experts} "
                           "experts (each device holds num_experts / mesh.expert of them)")
     check_context(model_cfg, spec.plan.max_tokens_per_sequence)
+    if vision_params is not None:
+        params = {**params, "vision": vision_params}
     lora = spec.model.lora  # LoRA: adapters trained on the frozen `params` (roles/trained.py)
     actor = make_trained_role("actor", model_cfg, params, spec.actor_optim,
                               functools.partial(update_actor, model_cfg=model_cfg, s=spec.actor,

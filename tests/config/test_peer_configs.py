@@ -366,8 +366,8 @@ def test_rolls_judge_prompt_is_read_from_rolls_checkout():
 def test_verl_vision_language_recipe_imports(tmp_path, monkeypatch):
     """veRL's Qwen2.5-VL geometry recipe as its script spells it (data.image_key, a VL model path, vLLM's
     multimodal-cache switch): it imports with the image column, the model and the packing it names, and the
-    vLLM-only keys listed as changing nothing here; veRL's freeze_vision_tower either way is accepted (the tower
-    stays frozen here, docs/vision.md)."""
+    vLLM-only keys listed as changing nothing here; veRL's freeze_vision_tower is ours (False: the tower trains,
+    docs/vision.md)."""
     script = tmp_path / "run_qwen2_5_vl.sh"
     script.write_text("python3 -m verl.trainer.main_ppo \\\n" + " \\\n".join(f"    {item}" for item in [
         "algorithm.adv_estimator=grpo", "data.train_files=/data/geo3k/train.parquet",
@@ -383,6 +383,7 @@ def test_verl_vision_language_recipe_imports(tmp_path, monkeypatch):
     assert (cfg.data.image_key, cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.rollout.n) == (
         "images", "/models/Qwen2.5-VL-7B-Instruct", 5)
     assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.data.max_prompt_length == 1024
+    assert cfg.actor_rollout_ref.actor.freeze_vision_tower is True
     cfg, _ = resolve_command_line(default_config(), [f"{A}.freeze_vision_tower=False"], import_path=str(script),
                                   num_devices=8, check_paths=False)
-    assert cfg.actor_rollout_ref.actor.use_kl_loss
+    assert cfg.actor_rollout_ref.actor.use_kl_loss and cfg.actor_rollout_ref.actor.freeze_vision_tower is False

@@ -187,3 +187,23 @@ def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
         got = reloaded(**hf_inputs(ids, mask, pixels)).logits.numpy()
     valid = mask.astype(bool)
     np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+
+
+def test_a_trained_towers_row_features_are_the_batchs(checkpoint):
+    # actor.freeze_vision_tower=False: each row's pixels through SigLIP and the projector give its image tokens'
+    # features as the batch's tower does
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models.vision.tower_rows import prompt_tower_rows, row_tower_features
+
+    _, folder = checkpoint
+    ids, mask, pixels, grid = batch()
+    vl, vision = load_vision_tower(folder)
+    prompt = image_prompt(vision, vl, ids, mask, pixels, grid)
+    rows = prompt_tower_rows(vl.vision, pixels, grid, [1, 2], 8)
+    assert rows.pixels.shape == (2, 2, 3, 56, 56)  # I = 2: the first prompt repeats its image
+    features, deepstack = row_tower_features(vision, vl.vision, jax.tree.map(jnp.asarray, rows))
+    assert deepstack is None
+    np.testing.assert_allclose(np.asarray(features[0, :4]), np.asarray(prompt.features[:4]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(features[1, :8]), np.asarray(prompt.features[4:12]), atol=1e-5)

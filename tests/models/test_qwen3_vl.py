@@ -168,3 +168,34 @@ def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
         got = reloaded(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
     valid = mask.astype(bool)
     np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+
+
+def test_a_trained_towers_row_features_are_the_batchs(checkpoint):
+    # actor.freeze_vision_tower=False: each row's pixels through the tower (models/vision/tower_rows.py) give the
+    # features and deepstack features the batch's image-by-image tower gives its image tokens
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models.vision.qwen_vl import feature_bucket
+    from jaxrl_llm.models.vision.tower_rows import prompt_tower_rows, row_tower_features
+
+    _, folder = checkpoint
+    ids, mask, pixels, grid = batch()
+    vl, vision = load_vision_tower(folder)
+    prompt = image_prompt(vision, vl, ids, mask, pixels, grid)
+    counts = [1, 2]
+    room = feature_bucket(int((np.asarray(prompt.slots) >= 0).sum(axis=1).max()))
+    rows = prompt_tower_rows(vl.vision, pixels, grid, counts, room)
+    features, deepstack = row_tower_features(vision, vl.vision, jax_tree(jnp.asarray, rows))
+    per_row = (grid.prod(-1) // 4).tolist()  # 6; 4 + 8 features
+    own = [(0, per_row[0]), (per_row[0], per_row[0] + per_row[1] + per_row[2])]
+    for b, (start, end) in enumerate(own):
+        np.testing.assert_allclose(np.asarray(features[b, :end - start]), np.asarray(prompt.features[start:end]),
+                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(deepstack[b, :, :end - start]),
+                                   np.asarray(prompt.deepstack[:, start:end]), atol=1e-5)
+
+
+def jax_tree(fn, tree):
+    import jax
+
+    return jax.tree.map(fn, tree)

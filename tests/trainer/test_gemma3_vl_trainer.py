@@ -108,3 +108,17 @@ def test_grpo_on_pictures_reads_the_same_images_in_the_sampler_and_the_trainer_a
                            engine=engine).token_ids[0]
         np.testing.assert_array_equal(got, expected[:len(got)])
         assert len(got) == 6 or got[-1] in (reloaded.config.eos_token_ids or ())
+
+
+def test_a_trained_gemma3_tower_moves_and_the_sampler_reads_it(gemma3_folder, tmp_path):
+    # actor.freeze_vision_tower=False: SigLIP and the projector are the actor's params["vision"]
+    cfg = tiny_runs.tiny_config(tmp_path / "run", "grpo_vl_tiny.py", **{
+        f"{ARR}.model.path": str(gemma3_folder), "data.tokenizer": str(gemma3_folder),
+        f"{ARR}.actor.freeze_vision_tower": False, "trainer.total_training_steps": 2, f"{ARR}.actor.optim.lr": 1e-2})
+    trainer = Trainer(tiny_runs.with_reward_file(cfg, tmp_path))
+    before = jax.device_get(trainer.actor.params["vision"])
+    for _ in range(2):  # the second step samples with the tower the first one trained
+        assert trainer.step()["rollout_corr/max_abs_log_ratio"] < 1e-5
+    after = jax.device_get(trainer.actor.params["vision"])
+    assert not np.array_equal(before["projector"]["kernel"], after["projector"]["kernel"])
+    assert not np.array_equal(before["blocks"]["qkv"], after["blocks"]["qkv"])

@@ -275,9 +275,6 @@ SPECIAL: dict[str, Callable[[Mapper, str, Any], None]] = {
     "actor_rollout_ref.ref.router_replay.replay_file": _NO_ROUTING_FILES,
     # the sampler records its routing whenever actor.router_replay = rollout (R3 above)
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": lambda m, src, value: None,
-    # a vision-language policy's tower is frozen here whatever the value (veRL trains it unless True: veRL's
-    # default False is in every full veRL YAML, text policies' too; docs/vision.md says so)
-    "actor_rollout_ref.actor.freeze_vision_tower": lambda m, src, value: None,
 }
 
 # keys that configure only veRL's own machinery (on top of overrides.TORCH_ONLY_PATTERNS)

@@ -33,11 +33,13 @@ from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, qwen3_image_features
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, image_features
 from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, siglip_features
+from jaxrl_llm.models.vision.tower_rows import TowerRows, row_tower_features
 
 Array = jax.Array
 QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' vocabulary (config.json's default)
 
 
+@jax.tree_util.register_static  # carried by `RowImages` through jit as static data (a trained tower's config)
 @dataclasses.dataclass(frozen=True)
 class VisionLanguage:
     """What a Qwen2.5-VL / Qwen3-VL / Gemma 3 policy adds to its text model: the tower's config and the image token
@@ -171,11 +173,18 @@ class ImagePrompt(NamedTuple):
     features: Array  # [M, H] fp32 image features
     deltas: Array  # [B] int32: added to each row's 1-D position when it decodes
     deepstack: Array | None = None  # [D, M, H] Qwen3-VL's deepstack features (None: Qwen2.5-VL)
+    # a trained tower's: each prompt's images as pixels (host arrays, models/vision/tower_rows.py) and the tower
+    tower_rows: TowerRows | None = None
+    vision: VisionLanguage | None = None
 
     @property
     def embeds(self) -> tuple[Array, ...]:
         """`forward_hidden`'s embeds: (slots, features[, deepstack])."""
         return (self.slots, self.features) if self.deepstack is None else (self.slots, self.features, self.deepstack)
+
+    def for_sampler(self) -> ImagePrompt:
+        """What a sampler reads (the features): without a trained tower's pixels."""
+        return self._replace(tower_rows=None, vision=None)
 
 
 class RowImages(NamedTuple):
@@ -186,6 +195,19 @@ class RowImages(NamedTuple):
     slots: Array  # int32 [N, T]: the row's own feature each image token takes, -1 elsewhere
     features: Array  # [N, K, H] each row's image features (K: the most any row holds, bucketed; zeros past a row's)
     deepstack: Array | None = None  # [N, D, K, H] Qwen3-VL's deepstack features (None: Qwen2.5-VL)
+    # a trained tower (actor.freeze_vision_tower=False): each row's pixels, from which every pass computes the
+    # features with the params it reads (`with_tower_features`); `vision`: the tower's config (static)
+    tower: TowerRows | None = None
+    vision: VisionLanguage | None = None
+
+    def with_tower_features(self, vision_params: Mapping[str, Any], dtype: DType) -> RowImages:
+        """These rows with their features (and deepstack) computed from their pixels by the tower at
+        `vision_params` (the pass's own params: the update differentiates through them); unchanged without pixels."""
+        if self.tower is None:
+            return self
+        assert self.vision is not None
+        features, deepstack = row_tower_features(vision_params, self.vision.vision, self.tower, dtype=dtype)
+        return self._replace(features=features, deepstack=deepstack)
 
     def decoder_inputs(self) -> tuple[Array, tuple[Array, ...]]:
         """(positions [3, N, T], embeds) as `forward_hidden` takes them."""
@@ -206,6 +228,9 @@ class RowImages(NamedTuple):
         extra = count - self.features.shape[1]
         if extra <= 0:
             return self
+        if self.tower is not None:
+            raise ValueError("joining rollouts whose rows carry a trained tower's pixels is not supported (DAPO's "
+                             "group filter with actor.freeze_vision_tower=False)")
         deepstack = None if self.deepstack is None else jnp.pad(self.deepstack, ((0, 0), (0, 0), (0, extra), (0, 0)))
         return self._replace(features=jnp.pad(self.features, ((0, 0), (0, extra), (0, 0))), deepstack=deepstack)
 
@@ -246,6 +271,12 @@ def row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, n: int, response_le
     if prompt.deepstack is not None:  # [D, M, H] -> each row's [D, K, H], as its features
         deep = jnp.moveaxis(jnp.take(jnp.asarray(prompt.deepstack), take, axis=1), 0, 1)  # [B, D, K, H]
         out["deepstack"] = jnp.repeat(jnp.where(keep[:, None, :, None], deep, 0), n, axis=0)
+    if prompt.tower_rows is not None:  # a trained tower's pixels, each prompt's for its n rows, K slots as above
+        rows = prompt.tower_rows
+        index = np.zeros((len(slots), room), np.int32)
+        index[:, :min(room, rows.feature_index.shape[1])] = np.asarray(rows.feature_index)[:, :room]
+        out["tower"] = jax.tree.map(lambda x: np.repeat(np.asarray(x), n, axis=0), rows._replace(feature_index=index))
+        out["vision"] = prompt.vision
     return out
 
 
