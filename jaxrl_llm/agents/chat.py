@@ -24,6 +24,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from jaxrl_llm.data.images import decode_image
+from jaxrl_llm.data.vision_prompts import ImageTokens, expand_image_tokens, with_image_tokens
 from jaxrl_llm.hf.tokenizer import Tokenizer, render_chat
 
 _SENTINEL = "\u2063JAXRL-ASSISTANT-CONTENT\u2063"
@@ -46,13 +50,14 @@ class TemplateError(ValueError):
 
 class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer, tools: Sequence[dict] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 template_kwargs: Mapping[str, Any] | None = None, image_tokens: ImageTokens | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("the tokenizer has no chat_template: multi-turn rollouts render turns through it")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, for every render
         self.eos_text: str = tokenizer.eos_token or ""
+        self.image_tokens = image_tokens  # a vision-language policy's: how a prompt's images become its tokens
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         extra = {"tools": self.tools} if self.tools else {}
@@ -86,8 +91,26 @@ class ChatRenderer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def prompt_ids(self, messages: Sequence[dict], images: Sequence[Any] = ()) -> list[int]:
+        """The ids of a conversation's opening (generation prompt added); with `images` (a vision-language
+        policy's: its `<image>` placeholders in order), each image as the policy's image tokens, as the
+        single-turn records have them (data/vision_prompts.py)."""
+        return self.encode_with_images(messages, images, add_generation_prompt=True)
+
+    def encode_with_images(self, messages: Sequence[dict], images: Sequence[Any], *,
+                           add_generation_prompt: bool) -> list[int]:
+        """The rendered conversation's ids, its images (if any) as the policy's image tokens."""
+        if not images:
+            return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt))
+        tokens = self.image_tokens
+        if tokens is None:
+            raise ValueError(f"a multi-turn prompt with {len(images)} image(s), but the policy reads text only")
+        decoded = [decode_image(image, f"multi-turn prompt: image {i}") for i, image in enumerate(images)]
+        marked = with_image_tokens(list(messages), tokens.placeholder)
+        assert not isinstance(marked, str)
+        ids = self.encode(tokens.after_render(self.render(marked, add_generation_prompt=add_generation_prompt)))
+        return expand_image_tokens(np.asarray(ids), [tokens.tokens_for(*image.size) for image in decoded],
+                                   tokens.image_token_id, "multi-turn prompt").tolist()
 
     def split_model_text(self, text: str, finish_reason: str) -> tuple[str, str]:
         """(content for the template, tail the template renders itself): the EOS text when the turn

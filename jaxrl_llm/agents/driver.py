@@ -261,11 +261,12 @@ def run_multi_turn(trajectories: Sequence[Trajectory], continue_fn: ContinueFn, 
                 break
             active_budgets = [budget for _, budget in active]
             prefixes = [t.ids for t, _ in active]
+            extra: dict[str, Any] = {}
             if record_routing:
-                outs = list(continue_fn(prefixes, active_budgets, stops,
-                                        routings=[t.prefix_routing() for t, _ in active]))  # pyright: ignore[reportCallIssue]
-            else:
-                outs = list(continue_fn(prefixes, active_budgets, stops))
+                extra["routings"] = [t.prefix_routing() for t, _ in active]
+            if any(t.prompt_images is not None for t, _ in active):  # a vision-language prompt's images
+                extra["images"] = [t.prefix_images() for t, _ in active]
+            outs = list(continue_fn(prefixes, active_budgets, stops, **extra))  # pyright: ignore[reportCallIssue]
             _check_outputs(outs, active_budgets)
             outcomes: list[tuple[Trajectory, TurnOutcome]] = []
             for (t, _), o in zip(active, outs):

@@ -59,7 +59,9 @@ def trajectories_from_rows(rows: Sequence[Mapping[str, Any]], renderer: ChatRend
         prompt_ids = None
         for _ in range(n):  # the prompt is tokenized once per row
             env = interactions[name]() if interactions and name is not None else None
-            t = Trajectory.start(renderer, messages, row=dict(row), env=env, prompt_ids=prompt_ids)
+            pictures = row.get("images")  # a vision-language row's, its placeholders' in order
+            t = Trajectory.start(renderer, messages, row=dict(row), env=env, prompt_ids=prompt_ids,
+                                 images=[] if pictures is None else list(pictures))
             prompt_ids = t.prompt_ids if env is None else None  # an env's first message may differ per copy
             trajs.append(t)
     return trajs

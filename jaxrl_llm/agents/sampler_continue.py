@@ -26,6 +26,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_batch, left_pad, sample
+from jaxrl_llm.sampler.engine.scheduler import RequestImages, batch_image_prompt
 from jaxrl_llm.sharding import batch_axis_size, shard_batch
 
 
@@ -51,10 +52,11 @@ class StaticSamplerContinue:
         self.calls = 0
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
-                 ) -> list[Generated]:
+                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None,
+                 images: Sequence[RequestImages | None] | None = None) -> list[Generated]:
         """`routings`: record a MoE model's routing, each prefix replaying its experts so far (None or
-        NOT_RECORDED rows: the router's choice); each `Generated` then carries its whole record."""
+        NOT_RECORDED rows: the router's choice); each `Generated` then carries its whole record. `images`: a
+        vision-language policy's, per prefix (`Trajectory.prefix_images`)."""
         if not prefixes or len(prefixes) != len(max_new_tokens) or min(max_new_tokens) < 1:
             raise ValueError(f"StaticSamplerContinue: {len(prefixes)} prefixes and budgets {list(max_new_tokens)} "
                              "(need one budget >= 1 per prefix)")
@@ -72,10 +74,14 @@ class StaticSamplerContinue:
         if self.mesh is not None:
             ids, mask = shard_batch((ids, mask), self.mesh)
             replay = None if replay is None else shard_batch(replay, self.mesh)
+        prompt_images = None
+        if images is not None:  # the padding rows repeat the first prefix (its images too)
+            rows_images = list(images) + [images[0]] * (rows - len(prefixes))
+            prompt_images = batch_image_prompt(rows_images, [len(p) for p in batch], ids.shape[1])
         rng = jax.random.fold_in(jax.random.key(params.seed), self.calls)
         self.calls += 1
         out = sample(self.params, self.cfg, ids, mask, rng, knobs, settings=settings, mesh=self.mesh,
-                     prompt_routing=replay)
+                     prompt_routing=replay, images=prompt_images)
         return cut_to_budgets(out, max_new_tokens, [len(p) for p in prefixes])
 
 

@@ -82,10 +82,13 @@ class TrajectorySource:
                 continue
             ids = t.ids
             routing = t.prefix_routing() if self.record_routing else None
-            # one prefill per prefix: the same ids and, when replaying, the same experts
-            same = (tuple(ids), None if routing is None else routing.tobytes())
+            images = t.prefix_images()
+            # one prefill per prefix: the same ids and, when replaying, the same experts; with images, the same
+            # pictures too (their tokens' ids do not tell two pictures of one size apart)
+            same = (tuple(ids), None if routing is None else routing.tobytes(),
+                    None if images is None else id(t.prompt_images))
             group = shared.setdefault(same, next(self.groups))
-            out.append(EngineRequest(ids, (k, t.assistant_turns), group, budget, routing))
+            out.append(EngineRequest(ids, (k, t.assistant_turns), group, budget, routing, images))
         self.ready = []
         return out
 

@@ -105,13 +105,20 @@ class Trajectory:
     # routing replay: the experts the sampler ran for the first len(routing) ids [n, L, k] (the last
     # generation's record: its prefix replayed the earlier turns' experts); None when not recording
     routing: Any = None
+    # a vision-language prompt's images (its `<image>` placeholders in order): its prompt ids hold their tokens,
+    # and every continuation of the conversation reads them (rollout/multi_turn.py)
+    images: list = dataclasses.field(default_factory=list)
+    # the prompt's images as the sampler reads them (sampler.engine.scheduler.RequestImages), set by the rollout
+    prompt_images: Any = None
     _tail: str = ""  # what the last model turn emitted after its content (its EOS text or "")
 
     @classmethod
     def start(cls, renderer: ChatRenderer, messages: Sequence[dict], *, row: dict | None = None,
-              env: Any = None, prompt_ids: Sequence[int] | None = None) -> "Trajectory":
+              env: Any = None, prompt_ids: Sequence[int] | None = None, images: Sequence[Any] = ()
+              ) -> "Trajectory":
         """A trajectory at its prompt. With `env`, `env.reset(row)`'s first message is appended to
-        `messages` as a user turn. `prompt_ids`: already tokenized prompt (default: rendered here)."""
+        `messages` as a user turn. `prompt_ids`: already tokenized prompt (default: rendered here, with `images`'
+        tokens where its placeholders are)."""
         messages = [dict(m) for m in messages]
         row = dict(row or {})
         if env is not None:
@@ -120,13 +127,18 @@ class Trajectory:
                 messages.append({"role": "user", "content": first})
         if not messages:
             raise ValueError("Trajectory.start: no prompt messages (and no environment first message)")
-        ids = list(prompt_ids) if prompt_ids is not None else renderer.prompt_ids(messages)
-        return cls(renderer=renderer, messages=messages, segments=[Segment("prompt", ids)], row=row, env=env)
+        ids = list(prompt_ids) if prompt_ids is not None else renderer.prompt_ids(messages, images)
+        return cls(renderer=renderer, messages=messages, segments=[Segment("prompt", ids)], row=row, env=env,
+                   images=list(images))
 
     # ------------------------------------------------------------------ views for the trainer
     @property
     def prompt_ids(self) -> list[int]:
         return list(self.segments[0].ids)
+
+    def prefix_images(self) -> Any:
+        """The sampler's image inputs for the conversation so far (its prompt's, the later tokens text), or None."""
+        return None if self.prompt_images is None else self.prompt_images.extended(len(self.ids))
 
     @property
     def ids(self) -> list[int]:
@@ -212,7 +224,7 @@ class Trajectory:
         """None when the ids equal (a prefix of) the tokenized rendering of the whole conversation,
         else a message with the first mismatching position (veRL's tokenization sanity check)."""
         last_model = self.segments[-1].kind == "model"
-        expected = self.renderer.encode(self.renderer.render(self.messages, add_generation_prompt=not last_model))
+        expected = self.renderer.encode_with_images(self.messages, self.images, add_generation_prompt=not last_model)
         ids = self.ids
         first = next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), None)
         if first is None and len(ids) > len(expected):

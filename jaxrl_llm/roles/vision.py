@@ -181,15 +181,14 @@ def check_vision_run(spec: RunSpec) -> None:
     arr = "actor_rollout_ref"
     refused = {
         "critic.enable=True (a critic reading images)": spec.critic is not None,
-        f"{arr}.rollout.multi_turn.enable=True": spec.multi_turn is not None,
         f"{arr}.rollout.partial.enable=True": spec.partial.active,
         "algorithm.distillation.enable=True": spec.distillation is not None,
         f"{arr}.rollout.speculative.method": spec.rollout_engine.speculative is not None,
     }
     for key, on in refused.items():
         if on:
-            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs single-turn, without a "
-                              "critic, a teacher, speculative decoding or partial rollouts for now (docs/vision.md)")
+            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs without a critic, a "
+                              "teacher, speculative decoding or partial rollouts for now (docs/vision.md)")
     if spec.actor.freeze_vision_tower:
         return
     trained = {  # what a trained tower does not go with yet

@@ -8,6 +8,7 @@ sample j of prompt i, and `group_ids[row] = i`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.data.loader import METADATA_KEYS
 from jaxrl_llm.models.moe import NOT_RECORDED
-from jaxrl_llm.models.vision.qwen_vl import RowImages
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt, RowImages
 from jaxrl_llm.rewards import RewardManager, RewardResult
 from jaxrl_llm.shapes import next_power_of_two
 from jaxrl_llm.sharding import batch_axes
@@ -215,3 +216,38 @@ def concat_rollouts(parts: list[Rollout], mesh: Mesh) -> Rollout:
         reward_metrics={k: float((np.sum if k.startswith("reward/num_") else np.mean)(
                             [p.reward_metrics.get(k, 0.0) for p in parts])) for k in parts[0].reward_metrics},
         routing=joined_routing)
+
+
+def rollout_row_images(prompt: ImagePrompt, prompt_mask: np.ndarray, width: int, mesh: Mesh, vision: Any, *,
+                       n: int = 1) -> RowImages:
+    """A rollout's `RowImages` (on the mesh, rows split as the batch's) from its prompts' `ImagePrompt`
+    (`prompt_mask`: one host row per prompt), n rows per prompt, `width` response columns. The features stay on the
+    devices, gathered row by row there, in the policy's compute dtype (`vision.compute_dtype`): every pass rounds
+    them to it first, so they keep the same bits in half the bytes under bf16; a trained tower's pixels go to the
+    devices by rows."""
+    from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
+    from jaxrl_llm.models.vision.qwen_vl import row_images
+    from jaxrl_llm.sharding import to_device_if_rows_split
+
+    fields = row_images(prompt, prompt_mask, n, width)
+    dtype = as_jnp_dtype(vision.compute_dtype, allowed=COMPUTE_DTYPES, what="actor.compute_dtype")
+    fields.update({k: v.astype(dtype) for k, v in fields.items() if k in ("features", "deepstack")})
+    host = ("positions", "slots", "tower")  # host arrays: placed by rows
+    placed: dict[str, Any] = to_device_if_rows_split({k: fields.pop(k) for k in host if k in fields}, mesh)
+    placed.update({k: rows_sharded(v, mesh) for k, v in fields.items() if k != "vision"})
+    return RowImages(**placed, vision=fields.get("vision"))
+
+
+def rows_sharded(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """A device array (the tower's features, per row) with its rows over the mesh's batch axes, as `to_device`
+    places host rows, resharded on the devices (a short batch the axes do not divide stays as it is)."""
+    from jaxrl_llm.sharding import batch_axis_size, batch_sharding
+
+    if x.shape[0] % batch_axis_size(mesh):
+        return x
+    return _resharded(x, batch_sharding(mesh, x.ndim))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _resharded(x: jax.Array, sharding: Any) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -26,10 +26,9 @@ from jax.sharding import Mesh
 from jaxrl_llm.bookkeeping.nonfinite import sanitize_scores
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
-from jaxrl_llm.models.vision.qwen_vl import ImagePrompt, RowImages, row_images
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
 from jaxrl_llm.rewards import RewardManager
-from jaxrl_llm.rollout.batch import Rollout, response_bucket, rows_meta, score_responses
+from jaxrl_llm.rollout.batch import Rollout, response_bucket, rollout_row_images, rows_meta, score_responses
 from jaxrl_llm.rollout.multi_turn import generate_multi_turn
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, eos_ids_of, left_pad, sample
 from jaxrl_llm.sampler.core import SampleOutput
@@ -38,7 +37,6 @@ from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec,
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sharding import (
     batch_axis_size,
-    batch_sharding,
     on_own_mesh,
     to_device,
     to_device_if_rows_split,
@@ -234,14 +232,7 @@ class RolloutGenerator:
         row_imgs = None
         if images is not None:
             prompt_mask = np.asarray(to_host(out.prompt_mask))[::n]
-            fields = row_images(images, prompt_mask, n, width)
-            if self.vision is not None:  # in the compute dtype every pass rounds them to first: the same bits
-                dtype = as_jnp_dtype(self.vision.compute_dtype, allowed=COMPUTE_DTYPES, what="actor.compute_dtype")
-                fields.update({k: v.astype(dtype) for k, v in fields.items() if k in ("features", "deepstack")})
-            host = ("positions", "slots", "tower")  # host arrays (a trained tower's pixels too): placed by rows
-            placed: dict[str, Any] = to_device_if_rows_split({k: fields.pop(k) for k in host if k in fields}, mesh)
-            placed.update({k: rows_sharded(v, mesh) for k, v in fields.items() if k != "vision"})
-            row_imgs = RowImages(**placed, vision=fields.get("vision"))
+            row_imgs = rollout_row_images(images, prompt_mask, width, mesh, self.vision, n=n)
         return Rollout(
             input_ids=input_ids, attention_mask=attention_mask,
             response_mask=jnp.asarray(response_mask, jnp.float32),
@@ -252,17 +243,3 @@ class RolloutGenerator:
             meta=meta, reward_extra_info=extra, reward_metrics=reward_metrics,
             routing=None if out.routing is None else jnp.asarray(out.routing[:, :input_ids.shape[1]]),
             images=row_imgs)
-
-
-
-def rows_sharded(x: Array, mesh: Mesh) -> Array:
-    """A device array (the tower's features, per row) with its rows over the mesh's batch axes, as `to_device`
-    places host rows, resharded on the devices (a short batch the axes do not divide stays as it is)."""
-    if x.shape[0] % batch_axis_size(mesh):
-        return x
-    return _resharded(x, batch_sharding(mesh, x.ndim))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _resharded(x: Array, sharding: Any) -> Array:
-    return jax.lax.with_sharding_constraint(x, sharding)

@@ -57,11 +57,15 @@ from jaxrl_llm.agents import (
 from jaxrl_llm.agents.sampler_continue import StaticSamplerContinue, cut_to_budgets, round_sampling, tool_call_stop_ids
 from jaxrl_llm.bookkeeping.nonfinite import sanitize_scores
 from jaxrl_llm.config.spec import MultiTurnSpec
+from jaxrl_llm.data.vision_prompts import ImageTokens
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.rollout.batch import Rollout, response_bucket, rows_meta, score_responses
+from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
+from jaxrl_llm.rollout.batch import Rollout, response_bucket, rollout_row_images, rows_meta, score_responses
 from jaxrl_llm.sampler import SamplingParams, bucket_length
+from jaxrl_llm.sampler.engine.scheduler import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, prompt_room, sized_engine
+from jaxrl_llm.sampler.host import left_pad
 from jaxrl_llm.sharding import to_device_if_rows_split
 
 log = logging.getLogger("jaxrl_llm")
@@ -86,9 +90,10 @@ class PagedContinue:
         self.num_requests, self.max_prompt_len = num_requests, max_prompt_len
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
-                 ) -> list[Generated]:
-        """`routings`: record the routing, each prefix's prefill replaying its experts so far."""
+                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[Generated]:
+        """`routings`: record the routing, each prefix's prefill replaying its experts so far; `images`: each
+        prefix's (`RequestImages`, a vision-language policy's)."""
         # the programs' width: the response length (a round's largest budget is at most that), not
         # rounded, as the streaming path's, so both build the same engine
         width = max(self.sampling.max_new_tokens, max(max_new_tokens))
@@ -105,7 +110,7 @@ class PagedContinue:
                               max_prompt_len=prompt_room(room, self.max_prompt_len), settings=settings, mesh=self.mesh)
         out, _ = engine.run(self.params, [list(p) for p in prefixes], jax.random.fold_in(self.rng, self.calls),
                             knobs, settings, prompt_routing=replay, draft_params=self.draft_params,
-                            max_new_tokens=list(max_new_tokens))
+                            max_new_tokens=list(max_new_tokens), images=None if images is None else list(images))
         self.calls += 1
         return cut_to_budgets(out, max_new_tokens, [len(p) for p in prefixes])
 
@@ -120,27 +125,32 @@ class FixedShapeContinue:
         self.inner, self.rows = inner, rows
 
     def __call__(self, prefixes: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None
-                 ) -> list[Generated]:
+                 stop_token_ids: Sequence[int] = (), *, routings: Sequence[np.ndarray | None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[Generated]:
         k = len(prefixes)
         pad = max(self.rows - k, 0)
         padded = (list(prefixes) + [prefixes[0]] * pad, list(max_new_tokens) + [max_new_tokens[0]] * pad,
                   stop_token_ids)
-        out = self.inner(*padded) if routings is None else self.inner(
-            *padded, routings=list(routings) + [routings[0]] * pad)
-        return list(out[:k])
+        extra: dict[str, Any] = {}
+        if routings is not None:
+            extra["routings"] = list(routings) + [routings[0]] * pad
+        if images is not None:
+            extra["images"] = list(images) + [images[0]] * pad
+        return list(self.inner(*padded, **extra)[:k])
 
 
 class MultiTurn:
     """Tools, interactions, the chat renderer and the limits of multi-turn rollouts."""
 
-    def __init__(self, spec: MultiTurnSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: MultiTurnSpec, tokenizer: Tokenizer, image_tokens: ImageTokens | None = None) -> None:
         if tokenizer is None:
             raise ValueError("actor_rollout_ref.rollout.multi_turn.enable needs a tokenizer with a chat template")
         self.spec = spec
         self.tools = load_tools(spec.tool_config_path) if spec.tool_config_path else {}
         self.interactions = load_interactions(spec.interaction_config_path) if spec.interaction_config_path else None
-        self.renderer = ChatRenderer(tokenizer, tools=[t.tool_schema for t in self.tools.values()] or None)
+        # a vision-language policy's prompts open with their images' tokens (agents/chat.py)
+        self.renderer = ChatRenderer(tokenizer, tools=[t.tool_schema for t in self.tools.values()] or None,
+                                     image_tokens=image_tokens)
         self.stop_ids = tool_call_stop_ids(tokenizer) if self.tools else ()
 
     def limits(self, response_length: int) -> TurnLimits:
@@ -154,8 +164,26 @@ def _rows(batch: dict[str, np.ndarray]) -> list[dict]:
     if "raw_prompt" not in batch:
         raise ValueError("multi-turn rollouts need the rows' chat messages (the batch has no raw_prompt; "
                          "data.return_raw_chat is forced on with multi_turn.enable)")
-    keys = [k for k in ("data_source", "extra_info") if k in batch]
+    keys = [k for k in ("data_source", "extra_info", "images") if k in batch]
     return [{"prompt": p, **{k: batch[k][i] for k in keys}} for i, p in enumerate(batch["raw_prompt"])]
+
+
+def _trajectory_images(gen: Any, trajs: list, params: dict, pad_id: int, prompt_width: int) -> ImagePrompt | None:
+    """A vision-language policy's trajectories' prompt images: the tower run once over every trajectory's prompt
+    (left-padded to `prompt_width`; one row per trajectory, as the training rows); each trajectory's
+    `prompt_images` (what its continuations prefill), shared by the trajectories of one prompt and picture.
+    None when no trajectory has an image."""
+    vision = gen.vision
+    if vision is None or not any(t.images for t in trajs):
+        return None
+    ids, mask = left_pad([t.prompt_ids for t in trajs], pad_id, length=prompt_width)
+    prompt = vision.prompt(ids, mask, [t.images for t in trajs],
+                           params=params.get("vision") if vision.trained else None)
+    shared: dict[tuple, Any] = {}
+    for t, request in zip(trajs, RequestImages.of_batch(prompt, mask)):
+        if t.images:  # one object per (prompt, pictures): the paged engine prefills it once for its samples
+            t.prompt_images = shared.setdefault((tuple(t.prompt_ids), id(t.row.get("images"))), request)
+    return prompt
 
 
 def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sampling: SamplingParams,
@@ -170,6 +198,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
     if gen.max_prompt_length is not None and longest_prompt > gen.max_prompt_length:
         raise ValueError(f"data.max_prompt_length={gen.max_prompt_length}: a multi-turn prompt has {longest_prompt} "
                          "tokens once the tool instructions / the interaction's first message are added; raise it")
+    images = _trajectory_images(gen, trajs, params, pad_id, bucket_length(longest_prompt))
     s, limits = mt.spec, mt.limits(sampling.max_new_tokens)
     calls: dict[str, Any] = dict(tools=mt.tools, max_parallel_calls=s.max_parallel_calls,
                                  tool_timeout_s=s.tool_call_timeout_s, sanity_check=s.sanity_check,
@@ -246,6 +275,9 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         "response_mask": loss_mask, "rollout_log_probs": padded.rollout_log_probs, "token_scores": token_scores,
         **({} if padded.routing is None else {"routing": padded.routing}),
     }, mesh)
+    row_imgs = None
+    if images is not None:  # each row's images for the trainer's passes (one row per trajectory)
+        row_imgs = rollout_row_images(images, padded.prompt_mask, width, mesh, gen.vision)
     decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
     return Rollout(
         input_ids=arrays["input_ids"], attention_mask=arrays["attention_mask"], response_mask=arrays["response_mask"],
@@ -253,7 +285,7 @@ def generate_multi_turn(gen: Any, batch: dict[str, np.ndarray], params: dict, sa
         group_ids=rows.astype(np.int32), scores=scores, response_lengths=resp_lengths,
         prompt_lengths=np.array([len(t.prompt_ids) for t in trajs], np.int32),
         texts=[decode(t.response_ids) for t in trajs], prompt_texts=[decode(t.prompt_ids) for t in trajs],
-        meta=meta, reward_extra_info=extra, reward_metrics=metrics, routing=arrays.get("routing"))
+        meta=meta, reward_extra_info=extra, reward_metrics=metrics, routing=arrays.get("routing"), images=row_imgs)
 
 
 __all__ = ["FixedShapeContinue", "MultiTurn", "PagedContinue", "generate_multi_turn"]

@@ -110,7 +110,7 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
     if spec.multi_turn is not None:
         from jaxrl_llm.rollout.multi_turn import MultiTurn
 
-        multi_turn = MultiTurn(spec.multi_turn, tokenizer)
+        multi_turn = MultiTurn(spec.multi_turn, tokenizer, image_tokens)
     policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
     spec = dataclasses.replace(spec, model=packing_for(spec.model, policy_cfg))

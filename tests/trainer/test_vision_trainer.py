@@ -187,3 +187,26 @@ def test_the_memory_plan_holds_the_tower_and_the_image_rows(trainer):
     for program in [*programs, actor_update_program(ctx)]:
         shapes = [tuple(a.shape) for a in jax.tree.leaves(program.lower(bp).args_info) if hasattr(a, "shape")]
         assert features in shapes, program.name
+
+
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_multi_turn_conversations_keep_their_images(tmp_path, engine):
+    # the guessing game's turns on picture prompts: every continuation prefills the prompt's image features at its
+    # M-RoPE positions and the later turns at their positions plus the prompt's delta, so each model turn's sampled
+    # log-probs are the trainer's on the whole conversation with its images
+    (tmp_path / "guess.yaml").write_text(tiny_runs.GUESS_YAML)
+    mt = f"{ARR}.rollout.multi_turn"
+    trainer = Trainer(vl_config(tmp_path / "run", tmp_path, **{
+        f"{mt}.enable": True, f"{mt}.interaction_config_path": str(tmp_path / "guess.yaml"),
+        f"{mt}.max_assistant_turns": 3, "data.max_response_length": 48, "data.max_prompt_length": 128,
+        f"{ARR}.rollout.stop_token_ids": list(range(49152)),  # one-token turns: the environment always replies
+        f"{ARR}.rollout.engine": engine, f"{ARR}.model.use_remove_padding": engine == "paged"}))
+    rollout = trainer.generator.generate(next(trainer.train_loader), trainer.actor.model_params,
+                                         trainer.spec.train_sampling, jax.random.key(0))
+    assert rollout.images is not None and rollout.reward_metrics["multi_turn/model_tokens/mean"] >= 2.0  # continued
+    on = np.asarray(rollout.response_mask) > 0
+    sampled = np.asarray(rollout.rollout_log_probs)
+    recomputed = np.asarray(trainer.log_probs(trainer.actor.model_params, rollout))
+    np.testing.assert_allclose(sampled[on], recomputed[on], atol=1e-5, rtol=0)
+    blind = np.asarray(trainer.log_probs(trainer.actor.model_params, dataclasses.replace(rollout, images=None)))
+    assert np.abs(blind - sampled)[on].max() > 1e-3

@@ -142,6 +142,17 @@ class RequestImages:
                                      deepstack=rows["deepstack"][b] if "deepstack" in rows else None))
         return out
 
+    def extended(self, length: int) -> RequestImages:
+        """These images for a longer prefix of `length` tokens (a multi-turn conversation's so far): the tokens after
+        the prompt are text, at their 1-D positions plus the delta in every stream, as decode steps put them."""
+        have = self.positions.shape[1]
+        if length <= have:
+            return self
+        after = np.arange(have, length, dtype=np.int32) + np.int32(self.delta)
+        return dataclasses.replace(
+            self, positions=np.concatenate([self.positions, np.broadcast_to(after, (3, length - have))], axis=1),
+            slots=np.concatenate([self.slots, np.full(length - have, -1, np.int32)]))
+
     def padded(self, width: int) -> programs.PromptImages:
         """As `prefill` takes them for a prompt bucket of `width` tokens; the features padded to a power of two
         (a handful of compiled prefill shapes; on their devices)."""
@@ -158,6 +169,35 @@ class RequestImages:
             deepstack = jnp.pad(deepstack, ((0, 0), (0, extra), (0, 0))) if extra else deepstack
         return programs.PromptImages(jnp.asarray(positions), jnp.asarray(slots), features,
                                      jnp.asarray(self.delta, jnp.int32), deepstack)
+
+
+def batch_image_prompt(requests: Sequence[RequestImages | None], lengths: Sequence[int], width: int
+                       ) -> ImagePrompt | None:
+    """The `ImagePrompt` of prompts left-padded to `width` whose row i (lengths[i] tokens) has requests[i]'s images
+    (None: a text prompt, its plain positions), for the static sampler (a multi-turn round's prefixes); None when no
+    row has images."""
+    if all(r is None for r in requests):
+        return None
+    rows = len(requests)
+    positions = np.zeros((3, rows, width), np.int32)
+    slots = np.full((rows, width), -1, np.int32)
+    deltas = np.zeros((rows,), np.int32)
+    features, deepstack, base = [], [], 0
+    for i, (request, length) in enumerate(zip(requests, lengths)):
+        at = width - length
+        if request is None:
+            positions[:, i, at:] = np.arange(length, dtype=np.int32)
+            continue
+        request = request.extended(length)
+        positions[:, i, at:] = request.positions
+        slots[i, at:] = np.where(request.slots >= 0, request.slots + base, -1)
+        deltas[i] = request.delta
+        features.append(jnp.asarray(request.features))
+        if request.deepstack is not None:
+            deepstack.append(jnp.asarray(request.deepstack))
+        base += int(request.features.shape[0])
+    return ImagePrompt(jnp.asarray(positions), jnp.asarray(slots), jnp.concatenate(features), jnp.asarray(deltas),
+                       jnp.concatenate(deepstack, axis=1) if deepstack else None)
 
 
 class RequestSource(Protocol):
