@@ -177,13 +177,15 @@ def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, 
 
 def check_vision_run(spec: RunSpec) -> None:
     """A ConfigError naming the key for each part of a vision-language policy's run that does not read images
-    yet (docs/vision.md)."""
+    yet (docs/vision.md): a critic, partial rollouts, a distillation teacher, a draft model."""
     arr = "actor_rollout_ref"
     refused = {
         "critic.enable=True (a critic reading images)": spec.critic is not None,
         f"{arr}.rollout.partial.enable=True": spec.partial.active,
         "algorithm.distillation.enable=True": spec.distillation is not None,
-        f"{arr}.rollout.speculative.method": spec.rollout_engine.speculative is not None,
+        # n-gram drafts verify with the policy's own forward (its images read); a draft model reads text only
+        f"{arr}.rollout.speculative.method='draft'": (spec.rollout_engine.speculative is not None
+                                                       and spec.rollout_engine.speculative.uses_draft_model),
     }
     for key, on in refused.items():
         if on:

@@ -210,3 +210,16 @@ def test_multi_turn_conversations_keep_their_images(tmp_path, engine):
     np.testing.assert_allclose(sampled[on], recomputed[on], atol=1e-5, rtol=0)
     blind = np.asarray(trainer.log_probs(trainer.actor.model_params, dataclasses.replace(rollout, images=None)))
     assert np.abs(blind - sampled)[on].max() > 1e-3
+
+
+def test_ngram_speculative_rollouts_read_the_images(tmp_path):
+    # prompt-lookup drafts verified by the policy's own forward over the slots' pages: a verified token's log-prob is
+    # the trainer's on the rows with their images (the verification applies each slot's M-RoPE delta)
+    trainer = Trainer(vl_config(tmp_path / "run", tmp_path, **{
+        f"{ARR}.rollout.engine": "paged", f"{ARR}.rollout.speculative.method": "ngram",
+        f"{ARR}.rollout.speculative.num_tokens": 3}))
+    rollout = trainer.generator.generate(next(trainer.train_loader), trainer.actor.model_params,
+                                         trainer.spec.train_sampling, jax.random.key(0))
+    on = np.asarray(rollout.response_mask) > 0
+    recomputed = np.asarray(trainer.log_probs(trainer.actor.model_params, rollout))
+    np.testing.assert_allclose(np.asarray(rollout.rollout_log_probs)[on], recomputed[on], atol=1e-5, rtol=0)
