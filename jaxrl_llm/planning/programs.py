@@ -513,7 +513,7 @@ def values_program(ctx: Context) -> Program | None:
     if ctx.critic is None or ctx.spec.critic is None:
         return None
     return _forward_program(ctx, "values", "values", "critic_params", ctx.critic, values_no_grad,
-                            compute_dtype=ctx.spec.critic.compute_dtype)
+                            images=_row_images(ctx), compute_dtype=ctx.spec.critic.compute_dtype)
 
 
 def _experience(ctx: Context) -> Experience:

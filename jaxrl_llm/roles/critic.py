@@ -28,7 +28,7 @@ def critic_loss(params: dict, mb: Experience, denoms: Denominators, *, model_cfg
                 s: CriticSpec) -> tuple[jax.Array, dict[str, jax.Array]]:
     mask = mb.response_mask
     vpreds = response_values(params, model_cfg, mb.input_ids, mb.attention_mask, mask.shape[1],
-                             compute_dtype=s.compute_dtype, remat=s.remat, packing=mb.packing)
+                             compute_dtype=s.compute_dtype, remat=s.remat, packing=mb.packing, images=mb.images)
     old_values = required(mb.values, "values", "the critic's value loss")
     loss, clipfrac = compute_value_loss(vpreds, mb.returns, old_values, mask, s.cliprange_value,
                                         s.loss_agg_mode, num_tokens=denoms.num_tokens,

@@ -167,14 +167,19 @@ def teacher_no_grad(params: dict, input_ids: Array, attention_mask: Array, respo
 @functools.partial(jax.jit, static_argnames=("model_cfg", "compute_dtype", "micro_rows"))
 def values_no_grad(params: dict, input_ids: Array, attention_mask: Array, response_mask: Array,
                    packing: PackedLayout | None = None, *, model_cfg: ModelConfig, compute_dtype: str,
-                   micro_rows: int) -> Array:
+                   micro_rows: int, images: RowImages | None = None) -> Array:
+    """Critic values [N, R] `micro_rows` rows at a time (as `log_probs_no_grad`); `images`: the rows' images."""
     response_len = response_mask.shape[1]
 
     def one(chunk: dict) -> Array:
         return response_values(params, model_cfg, chunk["ids"], chunk["mask"], response_len,
-                               compute_dtype=compute_dtype, packing=chunk.get("per_chunk"))
+                               compute_dtype=compute_dtype, packing=chunk.get("per_chunk"),
+                               images=chunk.get("images"))
 
-    return _chunked(one, {"ids": input_ids, "mask": attention_mask}, micro_rows, packing)
+    batch: dict = {"ids": input_ids, "mask": attention_mask}
+    if images is not None:
+        batch["images"] = images
+    return _chunked(one, batch, micro_rows, packing)
 
 
 def _chunked(fn: Any, batch: dict, micro_rows: int, packing: PackedLayout | None) -> Any:

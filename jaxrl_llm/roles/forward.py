@@ -166,16 +166,18 @@ def response_log_probs(params: dict, model_cfg: ModelConfig, input_ids: Array, a
 
 def response_values(params: dict, model_cfg: ModelConfig, input_ids: Array, attention_mask: Array,
                     response_len: int, *, compute_dtype: str = "float32", remat: bool | str = False,
-                    packing: PackedLayout | None = None) -> Array:
+                    packing: PackedLayout | None = None, images: RowImages | None = None) -> Array:
     """Critic values [N, R] fp32 at the positions that predict the response tokens (veRL's
-    `values[:, -response_length - 1 : -1]`); packed as `response_log_probs`."""
+    `values[:, -response_length - 1 : -1]`); packed as `response_log_probs`. `images`: the rows' images (a
+    vision-language critic: the policy's folder, whose frozen tower's features they are)."""
     if packing is not None:
         hidden, _, _ = packed_response_hidden(params, model_cfg, input_ids, packing, response_len,
-                                              compute_dtype=compute_dtype_of(compute_dtype), remat=remat)
+                                              compute_dtype=compute_dtype_of(compute_dtype), remat=remat,
+                                              images=images)
         values = value_from_hidden(params, hidden).astype(jnp.float32)
         return unpack_response(values, packing, input_ids.shape[0], response_len)
     hidden, _ = response_hidden(params, model_cfg, input_ids, attention_mask, response_len,
-                                compute_dtype=compute_dtype, remat=remat)
+                                compute_dtype=compute_dtype, remat=remat, images=images)
     return value_from_hidden(params, hidden).astype(jnp.float32)
 
 

@@ -177,10 +177,13 @@ def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, 
 
 def check_vision_run(spec: RunSpec) -> None:
     """A ConfigError naming the key for each part of a vision-language policy's run that does not read images
-    yet (docs/vision.md): a critic, partial rollouts, a distillation teacher, a draft model."""
+    yet (docs/vision.md): a critic of another model, partial rollouts, a distillation teacher, a draft model."""
     arr = "actor_rollout_ref"
     refused = {
-        "critic.enable=True (a critic reading images)": spec.critic is not None,
+        # a critic reads the rows' features: its folder must be the policy's (the same frozen tower's features)
+        f"critic.model.path={None if spec.critic_model is None else spec.critic_model.path!r} (a critic of another "
+        "model than the policy's folder)": spec.critic is not None and (
+            spec.critic_model is None or spec.critic_model.path != spec.model.path),
         f"{arr}.rollout.partial.enable=True": spec.partial.active,
         "algorithm.distillation.enable=True": spec.distillation is not None,
         # n-gram drafts verify with the policy's own forward (its images read); a draft model reads text only
@@ -194,6 +197,7 @@ def check_vision_run(spec: RunSpec) -> None:
     if spec.actor.freeze_vision_tower:
         return
     trained = {  # what a trained tower does not go with yet
+        "critic.enable=True (the critic's tower would be the policy's trained one)": spec.critic is not None,
         f"{arr}.model.lora_rank > 0 (LoRA trains adapters on the text model; not on the tower)":
             spec.model.lora is not None,
         "algorithm.filter_groups.enable=True (joined rollouts' pixels)": spec.filter_groups.enable,

@@ -276,7 +276,8 @@ class Trainer(Run):
                     how = self.batching.no_grad(plan.values, self.critic.model, rows)
                     values = span.wait(run_no_grad_pass(
                         values_no_grad, self.critic.params, rollout.input_ids, rollout.attention_mask, mask, how,
-                        model_cfg=self.critic.model_cfg, compute_dtype=self.critic.settings.compute_dtype))
+                        images=rollout.images, model_cfg=self.critic.model_cfg,
+                        compute_dtype=self.critic.settings.compute_dtype))
             with timer("adv") as span:
                 baselines = (self._remax_baselines(batch, rng) if ADV_ESTIMATORS.capability(
                     spec.advantage.adv_estimator, "needs_reward_baselines") else None)

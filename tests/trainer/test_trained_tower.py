@@ -68,10 +68,12 @@ def test_the_memory_plan_holds_the_trained_tower_and_the_rows_pixels(tmp_path):
     assert tuple(pixels.shape) in shapes  # the update is compiled with the rows' pixels, through the tower
 
 
-@pytest.mark.parametrize("key,value,named", [
-    (f"{ARR}.model.lora_rank", 8, "lora_rank > 0"),
-    ("algorithm.filter_groups.enable", True, "filter_groups.enable=True"),
+@pytest.mark.parametrize("overrides,named", [
+    ({f"{ARR}.model.lora_rank": 8}, "lora_rank > 0"),
+    ({"algorithm.filter_groups.enable": True}, "filter_groups.enable=True"),
+    ({"algorithm.adv_estimator": "gae", "critic.enable": True, "critic.model.path": "tiny:qwen2_5_vl"},
+     "critic.enable=True"),
 ])
-def test_what_a_trained_tower_does_not_go_with_yet_is_refused_by_key(tmp_path, key, value, named):
+def test_what_a_trained_tower_does_not_go_with_yet_is_refused_by_key(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match=rf"freeze_vision_tower=False with .*{named}"):
-        Trainer(config(tmp_path / "run", tmp_path, **{key: value}))
+        Trainer(config(tmp_path / "run", tmp_path, **overrides))

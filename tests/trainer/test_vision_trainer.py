@@ -68,7 +68,7 @@ def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
 
 @pytest.mark.parametrize("key,value,named", [
     (f"{ARR}.rollout.partial.enable", True, "partial.enable=True"),
-    ("critic.enable", True, "critic.enable=True"),
+    ("critic.enable", True, "critic.model.path='tiny:qwen2' \\(a critic of another model"),
 ])
 def test_what_does_not_read_images_yet_is_refused_by_key(tmp_path, key, value, named):
     overrides = {key: value}
@@ -223,3 +223,25 @@ def test_ngram_speculative_rollouts_read_the_images(tmp_path):
     on = np.asarray(rollout.response_mask) > 0
     recomputed = np.asarray(trainer.log_probs(trainer.actor.model_params, rollout))
     np.testing.assert_allclose(np.asarray(rollout.rollout_log_probs)[on], recomputed[on], atol=1e-5, rtol=0)
+
+
+def test_a_critic_of_the_policys_folder_reads_the_images(tmp_path):
+    # PPO with a critic (GAE): the critic is the policy's model with a value head, so the rows' features (its own
+    # frozen tower's) reach its values and its update
+    from jaxrl_llm.batching.ops import run_no_grad_pass
+    from jaxrl_llm.roles.experience import values_no_grad
+
+    trainer = Trainer(vl_config(tmp_path / "run", tmp_path, **{
+        "algorithm.adv_estimator": "gae", "critic.enable": True, "critic.model.path": "tiny:qwen2_5_vl"}))
+    rollout = trainer.generator.generate(next(trainer.train_loader), trainer.actor.model_params,
+                                         trainer.spec.train_sampling, jax.random.key(0))
+    rows = trainer.batching.rows_of(rollout)
+    how = trainer.batching.no_grad(trainer.spec.plan.values, trainer.critic.model, rows)
+    values = {blind: np.asarray(run_no_grad_pass(
+        values_no_grad, trainer.critic.params, rollout.input_ids, rollout.attention_mask, rollout.response_mask, how,
+        images=None if blind else rollout.images, model_cfg=trainer.critic.model_cfg,
+        compute_dtype="float32")) for blind in (False, True)}
+    on = np.asarray(rollout.response_mask) > 0
+    assert np.abs(values[False] - values[True])[on].max() > 1e-4  # the images move the values
+    metrics = trainer.step()
+    assert np.isfinite(metrics["critic/vf_loss"]) and metrics["critic/grad_norm"] > 0
