@@ -177,14 +177,13 @@ def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, 
 
 def check_vision_run(spec: RunSpec) -> None:
     """A ConfigError naming the key for each part of a vision-language policy's run that does not read images
-    yet (docs/vision.md): a critic of another model, partial rollouts, a distillation teacher, a draft model."""
+    yet (docs/vision.md): a critic of another model, a distillation teacher, a draft model."""
     arr = "actor_rollout_ref"
     refused = {
         # a critic reads the rows' features: its folder must be the policy's (the same frozen tower's features)
         f"critic.model.path={None if spec.critic_model is None else spec.critic_model.path!r} (a critic of another "
         "model than the policy's folder)": spec.critic is not None and (
             spec.critic_model is None or spec.critic_model.path != spec.model.path),
-        f"{arr}.rollout.partial.enable=True": spec.partial.active,
         "algorithm.distillation.enable=True": spec.distillation is not None,
         # n-gram drafts verify with the policy's own forward (its images read); a draft model reads text only
         f"{arr}.rollout.speculative.method='draft'": (spec.rollout_engine.speculative is not None
@@ -192,8 +191,8 @@ def check_vision_run(spec: RunSpec) -> None:
     }
     for key, on in refused.items():
         if on:
-            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs without a critic, a "
-                              "teacher, speculative decoding or partial rollouts for now (docs/vision.md)")
+            raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs without a critic of "
+                              "another model, a teacher or a draft model for now (docs/vision.md)")
     if spec.actor.freeze_vision_tower:
         return
     trained = {  # what a trained tower does not go with yet

@@ -43,8 +43,10 @@ from jaxrl_llm.rollout.generator import RolloutGenerator, rows_on_mesh
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import EngineRequest
-from jaxrl_llm.sampler.engine.scheduler import sample_output
+from jaxrl_llm.sampler.engine.scheduler import RequestImages, sample_output
 from jaxrl_llm.sampler.engine.setup import prompt_room, sized_engine
+from jaxrl_llm.sampler.host import left_pad
+from jaxrl_llm.sharding import to_host
 
 Array = jax.Array
 
@@ -87,7 +89,7 @@ class _StepSource:
     first; stops once `want` groups are finished and every group born at or before `due` is."""
 
     def __init__(self, groups: list[Group], step: int, *, want: int, due: int, fresh_keys: dict[int, int],
-                 carry_base: int, max_new_tokens: int) -> None:
+                 carry_base: int, max_new_tokens: int, images: list[Any] | None = None) -> None:
         self.groups, self.step, self.want, self.due = groups, step, want, due
         self.requests: list[EngineRequest] = []
         self.owner: dict[tuple[int, int], tuple[Group, Sample]] = {}
@@ -103,8 +105,11 @@ class _StepSource:
                     continue
                 self.resumed_count += bool(sample.tokens)
                 engine_group = shared if shared is not None else next(engine_groups)
-                self.requests.append(EngineRequest(group.prompt + sample.tokens, (key, j), engine_group,
-                                                   max_new_tokens - len(sample.tokens)))
+                ids = group.prompt + sample.tokens
+                # a vision-language prompt's images: a resumed sample's tokens so far are text after them
+                own = None if images is None or images[g_index] is None else images[g_index].extended(len(ids))
+                self.requests.append(EngineRequest(ids, (key, j), engine_group, max_new_tokens - len(sample.tokens),
+                                                   images=own))
                 self.owner[(key, j)] = (group, sample)
         self.finished_groups = sum(g.finished for g in groups)
 
@@ -199,7 +204,8 @@ class PartialRollouts:
         fresh_keys = {len(self.carry) + i: i for i in range(len(fresh))}
         r = self.sampling.max_new_tokens
         source = _StepSource(groups, self.step, want=self.prompts, due=self.step - self.spec.max_staleness,
-                             fresh_keys=fresh_keys, carry_base=2 * self.prompts, max_new_tokens=r)
+                             fresh_keys=fresh_keys, carry_base=2 * self.prompts, max_new_tokens=r,
+                             images=self._group_images(groups, params))
         requests = source.requests
         settings, knobs = gen.compile_args(self.sampling)
         # sized by the run's prompt bound, as the plain rollout's engine: a resumed request (its prompt
@@ -214,13 +220,38 @@ class PartialRollouts:
         chosen = {id(g) for g in done}
         self.carry = [g for g in groups if id(g) not in chosen]
         out, picked = self._output(done)
-        rollout = gen.scored(picked, out, self.sampling.n, r, rng)
+        images = None
+        if self._with_images(done):  # the trained groups' images, as the rows' prompts are laid out
+            ids, mask = (np.asarray(to_host(x))[::self.sampling.n] for x in (out.prompt_ids, out.prompt_mask))
+            images = self._image_prompt(done, ids, mask, params)
+        rollout = gen.scored(picked, out, self.sampling.n, r, rng, images=images)
         lags = np.concatenate([self.step - np.asarray(s.steps) for g in done for s in g.samples])
         metrics = {"rollout/staleness": float(lags.mean()) if lags.size else 0.0,
                    "rollout/staleness_max": float(lags.max(initial=0)),
                    "rollout/partial/paused": float(source.paused_count),
                    "rollout/partial/resumed": float(source.resumed_count)}
         return rollout, metrics
+
+    def _with_images(self, groups: list[Group]) -> bool:
+        return self.generator.vision is not None and any(
+            "images" in g.row and len(g.row["images"][0]) for g in groups)
+
+    def _image_prompt(self, groups: list[Group], ids: np.ndarray, mask: np.ndarray, params: dict) -> Any:
+        """The `ImagePrompt` of `groups`' prompts laid out as `ids` / `mask`, through the policy's tower (a trained
+        tower's current params: a carried sample's later tokens read this step's features)."""
+        vision = self.generator.vision
+        assert vision is not None
+        return vision.prompt(ids, mask, [list(g.row["images"][0]) for g in groups],
+                             params=params.get("vision") if vision.trained else None)
+
+    def _group_images(self, groups: list[Group], params: dict) -> list[Any] | None:
+        """Each group's prompt images as its requests prefill them (`RequestImages`; None for a text prompt), or
+        None without images."""
+        if not self._with_images(groups):
+            return None
+        ids, mask = left_pad([g.prompt for g in groups], self.generator.pad_id)
+        requests = RequestImages.of_batch(self._image_prompt(groups, ids, mask, params), mask)
+        return [r if len(g.row["images"][0]) else None for g, r in zip(groups, requests)]
 
     def _output(self, groups: list[Group]) -> tuple[SampleOutput, dict[str, np.ndarray]]:
         """The finished `groups` as the engine's `SampleOutput` (rows group-major, on the mesh) and their batch."""

@@ -67,13 +67,15 @@ def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
 
 
 @pytest.mark.parametrize("key,value,named", [
-    (f"{ARR}.rollout.partial.enable", True, "partial.enable=True"),
+    ("algorithm.distillation.enable", True, "distillation.enable=True"),
     ("critic.enable", True, "critic.model.path='tiny:qwen2' \\(a critic of another model"),
 ])
 def test_what_does_not_read_images_yet_is_refused_by_key(tmp_path, key, value, named):
     overrides = {key: value}
     if key == "critic.enable":
         overrides.update({"algorithm.adv_estimator": "gae", "critic.model.path": "tiny:qwen2"})
+    if key == "algorithm.distillation.enable":
+        overrides.update({"algorithm.distillation.teacher.path": "tiny:qwen2_5_vl"})
     cfg = tiny_runs.tiny_config(tmp_path / "run", "grpo_vl_tiny.py", **overrides)
     with pytest.raises(ConfigError, match=rf"{named}.*: a vision-language policy \(tiny:qwen2_5_vl\)"):
         Trainer(cfg)
@@ -245,3 +247,18 @@ def test_a_critic_of_the_policys_folder_reads_the_images(tmp_path):
     assert np.abs(values[False] - values[True])[on].max() > 1e-4  # the images move the values
     metrics = trainer.step()
     assert np.isfinite(metrics["critic/vf_loss"]) and metrics["critic/grad_norm"] > 0
+
+
+def test_partial_rollouts_resume_samples_with_their_images(tmp_path):
+    # paused samples resume at the next step as their prompt (its images) + their tokens so far: each resumed
+    # token's log-prob is the trainer's (a learning rate of 1e-12: the policy stays put, no staleness to weigh)
+    key = f"{ARR}.rollout.partial"
+    trainer = Trainer(vl_config(tmp_path / "run", tmp_path, **{
+        f"{key}.enable": True, f"{key}.max_staleness": 1, "trainer.total_training_steps": 3,
+        f"{ARR}.rollout.engine": "paged", f"{ARR}.rollout.max_num_seqs": 4, f"{ARR}.actor.optim.lr": 1e-12,
+        f"{ARR}.rollout.stop_token_ids": list(range(0, 49152, 5)), "data.synthetic.n_train": 24}))
+    trainer.fit()
+    rows = tiny_runs.read_metrics(tmp_path / "run")
+    assert sum(r["rollout/partial/resumed"] for r in rows) > 0
+    assert all(r["rollout_corr/max_abs_log_ratio"] < 1e-5 for r in rows), [r["rollout_corr/max_abs_log_ratio"]
+                                                                          for r in rows]
