@@ -3,8 +3,9 @@ run_qwen2_5_vl-7b.sh's settings; sizes for 8 devices).
 
 Data: `python scripts/prepare_geo3k.py --input <local copy of hiyouga/geometry3k> --split train --output
 ~/data/geo3k/train.parquet` (and `--split test`): veRL's rows, each problem's `<image>` and its picture, scored
-by the geo3k scorer (0.9 x the boxed answer + 0.1 x the format). Model: a local Qwen2.5-VL folder (its tower
-frozen; docs/vision.md). Override paths on the command line, e.g.
+by the geo3k scorer (0.9 x the boxed answer + 0.1 x the format). Model: a local Qwen2.5-VL folder; its tower
+trains with the text model, as veRL's default (actor.freeze_vision_tower=False; True keeps it frozen and each
+row's features computed once per batch: docs/vision.md). Override paths on the command line, e.g.
     python launch/train.py --config=configs/grpo_geo3k_vl.py \
         --config.actor_rollout_ref.model.path=/models/Qwen2.5-VL-3B-Instruct
 """
@@ -35,6 +36,7 @@ def get_config():
     actor.kl_loss_coef = 0.01
     actor.kl_loss_type = "low_var_kl"
     actor.entropy_coeff = 0.0
+    actor.freeze_vision_tower = False  # veRL's default: the tower trains too
     cfg.actor_rollout_ref.rollout.n = 5
     cfg.actor_rollout_ref.rollout.gpu_memory_utilization = 0.6
     cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_device = 20

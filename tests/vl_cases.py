@@ -3,7 +3,7 @@ rows with image runs, transformers' keyword inputs, and the check that sampled t
 forward's with images."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,3 +54,44 @@ def assert_rescored(tokens: Any, response_mask: Any, log_probs: Any, ids: np.nda
     picked = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     on = response_mask.astype(bool)
     np.testing.assert_allclose(log_probs[on], picked[on], atol=1e-5)
+
+
+class Scored(NamedTuple):
+    """Two samples per prompt of a batch with images, and what the trainer's passes read of them."""
+
+    input_ids: Any  # [4, P + 6] prompts and sampled tokens
+    attention: Any
+    rows: Any  # their `RowImages`
+    sampled: np.ndarray  # [4, 6] the sampler's log-probs
+    on: np.ndarray  # [4, 6] the sampled tokens
+
+
+def assert_trainer_reads_the_sampled_log_probs(params: Any, cfg: Any, images: Any, ids: np.ndarray,
+                                               mask: np.ndarray, pad: int = PAD) -> Scored:
+    """Samples 2 x 6 tokens per prompt with the static sampler and checks that the trainer's log-probs on the rows
+    with their images (`RowImages`) are the sampled ones, unpacked and packed with the rows of a prompt sharing its
+    tokens (within 1e-5); returns what an ablation reads."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.batching import StepRows
+    from jaxrl_llm.batching.plan import plan_chunks
+    from jaxrl_llm.models.vision.qwen_vl import RowImages, row_images
+    from jaxrl_llm.roles.forward import response_log_probs
+    from jaxrl_llm.sampler import SamplingParams, sample
+
+    settings, knobs = SamplingParams(max_new_tokens=6, n=2).compile_args((), pad, vocab_size=cfg.vocab_size)
+    out = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(5), knobs, settings=settings,
+                 images=images)
+    rows = RowImages(**jax.tree.map(jnp.asarray, row_images(jax.tree.map(np.asarray, images), mask, 2, 6)))
+    input_ids = jnp.concatenate([out.prompt_ids, out.tokens], axis=1)
+    attention = jnp.concatenate([out.prompt_mask, out.response_mask], axis=1)
+    on = np.asarray(out.response_mask) > 0
+    sampled = np.asarray(out.log_probs)
+    unpacked = np.asarray(response_log_probs(params, cfg, input_ids, attention, 6, images=rows))
+    np.testing.assert_allclose(unpacked[on], sampled[on], atol=1e-5)
+    layout = plan_chunks(StepRows.of_mask(np.asarray(attention), 6, prompt_groups=np.repeat(np.arange(2), 2)), 4, 1)
+    packed = np.asarray(response_log_probs(params, cfg, input_ids, attention, 6, images=rows,
+                                           packing=jax.tree.map(lambda x: x[0], layout)))
+    np.testing.assert_allclose(packed[on], sampled[on], atol=1e-5)
+    return Scored(input_ids, attention, rows, sampled, on)

@@ -14,6 +14,8 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from vl_cases import assert_trainer_reads_the_sampled_log_probs  # noqa: E402
+
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
 from jaxrl_llm.models.vision.qwen_vl import image_prompt, image_text_greedy, image_text_logits  # noqa: E402
@@ -134,34 +136,17 @@ def test_greedy_with_images_matches_transformers_generate_through_both_samplers(
 
 
 def test_the_trainers_log_probs_equal_the_sampled_ones_unpacked_and_packed(checkpoint):
-    import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm.batching import StepRows
-    from jaxrl_llm.batching.plan import plan_chunks
-    from jaxrl_llm.models.vision.qwen_vl import RowImages, row_images
     from jaxrl_llm.roles.forward import response_log_probs
-    from jaxrl_llm.sampler import SamplingParams, sample
 
     _, folder = checkpoint
     ids, mask, pixels, grid = batch()
     cfg, params = load_hf_folder(folder)
     vl, vision = load_vision_tower(folder)
-    images = image_prompt(vision, vl, ids, mask, pixels, grid)
-    settings, knobs = SamplingParams(max_new_tokens=6, n=2).compile_args((), PAD, vocab_size=cfg.vocab_size)
-    out = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(5), knobs, settings=settings,
-                 images=images)
-    rows = RowImages(**jax.tree.map(jnp.asarray, row_images(jax.tree.map(np.asarray, images), mask, 2, 6)))
-    input_ids = jnp.concatenate([out.prompt_ids, out.tokens], axis=1)
-    attention = jnp.concatenate([out.prompt_mask, out.response_mask], axis=1)
-    on = np.asarray(out.response_mask) > 0
-    sampled = np.asarray(out.log_probs)
-    unpacked = np.asarray(response_log_probs(params, cfg, input_ids, attention, 6, images=rows))
-    np.testing.assert_allclose(unpacked[on], sampled[on], atol=1e-5)
-    layout = plan_chunks(StepRows.of_mask(np.asarray(attention), 6, prompt_groups=np.repeat(np.arange(2), 2)), 4, 1)
-    packed = np.asarray(response_log_probs(params, cfg, input_ids, attention, 6, images=rows,
-                                           packing=jax.tree.map(lambda x: x[0], layout)))
-    np.testing.assert_allclose(packed[on], sampled[on], atol=1e-5)
+    scored = assert_trainer_reads_the_sampled_log_probs(params, cfg, image_prompt(vision, vl, ids, mask, pixels, grid),
+                                                        ids, mask)
+    input_ids, attention, rows, sampled, on = scored
     causal = np.asarray(response_log_probs(params, dataclasses.replace(cfg, bidirectional_image_tokens=0), input_ids,
                                            attention, 6, images=rows))
     assert np.abs(causal - sampled)[on].max() > 1e-3
