@@ -125,7 +125,7 @@ def reads_images(path: str | None) -> bool:
     if path.startswith("tiny:") or not _is_local(path) or not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("model_type") in ("qwen2_5_vl", "qwen3_vl", "gemma3")
+        return json.loads(config.read_text()).get("model_type") in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
     except (OSError, ValueError):  # an unreadable config.json: the loaders say what is wrong with it
         return False
 

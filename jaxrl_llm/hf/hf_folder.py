@@ -54,6 +54,7 @@ class SafetensorsSource:
             raise FileNotFoundError(
                 f"no {WEIGHTS_NAME} or {INDEX_NAME} in model folder {str(folder)!r}")
         self._handles: dict[pathlib.Path, Any] = {}
+        self._transposed: set[str] = set()  # names read transposed (`orient_experts`)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._stored: dict[str, str] = {}  # the name a tensor is read by -> its name in the file
         for file in self._files():
@@ -76,6 +77,17 @@ class SafetensorsSource:
                     and base not in self._shapes:
                 self._shapes[base] = mxfp4.dequantized_shape(self._shapes[name])
                 self._mxfp4[base] = (name, base + mxfp4.SCALES_SUFFIX)
+
+    def orient_experts(self, cfg: ModelConfig) -> None:
+        """Fused expert tensors stored [E, in, out] (Qwen3-VL-MoE's releases: gate_up_proj [E, H, 2F], down_proj
+        [E, F, H]) read as [E, out, in], the layout transformers 5 holds and saves."""
+        h, f = cfg.hidden_size, cfg.moe_intermediate_size
+        for name, shape in list(self._shapes.items()):
+            stored = {"mlp.experts.gate_up_proj": (h, 2 * f), "mlp.experts.down_proj": (f, h)}
+            for suffix, (rows, cols) in stored.items():
+                if name.endswith(suffix) and len(shape) == 3 and shape[1:] == (rows, cols) and rows != cols:
+                    self._shapes[name] = (shape[0], cols, rows)
+                    self._transposed.add(name)
 
     def _files(self) -> list[pathlib.Path]:
         if self._file_of is None:
@@ -104,9 +116,11 @@ class SafetensorsSource:
         if name in self._mxfp4:
             blocks, scales = self._mxfp4[name]
             return mxfp4.dequantize(self.read(blocks), self.read(scales))
+        transposed = name in self._transposed
         name = self._stored.get(name, name)
         file = self._single if self._file_of is None else self._file_of[name]
-        return self._open(file).get_tensor(name)
+        tensor = self._open(file).get_tensor(name)
+        return tensor.transpose(0, 2, 1) if transposed else tensor
 
 
 def _head_for(cfg_dict: dict[str, Any], head: str | None) -> str:
@@ -130,6 +144,8 @@ def load_hf_folder(path: str | pathlib.Path, *, dtype: DType = jnp.float32,
     if num_labels is None:
         num_labels = int(cfg_dict.get("num_labels") or len(cfg_dict.get("id2label") or {}) or 1)
     source = SafetensorsSource(path)
+    if cfg.experts_fused:
+        source.orient_experts(cfg)
     params = assemble_params(cfg, source, head=head, num_labels=num_labels, dtype=dtype,
                              shardings=shardings, rng=rng)
     return cfg, params

@@ -341,6 +341,8 @@ def _moe_specs(cfg: ModelConfig) -> list[TensorSpec]:
     ids = cfg.moe_layer_ids
     specs = [TensorSpec(("layers", "moe", "router", "kernel"), block + "gate.weight", (e, h), *_linear(h, (e,)),
                         layer_ids=ids)]
+    if cfg.experts_fused:  # Qwen3-VL-MoE: each layer's experts in two tensors (as Gemma 4's)
+        return specs + _fused_expert_specs(cfg, block + "experts.", layer_ids=ids)
     for ours, theirs in names.items():
         shape, conv = _mlp_tensor(ours, h, f)
         specs.append(TensorSpec(("layers", "moe", "experts", ours, "kernel"), block + f"experts.{{e}}.{theirs}.weight",

@@ -29,6 +29,8 @@ from jaxrl_llm.models.vision.qwen_vit import VISION_PREFIXES, VisionConfig, visi
 from jaxrl_llm.models.vision.qwen_vl import VisionLanguage
 from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, siglip_params_from_hf, siglip_params_to_hf
 
+_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                  "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
 _NOT_VL = ("not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder (config.json model_type is not 'qwen2_5_vl', 'qwen3_vl' or "
            "'gemma3')")
 
@@ -65,13 +67,11 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
     # transformers 5 maps the released text names (model.layers.*) to its own but not the tower's visual.*
     if isinstance(vl.vision, SiglipVisionConfig):
         named = siglip_params_to_hf(vision_params, vl.vision, "model.")
-        architecture = "Gemma3ForConditionalGeneration"
     elif isinstance(vl.vision, Qwen3VisionConfig):
         named = qwen3_vision_params_to_hf(vision_params, vl.vision, "model.visual.")
-        architecture = "Qwen3VLForConditionalGeneration"
     else:
         named = vision_params_to_hf(vision_params, vl.vision, "model.visual.")
-        architecture = "Qwen2_5_VLForConditionalGeneration"
+    architecture = _ARCHITECTURES[str(vl_config["model_type"])]
     tower = {k: v.astype(np_dtype) for k, v in named.items()}
     with staged_folder(out_dir) as tmp:  # all of it or nothing at out_dir
         folder = export_hf(cfg, params, tmp / "hf", tokenizer=tokenizer, dtype=dtype)

@@ -84,9 +84,6 @@ _NOT_YET = {
     "GlmMoeDsaForCausalLM": "GLM-MoE-DSA's DeepSeek sparse attention (indexer and top-k selection) is not implemented",
     "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed sparse attention, hyper-connections and hash routing are not "
                              "implemented",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's text model (Qwen3-MoE with deepstack and interleaved "
-                                          "M-RoPE) is not wired to its MoE layers yet; dense Qwen3-VL and Qwen2.5-VL "
-                                          "are (docs/vision.md)",
 }
 
 
@@ -142,6 +139,9 @@ class ModelConfig:
     # is the most tokens one image holds (mm_tokens_per_image), how far past a query its attention may reach.
     # 0: causal everywhere
     bidirectional_image_tokens: int = 0
+    # the checkpoint stores each MoE layer's experts as two tensors, `experts.gate_up_proj` [E, 2F, H] and
+    # `experts.down_proj` [E, H, F] (Qwen3-VL-MoE; its releases' [E, in, out] read transposed), not one per expert
+    experts_fused: bool = False
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -524,8 +524,8 @@ class ModelConfig:
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         scaling.pop("type", None)
-        # Qwen2.5-VL's / Qwen3-VL's text model: Qwen2 / Qwen3 with M-RoPE (contiguous / interleaved sections)
-        mrope = scaling.pop("mrope_section", None) if model_type in ("qwen2", "qwen3") else None
+        # Qwen2.5-VL's / Qwen3-VL(-MoE)'s text model: Qwen2 / Qwen3 / Qwen3-MoE with M-RoPE (contiguous / interleaved)
+        mrope = scaling.pop("mrope_section", None) if model_type in ("qwen2", "qwen3", "qwen3_moe") else None
         interleaved = bool(scaling.pop("mrope_interleaved", False)) if mrope else False
         if scaling.get("rope_type", "default") == "default":
             scaling = {}
@@ -573,6 +573,7 @@ class ModelConfig:
             rope_scaling=tuple(sorted(scaling.items())) or None,
             mrope_section=tuple(int(x) for x in mrope) if mrope else None, mrope_interleaved=interleaved,
             bidirectional_image_tokens=int(d.get("bidirectional_image_tokens", 0)),
+            experts_fused=bool(d.get("experts_fused", False)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(fam.get("gemma")))),  # Gemma ties by default
             attention_bias=bool(d.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
@@ -599,8 +600,10 @@ class ModelConfig:
             rope_params["mrope_section"] = list(self.mrope_section)
             if self.mrope_interleaved:
                 rope_params["mrope_interleaved"] = True
-        extra = {"bidirectional_image_tokens": self.bidirectional_image_tokens} if self.bidirectional_image_tokens \
-            else {}
+        extra: dict[str, Any] = {"bidirectional_image_tokens": self.bidirectional_image_tokens} \
+            if self.bidirectional_image_tokens else {}
+        if self.experts_fused:
+            extra["experts_fused"] = True
         d: dict[str, Any] = {
             **extra,
             "architectures": [arch],
@@ -844,7 +847,8 @@ _MULTIMODAL = {"gemma3": "Gemma3", "gemma4": "Gemma4", "qwen3_5": "Qwen3_5", "qw
 
 
 # Qwen vision-language model types -> (transformers' config class, their text model's family, interleaved M-RoPE)
-_QWEN_VL = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "qwen2", False), "qwen3_vl": ("Qwen3VLConfig", "qwen3", True)}
+_QWEN_VL = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "qwen2", False), "qwen3_vl": ("Qwen3VLConfig", "qwen3", True),
+            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_moe", True)}
 
 
 def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
@@ -868,6 +872,8 @@ def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
         out.update(model_type=family, architectures=[_FAMILIES[family]["prefix"] + "ForCausalLM"])
         if interleaved:  # Qwen3-VL's layout of the M-RoPE sections (its config does not say it: its code does)
             out["rope_parameters"] = {**(out.get("rope_parameters") or {}), "mrope_interleaved": True}
+        if d["model_type"] == "qwen3_vl_moe":  # its router renormalises its top-k; each layer's experts in 2 tensors
+            out.update(norm_topk_prob=True, experts_fused=True)
         return out
     if d.get("model_type") not in _MULTIMODAL or not isinstance(d.get("text_config"), dict):
         return d

@@ -132,13 +132,13 @@ def test_sources_checked_before_loading(tmp_path):
     gpt2 = {**ModelConfig.tiny(max_position_embeddings=4096).to_hf_config(), "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2"}
     v32 = {**gpt2, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}
-    qwen3_vl = {**gpt2, "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe"}
+    v4 = {**gpt2, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
     cases = {
         "unsupported architecture 'GPT2LMHeadModel'": _hf_folder(tmp_path / "gpt2", gpt2),
         "unsupported architecture 'DeepseekV32ForCausalLM' (DeepSeek-V3.2's sparse attention":
             _hf_folder(tmp_path / "v32", v32),
-        "unsupported architecture 'Qwen3VLMoeForConditionalGeneration' (Qwen3-VL-MoE's text model":
-            _hf_folder(tmp_path / "qwen3_vl", qwen3_vl),
+        "unsupported architecture 'DeepseekV4ForCausalLM' (DeepSeek-V4's compressed sparse attention":
+            _hf_folder(tmp_path / "v4", v4),
         "no model.safetensors": _hf_folder(tmp_path / "noweights", weights=False),
         "not a model folder (no config.json)": tmp_path / "empty",
     }

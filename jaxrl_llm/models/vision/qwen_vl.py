@@ -58,7 +58,7 @@ class VisionLanguage:
                                                mm_tokens_per_image=int(d.get("mm_tokens_per_image", 256)))
             return cls(vision=tower, image_token_id=int(d.get("image_token_id", d.get("image_token_index", 262144))),
                        vision_start_token_id=int(d.get("boi_token_id", d.get("boi_token_index", 255999))))
-        towers = {"qwen2_5_vl": VisionConfig, "qwen3_vl": Qwen3VisionConfig}
+        towers = {"qwen2_5_vl": VisionConfig, "qwen3_vl": Qwen3VisionConfig, "qwen3_vl_moe": Qwen3VisionConfig}
         if d.get("model_type") not in towers:
             return None
         return cls(vision=towers[d["model_type"]].from_hf(d.get("vision_config") or {}),

@@ -357,7 +357,8 @@ def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache
     `images`: these T tokens' M-RoPE positions [3, T] and feature slots [T] over the prompt's features."""
     if images is not None:
         if record:
-            raise ValueError("routing recording with images: no vision-language mixture-of-experts model here")
+            raise ValueError("routing recording with images is not supported (a vision-language MoE policy routes "
+                             "by itself: actor.router_replay='none')")
         hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
                                        positions=images.positions[:, None], embeds=images.embeds)
         return hidden[0], cache, None
