@@ -156,9 +156,9 @@ def qwen3_vision_features(params: Mapping[str, Any], cfg: Qwen3VisionConfig, pix
     cos, sin = rotary_tables(cfg.head_dim, cfg.rope_theta, jnp.asarray(grid.positions))
     frame = jnp.asarray(grid.frame)
     mask = frame[:, None] == frame[None, :]
-    deep = []
-    for i in range(cfg.depth):
-        p = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+
+    @jax.checkpoint  # a trained tower's backward keeps each block's input, not its [heads, N, N] scores
+    def block(x: Array, p: Mapping[str, Any]) -> Array:
         h = _layer_norm(x, p["norm1"])
         qkv = _linear(h, p["qkv"], p["qkv_bias"], dtype).reshape(n, 3, heads, hd)
         q, k = (apply_rope(a[None], cos[None], sin[None])[0] for a in (qkv[:, 0], qkv[:, 1]))
@@ -169,7 +169,11 @@ def qwen3_vision_features(params: Mapping[str, Any], cfg: Qwen3VisionConfig, pix
                           preferred_element_type=jnp.float32)
         x = x + _linear(attn.reshape(n, heads * hd), p["proj"], p["proj_bias"], dtype)
         h = jax.nn.gelu(_linear(_layer_norm(x, p["norm2"]), p["fc1"], p["fc1_bias"], dtype), approximate=True)
-        x = x + _linear(h, p["fc2"], p["fc2_bias"], dtype)
+        return x + _linear(h, p["fc2"], p["fc2_bias"], dtype)
+
+    deep = []
+    for i in range(cfg.depth):
+        x = block(x, jax.tree.map(lambda a, i=i: a[i], params["blocks"]))
         if i in cfg.deepstack_visual_indexes:
             j = cfg.deepstack_visual_indexes.index(i)
             deep.append(_merge(x, jax.tree.map(lambda a, j=j: a[j], params["deepstack"]), cfg.merge_unit, dtype,

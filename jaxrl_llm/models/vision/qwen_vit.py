@@ -207,7 +207,9 @@ def vision_features(params: Mapping[str, Any], cfg: VisionConfig, pixel_values: 
         up = _linear(h, p["up_proj"], p["up_proj_bias"], dtype)
         return x + _linear(gate * up, p["down_proj"], p["down_proj_bias"], dtype), None
 
-    x, _ = lax.scan(block, x, (params["blocks"], full_layers))
+    # rematerialised: a trained tower's backward keeps each block's input, not its [heads, N, N] scores (an image of
+    # 4096 patches: 1 GiB per block and row, planned at 763 GB for Qwen2.5-VL-3B's update on v5p-8 without it)
+    x, _ = lax.scan(jax.checkpoint(block), x, (params["blocks"], full_layers))
     m = params["merger"]
     merged = rms_norm(x, m["norm"], eps, jnp.float32).reshape(n // cfg.merge_unit, cfg.merge_unit * cfg.hidden_size)
     merged = jax.nn.gelu(_linear(merged, m["fc1"], m["fc1_bias"], dtype), approximate=False)

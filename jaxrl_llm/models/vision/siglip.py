@@ -163,7 +163,7 @@ def siglip_features(params: Mapping[str, Any], cfg: SiglipVisionConfig, pixel_va
         h = jax.nn.gelu(_linear(h, p["fc1"], p["fc1_bias"], dtype), approximate=True)
         return x + _linear(h, p["fc2"], p["fc2_bias"], dtype), None
 
-    x, _ = lax.scan(block, x, params["blocks"])
+    x, _ = lax.scan(jax.checkpoint(block), x, params["blocks"])  # a trained tower's backward: each block's input only
     x = _layer_norm(x, params["post_norm"], params["post_norm_bias"], eps)
     # the projector: k x k average pooling of the patch grid, Gemma's RMSNorm (1 + w), the projection
     tokens, k = cfg.tokens_per_side, cfg.pool
