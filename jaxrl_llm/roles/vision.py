@@ -230,21 +230,18 @@ def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
 
 def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3VisionConfig | SiglipVisionConfig:
     """The tower's config of the policy at `path` (no weight read): tiny:qwen2_5_vl's, or a folder's config.json."""
-    if path == TINY_VL:
-        return VisionConfig.tiny(model_cfg.hidden_size)
-    vl = VisionLanguage.from_hf_config(read_hf_config(path))
-    if vl is None:
-        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder")
-    return vl.vision
+    return vision_language_of(path, model_cfg).vision
 
 
 def vision_language_of(path: str, model_cfg: ModelConfig) -> VisionLanguage:
-    """The `VisionLanguage` of the policy at `path` (no weight read)."""
+    """The `VisionLanguage` of the policy at `path` (no weight read; tiny:qwen2_5_vl's token ids are its
+    tokenizer's, not known here: 0)."""
     if path == TINY_VL:
         return VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=0,
                               vision_start_token_id=0)
     vl = VisionLanguage.from_hf_config(read_hf_config(path))
-    assert vl is not None
+    if vl is None:
+        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder")
     return vl
 
 
