@@ -114,9 +114,9 @@ TINY_VISION_LANGUAGE = "tiny:qwen2_5_vl"
 
 
 def reads_images(path: str | None) -> bool:
-    """Whether the policy at `path` is a vision-language model here: a local Qwen2.5-VL / Qwen3-VL / Gemma 3
-    folder (config.json model_type 'qwen2_5_vl' / 'qwen3_vl' / 'gemma3') or tiny:qwen2_5_vl (roles/vision.py loads
-    its tower)."""
+    """Whether the policy at `path` is a vision-language model here: a local Qwen2.5-VL / Qwen3-VL / Gemma 3 /
+    Gemma 4 folder (config.json model_type 'qwen2_5_vl' / 'qwen3_vl' / 'qwen3_vl_moe' / 'gemma3', or 'gemma4' with a
+    vision_config) or tiny:qwen2_5_vl (roles/vision.py loads its tower)."""
     if not path:
         return False
     if path == TINY_VISION_LANGUAGE:
@@ -125,7 +125,9 @@ def reads_images(path: str | None) -> bool:
     if path.startswith("tiny:") or not _is_local(path) or not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("model_type") in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+        d = json.loads(config.read_text())
+        return d.get("model_type") in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3") or (
+            d.get("model_type") == "gemma4" and bool(d.get("vision_config")))
     except (OSError, ValueError):  # an unreadable config.json: the loaders say what is wrong with it
         return False
 

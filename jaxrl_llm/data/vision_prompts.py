@@ -14,6 +14,11 @@ The pixels are transformers' `Qwen2VLImageProcessorPil` (PIL and numpy: no torch
 Gemma 3 (`ImageTokens.gemma3`): an image is `\n\n<start_of_image>`, mm_tokens_per_image `<image_soft_token>`,
 `<end_of_image>\n\n` whatever its size (its processor resizes every image to the tower's square), pixels from
 `Gemma3ImageProcessorPil` (no pan-and-scan crops).
+
+Gemma 4 (`ImageTokens.gemma4`): an image is its begin-of-image token, one image token per pooled k x k cell of the
+image resized keeping its aspect ratio within max_soft_tokens cells (`Gemma4ImageProcessorPil`'s
+`get_aspect_ratio_preserving_size`), its end-of-image token; pixels [images, max_patches, P x P x C] and grids
+(1, patch rows, patch columns) from `Gemma4ImageProcessorPil`.
 """
 from __future__ import annotations
 
@@ -60,6 +65,9 @@ class ImageTokens:
     image_size: int = 0
     # Gemma 3: text its processor puts around each image's sequence once the chat template has rendered ("\n\n")
     around_text: str = ""
+    # Gemma 4: at most max_soft_tokens image tokens per image, each a pooling_kernel_size^2 square of patches
+    max_soft_tokens: int = 0
+    pooling_kernel_size: int = 0
 
     @classmethod
     def gemma3(cls, image_token_id: int, mm_tokens_per_image: int, image_size: int) -> ImageTokens:
@@ -68,6 +76,15 @@ class ImageTokens:
         return cls(image_token_id=image_token_id, start_text="<start_of_image>", pad_text="<image_soft_token>",
                    end_text="<end_of_image>", fixed_tokens=mm_tokens_per_image, image_size=image_size,
                    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), around_text="\n\n")
+
+    @classmethod
+    def gemma4(cls, image_token_id: int, start_text: str, pad_text: str, end_text: str, *, patch_size: int = 16,
+               max_soft_tokens: int = 280, pooling_kernel_size: int = 3) -> ImageTokens:
+        """Gemma 4's: its begin-of-image text, one image token per pooled cell of the resized image, its
+        end-of-image text (the tokenizer's strings for the model's ids); pixels rescaled to [0, 1] only."""
+        return cls(image_token_id=image_token_id, start_text=start_text, pad_text=pad_text, end_text=end_text,
+                   patch_size=patch_size, merge_size=1, max_soft_tokens=max_soft_tokens,
+                   pooling_kernel_size=pooling_kernel_size, image_mean=(0.0, 0.0, 0.0), image_std=(1.0, 1.0, 1.0))
 
     @property
     def placeholder(self) -> str:
@@ -85,11 +102,21 @@ class ImageTokens:
         """How images become tokens (the run summary)."""
         if self.fixed_tokens:
             return f"images resized to {self.image_size} x {self.image_size}, {self.fixed_tokens} image tokens each"
+        if self.max_soft_tokens:
+            side = self.patch_size * self.pooling_kernel_size
+            return (f"images resized keeping their aspect ratio to at most {self.max_soft_tokens} image tokens, one "
+                    f"per {side}-pixel square")
         return (f"images resized to {self.min_pixels}..{self.max_pixels} pixels, one image token per "
                 f"{self.patch_size * self.merge_size}-pixel square")
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) the processor resizes a width x height image to."""
+        if self.max_soft_tokens:
+            from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+            return get_aspect_ratio_preserving_size(height, width, patch_size=self.patch_size,
+                                                    max_patches=self.max_soft_tokens * self.pooling_kernel_size ** 2,
+                                                    pooling_kernel_size=self.pooling_kernel_size)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         return smart_resize(height, width, factor=self.patch_size * self.merge_size, min_pixels=self.min_pixels,
@@ -100,9 +127,15 @@ class ImageTokens:
         if self.fixed_tokens:
             return self.fixed_tokens
         h, w = self.resized(width, height)
-        return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
+        merge = self.pooling_kernel_size if self.max_soft_tokens else self.merge_size
+        return (h // self.patch_size) * (w // self.patch_size) // merge ** 2
 
     def processor(self) -> Any:
+        if self.max_soft_tokens:
+            from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+            return Gemma4ImageProcessorPil(patch_size=self.patch_size, max_soft_tokens=self.max_soft_tokens,
+                                           pooling_kernel_size=self.pooling_kernel_size)
         if self.fixed_tokens:
             from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -118,8 +151,14 @@ class ImageTokens:
     def pixels(self, images: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """(pixel_values [patches, C x T x P x P] fp32, image_grid_thw [images, 3] int64) of `images` (what
         `data.images.row_images` kept: bytes, paths, PIL images), in order. Gemma 3: pixel_values [images, C, S, S]
-        and grids of ones (one per image; the tower does not read them)."""
+        and grids of ones (one per image; the tower does not read them). Gemma 4: pixel_values [images, max_patches,
+        P x P x C] and grids (1, patch rows, patch columns)."""
         out = self.processor()(images=[load_image(image) for image in images], return_tensors="np")
+        if self.max_soft_tokens:
+            positions = np.asarray(out["image_position_ids"], np.int64)  # (x, y) per patch, -1 on padding
+            grids = np.stack([np.ones(len(positions), np.int64), positions[..., 1].max(axis=1) + 1,
+                              positions[..., 0].max(axis=1) + 1], axis=1)
+            return np.asarray(out["pixel_values"], np.float32), grids
         if self.fixed_tokens:
             return np.asarray(out["pixel_values"], np.float32), np.ones((len(images), 3), np.int64)
         return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
@@ -132,6 +171,11 @@ class ImageTokens:
             return self
         d = json.loads(path.read_text())
         size = d.get("size") or {}
+        if self.max_soft_tokens:  # Gemma 4's: the patch, the soft-token budget, the pooling
+            return dataclasses.replace(
+                self, patch_size=int(d.get("patch_size", self.patch_size)),
+                max_soft_tokens=int(d.get("max_soft_tokens", self.max_soft_tokens)),
+                pooling_kernel_size=int(d.get("pooling_kernel_size", self.pooling_kernel_size)))
         if self.fixed_tokens:  # Gemma 3's: {"height": 896, "width": 896}
             return dataclasses.replace(
                 self, image_size=int(size.get("height", self.image_size)),

@@ -1,5 +1,6 @@
-"""A Qwen2.5-VL / Qwen3-VL / Gemma 3 folder's vision tower: its config and weights (`visual.*` as the Qwen releases
-save them, or `model.visual.*` as transformers 5 does; Gemma 3's `vision_tower.*` and `multi_modal_projector.*`),
+"""A Qwen2.5-VL / Qwen3-VL / Gemma 3 / Gemma 4 folder's vision tower: its config and weights (`visual.*` as the Qwen
+releases save them, or `model.visual.*` as transformers 5 does; Gemma 3's `vision_tower.*` and
+`multi_modal_projector.*`, Gemma 4's `vision_tower.*` and `embed_vision.*`),
 beside the text model `load_hf_folder` loads (docs/vision.md); and the export of both back to a folder transformers
 loads."""
 from __future__ import annotations
@@ -20,6 +21,11 @@ from jaxrl_llm.hf.hf_folder import SafetensorsSource, read_hf_config
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import as_jnp_dtype
+from jaxrl_llm.models.vision.gemma4_vit import (
+    Gemma4VisionConfig,
+    gemma4_vision_params_from_hf,
+    gemma4_vision_params_to_hf,
+)
 from jaxrl_llm.models.vision.qwen3_vit import (
     Qwen3VisionConfig,
     qwen3_vision_params_from_hf,
@@ -30,18 +36,35 @@ from jaxrl_llm.models.vision.qwen_vl import VisionLanguage
 from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, siglip_params_from_hf, siglip_params_to_hf
 
 _ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                  "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
-_NOT_VL = ("not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder (config.json model_type is not 'qwen2_5_vl', 'qwen3_vl' or "
-           "'gemma3')")
+                  "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
+                  "gemma4": "Gemma4ForConditionalGeneration"}
+_NOT_VL = ("not a Qwen2.5-VL / Qwen3-VL / Gemma 3 / Gemma 4 folder (config.json model_type is not 'qwen2_5_vl', "
+           "'qwen3_vl', 'qwen3_vl_moe' or 'gemma3', nor 'gemma4' with a vision_config)")
 
 
-def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[str, Any]]:
-    """(the vision-language settings, the tower's fp32 params) of a Qwen2.5-VL folder; a ValueError for a folder
-    of another model."""
+def folder_vision_language(path: str | pathlib.Path) -> VisionLanguage:
+    """The `VisionLanguage` of a folder (no weight read): its config.json's, with Gemma 4's soft-token budget from
+    its preprocessor_config.json (`max_soft_tokens`, 280 without one); a ValueError for a folder of another model."""
     vl = VisionLanguage.from_hf_config(read_hf_config(path))
     if vl is None:
         raise ValueError(f"{path}: {_NOT_VL}")
+    preprocessor = pathlib.Path(path) / "preprocessor_config.json"
+    if isinstance(vl.vision, Gemma4VisionConfig) and preprocessor.is_file():
+        budget = json.loads(preprocessor.read_text()).get("max_soft_tokens")
+        if budget is not None:
+            vl = dataclasses.replace(vl, vision=Gemma4VisionConfig.from_hf(
+                read_hf_config(path)["vision_config"], text_hidden_size=vl.vision.out_hidden_size,
+                max_soft_tokens=int(budget)))
+    return vl
+
+
+def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[str, Any]]:
+    """(the vision-language settings, the tower's fp32 params) of a vision-language folder; a ValueError for a
+    folder of another model."""
+    vl = folder_vision_language(path)
     tensors = SafetensorsSource(path)  # read by name on demand
+    if isinstance(vl.vision, Gemma4VisionConfig):
+        return vl, gemma4_vision_params_from_hf(tensors, vl.vision)
     if isinstance(vl.vision, SiglipVisionConfig):
         return vl, siglip_params_from_hf(tensors, vl.vision)
     if not any(f"{p}patch_embed.proj.weight" in tensors for p in VISION_PREFIXES):
@@ -54,7 +77,7 @@ def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[st
 def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[str, Any],
                            vision_params: Mapping[str, Any], out_dir: str | pathlib.Path, *,
                            tokenizer: Tokenizer | None = None, dtype: DType | None = None) -> pathlib.Path:
-    """A Qwen2.5-VL / Qwen3-VL / Gemma 3 folder transformers loads: the text model as `export_hf` writes it
+    """A Qwen2.5-VL / Qwen3-VL / Gemma 3 / Gemma 4 folder transformers loads: the text model as `export_hf` writes it
     (`model.*`, `lm_head.*`, the released checkpoints' names; Qwen3-VL's and Gemma 3's under `model.language_model.*`),
     the tower under transformers 5's names (`model.visual.*`; `model.vision_tower.*` and the projector) in a file of
     its own, one index over both, and `vl_config` (the source folder's config.json) as config.json. Local folders
@@ -65,7 +88,9 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
         raise ValueError(f"vl_config: {_NOT_VL}")
     np_dtype = np.dtype(as_jnp_dtype(dtype if dtype is not None else params["embedding"].dtype, what="export"))
     # transformers 5 maps the released text names (model.layers.*) to its own but not the tower's visual.*
-    if isinstance(vl.vision, SiglipVisionConfig):
+    if isinstance(vl.vision, Gemma4VisionConfig):
+        named = gemma4_vision_params_to_hf(vision_params, vl.vision, "model.")
+    elif isinstance(vl.vision, SiglipVisionConfig):
         named = siglip_params_to_hf(vision_params, vl.vision, "model.")
     elif isinstance(vl.vision, Qwen3VisionConfig):
         named = qwen3_vision_params_to_hf(vision_params, vl.vision, "model.visual.")
@@ -85,7 +110,7 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
                 names = list(handle.keys())
             index = {"metadata": {"total_size": (folder / text_file).stat().st_size},
                      "weight_map": dict.fromkeys(names, text_file)}
-        if not isinstance(vl.vision, VisionConfig):  # Qwen3-VL's / Gemma 3's text names: model.language_model.*
+        if not isinstance(vl.vision, VisionConfig):  # Qwen3-VL's / Gemma's text names: model.language_model.*
             index["weight_map"] = _language_model_names(folder, index["weight_map"])
         save_file(tower, str(folder / "model-vision.safetensors"), metadata={"format": "pt"})
         index["weight_map"].update(dict.fromkeys(tower, "model-vision.safetensors"))

@@ -173,3 +173,16 @@ def take_row(tree: Any, index: Array) -> Any:
     """Row `index` of every leaf of a tree stacked on a leading axis (a layer kind's weights stacked over its
     own layers: a mixed-layer MoE model's MLPs, Gemma 4's per-kind stacks)."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
+
+
+def image_rows(slots: Array, features: Array, dtype: Any) -> Array:
+    """[B, T, H] fp32: the feature each image token takes (slots [B, T], -1 elsewhere) from the batch's packed
+    features [M, H] (a sampler's prefill) or each row's own [B, K, H] (a training batch: rows split, sharded
+    alike), rounded to the compute dtype as transformers scatters them."""
+    if features.ndim == 3:
+        picked = jnp.take_along_axis(features.astype(dtype), jnp.maximum(slots, 0)[..., None], axis=1)
+    else:
+        picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0)
+    # rows over the batch axes, the hidden width whole: the embedding gather's own layout (split by the table's)
+    # met the row-split features in the backward, and XLA rematerialised them whole
+    return with_activation_constraint(picked.astype(jnp.float32), ("batch", "length", "act_embed"))

@@ -135,8 +135,9 @@ class ModelConfig:
     # Qwen3-VL's layout of the sections: frequency j turned by stream j % 3 within 3 x each section (height /
     # width), the rest temporal; False: contiguous sections (Qwen2.5-VL)
     mrope_interleaved: bool = False
-    # Gemma 3 multimodal: the tokens of one image attend to each other both ways (the rest stays causal); the value
-    # is the most tokens one image holds (mm_tokens_per_image), how far past a query its attention may reach.
+    # Gemma 3 / Gemma 4 multimodal: the tokens of one image attend to each other both ways (the rest stays causal;
+    # Gemma 4: on its sliding layers only); the value is the most tokens one image holds (Gemma 3's
+    # mm_tokens_per_image, Gemma 4's largest soft-token budget), how far past a query its attention may reach.
     # 0: causal everywhere
     bidirectional_image_tokens: int = 0
     # the checkpoint stores each MoE layer's experts as two tensors, `experts.gate_up_proj` [E, 2F, H] and
@@ -888,6 +889,11 @@ def _text_tower(d: dict[str, Any]) -> dict[str, Any]:
     out.update(model_type=f"{d['model_type']}_text", architectures=[f"{family}ForCausalLM"])
     if d["model_type"] == "gemma3":  # an image's tokens see each other (models/vision/siglip.py)
         out["bidirectional_image_tokens"] = int(d.get("mm_tokens_per_image", 256))
+    if d["model_type"] == "gemma4" and out.get("use_bidirectional_attention") == "vision" and d.get("vision_config"):
+        # on its sliding layers (models/model.py); an image holds at most 1120 tokens (the processor's largest budget)
+        out["bidirectional_image_tokens"] = 1120
+    if out.get("use_bidirectional_attention") == "vision":  # what it means is the line above's, not an encoder's
+        out.pop("use_bidirectional_attention")
     return out
 
 

@@ -61,6 +61,7 @@ from jaxrl_llm.models.blocks import (
     apply_rope,
     batch_rows,
     embed_tokens,
+    image_rows,
     mlp_block,
     project,
     rms_norm,
@@ -267,12 +268,14 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
                     remat: bool | str, valid: Array | None, replay: Array | None,
                     record_routing: bool, embeds: tuple[Array, ...] | None) -> tuple[Array, Any, MoeOut | None]:
     dtype = jnp.dtype(compute_dtype)
-    if embeds is not None and (cfg.typed_layers or cfg.hybrid):
+    if embeds is not None and cfg.hybrid:
         raise ValueError(f"image features: {cfg.model_type} has no vision-language model here")
     if cfg.typed_layers:  # Gemma 4: per-kind weight stacks, a state per attention type (models/gemma4.py)
         assert isinstance(attention, dict)
+        if positions.ndim == 3:  # a vision-language row's streams, all equal (Gemma 4 has no M-RoPE)
+            positions = positions[0]
         return typed_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
-                                    valid=valid, replay=replay, record_routing=record_routing)
+                                    valid=valid, replay=replay, record_routing=record_routing, embeds=embeds)
     assert not isinstance(attention, dict)
     if cfg.hybrid:  # Qwen3.5: gated delta-net and gated attention layers (models/hybrid.py)
         return hybrid_decoder_hidden(params, cfg, input_ids, positions, attention, state, dtype=dtype, remat=remat,
@@ -284,7 +287,7 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
     if embeds is not None:  # image tokens take their features (in the compute dtype, as transformers scatters)
         slots, features = embeds[:2]
         deepstack = (slots, embeds[2]) if len(embeds) > 2 else None
-        x = jnp.where((slots >= 0)[..., None], _image_rows(slots, features, dtype),
+        x = jnp.where((slots >= 0)[..., None], image_rows(slots, features, dtype),
                       with_activation_constraint(x, ("batch", "length", "act_embed")))
     # context parallelism (the training / scoring forward: no cache): the tokens split over 'context'
     split_rows = state is None  # no cache: the training / scoring forward (`batch_rows`)
@@ -318,7 +321,7 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
             image_slots, stacked = deepstack
             depth = stacked.shape[0]
             table = lax.dynamic_index_in_dim(stacked, jnp.minimum(index, depth - 1), 0, keepdims=False)
-            x = x + jnp.where((index < depth) & (image_slots >= 0)[..., None], _image_rows(image_slots, table, dtype),
+            x = x + jnp.where((index < depth) & (image_slots >= 0)[..., None], image_rows(image_slots, table, dtype),
                               0.0)
         if split_tokens:
             x = with_activation_constraint(x, ("batch", "length", "act_embed"))
@@ -341,19 +344,6 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
                                       unroll=cfg.scan_unroll)
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
-
-
-def _image_rows(slots: Array, features: Array, dtype: Any) -> Array:
-    """[B, T, H] fp32: the feature each image token takes (slots [B, T], -1 elsewhere) from the batch's packed
-    features [M, H] (a sampler's prefill) or each row's own [B, K, H] (a training batch: rows split, sharded
-    alike), rounded to the compute dtype as transformers scatters them."""
-    if features.ndim == 3:
-        picked = jnp.take_along_axis(features.astype(dtype), jnp.maximum(slots, 0)[..., None], axis=1)
-    else:
-        picked = jnp.take(features.astype(dtype), jnp.maximum(slots, 0), axis=0)
-    # rows over the batch axes, the hidden width whole: the embedding gather's own layout (split by the table's)
-    # met the row-split features in the backward, and XLA rematerialised them whole
-    return with_activation_constraint(picked.astype(jnp.float32), ("batch", "length", "act_embed"))
 
 
 def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int = 0,

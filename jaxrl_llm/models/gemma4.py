@@ -43,6 +43,7 @@ from jaxrl_llm.models.blocks import (
     apply_rope,
     batch_rows,
     embed_tokens,
+    image_rows,
     mlp_block,
     project,
     rms_norm,
@@ -251,11 +252,23 @@ def typed_layer(cfg: ModelConfig, weights: dict, x: Array, layer_input: Array | 
 def typed_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                          attention: dict[str, LayerAttention], state: dict | None, *, dtype: DType,
                          remat: bool | str = False, valid: Array | None = None, replay: Array | None = None,
-                         record_routing: bool = False) -> tuple[Array, dict | None, MoeOut | None]:
+                         record_routing: bool = False, embeds: tuple[Array, ...] | None = None
+                         ) -> tuple[Array, dict | None, MoeOut | None]:
     """`decoder_hidden` (models/decoder.py) of a Gemma 4 model: hidden states after the final norm [B, T, H]
-    (compute dtype), the new per-type attention state and, with the MoE block, its `MoeOut`."""
+    (compute dtype), the new per-type attention state and, with the MoE block, its `MoeOut`. `embeds` (slots,
+    features): image features in place of the image tokens' embeddings; the per-layer inputs then read the pad
+    token's identity there and the features as the embedding they project (transformers' `Gemma4Model`)."""
     valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
+    if embeds is not None:
+        if len(embeds) > 2:
+            raise ValueError("deepstack features: Gemma 4 has none")
+        slots, features = embeds
+        input_ids = jnp.where(slots >= 0, jnp.int32(cfg.pad_token_id or 0), input_ids)
     x, embedded = embed_tokens(params, cfg, input_ids, dtype)
+    if embeds is not None:  # the features in the compute dtype, as transformers scatters them
+        features_rows = image_rows(slots, features, dtype)
+        x = jnp.where((slots >= 0)[..., None], features_rows, x)
+        embedded = jnp.where((slots >= 0)[..., None], features_rows.astype(embedded.dtype), embedded)
     split_rows = state is None  # the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1
     if split_tokens:

@@ -91,12 +91,15 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
              branch_ids: Array | None, replay: Array | None = None, record_routing: bool = False,
              embeds: tuple[Array, ...] | None = None, position_offset: Array | None = None
              ) -> tuple[Array, dict | None, MoeOut | None]:
-    image_blocks = None  # Gemma 3: an image's tokens see each other (`attention_context`)
+    image_blocks = None  # Gemma 3 / 4: an image's tokens see each other (`attention_context`)
     if cfg.bidirectional_image_tokens and embeds is not None:
         image_blocks = image_blocks_of(embeds[0])
     positions, allowed, write_index, new_mask = attention_context(cfg, attention_mask, positions, cache, segment_ids,
                                                                   branch_ids, position_offset, image_blocks)
     lookahead = 0 if image_blocks is None else cfg.bidirectional_image_tokens
+    causal_allowed = allowed  # Gemma 4's full layers: causal whatever the images (transformers' vision masks)
+    if cfg.typed_layers and image_blocks is not None:
+        _, causal_allowed, _, _ = attention_context(cfg, attention_mask, positions, cache, segment_ids, branch_ids)
     # batch-invariant attention anchors its key blocks at each row's first token (models/invariant.py)
     key_start = None
     if cfg.batch_invariant:
@@ -107,8 +110,9 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
         window = window_mask(cfg, write_index, input_ids.shape[1], allowed.shape[2], segment_ids, branch_ids)
         local = allowed & (window if window.ndim == 3 else window[None])
     if cfg.typed_layers:  # Gemma 4: an attention and a cache per attention type (models/gemma4.py)
-        attention: Any = {"sliding": dense_attention(cfg, allowed if local is None else local, write_index),
-                          "full": dense_attention(cfg, allowed, write_index, kv_heads=cfg.full_kv_heads)}
+        attention: Any = {"sliding": dense_attention(cfg, allowed if local is None else local, write_index,
+                                                     lookahead=lookahead),
+                          "full": dense_attention(cfg, causal_allowed, write_index, kv_heads=cfg.full_kv_heads)}
         kv: Any = typed_state(cache)
     else:
         # MLA's cache paths (and batch-invariant mode) attend with one kv head over the latent (models/mla.py)

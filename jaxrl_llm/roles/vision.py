@@ -2,11 +2,11 @@
 images; the features go into the sampler's prefill and, row by row, into every pass of the step that reads the
 policy (`RowImages`), so the sampler and the trainer see the same embeddings.
 
-What makes a policy vision-language here: a Qwen2.5-VL, Qwen3-VL or Gemma 3 folder
-(`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`, `Gemma3ForConditionalGeneration`; its text
-model is what `load_model` loads) or `tiny:qwen2_5_vl` (a random tiny
-Qwen2.5-VL for tests and CI: the tiny text dims with M-RoPE, a 2-block tower, and the tokenizer given the vision
-tokens it lacks).
+What makes a policy vision-language here: a Qwen2.5-VL, Qwen3-VL, Gemma 3 or Gemma 4 folder
+(`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`, `Gemma3ForConditionalGeneration`,
+`Gemma4ForConditionalGeneration` with a vision tower; its text model is what `load_model` loads) or
+`tiny:qwen2_5_vl` (a random tiny Qwen2.5-VL for tests and CI: the tiny text dims with M-RoPE, a 2-block tower, and
+the tokenizer given the vision tokens it lacks).
 """
 from __future__ import annotations
 
@@ -26,15 +26,17 @@ from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.data.vision_prompts import ImageTokens
 from jaxrl_llm.hf.hf_folder import read_hf_config
 from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.hf.vision import folder_vision_language, vision_language_config
 from jaxrl_llm.hf.vision import load_vision_tower as load_folder_tower
-from jaxrl_llm.hf.vision import vision_language_config
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
+from jaxrl_llm.models.vision.gemma4_vit import Gemma4VisionConfig, init_gemma4_vision_params
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, init_qwen3_vision_params
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, init_vision_params
 from jaxrl_llm.models.vision.qwen_vl import (
     QWEN_IMAGE_TOKEN_ID,
     ImagePrompt,
+    TowerConfig,
     VisionLanguage,
     feature_bucket,
     image_prompt,
@@ -66,6 +68,8 @@ def image_tokens_of(path: str | None, tokenizer: Tokenizer) -> ImageTokens | Non
     if path == TINY_VL:
         return ImageTokens(image_token_id=int(tokenizer.convert_tokens_to_ids(ImageTokens.pad_text)))
     config = read_hf_config(path)
+    if config.get("model_type") == "gemma4":
+        return _gemma4_image_tokens(path, config, tokenizer)
     gemma = config.get("model_type") == "gemma3"
     pad_text = "<image_soft_token>" if gemma else ImageTokens.pad_text
     token_id = tokenizer.convert_tokens_to_ids(pad_text)
@@ -84,6 +88,27 @@ def image_tokens_of(path: str | None, tokenizer: Tokenizer) -> ImageTokens | Non
     tokens = dataclasses.replace(tokens, patch_size=int(vision.get("patch_size", tokens.patch_size)),
                                  temporal_patch_size=int(vision.get("temporal_patch_size", tokens.temporal_patch_size)),
                                  merge_size=int(vision.get("spatial_merge_size", tokens.merge_size)))
+    return tokens.with_preprocessor(path)
+
+
+def _gemma4_image_tokens(path: str, config: dict[str, Any], tokenizer: Tokenizer) -> ImageTokens:
+    """Gemma 4's image tokens: the tokenizer's strings of the model's begin-of-image, image and end-of-image ids
+    (each must read back as its id), the folder's processor sizes."""
+    ids = {"boi_token_id": int(config.get("boi_token_id", 255999)),
+           "image_token_id": int(config.get("image_token_id", 258880)),
+           "eoi_token_id": int(config.get("eoi_token_id", 258882))}
+    texts = {}
+    for key, token_id in ids.items():
+        text = tokenizer.convert_ids_to_tokens(token_id) if token_id < len(tokenizer) else None
+        if not isinstance(text, str) or tokenizer.convert_tokens_to_ids(text) != token_id:
+            raise ConfigError(f"actor_rollout_ref.model.path={path!r}: config.json {key}={token_id} is not a token of "
+                              "the tokenizer: data.tokenizer must be the model's own")
+        texts[key] = text
+    vision = folder_vision_language(path).vision
+    assert isinstance(vision, Gemma4VisionConfig)
+    tokens = ImageTokens.gemma4(ids["image_token_id"], texts["boi_token_id"], texts["image_token_id"],
+                                texts["eoi_token_id"], patch_size=vision.patch_size,
+                                max_soft_tokens=vision.max_soft_tokens, pooling_kernel_size=vision.pooling_kernel_size)
     return tokens.with_preprocessor(path)
 
 
@@ -228,7 +253,7 @@ def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
     return vision_tower_of(source, model_cfg, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
 
 
-def vision_config_of(path: str, model_cfg: ModelConfig) -> VisionConfig | Qwen3VisionConfig | SiglipVisionConfig:
+def vision_config_of(path: str, model_cfg: ModelConfig) -> TowerConfig:
     """The tower's config of the policy at `path` (no weight read): tiny:qwen2_5_vl's, or a folder's config.json."""
     return vision_language_of(path, model_cfg).vision
 
@@ -239,10 +264,7 @@ def vision_language_of(path: str, model_cfg: ModelConfig) -> VisionLanguage:
     if path == TINY_VL:
         return VisionLanguage(vision=VisionConfig.tiny(model_cfg.hidden_size), image_token_id=0,
                               vision_start_token_id=0)
-    vl = VisionLanguage.from_hf_config(read_hf_config(path))
-    if vl is None:
-        raise ValueError(f"{path}: not a Qwen2.5-VL / Qwen3-VL / Gemma 3 folder")
-    return vl
+    return folder_vision_language(path)
 
 
 def _largest_image_rows(cfg: Any, prompt_length: int, room: int) -> Any:
@@ -250,6 +272,9 @@ def _largest_image_rows(cfg: Any, prompt_length: int, room: int) -> Any:
     worst case): host arrays whose shapes the plan's rows take."""
     if isinstance(cfg, SiglipVisionConfig):
         pixels, grid = np.zeros((1, cfg.in_channels, cfg.image_size, cfg.image_size), np.float32), np.ones((1, 3))
+    elif isinstance(cfg, Gemma4VisionConfig):  # every image's pixels are the budget's patches
+        side = cfg.pooling_kernel_size
+        pixels, grid = np.zeros((1, cfg.max_patches, cfg.patch_dim), np.float32), np.array([[1, side, side]])
     else:
         side = cfg.spatial_merge_size
         blocks = max(1, prompt_length)
@@ -259,8 +284,10 @@ def _largest_image_rows(cfg: Any, prompt_length: int, room: int) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), rows)
 
 
-def init_tower(cfg: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig, rng: jax.Array) -> dict[str, Any]:
+def init_tower(cfg: TowerConfig, rng: jax.Array) -> dict[str, Any]:
     """Random tower params of any kind."""
+    if isinstance(cfg, Gemma4VisionConfig):
+        return init_gemma4_vision_params(cfg, rng)
     if isinstance(cfg, SiglipVisionConfig):
         return init_siglip_params(cfg, rng)
     return init_qwen3_vision_params(cfg, rng) if isinstance(cfg, Qwen3VisionConfig) else init_vision_params(cfg, rng)

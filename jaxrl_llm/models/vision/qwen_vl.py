@@ -14,7 +14,9 @@ decode step adds to its 1-D position (all three streams equal from there on).
 Gemma 3 (a SigLIP tower: models/vision/siglip.py) shares this module's plumbing: each image is
 `<start_of_image>`, mm_tokens_per_image image tokens, `<end_of_image>`; its positions are the plain 1-D ones (given as
 three equal streams, which the decoder reads as one), its deltas 0, and its text model lets an image's tokens see
-each other (`ModelConfig.bidirectional_image_tokens`).
+each other (`ModelConfig.bidirectional_image_tokens`). Gemma 4 (models/vision/gemma4_vit.py) the same, with as many
+image tokens as its processor's aspect-preserving resize gives the image (the grids say how many: rows x columns
+/ k^2), and an image's tokens see each other on the sliding layers only.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import forward_hidden, logits_from_hidden
+from jaxrl_llm.models.vision.gemma4_vit import Gemma4VisionConfig, gemma4_vision_features, patch_positions, soft_tokens
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, qwen3_image_features
 from jaxrl_llm.models.vision.qwen_vit import VisionConfig, image_features
 from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, siglip_features
@@ -39,19 +42,28 @@ Array = jax.Array
 QWEN_IMAGE_TOKEN_ID = 151655  # `<|image_pad|>` in the Qwen2.5-VL releases' vocabulary (config.json's default)
 
 
+TowerConfig = VisionConfig | Qwen3VisionConfig | SiglipVisionConfig | Gemma4VisionConfig  # a tower of any kind
+
+
 @jax.tree_util.register_static  # carried by `RowImages` through jit as static data (a trained tower's config)
 @dataclasses.dataclass(frozen=True)
 class VisionLanguage:
-    """What a Qwen2.5-VL / Qwen3-VL / Gemma 3 policy adds to its text model: the tower's config and the image token
-    ids (`vision_start_token_id`: Gemma 3's `<start_of_image>`)."""
+    """What a Qwen2.5-VL / Qwen3-VL / Gemma 3 / Gemma 4 policy adds to its text model: the tower's config and the
+    image token ids (`vision_start_token_id`: Gemma's begin-of-image token)."""
 
-    vision: VisionConfig | Qwen3VisionConfig | SiglipVisionConfig
+    vision: TowerConfig
     image_token_id: int
     vision_start_token_id: int
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> VisionLanguage | None:
-        """From a config.json; None when it is not a Qwen2.5-VL, Qwen3-VL or Gemma 3 multimodal model's."""
+        """From a config.json; None when it is not a Qwen2.5-VL, Qwen3-VL, Gemma 3 or Gemma 4 multimodal model's (a
+        Gemma 4 folder without a vision_config is a text model)."""
+        if d.get("model_type") == "gemma4" and d.get("vision_config"):
+            text_hidden = ModelConfig.from_hf_config(dict(d)).hidden_size
+            tower4 = Gemma4VisionConfig.from_hf(d["vision_config"], text_hidden_size=text_hidden)
+            return cls(vision=tower4, image_token_id=int(d.get("image_token_id", 258880)),
+                       vision_start_token_id=int(d.get("boi_token_id", 255999)))
         if d.get("model_type") == "gemma3":
             text_hidden = ModelConfig.from_hf_config(dict(d)).hidden_size  # a sparse text_config: transformers' fills
             tower = SiglipVisionConfig.from_hf(d.get("vision_config") or {}, text_hidden_size=text_hidden,
@@ -73,12 +85,29 @@ class VisionLanguage:
     @property
     def mrope(self) -> bool:
         """Whether the text model takes M-RoPE positions (Qwen) or plain ones (Gemma 3)."""
-        return not isinstance(self.vision, SiglipVisionConfig)
+        return not isinstance(self.vision, (SiglipVisionConfig, Gemma4VisionConfig))
+
+    def image_token_counts(self, image_grid_thw: np.ndarray) -> np.ndarray:
+        """[images] int: each image's tokens in the prompt (Gemma 3's fixed count; otherwise the grid's blocks)."""
+        grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
+        if isinstance(self.vision, SiglipVisionConfig):
+            return np.full(len(grids), self.vision.mm_tokens_per_image, np.int64)
+        if isinstance(self.vision, Gemma4VisionConfig):
+            return soft_tokens(self.vision, grids)
+        return grids.prod(axis=1) // self.vision.spatial_merge_size ** 2
 
     def features(self, params: Mapping[str, Any], pixel_values: np.ndarray, image_grid_thw: np.ndarray, *,
                  dtype: DType = jnp.float32) -> tuple[Array, Array | None]:
         """(features [M, H], deepstack features [D, M, H] or None) of a batch's images through the tower
-        (Gemma 3's pixel_values: [images, C, S, S]; its grids are not read)."""
+        (Gemma 3's pixel_values: [images, C, S, S], its grids not read; Gemma 4's: [images, max_patches, patch],
+        its grids (1, rows, columns) of patches)."""
+        if isinstance(self.vision, Gemma4VisionConfig):
+            pixels = np.asarray(pixel_values, np.float32)
+            out = gemma4_vision_features(params, self.vision, jnp.asarray(pixels),
+                                         jnp.asarray(patch_positions(image_grid_thw, pixels.shape[1])), dtype=dtype)
+            counts, room = self.image_token_counts(image_grid_thw), out.shape[1]
+            index = np.concatenate([i * room + np.arange(c) for i, c in enumerate(counts.tolist())])
+            return jnp.take(out.reshape(-1, out.shape[-1]), jnp.asarray(index, jnp.int32), axis=0), None
         if isinstance(self.vision, SiglipVisionConfig):
             out = siglip_features(params, self.vision, jnp.asarray(pixel_values), dtype=dtype)
             return out.reshape(-1, out.shape[-1]), None
@@ -98,7 +127,7 @@ def _image_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
 def mrope_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_grid_thw: np.ndarray,
                     vl: VisionLanguage) -> tuple[np.ndarray, np.ndarray]:
     """(positions [3, B, T] int32, deltas [B] int32) of a left- or right-padded batch (module doc)."""
-    if not vl.mrope:  # Gemma 3: the plain positions in every stream, each image mm_tokens_per_image tokens
+    if not vl.mrope:  # Gemma 3 / 4: the plain positions in every stream
         return _plain_positions(input_ids, attention_mask, image_grid_thw, vl)
     merge = vl.vision.spatial_merge_size
     b, t = input_ids.shape
@@ -138,17 +167,16 @@ def mrope_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_gri
 def _plain_positions(input_ids: np.ndarray, attention_mask: np.ndarray, image_grid_thw: np.ndarray,
                      vl: VisionLanguage) -> tuple[np.ndarray, np.ndarray]:
     """`mrope_positions` of a model without M-RoPE: each valid token's index among its row's valid tokens, in all
-    three streams; deltas 0. Each run of image tokens must be one image's."""
-    assert isinstance(vl.vision, SiglipVisionConfig)
-    per_image, mask = vl.vision.mm_tokens_per_image, np.asarray(attention_mask) > 0
+    three streams; deltas 0. Each run of image tokens must be one image's, in order."""
+    counts, mask = vl.image_token_counts(image_grid_thw).tolist(), np.asarray(attention_mask) > 0
     runs = 0
     for row in range(len(input_ids)):
         for start, end in _image_runs(np.asarray(input_ids[row])[mask[row]], vl.image_token_id):
-            if end - start != per_image:
-                raise ValueError(f"row {row}: a run of {end - start} image tokens; each image is {per_image} "
-                                 "(mm_tokens_per_image)")
+            if runs < len(counts) and end - start != counts[runs]:
+                raise ValueError(f"row {row}: a run of {end - start} image tokens for image {runs} of "
+                                 f"{counts[runs]} tokens")
             runs += 1
-    if runs != len(image_grid_thw):
+    if runs != len(counts):
         raise ValueError(f"{len(image_grid_thw)} images but {runs} runs of image tokens in the batch")
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0) * mask
     return np.broadcast_to(positions[None], (3, *positions.shape)).astype(np.int32), np.zeros(len(mask), np.int32)

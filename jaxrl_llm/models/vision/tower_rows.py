@@ -7,9 +7,10 @@ other arrays):
 
 - `pixels` [N, I, ...]: the row's I images (I: the most any prompt of the batch holds; rows with fewer repeat their
   first image, whose features nothing reads). Qwen: each image's patches [P, C x T x p x p], padded to the batch's
-  largest image's power of two (a frame of their own: no real patch sees them); Gemma 3: [C, S, S].
+  largest image's power of two (a frame of their own: no real patch sees them); Gemma 3: [C, S, S]; Gemma 4: the
+  processor's [max_patches, P x P x C] (every image the same shape already).
 - `layout`: Qwen's per-image index arrays (window order, 2-D positions, frames; Qwen3-VL's position taps), [N, I, ...];
-  None for Gemma 3.
+  Gemma 4's patch positions [N, I, max_patches, 2]; None for Gemma 3.
 - `feature_index` [N, K]: the row's k-th image token's feature in its images' features laid end to end (image i's
   blocks at i x blocks per image).
 
@@ -26,6 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.models.vision.gemma4_vit import (
+    Gemma4VisionConfig,
+    gemma4_vision_features,
+    patch_positions,
+    soft_tokens,
+)
 from jaxrl_llm.models.vision.qwen3_vit import Qwen3VisionConfig, qwen3_layout, qwen3_vision_features
 from jaxrl_llm.models.vision.qwen3_vit import _padded as qwen3_padded_layout
 from jaxrl_llm.models.vision.qwen_vit import (
@@ -43,8 +50,8 @@ Array = jax.Array
 class TowerRows(NamedTuple):
     """Each row's images as a trained tower reads them (module doc)."""
 
-    pixels: Any  # [N, I, P, patch] (Qwen) or [N, I, C, S, S] (Gemma 3)
-    layout: Any  # Qwen's per-image layout arrays [N, I, ...]; None for Gemma 3
+    pixels: Any  # [N, I, P, patch] (Qwen), [N, I, C, S, S] (Gemma 3) or [N, I, max_patches, patch] (Gemma 4)
+    layout: Any  # Qwen's per-image layout arrays [N, I, ...], Gemma 4's patch positions; None for Gemma 3
     feature_index: Any  # int32 [N, K]
 
 
@@ -62,15 +69,23 @@ def prompt_tower_rows(cfg: Any, pixel_values: np.ndarray, grid_thw: np.ndarray, 
     images = max(max(counts), 1)
     grids = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     firsts = np.concatenate([[0], np.cumsum(counts)])[:-1]
-    if isinstance(cfg, SiglipVisionConfig):  # fixed squares: blocks = mm_tokens_per_image
+    if isinstance(cfg, (SiglipVisionConfig, Gemma4VisionConfig)):  # every image's pixels one shape
         pixels = np.asarray(pixel_values, np.float32)
-        per_image = cfg.mm_tokens_per_image
-        take = [[int(firsts[b]) + (i if i < counts[b] else 0) for i in range(images)] if counts[b] else
-                [0] * images for b in range(len(counts))]
+        take = np.asarray([[int(firsts[b]) + (i if i < counts[b] else 0) for i in range(images)] if counts[b] else
+                           [0] * images for b in range(len(counts))])
+        if isinstance(cfg, SiglipVisionConfig):  # fixed squares: blocks = mm_tokens_per_image
+            per_image, cells, layout = np.full(len(grids), cfg.mm_tokens_per_image), cfg.mm_tokens_per_image, None
+        else:  # image i's tokens: the first of its max_patches / k^2 cells
+            per_image, cells = soft_tokens(cfg, grids), pixels.shape[1] // cfg.pooling_kernel_size ** 2
+            layout = patch_positions(grids, pixels.shape[1])[take]
         index = np.zeros((len(counts), room), np.int32)
         for b, c in enumerate(counts):
-            index[b, :c * per_image] = np.arange(c * per_image)
-        return TowerRows(pixels[np.asarray(take)], None, index)
+            at = 0
+            for i in range(c):
+                n = int(per_image[firsts[b] + i])
+                index[b, at:at + n] = i * cells + np.arange(n)
+                at += n
+        return TowerRows(pixels[take], layout, index)
     forward, layout_of, pad_layout = _qwen_parts(cfg)
     del forward
     unit = cfg.merge_unit
@@ -100,8 +115,12 @@ def row_tower_features(params: Mapping[str, Any], cfg: Any, rows: TowerRows, *, 
     `params` (differentiable: the update trains the tower through them)."""
     n, images = rows.pixels.shape[:2]
     flat = rows.pixels.reshape(n * images, *rows.pixels.shape[2:])
-    if isinstance(cfg, SiglipVisionConfig):
-        out = siglip_features(params, cfg, flat, dtype=dtype)  # [N * I, T, H]
+    if isinstance(cfg, (SiglipVisionConfig, Gemma4VisionConfig)):
+        if isinstance(cfg, SiglipVisionConfig):
+            out = siglip_features(params, cfg, flat, dtype=dtype)  # [N * I, T, H]
+        else:
+            positions = rows.layout.reshape(n * images, *rows.layout.shape[2:])
+            out = gemma4_vision_features(params, cfg, flat, positions, dtype=dtype)
         features = out.reshape(n, -1, out.shape[-1])
         return jnp.take_along_axis(features, rows.feature_index[..., None], axis=1), None
     forward, _, _ = _qwen_parts(cfg)
