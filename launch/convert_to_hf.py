@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = with_vision_tokens(vision.path, tokenizer)
         tower = vision.params if trained_tower is None else trained_tower
         out = export_vision_language(cfg, params, vision.hf_config, tower, args.output, tokenizer=tokenizer,
-                                     dtype=as_jnp_dtype(args.dtype))
+                                     dtype=as_jnp_dtype(args.dtype), processor_from=vision.path)
         print(f"wrote {vision.hf_config.get('architectures', ['a vision-language model'])[0]} "
               f"({cfg.num_hidden_layers} layers and the vision tower, {args.dtype}) to {out}")
         return 0

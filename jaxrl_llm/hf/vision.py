@@ -42,6 +42,9 @@ _NOT_VL = ("not a Qwen2.5-VL / Qwen3-VL / Gemma 3 / Gemma 4 folder (config.json 
            "'qwen3_vl', 'qwen3_vl_moe' or 'gemma3', nor 'gemma4' with a vision_config)")
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # an image processor's settings
+
+
 def folder_vision_language(path: str | pathlib.Path) -> VisionLanguage:
     """The `VisionLanguage` of a folder (no weight read): its config.json's, with Gemma 4's soft-token budget from
     its preprocessor_config.json (`max_soft_tokens`, 280 without one); a ValueError for a folder of another model."""
@@ -76,12 +79,14 @@ def load_vision_tower(path: str | pathlib.Path) -> tuple[VisionLanguage, dict[st
 
 def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[str, Any],
                            vision_params: Mapping[str, Any], out_dir: str | pathlib.Path, *,
-                           tokenizer: Tokenizer | None = None, dtype: DType | None = None) -> pathlib.Path:
+                           tokenizer: Tokenizer | None = None, dtype: DType | None = None,
+                           processor_from: str | pathlib.Path | None = None) -> pathlib.Path:
     """A Qwen2.5-VL / Qwen3-VL / Gemma 3 / Gemma 4 folder transformers loads: the text model as `export_hf` writes it
     (`model.*`, `lm_head.*`, the released checkpoints' names; Qwen3-VL's and Gemma 3's under `model.language_model.*`),
     the tower under transformers 5's names (`model.visual.*`; `model.vision_tower.*` and the projector) in a file of
-    its own, one index over both, and `vl_config` (the source folder's config.json) as config.json. Local folders
-    only."""
+    its own, one index over both, and `vl_config` (the source folder's config.json) as config.json; the processor's
+    settings (`PROCESSOR_FILES`) copied from `processor_from` (the source folder) where it has them, so the export
+    sizes images as the source does (Gemma 4's soft-token budget). Local folders only."""
     out_dir = pathlib.Path(out_dir)
     vl = VisionLanguage.from_hf_config(vl_config)
     if vl is None:
@@ -121,6 +126,10 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
         config = {**dict(vl_config), "architectures": [architecture],
                   "dtype": np_dtype.name, "torch_dtype": np_dtype.name}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        source = None if processor_from is None else pathlib.Path(processor_from)
+        for name in PROCESSOR_FILES if source is not None and source.is_dir() else ():
+            if (source / name).is_file():
+                (folder / name).write_bytes((source / name).read_bytes())
         for item in folder.iterdir():  # the folder's files to the staged root
             item.rename(tmp / item.name)
         folder.rmdir()

@@ -24,7 +24,8 @@ def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Tokenizer, ou
     if vision is not None:
         tower = trained_tower if trained_tower is not None else to_host(vision.params)
         if is_main:
-            export_vision_language(actor.model_cfg, params, vision.hf_config, tower, out_dir, tokenizer=tokenizer)
+            export_vision_language(actor.model_cfg, params, vision.hf_config, tower, out_dir, tokenizer=tokenizer,
+                                   processor_from=vision.path)
     elif is_main:
         export_hf(actor.model_cfg, params, out_dir, tokenizer=tokenizer)
     if model.lora is not None:

@@ -132,3 +132,49 @@ def test_gemma3_prompts_and_pixels_are_its_processors(tmp_path, smollm2_tok):
                   "images": [[{"bytes": png((60, 40), (200, 30, 30))}]]}).to_parquet(path)
     data = build_dataset(data_spec(train_files=str(path), max_prompt_length=64), tok, "train", tokens)
     np.testing.assert_array_equal(data[0]["input_ids"], ours)
+
+
+def test_gemma4_prompts_and_pixels_are_its_processors(tmp_path, smollm2_tok):
+    # a Gemma 4 folder's image: its begin-of-image token, as many image tokens as Gemma4ImageProcessorPil's
+    # aspect-preserving resize gives the image (transformers' Gemma4Processor puts num_soft_tokens_per_image of them
+    # between the begin / end tokens; its video processor needs torchvision, so its rule is spelled out here), the
+    # end token; the tokens' strings read from the tokenizer by the config's ids; the folder's processor sizes read
+    import copy
+    import json
+
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.data.vision_prompts import chat_with_images
+    from jaxrl_llm.hf.tokenizer import render_chat
+
+    tok = copy.deepcopy(smollm2_tok)
+    texts = ["<|image>", "<|image|>", "<image|>"]
+    tok.add_special_tokens({"additional_special_tokens": texts}, replace_extra_special_tokens=False)
+    start, image, end = (int(tok.convert_tokens_to_ids(t)) for t in texts)
+    config = {"model_type": "gemma4", "image_token_id": image, "boi_token_id": start, "eoi_token_id": end,
+              "text_config": {"hidden_size": 64}, "vision_config": {"hidden_size": 32, "num_attention_heads": 2}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 8, "max_soft_tokens": 140,
+                                                                   "pooling_kernel_size": 3}))
+    tokens = image_tokens_of(str(tmp_path), tok)
+    assert tokens is not None and (tokens.start_text, tokens.pad_text, tokens.end_text) == tuple(texts)
+    assert (tokens.patch_size, tokens.max_soft_tokens, tokens.pooling_kernel_size) == (8, 140, 3)
+    processor = Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=140, pooling_kernel_size=3)
+    for size in [(60, 40), (640, 480), (20, 300), (24, 24)]:
+        picture = Image.open(io.BytesIO(png(size, (200, 30, 30))))
+        theirs = processor(images=[picture], return_tensors="np")
+        count = int(theirs["num_soft_tokens_per_image"][0])
+        assert tokens.tokens_for(*size) == count <= 140
+        pixels, grid = tokens.pixels([picture])
+        np.testing.assert_array_equal(pixels, theirs["pixel_values"])
+        assert int(grid[0].prod()) == int((theirs["image_position_ids"][0, :, 0] >= 0).sum())
+        ours, _ = chat_with_images([{"role": "user", "content": "<image>How many?"}], tokens, tok, [picture])
+        text = render_chat(tok, [{"role": "user", "content": texts[1] + "How many?"}], add_generation_prompt=True)
+        expected = tok(text.replace(texts[1], texts[0] + texts[1] * count + texts[2]),
+                       add_special_tokens=False)["input_ids"]
+        np.testing.assert_array_equal(ours, expected)
+    # a config whose image token the tokenizer lacks is refused by key
+    (tmp_path / "config.json").write_text(json.dumps({**config, "boi_token_id": len(tok) + 5}))
+    with pytest.raises(ConfigError, match="boi_token_id"):
+        image_tokens_of(str(tmp_path), tok)
