@@ -314,7 +314,7 @@ def records_from_rows(
             if images and image_tokens is None:
                 raise DataError(f"{ref}: the row has {len(images)} image(s) (data.image_key={data.image_key!r}), "
                                 "but the policy reads text only (vision-language policies: Qwen2.5-VL / Qwen3-VL / "
-                                "Gemma 3 folders and tiny:qwen2_5_vl; a Gemma 4 / Qwen3.5 folder trains its text "
+                                "Gemma 3 / Gemma 4 folders and tiny:qwen2_5_vl; a Qwen3.5 folder trains its text "
                                 "model)")
             if images:
                 assert image_tokens is not None
