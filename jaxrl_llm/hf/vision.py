@@ -126,9 +126,9 @@ def export_vision_language(cfg: ModelConfig, params: dict, vl_config: Mapping[st
         config = {**dict(vl_config), "architectures": [architecture],
                   "dtype": np_dtype.name, "torch_dtype": np_dtype.name}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        source = None if processor_from is None else pathlib.Path(processor_from)
-        for name in PROCESSOR_FILES if source is not None and source.is_dir() else ():
-            if (source / name).is_file():
+        source = pathlib.Path(processor_from) if processor_from is not None else None
+        for name in PROCESSOR_FILES:
+            if source is not None and (source / name).is_file():
                 (folder / name).write_bytes((source / name).read_bytes())
         for item in folder.iterdir():  # the folder's files to the staged root
             item.rename(tmp / item.name)

@@ -259,16 +259,18 @@ def typed_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posit
     features): image features in place of the image tokens' embeddings; the per-layer inputs then read the pad
     token's identity there and the features as the embedding they project (transformers' `Gemma4Model`)."""
     valid = jnp.ones(input_ids.shape, bool) if valid is None else valid
-    if embeds is not None:
-        if len(embeds) > 2:
+    if embeds is None:
+        x, embedded = embed_tokens(params, cfg, input_ids, dtype)
+    else:
+        slots, features, *deepstack = embeds
+        if deepstack:
             raise ValueError("deepstack features: Gemma 4 has none")
-        slots, features = embeds
+        is_image = (slots >= 0)[..., None]
         input_ids = jnp.where(slots >= 0, jnp.int32(cfg.pad_token_id or 0), input_ids)
-    x, embedded = embed_tokens(params, cfg, input_ids, dtype)
-    if embeds is not None:  # the features in the compute dtype, as transformers scatters them
-        features_rows = image_rows(slots, features, dtype)
-        x = jnp.where((slots >= 0)[..., None], features_rows, x)
-        embedded = jnp.where((slots >= 0)[..., None], features_rows.astype(embedded.dtype), embedded)
+        x, embedded = embed_tokens(params, cfg, input_ids, dtype)
+        features = image_rows(slots, features, dtype)  # in the compute dtype, as transformers scatters them
+        x = jnp.where(is_image, features, x)
+        embedded = jnp.where(is_image, features.astype(embedded.dtype), embedded)
     split_rows = state is None  # the training / scoring forward (`batch_rows`)
     split_tokens = split_rows and context_parallel_size() > 1
     if split_tokens:

@@ -126,7 +126,7 @@ class VisionTower:
 
     path: str  # the policy's (actor_rollout_ref.model.path)
     vl: VisionLanguage
-    params: dict[str, Any]  # fp32, replicated on the mesh
+    params: dict[str, Any]  # fp32 on the mesh (`tower_shardings`)
     tokens: ImageTokens
     hf_config: dict[str, Any]  # the config.json an export writes (the source folder's; tiny:qwen2_5_vl's built)
     compute_dtype: str = "float32"
@@ -165,8 +165,9 @@ class VisionTower:
 
 def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, tokenizer: Tokenizer, *,
                       mesh: Mesh | None, compute_dtype: str, seed: int, trained: bool = False) -> VisionTower:
-    """The tower of the policy at `path` (whose text model is `model_cfg`), replicated on `mesh` (None: the default
-    device). tiny:qwen2_5_vl's is random from `seed` (the run's: a checkpoint's tower is the run's own)."""
+    """The tower of the policy at `path` (whose text model is `model_cfg`) on `mesh` (None: the default device):
+    replicated when frozen, split over 'fsdp' when `trained` (`tower_shardings`). tiny:qwen2_5_vl's is random from
+    `seed` (the run's: a checkpoint's tower is the run's own)."""
     if path == TINY_VL:
         if not model_cfg.mrope_section:
             raise ConfigError(f"{TINY_VL}: the text model has no mrope_section")
@@ -185,9 +186,33 @@ def load_vision_tower(path: str, model_cfg: ModelConfig, tokens: ImageTokens, to
                               f"{model_cfg.hidden_size}")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     if mesh is not None:
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        params = jax.device_put(params, tower_shardings(params, mesh, trained=trained))
     return VisionTower(path=path, vl=vl, params=params, tokens=tokens, hf_config=hf_config,
                        compute_dtype=compute_dtype, trained=trained)
+
+
+def tower_shardings(params: Any, mesh: Mesh, *, trained: bool) -> Any:
+    """Where a tower's params live: a frozen tower replicated (it runs once per rollout batch; its 4 bytes a
+    parameter are small beside the text model's); a trained one as the text model's weights are, ZeRO-3 style: each
+    matrix split over 'fsdp' along its last axis that 'fsdp' divides (a block stack [depth, in, out]: out, else in;
+    the patch and position tables alike), vectors replicated, so its Adam moments and gradients split with it (a
+    trained Qwen2.5-VL-7B tower: 670M parameters x 16 bytes, 10.7 GB per chip replicated). Each block's weights
+    are gathered inside the tower's scan as the text model's layers' are."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    split = mesh.shape.get("fsdp", 1)
+
+    def place(x: Any) -> NamedSharding:
+        shape = np.shape(x)
+        if not trained or split == 1 or len(shape) < 2:
+            return replicated
+        for axis in (len(shape) - 1, len(shape) - 2):
+            if shape[axis] % split == 0:
+                spec: list[str | None] = [None] * len(shape)
+                spec[axis] = "fsdp"
+                return NamedSharding(mesh, PartitionSpec(*spec))
+        return replicated
+
+    return jax.tree.map(place, params)
 
 
 def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, mesh: Mesh | None,
@@ -296,17 +321,16 @@ def init_tower(cfg: TowerConfig, rng: jax.Array) -> dict[str, Any]:
 def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: int, prompt_length: int,
                       response_length: int, compute_dtype: str = "float32", trained: bool = False) -> dict[str, Any]:
     """The abstract arrays (sharded `ShapeDtypeStruct`s) a vision-language policy's step holds beside its programs
-    (the memory plan's state): the frozen tower, replicated, and the step's `RowImages`, worst case (every prompt
+    (the memory plan's state): the tower (`tower_shardings`) and the step's `RowImages`, worst case (every prompt
     token an image token: K = its feature room for `prompt_length` tokens; the features in the policy's
-    `compute_dtype`, as the rollout keeps them). `trained` (actor.freeze_vision_tower=False): the rows also carry
-    their pixels (`TowerRows`; planned as one image per row, the largest the prompt length allows), and "vision" is
-    the tower's config their passes read."""
+    `compute_dtype`, as the rollout keeps them). `trained` (actor.freeze_vision_tower=False): the tower split over
+    'fsdp', and the rows also carry their pixels (`TowerRows`; planned as one image per row, the largest the prompt
+    length allows), and "vision" is the tower's config their passes read."""
     from jaxrl_llm.sharding import batch_sharding
 
     vision = vision_config_of(path, model_cfg)
     dtype = as_jnp_dtype(compute_dtype, allowed=COMPUTE_DTYPES, what="actor.compute_dtype")
     tower = jax.eval_shape(lambda: init_tower(vision, jax.random.PRNGKey(0)))
-    replicated = NamedSharding(mesh, PartitionSpec())
     columns = prompt_length + response_length
     room = feature_bucket(prompt_length)
     rows_of = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
@@ -320,5 +344,7 @@ def vision_step_state(path: str, model_cfg: ModelConfig, mesh: Mesh, *, rows: in
         image_rows["tower"] = jax.tree.map(lambda x: rows_of((rows, *x.shape[1:]), x.dtype),
                                            _largest_image_rows(vision, prompt_length, room))
         image_rows["vision"] = vision_language_of(path, model_cfg)
-    return {"vision_tower": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tower),
+    placed = tower_shardings(tower, mesh, trained=trained)
+    return {"vision_tower": jax.tree.map(lambda x, at: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=at), tower,
+                                         placed),
             "image_rows": image_rows}

@@ -31,6 +31,10 @@ def test_the_tower_trains_resumes_and_exports(tmp_path):
     trainer = Trainer(config(full, tmp_path, **{"trainer.save_freq": 1}))
     initial = jax.device_get(trainer.generator.vision.params)
     assert trainer.generator.vision.trained and "vision" in trainer.actor.params
+    # split over 'fsdp' as the text model's weights are (roles/vision.py tower_shardings): each device holds
+    # 1 / fsdp of the block kernels (and of their Adam moments)
+    qkv, split = trainer.actor.params["vision"]["blocks"]["qkv"], trainer.mesh.shape["fsdp"]
+    assert split > 1 and "fsdp" in qkv.sharding.spec and qkv.addressable_shards[0].data.size * split == qkv.size
     rollout = trainer.generator.generate(next(trainer.train_loader), trainer.actor.model_params,
                                          trainer.spec.train_sampling, jax.random.key(0))
     assert rollout.images is not None and rollout.images.tower is not None  # each row's pixels
@@ -61,6 +65,8 @@ def test_the_memory_plan_holds_the_trained_tower_and_the_rows_pixels(tmp_path):
     tower = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.generator.vision.params))
     moments = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(ctx.states["actor_opt"]) if x.ndim)
     assert moments >= 2 * tower  # Adam's two moments of the tower too
+    planned = ctx.states["actor_params"]["vision"]["blocks"]["qkv"]
+    assert planned.sharding == trainer.actor.params["vision"]["blocks"]["qkv"].sharding  # planned where it lives
     pixels = ctx.states["image_rows"]["tower"].pixels
     assert pixels.shape[0] == trainer.spec.plan.sequences and device_state_bytes(ctx)["image_rows"] > 0
     shapes = [tuple(a.shape) for a in jax.tree.leaves(actor_update_program(ctx).lower(trainer.spec.plan).args_info)
