@@ -31,6 +31,9 @@ def get_config():
     actor = cfg.actor_rollout_ref.actor
     actor.optim.lr = 1e-6
     actor.ppo_mini_batch_size = 128
+    # veRL's micro-batches (per GPU); on a TPU v5p-8 (4 chips) the trained tower's passes fit at 5: the memory plan
+    # (`--plan --topology=v5p-8`) gives update_actor 82.4 GB and ref_log_prob 74.1 GB per chip there (95 GB), with
+    # ...ppo_micro_batch_size_per_device=5 ...ref.log_prob_micro_batch_size_per_device=5 (docs/vision.md)
     actor.ppo_micro_batch_size_per_device = 10
     actor.use_kl_loss = True
     actor.kl_loss_coef = 0.01
