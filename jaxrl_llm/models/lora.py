@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.param_init import hybrid_layer_ids, init_backbone, param_logical_axes, typed_layer_ids
+from jaxrl_llm.models.vision.tower_lora import merged_tower
 
 Array = jax.Array
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -261,4 +262,8 @@ def merge_lora(params: dict) -> dict:
                                b.reshape(b.shape[0], b.shape[1], -1)).reshape(kernel.shape)
             merged = (jnp.asarray(kernel, jnp.float32) + adapters.scale * delta).astype(kernel.dtype)
             projections[m] = {**projections[m], "kernel": merged}
-    return {**base, "layers": layers}
+    out = {**base, "layers": layers}
+    tower = adapters.weights.get("vision")  # LoRA on a vision tower (models/vision/tower_lora.py), where it is here
+    if tower is not None and "vision" in base:
+        out["vision"] = merged_tower(base["vision"], tower, adapters.scale)
+    return out

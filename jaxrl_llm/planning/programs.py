@@ -34,7 +34,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.policy import POLICY_LOSSES
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
-from jaxrl_llm.models.lora import init_lora, lora_logical_axes, with_lora
+from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.planning.roofline import Cost
@@ -44,14 +44,14 @@ from jaxrl_llm.roles.experience import Experience, log_probs_no_grad, teacher_no
 from jaxrl_llm.roles.forward import compute_dtype_of
 from jaxrl_llm.roles.optim import make_optimizer
 from jaxrl_llm.roles.reference import offload_supported
-from jaxrl_llm.roles.trained import jit_update, model_config_of, param_shardings_of
+from jaxrl_llm.roles.trained import adapter_init, adapter_shardings, jit_update, model_config_of, param_shardings_of
 from jaxrl_llm.roles.vision import vision_step_state
 from jaxrl_llm.sampler import bucket_length, eos_ids_of
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
-from jaxrl_llm.sharding import batch_axis_size, batch_sharding, logical_to_sharding, optimizer_state_sharding
+from jaxrl_llm.sharding import batch_axis_size, batch_sharding, optimizer_state_sharding
 
 ARR = "actor_rollout_ref"
 MESH_KEYS = "mesh.fsdp / mesh.tensor (shard the params and batch over more devices)"
@@ -219,8 +219,10 @@ def make_context(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer) -> Context:
                           {**actor.shardings, "vision": jax.tree.map(lambda x: x.sharding, tower)})
     if spec.model.lora is not None:  # trained: the adapters only; the base is frozen and is the reference
         lora = spec.model.lora
-        abstract = jax.eval_shape(lambda: init_lora(actor.cfg, lora, jax.random.PRNGKey(0)))
-        shardings = logical_to_sharding(lora_logical_axes(actor.cfg, lora), abstract, mesh)
+        # LoRA on a trained tower too: its adapters beside the text model's (roles/trained.py `adapter_init`)
+        init = adapter_init(actor.cfg, lora, actor.params.get("vision"))
+        abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+        shardings = adapter_shardings(actor.cfg, lora, abstract, mesh)
         adapters = Model(actor.cfg, {"lora": _abstract(abstract, shardings)}, {"lora": shardings})
         states = {"actor_base_params": actor.params, "actor_params": adapters.params,
                   "actor_opt": _opt_state(txs["actor"], adapters)}

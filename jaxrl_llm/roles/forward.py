@@ -27,6 +27,7 @@ from jaxrl_llm.models import ModelConfig, forward_hidden_moe, invariant, lm_head
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, as_jnp_dtype
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.vision.qwen_vl import RowImages
+from jaxrl_llm.models.vision.tower_lora import tower_params
 
 Array = jax.Array
 ChunkOut = TypeVar("ChunkOut")  # what a chunk function returns: an array or a pytree of them
@@ -99,7 +100,7 @@ def _response_scores(params: dict, model_cfg: ModelConfig, input_ids: Array, att
                      replay: Array | None, topk: int, topk_ids: Array | None, images: RowImages | None
                      ) -> ResponseScores:
     if images is not None and images.tower is not None:  # a trained tower: the features from these params' tower
-        images = images.with_tower_features(params["vision"], compute_dtype_of(compute_dtype))
+        images = images.with_tower_features(tower_params(params), compute_dtype_of(compute_dtype))
     # tied embeddings are read as the [V, H] table itself: no transposed copy of it per call
     unembed, vocab_major = ((params["embedding"], True) if model_cfg.tie_word_embeddings
                             else (lm_head_weight(params, model_cfg), False))

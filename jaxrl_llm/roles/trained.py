@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm.arrays import ArrayTree, DType, ShardingTree
@@ -32,6 +32,7 @@ from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
 from jaxrl_llm.models.lora import LoraConfig, init_lora, lora_logical_axes, with_lora
 from jaxrl_llm.models.remat import warn_once
+from jaxrl_llm.models.vision.tower_lora import init_tower_lora
 from jaxrl_llm.rewards.spec import JudgeSpec
 from jaxrl_llm.roles.forward import compute_dtype_of
 from jaxrl_llm.roles.optim import make_optimizer
@@ -249,7 +250,8 @@ def make_trained_role(name: str, model_cfg: ModelConfig, params: dict, optim: Op
     frozen = None
     model = packing_for(model, model_cfg)
     if lora is not None:
-        frozen, params = params, {"lora": init_adapters(model_cfg, lora, _mesh_of(params), seed)}
+        frozen, params = params, {"lora": init_adapters(model_cfg, lora, _mesh_of(params), seed,
+                                                        tower=params.get("vision"))}
     tx, schedule = make_optimizer(optim)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     abstract_state = jax.eval_shape(tx.init, params)
@@ -271,12 +273,38 @@ def _mesh_of(params: dict) -> Mesh:
     return jax.tree.leaves(params)[0].sharding.mesh
 
 
-def init_adapters(model_cfg: ModelConfig, lora: LoraConfig, mesh: Mesh, seed: int) -> dict:
-    """Fresh float32 adapters (models/lora.py `init_lora`) placed on `mesh` by their logical axes."""
-    abstract = jax.eval_shape(lambda: init_lora(model_cfg, lora, jax.random.PRNGKey(0)))
-    shardings = logical_to_sharding(lora_logical_axes(model_cfg, lora), abstract, mesh)
-    init = jax.jit(lambda key: init_lora(model_cfg, lora, key), out_shardings=shardings)
+def init_adapters(model_cfg: ModelConfig, lora: LoraConfig, mesh: Mesh, seed: int, tower: dict | None = None
+                  ) -> dict:
+    """Fresh float32 adapters (models/lora.py `init_lora`) placed on `mesh` by their logical axes; with `tower` (a
+    trained vision tower's params: LoRA on it too, models/vision/tower_lora.py) its adapters under "vision",
+    replicated (rank x the tower's widths: small)."""
+    adapters = adapter_init(model_cfg, lora, tower)
+    abstract = jax.eval_shape(adapters, jax.random.PRNGKey(0))
+    shardings = adapter_shardings(model_cfg, lora, abstract, mesh)
+    init = jax.jit(adapters, out_shardings=shardings)
     return init(jax.random.fold_in(jax.random.PRNGKey(seed), 0x10AA))
+
+
+def adapter_init(model_cfg: ModelConfig, lora: LoraConfig, tower: Any = None) -> Callable[[jax.Array], dict]:
+    """key -> fresh adapters of the text model and, given a trained tower's (abstract) params, of the tower."""
+    targets = None if tower is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tower)
+
+    def init(key: jax.Array) -> dict:
+        adapters = init_lora(model_cfg, lora, key)
+        if targets is not None:
+            adapters["vision"] = init_tower_lora(targets, lora.rank, jax.random.fold_in(key, 0x7157))
+        return adapters
+
+    return init
+
+
+def adapter_shardings(model_cfg: ModelConfig, lora: LoraConfig, abstract: dict, mesh: Mesh) -> dict:
+    """Where `adapter_init`'s adapters live: the text model's by their logical axes, the tower's replicated."""
+    text = {k: v for k, v in abstract.items() if k != "vision"}
+    out = logical_to_sharding(lora_logical_axes(model_cfg, lora), text, mesh)
+    if "vision" in abstract:
+        out["vision"] = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract["vision"])
+    return out
 
 
 def load_judge(path: str, spec: JudgeSpec, *, policy_model: ModelSpec, tokenizer: Tokenizer, mesh: Mesh,

@@ -42,6 +42,7 @@ from jaxrl_llm.models.vision.qwen_vl import (
     image_prompt,
 )
 from jaxrl_llm.models.vision.siglip import SiglipVisionConfig, init_siglip_params
+from jaxrl_llm.models.vision.tower_lora import merged_tower
 from jaxrl_llm.models.vision.tower_rows import prompt_tower_rows
 
 TINY_VL = TINY_VISION_LANGUAGE
@@ -249,8 +250,6 @@ def check_vision_run(spec: RunSpec) -> None:
         return
     trained = {  # what a trained tower does not go with yet
         "critic.enable=True (the critic's tower would be the policy's trained one)": spec.critic is not None,
-        f"{arr}.model.lora_rank > 0 (LoRA trains adapters on the text model; not on the tower)":
-            spec.model.lora is not None,
         "algorithm.filter_groups.enable=True (joined rollouts' pixels)": spec.filter_groups.enable,
     }
     for key, on in trained.items():
@@ -261,21 +260,30 @@ def check_vision_run(spec: RunSpec) -> None:
 
 def tower_for_export(source: str, model_cfg: ModelConfig) -> VisionTower | None:
     """The tower an export of `source` writes beside its text model `model_cfg` (launch/convert_to_hf.py): a
-    Qwen2.5-VL folder's own, or for a training checkpoint its run's policy's (the tower is frozen: a folder's as
-    loaded, tiny:qwen2_5_vl's drawn again from the run's seed); None for a text model."""
+    vision-language folder's own, or for a training checkpoint its run's policy's (a folder's as loaded,
+    tiny:qwen2_5_vl's drawn again from the run's seed; with LoRA on the tower, its adapters merged; a fully trained
+    tower is in the checkpoint's params instead); None for a text model."""
     from jaxrl_llm import checkpoint as ckpt
     from jaxrl_llm.hf import load_tokenizer
 
-    seed, tokenizer_path = 0, source
+    seed, tokenizer_path, checkpoint = 0, source, None
     if ckpt.is_checkpoint(source):
-        meta = ckpt.read_checkpoint_meta(source)
+        checkpoint, meta = source, ckpt.read_checkpoint_meta(source)
         run = meta["config"]
         source, seed = run["actor_rollout_ref"]["model"]["path"], run["trainer"]["seed"]
         tokenizer_path = meta["tokenizer"]
+        checkpoint = checkpoint if meta.get("lora") else None
     if not reads_images(source):
         return None
     tokenizer = with_vision_tokens(source, load_tokenizer(tokenizer_path))
-    return vision_tower_of(source, model_cfg, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
+    tower = vision_tower_of(source, model_cfg, tokenizer, mesh=None, compute_dtype="float32", seed=seed)
+    if tower is not None and checkpoint is not None:  # a LoRA run's checkpoint: its tower adapters, if any
+        from jaxrl_llm.checkpoint.policy import load_lora_checkpoint
+
+        _, adapters, lora, _ = load_lora_checkpoint(checkpoint)
+        if "vision" in adapters:
+            tower.params = merged_tower(tower.params, adapters["vision"], lora.scale)
+    return tower
 
 
 def vision_config_of(path: str, model_cfg: ModelConfig) -> TowerConfig:

@@ -27,6 +27,7 @@ from jaxrl_llm.bookkeeping.nonfinite import sanitize_scores
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
+from jaxrl_llm.models.vision.tower_lora import tower_params
 from jaxrl_llm.rewards import RewardManager
 from jaxrl_llm.rollout.batch import Rollout, response_bucket, rollout_row_images, rows_meta, score_responses
 from jaxrl_llm.rollout.multi_turn import generate_multi_turn
@@ -177,7 +178,7 @@ class RolloutGenerator:
             return None
         rows = list(batch["images"])
         return self.vision.prompt(prompt_ids, prompt_mask, rows + [rows[0]] * padding_rows,
-                                  params=params.get("vision") if self.vision.trained else None)
+                                  params=tower_params(params) if self.vision.trained else None)
 
     def scored(self, batch: dict[str, np.ndarray], out: Any, n: int, max_new_tokens: int, rng: Array, *,
                images: ImagePrompt | None = None) -> Rollout:

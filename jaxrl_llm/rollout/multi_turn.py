@@ -61,6 +61,7 @@ from jaxrl_llm.data.vision_prompts import ImageTokens
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
+from jaxrl_llm.models.vision.tower_lora import tower_params
 from jaxrl_llm.rollout.batch import Rollout, response_bucket, rollout_row_images, rows_meta, score_responses
 from jaxrl_llm.sampler import SamplingParams, bucket_length
 from jaxrl_llm.sampler.engine.scheduler import RequestImages
@@ -178,7 +179,7 @@ def _trajectory_images(gen: Any, trajs: list, params: dict, pad_id: int, prompt_
         return None
     ids, mask = left_pad([t.prompt_ids for t in trajs], pad_id, length=prompt_width)
     prompt = vision.prompt(ids, mask, [t.images for t in trajs],
-                           params=params.get("vision") if vision.trained else None)
+                           params=tower_params(params) if vision.trained else None)
     shared: dict[tuple, Any] = {}
     for t, request in zip(trajs, RequestImages.of_batch(prompt, mask)):
         if t.images:  # one object per (prompt, pictures): the paged engine prefills it once for its samples

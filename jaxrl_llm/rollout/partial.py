@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxrl_llm.config.spec import PartialSpec
 from jaxrl_llm.data.loader import collate
+from jaxrl_llm.models.vision.tower_lora import tower_params
 from jaxrl_llm.rollout.batch import BatchLoader, Rollout
 from jaxrl_llm.rollout.generator import RolloutGenerator, rows_on_mesh
 from jaxrl_llm.sampler import SamplingParams
@@ -242,7 +243,7 @@ class PartialRollouts:
         vision = self.generator.vision
         assert vision is not None
         return vision.prompt(ids, mask, [list(g.row["images"][0]) for g in groups],
-                             params=params.get("vision") if vision.trained else None)
+                             params=tower_params(params) if vision.trained else None)
 
     def _group_images(self, groups: list[Group], params: dict) -> list[Any] | None:
         """Each group's prompt images as its requests prefill them (`RequestImages`; None for a text prompt), or

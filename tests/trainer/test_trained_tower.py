@@ -1,8 +1,8 @@
 """A trained vision tower (`actor.freeze_vision_tower=False`, veRL's default; tiny:qwen2_5_vl on 8 devices, packed
 rows): the tower is the actor's params["vision"], so the update moves it, the next rollout's sampler reads it (the
 sampled log-probs stay the trainer's), a checkpoint resumes it, and the export and the checkpoint's conversion carry
-the trained tower; what does not go with it yet is refused by key; the memory plan holds the tower's moments and the
-rows' pixels."""
+the trained tower; LoRA on it trains adapters on its blocks instead; what does not go with it yet is refused by key;
+the memory plan holds the tower's moments and the rows' pixels."""
 import jax
 import numpy as np
 import pytest
@@ -74,8 +74,41 @@ def test_the_memory_plan_holds_the_trained_tower_and_the_rows_pixels(tmp_path):
     assert tuple(pixels.shape) in shapes  # the update is compiled with the rows' pixels, through the tower
 
 
+def test_lora_on_the_tower_trains_its_adapters_not_its_weights(tmp_path):
+    # lora_rank > 0 with the tower trained: adapters on the tower's block projections beside the text model's
+    # (models/vision/tower_lora.py); the tower's own weights stay the base's, the sampler reads base + adapters
+    # (the sampled log-probs stay the trainer's), and the export and the checkpoint's conversion write the merged tower
+    from jaxrl_llm.hf.vision import load_vision_tower
+    from jaxrl_llm.models.vision.tower_lora import merged_tower
+
+    run = tmp_path / "run"
+    trainer = Trainer(config(run, tmp_path, **{f"{ARR}.model.lora_rank": 4, f"{ARR}.model.lora_alpha": 8,
+                                               f"{ARR}.model.target_modules": "all-linear",
+                                               "trainer.save_freq": 2}))
+    base = jax.device_get(trainer.actor.frozen["vision"])
+    adapters = trainer.actor.params["lora"]["vision"]["blocks"]
+    assert sorted(adapters) == ["down_proj", "gate_proj", "proj", "qkv", "up_proj"]
+    assert adapters["qkv"]["A"].shape[-1] == 4
+    from jaxrl_llm.planning.programs import make_context  # the plan holds the tower's adapters where they live
+
+    planned = make_context(trainer.spec, trainer.mesh, trainer.tokenizer).states["actor_params"]["lora"]["vision"]
+    shapes = lambda tree: jax.tree.map(lambda x: x.shape, tree)  # noqa: E731
+    assert shapes(planned) == shapes(trainer.actor.params["lora"]["vision"])
+    trainer.fit()
+    for row in tiny_runs.read_metrics(run):  # step 2 samples with the adapters step 1 trained
+        assert row["rollout_corr/max_abs_log_ratio"] < 1e-5, row["step"]
+    trained = jax.device_get(trainer.actor.params["lora"]["vision"])
+    assert all(np.abs(np.asarray(a["B"])).max() > 0 for a in trained["blocks"].values())  # B left zero: moved
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.actor.frozen["vision"]), base)
+    expected = jax.device_get(merged_tower(base, trained, 2.0))
+    for out in (trainer.export_hf(str(tmp_path / "export")), tmp_path / "converted"):
+        if out == tmp_path / "converted":
+            assert tiny_runs.load_convert_to_hf().main(["--input", str(run), "--output", str(out)]) == 0
+        _, tower = load_vision_tower(out)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), tower, expected)
+
+
 @pytest.mark.parametrize("overrides,named", [
-    ({f"{ARR}.model.lora_rank": 8}, "lora_rank > 0"),
     ({"algorithm.filter_groups.enable": True}, "filter_groups.enable=True"),
     ({"algorithm.adv_estimator": "gae", "critic.enable": True, "critic.model.path": "tiny:qwen2_5_vl"},
      "critic.enable=True"),
