@@ -74,14 +74,18 @@ def forward_hidden_moe(params: dict, cfg: ModelConfig, input_ids: Array, attenti
 
 
 def forward_hidden_routed(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: Array, *,
-                          cache: dict, compute_dtype: DType = jnp.float32, replay: Array | None = None
-                          ) -> tuple[Array, dict, Array | None]:
+                          cache: dict, compute_dtype: DType = jnp.float32, replay: Array | None = None,
+                          positions: Array | None = None, embeds: tuple[Array, ...] | None = None,
+                          position_offset: Array | None = None) -> tuple[Array, dict, Array | None]:
     """`forward_hidden` with a cache that also returns the experts each MoE layer ran [L, B, T, k]
     int32 (None for a dense model): what a sampler records for routing replay. `replay` [L, B, T, k]:
-    experts to run instead of the router's choice (NOT_RECORDED: the router's)."""
-    hidden, new_cache, moe = _forward(params, cfg, input_ids, attention_mask, positions=None, cache=cache,
+    experts to run instead of the router's choice (NOT_RECORDED: the router's). `positions`, `embeds`,
+    `position_offset`: a vision-language prompt's M-RoPE positions and image features, a decode step's delta
+    (`forward_hidden`)."""
+    hidden, new_cache, moe = _forward(params, cfg, input_ids, attention_mask, positions=positions, cache=cache,
                                       compute_dtype=compute_dtype, remat=False, segment_ids=None, branch_ids=None,
-                                      replay=replay, record_routing=True)
+                                      replay=replay, record_routing=True, embeds=embeds,
+                                      position_offset=position_offset)
     assert new_cache is not None
     return hidden, new_cache, None if moe is None else moe.routing
 

@@ -228,7 +228,7 @@ def vision_tower_of(path: str, model_cfg: ModelConfig, tokenizer: Tokenizer, *, 
 
 def check_vision_run(spec: RunSpec) -> None:
     """A ConfigError naming the key for each part of a vision-language policy's run that does not read images
-    yet (docs/vision.md): a critic of another model, a distillation teacher, a draft model, routing replay."""
+    yet (docs/vision.md): a critic of another model, a distillation teacher, a draft model."""
     arr = "actor_rollout_ref"
     refused = {
         # a critic reads the rows' features: its folder must be the policy's (the same frozen tower's features)
@@ -237,15 +237,13 @@ def check_vision_run(spec: RunSpec) -> None:
             spec.critic_model is None or spec.critic_model.path != spec.model.path),
         "algorithm.distillation.enable=True": spec.distillation is not None,
         # n-gram drafts verify with the policy's own forward (its images read); a draft model reads text only
-        # a mixture-of-experts VL policy (Qwen3-VL-MoE) routes by itself: its prefills do not record with images yet
-        f"{arr}.actor.router_replay={spec.actor.router_replay!r}": spec.actor.router_replay != "none",
         f"{arr}.rollout.speculative.method='draft'": (spec.rollout_engine.speculative is not None
                                                        and spec.rollout_engine.speculative.uses_draft_model),
     }
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key}: a vision-language policy ({spec.model.path}) runs without a critic of "
-                              "another model, a teacher, a draft model or routing replay for now (docs/vision.md)")
+                              "another model, a teacher or a draft model for now (docs/vision.md)")
     if spec.actor.freeze_vision_tower:
         return
     trained = {  # what a trained tower does not go with yet

@@ -130,13 +130,15 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
     cache = _constrain_cache(init_cache(cfg, prompt_ids.shape[0], prompt_ids.shape[1] + r - 1, dtype), mesh)
     record = settings.record_routing and cfg.is_moe
     routing = None
+    # a vision-language prompt adds its image features and M-RoPE positions (models/vision/qwen_vl.py)
+    positions, embeds = (None, None) if images is None else (images.positions, images.embeds)
     if record:
         replay = None if prompt_routing is None else jnp.moveaxis(prompt_routing.astype(jnp.int32), 2, 0)
         hidden, cache, prefill_routing = forward_hidden_routed(params, cfg, prompt_ids, prompt_mask, cache=cache,
-                                                               compute_dtype=dtype, replay=replay)
+                                                               compute_dtype=dtype, replay=replay,
+                                                               positions=positions, embeds=embeds)
         routing = _routing_buffer(prefill_routing, prompt_mask, cfg, r)
-    else:  # a vision-language prompt adds its image features and M-RoPE positions (models/vision/qwen_vl.py)
-        positions, embeds = (None, None) if images is None else (images.positions, images.embeds)
+    else:
         hidden, cache = forward_hidden(params, cfg, prompt_ids, prompt_mask, cache=cache, compute_dtype=dtype,
                                        positions=positions, embeds=embeds)
     # each row's decode positions: its token count, plus its M-RoPE delta after images
@@ -169,7 +171,7 @@ def _sample(params: dict, cfg: ModelConfig, prompt_ids: Array, prompt_mask: Arra
         feed_mask = (~s.done).astype(jnp.int32)[:, None]  # finished rows: slot ignored from now on
         if s.routing is not None:  # the fed token (response column step - 1) is at column P + step - 1
             hidden, cache, fed = forward_hidden_routed(params, cfg, s.last[:, None], feed_mask, cache=s.cache,
-                                                       compute_dtype=dtype)
+                                                       compute_dtype=dtype, position_offset=offset)
             assert fed is not None
             column = jnp.moveaxis(fed, 0, 2).astype(s.routing.dtype)  # [B, 1, L, k]
             column = jnp.where(feed_mask[:, :, None, None] > 0, column, jnp.asarray(NOT_RECORDED, column.dtype))
@@ -223,8 +225,7 @@ def sample(params: dict, cfg: ModelConfig, prompt_ids: HostOrDevice, prompt_mask
         raise ValueError("prompt_ids: prompt length must be >= 1")
     if prompt_routing is not None and prompt_routing.shape[:2] != prompt_ids.shape:
         raise ValueError(f"prompt_routing {prompt_routing.shape} does not start with prompt_ids' {prompt_ids.shape}")
-    if images is not None and (settings.record_routing and cfg.is_moe or images.slots.shape != prompt_ids.shape):
-        raise ValueError(f"images: slots {images.slots.shape} must be prompt_ids' {prompt_ids.shape} (and no routing "
-                         "recording: no vision-language MoE model here)")
+    if images is not None and images.slots.shape != prompt_ids.shape:
+        raise ValueError(f"images: slots {images.slots.shape} must be prompt_ids' {prompt_ids.shape}")
     return sample_program(params, cfg, prompt_ids, prompt_mask, rng, knobs, settings=settings, mesh=mesh,
                           prompt_routing=prompt_routing, images=images)

@@ -121,3 +121,65 @@ def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
         got = reloaded(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
     valid = mask.astype(bool)
     np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+
+
+def test_routing_recorded_with_images_is_the_trainers_and_replays(checkpoint):
+    # routing replay (actor.router_replay) on a vision-language MoE policy: both samplers record each prompt
+    # token's experts from the forward that reads its image features and M-RoPE positions (the trainer's own top-k
+    # over the same rows), each decoded token's at its position plus the row's delta; replaying them in the trainer
+    # gives the sampled log-probs
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models.model import forward_hidden_moe
+    from jaxrl_llm.models.moe import NOT_RECORDED
+    from jaxrl_llm.models.vision.qwen_vl import RowImages, row_images
+    from jaxrl_llm.roles.forward import response_log_probs
+    from jaxrl_llm.sampler import SamplingParams, sample
+    from jaxrl_llm.sampler.engine import PagedEngine
+    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
+
+    _, folder = checkpoint
+    ids, mask, pixels, grid = batch()
+    cfg, params = load_hf_folder(folder)
+    vl, vision = load_vision_tower(folder)
+    images = image_prompt(vision, vl, ids, mask, pixels, grid)
+    settings, knobs = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD,
+                                                                                         vocab_size=cfg.vocab_size)
+    settings = dataclasses.replace(settings, record_routing=True)
+    static = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
+                    images=images)
+    plain = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs,
+                   settings=dataclasses.replace(settings, record_routing=False), images=images)
+    np.testing.assert_array_equal(np.asarray(static.tokens), np.asarray(plain.tokens))
+    routing = np.asarray(static.routing)  # [4, P + 6, L, k]
+    # the trainer's full forward over prompt + response with the rows' images routes every fed token the same way
+    rows = RowImages(**{k: jnp.asarray(v) for k, v in row_images(images, mask, 2, 6).items()})
+    full = jnp.concatenate([jnp.repeat(jnp.asarray(ids), 2, 0), static.tokens], axis=1)
+    full_mask = jnp.concatenate([jnp.repeat(jnp.asarray(mask), 2, 0), static.response_mask], axis=1)
+    positions, embeds = rows.decoder_inputs()
+    _, moe = forward_hidden_moe(params, cfg, full, full_mask, positions=positions, embeds=embeds, record_routing=True)
+    assert moe is not None and moe.routing is not None
+    trainer_routing = np.moveaxis(np.asarray(moe.routing), 0, 2)  # [4, P + 6, L, k]
+    fed = (np.asarray(full_mask) > 0) & (routing[..., 0, 0] != NOT_RECORDED)
+    fed[:, -1] = False  # the last sampled token is never fed
+    assert fed[:, :ids.shape[1]].sum() == np.asarray(mask).sum() * 2
+    np.testing.assert_array_equal(np.sort(routing[fed], -1), np.sort(trainer_routing[fed], -1))
+    # the paged engine records the same experts
+    spec = engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4, max_prompt_len=ids.shape[1],
+                       max_new_tokens=6, compute_dtype="float32")
+    paged, _ = PagedEngine(cfg, spec, steps_per_call=2).run(
+        params, [row[m > 0].tolist() for row, m in zip(ids, mask)], jax.random.key(3), knobs, settings,
+        images=RequestImages.of_batch(images, mask))
+    np.testing.assert_array_equal(paged.tokens, np.asarray(static.tokens))
+    width = routing.shape[1]  # the paged output's prompts are left-padded to its bucket: the same last columns
+    np.testing.assert_array_equal(np.asarray(paged.prompt_mask)[:, -(width - 6):], np.repeat(mask, 2, 0))
+    paged_routing = np.asarray(paged.routing)[:, -width:]
+    np.testing.assert_array_equal(np.sort(paged_routing[fed], -1), np.sort(routing[fed], -1))
+    # replayed in the trainer, the recorded experts give the sampled log-probs
+    replayed = response_log_probs(params, cfg, full, full_mask, 6, images=rows, replay=jnp.asarray(routing))
+    on = np.asarray(static.response_mask) > 0
+    np.testing.assert_allclose(np.asarray(replayed)[on], np.asarray(static.log_probs)[on], atol=1e-5)

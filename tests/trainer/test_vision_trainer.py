@@ -68,7 +68,6 @@ def test_a_step_updates_the_text_model_on_rows_with_images(trainer):
 
 @pytest.mark.parametrize("key,value,named", [
     ("algorithm.distillation.enable", True, "distillation.enable=True"),
-    (f"{ARR}.actor.router_replay", "rollout", "router_replay='rollout'"),
     ("critic.enable", True, "critic.model.path='tiny:qwen2' \\(a critic of another model"),
 ])
 def test_what_does_not_read_images_yet_is_refused_by_key(tmp_path, key, value, named):

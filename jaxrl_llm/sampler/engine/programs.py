@@ -355,10 +355,7 @@ def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache
                   dt: Any, record: bool, images: PromptImages | None = None) -> tuple[Array, dict, Array | None]:
     """One forward of ids / mask [1, T] over the dense cache: (hidden [T, H], cache, routing [T, L, k] or None);
     `images`: these T tokens' M-RoPE positions [3, T] and feature slots [T] over the prompt's features."""
-    if images is not None:
-        if record:
-            raise ValueError("routing recording with images is not supported (a vision-language MoE policy routes "
-                             "by itself: actor.router_replay='none')")
+    if images is not None and not record:
         hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
                                        positions=images.positions[:, None], embeds=images.embeds)
         return hidden[0], cache, None
@@ -366,8 +363,10 @@ def _prefill_step(params: dict, cfg: ModelConfig, ids: Array, mask: Array, cache
         hidden, cache = forward_hidden(params, cfg, ids, mask, cache=cache, compute_dtype=dt)
         return hidden[0], cache, None
     fixed = None if replay is None else jnp.moveaxis(replay.astype(jnp.int32), 1, 0)[:, None]  # [L, 1, T, k]
-    hidden, cache, recorded = forward_hidden_routed(params, cfg, ids, mask, cache=cache, compute_dtype=dt,
-                                                    replay=fixed)
+    hidden, cache, recorded = forward_hidden_routed(
+        params, cfg, ids, mask, cache=cache, compute_dtype=dt, replay=fixed,
+        positions=None if images is None else images.positions[:, None],
+        embeds=None if images is None else images.embeds)
     assert recorded is not None
     return hidden[0], cache, jnp.moveaxis(recorded[:, 0], 0, 1).astype(routing_dtype(cfg.num_experts))
 
