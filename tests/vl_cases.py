@@ -95,3 +95,50 @@ def assert_trainer_reads_the_sampled_log_probs(params: Any, cfg: Any, images: An
                                            packing=jax.tree.map(lambda x: x[0], layout)))
     np.testing.assert_allclose(packed[on], sampled[on], atol=1e-5)
     return Scored(input_ids, attention, rows, sampled, on)
+
+
+def assert_export_reloads(model: Any, model_class: Any, folder: Any, out: Any, inputs: dict[str, Any],
+                          mask: np.ndarray, **load: Any) -> None:
+    """The folder's text model and tower exported by `export_vision_language` to `out` reload as `model_class`
+    (transformers) with `model`'s logits on `inputs` (its valid tokens, within 1e-6)."""
+    import torch
+
+    from jaxrl_llm.hf import load_hf_folder
+    from jaxrl_llm.hf.hf_folder import read_hf_config
+    from jaxrl_llm.hf.vision import export_vision_language, load_vision_tower
+
+    cfg, params = load_hf_folder(folder)
+    _, vision = load_vision_tower(folder)
+    exported = export_vision_language(cfg, params, read_hf_config(folder), vision, out)
+    reloaded = model_class.from_pretrained(exported, dtype=torch.float32, **load).eval()
+    with torch.no_grad():
+        expected = model(**inputs).logits.numpy()
+        got = reloaded(**inputs).logits.numpy()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+
+
+def assert_both_samplers_decode(params: Any, cfg: Any, images: Any, ids: np.ndarray, mask: np.ndarray,
+                                expected: np.ndarray, prefill_chunks: tuple[int | None, ...] = (None,)) -> None:
+    """Greedy, two samples per prompt: the static sampler and the paged engine (each prefill chunk asked for)
+    decode `expected` [B, 6] from the prompts with their images (`ImagePrompt`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm.sampler import SamplingParams, sample
+    from jaxrl_llm.sampler.engine import PagedEngine
+    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
+
+    settings, knobs = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD,
+                                                                                         vocab_size=cfg.vocab_size)
+    static = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
+                    images=images)
+    np.testing.assert_array_equal(np.asarray(static.tokens), np.repeat(expected, 2, 0))
+    spec = engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4, max_prompt_len=ids.shape[1],
+                       max_new_tokens=6, compute_dtype="float32")
+    for chunk in prefill_chunks:
+        paged, _ = PagedEngine(cfg, spec, steps_per_call=2, prefill_chunk=chunk).run(
+            params, [row[m > 0].tolist() for row, m in zip(ids, mask)], jax.random.key(3), knobs, settings,
+            images=RequestImages.of_batch(images, mask))
+        np.testing.assert_array_equal(paged.tokens, np.repeat(expected, 2, 0))

@@ -14,7 +14,11 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vl_cases import assert_trainer_reads_the_sampled_log_probs  # noqa: E402
+from vl_cases import (  # noqa: E402
+    assert_both_samplers_decode,
+    assert_export_reloads,
+    assert_trainer_reads_the_sampled_log_probs,
+)
 
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
@@ -100,12 +104,8 @@ def test_tower_and_logits_with_images_match_transformers(checkpoint):
 
 def test_greedy_with_images_matches_transformers_generate_through_both_samplers(checkpoint):
     import jax
-    import jax.numpy as jnp
 
-    from jaxrl_llm.sampler import SamplingParams, sample
-    from jaxrl_llm.sampler.engine import PagedEngine
     from jaxrl_llm.sampler.engine.scheduler import RequestImages
-    from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
@@ -119,20 +119,10 @@ def test_greedy_with_images_matches_transformers_generate_through_both_samplers(
     np.testing.assert_array_equal(np.asarray(image_text_greedy(params, cfg, vision, vl, ids, mask, pixels, grid, 6)),
                                   expected)
     images = image_prompt(vision, vl, ids, mask, pixels, grid)
-    settings, knobs = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD,
-                                                                                         vocab_size=cfg.vocab_size)
-    static = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
-                    images=images)
-    np.testing.assert_array_equal(np.asarray(static.tokens), np.repeat(expected, 2, 0))
     requests = RequestImages.of_batch(images, mask)  # each prompt's features stay on the devices
     assert all(isinstance(r.features, jax.Array) and r.features.shape == (8, 64) for r in requests)
-    spec = engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4, max_prompt_len=ids.shape[1],
-                       max_new_tokens=6, compute_dtype="float32")
-    for chunk in (None, 8):  # 8: an image would straddle two chunks; its prompt prefills whole
-        engine = PagedEngine(cfg, spec, steps_per_call=2, prefill_chunk=chunk)
-        paged, _ = engine.run(params, [row[m > 0].tolist() for row, m in zip(ids, mask)], jax.random.key(3), knobs,
-                              settings, images=requests)
-        np.testing.assert_array_equal(paged.tokens, np.repeat(expected, 2, 0))
+    # 8: an image would straddle two chunks; its prompt prefills whole
+    assert_both_samplers_decode(params, cfg, images, ids, mask, expected, prefill_chunks=(None, 8))
 
 
 def test_the_trainers_log_probs_equal_the_sampled_ones_unpacked_and_packed(checkpoint):
@@ -158,20 +148,10 @@ def test_the_trainers_log_probs_equal_the_sampled_ones_unpacked_and_packed(check
 
 
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
-    from jaxrl_llm.hf.hf_folder import read_hf_config
-    from jaxrl_llm.hf.vision import export_vision_language
-
     model, folder = checkpoint
     ids, mask, pixels, _ = batch()
-    cfg, params = load_hf_folder(folder)
-    _, vision = load_vision_tower(folder)
-    out = export_vision_language(cfg, params, read_hf_config(folder), vision, tmp_path / "hf")
-    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(**hf_inputs(ids, mask, pixels)).logits.numpy()
-        got = reloaded(**hf_inputs(ids, mask, pixels)).logits.numpy()
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+    assert_export_reloads(model, transformers.Gemma3ForConditionalGeneration, folder, tmp_path / "hf",
+                          hf_inputs(ids, mask, pixels), mask)
 
 
 def test_a_trained_towers_row_features_are_the_batchs(checkpoint):

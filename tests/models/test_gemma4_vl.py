@@ -16,7 +16,11 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vl_cases import assert_trainer_reads_the_sampled_log_probs  # noqa: E402
+from vl_cases import (  # noqa: E402
+    assert_both_samplers_decode,
+    assert_export_reloads,
+    assert_trainer_reads_the_sampled_log_probs,
+)
 
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
@@ -167,14 +171,6 @@ def test_bidirectional_attention_is_on_the_sliding_layers_only(checkpoint):
 
 
 def test_greedy_with_images_matches_transformers_generate_through_both_samplers(checkpoint):
-    import jax
-    import jax.numpy as jnp
-
-    from jaxrl_llm.sampler import SamplingParams, sample
-    from jaxrl_llm.sampler.engine import PagedEngine
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
-    from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
-
     model, folder = checkpoint
     ids, mask, pixels, positions, grid = batch()
     with torch.no_grad():
@@ -186,18 +182,9 @@ def test_greedy_with_images_matches_transformers_generate_through_both_samplers(
     vl, vision = load_vision_tower(folder)
     np.testing.assert_array_equal(np.asarray(image_text_greedy(params, cfg, vision, vl, ids, mask, pixels, grid, 6)),
                                   expected)
-    images = image_prompt(vision, vl, ids, mask, pixels, grid)
-    settings, knobs = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD,
-                                                                                         vocab_size=cfg.vocab_size)
-    static = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
-                    images=images)
-    np.testing.assert_array_equal(np.asarray(static.tokens), np.repeat(expected, 2, 0))
-    spec = engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4, max_prompt_len=ids.shape[1],
-                       max_new_tokens=6, compute_dtype="float32")
-    engine = PagedEngine(cfg, spec, steps_per_call=2, prefill_chunk=32)  # an image prompt prefills whole
-    paged, _ = engine.run(params, [row[m > 0].tolist() for row, m in zip(ids, mask)], jax.random.key(3), knobs,
-                          settings, images=RequestImages.of_batch(images, mask))
-    np.testing.assert_array_equal(paged.tokens, np.repeat(expected, 2, 0))
+    # chunked prefill asked for: an image prompt prefills whole
+    assert_both_samplers_decode(params, cfg, image_prompt(vision, vl, ids, mask, pixels, grid), ids, mask, expected,
+                                prefill_chunks=(32,))
 
 
 def test_the_trainers_log_probs_equal_the_sampled_ones_unpacked_and_packed(checkpoint):
@@ -216,20 +203,10 @@ def test_the_trainers_log_probs_equal_the_sampled_ones_unpacked_and_packed(check
 
 
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
-    from jaxrl_llm.hf.hf_folder import read_hf_config
-    from jaxrl_llm.hf.vision import export_vision_language
-
     model, folder = checkpoint
     ids, mask, pixels, positions, _ = batch()
-    cfg, params = load_hf_folder(folder)
-    _, vision = load_vision_tower(folder)
-    out = export_vision_language(cfg, params, read_hf_config(folder), vision, tmp_path / "hf")
-    reloaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(**hf_inputs(ids, mask, pixels, positions)).logits.numpy()
-        got = reloaded(**hf_inputs(ids, mask, pixels, positions)).logits.numpy()
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+    assert_export_reloads(model, transformers.Gemma4ForConditionalGeneration, folder, tmp_path / "hf",
+                          hf_inputs(ids, mask, pixels, positions), mask)
 
 
 def test_a_trained_towers_row_features_are_the_batchs(checkpoint):

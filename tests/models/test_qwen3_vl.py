@@ -11,7 +11,16 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vl_cases import END, IMAGE, PAD, START, assert_trainer_reads_the_sampled_log_probs, hf_inputs, image_rows  # noqa: E402
+from vl_cases import (  # noqa: E402
+    END,
+    IMAGE,
+    PAD,
+    START,
+    assert_export_reloads,
+    assert_trainer_reads_the_sampled_log_probs,
+    hf_inputs,
+    image_rows,
+)
 
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
@@ -136,20 +145,10 @@ def test_the_trainers_log_probs_read_the_deepstack_features_unpacked_and_packed(
 
 
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
-    from jaxrl_llm.hf.hf_folder import read_hf_config
-    from jaxrl_llm.hf.vision import export_vision_language
-
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
-    cfg, params = load_hf_folder(folder)
-    vl, vision = load_vision_tower(folder)
-    out = export_vision_language(cfg, params, read_hf_config(folder), vision, tmp_path / "hf")
-    reloaded = transformers.Qwen3VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
-        got = reloaded(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+    assert_export_reloads(model, transformers.Qwen3VLForConditionalGeneration, folder, tmp_path / "hf",
+                          hf_inputs(ids, mask, pixels, grid), mask)
 
 
 def test_a_trained_towers_row_features_are_the_batchs(checkpoint):

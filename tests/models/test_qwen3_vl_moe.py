@@ -10,7 +10,16 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vl_cases import END, IMAGE, PAD, START, assert_trainer_reads_the_sampled_log_probs, hf_inputs, image_rows  # noqa: E402
+from vl_cases import (  # noqa: E402
+    END,
+    IMAGE,
+    PAD,
+    START,
+    assert_export_reloads,
+    assert_trainer_reads_the_sampled_log_probs,
+    hf_inputs,
+    image_rows,
+)
 
 from jaxrl_llm.hf import load_hf_folder  # noqa: E402
 from jaxrl_llm.hf.vision import load_vision_tower  # noqa: E402
@@ -106,21 +115,10 @@ def test_logits_and_greedy_with_images_match_transformers(checkpoint, tmp_path):
 
 
 def test_export_with_the_tower_reloads_in_transformers(checkpoint, tmp_path):
-    from jaxrl_llm.hf.hf_folder import read_hf_config
-    from jaxrl_llm.hf.vision import export_vision_language
-
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
-    cfg, params = load_hf_folder(folder)
-    _, vision = load_vision_tower(folder)
-    out = export_vision_language(cfg, params, read_hf_config(folder), vision, tmp_path / "hf")
-    reloaded = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
-                                                                               attn_implementation="eager").eval()
-    with torch.no_grad():
-        expected = model(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
-        got = reloaded(**hf_inputs(ids, mask, pixels, grid)).logits.numpy()
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-6, rtol=0)
+    assert_export_reloads(model, transformers.Qwen3VLMoeForConditionalGeneration, folder, tmp_path / "hf",
+                          hf_inputs(ids, mask, pixels, grid), mask, attn_implementation="eager")
 
 
 def test_routing_recorded_with_images_is_the_trainers_and_replays(checkpoint):

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.arrays import DType
-from jaxrl_llm.models.vision.qwen_vit import TensorLookup
+from jaxrl_llm.models.vision.qwen_vit import TensorLookup, first_prefix, tensor_reader
 
 Array = jax.Array
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
@@ -244,21 +244,12 @@ def gemma4_vision_features(params: Mapping[str, Any], cfg: Gemma4VisionConfig, p
     return linear(_rms(pooled, None, eps), params["embedder"]["kernel"], None)
 
 
-def _prefix(tensors: TensorLookup, prefixes: tuple[str, ...], probe: str) -> str:
-    return next((p for p in prefixes if p + probe in tensors), prefixes[0])
-
-
 def gemma4_vision_params_from_hf(tensors: TensorLookup, cfg: Gemma4VisionConfig) -> dict[str, Any]:
     """Our params from a Gemma 4 checkpoint's state dict (`model.vision_tower.*`, `model.embed_vision.*`, with or
     without `model.` in front). A missing tensor is a KeyError naming it."""
-    tower = _prefix(tensors, TOWER_PREFIXES, "patch_embedder.input_proj.weight")
-    embedder = _prefix(tensors, EMBEDDER_PREFIXES, "embedding_projection.weight")
-
-    def get(key: str, transpose: bool = False) -> np.ndarray:
-        if key not in tensors:
-            raise KeyError(f"vision tower: no tensor {key!r} in the checkpoint")
-        value = np.asarray(tensors[key], np.float32)
-        return value.T if transpose else value
+    tower = first_prefix(tensors, TOWER_PREFIXES, "patch_embedder.input_proj.weight")
+    embedder = first_prefix(tensors, EMBEDDER_PREFIXES, "embedding_projection.weight")
+    get = tensor_reader(tensors)
 
     layer = lambda i, name: f"{tower}encoder.layers.{i}.{name}"  # noqa: E731
     blocks: dict[str, Any] = {ours: np.stack([get(layer(i, f"{name}.linear.weight"), True) for i in range(cfg.depth)])

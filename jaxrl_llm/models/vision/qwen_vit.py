@@ -300,6 +300,23 @@ class TensorLookup(Protocol):
     def __getitem__(self, name: str, /) -> Any: ...
 
 
+def first_prefix(tensors: TensorLookup, prefixes: tuple[str, ...], probe: str) -> str:
+    """The first of `prefixes` under which `tensors` holds `probe` (a checkpoint's naming); the first without."""
+    return next((p for p in prefixes if p + probe in tensors), prefixes[0])
+
+
+def tensor_reader(tensors: TensorLookup) -> Callable[..., np.ndarray]:
+    """get(name, transpose=False): a tensor by its full name as fp32 (transposed: a torch Linear's weight as our
+    [in, out] kernel); a KeyError naming it when the checkpoint lacks it."""
+    def get(key: str, transpose: bool = False) -> np.ndarray:
+        if key not in tensors:
+            raise KeyError(f"vision tower: no tensor {key!r} in the checkpoint")
+        value = np.asarray(tensors[key], np.float32)
+        return value.T if transpose else value
+
+    return get
+
+
 def vision_params_from_hf(tensors: TensorLookup, cfg: VisionConfig) -> dict[str, Any]:
     """Our params from a state dict (name -> array) holding the tower under `visual.` or `model.visual.` (or at
     its root: the tower alone). A missing tensor is a KeyError naming it."""

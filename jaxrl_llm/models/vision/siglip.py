@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.arrays import DType
-from jaxrl_llm.models.vision.qwen_vit import TensorLookup
+from jaxrl_llm.models.vision.qwen_vit import TensorLookup, first_prefix, tensor_reader
 
 Array = jax.Array
 # transformers 5's module paths, the released checkpoints', transformers 5's saved files' (the tower, the projector)
@@ -182,22 +182,13 @@ _BLOCK_WEIGHTS = {"norm1": ("layer_norm1.weight", False), "norm1_bias": ("layer_
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def _prefix(tensors: TensorLookup, prefixes: tuple[str, ...], probe: str) -> str:
-    return next((p for p in prefixes if p + probe in tensors), prefixes[0])
-
-
 def siglip_params_from_hf(tensors: TensorLookup, cfg: SiglipVisionConfig) -> dict[str, Any]:
     """Our params from a state dict (name -> array) of a Gemma 3 checkpoint (`vision_tower.vision_model.*` and
     `multi_modal_projector.*`, with or without transformers 5's `model.` in front). A missing tensor is a KeyError
     naming it."""
-    tower = _prefix(tensors, SIGLIP_PREFIXES, "embeddings.patch_embedding.weight")
-    projector = _prefix(tensors, PROJECTOR_PREFIXES, "mm_input_projection_weight")
-
-    def get(key: str, transpose: bool = False) -> np.ndarray:
-        if key not in tensors:
-            raise KeyError(f"vision tower: no tensor {key!r} in the checkpoint")
-        value = np.asarray(tensors[key], np.float32)
-        return value.T if transpose else value
+    tower = first_prefix(tensors, SIGLIP_PREFIXES, "embeddings.patch_embedding.weight")
+    projector = first_prefix(tensors, PROJECTOR_PREFIXES, "mm_input_projection_weight")
+    get = tensor_reader(tensors)
 
     layer = lambda i, name: f"{tower}encoder.layers.{i}.{name}"  # noqa: E731
     blocks = {ours: np.stack([get(layer(i, name), t) for i in range(cfg.depth)])
