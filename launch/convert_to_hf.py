@@ -16,10 +16,11 @@ import argparse
 import sys
 
 from jaxrl_llm.checkpoint import is_checkpoint, load_lora_checkpoint, read_checkpoint_meta, register_checkpoint_loader
+from jaxrl_llm.config.checks import reads_images
 from jaxrl_llm.hf import export_hf, load_any, load_tokenizer
 from jaxrl_llm.hf.vision import export_vision_language
 from jaxrl_llm.models.dtypes import DTYPES, as_jnp_dtype
-from jaxrl_llm.roles.vision import tower_for_export, with_vision_tokens
+from jaxrl_llm.roles.vision import tower_for_export, vision_language_of, with_vision_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         if not is_checkpoint(args.input):
             parser.error("--peft needs a LoRA training checkpoint as --input")
         cfg, adapters, lora, base_path = load_lora_checkpoint(args.input)
-        out = export_peft(cfg, adapters, lora, args.peft, base_model_name_or_path=base_path)
+        # a vision-language base: the adapters under transformers' VL module paths (its tower's too)
+        tower = vision_language_of(base_path, cfg).vision if reads_images(base_path) else None
+        out = export_peft(cfg, adapters, lora, args.peft, base_model_name_or_path=base_path, tower=tower)
         print(f"wrote LoRA adapters (rank {lora.rank}) to {out}")
 
     register_checkpoint_loader()

@@ -32,10 +32,7 @@ def export_policy(actor: TrainedRole, model: ModelSpec, tokenizer: Tokenizer, ou
         from jaxrl_llm.hf.peft import export_peft
 
         adapters = to_host(actor.params["lora"])
-        if "vision" in adapters:  # LoRA on the tower too: merged into out_dir's tower; no PEFT folder carries it
-            if is_main:
-                print(f"LoRA on the vision tower: its adapters are merged into {out_dir} (the tower); no PEFT adapter "
-                      "folder is written (its module names per tower are not mapped yet)")
-        elif is_main:
-            export_peft(actor.model_cfg, adapters, model.lora, f"{out_dir}_peft", base_model_name_or_path=model.path)
+        if is_main:  # a VL policy's adapters under transformers' VL module paths (LoRA on its tower too)
+            export_peft(actor.model_cfg, adapters, model.lora, f"{out_dir}_peft", base_model_name_or_path=model.path,
+                        tower=None if vision is None else vision.vl.vision)
     return out_dir

@@ -39,6 +39,16 @@ EMBEDDER_PREFIXES = ("model.embed_vision.", "embed_vision.")
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # the image processor's allowed max_soft_tokens
 _LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+BLOCK_MODULES = "model.vision_tower.encoder.layers.{i}."  # block i's module path in transformers 5's model
+
+
+def gemma4_block_linears(cfg: Gemma4VisionConfig) -> dict[str, tuple[tuple[str, int, int | None], ...]]:
+    """Each block kernel of ours -> the transformers Linear it is (the clippable linear's inner `.linear`), (module
+    under the block, 0, None: all its columns): what a PEFT adapter folder names LoRA on the tower by (hf/peft.py)."""
+    del cfg
+    return {ours: ((f"{hf}.linear", 0, None),) for ours, hf in _LINEARS.items()}
+
+
 _NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
           "pre_mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
           "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}

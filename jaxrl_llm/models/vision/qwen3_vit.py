@@ -204,6 +204,16 @@ _BLOCK = {  # ours: (HF name under blocks.{i}., transposed)
     "fc1": ("mlp.linear_fc1.weight", True), "fc1_bias": ("mlp.linear_fc1.bias", False),
     "fc2": ("mlp.linear_fc2.weight", True), "fc2_bias": ("mlp.linear_fc2.bias", False),
 }
+BLOCK_MODULES = "model.visual.blocks.{i}."  # block i's module path in transformers 5's model
+
+
+def qwen3_block_linears(cfg: Qwen3VisionConfig) -> dict[str, tuple[tuple[str, int, int | None], ...]]:
+    """Each block kernel of ours -> the transformers Linear it is, (module under the block, 0, None: all its
+    columns): what a PEFT adapter folder names LoRA on the tower by (hf/peft.py)."""
+    del cfg
+    return {ours: ((hf.removesuffix(".weight"), 0, None),) for ours, (hf, transposed) in _BLOCK.items() if transposed}
+
+
 _MERGER = {"fc1": ("linear_fc1.weight", True), "fc1_bias": ("linear_fc1.bias", False),
            "fc2": ("linear_fc2.weight", True), "fc2_bias": ("linear_fc2.bias", False)}
 

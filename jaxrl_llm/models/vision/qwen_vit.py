@@ -291,6 +291,15 @@ _BLOCK_WEIGHTS = {  # ours: (HF name under blocks.{i}., transposed: a Linear's [
 _MERGER_WEIGHTS = {"norm": ("ln_q.weight", False), "fc1": ("mlp.0.weight", True), "fc1_bias": ("mlp.0.bias", False),
                    "fc2": ("mlp.2.weight", True), "fc2_bias": ("mlp.2.bias", False)}
 VISION_PREFIXES = ("model.visual.", "visual.")  # transformers' module path, and the released checkpoints'
+BLOCK_MODULES = "model.visual.blocks.{i}."  # block i's module path in transformers 5's model
+
+
+def block_linears(cfg: VisionConfig) -> dict[str, tuple[tuple[str, int, int | None], ...]]:
+    """Each block kernel of ours -> the transformers Linear(s) it is, as (module under the block, first output
+    column, end: None for all): what a PEFT adapter folder names LoRA on the tower by (hf/peft.py)."""
+    del cfg
+    return {ours: ((hf.removesuffix(".weight"), 0, None),) for ours, (hf, transposed) in _BLOCK_WEIGHTS.items()
+            if transposed}
 
 
 class TensorLookup(Protocol):

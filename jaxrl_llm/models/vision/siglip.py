@@ -180,6 +180,19 @@ _BLOCK_WEIGHTS = {"norm1": ("layer_norm1.weight", False), "norm1_bias": ("layer_
                   "fc1": ("mlp.fc1.weight", True), "fc1_bias": ("mlp.fc1.bias", False),
                   "fc2": ("mlp.fc2.weight", True), "fc2_bias": ("mlp.fc2.bias", False)}
 _QKV = ("q_proj", "k_proj", "v_proj")
+BLOCK_MODULES = "model.vision_tower.encoder.layers.{i}."  # block i in transformers 5's model (no vision_model)
+
+
+def siglip_block_linears(cfg: SiglipVisionConfig) -> dict[str, tuple[tuple[str, int, int | None], ...]]:
+    """Each block kernel of ours -> the transformers Linear(s) it is, (module under the block, first output column,
+    end: None for all): our fused qkv is SigLIP's three projections side by side (a PEFT adapter on each:
+    hf/peft.py)."""
+    h = cfg.hidden_size
+    out: dict[str, tuple[tuple[str, int, int | None], ...]] = {
+        ours: ((hf.removesuffix(".weight"), 0, None),) for ours, (hf, transposed) in _BLOCK_WEIGHTS.items()
+        if transposed}
+    out["qkv"] = tuple((f"self_attn.{name}", j * h, (j + 1) * h) for j, name in enumerate(_QKV))
+    return out
 
 
 def siglip_params_from_hf(tensors: TensorLookup, cfg: SiglipVisionConfig) -> dict[str, Any]:
