@@ -142,3 +142,45 @@ def assert_both_samplers_decode(params: Any, cfg: Any, images: Any, ids: np.ndar
             params, [row[m > 0].tolist() for row, m in zip(ids, mask)], jax.random.key(3), knobs, settings,
             images=RequestImages.of_batch(images, mask))
         np.testing.assert_array_equal(paged.tokens, np.repeat(expected, 2, 0))
+
+
+def assert_export_reads_and_generates(trainer: Any, out: Any, model_class: Any, tower_params: Any,
+                                      hf_inputs: Any) -> Any:
+    """A trained VL policy's export at `out`: transformers' `model_class` reads the actor's logits (with the tower at
+    `tower_params`) on a training prompt with its picture, within 1e-4; reloaded through `jrl.load_model`, a content
+    list's picture and question decode transformers.generate's greedy tokens through both engines (up to an EOS of
+    the random model's). `hf_inputs(ids, pixels, grid)`: transformers' keyword inputs. Returns the reloaded model."""
+    import jax
+    import torch
+
+    import jaxrl_llm as jrl
+    from jaxrl_llm.data.images import load_image
+    from jaxrl_llm.data.vision_prompts import chat_with_images
+    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
+
+    vision = trainer.generator.vision
+    model = model_class.from_pretrained(out, dtype=torch.float32).eval()
+    batch = next(trainer.train_loader)
+    ids = np.asarray(batch["raw_prompt_ids"][0], np.int64)[None]
+    pixels, grid = vision.tokens.pixels(batch["images"][0])
+    ours = np.asarray(image_text_logits(jax.device_get(trainer.actor.model_params), trainer.actor.model_cfg,
+                                        tower_params, vision.vl, ids, np.ones_like(ids), pixels, grid))
+    with torch.no_grad():
+        theirs = model(**hf_inputs(ids, pixels, grid)).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4
+    reloaded = jrl.load_model(out)
+    assert reloaded.vision is not None
+    picture = load_image(batch["images"][0][0])
+    chat = [{"role": "user", "content": [{"type": "image", "image": picture},
+                                         {"type": "text", "text": "How many red shapes are there?"}]}]
+    ids, _ = chat_with_images(chat, reloaded.vision.tokens, reloaded.tokenizer)
+    pixels, grid = reloaded.vision.tokens.pixels([picture])
+    with torch.no_grad():
+        expected = model.generate(**hf_inputs(ids[None].astype(np.int64), pixels, grid), max_new_tokens=6,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].numpy()
+    for engine in ("static", "paged"):
+        got = jrl.generate(reloaded, chat, jrl.SamplingParams(max_new_tokens=6, temperature=0.0),
+                           engine=engine).token_ids[0]
+        np.testing.assert_array_equal(got, expected[:len(got)])
+        assert len(got) == 6 or got[-1] in (reloaded.config.eos_token_ids or ())
+    return reloaded

@@ -15,6 +15,7 @@ from vl_cases import (  # noqa: E402
     IMAGE,
     PAD,
     START,
+    assert_both_samplers_decode,
     assert_export_reloads,
     assert_trainer_reads_the_sampled_log_probs,
     hf_inputs,
@@ -78,13 +79,7 @@ def released_layout(folder, out):
 
 
 def test_logits_and_greedy_with_images_match_transformers(checkpoint, tmp_path):
-    import jax
-    import jax.numpy as jnp
 
-    from jaxrl_llm.sampler import SamplingParams, sample
-    from jaxrl_llm.sampler.engine import PagedEngine
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
-    from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()
@@ -100,17 +95,7 @@ def test_logits_and_greedy_with_images_match_transformers(checkpoint, tmp_path):
         got = np.asarray(image_text_logits(params, cfg, vision, vl, ids, mask, pixels, grid))
         np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=0)
     images = image_prompt(vision, vl, ids, mask, pixels, grid)
-    settings, knobs = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD,
-                                                                                         vocab_size=cfg.vocab_size)
-    static = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(3), knobs, settings=settings,
-                    images=images)
-    np.testing.assert_array_equal(np.asarray(static.tokens), np.repeat(greedy, 2, 0))
-    spec = engine_spec(cfg, EngineOptions(engine="paged"), num_requests=4, max_prompt_len=ids.shape[1],
-                       max_new_tokens=6, compute_dtype="float32")
-    paged, _ = PagedEngine(cfg, spec, steps_per_call=2).run(
-        params, [row[m > 0].tolist() for row, m in zip(ids, mask)], jax.random.key(3), knobs, settings,
-        images=RequestImages.of_batch(images, mask))
-    np.testing.assert_array_equal(paged.tokens, np.repeat(greedy, 2, 0))
+    assert_both_samplers_decode(params, cfg, images, ids, mask, greedy)
     assert_trainer_reads_the_sampled_log_probs(params, cfg, images, ids, mask)
 
 

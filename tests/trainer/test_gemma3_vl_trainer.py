@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 import tiny_runs
+from vl_cases import assert_export_reads_and_generates
 
 from jaxrl_llm.trainer import Trainer
 
@@ -72,42 +73,15 @@ def test_grpo_on_pictures_reads_the_same_images_in_the_sampler_and_the_trainer_a
     # engines, are transformers.generate's tokens
     import torch
 
-    import jaxrl_llm as jrl
-    from jaxrl_llm.data.images import load_image
-    from jaxrl_llm.data.vision_prompts import chat_with_images
-    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
-
-    out = trainer.export_hf(str(tmp_path / "hf"))
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    batch = next(trainer.train_loader)
-    ids = np.asarray(batch["raw_prompt_ids"][0], np.int64)[None]
-    pixels, grid = vision.tokens.pixels(batch["images"][0])
-    ours = np.asarray(image_text_logits(jax.device_get(trainer.actor.model_params), trainer.actor.model_cfg,
-                                        jax.device_get(vision.params), vision.vl, ids, np.ones_like(ids), pixels, grid))
-
-    def hf_inputs(ids: np.ndarray) -> dict:
+    def hf_inputs(ids: np.ndarray, pixels: np.ndarray, grid: np.ndarray) -> dict:
         return dict(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
                     pixel_values=torch.tensor(pixels),
                     token_type_ids=torch.tensor((ids == vision.vl.image_token_id).astype(np.int64)))
 
-    with torch.no_grad():
-        theirs = model(**hf_inputs(ids)).logits.numpy()
-    assert np.abs(ours - theirs).max() < 1e-4
-    reloaded = jrl.load_model(out)
-    assert reloaded.vision is not None and reloaded.vision.tokens.fixed_tokens == 4
-    picture = load_image(batch["images"][0][0])
-    chat = [{"role": "user", "content": [{"type": "image", "image": picture},
-                                         {"type": "text", "text": "How many red shapes are there?"}]}]
-    ids, _ = chat_with_images(chat, reloaded.vision.tokens, reloaded.tokenizer)
-    pixels, grid = reloaded.vision.tokens.pixels([picture])
-    with torch.no_grad():
-        expected = model.generate(**hf_inputs(ids[None].astype(np.int64)), max_new_tokens=6, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].numpy()
-    for engine in ("static", "paged"):  # up to an EOS of the random model's
-        got = jrl.generate(reloaded, chat, jrl.SamplingParams(max_new_tokens=6, temperature=0.0),
-                           engine=engine).token_ids[0]
-        np.testing.assert_array_equal(got, expected[:len(got)])
-        assert len(got) == 6 or got[-1] in (reloaded.config.eos_token_ids or ())
+    reloaded = assert_export_reads_and_generates(trainer, trainer.export_hf(str(tmp_path / "hf")),
+                                                 transformers.Gemma3ForConditionalGeneration,
+                                                 jax.device_get(vision.params), hf_inputs)
+    assert reloaded.vision.tokens.fixed_tokens == 4
 
 
 def test_a_trained_gemma3_tower_moves_and_the_sampler_reads_it(gemma3_folder, tmp_path):

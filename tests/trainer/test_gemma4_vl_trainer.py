@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import tiny_runs
+from vl_cases import assert_export_reads_and_generates
 
 from jaxrl_llm.trainer import Trainer
 
@@ -53,11 +54,6 @@ def gemma4_folder(tmp_path_factory, smollm2_gguf):
 
 
 def test_grpo_on_pictures_trains_the_tower_and_exports(gemma4_folder, tmp_path):
-    import jaxrl_llm as jrl
-    from jaxrl_llm.data.images import load_image
-    from jaxrl_llm.data.vision_prompts import chat_with_images
-    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
-
     cfg = tiny_runs.tiny_config(tmp_path / "run", "grpo_vl_tiny.py", **{
         f"{ARR}.model.path": str(gemma4_folder), "data.tokenizer": str(gemma4_folder), "data.max_prompt_length": 128,
         f"{ARR}.actor.freeze_vision_tower": False, "trainer.total_training_steps": 1, f"{ARR}.actor.optim.lr": 1e-2})
@@ -73,13 +69,6 @@ def test_grpo_on_pictures_trains_the_tower_and_exports(gemma4_folder, tmp_path):
     assert not np.array_equal(before["blocks"]["q"], after["blocks"]["q"])
     assert not np.array_equal(before["embedder"]["kernel"], after["embedder"]["kernel"])
 
-    out = trainer.export_hf(str(tmp_path / "hf"))
-    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    batch = next(trainer.train_loader)
-    ids = np.asarray(batch["raw_prompt_ids"][0], np.int64)[None]
-    pixels, grid = vision.tokens.pixels(batch["images"][0])
-    ours = np.asarray(image_text_logits(jax.device_get(trainer.actor.model_params), trainer.actor.model_cfg,
-                                        after, vision.vl, ids, np.ones_like(ids), pixels, grid))
     from jaxrl_llm.models.vision.gemma4_vit import patch_positions
 
     def hf_inputs(ids: np.ndarray, pixels: np.ndarray, grid: np.ndarray) -> dict:
@@ -88,19 +77,6 @@ def test_grpo_on_pictures_trains_the_tower_and_exports(gemma4_folder, tmp_path):
                     image_position_ids=torch.tensor(patch_positions(grid, pixels.shape[1]).astype(np.int64)),
                     mm_token_type_ids=torch.tensor((ids == vision.vl.image_token_id).astype(np.int64)))
 
-    with torch.no_grad():
-        theirs = model(**hf_inputs(ids, pixels, grid)).logits.numpy()
-    assert np.abs(ours - theirs).max() < 1e-4
-    reloaded = jrl.load_model(out)
-    assert reloaded.vision is not None and reloaded.vision.tokens.max_soft_tokens == 70
-    picture = load_image(batch["images"][0][0])
-    chat = [{"role": "user", "content": [{"type": "image", "image": picture},
-                                         {"type": "text", "text": "How many red shapes are there?"}]}]
-    ids, _ = chat_with_images(chat, reloaded.vision.tokens, reloaded.tokenizer)
-    pixels, grid = reloaded.vision.tokens.pixels([picture])
-    with torch.no_grad():
-        expected = model.generate(**hf_inputs(ids[None].astype(np.int64), pixels, grid), max_new_tokens=6,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].numpy()
-    got = jrl.generate(reloaded, chat, jrl.SamplingParams(max_new_tokens=6, temperature=0.0),
-                       engine="paged").token_ids[0]  # up to an EOS of the random model's
-    np.testing.assert_array_equal(got, expected[:len(got)])
+    reloaded = assert_export_reads_and_generates(trainer, trainer.export_hf(str(tmp_path / "hf")),
+                                                 transformers.Gemma4ForConditionalGeneration, after, hf_inputs)
+    assert reloaded.vision.tokens.max_soft_tokens == 70
