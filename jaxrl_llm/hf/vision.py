@@ -48,16 +48,16 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # an im
 def folder_vision_language(path: str | pathlib.Path) -> VisionLanguage:
     """The `VisionLanguage` of a folder (no weight read): its config.json's, with Gemma 4's soft-token budget from
     its preprocessor_config.json (`max_soft_tokens`, 280 without one); a ValueError for a folder of another model."""
-    vl = VisionLanguage.from_hf_config(read_hf_config(path))
+    config = read_hf_config(path)
+    vl = VisionLanguage.from_hf_config(config)
     if vl is None:
         raise ValueError(f"{path}: {_NOT_VL}")
     preprocessor = pathlib.Path(path) / "preprocessor_config.json"
     if isinstance(vl.vision, Gemma4VisionConfig) and preprocessor.is_file():
         budget = json.loads(preprocessor.read_text()).get("max_soft_tokens")
-        if budget is not None:
+        if budget is not None:  # from_hf again: it checks the budget is one the processor takes
             vl = dataclasses.replace(vl, vision=Gemma4VisionConfig.from_hf(
-                read_hf_config(path)["vision_config"], text_hidden_size=vl.vision.out_hidden_size,
-                max_soft_tokens=int(budget)))
+                config["vision_config"], text_hidden_size=vl.vision.out_hidden_size, max_soft_tokens=int(budget)))
     return vl
 
 

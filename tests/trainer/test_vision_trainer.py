@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 import tiny_runs
+from vl_cases import assert_export_reads_and_generates
 
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.trainer import Trainer
@@ -89,54 +90,22 @@ def test_a_text_policy_refuses_the_picture_task(tmp_path):
 
 
 def test_the_trained_policy_exports_with_its_tower_and_transformers_reads_it(trainer, tmp_path):
+    # transformers reads the actor's logits on a prompt with its picture, and the export reloads through the front
+    # door with its tower: a content list's picture and question, greedy through both engines, are
+    # transformers.generate's tokens
     import torch
     import transformers
 
-    from jaxrl_llm.models.vision.qwen_vl import image_text_logits
+    image_token = trainer.generator.vision.vl.image_token_id
 
-    out = trainer.export_hf(str(tmp_path / "hf"))
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    batch = next(trainer.train_loader)
-    ids = np.asarray(batch["raw_prompt_ids"][0], np.int64)[None]
-    mask = np.ones_like(ids)
-    vision = trainer.generator.vision
-    pixels, grid = vision.tokens.pixels(batch["images"][0])
-    ours = np.asarray(image_text_logits(jax.device_get(trainer.actor.model_params), trainer.actor.model_cfg,
-                                        jax.device_get(vision.params), vision.vl, ids, mask, pixels, grid))
-    with torch.no_grad():
-        theirs = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                       pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
-                       mm_token_type_ids=torch.tensor((ids == vision.vl.image_token_id).astype(np.int64))
-                       ).logits.numpy()
-    assert np.abs(ours - theirs).max() < 1e-4
+    def hf_inputs(ids: np.ndarray, pixels: np.ndarray, grid: np.ndarray) -> dict:
+        return dict(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
+                    pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                    mm_token_type_ids=torch.tensor((ids == image_token).astype(np.int64)))
 
-    # the export reloads through the front door with its tower: a content list's picture and question, greedy
-    # through both engines, are transformers.generate's tokens
-    import jaxrl_llm as jrl
-    from jaxrl_llm.data.images import load_image
-
-    reloaded = jrl.load_model(out)
-    assert reloaded.vision is not None
-    picture = load_image(batch["images"][0][0])
-    chat = [{"role": "user", "content": [{"type": "image", "image": picture},
-                                         {"type": "text", "text": "How many red shapes are there?"}]}]
-    results = [jrl.generate(reloaded, chat, jrl.SamplingParams(max_new_tokens=6, temperature=0.0), engine=engine)
-               for engine in ("static", "paged")]
-    from jaxrl_llm.data.vision_prompts import chat_with_images
-
-    ids, _ = chat_with_images(chat, reloaded.vision.tokens, reloaded.tokenizer)
-    pixels, grid = reloaded.vision.tokens.pixels([picture])
-    with torch.no_grad():
-        expected = model.generate(input_ids=torch.tensor(ids[None].astype(np.int64)),
-                                  attention_mask=torch.ones((1, len(ids)), dtype=torch.int64),
-                                  pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
-                                  mm_token_type_ids=torch.tensor((ids[None] == vision.vl.image_token_id).astype(
-                                      np.int64)), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)[0, len(ids):].numpy()
-    for result in results:  # up to an EOS of the random model's
-        got = result.token_ids[0]
-        np.testing.assert_array_equal(got, expected[:len(got)])
-        assert len(got) == 6 or got[-1] in (reloaded.config.eos_token_ids or ())
+    assert_export_reads_and_generates(trainer, trainer.export_hf(str(tmp_path / "hf")),
+                                      transformers.Qwen2_5_VLForConditionalGeneration,
+                                      jax.device_get(trainer.generator.vision.params), hf_inputs)
 
 
 def test_eight_devices_equal_one_resume_equals_uninterrupted_and_the_checkpoint_converts(tmp_path):
