@@ -26,7 +26,7 @@ from jaxrl_llm.batching.batch_plan import RoleBatch
 from jaxrl_llm.config import ConfigError
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec, ModelSpec, OptimSpec
 from jaxrl_llm.hf import load_any, read_hf_config  # the HF bridge reads folders and GGUF files
-from jaxrl_llm.hf.gguf_load import GGUFSource, gguf_config
+from jaxrl_llm.hf.gguf_load import gguf_config, open_gguf
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig, init_params, param_logical_axes
 from jaxrl_llm.models.config import with_hf_overrides
@@ -222,7 +222,7 @@ def model_config_of(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     if model.is_tiny:
         cfg = _tiny_config(model, tokenizer)
     elif model.path.endswith(".gguf"):
-        cfg = gguf_config(GGUFSource(model.path))  # memory-mapped: no tensor data is read
+        cfg = gguf_config(open_gguf(model.path))  # memory-mapped: no tensor data is read
     elif ckpt.is_checkpoint(model.path):
         cfg = ModelConfig.from_hf_config(ckpt.read_checkpoint_meta(model.path)["model_config"])
     else:

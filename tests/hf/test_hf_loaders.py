@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxrl_llm import checkpoint
@@ -62,3 +63,36 @@ def test_registered_loaders_come_first_and_builtins_are_protected(clean_loaders,
     unregister_loader("custom")
     with pytest.raises(ValueError, match="not one of the known kinds \\(hf_folder, gguf\\)"):
         load_any(tmp_path / "m.custom")
+
+
+def _write_gguf(path, embedding: np.ndarray) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", embedding)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_is_parsed_once_until_it_is_rewritten(tmp_path):
+    """open_gguf: the config read, the weights read and a reference / judge of the same file share one parse
+    (SmolLM2's metadata takes ~4 s to parse); a file rewritten in place is parsed again, never served stale."""
+    import os
+
+    from jaxrl_llm.hf.gguf_load import open_gguf
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, np.zeros((4, 8), np.float32))
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first and open_gguf(tmp_path / "." / "m.gguf") is first
+    np.testing.assert_array_equal(first.read("model.embed_tokens.weight"), np.zeros((4, 8)))
+
+    _write_gguf(path, np.ones((4, 8), np.float32))
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a later write, even on a coarse clock
+    second = open_gguf(path)
+    assert second is not first
+    np.testing.assert_array_equal(second.read("model.embed_tokens.weight"), np.ones((4, 8)))
