@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models import ModelConfig, blockwise, init_params, param_logical_axes
-from jaxrl_llm.models.config import CONTEXT_ATTENTION
+from jaxrl_llm.models.families import CONTEXT_ATTENTION
 from jaxrl_llm.roles.forward import response_log_probs
 
 MODELS = {

@@ -74,7 +74,7 @@ def check_inputs(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _check_override_config(key: str, overrides: Any) -> None:
-    from jaxrl_llm.models.config import classify_hf_overrides
+    from jaxrl_llm.models.config_hf import classify_hf_overrides
 
     keys = list(overrides.keys()) if overrides else []
     rejected, ignored = classify_hf_overrides(keys)

@@ -14,7 +14,7 @@ from jaxrl_llm.config.schema import field
 from jaxrl_llm.config.tree_sft import DPO, EVALUATION, GENERATION, SFT
 from jaxrl_llm.losses.distill import SIGNALS as DISTILL_SIGNALS
 from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
-from jaxrl_llm.models.config import CONTEXT_ATTENTION
+from jaxrl_llm.models.families import CONTEXT_ATTENTION
 from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
 from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 from jaxrl_llm.sampler.speculative import SPECULATIVE_METHODS

@@ -5,13 +5,9 @@ Everything other components call is re-exported here; see `param_init.py` for th
 `decoder.py` for the one decoder every path runs and `cache.py` for the KV-cache calling convention.
 """
 from jaxrl_llm.models.cache import init_cache
-from jaxrl_llm.models.config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    UnsupportedArchitectureError,
-    rope_inv_freq,
-)
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.dtypes import COMPUTE_DTYPES, DTYPES, as_jnp_dtype, dtype_name
+from jaxrl_llm.models.families import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from jaxrl_llm.models.greedy import greedy_generate
 from jaxrl_llm.models.model import (
     compute_logits,
@@ -25,6 +21,7 @@ from jaxrl_llm.models.model import (
     value_from_hidden,
 )
 from jaxrl_llm.models.param_init import HEADS, init_head_params, init_params, param_logical_axes
+from jaxrl_llm.models.rope_freqs import rope_inv_freq
 
 __all__ = [
     "COMPUTE_DTYPES", "DTYPES", "HEADS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedArchitectureError",

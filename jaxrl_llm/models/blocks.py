@@ -15,9 +15,10 @@ from jax import lax
 from jaxrl_llm.arrays import ArrayTree, DType
 from jaxrl_llm.models import invariant
 from jaxrl_llm.models.activations import gated_product
-from jaxrl_llm.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.lora import lora_delta
 from jaxrl_llm.models.numerics import matmul_f32
+from jaxrl_llm.models.rope_freqs import rope_attention_factor, rope_inv_freq
 from jaxrl_llm.sharding.mesh import context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 

@@ -1,5 +1,5 @@
 """DeepSeek-V3's config.json fields (`deepseek_v3`: DeepSeek-V3 / R1 / V3.1, Kimi-K2 and the other models of
-its shape) as ModelConfig keyword arguments, and back. Kept apart from models/config.py (which imports this
+its shape) as ModelConfig keyword arguments, and back. Kept apart from models/config_hf.py (which imports this
 module) because DeepSeek names its shapes its own way: multi-head latent attention (`kv_lora_rank`,
 `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`; models/mla.py) and a router of its own
 (`n_routed_experts`, `n_shared_experts`, `n_group`, `topk_group`, `routed_scaling_factor`,

@@ -1,5 +1,5 @@
 """Gemma 4's config.json fields (`gemma4_text`, and the text tower of `gemma4` multimodal folders) as
-ModelConfig keyword arguments, and back. Kept apart from models/config.py (which imports this module)
+ModelConfig keyword arguments, and back. Kept apart from models/config_hf.py (which imports this module)
 because Gemma 4 describes its layers per type: the full-attention layers have heads of their own width
 and number (`global_head_dim` / `num_global_key_value_heads`, or transformers 5's `per_layer_config`),
 and each layer type has its own `rope_parameters` entry (the full layers' "proportional" RoPE turns

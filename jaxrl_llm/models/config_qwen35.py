@@ -1,5 +1,5 @@
 """Qwen3.5's config.json fields (`qwen3_5_text`, `qwen3_5_moe_text`, and the text model of `qwen3_5` multimodal
-folders) as ModelConfig keyword arguments, and back. Kept apart from models/config.py (which imports this module)
+folders) as ModelConfig keyword arguments, and back. Kept apart from models/config_hf.py (which imports this module)
 because Qwen3.5 interleaves two kinds of layers: gated delta-net linear attention (`linear_*` fields;
 models/hybrid.py) and gated full attention (an output gate from a q_proj twice as wide, RoPE on the first
 `partial_rotary_factor` of each head's dims), listed per layer in `layer_types`. The functions taking `cfg` take a

@@ -43,8 +43,8 @@ from jaxrl_llm.models.blockwise import (
     empty_results,
     unchunked,
 )
-from jaxrl_llm.models.config import CONTEXT_ATTENTION
 from jaxrl_llm.models.delta_rule import chunked_delta_rule
+from jaxrl_llm.models.families import CONTEXT_ATTENTION
 from jaxrl_llm.sharding.mesh import CONTEXT_AXIS, TENSOR_AXIS, row_split_axes
 
 Array = jax.Array
