@@ -99,32 +99,31 @@ def _release_compiled_programs():
     gc.collect()
 
 
-# Files that take minutes, started first: CI runs two workers that each take a whole file at a time
-# (`pytest -n 2 --dist loadfile`, in collection order), and one of these started near the end would
-# leave the other core idle for its length. The 20 slowest files of the last full run (2026-12-02, junit
-# times), longest first: that order left the two workers within 4 s of each other in a replay of the run,
-# where the order before (a shorter list) left one idle for 160 s.
+# Files that take minutes, started first: CI runs three workers that each take a whole file at a time
+# (`pytest -n 3 --dist loadfile`, in collection order; Makefile), and one of these started near the end would
+# leave the others idle for its length. The 20 slowest files of the last full run (2026-12-06, junit times
+# under two workers), longest first.
 HEAVY_FIRST = (
     "tests/platform/test_platform_compile.py",
-    "tests/platform/test_device_kit.py",
-    "tests/sampler/test_engine_core.py",
-    "tests/planning/test_memory_plan.py",
-    "tests/reliability/test_preemption.py",
-    "tests/sharding/test_context_parallel.py",
+    "tests/reliability/test_pod_faults.py",
+    "tests/trainer/test_trainer_e2e.py",
     "tests/sampler/test_engine_parity.py",
     "tests/examples/test_judge_example.py",
-    "tests/sampler/test_speculative_engine.py",
-    "tests/sharding/test_expert_parallel.py",
-    "tests/trainer/test_trainer_e2e.py",
     "tests/examples/test_distill_example.py",
-    "tests/trainer/test_packing.py",
+    "tests/reliability/test_preemption.py",
+    "tests/sharding/test_context_parallel.py",
     "tests/trainer/test_trainer_multiprocess.py",
-    "tests/trainer/test_distillation.py",
+    "tests/models/test_gemma4.py",
+    "tests/platform/test_device_kit.py",
+    "tests/trainer/test_gemma_trainer.py",
+    "tests/trainer/test_vision_trainer.py",
+    "tests/planning/test_memory_plan.py",
+    "tests/reliability/test_kill_resume.py",
+    "tests/sampler/test_exact_rollouts.py",
     "tests/trainer/test_moe_replay.py",
-    "tests/models/test_unstacked_layers.py",
-    "tests/models/test_bf16_numerics.py",
-    "tests/sampler/test_sampler_hf_parity.py",
-    "tests/trainer/test_moe_multi_turn_replay.py",
+    "tests/sharding/test_expert_parallel.py",
+    "tests/trainer/test_packing.py",
+    "tests/sampler/test_engine_core.py",
 )
 
 
