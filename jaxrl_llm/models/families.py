@@ -54,7 +54,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f["prefix"] + s for f in FAMILIES.values() for s in HEAD_SUFFIXES
 ) + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
      "Qwen3_5MoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-     "Qwen3VLForConditionalGeneration")  # their text towers (`_text_tower`)
+     "Qwen3VLForConditionalGeneration")  # their text towers (models/config_hf.py `_text_tower`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # rope types whose scaling is relative to the pre-training context (HF moves it into the rope parameters)
 ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn")
