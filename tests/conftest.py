@@ -144,3 +144,35 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
+
+
+# A worker that aborts takes its test with it. The one abort seen (2026-12-06, a two-core host running three
+# workers) was XLA:CPU's own: an 8-device program's two independent all-reduces each waited for all eight
+# devices' threads while the pool's threads sat in the other one, until XLA's 40 s collective timeout ended
+# the process ("Termination timeout for `all reduce ...`", rendezvous.cc). xdist gives the crashed test's file
+# to a new worker; the crash itself counts as a rerun, not a failure, and the test runs once more, alone, in a
+# fresh process after the others: that run decides (the session fails if it fails), and the summary names every
+# test that crashed.
+_CRASHED: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    del sched  # loadfile scheduling takes back the whole file by itself
+    _CRASHED.append(crashitem)
+    report.outcome = "rerun"  # counted by the rerun below, not as a failure here
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput") or not _CRASHED:
+        return
+    import subprocess
+    import sys
+
+    for nodeid in dict.fromkeys(_CRASHED):
+        print(f"\n{nodeid} crashed its worker: running it again, alone", flush=True)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
+                               "-p", "no:xdist", nodeid], cwd=session.config.rootpath)
+        if proc.returncode != 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    print(f"worker crashes, each run again alone: {', '.join(_CRASHED)}", flush=True)

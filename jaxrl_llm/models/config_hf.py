@@ -1,10 +1,11 @@
 """config.json <-> ModelConfig: the keyword arguments a transformers config.json gives (each family's keys,
 multimodal folders read as their text model, RoPE in either transformers' form) and the config.json a ModelConfig
 writes back; which keys `model.override_config` may change. Gemma 4's, Qwen3.5's and DeepSeek's own keys live in
-models/config_gemma4.py, config_qwen35.py and config_deepseek.py."""
+models/config_gemma4.py, config_qwen35.py and config_deepseek.py. `cfg` is a ModelConfig, typed `Any` as in those:
+models/config.py imports this module."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxrl_llm.models.config_deepseek import DEEPSEEK_FAMILIES, deepseek_fields, deepseek_hf_fields
 from jaxrl_llm.models.config_gemma4 import gemma4_fields, gemma4_hf_fields
@@ -19,9 +20,6 @@ from jaxrl_llm.models.families import (
     UnsupportedArchitectureError,
     arch_to_model_type,
 )
-
-if TYPE_CHECKING:
-    from jaxrl_llm.models.config import ModelConfig
 
 
 def model_config_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +143,7 @@ def model_config_fields(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def hf_config_dict(cfg: ModelConfig, *, architecture: str | None = None, num_labels: int | None = None,
+def hf_config_dict(cfg: Any, *, architecture: str | None = None, num_labels: int | None = None,
                    dtype: str = "float32") -> dict[str, Any]:
     """`cfg` as a config.json dict transformers 4.x and 5.x both read back to the same model
     (`ModelConfig.to_hf_config`)."""
@@ -224,7 +222,7 @@ def hf_config_dict(cfg: ModelConfig, *, architecture: str | None = None, num_lab
     return d
 
 
-def _hf_gemma_fields(cfg: ModelConfig, rope_params: dict[str, Any]) -> dict[str, Any]:
+def _hf_gemma_fields(cfg: Any, rope_params: dict[str, Any]) -> dict[str, Any]:
     d: dict[str, Any] = {
         "hidden_activation": cfg.hidden_act,
         "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar),  # transformers 5 wants an int
@@ -240,7 +238,7 @@ def _hf_gemma_fields(cfg: ModelConfig, rope_params: dict[str, Any]) -> dict[str,
             d["rope_scaling"] = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     return d
 
-def _hf_moe_fields(cfg: ModelConfig) -> dict[str, Any]:
+def _hf_moe_fields(cfg: Any) -> dict[str, Any]:
     d: dict[str, Any] = {"num_experts_per_tok": cfg.num_experts_per_tok,
                          "router_aux_loss_coef": cfg.router_aux_loss_coef,
                          "output_router_logits": cfg.output_router_logits}
