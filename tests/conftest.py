@@ -149,30 +149,16 @@ def pytest_collection_modifyitems(config, items):
 # A worker that aborts takes its test with it. The one abort seen (2026-12-06, a two-core host running three
 # workers) was XLA:CPU's own: an 8-device program's two independent all-reduces each waited for all eight
 # devices' threads while the pool's threads sat in the other one, until XLA's 40 s collective timeout ended
-# the process ("Termination timeout for `all reduce ...`", rendezvous.cc). xdist gives the crashed test's file
-# to a new worker; the crash itself counts as a rerun, not a failure, and the test runs once more, alone, in a
-# fresh process after the others: that run decides (the session fails if it fails), and the summary names every
-# test that crashed.
-_CRASHED: list[str] = []
+# the process ("Termination timeout for `all reduce ...`", rendezvous.cc). xdist's loadfile scheduling already
+# hands the crashed test's file, that test included, to a new worker: a test's first crash counts as a rerun,
+# not a failure, and that second run decides (a second crash fails the session).
+_CRASHED: set[str] = set()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
     del sched  # loadfile scheduling takes back the whole file by itself
-    _CRASHED.append(crashitem)
-    report.outcome = "rerun"  # counted by the rerun below, not as a failure here
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if hasattr(session.config, "workerinput") or not _CRASHED:
-        return
-    import subprocess
-    import sys
-
-    for nodeid in dict.fromkeys(_CRASHED):
-        print(f"\n{nodeid} crashed its worker: running it again, alone", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
-                               "-p", "no:xdist", nodeid], cwd=session.config.rootpath)
-        if proc.returncode != 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    print(f"worker crashes, each run again alone: {', '.join(_CRASHED)}", flush=True)
+    if crashitem not in _CRASHED:
+        _CRASHED.add(crashitem)
+        report.outcome = "rerun"
+        print(f"\n{crashitem} crashed its worker: it runs again in the worker that takes its file", flush=True)
