@@ -54,6 +54,7 @@ class WorkerWatchdog:
         self.committed = committed
         self._exit = exit
         self._stop = threading.Event()
+        self._verdict = threading.Event()  # set once the thread has decided to end the process
         self._thread: threading.Thread | None = None
         self._interval = min(2.0, self.timeout_s / 5)  # between beats
         self._progress: tuple[int, str] = (0, "the start of the loop")  # (marks passed, the last one's label)
@@ -74,9 +75,14 @@ class WorkerWatchdog:
     def wait_for_verdict(self) -> None:
         """After a collective failed (gloo on CPU reports a dead peer at once, as a `JaxRuntimeError`): gives the
         thread up to `worker_timeout_s` and a beat to find the lost peer, which ends the process with its line
-        (not the collective's traceback and the coordination service's abort); returns when none is lost."""
+        (not the collective's traceback and the coordination service's abort); returns when none is lost. Once
+        the thread has reached a verdict this waits for its exit however long the line takes (the last committed
+        step read from a slow bucket, process 0's grace for the others): returning then would send the main
+        thread into jax's exit handlers, whose `distributed.shutdown` waits on the lost peer and aborts."""
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 2 * self._interval + 1)
+            if self._verdict.is_set():
+                self._thread.join()
 
     def stop(self) -> None:
         self._stop.set()
@@ -124,6 +130,7 @@ class WorkerWatchdog:
     def _lost(self, process: int, why: str) -> None:
         if self._stop.is_set():
             return
+        self._verdict.set()
         print(f"lost worker: process {process} of {jax.process_count()} ({why}; trainer.worker_timeout_s="
               f"{self.timeout_s:g}); the last committed checkpoint is step {self._last_committed()}; exiting "
               f"{PREEMPTED_EXIT_CODE} so that the relaunch resumes from it", flush=True)
@@ -132,6 +139,7 @@ class WorkerWatchdog:
     def _hung(self, me: int, process: int, label: str, waited_s: float, ahead: int, ahead_label: str) -> None:
         if self._stop.is_set():
             return
+        self._verdict.set()
         who = f"process {process} of {jax.process_count()}" + (" (this process)" if process == me else "")
         print(f"hung worker: {who} has stayed in '{label}' for {waited_s:.0f} s since process {ahead} went on to "
               f"'{ahead_label}' (trainer.worker_hang_timeout_s={self.hang_timeout_s:g}); the last committed "

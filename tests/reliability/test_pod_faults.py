@@ -161,6 +161,40 @@ def test_the_hang_clock_starts_when_a_peer_goes_past():
     assert _place("3") is None  # a process not yet marking (an older beat format) is not judged
 
 
+def test_after_a_verdict_the_main_thread_waits_for_the_watchdogs_exit(monkeypatch, capsys):
+    """A step's collective failed for a lost peer: `wait_for_verdict` returns only after the watchdog's exit,
+    even when its line takes longer than the wait's own bound (here the last committed step is read from a slow
+    bucket). Returning earlier sent the main thread into jax's exit handlers, whose `distributed.shutdown` waits
+    on the lost peer and aborts (exit -6 instead of 75, seen in CI)."""
+    import time
+
+    import jax
+
+    from jaxrl_llm.bookkeeping import watchdog
+
+    class SilentPeer:  # the coordination service's client: process 1 beat once, then nothing
+        def key_value_set(self, key: str, value: str, allow_overwrite: bool) -> None:
+            pass
+
+        def key_value_try_get(self, key: str) -> str:
+            return "7 4 gen of step 3"
+
+    def slow_committed() -> str:
+        time.sleep(1.5)
+        return "2"
+
+    exits: list[int] = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(watchdog, "_client", lambda: SilentPeer())
+    dog = watchdog.WorkerWatchdog(0.3, slow_committed, exit=exits.append).start()
+    try:
+        dog.wait_for_verdict()
+        assert exits == [PREEMPTED_EXIT_CODE]  # the exit came before the wait returned, past its bound
+    finally:
+        dog.stop()
+    assert capsys.readouterr().out.startswith("lost worker: process 1 of 2 (it has not reported for ")
+
+
 def _download(gcs, bucket: str, prefix: str, into):
     """The fake bucket's objects under `prefix` as a local folder (orbax reads a checkpoint the same from both)."""
     for name in gcs.store.names(bucket):
