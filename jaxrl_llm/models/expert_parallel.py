@@ -48,9 +48,11 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import DType
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.moe import Routing, down_bias, expert_ffn, held_expert_ffn
 from jaxrl_llm.models.param_init import EXPERT_AXES, EXPERT_BIAS_AXES
+from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from jaxrl_llm.sharding.rules import logical_to_spec
 
@@ -103,16 +105,20 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     held = cfg.num_experts // ways
     # the experts' width split over `tensor` stays split: gate / up give their slice of the SwiGLU, down
     # a partial sum, added over `tensor` once after the grouped matmul (no collective inside its loop)
-    partial = TENSOR_AXIS in placed["down_proj"][1].get(1, ())
+    # (batch-invariant mode gathers the `tensor` split too: each device sums a row's whole width itself, in the
+    # kernel's order, and no partial sum crosses devices; models/invariant.py)
+    exact = invariant.enabled()
+    partial = not exact and TENSOR_AXIS in placed["down_proj"][1].get(1, ())
 
     def gathered(name: str, w: Array) -> Array:  # fsdp's share of a matrix; rounded first: half the bytes in bf16
         for dim, axes in placed[name][1].items():
-            axes = tuple(a for a in axes if a != TENSOR_AXIS)
+            axes = tuple(a for a in axes if exact or a != TENSOR_AXIS)
             if axes:
-                w = lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+                w = _gather_rounded(w, axes, dim, dtype)
         return w
 
     def body(x: Array, ids: Array, weights: Array, matrices: dict) -> Array:
+        x = x.astype(dtype)  # (it entered in `_collective_dtype`)
         if split and ways > 1:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
             x, ids, weights = (lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, ids, weights))
         held_experts: dict = {}
@@ -141,4 +147,30 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     specs = {name: spec for name, (spec, _) in placed.items()}
     run = jax.shard_map(body, in_specs=(rows, rows, rows, specs), out_specs=rows, axis_names=set(manual),
                         check_vma=False)
-    return run(tokens, routing.ids, routing.weights, matrices)
+    # the cotangent of the tokens (replicated over `tensor`) is psum-ed over it: fp32 on CPU (`_collective_dtype`)
+    return run(tokens.astype(_collective_dtype(tokens.dtype)), routing.ids, routing.weights, matrices)
+
+
+def _collective_dtype(dtype: DType) -> DType:
+    """The dtype the collectives of the routed experts' backward (a shard_map's transpose) reduce in: fp32 on CPU,
+    whose all-reduce promotion pass aborts on a bf16 all-reduce / reduce-scatter whose reducer Shardy wrapped
+    ("Invalid binary instruction opcode copy", seen with a bf16 MoE update on 8 CPU devices); elsewhere `dtype`."""
+    return jnp.float32 if target_platform() == "cpu" else dtype
+
+
+def _gather_rounded_fwd(w: Array, axes: tuple[str, ...], dim: int, dtype: DType) -> Array:
+    return lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True)
+
+
+_gather_rounded = jax.custom_vjp(_gather_rounded_fwd, nondiff_argnums=(1, 2, 3))
+
+
+def _gather_rounded_bwd(axes: tuple[str, ...], dim: int, dtype: DType, like: Array, g: Array) -> tuple[Array]:
+    summed = lax.psum_scatter(g.astype(_collective_dtype(dtype)), axes, scatter_dimension=dim, tiled=True)
+    return (summed.astype(like.dtype),)
+
+
+# a device's share of a weight gathered over `axes` in the compute dtype (half the bytes in bf16); its gradient
+# reduce-scattered back in `_collective_dtype`
+_gather_rounded.defvjp(lambda w, axes, dim, dtype: (_gather_rounded_fwd(w, axes, dim, dtype), jnp.zeros((), w.dtype)),
+                       _gather_rounded_bwd)

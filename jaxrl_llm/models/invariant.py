@@ -187,6 +187,13 @@ def _matmul_2d(x: Array, w: Array) -> Array:
     return lax.platform_dependent(x, w, cuda=_triton_gemm, tpu=_mosaic_gemm, default=_xla_tiles)
 
 
+def matmul_on_device(x: Array, w: Array) -> Array:
+    """fp32 [N, F] = x [N, K] @ w [K, F], each row summed in the fixed order of `matmul`, for code already
+    running on one device's rows (inside a `shard_map` that holds the whole contraction: the routed experts,
+    models/expert_parallel.py)."""
+    return _matmul_2d(x, w)
+
+
 def matmul(x: Array, w: Array) -> Array:
     """fp32 [..., F] = x [..., K] @ w [K, F] (operands in their dtype, fp32 accumulation), each row summed in
     an order that does not depend on the other rows (module doc). On a mesh (the abstract mesh in context)

@@ -26,6 +26,11 @@ Per-layer statistics for the losses and metrics (`RouterStats`): the top-k count
 router probabilities per expert over the valid tokens (HF's `load_balancing_loss_func` pools these
 over layers: `load_balancing_loss`), the summed squared log-sum-exp of the router logits (router
 z-loss), and how many tokens' recomputed top-k equals the replayed one (`moe/routing_agreement`).
+
+Batch-invariant mode (`model.batch_invariant`, models/invariant.py): the router's softmax and renormalisation
+sum by a fixed tree, every token runs the blocked kernel (a decode step's few too: no gather, no ragged_dot)
+whose blocks multiply by the fixed-tile GEMM, and a token's k expert outputs are mixed by a fixed tree, so a
+token's output does not depend on which tokens share its call.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_llm.arrays import DType, Params
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.activations import gated_product
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.numerics import MATMUL_2D, matmul_f32
@@ -89,7 +95,7 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
     logits = matmul_f32(tokens, router_kernel.astype(tokens.dtype))
     if router_bias is not None:
         logits = logits + router_bias.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = _softmax(logits)
     scores = jax.nn.sigmoid(logits) if cfg.router_sigmoid else probs  # what the mixing weights are taken from
     if cfg.router_sigmoid or cfg.router_group_max:  # DeepSeek-V3's / V2's group-limited choice
         natural = deepseek_choice(cfg, scores, score_bias)
@@ -103,15 +109,36 @@ def route(cfg: ModelConfig, router_kernel: Array, tokens: Array, replay: Array |
         ids = jnp.where(recorded, replay.astype(jnp.int32), natural)
         weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.router_topk_softmax:
-        weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+        weights = _softmax(jnp.take_along_axis(logits, ids, axis=-1))
     elif cfg.router_sigmoid:
         if cfg.norm_topk_prob:
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+            weights = weights / (_row_sum(weights) + 1e-20)
     elif cfg.norm_topk_prob or cfg.model_type == "mixtral":
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / _row_sum(weights)
     if cfg.routed_scaling_factor != 1.0:  # DeepSeek's (V3: after renormalising; V2: not renormalised)
         weights = weights * cfg.routed_scaling_factor
     return Routing(ids, weights, natural.astype(jnp.int32), probs, logits)
+
+
+def _row_sum(x: Array) -> Array:
+    """Sums over the last axis (kept): batch-invariant mode's fixed tree (models/invariant.py) where it is on."""
+    return invariant.tree_sum(x)[..., None] if invariant.enabled() else jnp.sum(x, axis=-1, keepdims=True)
+
+
+def _softmax(logits: Array) -> Array:
+    """Softmax over the last axis; its denominator by `_row_sum` in batch-invariant mode."""
+    if not invariant.enabled():
+        return jax.nn.softmax(logits, axis=-1)
+    unnormalized = jnp.exp(logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    return unnormalized / _row_sum(unnormalized)
+
+
+def _mix_experts(weights: Array, outputs: Array) -> Array:
+    """fp32 [N, H] = sum_k weights [N, k] * outputs [N, k, H]; in batch-invariant mode the k products are
+    added by a fixed tree (an einsum's reduction order may follow N)."""
+    if invariant.enabled():
+        return invariant.tree_sum(weights[..., None] * outputs, axis=1)
+    return jnp.einsum("nk,nkh->nh", weights, outputs)
 
 
 def deepseek_choice(cfg: ModelConfig, scores: Array, score_bias: Array | None) -> Array:
@@ -221,7 +248,10 @@ def _blocked_loop(x: Array, w: Array, block_expert: Array, block_used: Array, di
 
     def one(_: None, block: tuple[Array, Array, Array]) -> tuple[None, Array]:
         rows, e, used = block
-        product = lambda: lax.dot_general(rows, _expert(w, e), dims, preferred_element_type=jnp.float32)  # noqa: E731
+        if dims == MATMUL_2D and invariant.enabled():  # the forward, each row in a fixed order (models/invariant.py)
+            product = lambda: invariant.matmul_on_device(rows, _expert(w, e))  # noqa: E731
+        else:
+            product = lambda: lax.dot_general(rows, _expert(w, e), dims, preferred_element_type=jnp.float32)  # noqa: E731
         skip = lambda: jnp.zeros((rows.shape[0], out_cols), jnp.float32)  # noqa: E731
         return None, lax.cond(used, product, skip)
 
@@ -357,12 +387,13 @@ def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, c
     """`held_expert_ffn` in one pass."""
     n, hidden = tokens.shape
     held = experts["gate_proj"]["kernel"].shape[0]
-    if kernel == "gather" or (kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows):
+    few = kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows
+    if (kernel == "gather" or few) and not invariant.enabled():  # the mode: every token through the blocks
         return gathered_expert_ffn(experts, tokens, jnp.minimum(ids, held - 1), weights, dtype=dtype, cfg=cfg)
     groups = held + 1 if held < cfg.num_experts else held
     layout = expert_layout(ids, groups, cfg.moe_block_rows, computed=held)
     rows = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])[layout.src_token]
-    kernel = kernel or cfg.moe_kernel
+    kernel = "blocked" if invariant.enabled() else kernel or cfg.moe_kernel
 
     def gmm(x: Array, name: str) -> Array:
         y = grouped_matmul(x, experts[name]["kernel"], layout, kernel, unroll=unroll)
@@ -373,7 +404,7 @@ def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, c
         return y
 
     out = gmm(expert_glu(cfg, gmm(rows, "gate_proj"), gmm(rows, "up_proj"), dtype), "down_proj")  # [R, H] fp32
-    mixed = jnp.einsum("nk,nkh->nh", weights, out[layout.dest])
+    mixed = _mix_experts(weights, out[layout.dest])
     return mixed + down_bias(experts, jnp.minimum(ids, held - 1), weights, dtype)
 
 
@@ -383,7 +414,7 @@ def down_bias(experts: dict, ids: Array, weights: Array, dtype: DType) -> Array 
     bias = experts["down_proj"].get("bias")
     if bias is None:
         return 0.0
-    return jnp.einsum("nk,nkh->nh", weights, bias.astype(dtype)[ids].astype(jnp.float32))
+    return _mix_experts(weights, bias.astype(dtype)[ids].astype(jnp.float32))
 
 
 def expert_glu(cfg: ModelConfig, gate: Array, up: Array, dtype: DType) -> Array:

@@ -166,11 +166,12 @@ def _as_configured(model_cfg: ModelConfig, model: ModelSpec) -> ModelConfig:
     """`model_cfg` with `model.override_config`'s HF fields and the run's compute choices
     (mesh.context_attention, model.batch_invariant)."""
     cfg = with_hf_overrides(model_cfg, dict(model.override_config))
-    if model.batch_invariant and (cfg.is_moe or cfg.typed_layers):
+    if model.batch_invariant and (cfg.typed_layers or cfg.hybrid):
         raise ConfigError(f"actor_rollout_ref.model.batch_invariant=True: {model.path} is a "
-                          f"{'mixture-of-experts' if cfg.is_moe else 'Gemma 4'} model ({cfg.model_type}), whose "
-                          f"{'routed experts' if cfg.is_moe else 'per-type attention'} have no batch-invariant "
-                          "kernels yet; dense decoders (Llama, Qwen2/3, Mistral, Gemma 2/3) have them")
+                          f"{'Gemma 4' if cfg.typed_layers else 'hybrid (gated delta-net)'} model ({cfg.model_type}), "
+                          f"whose {'per-type attention' if cfg.typed_layers else 'delta-rule layers'} have no "
+                          "batch-invariant kernels yet; dense and mixture-of-experts decoders (Llama, Qwen2/3, "
+                          "Mistral, Gemma 2/3, Qwen3-MoE, Mixtral, GPT-OSS, DeepSeek) have them")
     if (cfg.context_attention, cfg.batch_invariant) == (model.context_attention, model.batch_invariant):
         return cfg
     return dataclasses.replace(cfg, context_attention=model.context_attention, batch_invariant=model.batch_invariant)

@@ -33,6 +33,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.sampling import draw_from, filtered_logits
@@ -151,6 +152,9 @@ def accept_drafts(logits: Array, drafts: Array, draft_probs: Array | None, keys:
     nxt = jnp.argmax(p_next, axis=-1).astype(jnp.int32) if settings.greedy else draw_from(residual, u_next)
     tokens = jnp.concatenate([drafts, jnp.zeros((s, 1), jnp.int32)], axis=1)
     tokens = tokens.at[rows, accepted].set(nxt)
+    if settings.batch_invariant:  # the trainer's batch-invariant log-prob (models/invariant.py), row by row
+        log_probs = invariant.token_log_prob(logits.reshape(s * k1, -1), tokens.reshape(-1), knobs.temperature)
+        return tokens, log_probs.reshape(s, k1), accepted
     scaled = logits.astype(jnp.float32) / knobs.temperature
     chosen = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0]
     return tokens, chosen - jax.nn.logsumexp(scaled, axis=-1), accepted

@@ -13,6 +13,7 @@ from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.roles.forward import response_log_probs
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 NEW_TOKENS = 12
 TEMPERATURE = 0.7  # a division both sides must do alike (models/invariant.py `vocab_scan`)
@@ -32,19 +33,25 @@ _score = jax.jit(response_log_probs, static_argnums=(1, 4), static_argnames=("te
 
 
 def _rollout_vs_trainer(cfg, params, prompts, engine: str, seed: int = 0, n: int = 1,
-                        opts: EngineOptions | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(the sampler's, the trainer's) bf16 log-probs of the response tokens (flattened); `n` samples a prompt."""
+                        opts: EngineOptions | None = None, draft_params: dict | None = None,
+                        stats: list | None = None, replay: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(the sampler's, the trainer's) bf16 log-probs of the response tokens (flattened); `n` samples a prompt.
+    `stats` gets the paged engine's; `replay`: the trainer runs the experts the sampler recorded (a MoE policy)."""
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, ignore_eos=True, n=n)
     settings, knobs = sp.compile_args(cfg.eos_token_ids, 0, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
+    settings = dataclasses.replace(settings, record_routing=replay)
     if engine == "paged":
-        out, _ = sample_paged(params, cfg, prompts, jax.random.key(seed), knobs, settings=settings,
-                              opts=opts or EngineOptions(engine="paged"))
+        out, engine_stats = sample_paged(params, cfg, prompts, jax.random.key(seed), knobs, settings=settings,
+                                         opts=opts or EngineOptions(engine="paged"), draft_params=draft_params)
+        if stats is not None:
+            stats.append(engine_stats)
     else:
         ids, mask = left_pad(prompts, 0)
         out = sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), knobs, settings=settings)
     ids = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.tokens)], axis=1)
     mask = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], axis=1)
-    train = _score(params, cfg, ids, mask, NEW_TOKENS, temperature=TEMPERATURE, compute_dtype="bfloat16")
+    train = _score(params, cfg, ids, mask, NEW_TOKENS, temperature=TEMPERATURE, compute_dtype="bfloat16",
+                   replay=jnp.asarray(out.routing) if replay else None)
     real = np.asarray(out.response_mask) > 0
     return np.asarray(out.log_probs)[real], np.asarray(train)[real]
 
@@ -60,18 +67,36 @@ def test_bf16_rollout_log_probs_equal_the_trainers_bit_for_bit(engine):
     assert np.abs(rollout - trainer).max() > 0 and np.mean(rollout == trainer) < 0.99
 
 
-@pytest.mark.parametrize("variant", ["chunked_prefill", "cascade_and_batch_prefill"])
+@pytest.mark.parametrize("variant", ["chunked_prefill", "cascade_and_batch_prefill", "ngram_speculative",
+                                     "draft_speculative"])
 def test_the_paged_engines_prefill_and_decode_variants_stay_exact(variant):
     """Prompts of 3..19 ids prefilled in chunks of 4 over their growing cache; or a prompt's 2 samples sharing its
-    pages (cascade attention on) with a round's prompts prefilled in one call: the same bits as the trainer."""
+    pages (cascade attention on) with a round's prompts prefilled in one call; or speculative decoding, whose
+    verification forward scores a slot's last token and its drafts as rows of one decode step (n-gram drafts, or
+    a draft model: the policy itself without the mode, so most drafts are kept and tokens come from every row
+    of the verification): the same bits as the trainer."""
     cfg, params, prompts = _model("llama")
+    exact = dataclasses.replace(cfg, batch_invariant=True)
     opts = {"chunked_prefill": EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True),
-            "cascade_and_batch_prefill": EngineOptions(engine="paged", cascade_attention=True,
-                                                       batch_prefill=True)}[variant]
-    rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts, "paged",
-                                           n=2, opts=opts)
+            "cascade_and_batch_prefill": EngineOptions(engine="paged", cascade_attention=True, batch_prefill=True),
+            "ngram_speculative": EngineOptions(engine="paged", cascade_attention=True,
+                                               speculative=SpeculativeSpec("ngram", num_tokens=3)),
+            "draft_speculative": EngineOptions(engine="paged", speculative=SpeculativeSpec(
+                "draft", num_tokens=3, draft_cfg=cfg))}[variant]
+    draft_params = params if variant == "draft_speculative" else None
+    stats: list = []
+    rollout, trainer = _rollout_vs_trainer(exact, params, prompts, "paged", n=2, opts=opts,
+                                           draft_params=draft_params, stats=stats)
     assert rollout.size == 2 * 8 * NEW_TOKENS
     np.testing.assert_array_equal(rollout, trainer)
+    if variant == "ngram_speculative":  # (random prompts give n-gram drafts the policy rejects)
+        assert stats[0].spec_proposed > 0
+    if variant == "draft_speculative":
+        assert stats[0].spec_accepted > stats[0].spec_proposed / 2, stats[0]
+        # the mode off: the verification rows' log-probs are XLA's, off by bf16 noise
+        rollout, trainer = _rollout_vs_trainer(cfg, params, prompts, "paged", n=2, opts=opts,
+                                               draft_params=draft_params)
+        assert np.abs(rollout - trainer).max() > 0
 
 
 def test_exact_after_the_weights_move_and_with_a_sliding_window():
@@ -86,11 +111,15 @@ def test_exact_after_the_weights_move_and_with_a_sliding_window():
         np.testing.assert_array_equal(rollout, trainer)
 
 
-@pytest.mark.parametrize("tensor", [1, 2])
-def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor):
+MOE_REPLAY = {"actor_rollout_ref.model.path": "tiny:qwen3_moe", "actor_rollout_ref.actor.router_replay": "rollout"}
+
+
+@pytest.mark.parametrize("tensor, policy", [(1, {}), (2, {}), (2, MOE_REPLAY)], ids=["fsdp", "tensor", "moe"])
+def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor, policy):
     """A bf16 GRPO run of the tiny config with the mode on (paged engine) on 8 devices, fsdp 8 or fsdp 4 x
-    tensor 2: at every step the trainer's log-probs of the rollout's tokens are the sampler's (max_abs_log_ratio
-    0, every token exact). On the tensor split each GEMM gathers its weight and sums its rows on one device."""
+    tensor 2, and the tiny Qwen3-MoE with routing replay on fsdp 4 x tensor 2: at every step the trainer's
+    log-probs of the rollout's tokens are the sampler's (max_abs_log_ratio 0, every token exact). On the tensor
+    split each GEMM (the routed experts' too) gathers its weight and sums its rows on one device."""
     from tiny_runs import read_metrics, tiny_config
 
     from jaxrl_llm.trainer import Trainer
@@ -98,7 +127,7 @@ def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor):
     Trainer(tiny_config(tmp_path, **{
         "actor_rollout_ref.model.dtype": "bfloat16", "actor_rollout_ref.model.batch_invariant": True,
         "actor_rollout_ref.model.use_remove_padding": False, "actor_rollout_ref.rollout.engine": "paged",
-        "actor_rollout_ref.rollout.temperature": TEMPERATURE, "mesh.tensor": tensor})).fit()
+        "actor_rollout_ref.rollout.temperature": TEMPERATURE, "mesh.tensor": tensor, **policy})).fit()
     rows = [r for r in read_metrics(tmp_path) if "rollout_corr/max_abs_log_ratio" in r]
     assert len(rows) == 2
     for row in rows:
@@ -107,7 +136,6 @@ def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor):
 
 @pytest.mark.parametrize("key, value, named", [
     ("actor_rollout_ref.model.use_remove_padding", True, "unpacked rows"),
-    ("actor_rollout_ref.rollout.speculative.method", "ngram", "verification"),
     ("actor_rollout_ref.rollout.kv_cache_dtype", "int8", "int8 pages"),
     ("mesh.context", 2, "mesh.context"),
 ])
@@ -118,16 +146,28 @@ def test_what_the_mode_does_not_cover_is_refused_by_name(key, value, named):
 
     overrides = {"actor_rollout_ref.model.batch_invariant": True, "actor_rollout_ref.model.use_remove_padding": False,
                  key: value}
-    if key.endswith("speculative.method"):
-        overrides["actor_rollout_ref.rollout.engine"] = "paged"
     with pytest.raises(ConfigError, match=named):
         validate_config(tiny_config("/tmp/unused", **overrides), dp_size=1)
 
 
-def test_a_mixture_of_experts_model_is_refused_at_load():
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_a_mixture_of_experts_policy_with_routing_replay_is_exact(engine):
+    """Tiny Qwen3-MoE: the router's softmax and renormalisation by fixed trees, every token (a decode step's
+    few too) through the blocked experts' fixed tiles, a token's k expert outputs mixed by a fixed tree; the
+    trainer replays the experts the sampler recorded. Off: the mismatch the mode removes."""
+    cfg, params, prompts = _model("qwen3_moe")
+    rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts, engine,
+                                           replay=True)
+    assert rollout.size == 8 * NEW_TOKENS
+    np.testing.assert_array_equal(rollout, trainer)
+    rollout, trainer = _rollout_vs_trainer(cfg, params, prompts, engine, replay=True)
+    assert np.abs(rollout - trainer).max() > 0
+
+
+def test_gemma4_is_refused_at_load():
     from jaxrl_llm.config.spec import ModelSpec
     from jaxrl_llm.roles.trained import _as_configured
 
-    cfg = ModelConfig.tiny("qwen3_moe")
-    with pytest.raises(ConfigError, match="routed experts"):
-        _as_configured(cfg, ModelSpec(path="tiny:qwen3_moe", param_dtype="float32", tiny=(), batch_invariant=True))
+    cfg = ModelConfig.tiny("gemma4_text")
+    with pytest.raises(ConfigError, match="per-type attention"):
+        _as_configured(cfg, ModelSpec(path="tiny:gemma4_text", param_dtype="float32", tiny=(), batch_invariant=True))
