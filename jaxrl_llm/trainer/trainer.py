@@ -108,14 +108,15 @@ class Trainer(Run):
             last = self._fit_loop()
             finished = True
             return last
-        except (jax.errors.JaxRuntimeError, ckpt.CheckpointSaveError):
-            # a collective (one of the step's, or orbax's in an async save) that failed for a lost peer: the
-            # watchdog's verdict (exit 75 naming it) comes first; with one process this returns at once
-            self._watchdog.wait_for_verdict()
-            raise
         except storage.StorageError as err:  # the run dir refuses a write (launch/train.py: one line, exit 74)
             raise storage.StorageError(f"{err}; the last committed checkpoint is step {self._last_committed()}") \
                 from err
+        except Exception:
+            # a collective that failed for a lost peer (a step's: JaxRuntimeError; orbax's in an async save:
+            # CheckpointSaveError; a host-side gloo all-reduce: ValueError "Gloo all-reduce failed"): the
+            # watchdog's verdict (exit 75 naming it) comes first; with one process this returns at once
+            self._watchdog.wait_for_verdict()
+            raise
         finally:
             self.close(quiet=not finished)  # after an error: close what can be closed, keep that error
 
