@@ -73,7 +73,8 @@ class WorkerWatchdog:
         return self
 
     def wait_for_verdict(self) -> None:
-        """After a collective failed (gloo on CPU reports a dead peer at once, as a `JaxRuntimeError`): gives the
+        """After a step failed (gloo on CPU reports a dead peer at once, as a `JaxRuntimeError` from a jitted
+        collective or a `ValueError` from a host-side one; the trainer calls this on any error): gives the
         thread up to `worker_timeout_s` and a beat to find the lost peer, which ends the process with its line
         (not the collective's traceback and the coordination service's abort); returns when none is lost. Once
         the thread has reached a verdict this waits for its exit however long the line takes (the last committed
