@@ -464,15 +464,14 @@ def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
 
 
 def _exact_step(tiny: bool, on: bool) -> dict:
-    """The step section's GRPO run (bf16, paged engine, unpacked rows) with model.batch_invariant `on`: the
+    """The step section's GRPO run (bf16, paged engine, packed rows) with model.batch_invariant `on`: the
     second step's timings and its rollout_corr/ exactness metrics."""
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_runs import read_metrics, tiny_config
 
     from jaxrl_llm.trainer import Trainer
 
-    overrides = {**_step_overrides(tiny), "trainer.memory_plan": False,
-                 "actor_rollout_ref.model.use_remove_padding": False, "actor_rollout_ref.model.batch_invariant": on}
+    overrides = {**_step_overrides(tiny), "trainer.memory_plan": False, "actor_rollout_ref.model.batch_invariant": on}
     if not tiny:  # smaller than the step section's: two runs share this section's minutes
         overrides.update({"data.max_response_length": 256, "data.train_batch_size": 8,
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.rollout.n": 4})

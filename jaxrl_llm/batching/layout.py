@@ -2,8 +2,9 @@
 
 `StepRows` is what the host knows about a step's rows without reading a device array: where each
 row's real tokens sit in its [P + R] columns (from the rollout's prompt / response lengths) and
-which rows share a prompt (the rollout's group ids). `PackedLayout` says where a micro-batch's
-tokens go in packed rows; `UpdateLayout` is the packing of one whole update call.
+which rows share a prompt (the rollout's group ids), and where packing may start a sequence
+(`segment_align`). `PackedLayout` says where a micro-batch's tokens go in packed rows; `UpdateLayout`
+is the packing of one whole update call.
 """
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ class StepRows:
     """Per row of a step's [N, P + R] batch: the first real column `start` and the number of real
     tokens `length` (one contiguous run: a left-padded prompt, then a right-padded response), and
     `prompt_groups` [N] (equal for rows with the same prompt, whose tokens packing may share; None:
-    share nothing)."""
+    share nothing) and `segment_align`: each sequence of a packed row starts at a multiple of it (the
+    batch-invariant attention's key block, so a packed sequence's keys fall in the blocks the sampler's
+    cache cuts: models/invariant.py; 1: back to back)."""
 
     start: np.ndarray  # int64 [N]
     length: np.ndarray  # int64 [N]
     seq_len: int  # P + R
     response_len: int  # R
     prompt_groups: np.ndarray | None = None
+    segment_align: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -64,6 +68,11 @@ class StepRows:
 
     def unshared(self) -> "StepRows":
         return dataclasses.replace(self, prompt_groups=None)
+
+    def aligned(self, multiple: int) -> "StepRows":
+        """The rows packed with each sequence starting at a multiple of `multiple` columns, each its own
+        segment (a shared prompt would put a response's keys after its siblings')."""
+        return dataclasses.replace(self, prompt_groups=None, segment_align=int(multiple))
 
     def attention_mask(self) -> np.ndarray:
         """[N, P + R] int32: 1 on each row's real tokens."""

@@ -16,6 +16,11 @@ prompt's last hidden state, which the samples share. A group that does not fit o
 several segments, each with its own copy of the prompt; no segment is longer than its rows alone, so
 a token budget's worst case still holds.
 
+Aligned segments (`StepRows.segment_align`, batch-invariant mode): each sequence starts at a multiple
+of the attention's key block, so its keys fall in the blocks the sampler's cache cuts; first-fit then
+counts each sequence as its length rounded up to the multiple (exact for the row widths above
+WIDTH_GRANULE, which are multiples of it).
+
 Shapes come from a few buckets (row width >= the longest sequence and row count: `bucket`, 4
 sizes per doubling, the width picked among the next few buckets for the fewest computed tokens;
 response slots M: powers of two; token-budget micro-batches: one shape from the config), so a new
@@ -73,15 +78,21 @@ def _first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
     return rows
 
 
-def _shard_counts(geometry: "_Geometry", shared: np.ndarray | None, groups: np.ndarray, width: int
+def _aligned(n: int, align: int) -> int:
+    """n rounded up to a multiple of `align` (where the next aligned segment may start)."""
+    return -(-n // align) * align
+
+
+def _shard_counts(geometry: "_Geometry", shared: np.ndarray | None, groups: np.ndarray, width: int, align: int
                   ) -> tuple[int, int]:
     """(max packed rows, max response tokens) over the shards of `groups` [..., n_d]."""
     flat = groups.reshape(-1, groups.shape[-1])
-    rows = max(len(_packed_rows(g, geometry, shared, width)) for g in flat)
+    rows = max(len(_packed_rows(g, geometry, shared, width, align)) for g in flat)
     return rows, int(geometry.resp_tokens[flat].sum(1).max())
 
 
-def _pick_width(geometry: "_Geometry", shared: np.ndarray | None, groups: np.ndarray) -> tuple[int, int, int]:
+def _pick_width(geometry: "_Geometry", shared: np.ndarray | None, groups: np.ndarray, align: int
+                ) -> tuple[int, int, int]:
     """(width, bucketed rows, max response tokens) of the least computed tokens (rows x width) among
     the WIDTH_CHOICES smallest row widths >= the longest sequence: the narrowest width is not always
     best, since the row-count bucket can round a few rows up by 25% where a wider row packs into a
@@ -89,7 +100,7 @@ def _pick_width(geometry: "_Geometry", shared: np.ndarray | None, groups: np.nda
     width = row_width(int(geometry.length[groups.reshape(-1)].max()))
     best = None
     for _ in range(WIDTH_CHOICES):
-        need_rows, need_m = _shard_counts(geometry, shared, groups, width)
+        need_rows, need_m = _shard_counts(geometry, shared, groups, width, align)
         rows = bucket(need_rows)
         if best is None or rows * width < best[0] * best[1]:
             best = (rows, width, need_m)
@@ -160,17 +171,20 @@ def _units(group: np.ndarray, geometry: _Geometry, shared: np.ndarray | None, wi
     return units
 
 
-def _packed_rows(group: np.ndarray, geometry: _Geometry, shared: np.ndarray | None, width: int
+def _packed_rows(group: np.ndarray, geometry: _Geometry, shared: np.ndarray | None, width: int, align: int
                  ) -> list[list[_Unit]]:
-    """`group`'s segments (`_units`) per packed row of `width`, first-fit-decreasing."""
+    """`group`'s segments (`_units`) per packed row of `width`, first-fit-decreasing, each taking its
+    length rounded up to `align` (a longer one than `width` alone in its row: it starts at column 0)."""
     units = _units(group, geometry, shared, width)
-    return [[units[u] for u in row] for row in _first_fit_decreasing(np.array([u.length for u in units]), width)]
+    footprints = np.array([_aligned(u.length, align) for u in units])
+    return [[units[u] for u in row] for row in _first_fit_decreasing(footprints, width)]
 
 
 def _fill_block(row_units: Sequence[Sequence[_Unit]], group: np.ndarray, geometry: _Geometry, width: int,
-                seq_len: int, response_len: int) -> tuple[np.ndarray, ...]:
+                seq_len: int, response_len: int, align: int) -> tuple[np.ndarray, ...]:
     """(token_index, segment_ids, positions, branch_ids [rows, width], response src, response dst)
-    of one block: row r holds the segments `row_units[r]` back to back, each its prompt then its
+    of one block: row r holds the segments `row_units[r]` one after another, each at the next multiple of
+    `align`, each its prompt then its
     members' responses; indices are relative to the block's group (its flattened
     [len(group) * seq_len] tokens / [len(group) * R] responses)."""
     start, length, prompt, first_resp, _ = geometry
@@ -189,6 +203,7 @@ def _fill_block(row_units: Sequence[Sequence[_Unit]], group: np.ndarray, geometr
     for r, units in enumerate(row_units):
         offset = 0
         for seg, unit in enumerate(units, start=1):
+            offset = _aligned(offset, align)
             p = int(prompt[group[unit.prompt]])
             place(r, offset, unit.prompt, int(start[group[unit.prompt]]), p, seg, 0, 0)
             prompt_at, offset = offset, offset + p
@@ -228,12 +243,13 @@ def build_layout(rows: StepRows, groups: np.ndarray) -> PackedLayout:
     one block with the same prompt share one copy of it (`_units`)."""
     geometry, shared, response_len = _response_geometry(rows), rows.prompt_groups, rows.response_len
     groups = np.asarray(groups)
-    width, num_rows, _ = _pick_width(geometry, shared, groups)
+    align = rows.segment_align
+    width, num_rows, _ = _pick_width(geometry, shared, groups, align)
     blocks = []
     for group in groups.reshape(-1, groups.shape[-1]):
-        members = _packed_rows(group, geometry, shared, width)
+        members = _packed_rows(group, geometry, shared, width, align)
         members += [[] for _ in range(num_rows - len(members))]
-        blocks.append(_fill_block(members, group, geometry, width, rows.seq_len, response_len))
+        blocks.append(_fill_block(members, group, geometry, width, rows.seq_len, response_len, align))
     return _stack_blocks(blocks, groups.shape[:-1], groups.shape[-1], response_len)
 
 
@@ -266,11 +282,12 @@ def build_capacity_layout(step_rows: StepRows, groups: np.ndarray, num_micro: in
     blocks: list[list[tuple]] = [[None] * shards for _ in range(len(flat) * num_micro)]
     for i, shard_groups in enumerate(flat):
         for s, group in enumerate(shard_groups):
-            members = _packed_rows(group, geometry, shared, width)
+            members = _packed_rows(group, geometry, shared, width, step_rows.segment_align)
             members += [[] for _ in range(num_micro * rows - len(members))]
             for k in range(num_micro):
                 blocks[i * num_micro + k][s] = _fill_block(members[k * rows:(k + 1) * rows], group, geometry,
-                                                           width, step_rows.seq_len, response_len)
+                                                           width, step_rows.seq_len, response_len,
+                                                           step_rows.segment_align)
     # M: every token a micro-batch computes (one shape); the LM head skips the slot blocks past the
     # filled ones (`token_logprobs(rows_in_use=)`), so its work follows the real response tokens
     return _stack_blocks([b for mb in blocks for b in mb], (*lead, num_micro, shards), n_d, response_len,

@@ -19,6 +19,7 @@ import numpy as np
 from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching, RoleBatch
 from jaxrl_llm.batching.layout import PackedLayout, StepRows, UpdateLayout
 from jaxrl_llm.batching.plan import plan_capacity_chunks, plan_chunks, plan_update
+from jaxrl_llm.models.invariant import KEY_BLOCK
 from jaxrl_llm.sampler.host import bucket_length
 
 NO_PADS = (0, 0)  # (prompt, response) columns added to a step's rows: none
@@ -52,6 +53,9 @@ class PackingSwitches(Protocol):
 
     @property
     def share_packed_prompts(self) -> bool: ...
+
+    @property
+    def batch_invariant(self) -> bool: ...
 
 
 class RolloutRows(Protocol):
@@ -125,5 +129,9 @@ class StepBatching:
 
 
 def _as_seen_by(rows: StepRows, model: PackingSwitches) -> StepRows:
-    """`rows` as `model`'s packing sees them: no shared prompts unless `model.share_packed_prompts`."""
+    """`rows` as `model`'s packing sees them: no shared prompts unless `model.share_packed_prompts`; in
+    batch-invariant mode each sequence alone, at a key block's start (models/invariant.py: its keys then fall
+    in the blocks the sampler's cache cuts)."""
+    if model.batch_invariant:
+        return rows.aligned(KEY_BLOCK)
     return rows if model.share_packed_prompts else rows.unshared()

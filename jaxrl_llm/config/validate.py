@@ -164,9 +164,6 @@ def _check_batch_invariant(cfg: ml_collections.ConfigDict) -> None:
     if not cfg.actor_rollout_ref.model.get("batch_invariant", False):
         return
     why = f"{ARR}.model.batch_invariant=True "
-    _require(not cfg.actor_rollout_ref.model.use_remove_padding, f"{ARR}.model.use_remove_padding", cfg,
-             why + "needs unpacked rows (a packed row's later sequences would not start a key block, as they do "
-                   "in the sampler): set it to False")
     _require(cfg.actor_rollout_ref.rollout.kv_cache_dtype == "auto", f"{ROLLOUT}.kv_cache_dtype", cfg,
              why + "reads compute-dtype pages (int8 pages are dequantised in another order): set it to 'auto'")
     for axis in ("context", "expert"):

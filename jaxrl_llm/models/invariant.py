@@ -19,9 +19,10 @@ Why each order is fixed:
   number of rows: bench/row_invariance.py).
 - Attention (`attend_blocks`): keys in blocks of `KEY_BLOCK`, anchored at the row's first token (a
   left-padded trainer row, the static sampler's cache and the paged engine's pages then cut the same
-  blocks); a two-pass softmax (the peak over all keys is exact in any order), each block's exp-sum by
-  `tree_sum` and its probabilities x V as fixed-shape contractions (query rows padded to `MIN_ROWS`),
-  blocks added one after another from the first. Keys past a row's length (the cache's empty slots, the
+  blocks; a packed row starts each of its sequences at a multiple of KEY_BLOCK: batching/plan.py); a
+  two-pass softmax (the peak over all keys is exact in any order), each block's exp-sum by `tree_sum`
+  and its probabilities x V as fixed-shape contractions (query rows padded to `MIN_ROWS`), blocks added
+  one after another from the first. Keys past a row's length (the cache's empty slots, the
   trainer's later tokens) add exact zeros, so the number of blocks does not matter either.
 - Log-probs (`vocab_scan`): the vocabulary in chunks of `VOCAB_CHUNK`, each chunk's logits by `matmul`,
   merged by the online logsumexp in vocabulary order, within a chunk by `tree_sum`: the sampler and the

@@ -234,8 +234,14 @@ def model_config_of(model: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
 def packing_for(model: ModelSpec, cfg: ModelConfig) -> ModelSpec:
     """`model` as `cfg` can be packed: a hybrid model's delta-net layers read a packed segment's tokens in order
     (models/hybrid.py), so a prompt shared by several responses (`share_packed_prompts`) would hand the second
-    response the first one's state; its packed rows hold the prompt once per response instead."""
-    if not (cfg.hybrid and model.use_remove_padding and model.share_packed_prompts):
+    response the first one's state; its packed rows hold the prompt once per response instead. So do a
+    batch-invariant model's (`batch_invariant`): a response after its siblings would cut other key blocks than
+    the sampler's cache (batching/step.py)."""
+    if not (model.use_remove_padding and model.share_packed_prompts):
+        return model
+    if model.batch_invariant:
+        return dataclasses.replace(model, share_packed_prompts=False)
+    if not cfg.hybrid:
         return model
     warn_once("hybrid_shared_prompts", "%s: model.share_packed_prompts off (its gated delta-net layers read a "
               "packed prompt's responses one after another, not each from the prompt): packed rows hold each "

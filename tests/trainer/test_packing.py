@@ -206,6 +206,26 @@ def test_row_width_picked_for_fewest_computed_tokens():
     assert tie.segment_ids.shape == (1, 1, 2, 256)
 
 
+def test_aligned_segments_start_at_key_blocks():
+    """Batch-invariant packing (`StepRows.aligned`): every sequence starts at a multiple of the attention's key
+    block and is its own segment (no shared prompt), in fixed-size and token-budget layouts alike; first-fit
+    counts each sequence as its length rounded up to the multiple, so a row still holds every token it gets."""
+    lengths = np.array([211, 250, 388, 297, 260, 226, 40, 90])
+    mask = (np.arange(400)[None] >= 400 - lengths[:, None]).astype(np.int32)
+    rows = pk.StepRows.of_mask(mask, 8, prompt_groups=np.zeros(8, np.int32)).aligned(128)
+    assert rows.prompt_groups is None and rows.segment_align == 128
+    for layout in (pk.build_layout(rows, np.arange(8).reshape(1, 1, 8)), pk.plan_capacity_chunks(rows, 1, 2048)):
+        seg = np.asarray(layout.segment_ids)
+        seg = seg.reshape(-1, seg.shape[-1])
+        starts = np.nonzero(np.diff(seg, axis=1, prepend=0) > 0)[1]
+        assert len(starts) == 8 and starts.max() > 0 and np.all(starts % 128 == 0), starts
+        assert pk.packing_stats(layout)["real_tokens"] == lengths.sum()
+    # the same rows back to back: some sequence starts mid-block
+    seg = np.asarray(pk.build_layout(dataclasses.replace(rows, segment_align=1), np.arange(8).reshape(1, 1, 8))
+                     .segment_ids)[0, 0]
+    assert np.any(np.nonzero(np.diff(seg, axis=1, prepend=0) > 0)[1] % 128)
+
+
 def test_balanced_orders_even_out_micro_batches_within_mini_batches():
     # consecutive rows are one prompt's samples: in order, micro-batch 0 would hold all the long ones
     length = np.array([300, 290, 280, 270, 20, 30, 40, 50])
