@@ -34,6 +34,12 @@ rather than leaving XLA to place a sharded expert matmul inside the blocked kern
 `lax.cond`: a collective inside a conditional is what deadlocked XLA:CPU's devices in the fused
 log-prob head (losses/logprob.py), and each device's blocks differ here.
 
+Batch-invariant mode (models/invariant.py): summing each device's partial mix over `expert` would add a
+token's k expert outputs in another order than one device's tree over them. Each device instead returns
+the k outputs unweighted (`ExpertSlots`, zeros in the slots it does not hold), the exchange adds one value
+and zeros per slot (exact in any order), and the token's home device mixes them with one device's
+expression (`mix_slots`); the `tensor` split is gathered (no partial sums cross devices).
+
 The mesh comes from the tracing context (`sharding.mesh_context`, entered by the trainer, the
 samplers, the memory plan and `jrl` models). Without one, the experts run as one grouped matmul.
 """
@@ -50,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import invariant
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.moe import Routing, down_bias, expert_ffn, held_expert_ffn
+from jaxrl_llm.models.moe import Routing, down_bias, expert_ffn, held_expert_ffn, held_expert_slots, mix_slots
 from jaxrl_llm.models.param_init import EXPERT_AXES, EXPERT_BIAS_AXES
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
@@ -106,7 +112,8 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     # the experts' width split over `tensor` stays split: gate / up give their slice of the SwiGLU, down
     # a partial sum, added over `tensor` once after the grouped matmul (no collective inside its loop)
     # (batch-invariant mode gathers the `tensor` split too: each device sums a row's whole width itself, in the
-    # kernel's order, and no partial sum crosses devices; models/invariant.py)
+    # kernel's order, and no partial sum crosses devices; models/invariant.py. Split over `expert`, it sends a
+    # token's k weighted outputs home unmixed, where one fixed tree mixes them: `ExpertSlots`)
     exact = invariant.enabled()
     partial = not exact and TENSOR_AXIS in placed["down_proj"][1].get(1, ())
 
@@ -119,6 +126,7 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
 
     def body(x: Array, ids: Array, weights: Array, matrices: dict) -> Array:
         x = x.astype(dtype)  # (it entered in `_collective_dtype`)
+        home_weights = weights  # this device's own tokens' (batch-invariant mode mixes them here)
         if split and ways > 1:  # this expert group's tokens, in expert-index order (undone by the reduce-scatter)
             x, ids, weights = (lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, ids, weights))
         held_experts: dict = {}
@@ -132,6 +140,15 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
             local = ids - lax.axis_index(EXPERT_AXIS) * held
             mine = (local >= 0) & (local < held)
             ids, weights = jnp.where(mine, local, held), jnp.where(mine, weights, 0.0)
+        if exact and ways > 1:  # each of a token's k slots is one device's: summing it over `expert` adds zeros
+            held_experts["down_proj"] = out_bias["down_proj"]
+            slots = held_expert_slots(held_experts, x, ids, weights, cfg, dtype=dtype)
+            if split:
+                slots = jax.tree.map(lambda a: lax.psum_scatter(a, EXPERT_AXIS, scatter_dimension=0, tiled=True),
+                                     slots)
+            else:
+                slots = jax.tree.map(lambda a: lax.psum(a, EXPERT_AXIS), slots)
+            return mix_slots(home_weights, slots)
         out = held_expert_ffn(held_experts, x, ids, weights, cfg, dtype=dtype)
         if partial:
             out = lax.psum(out, TENSOR_AXIS)

@@ -141,6 +141,22 @@ def _mix_experts(weights: Array, outputs: Array) -> Array:
     return jnp.einsum("nk,nkh->nh", weights, outputs)
 
 
+class ExpertSlots(NamedTuple):
+    """A token's k expert outputs before they are weighted and mixed, zeros in the slots another device holds
+    (batch-invariant expert parallelism: the devices' sum of one value and zeros is exact in any order, and
+    moves each slot to the token's home device, which mixes them as one device does: `mix_slots`)."""
+
+    outputs: Array  # fp32 [N, k, H]: expert_k(token)
+    bias: Array | None  # fp32 [N, k, H]: down_bias[expert_k] (GPT-OSS), or None
+
+
+def mix_slots(weights: Array, slots: ExpertSlots) -> Array:
+    """fp32 [N, H]: the slots mixed by weights [N, k] with `_held_expert_ffn`'s own expression (the weighting
+    after the exchange, as one device weights a gathered output: XLA may contract a product into the tree's
+    adds as an FMA, and then does so alike in both programs)."""
+    return _mix_experts(weights, slots.outputs) + (0.0 if slots.bias is None else _mix_experts(weights, slots.bias))
+
+
 def deepseek_choice(cfg: ModelConfig, scores: Array, score_bias: Array | None) -> Array:
     """DeepSeek-V3's expert choice [N, k] from sigmoid scores [N, E]: score + the correction bias (aux-loss-free
     balancing: it moves choices, never weights, and gets no gradient), only within the `topk_group` groups (of
@@ -358,19 +374,39 @@ def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cf
     rematerialised in the backward): the same numbers, with the padded rows, their SwiGLU and the
     [N, k, H] outputs held for one chunk at a time. A Qwen3-30B-A3B update on v5p-32 (16 expert
     ways, one 5k-token sequence per chip) laid out its group's 655k assignments whole: 5 GiB a buffer."""
+    out = _in_chunks(experts, tokens, ids, weights, cfg, dtype=dtype, kernel=kernel, unroll=unroll, slots=False)
+    assert isinstance(out, jax.Array)
+    return out
+
+
+def held_expert_slots(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *,
+                      dtype: DType) -> ExpertSlots:
+    """`held_expert_ffn`'s k expert outputs per token, unweighted and unmixed, zeros where ids [N, k] == E_held
+    (another device's expert; batch-invariant expert parallelism: `mix_slots` mixes them as `held_expert_ffn`
+    does)."""
+    out = _in_chunks(experts, tokens, ids, weights, cfg, dtype=dtype, kernel=None, unroll=1, slots=True)
+    assert isinstance(out, ExpertSlots)
+    return out
+
+
+def _in_chunks(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: DType,
+               kernel: str | None, unroll: int | bool, slots: bool) -> Array | ExpertSlots:
+    """`_held_expert_ffn` over equal chunks of the tokens (`held_expert_ffn`'s doc)."""
     n, k = ids.shape
     chunks = token_chunks(n, k, cfg.moe_chunk_rows)
     if chunks == 1:
-        return _held_expert_ffn(experts, tokens, ids, weights, cfg, dtype=dtype, kernel=kernel, unroll=unroll)
+        return _held_expert_ffn(experts, tokens, ids, weights, cfg, dtype=dtype, kernel=kernel, unroll=unroll,
+                                slots=slots)
 
     @jax.checkpoint
-    def one(chunk: tuple[Array, Array, Array]) -> Array:
-        return _held_expert_ffn(experts, *chunk, cfg, dtype=dtype, kernel=kernel, unroll=unroll)
+    def one(chunk: tuple[Array, Array, Array]) -> Array | ExpertSlots:
+        return _held_expert_ffn(experts, *chunk, cfg, dtype=dtype, kernel=kernel, unroll=unroll, slots=slots)
 
     def split(a: Array) -> Array:
         return a.reshape(chunks, n // chunks, *a.shape[1:])
 
-    return lax.map(one, (split(tokens), split(ids), split(weights))).reshape(n, tokens.shape[1])
+    out = lax.map(one, (split(tokens), split(ids), split(weights)))
+    return jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), out)
 
 
 def token_chunks(tokens: int, top_k: int, chunk_rows: int) -> int:
@@ -383,12 +419,12 @@ def token_chunks(tokens: int, top_k: int, chunk_rows: int) -> int:
 
 
 def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *, dtype: DType,
-                     kernel: str | None, unroll: int | bool) -> Array:
+                     kernel: str | None, unroll: int | bool, slots: bool = False) -> Array | ExpertSlots:
     """`held_expert_ffn` in one pass."""
     n, hidden = tokens.shape
     held = experts["gate_proj"]["kernel"].shape[0]
     few = kernel is None and n * cfg.num_experts_per_tok <= cfg.moe_block_rows
-    if (kernel == "gather" or few) and not invariant.enabled():  # the mode: every token through the blocks
+    if (kernel == "gather" or few) and not (invariant.enabled() or slots):  # the mode: every token through the blocks
         return gathered_expert_ffn(experts, tokens, jnp.minimum(ids, held - 1), weights, dtype=dtype, cfg=cfg)
     groups = held + 1 if held < cfg.num_experts else held
     layout = expert_layout(ids, groups, cfg.moe_block_rows, computed=held)
@@ -404,6 +440,12 @@ def _held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, c
         return y
 
     out = gmm(expert_glu(cfg, gmm(rows, "gate_proj"), gmm(rows, "up_proj"), dtype), "down_proj")  # [R, H] fp32
+    if slots:  # this device's slots; zeros where another device holds the expert
+        mine = (ids < held)[..., None]
+        bias = experts["down_proj"].get("bias")
+        bias_rows = None if bias is None else bias.astype(dtype)[jnp.minimum(ids, held - 1)].astype(jnp.float32)
+        return ExpertSlots(jnp.where(mine, out[layout.dest], 0.0),
+                           None if bias_rows is None else jnp.where(mine, bias_rows, 0.0))
     mixed = _mix_experts(weights, out[layout.dest])
     return mixed + down_bias(experts, jnp.minimum(ids, held - 1), weights, dtype)
 

@@ -202,6 +202,43 @@ def test_a_mixture_of_experts_policy_with_routing_replay_is_exact(engine):
     assert np.abs(rollout - trainer).max() > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_an_expert_split_mixes_a_tokens_experts_as_one_device_does(family):
+    """Expert parallelism (models/expert_parallel.py) in the mode: a token's k expert outputs come home unmixed
+    (each slot from the one device that holds its expert, the others adding exact zeros) and are weighted and
+    mixed there by one device's expression, so the routed experts' fp32 output is one device's bit for bit on
+    fsdp 2 x expert 4 and on expert 8 (top-4 of 8, and GPT-OSS's experts' output bias). Mixed on each device
+    and then summed over `expert` (the default path's exchange) 35-55% of the outputs differ."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from moe_cases import with_random_biases
+
+    from jaxrl_llm import sharding
+    from jaxrl_llm.models import invariant, param_logical_axes
+    from jaxrl_llm.models.expert_parallel import routed_experts
+    from jaxrl_llm.models.moe import route
+
+    cfg = dataclasses.replace(ModelConfig.tiny(family, num_experts=8, num_experts_per_tok=4), batch_invariant=True)
+    layer = jax.tree.map(lambda x: x[0], with_random_biases(init_params(cfg, jax.random.key(0)))["layers"]["moe"])
+    axes = jax.tree.map(lambda a: a[1:], param_logical_axes(cfg)["layers"]["moe"]["experts"],
+                        is_leaf=lambda a: isinstance(a, tuple))
+    tokens = jax.random.normal(jax.random.key(1), (64, cfg.hidden_size)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def mixed(experts, tokens):
+        with invariant.mode(True):
+            routing = route(cfg, layer["router"]["kernel"], tokens, router_bias=layer["router"].get("bias"))
+            return routed_experts(experts, tokens, routing, cfg, dtype=jnp.bfloat16)
+
+    one_device = np.asarray(mixed(layer["experts"], tokens))
+    for shape in ({"fsdp": 2, "expert": 4}, {"expert": 8}):
+        mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, **shape})
+        placed = jax.device_put(tokens, NamedSharding(mesh, P(sharding.batch_axes(mesh))))
+        with sharding.mesh_context(mesh):
+            split = np.asarray(mixed(sharding.shard_params(layer["experts"], axes, mesh), placed))
+        np.testing.assert_array_equal(split, one_device, err_msg=str(shape))
+
+
 def test_gemma4_is_refused_at_load():
     from jaxrl_llm.config.spec import ModelSpec
     from jaxrl_llm.roles.trained import _as_configured
