@@ -184,9 +184,8 @@ def _fill_block(row_units: Sequence[Sequence[_Unit]], group: np.ndarray, geometr
                 seq_len: int, response_len: int, align: int) -> tuple[np.ndarray, ...]:
     """(token_index, segment_ids, positions, branch_ids [rows, width], response src, response dst)
     of one block: row r holds the segments `row_units[r]` one after another, each at the next multiple of
-    `align`, each its prompt then its
-    members' responses; indices are relative to the block's group (its flattened
-    [len(group) * seq_len] tokens / [len(group) * R] responses)."""
+    `align` and each its prompt then its members' responses; indices are relative to the block's group
+    (its flattened [len(group) * seq_len] tokens / [len(group) * R] responses)."""
     start, length, prompt, first_resp, _ = geometry
     resp0 = seq_len - response_len
     shape = (len(row_units), width)

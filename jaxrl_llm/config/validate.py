@@ -166,10 +166,6 @@ def _check_batch_invariant(cfg: ml_collections.ConfigDict) -> None:
     why = f"{ARR}.model.batch_invariant=True "
     _require(cfg.actor_rollout_ref.rollout.kv_cache_dtype == "auto", f"{ROLLOUT}.kv_cache_dtype", cfg,
              why + "reads compute-dtype pages (int8 pages are dequantised in another order): set it to 'auto'")
-    _require(cfg.mesh.context == 1, "mesh.context", cfg,
-             why + "fixes the summation order on one device's rows; a split over mesh.context would add a "
-                   "cross-device reduction whose order is not fixed yet: set it to 1 (data, fsdp, expert and tensor "
-                   "splits are fine)")
 
 
 def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:

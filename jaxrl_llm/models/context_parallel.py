@@ -16,7 +16,9 @@ when the traced program's mesh has context > 1. Three ways to attend, `ModelConf
   Needs the query heads divisible by the context size; key / value heads that are not are repeated
   first. Per device: the whole mask [T, T] and its heads' scores.
 - `gather`: every device gathers the row's keys / values and scores its query rows against all of
-  them ([T / context, T] scores at once).
+  them ([T / context, T] scores at once). Batch-invariant mode (models/invariant.py) always attends this
+  way, with the invariant kernel (`key_start`): a query's whole sum then runs on one device in the
+  kernel's fixed block order, so the split changes no bit (a ring would add blocks in another order).
 
 All three take the packed rows' mask as it is ([B, T, S] bool, split over T: segments, shared-prompt
 branches, causality, sliding windows), so each gives the unsplit attention's numbers. They run per
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.models.attention import attend, sink_grads
+from jaxrl_llm.models.attention import attend, attend_invariant, sink_grads
 from jaxrl_llm.models.blockwise import (
     blockwise_grads,
     blockwise_update,
@@ -58,11 +60,13 @@ def heads_per_device(heads: int, kv_heads: int, tensor: int) -> tuple[int, int]:
 
 
 def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: int, softcap: float | None,
-                            kind: str = "ring", *, sinks: Array | None = None) -> Array:
+                            kind: str = "ring", *, sinks: Array | None = None, key_start: Array | None = None
+                            ) -> Array:
     """fp32 [B, T, heads, D] attention of q [B, T, heads, D] over head-major k / v [B, kv, T, D] where
     `allowed` [B, T, T], with T split over the mesh's 'context' axis; `kind` one of CONTEXT_ATTENTION.
     `sinks`: fp32 [heads] attention sinks (GPT-OSS), each device given its own copy of its heads' (a row of
-    a [batch shards, context, heads] broadcast), so that their gradients are summed outside the manual region."""
+    a [batch shards, context, heads] broadcast), so that their gradients are summed outside the manual region.
+    `key_start` [B] (batch-invariant mode): `gather` with the invariant kernel, its key blocks anchored there."""
     if kind not in CONTEXT_ATTENTION:
         raise ValueError(f"context_attention={kind!r}; expected one of {CONTEXT_ATTENTION}")
     mesh = jax.sharding.get_abstract_mesh()
@@ -82,25 +86,35 @@ def context_parallel_attend(q: Array, k: Array, v: Array, allowed: Array, nkv: i
     kv_split = PartitionSpec(row_spec, heads, CONTEXT_AXIS, None)  # head-major k / v [B, kv, T, D]
     mask_split = PartitionSpec(row_spec, CONTEXT_AXIS, None)
 
+    if key_start is not None:
+        kind = "gather"
     if kind == "ring":
-        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
+        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None, key_start: Array | None
+                  ) -> Array:
             return _ring(q, k, v, allowed, None if sinks is None else sinks[0, 0], local_kv, softcap, context)
     elif kind == "all_to_all":
-        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
+        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None, key_start: Array | None
+                  ) -> Array:
             return _all_to_all(q, k, v, allowed, None if sinks is None else sinks[0, 0], local_kv, softcap, context)
     else:
-        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None) -> Array:
+        def local(q: Array, k: Array, v: Array, allowed: Array, sinks: Array | None, key_start: Array | None
+                  ) -> Array:
             # the whole keys / values on every device of the axis (their cotangents, each device's part,
             # are summed back over it by the gather's transpose)
             k, v = (lax.all_gather(x, CONTEXT_AXIS, axis=2, tiled=True) for x in (k, v))
-            return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap,
-                          sinks=None if sinks is None else sinks[0, 0]).reshape(q.shape)
+            sink = None if sinks is None else sinks[0, 0]
+            if key_start is not None:
+                return attend_invariant(q, k, v, allowed, key_start, local_kv, causal=False, softcap=softcap,
+                                        sinks=sink).reshape(q.shape)
+            return attend(q, k, v, allowed, local_kv, causal=False, softcap=softcap, sinks=sink).reshape(q.shape)
 
-    # the blockwise loops' (models/blockwise.py) constant carries are not typed as varying over the axes
+    # the blockwise loops' (models/blockwise.py) and the invariant kernel's constant carries are not typed as
+    # varying over the axes
     sink_spec = None if sinks is None else PartitionSpec(row_spec, CONTEXT_AXIS, heads)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split, sink_spec),
-                        out_specs=split, check_vma=kind == "gather")
-    return run(q, k, v, allowed, sink_rows)
+    start_spec = None if key_start is None else PartitionSpec(row_spec)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(split, kv_split, kv_split, mask_split, sink_spec, start_spec),
+                        out_specs=split, check_vma=kind == "gather" and key_start is None)
+    return run(q, k, v, allowed, sink_rows, key_start)
 
 
 # ---- Ulysses: all-to-all over heads ----

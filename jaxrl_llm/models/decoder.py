@@ -384,11 +384,15 @@ def dense_attention(cfg: ModelConfig, allowed: Array, write_index: Array | int =
             mask = jnp.where(jnp.asarray(cfg.local_layer_flags)[layer], local_allowed, allowed)
         else:
             mask = allowed
+        split_tokens = cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0
+        if key_start is not None and split_tokens:  # batch-invariant over a context split: gathered keys
+            return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, "gather", sinks=sinks,
+                                            key_start=key_start), cache)
         if key_start is not None:  # batch-invariant (model.batch_invariant): one blocked order for every path
             out = attend_invariant(q, k, v, mask, key_start, nkv, causal=cache is None,
                                    softcap=cfg.attn_logit_softcapping, sinks=sinks, lookahead=lookahead)
             return out.reshape(q.shape), cache
-        if cache is None and context_parallel_size() > 1 and q.shape[1] % context_parallel_size() == 0:
+        if split_tokens:
             if lookahead:  # the ring's blocks skip every later key
                 raise ValueError("context parallelism with Gemma 3's bidirectional image tokens is not supported")
             return (context_parallel_attend(q, k, v, mask, nkv, cfg.attn_logit_softcapping, cfg.context_attention,

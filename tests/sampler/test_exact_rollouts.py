@@ -174,18 +174,46 @@ def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor, policy, pa
         assert row["rollout_corr/max_abs_log_ratio"] == 0.0 and row["rollout_corr/exact_token_frac"] == 1.0, row
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("actor_rollout_ref.rollout.kv_cache_dtype", "int8", "int8 pages"),
-    ("mesh.context", 2, "mesh.context"),
-])
-def test_what_the_mode_does_not_cover_is_refused_by_name(key, value, named):
+def test_int8_pages_are_refused_by_name():
+    """int8 KV pages are dequantised in the sampler only: its keys are not the trainer's, whatever the order."""
     from tiny_runs import tiny_config
 
     from jaxrl_llm.config import validate_config
 
-    overrides = {"actor_rollout_ref.model.batch_invariant": True, key: value}
-    with pytest.raises(ConfigError, match=named):
+    overrides = {"actor_rollout_ref.model.batch_invariant": True, "actor_rollout_ref.rollout.kv_cache_dtype": "int8"}
+    with pytest.raises(ConfigError, match="int8 pages"):
         validate_config(tiny_config("/tmp/unused", **overrides), dp_size=1)
+
+
+def test_a_context_split_scores_as_one_device_does():
+    """Context parallelism (`mesh.context`, models/context_parallel.py) in the mode: each device gathers the row's
+    keys and values and runs its own query rows through the invariant kernel, so a query's sum never crosses
+    devices and the trainer's bf16 log-probs are one device's bit for bit on fsdp 4 x context 2 and on context 8
+    (rows of 30..260 tokens). Without the mode the split changes them."""
+    from jaxrl_llm import sharding
+    from jaxrl_llm.models import param_logical_axes
+
+    cfg, params, _ = _model("llama")
+    rng = np.random.default_rng(2)
+    rows = [list(rng.integers(3, cfg.vocab_size, size=int(n))) for n in rng.integers(30, 260, size=8)]
+    ids, mask = left_pad(rows, 0)
+    pad = (-ids.shape[1]) % 8  # the tokens split 8 ways
+    ids, mask = jnp.asarray(np.pad(ids, ((0, 0), (pad, 0)))), jnp.asarray(np.pad(mask, ((0, 0), (pad, 0))))
+    for exact in (True, False):
+        model = dataclasses.replace(cfg, batch_invariant=exact)
+        one_device = np.asarray(_score(params, model, ids, mask, NEW_TOKENS, temperature=TEMPERATURE,
+                                       compute_dtype="bfloat16"))
+        for shape in ({"fsdp": 4, "context": 2}, {"context": 8}):
+            mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, **shape})
+            placed, (split_ids, split_mask) = (sharding.shard_params(params, param_logical_axes(model), mesh),
+                                               sharding.shard_batch((ids, mask), mesh))
+            with sharding.mesh_context(mesh):
+                split = np.asarray(_score(placed, model, split_ids, split_mask, NEW_TOKENS, temperature=TEMPERATURE,
+                                          compute_dtype="bfloat16"))
+            if exact:
+                np.testing.assert_array_equal(split, one_device, err_msg=str(shape))
+            else:
+                assert np.abs(split - one_device).max() > 0, shape
 
 
 @pytest.mark.parametrize("engine", ["static", "paged"])
