@@ -476,7 +476,7 @@ MODEL = dict(
                                  "its own pages: no cascade attention; chunked prefill and speculative verification "
                                  "stay); mixture-of-experts layers run every token through fixed-tile expert blocks; "
                                  "packed rows (use_remove_padding) start each sequence at a 128-token key block "
-                                 "and share no prompt (share_packed_prompts off). int8 KV, Gemma 4 and Qwen3.5 are "
+                                 "and share no prompt (share_packed_prompts off). int8 KV and Qwen3.5 are "
                                  "refused. On a tensor split each GEMM gathers its weight (the reduction is done on "
                                  "one device); on an expert split a token's k expert outputs come home unmixed and "
                                  "are mixed there; a context split attends with gathered keys "

@@ -115,8 +115,9 @@ def _forward(params: dict, cfg: ModelConfig, input_ids: Array, attention_mask: A
         local = allowed & (window if window.ndim == 3 else window[None])
     if cfg.typed_layers:  # Gemma 4: an attention and a cache per attention type (models/gemma4.py)
         attention: Any = {"sliding": dense_attention(cfg, allowed if local is None else local, write_index,
-                                                     lookahead=lookahead),
-                          "full": dense_attention(cfg, causal_allowed, write_index, kv_heads=cfg.full_kv_heads)}
+                                                     key_start=key_start, lookahead=lookahead),
+                          "full": dense_attention(cfg, causal_allowed, write_index, kv_heads=cfg.full_kv_heads,
+                                                  key_start=key_start)}
         kv: Any = typed_state(cache)
     else:
         # MLA's cache paths (and batch-invariant mode) attend with one kv head over the latent (models/mla.py)

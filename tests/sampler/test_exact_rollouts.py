@@ -267,10 +267,27 @@ def test_an_expert_split_mixes_a_tokens_experts_as_one_device_does(family):
         np.testing.assert_array_equal(split, one_device, err_msg=str(shape))
 
 
-def test_gemma4_is_refused_at_load():
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_gemma4_with_experts_and_shared_kv_layers_is_exact(engine):
+    """Tiny Gemma 4 (models/gemma4.py): sliding and full layers of their own head widths and kv heads (k = v on the
+    full ones), per-layer inputs, the last two layers reading earlier layers' K / V, 8 experts with routing
+    replay: both attention types anchor their key blocks at the row's first token. Off (static engine): the
+    mismatch."""
+    cfg, params, prompts = _model("gemma4_text", num_hidden_layers=6, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, norm_topk_prob=True)
+    assert cfg.typed_layers and cfg.kv_shared_layers and cfg.is_moe
+    rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts, engine,
+                                           replay=True)
+    np.testing.assert_array_equal(rollout, trainer)
+    if engine == "static":
+        rollout, trainer = _rollout_vs_trainer(cfg, params, prompts, engine, replay=True)
+        assert np.abs(rollout - trainer).max() > 0
+
+
+def test_qwen35_is_refused_at_load():
     from jaxrl_llm.config.spec import ModelSpec
     from jaxrl_llm.roles.trained import _as_configured
 
-    cfg = ModelConfig.tiny("gemma4_text")
-    with pytest.raises(ConfigError, match="per-type attention"):
-        _as_configured(cfg, ModelSpec(path="tiny:gemma4_text", param_dtype="float32", tiny=(), batch_invariant=True))
+    cfg = ModelConfig.tiny("qwen3_5_text")
+    with pytest.raises(ConfigError, match="delta-rule layers"):
+        _as_configured(cfg, ModelSpec(path="tiny:qwen3_5_text", param_dtype="float32", tiny=(), batch_invariant=True))
