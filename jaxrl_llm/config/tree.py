@@ -476,12 +476,13 @@ MODEL = dict(
                                  "its own pages: no cascade attention; chunked prefill and speculative verification "
                                  "stay); mixture-of-experts layers run every token through fixed-tile expert blocks; "
                                  "packed rows (use_remove_padding) start each sequence at a 128-token key block "
-                                 "and share no prompt (share_packed_prompts off). int8 KV and Qwen3.5 are "
-                                 "refused. On a tensor split each GEMM gathers its weight (the reduction is done on "
-                                 "one device); on an expert split a token's k expert outputs come home unmixed and "
-                                 "are mixed there; a context split attends with gathered keys "
-                                 "(mesh.context_attention is not used). veRL's vexact / vLLM's "
-                                 "batch-invariant mode."),
+                                 "and share no prompt (share_packed_prompts off). int8 KV is refused; Qwen3.5 runs "
+                                 "its delta rule token by token and is exact on the static engine (paged and "
+                                 "mesh.context refused). On a tensor split each GEMM gathers its weight (the "
+                                 "reduction is done on one device); on an expert split a token's k expert outputs "
+                                 "come home unmixed and are mixed there; a context split attends with gathered keys "
+                                 "(mesh.context_attention is not used). veRL's vexact / vLLM's batch-invariant "
+                                 "mode."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj; DeepSeek's latent attention: q_a/q_b_proj, kv_a_proj_with_mqa, "
                                        "kv_b_proj) or a list of those names. veRL.", types=STR_OR_LIST),

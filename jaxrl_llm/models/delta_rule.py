@@ -24,6 +24,11 @@ the outgoing state (and the incoming one survives only a chunk without a start).
 
 Everything runs in fp32 (as transformers' reference does), matmuls at full precision (`_einsum`): the state is a sum
 over the whole sequence.
+
+Batch-invariant mode (models/invariant.py): the two forms round differently, so training, prefill and decoding
+all run the recurrence, its state-times-vector sums and the L2 norms by `invariant.tree_sum` (an einsum's order
+may follow the batch): a token's output is then the same bits in a training forward and a decode step, at the
+cost of T sequential steps per layer in training.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxrl_llm.models import invariant
 
 Array = jax.Array
 
@@ -47,7 +54,8 @@ _dot = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
     """x / sqrt(sum x^2 + eps) over the last axis (fla's and transformers' l2norm)."""
     x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    square_sum = invariant.tree_sum(x * x)[..., None] if invariant.enabled() else jnp.sum(x * x, -1, keepdims=True)
+    return x * lax.rsqrt(square_sum + eps)
 
 
 def _as_f32(*xs: Array) -> list[Array]:
@@ -89,17 +97,23 @@ def recurrent_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, st
     s0 = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
     q = q * dk ** -0.5
     restart = jnp.zeros((b, t), bool) if starts is None else starts
+    read = _state_times if invariant.enabled() else functools.partial(_einsum, "bhkv,bhk->bhv")
 
     def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
         q_t, k_t, v_t, g_t, beta_t, r_t = xs
         s = jnp.where(r_t[:, None, None, None], 0.0, s * jnp.exp(g_t)[..., None, None])
-        delta = (v_t - _einsum("bhkv,bhk->bhv", s, k_t)) * beta_t[..., None]
+        delta = (v_t - read(s, k_t)) * beta_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, _einsum("bhkv,bhk->bhv", s, q_t)
+        return s, read(s, q_t)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, restart))
     final, out = lax.scan(step, s0, xs)
     return jnp.moveaxis(out, 0, 1), final
+
+
+def _state_times(s: Array, x: Array) -> Array:
+    """S^T x [B, H, Dv] of states s [B, H, Dk, Dv] and x [B, H, Dk], summed over Dk by a fixed tree."""
+    return invariant.tree_sum(s * x[..., :, None], axis=2)
 
 
 def chunk_terms(q: Array, k: Array, v: Array, beta: Array, cum: Array, began: Array) -> tuple[Array, Array, Array]:

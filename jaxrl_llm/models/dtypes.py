@@ -60,7 +60,10 @@ def uncast_matmul_weights(params: Params, dtype: DType) -> list:
     return [x for path, x in jax.tree_util.tree_leaves_with_path(params) if is_uncast_matmul_weight(path, x, dtype)]
 
 
-_KEPT_AS_THEY_ARE = ("norm", "sinks")  # parts of a param's path the forward reads in fp32
+# parts of a param's path the forward reads in fp32: norm scales, attention sinks, and a gated delta-net layer's
+# decay (A_log, dt_bias: stacked [layers, heads]) and conv taps (models/hybrid.py); rounded to bf16 in the paged
+# engine's copy, a Qwen3.5 rollout's every log-prob was off the trainer's (up to 1.6e-3 in bf16)
+_KEPT_AS_THEY_ARE = ("norm", "sinks", "A_log", "dt_bias", "conv1d")
 
 
 def is_uncast_matmul_weight(path: tuple, x: Any, dtype: DType) -> bool:

@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl_llm.arrays import ArrayTree, DType
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.blocks import (
     LayerAttention,
     apply_rope,
@@ -200,7 +201,16 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     beta = jax.nn.sigmoid(proj("in_proj_b", x))
     a = proj("in_proj_a", x) + weights["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(weights["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)
-    if recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
+    if invariant.enabled():  # every path the recurrence, whose sums are fixed trees (models/delta_rule.py)
+        if recurrent is None and context_parallel_size() > 1:  # (the trainer refuses it before loading)
+            raise ValueError("model.batch_invariant with a gated delta-net model (Qwen3.5) and mesh.context > 1: "
+                             "its recurrence runs token by token on one device; set mesh.context to 1")
+        if recurrent is not None:  # padding neither decays nor writes: the state is the last valid token's
+            g, beta = (jnp.where(valid[..., None], w, 0.0) for w in (g, beta))
+        out, delta = recurrent_delta_rule(q, k, v, g, beta, state=None if recurrent is None else recurrent[1],
+                                          starts=positions == 0 if recurrent is None else None)
+        new_state = None if recurrent is None else (next_window(recurrent[0], inputs, valid), delta)
+    elif recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
         out, new_state = context_parallel_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK), None
     elif recurrent is None:
         out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK, terms=_chunk_terms())

@@ -166,12 +166,6 @@ def _as_configured(model_cfg: ModelConfig, model: ModelSpec) -> ModelConfig:
     """`model_cfg` with `model.override_config`'s HF fields and the run's compute choices
     (mesh.context_attention, model.batch_invariant)."""
     cfg = with_hf_overrides(model_cfg, dict(model.override_config))
-    if model.batch_invariant and cfg.hybrid:
-        raise ConfigError(f"actor_rollout_ref.model.batch_invariant=True: {model.path} is a hybrid (gated delta-net) "
-                          f"model ({cfg.model_type}), whose delta-rule layers have no batch-invariant kernels yet "
-                          "(training runs the chunked rule, decoding the per-token recurrence); dense and "
-                          "mixture-of-experts decoders (Llama, Qwen2/3, Mistral, Gemma 2/3/4, Qwen3-MoE, Mixtral, "
-                          "GPT-OSS, DeepSeek) have them")
     if (cfg.context_attention, cfg.batch_invariant) == (model.context_attention, model.batch_invariant):
         return cfg
     return dataclasses.replace(cfg, context_attention=model.context_attention, batch_invariant=model.batch_invariant)

@@ -34,7 +34,8 @@ def test_allowed_narrows_and_what_names_the_setting():
 
 def test_decode_weights_cast_matmul_weights_and_keep_norm_scales_and_sinks():
     """The paged engine's weight copy (models/dtypes.py): projections and embeddings in the compute dtype, the
-    stacked [layers, hidden] norm scales and the sinks as the forward reads them (fp32)."""
+    stacked [layers, hidden] norm scales, the sinks and a delta-net layer's decay and conv taps as the forward
+    reads them (fp32)."""
     from jaxrl_llm.models.dtypes import matmul_weights_in, uncast_matmul_weights
 
     params = {"embedding": jnp.ones((8, 4)), "final_norm": {"scale": jnp.ones(4)},
@@ -46,3 +47,9 @@ def test_decode_weights_cast_matmul_weights_and_keep_norm_scales_and_sinks():
     for kept in (cast["layers"]["attn_norm"]["scale"], cast["layers"]["attn"]["sinks"], cast["final_norm"]["scale"]):
         assert kept.dtype == jnp.float32
     assert len(uncast_matmul_weights(params, "bfloat16")) == 3 and not uncast_matmul_weights(cast, "bfloat16")
+    # a gated delta-net layer's decay and conv taps (Qwen3.5: stacked over its layers) are read in fp32 too
+    linear = {"A_log": jnp.ones((2, 4)), "dt_bias": jnp.ones((2, 4)), "conv1d": {"kernel": jnp.ones((2, 4, 8))},
+              "in_proj_a": {"kernel": jnp.ones((2, 8, 4))}}
+    cast = matmul_weights_in({"layers": {"linear": linear}}, "bfloat16")["layers"]["linear"]
+    assert [cast[k].dtype for k in ("A_log", "dt_bias")] == [jnp.float32] * 2
+    assert cast["conv1d"]["kernel"].dtype == jnp.float32 and cast["in_proj_a"]["kernel"].dtype == jnp.bfloat16

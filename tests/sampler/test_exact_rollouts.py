@@ -284,10 +284,27 @@ def test_gemma4_with_experts_and_shared_kv_layers_is_exact(engine):
         assert np.abs(rollout - trainer).max() > 0
 
 
-def test_qwen35_is_refused_at_load():
-    from jaxrl_llm.config.spec import ModelSpec
-    from jaxrl_llm.roles.trained import _as_configured
+def test_qwen35_is_exact_on_the_static_engine():
+    """Tiny Qwen3.5: its gated delta-net layers run the recurrence in training, prefill and decoding alike (the
+    chunked form rounds otherwise), state-times-vector sums and L2 norms by fixed trees: the static engine's
+    rollout is the trainer's bit for bit. Off: the chunked training form's mismatch."""
+    cfg, params, prompts = _model("qwen3_5_text")
+    assert cfg.hybrid
+    rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts, "static")
+    np.testing.assert_array_equal(rollout, trainer)
+    rollout, trainer = _rollout_vs_trainer(cfg, params, prompts, "static")
+    assert np.abs(rollout - trainer).max() > 0
 
-    cfg = ModelConfig.tiny("qwen3_5_text")
-    with pytest.raises(ConfigError, match="delta-rule layers"):
-        _as_configured(cfg, ModelSpec(path="tiny:qwen3_5_text", param_dtype="float32", tiny=(), batch_invariant=True))
+
+@pytest.mark.parametrize("key, value, named", [("actor_rollout_ref.rollout.engine", "paged", "static engine only"),
+                                               ("mesh.context", 2, "set mesh.context=1")])
+def test_qwen35_in_the_mode_is_refused_before_loading_where_not_exact(tmp_path, key, value, named):
+    from tiny_runs import tiny_config
+
+    from jaxrl_llm.trainer import Trainer
+
+    cfg = tiny_config(tmp_path / "run", **{"actor_rollout_ref.model.path": "tiny:qwen3_5_text",
+                                          "actor_rollout_ref.model.batch_invariant": True,
+                                          "actor_rollout_ref.rollout.engine": "static", key: value})
+    with pytest.raises(ConfigError, match=named):
+        Trainer(cfg)
