@@ -18,9 +18,9 @@ from compile_flags import TEST_XLA_FLAGS, UNOPTIMIZED  # tests/ is on the path (
 # it gains nothing at the default level). The HLO is the same (no fast-math), but -O0 also stops LLVM from
 # contracting a multiply and an add into one FMA, which the default level does (2026-12-06: 25% of a fused
 # a * b + c differ in the last bit), so bit-exactness across programs (tests/sampler/test_exact_rollouts.py) is
-# checked here without contraction; rerun it as users compile with JAX_DISABLE_MOST_OPTIMIZATIONS=0
-# JAXRL_LLM_TEST_XLA_FLAGS=--xla_cpu_parallel_codegen_split_count=1 (done for this file's tests by hand on
-# 2026-12-06: all pass). Tests that mostly run code (real SmolLM2 forwards, a 32k-token
+# checked here without contraction; rerun it at the default level with JAX_DISABLE_MOST_OPTIMIZATIONS=0 (done
+# by hand on 2026-12-06: all pass with the classic emitters, which the mode needs on CPU: docs/performance.md,
+# "Exact rollouts"). Tests that mostly run code (real SmolLM2 forwards, a 32k-token
 # decode) take the `optimized_xla` mark and compile at the default level (`pytest_runtest_setup` below).
 # Subprocesses that keep this environment inherit them; tests/tiny_runs.py's example runs reset them to
 # run as a user does.

@@ -113,7 +113,7 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
     # a partial sum, added over `tensor` once after the grouped matmul (no collective inside its loop)
     # (batch-invariant mode gathers the `tensor` split too: each device sums a row's whole width itself, in the
     # kernel's order, and no partial sum crosses devices; models/invariant.py. Split over `expert`, it sends a
-    # token's k weighted outputs home unmixed, where one fixed tree mixes them: `ExpertSlots`)
+    # token's k outputs home unweighted and unmixed, where one device's expression mixes them: `ExpertSlots`)
     exact = invariant.enabled()
     partial = not exact and TENSOR_AXIS in placed["down_proj"][1].get(1, ())
 

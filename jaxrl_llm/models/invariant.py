@@ -58,6 +58,22 @@ TPU_BLOCKS = (128, 128)  # the Mosaic GEMM's (rows, columns) per program; K in p
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
 
+# XLA:CPU's classic elemental emitters: with its default MLIR fusion emitters some programs came out off by a
+# rounding (2026-12-06: the trainer's forward on a context split, 5 of 96 log-probs; a prefill vs the training
+# forward on one row), cause not found; the classic ones gave every exactness test the same bits (the test suite
+# compiles with them)
+CPU_EXACT_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def cpu_codegen_caveat(backend: str, xla_flags: str) -> str | None:
+    """A warning for a batch-invariant run on `backend` compiled with `xla_flags` (XLA_FLAGS), or None: on CPU
+    without `CPU_EXACT_FLAG` the mode is not exact in every program."""
+    if backend != "cpu" or CPU_EXACT_FLAG in xla_flags.split():
+        return None
+    return (f"model.batch_invariant on CPU: set XLA_FLAGS={CPU_EXACT_FLAG} before jax starts; XLA:CPU's default "
+            "fusion emitters compile some programs to other roundings, so a few log-probs may differ "
+            "(docs/performance.md, 'Exact rollouts')")
+
 
 @contextlib.contextmanager
 def mode(enabled: bool) -> Iterator[None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -31,7 +32,8 @@ from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.data.synthetic import write_synthetic_data
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.kl import AdaptiveKLController, FixedKLController, make_kl_controller
-from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models import ModelConfig, invariant
+from jaxrl_llm.models.remat import warn_once
 from jaxrl_llm.planning.preflight import run_tokenizer
 from jaxrl_llm.rewards import RewardManager, build_reward_manager
 from jaxrl_llm.roles.actor import update_actor
@@ -111,6 +113,9 @@ def build_run(config: ml_collections.ConfigDict) -> Run:
         from jaxrl_llm.rollout.multi_turn import MultiTurn
 
         multi_turn = MultiTurn(spec.multi_turn, tokenizer, image_tokens)
+    if spec.model.batch_invariant and (caveat := invariant.cpu_codegen_caveat(jax.default_backend(),
+                                                                              os.environ.get("XLA_FLAGS", ""))):
+        warn_once("batch_invariant_cpu_codegen", "%s", caveat)
     policy_cfg = model_config_of(spec.model, tokenizer)  # the policy's config.json: checks before any weight loads
     # the packing the policy's layers allow (a hybrid model's: no shared prompts), for every pass that reads it
     spec = dataclasses.replace(spec, model=packing_for(spec.model, policy_cfg))

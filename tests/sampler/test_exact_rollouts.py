@@ -174,6 +174,16 @@ def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor, policy, pa
         assert row["rollout_corr/max_abs_log_ratio"] == 0.0 and row["rollout_corr/exact_token_frac"] == 1.0, row
 
 
+def test_a_cpu_run_is_told_to_compile_with_the_classic_emitters():
+    """XLA:CPU's default fusion emitters round some programs otherwise (a context split: 5 of 96 log-probs), so a
+    batch-invariant run on CPU without the suite's classic emitters gets a warning naming the flag."""
+    from jaxrl_llm.models.invariant import CPU_EXACT_FLAG, cpu_codegen_caveat
+
+    assert CPU_EXACT_FLAG in cpu_codegen_caveat("cpu", "--xla_force_host_platform_device_count=8")
+    assert cpu_codegen_caveat("cpu", f"--xla_force_host_platform_device_count=8 {CPU_EXACT_FLAG}") is None
+    assert cpu_codegen_caveat("gpu", "") is None
+
+
 def test_int8_pages_are_refused_by_name():
     """int8 KV pages are dequantised in the sampler only: its keys are not the trainer's, whatever the order."""
     from tiny_runs import tiny_config
