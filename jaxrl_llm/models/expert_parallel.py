@@ -133,31 +133,26 @@ def routed_experts(experts: dict, tokens: Array, routing: Routing, cfg: ModelCon
         for name, w in matrices.items():
             proj, _, leaf = name.partition("/")
             held_experts.setdefault(proj, {})[leaf or "kernel"] = gathered(name, w)
-        # the output bias joins once the `tensor` partial sums are added
-        out_bias = {"down_proj": held_experts["down_proj"]}
-        held_experts["down_proj"] = {"kernel": held_experts["down_proj"]["kernel"]}
         if ways > 1:
             local = ids - lax.axis_index(EXPERT_AXIS) * held
             mine = (local >= 0) & (local < held)
             ids, weights = jnp.where(mine, local, held), jnp.where(mine, weights, 0.0)
+
+        def home(a: Array) -> Array:  # the devices' shares summed over `expert`, each token back on its device
+            return lax.psum_scatter(a, EXPERT_AXIS, scatter_dimension=0, tiled=True) if split else lax.psum(
+                a, EXPERT_AXIS)
+
         if exact and ways > 1:  # each of a token's k slots is one device's: summing it over `expert` adds zeros
-            held_experts["down_proj"] = out_bias["down_proj"]
-            slots = held_expert_slots(held_experts, x, ids, weights, cfg, dtype=dtype)
-            if split:
-                slots = jax.tree.map(lambda a: lax.psum_scatter(a, EXPERT_AXIS, scatter_dimension=0, tiled=True),
-                                     slots)
-            else:
-                slots = jax.tree.map(lambda a: lax.psum(a, EXPERT_AXIS), slots)
-            return mix_slots(home_weights, slots)
+            slots = held_expert_slots(held_experts, x, ids, cfg, dtype=dtype)
+            return mix_slots(home_weights, jax.tree.map(home, slots))
+        # the output bias joins once the `tensor` partial sums are added
+        out_bias = {"down_proj": held_experts["down_proj"]}
+        held_experts["down_proj"] = {"kernel": held_experts["down_proj"]["kernel"]}
         out = held_expert_ffn(held_experts, x, ids, weights, cfg, dtype=dtype)
         if partial:
             out = lax.psum(out, TENSOR_AXIS)
         out = out + down_bias(out_bias, jnp.minimum(ids, held - 1), weights, dtype)
-        if ways == 1:
-            return out
-        if split:
-            return lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-        return lax.psum(out, EXPERT_AXIS)
+        return out if ways == 1 else home(out)
 
     # check_vma=False: the blocked kernel's lax.cond / custom_vjp are not written for varying-axis types;
     # the transposes (all_gather -> reduce-scatter, replicated weights -> psum) are the ones wanted

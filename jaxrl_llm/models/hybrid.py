@@ -201,24 +201,21 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     beta = jax.nn.sigmoid(proj("in_proj_b", x))
     a = proj("in_proj_a", x) + weights["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(weights["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)
-    if invariant.enabled():  # every path the recurrence, whose sums are fixed trees (models/delta_rule.py)
-        if recurrent is None and context_parallel_size() > 1:  # (the trainer refuses it before loading)
+    # batch-invariant mode runs the recurrence on every path, its sums by fixed trees (models/delta_rule.py): the
+    # chunked form rounds otherwise
+    exact = invariant.enabled()
+    chunked = functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK, terms=_chunk_terms())
+    if recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
+        if exact:  # (the trainer refuses it before loading)
             raise ValueError("model.batch_invariant with a gated delta-net model (Qwen3.5) and mesh.context > 1: "
                              "its recurrence runs token by token on one device; set mesh.context to 1")
-        if recurrent is not None:  # padding neither decays nor writes: the state is the last valid token's
-            g, beta = (jnp.where(valid[..., None], w, 0.0) for w in (g, beta))
-        out, delta = recurrent_delta_rule(q, k, v, g, beta, state=None if recurrent is None else recurrent[1],
-                                          starts=positions == 0 if recurrent is None else None)
-        new_state = None if recurrent is None else (next_window(recurrent[0], inputs, valid), delta)
-    elif recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
         out, new_state = context_parallel_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK), None
     elif recurrent is None:
-        out, _ = chunked_delta_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK, terms=_chunk_terms())
+        out, _ = (recurrent_delta_rule if exact else chunked)(q, k, v, g, beta, starts=positions == 0)
         new_state = None
     else:  # padding neither decays nor writes: the state is the last valid token's
         g, beta = (jnp.where(valid[..., None], w, 0.0) for w in (g, beta))
-        rule = recurrent_delta_rule if t == 1 else functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK,
-                                                                      terms=_chunk_terms())
+        rule = recurrent_delta_rule if t == 1 or exact else chunked
         out, delta = rule(q, k, v, g, beta, state=recurrent[1])
         new_state = (next_window(recurrent[0], inputs, valid), delta)
     z = proj("in_proj_z", x)  # [B, T, value heads, Dv]

@@ -379,12 +379,12 @@ def held_expert_ffn(experts: dict, tokens: Array, ids: Array, weights: Array, cf
     return out
 
 
-def held_expert_slots(experts: dict, tokens: Array, ids: Array, weights: Array, cfg: ModelConfig, *,
-                      dtype: DType) -> ExpertSlots:
+def held_expert_slots(experts: dict, tokens: Array, ids: Array, cfg: ModelConfig, *, dtype: DType) -> ExpertSlots:
     """`held_expert_ffn`'s k expert outputs per token, unweighted and unmixed, zeros where ids [N, k] == E_held
-    (another device's expert; batch-invariant expert parallelism: `mix_slots` mixes them as `held_expert_ffn`
-    does)."""
-    out = _in_chunks(experts, tokens, ids, weights, cfg, dtype=dtype, kernel=None, unroll=1, slots=True)
+    (another device's expert; batch-invariant expert parallelism: `mix_slots` weights and mixes them as
+    `held_expert_ffn` does)."""
+    unread = jnp.zeros(ids.shape, jnp.float32)  # the weights: the slots are weighted at the tokens' home
+    out = _in_chunks(experts, tokens, ids, unread, cfg, dtype=dtype, kernel=None, unroll=1, slots=True)
     assert isinstance(out, ExpertSlots)
     return out
 
