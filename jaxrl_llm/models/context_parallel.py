@@ -45,7 +45,7 @@ from jaxrl_llm.models.blockwise import (
     empty_results,
     unchunked,
 )
-from jaxrl_llm.models.delta_rule import chunked_delta_rule
+from jaxrl_llm.models.delta_rule import ChunkTerms, chunked_delta_rule, invariant_delta_rule
 from jaxrl_llm.models.families import CONTEXT_ATTENTION
 from jaxrl_llm.sharding.mesh import CONTEXT_AXIS, TENSOR_AXIS, row_split_axes
 
@@ -237,6 +237,31 @@ def context_parallel_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Ar
         incoming, _ = lax.scan(fold, jnp.zeros_like(carried), jnp.arange(context))
         out, _ = chunked_delta_rule(q, k, v, g, beta, state=incoming, starts=starts, chunk=chunk)
         return out
+
+    split4, split3 = PartitionSpec(row_spec, CONTEXT_AXIS, None, None), PartitionSpec(row_spec, CONTEXT_AXIS, None)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(split4, split4, split4, split3, split3,
+                                                    PartitionSpec(row_spec, CONTEXT_AXIS)),
+                        out_specs=split4, check_vma=False)
+    return run(q, k, v, g, beta, starts)
+
+
+def context_parallel_invariant_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array, *,
+                                          chunk: int, terms: ChunkTerms) -> Array:
+    """Batch-invariant mode's `context_parallel_delta_rule`: each device gathers the row's tokens and runs
+    `invariant_delta_rule` (the recurrence; the chunked form's gradient) over all of them, keeping its own block's
+    outputs. The recurrence adds its state token after token, so a device's incoming state folded from the
+    others' affine maps (the default way) is another sum; run over the whole row it is one device's bits. Per
+    device: the whole row's recurrence (the one-device cost) and its delta-net inputs gathered (a [T, H, D] set
+    per layer), where the default way moves a state's worth."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape)
+    row_spec = row_split_axes(sizes, q.shape[0])
+
+    def local(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array) -> Array:
+        block = q.shape[1]
+        whole = [lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (q, k, v, g, beta, starts)]
+        out, _ = invariant_delta_rule(*whole, chunk=chunk, terms=terms)
+        return lax.dynamic_slice_in_dim(out, lax.axis_index(CONTEXT_AXIS) * block, block, axis=1)
 
     split4, split3 = PartitionSpec(row_spec, CONTEXT_AXIS, None, None), PartitionSpec(row_spec, CONTEXT_AXIS, None)
     run = jax.shard_map(local, mesh=mesh, in_specs=(split4, split4, split4, split3, split3,

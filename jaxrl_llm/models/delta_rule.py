@@ -183,3 +183,34 @@ def chunked_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     out = jnp.moveaxis(out, 0, 1)  # [B, N, H, C, Dv]
     out = jnp.moveaxis(out, 2, 3).reshape(b, n * chunk, h, dv)
     return out[:, :t], final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _recurrence_chunked_gradient(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array, chunk: int,
+                                 terms: ChunkTerms) -> tuple[Array, Array]:
+    return recurrent_delta_rule(q, k, v, g, beta, starts=starts)
+
+
+def _recurrence_forward(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array, chunk: int,
+                        terms: ChunkTerms) -> tuple[tuple[Array, Array], tuple[Array, ...]]:
+    return recurrent_delta_rule(q, k, v, g, beta, starts=starts), (q, k, v, g, beta, starts)
+
+
+def _chunked_backward(chunk: int, terms: ChunkTerms, residuals: tuple[Array, ...],
+                      cotangents: tuple[Array, Array]) -> tuple[Array | None, ...]:
+    q, k, v, g, beta, starts = residuals
+    _, pullback = jax.vjp(lambda *xs: chunked_delta_rule(*xs, starts=starts, chunk=chunk, terms=terms),
+                          q, k, v, g, beta)
+    return (*pullback(cotangents), None)
+
+
+_recurrence_chunked_gradient.defvjp(_recurrence_forward, _chunked_backward)
+
+
+def invariant_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array, *, chunk: int = 64,
+                         terms: ChunkTerms = chunk_terms) -> tuple[Array, Array]:
+    """Batch-invariant mode's training rule: `recurrent_delta_rule`'s outputs and final state (the bits a
+    prefill or decode step gives) with `chunked_delta_rule`'s gradient. The backward needs no invariance, and
+    the recurrence's own would keep every token's state for it: T x [B, H, Dk, Dv] per layer (gigabytes a layer
+    for a real model's rows), where the chunked backward keeps one state per chunk."""
+    return _recurrence_chunked_gradient(q, k, v, g, beta, starts.astype(bool), chunk, terms)

@@ -58,8 +58,15 @@ from jaxrl_llm.models.blocks import (
     take_row,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.context_parallel import context_parallel_delta_rule
-from jaxrl_llm.models.delta_rule import ChunkTerms, chunk_terms, chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from jaxrl_llm.models.context_parallel import context_parallel_delta_rule, context_parallel_invariant_delta_rule
+from jaxrl_llm.models.delta_rule import (
+    ChunkTerms,
+    chunk_terms,
+    chunked_delta_rule,
+    invariant_delta_rule,
+    l2_normalize,
+    recurrent_delta_rule,
+)
 from jaxrl_llm.models.delta_rule_pallas import chunk_terms_pallas, delta_rule_impl
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.param_init import hybrid_layer_ids
@@ -135,7 +142,10 @@ def gated_attention(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, c
         return jnp.concatenate([apply_rope(a[..., :rd], cos, sin), a[..., rd:]], axis=-1)
 
     out, kv = attention(rope(q).astype(dtype), rope(k).astype(dtype), v.astype(dtype), kv, layer, None)
-    out = out.reshape(b, t, -1, hd).astype(jnp.float32)
+    # in the compute dtype before the gate, as transformers has it: the paged kernels return that dtype and the
+    # dense attention fp32, and a gate applied to the unrounded fp32 output put the paged engine's bf16 log-probs
+    # off the trainer's (up to 0.1 in a tiny model, batch-invariant mode included)
+    out = out.reshape(b, t, -1, hd).astype(dtype).astype(jnp.float32)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
     return proj("o_proj", out.astype(dtype), in_axes=2), kv
@@ -202,16 +212,20 @@ def delta_net(cfg: ModelConfig, weights: dict, adapters: dict, x: Array, valid: 
     a = proj("in_proj_a", x) + weights["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(weights["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)
     # batch-invariant mode runs the recurrence on every path, its sums by fixed trees (models/delta_rule.py): the
-    # chunked form rounds otherwise
+    # chunked form rounds otherwise; in training with the chunked form's gradient (`invariant_delta_rule`)
     exact = invariant.enabled()
-    chunked = functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK, terms=_chunk_terms())
+    terms = _chunk_terms()
+    chunked = functools.partial(chunked_delta_rule, chunk=DELTA_CHUNK, terms=terms)
     if recurrent is None and context_parallel_size() > 1:  # tokens split over 'context': the state passed along
-        if exact:  # (the trainer refuses it before loading)
-            raise ValueError("model.batch_invariant with a gated delta-net model (Qwen3.5) and mesh.context > 1: "
-                             "its recurrence runs token by token on one device; set mesh.context to 1")
-        out, new_state = context_parallel_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK), None
+        if exact:  # (the row's tokens gathered on every device, the recurrence over all of them)
+            out = context_parallel_invariant_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK,
+                                                        terms=terms)
+        else:
+            out = context_parallel_delta_rule(q, k, v, g, beta, positions == 0, chunk=DELTA_CHUNK)
+        new_state = None
     elif recurrent is None:
-        out, _ = (recurrent_delta_rule if exact else chunked)(q, k, v, g, beta, starts=positions == 0)
+        training_rule = functools.partial(invariant_delta_rule, terms=terms) if exact else chunked
+        out, _ = training_rule(q, k, v, g, beta, starts=positions == 0, chunk=DELTA_CHUNK)
         new_state = None
     else:  # padding neither decays nor writes: the state is the last valid token's
         g, beta = (jnp.where(valid[..., None], w, 0.0) for w in (g, beta))

@@ -200,22 +200,6 @@ def _plan_and_data(config: ml_collections.ConfigDict, mesh: Mesh
     return spec, plan, tokenizer, (train, val), image_tokens
 
 
-def _hybrid_exact_refusal(spec: RunSpec, policy_cfg: ModelConfig) -> str | None:
-    """Why a Qwen3.5 (gated delta-net) policy cannot run `model.batch_invariant` as configured, or None: its
-    recurrence runs token by token on one device (no context split), and only the static engine's rollouts
-    are exact yet (the paged engine's decode is off by bf16 rounding: docs/performance.md)."""
-    if not (policy_cfg.hybrid and spec.model.batch_invariant):
-        return None
-    key = "actor_rollout_ref.model.batch_invariant=True with a gated delta-net policy (Qwen3.5)"
-    if dict(spec.mesh).get("context", 1) != 1:
-        return f"{key}: its recurrence runs token by token on one device; set mesh.context=1"
-    engine = spec.rollout_engine.resolved(spec.plan.response_length, multi_turn=spec.multi_turn is not None).engine
-    if engine != "static":
-        return (f"{key}: exact on the static engine only (the paged engine's decode steps round otherwise); set "
-                "actor_rollout_ref.rollout.engine='static'")
-    return None
-
-
 def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: Tokenizer,
                 vision_params: dict | None = None
                 ) -> tuple[TrainedRole, ReferenceRole | None, TeacherRole | None, TrainedRole | None]:
@@ -228,8 +212,7 @@ def _load_roles(spec: RunSpec, policy_cfg: ModelConfig, mesh: Mesh, tokenizer: T
         from jaxrl_llm.roles.teacher import check_teacher
 
         teacher_tokenizer = check_teacher(spec.distillation, policy_cfg, tokenizer)
-    refusal = speculative_refusal(policy_cfg, spec.rollout_engine.speculative) or _hybrid_exact_refusal(
-        spec, policy_cfg)
+    refusal = speculative_refusal(policy_cfg, spec.rollout_engine.speculative)
     if refusal is not None:  # refused before any weight loads
         raise ConfigError(refusal)
     model_cfg, params = load_model(spec.model, head="lm", mesh=mesh, tokenizer=tokenizer, seed=seed)

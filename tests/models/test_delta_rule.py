@@ -5,8 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
-from jaxrl_llm.models.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from jaxrl_llm.models import invariant
+from jaxrl_llm.models.delta_rule import (
+    chunked_delta_rule,
+    invariant_delta_rule,
+    l2_normalize,
+    recurrent_delta_rule,
+)
 
 B, T, H, DK, DV = 2, 45, 3, 8, 6
 
@@ -157,6 +164,64 @@ def test_context_parallel_rule_passes_the_state_between_devices():
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     for a, b in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-4)
+
+
+def test_the_invariant_rule_gives_the_recurrences_bits_and_the_chunked_gradient(capsys):
+    """Batch-invariant mode's training rule: outputs and final state are the recurrence's bits (what a decode step
+    computes), the gradient is the chunked form's (close to the recurrence's), and the backward keeps no state per
+    token: the recurrence's own autodiff saves T of them [B, H, Dk, Dv]."""
+    q, k, v, g, beta, _ = _inputs(5)
+    starts = jnp.zeros((B, T), bool).at[:, 0].set(True).at[1, 20].set(True)
+    w = jax.random.normal(jax.random.key(6), (B, T, H, DV))
+    with invariant.mode(True):
+        want, want_state = jax.jit(lambda *a: recurrent_delta_rule(*a, starts=starts))(q, k, v, g, beta)
+        got, got_state = jax.jit(lambda *a: invariant_delta_rule(*a, starts, chunk=8))(q, k, v, g, beta)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got_state), np.asarray(want_state))
+        grads = jax.grad(lambda *a: jnp.sum(invariant_delta_rule(*a, starts, chunk=8)[0] * w), (0, 1, 2, 3, 4))(
+            q, k, v, g, beta)
+        want_grads = jax.grad(lambda *a: jnp.sum(recurrent_delta_rule(*a, starts=starts)[0] * w), (0, 1, 2, 3, 4))(
+            q, k, v, g, beta)
+        for name, got_g, want_g in zip("q k v g beta".split(), grads, want_grads):
+            np.testing.assert_allclose(got_g, want_g, atol=5e-5, rtol=1e-4, err_msg=name)
+        per_token_states = f"f32[{T},{B},{H},{DK},{DV}]"
+        print_saved_residuals(lambda *a: recurrent_delta_rule(*a, starts=starts)[0], q, k, v, g, beta)
+        assert per_token_states in capsys.readouterr().out  # (what the check below would see)
+        print_saved_residuals(lambda *a: invariant_delta_rule(*a, starts, chunk=8)[0], q, k, v, g,
+                                                beta)
+        saved = capsys.readouterr().out
+        assert saved and per_token_states not in saved, saved
+
+
+def test_the_invariant_context_split_runs_the_whole_rows_recurrence():
+    """The mode's context split (models/context_parallel.py): every device gathers the row and runs the recurrence,
+    keeping its block: outputs are the unsplit invariant rule's bits, gradients the unsplit chunked form's."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl_llm import sharding
+    from jaxrl_llm.models.context_parallel import context_parallel_invariant_delta_rule
+    from jaxrl_llm.models.delta_rule import chunk_terms
+
+    t = 48
+    q, k, v, g, beta, _ = _inputs(7, t)
+    starts = jnp.zeros((B, t), bool).at[:, 0].set(True).at[0, 30].set(True)
+    w = jax.random.normal(jax.random.key(8), (B, t, H, DV))
+
+    def split(*a):
+        return context_parallel_invariant_delta_rule(*a, starts, chunk=8, terms=chunk_terms)
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1})
+    args = jax.device_put((q, k, v, g, beta), NamedSharding(mesh, PartitionSpec()))
+    with invariant.mode(True), sharding.mesh_context(mesh):
+        out = jax.jit(split)(*args)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(split(*a) * w), (0, 1, 2, 3, 4)))(*args)
+    with invariant.mode(True):
+        want = jax.jit(lambda *a: recurrent_delta_rule(*a, starts=starts)[0])(q, k, v, g, beta)
+    want_grads = jax.grad(lambda *a: jnp.sum(chunked_delta_rule(*a, starts=starts, chunk=8)[0] * w),
+                          (0, 1, 2, 3, 4))(q, k, v, g, beta)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    for name, got_g, want_g in zip("q k v g beta".split(), grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got_g), np.asarray(want_g), atol=5e-5, rtol=1e-4, err_msg=name)
 
 
 @pytest.mark.parametrize("chunk", [8, 16])
