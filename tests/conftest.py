@@ -106,28 +106,28 @@ def _release_compiled_programs():
 # Files that take minutes, started first: CI runs three workers that each take a whole file at a time
 # (`pytest -n 3 --dist loadfile`, in collection order; Makefile), and one of these started near the end would
 # leave the others idle for its length. The 20 slowest files of the last full run (2026-12-06, junit times
-# under two workers), longest first.
+# under three workers), longest first.
 HEAVY_FIRST = (
     "tests/platform/test_platform_compile.py",
+    "tests/sampler/test_exact_rollouts.py",
+    "tests/sampler/test_engine_parity.py",
     "tests/reliability/test_pod_faults.py",
     "tests/trainer/test_trainer_e2e.py",
-    "tests/sampler/test_engine_parity.py",
-    "tests/examples/test_judge_example.py",
-    "tests/examples/test_distill_example.py",
-    "tests/reliability/test_preemption.py",
-    "tests/sharding/test_context_parallel.py",
-    "tests/trainer/test_trainer_multiprocess.py",
     "tests/models/test_gemma4.py",
-    "tests/platform/test_device_kit.py",
-    "tests/trainer/test_gemma_trainer.py",
+    "tests/sharding/test_context_parallel.py",
+    "tests/examples/test_judge_example.py",
     "tests/trainer/test_vision_trainer.py",
+    "tests/reliability/test_preemption.py",
+    "tests/trainer/test_gemma_trainer.py",
+    "tests/platform/test_device_kit.py",
+    "tests/examples/test_distill_example.py",
+    "tests/trainer/test_trainer_multiprocess.py",
     "tests/planning/test_memory_plan.py",
-    "tests/reliability/test_kill_resume.py",
-    "tests/sampler/test_exact_rollouts.py",
-    "tests/trainer/test_moe_replay.py",
     "tests/sharding/test_expert_parallel.py",
-    "tests/trainer/test_packing.py",
+    "tests/rollout/test_partial_rollouts.py",
+    "tests/trainer/test_moe_replay.py",
     "tests/sampler/test_engine_core.py",
+    "tests/trainer/test_distillation.py",
 )
 
 

@@ -29,6 +29,7 @@ over 'tensor' where they divide.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -216,10 +217,7 @@ def context_parallel_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Ar
     the block). Each device computes its (A, B), gathers every device's ([B, H, Dk, Dk + Dv] each: a state's worth,
     not the tokens), folds those of the devices before it into its incoming state, and runs its block again from
     it. Per device: its T / context tokens three times (A's pass with Dk values), no token moved."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(mesh.shape)
-    context = sizes[CONTEXT_AXIS]
-    row_spec = row_split_axes(sizes, q.shape[0])
+    context = dict(jax.sharding.get_abstract_mesh().shape)[CONTEXT_AXIS]
 
     def local(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array) -> Array:
         b, _, h, dk = k.shape
@@ -238,11 +236,7 @@ def context_parallel_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Ar
         out, _ = chunked_delta_rule(q, k, v, g, beta, state=incoming, starts=starts, chunk=chunk)
         return out
 
-    split4, split3 = PartitionSpec(row_spec, CONTEXT_AXIS, None, None), PartitionSpec(row_spec, CONTEXT_AXIS, None)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(split4, split4, split4, split3, split3,
-                                                    PartitionSpec(row_spec, CONTEXT_AXIS)),
-                        out_specs=split4, check_vma=False)
-    return run(q, k, v, g, beta, starts)
+    return _per_context_block(local, q, k, v, g, beta, starts)
 
 
 def context_parallel_invariant_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array, *,
@@ -253,18 +247,22 @@ def context_parallel_invariant_delta_rule(q: Array, k: Array, v: Array, g: Array
     others' affine maps (the default way) is another sum; run over the whole row it is one device's bits. Per
     device: the whole row's recurrence (the one-device cost) and its delta-net inputs gathered (a [T, H, D] set
     per layer), where the default way moves a state's worth."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(mesh.shape)
-    row_spec = row_split_axes(sizes, q.shape[0])
-
     def local(q: Array, k: Array, v: Array, g: Array, beta: Array, starts: Array) -> Array:
         block = q.shape[1]
         whole = [lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True) for x in (q, k, v, g, beta, starts)]
         out, _ = invariant_delta_rule(*whole, chunk=chunk, terms=terms)
         return lax.dynamic_slice_in_dim(out, lax.axis_index(CONTEXT_AXIS) * block, block, axis=1)
 
+    return _per_context_block(local, q, k, v, g, beta, starts)
+
+
+def _per_context_block(local: Callable[..., Array], q: Array, k: Array, v: Array, g: Array, beta: Array,
+                       starts: Array) -> Array:
+    """`local` run per device on its rows' block of tokens (q / k / v [B, T, H, D], g / beta [B, T, H], starts
+    [B, T], each split over 'context' on T and over the batch axes on B), its outputs [B, T, H, Dv] split alike."""
+    row_spec = row_split_axes(dict(jax.sharding.get_abstract_mesh().shape), q.shape[0])
     split4, split3 = PartitionSpec(row_spec, CONTEXT_AXIS, None, None), PartitionSpec(row_spec, CONTEXT_AXIS, None)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(split4, split4, split4, split3, split3,
-                                                    PartitionSpec(row_spec, CONTEXT_AXIS)),
+    run = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                        in_specs=(split4, split4, split4, split3, split3, PartitionSpec(row_spec, CONTEXT_AXIS)),
                         out_specs=split4, check_vma=False)
     return run(q, k, v, g, beta, starts)

@@ -150,16 +150,18 @@ def test_exact_after_the_weights_move_and_with_a_sliding_window():
 
 
 MOE_REPLAY = {"actor_rollout_ref.model.path": "tiny:qwen3_moe", "actor_rollout_ref.actor.router_replay": "rollout"}
+QWEN35 = {"actor_rollout_ref.model.path": "tiny:qwen3_5_text"}
 
 
-@pytest.mark.parametrize("tensor, policy, packed", [(1, {}, True), (2, {}, False), (2, MOE_REPLAY, False)],
-                         ids=["fsdp_packed", "tensor", "moe"])
+@pytest.mark.parametrize("tensor, policy, packed", [(1, QWEN35, True), (2, {}, False), (2, MOE_REPLAY, False)],
+                         ids=["qwen35_fsdp_packed", "tensor", "moe"])
 def test_grpo_steps_log_zero_mismatch(tmp_path, smollm2_gguf, tensor, policy, packed):
-    """A bf16 GRPO run of the tiny config with the mode on (paged engine) on 8 devices: fsdp 8 with packed rows
-    (each sequence at a key block's start), fsdp 4 x tensor 2, and the tiny Qwen3-MoE with routing replay on
-    fsdp 4 x tensor 2: at every step the trainer's log-probs of the rollout's tokens are the sampler's
-    (max_abs_log_ratio 0, every token exact). On the tensor split each GEMM (the routed experts' too) gathers its
-    weight and sums its rows on one device."""
+    """A bf16 GRPO run of the tiny config with the mode on (paged engine) on 8 devices: the tiny Qwen3.5 on fsdp 8
+    with packed rows (each sequence at a key block's start, the delta-net state restarting there; its update
+    through the recurrence with the chunked form's gradient), the tiny Llama on fsdp 4 x tensor 2, and the tiny
+    Qwen3-MoE with routing replay on fsdp 4 x tensor 2: at every step the trainer's log-probs of the rollout's
+    tokens are the sampler's (max_abs_log_ratio 0, every token exact). On the tensor split each GEMM (the routed
+    experts' too) gathers its weight and sums its rows on one device."""
     from tiny_runs import read_metrics, tiny_config
 
     from jaxrl_llm.trainer import Trainer
@@ -294,22 +296,19 @@ def test_gemma4_with_experts_and_shared_kv_layers_is_exact(engine):
         assert np.abs(rollout - trainer).max() > 0
 
 
-@pytest.mark.parametrize("engine, variant", [("static", None), ("paged", "chunked_prefill"),
-                                             ("paged", "cascade_and_batch_prefill")])
-def test_qwen35_is_exact_on_both_engines(engine, variant):
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_qwen35_is_exact_on_both_engines(engine):
     """Tiny Qwen3.5: its gated delta-net layers run the recurrence in training, prefill and decoding alike (the
     chunked form rounds otherwise), state-times-vector sums and L2 norms by fixed trees; its gated attention
     rounds the attention's output to bf16 before the gate on every path (the paged kernels return bf16, the
     dense attention fp32: the gate on the unrounded output put every paged decode token off by up to 0.1).
-    Both engines' rollouts, prompts prefilled in chunks of 4 or in one call with 2 samples sharing their
-    pages, are the trainer's bit for bit. Off (static engine): the chunked training form's mismatch."""
+    Both engines' rollouts are the trainer's bit for bit, the paged one's with prompts prefilled 4 tokens at a
+    time and 2 samples a prompt sharing its pages. Off (static engine): the chunked training form's mismatch."""
     cfg, params, prompts = _model("qwen3_5_text")
     assert cfg.hybrid and cfg.attention_output_gate
-    opts = {None: None,
-            "chunked_prefill": EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True),
-            "cascade_and_batch_prefill": EngineOptions(engine="paged", cascade_attention=True, batch_prefill=True),
-            }[variant]
-    n = 2 if variant == "cascade_and_batch_prefill" else 1
+    opts = EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True,
+                         cascade_attention=True) if engine == "paged" else None
+    n = 2 if engine == "paged" else 1
     rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts, engine,
                                            n=n, opts=opts)
     assert rollout.size == n * 8 * NEW_TOKENS

@@ -24,6 +24,9 @@ read_metrics, _numbers = tiny_runs.read_metrics, tiny_runs.step_numbers  # also 
 with_reward_file = tiny_runs.with_reward_file
 
 
+# 16 steps and every estimator's: running more than compiling (2026-12-06, cold cache, 2 workers: 53 s at the
+# suite's -O0, 43 s optimised)
+@pytest.mark.optimized_xla
 def test_grpo_reward_rises_and_every_estimator_steps(tmp_path):
     cfg = with_reward_file(tiny_config(tmp_path / "run", **{
         "trainer.total_training_steps": 16, "actor_rollout_ref.rollout.n": 4, "data.train_batch_size": 4,
