@@ -28,7 +28,8 @@ over the whole sequence.
 Batch-invariant mode (models/invariant.py): the two forms round differently, so training, prefill and decoding
 all run the recurrence, its state-times-vector sums and the L2 norms by `invariant.tree_sum` (an einsum's order
 may follow the batch): a token's output is then the same bits in a training forward and a decode step, at the
-cost of T sequential steps per layer in training.
+cost of T sequential steps per layer in training. The training rule's backward is the chunked form's
+(`invariant_delta_rule`): the backward needs no invariance, and the recurrence's own keeps a state per token.
 """
 from __future__ import annotations
 

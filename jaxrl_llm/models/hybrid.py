@@ -5,11 +5,13 @@ layers, as pure functions over the params dict (layout: models/param_init.py `_H
 Each layer is pre-norm with (1 + w) RMSNorms and a SwiGLU MLP, like Qwen3; its mixer is one of:
 
 - gated full attention (`gated_attention`): q_proj gives a query and an output gate per head; q / k RMS-normed per
-  head, RoPE on the first `rotary_dim` dims of each head (rotate-half within them); the attention output times
-  sigmoid(gate) before o_proj. The attention itself is the path's `LayerAttention` (models/blocks.py).
+  head, RoPE on the first `rotary_dim` dims of each head (rotate-half within them); the attention output, in the
+  compute dtype whatever the path returned, times sigmoid(gate) before o_proj. The attention itself is the path's
+  `LayerAttention` (models/blocks.py).
 - the gated delta net (`delta_net`): one fused projection to q / k / v, a causal depthwise conv of
   `linear_conv_kernel` taps over them (SiLU), q / k L2-normalised and repeated from the key heads to the value
-  heads, the gated delta rule (models/delta_rule.py, chunked; its chunks a Pallas kernel on a TPU) with
+  heads, the gated delta rule (models/delta_rule.py, chunked, its chunks a Pallas kernel on a TPU; batch-invariant
+  mode: the recurrence, with the chunked form's gradient) with
   beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), then an RMSNorm of each head's output times SiLU(z)
   and out_proj.
 
