@@ -260,9 +260,10 @@ def _per_context_block(local: Callable[..., Array], q: Array, k: Array, v: Array
                        starts: Array) -> Array:
     """`local` run per device on its rows' block of tokens (q / k / v [B, T, H, D], g / beta [B, T, H], starts
     [B, T], each split over 'context' on T and over the batch axes on B), its outputs [B, T, H, Dv] split alike."""
-    row_spec = row_split_axes(dict(jax.sharding.get_abstract_mesh().shape), q.shape[0])
+    mesh = jax.sharding.get_abstract_mesh()
+    row_spec = row_split_axes(dict(mesh.shape), q.shape[0])
     split4, split3 = PartitionSpec(row_spec, CONTEXT_AXIS, None, None), PartitionSpec(row_spec, CONTEXT_AXIS, None)
-    run = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+    run = jax.shard_map(local, mesh=mesh,
                         in_specs=(split4, split4, split4, split3, split3, PartitionSpec(row_spec, CONTEXT_AXIS)),
                         out_specs=split4, check_vma=False)
     return run(q, k, v, g, beta, starts)

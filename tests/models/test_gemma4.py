@@ -148,13 +148,13 @@ def test_paged_engine_paths_follow_transformers_and_the_trainers_scoring(case, t
     expected = np.repeat(hf_greedy(torch_model, hf_ids, hf_mask, NEW, EOS_ID, PAD_ID), 2, axis=0)
     # the interpreted Pallas kernel (slow on CPU) samples only, in the case without experts (the attention is the
     # same in both): its log-probs equal to the trainer's within 1e-5 are the kernel's check
-    variants = [(dict(cascade=True, speculative=SpeculativeSpec(num_tokens=2)), (False, True))]
+    variants = [(dict(cascade=True, speculative=SpeculativeSpec(num_tokens=2)), (False, True))]  # (.., do_sample)
     if case == "gemma4":
         variants.append((dict(attn_impl="pallas"), (True,)))
-    for extra, sampled in variants:
+    for extra, do_sample_values in variants:
         spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=48, pages_per_slot=8, **extra)
         engine = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=4)
-        for sp in (SamplingParams(max_new_tokens=NEW, do_sample=do_sample, n=2) for do_sample in sampled):
+        for sp in (SamplingParams(max_new_tokens=NEW, do_sample=do_sample, n=2) for do_sample in do_sample_values):
             settings, knobs = sp.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
             out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
             if not sp.do_sample:
