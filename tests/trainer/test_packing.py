@@ -422,7 +422,10 @@ def test_trainer_step_same_with_and_without_packing(tmp_path):
         np.testing.assert_allclose(by_budget[key], padded[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert padded.keys() == packed.keys()
     assert "actor/kl_loss" in padded  # 0 here: the first update's policy is the reference
-    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/values/mean"):
+    # pg_loss is rounding noise here (one mini-batch at ratio 1 averages whitened advantages: their
+    # mean, ~1e-8, exactly 0 on some CPUs), so the advantages' spread shows the actor's input is real
+    assert abs(padded["actor/pg_loss"]) < 1e-6 and padded["critic/advantages/max"] > 0.1
+    for key in ("actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/values/mean"):
         assert key in padded and padded[key] != 0, key
     for key in padded:
         np.testing.assert_allclose(packed[key], padded[key], rtol=1e-5, atol=1e-5, err_msg=key)
