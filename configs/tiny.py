@@ -42,6 +42,9 @@ def get_config():
     cfg.trainer.val_before_train = False
     cfg.trainer.logger = ["jsonl"]
     cfg.trainer.export_hf = False
-    # tests skip the ahead-of-time compile of every program (tests/planning/test_memory_plan.py runs it)
+    # tests skip the ahead-of-time compile of every program (tests/planning/test_memory_plan.py runs it) and
+    # compile a paged engine's drain sets only when a drain reaches them (most tiny runs end every sequence
+    # together: 5 decode programs fewer; tests/sampler/test_engine_core.py checks both ways)
     cfg.trainer.memory_plan = False
+    cfg.actor_rollout_ref.rollout.precompile_drain = False
     return cfg

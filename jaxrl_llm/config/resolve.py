@@ -164,6 +164,7 @@ def resolve_rollout_engine(rollout: ConfigDict) -> EngineOptions:
                          kv_cache_dtype=rollout.kv_cache_dtype, attention_impl=rollout.paged_attention,
                          enable_chunked_prefill=bool(rollout.enable_chunked_prefill),
                          batch_prefill=bool(rollout.batch_prefill),
+                         precompile_drain=bool(rollout.precompile_drain),
                          cascade_attention=rollout.cascade_attention,
                          unroll_layers=rollout.unroll_layers,
                          speculative=resolve_speculative(rollout.speculative))

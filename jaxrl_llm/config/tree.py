@@ -321,6 +321,12 @@ ROLLOUT = {
                                   "max_num_batched_tokens. Off by default: on the 2-core CPU it measured 0.98x "
                                   "(64 prompts x 4, steady state) and compiles a program per (bucket, rows); "
                                   "to be measured on GPU / TPU, where a call's overhead weighs more."),
+    "precompile_drain": field(True, "Paged engine: compile the decode program of every slot set the drain "
+                                    "moves to (3/4, 1/2, 3/8, 1/4, 1/8 and 1/16 of max_num_seqs) before the first "
+                                    "round, as vLLM captures its CUDA graphs at start-up: no compile stalls a "
+                                    "later step. False: each compiles when a drain first reaches it (a faster "
+                                    "start for short runs and tests; a run whose sequences all end together "
+                                    "compiles none). jaxrl_llm-only.", types=bool),
     "cascade_attention": field("auto", "Paged engine: the n samples of a prompt read the prompt's shared full "
                                        "KV pages once per decode step (one attention over them with the n "
                                        "queries, one over each sample's own pages, the same softmax; equal to "

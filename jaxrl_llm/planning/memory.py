@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -454,17 +455,19 @@ def _without_micro(plan: BatchPlan) -> BatchPlan:
 
 
 def plan_memory(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, *, check: bool = True,
-                peak_flops: float | None = None, target: TpuTarget | None = None, costs: bool = False,
-                hbm_bandwidth: float | None = None, chip: Chip | None = None) -> MemoryPlan:
+                peak_flops: float | None = None, target: TpuTarget | None = None,
+                costs: bool | Collection[str] = False, hbm_bandwidth: float | None = None,
+                chip: Chip | None = None) -> MemoryPlan:
     """The step's memory plan; with `check`, raises MemoryPlanError when a program does not fit.
 
     peak_flops: FLOP/s per device for the time estimate; default: the published peak of the device
     (bookkeeping/metrics.py `device_peak_flops`: the chip table, or a measured matmul on CPU).
     target: the TPU slice `mesh` is built over (compile-only devices): its HBM and peak apply.
     costs: each program's whole cost and roofline estimate (`Planner.costed`: one more compile per
-    program); hbm_bandwidth: bytes/s per device for it where the chip table has no row (a CPU); chip: the
-    figures to estimate against instead of the devices' own (bench/roofline_check.py: an H200 run's
-    programs compiled here). Every program is traced on `mesh` (`mesh_context`), as the run traces it."""
+    program), or the named programs' only (the device kit times one program); hbm_bandwidth: bytes/s per
+    device for it where the chip table has no row (a CPU); chip: the figures to estimate against instead of
+    the devices' own (bench/roofline_check.py: an H200 run's programs compiled here). Every program is traced
+    on `mesh` (`mesh_context`), as the run traces it."""
     with planning_context(mesh, target):
         return _plan(spec, mesh, tokenizer, check, peak_flops, target, costs, hbm_bandwidth, chip)
 
@@ -500,7 +503,8 @@ def planning_setup(cfg: ConfigDict, topology: str | None = None, num_slices: int
 
 
 def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flops: float | None,
-          target: TpuTarget | None, costs: bool, hbm_bandwidth: float | None, chip: Chip | None) -> MemoryPlan:
+          target: TpuTarget | None, costs: bool | Collection[str], hbm_bandwidth: float | None,
+          chip: Chip | None) -> MemoryPlan:
     from jaxrl_llm.bookkeeping.metrics import device_peak_flops
 
     limit, source = device_memory(spec)
@@ -518,7 +522,11 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
     fitted = fit_with_levers(spec, spec.trainer.memory_levers if limit is not None else (), attempt, excess)
     planner, plan, picked, rows = fitted.attempt
     if costs:
-        rows = tuple(planner.costed(p, plan) for p in planner.programs)
+        unknown = set() if costs is True else set(costs) - {p.name for p in planner.programs}
+        if unknown:
+            raise ValueError(f"costs names programs this step does not run: {sorted(unknown)}")
+        rows = tuple(planner.costed(p, plan) if costs is True or p.name in costs else row
+                     for p, row in zip(planner.programs, rows, strict=True))
     peak_source = "the given peak"
     chip = chip or chip_for(mesh.devices.flat[0])
     if peak_flops is None and chip is not None:

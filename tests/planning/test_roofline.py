@@ -59,6 +59,19 @@ def test_costs_count_every_layer(tmp_path):
         assert first.hbm_bytes > 0 and second.hbm_bytes == pytest.approx(first.hbm_bytes, rel=0.25), name
 
 
+def test_costs_can_name_the_programs_to_cost(tmp_path):
+    """The device kit costs the one program it reports (`costs=("update_actor",)`): the others keep their
+    memory rows without a cost; a name the step does not run is refused by name."""
+    from jaxrl_llm.planning.memory import plan_memory
+
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.model.tiny.num_hidden_layers": 1})
+    plan = plan_memory(spec, mesh, tok, check=False, costs=("update_actor",))
+    assert [p.name for p in plan.programs if p.cost is not None] == ["update_actor"]
+    assert plan.roofline(plan.program("update_actor")).seconds > 0 and plan.roofline(plan.program("sample")) is None
+    with pytest.raises(ValueError, match="'updat_actor'"):
+        plan_memory(spec, mesh, tok, check=False, costs=("updat_actor",))
+
+
 def test_the_decode_step_is_not_charged_the_whole_pool_per_write(tmp_path, monkeypatch):
     """XLA:CPU charges each layer's K and V writes into the pool (and its gathers) with the whole pool; the
     plan takes out what the step's count grows with the pool (one more compile on half the pages):

@@ -122,6 +122,14 @@ def test_no_recompile_across_runs_and_utilisation(llama_tiny):
         assert out.tokens.shape == (len(prompts) * 3, NEW)
         assert 0.5 < stats.utilisation <= 1.0
     assert [f._cache_size() for f in jitted] == sizes
+    # rollout.precompile_drain=False (configs/tiny.py's): a drain set's program compiles when first reached, the
+    # same tokens and log-probs (the drain above, seed 2, ran through smaller slot sets)
+    assert stats.resizes > 0
+    lazy = PagedEngine(cfg, engine.spec, steps_per_call=engine.steps_per_call, precompile_drain=False)
+    again, again_stats = lazy.run(params, prompts, jax.random.key(2), knobs, settings)
+    assert again_stats.resizes == stats.resizes and not lazy._warm
+    np.testing.assert_array_equal(again.tokens, out.tokens)
+    np.testing.assert_array_equal(again.log_probs, out.log_probs)
 
 
 @pytest.mark.parametrize("sampled", [False, True])

@@ -59,10 +59,8 @@ def test_smollm2_engine_greedy_matches_transformers(smollm2_greedy):
                               opts=EngineOptions(max_num_seqs=2))
     np.testing.assert_array_equal(out.tokens, case.expected)
     assert stats.prefill_calls == 2
-    batched, batched_stats = sample_paged(case.params, case.cfg, case.prompts, jax.random.key(0), knobs,
-                                          settings=settings, opts=EngineOptions(max_num_seqs=2, batch_prefill=True))
-    np.testing.assert_array_equal(batched.tokens, case.expected)
-    assert batched_stats.prefill_calls == 1  # the two prompts share a length bucket: one batched call
+    # (rollout.batch_prefill gives the per-prompt prefill's tokens: test_engine_core.py, on the tiny model; with
+    # SmolLM2 too until 2026-12-06, a second compile of its 30 layers)
 
 
 SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=40, n=2, seed=5)

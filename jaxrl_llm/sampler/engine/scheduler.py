@@ -334,7 +334,8 @@ class PagedEngine:
 
     def __init__(self, cfg: ModelConfig, spec: programs.EngineSpec, *, compute_dtype: str = "float32",
                  steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None,
-                 prefill_chunk: int | None = None, batch_prefill: bool = False, unroll_layers: bool = False):
+                 prefill_chunk: int | None = None, batch_prefill: bool = False, unroll_layers: bool = False,
+                 precompile_drain: bool = True):
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
         refusal = speculative_refusal(cfg, spec.speculative)
@@ -354,6 +355,9 @@ class PagedEngine:
         self.unroll_layers = unroll_layers
         self._init_state: dict[tuple[int, bool], Any] = {}  # (max_new_tokens, recording) -> jitted initialiser
         self._state_r = None
+        # rollout.precompile_drain: every drain set's decode program compiled before the first round (else
+        # each when a drain first reaches it)
+        self.precompile_drain = precompile_drain
         self._warm: set = set()  # (settings, max_new_tokens) whose drain sizes are compiled
 
     def max_model_len(self) -> int:
@@ -386,9 +390,9 @@ class PagedEngine:
     def _warm_drain_sizes(self, params: dict, state: programs.DecodeState, rng: jax.Array, knobs: SampleKnobs,
                           settings: SampleSettings, draft_params: dict | None = None) -> programs.DecodeState:
         """Compiles `generate` for every drain size now (zero steps on empty slots), so which sizes
-        a run's drain reaches never adds a program in a later run."""
+        a run's drain reaches never adds a program in a later run. Nothing with `precompile_drain` off."""
         key = (settings, self._state_r)
-        if key in self._warm:
+        if key in self._warm or not self.precompile_drain:
             return state
         for size in self.drain_sizes():
             empty = self._resize(state, [], size)

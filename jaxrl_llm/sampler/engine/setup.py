@@ -60,6 +60,7 @@ class EngineOptions:
     attention_impl: str = "auto"  # 'auto' (Pallas on GPU / TPU, the C++ kernel on CPU), 'pallas', 'cpu', 'xla'
     enable_chunked_prefill: bool = True  # longer prompts prefill `prefill_chunk` tokens at a time
     batch_prefill: bool = False  # rollout.batch_prefill: new prompts of one bucket prefill in one call
+    precompile_drain: bool = True  # rollout.precompile_drain: every drain set's decode program before round 1
     cascade_attention: bool | str = "auto"  # rollout.cascade_attention: a prompt's n samples read its pages once
     unroll_layers: bool | str = "auto"  # rollout.unroll_layers: decode over per-layer weights (`unroll_for`)
     speculative: SpeculativeSpec | None = None  # rollout.speculative: draft and verify tokens (None: off)
@@ -167,14 +168,14 @@ def get_engine(cfg: ModelConfig, spec: EngineSpec, opts: EngineOptions, compute_
     if not isinstance(opts.unroll_layers, bool):
         raise ValueError("get_engine: resolve rollout.unroll_layers='auto' first (EngineOptions.unroll_for)")
     key = (cfg, spec, compute_dtype, opts.steps_per_call, opts.max_num_batched_tokens, opts.prefill_chunk,
-           opts.batch_prefill, opts.unroll_layers, mesh)
+           opts.batch_prefill, opts.unroll_layers, opts.precompile_drain, mesh)
     if key not in _ENGINES:
         if len(_ENGINES) >= 4:  # a few shapes per run; drop the oldest pool
             _ENGINES.pop(next(iter(_ENGINES)))
         _ENGINES[key] = PagedEngine(cfg, spec, compute_dtype=compute_dtype, steps_per_call=opts.steps_per_call,
                                     max_num_batched_tokens=opts.max_num_batched_tokens, mesh=mesh,
                                     prefill_chunk=opts.prefill_chunk, batch_prefill=opts.batch_prefill,
-                                    unroll_layers=opts.unroll_layers)
+                                    unroll_layers=opts.unroll_layers, precompile_drain=opts.precompile_drain)
     return _ENGINES[key]
 
 
