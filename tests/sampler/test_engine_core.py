@@ -61,10 +61,12 @@ def test_paged_attention_equals_dense(window):
     np.testing.assert_allclose(np.asarray(got8), np.asarray(want), atol=0.05)
 
 
-def _engine(cfg, slots, *, num_pages=64, page_size=4, steps=3, kv="auto"):
+def _engine(cfg, slots, *, num_pages=64, page_size=4, steps=3, kv="auto", precompile=False):
     spec = EngineSpec(max_num_seqs=slots, page_size=page_size, num_pages=num_pages, pages_per_slot=8,
                       kv_cache_dtype=kv)
-    return PagedEngine(cfg, spec, steps_per_call=steps)
+    # the drain's slot sets compile when first reached (rollout.precompile_drain=False): the same tokens, fewer
+    # programs (the recompile test below compiles them all up front, the default)
+    return PagedEngine(cfg, spec, steps_per_call=steps, precompile_drain=precompile)
 
 
 def _args(cfg, sp):
@@ -111,7 +113,7 @@ def test_sampled_logprobs_equal_scoring_and_do_not_depend_on_slots_or_order(llam
 def test_no_recompile_across_runs_and_utilisation(llama_tiny):
     cfg, params = llama_tiny
     settings, knobs = _args(cfg, SAMPLED)  # the settings and shapes of the test above: no new programs
-    engine = _engine(cfg, 3)
+    engine = _engine(cfg, 3, precompile=True)
     engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
     jitted = (programs.prefill, programs.prefill_batch, programs.insert, programs.insert_at, programs.generate,
               programs.clear_slots)

@@ -41,7 +41,7 @@ def test_engine_greedy_matches_transformers(case, tmp_path):
     # weights (rollout.unroll_layers: every family's unrolled decode against transformers, while the
     # other engine tests run the default layer scan)
     engine = PagedEngine(cfg, EngineSpec(max_num_seqs=3, page_size=4, num_pages=32, pages_per_slot=8),
-                         steps_per_call=4, unroll_layers=True)
+                         steps_per_call=4, unroll_layers=True, precompile_drain=False)
     out, _ = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
     np.testing.assert_array_equal(out.tokens, expected)
     for row, seq in enumerate(expected):
@@ -56,7 +56,7 @@ def test_smollm2_engine_greedy_matches_transformers(smollm2_greedy):
     settings, knobs = SamplingParams(max_new_tokens=case.new_tokens, do_sample=False).compile_args(
         [case.eos_id], case.pad_id, vocab_size=case.cfg.vocab_size)
     out, stats = sample_paged(case.params, case.cfg, case.prompts, jax.random.key(0), knobs, settings=settings,
-                              opts=EngineOptions(max_num_seqs=2))
+                              opts=EngineOptions(max_num_seqs=2, precompile_drain=False))
     np.testing.assert_array_equal(out.tokens, case.expected)
     assert stats.prefill_calls == 2
     # (rollout.batch_prefill gives the per-prompt prefill's tokens: test_engine_core.py, on the tiny model; with
@@ -71,7 +71,7 @@ def engine_single_device(llama_tiny):
     cfg, params = llama_tiny
     settings, knobs = SAMPLED.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
     out, _ = sample_paged(jax.device_put(params, jax.devices()[0]), cfg, PROMPTS8, jax.random.key(5), knobs,
-                          settings=settings, opts=EngineOptions(max_num_seqs=8))
+                          settings=settings, opts=EngineOptions(max_num_seqs=8, precompile_drain=False))
     return out
 
 
@@ -82,7 +82,7 @@ def test_engine_sharded_matches_one_device(llama_tiny, engine_single_device, mes
     placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
     settings, knobs = SAMPLED.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
     out, _ = sample_paged(placed, cfg, PROMPTS8, jax.random.key(5), knobs, settings=settings,
-                          opts=EngineOptions(max_num_seqs=8), mesh=mesh)
+                          opts=EngineOptions(max_num_seqs=8, precompile_drain=False), mesh=mesh)
     ref = engine_single_device
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
@@ -113,11 +113,12 @@ def test_engine_paths_follow_transformers_and_the_trainers_scoring(case, tmp_pat
     hybrid = case == "qwen3_5"
     spec = EngineSpec(max_num_seqs=4, page_size=4, num_pages=48, pages_per_slot=8, attn_impl=impl, cascade=True,
                       speculative=None if hybrid else SpeculativeSpec(num_tokens=2))
-    engine = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=None if hybrid else 4, batch_prefill=hybrid)
+    engine = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=None if hybrid else 4, batch_prefill=hybrid,
+                         precompile_drain=False)
     if hybrid:
         with pytest.raises(ValueError, match="cannot roll back"):
             PagedEngine(cfg, dataclasses.replace(spec, speculative=SpeculativeSpec(num_tokens=2)))
-        chunked = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=4)
+        chunked = PagedEngine(cfg, spec, steps_per_call=4, prefill_chunk=4, precompile_drain=False)
     for sp in (SamplingParams(max_new_tokens=NEW, do_sample=False, n=2), SamplingParams(max_new_tokens=NEW, n=2)):
         settings, knobs = sp.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
         out, stats = engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)

@@ -40,8 +40,10 @@ def _sample(cfg, params, prompts, engine: str, seed: int = 0, n: int = 1, opts: 
     settings, knobs = sp.compile_args(cfg.eos_token_ids, 0, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
     settings = dataclasses.replace(settings, record_routing=replay)
     if engine == "paged":
+        # every sequence runs NEW_TOKENS (ignore_eos): no drain, so none of its slot sets' programs is compiled
+        opts = dataclasses.replace(opts or EngineOptions(engine="paged"), precompile_drain=False)
         out, engine_stats = sample_paged(params, cfg, prompts, jax.random.key(seed), knobs, settings=settings,
-                                         opts=opts or EngineOptions(engine="paged"), draft_params=draft_params)
+                                         opts=opts, draft_params=draft_params)
         if stats is not None:
             stats.append(engine_stats)
         return out

@@ -65,7 +65,7 @@ def _draft_spec(draft_model, k):
 def _engine(cfg, speculative, *, slots=4, num_pages=48, steps=4):
     spec = EngineSpec(max_num_seqs=slots, page_size=4, num_pages=num_pages, pages_per_slot=12,
                       speculative=speculative)
-    return PagedEngine(cfg, spec, steps_per_call=steps)
+    return PagedEngine(cfg, spec, steps_per_call=steps, precompile_drain=False)
 
 
 def _args(cfg, sp):

@@ -135,7 +135,7 @@ def _generate(params: dict, mesh: jax.sharding.Mesh | None):
         ids, mask = sharding.shard_batch((jnp.asarray(ids), jnp.asarray(mask)), mesh)
     static = sample(params, CFG, ids, mask, jax.random.key(0), knobs, settings=settings, mesh=mesh)
     paged, _ = sample_paged(params, CFG, PROMPTS8, jax.random.key(0), knobs, settings=settings,
-                            opts=EngineOptions(max_num_seqs=8), mesh=mesh)
+                            opts=EngineOptions(max_num_seqs=8, precompile_drain=False), mesh=mesh)
     return np.asarray(static.tokens), np.asarray(paged.tokens)
 
 
