@@ -22,7 +22,8 @@ def test_context_distillation_example_learns(tmp_path, smollm2_gguf):
     val = [r[key] for r in rows if key in r]
     kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
     # measured (12 steps): greedy bare-number answers 0.0 -> 1.0 at step 6; reverse KL 0.61 / 0.74 / 0.79
-    # over steps 1-3 -> 0.36 / 0.37 / 0.34 over steps 5-7
+    # over steps 1-3 -> 0.36 / 0.37 / 0.34 over steps 5-7; as run here (2026-12-06, 16 questions): 0.0 -> 1.0,
+    # reverse KL 0.78 0.79 0.82 0.31 0.52 0.19
     assert len(val) == 2 and val[0] <= 0.2 and val[1] >= 0.75, val
     assert len(kl) == 6 and np.mean(kl[-2:]) < 0.75 * np.mean(kl[:3]), kl
     assert all(r["timing_s/teacher"] > 0 for r in rows if "distill/reverse_kl" in r)
