@@ -522,10 +522,11 @@ def _plan(spec: RunSpec, mesh: Mesh, tokenizer: Tokenizer, check: bool, peak_flo
     fitted = fit_with_levers(spec, spec.trainer.memory_levers if limit is not None else (), attempt, excess)
     planner, plan, picked, rows = fitted.attempt
     if costs:
-        unknown = set() if costs is True else set(costs) - {p.name for p in planner.programs}
-        if unknown:
-            raise ValueError(f"costs names programs this step does not run: {sorted(unknown)}")
-        rows = tuple(planner.costed(p, plan) if costs is True or p.name in costs else row
+        names = {p.name for p in planner.programs}
+        costed = names if costs is True else set(costs)
+        if costed - names:
+            raise ValueError(f"costs names programs this step does not run: {sorted(costed - names)}")
+        rows = tuple(planner.costed(p, plan) if p.name in costed else row
                      for p, row in zip(planner.programs, rows, strict=True))
     peak_source = "the given peak"
     chip = chip or chip_for(mesh.devices.flat[0])

@@ -390,9 +390,9 @@ class PagedEngine:
     def _warm_drain_sizes(self, params: dict, state: programs.DecodeState, rng: jax.Array, knobs: SampleKnobs,
                           settings: SampleSettings, draft_params: dict | None = None) -> programs.DecodeState:
         """Compiles `generate` for every drain size now (zero steps on empty slots), so which sizes
-        a run's drain reaches never adds a program in a later run. Nothing with `precompile_drain` off."""
+        a run's drain reaches never adds a program in a later run."""
         key = (settings, self._state_r)
-        if key in self._warm or not self.precompile_drain:
+        if key in self._warm:
             return state
         for size in self.drain_sizes():
             empty = self._resize(state, [], size)
@@ -583,7 +583,8 @@ class PagedEngine:
         stats = EngineStats(speculative=spec.speculative is not None)
         size = spec.max_num_seqs  # slots of the state now (shrunk while the queue drains)
         sizes = self.drain_sizes()
-        state = self._warm_drain_sizes(step_params, state, rng, knobs, settings, step_draft)
+        if self.precompile_drain:  # else each drain set's program compiles when the drain first reaches it
+            state = self._warm_drain_sizes(step_params, state, rng, knobs, settings, step_draft)
         queue: collections.deque[EngineRequest] = collections.deque()
         groups: dict[int, _Group] = {}
         slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
