@@ -23,7 +23,10 @@ Why each order is fixed:
   two-pass softmax (the peak over all keys is exact in any order), each block's exp-sum by `tree_sum`
   and its probabilities x V as fixed-shape contractions (query rows padded to `MIN_ROWS`), blocks added
   one after another from the first. Keys past a row's length (the cache's empty slots, the
-  trainer's later tokens) add exact zeros, so the number of blocks does not matter either.
+  trainer's later tokens) add exact zeros, so the number of blocks does not matter either. On GPU and
+  TPU a Pallas kernel (models/invariant_attention.py) runs instead, on every path of that backend: one
+  program per tile of query rows walks the key blocks in order with the online softmax, skipping the
+  blocks without a valid key (exact zeros too); its blocks divide KEY_BLOCK, so the anchoring holds.
 - Log-probs (`vocab_scan`): the vocabulary in chunks of `VOCAB_CHUNK`, each chunk's logits by `matmul`,
   merged by the online logsumexp in vocabulary order, within a chunk by `tree_sum`: the sampler and the
   trainer's fused log-prob run this one loop. Divisions by the temperature stay divisions on both sides
@@ -264,8 +267,60 @@ def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | Non
                   ) -> tuple[Array, Array]:
     """(fp32 out [B, kv, rows, D], lse [B, kv, rows]) of grouped queries qg [B, kv, rows, D] over keys
     k / v [B, kv, S, D] anchored at key 0 (`anchor_keys`), where `valid` [B, kv or 1, rows, S]; `sink`
-    (broadcastable to [B, kv, rows]) fp32 attention sinks or None. S is padded to whole KEY_BLOCKs and the
-    rows to at least MIN_ROWS (module doc). A row without a valid key gets zeros (lse MASKED_SCORE)."""
+    (broadcastable to [B, kv, rows]) fp32 attention sinks or None. A row without a valid key gets zeros (lse
+    MASKED_SCORE). By the platform the program is lowered for: on GPU and TPU the Pallas kernels of
+    models/invariant_attention.py, elsewhere `xla_attend_blocks`; each backend runs one of them on every
+    path, so a token's bits agree between the trainer and the sampler."""
+    from jaxrl_llm.models import invariant_attention
+
+    def branch(fn: Callable[..., tuple[Array, Array]]) -> Callable[..., tuple[Array, Array]]:
+        return lambda q, k, v, valid, *sink: fn(q, k, v, valid, sink[0] if sink else None, softcap)
+
+    def kernels(*operands: Array) -> tuple[Array, Array]:
+        return lax.platform_dependent(*operands, cuda=branch(invariant_attention.triton_attention),
+                                      tpu=branch(invariant_attention.mosaic_attention),
+                                      default=branch(xla_attend_blocks))
+
+    if sink is not None:  # one value per (batch row, kv head, row), split as the queries are
+        sink = jnp.broadcast_to(sink.astype(jnp.float32), qg.shape[:3])
+    return _per_device(kernels, qg, k, v, valid, sink)
+
+
+def _per_device(fn: Callable[..., tuple[Array, Array]], qg: Array, k: Array, v: Array, valid: Array,
+                sink: Array | None) -> tuple[Array, Array]:
+    """fn(qg, k, v, valid[, sink]) on each device's batch rows (and kv heads, on a `tensor` split that divides
+    them), under shard_map over the mesh axes not already manual: XLA cannot partition a Pallas kernel. The
+    batch is padded with rows of no valid key to a multiple of the batch ways."""
+    mesh = jax.sharding.get_abstract_mesh()
+    # the axes not already manual (inside a context split's shard_map every axis is); a Mosaic call must see
+    # every axis manual, those of size 1 too
+    free = {} if mesh.empty else {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
+                                                                         mesh.axis_types)
+                                  if kind != jax.sharding.AxisType.Manual}
+    operands = (qg, k, v, valid) + (() if sink is None else (sink,))
+    if not free:
+        return fn(*operands)
+    batch = tuple(a for a in BATCH_AXES if free.get(a, 1) > 1)
+    heads = "tensor" if free.get("tensor", 1) > 1 and qg.shape[1] % free["tensor"] == 0 else None
+    ways = math.prod(free[a] for a in batch)
+    b = qg.shape[0]
+    padded = -(-b // ways) * ways
+    if padded != b:
+        operands = tuple(_pad_axis(x, 0, padded, False if x.dtype == jnp.bool_ else 0) for x in operands)
+    row_spec = batch or None
+    q_spec = P(row_spec, heads, None, None)
+    valid_spec = P(row_spec, heads if valid.shape[1] > 1 else None, None, None)
+    in_specs = (q_spec, q_spec, q_spec, valid_spec) + (() if sink is None else (P(row_spec, heads, None),))
+    run = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(q_spec, P(row_spec, heads, None)),
+                        axis_names=frozenset(free), check_vma=False)
+    out, lse = run(*operands)
+    return out[:b], lse[:b]
+
+
+def xla_attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None
+                      ) -> tuple[Array, Array]:
+    """`attend_blocks` in XLA ops (CPU, and any backend without a kernel): S padded to whole KEY_BLOCKs and
+    the rows to at least MIN_ROWS, a two-pass softmax (module doc)."""
     b, nkv, rows, hd = qg.shape
     # at least two blocks: XLA inlines a loop of one trip, and the body then fuses with its surroundings
     # into other kernels (measured: another p.v sum order on CPU)

@@ -117,27 +117,56 @@ def paged_decode_attention_xla(q: Array, k_pages: Array, v_pages: Array, lengths
 def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, lengths: Array,
                                      page_indices: Array, *, sliding_window: int | None = None,
                                      layer: Array | None = None, softcap: float | None = None,
-                                     sinks: Array | None = None) -> Array:
-    """The contract's attention with the batch-invariant numerics: each slot's pages gathered in order
-    (position 0 first) and attended by `invariant.attend_blocks`, the function the trainer's and the static
-    sampler's attention run over keys anchored at a row's first token, so a token's output has the same
-    bits in all three (models/invariant.py). Compute-dtype pages only (int8 pages are refused by the config)."""
+                                     sinks: Array | None = None, mesh: Mesh | None = None) -> Array:
+    """The contract's attention with the batch-invariant numerics (models/invariant.py): a token's output has the
+    bits of the trainer's and the static sampler's attention. On GPU and TPU the pool is read in place by the
+    mode's paged kernel (models/invariant_attention.py `paged_attention`: the contiguous kernel's tiles and
+    steps, its key blocks made of the slot's pages) where its shapes hold (`paged_supported`), per kv-head shard
+    on `mesh` as the default kernels; elsewhere each slot's pages are gathered in order (position 0 first) and
+    attended by `invariant.attend_blocks`. Compute-dtype pages only (int8 pages are refused by the config)."""
+    from jaxrl_llm.models import invariant_attention
+
     q = jnp.asarray(q)
-    pool = flat_pool(k_pages, v_pages, None, None, layer, q.shape[-1])
-    qg = query_rows(q, pool)  # [slots, kv, g, D]
-    slots, nkv, g, _ = qg.shape
-    table = jnp.asarray(page_indices, jnp.int32)
-    k, v = gather_block(pool, "k", table, q.dtype), gather_block(pool, "v", table, q.dtype)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
-    valid = pos < lengths[:, None]
-    if sliding_window is not None:
-        valid &= pos >= (lengths - sliding_window)[:, None]
-    valid = jnp.broadcast_to(valid[:, None, None, :], (slots, 1, g, k.shape[2]))
-    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, nkv, g)
-    out, _ = invariant.attend_blocks(qg, k, v, valid, sink, softcap)
-    out = out * (lengths > 0)[:, None, None, None]
-    return out.reshape(q.shape).astype(q.dtype)
+    layered = layer is not None
+    if not layered:  # one layer's pages: the kernels read a stacked pool
+        k_pages, v_pages = jnp.asarray(k_pages)[None], jnp.asarray(v_pages)[None]
+    layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+
+    def gathered(q, k_pages, v_pages, lengths, page_indices):
+        pool = flat_pool(k_pages, v_pages, None, None, layer, q.shape[-1])
+        qg = query_rows(q, pool)  # [slots, kv, g, D]
+        slots, nkv, g, _ = qg.shape
+        table = jnp.asarray(page_indices, jnp.int32)
+        k, v = gather_block(pool, "k", table, q.dtype), gather_block(pool, "v", table, q.dtype)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
+        valid = pos < lengths[:, None]
+        if sliding_window is not None:
+            valid &= pos >= (lengths - sliding_window)[:, None]
+        valid = jnp.broadcast_to(valid[:, None, None, :], (slots, 1, g, k.shape[2]))
+        sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, nkv, g)
+        out, _ = invariant.attend_blocks(qg, k, v, valid, sink, softcap)
+        out = out * (lengths > 0)[:, None, None, None]
+        return out.reshape(q.shape).astype(q.dtype)
+
+    def in_place(variant: str):
+        if not invariant_attention.paged_supported(variant, q.shape[-1], k_pages.shape[-1], k_pages.shape[-2]):
+            return gathered
+
+        def run(q, k_pages, v_pages, lengths, table, layer, *sink):
+            nkv = k_pages.shape[1]
+            qg = q.reshape(q.shape[0], nkv, q.shape[1] // nkv, q.shape[2])
+            out = invariant_attention.paged_attention(
+                qg, from_storage(k_pages), from_storage(v_pages), lengths, table, layer=layer, window=sliding_window,
+                sink=sink[0] if sink else None, softcap=softcap, variant=variant)
+            return out.reshape(q.shape).astype(q.dtype)
+
+        rest = (layer,) if sinks is None else (layer, sinks.astype(jnp.float32))
+        per_shard = per_kv_head_shard(run, mesh, k_pages, replicated=2 + len(rest), per_head=(3,))
+        return lambda q, kp, vp, lens, table: per_shard(q, kp, vp, lens, table, *rest)
+
+    return lax.platform_dependent(q, k_pages, v_pages, lengths, page_indices, cuda=in_place("triton"),
+                                  tpu=in_place("mosaic"), default=gathered)
 
 
 def takes_xla_path(impl: str, int8_pages: bool) -> bool:
@@ -190,7 +219,7 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     if invariant.enabled():  # model.batch_invariant: the dense path's blocked order (models/invariant.py)
         return paged_decode_attention_invariant(q, k_pages, v_pages, lengths, page_indices,
                                                 sliding_window=sliding_window, layer=layer, softcap=softcap,
-                                                sinks=sinks)
+                                                sinks=sinks, mesh=mesh)
     if impl == "cpu" and sinks is not None:
         raise ValueError("rollout.paged_attention='cpu' does not take attention sinks (GPT-OSS); use 'auto' or 'xla'")
     if sinks is None and takes_cpu_kernel(impl, q.dtype, k_pages.dtype, k_scales is not None, cascade is not None):

@@ -451,3 +451,27 @@ def test_delta_rule_chunk_kernel_compiles_for_tpu_at_real_shapes(topology="v6e:2
 
     forward = jax.jit(out).lower(*args).compile()
     assert dict(kernel_calls(forward.as_text(), "tpu")).get("tpu_custom_call") == 1
+
+
+@needs_libtpu
+def test_batch_invariant_programs_compile_for_tpu_and_lower_for_cuda(tmp_path):
+    """`model.batch_invariant` on v5e:2x2 (fsdp 4) in bf16, paged engine: the sampler (prefill and decode) and the
+    actor update compile with the mode's kernels (models/invariant_attention.py's attention, its paged form in the
+    decode step, and the fixed-tile GEMMs, each under a shard_map: Mosaic calls cannot be partitioned), and the
+    sampler lowers for CUDA with the Triton ones."""
+    overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
+                 "trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.batch_invariant": True}
+    for name in ("sample", "update_actor"):
+        _, compiled = _compiled_program(tmp_path, overrides, name)
+        text = compiled.as_text()
+        assert dict(kernel_calls(text, "tpu")).get("tpu_custom_call", 0) >= 4, name
+        # the engine's steps read the pool in place (no gathered copy of the page table), the update's forward
+        # runs the contiguous kernel
+        kernel = "invariant_paged_attention_mosaic" if name == "sample" else "invariant_attention_mosaic"
+        assert text.count(kernel) >= 2, name
+    cfg = validate_config(tiny_config(tmp_path, **{**overrides, "trainer.plan_topology": None}), num_devices=8)
+    with compiling_for(CompileTarget("gpu", None)):
+        spec, programs = _programs(cfg, jax.devices())
+        sample = next(p for p in programs if p.name == "sample")
+        text = sample.lower(spec.plan, platforms=("cuda",)).as_text()
+    assert "invariant_paged_attention_triton" in text
