@@ -96,22 +96,22 @@ def _step(q: Array, k: Array, v: Array, valid: Array, carry: tuple[Array, Array,
 def _init(rows: int, width: int, sink: Array | None) -> tuple[Array, Array, Array]:
     """The online softmax before any key: a sink is a key of score `sink` and a zero value."""
     if sink is None:
-        m, l = jnp.full((rows, 1), MASKED_SCORE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
+        m, denom = jnp.full((rows, 1), MASKED_SCORE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
     else:
-        m, l = sink, jnp.ones((rows, 1), jnp.float32)
-    return m, l, jnp.zeros((rows, width), jnp.float32)
+        m, denom = sink, jnp.ones((rows, 1), jnp.float32)
+    return m, denom, jnp.zeros((rows, width), jnp.float32)
 
 
-def _finish(m: Array, l: Array, acc: Array) -> tuple[Array, Array]:
-    seen = l > 0.0
-    safe = jnp.where(seen, l, 1.0)
+def _finish(m: Array, denom: Array, acc: Array) -> tuple[Array, Array]:
+    seen = denom > 0.0
+    safe = jnp.where(seen, denom, 1.0)
     return jnp.where(seen, acc / safe, 0.0), jnp.where(seen, m + jnp.log(safe), MASKED_SCORE)
 
 
 # ---- the operands both lowerings take ----
 
 def _operands(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, rows: int, keys: int,
-              width: int) -> tuple[Array, ...]:
+              width: int) -> tuple[Array, Array, Array, Array, Array | None]:
     """qg / k / v / valid padded to whole tiles (rows), key blocks (keys) and `width` lanes (zeros: exact in
     the products, and masked keys); valid as int8; the sink as fp32 [B, kv, R, 1] (or None)."""
     b, nkv, r, d = qg.shape
@@ -140,8 +140,8 @@ def _triton_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, keys: 
         return _step(q, k_ref[pl.ds(at, keys), :], v_ref[pl.ds(at, keys), :], valid_ref[:, pl.ds(at, keys)] != 0,
                      carry, scale=scale, softcap=softcap)
 
-    m, l, acc = lax.fori_loop(lo_ref[0], hi_ref[0], block, _init(q.shape[0], q.shape[1], sink))
-    out_ref[...], lse_ref[...] = _finish(m, l, acc)
+    m, denom, acc = lax.fori_loop(lo_ref[0], hi_ref[0], block, _init(q.shape[0], q.shape[1], sink))
+    out_ref[...], lse_ref[...] = _finish(m, denom, acc)
 
 
 def triton_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None,
@@ -188,8 +188,8 @@ def _mosaic_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, tiles:
 
     @pl.when(j == 0)
     def _start():
-        m, l, acc = _init(q_ref.shape[0], q_ref.shape[1], sink_ref[...] if sink_ref is not None else None)
-        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+        m, denom, acc = _init(q_ref.shape[0], q_ref.shape[1], sink_ref[...] if sink_ref is not None else None)
+        m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
 
     @pl.when(jnp.logical_and(j >= lo, j < hi))  # the blocks outside add exact zeros (module doc)
     def _block():
@@ -304,8 +304,8 @@ def _paged_triton_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *refs, pages_p
         valid = _length_mask(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
-    m, l, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], q.shape[1], sink_ref[...] if has_sink else None))
-    out_ref[...] = _finish(m, l, acc)[0]
+    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], q.shape[1], sink_ref[...] if sink_ref is not None else None))
+    out_ref[...] = _finish(m, denom, acc)[0]
 
 
 def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_per_block: int, pages_per_slot: int,
@@ -351,8 +351,8 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
         valid = _length_mask(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
-    m, l, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], width, sink_ref[...] if has_sink else None))
-    out_ref[...] = _finish(m, l, acc)[0]
+    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], width, sink_ref[...] if sink_ref is not None else None))
+    out_ref[...] = _finish(m, denom, acc)[0]
 
 
 def paged_attention(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, table: Array, *, layer: Array,
