@@ -194,10 +194,10 @@ def _invariant_chunks_fwd(q, k, v, allowed, key_start, sinks, nkv, chunks, softc
     outs, lses = [], []
     for s, e, n in chunks:
         rows = e - s
-        valid = jnp.tile(allowed_anchored[:, None, s:e, :n], (1, 1, g, 1))  # [B, 1, g * t, n] (g-major rows)
+        valid = allowed_anchored[:, None, s:e, :n]  # [B, 1, t, n]: one row per token of the g-major rows
         row_sink = None if sink is None else jnp.broadcast_to(sink, (1, nkv, g, rows)).reshape(1, nkv, g * rows)
         out, lse = invariant.attend_blocks(_group_queries(q[:, s:e], nkv), k_anchored[:, :, :n], v_anchored[:, :, :n],
-                                           valid, row_sink, softcap)
+                                           valid, row_sink, softcap, groups=g)
         outs.append(out)
         lses.append(lse.reshape(b, nkv, g, rows))
     out = jnp.concatenate([_ungroup(o, e - s) for o, (s, e, _) in zip(outs, chunks)], axis=1)

@@ -263,23 +263,28 @@ def _block_scores(qg: Array, k_block: Array, softcap: float | None) -> Array:
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
-def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None
-                  ) -> tuple[Array, Array]:
+def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None,
+                  groups: int = 1) -> tuple[Array, Array]:
     """(fp32 out [B, kv, rows, D], lse [B, kv, rows]) of grouped queries qg [B, kv, rows, D] over keys
-    k / v [B, kv, S, D] anchored at key 0 (`anchor_keys`), where `valid` [B, kv or 1, rows, S]; `sink`
+    k / v [B, kv, S, D] anchored at key 0 (`anchor_keys`), where `valid` [B, kv or 1, rows / groups, S]: with
+    `groups` > 1 the rows are g-major (row = group * t + token) and `valid` holds one row per token; `sink`
     (broadcastable to [B, kv, rows]) fp32 attention sinks or None. A row without a valid key gets zeros (lse
     MASKED_SCORE). By the platform the program is lowered for: on GPU and TPU the Pallas kernels of
     models/invariant_attention.py, elsewhere `xla_attend_blocks`; each backend runs one of them on every
     path, so a token's bits agree between the trainer and the sampler."""
     from jaxrl_llm.models import invariant_attention
 
+    def xla(q: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None, groups: int
+            ) -> tuple[Array, Array]:
+        return xla_attend_blocks(q, k, v, jnp.tile(valid, (1, 1, groups, 1)) if groups > 1 else valid, sink, softcap)
+
     def branch(fn: Callable[..., tuple[Array, Array]]) -> Callable[..., tuple[Array, Array]]:
-        return lambda q, k, v, valid, *sink: fn(q, k, v, valid, sink[0] if sink else None, softcap)
+        return lambda q, k, v, valid, *sink: fn(q, k, v, valid, sink[0] if sink else None, softcap, groups)
 
     def kernels(*operands: Array) -> tuple[Array, Array]:
         return lax.platform_dependent(*operands, cuda=branch(invariant_attention.triton_attention),
                                       tpu=branch(invariant_attention.mosaic_attention),
-                                      default=branch(xla_attend_blocks))
+                                      default=branch(xla))
 
     if sink is not None:  # one value per (batch row, kv head, row), split as the queries are
         sink = jnp.broadcast_to(sink.astype(jnp.float32), qg.shape[:3])

@@ -23,6 +23,7 @@ built for a backend runs one of them on every path (`lax.platform_dependent`, by
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,21 +111,64 @@ def _finish(m: Array, denom: Array, acc: Array) -> tuple[Array, Array]:
 
 # ---- the operands both lowerings take ----
 
-def _operands(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, rows: int, keys: int,
-              width: int) -> tuple[Array, Array, Array, Array, Array | None]:
-    """qg / k / v / valid padded to whole tiles (rows), key blocks (keys) and `width` lanes (zeros: exact in
-    the products, and masked keys); valid as int8; the sink as fp32 [B, kv, R, 1] (or None)."""
+class _Operands(NamedTuple):
+    """The kernels' operands: qg [B, kv, tiles * rows, width]; k / v [B, kv, blocks * keys, width]; valid int8
+    [B, kv or 1, mask_tiles * rows, blocks * keys]: query tile i reads mask tile i % mask_tiles (its visited
+    blocks too: lo / hi [B * mask_tiles]); sink fp32 [B, kv, tiles * rows, 1] or None."""
+
+    qg: Array
+    k: Array
+    v: Array
+    valid: Array
+    sink: Array | None
+    lo: Array
+    hi: Array
+    mask_tiles: int
+    unpad: Callable[[Array], Array]  # [B, kv, tiles * rows, ...] -> the caller's [B, kv, R, ...]
+
+
+def _operands(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, groups: int, rows: int, keys: int,
+              width: int) -> _Operands:
+    """Padded with zeros to whole tiles (rows), key blocks (keys) and `width` lanes (exact in the products; the
+    padded keys masked). `valid` holds a row per query row, or with `groups` > 1 one per token of the g-major
+    rows (row = group * t + token, as `attend_blocks`' caller groups them): then, where t fills a tile, each
+    group's rows are padded to whole tiles and every group's tiles read the one token mask (a g-fold smaller
+    mask than repeating it); shorter rows (a decode step) repeat the mask and share tiles."""
     b, nkv, r, d = qg.shape
-    r_pad, s_pad = -(-r // rows) * rows, max(1, -(-k.shape[2] // keys)) * keys
+    t = r // groups
+    s_pad = max(1, -(-k.shape[2] // keys)) * keys
 
     def pad(x: Array, *sizes: int) -> Array:
         return jnp.pad(x, [(0, 0)] * (x.ndim - len(sizes)) + [(0, n - m) for n, m in zip(sizes, x.shape[-len(sizes):])])
 
-    qg, k, v = pad(qg, r_pad, width), pad(k, s_pad, width), pad(v, s_pad, width)
-    valid = pad(valid.astype(jnp.int8), r_pad, s_pad)
-    if sink is not None:
-        sink = pad(jnp.broadcast_to(sink.astype(jnp.float32), (b, nkv, r)), r_pad)[..., None]
-    return qg, k, v, valid, sink
+    sink = None if sink is None else jnp.broadcast_to(sink.astype(jnp.float32), (b, nkv, r))
+    if groups > 1 and t >= rows:
+        t_pad = -(-t // rows) * rows
+
+        def by_group(x: Array) -> Array:  # [B, kv, g * t, ...] -> [B, kv, g * t_pad, ...]
+            x = x.reshape(b, nkv, groups, t, *x.shape[3:])
+            x = jnp.pad(x, [(0, 0)] * 3 + [(0, t_pad - t)] + [(0, 0)] * (x.ndim - 4))
+            return x.reshape(b, nkv, groups * t_pad, *x.shape[4:])
+
+        def unpad(x: Array) -> Array:
+            x = x.reshape(b, nkv, groups, t_pad, *x.shape[3:])[:, :, :, :t]
+            return x.reshape(b, nkv, r, *x.shape[4:])
+
+        qg, sink, mask_rows = by_group(qg), None if sink is None else by_group(sink), t_pad
+    else:
+        if groups > 1:
+            valid = jnp.tile(valid, (1, 1, groups, 1))
+        r_pad = mask_rows = -(-r // rows) * rows
+        qg = pad(qg, r_pad, d)
+        sink = None if sink is None else pad(sink, r_pad)
+
+        def unpad(x: Array) -> Array:
+            return x[:, :, :r]
+
+    valid = pad(valid, mask_rows, s_pad)
+    lo, hi = visited_blocks(valid, rows, keys)
+    return _Operands(pad(qg, qg.shape[2], width), pad(k, s_pad, width), pad(v, s_pad, width), valid.astype(jnp.int8),
+                     None if sink is None else sink[..., None], lo, hi, mask_rows // rows, unpad)
 
 
 # ---- Triton (GPU) ----
@@ -145,44 +189,45 @@ def _triton_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, keys: 
 
 
 def triton_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None,
-                     interpret: bool = False) -> tuple[Array, Array]:
+                     groups: int = 1, interpret: bool = False) -> tuple[Array, Array]:
     """GPU: the module's kernel as a Pallas Triton call (grid: batch row, kv head, row tile; the key blocks a
-    sequential loop inside the program). head_dim is read zero-padded to a power of 2 (Triton's blocks)."""
+    sequential loop inside the program). head_dim is read zero-padded to a power of 2 (Triton's blocks);
+    `groups`: `_operands`."""
     b, nkv, r, d = qg.shape
     width = max(16, next_power_of_two(d))
     rows, keys, warps = gpu_blocks(width)
-    qg, k, v, valid, sink = _operands(qg, k, v, valid, sink, rows, keys, width)
-    tiles, s_pad = qg.shape[2] // rows, k.shape[2]
-    lo, hi = visited_blocks(valid != 0, rows, keys)
-    per_kv = valid.shape[1] > 1
+    ops = _operands(qg, k, v, valid, sink, groups, rows, keys, width)
+    tiles, s_pad, mask_tiles = ops.qg.shape[2] // rows, ops.k.shape[2], ops.mask_tiles
+    per_kv = ops.valid.shape[1] > 1
 
     def tile_spec(last: int):
         return pl.BlockSpec((None, None, rows, last), lambda i, h, t: (i, h, t, 0))
 
     whole = pl.BlockSpec((None, None, s_pad, width), lambda i, h, t: (i, h, 0, 0))
-    bound = pl.BlockSpec((1,), lambda i, h, t: (i * tiles + t,))
-    mask = pl.BlockSpec((None, None, rows, s_pad), lambda i, h, t: (i, h if per_kv else 0, t, 0))
-    in_specs = [bound, bound, tile_spec(width), whole, whole, mask] + ([tile_spec(1)] if sink is not None else [])
+    bound = pl.BlockSpec((1,), lambda i, h, t: (i * mask_tiles + lax.rem(t, mask_tiles),))
+    mask = pl.BlockSpec((None, None, rows, s_pad), lambda i, h, t: (i, h if per_kv else 0, lax.rem(t, mask_tiles), 0))
+    in_specs = [bound, bound, tile_spec(width), whole, whole, mask] + ([tile_spec(1)] if ops.sink is not None else [])
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
         compiler_params = plt.CompilerParams(num_warps=warps, num_stages=2)
-    kernel = functools.partial(_triton_kernel, keys=keys, scale=d ** -0.5, softcap=softcap, has_sink=sink is not None)
+    kernel = functools.partial(_triton_kernel, keys=keys, scale=d ** -0.5, softcap=softcap,
+                               has_sink=ops.sink is not None)
     out, lse = pl.pallas_call(
         kernel, grid=(b, nkv, tiles), in_specs=in_specs, out_specs=[tile_spec(width), tile_spec(1)],
-        out_shape=[jax.ShapeDtypeStruct(qg.shape[:3] + (width,), jnp.float32),
-                   jax.ShapeDtypeStruct(qg.shape[:3] + (1,), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(ops.qg.shape[:3] + (width,), jnp.float32),
+                   jax.ShapeDtypeStruct(ops.qg.shape[:3] + (1,), jnp.float32)],
         interpret=interpret, compiler_params=compiler_params, name="invariant_attention_triton",
-    )(lo, hi, qg, k, v, valid, *([] if sink is None else [sink]))
-    return out[:, :, :r, :d], lse[:, :, :r, 0]
+    )(ops.lo, ops.hi, ops.qg, ops.k, ops.v, ops.valid, *([] if ops.sink is None else [ops.sink]))
+    return ops.unpad(out)[..., :d], ops.unpad(lse)[..., 0]
 
 
 # ---- Mosaic (TPU) ----
 
-def _mosaic_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, tiles: int, scale: float,
+def _mosaic_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, mask_tiles: int, scale: float,
                    softcap: float | None, has_sink: bool):
     sink_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs if has_sink else (None, *refs)
-    tile = pl.program_id(0) * tiles + pl.program_id(2)
+    tile = pl.program_id(0) * mask_tiles + lax.rem(pl.program_id(2), mask_tiles)
     j = pl.program_id(3)
     lo, hi = lo_ref[tile], hi_ref[tile]
 
@@ -206,23 +251,23 @@ def _mosaic_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, tiles:
 
 
 def mosaic_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None,
-                     interpret: bool = False) -> tuple[Array, Array]:
+                     groups: int = 1, interpret: bool = False) -> tuple[Array, Array]:
     """TPU: the module's kernel as a Pallas Mosaic call (grid: batch row, kv head, row tile, key block; the key
     blocks the grid's last, sequential axis, the online-softmax state in VMEM scratch). The per-tile
     first / last visited blocks are scalar-prefetched: a skipped step's K / V index is clamped into the
-    visited range, so it starts no new DMA."""
+    visited range, so it starts no new DMA. `groups`: `_operands`."""
     from jax.experimental.pallas import tpu as pltpu
 
     b, nkv, r, d = qg.shape
     rows, keys = TPU_BLOCKS
-    qg, k, v, valid, sink = _operands(qg, k, v, valid, sink, rows, keys, d)
-    tiles, blocks = qg.shape[2] // rows, k.shape[2] // keys
-    lo, hi = visited_blocks(valid != 0, rows, keys)
-    per_kv = valid.shape[1] > 1
+    ops = _operands(qg, k, v, valid, sink, groups, rows, keys, d)
+    tiles, blocks, mask_tiles = ops.qg.shape[2] // rows, ops.k.shape[2] // keys, ops.mask_tiles
+    per_kv = ops.valid.shape[1] > 1
 
     def clamped(i, t, j, lo_ref, hi_ref):
-        first = lo_ref[i * tiles + t]
-        return jnp.minimum(jnp.maximum(j, first), jnp.maximum(hi_ref[i * tiles + t] - 1, first))
+        at = i * mask_tiles + lax.rem(t, mask_tiles)
+        first = lo_ref[at]
+        return jnp.minimum(jnp.maximum(j, first), jnp.maximum(hi_ref[at] - 1, first))
 
     def tile_spec(last: int):
         return pl.BlockSpec((None, None, rows, last), lambda i, h, t, j, *_: (i, h, t, 0))
@@ -230,23 +275,23 @@ def mosaic_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | 
     kv_spec = pl.BlockSpec((None, None, keys, d), lambda i, h, t, j, lo_ref, hi_ref:
                            (i, h, clamped(i, t, j, lo_ref, hi_ref), 0))
     mask = pl.BlockSpec((None, None, rows, keys), lambda i, h, t, j, lo_ref, hi_ref:
-                        (i, h if per_kv else 0, t, clamped(i, t, j, lo_ref, hi_ref)))
-    in_specs = [tile_spec(d), kv_spec, kv_spec, mask] + ([tile_spec(1)] if sink is not None else [])
+                        (i, h if per_kv else 0, lax.rem(t, mask_tiles), clamped(i, t, j, lo_ref, hi_ref)))
+    in_specs = [tile_spec(d), kv_spec, kv_spec, mask] + ([tile_spec(1)] if ops.sink is not None else [])
     scratch = [pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                pltpu.VMEM((rows, d), jnp.float32)]
-    kernel = functools.partial(_mosaic_kernel, tiles=tiles, scale=d ** -0.5, softcap=softcap,
-                               has_sink=sink is not None)
+    kernel = functools.partial(_mosaic_kernel, mask_tiles=mask_tiles, scale=d ** -0.5, softcap=softcap,
+                               has_sink=ops.sink is not None)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(b, nkv, tiles, blocks),
                                                in_specs=in_specs, out_specs=[tile_spec(d), tile_spec(_LANES)],
                                                scratch_shapes=scratch),
-        out_shape=[jax.ShapeDtypeStruct(qg.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(qg.shape[:3] + (_LANES,), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(ops.qg.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(ops.qg.shape[:3] + (_LANES,), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False, name="invariant_attention_mosaic",
-    )(lo, hi, qg, k, v, valid, *([] if sink is None else [sink]))
-    return out[:, :, :r], lse[:, :, :r, 0]
+    )(ops.lo, ops.hi, ops.qg, ops.k, ops.v, ops.valid, *([] if ops.sink is None else [ops.sink]))
+    return ops.unpad(out), ops.unpad(lse)[..., 0]
 
 
 # ---- the paged engine's decode step: pages read in place ----

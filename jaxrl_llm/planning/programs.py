@@ -38,6 +38,7 @@ from jaxrl_llm.models.lora import with_lora
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.planning.roofline import Cost
+from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.roles.actor import update_actor
 from jaxrl_llm.roles.critic import update_critic
 from jaxrl_llm.roles.experience import Experience, log_probs_no_grad, teacher_no_grad, values_no_grad
@@ -167,6 +168,28 @@ def head_cost(cfg: ModelConfig, tokens: float, passes: int, dtype: str) -> Cost:
     blocks = max(1.0, tokens / 2048)
     return Cost(flops=2.0 * passes * tokens * unembedding,
                 hbm_bytes=passes * blocks * unembedding * jnp.dtype(compute_dtype_of(dtype)).itemsize)
+
+
+def invariant_attention_cost(cfg: ModelConfig, sequences: float, t: int, passes: int, dtype: str) -> Cost:
+    """The batch-invariant attention kernel's work in `passes` causal forwards of `sequences` rows of t tokens
+    (models/invariant_attention.py; zero without `model.batch_invariant`): a custom call the compiled count
+    does not see. Per tile of query rows it reads the keys and values of the blocks it visits (about half the
+    row under a causal mask) and its rows of the int8 token mask; q.k and p.v (two products: p's high and low
+    halves) over the same keys."""
+    if not cfg.batch_invariant:
+        return Cost()
+    from jaxrl_llm.models.invariant_attention import TPU_BLOCKS, gpu_blocks
+
+    rows, keys = TPU_BLOCKS if target_platform() == "tpu" else gpu_blocks(cfg.head_dim)[:2]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    visited = t / 2 + keys / 2  # keys a query tile walks, on average, under a causal mask
+    tiles = group * -(-t // rows)  # query tiles per (row, kv head): each group's tokens in whole tiles
+    kv_bytes = tiles * visited * 2 * cfg.head_dim * jnp.dtype(compute_dtype_of(dtype)).itemsize
+    mask_bytes = group * t * visited
+    layers = cfg.num_hidden_layers * cfg.attention_width / (cfg.num_attention_heads * cfg.head_dim)  # attending ones
+    per_row = layers * (cfg.num_key_value_heads * kv_bytes + mask_bytes)
+    flops = 6.0 * layers * cfg.num_attention_heads * cfg.head_dim * t * visited
+    return Cost(flops=passes * sequences * flops, hbm_bytes=passes * sequences * per_row)
 
 
 def _lower(jitted: Any, platforms: tuple[str, ...] | None, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
@@ -360,8 +383,11 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
+    # batch-invariant decoding reads each slot's own pages (sampler/paged_attention.py): the cascade groups, built
+    # still, save no reads there
     total_cost = functools.partial(_rollout_cost, ctx, engine, rows=rows, n=settings.n, r=settings.max_new_tokens,
-                                   cascade=groups is not None, weight_bytes=bytes_per_device(weights[0].params))
+                                   cascade=groups is not None and not cfg.batch_invariant,
+                                   weight_bytes=bytes_per_device(weights[0].params))
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
             f"{ARR}.rollout.kv_cache_dtype={opts.kv_cache_dtype}",
@@ -432,6 +458,7 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
     trips = lambda plan: n // micro_rows(plan)  # noqa: E731
     head = Cost() if fn is values_no_grad else head_cost(model.cfg, n * t / ctx.mesh.size, 1,
                                                           settings.get("compute_dtype", "float32"))
+    head += invariant_attention_cost(model.cfg, n / ctx.mesh.size, t, 1, settings.get("compute_dtype", "float32"))
 
     def total_cost(plan: BatchPlan, body: Cost) -> Cost:
         return body * trips(plan) + Cost(flops=experts(plan)) + head
@@ -595,6 +622,9 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
 
     cfg = model.cfg
     head = Cost() if role == "critic" else head_cost(cfg, n * t / ctx.mesh.size, 4 * s.ppo_epochs, s.compute_dtype)
+    # the attention kernel runs in the forward (and its recompute under remat); the backward is XLA's, counted
+    head += invariant_attention_cost(cfg, n / ctx.mesh.size, t, s.ppo_epochs * (1 + (s.remat != "none")),
+                                     s.compute_dtype)
 
     def total_cost(plan: BatchPlan, body: Cost) -> Cost:
         num_mini, _ = split(plan)

@@ -17,8 +17,8 @@ from jaxrl_llm.platform.tpu import libtpu_installed
 KERNELS = {"triton": invariant_attention.triton_attention, "mosaic": invariant_attention.mosaic_attention}
 
 
-def _run(kernel: str, sink=None, softcap=None):
-    fn = functools.partial(KERNELS[kernel], sink=sink, softcap=softcap, interpret=True)
+def _run(kernel: str, sink=None, softcap=None, groups=1):
+    fn = functools.partial(KERNELS[kernel], sink=sink, softcap=softcap, groups=groups, interpret=True)
     return jax.jit(lambda q, k, v, valid: fn(q, k, v, valid))
 
 
@@ -69,17 +69,22 @@ def test_kernels_compute_softmax_attention(kernel, dtype, head_dim, per_kv, sink
 
 @pytest.mark.parametrize("kernel", ["triton", "mosaic"])
 def test_a_rows_bits_do_not_depend_on_the_call(kernel):
-    """A causal training forward of 300 tokens (3 query heads a kv head, rows g-major) against: one token's decode
-    step over a 700-key cache (its rows alone, the cache's empty slots masked), and a prefill of a few of the
-    tokens among other rows. `==`: the kernel's blocks are the same shapes in every call, and the blocks it skips
-    (past a row's last key, before a window) would add exact zeros."""
+    """A causal training forward of 300 tokens (3 query heads a kv head, rows g-major; its mask one row per token,
+    each group's rows padded to whole tiles) against: the same forward with the mask repeated per row (rows packed
+    across groups), one token's decode step over a 700-key cache (its rows alone, the cache's empty slots
+    masked), and a prefill of a few of the tokens among other rows. `==`: the kernel's blocks are the same shapes
+    in every call, and the blocks it skips (past a row's last key, before a window) would add exact zeros."""
     b, nkv, g, t, d = 2, 2, 3, 300, 32
     q = _normal(0, (b, nkv, g, t, d), jnp.bfloat16)
     k, v = _normal(1, (b, nkv, t, d), jnp.bfloat16), _normal(2, (b, nkv, t, d), jnp.bfloat16)
     causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [query, key]
     run = _run(kernel)
     valid = jnp.broadcast_to(jnp.tile(causal, (g, 1))[None, None], (b, 1, g * t, t))
-    train_out, train_lse = run(q.reshape(b, nkv, g * t, d), k, v, valid)
+    train_out, train_lse = _run(kernel, groups=g)(q.reshape(b, nkv, g * t, d), k, v,
+                                                   jnp.broadcast_to(causal, (b, 1, t, t)))
+    per_row = run(q.reshape(b, nkv, g * t, d), k, v, valid)
+    for got, want in zip(per_row, (train_out, train_lse)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     train_out = np.asarray(train_out).reshape(b, nkv, g, t, d)
     train_lse = np.asarray(train_lse).reshape(b, nkv, g, t)
 

@@ -106,3 +106,29 @@ def test_the_decode_step_is_not_charged_the_whole_pool_per_write(tmp_path, monke
     pool = corrected.kv_bytes
     removed = (charged.cost.hbm_bytes - corrected.cost.hbm_bytes) / steps
     assert removed == pytest.approx(2 * 2 * pool, rel=0.1), (removed, pool)
+
+
+def test_the_invariant_attention_kernels_work_is_added_where_the_mode_is_on():
+    """`model.batch_invariant`'s attention is a custom call XLA's count does not see: the plan adds its reads (K and
+    V per tile of query rows over the keys it visits, the token mask) and products, growing with t^2; nothing
+    without the mode."""
+    import dataclasses
+
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.planning.programs import invariant_attention_cost
+    from jaxrl_llm.platform.target import CompileTarget, compiling_for
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=1000, hidden_size=896,
+                      intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      head_dim=64)
+    assert invariant_attention_cost(cfg, 4.0, 1024, 1, "bfloat16") == Cost()
+    on = dataclasses.replace(cfg, batch_invariant=True)
+    with compiling_for(CompileTarget("tpu", None)):  # 128-row tiles, 128-key blocks
+        cost = invariant_attention_cost(on, 4.0, 1024, 2, "bfloat16")
+        longer = invariant_attention_cost(on, 4.0, 2048, 2, "bfloat16")
+    visited = 1024 / 2 + 64
+    tiles = 7 * 8  # 7 query heads a kv head, 1024 tokens in tiles of 128
+    want_bytes = 2 * 4.0 * 24 * (2 * tiles * visited * 2 * 64 * 2 + 7 * 1024 * visited)
+    assert cost.hbm_bytes == pytest.approx(want_bytes)
+    assert cost.flops == pytest.approx(2 * 4.0 * 6 * 24 * 14 * 64 * 1024 * visited)
+    assert 3.5 < longer.hbm_bytes / cost.hbm_bytes < 4.5 and 3.5 < longer.flops / cost.flops < 4.5
