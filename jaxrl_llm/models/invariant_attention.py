@@ -349,7 +349,8 @@ def _paged_triton_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *refs, pages_p
         valid = _length_mask(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
-    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], q.shape[1], sink_ref[...] if sink_ref is not None else None))
+    sink = sink_ref[...] if sink_ref is not None else None
+    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], q.shape[1], sink))
     out_ref[...] = _finish(m, denom, acc)[0]
 
 
@@ -396,7 +397,8 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
         valid = _length_mask(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
-    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], width, sink_ref[...] if sink_ref is not None else None))
+    sink = sink_ref[...] if sink_ref is not None else None
+    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], width, sink))
     out_ref[...] = _finish(m, denom, acc)[0]
 
 
