@@ -97,6 +97,32 @@ def enabled() -> bool:
     return _ENABLED.get()
 
 
+# tests: the GPU / TPU attention kernels through Pallas's interpreter on CPU (`kernels_interpreted`)
+_INTERPRETED: contextvars.ContextVar[str | None] = contextvars.ContextVar("invariant_interpreted", default=None)
+
+
+@contextlib.contextmanager
+def kernels_interpreted(variant: str) -> Iterator[None]:
+    """Within the block, programs traced for CPU run the attention kernels of `variant` ('triton' or 'mosaic':
+    models/invariant_attention.py, the paged engine's form too) in Pallas's interpreter instead of the blocked XLA
+    form, so their data flow (tiles, padding, masks, pages, skipped blocks) is checked end to end off the device.
+    JAX's caches are cleared on entry and exit: a program traced outside the block would be reused."""
+    if variant not in ("triton", "mosaic"):
+        raise ValueError(f"kernels_interpreted: variant {variant!r} is not 'triton' or 'mosaic'")
+    jax.clear_caches()
+    token = _INTERPRETED.set(variant)
+    try:
+        yield
+    finally:
+        _INTERPRETED.reset(token)
+        jax.clear_caches()
+
+
+def interpreted_kernel() -> str | None:
+    """The kernel variant `kernels_interpreted` runs on CPU, or None (the blocked XLA form)."""
+    return _INTERPRETED.get()
+
+
 # ---- sums ----
 
 def tree_sum(x: Array, axis: int = -1) -> Array:
@@ -281,10 +307,13 @@ def attend_blocks(qg: Array, k: Array, v: Array, valid: Array, sink: Array | Non
     def branch(fn: Callable[..., tuple[Array, Array]]) -> Callable[..., tuple[Array, Array]]:
         return lambda q, k, v, valid, *sink: fn(q, k, v, valid, sink[0] if sink else None, softcap, groups)
 
+    interpreted = interpreted_kernel()
+    default = xla if interpreted is None else functools.partial(
+        getattr(invariant_attention, f"{interpreted}_attention"), interpret=True)
+
     def kernels(*operands: Array) -> tuple[Array, Array]:
         return lax.platform_dependent(*operands, cuda=branch(invariant_attention.triton_attention),
-                                      tpu=branch(invariant_attention.mosaic_attention),
-                                      default=branch(xla))
+                                      tpu=branch(invariant_attention.mosaic_attention), default=branch(default))
 
     if sink is not None:  # one value per (batch row, kv head, row), split as the queries are
         sink = jnp.broadcast_to(sink.astype(jnp.float32), qg.shape[:3])

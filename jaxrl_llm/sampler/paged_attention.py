@@ -149,7 +149,7 @@ def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, l
         out = out * (lengths > 0)[:, None, None, None]
         return out.reshape(q.shape).astype(q.dtype)
 
-    def in_place(variant: str):
+    def in_place(variant: str, interpret: bool = False):
         if not invariant_attention.paged_supported(variant, q.shape[-1], k_pages.shape[-1], k_pages.shape[-2]):
             return gathered
 
@@ -158,15 +158,17 @@ def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, l
             qg = q.reshape(q.shape[0], nkv, q.shape[1] // nkv, q.shape[2])
             out = invariant_attention.paged_attention(
                 qg, from_storage(k_pages), from_storage(v_pages), lengths, table, layer=layer, window=sliding_window,
-                sink=sink[0] if sink else None, softcap=softcap, variant=variant)
+                sink=sink[0] if sink else None, softcap=softcap, variant=variant, interpret=interpret)
             return out.reshape(q.shape).astype(q.dtype)
 
         rest = (layer,) if sinks is None else (layer, sinks.astype(jnp.float32))
         per_shard = per_kv_head_shard(run, mesh, k_pages, replicated=2 + len(rest), per_head=(3,))
         return lambda q, kp, vp, lens, table: per_shard(q, kp, vp, lens, table, *rest)
 
+    interpreted = invariant.interpreted_kernel()  # tests: a kernel in Pallas's interpreter on CPU
+    default = gathered if interpreted is None else in_place(interpreted, interpret=True)
     return lax.platform_dependent(q, k_pages, v_pages, lengths, page_indices, cuda=in_place("triton"),
-                                  tpu=in_place("mosaic"), default=gathered)
+                                  tpu=in_place("mosaic"), default=default)
 
 
 def takes_xla_path(impl: str, int8_pages: bool) -> bool:

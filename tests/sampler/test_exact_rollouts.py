@@ -324,3 +324,21 @@ def test_qwen35_is_exact_on_both_engines(engine):
     if engine == "static":
         rollout, trainer = _rollout_vs_trainer(cfg, params, prompts, engine)
         assert np.abs(rollout - trainer).max() > 0
+
+
+@pytest.mark.parametrize("variant", ["triton", "mosaic"])
+def test_the_device_attention_kernels_are_exact_end_to_end_in_the_interpreter(variant):
+    """The GPU (Triton) / TPU (Mosaic) attention kernels of the mode, run by Pallas's interpreter on CPU
+    (`invariant.kernels_interpreted`): the paged engine's decode reads its pages in place with the paged kernel
+    (prefill in chunks of 4, two samples a prompt), the trainer's forward runs the contiguous kernel with its
+    token mask; every sampled token's log-prob `==` the trainer's. The interpreter's arithmetic is XLA's; the
+    tiles, padding, masks, pages and skipped blocks are the kernels' own (the device's order: the device kit)."""
+    from jaxrl_llm.models import invariant
+
+    cfg, params, prompts = _model("llama")
+    opts = EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True)
+    with invariant.kernels_interpreted(variant):
+        rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts[:4],
+                                               "paged", n=2, opts=opts)
+    assert rollout.size == 2 * 4 * NEW_TOKENS
+    np.testing.assert_array_equal(rollout, trainer)
