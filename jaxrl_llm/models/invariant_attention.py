@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrl_llm.models.precision import MASKED_SCORE
+from jaxrl_llm.platform.pallas_dma import double_buffered_walk
 from jaxrl_llm.shapes import next_power_of_two
 
 Array = jax.Array
@@ -375,21 +376,7 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
                     for src, dst in ((k_hbm, k_buf), (v_hbm, v_buf))]
         return out
 
-    @pl.when(hi > lo)
-    def _():
-        for c in copies(lo, 0):
-            c.start()
-
-    def block(j, carry):
-        buf = lax.rem(j - lo, 2)
-
-        @pl.when(j + 1 < hi)
-        def _():
-            for c in copies(j + 1, 1 - buf):
-                c.start()
-
-        for c in copies(j, buf):
-            c.wait()
+    def block(j, buf, carry):
         # fp32 for the reshape (pages of any row packing merge as whole (8, 128) tiles), back to the pool's dtype
         # (exact) and to the queries' width (a lane-padded pool): the contiguous kernel's operands
         k, v = (b[buf].astype(jnp.float32).reshape(keys, b.shape[-1])[:, :width].astype(b.dtype)
@@ -398,7 +385,7 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
     sink = sink_ref[...] if sink_ref is not None else None
-    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], width, sink))
+    m, denom, acc = double_buffered_walk(lo, hi, copies, block, _init(q.shape[0], width, sink))
     out_ref[...] = _finish(m, denom, acc)[0]
 
 

@@ -8,9 +8,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl_llm.platform.pallas_dma import double_buffered_walk
 from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp, visible_blocks
 
 # Page-table entries per Mosaic call (int32 in SMEM): 64Ki entries = 256 KiB, a quarter of the
@@ -51,23 +51,9 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, *refs, pages_per_block: i
                     for src, dst in pairs]
         return out
 
-    @pl.when(hi > lo)
-    def _():
-        for c in copies(lo, 0):
-            c.start()
-
     q = q_ref[...]
 
-    def body(i, carry):
-        buf = lax.rem(i - lo, 2)
-
-        @pl.when(i + 1 < hi)
-        def _():
-            for c in copies(i + 1, 1 - buf):
-                c.start()
-
-        for c in copies(i, buf):
-            c.wait()
+    def body(i, buf, carry):
         # fp32 before the reshape: merging (pages, page_size) rows is then a plain (8, 128)-tile
         # concatenation whatever the page dtype's packing (bf16 16 rows, int8 32 rows a tile).
         k = k_buf[buf].astype(jnp.float32).reshape(block_tokens, head_dim)
@@ -77,7 +63,7 @@ def _mosaic_kernel(lengths_ref, page_table_ref, q_ref, *refs, pages_per_block: i
         return attend_block((q,), (k,), (v,), k_scale, v_scale, i * block_tokens, length, carry, scale=scale,
                              softcap=softcap, sliding_window=sliding_window, compute_dtype=compute_dtype)
 
-    m, denom, (acc,) = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], (head_dim,)))
+    m, denom, (acc,) = double_buffered_walk(lo, hi, copies, body, init_carry(q.shape[0], (head_dim,)))
     o_ref[...] = finish(denom, acc).astype(o_ref.dtype)
     if m_ref is not None and l_ref is not None:  # softmax statistics over a lane tile (TPU blocks: (8, 128))
         m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
