@@ -127,10 +127,9 @@ def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, l
     from jaxrl_llm.models import invariant_attention
 
     q = jnp.asarray(q)
-    layered = layer is not None
-    if not layered:  # one layer's pages: the kernels read a stacked pool
-        k_pages, v_pages = jnp.asarray(k_pages)[None], jnp.asarray(v_pages)[None]
-    layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+    if layer is None:  # one layer's pages: the kernels read a stacked pool
+        k_pages, v_pages, layer = jnp.asarray(k_pages)[None], jnp.asarray(v_pages)[None], jnp.int32(0)
+    layer = jnp.asarray(layer, jnp.int32)
 
     def gathered(q, k_pages, v_pages, lengths, page_indices):
         pool = flat_pool(k_pages, v_pages, None, None, layer, q.shape[-1])
