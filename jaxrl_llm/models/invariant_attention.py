@@ -31,7 +31,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrl_llm.models.precision import MASKED_SCORE
-from jaxrl_llm.platform.pallas_dma import double_buffered_walk
+from jaxrl_llm.platform.paged_kernels import (
+    MOSAIC_MAX_TABLE_ENTRIES,
+    double_buffered_walk,
+    visible_blocks,
+    visible_keys,
+)
 from jaxrl_llm.shapes import next_power_of_two
 
 Array = jax.Array
@@ -302,9 +307,6 @@ def mosaic_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | 
 # its mask made from the slot's length (and window) rather than read: the values are those of the kernels
 # above given the gathered keys and the mask `pos < length` (`paged_supported` names the shapes it takes).
 
-MOSAIC_MAX_TABLE_ENTRIES = 1 << 16  # int32 page-table entries per Mosaic call in SMEM (sampler/paged_attention_mosaic)
-
-
 def paged_blocks(variant: str, head_dim: int) -> tuple[int, int]:
     """(query rows, keys) per program of `variant`'s kernel for queries of `head_dim`: the kernels' above."""
     return gpu_blocks(max(16, next_power_of_two(head_dim)))[:2] if variant == "triton" else TPU_BLOCKS
@@ -321,33 +323,19 @@ def paged_supported(variant: str, head_dim: int, pool_head_dim: int, page_size: 
     return whole_pages
 
 
-def _visible(length: Array, keys: int, window: int | None) -> tuple[Array, Array]:
-    """[lo, hi) key blocks holding positions max(0, length - window) .. length - 1."""
-    hi = lax.div(length + keys - 1, keys)
-    if window is None:
-        return jnp.int32(0), hi
-    return lax.div(jnp.maximum(length - window, 0), keys), hi
-
-
-def _length_mask(start: Array, length: Array, window: int | None, shape: tuple[int, int]) -> Array:
-    pos = start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    valid = pos < length
-    return valid if window is None else jnp.logical_and(valid, pos >= length - window)
-
-
 def _paged_triton_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *refs, pages_per_block: int, keys: int,
                          pages_per_head: int, tiles: int, window: int | None, scale: float, softcap: float | None,
                          has_sink: bool):
     sink_ref, out_ref = refs if has_sink else (None, *refs)
     length = len_ref[0]
-    lo, hi = _visible(length, keys, window)
+    lo, hi = visible_blocks(length, keys, window)
     offset = lax.div(pl.program_id(1), tiles) * pages_per_head  # this kv head's pages in the flattened pool
     q = q_ref[...]
 
     def block(j, carry):
         pages = table_ref[pl.ds(j * pages_per_block, pages_per_block)] + offset
         k, v = (ref[pages].reshape(keys, q.shape[1]) for ref in (k_ref, v_ref))
-        valid = _length_mask(j * keys, length, window, (q.shape[0], keys))
+        valid = visible_keys(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
     sink = sink_ref[...] if sink_ref is not None else None
@@ -364,7 +352,7 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
     slot = pl.program_id(0)
     head = lax.div(pl.program_id(1), tiles)
     length = len_ref[slot]
-    lo, hi = _visible(length, keys, window)
+    lo, hi = visible_blocks(length, keys, window)
     q = q_ref[...]
     width = q.shape[1]
 
@@ -381,7 +369,7 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
         # (exact) and to the queries' width (a lane-padded pool): the contiguous kernel's operands
         k, v = (b[buf].astype(jnp.float32).reshape(keys, b.shape[-1])[:, :width].astype(b.dtype)
                 for b in (k_buf, v_buf))
-        valid = _length_mask(j * keys, length, window, (q.shape[0], keys))
+        valid = visible_keys(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
     sink = sink_ref[...] if sink_ref is not None else None

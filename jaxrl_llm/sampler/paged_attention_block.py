@@ -9,16 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrl_llm.platform.paged_kernels import visible_keys
+
 # Finite (not -inf) so that exp(mask - max) is an exact 0 and no inf - inf NaN can appear.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-def visible_blocks(length, block_tokens: int, sliding_window: int | None):
-    """[lo, hi) block range holding every key p with max(0, length - W) <= p < length."""
-    hi = lax.div(length + block_tokens - 1, block_tokens)
-    if sliding_window is None:
-        return jnp.int32(0), hi
-    return lax.div(jnp.maximum(length - sliding_window, 0), block_tokens), hi
 
 
 def attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: float, softcap: float | None,
@@ -43,10 +37,7 @@ def attend_block(q, k, v, k_scale, v_scale, start, length, carry, *, scale: floa
     s = functools.reduce(operator.add, dots) * scale
     if softcap is not None:  # Gemma 2's attn_logit_softcapping, as the trainer's attention
         s = softcap * jnp.tanh(s / softcap)
-    pos = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    valid = pos < length
-    if sliding_window is not None:
-        valid = jnp.logical_and(valid, pos >= length - sliding_window)
+    valid = visible_keys(start, length, sliding_window, s.shape)
     s = jnp.where(valid, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     # where(): a block with no visible key (m_new still MASK_VALUE) must add nothing.

@@ -10,12 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxrl_llm.platform.pallas_dma import double_buffered_walk
-from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp, visible_blocks
+from jaxrl_llm.platform.paged_kernels import MOSAIC_MAX_TABLE_ENTRIES, double_buffered_walk, visible_blocks
+from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp
 
-# Page-table entries per Mosaic call (int32 in SMEM): 64Ki entries = 256 KiB, a quarter of the
-# 1 MiB SMEM of TPUs up to v6e (vLLM keeps its block tables under half).
-MOSAIC_MAX_TABLE_ENTRIES = 1 << 16
 _LANES = 128  # the Mosaic kernel's softmax statistics are written as one (rows, 128) tile
 
 

@@ -54,9 +54,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl_llm.platform.paged_kernels import visible_blocks
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.kv_bits import scale_pair
-from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp, visible_blocks
+from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp
 from jaxrl_llm.sampler.paged_attention_mosaic import mosaic_call
 from jaxrl_llm.shapes import next_power_of_two
 
