@@ -7,7 +7,9 @@ import pathlib
 import tempfile
 
 import pytest  # imports no jax: the flags below still apply
-from compile_flags import TEST_XLA_FLAGS, UNOPTIMIZED  # tests/ is on the path (pyproject's pythonpath)
+
+# tests/ is on the path (pyproject's pythonpath)
+from compile_flags import COLLECTIVE_TIMEOUT_FLAGS, TEST_XLA_FLAGS, UNOPTIMIZED
 
 # Compile speed over code speed, for the tests only: most of the suite's time is XLA:CPU compiling
 # thousands of small distinct programs, not running them. Three settings, each measured on
@@ -25,9 +27,8 @@ from compile_flags import TEST_XLA_FLAGS, UNOPTIMIZED  # tests/ is on the path (
 # Subprocesses that keep this environment inherit them; tests/tiny_runs.py's example runs reset them to
 # run as a user does.
 SUITE_UNOPTIMIZED = os.environ.setdefault(UNOPTIMIZED, "1")  # "0" in the environment: the default level throughout
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
-).strip()
+_SUITE_FLAGS = f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS} {COLLECTIVE_TIMEOUT_FLAGS}"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SUITE_FLAGS}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] != "cpu":
     # the parity tests claim fp32 equality: on GPU fp32 matmuls default to TF32 and on TPU to one
@@ -153,9 +154,10 @@ def pytest_collection_modifyitems(config, items):
 # A worker that aborts takes its test with it. The one abort seen (2026-12-06, a two-core host running three
 # workers) was XLA:CPU's own: an 8-device program's two independent all-reduces each waited for all eight
 # devices' threads while the pool's threads sat in the other one, until XLA's 40 s collective timeout ended
-# the process ("Termination timeout for `all reduce ...`", rendezvous.cc). xdist's loadfile scheduling already
-# hands the crashed test's file, that test included, to a new worker: a test's first crash counts as a rerun,
-# not a failure, and that second run decides (a second crash fails the session).
+# the process ("Termination timeout for `all reduce ...`", rendezvous.cc; the timeout is 5 minutes since:
+# compile_flags.COLLECTIVE_TIMEOUT_FLAGS). xdist's loadfile scheduling already hands the crashed test's file,
+# that test included, to a new worker: a test's first crash counts as a rerun, not a failure, and that second
+# run decides (a second crash fails the session).
 _CRASHED: set[str] = set()
 
 
