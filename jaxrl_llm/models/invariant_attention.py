@@ -323,12 +323,50 @@ def paged_supported(variant: str, head_dim: int, pool_head_dim: int, page_size: 
     return whole_pages
 
 
+class OnlineState(NamedTuple):
+    """The online softmax between two key blocks, per query row: fp32 running max and sum [..., rows, w] (w = 1, or
+    the Mosaic kernels' 128 lanes, every lane equal) and the unnormalised output acc [..., rows, D]. Carried
+    between two calls exactly (stored fp32 as computed), so a walk split at a block boundary, its first blocks in
+    one call and the rest in another, gives the bits of the unsplit walk: the cascade's shared prompt blocks
+    (sampler/paged_attention.py `paged_decode_attention_invariant`)."""
+
+    m: Array
+    denom: Array
+    acc: Array
+
+
+def _split_refs(refs: tuple, has_sink: bool, has_state: bool):
+    """(sink, (m0, l0, acc0) or None, outputs) of a paged kernel's refs after its fixed operands."""
+    refs = list(refs)
+    sink = refs.pop(0) if has_sink else None
+    state = tuple(refs.pop(0) for _ in range(3)) if has_state else None
+    return sink, state, refs
+
+
+def _walk_start(lo, start, state_refs, rows: int, width: int, sink_ref):
+    """The first block and the carry a paged kernel's walk starts from: the given state at block `start` (a
+    cascade member, its blocks before `start` walked by the shared call), else block `lo` and `_init`."""
+    if state_refs is None:
+        return lo, _init(rows, width, sink_ref[...] if sink_ref is not None else None)
+    m0, l0, acc0 = (ref[...] for ref in state_refs)
+    return jnp.maximum(lo, start), (m0[:, :1], l0[:, :1], acc0)
+
+
+def _write_result(out_refs, carry) -> None:
+    """The walk's end: the normalised output, or (return_state) the carry itself for a later call."""
+    if len(out_refs) == 1:
+        out_refs[0][...] = _finish(*carry)[0]
+        return
+    for ref, value in zip(out_refs, carry):
+        ref[...] = jnp.broadcast_to(value, ref.shape)
+
+
 def _paged_triton_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *refs, pages_per_block: int, keys: int,
                          pages_per_head: int, tiles: int, window: int | None, scale: float, softcap: float | None,
-                         has_sink: bool):
-    sink_ref, out_ref = refs if has_sink else (None, *refs)
+                         has_sink: bool, has_state: bool):
+    start_ref, refs = (refs[0], refs[1:]) if has_state else (None, refs)
+    sink_ref, state_refs, out_refs = _split_refs(refs, has_sink, has_state)
     length = len_ref[0]
-    lo, hi = visible_blocks(length, keys, window)
     offset = lax.div(pl.program_id(1), tiles) * pages_per_head  # this kv head's pages in the flattened pool
     q = q_ref[...]
 
@@ -338,21 +376,24 @@ def _paged_triton_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *refs, pages_p
         valid = visible_keys(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
-    sink = sink_ref[...] if sink_ref is not None else None
-    m, denom, acc = lax.fori_loop(lo, hi, block, _init(q.shape[0], q.shape[1], sink))
-    out_ref[...] = _finish(m, denom, acc)[0]
+    lo, hi = visible_blocks(length, keys, window)
+    lo, init = _walk_start(lo, None if start_ref is None else start_ref[0], state_refs, q.shape[0], q.shape[1],
+                           sink_ref)
+    _write_result(out_refs, lax.fori_loop(lo, hi, block, init))
 
 
-def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_per_block: int, pages_per_slot: int,
-                         keys: int, pages_per_head: int, tiles: int, window: int | None, scale: float,
-                         softcap: float | None, has_sink: bool):
+def _paged_mosaic_kernel(len_ref, table_ref, *refs, pages_per_block: int, pages_per_slot: int, keys: int,
+                         pages_per_head: int, tiles: int, window: int | None, scale: float, softcap: float | None,
+                         has_sink: bool, has_state: bool):
     from jax.experimental.pallas import tpu as pltpu
 
-    sink_ref, out_ref, k_buf, v_buf, sems = refs if has_sink else (None, *refs)
+    start_ref, refs = (refs[0], refs[1:]) if has_state else (None, refs)
+    q_ref, k_hbm, v_hbm, *refs = refs
+    sink_ref, state_refs, refs = _split_refs(tuple(refs), has_sink, has_state)
+    *out_refs, k_buf, v_buf, sems = refs
     slot = pl.program_id(0)
     head = lax.div(pl.program_id(1), tiles)
     length = len_ref[slot]
-    lo, hi = visible_blocks(length, keys, window)
     q = q_ref[...]
     width = q.shape[1]
 
@@ -372,24 +413,36 @@ def _paged_mosaic_kernel(len_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, pages_p
         valid = visible_keys(j * keys, length, window, (q.shape[0], keys))
         return _step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
-    sink = sink_ref[...] if sink_ref is not None else None
-    m, denom, acc = double_buffered_walk(lo, hi, copies, block, _init(q.shape[0], width, sink))
-    out_ref[...] = _finish(m, denom, acc)[0]
+    lo, hi = visible_blocks(length, keys, window)
+    lo, init = _walk_start(lo, None if start_ref is None else start_ref[slot], state_refs, q.shape[0], width,
+                           sink_ref)
+    _write_result(out_refs, double_buffered_walk(lo, hi, copies, block, init))
 
 
 def paged_attention(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, table: Array, *, layer: Array,
                     window: int | None, sink: Array | None, softcap: float | None, variant: str,
-                    interpret: bool = False) -> Array:
+                    interpret: bool = False, start: Array | None = None, state: OnlineState | None = None,
+                    return_state: bool = False) -> Array | OnlineState:
     """fp32 [slots, kv, g, D]: the decode step's attention of q4 [slots, kv, g, D] over the slots' pages of the
     pool [layers, kv, pages, page_size, D'] (layer `layer`; D' >= D: a TPU pool's lane padding), `lengths`
     [slots] keys each (0: zeros), `table` [slots, pages_per_slot]; `sink` fp32 [kv, g] or None. `variant`:
-    'triton' or 'mosaic' (`paged_supported` must hold)."""
+    'triton' or 'mosaic' (`paged_supported` must hold).
+
+    A walk in two calls (the cascade): `return_state` returns the walk's `OnlineState` ([slots, kv, g, 1] and
+    [slots, kv, g, D]) instead of its output, and a call given `state` (the sink already in it: pass no `sink`)
+    and `start` [slots] continues each slot's walk from that state at block `start` (the blocks before it are
+    the state's)."""
     slots, nkv, g, d = q4.shape
     layers, _, num_pages, page_size, pool_width = k_pool.shape
     rows, keys = paged_blocks(variant, d)
     per_block = keys // page_size
     tiles = -(-g // rows)
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, tiles * rows - g), (0, 0)))
+    lanes = 1 if variant == "triton" else _LANES  # the statistics' width in and out (`OnlineState`)
+
+    def tile_rows(x: Array) -> Array:  # [slots, kv, g, ...] -> [slots, kv, tiles * rows, ...]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, tiles * rows - g)) + ((0, 0),) * (x.ndim - 3))
+
+    q4 = tile_rows(q4)
     pages_per_slot = -(-table.shape[1] // per_block) * per_block  # whole blocks (the pad pages are masked)
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, pages_per_slot - table.shape[1])))
     table = table + layer.astype(jnp.int32) * (nkv * num_pages)  # rows of the flattened pool
@@ -397,48 +450,75 @@ def paged_attention(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, tab
     if sink is not None:
         sink = jnp.pad(sink.astype(jnp.float32).reshape(nkv, g), ((0, 0), (0, tiles * rows - g)))[..., None]
     lengths = lengths.astype(jnp.int32)
+    has_state = state is not None
+    state_in: list[Array] = []
+    if state is not None:
+        stats = [jnp.broadcast_to(x.astype(jnp.float32), (slots, nkv, g, lanes)) for x in (state.m, state.denom)]
+        state_in = [tile_rows(x) for x in (*stats, state.acc.astype(jnp.float32))]
+        start = jnp.zeros((slots,), jnp.int32) if start is None else start.astype(jnp.int32)
     common = dict(pages_per_block=per_block, keys=keys, pages_per_head=num_pages, tiles=tiles, window=window,
-                  scale=d ** -0.5, softcap=softcap, has_sink=sink is not None)
+                  scale=d ** -0.5, softcap=softcap, has_sink=sink is not None, has_state=has_state)
 
     def head_tile(h):
         return lax.div(h, tiles), lax.rem(h, tiles)
 
+    state_widths = (lanes, lanes, d) if has_state else ()
+    out_widths = (lanes, lanes, d) if return_state else (d,)
+    out_shape = [jax.ShapeDtypeStruct((*q4.shape[:3], w), jnp.float32) for w in out_widths]
+
+    # the cascade's two calls named apart (their compiled programs are told apart by it)
+    role = "_shared" if return_state else "_continued" if has_state else ""
+
+    def results(outs: list[Array]) -> Array | OnlineState:
+        outs = [x[:, :, :g] for x in outs]
+        return OnlineState(outs[0][..., :1], outs[1][..., :1], outs[2]) if return_state else outs[0]
+
     if variant == "triton":
-        q_spec = pl.BlockSpec((None, None, rows, d), lambda s, h: (s, *head_tile(h), 0))
+        def row_spec(width: int):
+            return pl.BlockSpec((None, None, rows, width), lambda s, h: (s, *head_tile(h), 0))
+
+        per_slot = pl.BlockSpec((1,), lambda s, h: (s,))
         pool_spec = pl.BlockSpec(flat[0].shape, lambda s, h: (0, 0, 0))
-        in_specs = [pl.BlockSpec((1,), lambda s, h: (s,)), pl.BlockSpec((None, pages_per_slot), lambda s, h: (s, 0)),
-                    q_spec, pool_spec, pool_spec]
+        in_specs = [per_slot, pl.BlockSpec((None, pages_per_slot), lambda s, h: (s, 0)), row_spec(d), pool_spec,
+                    pool_spec]
+        in_specs += [per_slot] if has_state else []
         in_specs += [pl.BlockSpec((None, rows, 1), lambda s, h: (*head_tile(h), 0))] if sink is not None else []
+        in_specs += [row_spec(w) for w in state_widths]
         compiler_params = None
         if not interpret:
             from jax.experimental.pallas import triton as plt
             compiler_params = plt.CompilerParams(num_warps=gpu_blocks(d)[2], num_stages=2)
-        out = pl.pallas_call(
+        outs = pl.pallas_call(
             functools.partial(_paged_triton_kernel, **common), grid=(slots, nkv * tiles), in_specs=in_specs,
-            out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32), interpret=interpret,
-            compiler_params=compiler_params, name="invariant_paged_attention_triton",
-        )(lengths, table, q4, *flat, *([] if sink is None else [sink]))
-        return out[:, :, :g]
+            out_specs=[row_spec(w) for w in out_widths], out_shape=out_shape, interpret=interpret,
+            compiler_params=compiler_params, name=f"invariant_paged_attention_triton{role}",
+        )(lengths, table, q4, *flat, *([start] if has_state else []), *([] if sink is None else [sink]), *state_in)
+        return results(outs)
 
     from jax.experimental.pallas import tpu as pltpu
-    q_spec = pl.BlockSpec((None, None, rows, d), lambda s, h, *_: (s, *head_tile(h), 0))
+
+    def tpu_row_spec(width: int):
+        return pl.BlockSpec((None, None, rows, width), lambda s, h, *_: (s, *head_tile(h), 0))
+
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [q_spec, any_spec, any_spec]
+    in_specs = [tpu_row_spec(d), any_spec, any_spec]
     in_specs += [pl.BlockSpec((None, rows, 1), lambda s, h, *_: (*head_tile(h), 0))] if sink is not None else []
+    in_specs += [tpu_row_spec(w) for w in state_widths]
     scratch = [pltpu.VMEM((2, per_block, page_size, pool_width), pool.dtype) for pool in flat]
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
     kernel = functools.partial(_paged_mosaic_kernel, pages_per_slot=pages_per_slot, **common)
     chunk = max(1, min(slots, MOSAIC_MAX_TABLE_ENTRIES // pages_per_slot))  # the table's SMEM share per call
-    outs = []
-    for start in range(0, slots, chunk):
-        n = min(chunk, slots - start)
-        outs.append(pl.pallas_call(
+    chunks: list[list[Array]] = []
+    for at in range(0, slots, chunk):
+        n = min(chunk, slots - at)
+        prefetch = [lengths[at:at + n], table[at:at + n].reshape(-1)] + ([start[at:at + n]] if has_state else [])
+        chunks.append(pl.pallas_call(
             kernel,
-            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(n, nkv * tiles), in_specs=in_specs,
-                                                   out_specs=q_spec, scratch_shapes=scratch),
-            out_shape=jax.ShapeDtypeStruct((n, *q4.shape[1:]), jnp.float32),
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(prefetch), grid=(n, nkv * tiles),
+                                                   in_specs=in_specs, out_specs=[tpu_row_spec(w) for w in out_widths],
+                                                   scratch_shapes=scratch),
+            out_shape=[jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) for x in out_shape],
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-            interpret=pltpu.InterpretParams() if interpret else False, name="invariant_paged_attention_mosaic",
-        )(lengths[start:start + n], table[start:start + n].reshape(-1), q4[start:start + n], *flat,
-          *([] if sink is None else [sink])))
-    return jnp.concatenate(outs)[:, :, :g]
+            interpret=pltpu.InterpretParams() if interpret else False, name=f"invariant_paged_attention_mosaic{role}",
+        )(*prefetch, q4[at:at + n], *flat, *([] if sink is None else [sink]), *[x[at:at + n] for x in state_in]))
+    return results([jnp.concatenate(parts) for parts in zip(*chunks)])

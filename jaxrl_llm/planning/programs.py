@@ -383,10 +383,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
 
-    # batch-invariant decoding reads each slot's own pages (sampler/paged_attention.py): the cascade groups, built
-    # still, save no reads there
     total_cost = functools.partial(_rollout_cost, ctx, engine, rows=rows, n=settings.n, r=settings.max_new_tokens,
-                                   cascade=groups is not None and not cfg.batch_invariant,
+                                   shared_tokens=_cascade_shared_tokens(ctx, engine, groups is not None),
                                    weight_bytes=bytes_per_device(weights[0].params))
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
@@ -401,14 +399,33 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                    pool_pages=engine.num_pages)
 
 
+def _cascade_shared_tokens(ctx: Context, engine: Any, cascade: bool) -> int:
+    """The prompt tokens a decode step reads once per group rather than once per sample: none without cascade
+    rows; the prompt with them (sampler/cascade_attention.py); with `model.batch_invariant` the whole key
+    blocks of the prompt's full pages, where the mode's paged kernel reads the pool in place (the block
+    holding the prompt's end is each sample's own: sampler/paged_attention.py `invariant_cascade`)."""
+    cfg = ctx.actor.cfg
+    if not cascade:
+        return 0
+    if not cfg.batch_invariant:
+        return ctx.prompt_width
+    from jaxrl_llm.models.invariant_attention import paged_blocks, paged_supported
+
+    variant = {"tpu": "mosaic", "gpu": "triton", "cuda": "triton"}.get(target_platform())
+    if variant is None or not paged_supported(variant, cfg.head_dim, cfg.head_dim, engine.page_size):
+        return 0  # the gathered form (CPU's blocked XLA; a head width the kernel does not read in place)
+    keys = paged_blocks(variant, cfg.head_dim)[1]
+    return ctx.prompt_width // engine.page_size * engine.page_size // keys * keys
+
+
 def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, rows: int, n: int, r: int,
-                  cascade: bool, weight_bytes: int) -> Cost:
+                  shared_tokens: int, weight_bytes: int) -> Cost:
     """The paged engine's rollout of `rows` sequences of r new tokens (worst case: every one r long), per
     device, from one decode `step`'s compiled count (all layers): the steps its slots need (as many
     sequences at once as the slots and the pool's pages hold, a prompt's pages shared by its n samples),
     plus what the compiled step cannot count: the attention kernel's K/V reads and products (a custom call),
-    every step's keys from the prompt (read once per group with cascade attention) and the response so
-    far; and the prefill of each prompt (one call per prompt, not planned: its weights read once and
+    every step's keys from the prompt (`shared_tokens` of them read once per group: cascade attention) and the
+    response so far; and the prefill of each prompt (one call per prompt, not planned: its weights read once and
     2N FLOPs per token, split over the devices as decode's matmuls are). The pool is split over the kv
     heads on 'tensor' only, so every device reads its kv heads of every slot. `step` comes without the
     bytes the compiled count charges in proportion to the pool (`Planner.costed`)."""
@@ -421,7 +438,7 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     tensor = dict(mesh.shape).get("tensor", 1)
     kv_shards = tensor if cfg.cache_kv_heads % tensor == 0 else 1
     key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
-    keys_read = rows * r * ((prompt / n if cascade else prompt) + (r + 1) / 2)
+    keys_read = rows * r * (prompt - shared_tokens + shared_tokens / n + (r + 1) / 2)
     attention_flops = 4.0 * cfg.num_hidden_layers * cfg.attention_width * keys_read / kv_shards
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(

@@ -132,3 +132,30 @@ def test_the_invariant_attention_kernels_work_is_added_where_the_mode_is_on():
     assert cost.hbm_bytes == pytest.approx(want_bytes)
     assert cost.flops == pytest.approx(2 * 4.0 * 6 * 24 * 14 * 64 * 1024 * visited)
     assert 3.5 < longer.hbm_bytes / cost.hbm_bytes < 4.5 and 3.5 < longer.flops / cost.flops < 4.5
+
+
+def test_the_rollouts_cascade_credit_is_the_shared_prompt_keys():
+    """The rollout plan's prompt keys read once per group (cascade rows): none without rows, the whole prompt on
+    the default path, and with `model.batch_invariant` the whole key blocks of the prompt's full pages where the
+    mode's paged kernel runs (TPU: 128 keys a block, GPU: 64 at head width 64), none on CPU's gathered form."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.planning.programs import _cascade_shared_tokens
+    from jaxrl_llm.platform.target import CompileTarget, compiling_for
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=1000, hidden_size=896,
+                      intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      head_dim=64)
+    engine = SimpleNamespace(page_size=16)
+
+    def shared(cfg, platform: str, prompt: int = 1000, cascade: bool = True) -> int:
+        with compiling_for(CompileTarget(platform, None)):
+            return _cascade_shared_tokens(SimpleNamespace(actor=SimpleNamespace(cfg=cfg), prompt_width=prompt),
+                                          engine, cascade)
+
+    on = dataclasses.replace(cfg, batch_invariant=True)
+    assert shared(cfg, "tpu", cascade=False) == 0 and shared(cfg, "tpu") == 1000
+    assert shared(on, "tpu") == 896 and shared(on, "gpu") == 960  # 62 full pages = 992 keys
+    assert shared(on, "cpu") == 0 and shared(on, "tpu", prompt=100) == 0

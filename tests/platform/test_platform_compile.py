@@ -455,12 +455,14 @@ def test_delta_rule_chunk_kernel_compiles_for_tpu_at_real_shapes(topology="v6e:2
 
 @needs_libtpu
 def test_batch_invariant_programs_compile_for_tpu_and_lower_for_cuda(tmp_path):
-    """`model.batch_invariant` on v5e:2x2 (fsdp 4) in bf16, paged engine: the sampler (prefill and decode) and the
-    actor update compile with the mode's kernels (models/invariant_attention.py's attention, its paged form in the
-    decode step, and the fixed-tile GEMMs, each under a shard_map: Mosaic calls cannot be partitioned), and both
-    lower for CUDA with the Triton ones."""
+    """`model.batch_invariant` on v5e:2x2 (fsdp 4) in bf16, paged engine with cascade attention: the sampler
+    (prefill and decode) and the actor update compile with the mode's kernels (models/invariant_attention.py's
+    attention, its paged form in the decode step, the cascade's shared and continued walks, and the fixed-tile
+    GEMMs, each under a shard_map: Mosaic calls cannot be partitioned), and both lower for CUDA with the Triton
+    ones."""
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
-                 "trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.batch_invariant": True}
+                 "trainer.plan_topology": "v5e:2x2", "actor_rollout_ref.model.batch_invariant": True,
+                 "actor_rollout_ref.rollout.cascade_attention": True}
     for name in ("sample", "update_actor"):
         _, compiled = _compiled_program(tmp_path, overrides, name)
         text = compiled.as_text()
@@ -469,10 +471,12 @@ def test_batch_invariant_programs_compile_for_tpu_and_lower_for_cuda(tmp_path):
         # runs the contiguous kernel
         kernel = "invariant_paged_attention_mosaic" if name == "sample" else "invariant_attention_mosaic"
         assert text.count(kernel) >= 2, name
+        if name == "sample":
+            assert all(f"{kernel}_{role}" in text for role in ("shared", "continued"))
     cfg = validate_config(tiny_config(tmp_path, **{**overrides, "trainer.plan_topology": None}), num_devices=8)
     with compiling_for(CompileTarget("gpu", None)):
         spec, programs = _programs(cfg, jax.devices())
         texts = {p.name: p.lower(spec.plan, platforms=("cuda",)).as_text() for p in programs
                  if p.name in ("sample", "update_actor")}
-    assert "invariant_paged_attention_triton" in texts["sample"]
+    assert all(f"invariant_paged_attention_triton_{role}" in texts["sample"] for role in ("shared", "continued"))
     assert "invariant_attention_triton" in texts["update_actor"]

@@ -18,26 +18,28 @@ PAGES_PER_SLOT = 9
 GROUP_SIZES = (1, 2, 3, 5, 8)
 
 
-def make_groups(seed, *, kv_heads=2, group=2, head_dim=64, dtype=jnp.float32, int8=False, loose=3):
-    """Slots of groups of GROUP_SIZES (then `loose` slots in no group): (args, kwargs, cascade)."""
+def make_groups(seed, *, kv_heads=2, group=2, head_dim=64, dtype=jnp.float32, int8=False, loose=3,
+                group_sizes=GROUP_SIZES, pages_per_slot=PAGES_PER_SLOT, prompt_pages=(1, 4)):
+    """Slots of groups of `group_sizes` (then `loose` slots in no group): (args, kwargs, cascade). A group's
+    prompt fills prompt_pages[0] to prompt_pages[1] - 1 full pages, then part of one."""
     rng = np.random.default_rng(seed)
-    slots = sum(GROUP_SIZES) + loose
-    num_pages = 1 + slots * PAGES_PER_SLOT
+    slots = sum(group_sizes) + loose
+    num_pages = 1 + slots * pages_per_slot
     free = list(rng.permutation(np.arange(1, num_pages)))
-    table = np.zeros((slots, PAGES_PER_SLOT), np.int32)
+    table = np.zeros((slots, pages_per_slot), np.int32)
     lengths = np.zeros((slots,), np.int32)
     rows_slots = np.full((slots // 2, 8), -1, np.int32)
     rows_pages = np.zeros((slots // 2,), np.int32)
     slot = 0
     order = rng.permutation(slots)  # members are not adjacent slots
-    for row, size in enumerate(GROUP_SIZES):
-        prompt = int(rng.integers(PAGE, 4 * PAGE))  # 1-3 full pages, then a partial one
+    for row, size in enumerate(group_sizes):
+        prompt = int(rng.integers(prompt_pages[0] * PAGE, prompt_pages[1] * PAGE))
         shared = [free.pop() for _ in range(prompt // PAGE)]
         for m in range(size):
             s = int(order[slot])
             slot += 1
-            length = prompt + int(rng.integers(1, (PAGES_PER_SLOT - 4) * PAGE))
-            own = [free.pop() for _ in range(PAGES_PER_SLOT - len(shared))]
+            length = prompt + int(rng.integers(1, (pages_per_slot - prompt_pages[1]) * PAGE))
+            own = [free.pop() for _ in range(pages_per_slot - len(shared))]
             table[s] = shared + own
             lengths[s] = 0 if (size > 2 and m == 1) else length  # a finished member
             rows_slots[row, m] = s
@@ -45,8 +47,8 @@ def make_groups(seed, *, kv_heads=2, group=2, head_dim=64, dtype=jnp.float32, in
     for _ in range(loose):
         s = int(order[slot])
         slot += 1
-        table[s] = [free.pop() for _ in range(PAGES_PER_SLOT)]
-        lengths[s] = int(rng.integers(1, PAGES_PER_SLOT * PAGE))
+        table[s] = [free.pop() for _ in range(pages_per_slot)]
+        lengths[s] = int(rng.integers(1, pages_per_slot * PAGE))
     shape = (kv_heads, num_pages, PAGE, head_dim)
     q = jnp.asarray(rng.standard_normal((slots, kv_heads * group, head_dim)), dtype)
     kw = {}
@@ -157,3 +159,32 @@ def test_cascade_lowers_for_device_backends(platform, custom_call, sinks):
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(custom_call)])(*spec)
     assert exported.mlir_module().count(custom_call) >= 2  # the shared call and the own call
     assert exported.out_avals[0].shape == args[0].shape
+
+
+@pytest.mark.parametrize("variant", ["triton", "mosaic"])
+def test_the_batch_invariant_cascade_has_the_plain_walks_bits(variant):
+    """model.batch_invariant's cascade (paged_attention.py `invariant_cascade`, the kernels in Pallas's
+    interpreter): a group's whole shared key blocks walked once for its members, each member's walk continued
+    from that exact state, `==` the plain mode kernel per slot. bf16, GPT-OSS sinks, Gemma 2's soft cap; prompts of
+    9-13 full pages (2-3 of Triton's 64-key blocks, 1 of Mosaic's 128: the block holding the prompt's end is
+    each member's own); finished members, slots in no group; on one device and per kv-head shard of a tensor
+    split of 2 (the sinks split per head)."""
+    from jax.sharding import Mesh
+
+    from jaxrl_llm.models import invariant
+    from jaxrl_llm.sampler.paged_attention import paged_decode_attention_invariant
+
+    args, _, cascade = make_groups(11, kv_heads=2, group=3, head_dim=32, dtype=jnp.bfloat16, loose=2,
+                                   group_sizes=(1, 3, 4), pages_per_slot=18, prompt_pages=(9, 14))
+    q, k, v, lengths, table = args
+    sinks = jnp.linspace(-0.5, 0.5, q.shape[1])
+    kw = dict(layer=jnp.int32(1), softcap=30.0, sinks=sinks)
+    pool = [jnp.stack([x[::-1], x]) for x in (k, v)]  # a stacked pool read at layer 1
+    tensor = Mesh(np.array(jax.devices()[:2]), ("tensor",))
+    with invariant.kernels_interpreted(variant):
+        plain = jax.jit(lambda *a: paged_decode_attention_invariant(*a, **kw))(q, *pool, lengths, table)
+        for mesh in (None, tensor):
+            got = jax.jit(lambda *a, mesh=mesh: paged_decode_attention_invariant(
+                *a[:5], cascade=Cascade(*a[5:]), mesh=mesh, **kw))(q, *pool, lengths, table, *cascade)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    assert np.abs(np.asarray(plain, np.float32)).max() > 0

@@ -342,3 +342,21 @@ def test_the_device_attention_kernels_are_exact_end_to_end_in_the_interpreter(va
                                                "paged", n=2, opts=opts)
     assert rollout.size == 2 * 4 * NEW_TOKENS
     np.testing.assert_array_equal(rollout, trainer)
+
+
+def test_the_cascade_is_exact_end_to_end_in_the_interpreter():
+    """Cascade attention in the mode (sampler/paged_attention.py `invariant_cascade`), the Triton kernels
+    interpreted: two samples a prompt, prompts of 70-90 ids (one or more whole 64-key blocks shared by the
+    samples, the rest their own), chunked prefill; every sampled token's log-prob `==` the trainer's."""
+    from jaxrl_llm.models import invariant
+
+    cfg, params, _ = _model("llama")
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(3, cfg.vocab_size, size=int(n))) for n in (70, 90)]
+    opts = EngineOptions(engine="paged", max_num_batched_tokens=16, enable_chunked_prefill=True,
+                         cascade_attention=True)
+    with invariant.kernels_interpreted("triton"):
+        rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts,
+                                               "paged", n=2, opts=opts)
+    assert rollout.size == 2 * 2 * NEW_TOKENS
+    np.testing.assert_array_equal(rollout, trainer)
