@@ -409,7 +409,7 @@ def _cascade_shared_tokens(ctx: Context, engine: Any, cascade: bool) -> int:
         return 0
     if not cfg.batch_invariant:
         return ctx.prompt_width
-    from jaxrl_llm.models.invariant_attention import paged_blocks, paged_supported
+    from jaxrl_llm.models.invariant_paged_attention import paged_blocks, paged_supported
 
     variant = {"tpu": "mosaic", "gpu": "triton", "cuda": "triton"}.get(target_platform())
     if variant is None or not paged_supported(variant, cfg.head_dim, cfg.head_dim, engine.page_size):

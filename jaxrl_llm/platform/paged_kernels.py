@@ -1,5 +1,5 @@
 """What the paged attention kernels share (the default ones, sampler/paged_attention_pallas.py and
-sampler/paged_attention_mosaic.py, and the batch-invariant one, models/invariant_attention.py `paged_attention`):
+sampler/paged_attention_mosaic.py, and the batch-invariant one, models/invariant_paged_attention.py `paged_attention`):
 the key blocks a slot's visible keys fill, their mask, the page table's share of a Mosaic call's SMEM, and a
 Mosaic kernel's double-buffered DMA walk over the blocks."""
 from __future__ import annotations

@@ -121,12 +121,12 @@ def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, l
                                      cascade: cascade_attention.Cascade | None = None) -> Array:
     """The contract's attention with the batch-invariant numerics (models/invariant.py): a token's output has the
     bits of the trainer's and the static sampler's attention. On GPU and TPU the pool is read in place by the
-    mode's paged kernel (models/invariant_attention.py `paged_attention`: the contiguous kernel's tiles and
+    mode's paged kernel (models/invariant_paged_attention.py `paged_attention`: the contiguous kernel's tiles and
     steps, its key blocks made of the slot's pages) where its shapes hold (`paged_supported`), per kv-head shard
     on `mesh` as the default kernels; elsewhere each slot's pages are gathered in order (position 0 first) and
     attended by `invariant.attend_blocks`. Compute-dtype pages only (int8 pages are refused by the config).
     `cascade` (the kernels, no sliding window): `invariant_cascade`."""
-    from jaxrl_llm.models import invariant_attention
+    from jaxrl_llm.models import invariant_paged_attention
 
     q = jnp.asarray(q)
     if layer is None:  # one layer's pages: the kernels read a stacked pool
@@ -153,20 +153,21 @@ def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, l
     groups = () if cascade is None or sliding_window is not None else (cascade.group_slots, cascade.prefix_pages)
 
     def in_place(variant: str, interpret: bool = False):
-        if not invariant_attention.paged_supported(variant, q.shape[-1], k_pages.shape[-1], k_pages.shape[-2]):
+        if not invariant_paged_attention.paged_supported(variant, q.shape[-1], k_pages.shape[-1], k_pages.shape[-2]):
             return gathered
 
         def run(q, k_pages, v_pages, lengths, table, layer, *rest):
             nkv = k_pages.shape[1]
             qg = q.reshape(q.shape[0], nkv, q.shape[1] // nkv, q.shape[2])
-            kw = dict(layer=layer, sink=rest[len(groups)] if sinks is not None else None, softcap=softcap,
-                      variant=variant, interpret=interpret)
+            sink = rest[len(groups)] if sinks is not None else None
             kp, vp = from_storage(k_pages), from_storage(v_pages)
             if groups:
                 out = invariant_cascade(qg, kp, vp, lengths, table, cascade_attention.Cascade(*rest[:len(groups)]),
-                                        **kw)
+                                        layer=layer, sink=sink, softcap=softcap, variant=variant, interpret=interpret)
             else:
-                out = invariant_attention.paged_attention(qg, kp, vp, lengths, table, window=sliding_window, **kw)
+                out = invariant_paged_attention.paged_attention(qg, kp, vp, lengths, table, layer=layer,
+                                                                window=sliding_window, sink=sink, softcap=softcap,
+                                                                variant=variant, interpret=interpret)
             return out.reshape(q.shape).astype(q.dtype)
 
         # the sinks (split per query head) last: their position among the replicated arguments is fixed
@@ -184,29 +185,27 @@ def paged_decode_attention_invariant(q: Array, k_pages: Array, v_pages: Array, l
 def invariant_cascade(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, table: Array,
                       cascade: cascade_attention.Cascade, *, layer: Array, sink: Array | None,
                       softcap: float | None, variant: str, interpret: bool = False) -> Array:
-    """The mode's paged kernel (`invariant_attention.paged_attention`) with the cascade's groups reading their
+    """The mode's paged kernel (`invariant_paged_attention.paged_attention`) with the cascade's groups reading their
     shared prompt pages once: fp32 [slots, kv, g, D] with the bits of the plain call. A walk over a slot's key
     blocks is a sequence of fixed-tile online-softmax steps in which a query row's sums read only that row, so
     the walk can be cut at a block boundary: the shared call walks each group's whole shared key blocks (the
     members' M x g query rows stacked in the kernel's row tiles, one read of each shared page per kv head) and
     returns its exact fp32 state; each member's own call continues from that state at the first unshared block
     (the block holding the end of the shared pages, partly shared, is the member's own). No sliding window."""
-    from jaxrl_llm.models import invariant_attention
+    from jaxrl_llm.models import invariant_paged_attention
 
     slots, nkv, g, d = q4.shape
     page_size = k_pool.shape[-2]
-    keys = invariant_attention.paged_blocks(variant, d)[1]
+    keys = invariant_paged_attention.paged_blocks(variant, d)[1]
     lengths = jnp.asarray(lengths, jnp.int32)
     idx, safe, _, slot_pages, row_pages = cascade_attention.members(cascade, lengths)
     rows, m = idx.shape
     shared_tokens = (row_pages * page_size) // keys * keys  # whole key blocks of each group's shared pages
     q_rows = q4[safe].transpose(0, 2, 1, 3, 4).reshape(rows, nkv, m * g, d)  # kv head h: members x g rows
     row_sink = None if sink is None else jnp.tile(sink.astype(jnp.float32).reshape(nkv, 1, g), (1, m, 1))
-    shared = invariant_attention.paged_attention(
+    shared = invariant_paged_attention.paged_walk_state(
         q_rows, k_pool, v_pool, shared_tokens, cascade_attention.group_table(table, cascade, row_pages, table.shape[1]),
-        layer=layer, window=None, sink=row_sink, softcap=softcap, variant=variant, interpret=interpret,
-        return_state=True)
-    assert isinstance(shared, invariant_attention.OnlineState)
+        layer=layer, sink=row_sink, softcap=softcap, variant=variant, interpret=interpret)
 
     def per_slot(x: Array) -> Array:  # [G, kv, M * g, w] -> [slots, kv, g, w]; non-members: zeros (replaced)
         x = x.reshape(rows, nkv, m, g, x.shape[-1]).swapaxes(1, 2)
@@ -218,14 +217,12 @@ def invariant_cascade(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, t
         init_m, init_denom = jnp.float32(MASKED_SCORE), jnp.float32(0.0)
     else:
         init_m, init_denom = sink.astype(jnp.float32).reshape(1, nkv, g, 1), jnp.float32(1.0)
-    state = invariant_attention.OnlineState(
+    state = invariant_paged_attention.OnlineState(
         jnp.where(member, per_slot(shared.m), init_m), jnp.where(member, per_slot(shared.denom), init_denom),
         jnp.where(member, per_slot(shared.acc), 0.0))
-    out = invariant_attention.paged_attention(q4, k_pool, v_pool, lengths, table, layer=layer, window=None, sink=None,
-                                              softcap=softcap, variant=variant, interpret=interpret, start=start,
-                                              state=state)
-    assert not isinstance(out, invariant_attention.OnlineState)
-    return out
+    return invariant_paged_attention.paged_attention(q4, k_pool, v_pool, lengths, table, layer=layer, window=None,
+                                                     sink=None, softcap=softcap, variant=variant, interpret=interpret,
+                                                     start=start, state=state)
 
 
 def takes_xla_path(impl: str, int8_pages: bool) -> bool:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import invariant, invariant_attention
+from jaxrl_llm.models import invariant, invariant_attention, invariant_paged_attention
 from jaxrl_llm.models.precision import MASKED_SCORE
 from jaxrl_llm.platform import export_for_cuda, kernel_calls, tpu_target
 from jaxrl_llm.platform.tpu import libtpu_installed
@@ -166,7 +166,7 @@ def test_the_paged_kernel_reads_pages_in_place_with_the_contiguous_kernels_bits(
     layer = jnp.int32(1)
     contiguous = KERNELS[variant]
     for window, with_sink in ((None, False), (40, True)):
-        got = jax.jit(lambda q, kp, vp: invariant_attention.paged_attention(
+        got = jax.jit(lambda q, kp, vp: invariant_paged_attention.paged_attention(
             q, kp, vp, lengths, table, layer=layer, window=window, sink=sink if with_sink else None, softcap=None,
             variant=variant, interpret=True))(q, k_pool, v_pool)
         keys = [pool[1][:, table].transpose(1, 0, 2, 3, 4).reshape(slots, nkv, per_slot * page_size, pool_width)
