@@ -144,7 +144,8 @@ def assert_step_runs_the_planned_programs(trainer, metrics: dict) -> None:
     """The memory plan's program list (planning/programs.py PROGRAM_BUILDERS) names the passes this
     step timed (`timing_s/*` of `metrics`), no more and no fewer: a pass added to `Trainer.train_step`
     without a program to plan, or a program planned for a pass the step no longer runs, fails here."""
-    from jaxrl_llm.planning.programs import PROGRAM_BUILDERS, STEP_SPANS, UNPLANNED_SPANS, make_context
+    from jaxrl_llm.planning.context import make_context
+    from jaxrl_llm.planning.programs import PROGRAM_BUILDERS, STEP_SPANS, UNPLANNED_SPANS
 
     ctx = make_context(trainer.spec, trainer.mesh, trainer.tokenizer)
     planned = {STEP_SPANS[p.name] for p in (build(ctx) for build in PROGRAM_BUILDERS) if p is not None}

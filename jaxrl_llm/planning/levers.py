@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxrl_llm.config.names import MEMORY_LEVERS
 from jaxrl_llm.config.spec import RunSpec
-from jaxrl_llm.planning.programs import ARR
+from jaxrl_llm.planning.context import ARR
 from jaxrl_llm.roles.reference import offload_supported
 
 # set: the changed spec and the keys it set (`key=value`); () where the lever does nothing for this run

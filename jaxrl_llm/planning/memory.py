@@ -51,15 +51,9 @@ from jaxrl_llm.batching.batch_plan import BatchPlan, MicroBatching
 from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
+from jaxrl_llm.planning.context import Context, Program, bytes_per_device, device_state_bytes, make_context
 from jaxrl_llm.planning.levers import fit_with_levers
-from jaxrl_llm.planning.programs import (
-    PROGRAM_BUILDERS,
-    Context,
-    Program,
-    bytes_per_device,
-    device_state_bytes,
-    make_context,
-)
+from jaxrl_llm.planning.programs import PROGRAM_BUILDERS
 from jaxrl_llm.planning.roofline import Cost, Roofline, compiled_cost, roofline
 from jaxrl_llm.platform.chips import Chip, chip_for
 from jaxrl_llm.platform.lowering import kernel_calls

@@ -17,8 +17,8 @@ from tiny_runs import ROOT, tiny_config
 
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, validate_config
 from jaxrl_llm.hf import load_tokenizer
+from jaxrl_llm.planning.context import bytes_per_device
 from jaxrl_llm.planning.memory import GiB, MemoryPlanError, Planner, plan_memory, planning_context
-from jaxrl_llm.planning.programs import bytes_per_device
 from jaxrl_llm.sharding import batch_axis_size, make_mesh
 
 PEAK = 1e12  # a fixed FLOP/s figure: no matmul measurement in tests

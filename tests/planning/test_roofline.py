@@ -115,7 +115,7 @@ def test_the_invariant_attention_kernels_work_is_added_where_the_mode_is_on():
     import dataclasses
 
     from jaxrl_llm.models import ModelConfig
-    from jaxrl_llm.planning.programs import invariant_attention_cost
+    from jaxrl_llm.planning.kernel_costs import invariant_attention_cost
     from jaxrl_llm.platform.target import CompileTarget, compiling_for
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=1000, hidden_size=896,
@@ -142,7 +142,7 @@ def test_the_rollouts_cascade_credit_is_the_shared_prompt_keys():
     from types import SimpleNamespace
 
     from jaxrl_llm.models import ModelConfig
-    from jaxrl_llm.planning.programs import _cascade_shared_tokens
+    from jaxrl_llm.planning.sample_program import _cascade_shared_tokens
     from jaxrl_llm.platform.target import CompileTarget, compiling_for
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=1000, hidden_size=896,

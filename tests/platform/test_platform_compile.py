@@ -34,7 +34,8 @@ STEP = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.actor.us
 def _programs(cfg, devices):
     from jaxrl_llm.config import resolve as resolve_spec
     from jaxrl_llm.config import resolve_data
-    from jaxrl_llm.planning.programs import PROGRAM_BUILDERS, make_context
+    from jaxrl_llm.planning.context import make_context
+    from jaxrl_llm.planning.programs import PROGRAM_BUILDERS
 
     mesh = make_mesh(cfg.mesh, devices=devices)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))

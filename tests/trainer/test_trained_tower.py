@@ -57,7 +57,8 @@ def test_the_tower_trains_resumes_and_exports(tmp_path):
 
 
 def test_the_memory_plan_holds_the_trained_tower_and_the_rows_pixels(tmp_path):
-    from jaxrl_llm.planning.programs import actor_update_program, device_state_bytes, make_context
+    from jaxrl_llm.planning.context import device_state_bytes, make_context
+    from jaxrl_llm.planning.programs import actor_update_program
 
     trainer = Trainer(config(tmp_path / "run", tmp_path, **{"trainer.total_training_steps": 1}))
     ctx = make_context(trainer.spec, trainer.mesh, trainer.tokenizer)
@@ -89,7 +90,7 @@ def test_lora_on_the_tower_trains_its_adapters_not_its_weights(tmp_path):
     adapters = trainer.actor.params["lora"]["vision"]["blocks"]
     assert sorted(adapters) == ["down_proj", "gate_proj", "proj", "qkv", "up_proj"]
     assert adapters["qkv"]["A"].shape[-1] == 4
-    from jaxrl_llm.planning.programs import make_context  # the plan holds the tower's adapters where they live
+    from jaxrl_llm.planning.context import make_context  # the plan holds the tower's adapters where they live
 
     planned = make_context(trainer.spec, trainer.mesh, trainer.tokenizer).states["actor_params"]["lora"]["vision"]
     shapes = lambda tree: jax.tree.map(lambda x: x.shape, tree)  # noqa: E731

@@ -139,7 +139,7 @@ def test_eight_devices_equal_one_resume_equals_uninterrupted_and_the_checkpoint_
 
 def test_the_memory_plan_holds_the_tower_and_the_image_rows(trainer):
     from jaxrl_llm.models.vision.qwen_vl import feature_bucket
-    from jaxrl_llm.planning.programs import device_state_bytes, make_context
+    from jaxrl_llm.planning.context import device_state_bytes, make_context
 
     state = device_state_bytes(make_context(trainer.spec, trainer.mesh, trainer.tokenizer))
     tower = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(trainer.generator.vision.params))
