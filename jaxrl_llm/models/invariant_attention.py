@@ -31,7 +31,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrl_llm.models.precision import MASKED_SCORE
-from jaxrl_llm.shapes import next_power_of_two
 
 Array = jax.Array
 
@@ -67,15 +66,43 @@ def _precision(dtype) -> lax.Precision | None:
     return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
+def head_pieces(head_dim: int) -> tuple[int, ...]:
+    """The head width as powers of 2 (Triton's block shapes), widest first, each 16 or more: 576 (MLA's latent
+    and rope key) -> (512, 64), 96 -> (64, 32), 128 -> (128,); a remainder under 16 is read zero-padded to 16.
+    Each piece starts at a multiple of its own width (the wider ones before it sum to one)."""
+    pieces: list[int] = []
+    rest = head_dim
+    while rest > 0:
+        piece = max(16, 1 << (rest.bit_length() - 1))
+        pieces.append(piece)
+        rest -= piece
+    return tuple(pieces)
+
+
 def online_step(q: Array, k: Array, v: Array, valid: Array, carry: tuple[Array, Array, Array], *, scale: float,
-          softcap: float | None) -> tuple[Array, Array, Array]:
+                softcap: float | None) -> tuple[Array, Array, Array]:
     """One online-softmax step of query rows q [rows, D] over one key block k / v [keys, D] where `valid`
     [rows, keys]; carry (max [rows, 1], sum [rows, 1], acc [rows, D]) fp32. 2-D ops only (Triton and
     Mosaic). p.v as the XLA path's `probs_times_values`: fp32 V one fp32 product; bf16 V two bf16
-    products of p's high and low halves, added in fp32."""
-    m_prev, l_prev, acc_prev = carry
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
-                        preferred_element_type=jnp.float32) * scale
+    products of p's high and low halves, added in fp32. `pieces_step` with one piece."""
+    m, denom, (acc,) = pieces_step((q,), (k,), (v,), valid, (carry[0], carry[1], (carry[2],)), scale=scale,
+                                   softcap=softcap)
+    return m, denom, acc
+
+
+def pieces_step(qs: tuple[Array, ...], ks: tuple[Array, ...], vs: tuple[Array, ...], valid: Array,
+                carry: tuple[Array, Array, tuple[Array, ...]], *, scale: float, softcap: float | None
+                ) -> tuple[Array, Array, tuple[Array, ...]]:
+    """`online_step` with the head width in pieces (`head_pieces`): q.k the pieces' products added in order,
+    p.v one accumulator per piece."""
+    m_prev, l_prev, accs = carry
+    s = None
+    for q, k in zip(qs, ks):
+        part = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_precision(q.dtype),
+                               preferred_element_type=jnp.float32)
+        s = part if s is None else s + part
+    assert s is not None
+    s = s * scale
     if softcap is not None:  # Gemma 2's attn_logit_softcapping
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(valid, s, MASKED_SCORE)
@@ -84,14 +111,17 @@ def online_step(q: Array, k: Array, v: Array, valid: Array, carry: tuple[Array, 
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     dims = (((1,), (0,)), ((), ()))
-    if v.dtype == jnp.float32:
-        pv = lax.dot_general(p, v, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    else:
-        hi = p.astype(v.dtype)
-        lo = (p - hi.astype(jnp.float32)).astype(v.dtype)
-        pv = (lax.dot_general(hi, v, dims, preferred_element_type=jnp.float32)
-              + lax.dot_general(lo, v, dims, preferred_element_type=jnp.float32))
-    return m_new, l_new, alpha * acc_prev + pv
+    out = []
+    for v, acc_prev in zip(vs, accs):
+        if v.dtype == jnp.float32:
+            pv = lax.dot_general(p, v, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        else:
+            hi = p.astype(v.dtype)
+            lo = (p - hi.astype(jnp.float32)).astype(v.dtype)
+            pv = (lax.dot_general(hi, v, dims, preferred_element_type=jnp.float32)
+                  + lax.dot_general(lo, v, dims, preferred_element_type=jnp.float32))
+        out.append(alpha * acc_prev + pv)
+    return m_new, l_new, tuple(out)
 
 
 def online_init(rows: int, width: int, sink: Array | None) -> tuple[Array, Array, Array]:
@@ -173,52 +203,70 @@ def _operands(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, g
 
 # ---- Triton (GPU) ----
 
-def _triton_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, valid_ref, *refs, keys: int, scale: float,
-                   softcap: float | None, has_sink: bool):
-    sink_ref, out_ref, lse_ref = refs if has_sink else (None, *refs)
-    q = q_ref[...]
+def _triton_kernel(lo_ref, hi_ref, *refs, pieces: int, keys: int, scale: float, softcap: float | None,
+                   has_sink: bool):
+    # refs: q, k and v pieces, the mask, [sink], then the out pieces and the lse
+    q_refs, k_refs, v_refs = refs[:pieces], refs[pieces:2 * pieces], refs[2 * pieces:3 * pieces]
+    valid_ref, rest = refs[3 * pieces], refs[3 * pieces + 1:]
+    sink_ref, rest = (rest[0], rest[1:]) if has_sink else (None, rest)
+    out_refs, lse_ref = rest[:pieces], rest[pieces]
+    qs = tuple(ref[...] for ref in q_refs)
+    rows = qs[0].shape[0]
     sink = sink_ref[...] if sink_ref is not None else None
 
     def block(j, carry):
         at = pl.multiple_of(j * keys, keys)
-        return online_step(q, k_ref[pl.ds(at, keys), :], v_ref[pl.ds(at, keys), :],
-                           valid_ref[:, pl.ds(at, keys)] != 0, carry, scale=scale, softcap=softcap)
+        return pieces_step(qs, tuple(ref[pl.ds(at, keys), :] for ref in k_refs),
+                           tuple(ref[pl.ds(at, keys), :] for ref in v_refs), valid_ref[:, pl.ds(at, keys)] != 0,
+                           carry, scale=scale, softcap=softcap)
 
-    m, denom, acc = lax.fori_loop(lo_ref[0], hi_ref[0], block, online_init(q.shape[0], q.shape[1], sink))
-    out_ref[...], lse_ref[...] = online_finish(m, denom, acc)
+    m, denom, _ = online_init(rows, 1, sink)
+    init = (m, denom, tuple(jnp.zeros((rows, q.shape[1]), jnp.float32) for q in qs))
+    m, denom, accs = lax.fori_loop(lo_ref[0], hi_ref[0], block, init)
+    for ref, acc in zip(out_refs, accs):
+        ref[...] = online_finish(m, denom, acc)[0]
+    lse_ref[...] = online_finish(m, denom, accs[0])[1]
 
 
 def triton_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None,
                      groups: int = 1, interpret: bool = False) -> tuple[Array, Array]:
     """GPU: the module's kernel as a Pallas Triton call (grid: batch row, kv head, row tile; the key blocks a
-    sequential loop inside the program). head_dim is read zero-padded to a power of 2 (Triton's blocks);
-    `groups`: `_operands`."""
+    sequential loop inside the program). The head width is read in power-of-2 pieces (`head_pieces`: Triton's
+    blocks), each a block of the one zero-padded array; `groups`: `_operands`."""
     b, nkv, r, d = qg.shape
-    width = max(16, next_power_of_two(d))
+    pieces = head_pieces(d)
+    width = sum(pieces)
     rows, keys, warps = gpu_blocks(width)
     ops = _operands(qg, k, v, valid, sink, groups, rows, keys, width)
     tiles, s_pad, mask_tiles = ops.qg.shape[2] // rows, ops.k.shape[2], ops.mask_tiles
     per_kv = ops.valid.shape[1] > 1
+    offsets = [sum(pieces[:i]) for i in range(len(pieces))]
 
-    def tile_spec(last: int):
-        return pl.BlockSpec((None, None, rows, last), lambda i, h, t: (i, h, t, 0))
+    def tile_spec(last: int, at: int = 0):  # column block `at // last`: a piece starts at a multiple of its width
+        return pl.BlockSpec((None, None, rows, last), lambda i, h, t: (i, h, t, at // last))
 
-    whole = pl.BlockSpec((None, None, s_pad, width), lambda i, h, t: (i, h, 0, 0))
+    def whole(last: int, at: int):
+        return pl.BlockSpec((None, None, s_pad, last), lambda i, h, t: (i, h, 0, at // last))
+
     bound = pl.BlockSpec((1,), lambda i, h, t: (i * mask_tiles + lax.rem(t, mask_tiles),))
     mask = pl.BlockSpec((None, None, rows, s_pad), lambda i, h, t: (i, h if per_kv else 0, lax.rem(t, mask_tiles), 0))
-    in_specs = [bound, bound, tile_spec(width), whole, whole, mask] + ([tile_spec(1)] if ops.sink is not None else [])
+    piece_specs = list(zip(pieces, offsets))
+    in_specs = [bound, bound, *[tile_spec(p, at) for p, at in piece_specs], *[whole(p, at) for p, at in piece_specs],
+                *[whole(p, at) for p, at in piece_specs], mask] + ([tile_spec(1)] if ops.sink is not None else [])
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
         compiler_params = plt.CompilerParams(num_warps=warps, num_stages=2)
-    kernel = functools.partial(_triton_kernel, keys=keys, scale=d ** -0.5, softcap=softcap,
+    kernel = functools.partial(_triton_kernel, pieces=len(pieces), keys=keys, scale=d ** -0.5, softcap=softcap,
                                has_sink=ops.sink is not None)
-    out, lse = pl.pallas_call(
-        kernel, grid=(b, nkv, tiles), in_specs=in_specs, out_specs=[tile_spec(width), tile_spec(1)],
-        out_shape=[jax.ShapeDtypeStruct(ops.qg.shape[:3] + (width,), jnp.float32),
+    n = len(pieces)
+    *outs, lse = pl.pallas_call(
+        kernel, grid=(b, nkv, tiles), in_specs=in_specs, out_specs=[*[tile_spec(p) for p in pieces], tile_spec(1)],
+        out_shape=[*[jax.ShapeDtypeStruct(ops.qg.shape[:3] + (p,), jnp.float32) for p in pieces],
                    jax.ShapeDtypeStruct(ops.qg.shape[:3] + (1,), jnp.float32)],
         interpret=interpret, compiler_params=compiler_params, name="invariant_attention_triton",
-    )(ops.lo, ops.hi, ops.qg, ops.k, ops.v, ops.valid, *([] if ops.sink is None else [ops.sink]))
+    )(ops.lo, ops.hi, *[ops.qg] * n, *[ops.k] * n, *[ops.v] * n, ops.valid, *([] if ops.sink is None else [ops.sink]))
+    out = outs[0] if n == 1 else jnp.concatenate(outs, axis=-1)
     return ops.unpad(out)[..., :d], ops.unpad(lse)[..., 0]
 
 

@@ -42,10 +42,11 @@ def _softmax_attention(q, k, v, valid, sink, softcap):
 
 @pytest.mark.parametrize("kernel", ["triton", "mosaic"])
 @pytest.mark.parametrize("dtype,head_dim,per_kv,sinks", [(jnp.bfloat16, 16, False, False),
-                                                          (jnp.float32, 24, True, True)])
+                                                          (jnp.float32, 40, True, True)])
 def test_kernels_compute_softmax_attention(kernel, dtype, head_dim, per_kv, sinks):
-    """bf16 and fp32; a head width that is not a power of 2 (Triton reads it zero-padded); a mask per kv head;
-    GPT-OSS's sinks with Gemma 2's soft cap; a row without a valid key (zeros, lse MASKED_SCORE)."""
+    """bf16 and fp32; a head width that is not a power of 2 (Triton reads it in pieces of 32 and 16, the last
+    zero-padded); a mask per kv head; GPT-OSS's sinks with Gemma 2's soft cap; a row without a valid key (zeros,
+    lse MASKED_SCORE)."""
     b, nkv, rows, keys = 3, 2, 5, 150
     q, k, v = (_normal(i, shape, dtype) for i, shape in enumerate(
         [(b, nkv, rows, head_dim), (b, nkv, keys, head_dim), (b, nkv, keys, head_dim)]))
@@ -126,13 +127,14 @@ def test_visited_blocks_are_each_tiles_first_and_last_block_with_a_valid_key():
 
 @pytest.mark.skipif(not libtpu_installed(), reason="libtpu not installed (pip install '.[tpu-plan]')")
 def test_the_kernels_compile_for_tpu_and_lower_for_cuda():
-    """`attend_blocks` at a decode step's shapes (16 slots, 7 query heads a kv head, a 4096-key cache, sinks) and
-    a training forward's (7 x 512 rows, head width 128): one Mosaic call each, compiled by the TPU compiler for a
-    v5e chip, and one Triton call each in the CUDA lowering."""
+    """`attend_blocks` at a decode step's shapes (16 slots, 7 query heads a kv head, a 4096-key cache, sinks), a
+    training forward's (7 x 512 rows, head width 128) and MLA's absorbed width (576): one Mosaic call each,
+    compiled by the TPU compiler for a v5e chip, and one Triton call each in the CUDA lowering."""
     from jax.sharding import SingleDeviceSharding
 
     device = tpu_target("v5e:2x2").devices[0]
-    cases = {"decode": (16, 2, 7, 64, 4096, True), "train": (2, 2, 7 * 512, 128, 512, False)}
+    cases = {"decode": (16, 2, 7, 64, 4096, True), "train": (2, 2, 7 * 512, 128, 512, False),
+             "mla": (2, 1, 16 * 64, 576, 1024, False)}  # MLA's absorbed width: Triton's pieces of 512 and 64
     for name, (b, nkv, rows, d, keys, sinks) in cases.items():
         shapes = [((b, nkv, rows, d), jnp.bfloat16), ((b, nkv, keys, d), jnp.bfloat16),
                   ((b, nkv, keys, d), jnp.bfloat16), ((b, 1, rows, keys), jnp.bool_)]
