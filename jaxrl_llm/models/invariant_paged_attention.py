@@ -21,9 +21,11 @@ from jaxrl_llm.models.invariant_attention import (
     STAT_LANES,
     TPU_BLOCKS,
     gpu_blocks,
+    head_pieces,
     online_finish,
     online_init,
     online_step,
+    pieces_step,
 )
 from jaxrl_llm.platform.paged_kernels import (
     MOSAIC_MAX_TABLE_ENTRIES,
@@ -31,24 +33,23 @@ from jaxrl_llm.platform.paged_kernels import (
     visible_blocks,
     visible_keys,
 )
-from jaxrl_llm.shapes import next_power_of_two
 
 Array = jax.Array
 
 
 def paged_blocks(variant: str, head_dim: int) -> tuple[int, int]:
     """(query rows, keys) per program of `variant`'s kernel for queries of `head_dim`: the contiguous kernels'."""
-    return gpu_blocks(max(16, next_power_of_two(head_dim)))[:2] if variant == "triton" else TPU_BLOCKS
+    return gpu_blocks(sum(head_pieces(head_dim)))[:2] if variant == "triton" else TPU_BLOCKS
 
 
 def paged_supported(variant: str, head_dim: int, pool_head_dim: int, page_size: int) -> bool:
     """Whether the paged kernel reads a pool of these shapes in place: a key block is whole pages, and (Triton) the
-    head width a power of 2 the pool stores unpadded. Elsewhere the caller gathers the pages and runs the
-    contiguous kernel (the same values)."""
+    pool stores the head width unpadded in whole power-of-2 pieces (`head_pieces` without padding: a multiple of
+    16, as MLA's 576). Elsewhere the caller gathers the pages and runs the contiguous kernel (the same values)."""
     _, keys = paged_blocks(variant, head_dim)
     whole_pages = 0 < page_size <= keys and keys % page_size == 0
     if variant == "triton":
-        return whole_pages and head_dim >= 16 and head_dim == next_power_of_two(head_dim) == pool_head_dim
+        return whole_pages and sum(head_pieces(head_dim)) == head_dim == pool_head_dim
     return whole_pages
 
 
@@ -90,25 +91,41 @@ def _write_result(out_refs, carry) -> None:
         ref[...] = jnp.broadcast_to(value, ref.shape)
 
 
-def _paged_triton_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *refs, pages_per_block: int, keys: int,
+def _paged_triton_kernel(len_ref, table_ref, *refs, pieces: int, pages_per_block: int, keys: int,
                          pages_per_head: int, tiles: int, window: int | None, scale: float, softcap: float | None,
-                         has_sink: bool, has_state: bool):
+                         has_sink: bool, has_state: bool, return_state: bool):
+    # refs: the q, k-pool and v-pool pieces, [start], [sink], [m0, l0, the acc0 pieces], then the outputs
+    n = pieces
+    q_refs, k_refs, v_refs, refs = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[3 * n:]
     start_ref, refs = (refs[0], refs[1:]) if has_state else (None, refs)
-    sink_ref, state_refs, out_refs = _split_refs(refs, has_sink, has_state)
+    sink_ref, refs = (refs[0], refs[1:]) if has_sink else (None, refs)
+    state_refs, out_refs = (refs[:2 + n], refs[2 + n:]) if has_state else (None, refs)
     length = len_ref[0]
     offset = lax.div(pl.program_id(1), tiles) * pages_per_head  # this kv head's pages in the flattened pool
-    q = q_ref[...]
+    qs = tuple(ref[...] for ref in q_refs)
+    rows = qs[0].shape[0]
 
     def block(j, carry):
         pages = table_ref[pl.ds(j * pages_per_block, pages_per_block)] + offset
-        k, v = (ref[pages].reshape(keys, q.shape[1]) for ref in (k_ref, v_ref))
-        valid = visible_keys(j * keys, length, window, (q.shape[0], keys))
-        return online_step(q, k, v, valid, carry, scale=scale, softcap=softcap)
+        ks, vs = (tuple(ref[pages].reshape(keys, q.shape[1]) for ref, q in zip(pool, qs)) for pool in (k_refs, v_refs))
+        valid = visible_keys(j * keys, length, window, (rows, keys))
+        return pieces_step(qs, ks, vs, valid, carry, scale=scale, softcap=softcap)
 
     lo, hi = visible_blocks(length, keys, window)
-    lo, init = _walk_start(lo, None if start_ref is None else start_ref[0], state_refs, q.shape[0], q.shape[1],
-                           sink_ref)
-    _write_result(out_refs, lax.fori_loop(lo, hi, block, init))
+    if state_refs is None:
+        m, denom, _ = online_init(rows, 1, sink_ref[...] if sink_ref is not None else None)
+        init = (m, denom, tuple(jnp.zeros((rows, q.shape[1]), jnp.float32) for q in qs))
+    else:
+        assert start_ref is not None
+        lo = jnp.maximum(lo, start_ref[0])
+        init = (state_refs[0][...][:, :1], state_refs[1][...][:, :1], tuple(ref[...] for ref in state_refs[2:]))
+    m, denom, accs = lax.fori_loop(lo, hi, block, init)
+    if return_state:
+        values = (m, denom, *accs)
+    else:
+        values = tuple(online_finish(m, denom, acc)[0] for acc in accs)
+    for ref, value in zip(out_refs, values):
+        ref[...] = jnp.broadcast_to(value, ref.shape)
 
 
 def _paged_mosaic_kernel(len_ref, table_ref, *refs, pages_per_block: int, pages_per_slot: int, keys: int,
@@ -221,26 +238,39 @@ def _paged_call(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, table: 
         return [outs[0][..., :1], outs[1][..., :1], outs[2]] if return_state else outs
 
     if variant == "triton":
-        def row_spec(width: int):
-            return pl.BlockSpec((None, None, rows, width), lambda s, h: (s, *head_tile(h), 0))
+        pieces = head_pieces(d)
+        offsets = [sum(pieces[:i]) for i in range(len(pieces))]
+
+        def row_spec(width: int, at: int = 0):  # column block `at // width`: a piece starts at a multiple of it
+            return pl.BlockSpec((None, None, rows, width), lambda s, h: (s, *head_tile(h), at // width))
+
+        def pool_spec(width: int, at: int):
+            return pl.BlockSpec((flat[0].shape[0], page_size, width), lambda s, h: (0, 0, at // width))
 
         per_slot = pl.BlockSpec((1,), lambda s, h: (s,))
-        pool_spec = pl.BlockSpec(flat[0].shape, lambda s, h: (0, 0, 0))
-        in_specs = [per_slot, pl.BlockSpec((None, pages_per_slot), lambda s, h: (s, 0)), row_spec(d), pool_spec,
-                    pool_spec]
+        split = list(zip(pieces, offsets))
+        in_specs = [per_slot, pl.BlockSpec((None, pages_per_slot), lambda s, h: (s, 0)),
+                    *[row_spec(p, at) for p, at in split], *[pool_spec(p, at) for p, at in split] * 2]
         in_specs += [per_slot] if has_state else []
         in_specs += [pl.BlockSpec((None, rows, 1), lambda s, h: (*head_tile(h), 0))] if sink is not None else []
-        in_specs += [row_spec(w) for w in state_widths]
+        in_specs += [row_spec(lanes), row_spec(lanes), *[row_spec(p, at) for p, at in split]] if has_state else []
+        piece_outs = [jax.ShapeDtypeStruct((*q4.shape[:3], p), jnp.float32) for p in pieces]
+        triton_out_shape = (out_shape[:2] if return_state else []) + piece_outs
         compiler_params = None
         if not interpret:
             from jax.experimental.pallas import triton as plt
             compiler_params = plt.CompilerParams(num_warps=gpu_blocks(d)[2], num_stages=2)
+        n = len(pieces)
+        state_args = [*state_in[:2], *[state_in[2]] * n] if has_state else []
         outs = pl.pallas_call(
-            functools.partial(_paged_triton_kernel, **common), grid=(slots, nkv * tiles), in_specs=in_specs,
-            out_specs=[row_spec(w) for w in out_widths], out_shape=out_shape, interpret=interpret,
-            compiler_params=compiler_params, name=f"invariant_paged_attention_triton{role}",
-        )(lengths, table, q4, *flat, *start_in, *([] if sink is None else [sink]), *state_in)
-        return results(outs)
+            functools.partial(_paged_triton_kernel, pieces=n, return_state=return_state, **common),
+            grid=(slots, nkv * tiles), in_specs=in_specs, out_specs=[row_spec(x.shape[-1]) for x in triton_out_shape],
+            out_shape=triton_out_shape, interpret=interpret, compiler_params=compiler_params,
+            name=f"invariant_paged_attention_triton{role}",
+        )(lengths, table, *[q4] * n, *flat[:1] * n, *flat[1:] * n, *start_in, *([] if sink is None else [sink]),
+          *state_args)
+        head, acc = (outs[:2], outs[2:]) if return_state else ([], outs)
+        return results([*head, acc[0] if n == 1 else jnp.concatenate(acc, axis=-1)])
 
     from jax.experimental.pallas import tpu as pltpu
 

@@ -129,7 +129,8 @@ def test_visited_blocks_are_each_tiles_first_and_last_block_with_a_valid_key():
 def test_the_kernels_compile_for_tpu_and_lower_for_cuda():
     """`attend_blocks` at a decode step's shapes (16 slots, 7 query heads a kv head, a 4096-key cache, sinks), a
     training forward's (7 x 512 rows, head width 128) and MLA's absorbed width (576): one Mosaic call each,
-    compiled by the TPU compiler for a v5e chip, and one Triton call each in the CUDA lowering."""
+    compiled by the TPU compiler for a v5e chip, and one Triton call each in the CUDA lowering; and the paged form
+    over an MLA pool lowered for CUDA."""
     from jax.sharding import SingleDeviceSharding
 
     device = tpu_target("v5e:2x2").devices[0]
@@ -148,16 +149,28 @@ def test_the_kernels_compile_for_tpu_and_lower_for_cuda():
         assert dict(kernel_calls(compiled.as_text(), "tpu")) == {"tpu_custom_call": 1}, name
         exported = export_for_cuda(jax.jit(fn), *[jax.ShapeDtypeStruct(s, dt) for s, dt in shapes])
         assert dict(kernel_calls(exported.mlir_module(), "cuda")) == {"__gpu$xla.gpu.triton": 1}, name
+    # the paged form reads MLA's 576-wide pool in place on GPU: its pieces (512, 64) are blocks of the pool
+    assert invariant_paged_attention.paged_supported("triton", 576, 576, 16)
+
+    def paged(q, pool, lengths, table):
+        return invariant_paged_attention.paged_attention(q, pool, pool, lengths, table, layer=jnp.int32(0), window=None,
+                                                         sink=None, softcap=None, variant="triton")
+
+    exported = export_for_cuda(jax.jit(paged), *[jax.ShapeDtypeStruct(s, dt) for s, dt in [
+        ((16, 1, 16, 576), jnp.bfloat16), ((2, 1, 512, 16, 576), jnp.bfloat16), ((16,), jnp.int32),
+        ((16, 64), jnp.int32)]])
+    assert dict(kernel_calls(exported.mlir_module(), "cuda")) == {"__gpu$xla.gpu.triton": 1}
 
 
-@pytest.mark.parametrize("variant", ["triton", "mosaic"])
-def test_the_paged_kernel_reads_pages_in_place_with_the_contiguous_kernels_bits(variant):
+@pytest.mark.parametrize("variant,d", [("triton", 32), ("triton", 48), ("mosaic", 32)])
+def test_the_paged_kernel_reads_pages_in_place_with_the_contiguous_kernels_bits(variant, d):
     """The paged engine's decode step (`paged_attention`: the slot's pages read from the pool in place, the mask made
     from its length) against the contiguous kernel on the same pages gathered in order with the mask `pos < length`:
     `==`, for slots of 0 (empty), 1, a block edge and a whole table of keys, a sliding window, sinks, and a stacked
-    pool read at a layer (a TPU pool's lanes padded past the head width)."""
-    layers, slots, nkv, g, d, page_size, per_slot = 2, 5, 2, 3, 32, 16, 12
-    pool_width = 32 if variant == "triton" else 128
+    pool read at a layer (a TPU pool's lanes padded past the head width); on GPU a head width of two pieces (48 =
+    32 + 16, `head_pieces`: each piece a block of the pool)."""
+    layers, slots, nkv, g, page_size, per_slot = 2, 5, 2, 3, 16, 12
+    pool_width = d if variant == "triton" else 128
     num_pages = slots * per_slot + 3
     k_pool, v_pool = (jnp.pad(_normal(i, (layers, nkv, num_pages, page_size, d), jnp.bfloat16),
                               ((0, 0),) * 4 + ((0, pool_width - d),)) for i in (1, 2))

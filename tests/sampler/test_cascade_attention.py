@@ -168,13 +168,13 @@ def test_the_batch_invariant_cascade_has_the_plain_walks_bits(variant):
     from that exact state, `==` the plain mode kernel per slot. bf16, GPT-OSS sinks, Gemma 2's soft cap; prompts of
     9-13 full pages (2-3 of Triton's 64-key blocks, 1 of Mosaic's 128: the block holding the prompt's end is
     each member's own); finished members, slots in no group; on one device and per kv-head shard of a tensor
-    split of 2 (the sinks split per head)."""
+    split of 2 (the sinks split per head); a head width of 48 (Triton: pieces of 32 and 16, the state's too)."""
     from jax.sharding import Mesh
 
     from jaxrl_llm.models import invariant
     from jaxrl_llm.sampler.paged_attention import paged_decode_attention_invariant
 
-    args, _, cascade = make_groups(11, kv_heads=2, group=3, head_dim=32, dtype=jnp.bfloat16, loose=2,
+    args, _, cascade = make_groups(11, kv_heads=2, group=3, head_dim=48, dtype=jnp.bfloat16, loose=2,
                                    group_sizes=(1, 3, 4), pages_per_slot=18, prompt_pages=(9, 14))
     q, k, v, lengths, table = args
     sinks = jnp.linspace(-0.5, 0.5, q.shape[1])
