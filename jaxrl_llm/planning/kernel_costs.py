@@ -30,15 +30,20 @@ def invariant_attention_cost(cfg: ModelConfig, sequences: float, t: int, passes:
     halves) over the same keys."""
     if not cfg.batch_invariant:
         return Cost()
-    from jaxrl_llm.models.invariant_attention import TPU_BLOCKS, gpu_blocks
+    from jaxrl_llm.models.invariant_attention import TPU_BLOCKS, gpu_blocks, head_pieces
 
-    rows, keys = TPU_BLOCKS if target_platform() == "tpu" else gpu_blocks(cfg.head_dim)[:2]
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    # as the kernel sees the heads: MLA attends in its absorbed form in the mode (one kv head of the latent and
+    # the rope key, kv_lora_rank + head_dim wide, for every query head)
+    kv_heads, width = cfg.cache_kv_heads, cfg.cache_head_dim
+    rows, keys = TPU_BLOCKS if target_platform() == "tpu" else gpu_blocks(sum(head_pieces(width)))[:2]
+    group = cfg.num_attention_heads // kv_heads
     visited = t / 2 + keys / 2  # keys a query tile walks, on average, under a causal mask
     tiles = group * -(-t // rows)  # query tiles per (row, kv head): each group's tokens in whole tiles
-    kv_bytes = tiles * visited * 2 * cfg.head_dim * jnp.dtype(compute_dtype_of(dtype)).itemsize
+    kv_bytes = tiles * visited * 2 * width * jnp.dtype(compute_dtype_of(dtype)).itemsize
     mask_bytes = group * t * visited
-    layers = cfg.num_hidden_layers * cfg.attention_width / (cfg.num_attention_heads * cfg.head_dim)  # attending ones
-    per_row = layers * (cfg.num_key_value_heads * kv_bytes + mask_bytes)
-    flops = 6.0 * layers * cfg.num_attention_heads * cfg.head_dim * t * visited
+    layers = cfg.num_hidden_layers  # the attending ones: a hybrid's full-attention layers only
+    if not cfg.is_mla:
+        layers = cfg.num_hidden_layers * cfg.attention_width / (cfg.num_attention_heads * cfg.head_dim)
+    per_row = layers * (kv_heads * kv_bytes + mask_bytes)
+    flops = 6.0 * layers * cfg.num_attention_heads * width * t * visited
     return Cost(flops=passes * sequences * flops, hbm_bytes=passes * sequences * per_row)

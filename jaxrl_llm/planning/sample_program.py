@@ -169,9 +169,10 @@ def _cascade_shared_tokens(ctx: Context, engine: Any, cascade: bool) -> int:
     from jaxrl_llm.models.invariant_paged_attention import paged_blocks, paged_supported
 
     variant = {"tpu": "mosaic", "gpu": "triton", "cuda": "triton"}.get(target_platform())
-    if variant is None or not paged_supported(variant, cfg.head_dim, cfg.head_dim, engine.page_size):
+    width = cfg.cache_head_dim  # MLA: the absorbed latent + rope key
+    if variant is None or not paged_supported(variant, width, width, engine.page_size):
         return 0  # the gathered form (CPU's blocked XLA; a head width the kernel does not read in place)
-    keys = paged_blocks(variant, cfg.head_dim)[1]
+    keys = paged_blocks(variant, width)[1]
     return ctx.prompt_width // engine.page_size * engine.page_size // keys * keys
 
 

@@ -132,6 +132,14 @@ def test_the_invariant_attention_kernels_work_is_added_where_the_mode_is_on():
     assert cost.hbm_bytes == pytest.approx(want_bytes)
     assert cost.flops == pytest.approx(2 * 4.0 * 6 * 24 * 14 * 64 * 1024 * visited)
     assert 3.5 < longer.hbm_bytes / cost.hbm_bytes < 4.5 and 3.5 < longer.flops / cost.flops < 4.5
+    # MLA attends in its absorbed form in the mode: one kv head, kv_lora_rank + head_dim wide, for every query head
+    mla = dataclasses.replace(ModelConfig.tiny("deepseek_v3"), batch_invariant=True)
+    width, heads, layers = mla.kv_lora_rank + mla.head_dim, mla.num_attention_heads, mla.num_hidden_layers
+    with compiling_for(CompileTarget("tpu", None)):
+        cost = invariant_attention_cost(mla, 4.0, 1024, 1, "bfloat16")
+    tiles = heads * 8
+    assert cost.flops == pytest.approx(4.0 * 6 * layers * heads * width * 1024 * visited)
+    assert cost.hbm_bytes == pytest.approx(4.0 * layers * (tiles * visited * 2 * width * 2 + heads * 1024 * visited))
 
 
 def test_the_rollouts_cascade_credit_is_the_shared_prompt_keys():
