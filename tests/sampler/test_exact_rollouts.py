@@ -357,9 +357,9 @@ def test_mla_is_exact_with_the_gpu_kernel_in_head_pieces():
     assert len(head_pieces(width)) > 1, width
     opts = EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True)
     with invariant.kernels_interpreted("triton"):
-        rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts[:4],
+        rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts[:2],
                                                "paged", opts=opts, replay=cfg.is_moe)
-    assert rollout.size == 4 * NEW_TOKENS
+    assert rollout.size == 2 * NEW_TOKENS
     np.testing.assert_array_equal(rollout, trainer)
 
 
