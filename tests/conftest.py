@@ -9,7 +9,7 @@ import tempfile
 import pytest  # imports no jax: the flags below still apply
 
 # tests/ is on the path (pyproject's pythonpath)
-from compile_flags import COLLECTIVE_TIMEOUT_FLAGS, TEST_XLA_FLAGS, UNOPTIMIZED
+from compile_flags import UNOPTIMIZED, cpu_devices_flags
 
 # Compile speed over code speed, for the tests only: most of the suite's time is XLA:CPU compiling
 # thousands of small distinct programs, not running them. Three settings, each measured on
@@ -27,8 +27,7 @@ from compile_flags import COLLECTIVE_TIMEOUT_FLAGS, TEST_XLA_FLAGS, UNOPTIMIZED
 # Subprocesses that keep this environment inherit them; tests/tiny_runs.py's example runs reset them to
 # run as a user does.
 SUITE_UNOPTIMIZED = os.environ.setdefault(UNOPTIMIZED, "1")  # "0" in the environment: the default level throughout
-_SUITE_FLAGS = f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS} {COLLECTIVE_TIMEOUT_FLAGS}"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SUITE_FLAGS}".strip()
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cpu_devices_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] != "cpu":
     # the parity tests claim fp32 equality: on GPU fp32 matmuls default to TF32 and on TPU to one

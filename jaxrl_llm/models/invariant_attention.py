@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrl_llm.models.precision import MASKED_SCORE
+from jaxrl_llm.shapes import head_pieces
 
 Array = jax.Array
 
@@ -66,17 +67,10 @@ def _precision(dtype) -> lax.Precision | None:
     return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def head_pieces(head_dim: int) -> tuple[int, ...]:
-    """The head width as powers of 2 (Triton's block shapes), widest first, each 16 or more: 576 (MLA's latent
-    and rope key) -> (512, 64), 96 -> (64, 32), 128 -> (128,); a remainder under 16 is read zero-padded to 16.
-    Each piece starts at a multiple of its own width (the wider ones before it sum to one)."""
-    pieces: list[int] = []
-    rest = head_dim
-    while rest > 0:
-        piece = max(16, 1 << (rest.bit_length() - 1))
-        pieces.append(piece)
-        rest -= piece
-    return tuple(pieces)
+def triton_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """The (offset, width) power-of-2 pieces the Triton kernels read a head of `head_dim` in (`shapes.head_pieces`
+    of the width rounded up to 16, the rest read zero-padded): MLA's 576 -> 512 + 64, 40 -> 32 + 16, 128 -> 128."""
+    return head_pieces(-(-head_dim // 16) * 16)
 
 
 def online_step(q: Array, k: Array, v: Array, valid: Array, carry: tuple[Array, Array, Array], *, scale: float,
@@ -93,7 +87,7 @@ def online_step(q: Array, k: Array, v: Array, valid: Array, carry: tuple[Array, 
 def pieces_step(qs: tuple[Array, ...], ks: tuple[Array, ...], vs: tuple[Array, ...], valid: Array,
                 carry: tuple[Array, Array, tuple[Array, ...]], *, scale: float, softcap: float | None
                 ) -> tuple[Array, Array, tuple[Array, ...]]:
-    """`online_step` with the head width in pieces (`head_pieces`): q.k the pieces' products added in order,
+    """`online_step` with the head width in pieces (`triton_pieces`): q.k the pieces' products added in order,
     p.v one accumulator per piece."""
     m_prev, l_prev, accs = carry
     s = None
@@ -131,6 +125,12 @@ def online_init(rows: int, width: int, sink: Array | None) -> tuple[Array, Array
     else:
         m, denom = sink, jnp.ones((rows, 1), jnp.float32)
     return m, denom, jnp.zeros((rows, width), jnp.float32)
+
+
+def pieces_init(rows: int, widths: tuple[int, ...], sink: Array | None) -> tuple[Array, Array, tuple[Array, ...]]:
+    """`online_init` with one accumulator per piece of the head width (`pieces_step`'s carry)."""
+    m, denom, _ = online_init(rows, 1, sink)
+    return m, denom, tuple(jnp.zeros((rows, width), jnp.float32) for width in widths)
 
 
 def online_finish(m: Array, denom: Array, acc: Array) -> tuple[Array, Array]:
@@ -220,8 +220,7 @@ def _triton_kernel(lo_ref, hi_ref, *refs, pieces: int, keys: int, scale: float, 
                            tuple(ref[pl.ds(at, keys), :] for ref in v_refs), valid_ref[:, pl.ds(at, keys)] != 0,
                            carry, scale=scale, softcap=softcap)
 
-    m, denom, _ = online_init(rows, 1, sink)
-    init = (m, denom, tuple(jnp.zeros((rows, q.shape[1]), jnp.float32) for q in qs))
+    init = pieces_init(rows, tuple(q.shape[1] for q in qs), sink)
     m, denom, accs = lax.fori_loop(lo_ref[0], hi_ref[0], block, init)
     for ref, acc in zip(out_refs, accs):
         ref[...] = online_finish(m, denom, acc)[0]
@@ -231,16 +230,15 @@ def _triton_kernel(lo_ref, hi_ref, *refs, pieces: int, keys: int, scale: float, 
 def triton_attention(qg: Array, k: Array, v: Array, valid: Array, sink: Array | None, softcap: float | None,
                      groups: int = 1, interpret: bool = False) -> tuple[Array, Array]:
     """GPU: the module's kernel as a Pallas Triton call (grid: batch row, kv head, row tile; the key blocks a
-    sequential loop inside the program). The head width is read in power-of-2 pieces (`head_pieces`: Triton's
+    sequential loop inside the program). The head width is read in power-of-2 pieces (`triton_pieces`: Triton's
     blocks), each a block of the one zero-padded array; `groups`: `_operands`."""
     b, nkv, r, d = qg.shape
-    pieces = head_pieces(d)
+    offsets, pieces = zip(*triton_pieces(d))
     width = sum(pieces)
-    rows, keys, warps = gpu_blocks(width)
+    rows, keys, warps = gpu_blocks(d)
     ops = _operands(qg, k, v, valid, sink, groups, rows, keys, width)
     tiles, s_pad, mask_tiles = ops.qg.shape[2] // rows, ops.k.shape[2], ops.mask_tiles
     per_kv = ops.valid.shape[1] > 1
-    offsets = [sum(pieces[:i]) for i in range(len(pieces))]
 
     def tile_spec(last: int, at: int = 0):  # column block `at // last`: a piece starts at a multiple of its width
         return pl.BlockSpec((None, None, rows, last), lambda i, h, t: (i, h, t, at // last))

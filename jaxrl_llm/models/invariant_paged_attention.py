@@ -21,11 +21,12 @@ from jaxrl_llm.models.invariant_attention import (
     STAT_LANES,
     TPU_BLOCKS,
     gpu_blocks,
-    head_pieces,
     online_finish,
     online_init,
     online_step,
+    pieces_init,
     pieces_step,
+    triton_pieces,
 )
 from jaxrl_llm.platform.paged_kernels import (
     MOSAIC_MAX_TABLE_ENTRIES,
@@ -33,23 +34,24 @@ from jaxrl_llm.platform.paged_kernels import (
     visible_blocks,
     visible_keys,
 )
+from jaxrl_llm.shapes import head_pieces
 
 Array = jax.Array
 
 
 def paged_blocks(variant: str, head_dim: int) -> tuple[int, int]:
     """(query rows, keys) per program of `variant`'s kernel for queries of `head_dim`: the contiguous kernels'."""
-    return gpu_blocks(sum(head_pieces(head_dim)))[:2] if variant == "triton" else TPU_BLOCKS
+    return gpu_blocks(head_dim)[:2] if variant == "triton" else TPU_BLOCKS
 
 
 def paged_supported(variant: str, head_dim: int, pool_head_dim: int, page_size: int) -> bool:
     """Whether the paged kernel reads a pool of these shapes in place: a key block is whole pages, and (Triton) the
-    pool stores the head width unpadded in whole power-of-2 pieces (`head_pieces` without padding: a multiple of
-    16, as MLA's 576). Elsewhere the caller gathers the pages and runs the contiguous kernel (the same values)."""
+    pool stores the head width unpadded in whole power-of-2 pieces (`shapes.head_pieces`: a multiple of 16, as MLA's
+    576). Elsewhere the caller gathers the pages and runs the contiguous kernel (the same values)."""
     _, keys = paged_blocks(variant, head_dim)
     whole_pages = 0 < page_size <= keys and keys % page_size == 0
     if variant == "triton":
-        return whole_pages and sum(head_pieces(head_dim)) == head_dim == pool_head_dim
+        return whole_pages and bool(head_pieces(head_dim)) and head_dim == pool_head_dim
     return whole_pages
 
 
@@ -73,13 +75,14 @@ def _split_refs(refs: tuple, has_sink: bool, has_state: bool):
     return sink, state, rest
 
 
-def _walk_start(lo, start, state_refs, rows: int, width: int, sink_ref):
-    """The first block and the carry a paged kernel's walk starts from: the given state at block `start` (a
-    cascade member, its blocks before `start` walked by the shared call), else block `lo` and `online_init`."""
-    if state_refs is None:
-        return lo, online_init(rows, width, sink_ref[...] if sink_ref is not None else None)
-    m0, l0, acc0 = (ref[...] for ref in state_refs)
-    return jnp.maximum(lo, start), (m0[:, :1], l0[:, :1], acc0)
+def _walk_start(lo, start, state, fresh):
+    """The first block and the carry of a paged kernel's walk: a slot whose `start` > 0 (a cascade member: the
+    blocks before `start` were walked by the shared call) continues from the loaded `state` (m0, l0, acc0) at
+    block `start`; any other slot walks from block `lo` with `fresh` (`online_init`, its sink included)."""
+    if state is None:
+        return lo, fresh
+    go_on = start > 0
+    return jnp.maximum(lo, start), jax.tree.map(lambda kept, new: jnp.where(go_on, kept, new), state, fresh)
 
 
 def _write_result(out_refs, carry) -> None:
@@ -112,13 +115,10 @@ def _paged_triton_kernel(len_ref, table_ref, *refs, pieces: int, pages_per_block
         return pieces_step(qs, ks, vs, valid, carry, scale=scale, softcap=softcap)
 
     lo, hi = visible_blocks(length, keys, window)
-    if state_refs is None:
-        m, denom, _ = online_init(rows, 1, sink_ref[...] if sink_ref is not None else None)
-        init = (m, denom, tuple(jnp.zeros((rows, q.shape[1]), jnp.float32) for q in qs))
-    else:
-        assert start_ref is not None
-        lo = jnp.maximum(lo, start_ref[0])
-        init = (state_refs[0][...][:, :1], state_refs[1][...][:, :1], tuple(ref[...] for ref in state_refs[2:]))
+    fresh = pieces_init(rows, tuple(q.shape[1] for q in qs), sink_ref[...] if sink_ref is not None else None)
+    state = None if state_refs is None else (
+        state_refs[0][...][:, :1], state_refs[1][...][:, :1], tuple(ref[...] for ref in state_refs[2:]))
+    lo, init = _walk_start(lo, None if start_ref is None else start_ref[0], state, fresh)
     m, denom, accs = lax.fori_loop(lo, hi, block, init)
     if return_state:
         values = (m, denom, *accs)
@@ -160,8 +160,9 @@ def _paged_mosaic_kernel(len_ref, table_ref, *refs, pages_per_block: int, pages_
         return online_step(q, k, v, valid, carry, scale=scale, softcap=softcap)
 
     lo, hi = visible_blocks(length, keys, window)
-    lo, init = _walk_start(lo, None if start_ref is None else start_ref[slot], state_refs, q.shape[0], width,
-                           sink_ref)
+    fresh = online_init(q.shape[0], width, sink_ref[...] if sink_ref is not None else None)
+    state = None if state_refs is None else (state_refs[0][...][:, :1], state_refs[1][...][:, :1], state_refs[2][...])
+    lo, init = _walk_start(lo, None if start_ref is None else start_ref[slot], state, fresh)
     _write_result(out_refs, double_buffered_walk(lo, hi, copies, block, init))
 
 
@@ -171,9 +172,9 @@ def paged_attention(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, tab
     """fp32 [slots, kv, g, D]: the decode step's attention of q4 [slots, kv, g, D] over the slots' pages of the
     pool [layers, kv, pages, page_size, D'] (layer `layer`; D' >= D: a TPU pool's lane padding), `lengths`
     [slots] keys each (0: zeros), `table` [slots, pages_per_slot]; `sink` fp32 [kv, g] or None. `variant`:
-    'triton' or 'mosaic' (`paged_supported` must hold). Given `state` (`paged_walk_state`'s, the sink already in
-    it: pass no `sink`) and `start` [slots], each slot's walk continues from that state at block `start` (the
-    blocks before it are the state's)."""
+    'triton' or 'mosaic' (`paged_supported` must hold). Given `state` (`paged_walk_state`'s) and `start` [slots],
+    each slot with `start` > 0 continues its walk from its state at block `start` (the blocks before it are the
+    state's, the sink included); the others walk from their first block."""
     outs = _paged_call(q4, k_pool, v_pool, lengths, table, layer=layer, window=window, sink=sink, softcap=softcap,
                        variant=variant, interpret=interpret, start=start, state=state, return_state=False)
     return outs[0]
@@ -212,8 +213,6 @@ def _paged_call(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, table: 
         sink = jnp.pad(sink.astype(jnp.float32).reshape(nkv, g), ((0, 0), (0, tiles * rows - g)))[..., None]
     lengths = lengths.astype(jnp.int32)
     has_state = state is not None
-    if has_state and sink is not None:
-        raise ValueError("paged_attention: a continued walk's sink is in its `state`; pass sink=None")
     state_in: list[Array] = []
     start_in: list[Array] = []  # the continued walk's first block per slot
     if state is not None:
@@ -238,8 +237,7 @@ def _paged_call(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, table: 
         return [outs[0][..., :1], outs[1][..., :1], outs[2]] if return_state else outs
 
     if variant == "triton":
-        pieces = head_pieces(d)
-        offsets = [sum(pieces[:i]) for i in range(len(pieces))]
+        offsets, pieces = zip(*triton_pieces(d))
 
         def row_spec(width: int, at: int = 0):  # column block `at // width`: a piece starts at a multiple of it
             return pl.BlockSpec((None, None, rows, width), lambda s, h: (s, *head_tile(h), at // width))

@@ -30,12 +30,12 @@ def invariant_attention_cost(cfg: ModelConfig, sequences: float, t: int, passes:
     halves) over the same keys."""
     if not cfg.batch_invariant:
         return Cost()
-    from jaxrl_llm.models.invariant_attention import TPU_BLOCKS, gpu_blocks, head_pieces
+    from jaxrl_llm.models.invariant_attention import TPU_BLOCKS, gpu_blocks
 
     # as the kernel sees the heads: MLA attends in its absorbed form in the mode (one kv head of the latent and
     # the rope key, kv_lora_rank + head_dim wide, for every query head)
     kv_heads, width = cfg.cache_kv_heads, cfg.cache_head_dim
-    rows, keys = TPU_BLOCKS if target_platform() == "tpu" else gpu_blocks(sum(head_pieces(width)))[:2]
+    rows, keys = TPU_BLOCKS if target_platform() == "tpu" else gpu_blocks(width)[:2]
     group = cfg.num_attention_heads // kv_heads
     visited = t / 2 + keys / 2  # keys a query tile walks, on average, under a causal mask
     tiles = group * -(-t // rows)  # query tiles per (row, kv head): each group's tokens in whole tiles

@@ -207,21 +207,16 @@ def invariant_cascade(q4: Array, k_pool: Array, v_pool: Array, lengths: Array, t
         q_rows, k_pool, v_pool, shared_tokens, cascade_attention.group_table(table, cascade, row_pages, table.shape[1]),
         layer=layer, sink=row_sink, softcap=softcap, variant=variant, interpret=interpret)
 
-    def per_slot(x: Array) -> Array:  # [G, kv, M * g, w] -> [slots, kv, g, w]; non-members: zeros (replaced)
+    def per_slot(x: Array) -> Array:  # [G, kv, M * g, w] -> [slots, kv, g, w]; zeros where no member (unread)
         x = x.reshape(rows, nkv, m, g, x.shape[-1]).swapaxes(1, 2)
         return jnp.zeros((slots + 1, *x.shape[2:]), x.dtype).at[idx].set(x)[:slots]
 
-    start = jnp.where(lengths > 0, (slot_pages * page_size) // keys, 0)  # the shared blocks each slot skips
-    member = (start > 0)[:, None, None, None]
-    if sink is None:
-        init_m, init_denom = jnp.float32(MASKED_SCORE), jnp.float32(0.0)
-    else:
-        init_m, init_denom = sink.astype(jnp.float32).reshape(1, nkv, g, 1), jnp.float32(1.0)
-    state = invariant_paged_attention.OnlineState(
-        jnp.where(member, per_slot(shared.m), init_m), jnp.where(member, per_slot(shared.denom), init_denom),
-        jnp.where(member, per_slot(shared.acc), 0.0))
+    # the shared blocks each slot skips: 0 (a walk from its first block) outside a group, for a finished member,
+    # or where the group shares no whole block
+    start = jnp.where(lengths > 0, (slot_pages * page_size) // keys, 0)
+    state = invariant_paged_attention.OnlineState(per_slot(shared.m), per_slot(shared.denom), per_slot(shared.acc))
     return invariant_paged_attention.paged_attention(q4, k_pool, v_pool, lengths, table, layer=layer, window=None,
-                                                     sink=None, softcap=softcap, variant=variant, interpret=interpret,
+                                                     sink=sink, softcap=softcap, variant=variant, interpret=interpret,
                                                      start=start, state=state)
 
 

@@ -59,7 +59,7 @@ from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.kv_bits import scale_pair
 from jaxrl_llm.sampler.paged_attention_block import attend_block, finish, init_carry, log_sum_exp
 from jaxrl_llm.sampler.paged_attention_mosaic import mosaic_call
-from jaxrl_llm.shapes import next_power_of_two
+from jaxrl_llm.shapes import head_pieces, next_power_of_two
 
 Variant = Literal["triton", "mosaic"]
 
@@ -70,21 +70,6 @@ def default_pages_per_block(page_size: int, pages_per_slot: int, variant: Varian
     target_tokens = (128 if head_dim <= 256 else 64) if variant == "triton" else 512
     ppb = max(1, target_tokens // page_size)
     return min(ppb, next_power_of_two(pages_per_slot))
-
-
-def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
-    """head_dim as (offset, width) pieces of power-of-2 widths >= 16, largest first (Triton's blocks are
-    powers of 2 and tl.dot needs 16): 128 -> one piece; MLA's latent + rope key, 576 -> (0, 512), (512, 64);
-    192 -> (0, 128), (128, 64). Each offset is a multiple of its width (it sums larger powers of 2), so a
-    piece is one block of a BlockSpec over the full head_dim. Empty when head_dim is not a multiple of 16."""
-    if head_dim <= 0 or head_dim % 16:
-        return ()
-    pieces, offset = [], 0
-    for bit in reversed(range(head_dim.bit_length())):
-        if head_dim & (1 << bit):
-            pieces.append((offset, 1 << bit))
-            offset += 1 << bit
-    return tuple(pieces)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -346,15 +346,15 @@ def test_the_device_attention_kernels_are_exact_end_to_end_in_the_interpreter(va
 
 def test_mla_is_exact_with_the_gpu_kernel_in_head_pieces():
     """Tiny DeepSeek-V3 in the mode with the Triton kernels interpreted: MLA attends in its absorbed form on
-    every path, a head width (latent + rope key) that is not a power of 2, read in pieces (`head_pieces`) by the
+    every path, a head width (latent + rope key) that is not a power of 2, read in pieces (`triton_pieces`) by the
     training forward's kernel and by the decode step's (the paged engine gathers its pages for it); every
     sampled log-prob `==` the trainer's."""
     from jaxrl_llm.models import invariant
-    from jaxrl_llm.models.invariant_attention import head_pieces
+    from jaxrl_llm.models.invariant_attention import triton_pieces
 
     cfg, params, prompts = _model("deepseek_v3")
     width = cfg.kv_lora_rank + cfg.head_dim  # the latent and the rope key
-    assert len(head_pieces(width)) > 1, width
+    assert len(triton_pieces(width)) > 1, width
     opts = EngineOptions(engine="paged", max_num_batched_tokens=4, enable_chunked_prefill=True)
     with invariant.kernels_interpreted("triton"):
         rollout, trainer = _rollout_vs_trainer(dataclasses.replace(cfg, batch_invariant=True), params, prompts[:2],

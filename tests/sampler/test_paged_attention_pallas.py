@@ -324,7 +324,8 @@ def test_triton_reads_a_head_dim_that_is_not_a_power_of_two_in_pieces(head_dim, 
     # 576: DeepSeek's latent + rope key (one kv head, every query head in its group: 72 heads are 128 padded
     # rows, two programs of 64), read as the keys and the values (the engine passes the pool twice);
     # 80 = 64 + 16 with one program per slot. The kernel refused both before (Triton blocks are powers of 2).
-    from jaxrl_llm.sampler.paged_attention_pallas import head_pieces, triton_supports
+    from jaxrl_llm.sampler.paged_attention_pallas import triton_supports
+    from jaxrl_llm.shapes import head_pieces
     assert head_pieces(576) == ((0, 512), (512, 64)) and head_pieces(80) == ((0, 64), (64, 16))
     assert triton_supports(576, 16) and not triton_supports(40, 16) and not triton_supports(64, 12)
     case = make_case(head_dim + group, group=group, head_dim=head_dim, page_size=16, pages_per_slot=3, kv_heads=1)
