@@ -127,7 +127,7 @@ def assert_both_samplers_decode(params: Any, cfg: Any, images: Any, ids: np.ndar
 
     from jaxrl_llm.sampler import SamplingParams, sample
     from jaxrl_llm.sampler.engine import PagedEngine
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.requests import RequestImages
     from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
     settings, knobs = SamplingParams(max_new_tokens=6, do_sample=False, n=2).compile_args((), PAD,

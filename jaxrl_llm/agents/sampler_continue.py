@@ -26,7 +26,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler import FINISH_REASONS, SamplingParams, bucket_batch, left_pad, sample
-from jaxrl_llm.sampler.engine.scheduler import RequestImages, batch_image_prompt
+from jaxrl_llm.sampler.engine.requests import RequestImages, batch_image_prompt
 from jaxrl_llm.sharding import batch_axis_size, shard_batch
 
 

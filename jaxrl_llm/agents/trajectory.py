@@ -108,7 +108,7 @@ class Trajectory:
     # a vision-language prompt's images (its `<image>` placeholders in order): its prompt ids hold their tokens,
     # and every continuation of the conversation reads them (rollout/multi_turn.py)
     images: list = dataclasses.field(default_factory=list)
-    # the prompt's images as the sampler reads them (sampler.engine.scheduler.RequestImages), set by the rollout
+    # the prompt's images as the sampler reads them (sampler.engine.requests.RequestImages), set by the rollout
     prompt_images: Any = None
     _tail: str = ""  # what the last model turn emitted after its content (its EOS text or "")
 

@@ -33,7 +33,7 @@ from jaxrl_llm.rollout.batch import Rollout, response_bucket, rollout_row_images
 from jaxrl_llm.rollout.multi_turn import generate_multi_turn
 from jaxrl_llm.sampler import FINISH_EOS, SamplingParams, bucket_length, decode_texts, eos_ids_of, left_pad, sample
 from jaxrl_llm.sampler.core import SampleOutput
-from jaxrl_llm.sampler.engine.scheduler import RequestImages
+from jaxrl_llm.sampler.engine.requests import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, describe, engine_spec, sample_paged
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sharding import (

@@ -64,7 +64,7 @@ from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
 from jaxrl_llm.models.vision.tower_lora import tower_params
 from jaxrl_llm.rollout.batch import Rollout, response_bucket, rollout_row_images, rows_meta, score_responses
 from jaxrl_llm.sampler import SamplingParams, bucket_length
-from jaxrl_llm.sampler.engine.scheduler import RequestImages
+from jaxrl_llm.sampler.engine.requests import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, prompt_room, sized_engine
 from jaxrl_llm.sampler.host import left_pad
 from jaxrl_llm.sharding import to_device_if_rows_split

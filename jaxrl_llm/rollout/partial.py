@@ -44,7 +44,7 @@ from jaxrl_llm.rollout.generator import RolloutGenerator, rows_on_mesh
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import EngineRequest
-from jaxrl_llm.sampler.engine.scheduler import RequestImages, sample_output
+from jaxrl_llm.sampler.engine.requests import RequestImages, sample_output
 from jaxrl_llm.sampler.engine.setup import prompt_room, sized_engine
 from jaxrl_llm.sampler.host import left_pad
 from jaxrl_llm.sharding import to_host

@@ -24,7 +24,7 @@ from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.vision.qwen_vl import ImagePrompt
 from jaxrl_llm.sampler.core import sample
-from jaxrl_llm.sampler.engine.scheduler import RequestImages
+from jaxrl_llm.sampler.engine.requests import RequestImages
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
 from jaxrl_llm.sampler.host import GenerationResult, bucket_batch, eos_ids_of, left_pad
 from jaxrl_llm.sampler.params import SamplingParams

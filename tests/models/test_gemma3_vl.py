@@ -105,7 +105,7 @@ def test_tower_and_logits_with_images_match_transformers(checkpoint):
 def test_greedy_with_images_matches_transformers_generate_through_both_samplers(checkpoint):
     import jax
 
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.requests import RequestImages
 
     model, folder = checkpoint
     ids, mask, pixels, grid = batch()

@@ -96,7 +96,7 @@ def test_greedy_with_images_matches_transformers_generate_through_both_samplers(
 
     from jaxrl_llm.sampler import SamplingParams, sample
     from jaxrl_llm.sampler.engine import PagedEngine
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.requests import RequestImages
     from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
     model, folder = checkpoint

@@ -122,7 +122,7 @@ def test_routing_recorded_with_images_is_the_trainers_and_replays(checkpoint):
     from jaxrl_llm.roles.forward import response_log_probs
     from jaxrl_llm.sampler import SamplingParams, sample
     from jaxrl_llm.sampler.engine import PagedEngine
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.requests import RequestImages
     from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
     _, folder = checkpoint

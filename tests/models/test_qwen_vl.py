@@ -170,7 +170,7 @@ def test_paged_engine_with_images_follows_transformers_and_the_rescoring(loaded,
     from jaxrl_llm.models.vision.qwen_vl import image_prompt
     from jaxrl_llm.sampler import SamplingParams
     from jaxrl_llm.sampler.engine import PagedEngine
-    from jaxrl_llm.sampler.engine.scheduler import RequestImages
+    from jaxrl_llm.sampler.engine.requests import RequestImages
     from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
 
     expected, (params, cfg, vision, vl) = loaded

@@ -6,8 +6,9 @@
     stats = engine.serve(params, request_source, rng, knobs, settings)    # requests that arrive over time
 
 programs.py: the jitted prefill / insert / generate (JetStream's Engine shape); forward.py: the
-one-token decode through the paged pool; scheduler.py: the host driver; pages.py: page
-bookkeeping and pool sizing; jaxrl_llm/sampler/paged_attention.py: the attention itself.
+one-token decode through the paged pool; scheduler.py: the host driver; requests.py: what it runs
+(requests, their sources) and reports; pages.py: page bookkeeping and pool sizing;
+jaxrl_llm/sampler/paged_attention.py: the attention itself.
 """
 from jaxrl_llm.sampler.engine.pages import PagePool, device_kv_budget, pages_for, plan_num_pages
 from jaxrl_llm.sampler.engine.programs import (
@@ -20,7 +21,8 @@ from jaxrl_llm.sampler.engine.programs import (
     insert,
     prefill,
 )
-from jaxrl_llm.sampler.engine.scheduler import EngineRequest, EngineStats, PagedEngine, RequestSource
+from jaxrl_llm.sampler.engine.requests import EngineRequest, EngineStats, RequestSource
+from jaxrl_llm.sampler.engine.scheduler import PagedEngine
 
 __all__ = ["DecodeState", "EngineRequest", "EngineSpec", "EngineStats", "RequestSource", "KV_CACHE_DTYPES", "PagePool",
            "PagedEngine", "Prefix", "device_kv_budget", "generate", "init_state", "insert", "pages_for",
