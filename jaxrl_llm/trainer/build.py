@@ -51,7 +51,7 @@ from jaxrl_llm.sharding.split import make_split_meshes
 if TYPE_CHECKING:
     from jaxrl_llm.data.loader import PromptLoader
     from jaxrl_llm.data.vision_prompts import ImageTokens
-    from jaxrl_llm.planning.memory import MemoryPlan
+    from jaxrl_llm.planning.report import MemoryPlan
     from jaxrl_llm.roles.judge import Judge
     from jaxrl_llm.roles.reward_model import RewardModel
     from jaxrl_llm.roles.teacher import TeacherRole

@@ -12,7 +12,8 @@ import pytest
 from test_memory_plan import AUTO, PEAK, _spec, program_totals
 
 from jaxrl_llm.planning.levers import LEVERS, fit_with_levers
-from jaxrl_llm.planning.memory import GiB, MemoryPlanError, plan_memory
+from jaxrl_llm.planning.memory import plan_memory
+from jaxrl_llm.planning.report import GiB, MemoryPlanError
 from jaxrl_llm.trainer.build import plan_run_memory
 
 TWO_LAYERS = {**AUTO, "actor_rollout_ref.model.tiny.num_hidden_layers": 2}  # AUTO: remat_policy none

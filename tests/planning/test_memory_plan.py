@@ -18,7 +18,8 @@ from tiny_runs import ROOT, tiny_config
 from jaxrl_llm.config import ConfigError, resolve, resolve_data, validate_config
 from jaxrl_llm.hf import load_tokenizer
 from jaxrl_llm.planning.context import bytes_per_device
-from jaxrl_llm.planning.memory import GiB, MemoryPlanError, Planner, plan_memory, planning_context
+from jaxrl_llm.planning.memory import Planner, plan_memory, planning_context
+from jaxrl_llm.planning.report import GiB, MemoryPlanError
 from jaxrl_llm.sharding import batch_axis_size, make_mesh
 
 PEAK = 1e12  # a fixed FLOP/s figure: no matmul measurement in tests
@@ -352,7 +353,7 @@ def test_a_program_the_compiler_refused_never_fits():
     """The TPU compiler refuses a program whose temporaries exceed its usable HBM, which is below the
     published figure: the plan records the bytes it asked for, and the row does not fit even when those
     bytes add up to less than the chip's HBM (v6e-8 refused 24.8 GiB of temporaries against 32 GiB)."""
-    from jaxrl_llm.planning.memory import MemoryPlan, ProgramMemory
+    from jaxrl_llm.planning.report import MemoryPlan, ProgramMemory
 
     row = dict(name="update_actor", argument_bytes=GiB, output_bytes=0, alias_bytes=0, temp_bytes=20 * GiB,
                code_bytes=0, resident_bytes=0, params_bytes=GiB, opt_state_bytes=0, kv_bytes=0, flops=0.0, micro=8,

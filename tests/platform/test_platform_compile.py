@@ -213,7 +213,7 @@ def test_a_multi_host_plan_says_what_each_process_loads_and_which_axes_cross_sli
     slice count divides), every other axis staying on a slice's ICI. No compile: the mesh and the lines."""
     import types
 
-    from jaxrl_llm.planning.memory import ProgramMemory, hosts_lines, slice_crossing_axes
+    from jaxrl_llm.planning.report import ProgramMemory, hosts_lines, slice_crossing_axes
 
     update = ProgramMemory("update_actor", 0, 0, 0, 0, 0, 0, params_bytes=1 << 30, opt_state_bytes=2 << 30,
                            kv_bytes=0, flops=0.0, micro=1, keys=())
