@@ -103,7 +103,7 @@ def rl_prompts(count: int) -> list[str]:
 
 def cache_sizes() -> int:
     return sum(f._cache_size() for f in (programs.prefill, programs.prefill_batch, programs.insert,
-                                         programs.insert_at, programs.generate, programs.clear_slots))
+                                         programs.insert_at, programs.generate))
 
 
 def timed(fn):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jaxrl_llm.config import names
 from jaxrl_llm.config.schema import field
 from jaxrl_llm.losses.logprob import IMPLS as LOGPROB_IMPLS
-from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES
+from jaxrl_llm.sampler.engine.decode_state import KV_CACHE_DTYPES
 from jaxrl_llm.sampler.engine.setup import ATTENTION_IMPLS, ENGINES
 from jaxrl_llm.sampler.speculative import SPECULATIVE_METHODS
 

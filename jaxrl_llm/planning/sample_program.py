@@ -35,6 +35,7 @@ from jaxrl_llm.roles.trained import param_shardings_of
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler import eos_ids_of
 from jaxrl_llm.sampler.cascade_attention import Cascade
+from jaxrl_llm.sampler.engine import decode_state
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size
@@ -113,9 +114,9 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
                          samples_per_prompt=settings.n,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
-    make = functools.partial(engine_programs.init_state, cfg, engine, settings.max_new_tokens, dtype)
+    make = functools.partial(decode_state.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
-    shardings = engine_programs.state_sharding(abstract, cfg, mesh)
+    shardings = decode_state.state_sharding(abstract, cfg, mesh)
     state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
 
     draft = None  # a draft model's params (speculative method 'draft'), placed as the policy's shapes are
@@ -126,7 +127,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         weights.append(decode_weights(abstract_arrays(abstract_draft, draft_shardings), draft_cfg, dtype, unroll))
         draft = weights[-1].params
 
-    groups = engine_programs.cascade_shape(engine, engine.max_num_seqs, settings.n)
+    groups = decode_state.cascade_shape(engine, engine.max_num_seqs, settings.n)
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
                                                   jax.ShapeDtypeStruct(groups[:1], jnp.int32))
 

@@ -174,7 +174,7 @@ def test_paged_engine_paths_follow_transformers_and_the_trainers_scoring(case, t
 
 
 def test_the_pool_holds_only_the_producing_layers_and_the_plan_counts_its_bytes():
-    from jaxrl_llm.sampler.engine.programs import EngineSpec, empty_pool, pool_dims
+    from jaxrl_llm.sampler.engine.decode_state import EngineSpec, empty_pool, pool_dims
 
     cfg = ModelConfig.tiny("gemma4_text", num_hidden_layers=6)
     spec = EngineSpec(max_num_seqs=2, page_size=8, num_pages=10, pages_per_slot=4)

@@ -230,13 +230,13 @@ def test_the_decode_step_updates_the_pool_and_state_in_place():
     import re
 
     from jaxrl_llm.sampler import SamplingParams
-    from jaxrl_llm.sampler.engine import EngineSpec, programs
+    from jaxrl_llm.sampler.engine import EngineSpec, decode_state, programs
 
     cfg = ModelConfig.tiny("qwen3_5_text", num_hidden_layers=8, linear_layers=(0, 1, 2, 4, 5, 6))
     params = init_params(cfg, jax.random.key(0))
     spec = EngineSpec(max_num_seqs=4, page_size=16, num_pages=256, pages_per_slot=8)
     settings, knobs = SamplingParams(max_new_tokens=8, do_sample=False).compile_args((2,), 0, vocab_size=256)
-    state = programs.init_state(cfg, spec, 8, "float32")
+    state = decode_state.init_state(cfg, spec, 8, "float32")
     hlo = programs.generate.lower(params, cfg, state, jax.random.key(0), knobs, np.int32(4), np.bool_(False),
                                   settings=settings).compile().as_text()
     assert " conditional(" not in hlo

@@ -340,7 +340,7 @@ def test_inserting_a_prompt_does_not_copy_the_pool_on_tpu():
     (256 MiB of temporaries beside a 128 MiB pool here)."""
 
     from jaxrl_llm.models import ModelConfig
-    from jaxrl_llm.sampler.engine import programs
+    from jaxrl_llm.sampler.engine import decode_state, programs
     from jaxrl_llm.sampler.params import SamplingParams
 
     target = tpu_target("v5e:2x2")
@@ -352,11 +352,11 @@ def test_inserting_a_prompt_does_not_copy_the_pool_on_tpu():
     settings, knobs = SamplingParams(max_new_tokens=new).compile_args(list(cfg.eos_token_ids), 0,
                                                                      vocab_size=cfg.vocab_size)
     with compiling_for(CompileTarget("tpu", target.chip.hbm_bytes)):
-        spec = programs.EngineSpec(max_num_seqs=slots, page_size=16, num_pages=4097, pages_per_slot=32)
+        spec = decode_state.EngineSpec(max_num_seqs=slots, page_size=16, num_pages=4097, pages_per_slot=32)
         state = jax.tree.map(lambda x: shaped(x.shape, x.dtype),
-                             jax.eval_shape(lambda: programs.init_state(cfg, spec, new, "bfloat16")))
+                             jax.eval_shape(lambda: decode_state.init_state(cfg, spec, new, "bfloat16")))
         kv_rows = shaped((layers, kv, bucket, cfg.head_dim), jnp.bfloat16)
-        prefix = programs.Prefix(k=kv_rows, v=kv_rows, logits=shaped((cfg.vocab_size,), jnp.float32),
+        prefix = decode_state.Prefix(k=kv_rows, v=kv_rows, logits=shaped((cfg.vocab_size,), jnp.float32),
                                  length=shaped((), jnp.int32), ids=shaped((bucket,), jnp.int32))
         knobs = jax.tree.map(lambda x: shaped(jnp.shape(x), jnp.asarray(x).dtype), knobs)
         scalar = shaped((), jnp.int32)

@@ -11,7 +11,15 @@ from test_sampler_logprobs import rescore
 from jaxrl_llm.platform.target import CompileTarget, compiling_for
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.core import FINISH_LENGTH
-from jaxrl_llm.sampler.engine import EngineRequest, EngineSpec, PagedEngine, device_kv_budget, plan_num_pages, programs
+from jaxrl_llm.sampler.engine import (
+    EngineRequest,
+    EngineSpec,
+    PagedEngine,
+    decode_state,
+    device_kv_budget,
+    plan_num_pages,
+    programs,
+)
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention, paged_decode_attention_xla
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
@@ -115,8 +123,7 @@ def test_no_recompile_across_runs_and_utilisation(llama_tiny):
     settings, knobs = _args(cfg, SAMPLED)  # the settings and shapes of the test above: no new programs
     engine = _engine(cfg, 3, precompile=True)
     engine.run(params, PROMPTS, jax.random.key(0), knobs, settings)
-    jitted = (programs.prefill, programs.prefill_batch, programs.insert, programs.insert_at, programs.generate,
-              programs.clear_slots)
+    jitted = (programs.prefill, programs.prefill_batch, programs.insert, programs.insert_at, programs.generate)
     sizes = [f._cache_size() for f in jitted]
     # other prompts (lengths within the same 16-token bucket), other seeds, other output lengths
     for seed, prompts in ((1, [[3, 4], [5] * 11, [9, 8, 7]]), (2, PROMPTS[::-1] + [[1] * 14])):
@@ -314,7 +321,7 @@ def test_bf16_pool_is_stored_as_bits_on_cpu_and_reads_the_same(llama_tiny):
 
     assert jax.default_backend() == "cpu" and storage_dtype(jnp.bfloat16) == BITS
     assert storage_dtype(jnp.float32) == jnp.float32
-    state = programs.init_state(cfg, EngineSpec(max_num_seqs=2, page_size=4, num_pages=8, pages_per_slot=2),
+    state = decode_state.init_state(cfg, EngineSpec(max_num_seqs=2, page_size=4, num_pages=8, pages_per_slot=2),
                                 4, "bfloat16")
     assert state.pool["k"].dtype == BITS
     rng = np.random.default_rng(0)
@@ -440,7 +447,7 @@ def test_auto_cascade_follows_the_decode_attention():
     def shape(platform: str, **kw):
         spec = EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8, **kw)
         with compiling_for(CompileTarget(platform, None)):
-            return programs.cascade_shape(spec, 8, 4)
+            return decode_state.cascade_shape(spec, 8, 4)
 
     assert shape("cpu") is None and shape("cpu", attn_impl="xla") is None
     assert shape("tpu") == (4, 4) and shape("tpu", attn_impl="pallas") == (4, 4)
@@ -448,13 +455,13 @@ def test_auto_cascade_follows_the_decode_attention():
     assert shape("cpu", attn_impl="pallas") is None
     assert shape("tpu", kv_cache_dtype="int8") is None and shape("tpu", attn_impl="xla") is None
     assert shape("cpu", cascade=True) == (4, 4) and shape("tpu", cascade=False) is None
-    assert programs.cascade_shape(EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8,
+    assert decode_state.cascade_shape(EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8,
                                              cascade=True), 8, 1) is None  # n = 1: nothing shared
     with pytest.raises(ValueError, match="cascade_attention"):
         EngineSpec(max_num_seqs=8, page_size=4, num_pages=40, pages_per_slot=8, cascade="always")
 
 
-POOL_PROGRAMS = ("insert", "insert_at", "generate", "clear_slots")  # the engine's programs that take the pool
+POOL_PROGRAMS = ("insert", "insert_at", "generate")  # the engine's programs that take the pool
 
 
 @pytest.mark.parametrize("slots,kv,speculative", [(1, "auto", False), (2, "auto", False), (1, "int8", False),
@@ -493,7 +500,7 @@ def test_no_engine_program_copies_the_pool_at_any_slot_count(llama_tiny, monkeyp
     for name, recorded in calls.items():
         seen = set()
         for args, kwargs in recorded:
-            state = next(a for a in (*args, *kwargs.values()) if isinstance(a, programs.DecodeState))
+            state = next(a for a in (*args, *kwargs.values()) if isinstance(a, decode_state.DecodeState))
             if state.active.shape in seen:  # one compilation per slot count
                 continue
             seen.add(state.active.shape)

@@ -13,7 +13,7 @@ import numpy as np
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.models.vision.qwen_vl import ImagePrompt, feature_bucket, row_images
 from jaxrl_llm.sampler.core import SampleOutput
-from jaxrl_llm.sampler.engine import programs
+from jaxrl_llm.sampler.engine import decode_state
 from jaxrl_llm.sampler.host import left_pad
 
 
@@ -119,7 +119,7 @@ class RequestImages:
             self, positions=np.concatenate([self.positions, np.broadcast_to(after, (3, length - have))], axis=1),
             slots=np.concatenate([self.slots, np.full(length - have, -1, np.int32)]))
 
-    def padded(self, width: int) -> programs.PromptImages:
+    def padded(self, width: int) -> decode_state.PromptImages:
         """As `prefill` takes them for a prompt bucket of `width` tokens; the features padded to a power of two
         (a handful of compiled prefill shapes; on their devices)."""
         length = self.positions.shape[1]
@@ -133,7 +133,7 @@ class RequestImages:
         if self.deepstack is not None:
             deepstack = jnp.asarray(self.deepstack)
             deepstack = jnp.pad(deepstack, ((0, 0), (0, extra), (0, 0))) if extra else deepstack
-        return programs.PromptImages(jnp.asarray(positions), jnp.asarray(slots), features,
+        return decode_state.PromptImages(jnp.asarray(positions), jnp.asarray(slots), features,
                                      jnp.asarray(self.delta, jnp.int32), deepstack)
 
 

@@ -8,7 +8,7 @@ its n samples' slots; full prompt pages are shared by the samples, the partial l
 response pages are their own; with `batch_prefill` the new prompts of a round that share a length
 bucket prefill in one program call, within `max_num_batched_tokens`), then one `generate` call of
 up to `steps_per_call` decode steps that returns early when a slot finishes while requests wait,
-then collect finished slots and free their pages. With cascade rows (`programs.cascade_shape`: per
+then collect finished slots and free their pages. With cascade rows (`decode_state.cascade_shape`: per
 `spec.cascade` and the decode attention's path) each `generate` call gets the groups of slots whose
 shared prompt pages are read once per group (sampler/cascade_attention.py).
 A request waits while the pool lacks the pages for its whole sequence (prompt + max_new_tokens),
@@ -41,7 +41,7 @@ from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matm
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
-from jaxrl_llm.sampler.engine import programs
+from jaxrl_llm.sampler.engine import decode_state, programs
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
 from jaxrl_llm.sampler.engine.requests import (
     BatchSource,
@@ -61,7 +61,7 @@ from jaxrl_llm.sharding import to_host
 class _Group:
     # (prefix, its row of a batched prefill or None, the draft model's prefix or None), dropped once
     # every member is in a slot
-    prefix: tuple[programs.Prefix, int | None, programs.Prefix | None] | None
+    prefix: tuple[decode_state.Prefix, int | None, decode_state.Prefix | None] | None
     shared: list[int]  # full prompt pages, shared by the members
     pending: int  # members not inserted yet
     left: int  # members not finished yet
@@ -100,7 +100,7 @@ def speculative_refusal(cfg: ModelConfig, speculative: SpeculativeSpec | None) -
 class PagedEngine:
     """Continuous batching over `spec.max_num_seqs` slots and a paged KV pool (see module doc)."""
 
-    def __init__(self, cfg: ModelConfig, spec: programs.EngineSpec, *, compute_dtype: str = "float32",
+    def __init__(self, cfg: ModelConfig, spec: decode_state.EngineSpec, *, compute_dtype: str = "float32",
                  steps_per_call: int = 16, max_num_batched_tokens: int | None = None, mesh: Mesh | None = None,
                  prefill_chunk: int | None = None, batch_prefill: bool = False, unroll_layers: bool = False,
                  precompile_drain: bool = True):
@@ -131,32 +131,32 @@ class PagedEngine:
     def max_model_len(self) -> int:
         return self.spec.pages_per_slot * self.spec.page_size
 
-    def _fresh_state(self, max_new_tokens: int, record_routing: bool = False) -> programs.DecodeState:
+    def _fresh_state(self, max_new_tokens: int, record_routing: bool = False) -> decode_state.DecodeState:
         """A new pool and slot arrays for a run (the pool lives for the run only: `serve`)."""
         key = (max_new_tokens, record_routing)
         if key not in self._init_state:
-            make = functools.partial(programs.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype,
+            make = functools.partial(decode_state.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype,
                                      record_routing)
             # with a mesh: the pool's kv heads over 'tensor' (when divisible), slot arrays replicated;
             # built by a jitted program so every process holds its part of the same global arrays
             out_shardings = (None if self.mesh is None else
-                             programs.state_sharding(jax.eval_shape(make), self.cfg, self.mesh))
+                             decode_state.state_sharding(jax.eval_shape(make), self.cfg, self.mesh))
             self._init_state[key] = jax.jit(make, out_shardings=out_shardings)
         self._state_r = max_new_tokens
         return self._init_state[key]()
 
-    def _resize(self, state: programs.DecodeState, keep: Sequence[int], slots: int) -> programs.DecodeState:
+    def _resize(self, state: decode_state.DecodeState, keep: Sequence[int], slots: int) -> decode_state.DecodeState:
         order = np.zeros((self.spec.max_num_seqs,), np.int32)
         order[:len(keep)] = keep
-        return programs.resize_slots(state, order, np.asarray(len(keep), np.int32), slots=slots)
+        return decode_state.resize_slots(state, order, np.asarray(len(keep), np.int32), slots=slots)
 
     def drain_sizes(self) -> list[int]:
         """The smaller slot sets of the drain (DRAIN_FRACTIONS of max_num_seqs), largest first."""
         full = self.spec.max_num_seqs
         return sorted({max(1, int(full * f)) for f in DRAIN_FRACTIONS} - {full}, reverse=True)
 
-    def _warm_drain_sizes(self, params: dict, state: programs.DecodeState, rng: jax.Array, knobs: SampleKnobs,
-                          settings: SampleSettings, draft_params: dict | None = None) -> programs.DecodeState:
+    def _warm_drain_sizes(self, params: dict, state: decode_state.DecodeState, rng: jax.Array, knobs: SampleKnobs,
+                          settings: SampleSettings, draft_params: dict | None = None) -> decode_state.DecodeState:
         """Compiles `generate` for every drain size now (zero steps on empty slots), so which sizes
         a run's drain reaches never adds a program in a later run."""
         key = (settings, self._state_r)
@@ -168,7 +168,7 @@ class PagedEngine:
                                     self._cascade({}, {}, size, settings), draft_params, settings=settings,
                                     attn_impl=self.spec.attn_impl, mesh=self.mesh, speculative=self.spec.speculative)
             # the pool and counters went through (donated) and back; the full set's slots are as they were
-            state = out._replace(**{f: getattr(state, f) for f in programs.SLOT_FIELDS})
+            state = out._replace(**{f: getattr(state, f) for f in decode_state.SLOT_FIELDS})
         self._warm.add(key)
         return state
 
@@ -267,7 +267,7 @@ class PagedEngine:
         size // 2 rows of settings.n members (a larger group's extra members read the plain way).
         None when the spec turns cascade attention off or one sample per prompt shares nothing; the
         shapes depend on the slot count and n only (no program per group layout)."""
-        shape = programs.cascade_shape(self.spec, size, settings.n)
+        shape = decode_state.cascade_shape(self.spec, size, settings.n)
         if shape is None:
             return None
         rows, width = shape
@@ -287,7 +287,7 @@ class PagedEngine:
         return Cascade(group_slots, prefix_pages)
 
     @staticmethod
-    def _pause(state: programs.DecodeState, slot_req: dict[int, tuple[EngineRequest, list[int]]],
+    def _pause(state: decode_state.DecodeState, slot_req: dict[int, tuple[EngineRequest, list[int]]],
                queue: collections.deque[EngineRequest], source: RequestSource) -> None:
         """Hands every running request's tokens so far, then every queued request, back to `source`
         (the pool goes with the run: no page needs releasing)."""

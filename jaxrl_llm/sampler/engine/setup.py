@@ -24,8 +24,8 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.hybrid import recurrent_bytes
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
+from jaxrl_llm.sampler.engine.decode_state import KV_CACHE_DTYPES, EngineSpec
 from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
-from jaxrl_llm.sampler.engine.programs import KV_CACHE_DTYPES, EngineSpec
 from jaxrl_llm.sampler.engine.requests import EngineStats, RequestImages
 from jaxrl_llm.sampler.engine.scheduler import PagedEngine
 from jaxrl_llm.sampler.host import bucket_batch, bucket_length

@@ -80,7 +80,7 @@ def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array,
 def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs, cascade: Cascade | None,
                 draft_params: dict | None = None, *, settings: SampleSettings, speculative: SpeculativeSpec,
                 compute_dtype: DType, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Any], Array]:
-    """One step on the decode state `s` (programs.DecodeState with its `history`, and with a draft
+    """One step on the decode state `s` (decode_state.DecodeState with its `history`, and with a draft
     model its `draft_pool`): (the fields it changes, whether some slot finished)."""
     k = speculative.num_tokens
     k1 = k + 1
