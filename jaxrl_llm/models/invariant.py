@@ -48,7 +48,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.precision import MASKED_SCORE, probs_times_values
-from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 
 Array = jax.Array
 
@@ -152,6 +152,12 @@ def _pad_rows(x: Array, multiple: int, least: int = 0) -> Array:
     return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
+def _pad_leading(x: Array, multiple: int) -> Array:
+    """x with zero rows added along its first axis up to a multiple of `multiple`."""
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
 def _xla_tiles(x: Array, w: Array) -> Array:
     """Fixed-shape tiles of CPU_ROW_TILE rows, one XLA dot each (at least two tiles: a loop of one trip is
     inlined, and its dot may then fuse into another kernel)."""
@@ -240,27 +246,41 @@ def matmul_on_device(x: Array, w: Array) -> Array:
     return _matmul_2d(x, w)
 
 
+def _matmul_rows(x: Array, w: Array) -> Array:
+    """`_matmul_2d` over every leading axis of x as rows."""
+    return _matmul_2d(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+
+
 def matmul(x: Array, w: Array) -> Array:
     """fp32 [..., F] = x [..., K] @ w [K, F] (operands in their dtype, fp32 accumulation), each row summed in
     an order that does not depend on the other rows (module doc). On a mesh (the abstract mesh in context)
-    each device runs its share of the rows against the whole weight, under shard_map: XLA cannot partition
-    a Pallas kernel, and a device's rows then meet the same kernel as one device's would. Forward only: the
+    each device runs its share of the rows against the whole contraction, under shard_map: XLA cannot
+    partition a Pallas kernel, and a device's rows then meet the same kernel as one device's would. The rows
+    are split as a training pass splits them: the leading axis over the batch axes and, on a `context` split
+    of [B, T, K] rows, the token axis over `context`. On a `tensor` split that divides F each device computes
+    its shard of the output columns (the weight's columns stay split; x is gathered over `tensor`, so a
+    head-split input moves, not the weight): every column's sum over K runs on one device in the kernel's
+    order, where Megatron's row-parallel layers would add partial products over `tensor`. Forward only: the
     decoder differentiates it through models/numerics.py `matmul_f32` (its bf16 backward; the backward needs
     no invariance)."""
-    lead = x.shape[:-1]
-    rows = x.reshape(math.prod(lead), x.shape[-1])
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    if not axes:
-        out = _matmul_2d(rows, w)
+    tensor, context = sizes.get(TENSOR_AXIS, 1), sizes.get(CONTEXT_AXIS, 1)
+    columns = TENSOR_AXIS if tensor > 1 and w.shape[1] % tensor == 0 else None
+    if not axes and columns is None and context == 1:
+        return _matmul_rows(x, w)
+    ways = math.prod(sizes[a] for a in axes)
+    rows = axes or None
+    if context > 1 and x.ndim >= 3 and x.shape[-2] % context == 0:  # [..., T, K]: each device's own tokens
+        grid = x.reshape(-1, *x.shape[-2:])
+        specs = (P(rows, CONTEXT_AXIS, None), P(None, columns)), P(rows, CONTEXT_AXIS, columns)
     else:
-        ways = math.prod(sizes[a] for a in axes)
-        split = P(axes, None)
-        per_device = jax.shard_map(_matmul_2d, mesh=mesh, in_specs=(split, P(None, None)), out_specs=split,
-                                   check_vma=False)
-        out = per_device(_pad_rows(rows, ways), w)[:rows.shape[0]]
-    return out.reshape(*lead, w.shape[1])
+        grid = x.reshape(-1, x.shape[-1])
+        specs = (P(rows, None), P(None, columns)), P(rows, columns)
+    per_device = jax.shard_map(_matmul_rows, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+    out = per_device(_pad_leading(grid, ways), w)[:grid.shape[0]]
+    return out.reshape(*x.shape[:-1], w.shape[1])
 
 
 # ---- attention ----

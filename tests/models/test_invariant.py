@@ -4,7 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm import sharding
 from jaxrl_llm.losses.logprob_xla import Layout, invariant_stats, xla_stats
 from jaxrl_llm.models import invariant, numerics
 from jaxrl_llm.models.attention import attend, attend_invariant
@@ -45,6 +48,30 @@ def test_matmul_rows_do_not_depend_on_the_row_count_and_gradients_are_the_plain_
     want = jax.grad(lambda x, w: loss(lambda a, b: jnp.dot(a, b, precision="highest"), x, w), argnums=(0, 1))(x32, w32)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [{"fsdp": 4, "tensor": 2}, {"tensor": 8}, {"fsdp": 2, "context": 2, "tensor": 2}],
+                         ids=["fsdp4_tensor2", "tensor8", "fsdp2_context2_tensor2"])
+def test_a_split_matmul_computes_its_own_rows_and_columns_with_one_devices_bits(shape):
+    """On a mesh each device computes its rows (a context split's tokens too) and, on a `tensor` split, its shard
+    of the output columns over the whole contraction (the weight's columns stay split, the rows are gathered over
+    `tensor`): one device's bits, no device holds the whole weight, the output split as the work was."""
+    x, w = _bf16(0, (4, 18, 576)), _bf16(1, (576, 320), 0.05)
+    one = np.asarray(jax.jit(invariant.matmul)(x, w))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **shape})
+    with sharding.mesh_context(mesh):
+        rows = NamedSharding(mesh, P("fsdp", "context", None))  # a training pass's activations
+        placed = jax.device_put(x, rows), jax.device_put(w, NamedSharding(mesh, P("fsdp", "tensor")))
+        mm = jax.jit(invariant.matmul)
+        out = mm(*placed)
+        text = mm.lower(*placed).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(out), one)
+    assert out.sharding.spec[-1] == "tensor", out.sharding
+    assert "bf16[576,320]" not in text  # the whole weight on a device: its column shard is [576, 320 / tensor]
+    if "context" in shape:  # each device scores its own tokens: [4 / fsdp, 18 / context] rows, none gathered
+        assert tuple(out.sharding.spec[:2]) == ("fsdp", "context") and "bf16[2,18,576]" not in text
+    if shape == {"tensor": 8}:
+        assert "all-gather" not in text and "all-to-all" not in text  # nothing moves
 
 
 def test_gpu_and_tpu_gemm_kernels_compute_the_product():
