@@ -450,8 +450,9 @@ def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
 
     TrainedRole.update = update
     try:
+        # the run's own plan would compile every program again: the one below costs the update only
         trainer = Trainer(tiny_config(pathlib.Path(tempfile.mkdtemp(prefix="device_check_profile_")),
-                                      **_step_overrides(tiny)))
+                                      **{**_step_overrides(tiny), "trainer.memory_plan": False}))
         trainer.fit()
     finally:
         TrainedRole.update = real
