@@ -2,6 +2,7 @@
 path's and a dense reference's), a stacked pool read by layer, a sharded mesh, the dispatcher's
 choice, the engine on it, and the build (cache, fallback without a compiler)."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -106,14 +107,24 @@ def test_engine_on_the_kernel_equals_the_xla_path(llama_tiny):
 
 
 def test_build_is_cached(monkeypatch, tmp_path):
+    """One compile into the cache folder, renamed from its temporary, then read from there. The compile itself
+    stands in here (the suite's other tests run the real one): it writes the library it is asked for."""
     monkeypatch.setenv("JAXRL_LLM_NATIVE_CACHE", str(tmp_path))
     compiles = []
     run = subprocess.run
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (compiles.append(cmd) if "-shared" in cmd else None)
-                        or run(cmd, **kw))
+
+    def compile_or_run(cmd, **kw):
+        if "-shared" not in cmd:
+            return run(cmd, **kw)
+        compiles.append(cmd)
+        pathlib.Path(cmd[cmd.index("-o") + 1]).write_bytes(b"library")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", compile_or_run)
     built = native.build()
-    assert built.parent == tmp_path and built.exists() and len(compiles) == 1
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary left behind
+    assert built.parent == tmp_path and built.read_bytes() == b"library" and len(compiles) == 1
+    assert "-O3" in compiles[0] and str(native._SOURCE) in compiles[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".build.lock", built.name]  # no temporary left behind
     assert native.build() == built and len(compiles) == 1  # cached: not compiled again
 
 

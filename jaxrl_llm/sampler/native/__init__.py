@@ -13,13 +13,15 @@ Build: the C++ source is compiled with the host's C++ compiler (`$CXX`, else g++
 jaxlib's FFI headers into a cache folder (`$JAXRL_LLM_NATIVE_CACHE`, else
 ~/.cache/jaxrl_llm/native), keyed by the source, the headers, the compiler and the CPU's
 instruction-set flags (it is built for the host CPU, -march=native), written to a temporary name and
-renamed, so concurrent processes never load a half-written library. Without a compiler (or if the
+renamed, so concurrent processes never load a half-written library; a lock file in the folder makes
+processes that start together wait for one build. Without a compiler (or if the
 build fails) `available()` is False with the reason in `unavailable_reason()`, and
 `rollout.paged_attention='auto'` keeps the XLA path.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -88,6 +90,17 @@ def build() -> pathlib.Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # one build per host: the processes that start together (a host's workers, a test session's) wait for the
+    # first one's library (half a minute of the compiler each) instead of all compiling it
+    with open(out.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            _compile(cxx, arch, include, out)
+    return out
+
+
+def _compile(cxx: str, arch: list[str], include: pathlib.Path, out: pathlib.Path) -> None:
+    """The library compiled to a temporary name and renamed to `out` (a reader sees all of it or nothing)."""
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     cmd = [cxx, "-std=c++17", "-O3", *arch, "-shared", "-fPIC", "-w", f"-I{include}", str(_SOURCE), "-o", tmp]
@@ -99,7 +112,6 @@ def build() -> pathlib.Path:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return out
 
 
 def _register() -> str | None:
