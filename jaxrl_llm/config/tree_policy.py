@@ -386,10 +386,10 @@ MODEL = dict(
                                  "sequence at a 128-token key block and share no prompt (share_packed_prompts off). "
                                  "int8 KV is refused; Qwen3.5 runs its delta rule token by token. On a tensor "
                                  "split each device computes its GEMM output columns over the whole contraction "
-                                 "(its input rows gathered; no partial sums cross devices); on an expert split a token's k expert outputs "
-                                 "come home unmixed and are mixed there; a context split attends with gathered keys "
-                                 "(mesh.context_attention is not used). veRL's vexact / vLLM's batch-invariant "
-                                 "mode."),
+                                 "(its input rows gathered; no partial sums cross devices); on an expert split a "
+                                 "token's k expert outputs come home unmixed and are mixed there; a context split "
+                                 "attends with gathered keys (mesh.context_attention is not used). veRL's vexact / "
+                                 "vLLM's batch-invariant mode."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj; DeepSeek's latent attention: q_a/q_b_proj, kv_a_proj_with_mqa, "
                                        "kv_b_proj) or a list of those names. veRL.", types=STR_OR_LIST),
