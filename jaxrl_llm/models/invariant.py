@@ -148,14 +148,9 @@ def _dot(x: Array, w: Array) -> Array:
 
 
 def _pad_rows(x: Array, multiple: int, least: int = 0) -> Array:
+    """x with zero rows added along its first axis up to a multiple of `multiple` (and at least `least`)."""
     rows = max(-(-x.shape[0] // multiple) * multiple, least)
-    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
-
-
-def _pad_leading(x: Array, multiple: int) -> Array:
-    """x with zero rows added along its first axis up to a multiple of `multiple`."""
-    extra = -x.shape[0] % multiple
-    return x if extra == 0 else jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
 def _xla_tiles(x: Array, w: Array) -> Array:
@@ -279,7 +274,7 @@ def matmul(x: Array, w: Array) -> Array:
         grid = x.reshape(-1, x.shape[-1])
         specs = (P(rows, None), P(None, columns)), P(rows, columns)
     per_device = jax.shard_map(_matmul_rows, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
-    out = per_device(_pad_leading(grid, ways), w)[:grid.shape[0]]
+    out = per_device(_pad_rows(grid, ways), w)[:grid.shape[0]]
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 

@@ -149,7 +149,7 @@ class DecodeState(NamedTuple):
     draft_pool: dict | None = None
     # a hybrid model's per-slot delta-net state {"conv": [layers, S, ...], "delta": [layers, S, ...]}
     # (models/hybrid.py; slots on axis 1, `SLOT_AXIS`): beside the pool (which holds its full-attention layers),
-    # set by `insert`, advanced by decode, cleared with the slot
+    # zero in a fresh state (`init_state`), set by `insert`, advanced by decode, moved with the slot (`resize_slots`)
     recurrent: dict | None = None
     # a vision-language model's (cfg.mrope_section) int32 [S]: each slot's M-RoPE delta, added to its rotary
     # positions (not to its KV positions) at every decode step; 0 for a text prompt
