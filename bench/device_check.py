@@ -217,10 +217,10 @@ def section_step(tiny: bool, out: pathlib.Path) -> dict:
     from jaxrl_llm.trainer import Trainer
 
     # the run's own files stay out of <out>: the device tool brings back 8 files at most
-    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_step_"))
-    trainer = Trainer(tiny_config(run_dir, **_step_overrides(tiny)))
-    trainer.fit()
-    last = read_metrics(run_dir)[-1]
+    with tempfile.TemporaryDirectory(prefix="device_check_step_") as run_dir:
+        trainer = Trainer(tiny_config(run_dir, **_step_overrides(tiny)))
+        trainer.fit()
+        last = read_metrics(run_dir)[-1]
     planned = max(p.total_bytes for p in trainer.memory_plan.programs) if trainer.memory_plan else None
     stats = jax.devices()[0].memory_stats() or {}
     measured = stats.get("peak_bytes_in_use")
@@ -451,9 +451,9 @@ def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
     TrainedRole.update = update
     try:
         # the run's own plan would compile every program again: the one below costs the update only
-        trainer = Trainer(tiny_config(pathlib.Path(tempfile.mkdtemp(prefix="device_check_profile_")),
-                                      **{**_step_overrides(tiny), "trainer.memory_plan": False}))
-        trainer.fit()
+        with tempfile.TemporaryDirectory(prefix="device_check_profile_") as run_dir:
+            trainer = Trainer(tiny_config(run_dir, **{**_step_overrides(tiny), "trainer.memory_plan": False}))
+            trainer.fit()
     finally:
         TrainedRole.update = real
     # the update's cost only (its compiles with two layers per scan trip): the other programs' are not reported
@@ -480,9 +480,9 @@ def _exact_step(tiny: bool, on: bool) -> dict:
     if not tiny:  # smaller than the step section's: two runs share this section's minutes
         overrides.update({"data.max_response_length": 256, "data.train_batch_size": 8,
                           "actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.rollout.n": 4})
-    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_exact_"))
-    Trainer(tiny_config(run_dir, **overrides)).fit()
-    last = read_metrics(run_dir)[-1]
+    with tempfile.TemporaryDirectory(prefix="device_check_exact_") as run_dir:
+        Trainer(tiny_config(run_dir, **overrides)).fit()
+        last = read_metrics(run_dir)[-1]
     keys = ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor",
             "rollout_corr/max_abs_log_ratio", "rollout_corr/exact_token_frac", "rollout_corr/kl")
     return {"batch_invariant": on, **{k: last.get(k) for k in keys}}

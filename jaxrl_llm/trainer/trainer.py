@@ -15,8 +15,6 @@ comes from it, and every batch split from its `BatchPlan`.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import logging
 from typing import Any
 
@@ -26,7 +24,6 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl_llm import checkpoint as ckpt
 from jaxrl_llm import storage
 from jaxrl_llm.batching import NO_PADS, StepRows, update_metrics
 from jaxrl_llm.batching.batch_plan import MicroBatching
@@ -60,6 +57,7 @@ from jaxrl_llm.rollout.batch import Rollout, rollout_dump_rows
 from jaxrl_llm.sampler import SamplingParams
 from jaxrl_llm.sharding import on_own_mesh, to_device, to_host
 from jaxrl_llm.trainer.build import Run, build_run
+from jaxrl_llm.trainer.checkpointing import checkpoint_meta, restore_trained, trained_state
 from jaxrl_llm.trainer.perf import step_perf_metrics
 from jaxrl_llm.trainer.validation import run_validation
 
@@ -444,22 +442,11 @@ class Trainer(Run):
 
     def state(self) -> dict[str, Any]:
         """The trained state a checkpoint holds: each trained role's params and optimizer state."""
-        state = {"actor": {"params": self.actor.params, "opt_state": self.actor.opt_state}}
-        if self.critic is not None:
-            state["critic"] = {"params": self.critic.params, "opt_state": self.critic.opt_state}
-        return state
+        return trained_state(self)
 
     def save_checkpoint(self) -> None:
         assert_finite_state(self.state(), self.global_step)  # a NaN checkpoint must never replace a good one
-        meta = {"global_step": self.global_step, "kl_coef": float(self.kl_ctrl.value),
-                "model_config": self.actor.model_cfg.to_hf_config(),
-                "tokenizer": str(self.spec.data.tokenizer),
-                "rng": np.asarray(jax.random.key_data(self.base_rng)).tolist(),
-                "config": json.loads(self.spec.config_json)}
-        lora = self.spec.model.lora
-        if lora is not None:  # the state holds only the adapters: they apply to this base
-            meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.targets),
-                            "dropout": lora.dropout, "base_path": self.spec.model.path}
+        meta = checkpoint_meta(self, self.global_step)
         self.tracker.flush()  # the record is durable up to the step the checkpoint holds
         # the loader as of the first untrained batch: a resume generates in-flight rollouts again, on
         # the weights they were launched with (saved by version)
@@ -494,20 +481,7 @@ class Trainer(Run):
             if not t.val_only:
                 self.tracker.rewind(None)  # a fresh start: records of an earlier, never-saved attempt go
             return
-        # the newest readable checkpoint of the resume point (a damaged one falls back, with a warning)
-        step, state, data_state, meta = ckpt.restore_resume_point(self.store, point, ckpt.abstract_like(self.state()))
-        # the reference policy is not saved: it is the initial policy, loaded again from model.path
-        self.actor.params, self.actor.opt_state = state["actor"]["params"], state["actor"]["opt_state"]
-        if self.critic is not None:
-            self.critic.params, self.critic.opt_state = state["critic"]["params"], state["critic"]["opt_state"]
-        self.train_loader.set_state(data_state)
-        # an off-policy pipeline's in-flight rollouts restart on their own saved weights
-        self.rollout_source.resume(meta.get("pipeline"), functools.partial(
-            ckpt.restore_rollout_weights, self.store, point.directory, step))
-        self.kl_ctrl.value = float(meta["kl_coef"])
-        self.global_step = int(meta["global_step"])
-        ckpt.warn_config_changes(meta.get("config"), json.loads(self.spec.config_json),
-                                 where=f"{point.directory}/{step}")
+        step, self.global_step = restore_trained(self, point)  # trainer/checkpointing.py
         if not t.val_only:
             self.tracker.rewind(self.global_step)  # the steps after the checkpoint are computed again
         log.info("resumed from %s at step %d", point.directory, step)
