@@ -186,6 +186,12 @@ def get_path(cfg: Any, key: str) -> Any:
     return node
 
 
+def require(ok: bool, key: str, cfg: ml_collections.ConfigDict, why: str) -> None:
+    """A `ConfigError` naming `key` and its value, saying `why`, unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={get_path(cfg, key)!r}: {why}")
+
+
 def set_path(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
     """Sets `a.b.c`, creating missing sections (used for open dicts)."""
     parts = key.split(".")

@@ -20,18 +20,11 @@ from jaxrl_llm.config import names
 from jaxrl_llm.config.checks import check_inputs, check_sources, reads_images
 from jaxrl_llm.config.derive import AUTO, AUTO_KEYS, resolve_defaults, resolve_total_steps
 from jaxrl_llm.config.overrides import FIELDS, normalize_config
-from jaxrl_llm.config.schema import ConfigError, check_type, get_path, set_path
+from jaxrl_llm.config.schema import ConfigError, check_type, get_path, require, set_path
+from jaxrl_llm.config.validate_rollout import ACTOR, ARR, ROLLOUT, check_rollout_options
 from jaxrl_llm.models.lora import parse_target_modules
 from jaxrl_llm.platform.tpu import parse_accelerator_type
 from jaxrl_llm.rewards.judge_parsers import JUDGE_FIELDS, JUDGE_PARSERS, parser_file
-
-ARR = "actor_rollout_ref"
-ACTOR, ROLLOUT = f"{ARR}.actor", f"{ARR}.rollout"
-
-
-def _require(ok: bool, key: str, cfg: ml_collections.ConfigDict, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={get_path(cfg, key)!r}: {why}")
 
 
 def _check_types(cfg: ml_collections.ConfigDict) -> None:
@@ -53,7 +46,7 @@ def _check_declared(cfg: ml_collections.ConfigDict) -> None:
 def _check_names(cfg: ml_collections.ConfigDict) -> None:
     for key in (f"{ACTOR}.kl_loss_type", "algorithm.kl_penalty"):
         # the step scores tokens by log-probs only; the exact KL needs both models' full logits
-        _require(get_path(cfg, key) != "full", key, cfg,
+        require(get_path(cfg, key) != "full", key, cfg,
                  "the exact vocabulary KL is not available in the training step (it would need the reference's "
                  "logits at every token); use low_var_kl / k3 or a '+' form (jaxrl_llm.losses.token_kl_full "
                  "computes it from hidden states outside the trainer)")
@@ -78,145 +71,7 @@ def _check_names(cfg: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{ARR}.model.tiny.{key}={tiny[key]}: only a tiny mixture-of-experts model reads it "
                               f"(model.path={path!r}; valid: " + ", ".join(f"tiny:{a}" for a in names.TINY_MOE_ARCHS)
                               + ")")
-    _check_rollout_correction(cfg)
-    _check_synchronizer(cfg)
-    _check_multi_turn(cfg)
-    _check_speculative(cfg)
-    _check_partial(cfg)
-    _check_batch_invariant(cfg)
-
-
-def _check_synchronizer(cfg: ml_collections.ConfigDict) -> None:
-    _require(cfg.synchronizer.sync_style == "fixed", "synchronizer.sync_style", cfg,
-             "only the fixed schedule (sync every sync_interval steps) is available; Trinity-RFT's dynamic styles "
-             "are not")
-    _require(cfg.synchronizer.sync_interval >= 1, "synchronizer.sync_interval", cfg, "must be >= 1")
-    _require(cfg.synchronizer.sync_offset >= 0, "synchronizer.sync_offset", cfg, "must be >= 0")
-    rd = cfg.mesh.rollout_devices
-    if rd is not None:
-        _require((rd >= 1) if isinstance(rd, int) else (len(rd) >= 1 and all(isinstance(i, int) for i in rd)),
-                 "mesh.rollout_devices", cfg, "expected a device count >= 1 or a list of device ids")
-
-
-def _check_multi_turn(cfg: ml_collections.ConfigDict) -> None:
-    mt, key = cfg.actor_rollout_ref.rollout.multi_turn, f"{ROLLOUT}.multi_turn"
-    if not mt.enable:
-        return
-    _require(not mt.use_inference_chat_template, f"{key}.use_inference_chat_template", cfg,
-             "re-rendering the conversation with the inference template would train on tokens the model did not "
-             "see; jaxrl_llm trains on the rollout's own tokens (token in, token out): set it False")
-    _require(mt.tool_config_path is not None or mt.interaction_config_path is not None, f"{key}.enable", cfg,
-             f"needs {key}.tool_config_path and / or {key}.interaction_config_path")
-    for name in ("tool_config_path", "interaction_config_path"):
-        path = mt[name]
-        if path is not None and not os.path.isfile(os.path.expanduser(path)):
-            raise ConfigError(f"{key}.{name}={path!r}: no such file")
-    for name in ("max_assistant_turns", "max_user_turns"):
-        _require(mt[name] is None or mt[name] >= 1, f"{key}.{name}", cfg, "must be >= 1 or None")
-    for name in ("max_parallel_calls", "max_tool_response_length"):
-        _require(mt[name] >= 1, f"{key}.{name}", cfg, "must be >= 1")
-    _require(mt.tool_call_timeout_s > 0, f"{key}.tool_call_timeout_s", cfg, "must be > 0")
-    _require(not cfg.reward_model.enable, f"{key}.enable", cfg,
-             "a model-based reward (reward_model.enable) is not supported with multi-turn rollouts (the scorer, "
-             "tools' calc_reward and interaction rewards are)")
-    _require(bool(cfg.data.apply_chat_template), f"{key}.enable", cfg,
-             "multi-turn rollouts render turns through the chat template: data.apply_chat_template must be True")
-    _require("chat_template" not in cfg.data.val_overrides, "data.val_overrides", cfg,
-             "multi-turn rollouts render every turn with the run's one chat template (data.chat_template)")
-
-
-def _check_partial(cfg: ml_collections.ConfigDict) -> None:
-    rollout, key = cfg.actor_rollout_ref.rollout, f"{ROLLOUT}.partial"
-    if not rollout.partial.enable:
-        return
-    why = "paused samples resume in the paged engine at the next synchronous step"
-    _require(rollout.engine != "static", f"{ROLLOUT}.engine", cfg, f"{key}.enable: {why}")
-    _require(not rollout.multi_turn.enable, f"{ROLLOUT}.multi_turn.enable", cfg,
-             f"{key}.enable is for single-turn rollouts")
-    _require(cfg.actor_rollout_ref.actor.router_replay != "rollout", f"{ACTOR}.router_replay", cfg,
-             f"{key}.enable: a resumed sample's earlier experts are not replayed")
-    _require(not cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", cfg,
-             f"{key}.enable: the group filter samples further batches itself; use one or the other")
-    sync = cfg.synchronizer
-    _require(sync.sync_interval == 1 and sync.sync_offset == 0 and cfg.mesh.get("rollout_devices") is None,
-             f"{key}.enable", cfg, f"{why}: set synchronizer.sync_interval=1, sync_offset=0 and no "
-             "mesh.rollout_devices")
-
-
-def _check_speculative(cfg: ml_collections.ConfigDict) -> None:
-    rollout, key = cfg.actor_rollout_ref.rollout, f"{ROLLOUT}.speculative"
-    spec = rollout.speculative
-    if spec.method == "none":
-        return
-    _require(rollout.engine != "static", f"{ROLLOUT}.engine", cfg,
-             f"{key}.method={spec.method!r} runs in the paged engine: set engine to 'paged' or 'auto'")
-    _require(cfg.actor_rollout_ref.actor.router_replay != "rollout", f"{key}.method", cfg,
-             f"recording the experts per token ({ACTOR}.router_replay='rollout') needs one token per decode step: "
-             f"set {key}.method='none'")
-    _require(spec.prompt_lookup_min <= spec.prompt_lookup_max, f"{key}.prompt_lookup_min", cfg,
-             f"must be <= {key}.prompt_lookup_max={spec.prompt_lookup_max}")
-    _require(spec.method != "draft" or spec.draft_model.path is not None, f"{key}.draft_model.path", cfg,
-             f"required when {key}.method='draft' (HF folder, .gguf, checkpoint or tiny:<arch>)")
-
-
-def _check_batch_invariant(cfg: ml_collections.ConfigDict) -> None:
-    """What model.batch_invariant (models/invariant.py) does not cover yet, refused by name."""
-    if not cfg.actor_rollout_ref.model.get("batch_invariant", False):
-        return
-    why = f"{ARR}.model.batch_invariant=True "
-    _require(cfg.actor_rollout_ref.rollout.kv_cache_dtype == "auto", f"{ROLLOUT}.kv_cache_dtype", cfg,
-             why + "reads compute-dtype pages (int8 pages are dequantised in another order): set it to 'auto'")
-
-
-def _check_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
-    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
-    if rc.loss_type == "reinforce":
-        if not rc.bypass_mode:
-            raise ConfigError(f"{key}.loss_type='reinforce' is bypass mode's loss: set {key}.bypass_mode=true "
-                              "(the sampler's log-probs as the old ones), or leave loss_type at ppo_clip")
-        if rc.rollout_rs is not None:
-            raise ConfigError(f"{key}.rollout_rs={rc.rollout_rs!r} with loss_type='reinforce': the update takes each "
-                              "micro-batch's IS weights from its own forward, and rejection sampling needs the "
-                              "whole batch first; use rollout_is with rollout_is_threshold")
-        mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
-        if mode != "vanilla":
-            raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} with {key}.loss_type="
-                              "'reinforce': bypass mode's loss replaces the policy loss (as in veRL); leave it "
-                              "at vanilla")
-    actor = cfg.actor_rollout_ref.actor
-    if actor.policy_loss.loss_mode == "m2po":
-        if not rc.bypass_mode:
-            raise ConfigError(f"{ACTOR}.policy_loss.loss_mode='m2po' bounds the ratio to the sampler's policy: set "
-                              f"{key}.bypass_mode=true (the sampler's log-probs as the old ones; Trinity-RFT's "
-                              "bypass_old_logprobs)")
-        if cfg.actor_rollout_ref.model.get("lora_dropout", 0.0):
-            raise ConfigError(f"actor_rollout_ref.model.lora_dropout={cfg.actor_rollout_ref.model.lora_dropout}: "
-                              "m2po selects its tokens in a pre-pass over the mini-batch, which dropout would make "
-                              "differ from the update's forward (Trinity-RFT refuses it too); set it to 0")
-    if actor.policy_loss.dual_clip is not None and actor.policy_loss.loss_mode not in ("vanilla", "gspo"):
-        raise ConfigError(f"{ACTOR}.policy_loss.dual_clip={actor.policy_loss.dual_clip}: policy loss "
-                          f"{actor.policy_loss.loss_mode!r} has no dual clip (vanilla and gspo have one); leave it "
-                          "None")
-    if actor.policy_loss.loss_agg_mode is not None and actor.policy_loss.loss_mode == "geo_mean":
-        raise ConfigError(f"{ACTOR}.policy_loss.loss_agg_mode={actor.policy_loss.loss_agg_mode!r}: geo_mean's loss is "
-                          "one number per sequence (their mean over rows); leave it None")
-    if rc.rollout_rs is None:
-        return
-    modes = [m.strip() for m in rc.rollout_rs.split(",")]
-    valid = names.rollout_rs_modes()
-    for mode in modes:
-        if mode not in valid:
-            raise ConfigError(f"{key}.rollout_rs: unknown mode {mode!r}; valid: {', '.join(valid)}")
-    if rc.rollout_rs_threshold is None:
-        raise ConfigError(f"{key}.rollout_rs_threshold=None: required when rollout_rs={rc.rollout_rs!r}")
-    try:  # the losses package parses the thresholds exactly as the trainer will
-        from jaxrl_llm.losses.rollout_correction import parse_rejection_rules
-    except ImportError:
-        return
-    try:
-        parse_rejection_rules(rc.rollout_rs, rc.rollout_rs_threshold)
-    except ValueError as err:
-        raise ConfigError(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold!r}: {err}") from None
+    check_rollout_options(cfg)  # config/validate_rollout.py
 
 
 def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
@@ -229,7 +84,7 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
     for role in (ACTOR, "critic"):
         o = f"{role}.optim"
         betas = get_path(cfg, f"{o}.betas")
-        _require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
+        require(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas),
                  f"{o}.betas", cfg, "expected [beta1, beta2] with 0 <= beta < 1")
     _check_lora(cfg)
     for tok in cfg.actor_rollout_ref.rollout.stop_token_ids:
@@ -240,10 +95,10 @@ def _check_ranges(cfg: ml_collections.ConfigDict) -> None:
 def _check_lora(cfg: ml_collections.ConfigDict) -> None:
     model = cfg.actor_rollout_ref.model
     rank = model.lora_rank
-    _require(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, f"{ARR}.model.lora_rank", cfg,
+    require(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, f"{ARR}.model.lora_rank", cfg,
              "must be an int >= 0 (0 = full fine-tuning)")
     if rank > 0:
-        _require(isinstance(model.lora_alpha, (int, float)) and model.lora_alpha > 0, f"{ARR}.model.lora_alpha",
+        require(isinstance(model.lora_alpha, (int, float)) and model.lora_alpha > 0, f"{ARR}.model.lora_alpha",
                  cfg, "must be > 0")
         try:
             parse_target_modules(model.target_modules, f"{ARR}.model.target_modules")
@@ -343,7 +198,7 @@ def _check_algorithm(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError("data.val_files=None: trainer.val_only needs validation files")
     ob = cfg.reward_model.reward_kwargs
     if ob.overlong_buffer_cfg.enable:
-        _require(ob.overlong_buffer_cfg.len < ob.max_resp_len, "reward_model.reward_kwargs.overlong_buffer_cfg.len",
+        require(ob.overlong_buffer_cfg.len < ob.max_resp_len, "reward_model.reward_kwargs.overlong_buffer_cfg.len",
                  cfg, f"must be shorter than max_resp_len={ob.max_resp_len}")
     if cfg.reward_model.enable and cfg.reward_model.model.path is None:
         raise ConfigError("reward_model.model.path=None: required when reward_model.enable")
