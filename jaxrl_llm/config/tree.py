@@ -450,6 +450,17 @@ TRAINER = {
                            "jaxrl_llm-only."),
     "plan_num_slices": field(1, "Slices of plan_topology (multislice: the data axis spans them). jaxrl_llm-only.",
                              gt=0),
+    "compilation_cache_dir": field("auto", "Where XLA's compiled programs are kept between launches (JAX's "
+                                           "persistent compilation cache): a relaunch after a preemption, a resume "
+                                           "or a second run of the same config loads the step's programs instead "
+                                           "of compiling them (minutes each for a large model on a TPU slice). "
+                                           "'auto': $JAX_COMPILATION_CACHE_DIR when set, else "
+                                           "<$XDG_CACHE_HOME or ~/.cache>/jaxrl_llm/xla on each host (10 GiB at "
+                                           "most, least recently used out first); a folder, or a gs:// URL a "
+                                           "pod's hosts share; None = off. Programs that compile in under 1 s are "
+                                           "not kept. Only you should be able to write to it (it holds code the "
+                                           "run executes). jaxrl_llm-only (MaxText's jax_cache_dir).",
+                                   types=str, nullable=True),
 }
 
 MESH = {

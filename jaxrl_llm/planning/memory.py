@@ -372,8 +372,10 @@ def plan_for_config(cfg: ConfigDict, topology: str | None = None, num_slices: in
     each program's roofline estimate (`costs`). Raises MemoryPlanError (a ConfigError) when a program
     does not fit, after printing the table (`check=False`: returns the plan, fitting or not)."""
     from jaxrl_llm.config import resolve as resolve_spec
+    from jaxrl_llm.platform.compile_cache import use_compilation_cache
     from jaxrl_llm.sharding import batch_axis_size
 
+    use_compilation_cache(cfg.trainer.compilation_cache_dir)  # a second plan of the same config compiles nothing
     target, mesh, tokenizer = planning_setup(cfg, topology, num_slices)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
     result = plan_memory(spec, mesh, tokenizer, check=False, target=target, costs=costs)

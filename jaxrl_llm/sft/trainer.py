@@ -37,6 +37,7 @@ from jaxrl_llm.config.resolve import resolve_sft
 from jaxrl_llm.data.synthetic import write_synthetic_data
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.planning.preflight import run_tokenizer
+from jaxrl_llm.platform.compile_cache import use_compilation_cache
 from jaxrl_llm.roles.export import export_policy
 from jaxrl_llm.roles.trained import load_model, make_trained_role, packing_for
 from jaxrl_llm.sft.batch import HostBatch, SftLoader, eval_batches
@@ -60,6 +61,7 @@ class SftTrainer:
         self.is_main = jax.process_index() == 0
         view = sft_view(config)
         checked = validate_config(view, dp_size=dp)
+        use_compilation_cache(checked.trainer.compilation_cache_dir)  # before the first compile
         self.checked = checked
         self.sft = resolve_sft(checked)
         data = resolve_data(checked)

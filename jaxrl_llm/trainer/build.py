@@ -35,6 +35,7 @@ from jaxrl_llm.losses.kl import AdaptiveKLController, FixedKLController, make_kl
 from jaxrl_llm.models import ModelConfig, invariant
 from jaxrl_llm.models.remat import warn_once
 from jaxrl_llm.planning.preflight import run_tokenizer
+from jaxrl_llm.platform.compile_cache import use_compilation_cache
 from jaxrl_llm.rewards import RewardManager, build_reward_manager
 from jaxrl_llm.roles.actor import update_actor
 from jaxrl_llm.roles.critic import update_critic
@@ -99,6 +100,8 @@ class Run:
 def build_run(config: ml_collections.ConfigDict) -> Run:
     """Validates and resolves `config`, plans the step's memory and builds the run (module doc)."""
     initialize()  # jax.distributed when several processes are configured; a no-op otherwise
+    # before the plan's first compile: a relaunch reads the programs back (platform/compile_cache.py)
+    use_compilation_cache(config.trainer.get("compilation_cache_dir", "auto"))
     mesh, rollout_mesh = make_split_meshes(config.mesh)
     spec, memory_plan, tokenizer, loaders, image_tokens = _plan_and_data(config, mesh)
     is_main = jax.process_index() == 0
