@@ -32,6 +32,7 @@ from jaxrl_llm.data.prompts import records_from_rows
 from jaxrl_llm.data.sources import read_files
 from jaxrl_llm.data.synthetic import write_rows
 from jaxrl_llm.planning.preflight import run_tokenizer
+from jaxrl_llm.platform.compile_cache import use_compilation_cache
 from jaxrl_llm.roles.trained import load_model
 from jaxrl_llm.sampler.facade import generate
 from jaxrl_llm.sharding.split import make_split_meshes
@@ -64,6 +65,7 @@ class BatchGenerator:
         view = generation_view(config)
         self.mesh, _ = make_split_meshes(view.mesh)
         checked = validate_config(view, num_devices=jax.device_count())
+        use_compilation_cache(checked.trainer.compilation_cache_dir)  # before the first compile
         self.spec: RunSpec = resolve(checked, dp_size=jax.device_count(), num_train_samples=jax.device_count())
         g = checked.generation
         self.output_path, self.batch_size, self.response_key = g.output_path, int(g.batch_size), g.response_key
