@@ -338,6 +338,16 @@ class ModelConfig:
         return round(self.num_attention_heads * widths / self.num_hidden_layers)
 
     @property
+    def decode_attention_width(self) -> int:
+        """`attention_width` as the sampler's decode step computes it over the KV pool: MLA attends in its
+        absorbed form there (a query head's q.k over the latent and the rope key, kv_lora_rank + head_dim wide,
+        its p.v over the latent, kv_lora_rank wide: models/mla.py), 3.4x the expanded width at DeepSeek-V3's
+        dims; every other model as `attention_width` (the prefill is the trainer's forward: expanded)."""
+        if self.is_mla:
+            return round(self.num_attention_heads * (self.cache_head_dim + self.kv_lora_rank) / 2)
+        return self.attention_width
+
+    @property
     def first_shared_layer(self) -> int:
         """The first layer that reads an earlier layer's keys / values (num_hidden_layers: none does)."""
         return self.num_hidden_layers - self.kv_shared_layers

@@ -198,7 +198,7 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     kv_shards = tensor if cfg.cache_kv_heads % tensor == 0 else 1
     key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
     keys_read = rows * r * (prompt - shared_tokens + shared_tokens / n + (r + 1) / 2)
-    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.attention_width * keys_read / kv_shards
+    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.decode_attention_width * keys_read / kv_shards
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(
         active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.attention_width,

@@ -167,3 +167,36 @@ def test_the_rollouts_cascade_credit_is_the_shared_prompt_keys():
     assert shared(cfg, "tpu", cascade=False) == 0 and shared(cfg, "tpu") == 1000
     assert shared(on, "tpu") == 896 and shared(on, "gpu") == 960  # 62 full pages = 992 keys
     assert shared(on, "cpu") == 0 and shared(on, "tpu", prompt=100) == 0
+
+
+def test_the_rollouts_decode_attention_counts_mlas_absorbed_width():
+    """The rollout's decode attention FLOPs at the width the sampler computes: MLA's absorbed q.k over the latent
+    and the rope key and p.v over the latent (3.4x the expanded width at DeepSeek-V3's dims), every other model
+    at `attention_width`; the prefill (the trainer's forward) at the expanded width."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.planning.sample_program import _rollout_cost
+    from jaxrl_llm.sampler.engine.decode_state import EngineSpec
+
+    mla = ModelConfig(architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", vocab_size=1000,
+                      hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128,
+                      num_key_value_heads=128, head_dim=64, kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128)
+    assert mla.decode_attention_width == 128 * (512 + 64 + 512) / 2
+    assert round(mla.decode_attention_width / mla.attention_width, 1) == 3.4  # expanded: 128 x (128 + 64 + 128) / 2
+    gqa = dataclasses.replace(mla, model_type="llama", architecture="LlamaForCausalLM", kv_lora_rank=0,
+                              qk_nope_head_dim=0, v_head_dim=0, num_key_value_heads=8)
+    assert gqa.decode_attention_width == gqa.attention_width
+
+    prompt, rows, n, r, params = 256, 8, 4, 64, 10**9
+    engine = EngineSpec(max_num_seqs=32, page_size=16, num_pages=10_000, pages_per_slot=32)
+    for cfg in (mla, gqa):
+        ctx = SimpleNamespace(actor=SimpleNamespace(cfg=cfg, num_params=params), prompt_width=prompt,
+                              mesh=SimpleNamespace(shape={}, size=1),
+                              spec=SimpleNamespace(actor=SimpleNamespace(compute_dtype="bfloat16")))
+        cost = _rollout_cost(ctx, engine, None, Cost(), rows=rows, n=n, r=r, shared_tokens=0, weight_bytes=0)
+        keys_read = rows * r * (prompt + (r + 1) / 2)
+        prefill = rows // n * prompt * per_token_forward_flops(params, 4, cfg.attention_width, (prompt + 1) / 2)
+        assert cost.flops == pytest.approx(4.0 * 4 * cfg.decode_attention_width * keys_read + prefill)
