@@ -167,14 +167,34 @@ def _cascade_shared_tokens(ctx: Context, engine: Any, cascade: bool) -> int:
         return 0
     if not cfg.batch_invariant:
         return ctx.prompt_width
+    blocks = _invariant_paged_blocks(cfg, engine.page_size)
+    if blocks is None:
+        return 0  # the gathered form (CPU's blocked XLA; a head width the kernel does not read in place)
+    keys = blocks[1]
+    return ctx.prompt_width // engine.page_size * engine.page_size // keys * keys
+
+
+def _invariant_paged_blocks(cfg: ModelConfig, page_size: int) -> tuple[int, int] | None:
+    """(query rows, keys) per program of the mode's paged decode kernel where it reads the pool in place on the
+    target platform (models/invariant_paged_attention.py), else None (the gathered form)."""
     from jaxrl_llm.models.invariant_paged_attention import paged_blocks, paged_supported
 
     variant = {"tpu": "mosaic", "gpu": "triton", "cuda": "triton"}.get(target_platform())
     width = cfg.cache_head_dim  # MLA: the absorbed latent + rope key
-    if variant is None or not paged_supported(variant, width, width, engine.page_size):
-        return 0  # the gathered form (CPU's blocked XLA; a head width the kernel does not read in place)
-    keys = paged_blocks(variant, width)[1]
-    return ctx.prompt_width // engine.page_size * engine.page_size // keys * keys
+    if variant is None or not paged_supported(variant, width, width, page_size):
+        return None
+    return paged_blocks(variant, width)
+
+
+def _padded_rows(cfg: ModelConfig, page_size: int, members: int = 1) -> float:
+    """Query rows the mode's paged kernel computes per real query row: `members` slots' g query heads of a kv
+    head fill whole tiles of its query rows (a slot's own keys: one member; a cascade group's shared keys: its
+    members stacked), the padding computed as the real rows are. 1 off the mode or in the gathered form."""
+    blocks = _invariant_paged_blocks(cfg, page_size) if cfg.batch_invariant else None
+    if blocks is None:
+        return 1.0
+    rows = members * cfg.num_attention_heads // cfg.cache_kv_heads
+    return -(-rows // blocks[0]) * blocks[0] / rows
 
 
 def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, rows: int, n: int, r: int,
@@ -197,8 +217,12 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     tensor = dict(mesh.shape).get("tensor", 1)
     kv_shards = tensor if cfg.cache_kv_heads % tensor == 0 else 1
     key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
-    keys_read = rows * r * (prompt - shared_tokens + shared_tokens / n + (r + 1) / 2)
-    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.decode_attention_width * keys_read / kv_shards
+    own_keys, shared_keys = rows * r * (prompt - shared_tokens + (r + 1) / 2), rows * r * shared_tokens
+    keys_read = own_keys + shared_keys / n  # a group reads its shared keys once
+    # every (query, key) pair is computed, shared or not, and the mode's kernel computes whole tiles of query
+    # rows: a slot's g heads (a group's n x g stacked on its shared keys)
+    computed = own_keys * _padded_rows(cfg, ps) + shared_keys * _padded_rows(cfg, ps, n)
+    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.decode_attention_width * computed / kv_shards
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(
         active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.attention_width,

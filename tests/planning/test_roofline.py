@@ -200,3 +200,41 @@ def test_the_rollouts_decode_attention_counts_mlas_absorbed_width():
         keys_read = rows * r * (prompt + (r + 1) / 2)
         prefill = rows // n * prompt * per_token_forward_flops(params, 4, cfg.attention_width, (prompt + 1) / 2)
         assert cost.flops == pytest.approx(4.0 * 4 * cfg.decode_attention_width * keys_read + prefill)
+
+
+def test_the_rollouts_decode_attention_counts_every_pair_and_the_modes_padded_tiles():
+    """Every (query, key) pair is computed once per sample, shared prompt keys (cascade) included: a group reads
+    them once (bytes), its members each attend to them (FLOPs). With `model.batch_invariant` on a TPU the paged
+    kernel computes whole 128-row tiles: a slot's g query heads per kv head (g = 7 here: 128 / 7 rows computed
+    per real one), a group's n x g stacked on the shared keys (28: 128 / 28)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.planning.sample_program import _rollout_cost
+    from jaxrl_llm.platform.target import CompileTarget, compiling_for
+    from jaxrl_llm.sampler.engine.decode_state import EngineSpec
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", vocab_size=1000, hidden_size=896,
+                      intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      head_dim=64)
+    prompt, rows, n, r, params, shared = 256, 8, 4, 64, 10**9, 256
+    engine = EngineSpec(max_num_seqs=32, page_size=16, num_pages=10_000, pages_per_slot=32)
+
+    def cost(cfg: ModelConfig, shared_tokens: int) -> Cost:
+        ctx = SimpleNamespace(actor=SimpleNamespace(cfg=cfg, num_params=params), prompt_width=prompt,
+                              mesh=SimpleNamespace(shape={}, size=1),
+                              spec=SimpleNamespace(actor=SimpleNamespace(compute_dtype="bfloat16")))
+        with compiling_for(CompileTarget("tpu", None)):
+            return _rollout_cost(ctx, engine, None, Cost(), rows=rows, n=n, r=r, shared_tokens=shared_tokens,
+                                 weight_bytes=0)
+
+    prefill = rows // n * prompt * per_token_forward_flops(params, 24, cfg.attention_width, (prompt + 1) / 2)
+    pair_flops = 4.0 * 24 * cfg.attention_width  # per (query, key) pair, all layers
+    own, shared_pairs = rows * r * (r + 1) / 2, rows * r * shared
+    plain, cascade = cost(cfg, 0), cost(cfg, shared)
+    assert plain.flops == pytest.approx(pair_flops * (own + shared_pairs) + prefill) == cascade.flops
+    assert cascade.hbm_bytes < plain.hbm_bytes  # the shared keys read once per group
+    on = cost(dataclasses.replace(cfg, batch_invariant=True), shared)
+    assert on.flops == pytest.approx(pair_flops * (own * 128 / 7 + shared_pairs * 128 / 28) + prefill)
