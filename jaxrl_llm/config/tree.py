@@ -455,11 +455,14 @@ TRAINER = {
                                            "or a second run of the same config loads the step's programs instead "
                                            "of compiling them (minutes each for a large model on a TPU slice). "
                                            "'auto': $JAX_COMPILATION_CACHE_DIR when set, else "
-                                           "<$XDG_CACHE_HOME or ~/.cache>/jaxrl_llm/xla on each host (10 GiB at "
-                                           "most, least recently used out first); a folder, or a gs:// URL a "
-                                           "pod's hosts share; None = off. Programs that compile in under 1 s are "
-                                           "not kept. Only you should be able to write to it (it holds code the "
-                                           "run executes). jaxrl_llm-only (MaxText's jax_cache_dir).",
+                                           "<$XDG_CACHE_HOME or ~/.cache>/jaxrl_llm/xla (10 GiB at most, least "
+                                           "recently used out first) in a one-process run, off with several "
+                                           "processes (one process can load a program its peer compiles afresh: "
+                                           "on CPU their collectives mismatched and aborted in tests); a folder or "
+                                           "a gs:// URL: used by every process, at that risk; None = off. "
+                                           "Programs that compile in under 1 s are not kept. Only you should be "
+                                           "able to write to it (it holds code the run executes). jaxrl_llm-only "
+                                           "(MaxText's jax_cache_dir).",
                                    types=str, nullable=True),
 }
 

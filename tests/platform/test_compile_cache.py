@@ -51,6 +51,13 @@ def test_each_setting_names_its_folder(monkeypatch, tmp_path):
     assert compilation_cache_dir("~/xla") == str(tmp_path / "home" / "xla")
     assert compilation_cache_dir("gs://bucket/xla") == "gs://bucket/xla"
     assert compilation_cache_dir(None) is None and compilation_cache_dir("") is None
+    # several processes: auto is off (module doc), a named folder is every process's
+    assert compilation_cache_dir("auto", processes=2) is None
+    assert compilation_cache_dir("gs://bucket/xla", processes=2) == "gs://bucket/xla"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/shared/xla")
+    assert compilation_cache_dir("auto", processes=2) == "/shared/xla"  # the environment's, as JAX reads it
+    monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "false")  # JAX's own switch, off
+    assert compilation_cache_dir("auto") is None and compilation_cache_dir("~/xla") is not None
     # veRL-style overrides: null turns it off
     cfg = apply_overrides(tiny_config(tmp_path / "run"), ["trainer.compilation_cache_dir=null"])
     assert validate_config(cfg, num_devices=1, check_paths=False).trainer.compilation_cache_dir is None
