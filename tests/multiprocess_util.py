@@ -82,10 +82,9 @@ def run_processes(script_path_or_code: str | os.PathLike, num_processes: int = 2
             path.write_text(str(script_path_or_code))
         port = portpicker.pick_unused_port()
         # no persistent compilation cache (tests/conftest.py sets one): a process that loads a cached
-        # executable while its peer compiles one ran mismatched gloo collectives and aborted
-        # (trainer.compilation_cache_dir=auto follows JAX's switch: off in these processes too)
-        base_env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-        base_env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        # executable while its peer compiles one ran mismatched gloo collectives and aborted. JAX's own
+        # switch, which trainer.compilation_cache_dir=auto follows too
+        base_env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
         base_env.update(env or {})
         base_env.update({
             "JAX_PLATFORMS": "cpu",
