@@ -375,8 +375,10 @@ def plan_for_config(cfg: ConfigDict, topology: str | None = None, num_slices: in
     from jaxrl_llm.platform.compile_cache import use_compilation_cache
     from jaxrl_llm.sharding import batch_axis_size
 
-    use_compilation_cache(cfg.trainer.compilation_cache_dir)  # a second plan of the same config compiles nothing
     target, mesh, tokenizer = planning_setup(cfg, topology, num_slices)
+    if target is None:  # a second plan of the same config compiles nothing; a TPU topology's compile-only
+        # client cannot load a cached program ("PjRtCompiler must be constructed with a Client"), so it compiles
+        use_compilation_cache(cfg.trainer.compilation_cache_dir)
     spec = resolve_spec(cfg, dp_size=batch_axis_size(mesh))
     result = plan_memory(spec, mesh, tokenizer, check=False, target=target, costs=costs)
     if not check:

@@ -35,7 +35,7 @@ from jaxrl_llm.roles.trained import param_shardings_of
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler import eos_ids_of
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.engine import decode_state
+from jaxrl_llm.sampler.engine import decode_state, slot_shards
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size
@@ -116,7 +116,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
     make = functools.partial(decode_state.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
-    shardings = decode_state.state_sharding(abstract, cfg, mesh)
+    shardings = decode_state.state_sharding(abstract, cfg, mesh, slot_shards.slot_axes(mesh, engine.slot_shards))
     state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
 
     draft = None  # a draft model's params (speculative method 'draft'), placed as the policy's shapes are
@@ -134,12 +134,14 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None,
               pool_pages: int = 0) -> jax.stages.Lowered:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        pool_pages = pool_pages // engine.slot_shards * engine.slot_shards  # whole pages per slot shard
         pages = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], pool_pages, *x.shape[3:]), x.dtype,  # noqa: E731
                                                sharding=x.sharding)
         pooled = state if not pool_pages else state._replace(pool=jax.tree.map(pages, state.pool))
         return lower_for(engine_programs.generate, platforms, weights[0].params, unrolled(cfg, unroll), pooled,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
-                      draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative)
+                      draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative,
+                      slot_axes=slot_shards.slot_axes(mesh, engine.slot_shards))
 
     total_cost = functools.partial(_rollout_cost, ctx, engine, rows=rows, n=settings.n, r=settings.max_new_tokens,
                                    shared_tokens=_cascade_shared_tokens(ctx, engine, groups is not None),
@@ -205,9 +207,10 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     plus what the compiled step cannot count: the attention kernel's K/V reads and products (a custom call),
     every step's keys from the prompt (`shared_tokens` of them read once per group: cascade attention) and the
     response so far; and the prefill of each prompt (one call per prompt, not planned: its weights read once and
-    2N FLOPs per token, split over the devices as decode's matmuls are). The pool is split over the kv
-    heads on 'tensor' only, so every device reads its kv heads of every slot. `step` comes without the
-    bytes the compiled count charges in proportion to the pool (`Planner.costed`)."""
+    2N FLOPs per token on every device, split over 'tensor' only). The pool is split over the kv
+    heads on 'tensor' and, with slot shards (engine/slot_shards.py), its slots over the batch axes: a device
+    reads its kv heads of its shard's slots. `step` comes without the bytes the compiled count charges in
+    proportion to the pool (`Planner.costed`)."""
     cfg, mesh = ctx.actor.cfg, ctx.mesh
     prompt, ps = ctx.prompt_width, engine.page_size
     prompt_pages = prompt // ps
@@ -215,7 +218,7 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     concurrent = max(1, min(engine.max_num_seqs, n * (engine.num_pages - 1) // group_pages))
     steps = -(-rows // concurrent) * r
     tensor = dict(mesh.shape).get("tensor", 1)
-    kv_shards = tensor if cfg.cache_kv_heads % tensor == 0 else 1
+    kv_shards = (tensor if cfg.cache_kv_heads % tensor == 0 else 1) * engine.slot_shards
     key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
     own_keys, shared_keys = rows * r * (prompt - shared_tokens + (r + 1) / 2), rows * r * shared_tokens
     keys_read = own_keys + shared_keys / n  # a group reads its shared keys once
@@ -226,6 +229,6 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(
         active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.attention_width,
-        (prompt + 1) / 2) / mesh.size
+        (prompt + 1) / 2) / tensor  # one prompt a call: its rows cannot split over the batch axes
     return step * steps + Cost(flops=attention_flops + prefill_flops,
                                hbm_bytes=keys_read * key_bytes + prompts * weight_bytes)

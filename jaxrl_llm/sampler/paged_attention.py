@@ -260,8 +260,9 @@ def paged_decode_attention(q: Array, k_pages: Array, v_pages: Array, lengths: Ar
     elsewhere; 'pallas' forces the Pallas kernel (on CPU: interpreted), 'cpu' the CPU one. int8 pages always take
     the XLA path (it dequantises block by block; the kernel reads compute-dtype pages). layer: the
     pages are the whole pool [layers, kv, pages, page_size, head_dim], read by layer index. mesh: the
-    program's mesh (the engine's: pool kv heads over 'tensor' where they divide, slots replicated);
-    XLA cannot partition a kernel's custom call, so there it runs per shard under shard_map.
+    program's mesh (an engine's whose slots are replicated: pool kv heads over 'tensor' where they divide;
+    XLA cannot partition a kernel's custom call, so there it runs per shard under shard_map). An engine
+    with slot shards calls it per shard without a mesh (engine/slot_shards.py).
     cascade: a `cascade_attention.Cascade` (slots sharing leading pages read them once per group;
     the Pallas path keeps the plain kernel in sliding-window layers), or None. sinks: fp32 [heads] attention
     sinks (GPT-OSS): in the XLA paths' softmax, joined to the Pallas kernels' results by their

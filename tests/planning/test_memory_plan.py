@@ -270,8 +270,10 @@ def test_paged_engine_plan_holds_its_kv_pool(tmp_path):
     engine = engine_spec(planner.ctx.actor.cfg, spec.rollout_engine, num_requests=rows,
                          max_prompt_len=spec.plan.max_prompt_length, max_new_tokens=spec.plan.response_length,
                          compute_dtype=spec.actor.compute_dtype, mesh=mesh)
-    # the pool (every slot at full length on CPU), replicated over the fsdp devices, is an argument
-    pool = engine.num_pages * engine.page_bytes(planner.ctx.actor.cfg, spec.actor.compute_dtype)
+    # the pool (every slot at full length on CPU) is an argument, its pages split over the batch axes with the
+    # slots (sampler/engine/slot_shards.py): a device holds its shard's
+    assert engine.slot_shards == ways > 1
+    pool = engine.shard_pages * engine.page_bytes(planner.ctx.actor.cfg, spec.actor.compute_dtype)
     assert sample.kv_bytes == pool and sample.argument_bytes >= pool + sample.params_bytes
     assert sample.flops > 0 and any("max_num_seqs" in k for k in sample.keys)
 
@@ -297,13 +299,15 @@ def test_paged_engine_plan_holds_a_hybrid_models_state(tmp_path, monkeypatch):
 
     unbounded = engine()
     page = unbounded.page_bytes(cfg, spec.actor.compute_dtype)
-    state = unbounded.max_num_seqs * recurrent_bytes(cfg)
-    assert state == unbounded.max_num_seqs * 4 * (3 * 64 + 4 * 8 * 8)  # 1 delta-net layer: window, state (fp32)
+    # a device holds its slot shard's slots and pages (sampler/engine/slot_shards.py)
+    slots = unbounded.max_num_seqs // unbounded.slot_shards
+    state = slots * recurrent_bytes(cfg)
+    assert state == slots * 4 * (3 * 64 + 4 * 8 * 8)  # 1 delta-net layer: window, state (fp32)
     assert page == 1 * 2 * 2 * 16 * 16 * 4  # 1 attention layer x (k, v) x 2 kv heads x 16 tokens x 16 dims
-    assert sample.argument_bytes >= unbounded.num_pages * page + sample.params_bytes + state
-    budget = 40 * page + state  # room for 40 pages once the state is held
+    assert sample.argument_bytes >= unbounded.shard_pages * page + sample.params_bytes + state
+    budget = 20 * page + state  # room for 20 pages a device (of the 33 the shard's slots need) once the state is held
     monkeypatch.setattr(setup, "device_kv_budget", lambda *a, **k: budget)
-    assert engine().num_pages == 40
+    assert unbounded.shard_pages == 33 and engine().shard_pages == 20
 
 
 def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):

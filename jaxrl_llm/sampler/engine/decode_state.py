@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.arrays import HostOrDevice
@@ -21,8 +22,8 @@ from jaxrl_llm.models import (
 from jaxrl_llm.models.hybrid import zero_recurrent
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.platform.target import target_platform
+from jaxrl_llm.sampler.engine.slot_shards import pool_spec
 from jaxrl_llm.sampler.kv_bits import storage_dtype, storage_head_dim
-from jaxrl_llm.sampler.kv_shards import kv_head_axis
 from jaxrl_llm.sampler.paged_attention import takes_xla_path
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
@@ -41,6 +42,9 @@ class EngineSpec:
     (sampler/cascade_attention.py; the scheduler passes the groups to `generate`): True, False, or
     'auto' (only where decode attention is the TPU's Mosaic kernel; see `cascade_shape`).
     speculative: draft and verify several tokens per slot and step (engine/verify.py), or None.
+    slot_shards: how many ways the slots and the pool's pages are split over the mesh's batch axes
+    (engine/slot_shards.py; 1: every device holds every slot); it divides max_num_seqs and num_pages, and each
+    shard's pages are num_pages / slot_shards with its own scratch page.
     """
 
     max_num_seqs: int
@@ -51,6 +55,7 @@ class EngineSpec:
     attn_impl: str = "auto"
     cascade: bool | str = "auto"
     speculative: SpeculativeSpec | None = None
+    slot_shards: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.cascade, bool) and self.cascade != "auto":
@@ -62,6 +67,15 @@ class EngineSpec:
                 raise ValueError(f"EngineSpec.{name}={getattr(self, name)} must be >= 1")
         if self.num_pages < 2:
             raise ValueError(f"EngineSpec.num_pages={self.num_pages}: need the scratch page and at least one more")
+        shards = self.slot_shards
+        if shards < 1 or self.max_num_seqs % shards or self.num_pages % shards or self.num_pages // shards < 2:
+            raise ValueError(f"EngineSpec.slot_shards={shards} must divide max_num_seqs={self.max_num_seqs} and "
+                             f"num_pages={self.num_pages} into shards of at least 2 pages (a scratch page each)")
+
+    @property
+    def shard_pages(self) -> int:
+        """Pages of each slot shard's pool, its scratch page 0 included."""
+        return self.num_pages // self.slot_shards
 
     def page_bytes(self, cfg: ModelConfig, compute_dtype: str) -> int:
         """Bytes of one page over all layers, K and V (with int8 scales; MLA: the latent keys only)."""
@@ -225,45 +239,53 @@ def slot_fields(state: DecodeState) -> dict[str, Any]:
     return {f: getattr(state, f) for f in SLOT_FIELDS if getattr(state, f) is not None}
 
 
-def resize_slots(state: DecodeState, keep: HostOrDevice, num_keep: HostOrDevice, *, slots: int) -> DecodeState:
-    """The state with `slots` slots: slot i is old slot keep[i] for i < num_keep, the rest empty
-    (inactive, scratch page table); the pool and the counters stay as they are. The scheduler
-    shrinks the slot set while the queue drains (decode cost follows the live sequences) and grows
-    it back for new requests."""
-    fields = _gather_slots(slot_fields(state), keep, num_keep, slots=slots)
+def resize_slots(state: DecodeState, keep: HostOrDevice, *, slots: int, mesh: Mesh | None = None,
+                 slot_axes: tuple[str, ...] = ()) -> DecodeState:
+    """The state with `slots` slots: slot i is old slot keep[i] where keep[i] >= 0, else empty (inactive,
+    scratch page table); the pool and the counters stay as they are. The scheduler shrinks the slot set while
+    the queue drains (decode cost follows the live sequences) and grows it back for new requests; with slot
+    shards it keeps each slot in its shard (engine/slot_shards.py).
+    `mesh` / `slot_axes`: the state's (`state_sharding`), which the resized slot fields keep."""
+    fields = _gather_slots(slot_fields(state), keep, slots=slots, mesh=mesh, slot_axes=slot_axes)
     return state._replace(**fields)
 
 
-@functools.partial(jax.jit, static_argnames=("slots",))
-def _gather_slots(fields: dict, keep: Array, num_keep: Array, *, slots: int) -> dict:
-    valid = jnp.arange(slots) < num_keep
-    idx = jnp.where(valid, keep[:slots], 0)  # keep: [max_num_seqs] >= slots
+@functools.partial(jax.jit, static_argnames=("slots", "mesh", "slot_axes"))
+def _gather_slots(fields: dict, keep: Array, *, slots: int, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> dict:
+    valid = keep[:slots] >= 0  # keep: [max_num_seqs] >= slots
+    idx = jnp.where(valid, keep[:slots], 0)
 
     def take(x: Array, axis: int) -> Array:
         rows = jnp.take(x, idx, axis=axis)
         shape = [1] * x.ndim
         shape[axis] = slots
-        return jnp.where(valid.reshape(shape), rows, jnp.zeros_like(rows))
+        out = jnp.where(valid.reshape(shape), rows, jnp.zeros_like(rows))
+        if mesh is None:
+            return out
+        return lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec(*(None,) * axis, slot_axes or None)))
 
     return {f: jax.tree.map(functools.partial(take, axis=SLOT_AXIS.get(f, 0)), x) for f, x in fields.items()}
 
 
-def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh) -> DecodeState:
-    """Shardings of a state: the pools' kv-heads dim over 'tensor' when it divides, the rest (a hybrid model's
-    per-slot delta-net state too) replicated (every process reads the same small slot arrays: identical
-    scheduling)."""
+def state_sharding(state: DecodeState, cfg: ModelConfig, mesh: Mesh, slot_axes: tuple[str, ...] = ()) -> DecodeState:
+    """Shardings of a state: the pools' kv-heads dim over 'tensor' when it divides; with `slot_axes` (the slot
+    shards', engine/slot_shards.py) the pools' pages and every per-slot field's slots over those axes, else the
+    slot fields (a hybrid model's per-slot delta-net state too) replicated; the counters replicated. Every
+    process reads the same slot arrays (gathered, `to_host`): identical scheduling."""
     rep = NamedSharding(mesh, PartitionSpec())
 
     def pool_sharding(pool: dict) -> dict:
-        if "k" not in pool:  # one pool per attention type (Gemma 4), each split by its own kv heads
-            return {kind: pool_sharding(sub) for kind, sub in pool.items()}
-        heads = kv_head_axis(mesh, pool["k"].shape[1])
-        return {k: NamedSharding(mesh, PartitionSpec(None, heads)) for k in pool}
+        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), pool_spec(mesh, pool, slot_axes),
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def slot_sharding(field: str) -> NamedSharding:
+        axis = SLOT_AXIS.get(field, 0)
+        return NamedSharding(mesh, PartitionSpec(*(None,) * axis, slot_axes or None))
 
     pools = {"pool": pool_sharding(state.pool)}
     if state.draft_pool is not None:
         pools["draft_pool"] = pool_sharding(state.draft_pool)
-    rest = {f: jax.tree.map(lambda _: rep, getattr(state, f))  # a hybrid model's state: a dict of arrays
+    rest = {f: jax.tree.map(lambda _, f=f: slot_sharding(f) if f in SLOT_FIELDS else rep, getattr(state, f))
             for f in state._fields if f not in pools and getattr(state, f) is not None}
     return state._replace(**pools, **rest)
 
@@ -277,10 +299,12 @@ def cascade_shape(spec: EngineSpec, slots: int, n: int) -> tuple[int, int] | Non
     is bound by per-step overhead, not bytes (0.86x / 0.95x at 64 / 256 slots with 128-token prompts,
     0.74x / 0.95x with 1024 / 2048-token prompts x n=8; docs/performance-history.md). A TPU's decode is not
     measured yet: there the kernel reads pages at HBM speed, and reading them once per group is the
-    point. slots // 2 rows hold every group with two or more members in slots."""
+    point. slots // 2 rows hold every group with two or more members in slots; with slot shards, each shard's
+    slots // 2 of its own (its block of the rows, listing its local slots)."""
     if spec.cascade is False or n < 2:
         return None
     if spec.cascade == "auto" and (target_platform() != "tpu"
                                    or takes_xla_path(spec.attn_impl, spec.kv_cache_dtype == "int8")):
         return None
-    return max(1, slots // 2), min(n, slots)
+    per_shard = slots // spec.slot_shards
+    return spec.slot_shards * max(1, per_shard // 2), min(n, per_shard)

@@ -26,19 +26,23 @@ Page 0 is a scratch page no request owns: empty slots write their (ignored) toke
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
 from jaxrl_llm.models.hybrid import HybridState
 from jaxrl_llm.sampler.cascade_attention import Cascade
+from jaxrl_llm.sampler.engine import slot_shards
 from jaxrl_llm.sampler.kv_bits import write_rows
+from jaxrl_llm.sampler.kv_shards import kv_head_axis
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
 
 Array = jax.Array
@@ -82,24 +86,28 @@ def write_pool_rows(pool: dict, index: tuple[Array, ...], k: Array, v: Array | N
 
 def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positions: Array, active: Array, *,
                     attn_impl: str = "auto", mesh: Mesh | None = None, cascade: Cascade | None = None,
-                    window: int | None | str = "per_layer") -> LayerAttention:
+                    window: int | None | str = "per_layer", slot_axes: tuple[str, ...] = ()) -> LayerAttention:
     """The decoder's attention for one token per slot over the paged pool (the attention state):
     writes the token's K/V at its page and offset, then attends over the slot's pages. Inactive
     slots write to the scratch page 0 and attend to nothing. `cascade`: the groups of slots that
     read their shared prompt pages once (sampler/cascade_attention.py). `window`: the sliding window
-    of every layer it serves (a Gemma 4 pool's type), or "per_layer" (the config's, by layer index)."""
+    of every layer it serves (a Gemma 4 pool's type), or "per_layer" (the config's, by layer index).
+    `slot_axes`: the mesh axes the slots and the pool's pages are split over (engine/slot_shards.py): the
+    writes and the attention then run per shard, on its slots, its pages and its local page ids."""
     page = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
     page = jnp.where(active, page, 0)
     offset = jnp.where(active, positions % page_size, 0)
     lengths = jnp.where(active, positions + 1, 0)
 
-    def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array, sinks: Array | None) -> tuple[Array, dict]:
+    def write_and_attend(q: Array, k: Array, v: Array, pool: dict, layer: Array, sinks: Array | None, page: Array,
+                         offset: Array, lengths: Array, table: Array, cascade: Cascade | None,
+                         kernel_mesh: Mesh | None) -> tuple[Array, dict]:
         pool = write_tokens(pool, layer, k[:, 0], v[:, 0], page, offset)
 
         def attend(window: int | None) -> Array:  # a local layer reads only its window's pages
             values = "v" if "v" in pool else "k"  # MLA: the values are the keys (models/mla.py)
-            return paged_decode_attention(q[:, 0], pool["k"], pool[values], lengths, page_table, layer=layer,
-                                          sliding_window=window, impl=attn_impl, mesh=mesh,
+            return paged_decode_attention(q[:, 0], pool["k"], pool[values], lengths, table, layer=layer,
+                                          sliding_window=window, impl=attn_impl, mesh=kernel_mesh,
                                           softcap=cfg.attn_logit_softcapping, cascade=cascade, sinks=sinks,
                                           k_scales=pool.get("k_scale"), v_scales=pool.get(f"{values}_scale"))
 
@@ -112,13 +120,28 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
             out = attend(cfg.sliding_window)
         return out[:, None], pool
 
+    def attention(q: Array, k: Array, v: Array, pool: dict, layer: Array, sinks: Array | None) -> tuple[Array, dict]:
+        args = (q, k, v, pool, layer, sinks, page, offset, lengths, page_table, cascade)
+        if not slot_axes:
+            return write_and_attend(*args, kernel_mesh=mesh)
+        assert mesh is not None, "slot shards need the engine's mesh"
+        args = (q, k, v, pool, jnp.asarray(layer, jnp.int32), *args[5:])  # an unrolled layer's index: an array
+        heads = kv_head_axis(mesh, pool["k"].shape[1])
+        rows, per_head = P(slot_axes), P(slot_axes, None, heads)  # q / k / v [S, 1, heads, D]
+        pools = slot_shards.pool_spec(mesh, pool, slot_axes)
+        groups = None if cascade is None else Cascade(rows, rows)
+        in_specs = (per_head, per_head, per_head, pools, P(), P(heads), rows, rows, rows, rows, groups)
+        run = slot_shards.per_slot_shard(functools.partial(write_and_attend, kernel_mesh=None), mesh, slot_axes,
+                                         in_specs, (per_head, pools))
+        return run(*args)
+
     return attention
 
 
 def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
                   mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None,
-                  rope_offset: Array | None = None) -> tuple[Array, Any, Array | None]:
+                  rope_offset: Array | None = None, slot_axes: tuple[str, ...] = ()) -> tuple[Array, Any, Array | None]:
     """Final-norm hidden [S, H] for one token per slot, the pool with their K/V written, and with
     `record_routing` a MoE model's router top-k ids of each fed token [S, L, k] (else None).
 
@@ -127,16 +150,18 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
     scratch page and attend to nothing. The decoder is the trainer's (models/decoder.py), T = 1. `pool`: the KV
     pool, or a hybrid model's `HybridState` (module doc), returned in the same form. `rope_offset` [S]: added to
     the rotary positions only (a vision-language prompt's M-RoPE delta: its KV rows stay at their token index).
+    `slot_axes`: the slot shards' mesh axes (engine/slot_shards.py; () when the slots are replicated).
     """
     kv = pool.attention if isinstance(pool, HybridState) else pool  # a hybrid model's: with the slots' state
     if cfg.typed_layers:  # Gemma 4: a pool and an attention per type (models/gemma4.py)
         attention: Any = {kind: paged_attention(cfg, kv[kind]["k"].shape[3], page_table, positions, active,
                                                 attn_impl=attn_impl, mesh=mesh, cascade=cascade,
-                                                window=cfg.sliding_window if kind == "sliding" else None)
+                                                window=cfg.sliding_window if kind == "sliding" else None,
+                                                slot_axes=slot_axes)
                           for kind in ("sliding", "full")}
     else:
         attention = paged_attention(cfg, kv["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
-                                    mesh=mesh, cascade=cascade)
+                                    mesh=mesh, cascade=cascade, slot_axes=slot_axes)
     rotary = positions if rope_offset is None else positions + rope_offset
     hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], rotary[:, None], attention, pool,
                                        compute_dtype=compute_dtype, valid=active[:, None],
@@ -148,9 +173,10 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
 def decode_logits(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, positions: Array,
                   page_table: Array, active: Array, *, compute_dtype: DType, attn_impl: str = "auto",
                   mesh: Mesh | None = None, record_routing: bool = False, cascade: Cascade | None = None,
-                  rope_offset: Array | None = None) -> tuple[Array, Any, Array | None]:
+                  rope_offset: Array | None = None, slot_axes: tuple[str, ...] = ()) -> tuple[Array, Any, Array | None]:
     """fp32 next-token logits [S, V], the updated pool and the recorded routing (see `decode_hidden`)."""
     hidden, pool, routing = decode_hidden(params, cfg, pool, tokens, positions, page_table, active,
                                           compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
-                                          record_routing=record_routing, cascade=cascade, rope_offset=rope_offset)
+                                          record_routing=record_routing, cascade=cascade, rope_offset=rope_offset,
+                                          slot_axes=slot_axes)
     return logits_from_hidden(params, cfg, hidden), pool, routing

@@ -38,6 +38,11 @@ class PagePool:
             self._refs[p] = refs
         return pages
 
+    def retain(self, pages: list[int]) -> None:
+        """One more holder of `pages` (each released once per holder)."""
+        for p in pages:
+            self._refs[p] += 1
+
     def release(self, pages: list[int]) -> None:
         for p in pages:
             self._refs[p] -= 1
@@ -73,12 +78,14 @@ def device_kv_budget(gpu_memory_utilization: float | str, temporaries: int = 0) 
 
 
 def plan_num_pages(cfg: ModelConfig, *, max_num_seqs: int, pages_per_slot: int, page_bytes: int,
-                   kv_shards: int, budget_bytes: int | None) -> int:
+                   kv_shards: int, budget_bytes: int | None, slot_shards: int = 1) -> int:
     """Pool pages: enough for every slot at full length (plus the scratch page), capped by the
-    per-device budget (the pool's kv-heads dim is split `kv_shards` ways)."""
-    full = max_num_seqs * pages_per_slot + 1
+    per-device budget (the pool's kv-heads dim is split `kv_shards` ways); with `slot_shards`
+    (engine/slot_shards.py) that many pools of their slots' pages and a scratch page each, one per device
+    of a batch split."""
+    full = max_num_seqs // slot_shards * pages_per_slot + 1  # a shard's
     if budget_bytes is None:
-        return full
+        return full * slot_shards
     per_device_page = max(1, page_bytes // max(1, kv_shards))
     fit = budget_bytes // per_device_page
     if fit < pages_per_slot + 1:
@@ -87,4 +94,4 @@ def plan_num_pages(cfg: ModelConfig, *, max_num_seqs: int, pages_per_slot: int, 
             f"{pages_per_slot + 1} pages ({per_device_page} bytes each) one full-length sequence needs; raise "
             "gpu_memory_utilization or lower response_length / max_prompt_length")
     del cfg
-    return int(min(full, fit))
+    return int(min(full, fit)) * slot_shards

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models import (
     ModelConfig,
@@ -36,6 +37,7 @@ from jaxrl_llm.models.gemma4 import typed_state
 from jaxrl_llm.models.hybrid import RECURRENT_KEYS, HybridState
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler.cascade_attention import Cascade
+from jaxrl_llm.sampler.engine import slot_shards
 from jaxrl_llm.sampler.engine.decode_state import (
     DecodeState,
     Prefix,
@@ -44,6 +46,7 @@ from jaxrl_llm.sampler.engine.decode_state import (
 from jaxrl_llm.sampler.engine.draws import choose_per_row, finish_codes, request_keys
 from jaxrl_llm.sampler.engine.forward import decode_logits, write_pool_rows
 from jaxrl_llm.sampler.engine.verify import verify_step
+from jaxrl_llm.sampler.kv_shards import kv_head_axis
 from jaxrl_llm.sampler.params import SampleKnobs, SampleSettings
 from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import mesh_context
@@ -177,33 +180,57 @@ def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Ar
                       ids=prompt_ids.astype(jnp.int32), recurrent=_cache_recurrent(cfg, cache, None))
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("settings", "mesh", "slot_axes"), donate_argnames=("state",))
 def insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
-           rng: Array, knobs: SampleKnobs, draft: Prefix | None = None, *, settings: SampleSettings) -> DecodeState:
+           rng: Array, knobs: SampleKnobs, draft: Prefix | None = None, *, settings: SampleSettings,
+           mesh: Mesh | None = None, slot_axes: tuple[str, ...] = ()) -> DecodeState:
     """Copies the prefix KV into the pages of `page_row` (the slot's page table), draws token 0.
     The slot then generates at most `budget` (<= settings.max_new_tokens) tokens. `draft`: the
     draft model's prefix of the same prompt (speculative method 'draft'), copied into its pool.
+    `slot_axes` (with the state's `mesh`): the slot shards' axes (engine/slot_shards.py): `page_row` holds
+    page ids of the slot's shard, and only that shard's pages are written.
 
     Pages shared by the samples of one prompt are rewritten with identical values (harmless)."""
-    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, draft, settings=settings)
+    return _insert(prefix, state, slot, page_row, request, budget, rng, knobs, draft, settings=settings, mesh=mesh,
+                   slot_axes=slot_axes)
 
 
-@functools.partial(jax.jit, static_argnames=("settings",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("settings", "mesh", "slot_axes"), donate_argnames=("state",))
 def insert_at(prefixes: Prefix, index: Array, state: DecodeState, slot: Array, page_row: Array, request: Array,
               budget: Array, rng: Array, knobs: SampleKnobs, drafts: Prefix | None = None, *,
-              settings: SampleSettings) -> DecodeState:
+              settings: SampleSettings, mesh: Mesh | None = None, slot_axes: tuple[str, ...] = ()) -> DecodeState:
     """`insert` of row `index` of a batched prefix (`prefill_batch`), and of the draft model's."""
     row = lambda tree: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False), tree)  # noqa: E731
     return _insert(row(prefixes), state, slot, page_row, request, budget, rng, knobs,
-                   None if drafts is None else row(drafts), settings=settings)
+                   None if drafts is None else row(drafts), settings=settings, mesh=mesh, slot_axes=slot_axes)
 
 
 def _write_prefix(pool: dict, prefix: Prefix, page_row: Array) -> dict:
     """`pool` with the prompt KV of `prefix` written at its positions' pages of `page_row`."""
+    return _write_prompt_kv(pool, prefix.k, prefix.v, prefix.length, page_row)
+
+
+def _write_prompt_kv(pool: dict, k: Any, v: Any, length: Array, page_row: Array) -> dict:
     if "k" not in pool:  # one pool per attention type (Gemma 4)
-        return {kind: _write_kv(sub, prefix.k[kind], prefix.v[kind], prefix.length, page_row)
-                for kind, sub in pool.items()}
-    return _write_kv(pool, prefix.k, prefix.v, prefix.length, page_row)
+        return {kind: _write_kv(sub, k[kind], v[kind], length, page_row) for kind, sub in pool.items()}
+    return _write_kv(pool, k, v, length, page_row)
+
+
+def _write_prefix_in_shard(pool: dict, prefix: Prefix, page_row: Array, slot: Array, *, slots: int, mesh: Mesh,
+                           slot_axes: tuple[str, ...]) -> dict:
+    """`_write_prefix` into a pool whose pages are split over the slot shards: the slot's shard writes the prompt
+    at its local page ids, every other shard into its own scratch page 0 (engine/slot_shards.py)."""
+    per_shard = slots // slot_shards.shard_count(mesh, slot_axes)
+
+    def local(pool: dict, k: Any, v: Any, length: Array, page_row: Array, slot: Array) -> dict:
+        mine = slot // per_shard == slot_shards.shard_index(slot_axes)
+        return _write_prompt_kv(pool, k, v, length, jnp.where(mine, page_row, 0))
+
+    heads = lambda x: P(None, kv_head_axis(mesh, x.shape[1]))  # noqa: E731  prompt k / v [L, kv, Pb, D]
+    pools = slot_shards.pool_spec(mesh, pool, slot_axes)
+    in_specs = (pools, jax.tree.map(heads, prefix.k), jax.tree.map(heads, prefix.v), P(), P(), P())
+    run = slot_shards.per_slot_shard(local, mesh, slot_axes, in_specs, pools)
+    return run(pool, prefix.k, prefix.v, prefix.length, page_row, slot)
 
 
 def _write_kv(pool: dict, k: Array, v: Array | None, length: Array, page_row: Array) -> dict:
@@ -219,12 +246,20 @@ def _write_kv(pool: dict, k: Array, v: Array | None, length: Array, page_row: Ar
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, request: Array, budget: Array,
-            rng: Array, knobs: SampleKnobs, draft: Prefix | None, *, settings: SampleSettings) -> DecodeState:
-    new_pool = _write_prefix(state.pool, prefix, page_row)
+            rng: Array, knobs: SampleKnobs, draft: Prefix | None, *, settings: SampleSettings, mesh: Mesh | None,
+            slot_axes: tuple[str, ...]) -> DecodeState:
+    def write(pool: dict, prefix: Prefix) -> dict:
+        if not slot_axes:
+            return _write_prefix(pool, prefix, page_row)
+        assert mesh is not None, "slot shards need the engine's mesh"
+        return _write_prefix_in_shard(pool, prefix, page_row, slot, slots=state.active.shape[0], mesh=mesh,
+                                      slot_axes=slot_axes)
+
+    new_pool = write(state.pool, prefix)
     draft_pool = state.draft_pool
     if draft_pool is not None:
         assert draft is not None, "a draft-model engine inserts the draft model's prefix too"
-        draft_pool = _write_prefix(draft_pool, draft, page_row)
+        draft_pool = write(draft_pool, draft)
     t = jnp.arange(jax.tree.leaves(prefix.k)[0].shape[2], dtype=jnp.int32)
     real = t < prefix.length
     keys = request_keys(rng, request[None], jnp.zeros((1,), jnp.int32))
@@ -260,12 +295,13 @@ def _insert(prefix: Prefix, state: DecodeState, slot: Array, page_row: Array, re
         log_probs=state.log_probs.at[slot].set(jnp.zeros((r,), jnp.float32).at[0].set(lp[0])))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh", "speculative"),
+@functools.partial(jax.jit, static_argnames=("cfg", "settings", "attn_impl", "mesh", "speculative", "slot_axes"),
                    donate_argnames=("state",))
 def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
              max_steps: Array, stop_on_finish: Array, stop_below: Array | int = 0, cascade: Cascade | None = None,
              draft_params: dict | None = None, *, settings: SampleSettings, attn_impl: str = "auto",
-             mesh: Mesh | None = None, speculative: SpeculativeSpec | None = None) -> DecodeState:
+             mesh: Mesh | None = None, speculative: SpeculativeSpec | None = None,
+             slot_axes: tuple[str, ...] = ()) -> DecodeState:
     """Decode steps for every active slot until `max_steps` steps ran, no slot is active, (with
     `stop_on_finish`) some slot finished, so the host can refill it from its queue, or at most
     `stop_below` slots are still active, so the host can move them to a smaller slot set.
@@ -274,36 +310,43 @@ def generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, kno
     once per group (the slots stay where they are during the call; a finished member reads nothing).
     `speculative` (the spec's; the state then carries its history): every step verifies drafted
     tokens and emits 1 to num_tokens + 1 per slot (engine/verify.py); `draft_params`: the draft
-    model's (method 'draft')."""
+    model's (method 'draft'). `slot_axes`: the mesh axes the slots and the pool's pages are split over
+    (engine/slot_shards.py; the cascade rows then list local slots, each shard's rows a block of them as its
+    slots are); `stop_below` then holds when every shard's live slots fit its share of the smaller set."""
     with mesh_context(mesh):
         return _generate(params, cfg, state, rng, knobs, max_steps, stop_on_finish, stop_below, cascade,
-                         draft_params, settings=settings, attn_impl=attn_impl, mesh=mesh, speculative=speculative)
+                         draft_params, settings=settings, attn_impl=attn_impl, mesh=mesh, speculative=speculative,
+                         slot_axes=slot_axes)
 
 
 def _generate(params: dict, cfg: ModelConfig, state: DecodeState, rng: Array, knobs: SampleKnobs,
               max_steps: Array, stop_on_finish: Array, stop_below: Array | int, cascade: Cascade | None,
               draft_params: dict | None, *, settings: SampleSettings, attn_impl: str, mesh: Mesh | None,
-              speculative: SpeculativeSpec | None) -> DecodeState:
+              speculative: SpeculativeSpec | None, slot_axes: tuple[str, ...]) -> DecodeState:
     dt = as_jnp_dtype(settings.compute_dtype)
     r = settings.max_new_tokens
     rows = jnp.arange(state.active.shape[0])
+    shards = slot_shards.shard_count(mesh, slot_axes)
 
     def keep_going(c: tuple[Array, Array, DecodeState]) -> Array:
         i, finished, s = c
         live = jnp.sum(s.active.astype(jnp.int32))
-        return (i < max_steps) & (live > 0) & ~(stop_on_finish & finished) & ~((i > 0) & (live <= stop_below))
+        fullest = jnp.max(jnp.sum(s.active.reshape(shards, -1).astype(jnp.int32), axis=1))  # its shard's slots
+        fits_smaller = (i > 0) & (fullest * shards <= stop_below)
+        return (i < max_steps) & (live > 0) & ~(stop_on_finish & finished) & ~fits_smaller
 
     def step(c: tuple[Array, Array, DecodeState]) -> tuple[Array, Array, DecodeState]:
         i, _, s = c
         if speculative is not None:
             changes, finished = verify_step(params, cfg, s, rng, knobs, cascade, draft_params, settings=settings,
-                                            speculative=speculative, compute_dtype=dt, attn_impl=attn_impl, mesh=mesh)
+                                            speculative=speculative, compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
+                                            slot_axes=slot_axes)
             return i + 1, finished, s._replace(**changes)
         kv = s.pool if s.recurrent is None else HybridState.of(s.pool, s.recurrent)  # with the slots' delta-net state
         logits, kv, fed = decode_logits(params, cfg, kv, s.last, s.positions, s.page_table, s.active,
                                         compute_dtype=dt, attn_impl=attn_impl, mesh=mesh,
                                         record_routing=s.routing is not None, cascade=cascade,
-                                        rope_offset=s.rope_offset)
+                                        rope_offset=s.rope_offset, slot_axes=slot_axes)
         pool, recurrent = (kv.attention, kv.recurrent) if isinstance(kv, HybridState) else (kv, None)
         routing = s.routing
         if routing is not None and fed is not None:  # the fed token is response token num_gen - 1

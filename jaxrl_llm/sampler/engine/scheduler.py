@@ -19,9 +19,15 @@ may arrive while others decode (agents/streaming.py: the next turn of a multi-tu
 its tools have answered). Each request carries its own token budget, and its pages cover only
 prompt + that budget.
 
-Every decision is taken from host data (prompt lengths) and small replicated device values
-(`active`, `num_gen`), so every process of a multi-process run schedules identically, as long as
-the source delivers the same requests in the same polls on every process (`run`'s does).
+On a mesh whose batch axes split `spec.slot_shards` ways (engine/slot_shards.py), each shard has its
+block of the slots and its own page pool (local page ids); a request runs in a shard with a free slot
+and its pages, preferably one where its prompt's pages already are, and a slot stays in its shard when
+the slot set shrinks or grows.
+
+Every decision is taken from host data (prompt lengths) and small device values every process reads
+whole (`active`, `num_gen`; `to_host` gathers them), so every process of a multi-process run schedules
+identically, as long as the source delivers the same requests in the same polls on every process
+(`run`'s does).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matm
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
-from jaxrl_llm.sampler.engine import decode_state, programs
+from jaxrl_llm.sampler.engine import decode_state, programs, slot_shards
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
 from jaxrl_llm.sampler.engine.requests import (
     BatchSource,
@@ -62,10 +68,13 @@ class _Group:
     # (prefix, its row of a batched prefill or None, the draft model's prefix or None), dropped once
     # every member is in a slot
     prefix: tuple[decode_state.Prefix, int | None, decode_state.Prefix | None] | None
-    shared: list[int]  # full prompt pages, shared by the members
     pending: int  # members not inserted yet
     left: int  # members not finished yet
     prompt_routing: np.ndarray | None = None  # [len(ids), L, k] when recording
+    # slot shard -> the full prompt pages its running members there share (engine/slot_shards.py: one shard
+    # without slot shards), and how many members run there; dropped with the shard's last member
+    shared: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    running: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 # The slot sets of the drain, as fractions of max_num_seqs: one more `generate` program each. A
@@ -113,6 +122,7 @@ class PagedEngine:
         self.steps_per_call = steps_per_call
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mesh = mesh
+        self.slot_axes = slot_shards.slot_axes(mesh, spec.slot_shards)  # () where the slots are replicated
         # chunked prefill: prompts whose bucket is longer run this many tokens at a time (a power of two)
         if prefill_chunk is not None and (prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1)):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -137,23 +147,26 @@ class PagedEngine:
         if key not in self._init_state:
             make = functools.partial(decode_state.init_state, self.cfg, self.spec, max_new_tokens, self.compute_dtype,
                                      record_routing)
-            # with a mesh: the pool's kv heads over 'tensor' (when divisible), slot arrays replicated;
-            # built by a jitted program so every process holds its part of the same global arrays
-            out_shardings = (None if self.mesh is None else
-                             decode_state.state_sharding(jax.eval_shape(make), self.cfg, self.mesh))
+            # with a mesh: the pool's kv heads over 'tensor' (when divisible), its pages and the slot arrays over
+            # the slot shards' axes (replicated without); built by a jitted program so every process holds its
+            # part of the same global arrays
+            out_shardings = (None if self.mesh is None else decode_state.state_sharding(
+                jax.eval_shape(make), self.cfg, self.mesh, self.slot_axes))
             self._init_state[key] = jax.jit(make, out_shardings=out_shardings)
         self._state_r = max_new_tokens
         return self._init_state[key]()
 
     def _resize(self, state: decode_state.DecodeState, keep: Sequence[int], slots: int) -> decode_state.DecodeState:
-        order = np.zeros((self.spec.max_num_seqs,), np.int32)
+        """`slots` slots, new slot i holding old slot keep[i] (-1 or past the list: empty)."""
+        order = np.full((self.spec.max_num_seqs,), -1, np.int32)
         order[:len(keep)] = keep
-        return decode_state.resize_slots(state, order, np.asarray(len(keep), np.int32), slots=slots)
+        return decode_state.resize_slots(state, order, slots=slots, mesh=self.mesh, slot_axes=self.slot_axes)
 
     def drain_sizes(self) -> list[int]:
-        """The smaller slot sets of the drain (DRAIN_FRACTIONS of max_num_seqs), largest first."""
-        full = self.spec.max_num_seqs
-        return sorted({max(1, int(full * f)) for f in DRAIN_FRACTIONS} - {full}, reverse=True)
+        """The smaller slot sets of the drain (DRAIN_FRACTIONS of max_num_seqs, multiples of the slot
+        shards), largest first."""
+        full, shards = self.spec.max_num_seqs, self.spec.slot_shards
+        return sorted({max(shards, int(full * f) // shards * shards) for f in DRAIN_FRACTIONS} - {full}, reverse=True)
 
     def _warm_drain_sizes(self, params: dict, state: decode_state.DecodeState, rng: jax.Array, knobs: SampleKnobs,
                           settings: SampleSettings, draft_params: dict | None = None) -> decode_state.DecodeState:
@@ -166,7 +179,8 @@ class PagedEngine:
             empty = self._resize(state, [], size)
             out = programs.generate(params, self.cfg, empty, rng, knobs, np.int32(0), np.bool_(False), np.int32(0),
                                     self._cascade({}, {}, size, settings), draft_params, settings=settings,
-                                    attn_impl=self.spec.attn_impl, mesh=self.mesh, speculative=self.spec.speculative)
+                                    attn_impl=self.spec.attn_impl, mesh=self.mesh, speculative=self.spec.speculative,
+                                    slot_axes=self.slot_axes)
             # the pool and counters went through (donated) and back; the full set's slots are as they were
             state = out._replace(**{f: getattr(state, f) for f in decode_state.SLOT_FIELDS})
         self._warm.add(key)
@@ -271,19 +285,23 @@ class PagedEngine:
         if shape is None:
             return None
         rows, width = shape
+        shards = self.spec.slot_shards
+        per_shard, shard_rows = size // shards, rows // shards  # a shard's rows list its own (local) slots
         group_slots = np.full((rows, width), -1, np.int32)
         prefix_pages = np.zeros((rows,), np.int32)
-        members: dict[int, list[int]] = collections.defaultdict(list)
+        members: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
         for slot in sorted(slot_req):
-            members[slot_req[slot][0].group].append(slot)
-        row = 0
-        for group in sorted(members):
-            slots, shared = members[group], len(groups[group].shared)
-            if len(slots) < 2 or shared == 0 or row == rows:
+            shard = slot // per_shard
+            members[(shard, slot_req[slot][0].group)].append(slot - shard * per_shard)
+        used = [0] * shards
+        for shard, group in sorted(members):
+            slots, shared = members[(shard, group)], len(groups[group].shared.get(shard, ()))
+            if len(slots) < 2 or shared == 0 or used[shard] == shard_rows:
                 continue
+            row = shard * shard_rows + used[shard]
             group_slots[row, :min(width, len(slots))] = slots[:width]
             prefix_pages[row] = shared
-            row += 1
+            used[shard] += 1
         return Cascade(group_slots, prefix_pages)
 
     @staticmethod
@@ -328,7 +346,8 @@ class PagedEngine:
         if settings.compute_dtype != self.compute_dtype:
             raise ValueError(f"settings.compute_dtype={settings.compute_dtype} differs from the engine's "
                              f"{self.compute_dtype}")
-        pool = PagePool(spec.num_pages)
+        shards = spec.slot_shards
+        pools = [PagePool(spec.shard_pages) for _ in range(shards)]  # one per slot shard, local page ids
         uses_draft = spec.speculative is not None and spec.speculative.uses_draft_model
         if uses_draft != (draft_params is not None):
             raise ValueError("draft_params: the draft model's params are needed exactly when rollout.speculative."
@@ -356,7 +375,7 @@ class PagedEngine:
         queue: collections.deque[EngineRequest] = collections.deque()
         groups: dict[int, _Group] = {}
         slot_req: dict[int, tuple[EngineRequest, list[int]]] = {}  # slot -> (request, own pages)
-        free_slots = list(range(spec.max_num_seqs))
+        free = slot_shards.free_by_shard(range(spec.max_num_seqs), spec.max_num_seqs, shards)  # each shard's free slots
         budget = self.max_num_batched_tokens
 
         def take_new() -> None:
@@ -368,7 +387,7 @@ class PagedEngine:
                     raise ValueError(f"request {req.key}: group {req.group} is already running (a source "
                                      "delivers a group's requests in one poll)")
             for g, count in counts.items():
-                groups[g] = _Group(None, [], count, count)
+                groups[g] = _Group(None, count, count)
             queue.extend(new)
 
         take_new()
@@ -388,56 +407,65 @@ class PagedEngine:
             # set they fit; anything to admit: all slots
             draining = not queue and not source.more_coming()
             target = spec.max_num_seqs
-            if draining:
-                target = min([s for s in sizes if s >= len(slot_req) and s <= size], default=size)
+            if draining:  # every shard's running slots fit its share of the set
+                fullest = max(collections.Counter(slot // (size // shards) for slot in slot_req).values(), default=0)
+                target = min([s for s in sizes if s >= fullest * shards and s <= size], default=size)
             if target != size:
-                order = sorted(slot_req)
-                state = self._resize(state, order, target)
-                slot_req = {new: slot_req[old] for new, old in enumerate(order)}
-                free_slots, size = list(range(len(order), target)), target
+                keep = slot_shards.kept_in_shards(sorted(slot_req), size, target, shards)
+                state = self._resize(state, keep, target)
+                moved = {old: new for new, old in enumerate(keep) if old >= 0}
+                slot_req = {moved[old]: req for old, req in slot_req.items()}
+                free = slot_shards.free_by_shard([i for i, old in enumerate(keep) if old < 0], target, shards)
+                size = target
                 stats.resizes += 1
             # admit what fits (slots, pages, the prefill token budget), then prefill the new groups
             # (several short prompts of one bucket in one call) and insert every admitted request
             prefilled = 0
             admitted: list[tuple[EngineRequest, _Group, np.ndarray, int]] = []
             fresh: list[tuple[_Group, EngineRequest]] = []  # groups prefilled this round, in order
-            while queue and free_slots:
+            while queue and any(free):
                 req = queue[0]
                 length, entry = len(req.ids), groups[req.group]
                 total = pages_for(length + req.max_new_tokens - 1, ps)
                 shared_n = min(length // ps, total)
                 new_group = entry.prefix is None and entry.pending == entry.left
-                need = total - shared_n + (shared_n if new_group else 0)
-                if need > pool.num_free:
+                shard = slot_shards.choose_shard(entry.shared, free, pools, total, shared_n)
+                if shard is None:
                     stats.waits_for_pages += 1
                     if not slot_req:
-                        raise ValueError(f"the KV pool ({spec.num_pages - 1} pages of {ps} tokens) cannot hold "
-                                         f"request {req.key} ({need} pages)")
+                        where = " per slot shard" if shards > 1 else ""
+                        raise ValueError(f"the KV pool ({spec.shard_pages - 1} pages of {ps} tokens{where}) cannot "
+                                         f"hold request {req.key} ({total} pages)")
                     break
                 if new_group:
                     if budget is not None and prefilled and prefilled + length > budget:
                         break  # rollout.max_num_batched_tokens: prefill more after the next decode call
                     fresh.append((entry, req))
-                    entry.shared = pool.alloc(shared_n, refs=entry.left)
                     prefilled += length
                     stats.prefill_tokens += length
-                own = pool.alloc(total - shared_n)
+                if shard in entry.shared:  # the group's prompt pages in this shard: one more reader
+                    pools[shard].retain(entry.shared[shard])
+                else:
+                    entry.shared[shard] = pools[shard].alloc(shared_n)
+                entry.running[shard] += 1
+                own = pools[shard].alloc(total - shared_n)
                 row = np.zeros((spec.pages_per_slot,), np.int32)
-                row[:total] = entry.shared + own
-                slot = free_slots.pop(0)
+                row[:total] = entry.shared[shard] + own
+                slot = free[shard].pop(0)
                 queue.popleft()
                 slot_req[slot] = (req, own)
                 entry.pending -= 1
                 admitted.append((req, entry, row, slot))
-                stats.peak_pages_used = max(stats.peak_pages_used, spec.num_pages - 1 - pool.num_free)
+                stats.peak_pages_used = max(stats.peak_pages_used, sum(p.num_pages - 1 - p.num_free for p in pools))
             stats.prefill_calls += self._prefill_groups(params, fresh, record, draft_params)
             for req, entry, row, slot in admitted:
                 assert entry.prefix is not None
                 prefix, index, draft = entry.prefix
                 args = (state, np.int32(slot), row, np.asarray(req.key, np.int32), np.int32(req.max_new_tokens), rng,
                         knobs, draft)
-                state = (programs.insert(prefix, *args, settings=settings) if index is None else
-                         programs.insert_at(prefix, np.int32(index), *args, settings=settings))
+                placement = dict(settings=settings, mesh=self.mesh, slot_axes=self.slot_axes)
+                state = (programs.insert(prefix, *args, **placement) if index is None else
+                         programs.insert_at(prefix, np.int32(index), *args, **placement))
             for _, entry, _, _ in admitted:
                 if entry.pending == 0:
                     entry.prefix = None  # drop the prefix KV, keep the page list
@@ -456,7 +484,8 @@ class PagedEngine:
                 stats.peak_cascade_groups = max(stats.peak_cascade_groups, int(np.sum(cascade.prefix_pages > 0)))
             state = programs.generate(step_params, cfg, state, rng, knobs, np.int32(steps), np.bool_(stop_on_finish),
                                       np.int32(smaller), cascade, step_draft, settings=settings,
-                                      attn_impl=spec.attn_impl, mesh=self.mesh, speculative=spec.speculative)
+                                      attn_impl=spec.attn_impl, mesh=self.mesh, speculative=spec.speculative,
+                                      slot_axes=self.slot_axes)
             stats.generate_calls += 1
             active, total_steps = (np.asarray(a) for a in to_host((state.active, state.steps)))
             stats.slot_steps += (int(total_steps) - stats.decode_steps) * size
@@ -468,19 +497,23 @@ class PagedEngine:
                 routing = None if state.routing is None else np.asarray(to_host(state.routing))
                 for s in sorted(done):
                     req, own = slot_req.pop(s)
-                    entry = groups[req.group]
-                    pool.release(own + entry.shared)
+                    entry, shard = groups[req.group], s // (size // shards)
+                    pools[shard].release(own + entry.shared[shard])
+                    entry.running[shard] -= 1
+                    if not entry.running[shard]:  # its last member here: the pages went back to the pool
+                        del entry.shared[shard], entry.running[shard]
                     entry.left -= 1
                     if entry.left == 0:
                         del groups[req.group]
-                    free_slots.append(s)
+                    free[shard].append(s)
                     k = int(num_gen[s])
                     result = (req, tok[s, :k].copy(), lp[s, :k].copy(), int(fin[s]))
                     if routing is not None and entry.prompt_routing is not None:  # only recording runs pass it
                         source.finished(*result, np.concatenate([entry.prompt_routing, routing[s, :k]]))
                     else:
                         source.finished(*result)
-                free_slots.sort()
+                for slots in free:
+                    slots.sort()
             take_new()
 
         stats.useful_token_steps = int(to_host(state.useful))

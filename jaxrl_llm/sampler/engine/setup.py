@@ -24,6 +24,7 @@ from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.hybrid import recurrent_bytes
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
+from jaxrl_llm.sampler.engine import slot_shards
 from jaxrl_llm.sampler.engine.decode_state import KV_CACHE_DTYPES, EngineSpec
 from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
 from jaxrl_llm.sampler.engine.requests import EngineStats, RequestImages
@@ -127,34 +128,46 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     """The engine for `num_requests` sequences (`samples_per_prompt` of each prompt, sharing its full
     prompt pages) of up to `max_prompt_len` + `max_new_tokens` tokens (see the module doc)."""
     slots = min(opts.max_num_seqs, bucket_batch(num_requests))
+    shards = slot_shard_count(mesh, opts.max_num_seqs)
+    slots = -(-slots // shards) * shards  # a whole number of slots per shard
     prompt_len = bucket_length(max_prompt_len)
     max_model_len = -(-(prompt_len + max_new_tokens) // _MODEL_LEN_STEP) * _MODEL_LEN_STEP
     pps = pages_for(max_model_len, PAGE_SIZE)
     probe = EngineSpec(max_num_seqs=slots, page_size=PAGE_SIZE, num_pages=2, pages_per_slot=pps,
                        kv_cache_dtype=opts.kv_cache_dtype, attn_impl=opts.attention_impl,
-                       cascade=opts.cascade_attention, speculative=opts.speculative)
-    temporaries = LOGITS_BUFFERS * slots * cfg.vocab_size * 4
+                       cascade=opts.cascade_attention, speculative=opts.speculative)  # sized below
+    temporaries = LOGITS_BUFFERS * (slots // shards) * cfg.vocab_size * 4  # per device: its shard's slots
     budget = device_kv_budget(opts.gpu_memory_utilization, temporaries)
     if budget is not None:  # a hybrid model's per-slot delta-net state comes out of the cache's share, as vLLM's
-        budget = max(0, budget - slots * recurrent_bytes(cfg))  # state cache does (replicated: whole per device)
+        budget = max(0, budget - slots // shards * recurrent_bytes(cfg))  # state cache does (its shard's slots)
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
-                               budget_bytes=budget)
-    # full-length sequences the pool holds: a prompt's full pages once for its samples, each sample's own rest
+                               budget_bytes=budget, slot_shards=shards)
+    # full-length sequences the pool holds: a prompt's full pages once for its samples (in each shard that runs
+    # some), each sample's own rest
     shared, n = prompt_len // PAGE_SIZE, max(1, samples_per_prompt)
-    held = n * (num_pages - 1) // (shared + n * (pps - shared))
+    held = shards * (n * (num_pages // shards - 1) // (shared + n * (pps - shared)))
     if held < slots:
-        slots = previous_power_of_two(max(1, held))
-    return dataclasses.replace(probe, max_num_seqs=slots, num_pages=num_pages)
+        slots = max(shards, previous_power_of_two(max(1, held)) // shards * shards)
+    return dataclasses.replace(probe, max_num_seqs=slots, num_pages=num_pages, slot_shards=shards)
+
+
+def slot_shard_count(mesh: Mesh | None, max_num_seqs: int) -> int:
+    """The slot shards of an engine on `mesh` (engine/slot_shards.py): the mesh's batch split where
+    rollout.max_num_seqs splits evenly over it (an engine for fewer requests than shards gets one slot per
+    shard: an empty slot decodes nothing), else 1 (every device holds every slot)."""
+    count = slot_shards.batch_split(mesh)[1]
+    return count if max_num_seqs % count == 0 else 1
 
 
 def describe(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str, mesh: Mesh | None = None) -> str:
     """One summary line: slots, page size, pool pages and KV bytes per device."""
-    per_device = spec.num_pages * spec.page_bytes(cfg, compute_dtype) // _kv_shards(cfg, mesh)
+    per_device = spec.shard_pages * spec.page_bytes(cfg, compute_dtype) // _kv_shards(cfg, mesh)
     kv = "int8" if spec.kv_cache_dtype == "int8" else compute_dtype
     state = spec.max_num_seqs * recurrent_bytes(cfg)
     recurrent = f", delta-net state {state / 2**20:.1f} MiB ({spec.max_num_seqs} slots, fp32)" if state else ""
-    return (f"rollout engine: paged, {spec.max_num_seqs} slots, page size {spec.page_size}, "
+    shards = f" over {spec.slot_shards} slot shards" if spec.slot_shards > 1 else ""
+    return (f"rollout engine: paged, {spec.max_num_seqs} slots{shards}, page size {spec.page_size}, "
             f"{spec.num_pages} pages ({kv}), max_model_len {spec.pages_per_slot * spec.page_size}, "
             f"KV {per_device / 2**20:.1f} MiB per device{recurrent}")
 

@@ -55,7 +55,7 @@ def virtual_cascade(cascade: Cascade | None, k1: int) -> Cascade | None:
 
 def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs,
                  cascade: Cascade | None, k: int, *, settings: SampleSettings, compute_dtype: DType, attn_impl: str,
-                 mesh: Mesh | None) -> tuple[Array, Array, dict]:
+                 mesh: Mesh | None, slot_axes: tuple[str, ...] = ()) -> tuple[Array, Array, dict]:
     """(drafts [S, k], their filtered distributions [S, k, V], the draft pool) from k + 1 draft-model
     decode steps (see the module doc)."""
     draft_rng = jax.random.fold_in(rng, _DRAFT_STREAM)
@@ -64,7 +64,8 @@ def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array,
         pool, fed = carry
         live = s.active & (s.num_gen + j < s.budget)  # as the verification rows: inside the budget
         logits, pool, _ = decode_logits(draft_params, draft_cfg, pool, fed, s.positions + j, s.page_table, live,
-                                        compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh, cascade=cascade)
+                                        compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh, cascade=cascade,
+                                        slot_axes=slot_axes)
         q = target_distribution(logits, knobs, settings)
         if settings.greedy:
             nxt = jnp.argmax(q, axis=-1).astype(jnp.int32)
@@ -79,9 +80,11 @@ def model_drafts(draft_params: dict, draft_cfg: ModelConfig, s: Any, rng: Array,
 
 def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: SampleKnobs, cascade: Cascade | None,
                 draft_params: dict | None = None, *, settings: SampleSettings, speculative: SpeculativeSpec,
-                compute_dtype: DType, attn_impl: str, mesh: Mesh | None) -> tuple[dict[str, Any], Array]:
+                compute_dtype: DType, attn_impl: str, mesh: Mesh | None,
+                slot_axes: tuple[str, ...] = ()) -> tuple[dict[str, Any], Array]:
     """One step on the decode state `s` (decode_state.DecodeState with its `history`, and with a draft
-    model its `draft_pool`): (the fields it changes, whether some slot finished)."""
+    model its `draft_pool`): (the fields it changes, whether some slot finished). `slot_axes`: the slot
+    shards' (engine/slot_shards.py); a slot's k + 1 rows stay next to each other, so in its shard."""
     k = speculative.num_tokens
     k1 = k + 1
     slots, r = s.active.shape[0], settings.max_new_tokens
@@ -92,7 +95,7 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
         assert draft_params is not None and speculative.draft_cfg is not None
         drafts, draft_probs, changes["draft_pool"] = model_drafts(
             draft_params, speculative.draft_cfg, s, rng, knobs, cascade, k, settings=settings,
-            compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh)
+            compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh, slot_axes=slot_axes)
     else:
         drafts, _ = ngram_drafts(s.history, s.positions + 1, k, speculative.ngram_max, speculative.ngram_min)
         draft_probs = None
@@ -105,7 +108,8 @@ def verify_step(params: dict, cfg: ModelConfig, s: Any, rng: Array, knobs: Sampl
     logits, pool, _ = decode_logits(params, cfg, s.pool, fed.reshape(-1), positions.reshape(-1),
                                     jnp.repeat(s.page_table, k1, axis=0), live.reshape(-1),
                                     compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
-                                    cascade=virtual_cascade(cascade, k1), rope_offset=rope_offset)
+                                    cascade=virtual_cascade(cascade, k1), rope_offset=rope_offset,
+                                    slot_axes=slot_axes)
     keys = jax.vmap(lambda i: request_keys(rng, s.request, s.num_gen + i), out_axes=1)(jnp.arange(k1))
     tokens, log_probs, accepted = accept_drafts(logits.reshape(slots, k1, -1), drafts, draft_probs, keys, knobs,
                                                 settings)

@@ -1,0 +1,90 @@
+"""The paged engine's slots and KV pages split over the mesh's batch axes (sampler/engine/slot_shards.py)."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from sampler_fixtures import MESHES, PAD_ID, PROMPTS
+
+from jaxrl_llm import sharding
+from jaxrl_llm.models import param_logical_axes
+from jaxrl_llm.sampler import SamplingParams
+from jaxrl_llm.sampler.engine import EngineSpec, PagedEngine, slot_shards
+from jaxrl_llm.sampler.engine.pages import PagePool
+from jaxrl_llm.sampler.engine.setup import EngineOptions, engine_spec
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
+
+# a prompt longer than the others shares several full 4-token pages; 6 prompts x 2 samples over 8 slots wait
+# for pages and slots, and drain through the smaller sets
+LONG_PROMPTS = PROMPTS + [[5] * 13, [7, 1] * 6]
+BUDGETS = [10, 2, 7, 3, 9, 1]
+SAMPLED = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=40, n=2, seed=3)
+
+
+def _run(cfg, params, spec, mesh=None, sp=SAMPLED):
+    settings, knobs = sp.compile_args(cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
+    engine = PagedEngine(cfg, spec, steps_per_call=3, mesh=mesh, precompile_drain=False)
+    if mesh is not None:
+        params = sharding.shard_params(params, param_logical_axes(cfg), mesh)
+    # budgets of their own: sequences end at different steps, and the slot set shrinks as they do
+    return engine, *engine.run(params, LONG_PROMPTS, jax.random.key(3), knobs, settings, max_new_tokens=BUDGETS)
+
+
+@pytest.mark.parametrize("mesh_name,speculative,slots,num_pages",
+                         [("fsdp8", False, 16, 8 * 10), ("data2_tensor4", True, 8, 2 * 12)])
+def test_slot_shards_generate_what_one_device_does(llama_tiny, mesh_name, speculative, slots, num_pages):
+    """16 slots over 8 shards (8 over 2), each shard its own pages and scratch page: the same tokens and log-probs
+    as one device, through cascade rows of local slots (a prompt's samples in one shard read its pages once), the
+    page-wait queue (2-way: 11 pages a shard for 4 slots), the drain's smaller sets (each slot kept in its
+    shard) and, on the 2-way split, n-gram verification rows. The pool's pages and the slot arrays are split
+    over the batch axes: each device holds 1/shards of the pool."""
+    cfg, params = llama_tiny
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    shards = slot_shards.batch_split(mesh)[1]
+    drafts = SpeculativeSpec(num_tokens=2) if speculative else None
+    spec = EngineSpec(max_num_seqs=slots, page_size=4, num_pages=num_pages, pages_per_slot=8, cascade=True,
+                      speculative=drafts)
+    _, ref, ref_stats = _run(cfg, params, spec)
+    engine, got, stats = _run(cfg, params, dataclasses.replace(spec, slot_shards=shards), mesh)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    np.testing.assert_array_equal(got.lengths, ref.lengths)
+    np.testing.assert_allclose(got.log_probs, ref.log_probs, atol=1e-5, rtol=1e-5)
+    assert engine.slot_axes == tuple(a for a in ("data", "fsdp") if dict(mesh.shape)[a] > 1)
+    # (8 shards of 2 slots: a shard runs one prompt's two samples, which end together: no set to shrink to)
+    assert stats.peak_cascade_groups >= 1 and stats.resizes >= (shards == 2) and stats.waits_for_pages >= (shards == 2)
+    state = engine._fresh_state(SAMPLED.max_new_tokens)
+    k = state.pool["k"]
+    assert {s.data.shape[2] for s in k.addressable_shards} == {spec.num_pages // shards}
+    assert {s.data.shape[0] for s in state.tokens.addressable_shards} == {spec.max_num_seqs // shards}
+    assert all(size % shards == 0 for size in engine.drain_sizes())
+
+
+def test_engine_spec_splits_slots_and_pages_over_the_batch_axes(llama_tiny):
+    """`engine_spec` on a mesh: slot shards = the batch split (a scratch page per shard), slots raised to one
+    per shard; 1 where rollout.max_num_seqs does not split evenly (the replicated engine)."""
+    cfg, _ = llama_tiny
+    mesh = sharding.make_mesh(MESHES["fsdp8"])
+    kw = dict(max_prompt_len=20, max_new_tokens=16, compute_dtype="float32", mesh=mesh)
+    spec = engine_spec(cfg, EngineOptions(max_num_seqs=64), num_requests=3, **kw)
+    assert spec.slot_shards == 8 and spec.max_num_seqs == 8 and spec.num_pages % 8 == 0
+    assert spec.shard_pages == spec.max_num_seqs // 8 * spec.pages_per_slot + 1
+    assert engine_spec(cfg, EngineOptions(max_num_seqs=12), num_requests=3, **kw).slot_shards == 1
+    assert engine_spec(cfg, EngineOptions(max_num_seqs=64), num_requests=3, max_prompt_len=20, max_new_tokens=16,
+                       compute_dtype="float32").slot_shards == 1
+    with pytest.raises(ValueError, match="slot_shards=3"):
+        EngineSpec(max_num_seqs=8, page_size=4, num_pages=12, pages_per_slot=2, slot_shards=3)
+
+
+def test_host_bookkeeping_keeps_each_slot_in_its_shard():
+    # 8 slots over 2 shards shrink to 4: each shard's running slots move to the start of its new block
+    assert slot_shards.kept_in_shards([1, 3, 5], 8, 4, 2) == [1, 3, 5, -1]
+    assert slot_shards.free_by_shard([3, 0, 6], 8, 2) == [[0, 3], [6]]
+    pools = [PagePool(10), PagePool(10)]
+    pools[0].alloc(7)
+    free = [[0], [4, 5]]
+    # a new group takes the shard with room for its 3 + 2 pages and the most free slots
+    assert slot_shards.choose_shard({}, free, pools, total=5, shared_n=3) == 1
+    # a group already in shard 0 goes there when its own 2 pages fit (its prompt pages are there)
+    assert slot_shards.choose_shard({0: [1, 2, 3]}, free, pools, total=4, shared_n=2) == 0
+    # nothing fits anywhere: the request waits
+    assert slot_shards.choose_shard({}, [[], []], pools, total=1, shared_n=0) is None
