@@ -207,7 +207,10 @@ ROLLOUT = {
                                      "(any backend; the fallback if a kernel does not compile). jaxrl_llm.",
                                      choices=ATTENTION_IMPLS),
     "max_num_seqs": field(1024, "Decode slots of the paged engine (capped at the power-of-two bucket of the "
-                                "batch's requests). veRL / vLLM.", gt=0),
+                                "batch's requests). On a mesh whose batch axes (data x fsdp x expert) divide it, "
+                                "the slots and the KV pages split over them: each device decodes its share "
+                                "(sampler/engine/slot_shards.py); else every device decodes every slot. "
+                                "veRL / vLLM.", gt=0),
     "max_num_batched_tokens": field(8192, "Prompt tokens the paged engine prefills between two decode calls "
                                           "(at least one prompt); with enable_chunked_prefill also the tokens one "
                                           "prefill step runs (its largest power of two). veRL / vLLM.", gt=0),
