@@ -15,7 +15,7 @@ from jaxrl_llm.arrays import Params
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops
 from jaxrl_llm.models import ModelConfig, init_cache
-from jaxrl_llm.models.dtypes import uncast_matmul_weights
+from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.planning.context import (
     ARR,
@@ -37,7 +37,6 @@ from jaxrl_llm.sampler import eos_ids_of
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.engine import decode_state, slot_shards
 from jaxrl_llm.sampler.engine import programs as engine_programs
-from jaxrl_llm.sampler.engine.decode_weights import decode_leaf
 from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size
 
@@ -87,21 +86,18 @@ class DecodeWeights(NamedTuple):
     copies: int  # the copies the rollout makes: the cast weights and the per-layer copy
 
 
-def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool,
-                   whole: bool = False) -> DecodeWeights:
+def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool) -> DecodeWeights:
     """The paged engine's decode weights for abstract `params` (with shardings). The engine
-    (sampler/engine/decode_weights.py) reads a copy of the matmul weights in the compute dtype, made once
-    per rollout, while the masters stay alive; `whole` (`EngineSpec.whole_weights`): a copy of every weight,
-    whole over 'data' and 'fsdp'. With `rollout.unroll_layers` the steps read per-layer copies of that copy's
-    layers, while prefill keeps the stacked ones. Unrolled layers are planned as the stack (the same bytes per
-    device)."""
+    (sampler/engine/scheduler.py) reads a copy of the matmul weights in the compute dtype, made once
+    per rollout, while the masters stay alive; with `rollout.unroll_layers` the steps read per-layer
+    copies of that copy's layers, while prefill keeps the stacked ones. Unrolled layers are planned
+    as the stack (the same bytes per device)."""
     target = jnp.dtype(compute_dtype_of(compute_dtype))
-    step = jax.tree_util.tree_map_with_path(lambda path, x: decode_leaf(path, x, target, whole), params)
-    per_layer = bytes_per_device(step["layers"]) if unroll_layers and not cfg.mixed_layers else 0
-    if whole:  # every leaf copied (resharded): the masters all held beside it
-        return DecodeWeights(step, bytes_per_device(params) + per_layer, bytes_per_device(step) + per_layer)
     in_target = lambda x: jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)  # noqa: E731
     cast = uncast_matmul_weights(params, target)
+    step = jax.tree_util.tree_map_with_path(
+        lambda path, x: in_target(x) if is_uncast_matmul_weight(path, x, target) else x, params)
+    per_layer = bytes_per_device(step["layers"]) if unroll_layers and not cfg.mixed_layers else 0
     return DecodeWeights(step, bytes_per_device(cast) + per_layer,
                          bytes_per_device([in_target(x) for x in cast]) + per_layer)
 
@@ -114,10 +110,10 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
     opts, dtype = spec.rollout_engine, spec.actor.compute_dtype
     unroll = opts.unroll_for(settings.max_new_tokens)  # for the plan's target ('auto': on CPU at long responses)
+    weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll)]
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
                          samples_per_prompt=settings.n,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
-    weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll, engine.whole_weights)]
     make = functools.partial(decode_state.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
     shardings = decode_state.state_sharding(abstract, cfg, mesh, slot_shards.slot_axes(mesh, engine.slot_shards))
@@ -128,8 +124,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         draft_cfg = engine.speculative.draft_cfg
         abstract_draft, draft_shardings = param_shardings_of(draft_cfg, "lm", mesh, compute_dtype_of(
             spec.model.param_dtype))
-        weights.append(decode_weights(abstract_arrays(abstract_draft, draft_shardings), draft_cfg, dtype, unroll,
-                                      engine.whole_weights))
+        weights.append(decode_weights(abstract_arrays(abstract_draft, draft_shardings), draft_cfg, dtype, unroll))
         draft = weights[-1].params
 
     groups = decode_state.cascade_shape(engine, engine.max_num_seqs, settings.n)

@@ -30,15 +30,14 @@ def _run(cfg, params, spec, mesh=None, sp=SAMPLED):
     return engine, *engine.run(params, LONG_PROMPTS, jax.random.key(3), knobs, settings, max_new_tokens=BUDGETS)
 
 
-@pytest.mark.parametrize("mesh_name,speculative,slots,num_pages,whole",
-                         [("fsdp8", False, 16, 8 * 10, True), ("data2_tensor4", True, 8, 2 * 12, False)])
-def test_slot_shards_generate_what_one_device_does(llama_tiny, mesh_name, speculative, slots, num_pages, whole):
+@pytest.mark.parametrize("mesh_name,speculative,slots,num_pages",
+                         [("fsdp8", False, 16, 8 * 10), ("data2_tensor4", True, 8, 2 * 12)])
+def test_slot_shards_generate_what_one_device_does(llama_tiny, mesh_name, speculative, slots, num_pages):
     """16 slots over 8 shards (8 over 2), each shard its own pages and scratch page: the same tokens and log-probs
     as one device, through cascade rows of local slots (a prompt's samples in one shard read its pages once), the
     page-wait queue (2-way: 11 pages a shard for 4 slots), the drain's smaller sets (each slot kept in its
-    shard) and, on the 2-way split, n-gram verification rows; on the 8-way split from a decode copy of the weights
-    whole on every device (engine/decode_weights.py). The pool's pages and the slot arrays are split over the
-    batch axes: each device holds 1/shards of the pool."""
+    shard) and, on the 2-way split, n-gram verification rows. The pool's pages and the slot arrays are split
+    over the batch axes: each device holds 1/shards of the pool."""
     cfg, params = llama_tiny
     mesh = sharding.make_mesh(MESHES[mesh_name])
     shards = slot_shards.batch_split(mesh)[1]
@@ -46,7 +45,7 @@ def test_slot_shards_generate_what_one_device_does(llama_tiny, mesh_name, specul
     spec = EngineSpec(max_num_seqs=slots, page_size=4, num_pages=num_pages, pages_per_slot=8, cascade=True,
                       speculative=drafts)
     _, ref, ref_stats = _run(cfg, params, spec)
-    engine, got, stats = _run(cfg, params, dataclasses.replace(spec, slot_shards=shards, whole_weights=whole), mesh)
+    engine, got, stats = _run(cfg, params, dataclasses.replace(spec, slot_shards=shards), mesh)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     np.testing.assert_array_equal(got.lengths, ref.lengths)
     np.testing.assert_allclose(got.log_probs, ref.log_probs, atol=1e-5, rtol=1e-5)
@@ -60,38 +59,15 @@ def test_slot_shards_generate_what_one_device_does(llama_tiny, mesh_name, specul
     assert all(size % shards == 0 for size in engine.drain_sizes())
 
 
-def test_engine_spec_splits_slots_and_pages_over_the_batch_axes(llama_tiny, monkeypatch):
+def test_engine_spec_splits_slots_and_pages_over_the_batch_axes(llama_tiny):
     """`engine_spec` on a mesh: slot shards = the batch split (a scratch page per shard), slots raised to one
-    per shard; 1 where rollout.max_num_seqs does not split evenly (the replicated engine). The decode copy of the
-    weights is whole over the batch axes where it takes at most a quarter of the KV budget, which then loses its
-    bytes; the copy's every leaf drops 'fsdp' from its sharding."""
-    from jaxrl_llm.sampler.engine import setup
-    from jaxrl_llm.sampler.engine.decode_weights import decode_copy, whole_weight_bytes
-
-    cfg, params = llama_tiny
+    per shard; 1 where rollout.max_num_seqs does not split evenly (the replicated engine)."""
+    cfg, _ = llama_tiny
     mesh = sharding.make_mesh(MESHES["fsdp8"])
     kw = dict(max_prompt_len=20, max_new_tokens=16, compute_dtype="float32", mesh=mesh)
     spec = engine_spec(cfg, EngineOptions(max_num_seqs=64), num_requests=3, **kw)
     assert spec.slot_shards == 8 and spec.max_num_seqs == 8 and spec.num_pages % 8 == 0
     assert spec.shard_pages == spec.max_num_seqs // 8 * spec.pages_per_slot + 1
-    assert spec.whole_weights  # no device budget on CPU
-    weights = whole_weight_bytes(cfg, mesh, "float32")
-    placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
-    copy = decode_copy(placed, "float32", whole=True)
-    assert weights == sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(copy))
-    assert not any("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(copy))
-    assert any("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(placed))
-    pool_budgets, plan = [], setup.plan_num_pages
-
-    def recording_plan(*args, **kwargs):
-        pool_budgets.append(kwargs["budget_bytes"])
-        return plan(*args, **kwargs)
-
-    monkeypatch.setattr(setup, "plan_num_pages", recording_plan)
-    for budget, whole, pool in ((4 * weights, True, 3 * weights), (4 * weights - 1, False, 4 * weights - 1)):
-        monkeypatch.setattr(setup, "device_kv_budget", lambda *a, budget=budget, **k: budget)
-        assert engine_spec(cfg, EngineOptions(max_num_seqs=64), num_requests=3, **kw).whole_weights == whole
-        assert pool_budgets[-1] == pool  # the whole copy's bytes come out of the pool's
     assert engine_spec(cfg, EngineOptions(max_num_seqs=12), num_requests=3, **kw).slot_shards == 1
     assert engine_spec(cfg, EngineOptions(max_num_seqs=64), num_requests=3, max_prompt_len=20, max_new_tokens=16,
                        compute_dtype="float32").slot_shards == 1

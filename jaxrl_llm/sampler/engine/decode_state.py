@@ -45,8 +45,6 @@ class EngineSpec:
     slot_shards: how many ways the slots and the pool's pages are split over the mesh's batch axes
     (engine/slot_shards.py; 1: every device holds every slot); it divides max_num_seqs and num_pages, and each
     shard's pages are num_pages / slot_shards with its own scratch page.
-    whole_weights: decode from a copy of the weights whole on every device over 'data' and 'fsdp'
-    (engine/decode_weights.py), rather than all-gathering their FSDP shards at every step.
     """
 
     max_num_seqs: int
@@ -58,7 +56,6 @@ class EngineSpec:
     cascade: bool | str = "auto"
     speculative: SpeculativeSpec | None = None
     slot_shards: int = 1
-    whole_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.cascade, bool) and self.cascade != "auto":

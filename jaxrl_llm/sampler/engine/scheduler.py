@@ -43,11 +43,11 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.decoder import unstack_layers
+from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import decode_state, programs, slot_shards
-from jaxrl_llm.sampler.engine.decode_weights import decode_copy
 from jaxrl_llm.sampler.engine.pages import PagePool, pages_for
 from jaxrl_llm.sampler.engine.requests import (
     BatchSource,
@@ -82,6 +82,18 @@ class _Group:
 # slot-steps (bench/rollout.py's full size: 88% utilisation with 1/2, 1/4, 1/8; a host simulation of
 # its length mix gives ~94% with these six, 89% with six plain halvings down to 1/64).
 DRAIN_FRACTIONS = (3 / 4, 1 / 2, 3 / 8, 1 / 4, 1 / 8, 1 / 16)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _weights_in(params: dict, dtype: str) -> dict:
+    return matmul_weights_in(params, dtype)
+
+
+def _decode_weights(params: dict, compute_dtype: str) -> dict:
+    """`params` with their matmul weights in the compute dtype (no copy when they already are)."""
+    if not uncast_matmul_weights(params, as_jnp_dtype(compute_dtype)):
+        return params
+    return _weights_in(params, compute_dtype)
 
 
 def speculative_refusal(cfg: ModelConfig, speculative: SpeculativeSpec | None) -> str | None:
@@ -340,11 +352,10 @@ class PagedEngine:
         if uses_draft != (draft_params is not None):
             raise ValueError("draft_params: the draft model's params are needed exactly when rollout.speculative."
                              f"method='draft' (the engine's is {spec.speculative and spec.speculative.method!r})")
-        # decode reads every weight per token: read a compute-dtype copy made once here (freed on return), whole
-        # on every device over the batch axes where the spec says so (engine/decode_weights.py)
-        params = decode_copy(params, self.compute_dtype, spec.whole_weights)
+        # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
+        params = _decode_weights(params, self.compute_dtype)
         if draft_params is not None:
-            draft_params = decode_copy(draft_params, self.compute_dtype, spec.whole_weights)
+            draft_params = _decode_weights(draft_params, self.compute_dtype)
         # the decode loop's own layout of them (rollout.unroll_layers: per-layer arrays, a copy while the run
         # lasts); prefill keeps the stacked ones
         step_params, step_draft = params, draft_params

@@ -8,12 +8,8 @@ covers max_model_len = bucket(longest prompt) + max_new_tokens rounded up to a m
 by `gpu_memory_utilization` of the device's memory where the backend reports it ('auto': what is
 left after what is in use and the sampling step's temporaries). Where that cap leaves fewer
 full-length sequences than slots (a prompt's pages shared by its samples), the slots shrink to the
-power of two below: a slot the pool cannot fill would decode nothing at every step. On a mesh whose
-batch axes split `max_num_seqs` evenly, the slots and pages split over them (`slot_shard_count`,
-engine/slot_shards.py: the budget is then each device's, for its shard), and the decode weights are a
-copy whole over 'data' / 'fsdp' where it takes at most WHOLE_WEIGHTS_SHARE of the budget (its bytes out
-of the pool's; engine/decode_weights.py). Engines are cached per shape, so their compiled programs and KV
-buffers are reused from call to call.
+power of two below: a slot the pool cannot fill would decode nothing at every step. Engines are
+cached per shape, so their compiled programs and KV buffers are reused from call to call.
 """
 from __future__ import annotations
 
@@ -30,7 +26,6 @@ from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import slot_shards
 from jaxrl_llm.sampler.engine.decode_state import KV_CACHE_DTYPES, EngineSpec
-from jaxrl_llm.sampler.engine.decode_weights import WHOLE_WEIGHTS_SHARE, whole_weight_bytes
 from jaxrl_llm.sampler.engine.pages import device_kv_budget, pages_for, plan_num_pages
 from jaxrl_llm.sampler.engine.requests import EngineStats, RequestImages
 from jaxrl_llm.sampler.engine.scheduler import PagedEngine
@@ -145,12 +140,6 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     budget = device_kv_budget(opts.gpu_memory_utilization, temporaries)
     if budget is not None:  # a hybrid model's per-slot delta-net state comes out of the cache's share, as vLLM's
         budget = max(0, budget - slots // shards * recurrent_bytes(cfg))  # state cache does (its shard's slots)
-    whole = False
-    if shards > 1 and mesh is not None:  # decode from weights whole over the batch axes where they fit
-        weights = whole_weight_bytes(cfg, mesh, compute_dtype)
-        whole = budget is None or weights <= WHOLE_WEIGHTS_SHARE * budget
-        if whole and budget is not None:
-            budget -= weights
     num_pages = plan_num_pages(cfg, max_num_seqs=slots, pages_per_slot=pps,
                                page_bytes=probe.page_bytes(cfg, compute_dtype), kv_shards=_kv_shards(cfg, mesh),
                                budget_bytes=budget, slot_shards=shards)
@@ -160,8 +149,7 @@ def engine_spec(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, max
     held = shards * (n * (num_pages // shards - 1) // (shared + n * (pps - shared)))
     if held < slots:
         slots = max(shards, previous_power_of_two(max(1, held)) // shards * shards)
-    return dataclasses.replace(probe, max_num_seqs=slots, num_pages=num_pages, slot_shards=shards,
-                               whole_weights=whole)
+    return dataclasses.replace(probe, max_num_seqs=slots, num_pages=num_pages, slot_shards=shards)
 
 
 def slot_shard_count(mesh: Mesh | None, max_num_seqs: int) -> int:
@@ -179,7 +167,6 @@ def describe(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str, mesh: Mesh 
     state = spec.max_num_seqs * recurrent_bytes(cfg)
     recurrent = f", delta-net state {state / 2**20:.1f} MiB ({spec.max_num_seqs} slots, fp32)" if state else ""
     shards = f" over {spec.slot_shards} slot shards" if spec.slot_shards > 1 else ""
-    shards += ", weights whole on each device" if spec.whole_weights else ""
     return (f"rollout engine: paged, {spec.max_num_seqs} slots{shards}, page size {spec.page_size}, "
             f"{spec.num_pages} pages ({kv}), max_model_len {spec.pages_per_slot * spec.page_size}, "
             f"KV {per_device / 2**20:.1f} MiB per device{recurrent}")
