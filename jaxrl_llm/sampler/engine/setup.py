@@ -164,8 +164,9 @@ def describe(cfg: ModelConfig, spec: EngineSpec, compute_dtype: str, mesh: Mesh 
     """One summary line: slots, page size, pool pages and KV bytes per device."""
     per_device = spec.shard_pages * spec.page_bytes(cfg, compute_dtype) // _kv_shards(cfg, mesh)
     kv = "int8" if spec.kv_cache_dtype == "int8" else compute_dtype
-    state = spec.max_num_seqs * recurrent_bytes(cfg)
-    recurrent = f", delta-net state {state / 2**20:.1f} MiB ({spec.max_num_seqs} slots, fp32)" if state else ""
+    slots = spec.max_num_seqs // spec.slot_shards  # a device's
+    state = slots * recurrent_bytes(cfg)
+    recurrent = f", delta-net state {state / 2**20:.1f} MiB per device ({slots} slots, fp32)" if state else ""
     shards = f" over {spec.slot_shards} slot shards" if spec.slot_shards > 1 else ""
     return (f"rollout engine: paged, {spec.max_num_seqs} slots{shards}, page size {spec.page_size}, "
             f"{spec.num_pages} pages ({kv}), max_model_len {spec.pages_per_slot * spec.page_size}, "
