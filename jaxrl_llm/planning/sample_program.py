@@ -215,7 +215,9 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     prompt, ps = ctx.prompt_width, engine.page_size
     prompt_pages = prompt // ps
     group_pages = prompt_pages + n * (-(-(prompt + r) // ps) - prompt_pages)
-    concurrent = max(1, min(engine.max_num_seqs, n * (engine.num_pages - 1) // group_pages))
+    # each slot shard's pool holds its own groups (engine/slot_shards.py)
+    held = engine.slot_shards * (n * (engine.shard_pages - 1) // group_pages)
+    concurrent = max(1, min(engine.max_num_seqs, held))
     steps = -(-rows // concurrent) * r
     tensor = dict(mesh.shape).get("tensor", 1)
     kv_shards = (tensor if cfg.cache_kv_heads % tensor == 0 else 1) * engine.slot_shards
