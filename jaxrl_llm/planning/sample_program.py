@@ -220,14 +220,15 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     concurrent = max(1, min(engine.max_num_seqs, held))
     steps = -(-rows // concurrent) * r
     tensor = dict(mesh.shape).get("tensor", 1)
-    kv_shards = (tensor if cfg.cache_kv_heads % tensor == 0 else 1) * engine.slot_shards
-    key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / kv_shards  # K and V, all layers
+    # a device holds its kv heads (over 'tensor' where they divide it) of its slot shard's pages
+    pool_split = (tensor if cfg.cache_kv_heads % tensor == 0 else 1) * engine.slot_shards
+    key_bytes = engine.page_bytes(cfg, ctx.spec.actor.compute_dtype) / ps / pool_split  # K and V, all layers
     own_keys, shared_keys = rows * r * (prompt - shared_tokens + (r + 1) / 2), rows * r * shared_tokens
     keys_read = own_keys + shared_keys / n  # a group reads its shared keys once
     # every (query, key) pair is computed, shared or not, and the mode's kernel computes whole tiles of query
     # rows: a slot's g heads (a group's n x g stacked on its shared keys)
     computed = own_keys * _padded_rows(cfg, ps) + shared_keys * _padded_rows(cfg, ps, n)
-    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.decode_attention_width * computed / kv_shards
+    attention_flops = 4.0 * cfg.num_hidden_layers * cfg.decode_attention_width * computed / pool_split
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(
         active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.attention_width,

@@ -131,8 +131,8 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
         pools = slot_shards.pool_spec(mesh, pool, slot_axes)
         groups = None if cascade is None else Cascade(rows, rows)
         in_specs = (per_head, per_head, per_head, pools, P(), P(heads), rows, rows, rows, rows, groups)
-        run = slot_shards.per_slot_shard(functools.partial(write_and_attend, kernel_mesh=None), mesh, slot_axes,
-                                         in_specs, (per_head, pools))
+        run = slot_shards.per_slot_shard(functools.partial(write_and_attend, kernel_mesh=None), mesh, in_specs,
+                                         (per_head, pools))
         return run(*args)
 
     return attention

@@ -229,7 +229,7 @@ def _write_prefix_in_shard(pool: dict, prefix: Prefix, page_row: Array, slot: Ar
     heads = lambda x: P(None, kv_head_axis(mesh, x.shape[1]))  # noqa: E731  prompt k / v [L, kv, Pb, D]
     pools = slot_shards.pool_spec(mesh, pool, slot_axes)
     in_specs = (pools, jax.tree.map(heads, prefix.k), jax.tree.map(heads, prefix.v), P(), P(), P())
-    run = slot_shards.per_slot_shard(local, mesh, slot_axes, in_specs, pools)
+    run = slot_shards.per_slot_shard(local, mesh, in_specs, pools)
     return run(pool, prefix.k, prefix.v, prefix.length, page_row, slot)
 
 

@@ -458,12 +458,12 @@ class PagedEngine:
                 admitted.append((req, entry, row, slot))
                 stats.peak_pages_used = max(stats.peak_pages_used, sum(p.num_pages - 1 - p.num_free for p in pools))
             stats.prefill_calls += self._prefill_groups(params, fresh, record, draft_params)
+            placement = dict(settings=settings, mesh=self.mesh, slot_axes=self.slot_axes)
             for req, entry, row, slot in admitted:
                 assert entry.prefix is not None
                 prefix, index, draft = entry.prefix
                 args = (state, np.int32(slot), row, np.asarray(req.key, np.int32), np.int32(req.max_new_tokens), rng,
                         knobs, draft)
-                placement = dict(settings=settings, mesh=self.mesh, slot_axes=self.slot_axes)
                 state = (programs.insert(prefix, *args, **placement) if index is None else
                          programs.insert_at(prefix, np.int32(index), *args, **placement))
             for _, entry, _, _ in admitted:

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.sampler.engine.pages import PagePool
 from jaxrl_llm.sampler.kv_shards import kv_head_axis
-from jaxrl_llm.sharding.mesh import BATCH_AXES
+from jaxrl_llm.sharding.mesh import batch_axis_size, row_split_axes
 
 Array = jax.Array
 
@@ -40,9 +40,8 @@ def batch_split(mesh: Mesh | None) -> tuple[tuple[str, ...], int]:
     paged engine on `mesh` takes; ((), 1) without a multi-device mesh."""
     if mesh is None:
         return (), 1
-    sizes = dict(mesh.shape)
-    axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-    return axes, math.prod(sizes[a] for a in axes)
+    count = batch_axis_size(mesh)
+    return row_split_axes(dict(mesh.shape), count) or (), count
 
 
 def slot_axes(mesh: Mesh | None, shards: int) -> tuple[str, ...]:
@@ -72,8 +71,7 @@ def pool_spec(mesh: Mesh, pool: dict, axes: tuple[str, ...]) -> dict:
     return {name: P(None, heads, axes or None) for name in pool}
 
 
-def per_slot_shard(fn: Callable[..., Any], mesh: Mesh, axes: tuple[str, ...], in_specs: tuple,
-                   out_specs: Any) -> Callable[..., Any]:
+def per_slot_shard(fn: Callable[..., Any], mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable[..., Any]:
     """`fn` run per (slot shard, kv-head shard) under shard_map (every mesh axis manual)."""
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
