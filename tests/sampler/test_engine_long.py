@@ -65,18 +65,20 @@ def test_a_32k_token_response_waits_for_pages_and_scores_like_the_trainer():
     prompts = [[5, 9, 11, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56], [7, 8, 9]]
     page_size = 256
     per_request = -(-(len(prompts[0]) + new) // page_size)
-    # room for one request's KV at a time: the second waits for the first one's pages
+    # room for one request's KV at a time: the second (a 4k-token budget of its own, so the test decodes
+    # 37k steps rather than 65k) waits for the first one's pages
     spec = EngineSpec(max_num_seqs=2, page_size=page_size, num_pages=per_request + 2, pages_per_slot=per_request + 1)
     engine = PagedEngine(cfg, spec, steps_per_call=512, max_num_batched_tokens=16, prefill_chunk=16)
     settings, knobs = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True).compile_args(
         cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
     start = time.perf_counter()
-    out, stats = engine.run(params, prompts, jax.random.key(0), knobs, settings)
-    print(f"32k-token rollout of 2 requests: {time.perf_counter() - start:.1f} s, {stats.decode_steps} decode steps")
+    out, stats = engine.run(params, prompts, jax.random.key(0), knobs, settings, max_new_tokens=[new, 4096])
+    print(f"32k + 4k-token rollout of 2 requests: {time.perf_counter() - start:.1f} s, {stats.decode_steps} decode steps")
     assert stats.waits_for_pages > 0 and stats.peak_pages_used <= spec.num_pages - 1
-    np.testing.assert_array_equal(out.lengths, [new, new])
+    np.testing.assert_array_equal(out.lengths, [new, 4096])
     assert np.all(np.asarray(out.finish_reason) == FINISH_LENGTH)
     # the trainer's scoring of prompt + response (one forward over 32k tokens per row)
     scored = np.asarray(rescore(params, cfg, out, 1.0))
-    np.testing.assert_allclose(np.asarray(out.log_probs), scored, atol=2e-4)
+    real = np.asarray(out.response_mask, bool)
+    np.testing.assert_allclose(np.asarray(out.log_probs)[real], scored[real], atol=2e-4)
     assert len(set(np.asarray(out.tokens)[0, -1000:].tolist())) > 10  # sampled text, not a stuck loop
