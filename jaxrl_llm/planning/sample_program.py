@@ -15,7 +15,7 @@ from jaxrl_llm.arrays import Params
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops
 from jaxrl_llm.models import ModelConfig, init_cache
-from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
+from jaxrl_llm.models.dtypes import is_uncast_matmul_weight
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.planning.context import (
     ARR,
@@ -35,7 +35,7 @@ from jaxrl_llm.roles.trained import param_shardings_of
 from jaxrl_llm.sampler import core as sampler_core
 from jaxrl_llm.sampler import eos_ids_of
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.engine import decode_state, slot_shards
+from jaxrl_llm.sampler.engine import decode_layout, decode_state, slot_shards
 from jaxrl_llm.sampler.engine import programs as engine_programs
 from jaxrl_llm.sampler.engine.setup import engine_spec
 from jaxrl_llm.sharding import batch_axis_size
@@ -86,20 +86,27 @@ class DecodeWeights(NamedTuple):
     copies: int  # the copies the rollout makes: the cast weights and the per-layer copy
 
 
-def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool) -> DecodeWeights:
+def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_layers: bool,
+                   mesh: Any = None, slot_axes: tuple[str, ...] = ()) -> DecodeWeights:
     """The paged engine's decode weights for abstract `params` (with shardings). The engine
     (sampler/engine/scheduler.py) reads a copy of the matmul weights in the compute dtype, made once
-    per rollout, while the masters stay alive; with `rollout.unroll_layers` the steps read per-layer
-    copies of that copy's layers, while prefill keeps the stacked ones. Unrolled layers are planned
-    as the stack (the same bytes per device)."""
+    per rollout and laid out for decoding where its slots are split over `slot_axes`
+    (sampler/engine/decode_layout.py), while the masters stay alive; with `rollout.unroll_layers` the steps
+    read per-layer copies of that copy's layers, while prefill keeps the stacked ones. Unrolled layers are
+    planned as the stack (the same bytes per device)."""
     target = jnp.dtype(compute_dtype_of(compute_dtype))
-    in_target = lambda x: jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)  # noqa: E731
-    cast = uncast_matmul_weights(params, target)
-    step = jax.tree_util.tree_map_with_path(
-        lambda path, x: in_target(x) if is_uncast_matmul_weight(path, x, target) else x, params)
+
+    def step_leaf(path: tuple, x: Any) -> Any:
+        dtype = target if is_uncast_matmul_weight(path, x, target) else x.dtype
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=decode_layout.decode_sharding(x, mesh, slot_axes))
+
+    step = jax.tree_util.tree_map_with_path(step_leaf, params)
+    # the leaves the engine copies (cast or moved): their masters stay alive beside the copies
+    copied = [(x, y) for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(step))
+              if (x.dtype, x.sharding) != (y.dtype, y.sharding)]
     per_layer = bytes_per_device(step["layers"]) if unroll_layers and not cfg.mixed_layers else 0
-    return DecodeWeights(step, bytes_per_device(cast) + per_layer,
-                         bytes_per_device([in_target(x) for x in cast]) + per_layer)
+    return DecodeWeights(step, bytes_per_device([x for x, _ in copied]) + per_layer,
+                         bytes_per_device([y for _, y in copied]) + per_layer)
 
 
 def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, decode: Callable) -> Program:
@@ -110,10 +117,11 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
     opts, dtype = spec.rollout_engine, spec.actor.compute_dtype
     unroll = opts.unroll_for(settings.max_new_tokens)  # for the plan's target ('auto': on CPU at long responses)
-    weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll)]
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
                          samples_per_prompt=settings.n,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
+    slot_axes = slot_shards.slot_axes(mesh, engine.slot_shards)
+    weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll, mesh, slot_axes)]
     make = functools.partial(decode_state.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
     shardings = decode_state.state_sharding(abstract, cfg, mesh, slot_shards.slot_axes(mesh, engine.slot_shards))
@@ -124,7 +132,8 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         draft_cfg = engine.speculative.draft_cfg
         abstract_draft, draft_shardings = param_shardings_of(draft_cfg, "lm", mesh, compute_dtype_of(
             spec.model.param_dtype))
-        weights.append(decode_weights(abstract_arrays(abstract_draft, draft_shardings), draft_cfg, dtype, unroll))
+        weights.append(decode_weights(abstract_arrays(abstract_draft, draft_shardings), draft_cfg, dtype, unroll, mesh,
+                                      slot_axes))
         draft = weights[-1].params
 
     groups = decode_state.cascade_shape(engine, engine.max_num_seqs, settings.n)

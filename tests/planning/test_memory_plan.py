@@ -311,12 +311,15 @@ def test_paged_engine_plan_holds_a_hybrid_models_state(tmp_path, monkeypatch):
 
 
 def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
-    """The engine decodes from a compute-dtype copy of the matmul weights (the fp32 masters stay alive)
-    and, with rollout.unroll_layers, from per-layer copies of the layers: the sampler's row holds them."""
+    """The engine decodes from a copy of the matmul weights in the compute dtype and, on the 8 test devices
+    (its slots split over them), in its decode layout (sampler/engine/decode_layout.py), while the fp32
+    masters stay alive; with rollout.unroll_layers, from per-layer copies of the layers too: the sampler's row
+    holds them."""
     import jax
     import jax.numpy as jnp
 
     from jaxrl_llm.models.dtypes import is_uncast_matmul_weight, uncast_matmul_weights
+    from jaxrl_llm.sampler.engine import decode_layout, slot_shards
 
     def sample_and_planner(**overrides):
         spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged", **overrides})
@@ -326,19 +329,34 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     def states_beside(planner):  # the step's states the sampler does not take as arguments
         return sum(b for s, b in planner.state_bytes.items() if s != "actor_params")
 
+    def copied(planner, dtype):  # (the masters of the leaves the engine copies: cast or moved, those copies)
+        axes = slot_shards.batch_split(planner.mesh)[0]
+        masters = copies = 0
+        for path, x in jax.tree_util.tree_leaves_with_path(planner.ctx.states["actor_params"]):
+            cast, placed = is_uncast_matmul_weight(path, x, dtype), decode_layout.decode_sharding(x, planner.mesh, axes)
+            if cast or placed != x.sharding:
+                masters += bytes_per_device(x)
+                copies += bytes_per_device(jax.ShapeDtypeStruct(x.shape, dtype if cast else x.dtype, sharding=placed))
+        return masters, copies
+
     sample, planner = sample_and_planner()
     params = planner.ctx.states["actor_params"]
     matmul = uncast_matmul_weights(params, jnp.bfloat16)  # not the stacked norm scales: they stay fp32
-    assert sample.resident_bytes == states_beside(planner)  # fp32: decode reads the masters themselves
+    masters, copies = copied(planner, jnp.float32)
+    # fp32: the masters moved into the decode layout (a weight's fsdp split onto its mlp / heads / vocab dim)
+    assert 0 < masters == copies < sum(bytes_per_device(x) for x in jax.tree.leaves(params))
+    assert sample.resident_bytes == states_beside(planner) + masters
 
     bf16 = {"actor_rollout_ref.model.dtype": "bfloat16"}
     sample, planner = sample_and_planner(**bf16)
-    masters = sum(bytes_per_device(x) for x in matmul)
+    masters = copied(planner, jnp.bfloat16)[0]
+    assert masters >= sum(bytes_per_device(x) for x in matmul)  # every cast weight's master, and moved norms
     assert sample.resident_bytes == states_beside(planner) + masters  # the masters beside the bf16 copy
 
     unroll = {"actor_rollout_ref.rollout.unroll_layers": True}
     sample, planner = sample_and_planner(**unroll)
-    assert sample.resident_bytes == states_beside(planner) + bytes_per_device(params["layers"])
+    fp32_moved = copied(planner, jnp.float32)[0]
+    assert sample.resident_bytes == states_beside(planner) + fp32_moved + bytes_per_device(params["layers"])
     assert any("unroll_layers" in k for k in sample.keys)
 
     sample, planner = sample_and_planner(**bf16, **unroll)
@@ -350,7 +368,8 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     # a pipelined rollout runs beside the other programs: its copies (not the masters) are resident then
     spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.rollout.engine": "paged", **bf16,
                                          "synchronizer.sync_offset": 1})
-    assert Planner(spec, mesh, tok).state_bytes["decode_weights"] == masters // 2
+    planner = Planner(spec, mesh, tok)
+    assert planner.state_bytes["decode_weights"] == copied(planner, jnp.bfloat16)[1]
 
 
 def test_a_program_the_compiler_refused_never_fits():

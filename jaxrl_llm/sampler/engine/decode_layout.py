@@ -1,0 +1,72 @@
+"""The decode weights' layout on a mesh whose slots are split (engine/slot_shards.py): weight-stationary.
+
+The trainer keeps a weight's embed dim split over 'fsdp' (FSDP) and its mlp / heads / vocab dim over
+'tensor'. A training forward has thousands of rows a chip, so gathering each layer's weights once is cheap
+beside its matmuls. A decode step has a few slots a chip: gathering the whole model every step made the
+decode's weight all-gathers the bound of every large slice (docs/performance-history.md, 2026-12-07: on
+0.5B v5e-8 the tied embedding alone moved 272 MB a chip a step).
+
+The engine's copy of the weights (made once per rollout, in the compute dtype: engine/scheduler.py) is laid
+out the other way: a weight's fsdp split (and 'data' where it shards the weight) moves from its embed dim to
+the dim 'tensor' splits (mlp, heads, vocab), or where that dim does not divide, to the dim after it (a head's
+dims). Each chip then holds and reads 1 / (batch x tensor) of the big matmuls' weights and keeps them where
+they are; what moves is a step's activations: a few slots' [S, H] rows gathered before a projection and
+reduced after it (Megatron's column / row split over every chip). A weight with no such dim (norm scales,
+biases) is small and is held whole.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# a weight without a dim to take the batch axes is held whole on every chip below this size (norm scales,
+# biases, a small projection); larger ones keep their trainer layout (gathered each step, as before)
+WHOLE_BELOW_BYTES = 4 << 20
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def decode_spec(spec: P, shape: tuple[int, ...], itemsize: int, mesh: Mesh, slot_axes: tuple[str, ...]) -> P:
+    """A weight's decode layout (module doc): `spec` (its trainer layout on `mesh`) with the slot axes that split
+    it moved onto its tensor dim (or the dim after it), or dropped when it is small; `spec` when neither."""
+    sizes = dict(mesh.shape)
+    entries = [_entry_axes(e) for e in (*spec, *(None,) * (len(shape) - len(spec)))]
+    moving = tuple(a for a in slot_axes if sizes.get(a, 1) > 1 and any(a in e for e in entries))
+    if not moving:
+        return spec
+    base = [tuple(a for a in e if a not in moving) for e in entries]
+    ways = math.prod(sizes[a] for a in moving)
+    tensor_dims = [d for d, e in enumerate(base) if "tensor" in e]
+    candidates = tensor_dims + [d + 1 for d in tensor_dims if d + 1 < len(shape) and not base[d + 1]]
+    for d in candidates:
+        split = math.prod(sizes[a] for a in base[d])
+        if shape[d] % (split * ways) == 0:
+            base[d] = (*base[d], *moving)
+            return P(*(_entry(e) for e in base))
+    if math.prod(shape) * itemsize < WHOLE_BELOW_BYTES:
+        return P(*(_entry(e) for e in base))
+    return spec
+
+
+def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:
+    """The decode layout's NamedSharding of an array or ShapeDtypeStruct placed on `mesh`; its own sharding
+    (None where it has none) without slot axes or a NamedSharding."""
+    sharding = getattr(x, "sharding", None)
+    if mesh is None or not slot_axes or not isinstance(sharding, NamedSharding):
+        return sharding
+    return NamedSharding(mesh, decode_spec(sharding.spec, tuple(x.shape), x.dtype.itemsize, mesh, slot_axes))
+
+
+def decode_shardings(tree: Any, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:
+    """`decode_sharding` of every leaf of a tree of arrays or ShapeDtypeStructs (a leaf without one: None)."""
+    return jax.tree.map(lambda x: decode_sharding(x, mesh, slot_axes), tree)
