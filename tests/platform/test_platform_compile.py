@@ -275,7 +275,8 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
     temporaries under 10% of the pool; no copy of the pool. Before
     sampler/kv_bits.py's layout (rows written one scatter index each, head dims lane-padded) the TPU
     compiler kept the pool in a layout of its own and copied it into the kernel's: temporaries of
-    5.0x the pool here (Mosaic; 2.0x on the XLA path), 4-6x at Qwen2-0.5B's shape (bench/tpu_plan.py)."""
+    5.0x the pool here (Mosaic; 2.0x on the XLA path), 4-6x at Qwen2-0.5B's shape (bench/tpu_plan.py). The
+    decode step gathers its slots' rows, not the big weights."""
 
     overrides = {"actor_rollout_ref.rollout.engine": "paged", "actor_rollout_ref.model.dtype": "bfloat16",
                  "actor_rollout_ref.rollout.paged_attention": attention, "trainer.plan_topology": "v5e:2x2",
@@ -283,7 +284,9 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
                  "actor_rollout_ref.rollout.n": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
                  "actor_rollout_ref.model.tiny.num_hidden_layers": 8,
                  "actor_rollout_ref.model.tiny.max_position_embeddings": 1024,
-                 "actor_rollout_ref.model.tiny.hidden_size": 256}  # 4 heads of 64; 32 slots a chip of v5e:2x2
+                 "actor_rollout_ref.model.tiny.hidden_size": 256,  # 4 heads of 64; 32 slots a chip of v5e:2x2
+                 "actor_rollout_ref.model.tiny.intermediate_size": 1024,
+                 "actor_rollout_ref.model.tiny.vocab_size": 2048}
     program, compiled = _compiled_program(tmp_path, overrides, "sample")
     memory = compiled.memory_analysis()
     assert program.kv_bytes >= 64 * 2**20  # too large for the compiler to keep a copy in on-chip memory
@@ -293,6 +296,11 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
     assert pool_shapes, "the pool is stored lane-padded: [layers, kv heads, pages, page size, 128]"
     for shape in pool_shapes:
         assert not re.findall(re.escape(shape) + r"\{[^}]*\} copy(?:-start)?\(", text), shape
+    # the decode layout (sampler/engine/decode_layout.py): the MLP's and the embedding's weights stay split over
+    # the 4 chips (on their mlp / vocab dim) and a step gathers the slots' rows instead (with the trainer's FSDP
+    # layout every step gathered every layer's [256, 1024] MLP weights and the [2048, 256] embedding)
+    gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+    assert gathered and not [shape for shape in gathered if re.search(r"[\[,](1024|2048)[,\]]", shape)], gathered
 
 
 def test_deepseek_latent_pool_decodes_with_the_triton_kernel_on_gpu(tmp_path):
@@ -330,6 +338,11 @@ def test_deepseek_latent_pool_decodes_with_the_mosaic_kernel_on_tpu(tmp_path):
     assert pool_shapes
     for shape in pool_shapes:
         assert not re.findall(re.escape(shape) + r"\{[^}]*\} copy(?:-start)?\(", text), shape
+    # the decode layout (sampler/engine/decode_layout.py): the MLP's and the embedding's weights stay split over
+    # the 4 chips (on their mlp / vocab dim) and a step gathers the slots' rows instead (with the trainer's FSDP
+    # layout every step gathered every layer's [256, 1024] MLP weights and the [2048, 256] embedding)
+    gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+    assert gathered and not [shape for shape in gathered if re.search(r"[\[,](1024|2048)[,\]]", shape)], gathered
     assert program.kv_bytes > 0
 
 

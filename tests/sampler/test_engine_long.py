@@ -73,7 +73,8 @@ def test_a_32k_token_response_waits_for_pages_and_scores_like_the_trainer():
         cfg.eos_token_ids, PAD_ID, vocab_size=cfg.vocab_size)
     start = time.perf_counter()
     out, stats = engine.run(params, prompts, jax.random.key(0), knobs, settings, max_new_tokens=[new, 4096])
-    print(f"32k + 4k-token rollout of 2 requests: {time.perf_counter() - start:.1f} s, {stats.decode_steps} decode steps")
+    print(f"32k + 4k-token rollout of 2 requests: {time.perf_counter() - start:.1f} s, {stats.decode_steps} decode "
+          "steps")
     assert stats.waits_for_pages > 0 and stats.peak_pages_used <= spec.num_pages - 1
     np.testing.assert_array_equal(out.lengths, [new, 4096])
     assert np.all(np.asarray(out.finish_reason) == FINISH_LENGTH)

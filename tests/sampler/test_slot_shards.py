@@ -88,3 +88,41 @@ def test_host_bookkeeping_keeps_each_slot_in_its_shard():
     assert slot_shards.choose_shard({0: [1, 2, 3]}, free, pools, total=4, shared_n=2) == 0
     # nothing fits anywhere: the request waits
     assert slot_shards.choose_shard({}, [[], []], pools, total=1, shared_n=0) is None
+
+
+def test_the_decode_layout_moves_a_weights_fsdp_split_onto_its_tensor_dim():
+    """sampler/engine/decode_layout.py on fsdp=2 x tensor=4: a projection's fsdp split leaves its embed dim for its
+    mlp / heads / vocab dim (after 'tensor'), or the dim after it where that one does not divide; a small weight
+    without such a dim is held whole, a large one keeps the trainer's layout; nothing moves without slot axes."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl_llm.sampler.engine.decode_layout import WHOLE_BELOW_BYTES, decode_spec
+
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    axes = ("fsdp",)
+    assert decode_spec(P(None, "fsdp", "tensor"), (2, 64, 128), 2, mesh, axes) == P(None, None, ("tensor", "fsdp"))
+    assert decode_spec(P("tensor", "fsdp"), (256, 64), 2, mesh, axes) == P(("tensor", "fsdp"), None)  # embedding
+    # 4 heads split 4 ways leave no room for 'fsdp': it goes to the head dim
+    assert decode_spec(P(None, "fsdp", "tensor", None), (2, 64, 4, 16), 2, mesh, axes) == P(None, None, "tensor",
+                                                                                              "fsdp")
+    assert decode_spec(P("fsdp"), (64,), 4, mesh, axes) == P(None)  # a norm scale: whole
+    big = (WHOLE_BELOW_BYTES // 4 // 6 * 2, 6)  # no dim 'tensor' splits, too large to hold whole
+    assert decode_spec(P("fsdp", None), big, 4, mesh, axes) == P("fsdp", None)
+    assert decode_spec(P(None, "fsdp", "tensor"), (2, 64, 128), 2, mesh, ()) == P(None, "fsdp", "tensor")
+
+
+def test_the_engine_decodes_from_a_copy_in_the_decode_layout(llama_tiny):
+    """On fsdp8 the engine's copy of the weights (once per rollout) is cast to the compute dtype and laid out for
+    decoding, values unchanged; with the slots replicated, fp32 weights are read as they are (no copy)."""
+    from jaxrl_llm.sampler.engine import decode_layout
+
+    cfg, params = llama_tiny
+    mesh = sharding.make_mesh(MESHES["fsdp8"])
+    placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
+    copy = decode_layout.decode_weights(placed, "bfloat16", mesh, ("fsdp",))
+    for x, y in zip(jax.tree.leaves(placed), jax.tree.leaves(copy)):
+        assert y.sharding == decode_layout.decode_sharding(x, mesh, ("fsdp",))
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x.astype(y.dtype), np.float32))
+    mlp = copy["layers"]["mlp"]["up_proj"]["kernel"]
+    assert mlp.sharding.spec == jax.sharding.PartitionSpec(None, None, ("tensor", "fsdp"))
+    assert decode_layout.decode_weights(placed, "float32", mesh, ()) is placed

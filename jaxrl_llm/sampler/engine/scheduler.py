@@ -43,7 +43,6 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.decoder import unstack_layers
-from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
 from jaxrl_llm.models.moe import NOT_RECORDED
 from jaxrl_llm.sampler.cascade_attention import Cascade
 from jaxrl_llm.sampler.core import SampleOutput
@@ -82,27 +81,6 @@ class _Group:
 # slot-steps (bench/rollout.py's full size: 88% utilisation with 1/2, 1/4, 1/8; a host simulation of
 # its length mix gives ~94% with these six, 89% with six plain halvings down to 1/64).
 DRAIN_FRACTIONS = (3 / 4, 1 / 2, 3 / 8, 1 / 4, 1 / 8, 1 / 16)
-
-
-@functools.lru_cache(maxsize=8)
-def _weights_in(dtype: str, treedef: Any, shardings: tuple | None) -> Any:
-    """The jitted cast of a params tree's matmul weights to `dtype`, placed at `shardings` (its leaves', in order;
-    None: where the cast leaves them)."""
-    placed = None if shardings is None else jax.tree.unflatten(treedef, shardings)
-    return jax.jit(functools.partial(matmul_weights_in, dtype=dtype), out_shardings=placed)
-
-
-def _decode_weights(params: dict, compute_dtype: str, mesh: Mesh | None = None,
-                    slot_axes: tuple[str, ...] = ()) -> dict:
-    """`params` with their matmul weights in the compute dtype, in the decode layout where the slots are split
-    over `slot_axes` (engine/decode_layout.py); no copy when they already are both."""
-    leaves, treedef = jax.tree.flatten(params)
-    layout = jax.tree.leaves(decode_layout.decode_shardings(params, mesh, slot_axes))
-    moved = (len(layout) == len(leaves) and all(new is not None for new in layout)
-             and any(new != x.sharding for new, x in zip(layout, leaves)))
-    if not moved and not uncast_matmul_weights(params, as_jnp_dtype(compute_dtype)):
-        return params
-    return _weights_in(compute_dtype, treedef, tuple(layout) if moved else None)(params)
 
 
 def speculative_refusal(cfg: ModelConfig, speculative: SpeculativeSpec | None) -> str | None:
@@ -362,9 +340,9 @@ class PagedEngine:
             raise ValueError("draft_params: the draft model's params are needed exactly when rollout.speculative."
                              f"method='draft' (the engine's is {spec.speculative and spec.speculative.method!r})")
         # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
-        params = _decode_weights(params, self.compute_dtype, self.mesh, self.slot_axes)
+        params = decode_layout.decode_weights(params, self.compute_dtype, self.mesh, self.slot_axes)
         if draft_params is not None:
-            draft_params = _decode_weights(draft_params, self.compute_dtype, self.mesh, self.slot_axes)
+            draft_params = decode_layout.decode_weights(draft_params, self.compute_dtype, self.mesh, self.slot_axes)
         # the decode loop's own layout of them (rollout.unroll_layers: per-layer arrays, a copy while the run
         # lasts); prefill keeps the stacked ones
         step_params, step_draft = params, draft_params
