@@ -8,7 +8,8 @@ with the chips. With `EngineSpec.slot_shards` = D > 1 (`engine_spec` sets it to 
 - the pool's page axis is split D ways, and a slot's page table holds page ids local to its shard (each
   shard's page 0 is its own scratch page); the scheduler keeps one page pool per shard
   (engine/scheduler.py), and a prompt's shared pages live in each shard that holds one of its samples;
-- the decoder's matmuls see the slots split over the batch axes, as the trainer's rows are; every read and
+- the decoder's matmuls see the slots split over the batch axes, as the trainer's rows are, and read weights
+  that stay split in place (engine/decode_layout.py: a step moves rows, not weights); every read and
   write of the pool by page id (a decode step's token writes and its attention, a prompt's KV written by
   `insert`) runs per shard under `shard_map` over (batch axes, 'tensor' for the kv heads where they divide
   it), where the ids are local and each kernel sees its shard's slots and pages only.
