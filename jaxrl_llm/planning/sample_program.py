@@ -124,7 +124,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll, mesh, slot_axes)]
     make = functools.partial(decode_state.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
-    shardings = decode_state.state_sharding(abstract, cfg, mesh, slot_shards.slot_axes(mesh, engine.slot_shards))
+    shardings = decode_state.state_sharding(abstract, cfg, mesh, slot_axes)
     state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
 
     draft = None  # a draft model's params (speculative method 'draft'), placed as the policy's shapes are
@@ -150,11 +150,12 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         return lower_for(engine_programs.generate, platforms, weights[0].params, unrolled(cfg, unroll), pooled,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative,
-                      slot_axes=slot_shards.slot_axes(mesh, engine.slot_shards))
+                      slot_axes=slot_axes)
 
     total_cost = functools.partial(_rollout_cost, ctx, engine, rows=rows, n=settings.n, r=settings.max_new_tokens,
                                    shared_tokens=_cascade_shared_tokens(ctx, engine, groups is not None),
-                                   weight_bytes=bytes_per_device(weights[0].params))
+                                   weight_bytes=bytes_per_device(weights[0].params),
+                                   weight_split=_weight_split(weights[0].params))
     keys = (f"{ARR}.rollout.max_num_seqs={opts.max_num_seqs} (decode slots: {engine.max_num_seqs} here)",
             f"{ARR}.rollout.gpu_memory_utilization={opts.gpu_memory_utilization} (caps the KV pool)",
             f"{ARR}.rollout.kv_cache_dtype={opts.kv_cache_dtype}",
@@ -208,17 +209,24 @@ def _padded_rows(cfg: ModelConfig, page_size: int, members: int = 1) -> float:
     return -(-rows // blocks[0]) * blocks[0] / rows
 
 
+def _weight_split(params: Params) -> float:
+    """How many ways abstract `params` (with shardings) are split on average: their bytes over a device's."""
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return total / max(bytes_per_device(params), 1)
+
+
 def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, rows: int, n: int, r: int,
-                  shared_tokens: int, weight_bytes: int) -> Cost:
+                  shared_tokens: int, weight_bytes: int, weight_split: float) -> Cost:
     """The paged engine's rollout of `rows` sequences of r new tokens (worst case: every one r long), per
     device, from one decode `step`'s compiled count (all layers): the steps its slots need (as many
     sequences at once as the slots and the pool's pages hold, a prompt's pages shared by its n samples),
     plus what the compiled step cannot count: the attention kernel's K/V reads and products (a custom call),
     every step's keys from the prompt (`shared_tokens` of them read once per group: cascade attention) and the
     response so far; and the prefill of each prompt (one call per prompt, not planned: its weights read once and
-    2N FLOPs per token on every device, split over 'tensor' only). The pool is split over the kv
-    heads on 'tensor' and, with slot shards (engine/slot_shards.py), its slots over the batch axes: a device
-    reads its kv heads of its shard's slots. `step` comes without the bytes the compiled count charges in
+    2N FLOPs per token, split as the decode weights are: `weight_split`, their bytes over a device's; one prompt's
+    rows cannot split over the batch axes, its weights' columns can: engine/decode_layout.py). The pool is split
+    over the kv heads on 'tensor' and, with slot shards (engine/slot_shards.py), its slots over the batch axes: a
+    device reads its kv heads of its shard's slots. `step` comes without the bytes the compiled count charges in
     proportion to the pool (`Planner.costed`)."""
     cfg, mesh = ctx.actor.cfg, ctx.mesh
     prompt, ps = ctx.prompt_width, engine.page_size
@@ -241,6 +249,6 @@ def _rollout_cost(ctx: Context, engine: Any, plan: BatchPlan, step: Cost, *, row
     prompts = -(-rows // n)
     prefill_flops = prompts * prompt * per_token_forward_flops(
         active_params(cfg, ctx.actor.num_params), cfg.num_hidden_layers, cfg.attention_width,
-        (prompt + 1) / 2) / tensor  # one prompt a call: its rows cannot split over the batch axes
+        (prompt + 1) / 2) / weight_split
     return step * steps + Cost(flops=attention_flops + prefill_flops,
                                hbm_bytes=keys_read * key_bytes + prompts * weight_bytes)

@@ -201,10 +201,15 @@ def test_the_rollouts_decode_attention_counts_mlas_absorbed_width():
         ctx = SimpleNamespace(actor=SimpleNamespace(cfg=cfg, num_params=params), prompt_width=prompt,
                               mesh=SimpleNamespace(shape={}, size=1),
                               spec=SimpleNamespace(actor=SimpleNamespace(compute_dtype="bfloat16")))
-        cost = _rollout_cost(ctx, engine, None, Cost(), rows=rows, n=n, r=r, shared_tokens=0, weight_bytes=0)
+        cost = _rollout_cost(ctx, engine, None, Cost(), rows=rows, n=n, r=r, shared_tokens=0, weight_bytes=0,
+                             weight_split=1.0)
         keys_read = rows * r * (prompt + (r + 1) / 2)
         prefill = rows // n * prompt * per_token_forward_flops(params, 4, cfg.attention_width, (prompt + 1) / 2)
         assert cost.flops == pytest.approx(4.0 * 4 * cfg.decode_attention_width * keys_read + prefill)
+        # decode weights split 4 ways (engine/decode_layout.py): a device runs a quarter of each prompt's prefill
+        split = _rollout_cost(ctx, engine, None, Cost(), rows=rows, n=n, r=r, shared_tokens=0, weight_bytes=0,
+                              weight_split=4.0)
+        assert cost.flops - split.flops == pytest.approx(prefill * 3 / 4)
 
 
 def test_the_rollouts_decode_attention_counts_every_pair_and_the_modes_padded_tiles():
@@ -233,7 +238,7 @@ def test_the_rollouts_decode_attention_counts_every_pair_and_the_modes_padded_ti
                               spec=SimpleNamespace(actor=SimpleNamespace(compute_dtype="bfloat16")))
         with compiling_for(CompileTarget("tpu", None)):
             return _rollout_cost(ctx, engine, None, Cost(), rows=rows, n=n, r=r, shared_tokens=shared_tokens,
-                                 weight_bytes=0)
+                                 weight_bytes=0, weight_split=1.0)
 
     prefill = rows // n * prompt * per_token_forward_flops(params, 24, cfg.attention_width, (prompt + 1) / 2)
     pair_flops = 4.0 * 24 * cfg.attention_width  # per (query, key) pair, all layers
