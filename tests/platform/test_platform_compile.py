@@ -301,6 +301,10 @@ def test_the_samplers_temporaries_stay_under_a_tenth_of_its_pool_on_tpu(tmp_path
     # layout every step gathered every layer's [256, 1024] MLP weights and the [2048, 256] embedding)
     gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
     assert gathered and not [shape for shape in gathered if re.search(r"[\[,](1024|2048)[,\]]", shape)], gathered
+    # nor q_proj's / o_proj's ([256, 4 heads, 64], split over the heads): q / k / v and the attention's output
+    # move into and out of the slot shards (engine/forward.py)
+    weights = r"\[(1,)?(256,4,64|256,256|4,(1,)?64,256)\]"
+    assert not [shape for shape in gathered if re.search(weights, shape)], gathered
 
 
 def test_deepseek_latent_pool_decodes_with_the_triton_kernel_on_gpu(tmp_path):
@@ -343,6 +347,10 @@ def test_deepseek_latent_pool_decodes_with_the_mosaic_kernel_on_tpu(tmp_path):
     # layout every step gathered every layer's [256, 1024] MLP weights and the [2048, 256] embedding)
     gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
     assert gathered and not [shape for shape in gathered if re.search(r"[\[,](1024|2048)[,\]]", shape)], gathered
+    # nor q_proj's / o_proj's ([256, 4 heads, 64], split over the heads): q / k / v and the attention's output
+    # move into and out of the slot shards (engine/forward.py)
+    weights = r"\[(1,)?(256,4,64|256,256|4,(1,)?64,256)\]"
+    assert not [shape for shape in gathered if re.search(weights, shape)], gathered
     assert program.kv_bytes > 0
 
 

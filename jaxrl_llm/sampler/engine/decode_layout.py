@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
+from jaxrl_llm.sharding.rules import logical_to_spec
 
 # a weight without a dim to take the batch axes is held whole on every chip below this size (norm scales,
 # biases, a small projection); larger ones keep their trainer layout (gathered each step, as before)
@@ -59,6 +60,23 @@ def decode_spec(spec: P, shape: tuple[int, ...], itemsize: int, mesh: Mesh, slot
     if math.prod(shape) * itemsize < WHOLE_BELOW_BYTES:
         return P(*(_entry(e) for e in base))
     return spec
+
+
+def head_rows_spec(mesh: Mesh, slot_axes: tuple[str, ...], hidden: int, heads: int, head_dim: int,
+                   heads_name: str = "heads") -> P | None:
+    """The split of a decode step's q (or k / v: `heads_name` 'kv_heads') rows [S, 1, heads, head_dim] that its
+    projection in the decode layout produces from whole rows (the weight's heads split, rows whole), or None
+    where the projection keeps the trainer's layout or splits its head dim. Constrained to it, a step all-gathers
+    its [S, hidden] rows into the projection and all-to-alls its q / k / v into the attention's slot shards; left
+    to itself XLA gathered each layer's projection weights instead (engine/forward.py)."""
+    shape = (hidden, heads, head_dim)
+    trainer = logical_to_spec(("embed", heads_name, "head_dim"), shape, mesh)
+    decode = tuple(decode_spec(trainer, shape, 2, mesh, slot_axes)) + (None,) * 3
+    if decode[:3] == (tuple(trainer) + (None,) * 3)[:3] or decode[2] != (tuple(trainer) + (None,) * 3)[2]:
+        # kept, or split on the head dim: RoPE pairs a head's dims across the split, and XLA then gathers the
+        # weight whatever the rows' layout (a v5e compile: the k / v weights of 2 kv heads on 4 chips)
+        return None
+    return P(None, None, decode[1], decode[2])
 
 
 def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:

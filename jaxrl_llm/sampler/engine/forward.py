@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import DType
@@ -40,7 +40,7 @@ from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
 from jaxrl_llm.models.hybrid import HybridState
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.engine import slot_shards
+from jaxrl_llm.sampler.engine import decode_layout, slot_shards
 from jaxrl_llm.sampler.kv_bits import write_rows
 from jaxrl_llm.sampler.kv_shards import kv_head_axis
 from jaxrl_llm.sampler.paged_attention import paged_decode_attention
@@ -133,7 +133,17 @@ def paged_attention(cfg: ModelConfig, page_size: int, page_table: Array, positio
         in_specs = (per_head, per_head, per_head, pools, P(), P(heads), rows, rows, rows, rows, groups)
         run = slot_shards.per_slot_shard(functools.partial(write_and_attend, kernel_mesh=None), mesh, in_specs,
                                          (per_head, pools))
-        return run(*args)
+        if cfg.kv_lora_rank:  # MLA's q / k are in its latent space: no projection of the rules' shape
+            return run(*args)
+        # q / k / v as the decode layout's projections produce them from whole rows, and the output as o_proj
+        # (split as q_proj is) takes it: the rows move, not the weights (engine/decode_layout.py)
+        whole = [decode_layout.head_rows_spec(mesh, slot_axes, cfg.hidden_size, x.shape[2], x.shape[3], name)
+                 for x, name in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads"))]
+        placed = [x if spec is None else lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+                  for x, spec in zip((q, k, v), whole)]
+        out, pool = run(*placed, *args[3:])
+        return (out if whole[0] is None else lax.with_sharding_constraint(out, NamedSharding(mesh, whole[0])),
+                pool)
 
     return attention
 
