@@ -71,10 +71,13 @@ def head_rows_spec(mesh: Mesh, slot_axes: tuple[str, ...], hidden: int, heads: i
     to itself XLA gathered each layer's projection weights instead (engine/forward.py)."""
     shape = (hidden, heads, head_dim)
     trainer = logical_to_spec(("embed", heads_name, "head_dim"), shape, mesh)
+    before = tuple(trainer) + (None,) * 3
     decode = tuple(decode_spec(trainer, shape, 2, mesh, slot_axes)) + (None,) * 3
-    if decode[:3] == (tuple(trainer) + (None,) * 3)[:3] or decode[2] != (tuple(trainer) + (None,) * 3)[2]:
-        # kept, or split on the head dim: RoPE pairs a head's dims across the split, and XLA then gathers the
-        # weight whatever the rows' layout (a v5e compile: the k / v weights of 2 kv heads on 4 chips)
+    moved = set(_entry_axes(decode[1])) - set(_entry_axes(before[1]))
+    if decode[2] != before[2] or moved != {a for a in slot_axes if dict(mesh.shape).get(a, 1) > 1}:
+        # kept, split on the head dim (RoPE pairs a head's dims across the split, and XLA then gathered the weight
+        # whatever the rows' layout: the k / v of 2 kv heads on 4 chips of v5e), or heads split over some of the
+        # slot axes only (a slot shard's rows then reach their heads by no one collective: XLA gathers them whole)
         return None
     return P(None, None, decode[1], decode[2])
 
