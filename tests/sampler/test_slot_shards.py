@@ -93,10 +93,11 @@ def test_host_bookkeeping_keeps_each_slot_in_its_shard():
 def test_the_decode_layout_moves_a_weights_fsdp_split_onto_its_tensor_dim():
     """sampler/engine/decode_layout.py on fsdp=2 x tensor=4: a projection's fsdp split leaves its embed dim for its
     mlp / heads / vocab dim (after 'tensor'), or the dim after it where that one does not divide; a small weight
-    without such a dim is held whole, a large one keeps the trainer's layout; nothing moves without slot axes."""
+    without such a dim is held whole, a large one keeps the trainer's layout; nothing moves without slot axes; the
+    q rows a step constrains follow a heads split over every slot axis, and only that."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxrl_llm.sampler.engine.decode_layout import WHOLE_BELOW_BYTES, decode_spec
+    from jaxrl_llm.sampler.engine.decode_layout import WHOLE_BELOW_BYTES, decode_spec, head_rows_spec
 
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
     axes = ("fsdp",)
@@ -109,6 +110,11 @@ def test_the_decode_layout_moves_a_weights_fsdp_split_onto_its_tensor_dim():
     big = (WHOLE_BELOW_BYTES // 4 // 6 * 2, 6)  # no dim 'tensor' splits, too large to hold whole
     assert decode_spec(P("fsdp", None), big, 4, mesh, axes) == P("fsdp", None)
     assert decode_spec(P(None, "fsdp", "tensor"), (2, 64, 128), 2, mesh, ()) == P(None, "fsdp", "tensor")
+    # a step's q rows [S, 1, heads, head_dim] as the projection makes them from whole rows: over its heads split only
+    assert head_rows_spec(mesh, axes, 64, 8, 16) == P(None, None, ("tensor", "fsdp"), None)
+    assert head_rows_spec(mesh, axes, 64, 4, 16) is None  # its head dim split: RoPE pairs across it
+    wide = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})  # 'data' splits the slots, not the weights
+    assert head_rows_spec(wide, ("data", "fsdp"), 64, 8, 16) is None
 
 
 def test_the_engine_decodes_from_a_copy_in_the_decode_layout(llama_tiny):
