@@ -91,11 +91,6 @@ def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> An
     return NamedSharding(mesh, decode_spec(sharding.spec, tuple(x.shape), x.dtype.itemsize, mesh, slot_axes))
 
 
-def decode_shardings(tree: Any, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:
-    """`decode_sharding` of every leaf of a tree of arrays or ShapeDtypeStructs (a leaf without one: None)."""
-    return jax.tree.map(lambda x: decode_sharding(x, mesh, slot_axes), tree)
-
-
 @functools.lru_cache(maxsize=8)
 def _weights_in(dtype: str, treedef: Any, shardings: tuple | None) -> Any:
     """The jitted cast of a params tree's matmul weights to `dtype`, placed at `shardings` (its leaves', in order;
@@ -109,9 +104,8 @@ def decode_weights(params: dict, compute_dtype: str, mesh: Mesh | None = None,
     """`params` with their matmul weights in the compute dtype, in the decode layout where the slots are split
     over `slot_axes` (module doc): the engine's copy, made once per rollout; no copy when they already are both."""
     leaves, treedef = jax.tree.flatten(params)
-    layout = jax.tree.leaves(decode_shardings(params, mesh, slot_axes))
-    moved = (len(layout) == len(leaves) and all(new is not None for new in layout)
-             and any(new != x.sharding for new, x in zip(layout, leaves)))
+    layout = [decode_sharding(x, mesh, slot_axes) for x in leaves]
+    moved = all(new is not None for new in layout) and any(new != x.sharding for new, x in zip(layout, leaves))
     if not moved and not uncast_matmul_weights(params, as_jnp_dtype(compute_dtype)):
         return params
     return _weights_in(compute_dtype, treedef, tuple(layout) if moved else None)(params)
