@@ -4,11 +4,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import pathlib
 import shutil
 import tempfile
 from typing import Any, Protocol
+
+from jaxrl_llm.cache_dirs import cache_root
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -78,11 +79,9 @@ def _load_tokenizer_cached(path_str: str, stamp: int | None) -> Tokenizer:
 
 
 def tokenizer_cache_dir() -> pathlib.Path:
-    """Where tokenizers built from GGUF files are kept as HF folders: `$JAXRL_LLM_CACHE_DIR/tokenizers`,
-    else `$XDG_CACHE_HOME/jaxrl_llm/tokenizers` (default `~/.cache`)."""
-    root = os.environ.get("JAXRL_LLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxrl_llm")
-    return pathlib.Path(root) / "tokenizers"
+    """Where tokenizers built from GGUF files are kept as HF folders: `tokenizers` under jaxrl_llm's cache
+    root (cache_dirs.py)."""
+    return cache_root() / "tokenizers"
 
 
 def _gguf_tokenizer(path: pathlib.Path) -> Any:

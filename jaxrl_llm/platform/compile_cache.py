@@ -25,6 +25,8 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxrl_llm.cache_dirs import cache_root
+
 # 'auto' picks a local folder of its own: least recently used entries go past this size
 AUTO_CACHE_BYTES = 10 * 2**30
 
@@ -36,7 +38,8 @@ def jax_setting(name: str) -> Any:
 
 def compilation_cache_dir(setting: str | None, processes: int = 1) -> str | None:
     """The folder `trainer.compilation_cache_dir` names in a run of `processes` JAX processes: 'auto' ->
-    $JAX_COMPILATION_CACHE_DIR when set, else <$XDG_CACHE_HOME or ~/.cache>/jaxrl_llm/xla with one process and
+    $JAX_COMPILATION_CACHE_DIR when set, else `xla` under jaxrl_llm's cache root (cache_dirs.py: by default
+    <$XDG_CACHE_HOME or ~/.cache>/jaxrl_llm) with one process and
     None with several (module doc), None where $JAX_ENABLE_COMPILATION_CACHE is false; None or '' -> None (no
     cache); a path (~ expanded) or a gs:// URL as it is."""
     if not setting:
@@ -49,8 +52,7 @@ def compilation_cache_dir(setting: str | None, processes: int = 1) -> str | None
             return from_env
         if processes > 1:
             return None
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return os.path.join(root, "jaxrl_llm", "xla")
+        return str(cache_root() / "xla")
     return setting if "://" in setting else os.path.expanduser(setting)
 
 

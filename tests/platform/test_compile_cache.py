@@ -10,7 +10,9 @@ import pytest
 from tiny_runs import tiny_config
 
 from jaxrl_llm.config import apply_overrides, validate_config
+from jaxrl_llm.hf.tokenizer import tokenizer_cache_dir
 from jaxrl_llm.platform.compile_cache import AUTO_CACHE_BYTES, compilation_cache_dir, jax_setting, use_compilation_cache
+from jaxrl_llm.sampler import native
 
 
 @pytest.fixture
@@ -40,6 +42,7 @@ def _entries(folder) -> set[str]:
 
 
 def test_each_setting_names_its_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXRL_LLM_CACHE_DIR", raising=False)  # the suite's (tests/conftest.py)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/shared/xla")
     assert compilation_cache_dir("auto") == "/shared/xla"  # the environment's, as JAX itself reads it
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
@@ -48,6 +51,13 @@ def test_each_setting_names_its_folder(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compilation_cache_dir("auto") == str(tmp_path / "home" / ".cache" / "jaxrl_llm" / "xla")
+    monkeypatch.setenv("JAXRL_LLM_CACHE_DIR", str(tmp_path / "scratch"))  # jaxrl_llm's caches, all moved
+    assert compilation_cache_dir("auto") == str(tmp_path / "scratch" / "xla")
+    assert tokenizer_cache_dir() == tmp_path / "scratch" / "tokenizers"
+    assert native._cache_dir() == tmp_path / "scratch" / "native"
+    monkeypatch.setenv("JAXRL_LLM_NATIVE_CACHE", str(tmp_path / "kernel"))  # the kernel's own, first
+    assert native._cache_dir() == tmp_path / "kernel"
+    monkeypatch.delenv("JAXRL_LLM_CACHE_DIR")
     assert compilation_cache_dir("~/xla") == str(tmp_path / "home" / "xla")
     assert compilation_cache_dir("gs://bucket/xla") == "gs://bucket/xla"
     assert compilation_cache_dir(None) is None and compilation_cache_dir("") is None
@@ -86,6 +96,7 @@ def test_a_program_compiled_once_is_read_back_and_none_turns_the_cache_off(tmp_p
 
 def test_auto_without_a_folder_from_the_environment_keeps_a_bounded_one_of_its_own(monkeypatch, tmp_path, cache_hits):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.delenv("JAXRL_LLM_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder = tmp_path / "jaxrl_llm" / "xla"
     assert use_compilation_cache("auto") == str(folder)

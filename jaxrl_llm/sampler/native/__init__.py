@@ -10,10 +10,10 @@ its page table, 16 keys at a time in vector registers (7.5x the XLA path per lay
 CPU.
 
 Build: the C++ source is compiled with the host's C++ compiler (`$CXX`, else g++) against
-jaxlib's FFI headers into a cache folder (`$JAXRL_LLM_NATIVE_CACHE`, else
-~/.cache/jaxrl_llm/native), keyed by the source, the headers, the compiler and the CPU's
-instruction-set flags (it is built for the host CPU, -march=native), written to a temporary name and
-renamed, so concurrent processes never load a half-written library; a lock file in the folder makes
+jaxlib's FFI headers into a cache folder (`$JAXRL_LLM_NATIVE_CACHE`, else `native` under jaxrl_llm's
+cache root, cache_dirs.py: ~/.cache/jaxrl_llm/native by default), keyed by the source, the headers, the
+compiler and the CPU's instruction-set flags (it is built for the host CPU, -march=native), written to a
+temporary name and renamed, so concurrent processes never load a half-written library; a lock file in the folder makes
 processes that start together wait for one build. Without a compiler (or if the
 build fails) `available()` is False with the reason in `unavailable_reason()`, and
 `rollout.paged_attention='auto'` keeps the XLA path.
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_llm.cache_dirs import cache_root
 from jaxrl_llm.sampler.kv_shards import per_kv_head_shard
 
 Array = jax.Array
@@ -66,7 +67,7 @@ def compiler() -> str | None:
 
 def _cache_dir() -> pathlib.Path:
     root = os.environ.get("JAXRL_LLM_NATIVE_CACHE")
-    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "jaxrl_llm" / "native"
+    return pathlib.Path(root) if root else cache_root() / "native"
 
 
 def build() -> pathlib.Path:
