@@ -456,7 +456,7 @@ def _profile_update(tiny: bool, trace: pathlib.Path) -> dict:
             trainer.fit()
     finally:
         TrainedRole.update = real
-    # the update's cost only (its compiles with two layers per scan trip): the other programs' are not reported
+    # the update's cost only (its compile with the layer twice per scan trip): the other programs' are not reported
     plan = plan_memory(trainer.spec, trainer.mesh, trainer.tokenizer, check=False, costs=("update_actor",))
     estimate = plan.roofline(plan.program("update_actor"))
     ops = by_family(op_families(trace, exact=True))

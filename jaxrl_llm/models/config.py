@@ -158,10 +158,11 @@ class ModelConfig:
     moe_chunk_rows: int = 65536
     # attention under context parallelism (CONTEXT_ATTENTION; the config's mesh.context_attention)
     context_attention: str = "ring"
-    # layers per trip of the layer scan (`lax.scan(unroll=...)` in models/decoder.py); same numbers
-    # either way. The memory plan lowers with 2 to count one layer's FLOPs, which XLA's cost analysis sees once per
-    # loop body (planning/memory.py); runs keep 1.
-    scan_unroll: int = 1
+    # times each trip of the layer scan runs its layer (models/remat.py `scan_step`); runs keep 1. The memory
+    # plan compiles a program with 2 to count one layer's cost, which XLA's cost analysis sees once per loop body
+    # (planning/memory.py). Not `lax.scan(unroll=2)`: the TPU compiler moves an unrolled trip's two-layer weight
+    # slabs differently (a scan of 17 MB layers: 70 MB more a trip, planning/hbm_bytes.py; 87 MB by XLA's count).
+    scan_repeat: int = 1
     # every sum of a token's row in an order independent of the other rows (models/invariant.py): the
     # sampler's log-probs equal the trainer's bit for bit (actor_rollout_ref.model.batch_invariant)
     batch_invariant: bool = False

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +76,7 @@ from jaxrl_llm.models.hybrid import hybrid_decoder_hidden
 from jaxrl_llm.models.lora import LoraAdapters
 from jaxrl_llm.models.mla import mla_attention_block
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
-from jaxrl_llm.models.remat import checkpoint_policy, remat_name
+from jaxrl_llm.models.remat import scan_step
 from jaxrl_llm.sharding.mesh import context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
@@ -329,10 +329,8 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
             moe = (moe[0], None)
         return (x, state, index + 1), moe
 
-    step: Callable = layer
-    if remat_name(remat) != "none":  # prevent_cse=False: the layers run under scan, which keeps them apart
-        step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
     if isinstance(layers, tuple):  # unstacked (`unstack_layers`): one call per layer, each its own arrays
+        step = scan_step(layer, remat)
         carry, outs = (x, state, jnp.int32(0)), []
         for i, weights in enumerate(layers):
             layer_lora = jax.tree.map(operator.itemgetter(i), lora_layers)
@@ -340,8 +338,8 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
             outs.append(out)
         (x, state, _), moe = carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
     else:
-        (x, state, _), moe = lax.scan(step, (x, state, jnp.int32(0)), (layers, lora_layers, replay),
-                                      unroll=cfg.scan_unroll)
+        (x, state, _), moe = lax.scan(scan_step(layer, remat, cfg.scan_repeat), (x, state, jnp.int32(0)),
+                                      (layers, lora_layers, replay))
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
 

@@ -12,7 +12,7 @@
   host memory it falls back to `dots_with_no_batch_dims_saveable` with one warning.
 
 The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `jax.checkpoint`
-takes (models/decoder.py checkpoints each layer).
+takes, and `scan_step` the layer scans' trip body (models/decoder.py, gemma4.py, hybrid.py).
 """
 from __future__ import annotations
 
@@ -74,3 +74,21 @@ def checkpoint_policy(name: bool | str | None) -> Callable[..., bool] | None:
                   "memory); using dots_with_no_batch_dims_saveable instead", jax.default_backend())
         return cp.dots_with_no_batch_dims_saveable
     return cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host")
+
+
+def scan_step(layer: Callable, remat: bool | str | None, repeat: int = 1) -> Callable:
+    """A layer scan's trip body: `layer` (carry, xs) -> (carry, out), checkpointed by the remat policy and, where
+    `repeat` > 1, run that many times per trip on the trip's weights (`ModelConfig.scan_repeat`: the memory plan
+    compiles a program with 2 so that XLA's count, which holds a loop body once, holds 2 layers; the
+    difference is one layer's cost). Repeats return the last one's `out`, of the shape a run returns."""
+    step = layer
+    if remat_name(remat) != "none":  # prevent_cse=False: the layers run under scan, which keeps them apart
+        step = jax.checkpoint(layer, prevent_cse=False, policy=checkpoint_policy(remat))
+    if repeat == 1:
+        return step
+
+    def repeated(carry: Any, xs: Any) -> tuple[Any, Any]:
+        for _ in range(repeat):
+            carry, out = step(carry, xs)
+        return carry, out
+    return repeated

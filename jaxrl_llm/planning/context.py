@@ -39,7 +39,7 @@ class Program:
     """One program of the step, ready to lower for a given `BatchPlan`."""
 
     name: str
-    # (plan, unroll=1, platforms=None) -> jax.stages.Lowered; unroll: layers per layer-scan trip;
+    # (plan, repeat=1, platforms=None) -> jax.stages.Lowered; repeat: layers per layer-scan trip (scan_repeat);
     # platforms: lower for those instead of the mesh's devices (("cuda",) from a CPU host)
     lower: Callable[..., Any]
     state_args: tuple[str, ...]  # the persistent states (see `State`) among its arguments
@@ -64,6 +64,9 @@ class Program:
     model_flops: Callable[[BatchPlan], float] | None = None
     # pages of the KV pool among its arguments (the paged sampler; `lower(..., pool_pages=p)` lowers it on p)
     pool_pages: int = 0
+    # what one call moves outside its loops is counted once, not per trip of `total_cost` (the paged sampler: a
+    # decode call's prologue is not a decode step's work)
+    prologue_once: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +146,9 @@ def lower_for(jitted: Any, platforms: tuple[str, ...] | None, *args: Any, **kwar
     return jitted.trace(*args, **kwargs).lower(lowering_platforms=tuple(platforms))
 
 
-def unrolled(cfg: ModelConfig, unroll: int) -> ModelConfig:
-    return cfg if unroll == cfg.scan_unroll else dataclasses.replace(cfg, scan_unroll=unroll)
+def repeated(cfg: ModelConfig, repeat: int) -> ModelConfig:
+    """`cfg` whose layer scans run each trip's layer `repeat` times (`ModelConfig.scan_repeat`)."""
+    return cfg if repeat == cfg.scan_repeat else dataclasses.replace(cfg, scan_repeat=repeat)
 
 
 def abstract_arrays(tree: ArrayTree, shardings: ShardingTree, dtype: DType | None = None) -> ArrayTree:

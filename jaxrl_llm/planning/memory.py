@@ -9,7 +9,7 @@ while the actor updates, or the fp32 masters while the paged engine decodes from
 copy), so `total` is what the device holds while the program runs. The row
 also names the params / optimizer state / KV cache it holds, its FLOPs
 (`compiled.cost_analysis()`, whose loop bodies XLA counts once: one layer's count, read from the
-program lowered with two layers per layer-scan trip, is added for the other layers, and the sum
+program lowered with each layer-scan trip running its layer twice, is added for the other layers, and the sum
 is multiplied by the loop trips the plan knows) and FLOPs / the device's measured matmul peak as
 a time estimate. The vocabulary chunks of the fused log-prob head (losses/logprob.py) are a loop
 too, counted once (one 2048-token-chunk of the head).
@@ -53,13 +53,20 @@ from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.planning.context import Context, Program, bytes_per_device, device_state_bytes, make_context
+from jaxrl_llm.planning.hbm_bytes import outside_loops_bytes
 from jaxrl_llm.planning.levers import fit_with_levers
 from jaxrl_llm.planning.programs import PROGRAM_BUILDERS
 from jaxrl_llm.planning.report import GiB, MemoryPlan, ProgramMemory, hosts_lines
 from jaxrl_llm.planning.roofline import Cost, compiled_cost
 from jaxrl_llm.platform.chips import Chip, chip_for
 from jaxrl_llm.platform.lowering import kernel_calls
-from jaxrl_llm.platform.target import CompileTarget, compiling_for, planning_in_use, target_memory_bytes
+from jaxrl_llm.platform.target import (
+    CompileTarget,
+    compiling_for,
+    planning_in_use,
+    target_memory_bytes,
+    target_platform,
+)
 from jaxrl_llm.platform.tpu import TpuTarget, tpu_target
 from jaxrl_llm.roles.vision import with_vision_tokens
 from jaxrl_llm.sharding.mesh import mesh_context, slice_of
@@ -151,7 +158,9 @@ class Planner:
             alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
             code_bytes=int(mem.generated_code_size_in_bytes), resident_bytes=resident, params_bytes=params,
             opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
-            counted=compiled_cost(compiled, text), kernels=self._kernels(text))
+            counted=compiled_cost(compiled, text), kernels=self._kernels(text),
+            outside_loops_hbm=(outside_loops_bytes(text) if program.prologue_once and target_platform() == "tpu"
+                               else None))
         return out
 
     def _kernels(self, text: str) -> tuple[tuple[str, int], ...]:
@@ -162,8 +171,8 @@ class Planner:
 
     def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         """`analyse`'s row with the program's whole cost (planning/roofline.py): the compiled counts with one
-        layer's count, from the program compiled again with k layers per scan trip (the smallest k > 1 that
-        divides the layer count), added for the other layers, then its loops' trips (`Program.total_cost`).
+        layer's count, from the program compiled again with each scan trip running its layer twice
+        (`ModelConfig.scan_repeat`), added for the other layers, then its loops' trips (`Program.total_cost`).
         A program that did not compile has none."""
         row = self.analyse(program, plan)
         if row.counted is None:
@@ -173,18 +182,18 @@ class Planner:
         if key not in _CACHE:
             layer = Cost()
             if program.layers > 1:
-                # k layers a trip, k dividing the layer count (an odd count with 2 a trip peels a layer off
-                # the loop, which the count then holds besides the body): k - 1 layers more than one a trip
-                k = next(d for d in range(2, program.layers + 1) if program.layers % d == 0)
+                # the layer twice a trip: one layer more than the count. (Not `lax.scan(unroll=2)`: the TPU
+                # compiler's count of an unrolled trip charges its two-layer weight slabs several times over.)
                 try:
-                    more = compiled_cost(program.lower(plan, unroll=k).compile()) - row.counted
-                    layer = (more * (1.0 / (k - 1))).at_least_zero()
+                    more = compiled_cost(program.lower(plan, repeat=2).compile()) - row.counted
+                    layer = more.at_least_zero()
                 except Exception as err:  # the TPU compiler refuses it for lack of HBM
                     if exhausted_bytes(err) is None:
                         raise
-                    log.warning("memory plan: %s with two layers per scan trip did not compile (%s); its cost "
+                    log.warning("memory plan: %s with its layer twice per scan trip did not compile (%s); its cost "
                                 "counts one layer", program.name, str(err).splitlines()[0][:120])
-            body = row.counted + layer * (program.layers - 1)
+            once = Cost(hbm_bytes=row.outside_loops_hbm or 0.0)  # a call's prologue: not a trip's work
+            body = (row.counted - once).at_least_zero() + layer * (program.layers - 1)
             if program.pool_pages > 2:
                 # XLA's generic cost model (CPU, GPU) charges an in-place scatter or a gather on the KV pool
                 # with the whole pool (measured on CPU: a 256-row write into a 400 MB pool counted 800 MB);
@@ -195,9 +204,9 @@ class Planner:
                 per_layer = max(row.counted.hbm_bytes - half.hbm_bytes, 0.0) * 2
                 body = (body - Cost(hbm_bytes=per_layer * program.layers)).at_least_zero()
             if program.total_cost is not None:
-                cost = program.total_cost(plan, body)
+                cost = program.total_cost(plan, body) + once
             else:
-                cost = body * program.trips(plan) + Cost(flops=program.extra_flops(plan))
+                cost = body * program.trips(plan) + Cost(flops=program.extra_flops(plan)) + once
             model_flops = None if program.model_flops is None else program.model_flops(plan)
             _CACHE[key] = dataclasses.replace(row, cost=cost, flops=cost.flops, model_flops=model_flops)
         return _CACHE[key]
@@ -255,12 +264,12 @@ def layer_flops(program: Program, plan: BatchPlan, lowered: jax.stages.Lowered, 
     """One layer's FLOPs per device in one trip of the program's loops (forward, and backward in an update).
 
     The layers run under a scan whose body XLA's cost analysis counts once, so the compiled count
-    holds one layer. The same program lowered with two layers per scan trip counts two: the
+    holds one layer. The same program lowered with each trip running its layer twice counts two: the
     difference is a layer. Read from the lowered modules (no second compile), which are not yet
     partitioned: their count is the whole mesh's, split evenly over its devices."""
     if program.layers < 2:
         return 0.0
-    return max(_flops(program.lower(plan, unroll=2)) - _flops(lowered), 0.0) / devices
+    return max(_flops(program.lower(plan, repeat=2)) - _flops(lowered), 0.0) / devices
 
 
 def _rows_per_device(plan: BatchPlan, name: str) -> int:

@@ -40,7 +40,7 @@ from jaxrl_llm.planning.context import (
     lower_for,
     matmul_params,
     moe_layout_tokens,
-    unrolled,
+    repeated,
 )
 from jaxrl_llm.planning.kernel_costs import head_cost, invariant_attention_cost
 from jaxrl_llm.planning.roofline import Cost
@@ -64,10 +64,10 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
     def micro_rows(plan: BatchPlan) -> int:
         return plan.forward_micro_rows(plan.micro_of(micro_pass), n, t)
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+    def lower(plan: BatchPlan, repeat: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         ids, mask = ctx.rows(n, t, jnp.int32), ctx.rows(n, r, jnp.float32)
         params = ctx.policy_params() if state == "actor_params" else ctx.states[state]
-        return lower_for(fn, platforms, params, ids, ids, mask, model_cfg=unrolled(model.cfg, unroll),
+        return lower_for(fn, platforms, params, ids, ids, mask, model_cfg=repeated(model.cfg, repeat),
                       micro_rows=micro_rows(plan), **settings)
 
     def keys(plan: BatchPlan) -> tuple[str, ...]:
@@ -197,8 +197,8 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
     spec = ctx.spec
     lora = spec.model.lora if role == "actor" else None
 
-    def update_fn(unroll: int) -> Callable:
-        cfg = unrolled(model.cfg, unroll)
+    def update_fn(repeat: int) -> Callable:
+        cfg = repeated(model.cfg, repeat)
         if isinstance(s, CriticSpec):
             return functools.partial(update_critic, model_cfg=cfg, s=s)
         return functools.partial(update_actor, model_cfg=cfg, s=s, lora_scale=lora.scale if lora else 0.0,
@@ -210,9 +210,9 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
     def split(plan: BatchPlan) -> tuple[int, int]:
         return plan.update_split(getattr(plan, role), n, t)
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+    def lower(plan: BatchPlan, repeat: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         num_mini, num_micro = split(plan)
-        fn = jit_update(update_fn(unroll), ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
+        fn = jit_update(update_fn(repeat), ctx.txs[role], jax.tree.map(lambda x: x.sharding, params),
                         jax.tree.map(lambda x: x.sharding, opt),
                         num_mini_batches=num_mini, num_micro_batches=num_micro,
                         rows_sharding=batch_sharding(ctx.mesh, 1))

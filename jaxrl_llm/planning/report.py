@@ -41,6 +41,9 @@ class ProgramMemory:
     keys: tuple[str, ...]  # config keys that make it smaller
     note: str | None = None  # e.g. the TPU compiler refused it for lack of HBM (temps: what it needed)
     counted: Cost | None = None  # the compiled program's own counts (each loop body once), when it compiled
+    # of `counted`'s HBM bytes, those outside the program's loops (a TPU target: planning/hbm_bytes.py), for a
+    # program whose loop trips do not repeat them (`Program.prologue_once`); None: not read
+    outside_loops_hbm: float | None = None
     cost: Cost | None = None  # the whole program per device, every layer and loop trip (`Planner.costed`)
     model_flops: float | None = None  # FLOPs of the model math it runs, no recompute (updates: the MFU numerator)
     # our Pallas kernels' custom calls in the compiled program, (call target, count), on a TPU or GPU target:

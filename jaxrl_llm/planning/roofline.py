@@ -9,8 +9,8 @@ peaks are never reached, collectives overlap compute, and XLA's cost model is a 
 
 Counts (`Cost`) come from the compiled program (`compiled.cost_analysis()`: FLOPs, bytes accessed;
 the collectives' wire bytes from its HLO), which counts every loop body once. So, as the memory plan
-does for FLOPs: the same program compiled with two layers per layer-scan trip counts one layer
-more (`layer_cost`), the other layers are added, and the loops around the layers (micro-batches,
+does for FLOPs: the same program compiled with each layer-scan trip running its layer twice counts one
+layer more (`ModelConfig.scan_repeat`), the other layers are added, and the loops around the layers (micro-batches,
 decode steps) are multiplied in by the program's own `Program.total_cost`, which also adds what the
 compiled count cannot see (the decode attention kernel's KV reads: a custom call's cost is unknown
 to XLA; the prefill the plan does not compile; a MoE model's routed experts inside the grouped
@@ -28,6 +28,7 @@ import re
 import jax
 import numpy as np
 
+from jaxrl_llm.planning.hbm_bytes import hbm_bytes_of
 from jaxrl_llm.platform.chips import Chip
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -103,12 +104,17 @@ def link_bytes_of(hlo_text: str) -> float:
 
 def compiled_cost(compiled: jax.stages.Compiled, text: str | None = None) -> Cost:
     """A compiled program's own counts (loop bodies once); `text`: its `as_text()` where the caller
-    already holds it (a large program's text takes a while to print)."""
+    already holds it (a large program's text takes a while to print). HBM bytes on TPU are counted from the
+    program's text (planning/hbm_bytes.py: XLA's TPU count charges whole weight stacks and on-chip buffers);
+    elsewhere they are XLA's count."""
+    from jaxrl_llm.platform.target import target_platform
+
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis  # older jax: one per computation
     analysis = analysis or {}
-    return Cost(float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-                link_bytes_of((compiled.as_text() or "") if text is None else text))
+    text = (compiled.as_text() or "") if text is None else text
+    hbm = hbm_bytes_of(text) if target_platform() == "tpu" else float(analysis.get("bytes accessed", 0.0))
+    return Cost(float(analysis.get("flops", 0.0)), hbm, link_bytes_of(text))
 
 
 @dataclasses.dataclass(frozen=True)

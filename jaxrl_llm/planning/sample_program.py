@@ -26,7 +26,7 @@ from jaxrl_llm.planning.context import (
     bytes_per_device,
     lower_for,
     moe_layout_tokens,
-    unrolled,
+    repeated,
 )
 from jaxrl_llm.planning.roofline import Cost
 from jaxrl_llm.platform.target import target_platform
@@ -60,9 +60,9 @@ def sample_program(ctx: Context) -> Program:
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
     prefill_experts = uncounted_expert_flops(cfg, rows * width, moe_layout_tokens(ctx, rows, width)) / mesh.size
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+    def lower(plan: BatchPlan, repeat: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         ids = ctx.rows(prompts, width, jnp.int32)
-        return lower_for(sampler_core.sample_program, platforms, ctx.policy_params(), unrolled(cfg, unroll), ids, ids,
+        return lower_for(sampler_core.sample_program, platforms, ctx.policy_params(), repeated(cfg, repeat), ids, ids,
                       jax.random.PRNGKey(0), knobs, settings=settings, mesh=mesh)
 
     kv = jax.eval_shape(lambda: init_cache(cfg, rows, width + r - 1, compute_dtype_of(spec.actor.compute_dtype)))
@@ -140,14 +140,14 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
                                                   jax.ShapeDtypeStruct(groups[:1], jnp.int32))
 
-    def lower(plan: BatchPlan, unroll: int = 1, platforms: tuple[str, ...] | None = None,
+    def lower(plan: BatchPlan, repeat: int = 1, platforms: tuple[str, ...] | None = None,
               pool_pages: int = 0) -> jax.stages.Lowered:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         pool_pages = pool_pages // engine.slot_shards * engine.slot_shards  # whole pages per slot shard
         pages = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], pool_pages, *x.shape[3:]), x.dtype,  # noqa: E731
                                                sharding=x.sharding)
         pooled = state if not pool_pages else state._replace(pool=jax.tree.map(pages, state.pool))
-        return lower_for(engine_programs.generate, platforms, weights[0].params, unrolled(cfg, unroll), pooled,
+        return lower_for(engine_programs.generate, platforms, weights[0].params, repeated(cfg, repeat), pooled,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative,
                       slot_axes=slot_axes)
@@ -166,7 +166,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
                    extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),
                    copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers, total_cost=total_cost,
-                   pool_pages=engine.num_pages)
+                   pool_pages=engine.num_pages, prologue_once=True)
 
 
 def _cascade_shared_tokens(ctx: Context, engine: Any, cascade: bool) -> int:

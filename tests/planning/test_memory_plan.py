@@ -181,7 +181,7 @@ def test_lora_plan_trains_adapters_and_reads_the_base_as_reference(tmp_path):
 
 def test_planned_flops_count_every_layer(tmp_path):
     # XLA counts the layer scan's body once: the plan adds the other layers (one layer's count from
-    # the program lowered with two layers per scan trip). Remat off: the update is the textbook 6N.
+    # the program lowered with its layer twice per scan trip). Remat off: the update is the textbook 6N.
     import jax
 
     from jaxrl_llm.planning.memory import layer_flops

@@ -44,9 +44,9 @@ def test_the_largest_bound_holds():
 
 def test_costs_count_every_layer(tmp_path):
     """The sampler's and the update's costs grow by the same amount with each layer (the compiled count
-    holds one layer; the plan adds the others from the program compiled with two per scan trip)."""
+    holds one layer; the plan adds the others from the program compiled with its layer twice a trip)."""
     costs = {}
-    for layers in (2, 3, 4):  # 3: a trip of 3 layers (2 a trip would peel one off the loop)
+    for layers in (2, 3, 4):
         spec, mesh, tok = _spec(tmp_path / str(layers), **{"actor_rollout_ref.model.tiny.num_hidden_layers": layers,
                                                            "actor_rollout_ref.rollout.engine": "paged"})
         planner = Planner(spec, mesh, tok)
