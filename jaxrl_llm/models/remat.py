@@ -88,7 +88,8 @@ def scan_step(layer: Callable, remat: bool | str | None, repeat: int = 1) -> Cal
         return step
 
     def repeated(carry: Any, xs: Any) -> tuple[Any, Any]:
-        for _ in range(repeat):
+        carry, out = step(carry, xs)
+        for _ in range(repeat - 1):
             carry, out = step(carry, xs)
         return carry, out
     return repeated
