@@ -11,7 +11,7 @@ from test_import_cycles import import_cycles, import_graph
 
 # Bottom to top. Names on one floor are peers: they must not import each other.
 FLOORS: list[tuple[str, ...]] = [
-    ("errors", "shapes", "arrays", "storage", "sandbox"),  # leaves: jax / numpy / stdlib only
+    ("errors", "shapes", "arrays", "storage", "sandbox", "cache_dirs"),  # leaves: jax / numpy / stdlib only
     ("platform",),     # chips, compile targets, lowering
     ("rewards",),      # rule scorers and reward managers: plain Python that users customise
     ("sharding",),     # meshes, partition rules, device moves
