@@ -31,7 +31,7 @@ import numpy as np
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5, "token": 0}
 # an array type with its optional layout: bf16[24,896,608]{2,1,0:T(8,128)(2,1)S(1)}
-_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\](\{[^}]*\})?")
+ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\](\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
 # `%name = TYPE op(` at the start of an instruction line (TYPE: an array or a parenthesised tuple)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
@@ -48,7 +48,7 @@ def array_bytes(type_text: str, on_chip: bool = False) -> float:
     """Bytes of the arrays in an HLO type (an array or a tuple of arrays) that live in HBM: a layout's memory
     space S(1) and up is on-chip (`on_chip`: those count too)."""
     total = 0.0
-    for dtype, dims, layout in _ARRAY.findall(type_text):
+    for dtype, dims, layout in ARRAY.findall(type_text):
         if dtype not in _DTYPE_BYTES:
             continue
         space = _SPACE.search(layout or "")
@@ -208,12 +208,12 @@ class _Counter:
             else:
                 read += whole
         if op == "slice-start":  # staged into on-chip memory: reads the slice of its HBM operand
-            parts = _ARRAY.findall(inst.type_text)
+            parts = ARRAY.findall(inst.type_text)
             return array_bytes("{}[{}]".format(*parts[-2][:2]), on_chip=True) if len(parts) >= 2 else read
         if op.endswith("-start") and inst.type_text.startswith("("):
             # an async pair's tuple: copy-start's is (destination, source, context), a collective's (operand,
             # result, ...): the destination is what it writes
-            parts = [array_bytes(f"{d}[{dims}]{layout}") for d, dims, layout in _ARRAY.findall(inst.type_text)]
+            parts = [array_bytes(f"{d}[{dims}]{layout}") for d, dims, layout in ARRAY.findall(inst.type_text)]
             return read + (parts[0] if op == "copy-start" else parts[1] if len(parts) > 1 else 0.0)
         return read + self.written(fused, inst)
 

@@ -28,15 +28,12 @@ import re
 import jax
 import numpy as np
 
-from jaxrl_llm.planning.hbm_bytes import hbm_bytes_of
+from jaxrl_llm.planning.hbm_bytes import ARRAY, array_bytes, hbm_bytes_of
 from jaxrl_llm.platform.chips import Chip
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
 # `%name = TYPE op(`: an instruction's result type (an array or a tuple of arrays) and its op
 _INSTRUCTION = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+(all-gather|all-reduce|reduce-scatter|"
                           r"all-to-all|collective-permute)(-start)?\(")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")  # [groups, size]<=[devices]
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")  # {{0,1,2,3},{4,5,6,7}}
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['a'=2,'b'=4] {'b'}
@@ -63,11 +60,6 @@ class Cost:
         return Cost(max(self.flops, 0.0), max(self.hbm_bytes, 0.0), max(self.link_bytes, 0.0))
 
 
-def _array_bytes(text: str) -> float:
-    return sum(_DTYPE_BYTES.get(dtype, 4) * float(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for dtype, dims in _ARRAY.findall(text))
-
-
 def _group_size(line: str) -> int:
     by_mesh = _GROUPS_MESH.search(line)
     if by_mesh:
@@ -91,9 +83,9 @@ def link_bytes_of(hlo_text: str) -> float:
             continue
         result, op = match.group(1), match.group(2)
         if match.group(3):  # -start: (operands..., results...) tuples; the result is the second half
-            arrays = _ARRAY.findall(result)
-            result = " ".join(f"{d}[{s}]" for d, s in arrays[len(arrays) // 2:]) if len(arrays) > 1 else result
-        size, n = _array_bytes(result), _group_size(line)
+            arrays = ARRAY.findall(result)
+            result = " ".join(f"{d}[{s}]" for d, s, _ in arrays[len(arrays) // 2:]) if len(arrays) > 1 else result
+        size, n = array_bytes(result, on_chip=True), _group_size(line)  # on the wire wherever it lives
         if n <= 1 and op != "collective-permute":
             continue
         factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1.0, "all-reduce": 2 * (n - 1) / n,
