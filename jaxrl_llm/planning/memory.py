@@ -182,8 +182,8 @@ class Planner:
         if key not in _CACHE:
             layer = Cost()
             if program.layers > 1:
-                # the layer twice a trip: one layer more than the count. (Not `lax.scan(unroll=2)`: the TPU
-                # compiler's count of an unrolled trip charges its two-layer weight slabs several times over.)
+                # the layer twice a trip: one layer more than the count. (Not `lax.scan(unroll=2)`: that is
+                # another program, whose two-layer weight slabs the TPU compiler stages differently.)
                 try:
                     more = compiled_cost(program.lower(plan, repeat=2).compile()) - row.counted
                     layer = more.at_least_zero()
