@@ -156,24 +156,23 @@ class _Counter:
         return total
 
     def written(self, computation: str | None, instruction: Instruction) -> float:
-        """Bytes an instruction writes: its result, or the update of an in-place root."""
-        root = instruction
-        if computation is not None:  # a fusion: its root says what it writes
+        """Bytes an instruction writes to HBM: its result (where its own type places it: the fused code's types
+        do not say), less what an in-place update at the root leaves untouched."""
+        results = [array_bytes(f"{d}[{dims}]{layout}") for d, dims, layout in ARRAY.findall(instruction.type_text)]
+        if computation is None:
+            roots, named = [instruction], {}
+        else:
             body = self.computations.get(computation, [])
+            named = {i.name: i for i in body}
             root = next((i for i in body if i.root), instruction)
-            if root.op == "tuple":  # a multi-output fusion: each element's own write
-                named = {i.name: i for i in body}
-                return sum(self._one_write(named[o], named) if o in named else 0.0 for o in root.operands)
-            return self._one_write(root, {i.name: i for i in body})
-        return self._one_write(root, {})
-
-    def _one_write(self, root: Instruction, named: dict[str, Instruction]) -> float:
-        if root.op in IN_PLACE_OPS:
-            update = root.operands[IN_PLACE_OPS[root.op]]
-            return array_bytes(self.types.get(update, ""))
-        if root.op == "bitcast" and root.operands and root.operands[0] in named:
-            return self._one_write(named[root.operands[0]], named)
-        return array_bytes(root.type_text)
+            roots = [named[o] for o in root.operands if o in named] if root.op == "tuple" else [root]
+        total = sum(results)
+        for result, root in zip(results, roots):
+            while root.op == "bitcast" and root.operands and root.operands[0] in named:
+                root = named[root.operands[0]]
+            if root.op in IN_PLACE_OPS and result > 0:  # only the update is written
+                total -= result - min(result, array_bytes(self.types.get(root.operands[IN_PLACE_OPS[root.op]], "")))
+        return total
 
     def computation_bytes(self, computation: str) -> float:
         """HBM bytes of one run of `computation` (module doc)."""
