@@ -24,6 +24,7 @@ A conditional counts its largest branch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
@@ -217,9 +218,15 @@ class _Counter:
         return read + self.written(fused, inst)
 
 
+@functools.lru_cache(maxsize=2)
+def _counter(text: str) -> _Counter:
+    """One parse of a program's text for both counts (the paged sampler asks for its total and its prologue)."""
+    return _Counter(text)
+
+
 def hbm_bytes_of(text: str) -> float:
     """HBM bytes of a compiled program's HLO text (`compiled.as_text()`), loop bodies counted once."""
-    counter = _Counter(text)
+    counter = _counter(text)
     return 0.0 if counter.entry is None else counter.computation_bytes(counter.entry)
 
 
@@ -227,7 +234,7 @@ def outside_loops_bytes(text: str) -> float:
     """The part of `hbm_bytes_of(text)` outside the entry computation's loops: what one call moves before and
     after them (a decode call's prologue: weights relaid out or staged into on-chip memory), which the
     loops' trips do not repeat."""
-    counter = _Counter(text)
+    counter = _counter(text)
     if counter.entry is None:
         return 0.0
     return sum(counter.instruction_bytes(i) for i in counter.computations[counter.entry] if i.op != "while")
