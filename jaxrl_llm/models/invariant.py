@@ -13,7 +13,10 @@ Why each order is fixed:
   runs one kernel: on GPU a Pallas (Triton) GEMM with fixed blocks and a sequential K loop (no split-K),
   on TPU a Pallas (Mosaic) GEMM whose K axis is the grid's sequential axis, on CPU (and any other
   backend) `lax.map` over tiles of `CPU_ROW_TILE` rows, each one XLA dot of the same shape. The backward
-  needs no invariance and runs the plain matmuls (numerics.matmul_f32's).
+  needs no invariance and runs the plain matmuls (numerics.matmul_f32's). A column's sum does not depend on
+  the columns beside it either (the kernels run every column in a block of one width, the last one past the
+  matrix's edge or padded), so the paged engine's decode splits each weight by its output columns over every
+  chip (`weight_columns`; engine/decode_layout.py) and a chip's columns are the trainer's bits.
 - Row sums (RMSNorm's mean of squares, the softmax denominators): `tree_sum`, a pairwise tree of
   elementwise adds written out, whose order no backend may change (XLA's own reduce vectorizes by the
   number of rows: bench/row_invariance.py).
@@ -40,7 +43,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +53,9 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.models.precision import MASKED_SCORE, probs_times_values
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 
+if TYPE_CHECKING:
+    from jax.experimental.pallas import CostEstimate
+
 Array = jax.Array
 
 KEY_BLOCK = 128  # keys per attention block (the paged engine's XLA blocks: sampler/paged_blocks.py)
@@ -57,7 +63,8 @@ VOCAB_CHUNK = 4096  # vocabulary ids per log-prob chunk
 MIN_ROWS = 8  # query rows per (row, kv head) in an attention contraction, padded up to
 CPU_ROW_TILE = 8  # rows per XLA dot on CPU (bench/row_invariance.py: every tile shape measured row-invariant)
 GPU_BLOCKS = (64, 64)  # the Triton GEMM's (rows, columns) per program; K in pieces of at most 64
-TPU_BLOCKS = (128, 128)  # the Mosaic GEMM's (rows, columns) per program; K in pieces of 512 (or whole)
+TPU_BLOCKS = (256, 128)  # the Mosaic GEMM's (rows, columns) per program (128 rows for 128 or fewer); K in pieces
+# of 512 (or whole)
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
 
@@ -95,6 +102,33 @@ def mode(enabled: bool) -> Iterator[None]:
 def enabled() -> bool:
     """Whether the code being traced runs the batch-invariant numerics."""
     return _ENABLED.get()
+
+
+# the mesh axes the weights' output columns are split over (`weight_columns`): the paged engine's decode
+_COLUMNS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("invariant_columns", default=())
+
+
+@contextlib.contextmanager
+def weight_columns(axes: tuple[str, ...]) -> Iterator[None]:
+    """Within the block `matmul` takes each weight as split over the mesh `axes` by its output columns (held whole
+    where they do not divide), and each device computes its own columns for every row: the paged engine's decode
+    layout in the mode (engine/decode_layout.py `column_spec`). A decode step's rows are a few slots a chip, so
+    moving them is cheap; splitting the rows instead would gather every weight every step. () leaves `matmul`
+    as it is."""
+    token = _COLUMNS.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _COLUMNS.reset(token)
+
+
+def column_split(columns: int) -> tuple[str, ...]:
+    """The axes `matmul` splits a weight of `columns` output columns over within `weight_columns`, or ()."""
+    axes = _COLUMNS.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not axes or mesh.empty:
+        return ()
+    return axes if columns % math.prod(dict(mesh.shape)[a] for a in axes) == 0 else ()
 
 
 # tests: the GPU / TPU attention kernels through Pallas's interpreter on CPU (`kernels_interpreted`)
@@ -171,19 +205,37 @@ def _largest_block(size: int, most: int, least: int = 16) -> int:
     return 0
 
 
+def _gemm_cost(x: Array, w: Array, blocks: tuple[int, int, int]) -> CostEstimate:
+    """The GEMM kernel's `pl.CostEstimate` for x [N, K] @ w [K, F] in (row, column, K) blocks, which XLA's cost
+    analysis reports for the custom call (the plans' FLOPs; the TPU plan counts its bytes from the memory spaces
+    of its operands: planning/hbm_bytes.py): every block's products; w read once per row block, x once per
+    column block where K runs in pieces (its block changes along the K loop, so it is fetched again for the next
+    column block), once where K is whole; the fp32 result written once."""
+    from jax.experimental import pallas as pl
+
+    (n, k), cols = x.shape, w.shape[1]
+    bm, bn, bk = blocks
+    row_blocks, col_blocks = -(-n // bm), -(-cols // bn)
+    x_reads = col_blocks if bk < k else 1
+    return pl.CostEstimate(flops=2 * row_blocks * bm * k * col_blocks * bn, transcendentals=0,
+                           bytes_accessed=x.size * x.dtype.itemsize * x_reads
+                           + w.size * w.dtype.itemsize * row_blocks + n * cols * 4)
+
+
 def _triton_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
     """GPU: a Pallas (Triton) GEMM with fixed blocks, each program summing K in one sequential loop."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    bm, most_n = GPU_BLOCKS
+    bm, bn = GPU_BLOCKS
     n, k = x.shape
     cols = w.shape[1]
     bk = _largest_block(k, 64)
-    bn = _largest_block(cols, most_n)
-    if bk == 0 or bn == 0:  # no power-of-two piece: pad K / the columns with zeros (exact)
-        k_pad, c_pad = (-k % 64) if bk == 0 else 0, (-cols % most_n) if bn == 0 else 0
-        x, w = jnp.pad(x, ((0, 0), (0, k_pad))), jnp.pad(w, ((0, k_pad), (0, c_pad)))
+    # every column in a program of bn columns, whatever the matrix's width (a vocabulary shard's too:
+    # `vocab_split_logits`); Triton masks no edge, so a width or K without whole pieces is padded with zeros (exact)
+    if bk == 0 or cols % bn:
+        k_pad = (-k % 64) if bk == 0 else 0
+        x, w = jnp.pad(x, ((0, 0), (0, k_pad))), jnp.pad(w, ((0, k_pad), (0, -cols % bn)))
         return _triton_gemm(x, w, interpret)[:, :cols]
     xp = _pad_rows(x, bm)
 
@@ -198,20 +250,26 @@ def _triton_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
         in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], cols), jnp.float32), interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3))(xp, w)
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3), name="invariant_gemm",
+        cost_estimate=_gemm_cost(xp, w, (bm, bn, bk)))(xp, w)
     return out[:n]
 
 
 def _mosaic_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
     """TPU: a Pallas (Mosaic) GEMM with fixed blocks; K is the grid's last, sequential axis, summed into the
-    resident fp32 output block in order."""
+    resident fp32 output block in order. Every column is computed in a block of TPU_BLOCKS[1] columns, whatever
+    the width (the last block of a width that is no multiple runs past its edge: Mosaic drops what it writes
+    there), so a vocabulary shard's columns (`vocab_split_logits`) are the full matrix's bits."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    bm, most_n = TPU_BLOCKS
+    most_m, most_n = TPU_BLOCKS
     n, k = x.shape
     cols = w.shape[1]
-    bn = most_n if cols % most_n == 0 else cols
+    # a decode step's rows (every slot of the mode's column split: engine/decode_layout.py) in one block where
+    # they fit, so the weight is read once; a row's sum does not depend on the block's height
+    bm = most_m if n > most_m // 2 else most_m // 2
+    bn = most_n if cols > most_n else cols
     bk = 512 if k % 512 == 0 else k
     xp = _pad_rows(x, bm)
 
@@ -222,11 +280,12 @@ def _mosaic_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
         o_ref[...] += _dot(x_ref[...], w_ref[...])
 
     out = pl.pallas_call(
-        kernel, grid=(xp.shape[0] // bm, cols // bn, k // bk),
+        kernel, grid=(xp.shape[0] // bm, pl.cdiv(cols, bn), k // bk),
         in_specs=[pl.BlockSpec((bm, bk), lambda i, j, s: (i, s)), pl.BlockSpec((bk, bn), lambda i, j, s: (s, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, s: (i, j)),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], cols), jnp.float32), interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))(xp, w)
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        name="invariant_gemm", cost_estimate=_gemm_cost(xp, w, (bm, bn, bk)))(xp, w)
     return out[:n]
 
 
@@ -257,8 +316,15 @@ def matmul(x: Array, w: Array) -> Array:
     head-split input moves, not the weight): every column's sum over K runs on one device in the kernel's
     order, where Megatron's row-parallel layers would add partial products over `tensor`. Forward only: the
     decoder differentiates it through models/numerics.py `matmul_f32` (its bf16 backward; the backward needs
-    no invariance)."""
+    no invariance). Within `weight_columns` a weight whose columns divide is split by its columns over those
+    axes instead, and every device runs every row (gathered) against its columns."""
     mesh = jax.sharding.get_abstract_mesh()
+    by_columns = column_split(w.shape[1])
+    if by_columns:
+        spec = P(None, by_columns)
+        per_columns = jax.shard_map(_matmul_rows, mesh=mesh, in_specs=(P(None, None), spec), out_specs=spec,
+                                    check_vma=False)
+        return per_columns(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
     sizes = {} if mesh.empty else dict(mesh.shape)
     axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
     tensor, context = sizes.get(TENSOR_AXIS, 1), sizes.get(CONTEXT_AXIS, 1)

@@ -154,7 +154,11 @@ def logits_from_hidden(params: dict, cfg: ModelConfig, hidden: Array) -> Array:
     model caps them, as the fused log-prob head does: losses/logprob_xla.cap_logits)."""
     w = lm_head_weight(params, cfg).astype(hidden.dtype)
     if cfg.batch_invariant:  # the trainer's fused log-prob's vocabulary chunks (models/invariant.py)
-        rows = invariant.chunked_logits(hidden.reshape(-1, hidden.shape[-1]), w)
+        rows2d = hidden.reshape(-1, hidden.shape[-1])
+        # with the weights split by columns (the paged engine's decode: `invariant.weight_columns`) each device
+        # computes its vocabulary columns whole: the kernels give a column the bits of its VOCAB_CHUNK chunk
+        split = invariant.column_split(w.shape[1])
+        rows = invariant.matmul(rows2d, w) if split else invariant.chunked_logits(rows2d, w)
         return cap_logits(rows.reshape(*hidden.shape[:-1], -1), cfg.final_logit_softcapping, 1.0)
     logits = jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
     return cap_logits(logits, cfg.final_logit_softcapping, 1.0)

@@ -173,6 +173,15 @@ _TOP_AXES = {
 }
 
 
+def logical_axes_at(keys: tuple[str, ...]) -> tuple | None:
+    """The logical axis names of the param at `keys` (its path in a model's params dict), or None for a leaf the
+    tables do not name (an adapter's, a head's of another kind)."""
+    try:
+        return _layer_axes(keys) if keys and keys[0] == "layers" else _TOP_AXES[keys]
+    except (KeyError, IndexError):
+        return None
+
+
 def param_logical_axes(cfg: ModelConfig, *, head: str = "lm", num_labels: int = 1) -> dict:
     """Same structure as params; each leaf is a tuple of logical axis names (or None) per dim.
 

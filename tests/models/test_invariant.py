@@ -11,6 +11,7 @@ from jaxrl_llm import sharding
 from jaxrl_llm.losses.logprob_xla import Layout, invariant_stats, xla_stats
 from jaxrl_llm.models import invariant, numerics
 from jaxrl_llm.models.attention import attend, attend_invariant
+from jaxrl_llm.platform.tpu import libtpu_installed
 
 
 def _bf16(key, shape, scale=1.0):
@@ -72,6 +73,64 @@ def test_a_split_matmul_computes_its_own_rows_and_columns_with_one_devices_bits(
         assert tuple(out.sharding.spec[:2]) == ("fsdp", "context") and "bf16[2,18,576]" not in text
     if shape == {"tensor": 8}:
         assert "all-gather" not in text and "all-to-all" not in text  # nothing moves
+
+
+@pytest.mark.parametrize("shape", [{"fsdp": 8}, {"fsdp": 4, "tensor": 2}], ids=["fsdp8", "fsdp4_tensor2"])
+def test_within_weight_columns_each_device_computes_its_columns_for_every_row(shape):
+    """The batch-invariant decode's split (`invariant.weight_columns`: engine/decode_layout.py `column_spec`): a
+    weight split by its output columns over every axis stays where it is, each device runs every row against its
+    columns (the rows are gathered), the output split as the weight is; one device's bits. A weight whose columns
+    do not divide takes the rows' split (and is held whole)."""
+    x, w, w_odd = _bf16(0, (8, 4, 576)), _bf16(1, (576, 320), 0.05), _bf16(2, (576, 324), 0.05)
+    one, one_odd = np.asarray(jax.jit(invariant.matmul)(x, w)), np.asarray(jax.jit(invariant.matmul)(x, w_odd))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **shape})
+    axes = tuple(a for a in ("tensor", "fsdp") if a in shape)
+    columns = NamedSharding(mesh, P(None, axes))
+    with sharding.mesh_context(mesh), invariant.weight_columns(axes):
+        placed = jax.device_put(x, NamedSharding(mesh, P("fsdp"))), jax.device_put(w, columns)
+        mm = jax.jit(invariant.matmul)
+        out = mm(*placed)
+        text = mm.lower(*placed).compile().as_text()
+        assert invariant.column_split(320) == axes and invariant.column_split(321) == ()
+        odd = jax.jit(invariant.matmul)(placed[0], w_odd)  # 324 columns: the rows' split
+    np.testing.assert_array_equal(np.asarray(out), one)
+    np.testing.assert_array_equal(np.asarray(odd), one_odd)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, axes)), 3)
+    assert "bf16[576,320]" not in text and "bf16[576,40]" in text  # a device's columns only: 320 / 8
+
+
+def test_the_gemm_kernels_give_a_column_its_bits_whatever_the_columns_beside_it():
+    """A vocabulary shard's columns (the decode's split by columns) start anywhere and end anywhere: the Mosaic
+    GEMM runs every column in a 128-wide block (the last one past the matrix's edge), the Triton GEMM in 64-wide
+    ones (padded), so a column's sum runs as it does in the trainer's 4096-wide chunk; rows likewise in blocks
+    of 128 or 256."""
+    x, w = _bf16(0, (40, 192), 1.0), _bf16(1, (192, 4096), 0.05)
+    full = [np.asarray(got) for got in invariant.gemm_for_tests(x, w)]
+    for start, stop in ((0, 4096), (1000, 3374), (3000, 3100), (4033, 4096)):
+        for got, whole in zip(invariant.gemm_for_tests(x, w[:, start:stop]), full):
+            np.testing.assert_array_equal(np.asarray(got), whole[:, start:stop])
+    tall = _bf16(2, (300, 192), 1.0)  # 300 rows: blocks of 256 rows on TPU
+    for got, rows in zip(invariant.gemm_for_tests(tall, w[:, :256]), invariant.gemm_for_tests(tall[:40], w[:, :256])):
+        np.testing.assert_array_equal(np.asarray(got)[:40], np.asarray(rows))
+
+
+@pytest.mark.skipif(not libtpu_installed(), reason="libtpu not installed (pip install '.[tpu-plan]')")
+def test_the_tpu_gemm_compiles_at_a_vocabulary_shards_width_with_its_costs():
+    """The Mosaic GEMM at the 0.5B head's shard on 8 chips (896 x 18,992: no multiple of 128, the last block past
+    the edge) compiles for a v5e chip, and XLA's cost analysis reports the kernel's FLOPs (its cost estimate: the
+    plans' FLOPs of the mode's matmuls, which a custom call would otherwise not have)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxrl_llm.platform import tpu_target
+
+    device = tpu_target("v5e:2x2").devices[0]
+    on_tpu = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=SingleDeviceSharding(device)) for s in ((256, 896),
+                                                                                                   (896, 18992))]
+    compiled = jax.jit(invariant._mosaic_gemm).lower(*on_tpu).compile()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    assert analysis["flops"] == pytest.approx(2 * 256 * 896 * 18992, rel=0.01)  # 149 blocks of 128 columns
+    assert '"cost_estimate":{' in compiled.as_text()
 
 
 def test_gpu_and_tpu_gemm_kernels_compute_the_product():

@@ -117,6 +117,39 @@ def test_the_decode_layout_moves_a_weights_fsdp_split_onto_its_tensor_dim():
     assert head_rows_spec(wide, ("data", "fsdp"), 64, 8, 16) is None
 
 
+def test_the_batch_invariant_decode_layout_splits_each_weight_by_its_output_columns(llama_tiny):
+    """With `model.batch_invariant` (engine/decode_layout.py `column_spec`) no weight splits its contraction: an
+    input projection splits its heads / mlp dim, a weight writing the residual stream its embed dim, the embedding
+    its vocabulary, each over 'tensor' and the slot axes; a weight whose dim does not divide is held whole when
+    small; norms, biases and expert stacks keep the usual rule. The engine's copy on fsdp8 is laid out so."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl_llm.sampler.engine import decode_layout
+
+    assert decode_layout.output_dim(("layers", "embed", "heads", "head_dim")) == 2
+    assert decode_layout.output_dim(("layers", "heads", "head_dim", "embed")) == 3
+    assert decode_layout.output_dim(("layers", "mlp", "embed")) == 2
+    assert decode_layout.output_dim(("vocab", "embed")) == 0 and decode_layout.output_dim(("embed", "vocab")) == 1
+    assert decode_layout.output_dim(("layers", None)) is None
+    assert decode_layout.output_dim(("layers", "expert", "mlp", "embed")) is None
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    assert decode_layout.column_axes(mesh, ("fsdp",)) == ("tensor", "fsdp")
+    down = decode_layout.column_spec(P(None, "tensor", "fsdp"), (2, 512, 64), 2, mesh, ("fsdp",), 2)
+    assert down == P(None, None, ("tensor", "fsdp"))
+    assert decode_layout.column_spec(P(None, "fsdp", "tensor", None), (2, 64, 4, 16), 2, mesh, ("fsdp",), 2) == P()
+
+    cfg, params = llama_tiny
+    mesh = sharding.make_mesh(MESHES["fsdp8"])
+    placed = sharding.shard_params(params, param_logical_axes(cfg), mesh)
+    copy = decode_layout.decode_weights(placed, "bfloat16", mesh, ("fsdp",), by_columns=True)
+    layers = copy["layers"]
+    assert layers["mlp"]["up_proj"]["kernel"].sharding.spec == P(None, None, "fsdp")
+    assert layers["mlp"]["down_proj"]["kernel"].sharding.spec == P(None, None, "fsdp")
+    assert copy["embedding"].sharding.spec == P("fsdp", None)
+    for x, y in zip(jax.tree.leaves(placed), jax.tree.leaves(copy)):
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x.astype(y.dtype), np.float32))
+
+
 def test_the_engine_decodes_from_a_copy_in_the_decode_layout(llama_tiny):
     """On fsdp8 the engine's copy of the weights (once per rollout) is cast to the compute dtype and laid out for
     decoding, values unchanged; with the slots replicated, fp32 weights are read as they are (no copy)."""

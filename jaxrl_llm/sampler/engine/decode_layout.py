@@ -13,6 +13,12 @@ dims). Each chip then holds and reads 1 / (batch x tensor) of the big matmuls' w
 they are; what moves is a step's activations: a few slots' [S, H] rows gathered before a projection and
 reduced after it (Megatron's column / row split over every chip). A weight with no such dim (norm scales,
 biases) is small and is held whole.
+
+With `model.batch_invariant` (models/invariant.py) every output column's sum runs on one chip in the kernel's
+order, so a row split's partial sums (o_proj, down_proj) cannot be added across chips. The layout is then by
+columns only (`column_spec`): each matmul weight splits its output dim (the first after its contraction: heads,
+mlp, vocab; embed for the weights that write the residual stream) over 'tensor' and the slot axes
+(`column_axes`), and `invariant.weight_columns` has each chip compute its columns for every row.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
+from jaxrl_llm.models.param_init import logical_axes_at
 from jaxrl_llm.sharding.rules import logical_to_spec
 
 # a weight without a dim to take the batch axes is held whole on every chip below this size (norm scales,
@@ -82,13 +89,63 @@ def head_rows_spec(mesh: Mesh, slot_axes: tuple[str, ...], hidden: int, heads: i
     return P(None, None, decode[1], decode[2])
 
 
-def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:
+def column_axes(mesh: Mesh, slot_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the batch-invariant decode layout splits each matmul weight's output columns
+    over, in the order both that layout (`column_spec`) and the matmul's split (`invariant.weight_columns`) use."""
+    sizes = dict(mesh.shape)
+    return tuple(dict.fromkeys(a for a in ("tensor", *slot_axes) if sizes.get(a, 1) > 1))
+
+
+def output_dim(names: tuple | None) -> int | None:
+    """The dim along which a matmul weight's output columns run (models/numerics.py `matmul_f32` multiplies by
+    its [K, F] view), by its logical axis names: an input projection's first dim after its `embed` (heads, mlp),
+    `embed` where the weight writes the residual stream (o_proj, down_proj, out_proj), the vocabulary of the
+    (tied) embedding. None: not such a weight (a norm scale, a bias, an expert stack: models/expert_parallel.py)."""
+    if names is None:
+        return None
+    offset = 1 if names and names[0] == "layers" else 0
+    body = tuple(names[offset:])
+    if len(body) < 2 or "expert" in body:
+        return None
+    if body[0] == "vocab":
+        return offset
+    if body[0] == "embed":
+        return offset + 1
+    return offset + len(body) - 1 if body[-1] == "embed" else None
+
+
+def column_spec(spec: P, shape: tuple[int, ...], itemsize: int, mesh: Mesh, slot_axes: tuple[str, ...],
+                dim: int) -> P:
+    """A matmul weight's batch-invariant decode layout (module doc): its output `dim` split over `column_axes`,
+    every other dim whole; held whole where that split does not divide it and it is small, else `spec` (its
+    trainer layout: gathered each step)."""
+    axes = column_axes(mesh, slot_axes)
+    sizes = dict(mesh.shape)
+    if not axes:
+        return spec
+    if shape[dim] % math.prod(sizes[a] for a in axes) == 0:
+        return P(*(_entry(axes) if d == dim else None for d in range(len(shape))))
+    return P() if math.prod(shape) * itemsize < WHOLE_BELOW_BYTES else spec
+
+
+def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...], names: tuple | None = None) -> Any:
     """The decode layout's NamedSharding of an array or ShapeDtypeStruct placed on `mesh`; its own sharding
-    (None where it has none) without slot axes or a NamedSharding."""
+    (None where it has none) without slot axes or a NamedSharding. `names`: the leaf's logical axis names where
+    the layout is the batch-invariant one (by columns: `column_spec`), else None."""
     sharding = getattr(x, "sharding", None)
     if mesh is None or not slot_axes or not isinstance(sharding, NamedSharding):
         return sharding
-    return NamedSharding(mesh, decode_spec(sharding.spec, tuple(x.shape), x.dtype.itemsize, mesh, slot_axes))
+    dim = output_dim(names)
+    shape, itemsize = tuple(x.shape), x.dtype.itemsize
+    if dim is not None and dim < len(shape):
+        return NamedSharding(mesh, column_spec(sharding.spec, shape, itemsize, mesh, slot_axes, dim))
+    return NamedSharding(mesh, decode_spec(sharding.spec, shape, itemsize, mesh, slot_axes))
+
+
+def leaf_names(path: tuple, by_columns: bool) -> tuple | None:
+    """The logical axis names `decode_sharding` takes for the params leaf at `path` (a key path): its own where the
+    layout is by columns (`by_columns`: `model.batch_invariant`), else None."""
+    return logical_axes_at(tuple(str(getattr(k, "key", k)) for k in path)) if by_columns else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -100,11 +157,13 @@ def _weights_in(dtype: str, treedef: Any, shardings: tuple | None) -> Any:
 
 
 def decode_weights(params: dict, compute_dtype: str, mesh: Mesh | None = None,
-                   slot_axes: tuple[str, ...] = ()) -> dict:
+                   slot_axes: tuple[str, ...] = (), by_columns: bool = False) -> dict:
     """`params` with their matmul weights in the compute dtype, in the decode layout where the slots are split
-    over `slot_axes` (module doc): the engine's copy, made once per rollout; no copy when they already are both."""
-    leaves, treedef = jax.tree.flatten(params)
-    layout = [decode_sharding(x, mesh, slot_axes) for x in leaves]
+    over `slot_axes` (module doc; `by_columns`: the batch-invariant one): the engine's copy, made once per
+    rollout; no copy when they already are both."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [x for _, x in paths]
+    layout = [decode_sharding(x, mesh, slot_axes, leaf_names(path, by_columns)) for path, x in paths]
     moved = all(new is not None for new in layout) and any(new != x.sharding for new, x in zip(layout, leaves))
     if not moved and not uncast_matmul_weights(params, as_jnp_dtype(compute_dtype)):
         return params

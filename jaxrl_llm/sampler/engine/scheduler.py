@@ -340,9 +340,11 @@ class PagedEngine:
             raise ValueError("draft_params: the draft model's params are needed exactly when rollout.speculative."
                              f"method='draft' (the engine's is {spec.speculative and spec.speculative.method!r})")
         # decode reads every weight per token: read a compute-dtype copy made once here (freed on return)
-        params = decode_layout.decode_weights(params, self.compute_dtype, self.mesh, self.slot_axes)
+        params = decode_layout.decode_weights(params, self.compute_dtype, self.mesh, self.slot_axes,
+                                              by_columns=cfg.batch_invariant)
         if draft_params is not None:
-            draft_params = decode_layout.decode_weights(draft_params, self.compute_dtype, self.mesh, self.slot_axes)
+            draft_params = decode_layout.decode_weights(draft_params, self.compute_dtype, self.mesh, self.slot_axes,
+                                                        by_columns=self._draft_cfg().batch_invariant)
         # the decode loop's own layout of them (rollout.unroll_layers: per-layer arrays, a copy while the run
         # lasts); prefill keeps the stacked ones
         step_params, step_draft = params, draft_params
