@@ -76,7 +76,7 @@ from jaxrl_llm.models.hybrid import hybrid_decoder_hidden
 from jaxrl_llm.models.lora import LoraAdapters
 from jaxrl_llm.models.mla import mla_attention_block
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
-from jaxrl_llm.models.remat import scan_step
+from jaxrl_llm.models.remat import scan_layers, scan_step
 from jaxrl_llm.sharding.mesh import context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
@@ -338,8 +338,8 @@ def _decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions:
             outs.append(out)
         (x, state, _), moe = carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
     else:
-        (x, state, _), moe = lax.scan(scan_step(layer, remat, cfg.scan_repeat), (x, state, jnp.int32(0)),
-                                      (layers, lora_layers, replay))
+        (x, state, _), moe = scan_layers(layer, remat, cfg.scan_repeat, (x, state, jnp.int32(0)),
+                                         (layers, lora_layers, replay))
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
 

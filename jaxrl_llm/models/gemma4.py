@@ -56,7 +56,7 @@ from jaxrl_llm.models.lora import LoraAdapters
 from jaxrl_llm.models.moe import MoeOut, RouterStats, route, router_stats
 from jaxrl_llm.models.numerics import matmul_f32
 from jaxrl_llm.models.param_init import typed_layer_ids
-from jaxrl_llm.models.remat import scan_step
+from jaxrl_llm.models.remat import scan_layers
 from jaxrl_llm.sharding.mesh import context_parallel_size
 from jaxrl_llm.sharding.rules import with_activation_constraint
 
@@ -300,8 +300,8 @@ def typed_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posit
             moe = (moe[0], None)
         return (x, state, produced, index + 1), moe
 
-    (x, state, _, _), moe = lax.scan(scan_step(layer, remat, cfg.scan_repeat), (x, state, produced, jnp.int32(0)),
-                                     (layers, inputs, replay))
+    (x, state, _, _), moe = scan_layers(layer, remat, cfg.scan_repeat, (x, state, produced, jnp.int32(0)),
+                                        (layers, inputs, replay))
     hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, dtype, cfg.norm_offset)
     return hidden, state, None if moe is None else MoeOut(*moe)
 

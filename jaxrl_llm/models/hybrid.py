@@ -72,7 +72,7 @@ from jaxrl_llm.models.delta_rule import (
 from jaxrl_llm.models.delta_rule_pallas import chunk_terms_pallas, delta_rule_impl
 from jaxrl_llm.models.moe import MoeOut
 from jaxrl_llm.models.param_init import hybrid_layer_ids
-from jaxrl_llm.models.remat import checkpoint_policy, remat_name, scan_step
+from jaxrl_llm.models.remat import checkpoint_policy, remat_name, scan_layers
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import context_parallel_size
 
@@ -349,8 +349,8 @@ def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, posi
         moe = None if outs[0] is None else jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
         return (x, step + 1, state), moe
 
-    (x, _, state), moe = lax.scan(scan_step(run_period, None, cfg.scan_repeat), (x, jnp.int32(0), state), None,
-                                  length=periods)
+    (x, _, state), moe = scan_layers(run_period, None, cfg.scan_repeat, (x, jnp.int32(0), state), None,
+                                     length=periods)
     if moe is not None:  # [periods, period, ...] -> [L, ...]
         moe = jax.tree.map(lambda a: a.reshape(cfg.num_hidden_layers, *a.shape[2:]), moe)
     return (rms_norm(x, params["final_norm"]["scale"], eps, dtype, offset), state,

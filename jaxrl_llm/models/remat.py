@@ -12,7 +12,8 @@
   host memory it falls back to `dots_with_no_batch_dims_saveable` with one warning.
 
 The policy name is a hashable static setting; `checkpoint_policy(name)` gives what `jax.checkpoint`
-takes, and `scan_step` the layer scans' trip body (models/decoder.py, gemma4.py, hybrid.py).
+takes, `scan_step` the layer scans' trip body and `scan_layers` the scans (models/decoder.py, gemma4.py,
+hybrid.py).
 """
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def checkpoint_policy(name: bool | str | None) -> Callable[..., bool] | None:
                   "memory); using dots_with_no_batch_dims_saveable instead", jax.default_backend())
         return cp.dots_with_no_batch_dims_saveable
     return cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host")
+
+
+# the layer scans' name in compiled programs: the TPU plan reads one layer's bytes from their loop bodies
+# (planning/hbm_bytes.py `layer_loop_bytes`)
+LAYER_SCAN = "layer_scan"
+
+
+def scan_layers(layer: Callable, remat: bool | str | None, repeat: int, init: Any, xs: Any,
+                length: int | None = None) -> tuple[Any, Any]:
+    """`lax.scan` of `scan_step(layer, remat, repeat)` from `init` over `xs` (the stacked layers), under the name
+    LAYER_SCAN."""
+    with jax.named_scope(LAYER_SCAN):
+        return jax.lax.scan(scan_step(layer, remat, repeat), init, xs, length=length)
 
 
 def scan_step(layer: Callable, remat: bool | str | None, repeat: int = 1) -> Callable:

@@ -16,8 +16,11 @@ computations it runs:
   not read the rest of that operand;
 - any other instruction likewise (a copy, a collective's local read and write, a sort);
 - what lives in on-chip memory (a layout's memory space S(1) and up: VMEM, SMEM) costs nothing;
-- custom calls (Pallas kernels) cost nothing here: planning/kernel_costs.py adds their work by formula, as it
-  did against XLA's count, which does not look into them either;
+- a custom call (a Pallas kernel) with a cost estimate of its own (`pl.CostEstimate` in its backend config: the
+  batch-invariant GEMM, models/invariant.py) reads its operands and writes its result as any instruction does
+  (once each: a block fetched again for another block of the grid is not counted); one without costs nothing:
+  planning/kernel_costs.py adds the attention kernels' work by formula, as it did against XLA's count, which
+  does not look into them either;
 - bookkeeping (parameters, constants, tuples, bitcasts, the `-done` half of an async pair) costs nothing.
 A conditional counts its largest branch.
 """
@@ -43,6 +46,7 @@ FREE_OPS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bi
                       "replica-id", "iota", "opt-barrier", "add-dependency", "custom-call", "domain"})
 SLICING_OPS = frozenset({"dynamic-slice", "slice", "gather"})
 IN_PLACE_OPS = {"dynamic-update-slice": 1, "scatter": 2}  # op -> the operand holding the update
+_KERNEL_ESTIMATE = '"cost_estimate":{'  # a custom call's backend config: a Pallas kernel that gives its costs
 
 
 def array_bytes(type_text: str, on_chip: bool = False) -> float:
@@ -183,7 +187,8 @@ class _Counter:
 
     def instruction_bytes(self, inst: Instruction) -> float:
         op = inst.op
-        if op in FREE_OPS or op.endswith("-done"):
+        kernel = op == "custom-call" and _KERNEL_ESTIMATE in inst.attributes  # counted as any instruction
+        if (op in FREE_OPS and not kernel) or op.endswith("-done"):
             return 0.0
         if op == "while":
             return sum(self.computation_bytes(c) for c in _CALLED.findall(inst.attributes))
@@ -238,3 +243,21 @@ def outside_loops_bytes(text: str) -> float:
     if counter.entry is None:
         return 0.0
     return sum(counter.instruction_bytes(i) for i in counter.computations[counter.entry] if i.op != "while")
+
+
+# a layer scan's while loop (models/remat.py LAYER_SCAN): `layer_scan/while`, or under a transformation's name
+# (`transpose(jvp(layer_scan))/while`: the backward's)
+_LAYER_LOOP = re.compile(r'op_name="[^"]*\blayer_scan\)*/while"')
+
+
+def layer_loop_bytes(text: str) -> float:
+    """HBM bytes of one trip of each of the program's layer scans (models/remat.py `scan_layers`: a training
+    step's forward and backward scans, a decode step's), summed: what each layer past the first adds to
+    `hbm_bytes_of(text)`, read from the program itself (planning/memory.py `Planner.costed`). Compiling another
+    program with more layers a trip to see the difference moved the weights XLA keeps in on-chip memory between
+    the two (on 0.5B v5e-8: the LM head staged once a call in one, every step in the other), and then that
+    difference was not a layer's cost."""
+    counter = _counter(text)
+    return sum(counter.computation_bytes(c) for body in counter.computations.values() for inst in body
+               if inst.op == "while" and _LAYER_LOOP.search(inst.attributes)
+               for c in _CALLED.findall(inst.attributes))

@@ -53,7 +53,7 @@ from jaxrl_llm.config.schema import ConfigError
 from jaxrl_llm.config.spec import RunSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.planning.context import Context, Program, bytes_per_device, device_state_bytes, make_context
-from jaxrl_llm.planning.hbm_bytes import outside_loops_bytes
+from jaxrl_llm.planning.hbm_bytes import layer_loop_bytes, outside_loops_bytes
 from jaxrl_llm.planning.levers import fit_with_levers
 from jaxrl_llm.planning.programs import PROGRAM_BUILDERS
 from jaxrl_llm.planning.report import GiB, MemoryPlan, ProgramMemory, hosts_lines
@@ -160,7 +160,8 @@ class Planner:
             opt_state_bytes=opt, kv_bytes=program.kv_bytes, flops=flops, micro=size, keys=program.keys(plan),
             counted=compiled_cost(compiled, text), kernels=self._kernels(text),
             outside_loops_hbm=(outside_loops_bytes(text) if program.prologue_once and target_platform() == "tpu"
-                               else None))
+                               else None),
+            layer_hbm=layer_loop_bytes(text) if program.layers > 1 and target_platform() == "tpu" else None)
         return out
 
     def _kernels(self, text: str) -> tuple[tuple[str, int], ...]:
@@ -171,9 +172,10 @@ class Planner:
 
     def costed(self, program: Program, plan: BatchPlan) -> ProgramMemory:
         """`analyse`'s row with the program's whole cost (planning/roofline.py): the compiled counts with one
-        layer's count, from the program compiled again with each scan trip running its layer twice
-        (`ModelConfig.scan_repeat`), added for the other layers, then its loops' trips (`Program.total_cost`).
-        A program that did not compile has none."""
+        layer's count added for the other layers, then its loops' trips (`Program.total_cost`). One layer's
+        FLOPs and link bytes come from the program compiled again with each scan trip running its layer twice
+        (`ModelConfig.scan_repeat`), its HBM bytes on a TPU target from the program's own layer loops
+        (`ProgramMemory.layer_hbm`). A program that did not compile has none."""
         row = self.analyse(program, plan)
         if row.counted is None:
             return row
@@ -186,12 +188,15 @@ class Planner:
                 # another program, whose two-layer weight slabs the TPU compiler stages differently.)
                 try:
                     more = compiled_cost(program.lower(plan, repeat=2).compile()) - row.counted
+                    if row.layer_hbm is not None:  # the program's own layer bytes (hbm_bytes.layer_loop_bytes)
+                        more = dataclasses.replace(more, hbm_bytes=row.layer_hbm)
                     layer = more.at_least_zero()
                 except Exception as err:  # the TPU compiler refuses it for lack of HBM
                     if exhausted_bytes(err) is None:
                         raise
-                    log.warning("memory plan: %s with its layer twice per scan trip did not compile (%s); its cost "
-                                "counts one layer", program.name, str(err).splitlines()[0][:120])
+                    log.warning("memory plan: %s with its layer twice per scan trip did not compile (%s); its FLOPs "
+                                "and link bytes count one layer", program.name, str(err).splitlines()[0][:120])
+                    layer = Cost(hbm_bytes=row.layer_hbm or 0.0)
             once = Cost(hbm_bytes=row.outside_loops_hbm or 0.0)  # a call's prologue: not a trip's work
             body = (row.counted - once).at_least_zero() + layer * (program.layers - 1)
             if program.pool_pages > 2:

@@ -44,6 +44,9 @@ class ProgramMemory:
     # of `counted`'s HBM bytes, those outside the program's loops (a TPU target: planning/hbm_bytes.py), for a
     # program whose loop trips do not repeat them (`Program.prologue_once`); None: not read
     outside_loops_hbm: float | None = None
+    # one trip of its layer scans in HBM bytes, counted in the program (a TPU target: planning/hbm_bytes.py
+    # `layer_loop_bytes`); None: one layer's bytes come from the program compiled with two layers a trip
+    layer_hbm: float | None = None
     cost: Cost | None = None  # the whole program per device, every layer and loop trip (`Planner.costed`)
     model_flops: float | None = None  # FLOPs of the model math it runs, no recompute (updates: the MFU numerator)
     # our Pallas kernels' custom calls in the compiled program, (call target, count), on a TPU or GPU target:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxrl_llm.planning.hbm_bytes import array_bytes, hbm_bytes_of, outside_loops_bytes
+from jaxrl_llm.planning.hbm_bytes import array_bytes, hbm_bytes_of, layer_loop_bytes, outside_loops_bytes
 from jaxrl_llm.platform.tpu import libtpu_installed
 
 MB = 1e6
@@ -95,9 +95,33 @@ def test_on_chip_buffers_are_free_and_tuples_add_up():
     assert array_bytes("(bf16[2,3]{1,0}, s32[4]{0}, pred[])") == 2 * 3 * 2 + 4 * 4 + 1
 
 
-def _scan(layers: int, repeat: int, unroll: int = 1):
+def test_a_kernel_with_a_cost_estimate_moves_its_operands_and_result():
+    """A custom call whose backend config carries a cost estimate (the batch-invariant GEMM: models/invariant.py)
+    reads its operands and writes its result where they live in HBM; one without stays free (its work is added
+    by formula: planning/kernel_costs.py)."""
+    estimated = HLO.replace('custom_call_target="tpu_custom_call"',
+                            'custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"flops":"1"}}')
+    y, stack = 8 * 250 * 4, 4 * 1000 * 250 * 2  # its operands in HBM; its row result is on chip (S(1)): free
+    assert hbm_bytes_of(estimated) - hbm_bytes_of(HLO) == pytest.approx(y + stack)
+
+
+def test_the_layer_loops_are_found_by_their_name_forward_and_backward():
+    """`layer_loop_bytes`: the bodies of the while loops named as the layer scans (models/remat.py `scan_layers`),
+    also under a transformation's name (a training step's backward scan), and no other loop."""
+    loop = "condition=%cond, body=%body"
+    assert HLO.count(loop) == 1
+    named = HLO.replace(loop, loop + ', metadata={op_name="jit(step)/transpose(jvp(layer_scan))/while"}')
+    body = hbm_bytes_of(HLO) - outside_loops_bytes(HLO)
+    assert layer_loop_bytes(HLO) == 0  # an unnamed loop (a decode loop, a micro-batch loop)
+    assert layer_loop_bytes(named) == pytest.approx(body, abs=64)
+    other = named.replace("layer_scan", "layer_scanner")
+    assert layer_loop_bytes(other) == 0
+
+
+def _scan(layers: int, repeat: int, unroll: int = 1, named: bool = False):
     """A scan over `layers` layers of two bf16 [896, 4864] weights (17.4 MB a layer), each trip running its
-    layer `repeat` times on 32 rows: the text the TPU compiler gives it, and XLA's own byte count."""
+    layer `repeat` times on 32 rows: the text the TPU compiler gives it, and XLA's own byte count. `named`: run
+    by the models' `scan_layers` (one trip's bytes then readable by `layer_loop_bytes`)."""
     from jaxrl_llm.platform import tpu_target
 
     device = tpu_target("v5e:2x2").devices[0]
@@ -110,6 +134,10 @@ def _scan(layers: int, repeat: int, unroll: int = 1):
                 h = jnp.dot(jax.nn.silu(u).astype(jnp.bfloat16), weights[1], preferred_element_type=jnp.float32)
                 h = h.astype(jnp.bfloat16)
             return h, None
+        if named:
+            from jaxrl_llm.models.remat import scan_layers
+
+            return scan_layers(trip, None, 1, x, (w_in, w_out))[0]
         return jax.lax.scan(trip, x, (w_in, w_out), unroll=unroll)[0]
 
     compiled = jax.jit(run).lower(spec(layers, 896, 4864), spec(layers, 4864, 896), spec(32, 896)).compile()
@@ -130,6 +158,9 @@ def test_a_layer_scan_counts_one_layer_a_trip_on_tpu():
     assert hbm_bytes_of(twice) - hbm_bytes_of(once) == pytest.approx(layer, rel=0.02)
     _, unrolled_by_xla = _scan(24, 1, unroll=2)
     assert unrolled_by_xla - layer > 4 * layer  # (105 MB for a 17.4 MB layer with libtpu 0.0.42.1)
+    # what the plan reads on TPU: the layer loop's body in the program as it runs
+    named, _ = _scan(24, 1, named=True)
+    assert layer_loop_bytes(named) == pytest.approx(layer, rel=0.02)
 
 
 def test_the_plans_layer_count_repeats_the_layer():
