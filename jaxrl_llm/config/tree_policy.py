@@ -389,7 +389,9 @@ MODEL = dict(
                                  "sequence at a 128-token key block and share no prompt (share_packed_prompts off). "
                                  "int8 KV is refused; Qwen3.5 runs its delta rule token by token. On a tensor "
                                  "split each device computes its GEMM output columns over the whole contraction "
-                                 "(its input rows gathered; no partial sums cross devices); on an expert split a "
+                                 "(its input rows gathered; no partial sums cross devices), and the paged engine's "
+                                 "decode keeps every weight split by its output columns over all devices; on an "
+                                 "expert split a "
                                  "token's k expert outputs come home unmixed and are mixed there; a context split "
                                  "attends with gathered keys (mesh.context_attention is not used). veRL's vexact / "
                                  "vLLM's batch-invariant mode."),

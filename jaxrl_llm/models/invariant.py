@@ -7,8 +7,9 @@ The sampler's log-probs are then bit-identical to the trainer's recomputation in
 the one decoder (models/decoder.py) through these functions.
 
 Why each order is fixed:
-- Matmuls (`matmul`): XLA picks a kernel per shape (GPU: split-K for few rows or a long contraction;
-  CPU: a GEMV path for one row, other blockings by row count; bench/row_invariance.py measures it), so a
+- Matmuls (`matmul`; the kernels in models/invariant_gemm.py): XLA picks a kernel per shape (GPU: split-K for
+  few rows or a long contraction; CPU: a GEMV path for one row, other blockings by row count;
+  bench/row_invariance.py measures it), so a
   row's sum over K changes with the row count. Here the rows run in tiles of a fixed shape, so every call
   runs one kernel: on GPU a Pallas (Triton) GEMM with fixed blocks and a sequential K loop (no split-K),
   on TPU a Pallas (Mosaic) GEMM whose K axis is the grid's sequential axis, on CPU (and any other
@@ -43,28 +44,22 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.models.invariant_gemm import matmul_2d, pad_rows
 from jaxrl_llm.models.precision import MASKED_SCORE, probs_times_values
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
-
-if TYPE_CHECKING:
-    from jax.experimental.pallas import CostEstimate
 
 Array = jax.Array
 
 KEY_BLOCK = 128  # keys per attention block (the paged engine's XLA blocks: sampler/paged_blocks.py)
 VOCAB_CHUNK = 4096  # vocabulary ids per log-prob chunk
 MIN_ROWS = 8  # query rows per (row, kv head) in an attention contraction, padded up to
-CPU_ROW_TILE = 8  # rows per XLA dot on CPU (bench/row_invariance.py: every tile shape measured row-invariant)
-GPU_BLOCKS = (64, 64)  # the Triton GEMM's (rows, columns) per program; K in pieces of at most 64
-TPU_BLOCKS = (256, 128)  # the Mosaic GEMM's (rows, columns) per program (128 rows for 128 or fewer); K in pieces
-# of 512 (or whole)
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
 
@@ -175,134 +170,18 @@ def tree_sum(x: Array, axis: int = -1) -> Array:
     return lax.squeeze(x, (axis,))
 
 
-# ---- matmuls ----
-
-def _dot(x: Array, w: Array) -> Array:
-    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _pad_rows(x: Array, multiple: int, least: int = 0) -> Array:
-    """x with zero rows added along its first axis up to a multiple of `multiple` (and at least `least`)."""
-    rows = max(-(-x.shape[0] // multiple) * multiple, least)
-    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
-
-
-def _xla_tiles(x: Array, w: Array) -> Array:
-    """Fixed-shape tiles of CPU_ROW_TILE rows, one XLA dot each (at least two tiles: a loop of one trip is
-    inlined, and its dot may then fuse into another kernel)."""
-    n = x.shape[0]
-    tiles = _pad_rows(x, CPU_ROW_TILE, 2 * CPU_ROW_TILE).reshape(-1, CPU_ROW_TILE, x.shape[1])
-    return lax.map(lambda tile: _dot(tile, w), tiles).reshape(-1, w.shape[1])[:n]
-
-
-def _largest_block(size: int, most: int, least: int = 16) -> int:
-    """The largest power of two in [least, most] dividing `size`, or 0."""
-    block = most
-    while block >= least:
-        if size % block == 0:
-            return block
-        block //= 2
-    return 0
-
-
-def _gemm_cost(x: Array, w: Array, blocks: tuple[int, int, int]) -> CostEstimate:
-    """The GEMM kernel's `pl.CostEstimate` for x [N, K] @ w [K, F] in (row, column, K) blocks, which XLA's cost
-    analysis reports for the custom call (the plans' FLOPs; the TPU plan counts its bytes from the memory spaces
-    of its operands: planning/hbm_bytes.py): every block's products; w read once per row block, x once per
-    column block where K runs in pieces (its block changes along the K loop, so it is fetched again for the next
-    column block), once where K is whole; the fp32 result written once."""
-    from jax.experimental import pallas as pl
-
-    (n, k), cols = x.shape, w.shape[1]
-    bm, bn, bk = blocks
-    row_blocks, col_blocks = -(-n // bm), -(-cols // bn)
-    x_reads = col_blocks if bk < k else 1
-    return pl.CostEstimate(flops=2 * row_blocks * bm * k * col_blocks * bn, transcendentals=0,
-                           bytes_accessed=x.size * x.dtype.itemsize * x_reads
-                           + w.size * w.dtype.itemsize * row_blocks + n * cols * 4)
-
-
-def _triton_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
-    """GPU: a Pallas (Triton) GEMM with fixed blocks, each program summing K in one sequential loop."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
-
-    bm, bn = GPU_BLOCKS
-    n, k = x.shape
-    cols = w.shape[1]
-    bk = _largest_block(k, 64)
-    # every column in a program of bn columns, whatever the matrix's width (a vocabulary shard's too:
-    # `vocab_split_logits`); Triton masks no edge, so a width or K without whole pieces is padded with zeros (exact)
-    if bk == 0 or cols % bn:
-        k_pad = (-k % 64) if bk == 0 else 0
-        x, w = jnp.pad(x, ((0, 0), (0, k_pad))), jnp.pad(w, ((0, k_pad), (0, -cols % bn)))
-        return _triton_gemm(x, w, interpret)[:, :cols]
-    xp = _pad_rows(x, bm)
-
-    def kernel(x_ref, w_ref, o_ref):
-        def piece(i, acc):
-            off = pl.multiple_of(i * bk, bk)
-            return acc + _dot(x_ref[:, pl.ds(off, bk)], w_ref[pl.ds(off, bk), :])
-        o_ref[...] = lax.fori_loop(0, k // bk, piece, jnp.zeros((bm, bn), jnp.float32))
-
-    out = pl.pallas_call(
-        kernel, grid=(xp.shape[0] // bm, cols // bn),
-        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], cols), jnp.float32), interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3), name="invariant_gemm",
-        cost_estimate=_gemm_cost(xp, w, (bm, bn, bk)))(xp, w)
-    return out[:n]
-
-
-def _mosaic_gemm(x: Array, w: Array, interpret: bool = False) -> Array:
-    """TPU: a Pallas (Mosaic) GEMM with fixed blocks; K is the grid's last, sequential axis, summed into the
-    resident fp32 output block in order. Every column is computed in a block of TPU_BLOCKS[1] columns, whatever
-    the width (the last block of a width that is no multiple runs past its edge: Mosaic drops what it writes
-    there), so a vocabulary shard's columns (`vocab_split_logits`) are the full matrix's bits."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    most_m, most_n = TPU_BLOCKS
-    n, k = x.shape
-    cols = w.shape[1]
-    # a decode step's rows (every slot of the mode's column split: engine/decode_layout.py) in one block where
-    # they fit, so the weight is read once; a row's sum does not depend on the block's height
-    bm = most_m if n > most_m // 2 else most_m // 2
-    bn = most_n if cols > most_n else cols
-    bk = 512 if k % 512 == 0 else k
-    xp = _pad_rows(x, bm)
-
-    def kernel(x_ref, w_ref, o_ref):
-        @pl.when(pl.program_id(2) == 0)
-        def _init():
-            o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
-        o_ref[...] += _dot(x_ref[...], w_ref[...])
-
-    out = pl.pallas_call(
-        kernel, grid=(xp.shape[0] // bm, pl.cdiv(cols, bn), k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, s: (i, s)), pl.BlockSpec((bk, bn), lambda i, j, s: (s, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, s: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], cols), jnp.float32), interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        name="invariant_gemm", cost_estimate=_gemm_cost(xp, w, (bm, bn, bk)))(xp, w)
-    return out[:n]
-
-
-def _matmul_2d(x: Array, w: Array) -> Array:
-    return lax.platform_dependent(x, w, cuda=_triton_gemm, tpu=_mosaic_gemm, default=_xla_tiles)
-
+# ---- matmuls (the kernels: models/invariant_gemm.py) ----
 
 def matmul_on_device(x: Array, w: Array) -> Array:
     """fp32 [N, F] = x [N, K] @ w [K, F], each row summed in the fixed order of `matmul`, for code already
     running on one device's rows (inside a `shard_map` that holds the whole contraction: the routed experts,
     models/expert_parallel.py)."""
-    return _matmul_2d(x, w)
+    return matmul_2d(x, w)
 
 
 def _matmul_rows(x: Array, w: Array) -> Array:
-    """`_matmul_2d` over every leading axis of x as rows."""
-    return _matmul_2d(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+    """`matmul_2d` over every leading axis of x as rows."""
+    return matmul_2d(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
 
 
 def matmul(x: Array, w: Array) -> Array:
@@ -340,7 +219,7 @@ def matmul(x: Array, w: Array) -> Array:
         grid = x.reshape(-1, x.shape[-1])
         specs = (P(rows, None), P(None, columns)), P(rows, columns)
     per_device = jax.shard_map(_matmul_rows, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=False)
-    out = per_device(_pad_rows(grid, ways), w)[:grid.shape[0]]
+    out = per_device(pad_rows(grid, ways), w)[:grid.shape[0]]
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -544,9 +423,3 @@ def token_log_prob(logits: Array, tokens: Array, temperature: Array) -> Array:
 
     lse, target, _ = vocab_scan(chunk_at, rows, vocab, tokens, temperature)
     return target - lse
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gemm_for_tests(x: Array, w: Array, interpret: bool = True) -> tuple[Array, Array]:
-    """(the Triton GEMM, the Mosaic GEMM) in Pallas's interpreter: their values on any backend."""
-    return _triton_gemm(x, w, interpret), _mosaic_gemm(x, w, interpret)

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import sharding
 from jaxrl_llm.losses.logprob_xla import Layout, invariant_stats, xla_stats
-from jaxrl_llm.models import invariant, numerics
+from jaxrl_llm.models import invariant, invariant_gemm, numerics
 from jaxrl_llm.models.attention import attend, attend_invariant
 from jaxrl_llm.platform.tpu import libtpu_installed
 
@@ -105,12 +105,13 @@ def test_the_gemm_kernels_give_a_column_its_bits_whatever_the_columns_beside_it(
     ones (padded), so a column's sum runs as it does in the trainer's 4096-wide chunk; rows likewise in blocks
     of 128 or 256."""
     x, w = _bf16(0, (40, 192), 1.0), _bf16(1, (192, 4096), 0.05)
-    full = [np.asarray(got) for got in invariant.gemm_for_tests(x, w)]
+    full = [np.asarray(got) for got in invariant_gemm.gemm_for_tests(x, w)]
     for start, stop in ((0, 4096), (1000, 3374), (3000, 3100), (4033, 4096)):
-        for got, whole in zip(invariant.gemm_for_tests(x, w[:, start:stop]), full):
+        for got, whole in zip(invariant_gemm.gemm_for_tests(x, w[:, start:stop]), full):
             np.testing.assert_array_equal(np.asarray(got), whole[:, start:stop])
     tall = _bf16(2, (300, 192), 1.0)  # 300 rows: blocks of 256 rows on TPU
-    for got, rows in zip(invariant.gemm_for_tests(tall, w[:, :256]), invariant.gemm_for_tests(tall[:40], w[:, :256])):
+    gemms = invariant_gemm.gemm_for_tests
+    for got, rows in zip(gemms(tall, w[:, :256]), gemms(tall[:40], w[:, :256])):
         np.testing.assert_array_equal(np.asarray(got)[:40], np.asarray(rows))
 
 
@@ -126,7 +127,7 @@ def test_the_tpu_gemm_compiles_at_a_vocabulary_shards_width_with_its_costs():
     device = tpu_target("v5e:2x2").devices[0]
     on_tpu = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=SingleDeviceSharding(device)) for s in ((256, 896),
                                                                                                    (896, 18992))]
-    compiled = jax.jit(invariant._mosaic_gemm).lower(*on_tpu).compile()
+    compiled = jax.jit(invariant_gemm._mosaic_gemm).lower(*on_tpu).compile()
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     assert analysis["flops"] == pytest.approx(2 * 256 * 896 * 18992, rel=0.01)  # 149 blocks of 128 columns
@@ -139,7 +140,7 @@ def test_gpu_and_tpu_gemm_kernels_compute_the_product():
     for x, w in ((_bf16(0, (70, 576)), _bf16(1, (576, 320), 0.05)),
                  (jax.random.normal(jax.random.key(2), (9, 40)), jax.random.normal(jax.random.key(3), (40, 24)))):
         want = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
-        for got in invariant.gemm_for_tests(x, w):
+        for got in invariant_gemm.gemm_for_tests(x, w):
             assert got.shape == want.shape and got.dtype == jnp.float32
             np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
