@@ -199,11 +199,10 @@ def matmul(x: Array, w: Array) -> Array:
     axes instead, and every device runs every row (gathered) against its columns."""
     mesh = jax.sharding.get_abstract_mesh()
     by_columns = column_split(w.shape[1])
-    if by_columns:
-        spec = P(None, by_columns)
-        per_columns = jax.shard_map(_matmul_rows, mesh=mesh, in_specs=(P(None, None), spec), out_specs=spec,
-                                    check_vma=False)
-        return per_columns(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+    if by_columns:  # every row on every device (P(): gathered), its columns of the weight and of the output
+        out_spec = P(*(None,) * (x.ndim - 1), by_columns)
+        return jax.shard_map(_matmul_rows, mesh=mesh, in_specs=(P(), P(None, by_columns)), out_specs=out_spec,
+                             check_vma=False)(x, w)
     sizes = {} if mesh.empty else dict(mesh.shape)
     axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
     tensor, context = sizes.get(TENSOR_AXIS, 1), sizes.get(CONTEXT_AXIS, 1)
