@@ -57,4 +57,6 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(hf_llama):
     parts = [jax.grad(loss_of(slice(i, i + 1)))(params) for i in range(3)]
     summed = jax.tree.map(lambda *g: sum(g), *parts)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(summed)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+        # atol: fp32 sums over other row counts reduce in other orders (1.5e-6 off on one of 16384 entries, of
+        # 6e-4, on a Sapphire Rapids host: 2026-12-07)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=5e-6)

@@ -79,7 +79,9 @@ def test_replay_brings_the_log_prob_mismatch_back_to_the_floor(rollout):
     replayed = np.asarray(response_log_probs(params, cfg, full, attention, NEW_TOKENS, replay=jnp.asarray(recorded)))
     sampler = np.asarray(out.log_probs)
     assert np.abs(free - sampler)[mask].max() > 1e-3  # routed by itself: the importance ratio drifts
-    assert np.abs(replayed - sampler)[mask].max() <= 1e-6  # replayed: the dense model's fp32 floor
+    # replayed: the dense model's fp32 floor, a few ulps of log-probs of -4..-8 (ulp 4.8e-7; 3 ulps on a Sapphire
+    # Rapids host, 2026-12-07)
+    assert np.abs(replayed - sampler)[mask].max() <= 4e-6
     _, stats = forward_hidden_moe(params, cfg, full, attention, replay=jnp.moveaxis(jnp.asarray(recorded), 2, 0))
     assert stats is not None
     assert float(jnp.sum(stats.stats.agree)) < float(jnp.sum(stats.stats.tokens))
