@@ -22,6 +22,7 @@ mlp, vocab; embed for the weights that write the residual stream) over 'tensor' 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -30,6 +31,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.models import invariant
 from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
 from jaxrl_llm.models.param_init import logical_axes_at
 from jaxrl_llm.sharding.rules import logical_to_spec
@@ -94,6 +96,16 @@ def column_axes(mesh: Mesh, slot_axes: tuple[str, ...]) -> tuple[str, ...]:
     over, in the order both that layout (`column_spec`) and the matmul's split (`invariant.weight_columns`) use."""
     sizes = dict(mesh.shape)
     return tuple(dict.fromkeys(a for a in ("tensor", *slot_axes) if sizes.get(a, 1) > 1))
+
+
+def matmul_columns(batch_invariant: bool, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:
+    """A context in which the batch-invariant matmuls split each weight by its output columns
+    (`invariant.weight_columns`), as `decode_weights(..., by_columns=True)` laid the weights out: the mode with slot
+    shards, for the decode step and the prefill alike (both read the engine's one copy of the weights). Else no
+    change."""
+    if not batch_invariant or mesh is None or not slot_axes:
+        return contextlib.nullcontext()
+    return invariant.weight_columns(column_axes(mesh, slot_axes))
 
 
 def output_dim(names: tuple | None) -> int | None:

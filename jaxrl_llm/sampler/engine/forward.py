@@ -26,7 +26,6 @@ Page 0 is a scratch page no request owns: empty slots write their (ignored) toke
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -37,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import DType
-from jaxrl_llm.models import ModelConfig, invariant, logits_from_hidden
+from jaxrl_llm.models import ModelConfig, logits_from_hidden
 from jaxrl_llm.models.decoder import LayerAttention, decoder_hidden
 from jaxrl_llm.models.hybrid import HybridState
 from jaxrl_llm.sampler.cascade_attention import Cascade
@@ -175,7 +174,7 @@ def decode_hidden(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
         attention = paged_attention(cfg, kv["k"].shape[3], page_table, positions, active, attn_impl=attn_impl,
                                     mesh=mesh, cascade=cascade, slot_axes=slot_axes)
     rotary = positions if rope_offset is None else positions + rope_offset
-    with _by_columns(cfg, mesh, slot_axes):
+    with decode_layout.matmul_columns(cfg.batch_invariant, mesh, slot_axes):
         hidden, pool, moe = decoder_hidden(params, cfg, tokens[:, None], rotary[:, None], attention, pool,
                                            compute_dtype=compute_dtype, valid=active[:, None],
                                            record_routing=record_routing)
@@ -192,13 +191,6 @@ def decode_logits(params: dict, cfg: ModelConfig, pool: Any, tokens: Array, posi
                                           compute_dtype=compute_dtype, attn_impl=attn_impl, mesh=mesh,
                                           record_routing=record_routing, cascade=cascade, rope_offset=rope_offset,
                                           slot_axes=slot_axes)
-    with _by_columns(cfg, mesh, slot_axes):
+    with decode_layout.matmul_columns(cfg.batch_invariant, mesh, slot_axes):
         return logits_from_hidden(params, cfg, hidden), pool, routing
 
-
-def _by_columns(cfg: ModelConfig, mesh: Mesh | None, slot_axes: tuple[str, ...]) -> Any:
-    """The batch-invariant matmuls' split by output columns (`invariant.weight_columns`) where the decode weights
-    are laid out so (engine/decode_layout.py: the mode with slot shards), else no change."""
-    if not cfg.batch_invariant or mesh is None or not slot_axes:
-        return contextlib.nullcontext()
-    return invariant.weight_columns(decode_layout.column_axes(mesh, slot_axes))

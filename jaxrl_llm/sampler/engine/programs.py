@@ -37,7 +37,7 @@ from jaxrl_llm.models.gemma4 import typed_state
 from jaxrl_llm.models.hybrid import RECURRENT_KEYS, HybridState
 from jaxrl_llm.models.moe import NOT_RECORDED, routing_dtype
 from jaxrl_llm.sampler.cascade_attention import Cascade
-from jaxrl_llm.sampler.engine import slot_shards
+from jaxrl_llm.sampler.engine import decode_layout, slot_shards
 from jaxrl_llm.sampler.engine.decode_state import (
     DecodeState,
     Prefix,
@@ -52,10 +52,10 @@ from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import mesh_context
 
 Array = jax.Array
-@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh", "chunk"))
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh", "chunk", "slot_axes"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
             record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None,
-            chunk: int | None = None, images: PromptImages | None = None) -> Prefix:
+            chunk: int | None = None, images: PromptImages | None = None, slot_axes: tuple[str, ...] = ()) -> Prefix:
     """KV of one right-padded prompt [Pb] (its first `length` ids real) and its next-token logits
     (and with `record_routing`, a MoE model's experts per prompt token). `replay` [Pb, L, k]: experts
     to run (a multi-turn conversation's earlier turns; NOT_RECORDED: the router's choice); they are
@@ -64,10 +64,12 @@ def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *,
     scores are [chunk, Pb] rather than [Pb, Pb]. `images`: a vision-language prompt's (`PromptImages`): its image
     tokens take the features, every token its M-RoPE position, and the prefix carries the decode delta. Traced on
     `mesh`. A Gemma 3 prompt with images prefills whole: an image's tokens see each other, so no chunk boundary may
-    split one (vLLM's answer is the same: an image is scheduled in one piece)."""
+    split one (vLLM's answer is the same: an image is scheduled in one piece). `slot_axes`: the engine's slot shards
+    (engine/slot_shards.py); in the mode the weights are split by columns over them (`decode_layout.matmul_columns`)
+    and each device computes its columns of every prompt token rather than gathering each layer's weights."""
     if images is not None and cfg.bidirectional_image_tokens:
         chunk = None
-    with mesh_context(mesh):
+    with mesh_context(mesh), decode_layout.matmul_columns(cfg.batch_invariant, mesh, slot_axes):
         if chunk is not None and chunk < prompt_ids.shape[0]:
             prefix = _chunked_prefill(params, cfg, prompt_ids, length, compute_dtype=compute_dtype,
                                       record_routing=record_routing, replay=replay, chunk=chunk, images=images)
@@ -161,14 +163,14 @@ def _chunked_prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: 
     return _prefix(params, cfg, hidden, cache, length, routing, prompt_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "mesh"))
+@functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "mesh", "slot_axes"))
 def prefill_batch(params: dict, cfg: ModelConfig, prompt_ids: Array, lengths: Array, *, compute_dtype: str,
-                  mesh: Mesh | None = None) -> Prefix:
+                  mesh: Mesh | None = None, slot_axes: tuple[str, ...] = ()) -> Prefix:
     """`prefill` of B right-padded prompts [B, Pb] of one bucket in one forward (their first
     `lengths[b]` ids real): a Prefix whose every field has a leading [B] axis (`insert_at` takes
     one row). Many short prompts then cost one program call rather than one each (no routing
-    recording, no chunking: the scheduler keeps those on `prefill`)."""
-    with mesh_context(mesh):
+    recording, no chunking: the scheduler keeps those on `prefill`). `slot_axes`: as `prefill`'s."""
+    with mesh_context(mesh), decode_layout.matmul_columns(cfg.batch_invariant, mesh, slot_axes):
         dt = as_jnp_dtype(compute_dtype)
         b, pb = prompt_ids.shape
         mask = (jnp.arange(pb)[None] < lengths[:, None]).astype(jnp.int32)

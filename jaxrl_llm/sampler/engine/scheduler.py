@@ -234,11 +234,12 @@ class PagedEngine:
             images = None if req.images is None else req.images.padded(width)
             prefix = programs.prefill(params, cfg, ids, np.int32(length), compute_dtype=self.compute_dtype,
                                       record_routing=record, mesh=self.mesh, replay=replay, chunk=self.prefill_chunk,
-                                      images=images)
+                                      images=images, slot_axes=self.slot_axes)
             draft = None
             if draft_params is not None:
                 draft = programs.prefill(draft_params, draft_cfg, ids, np.int32(length),
-                                         compute_dtype=self.compute_dtype, mesh=self.mesh, chunk=self.prefill_chunk)
+                                         compute_dtype=self.compute_dtype, mesh=self.mesh, chunk=self.prefill_chunk,
+                                         slot_axes=self.slot_axes)
             entry.prefix = (prefix, None, draft)
             if prefix.routing is not None:
                 entry.prompt_routing = np.asarray(to_host(prefix.routing))[:length]
@@ -251,11 +252,11 @@ class PagedEngine:
                 ids[i, :len(req.ids)] = req.ids
                 lengths[i] = len(req.ids)
             prefix = programs.prefill_batch(params, cfg, ids, lengths, compute_dtype=self.compute_dtype,
-                                            mesh=self.mesh)
+                                            mesh=self.mesh, slot_axes=self.slot_axes)
             draft = None
             if draft_params is not None:
                 draft = programs.prefill_batch(draft_params, draft_cfg, ids, lengths, compute_dtype=self.compute_dtype,
-                                               mesh=self.mesh)
+                                               mesh=self.mesh, slot_axes=self.slot_axes)
             for i, (entry, _) in enumerate(members):
                 entry.prefix = (prefix, i, draft)
             calls += 1
