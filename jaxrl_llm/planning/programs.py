@@ -28,6 +28,7 @@ from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops, rollout_conte
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.policy import POLICY_LOSSES
+from jaxrl_llm.models.hybrid import layer_scan_trips
 from jaxrl_llm.models.moe import uncounted_expert_flops
 from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.planning.context import (
@@ -86,7 +87,7 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
         return body * trips(plan) + Cost(flops=experts(plan)) + head
 
     return Program(name, lower, states, keys, micro_pass=micro_pass, trips=trips,
-                   extra_flops=experts, layers=model.cfg.num_hidden_layers, total_cost=total_cost)
+                   extra_flops=experts, layers=layer_scan_trips(model.cfg), total_cost=total_cost)
 
 
 def _log_prob_settings(ctx: Context, compute_dtype: str) -> dict[str, Any]:
@@ -259,7 +260,7 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
                                         cfg.attention_width, rollout_context(np.array([t])))
     model_flops = s.ppo_epochs * 3.0 * per_token * n * t / ctx.mesh.size  # forward + backward, no recompute
     return Program(f"update_{role}", lower, states, keys, micro_pass=role, trips=trips,
-                   extra_flops=experts, layers=cfg.num_hidden_layers, total_cost=total_cost,
+                   extra_flops=experts, layers=layer_scan_trips(cfg), total_cost=total_cost,
                    model_flops=lambda plan: model_flops)
 
 

@@ -16,6 +16,7 @@ from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops
 from jaxrl_llm.models import ModelConfig, init_cache
 from jaxrl_llm.models.dtypes import is_uncast_matmul_weight
+from jaxrl_llm.models.hybrid import layer_scan_trips
 from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
 from jaxrl_llm.planning.context import (
     ARR,
@@ -75,7 +76,7 @@ def sample_program(ctx: Context) -> Program:
             f"{ARR}.ref.param_offload", f"{ARR}.model.lora_rank", MESH_KEYS)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool"), lambda plan: keys,
                    extra_flops=lambda plan: decode(plan) + prefill_experts, kv_bytes=kv_bytes,
-                   layers=cfg.num_hidden_layers)
+                   layers=layer_scan_trips(cfg))
 
 
 class DecodeWeights(NamedTuple):
@@ -166,7 +167,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         keys += (f"{ARR}.rollout.unroll_layers=False (no per-layer weight copy)",)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
                    extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),
-                   copy_bytes=sum(w.copies for w in weights), layers=cfg.num_hidden_layers, total_cost=total_cost,
+                   copy_bytes=sum(w.copies for w in weights), layers=layer_scan_trips(cfg), total_cost=total_cost,
                    pool_pages=engine.num_pages, prologue_once=True)
 
 

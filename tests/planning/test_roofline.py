@@ -42,19 +42,26 @@ def test_the_largest_bound_holds():
     assert cpu.bound == "compute" and cpu.hbm_s == 0.0
 
 
-def test_costs_count_every_layer(tmp_path):
+@pytest.mark.parametrize("model, period", [("tiny:llama", 1), ("tiny:qwen3_5_text", 2)], ids=["llama", "qwen35"])
+def test_costs_count_every_layer(tmp_path, model, period):
     """The sampler's and the update's costs grow by the same amount with each layer (the compiled count
-    holds one layer; the plan adds the others from the program compiled with its layer twice a trip)."""
+    holds one scan trip; the plan adds the other trips from the program compiled with its trip run twice). A
+    hybrid model's scan runs a period a trip (Qwen3.5's tiny: delta-net, attention): the plan counts trips, not
+    layers (it counted layers until 2026-12-07, each a period's work: 2x the layers here, 4x at Qwen3.5's
+    period of 4)."""
     costs = {}
-    for layers in (2, 3, 4):
+    for trips in (1, 2, 3):
+        layers = trips * period + (period == 1)  # llama: 2, 3, 4 layers (one layer alone has no trip to add)
         spec, mesh, tok = _spec(tmp_path / str(layers), **{"actor_rollout_ref.model.tiny.num_hidden_layers": layers,
+                                                           "actor_rollout_ref.model.path": model,
                                                            "actor_rollout_ref.rollout.engine": "paged"})
         planner = Planner(spec, mesh, tok)
         for p in planner.programs:
             if p.name in ("sample", "update_actor"):
-                costs[layers, p.name] = planner.costed(p, spec.plan).cost
+                assert p.layers == layers // period, (p.name, p.layers)
+                costs[trips, p.name] = planner.costed(p, spec.plan).cost
     for name in ("sample", "update_actor"):
-        first, second = costs[3, name] - costs[2, name], costs[4, name] - costs[3, name]
+        first, second = costs[2, name] - costs[1, name], costs[3, name] - costs[2, name]
         assert first.flops > 0 and second.flops == pytest.approx(first.flops, rel=0.05), (name, first, second)
         assert first.hbm_bytes > 0 and second.hbm_bytes > 0, name
         if name == "update_actor":
