@@ -57,7 +57,7 @@ from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import invariant
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.moe import Routing, down_bias, expert_ffn, held_expert_ffn, held_expert_slots, mix_slots
-from jaxrl_llm.models.param_init import EXPERT_AXES, EXPERT_BIAS_AXES
+from jaxrl_llm.models.param_axes import EXPERT_AXES, EXPERT_BIAS_AXES
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from jaxrl_llm.sharding.rules import logical_to_spec

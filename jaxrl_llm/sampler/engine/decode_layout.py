@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models import invariant
 from jaxrl_llm.models.dtypes import as_jnp_dtype, matmul_weights_in, uncast_matmul_weights
-from jaxrl_llm.models.param_init import logical_axes_at
+from jaxrl_llm.models.param_axes import logical_axes_at
 from jaxrl_llm.sharding.rules import logical_to_spec
 
 # a weight without a dim to take the batch axes is held whole on every chip below this size (norm scales,
