@@ -253,12 +253,12 @@ def layer_period(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers
 
 
-
 def layer_scan_trips(cfg: ModelConfig) -> int:
     """Trips of the model's layer scan (models/remat.py `scan_layers`): a hybrid model's scan runs a period of
     layers a trip (`layer_period`), the other decoders' one layer. The memory plan counts one trip's work and
     multiplies it by these."""
     return cfg.num_hidden_layers // layer_period(cfg) if cfg.hybrid else cfg.num_hidden_layers
+
 
 def hybrid_decoder_hidden(params: dict, cfg: ModelConfig, input_ids: Array, positions: Array,
                           attention: LayerAttention, state: HybridState | None, *, dtype: DType, remat: bool | str,

@@ -52,6 +52,8 @@ from jaxrl_llm.sampler.speculative import SpeculativeSpec
 from jaxrl_llm.sharding import mesh_context
 
 Array = jax.Array
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "compute_dtype", "record_routing", "mesh", "chunk", "slot_axes"))
 def prefill(params: dict, cfg: ModelConfig, prompt_ids: Array, length: Array, *, compute_dtype: str,
             record_routing: bool = False, mesh: Mesh | None = None, replay: Array | None = None,
