@@ -76,10 +76,14 @@ def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=n)
     settings, knobs = sp.compile_args(cfg.eos_token_ids, pad_id, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
 
+    stats = {}
+
     def rollout():
         if engine == "paged":
-            return sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings,
-                                opts=opts or EngineOptions(engine="paged"))[0]
+            out, engine_stats = sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings,
+                                             opts=opts or EngineOptions(engine="paged"))
+            stats.update(spec_proposed=engine_stats.spec_proposed, spec_accepted=engine_stats.spec_accepted)
+            return out
         ids, mask = left_pad(prompts, pad_id)
         return sample(params, cfg, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), knobs, settings=settings)
 
@@ -95,7 +99,7 @@ def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str
     diff = np.abs(np.asarray(train) - np.asarray(out.log_probs))[real]
     return {"engine": engine, "batch_invariant": cfg.batch_invariant, "tokens": int(diff.size),
             "max_abs_log_ratio": float(diff.max()), "exact_token_frac": float(np.mean(diff == 0)),
-            "rollout_s": t_rollout, "score_s": t_score, "update_s": t_update}
+            "rollout_s": t_rollout, "score_s": t_score, "update_s": t_update, **stats}
 
 
 def main(argv=None) -> None:
