@@ -391,10 +391,9 @@ MODEL = dict(
                                  "split each device computes its GEMM output columns over the whole contraction "
                                  "(its input rows gathered; no partial sums cross devices), and the paged engine's "
                                  "decode keeps every weight split by its output columns over all devices; on an "
-                                 "expert split a "
-                                 "token's k expert outputs come home unmixed and are mixed there; a context split "
-                                 "attends with gathered keys (mesh.context_attention is not used). veRL's vexact / "
-                                 "vLLM's batch-invariant mode."),
+                                 "expert split a token's k expert outputs come home unmixed and are mixed there; a "
+                                 "context split attends with gathered keys (mesh.context_attention is not used). "
+                                 "veRL's vexact / vLLM's batch-invariant mode."),
     target_modules=field("all-linear", "Projections that get adapters: 'all-linear' (q/k/v/o_proj, gate/up/"
                                        "down_proj; DeepSeek's latent attention: q_a/q_b_proj, kv_a_proj_with_mqa, "
                                        "kv_b_proj) or a list of those names. veRL.", types=STR_OR_LIST),

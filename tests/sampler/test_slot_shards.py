@@ -150,7 +150,6 @@ def test_the_batch_invariant_decode_layout_splits_each_weight_by_its_output_colu
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x.astype(y.dtype), np.float32))
 
 
-
 def test_the_batch_invariant_prefill_computes_its_columns_instead_of_gathering_the_weights(llama_tiny):
     """The engine's prefill reads the decode layout's copy (split by output columns over fsdp8 in the mode): within
     `decode_layout.matmul_columns` each device computes its columns of every prompt token, so the compiled program
@@ -170,15 +169,15 @@ def test_the_batch_invariant_prefill_computes_its_columns_instead_of_gathering_t
     ids = jnp.asarray(np.arange(3, 27, dtype=np.int32))  # a bucket of 24: no weight dim is 24
     run = {}
     for slot_axes in (("fsdp",), ()):
-        lowered = programs.prefill.lower(copy, cfg, ids, np.int32(19), compute_dtype="bfloat16", mesh=mesh,
-                                         slot_axes=slot_axes)
-        gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", lowered.compile().as_text())
+        compiled = programs.prefill.lower(copy, cfg, ids, np.int32(19), compute_dtype="bfloat16", mesh=mesh,
+                                          slot_axes=slot_axes).compile()
+        gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", compiled.as_text())
         weights = [g for g in gathered if re.search(r"\[(2,)?(64,128|128,64|256,64|64,4,16|4,16,64|64,2,16)\]", g)]
         assert bool(weights) == (not slot_axes), (slot_axes, gathered)
-        run[slot_axes] = programs.prefill(copy, cfg, ids, np.int32(19), compute_dtype="bfloat16", mesh=mesh,
-                                          slot_axes=slot_axes)
+        run[slot_axes] = compiled(copy, ids, np.int32(19))  # the program just compiled (its dynamic arguments)
     for by_columns, gathered_weights in zip(jax.tree.leaves(run[("fsdp",)]), jax.tree.leaves(run[()])):
         np.testing.assert_array_equal(np.asarray(by_columns, np.float32), np.asarray(gathered_weights, np.float32))
+
 
 def test_the_engine_decodes_from_a_copy_in_the_decode_layout(llama_tiny):
     """On fsdp8 the engine's copy of the weights (once per rollout) is cast to the compute dtype and laid out for
