@@ -371,7 +371,8 @@ def section_cascade(tiny: bool, out: pathlib.Path) -> dict:
     import numpy as np
 
     cfg, params = _decode_model(tiny)
-    lengths, new_tokens, num_prompts, n, slots = ((64,), 4, 2, 4, 8) if tiny else ((2048, 1024), 64, 16, 8, 64)
+    # the CPU rehearsal takes the decode section's shapes (its plain and cascade rows' programs, compiled already)
+    lengths, new_tokens, num_prompts, n, slots = ((40,), 8, 4, 2, 2) if tiny else ((2048, 1024), 64, 16, 8, 64)
     rng = np.random.default_rng(0)
     result: dict = {"model": _model_line(cfg), "prompts": num_prompts, "n": n, "slots": slots,
                     "new_tokens": new_tokens, "rows": []}

@@ -65,7 +65,9 @@ def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology, model, cap
 
     cfg = validate_config(tiny_config(tmp_path, **STEP, **{"trainer.plan_topology": topology,
                                                           "actor_rollout_ref.model.path": model}), num_devices=4)
-    costs = topology == "v5e:2x2"  # the roofline of every program, on one of the two (a compile or two more each)
+    # the rooflines of the decode loop and the update, on one of the two slices (a compile or two more each; every
+    # program is costed the same way, and test_plan_cli_compiles_for_a_named_slice costs a whole step)
+    costs = ("sample", "update_actor") if topology == "v5e:2x2" else ()
     with caplog.at_level("INFO", logger="jaxrl_llm"):
         plan = plan_for_config(cfg, costs=costs)
     # compiled for this slice, not read from the other slice's plan (both number their four chips 0-3)
@@ -78,7 +80,7 @@ def test_every_program_of_a_step_compiles_for_tpu(tmp_path, topology, model, cap
     for p in plan.programs:
         assert 0 < p.total_bytes < target.chip.hbm_bytes and p.flops > 0, p
         roofline = plan.roofline(p)
-        assert (roofline is not None) == costs, p.name
+        assert (roofline is not None) == (p.name in costs), p.name
         if roofline is not None:
             assert roofline.seconds > 0 and roofline.cost.hbm_bytes > 0 and roofline.cost.link_bytes > 0, p.name
     if costs:
