@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 import time
 
 import jax
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from bf16_mismatch import smollm2, tiny_model
 
-from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.models import ModelConfig, invariant
 from jaxrl_llm.models.param_init import init_params
 from jaxrl_llm.roles.forward import response_log_probs
 from jaxrl_llm.sampler import SamplingParams, left_pad, sample
@@ -126,6 +128,9 @@ def main(argv=None) -> None:
                     help="calls of each program, the last timed; 1: exactness alone (each time includes its compile, "
                          "no update-shaped pass)")
     args = ap.parse_args(argv)
+    caveat = invariant.cpu_codegen_caveat(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+    if "on" in args.modes.split(",") and caveat:
+        print(f"warning: {caveat}", file=sys.stderr)
     cfg, params, prompts, pad = {"tiny": tiny_model, "smollm2": smollm2,
                                  "qwen2-0.5b": lambda: qwen2_random(args.prompts)}[args.model]()
     rows = []
