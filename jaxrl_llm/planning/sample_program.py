@@ -99,8 +99,9 @@ def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_
 
     def step_leaf(path: tuple, x: Any) -> Any:
         dtype = target if is_uncast_matmul_weight(path, x, target) else x.dtype
-        names = decode_layout.leaf_names(path, cfg.batch_invariant)
-        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=decode_layout.decode_sharding(x, mesh, slot_axes, names))
+        names = decode_layout.leaf_names(path)
+        sharding = decode_layout.decode_sharding(x, mesh, slot_axes, names, cfg.batch_invariant)
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
 
     step = jax.tree_util.tree_map_with_path(step_leaf, params)
     # the leaves the engine copies (cast or moved): their masters stay alive beside the copies

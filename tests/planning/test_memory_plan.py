@@ -333,7 +333,8 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
         axes = slot_shards.batch_split(planner.mesh)[0]
         masters = copies = 0
         for path, x in jax.tree_util.tree_leaves_with_path(planner.ctx.states["actor_params"]):
-            cast, placed = is_uncast_matmul_weight(path, x, dtype), decode_layout.decode_sharding(x, planner.mesh, axes)
+            placed = decode_layout.decode_sharding(x, planner.mesh, axes, decode_layout.leaf_names(path))
+            cast = is_uncast_matmul_weight(path, x, dtype)
             if cast or placed != x.sharding:
                 masters += bytes_per_device(x)
                 copies += bytes_per_device(jax.ShapeDtypeStruct(x.shape, dtype if cast else x.dtype, sharding=placed))

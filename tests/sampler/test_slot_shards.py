@@ -194,3 +194,25 @@ def test_the_engine_decodes_from_a_copy_in_the_decode_layout(llama_tiny):
     mlp = copy["layers"]["mlp"]["up_proj"]["kernel"]
     assert mlp.sharding.spec == jax.sharding.PartitionSpec(None, None, ("tensor", "fsdp"))
     assert decode_layout.decode_weights(placed, "float32", mesh, ()) is placed
+
+
+@pytest.mark.parametrize("mesh_shape", [{"expert": 8}, {"fsdp": 2, "expert": 4}])
+def test_the_decode_layout_leaves_an_expert_stack_where_the_experts_shard_map_reads_it(mesh_shape):
+    """The MoE's shard_map takes the expert stacks in the trainer's layout (models/expert_parallel.py): the decode
+    copy keeps them there while the dense weights move. (Moved onto their mlp dim, as until 2026-12-07, every
+    decode step moved each layer's experts back: on 30B-A3B v5p-32 an all-to-all and five copies a layer.)"""
+    from jaxrl_llm.models import ModelConfig
+    from jaxrl_llm.models.param_init import init_params
+    from jaxrl_llm.sampler.engine import decode_layout
+
+    cfg = ModelConfig.tiny("qwen3_moe")  # 8 experts of width 32: the mlp dim takes 8 ways
+    mesh = sharding.make_mesh(mesh_shape)
+    placed = sharding.shard_params(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
+    axes = slot_shards.batch_split(mesh)[0]
+    copy = decode_layout.decode_weights(placed, "bfloat16", mesh, axes)
+    for name, kernel in copy["layers"]["moe"]["experts"].items():
+        trainer = placed["layers"]["moe"]["experts"][name]["kernel"].sharding
+        assert kernel["kernel"].sharding.is_equivalent_to(trainer, 4), (name, kernel["kernel"].sharding.spec)
+    if "fsdp" in mesh_shape:  # a dense weight's fsdp split moves to its heads
+        dense = copy["layers"]["attn"]["q_proj"]["kernel"]
+        assert dense.sharding.spec == jax.sharding.PartitionSpec(None, None, ("tensor", "fsdp"), None), dense.sharding

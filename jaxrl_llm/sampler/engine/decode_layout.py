@@ -12,7 +12,8 @@ the dim 'tensor' splits (mlp, heads, vocab), or where that dim does not divide, 
 dims). Each chip then holds and reads 1 / (batch x tensor) of the big matmuls' weights and keeps them where
 they are; what moves is a step's activations: a few slots' [S, H] rows gathered before a projection and
 reduced after it (Megatron's column / row split over every chip). A weight with no such dim (norm scales,
-biases) is small and is held whole.
+biases) is small and is held whole. A MoE's expert stacks keep the trainer's layout: the experts' shard_map
+(models/expert_parallel.py) takes them split by experts over 'expert' and brings a step's tokens to them.
 
 With `model.batch_invariant` (models/invariant.py) every output column's sum runs on one chip in the kernel's
 order, so a row split's partial sums (o_proj, down_proj) cannot be added across chips. The layout is then by
@@ -140,24 +141,29 @@ def column_spec(spec: P, shape: tuple[int, ...], itemsize: int, mesh: Mesh, slot
     return P() if math.prod(shape) * itemsize < WHOLE_BELOW_BYTES else spec
 
 
-def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...], names: tuple | None = None) -> Any:
+def decode_sharding(x: Any, mesh: Mesh | None, slot_axes: tuple[str, ...], names: tuple | None = None,
+                    by_columns: bool = False) -> Any:
     """The decode layout's NamedSharding of an array or ShapeDtypeStruct placed on `mesh`; its own sharding
-    (None where it has none) without slot axes or a NamedSharding. `names`: the leaf's logical axis names where
-    the layout is the batch-invariant one (by columns: `column_spec`), else None."""
+    (None where it has none) without slot axes or a NamedSharding, and for an expert stack. `names`: the leaf's
+    logical axis names (`leaf_names`; None: not known); `by_columns`: the batch-invariant layout (`column_spec`)."""
     sharding = getattr(x, "sharding", None)
     if mesh is None or not slot_axes or not isinstance(sharding, NamedSharding):
         return sharding
-    dim = output_dim(names)
+    if names is not None and "expert" in names:
+        # the MoE's shard_map takes an expert stack in its trainer layout (models/expert_parallel.py): moved, every
+        # decode step moved each layer's experts back (30B-A3B on v5p-32, 'expert' 16 ways: an all-to-all and five
+        # copies of 25-50 MB a layer, 0.72 GB of HBM a layer a step where its experts are 75 MB)
+        return sharding
+    dim = output_dim(names) if by_columns else None
     shape, itemsize = tuple(x.shape), x.dtype.itemsize
     if dim is not None and dim < len(shape):
         return NamedSharding(mesh, column_spec(sharding.spec, shape, itemsize, mesh, slot_axes, dim))
     return NamedSharding(mesh, decode_spec(sharding.spec, shape, itemsize, mesh, slot_axes))
 
 
-def leaf_names(path: tuple, by_columns: bool) -> tuple | None:
-    """The logical axis names `decode_sharding` takes for the params leaf at `path` (a key path): its own where the
-    layout is by columns (`by_columns`: `model.batch_invariant`), else None."""
-    return logical_axes_at(tuple(str(getattr(k, "key", k)) for k in path)) if by_columns else None
+def leaf_names(path: tuple) -> tuple | None:
+    """The logical axis names of the params leaf at `path` (a key path), for `decode_sharding`."""
+    return logical_axes_at(tuple(str(getattr(k, "key", k)) for k in path))
 
 
 @functools.lru_cache(maxsize=8)
@@ -175,7 +181,7 @@ def decode_weights(params: dict, compute_dtype: str, mesh: Mesh | None = None,
     rollout; no copy when they already are both."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [x for _, x in paths]
-    layout = [decode_sharding(x, mesh, slot_axes, leaf_names(path, by_columns)) for path, x in paths]
+    layout = [decode_sharding(x, mesh, slot_axes, leaf_names(path), by_columns) for path, x in paths]
     moved = all(new is not None for new in layout) and any(new != x.sharding for new, x in zip(layout, leaves))
     if not moved and not uncast_matmul_weights(params, as_jnp_dtype(compute_dtype)):
         return params
