@@ -210,9 +210,9 @@ def test_the_decode_layout_leaves_an_expert_stack_where_the_experts_shard_map_re
     placed = sharding.shard_params(init_params(cfg, jax.random.key(0)), param_logical_axes(cfg), mesh)
     axes = slot_shards.batch_split(mesh)[0]
     copy = decode_layout.decode_weights(placed, "bfloat16", mesh, axes)
-    for name, kernel in copy["layers"]["moe"]["experts"].items():
+    for name, matrix in copy["layers"]["moe"]["experts"].items():
         trainer = placed["layers"]["moe"]["experts"][name]["kernel"].sharding
-        assert kernel["kernel"].sharding.is_equivalent_to(trainer, 4), (name, kernel["kernel"].sharding.spec)
+        assert matrix["kernel"].sharding.is_equivalent_to(trainer, 4), (name, matrix["kernel"].sharding.spec)
     if "fsdp" in mesh_shape:  # a dense weight's fsdp split moves to its heads
         dense = copy["layers"]["attn"]["q_proj"]["kernel"]
         assert dense.sharding.spec == jax.sharding.PartitionSpec(None, None, ("tensor", "fsdp"), None), dense.sharding
