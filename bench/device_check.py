@@ -335,10 +335,8 @@ def _write_rows(out: pathlib.Path, name: str, result: dict, label) -> None:
 
 def section_decode(tiny: bool, out: pathlib.Path) -> dict:
     """The paged engine's decode rows (module doc, 5.), each written to <out>/decode.json as it ends."""
-    import dataclasses
-
-    import jax
     import numpy as np
+    from rollout import layer_draft  # bench/rollout.py, beside this script
 
     from jaxrl_llm.sampler.speculative import SpeculativeSpec
 
@@ -348,9 +346,7 @@ def section_decode(tiny: bool, out: pathlib.Path) -> dict:
     small, large = (2, None) if tiny else (64, 256)  # the CPU rehearsal: one slot count (each compiles anew)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, prompt_len)] for _ in range(num_prompts)]
-    layers = max(1, cfg.num_hidden_layers // 4)
-    draft_cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
-    draft_params = dict(params, layers=jax.tree.map(lambda x: x[:layers], params["layers"]))
+    draft_cfg, draft_params = layer_draft(cfg, params, max(1, cfg.num_hidden_layers // 4))
     plans = [(name, slots, {"cascade_attention": name == "cascade"}) for slots in (small, large) if slots
              for name in ("plain", "cascade")]
     plans += [("ngram", small, {"speculative": SpeculativeSpec("ngram", num_tokens=4)}),

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bf16_mismatch import smollm2, tiny_model
+from rollout import layer_draft
 
 from jaxrl_llm.models import ModelConfig, invariant
 from jaxrl_llm.models.param_init import init_params
@@ -77,10 +78,8 @@ def paged_options(variants: str, cfg: ModelConfig, params: dict) -> tuple[Engine
     if "ngram" in names:
         opts = dataclasses.replace(opts, speculative=SpeculativeSpec("ngram", num_tokens=3))
     if "draft" in names:
-        layers = max(1, cfg.num_hidden_layers // 4)
-        draft_params = dict(params, layers=jax.tree.map(lambda x: x[:layers], params["layers"]))
-        opts = dataclasses.replace(opts, speculative=SpeculativeSpec(
-            "draft", num_tokens=3, draft_cfg=dataclasses.replace(cfg, num_hidden_layers=layers)))
+        draft_cfg, draft_params = layer_draft(cfg, params, max(1, cfg.num_hidden_layers // 4))
+        opts = dataclasses.replace(opts, speculative=SpeculativeSpec("draft", num_tokens=3, draft_cfg=draft_cfg))
     return opts, draft_params
 
 
