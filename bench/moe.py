@@ -8,7 +8,7 @@ same parameters per token). Prints, each with the MoE / dense ratio:
 
 - training tokens/s: forward + backward of the response log-probs (the actor's pass), batch x length;
 - decode tokens/s: greedy generation through the static sampler;
-- the MoE MLP alone: the dropless grouped matmul (models/moe.py, `blocked` and `ragged_dot`) and the
+- the MoE MLP alone: the dropless grouped matmul (models/moe_experts.py, `blocked` and `ragged_dot`) and the
   per-assignment weight gather (what a decode step runs) against the all-experts dense reference
   (every token through every expert), forward + backward.
 
@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm import sharding
 from jaxrl_llm.models import ModelConfig, greedy_generate, init_params, param_logical_axes
-from jaxrl_llm.models.moe import dense_expert_ffn, expert_ffn, route
+from jaxrl_llm.models.moe import route
+from jaxrl_llm.models.moe_experts import dense_expert_ffn, expert_ffn
 from jaxrl_llm.roles.forward import response_log_probs
 
 

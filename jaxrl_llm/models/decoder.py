@@ -228,9 +228,14 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
     Mixed-layer MoE models (whose MLPs are stacked apart), Gemma 4's and Qwen3.5's per-kind stacks stay stacked;
     LoRA adapters stay stacked and are sliced per layer."""
     layers = params["layers"]
-    if isinstance(layers, tuple) or cfg.mixed_layers or cfg.typed_layers or cfg.hybrid:
+    if isinstance(layers, tuple) or not unstackable(cfg):
         return params
     return dict(params, layers=_layer_slices(layers, cfg.num_hidden_layers))
+
+
+def unstackable(cfg: ModelConfig) -> bool:
+    """Whether `unstack_layers` splits `cfg`'s layer stack (not the mixed-layer, per-kind or hybrid stacks)."""
+    return not (cfg.mixed_layers or cfg.typed_layers or cfg.hybrid)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -8,9 +8,9 @@ different tokens and different experts. The exchange is an all-gather then a red
 
 1. each device all-gathers its group's tokens and their routing (the router ran before, on each
    device's own tokens, so the router's statistics and gradients need no exchange);
-2. it runs the dropless grouped matmul (models/moe.py, `held_expert_ffn`) on the assignments to the
-   experts it holds; assignments to the others go to one skipped group at the end of the layout, so
-   compute stays tokens x top-k / expert per device;
+2. it runs the dropless grouped matmul (models/moe_experts.py, `held_expert_ffn`) on the assignments to the
+   experts it holds, laying out those only (`_own_expert_ffn`), so compute and the layout's buffers stay
+   tokens x top-k / expert per device;
 3. a reduce-scatter over `expert` sums each token's contributions from the devices that hold its k
    experts and hands every device back its own tokens.
 
@@ -56,7 +56,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.arrays import DType
 from jaxrl_llm.models import invariant
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.moe import Routing, down_bias, expert_ffn, held_expert_ffn, held_expert_slots, mix_slots
+from jaxrl_llm.models.moe import Routing
+from jaxrl_llm.models.moe_experts import down_bias, expert_ffn, held_expert_ffn, held_expert_slots, mix_slots
 from jaxrl_llm.models.param_axes import EXPERT_AXES, EXPERT_BIAS_AXES
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sharding.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS

@@ -43,7 +43,7 @@ GEMMA_FAMILIES: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.get(
 QWEN35_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text")  # the hybrid decoder (models/hybrid.py)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 MOE_FAMILIES: tuple[str, ...] = tuple(k for k, f in FAMILIES.items() if f.get("moe"))
-# the grouped matmul of models/moe.py: "blocked" (ours, any backend), "ragged_dot" (jax.lax.ragged_dot:
+# the grouped matmul of models/moe_experts.py: "blocked" (ours, any backend), "ragged_dot" (jax.lax.ragged_dot:
 # XLA's native grouped matmul on TPU; a dense tokens x experts decomposition on CPU / GPU), "auto" (ragged_dot
 # on TPU, blocked elsewhere)
 MOE_KERNELS: tuple[str, ...] = ("auto", "blocked", "ragged_dot")

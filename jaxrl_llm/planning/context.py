@@ -48,7 +48,7 @@ class Program:
     trips: Callable[[BatchPlan], int] = lambda plan: 1  # loop trips XLA's cost analysis counts once
     extra_flops: Callable[[BatchPlan], float] = lambda plan: 0.0  # FLOPs outside any counted loop body
     # (per device, added as they are: the decode steps past the first, a MoE model's routed experts
-    # inside the blocked kernel's loop, models/moe.py `uncounted_expert_flops`)
+    # inside the blocked kernel's loop, models/moe_experts.py `uncounted_expert_flops`)
     kv_bytes: int = 0  # per device: the sampler's KV cache
     # per device: arrays its caller holds while it runs beside its arguments and the step's states (the paged
     # engine's fp32 masters under their compute-dtype decode copy, the per-layer copy of rollout.unroll_layers)

@@ -28,8 +28,9 @@ from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops, rollout_conte
 from jaxrl_llm.config.spec import ActorSpec, CriticSpec
 from jaxrl_llm.hf.tokenizer import Tokenizer
 from jaxrl_llm.losses.policy import POLICY_LOSSES
+from jaxrl_llm.models.expert_parallel import expert_ways
 from jaxrl_llm.models.hybrid import layer_scan_trips
-from jaxrl_llm.models.moe import uncounted_expert_flops
+from jaxrl_llm.models.moe_experts import uncounted_expert_flops
 from jaxrl_llm.models.vision.qwen_vl import RowImages
 from jaxrl_llm.planning.context import (
     ARR,
@@ -77,7 +78,8 @@ def _forward_program(ctx: Context, name: str, micro_pass: str, state: str, model
 
     states = ctx.policy_states if state == "actor_params" else (state,)
     def experts(plan: BatchPlan) -> float:  # every row through the experts once
-        return uncounted_expert_flops(model.cfg, n * t, moe_layout_tokens(ctx, micro_rows(plan), t)) / ctx.mesh.size
+        return uncounted_expert_flops(model.cfg, n * t, moe_layout_tokens(ctx, micro_rows(plan), t),
+                                      expert_ways(model.cfg, ctx.mesh)) / ctx.mesh.size
     trips = lambda plan: n // micro_rows(plan)  # noqa: E731
     head = Cost() if fn is values_no_grad else head_cost(model.cfg, n * t / ctx.mesh.size, 1,
                                                           settings.get("compute_dtype", "float32"))
@@ -236,7 +238,8 @@ def _update_program(ctx: Context, role: str, model: Model, s: ActorSpec | Critic
 
     def experts(plan: BatchPlan) -> float:
         micro = n // math.prod(split(plan))
-        return uncounted_expert_flops(model.cfg, passes * n * t, moe_layout_tokens(ctx, micro, t)) / ctx.mesh.size
+        return uncounted_expert_flops(model.cfg, passes * n * t, moe_layout_tokens(ctx, micro, t),
+                                      expert_ways(model.cfg, ctx.mesh)) / ctx.mesh.size
 
     # one optimizer step (per mini-batch and epoch, not per micro-batch, though the compiled body holds it):
     # reads params, grads and moments, writes params and moments

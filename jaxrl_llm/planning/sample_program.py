@@ -10,14 +10,19 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.arrays import Params
 from jaxrl_llm.batching.batch_plan import BatchPlan
 from jaxrl_llm.bookkeeping.metrics import per_token_forward_flops
 from jaxrl_llm.models import ModelConfig, init_cache
+from jaxrl_llm.models.decoder import unstackable
 from jaxrl_llm.models.dtypes import is_uncast_matmul_weight
+from jaxrl_llm.models.expert_parallel import expert_ways
 from jaxrl_llm.models.hybrid import layer_scan_trips
-from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
+from jaxrl_llm.models.moe import active_params
+from jaxrl_llm.models.moe_experts import uncounted_expert_flops
 from jaxrl_llm.planning.context import (
     ARR,
     MESH_KEYS,
@@ -59,7 +64,8 @@ def sample_program(ctx: Context) -> Program:
     decode = lambda plan: per_token * rows * (r - 1) / mesh.size  # noqa: E731
     if spec.rollout_engine.resolved(r, multi_turn=spec.multi_turn is not None).engine == "paged":
         return _paged_sample_program(ctx, settings, knobs, rows, decode)
-    prefill_experts = uncounted_expert_flops(cfg, rows * width, moe_layout_tokens(ctx, rows, width)) / mesh.size
+    prefill_experts = uncounted_expert_flops(cfg, rows * width, moe_layout_tokens(ctx, rows, width),
+                                             expert_ways(cfg, mesh)) / mesh.size
 
     def lower(plan: BatchPlan, repeat: int = 1, platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         ids = ctx.rows(prompts, width, jnp.int32)
@@ -107,7 +113,7 @@ def decode_weights(params: Params, cfg: ModelConfig, compute_dtype: str, unroll_
     # the leaves the engine copies (cast or moved): their masters stay alive beside the copies
     copied = [(x, y) for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(step))
               if (x.dtype, x.sharding) != (y.dtype, y.sharding)]
-    per_layer = bytes_per_device(step["layers"]) if unroll_layers and not cfg.mixed_layers else 0
+    per_layer = bytes_per_device(step["layers"]) if unroll_layers and unstackable(cfg) else 0
     return DecodeWeights(step, bytes_per_device([x for x, _ in copied]) + per_layer,
                          bytes_per_device([y for _, y in copied]) + per_layer)
 
@@ -119,12 +125,16 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
     a time) is far smaller and not planned."""
     spec, cfg, mesh = ctx.spec, ctx.actor.cfg, ctx.mesh
     opts, dtype = spec.rollout_engine, spec.actor.compute_dtype
-    unroll = opts.unroll_for(settings.max_new_tokens)  # for the plan's target ('auto': on CPU at long responses)
+    unroll = opts.unroll_for(settings.max_new_tokens, cfg)  # for the plan's target (its 'auto')
     engine = engine_spec(cfg, opts, num_requests=rows, max_prompt_len=spec.plan.max_prompt_length,
                          samples_per_prompt=settings.n,
                          max_new_tokens=settings.max_new_tokens, compute_dtype=dtype, mesh=mesh)
     slot_axes = slot_shards.slot_axes(mesh, engine.slot_shards)
     weights = [decode_weights(ctx.policy_params(), cfg, dtype, unroll, mesh, slot_axes)]
+    # the decode loop's weights: the stack, or its per-layer copies (rollout.unroll_layers), which the step reads
+    # one after another (no layer scan to count once: `layers` 1)
+    step_params = _per_layer(weights[0].params, cfg, mesh) if unroll else weights[0].params
+    scan_trips = layer_scan_trips(cfg) if step_params is weights[0].params else 1
     make = functools.partial(decode_state.init_state, cfg, engine, settings.max_new_tokens, dtype)
     abstract = jax.eval_shape(make)
     shardings = decode_state.state_sharding(abstract, cfg, mesh, slot_axes)
@@ -137,7 +147,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
             spec.model.param_dtype))
         weights.append(decode_weights(abstract_arrays(abstract_draft, draft_shardings), draft_cfg, dtype, unroll, mesh,
                                       slot_axes))
-        draft = weights[-1].params
+        draft = _per_layer(weights[-1].params, draft_cfg, mesh) if unroll else weights[-1].params
 
     groups = decode_state.cascade_shape(engine, engine.max_num_seqs, settings.n)
     cascade = None if groups is None else Cascade(jax.ShapeDtypeStruct(groups, jnp.int32),
@@ -150,7 +160,7 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         pages = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], pool_pages, *x.shape[3:]), x.dtype,  # noqa: E731
                                                sharding=x.sharding)
         pooled = state if not pool_pages else state._replace(pool=jax.tree.map(pages, state.pool))
-        return lower_for(engine_programs.generate, platforms, weights[0].params, repeated(cfg, repeat), pooled,
+        return lower_for(engine_programs.generate, platforms, step_params, repeated(cfg, repeat), pooled,
                       jax.random.PRNGKey(0), knobs, scalar, jax.ShapeDtypeStruct((), jnp.bool_), scalar, cascade,
                       draft, settings=settings, attn_impl=engine.attn_impl, mesh=mesh, speculative=engine.speculative,
                       slot_axes=slot_axes)
@@ -168,8 +178,21 @@ def _paged_sample_program(ctx: Context, settings: Any, knobs: Any, rows: int, de
         keys += (f"{ARR}.rollout.unroll_layers=False (no per-layer weight copy)",)
     return Program("sample", lower, (*ctx.policy_states, "kv_pool", "decode_weights"), lambda plan: keys,
                    extra_flops=decode, kv_bytes=bytes_per_device(state.pool), held_bytes=sum(w.held for w in weights),
-                   copy_bytes=sum(w.copies for w in weights), layers=layer_scan_trips(cfg), total_cost=total_cost,
+                   copy_bytes=sum(w.copies for w in weights), layers=scan_trips, total_cost=total_cost,
                    pool_pages=engine.num_pages, prologue_once=True)
+
+
+def _per_layer(params: Params, cfg: ModelConfig, mesh: Any) -> Params:
+    """Abstract `params` as the engine's unrolled decode reads them (`unstack_layers`: a tuple of per-layer
+    weights, each placed as the stack's layers are), or `params` where the model keeps its stack."""
+    if not unstackable(cfg):
+        return params
+
+    def one_layer(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:  # the stack's placement less its layer dim
+        spec = tuple(x.sharding.spec)[1:] if isinstance(x.sharding, NamedSharding) else ()
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    return dict(params, layers=(jax.tree.map(one_layer, params["layers"]),) * cfg.num_hidden_layers)
 
 
 def _cascade_shared_tokens(ctx: Context, engine: Any, cascade: bool) -> int:

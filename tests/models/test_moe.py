@@ -11,15 +11,14 @@ from tiny_models import build_hf_model, family_case, left_padded_batch
 
 from jaxrl_llm.hf import load_hf_folder
 from jaxrl_llm.models import ModelConfig, forward_hidden_moe, init_params
-from jaxrl_llm.models.moe import (
+from jaxrl_llm.models.moe import expert_load_max, load_balancing_loss, route, router_z_loss
+from jaxrl_llm.models.moe_experts import (
     dense_expert_ffn,
     expert_ffn,
     expert_layout,
-    expert_load_max,
-    load_balancing_loss,
+    held_expert_ffn,
     num_blocks,
-    route,
-    router_z_loss,
+    own_capacity,
     token_chunks,
 )
 
@@ -93,6 +92,46 @@ def test_chunked_experts_give_the_one_pass_numbers_and_gradients(kernel):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "ragged_dot"])
+def test_an_expert_parallel_device_lays_out_only_its_own_assignments(kernel, monkeypatch):
+    """Under expert parallelism a device holds E_held of the experts and sees the others' ids as E_held
+    (models/expert_parallel.py); it lays out its own assignments only, `own_capacity` of them a trip
+    (models/moe_experts.py `_own_expert_ffn`). Its output and gradients are those of its experts' share of the
+    all-experts reference, with the routing spread (the first of two trips runs), every assignment its own
+    (both run: nothing dropped) and none its own."""
+    from jaxrl_llm.models import moe_experts
+
+    trips = []
+    own_ffn = moe_experts._own_expert_ffn
+    monkeypatch.setattr(moe_experts, "_own_expert_ffn", lambda *a, **k: trips.append(k["capacity"]) or own_ffn(*a, **k))
+    cfg, x, router, experts = _case(tokens=48, block_rows=4)
+    held = 2  # of 8 experts, top-2: 96 assignments, 48 a trip
+    routing = route(cfg, router, x)
+    everything_mine = jnp.stack([jnp.arange(48) % 2, 1 - jnp.arange(48) % 2], axis=1)
+    none_mine = jnp.full_like(routing.ids, 5)
+    assert 0 < int((routing.ids < held).sum()) <= 48  # spread: one trip holds them
+    for ids in (routing.ids, everything_mine, none_mine):
+        own = ids < held
+
+        def ours(experts, x, weights, ids=ids, own=own):
+            device_ids = jnp.where(own, ids, held)  # another device's expert: E_held
+            return held_expert_ffn(jax.tree.map(lambda w: w[:held], experts), x, device_ids, weights, cfg,
+                                   dtype=jnp.float32, kernel=kernel)
+
+        def reference(experts, x, weights, ids=ids, own=own):
+            share = routing._replace(ids=ids, weights=jnp.where(own, weights, 0.0))
+            return dense_expert_ffn(experts, x, share, dtype=jnp.float32, cfg=cfg)
+
+        np.testing.assert_allclose(ours(experts, x, routing.weights), reference(experts, x, routing.weights),
+                                   atol=1e-5, rtol=1e-5)
+        probe = lambda fn: lambda *a: jnp.sum(fn(*a) * jnp.cos(jnp.arange(48 * 16).reshape(48, 16)))  # noqa: E731
+        got = jax.grad(probe(ours), argnums=(0, 1, 2))(experts, x, routing.weights)
+        want = jax.grad(probe(reference), argnums=(0, 1, 2))(experts, x, routing.weights)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    assert trips and set(trips) == {own_capacity(96, held, cfg.num_experts, cfg.moe_block_rows)} == {48}
 
 
 def test_layout_is_dropless_sorted_and_bounded():

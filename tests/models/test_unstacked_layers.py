@@ -2,6 +2,8 @@
 rollout.unroll_layers) computes what the layer scan over the stacked params computes."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,27 +86,35 @@ def test_the_config_key_reaches_the_engine():
     release_engines()
 
 
-def test_auto_unrolls_long_rollouts_on_cpu_only():
-    """unroll_layers='auto' (the default): per-layer weights where decode compiles for a CPU and responses
-    reach 512 tokens; the scan for shorter ones and on GPU / TPU targets; True / False as set; anything
-    else is an error naming the key. The config keeps 'auto' until an engine is built (or planned) for
-    its platform; an unresolved 'auto' never reaches an engine."""
+def test_auto_unrolls_long_rollouts_on_cpu_and_moe_rollouts_on_tpu():
+    """unroll_layers='auto' (the default): per-layer weights where decode compiles for a CPU, or for a TPU with
+    a MoE model, and responses reach 512 tokens; the scan for shorter ones, on GPU and for dense models on TPU;
+    True / False as set; anything else is an error naming the key. The config keeps 'auto' until an engine is
+    built (or planned) for its platform; an unresolved 'auto' never reaches an engine."""
     from jaxrl_llm.config import apply_overrides, default_config
     from jaxrl_llm.config.resolve import resolve_rollout_engine
     from jaxrl_llm.platform.target import CompileTarget, compiling_for
 
-    def unroll(platform: str, tokens: int, value: str | None = None) -> bool:
+    dense = ModelConfig.tiny("llama")
+
+    def unroll(platform: str, tokens: int, value: str | None = None, cfg: ModelConfig = dense) -> bool:
         keys = [f"actor_rollout_ref.rollout.response_length={tokens}"]
         keys += [] if value is None else [f"actor_rollout_ref.rollout.unroll_layers={value}"]
         opts = resolve_rollout_engine(apply_overrides(default_config(), keys).actor_rollout_ref.rollout)
         assert opts.unroll_layers == ("auto" if value is None else value == "True")
         with compiling_for(CompileTarget(platform, None)):
-            return opts.unroll_for(tokens)
+            return opts.unroll_for(tokens, cfg)
 
     assert unroll("cpu", 512) is True and unroll("cpu", 2048) is True
     assert unroll("cpu", 511) is False and unroll("cpu", 128) is False
     assert unroll("gpu", 512) is False and unroll("tpu", 4096) is False
     assert unroll("cpu", 1024, "False") is False and unroll("tpu", 128, "True") is True
+    # a TPU copies a scanned MoE layer's experts for its ragged dot (not the mode's blocked kernel, nor on GPU)
+    moe = ModelConfig.tiny("qwen3_moe")
+    assert unroll("tpu", 512, cfg=moe) is True and unroll("tpu", 511, cfg=moe) is False
+    assert unroll("gpu", 4096, cfg=moe) is False
+    assert unroll("tpu", 4096, cfg=dataclasses.replace(moe, batch_invariant=True)) is False
+    assert unroll("tpu", 4096, cfg=dataclasses.replace(moe, moe_kernel="blocked")) is False
     with pytest.raises(ValueError, match="rollout.unroll_layers='always'"):
         EngineOptions(unroll_layers="always")
     cfg = ModelConfig.tiny("llama")

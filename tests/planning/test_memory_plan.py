@@ -218,7 +218,8 @@ def test_planned_flops_count_the_routed_experts(tmp_path):
     # the blocked expert kernel is a loop over row blocks whose body XLA counts once: the plan adds the
     # routed experts analytically (tokens x k per sparse layer), so a MoE update counts about as much as
     # the dense model of its active shape (an MLP k x moe_intermediate_size wide), which XLA counts whole
-    from jaxrl_llm.models.moe import active_params, uncounted_expert_flops
+    from jaxrl_llm.models.moe import active_params
+    from jaxrl_llm.models.moe_experts import uncounted_expert_flops
 
     def update_flops(path: str, **tiny) -> tuple[float, float, Planner]:
         spec, mesh, tok = _spec(tmp_path / path, **{"actor_rollout_ref.model.path": path,
@@ -354,8 +355,14 @@ def test_paged_engine_plan_counts_its_decode_weight_copies(tmp_path):
     assert masters >= sum(bytes_per_device(x) for x in matmul)  # every cast weight's master, and moved norms
     assert sample.resident_bytes == states_beside(planner) + masters  # the masters beside the bf16 copy
 
+    decode = next(p for p in planner.programs if p.name == "sample")
+    assert decode.layers == planner.ctx.actor.cfg.num_hidden_layers  # one layer's count, the scan's trips
+
     unroll = {"actor_rollout_ref.rollout.unroll_layers": True}
     sample, planner = sample_and_planner(**unroll)
+    decode = next(p for p in planner.programs if p.name == "sample")
+    # the step is compiled over the per-layer copies, one layer after another: no layer scan to count once
+    assert decode.layers == 1 and "layer_scan" not in decode.lower(planner.ctx.spec.plan).as_text()
     fp32_moved = copied(planner, jnp.float32)[0]
     assert sample.resident_bytes == states_beside(planner) + fp32_moved + bytes_per_device(params["layers"])
     assert any("unroll_layers" in k for k in sample.keys)

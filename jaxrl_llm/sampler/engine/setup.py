@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.hybrid import recurrent_bytes
+from jaxrl_llm.models.moe_experts import resolve_kernel
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import slot_shards
@@ -41,11 +42,13 @@ PAGE_SIZE = 16  # tokens per KV page (vLLM's default block size)
 # multi-turn rollout); below it the static batch: its long tail is a few steps at most, and it
 # compiles two programs instead of the engine's dozen (measured: docs/performance-history.md)
 AUTO_PAGED_MIN_NEW_TOKENS = 64
-# unroll_layers='auto' decodes over per-layer weights on CPU from this many new tokens per response on:
-# XLA:CPU copies each layer's weights out of the scan's stack every decode step (~30% of a SmolLM2
-# drain step), while the unrolled programs compile ~8 s longer per slot set; at 512 tokens a rollout's
-# ~500 steps save more than the 7 slot sets' extra compile within a run's first few steps, and shorter
-# runs (tests, the quickstart's 8 tokens) keep the fast compile (docs/performance-history.md)
+# unroll_layers='auto' decodes over per-layer weights on CPU (and for a MoE model on TPU) from this many new
+# tokens per response on: XLA:CPU copies each layer's weights out of the scan's stack every decode step (~30% of
+# a SmolLM2 drain step), XLA:TPU a MoE layer's experts (the ragged dot's operands: 30B-A3B on v5p-32, 0.15 of
+# a layer's 0.36 GB a step), while the unrolled programs compile longer per slot set (~8 s on CPU; ~55 s for
+# 30B-A3B on TPU); at 512 tokens a rollout's ~500 steps save more than the 7 slot sets' extra compile within a
+# run's first few steps, and shorter runs (tests, the quickstart's 8 tokens) keep the fast compile
+# (docs/performance-history.md)
 AUTO_UNROLL_MIN_NEW_TOKENS = 512
 
 
@@ -99,14 +102,18 @@ class EngineOptions:
         paged = multi_turn or max_new_tokens >= AUTO_PAGED_MIN_NEW_TOKENS or self.speculative is not None
         return dataclasses.replace(self, engine="paged" if paged else "static")
 
-    def unroll_for(self, max_new_tokens: int) -> bool:
-        """Whether decode runs over per-layer weights for responses of up to `max_new_tokens` tokens:
-        unroll_layers as set, and for 'auto' where the programs compile for a CPU (XLA:CPU copies a
-        scanned layer's weights; a GPU or TPU reads them in place) from AUTO_UNROLL_MIN_NEW_TOKENS on.
+    def unroll_for(self, max_new_tokens: int, cfg: ModelConfig) -> bool:
+        """Whether decode runs over per-layer weights for responses of up to `max_new_tokens` tokens of model
+        `cfg`: unroll_layers as set, and for 'auto' from AUTO_UNROLL_MIN_NEW_TOKENS on where the programs compile
+        for a CPU (XLA:CPU copies a scanned layer's weights), or for a TPU and `cfg` has routed experts (XLA:TPU's
+        ragged dot takes a scanned layer's experts as a copy; its dense dots, and a GPU's, read a layer in place).
         Resolved where the engine is built (or planned), so a plan for a TPU slice follows the TPU."""
         if isinstance(self.unroll_layers, bool):
             return self.unroll_layers
-        return target_platform() == "cpu" and max_new_tokens >= AUTO_UNROLL_MIN_NEW_TOKENS
+        platform = target_platform()
+        ragged = cfg.is_moe and not cfg.batch_invariant and resolve_kernel(cfg.moe_kernel) == "ragged_dot"
+        copies = platform == "cpu" or (platform == "tpu" and ragged)
+        return copies and max_new_tokens >= AUTO_UNROLL_MIN_NEW_TOKENS
 
 
 _MODEL_LEN_STEP = 256  # max_model_len rounds up to a multiple of this (a few page-table shapes per run)
@@ -229,7 +236,7 @@ def sized_engine(cfg: ModelConfig, opts: EngineOptions, *, num_requests: int, ma
                  settings: SampleSettings, mesh: Mesh | None = None, samples_per_prompt: int = 1) -> PagedEngine:
     """The cached engine for `num_requests` sequences of at most `max_prompt_len` prompt tokens plus
     `settings.max_new_tokens`, `samples_per_prompt` of each prompt (see the module doc for the sizing)."""
-    opts = dataclasses.replace(opts, unroll_layers=opts.unroll_for(settings.max_new_tokens))
+    opts = dataclasses.replace(opts, unroll_layers=opts.unroll_for(settings.max_new_tokens, cfg))
     spec = engine_spec(cfg, opts, num_requests=num_requests, max_prompt_len=max_prompt_len,
                        max_new_tokens=settings.max_new_tokens, compute_dtype=settings.compute_dtype, mesh=mesh,
                        samples_per_prompt=samples_per_prompt)
