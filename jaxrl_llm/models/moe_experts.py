@@ -186,6 +186,12 @@ def resolve_kernel(name: str) -> str:
     return name
 
 
+def experts_kernel(cfg: ModelConfig) -> str:
+    """The grouped-matmul kernel `cfg`'s routed experts run: `moe_kernel` resolved, `blocked` in batch-invariant
+    mode (every token through the fixed-tile blocks: `_held_expert_ffn`)."""
+    return "blocked" if cfg.batch_invariant else resolve_kernel(cfg.moe_kernel)
+
+
 def routed_expert_flops(cfg: ModelConfig, tokens: float) -> float:
     """FLOPs of the routed experts' three matmuls for `tokens` tokens through every sparse layer, forward
     (2 x tokens x k x 3 x H x F per layer; a backward is twice that)."""
@@ -204,7 +210,7 @@ def uncounted_expert_flops(cfg: ModelConfig, tokens: float, layout_tokens: int =
     if not cfg.is_moe:
         return 0.0
     routed = routed_expert_flops(cfg, tokens)
-    if cfg.batch_invariant or resolve_kernel(cfg.moe_kernel) == "blocked":
+    if experts_kernel(cfg) == "blocked":
         return routed
     if not layout_tokens:
         return 0.0

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.models.hybrid import recurrent_bytes
-from jaxrl_llm.models.moe_experts import resolve_kernel
+from jaxrl_llm.models.moe_experts import experts_kernel
 from jaxrl_llm.platform.target import target_platform
 from jaxrl_llm.sampler.core import SampleOutput
 from jaxrl_llm.sampler.engine import slot_shards
@@ -111,8 +111,7 @@ class EngineOptions:
         if isinstance(self.unroll_layers, bool):
             return self.unroll_layers
         platform = target_platform()
-        ragged = cfg.is_moe and not cfg.batch_invariant and resolve_kernel(cfg.moe_kernel) == "ragged_dot"
-        copies = platform == "cpu" or (platform == "tpu" and ragged)
+        copies = platform == "cpu" or (platform == "tpu" and cfg.is_moe and experts_kernel(cfg) == "ragged_dot")
         return copies and max_new_tokens >= AUTO_UNROLL_MIN_NEW_TOKENS
 
 
